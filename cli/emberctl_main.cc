@@ -1,0 +1,132 @@
+// emberctl: the operator's and tester's command line.
+//
+//   emberctl plan --spec=FILE --world_size=N [--local_world_size=N]
+//       [--sharding_type=TYPE] [--compute_device=cuda|cpu] [--hbm_cap_gib=X]
+//       [--ddr_cap_gib=X] [--batch_size=N] [--num_trainers=N]
+//       [--format=table|json]
+//
+// Exit status: 0 success, 1 the request failed (bad spec, infeasible plan),
+// 2 bad usage.
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cli/spec_io.h"
+#include "gflags/gflags.h"
+#include "planner/plan_format.h"
+#include "planner/planner.h"
+#include "planner/sharding_types.h"
+
+DEFINE_string(spec, "", "Collection spec, JSON (proto3 mapping of ember.v1.CollectionSpec).");
+DEFINE_int32(world_size, 2, "Number of workers.");
+DEFINE_int32(local_world_size, 0, "Workers per host (0: world_size, one host).");
+DEFINE_string(sharding_type, "",
+              "Force one sharding type on every table (table_wise, row_wise, "
+              "column_wise, table_row_wise, table_column_wise, data_parallel).");
+DEFINE_string(compute_device, "cuda", "Worker device kind: cuda or cpu.");
+DEFINE_double(hbm_cap_gib, 0, "HBM per worker in GiB (0: device default, 80 GiB for cuda).");
+DEFINE_double(ddr_cap_gib, 0, "Host memory per worker in GiB (0: default, 128 GiB).");
+DEFINE_int32(batch_size, 0, "Per-trainer batch size (0: 512).");
+DEFINE_int32(num_trainers, 0, "Trainers issuing batches concurrently (0: world_size).");
+DEFINE_string(format, "table", "Output format: table or json.");
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+int Fail(const std::string& command, const absl::Status& status) {
+  std::cerr << "emberctl " << command << ": "
+            << absl::StatusCodeToString(status.code()) << ": "
+            << status.message() << std::endl;
+  return kExitFailure;
+}
+
+int Usage(const std::string& message) {
+  std::cerr << "emberctl: " << message << "\n\n"
+            << gflags::ProgramUsage() << std::endl;
+  return kExitUsage;
+}
+
+int64_t GiBToBytes(double gib) {
+  return static_cast<int64_t>(std::llround(gib * 1024.0 * 1024.0 * 1024.0));
+}
+
+int RunPlan() {
+  if (FLAGS_spec.empty()) return Usage("plan needs --spec=FILE");
+  if (FLAGS_format != "table" && FLAGS_format != "json") {
+    return Usage("--format must be table or json, got '" + FLAGS_format + "'");
+  }
+  ember::v1::Topology topology;
+  if (FLAGS_compute_device == "cuda") {
+    topology.set_compute_device(ember::v1::CUDA);
+  } else if (FLAGS_compute_device == "cpu") {
+    topology.set_compute_device(ember::v1::CPU);
+  } else {
+    return Usage("--compute_device must be cuda or cpu, got '" +
+                 FLAGS_compute_device + "'");
+  }
+  if (FLAGS_hbm_cap_gib < 0 || FLAGS_ddr_cap_gib < 0 ||
+      !std::isfinite(FLAGS_hbm_cap_gib) || !std::isfinite(FLAGS_ddr_cap_gib)) {
+    return Usage("--hbm_cap_gib and --ddr_cap_gib must be >= 0");
+  }
+  topology.set_world_size(FLAGS_world_size);
+  topology.set_local_world_size(FLAGS_local_world_size);
+  topology.set_hbm_cap_bytes(GiBToBytes(FLAGS_hbm_cap_gib));
+  topology.set_ddr_cap_bytes(GiBToBytes(FLAGS_ddr_cap_gib));
+  topology.set_batch_size(FLAGS_batch_size);
+  topology.set_num_trainers(FLAGS_num_trainers);
+
+  auto spec = ember::cli::ReadCollectionSpec(FLAGS_spec);
+  if (!spec.ok()) return Fail("plan", spec.status());
+  if (!FLAGS_sharding_type.empty()) {
+    // Like the seed tutorial's gen_constraints: one type for every table.
+    auto type = ember::planner::ParseShardingType(FLAGS_sharding_type);
+    if (!type.ok()) return Usage(std::string(type.status().message()));
+    for (const auto& table : spec->tables()) {
+      auto& c = (*spec->mutable_constraints())[table.name()];
+      c.clear_sharding_types();
+      c.add_sharding_types(FLAGS_sharding_type);
+    }
+  }
+  const absl::Time start = absl::Now();
+  auto plan = ember::planner::Plan(*spec, topology);
+  if (!plan.ok()) return Fail("plan", plan.status());
+  plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  if (FLAGS_format == "json") {
+    std::cout << ember::planner::FormatPlanJson(*plan) << std::endl;
+  } else {
+    std::cout << ember::planner::FormatPlanTable(*plan);
+    std::cout << "planned " << plan->tables_size() << " table(s) on "
+              << plan->topology().world_size() << " worker(s) in "
+              << absl::StrCat(plan->stats().planning_ms()) << " ms" << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "Ember's command line.\n"
+      "  emberctl plan --spec=FILE --world_size=N [--local_world_size=N]\n"
+      "      [--sharding_type=TYPE] [--compute_device=cuda|cpu]\n"
+      "      [--hbm_cap_gib=X] [--ddr_cap_gib=X] [--batch_size=N]\n"
+      "      [--num_trainers=N] [--format=table|json]\n"
+      "Run 'emberctl --helpshort' for every flag.");
+  gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
+  if (argc < 2) return Usage("missing command");
+  const std::string command = argv[1];
+  if (argc > 2) return Usage(absl::StrCat("unexpected argument '", argv[2], "'"));
+  if (command == "plan") return RunPlan();
+  if (command == "help") {
+    std::cout << gflags::ProgramUsage() << std::endl;
+    return 0;
+  }
+  return Usage("unknown command '" + command + "'");
+}

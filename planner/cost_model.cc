@@ -1,0 +1,197 @@
+#include "planner/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace ember {
+namespace planner {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// Milliseconds to move `bytes` at `gbps` GB/s.
+double TransferMs(double bytes, double gbps) {
+  if (bytes <= 0) return 0;
+  return bytes / (gbps * 1e6);
+}
+
+// Milliseconds per byte gathered from the kernel's memory tier.
+double MsPerByte(const CostModel& m, ComputeKernel kernel,
+                 ember::v1::ComputeDevice device, double cache_load_factor) {
+  if (device == ember::v1::CPU) {
+    double bw = m.ddr_bw_gbps * m.lookup_efficiency;
+    if (kernel == ComputeKernel::kDense) bw *= m.dense_kernel_factor;
+    return 1.0 / (bw * 1e6);
+  }
+  const double hbm = m.hbm_bw_gbps * m.lookup_efficiency * 1e6;
+  const double uvm = m.pcie_bw_gbps * m.uvm_efficiency * 1e6;
+  switch (kernel) {
+    case ComputeKernel::kDense:
+      return 1.0 / (hbm * m.dense_kernel_factor);
+    case ComputeKernel::kFused:
+      return 1.0 / hbm;
+    case ComputeKernel::kFusedUvm:
+      return 1.0 / uvm;
+    case ComputeKernel::kFusedUvmCaching:
+      // Hits are served from HBM, misses through UVM; the cache load factor
+      // stands in for the hit rate, as in TorchRec.
+      return cache_load_factor / hbm + (1.0 - cache_load_factor) / uvm;
+  }
+  return 1.0 / hbm;
+}
+
+double NarrowRowPenalty(const CostModel& m, int64_t cols) {
+  if (!m.narrow_row_penalty) return 1.0;
+  if (cols < 64) return 1.75;
+  if (cols < 128) return 1.15;
+  return 1.0;
+}
+
+}  // namespace
+
+CostModel DefaultCostModel(ember::v1::ComputeDevice device) {
+  CostModel m;
+  if (device == ember::v1::CPU) {
+    m.hbm_cap_bytes = 0;
+    m.ddr_cap_bytes = 128 * kGiB;
+    m.hbm_bw_gbps = 0;
+    m.ddr_bw_gbps = 100;
+    m.pcie_bw_gbps = 0;
+    m.network_bw_gbps = 12.5;
+    m.lookup_efficiency = 0.5;
+    m.bwd_compute_multiplier = 2.0;
+    m.access_granularity_bytes = 64;
+    m.narrow_row_penalty = false;
+  } else {
+    m.hbm_cap_bytes = 80 * kGiB;
+    m.ddr_cap_bytes = 128 * kGiB;
+    m.hbm_bw_gbps = 3350;
+    m.ddr_bw_gbps = 100;
+    m.pcie_bw_gbps = 64;
+    m.network_bw_gbps = 50;
+    m.lookup_efficiency = 0.65;
+    m.bwd_compute_multiplier = 2.5;
+    m.access_granularity_bytes = 32;
+    m.narrow_row_penalty = true;
+  }
+  return m;
+}
+
+int DataTypeBytes(ember::v1::DataType type) {
+  switch (type) {
+    case ember::v1::FP16:
+    case ember::v1::BF16:
+      return 2;
+    default:
+      return 4;
+  }
+}
+
+int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
+                                  int64_t cols) {
+  switch (optimizer) {
+    case ember::v1::OptimizerSpec::ADAGRAD:
+      return 4 * cols;
+    case ember::v1::OptimizerSpec::ROWWISE_ADAGRAD:
+      return 4;
+    case ember::v1::OptimizerSpec::ADAM:
+      return 8 * cols;
+    default:
+      return 0;
+  }
+}
+
+ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
+                        ShardingType type, ComputeKernel kernel,
+                        ember::v1::ComputeDevice device,
+                        const ShardBlock& block, int64_t table_rows,
+                        int world_size) {
+  ShardCost c;
+  const int64_t cols = block.cols;
+  const bool replicated = type == ShardingType::kDataParallel;
+  const bool row_split =
+      type == ShardingType::kRowWise || type == ShardingType::kTableRowWise;
+
+  // Share of the table's ids that reach this shard: all of them for whole-row
+  // shards, rows/table_rows for row-wise (ids assumed uniform over rows), and
+  // 1/W of the lookups for a replica (gradients still reach every replica).
+  double row_share = 1.0;
+  if (row_split) {
+    row_share = table_rows > 0 ? static_cast<double>(block.rows) / table_rows
+                               : 0.0;
+  }
+  const double fwd_share = replicated ? row_share / world_size : row_share;
+  const double fwd_ids = w.ids * fwd_share;
+  const double bwd_ids = w.ids * row_share;
+
+  // Output rows produced: one per id for sequences; for pooled tables one
+  // per bag that has at least one id in this shard (row-wise partials).
+  double bag_hit = 1.0;
+  if (row_split && !w.sequence) {
+    bag_hit = row_share >= 1.0
+                  ? 1.0
+                  : 1.0 - std::pow(1.0 - row_share, std::max(w.pooling_factor, 0.0));
+  }
+  const double fwd_out_rows =
+      w.sequence ? fwd_ids
+                 : w.bags * bag_hit * (replicated ? 1.0 / world_size : 1.0);
+  const double bwd_out_rows = w.sequence ? bwd_ids : w.bags * bag_hit;
+
+  const int g = std::max(1, m.access_granularity_bytes);
+  const int64_t row_bytes =
+      (cols * w.dtype_bytes + g - 1) / g * static_cast<int64_t>(g);
+  const int64_t state_row_bytes = OptimizerStateBytesPerRow(w.optimizer, cols);
+  const double ms_per_byte = MsPerByte(m, kernel, device, w.cache_load_factor);
+  const double penalty = device == ember::v1::CUDA ? NarrowRowPenalty(m, cols) : 1.0;
+  const double id_bytes = m.id_bytes + (w.weighted ? m.weight_bytes : 0);
+
+  const double fwd_out_bytes = fwd_out_rows * cols * m.output_bytes;
+  const double bwd_grad_bytes = bwd_out_rows * cols * m.output_bytes;
+  const bool empty = block.rows == 0 || cols == 0;
+
+  c.fwd_compute_ms = (fwd_ids * row_bytes * penalty + fwd_out_bytes) * ms_per_byte;
+  c.bwd_compute_ms = m.bwd_compute_multiplier *
+                     (bwd_ids * (row_bytes * penalty + state_row_bytes) +
+                      bwd_grad_bytes) *
+                     ms_per_byte;
+  if (!empty) c.fwd_compute_ms += m.per_shard_overhead_ms;
+  c.fwd_comms_ms = TransferMs(fwd_ids * id_bytes + fwd_out_bytes, m.network_bw_gbps);
+  // Gradients arrive with their ids (trainers resend them with the update).
+  c.bwd_comms_ms = TransferMs(bwd_grad_bytes + bwd_ids * id_bytes, m.network_bw_gbps);
+
+  // Storage.
+  const int64_t weights = block.rows * cols * w.dtype_bytes;
+  const int64_t state = block.rows * state_row_bytes;
+  const int64_t io = static_cast<int64_t>(
+      std::ceil(std::max(fwd_ids, bwd_ids) * id_bytes +
+                std::max(fwd_out_bytes, bwd_grad_bytes))) *
+      m.io_buffer_copies;
+  if (device == ember::v1::CPU) {
+    c.ddr_bytes = weights + state + io;
+    return c;
+  }
+  switch (kernel) {
+    case ComputeKernel::kDense:
+    case ComputeKernel::kFused:
+      c.hbm_bytes = weights + state + io;
+      break;
+    case ComputeKernel::kFusedUvm:
+      c.ddr_bytes = weights + state;
+      c.hbm_bytes = io;
+      break;
+    case ComputeKernel::kFusedUvmCaching: {
+      const double clf = w.cache_load_factor;
+      c.ddr_bytes = weights + state;
+      // Cached rows plus the cache's index state (TorchRec: 4 + 16*clf bytes
+      // per row).
+      c.hbm_bytes = static_cast<int64_t>(std::ceil(
+                        clf * weights + block.rows * (4.0 + 16.0 * clf))) +
+                    io;
+      break;
+    }
+  }
+  return c;
+}
+
+}  // namespace planner
+}  // namespace ember

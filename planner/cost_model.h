@@ -1,0 +1,132 @@
+// Storage and cost estimation for one shard.
+//
+// The model is closed-form, bytes over bandwidth, like TorchRec's
+// EmbeddingPerfEstimator/EmbeddingStorageEstimator, but it models Ember's own
+// data flow: trainers send ids to the workers that hold a shard and receive
+// pooled (or, for row-wise, partial) results back over the network or NCCL;
+// gradients of those results come back the same way; the worker gathers rows
+// from its memory tier and applies the table's optimizer in place.
+//
+// Units: bytes, milliseconds, bandwidth in GB/s (1e9 bytes per second).
+// Every constant lives in CostModel; DefaultCostModel() documents where each
+// default comes from.
+//
+// Thread-safe: pure functions.
+#ifndef EMBER_PLANNER_COST_MODEL_H_
+#define EMBER_PLANNER_COST_MODEL_H_
+
+#include <cstdint>
+
+#include "planner/shard_geometry.h"
+#include "planner/sharding_types.h"
+#include "proto/collection.pb.h"
+#include "proto/plan.pb.h"
+
+namespace ember {
+namespace planner {
+
+// Constants of the storage and cost model. One comment per field.
+struct CostModel {
+  // Per-worker memory before the reserved fraction, in bytes.
+  int64_t hbm_cap_bytes = 0;
+  int64_t ddr_cap_bytes = 0;
+  // Fraction of each capacity kept free for the runtime (allocator slack,
+  // CUDA context, request buffers). TorchRec reserves 15% of HBM.
+  double hbm_reserved_fraction = 0.15;
+  double ddr_reserved_fraction = 0.10;
+
+  // Peak bandwidths, GB/s.
+  double hbm_bw_gbps = 0;      // device memory (0 on CPU workers)
+  double ddr_bw_gbps = 0;      // host memory as read by the worker's kernels
+  double pcie_bw_gbps = 0;     // host <-> device, one direction (UVM reads)
+  double network_bw_gbps = 0;  // per worker, trainers <-> worker (NIC/NCCL)
+
+  // Fraction of peak memory bandwidth a forward gather reaches.
+  double lookup_efficiency = 0.65;
+  // The unfused `dense` kernel (data_parallel) reaches this fraction of the
+  // fused kernel's bandwidth (TorchRec: 0.5).
+  double dense_kernel_factor = 0.5;
+  // Fraction of the PCIe bandwidth that random row reads through UVM reach
+  // (TorchRec divides HBM_TO_DDR_MEM_BW by 10).
+  double uvm_efficiency = 0.1;
+  // Backward + optimizer time relative to a forward gather of the same bytes.
+  double bwd_compute_multiplier = 2.5;
+  // Rows are read in units of this many bytes (GPU sector 32, CPU line 64).
+  int access_granularity_bytes = 32;
+  // TorchRec's thread-block penalty for narrow rows on GPUs: x1.15 below 128
+  // columns, x1.75 below 64. Off on CPU workers.
+  bool narrow_row_penalty = true;
+  // Fixed time per non-empty shard per step (kernel bookkeeping), ms.
+  double per_shard_overhead_ms = 0.0;
+  // Default fraction of rows cached in HBM by fused_uvm_caching.
+  double default_cache_load_factor = 0.2;
+  // Copies of each step's input/output buffers kept alive (double buffering).
+  int io_buffer_copies = 2;
+  // Bytes per id on the wire and in buffers (int64), per per-sample weight
+  // (fp32), and per output/gradient element (fp32).
+  int id_bytes = 8;
+  int weight_bytes = 4;
+  int output_bytes = 4;
+};
+
+// Defaults for a device kind:
+//  CUDA: an H100 SXM 80 GB: HBM3 3.35 TB/s and 80 GB (NVIDIA H100 datasheet),
+//    PCIe Gen5 x16 ~64 GB/s per direction, a 400 Gb/s ConnectX-7 NIC per GPU
+//    (50 GB/s), 128 GiB of host memory per GPU worker (TorchRec's DDR_CAP).
+//    Efficiencies: forward gathers reach ~65% of HBM peak and backward ~26%
+//    (FBGEMM TBE measurements quoted in ../shared/research), hence the 2.5x
+//    backward multiplier.
+//  CPU: a server socket's DDR4/DDR5 (~100 GB/s STREAM, 0.5 efficiency for
+//    random row gathers), a 100 Gb/s NIC (12.5 GB/s), 128 GiB per worker, no
+//    HBM; row reads in 64-byte cache lines and no GPU block penalty.
+CostModel DefaultCostModel(ember::v1::ComputeDevice device);
+
+// What one table asks of the service per training step, summed over its
+// features and over every trainer's batch.
+struct TableWorkload {
+  double ids = 0;              // ids looked up per step
+  double bags = 0;             // pooled outputs per step (bags)
+  double pooling_factor = 1;   // mean ids per bag (ids / bags)
+  bool weighted = false;       // per-sample weights travel with the ids
+  bool sequence = false;       // pooling NONE: one output row per id
+  int dtype_bytes = 4;         // weight element size
+  ember::v1::OptimizerSpec::Type optimizer = ember::v1::OptimizerSpec::SGD;
+  double cache_load_factor = 0.2;  // for fused_uvm_caching
+};
+
+// Estimated time and memory of one shard, per step.
+struct ShardCost {
+  double fwd_compute_ms = 0;
+  double fwd_comms_ms = 0;
+  double bwd_compute_ms = 0;
+  double bwd_comms_ms = 0;
+  int64_t hbm_bytes = 0;
+  int64_t ddr_bytes = 0;
+
+  double total_ms() const {
+    return fwd_compute_ms + fwd_comms_ms + bwd_compute_ms + bwd_comms_ms;
+  }
+};
+
+// fp32 optimizer state bytes per row of `cols` columns: SGD 0, Adagrad
+// 4*cols, row-wise Adagrad 4, Adam 8*cols (two moments).
+int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
+                                  int64_t cols);
+
+// Bytes per weight element of a data type (fp32 4, fp16/bf16 2).
+int DataTypeBytes(ember::v1::DataType type);
+
+// Estimates one shard `block` of a table with `table_rows` rows placed with
+// `type` and `kernel` on a `device` worker; `world_size` is the number of
+// replicas for data_parallel (lookups are spread over them, gradients go to
+// all). Row-wise shards see ids in proportion to their rows (uniform ids).
+ShardCost EstimateShard(const CostModel& model, const TableWorkload& workload,
+                        ShardingType type, ComputeKernel kernel,
+                        ember::v1::ComputeDevice device,
+                        const ShardBlock& block, int64_t table_rows,
+                        int world_size);
+
+}  // namespace planner
+}  // namespace ember
+
+#endif  // EMBER_PLANNER_COST_MODEL_H_

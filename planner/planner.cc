@@ -1,0 +1,861 @@
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "planner/shard_geometry.h"
+#include "planner/sharding_types.h"
+#include "planner/spec_validation.h"
+
+namespace ember {
+namespace planner {
+namespace {
+
+using ember::v1::CollectionSpec;
+using ember::v1::ComputeDevice;
+using ember::v1::ParameterConstraints;
+using ember::v1::ShardingPlan;
+using ember::v1::TableConfig;
+using ember::v1::Topology;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr int kDefaultBatchSize = 512;
+
+std::string GiB(double bytes) { return absl::StrFormat("%.2f GiB", bytes / kGiB); }
+
+// How an option's shards may be placed.
+enum class Placement {
+  kFree,       // each shard on any worker, shards of one table apart
+  kFixed,      // shard i on rank i (row_wise; data_parallel replicas)
+  kHostFixed,  // shard i on rank i of one host (table_row_wise)
+  kHostFree,   // shards on distinct workers of one host (table_column_wise)
+};
+
+// Consecutive shards with the same shape and therefore the same cost.
+struct Run {
+  int count = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  ShardCost cost;
+};
+
+struct Option {
+  ShardingType type;
+  ComputeKernel kernel;
+  Placement placement;
+  std::vector<Run> runs;
+  int num_shards = 0;
+  double total_cost = 0;
+  double max_shard_cost = 0;
+  int64_t total_hbm = 0;
+  int64_t total_ddr = 0;
+  int64_t max_shard_hbm = 0;
+  int64_t max_shard_ddr = 0;
+
+  const Run& RunOf(int shard) const {
+    for (const Run& r : runs) {
+      if (shard < r.count) return r;
+      shard -= r.count;
+    }
+    return runs.back();
+  }
+};
+
+struct TableInfo {
+  std::vector<Option> options;  // sorted: cheapest total cost first
+  double min_total_cost = 0;
+  double min_max_shard_cost = 0;
+  int64_t min_total_hbm = 0;
+  int64_t min_total_ddr = 0;
+};
+
+// Per-worker running totals.
+struct Loads {
+  std::vector<double> cost;
+  std::vector<int64_t> hbm;
+  std::vector<int64_t> ddr;
+
+  explicit Loads(int w) : cost(w, 0.0), hbm(w, 0), ddr(w, 0) {}
+  void Add(int r, const ShardCost& c, int sign) {
+    cost[r] += sign * c.total_ms();
+    hbm[r] += sign * c.hbm_bytes;
+    ddr[r] += sign * c.ddr_bytes;
+  }
+  double Max() const { return *std::max_element(cost.begin(), cost.end()); }
+};
+
+struct Assignment {
+  int option = -1;
+  std::vector<int> ranks;  // one per shard
+};
+
+struct Solution {
+  bool ok = false;
+  int failed_table = -1;
+  std::vector<Assignment> tables;
+  Loads loads{0};
+  double makespan = kInf;
+};
+
+class Search {
+ public:
+  Search(const std::vector<TableInfo>& tables, int world_size,
+         int local_world_size, std::vector<int64_t> hbm_cap,
+         std::vector<int64_t> ddr_cap)
+      : tables_(tables),
+        w_(world_size),
+        lw_(local_world_size),
+        hbm_cap_(std::move(hbm_cap)),
+        ddr_cap_(std::move(ddr_cap)),
+        used_(world_size, 0) {}
+
+  // Places every table in `order` with no worker above `target`.
+  Solution Greedy(const std::vector<int>& order, double target) {
+    Solution s;
+    s.tables.resize(tables_.size());
+    s.loads = Loads(w_);
+    for (int t : order) {
+      bool placed = false;
+      const auto& options = tables_[t].options;
+      for (int o = 0; o < static_cast<int>(options.size()); ++o) {
+        if (TryPlace(options[o], target, &s.loads, &s.tables[t].ranks)) {
+          s.tables[t].option = o;
+          placed = true;
+          break;
+        }
+      }
+      if (!placed) {
+        s.failed_table = t;
+        return s;
+      }
+    }
+    s.ok = true;
+    s.makespan = s.loads.Max();
+    return s;
+  }
+
+  // Greedy plus binary search on the target.
+  Solution BestGreedy(const std::vector<int>& order, double lower_bound,
+                      int steps) {
+    Solution best = Greedy(order, kInf);
+    if (!best.ok) return best;
+    double lo = lower_bound, hi = best.makespan;
+    for (int i = 0; i < steps && hi - lo > 1e-6 * hi; ++i) {
+      const double mid = 0.5 * (lo + hi);
+      Solution s = Greedy(order, mid);
+      if (s.ok) {
+        if (s.makespan < best.makespan) best = std::move(s);
+        hi = std::min(mid, best.makespan);
+      } else {
+        lo = mid;
+      }
+    }
+    return best;
+  }
+
+  // Moves or swaps free shards off the slowest worker while that strictly
+  // lowers the larger of the two workers' costs. Each step lowers the sum of
+  // squared loads, so it terminates; `max_moves` bounds it anyway.
+  void LocalSearch(Solution* s, int max_moves) {
+    struct Item {
+      int table, shard;
+    };
+    std::vector<std::vector<Item>> on_rank(w_);
+    for (int t = 0; t < static_cast<int>(tables_.size()); ++t) {
+      const Option& opt = tables_[t].options[s->tables[t].option];
+      if (opt.placement != Placement::kFree &&
+          opt.placement != Placement::kHostFree) {
+        continue;
+      }
+      for (int i = 0; i < opt.num_shards; ++i) {
+        on_rank[s->tables[t].ranks[i]].push_back({t, i});
+      }
+    }
+    auto remove_item = [&](int r, int t, int i) {
+      auto& v = on_rank[r];
+      for (size_t k = 0; k < v.size(); ++k) {
+        if (v[k].table == t && v[k].shard == i) {
+          v.erase(v.begin() + k);
+          return;
+        }
+      }
+    };
+    auto allowed = [&](int t, int i, int from, int to) {
+      const Option& opt = tables_[t].options[s->tables[t].option];
+      if (opt.placement == Placement::kHostFree && from / lw_ != to / lw_) {
+        return false;
+      }
+      // Keep a table's shards on distinct workers.
+      const auto& ranks = s->tables[t].ranks;
+      if (opt.num_shards <= w_) {
+        for (int j = 0; j < opt.num_shards; ++j) {
+          if (j != i && ranks[j] == to) return false;
+        }
+      }
+      return true;
+    };
+    Loads& L = s->loads;
+    std::vector<int> by_load(w_);
+    for (int move = 0; move < max_moves; ++move) {
+      const int top = static_cast<int>(
+          std::max_element(L.cost.begin(), L.cost.end()) - L.cost.begin());
+      const double top_cost = L.cost[top];
+      double best = top_cost - 1e-12 * std::max(1.0, top_cost);
+      int best_k = -1, best_r = -1, best_u = -1;
+      // Moves.
+      for (int k = 0; k < static_cast<int>(on_rank[top].size()); ++k) {
+        const Item it = on_rank[top][k];
+        const ShardCost& c =
+            tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
+        const double cm = c.total_ms();
+        for (int r = 0; r < w_; ++r) {
+          if (r == top) continue;
+          const double pair = std::max(top_cost - cm, L.cost[r] + cm);
+          if (pair >= best) continue;
+          if (L.hbm[r] + c.hbm_bytes > hbm_cap_[r] ||
+              L.ddr[r] + c.ddr_bytes > ddr_cap_[r]) {
+            continue;
+          }
+          if (!allowed(it.table, it.shard, top, r)) continue;
+          best = pair;
+          best_k = k;
+          best_r = r;
+        }
+      }
+      // Swaps with the least-loaded workers when no move helps.
+      if (best_k < 0) {
+        std::iota(by_load.begin(), by_load.end(), 0);
+        const int consider = std::min(w_, 16);
+        std::partial_sort(by_load.begin(), by_load.begin() + consider,
+                          by_load.end(), [&](int a, int b) {
+                            return L.cost[a] != L.cost[b] ? L.cost[a] < L.cost[b]
+                                                          : a < b;
+                          });
+        for (int k = 0; k < static_cast<int>(on_rank[top].size()); ++k) {
+          const Item it = on_rank[top][k];
+          const ShardCost& a =
+              tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
+          for (int q = 0; q < consider; ++q) {
+            const int r = by_load[q];
+            if (r == top) continue;
+            for (int u = 0; u < static_cast<int>(on_rank[r].size()); ++u) {
+              const Item jt = on_rank[r][u];
+              const ShardCost& b =
+                  tables_[jt.table].options[s->tables[jt.table].option].RunOf(jt.shard).cost;
+              const double delta = a.total_ms() - b.total_ms();
+              if (delta <= 0) continue;
+              const double pair = std::max(top_cost - delta, L.cost[r] + delta);
+              if (pair >= best) continue;
+              if (L.hbm[r] - b.hbm_bytes + a.hbm_bytes > hbm_cap_[r] ||
+                  L.ddr[r] - b.ddr_bytes + a.ddr_bytes > ddr_cap_[r] ||
+                  L.hbm[top] - a.hbm_bytes + b.hbm_bytes > hbm_cap_[top] ||
+                  L.ddr[top] - a.ddr_bytes + b.ddr_bytes > ddr_cap_[top]) {
+                continue;
+              }
+              if (jt.table == it.table) continue;
+              if (!allowed(it.table, it.shard, top, r) ||
+                  !allowed(jt.table, jt.shard, r, top)) {
+                continue;
+              }
+              best = pair;
+              best_k = k;
+              best_r = r;
+              best_u = u;
+            }
+          }
+        }
+      }
+      if (best_k < 0) break;
+      const Item it = on_rank[top][best_k];
+      const ShardCost& a =
+          tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
+      L.Add(top, a, -1);
+      L.Add(best_r, a, +1);
+      s->tables[it.table].ranks[it.shard] = best_r;
+      if (best_u >= 0) {
+        const Item jt = on_rank[best_r][best_u];
+        const ShardCost& b =
+            tables_[jt.table].options[s->tables[jt.table].option].RunOf(jt.shard).cost;
+        L.Add(best_r, b, -1);
+        L.Add(top, b, +1);
+        s->tables[jt.table].ranks[jt.shard] = top;
+        remove_item(best_r, jt.table, jt.shard);
+        on_rank[top].push_back(jt);
+      }
+      remove_item(top, it.table, it.shard);
+      on_rank[best_r].push_back(it);
+    }
+    s->makespan = L.Max();
+  }
+
+  // True if `opt` can be placed on an empty cluster (ignoring cost).
+  bool FitsAlone(const Option& opt) {
+    Loads empty(w_);
+    std::vector<int> ranks;
+    return TryPlace(opt, kInf, &empty, &ranks);
+  }
+
+ private:
+  bool Fits(int r, const ShardCost& c, const Loads& L, double target) const {
+    return L.hbm[r] + c.hbm_bytes <= hbm_cap_[r] &&
+           L.ddr[r] + c.ddr_bytes <= ddr_cap_[r] &&
+           L.cost[r] + c.total_ms() <= target;
+  }
+
+  // Places shards [0, n) of `opt` on ranks base + i. Applies on success.
+  bool PlaceFixed(const Option& opt, int base, double target, Loads* L,
+                  std::vector<int>* ranks) {
+    int i = 0;
+    for (const Run& run : opt.runs) {
+      for (int k = 0; k < run.count; ++k, ++i) {
+        if (!Fits(base + i, run.cost, *L, target)) return false;
+      }
+    }
+    i = 0;
+    for (const Run& run : opt.runs) {
+      for (int k = 0; k < run.count; ++k, ++i) {
+        L->Add(base + i, run.cost, +1);
+        (*ranks)[i] = base + i;
+      }
+    }
+    return true;
+  }
+
+  // Places each shard on the least-loaded fitting worker in [lo, hi), shards
+  // of one table on distinct workers when there are enough. Applies on
+  // success; leaves `L` unchanged on failure.
+  bool PlaceFree(const Option& opt, int lo, int hi, double target, Loads* L,
+                 std::vector<int>* ranks) {
+    const bool distinct = opt.num_shards <= hi - lo;
+    int i = 0;
+    bool ok = true;
+    for (const Run& run : opt.runs) {
+      for (int k = 0; k < run.count && ok; ++k, ++i) {
+        int best = -1;
+        for (int r = lo; r < hi; ++r) {
+          if (distinct && used_[r]) continue;
+          if (!Fits(r, run.cost, *L, target)) continue;
+          if (best < 0 || L->cost[r] < L->cost[best]) best = r;
+        }
+        if (best < 0) {
+          ok = false;
+          break;
+        }
+        (*ranks)[i] = best;
+        used_[best] = 1;
+        L->Add(best, run.cost, +1);
+      }
+      if (!ok) break;
+    }
+    for (int j = 0; j < i; ++j) used_[(*ranks)[j]] = 0;
+    if (!ok) {
+      for (int j = 0; j < i; ++j) L->Add((*ranks)[j], opt.RunOf(j).cost, -1);
+    }
+    return ok;
+  }
+
+  double MaxOver(const Loads& L, int lo, int hi) const {
+    return *std::max_element(L.cost.begin() + lo, L.cost.begin() + hi);
+  }
+
+  bool TryPlace(const Option& opt, double target, Loads* L,
+                std::vector<int>* ranks) {
+    ranks->assign(opt.num_shards, -1);
+    switch (opt.placement) {
+      case Placement::kFixed:
+        return PlaceFixed(opt, 0, target, L, ranks);
+      case Placement::kFree:
+        return PlaceFree(opt, 0, w_, target, L, ranks);
+      case Placement::kHostFixed:
+      case Placement::kHostFree: {
+        // Try each host, keep the one whose busiest worker ends lowest.
+        int best_host = -1;
+        double best_max = kInf;
+        std::vector<int> trial(opt.num_shards);
+        for (int h = 0; h < w_ / lw_; ++h) {
+          const int lo = h * lw_, hi = lo + lw_;
+          const bool ok = opt.placement == Placement::kHostFixed
+                              ? PlaceFixed(opt, lo, target, L, &trial)
+                              : PlaceFree(opt, lo, hi, target, L, &trial);
+          if (!ok) continue;
+          const double m = MaxOver(*L, lo, hi);
+          for (int i = 0; i < opt.num_shards; ++i) {
+            L->Add(trial[i], opt.RunOf(i).cost, -1);
+          }
+          if (m < best_max) {
+            best_max = m;
+            best_host = h;
+          }
+        }
+        if (best_host < 0) return false;
+        const int lo = best_host * lw_;
+        return opt.placement == Placement::kHostFixed
+                   ? PlaceFixed(opt, lo, kInf, L, ranks)
+                   : PlaceFree(opt, lo, lo + lw_, kInf, L, ranks);
+      }
+    }
+    return false;
+  }
+
+  const std::vector<TableInfo>& tables_;
+  const int w_;
+  const int lw_;
+  const std::vector<int64_t> hbm_cap_;
+  const std::vector<int64_t> ddr_cap_;
+  std::vector<char> used_;  // scratch for PlaceFree
+};
+
+// Blocks of a table under a sharding type.
+std::vector<ShardBlock> BlocksFor(ShardingType type, const TableConfig& t,
+                                  const ParameterConstraints& c, int w,
+                                  int lw) {
+  const int64_t rows = t.num_embeddings(), cols = t.embedding_dim();
+  switch (type) {
+    case ShardingType::kTableWise:
+      return {ShardBlock{0, 0, rows, cols}};
+    case ShardingType::kRowWise:
+      return RowWiseBlocks(rows, cols, w);
+    case ShardingType::kTableRowWise:
+      return RowWiseBlocks(rows, cols, lw);
+    case ShardingType::kColumnWise:
+      return ColumnWiseBlocks(rows, cols, c.min_partition(), w);
+    case ShardingType::kTableColumnWise:
+      return ColumnWiseBlocks(rows, cols, c.min_partition(), lw);
+    case ShardingType::kDataParallel:
+      return std::vector<ShardBlock>(w, ShardBlock{0, 0, rows, cols});
+  }
+  return {};
+}
+
+Placement PlacementFor(ShardingType type) {
+  switch (type) {
+    case ShardingType::kTableWise:
+    case ShardingType::kColumnWise:
+      return Placement::kFree;
+    case ShardingType::kRowWise:
+    case ShardingType::kDataParallel:
+      return Placement::kFixed;
+    case ShardingType::kTableRowWise:
+      return Placement::kHostFixed;
+    case ShardingType::kTableColumnWise:
+      return Placement::kHostFree;
+  }
+  return Placement::kFree;
+}
+
+// Kernels a sharding type may use on a device, within the constraints.
+// On CPU workers every kernel is host memory: a constraint naming a UVM
+// kernel is honoured as `fused`.
+std::vector<ComputeKernel> KernelsFor(ShardingType type, ComputeDevice device,
+                                      const ParameterConstraints& c) {
+  std::vector<ComputeKernel> wanted;
+  if (type == ShardingType::kDataParallel) {
+    wanted = {ComputeKernel::kDense};
+  } else if (device == ember::v1::CPU) {
+    wanted = {ComputeKernel::kFused};
+  } else {
+    wanted = {ComputeKernel::kFused, ComputeKernel::kFusedUvmCaching,
+              ComputeKernel::kFusedUvm};
+  }
+  if (c.compute_kernels_size() == 0) return wanted;
+  std::vector<ComputeKernel> allowed;
+  for (const std::string& name : c.compute_kernels()) {
+    ComputeKernel k = *ParseComputeKernel(name);  // validated earlier
+    if (device == ember::v1::CPU && k != ComputeKernel::kDense) {
+      k = ComputeKernel::kFused;
+    }
+    allowed.push_back(k);
+  }
+  std::vector<ComputeKernel> out;
+  for (ComputeKernel k : wanted) {
+    if (std::find(allowed.begin(), allowed.end(), k) != allowed.end()) {
+      out.push_back(k);
+    }
+  }
+  return out;
+}
+
+TableWorkload WorkloadFor(const TableConfig& t, const ParameterConstraints& c,
+                          const Topology& topo, const CostModel& model) {
+  TableWorkload w;
+  for (int f = 0; f < t.feature_names_size(); ++f) {
+    const double batch =
+        static_cast<double>(c.batch_sizes_size() ? c.batch_sizes(f)
+                                                 : topo.batch_size()) *
+        topo.num_trainers();
+    const double pf = c.pooling_factors_size() ? c.pooling_factors(f) : 1.0;
+    const double np = c.num_poolings_size() ? c.num_poolings(f) : 1.0;
+    w.ids += batch * pf * np;
+    w.bags += batch * np;
+  }
+  w.pooling_factor = w.bags > 0 ? w.ids / w.bags : 0.0;
+  w.weighted = c.is_weighted();
+  w.sequence = t.pooling() == TableConfig::NONE;
+  w.dtype_bytes = DataTypeBytes(t.data_type());
+  w.optimizer = t.optimizer().type();
+  w.cache_load_factor = c.cache_load_factor() > 0
+                            ? c.cache_load_factor()
+                            : model.default_cache_load_factor;
+  return w;
+}
+
+Option MakeOption(ShardingType type, ComputeKernel kernel,
+                  const std::vector<ShardBlock>& blocks,
+                  const TableWorkload& work, const TableConfig& t,
+                  const CostModel& model, ComputeDevice device, int w) {
+  Option o;
+  o.type = type;
+  o.kernel = kernel;
+  o.placement = PlacementFor(type);
+  o.num_shards = static_cast<int>(blocks.size());
+  for (const ShardBlock& b : blocks) {
+    if (!o.runs.empty() && o.runs.back().rows == b.rows &&
+        o.runs.back().cols == b.cols) {
+      ++o.runs.back().count;
+      continue;
+    }
+    Run run;
+    run.count = 1;
+    run.rows = b.rows;
+    run.cols = b.cols;
+    run.cost = EstimateShard(model, work, type, kernel, device, b,
+                             t.num_embeddings(), w);
+    o.runs.push_back(run);
+  }
+  for (const Run& r : o.runs) {
+    o.total_cost += r.count * r.cost.total_ms();
+    o.max_shard_cost = std::max(o.max_shard_cost, r.cost.total_ms());
+    o.total_hbm += r.count * r.cost.hbm_bytes;
+    o.total_ddr += r.count * r.cost.ddr_bytes;
+    o.max_shard_hbm = std::max(o.max_shard_hbm, r.cost.hbm_bytes);
+    o.max_shard_ddr = std::max(o.max_shard_ddr, r.cost.ddr_bytes);
+  }
+  return o;
+}
+
+std::string OptionName(const Option& o) {
+  return absl::StrCat(ShardingTypeName(o.type), "/", ComputeKernelName(o.kernel));
+}
+
+// Explains why no plan fits, naming tables, bytes and remedies.
+absl::Status Infeasible(const CollectionSpec& spec,
+                        const std::vector<TableInfo>& tables,
+                        const std::vector<int64_t>& hbm_cap,
+                        const std::vector<int64_t>& ddr_cap, Search* search,
+                        int failed_table, const CostModel& model,
+                        ComputeDevice device) {
+  const int w = static_cast<int>(hbm_cap.size());
+  const int64_t max_hbm = *std::max_element(hbm_cap.begin(), hbm_cap.end());
+  const int64_t max_ddr = *std::max_element(ddr_cap.begin(), ddr_cap.end());
+  const int64_t sum_hbm = std::accumulate(hbm_cap.begin(), hbm_cap.end(), int64_t{0});
+  const int64_t sum_ddr = std::accumulate(ddr_cap.begin(), ddr_cap.end(), int64_t{0});
+  const std::string reserve = absl::StrFormat(
+      "after reserving %.0f%% of HBM and %.0f%% of host memory",
+      100 * model.hbm_reserved_fraction, 100 * model.ddr_reserved_fraction);
+  std::vector<std::string> lines;
+
+  // 1. Tables with no layout that fits on an empty cluster.
+  for (size_t t = 0; t < tables.size(); ++t) {
+    bool any = false;
+    for (const Option& o : tables[t].options) {
+      if (search->FitsAlone(o)) {
+        any = true;
+        break;
+      }
+    }
+    if (any) continue;
+    const Option* smallest = &tables[t].options[0];
+    for (const Option& o : tables[t].options) {
+      if (o.max_shard_hbm + o.max_shard_ddr <
+          smallest->max_shard_hbm + smallest->max_shard_ddr) {
+        smallest = &o;
+      }
+    }
+    const TableConfig& tc = spec.tables(t);
+    std::string fix;
+    const double need = std::max(
+        max_hbm > 0 ? static_cast<double>(smallest->max_shard_hbm) / max_hbm : 0.0,
+        max_ddr > 0 ? static_cast<double>(smallest->max_shard_ddr) / max_ddr : kInf);
+    std::vector<std::string> remedies;
+    bool has_rw = false, has_uvm = false;
+    for (const Option& o : tables[t].options) {
+      has_rw |= o.type == ShardingType::kRowWise;
+      has_uvm |= o.kernel == ComputeKernel::kFusedUvm;
+    }
+    if (!has_rw) remedies.push_back("allow row_wise in its constraints");
+    if (!has_uvm && device == ember::v1::CUDA) {
+      remedies.push_back("allow fused_uvm or fused_uvm_caching (host memory)");
+    }
+    if (smallest->type == ShardingType::kRowWise && std::isfinite(need)) {
+      remedies.push_back(absl::StrCat("use at least ",
+                                      static_cast<int64_t>(std::ceil(need * w)),
+                                      " workers"));
+    }
+    if (smallest->max_shard_hbm > max_hbm) {
+      remedies.push_back(absl::StrCat(
+          "raise the HBM capacity so one worker has ",
+          GiB(smallest->max_shard_hbm), " usable"));
+    }
+    if (smallest->max_shard_ddr > max_ddr) {
+      remedies.push_back(absl::StrCat(
+          "raise the host-memory capacity so one worker has ",
+          GiB(smallest->max_shard_ddr), " usable"));
+    }
+    lines.push_back(absl::StrCat(
+        "table '", tc.name(), "' (", tc.num_embeddings(), " x ",
+        tc.embedding_dim(), ", ", ember::v1::DataType_Name(tc.data_type()),
+        ", ", ember::v1::OptimizerSpec::Type_Name(tc.optimizer().type()),
+        "): its smallest layout (", OptionName(*smallest), ") needs ",
+        GiB(smallest->max_shard_hbm), " HBM and ",
+        GiB(smallest->max_shard_ddr), " host memory on one worker, but the largest worker has ",
+        GiB(max_hbm), " HBM and ", GiB(max_ddr), " host memory usable ",
+        reserve, "; to fit: ", absl::StrJoin(remedies, ", or ")));
+  }
+  if (lines.empty()) {
+    // 2. Totals: every table at its smallest footprint.
+    int64_t need_hbm = 0, need_ddr = 0;
+    for (const TableInfo& t : tables) {
+      need_hbm += t.min_total_hbm;
+      need_ddr += t.min_total_ddr;
+    }
+    if (need_hbm > sum_hbm) {
+      lines.push_back(absl::StrCat(
+          "all tables together need at least ", GiB(need_hbm),
+          " of HBM (each at its smallest layout) but the ", w,
+          " workers have ", GiB(sum_hbm), " usable ", reserve,
+          "; to fit: use at least ",
+          static_cast<int64_t>(std::ceil(static_cast<double>(need_hbm) / sum_hbm * w)),
+          " workers, raise the HBM capacity, or allow fused_uvm / "
+          "fused_uvm_caching for the largest tables"));
+    }
+    if (need_ddr > sum_ddr) {
+      lines.push_back(absl::StrCat(
+          "all tables together need at least ", GiB(need_ddr),
+          " of host memory but the ", w, " workers have ", GiB(sum_ddr),
+          " usable ", reserve, "; to fit: use at least ",
+          sum_ddr > 0 ? static_cast<int64_t>(std::ceil(
+                            static_cast<double>(need_ddr) / sum_ddr * w))
+                      : 0,
+          " workers or raise the host-memory capacity"));
+    }
+  }
+  if (lines.empty() && failed_table >= 0) {
+    // 3. Each table fits alone and the totals fit: packing failed.
+    const Option& o = tables[failed_table].options[0];
+    lines.push_back(absl::StrCat(
+        "no placement keeps every worker within capacity: table '",
+        spec.tables(failed_table).name(),
+        "' found no worker with room (its cheapest layout ", OptionName(o),
+        " needs ", GiB(o.max_shard_hbm), " HBM and ", GiB(o.max_shard_ddr),
+        " host memory per shard; workers have ", GiB(max_hbm), " HBM and ",
+        GiB(max_ddr), " host memory usable ", reserve,
+        "); to fit: add workers, raise capacities, or allow row_wise and "
+        "fused_uvm layouts for the largest tables"));
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the collection does not fit on ", w, " worker(s):\n  ",
+      absl::StrJoin(lines, "\n  ")));
+}
+
+}  // namespace
+
+Topology ResolveTopology(const Topology& in, const CostModel& model) {
+  Topology t = in;
+  if (t.local_world_size() == 0) t.set_local_world_size(t.world_size());
+  if (t.batch_size() == 0) t.set_batch_size(kDefaultBatchSize);
+  if (t.num_trainers() == 0) t.set_num_trainers(t.world_size());
+  if (t.hbm_cap_bytes() == 0 && t.compute_device() == ember::v1::CUDA) {
+    t.set_hbm_cap_bytes(model.hbm_cap_bytes);
+  }
+  if (t.ddr_cap_bytes() == 0) t.set_ddr_cap_bytes(model.ddr_cap_bytes);
+  return t;
+}
+
+absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
+                                  const Topology& topology_in,
+                                  const PlannerOptions& options) {
+  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateTopology(topology_in); !s.ok()) return s;
+  const ComputeDevice device = topology_in.compute_device();
+  const CostModel model =
+      options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(device);
+  const Topology topo = ResolveTopology(topology_in, model);
+  const int w = topo.world_size();
+  const int lw = topo.local_world_size();
+
+  // Usable capacity per worker.
+  std::vector<int64_t> hbm_cap(w), ddr_cap(w);
+  for (int r = 0; r < w; ++r) {
+    hbm_cap[r] = device == ember::v1::CUDA ? topo.hbm_cap_bytes() : 0;
+    ddr_cap[r] = topo.ddr_cap_bytes();
+  }
+  for (const auto& d : topo.devices()) {
+    hbm_cap[d.rank()] = device == ember::v1::CUDA ? d.hbm_bytes() : 0;
+    ddr_cap[d.rank()] = d.ddr_bytes();
+  }
+  for (int r = 0; r < w; ++r) {
+    hbm_cap[r] = static_cast<int64_t>(hbm_cap[r] * (1.0 - model.hbm_reserved_fraction));
+    ddr_cap[r] = static_cast<int64_t>(ddr_cap[r] * (1.0 - model.ddr_reserved_fraction));
+  }
+
+  // Enumerate options.
+  const ParameterConstraints kNoConstraints;
+  std::vector<TableInfo> tables(spec.tables_size());
+  for (int t = 0; t < spec.tables_size(); ++t) {
+    const TableConfig& tc = spec.tables(t);
+    auto it = spec.constraints().find(tc.name());
+    const ParameterConstraints& c =
+        it == spec.constraints().end() ? kNoConstraints : it->second;
+    std::vector<ShardingType> types;
+    for (const std::string& name : c.sharding_types()) {
+      const ShardingType type = *ParseShardingType(name);  // validated
+      if (std::find(types.begin(), types.end(), type) == types.end()) {
+        types.push_back(type);
+      }
+    }
+    if (types.empty()) types = AllShardingTypes();
+    const TableWorkload work = WorkloadFor(tc, c, topo, model);
+    for (ShardingType type : types) {
+      const std::vector<ComputeKernel> kernels = KernelsFor(type, device, c);
+      if (kernels.empty()) continue;
+      const std::vector<ShardBlock> blocks = BlocksFor(type, tc, c, w, lw);
+      for (ComputeKernel k : kernels) {
+        tables[t].options.push_back(
+            MakeOption(type, k, blocks, work, tc, model, device, w));
+      }
+    }
+    if (tables[t].options.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table '", tc.name(),
+          "': its constraints allow no (sharding type, compute kernel) pair "
+          "on ", ember::v1::ComputeDevice_Name(device),
+          " workers: sharding_types [", absl::StrJoin(c.sharding_types(), ", "),
+          "], compute_kernels [", absl::StrJoin(c.compute_kernels(), ", "),
+          "]; data_parallel uses dense, the other types fused",
+          device == ember::v1::CUDA ? ", fused_uvm_caching or fused_uvm" : "",
+          ""));
+    }
+    auto& opts = tables[t].options;
+    std::stable_sort(opts.begin(), opts.end(), [](const Option& a, const Option& b) {
+      if (a.total_cost != b.total_cost) return a.total_cost < b.total_cost;
+      return a.total_hbm + a.total_ddr < b.total_hbm + b.total_ddr;
+    });
+    TableInfo& info = tables[t];
+    info.min_total_cost = kInf;
+    info.min_max_shard_cost = kInf;
+    info.min_total_hbm = std::numeric_limits<int64_t>::max();
+    info.min_total_ddr = std::numeric_limits<int64_t>::max();
+    for (const Option& o : opts) {
+      info.min_total_cost = std::min(info.min_total_cost, o.total_cost);
+      info.min_max_shard_cost = std::min(info.min_max_shard_cost, o.max_shard_cost);
+      info.min_total_hbm = std::min(info.min_total_hbm, o.total_hbm);
+      info.min_total_ddr = std::min(info.min_total_ddr, o.total_ddr);
+    }
+  }
+
+  // Lower bound on the slowest worker's cost.
+  double total = 0, largest = 0;
+  for (const TableInfo& t : tables) {
+    total += t.min_total_cost;
+    largest = std::max(largest, t.min_max_shard_cost);
+  }
+  const double lower_bound = std::max(total / w, largest);
+
+  // Table orders: by work, then by memory footprint.
+  const int n = spec.tables_size();
+  std::vector<int> by_cost(n), by_memory(n);
+  std::iota(by_cost.begin(), by_cost.end(), 0);
+  std::iota(by_memory.begin(), by_memory.end(), 0);
+  std::stable_sort(by_cost.begin(), by_cost.end(), [&](int a, int b) {
+    const TableInfo &x = tables[a], &y = tables[b];
+    if (x.min_total_cost != y.min_total_cost) return x.min_total_cost > y.min_total_cost;
+    return x.min_total_hbm + x.min_total_ddr > y.min_total_hbm + y.min_total_ddr;
+  });
+  std::stable_sort(by_memory.begin(), by_memory.end(), [&](int a, int b) {
+    const TableInfo &x = tables[a], &y = tables[b];
+    const int64_t mx = x.min_total_hbm + x.min_total_ddr;
+    const int64_t my = y.min_total_hbm + y.min_total_ddr;
+    if (mx != my) return mx > my;
+    return x.min_total_cost > y.min_total_cost;
+  });
+
+  Search search(tables, w, lw, hbm_cap, ddr_cap);
+  Solution best = search.BestGreedy(by_cost, lower_bound, options.search_steps);
+  Solution alt = search.BestGreedy(by_memory, lower_bound, options.search_steps);
+  if (!best.ok || (alt.ok && alt.makespan < best.makespan)) best = std::move(alt);
+  if (!best.ok) {
+    return Infeasible(spec, tables, hbm_cap, ddr_cap, &search, best.failed_table,
+                      model, device);
+  }
+  search.LocalSearch(&best, options.max_local_search_moves);
+
+  // Build the plan.
+  ShardingPlan plan;
+  plan.set_collection(spec.name());
+  *plan.mutable_topology() = topo;
+  std::vector<ember::v1::RankStats> per_rank(w);
+  for (int r = 0; r < w; ++r) {
+    per_rank[r].set_rank(r);
+    per_rank[r].set_hbm_cap_bytes(hbm_cap[r]);
+    per_rank[r].set_ddr_cap_bytes(ddr_cap[r]);
+  }
+  for (int t = 0; t < n; ++t) {
+    const TableConfig& tc = spec.tables(t);
+    auto it = spec.constraints().find(tc.name());
+    const ParameterConstraints& c =
+        it == spec.constraints().end() ? kNoConstraints : it->second;
+    const Option& o = tables[t].options[best.tables[t].option];
+    const std::vector<int>& ranks = best.tables[t].ranks;
+    auto* ts = plan.add_tables();
+    ts->set_table(tc.name());
+    ts->set_sharding_type(std::string(ShardingTypeName(o.type)));
+    ts->set_compute_kernel(std::string(ComputeKernelName(o.kernel)));
+    const std::vector<ShardBlock> blocks = BlocksFor(o.type, tc, c, w, lw);
+    for (int i = 0; i < o.num_shards; ++i) {
+      ts->add_ranks(ranks[i]);
+      const ShardCost& sc = o.RunOf(i).cost;
+      auto& rs = per_rank[ranks[i]];
+      rs.set_hbm_bytes(rs.hbm_bytes() + sc.hbm_bytes);
+      rs.set_ddr_bytes(rs.ddr_bytes() + sc.ddr_bytes);
+      rs.set_fwd_compute_ms(rs.fwd_compute_ms() + sc.fwd_compute_ms);
+      rs.set_fwd_comms_ms(rs.fwd_comms_ms() + sc.fwd_comms_ms);
+      rs.set_bwd_compute_ms(rs.bwd_compute_ms() + sc.bwd_compute_ms);
+      rs.set_bwd_comms_ms(rs.bwd_comms_ms() + sc.bwd_comms_ms);
+      rs.set_num_shards(rs.num_shards() + 1);
+      if (o.type == ShardingType::kDataParallel) continue;
+      auto* shard = ts->add_shards();
+      shard->set_row_offset(blocks[i].row_offset);
+      shard->set_col_offset(blocks[i].col_offset);
+      shard->set_rows(blocks[i].rows);
+      shard->set_cols(blocks[i].cols);
+      shard->set_rank(ranks[i]);
+    }
+  }
+  auto* stats = plan.mutable_stats();
+  double max_cost = 0, sum_cost = 0;
+  for (auto& rs : per_rank) {
+    rs.set_cost_ms(rs.fwd_compute_ms() + rs.fwd_comms_ms() + rs.bwd_compute_ms() +
+                   rs.bwd_comms_ms());
+    max_cost = std::max(max_cost, rs.cost_ms());
+    sum_cost += rs.cost_ms();
+    *stats->add_per_rank() = rs;
+  }
+  stats->set_max_cost_ms(max_cost);
+  stats->set_mean_cost_ms(sum_cost / w);
+  stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
+  stats->set_lower_bound_ms(lower_bound);
+  return plan;
+}
+
+}  // namespace planner
+}  // namespace ember

@@ -1,0 +1,69 @@
+// The sharding planner: collection spec + topology in, sharding plan out.
+//
+// A pure library (no RPC, CUDA, clock or file system), so the coordinator,
+// the CLI, tests and benchmarks all plan the same way.
+//
+// Search. Every table gets one option per allowed (sharding type, compute
+// kernel) pair, each with its shards' estimated cost and memory (see
+// cost_model.h). The objective is the slowest worker's estimated step time,
+// subject to every worker's own HBM and host-memory capacity:
+//  1. For a makespan target T, a greedy pass takes tables in decreasing order
+//     of work and gives each the cheapest option (least total cost) that can
+//     be placed with no worker above T or over capacity; free shards
+//     (table_wise, column_wise) go to the least-loaded worker that fits.
+//     Binary search on T, from the lower bound up to an unconstrained greedy
+//     plan, finds the tightest T the greedy pass meets. Two table orders are
+//     tried (by work, by memory) and the better plan kept.
+//  2. Local search then moves, or swaps, free shards off the slowest worker
+//     while that strictly lowers the pair's maximum.
+// Unlike TorchEasyRec's DP proposer, which tracks only the total HBM, every
+// placement is checked against each worker's capacity; unlike TorchRec's
+// greedy proposers, the search is polynomial (about tables x options x
+// workers x log(1/precision)). Deterministic: no randomness, stable ties.
+// Tables are never dropped: a plan lists every table, or planning fails.
+//
+// Thread-safe: Plan() has no shared state.
+#ifndef EMBER_PLANNER_PLANNER_H_
+#define EMBER_PLANNER_PLANNER_H_
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "planner/cost_model.h"
+#include "proto/collection.pb.h"
+#include "proto/plan.pb.h"
+
+namespace ember {
+namespace planner {
+
+struct PlannerOptions {
+  // Cost and capacity constants. Unset: DefaultCostModel(compute_device).
+  // The topology's hbm_cap_bytes/ddr_cap_bytes and per-rank overrides take
+  // precedence over the model's capacities.
+  std::optional<CostModel> cost_model;
+  // Binary-search steps on the makespan target (each one greedy pass).
+  int search_steps = 24;
+  // Upper bound on local-search moves.
+  int max_local_search_moves = 200000;
+};
+
+// Plans `spec` on `topology`.
+// Errors:
+//  INVALID_ARGUMENT    the spec or topology is malformed (every problem
+//                      listed), or constraints leave a table no option;
+//  RESOURCE_EXHAUSTED  the tables cannot fit: the message names the tables,
+//                      bytes needed against bytes available per worker, and
+//                      what would make them fit.
+absl::StatusOr<ember::v1::ShardingPlan> Plan(
+    const ember::v1::CollectionSpec& spec, const ember::v1::Topology& topology,
+    const PlannerOptions& options = PlannerOptions());
+
+// The topology with every default filled in (local_world_size, batch_size,
+// num_trainers, capacities from the cost model).
+ember::v1::Topology ResolveTopology(const ember::v1::Topology& topology,
+                                    const CostModel& model);
+
+}  // namespace planner
+}  // namespace ember
+
+#endif  // EMBER_PLANNER_PLANNER_H_

@@ -1,0 +1,55 @@
+// Sharding types and compute kernels with TorchRec's names.
+//
+// Thread-safe: pure functions over constants.
+#ifndef EMBER_PLANNER_SHARDING_TYPES_H_
+#define EMBER_PLANNER_SHARDING_TYPES_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace ember {
+namespace planner {
+
+enum class ShardingType {
+  kTableWise,        // "table_wise": the whole table on one worker
+  kRowWise,          // "row_wise": ceil(rows/W) row blocks, shard i on rank i
+  kColumnWise,       // "column_wise": column blocks on distinct workers
+  kTableRowWise,     // "table_row_wise": row-wise over the ranks of one host
+  kTableColumnWise,  // "table_column_wise": column-wise within one host
+  kDataParallel,     // "data_parallel": a replica on every worker
+};
+
+// Storage tier and kernel family, TorchRec's EmbeddingComputeKernel.
+enum class ComputeKernel {
+  kDense,            // "dense": unfused replica (data_parallel only)
+  kFused,            // "fused": table in HBM (host memory on CPU workers)
+  kFusedUvmCaching,  // "fused_uvm_caching": HBM cache over host memory
+  kFusedUvm,         // "fused_uvm": table in host memory, GPU reads it
+};
+
+// Every value, in the order the planner enumerates them.
+const std::vector<ShardingType>& AllShardingTypes();
+const std::vector<ComputeKernel>& AllComputeKernels();
+
+// TorchRec's string names ("table_wise", "fused_uvm_caching", ...).
+absl::string_view ShardingTypeName(ShardingType type);
+absl::string_view ComputeKernelName(ComputeKernel kernel);
+
+// Abbreviation used in TorchRec's stats ("TW", "RW", "CW", "TWRW", "TWCW", "DP").
+absl::string_view ShardingTypeShortName(ShardingType type);
+
+// Parses a name; INVALID_ARGUMENT listing the valid names on failure.
+absl::StatusOr<ShardingType> ParseShardingType(absl::string_view name);
+absl::StatusOr<ComputeKernel> ParseComputeKernel(absl::string_view name);
+
+// Comma-separated list of valid names, for error messages.
+std::string ValidShardingTypeNames();
+std::string ValidComputeKernelNames();
+
+}  // namespace planner
+}  // namespace ember
+
+#endif  // EMBER_PLANNER_SHARDING_TYPES_H_

@@ -1,0 +1,217 @@
+#include "planner/spec_validation.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "planner/sharding_types.h"
+
+namespace ember {
+namespace planner {
+namespace {
+
+using ember::v1::CollectionSpec;
+using ember::v1::ParameterConstraints;
+using ember::v1::TableConfig;
+
+// Collects violations; one status for all of them.
+class Problems {
+ public:
+  template <typename... Args>
+  void Add(const Args&... args) {
+    lines_.push_back(absl::StrCat(args...));
+  }
+  absl::Status ToStatus(absl::string_view what) const {
+    if (lines_.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "invalid ", what, " (", lines_.size(), " problem",
+        lines_.size() == 1 ? "" : "s", "):\n  ", absl::StrJoin(lines_, "\n  ")));
+  }
+
+ private:
+  std::vector<std::string> lines_;
+};
+
+std::string TableLabel(const TableConfig& t, int index) {
+  if (t.name().empty()) return absl::StrCat("table #", index);
+  return absl::StrCat("table '", t.name(), "'");
+}
+
+void CheckOptimizer(const TableConfig& t, const std::string& label,
+                    Problems* p) {
+  const auto& o = t.optimizer();
+  const double nonneg[] = {o.learning_rate(), o.eps(), o.weight_decay(),
+                           o.initial_accumulator_value()};
+  const char* names[] = {"learning_rate", "eps", "weight_decay",
+                         "initial_accumulator_value"};
+  for (int i = 0; i < 4; ++i) {
+    if (!std::isfinite(nonneg[i]) || nonneg[i] < 0) {
+      p->Add(label, ": optimizer.", names[i], " must be a finite value >= 0, got ",
+             nonneg[i]);
+    }
+  }
+  const double betas[] = {o.beta1(), o.beta2()};
+  for (int i = 0; i < 2; ++i) {
+    if (!(betas[i] >= 0 && betas[i] < 1)) {
+      p->Add(label, ": optimizer.beta", i + 1, " must be in [0, 1), got ",
+             betas[i]);
+    }
+  }
+}
+
+void CheckInitializer(const TableConfig& t, const std::string& label,
+                      Problems* p) {
+  const auto& init = t.initializer();
+  if (init.type() == ember::v1::InitializerSpec::UNIFORM &&
+      !(init.low() <= init.high())) {
+    p->Add(label, ": initializer uniform needs low <= high, got [", init.low(),
+           ", ", init.high(), "]");
+  }
+  if (init.type() == ember::v1::InitializerSpec::NORMAL &&
+      !(init.std() >= 0 && std::isfinite(init.std()))) {
+    p->Add(label, ": initializer normal needs a finite std >= 0, got ",
+           init.std());
+  }
+}
+
+void CheckPerFeature(const std::string& label, const char* field, int count,
+                     int num_features, Problems* p) {
+  if (count != 0 && count != num_features) {
+    p->Add(label, ": constraints.", field, " has ", count,
+           " values but the table has ", num_features,
+           " feature(s); give one per feature or none");
+  }
+}
+
+void CheckConstraints(const std::string& name, const ParameterConstraints& c,
+                      const TableConfig* table, Problems* p) {
+  const std::string label = absl::StrCat("constraints for '", name, "'");
+  if (table == nullptr) {
+    p->Add(label, ": no table named '", name, "' in the collection");
+    return;
+  }
+  for (const std::string& s : c.sharding_types()) {
+    auto parsed = ParseShardingType(s);
+    if (!parsed.ok()) p->Add(label, ": ", parsed.status().message());
+  }
+  for (const std::string& k : c.compute_kernels()) {
+    auto parsed = ParseComputeKernel(k);
+    if (!parsed.ok()) p->Add(label, ": ", parsed.status().message());
+  }
+  if (c.min_partition() < 0) {
+    p->Add(label, ": min_partition must be >= 0, got ", c.min_partition());
+  } else if (c.min_partition() > 0 && c.min_partition() % 4 != 0) {
+    p->Add(label, ": min_partition must be a multiple of 4, got ",
+           c.min_partition());
+  }
+  const int nf = table->feature_names_size();
+  CheckPerFeature(label, "pooling_factors", c.pooling_factors_size(), nf, p);
+  CheckPerFeature(label, "num_poolings", c.num_poolings_size(), nf, p);
+  CheckPerFeature(label, "batch_sizes", c.batch_sizes_size(), nf, p);
+  for (double v : c.pooling_factors()) {
+    if (!std::isfinite(v) || v < 0) {
+      p->Add(label, ": pooling_factors must be finite and >= 0, got ", v);
+    }
+  }
+  for (double v : c.num_poolings()) {
+    if (!std::isfinite(v) || v < 0) {
+      p->Add(label, ": num_poolings must be finite and >= 0, got ", v);
+    }
+  }
+  for (int v : c.batch_sizes()) {
+    if (v <= 0) p->Add(label, ": batch_sizes must be > 0, got ", v);
+  }
+  if (!(c.cache_load_factor() >= 0 && c.cache_load_factor() <= 1)) {
+    p->Add(label, ": cache_load_factor must be in [0, 1], got ",
+           c.cache_load_factor());
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
+  Problems p;
+  if (spec.tables_size() == 0) p.Add("the collection has no tables");
+  absl::flat_hash_map<std::string, const TableConfig*> tables;
+  absl::flat_hash_map<std::string, std::string> feature_owner;
+  for (int i = 0; i < spec.tables_size(); ++i) {
+    const TableConfig& t = spec.tables(i);
+    const std::string label = TableLabel(t, i);
+    if (t.name().empty()) {
+      p.Add(label, ": name is empty");
+    } else if (!tables.emplace(t.name(), &t).second) {
+      p.Add(label, ": duplicate table name");
+    }
+    if (t.num_embeddings() <= 0) {
+      p.Add(label, ": num_embeddings must be > 0, got ", t.num_embeddings());
+    }
+    if (t.embedding_dim() <= 0 || t.embedding_dim() % 4 != 0) {
+      p.Add(label, ": embedding_dim must be > 0 and divisible by 4, got ",
+            t.embedding_dim());
+    }
+    if (t.feature_names_size() == 0) p.Add(label, ": no feature_names");
+    for (const std::string& f : t.feature_names()) {
+      if (f.empty()) {
+        p.Add(label, ": empty feature name");
+        continue;
+      }
+      auto [it, inserted] = feature_owner.emplace(f, t.name());
+      if (!inserted) {
+        p.Add(label, ": duplicate feature name '", f, "' (also in table '",
+              it->second, "')");
+      }
+    }
+    CheckOptimizer(t, label, &p);
+    CheckInitializer(t, label, &p);
+  }
+  // Sorted for a deterministic message.
+  std::vector<std::string> keys;
+  for (const auto& [name, unused] : spec.constraints()) keys.push_back(name);
+  std::sort(keys.begin(), keys.end());
+  for (const std::string& name : keys) {
+    auto it = tables.find(name);
+    CheckConstraints(name, spec.constraints().at(name),
+                     it == tables.end() ? nullptr : it->second, &p);
+  }
+  return p.ToStatus("collection spec");
+}
+
+absl::Status ValidateTopology(const ember::v1::Topology& t) {
+  Problems p;
+  if (t.world_size() < 1) {
+    p.Add("world_size must be >= 1, got ", t.world_size());
+  }
+  if (t.local_world_size() < 0 ||
+      (t.world_size() >= 1 && t.local_world_size() > t.world_size())) {
+    p.Add("local_world_size must be in [1, world_size], got ",
+          t.local_world_size());
+  } else if (t.local_world_size() > 0 && t.world_size() >= 1 &&
+             t.world_size() % t.local_world_size() != 0) {
+    p.Add("world_size ", t.world_size(),
+          " is not a multiple of local_world_size ", t.local_world_size());
+  }
+  if (t.hbm_cap_bytes() < 0) p.Add("hbm_cap_bytes must be >= 0");
+  if (t.ddr_cap_bytes() < 0) p.Add("ddr_cap_bytes must be >= 0");
+  if (t.batch_size() < 0) p.Add("batch_size must be >= 0");
+  if (t.num_trainers() < 0) p.Add("num_trainers must be >= 0");
+  absl::flat_hash_set<int> seen;
+  for (const auto& d : t.devices()) {
+    if (d.rank() < 0 || d.rank() >= t.world_size()) {
+      p.Add("device override for rank ", d.rank(), " is outside [0, ",
+            t.world_size(), ")");
+    } else if (!seen.insert(d.rank()).second) {
+      p.Add("two device overrides for rank ", d.rank());
+    }
+    if (d.hbm_bytes() < 0 || d.ddr_bytes() < 0) {
+      p.Add("device override for rank ", d.rank(), " has a negative capacity");
+    }
+  }
+  return p.ToStatus("topology");
+}
+
+}  // namespace planner
+}  // namespace ember

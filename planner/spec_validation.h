@@ -1,0 +1,37 @@
+// Validation of collection specs and topologies before planning.
+//
+// Thread-safe: pure functions.
+#ifndef EMBER_PLANNER_SPEC_VALIDATION_H_
+#define EMBER_PLANNER_SPEC_VALIDATION_H_
+
+#include "absl/status/status.h"
+#include "proto/collection.pb.h"
+#include "proto/plan.pb.h"
+
+namespace ember {
+namespace planner {
+
+// Checks every rule below and reports all violations at once, one per line,
+// in an INVALID_ARGUMENT status. OK when the spec can be planned.
+//  - at least one table; table names non-empty and unique;
+//  - num_embeddings > 0; embedding_dim > 0 and divisible by 4 (FBGEMM TBE);
+//  - at least one feature per table; feature names non-empty and unique
+//    across the collection;
+//  - optimizer hyper-parameters in range (learning_rate, eps, weight_decay
+//    >= 0; beta1, beta2 in [0, 1));
+//  - initializer ranges sane (uniform low <= high, normal std >= 0);
+//  - constraints name existing tables; sharding types and compute kernels are
+//    known names; min_partition >= 0; pooling_factors / num_poolings /
+//    batch_sizes empty or one per feature, finite and >= 0 (batch > 0);
+//    cache_load_factor in [0, 1].
+absl::Status ValidateCollectionSpec(const ember::v1::CollectionSpec& spec);
+
+// world_size >= 1; local_world_size in [0, world_size] and dividing it;
+// capacities >= 0; per-rank overrides name distinct ranks in range;
+// batch_size and num_trainers >= 0.
+absl::Status ValidateTopology(const ember::v1::Topology& topology);
+
+}  // namespace planner
+}  // namespace ember
+
+#endif  // EMBER_PLANNER_SPEC_VALIDATION_H_
