@@ -1,0 +1,140 @@
+#include "planner/cost_model.h"
+
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace planner {
+namespace {
+
+using ember::v1::OptimizerSpec;
+
+// A model with round numbers so every figure can be worked by hand.
+CostModel RoundModel() {
+  CostModel m;
+  m.hbm_bw_gbps = 1000;  // 1e9 B/ms
+  m.ddr_bw_gbps = 100;
+  m.pcie_bw_gbps = 50;
+  m.network_bw_gbps = 10;  // 1e7 B/ms
+  m.lookup_efficiency = 1.0;
+  m.dense_kernel_factor = 0.5;
+  m.uvm_efficiency = 0.1;
+  m.bwd_compute_multiplier = 2.0;
+  m.access_granularity_bytes = 32;
+  m.narrow_row_penalty = false;
+  m.io_buffer_copies = 1;
+  return m;
+}
+
+TableWorkload Work(double ids, double bags) {
+  TableWorkload w;
+  w.ids = ids;
+  w.bags = bags;
+  w.pooling_factor = ids / bags;
+  return w;
+}
+
+TEST(CostModelTest, TableWiseShardByHand) {
+  const CostModel m = RoundModel();
+  const TableWorkload w = Work(/*ids=*/1e6, /*bags=*/1e5);
+  const ShardBlock block{0, 0, 1000, 64};
+  const ShardCost c = EstimateShard(m, w, ShardingType::kTableWise,
+                                    ComputeKernel::kFused, ember::v1::CUDA,
+                                    block, 1000, 4);
+  // Forward: 1e6 rows x 256 B gathered + 1e5 x 64 x 4 B written, at 1e9 B/ms.
+  EXPECT_DOUBLE_EQ(c.fwd_compute_ms, (1e6 * 256 + 1e5 * 256) / 1e9);
+  // Ids in (8 B each) and pooled rows out (256 B each) at 1e7 B/ms.
+  EXPECT_DOUBLE_EQ(c.fwd_comms_ms, (1e6 * 8 + 1e5 * 256) / 1e7);
+  // Backward (SGD): 2 x (rows touched x 256 B + gradients read).
+  EXPECT_DOUBLE_EQ(c.bwd_compute_ms, 2.0 * (1e6 * 256 + 1e5 * 256) / 1e9);
+  EXPECT_DOUBLE_EQ(c.bwd_comms_ms, (1e5 * 256 + 1e6 * 8) / 1e7);
+  // Weights plus one copy of the I/O buffers, all in HBM.
+  EXPECT_EQ(c.hbm_bytes, 1000 * 64 * 4 + int64_t{1000000} * 8 + 100000 * 256);
+  EXPECT_EQ(c.ddr_bytes, 0);
+}
+
+TEST(CostModelTest, RowWiseShardSeesItsShareOfIds) {
+  const CostModel m = RoundModel();
+  TableWorkload w = Work(/*ids=*/4e5, /*bags=*/1e5);  // pooling factor 4
+  const ShardBlock half{0, 0, 500, 64};
+  const ShardCost c = EstimateShard(m, w, ShardingType::kRowWise,
+                                    ComputeKernel::kFused, ember::v1::CUDA,
+                                    half, 1000, 2);
+  // Half the ids; a bag has a partial here unless all 4 ids miss: 1 - 0.5^4.
+  const double bags = 1e5 * (1 - 0.0625);
+  EXPECT_NEAR(c.fwd_compute_ms, (2e5 * 256 + bags * 256) / 1e9, 1e-12);
+  EXPECT_NEAR(c.fwd_comms_ms, (2e5 * 8 + bags * 256) / 1e7, 1e-12);
+  const ShardBlock empty{1000, 0, 0, 64};
+  const ShardCost e = EstimateShard(m, w, ShardingType::kRowWise,
+                                    ComputeKernel::kFused, ember::v1::CUDA,
+                                    empty, 1000, 2);
+  EXPECT_EQ(e.total_ms(), 0.0);
+  EXPECT_EQ(e.hbm_bytes, 0);
+}
+
+TEST(CostModelTest, OptimizerStateBytes) {
+  EXPECT_EQ(OptimizerStateBytesPerRow(OptimizerSpec::SGD, 64), 0);
+  EXPECT_EQ(OptimizerStateBytesPerRow(OptimizerSpec::ADAGRAD, 64), 256);
+  EXPECT_EQ(OptimizerStateBytesPerRow(OptimizerSpec::ROWWISE_ADAGRAD, 64), 4);
+  EXPECT_EQ(OptimizerStateBytesPerRow(OptimizerSpec::ADAM, 64), 512);
+  EXPECT_EQ(DataTypeBytes(ember::v1::FP32), 4);
+  EXPECT_EQ(DataTypeBytes(ember::v1::FP16), 2);
+  EXPECT_EQ(DataTypeBytes(ember::v1::BF16), 2);
+}
+
+TEST(CostModelTest, StorageTiersByKernel) {
+  CostModel m = RoundModel();
+  TableWorkload w = Work(0, 1);  // no traffic: storage is weights + state
+  w.optimizer = OptimizerSpec::ADAM;
+  w.dtype_bytes = 2;
+  w.cache_load_factor = 0.25;
+  const ShardBlock block{0, 0, 1000, 128};
+  const int64_t weights = 1000 * 128 * 2, state = 1000 * 128 * 8;
+  auto est = [&](ComputeKernel k, ember::v1::ComputeDevice d) {
+    return EstimateShard(m, w, ShardingType::kTableWise, k, d, block, 1000, 1);
+  };
+  ShardCost fused = est(ComputeKernel::kFused, ember::v1::CUDA);
+  EXPECT_EQ(fused.hbm_bytes - 128 * 4, weights + state);  // + one output row
+  EXPECT_EQ(fused.ddr_bytes, 0);
+  ShardCost uvm = est(ComputeKernel::kFusedUvm, ember::v1::CUDA);
+  EXPECT_EQ(uvm.ddr_bytes, weights + state);
+  EXPECT_EQ(uvm.hbm_bytes, 128 * 4);
+  ShardCost cached = est(ComputeKernel::kFusedUvmCaching, ember::v1::CUDA);
+  EXPECT_EQ(cached.ddr_bytes, weights + state);
+  // 25% of the weights cached + 1000 x (4 + 16 x 0.25) B of cache state.
+  EXPECT_EQ(cached.hbm_bytes - 128 * 4, weights / 4 + 1000 * 8);
+  ShardCost cpu = est(ComputeKernel::kFused, ember::v1::CPU);
+  EXPECT_EQ(cpu.hbm_bytes, 0);
+  EXPECT_EQ(cpu.ddr_bytes - 128 * 4, weights + state);
+}
+
+TEST(CostModelTest, SlowerTiersCostMore) {
+  const CostModel m = DefaultCostModel(ember::v1::CUDA);
+  TableWorkload w = Work(1e6, 5e4);
+  const ShardBlock block{0, 0, 100000, 128};
+  auto total = [&](ComputeKernel k) {
+    return EstimateShard(m, w, ShardingType::kTableWise, k, ember::v1::CUDA,
+                         block, 100000, 8)
+        .total_ms();
+  };
+  EXPECT_LT(total(ComputeKernel::kFused), total(ComputeKernel::kFusedUvmCaching));
+  EXPECT_LT(total(ComputeKernel::kFusedUvmCaching), total(ComputeKernel::kFusedUvm));
+  EXPECT_LT(total(ComputeKernel::kFused), total(ComputeKernel::kDense));
+}
+
+TEST(CostModelTest, DataParallelSpreadsLookupsButNotGradients) {
+  const CostModel m = RoundModel();
+  const TableWorkload w = Work(1e6, 1e5);
+  const ShardBlock block{0, 0, 1000, 64};
+  const ShardCost tw = EstimateShard(m, w, ShardingType::kTableWise,
+                                     ComputeKernel::kFused, ember::v1::CPU,
+                                     block, 1000, 4);
+  const ShardCost dp = EstimateShard(m, w, ShardingType::kDataParallel,
+                                     ComputeKernel::kFused, ember::v1::CPU,
+                                     block, 1000, 4);
+  EXPECT_NEAR(dp.fwd_comms_ms, tw.fwd_comms_ms / 4, 1e-12);
+  EXPECT_NEAR(dp.bwd_comms_ms, tw.bwd_comms_ms, 1e-12);
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace ember

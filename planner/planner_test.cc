@@ -1,0 +1,473 @@
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/plan_format.h"
+
+namespace ember {
+namespace planner {
+namespace {
+
+using ::testing::HasSubstr;
+using ember::v1::CollectionSpec;
+using ember::v1::ShardingPlan;
+using ember::v1::Topology;
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+ember::v1::TableConfig* AddTable(CollectionSpec* spec, const std::string& name,
+                                 int64_t rows, int dim) {
+  auto* t = spec->add_tables();
+  t->set_name(name);
+  t->set_num_embeddings(rows);
+  t->set_embedding_dim(dim);
+  t->add_feature_names(name + "_feature");
+  return t;
+}
+
+// The seed tutorial's collection: 2 x 4096 and 2 x 1024 rows, dim 64, SUM.
+CollectionSpec SeedSpec() {
+  CollectionSpec spec;
+  spec.set_name("seed");
+  for (int i = 0; i < 2; ++i) {
+    auto* t = AddTable(&spec, absl::StrCat("large_table_", i), 4096, 64);
+    t->set_feature_names(0, absl::StrCat("large_table_feature_", i));
+  }
+  for (int i = 0; i < 2; ++i) {
+    auto* t = AddTable(&spec, absl::StrCat("small_table_", i), 1024, 64);
+    t->set_feature_names(0, absl::StrCat("small_table_feature_", i));
+  }
+  return spec;
+}
+
+void ForceType(CollectionSpec* spec, const std::string& type) {
+  for (const auto& t : spec->tables()) {
+    (*spec->mutable_constraints())[t.name()].add_sharding_types(type);
+  }
+}
+
+Topology Cuda(int world_size, int local = 0) {
+  Topology t;
+  t.set_world_size(world_size);
+  t.set_local_world_size(local);
+  t.set_compute_device(ember::v1::CUDA);
+  return t;
+}
+
+// The golden-file rendering: one line per table, one indented line per shard.
+std::string RenderForGolden(const ShardingPlan& plan) {
+  std::string out;
+  for (const auto& t : plan.tables()) {
+    absl::StrAppend(&out, t.table(), " ", t.sharding_type(), " ",
+                    t.compute_kernel(), " ranks=[",
+                    absl::StrJoin(t.ranks(), ", "), "]\n");
+    for (const auto& s : t.shards()) {
+      absl::StrAppend(&out, "  offsets=[", s.row_offset(), ", ", s.col_offset(),
+                      "] sizes=[", s.rows(), ", ", s.cols(),
+                      "] placement=", PlacementString(plan, s.rank()), "\n");
+    }
+  }
+  return out;
+}
+
+std::string ReadGolden(const std::string& name) {
+  std::ifstream in("planner/testdata/" + name);
+  EXPECT_TRUE(in.good()) << "missing planner/testdata/" << name;
+  std::string line, out;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] == '#') continue;
+    out += line + "\n";
+  }
+  return out;
+}
+
+class SeedGoldenTest : public testing::TestWithParam<std::string> {};
+
+// The checked-in goldens were transcribed from the seed tutorial's printout;
+// set EMBER_UPDATE_GOLDENS=DIR to write what the planner produces instead.
+TEST_P(SeedGoldenTest, ReproducesTorchRecTutorialPlan) {
+  CollectionSpec spec = SeedSpec();
+  ForceType(&spec, GetParam());
+  auto plan = Plan(spec, Cuda(2));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::string got = RenderForGolden(*plan);
+  const std::string file = "seed_" + GetParam() + ".golden";
+  if (const char* dir = std::getenv("EMBER_UPDATE_GOLDENS")) {
+    std::ofstream(std::string(dir) + "/" + file) << got;
+  }
+  EXPECT_EQ(got, ReadGolden(file));
+}
+
+INSTANTIATE_TEST_SUITE_P(Seed, SeedGoldenTest,
+                         testing::Values("table_wise", "row_wise", "column_wise",
+                                         "data_parallel"));
+
+TEST(PlannerTest, TableWisePutsOneLargeAndOneSmallTableOnEachWorker) {
+  CollectionSpec spec = SeedSpec();
+  ForceType(&spec, "table_wise");
+  auto plan = Plan(spec, Cuda(2));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (int r = 0; r < 2; ++r) {
+    int large = 0, small = 0;
+    for (const auto& t : plan->tables()) {
+      if (t.ranks(0) != r) continue;
+      (t.table().rfind("large", 0) == 0 ? large : small)++;
+    }
+    EXPECT_EQ(large, 1) << "rank " << r;
+    EXPECT_EQ(small, 1) << "rank " << r;
+  }
+}
+
+TEST(PlannerTest, TableRowWiseStaysInsideOneHost) {
+  CollectionSpec spec = SeedSpec();
+  ForceType(&spec, "table_row_wise");
+  auto plan = Plan(spec, Cuda(8, 4));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const auto& t : plan->tables()) {
+    ASSERT_EQ(t.shards_size(), 4);
+    const int host = t.shards(0).rank() / 4;
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(t.shards(i).rank(), host * 4 + i);
+      EXPECT_EQ(t.shards(i).rows(), t.table().rfind("large", 0) == 0 ? 1024 : 256);
+    }
+  }
+  // Four equal tables over two hosts: two per host.
+  int on_host0 = 0;
+  for (const auto& t : plan->tables()) on_host0 += t.shards(0).rank() < 4;
+  EXPECT_EQ(on_host0, 2);
+}
+
+TEST(PlannerTest, CpuWorkersUseHostMemoryOnly) {
+  CollectionSpec spec = SeedSpec();
+  (*spec.mutable_constraints())["large_table_0"].add_compute_kernels("fused_uvm");
+  Topology topo = Cuda(2);
+  topo.set_compute_device(ember::v1::CPU);
+  auto plan = Plan(spec, topo);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const auto& rs : plan->stats().per_rank()) {
+    EXPECT_EQ(rs.hbm_bytes(), 0);
+    EXPECT_GT(rs.ddr_bytes(), 0);
+  }
+  EXPECT_EQ(plan->tables(0).compute_kernel(), "fused");
+  EXPECT_EQ(PlacementString(*plan, 1), "rank:1/cpu");
+}
+
+TEST(PlannerTest, ConstraintsLeavingNoOptionAreRejected) {
+  CollectionSpec spec = SeedSpec();
+  auto& c = (*spec.mutable_constraints())["small_table_1"];
+  c.add_sharding_types("data_parallel");
+  c.add_compute_kernels("fused");
+  auto plan = Plan(spec, Cuda(2));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(plan.status().message()),
+              HasSubstr("table 'small_table_1': its constraints allow no"));
+}
+
+TEST(PlannerTest, MalformedSpecIsRejectedWithEveryProblem) {
+  CollectionSpec spec = SeedSpec();
+  spec.mutable_tables(1)->set_name("large_table_0");
+  spec.mutable_tables(2)->set_embedding_dim(30);
+  auto plan = Plan(spec, Cuda(2));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("duplicate table name"));
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("divisible by 4, got 30"));
+}
+
+TEST(PlannerTest, TableLargerThanAnyWorkerIsExplained) {
+  CollectionSpec spec;
+  spec.set_name("big");
+  // 100M x 128 fp32 = 47.7 GiB of weights; Adam adds 95.4 GiB of state.
+  auto* t = AddTable(&spec, "huge", 100'000'000, 128);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAM);
+  AddTable(&spec, "tiny", 100, 8);
+  (*spec.mutable_constraints())["huge"].add_sharding_types("table_wise");
+  (*spec.mutable_constraints())["huge"].add_compute_kernels("fused");
+  Topology topo = Cuda(4);
+  topo.set_hbm_cap_bytes(80 * kGiB);
+  auto plan = Plan(spec, topo);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  const std::string msg(plan.status().message());
+  EXPECT_THAT(msg, HasSubstr("table 'huge' (100000000 x 128, FP32, ADAM)"));
+  EXPECT_THAT(msg, HasSubstr("needs 143."));  // GiB on one worker
+  EXPECT_THAT(msg, HasSubstr("68.00 GiB HBM"));  // 80 GiB less 15%
+  EXPECT_THAT(msg, HasSubstr("allow row_wise"));
+  EXPECT_THAT(msg, HasSubstr("fused_uvm"));
+  EXPECT_THAT(msg, Not(HasSubstr("'tiny'")));
+}
+
+TEST(PlannerTest, RowWiseSuggestsHowManyWorkers) {
+  CollectionSpec spec;
+  AddTable(&spec, "wide", 100'000'000, 128);  // 47.7 GiB fp32, SGD
+  (*spec.mutable_constraints())["wide"].add_sharding_types("row_wise");
+  (*spec.mutable_constraints())["wide"].add_compute_kernels("fused");
+  Topology topo = Cuda(2);
+  topo.set_hbm_cap_bytes(16 * kGiB);  // 13.6 GiB usable each
+  auto plan = Plan(spec, topo);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("use at least 4 workers"));
+  topo.set_world_size(4);
+  EXPECT_TRUE(Plan(spec, topo).ok());
+}
+
+// TorchEasyRec's DP proposer checks only the summed HBM: three 5.7 GiB
+// tables fit 2 x 10.2 GiB in total, but no worker can hold two of them.
+TEST(PlannerTest, ChecksEveryWorkerNotOnlyTheTotal) {
+  CollectionSpec spec;
+  for (int i = 0; i < 3; ++i) {
+    AddTable(&spec, absl::StrCat("t", i), 12'000'000, 128);  // 5.72 GiB each
+    (*spec.mutable_constraints())[absl::StrCat("t", i)].add_sharding_types("table_wise");
+    (*spec.mutable_constraints())[absl::StrCat("t", i)].add_compute_kernels("fused");
+  }
+  Topology topo = Cuda(2);
+  topo.set_hbm_cap_bytes(12 * kGiB);  // 10.2 GiB usable each, 20.4 in total
+  auto plan = Plan(spec, topo);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  EXPECT_THAT(std::string(plan.status().message()),
+              HasSubstr("no placement keeps every worker within capacity"));
+  // With row_wise allowed for one table it fits: each worker holds one whole
+  // table plus half of the third.
+  (*spec.mutable_constraints())["t2"].add_sharding_types("row_wise");
+  auto ok = Plan(spec, topo);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tables(2).sharding_type(), "row_wise");
+}
+
+TEST(PlannerTest, HonoursPerWorkerCapacities) {
+  CollectionSpec spec;
+  for (int i = 0; i < 6; ++i) AddTable(&spec, absl::StrCat("t", i), 10'000'000, 64);
+  Topology topo = Cuda(3);
+  topo.set_hbm_cap_bytes(40 * kGiB);
+  auto* small = topo.add_devices();
+  small->set_rank(1);
+  small->set_hbm_bytes(1 * kGiB);  // room for nothing of 2.4 GiB
+  small->set_ddr_bytes(128 * kGiB);
+  for (const auto& type : {"table_wise", "column_wise"}) {
+    CollectionSpec forced = spec;
+    ForceType(&forced, type);
+    for (auto& [name, c] : *forced.mutable_constraints()) c.add_compute_kernels("fused");
+    auto plan = Plan(forced, topo);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    for (const auto& t : plan->tables()) {
+      for (int r : t.ranks()) EXPECT_NE(r, 1) << t.table() << " " << type;
+    }
+  }
+}
+
+TEST(PlannerTest, SpillsToHostMemoryWhenHbmIsShort) {
+  CollectionSpec spec;
+  AddTable(&spec, "t", 50'000'000, 128);  // 23.8 GiB
+  (*spec.mutable_constraints())["t"].add_sharding_types("table_wise");
+  Topology topo = Cuda(1);
+  topo.set_hbm_cap_bytes(16 * kGiB);
+  auto plan = Plan(spec, topo);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_NE(plan->tables(0).compute_kernel(), "fused");
+  EXPECT_LE(plan->stats().per_rank(0).hbm_bytes(), plan->stats().per_rank(0).hbm_cap_bytes());
+}
+
+// Exhaustive search over table-wise placements is the reference: on equal
+// workers without memory pressure the planner must be within LPT's 4/3 bound
+// of the optimum, and is usually at it.
+TEST(PlannerTest, TableWiseNearExhaustiveOptimum) {
+  std::mt19937 rng(7);
+  int optimal = 0;
+  const int kTrials = 30;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    CollectionSpec spec;
+    const int n = 4 + trial % 5;
+    for (int i = 0; i < n; ++i) {
+      auto* t = AddTable(&spec, absl::StrCat("t", i), 1000 + rng() % 100000,
+                         4 * (1 + rng() % 64));
+      auto& c = (*spec.mutable_constraints())[t->name()];
+      c.add_sharding_types("table_wise");
+      c.add_compute_kernels("fused");
+      c.add_pooling_factors(1 + rng() % 40);
+    }
+    const int w = 2 + trial % 2;
+    auto plan = Plan(spec, Cuda(w));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    // Each table's cost as the planner estimates it on its own.
+    std::vector<double> cost(n);
+    for (int i = 0; i < n; ++i) {
+      CollectionSpec one;
+      *one.add_tables() = spec.tables(i);
+      (*one.mutable_constraints())[spec.tables(i).name()] =
+          spec.constraints().at(spec.tables(i).name());
+      auto p = Plan(one, Cuda(w));
+      ASSERT_TRUE(p.ok());
+      cost[i] = p->stats().max_cost_ms();
+    }
+    double best = 1e300;
+    std::vector<int> assign(n, 0);
+    std::function<void(int)> rec = [&](int i) {
+      if (i == n) {
+        std::vector<double> load(w, 0);
+        for (int k = 0; k < n; ++k) load[assign[k]] += cost[k];
+        best = std::min(best, *std::max_element(load.begin(), load.end()));
+        return;
+      }
+      for (int r = 0; r < w; ++r) {
+        assign[i] = r;
+        rec(i + 1);
+      }
+    };
+    rec(0);
+    const double got = plan->stats().max_cost_ms();
+    EXPECT_LE(got, best * 4.0 / 3.0 + 1e-9) << "trial " << trial;
+    EXPECT_GE(got, best * (1 - 1e-9)) << "trial " << trial;
+    optimal += got <= best * (1 + 1e-9);
+  }
+  EXPECT_GE(optimal, kTrials * 2 / 3) << "optimal in " << optimal << "/" << kTrials;
+}
+
+// Random collections and topologies: every table planned exactly once, in
+// order; shards tile each table exactly; placements follow each sharding
+// type's rules; no worker is over capacity; the same input gives the same
+// plan.
+TEST(PlannerPropertyTest, RandomInputs) {
+  std::mt19937 rng(20261122);
+  const std::vector<std::string> types = {"table_wise", "row_wise", "column_wise",
+                                          "table_row_wise", "table_column_wise",
+                                          "data_parallel"};
+  int planned = 0, infeasible = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    CollectionSpec spec;
+    spec.set_name(absl::StrCat("random", trial));
+    const int n = 1 + rng() % 40;
+    for (int i = 0; i < n; ++i) {
+      const int64_t rows = 1 + static_cast<int64_t>(std::pow(10.0, (rng() % 700) / 100.0));
+      auto* t = AddTable(&spec, absl::StrCat("t", i), rows, 4 * (1 + rng() % 64));
+      t->set_data_type(static_cast<ember::v1::DataType>(rng() % 3));
+      t->mutable_optimizer()->set_type(static_cast<ember::v1::OptimizerSpec::Type>(rng() % 4));
+      if (rng() % 3 == 0) t->add_feature_names(absl::StrCat("t", i, "_extra"));
+      if (rng() % 2 == 0) {
+        auto& c = (*spec.mutable_constraints())[t->name()];
+        const int k = 1 + rng() % 3;
+        for (int j = 0; j < k; ++j) c.add_sharding_types(types[rng() % types.size()]);
+        if (rng() % 3 == 0) c.set_min_partition(4 * (1 + rng() % 16));
+        for (int f = 0; f < t->feature_names_size(); ++f) {
+          c.add_pooling_factors(1 + rng() % 50);
+        }
+      }
+    }
+    const int hosts = 1 + rng() % 3;
+    const int local = 1 + rng() % 4;
+    Topology topo = Cuda(hosts * local, local);
+    if (rng() % 4 == 0) topo.set_compute_device(ember::v1::CPU);
+    topo.set_hbm_cap_bytes(static_cast<int64_t>(1 + rng() % 8) * kGiB / 4);
+    topo.set_ddr_cap_bytes(static_cast<int64_t>(1 + rng() % 8) * kGiB / 2);
+    if (rng() % 3 == 0) {
+      auto* d = topo.add_devices();
+      d->set_rank(rng() % topo.world_size());
+      d->set_hbm_bytes(kGiB / 8);
+      d->set_ddr_bytes(kGiB / 8);
+    }
+    auto plan = Plan(spec, topo);
+    if (!plan.ok()) {
+      ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted)
+          << plan.status();
+      EXPECT_THAT(std::string(plan.status().message()), HasSubstr("does not fit"));
+      ++infeasible;
+      continue;
+    }
+    ++planned;
+    const int w = topo.world_size();
+    ASSERT_EQ(plan->tables_size(), n);
+    std::vector<int64_t> weight_bytes(w, 0);
+    for (int i = 0; i < n; ++i) {
+      const auto& tc = spec.tables(i);
+      const auto& ts = plan->tables(i);
+      ASSERT_EQ(ts.table(), tc.name());
+      const int64_t elem = tc.data_type() == ember::v1::FP32 ? 4 : 2;
+      for (int r : ts.ranks()) {
+        ASSERT_GE(r, 0);
+        ASSERT_LT(r, w);
+      }
+      if (ts.sharding_type() == "data_parallel") {
+        EXPECT_EQ(ts.shards_size(), 0);
+        EXPECT_EQ(ts.ranks_size(), w);
+        for (int r = 0; r < w; ++r) {
+          EXPECT_EQ(ts.ranks(r), r);
+          weight_bytes[r] += tc.num_embeddings() * tc.embedding_dim() * elem;
+        }
+        continue;
+      }
+      // Tiling: cells covered exactly once (checked on the row/col cut grid).
+      std::set<int64_t> row_cuts = {0, tc.num_embeddings()};
+      std::set<int64_t> col_cuts = {0, tc.embedding_dim()};
+      int64_t area = 0;
+      for (const auto& s : ts.shards()) {
+        ASSERT_GE(s.row_offset(), 0);
+        ASSERT_GE(s.col_offset(), 0);
+        ASSERT_LE(s.row_offset() + s.rows(), tc.num_embeddings());
+        ASSERT_LE(s.col_offset() + s.cols(), tc.embedding_dim());
+        ASSERT_EQ(s.cols() % 4, 0);
+        area += s.rows() * s.cols();
+        row_cuts.insert(s.row_offset());
+        row_cuts.insert(s.row_offset() + s.rows());
+        col_cuts.insert(s.col_offset());
+        col_cuts.insert(s.col_offset() + s.cols());
+        weight_bytes[s.rank()] += s.rows() * s.cols() * elem;
+      }
+      EXPECT_EQ(area, tc.num_embeddings() * tc.embedding_dim()) << tc.name();
+      std::vector<int64_t> rc(row_cuts.begin(), row_cuts.end());
+      std::vector<int64_t> cc(col_cuts.begin(), col_cuts.end());
+      for (size_t a = 0; a + 1 < rc.size(); ++a) {
+        for (size_t b = 0; b + 1 < cc.size(); ++b) {
+          int cover = 0;
+          for (const auto& s : ts.shards()) {
+            cover += rc[a] >= s.row_offset() && rc[a] < s.row_offset() + s.rows() &&
+                     cc[b] >= s.col_offset() && cc[b] < s.col_offset() + s.cols();
+          }
+          ASSERT_EQ(cover, 1) << tc.name() << " cell " << rc[a] << "," << cc[b];
+        }
+      }
+      const auto& type = ts.sharding_type();
+      if (type == "row_wise") {
+        ASSERT_EQ(ts.shards_size(), w);
+        for (int s = 0; s < w; ++s) EXPECT_EQ(ts.shards(s).rank(), s);
+      } else if (type == "table_row_wise" || type == "table_column_wise") {
+        const int host = ts.shards(0).rank() / local;
+        for (const auto& s : ts.shards()) EXPECT_EQ(s.rank() / local, host);
+      }
+      if (type == "column_wise" || type == "table_column_wise") {
+        const int limit = type == "column_wise" ? w : local;
+        if (ts.shards_size() <= limit) {
+          std::set<int> distinct(ts.ranks().begin(), ts.ranks().end());
+          EXPECT_EQ(static_cast<int>(distinct.size()), ts.shards_size()) << tc.name();
+        }
+      }
+    }
+    // Capacity: the planner's own accounting, and the weights alone
+    // recomputed here from the shard geometry.
+    for (const auto& rs : plan->stats().per_rank()) {
+      EXPECT_LE(rs.hbm_bytes(), rs.hbm_cap_bytes());
+      EXPECT_LE(rs.ddr_bytes(), rs.ddr_cap_bytes());
+      EXPECT_LE(weight_bytes[rs.rank()], rs.hbm_cap_bytes() + rs.ddr_cap_bytes());
+      EXPECT_GE(rs.hbm_bytes() + rs.ddr_bytes(), weight_bytes[rs.rank()]);
+    }
+    EXPECT_GE(plan->stats().max_cost_ms(), plan->stats().lower_bound_ms() * (1 - 1e-9));
+    auto again = Plan(spec, topo);
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(again->SerializeAsString(), plan->SerializeAsString());
+  }
+  EXPECT_GT(planned, 100);
+  EXPECT_GT(infeasible, 5);
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace ember

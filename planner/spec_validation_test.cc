@@ -1,0 +1,139 @@
+#include "planner/spec_validation.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "google/protobuf/text_format.h"
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace planner {
+namespace {
+
+using ::testing::HasSubstr;
+
+ember::v1::CollectionSpec Spec(const std::string& text) {
+  ember::v1::CollectionSpec spec;
+  EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &spec)) << text;
+  return spec;
+}
+
+constexpr char kGood[] = R"pb(
+  name: "c"
+  tables { name: "a" num_embeddings: 10 embedding_dim: 8 feature_names: "fa" }
+  tables { name: "b" num_embeddings: 20 embedding_dim: 16 feature_names: "fb" feature_names: "fb2" }
+  constraints {
+    key: "b"
+    value { sharding_types: "row_wise" compute_kernels: "fused" pooling_factors: [ 2, 3 ] }
+  }
+)pb";
+
+void ExpectInvalid(const ember::v1::CollectionSpec& spec, const std::string& needle) {
+  const absl::Status s = ValidateCollectionSpec(spec);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(needle));
+}
+
+TEST(ValidateCollectionSpecTest, AcceptsGoodSpec) {
+  EXPECT_TRUE(ValidateCollectionSpec(Spec(kGood)).ok());
+}
+
+TEST(ValidateCollectionSpecTest, RejectsEmptyCollection) {
+  ExpectInvalid(Spec("name: 'x'"), "no tables");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsZeroRows) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->set_num_embeddings(0);
+  ExpectInvalid(spec, "table 'a': num_embeddings must be > 0, got 0");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsDimNotAllowed) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->set_embedding_dim(6);
+  ExpectInvalid(spec, "table 'a': embedding_dim must be > 0 and divisible by 4, got 6");
+  spec.mutable_tables(0)->set_embedding_dim(0);
+  ExpectInvalid(spec, "got 0");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsDuplicateTableName) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(1)->set_name("a");
+  ExpectInvalid(spec, "table 'a': duplicate table name");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsDuplicateFeatureAcrossTables) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(1)->set_feature_names(0, "fa");
+  ExpectInvalid(spec, "duplicate feature name 'fa' (also in table 'a')");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsTableWithoutFeatures) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->clear_feature_names();
+  ExpectInvalid(spec, "table 'a': no feature_names");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsUnknownShardingType) {
+  auto spec = Spec(kGood);
+  (*spec.mutable_constraints())["b"].add_sharding_types("diagonal_wise");
+  ExpectInvalid(spec, "unknown sharding type 'diagonal_wise' (valid: table_wise, row_wise");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsUnknownComputeKernel) {
+  auto spec = Spec(kGood);
+  (*spec.mutable_constraints())["b"].add_compute_kernels("quantum");
+  ExpectInvalid(spec, "unknown compute kernel 'quantum'");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsConstraintForUnknownTable) {
+  auto spec = Spec(kGood);
+  (*spec.mutable_constraints())["nope"].add_sharding_types("row_wise");
+  ExpectInvalid(spec, "constraints for 'nope': no table named 'nope'");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsPerFeatureListOfWrongLength) {
+  auto spec = Spec(kGood);
+  (*spec.mutable_constraints())["b"].add_pooling_factors(1.0);
+  ExpectInvalid(spec, "pooling_factors has 3 values but the table has 2 feature(s)");
+}
+
+TEST(ValidateCollectionSpecTest, RejectsBadOptimizerAndInitializer) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->mutable_optimizer()->set_learning_rate(-1);
+  spec.mutable_tables(0)->mutable_optimizer()->set_beta2(1.0);
+  spec.mutable_tables(1)->mutable_initializer()->set_type(ember::v1::InitializerSpec::UNIFORM);
+  spec.mutable_tables(1)->mutable_initializer()->set_low(1);
+  ExpectInvalid(spec, "optimizer.learning_rate must be a finite value >= 0");
+  ExpectInvalid(spec, "optimizer.beta2 must be in [0, 1)");
+  ExpectInvalid(spec, "initializer uniform needs low <= high");
+}
+
+TEST(ValidateCollectionSpecTest, ListsEveryProblem) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->set_num_embeddings(-5);
+  spec.mutable_tables(1)->set_embedding_dim(3);
+  const absl::Status s = ValidateCollectionSpec(spec);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("(2 problems)"));
+}
+
+TEST(ValidateTopologyTest, Rules) {
+  ember::v1::Topology t;
+  t.set_world_size(8);
+  t.set_local_world_size(4);
+  EXPECT_TRUE(ValidateTopology(t).ok());
+  t.set_local_world_size(3);
+  EXPECT_THAT(std::string(ValidateTopology(t).message()),
+              HasSubstr("world_size 8 is not a multiple of local_world_size 3"));
+  t.set_local_world_size(0);
+  t.set_world_size(0);
+  EXPECT_EQ(ValidateTopology(t).code(), absl::StatusCode::kInvalidArgument);
+  t.set_world_size(2);
+  t.add_devices()->set_rank(2);
+  EXPECT_THAT(std::string(ValidateTopology(t).message()),
+              HasSubstr("device override for rank 2 is outside [0, 2)"));
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace ember
