@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Sets up what is missing, builds everything and runs every test with Bazel,
+# then prints a closing line "N passed, N failed" (test cases, counted from
+# each test target's JUnit XML). Exits non-zero if anything failed.
+#
+# Extra arguments go to `bazel test` (e.g. scripts/test.sh //planner/...).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh || { echo "0 passed, 1 failed"; exit 1; }
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(//...)
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+bazel test --test_output=errors "${targets[@]}" 2>&1 | tee "$log"
+bazel_rc=${PIPESTATUS[0]}
+
+passed=0
+failed=0
+testlogs=$(bazel info bazel-testlogs 2>/dev/null)
+# Lines of Bazel's summary: "//pkg:target   PASSED in 0.1s", "FAILED", ...
+while read -r target status; do
+  xml="$testlogs/${target#//}"
+  xml="${xml/://}/test.xml"
+  if [ -f "$xml" ] && [ "$status" = PASSED -o "$status" = FAILED ]; then
+    cases=$(grep -o '<testcase ' "$xml" | wc -l)
+    fails=$(grep -o '<failure' "$xml" | wc -l)
+    errs=$(grep -o '<error' "$xml" | wc -l)
+    skipped=$(grep -Eo '<skipped|status="notrun"' "$xml" | wc -l)
+    bad=$((fails + errs))
+    if [ "$status" = FAILED ] && [ "$bad" -eq 0 ]; then bad=1; fi
+    ok=$((cases - bad - skipped))
+    [ "$ok" -ge 0 ] || ok=0
+    passed=$((passed + ok))
+    skipped_total=$((${skipped_total:-0} + skipped))
+    failed=$((failed + bad))
+  elif [ "$status" = PASSED ]; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+  fi
+done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|NO STATUS|FAILED TO BUILD|INCOMPLETE)' "$log" |
+         sed -E 's/\(cached\) +//' | awk '{print $1, $2}')
+
+if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
+  # The build itself failed before any test ran.
+  failed=1
+fi
+skipped_total=${skipped_total:-0}
+echo "$passed passed, $failed failed, $skipped_total skipped"
+[ "$failed" -eq 0 ] && [ "$bazel_rc" -eq 0 ]
