@@ -119,6 +119,10 @@ class Search {
         ddr_cap_(std::move(ddr_cap)),
         used_(world_size, 0) {}
 
+  // Per table, the most HBM (summed over its shards) an option may use;
+  // empty means no limit. Set by the HBM-budget strategy.
+  void SetHbmLimits(std::vector<int64_t> limits) { hbm_limit_ = std::move(limits); }
+
   // Places every table in `order` with no worker above `target`.
   Solution Greedy(const std::vector<int>& order, double target) {
     Solution s;
@@ -128,6 +132,7 @@ class Search {
       bool placed = false;
       const auto& options = tables_[t].options;
       for (int o = 0; o < static_cast<int>(options.size()); ++o) {
+        if (!hbm_limit_.empty() && options[o].total_hbm > hbm_limit_[t]) continue;
         if (TryPlace(options[o], target, &s.loads, &s.tables[t].ranks)) {
           s.tables[t].option = o;
           placed = true;
@@ -144,13 +149,27 @@ class Search {
     return s;
   }
 
-  // Greedy plus binary search on the target.
+  // Greedy plus a search on the target. The greedy pass is not monotone in
+  // the target, so a coarse geometric probe up from the lower bound comes
+  // first, then bisection between the last target that failed and the best
+  // plan found.
   Solution BestGreedy(const std::vector<int>& order, double lower_bound,
                       int steps) {
     Solution best = Greedy(order, kInf);
     if (!best.ok) return best;
     double lo = lower_bound, hi = best.makespan;
-    for (int i = 0; i < steps && hi - lo > 1e-6 * hi; ++i) {
+    for (double f : {1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0}) {
+      const double target = lower_bound * f;
+      if (target >= hi) break;
+      Solution s = Greedy(order, target);
+      if (s.ok) {
+        if (s.makespan < best.makespan) best = std::move(s);
+        hi = std::min(target, best.makespan);
+        break;
+      }
+      lo = target;
+    }
+    for (int i = 0; i < steps && hi - lo > 1e-4 * hi; ++i) {
       const double mid = 0.5 * (lo + hi);
       Solution s = Greedy(order, mid);
       if (s.ok) {
@@ -413,7 +432,89 @@ class Search {
   const std::vector<int64_t> hbm_cap_;
   const std::vector<int64_t> ddr_cap_;
   std::vector<char> used_;  // scratch for PlaceFree
+  std::vector<int64_t> hbm_limit_;
 };
+
+// HBM budget: when the cheapest layouts of all tables need more HBM than
+// `fraction` of the cluster's, move tables to layouts that use less HBM
+// (fused_uvm_caching, fused_uvm, row splits...) where that costs the least
+// extra time per byte saved, until the cheapest layouts fit. Returns each
+// table's HBM limit, or an empty vector when no limit is needed.
+std::vector<int64_t> HbmBudget(const std::vector<TableInfo>& tables,
+                               int64_t cluster_hbm, double fraction) {
+  const int n = static_cast<int>(tables.size());
+  std::vector<int> choice(n, 0);  // options are sorted by cost: 0 is cheapest
+  double used = 0;
+  for (const TableInfo& t : tables) used += t.options[0].total_hbm;
+  const double budget = fraction * cluster_hbm;
+  if (used <= budget) return {};
+  // Repeatedly take the demotion with the least extra cost per byte saved.
+  // n is at most tens of thousands and few tables move, so a linear scan per
+  // step is fine; each table's next step is the cheapest option using less
+  // HBM than its current one.
+  auto next_step = [&](int t, int* to, double* rate) {
+    const auto& opts = tables[t].options;
+    const Option& cur = opts[choice[t]];
+    *to = -1;
+    for (int o = 0; o < static_cast<int>(opts.size()); ++o) {
+      if (opts[o].total_hbm >= cur.total_hbm) continue;
+      const double r = (opts[o].total_cost - cur.total_cost) /
+                       static_cast<double>(cur.total_hbm - opts[o].total_hbm);
+      if (*to < 0 || r < *rate) {
+        *to = o;
+        *rate = r;
+      }
+    }
+  };
+  std::vector<int> to(n);
+  std::vector<double> rate(n);
+  for (int t = 0; t < n; ++t) next_step(t, &to[t], &rate[t]);
+  while (used > budget) {
+    int best = -1;
+    for (int t = 0; t < n; ++t) {
+      if (to[t] >= 0 && (best < 0 || rate[t] < rate[best])) best = t;
+    }
+    if (best < 0) break;
+    used -= tables[best].options[choice[best]].total_hbm -
+            tables[best].options[to[best]].total_hbm;
+    choice[best] = to[best];
+    next_step(best, &to[best], &rate[best]);
+  }
+  std::vector<int64_t> limits(n);
+  for (int t = 0; t < n; ++t) limits[t] = tables[t].options[choice[t]].total_hbm;
+  return limits;
+}
+
+// A tighter lower bound than max(total / W, largest shard): in any plan with
+// makespan M each table uses a layout whose largest shard costs at most M,
+// so M * W >= sum over tables of the least total cost among such layouts.
+// The smallest M meeting that is found by bisection.
+double OptionAwareLowerBound(const std::vector<TableInfo>& tables, int w,
+                             double simple_bound) {
+  auto feasible = [&](double m) {
+    double total = 0;
+    for (const TableInfo& t : tables) {
+      double best = kInf;
+      for (const Option& o : t.options) {
+        if (o.max_shard_cost <= m) best = std::min(best, o.total_cost);
+      }
+      total += best;
+      if (!std::isfinite(total)) return false;
+    }
+    return total <= m * w;
+  };
+  double lo = simple_bound, hi = std::max(simple_bound, 1e-12);
+  while (!feasible(hi)) {
+    hi *= 2;
+    if (hi > 1e300) return simple_bound;
+  }
+  if (feasible(lo)) return lo;
+  for (int i = 0; i < 60 && hi - lo > 1e-9 * hi; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (feasible(mid) ? hi : lo) = mid;
+  }
+  return lo;
+}
 
 // Blocks of a table under a sharding type.
 std::vector<ShardBlock> BlocksFor(ShardingType type, const TableConfig& t,
@@ -789,10 +890,25 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
     return x.min_total_cost > y.min_total_cost;
   });
 
+  const double tight_bound = OptionAwareLowerBound(tables, w, lower_bound);
   Search search(tables, w, lw, hbm_cap, ddr_cap);
-  Solution best = search.BestGreedy(by_cost, lower_bound, options.search_steps);
-  Solution alt = search.BestGreedy(by_memory, lower_bound, options.search_steps);
-  if (!best.ok || (alt.ok && alt.makespan < best.makespan)) best = std::move(alt);
+  Solution best = search.BestGreedy(by_cost, tight_bound, options.search_steps);
+  auto keep_better = [&best](Solution s) {
+    if (!best.ok || (s.ok && s.makespan < best.makespan)) best = std::move(s);
+  };
+  keep_better(search.BestGreedy(by_memory, tight_bound, options.search_steps));
+  // When HBM is the binding constraint, plan again with layouts chosen to
+  // fit an HBM budget, tightening the budget until a plan is found.
+  const int64_t cluster_hbm = std::accumulate(hbm_cap.begin(), hbm_cap.end(), int64_t{0});
+  for (double fraction : {0.95, 0.85, 0.7, 0.5}) {
+    std::vector<int64_t> limits = HbmBudget(tables, cluster_hbm, fraction);
+    if (limits.empty()) break;
+    search.SetHbmLimits(std::move(limits));
+    keep_better(search.BestGreedy(by_memory, tight_bound, options.search_steps));
+    keep_better(search.BestGreedy(by_cost, tight_bound, options.search_steps));
+    if (best.ok) break;
+  }
+  search.SetHbmLimits({});
   if (!best.ok) {
     return Infeasible(spec, tables, hbm_cap, ddr_cap, &search, best.failed_table,
                       model, device);
@@ -854,6 +970,7 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   stats->set_mean_cost_ms(sum_cost / w);
   stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
   stats->set_lower_bound_ms(lower_bound);
+  stats->set_option_lower_bound_ms(tight_bound);
   return plan;
 }
 

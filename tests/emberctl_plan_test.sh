@@ -126,5 +126,5 @@ expect_error "bad device" 2 "--compute_device must be cuda or cpu" -- plan --spe
 expect_error "unknown command" 2 "unknown command 'plant'" -- plant
 expect_error "no command" 2 "missing command" --
 
-echo "$((checks - failures)) of $checks checks passed"
+echo "$checks checks, $failures failure(s)"
 [ "$failures" -eq 0 ]
