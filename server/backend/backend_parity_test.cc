@@ -1,0 +1,489 @@
+// One parity suite for every backend available, against a naive
+// double-precision reference written here from the formulas in
+// embedding_backend.h. The CUDA backend joins the parameter list when built.
+#include <cmath>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu_kernels.h"
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+struct BackendParam {
+  std::string name;
+  std::function<absl::StatusOr<std::unique_ptr<EmbeddingBackend>>()> make;
+};
+
+std::vector<BackendParam> AvailableBackends() {
+  std::vector<BackendParam> out;
+  for (const std::string isa : {"scalar", "avx2", "avx512"}) {
+    if (!RowKernelsFor(isa).ok()) continue;  // this CPU lacks it
+    for (int threads : {1, 3}) {
+      CpuBackendOptions o;
+      o.isa = isa;
+      o.num_threads = threads;
+      out.push_back({absl::StrCat("cpu_", isa, "_", threads, "t"), [o] { return CreateCpuBackend(o); }});
+    }
+  }
+  return out;
+}
+
+// A jagged feature built in the test.
+struct Jagged {
+  std::vector<int64_t> lengths, ids;
+  std::vector<float> weights;
+};
+
+Jagged RandomJagged(std::mt19937& rng, int batch, int64_t rows, int max_len, bool weighted) {
+  Jagged j;
+  for (int b = 0; b < batch; ++b) {
+    const int len = (rng() % 4 == 0) ? 0 : static_cast<int>(rng() % (max_len + 1));
+    j.lengths.push_back(len);
+    for (int k = 0; k < len; ++k) {
+      // Small id range sometimes, to force duplicates within and across bags.
+      j.ids.push_back(static_cast<int64_t>(rng() % (rng() % 2 ? std::min<int64_t>(rows, 5) : rows)));
+      if (weighted) j.weights.push_back(std::uniform_real_distribution<float>(-2, 2)(rng));
+    }
+  }
+  return j;
+}
+
+FeatureRequest Feature(ShardId shard, Pooling p, const Jagged& j) {
+  FeatureRequest f;
+  f.shard = shard;
+  f.pooling = p;
+  f.lengths = j.lengths;
+  f.ids = j.ids;
+  f.weights = j.weights;
+  return f;
+}
+
+// Reference shard state in double.
+struct RefShard {
+  ShardSpec spec;
+  std::vector<double> w, state;  // [rows, dim], [rows, width]
+  int64_t width = 0;
+  int64_t step = 0;
+};
+
+std::vector<float> Export(EmbeddingBackend* be, ShardId id, const ShardSpec& spec,
+                          std::vector<float>* state = nullptr) {
+  std::vector<float> w(spec.rows * spec.dim);
+  std::vector<float> st(spec.rows * OptimizerStateWidth(spec.optimizer.type, spec.dim));
+  EXPECT_TRUE(be->ExportRows(id, 0, spec.rows, absl::MakeSpan(w), absl::MakeSpan(st)).ok());
+  if (state) *state = st;
+  return w;
+}
+
+RefShard MakeRef(EmbeddingBackend* be, ShardId id, const ShardSpec& spec) {
+  RefShard r;
+  r.spec = spec;
+  r.width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+  std::vector<float> st;
+  std::vector<float> w = Export(be, id, spec, &st);
+  r.w.assign(w.begin(), w.end());
+  r.state.assign(st.begin(), st.end());
+  return r;
+}
+
+std::vector<double> RefLookup(const RefShard& s, Pooling p, const Jagged& j) {
+  const int64_t dim = s.spec.dim;
+  std::vector<double> out;
+  size_t k = 0;
+  for (int64_t len : j.lengths) {
+    if (p == Pooling::kNone) {
+      for (int64_t i = 0; i < len; ++i, ++k) {
+        for (int64_t c = 0; c < dim; ++c) out.push_back(s.w[j.ids[k] * dim + c]);
+      }
+      continue;
+    }
+    std::vector<double> acc(dim, 0.0);
+    for (int64_t i = 0; i < len; ++i, ++k) {
+      const double wt = j.weights.empty() ? 1.0 : j.weights[k];
+      for (int64_t c = 0; c < dim; ++c) acc[c] += wt * s.w[j.ids[k] * dim + c];
+    }
+    if (p == Pooling::kMean && len > 0) {
+      for (double& v : acc) v /= len;
+    }
+    out.insert(out.end(), acc.begin(), acc.end());
+  }
+  return out;
+}
+
+// Adds each id's gradient contribution to `merged` (row -> grad).
+void RefExpand(const RefShard& s, Pooling p, const Jagged& j, const std::vector<float>& grad,
+               std::map<int64_t, std::vector<double>>* merged) {
+  const int64_t dim = s.spec.dim;
+  size_t k = 0;
+  for (size_t b = 0; b < j.lengths.size(); ++b) {
+    const int64_t len = j.lengths[b];
+    for (int64_t i = 0; i < len; ++i, ++k) {
+      double scale = 1.0;
+      const float* src;
+      if (p == Pooling::kNone) {
+        src = grad.data() + k * dim;
+      } else {
+        src = grad.data() + b * dim;
+        if (!j.weights.empty()) scale = j.weights[k];
+        if (p == Pooling::kMean) scale /= len;
+      }
+      auto& g = (*merged)[j.ids[k]];
+      g.resize(dim, 0.0);
+      for (int64_t c = 0; c < dim; ++c) g[c] += scale * src[c];
+    }
+  }
+}
+
+void RefUpdate(RefShard* s, std::map<int64_t, std::vector<double>>& merged) {
+  const OptimizerConfig& o = s->spec.optimizer;
+  const int64_t dim = s->spec.dim;
+  if (!merged.empty()) ++s->step;
+  for (auto& [row, g] : merged) {
+    double* w = &s->w[row * dim];
+    double* st = s->width ? &s->state[row * s->width] : nullptr;
+    for (int64_t c = 0; c < dim; ++c) g[c] += o.weight_decay * w[c];
+    switch (o.type) {
+      case OptimizerType::kSgd:
+        for (int64_t c = 0; c < dim; ++c) w[c] -= o.learning_rate * g[c];
+        break;
+      case OptimizerType::kAdagrad:
+        for (int64_t c = 0; c < dim; ++c) {
+          st[c] += g[c] * g[c];
+          w[c] -= o.learning_rate * g[c] / (std::sqrt(st[c]) + o.eps);
+        }
+        break;
+      case OptimizerType::kRowwiseAdagrad: {
+        double sq = 0;
+        for (double v : g) sq += v * v;
+        st[0] += sq / dim;
+        for (int64_t c = 0; c < dim; ++c) w[c] -= o.learning_rate * g[c] / (std::sqrt(st[0]) + o.eps);
+        break;
+      }
+      case OptimizerType::kAdam: {
+        const double c1 = 1 - std::pow(o.beta1, s->step), c2 = 1 - std::pow(o.beta2, s->step);
+        for (int64_t c = 0; c < dim; ++c) {
+          st[c] = o.beta1 * st[c] + (1 - o.beta1) * g[c];
+          st[dim + c] = o.beta2 * st[dim + c] + (1 - o.beta2) * g[c] * g[c];
+          w[c] -= o.learning_rate * (st[c] / c1) / (std::sqrt(st[dim + c] / c2) + o.eps);
+        }
+        break;
+      }
+    }
+  }
+}
+
+ShardSpec MakeSpec(int64_t rows, int64_t dim, WeightType wt = WeightType::kFp32,
+                   OptimizerType opt = OptimizerType::kSgd) {
+  ShardSpec s;
+  s.table = "t";
+  s.rows = rows;
+  s.dim = dim;
+  s.table_rows = rows;
+  s.weight_type = wt;
+  s.optimizer.type = opt;
+  s.optimizer.learning_rate = 0.05f;
+  s.optimizer.eps = 1e-6f;
+  s.initializer.seed = 42;
+  return s;
+}
+
+// Relative tolerance of stored weights by type (fp16: 11-bit mantissa,
+// bf16: 8-bit), applied to the magnitude of the values compared.
+double WeightTolerance(WeightType t) {
+  switch (t) {
+    case WeightType::kFp16:
+      return 2e-3;
+    case WeightType::kBf16:
+      return 1.6e-2;
+    default:
+      return 2e-5;
+  }
+}
+
+class BackendParityTest : public testing::TestWithParam<BackendParam> {
+ protected:
+  void SetUp() override {
+    auto be = GetParam().make();
+    ASSERT_TRUE(be.ok()) << be.status();
+    be_ = std::move(*be);
+  }
+  std::unique_ptr<EmbeddingBackend> be_;
+};
+
+TEST_P(BackendParityTest, PooledAndSequenceLookupsMatchReference) {
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 24; ++trial) {
+    const WeightType wt = static_cast<WeightType>(trial % 3);
+    const int64_t rows = 1 + rng() % 300, dim = 4 * (1 + rng() % 40);
+    const ShardSpec spec = MakeSpec(rows, dim, wt);
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const RefShard ref = MakeRef(be_.get(), *id, spec);
+    for (Pooling p : {Pooling::kSum, Pooling::kMean, Pooling::kNone}) {
+      const bool weighted = p != Pooling::kNone && rng() % 2;
+      const int batch = static_cast<int>(rng() % 20);  // 0: a feature with no bags
+      const Jagged j = RandomJagged(rng, batch, rows, 30, weighted);
+      const FeatureRequest f = Feature(*id, p, j);
+      std::vector<float> out(OutputSize(f, dim), -7.0f);
+      ASSERT_TRUE(be_->Lookup({LookupRequest{f, absl::MakeSpan(out)}}).ok());
+      const std::vector<double> want = RefLookup(ref, p, j);
+      ASSERT_EQ(out.size(), want.size());
+      for (size_t i = 0; i < out.size(); ++i) {
+        EXPECT_NEAR(out[i], want[i], 1e-5 * (1 + std::abs(want[i])) * 31)
+            << "trial " << trial << " pooling " << static_cast<int>(p) << " at " << i;
+      }
+    }
+  }
+}
+
+TEST_P(BackendParityTest, MeanOfEmptyBagIsZeroAndEmptyFeatureIsFine) {
+  const ShardSpec spec = MakeSpec(10, 8);
+  auto id = be_->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  Jagged j;
+  j.lengths = {0, 2, 0};
+  j.ids = {3, 3};
+  const FeatureRequest f = Feature(*id, Pooling::kMean, j);
+  std::vector<float> out(3 * 8, 9.0f);
+  ASSERT_TRUE(be_->Lookup({LookupRequest{f, absl::MakeSpan(out)}}).ok());
+  const std::vector<float> w = Export(be_.get(), *id, spec);
+  for (int c = 0; c < 8; ++c) {
+    EXPECT_EQ(out[c], 0.0f);
+    EXPECT_FLOAT_EQ(out[8 + c], w[3 * 8 + c]);
+    EXPECT_EQ(out[16 + c], 0.0f);
+  }
+  Jagged none;  // no bags at all
+  std::vector<float> empty;
+  EXPECT_TRUE(be_->Lookup({LookupRequest{Feature(*id, Pooling::kSum, none), absl::MakeSpan(empty)}}).ok());
+}
+
+TEST_P(BackendParityTest, FusedCallOverManyShardsAndFeatures) {
+  std::mt19937 rng(2);
+  std::vector<ShardSpec> specs = {MakeSpec(50, 16), MakeSpec(7, 4, WeightType::kFp16),
+                                  MakeSpec(300, 64, WeightType::kBf16)};
+  std::vector<ShardId> ids;
+  std::vector<RefShard> refs;
+  for (const auto& s : specs) {
+    auto id = be_->CreateShard(s);
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+    refs.push_back(MakeRef(be_.get(), *id, s));
+  }
+  std::vector<Jagged> js;
+  std::vector<std::pair<int, Pooling>> which;
+  for (int k = 0; k < 9; ++k) {
+    const int s = k % 3;
+    const Pooling p = static_cast<Pooling>(k / 3);
+    which.push_back({s, p});
+    js.push_back(RandomJagged(rng, 16, specs[s].rows, 12, p != Pooling::kNone && k % 2));
+  }
+  std::vector<std::vector<float>> outs(js.size());
+  std::vector<LookupRequest> reqs;
+  for (size_t k = 0; k < js.size(); ++k) {
+    const FeatureRequest f = Feature(ids[which[k].first], which[k].second, js[k]);
+    outs[k].resize(OutputSize(f, specs[which[k].first].dim));
+    reqs.push_back({f, absl::MakeSpan(outs[k])});
+  }
+  ASSERT_TRUE(be_->Lookup(reqs).ok());
+  for (size_t k = 0; k < js.size(); ++k) {
+    const auto want = RefLookup(refs[which[k].first], which[k].second, js[k]);
+    ASSERT_EQ(want.size(), outs[k].size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(outs[k][i], want[i], 1e-4 * (1 + std::abs(want[i]))) << k << " " << i;
+    }
+  }
+}
+
+// Several optimizer steps, two features on the same shard in each call (so
+// duplicates cross requests), compared with the formulas in double.
+TEST_P(BackendParityTest, OptimizerStepsMatchFormulas) {
+  std::mt19937 rng(3);
+  for (OptimizerType opt : {OptimizerType::kSgd, OptimizerType::kAdagrad,
+                            OptimizerType::kRowwiseAdagrad, OptimizerType::kAdam}) {
+    for (WeightType wt : {WeightType::kFp32, WeightType::kFp16, WeightType::kBf16}) {
+      ShardSpec spec = MakeSpec(40, 12, wt, opt);
+      if (opt != OptimizerType::kSgd) spec.optimizer.weight_decay = 0.01f;
+      if (opt == OptimizerType::kAdagrad) spec.optimizer.initial_accumulator_value = 0.1f;
+      auto id = be_->CreateShard(spec);
+      ASSERT_TRUE(id.ok()) << id.status();
+      RefShard ref = MakeRef(be_.get(), *id, spec);
+      for (int step = 0; step < 4; ++step) {
+        std::vector<Jagged> js;
+        std::vector<Pooling> ps = {Pooling::kSum, static_cast<Pooling>(1 + step % 2)};
+        std::vector<std::vector<float>> grads;
+        std::vector<GradientRequest> reqs;
+        std::map<int64_t, std::vector<double>> merged;
+        for (Pooling p : ps) js.push_back(RandomJagged(rng, 10, spec.rows, 8, p != Pooling::kNone && step % 2));
+        for (size_t k = 0; k < js.size(); ++k) {
+          const FeatureRequest f = Feature(*id, ps[k], js[k]);
+          std::vector<float> g(OutputSize(f, spec.dim));
+          for (float& v : g) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+          grads.push_back(std::move(g));
+        }
+        for (size_t k = 0; k < js.size(); ++k) {
+          reqs.push_back({Feature(*id, ps[k], js[k]), grads[k]});
+          RefExpand(ref, ps[k], js[k], grads[k], &merged);
+        }
+        ASSERT_TRUE(be_->ApplyGradients(reqs).ok());
+        RefUpdate(&ref, merged);
+        // Re-read the stored (rounded) weights into the reference, so each
+        // step's comparison measures one step's error.
+        std::vector<float> st;
+        const std::vector<float> w = Export(be_.get(), *id, spec, &st);
+        const double tol = WeightTolerance(wt);
+        for (size_t i = 0; i < w.size(); ++i) {
+          ASSERT_NEAR(w[i], ref.w[i], tol * (std::abs(ref.w[i]) + 1e-2))
+              << "opt " << static_cast<int>(opt) << " type " << static_cast<int>(wt)
+              << " step " << step << " elem " << i;
+          ref.w[i] = w[i];
+        }
+        for (size_t i = 0; i < st.size(); ++i) {
+          ASSERT_NEAR(st[i], ref.state[i], 1e-4 * (std::abs(ref.state[i]) + 1e-3)) << i;
+          ref.state[i] = st[i];
+        }
+      }
+      EXPECT_EQ(*be_->ExportStep(*id), 4);
+    }
+  }
+}
+
+// Bad input: the right code, and weights and state unchanged.
+TEST_P(BackendParityTest, BadInputChangesNothing) {
+  ShardSpec spec = MakeSpec(20, 8, WeightType::kFp32, OptimizerType::kAdam);
+  auto id = be_->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  std::vector<float> st0;
+  const std::vector<float> w0 = Export(be_.get(), *id, spec, &st0);
+  Jagged good;
+  good.lengths = {2, 1};
+  good.ids = {1, 2, 3};
+  std::vector<float> grad(2 * 8, 0.5f);
+  auto expect_bad = [&](const Jagged& j, Pooling p, size_t grad_size, absl::StatusCode code,
+                        const std::string& needle, ShardId shard) {
+    std::vector<float> g(grad_size, 0.5f);
+    // A valid request first in the same call: it must not be applied either.
+    std::vector<GradientRequest> reqs = {{Feature(*id, Pooling::kSum, good), grad},
+                                         {Feature(shard, p, j), g}};
+    absl::Status s = be_->ApplyGradients(reqs);
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_THAT(std::string(s.message()), testing::HasSubstr(needle));
+    std::vector<float> out(grad_size);
+    s = be_->Lookup({LookupRequest{Feature(shard, p, j), absl::MakeSpan(out)}});
+    EXPECT_EQ(s.code(), code) << s;
+  };
+  Jagged j = good;
+  j.ids[1] = 20;
+  expect_bad(j, Pooling::kSum, 16, absl::StatusCode::kInvalidArgument, "id 20 at position 1 is outside [0, 20)", *id);
+  j.ids[1] = -1;
+  expect_bad(j, Pooling::kSum, 16, absl::StatusCode::kInvalidArgument, "outside", *id);
+  j = good;
+  j.lengths = {2, 2};
+  expect_bad(j, Pooling::kSum, 16, absl::StatusCode::kInvalidArgument, "lengths sum to 4 but there are 3 ids", *id);
+  j.lengths = {4, -1};
+  expect_bad(j, Pooling::kSum, 16, absl::StatusCode::kInvalidArgument, "negative", *id);
+  j = good;
+  j.weights = {1.0f};
+  expect_bad(j, Pooling::kSum, 16, absl::StatusCode::kInvalidArgument, "1 weights for 3 ids", *id);
+  j.weights = {1, 1, 1};
+  expect_bad(j, Pooling::kNone, 24, absl::StatusCode::kInvalidArgument, "pooled", *id);
+  expect_bad(good, Pooling::kSum, 15, absl::StatusCode::kInvalidArgument, "expected 16", *id);
+  expect_bad(good, Pooling::kNone, 16, absl::StatusCode::kInvalidArgument, "expected 24", *id);
+  expect_bad(good, Pooling::kSum, 16, absl::StatusCode::kNotFound, "no shard with id 99", 99);
+  std::vector<float> st1;
+  const std::vector<float> w1 = Export(be_.get(), *id, spec, &st1);
+  EXPECT_EQ(w0, w1);
+  EXPECT_EQ(st0, st1);
+  EXPECT_EQ(*be_->ExportStep(*id), 0);
+  // Export/import range and size checks.
+  std::vector<float> buf(8), sbuf(16);
+  EXPECT_EQ(be_->ExportRows(*id, 19, 21, absl::MakeSpan(buf), absl::MakeSpan(sbuf)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(be_->ImportRows(*id, 0, 1, buf, absl::MakeConstSpan(sbuf.data(), 3)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_P(BackendParityTest, ExportImportRoundTrip) {
+  const ShardSpec spec = MakeSpec(30, 8, WeightType::kBf16, OptimizerType::kRowwiseAdagrad);
+  auto a = be_->CreateShard(spec);
+  ShardSpec other = spec;
+  other.initializer.seed = 7;
+  auto b = be_->CreateShard(other);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<float> st;
+  const std::vector<float> w = Export(be_.get(), *a, spec, &st);
+  for (float& v : st) v = 0.25f;
+  ASSERT_TRUE(be_->ImportRows(*b, 0, spec.rows, w, st).ok());
+  std::vector<float> st2;
+  EXPECT_EQ(Export(be_.get(), *b, spec, &st2), w);
+  EXPECT_EQ(st2, st);
+}
+
+TEST_P(BackendParityTest, InitializerIsReproducibleAcrossShardings) {
+  ShardSpec whole = MakeSpec(100, 16);
+  ShardSpec part = whole;
+  part.rows = 30;
+  part.row_offset = 50;
+  part.dim = 8;
+  part.col_offset = 8;
+  auto a = be_->CreateShard(whole);
+  auto b = be_->CreateShard(part);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const auto wa = Export(be_.get(), *a, whole), wb = Export(be_.get(), *b, part);
+  const double bound = std::sqrt(1.0 / 100);
+  double sum = 0;
+  for (float v : wa) {
+    EXPECT_LE(std::abs(v), bound);
+    sum += v;
+  }
+  EXPECT_LT(std::abs(sum / wa.size()), bound / 10);  // centred
+  for (int r = 0; r < 30; ++r) {
+    for (int c = 0; c < 8; ++c) EXPECT_EQ(wb[r * 8 + c], wa[(50 + r) * 16 + 8 + c]);
+  }
+}
+
+TEST_P(BackendParityTest, RejectsBadShardSpecs) {
+  ShardSpec s = MakeSpec(10, 6);
+  EXPECT_EQ(be_->CreateShard(s).status().code(), absl::StatusCode::kInvalidArgument);
+  s = MakeSpec(0, 8);
+  EXPECT_EQ(be_->CreateShard(s).status().code(), absl::StatusCode::kInvalidArgument);
+  s = MakeSpec(10, 8);
+  s.optimizer.weight_decay = 0.1f;  // SGD has none in FBGEMM
+  EXPECT_EQ(be_->CreateShard(s).status().code(), absl::StatusCode::kInvalidArgument);
+  s = MakeSpec(10, 8);
+  s.row_offset = 5;  // beyond table_rows
+  EXPECT_EQ(be_->CreateShard(s).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(be_->DropShard(1234).code(), absl::StatusCode::kNotFound);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, BackendParityTest, testing::ValuesIn(AvailableBackends()),
+                         [](const testing::TestParamInfo<BackendParam>& info) { return info.param.name; });
+
+TEST(CpuBackendTest, MemoryLimitAndOptions) {
+  CpuBackendOptions o;
+  o.memory_limit_bytes = 1000;
+  auto be = CreateCpuBackend(o);
+  ASSERT_TRUE(be.ok());
+  EXPECT_TRUE((*be)->CreateShard(MakeSpec(10, 8)).ok());  // 320 bytes
+  EXPECT_EQ((*be)->CreateShard(MakeSpec(100, 8)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  o.num_threads = 0;
+  EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.num_threads = 1;
+  o.isa = "sse9";
+  EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace backend
+}  // namespace ember

@@ -1,0 +1,452 @@
+#include "server/backend/cpu_backend.h"
+
+#include <xmmintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <new>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "server/backend/cpu_kernels.h"
+#include "server/backend/half.h"
+#include "server/backend/thread_pool.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
+
+struct Shard {
+  ShardSpec spec;
+  int elem_bytes = 4;
+  int64_t state_width = 0;
+  std::unique_ptr<uint8_t[]> weights;  // [rows, dim] in spec.weight_type
+  std::unique_ptr<float[]> state;      // [rows, state_width]
+  int64_t step = 0;                    // Adam's t
+
+  const uint8_t* Row(int64_t r) const { return weights.get() + r * spec.dim * elem_bytes; }
+  uint8_t* Row(int64_t r) { return weights.get() + r * spec.dim * elem_bytes; }
+  int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
+
+  float Get(int64_t r, int64_t c) const {
+    switch (spec.weight_type) {
+      case WeightType::kFp16:
+        return Fp16ToFloat(reinterpret_cast<const uint16_t*>(Row(r))[c]);
+      case WeightType::kBf16:
+        return Bf16ToFloat(reinterpret_cast<const uint16_t*>(Row(r))[c]);
+      default:
+        return reinterpret_cast<const float*>(Row(r))[c];
+    }
+  }
+  void Set(int64_t r, int64_t c, float v) {
+    switch (spec.weight_type) {
+      case WeightType::kFp16:
+        reinterpret_cast<uint16_t*>(Row(r))[c] = FloatToFp16(v);
+        break;
+      case WeightType::kBf16:
+        reinterpret_cast<uint16_t*>(Row(r))[c] = FloatToBf16(v);
+        break;
+      default:
+        reinterpret_cast<float*>(Row(r))[c] = v;
+    }
+  }
+};
+
+class CpuBackend : public EmbeddingBackend {
+ public:
+  CpuBackend(const CpuBackendOptions& options, const RowKernels* kernels)
+      : options_(options), kernels_(kernels), pool_(options.num_threads) {}
+
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    if (absl::Status s = ValidateShardSpec(spec); !s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    auto shard = std::make_unique<Shard>();
+    shard->spec = spec;
+    shard->elem_bytes = ElementBytes(spec.weight_type);
+    shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    const int64_t bytes = shard->Bytes();
+    if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
+          options_.memory_limit_bytes, " are in use"));
+    }
+    shard->weights.reset(new (std::nothrow) uint8_t[spec.rows * spec.dim * shard->elem_bytes]);
+    if (shard->state_width > 0) {
+      shard->state.reset(new (std::nothrow) float[spec.rows * shard->state_width]);
+    }
+    if (!shard->weights || (shard->state_width > 0 && !shard->state)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("out of host memory for shard of table '", spec.table, "' (", bytes,
+                       " bytes)"));
+    }
+    Shard* s = shard.get();
+    pool_.ParallelFor(spec.rows, 256, [s](int64_t b, int64_t e) {
+      const ShardSpec& sp = s->spec;
+      const bool adagrad = sp.optimizer.type == OptimizerType::kAdagrad ||
+                           sp.optimizer.type == OptimizerType::kRowwiseAdagrad;
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t c = 0; c < sp.dim; ++c) {
+          s->Set(r, c, InitialValue(sp.initializer, sp.table_rows, sp.row_offset + r,
+                                    sp.col_offset + c));
+        }
+        for (int64_t k = 0; k < s->state_width; ++k) {
+          s->state[r * s->state_width + k] = adagrad ? sp.optimizer.initial_accumulator_value : 0;
+        }
+      }
+    });
+    used_bytes_ += bytes;
+    const ShardId id = next_id_++;
+    shards_.emplace(id, std::move(shard));
+    return id;
+  }
+
+  absl::Status DropShard(ShardId id) override {
+    absl::MutexLock lock(&mu_);
+    auto it = shards_.find(id);
+    if (it == shards_.end()) return NotFound(id);
+    used_bytes_ -= it->second->Bytes();
+    shards_.erase(it);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    auto it = shards_.find(id);
+    if (it == shards_.end()) return NotFound(id);
+    return it->second->spec;
+  }
+
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    // Validate everything first.
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const auto& f = requests[i].feature;
+      const Shard* s = FindShard(f.shard);
+      if (s == nullptr) return NotFound(f.shard);
+      const std::string what = absl::StrCat("lookup request ", i, " (table '", s->spec.table, "')");
+      if (absl::Status st = ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
+      const int64_t want = OutputSize(f, s->spec.dim);
+      if (static_cast<int64_t>(requests[i].output.size()) != want) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": output has ",
+                                                       requests[i].output.size(),
+                                                       " floats, expected ", want));
+      }
+    }
+    // Work items: one per bag (pooled) or per id (NONE), across requests.
+    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; });
+    const int64_t total = item_begin_.back();
+    const AccumulateFn* acc = kernels_->accumulate;
+    const int prefetch = options_.prefetch_distance;
+    pool_.ParallelFor(total, 64, [&](int64_t b, int64_t e) {
+      size_t req = std::upper_bound(item_begin_.begin(), item_begin_.end(), b) - item_begin_.begin() - 1;
+      for (int64_t item = b; item < e; ++item) {
+        while (item >= item_begin_[req + 1]) ++req;
+        const LookupRequest& r = requests[req];
+        const FeatureRequest& f = r.feature;
+        const Shard& s = *shard_ptr_[req];
+        const int64_t dim = s.spec.dim;
+        const AccumulateFn fn = acc[static_cast<int>(s.spec.weight_type)];
+        const int64_t local = item - item_begin_[req];
+        float* out = r.output.data() + local * dim;
+        std::memset(out, 0, dim * sizeof(float));
+        if (f.pooling == Pooling::kNone) {
+          fn(out, s.Row(f.ids[local]), dim, 1.0f);
+          continue;
+        }
+        const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
+        for (int64_t k = begin; k < end; ++k) {
+          if (prefetch > 0 && k + prefetch < end) {
+            _mm_prefetch(reinterpret_cast<const char*>(s.Row(f.ids[k + prefetch])), _MM_HINT_T0);
+          }
+          fn(out, s.Row(f.ids[k]), dim, f.weights.empty() ? 1.0f : f.weights[k]);
+        }
+        if (f.pooling == Pooling::kMean && end > begin) {
+          const float inv = 1.0f / static_cast<float>(end - begin);
+          for (int64_t c = 0; c < dim; ++c) out[c] *= inv;
+        }
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const auto& f = requests[i].feature;
+      const Shard* s = FindShard(f.shard);
+      if (s == nullptr) return NotFound(f.shard);
+      const std::string what =
+          absl::StrCat("gradient request ", i, " (table '", s->spec.table, "')");
+      if (absl::Status st = ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
+      const int64_t want = OutputSize(f, s->spec.dim);
+      if (static_cast<int64_t>(requests[i].grad.size()) != want) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": gradient has ",
+                                                       requests[i].grad.size(),
+                                                       " floats, expected ", want));
+      }
+    }
+    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; });
+    // Group requests by shard; each shard's rows are merged, then updated.
+    std::map<ShardId, std::vector<size_t>> by_shard;
+    for (size_t i = 0; i < requests.size(); ++i) by_shard[requests[i].feature.shard].push_back(i);
+    for (const auto& [id, reqs] : by_shard) {
+      Shard& s = *shards_.at(id);
+      // Occurrences: (row, request, position of the id).
+      occ_.clear();
+      for (size_t i : reqs) {
+        const auto& ids = requests[i].feature.ids;
+        for (size_t k = 0; k < ids.size(); ++k) occ_.push_back({ids[k], static_cast<int32_t>(i), static_cast<int64_t>(k)});
+      }
+      if (occ_.empty()) continue;
+      std::sort(occ_.begin(), occ_.end(), [](const Occ& a, const Occ& b) {
+        return a.row != b.row ? a.row < b.row : (a.req != b.req ? a.req < b.req : a.pos < b.pos);
+      });
+      unique_begin_.clear();
+      for (size_t k = 0; k < occ_.size(); ++k) {
+        if (k == 0 || occ_[k].row != occ_[k - 1].row) unique_begin_.push_back(k);
+      }
+      unique_begin_.push_back(occ_.size());
+      const int64_t dim = s.spec.dim;
+      const int64_t num_unique = static_cast<int64_t>(unique_begin_.size()) - 1;
+      grad_sum_.resize(static_cast<size_t>(num_unique * dim));
+      ++s.step;
+      pool_.ParallelFor(num_unique, 16, [&](int64_t b, int64_t e) {
+        for (int64_t u = b; u < e; ++u) {
+          float* g = grad_sum_.data() + u * dim;
+          std::fill(g, g + dim, 0.0f);
+          for (size_t k = unique_begin_[u]; k < unique_begin_[u + 1]; ++k) {
+            const Occ& o = occ_[k];
+            const GradientRequest& r = requests[o.req];
+            const FeatureRequest& f = r.feature;
+            const float* src;
+            float scale = 1.0f;
+            if (f.pooling == Pooling::kNone) {
+              src = r.grad.data() + o.pos * dim;
+            } else {
+              const int64_t bag = bag_of_[o.req][o.pos];
+              src = r.grad.data() + bag * dim;
+              if (!f.weights.empty()) scale = f.weights[o.pos];
+              if (f.pooling == Pooling::kMean) {
+                scale /= static_cast<float>(offsets_[o.req][bag + 1] - offsets_[o.req][bag]);
+              }
+            }
+            for (int64_t c = 0; c < dim; ++c) g[c] += scale * src[c];
+          }
+          UpdateRow(&s, occ_[unique_begin_[u]].row, g);
+        }
+      });
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ExportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                          absl::Span<float> weights, absl::Span<float> state) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    if (absl::Status st = CheckRange(*s, row_begin, row_end, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    const int64_t dim = s->spec.dim;
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      for (int64_t c = 0; c < dim; ++c) weights[(r - row_begin) * dim + c] = s->Get(r, c);
+    }
+    if (s->state_width > 0) {
+      std::memcpy(state.data(), s->state.get() + row_begin * s->state_width,
+                  (row_end - row_begin) * s->state_width * sizeof(float));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                          absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    if (absl::Status st = CheckRange(*s, row_begin, row_end, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    const int64_t dim = s->spec.dim;
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      for (int64_t c = 0; c < dim; ++c) s->Set(r, c, weights[(r - row_begin) * dim + c]);
+    }
+    if (s->state_width > 0) {
+      std::memcpy(s->state.get() + row_begin * s->state_width, state.data(),
+                  (row_end - row_begin) * s->state_width * sizeof(float));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    return s->step;
+  }
+
+  absl::Status ImportStep(ShardId id, int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
+    s->step = step;
+    return absl::OkStatus();
+  }
+
+  std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }
+
+ private:
+  struct Occ {
+    int64_t row;
+    int32_t req;
+    int64_t pos;
+  };
+
+  static absl::Status NotFound(ShardId id) {
+    return absl::NotFoundError(absl::StrCat("no shard with id ", id));
+  }
+
+  Shard* FindShard(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = shards_.find(id);
+    return it == shards_.end() ? nullptr : it->second.get();
+  }
+
+  static absl::Status CheckRange(const Shard& s, int64_t b, int64_t e, size_t weights,
+                                 size_t state) {
+    if (b < 0 || e > s.spec.rows || b > e) {
+      return absl::InvalidArgumentError(absl::StrCat("row range [", b, ", ", e,
+                                                     ") is outside [0, ", s.spec.rows, ")"));
+    }
+    const int64_t n = e - b;
+    if (static_cast<int64_t>(weights) != n * s.spec.dim ||
+        static_cast<int64_t>(state) != n * s.state_width) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffers hold ", weights, " weights and ", state, " state floats; expected ",
+          n * s.spec.dim, " and ", n * s.state_width));
+    }
+    return absl::OkStatus();
+  }
+
+  // Bag offsets (and, for gradients, each id's bag) per request, in reused
+  // buffers; item_begin_ is the prefix sum of work items.
+  template <typename GetFeature>
+  void PrepareItems(size_t n, GetFeature get) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (offsets_.size() < n) {
+      offsets_.resize(n);
+      bag_of_.resize(n);
+    }
+    shard_ptr_.resize(n);
+    item_begin_.assign(1, 0);
+    for (size_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = *get(i);
+      shard_ptr_[i] = FindShard(f.shard);
+      auto& off = offsets_[i];
+      off.resize(f.lengths.size() + 1);
+      off[0] = 0;
+      for (size_t b = 0; b < f.lengths.size(); ++b) off[b + 1] = off[b] + f.lengths[b];
+      auto& bag = bag_of_[i];
+      bag.resize(f.ids.size());
+      for (size_t b = 0; b < f.lengths.size(); ++b) {
+        for (int64_t k = off[b]; k < off[b + 1]; ++k) bag[k] = static_cast<int64_t>(b);
+      }
+      item_begin_.push_back(item_begin_.back() +
+                            static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size()
+                                                                             : f.lengths.size()));
+    }
+  }
+
+  // One optimizer step on row r with merged gradient g (modified in place).
+  static void UpdateRow(Shard* s, int64_t r, float* g) {
+    const OptimizerConfig& o = s->spec.optimizer;
+    const int64_t dim = s->spec.dim;
+    float w[1024];
+    float* wp = dim <= 1024 ? w : nullptr;
+    std::vector<float> big;
+    if (wp == nullptr) {
+      big.resize(dim);
+      wp = big.data();
+    }
+    for (int64_t c = 0; c < dim; ++c) wp[c] = s->Get(r, c);
+    if (o.weight_decay > 0) {
+      for (int64_t c = 0; c < dim; ++c) g[c] += o.weight_decay * wp[c];
+    }
+    float* st = s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr;
+    switch (o.type) {
+      case OptimizerType::kSgd:
+        for (int64_t c = 0; c < dim; ++c) wp[c] -= o.learning_rate * g[c];
+        break;
+      case OptimizerType::kAdagrad:
+        for (int64_t c = 0; c < dim; ++c) {
+          st[c] += g[c] * g[c];
+          wp[c] -= o.learning_rate * g[c] / (std::sqrt(st[c]) + o.eps);
+        }
+        break;
+      case OptimizerType::kRowwiseAdagrad: {
+        double sq = 0;
+        for (int64_t c = 0; c < dim; ++c) sq += static_cast<double>(g[c]) * g[c];
+        st[0] += static_cast<float>(sq / dim);
+        const float denom = std::sqrt(st[0]) + o.eps;
+        for (int64_t c = 0; c < dim; ++c) wp[c] -= o.learning_rate * g[c] / denom;
+        break;
+      }
+      case OptimizerType::kAdam: {
+        float* m = st;
+        float* v = st + dim;
+        const double t = static_cast<double>(s->step);
+        const float c1 = static_cast<float>(1.0 - std::pow(o.beta1, t));
+        const float c2 = static_cast<float>(1.0 - std::pow(o.beta2, t));
+        for (int64_t c = 0; c < dim; ++c) {
+          m[c] = o.beta1 * m[c] + (1 - o.beta1) * g[c];
+          v[c] = o.beta2 * v[c] + (1 - o.beta2) * g[c] * g[c];
+          wp[c] -= o.learning_rate * (m[c] / c1) / (std::sqrt(v[c] / c2) + o.eps);
+        }
+        break;
+      }
+    }
+    for (int64_t c = 0; c < dim; ++c) s->Set(r, c, wp[c]);
+  }
+
+  const CpuBackendOptions options_;
+  const RowKernels* const kernels_;
+  ThreadPool pool_;
+  mutable absl::Mutex mu_;
+  std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
+  ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Scratch reused across calls (no allocation once warm).
+  std::vector<std::vector<int64_t>> offsets_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<int64_t>> bag_of_ ABSL_GUARDED_BY(mu_);
+  std::vector<const Shard*> shard_ptr_ ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> item_begin_ ABSL_GUARDED_BY(mu_);
+  std::vector<Occ> occ_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> unique_begin_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> grad_sum_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(
+    const CpuBackendOptions& options) {
+  if (options.num_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_threads must be >= 1, got ", options.num_threads));
+  }
+  if (options.prefetch_distance < 0) {
+    return absl::InvalidArgumentError("prefetch_distance must be >= 0");
+  }
+  auto kernels = RowKernelsFor(options.isa);
+  if (!kernels.ok()) return kernels.status();
+  return std::unique_ptr<EmbeddingBackend>(new CpuBackend(options, *kernels));
+}
+
+}  // namespace backend
+}  // namespace ember

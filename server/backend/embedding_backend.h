@@ -1,0 +1,171 @@
+// EmbeddingBackend: the engine inside every worker. It holds the embedding
+// shards assigned to a worker and runs fused batched lookups and fused
+// backward + optimizer steps over all of them.
+//
+// Implementations: CpuBackend (cpu_backend.h, always built, the reference for
+// parity tests) and, where nvcc exists, the CUDA backend in cuda/.
+//
+// Shapes and layouts. A lookup or gradient request is KeyedJaggedTensor
+// shaped, one FeatureRequest per (feature, shard):
+//   lengths  [batch]    int64, ids per bag, >= 0
+//   ids      [sum(lengths)] int64, shard-local row ids in [0, rows)
+//   weights  [sum(lengths)] float, optional per-id weights (pooled only)
+//   output   [batch, dim] row-major fp32 for SUM/MEAN;
+//            [sum(lengths), dim] for NONE (one row per id, in id order)
+// MEAN divides by the bag's length; the MEAN of an empty bag is 0.
+//
+// Optimizers (one update per touched row per ApplyGradients call; g is the
+// row's gradient summed over every occurrence of the row in the call, first
+// multiplied by the per-id weight and, for MEAN, divided by the bag length;
+// wd is weight_decay added as L2, g <- g + wd * w, where FBGEMM has it):
+//   SGD              w -= lr * g                        (no weight decay)
+//   ADAGRAD          G += g*g;  w -= lr * g / (sqrt(G) + eps)   per element
+//   ROWWISE_ADAGRAD  G += mean(g*g);  w -= lr * g / (sqrt(G) + eps)
+//                    (FBGEMM EXACT_ROWWISE_ADAGRAD: one G per row)
+//   ADAM             t += 1 per call that touches the shard;
+//                    m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;
+//                    w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+// Weights may be fp32, fp16 or bf16; all arithmetic is fp32 and stored
+// weights are rounded to nearest even. Optimizer state is fp32.
+//
+// Errors: bad input (unknown shard, id out of range or negative, lengths
+// that do not sum to the ids, weight count mismatch, gradient of the wrong
+// shape) returns INVALID_ARGUMENT / NOT_FOUND and changes nothing: every
+// request of a call is validated before anything is written.
+#ifndef EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
+#define EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace ember {
+namespace backend {
+
+enum class Pooling { kSum, kMean, kNone };
+enum class WeightType { kFp32, kFp16, kBf16 };
+enum class OptimizerType { kSgd, kAdagrad, kRowwiseAdagrad, kAdam };
+enum class InitializerType { kDefault, kUniform, kNormal, kConstant };
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kSgd;
+  float learning_rate = 0.01f;
+  float eps = 1e-8f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float weight_decay = 0.0f;
+  float initial_accumulator_value = 0.0f;  // Adagrad variants
+};
+
+// Element (r, c) of a table gets a value that depends only on the seed, the
+// table's row count and the global (row, column), so a shard is reproducible
+// from its spec and offsets whatever the sharding.
+struct InitializerConfig {
+  // kDefault is TorchRec's uniform(-sqrt(1/table_rows), sqrt(1/table_rows)).
+  InitializerType type = InitializerType::kDefault;
+  float low = 0, high = 0;   // kUniform
+  float mean = 0, std = 0;   // kNormal
+  float value = 0;           // kConstant
+  uint64_t seed = 0;
+};
+
+// One shard: rows [row_offset, row_offset + rows) and columns
+// [col_offset, col_offset + dim) of a table with table_rows rows.
+struct ShardSpec {
+  std::string table;
+  int64_t rows = 0;
+  int64_t dim = 0;
+  int64_t row_offset = 0;
+  int64_t col_offset = 0;
+  int64_t table_rows = 0;
+  WeightType weight_type = WeightType::kFp32;
+  OptimizerConfig optimizer;
+  InitializerConfig initializer;
+};
+
+using ShardId = int32_t;
+
+// fp32 optimizer state elements per row: SGD 0, Adagrad dim, row-wise
+// Adagrad 1, Adam 2 * dim (m then v).
+int64_t OptimizerStateWidth(OptimizerType type, int64_t dim);
+
+// One feature's ids for one shard. Pointers are borrowed for the call.
+struct FeatureRequest {
+  ShardId shard = 0;
+  Pooling pooling = Pooling::kSum;
+  absl::Span<const int64_t> lengths;  // [batch]
+  absl::Span<const int64_t> ids;      // [sum(lengths)]
+  absl::Span<const float> weights;    // empty, or [sum(lengths)]
+};
+
+struct LookupRequest {
+  FeatureRequest feature;
+  // Destination: [batch, dim] (pooled) or [num_ids, dim] (NONE), fp32.
+  absl::Span<float> output;
+};
+
+struct GradientRequest {
+  FeatureRequest feature;
+  // Gradient of the output: same shape as a lookup's output.
+  absl::Span<const float> grad;
+};
+
+class EmbeddingBackend {
+ public:
+  virtual ~EmbeddingBackend() = default;
+
+  // Allocates and initialises a shard. INVALID_ARGUMENT for a malformed spec,
+  // RESOURCE_EXHAUSTED when memory cannot be had.
+  virtual absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) = 0;
+  virtual absl::Status DropShard(ShardId shard) = 0;
+  virtual absl::StatusOr<ShardSpec> GetShardSpec(ShardId shard) const = 0;
+
+  // Fused lookup over every request (any mix of shards and poolings).
+  virtual absl::Status Lookup(absl::Span<const LookupRequest> requests) = 0;
+
+  // Fused backward + optimizer: duplicate rows (within and across requests
+  // of one shard) are merged and each touched row is updated once.
+  virtual absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) = 0;
+
+  // Rows [row_begin, row_end) of a shard (shard-local), as fp32 weights
+  // [n, dim] and optimizer state [n, OptimizerStateWidth]. The Adam step
+  // count is per shard (ExportStep / ImportStep).
+  virtual absl::Status ExportRows(ShardId shard, int64_t row_begin, int64_t row_end,
+                                  absl::Span<float> weights,
+                                  absl::Span<float> state) const = 0;
+  virtual absl::Status ImportRows(ShardId shard, int64_t row_begin, int64_t row_end,
+                                  absl::Span<const float> weights,
+                                  absl::Span<const float> state) = 0;
+  virtual absl::StatusOr<int64_t> ExportStep(ShardId shard) const = 0;
+  virtual absl::Status ImportStep(ShardId shard, int64_t step) = 0;
+
+  // Human-readable name ("cpu/avx2", "cuda/H100").
+  virtual std::string Name() const = 0;
+};
+
+// Checks a shard spec: rows > 0, dim > 0 and divisible by 4, offsets >= 0,
+// row_offset + rows <= table_rows, optimizer hyper-parameters in range
+// (SGD with weight_decay is rejected: FBGEMM's exact SGD has none).
+absl::Status ValidateShardSpec(const ShardSpec& spec);
+
+// Checks one feature request against a shard of `rows` rows: lengths >= 0
+// summing to ids.size(), ids in [0, rows), weights empty or one per id and
+// only for pooled features. `what` prefixes the message.
+absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows,
+                             const std::string& what);
+
+// Output (and gradient) element count: batch * dim pooled, num_ids * dim NONE.
+int64_t OutputSize(const FeatureRequest& f, int64_t dim);
+
+// The initial value of element (global_row, global_col).
+float InitialValue(const InitializerConfig& init, int64_t table_rows,
+                   int64_t global_row, int64_t global_col);
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_

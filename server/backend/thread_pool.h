@@ -1,0 +1,126 @@
+// A fixed pool of threads for data-parallel loops on the hot path.
+//
+// ParallelFor hands out chunks of [0, n) through an atomic counter; the
+// calling thread works too. No allocation per call.
+//
+// Thread-safety: ParallelFor calls are serialised by an internal mutex, so
+// concurrent callers take turns; fn must be safe to run on disjoint ranges
+// concurrently.
+#ifndef EMBER_SERVER_BACKEND_THREAD_POOL_H_
+#define EMBER_SERVER_BACKEND_THREAD_POOL_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ember {
+namespace backend {
+
+class ThreadPool {
+ public:
+  // num_threads >= 1 threads in all, the caller included.
+  explicit ThreadPool(int num_threads) : num_threads_(std::max(1, num_threads)) {
+    for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return num_threads_; }
+
+  // Runs fn(begin, end) over chunks of [0, n) of about `grain` items.
+  template <typename F>
+  void ParallelFor(int64_t n, int64_t grain, F&& fn) {
+    if (n <= 0) return;
+    grain = std::max<int64_t>(1, grain);
+    if (num_threads_ == 1 || n <= grain) {
+      fn(int64_t{0}, n);
+      return;
+    }
+    std::lock_guard<std::mutex> call_lock(call_mu_);
+    using Fn = typename std::remove_reference<F>::type;
+    Task task;
+    task.n = n;
+    task.grain = grain;
+    task.ctx = const_cast<void*>(static_cast<const void*>(&fn));
+    task.call = [](void* ctx, int64_t b, int64_t e) { (*static_cast<Fn*>(ctx))(b, e); };
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      task_ = &task;
+      next_.store(0);
+      active_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    RunChunks(task);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return active_ == 0; });
+    task_ = nullptr;
+  }
+
+ private:
+  struct Task {
+    int64_t n = 0;
+    int64_t grain = 1;
+    void* ctx = nullptr;
+    void (*call)(void*, int64_t, int64_t) = nullptr;
+  };
+
+  void RunChunks(const Task& t) {
+    for (;;) {
+      const int64_t b = next_.fetch_add(t.grain);
+      if (b >= t.n) return;
+      t.call(t.ctx, b, std::min(t.n, b + t.grain));
+    }
+  }
+
+  void WorkerLoop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const Task* task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+        task = task_;
+      }
+      if (task != nullptr) RunChunks(*task);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--active_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+
+  const int num_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex call_mu_;  // one ParallelFor at a time
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable done_cv_;
+  uint64_t generation_ = 0;  // guarded by mu_
+  bool stop_ = false;        // guarded by mu_
+  int active_ = 0;           // guarded by mu_
+  const Task* task_ = nullptr;  // guarded by mu_
+  std::atomic<int64_t> next_{0};
+};
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_THREAD_POOL_H_
