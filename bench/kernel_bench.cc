@@ -1,0 +1,125 @@
+// kernel_bench: throughput of an EmbeddingBackend's fused lookup and fused
+// backward + optimizer on one table. A benchmark, not a test.
+//
+//   bazel run -c opt //bench:kernel_bench -- --rows=1000000 --dim=64 --batch=2048
+//       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
+//       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
+//       [--iters=20] [--format=table|json]
+//
+// lookups_per_s: ids gathered per second; gbps: embedding bytes read per
+// second (ids x dim x element size); bwd_lookups_per_s: ids per second through
+// backward + optimizer (duplicates merged, one update per row).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gflags/gflags.h"
+#include "server/backend/cpu_backend.h"
+
+DEFINE_int64(rows, 1000000, "Table rows.");
+DEFINE_int32(dim, 64, "Embedding dimension (multiple of 4).");
+DEFINE_int32(batch, 2048, "Bags per batch.");
+DEFINE_int32(pooling_factor, 20, "Ids per bag.");
+DEFINE_int32(threads, 1, "Backend threads.");
+DEFINE_string(distribution, "uniform", "uniform or zipf (alpha 1.05, hot rows scattered).");
+DEFINE_string(dtype, "fp32", "fp32, fp16 or bf16.");
+DEFINE_string(pooling, "sum", "sum or mean.");
+DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
+DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
+DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones).");
+DEFINE_uint64(seed, 1, "Seed for ids.");
+DEFINE_string(format, "table", "table or json (one line).");
+
+namespace eb = ember::backend;
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  eb::ShardSpec spec;
+  spec.table = "bench";
+  spec.rows = FLAGS_rows;
+  spec.dim = FLAGS_dim;
+  spec.table_rows = FLAGS_rows;
+  spec.weight_type = FLAGS_dtype == "fp16"   ? eb::WeightType::kFp16
+                     : FLAGS_dtype == "bf16" ? eb::WeightType::kBf16
+                                             : eb::WeightType::kFp32;
+  spec.optimizer.type = FLAGS_optimizer == "adagrad"           ? eb::OptimizerType::kAdagrad
+                        : FLAGS_optimizer == "rowwise_adagrad" ? eb::OptimizerType::kRowwiseAdagrad
+                        : FLAGS_optimizer == "adam"            ? eb::OptimizerType::kAdam
+                                                               : eb::OptimizerType::kSgd;
+  eb::CpuBackendOptions options;
+  options.num_threads = FLAGS_threads;
+  options.isa = FLAGS_isa;
+  auto backend = eb::CreateCpuBackend(options);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "kernel_bench: %s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  auto shard = (*backend)->CreateShard(spec);
+  if (!shard.ok()) {
+    std::fprintf(stderr, "kernel_bench: %s\n", shard.status().ToString().c_str());
+    return 1;
+  }
+  const int64_t n = static_cast<int64_t>(FLAGS_batch) * FLAGS_pooling_factor;
+  std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor), ids(n);
+  std::mt19937_64 rng(FLAGS_seed);
+  if (FLAGS_distribution == "zipf") {
+    std::vector<double> cdf(FLAGS_rows);
+    double acc = 0;
+    for (int64_t r = 0; r < FLAGS_rows; ++r) cdf[r] = (acc += 1.0 / std::pow(r + 1.0, 1.05));
+    std::uniform_real_distribution<double> u(0, acc);
+    for (auto& id : ids) {
+      const int64_t rank = std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin();
+      id = static_cast<int64_t>((static_cast<uint64_t>(rank) * 2654435761ULL) % FLAGS_rows);
+    }
+  } else {
+    std::uniform_int_distribution<int64_t> u(0, FLAGS_rows - 1);
+    for (auto& id : ids) id = u(rng);
+  }
+  eb::FeatureRequest f;
+  f.shard = *shard;
+  f.pooling = FLAGS_pooling == "mean" ? eb::Pooling::kMean : eb::Pooling::kSum;
+  f.lengths = lengths;
+  f.ids = ids;
+  std::vector<float> out(static_cast<size_t>(FLAGS_batch) * FLAGS_dim);
+  std::vector<float> grad(out.size(), 1e-3f);
+  const eb::LookupRequest lreq{f, absl::MakeSpan(out)};
+  const eb::GradientRequest greq{f, grad};
+
+  auto time_it = [&](auto&& fn) {
+    for (int i = 0; i < 3; ++i) fn();
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < FLAGS_iters; ++i) fn();
+    return absl::ToDoubleSeconds(absl::Now() - start) / FLAGS_iters;
+  };
+  const double fwd_s = time_it([&] { (void)(*backend)->Lookup({lreq}); });
+  const double bwd_s = time_it([&] { (void)(*backend)->ApplyGradients({greq}); });
+  const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
+  const double lookups = n / fwd_s;
+  const double gbps = n * static_cast<double>(FLAGS_dim) * elem / fwd_s / 1e9;
+  const double bwd = n / bwd_s;
+  if (FLAGS_format == "json") {
+    std::printf(
+        "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"batch\": %d, \"pooling_factor\": %d, "
+        "\"threads\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
+        "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
+        "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f}\n",
+        (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
+        FLAGS_pooling_factor, FLAGS_threads, FLAGS_distribution.c_str(), FLAGS_dtype.c_str(),
+        FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
+        bwd_s * 1e3);
+  } else {
+    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d %s %s %s %s\n",
+                (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
+                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_distribution.c_str(),
+                FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str());
+    std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s\n", fwd_s * 1e3, lookups, gbps);
+    std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s)\n", bwd_s * 1e3, bwd,
+                FLAGS_optimizer.c_str());
+  }
+  return 0;
+}
