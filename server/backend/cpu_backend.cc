@@ -125,19 +125,7 @@ class CpuBackend : public EmbeddingBackend {
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     absl::MutexLock lock(&mu_);
     // Validate everything first.
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const auto& f = requests[i].feature;
-      const Shard* s = FindShard(f.shard);
-      if (s == nullptr) return NotFound(f.shard);
-      const std::string what = absl::StrCat("lookup request ", i, " (table '", s->spec.table, "')");
-      if (absl::Status st = ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
-      const int64_t want = OutputSize(f, s->spec.dim);
-      if (static_cast<int64_t>(requests[i].output.size()) != want) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": output has ",
-                                                       requests[i].output.size(),
-                                                       " floats, expected ", want));
-      }
-    }
+    if (absl::Status st = ValidateRequests(requests, "lookup", "output"); !st.ok()) return st;
     // Work items: one per bag (pooled) or per id (NONE), across requests.
     PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; });
     const int64_t total = item_begin_.back();
@@ -177,19 +165,8 @@ class CpuBackend : public EmbeddingBackend {
 
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const auto& f = requests[i].feature;
-      const Shard* s = FindShard(f.shard);
-      if (s == nullptr) return NotFound(f.shard);
-      const std::string what =
-          absl::StrCat("gradient request ", i, " (table '", s->spec.table, "')");
-      if (absl::Status st = ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
-      const int64_t want = OutputSize(f, s->spec.dim);
-      if (static_cast<int64_t>(requests[i].grad.size()) != want) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": gradient has ",
-                                                       requests[i].grad.size(),
-                                                       " floats, expected ", want));
-      }
+    if (absl::Status st = ValidateRequests(requests, "gradient", "gradient"); !st.ok()) {
+      return st;
     }
     PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; });
     // Group requests by shard; each shard's rows are merged, then updated.
@@ -310,6 +287,31 @@ class CpuBackend : public EmbeddingBackend {
     int32_t req;
     int64_t pos;
   };
+
+  // Checks every request of a call before anything runs: the shard exists,
+  // the feature is well formed, and the dense buffer (a lookup's output or a
+  // gradient) has OutputSize floats.
+  template <typename Request>
+  absl::Status ValidateRequests(absl::Span<const Request> requests, const char* kind,
+                                const char* buffer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      const Shard* s = FindShard(f.shard);
+      if (s == nullptr) return NotFound(f.shard);
+      const std::string what =
+          absl::StrCat(kind, " request ", i, " (table '", s->spec.table, "')");
+      if (absl::Status st = ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
+      const int64_t want = OutputSize(f, s->spec.dim);
+      const int64_t got = static_cast<int64_t>(DenseBuffer(requests[i]).size());
+      if (got != want) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": ", buffer, " has ", got, " floats, expected ", want));
+      }
+    }
+    return absl::OkStatus();
+  }
+  static absl::Span<float> DenseBuffer(const LookupRequest& r) { return r.output; }
+  static absl::Span<const float> DenseBuffer(const GradientRequest& r) { return r.grad; }
 
   static absl::Status NotFound(ShardId id) {
     return absl::NotFoundError(absl::StrCat("no shard with id ", id));
