@@ -516,6 +516,14 @@ double OptionAwareLowerBound(const std::vector<TableInfo>& tables, int w,
   return lo;
 }
 
+// A table's constraints, or empty ones when the spec gives none.
+const ParameterConstraints& ConstraintsFor(const CollectionSpec& spec,
+                                           const std::string& table) {
+  static const ParameterConstraints* const kNone = new ParameterConstraints();
+  auto it = spec.constraints().find(table);
+  return it == spec.constraints().end() ? *kNone : it->second;
+}
+
 // Blocks of a table under a sharding type.
 std::vector<ShardBlock> BlocksFor(ShardingType type, const TableConfig& t,
                                   const ParameterConstraints& c, int w,
@@ -683,7 +691,6 @@ absl::Status Infeasible(const CollectionSpec& spec,
       }
     }
     const TableConfig& tc = spec.tables(t);
-    std::string fix;
     const double need = std::max(
         max_hbm > 0 ? static_cast<double>(smallest->max_shard_hbm) / max_hbm : 0.0,
         max_ddr > 0 ? static_cast<double>(smallest->max_shard_ddr) / max_ddr : kInf);
@@ -810,13 +817,10 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   }
 
   // Enumerate options.
-  const ParameterConstraints kNoConstraints;
   std::vector<TableInfo> tables(spec.tables_size());
   for (int t = 0; t < spec.tables_size(); ++t) {
     const TableConfig& tc = spec.tables(t);
-    auto it = spec.constraints().find(tc.name());
-    const ParameterConstraints& c =
-        it == spec.constraints().end() ? kNoConstraints : it->second;
+    const ParameterConstraints& c = ConstraintsFor(spec, tc.name());
     std::vector<ShardingType> types;
     for (const std::string& name : c.sharding_types()) {
       const ShardingType type = *ParseShardingType(name);  // validated
@@ -927,9 +931,7 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   }
   for (int t = 0; t < n; ++t) {
     const TableConfig& tc = spec.tables(t);
-    auto it = spec.constraints().find(tc.name());
-    const ParameterConstraints& c =
-        it == spec.constraints().end() ? kNoConstraints : it->second;
+    const ParameterConstraints& c = ConstraintsFor(spec, tc.name());
     const Option& o = tables[t].options[best.tables[t].option];
     const std::vector<int>& ranks = best.tables[t].ranks;
     auto* ts = plan.add_tables();

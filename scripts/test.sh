@@ -19,6 +19,7 @@ bazel_rc=${PIPESTATUS[0]}
 
 passed=0
 failed=0
+skipped_total=0
 testlogs=$(bazel info bazel-testlogs 2>/dev/null)
 # Lines of Bazel's summary: "//pkg:target   PASSED in 0.1s", "FAILED", ...
 while read -r target status; do
@@ -34,7 +35,7 @@ while read -r target status; do
     ok=$((cases - bad - skipped))
     [ "$ok" -ge 0 ] || ok=0
     passed=$((passed + ok))
-    skipped_total=$((${skipped_total:-0} + skipped))
+    skipped_total=$((skipped_total + skipped))
     failed=$((failed + bad))
   elif [ "$status" = PASSED ]; then
     passed=$((passed + 1))
@@ -48,6 +49,5 @@ if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
   # The build itself failed before any test ran.
   failed=1
 fi
-skipped_total=${skipped_total:-0}
 echo "$passed passed, $failed failed, $skipped_total skipped"
 [ "$failed" -eq 0 ] && [ "$bazel_rc" -eq 0 ]

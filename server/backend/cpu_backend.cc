@@ -127,7 +127,7 @@ class CpuBackend : public EmbeddingBackend {
     // Validate everything first.
     if (absl::Status st = ValidateRequests(requests, "lookup", "output"); !st.ok()) return st;
     // Work items: one per bag (pooled) or per id (NONE), across requests.
-    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; });
+    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; }, /*with_bags=*/false);
     const int64_t total = item_begin_.back();
     const AccumulateFn* acc = kernels_->accumulate;
     const int prefetch = options_.prefetch_distance;
@@ -168,7 +168,7 @@ class CpuBackend : public EmbeddingBackend {
     if (absl::Status st = ValidateRequests(requests, "gradient", "gradient"); !st.ok()) {
       return st;
     }
-    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; });
+    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; }, /*with_bags=*/true);
     // Group requests by shard; each shard's rows are merged, then updated.
     std::map<ShardId, std::vector<size_t>> by_shard;
     for (size_t i = 0; i < requests.size(); ++i) by_shard[requests[i].feature.shard].push_back(i);
@@ -338,10 +338,11 @@ class CpuBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // Bag offsets (and, for gradients, each id's bag) per request, in reused
-  // buffers; item_begin_ is the prefix sum of work items.
+  // Bag offsets per request (and, when `with_bags`, each id's bag, which
+  // only the backward pass needs), in reused buffers; item_begin_ is the
+  // prefix sum of work items.
   template <typename GetFeature>
-  void PrepareItems(size_t n, GetFeature get) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void PrepareItems(size_t n, GetFeature get, bool with_bags) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (offsets_.size() < n) {
       offsets_.resize(n);
       bag_of_.resize(n);
@@ -355,10 +356,12 @@ class CpuBackend : public EmbeddingBackend {
       off.resize(f.lengths.size() + 1);
       off[0] = 0;
       for (size_t b = 0; b < f.lengths.size(); ++b) off[b + 1] = off[b] + f.lengths[b];
-      auto& bag = bag_of_[i];
-      bag.resize(f.ids.size());
-      for (size_t b = 0; b < f.lengths.size(); ++b) {
-        for (int64_t k = off[b]; k < off[b + 1]; ++k) bag[k] = static_cast<int64_t>(b);
+      if (with_bags) {
+        auto& bag = bag_of_[i];
+        bag.resize(f.ids.size());
+        for (size_t b = 0; b < f.lengths.size(); ++b) {
+          for (int64_t k = off[b]; k < off[b + 1]; ++k) bag[k] = static_cast<int64_t>(b);
+        }
       }
       item_begin_.push_back(item_begin_.back() +
                             static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size()
