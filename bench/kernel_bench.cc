@@ -31,9 +31,13 @@ DEFINE_string(dtype, "fp32", "fp32, fp16 or bf16.");
 DEFINE_string(pooling, "sum", "sum or mean.");
 DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
+DEFINE_int32(prefetch_distance, 4, "Rows ahead the CPU backend prefetches (0: none).");
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones).");
 DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "table", "table or json (one line).");
+DEFINE_string(dump_ids, "",
+              "If set, write the batch's ids (int64 little-endian, bag-major, pooling_factor per "
+              "bag) to this file, so a peer (bench/torch_compare.py) runs on identical data.");
 
 namespace eb = ember::backend;
 
@@ -54,6 +58,7 @@ int main(int argc, char** argv) {
   eb::CpuBackendOptions options;
   options.num_threads = FLAGS_threads;
   options.isa = FLAGS_isa;
+  options.prefetch_distance = FLAGS_prefetch_distance;
   auto backend = eb::CreateCpuBackend(options);
   if (!backend.ok()) {
     std::fprintf(stderr, "kernel_bench: %s\n", backend.status().ToString().c_str());
@@ -79,6 +84,14 @@ int main(int argc, char** argv) {
   } else {
     std::uniform_int_distribution<int64_t> u(0, FLAGS_rows - 1);
     for (auto& id : ids) id = u(rng);
+  }
+  if (!FLAGS_dump_ids.empty()) {
+    FILE* fp = std::fopen(FLAGS_dump_ids.c_str(), "wb");
+    if (fp == nullptr || std::fwrite(ids.data(), sizeof(int64_t), ids.size(), fp) != ids.size() ||
+        std::fclose(fp) != 0) {
+      std::fprintf(stderr, "kernel_bench: cannot write --dump_ids=%s\n", FLAGS_dump_ids.c_str());
+      return 1;
+    }
   }
   eb::FeatureRequest f;
   f.shard = *shard;

@@ -247,6 +247,30 @@ TEST_P(BackendParityTest, PooledAndSequenceLookupsMatchReference) {
   }
 }
 
+// A shard past 2 MiB (the CPU backend's huge-page allocation) with long
+// bags, so prefetching runs across bag boundaries and to the last id.
+TEST_P(BackendParityTest, LargeShardLongBagsMatchReference) {
+  std::mt19937 rng(7);
+  for (WeightType wt : {WeightType::kFp32, WeightType::kBf16}) {
+    const ShardSpec spec = MakeSpec(20000, 68, wt);  // 5.4 MB fp32; 68 = 64 + a 4-column tail
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const RefShard ref = MakeRef(be_.get(), *id, spec);
+    for (Pooling p : {Pooling::kSum, Pooling::kMean, Pooling::kNone}) {
+      const Jagged j = RandomJagged(rng, 300, spec.rows, 40, p == Pooling::kMean);
+      const FeatureRequest f = Feature(*id, p, j);
+      std::vector<float> out(OutputSize(f, spec.dim), -7.0f);
+      ASSERT_TRUE(be_->Lookup({LookupRequest{f, absl::MakeSpan(out)}}).ok());
+      const std::vector<double> want = RefLookup(ref, p, j);
+      ASSERT_EQ(out.size(), want.size());
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_NEAR(out[i], want[i], 1e-5 * (1 + std::abs(want[i])) * 41)
+            << "pooling " << static_cast<int>(p) << " at " << i;
+      }
+    }
+  }
+}
+
 TEST_P(BackendParityTest, MeanOfEmptyBagIsZeroAndEmptyFeatureIsFine) {
   const ShardSpec spec = MakeSpec(10, 8);
   auto id = be_->CreateShard(spec);

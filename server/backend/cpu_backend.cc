@@ -1,9 +1,11 @@
 #include "server/backend/cpu_backend.h"
 
+#include <sys/mman.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <new>
@@ -22,12 +24,31 @@ namespace {
 
 int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
 
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+
+// Host memory for a shard's weights or state: 64-byte aligned, and for
+// 2 MiB or more, 2 MiB aligned with transparent huge pages requested
+// (random row gathers over a large table otherwise miss the TLB on nearly
+// every id). nullptr when the memory cannot be had.
+template <typename T>
+std::unique_ptr<T[], FreeDeleter> AllocateHost(int64_t count) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = static_cast<size_t>(count) * sizeof(T);
+  const size_t align = bytes >= kHuge ? kHuge : 64;
+  const size_t rounded = (bytes + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, rounded);
+  if (p != nullptr && align == kHuge) madvise(p, rounded, MADV_HUGEPAGE);  // a hint only
+  return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(p));
+}
+
 struct Shard {
   ShardSpec spec;
   int elem_bytes = 4;
   int64_t state_width = 0;
-  std::unique_ptr<uint8_t[]> weights;  // [rows, dim] in spec.weight_type
-  std::unique_ptr<float[]> state;      // [rows, state_width]
+  std::unique_ptr<uint8_t[], FreeDeleter> weights;  // [rows, dim] in spec.weight_type
+  std::unique_ptr<float[], FreeDeleter> state;      // [rows, state_width]
   int64_t step = 0;                    // Adam's t
 
   const uint8_t* Row(int64_t r) const { return weights.get() + r * spec.dim * elem_bytes; }
@@ -76,10 +97,8 @@ class CpuBackend : public EmbeddingBackend {
           "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
           options_.memory_limit_bytes, " are in use"));
     }
-    shard->weights.reset(new (std::nothrow) uint8_t[spec.rows * spec.dim * shard->elem_bytes]);
-    if (shard->state_width > 0) {
-      shard->state.reset(new (std::nothrow) float[spec.rows * shard->state_width]);
-    }
+    shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
+    if (shard->state_width > 0) shard->state = AllocateHost<float>(spec.rows * shard->state_width);
     if (!shard->weights || (shard->state_width > 0 && !shard->state)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("out of host memory for shard of table '", spec.table, "' (", bytes,
@@ -127,9 +146,9 @@ class CpuBackend : public EmbeddingBackend {
     // Validate everything first.
     if (absl::Status st = ValidateRequests(requests, "lookup", "output"); !st.ok()) return st;
     // Work items: one per bag (pooled) or per id (NONE), across requests.
-    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; }, /*with_bags=*/false);
+    PrepareItems(requests);
     const int64_t total = item_begin_.back();
-    const AccumulateFn* acc = kernels_->accumulate;
+    const RowKernels* kernels = kernels_;
     const int prefetch = options_.prefetch_distance;
     pool_.ParallelFor(total, 64, [&](int64_t b, int64_t e) {
       size_t req = std::upper_bound(item_begin_.begin(), item_begin_.end(), b) - item_begin_.begin() - 1;
@@ -139,25 +158,22 @@ class CpuBackend : public EmbeddingBackend {
         const FeatureRequest& f = r.feature;
         const Shard& s = *shard_ptr_[req];
         const int64_t dim = s.spec.dim;
-        const AccumulateFn fn = acc[static_cast<int>(s.spec.weight_type)];
+        const int64_t row_bytes = dim * s.elem_bytes;
+        const PoolFn pool = kernels->pool[static_cast<int>(s.spec.weight_type)];
         const int64_t local = item - item_begin_[req];
         float* out = r.output.data() + local * dim;
-        std::memset(out, 0, dim * sizeof(float));
         if (f.pooling == Pooling::kNone) {
-          fn(out, s.Row(f.ids[local]), dim, 1.0f);
+          pool(out, s.weights.get(), row_bytes, &f.ids[local], nullptr, 1,
+               static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, prefetch);
           continue;
         }
         const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
-        for (int64_t k = begin; k < end; ++k) {
-          if (prefetch > 0 && k + prefetch < end) {
-            _mm_prefetch(reinterpret_cast<const char*>(s.Row(f.ids[k + prefetch])), _MM_HINT_T0);
-          }
-          fn(out, s.Row(f.ids[k]), dim, f.weights.empty() ? 1.0f : f.weights[k]);
-        }
-        if (f.pooling == Pooling::kMean && end > begin) {
-          const float inv = 1.0f / static_cast<float>(end - begin);
-          for (int64_t c = 0; c < dim; ++c) out[c] *= inv;
-        }
+        const float scale = (f.pooling == Pooling::kMean && end > begin)
+                                ? 1.0f / static_cast<float>(end - begin)
+                                : 1.0f;
+        pool(out, s.weights.get(), row_bytes, f.ids.data() + begin,
+             f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
+             static_cast<int64_t>(f.ids.size()) - begin, dim, scale, prefetch);
       }
     });
     return absl::OkStatus();
@@ -168,54 +184,71 @@ class CpuBackend : public EmbeddingBackend {
     if (absl::Status st = ValidateRequests(requests, "gradient", "gradient"); !st.ok()) {
       return st;
     }
-    PrepareItems(requests.size(), [&](size_t i) { return &requests[i].feature; }, /*with_bags=*/true);
-    // Group requests by shard; each shard's rows are merged, then updated.
-    std::map<ShardId, std::vector<size_t>> by_shard;
-    for (size_t i = 0; i < requests.size(); ++i) by_shard[requests[i].feature.shard].push_back(i);
-    for (const auto& [id, reqs] : by_shard) {
-      Shard& s = *shards_.at(id);
-      // Occurrences: (row, request, position of the id).
+    // Requests grouped by shard (stable: request order within a shard);
+    // each shard's rows are merged, then updated once.
+    req_order_.resize(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) req_order_[i] = i;
+    std::stable_sort(req_order_.begin(), req_order_.end(), [&](size_t x, size_t y) {
+      return requests[x].feature.shard < requests[y].feature.shard;
+    });
+    for (size_t first = 0; first < req_order_.size();) {
+      const ShardId id = requests[req_order_[first]].feature.shard;
+      size_t last = first;
+      while (last < req_order_.size() && requests[req_order_[last]].feature.shard == id) ++last;
+      Shard& s = *FindShard(id);
+      const int64_t dim = s.spec.dim;
+      // Occurrences in (request, position) order: the row, its gradient row
+      // and the scale (per-id weight, 1/length for MEAN).
       occ_.clear();
-      for (size_t i : reqs) {
-        const auto& ids = requests[i].feature.ids;
-        for (size_t k = 0; k < ids.size(); ++k) occ_.push_back({ids[k], static_cast<int32_t>(i), static_cast<int64_t>(k)});
+      for (size_t j = first; j < last; ++j) {
+        const GradientRequest& r = requests[req_order_[j]];
+        const FeatureRequest& f = r.feature;
+        if (f.pooling == Pooling::kNone) {
+          for (size_t k = 0; k < f.ids.size(); ++k) {
+            occ_.push_back({f.ids[k], r.grad.data() + k * dim, 1.0f});
+          }
+          continue;
+        }
+        int64_t k = 0;
+        for (size_t bag = 0; bag < f.lengths.size(); ++bag) {
+          const int64_t len = f.lengths[bag];
+          const float mean = f.pooling == Pooling::kMean ? 1.0f / static_cast<float>(len) : 1.0f;
+          for (int64_t end = k + len; k < end; ++k) {
+            occ_.push_back({f.ids[k], r.grad.data() + bag * dim,
+                            f.weights.empty() ? mean : f.weights[k] * mean});
+          }
+        }
       }
+      first = last;
       if (occ_.empty()) continue;
-      std::sort(occ_.begin(), occ_.end(), [](const Occ& a, const Occ& b) {
-        return a.row != b.row ? a.row < b.row : (a.req != b.req ? a.req < b.req : a.pos < b.pos);
-      });
+      SortByRow(s.spec.rows);
       unique_begin_.clear();
       for (size_t k = 0; k < occ_.size(); ++k) {
         if (k == 0 || occ_[k].row != occ_[k - 1].row) unique_begin_.push_back(k);
       }
       unique_begin_.push_back(occ_.size());
-      const int64_t dim = s.spec.dim;
       const int64_t num_unique = static_cast<int64_t>(unique_begin_.size()) - 1;
       grad_sum_.resize(static_cast<size_t>(num_unique * dim));
       ++s.step;
+      const AccumulateFn accumulate_f32 = kernels_->accumulate[0];
+      const AdamBias bias = AdamBiasFor(s);
+      const int prefetch = options_.prefetch_distance;
       pool_.ParallelFor(num_unique, 16, [&](int64_t b, int64_t e) {
         for (int64_t u = b; u < e; ++u) {
+          if (prefetch > 0 && u + prefetch < e) {
+            const int64_t ahead = occ_[unique_begin_[u + prefetch]].row;
+            _mm_prefetch(reinterpret_cast<const char*>(s.Row(ahead)), _MM_HINT_T0);
+            if (s.state_width > 0) {
+              _mm_prefetch(reinterpret_cast<const char*>(s.state.get() + ahead * s.state_width),
+                           _MM_HINT_T0);
+            }
+          }
           float* g = grad_sum_.data() + u * dim;
           std::fill(g, g + dim, 0.0f);
           for (size_t k = unique_begin_[u]; k < unique_begin_[u + 1]; ++k) {
-            const Occ& o = occ_[k];
-            const GradientRequest& r = requests[o.req];
-            const FeatureRequest& f = r.feature;
-            const float* src;
-            float scale = 1.0f;
-            if (f.pooling == Pooling::kNone) {
-              src = r.grad.data() + o.pos * dim;
-            } else {
-              const int64_t bag = bag_of_[o.req][o.pos];
-              src = r.grad.data() + bag * dim;
-              if (!f.weights.empty()) scale = f.weights[o.pos];
-              if (f.pooling == Pooling::kMean) {
-                scale /= static_cast<float>(offsets_[o.req][bag + 1] - offsets_[o.req][bag]);
-              }
-            }
-            for (int64_t c = 0; c < dim; ++c) g[c] += scale * src[c];
+            accumulate_f32(g, occ_[k].grad, dim, occ_[k].scale);
           }
-          UpdateRow(&s, occ_[unique_begin_[u]].row, g);
+          UpdateRow(&s, occ_[unique_begin_[u]].row, g, bias);
         }
       });
     }
@@ -282,10 +315,12 @@ class CpuBackend : public EmbeddingBackend {
   std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }
 
  private:
+  // One id of a gradient request: its row, the gradient row it receives
+  // and the scale on it.
   struct Occ {
     int64_t row;
-    int32_t req;
-    int64_t pos;
+    const float* grad;
+    float scale;
   };
 
   // Checks every request of a call before anything runs: the shard exists,
@@ -338,86 +373,109 @@ class CpuBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // Bag offsets per request (and, when `with_bags`, each id's bag, which
-  // only the backward pass needs), in reused buffers; item_begin_ is the
-  // prefix sum of work items.
-  template <typename GetFeature>
-  void PrepareItems(size_t n, GetFeature get, bool with_bags) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (offsets_.size() < n) {
-      offsets_.resize(n);
-      bag_of_.resize(n);
-    }
+  // Bag offsets and shard per lookup request, in reused buffers;
+  // item_begin_ is the prefix sum of work items (bags, or ids for NONE).
+  void PrepareItems(absl::Span<const LookupRequest> requests) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t n = requests.size();
+    if (offsets_.size() < n) offsets_.resize(n);
     shard_ptr_.resize(n);
     item_begin_.assign(1, 0);
     for (size_t i = 0; i < n; ++i) {
-      const FeatureRequest& f = *get(i);
+      const FeatureRequest& f = requests[i].feature;
       shard_ptr_[i] = FindShard(f.shard);
       auto& off = offsets_[i];
       off.resize(f.lengths.size() + 1);
       off[0] = 0;
       for (size_t b = 0; b < f.lengths.size(); ++b) off[b + 1] = off[b] + f.lengths[b];
-      if (with_bags) {
-        auto& bag = bag_of_[i];
-        bag.resize(f.ids.size());
-        for (size_t b = 0; b < f.lengths.size(); ++b) {
-          for (int64_t k = off[b]; k < off[b + 1]; ++k) bag[k] = static_cast<int64_t>(b);
-        }
-      }
       item_begin_.push_back(item_begin_.back() +
                             static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size()
                                                                              : f.lengths.size()));
     }
   }
 
+  // Stable LSD radix sort of occ_ by row (rows in [0, rows)), 11 bits a
+  // pass, so occurrences of a row stay in (request, position) order and the
+  // merged sums are reproducible.
+  void SortByRow(int64_t rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    constexpr int kBits = 11;
+    constexpr size_t kBuckets = size_t{1} << kBits;
+    occ_tmp_.resize(occ_.size());
+    for (int shift = 0; (rows - 1) >> shift > 0; shift += kBits) {
+      size_t count[kBuckets + 1] = {};
+      for (const Occ& o : occ_) ++count[((o.row >> shift) & (kBuckets - 1)) + 1];
+      for (size_t b = 1; b <= kBuckets; ++b) count[b] += count[b - 1];
+      for (const Occ& o : occ_) occ_tmp_[count[(o.row >> shift) & (kBuckets - 1)]++] = o;
+      occ_.swap(occ_tmp_);
+    }
+  }
+
   // One optimizer step on row r with merged gradient g (modified in place).
-  static void UpdateRow(Shard* s, int64_t r, float* g) {
+  struct AdamBias {
+    float c1 = 1, c2 = 1;  // 1 - beta1^t, 1 - beta2^t
+  };
+  static AdamBias AdamBiasFor(const Shard& s) {
+    const double t = static_cast<double>(s.step);
+    return {static_cast<float>(1.0 - std::pow(s.spec.optimizer.beta1, t)),
+            static_cast<float>(1.0 - std::pow(s.spec.optimizer.beta2, t))};
+  }
+
+  static void UpdateRow(Shard* s, int64_t r, float* g, const AdamBias& bias) {
     const OptimizerConfig& o = s->spec.optimizer;
     const int64_t dim = s->spec.dim;
-    float w[1024];
-    float* wp = dim <= 1024 ? w : nullptr;
-    std::vector<float> big;
-    if (wp == nullptr) {
-      big.resize(dim);
-      wp = big.data();
+    // fp32 rows are updated in place; fp16/bf16 rows through a per-thread
+    // fp32 copy (grown once, then reused).
+    const bool fp32 = s->spec.weight_type == WeightType::kFp32;
+    thread_local std::vector<float> scratch;
+    float* wp;
+    if (fp32) {
+      wp = reinterpret_cast<float*>(s->Row(r));
+    } else {
+      if (static_cast<int64_t>(scratch.size()) < dim) scratch.resize(dim);
+      wp = scratch.data();
+      for (int64_t c = 0; c < dim; ++c) wp[c] = s->Get(r, c);
     }
-    for (int64_t c = 0; c < dim; ++c) wp[c] = s->Get(r, c);
-    if (o.weight_decay > 0) {
-      for (int64_t c = 0; c < dim; ++c) g[c] += o.weight_decay * wp[c];
+    // Hyper-parameters in locals and restrict pointers, so the loops
+    // vectorise (the compiler cannot otherwise rule out aliasing with `o`).
+    float* __restrict w = wp;
+    float* __restrict gr = g;
+    const float lr = o.learning_rate, eps = o.eps, wd = o.weight_decay;
+    if (wd > 0) {
+      for (int64_t c = 0; c < dim; ++c) gr[c] += wd * w[c];
     }
-    float* st = s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr;
+    float* __restrict st = s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr;
     switch (o.type) {
       case OptimizerType::kSgd:
-        for (int64_t c = 0; c < dim; ++c) wp[c] -= o.learning_rate * g[c];
+        for (int64_t c = 0; c < dim; ++c) w[c] -= lr * gr[c];
         break;
       case OptimizerType::kAdagrad:
         for (int64_t c = 0; c < dim; ++c) {
-          st[c] += g[c] * g[c];
-          wp[c] -= o.learning_rate * g[c] / (std::sqrt(st[c]) + o.eps);
+          st[c] += gr[c] * gr[c];
+          w[c] -= lr * gr[c] / (std::sqrt(st[c]) + eps);
         }
         break;
       case OptimizerType::kRowwiseAdagrad: {
         double sq = 0;
-        for (int64_t c = 0; c < dim; ++c) sq += static_cast<double>(g[c]) * g[c];
+        for (int64_t c = 0; c < dim; ++c) sq += static_cast<double>(gr[c]) * gr[c];
         st[0] += static_cast<float>(sq / dim);
-        const float denom = std::sqrt(st[0]) + o.eps;
-        for (int64_t c = 0; c < dim; ++c) wp[c] -= o.learning_rate * g[c] / denom;
+        const float denom = std::sqrt(st[0]) + eps;
+        for (int64_t c = 0; c < dim; ++c) w[c] -= lr * gr[c] / denom;
         break;
       }
       case OptimizerType::kAdam: {
-        float* m = st;
-        float* v = st + dim;
-        const double t = static_cast<double>(s->step);
-        const float c1 = static_cast<float>(1.0 - std::pow(o.beta1, t));
-        const float c2 = static_cast<float>(1.0 - std::pow(o.beta2, t));
+        float* __restrict m = st;
+        float* __restrict v = st + dim;
+        const float b1 = o.beta1, b2 = o.beta2, c1 = bias.c1, c2 = bias.c2;
         for (int64_t c = 0; c < dim; ++c) {
-          m[c] = o.beta1 * m[c] + (1 - o.beta1) * g[c];
-          v[c] = o.beta2 * v[c] + (1 - o.beta2) * g[c] * g[c];
-          wp[c] -= o.learning_rate * (m[c] / c1) / (std::sqrt(v[c] / c2) + o.eps);
+          m[c] = b1 * m[c] + (1 - b1) * gr[c];
+          v[c] = b2 * v[c] + (1 - b2) * gr[c] * gr[c];
+          w[c] -= lr * (m[c] / c1) / (std::sqrt(v[c] / c2) + eps);
         }
         break;
       }
     }
-    for (int64_t c = 0; c < dim; ++c) s->Set(r, c, wp[c]);
+    if (!fp32) {
+      for (int64_t c = 0; c < dim; ++c) s->Set(r, c, wp[c]);
+    }
   }
 
   const CpuBackendOptions options_;
@@ -429,10 +487,11 @@ class CpuBackend : public EmbeddingBackend {
   int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Scratch reused across calls (no allocation once warm).
   std::vector<std::vector<int64_t>> offsets_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::vector<int64_t>> bag_of_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> req_order_ ABSL_GUARDED_BY(mu_);
   std::vector<const Shard*> shard_ptr_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> item_begin_ ABSL_GUARDED_BY(mu_);
   std::vector<Occ> occ_ ABSL_GUARDED_BY(mu_);
+  std::vector<Occ> occ_tmp_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> unique_begin_ ABSL_GUARDED_BY(mu_);
   std::vector<float> grad_sum_ ABSL_GUARDED_BY(mu_);
 };

@@ -20,8 +20,9 @@ struct CpuBackendOptions {
   int num_threads = 1;
   // Instruction set for the row kernels: "auto", "scalar", "avx2", "avx512".
   std::string isa = "auto";
-  // Rows ahead to prefetch while gathering (0 disables prefetching).
-  int prefetch_distance = 8;
+  // Rows ahead to prefetch while gathering (0 disables prefetching). 4 was
+  // best on the 2-core Xeon VM of docs/benchmarks.md at dim 64 and 128.
+  int prefetch_distance = 4;
   // Upper bound on the bytes of weights + optimizer state held; 0: none.
   // CreateShard beyond it fails with RESOURCE_EXHAUSTED.
   int64_t memory_limit_bytes = 0;

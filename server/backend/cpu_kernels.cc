@@ -1,7 +1,5 @@
 #include "server/backend/cpu_kernels.h"
 
-#include <immintrin.h>
-
 #include "absl/strings/str_cat.h"
 #include "server/backend/half.h"
 
@@ -9,106 +7,37 @@ namespace ember {
 namespace backend {
 namespace {
 
-// --- Scalar reference kernels.
-void AccF32Scalar(float* acc, const void* row, int64_t dim, float scale) {
-  const float* r = static_cast<const float*>(row);
-  for (int64_t i = 0; i < dim; ++i) acc[i] += scale * r[i];
-}
-void AccF16Scalar(float* acc, const void* row, int64_t dim, float scale) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  for (int64_t i = 0; i < dim; ++i) acc[i] += scale * Fp16ToFloat(r[i]);
-}
-void AccBf16Scalar(float* acc, const void* row, int64_t dim, float scale) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  for (int64_t i = 0; i < dim; ++i) acc[i] += scale * Bf16ToFloat(r[i]);
-}
-
-// --- AVX2 + FMA + F16C: 8 lanes, a 4-lane tail (dim % 4 == 0).
-#define EMBER_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-EMBER_AVX2 void AccF32Avx2(float* acc, const void* row, int64_t dim, float scale) {
-  const float* r = static_cast<const float*>(row);
-  const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= dim; i += 8) {
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, _mm256_loadu_ps(r + i), _mm256_loadu_ps(acc + i)));
-  }
-  for (; i < dim; i += 4) {
-    _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), _mm_loadu_ps(r + i),
-                                        _mm_loadu_ps(acc + i)));
+// --- Scalar reference kernels (any x86-64 CPU).
+inline float LoadScalar(int type, const void* row, int64_t i) {
+  switch (type) {
+    case 1:
+      return Fp16ToFloat(static_cast<const uint16_t*>(row)[i]);
+    case 2:
+      return Bf16ToFloat(static_cast<const uint16_t*>(row)[i]);
+    default:
+      return static_cast<const float*>(row)[i];
   }
 }
 
-EMBER_AVX2 void AccF16Avx2(float* acc, const void* row, int64_t dim, float scale) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= dim; i += 8) {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(acc + i)));
-  }
-  for (; i < dim; i += 4) {
-    const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
-    _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), v, _mm_loadu_ps(acc + i)));
-  }
+template <int T>
+void AccScalar(float* acc, const void* row, int64_t dim, float scale) {
+  for (int64_t i = 0; i < dim; ++i) acc[i] += scale * LoadScalar(T, row, i);
 }
 
-EMBER_AVX2 void AccBf16Avx2(float* acc, const void* row, int64_t dim, float scale) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  const __m256 s = _mm256_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 8 <= dim; i += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
-    const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(acc + i)));
+template <int T>
+void PoolScalar(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
+                const float* weights, int64_t n, int64_t /*ids_avail*/, int64_t dim,
+                float out_scale, int /*prefetch*/) {
+  for (int64_t c = 0; c < dim; ++c) out[c] = 0.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    AccScalar<T>(out, table + ids[k] * row_bytes, dim, weights == nullptr ? 1.0f : weights[k]);
   }
-  for (; i < dim; i += 4) {
-    const __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
-    const __m128 v = _mm_castsi128_ps(_mm_slli_epi32(w, 16));
-    _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), v, _mm_loadu_ps(acc + i)));
-  }
+  for (int64_t c = 0; c < dim; ++c) out[c] *= out_scale;
 }
 
-// --- AVX-512: 16 lanes; the remainder (< 16, a multiple of 4) goes to AVX2.
-#define EMBER_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-EMBER_AVX512 void AccF32Avx512(float* acc, const void* row, int64_t dim, float scale) {
-  const float* r = static_cast<const float*>(row);
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(s, _mm512_loadu_ps(r + i), _mm512_loadu_ps(acc + i)));
-  }
-  if (i < dim) AccF32Avx2(acc + i, r + i, dim - i, scale);
-}
-
-EMBER_AVX512 void AccF16Avx512(float* acc, const void* row, int64_t dim, float scale) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(s, v, _mm512_loadu_ps(acc + i)));
-  }
-  if (i < dim) AccF16Avx2(acc + i, r + i, dim - i, scale);
-}
-
-EMBER_AVX512 void AccBf16Avx512(float* acc, const void* row, int64_t dim, float scale) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    const __m512i w =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(s, v, _mm512_loadu_ps(acc + i)));
-  }
-  if (i < dim) AccBf16Avx2(acc + i, r + i, dim - i, scale);
-}
-
-const RowKernels kScalar = {"scalar", {AccF32Scalar, AccF16Scalar, AccBf16Scalar}};
-const RowKernels kAvx2 = {"avx2", {AccF32Avx2, AccF16Avx2, AccBf16Avx2}};
-const RowKernels kAvx512 = {"avx512", {AccF32Avx512, AccF16Avx512, AccBf16Avx512}};
+const RowKernels kScalar = {"scalar",
+                            {AccScalar<0>, AccScalar<1>, AccScalar<2>},
+                            {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>}};
 
 bool HasAvx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -122,8 +51,8 @@ bool HasAvx512() {
 }  // namespace
 
 const RowKernels& BestRowKernels() {
-  if (HasAvx512()) return kAvx512;
-  if (HasAvx2()) return kAvx2;
+  if (HasAvx512()) return kAvx512RowKernels;
+  if (HasAvx2()) return kAvx2RowKernels;
   return kScalar;
 }
 
@@ -132,11 +61,11 @@ absl::StatusOr<const RowKernels*> RowKernelsFor(const std::string& isa) {
   if (isa == "scalar") return &kScalar;
   if (isa == "avx2") {
     if (!HasAvx2()) return absl::FailedPreconditionError("this CPU lacks AVX2/FMA/F16C");
-    return &kAvx2;
+    return &kAvx2RowKernels;
   }
   if (isa == "avx512") {
     if (!HasAvx512()) return absl::FailedPreconditionError("this CPU lacks AVX-512 F/BW/VL");
-    return &kAvx512;
+    return &kAvx512RowKernels;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown ISA '", isa, "' (valid: auto, scalar, avx2, avx512)"));

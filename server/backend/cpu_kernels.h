@@ -1,27 +1,19 @@
 // Row kernels of the CPU backend, vectorised per instruction set and chosen
-// at run time, so one binary runs on any x86-64 CPU.
+// at run time, so one binary runs on any x86-64 CPU. The kernel types are in
+// cpu_kernel_types.h; the AVX2 and AVX-512 bodies in cpu_kernels_avx2.cc and
+// cpu_kernels_avx512.cc (each built with its ISA's flags).
 //
-// Thread-safe: pure functions; Select* return references to constants.
+// Thread-safe: pure functions; the lookups return pointers to constants.
 #ifndef EMBER_SERVER_BACKEND_CPU_KERNELS_H_
 #define EMBER_SERVER_BACKEND_CPU_KERNELS_H_
 
-#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "server/backend/embedding_backend.h"
+#include "server/backend/cpu_kernel_types.h"
 
 namespace ember {
 namespace backend {
-
-// acc[0, dim) += scale * row[0, dim), the row stored as one weight type.
-// dim is a multiple of 4.
-using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float scale);
-
-struct RowKernels {
-  const char* isa;         // "scalar", "avx2", "avx512"
-  AccumulateFn accumulate[3];  // indexed by WeightType
-};
 
 // The best kernels this CPU supports.
 const RowKernels& BestRowKernels();

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Ember's CPU backend against PyTorch's nn.EmbeddingBag on identical data.
+
+A benchmark, not a test. For every (dim, threads) pair it runs
+bench/kernel_bench (which writes the ids it used with --dump_ids), then times
+torch.nn.EmbeddingBag on exactly those ids in the same process run, and prints
+the ratio Ember / PyTorch (> 1 means Ember is faster).
+
+  Forward:  EmbeddingBag(ids, offsets) under torch.no_grad().
+  Backward: one training step (forward with autograd, backward of a constant
+            gradient, sparse SGD step) minus the autograd forward, i.e. the
+            backward + optimizer part, against kernel_bench's
+            ApplyGradients (duplicates merged, SGD, one update per row).
+
+Usually run through bench/torch_compare.sh, which installs Debian's
+python3-torch and builds kernel_bench first. Needs torch and numpy.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel_bench", default="bazel-bin/bench/kernel_bench",
+                   help="path of the built kernel_bench binary")
+    p.add_argument("--rows", type=int, default=1000000)
+    p.add_argument("--dims", default="64,128", help="comma-separated embedding dims")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--pooling_factor", type=int, default=20)
+    p.add_argument("--distribution", default="uniform", choices=["uniform", "zipf"])
+    p.add_argument("--pooling", default="sum", choices=["sum", "mean"])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--format", default="table", choices=["table", "json"])
+    return p.parse_args()
+
+
+def time_it(fn, iters):
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def torch_figures(torch, np, ids_path, a, dim, threads):
+    torch.set_num_threads(threads)
+    ids = torch.from_numpy(np.fromfile(ids_path, dtype="<i8"))
+    n = a.batch * a.pooling_factor
+    if ids.numel() != n:
+        sys.exit(f"torch_compare: {ids_path} holds {ids.numel()} ids, expected {n}")
+    offsets = torch.arange(0, n, a.pooling_factor, dtype=torch.int64)
+    bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True)
+    opt = torch.optim.SGD(bag.parameters(), lr=0.01)
+    grad = torch.full((a.batch, dim), 1e-3)
+
+    def forward():
+        with torch.no_grad():
+            bag(ids, offsets)
+
+    def forward_autograd():
+        bag(ids, offsets)
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        bag(ids, offsets).backward(grad)
+        opt.step()
+
+    fwd_s = time_it(forward, a.iters)
+    fwd_ag_s = time_it(forward_autograd, a.iters)
+    step_s = time_it(train_step, a.iters)
+    bwd_s = max(step_s - fwd_ag_s, 1e-9)
+    return n / fwd_s, n / bwd_s
+
+
+def main():
+    a = parse_args()
+    try:
+        import numpy as np
+        import torch
+    except ImportError as e:
+        sys.exit(f"torch_compare: {e}; run bench/torch_compare.sh, which installs python3-torch")
+    if not os.access(a.kernel_bench, os.X_OK):
+        sys.exit(f"torch_compare: {a.kernel_bench} is not built; "
+                 "run: bazel build -c opt //bench:kernel_bench")
+    peer = f"torch {torch.__version__}"
+    if a.format == "table":
+        print(f"Ember CPU backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
+              f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, fp32, SGD")
+        print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio':>6} | "
+              f"{'ember bwd':>12} {'torch bwd':>12} {'ratio':>6}   (ids/s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        ids_path = os.path.join(tmp, "ids.bin")
+        for dim in [int(d) for d in a.dims.split(",")]:
+            for threads in [int(t) for t in a.threads.split(",")]:
+                cmd = [a.kernel_bench, f"--rows={a.rows}", f"--dim={dim}", f"--batch={a.batch}",
+                       f"--pooling_factor={a.pooling_factor}", f"--threads={threads}",
+                       f"--distribution={a.distribution}", f"--pooling={a.pooling}",
+                       "--dtype=fp32", "--optimizer=sgd", f"--iters={a.iters}",
+                       "--format=json", f"--dump_ids={ids_path}"]
+                ember = json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                                  text=True).stdout)
+                t_fwd, t_bwd = torch_figures(torch, np, ids_path, a, dim, threads)
+                row = {
+                    "dim": dim, "threads": threads, "rows": a.rows, "batch": a.batch,
+                    "pooling_factor": a.pooling_factor, "distribution": a.distribution,
+                    "pooling": a.pooling, "backend": ember["backend"], "peer": peer,
+                    "lookups_per_s": ember["lookups_per_s"], "torch_lookups_per_s": t_fwd,
+                    "ratio": ember["lookups_per_s"] / t_fwd,
+                    "bwd_lookups_per_s": ember["bwd_lookups_per_s"],
+                    "torch_bwd_lookups_per_s": t_bwd,
+                    "bwd_ratio": ember["bwd_lookups_per_s"] / t_bwd,
+                }
+                if a.format == "json":
+                    print(json.dumps(row), flush=True)
+                else:
+                    print(f"{dim:>4} {threads:>3} | {row['lookups_per_s']:>12.3e} "
+                          f"{t_fwd:>12.3e} {row['ratio']:>5.2f}x | "
+                          f"{row['bwd_lookups_per_s']:>12.3e} {t_bwd:>12.3e} "
+                          f"{row['bwd_ratio']:>5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+// Function types and tables of the CPU row kernels. Plain C++ with no
+// library headers: the per-ISA translation units (compiled with -mavx2 /
+// -mavx512f) include it, and nothing inline from a library may be emitted
+// there (the linker could pick that wider-ISA copy for every caller).
+#ifndef EMBER_SERVER_BACKEND_CPU_KERNEL_TYPES_H_
+#define EMBER_SERVER_BACKEND_CPU_KERNEL_TYPES_H_
+
+#include <cstdint>
+
+namespace ember {
+namespace backend {
+
+// acc[0, dim) += scale * row[0, dim), the row stored as one weight type.
+// dim is a multiple of 4.
+using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float scale);
+
+// One bag: out[0, dim) = out_scale * sum_k weights[k] * row(ids[k]) over
+// k < n (weights == nullptr: all 1), rows at table + id * row_bytes.
+// Prefetches the row `prefetch` ids ahead (0: none), reading ahead past the
+// bag into the following bags: ids[0, ids_avail) must be readable, ids_avail
+// >= n. out is written, not accumulated; n == 0 writes zeros.
+using PoolFn = void (*)(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
+                        const float* weights, int64_t n, int64_t ids_avail, int64_t dim,
+                        float out_scale, int prefetch);
+
+struct RowKernels {
+  const char* isa;             // "scalar", "avx2", "avx512"
+  AccumulateFn accumulate[3];  // indexed by WeightType (fp32, fp16, bf16)
+  PoolFn pool[3];
+};
+
+// Defined in cpu_kernels_avx2.cc / cpu_kernels_avx512.cc; use them only
+// where the CPU has the ISA (RowKernelsFor checks).
+extern const RowKernels kAvx2RowKernels;
+extern const RowKernels kAvx512RowKernels;
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_CPU_KERNEL_TYPES_H_

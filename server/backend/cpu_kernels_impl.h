@@ -1,0 +1,77 @@
+// ISA-generic bodies of the CPU row kernels. Included, inside a namespace of
+// its own, by cpu_kernels_avx2.cc and cpu_kernels_avx512.cc, each compiled
+// with its ISA's flags, after defining `struct Ops`:
+//   using Reg;  static constexpr int kLanes;
+//   Reg Zero(); Reg Set1(float); Reg Mul(Reg, Reg); Reg Fma(Reg a, Reg b, Reg c) (a*b+c);
+//   Reg Load(const float*); Reg LoadFp16(const uint16_t*); Reg LoadBf16(const uint16_t*);
+//   void Store(float*, Reg);
+//   AccumulateFn Accumulate(int type)  (memory-accumulator kernel for column tails)
+// Only <cstdint>/<immintrin.h> may be used here: anything instantiated in
+// these translation units is compiled for the wider ISA.
+
+// Loads kLanes columns of a row stored as weight type T, as fp32.
+template <int T>
+inline typename Ops::Reg LoadRow(const uint8_t* row, int64_t col) {
+  if (T == 1) return Ops::LoadFp16(reinterpret_cast<const uint16_t*>(row) + col);
+  if (T == 2) return Ops::LoadBf16(reinterpret_cast<const uint16_t*>(row) + col);
+  return Ops::Load(reinterpret_cast<const float*>(row) + col);
+}
+
+// Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
+// NR accumulators in registers across the bag's rows.
+template <int T, int NR>
+inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
+                        const float* weights, int64_t n, int64_t ids_avail, int64_t col,
+                        float out_scale, int prefetch) {
+  typename Ops::Reg acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
+  for (int64_t k = 0; k < n; ++k) {
+    if (prefetch > 0 && k + prefetch < ids_avail) {
+      const char* p = reinterpret_cast<const char*>(table + ids[k + prefetch] * row_bytes);
+      _mm_prefetch(p, _MM_HINT_T0);
+    }
+    const uint8_t* row = table + ids[k] * row_bytes;
+    const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
+    for (int j = 0; j < NR; ++j) acc[j] = Ops::Fma(s, LoadRow<T>(row, col + j * Ops::kLanes), acc[j]);
+  }
+  const typename Ops::Reg scale = Ops::Set1(out_scale);
+  for (int j = 0; j < NR; ++j) Ops::Store(out + col + j * Ops::kLanes, Ops::Mul(acc[j], scale));
+}
+
+// out[0, dim) = out_scale * sum_k w_k * row(ids[k]); blocks of 8, 4, 2, 1
+// registers, then a memory-accumulated tail of < kLanes columns.
+template <int T>
+void Pool(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
+          const float* weights, int64_t n, int64_t ids_avail, int64_t dim, float out_scale,
+          int prefetch) {
+  int64_t col = 0;
+  constexpr int L = Ops::kLanes;
+  for (; col + 8 * L <= dim; col += 8 * L) {
+    PoolColumns<T, 8>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    prefetch = 0;  // the first pass brought the rows in
+  }
+  if (col + 4 * L <= dim) {
+    PoolColumns<T, 4>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    prefetch = 0;
+    col += 4 * L;
+  }
+  if (col + 2 * L <= dim) {
+    PoolColumns<T, 2>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    prefetch = 0;
+    col += 2 * L;
+  }
+  if (col + L <= dim) {
+    PoolColumns<T, 1>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    col += L;
+  }
+  if (col < dim) {
+    const int elem = T == 0 ? 4 : 2;
+    float* tail = out + col;
+    for (int64_t c = 0; c < dim - col; ++c) tail[c] = 0.0f;
+    for (int64_t k = 0; k < n; ++k) {
+      Ops::Accumulate(T)(tail, table + ids[k] * row_bytes + col * elem, dim - col,
+                          weights == nullptr ? 1.0f : weights[k]);
+    }
+    for (int64_t c = 0; c < dim - col; ++c) tail[c] *= out_scale;
+  }
+}
