@@ -148,7 +148,7 @@ void RefExpand(const RefShard& s, Pooling p, const Jagged& j, const std::vector<
 void RefUpdate(RefShard* s, std::map<int64_t, std::vector<double>>& merged) {
   const OptimizerConfig& o = s->spec.optimizer;
   const int64_t dim = s->spec.dim;
-  if (!merged.empty()) ++s->step;
+  ++s->step;  // every call that names the shard counts, ids or not
   for (auto& [row, g] : merged) {
     double* w = &s->w[row * dim];
     double* st = s->width ? &s->state[row * s->width] : nullptr;
@@ -269,6 +269,23 @@ TEST_P(BackendParityTest, LargeShardLongBagsMatchReference) {
       }
     }
   }
+}
+
+// Adam's step counts calls that name the shard, even with no ids (so a
+// row-wise shard that got no ids in a batch stays in step with the table),
+// and such a call changes no weight.
+TEST_P(BackendParityTest, StepCountsCallsWithNoIds) {
+  const ShardSpec spec = MakeSpec(6, 4, WeightType::kFp32, OptimizerType::kAdam);
+  auto id = be_->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  const std::vector<float> before = Export(be_.get(), *id, spec);
+  Jagged j;
+  j.lengths = {0, 0};
+  const std::vector<float> grad(2 * 4, 1.0f);
+  ASSERT_TRUE(be_->ApplyGradients({GradientRequest{Feature(*id, Pooling::kSum, j), grad}}).ok());
+  ASSERT_TRUE(be_->ApplyGradients({GradientRequest{Feature(*id, Pooling::kSum, j), grad}}).ok());
+  EXPECT_EQ(*be_->ExportStep(*id), 2);
+  EXPECT_EQ(Export(be_.get(), *id, spec), before);
 }
 
 TEST_P(BackendParityTest, MeanOfEmptyBagIsZeroAndEmptyFeatureIsFine) {

@@ -220,6 +220,7 @@ class CpuBackend : public EmbeddingBackend {
         }
       }
       first = last;
+      ++s.step;  // per call that names the shard, ids or not (as FBGEMM's iteration count)
       if (occ_.empty()) continue;
       SortByRow(s.spec.rows);
       unique_begin_.clear();
@@ -229,7 +230,6 @@ class CpuBackend : public EmbeddingBackend {
       unique_begin_.push_back(occ_.size());
       const int64_t num_unique = static_cast<int64_t>(unique_begin_.size()) - 1;
       grad_sum_.resize(static_cast<size_t>(num_unique * dim));
-      ++s.step;
       const AccumulateFn accumulate_f32 = kernels_->accumulate[0];
       const AdamBias bias = AdamBiasFor(s);
       const int prefetch = options_.prefetch_distance;

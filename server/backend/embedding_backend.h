@@ -22,7 +22,9 @@
 //   ADAGRAD          G += g*g;  w -= lr * g / (sqrt(G) + eps)   per element
 //   ROWWISE_ADAGRAD  G += mean(g*g);  w -= lr * g / (sqrt(G) + eps)
 //                    (FBGEMM EXACT_ROWWISE_ADAGRAD: one G per row)
-//   ADAM             t += 1 per call that touches the shard;
+//   ADAM             t += 1 per ApplyGradients call that names the shard in
+//                    at least one request (even one with no ids), so a
+//                    row-wise shard counts steps like the whole table;
 //                    m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;
 //                    w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
 // Weights may be fp32, fp16 or bf16; all arithmetic is fp32 and stored
