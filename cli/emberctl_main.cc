@@ -4,6 +4,16 @@
 //       [--sharding_type=TYPE] [--compute_device=cuda|cpu] [--hbm_cap_gib=X]
 //       [--ddr_cap_gib=X] [--batch_size=N] [--num_trainers=N]
 //       [--format=table|json]
+//   emberctl up --workers=N [--port=P] [--device=cpu|cuda]
+//   emberctl coordinator [--listen=HOST:PORT]
+//   emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]
+//   emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]
+//   emberctl plan --coordinator=ADDR --collection=NAME
+//   emberctl status --coordinator=ADDR
+//   emberctl lookup --coordinator=ADDR --collection=NAME --input=kjt.json --output=out.json
+//   emberctl apply-gradients --coordinator=ADDR --collection=NAME --input=kjt.json
+//       --grads=grads.json
+//   emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy
 //
 // Exit status: 0 success, 1 the request failed (bad spec, infeasible plan),
 // 2 bad usage.
@@ -16,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/cluster_commands.h"
 #include "cli/spec_io.h"
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
@@ -34,6 +45,7 @@ DEFINE_double(ddr_cap_gib, 0, "Host memory per worker in GiB (0: default, 128 Gi
 DEFINE_int32(batch_size, 0, "Per-trainer batch size (0: 512).");
 DEFINE_int32(num_trainers, 0, "Trainers issuing batches concurrently (0: world_size).");
 DEFINE_string(format, "table", "Output format: table or json.");
+DECLARE_string(coordinator);
 
 namespace {
 
@@ -86,12 +98,8 @@ int RunPlan() {
   if (!spec.ok()) return Fail("plan", spec.status());
   if (!FLAGS_sharding_type.empty()) {
     // Like the seed tutorial's gen_constraints: one type for every table.
-    auto type = ember::planner::ParseShardingType(FLAGS_sharding_type);
-    if (!type.ok()) return Usage(std::string(type.status().message()));
-    for (const auto& table : spec->tables()) {
-      auto& c = (*spec->mutable_constraints())[table.name()];
-      c.clear_sharding_types();
-      c.add_sharding_types(FLAGS_sharding_type);
+    if (absl::Status s = ember::planner::ForceShardingType(FLAGS_sharding_type, &*spec); !s.ok()) {
+      return Usage(std::string(s.message()));
     }
   }
   const absl::Time start = absl::Now();
@@ -118,12 +126,32 @@ int main(int argc, char** argv) {
       "      [--sharding_type=TYPE] [--compute_device=cuda|cpu]\n"
       "      [--hbm_cap_gib=X] [--ddr_cap_gib=X] [--batch_size=N]\n"
       "      [--num_trainers=N] [--format=table|json]\n"
+      "  emberctl up --workers=N [--port=P] [--device=cpu|cuda] [--threads=N]\n"
+      "  emberctl coordinator [--listen=HOST:PORT]\n"
+      "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"
+      "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]\n"
+      "  emberctl plan --coordinator=ADDR --collection=NAME [--format=table|json]\n"
+      "  emberctl status --coordinator=ADDR\n"
+      "  emberctl lookup --coordinator=ADDR --collection=NAME --input=kjt.json --output=out.json\n"
+      "  emberctl apply-gradients --coordinator=ADDR --collection=NAME --input=kjt.json\n"
+      "      --grads=grads.json [--request_id=ID]\n"
+      "  emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy\n"
       "Run 'emberctl --helpshort' for every flag.");
+  ember::cli::BlockTerminationSignals();  // before any thread exists
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
   if (argc < 2) return Usage("missing command");
   const std::string command = argv[1];
   if (argc > 2) return Usage(absl::StrCat("unexpected argument '", argv[2], "'"));
-  if (command == "plan") return RunPlan();
+  namespace ec = ember::cli;
+  if (command == "plan") return FLAGS_coordinator.empty() ? RunPlan() : ec::RunLivePlan();
+  if (command == "up") return ec::RunUp("/proc/self/exe");
+  if (command == "coordinator") return ec::RunCoordinator();
+  if (command == "worker") return ec::RunWorker();
+  if (command == "create") return ec::RunCreate();
+  if (command == "status") return ec::RunStatus();
+  if (command == "lookup") return ec::RunLookup();
+  if (command == "apply-gradients") return ec::RunApplyGradients();
+  if (command == "export") return ec::RunExport();
   if (command == "help") {
     std::cout << gflags::ProgramUsage() << std::endl;
     return 0;

@@ -976,5 +976,16 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   return plan;
 }
 
+absl::Status ForceShardingType(const std::string& type, ember::v1::CollectionSpec* spec) {
+  auto parsed = ParseShardingType(type);
+  if (!parsed.ok()) return parsed.status();
+  for (const auto& table : spec->tables()) {
+    auto& c = (*spec->mutable_constraints())[table.name()];
+    c.clear_sharding_types();
+    c.add_sharding_types(type);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace planner
 }  // namespace ember

@@ -27,6 +27,7 @@
 #define EMBER_PLANNER_PLANNER_H_
 
 #include <optional>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "planner/cost_model.h"
@@ -57,6 +58,11 @@ struct PlannerOptions {
 absl::StatusOr<ember::v1::ShardingPlan> Plan(
     const ember::v1::CollectionSpec& spec, const ember::v1::Topology& topology,
     const PlannerOptions& options = PlannerOptions());
+
+// Restricts every table of `spec` to one sharding type (as the seed
+// tutorial's constraints do), keeping the tables' other constraints.
+// INVALID_ARGUMENT listing the valid names for an unknown type.
+absl::Status ForceShardingType(const std::string& type, ember::v1::CollectionSpec* spec);
 
 // The topology with every default filled in (local_world_size, batch_size,
 // num_trainers, capacities from the cost model).

@@ -1,0 +1,347 @@
+#include "cli/cluster_commands.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cli/json_io.h"
+#include "cli/spec_io.h"
+#include "client/client.h"
+#include "gflags/gflags.h"
+#include "planner/plan_format.h"
+#include "server/common/grpc_util.h"
+#include "server/coordinator/coordinator_service.h"
+#include "server/worker/worker_server.h"
+
+DECLARE_string(spec);
+DECLARE_string(sharding_type);
+DECLARE_string(format);
+DEFINE_string(coordinator, "", "Coordinator address host:port.");
+DEFINE_string(listen, "127.0.0.1:0", "Address a server listens on (port 0: a free port).");
+DEFINE_int32(workers, 2, "up: number of local worker processes.");
+DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
+DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
+DEFINE_int32(threads, 1, "Worker backend threads per call.");
+DEFINE_double(memory_gib, 0, "Worker memory for shards in GiB (0: no limit / the card's).");
+DEFINE_int32(lease_ms, 5000, "Coordinator: worker lease; workers heartbeat 4x per lease.");
+DEFINE_string(collection, "", "Collection name.");
+DEFINE_string(table, "", "Table name (export).");
+DEFINE_string(input, "", "KJT JSON file: {keys, lengths, values, weights?}.");
+DEFINE_string(output, "", "Output file.");
+DEFINE_string(grads, "", "Gradients JSON file, in lookup's output format.");
+DEFINE_string(request_id, "", "apply-gradients: request id (empty: random).");
+DEFINE_double(timeout_s, 30, "Client call deadline in seconds.");
+
+namespace ember {
+namespace cli {
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+int Fail(const std::string& command, const absl::Status& status) {
+  std::cerr << "emberctl " << command << ": " << absl::StatusCodeToString(status.code()) << ": "
+            << status.message() << std::endl;
+  return kExitFailure;
+}
+
+int Usage(const std::string& message) {
+  std::cerr << "emberctl: " << message << "\n(run 'emberctl help')" << std::endl;
+  return kExitUsage;
+}
+
+sigset_t TerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
+
+// Waits for SIGINT/SIGTERM; every `poll`, calls tick() and stops waiting if
+// it returns false. Returns the signal, or 0.
+template <typename Tick>
+int WaitForSignal(Tick tick) {
+  const sigset_t set = TerminationSignals();
+  const timespec poll = {1, 0};
+  for (;;) {
+    const int sig = sigtimedwait(&set, nullptr, &poll);
+    if (sig > 0) return sig;
+    if (!tick()) return 0;
+  }
+}
+
+struct Coordinator {
+  std::unique_ptr<coordinator::CoordinatorService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+
+absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
+  coordinator::CoordinatorOptions o;
+  o.lease = absl::Milliseconds(FLAGS_lease_ms);
+  Coordinator c;
+  c.service = std::make_unique<coordinator::CoordinatorService>(o);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  b.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  b.SetMaxSendMessageSize(kMaxMessageBytes);
+  b.RegisterService(c.service.get());
+  c.server = b.BuildAndStart();
+  if (!c.server || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
+  c.address = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  return c;
+}
+
+absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
+  if (FLAGS_coordinator.empty()) return absl::InvalidArgumentError("needs --coordinator=HOST:PORT");
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(FLAGS_timeout_s);
+  return client::Client::Connect(FLAGS_coordinator, o);
+}
+
+void PrintPlan(const ember::v1::CollectionInfo& info) {
+  if (FLAGS_format == "json") {
+    std::cout << planner::FormatPlanJson(info.plan()) << std::endl;
+    return;
+  }
+  std::cout << planner::FormatPlanTable(info.plan());
+  std::cout << "collection '" << info.plan().collection() << "' at epoch " << info.plan().epoch()
+            << " on " << info.worker_addresses_size() << " worker(s):";
+  for (int r = 0; r < info.worker_addresses_size(); ++r) {
+    std::cout << " rank" << r << "=" << info.worker_addresses(r);
+  }
+  std::cout << std::endl;
+}
+
+}  // namespace
+
+void BlockTerminationSignals() {
+  const sigset_t set = TerminationSignals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int RunCoordinator() {
+  auto c = StartCoordinator(FLAGS_listen);
+  if (!c.ok()) return Fail("coordinator", c.status());
+  std::cout << "coordinator listening on " << c->address << std::endl;
+  const int sig = WaitForSignal([] { return true; });
+  std::cout << "coordinator: signal " << sig << ", shutting down" << std::endl;
+  c->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}
+
+int RunWorker() {
+  worker::WorkerServerOptions o;
+  o.listen = FLAGS_listen;
+  o.coordinator = FLAGS_coordinator;
+  o.device = FLAGS_device;
+  o.threads = FLAGS_threads;
+  o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
+  auto w = worker::WorkerServer::Start(o);
+  if (!w.ok()) return Fail("worker", w.status());
+  std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;
+  WaitForSignal([] { return true; });
+  (*w)->Shutdown();
+  return 0;
+}
+
+int RunUp(const std::string& self_path) {
+  if (FLAGS_workers < 1) return Usage("--workers must be >= 1");
+  if (FLAGS_device != "cpu" && FLAGS_device != "cuda") return Usage("--device must be cpu or cuda");
+  auto c = StartCoordinator(absl::StrCat("127.0.0.1:", FLAGS_port));
+  if (!c.ok()) return Fail("up", c.status());
+  // Worker processes: this binary again, `emberctl worker`.
+  const std::vector<std::string> args = {
+      self_path, "worker", "--coordinator=" + c->address, "--listen=127.0.0.1:0",
+      "--device=" + FLAGS_device, absl::StrCat("--threads=", FLAGS_threads),
+      absl::StrCat("--memory_gib=", FLAGS_memory_gib)};
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<pid_t> children;
+  const pid_t parent = getpid();
+  for (int i = 0; i < FLAGS_workers; ++i) {
+    const pid_t pid = fork();
+    if (pid < 0) {
+      perror("fork");
+      break;
+    }
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive `up`
+      if (getppid() != parent) _exit(1);
+      const sigset_t set = TerminationSignals();
+      pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
+      execv(self_path.c_str(), argv.data());
+      _exit(127);
+    }
+    children.push_back(pid);
+  }
+  auto stop_children = [&children] {
+    for (pid_t p : children) kill(p, SIGTERM);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    for (pid_t p : children) {
+      while (waitpid(p, nullptr, WNOHANG) == 0) {
+        if (absl::Now() > deadline) {
+          kill(p, SIGKILL);
+          waitpid(p, nullptr, 0);
+          break;
+        }
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+    }
+  };
+  // Ready when every worker holds a lease.
+  auto cl = client::Client::Connect(c->address);
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  int live = 0;
+  while (cl.ok() && absl::Now() < deadline) {
+    auto w = (*cl)->ListWorkers();
+    live = 0;
+    if (w.ok()) {
+      for (const auto& s : w->workers()) live += s.live();
+    }
+    if (live == FLAGS_workers) break;
+    int status;
+    if (waitpid(-1, &status, WNOHANG) > 0) break;  // a worker died at start-up
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  if (live != FLAGS_workers) {
+    stop_children();
+    return Fail("up", absl::UnavailableError(absl::StrCat(
+                          live, " of ", FLAGS_workers, " workers registered; see their logs")));
+  }
+  std::cout << "coordinator: " << c->address << std::endl;
+  auto workers = (*cl)->ListWorkers();
+  for (const auto& s : workers->workers()) {
+    std::cout << "worker " << s.worker_id() << " " << s.info().address() << " pid " << s.info().pid()
+              << std::endl;
+  }
+  std::cout << "ready: " << FLAGS_workers << " " << FLAGS_device
+            << " worker(s); Ctrl-C (SIGINT) or SIGTERM stops everything" << std::endl;
+  const int sig = WaitForSignal([&children] {
+    for (pid_t p : children) {
+      int status;
+      if (waitpid(p, &status, WNOHANG) == p) {
+        std::cerr << "up: worker pid " << p << " exited (status " << status << ")" << std::endl;
+      }
+    }
+    return true;
+  });
+  std::cout << "up: signal " << sig << ", stopping " << children.size() << " worker(s)" << std::endl;
+  stop_children();
+  c->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::cout << "up: stopped" << std::endl;
+  return 0;
+}
+
+int RunCreate() {
+  if (FLAGS_spec.empty()) return Usage("create needs --spec=FILE");
+  auto spec = ReadCollectionSpec(FLAGS_spec);
+  if (!spec.ok()) return Fail("create", spec.status());
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("create", cl.status());
+  auto info = (*cl)->CreateCollection(*spec, FLAGS_sharding_type);
+  if (!info.ok()) return Fail("create", info.status());
+  PrintPlan(*info);
+  return 0;
+}
+
+int RunLivePlan() {
+  if (FLAGS_collection.empty()) return Usage("plan --coordinator needs --collection=NAME");
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("plan", cl.status());
+  auto info = (*cl)->GetCollection(FLAGS_collection);
+  if (!info.ok()) return Fail("plan", info.status());
+  PrintPlan(*info);
+  return 0;
+}
+
+int RunStatus() {
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("status", cl.status());
+  auto workers = (*cl)->ListWorkers();
+  if (!workers.ok()) return Fail("status", workers.status());
+  std::cout << "coordinator " << FLAGS_coordinator << ": " << workers->workers_size()
+            << " worker(s)" << std::endl;
+  for (const auto& s : workers->workers()) {
+    std::cout << "  " << s.worker_id() << " " << s.info().address() << " host " << s.info().host()
+              << " pid " << s.info().pid() << " "
+              << (s.info().device() == ember::v1::CUDA ? "cuda" : "cpu") << " "
+              << (s.live() ? "live" : "LEASE LAPSED") << " (heartbeat " << s.ms_since_heartbeat()
+              << " ms ago)" << std::endl;
+  }
+  return 0;
+}
+
+int RunLookup() {
+  if (FLAGS_collection.empty() || FLAGS_input.empty() || FLAGS_output.empty()) {
+    return Usage("lookup needs --collection, --input=kjt.json and --output=out.json");
+  }
+  auto text = ReadFile(FLAGS_input);
+  if (!text.ok()) return Fail("lookup", text.status());
+  auto kjt = ParseKjtJson(*text);
+  if (!kjt.ok()) return Fail("lookup", kjt.status());
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("lookup", cl.status());
+  auto kt = (*cl)->Lookup(FLAGS_collection, *kjt);
+  if (!kt.ok()) return Fail("lookup", kt.status());
+  if (absl::Status s = WriteFile(FLAGS_output, KeyedTensorToJson(*kt)); !s.ok()) {
+    return Fail("lookup", s);
+  }
+  return 0;
+}
+
+int RunApplyGradients() {
+  if (FLAGS_collection.empty() || FLAGS_input.empty() || FLAGS_grads.empty()) {
+    return Usage("apply-gradients needs --collection, --input=kjt.json and --grads=grads.json");
+  }
+  auto text = ReadFile(FLAGS_input);
+  if (!text.ok()) return Fail("apply-gradients", text.status());
+  auto kjt = ParseKjtJson(*text);
+  if (!kjt.ok()) return Fail("apply-gradients", kjt.status());
+  auto gtext = ReadFile(FLAGS_grads);
+  if (!gtext.ok()) return Fail("apply-gradients", gtext.status());
+  auto grads = ParseKeyedTensorJson(*gtext);
+  if (!grads.ok()) return Fail("apply-gradients", grads.status());
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("apply-gradients", cl.status());
+  if (absl::Status s = (*cl)->ApplyGradients(FLAGS_collection, *kjt, *grads, FLAGS_request_id);
+      !s.ok()) {
+    return Fail("apply-gradients", s);
+  }
+  return 0;
+}
+
+int RunExport() {
+  if (FLAGS_collection.empty() || FLAGS_table.empty() || FLAGS_output.empty()) {
+    return Usage("export needs --collection, --table and --output=FILE.npy");
+  }
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("export", cl.status());
+  int64_t rows = 0, dim = 0;
+  auto values = (*cl)->ExportTable(FLAGS_collection, FLAGS_table, &rows, &dim);
+  if (!values.ok()) return Fail("export", values.status());
+  if (absl::Status s = WriteFile(FLAGS_output, NpyFloat32(*values, rows, dim)); !s.ok()) {
+    return Fail("export", s);
+  }
+  std::cout << "exported " << FLAGS_table << " [" << rows << ", " << dim << "] to " << FLAGS_output
+            << std::endl;
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace ember

@@ -1,0 +1,709 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "server/common/grpc_util.h"
+#include "server/common/wire.h"
+
+namespace ember {
+namespace client {
+
+using ember::v1::CollectionInfo;
+using ember::v1::ShardFeature;
+using ember::v1::TableConfig;
+
+// ------------------------------------------------------------------ routing
+
+struct Client::Routing {
+  struct Shard {
+    int rank = 0;
+    int32_t index = 0;  // ShardRef.shard_index
+    int64_t row_offset = 0, rows = 0, col_offset = 0, cols = 0;
+  };
+  struct Table {
+    const TableConfig* config = nullptr;
+    std::vector<Shard> shards;    // sharded tables
+    std::vector<Shard> replicas;  // data_parallel: one full copy per rank
+    bool row_split = false;       // some shard holds only part of the rows
+  };
+  CollectionInfo info;
+  std::vector<Table> tables;
+  // feature -> (table index, position in the collection's feature order)
+  std::map<std::string, std::pair<int, int>> features;
+};
+
+namespace {
+
+absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionInfo info) {
+  auto r = std::make_shared<Client::Routing>();
+  r->info = std::move(info);
+  const auto& spec = r->info.spec();
+  const auto& plan = r->info.plan();
+  if (plan.tables_size() != spec.tables_size()) {
+    return absl::InternalError("the plan and the spec disagree on the tables");
+  }
+  const int world = r->info.worker_addresses_size();
+  int order = 0;
+  for (int t = 0; t < spec.tables_size(); ++t) {
+    Client::Routing::Table table;
+    table.config = &spec.tables(t);
+    const auto& ts = plan.tables(t);
+    if (ts.shards_size() == 0) {
+      for (int rank : ts.ranks()) {
+        if (rank < 0 || rank >= world) return absl::InternalError("plan rank out of range");
+        table.replicas.push_back({rank, rank, 0, table.config->num_embeddings(), 0,
+                                  table.config->embedding_dim()});
+      }
+    }
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      const auto& s = ts.shards(i);
+      if (s.rows() == 0) continue;  // an empty trailing row-wise shard
+      if (s.rank() < 0 || s.rank() >= world) return absl::InternalError("plan rank out of range");
+      table.shards.push_back({s.rank(), i, s.row_offset(), s.rows(), s.col_offset(), s.cols()});
+      table.row_split |= s.rows() < table.config->num_embeddings();
+    }
+    for (const std::string& f : table.config->feature_names()) r->features[f] = {t, order++};
+    r->tables.push_back(std::move(table));
+  }
+  return std::shared_ptr<const Client::Routing>(std::move(r));
+}
+
+std::string RandomRequestId() {
+  thread_local std::mt19937_64 rng(std::random_device{}() ^
+                                   (static_cast<uint64_t>(std::random_device{}()) << 32));
+  return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16), absl::Hex(rng(), absl::kZeroPad16));
+}
+
+// One KJT feature's part in a call.
+struct FeatureJob {
+  std::string key;
+  const Client::Routing::Table* table = nullptr;
+  int order = 0;  // position in the collection's feature order
+  bool sequence = false;
+  int64_t dim = 0, batch = 0, num_ids = 0;
+  const int64_t* lengths = nullptr;
+  const int64_t* ids = nullptr;
+  const float* weights = nullptr;  // nullptr: unweighted
+  std::vector<float> out;          // lookup: [batch or num_ids, dim]
+  const float* grad = nullptr;     // gradients: same shape, row stride grad_stride
+  int64_t grad_stride = 0;
+};
+
+// Where a shard request's output lands.
+struct Sink {
+  FeatureJob* job = nullptr;
+  int rank = 0;
+  int index = 0;  // in the rank's request
+  int64_t col_offset = 0, cols = 0;
+  std::vector<int64_t> positions;  // sequence, row-split: id index in the feature
+};
+
+// Builds the ShardFeature of `job` for `shard`: the ids in the shard's rows
+// (shard-local), their weights, and (sequence) their positions.
+void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
+               ShardFeature* f, std::vector<int64_t>* positions, int64_t* num_local) {
+  f->mutable_shard()->set_table(job.table->config->name());
+  f->mutable_shard()->set_shard_index(shard.index);
+  f->set_feature(job.key);
+  f->set_pooling(job.sequence ? TableConfig::NONE : send_mean ? TableConfig::MEAN : TableConfig::SUM);
+  const bool all_rows = shard.rows == job.table->config->num_embeddings();
+  auto lengths = wire::Resize<int64_t>(f->mutable_lengths(), job.batch);
+  if (all_rows) {
+    std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
+    wire::Encode(absl::Span<const int64_t>(job.ids, job.num_ids), f->mutable_ids());
+    if (job.weights != nullptr) {
+      wire::Encode(absl::Span<const float>(job.weights, job.num_ids), f->mutable_weights());
+    }
+    *num_local = job.num_ids;
+    return;
+  }
+  std::vector<int64_t> ids;
+  std::vector<float> weights;
+  const int64_t lo = shard.row_offset, hi = shard.row_offset + shard.rows;
+  int64_t k = 0;
+  for (int64_t b = 0; b < job.batch; ++b) {
+    int64_t n = 0;
+    for (int64_t end = k + job.lengths[b]; k < end; ++k) {
+      const int64_t id = job.ids[k];
+      if (id < lo || id >= hi) continue;
+      ids.push_back(id - lo);
+      if (job.weights != nullptr) weights.push_back(job.weights[k]);
+      if (positions != nullptr) positions->push_back(k);
+      ++n;
+    }
+    lengths[b] = n;
+  }
+  wire::Encode<int64_t>(ids, f->mutable_ids());
+  if (job.weights != nullptr) wire::Encode<float>(weights, f->mutable_weights());
+  *num_local = static_cast<int64_t>(ids.size());
+}
+
+template <typename Request, typename Response>
+struct Call {
+  grpc::ClientContext ctx;
+  Request request;
+  Response response;
+  grpc::Status status;
+  bool used = false;
+};
+
+// Worst status of a set of calls, named by worker: FAILED_PRECONDITION (a
+// stale plan, refresh) first, then any non-UNAVAILABLE error, then
+// UNAVAILABLE / DEADLINE_EXCEEDED.
+template <typename C>
+absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls,
+                     const std::vector<std::string>& addresses) {
+  absl::Status worst;
+  auto rank_of = [](absl::StatusCode c) {
+    switch (c) {
+      case absl::StatusCode::kOk:
+        return 0;
+      case absl::StatusCode::kUnavailable:
+      case absl::StatusCode::kDeadlineExceeded:
+        return 1;
+      case absl::StatusCode::kFailedPrecondition:
+        return 3;
+      default:
+        return 2;
+    }
+  };
+  for (size_t r = 0; r < calls.size(); ++r) {
+    if (!calls[r]->used || calls[r]->status.ok()) continue;
+    absl::Status s = FromGrpc(calls[r]->status, absl::StrCat("worker ", r, " (", addresses[r], ")"));
+    if (rank_of(s.code()) > rank_of(worst.code())) worst = s;
+  }
+  return worst;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------- client
+
+Client::Client(const std::string& coordinator, const ClientOptions& options)
+    : coordinator_address_(coordinator),
+      options_(options),
+      coordinator_(ember::v1::Coordinator::NewStub(MakeChannel(coordinator))) {}
+
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coordinator,
+                                                        const ClientOptions& options) {
+  if (coordinator.empty()) return absl::InvalidArgumentError("coordinator address is empty");
+  if (options.max_attempts < 1) return absl::InvalidArgumentError("max_attempts must be >= 1");
+  std::unique_ptr<Client> c(new Client(coordinator, options));
+  auto workers = c->ListWorkers();  // fails fast when nothing answers
+  if (!workers.ok()) return workers.status();
+  return c;
+}
+
+ember::v1::Worker::Stub* Client::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address));
+  return stub.get();
+}
+
+absl::StatusOr<CollectionInfo> Client::CreateCollection(const ember::v1::CollectionSpec& spec,
+                                                        const std::string& sharding_type) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  ember::v1::CreateCollectionRequest req;
+  *req.mutable_spec() = spec;
+  req.set_sharding_type(sharding_type);
+  ember::v1::CreateCollectionResponse resp;
+  grpc::Status s = coordinator_->CreateCollection(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp.collection();
+}
+
+absl::StatusOr<CollectionInfo> Client::GetCollection(const std::string& collection) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  ember::v1::GetCollectionRequest req;
+  req.set_collection(collection);
+  ember::v1::GetCollectionResponse resp;
+  grpc::Status s = coordinator_->GetCollection(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp.collection();
+}
+
+absl::Status Client::DropCollection(const std::string& collection) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  ember::v1::DropCollectionRequest req;
+  req.set_collection(collection);
+  ember::v1::DropCollectionResponse resp;
+  grpc::Status s = coordinator_->DropCollection(&ctx, req, &resp);
+  {
+    absl::MutexLock lock(&mu_);
+    routing_.erase(collection);
+  }
+  return FromGrpc(s, "coordinator " + coordinator_address_);
+}
+
+absl::StatusOr<ember::v1::ListWorkersResponse> Client::ListWorkers() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  ember::v1::ListWorkersResponse resp;
+  grpc::Status s = coordinator_->ListWorkers(&ctx, ember::v1::ListWorkersRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp;
+}
+
+absl::StatusOr<ember::v1::ShardingPlan> Client::PreviewPlan(const ember::v1::CollectionSpec& spec,
+                                                            const ember::v1::Topology& topology,
+                                                            const std::string& sharding_type) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  ember::v1::PreviewPlanRequest req;
+  *req.mutable_spec() = spec;
+  *req.mutable_topology() = topology;
+  req.set_sharding_type(sharding_type);
+  ember::v1::PreviewPlanResponse resp;
+  grpc::Status s = coordinator_->PreviewPlan(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp.plan();
+}
+
+absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
+    const std::string& collection, bool refresh) {
+  if (!refresh) {
+    absl::MutexLock lock(&mu_);
+    auto it = routing_.find(collection);
+    if (it != routing_.end()) return it->second;
+  }
+  auto info = GetCollection(collection);
+  if (!info.ok()) return info.status();
+  auto routing = BuildRouting(*std::move(info));
+  if (!routing.ok()) return routing.status();
+  absl::MutexLock lock(&mu_);
+  routing_[collection] = *routing;
+  return *routing;
+}
+
+template <typename Fn>
+absl::Status Client::WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn) {
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  absl::Duration backoff = options_.initial_backoff;
+  bool refresh = false, refreshed = false;
+  for (int attempt = 1;; ++attempt) {
+    auto routing = RoutingFor(collection, refresh);
+    if (!routing.ok()) return routing.status();
+    refresh = false;
+    absl::Status s = fn(**routing, deadline);
+    if (s.ok()) return s;
+    if (s.code() == absl::StatusCode::kFailedPrecondition && !refreshed) {
+      refresh = refreshed = true;  // a stale plan: fetch the current one, once
+      continue;
+    }
+    const bool transient = s.code() == absl::StatusCode::kUnavailable ||
+                           s.code() == absl::StatusCode::kDeadlineExceeded;
+    if (!transient || !retry_unavailable || attempt >= options_.max_attempts ||
+        absl::Now() + backoff >= deadline) {
+      if (transient) {
+        return absl::UnavailableError(
+            absl::StrCat(s.message(), " (after ", attempt, " attempt(s))"));
+      }
+      return s;
+    }
+    absl::SleepFor(backoff);
+    backoff *= 2;
+  }
+}
+
+namespace {
+
+// Prepares one job per KJT key. `sequence`: the call is for NONE tables.
+absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection,
+                         const KeyedJaggedTensor& kjt, bool sequence,
+                         std::vector<FeatureJob>* jobs) {
+  if (absl::Status s = kjt.Validate(); !s.ok()) return s;
+  const int64_t batch = kjt.batch_size();
+  const std::vector<int64_t> off = kjt.key_offsets();
+  jobs->clear();
+  jobs->reserve(kjt.keys.size());
+  for (size_t k = 0; k < kjt.keys.size(); ++k) {
+    auto it = r.features.find(kjt.keys[k]);
+    if (it == r.features.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("feature '", kjt.keys[k], "' is not in collection '", collection, "'"));
+    }
+    FeatureJob j;
+    j.key = kjt.keys[k];
+    j.table = &r.tables[it->second.first];
+    j.order = it->second.second;
+    j.sequence = j.table->config->pooling() == TableConfig::NONE;
+    if (j.sequence != sequence) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "feature '", j.key, "' is a ", j.sequence ? "sequence (NONE)" : "pooled",
+          " feature: use ", j.sequence ? "LookupSequence/ApplySequenceGradients"
+                                       : "Lookup/ApplyGradients"));
+    }
+    j.dim = j.table->config->embedding_dim();
+    j.batch = batch;
+    j.lengths = kjt.lengths.data() + k * batch;
+    j.ids = kjt.values.data() + off[k];
+    j.num_ids = off[k + 1] - off[k];
+    if (!kjt.weights.empty()) {
+      if (j.sequence) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("feature '", j.key, "' is a sequence feature: per-id weights apply only to pooled features"));
+      }
+      j.weights = kjt.weights.data() + off[k];
+    }
+    const int64_t rows = j.table->config->num_embeddings();
+    for (int64_t i = 0; i < j.num_ids; ++i) {
+      if (j.ids[i] < 0 || j.ids[i] >= rows) {
+        return absl::InvalidArgumentError(absl::StrCat("feature '", j.key, "': id ", j.ids[i],
+                                                       " is outside [0, ", rows, ") of table '",
+                                                       j.table->config->name(), "'"));
+      }
+    }
+    jobs->push_back(std::move(j));
+  }
+  // The collection's order, whatever the KJT's.
+  std::sort(jobs->begin(), jobs->end(),
+            [](const FeatureJob& a, const FeatureJob& b) { return a.order < b.order; });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Lookup for pooled or sequence jobs; fills each job's `out`.
+static absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                              uint64_t replica_pick, absl::Time deadline,
+                              const std::function<ember::v1::Worker::Stub*(const std::string&)>& stub_for) {
+  const int world = r.info.worker_addresses_size();
+  using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
+  std::vector<std::unique_ptr<LookupCall>> calls(world);
+  for (auto& c : calls) {
+    c = std::make_unique<LookupCall>();
+    c->request.set_collection(r.info.plan().collection());
+    c->request.set_epoch(r.info.plan().epoch());
+  }
+  std::vector<Sink> sinks;
+  for (FeatureJob& j : *jobs) {
+    j.out.assign((j.sequence ? j.num_ids : j.batch) * j.dim, 0.0f);
+    std::vector<Client::Routing::Shard> targets = j.table->shards;
+    if (!j.table->replicas.empty()) {
+      targets = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
+    }
+    const bool row_split = j.table->row_split;
+    const bool send_mean = !row_split && j.table->config->pooling() == TableConfig::MEAN;
+    for (const auto& shard : targets) {
+      Sink sink;
+      sink.job = &j;
+      sink.rank = shard.rank;
+      sink.col_offset = shard.col_offset;
+      sink.cols = shard.cols;
+      ShardFeature f;
+      int64_t local = 0;
+      Bucketize(j, shard, send_mean, &f, j.sequence && row_split ? &sink.positions : nullptr, &local);
+      if (local == 0) continue;  // nothing from this shard: its part stays 0
+      LookupCall& c = *calls[shard.rank];
+      sink.index = c.request.features_size();
+      *c.request.add_features() = std::move(f);
+      c.used = true;
+      sinks.push_back(std::move(sink));
+    }
+  }
+  int used = 0;
+  for (auto& c : calls) used += c->used;
+  absl::BlockingCounter pending(used);
+  for (int rank = 0; rank < world; ++rank) {
+    LookupCall* c = calls[rank].get();
+    if (!c->used) continue;
+    c->ctx.set_deadline(absl::ToChronoTime(deadline));
+    stub_for(r.info.worker_addresses(rank))
+        ->async()
+        ->Lookup(&c->ctx, &c->request, &c->response, [c, &pending](grpc::Status s) {
+          c->status = std::move(s);
+          pending.DecrementCount();
+        });
+  }
+  pending.Wait();
+  std::vector<std::string> addresses(r.info.worker_addresses().begin(),
+                                     r.info.worker_addresses().end());
+  if (absl::Status s = Combine(calls, addresses); !s.ok()) return s;
+  std::vector<float> buf;
+  for (const Sink& s : sinks) {
+    const LookupCall& c = *calls[s.rank];
+    if (s.index >= c.response.outputs_size()) {
+      return absl::InternalError(absl::StrCat("worker ", s.rank, " returned too few outputs"));
+    }
+    if (absl::Status st = wire::Decode(c.response.outputs(s.index), "output", &buf); !st.ok()) {
+      return absl::InternalError(st.message());
+    }
+    FeatureJob& j = *s.job;
+    const int64_t rows = static_cast<int64_t>(buf.size()) / std::max<int64_t>(1, s.cols);
+    if (rows * s.cols != static_cast<int64_t>(buf.size()) ||
+        (!j.sequence && rows != j.batch) ||
+        (j.sequence && !s.positions.empty() && rows != static_cast<int64_t>(s.positions.size()))) {
+      return absl::InternalError(absl::StrCat("worker ", s.rank, " returned a malformed output"));
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t dst_row = j.sequence && !s.positions.empty() ? s.positions[i] : i;
+      float* dst = j.out.data() + dst_row * j.dim + s.col_offset;
+      const float* src = buf.data() + i * s.cols;
+      if (j.sequence) {
+        std::memcpy(dst, src, s.cols * sizeof(float));
+      } else {
+        for (int64_t c = 0; c < s.cols; ++c) dst[c] += src[c];
+      }
+    }
+  }
+  // Row-split MEAN: the partial sums, divided by the bag's total length.
+  for (FeatureJob& j : *jobs) {
+    if (j.sequence || !j.table->row_split || j.table->config->pooling() != TableConfig::MEAN) continue;
+    for (int64_t b = 0; b < j.batch; ++b) {
+      if (j.lengths[b] == 0) continue;
+      const float inv = 1.0f / static_cast<float>(j.lengths[b]);
+      for (int64_t c = 0; c < j.dim; ++c) j.out[b * j.dim + c] *= inv;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
+static absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                                 const std::string& request_id, absl::Time deadline,
+                                 const std::function<ember::v1::Worker::Stub*(const std::string&)>& stub_for) {
+  const int world = r.info.worker_addresses_size();
+  using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
+  std::vector<std::unique_ptr<GradCall>> calls(world);
+  for (auto& c : calls) {
+    c = std::make_unique<GradCall>();
+    c->request.set_collection(r.info.plan().collection());
+    c->request.set_epoch(r.info.plan().epoch());
+    c->request.set_request_id(request_id);
+  }
+  for (FeatureJob& j : *jobs) {
+    const std::vector<Client::Routing::Shard>& targets =
+        j.table->replicas.empty() ? j.table->shards : j.table->replicas;
+    const bool row_split = j.table->row_split;
+    const bool mean = j.table->config->pooling() == TableConfig::MEAN;
+    for (const auto& shard : targets) {
+      // Every shard gets a request, ids or not, so its optimizer step stays
+      // the table's (Adam's bias correction counts calls).
+      auto* g = calls[shard.rank]->request.add_gradients();
+      calls[shard.rank]->used = true;
+      std::vector<int64_t> positions;
+      int64_t local = 0;
+      Bucketize(j, shard, mean && !row_split, g->mutable_feature(),
+                j.sequence ? &positions : nullptr, &local);
+      const bool all_rows = shard.rows == j.table->config->num_embeddings();
+      if (j.sequence) {
+        auto dst = wire::Resize<float>(g->mutable_grad(), local * shard.cols);
+        for (int64_t i = 0; i < local; ++i) {
+          const int64_t src_row = all_rows ? i : positions[i];
+          std::memcpy(dst.data() + i * shard.cols, j.grad + src_row * j.grad_stride + shard.col_offset,
+                      shard.cols * sizeof(float));
+        }
+      } else {
+        auto dst = wire::Resize<float>(g->mutable_grad(), j.batch * shard.cols);
+        for (int64_t b = 0; b < j.batch; ++b) {
+          const float* src = j.grad + b * j.grad_stride + shard.col_offset;
+          float* out = dst.data() + b * shard.cols;
+          if (mean && row_split) {  // d(sum/len)/d(row) = 1/len, the bag's total length
+            const float inv = j.lengths[b] > 0 ? 1.0f / static_cast<float>(j.lengths[b]) : 0.0f;
+            for (int64_t c = 0; c < shard.cols; ++c) out[c] = src[c] * inv;
+          } else {
+            std::memcpy(out, src, shard.cols * sizeof(float));
+          }
+        }
+      }
+    }
+  }
+  int used = 0;
+  for (auto& c : calls) used += c->used;
+  absl::BlockingCounter pending(used);
+  for (int rank = 0; rank < world; ++rank) {
+    GradCall* c = calls[rank].get();
+    if (!c->used) continue;
+    c->ctx.set_deadline(absl::ToChronoTime(deadline));
+    stub_for(r.info.worker_addresses(rank))
+        ->async()
+        ->ApplyGradients(&c->ctx, &c->request, &c->response, [c, &pending](grpc::Status s) {
+          c->status = std::move(s);
+          pending.DecrementCount();
+        });
+  }
+  pending.Wait();
+  std::vector<std::string> addresses(r.info.worker_addresses().begin(),
+                                     r.info.worker_addresses().end());
+  return Combine(calls, addresses);
+}
+
+absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection,
+                                           const KeyedJaggedTensor& kjt) {
+  KeyedTensor kt;
+  auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  const uint64_t pick = replica_counter_.fetch_add(1);
+  absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for); !st.ok()) return st;
+    kt = KeyedTensor();
+    kt.batch_size = kjt.batch_size();
+    for (const FeatureJob& j : jobs) {
+      kt.keys.push_back(j.key);
+      kt.length_per_key.push_back(j.dim);
+    }
+    const int64_t width = kt.row_width();
+    kt.values.assign(kt.batch_size * width, 0.0f);
+    int64_t col = 0;
+    for (const FeatureJob& j : jobs) {
+      for (int64_t b = 0; b < kt.batch_size; ++b) {
+        std::memcpy(kt.values.data() + b * width + col, j.out.data() + b * j.dim,
+                    j.dim * sizeof(float));
+      }
+      col += j.dim;
+    }
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  return kt;
+}
+
+absl::Status Client::ApplyGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
+                                    const KeyedTensor& grads, const std::string& request_id) {
+  const std::string id = request_id.empty() ? RandomRequestId() : request_id;
+  auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
+      return st;
+    }
+    // The gradients must have Lookup's layout.
+    if (grads.keys.size() != jobs.size() || grads.length_per_key.size() != jobs.size() ||
+        grads.batch_size != kjt.batch_size() ||
+        static_cast<int64_t>(grads.values.size()) != grads.batch_size * grads.row_width()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradients must have the lookup's layout: ", jobs.size(), " keys, batch ",
+          kjt.batch_size(), ", values [batch, sum of dims]"));
+    }
+    int64_t col = 0;
+    for (size_t k = 0; k < jobs.size(); ++k) {
+      if (grads.keys[k] != jobs[k].key || grads.length_per_key[k] != jobs[k].dim) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "gradient key ", k, " is '", grads.keys[k], "' of width ", grads.length_per_key[k],
+            "; the lookup's is '", jobs[k].key, "' of width ", jobs[k].dim));
+      }
+      jobs[k].grad = grads.values.data() + col;
+      jobs[k].grad_stride = grads.row_width();
+      col += jobs[k].dim;
+    }
+    return RunGradients(r, &jobs, id, deadline, stub_for);
+  });
+}
+
+absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
+    const std::string& collection, const KeyedJaggedTensor& kjt) {
+  std::vector<SequenceEmbedding> out;
+  auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  const uint64_t pick = replica_counter_.fetch_add(1);
+  absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for); !st.ok()) return st;
+    out.clear();
+    for (FeatureJob& j : jobs) out.push_back({j.key, j.dim, std::move(j.out)});
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::Status Client::ApplySequenceGradients(const std::string& collection,
+                                            const KeyedJaggedTensor& kjt,
+                                            const std::vector<SequenceEmbedding>& grads,
+                                            const std::string& request_id) {
+  const std::string id = request_id.empty() ? RandomRequestId() : request_id;
+  auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
+      return st;
+    }
+    if (grads.size() != jobs.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(grads.size(), " gradient blocks for ",
+                                                     jobs.size(), " sequence features"));
+    }
+    for (FeatureJob& j : jobs) {
+      const SequenceEmbedding* g = nullptr;
+      for (const auto& candidate : grads) {
+        if (candidate.key == j.key) g = &candidate;
+      }
+      if (g == nullptr || g->dim != j.dim ||
+          static_cast<int64_t>(g->values.size()) != j.num_ids * j.dim) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "feature '", j.key, "' needs a gradient of [", j.num_ids, ", ", j.dim, "]"));
+      }
+      j.grad = g->values.data();
+      j.grad_stride = j.dim;
+    }
+    return RunGradients(r, &jobs, id, deadline, stub_for);
+  });
+}
+
+absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collection,
+                                                       const std::string& table, int64_t* rows,
+                                                       int64_t* dim) {
+  auto routing = RoutingFor(collection, /*refresh=*/true);
+  if (!routing.ok()) return routing.status();
+  const Routing& r = **routing;
+  const Routing::Table* t = nullptr;
+  for (const auto& candidate : r.tables) {
+    if (candidate.config->name() == table) t = &candidate;
+  }
+  if (t == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("no table '", table, "' in collection '", collection, "'"));
+  }
+  *rows = t->config->num_embeddings();
+  *dim = t->config->embedding_dim();
+  std::vector<float> out(*rows * *dim, 0.0f);
+  std::vector<Routing::Shard> sources = t->shards;
+  if (!t->replicas.empty()) sources = {t->replicas.front()};
+  constexpr int64_t kChunkBytes = 32 << 20;
+  std::vector<float> buf;
+  for (const auto& s : sources) {
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3));
+    for (int64_t b = 0; b < s.rows; b += chunk) {
+      const int64_t e = std::min(s.rows, b + chunk);
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, options_.timeout);
+      ember::v1::ExportRowsRequest req;
+      req.set_collection(collection);
+      req.mutable_shard()->set_table(table);
+      req.mutable_shard()->set_shard_index(s.index);
+      req.set_row_begin(b);
+      req.set_row_end(e);
+      ember::v1::ExportRowsResponse resp;
+      const std::string& address = r.info.worker_addresses(s.rank);
+      grpc::Status st = StubFor(address)->ExportRows(&ctx, req, &resp);
+      if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+      if (absl::Status d = wire::Decode(resp.weights(), "weights", &buf); !d.ok()) return d;
+      if (static_cast<int64_t>(buf.size()) != (e - b) * s.cols) {
+        return absl::InternalError("worker returned a malformed export");
+      }
+      for (int64_t i = 0; i < e - b; ++i) {
+        std::memcpy(out.data() + (s.row_offset + b + i) * *dim + s.col_offset,
+                    buf.data() + i * s.cols, s.cols * sizeof(float));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace client
+}  // namespace ember

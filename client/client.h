@@ -1,0 +1,103 @@
+// Client: the trainer's handle on an Ember deployment. Connects to the
+// coordinator for plans, then talks to workers directly: one fused RPC per
+// worker per call, all in parallel, merged into TorchRec's layouts.
+//
+// Routing follows the plan for every sharding type. Each shard covers a row
+// range and a column range of its table: a feature's ids go to every shard
+// whose rows hold them (as shard-local ids), and the shard's result lands in
+// its columns of the feature's output, partial sums added (row-wise), column
+// blocks side by side (column-wise). A row-split MEAN table is looked up as
+// SUM and divided by the bag's total length here. A data-parallel table is
+// read from one replica (rotating) and gradients go to every replica.
+//
+// Errors: unknown collection/feature NOT_FOUND; malformed KJT or gradients
+// INVALID_ARGUMENT; a worker that cannot be reached UNAVAILABLE after
+// retries with back-off, never later than the call's deadline. A stale plan
+// (FAILED_PRECONDITION from a worker) is refreshed and the call retried.
+//
+// Thread-safe: any number of threads may call one Client.
+#ifndef EMBER_CLIENT_CLIENT_H_
+#define EMBER_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/kjt.h"
+#include "proto/service.grpc.pb.h"
+
+namespace ember {
+namespace client {
+
+struct ClientOptions {
+  absl::Duration timeout = absl::Seconds(30);  // whole call, retries included
+  int max_attempts = 4;                        // per call, for UNAVAILABLE
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+};
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& coordinator,
+                                                         const ClientOptions& options = {});
+  ~Client();
+
+  // Control plane.
+  absl::StatusOr<ember::v1::CollectionInfo> CreateCollection(const ember::v1::CollectionSpec& spec,
+                                                             const std::string& sharding_type = "");
+  absl::StatusOr<ember::v1::CollectionInfo> GetCollection(const std::string& collection);
+  absl::Status DropCollection(const std::string& collection);
+  absl::StatusOr<ember::v1::ListWorkersResponse> ListWorkers();
+  absl::StatusOr<ember::v1::ShardingPlan> PreviewPlan(const ember::v1::CollectionSpec& spec,
+                                                      const ember::v1::Topology& topology,
+                                                      const std::string& sharding_type = "");
+
+  // Pooled features (SUM/MEAN tables): a KeyedTensor of the KJT's features in
+  // the collection's order (tables in spec order, then feature_names).
+  absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, const KeyedJaggedTensor& kjt);
+  // Gradients of Lookup's output (same keys, dims and batch). request_id
+  // makes retries exactly-once; empty: a fresh random id.
+  absl::Status ApplyGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
+                              const KeyedTensor& grads, const std::string& request_id = "");
+
+  // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
+  absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,
+                                                                const KeyedJaggedTensor& kjt);
+  absl::Status ApplySequenceGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
+                                      const std::vector<SequenceEmbedding>& grads,
+                                      const std::string& request_id = "");
+
+  // The whole table as float32 [rows, dim], reassembled from its shards.
+  absl::StatusOr<std::vector<float>> ExportTable(const std::string& collection,
+                                                 const std::string& table, int64_t* rows,
+                                                 int64_t* dim);
+
+  struct Routing;  // a collection's plan prepared for routing (client.cc)
+
+ private:
+  Client(const std::string& coordinator, const ClientOptions& options);
+  absl::StatusOr<std::shared_ptr<const Routing>> RoutingFor(const std::string& collection,
+                                                            bool refresh);
+  ember::v1::Worker::Stub* StubFor(const std::string& address);
+  // Runs one routed call with stale-plan refresh and UNAVAILABLE retries.
+  template <typename Fn>
+  absl::Status WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn);
+
+  const std::string coordinator_address_;
+  const ClientOptions options_;
+  std::unique_ptr<ember::v1::Coordinator::Stub> coordinator_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<const Routing>> routing_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> replica_counter_{0};
+};
+
+}  // namespace client
+}  // namespace ember
+
+#endif  // EMBER_CLIENT_CLIENT_H_

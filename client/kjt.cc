@@ -1,0 +1,126 @@
+#include "client/kjt.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+
+namespace ember {
+namespace client {
+
+absl::StatusOr<KeyedJaggedTensor> KeyedJaggedTensor::FromJagged(
+    const std::vector<std::string>& keys,
+    const std::vector<std::vector<std::vector<int64_t>>>& ids,
+    const std::vector<std::vector<std::vector<float>>>& weights) {
+  if (ids.size() != keys.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(keys.size(), " keys but ids for ", ids.size()));
+  }
+  if (!weights.empty() && weights.size() != keys.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(keys.size(), " keys but weights for ", weights.size()));
+  }
+  KeyedJaggedTensor kjt;
+  kjt.keys = keys;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (ids[k].size() != ids[0].size()) {
+      return absl::InvalidArgumentError(absl::StrCat("key '", keys[k], "' has ", ids[k].size(),
+                                                     " samples, key '", keys[0], "' has ",
+                                                     ids[0].size()));
+    }
+    for (size_t b = 0; b < ids[k].size(); ++b) {
+      kjt.lengths.push_back(static_cast<int64_t>(ids[k][b].size()));
+      kjt.values.insert(kjt.values.end(), ids[k][b].begin(), ids[k][b].end());
+      if (!weights.empty()) {
+        if (weights[k].size() != ids[k].size() || weights[k][b].size() != ids[k][b].size()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "weights of key '", keys[k], "' sample ", b, " do not match its ids"));
+        }
+        kjt.weights.insert(kjt.weights.end(), weights[k][b].begin(), weights[k][b].end());
+      }
+    }
+  }
+  if (absl::Status s = kjt.Validate(); !s.ok()) return s;
+  return kjt;
+}
+
+absl::Status KeyedJaggedTensor::Validate() const {
+  std::set<std::string> seen;
+  for (const std::string& k : keys) {
+    if (k.empty()) return absl::InvalidArgumentError("a KJT key is empty");
+    if (!seen.insert(k).second) {
+      return absl::InvalidArgumentError(absl::StrCat("KJT key '", k, "' appears twice"));
+    }
+  }
+  if (keys.empty()) {
+    if (!lengths.empty() || !values.empty()) {
+      return absl::InvalidArgumentError("a KJT without keys has lengths or values");
+    }
+    return absl::OkStatus();
+  }
+  if (lengths.size() % keys.size() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(lengths.size(), " lengths for ", keys.size(),
+                                                   " keys: not a whole batch per key"));
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("lengths[", i, "] = ", lengths[i], " < 0"));
+    }
+    total += lengths[i];
+  }
+  if (total != static_cast<int64_t>(values.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("lengths sum to ", total, " but there are ",
+                                                   values.size(), " values"));
+  }
+  if (!weights.empty() && weights.size() != values.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(weights.size(), " weights for ", values.size(), " values"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t KeyedJaggedTensor::batch_size() const {
+  return keys.empty() ? 0 : static_cast<int64_t>(lengths.size() / keys.size());
+}
+
+std::vector<int64_t> KeyedJaggedTensor::key_offsets() const {
+  std::vector<int64_t> off(keys.size() + 1, 0);
+  const int64_t b = batch_size();
+  for (size_t k = 0; k < keys.size(); ++k) {
+    int64_t sum = 0;
+    for (int64_t i = 0; i < b; ++i) sum += lengths[k * b + i];
+    off[k + 1] = off[k] + sum;
+  }
+  return off;
+}
+
+int64_t KeyedTensor::row_width() const {
+  int64_t w = 0;
+  for (int64_t d : length_per_key) w += d;
+  return w;
+}
+
+std::vector<int64_t> KeyedTensor::offset_per_key() const {
+  std::vector<int64_t> off(length_per_key.size() + 1, 0);
+  for (size_t k = 0; k < length_per_key.size(); ++k) off[k + 1] = off[k] + length_per_key[k];
+  return off;
+}
+
+absl::StatusOr<std::vector<float>> KeyedTensor::Get(const std::string& key) const {
+  const std::vector<int64_t> off = offset_per_key();
+  const int64_t width = row_width();
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (keys[k] != key) continue;
+    std::vector<float> out;
+    out.reserve(batch_size * length_per_key[k]);
+    for (int64_t b = 0; b < batch_size; ++b) {
+      const float* row = values.data() + b * width + off[k];
+      out.insert(out.end(), row, row + length_per_key[k]);
+    }
+    return out;
+  }
+  return absl::NotFoundError(absl::StrCat("no key '", key, "' in the KeyedTensor"));
+}
+
+}  // namespace client
+}  // namespace ember

@@ -1,0 +1,73 @@
+// KeyedJaggedTensor and KeyedTensor: TorchRec's sparse input and pooled
+// output layouts, as the client SDK takes and returns them.
+//
+//   KeyedJaggedTensor  keys [K]; lengths [K * B] key-major (all of key 0's
+//                      bags, then key 1's...); values [sum(lengths)] ids in
+//                      the same order; weights empty or [sum(lengths)].
+//   KeyedTensor        keys [F]; length_per_key [F] (each feature's dim);
+//                      values [B, sum(length_per_key)] row-major, feature f
+//                      at columns offset_per_key()[f] .. + length_per_key[f].
+//
+// Thread-safe: value types; const methods only read.
+#ifndef EMBER_CLIENT_KJT_H_
+#define EMBER_CLIENT_KJT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace ember {
+namespace client {
+
+struct KeyedJaggedTensor {
+  std::vector<std::string> keys;
+  std::vector<int64_t> lengths;
+  std::vector<int64_t> values;
+  std::vector<float> weights;
+
+  // From per-key jagged lists: ids[k][b] is the bag of key k, sample b
+  // (every key needs the same number of samples). weights, if given, has the
+  // same shape. INVALID_ARGUMENT on ragged batches or shape mismatches.
+  static absl::StatusOr<KeyedJaggedTensor> FromJagged(
+      const std::vector<std::string>& keys,
+      const std::vector<std::vector<std::vector<int64_t>>>& ids,
+      const std::vector<std::vector<std::vector<float>>>& weights = {});
+
+  // Checks the layout: keys unique and non-empty, lengths a multiple of the
+  // key count, lengths >= 0 summing to the values, weights empty or one per
+  // value. INVALID_ARGUMENT naming the problem.
+  absl::Status Validate() const;
+
+  int64_t batch_size() const;  // B; 0 without keys
+  // Start of key k's values in `values` (size K + 1).
+  std::vector<int64_t> key_offsets() const;
+};
+
+struct KeyedTensor {
+  std::vector<std::string> keys;
+  std::vector<int64_t> length_per_key;
+  int64_t batch_size = 0;
+  std::vector<float> values;
+
+  int64_t row_width() const;  // sum(length_per_key)
+  std::vector<int64_t> offset_per_key() const;
+  // Feature `key`'s [batch, dim] block copied out; NOT_FOUND if absent.
+  absl::StatusOr<std::vector<float>> Get(const std::string& key) const;
+};
+
+// One sequence (pooling NONE) feature's embeddings: one row per id, in the
+// KJT's order, [num_ids, dim].
+struct SequenceEmbedding {
+  std::string key;
+  int64_t dim = 0;
+  std::vector<float> values;
+};
+
+}  // namespace client
+}  // namespace ember
+
+#endif  // EMBER_CLIENT_KJT_H_

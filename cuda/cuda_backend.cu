@@ -1,0 +1,1330 @@
+// The CUDA embedding backend (see cuda_backend.h and, for the semantics,
+// server/backend/embedding_backend.h; cuda/README.md has the design).
+//
+// Every call stages its host inputs into one pinned buffer laid out exactly
+// like the start of one device scratch buffer, copies it with a single
+// cudaMemcpyAsync on the backend's stream, runs its kernels there, copies
+// the result back and synchronises before returning. Both buffers grow and
+// are reused, so a warm backend allocates nothing per call.
+//
+// Forward (one launch for all requests): a warp per work item (a bag of a
+// pooled feature, an id of a NONE feature), found by binary search over the
+// per-request item prefix. Rows are read as float4 / 4 x fp16 / 4 x bf16 and
+// accumulated in fp32; when dim < 128 the warp splits into groups that each
+// take other ids of the bag, reduced with shuffles at the end.
+//
+// Backward (one pass for all requests and shards): each id becomes a pair
+// (key = the shard's key base + row, position); the pairs are radix sorted
+// (stable, so a row's occurrences stay in request-then-position order, the
+// CPU backend's order), runs of equal keys are found with a head-flag scan,
+// and a warp per run sums the run's scaled gradient rows and applies the
+// optimizer once to that row.
+#include "cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <set>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <cub/cub.cuh>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "cuda/cuda_status.h"
+#include "server/backend/embedding_backend.h"
+#include "server/backend/half.h"
+
+namespace ember {
+namespace cuda {
+namespace {
+
+using backend::EmbeddingBackend;
+using backend::FeatureRequest;
+using backend::GradientRequest;
+using backend::LookupRequest;
+using backend::OptimizerConfig;
+using backend::OptimizerType;
+using backend::Pooling;
+using backend::ShardId;
+using backend::ShardSpec;
+using backend::WeightType;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarpSize = 32;
+constexpr int kBlockThreads = 256;
+constexpr int kWarpsPerBlock = kBlockThreads / kWarpSize;
+
+// Integer codes of the enums, as the kernels see them.
+constexpr int32_t kFp16 = static_cast<int32_t>(WeightType::kFp16);
+constexpr int32_t kBf16 = static_cast<int32_t>(WeightType::kBf16);
+constexpr int32_t kMean = static_cast<int32_t>(Pooling::kMean);
+constexpr int32_t kNone = static_cast<int32_t>(Pooling::kNone);
+constexpr int32_t kAdagrad = static_cast<int32_t>(OptimizerType::kAdagrad);
+constexpr int32_t kRowwiseAdagrad = static_cast<int32_t>(OptimizerType::kRowwiseAdagrad);
+constexpr int32_t kAdam = static_cast<int32_t>(OptimizerType::kAdam);
+
+// Host <-> device copies of shard rows (init, export, import) go through
+// pinned staging in chunks of about this size.
+constexpr int64_t kTransferChunkBytes = int64_t{8} << 20;
+// Host threads that compute initial values.
+constexpr unsigned kMaxInitThreads = 8;
+
+// ---------------------------------------------------------------------------
+// Descriptors shared by host and device (plain data, copied to the device).
+
+// One lookup request. Work items of request r are [item_begin[r],
+// item_begin[r + 1]) (kept in a separate array for the binary search).
+struct LookupDesc {
+  const void* weights;  // the shard's [rows, dim] table, in weight_type
+  int64_t dim;
+  int64_t bag_begin;  // its first bag in the concatenated lengths / offsets
+  int64_t id_begin;   // its first id in the concatenated ids (and weights)
+  int64_t out_begin;  // its first float in the concatenated output
+  int32_t weight_type;
+  int32_t pooling;
+  int32_t weighted;
+  int32_t unused;
+};
+
+// One gradient request. Its ids are [id_begin[r], id_begin[r + 1]).
+struct GradDesc {
+  int64_t dim;
+  int64_t bag_begin;   // as in LookupDesc
+  int64_t num_bags;
+  int64_t grad_begin;  // its first float in the concatenated gradients
+  uint64_t key_base;   // sort key of its shard's row 0
+  int32_t pooling;
+  int32_t weighted;
+};
+
+// One shard touched by an ApplyGradients call. Keys [key_base[s],
+// key_base[s + 1]) are its rows.
+struct UpdateDesc {
+  void* weights;  // [rows, dim] in weight_type
+  float* state;   // [rows, state_width] fp32, or null
+  int64_t dim;
+  int64_t state_width;
+  int32_t weight_type;
+  int32_t optimizer;
+  float lr;
+  float eps;
+  float beta1;
+  float beta2;
+  float one_minus_beta1;  // 1 - beta1 in fp32, as the CPU backend computes it
+  float one_minus_beta2;
+  float weight_decay;
+  float bias1;  // 1 - beta1^t for this call's t
+  float bias2;  // 1 - beta2^t
+};
+
+// ---------------------------------------------------------------------------
+// Device helpers.
+
+// First index i in [0, n) with a[i] > x, or n.
+template <typename T>
+__device__ __forceinline__ int64_t UpperBound(const T* a, int64_t n, T x) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (a[mid] <= x) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Four consecutive elements as fp32. p is 16-byte (fp32) or 8-byte aligned:
+// dim is a multiple of 4 and buffers come from cudaMalloc.
+__device__ __forceinline__ float4 Load4(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 Load4(const __half* p) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__half2float(__ushort_as_half(static_cast<unsigned short>(raw.x & 0xffffu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(raw.x >> 16))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(raw.y & 0xffffu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(raw.y >> 16))));
+}
+__device__ __forceinline__ float4 Load4(const __nv_bfloat16* p) {
+  // bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
+                     __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
+}
+
+// Stores four fp32 values, rounded to nearest even for fp16 / bf16.
+__device__ __forceinline__ void Store4(float* p, float4 v) {
+  *reinterpret_cast<float4*>(p) = v;
+}
+__device__ __forceinline__ unsigned Pack(unsigned short lo, unsigned short hi) {
+  return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+}
+__device__ __forceinline__ void Store4(__half* p, float4 v) {
+  uint2 raw;
+  raw.x = Pack(__half_as_ushort(__float2half_rn(v.x)), __half_as_ushort(__float2half_rn(v.y)));
+  raw.y = Pack(__half_as_ushort(__float2half_rn(v.z)), __half_as_ushort(__float2half_rn(v.w)));
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+__device__ __forceinline__ void Store4(__nv_bfloat16* p, float4 v) {
+  uint2 raw;
+  raw.x = Pack(__bfloat16_as_ushort(__float2bfloat16_rn(v.x)),
+               __bfloat16_as_ushort(__float2bfloat16_rn(v.y)));
+  raw.y = Pack(__bfloat16_as_ushort(__float2bfloat16_rn(v.z)),
+               __bfloat16_as_ushort(__float2bfloat16_rn(v.w)));
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+// How a warp covers a row of `dim` elements: chunks of 4 elements, `group`
+// lanes per row (a power of two, <= 32), so 32 / group rows are read at
+// once. Lane = sub * group + chunk_lane. All fields are warp-uniform except
+// sub and chunk_lane.
+struct WarpGeometry {
+  int64_t chunks;
+  int group;
+  int rows_at_once;
+  int sub;
+  int chunk_lane;
+};
+
+__device__ __forceinline__ WarpGeometry MakeGeometry(int64_t dim, int lane) {
+  WarpGeometry g;
+  g.chunks = dim / 4;
+  const int c = static_cast<int>(g.chunks < kWarpSize ? g.chunks : kWarpSize);
+  g.group = 1 << (32 - __clz(c - 1));  // next power of two >= c (1 for c == 1)
+  g.rows_at_once = kWarpSize / g.group;
+  g.sub = lane / g.group;
+  g.chunk_lane = lane % g.group;
+  return g;
+}
+
+// Sum over k in [b, e) of scale_k * row_k[col .. col + 3], where meta(k,
+// &offset, &scale) gives row_k = base + offset. Must be called by the whole
+// warp with warp-uniform b, e and geometry; `active` says whether this
+// lane's column exists. Every lane gets the total of its chunk_lane.
+template <typename T, typename Meta>
+__device__ __forceinline__ float4 WarpGather(const T* base, int64_t b, int64_t e, int64_t col,
+                                             bool active, int lane, const WarpGeometry& g,
+                                             Meta meta) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t k0 = b; k0 < e; k0 += kWarpSize) {
+    const int n = static_cast<int>(e - k0 < kWarpSize ? e - k0 : kWarpSize);
+    int64_t my_off = 0;
+    float my_scale = 0.f;
+    if (lane < n) meta(k0 + lane, &my_off, &my_scale);
+#pragma unroll 4
+    for (int j0 = 0; j0 < n; j0 += g.rows_at_once) {
+      // j0 <= 32 - rows_at_once, so j stays a valid lane.
+      const int j = j0 + g.sub;
+      const int64_t off = __shfl_sync(kFullMask, my_off, j);
+      const float s = __shfl_sync(kFullMask, my_scale, j);
+      if (j < n && active) {
+        const float4 x = Load4(base + off + col);
+        acc.x = fmaf(s, x.x, acc.x);
+        acc.y = fmaf(s, x.y, acc.y);
+        acc.z = fmaf(s, x.z, acc.z);
+        acc.w = fmaf(s, x.w, acc.w);
+      }
+    }
+  }
+  for (int m = g.group; m < kWarpSize; m <<= 1) {
+    acc.x += __shfl_xor_sync(kFullMask, acc.x, m);
+    acc.y += __shfl_xor_sync(kFullMask, acc.y, m);
+    acc.z += __shfl_xor_sync(kFullMask, acc.z, m);
+    acc.w += __shfl_xor_sync(kFullMask, acc.w, m);
+  }
+  return acc;
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+// out[0, dim) = scale * sum over ids[k], k in [b, e), of weight_k * row.
+template <typename T>
+__device__ __forceinline__ void PoolItem(const T* table, int64_t dim, const int64_t* ids,
+                                         const float* weights, int64_t b, int64_t e, float scale,
+                                         float* out, int lane) {
+  const WarpGeometry g = MakeGeometry(dim, lane);
+  auto meta = [ids, weights, dim](int64_t k, int64_t* off, float* s) {
+    *off = ids[k] * dim;
+    *s = weights != nullptr ? weights[k] : 1.0f;
+  };
+  for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
+    const int64_t c = cb + g.chunk_lane;
+    const bool active = c < g.chunks;
+    float4 acc = WarpGather(table, b, e, 4 * c, active, lane, g, meta);
+    if (active && g.sub == 0) {
+      acc.x *= scale;
+      acc.y *= scale;
+      acc.z *= scale;
+      acc.w *= scale;
+      Store4(out + 4 * c, acc);
+    }
+  }
+}
+
+// One warp per work item, grid-stride. offsets[0, total_bags] is the
+// exclusive scan of the concatenated lengths: positions in the concatenated
+// ids (each request's lengths sum to its id count). The min-blocks hint (at
+// most 64 registers) is what keeps ptxas from spilling on sm_80.
+__global__ void __launch_bounds__(kBlockThreads, 4)
+    LookupKernel(const int64_t* __restrict__ item_begin, const LookupDesc* __restrict__ descs,
+                 int64_t num_requests, const int64_t* __restrict__ offsets,
+                 const int64_t* __restrict__ ids, const float* __restrict__ weights,
+                 float* __restrict__ out) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t total_items = item_begin[num_requests];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       item < total_items; item += stride) {
+    const int64_t r = UpperBound(item_begin, num_requests + 1, item) - 1;
+    const LookupDesc d = descs[r];
+    const int64_t local = item - item_begin[r];
+    int64_t b, e;
+    float scale = 1.0f;
+    if (d.pooling == kNone) {
+      b = d.id_begin + local;
+      e = b + 1;
+    } else {
+      b = offsets[d.bag_begin + local];
+      e = offsets[d.bag_begin + local + 1];
+      // The CPU backend multiplies by the reciprocal; an empty bag stays 0.
+      if (d.pooling == kMean && e > b) scale = 1.0f / static_cast<float>(e - b);
+    }
+    const float* w = d.weighted ? weights : nullptr;
+    float* o = out + d.out_begin + local * d.dim;
+    switch (d.weight_type) {
+      case kFp16:
+        PoolItem(static_cast<const __half*>(d.weights), d.dim, ids, w, b, e, scale, o, lane);
+        break;
+      case kBf16:
+        PoolItem(static_cast<const __nv_bfloat16*>(d.weights), d.dim, ids, w, b, e, scale, o,
+                 lane);
+        break;
+      default:  // fp32
+        PoolItem(static_cast<const float*>(d.weights), d.dim, ids, w, b, e, scale, o, lane);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward.
+
+// Per id position p: its sort key, p itself, where its gradient row starts
+// in the concatenated gradients, and the factor applied to that row (the
+// per-id weight, divided by the bag length for MEAN, as the CPU backend
+// computes it).
+__global__ void __launch_bounds__(kBlockThreads)
+    ExpandKernel(const int64_t* __restrict__ id_begin, const GradDesc* __restrict__ descs,
+                 int64_t num_requests, const int64_t* __restrict__ offsets,
+                 const int64_t* __restrict__ ids, const float* __restrict__ weights,
+                 uint64_t* __restrict__ keys, int64_t* __restrict__ positions,
+                 int64_t* __restrict__ src_off, float* __restrict__ scale) {
+  const int64_t total = id_begin[num_requests];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < total;
+       p += stride) {
+    const int64_t r = UpperBound(id_begin, num_requests + 1, p) - 1;
+    const GradDesc d = descs[r];
+    keys[p] = d.key_base + static_cast<uint64_t>(ids[p]);
+    positions[p] = p;
+    if (d.pooling == kNone) {
+      src_off[p] = d.grad_begin + (p - id_begin[r]) * d.dim;
+      scale[p] = 1.0f;
+      continue;
+    }
+    // The last bag starting at or before p holds it (empty bags share their
+    // start with the next bag, so upper bound skips them).
+    const int64_t* bag_start = offsets + d.bag_begin;
+    const int64_t bag = UpperBound(bag_start, d.num_bags, p) - 1;
+    float s = d.weighted ? weights[p] : 1.0f;
+    if (d.pooling == kMean) s /= static_cast<float>(bag_start[bag + 1] - bag_start[bag]);
+    src_off[p] = d.grad_begin + bag * d.dim;
+    scale[p] = s;
+  }
+}
+
+// flags[k] = 1 where sorted key k starts a run, else 0.
+__global__ void __launch_bounds__(kBlockThreads)
+    HeadFlagsKernel(const uint64_t* __restrict__ keys, int64_t n, int64_t* __restrict__ flags) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+       k += stride) {
+    flags[k] = (k == 0 || keys[k] != keys[k - 1]) ? 1 : 0;
+  }
+}
+
+// run_id = inclusive scan of the head flags (1-based run of each element);
+// run_begin[u] = first element of run u, run_begin[num_runs] = n.
+__global__ void __launch_bounds__(kBlockThreads)
+    RunBeginKernel(const int64_t* __restrict__ run_id, int64_t n, int64_t* __restrict__ run_begin) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
+       k += stride) {
+    if (k == 0 || run_id[k] != run_id[k - 1]) run_begin[run_id[k] - 1] = k;
+    if (k == n - 1) run_begin[run_id[k]] = n;
+  }
+}
+
+// The optimizer arithmetic is spelled with _rn intrinsics so that nvcc does
+// not contract it into FMAs: given the same merged gradient, a row's update
+// rounds exactly as the CPU backend's scalar code does.
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
+
+// One element of an element-wise optimizer (SGD, Adagrad, Adam); g already
+// carries weight decay. acc / m / v are the element's optimizer state.
+__device__ __forceinline__ float ElementStep(const UpdateDesc& d, float w, float g, float& acc,
+                                             float& m, float& v) {
+  switch (d.optimizer) {
+    case kAdagrad:
+      acc = Add(acc, Mul(g, g));
+      return Sub(w, Div(Mul(d.lr, g), Add(__fsqrt_rn(acc), d.eps)));
+    case kAdam:
+      m = Add(Mul(d.beta1, m), Mul(d.one_minus_beta1, g));
+      v = Add(Mul(d.beta2, v), Mul(Mul(d.one_minus_beta2, g), g));
+      return Sub(w, Div(Mul(d.lr, Div(m, d.bias1)), Add(__fsqrt_rn(Div(v, d.bias2)), d.eps)));
+    default:  // kSgd
+      return Sub(w, Mul(d.lr, g));
+  }
+}
+
+__device__ __forceinline__ float4 AddWeightDecay(const UpdateDesc& d, float4 g, float4 w) {
+  if (d.weight_decay > 0) {
+    g.x = Add(g.x, Mul(d.weight_decay, w.x));
+    g.y = Add(g.y, Mul(d.weight_decay, w.y));
+    g.z = Add(g.z, Mul(d.weight_decay, w.z));
+    g.w = Add(g.w, Mul(d.weight_decay, w.w));
+  }
+  return g;
+}
+
+// One optimizer update of `row` with the gradient summed over sorted
+// occurrences [b, e). Called by a whole warp.
+template <typename T>
+__device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int64_t b, int64_t e,
+                                          const int64_t* positions, const int64_t* src_off,
+                                          const float* scale, const float* grads, int lane) {
+  const int64_t dim = d.dim;
+  T* w = static_cast<T*>(d.weights) + row * dim;
+  float* st = d.state != nullptr ? d.state + row * d.state_width : nullptr;
+  const WarpGeometry g = MakeGeometry(dim, lane);
+  auto meta = [positions, src_off, scale](int64_t k, int64_t* off, float* s) {
+    const int64_t p = positions[k];
+    *off = src_off[p];
+    *s = scale[p];
+  };
+
+  if (d.optimizer == kRowwiseAdagrad) {
+    // The row's mean square needs the whole gradient first: one pass for
+    // the sum of squares, a second for the update (the first chunk's
+    // gradient is kept; wider rows gather again).
+    double sq = 0;
+    float4 first = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
+      const int64_t c = cb + g.chunk_lane;
+      const bool active = c < g.chunks;
+      float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
+      if (active && g.sub == 0) {
+        gv = AddWeightDecay(d, gv, Load4(w + 4 * c));
+        sq += static_cast<double>(gv.x) * gv.x + static_cast<double>(gv.y) * gv.y +
+              static_cast<double>(gv.z) * gv.z + static_cast<double>(gv.w) * gv.w;
+      }
+      if (cb == 0) first = gv;
+    }
+    for (int m = 1; m < kWarpSize; m <<= 1) sq += __shfl_xor_sync(kFullMask, sq, m);
+    float denom = 0;
+    if (lane == 0) {
+      const float acc = st[0] + static_cast<float>(sq / static_cast<double>(dim));
+      st[0] = acc;
+      denom = __fsqrt_rn(acc) + d.eps;
+    }
+    denom = __shfl_sync(kFullMask, denom, 0);
+    for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
+      const int64_t c = cb + g.chunk_lane;
+      const bool active = c < g.chunks;
+      float4 gv = first;
+      if (cb != 0) gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
+      if (active && g.sub == 0) {
+        float4 wv = Load4(w + 4 * c);
+        if (cb != 0) gv = AddWeightDecay(d, gv, wv);
+        wv.x = Sub(wv.x, Div(Mul(d.lr, gv.x), denom));
+        wv.y = Sub(wv.y, Div(Mul(d.lr, gv.y), denom));
+        wv.z = Sub(wv.z, Div(Mul(d.lr, gv.z), denom));
+        wv.w = Sub(wv.w, Div(Mul(d.lr, gv.w), denom));
+        Store4(w + 4 * c, wv);
+      }
+    }
+    return;
+  }
+
+  for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
+    const int64_t c = cb + g.chunk_lane;
+    const bool active = c < g.chunks;
+    float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
+    if (!active || g.sub != 0) continue;
+    float4 wv = Load4(w + 4 * c);
+    gv = AddWeightDecay(d, gv, wv);
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f), m = s, v = s;
+    if (d.optimizer == kAdagrad) {
+      s = Load4(st + 4 * c);
+    } else if (d.optimizer == kAdam) {
+      m = Load4(st + 4 * c);
+      v = Load4(st + dim + 4 * c);
+    }
+    wv.x = ElementStep(d, wv.x, gv.x, s.x, m.x, v.x);
+    wv.y = ElementStep(d, wv.y, gv.y, s.y, m.y, v.y);
+    wv.z = ElementStep(d, wv.z, gv.z, s.z, m.z, v.z);
+    wv.w = ElementStep(d, wv.w, gv.w, s.w, m.w, v.w);
+    Store4(w + 4 * c, wv);
+    if (d.optimizer == kAdagrad) {
+      Store4(st + 4 * c, s);
+    } else if (d.optimizer == kAdam) {
+      Store4(st + 4 * c, m);
+      Store4(st + dim + 4 * c, v);
+    }
+  }
+}
+
+// One warp per run of equal sorted keys (a unique (shard, row)), grid-stride
+// up to the run count the scan left on the device. Each row is owned by
+// exactly one warp, so no atomics.
+__global__ void __launch_bounds__(kBlockThreads)
+    UpdateKernel(const uint64_t* __restrict__ sorted_keys,
+                 const int64_t* __restrict__ sorted_positions,
+                 const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
+                 const uint64_t* __restrict__ key_base, const UpdateDesc* __restrict__ shards,
+                 int64_t num_shards, const int64_t* __restrict__ src_off,
+                 const float* __restrict__ scale, const float* __restrict__ grads) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t num_runs = *num_runs_ptr;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       u < num_runs; u += stride) {
+    const int64_t b = run_begin[u], e = run_begin[u + 1];
+    const uint64_t key = sorted_keys[b];
+    const int64_t s = UpperBound(key_base, num_shards + 1, key) - 1;
+    const UpdateDesc d = shards[s];
+    const int64_t row = static_cast<int64_t>(key - key_base[s]);
+    switch (d.weight_type) {
+      case kFp16:
+        UpdateRow<__half>(d, row, b, e, sorted_positions, src_off, scale, grads, lane);
+        break;
+      case kBf16:
+        UpdateRow<__nv_bfloat16>(d, row, b, e, sorted_positions, src_off, scale, grads, lane);
+        break;
+      default:  // fp32
+        UpdateRow<float>(d, row, b, e, sorted_positions, src_off, scale, grads, lane);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    p[i] = value;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+
+// cudaMalloc / cudaMallocHost that turn failure into a Status and clear the
+// (non-sticky) error, so a later cudaGetLastError after a launch does not
+// report it again.
+absl::Status DeviceAlloc(void** p, size_t bytes, bool pinned_host) {
+  const cudaError_t err = pinned_host ? cudaMallocHost(p, bytes) : cudaMalloc(p, bytes);
+  if (err == cudaSuccess) return absl::OkStatus();
+  *p = nullptr;
+  cudaGetLastError();
+  return CudaErrorToStatus(err, pinned_host ? "cudaMallocHost" : "cudaMalloc");
+}
+
+// Owns one cudaMalloc'd (or, when pinned_host, cudaMallocHost'd) block.
+// Not copyable; frees in its destructor. The owner makes the right device
+// current before the destructor runs.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(bool pinned_host = false) : pinned_host_(pinned_host) {}
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // Exactly `bytes` (0: none); previous contents are freed.
+  absl::Status Allocate(size_t bytes) {
+    Reset();
+    if (bytes == 0) return absl::OkStatus();
+    if (absl::Status s = DeviceAlloc(&ptr_, bytes, pinned_host_); !s.ok()) return s;
+    capacity_ = bytes;
+    return absl::OkStatus();
+  }
+
+  // At least `bytes`, growing by half again to amortise; contents are not
+  // kept when it grows.
+  absl::Status Reserve(size_t bytes) {
+    if (bytes <= capacity_) return absl::OkStatus();
+    const size_t grown = std::max(bytes, capacity_ + capacity_ / 2);
+    if (Allocate(grown).ok()) return absl::OkStatus();
+    return Allocate(bytes);
+  }
+
+  void Reset() {
+    if (ptr_ != nullptr) {
+      if (pinned_host_) {
+        cudaFreeHost(ptr_);
+      } else {
+        cudaFree(ptr_);
+      }
+    }
+    ptr_ = nullptr;
+    capacity_ = 0;
+  }
+
+  char* get() const { return static_cast<char*>(ptr_); }
+
+ private:
+  const bool pinned_host_;
+  void* ptr_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Brackets the GPU work of one public call. On entry it drops any error an
+// earlier, already-reported failure left in this thread's last-error slot,
+// so each launch check judges that launch alone. On every exit, failures
+// included, it waits for the stream: a call never returns while work it
+// queued may still read the staging or scratch buffers the next call
+// rewrites.
+class CallScope {
+ public:
+  explicit CallScope(cudaStream_t stream) : stream_(stream) { cudaGetLastError(); }
+  ~CallScope() {
+    cudaStreamSynchronize(stream_);
+    cudaGetLastError();
+  }
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+
+ private:
+  const cudaStream_t stream_;
+};
+
+// Byte offsets of arrays carved out of one buffer, each 256-byte aligned.
+class Layout {
+ public:
+  template <typename T>
+  size_t Add(int64_t count) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    const size_t at = offset_;
+    offset_ += static_cast<size_t>(count) * sizeof(T);
+    return at;
+  }
+  size_t bytes() const { return offset_; }
+
+ private:
+  size_t offset_ = 0;
+};
+
+template <typename T>
+T* At(char* base, size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
+
+struct Shard {
+  ShardSpec spec;
+  int elem_bytes = 4;
+  int64_t state_width = 0;
+  DeviceBuffer weights;  // [rows, dim] in spec.weight_type
+  DeviceBuffer state;    // [rows, state_width] fp32
+  int64_t step = 0;      // Adam's t
+
+  int64_t RowBytes() const { return spec.dim * elem_bytes; }
+  int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
+};
+
+class CudaBackend : public EmbeddingBackend {
+ public:
+  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, std::string device_name,
+              int max_blocks)
+      : options_(options),
+        stream_(stream),
+        device_name_(std::move(device_name)),
+        max_blocks_(max_blocks),
+        staging_(/*pinned_host=*/true) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(options_.device);
+    shards_.clear();
+    scratch_.Reset();
+    staging_.Reset();
+    cudaStreamDestroy(stream_);
+  }
+
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    auto shard = std::make_unique<Shard>();
+    shard->spec = spec;
+    shard->elem_bytes = ElementBytes(spec.weight_type);
+    shard->state_width = backend::OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    const int64_t per_row = spec.dim * shard->elem_bytes + shard->state_width * 4;
+    if (spec.rows > std::numeric_limits<int64_t>::max() / per_row) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("shard of table '", spec.table, "' is larger than 2^63 bytes"));
+    }
+    const int64_t bytes = shard->Bytes();
+    if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
+          options_.memory_limit_bytes, " are in use"));
+    }
+    if (absl::Status s = Activate(); !s.ok()) return s;
+    const CallScope scope(stream_);
+    absl::Status s = shard->weights.Allocate(static_cast<size_t>(spec.rows * shard->RowBytes()));
+    if (s.ok()) s.Update(shard->state.Allocate(static_cast<size_t>(spec.rows * shard->state_width * 4)));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("device memory for shard of table '", spec.table,
+                                                 "' (", bytes, " bytes): ", s.message()));
+    }
+    if (absl::Status st = InitShard(shard.get()); !st.ok()) return st;
+    used_bytes_ += bytes;
+    const ShardId id = next_id_++;
+    shards_.emplace(id, std::move(shard));
+    return id;
+  }
+
+  absl::Status DropShard(ShardId id) override {
+    absl::MutexLock lock(&mu_);
+    auto it = shards_.find(id);
+    if (it == shards_.end()) return NotFound(id);
+    if (absl::Status s = Activate(); !s.ok()) return s;
+    used_bytes_ -= it->second->Bytes();
+    shards_.erase(it);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    return s->spec;
+  }
+
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status st = ValidateRequests(requests, "lookup", "output"); !st.ok()) return st;
+    const int64_t n = static_cast<int64_t>(requests.size());
+    int64_t total_items = 0, total_bags = 0, total_ids = 0, total_out = 0;
+    bool any_weighted = false;
+    for (const LookupRequest& r : requests) {
+      const FeatureRequest& f = r.feature;
+      total_items += static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size()
+                                                                      : f.lengths.size());
+      total_bags += static_cast<int64_t>(f.lengths.size());
+      total_ids += static_cast<int64_t>(f.ids.size());
+      total_out += static_cast<int64_t>(r.output.size());
+      any_weighted |= !f.weights.empty();
+    }
+    // No bags and no ids anywhere: every output is empty.
+    if (total_items == 0) return absl::OkStatus();
+    if (absl::Status s = Activate(); !s.ok()) return s;
+    const CallScope scope(stream_);
+
+    // Inputs, staged in pinned memory with the same layout as on the device.
+    Layout in;
+    const size_t item_begin_at = in.Add<int64_t>(n + 1);
+    const size_t desc_at = in.Add<LookupDesc>(n);
+    const size_t lengths_at = in.Add<int64_t>(total_bags);
+    const size_t ids_at = in.Add<int64_t>(total_ids);
+    const size_t weights_at = in.Add<float>(any_weighted ? total_ids : 0);
+    const size_t in_bytes = in.bytes();
+    Layout dev = in, host = in;
+    const size_t offsets_at = dev.Add<int64_t>(total_bags + 1);
+    const size_t out_at = dev.Add<float>(total_out);
+    size_t scan_temp = 0;
+    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+        nullptr, scan_temp, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+        total_bags, stream_));
+    const size_t temp_at = dev.Add<char>(static_cast<int64_t>(scan_temp));
+    const size_t host_out_at = host.Add<float>(total_out);
+    if (absl::Status s = Reserve(dev.bytes(), host.bytes()); !s.ok()) return s;
+    char* h = staging_.get();
+    char* d = scratch_.get();
+
+    int64_t* item_begin = At<int64_t>(h, item_begin_at);
+    LookupDesc* descs = At<LookupDesc>(h, desc_at);
+    int64_t items = 0, bags = 0, id_pos = 0, out_pos = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const LookupRequest& r = requests[i];
+      const FeatureRequest& f = r.feature;
+      const Shard& s = *FindShard(f.shard);
+      item_begin[i] = items;
+      LookupDesc& desc = descs[i];
+      desc = LookupDesc{};
+      desc.weights = s.weights.get();
+      desc.dim = s.spec.dim;
+      desc.bag_begin = bags;
+      desc.id_begin = id_pos;
+      desc.out_begin = out_pos;
+      desc.weight_type = static_cast<int32_t>(s.spec.weight_type);
+      desc.pooling = static_cast<int32_t>(f.pooling);
+      desc.weighted = f.weights.empty() ? 0 : 1;
+      CopyIn(At<int64_t>(h, lengths_at) + bags, f.lengths);
+      CopyIn(At<int64_t>(h, ids_at) + id_pos, f.ids);
+      if (!f.weights.empty()) CopyIn(At<float>(h, weights_at) + id_pos, f.weights);
+      items += static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size() : f.lengths.size());
+      bags += static_cast<int64_t>(f.lengths.size());
+      id_pos += static_cast<int64_t>(f.ids.size());
+      out_pos += static_cast<int64_t>(r.output.size());
+    }
+    item_begin[n] = items;
+
+    int64_t* offsets = At<int64_t>(d, offsets_at);
+    float* out = At<float>(d, out_at);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d, h, in_bytes, cudaMemcpyHostToDevice, stream_));
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
+    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+        d + temp_at, scan_temp, At<const int64_t>(d, lengths_at), offsets + 1, total_bags,
+        stream_));
+    LookupKernel<<<WarpBlocks(total_items), kBlockThreads, 0, stream_>>>(
+        At<const int64_t>(d, item_begin_at), At<const LookupDesc>(d, desc_at), n, offsets,
+        At<const int64_t>(d, ids_at), At<const float>(d, weights_at), out);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(h + host_out_at, out, total_out * sizeof(float),
+                                               cudaMemcpyDeviceToHost, stream_));
+    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    const float* result = At<const float>(h, host_out_at);
+    for (const LookupRequest& r : requests) {
+      if (!r.output.empty()) std::memcpy(r.output.data(), result, r.output.size() * sizeof(float));
+      result += r.output.size();
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status st = ValidateRequests(requests, "gradient", "gradient"); !st.ok()) {
+      return st;
+    }
+    const int64_t n = static_cast<int64_t>(requests.size());
+    // Shards with at least one id in this call, in id order; only these take
+    // an update. Every shard the call names takes an Adam step, ids or not
+    // (the interface rule, as in the CPU backend).
+    std::map<ShardId, int64_t> slot_of;
+    std::set<ShardId> named;
+    for (const GradientRequest& r : requests) named.insert(r.feature.shard);
+    auto step_idle_shards = [&] {
+      for (ShardId id : named) {
+        if (!slot_of.count(id)) ++FindShard(id)->step;
+      }
+    };
+    int64_t total_bags = 0, total_ids = 0, total_grad = 0;
+    bool any_weighted = false;
+    for (const GradientRequest& r : requests) {
+      const FeatureRequest& f = r.feature;
+      if (!f.ids.empty()) slot_of.emplace(f.shard, 0);
+      total_bags += static_cast<int64_t>(f.lengths.size());
+      total_ids += static_cast<int64_t>(f.ids.size());
+      total_grad += static_cast<int64_t>(r.grad.size());
+      any_weighted |= !f.weights.empty();
+    }
+    if (total_ids == 0) {
+      step_idle_shards();
+      return absl::OkStatus();
+    }
+    const int64_t num_shards = static_cast<int64_t>(slot_of.size());
+    std::vector<Shard*> slot_shard;
+    slot_shard.reserve(num_shards);
+    uint64_t total_rows = 0;
+    for (auto& [id, slot] : slot_of) {
+      slot = static_cast<int64_t>(slot_shard.size());
+      slot_shard.push_back(FindShard(id));
+      total_rows += static_cast<uint64_t>(slot_shard.back()->spec.rows);
+    }
+    int end_bit = 1;
+    while (end_bit < 64 && ((total_rows - 1) >> end_bit) != 0) ++end_bit;
+    if (absl::Status s = Activate(); !s.ok()) return s;
+    const CallScope scope(stream_);
+
+    Layout in;
+    const size_t id_begin_at = in.Add<int64_t>(n + 1);
+    const size_t desc_at = in.Add<GradDesc>(n);
+    const size_t update_at = in.Add<UpdateDesc>(num_shards);
+    const size_t key_base_at = in.Add<uint64_t>(num_shards + 1);
+    const size_t lengths_at = in.Add<int64_t>(total_bags);
+    const size_t ids_at = in.Add<int64_t>(total_ids);
+    const size_t weights_at = in.Add<float>(any_weighted ? total_ids : 0);
+    const size_t grads_at = in.Add<float>(total_grad);
+    const size_t in_bytes = in.bytes();
+    Layout dev = in;
+    const size_t offsets_at = dev.Add<int64_t>(total_bags + 1);
+    const size_t keys_a_at = dev.Add<uint64_t>(total_ids);
+    const size_t keys_b_at = dev.Add<uint64_t>(total_ids);
+    const size_t pos_a_at = dev.Add<int64_t>(total_ids);
+    const size_t pos_b_at = dev.Add<int64_t>(total_ids);
+    const size_t src_off_at = dev.Add<int64_t>(total_ids);
+    const size_t scale_at = dev.Add<float>(total_ids);
+    const size_t run_id_at = dev.Add<int64_t>(total_ids);
+    const size_t run_begin_at = dev.Add<int64_t>(total_ids + 1);
+    size_t temp = 0, t = 0;
+    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+        nullptr, t, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+        total_bags, stream_));
+    temp = std::max(temp, t);
+    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+        nullptr, t, static_cast<int64_t*>(nullptr), static_cast<int64_t*>(nullptr), total_ids,
+        stream_));
+    temp = std::max(temp, t);
+    {
+      cub::DoubleBuffer<uint64_t> no_keys(nullptr, nullptr);
+      cub::DoubleBuffer<int64_t> no_values(nullptr, nullptr);
+      EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
+          nullptr, t, no_keys, no_values, total_ids, 0, end_bit, stream_));
+    }
+    temp = std::max(temp, t);
+    const size_t temp_at = dev.Add<char>(static_cast<int64_t>(temp));
+    if (absl::Status s = Reserve(dev.bytes(), in_bytes); !s.ok()) return s;
+    char* h = staging_.get();
+    char* d = scratch_.get();
+
+    // Host tables: shards (with this call's Adam step), then requests.
+    std::vector<int64_t> new_step(num_shards);
+    UpdateDesc* updates = At<UpdateDesc>(h, update_at);
+    uint64_t* key_base = At<uint64_t>(h, key_base_at);
+    key_base[0] = 0;
+    for (int64_t s = 0; s < num_shards; ++s) {
+      const Shard& shard = *slot_shard[s];
+      const OptimizerConfig& o = shard.spec.optimizer;
+      new_step[s] = shard.step + 1;
+      const double step = static_cast<double>(new_step[s]);
+      UpdateDesc& u = updates[s];
+      u = UpdateDesc{};
+      u.weights = shard.weights.get();
+      u.state = shard.state_width > 0 ? reinterpret_cast<float*>(shard.state.get()) : nullptr;
+      u.dim = shard.spec.dim;
+      u.state_width = shard.state_width;
+      u.weight_type = static_cast<int32_t>(shard.spec.weight_type);
+      u.optimizer = static_cast<int32_t>(o.type);
+      u.lr = o.learning_rate;
+      u.eps = o.eps;
+      u.beta1 = o.beta1;
+      u.beta2 = o.beta2;
+      u.one_minus_beta1 = 1 - o.beta1;
+      u.one_minus_beta2 = 1 - o.beta2;
+      u.weight_decay = o.weight_decay;
+      u.bias1 = static_cast<float>(1.0 - std::pow(o.beta1, step));
+      u.bias2 = static_cast<float>(1.0 - std::pow(o.beta2, step));
+      key_base[s + 1] = key_base[s] + static_cast<uint64_t>(shard.spec.rows);
+    }
+    int64_t* id_begin = At<int64_t>(h, id_begin_at);
+    GradDesc* descs = At<GradDesc>(h, desc_at);
+    int64_t bags = 0, id_pos = 0, grad_pos = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const GradientRequest& r = requests[i];
+      const FeatureRequest& f = r.feature;
+      const Shard& s = *FindShard(f.shard);
+      id_begin[i] = id_pos;
+      GradDesc& desc = descs[i];
+      desc = GradDesc{};
+      desc.dim = s.spec.dim;
+      desc.bag_begin = bags;
+      desc.num_bags = static_cast<int64_t>(f.lengths.size());
+      desc.grad_begin = grad_pos;
+      desc.key_base = f.ids.empty() ? 0 : key_base[slot_of.at(f.shard)];
+      desc.pooling = static_cast<int32_t>(f.pooling);
+      desc.weighted = f.weights.empty() ? 0 : 1;
+      CopyIn(At<int64_t>(h, lengths_at) + bags, f.lengths);
+      CopyIn(At<int64_t>(h, ids_at) + id_pos, f.ids);
+      if (!f.weights.empty()) CopyIn(At<float>(h, weights_at) + id_pos, f.weights);
+      CopyIn(At<float>(h, grads_at) + grad_pos, r.grad);
+      bags += desc.num_bags;
+      id_pos += static_cast<int64_t>(f.ids.size());
+      grad_pos += static_cast<int64_t>(r.grad.size());
+    }
+    id_begin[n] = id_pos;
+
+    int64_t* offsets = At<int64_t>(d, offsets_at);
+    uint64_t* keys_a = At<uint64_t>(d, keys_a_at);
+    uint64_t* keys_b = At<uint64_t>(d, keys_b_at);
+    int64_t* pos_a = At<int64_t>(d, pos_a_at);
+    int64_t* pos_b = At<int64_t>(d, pos_b_at);
+    int64_t* src_off = At<int64_t>(d, src_off_at);
+    float* scale = At<float>(d, scale_at);
+    int64_t* run_id = At<int64_t>(d, run_id_at);
+    int64_t* run_begin = At<int64_t>(d, run_begin_at);
+    char* temp_ptr = d + temp_at;
+    const int thread_blocks = ThreadBlocks(total_ids);
+
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d, h, in_bytes, cudaMemcpyHostToDevice, stream_));
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
+    t = temp;
+    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+        temp_ptr, t, At<const int64_t>(d, lengths_at), offsets + 1, total_bags, stream_));
+    ExpandKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(
+        At<const int64_t>(d, id_begin_at), At<const GradDesc>(d, desc_at), n, offsets,
+        At<const int64_t>(d, ids_at), At<const float>(d, weights_at), keys_a, pos_a, src_off,
+        scale);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    // Double-buffered sort (no copy of the pairs in CUB's temp storage); the
+    // selector, set on the host, says which buffer ends up sorted.
+    cub::DoubleBuffer<uint64_t> keys(keys_a, keys_b);
+    cub::DoubleBuffer<int64_t> positions(pos_a, pos_b);
+    t = temp;
+    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(temp_ptr, t, keys, positions,
+                                                               total_ids, 0, end_bit, stream_));
+    const uint64_t* sorted_keys = keys.Current();
+    const int64_t* sorted_positions = positions.Current();
+    HeadFlagsKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(sorted_keys, total_ids, run_id);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    t = temp;
+    // In place (CUB's in-place overload passes the same pointer twice).
+    EMBER_RETURN_IF_CUDA_ERROR(
+        cub::DeviceScan::InclusiveSum(temp_ptr, t, run_id, run_id, total_ids, stream_));
+    RunBeginKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(run_id, total_ids, run_begin);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    // The run count is run_id's last element; warps beyond it exit.
+    UpdateKernel<<<WarpBlocks(total_ids), kBlockThreads, 0, stream_>>>(
+        sorted_keys, sorted_positions, run_begin, run_id + (total_ids - 1), At<const uint64_t>(d, key_base_at),
+        At<const UpdateDesc>(d, update_at), num_shards, src_off, scale,
+        At<const float>(d, grads_at));
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    for (int64_t s = 0; s < num_shards; ++s) slot_shard[s]->step = new_step[s];
+    step_idle_shards();
+    return absl::OkStatus();
+  }
+
+  absl::Status ExportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                          absl::Span<float> weights, absl::Span<float> state) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    if (absl::Status st = CheckRange(*s, row_begin, row_end, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    if (row_end == row_begin) return absl::OkStatus();
+    if (absl::Status st = Activate(); !st.ok()) return st;
+    const CallScope scope(stream_);
+    const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
+    const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
+    const int64_t n = row_end - row_begin;
+    if (absl::Status st = staging_.Reserve(std::min(n, chunk_rows) * row_bytes); !st.ok()) {
+      return st;
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, n - r0);
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+          staging_.get(), s->weights.get() + (row_begin + r0) * row_bytes, rows * row_bytes,
+          cudaMemcpyDeviceToHost, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      float* dst = weights.data() + r0 * dim;
+      const int64_t count = rows * dim;
+      switch (s->spec.weight_type) {
+        case WeightType::kFp16: {
+          const uint16_t* src = At<const uint16_t>(staging_.get(), 0);
+          for (int64_t i = 0; i < count; ++i) dst[i] = backend::Fp16ToFloat(src[i]);
+          break;
+        }
+        case WeightType::kBf16: {
+          const uint16_t* src = At<const uint16_t>(staging_.get(), 0);
+          for (int64_t i = 0; i < count; ++i) dst[i] = backend::Bf16ToFloat(src[i]);
+          break;
+        }
+        default:
+          std::memcpy(dst, staging_.get(), count * sizeof(float));
+      }
+    }
+    if (s->state_width > 0) {
+      // Pageable destination: the copy is staged by the driver.
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+          state.data(),
+          reinterpret_cast<const float*>(s->state.get()) + row_begin * s->state_width,
+          n * s->state_width * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                          absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    if (absl::Status st = CheckRange(*s, row_begin, row_end, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    if (row_end == row_begin) return absl::OkStatus();
+    if (absl::Status st = Activate(); !st.ok()) return st;
+    const CallScope scope(stream_);
+    const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
+    const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
+    const int64_t n = row_end - row_begin;
+    if (absl::Status st = staging_.Reserve(std::min(n, chunk_rows) * row_bytes); !st.ok()) {
+      return st;
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, n - r0);
+      StoreRows(s->spec.weight_type, weights.data() + r0 * dim, rows * dim, staging_.get());
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(s->weights.get() + (row_begin + r0) * row_bytes,
+                                                 staging_.get(), rows * row_bytes,
+                                                 cudaMemcpyHostToDevice, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    }
+    if (s->state_width > 0) {
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
+          reinterpret_cast<float*>(s->state.get()) + row_begin * s->state_width, state.data(),
+          n * s->state_width * sizeof(float), cudaMemcpyHostToDevice, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    return s->step;
+  }
+
+  absl::Status ImportStep(ShardId id, int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = FindShard(id);
+    if (s == nullptr) return NotFound(id);
+    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
+    s->step = step;
+    return absl::OkStatus();
+  }
+
+  std::string Name() const override { return absl::StrCat("cuda/", device_name_); }
+
+ private:
+  // The calling thread's current device is per thread: every call that
+  // touches the GPU makes ours current first.
+  absl::Status Activate() const {
+    EMBER_RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device));
+    return absl::OkStatus();
+  }
+
+  absl::Status Reserve(size_t device_bytes, size_t host_bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (absl::Status s = scratch_.Reserve(device_bytes); !s.ok()) return s;
+    return staging_.Reserve(host_bytes);
+  }
+
+  // Blocks for one thread per element / one warp per element, capped: the
+  // kernels loop grid-stride.
+  int ThreadBlocks(int64_t threads) const {
+    return static_cast<int>(std::clamp<int64_t>((threads + kBlockThreads - 1) / kBlockThreads,
+                                                1, max_blocks_));
+  }
+  int WarpBlocks(int64_t warps) const {
+    return static_cast<int>(
+        std::clamp<int64_t>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, max_blocks_));
+  }
+
+  template <typename T>
+  static void CopyIn(T* dst, absl::Span<const T> src) {
+    if (!src.empty()) std::memcpy(dst, src.data(), src.size() * sizeof(T));
+  }
+
+  // fp32 values into `dst` in the weight type, rounded to nearest even by
+  // the same functions as the CPU backend.
+  static void StoreRows(WeightType type, const float* src, int64_t count, char* dst) {
+    switch (type) {
+      case WeightType::kFp16: {
+        uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+        for (int64_t i = 0; i < count; ++i) out[i] = backend::FloatToFp16(src[i]);
+        break;
+      }
+      case WeightType::kBf16: {
+        uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+        for (int64_t i = 0; i < count; ++i) out[i] = backend::FloatToBf16(src[i]);
+        break;
+      }
+      default:
+        std::memcpy(dst, src, count * sizeof(float));
+    }
+  }
+
+  // Initial weights (InitialValue, computed on host threads, converted as
+  // the CPU backend converts, uploaded chunk by chunk) and optimizer state
+  // (initial_accumulator_value for the Adagrad variants, zeros for Adam).
+  absl::Status InitShard(Shard* shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const ShardSpec& sp = shard->spec;
+    const int64_t dim = sp.dim, row_bytes = shard->RowBytes();
+    const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
+    if (absl::Status s = staging_.Reserve(std::min(sp.rows, chunk_rows) * row_bytes); !s.ok()) {
+      return s;
+    }
+    std::vector<float> values;
+    const unsigned threads =
+        std::max(1u, std::min(kMaxInitThreads, std::thread::hardware_concurrency()));
+    for (int64_t r0 = 0; r0 < sp.rows; r0 += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, sp.rows - r0);
+      values.resize(static_cast<size_t>(rows * dim));
+      auto fill = [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          for (int64_t c = 0; c < dim; ++c) {
+            values[r * dim + c] = backend::InitialValue(sp.initializer, sp.table_rows,
+                                                        sp.row_offset + r0 + r, sp.col_offset + c);
+          }
+        }
+      };
+      const int64_t per_thread = (rows + threads - 1) / threads;
+      if (threads == 1 || rows * dim < 65536) {
+        fill(0, rows);
+      } else {
+        std::vector<std::thread> pool;
+        for (int64_t b = per_thread; b < rows; b += per_thread) {
+          pool.emplace_back(fill, b, std::min(rows, b + per_thread));
+        }
+        fill(0, std::min(rows, per_thread));
+        for (std::thread& t : pool) t.join();
+      }
+      StoreRows(sp.weight_type, values.data(), rows * dim, staging_.get());
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(shard->weights.get() + r0 * row_bytes,
+                                                 staging_.get(), rows * row_bytes,
+                                                 cudaMemcpyHostToDevice, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    }
+    const int64_t state_elems = sp.rows * shard->state_width;
+    if (state_elems > 0) {
+      float* state = reinterpret_cast<float*>(shard->state.get());
+      const bool adagrad = sp.optimizer.type == OptimizerType::kAdagrad ||
+                           sp.optimizer.type == OptimizerType::kRowwiseAdagrad;
+      const float init = adagrad ? sp.optimizer.initial_accumulator_value : 0.0f;
+      if (init == 0.0f) {
+        EMBER_RETURN_IF_CUDA_ERROR(
+            cudaMemsetAsync(state, 0, state_elems * sizeof(float), stream_));
+      } else {
+        FillKernel<<<ThreadBlocks(state_elems), kBlockThreads, 0, stream_>>>(state, state_elems,
+                                                                            init);
+        EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+      }
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  // Every request of a call, before anything runs: the shard exists, the
+  // feature is well formed, and the dense buffer (a lookup's output or a
+  // gradient) has OutputSize floats. Same checks and messages as the CPU
+  // backend.
+  template <typename Request>
+  absl::Status ValidateRequests(absl::Span<const Request> requests, const char* kind,
+                                const char* buffer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      const Shard* s = FindShard(f.shard);
+      if (s == nullptr) return NotFound(f.shard);
+      const std::string what =
+          absl::StrCat(kind, " request ", i, " (table '", s->spec.table, "')");
+      if (absl::Status st = backend::ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
+      const int64_t want = backend::OutputSize(f, s->spec.dim);
+      const int64_t got = static_cast<int64_t>(DenseBuffer(requests[i]).size());
+      if (got != want) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": ", buffer, " has ", got, " floats, expected ", want));
+      }
+    }
+    return absl::OkStatus();
+  }
+  static absl::Span<float> DenseBuffer(const LookupRequest& r) { return r.output; }
+  static absl::Span<const float> DenseBuffer(const GradientRequest& r) { return r.grad; }
+
+  static absl::Status NotFound(ShardId id) {
+    return absl::NotFoundError(absl::StrCat("no shard with id ", id));
+  }
+
+  Shard* FindShard(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = shards_.find(id);
+    return it == shards_.end() ? nullptr : it->second.get();
+  }
+
+  static absl::Status CheckRange(const Shard& s, int64_t b, int64_t e, size_t weights,
+                                 size_t state) {
+    if (b < 0 || e > s.spec.rows || b > e) {
+      return absl::InvalidArgumentError(absl::StrCat("row range [", b, ", ", e,
+                                                     ") is outside [0, ", s.spec.rows, ")"));
+    }
+    const int64_t n = e - b;
+    if (static_cast<int64_t>(weights) != n * s.spec.dim ||
+        static_cast<int64_t>(state) != n * s.state_width) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffers hold ", weights, " weights and ", state, " state floats; expected ",
+          n * s.spec.dim, " and ", n * s.state_width));
+    }
+    return absl::OkStatus();
+  }
+
+  const CudaBackendOptions options_;
+  const cudaStream_t stream_;  // owned; non-blocking
+  const std::string device_name_;
+  const int max_blocks_;
+  mutable absl::Mutex mu_;
+  std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
+  ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per-call scratch, grown on demand and reused (const calls use it too).
+  mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
+  mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
+    const CudaBackendOptions& options) {
+  if (options.device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device must be >= 0, got ", options.device));
+  }
+  if (options.memory_limit_bytes < 0) {
+    return absl::InvalidArgumentError("memory_limit_bytes must be >= 0");
+  }
+  int count = 0;
+  EMBER_RETURN_IF_CUDA_ERROR(cudaGetDeviceCount(&count));
+  if (count == 0) return absl::UnavailableError("no CUDA device visible");
+  if (options.device >= count) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", options.device,
+                                               " requested but only ", count, " visible"));
+  }
+  EMBER_RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device));
+  EMBER_RETURN_IF_CUDA_ERROR(cudaFree(nullptr));  // creates the context now
+  cudaDeviceProp prop;
+  EMBER_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&prop, options.device));
+  if (prop.major < 8) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", options.device, " (", prop.name,
+                                               ") has compute capability ", prop.major, ".",
+                                               prop.minor, "; this build needs 8.0 or newer"));
+  }
+  cudaStream_t stream;
+  EMBER_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int max_blocks = std::max(1, prop.multiProcessorCount * 16);
+  return std::unique_ptr<EmbeddingBackend>(
+      std::make_unique<CudaBackend>(options, stream, prop.name, max_blocks));
+}
+
+}  // namespace cuda
+}  // namespace ember

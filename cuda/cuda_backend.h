@@ -1,0 +1,47 @@
+// The CUDA embedding backend: shards in GPU memory, one fused forward kernel
+// over every lookup of a call, and a fused backward (sort ids, merge
+// duplicate rows, one optimizer update per touched row) over every gradient
+// of a call. Same semantics as the CPU backend (embedding_backend.h), which
+// is the reference of the parity suite.
+//
+// Host header: exposes no CUDA types, so plain C++ (and builds without nvcc,
+// which get cuda_backend_nocuda.cc) compile against it.
+//
+// Thread-safe: every public call takes one internal mutex, so calls are
+// serialised; each call runs on the backend's own CUDA stream and returns
+// only once the GPU work it queued has finished. Request buffers (ids,
+// lengths, weights, gradients, outputs) are host memory, borrowed for the
+// call.
+#ifndef EMBER_CUDA_CUDA_BACKEND_H_
+#define EMBER_CUDA_CUDA_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace cuda {
+
+struct CudaBackendOptions {
+  // CUDA device ordinal (as cudaSetDevice counts them).
+  int device = 0;
+  // Upper bound on the bytes of shard weights + optimizer state held (the
+  // CPU backend's accounting: rows * (dim * weight bytes + state floats * 4);
+  // per-call scratch is not counted). CreateShard beyond it fails with
+  // RESOURCE_EXHAUSTED. 0: whatever the card has (a failing cudaMalloc is
+  // RESOURCE_EXHAUSTED too).
+  int64_t memory_limit_bytes = 0;
+};
+
+// UNAVAILABLE when built without CUDA, when no driver or device is usable,
+// or when `device` is not among the visible devices; INVALID_ARGUMENT for
+// a negative device or memory limit.
+absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
+    const CudaBackendOptions& options);
+
+}  // namespace cuda
+}  // namespace ember
+
+#endif  // EMBER_CUDA_CUDA_BACKEND_H_

@@ -1,0 +1,14 @@
+// Built instead of cuda_backend.cu where nvcc is absent.
+#include "absl/status/status.h"
+#include "cuda/cuda_backend.h"
+
+namespace ember {
+namespace cuda {
+
+absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
+    const CudaBackendOptions&) {
+  return absl::UnavailableError("built without CUDA");
+}
+
+}  // namespace cuda
+}  // namespace ember

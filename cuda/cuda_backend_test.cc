@@ -1,0 +1,128 @@
+// What the parity suite (server/backend/backend_parity_test.cc) does not
+// cover: the factory's failure codes, the name, the memory limit, and a
+// hand-computed fused step. Where no GPU is usable every test checks the
+// UNAVAILABLE answer and skips the rest.
+#include "cuda/cuda_backend.h"
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "cuda/device_query.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace cuda {
+namespace {
+
+using backend::EmbeddingBackend;
+using backend::FeatureRequest;
+using backend::GradientRequest;
+using backend::LookupRequest;
+using backend::Pooling;
+using backend::ShardSpec;
+
+// The backend, or null after checking that its absence is UNAVAILABLE.
+std::unique_ptr<EmbeddingBackend> MakeOrExpectUnavailable(const CudaBackendOptions& options) {
+  auto be = CreateCudaBackend(options);
+  if (be.ok()) return std::move(*be);
+  EXPECT_EQ(be.status().code(), absl::StatusCode::kUnavailable) << be.status();
+  EXPECT_FALSE(be.status().message().empty());
+  return nullptr;
+}
+
+ShardSpec MakeSpec(int64_t rows, int64_t dim) {
+  ShardSpec s;
+  s.table = "t";
+  s.rows = rows;
+  s.dim = dim;
+  s.table_rows = rows;
+  s.optimizer.learning_rate = 0.5f;
+  s.initializer.seed = 3;
+  return s;
+}
+
+TEST(CudaBackendTest, NameOrUnavailable) {
+  auto be = MakeOrExpectUnavailable({});
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  EXPECT_THAT(be->Name(), testing::StartsWith("cuda/"));
+  EXPECT_GT(be->Name().size(), 5u);
+}
+
+TEST(CudaBackendTest, RejectsBadOptions) {
+  CudaBackendOptions o;
+  o.device = -1;
+  const absl::StatusCode want =
+      BuiltWithCuda() ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kUnavailable;
+  EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
+  o.device = 0;
+  o.memory_limit_bytes = -1;
+  EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
+  o.memory_limit_bytes = 0;
+  o.device = 1 << 20;  // no machine has that many
+  EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(CudaBackendTest, MemoryLimit) {
+  CudaBackendOptions o;
+  o.memory_limit_bytes = 1000;
+  auto be = MakeOrExpectUnavailable(o);
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  auto a = be->CreateShard(MakeSpec(10, 8));  // 320 bytes
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(be->CreateShard(MakeSpec(100, 8)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(be->DropShard(*a).ok());
+  EXPECT_TRUE(be->CreateShard(MakeSpec(25, 8)).ok());  // 800 bytes once the first is gone
+}
+
+// Two requests on one shard in one call, row 1 in both: SGD must apply the
+// summed gradient once. Worked by hand: SUM bag {1, 1} with grad 1 gives
+// row 1 a gradient of 2; MEAN bag {1, 2} with grad 4 gives rows 1 and 2 a
+// gradient of 2 each. Row 1 moves by lr * 4, row 2 by lr * 2.
+TEST(CudaBackendTest, DuplicatesAcrossRequestsAreMergedOnce) {
+  auto be = MakeOrExpectUnavailable({});
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  const ShardSpec spec = MakeSpec(4, 4);
+  auto id = be->CreateShard(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<float> w0(16), none;
+  ASSERT_TRUE(be->ExportRows(*id, 0, 4, absl::MakeSpan(w0), absl::MakeSpan(none)).ok());
+
+  // Lookup: SUM of {1, 1} is twice row 1.
+  std::vector<int64_t> len_a = {2}, ids_a = {1, 1}, len_b = {2}, ids_b = {1, 2};
+  FeatureRequest fa, fb;
+  fa.shard = fb.shard = *id;
+  fa.pooling = Pooling::kSum;
+  fa.lengths = len_a;
+  fa.ids = ids_a;
+  fb.pooling = Pooling::kMean;
+  fb.lengths = len_b;
+  fb.ids = ids_b;
+  std::vector<float> out_a(4), out_b(4);
+  ASSERT_TRUE(be->Lookup({LookupRequest{fa, absl::MakeSpan(out_a)},
+                          LookupRequest{fb, absl::MakeSpan(out_b)}})
+                  .ok());
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_FLOAT_EQ(out_a[c], 2 * w0[4 + c]);
+    EXPECT_FLOAT_EQ(out_b[c], (w0[4 + c] + w0[8 + c]) * 0.5f);
+  }
+
+  std::vector<float> grad_a(4, 1.0f), grad_b(4, 4.0f);
+  ASSERT_TRUE(be->ApplyGradients({GradientRequest{fa, grad_a}, GradientRequest{fb, grad_b}}).ok());
+  std::vector<float> w1(16);
+  ASSERT_TRUE(be->ExportRows(*id, 0, 4, absl::MakeSpan(w1), absl::MakeSpan(none)).ok());
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_EQ(w1[c], w0[c]);
+    EXPECT_FLOAT_EQ(w1[4 + c], w0[4 + c] - 0.5f * 4);
+    EXPECT_FLOAT_EQ(w1[8 + c], w0[8 + c] - 0.5f * 2);
+    EXPECT_EQ(w1[12 + c], w0[12 + c]);
+  }
+  EXPECT_EQ(*be->ExportStep(*id), 1);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace ember

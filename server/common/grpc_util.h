@@ -1,0 +1,52 @@
+// gRPC glue shared by servers and clients: status conversion, channels with
+// raised message limits, deadlines.
+#ifndef EMBER_SERVER_COMMON_GRPC_UTIL_H_
+#define EMBER_SERVER_COMMON_GRPC_UTIL_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace ember {
+
+// Largest message either side sends or accepts (gRPC's default is 4 MiB;
+// a batch of 4096 x 8 features x dim 128 is 16 MiB of embeddings).
+constexpr int kMaxMessageBytes = 1 << 30;
+
+inline grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+inline absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// FromGrpc with the peer named: "worker 127.0.0.1:5001: <message>".
+inline absl::Status FromGrpc(const grpc::Status& s, const std::string& peer) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      peer + ": " + s.error_message());
+}
+
+inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+inline void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
+}
+
+}  // namespace ember
+
+#endif  // EMBER_SERVER_COMMON_GRPC_UTIL_H_

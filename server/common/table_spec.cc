@@ -1,0 +1,83 @@
+#include "server/common/table_spec.h"
+
+namespace ember {
+
+using ember::v1::InitializerSpec;
+using ember::v1::OptimizerSpec;
+using ember::v1::TableConfig;
+
+backend::Pooling PoolingFromProto(TableConfig::Pooling p) {
+  switch (p) {
+    case TableConfig::MEAN:
+      return backend::Pooling::kMean;
+    case TableConfig::NONE:
+      return backend::Pooling::kNone;
+    default:
+      return backend::Pooling::kSum;
+  }
+}
+
+backend::ShardSpec ShardSpecFromTable(const TableConfig& table, int64_t row_offset,
+                                      int64_t col_offset, int64_t rows, int64_t cols) {
+  backend::ShardSpec s;
+  s.table = table.name();
+  s.rows = rows;
+  s.dim = cols;
+  s.row_offset = row_offset;
+  s.col_offset = col_offset;
+  s.table_rows = table.num_embeddings();
+  switch (table.data_type()) {
+    case ember::v1::FP16:
+      s.weight_type = backend::WeightType::kFp16;
+      break;
+    case ember::v1::BF16:
+      s.weight_type = backend::WeightType::kBf16;
+      break;
+    default:
+      s.weight_type = backend::WeightType::kFp32;
+  }
+  const OptimizerSpec& o = table.optimizer();
+  switch (o.type()) {
+    case OptimizerSpec::ADAGRAD:
+      s.optimizer.type = backend::OptimizerType::kAdagrad;
+      break;
+    case OptimizerSpec::ROWWISE_ADAGRAD:
+      s.optimizer.type = backend::OptimizerType::kRowwiseAdagrad;
+      break;
+    case OptimizerSpec::ADAM:
+      s.optimizer.type = backend::OptimizerType::kAdam;
+      break;
+    default:
+      s.optimizer.type = backend::OptimizerType::kSgd;
+  }
+  // Zero means the documented default (proto3 has no presence for doubles).
+  s.optimizer.learning_rate = o.learning_rate() != 0 ? static_cast<float>(o.learning_rate()) : 0.01f;
+  s.optimizer.eps = o.eps() != 0 ? static_cast<float>(o.eps()) : 1e-8f;
+  s.optimizer.beta1 = o.beta1() != 0 ? static_cast<float>(o.beta1()) : 0.9f;
+  s.optimizer.beta2 = o.beta2() != 0 ? static_cast<float>(o.beta2()) : 0.999f;
+  s.optimizer.weight_decay = static_cast<float>(o.weight_decay());
+  s.optimizer.initial_accumulator_value = static_cast<float>(o.initial_accumulator_value());
+  const InitializerSpec& i = table.initializer();
+  switch (i.type()) {
+    case InitializerSpec::UNIFORM:
+      s.initializer.type = backend::InitializerType::kUniform;
+      break;
+    case InitializerSpec::NORMAL:
+      s.initializer.type = backend::InitializerType::kNormal;
+      break;
+    case InitializerSpec::CONSTANT:
+      s.initializer.type = backend::InitializerType::kConstant;
+      break;
+    default:
+      s.initializer.type = backend::InitializerType::kDefault;
+  }
+  s.initializer.low = static_cast<float>(i.low());
+  s.initializer.high = static_cast<float>(i.high());
+  s.initializer.mean = static_cast<float>(i.mean());
+  s.initializer.std = static_cast<float>(i.std());
+  s.initializer.value = static_cast<float>(i.value());
+  s.initializer.seed = i.seed();
+  return s;
+}
+
+}  // namespace ember

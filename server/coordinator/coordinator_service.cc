@@ -1,0 +1,317 @@
+#include "server/coordinator/coordinator_service.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "planner/planner.h"
+#include "server/common/grpc_util.h"
+
+namespace ember {
+namespace coordinator {
+
+using ember::v1::CollectionInfo;
+using ember::v1::ShardAssignment;
+
+CoordinatorService::CoordinatorService(const CoordinatorOptions& options) : options_(options) {}
+
+grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
+                                                const ember::v1::RegisterWorkerRequest* req,
+                                                ember::v1::RegisterWorkerResponse* resp) {
+  const auto& info = req->worker();
+  if (info.address().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("worker address is empty"));
+  }
+  if (info.hbm_bytes() < 0 || info.ddr_bytes() < 0) {
+    return ToGrpc(absl::InvalidArgumentError("worker capacities must be >= 0"));
+  }
+  absl::MutexLock lock(&mu_);
+  // A worker restarted at the same address replaces its old entry.
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    it = it->second.info.address() == info.address() ? workers_.erase(it) : std::next(it);
+  }
+  Worker w;
+  w.seq = ++next_worker_;
+  w.id = absl::StrCat("w", w.seq);
+  w.info = info;
+  w.last_heartbeat = absl::Now();
+  workers_[w.id] = w;
+  resp->set_worker_id(w.id);
+  resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  LOG(INFO) << "worker " << w.id << " registered at " << info.address() << " (host "
+            << info.host() << ")";
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+                                           const ember::v1::HeartbeatRequest* req,
+                                           ember::v1::HeartbeatResponse* resp) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(req->worker_id());
+  if (it == workers_.end()) {
+    return ToGrpc(absl::NotFoundError(
+        absl::StrCat("unknown worker id '", req->worker_id(), "'; register again")));
+  }
+  it->second.last_heartbeat = absl::Now();
+  resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext*,
+                                             const ember::v1::ListWorkersRequest*,
+                                             ember::v1::ListWorkersResponse* resp) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::vector<const Worker*> order;
+  for (const auto& [id, w] : workers_) order.push_back(&w);
+  std::sort(order.begin(), order.end(), [](const Worker* a, const Worker* b) { return a->seq < b->seq; });
+  for (const Worker* w : order) {
+    auto* s = resp->add_workers();
+    s->set_worker_id(w->id);
+    *s->mutable_info() = w->info;
+    s->set_live(now - w->last_heartbeat < options_.lease);
+    s->set_ms_since_heartbeat(absl::ToInt64Milliseconds(now - w->last_heartbeat));
+  }
+  return grpc::Status::OK;
+}
+
+std::vector<CoordinatorService::Worker> CoordinatorService::LiveWorkers() const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::vector<Worker> live;
+  for (const auto& [id, w] : workers_) {
+    if (now - w.last_heartbeat < options_.lease) live.push_back(w);
+  }
+  // Hosts in order of their first registration, then registration order:
+  // each host's workers get consecutive ranks (TorchRec's local groups).
+  std::map<std::string, int64_t> host_first;
+  for (const Worker& w : live) {
+    auto [it, inserted] = host_first.emplace(w.info.host(), w.seq);
+    if (!inserted) it->second = std::min(it->second, w.seq);
+  }
+  std::sort(live.begin(), live.end(), [&](const Worker& a, const Worker& b) {
+    const int64_t ha = host_first[a.info.host()], hb = host_first[b.info.host()];
+    return ha != hb ? ha < hb : a.seq < b.seq;
+  });
+  return live;
+}
+
+ember::v1::Topology CoordinatorService::TopologyOf(const std::vector<Worker>& workers) {
+  ember::v1::Topology t;
+  t.set_world_size(static_cast<int>(workers.size()));
+  bool all_cuda = !workers.empty();
+  std::map<std::string, int> per_host;
+  for (const Worker& w : workers) {
+    all_cuda = all_cuda && w.info.device() == ember::v1::CUDA;
+    ++per_host[w.info.host()];
+  }
+  t.set_compute_device(all_cuda ? ember::v1::CUDA : ember::v1::CPU);
+  // The planner's host groups are uniform; uneven hosts plan as one group.
+  int local = per_host.empty() ? 0 : per_host.begin()->second;
+  for (const auto& [host, n] : per_host) {
+    if (n != local) local = t.world_size();
+  }
+  t.set_local_world_size(local);
+  for (size_t r = 0; r < workers.size(); ++r) {
+    const auto& info = workers[r].info;
+    if (info.hbm_bytes() == 0 && info.ddr_bytes() == 0) continue;
+    auto* d = t.add_devices();
+    d->set_rank(static_cast<int>(r));
+    d->set_hbm_bytes(info.hbm_bytes());
+    d->set_ddr_bytes(info.ddr_bytes());
+  }
+  return t;
+}
+
+ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address));
+  return stub.get();
+}
+
+absl::Status CoordinatorService::DropOnWorkers(const std::string& collection,
+                                               const std::vector<std::string>& addresses) {
+  absl::Status first;
+  for (const std::string& address : addresses) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, options_.worker_rpc_timeout);
+    ember::v1::DropShardsRequest req;
+    req.set_collection(collection);
+    ember::v1::DropShardsResponse resp;
+    const grpc::Status s = StubFor(address)->DropShards(&ctx, req, &resp);
+    if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      LOG(WARNING) << "dropping '" << collection << "' on " << address << ": "
+                   << s.error_message();
+      if (first.ok()) first = FromGrpc(s, "worker " + address);
+    }
+  }
+  return first;
+}
+
+grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
+                                                  const ember::v1::CreateCollectionRequest* req,
+                                                  ember::v1::CreateCollectionResponse* resp) {
+  ember::v1::CollectionSpec spec = req->spec();
+  if (spec.name().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("the collection needs a name"));
+  }
+  if (!req->sharding_type().empty()) {
+    if (absl::Status s = planner::ForceShardingType(req->sharding_type(), &spec); !s.ok()) {
+      return ToGrpc(s);
+    }
+  }
+  absl::MutexLock create(&create_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (collections_.count(spec.name())) {
+      return ToGrpc(absl::AlreadyExistsError(
+          absl::StrCat("collection '", spec.name(), "' exists; drop it first")));
+    }
+  }
+  const std::vector<Worker> workers = LiveWorkers();
+  if (workers.empty()) {
+    return ToGrpc(absl::UnavailableError("no live workers: start some (emberctl worker / up)"));
+  }
+  const absl::Time start = absl::Now();
+  auto plan = planner::Plan(spec, TopologyOf(workers));
+  if (!plan.ok()) return ToGrpc(plan.status());
+  plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  int64_t epoch;
+  {
+    absl::MutexLock lock(&mu_);
+    epoch = ++epoch_;
+  }
+  plan->set_epoch(epoch);
+
+  // Shard assignments per rank.
+  const int world = static_cast<int>(workers.size());
+  std::vector<ember::v1::CreateShardsRequest> per_rank(world);
+  for (auto& r : per_rank) {
+    r.set_collection(spec.name());
+    r.set_epoch(epoch);
+  }
+  for (int t = 0; t < plan->tables_size(); ++t) {
+    const auto& ts = plan->tables(t);
+    const auto& table = spec.tables(t);
+    auto add = [&](int rank, int index, int64_t ro, int64_t co, int64_t rows, int64_t cols) {
+      ShardAssignment* a = per_rank[rank].add_shards();
+      a->mutable_ref()->set_table(table.name());
+      a->mutable_ref()->set_shard_index(index);
+      *a->mutable_table() = table;
+      a->set_row_offset(ro);
+      a->set_col_offset(co);
+      a->set_rows(rows);
+      a->set_cols(cols);
+    };
+    if (ts.shards_size() == 0) {  // data_parallel: a replica per rank
+      for (int rank : ts.ranks()) add(rank, rank, 0, 0, table.num_embeddings(), table.embedding_dim());
+    }
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      const auto& s = ts.shards(i);
+      if (s.rows() == 0) continue;  // an empty trailing row-wise shard holds nothing
+      add(s.rank(), i, s.row_offset(), s.col_offset(), s.rows(), s.cols());
+    }
+  }
+  std::vector<std::string> addresses;
+  for (const Worker& w : workers) addresses.push_back(w.info.address());
+  std::vector<std::string> created;
+  for (int r = 0; r < world; ++r) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, options_.worker_rpc_timeout);
+    ember::v1::CreateShardsResponse out;
+    const grpc::Status s = StubFor(addresses[r])->CreateShards(&ctx, per_rank[r], &out);
+    if (!s.ok()) {
+      (void)DropOnWorkers(spec.name(), created);
+      return ToGrpc(FromGrpc(s, absl::StrCat("creating '", spec.name(), "' on worker ", r, " (",
+                                              addresses[r], ")")));
+    }
+    created.push_back(addresses[r]);
+  }
+  CollectionInfo info;
+  *info.mutable_spec() = spec;
+  *info.mutable_plan() = *plan;
+  for (const std::string& a : addresses) info.add_worker_addresses(a);
+  {
+    absl::MutexLock lock(&mu_);
+    collections_[spec.name()] = info;
+  }
+  LOG(INFO) << "collection '" << spec.name() << "' created at epoch " << epoch << " on " << world
+            << " worker(s)";
+  *resp->mutable_collection() = std::move(info);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::GetCollection(grpc::ServerContext*,
+                                               const ember::v1::GetCollectionRequest* req,
+                                               ember::v1::GetCollectionResponse* resp) {
+  absl::MutexLock lock(&mu_);
+  auto it = collections_.find(req->collection());
+  if (it == collections_.end()) {
+    return ToGrpc(absl::NotFoundError(absl::StrCat("no collection '", req->collection(), "'")));
+  }
+  *resp->mutable_collection() = it->second;
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::ListCollections(grpc::ServerContext*,
+                                                 const ember::v1::ListCollectionsRequest*,
+                                                 ember::v1::ListCollectionsResponse* resp) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, info] : collections_) *resp->add_collections() = info;
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::PreviewPlan(grpc::ServerContext*,
+                                             const ember::v1::PreviewPlanRequest* req,
+                                             ember::v1::PreviewPlanResponse* resp) {
+  ember::v1::CollectionSpec spec = req->spec();
+  if (!req->sharding_type().empty()) {
+    if (absl::Status s = planner::ForceShardingType(req->sharding_type(), &spec); !s.ok()) {
+      return ToGrpc(s);
+    }
+  }
+  ember::v1::Topology topology = req->topology();
+  if (topology.world_size() == 0) {
+    const std::vector<Worker> workers = LiveWorkers();
+    if (workers.empty()) {
+      return ToGrpc(absl::UnavailableError("no live workers; give a topology to preview"));
+    }
+    topology = TopologyOf(workers);
+  }
+  const absl::Time start = absl::Now();
+  auto plan = planner::Plan(spec, topology);
+  if (!plan.ok()) return ToGrpc(plan.status());
+  plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  *resp->mutable_plan() = *plan;
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
+                                                const ember::v1::DropCollectionRequest* req,
+                                                ember::v1::DropCollectionResponse*) {
+  absl::MutexLock create(&create_mu_);
+  CollectionInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(req->collection());
+    if (it == collections_.end()) {
+      return ToGrpc(absl::NotFoundError(absl::StrCat("no collection '", req->collection(), "'")));
+    }
+    info = it->second;
+    collections_.erase(it);
+  }
+  const std::vector<std::string> addresses(info.worker_addresses().begin(),
+                                           info.worker_addresses().end());
+  // The collection is gone for clients whatever happens; a worker that
+  // cannot be reached keeps its shards until it restarts.
+  if (absl::Status s = DropOnWorkers(req->collection(), addresses); !s.ok()) {
+    LOG(WARNING) << "collection '" << req->collection() << "' dropped; " << s;
+  }
+  LOG(INFO) << "collection '" << req->collection() << "' dropped";
+  return grpc::Status::OK;
+}
+
+}  // namespace coordinator
+}  // namespace ember

@@ -1,0 +1,155 @@
+#include "server/worker/worker_server.h"
+
+#include <unistd.h>
+
+#include <utility>
+
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/device_query.h"
+#include "glog/logging.h"
+#include "server/backend/cpu_backend.h"
+#include "server/common/grpc_util.h"
+
+namespace ember {
+namespace worker {
+namespace {
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
+    const WorkerServerOptions& options) {
+  if (options.coordinator.empty()) {
+    return absl::InvalidArgumentError("a worker needs --coordinator=HOST:PORT");
+  }
+  std::unique_ptr<backend::EmbeddingBackend> backend;
+  ember::v1::WorkerInfo info;
+  if (options.device == "cpu") {
+    backend::CpuBackendOptions o;
+    o.num_threads = options.threads;
+    o.memory_limit_bytes = options.memory_limit_bytes;
+    auto b = backend::CreateCpuBackend(o);
+    if (!b.ok()) return b.status();
+    backend = std::move(*b);
+    info.set_device(ember::v1::CPU);
+    info.set_ddr_bytes(options.memory_limit_bytes);
+  } else if (options.device == "cuda") {
+    cuda::CudaBackendOptions o;
+    o.memory_limit_bytes = options.memory_limit_bytes;
+    auto b = cuda::CreateCudaBackend(o);
+    if (!b.ok()) return b.status();
+    backend = std::move(*b);
+    info.set_device(ember::v1::CUDA);
+    auto devices = cuda::QueryDevices();
+    int64_t hbm = devices.ok() && !devices->empty() ? (*devices)[0].total_memory_bytes : 0;
+    if (options.memory_limit_bytes > 0) hbm = std::min(hbm, options.memory_limit_bytes);
+    info.set_hbm_bytes(hbm);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device must be cpu or cuda, got '", options.device, "'"));
+  }
+
+  std::unique_ptr<WorkerServer> w(new WorkerServer());
+  w->options_ = options;
+  const std::string backend_name = backend->Name();
+  w->service_ = std::make_unique<WorkerService>(std::move(backend), options.service);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.RegisterService(w->service_.get());
+  w->server_ = builder.BuildAndStart();
+  if (!w->server_ || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  const std::string listen_host = std::string(options.listen.substr(0, options.listen.rfind(':')));
+  w->address_ = absl::StrCat(listen_host, ":", port);
+  info.set_address(w->address_);
+  info.set_host(options.host.empty() ? HostName() : options.host);
+  info.set_pid(getpid());
+  w->coordinator_ = ember::v1::Coordinator::NewStub(MakeChannel(options.coordinator));
+
+  // Register, retrying until the coordinator answers or the timeout passes.
+  const absl::Time deadline = absl::Now() + options.register_timeout;
+  absl::Status last;
+  for (;;) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Seconds(2));
+    ember::v1::RegisterWorkerRequest req;
+    *req.mutable_worker() = info;
+    ember::v1::RegisterWorkerResponse resp;
+    const grpc::Status s = w->coordinator_->RegisterWorker(&ctx, req, &resp);
+    if (s.ok()) {
+      absl::MutexLock lock(&w->id_mu_);
+      w->worker_id_ = resp.worker_id();
+      w->lease_ = absl::Milliseconds(resp.lease_ms());
+      break;
+    }
+    last = FromGrpc(s, "coordinator " + options.coordinator);
+    if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT || absl::Now() > deadline) {
+      w->server_->Shutdown();
+      return absl::UnavailableError(absl::StrCat("cannot register: ", last.message()));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  LOG(INFO) << "worker " << w->worker_id() << " serving at " << w->address_ << " on "
+            << backend_name << ", registered with " << options.coordinator;
+  w->info_ = info;
+  w->heartbeat_ = std::thread([raw = w.get()] { raw->HeartbeatLoop(); });
+  return w;
+}
+
+std::string WorkerServer::worker_id() const {
+  absl::MutexLock lock(&id_mu_);
+  return worker_id_;
+}
+
+void WorkerServer::HeartbeatLoop() {
+  while (!stop_.WaitForNotificationWithTimeout(lease_ / 4)) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, lease_ / 4);
+    ember::v1::HeartbeatRequest req;
+    req.set_worker_id(worker_id());
+    ember::v1::HeartbeatResponse resp;
+    const grpc::Status s = coordinator_->Heartbeat(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      LOG(WARNING) << "the coordinator forgot this worker; registering again";
+      grpc::ClientContext rctx;
+      SetDeadline(&rctx, absl::Seconds(2));
+      ember::v1::RegisterWorkerRequest rreq;
+      *rreq.mutable_worker() = info_;
+      ember::v1::RegisterWorkerResponse rresp;
+      if (coordinator_->RegisterWorker(&rctx, rreq, &rresp).ok()) {
+        absl::MutexLock lock(&id_mu_);
+        worker_id_ = rresp.worker_id();
+      }
+    } else if (!s.ok()) {
+      LOG(WARNING) << "heartbeat to " << options_.coordinator << ": " << s.error_message();
+    }
+  }
+}
+
+void WorkerServer::Shutdown(absl::Duration grace) {
+  if (shut_down_.exchange(true)) return;
+  stop_.Notify();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
+  server_->Wait();
+}
+
+WorkerServer::~WorkerServer() { Shutdown(); }
+
+}  // namespace worker
+}  // namespace ember

@@ -1,0 +1,72 @@
+// A worker process's server: the Worker service on a port, registered with
+// the coordinator and kept live by a heartbeat thread (re-registering if the
+// coordinator forgets it). grpc.health.v1 is served too.
+//
+// Thread-safe after Start.
+#ifndef EMBER_SERVER_WORKER_WORKER_SERVER_H_
+#define EMBER_SERVER_WORKER_WORKER_SERVER_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "proto/service.grpc.pb.h"
+#include "server/worker/worker_service.h"
+
+namespace ember {
+namespace worker {
+
+struct WorkerServerOptions {
+  std::string listen = "127.0.0.1:0";  // host:port; port 0 picks a free one
+  std::string coordinator;             // host:port of the coordinator
+  std::string device = "cpu";          // "cpu" or "cuda"
+  int threads = 1;                     // CPU backend threads per call
+  int64_t memory_limit_bytes = 0;      // 0: no limit (CPU) / the card's memory (CUDA)
+  std::string host;                    // empty: this machine's host name
+  absl::Duration register_timeout = absl::Seconds(30);
+  WorkerServiceOptions service;
+};
+
+class WorkerServer {
+ public:
+  // Creates the backend, starts serving and registers. Errors: UNAVAILABLE
+  // when the coordinator cannot be reached within register_timeout or the
+  // device is missing, INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<WorkerServer>> Start(const WorkerServerOptions& options);
+  ~WorkerServer();
+
+  const std::string& address() const { return address_; }
+  std::string worker_id() const;
+  // Stops heartbeats and the server (in-flight calls get `grace`).
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+
+ private:
+  WorkerServer() = default;
+  absl::Status Register(absl::Time deadline);
+  void HeartbeatLoop();
+
+  WorkerServerOptions options_;
+  std::string address_;
+  std::unique_ptr<WorkerService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ember::v1::Coordinator::Stub> coordinator_;
+  ember::v1::WorkerInfo info_;
+  mutable absl::Mutex id_mu_;
+  std::string worker_id_ ABSL_GUARDED_BY(id_mu_);
+  absl::Duration lease_ = absl::Seconds(5);
+  absl::Notification stop_;
+  std::thread heartbeat_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace worker
+}  // namespace ember
+
+#endif  // EMBER_SERVER_WORKER_WORKER_SERVER_H_
