@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "cuda/cuda_backend.h"
 #include "server/backend/cpu_backend.h"
 #include "server/backend/cpu_kernels.h"
 #include "server/backend/embedding_backend.h"
@@ -35,6 +36,10 @@ std::vector<BackendParam> AvailableBackends() {
       o.num_threads = threads;
       out.push_back({absl::StrCat("cpu_", isa, "_", threads, "t"), [o] { return CreateCpuBackend(o); }});
     }
+  }
+  // The CUDA backend joins wherever a GPU is visible (never in CI here).
+  if (cuda::CreateCudaBackend({}).ok()) {
+    out.push_back({"cuda", [] { return cuda::CreateCudaBackend({}); }});
   }
   return out;
 }

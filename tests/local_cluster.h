@@ -1,0 +1,85 @@
+// LocalCluster: `emberctl up --workers=N` as a child process for tests, on
+// 127.0.0.1; stopped (SIGTERM, then SIGKILL) when destroyed.
+#ifndef EMBER_TESTS_LOCAL_CLUSTER_H_
+#define EMBER_TESTS_LOCAL_CLUSTER_H_
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+
+namespace ember {
+namespace testing_util {
+
+class LocalCluster {
+ public:
+  // Starts the cluster; ok() tells whether it came up within 60 s.
+  LocalCluster(const std::string& emberctl, int workers) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    const std::string n = absl::StrCat("--workers=", workers);
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      dup2(fds[1], 1);
+      close(fds[0]);
+      execl(emberctl.c_str(), emberctl.c_str(), "up", n.c_str(), "--lease_ms=3000",
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(fds[1]);
+    FILE* out = fdopen(fds[0], "r");
+    char line[512];
+    while (out != nullptr && fgets(line, sizeof(line), out) != nullptr) {
+      std::vector<std::string> w = absl::StrSplit(std::string(line), ' ', absl::SkipWhitespace());
+      if (w.size() >= 2 && w[0] == "coordinator:") coordinator_ = std::string(absl::StripSuffix(w[1], "\n"));
+      if (w.size() >= 5 && w[0] == "worker" && w[3] == "pid") worker_pids_.push_back(std::stoi(w[4]));
+      if (w.size() >= 1 && w[0] == "ready:") {
+        ready_ = true;
+        break;
+      }
+    }
+    out_ = out;
+  }
+
+  ~LocalCluster() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      const absl::Time deadline = absl::Now() + absl::Seconds(15);
+      while (waitpid(pid_, nullptr, WNOHANG) == 0) {
+        if (absl::Now() > deadline) {
+          kill(pid_, SIGKILL);
+          waitpid(pid_, nullptr, 0);
+          break;
+        }
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+
+  bool ok() const { return ready_ && !coordinator_.empty(); }
+  const std::string& coordinator() const { return coordinator_; }
+  const std::vector<int>& worker_pids() const { return worker_pids_; }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  bool ready_ = false;
+  std::string coordinator_;
+  std::vector<int> worker_pids_;
+};
+
+}  // namespace testing_util
+}  // namespace ember
+
+#endif  // EMBER_TESTS_LOCAL_CLUSTER_H_

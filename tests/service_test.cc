@@ -1,0 +1,484 @@
+// Multi-process tests: a coordinator and 2 or 3 worker processes on
+// 127.0.0.1 (`emberctl up`), driven through the C++ client, compared with a
+// single-process reference: a CpuBackend holding every table whole.
+#include <signal.h>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+#include "server/backend/cpu_backend.h"
+#include "server/common/grpc_util.h"
+#include "server/common/table_spec.h"
+#include "server/common/wire.h"
+#include "tests/local_cluster.h"
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using client::SequenceEmbedding;
+using ember::v1::CollectionSpec;
+using ember::v1::OptimizerSpec;
+using ember::v1::TableConfig;
+
+constexpr char kEmberctl[] = "cli/emberctl";
+
+// Four tables covering SUM / MEAN / weighted SUM / NONE and the four
+// optimizers.
+CollectionSpec TestSpec(const std::string& name) {
+  CollectionSpec spec;
+  spec.set_name(name);
+  struct T {
+    const char* name;
+    int rows;
+    TableConfig::Pooling pooling;
+    OptimizerSpec::Type opt;
+  } tables[] = {{"t_sum", 301, TableConfig::SUM, OptimizerSpec::SGD},
+                {"t_mean", 200, TableConfig::MEAN, OptimizerSpec::ADAGRAD},
+                {"t_rw", 150, TableConfig::SUM, OptimizerSpec::ROWWISE_ADAGRAD},
+                {"t_seq", 120, TableConfig::NONE, OptimizerSpec::ADAM}};
+  for (const T& t : tables) {
+    TableConfig* c = spec.add_tables();
+    c->set_name(t.name);
+    c->set_num_embeddings(t.rows);
+    c->set_embedding_dim(16);
+    c->add_feature_names(std::string("f_") + (t.name + 2));
+    c->set_pooling(t.pooling);
+    c->mutable_optimizer()->set_type(t.opt);
+    c->mutable_optimizer()->set_learning_rate(0.05);
+    c->mutable_initializer()->set_seed(11);
+  }
+  spec.mutable_tables(0)->add_feature_names("f_sum2");  // two features share a table
+  return spec;
+}
+
+// The reference: every table in one CpuBackend, all rows in one shard. A
+// column-wise table is held as the same column blocks as the plan's: each
+// block is its own table to the optimizer (a ROWWISE_ADAGRAD accumulator per
+// row per block), as in TorchRec, where each column shard is its own TBE
+// table. Every other layout is the whole table.
+struct Reference {
+  struct Block {
+    backend::ShardId id;
+    int64_t col_offset, cols;
+  };
+  std::unique_ptr<backend::EmbeddingBackend> be;
+  std::map<std::string, std::vector<Block>> blocks;    // by table
+  std::map<std::string, const TableConfig*> table_of;  // by feature
+  CollectionSpec spec;
+
+  explicit Reference(const CollectionSpec& s, const ember::v1::ShardingPlan* plan = nullptr)
+      : spec(s) {
+    be = *backend::CreateCpuBackend({});
+    for (int t = 0; t < spec.tables_size(); ++t) {
+      const TableConfig& c = spec.tables(t);
+      std::map<int64_t, int64_t> cols;  // col_offset -> cols
+      if (plan != nullptr) {
+        for (const auto& sh : plan->tables(t).shards()) cols[sh.col_offset()] = sh.cols();
+      }
+      if (cols.empty()) cols[0] = c.embedding_dim();
+      for (const auto& [off, n] : cols) {
+        auto id = be->CreateShard(ShardSpecFromTable(c, 0, off, c.num_embeddings(), n));
+        EXPECT_TRUE(id.ok()) << id.status();
+        blocks[c.name()].push_back({*id, off, n});
+      }
+      for (const auto& f : c.feature_names()) table_of[f] = &c;
+    }
+  }
+
+  struct Feature {
+    backend::FeatureRequest request;  // shard unset: one per block
+    const TableConfig* table;
+  };
+  // The KJT's features (key order), pointing into kjt.
+  std::vector<Feature> Features(const KeyedJaggedTensor& kjt) {
+    std::vector<Feature> out;
+    const auto off = kjt.key_offsets();
+    const int64_t b = kjt.batch_size();
+    for (size_t k = 0; k < kjt.keys.size(); ++k) {
+      const TableConfig* t = table_of.at(kjt.keys[k]);
+      backend::FeatureRequest f;
+      f.pooling = PoolingFromProto(t->pooling());
+      f.lengths = absl::MakeConstSpan(kjt.lengths.data() + k * b, b);
+      f.ids = absl::MakeConstSpan(kjt.values.data() + off[k], off[k + 1] - off[k]);
+      if (!kjt.weights.empty()) {
+        f.weights = absl::MakeConstSpan(kjt.weights.data() + off[k], off[k + 1] - off[k]);
+      }
+      out.push_back({f, t});
+    }
+    return out;
+  }
+
+  // [rows of output, dim] for one feature, assembled from its blocks.
+  std::vector<float> Lookup(const Feature& f) {
+    const int64_t dim = f.table->embedding_dim();
+    const int64_t n = f.request.pooling == backend::Pooling::kNone
+                          ? static_cast<int64_t>(f.request.ids.size())
+                          : static_cast<int64_t>(f.request.lengths.size());
+    std::vector<float> out(n * dim);
+    for (const Block& bl : blocks.at(f.table->name())) {
+      backend::FeatureRequest r = f.request;
+      r.shard = bl.id;
+      std::vector<float> part(n * bl.cols);
+      EXPECT_TRUE(be->Lookup({backend::LookupRequest{r, absl::MakeSpan(part)}}).ok());
+      for (int64_t i = 0; i < n; ++i) {
+        std::copy(part.begin() + i * bl.cols, part.begin() + (i + 1) * bl.cols,
+                  out.begin() + i * dim + bl.col_offset);
+      }
+    }
+    return out;
+  }
+
+  // Applies one call's gradients (grads[k]: feature k's [rows, dim]).
+  void Apply(const std::vector<Feature>& fs, const std::vector<std::vector<float>>& grads) {
+    std::vector<std::vector<float>> parts;
+    std::vector<backend::GradientRequest> reqs;
+    parts.reserve(64);
+    for (size_t k = 0; k < fs.size(); ++k) {
+      const int64_t dim = fs[k].table->embedding_dim();
+      const int64_t n = static_cast<int64_t>(grads[k].size()) / dim;
+      for (const Block& bl : blocks.at(fs[k].table->name())) {
+        std::vector<float> part(n * bl.cols);
+        for (int64_t i = 0; i < n; ++i) {
+          std::copy(grads[k].begin() + i * dim + bl.col_offset,
+                    grads[k].begin() + i * dim + bl.col_offset + bl.cols, part.begin() + i * bl.cols);
+        }
+        parts.push_back(std::move(part));
+        backend::FeatureRequest r = fs[k].request;
+        r.shard = bl.id;
+        reqs.push_back({r, parts.back()});
+      }
+    }
+    EXPECT_TRUE(be->ApplyGradients(reqs).ok());
+  }
+
+  std::vector<float> Export(const std::string& table) {
+    const TableConfig* c = nullptr;
+    for (const auto& t : spec.tables()) {
+      if (t.name() == table) c = &t;
+    }
+    const int64_t rows = c->num_embeddings(), dim = c->embedding_dim();
+    std::vector<float> out(rows * dim);
+    for (const Block& bl : blocks.at(table)) {
+      const auto sp = *be->GetShardSpec(bl.id);
+      std::vector<float> w(rows * bl.cols),
+          st(rows * backend::OptimizerStateWidth(sp.optimizer.type, bl.cols));
+      EXPECT_TRUE(be->ExportRows(bl.id, 0, rows, absl::MakeSpan(w), absl::MakeSpan(st)).ok());
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy(w.begin() + r * bl.cols, w.begin() + (r + 1) * bl.cols,
+                  out.begin() + r * dim + bl.col_offset);
+      }
+    }
+    return out;
+  }
+};
+
+KeyedJaggedTensor RandomKjt(std::mt19937& rng, const std::vector<std::string>& keys,
+                            const std::vector<int>& rows, int batch, bool weighted) {
+  std::vector<std::vector<std::vector<int64_t>>> ids(keys.size());
+  std::vector<std::vector<std::vector<float>>> w(keys.size());
+  for (size_t k = 0; k < keys.size(); ++k) {
+    for (int b = 0; b < batch; ++b) {
+      const int len = rng() % 4 == 0 ? 0 : 1 + rng() % 6;  // empty bags too
+      ids[k].emplace_back();
+      w[k].emplace_back();
+      for (int i = 0; i < len; ++i) {
+        // A narrow range half the time: duplicates within and across bags.
+        ids[k][b].push_back(rng() % (rng() % 2 ? 7 : rows[k]));
+        w[k][b].push_back(std::uniform_real_distribution<float>(0.5f, 1.5f)(rng));
+      }
+    }
+  }
+  auto kjt = KeyedJaggedTensor::FromJagged(keys, ids, weighted ? w : decltype(w){});
+  EXPECT_TRUE(kjt.ok()) << kjt.status();
+  return *kjt;
+}
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 2e-5 * (1 + std::abs(want[i]))) << what << " at " << i;
+  }
+}
+
+// Lookups, gradient steps and exports through the cluster equal the
+// reference, for one sharding type.
+void RunAgainstReference(Client* c, const std::string& type, int seed) {
+  const std::string name = "c_" + type;
+  const CollectionSpec spec = TestSpec(name);
+  auto info = c->CreateCollection(spec, type);
+  ASSERT_TRUE(info.ok()) << info.status();
+  for (const auto& t : info->plan().tables()) ASSERT_EQ(t.sharding_type(), type);
+  Reference ref(spec, &info->plan());
+  std::mt19937 rng(seed);
+  for (int step = 0; step < 3; ++step) {
+    // Pooled features; weighted on odd steps (per-sample weights).
+    const bool weighted = step % 2 == 1;
+    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
+                                      {200, 301, 150, 301}, 5, weighted);
+    auto kt = c->Lookup(name, kjt);
+    ASSERT_TRUE(kt.ok()) << kt.status();
+    // Collection order: t_sum's f_sum, f_sum2, then t_mean, t_rw.
+    ASSERT_EQ(kt->keys, (std::vector<std::string>{"f_sum", "f_sum2", "f_mean", "f_rw"}));
+    auto feats = ref.Features(kjt);
+    for (size_t k = 0; k < kjt.keys.size(); ++k) {
+      ExpectNear(*kt->Get(kjt.keys[k]), ref.Lookup(feats[k]), type + " lookup " + kjt.keys[k]);
+    }
+    KeyedTensor grads = *kt;
+    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
+    std::vector<std::vector<float>> gbuf;
+    for (size_t k = 0; k < kjt.keys.size(); ++k) gbuf.push_back(*grads.Get(kjt.keys[k]));
+    ref.Apply(feats, gbuf);
+
+    // The sequence feature.
+    KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 4, false);
+    auto se = c->LookupSequence(name, seq);
+    ASSERT_TRUE(se.ok()) << se.status();
+    auto sf = ref.Features(seq);
+    ExpectNear((*se)[0].values, ref.Lookup(sf[0]), type + " sequence lookup");
+    std::vector<SequenceEmbedding> sg = *se;
+    for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
+    ref.Apply(sf, {sg[0].values});
+  }
+  for (const auto& t : spec.tables()) {
+    int64_t rows = 0, dim = 0;
+    auto got = c->ExportTable(name, t.name(), &rows, &dim);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(rows, t.num_embeddings());
+    ExpectNear(*got, ref.Export(t.name()), type + " export " + t.name());
+  }
+  ASSERT_TRUE(c->DropCollection(name).ok());
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    cluster_ = new testing_util::LocalCluster(kEmberctl, 2);
+    ASSERT_TRUE(cluster_->ok()) << "emberctl up did not come up";
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  std::unique_ptr<Client> Connect(absl::Duration timeout = absl::Seconds(20)) {
+    client::ClientOptions o;
+    o.timeout = timeout;
+    auto c = Client::Connect(cluster_->coordinator(), o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  static testing_util::LocalCluster* cluster_;
+};
+testing_util::LocalCluster* ServiceTest::cluster_ = nullptr;
+
+TEST_F(ServiceTest, EveryShardingTypeMatchesReference) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  int seed = 1;
+  for (const std::string type :
+       {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}) {
+    SCOPED_TRACE(type);
+    RunAgainstReference(c.get(), type, seed++);
+  }
+}
+
+TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const CollectionSpec spec = TestSpec("concurrent");
+  ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
+  Reference ref(spec);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      auto own = Connect();
+      std::mt19937 rng(100 + t);
+      for (int i = 0; i < 10; ++i) {
+        KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 8, false);
+        Client* which = (i % 2) ? own.get() : c.get();  // shared and own clients
+        auto kt = which->Lookup("concurrent", kjt);
+        if (!kt.ok()) {
+          ++failures;
+          continue;
+        }
+        auto feats = ref.Features(kjt);
+        for (size_t k = 0; k < 2; ++k) {
+          const std::vector<float> want = ref.Lookup(feats[k]);
+          const auto got = *kt->Get(kjt.keys[k]);
+          for (size_t j = 0; j < want.size(); ++j) {
+            if (std::abs(got[j] - want[j]) > 2e-5 * (1 + std::abs(want[j]))) ++failures;
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  ASSERT_TRUE(c->DropCollection("concurrent").ok());
+}
+
+// Raw worker RPCs with bad input: the right status, nothing applied, the
+// worker keeps serving.
+TEST_F(ServiceTest, WorkerRejectsBadInputAndChangesNothing) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const CollectionSpec spec = TestSpec("bad");
+  auto info = c->CreateCollection(spec, "table_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  int64_t rows, dim;
+  const std::vector<float> before = *c->ExportTable("bad", "t_sum", &rows, &dim);
+  int rank = -1;
+  for (const auto& t : info->plan().tables()) {
+    if (t.table() == "t_sum") rank = t.shards(0).rank();
+  }
+  auto stub = ember::v1::Worker::NewStub(MakeChannel(info->worker_addresses(rank)));
+  auto feature = [](std::vector<int64_t> lengths, std::vector<int64_t> ids) {
+    ember::v1::ShardFeature f;
+    f.mutable_shard()->set_table("t_sum");
+    f.set_feature("f_sum");
+    f.set_lengths(wire::Encode<int64_t>(lengths));
+    f.set_ids(wire::Encode<int64_t>(ids));
+    return f;
+  };
+  auto apply = [&](const ember::v1::ShardFeature& f, int64_t grad_floats, int64_t epoch,
+                   const std::string& id, ember::v1::WorkerApplyGradientsResponse* resp) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Seconds(10));
+    ember::v1::WorkerApplyGradientsRequest req;
+    req.set_collection("bad");
+    req.set_epoch(epoch);
+    req.set_request_id(id);
+    auto* g = req.add_gradients();
+    *g->mutable_feature() = f;
+    g->set_grad(wire::Encode<float>(std::vector<float>(grad_floats, 1.0f)));
+    return stub->ApplyGradients(&ctx, req, resp).error_code();
+  };
+  const int64_t epoch = info->plan().epoch();
+  ember::v1::WorkerApplyGradientsResponse resp;
+  EXPECT_EQ(apply(feature({2}, {1, 301}), 16, epoch, "a", &resp), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(apply(feature({2}, {1, -1}), 16, epoch, "b", &resp), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(apply(feature({3}, {1, 2}), 16, epoch, "c", &resp), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(apply(feature({2}, {1, 2}), 15, epoch, "d", &resp), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(apply(feature({2}, {1, 2}), 16, epoch + 100, "e", &resp),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(apply(feature({2}, {1, 2}), 16, epoch, "", &resp), grpc::StatusCode::INVALID_ARGUMENT);
+  ember::v1::ShardFeature unknown = feature({1}, {1});
+  unknown.mutable_shard()->set_table("nope");
+  EXPECT_EQ(apply(unknown, 16, epoch, "f", &resp), grpc::StatusCode::NOT_FOUND);
+  ember::v1::ShardFeature ragged = feature({1}, {1});
+  ragged.set_ids("abc");  // not whole int64s
+  EXPECT_EQ(apply(ragged, 16, epoch, "g", &resp), grpc::StatusCode::INVALID_ARGUMENT);
+  {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Seconds(10));
+    ember::v1::WorkerLookupRequest req;
+    req.set_collection("no_such");
+    ember::v1::WorkerLookupResponse out;
+    EXPECT_EQ(stub->Lookup(&ctx, req, &out).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    // Oversized: a lookup whose output would pass the worker's limit.
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Seconds(30));
+    ember::v1::WorkerLookupRequest req;
+    req.set_collection("bad");
+    req.set_epoch(epoch);
+    *req.add_features() = feature(std::vector<int64_t>(20000000, 0), {});
+    ember::v1::WorkerLookupResponse out;
+    EXPECT_EQ(stub->Lookup(&ctx, req, &out).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  EXPECT_EQ(*c->ExportTable("bad", "t_sum", &rows, &dim), before);  // nothing applied
+
+  // Exactly once: the same request id twice applies once.
+  EXPECT_EQ(apply(feature({2}, {3, 3}), 16, epoch, "once", &resp), grpc::StatusCode::OK);
+  EXPECT_FALSE(resp.duplicate());
+  const std::vector<float> after_one = *c->ExportTable("bad", "t_sum", &rows, &dim);
+  EXPECT_NE(after_one, before);
+  EXPECT_EQ(apply(feature({2}, {3, 3}), 16, epoch, "once", &resp), grpc::StatusCode::OK);
+  EXPECT_TRUE(resp.duplicate());
+  EXPECT_EQ(*c->ExportTable("bad", "t_sum", &rows, &dim), after_one);
+  // SGD, lr 0.05, grad 1 twice on row 3: w -= 0.1 per column, once.
+  for (int col = 0; col < 16; ++col) {
+    EXPECT_NEAR(after_one[3 * 16 + col], before[3 * 16 + col] - 0.1f, 1e-6);
+  }
+
+  // Client-side checks: unknown collection / feature, bad KJT, wrong grads.
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {1};
+  kjt.values = {2};
+  EXPECT_EQ(c->Lookup("no_such", kjt).status().code(), absl::StatusCode::kNotFound);
+  KeyedJaggedTensor unknown_key = kjt;
+  unknown_key.keys = {"zzz"};
+  EXPECT_EQ(c->Lookup("bad", unknown_key).status().code(), absl::StatusCode::kNotFound);
+  KeyedJaggedTensor mismatch = kjt;
+  mismatch.lengths = {2};
+  EXPECT_EQ(c->Lookup("bad", mismatch).status().code(), absl::StatusCode::kInvalidArgument);
+  KeyedTensor g;
+  g.keys = {"f_sum"};
+  g.length_per_key = {8};
+  g.batch_size = 1;
+  g.values.assign(8, 1.0f);
+  EXPECT_EQ(c->ApplyGradients("bad", kjt, g).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*c->ExportTable("bad", "t_sum", &rows, &dim), after_one);
+  // And it still serves.
+  EXPECT_TRUE(c->Lookup("bad", kjt).ok());
+  ASSERT_TRUE(c->DropCollection("bad").ok());
+}
+
+TEST_F(ServiceTest, StaleEpochRefreshesThePlan) {
+  auto a = Connect();
+  auto b = Connect();
+  ASSERT_TRUE(a->CreateCollection(TestSpec("stale"), "row_wise").ok());
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {2};
+  kjt.values = {2, 299};
+  ASSERT_TRUE(b->Lookup("stale", kjt).ok());  // b caches epoch N
+  ASSERT_TRUE(a->DropCollection("stale").ok());
+  ASSERT_TRUE(a->CreateCollection(TestSpec("stale"), "table_wise").ok());  // epoch > N
+  auto kt = b->Lookup("stale", kjt);  // FAILED_PRECONDITION inside, refreshed, retried
+  EXPECT_TRUE(kt.ok()) << kt.status();
+  ASSERT_TRUE(a->DropCollection("stale").ok());
+}
+
+// A separate 3-worker cluster: row-wise and column-wise over 3 workers, then
+// a worker is killed: clients get UNAVAILABLE within the deadline.
+TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
+  testing_util::LocalCluster cluster(kEmberctl, 3);
+  ASSERT_TRUE(cluster.ok());
+  ASSERT_EQ(cluster.worker_pids().size(), 3u);
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(5);
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  RunAgainstReference(c->get(), "row_wise", 21);
+  RunAgainstReference(c->get(), "column_wise", 22);
+  ASSERT_TRUE((*c)->CreateCollection(TestSpec("kill"), "row_wise").ok());
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {3};
+  kjt.values = {1, 150, 300};  // one id per worker's row block
+  ASSERT_TRUE((*c)->Lookup("kill", kjt).ok());
+  kill(cluster.worker_pids()[1], SIGKILL);
+  const absl::Time start = absl::Now();
+  auto kt = (*c)->Lookup("kill", kjt);
+  EXPECT_EQ(kt.status().code(), absl::StatusCode::kUnavailable) << kt.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(6));  // the deadline, not a hang
+}
+
+}  // namespace
+}  // namespace ember
