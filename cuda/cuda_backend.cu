@@ -61,7 +61,10 @@ using backend::OptimizerConfig;
 using backend::OptimizerType;
 using backend::Pooling;
 using backend::ShardId;
+using backend::ShardNotFound;
 using backend::ShardSpec;
+using backend::ValidateRequests;
+using backend::ValidateRowRange;
 using backend::WeightType;
 
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -716,7 +719,7 @@ class CudaBackend : public EmbeddingBackend {
   absl::Status DropShard(ShardId id) override {
     absl::MutexLock lock(&mu_);
     auto it = shards_.find(id);
-    if (it == shards_.end()) return NotFound(id);
+    if (it == shards_.end()) return ShardNotFound(id);
     if (absl::Status s = Activate(); !s.ok()) return s;
     used_bytes_ -= it->second->Bytes();
     shards_.erase(it);
@@ -726,13 +729,14 @@ class CudaBackend : public EmbeddingBackend {
   absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
     absl::MutexLock lock(&mu_);
     const Shard* s = FindShard(id);
-    if (s == nullptr) return NotFound(id);
+    if (s == nullptr) return ShardNotFound(id);
     return s->spec;
   }
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status st = ValidateRequests(requests, "lookup", "output"); !st.ok()) return st;
+    auto find_spec = [this](ShardId id) { return FindSpec(id); };
+    if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
     const int64_t n = static_cast<int64_t>(requests.size());
     int64_t total_items = 0, total_bags = 0, total_ids = 0, total_out = 0;
     bool any_weighted = false;
@@ -823,7 +827,8 @@ class CudaBackend : public EmbeddingBackend {
 
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status st = ValidateRequests(requests, "gradient", "gradient"); !st.ok()) {
+    auto find_spec = [this](ShardId id) { return FindSpec(id); };
+    if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) {
       return st;
     }
     const int64_t n = static_cast<int64_t>(requests.size());
@@ -1018,8 +1023,9 @@ class CudaBackend : public EmbeddingBackend {
                           absl::Span<float> weights, absl::Span<float> state) const override {
     absl::MutexLock lock(&mu_);
     const Shard* s = FindShard(id);
-    if (s == nullptr) return NotFound(id);
-    if (absl::Status st = CheckRange(*s, row_begin, row_end, weights.size(), state.size());
+    if (s == nullptr) return ShardNotFound(id);
+    if (absl::Status st =
+            ValidateRowRange(s->spec, row_begin, row_end, weights.size(), state.size());
         !st.ok()) {
       return st;
     }
@@ -1071,8 +1077,9 @@ class CudaBackend : public EmbeddingBackend {
                           absl::Span<const float> state) override {
     absl::MutexLock lock(&mu_);
     Shard* s = FindShard(id);
-    if (s == nullptr) return NotFound(id);
-    if (absl::Status st = CheckRange(*s, row_begin, row_end, weights.size(), state.size());
+    if (s == nullptr) return ShardNotFound(id);
+    if (absl::Status st =
+            ValidateRowRange(s->spec, row_begin, row_end, weights.size(), state.size());
         !st.ok()) {
       return st;
     }
@@ -1105,14 +1112,14 @@ class CudaBackend : public EmbeddingBackend {
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
     absl::MutexLock lock(&mu_);
     const Shard* s = FindShard(id);
-    if (s == nullptr) return NotFound(id);
+    if (s == nullptr) return ShardNotFound(id);
     return s->step;
   }
 
   absl::Status ImportStep(ShardId id, int64_t step) override {
     absl::MutexLock lock(&mu_);
     Shard* s = FindShard(id);
-    if (s == nullptr) return NotFound(id);
+    if (s == nullptr) return ShardNotFound(id);
     if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
     s->step = step;
     return absl::OkStatus();
@@ -1229,55 +1236,15 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // Every request of a call, before anything runs: the shard exists, the
-  // feature is well formed, and the dense buffer (a lookup's output or a
-  // gradient) has OutputSize floats. Same checks and messages as the CPU
-  // backend.
-  template <typename Request>
-  absl::Status ValidateRequests(absl::Span<const Request> requests, const char* kind,
-                                const char* buffer) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const FeatureRequest& f = requests[i].feature;
-      const Shard* s = FindShard(f.shard);
-      if (s == nullptr) return NotFound(f.shard);
-      const std::string what =
-          absl::StrCat(kind, " request ", i, " (table '", s->spec.table, "')");
-      if (absl::Status st = backend::ValidateFeature(f, s->spec.rows, what); !st.ok()) return st;
-      const int64_t want = backend::OutputSize(f, s->spec.dim);
-      const int64_t got = static_cast<int64_t>(DenseBuffer(requests[i]).size());
-      if (got != want) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": ", buffer, " has ", got, " floats, expected ", want));
-      }
-    }
-    return absl::OkStatus();
-  }
-  static absl::Span<float> DenseBuffer(const LookupRequest& r) { return r.output; }
-  static absl::Span<const float> DenseBuffer(const GradientRequest& r) { return r.grad; }
-
-  static absl::Status NotFound(ShardId id) {
-    return absl::NotFoundError(absl::StrCat("no shard with id ", id));
+  // For the shared request validation (ValidateRequests).
+  const ShardSpec* FindSpec(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const Shard* s = FindShard(id);
+    return s == nullptr ? nullptr : &s->spec;
   }
 
   Shard* FindShard(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = shards_.find(id);
     return it == shards_.end() ? nullptr : it->second.get();
-  }
-
-  static absl::Status CheckRange(const Shard& s, int64_t b, int64_t e, size_t weights,
-                                 size_t state) {
-    if (b < 0 || e > s.spec.rows || b > e) {
-      return absl::InvalidArgumentError(absl::StrCat("row range [", b, ", ", e,
-                                                     ") is outside [0, ", s.spec.rows, ")"));
-    }
-    const int64_t n = e - b;
-    if (static_cast<int64_t>(weights) != n * s.spec.dim ||
-        static_cast<int64_t>(state) != n * s.state_width) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "buffers hold ", weights, " weights and ", state, " state floats; expected ",
-          n * s.spec.dim, " and ", n * s.state_width));
-    }
-    return absl::OkStatus();
   }
 
   const CudaBackendOptions options_;

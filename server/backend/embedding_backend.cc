@@ -44,6 +44,39 @@ int64_t OutputSize(const FeatureRequest& f, int64_t dim) {
          dim;
 }
 
+absl::Status ShardNotFound(ShardId shard) {
+  return absl::NotFoundError(absl::StrCat("no shard with id ", shard));
+}
+
+absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, size_t dense_floats,
+                             const std::string& what, const char* buffer) {
+  if (absl::Status s = ValidateFeature(f, spec.rows, what); !s.ok()) return s;
+  const int64_t want = OutputSize(f, spec.dim);
+  const int64_t got = static_cast<int64_t>(dense_floats);
+  if (got != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", buffer, " has ", got, " floats, expected ", want));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRowRange(const ShardSpec& spec, int64_t b, int64_t e, size_t weights,
+                              size_t state) {
+  if (b < 0 || e > spec.rows || b > e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row range [", b, ", ", e, ") is outside [0, ", spec.rows, ")"));
+  }
+  const int64_t n = e - b;
+  const int64_t width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+  if (static_cast<int64_t>(weights) != n * spec.dim ||
+      static_cast<int64_t>(state) != n * width) {
+    return absl::InvalidArgumentError(absl::StrCat("buffers hold ", weights, " weights and ",
+                                                   state, " state floats; expected ",
+                                                   n * spec.dim, " and ", n * width));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateShardSpec(const ShardSpec& s) {
   auto bad = [&](auto... parts) {
     return absl::InvalidArgumentError(absl::StrCat("shard of table '", s.table, "': ", parts...));

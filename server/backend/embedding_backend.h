@@ -163,9 +163,61 @@ absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows,
 // Output (and gradient) element count: batch * dim pooled, num_ids * dim NONE.
 int64_t OutputSize(const FeatureRequest& f, int64_t dim);
 
+// NOT_FOUND for a shard id a backend does not hold.
+absl::Status ShardNotFound(ShardId shard);
+
+// Checks one request against its shard: the feature (ValidateFeature) and
+// its dense buffer (`buffer`: a lookup's output or a gradient), which must
+// hold OutputSize floats. `what` prefixes the message.
+absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, size_t dense_floats,
+                             const std::string& what, const char* buffer);
+
+// Checks every request of a Lookup or ApplyGradients call before anything
+// runs. find_spec(ShardId) returns the shard's spec, or nullptr if absent.
+template <typename FindSpec>
+absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec);
+template <typename FindSpec>
+absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec);
+
+// Checks an ExportRows/ImportRows call: [row_begin, row_end) inside the
+// shard, buffers of n * dim weights and n * OptimizerStateWidth state.
+absl::Status ValidateRowRange(const ShardSpec& spec, int64_t row_begin, int64_t row_end,
+                              size_t weights, size_t state);
+
 // The initial value of element (global_row, global_col).
 float InitialValue(const InitializerConfig& init, int64_t table_rows,
                    int64_t global_row, int64_t global_col);
+
+namespace internal {
+inline size_t DenseFloats(const LookupRequest& r) { return r.output.size(); }
+inline size_t DenseFloats(const GradientRequest& r) { return r.grad.size(); }
+
+template <typename Request, typename FindSpec>
+absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
+                         const char* kind, const char* buffer) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const FeatureRequest& f = requests[i].feature;
+    const ShardSpec* spec = find_spec(f.shard);
+    if (spec == nullptr) return ShardNotFound(f.shard);
+    const std::string what = std::string(kind) + " request " + std::to_string(i) + " (table '" +
+                             spec->table + "')";
+    if (absl::Status s = ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+}  // namespace internal
+
+template <typename FindSpec>
+absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec) {
+  return internal::ValidateAll(requests, find_spec, "lookup", "output");
+}
+template <typename FindSpec>
+absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec) {
+  return internal::ValidateAll(requests, find_spec, "gradient", "gradient");
+}
 
 }  // namespace backend
 }  // namespace ember
