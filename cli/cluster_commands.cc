@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "cli/exit_status.h"
 #include "cli/json_io.h"
 #include "cli/spec_io.h"
 #include "client/client.h"
@@ -46,15 +47,6 @@ DEFINE_double(timeout_s, 30, "Client call deadline in seconds.");
 namespace ember {
 namespace cli {
 namespace {
-
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-int Fail(const std::string& command, const absl::Status& status) {
-  std::cerr << "emberctl " << command << ": " << absl::StatusCodeToString(status.code()) << ": "
-            << status.message() << std::endl;
-  return kExitFailure;
-}
 
 int Usage(const std::string& message) {
   std::cerr << "emberctl: " << message << "\n(run 'emberctl help')" << std::endl;

@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cli/cluster_commands.h"
+#include "cli/exit_status.h"
 #include "cli/spec_io.h"
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
@@ -49,15 +50,8 @@ DECLARE_string(coordinator);
 
 namespace {
 
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-int Fail(const std::string& command, const absl::Status& status) {
-  std::cerr << "emberctl " << command << ": "
-            << absl::StatusCodeToString(status.code()) << ": "
-            << status.message() << std::endl;
-  return kExitFailure;
-}
+using ember::cli::Fail;
+using ember::cli::kExitUsage;
 
 int Usage(const std::string& message) {
   std::cerr << "emberctl: " << message << "\n\n"

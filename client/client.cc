@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <utility>
 
@@ -155,9 +156,8 @@ struct Call {
 // Worst status of a set of calls, named by worker: FAILED_PRECONDITION (a
 // stale plan, refresh) first, then any non-UNAVAILABLE error, then
 // UNAVAILABLE / DEADLINE_EXCEEDED.
-template <typename C>
-absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls,
-                     const std::vector<std::string>& addresses) {
+template <typename C, typename Addresses>
+absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls, const Addresses& addresses) {
   absl::Status worst;
   auto rank_of = [](absl::StatusCode c) {
     switch (c) {
@@ -178,6 +178,29 @@ absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls,
     if (rank_of(s.code()) > rank_of(worst.code())) worst = s;
   }
   return worst;
+}
+
+using StubFor = std::function<ember::v1::Worker::Stub*(const std::string&)>;
+
+// Starts every used call (start(stub, call, done)) in parallel with the
+// deadline, waits for all, and returns the worst status.
+template <typename C, typename Start>
+absl::Status CallAll(const Client::Routing& r, const std::vector<std::unique_ptr<C>>& calls,
+                     absl::Time deadline, const StubFor& stub_for, Start start) {
+  int used = 0;
+  for (const auto& c : calls) used += c->used;
+  absl::BlockingCounter pending(used);
+  for (size_t rank = 0; rank < calls.size(); ++rank) {
+    C* c = calls[rank].get();
+    if (!c->used) continue;
+    c->ctx.set_deadline(absl::ToChronoTime(deadline));
+    start(stub_for(r.info.worker_addresses(rank)), c, [c, &pending](grpc::Status s) {
+      c->status = std::move(s);
+      pending.DecrementCount();
+    });
+  }
+  pending.Wait();
+  return Combine(calls, r.info.worker_addresses());
 }
 
 }  // namespace
@@ -372,12 +395,9 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
   return absl::OkStatus();
 }
 
-}  // namespace
-
 // Lookup for pooled or sequence jobs; fills each job's `out`.
-static absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
-                              uint64_t replica_pick, absl::Time deadline,
-                              const std::function<ember::v1::Worker::Stub*(const std::string&)>& stub_for) {
+absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                       uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for) {
   const int world = r.info.worker_addresses_size();
   using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
   std::vector<std::unique_ptr<LookupCall>> calls(world);
@@ -412,24 +432,13 @@ static absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>*
       sinks.push_back(std::move(sink));
     }
   }
-  int used = 0;
-  for (auto& c : calls) used += c->used;
-  absl::BlockingCounter pending(used);
-  for (int rank = 0; rank < world; ++rank) {
-    LookupCall* c = calls[rank].get();
-    if (!c->used) continue;
-    c->ctx.set_deadline(absl::ToChronoTime(deadline));
-    stub_for(r.info.worker_addresses(rank))
-        ->async()
-        ->Lookup(&c->ctx, &c->request, &c->response, [c, &pending](grpc::Status s) {
-          c->status = std::move(s);
-          pending.DecrementCount();
-        });
+  if (absl::Status s = CallAll(r, calls, deadline, stub_for,
+                              [](ember::v1::Worker::Stub* stub, LookupCall* c, auto done) {
+                                stub->async()->Lookup(&c->ctx, &c->request, &c->response, done);
+                              });
+      !s.ok()) {
+    return s;
   }
-  pending.Wait();
-  std::vector<std::string> addresses(r.info.worker_addresses().begin(),
-                                     r.info.worker_addresses().end());
-  if (absl::Status s = Combine(calls, addresses); !s.ok()) return s;
   std::vector<float> buf;
   for (const Sink& s : sinks) {
     const LookupCall& c = *calls[s.rank];
@@ -470,9 +479,9 @@ static absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>*
 }
 
 // Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
-static absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
-                                 const std::string& request_id, absl::Time deadline,
-                                 const std::function<ember::v1::Worker::Stub*(const std::string&)>& stub_for) {
+absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                          const std::string& request_id, absl::Time deadline,
+                          const StubFor& stub_for) {
   const int world = r.info.worker_addresses_size();
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
   std::vector<std::unique_ptr<GradCall>> calls(world);
@@ -519,25 +528,13 @@ static absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJo
       }
     }
   }
-  int used = 0;
-  for (auto& c : calls) used += c->used;
-  absl::BlockingCounter pending(used);
-  for (int rank = 0; rank < world; ++rank) {
-    GradCall* c = calls[rank].get();
-    if (!c->used) continue;
-    c->ctx.set_deadline(absl::ToChronoTime(deadline));
-    stub_for(r.info.worker_addresses(rank))
-        ->async()
-        ->ApplyGradients(&c->ctx, &c->request, &c->response, [c, &pending](grpc::Status s) {
-          c->status = std::move(s);
-          pending.DecrementCount();
-        });
-  }
-  pending.Wait();
-  std::vector<std::string> addresses(r.info.worker_addresses().begin(),
-                                     r.info.worker_addresses().end());
-  return Combine(calls, addresses);
+  return CallAll(r, calls, deadline, stub_for,
+                 [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
+                   stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
+                 });
 }
+
+}  // namespace
 
 absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection,
                                            const KeyedJaggedTensor& kjt) {

@@ -7,7 +7,6 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/device_query.h"
 #include "glog/logging.h"

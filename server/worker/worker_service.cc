@@ -35,18 +35,25 @@ WorkerService::WorkerService(std::unique_ptr<backend::EmbeddingBackend> backend,
 
 WorkerService::~WorkerService() = default;
 
-absl::StatusOr<WorkerService::Collection*> WorkerService::FindCollection(const std::string& name,
-                                                                         int64_t epoch) const {
+absl::StatusOr<WorkerService::Collection*> WorkerService::HeldCollection(
+    const std::string& name) const {
   auto it = collections_.find(name);
   if (it == collections_.end()) {
     return absl::NotFoundError(absl::StrCat("no collection '", name, "' on this worker"));
   }
-  if (epoch != it->second->epoch) {
+  return it->second.get();
+}
+
+absl::StatusOr<WorkerService::Collection*> WorkerService::FindCollection(const std::string& name,
+                                                                         int64_t epoch) const {
+  auto c = HeldCollection(name);
+  if (!c.ok()) return c;
+  if (epoch != (*c)->epoch) {
     return absl::FailedPreconditionError(
         absl::StrCat("stale epoch ", epoch, " for collection '", name, "': the plan is at epoch ",
-                     it->second->epoch, "; refresh the plan"));
+                     (*c)->epoch, "; refresh the plan"));
   }
-  return it->second.get();
+  return c;
 }
 
 absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::FindShard(
@@ -132,16 +139,13 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext*,
 grpc::Status WorkerService::DropShards(grpc::ServerContext*, const ember::v1::DropShardsRequest* req,
                                        ember::v1::DropShardsResponse*) {
   absl::MutexLock lock(&mu_);
-  auto it = collections_.find(req->collection());
-  if (it == collections_.end()) {
-    return ToGrpc(absl::NotFoundError(
-        absl::StrCat("no collection '", req->collection(), "' on this worker")));
-  }
+  auto c = HeldCollection(req->collection());
+  if (!c.ok()) return ToGrpc(c.status());
   {
-    absl::MutexLock apply(it->second->apply_mu.get());  // let an update in flight finish
-    for (const auto& [key, entry] : it->second->shards) (void)backend_->DropShard(entry.id);
+    absl::MutexLock apply((*c)->apply_mu.get());  // let an update in flight finish
+    for (const auto& [key, entry] : (*c)->shards) (void)backend_->DropShard(entry.id);
   }
-  collections_.erase(it);
+  collections_.erase(req->collection());
   LOG(INFO) << "collection '" << req->collection() << "' dropped";
   return grpc::Status::OK;
 }
@@ -222,12 +226,9 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
 grpc::Status WorkerService::ExportRows(grpc::ServerContext*, const ember::v1::ExportRowsRequest* req,
                                        ember::v1::ExportRowsResponse* resp) {
   absl::ReaderMutexLock lock(&mu_);
-  auto it = collections_.find(req->collection());
-  if (it == collections_.end()) {
-    return ToGrpc(absl::NotFoundError(
-        absl::StrCat("no collection '", req->collection(), "' on this worker")));
-  }
-  auto shard = FindShard(*it->second, req->shard());
+  auto c = HeldCollection(req->collection());
+  if (!c.ok()) return ToGrpc(c.status());
+  auto shard = FindShard(**c, req->shard());
   if (!shard.ok()) return ToGrpc(shard.status());
   const auto& a = (*shard)->assignment;
   const int64_t b = req->row_begin(), e = req->row_end();
@@ -260,19 +261,16 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext*, const ember::v1::Ex
 grpc::Status WorkerService::ImportRows(grpc::ServerContext*, const ember::v1::ImportRowsRequest* req,
                                        ember::v1::ImportRowsResponse*) {
   absl::ReaderMutexLock lock(&mu_);
-  auto it = collections_.find(req->collection());
-  if (it == collections_.end()) {
-    return ToGrpc(absl::NotFoundError(
-        absl::StrCat("no collection '", req->collection(), "' on this worker")));
-  }
-  auto shard = FindShard(*it->second, req->shard());
+  auto c = HeldCollection(req->collection());
+  if (!c.ok()) return ToGrpc(c.status());
+  auto shard = FindShard(**c, req->shard());
   if (!shard.ok()) return ToGrpc(shard.status());
   std::vector<float> weights, state;
   if (absl::Status s = wire::Decode(req->weights(), "weights", &weights); !s.ok()) {
     return ToGrpc(s);
   }
   if (absl::Status s = wire::Decode(req->state(), "state", &state); !s.ok()) return ToGrpc(s);
-  absl::MutexLock apply(it->second->apply_mu.get());
+  absl::MutexLock apply((*c)->apply_mu.get());
   if (absl::Status s =
           backend_->ImportRows((*shard)->id, req->row_begin(), req->row_end(), weights, state);
       !s.ok()) {

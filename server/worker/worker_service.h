@@ -75,6 +75,10 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f, int64_t* cols,
                              Decoded* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND unless this worker holds the collection.
+  absl::StatusOr<Collection*> HeldCollection(const std::string& name) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // HeldCollection, and FAILED_PRECONDITION unless `epoch` is current.
   absl::StatusOr<Collection*> FindCollection(const std::string& name, int64_t epoch) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const ShardEntry*> FindShard(const Collection& c,
