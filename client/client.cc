@@ -579,23 +579,19 @@ absl::Status Client::ApplyGradients(const std::string& collection, const KeyedJa
       return st;
     }
     // The gradients must have Lookup's layout.
-    if (grads.keys.size() != jobs.size() || grads.length_per_key.size() != jobs.size() ||
-        grads.batch_size != kjt.batch_size() ||
-        static_cast<int64_t>(grads.values.size()) != grads.batch_size * grads.row_width()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "gradients must have the lookup's layout: ", jobs.size(), " keys, batch ",
-          kjt.batch_size(), ", values [batch, sum of dims]"));
+    std::vector<std::string> keys;
+    std::vector<int64_t> dims;
+    for (const FeatureJob& j : jobs) {
+      keys.push_back(j.key);
+      dims.push_back(j.dim);
     }
-    int64_t col = 0;
+    if (absl::Status st = CheckGradientLayout(grads, keys, dims, kjt.batch_size()); !st.ok()) {
+      return st;
+    }
+    const std::vector<int64_t> offsets = grads.offset_per_key();
     for (size_t k = 0; k < jobs.size(); ++k) {
-      if (grads.keys[k] != jobs[k].key || grads.length_per_key[k] != jobs[k].dim) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "gradient key ", k, " is '", grads.keys[k], "' of width ", grads.length_per_key[k],
-            "; the lookup's is '", jobs[k].key, "' of width ", jobs[k].dim));
-      }
-      jobs[k].grad = grads.values.data() + col;
+      jobs[k].grad = grads.values.data() + offsets[k];
       jobs[k].grad_stride = grads.row_width();
-      col += jobs[k].dim;
     }
     return RunGradients(r, &jobs, id, deadline, stub_for);
   });

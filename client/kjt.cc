@@ -122,5 +122,26 @@ absl::StatusOr<std::vector<float>> KeyedTensor::Get(const std::string& key) cons
   return absl::NotFoundError(absl::StrCat("no key '", key, "' in the KeyedTensor"));
 }
 
+absl::Status CheckGradientLayout(const KeyedTensor& grads, const std::vector<std::string>& keys,
+                                 const std::vector<int64_t>& dims, int64_t batch) {
+  const size_t n = keys.size();
+  if (grads.keys.size() != n || grads.length_per_key.size() != n || grads.batch_size != batch ||
+      static_cast<int64_t>(grads.values.size()) != grads.batch_size * grads.row_width()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gradients must have the lookup's layout: ", n, " keys, batch ", batch,
+        ", values [batch, sum of dims]; got ", grads.keys.size(), " keys, batch ",
+        grads.batch_size, ", ", grads.values.size(), " values"));
+  }
+  for (size_t k = 0; k < n; ++k) {
+    if (grads.keys[k] != keys[k] || grads.length_per_key[k] != dims[k]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient key ", k, " is '", grads.keys[k], "' of width ",
+                       grads.length_per_key[k], "; the lookup's is '", keys[k], "' of width ",
+                       dims[k]));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace client
 }  // namespace ember

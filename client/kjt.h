@@ -59,6 +59,12 @@ struct KeyedTensor {
   absl::StatusOr<std::vector<float>> Get(const std::string& key) const;
 };
 
+// Checks that `grads` has the layout of a lookup's output: exactly `keys`
+// in that order with widths `dims`, `batch` rows, values [batch, sum(dims)].
+// INVALID_ARGUMENT naming the first difference.
+absl::Status CheckGradientLayout(const KeyedTensor& grads, const std::vector<std::string>& keys,
+                                 const std::vector<int64_t>& dims, int64_t batch);
+
 // One sequence (pooling NONE) feature's embeddings: one row per id, in the
 // KJT's order, [num_ids, dim].
 struct SequenceEmbedding {

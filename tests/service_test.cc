@@ -1,10 +1,9 @@
 // Multi-process tests: a coordinator and 2 or 3 worker processes on
-// 127.0.0.1 (`emberctl up`), driven through the C++ client, compared with a
-// single-process reference: a CpuBackend holding every table whole.
+// 127.0.0.1 (`emberctl up`), driven through the C++ client, compared with the
+// single-process reference, InProcessCollection (client/inprocess.h).
 #include <signal.h>
 
 #include <cmath>
-#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -13,10 +12,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/inprocess.h"
 #include "gtest/gtest.h"
-#include "server/backend/cpu_backend.h"
 #include "server/common/grpc_util.h"
-#include "server/common/table_spec.h"
 #include "server/common/wire.h"
 #include "tests/local_cluster.h"
 
@@ -24,6 +22,7 @@ namespace ember {
 namespace {
 
 using client::Client;
+using client::InProcessCollection;
 using client::KeyedJaggedTensor;
 using client::KeyedTensor;
 using client::SequenceEmbedding;
@@ -62,127 +61,6 @@ CollectionSpec TestSpec(const std::string& name) {
   return spec;
 }
 
-// The reference: every table in one CpuBackend, all rows in one shard. A
-// column-wise table is held as the same column blocks as the plan's: each
-// block is its own table to the optimizer (a ROWWISE_ADAGRAD accumulator per
-// row per block), as in TorchRec, where each column shard is its own TBE
-// table. Every other layout is the whole table.
-struct Reference {
-  struct Block {
-    backend::ShardId id;
-    int64_t col_offset, cols;
-  };
-  std::unique_ptr<backend::EmbeddingBackend> be;
-  std::map<std::string, std::vector<Block>> blocks;    // by table
-  std::map<std::string, const TableConfig*> table_of;  // by feature
-  CollectionSpec spec;
-
-  explicit Reference(const CollectionSpec& s, const ember::v1::ShardingPlan* plan = nullptr)
-      : spec(s) {
-    be = *backend::CreateCpuBackend({});
-    for (int t = 0; t < spec.tables_size(); ++t) {
-      const TableConfig& c = spec.tables(t);
-      std::map<int64_t, int64_t> cols;  // col_offset -> cols
-      if (plan != nullptr) {
-        for (const auto& sh : plan->tables(t).shards()) cols[sh.col_offset()] = sh.cols();
-      }
-      if (cols.empty()) cols[0] = c.embedding_dim();
-      for (const auto& [off, n] : cols) {
-        auto id = be->CreateShard(ShardSpecFromTable(c, 0, off, c.num_embeddings(), n));
-        EXPECT_TRUE(id.ok()) << id.status();
-        blocks[c.name()].push_back({*id, off, n});
-      }
-      for (const auto& f : c.feature_names()) table_of[f] = &c;
-    }
-  }
-
-  struct Feature {
-    backend::FeatureRequest request;  // shard unset: one per block
-    const TableConfig* table;
-  };
-  // The KJT's features (key order), pointing into kjt.
-  std::vector<Feature> Features(const KeyedJaggedTensor& kjt) {
-    std::vector<Feature> out;
-    const auto off = kjt.key_offsets();
-    const int64_t b = kjt.batch_size();
-    for (size_t k = 0; k < kjt.keys.size(); ++k) {
-      const TableConfig* t = table_of.at(kjt.keys[k]);
-      backend::FeatureRequest f;
-      f.pooling = PoolingFromProto(t->pooling());
-      f.lengths = absl::MakeConstSpan(kjt.lengths.data() + k * b, b);
-      f.ids = absl::MakeConstSpan(kjt.values.data() + off[k], off[k + 1] - off[k]);
-      if (!kjt.weights.empty()) {
-        f.weights = absl::MakeConstSpan(kjt.weights.data() + off[k], off[k + 1] - off[k]);
-      }
-      out.push_back({f, t});
-    }
-    return out;
-  }
-
-  // [rows of output, dim] for one feature, assembled from its blocks.
-  std::vector<float> Lookup(const Feature& f) {
-    const int64_t dim = f.table->embedding_dim();
-    const int64_t n = f.request.pooling == backend::Pooling::kNone
-                          ? static_cast<int64_t>(f.request.ids.size())
-                          : static_cast<int64_t>(f.request.lengths.size());
-    std::vector<float> out(n * dim);
-    for (const Block& bl : blocks.at(f.table->name())) {
-      backend::FeatureRequest r = f.request;
-      r.shard = bl.id;
-      std::vector<float> part(n * bl.cols);
-      EXPECT_TRUE(be->Lookup({backend::LookupRequest{r, absl::MakeSpan(part)}}).ok());
-      for (int64_t i = 0; i < n; ++i) {
-        std::copy(part.begin() + i * bl.cols, part.begin() + (i + 1) * bl.cols,
-                  out.begin() + i * dim + bl.col_offset);
-      }
-    }
-    return out;
-  }
-
-  // Applies one call's gradients (grads[k]: feature k's [rows, dim]).
-  void Apply(const std::vector<Feature>& fs, const std::vector<std::vector<float>>& grads) {
-    std::vector<std::vector<float>> parts;
-    std::vector<backend::GradientRequest> reqs;
-    parts.reserve(64);
-    for (size_t k = 0; k < fs.size(); ++k) {
-      const int64_t dim = fs[k].table->embedding_dim();
-      const int64_t n = static_cast<int64_t>(grads[k].size()) / dim;
-      for (const Block& bl : blocks.at(fs[k].table->name())) {
-        std::vector<float> part(n * bl.cols);
-        for (int64_t i = 0; i < n; ++i) {
-          std::copy(grads[k].begin() + i * dim + bl.col_offset,
-                    grads[k].begin() + i * dim + bl.col_offset + bl.cols, part.begin() + i * bl.cols);
-        }
-        parts.push_back(std::move(part));
-        backend::FeatureRequest r = fs[k].request;
-        r.shard = bl.id;
-        reqs.push_back({r, parts.back()});
-      }
-    }
-    EXPECT_TRUE(be->ApplyGradients(reqs).ok());
-  }
-
-  std::vector<float> Export(const std::string& table) {
-    const TableConfig* c = nullptr;
-    for (const auto& t : spec.tables()) {
-      if (t.name() == table) c = &t;
-    }
-    const int64_t rows = c->num_embeddings(), dim = c->embedding_dim();
-    std::vector<float> out(rows * dim);
-    for (const Block& bl : blocks.at(table)) {
-      const auto sp = *be->GetShardSpec(bl.id);
-      std::vector<float> w(rows * bl.cols),
-          st(rows * backend::OptimizerStateWidth(sp.optimizer.type, bl.cols));
-      EXPECT_TRUE(be->ExportRows(bl.id, 0, rows, absl::MakeSpan(w), absl::MakeSpan(st)).ok());
-      for (int64_t r = 0; r < rows; ++r) {
-        std::copy(w.begin() + r * bl.cols, w.begin() + (r + 1) * bl.cols,
-                  out.begin() + r * dim + bl.col_offset);
-      }
-    }
-    return out;
-  }
-};
-
 KeyedJaggedTensor RandomKjt(std::mt19937& rng, const std::vector<std::string>& keys,
                             const std::vector<int>& rows, int batch, bool weighted) {
   std::vector<std::vector<std::vector<int64_t>>> ids(keys.size());
@@ -219,7 +97,8 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
   auto info = c->CreateCollection(spec, type);
   ASSERT_TRUE(info.ok()) << info.status();
   for (const auto& t : info->plan().tables()) ASSERT_EQ(t.sharding_type(), type);
-  Reference ref(spec, &info->plan());
+  auto ref = InProcessCollection::Create(spec, &info->plan());
+  ASSERT_TRUE(ref.ok()) << ref.status();
   std::mt19937 rng(seed);
   for (int step = 0; step < 3; ++step) {
     // Pooled features; weighted on odd steps (per-sample weights).
@@ -230,34 +109,33 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
     ASSERT_TRUE(kt.ok()) << kt.status();
     // Collection order: t_sum's f_sum, f_sum2, then t_mean, t_rw.
     ASSERT_EQ(kt->keys, (std::vector<std::string>{"f_sum", "f_sum2", "f_mean", "f_rw"}));
-    auto feats = ref.Features(kjt);
-    for (size_t k = 0; k < kjt.keys.size(); ++k) {
-      ExpectNear(*kt->Get(kjt.keys[k]), ref.Lookup(feats[k]), type + " lookup " + kjt.keys[k]);
-    }
+    auto want = (*ref)->Lookup(kjt);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(kt->length_per_key, want->length_per_key);
+    ExpectNear(kt->values, want->values, type + " lookup");
     KeyedTensor grads = *kt;
     for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
     ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
-    std::vector<std::vector<float>> gbuf;
-    for (size_t k = 0; k < kjt.keys.size(); ++k) gbuf.push_back(*grads.Get(kjt.keys[k]));
-    ref.Apply(feats, gbuf);
+    ASSERT_TRUE((*ref)->ApplyGradients(kjt, grads).ok());
 
     // The sequence feature.
     KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 4, false);
     auto se = c->LookupSequence(name, seq);
     ASSERT_TRUE(se.ok()) << se.status();
-    auto sf = ref.Features(seq);
-    ExpectNear((*se)[0].values, ref.Lookup(sf[0]), type + " sequence lookup");
+    auto se_want = (*ref)->LookupSequence(seq);
+    ASSERT_TRUE(se_want.ok()) << se_want.status();
+    ExpectNear((*se)[0].values, (*se_want)[0].values, type + " sequence lookup");
     std::vector<SequenceEmbedding> sg = *se;
     for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
     ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
-    ref.Apply(sf, {sg[0].values});
+    ASSERT_TRUE((*ref)->ApplySequenceGradients(seq, sg).ok());
   }
   for (const auto& t : spec.tables()) {
-    int64_t rows = 0, dim = 0;
+    int64_t rows = 0, dim = 0, ref_rows = 0, ref_dim = 0;
     auto got = c->ExportTable(name, t.name(), &rows, &dim);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(rows, t.num_embeddings());
-    ExpectNear(*got, ref.Export(t.name()), type + " export " + t.name());
+    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &ref_rows, &ref_dim), type + " export " + t.name());
   }
   ASSERT_TRUE(c->DropCollection(name).ok());
 }
@@ -299,7 +177,7 @@ TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
   ASSERT_NE(c, nullptr);
   const CollectionSpec spec = TestSpec("concurrent");
   ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
-  Reference ref(spec);
+  auto ref = *InProcessCollection::Create(spec);
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
   for (int t = 0; t < 4; ++t) {
@@ -314,13 +192,9 @@ TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
           ++failures;
           continue;
         }
-        auto feats = ref.Features(kjt);
-        for (size_t k = 0; k < 2; ++k) {
-          const std::vector<float> want = ref.Lookup(feats[k]);
-          const auto got = *kt->Get(kjt.keys[k]);
-          for (size_t j = 0; j < want.size(); ++j) {
-            if (std::abs(got[j] - want[j]) > 2e-5 * (1 + std::abs(want[j]))) ++failures;
-          }
+        const std::vector<float> want = ref->Lookup(kjt)->values;
+        for (size_t j = 0; j < want.size(); ++j) {
+          if (std::abs(kt->values[j] - want[j]) > 2e-5 * (1 + std::abs(want[j]))) ++failures;
         }
       }
     });
