@@ -1,25 +1,22 @@
 #!/usr/bin/env bash
-# Sets up what is missing, builds emberctl, then plans the seed tutorial's
-# four tables (examples/seed_tables.json) on 2 workers for each sharding type,
-# as TorchRec's tutorial does, and once more with the planner free to choose.
+# The seed tutorial end to end. Sets up what is missing, builds, then
+# (examples/run_seed_tutorial.sh) starts a local cluster of a coordinator and
+# 2 worker processes on 127.0.0.1 and, for each of table_wise, row_wise,
+# column_wise and data_parallel, creates the seed's four tables
+# (examples/seed_tables.json), prints the plan as TorchRec does, runs
+# KeyedJaggedTensor lookups and SGD steps through the client SDK, checks them
+# against an in-process copy of the collection and prints one result line per
+# sharding type. Exits non-zero if any type fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-echo "==> building emberctl" >&2
-bazel build -c opt //:emberctl >&2
-emberctl="$(bazel info -c opt bazel-bin 2>/dev/null)/cli/emberctl"
+echo "==> building emberctl and the seed tutorial" >&2
+bazel build -c opt //:emberctl //examples:seed_tutorial >&2
+bin="$(bazel info -c opt bazel-bin 2>/dev/null)"
 
-for type in table_wise row_wise column_wise data_parallel; do
-  echo
-  echo "================ sharding_type=$type, world_size=2 ================"
-  "$emberctl" plan --spec=examples/seed_tables.json --world_size=2 --sharding_type="$type"
-done
-
+echo "================ planner's choice for 8 GPUs on 2 hosts (a preview, no cluster) ================"
+"$bin/cli/emberctl" plan --spec=examples/seed_tables.json --world_size=8 --local_world_size=4
 echo
-echo "================ planner's choice, 8 GPUs on 2 hosts ================"
-"$emberctl" plan --spec=examples/seed_tables.json --world_size=8 --local_world_size=4
-
-echo
-echo "================ same, as JSON ================"
-"$emberctl" plan --spec=examples/seed_tables.json --world_size=2 --sharding_type=row_wise --format=json
+exec examples/run_seed_tutorial.sh "$bin/cli/emberctl" "$bin/examples/seed_tutorial" \
+  examples/seed_tables.json
