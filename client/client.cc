@@ -90,7 +90,8 @@ struct FeatureJob {
   const int64_t* lengths = nullptr;
   const int64_t* ids = nullptr;
   const float* weights = nullptr;  // nullptr: unweighted
-  std::vector<float> out;          // lookup: [batch or num_ids, dim]
+  float* out = nullptr;            // lookup: [batch or num_ids, dim], zeroed, rows
+  int64_t out_stride = 0;          //   out_stride floats apart
   const float* grad = nullptr;     // gradients: same shape, row stride grad_stride
   int64_t grad_stride = 0;
 };
@@ -395,7 +396,7 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
   return absl::OkStatus();
 }
 
-// Lookup for pooled or sequence jobs; fills each job's `out`.
+// Lookup for pooled or sequence jobs into each job's `out` (zeroed by the caller).
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for) {
   const int world = r.info.worker_addresses_size();
@@ -408,7 +409,6 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   }
   std::vector<Sink> sinks;
   for (FeatureJob& j : *jobs) {
-    j.out.assign((j.sequence ? j.num_ids : j.batch) * j.dim, 0.0f);
     std::vector<Client::Routing::Shard> targets = j.table->shards;
     if (!j.table->replicas.empty()) {
       targets = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
@@ -439,13 +439,17 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       !s.ok()) {
     return s;
   }
-  std::vector<float> buf;
+  // Each sink's rows land in its job's output: copied where the shard is
+  // the only one for its columns, added (partial sums) where rows are split.
+  std::vector<float> scratch;
   for (const Sink& s : sinks) {
     const LookupCall& c = *calls[s.rank];
     if (s.index >= c.response.outputs_size()) {
       return absl::InternalError(absl::StrCat("worker ", s.rank, " returned too few outputs"));
     }
-    if (absl::Status st = wire::Decode(c.response.outputs(s.index), "output", &buf); !st.ok()) {
+    absl::Span<const float> buf;
+    if (absl::Status st = wire::View(c.response.outputs(s.index), "output", &scratch, &buf);
+        !st.ok()) {
       return absl::InternalError(st.message());
     }
     FeatureJob& j = *s.job;
@@ -455,14 +459,15 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         (j.sequence && !s.positions.empty() && rows != static_cast<int64_t>(s.positions.size()))) {
       return absl::InternalError(absl::StrCat("worker ", s.rank, " returned a malformed output"));
     }
+    const bool add = !j.sequence && j.table->row_split;
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t dst_row = j.sequence && !s.positions.empty() ? s.positions[i] : i;
-      float* dst = j.out.data() + dst_row * j.dim + s.col_offset;
+      float* dst = j.out + dst_row * j.out_stride + s.col_offset;
       const float* src = buf.data() + i * s.cols;
-      if (j.sequence) {
-        std::memcpy(dst, src, s.cols * sizeof(float));
-      } else {
+      if (add) {
         for (int64_t c = 0; c < s.cols; ++c) dst[c] += src[c];
+      } else {
+        std::memcpy(dst, src, s.cols * sizeof(float));
       }
     }
   }
@@ -472,7 +477,8 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     for (int64_t b = 0; b < j.batch; ++b) {
       if (j.lengths[b] == 0) continue;
       const float inv = 1.0f / static_cast<float>(j.lengths[b]);
-      for (int64_t c = 0; c < j.dim; ++c) j.out[b * j.dim + c] *= inv;
+      float* row = j.out + b * j.out_stride;
+      for (int64_t c = 0; c < j.dim; ++c) row[c] *= inv;
     }
   }
   return absl::OkStatus();
@@ -546,24 +552,19 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection,
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
       return st;
     }
-    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for); !st.ok()) return st;
     kt = KeyedTensor();
     kt.batch_size = kjt.batch_size();
     for (const FeatureJob& j : jobs) {
       kt.keys.push_back(j.key);
       kt.length_per_key.push_back(j.dim);
     }
-    const int64_t width = kt.row_width();
-    kt.values.assign(kt.batch_size * width, 0.0f);
-    int64_t col = 0;
-    for (const FeatureJob& j : jobs) {
-      for (int64_t b = 0; b < kt.batch_size; ++b) {
-        std::memcpy(kt.values.data() + b * width + col, j.out.data() + b * j.dim,
-                    j.dim * sizeof(float));
-      }
-      col += j.dim;
+    kt.values.assign(kt.batch_size * kt.row_width(), 0.0f);
+    const std::vector<int64_t> offsets = kt.offset_per_key();
+    for (size_t k = 0; k < jobs.size(); ++k) {
+      jobs[k].out = kt.values.data() + offsets[k];
+      jobs[k].out_stride = kt.row_width();
     }
-    return absl::OkStatus();
+    return RunLookup(r, &jobs, pick, deadline, stub_for);
   });
   if (!s.ok()) return s;
   return kt;
@@ -607,10 +608,13 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
       return st;
     }
-    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for); !st.ok()) return st;
     out.clear();
-    for (FeatureJob& j : jobs) out.push_back({j.key, j.dim, std::move(j.out)});
-    return absl::OkStatus();
+    for (FeatureJob& j : jobs) out.push_back({j.key, j.dim, std::vector<float>(j.num_ids * j.dim)});
+    for (size_t k = 0; k < jobs.size(); ++k) {
+      jobs[k].out = out[k].values.data();
+      jobs[k].out_stride = jobs[k].dim;
+    }
+    return RunLookup(r, &jobs, pick, deadline, stub_for);
   });
   if (!s.ok()) return s;
   return out;

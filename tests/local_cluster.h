@@ -1,5 +1,5 @@
-// LocalCluster: `emberctl up --workers=N` as a child process for tests, on
-// 127.0.0.1; stopped (SIGTERM, then SIGKILL) when destroyed.
+// LocalCluster: `emberctl up --workers=N` as a child process, on 127.0.0.1,
+// for tests and benchmarks; stopped (SIGTERM, then SIGKILL) when destroyed.
 #ifndef EMBER_TESTS_LOCAL_CLUSTER_H_
 #define EMBER_TESTS_LOCAL_CLUSTER_H_
 
@@ -22,18 +22,23 @@ namespace testing_util {
 
 class LocalCluster {
  public:
-  // Starts the cluster; ok() tells whether it came up within 60 s.
-  LocalCluster(const std::string& emberctl, int workers) {
+  // Starts the cluster; ok() tells whether it came up within 60 s. `extra`:
+  // more `emberctl up` flags ("--threads=2").
+  LocalCluster(const std::string& emberctl, int workers, std::vector<std::string> extra = {}) {
     int fds[2];
     if (pipe(fds) != 0) return;
-    const std::string n = absl::StrCat("--workers=", workers);
+    std::vector<std::string> args = {emberctl, "up", absl::StrCat("--workers=", workers),
+                                      "--lease_ms=3000"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       dup2(fds[1], 1);
       close(fds[0]);
-      execl(emberctl.c_str(), emberctl.c_str(), "up", n.c_str(), "--lease_ms=3000",
-            static_cast<char*>(nullptr));
+      execv(emberctl.c_str(), argv.data());
       _exit(127);
     }
     close(fds[1]);

@@ -33,6 +33,23 @@ absl::Status Decode(const std::string& bytes, const char* what, std::vector<T>* 
   return absl::OkStatus();
 }
 
+// A read-only view of `bytes` as T[] in *out: the bytes themselves when they
+// are aligned for T (a heap std::string always is), else a copy made in
+// *scratch. *out is valid while `bytes` (and *scratch) live unchanged.
+// INVALID_ARGUMENT as Decode's.
+template <typename T>
+absl::Status View(const std::string& bytes, const char* what, std::vector<T>* scratch,
+                  absl::Span<const T>* out) {
+  if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(T) != 0) {
+    if (absl::Status s = Decode(bytes, what, scratch); !s.ok()) return s;
+    *out = *scratch;
+    return absl::OkStatus();
+  }
+  if (bytes.size() % sizeof(T) != 0) return Decode(bytes, what, scratch);  // the error
+  *out = absl::Span<const T>(reinterpret_cast<const T*>(bytes.data()), bytes.size() / sizeof(T));
+  return absl::OkStatus();
+}
+
 template <typename T>
 void Encode(absl::Span<const T> values, std::string* bytes) {
   bytes->resize(values.size() * sizeof(T));

@@ -15,10 +15,13 @@ namespace worker {
 using ember::v1::ShardFeature;
 using ember::v1::ShardRef;
 
+// One feature's arrays, viewed in place in the request's bytes (copied into
+// the vectors only when misaligned).
 struct WorkerService::Decoded {
   std::vector<int64_t> lengths, ids;
   std::vector<float> weights, grad;
   backend::FeatureRequest request;
+  absl::Span<const float> grad_view;
 };
 
 namespace {
@@ -70,20 +73,18 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   auto shard = FindShard(c, f.shard());
   if (!shard.ok()) return shard.status();
   const std::string what = absl::StrCat("feature '", f.feature(), "' (", RefString(f.shard()), ")");
-  if (absl::Status s = wire::Decode(f.lengths(), "lengths", &out->lengths); !s.ok()) {
+  backend::FeatureRequest& r = out->request;
+  if (absl::Status s = wire::View(f.lengths(), "lengths", &out->lengths, &r.lengths); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
-  if (absl::Status s = wire::Decode(f.ids(), "ids", &out->ids); !s.ok()) {
+  if (absl::Status s = wire::View(f.ids(), "ids", &out->ids, &r.ids); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
-  if (absl::Status s = wire::Decode(f.weights(), "weights", &out->weights); !s.ok()) {
+  if (absl::Status s = wire::View(f.weights(), "weights", &out->weights, &r.weights); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
-  out->request.shard = (*shard)->id;
-  out->request.pooling = PoolingFromProto(f.pooling());
-  out->request.lengths = out->lengths;
-  out->request.ids = out->ids;
-  out->request.weights = out->weights;
+  r.shard = (*shard)->id;
+  r.pooling = PoolingFromProto(f.pooling());
   // Shape checks before any buffer is sized from the request.
   if (absl::Status s = backend::ValidateFeature(out->request, (*shard)->assignment.rows(), what);
       !s.ok()) {
@@ -207,11 +208,12 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
     if (absl::Status s = DecodeFeature(coll, g.feature(), &cols, &decoded[i]); !s.ok()) {
       return ToGrpc(s);
     }
-    if (absl::Status s = wire::Decode(g.grad(), "grad", &decoded[i].grad); !s.ok()) {
+    if (absl::Status s = wire::View(g.grad(), "grad", &decoded[i].grad, &decoded[i].grad_view);
+        !s.ok()) {
       return ToGrpc(s);
     }
     requests[i].feature = decoded[i].request;
-    requests[i].grad = decoded[i].grad;
+    requests[i].grad = decoded[i].grad_view;
   }
   if (absl::Status s = backend_->ApplyGradients(requests); !s.ok()) return ToGrpc(s);
   coll.applied.insert(req->request_id());

@@ -1,0 +1,250 @@
+// service_bench: fused lookups through the whole service (client SDK ->
+// gRPC over loopback -> workers -> back, merged into a KeyedTensor) against
+// the same lookups on the same data in this process (client/inprocess.h: the
+// collection in one CPU backend, no RPC). A benchmark, not a test.
+//
+//   bazel run -c opt //bench:service_bench -- [--workers=2 --batch=4096
+//       --features=8 --pooling_factor=20 --dim=64 --rows=500000
+//       --sharding_type=table_wise --iters=50 --clients=1 --format=text|json]
+//
+// Starts its own cluster (`emberctl up`, the binary next to it in the
+// runfiles, or --emberctl) unless --coordinator names a running one.
+//
+// lookups_per_s: KeyedJaggedTensor lookups (batches) per second, each of
+// batch x features bags of pooling_factor ids; ids_per_s = lookups_per_s x
+// batch x features x pooling_factor. MB/s: request ids + returned embeddings
+// (the bytes each lookup moves) per second. Latency percentiles are of one
+// lookup call as the client sees it. ratio = lookups_per_s /
+// inprocess_lookups_per_s, the in-process collection running with
+// workers x worker_threads backend threads (the same compute threads).
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "client/inprocess.h"
+#include "gflags/gflags.h"
+#include "tests/local_cluster.h"
+
+DEFINE_string(coordinator, "", "A running cluster's coordinator; empty: start one.");
+DEFINE_string(emberctl, "", "emberctl binary for the local cluster (default: from runfiles).");
+DEFINE_int32(workers, 2, "Workers of the local cluster.");
+DEFINE_int32(worker_threads, 1, "Backend threads per worker (emberctl up --threads).");
+DEFINE_int32(inprocess_threads, 0, "In-process backend threads (0: workers x worker_threads).");
+DEFINE_int32(batch, 4096, "Samples per lookup.");
+DEFINE_int32(features, 8, "Features per lookup, one table each.");
+DEFINE_int32(pooling_factor, 20, "Ids per bag.");
+DEFINE_int32(dim, 64, "Embedding dimension.");
+DEFINE_int64(rows, 500000, "Rows per table.");
+DEFINE_string(sharding_type, "table_wise", "Sharding type of every table ('' : the planner's).");
+DEFINE_int32(warmup, 5, "Untimed lookups first.");
+DEFINE_int32(iters, 50, "Timed lookups per client.");
+DEFINE_int32(clients, 1, "Concurrent client threads (each its own Client).");
+DEFINE_int32(batches, 4, "Distinct random batches, cycled.");
+DEFINE_uint64(seed, 1, "Seed for ids.");
+DEFINE_string(format, "text", "text or json (one line).");
+
+namespace ember {
+namespace {
+
+using client::KeyedJaggedTensor;
+
+std::string DefaultEmberctl(const char* argv0) {
+  for (const std::string& p : {std::string("cli/emberctl"),
+                               absl::StrCat(argv0, ".runfiles/ember/cli/emberctl")}) {
+    if (access(p.c_str(), X_OK) == 0) return p;
+  }
+  return "";
+}
+
+ember::v1::CollectionSpec BenchSpec() {
+  ember::v1::CollectionSpec spec;
+  spec.set_name(absl::StrCat("service_bench_", getpid()));
+  for (int f = 0; f < FLAGS_features; ++f) {
+    auto* t = spec.add_tables();
+    t->set_name(absl::StrCat("t", f));
+    t->set_num_embeddings(FLAGS_rows);
+    t->set_embedding_dim(FLAGS_dim);
+    t->add_feature_names(absl::StrCat("f", f));
+    t->set_pooling(ember::v1::TableConfig::SUM);
+    t->mutable_initializer()->set_seed(f + 1);
+  }
+  return spec;
+}
+
+std::vector<KeyedJaggedTensor> RandomBatches(const ember::v1::CollectionSpec& spec) {
+  std::mt19937_64 rng(FLAGS_seed);
+  std::vector<KeyedJaggedTensor> out(FLAGS_batches);
+  for (KeyedJaggedTensor& kjt : out) {
+    for (const auto& t : spec.tables()) {
+      kjt.keys.push_back(t.feature_names(0));
+      for (int b = 0; b < FLAGS_batch; ++b) {
+        kjt.lengths.push_back(FLAGS_pooling_factor);
+        for (int i = 0; i < FLAGS_pooling_factor; ++i) {
+          kjt.values.push_back(static_cast<int64_t>(rng() % FLAGS_rows));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+int Fail(const std::string& what, const absl::Status& s) {
+  std::cerr << "service_bench: " << what << ": " << s << std::endl;
+  return 1;
+}
+
+int Run(const char* argv0) {
+  if (FLAGS_batch < 1 || FLAGS_features < 1 || FLAGS_pooling_factor < 1 || FLAGS_dim < 4 ||
+      FLAGS_rows < 1 || FLAGS_iters < 1 || FLAGS_clients < 1 || FLAGS_batches < 1 ||
+      FLAGS_workers < 1 || FLAGS_worker_threads < 1) {
+    return Fail("flags", absl::InvalidArgumentError("sizes, counts and threads must be >= 1"));
+  }
+  const bool text = FLAGS_format != "json";
+  std::unique_ptr<testing_util::LocalCluster> cluster;
+  std::string coordinator = FLAGS_coordinator;
+  if (coordinator.empty()) {
+    const std::string emberctl = FLAGS_emberctl.empty() ? DefaultEmberctl(argv0) : FLAGS_emberctl;
+    if (emberctl.empty()) {
+      return Fail("cluster", absl::NotFoundError("emberctl not found; pass --emberctl=PATH"));
+    }
+    if (text) std::cerr << "starting " << FLAGS_workers << " workers (" << emberctl << " up)\n";
+    cluster = std::make_unique<testing_util::LocalCluster>(
+        emberctl, FLAGS_workers,
+        std::vector<std::string>{absl::StrCat("--threads=", FLAGS_worker_threads)});
+    if (!cluster->ok()) return Fail("cluster", absl::UnavailableError("emberctl up failed"));
+    coordinator = cluster->coordinator();
+  }
+  client::ClientOptions options;
+  options.timeout = absl::Seconds(120);
+  auto c = client::Client::Connect(coordinator, options);
+  if (!c.ok()) return Fail("connect", c.status());
+
+  const ember::v1::CollectionSpec spec = BenchSpec();
+  if (text) std::cerr << "creating " << FLAGS_features << " tables of " << FLAGS_rows << " x "
+                      << FLAGS_dim << " on the cluster and in process\n";
+  auto info = (*c)->CreateCollection(spec, FLAGS_sharding_type);
+  if (!info.ok()) return Fail("create", info.status());
+  const int world = info->worker_addresses_size();
+  const int inprocess_threads =
+      FLAGS_inprocess_threads > 0 ? FLAGS_inprocess_threads : world * FLAGS_worker_threads;
+  auto local = client::InProcessCollection::Create(spec, &info->plan(), inprocess_threads);
+  if (!local.ok()) return Fail("in-process collection", local.status());
+  const std::vector<KeyedJaggedTensor> batches = RandomBatches(spec);
+
+  // The two must agree before either is timed.
+  {
+    auto a = (*c)->Lookup(spec.name(), batches[0]);
+    if (!a.ok()) return Fail("lookup", a.status());
+    auto b = (*local)->Lookup(batches[0]);
+    if (!b.ok()) return Fail("in-process lookup", b.status());
+    for (size_t i = 0; i < b->values.size(); ++i) {
+      if (std::abs(a->values[i] - b->values[i]) > 1e-4f * (1 + std::abs(b->values[i]))) {
+        return Fail("check", absl::InternalError("the service and the in-process lookup differ"));
+      }
+    }
+  }
+
+  // In process.
+  for (int i = 0; i < FLAGS_warmup; ++i) (void)(*local)->Lookup(batches[i % batches.size()]);
+  absl::Time start = absl::Now();
+  for (int i = 0; i < FLAGS_iters; ++i) {
+    auto kt = (*local)->Lookup(batches[i % batches.size()]);
+    if (!kt.ok()) return Fail("in-process lookup", kt.status());
+  }
+  const double inprocess_s = absl::ToDoubleSeconds(absl::Now() - start);
+  const double inprocess_per_s = FLAGS_iters / inprocess_s;
+
+  // Through the service: `clients` threads, each with its own Client.
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (int t = 0; t < FLAGS_clients; ++t) {
+    auto own = client::Client::Connect(coordinator, options);
+    if (!own.ok()) return Fail("connect", own.status());
+    clients.push_back(*std::move(own));
+    for (int i = 0; i < FLAGS_warmup; ++i) {
+      (void)clients.back()->Lookup(spec.name(), batches[i % batches.size()]);
+    }
+  }
+  std::vector<std::vector<double>> latencies(FLAGS_clients);
+  std::atomic<int> errors{0};
+  std::vector<std::thread> threads;
+  start = absl::Now();
+  for (int t = 0; t < FLAGS_clients; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < FLAGS_iters; ++i) {
+        const absl::Time s = absl::Now();
+        auto kt = clients[t]->Lookup(spec.name(), batches[(i + t) % batches.size()]);
+        latencies[t].push_back(absl::ToDoubleMilliseconds(absl::Now() - s));
+        if (!kt.ok()) ++errors;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  const double service_s = absl::ToDoubleSeconds(absl::Now() - start);
+  (void)(*c)->DropCollection(spec.name());
+  if (errors > 0) {
+    return Fail("lookups", absl::InternalError(absl::StrCat(errors.load(), " lookups failed")));
+  }
+
+  std::vector<double> all;
+  for (const auto& l : latencies) all.insert(all.end(), l.begin(), l.end());
+  const double per_s = FLAGS_clients * FLAGS_iters / service_s;
+  const double bags = static_cast<double>(FLAGS_batch) * FLAGS_features;
+  const double ids = bags * FLAGS_pooling_factor;
+  const double bytes = ids * 8 + bags * 8 +  // ids + lengths
+                       bags * FLAGS_dim * 4;                 // embeddings
+  const double p50 = Percentile(all, 0.5), p99 = Percentile(all, 0.99);
+  const double ratio = per_s / inprocess_per_s;
+  if (text) {
+    std::cout << absl::StrFormat(
+        "service_bench: %d workers x %d threads, %s, batch %d, %d features, pooling %d, dim %d, "
+        "%d rows/table, %d client(s)\n",
+        world, FLAGS_worker_threads, FLAGS_sharding_type.empty() ? "planner" : FLAGS_sharding_type,
+        FLAGS_batch, FLAGS_features, FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_clients);
+    std::cout << absl::StrFormat(
+        "  service:    %8.1f lookups/s  %.3g ids/s  %7.1f MB/s  p50 %.2f ms  p99 %.2f ms\n",
+        per_s, per_s * ids, per_s * bytes / 1e6, p50, p99);
+    std::cout << absl::StrFormat("  in-process: %8.1f lookups/s  %.3g ids/s  (%d threads)\n",
+                                 inprocess_per_s, inprocess_per_s * ids, inprocess_threads);
+    std::cout << absl::StrFormat("  ratio service / in-process: %.2f (target >= 0.5)\n", ratio);
+  } else {
+    std::cout << absl::StrFormat(
+        "{\"lookups_per_s\": %.2f, \"ids_per_s\": %.4g, \"mb_per_s\": %.1f, \"p50_ms\": %.3f, "
+        "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"ratio\": %.3f, \"workers\": %d, "
+        "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
+        "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
+        "\"sharding_type\": \"%s\"}\n",
+        per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, ratio, world,
+        FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
+        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_sharding_type);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace ember
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("service_bench [--workers=2 --batch=4096 ... --format=text|json]");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  return ember::Run(argv[0]);
+}
