@@ -35,6 +35,9 @@ DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
 DEFINE_double(memory_gib, 0, "Worker memory for shards in GiB (0: no limit / the card's).");
+DEFINE_int32(max_message_mb, 1024,
+             "Servers: largest gRPC message received or sent, in MiB (1-1024); a worker keeps "
+             "its responses under it.");
 DEFINE_int32(lease_ms, 5000, "Coordinator: worker lease; workers heartbeat 4x per lease.");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
@@ -74,6 +77,17 @@ int WaitForSignal(Tick tick) {
   }
 }
 
+int MaxMessageBytes() { return FLAGS_max_message_mb << 20; }
+
+// Checks the flags every server shares; "" when fine.
+std::string BadServerFlags() {
+  if (FLAGS_max_message_mb < 1 || FLAGS_max_message_mb > 1024) {
+    return "--max_message_mb must be in [1, 1024]";
+  }
+  if (FLAGS_lease_ms < 100) return "--lease_ms must be >= 100";
+  return "";
+}
+
 struct Coordinator {
   std::unique_ptr<coordinator::CoordinatorService> service;
   std::unique_ptr<grpc::Server> server;
@@ -89,8 +103,8 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   grpc::ServerBuilder b;
   int port = 0;
   b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
-  b.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  b.SetMaxSendMessageSize(kMaxMessageBytes);
+  b.SetMaxReceiveMessageSize(MaxMessageBytes());
+  b.SetMaxSendMessageSize(MaxMessageBytes());
   b.RegisterService(c.service.get());
   c.server = b.BuildAndStart();
   if (!c.server || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
@@ -127,6 +141,7 @@ void BlockTerminationSignals() {
 }
 
 int RunCoordinator() {
+  if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto c = StartCoordinator(FLAGS_listen);
   if (!c.ok()) return Fail("coordinator", c.status());
   std::cout << "coordinator listening on " << c->address << std::endl;
@@ -143,6 +158,8 @@ int RunWorker() {
   o.device = FLAGS_device;
   o.threads = FLAGS_threads;
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
+  o.max_message_bytes = MaxMessageBytes();
+  if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
   std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;
@@ -154,13 +171,15 @@ int RunWorker() {
 int RunUp(const std::string& self_path) {
   if (FLAGS_workers < 1) return Usage("--workers must be >= 1");
   if (FLAGS_device != "cpu" && FLAGS_device != "cuda") return Usage("--device must be cpu or cuda");
+  if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto c = StartCoordinator(absl::StrCat("127.0.0.1:", FLAGS_port));
   if (!c.ok()) return Fail("up", c.status());
   // Worker processes: this binary again, `emberctl worker`.
   const std::vector<std::string> args = {
       self_path, "worker", "--coordinator=" + c->address, "--listen=127.0.0.1:0",
       "--device=" + FLAGS_device, absl::StrCat("--threads=", FLAGS_threads),
-      absl::StrCat("--memory_gib=", FLAGS_memory_gib)};
+      absl::StrCat("--memory_gib=", FLAGS_memory_gib),
+      absl::StrCat("--max_message_mb=", FLAGS_max_message_mb)};
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# End-to-end tests of `emberctl plan`: the seed tutorial's plans as JSON and
-# as TorchRec's table, and clear errors with a non-zero exit for bad input.
+# End-to-end tests of `emberctl plan` (the seed tutorial's plans as JSON and
+# as TorchRec's table) and clear errors with a non-zero exit for bad input to
+# every command.
 set -uo pipefail
 
 EMBERCTL="$1"
@@ -123,6 +124,15 @@ expect_error "infeasible remedy" 1 "to fit: allow row_wise" -- plan --spec="$TMP
 expect_error "world size" 1 "world_size must be >= 1" -- plan --spec="$SEED" --world_size=0
 expect_error "bad format" 2 "--format must be table or json" -- plan --spec="$SEED" --format=xml
 expect_error "bad device" 2 "--compute_device must be cuda or cpu" -- plan --spec="$SEED" --compute_device=tpu
+# Cluster commands: bad flags are refused before anything starts.
+expect_error "up workers" 2 "--workers must be >= 1" -- up --workers=0
+expect_error "up device" 2 "--device must be cpu or cuda" -- up --device=tpu
+expect_error "up message limit" 2 "--max_message_mb must be in [1, 1024]" -- up --max_message_mb=0
+expect_error "coordinator message limit" 2 "--max_message_mb must be in [1, 1024]" -- coordinator --max_message_mb=4096
+expect_error "coordinator lease" 2 "--lease_ms must be >= 100" -- coordinator --lease_ms=5
+expect_error "create without coordinator" 1 "needs --coordinator" -- create --spec="$SEED"
+expect_error "lookup without input" 2 "lookup needs --collection" -- lookup --coordinator=127.0.0.1:1
+expect_error "unreachable coordinator" 1 "UNAVAILABLE" -- status --coordinator=127.0.0.1:1 --timeout_s=2
 expect_error "unknown command" 2 "unknown command 'plant'" -- plant
 expect_error "no command" 2 "missing command" --
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "glog/logging.h"
 #include "planner/planner.h"
 #include "server/common/grpc_util.h"
@@ -20,8 +21,13 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
                                                 const ember::v1::RegisterWorkerRequest* req,
                                                 ember::v1::RegisterWorkerResponse* resp) {
   const auto& info = req->worker();
-  if (info.address().empty()) {
-    return ToGrpc(absl::InvalidArgumentError("worker address is empty"));
+  const size_t colon = info.address().rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == info.address().size()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("worker address '", info.address(), "' is not host:port")));
+  }
+  if (info.device() != ember::v1::CPU && info.device() != ember::v1::CUDA) {
+    return ToGrpc(absl::InvalidArgumentError("worker device must be CPU or CUDA"));
   }
   if (info.hbm_bytes() < 0 || info.ddr_bytes() < 0) {
     return ToGrpc(absl::InvalidArgumentError("worker capacities must be >= 0"));
@@ -47,6 +53,7 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
                                            const ember::v1::HeartbeatRequest* req,
                                            ember::v1::HeartbeatResponse* resp) {
+  if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(req->worker_id());
   if (it == workers_.end()) {
@@ -124,6 +131,29 @@ ember::v1::Topology CoordinatorService::TopologyOf(const std::vector<Worker>& wo
   return t;
 }
 
+// Calls `rpc` on every address at once (gRPC's async callback API) and waits
+// for all; returns one status per address.
+template <typename Request, typename Response, typename Rpc>
+std::vector<grpc::Status> CoordinatorService::CallEach(const std::vector<std::string>& addresses,
+                                                       const std::vector<Request>& requests,
+                                                       Rpc rpc) {
+  const size_t n = addresses.size();
+  std::vector<grpc::ClientContext> contexts(n);
+  std::vector<Response> responses(n);
+  std::vector<grpc::Status> statuses(n);
+  absl::BlockingCounter pending(static_cast<int>(n));
+  for (size_t i = 0; i < n; ++i) {
+    SetDeadline(&contexts[i], options_.worker_rpc_timeout);
+    rpc(StubFor(addresses[i])->async(), &contexts[i], &requests[i], &responses[i],
+        [&statuses, &pending, i](grpc::Status s) {
+          statuses[i] = std::move(s);
+          pending.DecrementCount();
+        });
+  }
+  pending.Wait();
+  return statuses;
+}
+
 ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
@@ -133,18 +163,21 @@ ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address)
 
 absl::Status CoordinatorService::DropOnWorkers(const std::string& collection,
                                                const std::vector<std::string>& addresses) {
+  ember::v1::DropShardsRequest req;
+  req.set_collection(collection);
+  const std::vector<grpc::Status> statuses = CallEach<ember::v1::DropShardsRequest,
+                                                      ember::v1::DropShardsResponse>(
+      addresses, std::vector<ember::v1::DropShardsRequest>(addresses.size(), req),
+      [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+        async->DropShards(ctx, request, response, std::move(done));
+      });
   absl::Status first;
-  for (const std::string& address : addresses) {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    ember::v1::DropShardsRequest req;
-    req.set_collection(collection);
-    ember::v1::DropShardsResponse resp;
-    const grpc::Status s = StubFor(address)->DropShards(&ctx, req, &resp);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    const grpc::Status& s = statuses[i];
     if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
-      LOG(WARNING) << "dropping '" << collection << "' on " << address << ": "
+      LOG(WARNING) << "dropping '" << collection << "' on " << addresses[i] << ": "
                    << s.error_message();
-      if (first.ok()) first = FromGrpc(s, "worker " + address);
+      if (first.ok()) first = FromGrpc(s, "worker " + addresses[i]);
     }
   }
   return first;
@@ -216,18 +249,28 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
   }
   std::vector<std::string> addresses;
   for (const Worker& w : workers) addresses.push_back(w.info.address());
-  std::vector<std::string> created;
+  // Every worker allocates and initialises its shards at once. If any
+  // fails, the shards are dropped again wherever they were (or may have
+  // been) created: a worker that refused (ALREADY_EXISTS, INVALID_ARGUMENT,
+  // RESOURCE_EXHAUSTED...) is left as it was.
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
+          addresses, per_rank, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->CreateShards(ctx, request, response, std::move(done));
+          });
   for (int r = 0; r < world; ++r) {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    ember::v1::CreateShardsResponse out;
-    const grpc::Status s = StubFor(addresses[r])->CreateShards(&ctx, per_rank[r], &out);
-    if (!s.ok()) {
-      (void)DropOnWorkers(spec.name(), created);
-      return ToGrpc(FromGrpc(s, absl::StrCat("creating '", spec.name(), "' on worker ", r, " (",
-                                              addresses[r], ")")));
+    if (statuses[r].ok()) continue;
+    std::vector<std::string> undo;
+    for (int i = 0; i < world; ++i) {
+      const grpc::StatusCode code = statuses[i].error_code();
+      if (code == grpc::StatusCode::OK || code == grpc::StatusCode::DEADLINE_EXCEEDED ||
+          code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::CANCELLED) {
+        undo.push_back(addresses[i]);
+      }
     }
-    created.push_back(addresses[r]);
+    (void)DropOnWorkers(spec.name(), undo);
+    return ToGrpc(FromGrpc(statuses[r], absl::StrCat("creating '", spec.name(), "' on worker ", r,
+                                                     " (", addresses[r], ")")));
   }
   CollectionInfo info;
   *info.mutable_spec() = spec;
@@ -246,6 +289,9 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
 grpc::Status CoordinatorService::GetCollection(grpc::ServerContext*,
                                                const ember::v1::GetCollectionRequest* req,
                                                ember::v1::GetCollectionResponse* resp) {
+  if (req->collection().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
+  }
   absl::MutexLock lock(&mu_);
   auto it = collections_.find(req->collection());
   if (it == collections_.end()) {
@@ -291,6 +337,9 @@ grpc::Status CoordinatorService::PreviewPlan(grpc::ServerContext*,
 grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
                                                 const ember::v1::DropCollectionRequest* req,
                                                 ember::v1::DropCollectionResponse*) {
+  if (req->collection().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
+  }
   absl::MutexLock create(&create_mu_);
   CollectionInfo info;
   {

@@ -65,6 +65,9 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::vector<Worker> LiveWorkers() const ABSL_LOCKS_EXCLUDED(mu_);
   static ember::v1::Topology TopologyOf(const std::vector<Worker>& workers);
   ember::v1::Worker::Stub* StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  template <typename Request, typename Response, typename Rpc>
+  std::vector<grpc::Status> CallEach(const std::vector<std::string>& addresses,
+                                     const std::vector<Request>& requests, Rpc rpc);
   absl::Status DropOnWorkers(const std::string& collection,
                              const std::vector<std::string>& addresses);
 

@@ -57,16 +57,25 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
         absl::StrCat("--device must be cpu or cuda, got '", options.device, "'"));
   }
 
+  if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > kMaxMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1 MiB, ",
+                                                   kMaxMessageBytes, "], got ",
+                                                   options.max_message_bytes));
+  }
   std::unique_ptr<WorkerServer> w(new WorkerServer());
   w->options_ = options;
   const std::string backend_name = backend->Name();
-  w->service_ = std::make_unique<WorkerService>(std::move(backend), options.service);
+  WorkerServiceOptions service = options.service;
+  // Room for the response's framing around the arrays.
+  service.max_response_bytes =
+      std::min(service.max_response_bytes, options.max_message_bytes - (int64_t{64} << 10));
+  w->service_ = std::make_unique<WorkerService>(std::move(backend), service);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(w->service_.get());
   w->server_ = builder.BuildAndStart();
   if (!w->server_ || port == 0) {

@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
+#include "server/common/grpc_util.h"
 #include "server/worker/worker_service.h"
 
 namespace ember {
@@ -31,6 +32,9 @@ struct WorkerServerOptions {
   int64_t memory_limit_bytes = 0;      // 0: no limit (CPU) / the card's memory (CUDA)
   std::string host;                    // empty: this machine's host name
   absl::Duration register_timeout = absl::Seconds(30);
+  // Largest gRPC message received or sent; responses are kept under it
+  // (service.max_response_bytes is lowered to fit).
+  int64_t max_message_bytes = kMaxMessageBytes;
   WorkerServiceOptions service;
 };
 

@@ -100,6 +100,22 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext*,
   if (req->collection().empty()) {
     return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
   }
+  if (req->epoch() <= 0) {
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
+  }
+  for (const auto& a : req->shards()) {
+    if (a.ref().table() != a.table().name()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          RefString(a.ref()), " carries the config of table '", a.table().name(), "'")));
+    }
+    if (a.col_offset() < 0 || a.cols() <= 0 ||
+        a.col_offset() + a.cols() > a.table().embedding_dim()) {
+      return ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat(RefString(a.ref()), ": columns [", a.col_offset(), ", ",
+                       a.col_offset() + a.cols(), ") are outside the table's ",
+                       a.table().embedding_dim())));
+    }
+  }
   absl::MutexLock lock(&mu_);
   auto it = collections_.find(req->collection());
   if (it != collections_.end()) {
