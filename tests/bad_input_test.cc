@@ -2,7 +2,7 @@
 // (coordinator + 2 workers, `emberctl up --max_message_mb=16`): each call
 // gets its precise status, the cluster's state (workers, collections, shards
 // and their optimizer steps, every table's weights) is unchanged afterwards,
-// and the servers keep serving.
+// and the servers keep serving. Also: grpc.health.v1 on every server.
 #include <map>
 #include <memory>
 #include <string>
@@ -62,9 +62,10 @@ StatusCode Call(Stub* stub, grpc::Status (Stub::*method)(grpc::ClientContext*, c
   return (stub->*method)(&ctx, req, resp != nullptr ? resp : &own).error_code();
 }
 
-// Sends raw bytes as the request of `method` ("/pkg.Service/Method").
+// Sends raw bytes as the request of `method` ("/pkg.Service/Method");
+// the response's bytes go to *reply if given.
 StatusCode RawCall(const std::string& address, const std::string& method,
-                   const std::string& payload) {
+                   const std::string& payload, std::string* reply = nullptr) {
   grpc::GenericStub stub(MakeChannel(address));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Seconds(30));
@@ -77,6 +78,13 @@ StatusCode RawCall(const std::string& address, const std::string& method,
     done.Notify();
   });
   done.WaitForNotification();
+  if (reply != nullptr && status.ok()) {
+    std::vector<grpc::Slice> slices;
+    if (response.Dump(&slices).ok()) {
+      reply->clear();
+      for (const auto& sl : slices) reply->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+  }
   return status.error_code();
 }
 
@@ -492,6 +500,23 @@ TEST_F(BadInputTest, OversizedAndMalformedMessagesOnEveryMethod) {
   kjt.lengths = {1};
   kjt.values = {5};
   EXPECT_TRUE(client_->Lookup("bad", kjt).ok());
+}
+
+// grpc.health.v1 on both kinds of server: the overall status (service "")
+// is SERVING; an unknown service is NOT_FOUND.
+TEST_F(BadInputTest, HealthServiceOnEveryServer) {
+  std::vector<std::string> servers = {cluster_->coordinator()};
+  servers.insert(servers.end(), info_.worker_addresses().begin(), info_.worker_addresses().end());
+  const std::string serving("\x08\x01", 2);  // HealthCheckResponse{status: SERVING}
+  for (const std::string& s : servers) {
+    std::string reply;
+    EXPECT_EQ(RawCall(s, "/grpc.health.v1.Health/Check", "", &reply), StatusCode::OK) << s;
+    EXPECT_EQ(reply, serving) << s;
+    // HealthCheckRequest{service: "nope"}
+    EXPECT_EQ(RawCall(s, "/grpc.health.v1.Health/Check", std::string("\x0a\x04nope", 6)),
+              StatusCode::NOT_FOUND)
+        << s;
+  }
 }
 
 }  // namespace
