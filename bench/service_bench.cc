@@ -5,7 +5,7 @@
 //
 //   bazel run -c opt //bench:service_bench -- [--workers=2 --batch=4096
 //       --features=8 --pooling_factor=20 --dim=64 --rows=500000
-//       --sharding_type=table_wise --iters=50 --clients=1 --format=text|json]
+//       --sharding_type=TYPE --iters=50 --clients=1 --format=text|json]
 //
 // Starts its own cluster (`emberctl up`, the binary next to it in the
 // runfiles, or --emberctl) unless --coordinator names a running one.
@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -48,7 +49,7 @@ DEFINE_int32(features, 8, "Features per lookup, one table each.");
 DEFINE_int32(pooling_factor, 20, "Ids per bag.");
 DEFINE_int32(dim, 64, "Embedding dimension.");
 DEFINE_int64(rows, 500000, "Rows per table.");
-DEFINE_string(sharding_type, "table_wise", "Sharding type of every table ('' : the planner's).");
+DEFINE_string(sharding_type, "", "Sharding type of every table (empty: the planner's choice).");
 DEFINE_int32(warmup, 5, "Untimed lookups first.");
 DEFINE_int32(iters, 50, "Timed lookups per client.");
 DEFINE_int32(clients, 1, "Concurrent client threads (each its own Client).");
@@ -145,6 +146,12 @@ int Run(const char* argv0) {
   auto info = (*c)->CreateCollection(spec, FLAGS_sharding_type);
   if (!info.ok()) return Fail("create", info.status());
   const int world = info->worker_addresses_size();
+  std::map<std::string, int> types;  // what the plan chose, for the report
+  for (const auto& t : info->plan().tables()) ++types[t.sharding_type()];
+  std::string plan_types;
+  for (const auto& [type, n] : types) {
+    absl::StrAppend(&plan_types, plan_types.empty() ? "" : "+", type, " x", n);
+  }
   const int inprocess_threads =
       FLAGS_inprocess_threads > 0 ? FLAGS_inprocess_threads : world * FLAGS_worker_threads;
   auto local = client::InProcessCollection::Create(spec, &info->plan(), inprocess_threads);
@@ -218,7 +225,7 @@ int Run(const char* argv0) {
     std::cout << absl::StrFormat(
         "service_bench: %d workers x %d threads, %s, batch %d, %d features, pooling %d, dim %d, "
         "%d rows/table, %d client(s)\n",
-        world, FLAGS_worker_threads, FLAGS_sharding_type.empty() ? "planner" : FLAGS_sharding_type,
+        world, FLAGS_worker_threads, plan_types,
         FLAGS_batch, FLAGS_features, FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_clients);
     std::cout << absl::StrFormat(
         "  service:    %8.1f lookups/s  %.3g ids/s  %7.1f MB/s  p50 %.2f ms  p99 %.2f ms\n",
@@ -235,7 +242,7 @@ int Run(const char* argv0) {
         "\"sharding_type\": \"%s\"}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, ratio, world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
-        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_sharding_type);
+        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types);
   }
   return 0;
 }

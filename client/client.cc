@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/notification.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 
@@ -124,25 +124,28 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
     *num_local = job.num_ids;
     return;
   }
-  std::vector<int64_t> ids;
-  std::vector<float> weights;
+  // Written straight into the request's bytes, sized for every id and cut
+  // to the ones in the shard's rows.
+  auto ids = wire::Resize<int64_t>(f->mutable_ids(), job.num_ids);
+  absl::Span<float> weights;
+  if (job.weights != nullptr) weights = wire::Resize<float>(f->mutable_weights(), job.num_ids);
   const int64_t lo = shard.row_offset, hi = shard.row_offset + shard.rows;
-  int64_t k = 0;
+  int64_t k = 0, n = 0;
   for (int64_t b = 0; b < job.batch; ++b) {
-    int64_t n = 0;
+    const int64_t bag_start = n;
     for (int64_t end = k + job.lengths[b]; k < end; ++k) {
       const int64_t id = job.ids[k];
       if (id < lo || id >= hi) continue;
-      ids.push_back(id - lo);
-      if (job.weights != nullptr) weights.push_back(job.weights[k]);
+      ids[n] = id - lo;
+      if (job.weights != nullptr) weights[n] = job.weights[k];
       if (positions != nullptr) positions->push_back(k);
       ++n;
     }
-    lengths[b] = n;
+    lengths[b] = n - bag_start;
   }
-  wire::Encode<int64_t>(ids, f->mutable_ids());
-  if (job.weights != nullptr) wire::Encode<float>(weights, f->mutable_weights());
-  *num_local = static_cast<int64_t>(ids.size());
+  f->mutable_ids()->resize(n * sizeof(int64_t));
+  if (job.weights != nullptr) f->mutable_weights()->resize(n * sizeof(float));
+  *num_local = n;
 }
 
 template <typename Request, typename Response>
@@ -151,7 +154,9 @@ struct Call {
   Request request;
   Response response;
   grpc::Status status;
-  bool used = false;
+  bool used = false;     // the request carries something for this worker
+  bool started = false;  // sent; `done` fires when it finishes
+  absl::Notification done;
 };
 
 // Worst status of a set of calls, named by worker: FAILED_PRECONDITION (a
@@ -174,7 +179,7 @@ absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls, const Address
     }
   };
   for (size_t r = 0; r < calls.size(); ++r) {
-    if (!calls[r]->used || calls[r]->status.ok()) continue;
+    if (!calls[r]->started || calls[r]->status.ok()) continue;
     absl::Status s = FromGrpc(calls[r]->status, absl::StrCat("worker ", r, " (", addresses[r], ")"));
     if (rank_of(s.code()) > rank_of(worst.code())) worst = s;
   }
@@ -183,26 +188,56 @@ absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls, const Address
 
 using StubFor = std::function<ember::v1::Worker::Stub*(const std::string&)>;
 
-// Starts every used call (start(stub, call, done)) in parallel with the
-// deadline, waits for all, and returns the worst status.
-template <typename C, typename Start>
-absl::Status CallAll(const Client::Routing& r, const std::vector<std::unique_ptr<C>>& calls,
-                     absl::Time deadline, const StubFor& stub_for, Start start) {
-  int used = 0;
-  for (const auto& c : calls) used += c->used;
-  absl::BlockingCounter pending(used);
-  for (size_t rank = 0; rank < calls.size(); ++rank) {
-    C* c = calls[rank].get();
-    if (!c->used) continue;
-    c->ctx.set_deadline(absl::ToChronoTime(deadline));
-    start(stub_for(r.info.worker_addresses(rank)), c, [c, &pending](grpc::Status s) {
+// The calls of one client call, one per worker rank, each sent as soon as
+// its request is built (start(stub, call, done)), so that workers compute
+// while the client still builds the other requests. The destructor waits
+// for every started call: nothing outlives the buffers they use.
+template <typename C>
+class Fanout {
+ public:
+  Fanout(const Client::Routing& r, int world, absl::Time deadline, const StubFor& stub_for)
+      : routing_(r), deadline_(deadline), stub_for_(stub_for) {
+    calls_.reserve(world);
+    for (int i = 0; i < world; ++i) calls_.push_back(std::make_unique<C>());
+  }
+  ~Fanout() {
+    for (int rank = 0; rank < size(); ++rank) Wait(rank);
+  }
+
+  int size() const { return static_cast<int>(calls_.size()); }
+  C& operator[](int rank) { return *calls_[rank]; }
+
+  // Sends rank's call if its request carries anything.
+  template <typename StartFn>
+  void Start(int rank, StartFn start) {
+    C* c = calls_[rank].get();
+    if (!c->used || c->started) return;
+    c->ctx.set_deadline(absl::ToChronoTime(deadline_));
+    c->started = true;
+    start(stub_for_(routing_.info.worker_addresses(rank)), c, [c](grpc::Status s) {
       c->status = std::move(s);
-      pending.DecrementCount();
+      c->done.Notify();
     });
   }
-  pending.Wait();
-  return Combine(calls, r.info.worker_addresses());
-}
+  // Waits for rank's call (if sent); true if it succeeded.
+  bool Wait(int rank) {
+    C* c = calls_[rank].get();
+    if (!c->started) return false;
+    c->done.WaitForNotification();
+    return c->status.ok();
+  }
+  // Waits for every call; the worst status (Combine).
+  absl::Status WaitAll() {
+    for (int rank = 0; rank < size(); ++rank) Wait(rank);
+    return Combine(calls_, routing_.info.worker_addresses());
+  }
+
+ private:
+  const Client::Routing& routing_;
+  const absl::Time deadline_;
+  const StubFor& stub_for_;
+  std::vector<std::unique_ptr<C>> calls_;
+};
 
 }  // namespace
 
@@ -399,78 +434,86 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
 // Lookup for pooled or sequence jobs into each job's `out` (zeroed by the caller).
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for) {
-  const int world = r.info.worker_addresses_size();
   using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
-  std::vector<std::unique_ptr<LookupCall>> calls(world);
-  for (auto& c : calls) {
-    c = std::make_unique<LookupCall>();
-    c->request.set_collection(r.info.plan().collection());
-    c->request.set_epoch(r.info.plan().epoch());
-  }
-  std::vector<Sink> sinks;
-  for (FeatureJob& j : *jobs) {
-    std::vector<Client::Routing::Shard> targets = j.table->shards;
+  Fanout<LookupCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
+  // Each job's shards: every shard of a sharded table, one replica of a
+  // data-parallel one.
+  std::vector<std::vector<Client::Routing::Shard>> targets;
+  for (const FeatureJob& j : *jobs) {
+    targets.push_back(j.table->shards);
     if (!j.table->replicas.empty()) {
-      targets = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
-    }
-    const bool row_split = j.table->row_split;
-    const bool send_mean = !row_split && j.table->config->pooling() == TableConfig::MEAN;
-    for (const auto& shard : targets) {
-      Sink sink;
-      sink.job = &j;
-      sink.rank = shard.rank;
-      sink.col_offset = shard.col_offset;
-      sink.cols = shard.cols;
-      ShardFeature f;
-      int64_t local = 0;
-      Bucketize(j, shard, send_mean, &f, j.sequence && row_split ? &sink.positions : nullptr, &local);
-      if (local == 0) continue;  // nothing from this shard: its part stays 0
-      LookupCall& c = *calls[shard.rank];
-      sink.index = c.request.features_size();
-      *c.request.add_features() = std::move(f);
-      c.used = true;
-      sinks.push_back(std::move(sink));
+      targets.back() = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
     }
   }
-  if (absl::Status s = CallAll(r, calls, deadline, stub_for,
-                              [](ember::v1::Worker::Stub* stub, LookupCall* c, auto done) {
-                                stub->async()->Lookup(&c->ctx, &c->request, &c->response, done);
-                              });
-      !s.ok()) {
-    return s;
+  // Rank by rank: build the rank's request and send it.
+  std::vector<std::vector<Sink>> sinks(fan.size());
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    LookupCall& c = fan[rank];
+    c.request.set_collection(r.info.plan().collection());
+    c.request.set_epoch(r.info.plan().epoch());
+    for (size_t i = 0; i < jobs->size(); ++i) {
+      FeatureJob& j = (*jobs)[i];
+      const bool row_split = j.table->row_split;
+      const bool send_mean = !row_split && j.table->config->pooling() == TableConfig::MEAN;
+      for (const auto& shard : targets[i]) {
+        if (shard.rank != rank) continue;
+        Sink sink;
+        sink.job = &j;
+        sink.rank = rank;
+        sink.col_offset = shard.col_offset;
+        sink.cols = shard.cols;
+        ShardFeature f;
+        int64_t local = 0;
+        Bucketize(j, shard, send_mean, &f, j.sequence && row_split ? &sink.positions : nullptr,
+                  &local);
+        if (local == 0) continue;  // nothing from this shard: its part stays 0
+        sink.index = c.request.features_size();
+        *c.request.add_features() = std::move(f);
+        c.used = true;
+        sinks[rank].push_back(std::move(sink));
+      }
+    }
+    fan.Start(rank, [](ember::v1::Worker::Stub* stub, LookupCall* call, auto done) {
+      stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
+    });
   }
-  // Each sink's rows land in its job's output: copied where the shard is
-  // the only one for its columns, added (partial sums) where rows are split.
+  // Rank by rank as they finish, each sink's rows land in its job's output:
+  // copied where the shard is the only one for its columns, added (partial
+  // sums) where rows are split.
   std::vector<float> scratch;
-  for (const Sink& s : sinks) {
-    const LookupCall& c = *calls[s.rank];
-    if (s.index >= c.response.outputs_size()) {
-      return absl::InternalError(absl::StrCat("worker ", s.rank, " returned too few outputs"));
-    }
-    absl::Span<const float> buf;
-    if (absl::Status st = wire::View(c.response.outputs(s.index), "output", &scratch, &buf);
-        !st.ok()) {
-      return absl::InternalError(st.message());
-    }
-    FeatureJob& j = *s.job;
-    const int64_t rows = static_cast<int64_t>(buf.size()) / std::max<int64_t>(1, s.cols);
-    if (rows * s.cols != static_cast<int64_t>(buf.size()) ||
-        (!j.sequence && rows != j.batch) ||
-        (j.sequence && !s.positions.empty() && rows != static_cast<int64_t>(s.positions.size()))) {
-      return absl::InternalError(absl::StrCat("worker ", s.rank, " returned a malformed output"));
-    }
-    const bool add = !j.sequence && j.table->row_split;
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t dst_row = j.sequence && !s.positions.empty() ? s.positions[i] : i;
-      float* dst = j.out + dst_row * j.out_stride + s.col_offset;
-      const float* src = buf.data() + i * s.cols;
-      if (add) {
-        for (int64_t c = 0; c < s.cols; ++c) dst[c] += src[c];
-      } else {
-        std::memcpy(dst, src, s.cols * sizeof(float));
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
+    const LookupCall& c = fan[rank];
+    for (const Sink& s : sinks[rank]) {
+      if (s.index >= c.response.outputs_size()) {
+        return absl::InternalError(absl::StrCat("worker ", rank, " returned too few outputs"));
+      }
+      absl::Span<const float> buf;
+      if (absl::Status st = wire::View(c.response.outputs(s.index), "output", &scratch, &buf);
+          !st.ok()) {
+        return absl::InternalError(st.message());
+      }
+      FeatureJob& j = *s.job;
+      const int64_t rows = static_cast<int64_t>(buf.size()) / std::max<int64_t>(1, s.cols);
+      if (rows * s.cols != static_cast<int64_t>(buf.size()) || (!j.sequence && rows != j.batch) ||
+          (j.sequence && !s.positions.empty() &&
+           rows != static_cast<int64_t>(s.positions.size()))) {
+        return absl::InternalError(absl::StrCat("worker ", rank, " returned a malformed output"));
+      }
+      const bool add = !j.sequence && j.table->row_split;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t dst_row = j.sequence && !s.positions.empty() ? s.positions[i] : i;
+        float* dst = j.out + dst_row * j.out_stride + s.col_offset;
+        const float* src = buf.data() + i * s.cols;
+        if (add) {
+          for (int64_t col = 0; col < s.cols; ++col) dst[col] += src[col];
+        } else {
+          std::memcpy(dst, src, s.cols * sizeof(float));
+        }
       }
     }
   }
+  if (absl::Status s = fan.WaitAll(); !s.ok()) return s;
   // Row-split MEAN: the partial sums, divided by the bag's total length.
   for (FeatureJob& j : *jobs) {
     if (j.sequence || !j.table->row_split || j.table->config->pooling() != TableConfig::MEAN) continue;
@@ -488,56 +531,58 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
 absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                           const std::string& request_id, absl::Time deadline,
                           const StubFor& stub_for) {
-  const int world = r.info.worker_addresses_size();
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
-  std::vector<std::unique_ptr<GradCall>> calls(world);
-  for (auto& c : calls) {
-    c = std::make_unique<GradCall>();
-    c->request.set_collection(r.info.plan().collection());
-    c->request.set_epoch(r.info.plan().epoch());
-    c->request.set_request_id(request_id);
-  }
-  for (FeatureJob& j : *jobs) {
-    const std::vector<Client::Routing::Shard>& targets =
-        j.table->replicas.empty() ? j.table->shards : j.table->replicas;
-    const bool row_split = j.table->row_split;
-    const bool mean = j.table->config->pooling() == TableConfig::MEAN;
-    for (const auto& shard : targets) {
-      // Every shard gets a request, ids or not, so its optimizer step stays
-      // the table's (Adam's bias correction counts calls).
-      auto* g = calls[shard.rank]->request.add_gradients();
-      calls[shard.rank]->used = true;
-      std::vector<int64_t> positions;
-      int64_t local = 0;
-      Bucketize(j, shard, mean && !row_split, g->mutable_feature(),
-                j.sequence ? &positions : nullptr, &local);
-      const bool all_rows = shard.rows == j.table->config->num_embeddings();
-      if (j.sequence) {
-        auto dst = wire::Resize<float>(g->mutable_grad(), local * shard.cols);
-        for (int64_t i = 0; i < local; ++i) {
-          const int64_t src_row = all_rows ? i : positions[i];
-          std::memcpy(dst.data() + i * shard.cols, j.grad + src_row * j.grad_stride + shard.col_offset,
-                      shard.cols * sizeof(float));
-        }
-      } else {
-        auto dst = wire::Resize<float>(g->mutable_grad(), j.batch * shard.cols);
-        for (int64_t b = 0; b < j.batch; ++b) {
-          const float* src = j.grad + b * j.grad_stride + shard.col_offset;
-          float* out = dst.data() + b * shard.cols;
-          if (mean && row_split) {  // d(sum/len)/d(row) = 1/len, the bag's total length
-            const float inv = j.lengths[b] > 0 ? 1.0f / static_cast<float>(j.lengths[b]) : 0.0f;
-            for (int64_t c = 0; c < shard.cols; ++c) out[c] = src[c] * inv;
-          } else {
-            std::memcpy(out, src, shard.cols * sizeof(float));
+  Fanout<GradCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
+  // Rank by rank: build the rank's request and send it.
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    GradCall& call = fan[rank];
+    call.request.set_collection(r.info.plan().collection());
+    call.request.set_epoch(r.info.plan().epoch());
+    call.request.set_request_id(request_id);
+    for (FeatureJob& j : *jobs) {
+      const std::vector<Client::Routing::Shard>& targets =
+          j.table->replicas.empty() ? j.table->shards : j.table->replicas;
+      const bool row_split = j.table->row_split;
+      const bool mean = j.table->config->pooling() == TableConfig::MEAN;
+      for (const auto& shard : targets) {
+        if (shard.rank != rank) continue;
+        // Every shard gets a request, ids or not, so its optimizer step
+        // stays the table's (Adam's bias correction counts calls).
+        auto* g = call.request.add_gradients();
+        call.used = true;
+        std::vector<int64_t> positions;
+        int64_t local = 0;
+        Bucketize(j, shard, mean && !row_split, g->mutable_feature(),
+                  j.sequence ? &positions : nullptr, &local);
+        const bool all_rows = shard.rows == j.table->config->num_embeddings();
+        if (j.sequence) {
+          auto dst = wire::Resize<float>(g->mutable_grad(), local * shard.cols);
+          for (int64_t i = 0; i < local; ++i) {
+            const int64_t src_row = all_rows ? i : positions[i];
+            std::memcpy(dst.data() + i * shard.cols,
+                        j.grad + src_row * j.grad_stride + shard.col_offset,
+                        shard.cols * sizeof(float));
+          }
+        } else {
+          auto dst = wire::Resize<float>(g->mutable_grad(), j.batch * shard.cols);
+          for (int64_t b = 0; b < j.batch; ++b) {
+            const float* src = j.grad + b * j.grad_stride + shard.col_offset;
+            float* out = dst.data() + b * shard.cols;
+            if (mean && row_split) {  // d(sum/len)/d(row) = 1/len, the bag's total length
+              const float inv = j.lengths[b] > 0 ? 1.0f / static_cast<float>(j.lengths[b]) : 0.0f;
+              for (int64_t c = 0; c < shard.cols; ++c) out[c] = src[c] * inv;
+            } else {
+              std::memcpy(out, src, shard.cols * sizeof(float));
+            }
           }
         }
       }
     }
+    fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
+      stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
+    });
   }
-  return CallAll(r, calls, deadline, stub_for,
-                 [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
-                   stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
-                 });
+  return fan.WaitAll();
 }
 
 }  // namespace
