@@ -1,7 +1,7 @@
 // kernel_bench: throughput of an EmbeddingBackend's fused lookup and fused
 // backward + optimizer on one table. A benchmark, not a test.
 //
-//   bazel run -c opt //bench:kernel_bench -- --rows=1000000 --dim=64 --batch=2048
+//   bazel run -c opt //bench:kernel_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --batch=2048
 //       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
 //       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
 //       [--iters=20] [--format=table|json]
@@ -19,8 +19,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gflags/gflags.h"
+#include "cuda/cuda_backend.h"
 #include "server/backend/cpu_backend.h"
 
+DEFINE_string(backend, "cpu", "cpu, or cuda (GPU 0; the call's host<->device copies are timed too).");
 DEFINE_int64(rows, 1000000, "Table rows.");
 DEFINE_int32(dim, 64, "Embedding dimension (multiple of 4).");
 DEFINE_int32(batch, 2048, "Bags per batch.");
@@ -59,7 +61,10 @@ int main(int argc, char** argv) {
   options.num_threads = FLAGS_threads;
   options.isa = FLAGS_isa;
   options.prefetch_distance = FLAGS_prefetch_distance;
-  auto backend = eb::CreateCpuBackend(options);
+  absl::StatusOr<std::unique_ptr<eb::EmbeddingBackend>> backend =
+      absl::InvalidArgumentError("--backend must be cpu or cuda, got '" + FLAGS_backend + "'");
+  if (FLAGS_backend == "cpu") backend = eb::CreateCpuBackend(options);
+  if (FLAGS_backend == "cuda") backend = ember::cuda::CreateCudaBackend({});
   if (!backend.ok()) {
     std::fprintf(stderr, "kernel_bench: %s\n", backend.status().ToString().c_str());
     return 1;
@@ -103,6 +108,13 @@ int main(int argc, char** argv) {
   const eb::LookupRequest lreq{f, absl::MakeSpan(out)};
   const eb::GradientRequest greq{f, grad};
 
+  // A failing call would time nothing: check one of each first.
+  for (const absl::Status& s : {(*backend)->Lookup({lreq}), (*backend)->ApplyGradients({greq})}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "kernel_bench: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
   auto time_it = [&](auto&& fn) {
     for (int i = 0; i < 3; ++i) fn();
     const absl::Time start = absl::Now();
