@@ -96,10 +96,9 @@ struct FeatureJob {
   int64_t grad_stride = 0;
 };
 
-// Where a shard request's output lands.
+// Where a shard request's output lands (sinks are kept per rank).
 struct Sink {
   FeatureJob* job = nullptr;
-  int rank = 0;
   int index = 0;  // in the rank's request
   int64_t col_offset = 0, cols = 0;
   std::vector<int64_t> positions;  // sequence, row-split: id index in the feature
@@ -459,7 +458,6 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         if (shard.rank != rank) continue;
         Sink sink;
         sink.job = &j;
-        sink.rank = rank;
         sink.col_offset = shard.col_offset;
         sink.cols = shard.cols;
         ShardFeature f;
@@ -477,9 +475,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
     });
   }
-  // Rank by rank as they finish, each sink's rows land in its job's output:
-  // copied where the shard is the only one for its columns, added (partial
-  // sums) where rows are split.
+  // Rank by rank (rank 0's output merges while later ranks may still run),
+  // each sink's rows land in its job's output: copied where the shard is the
+  // only one for its columns, added (partial sums) where rows are split.
   std::vector<float> scratch;
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
