@@ -1,6 +1,7 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -687,6 +688,13 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection,
           static_cast<int64_t>(g->values.size()) != j.num_ids * j.dim) {
         return absl::InvalidArgumentError(absl::StrCat(
             "feature '", j.key, "' needs a gradient of [", j.num_ids, ", ", j.dim, "]"));
+      }
+      for (size_t i = 0; i < g->values.size(); ++i) {
+        if (!std::isfinite(g->values[i])) {
+          return absl::InvalidArgumentError(absl::StrCat("gradient of feature '", j.key, "' [", i,
+                                                         "] is ", g->values[i],
+                                                         " (NaN/Inf is refused)"));
+        }
       }
       j.grad = g->values.data();
       j.grad_stride = j.dim;

@@ -1,11 +1,22 @@
 #include "client/kjt.h"
 
+#include <cmath>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 
 namespace ember {
 namespace client {
+namespace {
+
+int64_t FirstNonFinite(const std::vector<float>& values) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+}  // namespace
 
 absl::StatusOr<KeyedJaggedTensor> KeyedJaggedTensor::FromJagged(
     const std::vector<std::string>& keys,
@@ -66,6 +77,11 @@ absl::Status KeyedJaggedTensor::Validate() const {
     if (lengths[i] < 0) {
       return absl::InvalidArgumentError(absl::StrCat("lengths[", i, "] = ", lengths[i], " < 0"));
     }
+    // total <= values.size() holds here, so this cannot overflow.
+    if (lengths[i] > static_cast<int64_t>(values.size()) - total) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lengths up to [", i, "] sum past the ", values.size(), " values"));
+    }
     total += lengths[i];
   }
   if (total != static_cast<int64_t>(values.size())) {
@@ -75,6 +91,10 @@ absl::Status KeyedJaggedTensor::Validate() const {
   if (!weights.empty() && weights.size() != values.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat(weights.size(), " weights for ", values.size(), " values"));
+  }
+  if (const int64_t i = FirstNonFinite(weights); i >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights[", i, "] is ", weights[i], " (NaN/Inf is refused)"));
   }
   return absl::OkStatus();
 }
@@ -139,6 +159,12 @@ absl::Status CheckGradientLayout(const KeyedTensor& grads, const std::vector<std
                        grads.length_per_key[k], "; the lookup's is '", keys[k], "' of width ",
                        dims[k]));
     }
+  }
+  // Refused here, before any worker sees the call, so that no worker applies
+  // its part while another refuses.
+  if (const int64_t i = FirstNonFinite(grads.values); i >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradient value [", i, "] is ", grads.values[i], " (NaN/Inf is refused)"));
   }
   return absl::OkStatus();
 }

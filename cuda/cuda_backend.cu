@@ -64,6 +64,7 @@ using backend::ShardId;
 using backend::ShardNotFound;
 using backend::ShardSpec;
 using backend::ValidateRequests;
+using backend::ValidateImport;
 using backend::ValidateRowRange;
 using backend::WeightType;
 
@@ -1079,7 +1080,7 @@ class CudaBackend : public EmbeddingBackend {
     Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
     if (absl::Status st =
-            ValidateRowRange(s->spec, row_begin, row_end, weights.size(), state.size());
+            ValidateImport(s->spec, row_begin, row_end, weights, state);
         !st.ok()) {
       return st;
     }
@@ -1123,6 +1124,12 @@ class CudaBackend : public EmbeddingBackend {
     if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
     s->step = step;
     return absl::OkStatus();
+  }
+
+  int64_t AvailableBytes() const override {
+    absl::MutexLock lock(&mu_);
+    if (options_.memory_limit_bytes <= 0) return std::numeric_limits<int64_t>::max();
+    return std::max<int64_t>(0, options_.memory_limit_bytes - used_bytes_);
   }
 
   std::string Name() const override { return absl::StrCat("cuda/", device_name_); }

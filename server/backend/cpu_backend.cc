@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <new>
 #include <utility>
@@ -285,7 +286,7 @@ class CpuBackend : public EmbeddingBackend {
     Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
     if (absl::Status st =
-            ValidateRowRange(s->spec, row_begin, row_end, weights.size(), state.size());
+            ValidateImport(s->spec, row_begin, row_end, weights, state);
         !st.ok()) {
       return st;
     }
@@ -314,6 +315,12 @@ class CpuBackend : public EmbeddingBackend {
     if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
     s->step = step;
     return absl::OkStatus();
+  }
+
+  int64_t AvailableBytes() const override {
+    absl::MutexLock lock(&mu_);
+    if (options_.memory_limit_bytes <= 0) return std::numeric_limits<int64_t>::max();
+    return std::max<int64_t>(0, options_.memory_limit_bytes - used_bytes_);
   }
 
   std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }

@@ -1,6 +1,7 @@
 #include "server/backend/embedding_backend.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -77,6 +78,42 @@ absl::Status ValidateRowRange(const ShardSpec& spec, int64_t b, int64_t e, size_
   return absl::OkStatus();
 }
 
+int64_t ShardBytes(const ShardSpec& spec) {
+  int64_t elem = 4;
+  if (spec.weight_type == WeightType::kFp16 || spec.weight_type == WeightType::kBf16) elem = 2;
+  const int64_t per_row = spec.dim * elem + OptimizerStateWidth(spec.optimizer.type, spec.dim) * 4;
+  if (spec.rows <= 0 || per_row <= 0) return 0;
+  if (spec.rows > std::numeric_limits<int64_t>::max() / per_row) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return spec.rows * per_row;
+}
+
+absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
+                            absl::Span<const float> weights, absl::Span<const float> state) {
+  if (absl::Status s = ValidateRowRange(spec, b, e, weights.size(), state.size()); !s.ok()) {
+    return s;
+  }
+  const std::string what = absl::StrCat("import into table '", spec.table, "'");
+  if (absl::Status s = CheckFinite(weights, what, "weights"); !s.ok()) return s;
+  if (absl::Status s = CheckFinite(state, what, "state"); !s.ok()) return s;
+  // Accumulators must be >= 0 (a square root is taken): all of Adagrad's
+  // and row-wise Adagrad's state, the second half (v) of each Adam row.
+  const int64_t width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+  const int64_t first = spec.optimizer.type == OptimizerType::kAdam ? spec.dim : 0;
+  if (spec.optimizer.type == OptimizerType::kSgd || width == 0) return absl::OkStatus();
+  for (int64_t r = 0; r < e - b; ++r) {
+    for (int64_t k = first; k < width; ++k) {
+      const float v = state[r * width + k];
+      if (v < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": accumulator state[", r * width + k,
+                                                       "] is negative (", v, ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateShardSpec(const ShardSpec& s) {
   auto bad = [&](auto... parts) {
     return absl::InvalidArgumentError(absl::StrCat("shard of table '", s.table, "': ", parts...));
@@ -111,18 +148,52 @@ absl::Status ValidateShardSpec(const ShardSpec& s) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows, const std::string& what) {
+absl::Status CheckLengths(absl::Span<const int64_t> lengths, int64_t num_ids,
+                          const std::string& what) {
   int64_t total = 0;
-  for (size_t b = 0; b < f.lengths.size(); ++b) {
-    if (f.lengths[b] < 0) {
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(what, ": lengths[", b, "] is negative (", f.lengths[b], ")"));
+          absl::StrCat(what, ": lengths[", b, "] is negative (", lengths[b], ")"));
     }
-    total += f.lengths[b];
+    // total <= num_ids holds here, so this cannot overflow.
+    if (lengths[b] > num_ids - total) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": lengths up to [", b,
+                                                     "] sum past the ", num_ids, " ids"));
+    }
+    total += lengths[b];
   }
-  if (total != static_cast<int64_t>(f.ids.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": lengths sum to ", total, " but there are ", f.ids.size(), " ids"));
+  if (total != num_ids) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": lengths sum to ", total, " but there are ", num_ids, " ids"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t FirstNonFinite(absl::Span<const float> values) {
+  // Branch-free scan (vectorises); the position is found only on failure.
+  uint32_t bad = 0;
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(values.data());
+  for (size_t i = 0; i < values.size(); ++i) bad |= ((bits[i] & 0x7f800000u) == 0x7f800000u);
+  if (bad == 0) return -1;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+absl::Status CheckFinite(absl::Span<const float> values, const std::string& what,
+                         const char* name) {
+  const int64_t i = FirstNonFinite(values);
+  if (i < 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": ", name, "[", i, "] is ", values[i], " (NaN/Inf is refused)"));
+}
+
+absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows, const std::string& what) {
+  if (absl::Status s = CheckLengths(f.lengths, static_cast<int64_t>(f.ids.size()), what);
+      !s.ok()) {
+    return s;
   }
   if (!f.weights.empty()) {
     if (f.pooling == Pooling::kNone) {
@@ -133,6 +204,7 @@ absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows, const std::s
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": ", f.weights.size(), " weights for ", f.ids.size(), " ids"));
     }
+    if (absl::Status s = CheckFinite(f.weights, what, "weights"); !s.ok()) return s;
   }
   for (size_t i = 0; i < f.ids.size(); ++i) {
     if (f.ids[i] < 0 || f.ids[i] >= rows) {

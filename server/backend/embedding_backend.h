@@ -32,7 +32,7 @@
 //
 // Errors: bad input (unknown shard, id out of range or negative, lengths
 // that do not sum to the ids, weight count mismatch, gradient of the wrong
-// shape) returns INVALID_ARGUMENT / NOT_FOUND and changes nothing: every
+// shape, NaN/Inf in per-id weights, gradients or imported rows) returns INVALID_ARGUMENT / NOT_FOUND and changes nothing: every
 // request of a call is validated before anything is written.
 #ifndef EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 #define EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
@@ -145,6 +145,11 @@ class EmbeddingBackend {
   virtual absl::StatusOr<int64_t> ExportStep(ShardId shard) const = 0;
   virtual absl::Status ImportStep(ShardId shard, int64_t step) = 0;
 
+  // Bytes still free for shards under the backend's memory limit
+  // (INT64_MAX when it has none): a caller creating several shards checks
+  // ShardBytes of all of them against this before creating any.
+  virtual int64_t AvailableBytes() const = 0;
+
   // Human-readable name ("cpu/avx2", "cuda/H100").
   virtual std::string Name() const = 0;
 };
@@ -155,10 +160,27 @@ class EmbeddingBackend {
 absl::Status ValidateShardSpec(const ShardSpec& spec);
 
 // Checks one feature request against a shard of `rows` rows: lengths >= 0
-// summing to ids.size(), ids in [0, rows), weights empty or one per id and
-// only for pooled features. `what` prefixes the message.
+// summing to ids.size() (CheckLengths), ids in [0, rows), weights empty or
+// one finite weight per id and only for pooled features. `what` prefixes the
+// message.
 absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows,
                              const std::string& what);
+
+// Checks a KJT-style lengths array against num_ids ids: every length >= 0
+// and the lengths summing to exactly num_ids, without overflow whatever the
+// values. INVALID_ARGUMENT prefixed with `what`.
+absl::Status CheckLengths(absl::Span<const int64_t> lengths, int64_t num_ids,
+                          const std::string& what);
+
+// Index of the first NaN or Inf in `values`, or -1.
+int64_t FirstNonFinite(absl::Span<const float> values);
+// INVALID_ARGUMENT naming `name`[i] when values[i] is NaN or Inf.
+absl::Status CheckFinite(absl::Span<const float> values, const std::string& what,
+                         const char* name);
+
+// Bytes a shard takes (weights + optimizer state); INT64_MAX when that
+// does not fit in an int64.
+int64_t ShardBytes(const ShardSpec& spec);
 
 // Output (and gradient) element count: batch * dim pooled, num_ids * dim NONE.
 int64_t OutputSize(const FeatureRequest& f, int64_t dim);
@@ -184,6 +206,11 @@ absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSp
 absl::Status ValidateRowRange(const ShardSpec& spec, int64_t row_begin, int64_t row_end,
                               size_t weights, size_t state);
 
+// ValidateRowRange for an ImportRows call, and the values themselves: every
+// weight and state element finite, accumulators (Adagrad's, Adam's v) >= 0.
+absl::Status ValidateImport(const ShardSpec& spec, int64_t row_begin, int64_t row_end,
+                            absl::Span<const float> weights, absl::Span<const float> state);
+
 // The initial value of element (global_row, global_col).
 float InitialValue(const InitializerConfig& init, int64_t table_rows,
                    int64_t global_row, int64_t global_col);
@@ -191,6 +218,14 @@ float InitialValue(const InitializerConfig& init, int64_t table_rows,
 namespace internal {
 inline size_t DenseFloats(const LookupRequest& r) { return r.output.size(); }
 inline size_t DenseFloats(const GradientRequest& r) { return r.grad.size(); }
+// A gradient's values must be finite (NaN/Inf would poison rows and
+// optimizer state for good); a lookup's output is written, not read.
+inline absl::Status CheckInputFloats(const LookupRequest&, const std::string&) {
+  return absl::OkStatus();
+}
+inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string& what) {
+  return CheckFinite(r.grad, what, "gradient");
+}
 
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
@@ -205,6 +240,7 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
         !s.ok()) {
       return s;
     }
+    if (absl::Status s = CheckInputFloats(requests[i], what); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

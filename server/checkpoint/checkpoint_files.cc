@@ -1,0 +1,485 @@
+#include "server/checkpoint/checkpoint_files.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace ember {
+namespace checkpoint {
+namespace {
+
+constexpr char kShardMagic[8] = {'E', 'M', 'B', 'S', 'H', 'R', 'D', '1'};
+constexpr int64_t kHeaderBytes = 8 + 4 * 8;
+constexpr size_t kChunk = size_t{4} << 20;
+
+std::string Join(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  const int e = errno;
+  const std::string message = absl::StrCat(what, " ", path, ": ", std::strerror(e));
+  if (e == ENOENT) return absl::NotFoundError(message);
+  if (e == ENOSPC || e == EDQUOT) return absl::ResourceExhaustedError(message);
+  if (e == EACCES || e == EPERM || e == EROFS) return absl::PermissionDeniedError(message);
+  return absl::InternalError(message);
+}
+
+// An fd closed on scope exit.
+class File {
+ public:
+  explicit File(int fd) : fd_(fd) {}
+  ~File() {
+    if (fd_ >= 0) close(fd_);
+  }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  int fd() const { return fd_; }
+  int Release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = write(fd, p, std::min(n, kChunk));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Errno("writing", path);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+// Reads up to n bytes; returns how many (fewer only at end of file).
+absl::StatusOr<size_t> ReadUpTo(int fd, void* data, size_t n, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = read(fd, p + got, std::min(n - got, kChunk));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Errno("reading", path);
+    }
+    if (r == 0) break;
+    got += static_cast<size_t>(r);
+  }
+  return got;
+}
+
+absl::Status FsyncDir(const std::string& dir) {
+  File d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (d.fd() < 0) return Errno("opening directory", dir);
+  if (fsync(d.fd()) != 0) return Errno("fsync of directory", dir);
+  return absl::OkStatus();
+}
+
+uint32_t Crc(uint32_t crc, const void* data, size_t n) {
+  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), n));
+}
+
+absl::Status DataLoss(const std::string& path, const std::string& what) {
+  return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is damaged: ", what));
+}
+
+bool IsDir(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+std::vector<std::string> Subdirs(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    if (IsDir(Join(dir, name))) out.push_back(name);
+  }
+  closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// "ckpt-<ms>-e<epoch>" -> ms, or -1.
+int64_t CreatedMs(const std::string& name) {
+  if (!absl::StartsWith(name, "ckpt-")) return -1;
+  std::vector<std::string> parts = absl::StrSplit(name.substr(5), '-');
+  int64_t ms;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &ms)) return -1;
+  return ms;
+}
+
+std::vector<std::string> CheckpointDirs(const std::string& root, const std::string& collection,
+                                        bool committed) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  const std::string base = Join(root, collection);
+  for (const std::string& name : Subdirs(base)) {
+    const int64_t ms = CreatedMs(name);
+    if (ms < 0) continue;
+    const std::string dir = Join(base, name);
+    if (Exists(Join(dir, kManifestName)) == committed) found.emplace_back(ms, dir);
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+void WriteHeader(const ShardData& d, char* out) {
+  std::memcpy(out, kShardMagic, 8);
+  const int64_t fields[4] = {d.rows, d.cols, d.state_width, d.step};
+  std::memcpy(out + 8, fields, sizeof(fields));
+}
+
+// Opens entry's file and checks its size; *fd_out owns the descriptor.
+absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::CheckpointShard& entry) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is missing"));
+    return Errno("opening", path);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    return Errno("stat of", path);
+  }
+  if (st.st_size != entry.bytes()) {
+    close(fd);
+    return DataLoss(path, absl::StrCat("it has ", st.st_size, " bytes, the manifest says ",
+                                       entry.bytes()));
+  }
+  const int64_t want = kHeaderBytes + 4 * entry.rows() * (entry.cols() + entry.state_width());
+  if (entry.rows() < 0 || entry.cols() <= 0 || entry.state_width() < 0 || want != entry.bytes()) {
+    close(fd);
+    return DataLoss(path, "the manifest's shape does not match the file's size");
+  }
+  return fd;
+}
+
+absl::Status CheckHeader(const char* header, const std::string& path,
+                         const ember::v1::CheckpointShard& entry) {
+  if (std::memcmp(header, kShardMagic, 8) != 0) return DataLoss(path, "bad magic");
+  int64_t f[4];
+  std::memcpy(f, header + 8, sizeof(f));
+  if (f[0] != entry.rows() || f[1] != entry.cols() || f[2] != entry.state_width() ||
+      f[3] != entry.step()) {
+    return DataLoss(path, "its header does not match the manifest");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ShardFileName(const ember::v1::ShardRef& ref) {
+  std::string safe;
+  for (char c : ref.table()) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '-';
+    safe.push_back(ok ? c : '_');
+  }
+  if (safe.size() > 64) safe.resize(64);
+  const uint32_t h = Crc(0, ref.table().data(), ref.table().size());
+  return absl::StrCat(absl::Hex(h, absl::kZeroPad8), "-", safe, ".", ref.shard_index(), ".shard");
+}
+
+absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir,
+                                                          const ember::v1::ShardRef& ref,
+                                                          const ShardData& data) {
+  if (static_cast<int64_t>(data.weights.size()) != data.rows * data.cols ||
+      static_cast<int64_t>(data.state.size()) != data.rows * data.state_width) {
+    return absl::InternalError("shard data does not match its shape");
+  }
+  const std::string name = ShardFileName(ref);
+  const std::string path = Join(dir, name);
+  File f(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (f.fd() < 0) return Errno("creating", path);
+  char header[kHeaderBytes];
+  WriteHeader(data, header);
+  uint32_t crc = Crc(0, header, sizeof(header));
+  if (absl::Status s = WriteAll(f.fd(), header, sizeof(header), path); !s.ok()) return s;
+  for (const std::vector<float>* v : {&data.weights, &data.state}) {
+    const char* p = reinterpret_cast<const char*>(v->data());
+    const size_t n = v->size() * sizeof(float);
+    for (size_t at = 0; at < n; at += kChunk) {
+      const size_t len = std::min(kChunk, n - at);
+      crc = Crc(crc, p + at, len);
+      if (absl::Status s = WriteAll(f.fd(), p + at, len, path); !s.ok()) return s;
+    }
+  }
+  if (fsync(f.fd()) != 0) return Errno("fsync of", path);
+  ember::v1::CheckpointShard entry;
+  *entry.mutable_ref() = ref;
+  entry.set_file(name);
+  entry.set_bytes(kHeaderBytes + 4 * static_cast<int64_t>(data.weights.size() + data.state.size()));
+  entry.set_crc32(crc);
+  entry.set_rows(data.rows);
+  entry.set_cols(data.cols);
+  entry.set_state_width(data.state_width);
+  entry.set_step(data.step);
+  return entry;
+}
+
+absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
+                                        const ember::v1::CheckpointShard& entry) {
+  const std::string path = Join(dir, entry.file());
+  auto fd = OpenChecked(path, entry);
+  if (!fd.ok()) return fd.status();
+  File f(*fd);
+  char header[kHeaderBytes];
+  auto got = ReadUpTo(f.fd(), header, sizeof(header), path);
+  if (!got.ok()) return got.status();
+  if (*got != sizeof(header)) return DataLoss(path, "truncated header");
+  if (absl::Status s = CheckHeader(header, path, entry); !s.ok()) return s;
+  ShardData d;
+  d.rows = entry.rows();
+  d.cols = entry.cols();
+  d.state_width = entry.state_width();
+  d.step = entry.step();
+  d.weights.resize(d.rows * d.cols);
+  d.state.resize(d.rows * d.state_width);
+  uint32_t crc = Crc(0, header, sizeof(header));
+  for (std::vector<float>* v : {&d.weights, &d.state}) {
+    const size_t n = v->size() * sizeof(float);
+    auto r = ReadUpTo(f.fd(), v->data(), n, path);
+    if (!r.ok()) return r.status();
+    if (*r != n) return DataLoss(path, "truncated");
+    crc = Crc(crc, v->data(), n);
+  }
+  if (crc != entry.crc32()) return DataLoss(path, "CRC-32 mismatch");
+  return d;
+}
+
+absl::Status VerifyShardFile(const std::string& dir, const ember::v1::CheckpointShard& entry) {
+  const std::string path = Join(dir, entry.file());
+  auto fd = OpenChecked(path, entry);
+  if (!fd.ok()) return fd.status();
+  File f(*fd);
+  std::unique_ptr<char[]> buf(new char[kChunk]);
+  uint32_t crc = 0;
+  int64_t total = 0;
+  bool first = true;
+  for (;;) {
+    auto r = ReadUpTo(f.fd(), buf.get(), kChunk, path);
+    if (!r.ok()) return r.status();
+    if (first) {
+      if (*r < static_cast<size_t>(kHeaderBytes)) return DataLoss(path, "truncated header");
+      if (absl::Status s = CheckHeader(buf.get(), path, entry); !s.ok()) return s;
+      first = false;
+    }
+    crc = Crc(crc, buf.get(), *r);
+    total += static_cast<int64_t>(*r);
+    if (*r < kChunk) break;
+  }
+  if (total != entry.bytes()) return DataLoss(path, "truncated");
+  if (crc != entry.crc32()) return DataLoss(path, "CRC-32 mismatch");
+  return absl::OkStatus();
+}
+
+absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& manifest) {
+  std::string body;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.preserve_proto_field_names = true;
+  if (auto s = google::protobuf::util::MessageToJsonString(manifest, &body, o); !s.ok()) {
+    return absl::InternalError(absl::StrCat("manifest to JSON: ", s.ToString()));
+  }
+  const std::string text =
+      absl::StrCat("ember-checkpoint ", kFormatVersion, " crc32=",
+                   absl::Hex(Crc(0, body.data(), body.size()), absl::kZeroPad8),
+                   " bytes=", body.size(), "\n", body);
+  const std::string tmp = Join(dir, absl::StrCat(kManifestName, ".tmp"));
+  const std::string path = Join(dir, kManifestName);
+  {
+    File f(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (f.fd() < 0) return Errno("creating", tmp);
+    if (absl::Status s = WriteAll(f.fd(), text.data(), text.size(), tmp); !s.ok()) return s;
+    if (fsync(f.fd()) != 0) return Errno("fsync of", tmp);
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) return Errno("renaming", tmp);
+  return FsyncDir(dir);
+}
+
+absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& dir) {
+  const std::string path = Join(dir, kManifestName);
+  File f(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd() < 0) {
+    if (errno == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", dir, " (no ",
+                                              kManifestName, ")"));
+    }
+    return Errno("opening", path);
+  }
+  std::string text;
+  char buf[1 << 16];
+  for (;;) {
+    auto r = ReadUpTo(f.fd(), buf, sizeof(buf), path);
+    if (!r.ok()) return r.status();
+    text.append(buf, *r);
+    if (*r < sizeof(buf)) break;
+    if (text.size() > (size_t{256} << 20)) return DataLoss(path, "larger than 256 MiB");
+  }
+  const size_t nl = text.find('\n');
+  if (nl == std::string::npos) return DataLoss(path, "no header line");
+  const std::string head_line = text.substr(0, nl);
+  std::vector<absl::string_view> head = absl::StrSplit(head_line, ' ');
+  int version = 0;
+  uint32_t crc = 0;
+  uint64_t bytes = 0;
+  if (head.size() != 4 || head[0] != "ember-checkpoint" || !absl::SimpleAtoi(head[1], &version) ||
+      !absl::ConsumePrefix(&head[2], "crc32=") || !absl::SimpleHexAtoi(head[2], &crc) ||
+      !absl::ConsumePrefix(&head[3], "bytes=") || !absl::SimpleAtoi(head[3], &bytes)) {
+    return DataLoss(path, "malformed header line");
+  }
+  if (version != kFormatVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " has format version ", version, "; this build reads ", kFormatVersion));
+  }
+  const std::string body = text.substr(nl + 1);
+  if (body.size() != bytes) {
+    return DataLoss(path, absl::StrCat("body has ", body.size(), " bytes, header says ", bytes));
+  }
+  if (Crc(0, body.data(), body.size()) != crc) return DataLoss(path, "CRC-32 mismatch");
+  ember::v1::CheckpointManifest m;
+  if (auto s = google::protobuf::util::JsonStringToMessage(body, &m); !s.ok()) {
+    return DataLoss(path, absl::StrCat("not a manifest: ", s.ToString()));
+  }
+  if (m.format_version() != kFormatVersion || m.spec().name().empty() ||
+      m.plan().tables_size() != m.spec().tables_size()) {
+    return DataLoss(path, "inconsistent manifest");
+  }
+  std::set<std::string> files;
+  for (const auto& s : m.shards()) {
+    if (s.file().empty() || s.file().find('/') != std::string::npos || s.file() == ".." ||
+        !files.insert(s.file()).second) {
+      return DataLoss(path, absl::StrCat("bad shard file name '", s.file(), "'"));
+    }
+  }
+  m.mutable_info()->set_path(dir);
+  return m;
+}
+
+absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) {
+  auto m = ReadManifest(dir);
+  if (!m.ok()) return m.status();
+  for (const auto& s : m->shards()) {
+    if (absl::Status st = VerifyShardFile(dir, s); !st.ok()) return st;
+  }
+  return m;
+}
+
+absl::StatusOr<std::string> MakeCheckpointDir(const std::string& root,
+                                              const std::string& collection, int64_t epoch,
+                                              int64_t created_unix_ms) {
+  if (root.empty()) return absl::InvalidArgumentError("the checkpoint root is empty");
+  std::string path;
+  for (const std::string& part : {root, collection}) {
+    path = path.empty() ? part : Join(path, part);
+    // mkdir -p of every component of path.
+    for (size_t at = 1; at <= path.size(); ++at) {
+      if (at != path.size() && path[at] != '/') continue;
+      const std::string prefix = path.substr(0, at);
+      if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) return Errno("creating", prefix);
+    }
+  }
+  for (int n = 0;; ++n) {
+    const std::string dir = Join(path, absl::StrCat("ckpt-", created_unix_ms + n, "-e", epoch));
+    if (mkdir(dir.c_str(), 0755) == 0) {
+      if (absl::Status s = FsyncDir(path); !s.ok()) return s;
+      return dir;
+    }
+    if (errno != EEXIST) return Errno("creating", dir);
+  }
+}
+
+absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("no checkpoint path given");
+  if (Exists(Join(path, kManifestName))) return path;
+  if (!IsDir(path)) return absl::NotFoundError(absl::StrCat("no directory ", path));
+  // path = ROOT/<collection>, or ROOT.
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::set<std::string> collections;
+  auto scan = [&](const std::string& base, const std::string& collection) {
+    for (const std::string& name : Subdirs(base)) {
+      const int64_t ms = CreatedMs(name);
+      const std::string dir = Join(base, name);
+      if (ms >= 0 && Exists(Join(dir, kManifestName))) {
+        found.emplace_back(ms, dir);
+        collections.insert(collection);
+      }
+    }
+  };
+  scan(path, path);
+  for (const std::string& sub : Subdirs(path)) {
+    if (CreatedMs(sub) < 0) scan(Join(path, sub), sub);
+  }
+  if (found.empty()) {
+    return absl::NotFoundError(absl::StrCat("no committed checkpoint in or under ", path));
+  }
+  if (collections.size() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " holds checkpoints of several collections (",
+                     absl::StrJoin(collections, ", "), "); name ", path, "/<collection>"));
+  }
+  return std::max_element(found.begin(), found.end())->second;
+}
+
+std::vector<std::string> ListCommitted(const std::string& root, const std::string& collection) {
+  return CheckpointDirs(root, collection, true);
+}
+
+std::vector<std::string> ListUncommitted(const std::string& root, const std::string& collection) {
+  return CheckpointDirs(root, collection, false);
+}
+
+absl::Status RemoveCheckpoint(const std::string& dir) {
+  const std::string manifest = Join(dir, kManifestName);
+  if (unlink(manifest.c_str()) == 0) {
+    if (absl::Status s = FsyncDir(dir); !s.ok()) return s;
+  } else if (errno != ENOENT) {
+    return Errno("removing", manifest);
+  }
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return Errno("opening directory", dir);
+  std::vector<std::string> names;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  closedir(d);
+  for (const std::string& name : names) {
+    const std::string p = Join(dir, name);
+    if (unlink(p.c_str()) != 0 && errno != ENOENT) return Errno("removing", p);
+  }
+  if (rmdir(dir.c_str()) != 0 && errno != ENOENT) return Errno("removing", dir);
+  return absl::OkStatus();
+}
+
+}  // namespace checkpoint
+}  // namespace ember

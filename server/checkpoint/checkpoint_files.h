@@ -1,0 +1,93 @@
+// Checkpoint files: the on-disk layout of a collection checkpoint.
+//
+//   ROOT/<collection>/ckpt-<created_unix_ms>-e<epoch>/
+//     <n>-<table>.<shard_index>.shard   one per shard (replicas: one)
+//     MANIFEST                          the commit record
+//
+// A shard file is "EMBSHRD1", then int64 rows, cols, state_width, step, then
+// fp32 weights [rows, cols] and fp32 optimizer state [rows, state_width],
+// row-major, little-endian. The manifest names every shard file with its
+// size and CRC-32 (zlib's), the spec and the plan. A checkpoint exists only
+// once MANIFEST is committed: written to MANIFEST.tmp, fsynced, renamed,
+// and the directory fsynced, so a crash at any point leaves either no
+// MANIFEST (the directory is ignored, and removed by the next prune) or a
+// complete one. Every read checks sizes and checksums: a damaged file gets
+// DATA_LOSS naming it.
+//
+// Thread-safe: functions with no shared state.
+#ifndef EMBER_SERVER_CHECKPOINT_CHECKPOINT_FILES_H_
+#define EMBER_SERVER_CHECKPOINT_CHECKPOINT_FILES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "proto/service.pb.h"
+
+namespace ember {
+namespace checkpoint {
+
+constexpr char kManifestName[] = "MANIFEST";
+constexpr int kFormatVersion = 1;
+
+// A shard's contents, fp32.
+struct ShardData {
+  int64_t rows = 0, cols = 0, state_width = 0, step = 0;
+  std::vector<float> weights;  // [rows, cols]
+  std::vector<float> state;    // [rows, state_width]
+};
+
+// The shard file's name for `ref`: "<n>-<table>.<shard_index>.shard" with the
+// table's name made file-safe and `n` a hash of the raw name (two names that
+// sanitise alike stay apart).
+std::string ShardFileName(const ember::v1::ShardRef& ref);
+
+// Writes and fsyncs `dir`/ShardFileName(ref); returns its manifest entry
+// (geometry fields other than rows/cols/state_width/step are the caller's).
+absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir,
+                                                          const ember::v1::ShardRef& ref,
+                                                          const ShardData& data);
+
+// Reads `dir`/entry.file, checking its size, CRC-32 and header against the
+// entry: DATA_LOSS naming the file on any difference, NOT_FOUND if absent.
+absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
+                                        const ember::v1::CheckpointShard& entry);
+// The same checks, streaming (nothing kept in memory).
+absl::Status VerifyShardFile(const std::string& dir, const ember::v1::CheckpointShard& entry);
+
+// Commits `manifest` as `dir`/MANIFEST atomically (see above).
+absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& manifest);
+// NOT_FOUND if `dir` has no MANIFEST; DATA_LOSS naming it if it is damaged.
+absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& dir);
+
+// Reads the manifest of `dir` and verifies every shard file it names.
+absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir);
+
+// A new, empty checkpoint directory under `root` (created with parents).
+absl::StatusOr<std::string> MakeCheckpointDir(const std::string& root,
+                                              const std::string& collection, int64_t epoch,
+                                              int64_t created_unix_ms);
+
+// `path` itself if it holds a MANIFEST; otherwise the latest committed
+// checkpoint (by creation time) in `path`/* or `path`/*/*. NOT_FOUND when
+// there is none; INVALID_ARGUMENT when they belong to several collections.
+absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path);
+
+// Committed checkpoint directories of `collection` under `root`, oldest first.
+std::vector<std::string> ListCommitted(const std::string& root, const std::string& collection);
+
+// Removes a checkpoint directory: MANIFEST first (so a crash half-way leaves
+// an uncommitted directory, never a torn committed one), then the rest.
+absl::Status RemoveCheckpoint(const std::string& dir);
+
+// Uncommitted directories (no MANIFEST) of `collection` under `root`: what a
+// crash during a write leaves behind.
+std::vector<std::string> ListUncommitted(const std::string& root, const std::string& collection);
+
+}  // namespace checkpoint
+}  // namespace ember
+
+#endif  // EMBER_SERVER_CHECKPOINT_CHECKPOINT_FILES_H_

@@ -1,0 +1,306 @@
+#include "server/checkpoint/checkpoint_files.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "server/checkpoint/recut.h"
+
+namespace ember {
+namespace checkpoint {
+namespace {
+
+using backend::OptimizerType;
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/ember_ckpt_test_XXXXXX";
+  char* d = mkdtemp(tmpl);
+  EXPECT_NE(d, nullptr);
+  return d == nullptr ? "/tmp" : d;
+}
+
+ShardData Random(int64_t rows, int64_t cols, int64_t width, int64_t step, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  ShardData d;
+  d.rows = rows;
+  d.cols = cols;
+  d.state_width = width;
+  d.step = step;
+  for (int64_t i = 0; i < rows * cols; ++i) d.weights.push_back(u(rng) - 0.5f);
+  for (int64_t i = 0; i < rows * width; ++i) d.state.push_back(u(rng));
+  return d;
+}
+
+ember::v1::ShardRef Ref(const std::string& table, int index) {
+  ember::v1::ShardRef r;
+  r.set_table(table);
+  r.set_shard_index(index);
+  return r;
+}
+
+// Writes a two-shard checkpoint of collection "c" under root; returns its dir.
+std::string WriteCheckpoint(const std::string& root, int64_t ms, uint32_t seed) {
+  auto dir = MakeCheckpointDir(root, "c", 3, ms);
+  EXPECT_TRUE(dir.ok()) << dir.status();
+  ember::v1::CheckpointManifest m;
+  m.set_format_version(kFormatVersion);
+  m.mutable_info()->set_collection("c");
+  m.mutable_info()->set_created_unix_ms(ms);
+  m.mutable_spec()->set_name("c");
+  m.mutable_spec()->add_tables()->set_name("t/1");
+  m.mutable_plan()->add_tables()->set_table("t/1");
+  for (int i = 0; i < 2; ++i) {
+    auto e = WriteShardFile(*dir, Ref("t/1", i), Random(50, 8, 1, 4, seed + i));
+    EXPECT_TRUE(e.ok()) << e.status();
+    *m.add_shards() = *e;
+  }
+  EXPECT_TRUE(CommitManifest(*dir, m).ok());
+  return *dir;
+}
+
+void FlipByte(const std::string& path, long offset) {
+  FILE* f = fopen(path.c_str(), "r+b");
+  ASSERT_NE(f, nullptr) << path;
+  fseek(f, offset, SEEK_SET);
+  const int c = fgetc(f);
+  fseek(f, offset, SEEK_SET);
+  fputc(c ^ 0x10, f);
+  fclose(f);
+}
+
+TEST(CheckpointFilesTest, ShardFileRoundTripsAndNamesAreSafe) {
+  const std::string dir = TempDir();
+  const ShardData d = Random(17, 12, 24, 9, 1);
+  auto e = WriteShardFile(dir, Ref("../evil table", 2), d);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->file().find('/'), std::string::npos);
+  EXPECT_EQ(e->bytes(), 40 + 4 * (17 * 12 + 17 * 24));
+  auto back = ReadShardFile(dir, *e);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->weights, d.weights);
+  EXPECT_EQ(back->state, d.state);
+  EXPECT_EQ(back->step, 9);
+  EXPECT_TRUE(VerifyShardFile(dir, *e).ok());
+  EXPECT_NE(ShardFileName(Ref("a/b", 0)), ShardFileName(Ref("a_b", 0)));
+}
+
+TEST(CheckpointFilesTest, DamageIsRefusedWithTheFileNamed) {
+  const std::string root = TempDir();
+  const std::string dir = WriteCheckpoint(root, 1000, 7);
+  auto m = VerifyCheckpoint(dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const std::string shard = dir + "/" + m->shards(1).file();
+
+  FlipByte(shard, 100);  // a flipped weight byte
+  auto s = VerifyCheckpoint(dir);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.status().message().find(m->shards(1).file()), std::string::npos) << s.status();
+  EXPECT_EQ(ReadShardFile(dir, m->shards(1)).status().code(), absl::StatusCode::kDataLoss);
+  FlipByte(shard, 100);
+  ASSERT_TRUE(VerifyCheckpoint(dir).ok());
+
+  ASSERT_EQ(truncate(shard.c_str(), m->shards(1).bytes() - 4), 0);  // truncated
+  s = VerifyCheckpoint(dir);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.status().message().find(m->shards(1).file()), std::string::npos) << s.status();
+
+  const std::string other = WriteCheckpoint(root, 2000, 9);
+  FlipByte(other + "/MANIFEST", 200);  // inside the JSON body
+  s = VerifyCheckpoint(other);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.status().message().find("MANIFEST"), std::string::npos) << s.status();
+
+  const std::string third = WriteCheckpoint(root, 3000, 11);
+  ASSERT_EQ(unlink((third + "/" + m->shards(0).file()).c_str()), 0);  // a missing shard file
+  EXPECT_EQ(VerifyCheckpoint(third).status().code(), absl::StatusCode::kDataLoss);
+  ASSERT_EQ(unlink((third + "/MANIFEST").c_str()), 0);  // no manifest: not a checkpoint
+  EXPECT_EQ(VerifyCheckpoint(third).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CheckpointFilesTest, ResolvePicksTheLatestCommittedAndPruneRemoves) {
+  const std::string root = TempDir();
+  EXPECT_EQ(ResolveCheckpoint(root).status().code(), absl::StatusCode::kNotFound);
+  const std::string a = WriteCheckpoint(root, 1000, 1);
+  const std::string b = WriteCheckpoint(root, 2000, 2);
+  auto uncommitted = MakeCheckpointDir(root, "c", 3, 3000);  // a write that died
+  ASSERT_TRUE(uncommitted.ok());
+  EXPECT_EQ(*ResolveCheckpoint(root), b);
+  EXPECT_EQ(*ResolveCheckpoint(root + "/c"), b);
+  EXPECT_EQ(*ResolveCheckpoint(a), a);
+  EXPECT_EQ(ListCommitted(root, "c"), (std::vector<std::string>{a, b}));
+  EXPECT_EQ(ListUncommitted(root, "c"), (std::vector<std::string>{*uncommitted}));
+  ASSERT_TRUE(RemoveCheckpoint(b).ok());
+  EXPECT_EQ(*ResolveCheckpoint(root), a);
+  // Two collections under one root: ambiguous.
+  auto d = MakeCheckpointDir(root, "other", 1, 5000);
+  ASSERT_TRUE(d.ok());
+  ember::v1::CheckpointManifest m;
+  m.set_format_version(kFormatVersion);
+  m.mutable_spec()->set_name("other");
+  ASSERT_TRUE(CommitManifest(*d, m).ok());
+  EXPECT_EQ(ResolveCheckpoint(root).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ResolveCheckpoint(root + "/other"), *d);
+}
+
+// kill -9 at random moments of a loop that writes checkpoints and prunes
+// old ones: whatever the moment, the latest committed checkpoint verifies.
+TEST(CheckpointFilesTest, KilledWriterNeverLeavesATornCheckpoint) {
+  const std::string root = TempDir();
+  WriteCheckpoint(root, 1, 1);
+  std::mt19937 rng(42);
+  int64_t next_ms = 2;
+  for (int round = 0; round < 40; ++round) {
+    const int64_t start_ms = next_ms;
+    next_ms += 1000;
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      for (int64_t ms = start_ms;; ++ms) {
+        WriteCheckpoint(root, ms, static_cast<uint32_t>(ms));
+        std::vector<std::string> all = ListCommitted(root, "c");
+        for (size_t i = 0; i + 2 < all.size(); ++i) (void)RemoveCheckpoint(all[i]);
+      }
+    }
+    usleep(std::uniform_int_distribution<int>(200, 20000)(rng));
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    auto latest = ResolveCheckpoint(root);
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    auto m = VerifyCheckpoint(*latest);
+    ASSERT_TRUE(m.ok()) << "round " << round << ": " << m.status();
+    for (const std::string& dir : ListUncommitted(root, "c")) (void)RemoveCheckpoint(dir);
+  }
+}
+
+// Re-cutting against a naive reference: a whole table cut into one layout,
+// then re-cut into another, equals the whole table cut straight into the
+// second layout.
+struct Layout {
+  int64_t row_offset, col_offset, rows, cols;
+};
+
+ShardData Slice(const ShardData& whole, OptimizerType type, const Layout& l) {
+  ShardData d;
+  d.rows = l.rows;
+  d.cols = l.cols;
+  d.state_width = backend::OptimizerStateWidth(type, l.cols);
+  d.step = whole.step;
+  const int64_t wc = whole.cols;
+  for (int64_t r = l.row_offset; r < l.row_offset + l.rows; ++r) {
+    for (int64_t c = l.col_offset; c < l.col_offset + l.cols; ++c) {
+      d.weights.push_back(whole.weights[r * wc + c]);
+    }
+    switch (type) {
+      case OptimizerType::kSgd:
+        break;
+      case OptimizerType::kAdagrad:
+        for (int64_t c = l.col_offset; c < l.col_offset + l.cols; ++c) {
+          d.state.push_back(whole.state[r * wc + c]);
+        }
+        break;
+      case OptimizerType::kAdam:
+        for (int half = 0; half < 2; ++half) {
+          for (int64_t c = l.col_offset; c < l.col_offset + l.cols; ++c) {
+            d.state.push_back(whole.state[r * 2 * wc + half * wc + c]);
+          }
+        }
+        break;
+      case OptimizerType::kRowwiseAdagrad:
+        d.state.push_back(whole.state[r]);
+        break;
+    }
+  }
+  return d;
+}
+
+TEST(RecutTest, AnyLayoutToAnyLayoutMatchesTheNaiveSlice) {
+  const int64_t rows = 37, cols = 24;
+  const std::vector<std::vector<Layout>> layouts = {
+      {{0, 0, 37, 24}},                                     // table-wise
+      {{0, 0, 13, 24}, {13, 0, 13, 24}, {26, 0, 11, 24}},   // row-wise on 3
+      {{0, 0, 19, 24}, {19, 0, 18, 24}},                    // row-wise on 2
+      {{0, 0, 37, 12}, {0, 12, 37, 12}},                    // column-wise on 2
+      {{0, 0, 37, 8}, {0, 8, 37, 8}, {0, 16, 37, 8}},       // column-wise on 3
+      {{0, 0, 20, 12}, {20, 0, 17, 12}, {0, 12, 20, 12}, {20, 12, 17, 12}},  // a grid
+  };
+  for (OptimizerType type : {OptimizerType::kSgd, OptimizerType::kAdagrad, OptimizerType::kAdam,
+                             OptimizerType::kRowwiseAdagrad}) {
+    const int64_t width = backend::OptimizerStateWidth(type, cols);
+    // Row-wise Adagrad's accumulator is per row here (one value for every
+    // column shard), so any re-cut must return it unchanged.
+    const ShardData whole = Random(rows, cols, type == OptimizerType::kRowwiseAdagrad ? 1 : width,
+                                   5, static_cast<uint32_t>(type) + 3);
+    for (const auto& from : layouts) {
+      std::vector<ember::v1::CheckpointShard> entries;
+      std::vector<ShardData> datas;
+      for (const Layout& l : from) {
+        ember::v1::CheckpointShard e;
+        e.set_file(absl::StrCat("s", entries.size()));
+        e.set_row_offset(l.row_offset);
+        e.set_col_offset(l.col_offset);
+        e.set_rows(l.rows);
+        e.set_cols(l.cols);
+        entries.push_back(e);
+        datas.push_back(Slice(whole, type, l));
+      }
+      for (const auto& to : layouts) {
+        for (const Layout& l : to) {
+          RecutTarget t(type, l.row_offset, l.col_offset, l.rows, l.cols);
+          for (size_t i = 0; i < entries.size(); ++i) {
+            if (Overlaps(entries[i], t)) ASSERT_TRUE(CopyOverlap(entries[i], datas[i], &t).ok());
+          }
+          ASSERT_TRUE(FinishTarget("t", &t).ok());
+          const ShardData want = Slice(whole, type, l);
+          EXPECT_EQ(t.weights, want.weights);
+          EXPECT_EQ(t.state, want.state);
+          EXPECT_EQ(t.step, 5);
+        }
+      }
+    }
+  }
+}
+
+TEST(RecutTest, RowwiseAccumulatorsOfDifferentColumnShardsAverageByWidth) {
+  // Two column shards (8 and 24 columns) with accumulators 1 and 5, merged
+  // into one 32-column shard: (1 * 8 + 5 * 24) / 32 = 4.
+  ember::v1::CheckpointShard a, b;
+  a.set_rows(1);
+  a.set_cols(8);
+  b.set_rows(1);
+  b.set_cols(24);
+  b.set_col_offset(8);
+  ShardData da = Random(1, 8, 1, 2, 1), db = Random(1, 24, 1, 2, 2);
+  da.state = {1.0f};
+  db.state = {5.0f};
+  RecutTarget t(OptimizerType::kRowwiseAdagrad, 0, 0, 1, 32);
+  ASSERT_TRUE(CopyOverlap(a, da, &t).ok());
+  ASSERT_TRUE(CopyOverlap(b, db, &t).ok());
+  ASSERT_TRUE(FinishTarget("t", &t).ok());
+  EXPECT_EQ(t.state[0], 4.0f);
+}
+
+TEST(RecutTest, GapsAndBadShapesAreRefused) {
+  ember::v1::CheckpointShard a;
+  a.set_rows(10);
+  a.set_cols(8);
+  const ShardData d = Random(10, 8, 16, 1, 1);  // Adam width for 8 columns
+  RecutTarget t(OptimizerType::kAdam, 0, 0, 12, 8);  // 2 rows no source covers
+  ASSERT_TRUE(CopyOverlap(a, d, &t).ok());
+  EXPECT_EQ(FinishTarget("t", &t).code(), absl::StatusCode::kDataLoss);
+  RecutTarget adagrad(OptimizerType::kAdagrad, 0, 0, 10, 8);  // width 8, the file has 16
+  EXPECT_EQ(CopyOverlap(a, d, &adagrad).code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace ember
