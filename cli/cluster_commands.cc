@@ -22,6 +22,7 @@
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
 #include "server/common/grpc_util.h"
+#include "server/common/host_memory.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/worker/worker_server.h"
 
@@ -34,7 +35,13 @@ DEFINE_int32(workers, 2, "up: number of local worker processes.");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
-DEFINE_double(memory_gib, 0, "Worker memory for shards in GiB (0: no limit / the card's).");
+DEFINE_double(memory_gib, 0,
+              "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "
+              "(the cgroup limit where there is one), shared among `up`'s workers; cuda, the "
+              "card's).");
+DEFINE_bool(skip_nonfinite, false,
+            "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
+            "instead of refusing the update.");
 DEFINE_int32(max_message_mb, 1024,
              "Servers: largest gRPC message received or sent, in MiB (1-1024); a worker keeps "
              "its responses under it.");
@@ -46,6 +53,17 @@ DEFINE_string(output, "", "Output file.");
 DEFINE_string(grads, "", "Gradients JSON file, in lookup's output format.");
 DEFINE_string(request_id, "", "apply-gradients: request id (empty: random).");
 DEFINE_double(timeout_s, 30, "Client call deadline in seconds.");
+DEFINE_string(checkpoint_dir, "",
+              "Coordinator/up: default ROOT for checkpoints (and for --checkpoint_every).");
+DEFINE_string(checkpoint_every, "",
+              "Coordinator/up: checkpoint every collection this often, e.g. 10m, 1h (needs "
+              "--checkpoint_dir; empty: never).");
+DEFINE_int32(keep_checkpoints, 3,
+             "Coordinator/up: committed checkpoints kept per collection and ROOT.");
+DEFINE_string(dir, "", "checkpoint: ROOT for the new checkpoint (default: the coordinator's "
+                       "--checkpoint_dir).");
+DEFINE_string(from, "", "restore: a checkpoint directory, or a ROOT (its latest checkpoint).");
+DEFINE_double(checkpoint_timeout_s, 1800, "checkpoint/restore: deadline in seconds.");
 
 namespace ember {
 namespace cli {
@@ -85,6 +103,14 @@ std::string BadServerFlags() {
     return "--max_message_mb must be in [1, 1024]";
   }
   if (FLAGS_lease_ms < 100) return "--lease_ms must be >= 100";
+  if (FLAGS_keep_checkpoints < 1) return "--keep_checkpoints must be >= 1";
+  absl::Duration every;
+  if (!FLAGS_checkpoint_every.empty()) {
+    if (!absl::ParseDuration(FLAGS_checkpoint_every, &every) || every < absl::Seconds(1)) {
+      return "--checkpoint_every must be a duration of at least 1s (e.g. 90s, 10m, 1h)";
+    }
+    if (FLAGS_checkpoint_dir.empty()) return "--checkpoint_every needs --checkpoint_dir";
+  }
   return "";
 }
 
@@ -97,6 +123,11 @@ struct Coordinator {
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   coordinator::CoordinatorOptions o;
   o.lease = absl::Milliseconds(FLAGS_lease_ms);
+  o.checkpoint_dir = FLAGS_checkpoint_dir;
+  o.keep_checkpoints = FLAGS_keep_checkpoints;
+  if (!FLAGS_checkpoint_every.empty()) {
+    (void)absl::ParseDuration(FLAGS_checkpoint_every, &o.checkpoint_every);  // checked before
+  }
   Coordinator c;
   c.service = std::make_unique<coordinator::CoordinatorService>(o);
   grpc::EnableDefaultHealthCheckService(true);
@@ -159,6 +190,7 @@ int RunWorker() {
   o.threads = FLAGS_threads;
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
+  o.service.skip_nonfinite = FLAGS_skip_nonfinite;
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
@@ -174,12 +206,18 @@ int RunUp(const std::string& self_path) {
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto c = StartCoordinator(absl::StrCat("127.0.0.1:", FLAGS_port));
   if (!c.ok()) return Fail("up", c.status());
+  // CPU workers share this host's memory: each gets its part unless told.
+  double memory_gib = FLAGS_memory_gib;
+  if (memory_gib == 0 && FLAGS_device == "cpu") {
+    memory_gib = static_cast<double>(HostMemoryBytes() / 10 * 9) / FLAGS_workers / (1 << 30);
+  }
   // Worker processes: this binary again, `emberctl worker`.
-  const std::vector<std::string> args = {
+  std::vector<std::string> args = {
       self_path, "worker", "--coordinator=" + c->address, "--listen=127.0.0.1:0",
       "--device=" + FLAGS_device, absl::StrCat("--threads=", FLAGS_threads),
-      absl::StrCat("--memory_gib=", FLAGS_memory_gib),
-      absl::StrCat("--max_message_mb=", FLAGS_max_message_mb)};
+      absl::StrCat("--memory_gib=", memory_gib),
+      absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
+      absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false")};
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -334,6 +372,67 @@ int RunApplyGradients() {
       !s.ok()) {
     return Fail("apply-gradients", s);
   }
+  return 0;
+}
+
+std::string FormatBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[32];
+  snprintf(buf, sizeof(buf), "%.1f %s", bytes, units[u]);
+  return buf;
+}
+
+void PrintCheckpoint(const ember::v1::CheckpointInfo& c) {
+  const double rate = c.write_ms() > 0 ? c.bytes() / (c.write_ms() / 1000.0) : 0;
+  std::cout << "checkpoint " << c.path() << "\n  collection '" << c.collection() << "' epoch "
+            << c.epoch() << ": " << c.shards() << " shard file(s), " << FormatBytes(c.bytes())
+            << "; updates paused " << c.max_pause_ms() << " ms, written in " << c.write_ms()
+            << " ms (" << FormatBytes(rate) << "/s), committed after " << c.total_ms() << " ms"
+            << std::endl;
+}
+
+int RunCheckpoint() {
+  if (FLAGS_collection.empty()) return Usage("checkpoint needs --collection=NAME");
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("checkpoint", cl.status());
+  std::cout << "checkpointing '" << FLAGS_collection << "'..." << std::endl;
+  auto info = (*cl)->Checkpoint(FLAGS_collection, FLAGS_dir,
+                                absl::Seconds(FLAGS_checkpoint_timeout_s));
+  if (!info.ok()) return Fail("checkpoint", info.status());
+  PrintCheckpoint(*info);
+  return 0;
+}
+
+int RunCheckpoints() {
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("checkpoints", cl.status());
+  auto list = (*cl)->ListCheckpoints(FLAGS_collection);
+  if (!list.ok()) return Fail("checkpoints", list.status());
+  std::cout << list->size() << " checkpoint(s) in the coordinator's catalogue" << std::endl;
+  for (const auto& c : *list) PrintCheckpoint(c);
+  return 0;
+}
+
+int RunRestore() {
+  if (FLAGS_from.empty()) return Usage("restore needs --from=CHECKPOINT_OR_ROOT");
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("restore", cl.status());
+  std::cout << "restoring from " << FLAGS_from << " (every file is verified first)..."
+            << std::endl;
+  const absl::Time start = absl::Now();
+  auto r = (*cl)->Restore(FLAGS_from, FLAGS_collection, FLAGS_sharding_type,
+                          absl::Seconds(FLAGS_checkpoint_timeout_s));
+  if (!r.ok()) return Fail("restore", r.status());
+  PrintPlan(r->collection());
+  std::cout << "restored '" << r->collection().spec().name() << "' from "
+            << r->checkpoint().path() << " (" << FormatBytes(r->checkpoint().bytes())
+            << ", taken at epoch " << r->checkpoint().epoch() << ") in "
+            << absl::ToDoubleSeconds(absl::Now() - start) << " s" << std::endl;
   return 0;
 }
 

@@ -1,6 +1,6 @@
 // emberctl's cluster commands: servers (coordinator, worker, up) and client
 // calls against a running deployment (create, live plan, status, lookup,
-// apply-gradients, export). Each returns the process exit status.
+// apply-gradients, export, checkpoint, checkpoints, restore). Each returns the process exit status.
 #ifndef EMBER_CLI_CLUSTER_COMMANDS_H_
 #define EMBER_CLI_CLUSTER_COMMANDS_H_
 
@@ -22,6 +22,9 @@ int RunStatus();
 int RunLookup();
 int RunApplyGradients();
 int RunExport();
+int RunCheckpoint();
+int RunCheckpoints();
+int RunRestore();
 
 }  // namespace cli
 }  // namespace ember

@@ -14,6 +14,10 @@
 //   emberctl apply-gradients --coordinator=ADDR --collection=NAME --input=kjt.json
 //       --grads=grads.json
 //   emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy
+//   emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT]
+//   emberctl checkpoints --coordinator=ADDR [--collection=NAME]
+//   emberctl restore --coordinator=ADDR --from=PATH [--collection=NEW_NAME]
+//       [--sharding_type=TYPE]
 //
 // Exit status: 0 success, 1 the request failed (bad spec, infeasible plan),
 // 2 bad usage.
@@ -121,7 +125,9 @@ int main(int argc, char** argv) {
       "      [--hbm_cap_gib=X] [--ddr_cap_gib=X] [--batch_size=N]\n"
       "      [--num_trainers=N] [--format=table|json]\n"
       "  emberctl up --workers=N [--port=P] [--device=cpu|cuda] [--threads=N]\n"
-      "  emberctl coordinator [--listen=HOST:PORT]\n"
+      "      [--checkpoint_dir=ROOT [--checkpoint_every=DURATION]] [--skip_nonfinite]\n"
+      "  emberctl coordinator [--listen=HOST:PORT] [--checkpoint_dir=ROOT]\n"
+      "      [--checkpoint_every=DURATION] [--keep_checkpoints=K]\n"
       "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"
       "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]\n"
       "  emberctl plan --coordinator=ADDR --collection=NAME [--format=table|json]\n"
@@ -130,6 +136,10 @@ int main(int argc, char** argv) {
       "  emberctl apply-gradients --coordinator=ADDR --collection=NAME --input=kjt.json\n"
       "      --grads=grads.json [--request_id=ID]\n"
       "  emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy\n"
+      "  emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT]\n"
+      "  emberctl checkpoints --coordinator=ADDR [--collection=NAME]\n"
+      "  emberctl restore --coordinator=ADDR --from=CHECKPOINT_OR_ROOT [--collection=NEW_NAME]\n"
+      "      [--sharding_type=TYPE]\n"
       "Run 'emberctl --helpshort' for every flag.");
   ember::cli::BlockTerminationSignals();  // before any thread exists
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
@@ -146,6 +156,9 @@ int main(int argc, char** argv) {
   if (command == "lookup") return ec::RunLookup();
   if (command == "apply-gradients") return ec::RunApplyGradients();
   if (command == "export") return ec::RunExport();
+  if (command == "checkpoint") return ec::RunCheckpoint();
+  if (command == "checkpoints") return ec::RunCheckpoints();
+  if (command == "restore") return ec::RunRestore();
   if (command == "help") {
     std::cout << gflags::ProgramUsage() << std::endl;
     return 0;

@@ -291,6 +291,49 @@ absl::StatusOr<CollectionInfo> Client::GetCollection(const std::string& collecti
   return resp.collection();
 }
 
+absl::StatusOr<ember::v1::CheckpointInfo> Client::Checkpoint(const std::string& collection,
+                                                             const std::string& dir,
+                                                             absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timeout);
+  ember::v1::CheckpointRequest req;
+  req.set_collection(collection);
+  req.set_dir(dir);
+  ember::v1::CheckpointResponse resp;
+  grpc::Status s = coordinator_->Checkpoint(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp.checkpoint();
+}
+
+absl::StatusOr<ember::v1::RestoreResponse> Client::Restore(const std::string& from,
+                                                           const std::string& collection,
+                                                           const std::string& sharding_type,
+                                                           absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timeout);
+  ember::v1::RestoreRequest req;
+  req.set_from(from);
+  req.set_collection(collection);
+  req.set_sharding_type(sharding_type);
+  ember::v1::RestoreResponse resp;
+  grpc::Status s = coordinator_->Restore(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp;
+}
+
+absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> Client::ListCheckpoints(
+    const std::string& collection) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  ember::v1::ListCheckpointsRequest req;
+  req.set_collection(collection);
+  ember::v1::ListCheckpointsResponse resp;
+  grpc::Status s = coordinator_->ListCheckpoints(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return std::vector<ember::v1::CheckpointInfo>(resp.checkpoints().begin(),
+                                                resp.checkpoints().end());
+}
+
 absl::Status Client::DropCollection(const std::string& collection) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.timeout);

@@ -52,6 +52,27 @@ class Client {
                                                              const std::string& sharding_type = "");
   absl::StatusOr<ember::v1::CollectionInfo> GetCollection(const std::string& collection);
   absl::Status DropCollection(const std::string& collection);
+
+  // Checkpoints and restores (see ember.v1.Coordinator.Checkpoint/Restore).
+  // Checkpoint returns once the manifest is committed; the checkpoint holds
+  // every update acknowledged before the call and none started after it
+  // returned (an update running during the call may be in some shards and
+  // not others: checkpoint between steps for a cross-table cut). `dir`: a
+  // ROOT, empty for the coordinator's --checkpoint_dir. Restore creates the
+  // collection (named `collection`, or the checkpoint's name) from a
+  // checkpoint directory or the latest one under a ROOT, on the live
+  // workers, planned afresh; DATA_LOSS naming the file when a checkpoint is
+  // damaged (nothing is created). These calls move whole tables: their
+  // deadline is their own.
+  absl::StatusOr<ember::v1::CheckpointInfo> Checkpoint(
+      const std::string& collection, const std::string& dir = "",
+      absl::Duration timeout = absl::Minutes(30));
+  absl::StatusOr<ember::v1::RestoreResponse> Restore(const std::string& from,
+                                                     const std::string& collection = "",
+                                                     const std::string& sharding_type = "",
+                                                     absl::Duration timeout = absl::Minutes(30));
+  absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> ListCheckpoints(
+      const std::string& collection = "");
   absl::StatusOr<ember::v1::ListWorkersResponse> ListWorkers();
   absl::StatusOr<ember::v1::ShardingPlan> PreviewPlan(const ember::v1::CollectionSpec& spec,
                                                       const ember::v1::Topology& topology,

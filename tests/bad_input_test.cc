@@ -3,6 +3,8 @@
 // gets its precise status, the cluster's state (workers, collections, shards
 // and their optimizer steps, every table's weights) is unchanged afterwards,
 // and the servers keep serving. Also: grpc.health.v1 on every server.
+#include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -306,6 +308,7 @@ TEST_F(BadInputTest, FailedCreateLeavesNothingBehind) {
   EXPECT_TRUE(Take() == before);  // nothing on worker 0, worker 1's own "clash" untouched
   ember::v1::DropShardsRequest drop;
   drop.set_collection("clash");
+  drop.set_epoch(999);
   EXPECT_EQ(Call(workers_[1].get(), &ember::v1::Worker::Stub::DropShards, drop), StatusCode::OK);
   EXPECT_EQ(Call(workers_[1].get(), &ember::v1::Worker::Stub::DropShards, drop),
             StatusCode::NOT_FOUND);
@@ -342,11 +345,41 @@ TEST_F(BadInputTest, WorkerRpcs) {
   cs.set_collection("bad");  // held, at another epoch
   a->mutable_ref()->set_table("t_sum");
   EXPECT_EQ(Call(w, &Stub::CreateShards, cs), StatusCode::ALREADY_EXISTS);
+  // More than the worker's memory: refused before anything is allocated.
+  {
+    ember::v1::CreateShardsRequest huge = cs;
+    huge.set_collection("huge");
+    huge.mutable_shards(0)->mutable_table()->set_num_embeddings(int64_t{1} << 40);
+    huge.mutable_shards(0)->set_rows(int64_t{1} << 40);
+    EXPECT_EQ(Call(w, &Stub::CreateShards, huge), StatusCode::RESOURCE_EXHAUSTED);
+  }
+  // A create retried at the same epoch: the same shards are fine, other
+  // shards are refused.
+  {
+    ember::v1::CreateShardsRequest again = cs;
+    again.set_collection("again");
+    again.set_epoch(60);
+    EXPECT_EQ(Call(w, &Stub::CreateShards, again), StatusCode::OK);
+    EXPECT_EQ(Call(w, &Stub::CreateShards, again), StatusCode::OK);
+    again.mutable_shards(0)->set_rows(300);
+    EXPECT_EQ(Call(w, &Stub::CreateShards, again), StatusCode::ALREADY_EXISTS);
+    ember::v1::DropShardsRequest d;
+    d.set_collection("again");
+    d.set_epoch(61);  // not the epoch held
+    EXPECT_EQ(Call(w, &Stub::DropShards, d), StatusCode::FAILED_PRECONDITION);
+    d.set_epoch(60);
+    EXPECT_EQ(Call(w, &Stub::DropShards, d), StatusCode::OK);
+  }
 
   // DropShards.
   ember::v1::DropShardsRequest ds;
   ds.set_collection("nope");
+  EXPECT_EQ(Call(w, &Stub::DropShards, ds), StatusCode::INVALID_ARGUMENT);  // epoch 0
+  ds.set_epoch(epoch);
   EXPECT_EQ(Call(w, &Stub::DropShards, ds), StatusCode::NOT_FOUND);
+  ds.set_collection("bad");
+  ds.set_epoch(epoch + 1);
+  EXPECT_EQ(Call(w, &Stub::DropShards, ds), StatusCode::FAILED_PRECONDITION);
 
   // Lookup.
   auto lookup = [&](const std::string& collection, int64_t e, std::vector<ShardFeature> fs) {
@@ -361,12 +394,21 @@ TEST_F(BadInputTest, WorkerRpcs) {
   EXPECT_EQ(lookup("nope", epoch, {good}), StatusCode::NOT_FOUND);
   EXPECT_EQ(lookup("bad", epoch + 1, {good}), StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(lookup("bad", epoch - 1, {good}), StatusCode::FAILED_PRECONDITION);
+  // A shard this worker does not hold: the client's plan is stale.
   ShardFeature f = good;
   f.mutable_shard()->set_table("t_nope");
-  EXPECT_EQ(lookup("bad", epoch, {f}), StatusCode::NOT_FOUND);
+  EXPECT_EQ(lookup("bad", epoch, {f}), StatusCode::FAILED_PRECONDITION);
   f = good;
   f.mutable_shard()->set_shard_index(3);
-  EXPECT_EQ(lookup("bad", epoch, {f}), StatusCode::NOT_FOUND);
+  EXPECT_EQ(lookup("bad", epoch, {f}), StatusCode::FAILED_PRECONDITION);
+  // Lengths whose sum overflows int64 to exactly the id count.
+  const int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(lookup("bad", epoch, {Feature("t_sum", {kMax, kMax, 4}, {1, 2})}),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(lookup("bad", epoch, {Feature("t_sum", {kMax, 1}, {1})}), StatusCode::INVALID_ARGUMENT);
+  f = good;
+  f.set_weights(wire::Encode<float>(std::vector<float>{1.0f, NAN}));
+  EXPECT_EQ(lookup("bad", epoch, {f}), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(lookup("bad", epoch, {good, Feature("t_sum", {2}, {1, 301})}),
             StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(lookup("bad", epoch, {Feature("t_sum", {2}, {-1, 2})}), StatusCode::INVALID_ARGUMENT);
@@ -408,7 +450,32 @@ TEST_F(BadInputTest, WorkerRpcs) {
   EXPECT_EQ(apply(epoch, "e", {good, good}, {16, 32}), StatusCode::INVALID_ARGUMENT);
   f = good;
   f.mutable_shard()->set_table("t_nope");
-  EXPECT_EQ(apply(epoch, "f", {good, f}, {16, 16}), StatusCode::NOT_FOUND);
+  EXPECT_EQ(apply(epoch, "f", {good, f}, {16, 16}), StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(apply(epoch, "h", {good, Feature("t_sum", {kMax, kMax, 4}, {1, 2})}, {16, 48}),
+            StatusCode::INVALID_ARGUMENT);
+  f = good;
+  f.set_weights(wire::Encode<float>(std::vector<float>{INFINITY, 1.0f}));
+  EXPECT_EQ(apply(epoch, "i", {good, f}, {16, 16}), StatusCode::INVALID_ARGUMENT);
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    ember::v1::WorkerApplyGradientsRequest r;
+    r.set_collection("bad");
+    r.set_epoch(epoch);
+    r.set_request_id(absl::StrCat("j", bad));
+    *r.add_gradients()->mutable_feature() = good;
+    r.mutable_gradients(0)->set_grad(wire::Encode<float>(std::vector<float>(16, 1.0f)));
+    *r.add_gradients()->mutable_feature() = good;
+    std::vector<float> grad(16, 1.0f);
+    grad[5] = bad;
+    r.mutable_gradients(1)->set_grad(wire::Encode<float>(grad));
+    EXPECT_EQ(Call(w, &Stub::ApplyGradients, r), StatusCode::INVALID_ARGUMENT) << bad;
+  }
+  {
+    ember::v1::ShardStatusResponse st;
+    ASSERT_EQ(Call(w, &Stub::ShardStatus, ember::v1::ShardStatusRequest(), &st), StatusCode::OK);
+    EXPECT_GE(st.nonfinite_refused(), 4);  // the weight and the three gradients
+    EXPECT_EQ(st.nonfinite_skipped_ids(), 0);
+    EXPECT_GT(st.available_bytes(), 0);
+  }
   {
     ember::v1::WorkerApplyGradientsRequest r;
     r.set_collection("bad");
@@ -430,7 +497,7 @@ TEST_F(BadInputTest, WorkerRpcs) {
     return Call(w, &Stub::ExportRows, r);
   };
   EXPECT_EQ(export_rows("t_sum", 0, 301), StatusCode::OK);  // the control
-  EXPECT_EQ(export_rows("t_nope", 0, 1), StatusCode::NOT_FOUND);
+  EXPECT_EQ(export_rows("t_nope", 0, 1), StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(export_rows("t_sum", -1, 1), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(export_rows("t_sum", 5, 4), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(export_rows("t_sum", 0, 302), StatusCode::INVALID_ARGUMENT);
@@ -440,14 +507,16 @@ TEST_F(BadInputTest, WorkerRpcs) {
     EXPECT_EQ(Call(w, &Stub::ExportRows, r), StatusCode::NOT_FOUND);
   }
   auto import_rows = [&](const std::string& collection, int64_t b, int64_t e, size_t weights,
-                         size_t state) {
+                         size_t state, int64_t at_epoch = 0, float value = 9.0f,
+                         float state_value = 9.0f) {
     ember::v1::ImportRowsRequest r;
     r.set_collection(collection);
+    r.set_epoch(at_epoch != 0 ? at_epoch : epoch);
     r.mutable_shard()->set_table("t_sum");
     r.set_row_begin(b);
     r.set_row_end(e);
-    r.set_weights(wire::Encode<float>(std::vector<float>(weights, 9.0f)));
-    r.set_state(wire::Encode<float>(std::vector<float>(state, 9.0f)));
+    r.set_weights(wire::Encode<float>(std::vector<float>(weights, value)));
+    r.set_state(wire::Encode<float>(std::vector<float>(state, state_value)));
     r.set_step(7);
     return Call(w, &Stub::ImportRows, r);
   };
@@ -457,14 +526,81 @@ TEST_F(BadInputTest, WorkerRpcs) {
   EXPECT_EQ(import_rows("bad", 2, 1, 0, 0), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(import_rows("bad", 0, 2, 16, 64), StatusCode::INVALID_ARGUMENT);  // 1 row of weights
   EXPECT_EQ(import_rows("bad", 0, 2, 32, 32), StatusCode::INVALID_ARGUMENT);  // 1 row of state
+  EXPECT_EQ(import_rows("bad", 0, 1, 16, 32, epoch + 1), StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(import_rows("bad", 0, 1, 16, 32, -1), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(import_rows("bad", 0, 1, 16, 32, epoch, NAN), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(import_rows("bad", 0, 1, 16, 32, epoch, 1.0f, INFINITY), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(import_rows("bad", 0, 1, 16, 32, epoch, 1.0f, -1.0f), StatusCode::INVALID_ARGUMENT);
   {
     ember::v1::ImportRowsRequest r;
     r.set_collection("bad");
+    r.set_epoch(epoch);
     r.mutable_shard()->set_table("t_sum");
     r.set_row_end(1);
     r.set_weights("xyz");
     EXPECT_EQ(Call(w, &Stub::ImportRows, r), StatusCode::INVALID_ARGUMENT);
   }
+
+  EXPECT_TRUE(Take() == before);
+}
+
+// Checkpoint and restore RPCs with bad input: precise codes, nothing changes.
+TEST_F(BadInputTest, CheckpointRpcs) {
+  const int64_t epoch = info_.plan().epoch();
+  const Snapshot before = Take();
+  using CStub = ember::v1::Coordinator::Stub;
+  ember::v1::CheckpointRequest ck;
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Checkpoint, ck), StatusCode::INVALID_ARGUMENT);
+  ck.set_collection("nope");
+  ck.set_dir("/tmp");
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Checkpoint, ck), StatusCode::NOT_FOUND);
+  ck.set_collection("bad");
+  ck.clear_dir();  // and the coordinator has no --checkpoint_dir
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Checkpoint, ck), StatusCode::FAILED_PRECONDITION);
+
+  ember::v1::RestoreRequest rs;
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::INVALID_ARGUMENT);
+  rs.set_from("/nonexistent/ember/checkpoints");
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::NOT_FOUND);
+  char tmpl[] = "/tmp/ember_bad_input_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  rs.set_from(tmpl);  // exists, holds no checkpoint
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::NOT_FOUND);
+
+  using WStub = ember::v1::Worker::Stub;
+  WStub* w = WorkerFor("t_sum");
+  ember::v1::WriteCheckpointRequest wr;
+  wr.set_collection("bad");
+  wr.set_epoch(epoch);
+  wr.add_shards()->set_table("t_sum");
+  EXPECT_EQ(Call(w, &WStub::WriteCheckpoint, wr), StatusCode::INVALID_ARGUMENT);  // no dir
+  wr.set_dir(tmpl);
+  wr.set_epoch(epoch + 1);
+  EXPECT_EQ(Call(w, &WStub::WriteCheckpoint, wr), StatusCode::FAILED_PRECONDITION);
+  wr.set_epoch(epoch);
+  wr.mutable_shards(0)->set_table("t_nope");
+  EXPECT_EQ(Call(w, &WStub::WriteCheckpoint, wr), StatusCode::FAILED_PRECONDITION);
+  wr.set_collection("nope");
+  EXPECT_EQ(Call(w, &WStub::WriteCheckpoint, wr), StatusCode::NOT_FOUND);
+
+  ember::v1::LoadCheckpointRequest ld;
+  ld.set_collection("bad");
+  ld.set_epoch(epoch);
+  EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::INVALID_ARGUMENT);  // no dir
+  ld.set_dir(tmpl);
+  ld.set_epoch(epoch - 1);
+  EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::FAILED_PRECONDITION);
+  ld.set_epoch(epoch);
+  auto* src = ld.add_sources();  // covers t_sum, but its file is not there
+  src->mutable_ref()->set_table("t_sum");
+  src->set_file("missing.shard");
+  src->set_rows(301);
+  src->set_cols(16);
+  src->set_state_width(32);
+  src->set_bytes(40 + 4 * 301 * 48);
+  EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::DATA_LOSS);
+  ld.clear_sources();  // nothing covers the shards
+  EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::DATA_LOSS);
 
   EXPECT_TRUE(Take() == before);
 }
@@ -482,8 +618,8 @@ TEST_F(BadInputTest, OversizedAndMalformedMessagesOnEveryMethod) {
   const std::string garbage = "\xff\xff\xff\xff";  // a truncated varint tag
   const std::vector<std::string> coordinator_methods = MethodsOf("ember.v1.Coordinator");
   const std::vector<std::string> worker_methods = MethodsOf("ember.v1.Worker");
-  ASSERT_EQ(coordinator_methods.size(), 8u);
-  ASSERT_EQ(worker_methods.size(), 7u);
+  ASSERT_EQ(coordinator_methods.size(), 11u);
+  ASSERT_EQ(worker_methods.size(), 9u);
   for (const std::string& m : coordinator_methods) {
     EXPECT_EQ(RawCall(cluster_->coordinator(), m, oversized), StatusCode::RESOURCE_EXHAUSTED) << m;
     EXPECT_NE(RawCall(cluster_->coordinator(), m, garbage), StatusCode::OK) << m;

@@ -1,12 +1,14 @@
 #include "server/coordinator/coordinator_service.h"
 
 #include <algorithm>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "glog/logging.h"
 #include "planner/planner.h"
+#include "server/checkpoint/checkpoint_files.h"
 #include "server/common/grpc_util.h"
 
 namespace ember {
@@ -15,7 +17,16 @@ namespace coordinator {
 using ember::v1::CollectionInfo;
 using ember::v1::ShardAssignment;
 
-CoordinatorService::CoordinatorService(const CoordinatorOptions& options) : options_(options) {}
+CoordinatorService::CoordinatorService(const CoordinatorOptions& options) : options_(options) {
+  if (options_.checkpoint_every > absl::ZeroDuration() && !options_.checkpoint_dir.empty()) {
+    periodic_ = std::thread([this] { PeriodicCheckpoints(); });
+  }
+}
+
+CoordinatorService::~CoordinatorService() {
+  stop_.Notify();
+  if (periodic_.joinable()) periodic_.join();
+}
 
 grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
                                                 const ember::v1::RegisterWorkerRequest* req,
@@ -136,14 +147,17 @@ ember::v1::Topology CoordinatorService::TopologyOf(const std::vector<Worker>& wo
 template <typename Request, typename Response, typename Rpc>
 std::vector<grpc::Status> CoordinatorService::CallEach(const std::vector<std::string>& addresses,
                                                        const std::vector<Request>& requests,
-                                                       Rpc rpc) {
+                                                       Rpc rpc, absl::Duration timeout,
+                                                       std::vector<Response>* responses_out) {
   const size_t n = addresses.size();
   std::vector<grpc::ClientContext> contexts(n);
-  std::vector<Response> responses(n);
+  std::vector<Response> own;
+  std::vector<Response>& responses = responses_out != nullptr ? *responses_out : own;
+  responses.assign(n, Response());
   std::vector<grpc::Status> statuses(n);
   absl::BlockingCounter pending(static_cast<int>(n));
   for (size_t i = 0; i < n; ++i) {
-    SetDeadline(&contexts[i], options_.worker_rpc_timeout);
+    SetDeadline(&contexts[i], timeout == absl::ZeroDuration() ? options_.worker_rpc_timeout : timeout);
     rpc(StubFor(addresses[i])->async(), &contexts[i], &requests[i], &responses[i],
         [&statuses, &pending, i](grpc::Status s) {
           statuses[i] = std::move(s);
@@ -161,10 +175,11 @@ ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address)
   return stub.get();
 }
 
-absl::Status CoordinatorService::DropOnWorkers(const std::string& collection,
+absl::Status CoordinatorService::DropOnWorkers(const std::string& collection, int64_t epoch,
                                                const std::vector<std::string>& addresses) {
   ember::v1::DropShardsRequest req;
   req.set_collection(collection);
+  req.set_epoch(epoch);
   const std::vector<grpc::Status> statuses = CallEach<ember::v1::DropShardsRequest,
                                                       ember::v1::DropShardsResponse>(
       addresses, std::vector<ember::v1::DropShardsRequest>(addresses.size(), req),
@@ -186,30 +201,40 @@ absl::Status CoordinatorService::DropOnWorkers(const std::string& collection,
 grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
                                                   const ember::v1::CreateCollectionRequest* req,
                                                   ember::v1::CreateCollectionResponse* resp) {
-  ember::v1::CollectionSpec spec = req->spec();
-  if (spec.name().empty()) {
-    return ToGrpc(absl::InvalidArgumentError("the collection needs a name"));
-  }
-  if (!req->sharding_type().empty()) {
-    if (absl::Status s = planner::ForceShardingType(req->sharding_type(), &spec); !s.ok()) {
-      return ToGrpc(s);
-    }
-  }
   absl::MutexLock create(&create_mu_);
+  auto info = PlanAndCreate(req->spec(), req->sharding_type());
+  if (!info.ok()) return ToGrpc(info.status());
+  {
+    absl::MutexLock lock(&mu_);
+    collections_[info->spec().name()] = *info;
+  }
+  LOG(INFO) << "collection '" << info->spec().name() << "' created at epoch "
+            << info->plan().epoch() << " on " << info->worker_addresses_size() << " worker(s)";
+  *resp->mutable_collection() = *std::move(info);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
+    const ember::v1::CollectionSpec& requested, const std::string& sharding_type) {
+  ember::v1::CollectionSpec spec = requested;
+  if (spec.name().empty()) return absl::InvalidArgumentError("the collection needs a name");
+  if (!sharding_type.empty()) {
+    if (absl::Status s = planner::ForceShardingType(sharding_type, &spec); !s.ok()) return s;
+  }
   {
     absl::MutexLock lock(&mu_);
     if (collections_.count(spec.name())) {
-      return ToGrpc(absl::AlreadyExistsError(
-          absl::StrCat("collection '", spec.name(), "' exists; drop it first")));
+      return absl::AlreadyExistsError(
+          absl::StrCat("collection '", spec.name(), "' exists; drop it first"));
     }
   }
   const std::vector<Worker> workers = LiveWorkers();
   if (workers.empty()) {
-    return ToGrpc(absl::UnavailableError("no live workers: start some (emberctl worker / up)"));
+    return absl::UnavailableError("no live workers: start some (emberctl worker / up)");
   }
   const absl::Time start = absl::Now();
   auto plan = planner::Plan(spec, TopologyOf(workers));
-  if (!plan.ok()) return ToGrpc(plan.status());
+  if (!plan.ok()) return plan.status();
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
   int64_t epoch;
   {
@@ -252,7 +277,8 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
   // Every worker allocates and initialises its shards at once. If any
   // fails, the shards are dropped again wherever they were (or may have
   // been) created: a worker that refused (ALREADY_EXISTS, INVALID_ARGUMENT,
-  // RESOURCE_EXHAUSTED...) is left as it was.
+  // RESOURCE_EXHAUSTED...) is left as it was, and the drop names this
+  // epoch, so a collection of the same name held at another epoch stays.
   const std::vector<grpc::Status> statuses =
       CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
           addresses, per_rank, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
@@ -268,22 +294,15 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
         undo.push_back(addresses[i]);
       }
     }
-    (void)DropOnWorkers(spec.name(), undo);
-    return ToGrpc(FromGrpc(statuses[r], absl::StrCat("creating '", spec.name(), "' on worker ", r,
-                                                     " (", addresses[r], ")")));
+    (void)DropOnWorkers(spec.name(), epoch, undo);
+    return FromGrpc(statuses[r], absl::StrCat("creating '", spec.name(), "' on worker ", r, " (",
+                                              addresses[r], ")"));
   }
   CollectionInfo info;
   *info.mutable_spec() = spec;
-  *info.mutable_plan() = *plan;
+  *info.mutable_plan() = *std::move(plan);
   for (const std::string& a : addresses) info.add_worker_addresses(a);
-  {
-    absl::MutexLock lock(&mu_);
-    collections_[spec.name()] = info;
-  }
-  LOG(INFO) << "collection '" << spec.name() << "' created at epoch " << epoch << " on " << world
-            << " worker(s)";
-  *resp->mutable_collection() = std::move(info);
-  return grpc::Status::OK;
+  return info;
 }
 
 grpc::Status CoordinatorService::GetCollection(grpc::ServerContext*,
@@ -355,11 +374,210 @@ grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
                                            info.worker_addresses().end());
   // The collection is gone for clients whatever happens; a worker that
   // cannot be reached keeps its shards until it restarts.
-  if (absl::Status s = DropOnWorkers(req->collection(), addresses); !s.ok()) {
+  if (absl::Status s = DropOnWorkers(req->collection(), info.plan().epoch(), addresses); !s.ok()) {
     LOG(WARNING) << "collection '" << req->collection() << "' dropped; " << s;
   }
   LOG(INFO) << "collection '" << req->collection() << "' dropped";
   return grpc::Status::OK;
+}
+
+absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollection(
+    const std::string& collection, const std::string& requested_root) {
+  const std::string root = requested_root.empty() ? options_.checkpoint_dir : requested_root;
+  if (root.empty()) {
+    return absl::FailedPreconditionError(
+        "no checkpoint directory: give one, or start the coordinator with --checkpoint_dir");
+  }
+  absl::MutexLock one_at_a_time(&checkpoint_mu_);
+  CollectionInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(collection);
+    if (it == collections_.end()) {
+      return absl::NotFoundError(absl::StrCat("no collection '", collection, "'"));
+    }
+    info = it->second;
+  }
+  const absl::Time start = absl::Now();
+  const int64_t epoch = info.plan().epoch();
+  auto dir = checkpoint::MakeCheckpointDir(root, collection, epoch, absl::ToUnixMillis(start));
+  if (!dir.ok()) return dir.status();
+
+  // Each shard is written by the worker holding it; a data-parallel table
+  // by its first replica only.
+  const int world = info.worker_addresses_size();
+  std::vector<ember::v1::WriteCheckpointRequest> per_rank(world);
+  for (auto& r : per_rank) {
+    r.set_collection(collection);
+    r.set_epoch(epoch);
+    r.set_dir(*dir);
+  }
+  for (const auto& ts : info.plan().tables()) {
+    if (ts.shards_size() == 0) {
+      if (ts.ranks_size() == 0) continue;
+      auto* ref = per_rank[ts.ranks(0)].add_shards();
+      ref->set_table(ts.table());
+      ref->set_shard_index(ts.ranks(0));
+    }
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      if (ts.shards(i).rows() == 0) continue;
+      auto* ref = per_rank[ts.shards(i).rank()].add_shards();
+      ref->set_table(ts.table());
+      ref->set_shard_index(i);
+    }
+  }
+  const std::vector<std::string> addresses(info.worker_addresses().begin(),
+                                           info.worker_addresses().end());
+  std::vector<ember::v1::WriteCheckpointResponse> responses;
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::WriteCheckpointRequest, ember::v1::WriteCheckpointResponse>(
+          addresses, per_rank,
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->WriteCheckpoint(ctx, request, response, std::move(done));
+          },
+          options_.checkpoint_rpc_timeout, &responses);
+  for (int r = 0; r < world; ++r) {
+    if (statuses[r].ok()) continue;
+    if (absl::Status s = checkpoint::RemoveCheckpoint(*dir); !s.ok()) {
+      LOG(WARNING) << "removing the failed checkpoint " << *dir << ": " << s;
+    }
+    return FromGrpc(statuses[r], absl::StrCat("checkpoint of '", collection, "' on worker ", r,
+                                              " (", addresses[r], ")"));
+  }
+  ember::v1::CheckpointManifest manifest;
+  manifest.set_format_version(checkpoint::kFormatVersion);
+  ember::v1::CheckpointInfo* ci = manifest.mutable_info();
+  ci->set_collection(collection);
+  ci->set_epoch(epoch);
+  ci->set_created_unix_ms(absl::ToUnixMillis(start));
+  for (const auto& resp : responses) {
+    for (const auto& shard : resp.shards()) {
+      ci->set_bytes(ci->bytes() + shard.bytes());
+      *manifest.add_shards() = shard;
+    }
+    ci->set_max_pause_ms(std::max(ci->max_pause_ms(), resp.pause_ms()));
+    ci->set_write_ms(std::max(ci->write_ms(), resp.write_ms()));
+  }
+  ci->set_shards(manifest.shards_size());
+  *manifest.mutable_spec() = info.spec();
+  *manifest.mutable_plan() = info.plan();
+  ci->set_total_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  if (absl::Status s = checkpoint::CommitManifest(*dir, manifest); !s.ok()) {
+    (void)checkpoint::RemoveCheckpoint(*dir);
+    return s;
+  }
+  ci->set_total_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  ci->set_path(*dir);
+  LOG(INFO) << "checkpoint of '" << collection << "' epoch " << epoch << " committed: " << *dir
+            << ", " << ci->shards() << " shard(s), " << ci->bytes() << " bytes, pause "
+            << ci->max_pause_ms() << " ms, total " << ci->total_ms() << " ms";
+
+  // Keep the newest keep_checkpoints; remove what crashed writes left.
+  std::set<std::string> removed;
+  const std::vector<std::string> committed = checkpoint::ListCommitted(root, collection);
+  for (size_t i = 0; i + std::max(options_.keep_checkpoints, 1) < committed.size(); ++i) {
+    if (absl::Status s = checkpoint::RemoveCheckpoint(committed[i]); s.ok()) {
+      removed.insert(committed[i]);
+    } else {
+      LOG(WARNING) << "removing old checkpoint " << committed[i] << ": " << s;
+    }
+  }
+  for (const std::string& d : checkpoint::ListUncommitted(root, collection)) {
+    if (d < *dir) (void)checkpoint::RemoveCheckpoint(d);
+  }
+  absl::MutexLock lock(&mu_);
+  catalogue_.erase(std::remove_if(catalogue_.begin(), catalogue_.end(),
+                                  [&](const ember::v1::CheckpointInfo& c) {
+                                    return removed.count(c.path()) > 0;
+                                  }),
+                   catalogue_.end());
+  catalogue_.push_back(*ci);
+  return *ci;
+}
+
+grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext*,
+                                            const ember::v1::CheckpointRequest* req,
+                                            ember::v1::CheckpointResponse* resp) {
+  if (req->collection().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
+  }
+  auto info = CheckpointCollection(req->collection(), req->dir());
+  if (!info.ok()) return ToGrpc(info.status());
+  *resp->mutable_checkpoint() = *std::move(info);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::RestoreRequest* req,
+                                         ember::v1::RestoreResponse* resp) {
+  auto path = checkpoint::ResolveCheckpoint(req->from());
+  if (!path.ok()) return ToGrpc(path.status());
+  // Every file is checked before anything is created.
+  auto manifest = checkpoint::VerifyCheckpoint(*path);
+  if (!manifest.ok()) return ToGrpc(manifest.status());
+  ember::v1::CollectionSpec spec = manifest->spec();
+  if (!req->collection().empty()) spec.set_name(req->collection());
+  absl::MutexLock create(&create_mu_);
+  auto info = PlanAndCreate(spec, req->sharding_type());
+  if (!info.ok()) return ToGrpc(info.status());
+  const int64_t epoch = info->plan().epoch();
+  const std::vector<std::string> addresses(info->worker_addresses().begin(),
+                                           info->worker_addresses().end());
+  ember::v1::LoadCheckpointRequest load;
+  load.set_collection(spec.name());
+  load.set_epoch(epoch);
+  load.set_dir(*path);
+  *load.mutable_sources() = manifest->shards();
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
+          addresses, std::vector<ember::v1::LoadCheckpointRequest>(addresses.size(), load),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->LoadCheckpoint(ctx, request, response, std::move(done));
+          },
+          options_.checkpoint_rpc_timeout);
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    if (statuses[r].ok()) continue;
+    (void)DropOnWorkers(spec.name(), epoch, addresses);
+    return ToGrpc(FromGrpc(statuses[r], absl::StrCat("restoring '", spec.name(), "' from ", *path,
+                                                     " on worker ", r, " (", addresses[r], ")")));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    collections_[spec.name()] = *info;
+  }
+  LOG(INFO) << "collection '" << spec.name() << "' restored from " << *path << " at epoch " << epoch
+            << " on " << addresses.size() << " worker(s)";
+  *resp->mutable_collection() = *std::move(info);
+  *resp->mutable_checkpoint() = manifest->info();
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext*,
+                                                 const ember::v1::ListCheckpointsRequest* req,
+                                                 ember::v1::ListCheckpointsResponse* resp) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& c : catalogue_) {
+    if (req->collection().empty() || c.collection() == req->collection()) {
+      *resp->add_checkpoints() = c;
+    }
+  }
+  return grpc::Status::OK;
+}
+
+void CoordinatorService::PeriodicCheckpoints() {
+  while (!stop_.WaitForNotificationWithTimeout(options_.checkpoint_every)) {
+    std::vector<std::string> names;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [name, info] : collections_) names.push_back(name);
+    }
+    for (const std::string& name : names) {
+      if (stop_.HasBeenNotified()) return;
+      auto info = CheckpointCollection(name, "");
+      if (!info.ok() && !absl::IsNotFound(info.status())) {
+        LOG(WARNING) << "periodic checkpoint of '" << name << "': " << info.status();
+      }
+    }
+  }
 }
 
 }  // namespace coordinator

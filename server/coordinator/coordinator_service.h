@@ -3,8 +3,18 @@
 // each planned over the live workers, allocated on them, and versioned by an
 // epoch. Never on the data path.
 //
-// Thread-safe: gRPC calls it from many threads; collection creation and
-// dropping are serialised.
+// Checkpoints: Checkpoint has every worker holding a collection's shards
+// write them (one replica of a data-parallel table) into a new directory
+// under ROOT, then commits the manifest (server/checkpoint/); the last
+// `keep_checkpoints` committed checkpoints of a collection under a ROOT are
+// kept. Restore verifies a checkpoint (every file's size and CRC) before it
+// creates anything, plans it afresh over the live workers and has them load
+// their shards, re-cut by row and column range; the collection becomes
+// visible only once loaded. Every checkpoint taken is in the catalogue
+// (ListCheckpoints).
+//
+// Thread-safe: gRPC calls it from many threads; collection creation,
+// dropping and restoring are serialised, and so are checkpoints.
 #ifndef EMBER_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 #define EMBER_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 
@@ -12,10 +22,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
 
@@ -27,11 +39,20 @@ struct CoordinatorOptions {
   absl::Duration lease = absl::Seconds(5);
   // Deadline of the coordinator's calls to workers (create and drop shards).
   absl::Duration worker_rpc_timeout = absl::Seconds(60);
+  // Deadline of a worker's checkpoint write or load (its whole share).
+  absl::Duration checkpoint_rpc_timeout = absl::Minutes(30);
+  // Default ROOT for checkpoints; empty: Checkpoint needs a dir.
+  std::string checkpoint_dir;
+  // > 0: every collection is checkpointed under checkpoint_dir this often.
+  absl::Duration checkpoint_every = absl::ZeroDuration();
+  // Committed checkpoints kept per collection and ROOT (older ones removed).
+  int keep_checkpoints = 3;
 };
 
 class CoordinatorService final : public ember::v1::Coordinator::Service {
  public:
   explicit CoordinatorService(const CoordinatorOptions& options);
+  ~CoordinatorService() override;
 
   grpc::Status RegisterWorker(grpc::ServerContext* ctx, const ember::v1::RegisterWorkerRequest* req,
                               ember::v1::RegisterWorkerResponse* resp) override;
@@ -51,6 +72,17 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                            ember::v1::PreviewPlanResponse* resp) override;
   grpc::Status DropCollection(grpc::ServerContext* ctx, const ember::v1::DropCollectionRequest* req,
                               ember::v1::DropCollectionResponse* resp) override;
+  grpc::Status Checkpoint(grpc::ServerContext* ctx, const ember::v1::CheckpointRequest* req,
+                          ember::v1::CheckpointResponse* resp) override;
+  grpc::Status Restore(grpc::ServerContext* ctx, const ember::v1::RestoreRequest* req,
+                       ember::v1::RestoreResponse* resp) override;
+  grpc::Status ListCheckpoints(grpc::ServerContext* ctx,
+                               const ember::v1::ListCheckpointsRequest* req,
+                               ember::v1::ListCheckpointsResponse* resp) override;
+
+  // Checkpoints one collection under `root` (empty: options.checkpoint_dir).
+  absl::StatusOr<ember::v1::CheckpointInfo> CheckpointCollection(const std::string& collection,
+                                                                 const std::string& root);
 
  private:
   struct Worker {
@@ -65,11 +97,21 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::vector<Worker> LiveWorkers() const ABSL_LOCKS_EXCLUDED(mu_);
   static ember::v1::Topology TopologyOf(const std::vector<Worker>& workers);
   ember::v1::Worker::Stub* StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls `rpc` on every address at once; one status (and, if asked, one
+  // response) per address. timeout 0: options.worker_rpc_timeout.
   template <typename Request, typename Response, typename Rpc>
   std::vector<grpc::Status> CallEach(const std::vector<std::string>& addresses,
-                                     const std::vector<Request>& requests, Rpc rpc);
-  absl::Status DropOnWorkers(const std::string& collection,
+                                     const std::vector<Request>& requests, Rpc rpc,
+                                     absl::Duration timeout = absl::ZeroDuration(),
+                                     std::vector<Response>* responses = nullptr);
+  absl::Status DropOnWorkers(const std::string& collection, int64_t epoch,
                              const std::vector<std::string>& addresses);
+  // Plans `spec` over the live workers and creates its shards on them (all
+  // or nothing); the collection is not registered. Needs create_mu_.
+  absl::StatusOr<ember::v1::CollectionInfo> PlanAndCreate(const ember::v1::CollectionSpec& spec,
+                                                          const std::string& sharding_type)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
+  void PeriodicCheckpoints();
 
   const CoordinatorOptions options_;
   absl::Mutex create_mu_;  // one create or drop at a time
@@ -79,6 +121,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, ember::v1::CollectionInfo> collections_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex checkpoint_mu_;  // one checkpoint at a time
+  std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first
+  absl::Notification stop_;
+  std::thread periodic_;
 };
 
 }  // namespace coordinator

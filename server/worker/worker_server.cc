@@ -12,6 +12,7 @@
 #include "glog/logging.h"
 #include "server/backend/cpu_backend.h"
 #include "server/common/grpc_util.h"
+#include "server/common/host_memory.h"
 
 namespace ember {
 namespace worker {
@@ -36,11 +37,18 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     backend::CpuBackendOptions o;
     o.num_threads = options.threads;
     o.memory_limit_bytes = options.memory_limit_bytes;
+    if (o.memory_limit_bytes == 0) o.memory_limit_bytes = HostMemoryBytes() / 10 * 9;
+    if (o.memory_limit_bytes <= 0) {
+      return absl::FailedPreconditionError(
+          "cannot tell how much host memory there is; give --memory_gib");
+    }
     auto b = backend::CreateCpuBackend(o);
     if (!b.ok()) return b.status();
     backend = std::move(*b);
     info.set_device(ember::v1::CPU);
-    info.set_ddr_bytes(options.memory_limit_bytes);
+    info.set_ddr_bytes(o.memory_limit_bytes);
+    LOG(INFO) << "shard memory: " << o.memory_limit_bytes / (1 << 20) << " MiB"
+              << (options.memory_limit_bytes == 0 ? " (90% of the host's available memory)" : "");
   } else if (options.device == "cuda") {
     cuda::CudaBackendOptions o;
     o.memory_limit_bytes = options.memory_limit_bytes;

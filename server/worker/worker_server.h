@@ -29,7 +29,9 @@ struct WorkerServerOptions {
   std::string coordinator;             // host:port of the coordinator
   std::string device = "cpu";          // "cpu" or "cuda"
   int threads = 1;                     // CPU backend threads per call
-  int64_t memory_limit_bytes = 0;      // 0: no limit (CPU) / the card's memory (CUDA)
+  // Memory for shards. 0: for CPU workers 90% of what the host really has
+  // (HostMemoryBytes: the cgroup limit or MemAvailable); for CUDA the card's.
+  int64_t memory_limit_bytes = 0;
   std::string host;                    // empty: this machine's host name
   absl::Duration register_timeout = absl::Seconds(30);
   // Largest gRPC message received or sent; responses are kept under it

@@ -2,17 +2,25 @@
 // the shards the coordinator assigns it in an EmbeddingBackend and serves
 // fused lookups and gradient updates over them.
 //
-// Every request is checked before anything is applied: unknown collection or
-// shard (NOT_FOUND), stale epoch (FAILED_PRECONDITION, the client refreshes
-// its plan), malformed arrays, ids out of range, wrong gradient shape
-// (INVALID_ARGUMENT), responses over the size limit (RESOURCE_EXHAUSTED).
-// ApplyGradients is exactly-once per request id: the last
-// `dedup_window` ids per collection are remembered.
+// Every request is checked before anything is applied: unknown collection
+// (NOT_FOUND), stale epoch or a shard this worker does not hold
+// (FAILED_PRECONDITION, the client refreshes its plan), malformed arrays, ids
+// out of range, wrong gradient shape, NaN/Inf values (INVALID_ARGUMENT),
+// responses or shards over the size or memory limits (RESOURCE_EXHAUSTED).
+// Every mutating call carries the epoch it was planned at. ApplyGradients
+// is exactly-once per request id: the last `dedup_window` ids per
+// collection are remembered.
+//
+// Checkpoints: WriteCheckpoint fences a collection's updates only while its
+// shards are copied in memory, then writes the files with updates flowing
+// again; LoadCheckpoint fills the held shards from a checkpoint's files,
+// re-cut to this worker's row and column ranges (server/checkpoint/).
 //
 // Thread-safe: gRPC calls it from many threads.
 #ifndef EMBER_SERVER_WORKER_WORKER_SERVICE_H_
 #define EMBER_SERVER_WORKER_WORKER_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -33,6 +41,12 @@ struct WorkerServiceOptions {
   int64_t max_response_bytes = int64_t{1} << 30;
   // Request ids remembered per collection for exactly-once updates.
   int dedup_window = 65536;
+  // NaN/Inf in a gradient update: false refuses the whole update
+  // (INVALID_ARGUMENT, nothing applied); true leaves out what they touch (a
+  // pooled bag whose gradient row is not finite, an id whose weight or
+  // sequence gradient row is not finite; a MEAN bag then averages over the
+  // ids kept) and applies the rest. Both are counted (ShardStatus).
+  bool skip_nonfinite = false;
 };
 
 class WorkerService final : public ember::v1::Worker::Service {
@@ -56,6 +70,14 @@ class WorkerService final : public ember::v1::Worker::Service {
                           ember::v1::ImportRowsResponse* resp) override;
   grpc::Status ShardStatus(grpc::ServerContext* ctx, const ember::v1::ShardStatusRequest* req,
                            ember::v1::ShardStatusResponse* resp) override;
+  grpc::Status WriteCheckpoint(grpc::ServerContext* ctx,
+                               const ember::v1::WriteCheckpointRequest* req,
+                               ember::v1::WriteCheckpointResponse* resp) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const ember::v1::LoadCheckpointRequest* req,
+                              ember::v1::LoadCheckpointResponse* resp) override;
+
+  // Decoded arrays of one ShardFeature (owned storage for the backend's spans).
+  struct Decoded;
 
  private:
   struct ShardEntry {
@@ -70,11 +92,13 @@ class WorkerService final : public ember::v1::Worker::Service {
     absl::flat_hash_set<std::string> applied;
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
   };
-  // Decoded arrays of one ShardFeature (owned storage for the backend's spans).
-  struct Decoded;
 
-  absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f, int64_t* cols,
-                             Decoded* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Views f's arrays (and, with `grad`, the gradient's) and checks them
+  // against the shard. With skip_nonfinite and a gradient, what NaN/Inf
+  // touches is left out first (counted in *skipped).
+  absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f,
+                             const std::string* grad, int64_t* cols, Decoded* out,
+                             int64_t* skipped) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // NOT_FOUND unless this worker holds the collection.
   absl::StatusOr<Collection*> HeldCollection(const std::string& name) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -83,9 +107,12 @@ class WorkerService final : public ember::v1::Worker::Service {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const ShardEntry*> FindShard(const Collection& c,
                                               const ember::v1::ShardRef& ref) const;
+  static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
+  std::atomic<int64_t> nonfinite_refused_{0};
+  std::atomic<int64_t> nonfinite_skipped_ids_{0};
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
 };

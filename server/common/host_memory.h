@@ -1,0 +1,27 @@
+// How much host memory this process may really use: the tighter of the
+// memory cgroup's limit (v2 memory.max or v1 memory.limit_in_bytes of the
+// process's own cgroup, where there is one) and the kernel's MemAvailable.
+// A CPU worker advertises (and enforces) a share of this by default, so the
+// planner never places more on it than the machine can hold.
+//
+// Thread-safe: pure functions and reads of /proc and /sys.
+#ifndef EMBER_SERVER_COMMON_HOST_MEMORY_H_
+#define EMBER_SERVER_COMMON_HOST_MEMORY_H_
+
+#include <cstdint>
+#include <string>
+
+namespace ember {
+
+// Bytes from the texts of /proc/meminfo and of the cgroup limit files
+// ("" where absent; "max" or a huge value means no limit). 0 if nothing
+// could be read.
+int64_t HostMemoryBytesFrom(const std::string& meminfo, const std::string& cgroup_v2_max,
+                            const std::string& cgroup_v1_limit);
+
+// The same, read from this machine.
+int64_t HostMemoryBytes();
+
+}  // namespace ember
+
+#endif  // EMBER_SERVER_COMMON_HOST_MEMORY_H_
