@@ -73,6 +73,8 @@ class LocalCluster {
   }
 
   bool ok() const { return ready_ && !coordinator_.empty(); }
+  // The `emberctl up` process (which runs the coordinator).
+  pid_t pid() const { return pid_; }
   const std::string& coordinator() const { return coordinator_; }
   const std::vector<int>& worker_pids() const { return worker_pids_; }
 

@@ -17,6 +17,7 @@
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 #include "tests/local_cluster.h"
+#include "tests/test_collection.h"
 
 namespace ember {
 namespace {
@@ -29,65 +30,11 @@ using client::SequenceEmbedding;
 using ember::v1::CollectionSpec;
 using ember::v1::OptimizerSpec;
 using ember::v1::TableConfig;
+using testing_util::ExpectNear;
+using testing_util::RandomKjt;
+using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
-
-// Four tables covering SUM / MEAN / weighted SUM / NONE and the four
-// optimizers.
-CollectionSpec TestSpec(const std::string& name) {
-  CollectionSpec spec;
-  spec.set_name(name);
-  struct T {
-    const char* name;
-    int rows;
-    TableConfig::Pooling pooling;
-    OptimizerSpec::Type opt;
-  } tables[] = {{"t_sum", 301, TableConfig::SUM, OptimizerSpec::SGD},
-                {"t_mean", 200, TableConfig::MEAN, OptimizerSpec::ADAGRAD},
-                {"t_rw", 150, TableConfig::SUM, OptimizerSpec::ROWWISE_ADAGRAD},
-                {"t_seq", 120, TableConfig::NONE, OptimizerSpec::ADAM}};
-  for (const T& t : tables) {
-    TableConfig* c = spec.add_tables();
-    c->set_name(t.name);
-    c->set_num_embeddings(t.rows);
-    c->set_embedding_dim(16);
-    c->add_feature_names(std::string("f_") + (t.name + 2));
-    c->set_pooling(t.pooling);
-    c->mutable_optimizer()->set_type(t.opt);
-    c->mutable_optimizer()->set_learning_rate(0.05);
-    c->mutable_initializer()->set_seed(11);
-  }
-  spec.mutable_tables(0)->add_feature_names("f_sum2");  // two features share a table
-  return spec;
-}
-
-KeyedJaggedTensor RandomKjt(std::mt19937& rng, const std::vector<std::string>& keys,
-                            const std::vector<int>& rows, int batch, bool weighted) {
-  std::vector<std::vector<std::vector<int64_t>>> ids(keys.size());
-  std::vector<std::vector<std::vector<float>>> w(keys.size());
-  for (size_t k = 0; k < keys.size(); ++k) {
-    for (int b = 0; b < batch; ++b) {
-      const int len = rng() % 4 == 0 ? 0 : 1 + rng() % 6;  // empty bags too
-      ids[k].emplace_back();
-      w[k].emplace_back();
-      for (int i = 0; i < len; ++i) {
-        // A narrow range half the time: duplicates within and across bags.
-        ids[k][b].push_back(rng() % (rng() % 2 ? 7 : rows[k]));
-        w[k][b].push_back(std::uniform_real_distribution<float>(0.5f, 1.5f)(rng));
-      }
-    }
-  }
-  auto kjt = KeyedJaggedTensor::FromJagged(keys, ids, weighted ? w : decltype(w){});
-  EXPECT_TRUE(kjt.ok()) << kjt.status();
-  return *kjt;
-}
-
-void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], 2e-5 * (1 + std::abs(want[i]))) << what << " at " << i;
-  }
-}
 
 // Lookups, gradient steps and exports through the cluster equal the
 // reference, for one sharding type.

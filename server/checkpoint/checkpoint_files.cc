@@ -96,6 +96,7 @@ absl::Status FsyncDir(const std::string& dir) {
 }
 
 uint32_t Crc(uint32_t crc, const void* data, size_t n) {
+  if (n == 0) return crc;  // zlib answers a null buffer with the initial value
   return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), n));
 }
 
@@ -440,7 +441,8 @@ absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path) {
     if (CreatedMs(sub) < 0) scan(Join(path, sub), sub);
   }
   if (found.empty()) {
-    return absl::NotFoundError(absl::StrCat("no committed checkpoint in or under ", path));
+    return absl::NotFoundError(absl::StrCat("no committed checkpoint in or under ", path, " (no ",
+                                            kManifestName, " there or in its subdirectories)"));
   }
   if (collections.size() > 1) {
     return absl::InvalidArgumentError(

@@ -94,6 +94,17 @@ TEST(CheckpointFilesTest, ShardFileRoundTripsAndNamesAreSafe) {
   EXPECT_NE(ShardFileName(Ref("a/b", 0)), ShardFileName(Ref("a_b", 0)));
 }
 
+TEST(CheckpointFilesTest, ShardWithoutOptimizerStateRoundTrips) {
+  const std::string dir = TempDir();
+  const ShardData d = Random(5, 4, 0, 0, 3);  // SGD: no state
+  auto e = WriteShardFile(dir, Ref("sgd", 0), d);
+  ASSERT_TRUE(e.ok()) << e.status();
+  auto back = ReadShardFile(dir, *e);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->weights, d.weights);
+  EXPECT_TRUE(back->state.empty());
+}
+
 TEST(CheckpointFilesTest, DamageIsRefusedWithTheFileNamed) {
   const std::string root = TempDir();
   const std::string dir = WriteCheckpoint(root, 1000, 7);

@@ -1,0 +1,318 @@
+// Checkpoints end to end, with real processes (`emberctl up`) on 127.0.0.1:
+// a checkpoint restores exactly (weights, optimizer state, step) onto 2 -> 3
+// and 3 -> 2 workers for every sharding type and optimizer; a damaged
+// checkpoint is refused with the file named and nothing created; kill -9 of
+// the coordinator or a worker while a checkpoint is written always leaves
+// the latest committed checkpoint restorable.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/inprocess.h"
+#include "gtest/gtest.h"
+#include "server/checkpoint/checkpoint_files.h"
+#include "tests/local_cluster.h"
+#include "tests/test_collection.h"
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::InProcessCollection;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using client::SequenceEmbedding;
+using ember::v1::CollectionSpec;
+using testing_util::ExpectNear;
+using testing_util::LocalCluster;
+using testing_util::RandomKjt;
+using testing_util::TestSpec;
+
+constexpr char kEmberctl[] = "cli/emberctl";
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/ember_checkpoint_test_XXXXXX";
+  char* d = mkdtemp(tmpl);
+  EXPECT_NE(d, nullptr);
+  return d == nullptr ? "/tmp" : d;
+}
+
+std::unique_ptr<Client> Connect(const std::string& address) {
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(20);
+  auto c = Client::Connect(address, o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// Every table of a collection, exported.
+using Tables = std::map<std::string, std::vector<float>>;
+Tables ExportAll(Client* c, const std::string& name, const CollectionSpec& spec) {
+  Tables out;
+  for (const auto& t : spec.tables()) {
+    int64_t rows = 0, dim = 0;
+    auto v = c->ExportTable(name, t.name(), &rows, &dim);
+    EXPECT_TRUE(v.ok()) << name << "/" << t.name() << ": " << v.status();
+    if (v.ok()) out[t.name()] = *v;
+  }
+  return out;
+}
+
+// `steps` training steps (pooled and sequence features) on the collection
+// and, if given, on the in-process reference too; the lookups must agree.
+void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_t seed, int steps) {
+  std::mt19937 rng(seed);
+  for (int step = 0; step < steps; ++step) {
+    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
+                                      {200, 301, 150, 301}, 5, step % 2 == 1);
+    auto kt = c->Lookup(name, kjt);
+    ASSERT_TRUE(kt.ok()) << kt.status();
+    if (ref != nullptr) {
+      auto want = ref->Lookup(kjt);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ExpectNear(kt->values, want->values, name + " lookup");
+    }
+    KeyedTensor grads = *kt;
+    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
+    if (ref != nullptr) {
+      ASSERT_TRUE(ref->ApplyGradients(kjt, grads).ok());
+    }
+    KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 4, false);
+    auto se = c->LookupSequence(name, seq);
+    ASSERT_TRUE(se.ok()) << se.status();
+    std::vector<SequenceEmbedding> sg = *se;
+    for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
+    if (ref != nullptr) {
+      ASSERT_TRUE(ref->ApplySequenceGradients(seq, sg).ok());
+    }
+  }
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    two_ = new LocalCluster(kEmberctl, 2);
+    three_ = new LocalCluster(kEmberctl, 3);
+    ASSERT_TRUE(two_->ok() && three_->ok()) << "emberctl up did not come up";
+  }
+  static void TearDownTestSuite() {
+    delete two_;
+    delete three_;
+    two_ = three_ = nullptr;
+  }
+  static LocalCluster* two_;
+  static LocalCluster* three_;
+};
+LocalCluster* CheckpointTest::two_ = nullptr;
+LocalCluster* CheckpointTest::three_ = nullptr;
+
+// For each sharding type: train on 2 workers, checkpoint, train on; restore
+// on 3 workers and on 2 (exports equal the checkpoint exactly), train the
+// 2-worker copy on beside the in-process reference stopped at the
+// checkpoint (so optimizer state and steps came back too), then checkpoint
+// the 3-worker copy and restore it on 2 workers: it trains on exactly as
+// the first copy did.
+TEST_F(CheckpointTest, RestoreOntoOtherWorkerCountsIsExact) {
+  auto c2 = Connect(two_->coordinator());
+  auto c3 = Connect(three_->coordinator());
+  ASSERT_TRUE(c2 && c3);
+  const std::string root = TempDir();
+  uint32_t seed = 1;
+  for (const std::string type :
+       {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}) {
+    SCOPED_TRACE(type);
+    const std::string a = "a_" + type;
+    const CollectionSpec spec = TestSpec(a);
+    auto info = c2->CreateCollection(spec, type);
+    ASSERT_TRUE(info.ok()) << info.status();
+    auto ref = InProcessCollection::Create(spec, &info->plan());
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    Train(c2.get(), a, ref->get(), seed++, 3);
+    const Tables at_checkpoint = ExportAll(c2.get(), a, spec);
+
+    auto ck = c2->Checkpoint(a, root);
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    EXPECT_EQ(ck->collection(), a);
+    EXPECT_GT(ck->bytes(), 0);
+    EXPECT_GE(ck->max_pause_ms(), 0);
+    Train(c2.get(), a, nullptr, seed++, 2);  // moves on: the checkpoint must not
+    ASSERT_NE(ExportAll(c2.get(), a, spec), at_checkpoint);
+
+    // 2 -> 3.
+    auto b = c3->Restore(ck->path(), "b_" + type, type);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->collection().worker_addresses_size(), 3);
+    EXPECT_EQ(ExportAll(c3.get(), "b_" + type, spec), at_checkpoint);
+
+    // 2 -> 2, trained on beside the reference (state and step restored).
+    auto b2 = c2->Restore(root + "/" + a, "b2_" + type, type);  // the ROOT/<collection> form
+    ASSERT_TRUE(b2.ok()) << b2.status();
+    EXPECT_EQ(ExportAll(c2.get(), "b2_" + type, spec), at_checkpoint);
+    const uint32_t after_seed = seed++;
+    Train(c2.get(), "b2_" + type, ref->get(), after_seed, 2);
+    for (const auto& [table, values] : ExportAll(c2.get(), "b2_" + type, spec)) {
+      int64_t rows, dim;
+      ExpectNear(values, *(*ref)->ExportTable(table, &rows, &dim), type + " trained " + table);
+    }
+
+    // 3 -> 2: the copy on 3 workers, checkpointed and restored on 2, trains
+    // on exactly as the first 2-worker copy did.
+    auto ck3 = c3->Checkpoint("b_" + type, root);
+    ASSERT_TRUE(ck3.ok()) << ck3.status();
+    auto c = c2->Restore(ck3->path(), "c_" + type, type);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(ExportAll(c2.get(), "c_" + type, spec), at_checkpoint);
+    Train(c2.get(), "c_" + type, nullptr, after_seed, 2);
+    EXPECT_EQ(ExportAll(c2.get(), "c_" + type, spec), ExportAll(c2.get(), "b2_" + type, spec));
+
+    for (const std::string& n : {a, "b2_" + type, "c_" + type}) {
+      ASSERT_TRUE(c2->DropCollection(n).ok());
+    }
+    ASSERT_TRUE(c3->DropCollection("b_" + type).ok());
+  }
+  // The catalogue lists what was taken.
+  auto list = c2->ListCheckpoints();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->size(), 5u);
+}
+
+TEST_F(CheckpointTest, RestoreChoosesANewShardingAndKeepsTheLastK) {
+  auto c2 = Connect(two_->coordinator());
+  ASSERT_TRUE(c2);
+  const std::string root = TempDir();
+  const CollectionSpec spec = TestSpec("k");
+  ASSERT_TRUE(c2->CreateCollection(spec, "row_wise").ok());
+  std::vector<std::string> paths;
+  for (int i = 0; i < 5; ++i) {
+    Train(c2.get(), "k", nullptr, 100 + i, 1);
+    auto ck = c2->Checkpoint("k", root);
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    paths.push_back(ck->path());
+  }
+  // The coordinator keeps 3 by default.
+  EXPECT_EQ(checkpoint::ListCommitted(root, "k"),
+            (std::vector<std::string>{paths[2], paths[3], paths[4]}));
+  const Tables latest = ExportAll(c2.get(), "k", spec);
+  // ROOT resolves to the latest; restored column-wise.
+  auto r = c2->Restore(root, "k_cw", "column_wise");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->checkpoint().path(), paths[4]);
+  for (const auto& t : r->collection().plan().tables()) EXPECT_EQ(t.sharding_type(), "column_wise");
+  EXPECT_EQ(ExportAll(c2.get(), "k_cw", spec), latest);
+  ASSERT_TRUE(c2->DropCollection("k_cw").ok());
+  ASSERT_TRUE(c2->DropCollection("k").ok());
+}
+
+// Damage of every kind is refused before anything is created.
+TEST_F(CheckpointTest, DamagedCheckpointIsRefusedAndNothingIsCreated) {
+  auto c2 = Connect(two_->coordinator());
+  ASSERT_TRUE(c2);
+  const CollectionSpec spec = TestSpec("d");
+  ASSERT_TRUE(c2->CreateCollection(spec, "row_wise").ok());
+  Train(c2.get(), "d", nullptr, 7, 1);
+  auto collections = [&] {
+    std::vector<std::string> out;
+    for (const char* n : {"d", "d2"}) out.push_back(absl::StrCat(n, c2->GetCollection(n).ok()));
+    return out;
+  };
+  const auto before = collections();
+  auto damaged = [&](auto damage) {
+    auto ck = c2->Checkpoint("d", TempDir());
+    EXPECT_TRUE(ck.ok()) << ck.status();
+    auto m = checkpoint::ReadManifest(ck->path());
+    EXPECT_TRUE(m.ok());
+    const std::string file = damage(ck->path(), *m);
+    auto r = c2->Restore(ck->path(), "d2");
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(file), std::string::npos) << r.status();
+    EXPECT_EQ(collections(), before);
+    return r.status().code();
+  };
+  auto flip = [](const std::string& path, long at) {
+    FILE* f = fopen(path.c_str(), "r+b");
+    fseek(f, at, SEEK_SET);
+    const int ch = fgetc(f);
+    fseek(f, at, SEEK_SET);
+    fputc(ch ^ 1, f);
+    fclose(f);
+  };
+  EXPECT_EQ(damaged([&](const std::string& dir, const ember::v1::CheckpointManifest& m) {
+              flip(dir + "/" + m.shards(0).file(), m.shards(0).bytes() / 2);
+              return m.shards(0).file();
+            }),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(damaged([&](const std::string& dir, const ember::v1::CheckpointManifest& m) {
+              const std::string p = dir + "/" + m.shards(1).file();
+              EXPECT_EQ(truncate(p.c_str(), m.shards(1).bytes() - 1), 0);
+              return m.shards(1).file();
+            }),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(damaged([&](const std::string& dir, const ember::v1::CheckpointManifest&) {
+              flip(dir + "/MANIFEST", 300);
+              return std::string("MANIFEST");
+            }),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(damaged([&](const std::string& dir, const ember::v1::CheckpointManifest&) {
+              EXPECT_EQ(unlink((dir + "/MANIFEST").c_str()), 0);
+              return std::string("MANIFEST");
+            }),
+            absl::StatusCode::kNotFound);
+  ASSERT_TRUE(c2->DropCollection("d").ok());
+}
+
+// kill -9 of the coordinator (`up`) or of a worker at a random moment of a
+// checkpoint's write: the latest committed checkpoint under the ROOT always
+// verifies and restores to the tables it was taken of.
+TEST_F(CheckpointTest, KillDuringCheckpointLeavesTheLastCommittedOneRestorable) {
+  auto c3 = Connect(three_->coordinator());
+  ASSERT_TRUE(c3);
+  CollectionSpec spec = TestSpec("big");
+  spec.mutable_tables(0)->set_num_embeddings(400000);  // ~100 MB with Adam state: a slow write
+  spec.mutable_tables(0)->set_embedding_dim(64);
+  spec.mutable_tables(0)->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAM);
+  std::mt19937 rng(5);
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    const bool kill_worker = round % 2 == 1;
+    const std::string root = TempDir();
+    auto cluster = std::make_unique<LocalCluster>(kEmberctl, 2);
+    ASSERT_TRUE(cluster->ok());
+    auto c = Connect(cluster->coordinator());
+    ASSERT_TRUE(c);
+    ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
+    Train(c.get(), "big", nullptr, 50 + round, 1);
+    const Tables want = ExportAll(c.get(), "big", spec);
+    ASSERT_TRUE(c->Checkpoint("big", root).ok());
+    // A second checkpoint of the same tables, killed part-way.
+    std::thread writer([&] { (void)c->Checkpoint("big", root); });
+    usleep(std::uniform_int_distribution<int>(1000, 300000)(rng));
+    const pid_t victim = kill_worker ? cluster->worker_pids()[0] : cluster->pid();
+    ASSERT_EQ(kill(victim, SIGKILL), 0);
+    writer.join();
+    cluster.reset();  // the rest of it goes too
+
+    auto latest = checkpoint::ResolveCheckpoint(root);
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    ASSERT_TRUE(checkpoint::VerifyCheckpoint(*latest).ok());
+    const std::string name = absl::StrCat("big", round);
+    auto r = c3->Restore(*latest, name);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(ExportAll(c3.get(), name, spec), want);
+    ASSERT_TRUE(c3->DropCollection(name).ok());
+  }
+}
+
+}  // namespace
+}  // namespace ember
