@@ -61,8 +61,9 @@ absl::Status DropNonFinite(int64_t cols, const std::string& what, WorkerService:
       (!r.weights.empty() && r.weights.size() != r.ids.size())) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": gradient or weights of the wrong size"));
   }
-  auto row_ok = [&](int64_t row) {
-    return backend::FirstNonFinite(d->grad_view.subspan(row * cols, cols)) < 0;
+  auto row = [&](int64_t i) { return d->grad_view.data() + i * cols; };
+  auto row_ok = [&](int64_t i) {
+    return backend::FirstNonFinite(absl::MakeConstSpan(row(i), cols)) < 0;
   };
   std::vector<int64_t> lengths, ids;
   std::vector<float> weights, grad;
@@ -79,13 +80,13 @@ absl::Status DropNonFinite(int64_t cols, const std::string& what, WorkerService:
       }
       ids.push_back(r.ids[k]);
       if (!r.weights.empty()) weights.push_back(r.weights[k]);
-      if (seq) grad.insert(grad.end(), &d->grad_view[k * cols], &d->grad_view[(k + 1) * cols]);
+      if (seq) grad.insert(grad.end(), row(k), row(k) + cols);
       ++kept;
     }
     lengths.push_back(kept);
     if (!seq) {  // the row stays (the output's shape), zeroed when left out
       if (bag_ok) {
-        grad.insert(grad.end(), &d->grad_view[b * cols], &d->grad_view[(b + 1) * cols]);
+        grad.insert(grad.end(), row(b), row(b) + cols);
       } else {
         grad.insert(grad.end(), cols, 0.0f);
       }
