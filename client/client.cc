@@ -267,109 +267,98 @@ ember::v1::Worker::Stub* Client::StubFor(const std::string& address) {
   return stub.get();
 }
 
+template <typename Request, typename Response>
+absl::StatusOr<Response> Client::CallCoordinator(
+    grpc::Status (ember::v1::Coordinator::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                         Response*),
+    const Request& request, absl::Duration timeout) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timeout);
+  Response response;
+  grpc::Status s = (coordinator_.get()->*method)(&ctx, request, &response);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  return response;
+}
+
 absl::StatusOr<CollectionInfo> Client::CreateCollection(const ember::v1::CollectionSpec& spec,
                                                         const std::string& sharding_type) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
   ember::v1::CreateCollectionRequest req;
   *req.mutable_spec() = spec;
   req.set_sharding_type(sharding_type);
-  ember::v1::CreateCollectionResponse resp;
-  grpc::Status s = coordinator_->CreateCollection(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return resp.collection();
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::CreateCollection, req,
+                              options_.timeout);
+  if (!resp.ok()) return resp.status();
+  return resp->collection();
 }
 
 absl::StatusOr<CollectionInfo> Client::GetCollection(const std::string& collection) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
   ember::v1::GetCollectionRequest req;
   req.set_collection(collection);
-  ember::v1::GetCollectionResponse resp;
-  grpc::Status s = coordinator_->GetCollection(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return resp.collection();
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::GetCollection, req, options_.timeout);
+  if (!resp.ok()) return resp.status();
+  return resp->collection();
 }
 
 absl::StatusOr<ember::v1::CheckpointInfo> Client::Checkpoint(const std::string& collection,
                                                              const std::string& dir,
                                                              absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
   ember::v1::CheckpointRequest req;
   req.set_collection(collection);
   req.set_dir(dir);
-  ember::v1::CheckpointResponse resp;
-  grpc::Status s = coordinator_->Checkpoint(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return resp.checkpoint();
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::Checkpoint, req, timeout);
+  if (!resp.ok()) return resp.status();
+  return resp->checkpoint();
 }
 
 absl::StatusOr<ember::v1::RestoreResponse> Client::Restore(const std::string& from,
                                                            const std::string& collection,
                                                            const std::string& sharding_type,
                                                            absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
   ember::v1::RestoreRequest req;
   req.set_from(from);
   req.set_collection(collection);
   req.set_sharding_type(sharding_type);
-  ember::v1::RestoreResponse resp;
-  grpc::Status s = coordinator_->Restore(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return resp;
+  return CallCoordinator(&ember::v1::Coordinator::Stub::Restore, req, timeout);
 }
 
 absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> Client::ListCheckpoints(
     const std::string& collection) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
   ember::v1::ListCheckpointsRequest req;
   req.set_collection(collection);
-  ember::v1::ListCheckpointsResponse resp;
-  grpc::Status s = coordinator_->ListCheckpoints(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return std::vector<ember::v1::CheckpointInfo>(resp.checkpoints().begin(),
-                                                resp.checkpoints().end());
+  auto resp =
+      CallCoordinator(&ember::v1::Coordinator::Stub::ListCheckpoints, req, options_.timeout);
+  if (!resp.ok()) return resp.status();
+  return std::vector<ember::v1::CheckpointInfo>(resp->checkpoints().begin(),
+                                                resp->checkpoints().end());
 }
 
 absl::Status Client::DropCollection(const std::string& collection) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
   ember::v1::DropCollectionRequest req;
   req.set_collection(collection);
-  ember::v1::DropCollectionResponse resp;
-  grpc::Status s = coordinator_->DropCollection(&ctx, req, &resp);
+  auto resp =
+      CallCoordinator(&ember::v1::Coordinator::Stub::DropCollection, req, options_.timeout);
   {
     absl::MutexLock lock(&mu_);
     routing_.erase(collection);
   }
-  return FromGrpc(s, "coordinator " + coordinator_address_);
+  return resp.status();
 }
 
 absl::StatusOr<ember::v1::ListWorkersResponse> Client::ListWorkers() {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
-  ember::v1::ListWorkersResponse resp;
-  grpc::Status s = coordinator_->ListWorkers(&ctx, ember::v1::ListWorkersRequest(), &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return resp;
+  return CallCoordinator(&ember::v1::Coordinator::Stub::ListWorkers,
+                         ember::v1::ListWorkersRequest(), options_.timeout);
 }
 
 absl::StatusOr<ember::v1::ShardingPlan> Client::PreviewPlan(const ember::v1::CollectionSpec& spec,
                                                             const ember::v1::Topology& topology,
                                                             const std::string& sharding_type) {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
   ember::v1::PreviewPlanRequest req;
   *req.mutable_spec() = spec;
   *req.mutable_topology() = topology;
   req.set_sharding_type(sharding_type);
-  ember::v1::PreviewPlanResponse resp;
-  grpc::Status s = coordinator_->PreviewPlan(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
-  return resp.plan();
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::PreviewPlan, req, options_.timeout);
+  if (!resp.ok()) return resp.status();
+  return resp->plan();
 }
 
 absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(

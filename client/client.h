@@ -105,6 +105,12 @@ class Client {
   absl::StatusOr<std::shared_ptr<const Routing>> RoutingFor(const std::string& collection,
                                                             bool refresh);
   ember::v1::Worker::Stub* StubFor(const std::string& address);
+  // One unary call to the coordinator with its own deadline.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallCoordinator(
+      grpc::Status (ember::v1::Coordinator::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                           Response*),
+      const Request& request, absl::Duration timeout);
   // Runs one routed call with stale-plan refresh and UNAVAILABLE retries.
   template <typename Fn>
   absl::Status WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn);

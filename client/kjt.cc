@@ -77,12 +77,9 @@ absl::Status KeyedJaggedTensor::Validate() const {
     if (lengths[i] < 0) {
       return absl::InvalidArgumentError(absl::StrCat("lengths[", i, "] = ", lengths[i], " < 0"));
     }
-    // total <= values.size() holds here, so this cannot overflow.
-    if (lengths[i] > static_cast<int64_t>(values.size()) - total) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("lengths up to [", i, "] sum past the ", values.size(), " values"));
+    if (__builtin_add_overflow(total, lengths[i], &total)) {
+      return absl::InvalidArgumentError(absl::StrCat("lengths overflow int64 at [", i, "]"));
     }
-    total += lengths[i];
   }
   if (total != static_cast<int64_t>(values.size())) {
     return absl::InvalidArgumentError(absl::StrCat("lengths sum to ", total, " but there are ",

@@ -487,6 +487,24 @@ TEST_F(BadInputTest, WorkerRpcs) {
     EXPECT_EQ(Call(w, &Stub::ApplyGradients, r), StatusCode::INVALID_ARGUMENT);
   }
 
+  // The client refuses the same overflowing lengths, and NaN gradients,
+  // before any worker sees them.
+  {
+    KeyedJaggedTensor overflow;
+    overflow.keys = {"f_sum"};
+    overflow.lengths = {kMax, kMax, 4};
+    overflow.values = {1, 2};
+    EXPECT_EQ(client_->Lookup("bad", overflow).status().code(), absl::StatusCode::kInvalidArgument);
+    KeyedJaggedTensor one;
+    one.keys = {"f_sum"};
+    one.lengths = {1};
+    one.values = {4};
+    auto kt = client_->Lookup("bad", one);
+    ASSERT_TRUE(kt.ok()) << kt.status();
+    kt->values[3] = NAN;
+    EXPECT_EQ(client_->ApplyGradients("bad", one, *kt).code(), absl::StatusCode::kInvalidArgument);
+  }
+
   // ExportRows / ImportRows.
   auto export_rows = [&](const std::string& table, int64_t b, int64_t e) {
     ember::v1::ExportRowsRequest r;

@@ -150,18 +150,18 @@ absl::Status ValidateShardSpec(const ShardSpec& s) {
 
 absl::Status CheckLengths(absl::Span<const int64_t> lengths, int64_t num_ids,
                           const std::string& what) {
-  int64_t total = 0;
   for (size_t b = 0; b < lengths.size(); ++b) {
     if (lengths[b] < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": lengths[", b, "] is negative (", lengths[b], ")"));
     }
-    // total <= num_ids holds here, so this cannot overflow.
-    if (lengths[b] > num_ids - total) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": lengths up to [", b,
-                                                     "] sum past the ", num_ids, " ids"));
+  }
+  int64_t total = 0;
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (__builtin_add_overflow(total, lengths[b], &total)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": lengths overflow int64 at [", b, "]; there are ", num_ids, " ids"));
     }
-    total += lengths[b];
   }
   if (total != num_ids) {
     return absl::InvalidArgumentError(
