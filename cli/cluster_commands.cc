@@ -39,6 +39,11 @@ DEFINE_double(memory_gib, 0,
               "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "
               "(the cgroup limit where there is one), shared among `up`'s workers; cuda, the "
               "card's).");
+DEFINE_string(dedup_ttl, "10m",
+              "Workers: how long an update's request id is remembered for exactly-once "
+              "(must exceed every client's retry deadline).");
+DEFINE_int32(dedup_window, 1 << 20,
+             "Workers: most update ids remembered per collection (the memory bound).");
 DEFINE_bool(skip_nonfinite, false,
             "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
             "instead of refusing the update.");
@@ -104,6 +109,11 @@ std::string BadServerFlags() {
   }
   if (FLAGS_lease_ms < 100) return "--lease_ms must be >= 100";
   if (FLAGS_keep_checkpoints < 1) return "--keep_checkpoints must be >= 1";
+  absl::Duration ttl;
+  if (!absl::ParseDuration(FLAGS_dedup_ttl, &ttl) || ttl < absl::Seconds(1)) {
+    return "--dedup_ttl must be a duration of at least 1s (e.g. 10m)";
+  }
+  if (FLAGS_dedup_window < 1) return "--dedup_window must be >= 1";
   absl::Duration every;
   if (!FLAGS_checkpoint_every.empty()) {
     if (!absl::ParseDuration(FLAGS_checkpoint_every, &every) || every < absl::Seconds(1)) {
@@ -191,6 +201,8 @@ int RunWorker() {
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
   o.service.skip_nonfinite = FLAGS_skip_nonfinite;
+  o.service.dedup_window = FLAGS_dedup_window;
+  (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
@@ -217,7 +229,8 @@ int RunUp(const std::string& self_path) {
       "--device=" + FLAGS_device, absl::StrCat("--threads=", FLAGS_threads),
       absl::StrCat("--memory_gib=", memory_gib),
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
-      absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false")};
+      absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
+      "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window)};
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -368,10 +381,13 @@ int RunApplyGradients() {
   if (!grads.ok()) return Fail("apply-gradients", grads.status());
   auto cl = Connect();
   if (!cl.ok()) return Fail("apply-gradients", cl.status());
-  if (absl::Status s = (*cl)->ApplyGradients(FLAGS_collection, *kjt, *grads, FLAGS_request_id);
-      !s.ok()) {
-    return Fail("apply-gradients", s);
-  }
+  std::string request_id;
+  absl::Status s = (*cl)->ApplyGradients(FLAGS_collection, *kjt, *grads, FLAGS_request_id,
+                                         &request_id);
+  // Printed either way: after a partial failure, a retry with
+  // --request_id=<this> applies the rest exactly once.
+  std::cout << "request_id " << request_id << std::endl;
+  if (!s.ok()) return Fail("apply-gradients", s);
   return 0;
 }
 

@@ -647,8 +647,10 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection,
 }
 
 absl::Status Client::ApplyGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
-                                    const KeyedTensor& grads, const std::string& request_id) {
+                                    const KeyedTensor& grads, const std::string& request_id,
+                                    std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
+  if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -699,8 +701,10 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
 absl::Status Client::ApplySequenceGradients(const std::string& collection,
                                             const KeyedJaggedTensor& kjt,
                                             const std::vector<SequenceEmbedding>& grads,
-                                            const std::string& request_id) {
+                                            const std::string& request_id,
+                                            std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
+  if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;

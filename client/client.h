@@ -82,16 +82,22 @@ class Client {
   // the collection's order (tables in spec order, then feature_names).
   absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, const KeyedJaggedTensor& kjt);
   // Gradients of Lookup's output (same keys, dims and batch). request_id
-  // makes retries exactly-once; empty: a fresh random id.
+  // makes retries exactly-once; empty: a fresh random id. The id used is
+  // written to *used_request_id (if given) whatever the outcome: after a
+  // failure that reached some workers and not others, calling again with
+  // that id applies the rest without applying anything twice (workers
+  // remember ids for their --dedup_ttl).
   absl::Status ApplyGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
-                              const KeyedTensor& grads, const std::string& request_id = "");
+                              const KeyedTensor& grads, const std::string& request_id = "",
+                              std::string* used_request_id = nullptr);
 
   // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,
                                                                 const KeyedJaggedTensor& kjt);
   absl::Status ApplySequenceGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
                                       const std::vector<SequenceEmbedding>& grads,
-                                      const std::string& request_id = "");
+                                      const std::string& request_id = "",
+                                      std::string* used_request_id = nullptr);
 
   // The whole table as float32 [rows, dim], reassembled from its shards.
   absl::StatusOr<std::vector<float>> ExportTable(const std::string& collection,

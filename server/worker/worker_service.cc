@@ -360,10 +360,19 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
     LOG_EVERY_N(WARNING, 100) << "collection '" << req->collection() << "': " << skipped
                               << " id(s) with NaN/Inf gradients or weights left out of an update";
   }
+  const absl::Time now = absl::Now();
   coll.applied.insert(req->request_id());
-  coll.applied_order.push_back(req->request_id());
-  while (static_cast<int>(coll.applied_order.size()) > options_.dedup_window) {
-    coll.applied.erase(coll.applied_order.front());
+  coll.applied_order.emplace_back(req->request_id(), now);
+  while (!coll.applied_order.empty() &&
+         (static_cast<int>(coll.applied_order.size()) > options_.dedup_window ||
+          coll.applied_order.front().second < now - options_.dedup_ttl)) {
+    if (coll.applied_order.front().second >= now - options_.dedup_ttl) {
+      dedup_forgotten_early_.fetch_add(1, std::memory_order_relaxed);
+      LOG_EVERY_N(WARNING, 1000) << "collection '" << req->collection() << "': more than "
+                                 << options_.dedup_window << " update ids within "
+                                 << options_.dedup_ttl << "; forgetting the oldest early";
+    }
+    coll.applied.erase(coll.applied_order.front().first);
     coll.applied_order.pop_front();
   }
   return grpc::Status::OK;
@@ -440,6 +449,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext*, const ember::v1::S
   resp->set_nonfinite_refused(nonfinite_refused_.load(std::memory_order_relaxed));
   resp->set_nonfinite_skipped_ids(nonfinite_skipped_ids_.load(std::memory_order_relaxed));
   resp->set_available_bytes(backend_->AvailableBytes());
+  resp->set_dedup_forgotten_early(dedup_forgotten_early_.load(std::memory_order_relaxed));
   for (const auto& [name, c] : collections_) {
     for (const auto& [key, entry] : c->shards) {
       auto* info = resp->add_shards();

@@ -30,6 +30,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
 #include "server/backend/embedding_backend.h"
 
@@ -39,8 +40,13 @@ namespace worker {
 struct WorkerServiceOptions {
   // Largest response (lookup outputs or exported rows) in bytes.
   int64_t max_response_bytes = int64_t{1} << 30;
-  // Request ids remembered per collection for exactly-once updates.
-  int dedup_window = 65536;
+  // Exactly-once updates: a request id is remembered (per collection) for
+  // dedup_ttl after it was applied, which must exceed every client's whole
+  // retry deadline (ClientOptions::timeout, 30 s by default); memory is
+  // bounded by dedup_window ids: past that the oldest are forgotten even if
+  // younger than dedup_ttl, and counted (ShardStatus.dedup_forgotten_early).
+  absl::Duration dedup_ttl = absl::Minutes(10);
+  int dedup_window = 1 << 20;
   // NaN/Inf in a gradient update: false refuses the whole update
   // (INVALID_ARGUMENT, nothing applied); true leaves out what they touch (a
   // pooled bag whose gradient row is not finite, an id whose weight or
@@ -88,7 +94,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t epoch = 0;
     std::map<std::pair<std::string, int32_t>, ShardEntry> shards;
     // Exactly-once: ids applied, oldest first; apply_mu serialises updates.
-    std::deque<std::string> applied_order;
+    std::deque<std::pair<std::string, absl::Time>> applied_order;
     absl::flat_hash_set<std::string> applied;
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
   };
@@ -113,6 +119,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   const WorkerServiceOptions options_;
   std::atomic<int64_t> nonfinite_refused_{0};
   std::atomic<int64_t> nonfinite_skipped_ids_{0};
+  std::atomic<int64_t> dedup_forgotten_early_{0};
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
 };

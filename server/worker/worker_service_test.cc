@@ -17,13 +17,11 @@ namespace {
 
 using ember::v1::TableConfig;
 
-std::unique_ptr<WorkerService> MakeService(bool skip) {
+std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so) {
   backend::CpuBackendOptions o;
   o.memory_limit_bytes = 1 << 20;
   auto b = backend::CreateCpuBackend(o);
   EXPECT_TRUE(b.ok()) << b.status();
-  WorkerServiceOptions so;
-  so.skip_nonfinite = skip;
   auto s = std::make_unique<WorkerService>(std::move(*b), so);
   ember::v1::CreateShardsRequest req;
   req.set_collection("c");
@@ -70,6 +68,12 @@ ember::v1::WorkerApplyGradientsRequest Update(const std::string& id) {
   g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 3}));
   g->set_grad(wire::Encode<float>(std::vector<float>{INFINITY, 0, 0, 0, 1, 1, 1, 1}));
   return r;
+}
+
+std::unique_ptr<WorkerService> MakeService(bool skip) {
+  WorkerServiceOptions so;
+  so.skip_nonfinite = skip;
+  return MakeService(so);
 }
 
 std::vector<float> Table(WorkerService* s, const std::string& table) {
@@ -123,6 +127,55 @@ TEST(WorkerServiceTest, SkipNonFiniteLeavesOutWhatTheyTouchAndAppliesTheRest) {
   EXPECT_EQ(s->ApplyGradients(nullptr, &bad, &resp).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Table(s.get(), "t"), t);
+}
+
+// One SGD step of -1 on row 0 of t under `id`; true if applied (not a
+// duplicate).
+bool Step(WorkerService* s, const std::string& id) {
+  ember::v1::WorkerApplyGradientsRequest r;
+  r.set_collection("c");
+  r.set_epoch(1);
+  r.set_request_id(id);
+  auto* g = r.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0}));
+  g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
+  ember::v1::WorkerApplyGradientsResponse resp;
+  EXPECT_TRUE(s->ApplyGradients(nullptr, &r, &resp).ok());
+  return !resp.duplicate();
+}
+
+TEST(WorkerServiceTest, RequestIdsAreRememberedForTheTimeWindowThenForgotten) {
+  WorkerServiceOptions o;
+  o.dedup_ttl = absl::Milliseconds(300);
+  auto s = MakeService(o);
+  EXPECT_TRUE(Step(s.get(), "x"));
+  EXPECT_FALSE(Step(s.get(), "x"));  // a retry inside the window: applied once
+  absl::SleepFor(absl::Milliseconds(400));
+  EXPECT_TRUE(Step(s.get(), "y"));  // ages "x" out
+  EXPECT_TRUE(Step(s.get(), "x"));
+  EXPECT_EQ(Table(s.get(), "t")[0], -3.0f);  // three steps of lr 1 x grad 1
+  ember::v1::ShardStatusRequest sreq;
+  ember::v1::ShardStatusResponse st;
+  ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &st).ok());
+  EXPECT_EQ(st.dedup_forgotten_early(), 0);
+}
+
+TEST(WorkerServiceTest, TheMemoryBoundForgetsTheOldestEarlyAndSaysSo) {
+  WorkerServiceOptions o;
+  o.dedup_window = 2;
+  auto s = MakeService(o);
+  EXPECT_TRUE(Step(s.get(), "a"));
+  EXPECT_TRUE(Step(s.get(), "b"));
+  EXPECT_TRUE(Step(s.get(), "c"));  // "a" forgotten inside its window
+  EXPECT_FALSE(Step(s.get(), "b"));
+  EXPECT_TRUE(Step(s.get(), "a"));
+  ember::v1::ShardStatusRequest sreq;
+  ember::v1::ShardStatusResponse st;
+  ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &st).ok());
+  EXPECT_EQ(st.dedup_forgotten_early(), 2);  // "a", then "b" when "a" came again
 }
 
 }  // namespace
