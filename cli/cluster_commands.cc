@@ -32,6 +32,7 @@ DECLARE_string(format);
 DEFINE_string(coordinator, "", "Coordinator address host:port.");
 DEFINE_string(listen, "127.0.0.1:0", "Address a server listens on (port 0: a free port).");
 DEFINE_int32(workers, 2, "up: number of local worker processes.");
+DEFINE_bool(restart_workers, true, "up: start a worker process again when it dies.");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
@@ -236,11 +237,11 @@ int RunUp(const std::string& self_path) {
   argv.push_back(nullptr);
   std::vector<pid_t> children;
   const pid_t parent = getpid();
-  for (int i = 0; i < FLAGS_workers; ++i) {
+  auto spawn = [&]() -> pid_t {
     const pid_t pid = fork();
     if (pid < 0) {
       perror("fork");
-      break;
+      return pid;
     }
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGTERM);  // never outlive `up`
@@ -250,12 +251,20 @@ int RunUp(const std::string& self_path) {
       execv(self_path.c_str(), argv.data());
       _exit(127);
     }
+    return pid;
+  };
+  for (int i = 0; i < FLAGS_workers; ++i) {
+    const pid_t pid = spawn();
+    if (pid < 0) break;
     children.push_back(pid);
   }
   auto stop_children = [&children] {
-    for (pid_t p : children) kill(p, SIGTERM);
+    for (pid_t p : children) {
+      if (p > 0) kill(p, SIGTERM);
+    }
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     for (pid_t p : children) {
+      if (p <= 0) continue;
       while (waitpid(p, nullptr, WNOHANG) == 0) {
         if (absl::Now() > deadline) {
           kill(p, SIGKILL);
@@ -294,11 +303,21 @@ int RunUp(const std::string& self_path) {
   }
   std::cout << "ready: " << FLAGS_workers << " " << FLAGS_device
             << " worker(s); Ctrl-C (SIGINT) or SIGTERM stops everything" << std::endl;
-  const int sig = WaitForSignal([&children] {
-    for (pid_t p : children) {
+  // Supervision, as Kubernetes restarts a pod: a worker that dies is started
+  // again; it registers as a new worker and the coordinator recovers the
+  // dead one's shards onto it.
+  const int sig = WaitForSignal([&] {
+    for (pid_t& p : children) {
       int status;
-      if (waitpid(p, &status, WNOHANG) == p) {
-        std::cerr << "up: worker pid " << p << " exited (status " << status << ")" << std::endl;
+      if (p <= 0 || waitpid(p, &status, WNOHANG) != p) continue;
+      std::cerr << "up: worker pid " << p << " exited (status " << status << ")"
+                << (FLAGS_restart_workers ? "; restarting it" : "") << std::endl;
+      p = -1;
+      if (!FLAGS_restart_workers) continue;
+      const pid_t again = spawn();
+      if (again > 0) {
+        std::cout << "worker restarted pid " << again << std::endl;
+        p = again;
       }
     }
     return true;
@@ -345,6 +364,22 @@ int RunStatus() {
               << (s.info().device() == ember::v1::CUDA ? "cuda" : "cpu") << " "
               << (s.live() ? "live" : "LEASE LAPSED") << " (heartbeat " << s.ms_since_heartbeat()
               << " ms ago)" << std::endl;
+  }
+  auto collections = (*cl)->ListCollections();
+  if (!collections.ok()) return Fail("status", collections.status());
+  std::cout << collections->size() << " collection(s)" << std::endl;
+  for (const auto& c : *collections) {
+    std::cout << "  " << c.spec().name() << " epoch " << c.plan().epoch() << " "
+              << ember::v1::CollectionInfo::State_Name(c.state()) << ", "
+              << c.spec().tables_size() << " table(s) on " << c.worker_addresses_size()
+              << " rank(s)" << std::endl;
+    if (c.recovered_unix_ms() > 0) {
+      std::cout << "    last recovery: "
+                << absl::FormatTime(absl::FromUnixMillis(c.recovered_unix_ms())) << " from "
+                << (c.recovered_from().empty() ? "(no checkpoint)" : c.recovered_from())
+                << std::endl;
+    }
+    if (!c.note().empty()) std::cout << "    " << c.note() << std::endl;
   }
   return 0;
 }

@@ -299,6 +299,13 @@ absl::StatusOr<CollectionInfo> Client::GetCollection(const std::string& collecti
   return resp->collection();
 }
 
+absl::StatusOr<std::vector<CollectionInfo>> Client::ListCollections() {
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::ListCollections,
+                              ember::v1::ListCollectionsRequest(), options_.timeout);
+  if (!resp.ok()) return resp.status();
+  return std::vector<CollectionInfo>(resp->collections().begin(), resp->collections().end());
+}
+
 absl::StatusOr<ember::v1::CheckpointInfo> Client::Checkpoint(const std::string& collection,
                                                              const std::string& dir,
                                                              absl::Duration timeout) {
@@ -370,6 +377,12 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
   }
   auto info = GetCollection(collection);
   if (!info.ok()) return info.status();
+  if (info->state() != CollectionInfo::SERVING) {
+    return absl::UnavailableError(absl::StrCat(
+        "collection '", collection, "' is ",
+        info->state() == CollectionInfo::RECOVERING ? "recovering" : "degraded", ": ",
+        info->note()));
+  }
   auto routing = BuildRouting(*std::move(info));
   if (!routing.ok()) return routing.status();
   absl::MutexLock lock(&mu_);
@@ -384,10 +397,9 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
   bool refresh = false, refreshed = false;
   for (int attempt = 1;; ++attempt) {
     auto routing = RoutingFor(collection, refresh);
-    if (!routing.ok()) return routing.status();
-    refresh = false;
-    absl::Status s = fn(**routing, deadline);
+    absl::Status s = routing.ok() ? fn(**routing, deadline) : routing.status();
     if (s.ok()) return s;
+    refresh = false;
     if (s.code() == absl::StatusCode::kFailedPrecondition && !refreshed) {
       refresh = refreshed = true;  // a stale plan: fetch the current one, once
       continue;
@@ -404,6 +416,7 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
     }
     absl::SleepFor(backoff);
     backoff *= 2;
+    refresh = true;  // a dead worker may have been replaced meanwhile
   }
 }
 

@@ -51,6 +51,7 @@ class Client {
   absl::StatusOr<ember::v1::CollectionInfo> CreateCollection(const ember::v1::CollectionSpec& spec,
                                                              const std::string& sharding_type = "");
   absl::StatusOr<ember::v1::CollectionInfo> GetCollection(const std::string& collection);
+  absl::StatusOr<std::vector<ember::v1::CollectionInfo>> ListCollections();
   absl::Status DropCollection(const std::string& collection);
 
   // Checkpoints and restores (see ember.v1.Coordinator.Checkpoint/Restore).

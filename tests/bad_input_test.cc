@@ -619,6 +619,28 @@ TEST_F(BadInputTest, CheckpointRpcs) {
   EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::DATA_LOSS);
   ld.clear_sources();  // nothing covers the shards
   EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::DATA_LOSS);
+  ld.add_only()->set_table("t_nope");
+  EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::FAILED_PRECONDITION);
+
+  // UpdateShards (recovery's move to a new epoch).
+  ember::v1::UpdateShardsRequest up;
+  EXPECT_EQ(Call(w, &WStub::UpdateShards, up), StatusCode::INVALID_ARGUMENT);  // no name
+  up.set_collection("bad");
+  EXPECT_EQ(Call(w, &WStub::UpdateShards, up), StatusCode::INVALID_ARGUMENT);  // epoch 0
+  up.set_epoch(epoch - 1);
+  EXPECT_EQ(Call(w, &WStub::UpdateShards, up), StatusCode::FAILED_PRECONDITION);  // older
+  up.set_collection("nope");
+  up.set_epoch(epoch + 1);
+  EXPECT_EQ(Call(w, &WStub::UpdateShards, up), StatusCode::NOT_FOUND);
+  up.set_collection("bad");
+  auto* a = up.add_create();  // t_sum is held whole: a different assignment is refused
+  a->mutable_ref()->set_table("t_sum");
+  *a->mutable_table() = info_.spec().tables(0);
+  a->set_rows(100);
+  a->set_cols(16);
+  EXPECT_EQ(Call(w, &WStub::UpdateShards, up), StatusCode::ALREADY_EXISTS);
+  a->set_col_offset(8);  // columns outside the table
+  EXPECT_EQ(Call(w, &WStub::UpdateShards, up), StatusCode::INVALID_ARGUMENT);
 
   EXPECT_TRUE(Take() == before);
 }
@@ -637,7 +659,7 @@ TEST_F(BadInputTest, OversizedAndMalformedMessagesOnEveryMethod) {
   const std::vector<std::string> coordinator_methods = MethodsOf("ember.v1.Coordinator");
   const std::vector<std::string> worker_methods = MethodsOf("ember.v1.Worker");
   ASSERT_EQ(coordinator_methods.size(), 11u);
-  ASSERT_EQ(worker_methods.size(), 9u);
+  ASSERT_EQ(worker_methods.size(), 10u);
   for (const std::string& m : coordinator_methods) {
     EXPECT_EQ(RawCall(cluster_->coordinator(), m, oversized), StatusCode::RESOURCE_EXHAUSTED) << m;
     EXPECT_NE(RawCall(cluster_->coordinator(), m, garbage), StatusCode::OK) << m;

@@ -8,7 +8,9 @@
 #include "absl/synchronization/blocking_counter.h"
 #include "glog/logging.h"
 #include "planner/planner.h"
+#include "server/backend/embedding_backend.h"
 #include "server/checkpoint/checkpoint_files.h"
+#include "server/common/table_spec.h"
 #include "server/common/grpc_util.h"
 
 namespace ember {
@@ -21,11 +23,13 @@ CoordinatorService::CoordinatorService(const CoordinatorOptions& options) : opti
   if (options_.checkpoint_every > absl::ZeroDuration() && !options_.checkpoint_dir.empty()) {
     periodic_ = std::thread([this] { PeriodicCheckpoints(); });
   }
+  monitor_ = std::thread([this] { MonitorLoop(); });
 }
 
 CoordinatorService::~CoordinatorService() {
   stop_.Notify();
   if (periodic_.joinable()) periodic_.join();
+  if (monitor_.joinable()) monitor_.join();
 }
 
 grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
@@ -202,11 +206,13 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
                                                   const ember::v1::CreateCollectionRequest* req,
                                                   ember::v1::CreateCollectionResponse* resp) {
   absl::MutexLock create(&create_mu_);
-  auto info = PlanAndCreate(req->spec(), req->sharding_type());
+  std::vector<std::string> ids;
+  auto info = PlanAndCreate(req->spec(), req->sharding_type(), &ids);
   if (!info.ok()) return ToGrpc(info.status());
   {
     absl::MutexLock lock(&mu_);
     collections_[info->spec().name()] = *info;
+    rank_ids_[info->spec().name()] = ids;
   }
   LOG(INFO) << "collection '" << info->spec().name() << "' created at epoch "
             << info->plan().epoch() << " on " << info->worker_addresses_size() << " worker(s)";
@@ -215,7 +221,8 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
 }
 
 absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
-    const ember::v1::CollectionSpec& requested, const std::string& sharding_type) {
+    const ember::v1::CollectionSpec& requested, const std::string& sharding_type,
+    std::vector<std::string>* worker_ids) {
   ember::v1::CollectionSpec spec = requested;
   if (spec.name().empty()) return absl::InvalidArgumentError("the collection needs a name");
   if (!sharding_type.empty()) {
@@ -302,6 +309,8 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   *info.mutable_spec() = spec;
   *info.mutable_plan() = *std::move(plan);
   for (const std::string& a : addresses) info.add_worker_addresses(a);
+  worker_ids->clear();
+  for (const Worker& w : workers) worker_ids->push_back(w.id);
   return info;
 }
 
@@ -369,6 +378,7 @@ grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
     }
     info = it->second;
     collections_.erase(it);
+    rank_ids_.erase(req->collection());
   }
   const std::vector<std::string> addresses(info.worker_addresses().begin(),
                                            info.worker_addresses().end());
@@ -426,23 +436,30 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
       ref->set_shard_index(i);
     }
   }
-  const std::vector<std::string> addresses(info.worker_addresses().begin(),
-                                           info.worker_addresses().end());
+  // Only ranks with something to write are called (a dead rank whose
+  // shards moved elsewhere holds nothing).
+  std::vector<std::string> addresses;
+  std::vector<ember::v1::WriteCheckpointRequest> requests;
+  for (int r = 0; r < world; ++r) {
+    if (per_rank[r].shards_size() == 0) continue;
+    addresses.push_back(info.worker_addresses(r));
+    requests.push_back(std::move(per_rank[r]));
+  }
   std::vector<ember::v1::WriteCheckpointResponse> responses;
   const std::vector<grpc::Status> statuses =
       CallEach<ember::v1::WriteCheckpointRequest, ember::v1::WriteCheckpointResponse>(
-          addresses, per_rank,
+          addresses, requests,
           [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
             async->WriteCheckpoint(ctx, request, response, std::move(done));
           },
           options_.checkpoint_rpc_timeout, &responses);
-  for (int r = 0; r < world; ++r) {
+  for (size_t r = 0; r < addresses.size(); ++r) {
     if (statuses[r].ok()) continue;
     if (absl::Status s = checkpoint::RemoveCheckpoint(*dir); !s.ok()) {
       LOG(WARNING) << "removing the failed checkpoint " << *dir << ": " << s;
     }
-    return FromGrpc(statuses[r], absl::StrCat("checkpoint of '", collection, "' on worker ", r,
-                                              " (", addresses[r], ")"));
+    return FromGrpc(statuses[r], absl::StrCat("checkpoint of '", collection, "' on worker ",
+                                              addresses[r]));
   }
   ember::v1::CheckpointManifest manifest;
   manifest.set_format_version(checkpoint::kFormatVersion);
@@ -517,7 +534,8 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::
   ember::v1::CollectionSpec spec = manifest->spec();
   if (!req->collection().empty()) spec.set_name(req->collection());
   absl::MutexLock create(&create_mu_);
-  auto info = PlanAndCreate(spec, req->sharding_type());
+  std::vector<std::string> ids;
+  auto info = PlanAndCreate(spec, req->sharding_type(), &ids);
   if (!info.ok()) return ToGrpc(info.status());
   const int64_t epoch = info->plan().epoch();
   const std::vector<std::string> addresses(info->worker_addresses().begin(),
@@ -543,6 +561,7 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::
   {
     absl::MutexLock lock(&mu_);
     collections_[spec.name()] = *info;
+    rank_ids_[spec.name()] = ids;
   }
   LOG(INFO) << "collection '" << spec.name() << "' restored from " << *path << " at epoch " << epoch
             << " on " << addresses.size() << " worker(s)";
@@ -578,6 +597,324 @@ void CoordinatorService::PeriodicCheckpoints() {
       }
     }
   }
+}
+
+namespace {
+
+// Ranks that hold something of the collection in `plan`.
+std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan) {
+  std::set<int> ranks;
+  for (const auto& ts : plan.tables()) {
+    if (ts.shards_size() == 0) ranks.insert(ts.ranks().begin(), ts.ranks().end());
+    for (const auto& sh : ts.shards()) {
+      if (sh.rows() > 0) ranks.insert(sh.rank());
+    }
+  }
+  return ranks;
+}
+
+// Every shard assignment of `rank` under `plan` (as PlanAndCreate makes them).
+std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank) {
+  std::vector<ShardAssignment> out;
+  for (int t = 0; t < info.plan().tables_size(); ++t) {
+    const auto& ts = info.plan().tables(t);
+    const auto& table = info.spec().tables(t);
+    auto add = [&](int index, int64_t ro, int64_t co, int64_t rows, int64_t cols) {
+      ShardAssignment a;
+      a.mutable_ref()->set_table(table.name());
+      a.mutable_ref()->set_shard_index(index);
+      *a.mutable_table() = table;
+      a.set_row_offset(ro);
+      a.set_col_offset(co);
+      a.set_rows(rows);
+      a.set_cols(cols);
+      out.push_back(std::move(a));
+    };
+    if (ts.shards_size() == 0) {
+      for (int r : ts.ranks()) {
+        if (r == rank) add(r, 0, 0, table.num_embeddings(), table.embedding_dim());
+      }
+    }
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      const auto& sh = ts.shards(i);
+      if (sh.rows() > 0 && sh.rank() == rank) {
+        add(i, sh.row_offset(), sh.col_offset(), sh.rows(), sh.cols());
+      }
+    }
+  }
+  return out;
+}
+
+int64_t AssignmentBytes(const ShardAssignment& a) {
+  return backend::ShardBytes(
+      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
+}
+
+}  // namespace
+
+void CoordinatorService::SetState(const std::string& name, CollectionInfo::State state,
+                                  const std::string& note) {
+  absl::MutexLock lock(&mu_);
+  auto it = collections_.find(name);
+  if (it == collections_.end()) return;
+  it->second.set_state(state);
+  it->second.set_note(note);
+}
+
+std::string CoordinatorService::LatestCheckpoint(const std::string& name) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = catalogue_.rbegin(); it != catalogue_.rend(); ++it) {
+      if (it->collection() == name && checkpoint::ReadManifest(it->path()).ok()) return it->path();
+    }
+  }
+  if (options_.checkpoint_dir.empty()) return "";
+  auto path = checkpoint::ResolveCheckpoint(options_.checkpoint_dir + "/" + name);
+  return path.ok() ? *path : "";
+}
+
+void CoordinatorService::MonitorLoop() {
+  const absl::Duration tick = std::max(options_.lease / 4, absl::Milliseconds(50));
+  while (!stop_.WaitForNotificationWithTimeout(tick)) {
+    std::vector<std::string> lost;
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      for (const auto& [name, info] : collections_) {
+        const std::vector<std::string>& ids = rank_ids_[name];
+        for (int r : RanksWithShards(info.plan())) {
+          auto w = r < static_cast<int>(ids.size()) ? workers_.find(ids[r]) : workers_.end();
+          if (w == workers_.end() || now - w->second.last_heartbeat >= options_.lease) {
+            lost.push_back(name);
+            break;
+          }
+        }
+      }
+    }
+    for (const std::string& name : lost) {
+      if (stop_.HasBeenNotified()) return;
+      RecoverCollection(name);
+    }
+  }
+}
+
+void CoordinatorService::RecoverCollection(const std::string& name) {
+  absl::MutexLock create(&create_mu_);
+  const absl::Time start = absl::Now();
+  CollectionInfo info;
+  std::vector<std::string> ids;
+  std::map<std::string, Worker> live;  // by id
+  for (const Worker& w : LiveWorkers()) live[w.id] = w;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(name);
+    if (it == collections_.end()) return;
+    info = it->second;
+    ids = rank_ids_[name];
+  }
+  const int world = info.worker_addresses_size();
+  ids.resize(world);
+  const std::set<int> holding = RanksWithShards(info.plan());
+  std::set<int> lost;
+  for (int r : holding) {
+    if (!live.count(ids[r])) lost.insert(r);
+  }
+  if (lost.empty()) return;
+  std::string lost_names;
+  for (int r : lost) absl::StrAppend(&lost_names, lost_names.empty() ? "" : ", ", "rank ", r, " (",
+                                     info.worker_addresses(r), ")");
+  LOG(WARNING) << "collection '" << name << "': lost " << lost_names << "; recovering";
+  SetState(name, CollectionInfo::RECOVERING, "recovering the shards of " + lost_names);
+
+  // Live workers that hold nothing of this collection replace dead ranks;
+  // without one, a dead rank's shards go to the live ranks with the least.
+  std::vector<std::string> spare;
+  std::set<std::string> in_use(ids.begin(), ids.end());
+  for (const auto& [id, w] : live) {
+    if (!in_use.count(id)) spare.push_back(id);
+  }
+  std::sort(spare.begin(), spare.end(),
+            [&](const std::string& a, const std::string& b) { return live[a].seq < live[b].seq; });
+  std::map<int, int64_t> load;  // bytes per live, kept rank
+  for (int r = 0; r < world; ++r) {
+    if (live.count(ids[r]) && !lost.count(r)) {
+      for (const auto& a : AssignmentsOf(info, r)) load[r] += AssignmentBytes(a);
+    }
+  }
+  ember::v1::ShardingPlan& plan = *info.mutable_plan();
+  std::map<int, std::set<std::pair<std::string, int32_t>>> reload;  // rank -> shards to load
+  std::set<int> replaced;
+  for (int r : lost) {
+    if (!spare.empty()) {
+      ids[r] = spare.front();
+      info.set_worker_addresses(r, live[spare.front()].info.address());
+      spare.erase(spare.begin());
+      load[r] = 0;
+      replaced.insert(r);
+      continue;
+    }
+    for (int t = 0; t < plan.tables_size(); ++t) {
+      auto* ts = plan.mutable_tables(t);
+      for (int i = 0; i < ts->shards_size(); ++i) {
+        auto* sh = ts->mutable_shards(i);
+        if (sh->rank() != r || sh->rows() == 0 || load.empty()) continue;
+        const int to = std::min_element(load.begin(), load.end(), [](const auto& a, const auto& b) {
+                         return a.second < b.second;
+                       })->first;
+        sh->set_rank(to);
+        for (const auto& a : AssignmentsOf(info, to)) {
+          if (a.ref().table() == ts->table() && a.ref().shard_index() == i) {
+            load[to] += AssignmentBytes(a);
+          }
+        }
+        reload[to].insert({ts->table(), i});
+      }
+    }
+  }
+  // Data-parallel tables drop dead replicas; one with none left gets one.
+  for (int t = 0; t < plan.tables_size(); ++t) {
+    auto* ts = plan.mutable_tables(t);
+    if (ts->shards_size() > 0) continue;
+    std::vector<int> kept;
+    for (int r : ts->ranks()) {
+      if (!lost.count(r)) kept.push_back(r);
+    }
+    if (kept.empty() && !load.empty()) {
+      const int to = std::min_element(load.begin(), load.end(), [](const auto& a, const auto& b) {
+                       return a.second < b.second;
+                     })->first;
+      kept.push_back(to);
+      reload[to].insert({ts->table(), to});
+    }
+    ts->clear_ranks();
+    for (int r : kept) ts->add_ranks(r);
+  }
+  for (int r : replaced) {  // a replacement loads all it holds
+    for (const auto& a : AssignmentsOf(info, r)) {
+      reload[r].insert({a.ref().table(), a.ref().shard_index()});
+    }
+  }
+  if (load.empty()) {
+    SetState(name, CollectionInfo::DEGRADED,
+             "no live worker to take the shards of " + lost_names + "; start one");
+    return;
+  }
+  int64_t epoch;
+  {
+    absl::MutexLock lock(&mu_);
+    epoch = ++epoch_;
+  }
+  plan.set_epoch(epoch);
+
+  // Replacements create their shards; the other live ranks move to the new
+  // epoch and create what they were given.
+  std::vector<std::string> create_at, update_at;
+  std::vector<ember::v1::CreateShardsRequest> creates;
+  std::vector<ember::v1::UpdateShardsRequest> updates;
+  for (const auto& [r, bytes] : load) {
+    const std::vector<ShardAssignment> mine = AssignmentsOf(info, r);
+    if (lost.count(r)) {
+      ember::v1::CreateShardsRequest c;
+      c.set_collection(name);
+      c.set_epoch(epoch);
+      for (const auto& a : mine) *c.add_shards() = a;
+      create_at.push_back(info.worker_addresses(r));
+      creates.push_back(std::move(c));
+    } else {
+      ember::v1::UpdateShardsRequest u;
+      u.set_collection(name);
+      u.set_epoch(epoch);
+      for (const auto& a : mine) *u.add_create() = a;
+      update_at.push_back(info.worker_addresses(r));
+      updates.push_back(std::move(u));
+    }
+  }
+  auto failed = [&](const std::vector<grpc::Status>& statuses,
+                    const std::vector<std::string>& at) -> bool {
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (statuses[i].ok()) continue;
+      const std::string why = absl::StrCat("recovery of ", lost_names, " failed on ", at[i], ": ",
+                                           statuses[i].error_message(), "; retrying");
+      LOG(WARNING) << "collection '" << name << "': " << why;
+      SetState(name, CollectionInfo::DEGRADED, why);
+      return true;
+    }
+    return false;
+  };
+  if (failed(CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
+                 create_at, creates,
+                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                   async->CreateShards(ctx, request, response, std::move(done));
+                 }),
+             create_at) ||
+      failed(CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+                 update_at, updates,
+                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                   async->UpdateShards(ctx, request, response, std::move(done));
+                 }),
+             update_at)) {
+    return;
+  }
+
+  // Reload from the latest checkpoint: the lost shards, or everything.
+  const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
+  const std::string path = LatestCheckpoint(name);
+  std::string note;
+  if (path.empty()) {
+    note = absl::StrCat("no checkpoint: the shards of ", lost_names,
+                        " came back freshly initialised");
+  } else {
+    auto manifest = checkpoint::VerifyCheckpoint(path);
+    if (!manifest.ok()) {
+      SetState(name, CollectionInfo::DEGRADED,
+               absl::StrCat("checkpoint ", path, " cannot be used: ", manifest.status().message()));
+      return;
+    }
+    std::vector<std::string> at;
+    std::vector<ember::v1::LoadCheckpointRequest> loads;
+    for (const auto& [r, bytes] : load) {
+      if (!whole && !reload.count(r)) continue;
+      ember::v1::LoadCheckpointRequest l;
+      l.set_collection(name);
+      l.set_epoch(epoch);
+      l.set_dir(path);
+      *l.mutable_sources() = manifest->shards();
+      if (!whole) {
+        for (const auto& [table, index] : reload[r]) {
+          auto* ref = l.add_only();
+          ref->set_table(table);
+          ref->set_shard_index(index);
+        }
+      }
+      at.push_back(info.worker_addresses(r));
+      loads.push_back(std::move(l));
+    }
+    if (failed(CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
+                   at, loads,
+                   [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                     async->LoadCheckpoint(ctx, request, response, std::move(done));
+                   },
+                   options_.checkpoint_rpc_timeout),
+               at)) {
+      return;
+    }
+    note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
+                                lost_names, ")")
+                 : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
+                                "; their updates since then are lost");
+  }
+  info.set_state(CollectionInfo::SERVING);
+  info.set_recovered_from(path);
+  info.set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
+  info.set_note(note);
+  {
+    absl::MutexLock lock(&mu_);
+    if (!collections_.count(name)) return;  // dropped meanwhile
+    collections_[name] = info;
+    rank_ids_[name] = ids;
+  }
+  LOG(INFO) << "collection '" << name << "' recovered at epoch " << epoch << " in "
+            << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms: " << note;
 }
 
 }  // namespace coordinator

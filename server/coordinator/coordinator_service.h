@@ -13,6 +13,18 @@
 // visible only once loaded. Every checkpoint taken is in the catalogue
 // (ListCheckpoints).
 //
+// Recovery: a monitor thread watches the leases of the workers holding each
+// collection. When one lapses (or the worker re-registers, empty, at the
+// same address), the collection goes RECOVERING (clients get UNAVAILABLE
+// and retry), the dead worker's shards move to a spare live worker that
+// holds nothing of the collection (a replacement), else to the live workers
+// with the least assigned, at a new epoch; then they are loaded from the
+// collection's latest checkpoint (spec.recovery: only the lost shards, or
+// the whole collection rolled back), or come back freshly initialised where
+// there is none. GetCollection reports the state, the checkpoint recovered
+// from and what was lost. A data-parallel table just loses the dead
+// replica (others still hold it).
+//
 // Thread-safe: gRPC calls it from many threads; collection creation,
 // dropping and restoring are serialised, and so are checkpoints.
 #ifndef EMBER_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
@@ -108,10 +120,20 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                              const std::vector<std::string>& addresses);
   // Plans `spec` over the live workers and creates its shards on them (all
   // or nothing); the collection is not registered. Needs create_mu_.
+  // *worker_ids: the id of the worker at each rank.
   absl::StatusOr<ember::v1::CollectionInfo> PlanAndCreate(const ember::v1::CollectionSpec& spec,
-                                                          const std::string& sharding_type)
+                                                          const std::string& sharding_type,
+                                                          std::vector<std::string>* worker_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   void PeriodicCheckpoints();
+  void MonitorLoop();
+  // Re-places and reloads the shards of the collection's dead workers.
+  void RecoverCollection(const std::string& name) ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  void SetState(const std::string& name, ember::v1::CollectionInfo::State state,
+                const std::string& note) ABSL_LOCKS_EXCLUDED(mu_);
+  // The newest committed checkpoint of a collection: the catalogue's, else
+  // the latest under checkpoint_dir; "" if none.
+  std::string LatestCheckpoint(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
 
   const CoordinatorOptions options_;
   absl::Mutex create_mu_;  // one create or drop at a time
@@ -120,11 +142,14 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   int64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, ember::v1::CollectionInfo> collections_ ABSL_GUARDED_BY(mu_);
+  // The id of the worker serving each rank of a collection.
+  std::map<std::string, std::vector<std::string>> rank_ids_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   absl::Mutex checkpoint_mu_;  // one checkpoint at a time
   std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first
   absl::Notification stop_;
   std::thread periodic_;
+  std::thread monitor_;
 };
 
 }  // namespace coordinator

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -189,24 +190,8 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
 grpc::Status WorkerService::CreateShards(grpc::ServerContext*,
                                          const ember::v1::CreateShardsRequest* req,
                                          ember::v1::CreateShardsResponse*) {
-  if (req->collection().empty()) {
-    return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
-  }
-  if (req->epoch() <= 0) {
-    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
-  }
-  for (const auto& a : req->shards()) {
-    if (a.ref().table() != a.table().name()) {
-      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
-          RefString(a.ref()), " carries the config of table '", a.table().name(), "'")));
-    }
-    if (a.col_offset() < 0 || a.cols() <= 0 ||
-        a.col_offset() + a.cols() > a.table().embedding_dim()) {
-      return ToGrpc(absl::InvalidArgumentError(
-          absl::StrCat(RefString(a.ref()), ": columns [", a.col_offset(), ", ",
-                       a.col_offset() + a.cols(), ") are outside the table's ",
-                       a.table().embedding_dim())));
-    }
+  if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->shards()); !s.ok()) {
+    return ToGrpc(s);
   }
   absl::MutexLock lock(&mu_);
   auto it = collections_.find(req->collection());
@@ -218,24 +203,57 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext*,
         "collection '", req->collection(), "' is already held at epoch ", it->second->epoch,
         it->second->epoch == req->epoch() ? " with other shards" : "", "; drop it first")));
   }
+  auto c = std::make_unique<Collection>();
+  c->epoch = req->epoch();
+  if (absl::Status s = AllocateShards(req->collection(), req->shards(), c.get()); !s.ok()) {
+    return ToGrpc(s);
+  }
+  LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << ": "
+            << c->shards.size() << " shard(s) created";
+  collections_[req->collection()] = std::move(c);
+  return grpc::Status::OK;
+}
+
+absl::Status WorkerService::CheckAssignments(
+    const std::string& collection, int64_t epoch,
+    const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards) {
+  if (collection.empty()) return absl::InvalidArgumentError("collection name is empty");
+  if (epoch <= 0) return absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", epoch));
+  for (const auto& a : shards) {
+    if (a.ref().table() != a.table().name()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          RefString(a.ref()), " carries the config of table '", a.table().name(), "'"));
+    }
+    if (a.col_offset() < 0 || a.cols() <= 0 ||
+        a.col_offset() + a.cols() > a.table().embedding_dim()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(RefString(a.ref()), ": columns [", a.col_offset(), ", ",
+                       a.col_offset() + a.cols(), ") are outside the table's ",
+                       a.table().embedding_dim()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::AllocateShards(
+    const std::string& collection,
+    const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards, Collection* c) {
   // Refused before anything is allocated when the shards cannot all fit.
   int64_t need = 0;
-  for (const auto& a : req->shards()) {
+  for (const auto& a : shards) {
     const int64_t bytes = backend::ShardBytes(
         ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
     need = bytes > std::numeric_limits<int64_t>::max() - need ? std::numeric_limits<int64_t>::max()
                                                               : need + bytes;
   }
   if (const int64_t available = backend_->AvailableBytes(); need > available) {
-    return ToGrpc(absl::ResourceExhaustedError(
-        absl::StrCat("collection '", req->collection(), "': ", req->shards_size(),
-                     " shard(s) need ", need, " bytes; this worker has ", available,
-                     " free for shards")));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("collection '", collection, "': ", shards.size(), " shard(s) need ", need,
+                     " bytes; this worker has ", available, " free for shards"));
   }
-  auto c = std::make_unique<Collection>();
-  c->epoch = req->epoch();
+  std::vector<std::pair<std::string, int32_t>> made;
   absl::Status failed;
-  for (const auto& a : req->shards()) {
+  for (const auto& a : shards) {
     const backend::ShardSpec spec =
         ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
     auto key = std::make_pair(a.ref().table(), a.ref().shard_index());
@@ -250,14 +268,49 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext*,
       break;
     }
     c->shards[key] = ShardEntry{*id, a};
+    made.push_back(key);
   }
-  if (!failed.ok()) {
-    for (const auto& [key, entry] : c->shards) (void)backend_->DropShard(entry.id);
-    return ToGrpc(failed);
+  if (!failed.ok()) {  // all or nothing
+    for (const auto& key : made) {
+      (void)backend_->DropShard(c->shards[key].id);
+      c->shards.erase(key);
+    }
   }
-  LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << ": "
-            << c->shards.size() << " shard(s) created";
-  collections_[req->collection()] = std::move(c);
+  return failed;
+}
+
+grpc::Status WorkerService::UpdateShards(grpc::ServerContext*,
+                                         const ember::v1::UpdateShardsRequest* req,
+                                         ember::v1::UpdateShardsResponse*) {
+  if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->create()); !s.ok()) {
+    return ToGrpc(s);
+  }
+  absl::MutexLock lock(&mu_);
+  auto c = HeldCollection(req->collection());
+  if (!c.ok()) return ToGrpc(c.status());
+  Collection& coll = **c;
+  if (req->epoch() < coll.epoch) {
+    return ToGrpc(absl::FailedPreconditionError(
+        absl::StrCat("collection '", req->collection(), "' is held at epoch ", coll.epoch,
+                     ", newer than ", req->epoch())));
+  }
+  absl::MutexLock apply(coll.apply_mu.get());
+  // Shards held already with the same assignment stay (a retry); the rest
+  // are made, all or nothing.
+  google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment> create;
+  for (const auto& a : req->create()) {
+    auto it = coll.shards.find({a.ref().table(), a.ref().shard_index()});
+    if (it == coll.shards.end()) {
+      *create.Add() = a;
+    } else if (!google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
+      return ToGrpc(absl::AlreadyExistsError(
+          absl::StrCat(RefString(a.ref()), " is held with another assignment")));
+    }
+  }
+  if (absl::Status s = AllocateShards(req->collection(), create, &coll); !s.ok()) return ToGrpc(s);
+  LOG(INFO) << "collection '" << req->collection() << "' epoch " << coll.epoch << " -> "
+            << req->epoch() << ": " << create.size() << " shard(s) added";
+  coll.epoch = req->epoch();
   return grpc::Status::OK;
 }
 
@@ -543,7 +596,16 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
     checkpoint::RecutTarget recut;
   };
   std::vector<Target> targets;
+  std::set<std::pair<std::string, int32_t>> only;
+  for (const auto& ref : req->only()) {
+    if (!(*c)->shards.count({ref.table(), ref.shard_index()})) {
+      return ToGrpc(absl::FailedPreconditionError(absl::StrCat("no ", RefString(ref),
+                                                               " on this worker to load")));
+    }
+    only.insert({ref.table(), ref.shard_index()});
+  }
   for (const auto& [key, entry] : (*c)->shards) {
+    if (!only.empty() && !only.count(key)) continue;
     auto spec = backend_->GetShardSpec(entry.id);
     if (!spec.ok()) return ToGrpc(spec.status());
     const auto& a = entry.assignment;

@@ -81,6 +81,8 @@ class WorkerService final : public ember::v1::Worker::Service {
                                ember::v1::WriteCheckpointResponse* resp) override;
   grpc::Status LoadCheckpoint(grpc::ServerContext* ctx, const ember::v1::LoadCheckpointRequest* req,
                               ember::v1::LoadCheckpointResponse* resp) override;
+  grpc::Status UpdateShards(grpc::ServerContext* ctx, const ember::v1::UpdateShardsRequest* req,
+                            ember::v1::UpdateShardsResponse* resp) override;
 
   // Decoded arrays of one ShardFeature (owned storage for the backend's spans).
   struct Decoded;
@@ -114,6 +116,15 @@ class WorkerService final : public ember::v1::Worker::Service {
   absl::StatusOr<const ShardEntry*> FindShard(const Collection& c,
                                               const ember::v1::ShardRef& ref) const;
   static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
+  // INVALID_ARGUMENT for a bad name, epoch or assignment.
+  static absl::Status CheckAssignments(
+      const std::string& collection, int64_t epoch,
+      const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards);
+  // Creates the shards in c (memory checked first; all or nothing).
+  absl::Status AllocateShards(
+      const std::string& collection,
+      const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards, Collection* c)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
