@@ -64,6 +64,10 @@ DEFINE_string(checkpoint_dir, "",
 DEFINE_string(checkpoint_every, "",
               "Coordinator/up: checkpoint every collection this often, e.g. 10m, 1h (needs "
               "--checkpoint_dir; empty: never).");
+DEFINE_string(state_dir, "",
+              "Coordinator/up: keep the coordinator's state (workers, collections, plans, "
+              "epochs, checkpoint catalogue) in a LevelDB store here; a restarted coordinator "
+              "reloads it.");
 DEFINE_int32(keep_checkpoints, 3,
              "Coordinator/up: committed checkpoints kept per collection and ROOT.");
 DEFINE_string(dir, "", "checkpoint: ROOT for the new checkpoint (default: the coordinator's "
@@ -139,8 +143,11 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   if (!FLAGS_checkpoint_every.empty()) {
     (void)absl::ParseDuration(FLAGS_checkpoint_every, &o.checkpoint_every);  // checked before
   }
+  o.state_dir = FLAGS_state_dir;
   Coordinator c;
-  c.service = std::make_unique<coordinator::CoordinatorService>(o);
+  auto service = coordinator::CoordinatorService::Create(o);
+  if (!service.ok()) return service.status();
+  c.service = std::move(*service);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
   int port = 0;

@@ -20,6 +20,63 @@
 namespace ember {
 namespace testing_util {
 
+// One child process with its stdout on a pipe; SIGTERM (then SIGKILL after
+// 15 s) when destroyed.
+class Process {
+ public:
+  explicit Process(std::vector<std::string> args) {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      dup2(fds[1], 1);
+      close(fds[0]);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+  }
+  ~Process() {
+    Stop(SIGTERM);
+    if (out_ != nullptr) fclose(out_);
+  }
+  // The first line of stdout starting with `prefix` (without it and the
+  // newline); "" at end of output.
+  std::string Line(const std::string& prefix) {
+    char line[512];
+    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
+      std::string l(line);
+      if (l.rfind(prefix, 0) == 0) return std::string(absl::StripSuffix(l.substr(prefix.size()), "\n"));
+    }
+    return "";
+  }
+  pid_t pid() const { return pid_; }
+  // Sends `sig` and reaps the process (SIGKILL after 15 s).
+  void Stop(int sig) {
+    if (pid_ <= 0) return;
+    kill(pid_, sig);
+    const absl::Time deadline = absl::Now() + absl::Seconds(15);
+    while (waitpid(pid_, nullptr, WNOHANG) == 0) {
+      if (absl::Now() > deadline) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, nullptr, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+};
+
 class LocalCluster {
  public:
   // Starts the cluster; ok() tells whether it came up within 60 s. `extra`:

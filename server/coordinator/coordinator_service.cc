@@ -10,6 +10,7 @@
 #include "planner/planner.h"
 #include "server/backend/embedding_backend.h"
 #include "server/checkpoint/checkpoint_files.h"
+#include "server/coordinator/state_store.h"
 #include "server/common/table_spec.h"
 #include "server/common/grpc_util.h"
 
@@ -19,7 +20,148 @@ namespace coordinator {
 using ember::v1::CollectionInfo;
 using ember::v1::ShardAssignment;
 
-CoordinatorService::CoordinatorService(const CoordinatorOptions& options) : options_(options) {
+namespace {
+
+// Ranks that hold something of the collection in `plan`.
+std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan) {
+  std::set<int> ranks;
+  for (const auto& ts : plan.tables()) {
+    if (ts.shards_size() == 0) ranks.insert(ts.ranks().begin(), ts.ranks().end());
+    for (const auto& sh : ts.shards()) {
+      if (sh.rows() > 0) ranks.insert(sh.rank());
+    }
+  }
+  return ranks;
+}
+
+// Every shard assignment of `rank` under `plan` (as PlanAndCreate makes them).
+std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank) {
+  std::vector<ShardAssignment> out;
+  for (int t = 0; t < info.plan().tables_size(); ++t) {
+    const auto& ts = info.plan().tables(t);
+    const auto& table = info.spec().tables(t);
+    auto add = [&](int index, int64_t ro, int64_t co, int64_t rows, int64_t cols) {
+      ShardAssignment a;
+      a.mutable_ref()->set_table(table.name());
+      a.mutable_ref()->set_shard_index(index);
+      *a.mutable_table() = table;
+      a.set_row_offset(ro);
+      a.set_col_offset(co);
+      a.set_rows(rows);
+      a.set_cols(cols);
+      out.push_back(std::move(a));
+    };
+    if (ts.shards_size() == 0) {
+      for (int r : ts.ranks()) {
+        if (r == rank) add(r, 0, 0, table.num_embeddings(), table.embedding_dim());
+      }
+    }
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      const auto& sh = ts.shards(i);
+      if (sh.rows() > 0 && sh.rank() == rank) {
+        add(i, sh.row_offset(), sh.col_offset(), sh.rows(), sh.cols());
+      }
+    }
+  }
+  return out;
+}
+
+int64_t AssignmentBytes(const ShardAssignment& a) {
+  return backend::ShardBytes(
+      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CoordinatorService>> CoordinatorService::Create(
+    const CoordinatorOptions& options) {
+  std::unique_ptr<StateStore> store;
+  StateStore::State state;
+  if (!options.state_dir.empty()) {
+    auto opened = StateStore::Open(options.state_dir);
+    if (!opened.ok()) return opened.status();
+    store = std::move(*opened);
+    auto loaded = store->Load();
+    if (!loaded.ok()) return loaded.status();
+    state = std::move(*loaded);
+  }
+  std::unique_ptr<CoordinatorService> c(new CoordinatorService(options, std::move(store)));
+  c->Load(state);
+  return c;
+}
+
+void CoordinatorService::Load(const StateStore::State& state) {
+  absl::MutexLock lock(&mu_);
+  epoch_ = state.epoch;
+  next_worker_ = state.next_worker;
+  const absl::Time now = absl::Now();  // one lease to heartbeat again
+  for (const auto& w : state.workers) {
+    workers_[w.worker_id()] = Worker{w.worker_id(), w.info(), now, w.seq()};
+  }
+  for (const auto& c : state.collections) {
+    collections_[c.info().spec().name()] = c.info();
+    rank_ids_[c.info().spec().name()].assign(c.rank_worker_ids().begin(),
+                                             c.rank_worker_ids().end());
+  }
+  catalogue_ = state.checkpoints;
+  if (store_ != nullptr) {
+    LOG(INFO) << "state from " << options_.state_dir << ": epoch " << epoch_ << ", "
+              << workers_.size() << " worker(s), " << collections_.size() << " collection(s), "
+              << catalogue_.size() << " checkpoint(s)";
+    reconcile_pending_ = !workers_.empty();
+  }
+}
+
+void CoordinatorService::Reconcile() {
+  absl::MutexLock create(&create_mu_);
+  std::vector<Worker> live = LiveWorkers();
+  std::map<std::string, CollectionInfo> collections;
+  std::map<std::string, std::vector<std::string>> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    collections = collections_;
+    ids = rank_ids_;
+  }
+  std::vector<std::string> addresses;
+  for (const Worker& w : live) addresses.push_back(w.info.address());
+  std::vector<ember::v1::ShardStatusResponse> held;
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::ShardStatusRequest, ember::v1::ShardStatusResponse>(
+          addresses, std::vector<ember::v1::ShardStatusRequest>(addresses.size()),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->ShardStatus(ctx, request, response, std::move(done));
+          },
+          absl::ZeroDuration(), &held);
+  for (size_t i = 0; i < live.size(); ++i) {
+    if (!statuses[i].ok()) continue;  // the lease decides about this one
+    std::set<std::pair<std::string, int64_t>> here;
+    for (const auto& sh : held[i].shards()) here.insert({sh.collection(), sh.epoch()});
+    for (const auto& [name, epoch] : here) {
+      auto it = collections.find(name);
+      if (it == collections.end() || it->second.plan().epoch() != epoch) {
+        LOG(WARNING) << "reconcile: worker " << live[i].id << " holds '" << name << "' at epoch "
+                     << epoch << ", which this coordinator does not know; dropping it";
+        (void)DropOnWorkers(name, epoch, {addresses[i]});
+      }
+    }
+    for (const auto& [name, info] : collections) {
+      const std::vector<std::string>& rank_ids = ids[name];
+      for (int r : RanksWithShards(info.plan())) {
+        if (r < static_cast<int>(rank_ids.size()) && rank_ids[r] == live[i].id &&
+            !here.count({name, info.plan().epoch()})) {
+          LOG(WARNING) << "reconcile: worker " << live[i].id << " lacks '" << name << "' rank "
+                       << r << "; recovering it";
+          absl::MutexLock lock(&mu_);
+          force_lost_[name].insert(r);
+        }
+      }
+    }
+  }
+}
+
+CoordinatorService::CoordinatorService(const CoordinatorOptions& options,
+                                       std::unique_ptr<StateStore> store)
+    : options_(options), store_(std::move(store)) {
   if (options_.checkpoint_every > absl::ZeroDuration() && !options_.checkpoint_dir.empty()) {
     periodic_ = std::thread([this] { PeriodicCheckpoints(); });
   }
@@ -48,15 +190,30 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
     return ToGrpc(absl::InvalidArgumentError("worker capacities must be >= 0"));
   }
   absl::MutexLock lock(&mu_);
-  // A worker restarted at the same address replaces its old entry.
-  for (auto it = workers_.begin(); it != workers_.end();) {
-    it = it->second.info.address() == info.address() ? workers_.erase(it) : std::next(it);
-  }
   Worker w;
-  w.seq = ++next_worker_;
+  w.seq = next_worker_ + 1;
   w.id = absl::StrCat("w", w.seq);
   w.info = info;
   w.last_heartbeat = absl::Now();
+  // A worker restarted at the same address replaces its old entry (its
+  // collections' shards are recovered onto it, see MonitorLoop).
+  StateStore::Batch batch;
+  std::vector<std::string> replaced;
+  for (const auto& [id, old] : workers_) {
+    if (old.info.address() == info.address()) {
+      replaced.push_back(id);
+      batch.DeleteWorker(id);
+    }
+  }
+  ember::v1::StoredWorker stored;
+  stored.set_worker_id(w.id);
+  *stored.mutable_info() = info;
+  stored.set_seq(w.seq);
+  if (absl::Status s = Persist(batch.PutWorker(stored).NextWorker(w.seq)); !s.ok()) {
+    return ToGrpc(s);
+  }
+  for (const std::string& id : replaced) workers_.erase(id);
+  next_worker_ = w.seq;
   workers_[w.id] = w;
   resp->set_worker_id(w.id);
   resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
@@ -209,10 +366,11 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
   std::vector<std::string> ids;
   auto info = PlanAndCreate(req->spec(), req->sharding_type(), &ids);
   if (!info.ok()) return ToGrpc(info.status());
-  {
-    absl::MutexLock lock(&mu_);
-    collections_[info->spec().name()] = *info;
-    rank_ids_[info->spec().name()] = ids;
+  if (absl::Status s = Register(*info, ids); !s.ok()) {
+    const std::vector<std::string> addresses(info->worker_addresses().begin(),
+                                             info->worker_addresses().end());
+    (void)DropOnWorkers(info->spec().name(), info->plan().epoch(), addresses);
+    return ToGrpc(s);
   }
   LOG(INFO) << "collection '" << info->spec().name() << "' created at epoch "
             << info->plan().epoch() << " on " << info->worker_addresses_size() << " worker(s)";
@@ -243,11 +401,9 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   auto plan = planner::Plan(spec, TopologyOf(workers));
   if (!plan.ok()) return plan.status();
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
-  int64_t epoch;
-  {
-    absl::MutexLock lock(&mu_);
-    epoch = ++epoch_;
-  }
+  auto next = NextEpoch();
+  if (!next.ok()) return next.status();
+  const int64_t epoch = *next;
   plan->set_epoch(epoch);
 
   // Shard assignments per rank.
@@ -377,6 +533,10 @@ grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
       return ToGrpc(absl::NotFoundError(absl::StrCat("no collection '", req->collection(), "'")));
     }
     info = it->second;
+    if (absl::Status s = Persist(StateStore::Batch().DeleteCollection(req->collection()));
+        !s.ok()) {
+      return ToGrpc(s);
+    }
     collections_.erase(it);
     rank_ids_.erase(req->collection());
   }
@@ -503,6 +663,14 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
     if (d < *dir) (void)checkpoint::RemoveCheckpoint(d);
   }
   absl::MutexLock lock(&mu_);
+  StateStore::Batch batch;
+  batch.PutCheckpoint(*ci);
+  for (const auto& c : catalogue_) {
+    if (removed.count(c.path())) batch.DeleteCheckpoint(c);
+  }
+  if (absl::Status s = Persist(batch); !s.ok()) {
+    LOG(ERROR) << "checkpoint " << *dir << " is committed but not in the state store: " << s;
+  }
   catalogue_.erase(std::remove_if(catalogue_.begin(), catalogue_.end(),
                                   [&](const ember::v1::CheckpointInfo& c) {
                                     return removed.count(c.path()) > 0;
@@ -558,10 +726,9 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::
     return ToGrpc(FromGrpc(statuses[r], absl::StrCat("restoring '", spec.name(), "' from ", *path,
                                                      " on worker ", r, " (", addresses[r], ")")));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    collections_[spec.name()] = *info;
-    rank_ids_[spec.name()] = ids;
+  if (absl::Status s = Register(*info, ids); !s.ok()) {
+    (void)DropOnWorkers(spec.name(), epoch, addresses);
+    return ToGrpc(s);
   }
   LOG(INFO) << "collection '" << spec.name() << "' restored from " << *path << " at epoch " << epoch
             << " on " << addresses.size() << " worker(s)";
@@ -599,58 +766,32 @@ void CoordinatorService::PeriodicCheckpoints() {
   }
 }
 
-namespace {
 
-// Ranks that hold something of the collection in `plan`.
-std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan) {
-  std::set<int> ranks;
-  for (const auto& ts : plan.tables()) {
-    if (ts.shards_size() == 0) ranks.insert(ts.ranks().begin(), ts.ranks().end());
-    for (const auto& sh : ts.shards()) {
-      if (sh.rows() > 0) ranks.insert(sh.rank());
-    }
-  }
-  return ranks;
+absl::Status CoordinatorService::Persist(const StateStore::Batch& batch) {
+  if (store_ == nullptr) return absl::OkStatus();
+  absl::Status s = store_->Write(batch);
+  if (!s.ok()) LOG(ERROR) << s;
+  return s;
 }
 
-// Every shard assignment of `rank` under `plan` (as PlanAndCreate makes them).
-std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank) {
-  std::vector<ShardAssignment> out;
-  for (int t = 0; t < info.plan().tables_size(); ++t) {
-    const auto& ts = info.plan().tables(t);
-    const auto& table = info.spec().tables(t);
-    auto add = [&](int index, int64_t ro, int64_t co, int64_t rows, int64_t cols) {
-      ShardAssignment a;
-      a.mutable_ref()->set_table(table.name());
-      a.mutable_ref()->set_shard_index(index);
-      *a.mutable_table() = table;
-      a.set_row_offset(ro);
-      a.set_col_offset(co);
-      a.set_rows(rows);
-      a.set_cols(cols);
-      out.push_back(std::move(a));
-    };
-    if (ts.shards_size() == 0) {
-      for (int r : ts.ranks()) {
-        if (r == rank) add(r, 0, 0, table.num_embeddings(), table.embedding_dim());
-      }
-    }
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      const auto& sh = ts.shards(i);
-      if (sh.rows() > 0 && sh.rank() == rank) {
-        add(i, sh.row_offset(), sh.col_offset(), sh.rows(), sh.cols());
-      }
-    }
-  }
-  return out;
+absl::StatusOr<int64_t> CoordinatorService::NextEpoch() {
+  absl::MutexLock lock(&mu_);
+  // Written before it is used: epochs never go backwards across restarts.
+  if (absl::Status s = Persist(StateStore::Batch().Epoch(epoch_ + 1)); !s.ok()) return s;
+  return ++epoch_;
 }
 
-int64_t AssignmentBytes(const ShardAssignment& a) {
-  return backend::ShardBytes(
-      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
+absl::Status CoordinatorService::Register(const CollectionInfo& info,
+                                          const std::vector<std::string>& ids) {
+  ember::v1::StoredCollection stored;
+  *stored.mutable_info() = info;
+  for (const std::string& id : ids) stored.add_rank_worker_ids(id);
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = Persist(StateStore::Batch().PutCollection(stored)); !s.ok()) return s;
+  collections_[info.spec().name()] = info;
+  rank_ids_[info.spec().name()] = ids;
+  return absl::OkStatus();
 }
-
-}  // namespace
 
 void CoordinatorService::SetState(const std::string& name, CollectionInfo::State state,
                                   const std::string& note) {
@@ -676,11 +817,16 @@ std::string CoordinatorService::LatestCheckpoint(const std::string& name) {
 void CoordinatorService::MonitorLoop() {
   const absl::Duration tick = std::max(options_.lease / 4, absl::Milliseconds(50));
   while (!stop_.WaitForNotificationWithTimeout(tick)) {
+    if (reconcile_pending_.exchange(false)) Reconcile();
     std::vector<std::string> lost;
     {
       absl::MutexLock lock(&mu_);
       const absl::Time now = absl::Now();
       for (const auto& [name, info] : collections_) {
+        if (force_lost_.count(name)) {
+          lost.push_back(name);
+          continue;
+        }
         const std::vector<std::string>& ids = rank_ids_[name];
         for (int r : RanksWithShards(info.plan())) {
           auto w = r < static_cast<int>(ids.size()) ? workers_.find(ids[r]) : workers_.end();
@@ -705,17 +851,18 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
   std::vector<std::string> ids;
   std::map<std::string, Worker> live;  // by id
   for (const Worker& w : LiveWorkers()) live[w.id] = w;
+  std::set<int> lost;
   {
     absl::MutexLock lock(&mu_);
     auto it = collections_.find(name);
     if (it == collections_.end()) return;
     info = it->second;
     ids = rank_ids_[name];
+    if (force_lost_.count(name)) lost = force_lost_[name];
   }
   const int world = info.worker_addresses_size();
   ids.resize(world);
   const std::set<int> holding = RanksWithShards(info.plan());
-  std::set<int> lost;
   for (int r : holding) {
     if (!live.count(ids[r])) lost.insert(r);
   }
@@ -799,11 +946,12 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
              "no live worker to take the shards of " + lost_names + "; start one");
     return;
   }
-  int64_t epoch;
-  {
-    absl::MutexLock lock(&mu_);
-    epoch = ++epoch_;
+  auto next = NextEpoch();
+  if (!next.ok()) {
+    SetState(name, CollectionInfo::DEGRADED, std::string(next.status().message()));
+    return;
   }
+  const int64_t epoch = *next;
   plan.set_epoch(epoch);
 
   // Replacements create their shards; the other live ranks move to the new
@@ -910,8 +1058,14 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
   {
     absl::MutexLock lock(&mu_);
     if (!collections_.count(name)) return;  // dropped meanwhile
-    collections_[name] = info;
-    rank_ids_[name] = ids;
+  }
+  if (absl::Status s = Register(info, ids); !s.ok()) {
+    SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
+    return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    force_lost_.erase(name);
   }
   LOG(INFO) << "collection '" << name << "' recovered at epoch " << epoch << " in "
             << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms: " << note;

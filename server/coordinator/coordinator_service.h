@@ -31,7 +31,9 @@
 #define EMBER_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 
 #include <cstdint>
+#include <atomic>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -42,6 +44,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
+#include "server/coordinator/state_store.h"
 
 namespace ember {
 namespace coordinator {
@@ -59,11 +62,22 @@ struct CoordinatorOptions {
   absl::Duration checkpoint_every = absl::ZeroDuration();
   // Committed checkpoints kept per collection and ROOT (older ones removed).
   int keep_checkpoints = 3;
+  // Non-empty: the state (workers, collections, plans, epochs, checkpoint
+  // catalogue) is kept in a LevelDB store here, written before each answer
+  // that changes it, and reloaded by a restarted coordinator.
+  std::string state_dir;
 };
 
 class CoordinatorService final : public ember::v1::Coordinator::Service {
  public:
-  explicit CoordinatorService(const CoordinatorOptions& options);
+  // Opens options.state_dir (if set) and reloads what a previous run kept:
+  // workers keep their ids (and get one lease to heartbeat again), the
+  // collections their plans and epochs. The first monitor pass then
+  // reconciles with what the workers hold: shards of unknown collections or
+  // other epochs are dropped, missing ones recovered. UNAVAILABLE if the
+  // store is held by another process, DATA_LOSS if it is damaged.
+  static absl::StatusOr<std::unique_ptr<CoordinatorService>> Create(
+      const CoordinatorOptions& options);
   ~CoordinatorService() override;
 
   grpc::Status RegisterWorker(grpc::ServerContext* ctx, const ember::v1::RegisterWorkerRequest* req,
@@ -125,6 +139,16 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                                                           const std::string& sharding_type,
                                                           std::vector<std::string>* worker_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
+  CoordinatorService(const CoordinatorOptions& options, std::unique_ptr<StateStore> store);
+  void Load(const StateStore::State& state) ABSL_LOCKS_EXCLUDED(mu_);
+  // Compares what the live workers hold with the collections (see Create).
+  void Reconcile() ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  // Writes to the state store (OK without one).
+  absl::Status Persist(const StateStore::Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int64_t> NextEpoch() ABSL_LOCKS_EXCLUDED(mu_);
+  // Persists and publishes a collection with its rank -> worker id map.
+  absl::Status Register(const ember::v1::CollectionInfo& info, const std::vector<std::string>& ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void PeriodicCheckpoints();
   void MonitorLoop();
   // Re-places and reloads the shards of the collection's dead workers.
@@ -144,6 +168,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::map<std::string, ember::v1::CollectionInfo> collections_ ABSL_GUARDED_BY(mu_);
   // The id of the worker serving each rank of a collection.
   std::map<std::string, std::vector<std::string>> rank_ids_ ABSL_GUARDED_BY(mu_);
+  // Ranks found not to hold their shards (reconciliation): recovered as lost.
+  std::map<std::string, std::set<int>> force_lost_ ABSL_GUARDED_BY(mu_);
+  const std::unique_ptr<StateStore> store_;  // null without state_dir
+  std::atomic<bool> reconcile_pending_{false};
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   absl::Mutex checkpoint_mu_;  // one checkpoint at a time
   std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first

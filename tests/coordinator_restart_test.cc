@@ -1,0 +1,173 @@
+// Coordinator restart, with real processes: `emberctl coordinator
+// --state_dir` and two `emberctl worker`s. kill -9 the coordinator during
+// training and start it again: training never stops (the coordinator is not
+// on the data path), and afterwards the workers, collections, plans, epochs
+// and checkpoint catalogue are as before; epochs never go backwards; shards
+// a worker holds that the coordinator does not know are dropped.
+#include <signal.h>
+
+#include <atomic>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+#include "server/common/grpc_util.h"
+#include "tests/local_cluster.h"
+#include "tests/test_collection.h"
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using ember::v1::CollectionSpec;
+using testing_util::Process;
+using testing_util::RandomKjt;
+using testing_util::TestSpec;
+
+constexpr char kEmberctl[] = "cli/emberctl";
+
+std::string TempDir() {
+  char tmpl[] = "/tmp/ember_restart_test_XXXXXX";
+  char* d = mkdtemp(tmpl);
+  EXPECT_NE(d, nullptr);
+  return d == nullptr ? "/tmp" : d;
+}
+
+std::unique_ptr<Process> StartCoordinator(const std::string& listen, const std::string& state,
+                                          const std::string& root, std::string* address) {
+  auto p = std::make_unique<Process>(std::vector<std::string>{
+      kEmberctl, "coordinator", "--listen=" + listen, "--state_dir=" + state,
+      "--checkpoint_dir=" + root, "--lease_ms=3000"});
+  *address = p->Line("coordinator listening on ");
+  return p;
+}
+
+std::string Describe(const ember::v1::CollectionInfo& c) {
+  return absl::StrCat(c.spec().name(), " epoch ", c.plan().epoch(), " ",
+                      absl::StrJoin(c.worker_addresses(), ","), " ",
+                      c.plan().SerializeAsString().size());
+}
+
+TEST(CoordinatorRestartTest, TrainingGoesOnAndTheStateComesBack) {
+  const std::string state = TempDir(), root = TempDir();
+  std::string address;
+  auto coordinator = StartCoordinator("127.0.0.1:0", state, root, &address);
+  ASSERT_FALSE(address.empty());
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int i = 0; i < 2; ++i) {
+    workers.push_back(std::make_unique<Process>(std::vector<std::string>{
+        kEmberctl, "worker", "--coordinator=" + address, "--listen=127.0.0.1:0"}));
+    ASSERT_FALSE(workers.back()->Line("worker ").empty());
+  }
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(10);
+  auto c = Client::Connect(address, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const CollectionSpec spec = TestSpec("s");
+  ASSERT_TRUE((*c)->CreateCollection(spec, "row_wise").ok());
+  ASSERT_TRUE((*c)->CreateCollection(TestSpec("t"), "table_wise").ok());
+  ASSERT_TRUE((*c)->Checkpoint("s").ok());
+  auto before = (*c)->ListCollections();
+  ASSERT_TRUE(before.ok());
+  auto workers_before = (*c)->ListWorkers();
+  ASSERT_TRUE(workers_before.ok());
+
+  // A stray collection on worker 0 that the coordinator never made.
+  auto w0 = ember::v1::Worker::NewStub(MakeChannel((*before)[0].worker_addresses(0)));
+  {
+    grpc::ClientContext ctx;
+    ember::v1::CreateShardsRequest stray;
+    stray.set_collection("stray");
+    stray.set_epoch(999);
+    auto* a = stray.add_shards();
+    a->mutable_ref()->set_table("t_sum");
+    *a->mutable_table() = spec.tables(0);
+    a->set_rows(10);
+    a->set_cols(16);
+    ember::v1::CreateShardsResponse resp;
+    ASSERT_TRUE(w0->CreateShards(&ctx, stray, &resp).ok());
+  }
+
+  // Training in the background through the kill and the restart.
+  std::atomic<bool> stop{false};
+  std::atomic<int> steps{0}, failures{0};
+  std::thread trainer([&] {
+    std::mt19937 rng(3);
+    while (!stop) {
+      KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 4, false);
+      auto kt = (*c)->Lookup("s", kjt);
+      if (!kt.ok()) {
+        ++failures;
+        continue;
+      }
+      KeyedTensor g = *kt;
+      for (float& v : g.values) v = 0.01f;
+      if (!(*c)->ApplyGradients("s", kjt, g).ok()) ++failures;
+      ++steps;
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  coordinator->Stop(SIGKILL);
+  const int steps_at_kill = steps;
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_GT(steps.load(), steps_at_kill);  // training went on without a coordinator
+  coordinator = StartCoordinator(address, state, root, &address);
+  ASSERT_FALSE(address.empty());
+  absl::SleepFor(absl::Seconds(2));  // heartbeats resume; the first monitor pass reconciles
+  stop = true;
+  trainer.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(steps.load(), 0);
+
+  auto c2 = Client::Connect(address, o);
+  ASSERT_TRUE(c2.ok()) << c2.status();
+  auto after = (*c2)->ListCollections();
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(after->size(), before->size());
+  for (size_t i = 0; i < after->size(); ++i) {
+    EXPECT_EQ(Describe((*after)[i]), Describe((*before)[i]));
+    EXPECT_EQ((*after)[i].state(), ember::v1::CollectionInfo::SERVING);
+  }
+  auto workers_after = (*c2)->ListWorkers();
+  ASSERT_TRUE(workers_after.ok());
+  ASSERT_EQ(workers_after->workers_size(), workers_before->workers_size());
+  for (int i = 0; i < workers_after->workers_size(); ++i) {
+    EXPECT_EQ(workers_after->workers(i).worker_id(), workers_before->workers(i).worker_id());
+    EXPECT_TRUE(workers_after->workers(i).live());
+  }
+  auto catalogue = (*c2)->ListCheckpoints();
+  ASSERT_TRUE(catalogue.ok());
+  EXPECT_EQ(catalogue->size(), 1u);
+  // Epochs never go backwards.
+  int64_t highest = 0;
+  for (const auto& info : *before) highest = std::max(highest, info.plan().epoch());
+  auto u = (*c2)->CreateCollection(TestSpec("u"), "table_wise");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_GT(u->plan().epoch(), highest);
+  // The stray collection was dropped by reconciliation.
+  {
+    grpc::ClientContext ctx;
+    ember::v1::ShardStatusResponse st;
+    ASSERT_TRUE(w0->ShardStatus(&ctx, ember::v1::ShardStatusRequest(), &st).ok());
+    ASSERT_GT(st.shards_size(), 0);
+    for (const auto& sh : st.shards()) EXPECT_NE(sh.collection(), "stray");
+  }
+  // And training continues through the restarted coordinator.
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {2};
+  kjt.values = {1, 300};
+  EXPECT_TRUE((*c2)->Lookup("s", kjt).ok());
+}
+
+}  // namespace
+}  // namespace ember
