@@ -33,6 +33,11 @@ DEFINE_string(coordinator, "", "Coordinator address host:port.");
 DEFINE_string(listen, "127.0.0.1:0", "Address a server listens on (port 0: a free port).");
 DEFINE_int32(workers, 2, "up: number of local worker processes.");
 DEFINE_bool(restart_workers, true, "up: start a worker process again when it dies.");
+DEFINE_bool(drain_on_sigterm, true,
+            "Worker: on SIGTERM, have the coordinator move this worker's shards to others "
+            "(live copy, no update lost) before exiting. `up` starts its workers without it: "
+            "it stops them all at once.");
+DEFINE_string(worker, "", "drain: the worker id (see emberctl status).");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
@@ -215,7 +220,13 @@ int RunWorker() {
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
   std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;
-  WaitForSignal([] { return true; });
+  const int sig = WaitForSignal([] { return true; });
+  if (sig == SIGTERM && FLAGS_drain_on_sigterm) {
+    std::cout << "worker: SIGTERM, draining (shards move to other workers)" << std::endl;
+    if (absl::Status s = (*w)->Drain(); !s.ok()) {
+      std::cerr << "worker: drain failed, exiting anyway: " << s << std::endl;
+    }
+  }
   (*w)->Shutdown();
   return 0;
 }
@@ -238,7 +249,8 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--memory_gib=", memory_gib),
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
-      "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window)};
+      "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
+      "--drain_on_sigterm=false"};
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -491,6 +503,19 @@ int RunRestore() {
             << r->checkpoint().path() << " (" << FormatBytes(r->checkpoint().bytes())
             << ", taken at epoch " << r->checkpoint().epoch() << ") in "
             << absl::ToDoubleSeconds(absl::Now() - start) << " s" << std::endl;
+  return 0;
+}
+
+int RunDrain() {
+  if (FLAGS_worker.empty()) return Usage("drain needs --worker=ID (see emberctl status)");
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("drain", cl.status());
+  std::cout << "draining " << FLAGS_worker << "..." << std::endl;
+  auto moved = (*cl)->DrainWorker(FLAGS_worker, absl::Seconds(FLAGS_checkpoint_timeout_s));
+  if (!moved.ok()) return Fail("drain", moved.status());
+  std::cout << "drained " << FLAGS_worker << ": " << moved->size()
+            << " collection(s) moved off it; it holds nothing and gets no new shards"
+            << std::endl;
   return 0;
 }
 

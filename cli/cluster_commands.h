@@ -25,6 +25,7 @@ int RunExport();
 int RunCheckpoint();
 int RunCheckpoints();
 int RunRestore();
+int RunDrain();
 
 }  // namespace cli
 }  // namespace ember

@@ -18,6 +18,7 @@
 //   emberctl checkpoints --coordinator=ADDR [--collection=NAME]
 //   emberctl restore --coordinator=ADDR --from=PATH [--collection=NEW_NAME]
 //       [--sharding_type=TYPE]
+//   emberctl drain --coordinator=ADDR --worker=ID
 //
 // Exit status: 0 success, 1 the request failed (bad spec, infeasible plan),
 // 2 bad usage.
@@ -141,6 +142,7 @@ int main(int argc, char** argv) {
       "  emberctl checkpoints --coordinator=ADDR [--collection=NAME]\n"
       "  emberctl restore --coordinator=ADDR --from=CHECKPOINT_OR_ROOT [--collection=NEW_NAME]\n"
       "      [--sharding_type=TYPE]\n"
+      "  emberctl drain --coordinator=ADDR --worker=ID\n"
       "Run 'emberctl --helpshort' for every flag.");
   ember::cli::BlockTerminationSignals();  // before any thread exists
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
@@ -160,6 +162,7 @@ int main(int argc, char** argv) {
   if (command == "checkpoint") return ec::RunCheckpoint();
   if (command == "checkpoints") return ec::RunCheckpoints();
   if (command == "restore") return ec::RunRestore();
+  if (command == "drain") return ec::RunDrain();
   if (command == "help") {
     std::cout << gflags::ProgramUsage() << std::endl;
     return 0;

@@ -339,6 +339,15 @@ absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> Client::ListCheckpoints(
                                                 resp->checkpoints().end());
 }
 
+absl::StatusOr<std::vector<std::string>> Client::DrainWorker(const std::string& worker_id,
+                                                             absl::Duration timeout) {
+  ember::v1::DrainWorkerRequest req;
+  req.set_worker_id(worker_id);
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::DrainWorker, req, timeout);
+  if (!resp.ok()) return resp.status();
+  return std::vector<std::string>(resp->collections().begin(), resp->collections().end());
+}
+
 absl::Status Client::DropCollection(const std::string& collection) {
   ember::v1::DropCollectionRequest req;
   req.set_collection(collection);

@@ -74,6 +74,10 @@ class Client {
                                                      absl::Duration timeout = absl::Minutes(30));
   absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> ListCheckpoints(
       const std::string& collection = "");
+  // Moves every shard off a worker (copied live, no update lost) and keeps
+  // it out of new plans; returns the collections moved.
+  absl::StatusOr<std::vector<std::string>> DrainWorker(const std::string& worker_id,
+                                                       absl::Duration timeout = absl::Minutes(30));
   absl::StatusOr<ember::v1::ListWorkersResponse> ListWorkers();
   absl::StatusOr<ember::v1::ShardingPlan> PreviewPlan(const ember::v1::CollectionSpec& spec,
                                                       const ember::v1::Topology& topology,

@@ -265,6 +265,12 @@ TEST_F(BadInputTest, CoordinatorRpcs) {
   EXPECT_EQ(create(Spec("x"), "diagonal"), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(create(Spec("bad")), StatusCode::ALREADY_EXISTS);
 
+  // DrainWorker.
+  ember::v1::DrainWorkerRequest drain_req;
+  EXPECT_EQ(Call(co, &Stub::DrainWorker, drain_req), StatusCode::INVALID_ARGUMENT);
+  drain_req.set_worker_id("w999");
+  EXPECT_EQ(Call(co, &Stub::DrainWorker, drain_req), StatusCode::NOT_FOUND);
+
   // GetCollection / DropCollection.
   ember::v1::GetCollectionRequest get;
   EXPECT_EQ(Call(co, &Stub::GetCollection, get), StatusCode::INVALID_ARGUMENT);
@@ -658,7 +664,7 @@ TEST_F(BadInputTest, OversizedAndMalformedMessagesOnEveryMethod) {
   const std::string garbage = "\xff\xff\xff\xff";  // a truncated varint tag
   const std::vector<std::string> coordinator_methods = MethodsOf("ember.v1.Coordinator");
   const std::vector<std::string> worker_methods = MethodsOf("ember.v1.Worker");
-  ASSERT_EQ(coordinator_methods.size(), 11u);
+  ASSERT_EQ(coordinator_methods.size(), 12u);
   ASSERT_EQ(worker_methods.size(), 10u);
   for (const std::string& m : coordinator_methods) {
     EXPECT_EQ(RawCall(cluster_->coordinator(), m, oversized), StatusCode::RESOURCE_EXHAUSTED) << m;

@@ -260,7 +260,7 @@ std::vector<CoordinatorService::Worker> CoordinatorService::LiveWorkers() const 
   const absl::Time now = absl::Now();
   std::vector<Worker> live;
   for (const auto& [id, w] : workers_) {
-    if (now - w.last_heartbeat < options_.lease) live.push_back(w);
+    if (now - w.last_heartbeat < options_.lease && !draining_.count(id)) live.push_back(w);
   }
   // Hosts in order of their first registration, then registration order:
   // each host's workers get consecutive ranks (TorchRec's local groups).
@@ -839,39 +839,43 @@ void CoordinatorService::MonitorLoop() {
     }
     for (const std::string& name : lost) {
       if (stop_.HasBeenNotified()) return;
-      RecoverCollection(name);
+      (void)RecoverCollection(name);  // it records failures in the collection's state
     }
   }
 }
 
-void CoordinatorService::RecoverCollection(const std::string& name) {
+absl::Status CoordinatorService::RecoverCollection(const std::string& name,
+                                                  const std::string& drain_id) {
   absl::MutexLock create(&create_mu_);
   const absl::Time start = absl::Now();
+  const bool drain = !drain_id.empty();
   CollectionInfo info;
   std::vector<std::string> ids;
-  std::map<std::string, Worker> live;  // by id
+  std::map<std::string, Worker> live;  // by id; a draining worker is not live
   for (const Worker& w : LiveWorkers()) live[w.id] = w;
   std::set<int> lost;
   {
     absl::MutexLock lock(&mu_);
     auto it = collections_.find(name);
-    if (it == collections_.end()) return;
+    if (it == collections_.end()) return absl::OkStatus();
     info = it->second;
     ids = rank_ids_[name];
-    if (force_lost_.count(name)) lost = force_lost_[name];
+    if (!drain && force_lost_.count(name)) lost = force_lost_[name];
   }
   const int world = info.worker_addresses_size();
   ids.resize(world);
   const std::set<int> holding = RanksWithShards(info.plan());
   for (int r : holding) {
-    if (!live.count(ids[r])) lost.insert(r);
+    if (drain ? ids[r] == drain_id : !live.count(ids[r])) lost.insert(r);
   }
-  if (lost.empty()) return;
+  if (lost.empty()) return absl::OkStatus();
+  const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
   std::string lost_names;
   for (int r : lost) absl::StrAppend(&lost_names, lost_names.empty() ? "" : ", ", "rank ", r, " (",
                                      info.worker_addresses(r), ")");
-  LOG(WARNING) << "collection '" << name << "': lost " << lost_names << "; recovering";
-  SetState(name, CollectionInfo::RECOVERING, "recovering the shards of " + lost_names);
+  LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
+  SetState(name, CollectionInfo::RECOVERING,
+           (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
 
   // Live workers that hold nothing of this collection replace dead ranks;
   // without one, a dead rank's shards go to the live ranks with the least.
@@ -891,6 +895,7 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
   ember::v1::ShardingPlan& plan = *info.mutable_plan();
   std::map<int, std::set<std::pair<std::string, int32_t>>> reload;  // rank -> shards to load
   std::set<int> replaced;
+  std::map<std::pair<std::string, int32_t>, int> dp_source;  // new replica -> old rank
   for (int r : lost) {
     if (!spare.empty()) {
       ids[r] = spare.front();
@@ -932,6 +937,7 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
                      })->first;
       kept.push_back(to);
       reload[to].insert({ts->table(), to});
+      dp_source[{ts->table(), to}] = ts->ranks(0);  // the replica it copies (drain)
     }
     ts->clear_ranks();
     for (int r : kept) ts->add_ranks(r);
@@ -942,14 +948,14 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
     }
   }
   if (load.empty()) {
-    SetState(name, CollectionInfo::DEGRADED,
-             "no live worker to take the shards of " + lost_names + "; start one");
-    return;
+    const std::string why = "no live worker to take the shards of " + lost_names + "; start one";
+    SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::DEGRADED, drain ? "" : why);
+    return absl::UnavailableError(why);
   }
   auto next = NextEpoch();
   if (!next.ok()) {
     SetState(name, CollectionInfo::DEGRADED, std::string(next.status().message()));
-    return;
+    return next.status();
   }
   const int64_t epoch = *next;
   plan.set_epoch(epoch);
@@ -977,14 +983,17 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
       updates.push_back(std::move(u));
     }
   }
+  absl::Status failure;
   auto failed = [&](const std::vector<grpc::Status>& statuses,
                     const std::vector<std::string>& at) -> bool {
     for (size_t i = 0; i < statuses.size(); ++i) {
       if (statuses[i].ok()) continue;
-      const std::string why = absl::StrCat("recovery of ", lost_names, " failed on ", at[i], ": ",
-                                           statuses[i].error_message(), "; retrying");
+      const std::string why =
+          absl::StrCat(drain ? "moving " : "recovery of ", lost_names, " failed on ", at[i], ": ",
+                       statuses[i].error_message(), drain ? "" : "; retrying");
       LOG(WARNING) << "collection '" << name << "': " << why;
       SetState(name, CollectionInfo::DEGRADED, why);
+      failure = FromGrpc(statuses[i], at[i]);
       return true;
     }
     return false;
@@ -1001,14 +1010,23 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
                    async->UpdateShards(ctx, request, response, std::move(done));
                  }),
              update_at)) {
-    return;
+    return failure;
   }
 
-  // Reload from the latest checkpoint: the lost shards, or everything.
+  // Reload from the latest checkpoint: the lost shards, or everything. A
+  // drain copies them live from the draining worker instead.
   const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
-  const std::string path = LatestCheckpoint(name);
+  const std::string path = drain ? "" : LatestCheckpoint(name);
   std::string note;
-  if (path.empty()) {
+  if (drain) {
+    if (absl::Status s = CopyFromDrained(name, epoch, before, info, lost, reload, dp_source);
+        !s.ok()) {
+      SetState(name, CollectionInfo::DEGRADED,
+               absl::StrCat("moving ", lost_names, " failed: ", s.message()));
+      return s;
+    }
+    note = absl::StrCat("drained ", lost_names, ": shards copied live, no update lost");
+  } else if (path.empty()) {
     note = absl::StrCat("no checkpoint: the shards of ", lost_names,
                         " came back freshly initialised");
   } else {
@@ -1016,7 +1034,7 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
     if (!manifest.ok()) {
       SetState(name, CollectionInfo::DEGRADED,
                absl::StrCat("checkpoint ", path, " cannot be used: ", manifest.status().message()));
-      return;
+      return manifest.status();
     }
     std::vector<std::string> at;
     std::vector<ember::v1::LoadCheckpointRequest> loads;
@@ -1044,7 +1062,7 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
                    },
                    options_.checkpoint_rpc_timeout),
                at)) {
-      return;
+      return failure;
     }
     note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
                                 lost_names, ")")
@@ -1057,18 +1075,163 @@ void CoordinatorService::RecoverCollection(const std::string& name) {
   info.set_note(note);
   {
     absl::MutexLock lock(&mu_);
-    if (!collections_.count(name)) return;  // dropped meanwhile
+    if (!collections_.count(name)) return absl::OkStatus();  // dropped meanwhile
   }
   if (absl::Status s = Register(info, ids); !s.ok()) {
     SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
-    return;
+    return s;
   }
   {
     absl::MutexLock lock(&mu_);
     force_lost_.erase(name);
   }
-  LOG(INFO) << "collection '" << name << "' recovered at epoch " << epoch << " in "
-            << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms: " << note;
+  LOG(INFO) << "collection '" << name << "' " << (drain ? "moved" : "recovered") << " at epoch "
+            << epoch << " in " << absl::ToDoubleMilliseconds(absl::Now() - start)
+            << " ms: " << note;
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorService::CopyFromDrained(
+    const std::string& name, int64_t epoch, const CollectionInfo& before,
+    const CollectionInfo& after, const std::set<int>& drained,
+    const std::map<int, std::set<std::pair<std::string, int32_t>>>& moved,
+    const std::map<std::pair<std::string, int32_t>, int>& dp_source) {
+  // 1. The draining worker moves to the new epoch too: every client still on
+  //    the old plan is refused everywhere (and refreshes, and waits for
+  //    RECOVERING to end), so no update lands on a shard being copied.
+  std::vector<std::string> sources;
+  for (int r : drained) sources.push_back(before.worker_addresses(r));
+  ember::v1::UpdateShardsRequest fence;
+  fence.set_collection(name);
+  fence.set_epoch(epoch);
+  const std::vector<grpc::Status> fenced =
+      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+          sources, std::vector<ember::v1::UpdateShardsRequest>(sources.size(), fence),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->UpdateShards(ctx, request, response, std::move(done));
+          });
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (!fenced[i].ok()) return FromGrpc(fenced[i], sources[i]);
+  }
+  // 2. Each moved shard: rows exported from the old place, imported into the
+  //    new, in chunks of about 4 MiB, with the optimizer step.
+  std::map<std::pair<std::string, int32_t>, int> old_rank;  // shard -> rank in `before`
+  std::map<std::pair<std::string, int32_t>, int64_t> rows_of;
+  for (int t = 0; t < before.plan().tables_size(); ++t) {
+    const auto& ts = before.plan().tables(t);
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      old_rank[{ts.table(), i}] = ts.shards(i).rank();
+      rows_of[{ts.table(), i}] = ts.shards(i).rows();
+    }
+    for (const auto& [key, rank] : dp_source) {
+      if (key.first == ts.table()) rows_of[key] = before.spec().tables(t).num_embeddings();
+    }
+  }
+  for (const auto& [to, refs] : moved) {
+    for (const auto& [table, index] : refs) {
+      auto dp = dp_source.find({table, index});
+      const int from_rank = dp != dp_source.end() ? dp->second
+                            : old_rank.count({table, index}) ? old_rank[{table, index}]
+                                                             : to;
+      ember::v1::ShardRef from_ref, to_ref;
+      from_ref.set_table(table);
+      from_ref.set_shard_index(dp != dp_source.end() ? dp->second : index);
+      to_ref.set_table(table);
+      to_ref.set_shard_index(index);
+      if (absl::Status s = CopyShard(name, epoch, before.worker_addresses(from_rank), from_ref,
+                                     after.worker_addresses(to), to_ref, rows_of[{table, index}]);
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  // 3. The draining worker lets go.
+  if (absl::Status s = DropOnWorkers(name, epoch, sources); !s.ok()) {
+    LOG(WARNING) << "collection '" << name << "': moved, but the drained copy stays: " << s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_t epoch,
+                                           const std::string& from,
+                                           const ember::v1::ShardRef& from_ref,
+                                           const std::string& to,
+                                           const ember::v1::ShardRef& to_ref, int64_t rows) {
+  ember::v1::Worker::Stub* src = StubFor(from);
+  ember::v1::Worker::Stub* dst = StubFor(to);
+  // Rows [b, e) across, with the step; the first call (no rows) carries the
+  // shard's exactly-once record and tells the row width.
+  auto copy = [&](int64_t b, int64_t e, bool first, ember::v1::ExportRowsResponse* got) {
+    ember::v1::ExportRowsRequest ex;
+    ex.set_collection(collection);
+    *ex.mutable_shard() = from_ref;
+    ex.set_row_begin(b);
+    ex.set_row_end(e);
+    ex.set_with_applied_ids(first);
+    {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, options_.worker_rpc_timeout);
+      if (grpc::Status s = src->ExportRows(&ctx, ex, got); !s.ok()) return FromGrpc(s, from);
+    }
+    ember::v1::ImportRowsRequest im;
+    im.set_collection(collection);
+    im.set_epoch(epoch);
+    *im.mutable_shard() = to_ref;
+    im.set_row_begin(b);
+    im.set_row_end(e);
+    im.set_weights(std::move(*got->mutable_weights()));
+    im.set_state(std::move(*got->mutable_state()));
+    im.set_step(got->step());
+    *im.mutable_applied_ids() = got->applied_ids();
+    *im.mutable_applied_unix_ms() = got->applied_unix_ms();
+    ember::v1::ImportRowsResponse done;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, options_.worker_rpc_timeout);
+    if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, to);
+    return absl::OkStatus();
+  };
+  ember::v1::ExportRowsResponse shape;
+  if (absl::Status s = copy(0, 0, true, &shape); !s.ok()) return s;
+  const int64_t chunk =
+      std::max<int64_t>(1, (int64_t{4} << 20) / (4 * (shape.cols() + shape.state_width())));
+  for (int64_t b = 0; b < rows; b += chunk) {
+    ember::v1::ExportRowsResponse got;
+    if (absl::Status s = copy(b, std::min(rows, b + chunk), false, &got); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext*,
+                                             const ember::v1::DrainWorkerRequest* req,
+                                             ember::v1::DrainWorkerResponse* resp) {
+  if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!workers_.count(req->worker_id())) {
+      return ToGrpc(absl::NotFoundError(absl::StrCat("no worker '", req->worker_id(), "'")));
+    }
+    draining_.insert(req->worker_id());
+    for (const auto& [name, ids] : rank_ids_) {
+      for (int r : RanksWithShards(collections_[name].plan())) {
+        if (r < static_cast<int>(ids.size()) && ids[r] == req->worker_id()) {
+          names.push_back(name);
+          break;
+        }
+      }
+    }
+  }
+  LOG(INFO) << "draining worker " << req->worker_id() << ": " << names.size() << " collection(s)";
+  for (const std::string& name : names) {
+    if (absl::Status s = RecoverCollection(name, req->worker_id()); !s.ok()) {
+      absl::MutexLock lock(&mu_);
+      draining_.erase(req->worker_id());
+      return ToGrpc(absl::Status(s.code(), absl::StrCat("draining ", req->worker_id(), ": ",
+                                                        s.message())));
+    }
+    resp->add_collections(name);
+  }
+  return grpc::Status::OK;
 }
 
 }  // namespace coordinator

@@ -105,6 +105,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   grpc::Status ListCheckpoints(grpc::ServerContext* ctx,
                                const ember::v1::ListCheckpointsRequest* req,
                                ember::v1::ListCheckpointsResponse* resp) override;
+  // Moves every shard off a worker (live copy, no update lost) and keeps it
+  // out of new plans; the worker can then exit.
+  grpc::Status DrainWorker(grpc::ServerContext* ctx, const ember::v1::DrainWorkerRequest* req,
+                           ember::v1::DrainWorkerResponse* resp) override;
 
   // Checkpoints one collection under `root` (empty: options.checkpoint_dir).
   absl::StatusOr<ember::v1::CheckpointInfo> CheckpointCollection(const std::string& collection,
@@ -152,7 +156,19 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   void PeriodicCheckpoints();
   void MonitorLoop();
   // Re-places and reloads the shards of the collection's dead workers.
-  void RecoverCollection(const std::string& name) ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  // With drain_id: moves that worker's shards away instead, copying them
+  // live (CopyFromDrained), and returns how it went.
+  absl::Status RecoverCollection(const std::string& name, const std::string& drain_id = "")
+      ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  absl::Status CopyFromDrained(
+      const std::string& name, int64_t epoch, const ember::v1::CollectionInfo& before,
+      const ember::v1::CollectionInfo& after, const std::set<int>& drained,
+      const std::map<int, std::set<std::pair<std::string, int32_t>>>& moved,
+      const std::map<std::pair<std::string, int32_t>, int>& dp_source);
+  // Copies one shard's rows, optimizer state and step between workers.
+  absl::Status CopyShard(const std::string& collection, int64_t epoch, const std::string& from,
+                         const ember::v1::ShardRef& from_ref, const std::string& to,
+                         const ember::v1::ShardRef& to_ref, int64_t rows);
   void SetState(const std::string& name, ember::v1::CollectionInfo::State state,
                 const std::string& note) ABSL_LOCKS_EXCLUDED(mu_);
   // The newest committed checkpoint of a collection: the catalogue's, else
@@ -170,6 +186,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::map<std::string, std::vector<std::string>> rank_ids_ ABSL_GUARDED_BY(mu_);
   // Ranks found not to hold their shards (reconciliation): recovered as lost.
   std::map<std::string, std::set<int>> force_lost_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);  // worker ids: not in new plans
   const std::unique_ptr<StateStore> store_;  // null without state_dir
   std::atomic<bool> reconcile_pending_{false};
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);

@@ -156,6 +156,20 @@ void WorkerServer::HeartbeatLoop() {
   }
 }
 
+absl::Status WorkerServer::Drain(absl::Duration timeout) {
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, timeout);
+  ember::v1::DrainWorkerRequest req;
+  req.set_worker_id(worker_id());
+  ember::v1::DrainWorkerResponse resp;
+  const grpc::Status s = coordinator_->DrainWorker(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + options_.coordinator);
+  LOG(INFO) << "worker " << worker_id() << " drained: " << resp.collections_size()
+            << " collection(s) moved off it";
+  return absl::OkStatus();
+}
+
 void WorkerServer::Shutdown(absl::Duration grace) {
   if (shut_down_.exchange(true)) return;
   stop_.Notify();

@@ -50,6 +50,10 @@ class WorkerServer {
 
   const std::string& address() const { return address_; }
   std::string worker_id() const;
+  // Graceful drain: health NOT_SERVING, then the coordinator moves every
+  // shard off this worker (copied live, no update lost) before it returns.
+  // The worker keeps serving (and heartbeating) meanwhile; Shutdown after.
+  absl::Status Drain(absl::Duration timeout = absl::Minutes(10));
   // Stops heartbeats and the server (in-flight calls get `grace`).
   void Shutdown(absl::Duration grace = absl::Seconds(5));
 

@@ -1,5 +1,6 @@
 #include "server/worker/worker_service.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -382,14 +383,13 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
   if (!c.ok()) return ToGrpc(c.status());
   Collection& coll = **c;
   absl::MutexLock apply(coll.apply_mu.get());
-  if (coll.applied.contains(req->request_id())) {
-    resp->set_duplicate(true);
-    return grpc::Status::OK;
-  }
+  const uint64_t id = RequestIdHash(req->request_id());
   const int n = req->gradients_size();
   std::vector<Decoded> decoded(n);
-  std::vector<backend::GradientRequest> requests(n);
+  std::vector<backend::GradientRequest> requests;
+  std::set<const ShardEntry*> touched;
   int64_t skipped = 0;
+  bool seen = false;
   // Counts a refusal for NaN/Inf (the message says so) and passes it on.
   auto refuse = [this](const absl::Status& s) {
     if (absl::IsInvalidArgument(s) && absl::StrContains(s.message(), kNonFiniteMessage)) {
@@ -397,6 +397,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
     }
     return ToGrpc(s);
   };
+  // The whole request is checked; then only the parts whose shards have not
+  // applied this id run (a retry after a partial failure or a move).
   for (int i = 0; i < n; ++i) {
     const auto& g = req->gradients(i);
     int64_t cols = 0;
@@ -404,8 +406,17 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
         !s.ok()) {
       return refuse(s);
     }
-    requests[i].feature = decoded[i].request;
-    requests[i].grad = decoded[i].grad_view;
+    const ShardEntry* entry = *FindShard(coll, g.feature().shard());
+    if (entry->applied->Contains(id)) {
+      seen = true;
+      continue;
+    }
+    requests.push_back({decoded[i].request, decoded[i].grad_view});
+    touched.insert(entry);
+  }
+  if (requests.empty() && seen) {
+    resp->set_duplicate(true);
+    return grpc::Status::OK;
   }
   if (absl::Status s = backend_->ApplyGradients(requests); !s.ok()) return refuse(s);
   if (skipped > 0) {
@@ -414,19 +425,15 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
                               << " id(s) with NaN/Inf gradients or weights left out of an update";
   }
   const absl::Time now = absl::Now();
-  coll.applied.insert(req->request_id());
-  coll.applied_order.emplace_back(req->request_id(), now);
-  while (!coll.applied_order.empty() &&
-         (static_cast<int>(coll.applied_order.size()) > options_.dedup_window ||
-          coll.applied_order.front().second < now - options_.dedup_ttl)) {
-    if (coll.applied_order.front().second >= now - options_.dedup_ttl) {
-      dedup_forgotten_early_.fetch_add(1, std::memory_order_relaxed);
-      LOG_EVERY_N(WARNING, 1000) << "collection '" << req->collection() << "': more than "
-                                 << options_.dedup_window << " update ids within "
-                                 << options_.dedup_ttl << "; forgetting the oldest early";
-    }
-    coll.applied.erase(coll.applied_order.front().first);
-    coll.applied_order.pop_front();
+  int64_t early = 0;
+  for (const ShardEntry* e : touched) {
+    early += e->applied->Add(id, now, options_.dedup_ttl, options_.dedup_window);
+  }
+  if (early > 0) {
+    dedup_forgotten_early_.fetch_add(early, std::memory_order_relaxed);
+    LOG_EVERY_N(WARNING, 1000) << "collection '" << req->collection() << "': more than "
+                               << options_.dedup_window << " update ids within "
+                               << options_.dedup_ttl << " on a shard; forgetting the oldest early";
   }
   return grpc::Status::OK;
 }
@@ -463,6 +470,13 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext*, const ember::v1::Ex
   resp->set_cols(spec->dim);
   resp->set_state_width(width);
   resp->set_step(*step);
+  if (req->with_applied_ids()) {
+    absl::MutexLock apply((*c)->apply_mu.get());
+    for (const auto& [id, when] : (*shard)->applied->Entries()) {
+      resp->add_applied_ids(id);
+      resp->add_applied_unix_ms(absl::ToUnixMillis(when));
+    }
+  }
   return grpc::Status::OK;
 }
 
@@ -481,11 +495,27 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext*, const ember::v1::Im
     return ToGrpc(s);
   }
   if (absl::Status s = wire::Decode(req->state(), "state", &state); !s.ok()) return ToGrpc(s);
+  if (req->applied_ids_size() != req->applied_unix_ms_size()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat(req->applied_ids_size(), " applied ids with ", req->applied_unix_ms_size(),
+                     " times")));
+  }
   absl::MutexLock apply((*c)->apply_mu.get());
   if (absl::Status s =
           backend_->ImportRows((*shard)->id, req->row_begin(), req->row_end(), weights, state);
       !s.ok()) {
     return ToGrpc(s);
+  }
+  if (req->applied_ids_size() > 0) {
+    std::vector<std::pair<uint64_t, absl::Time>> entries;
+    for (int i = 0; i < req->applied_ids_size(); ++i) {
+      entries.emplace_back(req->applied_ids(i), absl::FromUnixMillis(req->applied_unix_ms(i)));
+    }
+    std::sort(entries.begin(), entries.end(),
+              [](const auto& a, const auto& b) { return a.second < b.second; });
+    dedup_forgotten_early_.fetch_add(
+        (*shard)->applied->Merge(entries, absl::Now(), options_.dedup_ttl, options_.dedup_window),
+        std::memory_order_relaxed);
   }
   if (req->step() >= 0) {
     if (absl::Status s = backend_->ImportStep((*shard)->id, req->step()); !s.ok()) {

@@ -8,8 +8,9 @@
 // out of range, wrong gradient shape, NaN/Inf values (INVALID_ARGUMENT),
 // responses or shards over the size or memory limits (RESOURCE_EXHAUSTED).
 // Every mutating call carries the epoch it was planned at. ApplyGradients
-// is exactly-once per request id: the last `dedup_window` ids per
-// collection are remembered.
+// is exactly-once per request id and shard: each shard remembers the ids
+// it applied (AppliedIds), so a retried update applies only the parts whose
+// shards have not seen it, also after a shard moved between workers.
 //
 // Checkpoints: WriteCheckpoint fences a collection's updates only while its
 // shards are copied in memory, then writes the files with updates flowing
@@ -33,6 +34,7 @@
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
 #include "server/backend/embedding_backend.h"
+#include "server/worker/applied_ids.h"
 
 namespace ember {
 namespace worker {
@@ -40,7 +42,7 @@ namespace worker {
 struct WorkerServiceOptions {
   // Largest response (lookup outputs or exported rows) in bytes.
   int64_t max_response_bytes = int64_t{1} << 30;
-  // Exactly-once updates: a request id is remembered (per collection) for
+  // Exactly-once updates: a request id is remembered (per shard) for
   // dedup_ttl after it was applied, which must exceed every client's whole
   // retry deadline (ClientOptions::timeout, 30 s by default); memory is
   // bounded by dedup_window ids: past that the oldest are forgotten even if
@@ -91,13 +93,13 @@ class WorkerService final : public ember::v1::Worker::Service {
   struct ShardEntry {
     backend::ShardId id = 0;
     ember::v1::ShardAssignment assignment;
+    // Exactly-once, per shard (it moves with the shard); under apply_mu.
+    std::shared_ptr<AppliedIds> applied = std::make_shared<AppliedIds>();
   };
   struct Collection {
     int64_t epoch = 0;
     std::map<std::pair<std::string, int32_t>, ShardEntry> shards;
-    // Exactly-once: ids applied, oldest first; apply_mu serialises updates.
-    std::deque<std::pair<std::string, absl::Time>> applied_order;
-    absl::flat_hash_set<std::string> applied;
+    // Serialises updates, imports and checkpoint copies of the collection.
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
   };
 
