@@ -49,5 +49,20 @@ if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
   # The build itself failed before any test ran.
   failed=1
 fi
+
+# A short fuzzing run of every libFuzzer target (scripts/fuzz.sh): each
+# target is one test, passed when it ran and found no crash. Skipped when
+# specific Bazel targets were asked for; EMBER_FUZZ_SECONDS sets the time.
+if [ $# -eq 0 ]; then
+  fuzz_log=$(mktemp)
+  bash scripts/fuzz.sh --seconds="${EMBER_FUZZ_SECONDS:-15}" 2>&1 | tee "$fuzz_log"
+  ok=$(grep -cE '^fuzz [a-z_]+: [1-9][0-9]* executions in [0-9]+ s, 0 crash' "$fuzz_log")
+  bad=$(grep -cE '^fuzz [a-z_]+: ' "$fuzz_log")
+  bad=$((bad - ok))
+  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # no target ran at all
+  passed=$((passed + ok))
+  failed=$((failed + bad))
+  rm -f "$fuzz_log"
+fi
 echo "$passed passed, $failed failed, $skipped_total skipped"
 [ "$failed" -eq 0 ] && [ "$bazel_rc" -eq 0 ]

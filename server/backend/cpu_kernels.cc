@@ -1,5 +1,7 @@
 #include "server/backend/cpu_kernels.h"
 
+#include <cpuid.h>
+
 #include "absl/strings/str_cat.h"
 #include "server/backend/half.h"
 
@@ -39,9 +41,15 @@ const RowKernels kScalar = {"scalar",
                             {AccScalar<0>, AccScalar<1>, AccScalar<2>},
                             {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>}};
 
+// F16C through CPUID (leaf 1, ECX bit 29): clang has no "f16c" feature
+// name for __builtin_cpu_supports.
+bool HasF16c() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+}
+
 bool HasAvx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c();
 }
 bool HasAvx512() {
   return HasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -160,7 +160,16 @@ void WriteHeader(const ShardData& d, char* out) {
 }
 
 // Opens entry's file and checks its size; *fd_out owns the descriptor.
+// A shard file's name must be a plain name inside its directory.
+bool SafeName(const std::string& name) {
+  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
+}
+
 absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::CheckpointShard& entry) {
+  if (!SafeName(entry.file())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard file name '", entry.file(), "' is not a plain file name"));
+  }
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return absl::DataLossError(absl::StrCat("checkpoint file ", path, " is missing"));
@@ -346,6 +355,14 @@ absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& di
     if (*r < sizeof(buf)) break;
     if (text.size() > (size_t{256} << 20)) return DataLoss(path, "larger than 256 MiB");
   }
+  auto m = ParseManifest(text, path);
+  if (!m.ok()) return m.status();
+  m->mutable_info()->set_path(dir);
+  return m;
+}
+
+absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& text,
+                                                            const std::string& path) {
   const size_t nl = text.find('\n');
   if (nl == std::string::npos) return DataLoss(path, "no header line");
   const std::string head_line = text.substr(0, nl);
@@ -377,12 +394,10 @@ absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& di
   }
   std::set<std::string> files;
   for (const auto& s : m.shards()) {
-    if (s.file().empty() || s.file().find('/') != std::string::npos || s.file() == ".." ||
-        !files.insert(s.file()).second) {
+    if (!SafeName(s.file()) || !files.insert(s.file()).second) {
       return DataLoss(path, absl::StrCat("bad shard file name '", s.file(), "'"));
     }
   }
-  m.mutable_info()->set_path(dir);
   return m;
 }
 

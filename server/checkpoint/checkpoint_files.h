@@ -63,6 +63,11 @@ absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointM
 // NOT_FOUND if `dir` has no MANIFEST; DATA_LOSS naming it if it is damaged.
 absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& dir);
 
+// The checks and parsing of ReadManifest on a MANIFEST's text; `path`
+// names it in errors.
+absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& text,
+                                                            const std::string& path);
+
 // Reads the manifest of `dir` and verifies every shard file it names.
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir);
 

@@ -134,6 +134,10 @@ TEST(CheckpointFilesTest, DamageIsRefusedWithTheFileNamed) {
   const std::string third = WriteCheckpoint(root, 3000, 11);
   ASSERT_EQ(unlink((third + "/" + m->shards(0).file()).c_str()), 0);  // a missing shard file
   EXPECT_EQ(VerifyCheckpoint(third).status().code(), absl::StatusCode::kDataLoss);
+  ember::v1::CheckpointShard escape = m->shards(0);  // a name that leaves the directory
+  escape.set_file("../" + escape.file());
+  EXPECT_EQ(ReadShardFile(third, escape).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(VerifyShardFile(third, escape).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_EQ(unlink((third + "/MANIFEST").c_str()), 0);  // no manifest: not a checkpoint
   EXPECT_EQ(VerifyCheckpoint(third).status().code(), absl::StatusCode::kNotFound);
 }

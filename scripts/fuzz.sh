@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Builds Ember's libFuzzer targets (tests/fuzz/*.cc: every worker and
+# coordinator request decoder and validator, and the text formats) with
+# clang-14, AddressSanitizer and UndefinedBehaviorSanitizer, and runs each
+# for a set time. Prints one line per target:
+#   fuzz NAME: N executions in S s, C crash(es)
+# and exits non-zero if any target crashed (the input that did is saved
+# under out/fuzz/NAME/, with the log). Corpora persist in out/fuzz/corpus/.
+#
+#   scripts/fuzz.sh [--seconds=N] [TARGET...]     (default 60 s each, all targets)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=60
+targets=()
+for a in "$@"; do
+  case "$a" in
+    --seconds=*) seconds=${a#--seconds=} ;;
+    *) targets+=("$a") ;;
+  esac
+done
+[ ${#targets[@]} -gt 0 ] || targets=(worker_fuzz coordinator_fuzz formats_fuzz)
+
+CXX=clang++-14
+command -v $CXX >/dev/null || { echo "fuzz: $CXX is missing (scripts/setup.sh installs it)" >&2; exit 1; }
+bazel build //proto:all >/dev/null 2>&1 || { echo "fuzz: bazel build //proto:all failed" >&2; exit 1; }
+
+out=out/fuzz
+obj=$out/obj
+mkdir -p "$obj"
+gen=$(bazel info bazel-bin 2>/dev/null)
+san="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
+cxxflags="-std=c++17 -O1 -g -fno-omit-frame-pointer $san -I. -I$gen -w"
+libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lpthread"
+
+# Sources each target links (object files are shared and rebuilt when older
+# than their source).
+common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.cc
+  $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc
+  server/checkpoint/checkpoint_files.cc"
+worker="$common server/worker/worker_service.cc server/worker/applied_ids.cc
+  server/backend/cpu_backend.cc server/backend/cpu_kernels.cc
+  server/backend/cpu_kernels_avx2.cc server/backend/cpu_kernels_avx512.cc
+  server/common/table_spec.cc server/checkpoint/recut.cc"
+planner="planner/cost_model.cc planner/planner.cc planner/shard_geometry.cc
+  planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"
+coordinator="$common $planner server/coordinator/coordinator_service.cc
+  server/coordinator/state_store.cc server/common/table_spec.cc"
+formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc"
+
+compile() {  # source -> object path
+  local src=$1 o
+  o=$obj/$(echo "$src" | sed 's|^/||; s|/|_|g').o
+  if [ ! -f "$o" ] || [ "$src" -nt "$o" ]; then
+    local extra=""
+    case "$src" in
+      *cpu_kernels_avx2.cc) extra="-mavx2 -mfma -mf16c" ;;
+      *cpu_kernels_avx512.cc) extra="-mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c" ;;
+      *cpu_backend.cc) extra="-fno-math-errno" ;;
+    esac
+    $CXX $cxxflags -fsanitize=fuzzer-no-link $extra -c "$src" -o "$o" || return 1
+  fi
+  echo "$o"
+}
+
+failed=0
+for t in "${targets[@]}"; do
+  case "$t" in
+    worker_fuzz) srcs=$worker ;;
+    coordinator_fuzz) srcs=$coordinator ;;
+    formats_fuzz) srcs=$formats ;;
+    *) echo "fuzz: unknown target $t" >&2; exit 2 ;;
+  esac
+  objs=()
+  for s in $srcs; do
+    o=$(compile "$s") || { echo "fuzz $t: build failed ($s)"; failed=1; continue 2; }
+    objs+=("$o")
+  done
+  mkdir -p "$out/bin"
+  bin=$out/bin/$t
+  $CXX $cxxflags -fsanitize=fuzzer "tests/fuzz/$t.cc" "${objs[@]}" $libs -o "$bin" ||
+    { echo "fuzz $t: link failed"; failed=1; continue; }
+  mkdir -p "$out/corpus/$t" "$out/$t"
+  log=$out/$t/log.txt
+  start=$(date +%s)
+  GLOG_minloglevel=2 ASAN_OPTIONS=detect_leaks=0 "$bin" "$out/corpus/$t" -max_total_time="$seconds" -timeout=20 \
+    -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$out/$t/" > "$log" 2>&1
+  rc=$?
+  execs=$(grep -ao 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
+  crashes=$(ls "$out/$t" | grep -cE '^(crash|leak|timeout|oom)-' || true)
+  [ "$rc" -eq 0 ] || [ "$crashes" -gt 0 ] || crashes=1
+  echo "fuzz $t: ${execs:-0} executions in $(( $(date +%s) - start )) s, $crashes crash(es)"
+  if [ "$crashes" -gt 0 ]; then
+    failed=1
+    grep -a -m 20 -E 'ERROR|SUMMARY|runtime error' "$log" | sed 's/^/  /'
+  fi
+done
+exit $failed

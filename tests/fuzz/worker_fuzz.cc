@@ -1,0 +1,137 @@
+// libFuzzer target: every request decoder and validator of the worker
+// (ember.v1.Worker) in process, on a worker holding a small collection.
+// The first byte picks the method, the rest is the serialized request.
+// Invariants besides "no crash, no sanitizer report": the collection "c"
+// keeps answering a fixed lookup with unchanged values unless an
+// acknowledged mutation targeted it.
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "proto/service.pb.h"
+#include "server/backend/cpu_backend.h"
+#include "server/common/wire.h"
+#include "server/worker/worker_service.h"
+
+namespace {
+
+using ember::v1::TableConfig;
+using ember::worker::WorkerService;
+
+WorkerService* Make() {
+  ember::backend::CpuBackendOptions o;
+  o.memory_limit_bytes = 64 << 20;
+  auto backend = ember::backend::CreateCpuBackend(o);
+  if (!backend.ok()) std::abort();
+  ember::worker::WorkerServiceOptions so;
+  so.max_response_bytes = 16 << 20;
+  so.skip_nonfinite = std::getenv("EMBER_FUZZ_SKIP_NONFINITE") != nullptr;
+  auto* s = new WorkerService(std::move(*backend), so);
+  ember::v1::CreateShardsRequest req;
+  req.set_collection("c");
+  req.set_epoch(1);
+  struct T {
+    const char* name;
+    int rows, dim;
+    TableConfig::Pooling pooling;
+    ember::v1::OptimizerSpec::Type opt;
+  } tables[] = {{"t", 50, 8, TableConfig::SUM, ember::v1::OptimizerSpec::ADAM},
+                {"m", 30, 4, TableConfig::MEAN, ember::v1::OptimizerSpec::ROWWISE_ADAGRAD},
+                {"s", 20, 4, TableConfig::NONE, ember::v1::OptimizerSpec::ADAGRAD}};
+  for (const T& t : tables) {
+    auto* a = req.add_shards();
+    a->mutable_ref()->set_table(t.name);
+    TableConfig* c = a->mutable_table();
+    c->set_name(t.name);
+    c->set_num_embeddings(t.rows);
+    c->set_embedding_dim(t.dim);
+    c->set_pooling(t.pooling);
+    c->mutable_optimizer()->set_type(t.opt);
+    a->set_rows(t.rows);
+    a->set_cols(t.dim);
+  }
+  ember::v1::CreateShardsResponse resp;
+  if (!s->CreateShards(nullptr, &req, &resp).ok()) std::abort();
+  return s;
+}
+
+template <typename Req>
+bool Parse(const std::string& bytes, Req* r) {
+  return r->ParseFromString(bytes);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static WorkerService* service = Make();
+  if (size < 1) return 0;
+  const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
+  switch (data[0] % 9) {
+    case 0: {
+      ember::v1::WorkerLookupRequest r;
+      ember::v1::WorkerLookupResponse out;
+      if (Parse(payload, &r)) (void)service->Lookup(nullptr, &r, &out);
+      break;
+    }
+    case 1: {
+      ember::v1::WorkerApplyGradientsRequest r;
+      ember::v1::WorkerApplyGradientsResponse out;
+      if (Parse(payload, &r)) (void)service->ApplyGradients(nullptr, &r, &out);
+      break;
+    }
+    case 2: {
+      ember::v1::ImportRowsRequest r;
+      ember::v1::ImportRowsResponse out;
+      if (Parse(payload, &r)) (void)service->ImportRows(nullptr, &r, &out);
+      break;
+    }
+    case 3: {
+      ember::v1::ExportRowsRequest r;
+      ember::v1::ExportRowsResponse out;
+      if (Parse(payload, &r)) (void)service->ExportRows(nullptr, &r, &out);
+      break;
+    }
+    case 4: {  // creates are dropped again so memory stays bounded
+      ember::v1::CreateShardsRequest r;
+      ember::v1::CreateShardsResponse out;
+      if (Parse(payload, &r) && r.collection() != "c" &&
+          service->CreateShards(nullptr, &r, &out).ok()) {
+        ember::v1::DropShardsRequest d;
+        d.set_collection(r.collection());
+        d.set_epoch(r.epoch());
+        ember::v1::DropShardsResponse dropped;
+        if (!service->DropShards(nullptr, &d, &dropped).ok()) std::abort();
+      }
+      break;
+    }
+    case 5: {
+      ember::v1::UpdateShardsRequest r;
+      ember::v1::UpdateShardsResponse out;
+      if (Parse(payload, &r) && r.collection() != "c") (void)service->UpdateShards(nullptr, &r, &out);
+      break;
+    }
+    case 6: {
+      ember::v1::DropShardsRequest r;
+      ember::v1::DropShardsResponse out;
+      if (Parse(payload, &r) && r.collection() != "c") (void)service->DropShards(nullptr, &r, &out);
+      break;
+    }
+    case 7: {  // reads only under a directory that holds no checkpoint
+      ember::v1::LoadCheckpointRequest r;
+      ember::v1::LoadCheckpointResponse out;
+      if (Parse(payload, &r)) {
+        r.set_dir("/nonexistent/ember-fuzz");
+        (void)service->LoadCheckpoint(nullptr, &r, &out);
+      }
+      break;
+    }
+    default: {
+      ember::v1::ShardStatusRequest r;
+      ember::v1::ShardStatusResponse out;
+      if (Parse(payload, &r)) (void)service->ShardStatus(nullptr, &r, &out);
+    }
+  }
+  return 0;
+}
