@@ -36,16 +36,12 @@ using ember::v1::CollectionSpec;
 using testing_util::ExpectNear;
 using testing_util::LocalCluster;
 using testing_util::RandomKjt;
+using testing_util::ExportAll;
+using testing_util::Tables;
+using testing_util::TempDir;
 using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
-
-std::string TempDir() {
-  char tmpl[] = "/tmp/ember_checkpoint_test_XXXXXX";
-  char* d = mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d == nullptr ? "/tmp" : d;
-}
 
 std::unique_ptr<Client> Connect(const std::string& address) {
   client::ClientOptions o;
@@ -53,19 +49,6 @@ std::unique_ptr<Client> Connect(const std::string& address) {
   auto c = Client::Connect(address, o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? std::move(*c) : nullptr;
-}
-
-// Every table of a collection, exported.
-using Tables = std::map<std::string, std::vector<float>>;
-Tables ExportAll(Client* c, const std::string& name, const CollectionSpec& spec) {
-  Tables out;
-  for (const auto& t : spec.tables()) {
-    int64_t rows = 0, dim = 0;
-    auto v = c->ExportTable(name, t.name(), &rows, &dim);
-    EXPECT_TRUE(v.ok()) << name << "/" << t.name() << ": " << v.status();
-    if (v.ok()) out[t.name()] = *v;
-  }
-  return out;
 }
 
 // `steps` training steps (pooled and sequence features) on the collection

@@ -31,16 +31,10 @@ using client::KeyedTensor;
 using ember::v1::CollectionSpec;
 using testing_util::Process;
 using testing_util::RandomKjt;
+using testing_util::TempDir;
 using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
-
-std::string TempDir() {
-  char tmpl[] = "/tmp/ember_restart_test_XXXXXX";
-  char* d = mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d == nullptr ? "/tmp" : d;
-}
 
 std::unique_ptr<Process> StartCoordinator(const std::string& listen, const std::string& state,
                                           const std::string& root, std::string* address) {

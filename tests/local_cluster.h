@@ -1,5 +1,6 @@
-// LocalCluster: `emberctl up --workers=N` as a child process, on 127.0.0.1,
-// for tests and benchmarks; stopped (SIGTERM, then SIGKILL) when destroyed.
+// Child processes for tests and benchmarks: Process (any command, stdout on
+// a pipe) and LocalCluster (`emberctl up --workers=N` on 127.0.0.1); both
+// stopped (SIGTERM, then SIGKILL) when destroyed.
 #ifndef EMBER_TESTS_LOCAL_CLUSTER_H_
 #define EMBER_TESTS_LOCAL_CLUSTER_H_
 
@@ -45,13 +46,17 @@ class Process {
     Stop(SIGTERM);
     if (out_ != nullptr) fclose(out_);
   }
-  // The first line of stdout starting with `prefix` (without it and the
-  // newline); "" at end of output.
+  // The next line of stdout without its newline; false at end of output.
+  bool NextLine(std::string* line) {
+    char buf[512];
+    if (out_ == nullptr || fgets(buf, sizeof(buf), out_) == nullptr) return false;
+    *line = std::string(absl::StripSuffix(buf, "\n"));
+    return true;
+  }
+  // The rest of the first line starting with `prefix`; "" at end of output.
   std::string Line(const std::string& prefix) {
-    char line[512];
-    while (out_ != nullptr && fgets(line, sizeof(line), out_) != nullptr) {
-      std::string l(line);
-      if (l.rfind(prefix, 0) == 0) return std::string(absl::StripSuffix(l.substr(prefix.size()), "\n"));
+    for (std::string l; NextLine(&l);) {
+      if (l.rfind(prefix, 0) == 0) return l.substr(prefix.size());
     }
     return "";
   }
@@ -77,67 +82,40 @@ class Process {
   FILE* out_ = nullptr;
 };
 
+// `emberctl up --workers=N` as a child process, stopped when destroyed.
 class LocalCluster {
  public:
   // Starts the cluster; ok() tells whether it came up within 60 s. `extra`:
   // more `emberctl up` flags ("--threads=2").
-  LocalCluster(const std::string& emberctl, int workers, std::vector<std::string> extra = {}) {
-    int fds[2];
-    if (pipe(fds) != 0) return;
-    std::vector<std::string> args = {emberctl, "up", absl::StrCat("--workers=", workers),
-                                      "--lease_ms=3000"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_ = fork();
-    if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      dup2(fds[1], 1);
-      close(fds[0]);
-      execv(emberctl.c_str(), argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    FILE* out = fdopen(fds[0], "r");
-    char line[512];
-    while (out != nullptr && fgets(line, sizeof(line), out) != nullptr) {
-      std::vector<std::string> w = absl::StrSplit(std::string(line), ' ', absl::SkipWhitespace());
-      if (w.size() >= 2 && w[0] == "coordinator:") coordinator_ = std::string(absl::StripSuffix(w[1], "\n"));
+  LocalCluster(const std::string& emberctl, int workers, std::vector<std::string> extra = {})
+      : process_(Args(emberctl, workers, std::move(extra))) {
+    for (std::string line; process_.NextLine(&line);) {
+      std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+      if (w.size() >= 2 && w[0] == "coordinator:") coordinator_ = w[1];
       if (w.size() >= 5 && w[0] == "worker" && w[3] == "pid") worker_pids_.push_back(std::stoi(w[4]));
       if (w.size() >= 1 && w[0] == "ready:") {
         ready_ = true;
         break;
       }
     }
-    out_ = out;
-  }
-
-  ~LocalCluster() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      const absl::Time deadline = absl::Now() + absl::Seconds(15);
-      while (waitpid(pid_, nullptr, WNOHANG) == 0) {
-        if (absl::Now() > deadline) {
-          kill(pid_, SIGKILL);
-          waitpid(pid_, nullptr, 0);
-          break;
-        }
-        absl::SleepFor(absl::Milliseconds(20));
-      }
-    }
-    if (out_ != nullptr) fclose(out_);
   }
 
   bool ok() const { return ready_ && !coordinator_.empty(); }
   // The `emberctl up` process (which runs the coordinator).
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return process_.pid(); }
   const std::string& coordinator() const { return coordinator_; }
   const std::vector<int>& worker_pids() const { return worker_pids_; }
 
  private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
+  static std::vector<std::string> Args(const std::string& emberctl, int workers,
+                                       std::vector<std::string> extra) {
+    std::vector<std::string> args = {emberctl, "up", absl::StrCat("--workers=", workers),
+                                     "--lease_ms=3000"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
+
+  Process process_;
   bool ready_ = false;
   std::string coordinator_;
   std::vector<int> worker_pids_;

@@ -28,28 +28,12 @@ using ember::v1::CollectionInfo;
 using ember::v1::CollectionSpec;
 using testing_util::LocalCluster;
 using testing_util::RandomKjt;
+using testing_util::ExportAll;
+using testing_util::Tables;
+using testing_util::TempDir;
 using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
-using Tables = std::map<std::string, std::vector<float>>;
-
-std::string TempDir() {
-  char tmpl[] = "/tmp/ember_recovery_test_XXXXXX";
-  char* d = mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d == nullptr ? "/tmp" : d;
-}
-
-Tables ExportAll(Client* c, const std::string& name, const CollectionSpec& spec) {
-  Tables out;
-  for (const auto& t : spec.tables()) {
-    int64_t rows = 0, dim = 0;
-    auto v = c->ExportTable(name, t.name(), &rows, &dim);
-    EXPECT_TRUE(v.ok()) << t.name() << ": " << v.status();
-    if (v.ok()) out[t.name()] = *v;
-  }
-  return out;
-}
 
 void Train(Client* c, const std::string& name, uint32_t seed, int steps) {
   std::mt19937 rng(seed);

@@ -1,6 +1,7 @@
-// The collection the multi-process tests train: four tables covering SUM /
-// MEAN / weighted SUM / NONE and the four optimizers, random KJTs for it,
-// and a float comparison with a relative tolerance.
+// What the multi-process tests share: the collection they train (four
+// tables covering SUM / MEAN / weighted SUM / NONE and the four optimizers),
+// random KJTs for it, a float comparison with a relative tolerance, every
+// table of a collection exported, and a fresh temporary directory.
 #ifndef EMBER_TESTS_TEST_COLLECTION_H_
 #define EMBER_TESTS_TEST_COLLECTION_H_
 
@@ -9,6 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <stdlib.h>
+
+#include <map>
+
+#include "client/client.h"
 #include "client/kjt.h"
 #include "gtest/gtest.h"
 #include "proto/collection.pb.h"
@@ -76,6 +82,28 @@ inline void ExpectNear(const std::vector<float>& got, const std::vector<float>& 
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_NEAR(got[i], want[i], 2e-5 * (1 + std::abs(want[i]))) << what << " at " << i;
   }
+}
+
+using Tables = std::map<std::string, std::vector<float>>;
+
+// Every table of a collection, exported through the client.
+inline Tables ExportAll(client::Client* c, const std::string& name, const CollectionSpec& spec) {
+  Tables out;
+  for (const auto& t : spec.tables()) {
+    int64_t rows = 0, dim = 0;
+    auto v = c->ExportTable(name, t.name(), &rows, &dim);
+    EXPECT_TRUE(v.ok()) << name << "/" << t.name() << ": " << v.status();
+    if (v.ok()) out[t.name()] = *v;
+  }
+  return out;
+}
+
+// A new directory under /tmp.
+inline std::string TempDir() {
+  char tmpl[] = "/tmp/ember_test_XXXXXX";
+  char* d = mkdtemp(tmpl);
+  EXPECT_NE(d, nullptr);
+  return d == nullptr ? "/tmp" : d;
 }
 
 }  // namespace testing_util

@@ -272,7 +272,9 @@ TEST(RecutTest, AnyLayoutToAnyLayoutMatchesTheNaiveSlice) {
         for (const Layout& l : to) {
           RecutTarget t(type, l.row_offset, l.col_offset, l.rows, l.cols);
           for (size_t i = 0; i < entries.size(); ++i) {
-            if (Overlaps(entries[i], t)) ASSERT_TRUE(CopyOverlap(entries[i], datas[i], &t).ok());
+            if (Overlaps(entries[i], t)) {
+              ASSERT_TRUE(CopyOverlap(entries[i], datas[i], &t).ok());
+            }
           }
           ASSERT_TRUE(FinishTarget("t", &t).ok());
           const ShardData want = Slice(whole, type, l);
