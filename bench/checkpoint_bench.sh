@@ -27,7 +27,7 @@ addr=$(awk '/^coordinator:/ {print $2}' "$log")
 echo "== $gib GiB in 4 tables of [$rows, 128] fp32, row-wise on 2 CPU workers; ROOT $root"
 $ctl create --coordinator="$addr" --spec="$spec" --sharding_type=row_wise >/dev/null
 for i in 1 2 3; do
-  $ctl checkpoint --coordinator="$addr" --collection=bench --dir="$root" | tail -1
+  $ctl checkpoint --coordinator="$addr" --collection=bench --dir="$root" | grep -v "^checkpoint"
 done
 start=$(date +%s.%N)
 $ctl restore --coordinator="$addr" --from="$root" --collection=restored | tail -1

@@ -8,12 +8,14 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "cli/exit_status.h"
 #include "cli/json_io.h"
@@ -471,8 +473,29 @@ int RunCheckpoint() {
   auto cl = Connect();
   if (!cl.ok()) return Fail("checkpoint", cl.status());
   std::cout << "checkpointing '" << FLAGS_collection << "'..." << std::endl;
-  auto info = (*cl)->Checkpoint(FLAGS_collection, FLAGS_dir,
-                                absl::Seconds(FLAGS_checkpoint_timeout_s));
+  absl::StatusOr<ember::v1::CheckpointInfo> info;
+  absl::Notification finished;
+  std::thread call([&] {
+    info = (*cl)->Checkpoint(FLAGS_collection, FLAGS_dir,
+                             absl::Seconds(FLAGS_checkpoint_timeout_s));
+    finished.Notify();
+  });
+  // Progress once a second while the workers write: bytes, rate, time left.
+  const absl::Time start = absl::Now();
+  while (!finished.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+    auto list = (*cl)->ListCheckpoints(FLAGS_collection);
+    if (!list.ok()) continue;
+    for (const auto& c : *list) {
+      if (!c.in_progress() || c.total_bytes() <= 0) continue;
+      const double secs = absl::ToDoubleSeconds(absl::Now() - start);
+      const double rate = c.bytes() / std::max(secs, 1e-3);
+      const double left = rate > 0 ? (c.total_bytes() - c.bytes()) / rate : 0;
+      std::cout << "  written " << FormatBytes(c.bytes()) << " of " << FormatBytes(c.total_bytes())
+                << " (" << FormatBytes(rate) << "/s, about " << static_cast<int>(left + 0.5)
+                << " s left)" << std::endl;
+    }
+  }
+  call.join();
   if (!info.ok()) return Fail("checkpoint", info.status());
   PrintCheckpoint(*info);
   return 0;

@@ -198,6 +198,40 @@ TEST_F(CheckpointTest, RestoreChoosesANewShardingAndKeepsTheLastK) {
   ASSERT_TRUE(c2->DropCollection("k").ok());
 }
 
+// While a checkpoint is written, ListCheckpoints shows it in progress with
+// the bytes on disk so far and the total it will have.
+TEST_F(CheckpointTest, ProgressIsShownWhileWriting) {
+  auto c2 = Connect(two_->coordinator());
+  auto watcher = Connect(two_->coordinator());
+  ASSERT_TRUE(c2 && watcher);
+  CollectionSpec spec = TestSpec("p");
+  spec.mutable_tables(0)->set_num_embeddings(400000);  // ~300 MB with Adam state
+  spec.mutable_tables(0)->set_embedding_dim(64);
+  spec.mutable_tables(0)->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAM);
+  ASSERT_TRUE(c2->CreateCollection(spec, "row_wise").ok());
+  absl::StatusOr<ember::v1::CheckpointInfo> done;
+  std::thread writer([&] { done = c2->Checkpoint("p", TempDir()); });
+  std::vector<ember::v1::CheckpointInfo> seen;
+  for (int i = 0; i < 2000 && seen.empty(); ++i) {
+    auto list = watcher->ListCheckpoints("p");
+    ASSERT_TRUE(list.ok());
+    for (const auto& c : *list) {
+      if (c.in_progress()) seen.push_back(c);
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  writer.join();
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_FALSE(seen.empty());
+  EXPECT_EQ(seen[0].total_bytes(), done->bytes());  // the total is known up front
+  EXPECT_LE(seen[0].bytes(), seen[0].total_bytes());
+  EXPECT_EQ(seen[0].path(), done->path());
+  auto after = watcher->ListCheckpoints("p");  // and it is gone once committed
+  ASSERT_TRUE(after.ok());
+  for (const auto& c : *after) EXPECT_FALSE(c.in_progress());
+  ASSERT_TRUE(c2->DropCollection("p").ok());
+}
+
 // Damage of every kind is refused before anything is created.
 TEST_F(CheckpointTest, DamagedCheckpointIsRefusedAndNothingIsCreated) {
   auto c2 = Connect(two_->coordinator());

@@ -247,7 +247,7 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   ember::v1::CheckpointShard entry;
   *entry.mutable_ref() = ref;
   entry.set_file(name);
-  entry.set_bytes(kHeaderBytes + 4 * static_cast<int64_t>(data.weights.size() + data.state.size()));
+  entry.set_bytes(ShardFileBytes(data.rows, data.cols, data.state_width));
   entry.set_crc32(crc);
   entry.set_rows(data.rows);
   entry.set_cols(data.cols);
@@ -473,6 +473,22 @@ std::vector<std::string> ListCommitted(const std::string& root, const std::strin
 
 std::vector<std::string> ListUncommitted(const std::string& root, const std::string& collection) {
   return CheckpointDirs(root, collection, false);
+}
+
+int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width) {
+  return kHeaderBytes + 4 * rows * (cols + state_width);
+}
+
+int64_t BytesInDirectory(const std::string& dir) {
+  int64_t total = 0;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  while (dirent* e = readdir(d)) {
+    struct stat st;
+    if (stat(Join(dir, e->d_name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
+  }
+  closedir(d);
+  return total;
 }
 
 absl::Status RemoveCheckpoint(const std::string& dir) {

@@ -84,6 +84,12 @@ absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path);
 // Committed checkpoint directories of `collection` under `root`, oldest first.
 std::vector<std::string> ListCommitted(const std::string& root, const std::string& collection);
 
+// The size of a shard file holding rows x (cols + state_width) floats.
+int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width);
+
+// Bytes in the regular files of `dir` (a checkpoint being written).
+int64_t BytesInDirectory(const std::string& dir);
+
 // Removes a checkpoint directory: MANIFEST first (so a crash half-way leaves
 // an uncommitted directory, never a torn committed one), then the rest.
 absl::Status RemoveCheckpoint(const std::string& dir);

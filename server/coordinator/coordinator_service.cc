@@ -66,6 +66,18 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
   return out;
 }
 
+// The rank holding shard `ref` (a data-parallel replica: its rank).
+int RankOf(const CollectionInfo& info, const ember::v1::ShardRef& ref) {
+  for (const auto& ts : info.plan().tables()) {
+    if (ts.table() != ref.table()) continue;
+    if (ts.shards_size() == 0) return ref.shard_index();
+    if (ref.shard_index() >= 0 && ref.shard_index() < ts.shards_size()) {
+      return ts.shards(ref.shard_index()).rank();
+    }
+  }
+  return -1;
+}
+
 int64_t AssignmentBytes(const ShardAssignment& a) {
   return backend::ShardBytes(
       ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
@@ -605,6 +617,38 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
     addresses.push_back(info.worker_addresses(r));
     requests.push_back(std::move(per_rank[r]));
   }
+  // Shown by ListCheckpoints while it is written (bytes: the files so far).
+  {
+    ember::v1::CheckpointInfo progress;
+    progress.set_path(*dir);
+    progress.set_collection(collection);
+    progress.set_epoch(epoch);
+    progress.set_created_unix_ms(absl::ToUnixMillis(start));
+    progress.set_in_progress(true);
+    for (const auto& r : requests) {
+      for (const auto& ref : r.shards()) {
+        for (const ShardAssignment& a : AssignmentsOf(info, RankOf(info, ref))) {
+          if (a.ref().table() != ref.table() || a.ref().shard_index() != ref.shard_index()) continue;
+          const backend::ShardSpec spec = ShardSpecFromTable(a.table(), a.row_offset(),
+                                                             a.col_offset(), a.rows(), a.cols());
+          progress.set_total_bytes(progress.total_bytes() +
+                                   checkpoint::ShardFileBytes(spec.rows, spec.dim,
+                                                              backend::OptimizerStateWidth(
+                                                                  spec.optimizer.type, spec.dim)));
+        }
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    in_progress_[*dir] = progress;
+  }
+  struct Done {
+    CoordinatorService* self;
+    std::string dir;
+    ~Done() {
+      absl::MutexLock lock(&self->mu_);
+      self->in_progress_.erase(dir);
+    }
+  } done{this, *dir};
   std::vector<ember::v1::WriteCheckpointResponse> responses;
   const std::vector<grpc::Status> statuses =
       CallEach<ember::v1::WriteCheckpointRequest, ember::v1::WriteCheckpointResponse>(
@@ -740,11 +784,21 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::
 grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext*,
                                                  const ember::v1::ListCheckpointsRequest* req,
                                                  ember::v1::ListCheckpointsResponse* resp) {
-  absl::MutexLock lock(&mu_);
-  for (const auto& c : catalogue_) {
-    if (req->collection().empty() || c.collection() == req->collection()) {
-      *resp->add_checkpoints() = c;
+  std::vector<ember::v1::CheckpointInfo> writing;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& c : catalogue_) {
+      if (req->collection().empty() || c.collection() == req->collection()) {
+        *resp->add_checkpoints() = c;
+      }
     }
+    for (const auto& [dir, c] : in_progress_) {
+      if (req->collection().empty() || c.collection() == req->collection()) writing.push_back(c);
+    }
+  }
+  for (auto& c : writing) {  // the files' sizes, read outside the lock
+    c.set_bytes(checkpoint::BytesInDirectory(c.path()));
+    *resp->add_checkpoints() = std::move(c);
   }
   return grpc::Status::OK;
 }

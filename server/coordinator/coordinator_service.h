@@ -192,6 +192,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   absl::Mutex checkpoint_mu_;  // one checkpoint at a time
   std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::map<std::string, ember::v1::CheckpointInfo> in_progress_ ABSL_GUARDED_BY(mu_);  // by dir
   absl::Notification stop_;
   std::thread periodic_;
   std::thread monitor_;
