@@ -26,7 +26,7 @@ namespace checkpoint {
 namespace {
 
 constexpr char kShardMagic[8] = {'E', 'M', 'B', 'S', 'H', 'R', 'D', '1'};
-constexpr int64_t kHeaderBytes = 8 + 4 * 8;
+constexpr int64_t kHeaderBytes = 8 + 5 * 8;
 constexpr size_t kChunk = size_t{4} << 20;
 
 std::string Join(const std::string& dir, const std::string& name) {
@@ -155,16 +155,17 @@ std::vector<std::string> CheckpointDirs(const std::string& root, const std::stri
 
 void WriteHeader(const ShardData& d, char* out) {
   std::memcpy(out, kShardMagic, 8);
-  const int64_t fields[4] = {d.rows, d.cols, d.state_width, d.step};
+  const int64_t fields[5] = {d.rows, d.cols, d.state_width, d.step,
+                             static_cast<int64_t>(d.applied_ids.size())};
   std::memcpy(out + 8, fields, sizeof(fields));
 }
 
-// Opens entry's file and checks its size; *fd_out owns the descriptor.
 // A shard file's name must be a plain name inside its directory.
 bool SafeName(const std::string& name) {
   return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
 }
 
+// Opens entry's file and checks its size; the caller owns the descriptor.
 absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::CheckpointShard& entry) {
   if (!SafeName(entry.file())) {
     return absl::InvalidArgumentError(
@@ -185,8 +186,12 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
     return DataLoss(path, absl::StrCat("it has ", st.st_size, " bytes, the manifest says ",
                                        entry.bytes()));
   }
-  const int64_t want = kHeaderBytes + 4 * entry.rows() * (entry.cols() + entry.state_width());
-  if (entry.rows() < 0 || entry.cols() <= 0 || entry.state_width() < 0 || want != entry.bytes()) {
+  if (entry.rows() < 0 || entry.cols() <= 0 || entry.state_width() < 0 ||
+      entry.applied_ids() < 0 || entry.rows() > (int64_t{1} << 40) ||
+      entry.cols() + entry.state_width() > (int64_t{1} << 20) ||
+      entry.applied_ids() > (int64_t{1} << 40) ||
+      ShardFileBytes(entry.rows(), entry.cols(), entry.state_width(), entry.applied_ids()) !=
+          entry.bytes()) {
     close(fd);
     return DataLoss(path, "the manifest's shape does not match the file's size");
   }
@@ -196,10 +201,10 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
 absl::Status CheckHeader(const char* header, const std::string& path,
                          const ember::v1::CheckpointShard& entry) {
   if (std::memcmp(header, kShardMagic, 8) != 0) return DataLoss(path, "bad magic");
-  int64_t f[4];
+  int64_t f[5];
   std::memcpy(f, header + 8, sizeof(f));
   if (f[0] != entry.rows() || f[1] != entry.cols() || f[2] != entry.state_width() ||
-      f[3] != entry.step()) {
+      f[3] != entry.step() || f[4] != entry.applied_ids()) {
     return DataLoss(path, "its header does not match the manifest");
   }
   return absl::OkStatus();
@@ -223,7 +228,8 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
                                                           const ember::v1::ShardRef& ref,
                                                           const ShardData& data) {
   if (static_cast<int64_t>(data.weights.size()) != data.rows * data.cols ||
-      static_cast<int64_t>(data.state.size()) != data.rows * data.state_width) {
+      static_cast<int64_t>(data.state.size()) != data.rows * data.state_width ||
+      data.applied_ids.size() != data.applied_unix_ms.size()) {
     return absl::InternalError("shard data does not match its shape");
   }
   const std::string name = ShardFileName(ref);
@@ -234,9 +240,13 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   WriteHeader(data, header);
   uint32_t crc = Crc(0, header, sizeof(header));
   if (absl::Status s = WriteAll(f.fd(), header, sizeof(header), path); !s.ok()) return s;
-  for (const std::vector<float>* v : {&data.weights, &data.state}) {
-    const char* p = reinterpret_cast<const char*>(v->data());
-    const size_t n = v->size() * sizeof(float);
+  const std::pair<const void*, size_t> parts[] = {
+      {data.weights.data(), data.weights.size() * sizeof(float)},
+      {data.state.data(), data.state.size() * sizeof(float)},
+      {data.applied_ids.data(), data.applied_ids.size() * sizeof(uint64_t)},
+      {data.applied_unix_ms.data(), data.applied_unix_ms.size() * sizeof(int64_t)}};
+  for (const auto& [data_ptr, n] : parts) {
+    const char* p = static_cast<const char*>(data_ptr);
     for (size_t at = 0; at < n; at += kChunk) {
       const size_t len = std::min(kChunk, n - at);
       crc = Crc(crc, p + at, len);
@@ -247,7 +257,9 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   ember::v1::CheckpointShard entry;
   *entry.mutable_ref() = ref;
   entry.set_file(name);
-  entry.set_bytes(ShardFileBytes(data.rows, data.cols, data.state_width));
+  entry.set_bytes(ShardFileBytes(data.rows, data.cols, data.state_width,
+                                 static_cast<int64_t>(data.applied_ids.size())));
+  entry.set_applied_ids(static_cast<int64_t>(data.applied_ids.size()));
   entry.set_crc32(crc);
   entry.set_rows(data.rows);
   entry.set_cols(data.cols);
@@ -274,13 +286,19 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
   d.step = entry.step();
   d.weights.resize(d.rows * d.cols);
   d.state.resize(d.rows * d.state_width);
+  d.applied_ids.resize(entry.applied_ids());
+  d.applied_unix_ms.resize(entry.applied_ids());
   uint32_t crc = Crc(0, header, sizeof(header));
-  for (std::vector<float>* v : {&d.weights, &d.state}) {
-    const size_t n = v->size() * sizeof(float);
-    auto r = ReadUpTo(f.fd(), v->data(), n, path);
+  const std::pair<void*, size_t> parts[] = {
+      {d.weights.data(), d.weights.size() * sizeof(float)},
+      {d.state.data(), d.state.size() * sizeof(float)},
+      {d.applied_ids.data(), d.applied_ids.size() * sizeof(uint64_t)},
+      {d.applied_unix_ms.data(), d.applied_unix_ms.size() * sizeof(int64_t)}};
+  for (const auto& [p, n] : parts) {
+    auto r = ReadUpTo(f.fd(), p, n, path);
     if (!r.ok()) return r.status();
     if (*r != n) return DataLoss(path, "truncated");
-    crc = Crc(crc, v->data(), n);
+    crc = Crc(crc, p, n);
   }
   if (crc != entry.crc32()) return DataLoss(path, "CRC-32 mismatch");
   return d;
@@ -475,8 +493,8 @@ std::vector<std::string> ListUncommitted(const std::string& root, const std::str
   return CheckpointDirs(root, collection, false);
 }
 
-int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width) {
-  return kHeaderBytes + 4 * rows * (cols + state_width);
+int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied) {
+  return kHeaderBytes + 4 * rows * (cols + state_width) + 16 * applied;
 }
 
 int64_t BytesInDirectory(const std::string& dir) {

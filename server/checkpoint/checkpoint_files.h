@@ -4,9 +4,11 @@
 //     <n>-<table>.<shard_index>.shard   one per shard (replicas: one)
 //     MANIFEST                          the commit record
 //
-// A shard file is "EMBSHRD1", then int64 rows, cols, state_width, step, then
-// fp32 weights [rows, cols] and fp32 optimizer state [rows, state_width],
-// row-major, little-endian. The manifest names every shard file with its
+// A shard file is "EMBSHRD1", then int64 rows, cols, state_width, step,
+// applied_count, then fp32 weights [rows, cols], fp32 optimizer state
+// [rows, state_width] (row-major), and the shard's exactly-once record:
+// uint64 request id hashes [applied_count], then int64 Unix ms when each was
+// applied [applied_count]; little-endian. The manifest names every shard file with its
 // size and CRC-32 (zlib's), the spec and the plan. A checkpoint exists only
 // once MANIFEST is committed: written to MANIFEST.tmp, fsynced, renamed,
 // and the directory fsynced, so a crash at any point leaves either no
@@ -38,6 +40,11 @@ struct ShardData {
   int64_t rows = 0, cols = 0, state_width = 0, step = 0;
   std::vector<float> weights;  // [rows, cols]
   std::vector<float> state;    // [rows, state_width]
+  // The update request ids (stable hashes) the shard had applied, with
+  // when (Unix ms), oldest first: a shard restored with the same rows and
+  // columns takes them back, so a retried update is not applied twice.
+  std::vector<uint64_t> applied_ids;
+  std::vector<int64_t> applied_unix_ms;
 };
 
 // The shard file's name for `ref`: "<n>-<table>.<shard_index>.shard" with the
@@ -84,8 +91,9 @@ absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path);
 // Committed checkpoint directories of `collection` under `root`, oldest first.
 std::vector<std::string> ListCommitted(const std::string& root, const std::string& collection);
 
-// The size of a shard file holding rows x (cols + state_width) floats.
-int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width);
+// The size of a shard file holding rows x (cols + state_width) floats and
+// `applied` exactly-once entries.
+int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0);
 
 // Bytes in the regular files of `dir` (a checkpoint being written).
 int64_t BytesInDirectory(const std::string& dir);

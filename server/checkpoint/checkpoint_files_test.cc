@@ -80,16 +80,21 @@ void FlipByte(const std::string& path, long offset) {
 
 TEST(CheckpointFilesTest, ShardFileRoundTripsAndNamesAreSafe) {
   const std::string dir = TempDir();
-  const ShardData d = Random(17, 12, 24, 9, 1);
+  ShardData d = Random(17, 12, 24, 9, 1);
+  d.applied_ids = {0xfeedfacecafebeefULL, 7};
+  d.applied_unix_ms = {1000, 2000};
   auto e = WriteShardFile(dir, Ref("../evil table", 2), d);
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->file().find('/'), std::string::npos);
-  EXPECT_EQ(e->bytes(), 40 + 4 * (17 * 12 + 17 * 24));
+  EXPECT_EQ(e->bytes(), 48 + 4 * (17 * 12 + 17 * 24) + 2 * 16);
+  EXPECT_EQ(e->applied_ids(), 2);
   auto back = ReadShardFile(dir, *e);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->weights, d.weights);
   EXPECT_EQ(back->state, d.state);
   EXPECT_EQ(back->step, 9);
+  EXPECT_EQ(back->applied_ids, d.applied_ids);
+  EXPECT_EQ(back->applied_unix_ms, d.applied_unix_ms);
   EXPECT_TRUE(VerifyShardFile(dir, *e).ok());
   EXPECT_NE(ShardFileName(Ref("a/b", 0)), ShardFileName(Ref("a_b", 0)));
 }

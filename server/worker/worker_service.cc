@@ -593,6 +593,10 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext*,
       auto step = backend_->ExportStep(e.id);
       if (!step.ok()) return ToGrpc(step.status());
       d.step = *step;
+      for (const auto& [id, when] : e.applied->Entries()) {
+        d.applied_ids.push_back(id);
+        d.applied_unix_ms.push_back(absl::ToUnixMillis(when));
+      }
     }
     pause = absl::Now() - fence;
   }
@@ -624,6 +628,9 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
   struct Target {
     const ShardEntry* entry;
     checkpoint::RecutTarget recut;
+    // The exactly-once record of a source with exactly this shard's rows
+    // and columns (a recovery); a re-cut shard starts with none.
+    std::vector<std::pair<uint64_t, absl::Time>> applied;
   };
   std::vector<Target> targets;
   std::set<std::pair<std::string, int32_t>> only;
@@ -659,6 +666,13 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
       if (absl::Status s = checkpoint::CopyOverlap(source, *data, &t->recut); !s.ok()) {
         return ToGrpc(s);
       }
+      if (source.row_offset() == t->recut.row_offset && source.rows() == t->recut.rows &&
+          source.col_offset() == t->recut.col_offset && source.cols() == t->recut.cols) {
+        for (size_t i = 0; i < data->applied_ids.size(); ++i) {
+          t->applied.emplace_back(data->applied_ids[i],
+                                  absl::FromUnixMillis(data->applied_unix_ms[i]));
+        }
+      }
     }
   }
   // Every shard is checked before the first is written: a load that fails
@@ -684,6 +698,11 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
     if (absl::Status s = backend_->ImportStep(t.entry->id, t.recut.step); !s.ok()) {
       return ToGrpc(s);
     }
+    std::sort(t.applied.begin(), t.applied.end(),
+              [](const auto& a, const auto& b) { return a.second < b.second; });
+    dedup_forgotten_early_.fetch_add(
+        t.entry->applied->Merge(t.applied, absl::Now(), options_.dedup_ttl, options_.dedup_window),
+        std::memory_order_relaxed);
   }
   resp->set_bytes_read(bytes_read);
   LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << ": "
