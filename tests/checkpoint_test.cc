@@ -232,6 +232,48 @@ TEST_F(CheckpointTest, ProgressIsShownWhileWriting) {
   ASSERT_TRUE(c2->DropCollection("p").ok());
 }
 
+// `up --checkpoint_dir --checkpoint_every`: every collection is checkpointed
+// periodically, in the catalogue and on disk, pruned to --keep_checkpoints.
+TEST(PeriodicCheckpointTest, EveryCollectionIsCheckpointedOnSchedule) {
+  const std::string root = TempDir();
+  LocalCluster cluster(kEmberctl, 2,
+                       {"--checkpoint_dir=" + root, "--checkpoint_every=1s", "--keep_checkpoints=2"});
+  ASSERT_TRUE(cluster.ok());
+  auto c = Connect(cluster.coordinator());
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->CreateCollection(TestSpec("x"), "row_wise").ok());
+  ASSERT_TRUE(c->CreateCollection(TestSpec("y"), "table_wise").ok());
+  Train(c.get(), "x", nullptr, 1, 1);
+  const Tables trained = ExportAll(c.get(), "x", TestSpec("x"));
+  // The catalogue's committed checkpoints of one collection, oldest first.
+  auto taken = [&](const std::string& name) {
+    std::vector<std::string> paths;
+    auto list = c->ListCheckpoints(name);
+    EXPECT_TRUE(list.ok());
+    for (const auto& ck : *list) {
+      if (!ck.in_progress()) paths.push_back(ck.path());
+    }
+    return paths;
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while ((taken("x").size() < 2 || taken("y").size() < 2) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  const std::vector<std::string> first_two = taken("x");
+  ASSERT_EQ(first_two.size(), 2u);
+  while (taken("x").front() == first_two.front() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));  // a third round prunes the oldest
+  }
+  EXPECT_EQ(taken("x").size(), 2u);  // never more than --keep_checkpoints
+  EXPECT_NE(taken("x").front(), first_two.front());
+  EXPECT_EQ(taken("y").size(), 2u);
+  EXPECT_EQ(checkpoint::ListCommitted(root, "x").size(), 2u);
+  // The latest restores to the trained tables.
+  auto r = c->Restore(root + "/x", "x2");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(ExportAll(c.get(), "x2", TestSpec("x")), trained);
+}
+
 // Damage of every kind is refused before anything is created.
 TEST_F(CheckpointTest, DamagedCheckpointIsRefusedAndNothingIsCreated) {
   auto c2 = Connect(two_->coordinator());
