@@ -256,6 +256,9 @@ TEST_F(BadInputTest, CoordinatorRpcs) {
   s = Spec("x");
   s.mutable_tables(1)->set_feature_names(0, "f_sum");  // one feature, two tables
   EXPECT_EQ(create(s), StatusCode::INVALID_ARGUMENT);
+  for (const char* name : {"a/b", "..", ".hidden", "a b"}) {
+    EXPECT_EQ(create(Spec(name)), StatusCode::INVALID_ARGUMENT) << name;  // names directories
+  }
   s = Spec("x");
   s.mutable_tables(0)->clear_feature_names();
   EXPECT_EQ(create(s), StatusCode::INVALID_ARGUMENT);
@@ -371,7 +374,7 @@ TEST_F(BadInputTest, WorkerRpcs) {
     EXPECT_EQ(Call(w, &Stub::CreateShards, again), StatusCode::ALREADY_EXISTS);
     ember::v1::DropShardsRequest d;
     d.set_collection("again");
-    d.set_epoch(61);  // not the epoch held
+    d.set_epoch(59);  // older than the epoch held
     EXPECT_EQ(Call(w, &Stub::DropShards, d), StatusCode::FAILED_PRECONDITION);
     d.set_epoch(60);
     EXPECT_EQ(Call(w, &Stub::DropShards, d), StatusCode::OK);
@@ -384,7 +387,7 @@ TEST_F(BadInputTest, WorkerRpcs) {
   ds.set_epoch(epoch);
   EXPECT_EQ(Call(w, &Stub::DropShards, ds), StatusCode::NOT_FOUND);
   ds.set_collection("bad");
-  ds.set_epoch(epoch + 1);
+  ds.set_epoch(epoch - 1);
   EXPECT_EQ(Call(w, &Stub::DropShards, ds), StatusCode::FAILED_PRECONDITION);
 
   // Lookup.

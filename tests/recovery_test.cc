@@ -69,6 +69,9 @@ struct Case {
   bool restart_workers;  // the replacement path, else the survivors take the shards
   bool checkpoint;       // else the lost shards come back freshly initialised
   bool whole;            // CollectionSpec.recovery = WHOLE_COLLECTION
+  // The checkpoint belongs to an earlier collection of the same name
+  // (dropped and created again): recovery must not load it.
+  bool recreate = false;
 };
 
 void RunCase(const Case& k) {
@@ -87,6 +90,13 @@ void RunCase(const Case& k) {
   auto info = (*c)->CreateCollection(spec, "row_wise");
   ASSERT_TRUE(info.ok()) << info.status();
   const Tables initial = ExportAll(c->get(), "r", spec);
+  if (k.recreate) {
+    Train(c->get(), "r", 7, 2);
+    ASSERT_TRUE((*c)->Checkpoint("r").ok());
+    ASSERT_TRUE((*c)->DropCollection("r").ok());
+    info = (*c)->CreateCollection(spec, "row_wise");
+    ASSERT_TRUE(info.ok()) << info.status();
+  }
   Train(c->get(), "r", 1, 2);
   // An update acknowledged before the checkpoint, on every row block: its
   // retry after the recovery must change nothing (the restored shards take
@@ -176,6 +186,10 @@ TEST(RecoveryTest, WholeCollectionRollsBackToTheCheckpoint) {
 
 TEST(RecoveryTest, WithoutACheckpointTheLostShardsComeBackFresh) {
   RunCase({/*restart_workers=*/true, /*checkpoint=*/false, /*whole=*/false});
+}
+
+TEST(RecoveryTest, ACheckpointOfAnEarlierCollectionOfTheSameNameIsNotUsed) {
+  RunCase({/*restart_workers=*/true, /*checkpoint=*/false, /*whole=*/false, /*recreate=*/true});
 }
 
 }  // namespace

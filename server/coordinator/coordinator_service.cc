@@ -66,6 +66,23 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
   return out;
 }
 
+// A collection's name names directories under checkpoint roots: letters,
+// digits, '_', '-' and '.', not starting with '.', at most 128 characters.
+absl::Status CheckCollectionName(const std::string& name) {
+  if (name.empty()) return absl::InvalidArgumentError("the collection needs a name");
+  bool ok = name.size() <= 128 && name[0] != '.';
+  for (char c : name) {
+    ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                c == '_' || c == '-' || c == '.');
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "collection name '", name.substr(0, 128),
+        "' must be 1-128 letters, digits, '_', '-' or '.', not starting with '.'"));
+  }
+  return absl::OkStatus();
+}
+
 // The rank holding shard `ref` (a data-parallel replica: its rank).
 int RankOf(const CollectionInfo& info, const ember::v1::ShardRef& ref) {
   for (const auto& ts : info.plan().tables()) {
@@ -144,23 +161,53 @@ void CoordinatorService::Reconcile() {
             async->ShardStatus(ctx, request, response, std::move(done));
           },
           absl::ZeroDuration(), &held);
+  std::set<std::string> readopt;
   for (size_t i = 0; i < live.size(); ++i) {
     if (!statuses[i].ok()) continue;  // the lease decides about this one
-    std::set<std::pair<std::string, int64_t>> here;
-    for (const auto& sh : held[i].shards()) here.insert({sh.collection(), sh.epoch()});
-    for (const auto& [name, epoch] : here) {
+    // What this worker holds: collection -> (epoch, shards).
+    std::map<std::string, std::pair<int64_t, std::set<std::pair<std::string, int32_t>>>> here;
+    for (const auto& sh : held[i].shards()) {
+      auto& h = here[sh.collection()];
+      h.first = sh.epoch();
+      h.second.insert({sh.shard().table(), sh.shard().shard_index()});
+    }
+    for (const auto& [name, h] : here) {
       auto it = collections.find(name);
-      if (it == collections.end() || it->second.plan().epoch() != epoch) {
+      std::vector<int> ranks;  // this worker's ranks of `name`
+      if (it != collections.end()) {
+        for (int r : RanksWithShards(it->second.plan())) {
+          if (r < static_cast<int>(ids[name].size()) && ids[name][r] == live[i].id) {
+            ranks.push_back(r);
+          }
+        }
+      }
+      if (ranks.empty()) {  // unknown, or a leftover of an interrupted move
         LOG(WARNING) << "reconcile: worker " << live[i].id << " holds '" << name << "' at epoch "
-                     << epoch << ", which this coordinator does not know; dropping it";
-        (void)DropOnWorkers(name, epoch, {addresses[i]});
+                     << h.first << " where this coordinator places nothing; dropping it";
+        (void)DropOnWorkers(name, h.first, {addresses[i]});
+        continue;
+      }
+      for (int r : ranks) {
+        bool complete = true;
+        for (const auto& a : AssignmentsOf(it->second, r)) {
+          complete = complete && h.second.count({a.ref().table(), a.ref().shard_index()});
+        }
+        if (!complete) {
+          LOG(WARNING) << "reconcile: worker " << live[i].id << " lacks shards of '" << name
+                       << "' rank " << r << "; recovering them";
+          absl::MutexLock lock(&mu_);
+          force_lost_[name].insert(r);
+        } else if (h.first != it->second.plan().epoch()) {
+          readopt.insert(name);  // an interrupted recovery or drain moved its epoch
+        }
       }
     }
+    // Collections this worker should hold and holds nothing of.
     for (const auto& [name, info] : collections) {
+      if (here.count(name)) continue;
       const std::vector<std::string>& rank_ids = ids[name];
       for (int r : RanksWithShards(info.plan())) {
-        if (r < static_cast<int>(rank_ids.size()) && rank_ids[r] == live[i].id &&
-            !here.count({name, info.plan().epoch()})) {
+        if (r < static_cast<int>(rank_ids.size()) && rank_ids[r] == live[i].id) {
           LOG(WARNING) << "reconcile: worker " << live[i].id << " lacks '" << name << "' rank "
                        << r << "; recovering it";
           absl::MutexLock lock(&mu_);
@@ -168,6 +215,9 @@ void CoordinatorService::Reconcile() {
         }
       }
     }
+  }
+  for (const std::string& name : readopt) {
+    (void)ReadoptLocked(name, "epochs reconciled after a coordinator restart");
   }
 }
 
@@ -394,7 +444,7 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     const ember::v1::CollectionSpec& requested, const std::string& sharding_type,
     std::vector<std::string>* worker_ids) {
   ember::v1::CollectionSpec spec = requested;
-  if (spec.name().empty()) return absl::InvalidArgumentError("the collection needs a name");
+  if (absl::Status s = CheckCollectionName(spec.name()); !s.ok()) return s;
   if (!sharding_type.empty()) {
     if (absl::Status s = planner::ForceShardingType(sharding_type, &spec); !s.ok()) return s;
   }
@@ -476,6 +526,7 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   CollectionInfo info;
   *info.mutable_spec() = spec;
   *info.mutable_plan() = *std::move(plan);
+  info.set_created_epoch(epoch);
   for (const std::string& a : addresses) info.add_worker_addresses(a);
   worker_ids->clear();
   for (const Worker& w : workers) worker_ids->push_back(w.id);
@@ -556,7 +607,14 @@ grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
                                            info.worker_addresses().end());
   // The collection is gone for clients whatever happens; a worker that
   // cannot be reached keeps its shards until it restarts.
-  if (absl::Status s = DropOnWorkers(req->collection(), info.plan().epoch(), addresses); !s.ok()) {
+  // At the newest epoch handed out: workers drop a collection held at that
+  // epoch or an older one (a failed recovery may have moved some forward).
+  int64_t newest;
+  {
+    absl::MutexLock lock(&mu_);
+    newest = epoch_;
+  }
+  if (absl::Status s = DropOnWorkers(req->collection(), newest, addresses); !s.ok()) {
     LOG(WARNING) << "collection '" << req->collection() << "' dropped; " << s;
   }
   LOG(INFO) << "collection '" << req->collection() << "' dropped";
@@ -770,6 +828,9 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::
     return ToGrpc(FromGrpc(statuses[r], absl::StrCat("restoring '", spec.name(), "' from ", *path,
                                                      " on worker ", r, " (", addresses[r], ")")));
   }
+  info->set_recovered_from(*path);
+  info->set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
+  info->set_note(absl::StrCat("restored from ", *path));
   if (absl::Status s = Register(*info, ids); !s.ok()) {
     (void)DropOnWorkers(spec.name(), epoch, addresses);
     return ToGrpc(s);
@@ -856,16 +917,39 @@ void CoordinatorService::SetState(const std::string& name, CollectionInfo::State
   it->second.set_note(note);
 }
 
-std::string CoordinatorService::LatestCheckpoint(const std::string& name) {
+std::vector<std::string> CoordinatorService::CheckpointCandidates(const CollectionInfo& info) {
+  const std::string& name = info.spec().name();
+  std::vector<std::pair<int64_t, std::string>> found;  // (created ms, path)
+  std::set<std::string> seen;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = catalogue_.rbegin(); it != catalogue_.rend(); ++it) {
-      if (it->collection() == name && checkpoint::ReadManifest(it->path()).ok()) return it->path();
+    for (const auto& c : catalogue_) {
+      if (c.collection() == name && c.epoch() >= info.created_epoch()) {
+        found.emplace_back(c.created_unix_ms(), c.path());
+        seen.insert(c.path());
+      }
     }
   }
-  if (options_.checkpoint_dir.empty()) return "";
-  auto path = checkpoint::ResolveCheckpoint(options_.checkpoint_dir + "/" + name);
-  return path.ok() ? *path : "";
+  // Manifests are read outside the lock (a slow disk must not stall
+  // heartbeats).
+  if (!options_.checkpoint_dir.empty()) {
+    for (const std::string& dir : checkpoint::ListCommitted(options_.checkpoint_dir, name)) {
+      if (seen.count(dir)) continue;
+      auto m = checkpoint::ReadManifest(dir);
+      if (m.ok() && m->info().epoch() >= info.created_epoch()) {
+        found.emplace_back(m->info().created_unix_ms(), dir);
+      }
+    }
+  }
+  // The checkpoint the collection was restored or last recovered from.
+  if (!info.recovered_from().empty() && !seen.count(info.recovered_from())) {
+    auto m = checkpoint::ReadManifest(info.recovered_from());
+    if (m.ok()) found.emplace_back(m->info().created_unix_ms(), info.recovered_from());
+  }
+  std::sort(found.rbegin(), found.rend());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
 }
 
 void CoordinatorService::MonitorLoop() {
@@ -877,6 +961,7 @@ void CoordinatorService::MonitorLoop() {
       absl::MutexLock lock(&mu_);
       const absl::Time now = absl::Now();
       for (const auto& [name, info] : collections_) {
+        if (auto r = retry_after_.find(name); r != retry_after_.end() && now < r->second) continue;
         if (force_lost_.count(name)) {
           lost.push_back(name);
           continue;
@@ -905,7 +990,9 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   const bool drain = !drain_id.empty();
   CollectionInfo info;
   std::vector<std::string> ids;
-  std::map<std::string, Worker> live;  // by id; a draining worker is not live
+  // `live` may receive shards (a draining worker may not); `alive` holds a
+  // lease (a draining worker too: it is not lost).
+  std::map<std::string, Worker> live, alive;
   for (const Worker& w : LiveWorkers()) live[w.id] = w;
   std::set<int> lost;
   {
@@ -915,12 +1002,16 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     info = it->second;
     ids = rank_ids_[name];
     if (!drain && force_lost_.count(name)) lost = force_lost_[name];
+    const absl::Time now = absl::Now();
+    for (const auto& [id, w] : workers_) {
+      if (now - w.last_heartbeat < options_.lease) alive[id] = w;
+    }
   }
   const int world = info.worker_addresses_size();
   ids.resize(world);
   const std::set<int> holding = RanksWithShards(info.plan());
   for (int r : holding) {
-    if (drain ? ids[r] == drain_id : !live.count(ids[r])) lost.insert(r);
+    if (drain ? ids[r] == drain_id : !alive.count(ids[r])) lost.insert(r);
   }
   if (lost.empty()) return absl::OkStatus();
   const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
@@ -931,6 +1022,33 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   SetState(name, CollectionInfo::RECOVERING,
            (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
 
+  // The checkpoint to reload from, chosen (and every file verified) before
+  // anything changes: the newest usable one of this collection.
+  std::string path;
+  ember::v1::CheckpointManifest manifest;
+  if (!drain) {
+    const std::vector<std::string> candidates = CheckpointCandidates(info);
+    std::string unusable;
+    for (const std::string& candidate : candidates) {
+      auto m = checkpoint::VerifyCheckpoint(candidate);
+      if (m.ok()) {
+        path = candidate;
+        manifest = *std::move(m);
+        break;
+      }
+      absl::StrAppend(&unusable, unusable.empty() ? "" : "; ", m.status().message());
+    }
+    if (path.empty() && !candidates.empty()) {
+      const std::string why =
+          absl::StrCat("no usable checkpoint to recover ", lost_names, " from: ", unusable,
+                       "; retrying in 30 s");
+      SetState(name, CollectionInfo::DEGRADED, why);
+      absl::MutexLock lock(&mu_);
+      retry_after_[name] = absl::Now() + absl::Seconds(30);
+      return absl::DataLossError(why);
+    }
+  }
+
   // Live workers that hold nothing of this collection replace dead ranks;
   // without one, a dead rank's shards go to the live ranks with the least.
   std::vector<std::string> spare;
@@ -940,11 +1058,10 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   }
   std::sort(spare.begin(), spare.end(),
             [&](const std::string& a, const std::string& b) { return live[a].seq < live[b].seq; });
-  std::map<int, int64_t> load;  // bytes per live, kept rank
+  std::map<int, int64_t> load;  // bytes per rank that can take shards (not draining)
   for (int r = 0; r < world; ++r) {
-    if (live.count(ids[r]) && !lost.count(r)) {
-      for (const auto& a : AssignmentsOf(info, r)) load[r] += AssignmentBytes(a);
-    }
+    if (lost.count(r) || !live.count(ids[r])) continue;
+    for (const auto& a : AssignmentsOf(info, r)) load[r] += AssignmentBytes(a);
   }
   ember::v1::ShardingPlan& plan = *info.mutable_plan();
   std::map<int, std::set<std::pair<std::string, int32_t>>> reload;  // rank -> shards to load
@@ -1006,6 +1123,10 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::DEGRADED, drain ? "" : why);
     return absl::UnavailableError(why);
   }
+  // Every rank holding something under the new plan moves to its epoch
+  // (replacements are created there); a drained rank holds nothing now.
+  std::set<int> kept = RanksWithShards(info.plan());
+  for (int r : replaced) kept.erase(r);
   auto next = NextEpoch();
   if (!next.ok()) {
     SetState(name, CollectionInfo::DEGRADED, std::string(next.status().message()));
@@ -1019,24 +1140,32 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   std::vector<std::string> create_at, update_at;
   std::vector<ember::v1::CreateShardsRequest> creates;
   std::vector<ember::v1::UpdateShardsRequest> updates;
-  for (const auto& [r, bytes] : load) {
-    const std::vector<ShardAssignment> mine = AssignmentsOf(info, r);
-    if (lost.count(r)) {
-      ember::v1::CreateShardsRequest c;
-      c.set_collection(name);
-      c.set_epoch(epoch);
-      for (const auto& a : mine) *c.add_shards() = a;
-      create_at.push_back(info.worker_addresses(r));
-      creates.push_back(std::move(c));
-    } else {
-      ember::v1::UpdateShardsRequest u;
-      u.set_collection(name);
-      u.set_epoch(epoch);
-      for (const auto& a : mine) *u.add_create() = a;
-      update_at.push_back(info.worker_addresses(r));
-      updates.push_back(std::move(u));
-    }
+  for (int r : replaced) {
+    ember::v1::CreateShardsRequest c;
+    c.set_collection(name);
+    c.set_epoch(epoch);
+    for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
+    create_at.push_back(info.worker_addresses(r));
+    creates.push_back(std::move(c));
   }
+  for (int r : kept) {
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(name);
+    u.set_epoch(epoch);
+    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+    update_at.push_back(info.worker_addresses(r));
+    updates.push_back(std::move(u));
+  }
+  // A failed attempt lets go of what it created on replacements; a drain
+  // goes back to the old placement (the drained worker still holds it).
+  auto give_up = [&](const absl::Status& why) {
+    (void)DropOnWorkers(name, epoch, create_at);
+    if (drain) {
+      (void)ReadoptLocked(name, absl::StrCat("moving ", lost_names, " failed (", why.message(),
+                                             "); back on the old placement"));
+    }
+    return why;
+  };
   absl::Status failure;
   auto failed = [&](const std::vector<grpc::Status>& statuses,
                     const std::vector<std::string>& at) -> bool {
@@ -1064,32 +1193,23 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                    async->UpdateShards(ctx, request, response, std::move(done));
                  }),
              update_at)) {
-    return failure;
+    return give_up(failure);
   }
 
-  // Reload from the latest checkpoint: the lost shards, or everything. A
-  // drain copies them live from the draining worker instead.
+  // Reload from the checkpoint: the lost shards, or everything. A drain
+  // copies them live from the draining worker instead.
   const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
-  const std::string path = drain ? "" : LatestCheckpoint(name);
   std::string note;
   if (drain) {
     if (absl::Status s = CopyFromDrained(name, epoch, before, info, lost, reload, dp_source);
         !s.ok()) {
-      SetState(name, CollectionInfo::DEGRADED,
-               absl::StrCat("moving ", lost_names, " failed: ", s.message()));
-      return s;
+      return give_up(s);
     }
     note = absl::StrCat("drained ", lost_names, ": shards copied live, no update lost");
   } else if (path.empty()) {
     note = absl::StrCat("no checkpoint: the shards of ", lost_names,
                         " came back freshly initialised");
   } else {
-    auto manifest = checkpoint::VerifyCheckpoint(path);
-    if (!manifest.ok()) {
-      SetState(name, CollectionInfo::DEGRADED,
-               absl::StrCat("checkpoint ", path, " cannot be used: ", manifest.status().message()));
-      return manifest.status();
-    }
     std::vector<std::string> at;
     std::vector<ember::v1::LoadCheckpointRequest> loads;
     for (const auto& [r, bytes] : load) {
@@ -1098,7 +1218,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
       l.set_collection(name);
       l.set_epoch(epoch);
       l.set_dir(path);
-      *l.mutable_sources() = manifest->shards();
+      *l.mutable_sources() = manifest.shards();
       if (!whole) {
         for (const auto& [table, index] : reload[r]) {
           auto* ref = l.add_only();
@@ -1116,7 +1236,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                    },
                    options_.checkpoint_rpc_timeout),
                at)) {
-      return failure;
+      return give_up(failure);
     }
     note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
                                 lost_names, ")")
@@ -1124,8 +1244,10 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                                 "; their updates since then are lost");
   }
   info.set_state(CollectionInfo::SERVING);
-  info.set_recovered_from(path);
-  info.set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
+  if (!drain) {
+    info.set_recovered_from(path);
+    info.set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
+  }
   info.set_note(note);
   {
     absl::MutexLock lock(&mu_);
@@ -1135,7 +1257,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
     return s;
   }
-  {
+  if (!drain) {
     absl::MutexLock lock(&mu_);
     force_lost_.erase(name);
   }
@@ -1143,6 +1265,53 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
             << epoch << " in " << absl::ToDoubleMilliseconds(absl::Now() - start)
             << " ms: " << note;
   return absl::OkStatus();
+}
+
+absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const std::string& why) {
+  CollectionInfo info;
+  std::vector<std::string> ids;
+  std::set<std::string> alive;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(name);
+    if (it == collections_.end()) return absl::OkStatus();
+    info = it->second;
+    ids = rank_ids_[name];
+    const absl::Time now = absl::Now();
+    for (const auto& [id, w] : workers_) {
+      if (now - w.last_heartbeat < options_.lease) alive.insert(id);
+    }
+  }
+  auto next = NextEpoch();
+  if (!next.ok()) return next.status();
+  info.mutable_plan()->set_epoch(*next);
+  ids.resize(info.worker_addresses_size());
+  std::vector<std::string> at;
+  std::vector<ember::v1::UpdateShardsRequest> updates;
+  for (int r : RanksWithShards(info.plan())) {
+    if (!alive.count(ids[r])) continue;  // a dead rank is the monitor's to recover
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(name);
+    u.set_epoch(*next);
+    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+    at.push_back(info.worker_addresses(r));
+    updates.push_back(std::move(u));
+  }
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+          at, updates, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->UpdateShards(ctx, request, response, std::move(done));
+          });
+  for (size_t i = 0; i < at.size(); ++i) {
+    if (statuses[i].ok()) continue;
+    const absl::Status s = FromGrpc(statuses[i], at[i]);
+    SetState(name, CollectionInfo::DEGRADED, absl::StrCat(why, "; re-adopting failed: ", s.message()));
+    return s;
+  }
+  info.set_state(CollectionInfo::SERVING);
+  info.set_note(why);
+  LOG(WARNING) << "collection '" << name << "' re-adopted at epoch " << *next << ": " << why;
+  return Register(info, ids);
 }
 
 absl::Status CoordinatorService::CopyFromDrained(

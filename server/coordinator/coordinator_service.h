@@ -160,6 +160,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // live (CopyFromDrained), and returns how it went.
   absl::Status RecoverCollection(const std::string& name, const std::string& drain_id = "")
       ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  // Moves every live holder of the collection to a new epoch with its
+  // current (persisted) placement and publishes it SERVING with `why`: the
+  // way back after a failed drain or an interrupted recovery.
+  absl::Status ReadoptLocked(const std::string& name, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   absl::Status CopyFromDrained(
       const std::string& name, int64_t epoch, const ember::v1::CollectionInfo& before,
       const ember::v1::CollectionInfo& after, const std::set<int>& drained,
@@ -171,9 +176,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                          const ember::v1::ShardRef& to_ref, int64_t rows);
   void SetState(const std::string& name, ember::v1::CollectionInfo::State state,
                 const std::string& note) ABSL_LOCKS_EXCLUDED(mu_);
-  // The newest committed checkpoint of a collection: the catalogue's, else
-  // the latest under checkpoint_dir; "" if none.
-  std::string LatestCheckpoint(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  // Committed checkpoints of this collection (not of an earlier one of the
+  // same name), newest first: the catalogue's and those under
+  // checkpoint_dir.
+  std::vector<std::string> CheckpointCandidates(const ember::v1::CollectionInfo& info)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const CoordinatorOptions options_;
   absl::Mutex create_mu_;  // one create or drop at a time
@@ -187,6 +194,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // Ranks found not to hold their shards (reconciliation): recovered as lost.
   std::map<std::string, std::set<int>> force_lost_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);  // worker ids: not in new plans
+  std::map<std::string, absl::Time> retry_after_ ABSL_GUARDED_BY(mu_);  // recovery back-off
   const std::unique_ptr<StateStore> store_;  // null without state_dir
   std::atomic<bool> reconcile_pending_{false};
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);

@@ -321,8 +321,15 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext*, const ember::v1::Dr
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
   }
   absl::MutexLock lock(&mu_);
-  auto c = FindCollection(req->collection(), req->epoch());
+  auto c = HeldCollection(req->collection());
   if (!c.ok()) return ToGrpc(c.status());
+  // A drop names the newest epoch its sender knows: a copy held at that
+  // epoch or an older one goes; a newer one (a later create) stays.
+  if ((*c)->epoch > req->epoch()) {
+    return ToGrpc(absl::FailedPreconditionError(
+        absl::StrCat("collection '", req->collection(), "' is held at epoch ", (*c)->epoch,
+                     ", newer than ", req->epoch())));
+  }
   {
     absl::MutexLock apply((*c)->apply_mu.get());  // let an update in flight finish
     for (const auto& [key, entry] : (*c)->shards) {
@@ -700,6 +707,8 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
     }
     std::sort(t.applied.begin(), t.applied.end(),
               [](const auto& a, const auto& b) { return a.second < b.second; });
+    // A whole-collection load rolls the record back with the rows.
+    if (req->only().empty()) *t.entry->applied = AppliedIds();
     dedup_forgotten_early_.fetch_add(
         t.entry->applied->Merge(t.applied, absl::Now(), options_.dedup_ttl, options_.dedup_window),
         std::memory_order_relaxed);
