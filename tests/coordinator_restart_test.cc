@@ -5,6 +5,7 @@
 // and checkpoint catalogue are as before; epochs never go backwards; shards
 // a worker holds that the coordinator does not know are dropped.
 #include <signal.h>
+#include <stdlib.h>
 
 #include <atomic>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/inprocess.h"
 #include "gtest/gtest.h"
 #include "server/common/grpc_util.h"
 #include "tests/local_cluster.h"
@@ -26,9 +28,12 @@ namespace ember {
 namespace {
 
 using client::Client;
+using client::InProcessCollection;
 using client::KeyedJaggedTensor;
 using client::KeyedTensor;
 using ember::v1::CollectionSpec;
+using testing_util::ApplyUntilAcknowledged;
+using testing_util::ExpectNear;
 using testing_util::Process;
 using testing_util::RandomKjt;
 using testing_util::TempDir;
@@ -161,6 +166,85 @@ TEST(CoordinatorRestartTest, TrainingGoesOnAndTheStateComesBack) {
   kjt.lengths = {2};
   kjt.values = {1, 300};
   EXPECT_TRUE((*c2)->Lookup("s", kjt).ok());
+}
+
+// The coordinator dies in the middle of a drain (a fault-injection point),
+// before or after the moved shards' data is in place, and is started again:
+// it keeps the old placement or adopts the new one accordingly, and a
+// trainer riding through it (each update retried under its id until
+// acknowledged) ends with tables equal to the in-process reference.
+void CrashDuringDrain(const std::string& point, bool expect_moved) {
+  const std::string state = TempDir(), root = TempDir();
+  std::string address;
+  setenv("EMBER_COORDINATOR_CRASH_AT", point.c_str(), 1);
+  auto coordinator = StartCoordinator("127.0.0.1:0", state, root, &address);
+  unsetenv("EMBER_COORDINATOR_CRASH_AT");
+  ASSERT_FALSE(address.empty());
+  std::vector<std::unique_ptr<Process>> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(std::make_unique<Process>(std::vector<std::string>{
+        kEmberctl, "worker", "--coordinator=" + address, "--listen=127.0.0.1:0"}));
+    ASSERT_FALSE(workers.back()->Line("worker ").empty());
+  }
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(5);
+  auto c = Client::Connect(address, o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  CollectionSpec spec = TestSpec("m");
+  spec.mutable_tables()->RemoveLast();  // no sequence table
+  auto info = (*c)->CreateCollection(spec, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto ref = InProcessCollection::Create(spec, &info->plan());
+  ASSERT_TRUE(ref.ok());
+  std::mt19937 rng(11);
+  auto step = [&](int k) {
+    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4, false);
+    KeyedTensor g;
+    g.keys = {"f_sum", "f_mean", "f_rw"};
+    g.length_per_key = {16, 16, 16};
+    g.batch_size = 4;
+    for (int i = 0; i < 4 * 48; ++i) g.values.push_back(std::uniform_real_distribution<float>(-1, 1)(rng));
+    ASSERT_TRUE(ApplyUntilAcknowledged(c->get(), "m", kjt, g, absl::StrCat("s", k)).ok());
+    ASSERT_TRUE((*ref)->ApplyGradients(kjt, g).ok());
+  };
+  for (int k = 0; k < 20; ++k) step(k);
+  auto listed = (*c)->ListWorkers();
+  ASSERT_TRUE(listed.ok());
+  std::string drained;
+  for (const auto& w : listed->workers()) {
+    if (w.info().address() == info->worker_addresses(1)) drained = w.worker_id();
+  }
+  ASSERT_FALSE(drained.empty());
+  EXPECT_FALSE((*c)->DrainWorker(drained, absl::Seconds(10)).ok());  // the coordinator dies
+  coordinator->Stop(SIGKILL);  // reaps it
+  coordinator = StartCoordinator(address, state, root, &address);
+  ASSERT_FALSE(address.empty());
+  for (int k = 20; k < 40; ++k) step(k);
+
+  auto after = (*c)->GetCollection("m");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->state(), ember::v1::CollectionInfo::SERVING);
+  bool on_drained = false;
+  for (const auto& ts : after->plan().tables()) {
+    for (const auto& sh : ts.shards()) {
+      on_drained |= after->worker_addresses(sh.rank()) == info->worker_addresses(1);
+    }
+  }
+  EXPECT_EQ(on_drained, !expect_moved);
+  for (const auto& t : spec.tables()) {
+    int64_t rows, dim, rr, rd;
+    auto got = (*c)->ExportTable("m", t.name(), &rows, &dim);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), point + " table " + t.name());
+  }
+}
+
+TEST(CoordinatorRestartTest, CrashDuringADrainBeforeTheDataMovedKeepsTheOldPlacement) {
+  CrashDuringDrain("move_before_data", /*expect_moved=*/false);
+}
+
+TEST(CoordinatorRestartTest, CrashDuringADrainAfterTheDataMovedAdoptsTheNewOne) {
+  CrashDuringDrain("move_after_data", /*expect_moved=*/true);
 }
 
 }  // namespace

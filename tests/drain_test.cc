@@ -30,28 +30,13 @@ using client::InProcessCollection;
 using client::KeyedJaggedTensor;
 using client::KeyedTensor;
 using ember::v1::CollectionSpec;
+using testing_util::ApplyUntilAcknowledged;
 using testing_util::ExpectNear;
 using testing_util::Process;
 using testing_util::RandomKjt;
 using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
-
-// Retries an update under one request id until it is acknowledged.
-absl::Status ApplyUntilAcknowledged(Client* c, const std::string& name, const KeyedJaggedTensor& k,
-                                    const KeyedTensor& g, const std::string& id) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  for (;;) {
-    absl::Status s = c->ApplyGradients(name, k, g, id);
-    if (s.ok()) return s;
-    if (!absl::IsUnavailable(s) && !absl::IsFailedPrecondition(s) &&
-        !absl::IsDeadlineExceeded(s)) {
-      return s;
-    }
-    if (absl::Now() > deadline) return s;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-}
 
 TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
   auto coordinator = std::make_unique<Process>(std::vector<std::string>{

@@ -15,6 +15,7 @@
 #include <map>
 
 #include "client/client.h"
+#include "absl/time/clock.h"
 #include "client/kjt.h"
 #include "gtest/gtest.h"
 #include "proto/collection.pb.h"
@@ -96,6 +97,25 @@ inline Tables ExportAll(client::Client* c, const std::string& name, const Collec
     if (v.ok()) out[t.name()] = *v;
   }
   return out;
+}
+
+// Retries an update under one request id until it is acknowledged (or 60 s
+// pass): UNAVAILABLE, FAILED_PRECONDITION and DEADLINE_EXCEEDED are waited
+// out, as a trainer riding through a recovery or a drain would.
+inline absl::Status ApplyUntilAcknowledged(client::Client* c, const std::string& name,
+                                           const KeyedJaggedTensor& k, const client::KeyedTensor& g,
+                                           const std::string& id) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  for (;;) {
+    absl::Status s = c->ApplyGradients(name, k, g, id);
+    if (s.ok()) return s;
+    if (!absl::IsUnavailable(s) && !absl::IsFailedPrecondition(s) &&
+        !absl::IsDeadlineExceeded(s)) {
+      return s;
+    }
+    if (absl::Now() > deadline) return s;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
 }
 
 // A new directory under /tmp.

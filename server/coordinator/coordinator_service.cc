@@ -1,6 +1,9 @@
 #include "server/coordinator/coordinator_service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <utility>
 
@@ -131,6 +134,7 @@ void CoordinatorService::Load(const StateStore::State& state) {
     collections_[c.info().spec().name()] = c.info();
     rank_ids_[c.info().spec().name()].assign(c.rank_worker_ids().begin(),
                                              c.rank_worker_ids().end());
+    if (c.has_pending()) interrupted_[c.info().spec().name()] = c.pending();
   }
   catalogue_ = state.checkpoints;
   if (store_ != nullptr) {
@@ -143,6 +147,35 @@ void CoordinatorService::Load(const StateStore::State& state) {
 
 void CoordinatorService::Reconcile() {
   absl::MutexLock create(&create_mu_);
+  // A move a previous run left under way: its placement if its data was in
+  // place, else the old one (what is left over either way is dropped or
+  // re-adopted below).
+  std::map<std::string, ember::v1::StoredMove> interrupted;
+  {
+    absl::MutexLock lock(&mu_);
+    interrupted.swap(interrupted_);
+  }
+  for (auto& [name, move] : interrupted) {
+    if (move.data_in_place()) {
+      LOG(WARNING) << "reconcile: '" << name << "' was moving to epoch "
+                   << move.info().plan().epoch() << " with its data in place; adopting it";
+      move.mutable_info()->set_state(CollectionInfo::SERVING);
+      const std::vector<std::string> ids(move.rank_worker_ids().begin(),
+                                         move.rank_worker_ids().end());
+      (void)Register(move.info(), ids);
+    } else {
+      LOG(WARNING) << "reconcile: '" << name << "' was moving to epoch "
+                   << move.info().plan().epoch() << " before its data was; keeping the old placement";
+      CollectionInfo old;
+      std::vector<std::string> ids;
+      {
+        absl::MutexLock lock(&mu_);
+        old = collections_[name];
+        ids = rank_ids_[name];
+      }
+      (void)Register(old, ids);  // clears the move from the store
+    }
+  }
   std::vector<Worker> live = LiveWorkers();
   std::map<std::string, CollectionInfo> collections;
   std::map<std::string, std::vector<std::string>> ids;
@@ -908,6 +941,32 @@ absl::Status CoordinatorService::Register(const CollectionInfo& info,
   return absl::OkStatus();
 }
 
+absl::Status CoordinatorService::PersistMove(const std::string& name, const CollectionInfo& next,
+                                             const std::vector<std::string>& next_ids,
+                                             bool data_in_place) {
+  absl::MutexLock lock(&mu_);
+  auto it = collections_.find(name);
+  if (it == collections_.end()) return absl::NotFoundError(absl::StrCat("no collection '", name, "'"));
+  ember::v1::StoredCollection stored;
+  *stored.mutable_info() = it->second;
+  for (const std::string& id : rank_ids_[name]) stored.add_rank_worker_ids(id);
+  ember::v1::StoredMove* move = stored.mutable_pending();
+  *move->mutable_info() = next;
+  for (const std::string& id : next_ids) move->add_rank_worker_ids(id);
+  move->set_data_in_place(data_in_place);
+  return Persist(StateStore::Batch().PutCollection(stored));
+}
+
+// A fault-injection point for tests: EMBER_COORDINATOR_CRASH_AT=<point> makes
+// the coordinator exit there at once, as kill -9 would.
+void CrashPoint(const char* point) {
+  static const char* at = std::getenv("EMBER_COORDINATOR_CRASH_AT");
+  if (at != nullptr && std::string(at) == point) {
+    LOG(ERROR) << "EMBER_COORDINATOR_CRASH_AT=" << point << ": exiting";
+    _exit(137);
+  }
+}
+
 void CoordinatorService::SetState(const std::string& name, CollectionInfo::State state,
                                   const std::string& note) {
   absl::MutexLock lock(&mu_);
@@ -1134,6 +1193,12 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   }
   const int64_t epoch = *next;
   plan.set_epoch(epoch);
+  // The new placement is durable before any worker hears of it, so a
+  // restarted coordinator knows what an interrupted move was doing.
+  if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/false); !s.ok()) {
+    SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
+    return s;
+  }
 
   // Replacements create their shards; the other live ranks move to the new
   // epoch and create what they were given.
@@ -1195,6 +1260,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
              update_at)) {
     return give_up(failure);
   }
+  CrashPoint("move_before_data");
 
   // Reload from the checkpoint: the lost shards, or everything. A drain
   // copies them live from the draining worker instead.
@@ -1242,6 +1308,19 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                                 lost_names, ")")
                  : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
                                 "; their updates since then are lost");
+  }
+  // The data is in place: from here a restarted coordinator keeps the new
+  // placement; only then does a drained worker let go of its copy.
+  if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/true); !s.ok()) {
+    return give_up(s);
+  }
+  CrashPoint("move_after_data");
+  if (drain) {
+    std::vector<std::string> sources;
+    for (int r : lost) sources.push_back(before.worker_addresses(r));
+    if (absl::Status s = DropOnWorkers(name, epoch, sources); !s.ok()) {
+      LOG(WARNING) << "collection '" << name << "': moved, but the drained copy stays: " << s;
+    }
   }
   info.set_state(CollectionInfo::SERVING);
   if (!drain) {
@@ -1368,11 +1447,7 @@ absl::Status CoordinatorService::CopyFromDrained(
       }
     }
   }
-  // 3. The draining worker lets go.
-  if (absl::Status s = DropOnWorkers(name, epoch, sources); !s.ok()) {
-    LOG(WARNING) << "collection '" << name << "': moved, but the drained copy stays: " << s;
-  }
-  return absl::OkStatus();
+  return absl::OkStatus();  // the caller drops the drained copy once this is durable
 }
 
 absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_t epoch,

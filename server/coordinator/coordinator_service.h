@@ -150,6 +150,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // Writes to the state store (OK without one).
   absl::Status Persist(const StateStore::Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<int64_t> NextEpoch() ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes (before any worker hears of it) the placement a recovery or
+  // drain is moving `name` to, and later that its data is in place.
+  absl::Status PersistMove(const std::string& name, const ember::v1::CollectionInfo& next,
+                           const std::vector<std::string>& next_ids, bool data_in_place)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Persists and publishes a collection with its rank -> worker id map.
   absl::Status Register(const ember::v1::CollectionInfo& info, const std::vector<std::string>& ids)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -195,6 +200,8 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::map<std::string, std::set<int>> force_lost_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);  // worker ids: not in new plans
   std::map<std::string, absl::Time> retry_after_ ABSL_GUARDED_BY(mu_);  // recovery back-off
+  // Moves a previous run left under way (from the state store).
+  std::map<std::string, ember::v1::StoredMove> interrupted_ ABSL_GUARDED_BY(mu_);
   const std::unique_ptr<StateStore> store_;  // null without state_dir
   std::atomic<bool> reconcile_pending_{false};
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
