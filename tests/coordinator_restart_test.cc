@@ -5,7 +5,6 @@
 // and checkpoint catalogue are as before; epochs never go backwards; shards
 // a worker holds that the coordinator does not know are dropped.
 #include <signal.h>
-#include <stdlib.h>
 
 #include <atomic>
 #include <memory>
@@ -34,21 +33,12 @@ using client::KeyedTensor;
 using ember::v1::CollectionSpec;
 using testing_util::ApplyUntilAcknowledged;
 using testing_util::ExpectNear;
-using testing_util::Process;
+using testing_util::RandomGradients;
 using testing_util::RandomKjt;
 using testing_util::TempDir;
 using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
-
-std::unique_ptr<Process> StartCoordinator(const std::string& listen, const std::string& state,
-                                          const std::string& root, std::string* address) {
-  auto p = std::make_unique<Process>(std::vector<std::string>{
-      kEmberctl, "coordinator", "--listen=" + listen, "--state_dir=" + state,
-      "--checkpoint_dir=" + root, "--lease_ms=3000"});
-  *address = p->Line("coordinator listening on ");
-  return p;
-}
 
 std::string Describe(const ember::v1::CollectionInfo& c) {
   return absl::StrCat(c.spec().name(), " epoch ", c.plan().epoch(), " ",
@@ -57,16 +47,10 @@ std::string Describe(const ember::v1::CollectionInfo& c) {
 }
 
 TEST(CoordinatorRestartTest, TrainingGoesOnAndTheStateComesBack) {
-  const std::string state = TempDir(), root = TempDir();
-  std::string address;
-  auto coordinator = StartCoordinator("127.0.0.1:0", state, root, &address);
-  ASSERT_FALSE(address.empty());
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int i = 0; i < 2; ++i) {
-    workers.push_back(std::make_unique<Process>(std::vector<std::string>{
-        kEmberctl, "worker", "--coordinator=" + address, "--listen=127.0.0.1:0"}));
-    ASSERT_FALSE(workers.back()->Line("worker ").empty());
-  }
+  testing_util::StandaloneCluster cluster(
+      kEmberctl, 2, {"--state_dir=" + TempDir(), "--checkpoint_dir=" + TempDir(), "--lease_ms=3000"});
+  ASSERT_TRUE(cluster.ok());
+  std::string address = cluster.address();
   client::ClientOptions o;
   o.timeout = absl::Seconds(10);
   auto c = Client::Connect(address, o);
@@ -115,12 +99,11 @@ TEST(CoordinatorRestartTest, TrainingGoesOnAndTheStateComesBack) {
     }
   });
   absl::SleepFor(absl::Milliseconds(300));
-  coordinator->Stop(SIGKILL);
+  cluster.coordinator().Stop(SIGKILL);
   const int steps_at_kill = steps;
   absl::SleepFor(absl::Seconds(1));
   EXPECT_GT(steps.load(), steps_at_kill);  // training went on without a coordinator
-  coordinator = StartCoordinator(address, state, root, &address);
-  ASSERT_FALSE(address.empty());
+  ASSERT_TRUE(cluster.RestartCoordinator());
   absl::SleepFor(absl::Seconds(2));  // heartbeats resume; the first monitor pass reconciles
   stop = true;
   trainer.join();
@@ -174,18 +157,11 @@ TEST(CoordinatorRestartTest, TrainingGoesOnAndTheStateComesBack) {
 // trainer riding through it (each update retried under its id until
 // acknowledged) ends with tables equal to the in-process reference.
 void CrashDuringDrain(const std::string& point, bool expect_moved) {
-  const std::string state = TempDir(), root = TempDir();
-  std::string address;
-  setenv("EMBER_COORDINATOR_CRASH_AT", point.c_str(), 1);
-  auto coordinator = StartCoordinator("127.0.0.1:0", state, root, &address);
-  unsetenv("EMBER_COORDINATOR_CRASH_AT");
-  ASSERT_FALSE(address.empty());
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int i = 0; i < 3; ++i) {
-    workers.push_back(std::make_unique<Process>(std::vector<std::string>{
-        kEmberctl, "worker", "--coordinator=" + address, "--listen=127.0.0.1:0"}));
-    ASSERT_FALSE(workers.back()->Line("worker ").empty());
-  }
+  testing_util::StandaloneCluster cluster(
+      kEmberctl, 3, {"--state_dir=" + TempDir(), "--checkpoint_dir=" + TempDir(), "--lease_ms=3000"},
+      point);
+  ASSERT_TRUE(cluster.ok());
+  const std::string address = cluster.address();
   client::ClientOptions o;
   o.timeout = absl::Seconds(5);
   auto c = Client::Connect(address, o);
@@ -199,11 +175,7 @@ void CrashDuringDrain(const std::string& point, bool expect_moved) {
   std::mt19937 rng(11);
   auto step = [&](int k) {
     KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4, false);
-    KeyedTensor g;
-    g.keys = {"f_sum", "f_mean", "f_rw"};
-    g.length_per_key = {16, 16, 16};
-    g.batch_size = 4;
-    for (int i = 0; i < 4 * 48; ++i) g.values.push_back(std::uniform_real_distribution<float>(-1, 1)(rng));
+    const KeyedTensor g = RandomGradients(rng, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
     ASSERT_TRUE(ApplyUntilAcknowledged(c->get(), "m", kjt, g, absl::StrCat("s", k)).ok());
     ASSERT_TRUE((*ref)->ApplyGradients(kjt, g).ok());
   };
@@ -216,9 +188,7 @@ void CrashDuringDrain(const std::string& point, bool expect_moved) {
   }
   ASSERT_FALSE(drained.empty());
   EXPECT_FALSE((*c)->DrainWorker(drained, absl::Seconds(10)).ok());  // the coordinator dies
-  coordinator->Stop(SIGKILL);  // reaps it
-  coordinator = StartCoordinator(address, state, root, &address);
-  ASSERT_FALSE(address.empty());
+  ASSERT_TRUE(cluster.RestartCoordinator());  // reaps the dead one first
   for (int k = 20; k < 40; ++k) step(k);
 
   auto after = (*c)->GetCollection("m");

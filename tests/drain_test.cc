@@ -32,23 +32,16 @@ using client::KeyedTensor;
 using ember::v1::CollectionSpec;
 using testing_util::ApplyUntilAcknowledged;
 using testing_util::ExpectNear;
-using testing_util::Process;
+using testing_util::RandomGradients;
 using testing_util::RandomKjt;
 using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
 
 TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
-  auto coordinator = std::make_unique<Process>(std::vector<std::string>{
-      kEmberctl, "coordinator", "--listen=127.0.0.1:0", "--lease_ms=3000"});
-  const std::string address = coordinator->Line("coordinator listening on ");
-  ASSERT_FALSE(address.empty());
-  std::vector<std::unique_ptr<Process>> workers;
-  for (int i = 0; i < 3; ++i) {
-    workers.push_back(std::make_unique<Process>(std::vector<std::string>{
-        kEmberctl, "worker", "--coordinator=" + address, "--listen=127.0.0.1:0"}));
-    ASSERT_FALSE(workers.back()->Line("worker ").empty());
-  }
+  testing_util::StandaloneCluster cluster(kEmberctl, 3, {"--lease_ms=3000"});
+  ASSERT_TRUE(cluster.ok());
+  const std::string address = cluster.address();
   client::ClientOptions o;
   o.timeout = absl::Seconds(10);
   auto c = Client::Connect(address, o);
@@ -68,13 +61,7 @@ TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
     for (int step = 0; step < kSteps && !failed; ++step) {
       KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4,
                                         step % 2 == 1);
-      KeyedTensor g;
-      g.keys = {"f_sum", "f_mean", "f_rw"};  // the collection's order
-      g.length_per_key = {16, 16, 16};
-      g.batch_size = 4;
-      for (int i = 0; i < 4 * 48; ++i) {
-        g.values.push_back(std::uniform_real_distribution<float>(-1, 1)(rng));
-      }
+      const KeyedTensor g = RandomGradients(rng, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
       absl::Status s = ApplyUntilAcknowledged(c->get(), "d", kjt, g, absl::StrCat("step-", step));
       if (!s.ok()) {
         ADD_FAILURE() << "step " << step << ": " << s;
@@ -116,7 +103,7 @@ TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
   trainer.join();
   ASSERT_FALSE(failed);
   ASSERT_EQ(done.load(), kSteps);
-  for (auto& w : workers) {
+  for (auto& w : cluster.workers()) {
     if (w->pid() == pid) w->Stop(SIGTERM);  // waits until it has drained and exited
   }
 

@@ -5,11 +5,13 @@
 #define EMBER_TESTS_LOCAL_CLUSTER_H_
 
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -80,6 +82,53 @@ class Process {
  private:
   pid_t pid_ = -1;
   FILE* out_ = nullptr;
+};
+
+// `emberctl coordinator` and N `emberctl worker`s as separate processes on
+// 127.0.0.1, so that the coordinator can be killed and started again alone
+// (at the same address, with the same flags).
+class StandaloneCluster {
+ public:
+  // `crash_at`: EMBER_COORDINATOR_CRASH_AT for the first coordinator only.
+  StandaloneCluster(const std::string& emberctl, int workers,
+                    std::vector<std::string> coordinator_flags, const std::string& crash_at = "")
+      : emberctl_(emberctl), flags_(std::move(coordinator_flags)) {
+    if (!StartCoordinator("127.0.0.1:0", crash_at)) return;
+    for (int i = 0; i < workers; ++i) {
+      workers_.push_back(std::make_unique<Process>(std::vector<std::string>{
+          emberctl, "worker", "--coordinator=" + address_, "--listen=127.0.0.1:0"}));
+      if (workers_.back()->Line("worker ").empty()) return;
+    }
+    ok_ = true;
+  }
+  bool ok() const { return ok_; }
+  const std::string& address() const { return address_; }
+  Process& coordinator() { return *coordinator_; }
+  std::vector<std::unique_ptr<Process>>& workers() { return workers_; }
+  // Kills the coordinator (if it still runs) and starts it again.
+  bool RestartCoordinator() {
+    coordinator_->Stop(SIGKILL);
+    return StartCoordinator(address_, "");
+  }
+
+ private:
+  bool StartCoordinator(const std::string& listen, const std::string& crash_at) {
+    std::vector<std::string> args = {emberctl_, "coordinator", "--listen=" + listen};
+    args.insert(args.end(), flags_.begin(), flags_.end());
+    if (!crash_at.empty()) setenv("EMBER_COORDINATOR_CRASH_AT", crash_at.c_str(), 1);
+    coordinator_ = std::make_unique<Process>(args);
+    unsetenv("EMBER_COORDINATOR_CRASH_AT");
+    const std::string address = coordinator_->Line("coordinator listening on ");
+    if (!address.empty()) address_ = address;
+    return !address.empty();
+  }
+
+  const std::string emberctl_;
+  const std::vector<std::string> flags_;
+  std::unique_ptr<Process> coordinator_;
+  std::vector<std::unique_ptr<Process>> workers_;
+  std::string address_;
+  bool ok_ = false;
 };
 
 // `emberctl up --workers=N` as a child process, stopped when destroyed.

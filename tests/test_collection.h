@@ -99,6 +99,20 @@ inline Tables ExportAll(client::Client* c, const std::string& name, const Collec
   return out;
 }
 
+// Random gradients in Lookup's layout for `keys` (in the collection's
+// order) of widths `dims`, `batch` rows.
+inline client::KeyedTensor RandomGradients(std::mt19937& rng, const std::vector<std::string>& keys,
+                                           const std::vector<int64_t>& dims, int64_t batch) {
+  client::KeyedTensor g;
+  g.keys = keys;
+  g.length_per_key = dims;
+  g.batch_size = batch;
+  for (int64_t i = 0; i < batch * g.row_width(); ++i) {
+    g.values.push_back(std::uniform_real_distribution<float>(-1, 1)(rng));
+  }
+  return g;
+}
+
 // Retries an update under one request id until it is acknowledged (or 60 s
 // pass): UNAVAILABLE, FAILED_PRECONDITION and DEADLINE_EXCEEDED are waited
 // out, as a trainer riding through a recovery or a drain would.
