@@ -269,8 +269,12 @@ class CpuBackend : public EmbeddingBackend {
       return st;
     }
     const int64_t dim = s->spec.dim;
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      for (int64_t c = 0; c < dim; ++c) weights[(r - row_begin) * dim + c] = s->Get(r, c);
+    if (s->spec.weight_type == WeightType::kFp32) {  // rows are contiguous fp32: one copy
+      std::memcpy(weights.data(), s->Row(row_begin), (row_end - row_begin) * dim * sizeof(float));
+    } else {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        for (int64_t c = 0; c < dim; ++c) weights[(r - row_begin) * dim + c] = s->Get(r, c);
+      }
     }
     if (s->state_width > 0) {
       std::memcpy(state.data(), s->state.get() + row_begin * s->state_width,
@@ -291,8 +295,12 @@ class CpuBackend : public EmbeddingBackend {
       return st;
     }
     const int64_t dim = s->spec.dim;
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      for (int64_t c = 0; c < dim; ++c) s->Set(r, c, weights[(r - row_begin) * dim + c]);
+    if (s->spec.weight_type == WeightType::kFp32) {
+      std::memcpy(s->Row(row_begin), weights.data(), (row_end - row_begin) * dim * sizeof(float));
+    } else {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        for (int64_t c = 0; c < dim; ++c) s->Set(r, c, weights[(r - row_begin) * dim + c]);
+      }
     }
     if (s->state_width > 0) {
       std::memcpy(s->state.get() + row_begin * s->state_width, state.data(),

@@ -577,10 +577,8 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext*,
       if (!shard.ok()) return ToGrpc(shard.status());
       entries.push_back(*shard);
     }
-    // The fence: no update runs on this collection while its shards are
-    // copied; lookups go on.
-    const absl::Time fence = absl::Now();
-    absl::MutexLock apply((*c)->apply_mu.get());
+    // The buffers are allocated (and their pages touched) before the fence,
+    // so that the fence lasts only for the copies themselves.
     for (size_t i = 0; i < entries.size(); ++i) {
       const ShardEntry& e = *entries[i];
       auto spec = backend_->GetShardSpec(e.id);
@@ -592,6 +590,14 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext*,
       d.state_width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
       d.weights.resize(d.rows * d.cols);
       d.state.resize(d.rows * d.state_width);
+    }
+    // The fence: no update runs on this collection while its shards are
+    // copied; lookups go on.
+    const absl::Time fence = absl::Now();
+    absl::MutexLock apply((*c)->apply_mu.get());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const ShardEntry& e = *entries[i];
+      checkpoint::ShardData& d = copies[i].data;
       if (absl::Status s = backend_->ExportRows(e.id, 0, d.rows, absl::MakeSpan(d.weights),
                                                 absl::MakeSpan(d.state));
           !s.ok()) {
