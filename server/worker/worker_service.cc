@@ -634,40 +634,48 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
                                            const ember::v1::LoadCheckpointRequest* req,
                                            ember::v1::LoadCheckpointResponse* resp) {
   if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
-  absl::ReaderMutexLock lock(&mu_);
-  auto c = FindCollection(req->collection(), req->epoch());
-  if (!c.ok()) return ToGrpc(c.status());
-  absl::MutexLock apply((*c)->apply_mu.get());  // no update while the shards are filled
+  // Three phases, so that no lock is held while files are read: note the
+  // shards to fill; read and re-cut the files; fill the shards, if they are
+  // still the same ones. (Nobody updates them meanwhile: the coordinator
+  // publishes the collection's plan only once every load is done.)
   struct Target {
-    const ShardEntry* entry;
+    std::pair<std::string, int32_t> key;
+    backend::ShardId id;
+    backend::ShardSpec spec;
     checkpoint::RecutTarget recut;
     // The exactly-once record of a source with exactly this shard's rows
     // and columns (a recovery); a re-cut shard starts with none.
     std::vector<std::pair<uint64_t, absl::Time>> applied;
   };
   std::vector<Target> targets;
-  std::set<std::pair<std::string, int32_t>> only;
-  for (const auto& ref : req->only()) {
-    if (!(*c)->shards.count({ref.table(), ref.shard_index()})) {
-      return ToGrpc(absl::FailedPreconditionError(absl::StrCat("no ", RefString(ref),
-                                                               " on this worker to load")));
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req->collection(), req->epoch());
+    if (!c.ok()) return ToGrpc(c.status());
+    std::set<std::pair<std::string, int32_t>> only;
+    for (const auto& ref : req->only()) {
+      if (!(*c)->shards.count({ref.table(), ref.shard_index()})) {
+        return ToGrpc(absl::FailedPreconditionError(absl::StrCat("no ", RefString(ref),
+                                                                 " on this worker to load")));
+      }
+      only.insert({ref.table(), ref.shard_index()});
     }
-    only.insert({ref.table(), ref.shard_index()});
-  }
-  for (const auto& [key, entry] : (*c)->shards) {
-    if (!only.empty() && !only.count(key)) continue;
-    auto spec = backend_->GetShardSpec(entry.id);
-    if (!spec.ok()) return ToGrpc(spec.status());
-    const auto& a = entry.assignment;
-    targets.push_back({&entry, checkpoint::RecutTarget(spec->optimizer.type, a.row_offset(),
-                                                       a.col_offset(), a.rows(), a.cols())});
+    for (const auto& [key, entry] : (*c)->shards) {
+      if (!only.empty() && !only.count(key)) continue;
+      auto spec = backend_->GetShardSpec(entry.id);
+      if (!spec.ok()) return ToGrpc(spec.status());
+      const auto& a = entry.assignment;
+      targets.push_back({key, entry.id, *spec,
+                         checkpoint::RecutTarget(spec->optimizer.type, a.row_offset(),
+                                                 a.col_offset(), a.rows(), a.cols()),
+                         {}});
+    }
   }
   int64_t bytes_read = 0;
   for (const auto& source : req->sources()) {
     std::vector<Target*> hit;
     for (Target& t : targets) {
-      if (t.entry->assignment.ref().table() == source.ref().table() &&
-          checkpoint::Overlaps(source, t.recut)) {
+      if (t.key.first == source.ref().table() && checkpoint::Overlaps(source, t.recut)) {
         hit.push_back(&t);
       }
     }
@@ -691,32 +699,45 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
   // Every shard is checked before the first is written: a load that fails
   // changes nothing.
   for (Target& t : targets) {
-    const auto& ref = t.entry->assignment.ref();
-    if (absl::Status s = checkpoint::FinishTarget(ref.table(), &t.recut); !s.ok()) return ToGrpc(s);
-    auto spec = backend_->GetShardSpec(t.entry->id);
-    if (!spec.ok()) return ToGrpc(spec.status());
-    if (absl::Status s = backend::ValidateImport(*spec, 0, t.recut.rows, t.recut.weights,
-                                                 t.recut.state);
+    const std::string what = absl::StrCat("table '", t.key.first, "' shard ", t.key.second);
+    if (absl::Status s = checkpoint::FinishTarget(t.key.first, &t.recut); !s.ok()) return ToGrpc(s);
+    if (absl::Status s =
+            backend::ValidateImport(t.spec, 0, t.recut.rows, t.recut.weights, t.recut.state);
         !s.ok()) {
-      return ToGrpc(absl::DataLossError(absl::StrCat(RefString(ref), ": ", s.message())));
-    }
-  }
-  for (Target& t : targets) {
-    const auto& ref = t.entry->assignment.ref();
-    if (absl::Status s = backend_->ImportRows(t.entry->id, 0, t.recut.rows, t.recut.weights,
-                                              t.recut.state);
-        !s.ok()) {
-      return ToGrpc(absl::Status(s.code(), absl::StrCat(RefString(ref), ": ", s.message())));
-    }
-    if (absl::Status s = backend_->ImportStep(t.entry->id, t.recut.step); !s.ok()) {
-      return ToGrpc(s);
+      return ToGrpc(absl::DataLossError(absl::StrCat(what, ": ", s.message())));
     }
     std::sort(t.applied.begin(), t.applied.end(),
               [](const auto& a, const auto& b) { return a.second < b.second; });
+  }
+  absl::ReaderMutexLock lock(&mu_);
+  auto c = FindCollection(req->collection(), req->epoch());
+  if (!c.ok()) return ToGrpc(c.status());
+  absl::MutexLock apply((*c)->apply_mu.get());
+  std::vector<const ShardEntry*> entries;
+  for (const Target& t : targets) {
+    auto it = (*c)->shards.find(t.key);
+    if (it == (*c)->shards.end() || it->second.id != t.id) {
+      return ToGrpc(absl::FailedPreconditionError(
+          absl::StrCat("table '", t.key.first, "' shard ", t.key.second,
+                       " changed on this worker while its checkpoint was read")));
+    }
+    entries.push_back(&it->second);
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    Target& t = targets[i];
+    if (absl::Status s = backend_->ImportRows(t.id, 0, t.recut.rows, t.recut.weights,
+                                              t.recut.state);
+        !s.ok()) {
+      return ToGrpc(absl::Status(
+          s.code(), absl::StrCat("table '", t.key.first, "' shard ", t.key.second, ": ",
+                                 s.message())));
+    }
+    if (absl::Status s = backend_->ImportStep(t.id, t.recut.step); !s.ok()) return ToGrpc(s);
     // A whole-collection load rolls the record back with the rows.
-    if (req->only().empty()) *t.entry->applied = AppliedIds();
+    if (req->only().empty()) *entries[i]->applied = AppliedIds();
     dedup_forgotten_early_.fetch_add(
-        t.entry->applied->Merge(t.applied, absl::Now(), options_.dedup_ttl, options_.dedup_window),
+        entries[i]->applied->Merge(t.applied, absl::Now(), options_.dedup_ttl,
+                                   options_.dedup_window),
         std::memory_order_relaxed);
   }
   resp->set_bytes_read(bytes_read);
