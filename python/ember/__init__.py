@@ -1,0 +1,249 @@
+"""Ember's Python SDK.
+
+    import ember
+    with ember.LocalCluster(workers=2) as cluster:
+        client = ember.Client(cluster.address)
+        client.create_collection({"name": "c", "tables": [...]}, sharding_type="row_wise")
+        kt = client.lookup("c", ember.KeyedJaggedTensor(keys, lengths, values))
+        client.apply_gradients("c", kjt, grads)
+
+Calls go through the C++ client (`_ember`, the same routing as the C++ SDK)
+with the GIL released. Specs, plans and statuses are dicts in the proto3
+JSON mapping (proto field names), as `emberctl plan --format=json` prints
+them. Errors are `ember.EmberError` subclasses (`ember.NotFound`,
+`ember.InvalidArgument`, `ember.Unavailable`, ...) with `.code` and the
+server's message.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+
+from ember._errors import (  # noqa: F401  (re-exported)
+    Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, EmberError,
+    FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
+    PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
+    Unimplemented, Unknown, error_class)
+from ember import _ember
+
+__all__ = [
+    "Client", "KeyedJaggedTensor", "KeyedTensor", "LocalCluster", "EmberError",
+    "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition",
+    "ResourceExhausted", "Unavailable", "DataLoss",
+]
+
+
+class KeyedJaggedTensor:
+    """TorchRec's sparse input layout, NumPy-backed.
+
+    keys [K]; lengths [K * B] key-major (all of key 0's bags, then key 1's);
+    values [sum(lengths)] int64 ids in that order; weights None or float32
+    [sum(lengths)].
+    """
+
+    def __init__(self, keys, lengths, values, weights=None):
+        self.keys = [str(k) for k in keys]
+        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+        self.values = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+        self.weights = (None if weights is None else
+                        np.ascontiguousarray(weights, dtype=np.float32).reshape(-1))
+
+    @classmethod
+    def from_jagged(cls, jagged, weights=None):
+        """From {key: [[ids of sample 0], [ids of sample 1], ...]} (and, if
+        given, weights in the same shape)."""
+        keys = list(jagged)
+        lengths = [len(bag) for k in keys for bag in jagged[k]]
+        values = [i for k in keys for bag in jagged[k] for i in bag]
+        w = None
+        if weights is not None:
+            w = [x for k in keys for bag in weights[k] for x in bag]
+        return cls(keys, lengths, values, w)
+
+    def batch_size(self):
+        return len(self.lengths) // len(self.keys) if self.keys else 0
+
+
+def _as_kjt(kjt):
+    """An ember.KeyedJaggedTensor from one, or from a torchrec.KeyedJaggedTensor
+    (anything with keys(), lengths(), values() and weights_or_none())."""
+    if isinstance(kjt, KeyedJaggedTensor):
+        return kjt
+    if callable(getattr(kjt, "keys", None)) and callable(getattr(kjt, "lengths", None)):
+        def numpy_of(t):
+            return t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)
+        weights = kjt.weights_or_none() if hasattr(kjt, "weights_or_none") else None
+        return KeyedJaggedTensor(kjt.keys(), numpy_of(kjt.lengths()), numpy_of(kjt.values()),
+                                 None if weights is None else numpy_of(weights))
+    raise TypeError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
+
+
+class KeyedTensor:
+    """TorchRec's pooled output layout: keys [F], length_per_key [F] (each
+    feature's dim), values float32 [B, sum(length_per_key)], feature f at
+    columns offset_per_key()[f] .. + length_per_key[f]."""
+
+    def __init__(self, keys, length_per_key, values):
+        self.keys = list(keys)
+        self.length_per_key = [int(d) for d in length_per_key]
+        self.values = np.asarray(values, dtype=np.float32)
+
+    def offset_per_key(self):
+        return [int(x) for x in np.concatenate([[0], np.cumsum(self.length_per_key)])]
+
+    def __getitem__(self, key):
+        """Feature `key`'s [B, dim] block (a view)."""
+        off = self.offset_per_key()
+        k = self.keys.index(key)
+        return self.values[:, off[k]:off[k + 1]]
+
+    def to_dict(self):
+        return {k: self[k] for k in self.keys}
+
+
+def _spec_json(spec):
+    return spec if isinstance(spec, str) else json.dumps(spec)
+
+
+class Client:
+    """A trainer's handle on an Ember deployment (see client/client.h).
+
+    Thread-safe: any number of threads may share one Client; every call
+    releases the GIL while it waits on the network.
+    """
+
+    def __init__(self, address, timeout_s=30.0):
+        self._c = _ember.Client(address, float(timeout_s))
+        self.address = address
+
+    # Control plane.
+    def create_collection(self, spec, sharding_type=None):
+        """Plans and creates a collection; `spec` is a dict (or JSON) in the
+        shape of `emberctl create --spec`. Returns the collection info."""
+        return json.loads(self._c.create_collection(_spec_json(spec), sharding_type or ""))
+
+    def collection(self, name):
+        return json.loads(self._c.get_collection(name))
+
+    def plan(self, name):
+        return self.collection(name)["plan"]
+
+    def list_collections(self):
+        return [json.loads(c) for c in self._c.list_collections()]
+
+    def preview_plan(self, spec, world_size, local_world_size=0, sharding_type=None,
+                     compute_device="CPU"):
+        topology = {"world_size": world_size, "local_world_size": local_world_size,
+                    "compute_device": compute_device}
+        return json.loads(self._c.preview_plan(_spec_json(spec), json.dumps(topology),
+                                               sharding_type or ""))
+
+    def list_workers(self):
+        return json.loads(self._c.list_workers()).get("workers", [])
+
+    def drop_collection(self, name):
+        self._c.drop_collection(name)
+
+    # Data plane.
+    def lookup(self, name, kjt):
+        """Pooled features: a KeyedTensor in the collection's feature order."""
+        k = _as_kjt(kjt)
+        keys, dims, values = self._c.lookup(name, k.keys, k.lengths, k.values, k.weights)
+        return KeyedTensor(keys, dims, values)
+
+    def apply_gradients(self, name, kjt, grads, request_id=None):
+        """Gradients of lookup()'s output (a KeyedTensor, or a [B, sum dims]
+        array in that layout); the tables' optimizers run on the workers.
+        Returns the request id used: retrying with it applies each shard's
+        part exactly once (an error's message names it too)."""
+        k = _as_kjt(kjt)
+        if isinstance(grads, KeyedTensor):
+            gkeys, gdims, gvalues = grads.keys, grads.length_per_key, grads.values
+        else:
+            raise TypeError("grads must be an ember.KeyedTensor (lookup's layout)")
+        return self._c.apply_gradients(name, k.keys, k.lengths, k.values, k.weights, gkeys,
+                                       gdims, np.ascontiguousarray(gvalues, dtype=np.float32),
+                                       request_id or "")
+
+    def lookup_sequence(self, name, kjt):
+        """Sequence (NONE) features: {key: [num_ids, dim] array}."""
+        k = _as_kjt(kjt)
+        return dict(self._c.lookup_sequence(name, k.keys, k.lengths, k.values))
+
+    def apply_sequence_gradients(self, name, kjt, grads, request_id=None):
+        k = _as_kjt(kjt)
+        items = [(key, np.ascontiguousarray(g, dtype=np.float32)) for key, g in grads.items()]
+        return self._c.apply_sequence_gradients(name, k.keys, k.lengths, k.values, items,
+                                                request_id or "")
+
+    def export_table(self, name, table):
+        """The whole table as float32 [rows, dim]."""
+        return self._c.export_table(name, table)
+
+    def checkpoint(self, name, dir=""):
+        return json.loads(self._c.checkpoint(name, dir))
+
+    def restore(self, path, name="", sharding_type=None):
+        return json.loads(self._c.restore(path, name, sharding_type or ""))
+
+
+def _find_emberctl():
+    """$EMBER_EMBERCTL, else bazel-bin/cli/emberctl of the checkout this
+    package lives in."""
+    env = os.environ.get("EMBER_EMBERCTL")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for up in (os.path.join(here, "..", ".."), os.path.join(here, "..", "..", "..")):
+        candidate = os.path.normpath(os.path.join(up, "bazel-bin", "cli", "emberctl"))
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError("emberctl not found: build //:emberctl or set EMBER_EMBERCTL")
+
+
+class LocalCluster:
+    """`emberctl up` as a context manager: a coordinator and `workers` local
+    workers on 127.0.0.1; `.address` is the coordinator's. Every process it
+    started is stopped on exit, also when the block raises."""
+
+    def __init__(self, workers=2, device="cpu", emberctl=None, extra_flags=(), timeout_s=60):
+        self.workers = workers
+        self.device = device
+        self.emberctl = emberctl or _find_emberctl()
+        self.extra_flags = list(extra_flags)
+        self.timeout_s = timeout_s
+        self.address = None
+        self._proc = None
+
+    def __enter__(self):
+        args = [self.emberctl, "up", f"--workers={self.workers}", f"--device={self.device}"]
+        self._proc = subprocess.Popen(args + self.extra_flags, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True)
+        deadline = time.monotonic() + self.timeout_s
+        for line in self._proc.stdout:
+            if line.startswith("coordinator: "):
+                self.address = line.split()[1]
+            if line.startswith("ready:"):
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.address is None or self._proc.poll() is not None:
+            self.__exit__(None, None, None)
+            raise Unavailable(14, "emberctl up did not come up")
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc is not None and self._proc.stdout is not None:
+            self._proc.stdout.close()
+        return False

@@ -1,0 +1,255 @@
+// _ember: the Python SDK's extension module, a thin binding of the C++
+// client (client/client.h). The routing is the C++ client's; nothing is
+// re-implemented here. Control-plane results cross as JSON (the proto3 JSON
+// mapping, proto field names); arrays cross as NumPy arrays: inputs are
+// read once into the KJT, outputs are handed to NumPy without a copy. Every
+// RPC runs with the GIL released. Errors raise ember's exception classes
+// (ember/_errors.py) carrying the absl status code and the server's message.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace py = pybind11;
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using client::SequenceEmbedding;
+
+// An absl error on its way to Python (see the translator below).
+struct StatusError {
+  int code;
+  std::string message;
+};
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) throw StatusError{static_cast<int>(s.code()), std::string(s.message())};
+}
+
+template <typename T>
+T Value(absl::StatusOr<T> v) {
+  Check(v.status());
+  return *std::move(v);
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.preserve_proto_field_names = true;
+  o.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  return out;
+}
+
+template <typename M>
+M FromJson(const std::string& json, const char* what) {
+  M m;
+  google::protobuf::util::JsonParseOptions o;
+  o.ignore_unknown_fields = false;
+  if (auto s = google::protobuf::util::JsonStringToMessage(json, &m, o); !s.ok()) {
+    throw StatusError{static_cast<int>(absl::StatusCode::kInvalidArgument),
+                      std::string(what) + ": " + s.ToString()};
+  }
+  return m;
+}
+
+template <typename T>
+std::vector<T> ToVector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
+  return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+// A vector's buffer handed to NumPy (no copy), shaped [rows, cols].
+py::array_t<float> ToNumpy(std::vector<float> v, int64_t rows, int64_t cols) {
+  auto* owned = new std::vector<float>(std::move(v));
+  py::capsule free(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+  return py::array_t<float>({rows, cols}, {cols * sizeof(float), sizeof(float)}, owned->data(),
+                            free);
+}
+
+KeyedJaggedTensor MakeKjt(std::vector<std::string> keys, py::array_t<int64_t> lengths,
+                          py::array_t<int64_t> values, py::object weights) {
+  KeyedJaggedTensor kjt;
+  kjt.keys = std::move(keys);
+  kjt.lengths = ToVector<int64_t>(lengths);
+  kjt.values = ToVector<int64_t>(values);
+  if (!weights.is_none()) kjt.weights = ToVector<float>(weights.cast<py::array_t<float>>());
+  return kjt;
+}
+
+}  // namespace
+}  // namespace ember
+
+PYBIND11_MODULE(_ember, m) {
+  using namespace ember;
+  m.doc() = "Ember's C++ client, for the ember package (use ember.Client).";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object cls = py::module_::import("ember._errors").attr("error_class")(e.code);
+      py::object err = cls(e.code, e.message);
+      PyErr_SetObject(cls.ptr(), err.ptr());
+    }
+  });
+
+  py::class_<Client>(m, "Client")
+      .def(py::init([](const std::string& address, double timeout_s) {
+             client::ClientOptions o;
+             o.timeout = absl::Seconds(timeout_s);
+             py::gil_scoped_release release;
+             return Value(Client::Connect(address, o));
+           }),
+           py::arg("address"), py::arg("timeout_s"))
+      .def("create_collection",
+           [](Client& c, const std::string& spec_json, const std::string& sharding_type) {
+             auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");
+             absl::StatusOr<ember::v1::CollectionInfo> info;
+             {
+               py::gil_scoped_release release;
+               info = c.CreateCollection(spec, sharding_type);
+             }
+             return ToJson(Value(std::move(info)));
+           })
+      .def("get_collection",
+           [](Client& c, const std::string& name) {
+             py::gil_scoped_release release;
+             return ToJson(Value(c.GetCollection(name)));
+           })
+      .def("list_collections",
+           [](Client& c) {
+             std::vector<std::string> out;
+             py::gil_scoped_release release;
+             for (const auto& info : Value(c.ListCollections())) out.push_back(ToJson(info));
+             return out;
+           })
+      .def("drop_collection",
+           [](Client& c, const std::string& name) {
+             py::gil_scoped_release release;
+             Check(c.DropCollection(name));
+           })
+      .def("list_workers",
+           [](Client& c) {
+             py::gil_scoped_release release;
+             return ToJson(Value(c.ListWorkers()));
+           })
+      .def("preview_plan",
+           [](Client& c, const std::string& spec_json, const std::string& topology_json,
+              const std::string& sharding_type) {
+             auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");
+             auto topology = FromJson<ember::v1::Topology>(topology_json, "topology");
+             py::gil_scoped_release release;
+             return ToJson(Value(c.PreviewPlan(spec, topology, sharding_type)));
+           })
+      .def("lookup",
+           [](Client& c, const std::string& name, std::vector<std::string> keys,
+              py::array_t<int64_t> lengths, py::array_t<int64_t> values, py::object weights) {
+             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, weights);
+             absl::StatusOr<KeyedTensor> kt;
+             {
+               py::gil_scoped_release release;
+               kt = c.Lookup(name, kjt);
+             }
+             KeyedTensor t = Value(std::move(kt));
+             const int64_t width = t.row_width();
+             return py::make_tuple(t.keys, t.length_per_key,
+                                   ToNumpy(std::move(t.values), t.batch_size, width));
+           })
+      .def("apply_gradients",
+           [](Client& c, const std::string& name, std::vector<std::string> keys,
+              py::array_t<int64_t> lengths, py::array_t<int64_t> values, py::object weights,
+              std::vector<std::string> grad_keys, std::vector<int64_t> length_per_key,
+              py::array_t<float, py::array::c_style | py::array::forcecast> grads,
+              const std::string& request_id) {
+             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, weights);
+             KeyedTensor g;
+             g.keys = std::move(grad_keys);
+             g.length_per_key = std::move(length_per_key);
+             g.batch_size = grads.ndim() == 2 ? grads.shape(0) : 0;
+             g.values = ToVector<float>(grads);
+             std::string used;
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.ApplyGradients(name, kjt, g, request_id, &used);
+             }
+             if (!s.ok()) {  // the id goes with the error, for a retry that finishes the job
+               throw StatusError{static_cast<int>(s.code()),
+                                 std::string(s.message()) + " [request_id " + used + "]"};
+             }
+             return used;
+           })
+      .def("lookup_sequence",
+           [](Client& c, const std::string& name, std::vector<std::string> keys,
+              py::array_t<int64_t> lengths, py::array_t<int64_t> values) {
+             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, py::none());
+             absl::StatusOr<std::vector<SequenceEmbedding>> out;
+             {
+               py::gil_scoped_release release;
+               out = c.LookupSequence(name, kjt);
+             }
+             py::list result;
+             for (SequenceEmbedding& e : Value(std::move(out))) {
+               const int64_t rows = e.dim > 0 ? static_cast<int64_t>(e.values.size()) / e.dim : 0;
+               result.append(py::make_tuple(e.key, ToNumpy(std::move(e.values), rows, e.dim)));
+             }
+             return result;
+           })
+      .def("apply_sequence_gradients",
+           [](Client& c, const std::string& name, std::vector<std::string> keys,
+              py::array_t<int64_t> lengths, py::array_t<int64_t> values, py::list grads,
+              const std::string& request_id) {
+             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, py::none());
+             std::vector<SequenceEmbedding> g;
+             for (py::handle item : grads) {
+               auto pair = item.cast<py::tuple>();
+               auto a = pair[1].cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+               g.push_back({pair[0].cast<std::string>(), a.ndim() == 2 ? a.shape(1) : 0,
+                            ToVector<float>(a)});
+             }
+             std::string used;
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.ApplySequenceGradients(name, kjt, g, request_id, &used);
+             }
+             if (!s.ok()) {
+               throw StatusError{static_cast<int>(s.code()),
+                                 std::string(s.message()) + " [request_id " + used + "]"};
+             }
+             return used;
+           })
+      .def("export_table",
+           [](Client& c, const std::string& name, const std::string& table) {
+             int64_t rows = 0, dim = 0;
+             absl::StatusOr<std::vector<float>> v;
+             {
+               py::gil_scoped_release release;
+               v = c.ExportTable(name, table, &rows, &dim);
+             }
+             return ToNumpy(Value(std::move(v)), rows, dim);
+           })
+      .def("checkpoint",
+           [](Client& c, const std::string& name, const std::string& dir) {
+             py::gil_scoped_release release;
+             return ToJson(Value(c.Checkpoint(name, dir)));
+           })
+      .def("restore",
+           [](Client& c, const std::string& from, const std::string& name,
+              const std::string& sharding_type) {
+             py::gil_scoped_release release;
+             return ToJson(Value(c.Restore(from, name, sharding_type)));
+           });
+}

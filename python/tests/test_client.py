@@ -1,0 +1,209 @@
+"""The Python SDK against a real local cluster (ember.LocalCluster), checked
+against NumPy references computed from the exported tables."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import ember
+
+SPEC = {
+    "name": "py",
+    "tables": [
+        {"name": "t_sum", "num_embeddings": 101, "embedding_dim": 8, "feature_names": ["f_sum"],
+         "pooling": "SUM", "optimizer": {"type": "SGD", "learning_rate": 0.5}},
+        {"name": "t_mean", "num_embeddings": 57, "embedding_dim": 4, "feature_names": ["f_mean"],
+         "pooling": "MEAN", "optimizer": {"type": "ADAGRAD", "learning_rate": 0.1}},
+        {"name": "t_seq", "num_embeddings": 30, "embedding_dim": 4, "feature_names": ["f_seq"],
+         "pooling": "NONE"},
+    ],
+}
+TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with ember.LocalCluster(workers=2) as cluster:
+        yield ember.Client(cluster.address, timeout_s=20)
+
+
+def spec(name):
+    return dict(SPEC, name=name)
+
+
+def random_bags(rng, rows, batch):
+    return [list(rng.integers(0, rows, size=rng.integers(0, 5))) for _ in range(batch)]
+
+
+def pooled_reference(table, bags, weights=None, mean=False):
+    out = np.zeros((len(bags), table.shape[1]), dtype=np.float64)
+    for b, bag in enumerate(bags):
+        for i, row in enumerate(bag):
+            out[b] += table[row] * (1.0 if weights is None else weights[b][i])
+        if mean and bag:
+            out[b] /= len(bag)
+    return out
+
+
+@pytest.mark.parametrize("sharding_type", TYPES)
+def test_lookups_and_an_sgd_step_match_numpy(client, sharding_type):
+    name = "py_" + sharding_type
+    info = client.create_collection(spec(name), sharding_type=sharding_type)
+    assert {t["sharding_type"] for t in info["plan"]["tables"]} == {sharding_type}
+    rng = np.random.default_rng(7)
+    try:
+        before = {t: client.export_table(name, t) for t in ("t_sum", "t_mean", "t_seq")}
+        sum_bags, mean_bags = random_bags(rng, 101, 6), random_bags(rng, 57, 6)
+        weights = [list(rng.uniform(0.5, 1.5, size=len(b))) for b in sum_bags]
+        # Keys in another order than the collection's: the output follows the collection.
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f_mean": mean_bags, "f_sum": sum_bags},
+                                                  {"f_mean": [[1.0] * len(b) for b in mean_bags],
+                                                   "f_sum": weights})
+        kt = client.lookup(name, kjt)
+        assert kt.keys == ["f_sum", "f_mean"] and kt.length_per_key == [8, 4]
+        np.testing.assert_allclose(kt["f_sum"], pooled_reference(before["t_sum"], sum_bags, weights),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(kt["f_mean"],
+                                   pooled_reference(before["t_mean"], mean_bags, mean=True),
+                                   rtol=1e-5, atol=1e-6)
+        seq_bags = random_bags(rng, 30, 3)
+        seq = client.lookup_sequence(name, ember.KeyedJaggedTensor.from_jagged({"f_seq": seq_bags}))
+        ids = [i for bag in seq_bags for i in bag]
+        np.testing.assert_allclose(seq["f_seq"], before["t_seq"][ids].reshape(-1, 4), rtol=1e-6)
+
+        # One SGD step on t_sum (lr 0.5): w[row] -= 0.5 * sum(weight * grad of its bag).
+        grads = ember.KeyedTensor(kt.keys, kt.length_per_key,
+                                  rng.uniform(-1, 1, size=kt.values.shape).astype(np.float32))
+        request_id = client.apply_gradients(name, kjt, grads)
+        assert request_id
+        want = before["t_sum"].astype(np.float64).copy()
+        for b, bag in enumerate(sum_bags):
+            for i, row in enumerate(bag):
+                want[row] -= 0.5 * weights[b][i] * grads["f_sum"][b]
+        np.testing.assert_allclose(client.export_table(name, "t_sum"), want, rtol=1e-5, atol=1e-6)
+        # Applied once under its id, however often it is retried.
+        assert client.apply_gradients(name, kjt, grads, request_id=request_id) == request_id
+        np.testing.assert_allclose(client.export_table(name, "t_sum"), want, rtol=1e-5, atol=1e-6)
+    finally:
+        client.drop_collection(name)
+
+
+def test_bad_input_raises_the_right_error_and_changes_nothing(client):
+    client.create_collection(spec("bad"), sharding_type="row_wise")
+    try:
+        table = client.export_table("bad", "t_sum")
+        good = ember.KeyedJaggedTensor(["f_sum"], [2], [1, 2])
+        kt = client.lookup("bad", good)
+        cases = [
+            (ember.NotFound, lambda: client.lookup("nope", good)),
+            (ember.NotFound, lambda: client.export_table("bad", "t_nope")),
+            (ember.InvalidArgument,  # lengths sum to 3, two ids
+             lambda: client.lookup("bad", ember.KeyedJaggedTensor(["f_sum"], [3], [1, 2]))),
+            (ember.InvalidArgument,  # id past the table
+             lambda: client.lookup("bad", ember.KeyedJaggedTensor(["f_sum"], [1], [101]))),
+            (ember.InvalidArgument,  # lengths overflowing int64 to the id count
+             lambda: client.lookup("bad", ember.KeyedJaggedTensor(
+                 ["f_sum"], [2**63 - 1, 2**63 - 1, 4], [1, 2]))),
+            (ember.InvalidArgument, lambda: client.apply_gradients(
+                "bad", good, ember.KeyedTensor(kt.keys, kt.length_per_key,
+                                               np.full(kt.values.shape, np.nan, np.float32)))),
+            (ember.InvalidArgument, lambda: client.apply_gradients(  # wrong width
+                "bad", good, ember.KeyedTensor(kt.keys, [4], np.ones((1, 4), np.float32)))),
+            (ember.AlreadyExists, lambda: client.create_collection(spec("bad"))),
+            (ember.InvalidArgument, lambda: client.create_collection({"name": "x", "tables": []})),
+            (ember.InvalidArgument, lambda: client.create_collection({"name": "x", "nope": 1})),
+            (ember.InvalidArgument, lambda: client.create_collection(spec("a/b"))),
+        ]
+        for error, call in cases:
+            with pytest.raises(error) as raised:
+                call()
+            assert isinstance(raised.value, ember.EmberError)
+            assert raised.value.code == {ember.NotFound: 5, ember.InvalidArgument: 3,
+                                         ember.AlreadyExists: 6}[error]
+        np.testing.assert_array_equal(client.export_table("bad", "t_sum"), table)
+    finally:
+        client.drop_collection("bad")
+    with pytest.raises(ember.NotFound):
+        client.collection("bad")
+
+
+def test_torchrec_style_kjt_is_accepted(client):
+    class FakeTorchrecKjt:  # the methods ember reads from a torchrec.KeyedJaggedTensor
+        def keys(self):
+            return ["f_sum"]
+
+        def lengths(self):
+            return np.array([1, 2])
+
+        def values(self):
+            return np.array([5, 6, 7])
+
+        def weights_or_none(self):
+            return None
+
+    client.create_collection(spec("tr"), sharding_type="table_wise")
+    try:
+        kt = client.lookup("tr", FakeTorchrecKjt())
+        table = client.export_table("tr", "t_sum")
+        np.testing.assert_allclose(kt["f_sum"], [table[5], table[6] + table[7]], rtol=1e-6)
+        with pytest.raises(TypeError):
+            client.lookup("tr", [1, 2, 3])
+    finally:
+        client.drop_collection("tr")
+
+
+def test_calls_from_threads_run_side_by_side(client):
+    client.create_collection(spec("th"), sharding_type="row_wise")
+    try:
+        kjt = ember.KeyedJaggedTensor(["f_sum"], [3] * 64, np.arange(192) % 101)
+        want = client.lookup("th", kjt).values
+        errors = []
+
+        def work():
+            try:
+                for _ in range(20):
+                    np.testing.assert_array_equal(client.lookup("th", kjt).values, want)
+            except Exception as e:  # noqa: BLE001  (reported below)
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+    finally:
+        client.drop_collection("th")
+
+
+def test_checkpoint_and_restore(client, tmp_path):
+    client.create_collection(spec("ck"), sharding_type="row_wise")
+    try:
+        ck = client.checkpoint("ck", str(tmp_path))
+        assert ck["path"].startswith(str(tmp_path)) and int(ck["bytes"]) > 0
+        restored = client.restore(str(tmp_path), "ck2", sharding_type="column_wise")
+        assert restored["collection"]["spec"]["name"] == "ck2"
+        for t in ("t_sum", "t_mean", "t_seq"):
+            np.testing.assert_array_equal(client.export_table("ck2", t), client.export_table("ck", t))
+        client.drop_collection("ck2")
+        with pytest.raises(ember.NotFound):
+            client.restore(str(tmp_path / "nothing-here"))
+    finally:
+        client.drop_collection("ck")
+
+
+def test_preview_plan_and_workers(client):
+    plan = client.preview_plan(spec("pv"), world_size=4, sharding_type="row_wise")
+    assert len(plan["tables"]) == 3
+    assert len(client.list_workers()) == 2
+
+
+def test_local_cluster_stops_everything_when_the_block_raises():
+    with pytest.raises(RuntimeError):
+        with ember.LocalCluster(workers=1) as cluster:
+            address, proc = cluster.address, cluster._proc
+            raise RuntimeError("boom")
+    assert proc.poll() is not None
+    with pytest.raises(ember.Unavailable):
+        ember.Client(address, timeout_s=2)
