@@ -761,6 +761,81 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection,
   });
 }
 
+absl::Status Client::ImportTable(const std::string& collection, const std::string& table,
+                                 absl::Span<const float> values, int64_t rows, int64_t dim) {
+  auto routing = RoutingFor(collection, /*refresh=*/true);
+  if (!routing.ok()) return routing.status();
+  const Routing& r = **routing;
+  const Routing::Table* t = nullptr;
+  for (const auto& candidate : r.tables) {
+    if (candidate.config->name() == table) t = &candidate;
+  }
+  if (t == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("no table '", table, "' in collection '", collection, "'"));
+  }
+  if (rows != t->config->num_embeddings() || dim != t->config->embedding_dim() ||
+      static_cast<int64_t>(values.size()) != rows * dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "table '", table, "' is [", t->config->num_embeddings(), ", ",
+        t->config->embedding_dim(), "]; got [", rows, ", ", dim, "] with ", values.size(),
+        " values"));
+  }
+  for (size_t i = 0; i < values.size(); ++i) {  // before any worker sees a row
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("value [", i / dim, ", ", i % dim, "] is ", values[i], " (NaN/Inf is refused)"));
+    }
+  }
+  // Every shard (every replica of a data-parallel table) gets its rows and
+  // columns; its optimizer state and step are read back and kept.
+  std::vector<Routing::Shard> targets = t->shards;
+  targets.insert(targets.end(), t->replicas.begin(), t->replicas.end());
+  constexpr int64_t kChunkBytes = 16 << 20;
+  std::vector<float> weights;
+  for (const auto& s : targets) {
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3));
+    const std::string& address = r.info.worker_addresses(s.rank);
+    for (int64_t b = 0; b < s.rows; b += chunk) {
+      const int64_t e = std::min(s.rows, b + chunk);
+      ember::v1::ExportRowsRequest ex;
+      ex.set_collection(collection);
+      ex.mutable_shard()->set_table(table);
+      ex.mutable_shard()->set_shard_index(s.index);
+      ex.set_row_begin(b);
+      ex.set_row_end(e);
+      ember::v1::ExportRowsResponse got;
+      {
+        grpc::ClientContext ctx;
+        SetDeadline(&ctx, options_.timeout);
+        grpc::Status st = StubFor(address)->ExportRows(&ctx, ex, &got);
+        if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+      }
+      weights.resize((e - b) * s.cols);
+      for (int64_t i = 0; i < e - b; ++i) {
+        std::memcpy(weights.data() + i * s.cols,
+                    values.data() + (s.row_offset + b + i) * dim + s.col_offset,
+                    s.cols * sizeof(float));
+      }
+      ember::v1::ImportRowsRequest im;
+      im.set_collection(collection);
+      im.set_epoch(r.info.plan().epoch());
+      *im.mutable_shard() = ex.shard();
+      im.set_row_begin(b);
+      im.set_row_end(e);
+      wire::Encode(absl::Span<const float>(weights), im.mutable_weights());
+      im.set_state(std::move(*got.mutable_state()));
+      im.set_step(-1);
+      ember::v1::ImportRowsResponse done;
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, options_.timeout);
+      grpc::Status st = StubFor(address)->ImportRows(&ctx, im, &done);
+      if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collection,
                                                        const std::string& table, int64_t* rows,
                                                        int64_t* dim) {

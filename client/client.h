@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "client/kjt.h"
 #include "proto/service.grpc.pb.h"
 
@@ -103,6 +104,13 @@ class Client {
                                       const std::vector<SequenceEmbedding>& grads,
                                       const std::string& request_id = "",
                                       std::string* used_request_id = nullptr);
+
+  // Replaces a table's weights with `values` (float32 [rows, dim], the
+  // table's shape; finite), on every shard and replica; optimizer state and
+  // steps are kept. Not atomic with updates running meanwhile: load weights
+  // before training (e.g. a TorchRec state dict).
+  absl::Status ImportTable(const std::string& collection, const std::string& table,
+                           absl::Span<const float> values, int64_t rows, int64_t dim);
 
   // The whole table as float32 [rows, dim], reassembled from its shards.
   absl::StatusOr<std::vector<float>> ExportTable(const std::string& collection,

@@ -184,6 +184,14 @@ class Client:
         """The whole table as float32 [rows, dim]."""
         return self._c.export_table(name, table)
 
+    def import_table(self, name, table, array):
+        """Replaces a table's weights with `array` ([rows, dim], e.g. a
+        TorchRec state dict's "embedding_bags.<table>.weight"); optimizer
+        state is kept."""
+        if hasattr(array, "detach"):
+            array = array.detach().cpu().numpy()
+        self._c.import_table(name, table, np.ascontiguousarray(array, dtype=np.float32))
+
     def checkpoint(self, name, dir=""):
         return json.loads(self._c.checkpoint(name, dir))
 

@@ -241,6 +241,18 @@ PYBIND11_MODULE(_ember, m) {
              }
              return ToNumpy(Value(std::move(v)), rows, dim);
            })
+      .def("import_table",
+           [](Client& c, const std::string& name, const std::string& table,
+              py::array_t<float, py::array::c_style | py::array::forcecast> values) {
+             if (values.ndim() != 2) {
+               throw StatusError{static_cast<int>(absl::StatusCode::kInvalidArgument),
+                                 "import_table needs a 2-d array [rows, dim]"};
+             }
+             const int64_t rows = values.shape(0), dim = values.shape(1);
+             absl::Span<const float> span(values.data(), values.size());
+             py::gil_scoped_release release;
+             Check(c.ImportTable(name, table, span, rows, dim));
+           })
       .def("checkpoint",
            [](Client& c, const std::string& name, const std::string& dir) {
              py::gil_scoped_release release;

@@ -193,6 +193,32 @@ def test_checkpoint_and_restore(client, tmp_path):
         client.drop_collection("ck")
 
 
+@pytest.mark.parametrize("sharding_type", ["row_wise", "column_wise", "data_parallel"])
+def test_import_table_replaces_the_weights_everywhere(client, sharding_type):
+    name = "imp_" + sharding_type
+    client.create_collection(spec(name), sharding_type=sharding_type)
+    try:
+        rng = np.random.default_rng(3)
+        new = rng.uniform(-1, 1, size=(101, 8)).astype(np.float32)
+        client.import_table(name, "t_sum", new)
+        np.testing.assert_array_equal(client.export_table(name, "t_sum"), new)
+        kjt = ember.KeyedJaggedTensor(["f_sum"], [2, 1], [4, 100, 50])
+        for _ in range(3):  # every data-parallel replica answers with the new rows
+            np.testing.assert_allclose(client.lookup(name, kjt)["f_sum"],
+                                       [new[4] + new[100], new[50]], rtol=1e-6)
+        with pytest.raises(ember.InvalidArgument):
+            client.import_table(name, "t_sum", np.zeros((100, 8), np.float32))
+        bad = new.copy()
+        bad[7, 3] = np.inf
+        with pytest.raises(ember.InvalidArgument):
+            client.import_table(name, "t_sum", bad)
+        with pytest.raises(ember.NotFound):
+            client.import_table(name, "t_nope", new)
+        np.testing.assert_array_equal(client.export_table(name, "t_sum"), new)
+    finally:
+        client.drop_collection(name)
+
+
 def test_preview_plan_and_workers(client):
     plan = client.preview_plan(spec("pv"), world_size=4, sharding_type="row_wise")
     assert len(plan["tables"]) == 3
