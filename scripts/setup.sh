@@ -13,7 +13,7 @@ PACKAGES=(
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev
   zlib1g-dev libleveldb-dev clang-14 libclang-rt-14-dev
-  python3-dev python3-numpy python3-pytest pybind11-dev
+  python3-dev python3-numpy python3-pytest pybind11-dev python3-torch
 )
 
 missing=()

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Runs the Python SDK's tests (pytest, Debian's python3) from Bazel's
+# Runs the Python SDK's tests (pytest, Debian's python3 and torch) from Bazel's
 # runfiles: the ember package with its extension, and emberctl. The JUnit
 # XML goes where Bazel wants it, so scripts/test.sh counts each test case.
 set -euo pipefail
 emberctl=$(readlink -f "$1")
-tests=$(readlink -f "$2")
+tests=$PWD/$(dirname "$2")  # every test_*.py beside it (runfiles)
 package=$(dirname "$3")  # in the runfiles: the sources and the built extension side by side
 pythonpath=$(mktemp -d)
 trap 'rm -rf "$pythonpath"' EXIT

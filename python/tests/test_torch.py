@@ -1,0 +1,133 @@
+"""ember.torch.EmbeddingBagCollection against PyTorch itself: the forward
+against torch.nn.EmbeddingBag, a training step against torch autograd with
+torch.optim.SGD / Adagrad on a local copy of the same tables."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ember  # noqa: E402
+from ember.torch import EmbeddingBagCollection  # noqa: E402
+
+TABLES = [
+    {"name": "t_sum", "num_embeddings": 60, "embedding_dim": 8, "feature_names": ["f_sum"],
+     "pooling": "SUM"},
+    {"name": "t_mean", "num_embeddings": 40, "embedding_dim": 4, "feature_names": ["f_mean"],
+     "pooling": "MEAN"},
+]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with ember.LocalCluster(workers=2) as cluster:
+        yield ember.Client(cluster.address, timeout_s=20)
+
+
+def batch(rng, weighted):
+    jagged = {"f_sum": [list(rng.integers(0, 60, size=rng.integers(0, 4))) for _ in range(5)],
+              "f_mean": [list(rng.integers(0, 40, size=rng.integers(1, 4))) for _ in range(5)]}
+    weights = None
+    if weighted:
+        weights = {k: [list(rng.uniform(0.5, 1.5, size=len(b))) for b in v]
+                   for k, v in jagged.items()}
+        weights["f_mean"] = [[1.0] * len(b) for b in jagged["f_mean"]]
+    return jagged, weights
+
+
+def local_bags(tables):
+    """torch.nn.EmbeddingBag copies of the collection's tables."""
+    return {t["name"]: torch.nn.EmbeddingBag.from_pretrained(
+        torch.tensor(tables[t["name"]]), freeze=False, mode=t["pooling"].lower())
+        for t in TABLES}
+
+
+def local_forward(bags, jagged, weights):
+    outs = []
+    for t, f in (("t_sum", "f_sum"), ("t_mean", "f_mean")):
+        ids = torch.tensor([i for b in jagged[f] for i in b], dtype=torch.long)
+        offsets = torch.tensor(np.cumsum([0] + [len(b) for b in jagged[f]])[:-1], dtype=torch.long)
+        psw = None
+        if weights is not None and f == "f_sum":
+            psw = torch.tensor([w for b in weights[f] for w in b], dtype=torch.float32)
+        outs.append(bags[t](ids, offsets, per_sample_weights=psw))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("optimizer,sharding_type", [
+    ({"type": "SGD", "learning_rate": 0.3}, "row_wise"),
+    ({"type": "SGD", "learning_rate": 0.3}, "table_wise"),
+    ({"type": "ADAGRAD", "learning_rate": 0.1, "eps": 1e-8}, "row_wise"),
+    ({"type": "ADAGRAD", "learning_rate": 0.1, "eps": 1e-8}, "column_wise"),
+])
+def test_training_matches_torch(client, optimizer, sharding_type):
+    name = f"tt_{optimizer['type'].lower()}_{sharding_type}"
+    ebc = EmbeddingBagCollection(TABLES, client, name, optimizer=optimizer,
+                                 sharding_type=sharding_type)
+    try:
+        assert list(ebc.parameters()) == []
+        tables = {t["name"]: client.export_table(name, t["name"]) for t in TABLES}
+        bags = local_bags(tables)
+        params = [b.weight for b in bags.values()]
+        if optimizer["type"] == "SGD":
+            local_opt = torch.optim.SGD(params, lr=optimizer["learning_rate"])
+        else:
+            local_opt = torch.optim.Adagrad(params, lr=optimizer["learning_rate"], eps=1e-8)
+        head = torch.linspace(-1, 1, 12)
+        rng = np.random.default_rng(5)
+        for step in range(3):
+            jagged, weights = batch(rng, weighted=step % 2 == 1)
+            kjt = ember.KeyedJaggedTensor.from_jagged(jagged, weights)
+            kt = ebc(kjt)
+            assert kt.keys() == ["f_sum", "f_mean"] and kt.length_per_key() == [8, 4]
+            want = local_forward(bags, jagged, weights)
+            np.testing.assert_allclose(kt.values().detach().numpy(), want.detach().numpy(),
+                                       rtol=1e-5, atol=1e-6)
+            loss = ((kt.values() * head) ** 2).sum()
+            loss.backward()
+            local_opt.zero_grad()
+            ((want * head) ** 2).sum().backward()
+            local_opt.step()
+        state = ebc.state_dict()
+        for t in TABLES:
+            np.testing.assert_allclose(state[f"embedding_bags.{t['name']}.weight"].numpy(),
+                                       bags[t["name"]].weight.detach().numpy(), rtol=1e-4,
+                                       atol=1e-6)
+    finally:
+        client.drop_collection(name)
+
+
+def test_no_grad_and_eval_only_look_up(client):
+    ebc = EmbeddingBagCollection(TABLES, client, "ng", optimizer={"type": "SGD",
+                                                                  "learning_rate": 1.0})
+    try:
+        before = client.export_table("ng", "t_sum")
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f_sum": [[1, 2]], "f_mean": [[3]]})
+        with torch.no_grad():
+            assert not ebc(kjt).values().requires_grad
+        ebc.eval()
+        out = ebc(kjt).values()
+        assert not out.requires_grad
+        ebc.train()
+        np.testing.assert_array_equal(client.export_table("ng", "t_sum"), before)
+    finally:
+        client.drop_collection("ng")
+
+
+def test_state_dict_round_trip_uses_torchrec_names(client):
+    ebc = EmbeddingBagCollection(TABLES, client, "sd", optimizer={"type": "SGD",
+                                                                  "learning_rate": 0.1})
+    try:
+        state = ebc.state_dict()
+        assert sorted(state) == ["embedding_bags.t_mean.weight", "embedding_bags.t_sum.weight"]
+        new = {k: torch.rand_like(v) for k, v in state.items()}
+        ebc.load_state_dict(new)
+        for k, v in ebc.state_dict().items():
+            np.testing.assert_array_equal(v.numpy(), new[k].numpy())
+        with pytest.raises(RuntimeError):  # strict: a missing table is an error
+            ebc.load_state_dict({"embedding_bags.t_sum.weight": new["embedding_bags.t_sum.weight"]})
+        other = EmbeddingBagCollection(TABLES, client, "sd", create=False)  # attach
+        np.testing.assert_array_equal(other.state_dict()["embedding_bags.t_sum.weight"].numpy(),
+                                      new["embedding_bags.t_sum.weight"].numpy())
+    finally:
+        client.drop_collection("sd")
