@@ -75,6 +75,17 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionIn
   return std::shared_ptr<const Client::Routing>(std::move(r));
 }
 
+// A table of the routed collection; NOT_FOUND if it has none of that name.
+absl::StatusOr<const Client::Routing::Table*> FindTable(const Client::Routing& r,
+                                                       const std::string& collection,
+                                                       const std::string& table) {
+  for (const auto& candidate : r.tables) {
+    if (candidate.config->name() == table) return &candidate;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no table '", table, "' in collection '", collection, "'"));
+}
+
 std::string RandomRequestId() {
   thread_local std::mt19937_64 rng(std::random_device{}() ^
                                    (static_cast<uint64_t>(std::random_device{}()) << 32));
@@ -766,14 +777,9 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
   auto routing = RoutingFor(collection, /*refresh=*/true);
   if (!routing.ok()) return routing.status();
   const Routing& r = **routing;
-  const Routing::Table* t = nullptr;
-  for (const auto& candidate : r.tables) {
-    if (candidate.config->name() == table) t = &candidate;
-  }
-  if (t == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("no table '", table, "' in collection '", collection, "'"));
-  }
+  auto found = FindTable(r, collection, table);
+  if (!found.ok()) return found.status();
+  const Routing::Table* t = *found;
   if (rows != t->config->num_embeddings() || dim != t->config->embedding_dim() ||
       static_cast<int64_t>(values.size()) != rows * dim) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -842,14 +848,9 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
   auto routing = RoutingFor(collection, /*refresh=*/true);
   if (!routing.ok()) return routing.status();
   const Routing& r = **routing;
-  const Routing::Table* t = nullptr;
-  for (const auto& candidate : r.tables) {
-    if (candidate.config->name() == table) t = &candidate;
-  }
-  if (t == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("no table '", table, "' in collection '", collection, "'"));
-  }
+  auto found = FindTable(r, collection, table);
+  if (!found.ok()) return found.status();
+  const Routing::Table* t = *found;
   *rows = t->config->num_embeddings();
   *dim = t->config->embedding_dim();
   std::vector<float> out(*rows * *dim, 0.0f);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -38,35 +39,64 @@ std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan) {
 }
 
 // Every shard assignment of `rank` under `plan` (as PlanAndCreate makes them).
+ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, int index, int64_t row_offset,
+                               int64_t col_offset, int64_t rows, int64_t cols) {
+  ShardAssignment a;
+  a.mutable_ref()->set_table(table.name());
+  a.mutable_ref()->set_shard_index(index);
+  *a.mutable_table() = table;
+  a.set_row_offset(row_offset);
+  a.set_col_offset(col_offset);
+  a.set_rows(rows);
+  a.set_cols(cols);
+  return a;
+}
+
 std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank) {
   std::vector<ShardAssignment> out;
   for (int t = 0; t < info.plan().tables_size(); ++t) {
     const auto& ts = info.plan().tables(t);
     const auto& table = info.spec().tables(t);
-    auto add = [&](int index, int64_t ro, int64_t co, int64_t rows, int64_t cols) {
-      ShardAssignment a;
-      a.mutable_ref()->set_table(table.name());
-      a.mutable_ref()->set_shard_index(index);
-      *a.mutable_table() = table;
-      a.set_row_offset(ro);
-      a.set_col_offset(co);
-      a.set_rows(rows);
-      a.set_cols(cols);
-      out.push_back(std::move(a));
-    };
-    if (ts.shards_size() == 0) {
+    if (ts.shards_size() == 0) {  // data_parallel: a replica per rank
       for (int r : ts.ranks()) {
-        if (r == rank) add(r, 0, 0, table.num_embeddings(), table.embedding_dim());
+        if (r == rank) {
+          out.push_back(MakeAssignment(table, r, 0, 0, table.num_embeddings(),
+                                       table.embedding_dim()));
+        }
       }
     }
     for (int i = 0; i < ts.shards_size(); ++i) {
       const auto& sh = ts.shards(i);
+      // An empty trailing row-wise shard holds nothing.
       if (sh.rows() > 0 && sh.rank() == rank) {
-        add(i, sh.row_offset(), sh.col_offset(), sh.rows(), sh.cols());
+        out.push_back(MakeAssignment(table, i, sh.row_offset(), sh.col_offset(), sh.rows(),
+                                     sh.cols()));
       }
     }
   }
   return out;
+}
+
+// The rank holding shard `ref` (a data-parallel replica: its rank).
+int RankOf(const CollectionInfo& info, const ember::v1::ShardRef& ref) {
+  for (const auto& ts : info.plan().tables()) {
+    if (ts.table() != ref.table()) continue;
+    if (ts.shards_size() == 0) return ref.shard_index();
+    if (ref.shard_index() >= 0 && ref.shard_index() < ts.shards_size()) {
+      return ts.shards(ref.shard_index()).rank();
+    }
+  }
+  return -1;
+}
+
+// The assignment of shard `ref` (a data-parallel replica: shard_index is
+// its rank); nullopt if the plan has no such shard.
+std::optional<ShardAssignment> AssignmentOf(const CollectionInfo& info,
+                                            const ember::v1::ShardRef& ref) {
+  for (const ShardAssignment& a : AssignmentsOf(info, RankOf(info, ref))) {
+    if (a.ref().table() == ref.table() && a.ref().shard_index() == ref.shard_index()) return a;
+  }
+  return std::nullopt;
 }
 
 // A collection's name names directories under checkpoint roots: letters,
@@ -86,17 +116,6 @@ absl::Status CheckCollectionName(const std::string& name) {
   return absl::OkStatus();
 }
 
-// The rank holding shard `ref` (a data-parallel replica: its rank).
-int RankOf(const CollectionInfo& info, const ember::v1::ShardRef& ref) {
-  for (const auto& ts : info.plan().tables()) {
-    if (ts.table() != ref.table()) continue;
-    if (ts.shards_size() == 0) return ref.shard_index();
-    if (ref.shard_index() >= 0 && ref.shard_index() < ts.shards_size()) {
-      return ts.shards(ref.shard_index()).rank();
-    }
-  }
-  return -1;
-}
 
 int64_t AssignmentBytes(const ShardAssignment& a) {
   return backend::ShardBytes(
@@ -501,34 +520,17 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   const int64_t epoch = *next;
   plan->set_epoch(epoch);
 
+  CollectionInfo info;
+  *info.mutable_spec() = spec;
+  *info.mutable_plan() = *std::move(plan);
+  info.set_created_epoch(epoch);
   // Shard assignments per rank.
   const int world = static_cast<int>(workers.size());
   std::vector<ember::v1::CreateShardsRequest> per_rank(world);
-  for (auto& r : per_rank) {
-    r.set_collection(spec.name());
-    r.set_epoch(epoch);
-  }
-  for (int t = 0; t < plan->tables_size(); ++t) {
-    const auto& ts = plan->tables(t);
-    const auto& table = spec.tables(t);
-    auto add = [&](int rank, int index, int64_t ro, int64_t co, int64_t rows, int64_t cols) {
-      ShardAssignment* a = per_rank[rank].add_shards();
-      a->mutable_ref()->set_table(table.name());
-      a->mutable_ref()->set_shard_index(index);
-      *a->mutable_table() = table;
-      a->set_row_offset(ro);
-      a->set_col_offset(co);
-      a->set_rows(rows);
-      a->set_cols(cols);
-    };
-    if (ts.shards_size() == 0) {  // data_parallel: a replica per rank
-      for (int rank : ts.ranks()) add(rank, rank, 0, 0, table.num_embeddings(), table.embedding_dim());
-    }
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      const auto& s = ts.shards(i);
-      if (s.rows() == 0) continue;  // an empty trailing row-wise shard holds nothing
-      add(s.rank(), i, s.row_offset(), s.col_offset(), s.rows(), s.cols());
-    }
+  for (int r = 0; r < world; ++r) {
+    per_rank[r].set_collection(spec.name());
+    per_rank[r].set_epoch(epoch);
+    for (ShardAssignment& a : AssignmentsOf(info, r)) *per_rank[r].add_shards() = std::move(a);
   }
   std::vector<std::string> addresses;
   for (const Worker& w : workers) addresses.push_back(w.info.address());
@@ -556,10 +558,6 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     return FromGrpc(statuses[r], absl::StrCat("creating '", spec.name(), "' on worker ", r, " (",
                                               addresses[r], ")"));
   }
-  CollectionInfo info;
-  *info.mutable_spec() = spec;
-  *info.mutable_plan() = *std::move(plan);
-  info.set_created_epoch(epoch);
   for (const std::string& a : addresses) info.add_worker_addresses(a);
   worker_ids->clear();
   for (const Worker& w : workers) worker_ids->push_back(w.id);
@@ -718,15 +716,14 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
     progress.set_in_progress(true);
     for (const auto& r : requests) {
       for (const auto& ref : r.shards()) {
-        for (const ShardAssignment& a : AssignmentsOf(info, RankOf(info, ref))) {
-          if (a.ref().table() != ref.table() || a.ref().shard_index() != ref.shard_index()) continue;
-          const backend::ShardSpec spec = ShardSpecFromTable(a.table(), a.row_offset(),
-                                                             a.col_offset(), a.rows(), a.cols());
-          progress.set_total_bytes(progress.total_bytes() +
-                                   checkpoint::ShardFileBytes(spec.rows, spec.dim,
-                                                              backend::OptimizerStateWidth(
-                                                                  spec.optimizer.type, spec.dim)));
-        }
+        const std::optional<ShardAssignment> a = AssignmentOf(info, ref);
+        if (!a) continue;
+        const backend::ShardSpec spec = ShardSpecFromTable(a->table(), a->row_offset(),
+                                                           a->col_offset(), a->rows(), a->cols());
+        progress.set_total_bytes(
+            progress.total_bytes() +
+            checkpoint::ShardFileBytes(spec.rows, spec.dim,
+                                       backend::OptimizerStateWidth(spec.optimizer.type, spec.dim)));
       }
     }
     absl::MutexLock lock(&mu_);
@@ -1144,11 +1141,8 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                          return a.second < b.second;
                        })->first;
         sh->set_rank(to);
-        for (const auto& a : AssignmentsOf(info, to)) {
-          if (a.ref().table() == ts->table() && a.ref().shard_index() == i) {
-            load[to] += AssignmentBytes(a);
-          }
-        }
+        load[to] += AssignmentBytes(MakeAssignment(info.spec().tables(t), i, sh->row_offset(),
+                                                   sh->col_offset(), sh->rows(), sh->cols()));
         reload[to].insert({ts->table(), i});
       }
     }
@@ -1417,31 +1411,20 @@ absl::Status CoordinatorService::CopyFromDrained(
   }
   // 2. Each moved shard: rows exported from the old place, imported into the
   //    new, in chunks of about 4 MiB, with the optimizer step.
-  std::map<std::pair<std::string, int32_t>, int> old_rank;  // shard -> rank in `before`
-  std::map<std::pair<std::string, int32_t>, int64_t> rows_of;
-  for (int t = 0; t < before.plan().tables_size(); ++t) {
-    const auto& ts = before.plan().tables(t);
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      old_rank[{ts.table(), i}] = ts.shards(i).rank();
-      rows_of[{ts.table(), i}] = ts.shards(i).rows();
-    }
-    for (const auto& [key, rank] : dp_source) {
-      if (key.first == ts.table()) rows_of[key] = before.spec().tables(t).num_embeddings();
-    }
-  }
   for (const auto& [to, refs] : moved) {
     for (const auto& [table, index] : refs) {
+      // A new data-parallel replica copies an old one; a shard copies itself.
       auto dp = dp_source.find({table, index});
-      const int from_rank = dp != dp_source.end() ? dp->second
-                            : old_rank.count({table, index}) ? old_rank[{table, index}]
-                                                             : to;
       ember::v1::ShardRef from_ref, to_ref;
       from_ref.set_table(table);
       from_ref.set_shard_index(dp != dp_source.end() ? dp->second : index);
       to_ref.set_table(table);
       to_ref.set_shard_index(index);
-      if (absl::Status s = CopyShard(name, epoch, before.worker_addresses(from_rank), from_ref,
-                                     after.worker_addresses(to), to_ref, rows_of[{table, index}]);
+      const std::optional<ShardAssignment> from = AssignmentOf(before, from_ref);
+      if (!from) return absl::InternalError(absl::StrCat("no shard to copy for table '", table,
+                                                         "' shard ", index));
+      if (absl::Status s = CopyShard(name, epoch, before.worker_addresses(RankOf(before, from_ref)),
+                                     from_ref, after.worker_addresses(to), to_ref, from->rows());
           !s.ok()) {
         return s;
       }
