@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Ember's CPU backend against PyTorch's nn.EmbeddingBag on identical data.
+"""Ember's CPU or CUDA backend against PyTorch's nn.EmbeddingBag on identical data.
 
 A benchmark, not a test. For every (dim, threads) pair it runs
 bench/kernel_bench (which writes the ids it used with --dump_ids), then times
@@ -11,6 +11,12 @@ the ratio Ember / PyTorch (> 1 means Ember is faster).
             gradient, sparse SGD step) minus the autograd forward, i.e. the
             backward + optimizer part, against kernel_bench's
             ApplyGradients (duplicates merged, SGD, one update per row).
+
+With --device=cuda both run on GPU 0. Ember's backend takes host arrays and
+returns host arrays (a worker's gRPC payloads live in host memory), so the
+peer figure that ratios use copies the ids to the device and the output back
+in every call too; PyTorch's device-resident figure (ids already on the GPU,
+output left there) is printed beside it as the kernel-only bound.
 
 Usually run through bench/torch_compare.sh, which installs Debian's
 python3-torch and builds kernel_bench first. Needs torch and numpy.
@@ -38,46 +44,68 @@ def parse_args():
     p.add_argument("--pooling", default="sum", choices=["sum", "mean"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--format", default="table", choices=["table", "json"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return p.parse_args()
 
 
-def time_it(fn, iters):
+def time_it(fn, iters, sync=lambda: None):
     for _ in range(3):
         fn()
+    sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    sync()
     return (time.perf_counter() - start) / iters
 
 
 def torch_figures(torch, np, ids_path, a, dim, threads):
+    """(forward, backward) ids/s; on cuda also the device-resident pair."""
     torch.set_num_threads(threads)
-    ids = torch.from_numpy(np.fromfile(ids_path, dtype="<i8"))
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    host_ids = torch.from_numpy(np.fromfile(ids_path, dtype="<i8"))
     n = a.batch * a.pooling_factor
-    if ids.numel() != n:
-        sys.exit(f"torch_compare: {ids_path} holds {ids.numel()} ids, expected {n}")
-    offsets = torch.arange(0, n, a.pooling_factor, dtype=torch.int64)
-    bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True)
+    if host_ids.numel() != n:
+        sys.exit(f"torch_compare: {ids_path} holds {host_ids.numel()} ids, expected {n}")
+    host_offsets = torch.arange(0, n, a.pooling_factor, dtype=torch.int64)
+    bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True, device=dev)
     opt = torch.optim.SGD(bag.parameters(), lr=0.01)
-    grad = torch.full((a.batch, dim), 1e-3)
+    host_grad = torch.full((a.batch, dim), 1e-3)
+    dev_ids, dev_offsets, dev_grad = host_ids.to(dev), host_offsets.to(dev), host_grad.to(dev)
 
-    def forward():
-        with torch.no_grad():
-            bag(ids, offsets)
+    # Pageable host tensors, as Ember's backend is handed them.
+    def inputs(resident):
+        if resident or a.device == "cpu":
+            return dev_ids, dev_offsets
+        return host_ids.to(dev), host_offsets.to(dev)
 
-    def forward_autograd():
-        bag(ids, offsets)
+    def gradient(resident):
+        return dev_grad if resident or a.device == "cpu" else host_grad.to(dev)
 
-    def train_step():
-        opt.zero_grad(set_to_none=True)
-        bag(ids, offsets).backward(grad)
-        opt.step()
+    def figures(resident):
+        def forward():
+            with torch.no_grad():
+                out = bag(*inputs(resident))
+                if not resident:
+                    out.cpu()
 
-    fwd_s = time_it(forward, a.iters)
-    fwd_ag_s = time_it(forward_autograd, a.iters)
-    step_s = time_it(train_step, a.iters)
-    bwd_s = max(step_s - fwd_ag_s, 1e-9)
-    return n / fwd_s, n / bwd_s
+        def forward_autograd():
+            bag(*inputs(resident))
+
+        def train_step():
+            opt.zero_grad(set_to_none=True)
+            bag(*inputs(resident)).backward(gradient(resident))
+            opt.step()
+
+        fwd_s = time_it(forward, a.iters, sync)
+        fwd_ag_s = time_it(forward_autograd, a.iters, sync)
+        step_s = time_it(train_step, a.iters, sync)
+        return n / fwd_s, n / max(step_s - fwd_ag_s, 1e-9)
+
+    if a.device == "cpu":
+        return figures(True) + (None, None)
+    return figures(False) + figures(True)
 
 
 def main():
@@ -92,7 +120,7 @@ def main():
                  "run: bazel build -c opt //bench:kernel_bench")
     peer = f"torch {torch.__version__}"
     if a.format == "table":
-        print(f"Ember CPU backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
+        print(f"Ember {a.device} backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
               f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, fp32, SGD")
         print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio':>6} | "
               f"{'ember bwd':>12} {'torch bwd':>12} {'ratio':>6}   (ids/s)")
@@ -104,10 +132,11 @@ def main():
                        f"--pooling_factor={a.pooling_factor}", f"--threads={threads}",
                        f"--distribution={a.distribution}", f"--pooling={a.pooling}",
                        "--dtype=fp32", "--optimizer=sgd", f"--iters={a.iters}",
-                       "--format=json", f"--dump_ids={ids_path}"]
+                       "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
                 ember = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                                   text=True).stdout)
-                t_fwd, t_bwd = torch_figures(torch, np, ids_path, a, dim, threads)
+                t_fwd, t_bwd, t_fwd_res, t_bwd_res = torch_figures(torch, np, ids_path, a, dim,
+                                                                   threads)
                 row = {
                     "dim": dim, "threads": threads, "rows": a.rows, "batch": a.batch,
                     "pooling_factor": a.pooling_factor, "distribution": a.distribution,
@@ -117,7 +146,11 @@ def main():
                     "bwd_lookups_per_s": ember["bwd_lookups_per_s"],
                     "torch_bwd_lookups_per_s": t_bwd,
                     "bwd_ratio": ember["bwd_lookups_per_s"] / t_bwd,
+                    "device": a.device,
                 }
+                if t_fwd_res is not None:
+                    row["torch_resident_lookups_per_s"] = t_fwd_res
+                    row["torch_resident_bwd_lookups_per_s"] = t_bwd_res
                 if a.format == "json":
                     print(json.dumps(row), flush=True)
                 else:
@@ -125,6 +158,9 @@ def main():
                           f"{t_fwd:>12.3e} {row['ratio']:>5.2f}x | "
                           f"{row['bwd_lookups_per_s']:>12.3e} {t_bwd:>12.3e} "
                           f"{row['bwd_ratio']:>5.2f}x", flush=True)
+                    if t_fwd_res is not None:
+                        print(f"{'':>8} | torch, ids/output already on the GPU: "
+                              f"fwd {t_fwd_res:.3e}, bwd {t_bwd_res:.3e}", flush=True)
 
 
 if __name__ == "__main__":

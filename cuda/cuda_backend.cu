@@ -2,9 +2,10 @@
 // server/backend/embedding_backend.h; cuda/README.md has the design).
 //
 // Every call stages its host inputs into one pinned buffer laid out exactly
-// like the start of one device scratch buffer, copies it with a single
-// cudaMemcpyAsync on the backend's stream, runs its kernels there, copies
-// the result back and synchronises before returning. Both buffers grow and
+// like the start of one device scratch buffer, uploading it in 1 MiB chunks
+// as it fills (the DMA of one chunk overlaps the host copy of the next), runs
+// its kernels on the backend's stream, and downloads the result in chunks
+// that are handed to the caller's outputs as each lands. Both buffers grow and
 // are reused, so a warm backend allocates nothing per call.
 //
 // Forward (one launch for all requests): a warp per work item (a bag of a
@@ -652,6 +653,96 @@ T* At(char* base, size_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
+// Pipelined host <-> device copies through pinned staging. Large calls spend
+// most of their time copying between the caller's (pageable) arrays and the
+// staging buffer; cutting the transfer into chunks lets the DMA of one chunk
+// run while the host copies the next.
+constexpr size_t kPipelineChunkBytes = size_t{1} << 20;
+constexpr int kMaxDownloadChunks = 32;
+
+// Fills staging in increasing offset order (regions of a Layout, filled in
+// layout order) and uploads whatever is filled every kPipelineChunkBytes.
+class Uploader {
+ public:
+  Uploader(char* host, char* device, cudaStream_t stream)
+      : host_(host), device_(device), stream_(stream) {}
+
+  // Copies `bytes` from src to staging offset `at` (at >= what was filled
+  // before), uploading as it goes.
+  absl::Status Append(size_t at, const void* src, size_t bytes) {
+    const char* from = static_cast<const char*>(src);
+    while (bytes > 0) {
+      const size_t piece = std::min(bytes, kPipelineChunkBytes);
+      std::memcpy(host_ + at, from, piece);
+      at += piece;
+      from += piece;
+      bytes -= piece;
+      if (at - sent_ >= kPipelineChunkBytes) {
+        if (absl::Status s = Flush(at); !s.ok()) return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  template <typename T>
+  absl::Status AppendSpan(size_t at, absl::Span<const T> src) {
+    return Append(at, src.data(), src.size() * sizeof(T));
+  }
+
+  // Uploads staging [sent, upto).
+  absl::Status Flush(size_t upto) {
+    if (upto <= sent_) return absl::OkStatus();
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(device_ + sent_, host_ + sent_, upto - sent_,
+                                               cudaMemcpyHostToDevice, stream_));
+    sent_ = upto;
+    return absl::OkStatus();
+  }
+
+ private:
+  char* const host_;
+  char* const device_;
+  const cudaStream_t stream_;
+  size_t sent_ = 0;
+};
+
+// Downloads `count` floats from `device` through staging `host` in chunks,
+// handing each chunk to the requests' outputs as soon as it has landed.
+// `events` holds kMaxDownloadChunks events of the calling backend.
+absl::Status DownloadOutputs(const float* device, float* host, int64_t count,
+                             absl::Span<const backend::LookupRequest> requests,
+                             const cudaEvent_t* events, cudaStream_t stream) {
+  const int64_t min_chunk = static_cast<int64_t>(kPipelineChunkBytes / sizeof(float));
+  const int64_t chunk =
+      std::max(min_chunk, (count + kMaxDownloadChunks - 1) / kMaxDownloadChunks);
+  const int64_t chunks = (count + chunk - 1) / chunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t b = c * chunk, n = std::min(chunk, count - b);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(host + b, device + b, n * sizeof(float),
+                                               cudaMemcpyDeviceToHost, stream));
+    EMBER_RETURN_IF_CUDA_ERROR(cudaEventRecord(events[c], stream));
+  }
+  // Walk the outputs in concatenated order alongside the chunks.
+  size_t r = 0;
+  int64_t r_pos = 0;  // floats of requests[r].output already written
+  for (int64_t c = 0; c < chunks; ++c) {
+    EMBER_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events[c]));
+    int64_t b = c * chunk;
+    const int64_t e = std::min(count, b + chunk);
+    while (b < e) {
+      absl::Span<float> out = requests[r].output;
+      const int64_t take = std::min<int64_t>(e - b, static_cast<int64_t>(out.size()) - r_pos);
+      if (take > 0) std::memcpy(out.data() + r_pos, host + b, take * sizeof(float));
+      b += take;
+      r_pos += take;
+      if (r_pos == static_cast<int64_t>(out.size())) {
+        ++r;
+        r_pos = 0;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
 
 struct Shard {
@@ -676,11 +767,22 @@ class CudaBackend : public EmbeddingBackend {
         max_blocks_(max_blocks),
         staging_(/*pinned_host=*/true) {}
 
+  // The download events; called once by CreateCudaBackend.
+  absl::Status CreateEvents() {
+    for (cudaEvent_t& e : events_) {
+      EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    return absl::OkStatus();
+  }
+
   ~CudaBackend() override {
     cudaSetDevice(options_.device);
     shards_.clear();
     scratch_.Reset();
     staging_.Reset();
+    for (cudaEvent_t e : events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
     cudaStreamDestroy(stream_);
   }
 
@@ -794,19 +896,37 @@ class CudaBackend : public EmbeddingBackend {
       desc.weight_type = static_cast<int32_t>(s.spec.weight_type);
       desc.pooling = static_cast<int32_t>(f.pooling);
       desc.weighted = f.weights.empty() ? 0 : 1;
-      CopyIn(At<int64_t>(h, lengths_at) + bags, f.lengths);
-      CopyIn(At<int64_t>(h, ids_at) + id_pos, f.ids);
-      if (!f.weights.empty()) CopyIn(At<float>(h, weights_at) + id_pos, f.weights);
       items += static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size() : f.lengths.size());
       bags += static_cast<int64_t>(f.lengths.size());
       id_pos += static_cast<int64_t>(f.ids.size());
       out_pos += static_cast<int64_t>(r.output.size());
     }
     item_begin[n] = items;
+    // The arrays, region by region in layout order, uploaded as they fill.
+    Uploader up(h, d, stream_);
+    size_t at = lengths_at;
+    for (const LookupRequest& r : requests) {
+      if (absl::Status st = up.AppendSpan(at, r.feature.lengths); !st.ok()) return st;
+      at += r.feature.lengths.size() * sizeof(int64_t);
+    }
+    at = ids_at;
+    for (const LookupRequest& r : requests) {
+      if (absl::Status st = up.AppendSpan(at, r.feature.ids); !st.ok()) return st;
+      at += r.feature.ids.size() * sizeof(int64_t);
+    }
+    at = weights_at;
+    for (const LookupRequest& r : requests) {
+      if (r.feature.weights.empty()) {
+        at += r.feature.ids.size() * sizeof(float);  // never read: the request is unweighted
+        continue;
+      }
+      if (absl::Status st = up.AppendSpan(at, r.feature.weights); !st.ok()) return st;
+      at += r.feature.weights.size() * sizeof(float);
+    }
+    if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;
 
     int64_t* offsets = At<int64_t>(d, offsets_at);
     float* out = At<float>(d, out_at);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d, h, in_bytes, cudaMemcpyHostToDevice, stream_));
     EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
         d + temp_at, scan_temp, At<const int64_t>(d, lengths_at), offsets + 1, total_bags,
@@ -815,15 +935,8 @@ class CudaBackend : public EmbeddingBackend {
         At<const int64_t>(d, item_begin_at), At<const LookupDesc>(d, desc_at), n, offsets,
         At<const int64_t>(d, ids_at), At<const float>(d, weights_at), out);
     EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(h + host_out_at, out, total_out * sizeof(float),
-                                               cudaMemcpyDeviceToHost, stream_));
-    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-    const float* result = At<const float>(h, host_out_at);
-    for (const LookupRequest& r : requests) {
-      if (!r.output.empty()) std::memcpy(r.output.data(), result, r.output.size() * sizeof(float));
-      result += r.output.size();
-    }
-    return absl::OkStatus();
+    return DownloadOutputs(out, At<float>(h, host_out_at), total_out, requests, events_,
+                           stream_);
   }
 
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
@@ -959,15 +1072,38 @@ class CudaBackend : public EmbeddingBackend {
       desc.key_base = f.ids.empty() ? 0 : key_base[slot_of.at(f.shard)];
       desc.pooling = static_cast<int32_t>(f.pooling);
       desc.weighted = f.weights.empty() ? 0 : 1;
-      CopyIn(At<int64_t>(h, lengths_at) + bags, f.lengths);
-      CopyIn(At<int64_t>(h, ids_at) + id_pos, f.ids);
-      if (!f.weights.empty()) CopyIn(At<float>(h, weights_at) + id_pos, f.weights);
-      CopyIn(At<float>(h, grads_at) + grad_pos, r.grad);
       bags += desc.num_bags;
       id_pos += static_cast<int64_t>(f.ids.size());
       grad_pos += static_cast<int64_t>(r.grad.size());
     }
     id_begin[n] = id_pos;
+    // The arrays, region by region in layout order, uploaded as they fill.
+    Uploader up(h, d, stream_);
+    size_t at = lengths_at;
+    for (const GradientRequest& r : requests) {
+      if (absl::Status st = up.AppendSpan(at, r.feature.lengths); !st.ok()) return st;
+      at += r.feature.lengths.size() * sizeof(int64_t);
+    }
+    at = ids_at;
+    for (const GradientRequest& r : requests) {
+      if (absl::Status st = up.AppendSpan(at, r.feature.ids); !st.ok()) return st;
+      at += r.feature.ids.size() * sizeof(int64_t);
+    }
+    at = weights_at;
+    for (const GradientRequest& r : requests) {
+      if (r.feature.weights.empty()) {
+        at += r.feature.ids.size() * sizeof(float);  // never read: the request is unweighted
+        continue;
+      }
+      if (absl::Status st = up.AppendSpan(at, r.feature.weights); !st.ok()) return st;
+      at += r.feature.weights.size() * sizeof(float);
+    }
+    at = grads_at;
+    for (const GradientRequest& r : requests) {
+      if (absl::Status st = up.AppendSpan(at, r.grad); !st.ok()) return st;
+      at += r.grad.size() * sizeof(float);
+    }
+    if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;
 
     int64_t* offsets = At<int64_t>(d, offsets_at);
     uint64_t* keys_a = At<uint64_t>(d, keys_a_at);
@@ -981,7 +1117,6 @@ class CudaBackend : public EmbeddingBackend {
     char* temp_ptr = d + temp_at;
     const int thread_blocks = ThreadBlocks(total_ids);
 
-    EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d, h, in_bytes, cudaMemcpyHostToDevice, stream_));
     EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
     t = temp;
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
@@ -1159,11 +1294,6 @@ class CudaBackend : public EmbeddingBackend {
         std::clamp<int64_t>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, max_blocks_));
   }
 
-  template <typename T>
-  static void CopyIn(T* dst, absl::Span<const T> src) {
-    if (!src.empty()) std::memcpy(dst, src.data(), src.size() * sizeof(T));
-  }
-
   // fp32 values into `dst` in the weight type, rounded to nearest even by
   // the same functions as the CPU backend.
   static void StoreRows(WeightType type, const float* src, int64_t count, char* dst) {
@@ -1265,6 +1395,7 @@ class CudaBackend : public EmbeddingBackend {
   // Per-call scratch, grown on demand and reused (const calls use it too).
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
   mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory
+  cudaEvent_t events_[kMaxDownloadChunks] = {};        // DownloadOutputs' chunk events
 };
 
 }  // namespace
@@ -1277,6 +1408,7 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
   if (options.memory_limit_bytes < 0) {
     return absl::InvalidArgumentError("memory_limit_bytes must be >= 0");
   }
+
   int count = 0;
   EMBER_RETURN_IF_CUDA_ERROR(cudaGetDeviceCount(&count));
   if (count == 0) return absl::UnavailableError("no CUDA device visible");
@@ -1296,8 +1428,9 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
   cudaStream_t stream;
   EMBER_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int max_blocks = std::max(1, prop.multiProcessorCount * 16);
-  return std::unique_ptr<EmbeddingBackend>(
-      std::make_unique<CudaBackend>(options, stream, prop.name, max_blocks));
+  auto backend = std::make_unique<CudaBackend>(options, stream, prop.name, max_blocks);
+  if (absl::Status s = backend->CreateEvents(); !s.ok()) return s;
+  return std::unique_ptr<EmbeddingBackend>(std::move(backend));
 }
 
 }  // namespace cuda

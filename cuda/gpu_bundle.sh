@@ -25,29 +25,67 @@ for t in "${targets[@]}"; do
     esac
   done
 done
+cp bench/torch_compare.py "$dir/"
 cat >"$dir/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the bundled CUDA tests and benchmarks; logs and JSON go to $1.
+# Runs the bundled CUDA tests (plain, then under compute-sanitizer's memcheck,
+# racecheck, synccheck and initcheck where it is installed; $SANITIZERS picks
+# the tools, $SANITIZER_TIMEOUT bounds each run, 150 s by default), the kernel
+# benchmark on both backends, and torch_compare.py against PyTorch's CUDA
+# nn.EmbeddingBag where python3 has torch. Logs, gtest XML and JSON go to $1;
+# a one-line summary per step goes to stdout.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:?usage: run.sh OUTDIR}"
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+head -n 12 "$out/nvidia-smi.txt"
 rc=0
+summary() { grep -E '^\[  (PASSED|FAILED)  \]|(ERROR|RACECHECK) SUMMARY' "$1" | tr '\n' ' '; }
 for t in device_query_test cuda_backend_test backend_parity_test; do
-  "$here/$t" --gtest_output="xml:$out/$t.xml" >"$out/$t.log" 2>&1 || rc=1
-  echo "$t: $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/$t.log" | tr '\n' ' ')"
+  timeout 120 "$here/$t" --gtest_output="xml:$out/$t.xml" >"$out/$t.log" 2>&1 || rc=1
+  echo "$t: $(summary "$out/$t.log")"
 done
-for backend in cuda cpu; do
+if command -v compute-sanitizer >/dev/null; then
+  for tool in ${SANITIZERS-memcheck racecheck synccheck initcheck}; do
+    for t in cuda_backend_test backend_parity_test; do
+      log="$out/sanitizer.log"
+      echo "=== $tool $t" >>"$log"
+      timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 3 "$here/$t" \
+        --gtest_brief=1 >>"$log" 2>&1 || rc=1
+      echo "compute-sanitizer $tool $t: $(sed -n "/^=== $tool $t\$/,\$p" "$log" | summary /dev/stdin)"
+    done
+  done
+else
+  echo "compute-sanitizer: not installed here"
+fi
+for config in "cuda 1" "cpu 16"; do
+  set -- $config
   for dim in 64 128; do
     for batch in 2048 16384; do
-      "$here/kernel_bench" --backend="$backend" --dim="$dim" --batch="$batch" --threads=16 \
-        --format=json >>"$out/kernel_bench.jsonl" 2>>"$out/kernel_bench.err" || rc=1
+      timeout 120 "$here/kernel_bench" --backend="$1" --threads="$2" --dim="$dim" \
+        --batch="$batch" --format=json >>"$out/kernel_bench.jsonl" 2>>"$out/kernel_bench.err" \
+        || rc=1
     done
   done
 done
+for args in "--dtype=fp16" "--dtype=bf16" "--optimizer=adagrad" "--optimizer=rowwise_adagrad" \
+            "--optimizer=adam" "--distribution=zipf" "--pooling=mean" "--dim=256" "--dim=32"; do
+  timeout 120 "$here/kernel_bench" --backend=cuda --batch=16384 $args --format=json \
+    >>"$out/kernel_bench.jsonl" 2>>"$out/kernel_bench.err" || rc=1
+done
 cat "$out/kernel_bench.jsonl"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  for batch in 2048 16384; do
+    timeout 300 python3 "$here/torch_compare.py" --kernel_bench="$here/kernel_bench" \
+      --device=cuda --dims=64,128 --threads=1 --batch="$batch" --format=json \
+      >>"$out/torch_compare.jsonl" 2>>"$out/torch_compare.err" || rc=1
+  done
+  cat "$out/torch_compare.jsonl"
+else
+  echo "torch_compare: python3 has no CUDA torch here"
+fi
 exit "$rc"
 RUN
 chmod +x "$dir/run.sh"
