@@ -5,7 +5,8 @@
 //
 //   bazel run -c opt //bench:service_bench -- [--workers=2 --batch=4096
 //       --features=8 --pooling_factor=20 --dim=64 --rows=500000
-//       --sharding_type=TYPE --iters=50 --clients=1 --format=text|json]
+//       --sharding_type=TYPE --iters=50 --clients=1 --device=cpu|cuda
+//       --format=text|json]
 //
 // Starts its own cluster (`emberctl up`, the binary next to it in the
 // runfiles, or --emberctl) unless --coordinator names a running one.
@@ -43,6 +44,7 @@ DEFINE_string(coordinator, "", "A running cluster's coordinator; empty: start on
 DEFINE_string(emberctl, "", "emberctl binary for the local cluster (default: from runfiles).");
 DEFINE_int32(workers, 2, "Workers of the local cluster.");
 DEFINE_int32(worker_threads, 1, "Backend threads per worker (emberctl up --threads).");
+DEFINE_string(device, "cpu", "Worker device of the local cluster (emberctl up --device): cpu or cuda.");
 DEFINE_int32(inprocess_threads, 0, "In-process backend threads (0: workers x worker_threads).");
 DEFINE_int32(batch, 4096, "Samples per lookup.");
 DEFINE_int32(features, 8, "Features per lookup, one table each.");
@@ -131,7 +133,8 @@ int Run(const char* argv0) {
     if (text) std::cerr << "starting " << FLAGS_workers << " workers (" << emberctl << " up)\n";
     cluster = std::make_unique<testing_util::LocalCluster>(
         emberctl, FLAGS_workers,
-        std::vector<std::string>{absl::StrCat("--threads=", FLAGS_worker_threads)});
+        std::vector<std::string>{absl::StrCat("--threads=", FLAGS_worker_threads),
+                                 absl::StrCat("--device=", FLAGS_device)});
     if (!cluster->ok()) return Fail("cluster", absl::UnavailableError("emberctl up failed"));
     coordinator = cluster->coordinator();
   }
@@ -223,9 +226,9 @@ int Run(const char* argv0) {
   const double ratio = per_s / inprocess_per_s;
   if (text) {
     std::cout << absl::StrFormat(
-        "service_bench: %d workers x %d threads, %s, batch %d, %d features, pooling %d, dim %d, "
+        "service_bench: %d %s workers x %d threads, %s, batch %d, %d features, pooling %d, dim %d, "
         "%d rows/table, %d client(s)\n",
-        world, FLAGS_worker_threads, plan_types,
+        world, FLAGS_device, FLAGS_worker_threads, plan_types,
         FLAGS_batch, FLAGS_features, FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_clients);
     std::cout << absl::StrFormat(
         "  service:    %8.1f lookups/s  %.3g ids/s  %7.1f MB/s  p50 %.2f ms  p99 %.2f ms\n",
@@ -239,10 +242,10 @@ int Run(const char* argv0) {
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
-        "\"sharding_type\": \"%s\"}\n",
+        "\"sharding_type\": \"%s\", \"device\": \"%s\"}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, ratio, world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
-        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types);
+        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device);
   }
   return 0;
 }

@@ -64,6 +64,10 @@ using backend::Pooling;
 using backend::ShardId;
 using backend::ShardNotFound;
 using backend::ShardSpec;
+using backend::CheckFinite;
+using backend::CheckIds;
+using backend::Checks;
+using backend::RequestWhat;
 using backend::ValidateRequests;
 using backend::ValidateImport;
 using backend::ValidateRowRange;
@@ -667,16 +671,23 @@ class Uploader {
   Uploader(char* host, char* device, cudaStream_t stream)
       : host_(host), device_(device), stream_(stream) {}
 
-  // Copies `bytes` from src to staging offset `at` (at >= what was filled
-  // before), uploading as it goes.
-  absl::Status Append(size_t at, const void* src, size_t bytes) {
-    const char* from = static_cast<const char*>(src);
-    while (bytes > 0) {
-      const size_t piece = std::min(bytes, kPipelineChunkBytes);
-      std::memcpy(host_ + at, from, piece);
-      at += piece;
-      from += piece;
-      bytes -= piece;
+  // Copies src to staging offset `at` (at >= what was filled before),
+  // uploading as it goes. Each 64 KiB piece is handed to
+  // check(staged piece, index of its first element) right after it is
+  // copied, while it is still in cache: the request's values are checked in
+  // the same pass over the bytes as the copy.
+  template <typename T, typename Check>
+  absl::Status AppendSpan(size_t at, absl::Span<const T> src, Check&& check) {
+    constexpr size_t kPiece = (size_t{64} << 10) / sizeof(T);
+    for (size_t i = 0; i < src.size(); i += kPiece) {
+      const size_t n = std::min(kPiece, src.size() - i);
+      std::memcpy(host_ + at, src.data() + i, n * sizeof(T));
+      if (absl::Status s = check(absl::Span<const T>(At<const T>(host_, at), n),
+                                 static_cast<int64_t>(i));
+          !s.ok()) {
+        return s;
+      }
+      at += n * sizeof(T);
       if (at - sent_ >= kPipelineChunkBytes) {
         if (absl::Status s = Flush(at); !s.ok()) return s;
       }
@@ -686,7 +697,7 @@ class Uploader {
 
   template <typename T>
   absl::Status AppendSpan(size_t at, absl::Span<const T> src) {
-    return Append(at, src.data(), src.size() * sizeof(T));
+    return AppendSpan(at, src, [](absl::Span<const T>, int64_t) { return absl::OkStatus(); });
   }
 
   // Uploads staging [sent, upto).
@@ -839,7 +850,10 @@ class CudaBackend : public EmbeddingBackend {
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     absl::MutexLock lock(&mu_);
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
-    if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
+    // Shapes now; ids and weights while they are staged (before any kernel).
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
+      return st;
+    }
     const int64_t n = static_cast<int64_t>(requests.size());
     int64_t total_items = 0, total_bags = 0, total_ids = 0, total_out = 0;
     bool any_weighted = false;
@@ -910,18 +924,28 @@ class CudaBackend : public EmbeddingBackend {
       at += r.feature.lengths.size() * sizeof(int64_t);
     }
     at = ids_at;
-    for (const LookupRequest& r : requests) {
-      if (absl::Status st = up.AppendSpan(at, r.feature.ids); !st.ok()) return st;
-      at += r.feature.ids.size() * sizeof(int64_t);
+    for (int64_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      const ShardSpec& spec = FindShard(f.shard)->spec;
+      auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
+        return CheckIds(ids, spec.rows, RequestWhat("lookup", i, spec), first);
+      };
+      if (absl::Status st = up.AppendSpan(at, f.ids, check); !st.ok()) return st;
+      at += f.ids.size() * sizeof(int64_t);
     }
     at = weights_at;
-    for (const LookupRequest& r : requests) {
-      if (r.feature.weights.empty()) {
-        at += r.feature.ids.size() * sizeof(float);  // never read: the request is unweighted
+    for (int64_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      if (f.weights.empty()) {
+        at += f.ids.size() * sizeof(float);  // never read: the request is unweighted
         continue;
       }
-      if (absl::Status st = up.AppendSpan(at, r.feature.weights); !st.ok()) return st;
-      at += r.feature.weights.size() * sizeof(float);
+      const ShardSpec& spec = FindShard(f.shard)->spec;
+      auto check = [&](absl::Span<const float> w, int64_t first) {
+        return CheckFinite(w, RequestWhat("lookup", i, spec), "weights", first);
+      };
+      if (absl::Status st = up.AppendSpan(at, f.weights, check); !st.ok()) return st;
+      at += f.weights.size() * sizeof(float);
     }
     if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;
 
@@ -942,7 +966,9 @@ class CudaBackend : public EmbeddingBackend {
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     absl::MutexLock lock(&mu_);
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
-    if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) {
+    // Shapes now; ids, weights and gradients while they are staged (before
+    // any kernel).
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
       return st;
     }
     const int64_t n = static_cast<int64_t>(requests.size());
@@ -968,6 +994,15 @@ class CudaBackend : public EmbeddingBackend {
       any_weighted |= !f.weights.empty();
     }
     if (total_ids == 0) {
+      // Nothing is staged, so the gradients (of empty bags) are checked here.
+      for (int64_t i = 0; i < n; ++i) {
+        const GradientRequest& r = requests[i];
+        if (absl::Status st = CheckFinite(
+                r.grad, RequestWhat("gradient", i, FindShard(r.feature.shard)->spec), "gradient");
+            !st.ok()) {
+          return st;
+        }
+      }
       step_idle_shards();
       return absl::OkStatus();
     }
@@ -1085,22 +1120,37 @@ class CudaBackend : public EmbeddingBackend {
       at += r.feature.lengths.size() * sizeof(int64_t);
     }
     at = ids_at;
-    for (const GradientRequest& r : requests) {
-      if (absl::Status st = up.AppendSpan(at, r.feature.ids); !st.ok()) return st;
-      at += r.feature.ids.size() * sizeof(int64_t);
+    for (int64_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      const ShardSpec& spec = FindShard(f.shard)->spec;
+      auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
+        return CheckIds(ids, spec.rows, RequestWhat("gradient", i, spec), first);
+      };
+      if (absl::Status st = up.AppendSpan(at, f.ids, check); !st.ok()) return st;
+      at += f.ids.size() * sizeof(int64_t);
     }
     at = weights_at;
-    for (const GradientRequest& r : requests) {
-      if (r.feature.weights.empty()) {
-        at += r.feature.ids.size() * sizeof(float);  // never read: the request is unweighted
+    for (int64_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      if (f.weights.empty()) {
+        at += f.ids.size() * sizeof(float);  // never read: the request is unweighted
         continue;
       }
-      if (absl::Status st = up.AppendSpan(at, r.feature.weights); !st.ok()) return st;
-      at += r.feature.weights.size() * sizeof(float);
+      const ShardSpec& spec = FindShard(f.shard)->spec;
+      auto check = [&](absl::Span<const float> w, int64_t first) {
+        return CheckFinite(w, RequestWhat("gradient", i, spec), "weights", first);
+      };
+      if (absl::Status st = up.AppendSpan(at, f.weights, check); !st.ok()) return st;
+      at += f.weights.size() * sizeof(float);
     }
     at = grads_at;
-    for (const GradientRequest& r : requests) {
-      if (absl::Status st = up.AppendSpan(at, r.grad); !st.ok()) return st;
+    for (int64_t i = 0; i < n; ++i) {
+      const GradientRequest& r = requests[i];
+      const ShardSpec& spec = FindShard(r.feature.shard)->spec;
+      auto check = [&](absl::Span<const float> g, int64_t first) {
+        return CheckFinite(g, RequestWhat("gradient", i, spec), "gradient", first);
+      };
+      if (absl::Status st = up.AppendSpan(at, r.grad, check); !st.ok()) return st;
       at += r.grad.size() * sizeof(float);
     }
     if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.device/bundle}"
 targets=(cuda/cuda_backend_test cuda/device_query_test server/backend/backend_parity_test
-         bench/kernel_bench)
+         bench/kernel_bench bench/service_bench cli/emberctl)
 labels=()
 for t in "${targets[@]}"; do labels+=("//${t%/*}:${t##*/}"); done
 bazel build -c opt "${labels[@]}" 2>&1 | tail -n 2 >&2
@@ -32,7 +32,8 @@ cat >"$dir/run.sh" <<'RUN'
 # racecheck, synccheck and initcheck where it is installed; $SANITIZERS picks
 # the tools, $SANITIZER_TIMEOUT bounds each run, 150 s by default), the kernel
 # benchmark on both backends, and torch_compare.py against PyTorch's CUDA
-# nn.EmbeddingBag where python3 has torch. Logs, gtest XML and JSON go to $1;
+# nn.EmbeddingBag where python3 has torch, and service_bench with CUDA and
+# CPU workers (emberctl up on 127.0.0.1). Logs, gtest XML and JSON go to $1;
 # a one-line summary per step goes to stdout.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -76,6 +77,15 @@ for args in "--dtype=fp16" "--dtype=bf16" "--optimizer=adagrad" "--optimizer=row
     >>"$out/kernel_bench.jsonl" 2>>"$out/kernel_bench.err" || rc=1
 done
 cat "$out/kernel_bench.jsonl"
+# The whole service with CUDA workers (emberctl up --device=cuda on GPU 0)
+# against CPU workers, and each against the in-process CPU collection.
+for config in "cuda 1 1" "cuda 2 1" "cpu 2 8"; do
+  set -- $config
+  timeout 180 "$here/service_bench" --emberctl="$here/emberctl" --device="$1" --workers="$2" \
+    --worker_threads="$3" --inprocess_threads=16 --iters=100 --format=json \
+    >>"$out/service_bench.jsonl" 2>>"$out/service_bench.err" || rc=1
+done
+cat "$out/service_bench.jsonl"
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   for batch in 2048 16384; do
     timeout 300 python3 "$here/torch_compare.py" --kernel_bench="$here/kernel_bench" \

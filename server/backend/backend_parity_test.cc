@@ -2,6 +2,7 @@
 // double-precision reference written here from the formulas in
 // embedding_backend.h. The CUDA backend joins the parameter list when built.
 #include <cmath>
+#include <limits>
 #include <functional>
 #include <map>
 #include <memory>
@@ -457,6 +458,65 @@ TEST_P(BackendParityTest, BadInputChangesNothing) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(be_->ImportRows(*id, 0, 1, buf, absl::MakeConstSpan(sbuf.data(), 3)).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Bad values far into large requests (past the CUDA backend's first staged
+// pieces of 8,192 ids / 16,384 floats, and in the second request of the
+// call): refused with the exact position, nothing applied, Adam's step
+// unchanged.
+TEST_P(BackendParityTest, BadValuesDeepInLargeRequestsChangeNothing) {
+  const ShardSpec spec = MakeSpec(1000, 8, WeightType::kFp32, OptimizerType::kAdam);
+  auto id = be_->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  std::vector<float> st0;
+  const std::vector<float> w0 = Export(be_.get(), *id, spec, &st0);
+  Jagged big;
+  const int bags = 5000, per_bag = 4;  // 20,000 ids, 40,000 gradient floats
+  for (int b = 0; b < bags; ++b) {
+    big.lengths.push_back(per_bag);
+    for (int k = 0; k < per_bag; ++k) big.ids.push_back((b * 7 + k * 13) % 1000);
+  }
+  big.weights.assign(big.ids.size(), 0.5f);
+  const std::vector<float> grad(bags * 8, 0.25f);
+  auto expect_refused = [&](const Jagged& second, const std::vector<float>& second_grad,
+                            const std::string& needle) {
+    std::vector<GradientRequest> reqs = {{Feature(*id, Pooling::kSum, big), grad},
+                                         {Feature(*id, Pooling::kSum, second), second_grad}};
+    absl::Status s = be_->ApplyGradients(reqs);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), testing::HasSubstr(needle));
+    if (second_grad == grad) {  // the values are in the ids or weights: lookups refuse too
+      std::vector<float> out_a(grad.size()), out_b(grad.size());
+      s = be_->Lookup({LookupRequest{Feature(*id, Pooling::kSum, big), absl::MakeSpan(out_a)},
+                       LookupRequest{Feature(*id, Pooling::kSum, second), absl::MakeSpan(out_b)}});
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_THAT(std::string(s.message()), testing::HasSubstr(needle));
+    }
+  };
+  Jagged j = big;
+  j.ids[15000] = 1000;
+  expect_refused(j, grad, "request 1 (table 't'): id 1000 at position 15000 is outside [0, 1000)");
+  j = big;
+  j.ids[19999] = -5;
+  expect_refused(j, grad, "id -5 at position 19999");
+  j = big;
+  j.weights[12345] = std::numeric_limits<float>::infinity();
+  expect_refused(j, grad, "weights[12345] is inf");
+  std::vector<float> g = grad;
+  g[39999] = std::nanf("");
+  expect_refused(big, g, "gradient[39999] is nan");
+  g = grad;
+  g[16384] = -std::numeric_limits<float>::infinity();
+  expect_refused(big, g, "gradient[16384] is -inf");
+  std::vector<float> st1;
+  const std::vector<float> w1 = Export(be_.get(), *id, spec, &st1);
+  EXPECT_EQ(w0, w1);
+  EXPECT_EQ(st0, st1);
+  EXPECT_EQ(*be_->ExportStep(*id), 0);
+  // The same call without the bad values is applied.
+  ASSERT_TRUE(be_->ApplyGradients({{Feature(*id, Pooling::kSum, big), grad}}).ok());
+  EXPECT_NE(Export(be_.get(), *id, spec, &st1), w0);
+  EXPECT_EQ(*be_->ExportStep(*id), 1);
 }
 
 TEST_P(BackendParityTest, ExportImportRoundTrip) {

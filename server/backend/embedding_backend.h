@@ -159,12 +159,25 @@ class EmbeddingBackend {
 // (SGD with weight_decay is rejected: FBGEMM's exact SGD has none).
 absl::Status ValidateShardSpec(const ShardSpec& spec);
 
+// What the validation functions below check. kShapesOnly leaves out the
+// passes over every value (ids in range, weights and gradients finite) for a
+// caller that checks those itself before anything is applied (the CUDA
+// backend does while it copies them into staging: one pass over the bytes
+// instead of two).
+enum class Checks { kAll, kShapesOnly };
+
 // Checks one feature request against a shard of `rows` rows: lengths >= 0
-// summing to ids.size() (CheckLengths), ids in [0, rows), weights empty or
-// one finite weight per id and only for pooled features. `what` prefixes the
-// message.
+// summing to ids.size() (CheckLengths), ids in [0, rows) (CheckIds), weights
+// empty or one finite weight per id and only for pooled features. `what`
+// prefixes the message.
 absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows,
-                             const std::string& what);
+                             const std::string& what, Checks checks = Checks::kAll);
+
+// INVALID_ARGUMENT naming the first id outside [0, rows) and its position
+// (`first_position` is added to the position: for a caller that checks an
+// array in pieces).
+absl::Status CheckIds(absl::Span<const int64_t> ids, int64_t rows, const std::string& what,
+                      int64_t first_position = 0);
 
 // Checks a KJT-style lengths array against num_ids ids: every length >= 0
 // and the lengths summing to exactly num_ids, without overflow whatever the
@@ -174,9 +187,10 @@ absl::Status CheckLengths(absl::Span<const int64_t> lengths, int64_t num_ids,
 
 // Index of the first NaN or Inf in `values`, or -1.
 int64_t FirstNonFinite(absl::Span<const float> values);
-// INVALID_ARGUMENT naming `name`[i] when values[i] is NaN or Inf.
+// INVALID_ARGUMENT naming `name`[i] when values[i] is NaN or Inf (i counted
+// from `first_position`).
 absl::Status CheckFinite(absl::Span<const float> values, const std::string& what,
-                         const char* name);
+                         const char* name, int64_t first_position = 0);
 
 // Bytes a shard takes (weights + optimizer state); INT64_MAX when that
 // does not fit in an int64.
@@ -192,14 +206,21 @@ absl::Status ShardNotFound(ShardId shard);
 // its dense buffer (`buffer`: a lookup's output or a gradient), which must
 // hold OutputSize floats. `what` prefixes the message.
 absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, size_t dense_floats,
-                             const std::string& what, const char* buffer);
+                             const std::string& what, const char* buffer,
+                             Checks checks = Checks::kAll);
 
 // Checks every request of a Lookup or ApplyGradients call before anything
 // runs. find_spec(ShardId) returns the shard's spec, or nullptr if absent.
 template <typename FindSpec>
-absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec);
+absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
+                              Checks checks = Checks::kAll);
 template <typename FindSpec>
-absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec);
+absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
+                              Checks checks = Checks::kAll);
+
+// The prefix ValidateRequests gives request `index`'s messages: "lookup
+// request 3 (table 't')" / "gradient request 3 (table 't')".
+std::string RequestWhat(const char* kind, size_t index, const ShardSpec& spec);
 
 // Checks an ExportRows/ImportRows call: [row_begin, row_end) inside the
 // shard, buffers of n * dim weights and n * OptimizerStateWidth state.
@@ -229,30 +250,34 @@ inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string
 
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
-                         const char* kind, const char* buffer) {
+                         const char* kind, const char* buffer, Checks checks) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const FeatureRequest& f = requests[i].feature;
     const ShardSpec* spec = find_spec(f.shard);
     if (spec == nullptr) return ShardNotFound(f.shard);
-    const std::string what = std::string(kind) + " request " + std::to_string(i) + " (table '" +
-                             spec->table + "')";
-    if (absl::Status s = ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer);
+    const std::string what = RequestWhat(kind, i, *spec);
+    if (absl::Status s =
+            ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, checks);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = CheckInputFloats(requests[i], what); !s.ok()) return s;
+    if (checks == Checks::kAll) {
+      if (absl::Status s = CheckInputFloats(requests[i], what); !s.ok()) return s;
+    }
   }
   return absl::OkStatus();
 }
 }  // namespace internal
 
 template <typename FindSpec>
-absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec) {
-  return internal::ValidateAll(requests, find_spec, "lookup", "output");
+absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
+                              Checks checks) {
+  return internal::ValidateAll(requests, find_spec, "lookup", "output", checks);
 }
 template <typename FindSpec>
-absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec) {
-  return internal::ValidateAll(requests, find_spec, "gradient", "gradient");
+absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
+                              Checks checks) {
+  return internal::ValidateAll(requests, find_spec, "gradient", "gradient", checks);
 }
 
 }  // namespace backend

@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/backend/embedding_backend.h"
 
@@ -62,6 +63,31 @@ TEST(CheckFiniteTest, MessageNamesArrayAndPosition) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("gradient[33]"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("gradient request 2"), std::string::npos) << s.message();
+}
+
+TEST(CheckIdsTest, FirstOutOfRangeIdAtEveryPositionAroundBlocks) {
+  const int64_t rows = 100;
+  for (size_t n : {0, 1, 7, 8, 9, 16, 17, 40}) {
+    std::vector<int64_t> ids(n);
+    for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 37 % rows);
+    EXPECT_TRUE(CheckIds(ids, rows, "f").ok()) << n;
+    for (size_t p = 0; p < n; ++p) {
+      for (int64_t bad : {rows, int64_t{-1}, std::numeric_limits<int64_t>::min(),
+                          std::numeric_limits<int64_t>::max()}) {
+        const int64_t keep = ids[p];
+        ids[p] = bad;
+        const absl::Status s = CheckIds(ids, rows, "f", /*first_position=*/1000);
+        ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << n << " " << p;
+        EXPECT_NE(s.message().find(absl::StrCat("id ", bad, " at position ", 1000 + p,
+                                                " is outside [0, 100)")),
+                  std::string::npos)
+            << s.message();
+        ids[p] = keep;
+      }
+    }
+  }
+  // The boundary values themselves are fine.
+  EXPECT_TRUE(CheckIds(std::vector<int64_t>{0, 99}, rows, "f").ok());
 }
 
 TEST(CheckLengthsTest, RefusesNegativeOverflowingAndMismatchedLengths) {
