@@ -48,6 +48,7 @@
 #include "absl/types/span.h"
 #include "cuda/cuda_status.h"
 #include "server/backend/embedding_backend.h"
+#include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
 
 namespace ember {
@@ -64,6 +65,7 @@ using backend::Pooling;
 using backend::ShardId;
 using backend::ShardNotFound;
 using backend::ShardSpec;
+namespace math = backend::math;
 using backend::CheckFinite;
 using backend::CheckIds;
 using backend::Checks;
@@ -83,9 +85,6 @@ constexpr int32_t kFp16 = static_cast<int32_t>(WeightType::kFp16);
 constexpr int32_t kBf16 = static_cast<int32_t>(WeightType::kBf16);
 constexpr int32_t kMean = static_cast<int32_t>(Pooling::kMean);
 constexpr int32_t kNone = static_cast<int32_t>(Pooling::kNone);
-constexpr int32_t kAdagrad = static_cast<int32_t>(OptimizerType::kAdagrad);
-constexpr int32_t kRowwiseAdagrad = static_cast<int32_t>(OptimizerType::kRowwiseAdagrad);
-constexpr int32_t kAdam = static_cast<int32_t>(OptimizerType::kAdam);
 
 // Host <-> device copies of shard rows (init, export, import) go through
 // pinned staging in chunks of about this size.
@@ -129,16 +128,12 @@ struct UpdateDesc {
   int64_t dim;
   int64_t state_width;
   int32_t weight_type;
-  int32_t optimizer;
-  float lr;
-  float eps;
-  float beta1;
-  float beta2;
-  float one_minus_beta1;  // 1 - beta1 in fp32, as the CPU backend computes it
-  float one_minus_beta2;
-  float weight_decay;
-  float bias1;  // 1 - beta1^t for this call's t
-  float bias2;  // 1 - beta2^t
+  int32_t stochastic;       // fp16/bf16 updates rounded stochastically
+  math::StepParams params;  // this call's hyper-parameters (embedding_math.h)
+  uint64_t seed;            // stochastic rounding: the table's seed,
+  int64_t step;             // this call's step,
+  int64_t row_offset;       // and the shard's place in the table
+  int64_t col_offset;
 };
 
 // ---------------------------------------------------------------------------
@@ -313,8 +308,7 @@ __global__ void __launch_bounds__(kBlockThreads, 4)
     } else {
       b = offsets[d.bag_begin + local];
       e = offsets[d.bag_begin + local + 1];
-      // The CPU backend multiplies by the reciprocal; an empty bag stays 0.
-      if (d.pooling == kMean && e > b) scale = 1.0f / static_cast<float>(e - b);
+      if (d.pooling == kMean) scale = math::MeanScale(e - b);  // an empty bag stays 0
     }
     const float* w = d.weighted ? weights : nullptr;
     float* o = out + d.out_begin + local * d.dim;
@@ -362,10 +356,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     // start with the next bag, so upper bound skips them).
     const int64_t* bag_start = offsets + d.bag_begin;
     const int64_t bag = UpperBound(bag_start, d.num_bags, p) - 1;
-    float s = d.weighted ? weights[p] : 1.0f;
-    if (d.pooling == kMean) s /= static_cast<float>(bag_start[bag + 1] - bag_start[bag]);
+    const float mean =
+        d.pooling == kMean ? math::MeanScale(bag_start[bag + 1] - bag_start[bag]) : 1.0f;
     src_off[p] = d.grad_begin + bag * d.dim;
-    scale[p] = s;
+    scale[p] = math::IdScale(d.weighted != 0, d.weighted ? weights[p] : 1.0f, mean);
   }
 }
 
@@ -391,39 +385,42 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// The optimizer arithmetic is spelled with _rn intrinsics so that nvcc does
-// not contract it into FMAs: given the same merged gradient, a row's update
-// rounds exactly as the CPU backend's scalar code does.
-__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
-
-// One element of an element-wise optimizer (SGD, Adagrad, Adam); g already
-// carries weight decay. acc / m / v are the element's optimizer state.
-__device__ __forceinline__ float ElementStep(const UpdateDesc& d, float w, float g, float& acc,
-                                             float& m, float& v) {
-  switch (d.optimizer) {
-    case kAdagrad:
-      acc = Add(acc, Mul(g, g));
-      return Sub(w, Div(Mul(d.lr, g), Add(__fsqrt_rn(acc), d.eps)));
-    case kAdam:
-      m = Add(Mul(d.beta1, m), Mul(d.one_minus_beta1, g));
-      v = Add(Mul(d.beta2, v), Mul(Mul(d.one_minus_beta2, g), g));
-      return Sub(w, Div(Mul(d.lr, Div(m, d.bias1)), Add(__fsqrt_rn(Div(v, d.bias2)), d.eps)));
-    default:  // kSgd
-      return Sub(w, Mul(d.lr, g));
-  }
+// Stores four updated weights: fp32 as they are, fp16 / bf16 rounded
+// stochastically with the element's noise (embedding_math.h) when the shard
+// asks for it, else to nearest even.
+template <typename T>
+__device__ __forceinline__ void StoreUpdated(const UpdateDesc& d, T* p, float4 v, uint64_t key,
+                                             int64_t col) {
+  Store4(p, v);
+}
+__device__ __forceinline__ unsigned StochasticBits(const UpdateDesc& d, float x, uint64_t key,
+                                                   int64_t col) {
+  const uint32_t noise = math::ElementNoise(key, d.col_offset + col);
+  return d.weight_type == kFp16 ? math::FloatToFp16Stochastic(x, noise)
+                                : math::FloatToBf16Stochastic(x, noise);
+}
+template <>
+__device__ __forceinline__ void StoreUpdated(const UpdateDesc& d, __half* p, float4 v,
+                                             uint64_t key, int64_t col) {
+  if (!d.stochastic) return Store4(p, v);
+  uint2 raw;
+  raw.x = StochasticBits(d, v.x, key, col) | (StochasticBits(d, v.y, key, col + 1) << 16);
+  raw.y = StochasticBits(d, v.z, key, col + 2) | (StochasticBits(d, v.w, key, col + 3) << 16);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+template <>
+__device__ __forceinline__ void StoreUpdated(const UpdateDesc& d, __nv_bfloat16* p, float4 v,
+                                             uint64_t key, int64_t col) {
+  if (!d.stochastic) return Store4(p, v);
+  uint2 raw;
+  raw.x = StochasticBits(d, v.x, key, col) | (StochasticBits(d, v.y, key, col + 1) << 16);
+  raw.y = StochasticBits(d, v.z, key, col + 2) | (StochasticBits(d, v.w, key, col + 3) << 16);
+  *reinterpret_cast<uint2*>(p) = raw;
 }
 
-__device__ __forceinline__ float4 AddWeightDecay(const UpdateDesc& d, float4 g, float4 w) {
-  if (d.weight_decay > 0) {
-    g.x = Add(g.x, Mul(d.weight_decay, w.x));
-    g.y = Add(g.y, Mul(d.weight_decay, w.y));
-    g.z = Add(g.z, Mul(d.weight_decay, w.z));
-    g.w = Add(g.w, Mul(d.weight_decay, w.w));
-  }
-  return g;
+__device__ __forceinline__ float4 L2Gradient4(const math::StepParams& p, float4 g, float4 w) {
+  return make_float4(math::L2Gradient(p, g.x, w.x), math::L2Gradient(p, g.y, w.y),
+                     math::L2Gradient(p, g.z, w.z), math::L2Gradient(p, g.w, w.w));
 }
 
 // One optimizer update of `row` with the gradient summed over sorted
@@ -433,16 +430,18 @@ __device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int6
                                           const int64_t* positions, const int64_t* src_off,
                                           const float* scale, const float* grads, int lane) {
   const int64_t dim = d.dim;
+  const math::StepParams& p = d.params;
   T* w = static_cast<T*>(d.weights) + row * dim;
   float* st = d.state != nullptr ? d.state + row * d.state_width : nullptr;
+  const uint64_t key = d.stochastic ? math::RowNoiseKey(d.seed, d.step, d.row_offset + row) : 0;
   const WarpGeometry g = MakeGeometry(dim, lane);
   auto meta = [positions, src_off, scale](int64_t k, int64_t* off, float* s) {
-    const int64_t p = positions[k];
-    *off = src_off[p];
-    *s = scale[p];
+    const int64_t q = positions[k];
+    *off = src_off[q];
+    *s = scale[q];
   };
 
-  if (d.optimizer == kRowwiseAdagrad) {
+  if (p.optimizer == math::kStepRowwiseAdagrad) {
     // The row's mean square needs the whole gradient first: one pass for
     // the sum of squares, a second for the update (the first chunk's
     // gradient is kept; wider rows gather again).
@@ -453,20 +452,18 @@ __device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int6
       const bool active = c < g.chunks;
       float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
       if (active && g.sub == 0) {
-        gv = AddWeightDecay(d, gv, Load4(w + 4 * c));
+        gv = L2Gradient4(p, gv, Load4(w + 4 * c));
         sq += static_cast<double>(gv.x) * gv.x + static_cast<double>(gv.y) * gv.y +
               static_cast<double>(gv.z) * gv.z + static_cast<double>(gv.w) * gv.w;
       }
       if (cb == 0) first = gv;
     }
     for (int m = 1; m < kWarpSize; m <<= 1) sq += __shfl_xor_sync(kFullMask, sq, m);
-    float denom = 0;
+    float mult = 0;
     if (lane == 0) {
-      const float acc = st[0] + static_cast<float>(sq / static_cast<double>(dim));
-      st[0] = acc;
-      denom = __fsqrt_rn(acc) + d.eps;
+      mult = math::RowwiseMultiplier(p, &st[0], static_cast<float>(sq / static_cast<double>(dim)));
     }
-    denom = __shfl_sync(kFullMask, denom, 0);
+    mult = __shfl_sync(kFullMask, mult, 0);
     for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
       const int64_t c = cb + g.chunk_lane;
       const bool active = c < g.chunks;
@@ -474,12 +471,12 @@ __device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int6
       if (cb != 0) gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
       if (active && g.sub == 0) {
         float4 wv = Load4(w + 4 * c);
-        if (cb != 0) gv = AddWeightDecay(d, gv, wv);
-        wv.x = Sub(wv.x, Div(Mul(d.lr, gv.x), denom));
-        wv.y = Sub(wv.y, Div(Mul(d.lr, gv.y), denom));
-        wv.z = Sub(wv.z, Div(Mul(d.lr, gv.z), denom));
-        wv.w = Sub(wv.w, Div(Mul(d.lr, gv.w), denom));
-        Store4(w + 4 * c, wv);
+        if (cb != 0) gv = L2Gradient4(p, gv, wv);
+        wv.x = math::RowwiseStep(p, wv.x, gv.x, mult);
+        wv.y = math::RowwiseStep(p, wv.y, gv.y, mult);
+        wv.z = math::RowwiseStep(p, wv.z, gv.z, mult);
+        wv.w = math::RowwiseStep(p, wv.w, gv.w, mult);
+        StoreUpdated(d, w + 4 * c, wv, key, 4 * c);
       }
     }
     return;
@@ -488,25 +485,24 @@ __device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int6
   for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
     const int64_t c = cb + g.chunk_lane;
     const bool active = c < g.chunks;
-    float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
+    const float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
     if (!active || g.sub != 0) continue;
     float4 wv = Load4(w + 4 * c);
-    gv = AddWeightDecay(d, gv, wv);
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f), m = s, v = s;
-    if (d.optimizer == kAdagrad) {
+    if (p.optimizer == math::kStepAdagrad) {
       s = Load4(st + 4 * c);
-    } else if (d.optimizer == kAdam) {
+    } else if (p.optimizer == math::kStepAdam) {
       m = Load4(st + 4 * c);
       v = Load4(st + dim + 4 * c);
     }
-    wv.x = ElementStep(d, wv.x, gv.x, s.x, m.x, v.x);
-    wv.y = ElementStep(d, wv.y, gv.y, s.y, m.y, v.y);
-    wv.z = ElementStep(d, wv.z, gv.z, s.z, m.z, v.z);
-    wv.w = ElementStep(d, wv.w, gv.w, s.w, m.w, v.w);
-    Store4(w + 4 * c, wv);
-    if (d.optimizer == kAdagrad) {
+    wv.x = math::ElementStep(p, wv.x, gv.x, &s.x, &m.x, &v.x);
+    wv.y = math::ElementStep(p, wv.y, gv.y, &s.y, &m.y, &v.y);
+    wv.z = math::ElementStep(p, wv.z, gv.z, &s.z, &m.z, &v.z);
+    wv.w = math::ElementStep(p, wv.w, gv.w, &s.w, &m.w, &v.w);
+    StoreUpdated(d, w + 4 * c, wv, key, 4 * c);
+    if (p.optimizer == math::kStepAdagrad) {
       Store4(st + 4 * c, s);
-    } else if (d.optimizer == kAdam) {
+    } else if (p.optimizer == math::kStepAdam) {
       Store4(st + 4 * c, m);
       Store4(st + dim + 4 * c, v);
     }
@@ -1070,7 +1066,6 @@ class CudaBackend : public EmbeddingBackend {
       const Shard& shard = *slot_shard[s];
       const OptimizerConfig& o = shard.spec.optimizer;
       new_step[s] = shard.step + 1;
-      const double step = static_cast<double>(new_step[s]);
       UpdateDesc& u = updates[s];
       u = UpdateDesc{};
       u.weights = shard.weights.get();
@@ -1078,16 +1073,12 @@ class CudaBackend : public EmbeddingBackend {
       u.dim = shard.spec.dim;
       u.state_width = shard.state_width;
       u.weight_type = static_cast<int32_t>(shard.spec.weight_type);
-      u.optimizer = static_cast<int32_t>(o.type);
-      u.lr = o.learning_rate;
-      u.eps = o.eps;
-      u.beta1 = o.beta1;
-      u.beta2 = o.beta2;
-      u.one_minus_beta1 = 1 - o.beta1;
-      u.one_minus_beta2 = 1 - o.beta2;
-      u.weight_decay = o.weight_decay;
-      u.bias1 = static_cast<float>(1.0 - std::pow(o.beta1, step));
-      u.bias2 = static_cast<float>(1.0 - std::pow(o.beta2, step));
+      u.stochastic = shard.spec.weight_type != WeightType::kFp32 && o.stochastic_rounding;
+      u.params = backend::MakeStepParams(o, new_step[s]);
+      u.seed = shard.spec.initializer.seed;
+      u.step = new_step[s];
+      u.row_offset = shard.spec.row_offset;
+      u.col_offset = shard.spec.col_offset;
       key_base[s + 1] = key_base[s] + static_cast<uint64_t>(shard.spec.rows);
     }
     int64_t* id_begin = At<int64_t>(h, id_begin_at);

@@ -54,6 +54,14 @@ void CheckOptimizer(const TableConfig& t, const std::string& label,
              nonneg[i]);
     }
   }
+  if (o.weight_decay() > 0 && o.type() == ember::v1::OptimizerSpec::SGD) {
+    p->Add(label, ": optimizer.weight_decay is not supported with SGD (FBGEMM's exact SGD has none)");
+  }
+  if (o.weight_decay() > 0 && o.type() == ember::v1::OptimizerSpec::ADAGRAD &&
+      o.weight_decay_mode() == ember::v1::OptimizerSpec::DEFAULT_DECAY) {
+    p->Add(label, ": ADAGRAD has no weight decay in FBGEMM (EXACT_ADAGRAD); set "
+           "optimizer.weight_decay_mode to L2 or DECOUPLE to apply weight_decay");
+  }
   const double betas[] = {o.beta1(), o.beta2()};
   for (int i = 0; i < 2; ++i) {
     if (!(betas[i] >= 0 && betas[i] < 1)) {

@@ -18,7 +18,8 @@ namespace planner {
 //  - at least one feature per table; feature names non-empty and unique
 //    across the collection;
 //  - optimizer hyper-parameters in range (learning_rate, eps, weight_decay
-//    >= 0; beta1, beta2 in [0, 1));
+//    >= 0; beta1, beta2 in [0, 1)); no weight_decay with SGD, nor with
+//    ADAGRAD unless weight_decay_mode names L2 or DECOUPLE (FBGEMM has none);
 //  - initializer ranges sane (uniform low <= high, normal std >= 0);
 //  - constraints name existing tables; sharding types and compute kernels are
 //    known names; min_partition >= 0; pooling_factors / num_poolings /

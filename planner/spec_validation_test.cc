@@ -109,6 +109,23 @@ TEST(ValidateCollectionSpecTest, RejectsBadOptimizerAndInitializer) {
   ExpectInvalid(spec, "initializer uniform needs low <= high");
 }
 
+TEST(ValidateCollectionSpecTest, WeightDecayOnlyWhereFbgemmHasIt) {
+  auto spec = Spec(kGood);
+  auto* o = spec.mutable_tables(0)->mutable_optimizer();
+  o->set_weight_decay(0.01);
+  o->set_type(ember::v1::OptimizerSpec::SGD);
+  ExpectInvalid(spec, "optimizer.weight_decay is not supported with SGD");
+  o->set_type(ember::v1::OptimizerSpec::ADAGRAD);
+  ExpectInvalid(spec, "ADAGRAD has no weight decay in FBGEMM");
+  o->set_weight_decay_mode(ember::v1::OptimizerSpec::L2);
+  EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
+  o->set_weight_decay_mode(ember::v1::OptimizerSpec::DEFAULT_DECAY);
+  for (auto type : {ember::v1::OptimizerSpec::ROWWISE_ADAGRAD, ember::v1::OptimizerSpec::ADAM}) {
+    o->set_type(type);
+    EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
+  }
+}
+
 TEST(ValidateCollectionSpecTest, ListsEveryProblem) {
   auto spec = Spec(kGood);
   spec.mutable_tables(0)->set_num_embeddings(-5);

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "cuda/cuda_backend.h"
 #include "server/backend/cpu_backend.h"
+#include "server/backend/half.h"
 #include "server/backend/cpu_kernels.h"
 #include "server/backend/embedding_backend.h"
 
@@ -158,7 +159,17 @@ void RefUpdate(RefShard* s, std::map<int64_t, std::vector<double>>& merged) {
   for (auto& [row, g] : merged) {
     double* w = &s->w[row * dim];
     double* st = s->width ? &s->state[row * s->width] : nullptr;
-    for (int64_t c = 0; c < dim; ++c) g[c] += o.weight_decay * w[c];
+    // FBGEMM's weight decay: L2 enters the gradient; DECOUPLE shrinks the
+    // weight (Adagrad variants) or joins Adam's step. The default is
+    // DECOUPLE for Adam and L2 otherwise; SGD has none.
+    const double wd = o.type == OptimizerType::kSgd ? 0 : o.weight_decay;
+    const bool decouple = o.weight_decay_mode == WeightDecayMode::kDecouple ||
+                          (o.weight_decay_mode == WeightDecayMode::kDefault &&
+                           o.type == OptimizerType::kAdam);
+    if (!decouple) {
+      for (int64_t c = 0; c < dim; ++c) g[c] += wd * w[c];
+    }
+    const double keep = decouple ? 1 - o.learning_rate * wd : 1;
     switch (o.type) {
       case OptimizerType::kSgd:
         for (int64_t c = 0; c < dim; ++c) w[c] -= o.learning_rate * g[c];
@@ -166,14 +177,16 @@ void RefUpdate(RefShard* s, std::map<int64_t, std::vector<double>>& merged) {
       case OptimizerType::kAdagrad:
         for (int64_t c = 0; c < dim; ++c) {
           st[c] += g[c] * g[c];
-          w[c] -= o.learning_rate * g[c] / (std::sqrt(st[c]) + o.eps);
+          w[c] = keep * w[c] - o.learning_rate * g[c] / (std::sqrt(st[c]) + o.eps);
         }
         break;
       case OptimizerType::kRowwiseAdagrad: {
         double sq = 0;
         for (double v : g) sq += v * v;
         st[0] += sq / dim;
-        for (int64_t c = 0; c < dim; ++c) w[c] -= o.learning_rate * g[c] / (std::sqrt(st[0]) + o.eps);
+        for (int64_t c = 0; c < dim; ++c) {
+          w[c] = keep * w[c] - o.learning_rate * g[c] / (std::sqrt(st[0]) + o.eps);
+        }
         break;
       }
       case OptimizerType::kAdam: {
@@ -181,7 +194,8 @@ void RefUpdate(RefShard* s, std::map<int64_t, std::vector<double>>& merged) {
         for (int64_t c = 0; c < dim; ++c) {
           st[c] = o.beta1 * st[c] + (1 - o.beta1) * g[c];
           st[dim + c] = o.beta2 * st[dim + c] + (1 - o.beta2) * g[c] * g[c];
-          w[c] -= o.learning_rate * (st[c] / c1) / (std::sqrt(st[dim + c] / c2) + o.eps);
+          w[c] -= o.learning_rate * ((st[c] / c1) / (std::sqrt(st[dim + c] / c2) + o.eps) +
+                                     (decouple ? wd * w[c] : 0.0));
         }
         break;
       }
@@ -358,11 +372,20 @@ TEST_P(BackendParityTest, OptimizerStepsMatchFormulas) {
   std::mt19937 rng(3);
   for (OptimizerType opt : {OptimizerType::kSgd, OptimizerType::kAdagrad,
                             OptimizerType::kRowwiseAdagrad, OptimizerType::kAdam}) {
+   for (WeightDecayMode mode :
+        {WeightDecayMode::kDefault, WeightDecayMode::kL2, WeightDecayMode::kDecouple}) {
+    if (opt == OptimizerType::kSgd && mode != WeightDecayMode::kDefault) continue;
     for (WeightType wt : {WeightType::kFp32, WeightType::kFp16, WeightType::kBf16}) {
       ShardSpec spec = MakeSpec(40, 12, wt, opt);
-      if (opt != OptimizerType::kSgd) spec.optimizer.weight_decay = 0.01f;
+      if (opt != OptimizerType::kSgd) spec.optimizer.weight_decay = 0.05f;
+      spec.optimizer.weight_decay_mode = mode;
       if (opt == OptimizerType::kAdagrad) spec.optimizer.initial_accumulator_value = 0.1f;
       auto id = be_->CreateShard(spec);
+      if (opt == OptimizerType::kAdagrad && mode == WeightDecayMode::kDefault) {
+        // FBGEMM's EXACT_ADAGRAD has no weight decay: a mode must be named.
+        EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+        continue;
+      }
       ASSERT_TRUE(id.ok()) << id.status();
       RefShard ref = MakeRef(be_.get(), *id, spec);
       for (int step = 0; step < 4; ++step) {
@@ -391,8 +414,8 @@ TEST_P(BackendParityTest, OptimizerStepsMatchFormulas) {
         const double tol = WeightTolerance(wt);
         for (size_t i = 0; i < w.size(); ++i) {
           ASSERT_NEAR(w[i], ref.w[i], tol * (std::abs(ref.w[i]) + 1e-2))
-              << "opt " << static_cast<int>(opt) << " type " << static_cast<int>(wt)
-              << " step " << step << " elem " << i;
+              << "opt " << static_cast<int>(opt) << " decay mode " << static_cast<int>(mode)
+              << " type " << static_cast<int>(wt) << " step " << step << " elem " << i;
           ref.w[i] = w[i];
         }
         for (size_t i = 0; i < st.size(); ++i) {
@@ -401,6 +424,112 @@ TEST_P(BackendParityTest, OptimizerStepsMatchFormulas) {
         }
       }
       EXPECT_EQ(*be_->ExportStep(*id), 4);
+    }
+   }
+  }
+}
+
+// Half-precision tables round updates stochastically: an SGD update of a
+// twentieth of a bf16 ulp moves the weights on average (by the same mean as
+// in fp32), and is lost entirely with stochastic_rounding off.
+TEST_P(BackendParityTest, StochasticRoundingKeepsSmallUpdatesOnAverage) {
+  for (bool stochastic : {true, false}) {
+    ShardSpec spec = MakeSpec(64, 64, WeightType::kBf16, OptimizerType::kSgd);
+    spec.initializer.type = InitializerType::kConstant;
+    spec.initializer.value = 1.0f;
+    spec.optimizer.learning_rate = 1.0f;
+    spec.optimizer.stochastic_rounding = stochastic;
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    Jagged j;
+    for (int64_t r = 0; r < spec.rows; ++r) {
+      j.lengths.push_back(1);
+      j.ids.push_back(r);
+    }
+    // Each step: w -= 0.0004 (bf16's ulp at 1 is 2^-7 = 0.0078).
+    const std::vector<float> grad(spec.rows * spec.dim, 0.0004f);
+    const int steps = 10;
+    for (int k = 0; k < steps; ++k) {
+      ASSERT_TRUE(be_->ApplyGradients({{Feature(*id, Pooling::kSum, j), grad}}).ok());
+    }
+    const std::vector<float> w = Export(be_.get(), *id, spec);
+    double mean = 0;
+    for (float v : w) mean += v;
+    mean /= static_cast<double>(w.size());
+    if (stochastic) {
+      EXPECT_NEAR(mean, 1.0 - steps * 0.0004, 0.0008) << "mean of " << w.size();
+    } else {
+      EXPECT_EQ(mean, 1.0);  // every update rounds back to 1
+    }
+  }
+}
+
+// The rounding noise depends on the global row and column, not on the
+// sharding: a table updated as one shard or as four (two row ranges x two
+// column ranges) ends with the same bits.
+TEST_P(BackendParityTest, StochasticRoundingIsTheSameWhateverTheSharding) {
+  for (WeightType wt : {WeightType::kFp16, WeightType::kBf16}) {
+    const int64_t rows = 30, dim = 16;
+    ShardSpec whole = MakeSpec(rows, dim, wt, OptimizerType::kAdam);
+    whole.optimizer.weight_decay = 0.01f;
+    auto wid = be_->CreateShard(whole);
+    ASSERT_TRUE(wid.ok()) << wid.status();
+    struct Part {
+      ShardSpec spec;
+      ShardId id;
+    };
+    std::vector<Part> parts;
+    for (int64_t r0 : {int64_t{0}, int64_t{18}}) {
+      for (int64_t c0 : {int64_t{0}, int64_t{8}}) {
+        ShardSpec p = whole;
+        p.row_offset = r0;
+        p.rows = r0 == 0 ? 18 : rows - 18;
+        p.col_offset = c0;
+        p.dim = 8;
+        auto id = be_->CreateShard(p);
+        ASSERT_TRUE(id.ok()) << id.status();
+        parts.push_back({p, *id});
+      }
+    }
+    std::mt19937 rng(9);
+    for (int step = 0; step < 3; ++step) {
+      Jagged j = RandomJagged(rng, 12, rows, 5, false);
+      std::vector<float> g(j.lengths.size() * dim);
+      for (float& v : g) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+      ASSERT_TRUE(be_->ApplyGradients({{Feature(*wid, Pooling::kSum, j), g}}).ok());
+      for (const Part& p : parts) {
+        // The part's ids (local rows), bag by bag, and its gradient columns.
+        Jagged pj;
+        size_t k = 0;
+        for (int64_t len : j.lengths) {
+          int64_t n = 0;
+          for (int64_t i = 0; i < len; ++i, ++k) {
+            const int64_t r = j.ids[k] - p.spec.row_offset;
+            if (r >= 0 && r < p.spec.rows) {
+              pj.ids.push_back(r);
+              ++n;
+            }
+          }
+          pj.lengths.push_back(n);
+        }
+        std::vector<float> pg;
+        for (size_t b = 0; b < j.lengths.size(); ++b) {
+          for (int64_t c = 0; c < p.spec.dim; ++c) pg.push_back(g[b * dim + p.spec.col_offset + c]);
+        }
+        ASSERT_TRUE(be_->ApplyGradients({{Feature(p.id, Pooling::kSum, pj), pg}}).ok());
+      }
+    }
+    const std::vector<float> w = Export(be_.get(), *wid, whole);
+    for (const Part& p : parts) {
+      const std::vector<float> pw = Export(be_.get(), p.id, p.spec);
+      for (int64_t r = 0; r < p.spec.rows; ++r) {
+        for (int64_t c = 0; c < p.spec.dim; ++c) {
+          ASSERT_EQ(FloatBits(pw[r * p.spec.dim + c]),
+                    FloatBits(w[(p.spec.row_offset + r) * dim + p.spec.col_offset + c]))
+              << "type " << static_cast<int>(wt) << " row " << p.spec.row_offset + r << " col "
+              << p.spec.col_offset + c;
+        }
+      }
     }
   }
 }

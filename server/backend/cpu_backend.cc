@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/backend/cpu_kernels.h"
+#include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
 #include "server/backend/thread_pool.h"
 
@@ -170,9 +171,7 @@ class CpuBackend : public EmbeddingBackend {
           continue;
         }
         const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
-        const float scale = (f.pooling == Pooling::kMean && end > begin)
-                                ? 1.0f / static_cast<float>(end - begin)
-                                : 1.0f;
+        const float scale = f.pooling == Pooling::kMean ? math::MeanScale(end - begin) : 1.0f;
         pool(out, s.weights.get(), row_bytes, f.ids.data() + begin,
              f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
              static_cast<int64_t>(f.ids.size()) - begin, dim, scale, prefetch);
@@ -215,10 +214,11 @@ class CpuBackend : public EmbeddingBackend {
         int64_t k = 0;
         for (size_t bag = 0; bag < f.lengths.size(); ++bag) {
           const int64_t len = f.lengths[bag];
-          const float mean = f.pooling == Pooling::kMean ? 1.0f / static_cast<float>(len) : 1.0f;
+          const float mean = f.pooling == Pooling::kMean ? math::MeanScale(len) : 1.0f;
+          const bool weighted = !f.weights.empty();
           for (int64_t end = k + len; k < end; ++k) {
             occ_.push_back({f.ids[k], r.grad.data() + bag * dim,
-                            f.weights.empty() ? mean : f.weights[k] * mean});
+                            math::IdScale(weighted, weighted ? f.weights[k] : 1.0f, mean)});
           }
         }
       }
@@ -234,7 +234,9 @@ class CpuBackend : public EmbeddingBackend {
       const int64_t num_unique = static_cast<int64_t>(unique_begin_.size()) - 1;
       grad_sum_.resize(static_cast<size_t>(num_unique * dim));
       const AccumulateFn accumulate_f32 = kernels_->accumulate[0];
-      const AdamBias bias = AdamBiasFor(s);
+      const math::StepParams params = MakeStepParams(s.spec.optimizer, s.step);
+      const bool noise = s.spec.weight_type != WeightType::kFp32 &&
+                         s.spec.optimizer.stochastic_rounding;
       const int prefetch = options_.prefetch_distance;
       pool_.ParallelFor(num_unique, 16, [&](int64_t b, int64_t e) {
         for (int64_t u = b; u < e; ++u) {
@@ -251,7 +253,8 @@ class CpuBackend : public EmbeddingBackend {
           for (size_t k = unique_begin_[u]; k < unique_begin_[u + 1]; ++k) {
             accumulate_f32(g, occ_[k].grad, dim, occ_[k].scale);
           }
-          UpdateRow(&s, occ_[unique_begin_[u]].row, g, bias);
+          const int64_t row = occ_[unique_begin_[u]].row;
+          UpdateRow(&s, row, g, params, noise ? NoiseKey(s, row) : 0);
         }
       });
     }
@@ -389,18 +392,11 @@ class CpuBackend : public EmbeddingBackend {
     }
   }
 
-  // One optimizer step on row r with merged gradient g (modified in place).
-  struct AdamBias {
-    float c1 = 1, c2 = 1;  // 1 - beta1^t, 1 - beta2^t
-  };
-  static AdamBias AdamBiasFor(const Shard& s) {
-    const double t = static_cast<double>(s.step);
-    return {static_cast<float>(1.0 - std::pow(s.spec.optimizer.beta1, t)),
-            static_cast<float>(1.0 - std::pow(s.spec.optimizer.beta2, t))};
-  }
-
-  static void UpdateRow(Shard* s, int64_t r, float* g, const AdamBias& bias) {
-    const OptimizerConfig& o = s->spec.optimizer;
+  // One optimizer step on row r with merged gradient g (modified in place),
+  // by embedding_math.h's formulas; `noise_key` is this row's stochastic
+  // rounding key (fp16/bf16 with stochastic_rounding only).
+  static void UpdateRow(Shard* s, int64_t r, float* g, const math::StepParams& p,
+                        uint64_t noise_key) {
     const int64_t dim = s->spec.dim;
     // fp32 rows are updated in place; fp16/bf16 rows through a per-thread
     // fp32 copy (grown once, then reused).
@@ -414,48 +410,58 @@ class CpuBackend : public EmbeddingBackend {
       wp = scratch.data();
       for (int64_t c = 0; c < dim; ++c) wp[c] = s->Get(r, c);
     }
-    // Hyper-parameters in locals and restrict pointers, so the loops
-    // vectorise (the compiler cannot otherwise rule out aliasing with `o`).
+    // Restrict pointers and the parameters in a local, so the loops
+    // vectorise (the compiler cannot otherwise rule out aliasing).
     float* __restrict w = wp;
     float* __restrict gr = g;
-    const float lr = o.learning_rate, eps = o.eps, wd = o.weight_decay;
-    if (wd > 0) {
-      for (int64_t c = 0; c < dim; ++c) gr[c] += wd * w[c];
-    }
+    const math::StepParams q = p;
     float* __restrict st = s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr;
-    switch (o.type) {
-      case OptimizerType::kSgd:
-        for (int64_t c = 0; c < dim; ++c) w[c] -= lr * gr[c];
+    switch (q.optimizer) {
+      case math::kStepSgd:
+        for (int64_t c = 0; c < dim; ++c) w[c] = math::SgdStep(q, w[c], gr[c]);
         break;
-      case OptimizerType::kAdagrad:
+      case math::kStepAdagrad:
         for (int64_t c = 0; c < dim; ++c) {
-          st[c] += gr[c] * gr[c];
-          w[c] -= lr * gr[c] / (std::sqrt(st[c]) + eps);
+          w[c] = math::AdagradStep(q, w[c], math::L2Gradient(q, gr[c], w[c]), &st[c]);
         }
         break;
-      case OptimizerType::kRowwiseAdagrad: {
+      case math::kStepRowwiseAdagrad: {
         double sq = 0;
-        for (int64_t c = 0; c < dim; ++c) sq += static_cast<double>(gr[c]) * gr[c];
-        st[0] += static_cast<float>(sq / dim);
-        const float denom = std::sqrt(st[0]) + eps;
-        for (int64_t c = 0; c < dim; ++c) w[c] -= lr * gr[c] / denom;
+        for (int64_t c = 0; c < dim; ++c) {
+          gr[c] = math::L2Gradient(q, gr[c], w[c]);
+          sq += static_cast<double>(gr[c]) * gr[c];
+        }
+        const float mult =
+            math::RowwiseMultiplier(q, &st[0], static_cast<float>(sq / static_cast<double>(dim)));
+        for (int64_t c = 0; c < dim; ++c) w[c] = math::RowwiseStep(q, w[c], gr[c], mult);
         break;
       }
-      case OptimizerType::kAdam: {
+      case math::kStepAdam: {
         float* __restrict m = st;
         float* __restrict v = st + dim;
-        const float b1 = o.beta1, b2 = o.beta2, c1 = bias.c1, c2 = bias.c2;
         for (int64_t c = 0; c < dim; ++c) {
-          m[c] = b1 * m[c] + (1 - b1) * gr[c];
-          v[c] = b2 * v[c] + (1 - b2) * gr[c] * gr[c];
-          w[c] -= lr * (m[c] / c1) / (std::sqrt(v[c] / c2) + eps);
+          w[c] = math::AdamStep(q, w[c], math::L2Gradient(q, gr[c], w[c]), &m[c], &v[c]);
         }
         break;
       }
     }
-    if (!fp32) {
+    if (fp32) return;
+    if (!s->spec.optimizer.stochastic_rounding) {
       for (int64_t c = 0; c < dim; ++c) s->Set(r, c, wp[c]);
+      return;
     }
+    uint16_t* out = reinterpret_cast<uint16_t*>(s->Row(r));
+    const bool fp16 = s->spec.weight_type == WeightType::kFp16;
+    for (int64_t c = 0; c < dim; ++c) {
+      const uint32_t noise = math::ElementNoise(noise_key, s->spec.col_offset + c);
+      out[c] = fp16 ? math::FloatToFp16Stochastic(wp[c], noise)
+                    : math::FloatToBf16Stochastic(wp[c], noise);
+    }
+  }
+
+  // The stochastic rounding key of shard row r at the shard's current step.
+  static uint64_t NoiseKey(const Shard& s, int64_t r) {
+    return math::RowNoiseKey(s.spec.initializer.seed, s.step, s.spec.row_offset + r);
   }
 
   const CpuBackendOptions options_;

@@ -138,6 +138,11 @@ absl::Status ValidateShardSpec(const ShardSpec& s) {
   if (o.type == OptimizerType::kSgd && o.weight_decay > 0) {
     return bad("weight_decay is not supported with SGD (FBGEMM's exact SGD has none)");
   }
+  if (o.type == OptimizerType::kAdagrad && o.weight_decay > 0 &&
+      o.weight_decay_mode == WeightDecayMode::kDefault) {
+    return bad("ADAGRAD has no weight decay in FBGEMM (EXACT_ADAGRAD); set weight_decay_mode "
+               "to L2 or DECOUPLE to apply weight_decay");
+  }
   const InitializerConfig& i = s.initializer;
   if (i.type == InitializerType::kUniform && !(i.low <= i.high)) {
     return bad("uniform initializer needs low <= high");
@@ -223,6 +228,48 @@ absl::Status CheckIds(absl::Span<const int64_t> ids, int64_t rows, const std::st
     }
   }
   return absl::OkStatus();
+}
+
+math::StepDecay ResolvedDecay(const OptimizerConfig& o) {
+  if (!(o.weight_decay > 0) || o.type == OptimizerType::kSgd) return math::kDecayNone;
+  switch (o.weight_decay_mode) {
+    case WeightDecayMode::kL2:
+      return math::kDecayL2;
+    case WeightDecayMode::kDecouple:
+      return math::kDecayDecouple;
+    default:
+      return o.type == OptimizerType::kAdam ? math::kDecayDecouple : math::kDecayL2;
+  }
+}
+
+math::StepParams MakeStepParams(const OptimizerConfig& o, int64_t step) {
+  math::StepParams p{};
+  switch (o.type) {
+    case OptimizerType::kAdagrad:
+      p.optimizer = math::kStepAdagrad;
+      break;
+    case OptimizerType::kRowwiseAdagrad:
+      p.optimizer = math::kStepRowwiseAdagrad;
+      break;
+    case OptimizerType::kAdam:
+      p.optimizer = math::kStepAdam;
+      break;
+    default:
+      p.optimizer = math::kStepSgd;
+  }
+  p.decay = ResolvedDecay(o);
+  p.lr = o.learning_rate;
+  p.eps = o.eps;
+  p.beta1 = o.beta1;
+  p.beta2 = o.beta2;
+  p.one_minus_beta1 = 1.0f - o.beta1;
+  p.one_minus_beta2 = 1.0f - o.beta2;
+  const double t = static_cast<double>(step);
+  p.bias1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta1), t));
+  p.bias2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o.beta2), t));
+  p.weight_decay = p.decay == math::kDecayNone ? 0.0f : o.weight_decay;
+  p.decay_keep = 1.0f - o.learning_rate * p.weight_decay;
+  return p;
 }
 
 std::string RequestWhat(const char* kind, size_t index, const ShardSpec& spec) {

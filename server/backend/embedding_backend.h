@@ -16,19 +16,28 @@
 //
 // Optimizers (one update per touched row per ApplyGradients call; g is the
 // row's gradient summed over every occurrence of the row in the call, first
-// multiplied by the per-id weight and, for MEAN, divided by the bag length;
-// wd is weight_decay added as L2, g <- g + wd * w, where FBGEMM has it):
+// multiplied by the per-id weight and, for MEAN, by 1/length; the formulas
+// are FBGEMM's and live in embedding_math.h, shared by both backends):
 //   SGD              w -= lr * g                        (no weight decay)
 //   ADAGRAD          G += g*g;  w -= lr * g / (sqrt(G) + eps)   per element
-//   ROWWISE_ADAGRAD  G += mean(g*g);  w -= lr * g / (sqrt(G) + eps)
+//   ROWWISE_ADAGRAD  G += mean(g*g);  w -= (lr / (sqrt(G) + eps)) * g
 //                    (FBGEMM EXACT_ROWWISE_ADAGRAD: one G per row)
 //   ADAM             t += 1 per ApplyGradients call that names the shard in
 //                    at least one request (even one with no ids), so a
 //                    row-wise shard counts steps like the whole table;
 //                    m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;
-//                    w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
-// Weights may be fp32, fp16 or bf16; all arithmetic is fp32 and stored
-// weights are rounded to nearest even. Optimizer state is fp32.
+//                    w -= lr * (m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps))
+// Weight decay wd (weight_decay_mode): L2 adds wd * w to g before the step
+// (so it enters G, m and v); DECOUPLE leaves g alone and shrinks w:
+// w = (1 - lr*wd) * w - update for the Adagrad variants, and
+// w -= lr * (m^/(sqrt(v^)+eps) + wd * w) for Adam. The default is FBGEMM's
+// form: DECOUPLE for ADAM, L2 for ROWWISE_ADAGRAD; ADAGRAD (none in FBGEMM)
+// and SGD refuse a weight_decay unless ADAGRAD names a mode.
+// Weights may be fp32, fp16 or bf16; all arithmetic is fp32; optimizer state
+// is fp32. Updated fp16/bf16 weights are rounded stochastically (FBGEMM's
+// default; random bits from seed, step, global row and column, identical in
+// both backends and every sharding) unless stochastic_rounding is off, when
+// they round to nearest even as initial and imported values always do.
 //
 // Errors: bad input (unknown shard, id out of range or negative, lengths
 // that do not sum to the ids, weight count mismatch, gradient of the wrong
@@ -44,6 +53,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "server/backend/embedding_math.h"
 
 namespace ember {
 namespace backend {
@@ -51,6 +61,7 @@ namespace backend {
 enum class Pooling { kSum, kMean, kNone };
 enum class WeightType { kFp32, kFp16, kBf16 };
 enum class OptimizerType { kSgd, kAdagrad, kRowwiseAdagrad, kAdam };
+enum class WeightDecayMode { kDefault, kL2, kDecouple };
 enum class InitializerType { kDefault, kUniform, kNormal, kConstant };
 
 struct OptimizerConfig {
@@ -60,8 +71,18 @@ struct OptimizerConfig {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float weight_decay = 0.0f;
+  WeightDecayMode weight_decay_mode = WeightDecayMode::kDefault;
   float initial_accumulator_value = 0.0f;  // Adagrad variants
+  // fp16 / bf16 weights: stochastic rounding of updates (else nearest even).
+  bool stochastic_rounding = true;
 };
+
+// The decay `o` applies (kDecayNone when weight_decay is 0; kDefault
+// resolved to FBGEMM's form for the optimizer).
+math::StepDecay ResolvedDecay(const OptimizerConfig& o);
+
+// `o` for one ApplyGradients call whose Adam step is `step` (t >= 1).
+math::StepParams MakeStepParams(const OptimizerConfig& o, int64_t step);
 
 // Element (r, c) of a table gets a value that depends only on the seed, the
 // table's row count and the global (row, column), so a shard is reproducible

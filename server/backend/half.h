@@ -1,4 +1,5 @@
-// fp16 (IEEE binary16) and bf16 conversions, round to nearest even.
+// fp16 (IEEE binary16) and bf16 conversions, round to nearest even, for
+// host and device code (embedding_math.h adds the stochastic ones).
 // Thread-safe: pure functions.
 #ifndef EMBER_SERVER_BACKEND_HALF_H_
 #define EMBER_SERVER_BACKEND_HALF_H_
@@ -6,31 +7,48 @@
 #include <cstdint>
 #include <cstring>
 
+// Functions shared by host and device code: __host__ __device__ under nvcc.
+#ifndef EMBER_HD
+#if defined(__CUDACC__)
+#define EMBER_HD __host__ __device__ __forceinline__
+#else
+#define EMBER_HD inline
+#endif
+#endif
+
 namespace ember {
 namespace backend {
 
-inline uint32_t FloatBits(float f) {
+EMBER_HD uint32_t FloatBits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+#endif
 }
 
-inline float BitsFloat(uint32_t u) {
+EMBER_HD float BitsFloat(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 
-inline float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
+EMBER_HD float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
 
-inline uint16_t FloatToBf16(float f) {
+EMBER_HD uint16_t FloatToBf16(float f) {
   uint32_t u = FloatBits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float Fp16ToFloat(uint16_t h) {
+EMBER_HD float Fp16ToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -48,7 +66,7 @@ inline float Fp16ToFloat(uint16_t h) {
   return BitsFloat(sign | (exp + 127 - 15) << 23 | mant << 13);
 }
 
-inline uint16_t FloatToFp16(float f) {
+EMBER_HD uint16_t FloatToFp16(float f) {
   const uint32_t u = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;

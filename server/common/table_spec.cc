@@ -56,6 +56,17 @@ backend::ShardSpec ShardSpecFromTable(const TableConfig& table, int64_t row_offs
   s.optimizer.beta1 = o.beta1() != 0 ? static_cast<float>(o.beta1()) : 0.9f;
   s.optimizer.beta2 = o.beta2() != 0 ? static_cast<float>(o.beta2()) : 0.999f;
   s.optimizer.weight_decay = static_cast<float>(o.weight_decay());
+  switch (o.weight_decay_mode()) {
+    case OptimizerSpec::L2:
+      s.optimizer.weight_decay_mode = backend::WeightDecayMode::kL2;
+      break;
+    case OptimizerSpec::DECOUPLE:
+      s.optimizer.weight_decay_mode = backend::WeightDecayMode::kDecouple;
+      break;
+    default:
+      s.optimizer.weight_decay_mode = backend::WeightDecayMode::kDefault;
+  }
+  s.optimizer.stochastic_rounding = !o.round_to_nearest();
   s.optimizer.initial_accumulator_value = static_cast<float>(o.initial_accumulator_value());
   const InitializerSpec& i = table.initializer();
   switch (i.type()) {
