@@ -21,6 +21,7 @@
 #include "cli/json_io.h"
 #include "cli/spec_io.h"
 #include "client/client.h"
+#include "cuda/device_query.h"
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
 #include "server/common/grpc_util.h"
@@ -42,6 +43,8 @@ DEFINE_bool(drain_on_sigterm, true,
 DEFINE_string(worker, "", "drain: the worker id (see emberctl status).");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
+DEFINE_int32(cuda_device, 0,
+             "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
 DEFINE_double(memory_gib, 0,
               "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "
@@ -212,6 +215,7 @@ int RunWorker() {
   o.listen = FLAGS_listen;
   o.coordinator = FLAGS_coordinator;
   o.device = FLAGS_device;
+  o.cuda_device = FLAGS_cuda_device;
   o.threads = FLAGS_threads;
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
@@ -253,12 +257,29 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
       "--drain_on_sigterm=false"};
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
+  // CUDA workers: one GPU each, round-robin over the visible ones.
+  int gpus = 1;
+  if (FLAGS_device == "cuda") {
+    auto devices = cuda::QueryDevices();
+    if (!devices.ok() || devices->empty()) {
+      return Fail("up", devices.ok() ? absl::UnavailableError("no CUDA device visible")
+                                     : devices.status());
+    }
+    gpus = static_cast<int>(devices->size());
+    if (FLAGS_workers > gpus) {
+      std::cerr << "up: " << FLAGS_workers << " CUDA workers on " << gpus
+                << " GPU(s): some share a GPU (and each advertises the whole card)" << std::endl;
+    }
+  }
   std::vector<pid_t> children;
   const pid_t parent = getpid();
-  auto spawn = [&]() -> pid_t {
+  // Worker i's process (restarted with the same arguments).
+  auto spawn = [&](int i) -> pid_t {
+    std::vector<std::string> mine = args;
+    if (FLAGS_device == "cuda") mine.push_back(absl::StrCat("--cuda_device=", i % gpus));
+    std::vector<char*> argv;
+    for (const auto& a : mine) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
     const pid_t pid = fork();
     if (pid < 0) {
       perror("fork");
@@ -275,7 +296,7 @@ int RunUp(const std::string& self_path) {
     return pid;
   };
   for (int i = 0; i < FLAGS_workers; ++i) {
-    const pid_t pid = spawn();
+    const pid_t pid = spawn(i);
     if (pid < 0) break;
     children.push_back(pid);
   }
@@ -328,14 +349,15 @@ int RunUp(const std::string& self_path) {
   // again; it registers as a new worker and the coordinator recovers the
   // dead one's shards onto it.
   const int sig = WaitForSignal([&] {
-    for (pid_t& p : children) {
+    for (size_t i = 0; i < children.size(); ++i) {
+      pid_t& p = children[i];
       int status;
       if (p <= 0 || waitpid(p, &status, WNOHANG) != p) continue;
       std::cerr << "up: worker pid " << p << " exited (status " << status << ")"
                 << (FLAGS_restart_workers ? "; restarting it" : "") << std::endl;
       p = -1;
       if (!FLAGS_restart_workers) continue;
-      const pid_t again = spawn();
+      const pid_t again = spawn(static_cast<int>(i));
       if (again > 0) {
         std::cout << "worker restarted pid " << again << std::endl;
         p = again;

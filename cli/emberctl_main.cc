@@ -7,6 +7,7 @@
 //   emberctl up --workers=N [--port=P] [--device=cpu|cuda]
 //   emberctl coordinator [--listen=HOST:PORT]
 //   emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]
+//       [--cuda_device=N]
 //   emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]
 //   emberctl plan --coordinator=ADDR --collection=NAME
 //   emberctl status --coordinator=ADDR
@@ -131,6 +132,7 @@ int main(int argc, char** argv) {
       "  emberctl coordinator [--listen=HOST:PORT] [--state_dir=DIR] [--checkpoint_dir=ROOT]\n"
       "      [--checkpoint_every=DURATION] [--keep_checkpoints=K]\n"
       "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"
+      "      [--cuda_device=N]\n"
       "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]\n"
       "  emberctl plan --coordinator=ADDR --collection=NAME [--format=table|json]\n"
       "  emberctl status --coordinator=ADDR\n"

@@ -542,6 +542,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// Writes through a bad pointer: InjectFault's illegal address.
+__global__ void FaultKernel(float* p) { *p = 1.0f; }
+
 __global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -793,7 +796,46 @@ class CudaBackend : public EmbeddingBackend {
     cudaStreamDestroy(stream_);
   }
 
+  // The data calls, guarded: once the device is lost (a sticky error),
+  // each answers UNAVAILABLE without touching it.
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    return Guarded([&] { return DoCreateShard(spec); });
+  }
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    return Guarded([&] { return DoLookup(requests); });
+  }
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    return Guarded([&] { return DoApplyGradients(requests); });
+  }
+  absl::Status ExportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                          absl::Span<float> weights, absl::Span<float> state) const override {
+    return Guarded([&] { return DoExportRows(id, row_begin, row_end, weights, state); });
+  }
+  absl::Status ImportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                          absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    return Guarded([&] { return DoImportRows(id, row_begin, row_end, weights, state); });
+  }
+
+  absl::Status Health() const override {
+    absl::MutexLock lock(&lost_mu_);
+    return lost_;
+  }
+
+  // Makes the device fail the way a faulty kernel would (an illegal
+  // address): for the test of what follows a sticky error.
+  absl::Status InjectFault() {
+    return Guarded([&]() -> absl::Status {
+      absl::MutexLock lock(&mu_);
+      if (absl::Status s = Activate(); !s.ok()) return s;
+      FaultKernel<<<1, 1, 0, stream_>>>(reinterpret_cast<float*>(uintptr_t{16}));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      return absl::OkStatus();
+    });
+  }
+
+  absl::StatusOr<ShardId> DoCreateShard(const ShardSpec& spec) {
     if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
     absl::MutexLock lock(&mu_);
     auto shard = std::make_unique<Shard>();
@@ -843,7 +885,7 @@ class CudaBackend : public EmbeddingBackend {
     return s->spec;
   }
 
-  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+  absl::Status DoLookup(absl::Span<const LookupRequest> requests) {
     absl::MutexLock lock(&mu_);
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
@@ -959,7 +1001,7 @@ class CudaBackend : public EmbeddingBackend {
                            stream_);
   }
 
-  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+  absl::Status DoApplyGradients(absl::Span<const GradientRequest> requests) {
     absl::MutexLock lock(&mu_);
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids, weights and gradients while they are staged (before
@@ -1196,8 +1238,8 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  absl::Status ExportRows(ShardId id, int64_t row_begin, int64_t row_end,
-                          absl::Span<float> weights, absl::Span<float> state) const override {
+  absl::Status DoExportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                            absl::Span<float> weights, absl::Span<float> state) const {
     absl::MutexLock lock(&mu_);
     const Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
@@ -1249,9 +1291,8 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  absl::Status ImportRows(ShardId id, int64_t row_begin, int64_t row_end,
-                          absl::Span<const float> weights,
-                          absl::Span<const float> state) override {
+  absl::Status DoImportRows(ShardId id, int64_t row_begin, int64_t row_end,
+                            absl::Span<const float> weights, absl::Span<const float> state) {
     absl::MutexLock lock(&mu_);
     Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
@@ -1414,6 +1455,27 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
+  // Runs one data call; a failure that left the context with a sticky error
+  // marks the backend lost (Health) for every later call.
+  template <typename Fn>
+  auto Guarded(Fn&& fn) const -> decltype(fn()) {
+    if (absl::Status lost = Health(); !lost.ok()) return lost;
+    auto result = fn();
+    if (!result.ok()) {
+      const cudaError_t err = cudaStreamQuery(stream_);  // sticky errors persist
+      if (IsStickyError(err)) {
+        absl::MutexLock lock(&lost_mu_);
+        if (lost_.ok()) {
+          lost_ = absl::UnavailableError(absl::StrCat(
+              "CUDA device ", options_.device, " lost (", cudaGetErrorName(err), ": ",
+              cudaGetErrorString(err), "); its shards must be recovered on another worker"));
+        }
+        return lost_;
+      }
+    }
+    return result;
+  }
+
   // For the shared request validation (ValidateRequests).
   const ShardSpec* FindSpec(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const Shard* s = FindShard(id);
@@ -1437,9 +1499,17 @@ class CudaBackend : public EmbeddingBackend {
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
   mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory
   cudaEvent_t events_[kMaxDownloadChunks] = {};        // DownloadOutputs' chunk events
+  mutable absl::Mutex lost_mu_;
+  mutable absl::Status lost_ ABSL_GUARDED_BY(lost_mu_);  // OK until the device is lost
 };
 
 }  // namespace
+
+absl::Status InjectDeviceFaultForTest(backend::EmbeddingBackend* b) {
+  auto* cuda = dynamic_cast<CudaBackend*>(b);
+  if (cuda == nullptr) return absl::InvalidArgumentError("not a CUDA backend");
+  return cuda->InjectFault();
+}
 
 absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
     const CudaBackendOptions& options) {

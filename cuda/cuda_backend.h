@@ -7,6 +7,11 @@
 // Host header: exposes no CUDA types, so plain C++ (and builds without nvcc,
 // which get cuda_backend_nocuda.cc) compile against it.
 //
+// A sticky device error (illegal address, launch failure, uncorrectable ECC)
+// loses the backend for good: Health() and every later data call answer
+// UNAVAILABLE, and the worker stops heartbeating so that the coordinator
+// recovers the shards elsewhere.
+//
 // Thread-safe: every public call takes one internal mutex, so calls are
 // serialised; each call runs on the backend's own CUDA stream and returns
 // only once the GPU work it queued has finished. Request buffers (ids,
@@ -40,6 +45,12 @@ struct CudaBackendOptions {
 // a negative device or memory limit.
 absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
     const CudaBackendOptions& options);
+
+// Tests only: makes a CUDA backend's device fail as a faulty kernel would
+// (an illegal address, a sticky error), so that Health() and every later
+// call answer UNAVAILABLE. The process's CUDA context is unusable after it.
+// UNAVAILABLE without CUDA; INVALID_ARGUMENT for another backend.
+absl::Status InjectDeviceFaultForTest(backend::EmbeddingBackend* backend);
 
 }  // namespace cuda
 }  // namespace ember

@@ -10,5 +10,9 @@ absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
   return absl::UnavailableError("built without CUDA");
 }
 
+absl::Status InjectDeviceFaultForTest(backend::EmbeddingBackend*) {
+  return absl::UnavailableError("built without CUDA");
+}
+
 }  // namespace cuda
 }  // namespace ember

@@ -10,12 +10,37 @@
 namespace ember {
 namespace cuda {
 
-// Driver/device absence is UNAVAILABLE (retry elsewhere), out of memory is
-// RESOURCE_EXHAUSTED, everything else INTERNAL.
+// Errors that leave the CUDA context unusable for the rest of the process
+// ("sticky"): every later runtime call fails with them too. A backend that
+// sees one is lost for good (EmbeddingBackend::Health).
+inline bool IsStickyError(cudaError_t err) {
+  switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorContextIsDestroyed:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Driver/device absence and sticky errors are UNAVAILABLE (retry elsewhere),
+// out of memory is RESOURCE_EXHAUSTED, everything else INTERNAL.
 inline absl::Status CudaErrorToStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   const std::string msg =
       absl::StrCat(what, ": ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+  if (IsStickyError(err)) {
+    return absl::UnavailableError(absl::StrCat(msg, " (the GPU context is lost)"));
+  }
   switch (err) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:

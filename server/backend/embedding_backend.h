@@ -173,6 +173,12 @@ class EmbeddingBackend {
 
   // Human-readable name ("cpu/avx2", "cuda/H100").
   virtual std::string Name() const = 0;
+
+  // OK while the backend can serve. A device lost for good (a sticky CUDA
+  // error: illegal address, launch failure, uncorrectable ECC, ...) makes it
+  // UNAVAILABLE, and every later data call answers that too; the worker then
+  // stops heartbeating so the coordinator recovers its shards elsewhere.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 };
 
 // Checks a shard spec: rows > 0, dim > 0 and divisible by 4, offsets >= 0,

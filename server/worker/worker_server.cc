@@ -33,7 +33,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   }
   std::unique_ptr<backend::EmbeddingBackend> backend;
   ember::v1::WorkerInfo info;
-  if (options.device == "cpu") {
+  if (options.backend_factory) {
+    auto b = options.backend_factory();
+    if (!b.ok()) return b.status();
+    backend = std::move(*b);
+    info.set_device(options.device == "cuda" ? ember::v1::CUDA : ember::v1::CPU);
+    info.set_ddr_bytes(backend->AvailableBytes());
+  } else if (options.device == "cpu") {
     backend::CpuBackendOptions o;
     o.num_threads = options.threads;
     o.memory_limit_bytes = options.memory_limit_bytes;
@@ -51,13 +57,19 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
               << (options.memory_limit_bytes == 0 ? " (90% of the host's available memory)" : "");
   } else if (options.device == "cuda") {
     cuda::CudaBackendOptions o;
+    o.device = options.cuda_device;
     o.memory_limit_bytes = options.memory_limit_bytes;
     auto b = cuda::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
     backend = std::move(*b);
     info.set_device(ember::v1::CUDA);
     auto devices = cuda::QueryDevices();
-    int64_t hbm = devices.ok() && !devices->empty() ? (*devices)[0].total_memory_bytes : 0;
+    int64_t hbm = 0;
+    if (devices.ok()) {
+      for (const auto& d : *devices) {
+        if (d.index == options.cuda_device) hbm = d.total_memory_bytes;
+      }
+    }
     if (options.memory_limit_bytes > 0) hbm = std::min(hbm, options.memory_limit_bytes);
     info.set_hbm_bytes(hbm);
   } else {
@@ -133,6 +145,17 @@ std::string WorkerServer::worker_id() const {
 
 void WorkerServer::HeartbeatLoop() {
   while (!stop_.WaitForNotificationWithTimeout(lease_ / 4)) {
+    if (backend_lost_) continue;
+    if (absl::Status h = service_->BackendHealth(); !h.ok()) {
+      // No heartbeat from now on: the lease lapses and the coordinator
+      // recovers this worker's shards elsewhere. Data calls already answer
+      // UNAVAILABLE (the backend's status).
+      backend_lost_ = true;
+      server_->GetHealthCheckService()->SetServingStatus(false);
+      LOG(ERROR) << "worker " << worker_id() << ": backend lost (" << h.message()
+                 << "); NOT_SERVING, heartbeats stopped so the coordinator recovers its shards";
+      continue;
+    }
     grpc::ClientContext ctx;
     SetDeadline(&ctx, lease_ / 4);
     ember::v1::HeartbeatRequest req;

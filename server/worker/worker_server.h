@@ -1,12 +1,16 @@
 // A worker process's server: the Worker service on a port, registered with
 // the coordinator and kept live by a heartbeat thread (re-registering if the
-// coordinator forgets it). grpc.health.v1 is served too.
+// coordinator forgets it). grpc.health.v1 is served too. When the backend
+// reports itself lost (EmbeddingBackend::Health, e.g. a sticky CUDA error),
+// the worker goes NOT_SERVING and stops heartbeating, so its lease lapses and
+// the coordinator recovers its shards on other workers.
 //
 // Thread-safe after Start.
 #ifndef EMBER_SERVER_WORKER_WORKER_SERVER_H_
 #define EMBER_SERVER_WORKER_WORKER_SERVER_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -28,6 +32,7 @@ struct WorkerServerOptions {
   std::string listen = "127.0.0.1:0";  // host:port; port 0 picks a free one
   std::string coordinator;             // host:port of the coordinator
   std::string device = "cpu";          // "cpu" or "cuda"
+  int cuda_device = 0;                 // cuda: the GPU ordinal
   int threads = 1;                     // CPU backend threads per call
   // Memory for shards. 0: for CPU workers 90% of what the host really has
   // (HostMemoryBytes: the cgroup limit or MemAvailable); for CUDA the card's.
@@ -38,6 +43,9 @@ struct WorkerServerOptions {
   // (service.max_response_bytes is lowered to fit).
   int64_t max_message_bytes = kMaxMessageBytes;
   WorkerServiceOptions service;
+  // Tests: builds the backend instead of `device` (which then only names the
+  // device kind the worker reports).
+  std::function<absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>>()> backend_factory;
 };
 
 class WorkerServer {
@@ -74,6 +82,7 @@ class WorkerServer {
   absl::Notification stop_;
   std::thread heartbeat_;
   std::atomic<bool> shut_down_{false};
+  bool backend_lost_ = false;  // heartbeat thread only
 };
 
 }  // namespace worker

@@ -63,6 +63,9 @@ class WorkerService final : public ember::v1::Worker::Service {
                 const WorkerServiceOptions& options);
   ~WorkerService() override;
 
+  // The backend's health (EmbeddingBackend::Health).
+  absl::Status BackendHealth() const { return backend_->Health(); }
+
   grpc::Status CreateShards(grpc::ServerContext* ctx, const ember::v1::CreateShardsRequest* req,
                             ember::v1::CreateShardsResponse* resp) override;
   grpc::Status DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
