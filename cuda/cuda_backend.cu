@@ -425,21 +425,18 @@ __device__ __forceinline__ float4 L2Gradient4(const math::StepParams& p, float4 
 
 // One optimizer update of `row` with the gradient summed over sorted
 // occurrences [b, e). Called by a whole warp.
-template <typename T>
+// The row's merged gradient is the sum over k in [b, e) of meta's scaled
+// rows of `grads` (WarpGather): its occurrences, or the partial sums of a hot
+// row's chunks.
+template <typename T, typename Meta>
 __device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int64_t b, int64_t e,
-                                          const int64_t* positions, const int64_t* src_off,
-                                          const float* scale, const float* grads, int lane) {
+                                          const float* grads, Meta meta, int lane) {
   const int64_t dim = d.dim;
   const math::StepParams& p = d.params;
   T* w = static_cast<T*>(d.weights) + row * dim;
   float* st = d.state != nullptr ? d.state + row * d.state_width : nullptr;
   const uint64_t key = d.stochastic ? math::RowNoiseKey(d.seed, d.step, d.row_offset + row) : 0;
   const WarpGeometry g = MakeGeometry(dim, lane);
-  auto meta = [positions, src_off, scale](int64_t k, int64_t* off, float* s) {
-    const int64_t q = positions[k];
-    *off = src_off[q];
-    *s = scale[q];
-  };
 
   if (p.optimizer == math::kStepRowwiseAdagrad) {
     // The row's mean square needs the whole gradient first: one pass for
@@ -509,35 +506,131 @@ __device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int6
   }
 }
 
+// Hot rows. A run longer than kHotRun occurrences (a row repeated all over a
+// batch) would be summed by one warp alone; it is cut into chunks of
+// kHotRun, each summed by its own warp into `partials` (PartialSumKernel),
+// and the run's update warp then adds the chunks' sums (FBGEMM splits long
+// segments the same way). hot_units[u] = the chunks of run u (0 when short);
+// hot_end is their inclusive scan.
+constexpr int64_t kHotRun = 32;
+
+__global__ void __launch_bounds__(kBlockThreads)
+    HotUnitsKernel(const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
+                   int64_t* __restrict__ hot_units) {
+  const int64_t num_runs = *num_runs_ptr;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < num_runs;
+       u += stride) {
+    const int64_t len = run_begin[u + 1] - run_begin[u];
+    hot_units[u] = len > kHotRun ? (len + kHotRun - 1) / kHotRun : 0;
+  }
+}
+
+// The run a chunk belongs to and its occurrence range.
+__device__ __forceinline__ void HotChunk(const int64_t* hot_end, int64_t num_runs,
+                                         const int64_t* run_begin, int64_t unit, int64_t* run,
+                                         int64_t* b, int64_t* e) {
+  *run = UpperBound(hot_end, num_runs, unit);
+  const int64_t first_unit = *run == 0 ? 0 : hot_end[*run - 1];
+  *b = run_begin[*run] + (unit - first_unit) * kHotRun;
+  *e = min(*b + kHotRun, run_begin[*run + 1]);
+}
+
+// One warp per chunk of a hot run: its scaled gradient rows summed into
+// partials[unit * partial_stride, + dim).
+__global__ void __launch_bounds__(kBlockThreads)
+    PartialSumKernel(const uint64_t* __restrict__ sorted_keys,
+                     const int64_t* __restrict__ sorted_positions,
+                     const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
+                     const int64_t* __restrict__ hot_end, const uint64_t* __restrict__ key_base,
+                     const UpdateDesc* __restrict__ shards, int64_t num_shards,
+                     const int64_t* __restrict__ src_off, const float* __restrict__ scale,
+                     const float* __restrict__ grads, float* __restrict__ partials,
+                     int64_t partial_stride) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t num_runs = *num_runs_ptr;
+  const int64_t num_units = num_runs == 0 ? 0 : hot_end[num_runs - 1];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  auto meta = [sorted_positions, src_off, scale](int64_t k, int64_t* off, float* s) {
+    const int64_t q = sorted_positions[k];
+    *off = src_off[q];
+    *s = scale[q];
+  };
+  for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+       unit < num_units; unit += stride) {
+    int64_t run, b, e;
+    HotChunk(hot_end, num_runs, run_begin, unit, &run, &b, &e);
+    const int64_t s = UpperBound(key_base, num_shards + 1, sorted_keys[b]) - 1;
+    const WarpGeometry g = MakeGeometry(shards[s].dim, lane);
+    float* out = partials + unit * partial_stride;
+    for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
+      const int64_t c = cb + g.chunk_lane;
+      const bool active = c < g.chunks;
+      const float4 v = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
+      if (active && g.sub == 0) Store4(out + 4 * c, v);
+    }
+  }
+}
+
 // One warp per run of equal sorted keys (a unique (shard, row)), grid-stride
 // up to the run count the scan left on the device. Each row is owned by
-// exactly one warp, so no atomics.
+// exactly one warp, so no atomics. A hot run's gradient is the sum of its
+// chunks' partial sums.
 __global__ void __launch_bounds__(kBlockThreads)
     UpdateKernel(const uint64_t* __restrict__ sorted_keys,
                  const int64_t* __restrict__ sorted_positions,
                  const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
-                 const uint64_t* __restrict__ key_base, const UpdateDesc* __restrict__ shards,
-                 int64_t num_shards, const int64_t* __restrict__ src_off,
-                 const float* __restrict__ scale, const float* __restrict__ grads) {
+                 const int64_t* __restrict__ hot_end, const uint64_t* __restrict__ key_base,
+                 const UpdateDesc* __restrict__ shards, int64_t num_shards,
+                 const int64_t* __restrict__ src_off, const float* __restrict__ scale,
+                 const float* __restrict__ grads, const float* __restrict__ partials,
+                 int64_t partial_stride) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t num_runs = *num_runs_ptr;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  auto occurrences = [sorted_positions, src_off, scale](int64_t k, int64_t* off, float* s) {
+    const int64_t q = sorted_positions[k];
+    *off = src_off[q];
+    *s = scale[q];
+  };
+  auto chunk_sums = [partial_stride](int64_t k, int64_t* off, float* s) {
+    *off = k * partial_stride;
+    *s = 1.0f;
+  };
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
        u < num_runs; u += stride) {
-    const int64_t b = run_begin[u], e = run_begin[u + 1];
+    int64_t b = run_begin[u], e = run_begin[u + 1];
     const uint64_t key = sorted_keys[b];
     const int64_t s = UpperBound(key_base, num_shards + 1, key) - 1;
     const UpdateDesc d = shards[s];
     const int64_t row = static_cast<int64_t>(key - key_base[s]);
+    const bool hot = e - b > kHotRun;
+    if (hot) {
+      b = u == 0 ? 0 : hot_end[u - 1];
+      e = hot_end[u];
+    }
+    const float* src = hot ? partials : grads;
     switch (d.weight_type) {
       case kFp16:
-        UpdateRow<__half>(d, row, b, e, sorted_positions, src_off, scale, grads, lane);
+        if (hot) {
+          UpdateRow<__half>(d, row, b, e, src, chunk_sums, lane);
+        } else {
+          UpdateRow<__half>(d, row, b, e, src, occurrences, lane);
+        }
         break;
       case kBf16:
-        UpdateRow<__nv_bfloat16>(d, row, b, e, sorted_positions, src_off, scale, grads, lane);
+        if (hot) {
+          UpdateRow<__nv_bfloat16>(d, row, b, e, src, chunk_sums, lane);
+        } else {
+          UpdateRow<__nv_bfloat16>(d, row, b, e, src, occurrences, lane);
+        }
         break;
       default:  // fp32
-        UpdateRow<float>(d, row, b, e, sorted_positions, src_off, scale, grads, lane);
+        if (hot) {
+          UpdateRow<float>(d, row, b, e, src, chunk_sums, lane);
+        } else {
+          UpdateRow<float>(d, row, b, e, src, occurrences, lane);
+        }
     }
   }
 }
@@ -1078,6 +1171,14 @@ class CudaBackend : public EmbeddingBackend {
     const size_t scale_at = dev.Add<float>(total_ids);
     const size_t run_id_at = dev.Add<int64_t>(total_ids);
     const size_t run_begin_at = dev.Add<int64_t>(total_ids + 1);
+    // Hot rows: chunk counts per run, their scan, and the chunks' partial
+    // sums (runs longer than kHotRun hold at most 2 * ids / kHotRun chunks).
+    int64_t max_dim = 4;
+    for (const Shard* shard : slot_shard) max_dim = std::max(max_dim, shard->spec.dim);
+    const int64_t max_units = 2 * (total_ids / kHotRun) + 1;
+    const size_t hot_units_at = dev.Add<int64_t>(total_ids);
+    const size_t hot_end_at = dev.Add<int64_t>(total_ids);
+    const size_t partials_at = dev.Add<float>(max_units * max_dim);
     size_t temp = 0, t = 0;
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
         nullptr, t, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
@@ -1226,11 +1327,27 @@ class CudaBackend : public EmbeddingBackend {
         cub::DeviceScan::InclusiveSum(temp_ptr, t, run_id, run_id, total_ids, stream_));
     RunBeginKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(run_id, total_ids, run_begin);
     EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    // The run count is run_id's last element; warps beyond it exit.
+    // The run count is run_id's last element; warps and threads beyond it exit.
+    const int64_t* num_runs = run_id + (total_ids - 1);
+    int64_t* hot_units = At<int64_t>(d, hot_units_at);
+    int64_t* hot_end = At<int64_t>(d, hot_end_at);
+    float* partials = At<float>(d, partials_at);
+    EMBER_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(hot_units, 0, total_ids * sizeof(int64_t), stream_));
+    HotUnitsKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(run_begin, num_runs, hot_units);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    t = temp;
+    EMBER_RETURN_IF_CUDA_ERROR(
+        cub::DeviceScan::InclusiveSum(temp_ptr, t, hot_units, hot_end, total_ids, stream_));
+    PartialSumKernel<<<WarpBlocks(max_units), kBlockThreads, 0, stream_>>>(
+        sorted_keys, sorted_positions, run_begin, num_runs, hot_end,
+        At<const uint64_t>(d, key_base_at), At<const UpdateDesc>(d, update_at), num_shards,
+        src_off, scale, At<const float>(d, grads_at), partials, max_dim);
+    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     UpdateKernel<<<WarpBlocks(total_ids), kBlockThreads, 0, stream_>>>(
-        sorted_keys, sorted_positions, run_begin, run_id + (total_ids - 1), At<const uint64_t>(d, key_base_at),
-        At<const UpdateDesc>(d, update_at), num_shards, src_off, scale,
-        At<const float>(d, grads_at));
+        sorted_keys, sorted_positions, run_begin, num_runs, hot_end,
+        At<const uint64_t>(d, key_base_at), At<const UpdateDesc>(d, update_at), num_shards,
+        src_off, scale, At<const float>(d, grads_at), partials, max_dim);
     EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     for (int64_t s = 0; s < num_shards; ++s) slot_shard[s]->step = new_step[s];
@@ -1465,11 +1582,9 @@ class CudaBackend : public EmbeddingBackend {
       const cudaError_t err = cudaStreamQuery(stream_);  // sticky errors persist
       if (IsStickyError(err)) {
         absl::MutexLock lock(&lost_mu_);
-        if (lost_.ok()) {
-          lost_ = absl::UnavailableError(absl::StrCat(
-              "CUDA device ", options_.device, " lost (", cudaGetErrorName(err), ": ",
-              cudaGetErrorString(err), "); its shards must be recovered on another worker"));
-        }
+        lost_.Update(absl::UnavailableError(absl::StrCat(  // the first loss is kept
+            "CUDA device ", options_.device, " lost (", cudaGetErrorName(err), ": ",
+            cudaGetErrorString(err), "); its shards must be recovered on another worker")));
         return lost_;
       }
     }

@@ -1,6 +1,7 @@
 // One parity suite for every backend available, against a naive
 // double-precision reference written here from the formulas in
 // embedding_backend.h. The CUDA backend joins the parameter list when built.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <functional>
@@ -426,6 +427,61 @@ TEST_P(BackendParityTest, OptimizerStepsMatchFormulas) {
       EXPECT_EQ(*be_->ExportStep(*id), 4);
     }
    }
+  }
+}
+
+// Hot rows: one row in thousands of bags and others repeated just under, at
+// and over the CUDA backend's 32-occurrence chunk (its long runs are summed
+// in chunks by several warps), across two requests of one call, for every
+// optimizer, against the double-precision formulas.
+TEST_P(BackendParityTest, HotRowsMatchFormulas) {
+  std::mt19937 rng(11);
+  for (OptimizerType opt : {OptimizerType::kSgd, OptimizerType::kAdagrad,
+                            OptimizerType::kRowwiseAdagrad, OptimizerType::kAdam}) {
+    for (int64_t dim : {int64_t{36}, int64_t{132}}) {
+      ShardSpec spec = MakeSpec(50, dim, WeightType::kFp32, opt);
+      auto id = be_->CreateShard(spec);
+      ASSERT_TRUE(id.ok()) << id.status();
+      RefShard ref = MakeRef(be_.get(), *id, spec);
+      // Row 7 x 5000, rows 1..4 x 31, 32, 33 and 64, the rest once or twice.
+      std::vector<int64_t> bag_ids;
+      for (int k = 0; k < 5000; ++k) bag_ids.push_back(7);
+      const int repeats[] = {31, 32, 33, 64};
+      for (int r = 1; r <= 4; ++r) {
+        for (int k = 0; k < repeats[r - 1]; ++k) bag_ids.push_back(r);
+      }
+      for (int64_t r = 10; r < spec.rows; ++r) bag_ids.push_back(r);
+      std::shuffle(bag_ids.begin(), bag_ids.end(), rng);
+      Jagged a, b;  // two requests, bags of 1..4 ids
+      for (size_t k = 0; k < bag_ids.size();) {
+        Jagged& j = (k < bag_ids.size() / 2) ? a : b;
+        const size_t len = std::min<size_t>(1 + rng() % 4, bag_ids.size() - k);
+        j.lengths.push_back(static_cast<int64_t>(len));
+        for (size_t i = 0; i < len; ++i) j.ids.push_back(bag_ids[k++]);
+      }
+      std::map<int64_t, std::vector<double>> merged;
+      std::vector<std::vector<float>> grads;
+      for (const Jagged* j : {&a, &b}) {
+        std::vector<float> g(j->lengths.size() * dim);
+        for (float& v : g) v = std::uniform_real_distribution<float>(-0.05f, 0.05f)(rng);
+        grads.push_back(std::move(g));
+      }
+      ASSERT_TRUE(be_->ApplyGradients({{Feature(*id, Pooling::kSum, a), grads[0]},
+                                       {Feature(*id, Pooling::kMean, b), grads[1]}})
+                      .ok());
+      RefExpand(ref, Pooling::kSum, a, grads[0], &merged);
+      RefExpand(ref, Pooling::kMean, b, grads[1], &merged);
+      RefUpdate(&ref, merged);
+      std::vector<float> st;
+      const std::vector<float> w = Export(be_.get(), *id, spec, &st);
+      for (size_t i = 0; i < w.size(); ++i) {
+        ASSERT_NEAR(w[i], ref.w[i], 1e-4 * (std::abs(ref.w[i]) + 1e-2))
+            << "opt " << static_cast<int>(opt) << " dim " << dim << " row " << i / dim;
+      }
+      for (size_t i = 0; i < st.size(); ++i) {
+        ASSERT_NEAR(st[i], ref.state[i], 1e-4 * (std::abs(ref.state[i]) + 1e-3)) << i;
+      }
+    }
   }
 }
 
