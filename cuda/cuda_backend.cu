@@ -47,6 +47,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "cuda/cuda_status.h"
+#include "cuda/kernel_bodies.h"
+#include "cuda/kernel_descs.h"
+#include "cuda/request_plan.h"
+#include "cuda/warp.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
@@ -75,16 +79,14 @@ using backend::ValidateImport;
 using backend::ValidateRowRange;
 using backend::WeightType;
 
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarpSize = 32;
 constexpr int kBlockThreads = 256;
 constexpr int kWarpsPerBlock = kBlockThreads / kWarpSize;
 
-// Integer codes of the enums, as the kernels see them.
-constexpr int32_t kFp16 = static_cast<int32_t>(WeightType::kFp16);
-constexpr int32_t kBf16 = static_cast<int32_t>(WeightType::kBf16);
-constexpr int32_t kMean = static_cast<int32_t>(Pooling::kMean);
-constexpr int32_t kNone = static_cast<int32_t>(Pooling::kNone);
+static_assert(kernels::kFp16 == static_cast<int32_t>(WeightType::kFp16) &&
+                  kernels::kBf16 == static_cast<int32_t>(WeightType::kBf16) &&
+                  kernels::kMean == static_cast<int32_t>(Pooling::kMean) &&
+                  kernels::kNone == static_cast<int32_t>(Pooling::kNone),
+              "the kernels' enum codes");
 
 // Host <-> device copies of shard rows (init, export, import) go through
 // pinned staging in chunks of about this size.
@@ -93,246 +95,34 @@ constexpr int64_t kTransferChunkBytes = int64_t{8} << 20;
 constexpr unsigned kMaxInitThreads = 8;
 
 // ---------------------------------------------------------------------------
-// Descriptors shared by host and device (plain data, copied to the device).
+// Kernels: grid-stride loops over the bodies in kernel_bodies.h (the same
+// code the emulated backend runs on the CPU with HostWarp).
 
-// One lookup request. Work items of request r are [item_begin[r],
-// item_begin[r + 1]) (kept in a separate array for the binary search).
-struct LookupDesc {
-  const void* weights;  // the shard's [rows, dim] table, in weight_type
-  int64_t dim;
-  int64_t bag_begin;  // its first bag in the concatenated lengths / offsets
-  int64_t id_begin;   // its first id in the concatenated ids (and weights)
-  int64_t out_begin;  // its first float in the concatenated output
-  int32_t weight_type;
-  int32_t pooling;
-  int32_t weighted;
-  int32_t unused;
-};
-
-// One gradient request. Its ids are [id_begin[r], id_begin[r + 1]).
-struct GradDesc {
-  int64_t dim;
-  int64_t bag_begin;   // as in LookupDesc
-  int64_t num_bags;
-  int64_t grad_begin;  // its first float in the concatenated gradients
-  uint64_t key_base;   // sort key of its shard's row 0
-  int32_t pooling;
-  int32_t weighted;
-};
-
-// One shard touched by an ApplyGradients call. Keys [key_base[s],
-// key_base[s + 1]) are its rows.
-struct UpdateDesc {
-  void* weights;  // [rows, dim] in weight_type
-  float* state;   // [rows, state_width] fp32, or null
-  int64_t dim;
-  int64_t state_width;
-  int32_t weight_type;
-  int32_t stochastic;       // fp16/bf16 updates rounded stochastically
-  math::StepParams params;  // this call's hyper-parameters (embedding_math.h)
-  uint64_t seed;            // stochastic rounding: the table's seed,
-  int64_t step;             // this call's step,
-  int64_t row_offset;       // and the shard's place in the table
-  int64_t col_offset;
-};
-
-// ---------------------------------------------------------------------------
-// Device helpers.
-
-// First index i in [0, n) with a[i] > x, or n.
-template <typename T>
-__device__ __forceinline__ int64_t UpperBound(const T* a, int64_t n, T x) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (a[mid] <= x) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
+__device__ __forceinline__ int64_t WarpIndex() {
+  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
+}
+__device__ __forceinline__ int64_t WarpCount() {
+  return static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+}
+__device__ __forceinline__ int64_t ThreadIndex() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t ThreadCount() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-// Four consecutive elements as fp32. p is 16-byte (fp32) or 8-byte aligned:
-// dim is a multiple of 4 and buffers come from cudaMalloc.
-__device__ __forceinline__ float4 Load4(const float* p) {
-  return *reinterpret_cast<const float4*>(p);
-}
-__device__ __forceinline__ float4 Load4(const __half* p) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__half2float(__ushort_as_half(static_cast<unsigned short>(raw.x & 0xffffu))),
-                     __half2float(__ushort_as_half(static_cast<unsigned short>(raw.x >> 16))),
-                     __half2float(__ushort_as_half(static_cast<unsigned short>(raw.y & 0xffffu))),
-                     __half2float(__ushort_as_half(static_cast<unsigned short>(raw.y >> 16))));
-}
-__device__ __forceinline__ float4 Load4(const __nv_bfloat16* p) {
-  // bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
-                     __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u));
-}
-
-// Stores four fp32 values, rounded to nearest even for fp16 / bf16.
-__device__ __forceinline__ void Store4(float* p, float4 v) {
-  *reinterpret_cast<float4*>(p) = v;
-}
-__device__ __forceinline__ unsigned Pack(unsigned short lo, unsigned short hi) {
-  return static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
-}
-__device__ __forceinline__ void Store4(__half* p, float4 v) {
-  uint2 raw;
-  raw.x = Pack(__half_as_ushort(__float2half_rn(v.x)), __half_as_ushort(__float2half_rn(v.y)));
-  raw.y = Pack(__half_as_ushort(__float2half_rn(v.z)), __half_as_ushort(__float2half_rn(v.w)));
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-__device__ __forceinline__ void Store4(__nv_bfloat16* p, float4 v) {
-  uint2 raw;
-  raw.x = Pack(__bfloat16_as_ushort(__float2bfloat16_rn(v.x)),
-               __bfloat16_as_ushort(__float2bfloat16_rn(v.y)));
-  raw.y = Pack(__bfloat16_as_ushort(__float2bfloat16_rn(v.z)),
-               __bfloat16_as_ushort(__float2bfloat16_rn(v.w)));
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-
-// How a warp covers a row of `dim` elements: chunks of 4 elements, `group`
-// lanes per row (a power of two, <= 32), so 32 / group rows are read at
-// once. Lane = sub * group + chunk_lane. All fields are warp-uniform except
-// sub and chunk_lane.
-struct WarpGeometry {
-  int64_t chunks;
-  int group;
-  int rows_at_once;
-  int sub;
-  int chunk_lane;
-};
-
-__device__ __forceinline__ WarpGeometry MakeGeometry(int64_t dim, int lane) {
-  WarpGeometry g;
-  g.chunks = dim / 4;
-  const int c = static_cast<int>(g.chunks < kWarpSize ? g.chunks : kWarpSize);
-  g.group = 1 << (32 - __clz(c - 1));  // next power of two >= c (1 for c == 1)
-  g.rows_at_once = kWarpSize / g.group;
-  g.sub = lane / g.group;
-  g.chunk_lane = lane % g.group;
-  return g;
-}
-
-// Sum over k in [b, e) of scale_k * row_k[col .. col + 3], where meta(k,
-// &offset, &scale) gives row_k = base + offset. Must be called by the whole
-// warp with warp-uniform b, e and geometry; `active` says whether this
-// lane's column exists. Every lane gets the total of its chunk_lane.
-template <typename T, typename Meta>
-__device__ __forceinline__ float4 WarpGather(const T* base, int64_t b, int64_t e, int64_t col,
-                                             bool active, int lane, const WarpGeometry& g,
-                                             Meta meta) {
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int64_t k0 = b; k0 < e; k0 += kWarpSize) {
-    const int n = static_cast<int>(e - k0 < kWarpSize ? e - k0 : kWarpSize);
-    int64_t my_off = 0;
-    float my_scale = 0.f;
-    if (lane < n) meta(k0 + lane, &my_off, &my_scale);
-#pragma unroll 4
-    for (int j0 = 0; j0 < n; j0 += g.rows_at_once) {
-      // j0 <= 32 - rows_at_once, so j stays a valid lane.
-      const int j = j0 + g.sub;
-      const int64_t off = __shfl_sync(kFullMask, my_off, j);
-      const float s = __shfl_sync(kFullMask, my_scale, j);
-      if (j < n && active) {
-        const float4 x = Load4(base + off + col);
-        acc.x = fmaf(s, x.x, acc.x);
-        acc.y = fmaf(s, x.y, acc.y);
-        acc.z = fmaf(s, x.z, acc.z);
-        acc.w = fmaf(s, x.w, acc.w);
-      }
-    }
-  }
-  for (int m = g.group; m < kWarpSize; m <<= 1) {
-    acc.x += __shfl_xor_sync(kFullMask, acc.x, m);
-    acc.y += __shfl_xor_sync(kFullMask, acc.y, m);
-    acc.z += __shfl_xor_sync(kFullMask, acc.z, m);
-    acc.w += __shfl_xor_sync(kFullMask, acc.w, m);
-  }
-  return acc;
-}
-
-// ---------------------------------------------------------------------------
-// Forward.
-
-// out[0, dim) = scale * sum over ids[k], k in [b, e), of weight_k * row.
-template <typename T>
-__device__ __forceinline__ void PoolItem(const T* table, int64_t dim, const int64_t* ids,
-                                         const float* weights, int64_t b, int64_t e, float scale,
-                                         float* out, int lane) {
-  const WarpGeometry g = MakeGeometry(dim, lane);
-  auto meta = [ids, weights, dim](int64_t k, int64_t* off, float* s) {
-    *off = ids[k] * dim;
-    *s = weights != nullptr ? weights[k] : 1.0f;
-  };
-  for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
-    const int64_t c = cb + g.chunk_lane;
-    const bool active = c < g.chunks;
-    float4 acc = WarpGather(table, b, e, 4 * c, active, lane, g, meta);
-    if (active && g.sub == 0) {
-      acc.x *= scale;
-      acc.y *= scale;
-      acc.z *= scale;
-      acc.w *= scale;
-      Store4(out + 4 * c, acc);
-    }
-  }
-}
-
-// One warp per work item, grid-stride. offsets[0, total_bags] is the
-// exclusive scan of the concatenated lengths: positions in the concatenated
-// ids (each request's lengths sum to its id count). The min-blocks hint (at
-// most 64 registers) is what keeps ptxas from spilling on sm_80.
+// The min-blocks hint (at most 64 registers) is what keeps ptxas from
+// spilling on sm_80.
 __global__ void __launch_bounds__(kBlockThreads, 4)
     LookupKernel(const int64_t* __restrict__ item_begin, const LookupDesc* __restrict__ descs,
                  int64_t num_requests, const int64_t* __restrict__ offsets,
                  const int64_t* __restrict__ ids, const float* __restrict__ weights,
                  float* __restrict__ out) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t total_items = item_begin[num_requests];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-       item < total_items; item += stride) {
-    const int64_t r = UpperBound(item_begin, num_requests + 1, item) - 1;
-    const LookupDesc d = descs[r];
-    const int64_t local = item - item_begin[r];
-    int64_t b, e;
-    float scale = 1.0f;
-    if (d.pooling == kNone) {
-      b = d.id_begin + local;
-      e = b + 1;
-    } else {
-      b = offsets[d.bag_begin + local];
-      e = offsets[d.bag_begin + local + 1];
-      if (d.pooling == kMean) scale = math::MeanScale(e - b);  // an empty bag stays 0
-    }
-    const float* w = d.weighted ? weights : nullptr;
-    float* o = out + d.out_begin + local * d.dim;
-    switch (d.weight_type) {
-      case kFp16:
-        PoolItem(static_cast<const __half*>(d.weights), d.dim, ids, w, b, e, scale, o, lane);
-        break;
-      case kBf16:
-        PoolItem(static_cast<const __nv_bfloat16*>(d.weights), d.dim, ids, w, b, e, scale, o,
-                 lane);
-        break;
-      default:  // fp32
-        PoolItem(static_cast<const float*>(d.weights), d.dim, ids, w, b, e, scale, o, lane);
-    }
-  }
+  DeviceWarp w;
+  kernels::LookupWarp(w, WarpIndex(), WarpCount(), item_begin, descs, num_requests, offsets, ids,
+                      weights, out);
 }
 
-// ---------------------------------------------------------------------------
-// Backward.
-
-// Per id position p: its sort key, p itself, where its gradient row starts
-// in the concatenated gradients, and the factor applied to that row (the
-// per-id weight, divided by the bag length for MEAN, as the CPU backend
-// computes it).
 __global__ void __launch_bounds__(kBlockThreads)
     ExpandKernel(const int64_t* __restrict__ id_begin, const GradDesc* __restrict__ descs,
                  int64_t num_requests, const int64_t* __restrict__ offsets,
@@ -340,299 +130,41 @@ __global__ void __launch_bounds__(kBlockThreads)
                  uint64_t* __restrict__ keys, int64_t* __restrict__ positions,
                  int64_t* __restrict__ src_off, float* __restrict__ scale) {
   const int64_t total = id_begin[num_requests];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < total;
-       p += stride) {
-    const int64_t r = UpperBound(id_begin, num_requests + 1, p) - 1;
-    const GradDesc d = descs[r];
-    keys[p] = d.key_base + static_cast<uint64_t>(ids[p]);
-    positions[p] = p;
-    if (d.pooling == kNone) {
-      src_off[p] = d.grad_begin + (p - id_begin[r]) * d.dim;
-      scale[p] = 1.0f;
-      continue;
-    }
-    // The last bag starting at or before p holds it (empty bags share their
-    // start with the next bag, so upper bound skips them).
-    const int64_t* bag_start = offsets + d.bag_begin;
-    const int64_t bag = UpperBound(bag_start, d.num_bags, p) - 1;
-    const float mean =
-        d.pooling == kMean ? math::MeanScale(bag_start[bag + 1] - bag_start[bag]) : 1.0f;
-    src_off[p] = d.grad_begin + bag * d.dim;
-    scale[p] = math::IdScale(d.weighted != 0, d.weighted ? weights[p] : 1.0f, mean);
+  for (int64_t p = ThreadIndex(); p < total; p += ThreadCount()) {
+    kernels::ExpandOne(p, id_begin, descs, num_requests, offsets, ids, weights, keys, positions,
+                       src_off, scale);
   }
 }
 
-// flags[k] = 1 where sorted key k starts a run, else 0.
 __global__ void __launch_bounds__(kBlockThreads)
     HeadFlagsKernel(const uint64_t* __restrict__ keys, int64_t n, int64_t* __restrict__ flags) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
-       k += stride) {
-    flags[k] = (k == 0 || keys[k] != keys[k - 1]) ? 1 : 0;
-  }
+  for (int64_t k = ThreadIndex(); k < n; k += ThreadCount()) kernels::HeadFlagOne(k, keys, flags);
 }
 
-// run_id = inclusive scan of the head flags (1-based run of each element);
-// run_begin[u] = first element of run u, run_begin[num_runs] = n.
 __global__ void __launch_bounds__(kBlockThreads)
     RunBeginKernel(const int64_t* __restrict__ run_id, int64_t n, int64_t* __restrict__ run_begin) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
-       k += stride) {
-    if (k == 0 || run_id[k] != run_id[k - 1]) run_begin[run_id[k] - 1] = k;
-    if (k == n - 1) run_begin[run_id[k]] = n;
+  for (int64_t k = ThreadIndex(); k < n; k += ThreadCount()) {
+    kernels::RunBeginOne(k, run_id, n, run_begin);
   }
 }
-
-// Stores four updated weights: fp32 as they are, fp16 / bf16 rounded
-// stochastically with the element's noise (embedding_math.h) when the shard
-// asks for it, else to nearest even.
-template <typename T>
-__device__ __forceinline__ void StoreUpdated(const UpdateDesc& d, T* p, float4 v, uint64_t key,
-                                             int64_t col) {
-  Store4(p, v);
-}
-__device__ __forceinline__ unsigned StochasticBits(const UpdateDesc& d, float x, uint64_t key,
-                                                   int64_t col) {
-  const uint32_t noise = math::ElementNoise(key, d.col_offset + col);
-  return d.weight_type == kFp16 ? math::FloatToFp16Stochastic(x, noise)
-                                : math::FloatToBf16Stochastic(x, noise);
-}
-template <>
-__device__ __forceinline__ void StoreUpdated(const UpdateDesc& d, __half* p, float4 v,
-                                             uint64_t key, int64_t col) {
-  if (!d.stochastic) return Store4(p, v);
-  uint2 raw;
-  raw.x = StochasticBits(d, v.x, key, col) | (StochasticBits(d, v.y, key, col + 1) << 16);
-  raw.y = StochasticBits(d, v.z, key, col + 2) | (StochasticBits(d, v.w, key, col + 3) << 16);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-template <>
-__device__ __forceinline__ void StoreUpdated(const UpdateDesc& d, __nv_bfloat16* p, float4 v,
-                                             uint64_t key, int64_t col) {
-  if (!d.stochastic) return Store4(p, v);
-  uint2 raw;
-  raw.x = StochasticBits(d, v.x, key, col) | (StochasticBits(d, v.y, key, col + 1) << 16);
-  raw.y = StochasticBits(d, v.z, key, col + 2) | (StochasticBits(d, v.w, key, col + 3) << 16);
-  *reinterpret_cast<uint2*>(p) = raw;
-}
-
-__device__ __forceinline__ float4 L2Gradient4(const math::StepParams& p, float4 g, float4 w) {
-  return make_float4(math::L2Gradient(p, g.x, w.x), math::L2Gradient(p, g.y, w.y),
-                     math::L2Gradient(p, g.z, w.z), math::L2Gradient(p, g.w, w.w));
-}
-
-// One optimizer update of `row` with the gradient summed over sorted
-// occurrences [b, e). Called by a whole warp.
-// The row's merged gradient is the sum over k in [b, e) of meta's scaled
-// rows of `grads` (WarpGather): its occurrences, or the partial sums of a hot
-// row's chunks.
-template <typename T, typename Meta>
-__device__ __forceinline__ void UpdateRow(const UpdateDesc& d, int64_t row, int64_t b, int64_t e,
-                                          const float* grads, Meta meta, int lane) {
-  const int64_t dim = d.dim;
-  const math::StepParams& p = d.params;
-  T* w = static_cast<T*>(d.weights) + row * dim;
-  float* st = d.state != nullptr ? d.state + row * d.state_width : nullptr;
-  const uint64_t key = d.stochastic ? math::RowNoiseKey(d.seed, d.step, d.row_offset + row) : 0;
-  const WarpGeometry g = MakeGeometry(dim, lane);
-
-  if (p.optimizer == math::kStepRowwiseAdagrad) {
-    // The row's mean square needs the whole gradient first: one pass for
-    // the sum of squares, a second for the update (the first chunk's
-    // gradient is kept; wider rows gather again).
-    double sq = 0;
-    float4 first = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
-      const int64_t c = cb + g.chunk_lane;
-      const bool active = c < g.chunks;
-      float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
-      if (active && g.sub == 0) {
-        gv = L2Gradient4(p, gv, Load4(w + 4 * c));
-        sq += static_cast<double>(gv.x) * gv.x + static_cast<double>(gv.y) * gv.y +
-              static_cast<double>(gv.z) * gv.z + static_cast<double>(gv.w) * gv.w;
-      }
-      if (cb == 0) first = gv;
-    }
-    for (int m = 1; m < kWarpSize; m <<= 1) sq += __shfl_xor_sync(kFullMask, sq, m);
-    float mult = 0;
-    if (lane == 0) {
-      mult = math::RowwiseMultiplier(p, &st[0], static_cast<float>(sq / static_cast<double>(dim)));
-    }
-    mult = __shfl_sync(kFullMask, mult, 0);
-    for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
-      const int64_t c = cb + g.chunk_lane;
-      const bool active = c < g.chunks;
-      float4 gv = first;
-      if (cb != 0) gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
-      if (active && g.sub == 0) {
-        float4 wv = Load4(w + 4 * c);
-        if (cb != 0) gv = L2Gradient4(p, gv, wv);
-        wv.x = math::RowwiseStep(p, wv.x, gv.x, mult);
-        wv.y = math::RowwiseStep(p, wv.y, gv.y, mult);
-        wv.z = math::RowwiseStep(p, wv.z, gv.z, mult);
-        wv.w = math::RowwiseStep(p, wv.w, gv.w, mult);
-        StoreUpdated(d, w + 4 * c, wv, key, 4 * c);
-      }
-    }
-    return;
-  }
-
-  for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
-    const int64_t c = cb + g.chunk_lane;
-    const bool active = c < g.chunks;
-    const float4 gv = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
-    if (!active || g.sub != 0) continue;
-    float4 wv = Load4(w + 4 * c);
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f), m = s, v = s;
-    if (p.optimizer == math::kStepAdagrad) {
-      s = Load4(st + 4 * c);
-    } else if (p.optimizer == math::kStepAdam) {
-      m = Load4(st + 4 * c);
-      v = Load4(st + dim + 4 * c);
-    }
-    wv.x = math::ElementStep(p, wv.x, gv.x, &s.x, &m.x, &v.x);
-    wv.y = math::ElementStep(p, wv.y, gv.y, &s.y, &m.y, &v.y);
-    wv.z = math::ElementStep(p, wv.z, gv.z, &s.z, &m.z, &v.z);
-    wv.w = math::ElementStep(p, wv.w, gv.w, &s.w, &m.w, &v.w);
-    StoreUpdated(d, w + 4 * c, wv, key, 4 * c);
-    if (p.optimizer == math::kStepAdagrad) {
-      Store4(st + 4 * c, s);
-    } else if (p.optimizer == math::kStepAdam) {
-      Store4(st + 4 * c, m);
-      Store4(st + dim + 4 * c, v);
-    }
-  }
-}
-
-// Hot rows. A run longer than kHotRun occurrences (a row repeated all over a
-// batch) would be summed by one warp alone; it is cut into chunks of
-// kHotRun, each summed by its own warp into `partials` (PartialSumKernel),
-// and the run's update warp then adds the chunks' sums (FBGEMM splits long
-// segments the same way). hot_units[u] = the chunks of run u (0 when short);
-// hot_end is their inclusive scan.
-constexpr int64_t kHotRun = 32;
 
 __global__ void __launch_bounds__(kBlockThreads)
-    HotUnitsKernel(const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
+    HotUnitsKernel(const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs,
                    int64_t* __restrict__ hot_units) {
-  const int64_t num_runs = *num_runs_ptr;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < num_runs;
-       u += stride) {
-    const int64_t len = run_begin[u + 1] - run_begin[u];
-    hot_units[u] = len > kHotRun ? (len + kHotRun - 1) / kHotRun : 0;
+  const int64_t n = *num_runs;
+  for (int64_t u = ThreadIndex(); u < n; u += ThreadCount()) {
+    kernels::HotUnitsOne(u, run_begin, hot_units);
   }
 }
 
-// The run a chunk belongs to and its occurrence range.
-__device__ __forceinline__ void HotChunk(const int64_t* hot_end, int64_t num_runs,
-                                         const int64_t* run_begin, int64_t unit, int64_t* run,
-                                         int64_t* b, int64_t* e) {
-  *run = UpperBound(hot_end, num_runs, unit);
-  const int64_t first_unit = *run == 0 ? 0 : hot_end[*run - 1];
-  *b = run_begin[*run] + (unit - first_unit) * kHotRun;
-  *e = min(*b + kHotRun, run_begin[*run + 1]);
+__global__ void __launch_bounds__(kBlockThreads) PartialSumKernel(kernels::UpdateArgs a) {
+  DeviceWarp w;
+  kernels::PartialSumWarp(w, WarpIndex(), WarpCount(), a);
 }
 
-// One warp per chunk of a hot run: its scaled gradient rows summed into
-// partials[unit * partial_stride, + dim).
-__global__ void __launch_bounds__(kBlockThreads)
-    PartialSumKernel(const uint64_t* __restrict__ sorted_keys,
-                     const int64_t* __restrict__ sorted_positions,
-                     const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
-                     const int64_t* __restrict__ hot_end, const uint64_t* __restrict__ key_base,
-                     const UpdateDesc* __restrict__ shards, int64_t num_shards,
-                     const int64_t* __restrict__ src_off, const float* __restrict__ scale,
-                     const float* __restrict__ grads, float* __restrict__ partials,
-                     int64_t partial_stride) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t num_runs = *num_runs_ptr;
-  const int64_t num_units = num_runs == 0 ? 0 : hot_end[num_runs - 1];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  auto meta = [sorted_positions, src_off, scale](int64_t k, int64_t* off, float* s) {
-    const int64_t q = sorted_positions[k];
-    *off = src_off[q];
-    *s = scale[q];
-  };
-  for (int64_t unit = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-       unit < num_units; unit += stride) {
-    int64_t run, b, e;
-    HotChunk(hot_end, num_runs, run_begin, unit, &run, &b, &e);
-    const int64_t s = UpperBound(key_base, num_shards + 1, sorted_keys[b]) - 1;
-    const WarpGeometry g = MakeGeometry(shards[s].dim, lane);
-    float* out = partials + unit * partial_stride;
-    for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
-      const int64_t c = cb + g.chunk_lane;
-      const bool active = c < g.chunks;
-      const float4 v = WarpGather(grads, b, e, 4 * c, active, lane, g, meta);
-      if (active && g.sub == 0) Store4(out + 4 * c, v);
-    }
-  }
-}
-
-// One warp per run of equal sorted keys (a unique (shard, row)), grid-stride
-// up to the run count the scan left on the device. Each row is owned by
-// exactly one warp, so no atomics. A hot run's gradient is the sum of its
-// chunks' partial sums.
-__global__ void __launch_bounds__(kBlockThreads)
-    UpdateKernel(const uint64_t* __restrict__ sorted_keys,
-                 const int64_t* __restrict__ sorted_positions,
-                 const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs_ptr,
-                 const int64_t* __restrict__ hot_end, const uint64_t* __restrict__ key_base,
-                 const UpdateDesc* __restrict__ shards, int64_t num_shards,
-                 const int64_t* __restrict__ src_off, const float* __restrict__ scale,
-                 const float* __restrict__ grads, const float* __restrict__ partials,
-                 int64_t partial_stride) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t num_runs = *num_runs_ptr;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-  auto occurrences = [sorted_positions, src_off, scale](int64_t k, int64_t* off, float* s) {
-    const int64_t q = sorted_positions[k];
-    *off = src_off[q];
-    *s = scale[q];
-  };
-  auto chunk_sums = [partial_stride](int64_t k, int64_t* off, float* s) {
-    *off = k * partial_stride;
-    *s = 1.0f;
-  };
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-       u < num_runs; u += stride) {
-    int64_t b = run_begin[u], e = run_begin[u + 1];
-    const uint64_t key = sorted_keys[b];
-    const int64_t s = UpperBound(key_base, num_shards + 1, key) - 1;
-    const UpdateDesc d = shards[s];
-    const int64_t row = static_cast<int64_t>(key - key_base[s]);
-    const bool hot = e - b > kHotRun;
-    if (hot) {
-      b = u == 0 ? 0 : hot_end[u - 1];
-      e = hot_end[u];
-    }
-    const float* src = hot ? partials : grads;
-    switch (d.weight_type) {
-      case kFp16:
-        if (hot) {
-          UpdateRow<__half>(d, row, b, e, src, chunk_sums, lane);
-        } else {
-          UpdateRow<__half>(d, row, b, e, src, occurrences, lane);
-        }
-        break;
-      case kBf16:
-        if (hot) {
-          UpdateRow<__nv_bfloat16>(d, row, b, e, src, chunk_sums, lane);
-        } else {
-          UpdateRow<__nv_bfloat16>(d, row, b, e, src, occurrences, lane);
-        }
-        break;
-      default:  // fp32
-        if (hot) {
-          UpdateRow<float>(d, row, b, e, src, chunk_sums, lane);
-        } else {
-          UpdateRow<float>(d, row, b, e, src, occurrences, lane);
-        }
-    }
-  }
+__global__ void __launch_bounds__(kBlockThreads) UpdateKernel(kernels::UpdateArgs a) {
+  DeviceWarp w;
+  kernels::UpdateWarp(w, WarpIndex(), WarpCount(), a);
 }
 
 // Writes through a bad pointer: InjectFault's illegal address.
@@ -726,22 +258,6 @@ class CallScope {
 
  private:
   const cudaStream_t stream_;
-};
-
-// Byte offsets of arrays carved out of one buffer, each 256-byte aligned.
-class Layout {
- public:
-  template <typename T>
-  size_t Add(int64_t count) {
-    offset_ = (offset_ + 255) / 256 * 256;
-    const size_t at = offset_;
-    offset_ += static_cast<size_t>(count) * sizeof(T);
-    return at;
-  }
-  size_t bytes() const { return offset_; }
-
- private:
-  size_t offset_ = 0;
 };
 
 template <typename T>
@@ -986,19 +502,9 @@ class CudaBackend : public EmbeddingBackend {
       return st;
     }
     const int64_t n = static_cast<int64_t>(requests.size());
-    int64_t total_items = 0, total_bags = 0, total_ids = 0, total_out = 0;
-    bool any_weighted = false;
-    for (const LookupRequest& r : requests) {
-      const FeatureRequest& f = r.feature;
-      total_items += static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size()
-                                                                      : f.lengths.size());
-      total_bags += static_cast<int64_t>(f.lengths.size());
-      total_ids += static_cast<int64_t>(f.ids.size());
-      total_out += static_cast<int64_t>(r.output.size());
-      any_weighted |= !f.weights.empty();
-    }
+    const LookupPlan plan = PlanLookup(requests, Resolver());
     // No bags and no ids anywhere: every output is empty.
-    if (total_items == 0) return absl::OkStatus();
+    if (plan.total_items == 0) return absl::OkStatus();
     if (absl::Status s = Activate(); !s.ok()) return s;
     const CallScope scope(stream_);
 
@@ -1006,47 +512,24 @@ class CudaBackend : public EmbeddingBackend {
     Layout in;
     const size_t item_begin_at = in.Add<int64_t>(n + 1);
     const size_t desc_at = in.Add<LookupDesc>(n);
-    const size_t lengths_at = in.Add<int64_t>(total_bags);
-    const size_t ids_at = in.Add<int64_t>(total_ids);
-    const size_t weights_at = in.Add<float>(any_weighted ? total_ids : 0);
+    const size_t lengths_at = in.Add<int64_t>(plan.total_bags);
+    const size_t ids_at = in.Add<int64_t>(plan.total_ids);
+    const size_t weights_at = in.Add<float>(plan.any_weighted ? plan.total_ids : 0);
     const size_t in_bytes = in.bytes();
     Layout dev = in, host = in;
-    const size_t offsets_at = dev.Add<int64_t>(total_bags + 1);
-    const size_t out_at = dev.Add<float>(total_out);
+    const size_t offsets_at = dev.Add<int64_t>(plan.total_bags + 1);
+    const size_t out_at = dev.Add<float>(plan.total_out);
     size_t scan_temp = 0;
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
         nullptr, scan_temp, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
-        total_bags, stream_));
+        plan.total_bags, stream_));
     const size_t temp_at = dev.Add<char>(static_cast<int64_t>(scan_temp));
-    const size_t host_out_at = host.Add<float>(total_out);
+    const size_t host_out_at = host.Add<float>(plan.total_out);
     if (absl::Status s = Reserve(dev.bytes(), host.bytes()); !s.ok()) return s;
     char* h = staging_.get();
     char* d = scratch_.get();
-
-    int64_t* item_begin = At<int64_t>(h, item_begin_at);
-    LookupDesc* descs = At<LookupDesc>(h, desc_at);
-    int64_t items = 0, bags = 0, id_pos = 0, out_pos = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const LookupRequest& r = requests[i];
-      const FeatureRequest& f = r.feature;
-      const Shard& s = *FindShard(f.shard);
-      item_begin[i] = items;
-      LookupDesc& desc = descs[i];
-      desc = LookupDesc{};
-      desc.weights = s.weights.get();
-      desc.dim = s.spec.dim;
-      desc.bag_begin = bags;
-      desc.id_begin = id_pos;
-      desc.out_begin = out_pos;
-      desc.weight_type = static_cast<int32_t>(s.spec.weight_type);
-      desc.pooling = static_cast<int32_t>(f.pooling);
-      desc.weighted = f.weights.empty() ? 0 : 1;
-      items += static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size() : f.lengths.size());
-      bags += static_cast<int64_t>(f.lengths.size());
-      id_pos += static_cast<int64_t>(f.ids.size());
-      out_pos += static_cast<int64_t>(r.output.size());
-    }
-    item_begin[n] = items;
+    std::memcpy(h + item_begin_at, plan.item_begin.data(), (n + 1) * sizeof(int64_t));
+    std::memcpy(h + desc_at, plan.descs.data(), n * sizeof(LookupDesc));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
     size_t at = lengths_at;
@@ -1084,13 +567,13 @@ class CudaBackend : public EmbeddingBackend {
     float* out = At<float>(d, out_at);
     EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        d + temp_at, scan_temp, At<const int64_t>(d, lengths_at), offsets + 1, total_bags,
+        d + temp_at, scan_temp, At<const int64_t>(d, lengths_at), offsets + 1, plan.total_bags,
         stream_));
-    LookupKernel<<<WarpBlocks(total_items), kBlockThreads, 0, stream_>>>(
+    LookupKernel<<<WarpBlocks(plan.total_items), kBlockThreads, 0, stream_>>>(
         At<const int64_t>(d, item_begin_at), At<const LookupDesc>(d, desc_at), n, offsets,
         At<const int64_t>(d, ids_at), At<const float>(d, weights_at), out);
     EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    return DownloadOutputs(out, At<float>(h, host_out_at), total_out, requests, events_,
+    return DownloadOutputs(out, At<float>(h, host_out_at), plan.total_out, requests, events_,
                            stream_);
   }
 
@@ -1103,27 +586,14 @@ class CudaBackend : public EmbeddingBackend {
       return st;
     }
     const int64_t n = static_cast<int64_t>(requests.size());
-    // Shards with at least one id in this call, in id order; only these take
-    // an update. Every shard the call names takes an Adam step, ids or not
-    // (the interface rule, as in the CPU backend).
-    std::map<ShardId, int64_t> slot_of;
-    std::set<ShardId> named;
-    for (const GradientRequest& r : requests) named.insert(r.feature.shard);
-    auto step_idle_shards = [&] {
-      for (ShardId id : named) {
-        if (!slot_of.count(id)) ++FindShard(id)->step;
-      }
+    const GradientPlan plan = PlanGradients(requests, Resolver());
+    // Every shard the call names takes an Adam step, ids or not (the
+    // interface rule, as in the CPU backend); only shards with ids update.
+    auto take_steps = [&] {
+      for (ShardId id : plan.idle) ++FindShard(id)->step;
+      for (ShardId id : plan.slots) ++FindShard(id)->step;
     };
-    int64_t total_bags = 0, total_ids = 0, total_grad = 0;
-    bool any_weighted = false;
-    for (const GradientRequest& r : requests) {
-      const FeatureRequest& f = r.feature;
-      if (!f.ids.empty()) slot_of.emplace(f.shard, 0);
-      total_bags += static_cast<int64_t>(f.lengths.size());
-      total_ids += static_cast<int64_t>(f.ids.size());
-      total_grad += static_cast<int64_t>(r.grad.size());
-      any_weighted |= !f.weights.empty();
-    }
+    const int64_t total_ids = plan.total_ids;
     if (total_ids == 0) {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
       for (int64_t i = 0; i < n; ++i) {
@@ -1134,20 +604,10 @@ class CudaBackend : public EmbeddingBackend {
           return st;
         }
       }
-      step_idle_shards();
+      take_steps();
       return absl::OkStatus();
     }
-    const int64_t num_shards = static_cast<int64_t>(slot_of.size());
-    std::vector<Shard*> slot_shard;
-    slot_shard.reserve(num_shards);
-    uint64_t total_rows = 0;
-    for (auto& [id, slot] : slot_of) {
-      slot = static_cast<int64_t>(slot_shard.size());
-      slot_shard.push_back(FindShard(id));
-      total_rows += static_cast<uint64_t>(slot_shard.back()->spec.rows);
-    }
-    int end_bit = 1;
-    while (end_bit < 64 && ((total_rows - 1) >> end_bit) != 0) ++end_bit;
+    const int64_t num_shards = static_cast<int64_t>(plan.slots.size());
     if (absl::Status s = Activate(); !s.ok()) return s;
     const CallScope scope(stream_);
 
@@ -1156,13 +616,13 @@ class CudaBackend : public EmbeddingBackend {
     const size_t desc_at = in.Add<GradDesc>(n);
     const size_t update_at = in.Add<UpdateDesc>(num_shards);
     const size_t key_base_at = in.Add<uint64_t>(num_shards + 1);
-    const size_t lengths_at = in.Add<int64_t>(total_bags);
+    const size_t lengths_at = in.Add<int64_t>(plan.total_bags);
     const size_t ids_at = in.Add<int64_t>(total_ids);
-    const size_t weights_at = in.Add<float>(any_weighted ? total_ids : 0);
-    const size_t grads_at = in.Add<float>(total_grad);
+    const size_t weights_at = in.Add<float>(plan.any_weighted ? total_ids : 0);
+    const size_t grads_at = in.Add<float>(plan.total_grad);
     const size_t in_bytes = in.bytes();
     Layout dev = in;
-    const size_t offsets_at = dev.Add<int64_t>(total_bags + 1);
+    const size_t offsets_at = dev.Add<int64_t>(plan.total_bags + 1);
     const size_t keys_a_at = dev.Add<uint64_t>(total_ids);
     const size_t keys_b_at = dev.Add<uint64_t>(total_ids);
     const size_t pos_a_at = dev.Add<int64_t>(total_ids);
@@ -1173,16 +633,14 @@ class CudaBackend : public EmbeddingBackend {
     const size_t run_begin_at = dev.Add<int64_t>(total_ids + 1);
     // Hot rows: chunk counts per run, their scan, and the chunks' partial
     // sums (runs longer than kHotRun hold at most 2 * ids / kHotRun chunks).
-    int64_t max_dim = 4;
-    for (const Shard* shard : slot_shard) max_dim = std::max(max_dim, shard->spec.dim);
-    const int64_t max_units = 2 * (total_ids / kHotRun) + 1;
+    const int64_t max_units = 2 * (total_ids / kernels::kHotRun) + 1;
     const size_t hot_units_at = dev.Add<int64_t>(total_ids);
     const size_t hot_end_at = dev.Add<int64_t>(total_ids);
-    const size_t partials_at = dev.Add<float>(max_units * max_dim);
+    const size_t partials_at = dev.Add<float>(max_units * plan.max_dim);
     size_t temp = 0, t = 0;
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
         nullptr, t, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
-        total_bags, stream_));
+        plan.total_bags, stream_));
     temp = std::max(temp, t);
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
         nullptr, t, static_cast<int64_t*>(nullptr), static_cast<int64_t*>(nullptr), total_ids,
@@ -1192,60 +650,17 @@ class CudaBackend : public EmbeddingBackend {
       cub::DoubleBuffer<uint64_t> no_keys(nullptr, nullptr);
       cub::DoubleBuffer<int64_t> no_values(nullptr, nullptr);
       EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-          nullptr, t, no_keys, no_values, total_ids, 0, end_bit, stream_));
+          nullptr, t, no_keys, no_values, total_ids, 0, plan.end_bit, stream_));
     }
     temp = std::max(temp, t);
     const size_t temp_at = dev.Add<char>(static_cast<int64_t>(temp));
     if (absl::Status s = Reserve(dev.bytes(), in_bytes); !s.ok()) return s;
     char* h = staging_.get();
     char* d = scratch_.get();
-
-    // Host tables: shards (with this call's Adam step), then requests.
-    std::vector<int64_t> new_step(num_shards);
-    UpdateDesc* updates = At<UpdateDesc>(h, update_at);
-    uint64_t* key_base = At<uint64_t>(h, key_base_at);
-    key_base[0] = 0;
-    for (int64_t s = 0; s < num_shards; ++s) {
-      const Shard& shard = *slot_shard[s];
-      const OptimizerConfig& o = shard.spec.optimizer;
-      new_step[s] = shard.step + 1;
-      UpdateDesc& u = updates[s];
-      u = UpdateDesc{};
-      u.weights = shard.weights.get();
-      u.state = shard.state_width > 0 ? reinterpret_cast<float*>(shard.state.get()) : nullptr;
-      u.dim = shard.spec.dim;
-      u.state_width = shard.state_width;
-      u.weight_type = static_cast<int32_t>(shard.spec.weight_type);
-      u.stochastic = shard.spec.weight_type != WeightType::kFp32 && o.stochastic_rounding;
-      u.params = backend::MakeStepParams(o, new_step[s]);
-      u.seed = shard.spec.initializer.seed;
-      u.step = new_step[s];
-      u.row_offset = shard.spec.row_offset;
-      u.col_offset = shard.spec.col_offset;
-      key_base[s + 1] = key_base[s] + static_cast<uint64_t>(shard.spec.rows);
-    }
-    int64_t* id_begin = At<int64_t>(h, id_begin_at);
-    GradDesc* descs = At<GradDesc>(h, desc_at);
-    int64_t bags = 0, id_pos = 0, grad_pos = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const GradientRequest& r = requests[i];
-      const FeatureRequest& f = r.feature;
-      const Shard& s = *FindShard(f.shard);
-      id_begin[i] = id_pos;
-      GradDesc& desc = descs[i];
-      desc = GradDesc{};
-      desc.dim = s.spec.dim;
-      desc.bag_begin = bags;
-      desc.num_bags = static_cast<int64_t>(f.lengths.size());
-      desc.grad_begin = grad_pos;
-      desc.key_base = f.ids.empty() ? 0 : key_base[slot_of.at(f.shard)];
-      desc.pooling = static_cast<int32_t>(f.pooling);
-      desc.weighted = f.weights.empty() ? 0 : 1;
-      bags += desc.num_bags;
-      id_pos += static_cast<int64_t>(f.ids.size());
-      grad_pos += static_cast<int64_t>(r.grad.size());
-    }
-    id_begin[n] = id_pos;
+    std::memcpy(h + id_begin_at, plan.id_begin.data(), (n + 1) * sizeof(int64_t));
+    std::memcpy(h + desc_at, plan.descs.data(), n * sizeof(GradDesc));
+    std::memcpy(h + update_at, plan.updates.data(), num_shards * sizeof(UpdateDesc));
+    std::memcpy(h + key_base_at, plan.key_base.data(), (num_shards + 1) * sizeof(uint64_t));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
     size_t at = lengths_at;
@@ -1304,7 +719,7 @@ class CudaBackend : public EmbeddingBackend {
     EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
     t = temp;
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        temp_ptr, t, At<const int64_t>(d, lengths_at), offsets + 1, total_bags, stream_));
+        temp_ptr, t, At<const int64_t>(d, lengths_at), offsets + 1, plan.total_bags, stream_));
     ExpandKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(
         At<const int64_t>(d, id_begin_at), At<const GradDesc>(d, desc_at), n, offsets,
         At<const int64_t>(d, ids_at), At<const float>(d, weights_at), keys_a, pos_a, src_off,
@@ -1316,7 +731,8 @@ class CudaBackend : public EmbeddingBackend {
     cub::DoubleBuffer<int64_t> positions(pos_a, pos_b);
     t = temp;
     EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(temp_ptr, t, keys, positions,
-                                                               total_ids, 0, end_bit, stream_));
+                                                               total_ids, 0, plan.end_bit,
+                                                               stream_));
     const uint64_t* sorted_keys = keys.Current();
     const int64_t* sorted_positions = positions.Current();
     HeadFlagsKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(sorted_keys, total_ids, run_id);
@@ -1339,19 +755,26 @@ class CudaBackend : public EmbeddingBackend {
     t = temp;
     EMBER_RETURN_IF_CUDA_ERROR(
         cub::DeviceScan::InclusiveSum(temp_ptr, t, hot_units, hot_end, total_ids, stream_));
-    PartialSumKernel<<<WarpBlocks(max_units), kBlockThreads, 0, stream_>>>(
-        sorted_keys, sorted_positions, run_begin, num_runs, hot_end,
-        At<const uint64_t>(d, key_base_at), At<const UpdateDesc>(d, update_at), num_shards,
-        src_off, scale, At<const float>(d, grads_at), partials, max_dim);
+    kernels::UpdateArgs args;
+    args.sorted_keys = sorted_keys;
+    args.sorted_positions = sorted_positions;
+    args.run_begin = run_begin;
+    args.num_runs = num_runs;
+    args.hot_end = hot_end;
+    args.key_base = At<const uint64_t>(d, key_base_at);
+    args.shards = At<const UpdateDesc>(d, update_at);
+    args.num_shards = num_shards;
+    args.src_off = src_off;
+    args.scale = scale;
+    args.grads = At<const float>(d, grads_at);
+    args.partials = partials;
+    args.partial_stride = plan.max_dim;
+    PartialSumKernel<<<WarpBlocks(max_units), kBlockThreads, 0, stream_>>>(args);
     EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    UpdateKernel<<<WarpBlocks(total_ids), kBlockThreads, 0, stream_>>>(
-        sorted_keys, sorted_positions, run_begin, num_runs, hot_end,
-        At<const uint64_t>(d, key_base_at), At<const UpdateDesc>(d, update_at), num_shards,
-        src_off, scale, At<const float>(d, grads_at), partials, max_dim);
+    UpdateKernel<<<WarpBlocks(total_ids), kBlockThreads, 0, stream_>>>(args);
     EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-    for (int64_t s = 0; s < num_shards; ++s) slot_shard[s]->step = new_step[s];
-    step_idle_shards();
+    take_steps();
     return absl::OkStatus();
   }
 
@@ -1589,6 +1012,20 @@ class CudaBackend : public EmbeddingBackend {
       }
     }
     return result;
+  }
+
+  // The planner's view of the shards (device pointers).
+  ShardResolver Resolver() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      Shard* s = FindShard(id);
+      ShardView v;
+      v.weights = s->weights.get();
+      v.state = reinterpret_cast<float*>(s->state.get());
+      v.spec = &s->spec;
+      v.state_width = s->state_width;
+      v.step = s->step;
+      return v;
+    };
   }
 
   // For the shared request validation (ValidateRequests).

@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/emulated_backend.h"
 #include "server/backend/cpu_backend.h"
 #include "server/backend/half.h"
 #include "server/backend/cpu_kernels.h"
@@ -40,6 +41,12 @@ std::vector<BackendParam> AvailableBackends() {
       out.push_back({absl::StrCat("cpu_", isa, "_", threads, "t"), [o] { return CreateCpuBackend(o); }});
     }
   }
+  // The CUDA kernels' algorithms on the CPU (kernel_bodies.h with HostWarp),
+  // in every build.
+  out.push_back({"cuda_emulated", [] {
+                   return absl::StatusOr<std::unique_ptr<EmbeddingBackend>>(
+                       cuda::CreateEmulatedCudaBackend());
+                 }});
   // The CUDA backend joins wherever a GPU is visible (never in CI here).
   if (cuda::CreateCudaBackend({}).ok()) {
     out.push_back({"cuda", [] { return cuda::CreateCudaBackend({}); }});

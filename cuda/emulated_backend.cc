@@ -1,0 +1,306 @@
+#include "cuda/emulated_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "cuda/kernel_bodies.h"
+#include "cuda/request_plan.h"
+#include "cuda/warp.h"
+#include "server/backend/half.h"
+
+namespace ember {
+namespace cuda {
+namespace {
+
+using backend::FeatureRequest;
+using backend::GradientRequest;
+using backend::LookupRequest;
+using backend::OptimizerType;
+using backend::ShardId;
+using backend::ShardSpec;
+using backend::WeightType;
+
+struct Shard {
+  ShardSpec spec;
+  int elem_bytes = 4;
+  int64_t state_width = 0;
+  std::vector<uint16_t> half;  // fp16 / bf16 weights
+  std::vector<float> full;     // fp32 weights
+  std::vector<float> state;
+  int64_t step = 0;
+
+  void* weights() { return spec.weight_type == WeightType::kFp32 ? static_cast<void*>(full.data())
+                                                                 : static_cast<void*>(half.data()); }
+};
+
+// One warp runs a whole warp body (as a grid of one warp would).
+template <typename Body>
+void RunWarp(Body body) {
+  HostWarp::Run([&](HostWarp& w) { body(w); });
+}
+
+class EmulatedBackend : public backend::EmbeddingBackend {
+ public:
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    auto shard = std::make_unique<Shard>();
+    shard->spec = spec;
+    shard->state_width = backend::OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    const int64_t n = spec.rows * spec.dim;
+    std::vector<float> values(n);
+    for (int64_t r = 0; r < spec.rows; ++r) {
+      for (int64_t c = 0; c < spec.dim; ++c) {
+        values[r * spec.dim + c] = backend::InitialValue(spec.initializer, spec.table_rows,
+                                                         spec.row_offset + r, spec.col_offset + c);
+      }
+    }
+    Store(shard.get(), 0, values.data(), n);
+    const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
+                         spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
+    shard->state.assign(spec.rows * shard->state_width,
+                        adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
+    const ShardId id = next_id_++;
+    shards_.emplace(id, std::move(shard));
+    return id;
+  }
+
+  absl::Status DropShard(ShardId id) override {
+    absl::MutexLock lock(&mu_);
+    if (shards_.erase(id) == 0) return backend::ShardNotFound(id);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    return s->spec;
+  }
+
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+    const LookupPlan plan = PlanLookup(requests, Resolver());
+    if (plan.total_items == 0) return absl::OkStatus();
+    // The staged arrays, concatenated as on the device.
+    std::vector<int64_t> lengths, ids;
+    std::vector<float> weights(plan.any_weighted ? plan.total_ids : 0);
+    for (const LookupRequest& r : requests) {
+      const FeatureRequest& f = r.feature;
+      lengths.insert(lengths.end(), f.lengths.begin(), f.lengths.end());
+      if (!f.weights.empty()) std::copy(f.weights.begin(), f.weights.end(), weights.begin() + ids.size());
+      ids.insert(ids.end(), f.ids.begin(), f.ids.end());
+    }
+    const std::vector<int64_t> offsets = ExclusiveOffsets(lengths);
+    std::vector<float> out(plan.total_out);
+    const int64_t n = static_cast<int64_t>(requests.size());
+    RunWarp([&](HostWarp& w) {
+      kernels::LookupWarp(w, 0, 1, plan.item_begin.data(), plan.descs.data(), n, offsets.data(),
+                          ids.data(), weights.data(), out.data());
+    });
+    size_t at = 0;
+    for (const LookupRequest& r : requests) {
+      std::copy(out.begin() + at, out.begin() + at + r.output.size(), r.output.begin());
+      at += r.output.size();
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+    const GradientPlan plan = PlanGradients(requests, Resolver());
+    auto take_steps = [&] {
+      for (ShardId id : plan.idle) ++Find(id)->step;
+      for (ShardId id : plan.slots) ++Find(id)->step;
+    };
+    const int64_t total = plan.total_ids;
+    if (total == 0) {
+      take_steps();
+      return absl::OkStatus();
+    }
+    std::vector<int64_t> lengths, ids;
+    std::vector<float> weights(plan.any_weighted ? total : 0), grads;
+    for (const GradientRequest& r : requests) {
+      const FeatureRequest& f = r.feature;
+      lengths.insert(lengths.end(), f.lengths.begin(), f.lengths.end());
+      if (!f.weights.empty()) std::copy(f.weights.begin(), f.weights.end(), weights.begin() + ids.size());
+      ids.insert(ids.end(), f.ids.begin(), f.ids.end());
+      grads.insert(grads.end(), r.grad.begin(), r.grad.end());
+    }
+    const std::vector<int64_t> offsets = ExclusiveOffsets(lengths);
+    const int64_t n = static_cast<int64_t>(requests.size());
+    std::vector<uint64_t> keys(total);
+    std::vector<int64_t> positions(total), src_off(total);
+    std::vector<float> scale(total);
+    for (int64_t p = 0; p < total; ++p) {
+      kernels::ExpandOne(p, plan.id_begin.data(), plan.descs.data(), n, offsets.data(), ids.data(),
+                         weights.data(), keys.data(), positions.data(), src_off.data(),
+                         scale.data());
+    }
+    // CUB's radix sort is stable: equal keys keep their position order.
+    std::vector<int64_t> order(total);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+    std::vector<uint64_t> sorted_keys(total);
+    std::vector<int64_t> sorted_positions(total);
+    for (int64_t k = 0; k < total; ++k) {
+      sorted_keys[k] = keys[order[k]];
+      sorted_positions[k] = positions[order[k]];
+    }
+    std::vector<int64_t> run_id(total), run_begin(total + 1);
+    for (int64_t k = 0; k < total; ++k) kernels::HeadFlagOne(k, sorted_keys.data(), run_id.data());
+    std::partial_sum(run_id.begin(), run_id.end(), run_id.begin());
+    for (int64_t k = 0; k < total; ++k) kernels::RunBeginOne(k, run_id.data(), total, run_begin.data());
+    const int64_t num_runs = run_id[total - 1];
+    std::vector<int64_t> hot_units(total, 0), hot_end(total);
+    for (int64_t u = 0; u < num_runs; ++u) kernels::HotUnitsOne(u, run_begin.data(), hot_units.data());
+    std::partial_sum(hot_units.begin(), hot_units.end(), hot_end.begin());
+    const int64_t max_units = 2 * (total / kernels::kHotRun) + 1;
+    std::vector<float> partials(max_units * plan.max_dim);
+    kernels::UpdateArgs a;
+    a.sorted_keys = sorted_keys.data();
+    a.sorted_positions = sorted_positions.data();
+    a.run_begin = run_begin.data();
+    a.num_runs = &num_runs;
+    a.hot_end = hot_end.data();
+    a.key_base = plan.key_base.data();
+    a.shards = plan.updates.data();
+    a.num_shards = static_cast<int64_t>(plan.slots.size());
+    a.src_off = src_off.data();
+    a.scale = scale.data();
+    a.grads = grads.data();
+    a.partials = partials.data();
+    a.partial_stride = plan.max_dim;
+    RunWarp([&](HostWarp& w) { kernels::PartialSumWarp(w, 0, 1, a); });
+    RunWarp([&](HostWarp& w) { kernels::UpdateWarp(w, 0, 1, a); });
+    take_steps();
+    return absl::OkStatus();
+  }
+
+  absl::Status ExportRows(ShardId id, int64_t b, int64_t e, absl::Span<float> weights,
+                          absl::Span<float> state) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    if (absl::Status st = backend::ValidateRowRange(s->spec, b, e, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    const int64_t dim = s->spec.dim;
+    for (int64_t i = 0; i < (e - b) * dim; ++i) weights[i] = Get(*s, b * dim + i);
+    std::copy(s->state.begin() + b * s->state_width, s->state.begin() + e * s->state_width,
+              state.begin());
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportRows(ShardId id, int64_t b, int64_t e, absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    if (absl::Status st = backend::ValidateImport(s->spec, b, e, weights, state); !st.ok()) {
+      return st;
+    }
+    Store(s, b * s->spec.dim, weights.data(), (e - b) * s->spec.dim);
+    std::copy(state.begin(), state.end(), s->state.begin() + b * s->state_width);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    return s->step;
+  }
+
+  absl::Status ImportStep(ShardId id, int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
+    s->step = step;
+    return absl::OkStatus();
+  }
+
+  int64_t AvailableBytes() const override { return int64_t{1} << 40; }
+  std::string Name() const override { return "cuda-emulated/host"; }
+
+ private:
+  static std::vector<int64_t> ExclusiveOffsets(const std::vector<int64_t>& lengths) {
+    std::vector<int64_t> offsets(lengths.size() + 1, 0);
+    std::partial_sum(lengths.begin(), lengths.end(), offsets.begin() + 1);
+    return offsets;
+  }
+
+  // fp32 values into the shard's weight type, rounded to nearest even.
+  static void Store(Shard* s, int64_t at, const float* v, int64_t n) {
+    switch (s->spec.weight_type) {
+      case WeightType::kFp16:
+        s->half.resize(s->spec.rows * s->spec.dim);
+        for (int64_t i = 0; i < n; ++i) s->half[at + i] = backend::FloatToFp16(v[i]);
+        break;
+      case WeightType::kBf16:
+        s->half.resize(s->spec.rows * s->spec.dim);
+        for (int64_t i = 0; i < n; ++i) s->half[at + i] = backend::FloatToBf16(v[i]);
+        break;
+      default:
+        s->full.resize(s->spec.rows * s->spec.dim);
+        std::copy(v, v + n, s->full.begin() + at);
+    }
+  }
+  static float Get(const Shard& s, int64_t i) {
+    switch (s.spec.weight_type) {
+      case WeightType::kFp16:
+        return backend::Fp16ToFloat(s.half[i]);
+      case WeightType::kBf16:
+        return backend::Bf16ToFloat(s.half[i]);
+      default:
+        return s.full[i];
+    }
+  }
+
+  Shard* Find(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = shards_.find(id);
+    return it == shards_.end() ? nullptr : it->second.get();
+  }
+  std::function<const ShardSpec*(ShardId)> FindSpec() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS -> const ShardSpec* {
+      const Shard* s = Find(id);
+      return s == nullptr ? nullptr : &s->spec;
+    };
+  }
+  ShardResolver Resolver() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      Shard* s = Find(id);
+      ShardView v;
+      v.weights = s->weights();
+      v.state = s->state.data();
+      v.spec = &s->spec;
+      v.state_width = s->state_width;
+      v.step = s->step;
+      return v;
+    };
+  }
+
+  mutable absl::Mutex mu_;
+  std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
+  ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend() {
+  return std::make_unique<EmulatedBackend>();
+}
+
+}  // namespace cuda
+}  // namespace ember

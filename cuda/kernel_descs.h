@@ -1,0 +1,58 @@
+// The descriptors the CUDA backend's kernels read: plain data, built on the
+// host by request_plan.h and copied to the device as they are (the emulated
+// backend reads them from host memory).
+#ifndef EMBER_CUDA_KERNEL_DESCS_H_
+#define EMBER_CUDA_KERNEL_DESCS_H_
+
+#include <cstdint>
+
+#include "server/backend/embedding_math.h"
+
+namespace ember {
+namespace cuda {
+
+// One lookup request. Work items of request r are [item_begin[r],
+// item_begin[r + 1]) (kept in a separate array for the binary search).
+struct LookupDesc {
+  const void* weights;  // the shard's [rows, dim] table, in weight_type
+  int64_t dim;
+  int64_t bag_begin;  // its first bag in the concatenated lengths / offsets
+  int64_t id_begin;   // its first id in the concatenated ids (and weights)
+  int64_t out_begin;  // its first float in the concatenated output
+  int32_t weight_type;
+  int32_t pooling;
+  int32_t weighted;
+  int32_t unused;
+};
+
+// One gradient request. Its ids are [id_begin[r], id_begin[r + 1]).
+struct GradDesc {
+  int64_t dim;
+  int64_t bag_begin;   // as in LookupDesc
+  int64_t num_bags;
+  int64_t grad_begin;  // its first float in the concatenated gradients
+  uint64_t key_base;   // sort key of its shard's row 0
+  int32_t pooling;
+  int32_t weighted;
+};
+
+// One shard touched by an ApplyGradients call. Keys [key_base[s],
+// key_base[s + 1]) are its rows.
+struct UpdateDesc {
+  void* weights;  // [rows, dim] in weight_type
+  float* state;   // [rows, state_width] fp32, or null
+  int64_t dim;
+  int64_t state_width;
+  int32_t weight_type;
+  int32_t stochastic;               // fp16/bf16 updates rounded stochastically
+  backend::math::StepParams params;  // this call's hyper-parameters
+  uint64_t seed;                    // stochastic rounding: the table's seed,
+  int64_t step;                     // this call's step,
+  int64_t row_offset;               // and the shard's place in the table
+  int64_t col_offset;
+};
+
+}  // namespace cuda
+}  // namespace ember
+
+#endif  // EMBER_CUDA_KERNEL_DESCS_H_

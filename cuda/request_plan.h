@@ -1,0 +1,84 @@
+// Request planning for the CUDA backend, CUDA-free: from a Lookup or
+// ApplyGradients call (already validated) to the descriptor tables the
+// kernels read (kernel_descs.h), the totals that size the buffers, and the
+// radix sort's bit count. Both the CUDA backend and the emulated one use it;
+// request_plan_test pins it on the CPU.
+#ifndef EMBER_CUDA_REQUEST_PLAN_H_
+#define EMBER_CUDA_REQUEST_PLAN_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "cuda/kernel_descs.h"
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace cuda {
+
+// What a plan needs to know of a shard: where its weights and state live
+// (device or host), its spec and its Adam step before this call.
+struct ShardView {
+  void* weights = nullptr;
+  float* state = nullptr;
+  const backend::ShardSpec* spec = nullptr;
+  int64_t state_width = 0;
+  int64_t step = 0;
+};
+using ShardResolver = std::function<ShardView(backend::ShardId)>;
+
+struct LookupPlan {
+  std::vector<int64_t> item_begin;  // [requests + 1]: work items per request, scanned
+  std::vector<LookupDesc> descs;    // [requests]
+  int64_t total_items = 0;          // bags of pooled features + ids of NONE ones
+  int64_t total_bags = 0;
+  int64_t total_ids = 0;
+  int64_t total_out = 0;            // floats
+  bool any_weighted = false;
+};
+
+LookupPlan PlanLookup(absl::Span<const backend::LookupRequest> requests,
+                      const ShardResolver& shard);
+
+struct GradientPlan {
+  // Shards with at least one id, in id order (their slot); only these take
+  // an update, with key range [key_base[s], key_base[s + 1]).
+  std::vector<backend::ShardId> slots;
+  std::vector<UpdateDesc> updates;  // [slots], with this call's step (old + 1)
+  std::vector<uint64_t> key_base;   // [slots + 1]
+  // Shards the call names without any id: they take an Adam step only.
+  std::vector<backend::ShardId> idle;
+  std::vector<int64_t> id_begin;    // [requests + 1]
+  std::vector<GradDesc> descs;      // [requests]
+  int64_t total_bags = 0;
+  int64_t total_ids = 0;
+  int64_t total_grad = 0;           // floats
+  int64_t max_dim = 4;              // over the updated shards
+  int end_bit = 1;                  // sort key bits: keys < 2^end_bit
+  bool any_weighted = false;
+};
+
+GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
+                           const ShardResolver& shard);
+
+// Byte offsets of arrays carved out of one buffer, each 256-byte aligned.
+class Layout {
+ public:
+  template <typename T>
+  size_t Add(int64_t count) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    const size_t at = offset_;
+    offset_ += static_cast<size_t>(count) * sizeof(T);
+    return at;
+  }
+  size_t bytes() const { return offset_; }
+
+ private:
+  size_t offset_ = 0;
+};
+
+}  // namespace cuda
+}  // namespace ember
+
+#endif  // EMBER_CUDA_REQUEST_PLAN_H_
