@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.device/bundle}"
 targets=(cuda/cuda_backend_test cuda/device_query_test cuda/cuda_fault_test
+         cuda/emulation_match_test
          server/backend/backend_parity_test server/backend/embedding_math_test
          bench/kernel_bench bench/service_bench cli/emberctl)
 labels=()
@@ -48,7 +49,7 @@ summary() { grep -E '^\[  (PASSED|FAILED)  \]|(ERROR|RACECHECK) SUMMARY' "$1" | 
 # cuda_fault_test plants an illegal address: plain runs only, never under
 # the sanitizers (which would report it).
 for t in device_query_test cuda_backend_test backend_parity_test embedding_math_test \
-         cuda_fault_test; do
+         emulation_match_test cuda_fault_test; do
   timeout 120 "$here/$t" --gtest_output="xml:$out/$t.xml" >"$out/$t.log" 2>&1 || rc=1
   echo "$t: $(summary "$out/$t.log")"
 done
