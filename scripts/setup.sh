@@ -13,7 +13,7 @@ PACKAGES=(
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev
   zlib1g-dev libleveldb-dev clang-14 libclang-rt-14-dev
-  python3-dev python3-numpy python3-pytest pybind11-dev python3-torch
+  python3-dev python3-numpy python3-pytest pybind11-dev python3-torch python3-venv
 )
 
 missing=()
@@ -32,6 +32,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   echo "setup: done" >&2
 fi
+
+# The SDK's Python environment (.venv: PyPI torch, torchrec, FBGEMM's CPU
+# build), for the TorchRec parity tests, the DLRM example and train_bench.
+bash "$(dirname "$0")/setup_python.sh"
 
 # Sanity: the tools the build calls by absolute path.
 for tool in /usr/bin/bazel /usr/bin/protoc /usr/bin/grpc_cpp_plugin; do

@@ -28,7 +28,32 @@ from ember._errors import (  # noqa: F401  (re-exported)
     FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
     PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
     Unimplemented, Unknown, error_class)
-from ember import _ember
+
+
+
+def _load_built_extension():
+    """The extension from this checkout's Bazel output (bazel-bin), for a
+    package imported from the source tree (the venv's .pth points there)."""
+    import importlib.util
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.normpath(os.path.join(here, "..", "..", "bazel-bin", "python", "ember",
+                                         "_ember.so"))
+    if not os.path.exists(path):
+        raise ImportError("ember's extension is not built: run "
+                          "`bazel build //python/ember:_ember.so //cli:emberctl` "
+                          "(scripts/test.sh and scripts/demo.sh do)")
+    spec = importlib.util.spec_from_file_location("ember._ember", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["ember._ember"] = module
+    return module
+
+
+try:
+    from ember import _ember
+except ImportError:
+    _ember = _load_built_extension()
 
 __all__ = [
     "Client", "KeyedJaggedTensor", "KeyedTensor", "LocalCluster", "EmberError",

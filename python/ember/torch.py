@@ -16,7 +16,9 @@ them), `state_dict()` carries each table as "embedding_bags.<table>.weight"
 torch.no_grad() or eval() a forward only looks up.
 """
 
+import concurrent.futures
 import itertools
+import threading
 import uuid
 
 import numpy as np
@@ -112,13 +114,37 @@ class EmbeddingBagCollection(torch.nn.Module):
         self._tables = [t["name"] for t in self._info["spec"]["tables"]]
         self._step = 0
         self._run = uuid.uuid4().hex[:12]
+        self._prefetched = {}  # id(kjt) -> (kjt, Future of the lookup)
+        self._prefetch_lock = threading.Lock()
+        self._executor = None
 
     @property
     def collection(self):
         return self._collection
 
+    def prefetch(self, kjt):
+        """Starts kjt's lookup in a background thread (the client releases the
+        GIL); a later forward(kjt) of the same object uses its result. The
+        lookup reads the tables as they are now, so it misses the updates of
+        steps that finish before that forward (TrainPipeline's one step of
+        staleness)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ember-prefetch")
+        future = self._executor.submit(self._client.lookup, self._collection, kjt)
+        with self._prefetch_lock:
+            self._prefetched[id(kjt)] = (kjt, future)
+            while len(self._prefetched) > 8:  # never consumed: forget the oldest
+                self._prefetched.pop(next(iter(self._prefetched)))
+        return future
+
     def forward(self, kjt):
-        kt = self._client.lookup(self._collection, kjt)
+        with self._prefetch_lock:
+            entry = self._prefetched.pop(id(kjt), None)
+        if entry is not None and entry[0] is kjt:
+            kt = entry[1].result()
+        else:
+            kt = self._client.lookup(self._collection, kjt)
         values = torch.from_numpy(kt.values)
         if torch.is_grad_enabled() and self.training:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
@@ -157,3 +183,58 @@ class EmbeddingBagCollection(torch.nn.Module):
         for key in state_dict:
             if key.startswith(prefix) and key not in mine and strict:
                 unexpected_keys.append(key)
+
+
+class TrainPipeline:
+    """Overlaps the next batch's embedding lookup with the current training
+    step, as TorchRec's TrainPipelineSemiSync does: while the dense model runs
+    forward and backward on batch k, batch k+1's lookup is already on its way
+    to the workers, so their time hides behind the dense compute.
+
+        pipeline = TrainPipeline(model, optimizer, ebc, sparse=lambda b: b["kjt"])
+        for _ in range(steps):
+            loss = pipeline.progress(batches)   # StopIteration when they run out
+
+    model(batch) must call ebc(sparse(batch)) and return the loss (or a tuple
+    whose first element is the loss); sparse(batch) must return the batch's
+    own KJT object each time (the prefetched lookup is matched by identity;
+    another object is looked up afresh, correct but not overlapped); progress() runs backward (which sends
+    the tables' gradients to the workers) and optimizer.step().
+
+    Semantics: batch k+1's lookup is issued before batch k's gradients are
+    applied, so rows that both batches touch are read one update behind (one
+    step of staleness, as with TorchRec's semi-synchronous pipeline). Use a
+    plain loop where that matters.
+    """
+
+    def __init__(self, model, optimizer, ebc, sparse=None):
+        self._model = model
+        self._optimizer = optimizer
+        self._ebc = ebc
+        self._sparse = sparse or (lambda b: b.sparse_features)
+        self._next = None  # (batch, its kjt) with its lookup in flight
+
+    def _fetch(self, batches):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return None
+        kjt = self._sparse(batch)
+        self._ebc.prefetch(kjt)
+        return batch
+
+    def progress(self, batches):
+        """One training step; raises StopIteration when `batches` (an
+        iterator) is exhausted."""
+        if self._next is None:
+            self._next = self._fetch(batches)
+            if self._next is None:
+                raise StopIteration
+        batch = self._next
+        self._next = self._fetch(batches)  # k+1's lookup runs while k computes
+        self._optimizer.zero_grad()
+        out = self._model(batch)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        self._optimizer.step()
+        return loss.detach()
