@@ -130,8 +130,32 @@ class KeyedTensor:
         return {k: self[k] for k in self.keys}
 
 
+def table_spec(t):
+    """A torchrec.EmbeddingBagConfig (or a dict of the same fields) as a spec
+    table: name, num_embeddings, embedding_dim, feature_names, pooling and,
+    when set, data_type."""
+    if isinstance(t, dict):
+        return dict(t)
+    pooling = getattr(t, "pooling", "SUM")
+    pooling = getattr(pooling, "name", str(pooling)).upper()
+    out = {"name": t.name, "num_embeddings": int(t.num_embeddings),
+           "embedding_dim": int(t.embedding_dim), "feature_names": list(t.feature_names),
+           "pooling": pooling}
+    dtype = getattr(t, "data_type", None)
+    if dtype is not None:
+        out["data_type"] = getattr(dtype, "name", str(dtype)).upper()
+    return out
+
+
 def _spec_json(spec):
-    return spec if isinstance(spec, str) else json.dumps(spec)
+    """A spec as JSON: a string as it is, a dict whose tables may be
+    torchrec.EmbeddingBagConfig objects."""
+    if isinstance(spec, str):
+        return spec
+    spec = dict(spec)
+    if "tables" in spec:
+        spec["tables"] = [table_spec(t) for t in spec["tables"]]
+    return json.dumps(spec)
 
 
 class Client:
@@ -148,7 +172,8 @@ class Client:
     # Control plane.
     def create_collection(self, spec, sharding_type=None):
         """Plans and creates a collection; `spec` is a dict (or JSON) in the
-        shape of `emberctl create --spec`. Returns the collection info."""
+        shape of `emberctl create --spec`, whose tables may also be
+        torchrec.EmbeddingBagConfig objects. Returns the collection info."""
         return json.loads(self._c.create_collection(_spec_json(spec), sharding_type or ""))
 
     def collection(self, name):

@@ -72,21 +72,6 @@ class _RemoteLookup(torch.autograd.Function):
         return None, None, None, None
 
 
-def _table_dict(t):
-    """A torchrec.EmbeddingBagConfig (or a dict of its fields) as a spec table."""
-    if isinstance(t, dict):
-        return dict(t)
-    pooling = getattr(t, "pooling", "SUM")
-    pooling = getattr(pooling, "name", str(pooling)).upper()
-    out = {"name": t.name, "num_embeddings": int(t.num_embeddings),
-           "embedding_dim": int(t.embedding_dim), "feature_names": list(t.feature_names),
-           "pooling": pooling}
-    dtype = getattr(t, "data_type", None)
-    if dtype is not None:
-        out["data_type"] = getattr(dtype, "name", str(dtype)).upper()
-    return out
-
-
 class EmbeddingBagCollection(torch.nn.Module):
     """A torch.nn.Module over an Ember collection (see the module doc).
 
@@ -102,7 +87,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         super().__init__()
         self._client = client
         self._collection = collection
-        specs = [_table_dict(t) for t in tables]
+        specs = [ember.table_spec(t) for t in tables]
         for t in specs:
             if optimizer is not None and "optimizer" not in t:
                 t["optimizer"] = dict(optimizer)

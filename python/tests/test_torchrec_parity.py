@@ -138,3 +138,15 @@ def test_dlrm_trains_like_torchrec(client, opt, sharding):
             assert not np.allclose(ours[key].numpy(), initial[key].numpy())
     finally:
         client.drop_collection(name)
+
+
+def test_create_collection_from_embedding_bag_configs(client):
+    info = client.create_collection({"name": "from_configs", "tables": TABLES},
+                                    sharding_type="table_wise")
+    try:
+        tables = {t["name"]: t for t in info["spec"]["tables"]}
+        assert tables["t_item"]["feature_names"] == ["item", "item_last"]
+        assert int(tables["t_user"]["num_embeddings"]) == 60
+        assert client.export_table("from_configs", "t_item").shape == (40, 4)
+    finally:
+        client.drop_collection("from_configs")

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Training steps per second: Ember from PyTorch against TorchRec, same run.
+
+A benchmark, not a test. The service_bench configuration (8 tables of
+--rows x --dim, one feature each, batch --batch, pooling factor --pf, uniform
+ids) under a small DLRM-style dense model (MLP over the pooled embeddings,
+BCE loss, torch SGD), trained three ways in one process run:
+
+  torchrec   a local torchrec.EmbeddingBagCollection with FBGEMM's fused
+             row-wise Adagrad (fuse_embedding_optimizer), in this process;
+  ember      ember.torch.EmbeddingBagCollection on a local cluster of
+             --workers workers (`emberctl up`), row-wise Adagrad fused on the
+             workers, one step at a time;
+  pipelined  the same with ember.torch.TrainPipeline (the next batch's lookup
+             overlaps the current step; one step of staleness).
+
+Prints steps/s for each and the ratios to TorchRec (> 1: Ember faster), or
+one JSON line with --format=json. On one machine the workers, the trainer and
+TorchRec share the cores: see docs/benchmarks.md for what limits the ratio.
+
+    .venv/bin/python bench/train_bench.py [--steps 20] [--workers 2] [--format json]
+"""
+
+import argparse
+import copy
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+import ember
+import ember.torch
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=500000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--pf", type=int, default=20, help="pooling factor: ids per bag")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (after 3 warm-up)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--worker_threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads in this process (0: torch's default)")
+    p.add_argument("--coordinator", default="", help="a running cluster (default: start one)")
+    p.add_argument("--format", default="table", choices=["table", "json"])
+    return p.parse_args()
+
+
+class Dense(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 256), torch.nn.ReLU(),
+                                       torch.nn.Linear(256, 1))
+
+    def forward(self, pooled):
+        return self.mlp(pooled).squeeze(1)
+
+
+def make_batches(args, torchrec, n=4):
+    rng = np.random.default_rng(1)
+    keys = [f"f{t}" for t in range(args.tables)]
+    out = []
+    for _ in range(n):
+        values = torch.from_numpy(
+            rng.integers(0, args.rows, size=args.tables * args.batch * args.pf, dtype=np.int64))
+        lengths = torch.full((args.tables * args.batch,), args.pf, dtype=torch.int64)
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values,
+                                                           lengths=lengths)
+        labels = torch.from_numpy((rng.random(args.batch) < 0.3).astype(np.float32))
+        out.append({"kjt": kjt, "label": labels})
+    return out
+
+
+def time_steps(step, batches, steps):
+    for i in range(3):
+        step(batches[i % len(batches)])
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    return steps / (time.perf_counter() - start)
+
+
+def main():
+    args = parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        import torchrec
+        import torchrec.optim as trec_optim
+        from torchrec.modules.fused_embedding_modules import fuse_embedding_optimizer
+    except ImportError as e:
+        sys.exit(f"train_bench: {e}: run with the .venv scripts/setup.sh prepares")
+    configs = [torchrec.EmbeddingBagConfig(name=f"t{t}", embedding_dim=args.dim,
+                                           num_embeddings=args.rows, feature_names=[f"f{t}"])
+               for t in range(args.tables)]
+    batches = make_batches(args, torchrec)
+    lr = 0.05
+    torch.manual_seed(0)
+    dense0 = Dense(args.tables * args.dim)
+
+    # TorchRec, local, FBGEMM's fused row-wise Adagrad.
+    ref = fuse_embedding_optimizer(
+        torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu")),
+        optimizer_type=trec_optim.RowWiseAdagrad, optimizer_kwargs={"lr": lr, "eps": 1e-8},
+        device=torch.device("cpu"))
+    dense = copy.deepcopy(dense0)
+    opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+
+    def torchrec_step(b):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            dense(ref(b["kjt"]).values()), b["label"])
+        loss.backward()
+        opt.step()
+
+    results = {"torchrec_steps_per_s": time_steps(torchrec_step, batches, args.steps)}
+    del ref
+
+    def run_ember(address):
+        client = ember.Client(address, timeout_s=120)
+        name = f"train_bench_{int(time.time())}"
+        ebc = ember.torch.EmbeddingBagCollection(
+            configs, client, name, optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": lr,
+                                              "eps": 1e-8})
+        try:
+            model_dense = copy.deepcopy(dense0)
+            eopt = torch.optim.SGD(model_dense.parameters(), lr=0.01)
+
+            def model(b):
+                return torch.nn.functional.binary_cross_entropy_with_logits(
+                    model_dense(ebc(b["kjt"]).values()), b["label"])
+
+            def ember_step(b):
+                eopt.zero_grad()
+                model(b).backward()
+                eopt.step()
+
+            results["ember_steps_per_s"] = time_steps(ember_step, batches, args.steps)
+            # Pipelined: a fresh iterator over the same batches, cycled.
+            pipeline = ember.torch.TrainPipeline(model, eopt, ebc, sparse=lambda b: b["kjt"])
+            total = args.steps + 3
+            # Distinct dicts per step (the prefetch matches KJT objects), same data.
+            seq = iter([dict(batches[i % len(batches)], kjt=copy.copy(batches[i % len(batches)]["kjt"]))
+                        for i in range(total)])
+            for _ in range(3):
+                pipeline.progress(seq)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                pipeline.progress(seq)
+            results["pipelined_steps_per_s"] = args.steps / (time.perf_counter() - start)
+            results["plan"] = sorted({t["sharding_type"] for t in ebc._info["plan"]["tables"]})
+        finally:
+            client.drop_collection(name)
+
+    if args.coordinator:
+        run_ember(args.coordinator)
+    else:
+        with ember.LocalCluster(workers=args.workers,
+                                extra_flags=[f"--threads={args.worker_threads}"]) as cluster:
+            run_ember(cluster.address)
+    base = results["torchrec_steps_per_s"]
+    results.update({
+        "ember_ratio": results["ember_steps_per_s"] / base,
+        "pipelined_ratio": results["pipelined_steps_per_s"] / base,
+        "tables": args.tables, "rows": args.rows, "dim": args.dim, "batch": args.batch,
+        "pooling_factor": args.pf, "steps": args.steps, "workers": args.workers,
+        "torch": torch.__version__, "torchrec": torchrec.__version__,
+    })
+    if args.format == "json":
+        print(json.dumps(results), flush=True)
+        return
+    print(f"train_bench: {args.tables} tables of {args.rows} x {args.dim}, batch {args.batch}, "
+          f"pooling factor {args.pf}, row-wise Adagrad; {args.workers} Ember workers "
+          f"({', '.join(results['plan'])}); torch {torch.__version__}, torchrec "
+          f"{torchrec.__version__}")
+    print(f"  torchrec (local, FBGEMM fused): {base:8.2f} steps/s")
+    print(f"  ember:                          {results['ember_steps_per_s']:8.2f} steps/s  "
+          f"{results['ember_ratio']:.2f}x")
+    print(f"  ember, pipelined:               {results['pipelined_steps_per_s']:8.2f} steps/s  "
+          f"{results['pipelined_ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
