@@ -18,6 +18,7 @@ torch.no_grad() or eval() a forward only looks up.
 
 import concurrent.futures
 import itertools
+import sys
 import threading
 import uuid
 
@@ -124,6 +125,9 @@ class EmbeddingBagCollection(torch.nn.Module):
         return future
 
     def forward(self, kjt):
+        """The pooled embeddings as a KeyedTensor: torchrec's
+        (torchrec.sparse.jagged_tensor.KeyedTensor) when the program has
+        imported torchrec, else ember.torch.KeyedTensor (the same methods)."""
         with self._prefetch_lock:
             entry = self._prefetched.pop(id(kjt), None)
         if entry is not None and entry[0] is kjt:
@@ -134,6 +138,10 @@ class EmbeddingBagCollection(torch.nn.Module):
         if torch.is_grad_enabled() and self.training:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             values = _RemoteLookup.apply(anchor, self, ember._as_kjt(kjt), values)
+        if "torchrec" in sys.modules:  # a TorchRec program gets TorchRec's type
+            from torchrec.sparse.jagged_tensor import KeyedTensor as TorchRecKeyedTensor
+            return TorchRecKeyedTensor(keys=list(kt.keys), length_per_key=list(kt.length_per_key),
+                                       values=values)
         return KeyedTensor(kt.keys, kt.length_per_key, values)
 
     def _apply_gradients(self, kjt, grad):

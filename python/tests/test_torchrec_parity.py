@@ -122,6 +122,7 @@ def test_dlrm_trains_like_torchrec(client, opt, sharding):
 
             opt_ember.zero_grad()
             kt = ebc(kjt)  # the torchrec KJT as it is
+            assert isinstance(kt, torchrec.KeyedTensor)  # torchrec's own type back
             assert kt.keys() == FEATURES
             loss_ember = bce(dense_ember(dense, kt.values()), labels)
             loss_ember.backward()
