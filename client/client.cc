@@ -444,8 +444,7 @@ namespace {
 
 // Prepares one job per KJT key. `sequence`: the call is for NONE tables.
 absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection,
-                         const KeyedJaggedTensor& kjt, bool sequence,
-                         std::vector<FeatureJob>* jobs) {
+                         const KjtView& kjt, bool sequence, std::vector<FeatureJob>* jobs) {
   if (absl::Status s = kjt.Validate(); !s.ok()) return s;
   const int64_t batch = kjt.batch_size();
   const std::vector<int64_t> off = kjt.key_offsets();
@@ -651,8 +650,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
 
 }  // namespace
 
-absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection,
-                                           const KeyedJaggedTensor& kjt) {
+absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtView kjt) {
   KeyedTensor kt;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   const uint64_t pick = replica_counter_.fetch_add(1);
@@ -679,8 +677,8 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection,
   return kt;
 }
 
-absl::Status Client::ApplyGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
-                                    const KeyedTensor& grads, const std::string& request_id,
+absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
+                                    KeyedTensorView grads, const std::string& request_id,
                                     std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
@@ -710,7 +708,7 @@ absl::Status Client::ApplyGradients(const std::string& collection, const KeyedJa
 }
 
 absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
-    const std::string& collection, const KeyedJaggedTensor& kjt) {
+    const std::string& collection, KjtView kjt) {
   std::vector<SequenceEmbedding> out;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   const uint64_t pick = replica_counter_.fetch_add(1);
@@ -731,8 +729,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
   return out;
 }
 
-absl::Status Client::ApplySequenceGradients(const std::string& collection,
-                                            const KeyedJaggedTensor& kjt,
+absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtView kjt,
                                             const std::vector<SequenceEmbedding>& grads,
                                             const std::string& request_id,
                                             std::string* used_request_id) {

@@ -84,23 +84,27 @@ class Client {
                                                       const ember::v1::Topology& topology,
                                                       const std::string& sharding_type = "");
 
+  // The data calls take the KJT (and gradients) as views: a KeyedJaggedTensor
+  // / KeyedTensor converts, and the Python SDK passes NumPy or torch memory
+  // without a copy. The memory is read during the call only.
+  //
   // Pooled features (SUM/MEAN tables): a KeyedTensor of the KJT's features in
   // the collection's order (tables in spec order, then feature_names).
-  absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, const KeyedJaggedTensor& kjt);
+  absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, KjtView kjt);
   // Gradients of Lookup's output (same keys, dims and batch). request_id
   // makes retries exactly-once; empty: a fresh random id. The id used is
   // written to *used_request_id (if given) whatever the outcome: after a
   // failure that reached some workers and not others, calling again with
   // that id applies the rest without applying anything twice (workers
   // remember ids for their --dedup_ttl).
-  absl::Status ApplyGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
-                              const KeyedTensor& grads, const std::string& request_id = "",
+  absl::Status ApplyGradients(const std::string& collection, KjtView kjt, KeyedTensorView grads,
+                              const std::string& request_id = "",
                               std::string* used_request_id = nullptr);
 
   // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,
-                                                                const KeyedJaggedTensor& kjt);
-  absl::Status ApplySequenceGradients(const std::string& collection, const KeyedJaggedTensor& kjt,
+                                                                KjtView kjt);
+  absl::Status ApplySequenceGradients(const std::string& collection, KjtView kjt,
                                       const std::vector<SequenceEmbedding>& grads,
                                       const std::string& request_id = "",
                                       std::string* used_request_id = nullptr);

@@ -9,7 +9,7 @@ namespace ember {
 namespace client {
 namespace {
 
-int64_t FirstNonFinite(const std::vector<float>& values) {
+int64_t FirstNonFinite(absl::Span<const float> values) {
   for (size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) return static_cast<int64_t>(i);
   }
@@ -54,7 +54,11 @@ absl::StatusOr<KeyedJaggedTensor> KeyedJaggedTensor::FromJagged(
   return kjt;
 }
 
-absl::Status KeyedJaggedTensor::Validate() const {
+absl::Status KeyedJaggedTensor::Validate() const { return View().Validate(); }
+int64_t KeyedJaggedTensor::batch_size() const { return View().batch_size(); }
+std::vector<int64_t> KeyedJaggedTensor::key_offsets() const { return View().key_offsets(); }
+
+absl::Status KjtView::Validate() const {
   std::set<std::string> seen;
   for (const std::string& k : keys) {
     if (k.empty()) return absl::InvalidArgumentError("a KJT key is empty");
@@ -96,11 +100,11 @@ absl::Status KeyedJaggedTensor::Validate() const {
   return absl::OkStatus();
 }
 
-int64_t KeyedJaggedTensor::batch_size() const {
+int64_t KjtView::batch_size() const {
   return keys.empty() ? 0 : static_cast<int64_t>(lengths.size() / keys.size());
 }
 
-std::vector<int64_t> KeyedJaggedTensor::key_offsets() const {
+std::vector<int64_t> KjtView::key_offsets() const {
   std::vector<int64_t> off(keys.size() + 1, 0);
   const int64_t b = batch_size();
   for (size_t k = 0; k < keys.size(); ++k) {
@@ -111,17 +115,20 @@ std::vector<int64_t> KeyedJaggedTensor::key_offsets() const {
   return off;
 }
 
-int64_t KeyedTensor::row_width() const {
+int64_t KeyedTensorView::row_width() const {
   int64_t w = 0;
   for (int64_t d : length_per_key) w += d;
   return w;
 }
 
-std::vector<int64_t> KeyedTensor::offset_per_key() const {
+std::vector<int64_t> KeyedTensorView::offset_per_key() const {
   std::vector<int64_t> off(length_per_key.size() + 1, 0);
   for (size_t k = 0; k < length_per_key.size(); ++k) off[k + 1] = off[k] + length_per_key[k];
   return off;
 }
+
+int64_t KeyedTensor::row_width() const { return View().row_width(); }
+std::vector<int64_t> KeyedTensor::offset_per_key() const { return View().offset_per_key(); }
 
 absl::StatusOr<std::vector<float>> KeyedTensor::Get(const std::string& key) const {
   const std::vector<int64_t> off = offset_per_key();
@@ -139,7 +146,8 @@ absl::StatusOr<std::vector<float>> KeyedTensor::Get(const std::string& key) cons
   return absl::NotFoundError(absl::StrCat("no key '", key, "' in the KeyedTensor"));
 }
 
-absl::Status CheckGradientLayout(const KeyedTensor& grads, const std::vector<std::string>& keys,
+absl::Status CheckGradientLayout(const KeyedTensorView& grads,
+                                 const std::vector<std::string>& keys,
                                  const std::vector<int64_t>& dims, int64_t batch) {
   const size_t n = keys.size();
   if (grads.keys.size() != n || grads.length_per_key.size() != n || grads.batch_size != batch ||

@@ -23,6 +23,32 @@
 namespace ember {
 namespace client {
 
+// A KJT over memory its caller owns and keeps alive for the call: no copy.
+// The Python SDK builds one over NumPy / torch buffers; KeyedJaggedTensor's
+// View() gives one over its vectors. The same layout and rules as
+// KeyedJaggedTensor's, below.
+struct KjtView {
+  absl::Span<const std::string> keys;
+  absl::Span<const int64_t> lengths;
+  absl::Span<const int64_t> values;
+  absl::Span<const float> weights;
+
+  absl::Status Validate() const;
+  int64_t batch_size() const;
+  std::vector<int64_t> key_offsets() const;
+};
+
+// A KeyedTensor (gradients) over caller-owned memory; KeyedTensor::View().
+struct KeyedTensorView {
+  absl::Span<const std::string> keys;
+  absl::Span<const int64_t> length_per_key;
+  int64_t batch_size = 0;
+  absl::Span<const float> values;
+
+  int64_t row_width() const;
+  std::vector<int64_t> offset_per_key() const;
+};
+
 struct KeyedJaggedTensor {
   std::vector<std::string> keys;
   std::vector<int64_t> lengths;
@@ -45,6 +71,10 @@ struct KeyedJaggedTensor {
   int64_t batch_size() const;  // B; 0 without keys
   // Start of key k's values in `values` (size K + 1).
   std::vector<int64_t> key_offsets() const;
+
+  KjtView View() const { return {keys, lengths, values, weights}; }
+  // Where a call takes a KjtView (it reads the KJT during the call only).
+  operator KjtView() const { return View(); }  // NOLINT(google-explicit-constructor)
 };
 
 struct KeyedTensor {
@@ -57,12 +87,16 @@ struct KeyedTensor {
   std::vector<int64_t> offset_per_key() const;
   // Feature `key`'s [batch, dim] block copied out; NOT_FOUND if absent.
   absl::StatusOr<std::vector<float>> Get(const std::string& key) const;
+
+  KeyedTensorView View() const { return {keys, length_per_key, batch_size, values}; }
+  operator KeyedTensorView() const { return View(); }  // NOLINT(google-explicit-constructor)
 };
 
 // Checks that `grads` has the layout of a lookup's output: exactly `keys`
 // in that order with widths `dims`, `batch` rows, values [batch, sum(dims)].
 // INVALID_ARGUMENT naming the first difference.
-absl::Status CheckGradientLayout(const KeyedTensor& grads, const std::vector<std::string>& keys,
+absl::Status CheckGradientLayout(const KeyedTensorView& grads,
+                                 const std::vector<std::string>& keys,
                                  const std::vector<int64_t>& dims, int64_t batch);
 
 // One sequence (pooling NONE) feature's embeddings: one row per id, in the

@@ -79,15 +79,36 @@ py::array_t<float> ToNumpy(std::vector<float> v, int64_t rows, int64_t cols) {
                             free);
 }
 
-KeyedJaggedTensor MakeKjt(std::vector<std::string> keys, py::array_t<int64_t> lengths,
-                          py::array_t<int64_t> values, py::object weights) {
-  KeyedJaggedTensor kjt;
-  kjt.keys = std::move(keys);
-  kjt.lengths = ToVector<int64_t>(lengths);
-  kjt.values = ToVector<int64_t>(values);
-  if (!weights.is_none()) kjt.weights = ToVector<float>(weights.cast<py::array_t<float>>());
-  return kjt;
+template <typename T>
+using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+absl::Span<const T> SpanOf(const CArray<T>& a) {
+  return absl::Span<const T>(a.data(), static_cast<size_t>(a.size()));
 }
+
+// One call's KJT: the caller's arrays as C-contiguous arrays of the right
+// dtype (the same memory when they already are, a converted copy only when
+// not), held for the call, and the view the client reads them through.
+struct KjtArgs {
+  KjtArgs(std::vector<std::string> k, const py::object& lengths, const py::object& values,
+          const py::object& weights)
+      : keys(std::move(k)),
+        lengths(lengths),
+        values(values),
+        weighted(!weights.is_none()),
+        weights(weighted ? CArray<float>(weights) : CArray<float>(0)) {}
+
+  client::KjtView View() const {
+    return {keys, SpanOf(lengths), SpanOf(values),
+            weighted ? SpanOf(weights) : absl::Span<const float>()};
+  }
+
+  std::vector<std::string> keys;
+  CArray<int64_t> lengths, values;
+  bool weighted;
+  CArray<float> weights;
+};
 
 }  // namespace
 }  // namespace ember
@@ -155,12 +176,12 @@ PYBIND11_MODULE(_ember, m) {
            })
       .def("lookup",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
-              py::array_t<int64_t> lengths, py::array_t<int64_t> values, py::object weights) {
-             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, weights);
+              py::object lengths, py::object values, py::object weights) {
+             const KjtArgs kjt(std::move(keys), lengths, values, weights);
              absl::StatusOr<KeyedTensor> kt;
              {
                py::gil_scoped_release release;
-               kt = c.Lookup(name, kjt);
+               kt = c.Lookup(name, kjt.View());
              }
              KeyedTensor t = Value(std::move(kt));
              const int64_t width = t.row_width();
@@ -169,21 +190,21 @@ PYBIND11_MODULE(_ember, m) {
            })
       .def("apply_gradients",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
-              py::array_t<int64_t> lengths, py::array_t<int64_t> values, py::object weights,
+              py::object lengths, py::object values, py::object weights,
               std::vector<std::string> grad_keys, std::vector<int64_t> length_per_key,
-              py::array_t<float, py::array::c_style | py::array::forcecast> grads,
+              const CArray<float>& grads,
               const std::string& request_id) {
-             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, weights);
-             KeyedTensor g;
-             g.keys = std::move(grad_keys);
-             g.length_per_key = std::move(length_per_key);
+             const KjtArgs kjt(std::move(keys), lengths, values, weights);
+             client::KeyedTensorView g;
+             g.keys = grad_keys;
+             g.length_per_key = length_per_key;
              g.batch_size = grads.ndim() == 2 ? grads.shape(0) : 0;
-             g.values = ToVector<float>(grads);
+             g.values = SpanOf(grads);
              std::string used;
              absl::Status s;
              {
                py::gil_scoped_release release;
-               s = c.ApplyGradients(name, kjt, g, request_id, &used);
+               s = c.ApplyGradients(name, kjt.View(), g, request_id, &used);
              }
              if (!s.ok()) {  // the id goes with the error, for a retry that finishes the job
                throw StatusError{static_cast<int>(s.code()),
@@ -193,12 +214,12 @@ PYBIND11_MODULE(_ember, m) {
            })
       .def("lookup_sequence",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
-              py::array_t<int64_t> lengths, py::array_t<int64_t> values) {
-             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, py::none());
+              py::object lengths, py::object values) {
+             const KjtArgs kjt(std::move(keys), lengths, values, py::none());
              absl::StatusOr<std::vector<SequenceEmbedding>> out;
              {
                py::gil_scoped_release release;
-               out = c.LookupSequence(name, kjt);
+               out = c.LookupSequence(name, kjt.View());
              }
              py::list result;
              for (SequenceEmbedding& e : Value(std::move(out))) {
@@ -209,9 +230,9 @@ PYBIND11_MODULE(_ember, m) {
            })
       .def("apply_sequence_gradients",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
-              py::array_t<int64_t> lengths, py::array_t<int64_t> values, py::list grads,
+              py::object lengths, py::object values, py::list grads,
               const std::string& request_id) {
-             KeyedJaggedTensor kjt = MakeKjt(std::move(keys), lengths, values, py::none());
+             const KjtArgs kjt(std::move(keys), lengths, values, py::none());
              std::vector<SequenceEmbedding> g;
              for (py::handle item : grads) {
                auto pair = item.cast<py::tuple>();
@@ -223,7 +244,7 @@ PYBIND11_MODULE(_ember, m) {
              absl::Status s;
              {
                py::gil_scoped_release release;
-               s = c.ApplySequenceGradients(name, kjt, g, request_id, &used);
+               s = c.ApplySequenceGradients(name, kjt.View(), g, request_id, &used);
              }
              if (!s.ok()) {
                throw StatusError{static_cast<int>(s.code()),

@@ -151,3 +151,16 @@ def test_create_collection_from_embedding_bag_configs(client):
         assert client.export_table("from_configs", "t_item").shape == (40, 4)
     finally:
         client.drop_collection("from_configs")
+
+
+def test_torchrec_kjt_reaches_the_client_without_a_copy():
+    """A torchrec KJT's ids, lengths and weights are handed on as views of the
+    tensors' memory (the extension reads them in place when they are
+    C-contiguous int64 / float32)."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["user", "item"], values=torch.arange(6, dtype=torch.int64),
+        lengths=torch.tensor([1, 2, 2, 1]), weights=torch.ones(6))
+    e = ember._as_kjt(kjt)
+    assert np.shares_memory(e.values, kjt.values().numpy())
+    assert np.shares_memory(e.lengths, kjt.lengths().numpy())
+    assert np.shares_memory(e.weights, kjt.weights().numpy())
