@@ -153,7 +153,7 @@ def train(address, args):
                 loss, _ = model(batch)
                 loss.backward()
                 optimizer.step()
-            recent.append(float(loss))
+            recent.append(float(loss.detach()))
             if step % args.log_every == 0 or step == args.steps:
                 rate = step / (time.monotonic() - start)
                 print(f"train_dlrm: step {step}/{args.steps}  loss {np.mean(recent):.4f}  "
