@@ -733,6 +733,15 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
                                             const std::vector<SequenceEmbedding>& grads,
                                             const std::string& request_id,
                                             std::string* used_request_id) {
+  std::vector<SequenceEmbeddingView> views;
+  for (const SequenceEmbedding& g : grads) views.push_back(g.View());
+  return ApplySequenceGradients(collection, kjt, views, request_id, used_request_id);
+}
+
+absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtView kjt,
+                                            absl::Span<const SequenceEmbeddingView> grads,
+                                            const std::string& request_id,
+                                            std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
@@ -746,7 +755,7 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
                                                      jobs.size(), " sequence features"));
     }
     for (FeatureJob& j : jobs) {
-      const SequenceEmbedding* g = nullptr;
+      const SequenceEmbeddingView* g = nullptr;
       for (const auto& candidate : grads) {
         if (candidate.key == j.key) g = &candidate;
       }

@@ -108,6 +108,11 @@ class Client {
                                       const std::vector<SequenceEmbedding>& grads,
                                       const std::string& request_id = "",
                                       std::string* used_request_id = nullptr);
+  // The same over caller-owned gradient blocks (no copy).
+  absl::Status ApplySequenceGradients(const std::string& collection, KjtView kjt,
+                                      absl::Span<const SequenceEmbeddingView> grads,
+                                      const std::string& request_id = "",
+                                      std::string* used_request_id = nullptr);
 
   // Replaces a table's weights with `values` (float32 [rows, dim], the
   // table's shape; finite), on every shard and replica; optimizer state and

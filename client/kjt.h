@@ -101,10 +101,18 @@ absl::Status CheckGradientLayout(const KeyedTensorView& grads,
 
 // One sequence (pooling NONE) feature's embeddings: one row per id, in the
 // KJT's order, [num_ids, dim].
+struct SequenceEmbeddingView {
+  std::string key;
+  int64_t dim = 0;
+  absl::Span<const float> values;
+};
+
 struct SequenceEmbedding {
   std::string key;
   int64_t dim = 0;
   std::vector<float> values;
+
+  SequenceEmbeddingView View() const { return {key, dim, values}; }
 };
 
 }  // namespace client

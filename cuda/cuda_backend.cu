@@ -532,34 +532,9 @@ class CudaBackend : public EmbeddingBackend {
     std::memcpy(h + desc_at, plan.descs.data(), n * sizeof(LookupDesc));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
-    size_t at = lengths_at;
-    for (const LookupRequest& r : requests) {
-      if (absl::Status st = up.AppendSpan(at, r.feature.lengths); !st.ok()) return st;
-      at += r.feature.lengths.size() * sizeof(int64_t);
-    }
-    at = ids_at;
-    for (int64_t i = 0; i < n; ++i) {
-      const FeatureRequest& f = requests[i].feature;
-      const ShardSpec& spec = FindShard(f.shard)->spec;
-      auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
-        return CheckIds(ids, spec.rows, RequestWhat("lookup", i, spec), first);
-      };
-      if (absl::Status st = up.AppendSpan(at, f.ids, check); !st.ok()) return st;
-      at += f.ids.size() * sizeof(int64_t);
-    }
-    at = weights_at;
-    for (int64_t i = 0; i < n; ++i) {
-      const FeatureRequest& f = requests[i].feature;
-      if (f.weights.empty()) {
-        at += f.ids.size() * sizeof(float);  // never read: the request is unweighted
-        continue;
-      }
-      const ShardSpec& spec = FindShard(f.shard)->spec;
-      auto check = [&](absl::Span<const float> w, int64_t first) {
-        return CheckFinite(w, RequestWhat("lookup", i, spec), "weights", first);
-      };
-      if (absl::Status st = up.AppendSpan(at, f.weights, check); !st.ok()) return st;
-      at += f.weights.size() * sizeof(float);
+    if (absl::Status st = StageFeatures(requests, "lookup", lengths_at, ids_at, weights_at, &up);
+        !st.ok()) {
+      return st;
     }
     if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;
 
@@ -663,36 +638,12 @@ class CudaBackend : public EmbeddingBackend {
     std::memcpy(h + key_base_at, plan.key_base.data(), (num_shards + 1) * sizeof(uint64_t));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
-    size_t at = lengths_at;
-    for (const GradientRequest& r : requests) {
-      if (absl::Status st = up.AppendSpan(at, r.feature.lengths); !st.ok()) return st;
-      at += r.feature.lengths.size() * sizeof(int64_t);
+    if (absl::Status st =
+            StageFeatures(requests, "gradient", lengths_at, ids_at, weights_at, &up);
+        !st.ok()) {
+      return st;
     }
-    at = ids_at;
-    for (int64_t i = 0; i < n; ++i) {
-      const FeatureRequest& f = requests[i].feature;
-      const ShardSpec& spec = FindShard(f.shard)->spec;
-      auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
-        return CheckIds(ids, spec.rows, RequestWhat("gradient", i, spec), first);
-      };
-      if (absl::Status st = up.AppendSpan(at, f.ids, check); !st.ok()) return st;
-      at += f.ids.size() * sizeof(int64_t);
-    }
-    at = weights_at;
-    for (int64_t i = 0; i < n; ++i) {
-      const FeatureRequest& f = requests[i].feature;
-      if (f.weights.empty()) {
-        at += f.ids.size() * sizeof(float);  // never read: the request is unweighted
-        continue;
-      }
-      const ShardSpec& spec = FindShard(f.shard)->spec;
-      auto check = [&](absl::Span<const float> w, int64_t first) {
-        return CheckFinite(w, RequestWhat("gradient", i, spec), "weights", first);
-      };
-      if (absl::Status st = up.AppendSpan(at, f.weights, check); !st.ok()) return st;
-      at += f.weights.size() * sizeof(float);
-    }
-    at = grads_at;
+    size_t at = grads_at;
     for (int64_t i = 0; i < n; ++i) {
       const GradientRequest& r = requests[i];
       const ShardSpec& spec = FindShard(r.feature.shard)->spec;
@@ -1012,6 +963,46 @@ class CudaBackend : public EmbeddingBackend {
       }
     }
     return result;
+  }
+
+  // Stages the requests' lengths, ids and per-id weights into their layout
+  // regions, in order, checking ids (in range) and weights (finite) piece by
+  // piece as they are copied. `kind` names the requests in messages.
+  template <typename Request>
+  absl::Status StageFeatures(absl::Span<const Request> requests, const char* kind,
+                             size_t lengths_at, size_t ids_at, size_t weights_at,
+                             Uploader* up) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t n = static_cast<int64_t>(requests.size());
+    size_t at = lengths_at;
+    for (const Request& r : requests) {
+      if (absl::Status st = up->AppendSpan(at, r.feature.lengths); !st.ok()) return st;
+      at += r.feature.lengths.size() * sizeof(int64_t);
+    }
+    at = ids_at;
+    for (int64_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      const ShardSpec& spec = FindShard(f.shard)->spec;
+      auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
+        return CheckIds(ids, spec.rows, RequestWhat(kind, i, spec), first);
+      };
+      if (absl::Status st = up->AppendSpan(at, f.ids, check); !st.ok()) return st;
+      at += f.ids.size() * sizeof(int64_t);
+    }
+    at = weights_at;
+    for (int64_t i = 0; i < n; ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      if (f.weights.empty()) {
+        at += f.ids.size() * sizeof(float);  // never read: the request is unweighted
+        continue;
+      }
+      const ShardSpec& spec = FindShard(f.shard)->spec;
+      auto check = [&](absl::Span<const float> w, int64_t first) {
+        return CheckFinite(w, RequestWhat(kind, i, spec), "weights", first);
+      };
+      if (absl::Status st = up->AppendSpan(at, f.weights, check); !st.ok()) return st;
+      at += f.weights.size() * sizeof(float);
+    }
+    return absl::OkStatus();
   }
 
   // The planner's view of the shards (device pointers).

@@ -66,11 +66,6 @@ M FromJson(const std::string& json, const char* what) {
   return m;
 }
 
-template <typename T>
-std::vector<T> ToVector(const py::array_t<T, py::array::c_style | py::array::forcecast>& a) {
-  return std::vector<T>(a.data(), a.data() + a.size());
-}
-
 // A vector's buffer handed to NumPy (no copy), shaped [rows, cols].
 py::array_t<float> ToNumpy(std::vector<float> v, int64_t rows, int64_t cols) {
   auto* owned = new std::vector<float>(std::move(v));
@@ -233,12 +228,16 @@ PYBIND11_MODULE(_ember, m) {
               py::object lengths, py::object values, py::list grads,
               const std::string& request_id) {
              const KjtArgs kjt(std::move(keys), lengths, values, py::none());
-             std::vector<SequenceEmbedding> g;
+             // The blocks as C-contiguous float32 arrays (in place when they
+             // are), held for the call.
+             std::vector<CArray<float>> arrays;
+             std::vector<client::SequenceEmbeddingView> g;
              for (py::handle item : grads) {
                auto pair = item.cast<py::tuple>();
-               auto a = pair[1].cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+               arrays.emplace_back(py::reinterpret_borrow<py::object>(pair[1]));
+               const CArray<float>& a = arrays.back();
                g.push_back({pair[0].cast<std::string>(), a.ndim() == 2 ? a.shape(1) : 0,
-                            ToVector<float>(a)});
+                            SpanOf(a)});
              }
              std::string used;
              absl::Status s;
