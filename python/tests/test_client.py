@@ -71,6 +71,20 @@ def test_lookups_and_an_sgd_step_match_numpy(client, sharding_type):
         seq = client.lookup_sequence(name, ember.KeyedJaggedTensor.from_jagged({"f_seq": seq_bags}))
         ids = [i for bag in seq_bags for i in bag]
         np.testing.assert_allclose(seq["f_seq"], before["t_seq"][ids].reshape(-1, 4), rtol=1e-6)
+        # A sequence gradient step (t_seq names no optimizer: SGD at the default lr 0.01):
+        # each id's row moves by its own gradient row, duplicates summed.
+        seq_kjt = ember.KeyedJaggedTensor.from_jagged({"f_seq": seq_bags})
+        seq_grad = rng.uniform(-1, 1, size=(len(ids), 4)).astype(np.float32)
+        assert client.apply_sequence_gradients(name, seq_kjt, {"f_seq": seq_grad})
+        want_seq = before["t_seq"].astype(np.float64).copy()
+        for i, row in enumerate(ids):
+            want_seq[row] -= 0.01 * seq_grad[i]
+        np.testing.assert_allclose(client.export_table(name, "t_seq"), want_seq, rtol=1e-5,
+                                   atol=1e-6)
+        with pytest.raises(ember.InvalidArgument):  # wrong block shape: nothing applied
+            client.apply_sequence_gradients(name, seq_kjt, {"f_seq": seq_grad[:, :2].copy()})
+        np.testing.assert_allclose(client.export_table(name, "t_seq"), want_seq, rtol=1e-5,
+                                   atol=1e-6)
 
         # One SGD step on t_sum (lr 0.5): w[row] -= 0.5 * sum(weight * grad of its bag).
         grads = ember.KeyedTensor(kt.keys, kt.length_per_key,
