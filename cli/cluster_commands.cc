@@ -24,6 +24,7 @@
 #include "cuda/device_query.h"
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
+#include "server/common/auth.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
 #include "server/coordinator/coordinator_service.h"
@@ -42,6 +43,11 @@ DEFINE_bool(drain_on_sigterm, true,
             "it stops them all at once.");
 DEFINE_string(worker, "", "drain: the worker id (see emberctl status).");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
+DEFINE_string(auth_token_file, "",
+              "Token authentication (server/common/auth.h). Servers (coordinator, worker, up): a "
+              "file of \"ROLE TOKEN\" lines (worker, trainer, admin), the same for all; every "
+              "call must then carry a token. Client commands: a file holding your token (or the "
+              "servers' file: its admin token).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
@@ -139,10 +145,17 @@ std::string BadServerFlags() {
   return "";
 }
 
+// The servers' token table (disabled without --auth_token_file).
+absl::StatusOr<TokenTable> ServerTokens() {
+  if (FLAGS_auth_token_file.empty()) return TokenTable();
+  return TokenTable::Load(FLAGS_auth_token_file);
+}
+
 struct Coordinator {
   std::unique_ptr<coordinator::CoordinatorService> service;
   std::unique_ptr<grpc::Server> server;
   std::string address;
+  TokenTable service_tokens;  // what it checks; `up` calls it as admin
 };
 
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
@@ -154,7 +167,11 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
     (void)absl::ParseDuration(FLAGS_checkpoint_every, &o.checkpoint_every);  // checked before
   }
   o.state_dir = FLAGS_state_dir;
+  auto tokens = ServerTokens();
+  if (!tokens.ok()) return tokens.status();
+  o.auth = *std::move(tokens);
   Coordinator c;
+  c.service_tokens = o.auth;
   auto service = coordinator::CoordinatorService::Create(o);
   if (!service.ok()) return service.status();
   c.service = std::move(*service);
@@ -174,6 +191,11 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
 absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
   if (FLAGS_coordinator.empty()) return absl::InvalidArgumentError("needs --coordinator=HOST:PORT");
   client::ClientOptions o;
+  if (!FLAGS_auth_token_file.empty()) {
+    auto token = LoadClientToken(FLAGS_auth_token_file);
+    if (!token.ok()) return token.status();
+    o.auth_token = *token;
+  }
   o.timeout = absl::Seconds(FLAGS_timeout_s);
   return client::Client::Connect(FLAGS_coordinator, o);
 }
@@ -223,6 +245,9 @@ int RunWorker() {
   o.service.dedup_window = FLAGS_dedup_window;
   (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
+  auto tokens = ServerTokens();
+  if (!tokens.ok()) return Fail("worker", tokens.status());
+  o.service.auth = *std::move(tokens);
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
   std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;
@@ -256,7 +281,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
-      "--drain_on_sigterm=false"};
+      "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file};
   // CUDA workers: one GPU each, round-robin over the visible ones.
   int gpus = 1;
   if (FLAGS_device == "cuda") {
@@ -318,7 +343,9 @@ int RunUp(const std::string& self_path) {
     }
   };
   // Ready when every worker holds a lease.
-  auto cl = client::Client::Connect(c->address);
+  client::ClientOptions up_client;
+  up_client.auth_token = c->service_tokens.TokenOf(Role::kAdmin);
+  auto cl = client::Client::Connect(c->address, up_client);
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   int live = 0;
   while (cl.ok() && absl::Now() < deadline) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "server/common/auth.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 
@@ -37,13 +38,16 @@ struct Client::Routing {
   std::vector<Table> tables;
   // feature -> (table index, position in the collection's feature order)
   std::map<std::string, std::pair<int, int>> features;
+  std::string auth_token;  // ClientOptions::auth_token, for the workers
 };
 
 namespace {
 
-absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionInfo info) {
+absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionInfo info,
+                                                                    const std::string& token) {
   auto r = std::make_shared<Client::Routing>();
   r->info = std::move(info);
+  r->auth_token = token;
   const auto& spec = r->info.spec();
   const auto& plan = r->info.plan();
   if (plan.tables_size() != spec.tables_size()) {
@@ -224,6 +228,7 @@ class Fanout {
     C* c = calls_[rank].get();
     if (!c->used || c->started) return;
     c->ctx.set_deadline(absl::ToChronoTime(deadline_));
+    AddToken(&c->ctx, routing_.auth_token);
     c->started = true;
     start(stub_for_(routing_.info.worker_addresses(rank)), c, [c](grpc::Status s) {
       c->status = std::move(s);
@@ -285,6 +290,7 @@ absl::StatusOr<Response> Client::CallCoordinator(
     const Request& request, absl::Duration timeout) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timeout);
+  AddToken(&ctx, options_.auth_token);
   Response response;
   grpc::Status s = (coordinator_.get()->*method)(&ctx, request, &response);
   if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
@@ -403,7 +409,7 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
         info->state() == CollectionInfo::RECOVERING ? "recovering" : "degraded", ": ",
         info->note()));
   }
-  auto routing = BuildRouting(*std::move(info));
+  auto routing = BuildRouting(*std::move(info), options_.auth_token);
   if (!routing.ok()) return routing.status();
   absl::MutexLock lock(&mu_);
   routing_[collection] = *routing;
@@ -820,6 +826,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       {
         grpc::ClientContext ctx;
         SetDeadline(&ctx, options_.timeout);
+        AddToken(&ctx, options_.auth_token);
         grpc::Status st = StubFor(address)->ExportRows(&ctx, ex, &got);
         if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
       }
@@ -841,6 +848,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       ember::v1::ImportRowsResponse done;
       grpc::ClientContext ctx;
       SetDeadline(&ctx, options_.timeout);
+      AddToken(&ctx, options_.auth_token);
       grpc::Status st = StubFor(address)->ImportRows(&ctx, im, &done);
       if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
     }
@@ -870,6 +878,7 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
       const int64_t e = std::min(s.rows, b + chunk);
       grpc::ClientContext ctx;
       SetDeadline(&ctx, options_.timeout);
+      AddToken(&ctx, options_.auth_token);
       ember::v1::ExportRowsRequest req;
       req.set_collection(collection);
       req.mutable_shard()->set_table(table);

@@ -38,6 +38,9 @@ namespace client {
 
 struct ClientOptions {
   absl::Duration timeout = absl::Seconds(30);  // whole call, retries included
+  // Sent as "authorization: Bearer TOKEN" on every call to the coordinator
+  // and the workers (server/common/auth.h); empty: none.
+  std::string auth_token;
   int max_attempts = 4;                        // per call, for UNAVAILABLE
   absl::Duration initial_backoff = absl::Milliseconds(50);
 };

@@ -36,7 +36,7 @@ libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lpthre
 # Sources each target links (object files are shared and rebuilt when older
 # than their source).
 common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.cc
-  $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc
+  $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc server/common/auth.cc
   server/checkpoint/checkpoint_files.cc"
 worker="$common server/worker/worker_service.cc server/worker/applied_ids.cc
   server/backend/cpu_backend.cc server/backend/cpu_kernels.cc

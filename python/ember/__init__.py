@@ -163,10 +163,20 @@ class Client:
 
     Thread-safe: any number of threads may share one Client; every call
     releases the GIL while it waits on the network.
+
+    auth_token / auth_token_file: the token sent on every call where the
+    servers run with --auth_token_file (a file holding just the token, as
+    `emberctl --auth_token_file` takes).
     """
 
-    def __init__(self, address, timeout_s=30.0):
-        self._c = _ember.Client(address, float(timeout_s))
+    def __init__(self, address, timeout_s=30.0, auth_token=None, auth_token_file=None):
+        if auth_token_file is not None:
+            with open(auth_token_file) as f:
+                words = f.read().split()
+            if len(words) != 1:
+                raise InvalidArgument(3, f"{auth_token_file}: expected exactly one token")
+            auth_token = words[0]
+        self._c = _ember.Client(address, float(timeout_s), auth_token or "")
         self.address = address
 
     # Control plane.

@@ -122,13 +122,15 @@ PYBIND11_MODULE(_ember, m) {
   });
 
   py::class_<Client>(m, "Client")
-      .def(py::init([](const std::string& address, double timeout_s) {
+      .def(py::init([](const std::string& address, double timeout_s,
+                       const std::string& auth_token) {
              client::ClientOptions o;
              o.timeout = absl::Seconds(timeout_s);
+             o.auth_token = auth_token;
              py::gil_scoped_release release;
              return Value(Client::Connect(address, o));
            }),
-           py::arg("address"), py::arg("timeout_s"))
+           py::arg("address"), py::arg("timeout_s"), py::arg("auth_token") = "")
       .def("create_collection",
            [](Client& c, const std::string& spec_json, const std::string& sharding_type) {
              auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");

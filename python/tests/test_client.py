@@ -247,3 +247,26 @@ def test_local_cluster_stops_everything_when_the_block_raises():
     assert proc.poll() is not None
     with pytest.raises(ember.Unavailable):
         ember.Client(address, timeout_s=2)
+
+
+def test_tokens_and_roles(tmp_path):
+    """A cluster with --auth_token_file: no token is Unauthenticated, a
+    trainer token trains but cannot drop, the admin token does everything."""
+    servers = tmp_path / "tokens"
+    servers.write_text("worker w0rker-token-py-0123456\ntrainer tr4iner-token-py-0123456\n"
+                       "admin adm1n-token-py-0123456\n")
+    trainer_file = tmp_path / "trainer"
+    trainer_file.write_text("tr4iner-token-py-0123456\n")
+    with ember.LocalCluster(workers=1, extra_flags=[f"--auth_token_file={servers}"]) as cluster:
+        with pytest.raises(ember.Unauthenticated):
+            ember.Client(cluster.address, timeout_s=10)
+        admin = ember.Client(cluster.address, timeout_s=10, auth_token="adm1n-token-py-0123456")
+        trainer = ember.Client(cluster.address, timeout_s=10, auth_token_file=str(trainer_file))
+        with pytest.raises(ember.PermissionDenied):
+            trainer.create_collection(spec("auth"), sharding_type="table_wise")
+        admin.create_collection(spec("auth"), sharding_type="table_wise")
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f_sum": [[1, 2], [3]]})
+        assert trainer.lookup("auth", kjt).values.shape == (2, 8)
+        with pytest.raises(ember.PermissionDenied):
+            trainer.drop_collection("auth")
+        admin.drop_collection("auth")

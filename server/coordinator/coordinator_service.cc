@@ -288,9 +288,10 @@ CoordinatorService::~CoordinatorService() {
   if (monitor_.joinable()) monitor_.join();
 }
 
-grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
+grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
                                                 const ember::v1::RegisterWorkerRequest* req,
                                                 ember::v1::RegisterWorkerResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker); !a.ok()) return a;
   const auto& info = req->worker();
   const size_t colon = info.address().rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == info.address().size()) {
@@ -336,9 +337,10 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
                                            const ember::v1::HeartbeatRequest* req,
                                            ember::v1::HeartbeatResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker); !a.ok()) return a;
   if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(req->worker_id());
@@ -351,9 +353,10 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext*,
+grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext* ctx,
                                              const ember::v1::ListWorkersRequest*,
                                              ember::v1::ListWorkersResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   std::vector<const Worker*> order;
@@ -433,6 +436,7 @@ std::vector<grpc::Status> CoordinatorService::CallEach(const std::vector<std::st
   absl::BlockingCounter pending(static_cast<int>(n));
   for (size_t i = 0; i < n; ++i) {
     SetDeadline(&contexts[i], timeout == absl::ZeroDuration() ? options_.worker_rpc_timeout : timeout);
+    AddToken(&contexts[i], options_.auth.TokenOf(Role::kAdmin));
     rpc(StubFor(addresses[i])->async(), &contexts[i], &requests[i], &responses[i],
         [&statuses, &pending, i](grpc::Status s) {
           statuses[i] = std::move(s);
@@ -473,9 +477,10 @@ absl::Status CoordinatorService::DropOnWorkers(const std::string& collection, in
   return first;
 }
 
-grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext*,
+grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext* ctx,
                                                   const ember::v1::CreateCollectionRequest* req,
                                                   ember::v1::CreateCollectionResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   absl::MutexLock create(&create_mu_);
   std::vector<std::string> ids;
   auto info = PlanAndCreate(req->spec(), req->sharding_type(), &ids);
@@ -564,9 +569,10 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   return info;
 }
 
-grpc::Status CoordinatorService::GetCollection(grpc::ServerContext*,
+grpc::Status CoordinatorService::GetCollection(grpc::ServerContext* ctx,
                                                const ember::v1::GetCollectionRequest* req,
                                                ember::v1::GetCollectionResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   if (req->collection().empty()) {
     return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
   }
@@ -579,17 +585,19 @@ grpc::Status CoordinatorService::GetCollection(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ListCollections(grpc::ServerContext*,
+grpc::Status CoordinatorService::ListCollections(grpc::ServerContext* ctx,
                                                  const ember::v1::ListCollectionsRequest*,
                                                  ember::v1::ListCollectionsResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   absl::MutexLock lock(&mu_);
   for (const auto& [name, info] : collections_) *resp->add_collections() = info;
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::PreviewPlan(grpc::ServerContext*,
+grpc::Status CoordinatorService::PreviewPlan(grpc::ServerContext* ctx,
                                              const ember::v1::PreviewPlanRequest* req,
                                              ember::v1::PreviewPlanResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   ember::v1::CollectionSpec spec = req->spec();
   if (!req->sharding_type().empty()) {
     if (absl::Status s = planner::ForceShardingType(req->sharding_type(), &spec); !s.ok()) {
@@ -612,9 +620,10 @@ grpc::Status CoordinatorService::PreviewPlan(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::DropCollection(grpc::ServerContext*,
+grpc::Status CoordinatorService::DropCollection(grpc::ServerContext* ctx,
                                                 const ember::v1::DropCollectionRequest* req,
                                                 ember::v1::DropCollectionResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (req->collection().empty()) {
     return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
   }
@@ -812,9 +821,10 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
   return *ci;
 }
 
-grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext*,
+grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext* ctx,
                                             const ember::v1::CheckpointRequest* req,
                                             ember::v1::CheckpointResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (req->collection().empty()) {
     return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
   }
@@ -824,8 +834,9 @@ grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::RestoreRequest* req,
+grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::v1::RestoreRequest* req,
                                          ember::v1::RestoreResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   auto path = checkpoint::ResolveCheckpoint(req->from());
   if (!path.ok()) return ToGrpc(path.status());
   // Every file is checked before anything is created.
@@ -872,9 +883,10 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext*, const ember::v1::
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext*,
+grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
                                                  const ember::v1::ListCheckpointsRequest* req,
                                                  ember::v1::ListCheckpointsResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   std::vector<ember::v1::CheckpointInfo> writing;
   {
     absl::MutexLock lock(&mu_);
@@ -1452,6 +1464,7 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
     {
       grpc::ClientContext ctx;
       SetDeadline(&ctx, options_.worker_rpc_timeout);
+      AddToken(&ctx, options_.auth.TokenOf(Role::kAdmin));
       if (grpc::Status s = src->ExportRows(&ctx, ex, got); !s.ok()) return FromGrpc(s, from);
     }
     ember::v1::ImportRowsRequest im;
@@ -1468,6 +1481,7 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
     ember::v1::ImportRowsResponse done;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.worker_rpc_timeout);
+    AddToken(&ctx, options_.auth.TokenOf(Role::kAdmin));
     if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, to);
     return absl::OkStatus();
   };
@@ -1482,9 +1496,10 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
   return absl::OkStatus();
 }
 
-grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext*,
+grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext* ctx,
                                              const ember::v1::DrainWorkerRequest* req,
                                              ember::v1::DrainWorkerResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker); !a.ok()) return a;
   if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
   std::vector<std::string> names;
   {

@@ -44,12 +44,16 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
+#include "server/common/auth.h"
 #include "server/coordinator/state_store.h"
 
 namespace ember {
 namespace coordinator {
 
 struct CoordinatorOptions {
+  // Tokens and roles (auth.h); disabled by default. Calls to workers carry
+  // the admin token.
+  TokenTable auth;
   // A worker that has not sent a heartbeat for this long is not live.
   absl::Duration lease = absl::Seconds(5);
   // Deadline of the coordinator's calls to workers (create and drop shards).

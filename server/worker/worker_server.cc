@@ -114,6 +114,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   for (;;) {
     grpc::ClientContext ctx;
     SetDeadline(&ctx, absl::Seconds(2));
+    AddToken(&ctx, w->options_.service.auth.TokenOf(Role::kWorker));
     ember::v1::RegisterWorkerRequest req;
     *req.mutable_worker() = info;
     ember::v1::RegisterWorkerResponse resp;
@@ -125,7 +126,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
       break;
     }
     last = FromGrpc(s, "coordinator " + options.coordinator);
-    if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT || absl::Now() > deadline) {
+    // Bad arguments or credentials will not get better by retrying.
+    if (s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ||
+        s.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+        s.error_code() == grpc::StatusCode::PERMISSION_DENIED || absl::Now() > deadline) {
       w->server_->Shutdown();
       return absl::UnavailableError(absl::StrCat("cannot register: ", last.message()));
     }
@@ -158,6 +162,7 @@ void WorkerServer::HeartbeatLoop() {
     }
     grpc::ClientContext ctx;
     SetDeadline(&ctx, lease_ / 4);
+    AddToken(&ctx, options_.service.auth.TokenOf(Role::kWorker));
     ember::v1::HeartbeatRequest req;
     req.set_worker_id(worker_id());
     ember::v1::HeartbeatResponse resp;
@@ -166,6 +171,7 @@ void WorkerServer::HeartbeatLoop() {
       LOG(WARNING) << "the coordinator forgot this worker; registering again";
       grpc::ClientContext rctx;
       SetDeadline(&rctx, absl::Seconds(2));
+      AddToken(&rctx, options_.service.auth.TokenOf(Role::kWorker));
       ember::v1::RegisterWorkerRequest rreq;
       *rreq.mutable_worker() = info_;
       ember::v1::RegisterWorkerResponse rresp;
@@ -183,6 +189,7 @@ absl::Status WorkerServer::Drain(absl::Duration timeout) {
   server_->GetHealthCheckService()->SetServingStatus(false);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timeout);
+  AddToken(&ctx, options_.service.auth.TokenOf(Role::kWorker));
   ember::v1::DrainWorkerRequest req;
   req.set_worker_id(worker_id());
   ember::v1::DrainWorkerResponse resp;

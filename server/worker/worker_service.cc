@@ -188,9 +188,10 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   return backend::ValidateFeature(out->request, (*shard)->assignment.rows(), what);
 }
 
-grpc::Status WorkerService::CreateShards(grpc::ServerContext*,
+grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
                                          const ember::v1::CreateShardsRequest* req,
                                          ember::v1::CreateShardsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->shards()); !s.ok()) {
     return ToGrpc(s);
   }
@@ -280,9 +281,10 @@ absl::Status WorkerService::AllocateShards(
   return failed;
 }
 
-grpc::Status WorkerService::UpdateShards(grpc::ServerContext*,
+grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
                                          const ember::v1::UpdateShardsRequest* req,
                                          ember::v1::UpdateShardsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->create()); !s.ok()) {
     return ToGrpc(s);
   }
@@ -315,8 +317,9 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::DropShards(grpc::ServerContext*, const ember::v1::DropShardsRequest* req,
+grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
                                        ember::v1::DropShardsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (req->epoch() <= 0) {
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
   }
@@ -344,8 +347,9 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext*, const ember::v1::Dr
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Lookup(grpc::ServerContext*, const ember::v1::WorkerLookupRequest* req,
+grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
                                    ember::v1::WorkerLookupResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
   if (!c.ok()) return ToGrpc(c.status());
@@ -379,9 +383,10 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext*, const ember::v1::Worker
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
+grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
                                            const ember::v1::WorkerApplyGradientsRequest* req,
                                            ember::v1::WorkerApplyGradientsResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   if (req->request_id().empty()) {
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
   }
@@ -445,8 +450,9 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::ExportRows(grpc::ServerContext*, const ember::v1::ExportRowsRequest* req,
+grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1::ExportRowsRequest* req,
                                        ember::v1::ExportRowsResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   absl::ReaderMutexLock lock(&mu_);
   auto c = HeldCollection(req->collection());
   if (!c.ok()) return ToGrpc(c.status());
@@ -487,8 +493,9 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext*, const ember::v1::Ex
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::ImportRows(grpc::ServerContext*, const ember::v1::ImportRowsRequest* req,
+grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1::ImportRowsRequest* req,
                                        ember::v1::ImportRowsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (req->epoch() <= 0) {
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
   }
@@ -532,8 +539,9 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext*, const ember::v1::Im
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::ShardStatus(grpc::ServerContext*, const ember::v1::ShardStatusRequest*,
+grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v1::ShardStatusRequest*,
                                         ember::v1::ShardStatusResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   absl::ReaderMutexLock lock(&mu_);
   resp->set_backend(backend_->Name());
   resp->set_nonfinite_refused(nonfinite_refused_.load(std::memory_order_relaxed));
@@ -557,9 +565,10 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext*, const ember::v1::S
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext*,
+grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
                                             const ember::v1::WriteCheckpointRequest* req,
                                             ember::v1::WriteCheckpointResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
   struct Copy {
     ember::v1::ShardAssignment assignment;
@@ -630,9 +639,10 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext*,
+grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
                                            const ember::v1::LoadCheckpointRequest* req,
                                            ember::v1::LoadCheckpointResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
   // Three phases, so that no lock is held while files are read: note the
   // shards to fill; read and re-cut the files; fill the shards, if they are

@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
+#include "server/common/auth.h"
 #include "server/backend/embedding_backend.h"
 #include "server/worker/applied_ids.h"
 
@@ -40,6 +41,8 @@ namespace ember {
 namespace worker {
 
 struct WorkerServiceOptions {
+  // Tokens and roles (auth.h); disabled by default.
+  TokenTable auth;
   // Largest response (lookup outputs or exported rows) in bytes.
   int64_t max_response_bytes = int64_t{1} << 30;
   // Exactly-once updates: a request id is remembered (per shard) for
