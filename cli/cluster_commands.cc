@@ -68,6 +68,8 @@ DEFINE_int32(max_message_mb, 1024,
              "Servers: largest gRPC message received or sent, in MiB (1-1024); a worker keeps "
              "its responses under it.");
 DEFINE_int32(lease_ms, 5000, "Coordinator: worker lease; workers heartbeat 4x per lease.");
+DEFINE_string(forget_workers_after, "10m",
+              "Coordinator: remove a worker silent this long once no collection uses it.");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
 DEFINE_string(input, "", "KJT JSON file: {keys, lengths, values, weights?}.");
@@ -129,6 +131,11 @@ std::string BadServerFlags() {
     return "--max_message_mb must be in [1, 1024]";
   }
   if (FLAGS_lease_ms < 100) return "--lease_ms must be >= 100";
+  absl::Duration forget;
+  if (!absl::ParseDuration(FLAGS_forget_workers_after, &forget) ||
+      forget < absl::Milliseconds(FLAGS_lease_ms)) {
+    return "--forget_workers_after must be a duration of at least the lease (e.g. 10m)";
+  }
   if (FLAGS_keep_checkpoints < 1) return "--keep_checkpoints must be >= 1";
   absl::Duration ttl;
   if (!absl::ParseDuration(FLAGS_dedup_ttl, &ttl) || ttl < absl::Seconds(1)) {
@@ -161,6 +168,7 @@ struct Coordinator {
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   coordinator::CoordinatorOptions o;
   o.lease = absl::Milliseconds(FLAGS_lease_ms);
+  (void)absl::ParseDuration(FLAGS_forget_workers_after, &o.forget_workers_after);  // checked
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.keep_checkpoints = FLAGS_keep_checkpoints;
   if (!FLAGS_checkpoint_every.empty()) {

@@ -305,11 +305,24 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
     return ToGrpc(absl::InvalidArgumentError("worker capacities must be >= 0"));
   }
   absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  // A live worker keeps its address: another process claiming it (a
+  // stranger, or a restart that came too soon) waits for the old lease to
+  // lapse. The same process registering again (it was forgotten) is fine.
+  for (const auto& [id, old] : workers_) {
+    if (old.info.address() == info.address() && now - old.last_heartbeat < options_.lease &&
+        (old.info.pid() != info.pid() || old.info.host() != info.host())) {
+      return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
+          "a live worker (", id, ", pid ", old.info.pid(), " on ", old.info.host(),
+          ") holds address ", info.address(), "; retry once its lease (",
+          absl::FormatDuration(options_.lease), ") has lapsed")));
+    }
+  }
   Worker w;
   w.seq = next_worker_ + 1;
   w.id = absl::StrCat("w", w.seq);
   w.info = info;
-  w.last_heartbeat = absl::Now();
+  w.last_heartbeat = now;
   // A worker restarted at the same address replaces its old entry (its
   // collections' shards are recovered onto it, see MonitorLoop).
   StateStore::Batch batch;
@@ -1048,6 +1061,30 @@ void CoordinatorService::MonitorLoop() {
       if (stop_.HasBeenNotified()) return;
       (void)RecoverCollection(name);  // it records failures in the collection's state
     }
+    ForgetDeadWorkers();
+  }
+}
+
+// Workers silent for options_.forget_workers_after that no collection names
+// any more (recovery has moved their shards) are removed from the registry.
+void CoordinatorService::ForgetDeadWorkers() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::set<std::string> named;
+  for (const auto& [name, ids] : rank_ids_) named.insert(ids.begin(), ids.end());
+  StateStore::Batch batch;
+  std::vector<std::string> gone;
+  for (const auto& [id, w] : workers_) {
+    if (now - w.last_heartbeat >= options_.forget_workers_after && !named.count(id)) {
+      gone.push_back(id);
+      batch.DeleteWorker(id);
+    }
+  }
+  if (gone.empty() || !Persist(batch).ok()) return;
+  for (const std::string& id : gone) {
+    LOG(INFO) << "worker " << id << " (" << workers_[id].info.address()
+              << ") forgotten: silent for " << absl::FormatDuration(options_.forget_workers_after);
+    workers_.erase(id);
   }
 }
 

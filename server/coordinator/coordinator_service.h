@@ -56,6 +56,9 @@ struct CoordinatorOptions {
   TokenTable auth;
   // A worker that has not sent a heartbeat for this long is not live.
   absl::Duration lease = absl::Seconds(5);
+  // A worker silent this long, whose shards have all been recovered
+  // elsewhere, is removed from the registry (ListWorkers stops showing it).
+  absl::Duration forget_workers_after = absl::Minutes(10);
   // Deadline of the coordinator's calls to workers (create and drop shards).
   absl::Duration worker_rpc_timeout = absl::Seconds(60);
   // Deadline of a worker's checkpoint write or load (its whole share).
@@ -164,6 +167,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
       ABSL_LOCKS_EXCLUDED(mu_);
   void PeriodicCheckpoints();
   void MonitorLoop();
+  void ForgetDeadWorkers();
   // Re-places and reloads the shards of the collection's dead workers.
   // With drain_id: moves that worker's shards away instead, copying them
   // live (CopyFromDrained), and returns how it went.

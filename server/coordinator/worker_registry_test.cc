@@ -1,0 +1,94 @@
+// The coordinator's worker registry: a live worker's address cannot be taken
+// by another process (only its own re-registration, or anyone once its lease
+// lapsed), and workers silent for forget_workers_after that hold nothing are
+// removed.
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "proto/service.grpc.pb.h"
+#include "server/coordinator/coordinator_service.h"
+
+namespace ember {
+namespace coordinator {
+namespace {
+
+class WorkerRegistryTest : public testing::Test {
+ protected:
+  void Start(absl::Duration lease, absl::Duration forget) {
+    CoordinatorOptions o;
+    o.lease = lease;
+    o.forget_workers_after = forget;
+    auto s = CoordinatorService::Create(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    service_ = std::move(*s);
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(service_.get());
+    server_ = b.BuildAndStart();
+    ASSERT_TRUE(server_ != nullptr && port != 0);
+    stub_ = ember::v1::Coordinator::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  grpc::Status Register(const std::string& address, int pid, std::string* id = nullptr) {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.mutable_worker()->set_host("h");
+    req.mutable_worker()->set_pid(pid);
+    ember::v1::RegisterWorkerResponse resp;
+    grpc::Status s = stub_->RegisterWorker(&ctx, req, &resp);
+    if (id != nullptr) *id = resp.worker_id();
+    return s;
+  }
+  int Listed() {
+    grpc::ClientContext ctx;
+    ember::v1::ListWorkersResponse resp;
+    EXPECT_TRUE(stub_->ListWorkers(&ctx, ember::v1::ListWorkersRequest(), &resp).ok());
+    return resp.workers_size();
+  }
+
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ember::v1::Coordinator::Stub> stub_;
+};
+
+TEST_F(WorkerRegistryTest, ALiveWorkersAddressIsNotTakenOver) {
+  Start(absl::Milliseconds(400), absl::Minutes(10));
+  std::string first;
+  ASSERT_TRUE(Register("127.0.0.1:7001", 100, &first).ok());
+  const grpc::Status other = Register("127.0.0.1:7001", 200);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(other.error_message().find("live worker"), std::string::npos) << other.error_message();
+  // The same process again (it was forgotten): allowed, replacing its entry.
+  std::string again;
+  ASSERT_TRUE(Register("127.0.0.1:7001", 100, &again).ok());
+  EXPECT_NE(again, first);
+  EXPECT_EQ(Listed(), 1);
+  // Once the lease has lapsed, a new process may take the address.
+  absl::SleepFor(absl::Milliseconds(600));
+  EXPECT_TRUE(Register("127.0.0.1:7001", 200).ok());
+  EXPECT_EQ(Listed(), 1);
+}
+
+TEST_F(WorkerRegistryTest, SilentWorkersHoldingNothingAreForgotten) {
+  Start(absl::Milliseconds(200), absl::Milliseconds(500));
+  ASSERT_TRUE(Register("127.0.0.1:7002", 1).ok());
+  ASSERT_TRUE(Register("127.0.0.1:7003", 2).ok());
+  EXPECT_EQ(Listed(), 2);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (Listed() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(Listed(), 0);
+}
+
+}  // namespace
+}  // namespace coordinator
+}  // namespace ember
