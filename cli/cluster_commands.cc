@@ -25,6 +25,7 @@
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
 #include "server/common/auth.h"
+#include "server/common/tls.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
 #include "server/coordinator/coordinator_service.h"
@@ -48,6 +49,11 @@ DEFINE_string(auth_token_file, "",
               "file of \"ROLE TOKEN\" lines (worker, trainer, admin), the same for all; every "
               "call must then carry a token. Client commands: a file holding your token (or the "
               "servers' file: its admin token).");
+DEFINE_string(tls_cert, "", "TLS: this process's PEM certificate (servers: required for TLS).");
+DEFINE_string(tls_key, "", "TLS: the private key of --tls_cert.");
+DEFINE_string(tls_ca, "",
+              "TLS: PEM root certificates. Clients verify servers with it (TLS is on when "
+              "given); servers given it require client certificates signed by it (mutual TLS).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
@@ -152,6 +158,8 @@ std::string BadServerFlags() {
   return "";
 }
 
+TlsFiles Tls() { return {FLAGS_tls_cert, FLAGS_tls_key, FLAGS_tls_ca}; }
+
 // The servers' token table (disabled without --auth_token_file).
 absl::StatusOr<TokenTable> ServerTokens() {
   if (FLAGS_auth_token_file.empty()) return TokenTable();
@@ -163,6 +171,7 @@ struct Coordinator {
   std::unique_ptr<grpc::Server> server;
   std::string address;
   TokenTable service_tokens;  // what it checks; `up` calls it as admin
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // for calling it (up)
 };
 
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
@@ -178,15 +187,22 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   auto tokens = ServerTokens();
   if (!tokens.ok()) return tokens.status();
   o.auth = *std::move(tokens);
+  auto server_credentials = ServerCredentialsFrom(Tls());
+  if (!server_credentials.ok()) return server_credentials.status();
+  auto worker_credentials = ChannelCredentialsFrom(Tls());
+  if (!worker_credentials.ok()) return worker_credentials.status();
+  o.worker_credentials = *worker_credentials;
   Coordinator c;
   c.service_tokens = o.auth;
+  c.credentials = *worker_credentials;
   auto service = coordinator::CoordinatorService::Create(o);
   if (!service.ok()) return service.status();
   c.service = std::move(*service);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
   int port = 0;
-  b.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  WarnIfPlaintextOffLoopback(listen, !FLAGS_tls_cert.empty());
+  b.AddListeningPort(listen, *server_credentials, &port);
   b.SetMaxReceiveMessageSize(MaxMessageBytes());
   b.SetMaxSendMessageSize(MaxMessageBytes());
   b.RegisterService(c.service.get());
@@ -204,6 +220,9 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
     if (!token.ok()) return token.status();
     o.auth_token = *token;
   }
+  auto credentials = ChannelCredentialsFrom(Tls());
+  if (!credentials.ok()) return credentials.status();
+  o.credentials = *credentials;
   o.timeout = absl::Seconds(FLAGS_timeout_s);
   return client::Client::Connect(FLAGS_coordinator, o);
 }
@@ -256,6 +275,13 @@ int RunWorker() {
   auto tokens = ServerTokens();
   if (!tokens.ok()) return Fail("worker", tokens.status());
   o.service.auth = *std::move(tokens);
+  auto server_credentials = ServerCredentialsFrom(Tls());
+  if (!server_credentials.ok()) return Fail("worker", server_credentials.status());
+  auto coordinator_credentials = ChannelCredentialsFrom(Tls());
+  if (!coordinator_credentials.ok()) return Fail("worker", coordinator_credentials.status());
+  o.server_credentials = *server_credentials;
+  o.coordinator_credentials = *coordinator_credentials;
+  WarnIfPlaintextOffLoopback(o.listen, !FLAGS_tls_cert.empty());
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
   std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;
@@ -289,7 +315,8 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
-      "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file};
+      "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
+      "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.
   int gpus = 1;
   if (FLAGS_device == "cuda") {
@@ -353,6 +380,7 @@ int RunUp(const std::string& self_path) {
   // Ready when every worker holds a lease.
   client::ClientOptions up_client;
   up_client.auth_token = c->service_tokens.TokenOf(Role::kAdmin);
+  up_client.credentials = c->credentials;
   auto cl = client::Client::Connect(c->address, up_client);
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   int live = 0;

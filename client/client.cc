@@ -262,7 +262,7 @@ class Fanout {
 Client::Client(const std::string& coordinator, const ClientOptions& options)
     : coordinator_address_(coordinator),
       options_(options),
-      coordinator_(ember::v1::Coordinator::NewStub(MakeChannel(coordinator))) {}
+      coordinator_(ember::v1::Coordinator::NewStub(MakeChannel(coordinator, options.credentials))) {}
 
 Client::~Client() = default;
 
@@ -279,7 +279,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
 ember::v1::Worker::Stub* Client::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
-  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address));
+  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address, options_.credentials));
   return stub.get();
 }
 

@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -41,6 +43,9 @@ struct ClientOptions {
   // Sent as "authorization: Bearer TOKEN" on every call to the coordinator
   // and the workers (server/common/auth.h); empty: none.
   std::string auth_token;
+  // TLS to the coordinator and the workers (server/common/tls.h:
+  // ChannelCredentialsFrom); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   int max_attempts = 4;                        // per call, for UNAVAILABLE
   absl::Duration initial_backoff = absl::Milliseconds(50);
 };

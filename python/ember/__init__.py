@@ -166,17 +166,20 @@ class Client:
 
     auth_token / auth_token_file: the token sent on every call where the
     servers run with --auth_token_file (a file holding just the token, as
-    `emberctl --auth_token_file` takes).
+    `emberctl --auth_token_file` takes). tls_ca / tls_cert / tls_key: PEM
+    files, as emberctl's --tls_* flags (TLS is on when tls_ca is given).
     """
 
-    def __init__(self, address, timeout_s=30.0, auth_token=None, auth_token_file=None):
+    def __init__(self, address, timeout_s=30.0, auth_token=None, auth_token_file=None,
+                 tls_ca=None, tls_cert=None, tls_key=None):
         if auth_token_file is not None:
             with open(auth_token_file) as f:
                 words = f.read().split()
             if len(words) != 1:
                 raise InvalidArgument(3, f"{auth_token_file}: expected exactly one token")
             auth_token = words[0]
-        self._c = _ember.Client(address, float(timeout_s), auth_token or "")
+        self._c = _ember.Client(address, float(timeout_s), auth_token or "", tls_ca or "",
+                                tls_cert or "", tls_key or "")
         self.address = address
 
     # Control plane.

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "server/common/tls.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace py = pybind11;
@@ -123,14 +124,17 @@ PYBIND11_MODULE(_ember, m) {
 
   py::class_<Client>(m, "Client")
       .def(py::init([](const std::string& address, double timeout_s,
-                       const std::string& auth_token) {
+                       const std::string& auth_token, const std::string& tls_ca,
+                       const std::string& tls_cert, const std::string& tls_key) {
              client::ClientOptions o;
              o.timeout = absl::Seconds(timeout_s);
              o.auth_token = auth_token;
+             o.credentials = Value(ChannelCredentialsFrom({tls_cert, tls_key, tls_ca}));
              py::gil_scoped_release release;
              return Value(Client::Connect(address, o));
            }),
-           py::arg("address"), py::arg("timeout_s"), py::arg("auth_token") = "")
+           py::arg("address"), py::arg("timeout_s"), py::arg("auth_token") = "",
+           py::arg("tls_ca") = "", py::arg("tls_cert") = "", py::arg("tls_key") = "")
       .def("create_collection",
            [](Client& c, const std::string& spec_json, const std::string& sharding_type) {
              auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");

@@ -35,11 +35,16 @@ inline absl::Status FromGrpc(const grpc::Status& s, const std::string& peer) {
                       peer + ": " + s.error_message());
 }
 
-inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+// A channel with Ember's message limits; plaintext unless `credentials`
+// (server/common/tls.h) are given.
+inline std::shared_ptr<grpc::Channel> MakeChannel(
+    const std::string& address,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials = nullptr) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(
+      address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args);
 }
 
 inline void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {

@@ -463,7 +463,7 @@ std::vector<grpc::Status> CoordinatorService::CallEach(const std::vector<std::st
 ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu_);
   auto& stub = stubs_[address];
-  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address));
+  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address, options_.worker_credentials));
   return stub.get();
 }
 

@@ -54,6 +54,8 @@ struct CoordinatorOptions {
   // Tokens and roles (auth.h); disabled by default. Calls to workers carry
   // the admin token.
   TokenTable auth;
+  // TLS for the calls to workers (tls.h); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
   // A worker that has not sent a heartbeat for this long is not live.
   absl::Duration lease = absl::Seconds(5);
   // A worker silent this long, whose shards have all been recovered

@@ -93,7 +93,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(options.listen,
+                           options.server_credentials != nullptr
+                               ? options.server_credentials
+                               : grpc::InsecureServerCredentials(),
+                           &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(w->service_.get());
@@ -106,7 +110,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   info.set_address(w->address_);
   info.set_host(options.host.empty() ? HostName() : options.host);
   info.set_pid(getpid());
-  w->coordinator_ = ember::v1::Coordinator::NewStub(MakeChannel(options.coordinator));
+  w->coordinator_ = ember::v1::Coordinator::NewStub(
+      MakeChannel(options.coordinator, options.coordinator_credentials));
 
   // Register, retrying until the coordinator answers or the timeout passes.
   const absl::Time deadline = absl::Now() + options.register_timeout;

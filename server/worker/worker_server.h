@@ -43,6 +43,10 @@ struct WorkerServerOptions {
   // (service.max_response_bytes is lowered to fit).
   int64_t max_message_bytes = kMaxMessageBytes;
   WorkerServiceOptions service;
+  // TLS (server/common/tls.h): this port's credentials (null: plaintext)
+  // and those for calling the coordinator (null: plaintext).
+  std::shared_ptr<grpc::ServerCredentials> server_credentials;
+  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials;
   // Tests: builds the backend instead of `device` (which then only names the
   // device kind the worker reports).
   std::function<absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>>()> backend_factory;
