@@ -306,6 +306,41 @@ TEST_F(BadInputTest, CoordinatorRpcs) {
 
 // A worker that refuses its shards makes the whole create fail; the shards
 // already made elsewhere are dropped, and the refusing worker keeps its own.
+// Errors echo input (names, addresses); a request cannot make them large.
+TEST_F(BadInputTest, ErrorMessagesAreBoundedWhateverTheInput) {
+  const std::string huge(1 << 20, 'x');
+  const Snapshot before = Take();
+  {
+    grpc::ClientContext ctx;
+    ember::v1::GetCollectionRequest req;
+    req.set_collection(huge);
+    ember::v1::GetCollectionResponse resp;
+    const grpc::Status s = coordinator_->GetCollection(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), StatusCode::NOT_FOUND);
+    EXPECT_LE(s.error_message().size(), 2200u);
+    EXPECT_NE(s.error_message().find("more bytes"), std::string::npos);
+  }
+  {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(huge);
+    ember::v1::RegisterWorkerResponse resp;
+    const grpc::Status s = coordinator_->RegisterWorker(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_LE(s.error_message().size(), 2200u);
+  }
+  {
+    grpc::ClientContext ctx;
+    ember::v1::WorkerLookupRequest req;
+    req.set_collection(huge);
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status s = workers_[0]->Lookup(&ctx, req, &resp);
+    EXPECT_NE(s.error_code(), StatusCode::OK);
+    EXPECT_LE(s.error_message().size(), 2200u);
+  }
+  EXPECT_TRUE(Take() == before);
+}
+
 TEST_F(BadInputTest, FailedCreateLeavesNothingBehind) {
   ember::v1::CreateShardsRequest own;
   own.set_collection("clash");

@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace ember {
@@ -18,9 +19,20 @@ namespace ember {
 // a batch of 4096 x 8 features x dim 128 is 16 MiB of embeddings).
 constexpr int kMaxMessageBytes = 1 << 30;
 
+// Longest error message a server sends: messages echo input (names, ids,
+// addresses), and a request must not be able to make its error arbitrarily
+// large.
+constexpr size_t kMaxErrorMessageBytes = 2048;
+
+inline std::string BoundedMessage(absl::string_view message) {
+  if (message.size() <= kMaxErrorMessageBytes) return std::string(message);
+  return std::string(message.substr(0, kMaxErrorMessageBytes)) + "... (" +
+         std::to_string(message.size() - kMaxErrorMessageBytes) + " more bytes)";
+}
+
 inline grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), BoundedMessage(s.message()));
 }
 
 inline absl::Status FromGrpc(const grpc::Status& s) {
