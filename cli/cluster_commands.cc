@@ -25,6 +25,7 @@
 #include "gflags/gflags.h"
 #include "planner/plan_format.h"
 #include "server/common/auth.h"
+#include "server/common/metrics.h"
 #include "server/common/tls.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
@@ -54,6 +55,9 @@ DEFINE_string(tls_key, "", "TLS: the private key of --tls_cert.");
 DEFINE_string(tls_ca, "",
               "TLS: PEM root certificates. Clients verify servers with it (TLS is on when "
               "given); servers given it require client certificates signed by it (mutual TLS).");
+DEFINE_int32(metrics_port, 0,
+             "Prometheus metrics over plain HTTP at /metrics on this port (0: none), on the "
+             "--listen host. up: the coordinator's; worker i gets metrics_port + 1 + i.");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
@@ -160,6 +164,13 @@ std::string BadServerFlags() {
 
 TlsFiles Tls() { return {FLAGS_tls_cert, FLAGS_tls_key, FLAGS_tls_ca}; }
 
+// Where /metrics is served: the --listen host (all interfaces for 0.0.0.0)
+// and `port`; empty for none.
+std::string MetricsBind(const std::string& listen, int port) {
+  if (port <= 0) return "";
+  return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+}
+
 // The servers' token table (disabled without --auth_token_file).
 absl::StatusOr<TokenTable> ServerTokens() {
   if (FLAGS_auth_token_file.empty()) return TokenTable();
@@ -172,7 +183,30 @@ struct Coordinator {
   std::string address;
   TokenTable service_tokens;  // what it checks; `up` calls it as admin
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // for calling it (up)
+  std::unique_ptr<ServerMetrics> metrics;
 };
+
+// The coordinator's own series: workers by lease, collections by state.
+void AddCoordinatorMetrics(const coordinator::CoordinatorService* service, ServerMetrics* m) {
+  m->AddGauge("ember_coordinator_workers", "Registered workers, by whether they hold a lease",
+              [service] {
+                const auto s = service->GetStats();
+                return std::vector<ServerMetrics::Sample>{
+                    {{{"state", "live"}}, static_cast<double>(s.workers_live)},
+                    {{{"state", "lost"}}, static_cast<double>(s.workers_lost)}};
+              });
+  m->AddGauge("ember_coordinator_collections", "Collections, by state", [service] {
+    std::vector<ServerMetrics::Sample> out;
+    for (const auto& [state, n] : service->GetStats().collections_by_state) {
+      out.push_back({{{"state", state}}, static_cast<double>(n)});
+    }
+    return out;
+  });
+  m->AddGauge("ember_coordinator_checkpoints", "Checkpoints in the catalogue", [service] {
+    return std::vector<ServerMetrics::Sample>{
+        {{}, static_cast<double>(service->GetStats().checkpoints)}};
+  });
+}
 
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   coordinator::CoordinatorOptions o;
@@ -198,8 +232,13 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   auto service = coordinator::CoordinatorService::Create(o);
   if (!service.ok()) return service.status();
   c.service = std::move(*service);
+  auto metrics = ServerMetrics::Start(MetricsBind(listen, FLAGS_metrics_port), "coordinator");
+  if (!metrics.ok()) return metrics.status();
+  c.metrics = std::move(*metrics);
+  AddCoordinatorMetrics(c.service.get(), c.metrics.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder b;
+  b.experimental().SetInterceptorCreators(c.metrics->Interceptors());
   int port = 0;
   WarnIfPlaintextOffLoopback(listen, !FLAGS_tls_cert.empty());
   b.AddListeningPort(listen, *server_credentials, &port);
@@ -282,6 +321,7 @@ int RunWorker() {
   o.server_credentials = *server_credentials;
   o.coordinator_credentials = *coordinator_credentials;
   WarnIfPlaintextOffLoopback(o.listen, !FLAGS_tls_cert.empty());
+  o.metrics_bind = MetricsBind(o.listen, FLAGS_metrics_port);
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
   std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;
@@ -337,6 +377,9 @@ int RunUp(const std::string& self_path) {
   auto spawn = [&](int i) -> pid_t {
     std::vector<std::string> mine = args;
     if (FLAGS_device == "cuda") mine.push_back(absl::StrCat("--cuda_device=", i % gpus));
+    if (FLAGS_metrics_port > 0) {
+      mine.push_back(absl::StrCat("--metrics_port=", FLAGS_metrics_port + 1 + i));
+    }
     std::vector<char*> argv;
     for (const auto& a : mine) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);

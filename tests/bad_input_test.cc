@@ -624,8 +624,8 @@ TEST_F(BadInputTest, CheckpointRpcs) {
   EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::INVALID_ARGUMENT);
   rs.set_from("/nonexistent/ember/checkpoints");
   EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::NOT_FOUND);
-  char tmpl[] = "/tmp/ember_bad_input_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  std::string tmpl = ::testing::TempDir() + "/ember_bad_input_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
   rs.set_from(tmpl);  // exists, holds no checkpoint
   EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::NOT_FOUND);
 

@@ -132,12 +132,16 @@ inline absl::Status ApplyUntilAcknowledged(client::Client* c, const std::string&
   }
 }
 
-// A new directory under /tmp.
+// A new directory under the test's temporary directory ($TEST_TMPDIR, which
+// Bazel empties before each run), so checkpoints the tests write do not pile
+// up on the machine.
 inline std::string TempDir() {
-  char tmpl[] = "/tmp/ember_test_XXXXXX";
-  char* d = mkdtemp(tmpl);
-  EXPECT_NE(d, nullptr);
-  return d == nullptr ? "/tmp" : d;
+  std::string tmpl = ::testing::TempDir();
+  if (tmpl.empty() || tmpl.back() != '/') tmpl += '/';
+  tmpl += "ember_test_XXXXXX";
+  char* d = mkdtemp(tmpl.data());
+  EXPECT_NE(d, nullptr) << tmpl;
+  return d == nullptr ? ::testing::TempDir() : std::string(d);
 }
 
 }  // namespace testing_util

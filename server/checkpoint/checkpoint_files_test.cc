@@ -21,11 +21,12 @@ namespace {
 
 using backend::OptimizerType;
 
+// Under $TEST_TMPDIR, which Bazel empties before each run.
 std::string TempDir() {
-  char tmpl[] = "/tmp/ember_ckpt_test_XXXXXX";
-  char* d = mkdtemp(tmpl);
+  std::string tmpl = ::testing::TempDir() + "/ember_ckpt_test_XXXXXX";
+  char* d = mkdtemp(tmpl.data());
   EXPECT_NE(d, nullptr);
-  return d == nullptr ? "/tmp" : d;
+  return d == nullptr ? ::testing::TempDir() : std::string(d);
 }
 
 ShardData Random(int64_t rows, int64_t cols, int64_t width, int64_t step, uint32_t seed) {

@@ -385,6 +385,21 @@ grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+CoordinatorService::Stats CoordinatorService::GetStats() const {
+  Stats s;
+  for (const char* state : {"SERVING", "DEGRADED", "RECOVERING"}) s.collections_by_state[state] = 0;
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  for (const auto& [id, w] : workers_) {
+    (now - w.last_heartbeat < options_.lease ? s.workers_live : s.workers_lost) += 1;
+  }
+  for (const auto& [name, info] : collections_) {
+    ++s.collections_by_state[ember::v1::CollectionInfo::State_Name(info.state())];
+  }
+  s.checkpoints = static_cast<int64_t>(catalogue_.size());
+  return s;
+}
+
 std::vector<CoordinatorService::Worker> CoordinatorService::LiveWorkers() const {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();

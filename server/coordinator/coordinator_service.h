@@ -170,6 +170,17 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   void PeriodicCheckpoints();
   void MonitorLoop();
   void ForgetDeadWorkers();
+
+ public:
+  // What the coordinator's metrics report (server/common/metrics.h).
+  struct Stats {
+    int64_t workers_live = 0, workers_lost = 0;
+    std::map<std::string, int64_t> collections_by_state;  // SERVING, DEGRADED, RECOVERING
+    int64_t checkpoints = 0;
+  };
+  Stats GetStats() const;
+
+ private:
   // Re-places and reloads the shards of the collection's dead workers.
   // With drain_id: moves that worker's shards away instead, copying them
   // live (CopyFromDrained), and returns how it went.

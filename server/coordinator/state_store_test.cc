@@ -9,8 +9,8 @@ namespace coordinator {
 namespace {
 
 TEST(StateStoreTest, WhatIsWrittenSurvivesAReopen) {
-  char tmpl[] = "/tmp/ember_state_XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
+  std::string tmpl = ::testing::TempDir() + "/ember_state_XXXXXX";
+  const std::string dir = mkdtemp(tmpl.data());
   {
     auto store = StateStore::Open(dir);
     ASSERT_TRUE(store.ok()) << store.status();

@@ -24,6 +24,37 @@ std::string HostName() {
   return buf;
 }
 
+// The worker's own series: traffic, memory, shards, exactly-once records.
+void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
+  using Stats = WorkerService::Stats;
+  auto one = [service](int64_t Stats::*field) {
+    return [service, field]() {
+      return std::vector<ServerMetrics::Sample>{{{}, static_cast<double>(service->GetStats().*field)}};
+    };
+  };
+  m->AddCounter("ember_worker_lookups_total", "Lookup calls served", one(&Stats::lookups));
+  m->AddCounter("ember_worker_lookup_ids_total", "Ids looked up", one(&Stats::lookup_ids));
+  m->AddCounter("ember_worker_lookup_bytes_total", "Bytes of lookup ids and outputs",
+                one(&Stats::lookup_bytes));
+  m->AddCounter("ember_worker_optimizer_steps_total", "ApplyGradients calls applied",
+                one(&Stats::updates));
+  m->AddCounter("ember_worker_gradient_ids_total", "Ids of applied gradients",
+                one(&Stats::update_ids));
+  m->AddCounter("ember_worker_duplicate_updates_total",
+                "Updates answered from the exactly-once record (not applied again)",
+                one(&Stats::duplicates));
+  m->AddCounter("ember_worker_nonfinite_refused_total", "Calls refused for NaN/Inf",
+                one(&Stats::nonfinite_refused));
+  m->AddCounter("ember_worker_nonfinite_skipped_ids_total", "Ids left out for NaN/Inf",
+                one(&Stats::nonfinite_skipped_ids));
+  m->AddGauge("ember_worker_available_bytes", "Shard memory still free on the worker's device",
+              one(&Stats::available_bytes));
+  m->AddGauge("ember_worker_shards", "Shards held", one(&Stats::shards));
+  m->AddGauge("ember_worker_collections", "Collections with shards here", one(&Stats::collections));
+  m->AddGauge("ember_worker_request_ids", "Update ids remembered for exactly-once",
+              one(&Stats::request_ids));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
@@ -90,8 +121,13 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   service.max_response_bytes =
       std::min(service.max_response_bytes, options.max_message_bytes - (int64_t{64} << 10));
   w->service_ = std::make_unique<WorkerService>(std::move(backend), service);
+  auto metrics = ServerMetrics::Start(options.metrics_bind, "worker");
+  if (!metrics.ok()) return metrics.status();
+  w->metrics_ = std::move(*metrics);
+  AddWorkerMetrics(w->service_.get(), w->metrics_.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  builder.experimental().SetInterceptorCreators(w->metrics_->Interceptors());
   int port = 0;
   builder.AddListeningPort(options.listen,
                            options.server_credentials != nullptr

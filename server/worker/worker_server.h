@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "proto/service.grpc.pb.h"
 #include "server/common/grpc_util.h"
+#include "server/common/metrics.h"
 #include "server/worker/worker_service.h"
 
 namespace ember {
@@ -47,6 +48,8 @@ struct WorkerServerOptions {
   // and those for calling the coordinator (null: plaintext).
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
   std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials;
+  // Prometheus metrics on HOST:PORT (/metrics); empty: not served.
+  std::string metrics_bind;
   // Tests: builds the backend instead of `device` (which then only names the
   // device kind the worker reports).
   std::function<absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>>()> backend_factory;
@@ -61,6 +64,8 @@ class WorkerServer {
   ~WorkerServer();
 
   const std::string& address() const { return address_; }
+  // The port /metrics is served on (0: none).
+  int metrics_port() const { return metrics_ != nullptr ? metrics_->port() : 0; }
   std::string worker_id() const;
   // Graceful drain: health NOT_SERVING, then the coordinator moves every
   // shard off this worker (copied live, no update lost) before it returns.
@@ -77,6 +82,7 @@ class WorkerServer {
   WorkerServerOptions options_;
   std::string address_;
   std::unique_ptr<WorkerService> service_;
+  std::unique_ptr<ServerMetrics> metrics_;  // reads service_; destroyed before it
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<ember::v1::Coordinator::Stub> coordinator_;
   ember::v1::WorkerInfo info_;

@@ -380,6 +380,11 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     resp->clear_outputs();
     return ToGrpc(s);
   }
+  int64_t ids = 0;
+  for (const backend::LookupRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
+  lookups_.fetch_add(1, std::memory_order_relaxed);
+  lookup_ids_.fetch_add(ids, std::memory_order_relaxed);
+  lookup_bytes_.fetch_add(total_bytes + ids * 8, std::memory_order_relaxed);
   return grpc::Status::OK;
 }
 
@@ -428,9 +433,14 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   }
   if (requests.empty() && seen) {
     resp->set_duplicate(true);
+    duplicates_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status::OK;
   }
   if (absl::Status s = backend_->ApplyGradients(requests); !s.ok()) return refuse(s);
+  int64_t ids = 0;
+  for (const backend::GradientRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
+  updates_.fetch_add(1, std::memory_order_relaxed);
+  update_ids_.fetch_add(ids, std::memory_order_relaxed);
   if (skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
     LOG_EVERY_N(WARNING, 100) << "collection '" << req->collection() << "': " << skipped
@@ -537,6 +547,30 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
     }
   }
   return grpc::Status::OK;
+}
+
+WorkerService::Stats WorkerService::GetStats() const {
+  Stats s;
+  s.lookups = lookups_.load(std::memory_order_relaxed);
+  s.lookup_ids = lookup_ids_.load(std::memory_order_relaxed);
+  s.lookup_bytes = lookup_bytes_.load(std::memory_order_relaxed);
+  s.updates = updates_.load(std::memory_order_relaxed);
+  s.update_ids = update_ids_.load(std::memory_order_relaxed);
+  s.duplicates = duplicates_.load(std::memory_order_relaxed);
+  s.nonfinite_refused = nonfinite_refused_.load(std::memory_order_relaxed);
+  s.nonfinite_skipped_ids = nonfinite_skipped_ids_.load(std::memory_order_relaxed);
+  s.dedup_forgotten_early = dedup_forgotten_early_.load(std::memory_order_relaxed);
+  s.available_bytes = backend_->AvailableBytes();
+  absl::ReaderMutexLock lock(&mu_);
+  s.collections = static_cast<int64_t>(collections_.size());
+  for (const auto& [name, c] : collections_) {
+    s.shards += static_cast<int64_t>(c->shards.size());
+    absl::MutexLock apply(c->apply_mu.get());  // the records change under it
+    for (const auto& [key, entry] : c->shards) {
+      s.request_ids += static_cast<int64_t>(entry.applied->size());
+    }
+  }
+  return s;
 }
 
 grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v1::ShardStatusRequest*,

@@ -69,6 +69,16 @@ class WorkerService final : public ember::v1::Worker::Service {
   // The backend's health (EmbeddingBackend::Health).
   absl::Status BackendHealth() const { return backend_->Health(); }
 
+  // What the worker's metrics report (server/common/metrics.h).
+  struct Stats {
+    int64_t lookups = 0, lookup_ids = 0, lookup_bytes = 0;
+    int64_t updates = 0, update_ids = 0;  // ApplyGradients calls applied, their ids
+    int64_t duplicates = 0;               // updates answered from the exactly-once record
+    int64_t nonfinite_refused = 0, nonfinite_skipped_ids = 0, dedup_forgotten_early = 0;
+    int64_t available_bytes = 0, shards = 0, collections = 0, request_ids = 0;
+  };
+  Stats GetStats() const;
+
   grpc::Status CreateShards(grpc::ServerContext* ctx, const ember::v1::CreateShardsRequest* req,
                             ember::v1::CreateShardsResponse* resp) override;
   grpc::Status DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
@@ -136,6 +146,8 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
+  std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0};
+  std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};
   std::atomic<int64_t> nonfinite_refused_{0};
   std::atomic<int64_t> nonfinite_skipped_ids_{0};
   std::atomic<int64_t> dedup_forgotten_early_{0};

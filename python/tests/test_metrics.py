@@ -1,0 +1,116 @@
+"""Prometheus metrics end to end: a local cluster with --metrics_port serves
+the text format (promtool accepts it), Debian's prometheus scrapes the
+coordinator and both workers, and the values read back through its HTTP API
+match the traffic this test made."""
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+import numpy as np
+import pytest
+
+import ember
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def free_ports(n):
+    """A base port with n free consecutive ports after it."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - n)
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            for s in socks:
+                s.close()
+            return base
+        except OSError:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def query(prom, expr):
+    data = json.loads(get(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+    assert data["status"] == "success", data
+    return data["data"]["result"]
+
+
+@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="Debian's prometheus is missing")
+def test_prometheus_scrapes_the_cluster(tmp_path):
+    base = free_ports(4)  # coordinator, 2 workers, prometheus
+    with ember.LocalCluster(workers=2, extra_flags=[f"--metrics_port={base}"]) as cluster:
+        client = ember.Client(cluster.address, timeout_s=20)
+        client.create_collection({"name": "m", "tables": [
+            {"name": "t", "num_embeddings": 100, "embedding_dim": 8, "feature_names": ["f"]}]},
+            sharding_type="row_wise")
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f": [[1, 2, 3], [50, 99], [7]]})
+        for _ in range(5):
+            client.lookup("m", kjt)
+        with pytest.raises(ember.NotFound):
+            client.lookup("nope", kjt)
+
+        # The exposition itself is valid Prometheus text.
+        text = get(f"http://127.0.0.1:{base + 1}/metrics")
+        check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, text=True,
+                               capture_output=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+        config = tmp_path / "prometheus.yml"
+        targets = ", ".join(f"'127.0.0.1:{base + i}'" for i in range(3))
+        config.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n"
+                          f"  - job_name: ember\n    static_configs:\n      - targets: [{targets}]\n")
+        web = f"127.0.0.1:{base + 3}"
+        prom = f"http://{web}"
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address={web}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            up = []
+            while time.monotonic() < deadline:
+                try:
+                    active = json.loads(get(f"{prom}/api/v1/targets"))["data"]["activeTargets"]
+                    up = [t for t in active if t["health"] == "up"]
+                    if len(up) == 3 and query(prom, "sum(ember_worker_lookups_total)"):
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            assert len(up) == 3, f"targets not all up: {up}"
+            # 5 lookups of 6 ids, row-wise over 2 workers: every id is looked up once.
+            ids = query(prom, "sum(ember_worker_lookup_ids_total)")
+            assert float(ids[0]["value"][1]) == 30
+            lookups = query(prom, 'sum(ember_rpc_total{method="Worker/Lookup",code="OK"})')
+            assert float(lookups[0]["value"][1]) >= 5
+            live = query(prom, 'ember_coordinator_workers{state="live"}')
+            assert float(live[0]["value"][1]) == 2
+            serving = query(prom, 'ember_coordinator_collections{state="SERVING"}')
+            assert float(serving[0]["value"][1]) == 1
+            refused = query(prom, 'ember_rpc_total{method="Coordinator/GetCollection",'
+                                  'code="NOT_FOUND"}')
+            assert refused and float(refused[0]["value"][1]) >= 1
+            hist = query(prom, 'ember_rpc_duration_seconds_count{method="Worker/Lookup"}')
+            assert sum(float(r["value"][1]) for r in hist) >= 5
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+        client.drop_collection("m")
