@@ -58,6 +58,12 @@ DEFINE_string(tls_ca, "",
 DEFINE_int32(metrics_port, 0,
              "Prometheus metrics over plain HTTP at /metrics on this port (0: none), on the "
              "--listen host. up: the coordinator's; worker i gets metrics_port + 1 + i.");
+DEFINE_int32(health_port, 0,
+             "A plaintext port serving only grpc.health.v1 (for kubelet probes, which cannot "
+             "do mutual TLS), on the --listen host; 0: none.");
+DEFINE_string(advertise_address, "",
+              "worker: the HOST:PORT registered with the coordinator, which clients dial (e.g. "
+              "a pod's stable DNS name); default: the --listen address.");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
@@ -164,8 +170,8 @@ std::string BadServerFlags() {
 
 TlsFiles Tls() { return {FLAGS_tls_cert, FLAGS_tls_key, FLAGS_tls_ca}; }
 
-// Where /metrics is served: the --listen host (all interfaces for 0.0.0.0)
-// and `port`; empty for none.
+// HOST:PORT on the --listen host (all interfaces for 0.0.0.0) for an extra
+// port (/metrics, health); empty for none.
 std::string MetricsBind(const std::string& listen, int port) {
   if (port <= 0) return "";
   return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
@@ -184,6 +190,7 @@ struct Coordinator {
   TokenTable service_tokens;  // what it checks; `up` calls it as admin
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // for calling it (up)
   std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<grpc::Server> health;  // --health_port
 };
 
 // The coordinator's own series: workers by lease, collections by state.
@@ -248,6 +255,9 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   c.server = b.BuildAndStart();
   if (!c.server || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
   c.address = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  auto health = StartHealthServer(MetricsBind(listen, FLAGS_health_port));
+  if (!health.ok()) return health.status();
+  c.health = std::move(*health);
   return c;
 }
 
@@ -322,6 +332,8 @@ int RunWorker() {
   o.coordinator_credentials = *coordinator_credentials;
   WarnIfPlaintextOffLoopback(o.listen, !FLAGS_tls_cert.empty());
   o.metrics_bind = MetricsBind(o.listen, FLAGS_metrics_port);
+  o.health_bind = MetricsBind(o.listen, FLAGS_health_port);
+  o.advertise_address = FLAGS_advertise_address;
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
   std::cout << "worker " << (*w)->worker_id() << " listening on " << (*w)->address() << std::endl;

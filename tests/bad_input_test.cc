@@ -21,6 +21,7 @@
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 #include "tests/local_cluster.h"
+#include "tests/raw_call.h"
 
 namespace ember {
 namespace {
@@ -66,29 +67,7 @@ StatusCode Call(Stub* stub, grpc::Status (Stub::*method)(grpc::ClientContext*, c
 
 // Sends raw bytes as the request of `method` ("/pkg.Service/Method");
 // the response's bytes go to *reply if given.
-StatusCode RawCall(const std::string& address, const std::string& method,
-                   const std::string& payload, std::string* reply = nullptr) {
-  grpc::GenericStub stub(MakeChannel(address));
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, absl::Seconds(30));
-  grpc::Slice slice(payload);
-  grpc::ByteBuffer request(&slice, 1), response;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-    status = std::move(s);
-    done.Notify();
-  });
-  done.WaitForNotification();
-  if (reply != nullptr && status.ok()) {
-    std::vector<grpc::Slice> slices;
-    if (response.Dump(&slices).ok()) {
-      reply->clear();
-      for (const auto& sl : slices) reply->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-    }
-  }
-  return status.error_code();
-}
+using testing_util::RawCall;
 
 std::vector<std::string> MethodsOf(const std::string& service) {
   const auto* d = google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(service);

@@ -3,6 +3,8 @@
 // certificate of that CA, and refuses plaintext clients, clients without a
 // certificate and clients whose certificate another CA signed. Certificates
 // are made here with openssl (IP SAN 127.0.0.1).
+#include <unistd.h>
+
 #include <cstdlib>
 #include <memory>
 #include <random>
@@ -13,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "server/common/tls.h"
 #include "tests/local_cluster.h"
+#include "tests/raw_call.h"
 #include "tests/test_collection.h"
 
 namespace ember {
@@ -53,9 +56,23 @@ TEST(TlsTest, MutualTlsServesItsClientsAndRefusesOthers) {
   ASSERT_TRUE(MakeCertificates(dir, "other"));
   const std::string cert = dir + "/ember.pem", key = dir + "/ember.key",
                     ca = dir + "/ember-ca.pem";
+  const int health_port = 20000 + static_cast<int>(getpid() % 20000);
   testing_util::LocalCluster cluster(
-      kEmberctl, 2, {"--tls_cert=" + cert, "--tls_key=" + key, "--tls_ca=" + ca});
+      kEmberctl, 2,
+      {"--tls_cert=" + cert, "--tls_key=" + key, "--tls_ca=" + ca,
+       absl::StrCat("--health_port=", health_port)});
   ASSERT_TRUE(cluster.ok()) << "emberctl up with TLS did not come up";
+  // Kubelet's view: health over plaintext on --health_port while the service
+  // port wants mutual TLS.
+  std::string reply;
+  const std::string health = absl::StrCat("127.0.0.1:", health_port);
+  EXPECT_EQ(testing_util::RawCall(health, "/grpc.health.v1.Health/Check", "", &reply),
+            grpc::StatusCode::OK);
+  EXPECT_EQ(reply, std::string("\x08\x01", 2));  // SERVING
+  EXPECT_NE(testing_util::RawCall(cluster.coordinator(), "/grpc.health.v1.Health/Check", ""),
+            grpc::StatusCode::OK);
+  EXPECT_EQ(testing_util::RawCall(health, "/ember.v1.Coordinator/ListWorkers", ""),
+            grpc::StatusCode::UNIMPLEMENTED);  // only health there
 
   // A client of the CA: the whole path (coordinator, and workers over TLS
   // from both the client and the coordinator).

@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
@@ -57,6 +58,20 @@ inline std::shared_ptr<grpc::Channel> MakeChannel(
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   return grpc::CreateCustomChannel(
       address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args);
+}
+
+// A plaintext server on `bind` (HOST:PORT) that serves only grpc.health.v1,
+// for kubelet probes (which cannot present client certificates). nullptr
+// when `bind` is empty; UNAVAILABLE when it cannot listen.
+inline absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(const std::string& bind) {
+  if (bind.empty()) return std::unique_ptr<grpc::Server>();
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder b;
+  int port = 0;
+  b.AddListeningPort(bind, grpc::InsecureServerCredentials(), &port);
+  std::unique_ptr<grpc::Server> s = b.BuildAndStart();
+  if (!s || port == 0) return absl::UnavailableError("cannot serve health checks on " + bind);
+  return s;
 }
 
 inline void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {

@@ -143,9 +143,16 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   }
   const std::string listen_host = std::string(options.listen.substr(0, options.listen.rfind(':')));
   w->address_ = absl::StrCat(listen_host, ":", port);
+  if (!options.advertise_address.empty()) w->address_ = options.advertise_address;
   info.set_address(w->address_);
   info.set_host(options.host.empty() ? HostName() : options.host);
   info.set_pid(getpid());
+  auto health = StartHealthServer(options.health_bind);
+  if (!health.ok()) {
+    w->server_->Shutdown();
+    return health.status();
+  }
+  w->health_server_ = std::move(*health);
   w->coordinator_ = ember::v1::Coordinator::NewStub(
       MakeChannel(options.coordinator, options.coordinator_credentials));
 
@@ -183,6 +190,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   return w;
 }
 
+void WorkerServer::SetServing(bool serving) {
+  server_->GetHealthCheckService()->SetServingStatus(serving);
+  if (health_server_ != nullptr) health_server_->GetHealthCheckService()->SetServingStatus(serving);
+}
+
 std::string WorkerServer::worker_id() const {
   absl::MutexLock lock(&id_mu_);
   return worker_id_;
@@ -196,7 +208,7 @@ void WorkerServer::HeartbeatLoop() {
       // recovers this worker's shards elsewhere. Data calls already answer
       // UNAVAILABLE (the backend's status).
       backend_lost_ = true;
-      server_->GetHealthCheckService()->SetServingStatus(false);
+      SetServing(false);
       LOG(ERROR) << "worker " << worker_id() << ": backend lost (" << h.message()
                  << "); NOT_SERVING, heartbeats stopped so the coordinator recovers its shards";
       continue;
@@ -227,7 +239,7 @@ void WorkerServer::HeartbeatLoop() {
 }
 
 absl::Status WorkerServer::Drain(absl::Duration timeout) {
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  SetServing(false);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timeout);
   AddToken(&ctx, options_.service.auth.TokenOf(Role::kWorker));
@@ -248,6 +260,7 @@ void WorkerServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(absl::ToInt64Milliseconds(grace)));
   server_->Wait();
+  if (health_server_ != nullptr) health_server_->Shutdown();
 }
 
 WorkerServer::~WorkerServer() { Shutdown(); }

@@ -39,6 +39,11 @@ struct WorkerServerOptions {
   // (HostMemoryBytes: the cgroup limit or MemAvailable); for CUDA the card's.
   int64_t memory_limit_bytes = 0;
   std::string host;                    // empty: this machine's host name
+  // The address registered with the coordinator (what clients dial), e.g. a
+  // pod's stable DNS name; empty: the --listen address.
+  std::string advertise_address;
+  // A plaintext port serving only grpc.health.v1 (kubelet probes); empty: none.
+  std::string health_bind;
   absl::Duration register_timeout = absl::Seconds(30);
   // Largest gRPC message received or sent; responses are kept under it
   // (service.max_response_bytes is lowered to fit).
@@ -76,6 +81,7 @@ class WorkerServer {
 
  private:
   WorkerServer() = default;
+  void SetServing(bool serving);
   absl::Status Register(absl::Time deadline);
   void HeartbeatLoop();
 
@@ -84,6 +90,7 @@ class WorkerServer {
   std::unique_ptr<WorkerService> service_;
   std::unique_ptr<ServerMetrics> metrics_;  // reads service_; destroyed before it
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;  // --health_port; may be null
   std::unique_ptr<ember::v1::Coordinator::Stub> coordinator_;
   ember::v1::WorkerInfo info_;
   mutable absl::Mutex id_mu_;
