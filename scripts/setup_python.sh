@@ -2,7 +2,8 @@
 # The Python environment of the SDK's tests, examples and benchmarks: a venv
 # at .venv/ (git-ignored) on Debian's python3 with PyPI's torch 2.14.1,
 # torchrec 1.9.2 and the CPU build of FBGEMM 1.9.0 (TorchRec's local
-# reference for the parity tests and train_bench), numpy and pytest.
+# reference for the parity tests and train_bench), numpy, pytest and
+# kubernetes-validate (deploy/manifests_test).
 # Idempotent: a stamp names what was installed; when it matches, this returns
 # at once. Called by scripts/setup.sh.
 #
@@ -13,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
-want="torch==2.14.1 torchrec==1.9.2 fbgemm-gpu-cpu==1.9.0 numpy pytest"
+want="torch==2.14.1 torchrec==1.9.2 fbgemm-gpu-cpu==1.9.0 numpy pytest kubernetes-validate==1.37.0"
 stamp="$venv/.ember-python-stamp"
 # `import ember` from any directory: a .pth naming this checkout's python/
 # (the package loads its extension from bazel-bin when it is not beside it).
@@ -30,7 +31,7 @@ echo "setup: preparing the Python environment in $venv (PyPI torch is ~5 GB; a f
 start=$(date +%s)
 [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install "torch==2.14.1" numpy pytest
+"${pip[@]}" install "torch==2.14.1" numpy pytest "kubernetes-validate==1.37.0"
 echo "setup: torch installed ($(( $(date +%s) - start )) s); torchrec next" >&2
 "${pip[@]}" install "torchrec==1.9.2"
 "${pip[@]}" uninstall -y fbgemm_gpu fbgemm_gpu-cpu >/dev/null 2>&1 || true
