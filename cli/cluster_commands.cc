@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -15,6 +16,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "cli/exit_status.h"
@@ -64,6 +66,9 @@ DEFINE_int32(health_port, 0,
 DEFINE_string(advertise_address, "",
               "worker: the HOST:PORT registered with the coordinator, which clients dial (e.g. "
               "a pod's stable DNS name); default: the --listen address.");
+DEFINE_string(rate_window, "1s",
+              "status: how long to watch the workers' counters for their request rates "
+              "(0: no rates).");
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
@@ -513,18 +518,55 @@ int RunLivePlan() {
 }
 
 int RunStatus() {
+  absl::Duration window;
+  if (!absl::ParseDuration(FLAGS_rate_window, &window) || window < absl::ZeroDuration()) {
+    return Usage("--rate_window must be a duration >= 0 (e.g. 1s)");
+  }
   auto cl = Connect();
   if (!cl.ok()) return Fail("status", cl.status());
   auto workers = (*cl)->ListWorkers();
   if (!workers.ok()) return Fail("status", workers.status());
   std::cout << "coordinator " << FLAGS_coordinator << ": " << workers->workers_size()
             << " worker(s)" << std::endl;
+  // Two samples of every live worker's counters, --rate_window apart.
+  std::map<std::string, ember::v1::ShardStatusResponse> first, second;
+  for (const auto& s : workers->workers()) {
+    if (!s.live()) continue;
+    auto st = (*cl)->WorkerStatus(s.info().address());
+    if (st.ok()) first[s.worker_id()] = *st;
+  }
+  if (window > absl::ZeroDuration() && !first.empty()) absl::SleepFor(window);
+  for (const auto& [id, unused] : first) {
+    for (const auto& s : workers->workers()) {
+      if (s.worker_id() != id) continue;
+      auto st = (*cl)->WorkerStatus(s.info().address());
+      if (st.ok()) second[id] = *st;
+    }
+  }
+  const double seconds = std::max(absl::ToDoubleSeconds(window), 1e-9);
   for (const auto& s : workers->workers()) {
     std::cout << "  " << s.worker_id() << " " << s.info().address() << " host " << s.info().host()
               << " pid " << s.info().pid() << " "
               << (s.info().device() == ember::v1::CUDA ? "cuda" : "cpu") << " "
               << (s.live() ? "live" : "LEASE LAPSED") << " (heartbeat " << s.ms_since_heartbeat()
               << " ms ago)" << std::endl;
+    auto a = first.find(s.worker_id());
+    if (a == first.end()) continue;
+    const int64_t capacity = s.info().device() == ember::v1::CUDA ? s.info().hbm_bytes()
+                                                                  : s.info().ddr_bytes();
+    const int64_t used = std::max<int64_t>(0, capacity - a->second.available_bytes());
+    std::cout << absl::StrFormat("    %s, memory %.2f of %.2f GiB used, %d shard(s)",
+                                 a->second.backend(), used / double(1 << 30),
+                                 capacity / double(1 << 30), a->second.shards_size());
+    auto b = second.find(s.worker_id());
+    if (b != second.end()) {
+      std::cout << absl::StrFormat(
+          ", %.1f lookups/s (%.3g ids/s), %.1f updates/s",
+          (b->second.lookups() - a->second.lookups()) / seconds,
+          (b->second.lookup_ids() - a->second.lookup_ids()) / seconds,
+          (b->second.updates() - a->second.updates()) / seconds);
+    }
+    std::cout << std::endl;
   }
   auto collections = (*cl)->ListCollections();
   if (!collections.ok()) return Fail("status", collections.status());

@@ -382,6 +382,16 @@ absl::StatusOr<ember::v1::ListWorkersResponse> Client::ListWorkers() {
                          ember::v1::ListWorkersRequest(), options_.timeout);
 }
 
+absl::StatusOr<ember::v1::ShardStatusResponse> Client::WorkerStatus(const std::string& address) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.timeout);
+  AddToken(&ctx, options_.auth_token);
+  ember::v1::ShardStatusResponse resp;
+  grpc::Status s = StubFor(address)->ShardStatus(&ctx, ember::v1::ShardStatusRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s, "worker " + address);
+  return resp;
+}
+
 absl::StatusOr<ember::v1::ShardingPlan> Client::PreviewPlan(const ember::v1::CollectionSpec& spec,
                                                             const ember::v1::Topology& topology,
                                                             const std::string& sharding_type) {

@@ -88,6 +88,8 @@ class Client {
   absl::StatusOr<std::vector<std::string>> DrainWorker(const std::string& worker_id,
                                                        absl::Duration timeout = absl::Minutes(30));
   absl::StatusOr<ember::v1::ListWorkersResponse> ListWorkers();
+  // One worker's shards, memory and traffic counters (Worker.ShardStatus).
+  absl::StatusOr<ember::v1::ShardStatusResponse> WorkerStatus(const std::string& address);
   absl::StatusOr<ember::v1::ShardingPlan> PreviewPlan(const ember::v1::CollectionSpec& spec,
                                                       const ember::v1::Topology& topology,
                                                       const std::string& sharding_type = "");

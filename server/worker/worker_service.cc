@@ -582,6 +582,9 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_nonfinite_skipped_ids(nonfinite_skipped_ids_.load(std::memory_order_relaxed));
   resp->set_available_bytes(backend_->AvailableBytes());
   resp->set_dedup_forgotten_early(dedup_forgotten_early_.load(std::memory_order_relaxed));
+  resp->set_lookups(lookups_.load(std::memory_order_relaxed));
+  resp->set_lookup_ids(lookup_ids_.load(std::memory_order_relaxed));
+  resp->set_updates(updates_.load(std::memory_order_relaxed));
   for (const auto& [name, c] : collections_) {
     for (const auto& [key, entry] : c->shards) {
       auto* info = resp->add_shards();
