@@ -177,7 +177,7 @@ TlsFiles Tls() { return {FLAGS_tls_cert, FLAGS_tls_key, FLAGS_tls_ca}; }
 
 // HOST:PORT on the --listen host (all interfaces for 0.0.0.0) for an extra
 // port (/metrics, health); empty for none.
-std::string MetricsBind(const std::string& listen, int port) {
+std::string SidePortBind(const std::string& listen, int port) {
   if (port <= 0) return "";
   return absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
 }
@@ -244,7 +244,7 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   auto service = coordinator::CoordinatorService::Create(o);
   if (!service.ok()) return service.status();
   c.service = std::move(*service);
-  auto metrics = ServerMetrics::Start(MetricsBind(listen, FLAGS_metrics_port), "coordinator");
+  auto metrics = ServerMetrics::Start(SidePortBind(listen, FLAGS_metrics_port), "coordinator");
   if (!metrics.ok()) return metrics.status();
   c.metrics = std::move(*metrics);
   AddCoordinatorMetrics(c.service.get(), c.metrics.get());
@@ -260,7 +260,7 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   c.server = b.BuildAndStart();
   if (!c.server || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", listen));
   c.address = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
-  auto health = StartHealthServer(MetricsBind(listen, FLAGS_health_port));
+  auto health = StartHealthServer(SidePortBind(listen, FLAGS_health_port));
   if (!health.ok()) return health.status();
   c.health = std::move(*health);
   return c;
@@ -336,8 +336,8 @@ int RunWorker() {
   o.server_credentials = *server_credentials;
   o.coordinator_credentials = *coordinator_credentials;
   WarnIfPlaintextOffLoopback(o.listen, !FLAGS_tls_cert.empty());
-  o.metrics_bind = MetricsBind(o.listen, FLAGS_metrics_port);
-  o.health_bind = MetricsBind(o.listen, FLAGS_health_port);
+  o.metrics_bind = SidePortBind(o.listen, FLAGS_metrics_port);
+  o.health_bind = SidePortBind(o.listen, FLAGS_health_port);
   o.advertise_address = FLAGS_advertise_address;
   auto w = worker::WorkerServer::Start(o);
   if (!w.ok()) return Fail("worker", w.status());
@@ -536,12 +536,10 @@ int RunStatus() {
     if (st.ok()) first[s.worker_id()] = *st;
   }
   if (window > absl::ZeroDuration() && !first.empty()) absl::SleepFor(window);
-  for (const auto& [id, unused] : first) {
-    for (const auto& s : workers->workers()) {
-      if (s.worker_id() != id) continue;
-      auto st = (*cl)->WorkerStatus(s.info().address());
-      if (st.ok()) second[id] = *st;
-    }
+  for (const auto& s : workers->workers()) {
+    if (!first.count(s.worker_id())) continue;
+    auto st = (*cl)->WorkerStatus(s.info().address());
+    if (st.ok()) second[s.worker_id()] = *st;
   }
   const double seconds = std::max(absl::ToDoubleSeconds(window), 1e-9);
   for (const auto& s : workers->workers()) {

@@ -289,8 +289,7 @@ absl::StatusOr<Response> Client::CallCoordinator(
                                                          Response*),
     const Request& request, absl::Duration timeout) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
-  AddToken(&ctx, options_.auth_token);
+  PrepareContext(&ctx, timeout);
   Response response;
   grpc::Status s = (coordinator_.get()->*method)(&ctx, request, &response);
   if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
@@ -382,10 +381,14 @@ absl::StatusOr<ember::v1::ListWorkersResponse> Client::ListWorkers() {
                          ember::v1::ListWorkersRequest(), options_.timeout);
 }
 
+void Client::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const {
+  SetDeadline(ctx, timeout);
+  AddToken(ctx, options_.auth_token);
+}
+
 absl::StatusOr<ember::v1::ShardStatusResponse> Client::WorkerStatus(const std::string& address) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.timeout);
-  AddToken(&ctx, options_.auth_token);
+  PrepareContext(&ctx, options_.timeout);
   ember::v1::ShardStatusResponse resp;
   grpc::Status s = StubFor(address)->ShardStatus(&ctx, ember::v1::ShardStatusRequest(), &resp);
   if (!s.ok()) return FromGrpc(s, "worker " + address);
@@ -835,8 +838,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       ember::v1::ExportRowsResponse got;
       {
         grpc::ClientContext ctx;
-        SetDeadline(&ctx, options_.timeout);
-        AddToken(&ctx, options_.auth_token);
+        PrepareContext(&ctx, options_.timeout);
         grpc::Status st = StubFor(address)->ExportRows(&ctx, ex, &got);
         if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
       }
@@ -857,8 +859,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       im.set_step(-1);
       ember::v1::ImportRowsResponse done;
       grpc::ClientContext ctx;
-      SetDeadline(&ctx, options_.timeout);
-      AddToken(&ctx, options_.auth_token);
+      PrepareContext(&ctx, options_.timeout);
       grpc::Status st = StubFor(address)->ImportRows(&ctx, im, &done);
       if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
     }
@@ -887,8 +888,7 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
     for (int64_t b = 0; b < s.rows; b += chunk) {
       const int64_t e = std::min(s.rows, b + chunk);
       grpc::ClientContext ctx;
-      SetDeadline(&ctx, options_.timeout);
-      AddToken(&ctx, options_.auth_token);
+      PrepareContext(&ctx, options_.timeout);
       ember::v1::ExportRowsRequest req;
       req.set_collection(collection);
       req.mutable_shard()->set_table(table);

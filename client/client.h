@@ -143,6 +143,8 @@ class Client {
   absl::StatusOr<std::shared_ptr<const Routing>> RoutingFor(const std::string& collection,
                                                             bool refresh);
   ember::v1::Worker::Stub* StubFor(const std::string& address);
+  // A unary call's deadline and token (the fan-outs set theirs in Fanout).
+  void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;
   // One unary call to the coordinator with its own deadline.
   template <typename Request, typename Response>
   absl::StatusOr<Response> CallCoordinator(

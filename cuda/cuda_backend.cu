@@ -32,7 +32,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -63,7 +62,6 @@ using backend::EmbeddingBackend;
 using backend::FeatureRequest;
 using backend::GradientRequest;
 using backend::LookupRequest;
-using backend::OptimizerConfig;
 using backend::OptimizerType;
 using backend::Pooling;
 using backend::ShardId;

@@ -161,8 +161,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   absl::Status last;
   for (;;) {
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Seconds(2));
-    AddToken(&ctx, w->options_.service.auth.TokenOf(Role::kWorker));
+    w->PrepareContext(&ctx, absl::Seconds(2));
     ember::v1::RegisterWorkerRequest req;
     *req.mutable_worker() = info;
     ember::v1::RegisterWorkerResponse resp;
@@ -190,6 +189,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   return w;
 }
 
+void WorkerServer::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const {
+  SetDeadline(ctx, timeout);
+  AddToken(ctx, options_.service.auth.TokenOf(Role::kWorker));
+}
+
 void WorkerServer::SetServing(bool serving) {
   server_->GetHealthCheckService()->SetServingStatus(serving);
   if (health_server_ != nullptr) health_server_->GetHealthCheckService()->SetServingStatus(serving);
@@ -214,8 +218,7 @@ void WorkerServer::HeartbeatLoop() {
       continue;
     }
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, lease_ / 4);
-    AddToken(&ctx, options_.service.auth.TokenOf(Role::kWorker));
+    PrepareContext(&ctx, lease_ / 4);
     ember::v1::HeartbeatRequest req;
     req.set_worker_id(worker_id());
     ember::v1::HeartbeatResponse resp;
@@ -223,8 +226,7 @@ void WorkerServer::HeartbeatLoop() {
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
       LOG(WARNING) << "the coordinator forgot this worker; registering again";
       grpc::ClientContext rctx;
-      SetDeadline(&rctx, absl::Seconds(2));
-      AddToken(&rctx, options_.service.auth.TokenOf(Role::kWorker));
+      PrepareContext(&rctx, absl::Seconds(2));
       ember::v1::RegisterWorkerRequest rreq;
       *rreq.mutable_worker() = info_;
       ember::v1::RegisterWorkerResponse rresp;
@@ -241,8 +243,7 @@ void WorkerServer::HeartbeatLoop() {
 absl::Status WorkerServer::Drain(absl::Duration timeout) {
   SetServing(false);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, timeout);
-  AddToken(&ctx, options_.service.auth.TokenOf(Role::kWorker));
+  PrepareContext(&ctx, timeout);
   ember::v1::DrainWorkerRequest req;
   req.set_worker_id(worker_id());
   ember::v1::DrainWorkerResponse resp;

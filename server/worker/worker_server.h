@@ -82,6 +82,8 @@ class WorkerServer {
  private:
   WorkerServer() = default;
   void SetServing(bool serving);
+  // A call to the coordinator: its deadline and the worker token.
+  void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;
   absl::Status Register(absl::Time deadline);
   void HeartbeatLoop();
 
