@@ -63,6 +63,24 @@ class Process {
     return "";
   }
   pid_t pid() const { return pid_; }
+  // Reaps the process once it exits by itself: its exit code, or -1 when it
+  // was killed by a signal or is still running after `timeout` (then it is
+  // killed).
+  int Wait(absl::Duration timeout) {
+    if (pid_ <= 0) return -1;
+    const absl::Time deadline = absl::Now() + timeout;
+    int status = 0;
+    pid_t r;
+    while ((r = waitpid(pid_, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (r == 0) {
+      Stop(SIGKILL);
+      return -1;
+    }
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
   // Sends `sig` and reaps the process (SIGKILL after 15 s).
   void Stop(int sig) {
     if (pid_ <= 0) return;

@@ -4,6 +4,7 @@
 #ifndef EMBER_TESTS_RAW_CALL_H_
 #define EMBER_TESTS_RAW_CALL_H_
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,11 +17,17 @@
 namespace ember {
 namespace testing_util {
 
-inline grpc::StatusCode RawCall(const std::string& address, const std::string& method,
-                                const std::string& payload, std::string* reply = nullptr) {
-  grpc::GenericStub stub(MakeChannel(address));
+// `credentials`: TLS (nullptr: plaintext); `token`: sent as a bearer token
+// when not empty.
+inline grpc::StatusCode RawCall(
+    const std::string& address, const std::string& method, const std::string& payload,
+    std::string* reply = nullptr,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials = nullptr,
+    const std::string& token = "") {
+  grpc::GenericStub stub(MakeChannel(address, credentials));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Seconds(30));
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
   grpc::Slice slice(payload);
   grpc::ByteBuffer request(&slice, 1), response;
   absl::Notification done;

@@ -14,6 +14,7 @@
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "server/common/tls.h"
+#include "tests/certificates.h"
 #include "tests/local_cluster.h"
 #include "tests/raw_call.h"
 #include "tests/test_collection.h"
@@ -23,20 +24,8 @@ namespace {
 
 constexpr char kEmberctl[] = "cli/emberctl";
 
-// A CA and a certificate it signs (for 127.0.0.1, usable by servers and
-// clients) in dir/<name>-ca.pem, <name>.pem, <name>.key.
 bool MakeCertificates(const std::string& dir, const std::string& name) {
-  const std::string p = dir + "/" + name;
-  const std::string cmd = absl::StrCat(
-      "set -e; cd ", dir, "; ",
-      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ", p, "-ca.key -out ", p,
-      "-ca.pem -days 2 -subj /CN=", name, "-ca 2>/dev/null; ",
-      "openssl req -newkey rsa:2048 -nodes -keyout ", p, ".key -out ", p,
-      ".csr -subj /CN=127.0.0.1 2>/dev/null; ",
-      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > ", p, ".ext; ",
-      "openssl x509 -req -in ", p, ".csr -CA ", p, "-ca.pem -CAkey ", p,
-      "-ca.key -CAcreateserial -out ", p, ".pem -days 2 -extfile ", p, ".ext 2>/dev/null");
-  return std::system(cmd.c_str()) == 0;
+  return testing_util::MakeCertificates(dir, name, "IP:127.0.0.1,DNS:localhost");
 }
 
 absl::StatusOr<std::unique_ptr<client::Client>> Connect(const std::string& address,
