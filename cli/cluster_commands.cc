@@ -214,10 +214,29 @@ void AddCoordinatorMetrics(const coordinator::CoordinatorService* service, Serve
     }
     return out;
   });
-  m->AddGauge("ember_coordinator_checkpoints", "Checkpoints in the catalogue", [service] {
-    return std::vector<ServerMetrics::Sample>{
-        {{}, static_cast<double>(service->GetStats().checkpoints)}};
-  });
+  auto one = [service](auto field) {
+    return [service, field] {
+      return std::vector<ServerMetrics::Sample>{{{}, static_cast<double>(service->GetStats().*field)}};
+    };
+  };
+  using Stats = coordinator::CoordinatorService::Stats;
+  m->AddGauge("ember_coordinator_checkpoints", "Checkpoints in the catalogue",
+              one(&Stats::checkpoints));
+  m->AddCounter("ember_coordinator_checkpoint_runs_total",
+                "Checkpoints written since start (periodic and asked for), by result", [service] {
+                  const auto s = service->GetStats();
+                  return std::vector<ServerMetrics::Sample>{
+                      {{{"result", "ok"}}, static_cast<double>(s.checkpoints_ok)},
+                      {{{"result", "failed"}}, static_cast<double>(s.checkpoints_failed)}};
+                });
+  m->AddCounter("ember_coordinator_checkpoint_seconds_total", "Time spent writing checkpoints",
+                one(&Stats::checkpoint_seconds));
+  m->AddGauge("ember_coordinator_last_checkpoint_duration_seconds",
+              "How long the last checkpoint took (succeeded or not)",
+              one(&Stats::last_checkpoint_seconds));
+  m->AddGauge("ember_coordinator_last_checkpoint_success_timestamp_seconds",
+              "Unix time the last successful checkpoint finished (0: none since start)",
+              one(&Stats::last_checkpoint_unix_seconds));
 }
 
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {

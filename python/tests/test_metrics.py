@@ -56,7 +56,8 @@ def query(prom, expr):
 @pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="Debian's prometheus is missing")
 def test_prometheus_scrapes_the_cluster(tmp_path):
     base = free_ports(4)  # coordinator, 2 workers, prometheus
-    with ember.LocalCluster(workers=2, extra_flags=[f"--metrics_port={base}"]) as cluster:
+    flags = [f"--metrics_port={base}", f"--checkpoint_dir={tmp_path / 'checkpoints'}"]
+    with ember.LocalCluster(workers=2, extra_flags=flags) as cluster:
         client = ember.Client(cluster.address, timeout_s=20)
         client.create_collection({"name": "m", "tables": [
             {"name": "t", "num_embeddings": 100, "embedding_dim": 8, "feature_names": ["f"]}]},
@@ -66,6 +67,9 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             client.lookup("m", kjt)
         with pytest.raises(ember.NotFound):
             client.lookup("nope", kjt)
+        started = time.time()
+        client.checkpoint("m")
+        client.checkpoint("m")
 
         # The exposition itself is valid Prometheus text.
         text = get(f"http://127.0.0.1:{base + 1}/metrics")
@@ -108,6 +112,17 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             refused = query(prom, 'ember_rpc_total{method="Coordinator/GetCollection",'
                                   'code="NOT_FOUND"}')
             assert refused and float(refused[0]["value"][1]) >= 1
+            runs = query(prom, 'ember_coordinator_checkpoint_runs_total{result="ok"}')
+            assert float(runs[0]["value"][1]) == 2
+            failed = query(prom, 'ember_coordinator_checkpoint_runs_total{result="failed"}')
+            assert float(failed[0]["value"][1]) == 0
+            spent = float(query(prom, "ember_coordinator_checkpoint_seconds_total")[0]["value"][1])
+            last = float(query(prom, "ember_coordinator_last_checkpoint_duration_seconds")
+                         [0]["value"][1])
+            assert 0 < last <= spent < time.time() - started
+            when = float(query(prom, "ember_coordinator_last_checkpoint_success_timestamp_seconds")
+                         [0]["value"][1])
+            assert started <= when <= time.time()
             hist = query(prom, 'ember_rpc_duration_seconds_count{method="Worker/Lookup"}')
             assert sum(float(r["value"][1]) for r in hist) >= 5
         finally:

@@ -396,6 +396,11 @@ CoordinatorService::Stats CoordinatorService::GetStats() const {
   for (const auto& [name, info] : collections_) {
     ++s.collections_by_state[ember::v1::CollectionInfo::State_Name(info.state())];
   }
+  s.checkpoints_ok = checkpoint_stats_.checkpoints_ok;
+  s.checkpoints_failed = checkpoint_stats_.checkpoints_failed;
+  s.checkpoint_seconds = checkpoint_stats_.checkpoint_seconds;
+  s.last_checkpoint_seconds = checkpoint_stats_.last_checkpoint_seconds;
+  s.last_checkpoint_unix_seconds = checkpoint_stats_.last_checkpoint_unix_seconds;
   s.checkpoints = static_cast<int64_t>(catalogue_.size());
   return s;
 }
@@ -690,6 +695,21 @@ grpc::Status CoordinatorService::DropCollection(grpc::ServerContext* ctx,
 }
 
 absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollection(
+    const std::string& collection, const std::string& root) {
+  const absl::Time start = absl::Now();
+  auto info = WriteCollectionCheckpoint(collection, root);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (absl::IsNotFound(info.status())) return info;  // no such collection: nothing was written
+  absl::MutexLock lock(&mu_);
+  Stats& s = checkpoint_stats_;
+  (info.ok() ? s.checkpoints_ok : s.checkpoints_failed) += 1;
+  s.checkpoint_seconds += seconds;
+  s.last_checkpoint_seconds = seconds;
+  if (info.ok()) s.last_checkpoint_unix_seconds = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  return info;
+}
+
+absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionCheckpoint(
     const std::string& collection, const std::string& requested_root) {
   const std::string root = requested_root.empty() ? options_.checkpoint_dir : requested_root;
   if (root.empty()) {

@@ -120,10 +120,13 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                            ember::v1::DrainWorkerResponse* resp) override;
 
   // Checkpoints one collection under `root` (empty: options.checkpoint_dir).
+  // Counted and timed for the metrics (Stats).
   absl::StatusOr<ember::v1::CheckpointInfo> CheckpointCollection(const std::string& collection,
                                                                  const std::string& root);
 
  private:
+  absl::StatusOr<ember::v1::CheckpointInfo> WriteCollectionCheckpoint(
+      const std::string& collection, const std::string& root);
   struct Worker {
     std::string id;
     ember::v1::WorkerInfo info;
@@ -176,7 +179,13 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   struct Stats {
     int64_t workers_live = 0, workers_lost = 0;
     std::map<std::string, int64_t> collections_by_state;  // SERVING, DEGRADED, RECOVERING
-    int64_t checkpoints = 0;
+    int64_t checkpoints = 0;  // in the catalogue
+    // Checkpoints written since start (periodic and asked for): how many
+    // succeeded and failed, the time they took, the last one's duration and
+    // when the last successful one finished (0: none yet).
+    int64_t checkpoints_ok = 0, checkpoints_failed = 0;
+    double checkpoint_seconds = 0, last_checkpoint_seconds = 0;
+    double last_checkpoint_unix_seconds = 0;
   };
   Stats GetStats() const;
 
@@ -227,6 +236,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::atomic<bool> reconcile_pending_{false};
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   absl::Mutex checkpoint_mu_;  // one checkpoint at a time
+  Stats checkpoint_stats_ ABSL_GUARDED_BY(mu_);  // the checkpoint_* fields only
   std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::map<std::string, ember::v1::CheckpointInfo> in_progress_ ABSL_GUARDED_BY(mu_);  // by dir
   absl::Notification stop_;
