@@ -15,6 +15,7 @@ PACKAGES=(
   zlib1g-dev libleveldb-dev clang-14 libclang-rt-14-dev
   python3-dev python3-numpy python3-pytest pybind11-dev python3-torch python3-venv
   openssl prometheus-cpp-dev prometheus
+  podman netavark runc debootstrap
 )
 
 missing=()

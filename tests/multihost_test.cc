@@ -155,6 +155,8 @@ int Follow(Process* p, const std::string& prefix, absl::Duration timeout) {
 
 TEST(MultiHostTest, TrainsOverTlsAndTokensAndSurvivesACutLink) {
   if (getuid() != 0) GTEST_SKIP() << "needs root to make network namespaces";
+  // Bazel's test PATH leaves out the sbin directories `ip` may live in.
+  setenv("PATH", absl::StrCat(getenv("PATH") ? getenv("PATH") : "/usr/bin:/bin", ":/usr/sbin:/sbin").c_str(), 1);
   const std::string ip = IpBinary();
   if (ip.empty()) GTEST_SKIP() << "no `ip` command (iproute2) on this machine";
   Hosts hosts(absl::StrCat("ember-mh", getpid()));
