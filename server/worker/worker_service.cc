@@ -195,24 +195,35 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->shards()); !s.ok()) {
     return ToGrpc(s);
   }
-  absl::MutexLock lock(&mu_);
-  auto it = collections_.find(req->collection());
-  if (it != collections_.end()) {
-    if (it->second->epoch == req->epoch() && SameAssignments(*it->second, *req)) {
-      return grpc::Status::OK;  // a retried create
+  const std::string& name = req->collection();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(name);
+    if (it != collections_.end()) {
+      if (it->second->epoch == req->epoch() && SameAssignments(*it->second, *req)) {
+        return grpc::Status::OK;  // a retried create
+      }
+      return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
+          "collection '", name, "' is already held at epoch ", it->second->epoch,
+          it->second->epoch == req->epoch() ? " with other shards" : "", "; drop it first")));
     }
-    return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
-        "collection '", req->collection(), "' is already held at epoch ", it->second->epoch,
-        it->second->epoch == req->epoch() ? " with other shards" : "", "; drop it first")));
+    if (!creating_.insert(name).second) {
+      return ToGrpc(absl::AbortedError(
+          absl::StrCat("collection '", name, "' is being created by another call")));
+    }
   }
+  // Allocated and initialised unpublished, outside mu_: lookups and updates
+  // of the other collections go on meanwhile.
   auto c = std::make_unique<Collection>();
   c->epoch = req->epoch();
-  if (absl::Status s = AllocateShards(req->collection(), req->shards(), c.get()); !s.ok()) {
-    return ToGrpc(s);
-  }
-  LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << ": "
-            << c->shards.size() << " shard(s) created";
-  collections_[req->collection()] = std::move(c);
+  absl::Status s = AllocateShards(name, req->shards(), c.get());
+  absl::MutexLock lock(&mu_);
+  creating_.erase(name);
+  if (!s.ok()) return ToGrpc(s);
+  c->generation = next_generation_++;
+  LOG(INFO) << "collection '" << name << "' epoch " << req->epoch() << ": " << c->shards.size()
+            << " shard(s) created";
+  collections_[name] = std::move(c);
   return grpc::Status::OK;
 }
 
@@ -281,6 +292,15 @@ absl::Status WorkerService::AllocateShards(
   return failed;
 }
 
+void WorkerService::DropAll(const std::string& collection, const Collection& c) {
+  for (const auto& [key, entry] : c.shards) {
+    if (absl::Status s = backend_->DropShard(entry.id); !s.ok()) {
+      LOG(ERROR) << "dropping " << RefString(entry.assignment.ref()) << " of '" << collection
+                 << "': " << s;
+    }
+  }
+}
+
 grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
                                          const ember::v1::UpdateShardsRequest* req,
                                          ember::v1::UpdateShardsResponse*) {
@@ -288,31 +308,58 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->create()); !s.ok()) {
     return ToGrpc(s);
   }
-  absl::MutexLock lock(&mu_);
-  auto c = HeldCollection(req->collection());
-  if (!c.ok()) return ToGrpc(c.status());
-  Collection& coll = **c;
-  if (req->epoch() < coll.epoch) {
-    return ToGrpc(absl::FailedPreconditionError(
-        absl::StrCat("collection '", req->collection(), "' is held at epoch ", coll.epoch,
-                     ", newer than ", req->epoch())));
-  }
-  absl::MutexLock apply(coll.apply_mu.get());
-  // Shards held already with the same assignment stay (a retry); the rest
-  // are made, all or nothing.
+  const std::string& name = req->collection();
+  // Which shards are new: held ones with the same assignment stay (a
+  // retry), another assignment for a held shard is refused.
   google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment> create;
-  for (const auto& a : req->create()) {
-    auto it = coll.shards.find({a.ref().table(), a.ref().shard_index()});
-    if (it == coll.shards.end()) {
-      *create.Add() = a;
-    } else if (!google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
-      return ToGrpc(absl::AlreadyExistsError(
-          absl::StrCat(RefString(a.ref()), " is held with another assignment")));
+  int64_t generation = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto c = HeldCollection(name);
+    if (!c.ok()) return ToGrpc(c.status());
+    generation = (*c)->generation;
+    if (req->epoch() < (*c)->epoch) {
+      return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+          "collection '", name, "' is held at epoch ", (*c)->epoch, ", newer than ", req->epoch())));
+    }
+    for (const auto& a : req->create()) {
+      auto it = (*c)->shards.find({a.ref().table(), a.ref().shard_index()});
+      if (it == (*c)->shards.end()) {
+        *create.Add() = a;
+      } else if (!google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
+        return ToGrpc(absl::AlreadyExistsError(
+            absl::StrCat(RefString(a.ref()), " is held with another assignment")));
+      }
+    }
+    if (!updating_.insert(name).second) {
+      return ToGrpc(absl::AbortedError(
+          absl::StrCat("collection '", name, "' is being updated by another call")));
     }
   }
-  if (absl::Status s = AllocateShards(req->collection(), create, &coll); !s.ok()) return ToGrpc(s);
-  LOG(INFO) << "collection '" << req->collection() << "' epoch " << coll.epoch << " -> "
-            << req->epoch() << ": " << create.size() << " shard(s) added";
+  // The new shards, allocated and initialised outside mu_ (all or nothing),
+  // then published with the new epoch.
+  Collection added;
+  absl::Status s = AllocateShards(name, create, &added);
+  absl::MutexLock lock(&mu_);
+  updating_.erase(name);
+  if (!s.ok()) return ToGrpc(s);
+  auto c = HeldCollection(name);
+  if (c.ok() && (*c)->generation != generation) {
+    c = absl::FailedPreconditionError(
+        absl::StrCat("collection '", name, "' was dropped and created again meanwhile"));
+  } else if (c.ok() && req->epoch() < (*c)->epoch) {
+    c = absl::FailedPreconditionError(absl::StrCat(
+        "collection '", name, "' is held at epoch ", (*c)->epoch, ", newer than ", req->epoch()));
+  }
+  if (!c.ok()) {  // dropped or moved on meanwhile
+    DropAll(name, added);
+    return ToGrpc(c.status());
+  }
+  Collection& coll = **c;
+  absl::MutexLock apply(coll.apply_mu.get());
+  for (auto& [key, entry] : added.shards) coll.shards.emplace(key, std::move(entry));
+  LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
+            << create.size() << " shard(s) added";
   coll.epoch = req->epoch();
   return grpc::Status::OK;
 }
@@ -335,12 +382,7 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
   }
   {
     absl::MutexLock apply((*c)->apply_mu.get());  // let an update in flight finish
-    for (const auto& [key, entry] : (*c)->shards) {
-      if (absl::Status s = backend_->DropShard(entry.id); !s.ok()) {
-        LOG(ERROR) << "dropping " << RefString(entry.assignment.ref()) << " of '"
-                   << req->collection() << "': " << s;
-      }
-    }
+    DropAll(req->collection(), **c);
   }
   collections_.erase(req->collection());
   LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << " dropped";

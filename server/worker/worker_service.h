@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <utility>
@@ -114,6 +115,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   };
   struct Collection {
     int64_t epoch = 0;
+    int64_t generation = 0;  // tells a collection from a later one of the same name
     std::map<std::pair<std::string, int32_t>, ShardEntry> shards;
     // Serialises updates, imports and checkpoint copies of the collection.
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
@@ -138,11 +140,18 @@ class WorkerService final : public ember::v1::Worker::Service {
   static absl::Status CheckAssignments(
       const std::string& collection, int64_t epoch,
       const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards);
-  // Creates the shards in c (memory checked first; all or nothing).
+  // Creates the shards in c (memory checked first; all or nothing). Called
+  // without mu_: allocating and initialising a large shard must not stall
+  // the lookups and updates of the collections already held. `c` is not
+  // published yet (CreateShards) or a private set of new shards
+  // (UpdateShards), so nothing else sees it meanwhile.
   absl::Status AllocateShards(
       const std::string& collection,
       const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards, Collection* c)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops every shard of c from the backend (an unpublished set, or one
+  // being dropped).
+  void DropAll(const std::string& collection, const Collection& c);
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
@@ -153,6 +162,13 @@ class WorkerService final : public ember::v1::Worker::Service {
   std::atomic<int64_t> dedup_forgotten_early_{0};
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
+  // Collections whose CreateShards is allocating (outside mu_): a second
+  // create of the same name meanwhile is refused (ABORTED).
+  std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  // UpdateShards calls allocating shards for a collection (outside mu_):
+  // one at a time per collection.
+  std::set<std::string> updating_ ABSL_GUARDED_BY(mu_);
+  int64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace worker
