@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <new>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -81,33 +82,59 @@ struct Shard {
   }
 };
 
+// Runs fn over [0, rows) on the calling thread and, for `work` (elements)
+// worth it, on up to hardware_concurrency - 1 threads more, made for the
+// call: shard initialisation, which must not hold the lookup pool.
+template <typename F>
+void InitParallel(int64_t work, int64_t rows, F fn) {
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(std::thread::hardware_concurrency(), work / (int64_t{1} << 16)));
+  if (threads <= 1) {
+    fn(0, rows);
+    return;
+  }
+  const int64_t per = (rows + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int64_t b = per; b < rows; b += per) pool.emplace_back(fn, b, std::min(rows, b + per));
+  fn(0, std::min(rows, per));
+  for (std::thread& t : pool) t.join();
+}
+
 class CpuBackend : public EmbeddingBackend {
  public:
   CpuBackend(const CpuBackendOptions& options, const RowKernels* kernels)
       : options_(options), kernels_(kernels), pool_(options.num_threads) {}
 
+  // The memory is reserved under the lock; allocation and initialisation
+  // run outside it (on threads of their own, not the lookup pool), so a
+  // large shard's creation does not stall the calls on the shards held.
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
     if (absl::Status s = ValidateShardSpec(spec); !s.ok()) return s;
-    absl::MutexLock lock(&mu_);
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
     const int64_t bytes = shard->Bytes();
-    if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
-          options_.memory_limit_bytes, " are in use"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
+            options_.memory_limit_bytes, " are in use"));
+      }
+      used_bytes_ += bytes;  // reserved
     }
     shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
     if (shard->state_width > 0) shard->state = AllocateHost<float>(spec.rows * shard->state_width);
     if (!shard->weights || (shard->state_width > 0 && !shard->state)) {
+      absl::MutexLock lock(&mu_);
+      used_bytes_ -= bytes;
       return absl::ResourceExhaustedError(
           absl::StrCat("out of host memory for shard of table '", spec.table, "' (", bytes,
                        " bytes)"));
     }
     Shard* s = shard.get();
-    pool_.ParallelFor(spec.rows, 256, [s](int64_t b, int64_t e) {
+    InitParallel(spec.rows * spec.dim, spec.rows, [s](int64_t b, int64_t e) {
       const ShardSpec& sp = s->spec;
       const bool adagrad = sp.optimizer.type == OptimizerType::kAdagrad ||
                            sp.optimizer.type == OptimizerType::kRowwiseAdagrad;
@@ -121,7 +148,7 @@ class CpuBackend : public EmbeddingBackend {
         }
       }
     });
-    used_bytes_ += bytes;
+    absl::MutexLock lock(&mu_);
     const ShardId id = next_id_++;
     shards_.emplace(id, std::move(shard));
     return id;

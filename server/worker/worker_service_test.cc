@@ -5,7 +5,11 @@
 
 #include <cmath>
 #include <memory>
+#include <thread>
 #include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
@@ -44,6 +48,156 @@ std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so) {
   ember::v1::CreateShardsResponse resp;
   EXPECT_TRUE(s->CreateShards(nullptr, &req, &resp).ok());
   return s;
+}
+
+// A CPU backend whose CreateShard of a table named "slow" waits until
+// Release() (as a large table's initialisation takes its time); Started()
+// waits for such a call to begin. Arm() sets the gate up again.
+class GatedBackend : public backend::EmbeddingBackend {
+ public:
+  explicit GatedBackend(std::unique_ptr<backend::EmbeddingBackend> b) : b_(std::move(b)) { Arm(); }
+  void Arm() {
+    absl::MutexLock lock(&mu_);
+    started_ = std::make_shared<absl::Notification>();
+    release_ = std::make_shared<absl::Notification>();
+  }
+  void Started() { Gate().first->WaitForNotification(); }
+  void Release() { Gate().second->Notify(); }
+
+  absl::StatusOr<backend::ShardId> CreateShard(const backend::ShardSpec& spec) override {
+    if (spec.table == "slow") {
+      auto [started, release] = Gate();
+      started->Notify();
+      release->WaitForNotification();
+    }
+    return b_->CreateShard(spec);
+  }
+  absl::Status DropShard(backend::ShardId id) override { return b_->DropShard(id); }
+  absl::StatusOr<backend::ShardSpec> GetShardSpec(backend::ShardId id) const override {
+    return b_->GetShardSpec(id);
+  }
+  absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override { return b_->Lookup(r); }
+  absl::Status ApplyGradients(absl::Span<const backend::GradientRequest> r) override {
+    return b_->ApplyGradients(r);
+  }
+  absl::Status ExportRows(backend::ShardId id, int64_t b, int64_t e, absl::Span<float> w,
+                          absl::Span<float> st) const override {
+    return b_->ExportRows(id, b, e, w, st);
+  }
+  absl::Status ImportRows(backend::ShardId id, int64_t b, int64_t e, absl::Span<const float> w,
+                          absl::Span<const float> st) override {
+    return b_->ImportRows(id, b, e, w, st);
+  }
+  absl::StatusOr<int64_t> ExportStep(backend::ShardId id) const override {
+    return b_->ExportStep(id);
+  }
+  absl::Status ImportStep(backend::ShardId id, int64_t step) override {
+    return b_->ImportStep(id, step);
+  }
+  int64_t AvailableBytes() const override { return b_->AvailableBytes(); }
+  std::string Name() const override { return "gated/" + b_->Name(); }
+
+ private:
+  using Notifications =
+      std::pair<std::shared_ptr<absl::Notification>, std::shared_ptr<absl::Notification>>;
+  Notifications Gate() {
+    absl::MutexLock lock(&mu_);
+    return {started_, release_};
+  }
+  std::unique_ptr<backend::EmbeddingBackend> b_;
+  absl::Mutex mu_;
+  std::shared_ptr<absl::Notification> started_ ABSL_GUARDED_BY(mu_), release_ ABSL_GUARDED_BY(mu_);
+};
+
+ember::v1::ShardAssignment Assignment(const std::string& table, int rows) {
+  ember::v1::ShardAssignment a;
+  a.mutable_ref()->set_table(table);
+  TableConfig* t = a.mutable_table();
+  t->set_name(table);
+  t->set_num_embeddings(rows);
+  t->set_embedding_dim(4);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  t->mutable_optimizer()->set_learning_rate(1.0);
+  a.set_rows(rows);
+  a.set_cols(4);
+  return a;
+}
+
+grpc::Status LookUp(WorkerService* s, const std::string& collection, const std::string& table) {
+  ember::v1::WorkerLookupRequest req;
+  req.set_collection(collection);
+  req.set_epoch(1);
+  auto* f = req.add_features();
+  f->mutable_shard()->set_table(table);
+  f->set_pooling(TableConfig::SUM);
+  f->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+  f->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{2}));
+  ember::v1::WorkerLookupResponse resp;
+  return s->Lookup(nullptr, &req, &resp);
+}
+
+// Shards are allocated and initialised outside the worker's lock: while one
+// is being made, the collections held serve lookups, a second create of the
+// same collection is refused (ABORTED) instead of waiting, and an update
+// whose collection is dropped meanwhile gives its new shards back.
+TEST(WorkerServiceTest, MakingShardsDoesNotStallTheCollectionsHeld) {
+  backend::CpuBackendOptions o;
+  o.memory_limit_bytes = 1 << 20;
+  auto cpu = backend::CreateCpuBackend(o);
+  ASSERT_TRUE(cpu.ok());
+  auto gated_owned = std::make_unique<GatedBackend>(std::move(*cpu));
+  GatedBackend* gated = gated_owned.get();
+  WorkerService s(std::move(gated_owned), WorkerServiceOptions());
+  const int64_t empty = gated->AvailableBytes();
+
+  ember::v1::CreateShardsRequest held;
+  held.set_collection("held");
+  held.set_epoch(1);
+  *held.add_shards() = Assignment("t", 8);
+  ember::v1::CreateShardsResponse cr;
+  ASSERT_TRUE(s.CreateShards(nullptr, &held, &cr).ok());
+
+  ember::v1::CreateShardsRequest big;
+  big.set_collection("big");
+  big.set_epoch(1);
+  *big.add_shards() = Assignment("slow", 16);
+  grpc::Status big_status;
+  std::thread creator([&] { big_status = s.CreateShards(nullptr, &big, &cr); });
+  gated->Started();
+  // The slow shard is being made: the held collection serves meanwhile.
+  EXPECT_TRUE(LookUp(&s, "held", "t").ok());
+  EXPECT_EQ(s.CreateShards(nullptr, &big, &cr).error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(LookUp(&s, "big", "slow").error_code(), grpc::StatusCode::NOT_FOUND);  // not yet
+  gated->Release();
+  creator.join();
+  ASSERT_TRUE(big_status.ok()) << big_status.error_message();
+  EXPECT_TRUE(LookUp(&s, "big", "slow").ok());
+  EXPECT_TRUE(s.CreateShards(nullptr, &big, &cr).ok());  // a retry of the same create
+
+  // An update adding a slow shard to `held`, which is dropped meanwhile:
+  // the new shard is not kept.
+  gated->Arm();
+  ember::v1::UpdateShardsRequest update;
+  update.set_collection("held");
+  update.set_epoch(2);
+  *update.add_create() = Assignment("slow", 16);
+  ember::v1::UpdateShardsResponse ur;
+  grpc::Status update_status;
+  std::thread updater([&] { update_status = s.UpdateShards(nullptr, &update, &ur); });
+  gated->Started();
+  EXPECT_TRUE(LookUp(&s, "held", "t").ok());
+  EXPECT_EQ(s.UpdateShards(nullptr, &update, &ur).error_code(), grpc::StatusCode::ABORTED);
+  ember::v1::DropShardsRequest drop;
+  drop.set_collection("held");
+  drop.set_epoch(1);
+  ember::v1::DropShardsResponse dr;
+  ASSERT_TRUE(s.DropShards(nullptr, &drop, &dr).ok());
+  gated->Release();
+  updater.join();
+  EXPECT_EQ(update_status.error_code(), grpc::StatusCode::NOT_FOUND) << update_status.error_message();
+  drop.set_collection("big");
+  ASSERT_TRUE(s.DropShards(nullptr, &drop, &dr).ok());
+  EXPECT_EQ(gated->AvailableBytes(), empty);  // nothing left behind
 }
 
 // Pooled table t: bag 0 = {id 0} with a NaN in its gradient row; bag 1 =
