@@ -376,13 +376,15 @@ struct Shard {
 
 class CudaBackend : public EmbeddingBackend {
  public:
-  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, std::string device_name,
-              int max_blocks)
+  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, cudaStream_t init_stream,
+              std::string device_name, int max_blocks)
       : options_(options),
         stream_(stream),
         device_name_(std::move(device_name)),
         max_blocks_(max_blocks),
-        staging_(/*pinned_host=*/true) {}
+        staging_(/*pinned_host=*/true),
+        init_stream_(init_stream),
+        init_staging_(/*pinned_host=*/true) {}
 
   // The download events; called once by CreateCudaBackend.
   absl::Status CreateEvents() {
@@ -397,10 +399,12 @@ class CudaBackend : public EmbeddingBackend {
     shards_.clear();
     scratch_.Reset();
     staging_.Reset();
+    init_staging_.Reset();
     for (cudaEvent_t e : events_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
     cudaStreamDestroy(stream_);
+    cudaStreamDestroy(init_stream_);
   }
 
   // The data calls, guarded: once the device is lost (a sticky error),
@@ -442,9 +446,12 @@ class CudaBackend : public EmbeddingBackend {
     });
   }
 
+  // The memory is reserved under mu_; allocation and initialisation run
+  // outside it, on a stream and pinned staging of their own (one creation
+  // at a time), so a large shard's creation does not stall the data calls
+  // on the shards held. The shard is published when it is ready.
   absl::StatusOr<ShardId> DoCreateShard(const ShardSpec& spec) {
     if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
-    absl::MutexLock lock(&mu_);
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
@@ -455,24 +462,39 @@ class CudaBackend : public EmbeddingBackend {
           absl::StrCat("shard of table '", spec.table, "' is larger than 2^63 bytes"));
     }
     const int64_t bytes = shard->Bytes();
-    if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
-          options_.memory_limit_bytes, " are in use"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
+            options_.memory_limit_bytes, " are in use"));
+      }
+      used_bytes_ += bytes;  // reserved
     }
+    absl::Status s = MakeShard(shard.get(), bytes);
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {
+      used_bytes_ -= bytes;
+      return s;
+    }
+    const ShardId id = next_id_++;
+    shards_.emplace(id, std::move(shard));
+    return id;
+  }
+
+  // Allocates and initialises an unpublished shard (DoCreateShard).
+  absl::Status MakeShard(Shard* shard, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&init_mu_);
     if (absl::Status s = Activate(); !s.ok()) return s;
-    const CallScope scope(stream_);
+    const CallScope scope(init_stream_);
+    const ShardSpec& spec = shard->spec;
     absl::Status s = shard->weights.Allocate(static_cast<size_t>(spec.rows * shard->RowBytes()));
     if (s.ok()) s.Update(shard->state.Allocate(static_cast<size_t>(spec.rows * shard->state_width * 4)));
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("device memory for shard of table '", spec.table,
                                                  "' (", bytes, " bytes): ", s.message()));
     }
-    if (absl::Status st = InitShard(shard.get()); !st.ok()) return st;
-    used_bytes_ += bytes;
-    const ShardId id = next_id_++;
-    shards_.emplace(id, std::move(shard));
-    return id;
+    return InitShard(shard);
   }
 
   absl::Status DropShard(ShardId id) override {
@@ -887,11 +909,11 @@ class CudaBackend : public EmbeddingBackend {
   // Initial weights (InitialValue, computed on host threads, converted as
   // the CPU backend converts, uploaded chunk by chunk) and optimizer state
   // (initial_accumulator_value for the Adagrad variants, zeros for Adam).
-  absl::Status InitShard(Shard* shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  absl::Status InitShard(Shard* shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(init_mu_) {
     const ShardSpec& sp = shard->spec;
     const int64_t dim = sp.dim, row_bytes = shard->RowBytes();
     const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
-    if (absl::Status s = staging_.Reserve(std::min(sp.rows, chunk_rows) * row_bytes); !s.ok()) {
+    if (absl::Status s = init_staging_.Reserve(std::min(sp.rows, chunk_rows) * row_bytes); !s.ok()) {
       return s;
     }
     std::vector<float> values;
@@ -919,11 +941,11 @@ class CudaBackend : public EmbeddingBackend {
         fill(0, std::min(rows, per_thread));
         for (std::thread& t : pool) t.join();
       }
-      StoreRows(sp.weight_type, values.data(), rows * dim, staging_.get());
+      StoreRows(sp.weight_type, values.data(), rows * dim, init_staging_.get());
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(shard->weights.get() + r0 * row_bytes,
-                                                 staging_.get(), rows * row_bytes,
-                                                 cudaMemcpyHostToDevice, stream_));
-      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+                                                 init_staging_.get(), rows * row_bytes,
+                                                 cudaMemcpyHostToDevice, init_stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(init_stream_));
     }
     const int64_t state_elems = sp.rows * shard->state_width;
     if (state_elems > 0) {
@@ -933,13 +955,13 @@ class CudaBackend : public EmbeddingBackend {
       const float init = adagrad ? sp.optimizer.initial_accumulator_value : 0.0f;
       if (init == 0.0f) {
         EMBER_RETURN_IF_CUDA_ERROR(
-            cudaMemsetAsync(state, 0, state_elems * sizeof(float), stream_));
+            cudaMemsetAsync(state, 0, state_elems * sizeof(float), init_stream_));
       } else {
-        FillKernel<<<ThreadBlocks(state_elems), kBlockThreads, 0, stream_>>>(state, state_elems,
+        FillKernel<<<ThreadBlocks(state_elems), kBlockThreads, 0, init_stream_>>>(state, state_elems,
                                                                             init);
         EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       }
-      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(init_stream_));
     }
     return absl::OkStatus();
   }
@@ -1039,6 +1061,10 @@ class CudaBackend : public EmbeddingBackend {
   // Per-call scratch, grown on demand and reused (const calls use it too).
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
   mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory
+  // Shard creation, apart from the data calls (MakeShard).
+  const cudaStream_t init_stream_;  // owned; non-blocking
+  absl::Mutex init_mu_;
+  DeviceBuffer init_staging_ ABSL_GUARDED_BY(init_mu_);  // pinned host memory
   cudaEvent_t events_[kMaxDownloadChunks] = {};        // DownloadOutputs' chunk events
   mutable absl::Mutex lost_mu_;
   mutable absl::Status lost_ ABSL_GUARDED_BY(lost_mu_);  // OK until the device is lost
@@ -1077,10 +1103,15 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
                                                ") has compute capability ", prop.major, ".",
                                                prop.minor, "; this build needs 8.0 or newer"));
   }
-  cudaStream_t stream;
+  cudaStream_t stream, init_stream;
   EMBER_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (cudaError_t e = cudaStreamCreateWithFlags(&init_stream, cudaStreamNonBlocking);
+      e != cudaSuccess) {
+    cudaStreamDestroy(stream);
+    EMBER_RETURN_IF_CUDA_ERROR(e);
+  }
   const int max_blocks = std::max(1, prop.multiProcessorCount * 16);
-  auto backend = std::make_unique<CudaBackend>(options, stream, prop.name, max_blocks);
+  auto backend = std::make_unique<CudaBackend>(options, stream, init_stream, prop.name, max_blocks);
   if (absl::Status s = backend->CreateEvents(); !s.ok()) return s;
   return std::unique_ptr<EmbeddingBackend>(std::move(backend));
 }

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "cuda/device_query.h"
+#include "server/backend/concurrency_checks.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -49,6 +50,16 @@ TEST(CudaBackendTest, NameOrUnavailable) {
   if (be == nullptr) GTEST_SKIP() << "no usable GPU";
   EXPECT_THAT(be->Name(), testing::StartsWith("cuda/"));
   EXPECT_GT(be->Name().size(), 5u);
+}
+
+// Shard creation runs apart from the data calls (its own stream and
+// staging; concurrency_checks.h).
+TEST(CudaBackendTest, CreatingALargeShardDoesNotStallCallsOnOthers) {
+  CudaBackendOptions o;
+  o.memory_limit_bytes = int64_t{2} << 30;
+  auto be = MakeOrExpectUnavailable(o);
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  backend::ExpectCreationDoesNotStallCalls(be.get());
 }
 
 TEST(CudaBackendTest, RejectsBadOptions) {
