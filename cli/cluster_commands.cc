@@ -82,6 +82,10 @@ DEFINE_string(dedup_ttl, "10m",
               "(must exceed every client's retry deadline).");
 DEFINE_int32(dedup_window, 1 << 20,
              "Workers: most update ids remembered per collection (the memory bound).");
+DEFINE_int32(max_queued_calls, 256,
+             "Workers: lookups and gradient updates in progress at once (running or waiting for "
+             "the backend); past it a call gets RESOURCE_EXHAUSTED \"worker busy\" and clients "
+             "retry with back-off. 0: no bound.");
 DEFINE_bool(skip_nonfinite, false,
             "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
             "instead of refusing the update.");
@@ -163,6 +167,7 @@ std::string BadServerFlags() {
     return "--dedup_ttl must be a duration of at least 1s (e.g. 10m)";
   }
   if (FLAGS_dedup_window < 1) return "--dedup_window must be >= 1";
+  if (FLAGS_max_queued_calls < 0) return "--max_queued_calls must be >= 0";
   absl::Duration every;
   if (!FLAGS_checkpoint_every.empty()) {
     if (!absl::ParseDuration(FLAGS_checkpoint_every, &every) || every < absl::Seconds(1)) {
@@ -343,6 +348,7 @@ int RunWorker() {
   o.max_message_bytes = MaxMessageBytes();
   o.service.skip_nonfinite = FLAGS_skip_nonfinite;
   o.service.dedup_window = FLAGS_dedup_window;
+  o.service.max_queued_calls = FLAGS_max_queued_calls;
   (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto tokens = ServerTokens();
@@ -391,6 +397,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
+      absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
       "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.

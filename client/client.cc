@@ -7,6 +7,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "server/common/auth.h"
@@ -443,18 +444,21 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
       refresh = refreshed = true;  // a stale plan: fetch the current one, once
       continue;
     }
-    const bool transient = s.code() == absl::StatusCode::kUnavailable ||
+    // A busy worker (kWorkerBusy) is waited out like an unavailable one.
+    const bool busy = s.code() == absl::StatusCode::kResourceExhausted &&
+                      absl::StrContains(s.message(), kWorkerBusy);
+    const bool transient = busy || s.code() == absl::StatusCode::kUnavailable ||
                            s.code() == absl::StatusCode::kDeadlineExceeded;
     if (!transient || !retry_unavailable || attempt >= options_.max_attempts ||
         absl::Now() + backoff >= deadline) {
       if (transient) {
-        return absl::UnavailableError(
-            absl::StrCat(s.message(), " (after ", attempt, " attempt(s))"));
+        return absl::Status(busy ? s.code() : absl::StatusCode::kUnavailable,
+                            absl::StrCat(s.message(), " (after ", attempt, " attempt(s))"));
       }
       return s;
     }
     absl::SleepFor(backoff);
-    backoff *= 2;
+    backoff = std::min(backoff * 2, options_.max_backoff);
     refresh = true;  // a dead worker may have been replaced meanwhile
   }
 }

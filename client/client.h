@@ -46,8 +46,12 @@ struct ClientOptions {
   // TLS to the coordinator and the workers (server/common/tls.h:
   // ChannelCredentialsFrom); null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
-  int max_attempts = 4;                        // per call, for UNAVAILABLE
+  // Attempts per call for UNAVAILABLE and a busy worker (RESOURCE_EXHAUSTED
+  // "worker busy"), waiting initial_backoff, then twice as long each time
+  // up to max_backoff, never past the call's deadline.
+  int max_attempts = 4;
   absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(2);
 };
 
 class Client {

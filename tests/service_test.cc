@@ -3,6 +3,7 @@
 // single-process reference, InProcessCollection (client/inprocess.h).
 #include <signal.h>
 
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -149,6 +150,56 @@ TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
   ASSERT_TRUE(c->DropCollection("concurrent").ok());
+}
+
+// Workers bound the data calls in progress (--max_queued_calls=1 here):
+// the calls past it are refused "worker busy", and clients wait them out
+// with back-off, so every concurrent call still gets the reference's
+// answer; the refusals are counted in ShardStatus.
+TEST(ServiceBoundTest, BusyWorkersAreWaitedOutByClients) {
+  testing_util::LocalCluster cluster(kEmberctl, 2, {"--max_queued_calls=1"});
+  ASSERT_TRUE(cluster.ok()) << "emberctl up did not come up";
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(60);
+  o.max_attempts = 1000;
+  o.initial_backoff = absl::Milliseconds(1);
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const CollectionSpec spec = TestSpec("bounded");
+  ASSERT_TRUE((*c)->CreateCollection(spec, "row_wise").ok());
+  auto ref = *InProcessCollection::Create(spec);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(200 + t);
+      for (int i = 0; i < 15; ++i) {
+        KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 64, false);
+        auto kt = (*c)->Lookup("bounded", kjt);
+        if (!kt.ok()) {
+          ADD_FAILURE() << kt.status();
+          ++failures;
+          continue;
+        }
+        const std::vector<float> want = ref->Lookup(kjt)->values;
+        for (size_t j = 0; j < want.size(); ++j) {
+          if (std::abs(kt->values[j] - want[j]) > 2e-5 * (1 + std::abs(want[j]))) ++failures;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  auto workers = (*c)->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  int64_t refused = 0;
+  for (const auto& w : workers->workers()) {
+    auto st = (*c)->WorkerStatus(w.info().address());
+    ASSERT_TRUE(st.ok()) << st.status();
+    refused += st->busy_refused();
+  }
+  EXPECT_GT(refused, 0) << "6 threads never found a worker busy at --max_queued_calls=1";
+  ASSERT_TRUE((*c)->DropCollection("bounded").ok());
 }
 
 // A retried update (same request id) is applied once; the client's own

@@ -20,6 +20,12 @@ namespace ember {
 // a batch of 4096 x 8 features x dim 128 is 16 MiB of embeddings).
 constexpr int kMaxMessageBytes = 1 << 30;
 
+// The start of a worker's RESOURCE_EXHAUSTED message when it refuses a data
+// call because too many are already in progress (--max_queued_calls): a
+// transient state clients retry with back-off, unlike the other
+// RESOURCE_EXHAUSTED answers (no memory, an output too large).
+constexpr char kWorkerBusy[] = "worker busy";
+
 // Longest error message a server sends: messages echo input (names, ids,
 // addresses), and a request must not be able to make its error arbitrarily
 // large.

@@ -53,6 +53,12 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   m->AddGauge("ember_worker_collections", "Collections with shards here", one(&Stats::collections));
   m->AddGauge("ember_worker_request_ids", "Update ids remembered for exactly-once",
               one(&Stats::request_ids));
+  m->AddGauge("ember_worker_calls_in_progress",
+              "Lookups and gradient updates in the worker, running or waiting for the backend",
+              one(&Stats::calls_in_progress));
+  m->AddCounter("ember_worker_busy_refused_total",
+                "Data calls refused because --max_queued_calls were in progress",
+                one(&Stats::busy_refused));
 }
 
 }  // namespace

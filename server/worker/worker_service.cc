@@ -389,9 +389,23 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
   return grpc::Status::OK;
 }
 
+absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char* what) {
+  const int64_t n = calls_in_progress_.fetch_add(1) + 1;
+  DataCall call(&calls_in_progress_);
+  if (options_.max_queued_calls > 0 && n > options_.max_queued_calls) {
+    busy_refused_.fetch_add(1, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        kWorkerBusy, ": ", options_.max_queued_calls, " data calls in progress (--max_queued_calls); ",
+        what, " refused, retry with back-off"));
+  }
+  return call;
+}
+
 grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
                                    ember::v1::WorkerLookupResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  auto call = EnterDataCall("lookup");
+  if (!call.ok()) return ToGrpc(call.status());
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
   if (!c.ok()) return ToGrpc(c.status());
@@ -434,6 +448,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
                                            const ember::v1::WorkerApplyGradientsRequest* req,
                                            ember::v1::WorkerApplyGradientsResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  auto call = EnterDataCall("gradient update");
+  if (!call.ok()) return ToGrpc(call.status());
   if (req->request_id().empty()) {
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
   }
@@ -603,6 +619,8 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.nonfinite_skipped_ids = nonfinite_skipped_ids_.load(std::memory_order_relaxed);
   s.dedup_forgotten_early = dedup_forgotten_early_.load(std::memory_order_relaxed);
   s.available_bytes = backend_->AvailableBytes();
+  s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
+  s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);
   s.collections = static_cast<int64_t>(collections_.size());
   for (const auto& [name, c] : collections_) {
@@ -627,6 +645,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_lookups(lookups_.load(std::memory_order_relaxed));
   resp->set_lookup_ids(lookup_ids_.load(std::memory_order_relaxed));
   resp->set_updates(updates_.load(std::memory_order_relaxed));
+  resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
   for (const auto& [name, c] : collections_) {
     for (const auto& [key, entry] : c->shards) {
       auto* info = resp->add_shards();

@@ -59,6 +59,11 @@ struct WorkerServiceOptions {
   // sequence gradient row is not finite; a MEAN bag then averages over the
   // ids kept) and applies the rest. Both are counted (ShardStatus).
   bool skip_nonfinite = false;
+  // Data calls (lookups, gradient updates) in the worker at once, running
+  // or waiting for the backend; past it a call is refused at once with
+  // RESOURCE_EXHAUSTED "worker busy ..." (kWorkerBusy; clients retry it
+  // with back-off) instead of queueing without bound. 0: no bound.
+  int max_queued_calls = 256;
 };
 
 class WorkerService final : public ember::v1::Worker::Service {
@@ -77,6 +82,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t duplicates = 0;               // updates answered from the exactly-once record
     int64_t nonfinite_refused = 0, nonfinite_skipped_ids = 0, dedup_forgotten_early = 0;
     int64_t available_bytes = 0, shards = 0, collections = 0, request_ids = 0;
+    int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
   };
   Stats GetStats() const;
 
@@ -160,6 +166,23 @@ class WorkerService final : public ember::v1::Worker::Service {
   std::atomic<int64_t> nonfinite_refused_{0};
   std::atomic<int64_t> nonfinite_skipped_ids_{0};
   std::atomic<int64_t> dedup_forgotten_early_{0};
+  // Data calls in progress, and those refused for max_queued_calls.
+  std::atomic<int64_t> calls_in_progress_{0}, busy_refused_{0};
+  // Counts a data call in (EnterDataCall) and out (when destroyed).
+  class DataCall {
+   public:
+    explicit DataCall(std::atomic<int64_t>* n) : n_(n) {}
+    DataCall(DataCall&& o) : n_(o.n_) { o.n_ = nullptr; }
+    DataCall(const DataCall&) = delete;
+    ~DataCall() {
+      if (n_ != nullptr) n_->fetch_sub(1);
+    }
+
+   private:
+    std::atomic<int64_t>* n_;
+  };
+  // RESOURCE_EXHAUSTED (kWorkerBusy) when max_queued_calls are in progress.
+  absl::StatusOr<DataCall> EnterDataCall(const char* what);
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
   // Collections whose CreateShards is allocating (outside mu_): a second

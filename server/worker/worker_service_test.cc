@@ -3,6 +3,7 @@
 // worked by hand.
 #include "server/worker/worker_service.h"
 
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <thread>
@@ -13,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
+#include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 
 namespace ember {
@@ -65,18 +67,19 @@ class GatedBackend : public backend::EmbeddingBackend {
   void Release() { Gate().second->Notify(); }
 
   absl::StatusOr<backend::ShardId> CreateShard(const backend::ShardSpec& spec) override {
-    if (spec.table == "slow") {
-      auto [started, release] = Gate();
-      started->Notify();
-      release->WaitForNotification();
-    }
+    if (spec.table == "slow") Hold();
     return b_->CreateShard(spec);
   }
   absl::Status DropShard(backend::ShardId id) override { return b_->DropShard(id); }
   absl::StatusOr<backend::ShardSpec> GetShardSpec(backend::ShardId id) const override {
     return b_->GetShardSpec(id);
   }
-  absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override { return b_->Lookup(r); }
+  // Lookups wait at the gate too (while `gate_lookups`).
+  std::atomic<bool> gate_lookups{false};
+  absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override {
+    if (gate_lookups) Hold();
+    return b_->Lookup(r);
+  }
   absl::Status ApplyGradients(absl::Span<const backend::GradientRequest> r) override {
     return b_->ApplyGradients(r);
   }
@@ -98,6 +101,16 @@ class GatedBackend : public backend::EmbeddingBackend {
   std::string Name() const override { return "gated/" + b_->Name(); }
 
  private:
+  // Says a gated call started, and waits for Release().
+  void Hold() {
+    std::shared_ptr<absl::Notification> release;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!started_->HasBeenNotified()) started_->Notify();
+      release = release_;
+    }
+    release->WaitForNotification();
+  }
   using Notifications =
       std::pair<std::shared_ptr<absl::Notification>, std::shared_ptr<absl::Notification>>;
   Notifications Gate() {
@@ -198,6 +211,53 @@ TEST(WorkerServiceTest, MakingShardsDoesNotStallTheCollectionsHeld) {
   drop.set_collection("big");
   ASSERT_TRUE(s.DropShards(nullptr, &drop, &dr).ok());
   EXPECT_EQ(gated->AvailableBytes(), empty);  // nothing left behind
+}
+
+// Data calls past --max_queued_calls are refused at once ("worker busy",
+// RESOURCE_EXHAUSTED) instead of queueing, counted, and served again once
+// the calls in progress finish.
+TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {
+  backend::CpuBackendOptions o;
+  o.memory_limit_bytes = 1 << 20;
+  auto cpu = backend::CreateCpuBackend(o);
+  ASSERT_TRUE(cpu.ok());
+  auto gated_owned = std::make_unique<GatedBackend>(std::move(*cpu));
+  GatedBackend* gated = gated_owned.get();
+  WorkerServiceOptions so;
+  so.max_queued_calls = 2;
+  WorkerService s(std::move(gated_owned), so);
+  ember::v1::CreateShardsRequest held;
+  held.set_collection("held");
+  held.set_epoch(1);
+  *held.add_shards() = Assignment("t", 8);
+  ember::v1::CreateShardsResponse cr;
+  ASSERT_TRUE(s.CreateShards(nullptr, &held, &cr).ok());
+
+  gated->gate_lookups = true;
+  std::vector<std::thread> in_progress;
+  std::vector<grpc::Status> results(2);
+  for (int i = 0; i < 2; ++i) {
+    in_progress.emplace_back([&, i] { results[i] = LookUp(&s, "held", "t"); });
+  }
+  gated->Started();
+  while (s.GetStats().calls_in_progress < 2) std::this_thread::yield();
+  const grpc::Status busy = LookUp(&s, "held", "t");
+  EXPECT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(busy.error_message().rfind(kWorkerBusy, 0), 0u) << busy.error_message();
+  ember::v1::WorkerApplyGradientsRequest update;
+  update.set_collection("held");
+  update.set_epoch(1);
+  update.set_request_id("u1");
+  ember::v1::WorkerApplyGradientsResponse ur;
+  EXPECT_EQ(s.ApplyGradients(nullptr, &update, &ur).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(s.GetStats().busy_refused, 2);
+  gated->gate_lookups = false;
+  gated->Release();
+  for (auto& t : in_progress) t.join();
+  for (const auto& r : results) EXPECT_TRUE(r.ok()) << r.error_message();
+  EXPECT_EQ(s.GetStats().calls_in_progress, 0);
+  EXPECT_TRUE(LookUp(&s, "held", "t").ok());
 }
 
 // Pooled table t: bag 0 = {id 0} with a NaN in its gradient row; bag 1 =
