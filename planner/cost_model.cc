@@ -124,18 +124,22 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   const double fwd_ids = w.ids * fwd_share;
   const double bwd_ids = w.ids * row_share;
 
-  // Output rows produced: one per id for sequences; for pooled tables one
-  // per bag that has at least one id in this shard (row-wise partials).
-  double bag_hit = 1.0;
-  if (row_split && !w.sequence) {
-    bag_hit = row_share >= 1.0
-                  ? 1.0
-                  : 1.0 - std::pow(1.0 - row_share, std::max(w.pooling_factor, 0.0));
-  }
-  const double fwd_out_rows =
-      w.sequence ? fwd_ids
-                 : w.bags * bag_hit * (replicated ? 1.0 / world_size : 1.0);
-  const double bwd_out_rows = w.sequence ? bwd_ids : w.bags * bag_hit;
+  // Output rows: one per id for sequences (the worker returns the rows of
+  // the ids it got); for pooled tables one per bag of the request, on every
+  // shard, row-wise ones included: a row-wise shard returns a dense
+  // [batch, cols] partial sum, zeros where none of a bag's ids fell in its
+  // rows, and takes the gradient back in the same dense shape (client.cc:
+  // Bucketize sends every bag's length; RunGradients slices `batch x cols`
+  // gradient rows for pooled features). Measured, this is what decides
+  // row-wise against table-wise (docs/benchmarks.md, "The cost model
+  // against the service").
+  // Lookups skip a shard none of whose rows are asked for (RunLookup); an
+  // update reaches every shard of the table, an empty one too, so that
+  // every shard's optimizer step stays the table's (RunGradients).
+  const bool empty = block.rows == 0 || cols == 0;
+  const double bags_per_request = empty ? 0.0 : replicated ? w.bags / world_size : w.bags;
+  const double fwd_out_rows = w.sequence ? fwd_ids : bags_per_request;
+  const double bwd_out_rows = w.sequence ? bwd_ids : w.bags;
 
   const int g = std::max(1, m.access_granularity_bytes);
   const int64_t row_bytes =
@@ -147,7 +151,6 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
 
   const double fwd_out_bytes = fwd_out_rows * cols * m.output_bytes;
   const double bwd_grad_bytes = bwd_out_rows * cols * m.output_bytes;
-  const bool empty = block.rows == 0 || cols == 0;
 
   c.fwd_compute_ms = (fwd_ids * row_bytes * penalty + fwd_out_bytes) * ms_per_byte;
   c.bwd_compute_ms = m.bwd_compute_multiplier *
@@ -155,9 +158,17 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                       bwd_grad_bytes) *
                      ms_per_byte;
   if (!empty) c.fwd_compute_ms += m.per_shard_overhead_ms;
-  c.fwd_comms_ms = TransferMs(fwd_ids * id_bytes + fwd_out_bytes, m.network_bw_gbps);
-  // Gradients arrive with their ids (trainers resend them with the update).
-  c.bwd_comms_ms = TransferMs(bwd_grad_bytes + bwd_ids * id_bytes, m.network_bw_gbps);
+  // On the wire, per shard request: the ids it gets (with their weights),
+  // one int64 length per bag of the feature whatever the shard's rows
+  // (Bucketize), and the outputs back. Updates carry the same ids and
+  // lengths again with the gradients (the worker keeps no state between a
+  // lookup and its update).
+  const double fwd_length_bytes = bags_per_request * m.id_bytes;
+  const double bwd_length_bytes = w.bags * m.id_bytes;
+  c.fwd_comms_ms =
+      TransferMs(fwd_ids * id_bytes + fwd_length_bytes + fwd_out_bytes, m.network_bw_gbps);
+  c.bwd_comms_ms =
+      TransferMs(bwd_grad_bytes + bwd_ids * id_bytes + bwd_length_bytes, m.network_bw_gbps);
 
   // Storage.
   const int64_t weights = block.rows * cols * w.dtype_bytes;

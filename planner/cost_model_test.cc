@@ -42,11 +42,13 @@ TEST(CostModelTest, TableWiseShardByHand) {
                                     block, 1000, 4);
   // Forward: 1e6 rows x 256 B gathered + 1e5 x 64 x 4 B written, at 1e9 B/ms.
   EXPECT_DOUBLE_EQ(c.fwd_compute_ms, (1e6 * 256 + 1e5 * 256) / 1e9);
-  // Ids in (8 B each) and pooled rows out (256 B each) at 1e7 B/ms.
-  EXPECT_DOUBLE_EQ(c.fwd_comms_ms, (1e6 * 8 + 1e5 * 256) / 1e7);
+  // Ids in (8 B each), one length per bag (8 B) and pooled rows out (256 B
+  // each) at 1e7 B/ms.
+  EXPECT_DOUBLE_EQ(c.fwd_comms_ms, (1e6 * 8 + 1e5 * 8 + 1e5 * 256) / 1e7);
   // Backward (SGD): 2 x (rows touched x 256 B + gradients read).
   EXPECT_DOUBLE_EQ(c.bwd_compute_ms, 2.0 * (1e6 * 256 + 1e5 * 256) / 1e9);
-  EXPECT_DOUBLE_EQ(c.bwd_comms_ms, (1e5 * 256 + 1e6 * 8) / 1e7);
+  // Gradients, ids and lengths again.
+  EXPECT_DOUBLE_EQ(c.bwd_comms_ms, (1e5 * 256 + 1e6 * 8 + 1e5 * 8) / 1e7);
   // Weights plus one copy of the I/O buffers, all in HBM.
   EXPECT_EQ(c.hbm_bytes, 1000 * 64 * 4 + int64_t{1000000} * 8 + 100000 * 256);
   EXPECT_EQ(c.ddr_bytes, 0);
@@ -59,16 +61,23 @@ TEST(CostModelTest, RowWiseShardSeesItsShareOfIds) {
   const ShardCost c = EstimateShard(m, w, ShardingType::kRowWise,
                                     ComputeKernel::kFused, ember::v1::CUDA,
                                     half, 1000, 2);
-  // Half the ids; a bag has a partial here unless all 4 ids miss: 1 - 0.5^4.
-  const double bags = 1e5 * (1 - 0.0625);
-  EXPECT_NEAR(c.fwd_compute_ms, (2e5 * 256 + bags * 256) / 1e9, 1e-12);
-  EXPECT_NEAR(c.fwd_comms_ms, (2e5 * 8 + bags * 256) / 1e7, 1e-12);
+  // Half the ids, but the partial sums come back dense: one row per bag of
+  // the batch (zeros where all of a bag's ids fell in the other half), and
+  // every bag's length goes out.
+  EXPECT_NEAR(c.fwd_compute_ms, (2e5 * 256 + 1e5 * 256) / 1e9, 1e-12);
+  EXPECT_NEAR(c.fwd_comms_ms, (2e5 * 8 + 1e5 * 8 + 1e5 * 256) / 1e7, 1e-12);
+  // The gradient goes back dense too, with the shard's ids and every length.
+  EXPECT_NEAR(c.bwd_comms_ms, (1e5 * 256 + 2e5 * 8 + 1e5 * 8) / 1e7, 1e-12);
+  // A shard without rows gets no lookups, but every update (dense, with the
+  // lengths): updates keep every shard's optimizer step the table's.
   const ShardBlock empty{1000, 0, 0, 64};
   const ShardCost e = EstimateShard(m, w, ShardingType::kRowWise,
                                     ComputeKernel::kFused, ember::v1::CUDA,
                                     empty, 1000, 2);
-  EXPECT_EQ(e.total_ms(), 0.0);
-  EXPECT_EQ(e.hbm_bytes, 0);
+  EXPECT_EQ(e.fwd_compute_ms + e.fwd_comms_ms, 0.0);
+  EXPECT_NEAR(e.bwd_comms_ms, (1e5 * 256 + 1e5 * 8) / 1e7, 1e-12);
+  EXPECT_NEAR(e.bwd_compute_ms, 2.0 * 1e5 * 256 / 1e9, 1e-12);
+  EXPECT_EQ(e.hbm_bytes, 100000 * 256);  // the gradient buffer
 }
 
 TEST(CostModelTest, OptimizerStateBytes) {

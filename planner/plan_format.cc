@@ -176,7 +176,11 @@ std::string FormatPlanJson(const ShardingPlan& plan) {
     ranks.push_back(absl::StrCat("{\"rank\": ", rs.rank(),
                                  ", \"hbm_bytes\": ", rs.hbm_bytes(),
                                  ", \"ddr_bytes\": ", rs.ddr_bytes(),
-                                 ", \"cost_ms\": ", JsonNumber(rs.cost_ms()), "}"));
+                                 ", \"cost_ms\": ", JsonNumber(rs.cost_ms()),
+                                 ", \"fwd_compute_ms\": ", JsonNumber(rs.fwd_compute_ms()),
+                                 ", \"fwd_comms_ms\": ", JsonNumber(rs.fwd_comms_ms()),
+                                 ", \"bwd_compute_ms\": ", JsonNumber(rs.bwd_compute_ms()),
+                                 ", \"bwd_comms_ms\": ", JsonNumber(rs.bwd_comms_ms()), "}"));
   }
   const auto& st = plan.stats();
   return absl::StrCat(

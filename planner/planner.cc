@@ -789,6 +789,81 @@ Topology ResolveTopology(const Topology& in, const CostModel& model) {
   return t;
 }
 
+// Fills a table's summary of its options (least cost, memory...).
+void Summarize(TableInfo* info) {
+  info->min_total_cost = kInf;
+  info->min_max_shard_cost = kInf;
+  info->min_total_hbm = std::numeric_limits<int64_t>::max();
+  info->min_total_ddr = std::numeric_limits<int64_t>::max();
+  for (const Option& o : info->options) {
+    info->min_total_cost = std::min(info->min_total_cost, o.total_cost);
+    info->min_max_shard_cost = std::min(info->min_max_shard_cost, o.max_shard_cost);
+    info->min_total_hbm = std::min(info->min_total_hbm, o.total_hbm);
+    info->min_total_ddr = std::min(info->min_total_ddr, o.total_ddr);
+  }
+}
+
+// Lower bounds on the slowest worker's cost: max(total / W, largest shard)
+// and the option-aware one (OptionAwareLowerBound).
+struct Bounds {
+  double simple = 0, tight = 0;
+};
+Bounds LowerBounds(const std::vector<TableInfo>& tables, int w) {
+  double total = 0, largest = 0;
+  for (const TableInfo& t : tables) {
+    total += t.min_total_cost;
+    largest = std::max(largest, t.min_max_shard_cost);
+  }
+  Bounds b;
+  b.simple = std::max(total / w, largest);
+  b.tight = OptionAwareLowerBound(tables, w, b.simple);
+  return b;
+}
+
+// The search on `tables` (Search's): greedy passes in two table orders (by
+// work, by memory footprint) with a search on the target, again under HBM
+// budgets when HBM binds, then local search on the best. !ok, with
+// failed_table, when nothing fits.
+Solution Solve(Search* search, const std::vector<TableInfo>& tables,
+               const std::vector<int64_t>& hbm_cap, const Bounds& bounds,
+               const PlannerOptions& options) {
+  const int n = static_cast<int>(tables.size());
+  std::vector<int> by_cost(n), by_memory(n);
+  std::iota(by_cost.begin(), by_cost.end(), 0);
+  std::iota(by_memory.begin(), by_memory.end(), 0);
+  std::stable_sort(by_cost.begin(), by_cost.end(), [&](int a, int b) {
+    const TableInfo &x = tables[a], &y = tables[b];
+    if (x.min_total_cost != y.min_total_cost) return x.min_total_cost > y.min_total_cost;
+    return x.min_total_hbm + x.min_total_ddr > y.min_total_hbm + y.min_total_ddr;
+  });
+  std::stable_sort(by_memory.begin(), by_memory.end(), [&](int a, int b) {
+    const TableInfo &x = tables[a], &y = tables[b];
+    const int64_t mx = x.min_total_hbm + x.min_total_ddr;
+    const int64_t my = y.min_total_hbm + y.min_total_ddr;
+    if (mx != my) return mx > my;
+    return x.min_total_cost > y.min_total_cost;
+  });
+  Solution best = search->BestGreedy(by_cost, bounds.tight, options.search_steps);
+  auto keep_better = [&best](Solution s) {
+    if (!best.ok || (s.ok && s.makespan < best.makespan)) best = std::move(s);
+  };
+  keep_better(search->BestGreedy(by_memory, bounds.tight, options.search_steps));
+  // When HBM is the binding constraint, plan again with layouts chosen to
+  // fit an HBM budget, tightening the budget until a plan is found.
+  const int64_t cluster_hbm = std::accumulate(hbm_cap.begin(), hbm_cap.end(), int64_t{0});
+  for (double fraction : {0.95, 0.85, 0.7, 0.5}) {
+    std::vector<int64_t> limits = HbmBudget(tables, cluster_hbm, fraction);
+    if (limits.empty()) break;
+    search->SetHbmLimits(std::move(limits));
+    keep_better(search->BestGreedy(by_memory, bounds.tight, options.search_steps));
+    keep_better(search->BestGreedy(by_cost, bounds.tight, options.search_steps));
+    if (best.ok) break;
+  }
+  search->SetHbmLimits({});
+  if (best.ok) search->LocalSearch(&best, options.max_local_search_moves);
+  return best;
+}
+
 absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
                                   const Topology& topology_in,
                                   const PlannerOptions& options) {
@@ -855,69 +930,58 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
       if (a.total_cost != b.total_cost) return a.total_cost < b.total_cost;
       return a.total_hbm + a.total_ddr < b.total_hbm + b.total_ddr;
     });
-    TableInfo& info = tables[t];
-    info.min_total_cost = kInf;
-    info.min_max_shard_cost = kInf;
-    info.min_total_hbm = std::numeric_limits<int64_t>::max();
-    info.min_total_ddr = std::numeric_limits<int64_t>::max();
-    for (const Option& o : opts) {
-      info.min_total_cost = std::min(info.min_total_cost, o.total_cost);
-      info.min_max_shard_cost = std::min(info.min_max_shard_cost, o.max_shard_cost);
-      info.min_total_hbm = std::min(info.min_total_hbm, o.total_hbm);
-      info.min_total_ddr = std::min(info.min_total_ddr, o.total_ddr);
-    }
+    Summarize(&tables[t]);
   }
 
-  // Lower bound on the slowest worker's cost.
-  double total = 0, largest = 0;
-  for (const TableInfo& t : tables) {
-    total += t.min_total_cost;
-    largest = std::max(largest, t.min_max_shard_cost);
-  }
-  const double lower_bound = std::max(total / w, largest);
-
-  // Table orders: by work, then by memory footprint.
-  const int n = spec.tables_size();
-  std::vector<int> by_cost(n), by_memory(n);
-  std::iota(by_cost.begin(), by_cost.end(), 0);
-  std::iota(by_memory.begin(), by_memory.end(), 0);
-  std::stable_sort(by_cost.begin(), by_cost.end(), [&](int a, int b) {
-    const TableInfo &x = tables[a], &y = tables[b];
-    if (x.min_total_cost != y.min_total_cost) return x.min_total_cost > y.min_total_cost;
-    return x.min_total_hbm + x.min_total_ddr > y.min_total_hbm + y.min_total_ddr;
-  });
-  std::stable_sort(by_memory.begin(), by_memory.end(), [&](int a, int b) {
-    const TableInfo &x = tables[a], &y = tables[b];
-    const int64_t mx = x.min_total_hbm + x.min_total_ddr;
-    const int64_t my = y.min_total_hbm + y.min_total_ddr;
-    if (mx != my) return mx > my;
-    return x.min_total_cost > y.min_total_cost;
-  });
-
-  const double tight_bound = OptionAwareLowerBound(tables, w, lower_bound);
+  const Bounds bounds = LowerBounds(tables, w);
   Search search(tables, w, lw, hbm_cap, ddr_cap);
-  Solution best = search.BestGreedy(by_cost, tight_bound, options.search_steps);
-  auto keep_better = [&best](Solution s) {
-    if (!best.ok || (s.ok && s.makespan < best.makespan)) best = std::move(s);
-  };
-  keep_better(search.BestGreedy(by_memory, tight_bound, options.search_steps));
-  // When HBM is the binding constraint, plan again with layouts chosen to
-  // fit an HBM budget, tightening the budget until a plan is found.
-  const int64_t cluster_hbm = std::accumulate(hbm_cap.begin(), hbm_cap.end(), int64_t{0});
-  for (double fraction : {0.95, 0.85, 0.7, 0.5}) {
-    std::vector<int64_t> limits = HbmBudget(tables, cluster_hbm, fraction);
-    if (limits.empty()) break;
-    search.SetHbmLimits(std::move(limits));
-    keep_better(search.BestGreedy(by_memory, tight_bound, options.search_steps));
-    keep_better(search.BestGreedy(by_cost, tight_bound, options.search_steps));
-    if (best.ok) break;
-  }
-  search.SetHbmLimits({});
+  Solution best = Solve(&search, tables, hbm_cap, bounds, options);
   if (!best.ok) {
     return Infeasible(spec, tables, hbm_cap, ddr_cap, &search, best.failed_table,
                       model, device);
   }
-  search.LocalSearch(&best, options.max_local_search_moves);
+  // Seeds: the same search with every table held to one sharding type
+  // (where the table allows it) can end lower than the free search, whose
+  // greedy passes take each table's cheapest option first; the plan is the
+  // best of them all, so it is never worse under the model than a plan
+  // of one type for every table.
+  // (Held options are a subset: their lower bounds are at least the free
+  // ones', so a plan that meets the free bound needs no seed.)
+  const bool optimal = best.makespan <= bounds.tight * (1 + 1e-12);
+  for (ShardingType type : AllShardingTypes()) {
+    if (optimal) break;
+    std::vector<TableInfo> held(tables.size());
+    std::vector<std::vector<int>> original(tables.size());
+    bool narrower = false;
+    for (size_t t = 0; t < tables.size(); ++t) {
+      for (int o = 0; o < static_cast<int>(tables[t].options.size()); ++o) {
+        if (tables[t].options[o].type != type) continue;
+        held[t].options.push_back(tables[t].options[o]);
+        original[t].push_back(o);
+      }
+      if (held[t].options.empty()) {  // the table does not allow it: free
+        held[t].options = tables[t].options;
+        original[t].resize(tables[t].options.size());
+        std::iota(original[t].begin(), original[t].end(), 0);
+      } else if (held[t].options.size() < tables[t].options.size()) {
+        narrower = true;
+      }
+      Summarize(&held[t]);
+    }
+    if (!narrower) continue;
+    // A seed whose lower bound the plan already meets cannot beat it.
+    const Bounds held_bounds = LowerBounds(held, w);
+    if (held_bounds.tight >= best.makespan * (1 - 1e-12)) continue;
+    Search held_search(held, w, lw, hbm_cap, ddr_cap);
+    Solution s = Solve(&held_search, held, hbm_cap, held_bounds, options);
+    if (!s.ok || s.makespan >= best.makespan) continue;
+    for (size_t t = 0; t < tables.size(); ++t) {
+      s.tables[t].option = original[t][s.tables[t].option];
+    }
+    best = std::move(s);
+  }
+  const int n = spec.tables_size();
+  const double lower_bound = bounds.simple, tight_bound = bounds.tight;
 
   // Build the plan.
   ShardingPlan plan;

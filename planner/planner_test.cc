@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -466,6 +467,47 @@ TEST(PlannerPropertyTest, RandomInputs) {
   }
   EXPECT_GT(planned, 100);
   EXPECT_GT(infeasible, 5);
+}
+
+// The search never returns a plan its own model scores worse than one it
+// could have been handed: for random collections, the plan with every
+// table forced to one sharding type (each of the six) is never better than
+// the free plan.
+TEST(PlannerPropertyTest, NeverWorseThanOneShardingTypeForAll) {
+  std::mt19937 rng(14);
+  const std::vector<std::string> types = {"table_wise", "row_wise", "column_wise",
+                                          "table_row_wise", "table_column_wise",
+                                          "data_parallel"};
+  int compared = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    CollectionSpec spec;
+    spec.set_name(absl::StrCat("seeded", trial));
+    const int n = 1 + rng() % 30;
+    for (int i = 0; i < n; ++i) {
+      const int64_t rows = 1 + static_cast<int64_t>(std::pow(10.0, (rng() % 650) / 100.0));
+      auto* t = AddTable(&spec, absl::StrCat("t", i), rows, 8 * (1 + rng() % 32));
+      t->mutable_optimizer()->set_type(static_cast<ember::v1::OptimizerSpec::Type>(rng() % 4));
+      (*spec.mutable_constraints())[t->name()].add_pooling_factors(1 + rng() % 60);
+    }
+    const int hosts = 1 + rng() % 2;
+    const int local = 1 + rng() % 8;
+    Topology topo = Cuda(hosts * local, local);
+    if (rng() % 3 == 0) topo.set_compute_device(ember::v1::CPU);
+    topo.set_batch_size(256 << (rng() % 5));
+    auto free_plan = Plan(spec, topo);
+    for (const std::string& type : types) {
+      CollectionSpec forced = spec;
+      ASSERT_TRUE(ForceShardingType(type, &forced).ok());
+      auto seed = Plan(forced, topo);
+      if (!seed.ok()) continue;
+      ASSERT_TRUE(free_plan.ok()) << "a " << type << " plan exists: " << free_plan.status();
+      EXPECT_LE(free_plan->stats().max_cost_ms(), seed->stats().max_cost_ms() * (1 + 1e-9))
+          << "trial " << trial << ": all " << type << " scores " << seed->stats().max_cost_ms()
+          << " ms, the planner's plan " << free_plan->stats().max_cost_ms() << " ms";
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 300);
 }
 
 }  // namespace
