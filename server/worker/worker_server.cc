@@ -7,10 +7,8 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
-#include "cuda/cuda_backend.h"
-#include "cuda/device_query.h"
 #include "glog/logging.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/backend_factory.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
 
@@ -76,42 +74,20 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     backend = std::move(*b);
     info.set_device(options.device == "cuda" ? ember::v1::CUDA : ember::v1::CPU);
     info.set_ddr_bytes(backend->AvailableBytes());
-  } else if (options.device == "cpu") {
-    backend::CpuBackendOptions o;
-    o.num_threads = options.threads;
-    o.memory_limit_bytes = options.memory_limit_bytes;
-    if (o.memory_limit_bytes == 0) o.memory_limit_bytes = HostMemoryBytes() / 10 * 9;
-    if (o.memory_limit_bytes <= 0) {
-      return absl::FailedPreconditionError(
-          "cannot tell how much host memory there is; give --memory_gib");
-    }
-    auto b = backend::CreateCpuBackend(o);
-    if (!b.ok()) return b.status();
-    backend = std::move(*b);
-    info.set_device(ember::v1::CPU);
-    info.set_ddr_bytes(o.memory_limit_bytes);
-    LOG(INFO) << "shard memory: " << o.memory_limit_bytes / (1 << 20) << " MiB"
-              << (options.memory_limit_bytes == 0 ? " (90% of the host's available memory)" : "");
-  } else if (options.device == "cuda") {
-    cuda::CudaBackendOptions o;
-    o.device = options.cuda_device;
-    o.memory_limit_bytes = options.memory_limit_bytes;
-    auto b = cuda::CreateCudaBackend(o);
-    if (!b.ok()) return b.status();
-    backend = std::move(*b);
-    info.set_device(ember::v1::CUDA);
-    auto devices = cuda::QueryDevices();
-    int64_t hbm = 0;
-    if (devices.ok()) {
-      for (const auto& d : *devices) {
-        if (d.index == options.cuda_device) hbm = d.total_memory_bytes;
-      }
-    }
-    if (options.memory_limit_bytes > 0) hbm = std::min(hbm, options.memory_limit_bytes);
-    info.set_hbm_bytes(hbm);
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device must be cpu or cuda, got '", options.device, "'"));
+    backend::BackendConfig config;
+    config.device = options.device;
+    config.threads = options.threads;
+    config.cuda_device = options.cuda_device;
+    config.memory_limit_bytes = options.memory_limit_bytes;
+    auto made = backend::CreateBackend(config);
+    if (!made.ok()) return made.status();
+    backend = std::move(made->backend);
+    info.set_device(made->cuda ? ember::v1::CUDA : ember::v1::CPU);
+    info.set_hbm_bytes(made->hbm_bytes);
+    info.set_ddr_bytes(made->ddr_bytes);
+    LOG(INFO) << "shard memory: " << (made->cuda ? made->hbm_bytes : made->ddr_bytes) / (1 << 20)
+              << " MiB (" << made->capacity_note << ")";
   }
 
   if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > kMaxMessageBytes) {

@@ -1,0 +1,67 @@
+#include "server/backend/backend_factory.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/device_query.h"
+#include "server/backend/cpu_backend.h"
+#include "server/common/host_memory.h"
+
+namespace ember {
+namespace backend {
+
+absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
+  if (config.memory_limit_bytes < 0) {
+    return absl::InvalidArgumentError("the memory limit must be >= 0");
+  }
+  MadeBackend made;
+  if (config.device == "cpu") {
+    if (config.threads < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("threads must be >= 1, got ", config.threads));
+    }
+    CpuBackendOptions o;
+    o.num_threads = config.threads;
+    o.memory_limit_bytes = config.memory_limit_bytes;
+    made.capacity_note = "as given";
+    if (o.memory_limit_bytes == 0) {
+      o.memory_limit_bytes = HostMemoryBytes() / 10 * 9;
+      made.capacity_note = "90% of the host's available memory";
+    }
+    if (o.memory_limit_bytes <= 0) {
+      return absl::FailedPreconditionError(
+          "cannot tell how much host memory there is; give --memory_gib");
+    }
+    auto b = CreateCpuBackend(o);
+    if (!b.ok()) return b.status();
+    made.backend = std::move(*b);
+    made.ddr_bytes = o.memory_limit_bytes;
+    return made;
+  }
+  if (config.device == "cuda") {
+    cuda::CudaBackendOptions o;
+    o.device = config.cuda_device;
+    o.memory_limit_bytes = config.memory_limit_bytes;
+    auto b = cuda::CreateCudaBackend(o);
+    if (!b.ok()) return b.status();
+    made.backend = std::move(*b);
+    made.cuda = true;
+    auto devices = cuda::QueryDevices();
+    if (devices.ok()) {
+      for (const auto& d : *devices) {
+        if (d.index == config.cuda_device) made.hbm_bytes = d.total_memory_bytes;
+      }
+    }
+    made.capacity_note = "the device's memory";
+    if (config.memory_limit_bytes > 0) {
+      made.hbm_bytes = std::min(made.hbm_bytes, config.memory_limit_bytes);
+      made.capacity_note = "as given";
+    }
+    return made;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device must be cpu or cuda, got '", config.device.substr(0, 64), "'"));
+}
+
+}  // namespace backend
+}  // namespace ember

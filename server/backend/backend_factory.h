@@ -1,0 +1,44 @@
+// The one place that knows every EmbeddingBackend: a worker names a device
+// ("cpu" or "cuda") and gets the backend with the capacity it will
+// advertise, and depends on nothing but this and the interface.
+#ifndef EMBER_SERVER_BACKEND_BACKEND_FACTORY_H_
+#define EMBER_SERVER_BACKEND_BACKEND_FACTORY_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+
+struct BackendConfig {
+  std::string device = "cpu";  // "cpu" or "cuda"
+  int threads = 1;             // cpu: threads per call, the caller included
+  int cuda_device = 0;         // cuda: the GPU ordinal
+  // Bytes of weights + optimizer state the backend may hold. 0: cpu, 90%
+  // of the host's available memory (its memory cgroup's limit where there
+  // is one); cuda, the whole device.
+  int64_t memory_limit_bytes = 0;
+};
+
+struct MadeBackend {
+  std::unique_ptr<EmbeddingBackend> backend;
+  bool cuda = false;
+  // The capacity the worker advertises (the planner plans against it).
+  int64_t hbm_bytes = 0;  // cuda
+  int64_t ddr_bytes = 0;  // cpu
+  std::string capacity_note;  // how the capacity was chosen, for the log
+};
+
+// INVALID_ARGUMENT for an unknown device or threads < 1; UNAVAILABLE for
+// cuda without a usable GPU (or a build without CUDA); FAILED_PRECONDITION
+// when the host's memory cannot be told and no limit is given.
+absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config);
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_BACKEND_FACTORY_H_

@@ -1,0 +1,59 @@
+// The backend factory: the device names it knows, the capacity each backend
+// advertises, and the errors for what it cannot make.
+#include "server/backend/backend_factory.h"
+
+#include "gtest/gtest.h"
+#include "server/common/host_memory.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+TEST(BackendFactoryTest, CpuWithAndWithoutALimit) {
+  BackendConfig c;
+  c.threads = 2;
+  c.memory_limit_bytes = int64_t{3} << 20;
+  auto made = CreateBackend(c);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_FALSE(made->cuda);
+  EXPECT_EQ(made->ddr_bytes, int64_t{3} << 20);
+  EXPECT_EQ(made->hbm_bytes, 0);
+  EXPECT_EQ(made->backend->AvailableBytes(), int64_t{3} << 20);
+  EXPECT_EQ(made->backend->Name().rfind("cpu/", 0), 0u);
+
+  c.memory_limit_bytes = 0;  // 90% of what the host has
+  made = CreateBackend(c);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(made->ddr_bytes, HostMemoryBytes() / 10 * 9);
+  EXPECT_EQ(made->capacity_note, "90% of the host's available memory");
+}
+
+TEST(BackendFactoryTest, CudaOrUnavailable) {
+  BackendConfig c;
+  c.device = "cuda";
+  c.memory_limit_bytes = int64_t{1} << 30;
+  auto made = CreateBackend(c);
+  if (!made.ok()) {
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kUnavailable) << made.status();
+    GTEST_SKIP() << "no usable GPU: " << made.status();
+  }
+  EXPECT_TRUE(made->cuda);
+  EXPECT_EQ(made->hbm_bytes, int64_t{1} << 30);  // the limit, below any GPU's memory
+  EXPECT_EQ(made->backend->Name().rfind("cuda/", 0), 0u);
+}
+
+TEST(BackendFactoryTest, BadConfigsAreRefused) {
+  BackendConfig c;
+  c.device = "tpu";
+  EXPECT_EQ(CreateBackend(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.device = "cpu";
+  c.threads = 0;
+  EXPECT_EQ(CreateBackend(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.threads = 1;
+  c.memory_limit_bytes = -1;
+  EXPECT_EQ(CreateBackend(c).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace backend
+}  // namespace ember
