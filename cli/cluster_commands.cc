@@ -95,6 +95,9 @@ DEFINE_int32(max_message_mb, 1024,
 DEFINE_int32(lease_ms, 5000, "Coordinator: worker lease; workers heartbeat 4x per lease.");
 DEFINE_string(forget_workers_after, "10m",
               "Coordinator: remove a worker silent this long once no collection uses it.");
+DEFINE_string(plan, "",
+              "create: a plan to use instead of planning: JSON in emberctl plan's form or "
+              "TorchRec's (a ParameterSharding per table); checked against the live workers.");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
 DEFINE_string(input, "", "KJT JSON file: {keys, lengths, values, weights?}.");
@@ -523,11 +526,23 @@ int RunUp(const std::string& self_path) {
 
 int RunCreate() {
   if (FLAGS_spec.empty()) return Usage("create needs --spec=FILE");
+  if (!FLAGS_plan.empty() && !FLAGS_sharding_type.empty()) {
+    return Usage("create takes --plan or --sharding_type, not both");
+  }
   auto spec = ReadCollectionSpec(FLAGS_spec);
   if (!spec.ok()) return Fail("create", spec.status());
+  ember::v1::ShardingPlan plan;
+  if (!FLAGS_plan.empty()) {
+    auto text = ReadFile(FLAGS_plan);
+    if (!text.ok()) return Fail("create", text.status());
+    auto parsed = planner::ParsePlanJson(*text);
+    if (!parsed.ok()) return Fail("create", parsed.status());
+    plan = *std::move(parsed);
+  }
   auto cl = Connect();
   if (!cl.ok()) return Fail("create", cl.status());
-  auto info = (*cl)->CreateCollection(*spec, FLAGS_sharding_type);
+  auto info = FLAGS_plan.empty() ? (*cl)->CreateCollection(*spec, FLAGS_sharding_type)
+                                 : (*cl)->CreateCollectionWithPlan(*spec, plan);
   if (!info.ok()) return Fail("create", info.status());
   PrintPlan(*info);
   return 0;

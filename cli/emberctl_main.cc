@@ -8,7 +8,7 @@
 //   emberctl coordinator [--listen=HOST:PORT]
 //   emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]
 //       [--cuda_device=N]
-//   emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]
+//   emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE | --plan=FILE]
 //   emberctl plan --coordinator=ADDR --collection=NAME
 //   emberctl status --coordinator=ADDR
 //   emberctl lookup --coordinator=ADDR --collection=NAME --input=kjt.json --output=out.json
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
       "      [--checkpoint_every=DURATION] [--keep_checkpoints=K]\n"
       "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"
       "      [--cuda_device=N]\n"
-      "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE]\n"
+      "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE | --plan=FILE]\n"
       "  emberctl plan --coordinator=ADDR --collection=NAME [--format=table|json]\n"
       "  emberctl status --coordinator=ADDR\n"
       "  emberctl lookup --coordinator=ADDR --collection=NAME --input=kjt.json --output=out.json\n"

@@ -308,6 +308,17 @@ absl::StatusOr<CollectionInfo> Client::CreateCollection(const ember::v1::Collect
   return resp->collection();
 }
 
+absl::StatusOr<CollectionInfo> Client::CreateCollectionWithPlan(
+    const ember::v1::CollectionSpec& spec, const ember::v1::ShardingPlan& plan) {
+  ember::v1::CreateCollectionRequest req;
+  *req.mutable_spec() = spec;
+  *req.mutable_plan() = plan;
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::CreateCollection, req,
+                              options_.timeout);
+  if (!resp.ok()) return resp.status();
+  return resp->collection();
+}
+
 absl::StatusOr<CollectionInfo> Client::GetCollection(const std::string& collection) {
   ember::v1::GetCollectionRequest req;
   req.set_collection(collection);

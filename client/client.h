@@ -63,6 +63,11 @@ class Client {
   // Control plane.
   absl::StatusOr<ember::v1::CollectionInfo> CreateCollection(const ember::v1::CollectionSpec& spec,
                                                              const std::string& sharding_type = "");
+  // Creates the collection with `plan` instead of planning (a plan made by
+  // hand or by TorchRec; see planner::CheckPlan for what is checked). Its
+  // ranks index the workers in ListWorkers order.
+  absl::StatusOr<ember::v1::CollectionInfo> CreateCollectionWithPlan(
+      const ember::v1::CollectionSpec& spec, const ember::v1::ShardingPlan& plan);
   absl::StatusOr<ember::v1::CollectionInfo> GetCollection(const std::string& collection);
   absl::StatusOr<std::vector<ember::v1::CollectionInfo>> ListCollections();
   absl::Status DropCollection(const std::string& collection);

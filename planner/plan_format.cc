@@ -1,12 +1,19 @@
 #include "planner/plan_format.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <vector>
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "planner/sharding_types.h"
 
 namespace ember {
@@ -190,6 +197,164 @@ std::string FormatPlanJson(const ShardingPlan& plan) {
       ", \"mean_cost_ms\": ", JsonNumber(st.mean_cost_ms()),
       ", \"lower_bound_ms\": ", JsonNumber(st.lower_bound_ms()),
       ", \"option_lower_bound_ms\": ", JsonNumber(st.option_lower_bound_ms()), "}}");
+}
+
+namespace {
+
+using google::protobuf::ListValue;
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+absl::Status Bad(const std::string& where, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("plan JSON: ", where, ": ", what));
+}
+
+const Value* Field(const Struct& s, const char* name) {
+  auto it = s.fields().find(name);
+  return it == s.fields().end() ? nullptr : &it->second;
+}
+
+absl::StatusOr<std::string> String(const Struct& s, const char* name, const std::string& where) {
+  const Value* v = Field(s, name);
+  if (v == nullptr || v->kind_case() != Value::kStringValue) {
+    return Bad(where, absl::StrCat("'", name, "' must be a string"));
+  }
+  return v->string_value();
+}
+
+absl::StatusOr<std::vector<int64_t>> Ints(const Value* v, const std::string& where, size_t want) {
+  if (v == nullptr || v->kind_case() != Value::kListValue) return Bad(where, "must be an array");
+  std::vector<int64_t> out;
+  for (const Value& x : v->list_value().values()) {
+    if (x.kind_case() != Value::kNumberValue || std::floor(x.number_value()) != x.number_value() ||
+        std::abs(x.number_value()) > 9007199254740992.0) {
+      return Bad(where, "holds a value that is not an integer");
+    }
+    out.push_back(static_cast<int64_t>(x.number_value()));
+  }
+  if (want > 0 && out.size() != want) {
+    return Bad(where, absl::StrCat("must hold ", want, " integers, not ", out.size()));
+  }
+  return out;
+}
+
+// One table's sharding from either form's fields.
+absl::Status ParseTable(const Struct& t, bool torchrec, const std::string& where,
+                        ember::v1::TableSharding* out) {
+  if (!torchrec) {
+    for (const auto& [name, v] : t.fields()) {
+      if (name != "table" && name != "sharding_type" && name != "compute_kernel" &&
+          name != "ranks" && name != "shards") {
+        return Bad(where, absl::StrCat("unknown field '", name.substr(0, 64), "'"));
+      }
+    }
+  }
+  auto type = String(t, "sharding_type", where);
+  if (!type.ok()) return type.status();
+  auto kernel = String(t, "compute_kernel", where);
+  if (!kernel.ok()) return kernel.status();
+  out->set_sharding_type(*type);
+  out->set_compute_kernel(*kernel);
+  if (const Value* r = Field(t, "ranks"); r != nullptr && r->kind_case() != Value::kNullValue) {
+    auto ranks = Ints(r, where + ".ranks", 0);
+    if (!ranks.ok()) return ranks.status();
+    for (int64_t x : *ranks) out->add_ranks(static_cast<int32_t>(x));
+  }
+  const Value* shards = nullptr;
+  if (torchrec) {
+    const Value* spec = Field(t, "sharding_spec");
+    if (spec != nullptr && spec->kind_case() == Value::kStructValue) {
+      shards = Field(spec->struct_value(), "shards");
+    } else if (spec != nullptr && spec->kind_case() != Value::kNullValue) {
+      return Bad(where, "'sharding_spec' must be an object or null");
+    }
+  } else {
+    shards = Field(t, "shards");
+  }
+  if (shards == nullptr || shards->kind_case() == Value::kNullValue) return absl::OkStatus();
+  if (shards->kind_case() != Value::kListValue) return Bad(where, "'shards' must be an array");
+  for (int i = 0; i < shards->list_value().values_size(); ++i) {
+    const std::string at = absl::StrCat(where, ".shards[", i, "]");
+    const Value& sv = shards->list_value().values(i);
+    if (sv.kind_case() != Value::kStructValue) return Bad(at, "must be an object");
+    const Struct& sh = sv.struct_value();
+    auto offsets = Ints(Field(sh, torchrec ? "shard_offsets" : "offsets"), at + " offsets", 2);
+    if (!offsets.ok()) return offsets.status();
+    auto sizes = Ints(Field(sh, torchrec ? "shard_sizes" : "sizes"), at + " sizes", 2);
+    if (!sizes.ok()) return sizes.status();
+    int64_t rank = -1;
+    if (torchrec) {
+      auto placement = String(sh, "placement", at);
+      if (!placement.ok()) return placement.status();
+      absl::string_view p = *placement;
+      if (!absl::ConsumePrefix(&p, "rank:") || !absl::SimpleAtoi(p.substr(0, p.find('/')), &rank)) {
+        return Bad(at, absl::StrCat("placement '", placement->substr(0, 64),
+                                    "' is not of the form rank:N/device"));
+      }
+    } else {
+      const Value* rv = Field(sh, "rank");
+      if (rv == nullptr || rv->kind_case() != Value::kNumberValue ||
+          std::floor(rv->number_value()) != rv->number_value() ||
+          std::abs(rv->number_value()) > 1e9) {
+        return Bad(at, "'rank' must be an integer");
+      }
+      rank = static_cast<int64_t>(rv->number_value());
+    }
+    auto* s = out->add_shards();
+    s->set_row_offset((*offsets)[0]);
+    s->set_col_offset((*offsets)[1]);
+    s->set_rows((*sizes)[0]);
+    s->set_cols((*sizes)[1]);
+    s->set_rank(static_cast<int32_t>(rank));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ember::v1::ShardingPlan> ParsePlanJson(const std::string& json) {
+  Struct root;
+  if (auto st = google::protobuf::util::JsonStringToMessage(json, &root); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan JSON: not a JSON object: ", st.message().as_string().substr(0, 200)));
+  }
+  ember::v1::ShardingPlan plan;
+  const Value* list = Field(root, "plan");
+  if (list != nullptr && list->kind_case() == Value::kListValue) {  // Ember's form
+    for (const auto& [name, v] : root.fields()) {
+      if (name != "plan" && name != "stats") {
+        return Bad("top level", absl::StrCat("unknown field '", name.substr(0, 64), "'"));
+      }
+    }
+    for (int i = 0; i < list->list_value().values_size(); ++i) {
+      const std::string where = absl::StrCat("plan[", i, "]");
+      const Value& v = list->list_value().values(i);
+      if (v.kind_case() != Value::kStructValue) return Bad(where, "must be an object");
+      auto* t = plan.add_tables();
+      auto table = String(v.struct_value(), "table", where);
+      if (!table.ok()) return table.status();
+      t->set_table(*table);
+      if (absl::Status s = ParseTable(v.struct_value(), false, where, t); !s.ok()) return s;
+    }
+    return plan;
+  }
+  // TorchRec's: table name -> ParameterSharding, in the file's order (the
+  // planner orders by the spec anyway).
+  std::vector<std::string> names;
+  for (const auto& [name, v] : root.fields()) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const Value& v = root.fields().at(name);
+    const std::string where = absl::StrCat("'", name.substr(0, 64), "'");
+    if (v.kind_case() != Value::kStructValue) {
+      return Bad(where, "must be an object (a ParameterSharding)");
+    }
+    auto* t = plan.add_tables();
+    t->set_table(name);
+    if (absl::Status s = ParseTable(v.struct_value(), true, where, t); !s.ok()) return s;
+  }
+  if (plan.tables_size() == 0) return Bad("top level", "no tables");
+  return plan;
 }
 
 }  // namespace planner

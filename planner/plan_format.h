@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "absl/status/statusor.h"
+
 #include "proto/plan.pb.h"
 
 namespace ember {
@@ -28,6 +30,18 @@ std::string FormatPlanTable(const ember::v1::ShardingPlan& plan);
 //             "lower_bound_ms"}}
 // data_parallel tables list every rank and no shards.
 std::string FormatPlanJson(const ember::v1::ShardingPlan& plan);
+
+// A plan from JSON, in either form:
+//  - Ember's (FormatPlanJson above; "stats" is ignored);
+//  - TorchRec's ParameterSharding per table, as a dict printed to JSON:
+//    {"<table>": {"sharding_type", "compute_kernel", "ranks": [...],
+//                 "sharding_spec": {"shards": [{"shard_offsets": [row, col],
+//                   "shard_sizes": [rows, cols], "placement": "rank:3/cuda:1"}]}
+//                 or null (data_parallel), and TorchRec's other fields
+//                 (cache_params, enforce_hbm, ...), which are ignored}}.
+// Only the structure is checked here (INVALID_ARGUMENT naming the place);
+// planner::CheckPlan checks the plan against a collection.
+absl::StatusOr<ember::v1::ShardingPlan> ParsePlanJson(const std::string& json);
 
 // TorchRec's placement string: "rank:3/cuda:1" (cuda index = rank modulo the
 // local world size) or "rank:3/cpu".

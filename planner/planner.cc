@@ -1,6 +1,8 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -864,34 +866,36 @@ Solution Solve(Search* search, const std::vector<TableInfo>& tables,
   return best;
 }
 
-absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
-                                  const Topology& topology_in,
-                                  const PlannerOptions& options) {
-  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
-  if (absl::Status s = ValidateTopology(topology_in); !s.ok()) return s;
-  const ComputeDevice device = topology_in.compute_device();
-  const CostModel model =
-      options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(device);
-  const Topology topo = ResolveTopology(topology_in, model);
+// Usable capacity per worker: the topology's (per-rank overrides
+// included) less the model's reserved fractions.
+void Capacities(const Topology& topo, const CostModel& model, std::vector<int64_t>* hbm_cap,
+                std::vector<int64_t>* ddr_cap) {
   const int w = topo.world_size();
-  const int lw = topo.local_world_size();
-
-  // Usable capacity per worker.
-  std::vector<int64_t> hbm_cap(w), ddr_cap(w);
+  const ComputeDevice device = topo.compute_device();
+  hbm_cap->assign(w, 0);
+  ddr_cap->assign(w, 0);
   for (int r = 0; r < w; ++r) {
-    hbm_cap[r] = device == ember::v1::CUDA ? topo.hbm_cap_bytes() : 0;
-    ddr_cap[r] = topo.ddr_cap_bytes();
+    (*hbm_cap)[r] = device == ember::v1::CUDA ? topo.hbm_cap_bytes() : 0;
+    (*ddr_cap)[r] = topo.ddr_cap_bytes();
   }
   for (const auto& d : topo.devices()) {
-    hbm_cap[d.rank()] = device == ember::v1::CUDA ? d.hbm_bytes() : 0;
-    ddr_cap[d.rank()] = d.ddr_bytes();
+    (*hbm_cap)[d.rank()] = device == ember::v1::CUDA ? d.hbm_bytes() : 0;
+    (*ddr_cap)[d.rank()] = d.ddr_bytes();
   }
   for (int r = 0; r < w; ++r) {
-    hbm_cap[r] = static_cast<int64_t>(hbm_cap[r] * (1.0 - model.hbm_reserved_fraction));
-    ddr_cap[r] = static_cast<int64_t>(ddr_cap[r] * (1.0 - model.ddr_reserved_fraction));
+    (*hbm_cap)[r] = static_cast<int64_t>((*hbm_cap)[r] * (1.0 - model.hbm_reserved_fraction));
+    (*ddr_cap)[r] = static_cast<int64_t>((*ddr_cap)[r] * (1.0 - model.ddr_reserved_fraction));
   }
+}
 
-  // Enumerate options.
+// Every table's options (allowed sharding type x compute kernel), cheapest
+// first. INVALID_ARGUMENT when a table's constraints allow none.
+absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& spec,
+                                                        const Topology& topo,
+                                                        const CostModel& model) {
+  const ComputeDevice device = topo.compute_device();
+  const int w = topo.world_size();
+  const int lw = topo.local_world_size();
   std::vector<TableInfo> tables(spec.tables_size());
   for (int t = 0; t < spec.tables_size(); ++t) {
     const TableConfig& tc = spec.tables(t);
@@ -932,6 +936,84 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
     });
     Summarize(&tables[t]);
   }
+  return tables;
+}
+
+// The per-rank statistics of `plan` (whose tables list their sharding
+// type, kernel and shards; data_parallel: a replica on every rank), each
+// shard estimated by the cost model, against the usable capacities.
+void FillStats(const CollectionSpec& spec, const CostModel& model,
+               const std::vector<int64_t>& hbm_cap, const std::vector<int64_t>& ddr_cap,
+               const Bounds& bounds, ShardingPlan* plan) {
+  const Topology& topo = plan->topology();
+  const int w = topo.world_size();
+  std::map<std::string, int> index;
+  for (int t = 0; t < spec.tables_size(); ++t) index[spec.tables(t).name()] = t;
+  std::vector<ember::v1::RankStats> per_rank(w);
+  for (int r = 0; r < w; ++r) {
+    per_rank[r].set_rank(r);
+    per_rank[r].set_hbm_cap_bytes(hbm_cap[r]);
+    per_rank[r].set_ddr_cap_bytes(ddr_cap[r]);
+  }
+  for (const auto& ts : plan->tables()) {
+    const TableConfig& tc = spec.tables(index.at(ts.table()));
+    const TableWorkload work = WorkloadFor(tc, ConstraintsFor(spec, tc.name()), topo, model);
+    const ShardingType type = *ParseShardingType(ts.sharding_type());
+    const ComputeKernel kernel = *ParseComputeKernel(ts.compute_kernel());
+    auto add = [&](int rank, const ShardBlock& b) {
+      const ShardCost sc = EstimateShard(model, work, type, kernel, topo.compute_device(), b,
+                                         tc.num_embeddings(), w);
+      auto& rs = per_rank[rank];
+      rs.set_hbm_bytes(rs.hbm_bytes() + sc.hbm_bytes);
+      rs.set_ddr_bytes(rs.ddr_bytes() + sc.ddr_bytes);
+      rs.set_fwd_compute_ms(rs.fwd_compute_ms() + sc.fwd_compute_ms);
+      rs.set_fwd_comms_ms(rs.fwd_comms_ms() + sc.fwd_comms_ms);
+      rs.set_bwd_compute_ms(rs.bwd_compute_ms() + sc.bwd_compute_ms);
+      rs.set_bwd_comms_ms(rs.bwd_comms_ms() + sc.bwd_comms_ms);
+      rs.set_num_shards(rs.num_shards() + 1);
+    };
+    if (type == ShardingType::kDataParallel) {
+      for (int r : ts.ranks()) add(r, ShardBlock{0, 0, tc.num_embeddings(), tc.embedding_dim()});
+      continue;
+    }
+    for (const auto& s : ts.shards()) {
+      add(s.rank(), ShardBlock{s.row_offset(), s.col_offset(), s.rows(), s.cols()});
+    }
+  }
+  auto* stats = plan->mutable_stats();
+  stats->clear_per_rank();
+  double max_cost = 0, sum_cost = 0;
+  for (auto& rs : per_rank) {
+    rs.set_cost_ms(rs.fwd_compute_ms() + rs.fwd_comms_ms() + rs.bwd_compute_ms() +
+                   rs.bwd_comms_ms());
+    max_cost = std::max(max_cost, rs.cost_ms());
+    sum_cost += rs.cost_ms();
+    *stats->add_per_rank() = rs;
+  }
+  stats->set_max_cost_ms(max_cost);
+  stats->set_mean_cost_ms(sum_cost / w);
+  stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
+  stats->set_lower_bound_ms(bounds.simple);
+  stats->set_option_lower_bound_ms(bounds.tight);
+}
+
+absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
+                                  const Topology& topology_in,
+                                  const PlannerOptions& options) {
+  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateTopology(topology_in); !s.ok()) return s;
+  const ComputeDevice device = topology_in.compute_device();
+  const CostModel model =
+      options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(device);
+  const Topology topo = ResolveTopology(topology_in, model);
+  const int w = topo.world_size();
+  const int lw = topo.local_world_size();
+
+  std::vector<int64_t> hbm_cap, ddr_cap;
+  Capacities(topo, model, &hbm_cap, &ddr_cap);
+  auto enumerated = EnumerateOptions(spec, topo, model);
+  if (!enumerated.ok()) return enumerated.status();
+  const std::vector<TableInfo>& tables = *enumerated;
 
   const Bounds bounds = LowerBounds(tables, w);
   Search search(tables, w, lw, hbm_cap, ddr_cap);
@@ -981,18 +1063,11 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
     best = std::move(s);
   }
   const int n = spec.tables_size();
-  const double lower_bound = bounds.simple, tight_bound = bounds.tight;
 
   // Build the plan.
   ShardingPlan plan;
   plan.set_collection(spec.name());
   *plan.mutable_topology() = topo;
-  std::vector<ember::v1::RankStats> per_rank(w);
-  for (int r = 0; r < w; ++r) {
-    per_rank[r].set_rank(r);
-    per_rank[r].set_hbm_cap_bytes(hbm_cap[r]);
-    per_rank[r].set_ddr_cap_bytes(ddr_cap[r]);
-  }
   for (int t = 0; t < n; ++t) {
     const TableConfig& tc = spec.tables(t);
     const ParameterConstraints& c = ConstraintsFor(spec, tc.name());
@@ -1005,15 +1080,6 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
     const std::vector<ShardBlock> blocks = BlocksFor(o.type, tc, c, w, lw);
     for (int i = 0; i < o.num_shards; ++i) {
       ts->add_ranks(ranks[i]);
-      const ShardCost& sc = o.RunOf(i).cost;
-      auto& rs = per_rank[ranks[i]];
-      rs.set_hbm_bytes(rs.hbm_bytes() + sc.hbm_bytes);
-      rs.set_ddr_bytes(rs.ddr_bytes() + sc.ddr_bytes);
-      rs.set_fwd_compute_ms(rs.fwd_compute_ms() + sc.fwd_compute_ms);
-      rs.set_fwd_comms_ms(rs.fwd_comms_ms() + sc.fwd_comms_ms);
-      rs.set_bwd_compute_ms(rs.bwd_compute_ms() + sc.bwd_compute_ms);
-      rs.set_bwd_comms_ms(rs.bwd_comms_ms() + sc.bwd_comms_ms);
-      rs.set_num_shards(rs.num_shards() + 1);
       if (o.type == ShardingType::kDataParallel) continue;
       auto* shard = ts->add_shards();
       shard->set_row_offset(blocks[i].row_offset);
@@ -1023,20 +1089,213 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
       shard->set_rank(ranks[i]);
     }
   }
-  auto* stats = plan.mutable_stats();
-  double max_cost = 0, sum_cost = 0;
-  for (auto& rs : per_rank) {
-    rs.set_cost_ms(rs.fwd_compute_ms() + rs.fwd_comms_ms() + rs.bwd_compute_ms() +
-                   rs.bwd_comms_ms());
-    max_cost = std::max(max_cost, rs.cost_ms());
-    sum_cost += rs.cost_ms();
-    *stats->add_per_rank() = rs;
+  FillStats(spec, model, hbm_cap, ddr_cap, bounds, &plan);
+  return plan;
+}
+
+absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec, const Topology& topology_in,
+                                       const ShardingPlan& given, const PlannerOptions& options) {
+  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateTopology(topology_in); !s.ok()) return s;
+  const ComputeDevice device = topology_in.compute_device();
+  const CostModel model =
+      options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(device);
+  const Topology topo = ResolveTopology(topology_in, model);
+  const int w = topo.world_size();
+  const int lw = topo.local_world_size();
+
+  constexpr int kMaxProblems = 20;
+  std::vector<std::string> problems;
+  auto problem = [&problems](auto&&... parts) {
+    if (problems.size() < kMaxProblems) problems.push_back(absl::StrCat(parts...));
+  };
+  std::map<std::string, int> index;
+  for (int t = 0; t < spec.tables_size(); ++t) index[spec.tables(t).name()] = t;
+  std::vector<const ember::v1::TableSharding*> by_table(spec.tables_size(), nullptr);
+  for (const auto& ts : given.tables()) {
+    auto it = index.find(ts.table());
+    if (it == index.end()) {
+      problem("the plan names table '", ts.table().substr(0, 128), "', which the spec does not have");
+      continue;
+    }
+    if (by_table[it->second] != nullptr) {
+      problem("table '", ts.table(), "' is in the plan twice");
+      continue;
+    }
+    by_table[it->second] = &ts;
   }
-  stats->set_max_cost_ms(max_cost);
-  stats->set_mean_cost_ms(sum_cost / w);
-  stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
-  stats->set_lower_bound_ms(lower_bound);
-  stats->set_option_lower_bound_ms(tight_bound);
+
+  ShardingPlan plan;
+  plan.set_collection(spec.name());
+  *plan.mutable_topology() = topo;
+  for (int t = 0; t < spec.tables_size(); ++t) {
+    const TableConfig& tc = spec.tables(t);
+    const ember::v1::TableSharding* ts = by_table[t];
+    const std::string label = absl::StrCat("table '", tc.name(), "'");
+    if (ts == nullptr) {
+      problem(label, " is not in the plan");
+      continue;
+    }
+    auto type = ParseShardingType(ts->sharding_type());
+    auto kernel = ParseComputeKernel(ts->compute_kernel());
+    if (!type.ok()) problem(label, ": ", type.status().message());
+    if (!kernel.ok()) problem(label, ": ", kernel.status().message());
+    if (!type.ok() || !kernel.ok()) continue;
+    const ParameterConstraints& c = ConstraintsFor(spec, tc.name());
+    if (c.sharding_types_size() > 0 &&
+        std::find(c.sharding_types().begin(), c.sharding_types().end(), ts->sharding_type()) ==
+            c.sharding_types().end()) {
+      problem(label, ": its constraints allow sharding types [",
+              absl::StrJoin(c.sharding_types(), ", "), "], not ", ts->sharding_type());
+    }
+    const std::vector<ComputeKernel> kernels = KernelsFor(*type, device, c);
+    if (std::find(kernels.begin(), kernels.end(), *kernel) == kernels.end()) {
+      std::vector<std::string> names;
+      for (ComputeKernel k : kernels) names.emplace_back(ComputeKernelName(k));
+      problem(label, ": ", ts->sharding_type(), " on ", ember::v1::ComputeDevice_Name(device),
+              " workers takes compute kernel [", absl::StrJoin(names, ", "), "], not ",
+              ts->compute_kernel());
+    }
+    auto* out = plan.add_tables();
+    out->set_table(tc.name());
+    out->set_sharding_type(ts->sharding_type());
+    out->set_compute_kernel(ts->compute_kernel());
+    const int64_t rows = tc.num_embeddings(), dim = tc.embedding_dim();
+    if (*type == ShardingType::kDataParallel) {
+      // A replica on every rank, and no shards.
+      std::vector<int> ranks(ts->ranks().begin(), ts->ranks().end());
+      std::sort(ranks.begin(), ranks.end());
+      std::vector<int> all(w);
+      std::iota(all.begin(), all.end(), 0);
+      if (ts->shards_size() > 0) problem(label, ": data_parallel takes no shards");
+      if (!ranks.empty() && ranks != all) {
+        problem(label, ": data_parallel replicates to every rank 0..", w - 1);
+      }
+      for (int r = 0; r < w; ++r) out->add_ranks(r);
+      continue;
+    }
+    if (ts->shards_size() == 0) {
+      problem(label, ": ", ts->sharding_type(), " needs its shards (offsets, sizes, rank)");
+      continue;
+    }
+    bool geometry_ok = true;
+    std::set<int> ranks_used;
+    std::set<int> hosts;
+    for (int i = 0; i < ts->shards_size(); ++i) {
+      const auto& sh = ts->shards(i);
+      const std::string what = absl::StrCat(label, " shard ", i, " [", sh.row_offset(), ", ",
+                                            sh.col_offset(), "] + [", sh.rows(), ", ", sh.cols(),
+                                            "]");
+      if (sh.rank() < 0 || sh.rank() >= w) {
+        problem(what, ": rank ", sh.rank(), " is outside 0..", w - 1);
+        geometry_ok = false;
+        continue;
+      }
+      if (sh.row_offset() < 0 || sh.col_offset() < 0 || sh.rows() <= 0 || sh.cols() <= 0 ||
+          sh.row_offset() > rows - sh.rows() || sh.col_offset() > dim - sh.cols()) {
+        problem(what, ": outside the table's [", rows, ", ", dim, "] or empty");
+        geometry_ok = false;
+        continue;
+      }
+      if (sh.cols() % 4 != 0 || sh.col_offset() % 4 != 0) {
+        problem(what, ": column offsets and widths must be multiples of 4");
+        geometry_ok = false;
+      }
+      const bool full_width = sh.col_offset() == 0 && sh.cols() == dim;
+      const bool full_height = sh.row_offset() == 0 && sh.rows() == rows;
+      switch (*type) {
+        case ShardingType::kTableWise:
+          if (ts->shards_size() != 1 || !full_width || !full_height) {
+            problem(label, ": table_wise is one shard of the whole table");
+            geometry_ok = false;
+          }
+          break;
+        case ShardingType::kRowWise:
+        case ShardingType::kTableRowWise:
+          if (!full_width) {
+            problem(what, ": ", ts->sharding_type(), " shards take every column");
+            geometry_ok = false;
+          }
+          if (!ranks_used.insert(sh.rank()).second) {
+            problem(what, ": two row shards on rank ", sh.rank());
+            geometry_ok = false;
+          }
+          break;
+        case ShardingType::kColumnWise:
+        case ShardingType::kTableColumnWise:
+          if (!full_height) {
+            problem(what, ": ", ts->sharding_type(), " shards take every row");
+            geometry_ok = false;
+          }
+          break;
+        case ShardingType::kDataParallel:
+          break;
+      }
+      hosts.insert(sh.rank() / lw);
+    }
+    if ((*type == ShardingType::kTableRowWise || *type == ShardingType::kTableColumnWise) &&
+        hosts.size() > 1) {
+      problem(label, ": ", ts->sharding_type(), " keeps its shards on one host (",
+              lw, " ranks each)");
+      geometry_ok = false;
+    }
+    if (geometry_ok) {
+      // Exact tiling: every cell of the grid the shards' edges cut is
+      // covered once.
+      std::set<int64_t> row_cuts = {0, rows}, col_cuts = {0, dim};
+      for (const auto& sh : ts->shards()) {
+        row_cuts.insert(sh.row_offset());
+        row_cuts.insert(sh.row_offset() + sh.rows());
+        col_cuts.insert(sh.col_offset());
+        col_cuts.insert(sh.col_offset() + sh.cols());
+      }
+      const std::vector<int64_t> rc(row_cuts.begin(), row_cuts.end());
+      const std::vector<int64_t> cc(col_cuts.begin(), col_cuts.end());
+      bool tiled = true;
+      for (size_t a = 0; a + 1 < rc.size() && tiled; ++a) {
+        for (size_t b = 0; b + 1 < cc.size() && tiled; ++b) {
+          int cover = 0;
+          for (const auto& sh : ts->shards()) {
+            cover += rc[a] >= sh.row_offset() && rc[a] < sh.row_offset() + sh.rows() &&
+                     cc[b] >= sh.col_offset() && cc[b] < sh.col_offset() + sh.cols();
+          }
+          if (cover != 1) {
+            problem(label, ": rows [", rc[a], ", ", rc[a + 1], ") x columns [", cc[b], ", ",
+                    cc[b + 1], ") are covered by ", cover, " shards, not 1");
+            tiled = false;
+          }
+        }
+      }
+    }
+    for (const auto& sh : ts->shards()) {
+      *out->add_shards() = sh;
+      out->add_ranks(sh.rank());
+    }
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plan does not fit the collection '", spec.name(), "' on ", w, " workers: ",
+        absl::StrJoin(problems, "; "),
+        problems.size() == kMaxProblems ? "; (more problems not listed)" : ""));
+  }
+
+  std::vector<int64_t> hbm_cap, ddr_cap;
+  Capacities(topo, model, &hbm_cap, &ddr_cap);
+  auto tables = EnumerateOptions(spec, topo, model);
+  FillStats(spec, model, hbm_cap, ddr_cap,
+            tables.ok() ? LowerBounds(*tables, w) : Bounds(), &plan);
+  std::vector<std::string> over;
+  for (const auto& rs : plan.stats().per_rank()) {
+    if (rs.hbm_bytes() > rs.hbm_cap_bytes() || rs.ddr_bytes() > rs.ddr_cap_bytes()) {
+      over.push_back(absl::StrCat("rank ", rs.rank(), " needs ", GiB(rs.hbm_bytes()), " of HBM (",
+                                  GiB(rs.hbm_cap_bytes()), " usable) and ", GiB(rs.ddr_bytes()),
+                                  " of host memory (", GiB(rs.ddr_cap_bytes()), " usable)"));
+    }
+  }
+  if (!over.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the plan does not fit the workers' memory: ", absl::StrJoin(over, "; ")));
+  }
   return plan;
 }
 

@@ -59,6 +59,22 @@ absl::StatusOr<ember::v1::ShardingPlan> Plan(
     const ember::v1::CollectionSpec& spec, const ember::v1::Topology& topology,
     const PlannerOptions& options = PlannerOptions());
 
+// Checks a plan made elsewhere (by hand, by TorchRec) for `spec` on
+// `topology` as strictly as the planner's own output is made: one entry per
+// table of the spec and nothing else, a sharding type the table's
+// constraints allow and a compute kernel that type takes on the device,
+// shards that tile the table exactly (every cell once, column offsets and
+// widths multiples of 4) in the type's shape (table_wise one shard;
+// row-wise shards take every column, one per rank; column-wise ones every
+// row; table_* ones on one host), ranks in the topology, data_parallel with
+// no shards and a replica on every rank. Returns the plan with the resolved
+// topology, `ranks` listing each shard's rank, and the model's statistics.
+// Errors: INVALID_ARGUMENT listing every problem (up to 20);
+// RESOURCE_EXHAUSTED naming each rank over its memory.
+absl::StatusOr<ember::v1::ShardingPlan> CheckPlan(
+    const ember::v1::CollectionSpec& spec, const ember::v1::Topology& topology,
+    const ember::v1::ShardingPlan& plan, const PlannerOptions& options = PlannerOptions());
+
 // Restricts every table of `spec` to one sharding type (as the seed
 // tutorial's constraints do), keeping the tables' other constraints.
 // INVALID_ARGUMENT listing the valid names for an unknown type.

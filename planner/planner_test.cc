@@ -469,6 +469,175 @@ TEST(PlannerPropertyTest, RandomInputs) {
   EXPECT_GT(infeasible, 5);
 }
 
+// A plan the planner made passes CheckPlan unchanged, statistics included,
+// for every sharding type.
+TEST(CheckPlanTest, ThePlannersOwnPlansPassUnchanged) {
+  for (const std::string type : {"", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                                 "table_column_wise", "data_parallel"}) {
+    SCOPED_TRACE(type);
+    CollectionSpec spec = SeedSpec();
+    if (!type.empty()) ForceType(&spec, type);
+    for (const Topology& topo : {Cuda(4, 2), Cuda(3)}) {
+      auto plan = Plan(spec, topo);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      auto checked = CheckPlan(spec, topo, *plan);
+      ASSERT_TRUE(checked.ok()) << checked.status();
+      EXPECT_EQ(checked->SerializeAsString(), plan->SerializeAsString());
+    }
+  }
+}
+
+// What CheckPlan refuses, each with a message naming the problem.
+TEST(CheckPlanTest, RefusesWhatThePlannerWouldNeverMake) {
+  const CollectionSpec spec = SeedSpec();
+  const Topology topo = Cuda(4, 2);
+  CollectionSpec row_spec = spec;
+  ForceType(&row_spec, "row_wise");
+  const ShardingPlan rows = *Plan(row_spec, topo);  // every table row-wise over 4 ranks
+  auto refused = [&](const ShardingPlan& p, const std::string& why,
+                     absl::StatusCode code = absl::StatusCode::kInvalidArgument) {
+    auto r = CheckPlan(spec, topo, p);
+    ASSERT_FALSE(r.ok()) << why;
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(why));
+  };
+  ShardingPlan p = rows;
+  p.mutable_tables()->RemoveLast();
+  refused(p, "table 'small_table_1' is not in the plan");
+  p = rows;
+  *p.add_tables() = rows.tables(0);
+  refused(p, "is in the plan twice");
+  p = rows;
+  p.mutable_tables(0)->set_table("nope");
+  refused(p, "names table 'nope'");
+  p = rows;
+  p.mutable_tables(0)->set_sharding_type("diagonal_wise");
+  refused(p, "diagonal_wise");
+  p = rows;
+  p.mutable_tables(0)->set_compute_kernel("dense");
+  refused(p, "takes compute kernel [fused, fused_uvm_caching, fused_uvm], not dense");
+  p = rows;  // a gap: the first shard one row shorter
+  p.mutable_tables(0)->mutable_shards(0)->set_rows(rows.tables(0).shards(0).rows() - 1);
+  refused(p, "covered by 0 shards, not 1");
+  p = rows;  // an overlap
+  p.mutable_tables(0)->mutable_shards(1)->set_row_offset(0);
+  refused(p, "covered by 2 shards, not 1");
+  p = rows;
+  p.mutable_tables(0)->mutable_shards(1)->set_rank(0);
+  refused(p, "two row shards on rank 0");
+  p = rows;
+  p.mutable_tables(0)->mutable_shards(1)->set_rank(9);
+  refused(p, "rank 9 is outside 0..3");
+  p = rows;
+  p.mutable_tables(0)->mutable_shards(0)->set_cols(32);
+  refused(p, "row_wise shards take every column");
+  p = rows;
+  p.mutable_tables(0)->mutable_shards(0)->set_cols(62);
+  refused(p, "multiples of 4");
+  p = rows;  // table_row_wise across both hosts of 2 ranks
+  p.mutable_tables(0)->set_sharding_type("table_row_wise");
+  refused(p, "keeps its shards on one host");
+  p = rows;
+  p.mutable_tables(0)->set_sharding_type("data_parallel");
+  p.mutable_tables(0)->set_compute_kernel("dense");
+  refused(p, "data_parallel takes no shards");
+  p = rows;
+  p.mutable_tables(0)->set_sharding_type("table_wise");
+  refused(p, "table_wise is one shard of the whole table");
+  CollectionSpec constrained = spec;
+  (*constrained.mutable_constraints())["large_table_0"].add_sharding_types("table_wise");
+  auto r = CheckPlan(constrained, topo, rows);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("allow sharding types [table_wise]"));
+  // Everything on one worker of 1 MiB: over its memory.
+  Topology small = Cuda(4, 2);
+  small.set_hbm_cap_bytes(1 << 20);
+  small.set_ddr_cap_bytes(1 << 20);
+  CollectionSpec tw = spec;
+  ForceType(&tw, "table_wise");
+  ShardingPlan all_on_0 = *Plan(tw, Cuda(4, 2));
+  for (auto& t : *all_on_0.mutable_tables()) {
+    t.mutable_shards(0)->set_rank(0);
+    t.set_ranks(0, 0);
+  }
+  auto over = CheckPlan(spec, small, all_on_0);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("rank 0 needs"));
+  // ...but fits, and is scored, on the default capacities.
+  auto fits = CheckPlan(spec, topo, all_on_0);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_GT(fits->stats().per_rank(0).cost_ms(), 0);
+  EXPECT_EQ(fits->stats().per_rank(1).cost_ms(), 0);
+}
+
+// Plans read from JSON: Ember's own form round-trips through CheckPlan to
+// the same plan; TorchRec's printed ParameterShardings give the same plan
+// as the equivalent Ember JSON; malformed documents name the place.
+TEST(PlanJsonTest, EmberAndTorchRecFormsRead) {
+  const CollectionSpec spec = SeedSpec();
+  const Topology topo = Cuda(2);
+  for (const std::string type : {"table_wise", "row_wise", "column_wise", "data_parallel"}) {
+    SCOPED_TRACE(type);
+    CollectionSpec forced = spec;
+    ForceType(&forced, type);
+    auto plan = Plan(forced, topo);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    auto parsed = ParsePlanJson(FormatPlanJson(*plan));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    auto checked = CheckPlan(forced, topo, *parsed);
+    ASSERT_TRUE(checked.ok()) << checked.status();
+    EXPECT_EQ(checked->SerializeAsString(), plan->SerializeAsString());
+  }
+  // The seed tutorial's table-wise plan as TorchRec prints it (json.dumps
+  // of the ParameterSharding dataclasses), TorchRec's extra fields included.
+  const std::string torchrec = R"({
+    "large_table_0": {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [0],
+      "sharding_spec": {"shards": [{"shard_offsets": [0, 0], "shard_sizes": [4096, 64],
+                                    "placement": "rank:0/cuda:0"}]},
+      "cache_params": null, "enforce_hbm": null, "stochastic_rounding": null},
+    "large_table_1": {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [1],
+      "sharding_spec": {"shards": [{"shard_offsets": [0, 0], "shard_sizes": [4096, 64],
+                                    "placement": "rank:1/cuda:1"}]}},
+    "small_table_0": {"sharding_type": "row_wise", "compute_kernel": "fused", "ranks": [0, 1],
+      "sharding_spec": {"shards": [
+        {"shard_offsets": [0, 0], "shard_sizes": [512, 64], "placement": "rank:0/cuda:0"},
+        {"shard_offsets": [512, 0], "shard_sizes": [512, 64], "placement": "rank:1/cuda:1"}]}},
+    "small_table_1": {"sharding_type": "data_parallel", "compute_kernel": "dense",
+      "ranks": [0, 1], "sharding_spec": null}})";
+  auto from_torchrec = ParsePlanJson(torchrec);
+  ASSERT_TRUE(from_torchrec.ok()) << from_torchrec.status();
+  auto checked = CheckPlan(spec, topo, *from_torchrec);
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  ASSERT_EQ(checked->tables_size(), 4);
+  EXPECT_EQ(checked->tables(0).table(), "large_table_0");  // the spec's order
+  EXPECT_EQ(checked->tables(1).shards(0).rank(), 1);
+  EXPECT_EQ(checked->tables(2).shards(1).row_offset(), 512);
+  EXPECT_EQ(checked->tables(3).sharding_type(), "data_parallel");
+  EXPECT_EQ(checked->tables(3).ranks_size(), 2);
+  // The same through Ember's form.
+  auto again = ParsePlanJson(FormatPlanJson(*checked));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(CheckPlan(spec, topo, *again)->SerializeAsString(), checked->SerializeAsString());
+
+  auto bad = [](const std::string& json, const std::string& why) {
+    auto p = ParsePlanJson(json);
+    ASSERT_FALSE(p.ok()) << json;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(p.status().message()), HasSubstr(why)) << p.status();
+  };
+  bad("[1, 2]", "not a JSON object");
+  bad("{}", "no tables");
+  bad(R"({"plan": [{"table": "t", "sharding_type": "table_wise"}]})", "'compute_kernel'");
+  bad(R"({"plan": [{"table": "t", "sharding_type": "table_wise", "compute_kernel": "fused",
+      "shards": [{"offsets": [0], "sizes": [1, 4], "rank": 0}]}]})", "must hold 2 integers");
+  bad(R"({"plan": [{"table": "t", "sharding_type": "table_wise", "compute_kernel": "fused",
+      "oops": 1}]})", "unknown field 'oops'");
+  bad(R"({"t": {"sharding_type": "table_wise", "compute_kernel": "fused", "sharding_spec":
+      {"shards": [{"shard_offsets": [0, 0], "shard_sizes": [1, 4], "placement": "cuda:0"}]}}})",
+      "is not of the form rank:N/device");
+  bad(R"({"t": 3})", "must be an object");
+}
+
 // The search never returns a plan its own model scores worse than one it
 // could have been handed: for random collections, the plan with every
 // table forced to one sharding type (each of the six) is never better than

@@ -15,6 +15,7 @@
 #include "client/client.h"
 #include "client/inprocess.h"
 #include "gtest/gtest.h"
+#include "planner/plan_format.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 #include "tests/local_cluster.h"
@@ -150,6 +151,75 @@ TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
   ASSERT_TRUE(c->DropCollection("concurrent").ok());
+}
+
+// A collection created with a plan made elsewhere (here by hand, with
+// shards on unusual ranks) serves what the reference computes on that
+// plan; a plan that does not tile a table is refused and nothing is made.
+TEST_F(ServiceTest, AnExplicitPlanIsCheckedAndServed) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const CollectionSpec spec = TestSpec("explicit");
+  auto plan = planner::ParsePlanJson(R"({
+    "t_sum": {"sharding_type": "row_wise", "compute_kernel": "fused", "ranks": [1, 0],
+      "sharding_spec": {"shards": [
+        {"shard_offsets": [0, 0], "shard_sizes": [100, 16], "placement": "rank:1/cpu"},
+        {"shard_offsets": [100, 0], "shard_sizes": [201, 16], "placement": "rank:0/cpu"}]}},
+    "t_mean": {"sharding_type": "column_wise", "compute_kernel": "fused", "ranks": [1, 0],
+      "sharding_spec": {"shards": [
+        {"shard_offsets": [0, 0], "shard_sizes": [200, 12], "placement": "rank:1/cpu"},
+        {"shard_offsets": [0, 12], "shard_sizes": [200, 4], "placement": "rank:0/cpu"}]}},
+    "t_rw": {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [1],
+      "sharding_spec": {"shards": [
+        {"shard_offsets": [0, 0], "shard_sizes": [150, 16], "placement": "rank:1/cpu"}]}},
+    "t_seq": {"sharding_type": "data_parallel", "compute_kernel": "dense", "ranks": [0, 1]}})");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  // Refused: a gap in t_sum.
+  ember::v1::ShardingPlan gap = *plan;
+  for (auto& t : *gap.mutable_tables()) {
+    if (t.table() == "t_sum") t.mutable_shards(0)->set_rows(99);
+  }
+  auto refused = c->CreateCollectionWithPlan(spec, gap);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(std::string(refused.status().message()).find("covered by 0 shards"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(c->GetCollection("explicit").status().code(), absl::StatusCode::kNotFound);
+
+  auto info = c->CreateCollectionWithPlan(spec, *plan);
+  ASSERT_TRUE(info.ok()) << info.status();
+  for (const auto& t : info->plan().tables()) {
+    if (t.table() == "t_sum") {
+      ASSERT_EQ(t.shards_size(), 2);
+      EXPECT_EQ(t.shards(0).rank(), 1);
+      EXPECT_EQ(t.shards(1).rows(), 201);
+    }
+    if (t.table() == "t_mean") EXPECT_EQ(t.shards(0).cols(), 12);
+  }
+  EXPECT_GT(info->plan().stats().max_cost_ms(), 0);  // scored by the model
+  auto ref = InProcessCollection::Create(spec, &info->plan());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::mt19937 rng(31);
+  for (int step = 0; step < 3; ++step) {
+    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
+                                      {200, 301, 150, 301}, 6, step == 1);
+    auto kt = c->Lookup("explicit", kjt);
+    ASSERT_TRUE(kt.ok()) << kt.status();
+    auto want = (*ref)->Lookup(kjt);
+    ASSERT_TRUE(want.ok());
+    ExpectNear(kt->values, want->values, "explicit plan lookup");
+    KeyedTensor grads = *kt;
+    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplyGradients("explicit", kjt, grads).ok());
+    ASSERT_TRUE((*ref)->ApplyGradients(kjt, grads).ok());
+  }
+  for (const auto& t : spec.tables()) {
+    int64_t rows = 0, dim = 0, rr = 0, rd = 0;
+    auto got = c->ExportTable("explicit", t.name(), &rows, &dim);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), "explicit plan " + t.name());
+  }
+  ASSERT_TRUE(c->DropCollection("explicit").ok());
 }
 
 // Workers bound the data calls in progress (--max_queued_calls=1 here):

@@ -147,6 +147,28 @@ def table_spec(t):
     return out
 
 
+def _parameter_sharding(ps):
+    """A torchrec ParameterSharding (or a dict of its fields) as a dict."""
+    if isinstance(ps, dict):
+        return ps
+    spec = getattr(ps, "sharding_spec", None)
+    shards = None
+    if spec is not None:
+        shards = [{"shard_offsets": list(s.shard_offsets), "shard_sizes": list(s.shard_sizes),
+                   "placement": str(s.placement)} for s in spec.shards]
+    return {"sharding_type": ps.sharding_type, "compute_kernel": ps.compute_kernel,
+            "ranks": list(ps.ranks) if ps.ranks is not None else None,
+            "sharding_spec": {"shards": shards} if shards is not None else None}
+
+
+def _plan_json(plan):
+    if isinstance(plan, (str, bytes)):
+        return plan if isinstance(plan, str) else plan.decode()
+    if isinstance(plan, dict) and "plan" in plan and isinstance(plan["plan"], list):
+        return json.dumps(plan)  # emberctl plan --format=json's form
+    return json.dumps({name: _parameter_sharding(ps) for name, ps in dict(plan).items()})
+
+
 def _spec_json(spec):
     """A spec as JSON: a string as it is, a dict whose tables may be
     torchrec.EmbeddingBagConfig objects."""
@@ -183,10 +205,21 @@ class Client:
         self.address = address
 
     # Control plane.
-    def create_collection(self, spec, sharding_type=None):
+    def create_collection(self, spec, sharding_type=None, plan=None):
         """Plans and creates a collection; `spec` is a dict (or JSON) in the
         shape of `emberctl create --spec`, whose tables may also be
-        torchrec.EmbeddingBagConfig objects. Returns the collection info."""
+        torchrec.EmbeddingBagConfig objects. Returns the collection info.
+
+        `plan` replaces planning with a plan made elsewhere: a dict (or
+        JSON) in `emberctl plan --format=json`'s form or TorchRec's (table
+        name -> ParameterSharding, as dicts or as torchrec's own
+        ParameterSharding objects). It is checked against the live workers
+        as strictly as the planner's own output."""
+        if plan is not None:
+            if sharding_type:
+                raise InvalidArgument(3, "give a plan or a sharding type, not both")
+            return json.loads(self._c.create_collection_with_plan(_spec_json(spec),
+                                                                  _plan_json(plan)))
         return json.loads(self._c.create_collection(_spec_json(spec), sharding_type or ""))
 
     def collection(self, name):

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "planner/plan_format.h"
 #include "server/common/tls.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -142,6 +143,17 @@ PYBIND11_MODULE(_ember, m) {
              {
                py::gil_scoped_release release;
                info = c.CreateCollection(spec, sharding_type);
+             }
+             return ToJson(Value(std::move(info)));
+           })
+      .def("create_collection_with_plan",
+           [](Client& c, const std::string& spec_json, const std::string& plan_json) {
+             auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");
+             auto plan = Value(planner::ParsePlanJson(plan_json));
+             absl::StatusOr<ember::v1::CollectionInfo> info;
+             {
+               py::gil_scoped_release release;
+               info = c.CreateCollectionWithPlan(spec, plan);
              }
              return ToJson(Value(std::move(info)));
            })

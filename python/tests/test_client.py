@@ -1,6 +1,7 @@
 """The Python SDK against a real local cluster (ember.LocalCluster), checked
 against NumPy references computed from the exported tables."""
 
+import json
 import threading
 
 import numpy as np
@@ -237,6 +238,57 @@ def test_preview_plan_and_workers(client):
     plan = client.preview_plan(spec("pv"), world_size=4, sharding_type="row_wise")
     assert len(plan["tables"]) == 3
     assert len(client.list_workers()) == 2
+
+
+def test_create_with_a_torchrec_style_plan(client):
+    """A plan made elsewhere (TorchRec's ParameterSharding per table, as
+    dicts, or torchrec's own objects where torchrec is installed) is checked
+    and used: the collection's plan has its shards, lookups match NumPy on
+    the exported tables, and a plan that does not tile a table is refused."""
+    plan = {
+        "t_sum": {"sharding_type": "row_wise", "compute_kernel": "fused", "ranks": [1, 0],
+                  "sharding_spec": {"shards": [
+                      {"shard_offsets": [0, 0], "shard_sizes": [60, 8], "placement": "rank:1/cpu"},
+                      {"shard_offsets": [60, 0], "shard_sizes": [41, 8], "placement": "rank:0/cpu"}]}},
+        "t_mean": {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [1],
+                   "sharding_spec": {"shards": [
+                       {"shard_offsets": [0, 0], "shard_sizes": [57, 4], "placement": "rank:1/cpu"}]}},
+        "t_seq": {"sharding_type": "data_parallel", "compute_kernel": "dense", "ranks": [0, 1],
+                  "sharding_spec": None},
+    }
+    bad = json.loads(json.dumps(plan))
+    bad["t_sum"]["sharding_spec"]["shards"][1]["shard_offsets"] = [59, 0]
+    with pytest.raises(ember.InvalidArgument, match="covered by 2 shards"):
+        client.create_collection(spec("tr_bad"), plan=bad)
+    with pytest.raises(ember.InvalidArgument, match="not both"):
+        client.create_collection(spec("tr_both"), sharding_type="row_wise", plan=plan)
+    info = client.create_collection(spec("tr_plan"), plan=plan)
+    t_sum = next(t for t in info["plan"]["tables"] if t["table"] == "t_sum")
+    assert [s["rank"] for s in t_sum["shards"]] == [1, 0]
+    rng = np.random.default_rng(5)
+    bags = random_bags(rng, 101, 16)
+    out = client.lookup("tr_plan", ember.KeyedJaggedTensor.from_jagged({"f_sum": bags}))
+    table = client.export_table("tr_plan", "t_sum")
+    np.testing.assert_allclose(out.to_dict()["f_sum"], pooled_reference(table, bags), rtol=1e-5,
+                               atol=1e-6)
+    client.drop_collection("tr_plan")
+
+    try:
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+        from torchrec.distributed.types import ParameterSharding
+    except ImportError:
+        return
+    objects = {name: ParameterSharding(
+        sharding_type=p["sharding_type"], compute_kernel=p["compute_kernel"], ranks=p["ranks"],
+        sharding_spec=None if p["sharding_spec"] is None else EnumerableShardingSpec(
+            [ShardMetadata(shard_offsets=s["shard_offsets"], shard_sizes=s["shard_sizes"],
+                           placement=s["placement"]) for s in p["sharding_spec"]["shards"]]))
+        for name, p in plan.items()}
+    info = client.create_collection(spec("tr_objects"), plan=objects)
+    t_mean = next(t for t in info["plan"]["tables"] if t["table"] == "t_mean")
+    assert t_mean["shards"][0]["rank"] == 1
+    client.drop_collection("tr_objects")
 
 
 def test_local_cluster_stops_everything_when_the_block_raises():

@@ -516,7 +516,12 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext* ctx,
   if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
   absl::MutexLock create(&create_mu_);
   std::vector<std::string> ids;
-  auto info = PlanAndCreate(req->spec(), req->sharding_type(), &ids);
+  if (req->has_plan() && !req->sharding_type().empty()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        "give a plan or a sharding type, not both (the plan names each table's type)"));
+  }
+  auto info = PlanAndCreate(req->spec(), req->sharding_type(), &ids,
+                            req->has_plan() ? &req->plan() : nullptr);
   if (!info.ok()) return ToGrpc(info.status());
   if (absl::Status s = Register(*info, ids); !s.ok()) {
     const std::vector<std::string> addresses(info->worker_addresses().begin(),
@@ -532,7 +537,7 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext* ctx,
 
 absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     const ember::v1::CollectionSpec& requested, const std::string& sharding_type,
-    std::vector<std::string>* worker_ids) {
+    std::vector<std::string>* worker_ids, const ember::v1::ShardingPlan* explicit_plan) {
   ember::v1::CollectionSpec spec = requested;
   if (absl::Status s = CheckCollectionName(spec.name()); !s.ok()) return s;
   if (!sharding_type.empty()) {
@@ -550,7 +555,9 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     return absl::UnavailableError("no live workers: start some (emberctl worker / up)");
   }
   const absl::Time start = absl::Now();
-  auto plan = planner::Plan(spec, TopologyOf(workers));
+  auto plan = explicit_plan != nullptr
+                  ? planner::CheckPlan(spec, TopologyOf(workers), *explicit_plan)
+                  : planner::Plan(spec, TopologyOf(workers));
   if (!plan.ok()) return plan.status();
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
   auto next = NextEpoch();

@@ -148,12 +148,14 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                                      std::vector<Response>* responses = nullptr);
   absl::Status DropOnWorkers(const std::string& collection, int64_t epoch,
                              const std::vector<std::string>& addresses);
-  // Plans `spec` over the live workers and creates its shards on them (all
-  // or nothing); the collection is not registered. Needs create_mu_.
+  // Plans `spec` over the live workers (or, given `explicit_plan`, checks
+  // that plan against them) and creates its shards on them (all or
+  // nothing); the collection is not registered. Needs create_mu_.
   // *worker_ids: the id of the worker at each rank.
-  absl::StatusOr<ember::v1::CollectionInfo> PlanAndCreate(const ember::v1::CollectionSpec& spec,
-                                                          const std::string& sharding_type,
-                                                          std::vector<std::string>* worker_ids)
+  absl::StatusOr<ember::v1::CollectionInfo> PlanAndCreate(
+      const ember::v1::CollectionSpec& spec, const std::string& sharding_type,
+      std::vector<std::string>* worker_ids,
+      const ember::v1::ShardingPlan* explicit_plan = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   CoordinatorService(const CoordinatorOptions& options, std::unique_ptr<StateStore> store);
   void Load(const StateStore::State& state) ABSL_LOCKS_EXCLUDED(mu_);
