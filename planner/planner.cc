@@ -791,6 +791,8 @@ Topology ResolveTopology(const Topology& in, const CostModel& model) {
   return t;
 }
 
+namespace {
+
 // Fills a table's summary of its options (least cost, memory...).
 void Summarize(TableInfo* info) {
   info->min_total_cost = kInf;
@@ -997,15 +999,35 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->set_option_lower_bound_ms(bounds.tight);
 }
 
+// What Plan and CheckPlan start from: the inputs checked, the cost model
+// and the topology with its defaults filled in.
+struct Setup {
+  ComputeDevice device;
+  CostModel model;
+  Topology topo;
+
+  static absl::StatusOr<Setup> Of(const CollectionSpec& spec, const Topology& topology,
+                                  const PlannerOptions& options) {
+    if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
+    if (absl::Status s = ValidateTopology(topology); !s.ok()) return s;
+    Setup out;
+    out.device = topology.compute_device();
+    out.model = options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(out.device);
+    out.topo = ResolveTopology(topology, out.model);
+    return out;
+  }
+};
+
+}  // namespace
+
 absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
                                   const Topology& topology_in,
                                   const PlannerOptions& options) {
-  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
-  if (absl::Status s = ValidateTopology(topology_in); !s.ok()) return s;
-  const ComputeDevice device = topology_in.compute_device();
-  const CostModel model =
-      options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(device);
-  const Topology topo = ResolveTopology(topology_in, model);
+  auto setup = Setup::Of(spec, topology_in, options);
+  if (!setup.ok()) return setup.status();
+  const ComputeDevice device = setup->device;
+  const CostModel& model = setup->model;
+  const Topology& topo = setup->topo;
   const int w = topo.world_size();
   const int lw = topo.local_world_size();
 
@@ -1095,12 +1117,11 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
 
 absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec, const Topology& topology_in,
                                        const ShardingPlan& given, const PlannerOptions& options) {
-  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
-  if (absl::Status s = ValidateTopology(topology_in); !s.ok()) return s;
-  const ComputeDevice device = topology_in.compute_device();
-  const CostModel model =
-      options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(device);
-  const Topology topo = ResolveTopology(topology_in, model);
+  auto setup = Setup::Of(spec, topology_in, options);
+  if (!setup.ok()) return setup.status();
+  const ComputeDevice device = setup->device;
+  const CostModel& model = setup->model;
+  const Topology& topo = setup->topo;
   const int w = topo.world_size();
   const int lw = topo.local_world_size();
 

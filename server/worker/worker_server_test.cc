@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "proto/service.grpc.pb.h"
 #include "server/backend/cpu_backend.h"
+#include "server/backend/forwarding_backend.h"
 #include "server/coordinator/coordinator_service.h"
 
 namespace ember {
@@ -21,45 +22,16 @@ namespace worker {
 namespace {
 
 // A CPU backend whose Health() answers what the test says.
-class FlakyBackend : public backend::EmbeddingBackend {
+class FlakyBackend : public backend::ForwardingBackend {
  public:
   FlakyBackend(std::unique_ptr<backend::EmbeddingBackend> inner, std::atomic<bool>* lost)
-      : inner_(std::move(inner)), lost_(lost) {}
-  absl::StatusOr<backend::ShardId> CreateShard(const backend::ShardSpec& s) override {
-    return inner_->CreateShard(s);
-  }
-  absl::Status DropShard(backend::ShardId id) override { return inner_->DropShard(id); }
-  absl::StatusOr<backend::ShardSpec> GetShardSpec(backend::ShardId id) const override {
-    return inner_->GetShardSpec(id);
-  }
-  absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override {
-    return inner_->Lookup(r);
-  }
-  absl::Status ApplyGradients(absl::Span<const backend::GradientRequest> r) override {
-    return inner_->ApplyGradients(r);
-  }
-  absl::Status ExportRows(backend::ShardId id, int64_t b, int64_t e, absl::Span<float> w,
-                          absl::Span<float> s) const override {
-    return inner_->ExportRows(id, b, e, w, s);
-  }
-  absl::Status ImportRows(backend::ShardId id, int64_t b, int64_t e, absl::Span<const float> w,
-                          absl::Span<const float> s) override {
-    return inner_->ImportRows(id, b, e, w, s);
-  }
-  absl::StatusOr<int64_t> ExportStep(backend::ShardId id) const override {
-    return inner_->ExportStep(id);
-  }
-  absl::Status ImportStep(backend::ShardId id, int64_t step) override {
-    return inner_->ImportStep(id, step);
-  }
-  int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
-  std::string Name() const override { return "flaky/" + inner_->Name(); }
+      : ForwardingBackend(std::move(inner)), lost_(lost) {}
+  std::string Name() const override { return "flaky/" + inner()->Name(); }
   absl::Status Health() const override {
     return lost_->load() ? absl::UnavailableError("device lost (test)") : absl::OkStatus();
   }
 
  private:
-  std::unique_ptr<backend::EmbeddingBackend> inner_;
   std::atomic<bool>* lost_;
 };
 

@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
+#include "server/backend/forwarding_backend.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 
@@ -55,9 +56,12 @@ std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so) {
 // A CPU backend whose CreateShard of a table named "slow" waits until
 // Release() (as a large table's initialisation takes its time); Started()
 // waits for such a call to begin. Arm() sets the gate up again.
-class GatedBackend : public backend::EmbeddingBackend {
+class GatedBackend : public backend::ForwardingBackend {
  public:
-  explicit GatedBackend(std::unique_ptr<backend::EmbeddingBackend> b) : b_(std::move(b)) { Arm(); }
+  explicit GatedBackend(std::unique_ptr<backend::EmbeddingBackend> b)
+      : ForwardingBackend(std::move(b)) {
+    Arm();
+  }
   void Arm() {
     absl::MutexLock lock(&mu_);
     started_ = std::make_shared<absl::Notification>();
@@ -68,37 +72,14 @@ class GatedBackend : public backend::EmbeddingBackend {
 
   absl::StatusOr<backend::ShardId> CreateShard(const backend::ShardSpec& spec) override {
     if (spec.table == "slow") Hold();
-    return b_->CreateShard(spec);
-  }
-  absl::Status DropShard(backend::ShardId id) override { return b_->DropShard(id); }
-  absl::StatusOr<backend::ShardSpec> GetShardSpec(backend::ShardId id) const override {
-    return b_->GetShardSpec(id);
+    return ForwardingBackend::CreateShard(spec);
   }
   // Lookups wait at the gate too (while `gate_lookups`).
   std::atomic<bool> gate_lookups{false};
   absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override {
     if (gate_lookups) Hold();
-    return b_->Lookup(r);
+    return ForwardingBackend::Lookup(r);
   }
-  absl::Status ApplyGradients(absl::Span<const backend::GradientRequest> r) override {
-    return b_->ApplyGradients(r);
-  }
-  absl::Status ExportRows(backend::ShardId id, int64_t b, int64_t e, absl::Span<float> w,
-                          absl::Span<float> st) const override {
-    return b_->ExportRows(id, b, e, w, st);
-  }
-  absl::Status ImportRows(backend::ShardId id, int64_t b, int64_t e, absl::Span<const float> w,
-                          absl::Span<const float> st) override {
-    return b_->ImportRows(id, b, e, w, st);
-  }
-  absl::StatusOr<int64_t> ExportStep(backend::ShardId id) const override {
-    return b_->ExportStep(id);
-  }
-  absl::Status ImportStep(backend::ShardId id, int64_t step) override {
-    return b_->ImportStep(id, step);
-  }
-  int64_t AvailableBytes() const override { return b_->AvailableBytes(); }
-  std::string Name() const override { return "gated/" + b_->Name(); }
 
  private:
   // Says a gated call started, and waits for Release().
@@ -117,7 +98,6 @@ class GatedBackend : public backend::EmbeddingBackend {
     absl::MutexLock lock(&mu_);
     return {started_, release_};
   }
-  std::unique_ptr<backend::EmbeddingBackend> b_;
   absl::Mutex mu_;
   std::shared_ptr<absl::Notification> started_ ABSL_GUARDED_BY(mu_), release_ ABSL_GUARDED_BY(mu_);
 };
@@ -149,26 +129,42 @@ grpc::Status LookUp(WorkerService* s, const std::string& collection, const std::
   return s->Lookup(nullptr, &req, &resp);
 }
 
+// A worker service over a gated CPU backend (1 MiB), holding collection
+// "held" (table t, 8 rows) at epoch 1.
+struct GatedService {
+  explicit GatedService(WorkerServiceOptions so = WorkerServiceOptions()) {
+    backend::CpuBackendOptions o;
+    o.memory_limit_bytes = 1 << 20;
+    auto cpu = backend::CreateCpuBackend(o);
+    if (!cpu.ok()) return;
+    auto owned = std::make_unique<GatedBackend>(std::move(*cpu));
+    gated = owned.get();
+    empty_bytes = gated->AvailableBytes();
+    service = std::make_unique<WorkerService>(std::move(owned), so);
+    ember::v1::CreateShardsRequest held;
+    held.set_collection("held");
+    held.set_epoch(1);
+    *held.add_shards() = Assignment("t", 8);
+    ember::v1::CreateShardsResponse cr;
+    ok = service->CreateShards(nullptr, &held, &cr).ok();
+  }
+  bool ok = false;
+  GatedBackend* gated = nullptr;
+  int64_t empty_bytes = 0;  // available before any shard
+  std::unique_ptr<WorkerService> service;
+};
+
 // Shards are allocated and initialised outside the worker's lock: while one
 // is being made, the collections held serve lookups, a second create of the
 // same collection is refused (ABORTED) instead of waiting, and an update
 // whose collection is dropped meanwhile gives its new shards back.
 TEST(WorkerServiceTest, MakingShardsDoesNotStallTheCollectionsHeld) {
-  backend::CpuBackendOptions o;
-  o.memory_limit_bytes = 1 << 20;
-  auto cpu = backend::CreateCpuBackend(o);
-  ASSERT_TRUE(cpu.ok());
-  auto gated_owned = std::make_unique<GatedBackend>(std::move(*cpu));
-  GatedBackend* gated = gated_owned.get();
-  WorkerService s(std::move(gated_owned), WorkerServiceOptions());
-  const int64_t empty = gated->AvailableBytes();
-
-  ember::v1::CreateShardsRequest held;
-  held.set_collection("held");
-  held.set_epoch(1);
-  *held.add_shards() = Assignment("t", 8);
+  GatedService g;
+  ASSERT_TRUE(g.ok);
+  WorkerService& s = *g.service;
+  GatedBackend* gated = g.gated;
+  const int64_t empty = g.empty_bytes;
   ember::v1::CreateShardsResponse cr;
-  ASSERT_TRUE(s.CreateShards(nullptr, &held, &cr).ok());
 
   ember::v1::CreateShardsRequest big;
   big.set_collection("big");
@@ -217,21 +213,12 @@ TEST(WorkerServiceTest, MakingShardsDoesNotStallTheCollectionsHeld) {
 // RESOURCE_EXHAUSTED) instead of queueing, counted, and served again once
 // the calls in progress finish.
 TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {
-  backend::CpuBackendOptions o;
-  o.memory_limit_bytes = 1 << 20;
-  auto cpu = backend::CreateCpuBackend(o);
-  ASSERT_TRUE(cpu.ok());
-  auto gated_owned = std::make_unique<GatedBackend>(std::move(*cpu));
-  GatedBackend* gated = gated_owned.get();
   WorkerServiceOptions so;
   so.max_queued_calls = 2;
-  WorkerService s(std::move(gated_owned), so);
-  ember::v1::CreateShardsRequest held;
-  held.set_collection("held");
-  held.set_epoch(1);
-  *held.add_shards() = Assignment("t", 8);
-  ember::v1::CreateShardsResponse cr;
-  ASSERT_TRUE(s.CreateShards(nullptr, &held, &cr).ok());
+  GatedService g(so);
+  ASSERT_TRUE(g.ok);
+  WorkerService& s = *g.service;
+  GatedBackend* gated = g.gated;
 
   gated->gate_lookups = true;
   std::vector<std::thread> in_progress;

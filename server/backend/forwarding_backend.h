@@ -1,0 +1,56 @@
+// A backend that forwards every call to another one: tests derive from it
+// and override what they change (a gate, an injected failure).
+#ifndef EMBER_SERVER_BACKEND_FORWARDING_BACKEND_H_
+#define EMBER_SERVER_BACKEND_FORWARDING_BACKEND_H_
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+
+class ForwardingBackend : public EmbeddingBackend {
+ public:
+  explicit ForwardingBackend(std::unique_ptr<EmbeddingBackend> inner) : inner_(std::move(inner)) {}
+
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    return inner_->CreateShard(spec);
+  }
+  absl::Status DropShard(ShardId id) override { return inner_->DropShard(id); }
+  absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
+    return inner_->GetShardSpec(id);
+  }
+  absl::Status Lookup(absl::Span<const LookupRequest> r) override { return inner_->Lookup(r); }
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> r) override {
+    return inner_->ApplyGradients(r);
+  }
+  absl::Status ExportRows(ShardId id, int64_t begin, int64_t end, absl::Span<float> weights,
+                          absl::Span<float> state) const override {
+    return inner_->ExportRows(id, begin, end, weights, state);
+  }
+  absl::Status ImportRows(ShardId id, int64_t begin, int64_t end, absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    return inner_->ImportRows(id, begin, end, weights, state);
+  }
+  absl::StatusOr<int64_t> ExportStep(ShardId id) const override { return inner_->ExportStep(id); }
+  absl::Status ImportStep(ShardId id, int64_t step) override {
+    return inner_->ImportStep(id, step);
+  }
+  int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
+  std::string Name() const override { return inner_->Name(); }
+  absl::Status Health() const override { return inner_->Health(); }
+
+ protected:
+  EmbeddingBackend* inner() const { return inner_.get(); }
+
+ private:
+  std::unique_ptr<EmbeddingBackend> inner_;
+};
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_FORWARDING_BACKEND_H_
