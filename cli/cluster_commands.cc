@@ -25,6 +25,8 @@
 #include "client/client.h"
 #include "cuda/device_query.h"
 #include "gflags/gflags.h"
+#include "cli/calibrate.h"
+#include "planner/cost_model_io.h"
 #include "planner/plan_format.h"
 #include "server/common/auth.h"
 #include "server/common/metrics.h"
@@ -98,6 +100,11 @@ DEFINE_string(forget_workers_after, "10m",
 DEFINE_string(plan, "",
               "create: a plan to use instead of planning: JSON in emberctl plan's form or "
               "TorchRec's (a ParameterSharding per table); checked against the live workers.");
+DEFINE_string(cost_model, "",
+              "Coordinator, up, plan: the planner's cost model, a JSON file (emberctl calibrate "
+              "writes one); empty: the device's defaults.");
+DEFINE_int64(calibrate_rows, 1000000, "calibrate: rows of the scratch table on each worker.");
+DEFINE_int32(calibrate_reps, 9, "calibrate: timed calls per shape (the median counts).");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
 DEFINE_string(input, "", "KJT JSON file: {keys, lengths, values, weights?}.");
@@ -257,6 +264,11 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
     (void)absl::ParseDuration(FLAGS_checkpoint_every, &o.checkpoint_every);  // checked before
   }
   o.state_dir = FLAGS_state_dir;
+  if (!FLAGS_cost_model.empty()) {
+    auto model = planner::LoadCostModel(FLAGS_cost_model, &o.cost_model_device);
+    if (!model.ok()) return model.status();
+    o.cost_model = *model;
+  }
   auto tokens = ServerTokens();
   if (!tokens.ok()) return tokens.status();
   o.auth = *std::move(tokens);
@@ -521,6 +533,36 @@ int RunUp(const std::string& self_path) {
   stop_children();
   c->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   std::cout << "up: stopped" << std::endl;
+  return 0;
+}
+
+int RunCalibrate() {
+  if (FLAGS_output.empty()) return Usage("calibrate needs --output=FILE (the cost model it writes)");
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("calibrate", cl.status());
+  CalibrateOptions o;
+  o.rows = FLAGS_calibrate_rows;
+  o.reps = FLAGS_calibrate_reps;
+  auto cal = Calibrate(cl->get(), o, &std::cout);
+  if (!cal.ok()) return Fail("calibrate", cal.status());
+  std::cout << "batch x pooling | measured ms (median over workers) | fit ms\n";
+  for (const auto& row : cal->lookups) {
+    std::cout << absl::StrFormat("%6d x %-4d    | %10.3f | %10.3f\n", row.batch,
+                                 row.pooling_factor, row.measured_ms, row.predicted_ms);
+  }
+  std::cout << absl::StrFormat(
+                   "fit: %.4f ms per call + %.3f GB/s gathered + %.3f GB/s on the wire "
+                   "(r2 %.3f); backward multiplier %.2f\n",
+                   cal->fit.overhead_ms,
+                   cal->fit.ms_per_gathered_byte > 0 ? 1e-6 / cal->fit.ms_per_gathered_byte : 0.0,
+                   cal->fit.ms_per_wire_byte > 0 ? 1e-6 / cal->fit.ms_per_wire_byte : 0.0,
+                   cal->fit.r2, cal->bwd_compute_multiplier);
+  if (absl::Status s = WriteFile(FLAGS_output, planner::CostModelToJson(cal->model, cal->device));
+      !s.ok()) {
+    return Fail("calibrate", s);
+  }
+  std::cout << "wrote " << FLAGS_output << " (use: --cost_model=" << FLAGS_output
+            << " on the coordinator and emberctl plan)" << std::endl;
   return 0;
 }
 

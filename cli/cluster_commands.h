@@ -1,6 +1,6 @@
 // emberctl's cluster commands: servers (coordinator, worker, up) and client
 // calls against a running deployment (create, live plan, status, lookup,
-// apply-gradients, export, checkpoint, checkpoints, restore). Each returns the process exit status.
+// apply-gradients, export, checkpoint, checkpoints, restore, drain, calibrate). Each returns the process exit status.
 #ifndef EMBER_CLI_CLUSTER_COMMANDS_H_
 #define EMBER_CLI_CLUSTER_COMMANDS_H_
 
@@ -26,6 +26,7 @@ int RunCheckpoint();
 int RunCheckpoints();
 int RunRestore();
 int RunDrain();
+int RunCalibrate();
 
 }  // namespace cli
 }  // namespace ember

@@ -20,6 +20,7 @@
 //   emberctl restore --coordinator=ADDR --from=PATH [--collection=NEW_NAME]
 //       [--sharding_type=TYPE]
 //   emberctl drain --coordinator=ADDR --worker=ID
+//   emberctl calibrate --coordinator=ADDR --output=FILE [--calibrate_rows=N]
 //
 // Exit status: 0 success, 1 the request failed (bad spec, infeasible plan),
 // 2 bad usage.
@@ -36,6 +37,7 @@
 #include "cli/exit_status.h"
 #include "cli/spec_io.h"
 #include "gflags/gflags.h"
+#include "planner/cost_model_io.h"
 #include "planner/plan_format.h"
 #include "planner/planner.h"
 #include "planner/sharding_types.h"
@@ -53,6 +55,7 @@ DEFINE_int32(batch_size, 0, "Per-trainer batch size (0: 512).");
 DEFINE_int32(num_trainers, 0, "Trainers issuing batches concurrently (0: world_size).");
 DEFINE_string(format, "table", "Output format: table or json.");
 DECLARE_string(coordinator);
+DECLARE_string(cost_model);
 
 namespace {
 
@@ -102,8 +105,20 @@ int RunPlan() {
       return Usage(std::string(s.message()));
     }
   }
+  ember::planner::PlannerOptions options;
+  if (!FLAGS_cost_model.empty()) {
+    ember::v1::ComputeDevice device;
+    auto model = ember::planner::LoadCostModel(FLAGS_cost_model, &device);
+    if (!model.ok()) return Fail("plan", model.status());
+    if (device != topology.compute_device()) {
+      return Usage("--cost_model=" + FLAGS_cost_model + " is for " +
+                   (device == ember::v1::CUDA ? "cuda" : "cpu") + " workers; --compute_device=" +
+                   FLAGS_compute_device);
+    }
+    options.cost_model = *model;
+  }
   const absl::Time start = absl::Now();
-  auto plan = ember::planner::Plan(*spec, topology);
+  auto plan = ember::planner::Plan(*spec, topology, options);
   if (!plan.ok()) return Fail("plan", plan.status());
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
   if (FLAGS_format == "json") {
@@ -125,7 +140,7 @@ int main(int argc, char** argv) {
       "  emberctl plan --spec=FILE --world_size=N [--local_world_size=N]\n"
       "      [--sharding_type=TYPE] [--compute_device=cuda|cpu]\n"
       "      [--hbm_cap_gib=X] [--ddr_cap_gib=X] [--batch_size=N]\n"
-      "      [--num_trainers=N] [--format=table|json]\n"
+      "      [--num_trainers=N] [--format=table|json] [--cost_model=FILE]\n"
       "  emberctl up --workers=N [--port=P] [--device=cpu|cuda] [--threads=N]\n"
       "      [--checkpoint_dir=ROOT [--checkpoint_every=DURATION]] [--state_dir=DIR]\n"
       "      [--skip_nonfinite] [--restart_workers=true|false]\n"
@@ -145,6 +160,7 @@ int main(int argc, char** argv) {
       "  emberctl restore --coordinator=ADDR --from=CHECKPOINT_OR_ROOT [--collection=NEW_NAME]\n"
       "      [--sharding_type=TYPE]\n"
       "  emberctl drain --coordinator=ADDR --worker=ID\n"
+      "  emberctl calibrate --coordinator=ADDR --output=FILE [--calibrate_rows=N]\n"
       "Run 'emberctl --helpshort' for every flag.");
   ember::cli::BlockTerminationSignals();  // before any thread exists
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
@@ -165,6 +181,7 @@ int main(int argc, char** argv) {
   if (command == "checkpoints") return ec::RunCheckpoints();
   if (command == "restore") return ec::RunRestore();
   if (command == "drain") return ec::RunDrain();
+  if (command == "calibrate") return ec::RunCalibrate();
   if (command == "help") {
     std::cout << gflags::ProgramUsage() << std::endl;
     return 0;

@@ -59,6 +59,9 @@ CostModel DefaultCostModel(ember::v1::ComputeDevice device) {
     m.pcie_bw_gbps = 0;
     m.network_bw_gbps = 12.5;
     m.lookup_efficiency = 0.5;
+    // The CPU backend serves data_parallel replicas with the same fused
+    // kernels as every other shard (TorchRec's 0.5 is for GPU `dense`).
+    m.dense_kernel_factor = 1.0;
     m.bwd_compute_multiplier = 2.0;
     m.access_granularity_bytes = 64;
     m.narrow_row_penalty = false;

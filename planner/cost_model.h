@@ -78,7 +78,10 @@ struct CostModel {
 //    backward multiplier.
 //  CPU: a server socket's DDR4/DDR5 (~100 GB/s STREAM, 0.5 efficiency for
 //    random row gathers), a 100 Gb/s NIC (12.5 GB/s), 128 GiB per worker, no
-//    HBM; row reads in 64-byte cache lines and no GPU block penalty.
+//    HBM; row reads in 64-byte cache lines and no GPU block penalty; one
+//    kernel for every layout (dense_kernel_factor 1). `emberctl calibrate`
+//    measures the bandwidths, overhead and backward multiplier of a real
+//    deployment (planner/cost_model_io.h).
 CostModel DefaultCostModel(ember::v1::ComputeDevice device);
 
 // What one table asks of the service per training step, summed over its

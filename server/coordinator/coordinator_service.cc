@@ -535,6 +535,21 @@ grpc::Status CoordinatorService::CreateCollection(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+absl::StatusOr<planner::PlannerOptions> CoordinatorService::PlannerOptionsFor(
+    const ember::v1::Topology& topology) const {
+  planner::PlannerOptions o;
+  if (!options_.cost_model.has_value()) return o;
+  if (topology.compute_device() != options_.cost_model_device) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator's --cost_model is for ",
+        ember::v1::ComputeDevice_Name(options_.cost_model_device), " workers; these are ",
+        ember::v1::ComputeDevice_Name(topology.compute_device()),
+        " (calibrate on them: emberctl calibrate)"));
+  }
+  o.cost_model = options_.cost_model;
+  return o;
+}
+
 absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     const ember::v1::CollectionSpec& requested, const std::string& sharding_type,
     std::vector<std::string>* worker_ids, const ember::v1::ShardingPlan* explicit_plan) {
@@ -555,9 +570,12 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     return absl::UnavailableError("no live workers: start some (emberctl worker / up)");
   }
   const absl::Time start = absl::Now();
+  const ember::v1::Topology topology = TopologyOf(workers);
+  auto planner_options = PlannerOptionsFor(topology);
+  if (!planner_options.ok()) return planner_options.status();
   auto plan = explicit_plan != nullptr
-                  ? planner::CheckPlan(spec, TopologyOf(workers), *explicit_plan)
-                  : planner::Plan(spec, TopologyOf(workers));
+                  ? planner::CheckPlan(spec, topology, *explicit_plan, *planner_options)
+                  : planner::Plan(spec, topology, *planner_options);
   if (!plan.ok()) return plan.status();
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
   auto next = NextEpoch();
@@ -653,7 +671,9 @@ grpc::Status CoordinatorService::PreviewPlan(grpc::ServerContext* ctx,
     topology = TopologyOf(workers);
   }
   const absl::Time start = absl::Now();
-  auto plan = planner::Plan(spec, topology);
+  auto planner_options = PlannerOptionsFor(topology);
+  if (!planner_options.ok()) return ToGrpc(planner_options.status());
+  auto plan = planner::Plan(spec, topology, *planner_options);
   if (!plan.ok()) return ToGrpc(plan.status());
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
   *resp->mutable_plan() = *plan;

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <atomic>
 #include <map>
+#include <optional>
 #include <set>
 #include <memory>
 #include <string>
@@ -43,6 +44,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "planner/cost_model.h"
+#include "planner/planner.h"
 #include "proto/service.grpc.pb.h"
 #include "server/common/auth.h"
 #include "server/coordinator/state_store.h"
@@ -75,6 +78,11 @@ struct CoordinatorOptions {
   // catalogue) is kept in a LevelDB store here, written before each answer
   // that changes it, and reloaded by a restarted coordinator.
   std::string state_dir;
+  // Set: the planner's cost model (--cost_model=FILE, e.g. from emberctl
+  // calibrate) for workers of `cost_model_device`; plans for workers of
+  // another device are refused. Unset: the device's defaults.
+  std::optional<planner::CostModel> cost_model;
+  ember::v1::ComputeDevice cost_model_device = ember::v1::CPU;
 };
 
 class CoordinatorService final : public ember::v1::Coordinator::Service {
@@ -152,6 +160,9 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // that plan against them) and creates its shards on them (all or
   // nothing); the collection is not registered. Needs create_mu_.
   // *worker_ids: the id of the worker at each rank.
+  // The planner's options for a topology: the configured cost model, or
+  // FAILED_PRECONDITION when it is for another device.
+  absl::StatusOr<planner::PlannerOptions> PlannerOptionsFor(const ember::v1::Topology& t) const;
   absl::StatusOr<ember::v1::CollectionInfo> PlanAndCreate(
       const ember::v1::CollectionSpec& spec, const std::string& sharding_type,
       std::vector<std::string>* worker_ids,

@@ -1,0 +1,59 @@
+// emberctl calibrate: measures, on the live workers of a deployment, the
+// constants the planner's cost model needs, and fits them
+// (planner/cost_model_io.h).
+//
+// It creates a scratch collection with one table per worker (table-wise,
+// placed by an explicit plan, so each table's calls reach exactly one
+// worker), times lookups whose ids and output sizes vary independently
+// (tiny calls for the fixed cost, many ids with few bags for the gather,
+// many bags with one id each for the output and the wire), then gradient
+// updates, and drops the collection. The fit: ms per call = overhead +
+// gathered bytes x (1 / memory bandwidth) + wire bytes x (1 / network
+// bandwidth); the backward multiplier from the updates against the same
+// fit. What the client does per call (building requests, copying outputs)
+// is in the wire term, as it is in a training step.
+#ifndef EMBER_CLI_CALIBRATE_H_
+#define EMBER_CLI_CALIBRATE_H_
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+#include "planner/cost_model.h"
+#include "planner/cost_model_io.h"
+
+namespace ember {
+namespace cli {
+
+struct CalibrateOptions {
+  int64_t rows = 1000000;  // rows of each worker's table (dim 64, fp32, SGD)
+  int reps = 9;            // timed calls per configuration (the median counts)
+};
+
+struct Calibration {
+  ember::v1::ComputeDevice device = ember::v1::CPU;
+  int workers = 0;
+  planner::CallFit fit;
+  double bwd_compute_multiplier = 0;
+  planner::CostModel model;
+  // Per lookup shape: the median time over the workers and what the fit
+  // predicts.
+  struct Row {
+    int64_t batch = 0, pooling_factor = 0;
+    double measured_ms = 0, predicted_ms = 0;
+  };
+  std::vector<Row> lookups;
+};
+
+// Progress lines go to `log`. The scratch collection is dropped whatever
+// happens. FAILED_PRECONDITION when there are no live workers or they mix
+// devices.
+absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOptions& options,
+                                      std::ostream* log);
+
+}  // namespace cli
+}  // namespace ember
+
+#endif  // EMBER_CLI_CALIBRATE_H_

@@ -1,0 +1,116 @@
+// Cost model files (round trip, refusals) and the least-squares fit of
+// timed calls (recovers constants it was generated from; keeps every term
+// >= 0 under noise; refuses samples that cannot tell the terms apart).
+#include "planner/cost_model_io.h"
+
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace planner {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(CostModelIoTest, RoundTripsEveryField) {
+  CostModel m = DefaultCostModel(ember::v1::CPU);
+  m.ddr_bw_gbps = 7.25;
+  m.network_bw_gbps = 1.5;
+  m.per_shard_overhead_ms = 0.125;
+  m.bwd_compute_multiplier = 3;
+  m.lookup_efficiency = 1;
+  ember::v1::ComputeDevice device = ember::v1::CUDA;
+  auto back = CostModelFromJson(CostModelToJson(m, ember::v1::CPU), &device);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(device, ember::v1::CPU);
+  EXPECT_EQ(back->ddr_bw_gbps, 7.25);
+  EXPECT_EQ(back->network_bw_gbps, 1.5);
+  EXPECT_EQ(back->per_shard_overhead_ms, 0.125);
+  EXPECT_EQ(back->bwd_compute_multiplier, 3);
+  EXPECT_EQ(back->ddr_cap_bytes, m.ddr_cap_bytes);
+  EXPECT_EQ(back->access_granularity_bytes, 64);
+  EXPECT_FALSE(back->narrow_row_penalty);
+  // Fields left out keep the device's defaults.
+  auto partial = CostModelFromJson(R"({"device": "cuda", "network_bw_gbps": 3})");
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  EXPECT_EQ(partial->network_bw_gbps, 3);
+  EXPECT_EQ(partial->hbm_bw_gbps, DefaultCostModel(ember::v1::CUDA).hbm_bw_gbps);
+}
+
+TEST(CostModelIoTest, RefusesWhatWouldMisleadThePlanner) {
+  auto bad = [](const std::string& json, const std::string& why) {
+    auto m = CostModelFromJson(json);
+    ASSERT_FALSE(m.ok()) << json;
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(m.status().message()), HasSubstr(why)) << m.status();
+  };
+  bad("[]", "not a JSON object");
+  bad(R"({"ddr_bw_gbps": 5})", "\"device\" must be");
+  bad(R"({"device": "tpu"})", "\"device\" must be");
+  bad(R"({"device": "cpu", "ddr_bw_gbsp": 5})", "unknown field 'ddr_bw_gbsp'");
+  bad(R"({"device": "cpu", "network_bw_gbps": 0})", "'network_bw_gbps' = 0 is out of range");
+  bad(R"({"device": "cpu", "lookup_efficiency": 1.5})", "<= 1");
+  bad(R"({"device": "cpu", "id_bytes": 7.5})", "an integer");
+  bad(R"({"device": "cpu", "ddr_bw_gbps": "fast"})", "must be a number");
+  bad(R"({"device": "cpu", "ddr_bw_gbps": 0})", "CPU workers need ddr_bw_gbps > 0");
+  EXPECT_EQ(LoadCostModel("/nonexistent/model.json").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CostModelIoTest, FitRecoversTheConstantsOfItsSamples) {
+  // 0.2 ms per call, 2 GB/s gathered (5e-7 ms/B), 0.5 GB/s on the wire.
+  const double c0 = 0.2, g = 5e-7, w = 2e-6;
+  std::vector<CallSample> samples;
+  for (double ids : {1.0, 1e3, 1e4, 1e5}) {
+    for (double out : {256.0, 1e5, 1e6, 4e6}) {
+      CallSample s;
+      s.gathered_bytes = ids * 256 + out;
+      s.wire_bytes = ids * 8 + out;
+      s.ms = c0 + g * s.gathered_bytes + w * s.wire_bytes;
+      samples.push_back(s);
+    }
+  }
+  auto fit = FitCalls(samples);
+  ASSERT_TRUE(fit.ok()) << fit.status();
+  EXPECT_NEAR(fit->overhead_ms, c0, 1e-9);
+  EXPECT_NEAR(fit->ms_per_gathered_byte, g, 1e-15);
+  EXPECT_NEAR(fit->ms_per_wire_byte, w, 1e-15);
+  EXPECT_NEAR(fit->r2, 1.0, 1e-12);
+  const CostModel m = Calibrated(DefaultCostModel(ember::v1::CPU), ember::v1::CPU, *fit, 2.5);
+  EXPECT_NEAR(m.ddr_bw_gbps, 2.0, 1e-9);
+  EXPECT_NEAR(m.network_bw_gbps, 0.5, 1e-9);
+  EXPECT_EQ(m.lookup_efficiency, 1.0);
+  EXPECT_NEAR(m.per_shard_overhead_ms, c0, 1e-9);
+  EXPECT_EQ(m.bwd_compute_multiplier, 2.5);
+
+  // With noise (10%) the terms stay >= 0 and near.
+  std::mt19937 rng(3);
+  std::normal_distribution<double> noise(1.0, 0.1);
+  for (CallSample& s : samples) s.ms *= noise(rng);
+  auto noisy = FitCalls(samples);
+  ASSERT_TRUE(noisy.ok());
+  EXPECT_GE(noisy->overhead_ms, 0);
+  EXPECT_NEAR(noisy->ms_per_wire_byte, w, 0.3 * w);
+  EXPECT_GT(noisy->r2, 0.8);
+}
+
+TEST(CostModelIoTest, FitRefusesSamplesThatCannotTellTheTermsApart) {
+  EXPECT_EQ(FitCalls({}).status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<CallSample> same_ratio;
+  for (double b : {1e3, 1e4, 1e5, 1e6}) same_ratio.push_back({b, b, 1 + b * 1e-6});
+  // Gathered and wire bytes equal throughout: one byte term can explain
+  // them; the fit keeps one and says how well it fits.
+  auto fit = FitCalls(same_ratio);
+  if (fit.ok()) {
+    EXPECT_EQ(fit->ms_per_gathered_byte == 0 || fit->ms_per_wire_byte == 0, true);
+  } else {
+    EXPECT_EQ(fit.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(FitCalls({{0, 0, 1}, {0, 0, 2}, {0, 0, 3}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace ember

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# emberctl calibrate end to end: on a local 2-worker cluster it writes a
+# cost model that loads, whose constants are positive and finite, and leaves
+# no scratch collection behind; emberctl plan and a coordinator take it with
+# --cost_model and refuse one made for another device; a malformed model
+# file keeps the coordinator from starting.
+#   calibrate_test.sh EMBERCTL SPEC
+set -euo pipefail
+emberctl="$1"
+spec="$2"
+work="$(mktemp -d "${TEST_TMPDIR:-/tmp}/calibrate.XXXXXX")"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do
+    kill -TERM "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# Starts `emberctl up` with the given flags; prints its coordinator address.
+up() {
+  local out="$work/up$#.$RANDOM"
+  "$emberctl" up --workers=2 "$@" >"$out.out" 2>"$out.err" &
+  pids+=($!)
+  for _ in $(seq 1 600); do
+    grep -q '^ready:' "$out.out" && break
+    kill -0 "${pids[-1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  grep -q '^ready:' "$out.out" || { cat "$out.err" >&2; return 1; }
+  awk '$1 == "coordinator:" {print $2}' "$out.out"
+}
+
+coordinator=$(up) || fail "the cluster did not come up"
+"$emberctl" calibrate --coordinator="$coordinator" --output="$work/model.json" \
+  --calibrate_rows=20000 --calibrate_reps=3 | tee "$work/calibrate.out"
+grep -q '^fit: ' "$work/calibrate.out" || fail "no fit printed"
+python3 - "$work/model.json" <<'EOF' || fail "the model file is not what calibrate should write"
+import json, math, sys
+m = json.load(open(sys.argv[1]))
+assert m["device"] == "cpu", m
+for k in ("ddr_bw_gbps", "network_bw_gbps", "bwd_compute_multiplier"):
+    assert math.isfinite(m[k]) and m[k] > 0, (k, m[k])
+assert m["per_shard_overhead_ms"] >= 0 and m["lookup_efficiency"] == 1, m
+EOF
+# The scratch collection is gone.
+"$emberctl" status --coordinator="$coordinator" >"$work/status.out"
+if grep -q "_calibrate_" "$work/status.out" || grep -qE "[1-9][0-9]* shard\(s\)" "$work/status.out"; then
+  cat "$work/status.out" >&2
+  fail "calibrate left its scratch collection"
+fi
+
+# emberctl plan takes the model for CPU workers and refuses it for CUDA.
+"$emberctl" plan --spec="$spec" --world_size=2 --compute_device=cpu \
+  --cost_model="$work/model.json" >"$work/plan.out" || fail "plan --cost_model failed"
+grep -q "planned 4 table(s) on 2 worker(s)" "$work/plan.out" || fail "no plan"
+if "$emberctl" plan --spec="$spec" --world_size=2 --compute_device=cuda \
+     --cost_model="$work/model.json" 2>"$work/plan.err"; then
+  fail "a CPU model planned CUDA workers"
+fi
+grep -q "is for cpu workers" "$work/plan.err" || fail "unclear refusal: $(cat "$work/plan.err")"
+
+# A coordinator with the model plans with it; one with a CUDA model
+# refuses to plan for these CPU workers.
+with_model=$(up --cost_model="$work/model.json") || fail "up --cost_model did not come up"
+"$emberctl" create --coordinator="$with_model" --spec="$spec" >/dev/null ||
+  fail "create with a calibrated coordinator failed"
+printf '{"device": "cuda", "network_bw_gbps": 10}\n' >"$work/cuda.json"
+cuda_model=$(up --cost_model="$work/cuda.json") || fail "up with a CUDA model did not come up"
+if "$emberctl" create --coordinator="$cuda_model" --spec="$spec" 2>"$work/create.err"; then
+  fail "a CUDA model planned CPU workers"
+fi
+grep -q "FAILED_PRECONDITION.*is for CUDA workers" "$work/create.err" ||
+  fail "unclear refusal: $(cat "$work/create.err")"
+
+# A malformed model keeps the coordinator from starting.
+printf '{"device": "cpu", "ddr_bw_gbsp": 5}\n' >"$work/typo.json"
+if "$emberctl" coordinator --listen=127.0.0.1:0 --cost_model="$work/typo.json" \
+     >"$work/coord.out" 2>"$work/coord.err"; then
+  fail "the coordinator started with a malformed cost model"
+fi
+grep -q "unknown field 'ddr_bw_gbsp'" "$work/coord.err" ||
+  fail "unclear refusal: $(cat "$work/coord.err")"
+echo "PASSED"
