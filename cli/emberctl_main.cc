@@ -37,6 +37,7 @@
 #include "cli/exit_status.h"
 #include "cli/spec_io.h"
 #include "gflags/gflags.h"
+#include "cli/json_io.h"
 #include "planner/cost_model_io.h"
 #include "planner/plan_format.h"
 #include "planner/planner.h"
@@ -56,6 +57,7 @@ DEFINE_int32(num_trainers, 0, "Trainers issuing batches concurrently (0: world_s
 DEFINE_string(format, "table", "Output format: table or json.");
 DECLARE_string(coordinator);
 DECLARE_string(cost_model);
+DECLARE_string(plan);
 
 namespace {
 
@@ -118,14 +120,24 @@ int RunPlan() {
     options.cost_model = *model;
   }
   const absl::Time start = absl::Now();
-  auto plan = ember::planner::Plan(*spec, topology, options);
+  absl::StatusOr<ember::v1::ShardingPlan> plan;
+  if (!FLAGS_plan.empty()) {  // check and score a plan made elsewhere
+    if (!FLAGS_sharding_type.empty()) return Usage("plan takes --plan or --sharding_type, not both");
+    auto text = ember::cli::ReadFile(FLAGS_plan);
+    if (!text.ok()) return Fail("plan", text.status());
+    auto given = ember::planner::ParsePlanJson(*text);
+    if (!given.ok()) return Fail("plan", given.status());
+    plan = ember::planner::CheckPlan(*spec, topology, *given, options);
+  } else {
+    plan = ember::planner::Plan(*spec, topology, options);
+  }
   if (!plan.ok()) return Fail("plan", plan.status());
   plan->mutable_stats()->set_planning_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
   if (FLAGS_format == "json") {
     std::cout << ember::planner::FormatPlanJson(*plan) << std::endl;
   } else {
     std::cout << ember::planner::FormatPlanTable(*plan);
-    std::cout << "planned " << plan->tables_size() << " table(s) on "
+    std::cout << (FLAGS_plan.empty() ? "planned " : "checked ") << plan->tables_size() << " table(s) on "
               << plan->topology().world_size() << " worker(s) in "
               << absl::StrCat(plan->stats().planning_ms()) << " ms" << std::endl;
   }
@@ -141,6 +153,7 @@ int main(int argc, char** argv) {
       "      [--sharding_type=TYPE] [--compute_device=cuda|cpu]\n"
       "      [--hbm_cap_gib=X] [--ddr_cap_gib=X] [--batch_size=N]\n"
       "      [--num_trainers=N] [--format=table|json] [--cost_model=FILE]\n"
+      "      [--plan=FILE: check and score a plan made elsewhere instead]\n"
       "  emberctl up --workers=N [--port=P] [--device=cpu|cuda] [--threads=N]\n"
       "      [--checkpoint_dir=ROOT [--checkpoint_every=DURATION]] [--state_dir=DIR]\n"
       "      [--skip_nonfinite] [--restart_workers=true|false]\n"

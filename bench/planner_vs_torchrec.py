@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""Ember's planner against TorchRec's, on the same random collections.
+
+A benchmark, not a test (torchrec from the SDK's .venv). Two parts:
+
+  planning   for each (tables, ranks): TorchRec's EmbeddingShardingPlanner
+             and `emberctl plan` on the same tables and pooling factors (H100
+             topology, batch 512 per rank): planning time of each, and both
+             plans scored by Ember's cost model (`emberctl plan --plan=FILE`
+             checks and scores TorchRec's plan as it would any other).
+  measured   for a few collections on a local CPU cluster (`emberctl up
+             --workers=2`): TorchRec's CPU plan and Ember's plan, each created
+             on Ember (TorchRec's through `create_collection(plan=...)` with
+             torchrec's own ParameterSharding objects) and trained (lookup +
+             update per step, interleaved rounds): steps/s of each and the
+             ratio (> 1: Ember's plan faster). Ember plans these with the
+             model `emberctl calibrate` fits on the same cluster first.
+
+    .venv/bin/python bench/planner_vs_torchrec.py [--sizes 10x8,50x8,100x8]
+        [--measured 3] [--steps 20] [--format json]
+"""
+
+import argparse
+import json
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import ember
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="10x8,50x8,100x8,10x64",
+                   help="tables x ranks for the planning part")
+    p.add_argument("--measured", type=int, default=3, help="collections measured on Ember")
+    p.add_argument("--measured_tables", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per plan and round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--calibrate", type=int, default=1,
+                   help="1: Ember plans the measured collections with a model calibrated on the "
+                        "cluster (emberctl calibrate); 0: with the CPU defaults")
+    p.add_argument("--emberctl", default="")
+    p.add_argument("--format", default="table", choices=["table", "json"])
+    return p.parse_args()
+
+
+def random_tables(rng, n, max_rows):
+    tables = []
+    for i in range(n):
+        rows = int(10 ** rng.uniform(3, np.log10(max_rows)))
+        tables.append({"name": f"t{i}", "num_embeddings": rows,
+                       "embedding_dim": int(rng.choice([16, 32, 64, 128])),
+                       "pf": float(rng.integers(1, 50))})
+    return tables
+
+
+def ember_spec(name, tables):
+    return {"name": name,
+            "tables": [{"name": t["name"], "num_embeddings": t["num_embeddings"],
+                        "embedding_dim": t["embedding_dim"], "feature_names": [f"f_{t['name']}"],
+                        "pooling": "SUM", "optimizer": {"type": "SGD", "learning_rate": 0.01}}
+                       for t in tables],
+            "constraints": {t["name"]: {"pooling_factors": [t["pf"]]} for t in tables}}
+
+
+def torchrec_plan(tables, world, device, batch):
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import (EmbeddingShardingPlanner, ParameterConstraints,
+                                              Topology)
+    configs = [EmbeddingBagConfig(name=t["name"], embedding_dim=t["embedding_dim"],
+                                  num_embeddings=t["num_embeddings"],
+                                  feature_names=[f"f_{t['name']}"]) for t in tables]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    local = min(world, 8)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device=device, local_world_size=local),
+        batch_size=batch,
+        constraints={t["name"]: ParameterConstraints(pooling_factors=[t["pf"]]) for t in tables})
+    start = time.perf_counter()
+    plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
+    return plan.plan[""], time.perf_counter() - start
+
+
+def to_json(shardings):
+    out = {}
+    for name, ps in shardings.items():
+        spec = ps.sharding_spec
+        out[name] = {"sharding_type": ps.sharding_type, "compute_kernel": ps.compute_kernel,
+                     "ranks": list(ps.ranks) if ps.ranks is not None else None,
+                     "sharding_spec": None if spec is None else {"shards": [
+                         {"shard_offsets": list(s.shard_offsets),
+                          "shard_sizes": list(s.shard_sizes), "placement": str(s.placement)}
+                         for s in spec.shards]}}
+    return out
+
+
+def emberctl_plan(emberctl, spec_file, world, device, batch, plan_file=None):
+    args = [emberctl, "plan", f"--spec={spec_file}", f"--world_size={world}",
+            f"--local_world_size={min(world, 8)}", f"--compute_device={device}",
+            f"--batch_size={batch}", f"--num_trainers={world}"]
+    if plan_file:
+        args.append(f"--plan={plan_file}")
+    text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    cost = float(re.search(r"estimated step: max ([0-9.e+-]+) ms", text).group(1))
+    ms = float(re.search(r"in ([0-9.e+-]+) ms", text).group(1))
+    types = {}
+    for line in text.splitlines():
+        m = re.match(r"^(t\d+)\s+\|\s+(\w+)\s+\|", line)
+        if m:
+            types[m.group(2)] = types.get(m.group(2), 0) + 1
+    return cost, ms, types
+
+
+def ember_plan_json(emberctl, spec_file, world, device, batch, cost_model=""):
+    args = [emberctl, "plan", f"--spec={spec_file}", f"--world_size={world}",
+            f"--compute_device={device}", f"--batch_size={batch}", f"--num_trainers={world}",
+            "--format=json"]
+    if cost_model:
+        args.append(f"--cost_model={cost_model}")
+    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+def train_rate(client, name, tables, batch, steps, rng):
+    keys = [f"f_{t['name']}" for t in tables]
+    rows = {f"f_{t['name']}": t["num_embeddings"] for t in tables}
+    pfs = {f"f_{t['name']}": max(1, int(t["pf"])) for t in tables}
+    batches = []
+    for _ in range(4):
+        jagged = {k: [list(rng.integers(0, rows[k], size=pfs[k])) for _ in range(batch)]
+                  for k in keys}
+        batches.append(ember.KeyedJaggedTensor.from_jagged(jagged))
+    grads = None
+
+    def step(kjt):
+        nonlocal grads
+        out = client.lookup(name, kjt)
+        if grads is None:  # small, fixed gradients in the output's layout
+            grads = ember.KeyedTensor(out.keys, out.length_per_key,
+                                      np.full(out.values.shape, 1e-4, dtype=np.float32))
+        client.apply_gradients(name, kjt, grads)
+
+    for kjt in batches[:2]:  # warm-up
+        step(kjt)
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    return steps / (time.perf_counter() - start)
+
+
+def main():
+    args = parse_args()
+    logging.disable(logging.WARNING)
+    rng = np.random.default_rng(args.seed)
+    emberctl = args.emberctl or ember._find_emberctl()
+    work = tempfile.mkdtemp()
+    results = {"planning": [], "measured": []}
+
+    for size in args.sizes.split(","):
+        n, world = (int(x) for x in size.split("x"))
+        tables = random_tables(rng, n, 10_000_000)
+        spec_file = os.path.join(work, f"spec_{n}_{world}.json")
+        json.dump(ember_spec(f"p{n}x{world}", tables), open(spec_file, "w"))
+        tr, tr_s = torchrec_plan(tables, world, "cuda", 512)
+        tr_file = os.path.join(work, f"tr_{n}_{world}.json")
+        json.dump(to_json(tr), open(tr_file, "w"))
+        tr_cost, _, tr_types = emberctl_plan(emberctl, spec_file, world, "cuda", 512, tr_file)
+        em_cost, em_ms, em_types = emberctl_plan(emberctl, spec_file, world, "cuda", 512)
+        row = {"tables": n, "ranks": world, "torchrec_plan_s": tr_s, "ember_plan_ms": em_ms,
+               "speedup": tr_s * 1000 / em_ms, "torchrec_plan_cost_ms": tr_cost,
+               "ember_plan_cost_ms": em_cost, "torchrec_types": tr_types, "ember_types": em_types}
+        results["planning"].append(row)
+        print(f"planned {n} tables on {world} ranks: TorchRec {tr_s:.2f} s, Ember {em_ms:.1f} ms",
+              file=sys.stderr)
+
+    with ember.LocalCluster(workers=2, emberctl=emberctl) as cluster:
+        client = ember.Client(cluster.address, timeout_s=120)
+        # Ember plans as a deployment would: with the model calibrated on
+        # these workers (emberctl calibrate).
+        cost_model = ""
+        if args.calibrate:
+            cost_model = os.path.join(work, "model.json")
+            subprocess.run([emberctl, "calibrate", f"--coordinator={cluster.address}",
+                            f"--output={cost_model}", "--calibrate_reps=15"],
+                           check=True, capture_output=True, text=True)
+        for k in range(args.measured):
+            tables = random_tables(rng, args.measured_tables, 300_000)
+            spec = ember_spec(f"m{k}", tables)
+            spec_file = os.path.join(work, f"m{k}.json")
+            json.dump(spec, open(spec_file, "w"))
+            tr, _ = torchrec_plan(tables, 2, "cpu", args.batch)
+            em = json.loads(ember_plan_json(emberctl, spec_file, 2, "cpu", args.batch, cost_model))
+            client.create_collection(dict(spec, name=f"m{k}_torchrec"), plan=tr)
+            client.create_collection(dict(spec, name=f"m{k}_ember"), plan=em)
+            rates = {"torchrec": [], "ember": []}
+            for _ in range(args.rounds):
+                for who in ("torchrec", "ember"):
+                    rates[who].append(train_rate(client, f"m{k}_{who}", tables, args.batch,
+                                                 args.steps, rng))
+            client.drop_collection(f"m{k}_torchrec")
+            client.drop_collection(f"m{k}_ember")
+            tr_rate, em_rate = float(np.median(rates["torchrec"])), float(np.median(rates["ember"]))
+            row = {"collection": k, "tables": len(tables),
+                   "torchrec_types": sorted({ps.sharding_type for ps in tr.values()}),
+                   "ember_types": sorted({t["sharding_type"] for t in em["plan"]}),
+                   "torchrec_plan_steps_per_s": tr_rate, "ember_plan_steps_per_s": em_rate,
+                   "ratio": em_rate / tr_rate}
+            results["measured"].append(row)
+            print(f"measured collection {k}: TorchRec's plan {tr_rate:.1f} steps/s, "
+                  f"Ember's {em_rate:.1f}", file=sys.stderr)
+
+    if args.format == "json":
+        print(json.dumps(results))
+        return
+    print("tables | ranks | TorchRec planning s | Ember planning ms | speedup | "
+          "TorchRec plan, Ember model ms | Ember plan, Ember model ms | TorchRec types | Ember types")
+    for r in results["planning"]:
+        print(f"{r['tables']} | {r['ranks']} | {r['torchrec_plan_s']:.2f} | {r['ember_plan_ms']:.1f} | "
+              f"{r['speedup']:.0f}x | {r['torchrec_plan_cost_ms']:.4f} | {r['ember_plan_cost_ms']:.4f} | "
+              f"{r['torchrec_types']} | {r['ember_types']}")
+    print()
+    print("collection | tables | TorchRec plan types | Ember plan types | TorchRec plan steps/s | "
+          "Ember plan steps/s | ratio")
+    for r in results["measured"]:
+        print(f"{r['collection']} | {r['tables']} | {','.join(r['torchrec_types'])} | "
+              f"{','.join(r['ember_types'])} | {r['torchrec_plan_steps_per_s']:.1f} | "
+              f"{r['ember_plan_steps_per_s']:.1f} | {r['ratio']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
