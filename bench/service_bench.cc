@@ -58,6 +58,9 @@ DEFINE_int32(clients, 1, "Concurrent client threads (each its own Client).");
 DEFINE_int32(batches, 4, "Distinct random batches, cycled.");
 DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "text", "text or json (one line).");
+DEFINE_string(transport, "shm",
+              "How bulk arrays travel to the workers: shm (shared-memory channels, the client's "
+              "default on one host) or grpc (inline in the messages).");
 
 namespace ember {
 namespace {
@@ -138,8 +141,12 @@ int Run(const char* argv0) {
     if (!cluster->ok()) return Fail("cluster", absl::UnavailableError("emberctl up failed"));
     coordinator = cluster->coordinator();
   }
+  if (FLAGS_transport != "shm" && FLAGS_transport != "grpc") {
+    return Fail("flags", absl::InvalidArgumentError("--transport must be shm or grpc"));
+  }
   client::ClientOptions options;
   options.timeout = absl::Seconds(120);
+  options.shared_memory = FLAGS_transport == "shm";
   auto c = client::Client::Connect(coordinator, options);
   if (!c.ok()) return Fail("connect", c.status());
 
@@ -226,9 +233,9 @@ int Run(const char* argv0) {
   const double ratio = per_s / inprocess_per_s;
   if (text) {
     std::cout << absl::StrFormat(
-        "service_bench: %d %s workers x %d threads, %s, batch %d, %d features, pooling %d, dim %d, "
-        "%d rows/table, %d client(s)\n",
-        world, FLAGS_device, FLAGS_worker_threads, plan_types,
+        "service_bench: %d %s workers x %d threads, %s, transport %s, batch %d, %d features, "
+        "pooling %d, dim %d, %d rows/table, %d client(s)\n",
+        world, FLAGS_device, FLAGS_worker_threads, plan_types, FLAGS_transport,
         FLAGS_batch, FLAGS_features, FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_clients);
     std::cout << absl::StrFormat(
         "  service:    %8.1f lookups/s  %.3g ids/s  %7.1f MB/s  p50 %.2f ms  p99 %.2f ms\n",
@@ -242,10 +249,10 @@ int Run(const char* argv0) {
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
-        "\"sharding_type\": \"%s\", \"device\": \"%s\"}\n",
+        "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\"}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, ratio, world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
-        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device);
+        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport);
   }
   return 0;
 }

@@ -88,6 +88,9 @@ DEFINE_int32(max_queued_calls, 256,
              "Workers: lookups and gradient updates in progress at once (running or waiting for "
              "the backend); past it a call gets RESOURCE_EXHAUSTED \"worker busy\" and clients "
              "retry with back-off. 0: no bound.");
+DEFINE_bool(shared_memory, true,
+            "Workers: offer shared-memory channels to trainers on the same host (bulk arrays "
+            "bypass gRPC); clients use them where offered.");
 DEFINE_bool(skip_nonfinite, false,
             "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
             "instead of refusing the update.");
@@ -317,6 +320,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
   if (!credentials.ok()) return credentials.status();
   o.credentials = *credentials;
   o.timeout = absl::Seconds(FLAGS_timeout_s);
+  o.shared_memory = FLAGS_shared_memory;
   return client::Client::Connect(FLAGS_coordinator, o);
 }
 
@@ -364,6 +368,7 @@ int RunWorker() {
   o.service.skip_nonfinite = FLAGS_skip_nonfinite;
   o.service.dedup_window = FLAGS_dedup_window;
   o.service.max_queued_calls = FLAGS_max_queued_calls;
+  o.service.shared_memory = FLAGS_shared_memory;
   (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto tokens = ServerTokens();
@@ -413,6 +418,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
+      absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
       "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.

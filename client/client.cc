@@ -203,6 +203,74 @@ absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls, const Address
 }
 
 using StubFor = std::function<ember::v1::Worker::Stub*(const std::string&)>;
+// A shared-memory channel to a worker for one call, or an empty lease.
+using ChannelFor = std::function<ChannelPool::Lease(const std::string&, uint64_t)>;
+
+uint64_t Aligned(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+uint64_t FeatureBytes(const ShardFeature& f) {
+  return Aligned(f.lengths().size()) + Aligned(f.ids().size()) + Aligned(f.weights().size());
+}
+
+// Moves an array from its bytes field into the region at *at (a slice
+// naming where).
+void MoveToRegion(std::string* bytes, char* base, uint64_t* at, ember::v1::ShmSlice* slice) {
+  if (bytes->empty()) return;
+  slice->set_offset(*at);
+  slice->set_size(bytes->size());
+  std::memcpy(base + *at, bytes->data(), bytes->size());
+  *at += Aligned(bytes->size());
+  std::string().swap(*bytes);
+}
+
+void MoveFeature(ShardFeature* f, char* base, uint64_t* at) {
+  MoveToRegion(f->mutable_lengths(), base, at, f->mutable_shm_lengths());
+  MoveToRegion(f->mutable_ids(), base, at, f->mutable_shm_ids());
+  MoveToRegion(f->mutable_weights(), base, at, f->mutable_shm_weights());
+}
+
+// Lays a lookup's arrays, and room for its outputs (`output_bytes`, one
+// per feature), out in a channel to `address` if one is to be had; the
+// request then names the channel. An empty lease: the request stays inline.
+ChannelPool::Lease PlaceLookup(ember::v1::WorkerLookupRequest* req,
+                               const std::vector<uint64_t>& output_bytes,
+                               const std::string& address, const ChannelFor& channel_for) {
+  if (!channel_for) return {};
+  uint64_t total = 0;
+  for (const ShardFeature& f : req->features()) total += FeatureBytes(f);
+  for (uint64_t b : output_bytes) total += Aligned(b);
+  ChannelPool::Lease lease = channel_for(address, total);
+  if (!lease) return lease;
+  char* base = lease.get()->base();
+  uint64_t at = 0;
+  for (ShardFeature& f : *req->mutable_features()) MoveFeature(&f, base, &at);
+  for (uint64_t b : output_bytes) {
+    auto* slice = req->add_shm_outputs();
+    slice->set_offset(at);
+    slice->set_size(b);
+    at += Aligned(b);
+  }
+  req->set_channel_id(lease.get()->id());
+  return lease;
+}
+
+// The same for an update's arrays and gradients.
+ChannelPool::Lease PlaceGradients(ember::v1::WorkerApplyGradientsRequest* req,
+                                  const std::string& address, const ChannelFor& channel_for) {
+  if (!channel_for) return {};
+  uint64_t total = 0;
+  for (const auto& g : req->gradients()) total += FeatureBytes(g.feature()) + Aligned(g.grad().size());
+  ChannelPool::Lease lease = channel_for(address, total);
+  if (!lease) return lease;
+  char* base = lease.get()->base();
+  uint64_t at = 0;
+  for (auto& g : *req->mutable_gradients()) {
+    MoveFeature(g.mutable_feature(), base, &at);
+    MoveToRegion(g.mutable_grad(), base, &at, g.mutable_shm_grad());
+  }
+  req->set_channel_id(lease.get()->id());
+  return lease;
+}
 
 // The calls of one client call, one per worker rank, each sent as soon as
 // its request is built (start(stub, call, done)), so that workers compute
@@ -275,6 +343,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
   auto workers = c->ListWorkers();  // fails fast when nothing answers
   if (!workers.ok()) return workers.status();
   return c;
+}
+
+ChannelPool::Lease Client::ChannelTo(const std::string& address, uint64_t bytes) {
+  return channels_.Acquire(address, bytes, StubFor(address), [this](grpc::ClientContext* ctx) {
+    PrepareContext(ctx, options_.timeout);
+  });
 }
 
 ember::v1::Worker::Stub* Client::StubFor(const std::string& address) {
@@ -531,8 +605,11 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
 
 // Lookup for pooled or sequence jobs into each job's `out` (zeroed by the caller).
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
-                       uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for) {
+                       uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
+                       const ChannelFor& channel_for) {
   using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
+  // Channels outlive the calls that use them (declared first).
+  std::vector<ChannelPool::Lease> leases(r.info.worker_addresses_size());
   Fanout<LookupCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
   // Each job's shards: every shard of a sharded table, one replica of a
   // data-parallel one.
@@ -570,6 +647,16 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         sinks[rank].push_back(std::move(sink));
       }
     }
+    if (c.used) {
+      std::vector<uint64_t> output_bytes;
+      for (const Sink& sink : sinks[rank]) {
+        const ShardFeature& f = c.request.features(sink.index);
+        const uint64_t rows = (sink.job->sequence ? f.ids().size() : f.lengths().size()) / 8;
+        output_bytes.push_back(rows * sink.cols * sizeof(float));
+      }
+      leases[rank] = PlaceLookup(&c.request, output_bytes, r.info.worker_addresses(rank),
+                                 channel_for);
+    }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, LookupCall* call, auto done) {
       stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
     });
@@ -582,12 +669,16 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
     const LookupCall& c = fan[rank];
     for (const Sink& s : sinks[rank]) {
-      if (s.index >= c.response.outputs_size()) {
-        return absl::InternalError(absl::StrCat("worker ", rank, " returned too few outputs"));
-      }
       absl::Span<const float> buf;
-      if (absl::Status st = wire::View(c.response.outputs(s.index), "output", &scratch, &buf);
-          !st.ok()) {
+      if (leases[rank]) {  // written into the channel
+        const ember::v1::ShmSlice& slice = c.request.shm_outputs(s.index);
+        buf = absl::Span<const float>(
+            reinterpret_cast<const float*>(leases[rank].get()->base() + slice.offset()),
+            slice.size() / sizeof(float));
+      } else if (s.index >= c.response.outputs_size()) {
+        return absl::InternalError(absl::StrCat("worker ", rank, " returned too few outputs"));
+      } else if (absl::Status st = wire::View(c.response.outputs(s.index), "output", &scratch, &buf);
+                 !st.ok()) {
         return absl::InternalError(st.message());
       }
       FeatureJob& j = *s.job;
@@ -610,7 +701,12 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       }
     }
   }
-  if (absl::Status s = fan.WaitAll(); !s.ok()) return s;
+  if (absl::Status s = fan.WaitAll(); !s.ok()) {
+    for (int rank = 0; rank < fan.size(); ++rank) {
+      if (fan[rank].started && !fan[rank].status.ok()) leases[rank].Invalidate();
+    }
+    return s;
+  }
   // Row-split MEAN: the partial sums, divided by the bag's total length.
   for (FeatureJob& j : *jobs) {
     if (j.sequence || !j.table->row_split || j.table->config->pooling() != TableConfig::MEAN) continue;
@@ -627,8 +723,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
 // Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
 absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                           const std::string& request_id, absl::Time deadline,
-                          const StubFor& stub_for) {
+                          const StubFor& stub_for, const ChannelFor& channel_for) {
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
+  std::vector<ChannelPool::Lease> leases(r.info.worker_addresses_size());
   Fanout<GradCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
   // Rank by rank: build the rank's request and send it.
   for (int rank = 0; rank < fan.size(); ++rank) {
@@ -675,11 +772,18 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
         }
       }
     }
+    if (call.used) {
+      leases[rank] = PlaceGradients(&call.request, r.info.worker_addresses(rank), channel_for);
+    }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
       stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
     });
   }
-  return fan.WaitAll();
+  absl::Status s = fan.WaitAll();
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    if (fan[rank].started && !fan[rank].status.ok()) leases[rank].Invalidate();
+  }
+  return s;
 }
 
 }  // namespace
@@ -687,6 +791,10 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
 absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtView kjt) {
   KeyedTensor kt;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  auto channel_for = ChannelFor();
+  if (options_.shared_memory) {
+    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  }
   const uint64_t pick = replica_counter_.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -705,7 +813,7 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtVie
       jobs[k].out = kt.values.data() + offsets[k];
       jobs[k].out_stride = kt.row_width();
     }
-    return RunLookup(r, &jobs, pick, deadline, stub_for);
+    return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
   });
   if (!s.ok()) return s;
   return kt;
@@ -717,6 +825,10 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  auto channel_for = ChannelFor();
+  if (options_.shared_memory) {
+    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  }
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
@@ -737,7 +849,7 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
       jobs[k].grad = grads.values.data() + offsets[k];
       jobs[k].grad_stride = grads.row_width();
     }
-    return RunGradients(r, &jobs, id, deadline, stub_for);
+    return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
   });
 }
 
@@ -745,6 +857,10 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
     const std::string& collection, KjtView kjt) {
   std::vector<SequenceEmbedding> out;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  auto channel_for = ChannelFor();
+  if (options_.shared_memory) {
+    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  }
   const uint64_t pick = replica_counter_.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -757,7 +873,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
       jobs[k].out = out[k].values.data();
       jobs[k].out_stride = jobs[k].dim;
     }
-    return RunLookup(r, &jobs, pick, deadline, stub_for);
+    return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
   });
   if (!s.ok()) return s;
   return out;
@@ -779,6 +895,10 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  auto channel_for = ChannelFor();
+  if (options_.shared_memory) {
+    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  }
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
@@ -808,7 +928,7 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
       j.grad = g->values.data();
       j.grad_stride = j.dim;
     }
-    return RunGradients(r, &jobs, id, deadline, stub_for);
+    return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
   });
 }
 

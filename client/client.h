@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/kjt.h"
+#include "client/shm_channel.h"
 #include "proto/service.grpc.pb.h"
 
 namespace ember {
@@ -52,6 +53,11 @@ struct ClientOptions {
   int max_attempts = 4;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
+  // Bulk arrays of lookups and updates travel through shared memory
+  // (client/shm_channel.h) to workers on this host (a loopback address)
+  // that offer it; others, and calls that find their channel busy, go
+  // inline in the gRPC messages.
+  bool shared_memory = true;
 };
 
 class Client {
@@ -152,6 +158,9 @@ class Client {
   absl::StatusOr<std::shared_ptr<const Routing>> RoutingFor(const std::string& collection,
                                                             bool refresh);
   ember::v1::Worker::Stub* StubFor(const std::string& address);
+  // A shared-memory channel of `bytes` to the worker at `address` for one
+  // call, or an empty lease (inline).
+  ChannelPool::Lease ChannelTo(const std::string& address, uint64_t bytes);
   // A unary call's deadline and token (the fan-outs set theirs in Fanout).
   void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;
   // One unary call to the coordinator with its own deadline.
@@ -170,6 +179,7 @@ class Client {
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const Routing>> routing_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
+  ChannelPool channels_;  // after stubs_: closed before the stubs go
   std::atomic<uint64_t> replica_counter_{0};
 };
 

@@ -4,7 +4,10 @@
 #include <signal.h>
 
 #include <atomic>
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -89,7 +92,9 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
   ASSERT_TRUE(c->DropCollection(name).ok());
 }
 
-class ServiceTest : public ::testing::Test {
+// Every case runs twice: arrays inline in the gRPC messages, and through
+// shared-memory channels (the workers are on this host).
+class ServiceTest : public ::testing::TestWithParam<bool> {
  protected:
   static void SetUpTestSuite() {
     cluster_ = new testing_util::LocalCluster(kEmberctl, 2);
@@ -102,6 +107,7 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<Client> Connect(absl::Duration timeout = absl::Seconds(20)) {
     client::ClientOptions o;
     o.timeout = timeout;
+    o.shared_memory = GetParam();
     auto c = Client::Connect(cluster_->coordinator(), o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
@@ -110,7 +116,52 @@ class ServiceTest : public ::testing::Test {
 };
 testing_util::LocalCluster* ServiceTest::cluster_ = nullptr;
 
-TEST_F(ServiceTest, EveryShardingTypeMatchesReference) {
+INSTANTIATE_TEST_SUITE_P(Transport, ServiceTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "SharedMemory" : "Inline";
+                         });
+
+// The transport is the one asked for: with shared memory the workers hold
+// this client's channels (and nothing else does), and no region is left
+// named in /dev/shm (names are unlinked once both sides mapped them).
+TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const CollectionSpec spec = TestSpec("transport");
+  ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
+  std::mt19937 rng(5);
+  auto kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 32, false);
+  auto kt = c->Lookup("transport", kjt);
+  ASSERT_TRUE(kt.ok()) << kt.status();
+  auto ref = InProcessCollection::Create(spec);
+  ASSERT_TRUE(ref.ok());
+  ExpectNear(kt->values, (*ref)->Lookup(kjt)->values, "lookup");
+  int64_t channels = 0;
+  auto workers = c->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  for (const auto& w : workers->workers()) {
+    auto st = c->WorkerStatus(w.info().address());
+    ASSERT_TRUE(st.ok()) << st.status();
+    channels += st->shm_channels();
+  }
+  EXPECT_EQ(channels > 0, GetParam()) << channels << " channel(s) open";
+  const std::string mine = absl::StrCat("ember-", getpid(), "-");
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    EXPECT_NE(entry.path().filename().string().rfind(mine, 0), 0u)
+        << entry.path() << " was left in /dev/shm";
+  }
+  ASSERT_TRUE(c->DropCollection("transport").ok());
+  c.reset();  // its channels closed
+  for (const auto& w : workers->workers()) {
+    auto other = Connect();
+    ASSERT_NE(other, nullptr);
+    auto st = other->WorkerStatus(w.info().address());
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->shm_channels(), 0) << "a closed client's channel is still open";
+  }
+}
+
+TEST_P(ServiceTest, EveryShardingTypeMatchesReference) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
   int seed = 1;
@@ -121,7 +172,7 @@ TEST_F(ServiceTest, EveryShardingTypeMatchesReference) {
   }
 }
 
-TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
+TEST_P(ServiceTest, ConcurrentClientsGetCorrectResults) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
   const CollectionSpec spec = TestSpec("concurrent");
@@ -156,7 +207,7 @@ TEST_F(ServiceTest, ConcurrentClientsGetCorrectResults) {
 // A collection created with a plan made elsewhere (here by hand, with
 // shards on unusual ranks) serves what the reference computes on that
 // plan; a plan that does not tile a table is refused and nothing is made.
-TEST_F(ServiceTest, AnExplicitPlanIsCheckedAndServed) {
+TEST_P(ServiceTest, AnExplicitPlanIsCheckedAndServed) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
   const CollectionSpec spec = TestSpec("explicit");
@@ -279,7 +330,7 @@ TEST(ServiceBoundTest, BusyWorkersAreWaitedOutByClients) {
 // A retried update (same request id) is applied once; the client's own
 // checks reject bad input before any RPC. (Bad input on every raw RPC:
 // bad_input_test.cc.)
-TEST_F(ServiceTest, ExactlyOnceUpdatesAndClientSideChecks) {
+TEST_P(ServiceTest, ExactlyOnceUpdatesAndClientSideChecks) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
   const CollectionSpec spec = TestSpec("bad");
@@ -355,7 +406,7 @@ TEST_F(ServiceTest, ExactlyOnceUpdatesAndClientSideChecks) {
   ASSERT_TRUE(c->DropCollection("bad").ok());
 }
 
-TEST_F(ServiceTest, StaleEpochRefreshesThePlan) {
+TEST_P(ServiceTest, StaleEpochRefreshesThePlan) {
   auto a = Connect();
   auto b = Connect();
   ASSERT_TRUE(a->CreateCollection(TestSpec("stale"), "row_wise").ok());

@@ -54,6 +54,8 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   m->AddGauge("ember_worker_calls_in_progress",
               "Lookups and gradient updates in the worker, running or waiting for the backend",
               one(&Stats::calls_in_progress));
+  m->AddGauge("ember_worker_shm_channels", "Shared-memory channels open (trainers on this host)",
+              one(&Stats::shm_channels));
   m->AddCounter("ember_worker_busy_refused_total",
                 "Data calls refused because --max_queued_calls were in progress",
                 one(&Stats::busy_refused));

@@ -122,7 +122,77 @@ bool WorkerService::SameAssignments(const Collection& c, const ember::v1::Create
 
 WorkerService::WorkerService(std::unique_ptr<backend::EmbeddingBackend> backend,
                              const WorkerServiceOptions& options)
-    : backend_(std::move(backend)), options_(options) {}
+    : backend_(std::move(backend)),
+      options_(options),
+      channels_(options.channel_idle_timeout, kMaxMessageBytes, options.max_channels) {}
+
+namespace {
+
+// Whose a shared-memory channel is: the call's credentials (empty without
+// tokens, or in tests that call the service directly).
+std::string OwnerOf(const grpc::ServerContext* ctx) {
+  if (ctx == nullptr) return "";
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  return it == md.end() ? "" : std::string(it->second.data(), it->second.size());
+}
+
+bool InChannel(const ember::v1::ShardFeature& f) {
+  return f.has_shm_lengths() || f.has_shm_ids() || f.has_shm_weights();
+}
+
+// Copies a feature's arrays out of a channel's region into its bytes
+// fields: inputs are never read in place, where the client could change
+// them after they are checked.
+absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
+                    ember::v1::ShardFeature* f) {
+  struct Array {
+    const ember::v1::ShmSlice& slice;
+    std::string* bytes;
+    size_t align;
+    const char* name;
+  };
+  for (const Array& a : {Array{f->shm_lengths(), f->mutable_lengths(), 8, "lengths"},
+                         Array{f->shm_ids(), f->mutable_ids(), 8, "ids"},
+                         Array{f->shm_weights(), f->mutable_weights(), 4, "weights"}}) {
+    if (a.slice.size() == 0) continue;
+    if (!a.bytes->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": ", a.name, " given both inline and in the channel"));
+    }
+    auto bytes = region.Bytes(a.slice, a.align, absl::StrCat(what, " ", a.name));
+    if (!bytes.ok()) return bytes.status();
+    a.bytes->assign(bytes->data(), bytes->size());
+  }
+  f->clear_shm_lengths();
+  f->clear_shm_ids();
+  f->clear_shm_weights();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::Status WorkerService::OpenChannel(grpc::ServerContext* ctx,
+                                        const ember::v1::OpenChannelRequest* req,
+                                        ember::v1::OpenChannelResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  if (!options_.shared_memory) {
+    return ToGrpc(absl::FailedPreconditionError(
+        "this worker offers no shared-memory channels (--shared_memory=false)"));
+  }
+  auto id = channels_.Open(req->shm_name(), req->size(), OwnerOf(ctx));
+  if (!id.ok()) return ToGrpc(id.status());
+  resp->set_channel_id(*id);
+  resp->set_idle_timeout_ms(absl::ToInt64Milliseconds(channels_.idle_timeout()));
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::CloseChannel(grpc::ServerContext* ctx,
+                                         const ember::v1::CloseChannelRequest* req,
+                                         ember::v1::CloseChannelResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  return ToGrpc(channels_.Close(req->channel_id(), OwnerOf(ctx)));
+}
 
 WorkerService::~WorkerService() = default;
 
@@ -406,6 +476,30 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("lookup");
   if (!call.ok()) return ToGrpc(call.status());
+  // Through a channel: the inputs copied out of its region first, the
+  // outputs written into it.
+  std::shared_ptr<const ShmChannels::Region> region;
+  ember::v1::WorkerLookupRequest copied;
+  if (req->channel_id() != 0) {
+    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx));
+    if (!r.ok()) return ToGrpc(r.status());
+    region = *std::move(r);
+    if (req->shm_outputs_size() != req->features_size()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          req->features_size(), " feature(s) but ", req->shm_outputs_size(), " output slice(s)")));
+    }
+    copied = *req;
+    for (int i = 0; i < copied.features_size(); ++i) {
+      if (absl::Status s = CopyIn(*region, absl::StrCat("feature ", i), copied.mutable_features(i));
+          !s.ok()) {
+        return ToGrpc(s);
+      }
+    }
+    req = &copied;
+  } else if (req->shm_outputs_size() > 0 ||
+             std::any_of(req->features().begin(), req->features().end(), InChannel)) {
+    return ToGrpc(absl::InvalidArgumentError("shared-memory slices without a channel"));
+  }
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
   if (!c.ok()) return ToGrpc(c.status());
@@ -429,8 +523,18 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   std::vector<backend::LookupRequest> requests(n);
   for (int i = 0; i < n; ++i) {
     requests[i].feature = decoded[i].request;
-    requests[i].output = wire::Resize<float>(
-        resp->add_outputs(), backend::OutputSize(decoded[i].request, cols[i]));
+    const int64_t size = backend::OutputSize(decoded[i].request, cols[i]);
+    if (region == nullptr) {
+      requests[i].output = wire::Resize<float>(resp->add_outputs(), size);
+      continue;
+    }
+    auto bytes = region->Bytes(req->shm_outputs(i), 4, absl::StrCat("output ", i));
+    if (!bytes.ok()) return ToGrpc(bytes.status());
+    if (static_cast<int64_t>(bytes->size()) != size * 4) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "output ", i, ": its slice holds ", bytes->size(), " bytes; the output is ", size * 4)));
+    }
+    requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), size);
   }
   if (absl::Status s = backend_->Lookup(requests); !s.ok()) {
     resp->clear_outputs();
@@ -452,6 +556,34 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   if (!call.ok()) return ToGrpc(call.status());
   if (req->request_id().empty()) {
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
+  }
+  // Through a channel: every array copied out of its region first.
+  ember::v1::WorkerApplyGradientsRequest copied;
+  if (req->channel_id() != 0) {
+    auto region = channels_.Use(req->channel_id(), OwnerOf(ctx));
+    if (!region.ok()) return ToGrpc(region.status());
+    copied = *req;
+    for (int i = 0; i < copied.gradients_size(); ++i) {
+      auto* g = copied.mutable_gradients(i);
+      const std::string what = absl::StrCat("gradient ", i);
+      if (absl::Status s = CopyIn(**region, what, g->mutable_feature()); !s.ok()) return ToGrpc(s);
+      if (g->shm_grad().size() > 0) {
+        if (!g->grad().empty()) {
+          return ToGrpc(absl::InvalidArgumentError(
+              absl::StrCat(what, ": grad given both inline and in the channel")));
+        }
+        auto bytes = (*region)->Bytes(g->shm_grad(), 4, what + " grad");
+        if (!bytes.ok()) return ToGrpc(bytes.status());
+        g->set_grad(bytes->data(), bytes->size());
+        g->clear_shm_grad();
+      }
+    }
+    req = &copied;
+  } else if (std::any_of(req->gradients().begin(), req->gradients().end(),
+                         [](const ember::v1::ShardGradient& g) {
+                           return InChannel(g.feature()) || g.has_shm_grad();
+                         })) {
+    return ToGrpc(absl::InvalidArgumentError("shared-memory slices without a channel"));
   }
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
@@ -621,6 +753,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.available_bytes = backend_->AvailableBytes();
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
+  s.shm_channels = channels_.open_channels();
   absl::ReaderMutexLock lock(&mu_);
   s.collections = static_cast<int64_t>(collections_.size());
   for (const auto& [name, c] : collections_) {
@@ -646,6 +779,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_lookup_ids(lookup_ids_.load(std::memory_order_relaxed));
   resp->set_updates(updates_.load(std::memory_order_relaxed));
   resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
+  resp->set_shm_channels(channels_.open_channels());
   for (const auto& [name, c] : collections_) {
     for (const auto& [key, entry] : c->shards) {
       auto* info = resp->add_shards();

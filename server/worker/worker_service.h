@@ -37,6 +37,7 @@
 #include "server/common/auth.h"
 #include "server/backend/embedding_backend.h"
 #include "server/worker/applied_ids.h"
+#include "server/worker/shm_channels.h"
 
 namespace ember {
 namespace worker {
@@ -64,6 +65,11 @@ struct WorkerServiceOptions {
   // RESOURCE_EXHAUSTED "worker busy ..." (kWorkerBusy; clients retry it
   // with back-off) instead of queueing without bound. 0: no bound.
   int max_queued_calls = 256;
+  // Shared-memory channels (OpenChannel): offered when true; a channel
+  // unused this long is forgotten; at most this many open at once.
+  bool shared_memory = true;
+  absl::Duration channel_idle_timeout = absl::Minutes(10);
+  int max_channels = 256;
 };
 
 class WorkerService final : public ember::v1::Worker::Service {
@@ -83,6 +89,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t nonfinite_refused = 0, nonfinite_skipped_ids = 0, dedup_forgotten_early = 0;
     int64_t available_bytes = 0, shards = 0, collections = 0, request_ids = 0;
     int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
+    int64_t shm_channels = 0;                         // shared-memory channels open
   };
   Stats GetStats() const;
 
@@ -92,6 +99,12 @@ class WorkerService final : public ember::v1::Worker::Service {
                           ember::v1::DropShardsResponse* resp) override;
   grpc::Status Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
                       ember::v1::WorkerLookupResponse* resp) override;
+  grpc::Status OpenChannel(grpc::ServerContext* ctx, const ember::v1::OpenChannelRequest* req,
+                           ember::v1::OpenChannelResponse* resp) override;
+  grpc::Status CloseChannel(grpc::ServerContext* ctx, const ember::v1::CloseChannelRequest* req,
+                            ember::v1::CloseChannelResponse* resp) override;
+  // Open shared-memory channels (for metrics and tests).
+  int open_channels() const { return channels_.open_channels(); }
   grpc::Status ApplyGradients(grpc::ServerContext* ctx,
                               const ember::v1::WorkerApplyGradientsRequest* req,
                               ember::v1::WorkerApplyGradientsResponse* resp) override;
@@ -185,6 +198,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   absl::StatusOr<DataCall> EnterDataCall(const char* what);
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
+  ShmChannels channels_;
   // Collections whose CreateShards is allocating (outside mu_): a second
   // create of the same name meanwhile is refused (ABORTED).
   std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);

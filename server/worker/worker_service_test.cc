@@ -3,7 +3,13 @@
 // worked by hand.
 #include "server/worker/worker_service.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstring>
+#include <string>
 #include <cmath>
 #include <memory>
 #include <thread>
@@ -17,6 +23,7 @@
 #include "server/backend/forwarding_backend.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
+#include "server/worker/shm_channels.h"
 
 namespace ember {
 namespace worker {
@@ -377,6 +384,187 @@ TEST(WorkerServiceTest, TheMemoryBoundForgetsTheOldestEarlyAndSaysSo) {
   ember::v1::ShardStatusResponse st;
   ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &st).ok());
   EXPECT_EQ(st.dedup_forgotten_early(), 2);  // "a", then "b" when "a" came again
+}
+
+// A region as a client makes one: shm_open, sized, mapped; unlinked when
+// destroyed.
+struct TestRegion {
+  explicit TestRegion(size_t bytes) : size(bytes) {
+    name = "/ember-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    base = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+  }
+  ~TestRegion() {
+    munmap(base, size);
+    shm_unlink(name.c_str());
+  }
+  // Copies `v` to `at` and names it in `slice`.
+  template <typename T>
+  void Put(const std::vector<T>& v, uint64_t at, ember::v1::ShmSlice* slice) {
+    std::memcpy(base + at, v.data(), v.size() * sizeof(T));
+    slice->set_offset(at);
+    slice->set_size(v.size() * sizeof(T));
+  }
+  static inline int counter = 0;
+  std::string name;
+  size_t size;
+  char* base;
+};
+
+ember::v1::WorkerLookupRequest PooledLookup(int64_t epoch = 1) {
+  ember::v1::WorkerLookupRequest req;
+  req.set_collection("c");
+  req.set_epoch(epoch);
+  auto* f = req.add_features();
+  f->mutable_shard()->set_table("t");
+  f->set_pooling(TableConfig::SUM);
+  return req;
+}
+
+// Lookups and updates through a shared-memory channel give what the same
+// calls inline give; every malformed use of a channel is refused with
+// INVALID_ARGUMENT (UNAVAILABLE for an unknown channel) and applies
+// nothing.
+TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
+  auto s = MakeService(false);
+  TestRegion region(1 << 16);
+  ember::v1::OpenChannelRequest open;
+  ember::v1::OpenChannelResponse opened;
+  for (const std::string bad : {"/etc-passwd", "/ember-x/y", "ember-x"}) {
+    open.set_shm_name(bad);
+    open.set_size(1 << 16);
+    EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT) << bad;
+  }
+  open.set_shm_name("/ember-does-not-exist-" + std::to_string(getpid()));
+  EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(), grpc::StatusCode::NOT_FOUND);
+  open.set_shm_name(region.name);
+  open.set_size(100);  // under 4 KiB
+  EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  open.set_size(1 << 20);  // more than the region holds
+  EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  open.set_size(1 << 16);
+  ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
+  EXPECT_NE(opened.channel_id(), 0u);
+  EXPECT_EQ(s->open_channels(), 1);
+
+  // Inline, then the same through the channel: bags {0, 1} and {3}.
+  const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
+  ember::v1::WorkerLookupRequest inline_req = PooledLookup();
+  inline_req.mutable_features(0)->set_lengths(wire::Encode<int64_t>(lengths));
+  inline_req.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
+  ember::v1::WorkerLookupResponse inline_resp;
+  ASSERT_TRUE(s->Lookup(nullptr, &inline_req, &inline_resp).ok());
+  std::vector<float> want;
+  ASSERT_TRUE(wire::Decode(inline_resp.outputs(0), "out", &want).ok());
+  ASSERT_EQ(want.size(), 8u);
+
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.set_channel_id(opened.channel_id());
+  region.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+  region.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
+  auto* out = req.add_shm_outputs();
+  out->set_offset(1024);
+  out->set_size(8 * 4);
+  ember::v1::WorkerLookupResponse resp;
+  ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
+  EXPECT_EQ(resp.outputs_size(), 0);
+  std::vector<float> got(8);
+  std::memcpy(got.data(), region.base + 1024, 32);
+  EXPECT_EQ(got, want);
+
+  // Misuse, each refused.
+  auto refused = [&](ember::v1::WorkerLookupRequest r, grpc::StatusCode code,
+                     const std::string& why) {
+    ember::v1::WorkerLookupResponse rr;
+    const grpc::Status st = s->Lookup(nullptr, &r, &rr);
+    EXPECT_EQ(st.error_code(), code) << why << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(why), std::string::npos) << st.error_message();
+  };
+  ember::v1::WorkerLookupRequest r = req;
+  r.set_channel_id(opened.channel_id() + 1);
+  refused(r, grpc::StatusCode::UNAVAILABLE, "no shared-memory channel");
+  r = req;
+  r.mutable_features(0)->mutable_shm_ids()->set_offset((1 << 16) - 8);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "outside the channel");
+  r = req;
+  r.mutable_features(0)->mutable_shm_ids()->set_offset(66);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "multiples of 8");
+  r = req;
+  r.mutable_shm_outputs(0)->set_size(16);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "the output is 32");
+  r = req;
+  r.clear_shm_outputs();
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "0 output slice(s)");
+  r = req;
+  r.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "both inline and in the channel");
+  r = req;
+  r.set_channel_id(0);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "without a channel");
+  r = req;  // ids out of the shard's range: checked after the copy
+  const std::vector<int64_t> far = {0, 1, 99};
+  region.Put(far, 128, r.mutable_features(0)->mutable_shm_ids());
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "");
+
+  // Updates: through the channel as inline; a refused one applies nothing.
+  const std::vector<float> before = Table(s.get(), "t");
+  ember::v1::WorkerApplyGradientsRequest up;
+  up.set_collection("c");
+  up.set_epoch(1);
+  up.set_request_id("shm-1");
+  up.set_channel_id(opened.channel_id());
+  auto* g = up.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  region.Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
+  region.Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
+  region.Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
+  ember::v1::WorkerApplyGradientsRequest bad = up;
+  bad.mutable_gradients(0)->mutable_shm_grad()->set_offset(1 << 20);
+  ember::v1::WorkerApplyGradientsResponse ur;
+  EXPECT_EQ(s->ApplyGradients(nullptr, &bad, &ur).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Table(s.get(), "t"), before);
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());
+  // SGD at rate 1 (MakeService): rows 0 and 1 minus [1,2,3,4], row 3 minus
+  // [5,6,7,8], from zero.
+  const std::vector<float> after = Table(s.get(), "t");
+  EXPECT_EQ(std::vector<float>(after.begin(), after.begin() + 4), (std::vector<float>{-1, -2, -3, -4}));
+  EXPECT_EQ(std::vector<float>(after.begin() + 4, after.begin() + 8), (std::vector<float>{-1, -2, -3, -4}));
+  EXPECT_EQ(std::vector<float>(after.begin() + 12, after.begin() + 16), (std::vector<float>{-5, -6, -7, -8}));
+  EXPECT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());  // a retry: exactly once
+  EXPECT_TRUE(ur.duplicate());
+
+  ember::v1::CloseChannelRequest close;
+  close.set_channel_id(opened.channel_id());
+  ember::v1::CloseChannelResponse closed;
+  EXPECT_TRUE(s->CloseChannel(nullptr, &close, &closed).ok());
+  EXPECT_EQ(s->open_channels(), 0);
+  EXPECT_EQ(s->CloseChannel(nullptr, &close, &closed).error_code(), grpc::StatusCode::NOT_FOUND);
+  refused(req, grpc::StatusCode::UNAVAILABLE, "no shared-memory channel");
+}
+
+// Channels belong to who opened them and lapse when idle.
+TEST(WorkerServiceTest, ChannelsHaveOwnersAndLapseWhenIdle) {
+  TestRegion region(1 << 14);
+  ShmChannels channels(absl::Milliseconds(50), 1 << 20, 2);
+  auto id = channels.Open(region.name, 1 << 14, "Bearer a");
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(channels.Use(*id, "Bearer b").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(channels.Close(*id, "Bearer b").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(channels.Use(*id, "Bearer a").ok());
+  ASSERT_TRUE(channels.Open(region.name, 1 << 14, "Bearer a").ok());
+  EXPECT_EQ(channels.Open(region.name, 1 << 14, "Bearer a").status().code(),
+            absl::StatusCode::kResourceExhausted);  // at most 2
+  absl::SleepFor(absl::Milliseconds(120));
+  EXPECT_EQ(channels.Use(*id, "Bearer a").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(channels.open_channels(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,111 @@
+#include "client/shm_channel.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/common/grpc_util.h"
+
+namespace ember {
+namespace client {
+
+absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
+    ember::v1::Worker::Stub* stub, uint64_t bytes,
+    const std::function<void(grpc::ClientContext*)>& prepare) {
+  static std::atomic<uint64_t> counter{0};
+  const uint64_t size = (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
+  const std::string name = absl::StrCat("/ember-", getpid(), "-", counter.fetch_add(1), "-",
+                                        std::random_device()());
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shm_open: ", std::strerror(errno)));
+  }
+  std::unique_ptr<ShmChannel> ch(new ShmChannel());
+  ch->stub_ = stub;
+  ch->prepare_ = prepare;
+  void* base = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
+    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);
+  if (base == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("shared memory of ", size, " bytes: ",
+                                                     std::strerror(errno)));
+  }
+  ch->base_ = static_cast<char*>(base);
+  ch->size_ = size;
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  ember::v1::OpenChannelRequest req;
+  req.set_shm_name(name);
+  req.set_size(size);
+  ember::v1::OpenChannelResponse resp;
+  const grpc::Status s = stub->OpenChannel(&ctx, req, &resp);
+  shm_unlink(name.c_str());  // mapped on both sides (or refused): the name is done with
+  if (!s.ok()) return FromGrpc(s, "OpenChannel");  // the destructor unmaps
+  ch->id_ = resp.channel_id();
+  return ch;
+}
+
+ShmChannel::~ShmChannel() {
+  if (id_ != 0 && stub_ != nullptr) {
+    grpc::ClientContext ctx;
+    prepare_(&ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    ember::v1::CloseChannelRequest req;
+    req.set_channel_id(id_);
+    ember::v1::CloseChannelResponse resp;
+    (void)stub_->CloseChannel(&ctx, req, &resp);
+  }
+  if (base_ != nullptr) munmap(base_, size_);
+}
+
+bool ChannelPool::SameHost(const std::string& address) {
+  return absl::StartsWith(address, "127.") || absl::StartsWith(address, "localhost:") ||
+         absl::StartsWith(address, "[::1]:");
+}
+
+ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t bytes,
+                                        ember::v1::Worker::Stub* stub,
+                                        const std::function<void(grpc::ClientContext*)>& prepare) {
+  if (!SameHost(address) || bytes > static_cast<uint64_t>(kMaxMessageBytes)) return Lease();
+  Slot* slot;
+  {
+    absl::MutexLock lock(&mu_);
+    auto& s = slots_[address];
+    if (!s) s = std::make_unique<Slot>();
+    slot = s.get();
+  }
+  std::unique_lock<std::mutex> lock(slot->mu, std::try_to_lock);
+  if (!lock.owns_lock()) return Lease();  // another call has it: inline
+  if (slot->broken) {
+    slot->channel.reset();
+    slot->broken = false;
+  }
+  if (slot->channel == nullptr || slot->channel->size() < bytes) {
+    if (absl::Now() < slot->retry_after) return Lease();
+    slot->channel.reset();
+    auto ch = ShmChannel::Open(stub, bytes + bytes / 4, prepare);
+    if (!ch.ok()) {
+      // Another host after all, or shared memory turned off there: inline
+      // for a while before asking again.
+      slot->retry_after = absl::Now() + absl::Seconds(60);
+      return Lease();
+    }
+    slot->channel = *std::move(ch);
+  }
+  return Lease(std::move(lock), slot->channel.get(), &slot->broken);
+}
+
+}  // namespace client
+}  // namespace ember

@@ -1,0 +1,97 @@
+// The client's end of a shared-memory channel to one worker (OpenChannel in
+// proto/service.proto): a POSIX shared-memory region this process creates,
+// the worker maps, and the name of which is unlinked as soon as the worker
+// has answered (so nothing is left in /dev/shm whoever dies). Calls lay
+// their arrays out in it; one call at a time per channel (ChannelPool).
+#ifndef EMBER_CLIENT_SHM_CHANNEL_H_
+#define EMBER_CLIENT_SHM_CHANNEL_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/service.grpc.pb.h"
+
+namespace ember {
+namespace client {
+
+class ShmChannel {
+ public:
+  // Creates a region of at least `bytes` and has the worker map it.
+  // `prepare` sets a call's deadline and credentials.
+  static absl::StatusOr<std::unique_ptr<ShmChannel>> Open(
+      ember::v1::Worker::Stub* stub, uint64_t bytes,
+      const std::function<void(grpc::ClientContext*)>& prepare);
+  // Unmaps the region and asks the worker to forget the channel (best
+  // effort; it forgets idle channels anyway).
+  ~ShmChannel();
+
+  uint64_t id() const { return id_; }
+  char* base() const { return base_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  ShmChannel() = default;
+  ember::v1::Worker::Stub* stub_ = nullptr;
+  std::function<void(grpc::ClientContext*)> prepare_;
+  uint64_t id_ = 0;
+  char* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// One channel per worker address, leased to one call at a time; a call that
+// finds it busy, or a worker that offers none (another host, turned off),
+// goes inline instead.
+class ChannelPool {
+ public:
+  // A channel held for one call; empty: go inline.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(std::unique_lock<std::mutex> lock, ShmChannel* channel, bool* broken)
+        : lock_(std::move(lock)), channel_(channel), broken_(broken) {}
+    ShmChannel* get() const { return channel_; }
+    explicit operator bool() const { return channel_ != nullptr; }
+    // The call failed: open a fresh channel next time.
+    void Invalidate() {
+      if (broken_ != nullptr) *broken_ = true;
+    }
+
+   private:
+    std::unique_lock<std::mutex> lock_;
+    ShmChannel* channel_ = nullptr;
+    bool* broken_ = nullptr;
+  };
+
+  // Channels are offered to workers whose address is a loopback one
+  // ("127.*", "localhost", "[::1]"): a trainer and a worker on one host.
+  static bool SameHost(const std::string& address);
+
+  // A channel of at least `bytes` to `address` (opened or grown as needed),
+  // or an empty lease.
+  Lease Acquire(const std::string& address, uint64_t bytes, ember::v1::Worker::Stub* stub,
+                const std::function<void(grpc::ClientContext*)>& prepare);
+
+ private:
+  struct Slot {
+    std::mutex mu;
+    std::unique_ptr<ShmChannel> channel;
+    bool broken = false;
+    absl::Time retry_after = absl::InfinitePast();  // after a refused open
+  };
+  absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace client
+}  // namespace ember
+
+#endif  // EMBER_CLIENT_SHM_CHANNEL_H_

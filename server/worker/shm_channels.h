@@ -1,0 +1,85 @@
+// The worker's shared-memory channels (OpenChannel in proto/service.proto):
+// regions trainers on the same host created and the worker mapped, through
+// which bulk arrays travel instead of inside gRPC messages.
+//
+// A channel belongs to the credentials that opened it (the authorization
+// value, when tokens are on): calls naming it with other credentials are
+// refused. It is forgotten on CloseChannel, after `idle_timeout` without a
+// call, and when the service goes; a region in use by a call stays mapped
+// until the call ends (shared ownership). Thread-safe.
+#ifndef EMBER_SERVER_WORKER_SHM_CHANNELS_H_
+#define EMBER_SERVER_WORKER_SHM_CHANNELS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "proto/service.pb.h"
+
+namespace ember {
+namespace worker {
+
+class ShmChannels {
+ public:
+  // A mapped region.
+  class Region {
+   public:
+    Region(char* base, size_t size) : base_(base), size_(size) {}
+    ~Region();
+    Region(const Region&) = delete;
+    Region& operator=(const Region&) = delete;
+    size_t size() const { return size_; }
+    // The bytes of `slice`, INVALID_ARGUMENT (naming `what`) unless they lie
+    // inside the region at a multiple of `align`.
+    absl::StatusOr<absl::Span<char>> Bytes(const ember::v1::ShmSlice& slice, size_t align,
+                                           const std::string& what) const;
+
+   private:
+    char* const base_;
+    const size_t size_;
+  };
+
+  // Limits: region sizes in [4 KiB, max_region_bytes], at most
+  // max_channels open at once.
+  ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels);
+
+  // Maps `name` (a "/ember-..." POSIX shared-memory name of at least `size`
+  // bytes). INVALID_ARGUMENT for a bad name or size, NOT_FOUND when it
+  // cannot be opened, RESOURCE_EXHAUSTED past max_channels.
+  absl::StatusOr<uint64_t> Open(const std::string& name, uint64_t size, const std::string& owner);
+  // NOT_FOUND for an unknown channel, PERMISSION_DENIED for another owner's.
+  absl::Status Close(uint64_t id, const std::string& owner);
+  // The channel's region for a call (its idle clock restarts). UNAVAILABLE
+  // for an unknown or expired channel (the client opens a new one and
+  // retries), PERMISSION_DENIED for another owner's.
+  absl::StatusOr<std::shared_ptr<const Region>> Use(uint64_t id, const std::string& owner);
+
+  int open_channels() const;
+  absl::Duration idle_timeout() const { return idle_timeout_; }
+
+ private:
+  struct Channel {
+    std::shared_ptr<const Region> region;
+    std::string owner;
+    absl::Time last_used;
+  };
+  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const absl::Duration idle_timeout_;
+  const uint64_t max_region_bytes_;
+  const int max_channels_;
+  mutable absl::Mutex mu_;
+  std::map<uint64_t, Channel> channels_ ABSL_GUARDED_BY(mu_);
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace worker
+}  // namespace ember
+
+#endif  // EMBER_SERVER_WORKER_SHM_CHANNELS_H_
