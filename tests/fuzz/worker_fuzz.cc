@@ -4,8 +4,14 @@
 // Invariants besides "no crash, no sanitizer report": the collection "c"
 // keeps answering a fixed lookup with unchanged values unless an
 // acknowledged mutation targeted it.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,13 +68,79 @@ bool Parse(const std::string& bytes, Req* r) {
   return r->ParseFromString(bytes);
 }
 
+// A shared-memory channel the service has mapped (as a client on this host
+// would open it): calls through it read the fuzzer's bytes from the region.
+struct FuzzChannel {
+  char* base = nullptr;
+  uint64_t size = 1 << 16;
+  uint64_t id = 0;
+};
+
+FuzzChannel OpenFuzzChannel(WorkerService* s) {
+  FuzzChannel ch;
+  const std::string name = "/ember-fuzz-" + std::to_string(getpid());
+  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+  if (fd < 0 || ftruncate(fd, ch.size) != 0) std::abort();
+  ch.base = static_cast<char*>(mmap(nullptr, ch.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  ember::v1::OpenChannelRequest req;
+  req.set_shm_name(name);
+  req.set_size(ch.size);
+  ember::v1::OpenChannelResponse resp;
+  if (ch.base == MAP_FAILED || !s->OpenChannel(nullptr, &req, &resp).ok()) std::abort();
+  shm_unlink(name.c_str());
+  ch.id = resp.channel_id();
+  return ch;
+}
+
+// The first half of the payload goes into the region, the rest is the
+// request.
+std::string Split(const std::string& payload, const FuzzChannel& ch) {
+  const size_t half = std::min<size_t>(payload.size() / 2, ch.size);
+  std::memcpy(ch.base, payload.data(), half);
+  return payload.substr(half);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static WorkerService* service = Make();
+  static FuzzChannel channel = OpenFuzzChannel(service);
   if (size < 1) return 0;
   const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 9) {
+  switch (data[0] % 12) {
+    case 9: {  // a lookup through the channel
+      ember::v1::WorkerLookupRequest r;
+      ember::v1::WorkerLookupResponse out;
+      if (Parse(Split(payload, channel), &r)) {
+        r.set_channel_id(channel.id);
+        (void)service->Lookup(nullptr, &r, &out);
+      }
+      break;
+    }
+    case 10: {  // an update through the channel
+      ember::v1::WorkerApplyGradientsRequest r;
+      ember::v1::WorkerApplyGradientsResponse out;
+      if (Parse(Split(payload, channel), &r)) {
+        r.set_channel_id(channel.id);
+        (void)service->ApplyGradients(nullptr, &r, &out);
+      }
+      break;
+    }
+    case 11: {  // opening (names that do not exist) and closing channels
+      ember::v1::OpenChannelRequest r;
+      ember::v1::OpenChannelResponse out;
+      if (Parse(payload, &r)) {
+        r.set_shm_name("/ember-fuzz-absent-" + r.shm_name().substr(0, 32));
+        (void)service->OpenChannel(nullptr, &r, &out);
+      }
+      ember::v1::CloseChannelRequest c;
+      ember::v1::CloseChannelResponse closed;
+      if (Parse(payload, &c) && c.channel_id() != channel.id) {
+        (void)service->CloseChannel(nullptr, &c, &closed);
+      }
+      break;
+    }
     case 0: {
       ember::v1::WorkerLookupRequest r;
       ember::v1::WorkerLookupResponse out;
