@@ -48,7 +48,6 @@ using client::Client;
 using client::InProcessCollection;
 using client::KeyedJaggedTensor;
 using client::KeyedTensor;
-using testing_util::ExpectNear;
 using testing_util::RandomKjt;
 
 constexpr char kCollection[] = "multihost";
@@ -119,37 +118,10 @@ TEST_F(Trainer, TrainsAgainstTheReference) {
   std::mt19937 rng(7);
   for (int step = 0; step < 6; ++step) {
     SCOPED_TRACE(absl::StrCat("step ", step));
-    const KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw", "f_sum2"},
-                                            {301, 200, 150, 301}, 16, step % 2 == 1);
-    auto got = c->Lookup(kCollection, kjt);
-    ASSERT_TRUE(got.ok()) << got.status();
-    auto want = (*ref)->Lookup(kjt);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ExpectNear(got->values, want->values, "lookup");
-    KeyedTensor grads = *got;
-    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplyGradients(kCollection, kjt, grads).ok());
-    ASSERT_TRUE((*ref)->ApplyGradients(kjt, grads).ok());
-
-    const KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 8, false);
-    auto se = c->LookupSequence(kCollection, seq);
-    ASSERT_TRUE(se.ok()) << se.status();
-    auto se_want = (*ref)->LookupSequence(seq);
-    ASSERT_TRUE(se_want.ok()) << se_want.status();
-    ExpectNear((*se)[0].values, (*se_want)[0].values, "sequence lookup");
-    auto sg = *se;
-    for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplySequenceGradients(kCollection, seq, sg).ok());
-    ASSERT_TRUE((*ref)->ApplySequenceGradients(seq, sg).ok());
+    testing_util::StepAgainstReference(c, ref->get(), kCollection, rng, 16, step % 2 == 1, true,
+                                       "multi-host");
   }
-  for (const auto& t : spec.tables()) {
-    int64_t rows = 0, dim = 0, ref_rows = 0, ref_dim = 0;
-    auto got = c->ExportTable(kCollection, t.name(), &rows, &dim);
-    ASSERT_TRUE(got.ok()) << got.status();
-    auto want = (*ref)->ExportTable(t.name(), &ref_rows, &ref_dim);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ExpectNear(*got, *want, "table " + t.name());
-  }
+  testing_util::ExpectTablesMatch(c, ref->get(), kCollection, spec, "multi-host");
   // The trainer's token does not change the deployment.
   EXPECT_EQ(c->DropCollection(kCollection).code(), absl::StatusCode::kPermissionDenied);
 }

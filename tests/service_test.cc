@@ -31,7 +31,6 @@ using client::Client;
 using client::InProcessCollection;
 using client::KeyedJaggedTensor;
 using client::KeyedTensor;
-using client::SequenceEmbedding;
 using ember::v1::CollectionSpec;
 using ember::v1::OptimizerSpec;
 using ember::v1::TableConfig;
@@ -52,43 +51,10 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
   auto ref = InProcessCollection::Create(spec, &info->plan());
   ASSERT_TRUE(ref.ok()) << ref.status();
   std::mt19937 rng(seed);
-  for (int step = 0; step < 3; ++step) {
-    // Pooled features; weighted on odd steps (per-sample weights).
-    const bool weighted = step % 2 == 1;
-    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
-                                      {200, 301, 150, 301}, 5, weighted);
-    auto kt = c->Lookup(name, kjt);
-    ASSERT_TRUE(kt.ok()) << kt.status();
-    // Collection order: t_sum's f_sum, f_sum2, then t_mean, t_rw.
-    ASSERT_EQ(kt->keys, (std::vector<std::string>{"f_sum", "f_sum2", "f_mean", "f_rw"}));
-    auto want = (*ref)->Lookup(kjt);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ASSERT_EQ(kt->length_per_key, want->length_per_key);
-    ExpectNear(kt->values, want->values, type + " lookup");
-    KeyedTensor grads = *kt;
-    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
-    ASSERT_TRUE((*ref)->ApplyGradients(kjt, grads).ok());
-
-    // The sequence feature.
-    KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 4, false);
-    auto se = c->LookupSequence(name, seq);
-    ASSERT_TRUE(se.ok()) << se.status();
-    auto se_want = (*ref)->LookupSequence(seq);
-    ASSERT_TRUE(se_want.ok()) << se_want.status();
-    ExpectNear((*se)[0].values, (*se_want)[0].values, type + " sequence lookup");
-    std::vector<SequenceEmbedding> sg = *se;
-    for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
-    ASSERT_TRUE((*ref)->ApplySequenceGradients(seq, sg).ok());
+  for (int step = 0; step < 3; ++step) {  // weighted on odd steps
+    testing_util::StepAgainstReference(c, ref->get(), name, rng, 5, step % 2 == 1, true, type);
   }
-  for (const auto& t : spec.tables()) {
-    int64_t rows = 0, dim = 0, ref_rows = 0, ref_dim = 0;
-    auto got = c->ExportTable(name, t.name(), &rows, &dim);
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(rows, t.num_embeddings());
-    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &ref_rows, &ref_dim), type + " export " + t.name());
-  }
+  testing_util::ExpectTablesMatch(c, ref->get(), name, spec, type);
   ASSERT_TRUE(c->DropCollection(name).ok());
 }
 
@@ -192,10 +158,7 @@ TEST_P(ServiceTest, ConcurrentClientsGetCorrectResults) {
           ++failures;
           continue;
         }
-        const std::vector<float> want = ref->Lookup(kjt)->values;
-        for (size_t j = 0; j < want.size(); ++j) {
-          if (std::abs(kt->values[j] - want[j]) > 2e-5 * (1 + std::abs(want[j]))) ++failures;
-        }
+        failures += testing_util::Mismatches(kt->values, ref->Lookup(kjt)->values);
       }
     });
   }
@@ -252,24 +215,10 @@ TEST_P(ServiceTest, AnExplicitPlanIsCheckedAndServed) {
   ASSERT_TRUE(ref.ok()) << ref.status();
   std::mt19937 rng(31);
   for (int step = 0; step < 3; ++step) {
-    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
-                                      {200, 301, 150, 301}, 6, step == 1);
-    auto kt = c->Lookup("explicit", kjt);
-    ASSERT_TRUE(kt.ok()) << kt.status();
-    auto want = (*ref)->Lookup(kjt);
-    ASSERT_TRUE(want.ok());
-    ExpectNear(kt->values, want->values, "explicit plan lookup");
-    KeyedTensor grads = *kt;
-    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplyGradients("explicit", kjt, grads).ok());
-    ASSERT_TRUE((*ref)->ApplyGradients(kjt, grads).ok());
+    testing_util::StepAgainstReference(c.get(), ref->get(), "explicit", rng, 6, step == 1, true,
+                                       "explicit plan");
   }
-  for (const auto& t : spec.tables()) {
-    int64_t rows = 0, dim = 0, rr = 0, rd = 0;
-    auto got = c->ExportTable("explicit", t.name(), &rows, &dim);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), "explicit plan " + t.name());
-  }
+  testing_util::ExpectTablesMatch(c.get(), ref->get(), "explicit", spec, "explicit plan");
   ASSERT_TRUE(c->DropCollection("explicit").ok());
 }
 
@@ -306,10 +255,7 @@ TEST(ServiceBoundTest, BusyWorkersAreWaitedOutByClients) {
             ++failures;
             continue;
           }
-          const std::vector<float> want = ref->Lookup(kjt)->values;
-          for (size_t j = 0; j < want.size(); ++j) {
-            if (std::abs(kt->values[j] - want[j]) > 2e-5 * (1 + std::abs(want[j]))) ++failures;
-          }
+          failures += testing_util::Mismatches(kt->values, ref->Lookup(kjt)->values);
         }
       });
     }

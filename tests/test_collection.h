@@ -15,6 +15,7 @@
 #include <map>
 
 #include "client/client.h"
+#include "client/inprocess.h"
 #include "absl/time/clock.h"
 #include "client/kjt.h"
 #include "gtest/gtest.h"
@@ -85,6 +86,17 @@ inline void ExpectNear(const std::vector<float>& got, const std::vector<float>& 
   }
 }
 
+// How many values differ beyond ExpectNear's tolerance (for threads, where
+// ASSERTs cannot stop the test); a size mismatch counts as one.
+inline int Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return 1;
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::abs(got[i] - want[i]) > 2e-5 * (1 + std::abs(want[i]))) ++bad;
+  }
+  return bad;
+}
+
 using Tables = std::map<std::string, std::vector<float>>;
 
 // Every table of a collection, exported through the client.
@@ -129,6 +141,55 @@ inline absl::Status ApplyUntilAcknowledged(client::Client* c, const std::string&
     }
     if (absl::Now() > deadline) return s;
     absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+// One training step of TestSpec's collection `name` through `c` and
+// `ref` alike: a pooled lookup (the four pooled features, `batch` bags,
+// per-sample weights when `weighted`) compared, random gradients applied to
+// both, then the same for the sequence feature when `sequence`.
+inline void StepAgainstReference(client::Client* c, client::InProcessCollection* ref,
+                                 const std::string& name, std::mt19937& rng, int batch,
+                                 bool weighted, bool sequence, const std::string& what) {
+  const KeyedJaggedTensor kjt =
+      RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"}, {200, 301, 150, 301}, batch, weighted);
+  auto kt = c->Lookup(name, kjt);
+  ASSERT_TRUE(kt.ok()) << kt.status();
+  // Collection order: t_sum's f_sum, f_sum2, then t_mean, t_rw.
+  ASSERT_EQ(kt->keys, (std::vector<std::string>{"f_sum", "f_sum2", "f_mean", "f_rw"}));
+  auto want = ref->Lookup(kjt);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(kt->length_per_key, want->length_per_key);
+  ExpectNear(kt->values, want->values, what + " lookup");
+  client::KeyedTensor grads = *kt;
+  for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+  ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
+  ASSERT_TRUE(ref->ApplyGradients(kjt, grads).ok());
+  if (!sequence) return;
+  const KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, batch, false);
+  auto se = c->LookupSequence(name, seq);
+  ASSERT_TRUE(se.ok()) << se.status();
+  auto se_want = ref->LookupSequence(seq);
+  ASSERT_TRUE(se_want.ok()) << se_want.status();
+  ExpectNear((*se)[0].values, (*se_want)[0].values, what + " sequence lookup");
+  auto sg = *se;
+  for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+  ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
+  ASSERT_TRUE(ref->ApplySequenceGradients(seq, sg).ok());
+}
+
+// Every table of `spec` exported through `c` equals the reference's.
+inline void ExpectTablesMatch(client::Client* c, client::InProcessCollection* ref,
+                              const std::string& name, const CollectionSpec& spec,
+                              const std::string& what) {
+  for (const auto& t : spec.tables()) {
+    int64_t rows = 0, dim = 0, ref_rows = 0, ref_dim = 0;
+    auto got = c->ExportTable(name, t.name(), &rows, &dim);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(rows, t.num_embeddings());
+    auto want = ref->ExportTable(t.name(), &ref_rows, &ref_dim);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ExpectNear(*got, *want, what + " table " + t.name());
   }
 }
 
