@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 import ember
+from train_bench import time_steps
 
 
 def parse_args():
@@ -152,12 +153,7 @@ def train_rate(client, name, tables, batch, steps, rng):
                                       np.full(out.values.shape, 1e-4, dtype=np.float32))
         client.apply_gradients(name, kjt, grads)
 
-    for kjt in batches[:2]:  # warm-up
-        step(kjt)
-    start = time.perf_counter()
-    for i in range(steps):
-        step(batches[i % len(batches)])
-    return steps / (time.perf_counter() - start)
+    return time_steps(step, batches, steps)
 
 
 def main():

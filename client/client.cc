@@ -235,7 +235,6 @@ void MoveFeature(ShardFeature* f, char* base, uint64_t* at) {
 ChannelPool::Lease PlaceLookup(ember::v1::WorkerLookupRequest* req,
                                const std::vector<uint64_t>& output_bytes,
                                const std::string& address, const ChannelFor& channel_for) {
-  if (!channel_for) return {};
   uint64_t total = 0;
   for (const ShardFeature& f : req->features()) total += FeatureBytes(f);
   for (uint64_t b : output_bytes) total += Aligned(b);
@@ -257,7 +256,6 @@ ChannelPool::Lease PlaceLookup(ember::v1::WorkerLookupRequest* req,
 // The same for an update's arrays and gradients.
 ChannelPool::Lease PlaceGradients(ember::v1::WorkerApplyGradientsRequest* req,
                                   const std::string& address, const ChannelFor& channel_for) {
-  if (!channel_for) return {};
   uint64_t total = 0;
   for (const auto& g : req->gradients()) total += FeatureBytes(g.feature()) + Aligned(g.grad().size());
   ChannelPool::Lease lease = channel_for(address, total);
@@ -346,6 +344,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
 }
 
 ChannelPool::Lease Client::ChannelTo(const std::string& address, uint64_t bytes) {
+  if (!options_.shared_memory) return {};
   return channels_.Acquire(address, bytes, StubFor(address), [this](grpc::ClientContext* ctx) {
     PrepareContext(ctx, options_.timeout);
   });
@@ -791,10 +790,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
 absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtView kjt) {
   KeyedTensor kt;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = ChannelFor();
-  if (options_.shared_memory) {
-    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  }
+  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   const uint64_t pick = replica_counter_.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -825,10 +821,7 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = ChannelFor();
-  if (options_.shared_memory) {
-    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  }
+  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
@@ -857,10 +850,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
     const std::string& collection, KjtView kjt) {
   std::vector<SequenceEmbedding> out;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = ChannelFor();
-  if (options_.shared_memory) {
-    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  }
+  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   const uint64_t pick = replica_counter_.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -895,10 +885,7 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = ChannelFor();
-  if (options_.shared_memory) {
-    channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  }
+  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {

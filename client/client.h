@@ -159,7 +159,7 @@ class Client {
                                                             bool refresh);
   ember::v1::Worker::Stub* StubFor(const std::string& address);
   // A shared-memory channel of `bytes` to the worker at `address` for one
-  // call, or an empty lease (inline).
+  // call, or an empty lease (inline; always with shared_memory off).
   ChannelPool::Lease ChannelTo(const std::string& address, uint64_t bytes);
   // A unary call's deadline and token (the fan-outs set theirs in Fanout).
   void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;

@@ -382,6 +382,7 @@ class CudaBackend : public EmbeddingBackend {
         stream_(stream),
         device_name_(std::move(device_name)),
         max_blocks_(max_blocks),
+        budget_(options.memory_limit_bytes),
         staging_(/*pinned_host=*/true),
         init_stream_(init_stream),
         init_staging_(/*pinned_host=*/true) {}
@@ -462,21 +463,12 @@ class CudaBackend : public EmbeddingBackend {
           absl::StrCat("shard of table '", spec.table, "' is larger than 2^63 bytes"));
     }
     const int64_t bytes = shard->Bytes();
-    {
-      absl::MutexLock lock(&mu_);
-      if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
-            options_.memory_limit_bytes, " are in use"));
-      }
-      used_bytes_ += bytes;  // reserved
-    }
-    absl::Status s = MakeShard(shard.get(), bytes);
-    absl::MutexLock lock(&mu_);
-    if (!s.ok()) {
-      used_bytes_ -= bytes;
+    if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
+    if (absl::Status s = MakeShard(shard.get(), bytes); !s.ok()) {
+      budget_.Release(bytes);
       return s;
     }
+    absl::MutexLock lock(&mu_);
     const ShardId id = next_id_++;
     shards_.emplace(id, std::move(shard));
     return id;
@@ -502,7 +494,7 @@ class CudaBackend : public EmbeddingBackend {
     auto it = shards_.find(id);
     if (it == shards_.end()) return ShardNotFound(id);
     if (absl::Status s = Activate(); !s.ok()) return s;
-    used_bytes_ -= it->second->Bytes();
+    budget_.Release(it->second->Bytes());
     shards_.erase(it);
     return absl::OkStatus();
   }
@@ -854,11 +846,7 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  int64_t AvailableBytes() const override {
-    absl::MutexLock lock(&mu_);
-    if (options_.memory_limit_bytes <= 0) return std::numeric_limits<int64_t>::max();
-    return std::max<int64_t>(0, options_.memory_limit_bytes - used_bytes_);
-  }
+  int64_t AvailableBytes() const override { return budget_.Available(); }
 
   std::string Name() const override { return absl::StrCat("cuda/", device_name_); }
 
@@ -1057,7 +1045,7 @@ class CudaBackend : public EmbeddingBackend {
   mutable absl::Mutex mu_;
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  backend::MemoryBudget budget_;
   // Per-call scratch, grown on demand and reused (const calls use it too).
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
   mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory

@@ -79,10 +79,13 @@ inline KeyedJaggedTensor RandomKjt(std::mt19937& rng, const std::vector<std::str
   return *kjt;
 }
 
+// The tolerance every comparison with the reference uses.
+inline double Tolerance(float want) { return 2e-5 * (1 + std::abs(want)); }
+
 inline void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], 2e-5 * (1 + std::abs(want[i]))) << what << " at " << i;
+    ASSERT_NEAR(got[i], want[i], Tolerance(want[i])) << what << " at " << i;
   }
 }
 
@@ -92,7 +95,7 @@ inline int Mismatches(const std::vector<float>& got, const std::vector<float>& w
   if (got.size() != want.size()) return 1;
   int bad = 0;
   for (size_t i = 0; i < got.size(); ++i) {
-    if (std::abs(got[i] - want[i]) > 2e-5 * (1 + std::abs(want[i]))) ++bad;
+    if (std::abs(got[i] - want[i]) > Tolerance(want[i])) ++bad;
   }
   return bad;
 }

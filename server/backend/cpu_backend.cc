@@ -103,7 +103,10 @@ void InitParallel(int64_t work, int64_t rows, F fn) {
 class CpuBackend : public EmbeddingBackend {
  public:
   CpuBackend(const CpuBackendOptions& options, const RowKernels* kernels)
-      : options_(options), kernels_(kernels), pool_(options.num_threads) {}
+      : options_(options),
+        kernels_(kernels),
+        pool_(options.num_threads),
+        budget_(options.memory_limit_bytes) {}
 
   // The memory is reserved under the lock; allocation and initialisation
   // run outside it (on threads of their own, not the lookup pool), so a
@@ -115,20 +118,11 @@ class CpuBackend : public EmbeddingBackend {
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
     const int64_t bytes = shard->Bytes();
-    {
-      absl::MutexLock lock(&mu_);
-      if (options_.memory_limit_bytes > 0 && used_bytes_ + bytes > options_.memory_limit_bytes) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "shard of table '", spec.table, "' needs ", bytes, " bytes; ", used_bytes_, " of ",
-            options_.memory_limit_bytes, " are in use"));
-      }
-      used_bytes_ += bytes;  // reserved
-    }
+    if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
     shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
     if (shard->state_width > 0) shard->state = AllocateHost<float>(spec.rows * shard->state_width);
     if (!shard->weights || (shard->state_width > 0 && !shard->state)) {
-      absl::MutexLock lock(&mu_);
-      used_bytes_ -= bytes;
+      budget_.Release(bytes);
       return absl::ResourceExhaustedError(
           absl::StrCat("out of host memory for shard of table '", spec.table, "' (", bytes,
                        " bytes)"));
@@ -158,7 +152,7 @@ class CpuBackend : public EmbeddingBackend {
     absl::MutexLock lock(&mu_);
     auto it = shards_.find(id);
     if (it == shards_.end()) return ShardNotFound(id);
-    used_bytes_ -= it->second->Bytes();
+    budget_.Release(it->second->Bytes());
     shards_.erase(it);
     return absl::OkStatus();
   }
@@ -355,11 +349,7 @@ class CpuBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  int64_t AvailableBytes() const override {
-    absl::MutexLock lock(&mu_);
-    if (options_.memory_limit_bytes <= 0) return std::numeric_limits<int64_t>::max();
-    return std::max<int64_t>(0, options_.memory_limit_bytes - used_bytes_);
-  }
+  int64_t AvailableBytes() const override { return budget_.Available(); }
 
   std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }
 
@@ -497,7 +487,7 @@ class CpuBackend : public EmbeddingBackend {
   mutable absl::Mutex mu_;
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  MemoryBudget budget_;
   // Scratch reused across calls (no allocation once warm).
   std::vector<std::vector<int64_t>> offsets_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> req_order_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,7 @@
 #include "server/backend/embedding_backend.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <limits>
 
@@ -43,6 +45,28 @@ int64_t OutputSize(const FeatureRequest& f, int64_t dim) {
   return (f.pooling == Pooling::kNone ? static_cast<int64_t>(f.ids.size())
                                       : static_cast<int64_t>(f.lengths.size())) *
          dim;
+}
+
+absl::Status MemoryBudget::Reserve(int64_t bytes, const std::string& table) {
+  absl::MutexLock lock(&mu_);
+  if (limit_ > 0 && used_ + bytes > limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat("shard of table '", table, "' needs ", bytes,
+                                                     " bytes; ", used_, " of ", limit_,
+                                                     " are in use"));
+  }
+  used_ += bytes;
+  return absl::OkStatus();
+}
+
+void MemoryBudget::Release(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  used_ -= bytes;
+}
+
+int64_t MemoryBudget::Available() const {
+  if (limit_ <= 0) return std::numeric_limits<int64_t>::max();
+  absl::MutexLock lock(&mu_);
+  return std::max<int64_t>(0, limit_ - used_);
 }
 
 absl::Status ShardNotFound(ShardId shard) {

@@ -52,6 +52,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "server/backend/embedding_math.h"
 
@@ -228,6 +229,26 @@ int64_t OutputSize(const FeatureRequest& f, int64_t dim);
 
 // NOT_FOUND for a shard id a backend does not hold.
 absl::Status ShardNotFound(ShardId shard);
+
+// The bytes of shards (weights + optimizer state) a backend may hold: a
+// shard's bytes are reserved before it is allocated (so creations running
+// side by side cannot together pass the limit) and released when it goes,
+// or when its allocation fails. A limit <= 0 means none. Thread-safe.
+class MemoryBudget {
+ public:
+  explicit MemoryBudget(int64_t limit) : limit_(limit) {}
+  // RESOURCE_EXHAUSTED naming `table` when `bytes` more would pass the
+  // limit; nothing is reserved then.
+  absl::Status Reserve(int64_t bytes, const std::string& table);
+  void Release(int64_t bytes);
+  // What is left (int64 max without a limit): AvailableBytes.
+  int64_t Available() const;
+
+ private:
+  const int64_t limit_;
+  mutable absl::Mutex mu_;
+  int64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 // Checks one request against its shard: the feature (ValidateFeature) and
 // its dense buffer (`buffer`: a lookup's output or a gradient), which must

@@ -101,16 +101,23 @@ absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path) {
   return Parse(*text, path);
 }
 
-grpc::Status TokenTable::Check(const grpc::ServerContext* ctx, Role needed) const {
-  if (!enabled_) return grpc::Status::OK;
+std::optional<absl::string_view> AuthorizationOf(const grpc::ServerContext* ctx) {
+  if (ctx == nullptr) return std::nullopt;
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) {
+  if (it == md.end()) return std::nullopt;
+  return absl::string_view(it->second.data(), it->second.size());
+}
+
+grpc::Status TokenTable::Check(const grpc::ServerContext* ctx, Role needed) const {
+  if (!enabled_) return grpc::Status::OK;
+  const std::optional<absl::string_view> authorization = AuthorizationOf(ctx);
+  if (!authorization.has_value()) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "no credentials: send \"authorization: Bearer TOKEN\" "
                         "(--auth_token_file)");
   }
-  absl::string_view value(it->second.data(), it->second.size());
+  absl::string_view value = *authorization;
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization is not a Bearer token");
   }

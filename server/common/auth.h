@@ -19,6 +19,7 @@
 #define EMBER_SERVER_COMMON_AUTH_H_
 
 #include <array>
+#include <optional>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -58,6 +59,10 @@ class TokenTable {
 // A client's token from FILE: its only line, or the admin line of a server's
 // ROLE TOKEN file. INVALID_ARGUMENT / NOT_FOUND as TokenTable::Load.
 absl::StatusOr<std::string> LoadClientToken(const std::string& path);
+
+// The call's "authorization" metadata, if it carries one (nullopt too for
+// a null context: services called directly in tests).
+std::optional<absl::string_view> AuthorizationOf(const grpc::ServerContext* ctx);
 
 // Adds "authorization: Bearer TOKEN" to an outgoing call (nothing when empty).
 void AddToken(grpc::ClientContext* ctx, const std::string& token);

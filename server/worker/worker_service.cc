@@ -131,10 +131,7 @@ namespace {
 // Whose a shared-memory channel is: the call's credentials (empty without
 // tokens, or in tests that call the service directly).
 std::string OwnerOf(const grpc::ServerContext* ctx) {
-  if (ctx == nullptr) return "";
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  return it == md.end() ? "" : std::string(it->second.data(), it->second.size());
+  return std::string(AuthorizationOf(ctx).value_or(""));
 }
 
 bool InChannel(const ember::v1::ShardFeature& f) {
