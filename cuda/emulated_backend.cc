@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "cuda/call_split.h"
 #include "cuda/kernel_bodies.h"
 #include "cuda/request_plan.h"
 #include "cuda/warp.h"
@@ -45,8 +47,20 @@ void RunWarp(Body body) {
   HostWarp::Run([&](HostWarp& w) { body(w); });
 }
 
+// Stands in for CUB's temporary storage when sizing a call against the
+// scratch: a fixed part and some bytes per element, as CUB's grow.
+size_t TempBytes(int64_t elements) { return 1024 + 16 * static_cast<size_t>(elements); }
+
 class EmulatedBackend : public backend::EmbeddingBackend {
  public:
+  explicit EmulatedBackend(const EmulatedCudaOptions& options) {
+    const size_t bytes = options.scratch_bytes == 0 ? std::numeric_limits<size_t>::max()
+                                                    : options.scratch_bytes;
+    scratch_.device_bytes = scratch_.host_bytes = bytes;
+    scratch_.lookup_temp = [](const CallSize& s) { return TempBytes(s.bags); };
+    scratch_.gradient_temp = [](const CallSize& s) { return TempBytes(std::max(s.bags, s.ids)); };
+  }
+
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
     if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
     absl::MutexLock lock(&mu_);
@@ -89,6 +103,86 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
     const LookupPlan plan = PlanLookup(requests, Resolver());
     if (plan.total_items == 0) return absl::OkStatus();
+    return ForEachLookupPiece(requests, plan, Resolver(), scratch_,
+                              [this](absl::Span<const LookupRequest> piece)
+                                  ABSL_NO_THREAD_SAFETY_ANALYSIS { return LookupPiece(piece); });
+  }
+
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+    const GradientPlan plan = PlanGradients(requests, Resolver());
+    auto take_steps = [&] {
+      for (ShardId id : plan.idle) ++Find(id)->step;
+      for (ShardId id : plan.slots) ++Find(id)->step;
+    };
+    if (plan.total_ids > 0) {
+      if (absl::Status s = ForEachGradientPiece(
+              requests, plan, Resolver(), scratch_,
+              [this](absl::Span<const GradientRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return GradientPiece(piece);
+              });
+          !s.ok()) {
+        return s;
+      }
+    }
+    take_steps();
+    return absl::OkStatus();
+  }
+
+  absl::Status ExportRows(ShardId id, int64_t b, int64_t e, absl::Span<float> weights,
+                          absl::Span<float> state) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    if (absl::Status st = backend::ValidateRowRange(s->spec, b, e, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    const int64_t dim = s->spec.dim;
+    for (int64_t i = 0; i < (e - b) * dim; ++i) weights[i] = Get(*s, b * dim + i);
+    std::copy(s->state.begin() + b * s->state_width, s->state.begin() + e * s->state_width,
+              state.begin());
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportRows(ShardId id, int64_t b, int64_t e, absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    if (absl::Status st = backend::ValidateImport(s->spec, b, e, weights, state); !st.ok()) {
+      return st;
+    }
+    Store(s, b * s->spec.dim, weights.data(), (e - b) * s->spec.dim);
+    std::copy(state.begin(), state.end(), s->state.begin() + b * s->state_width);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    return s->step;
+  }
+
+  absl::Status ImportStep(ShardId id, int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = Find(id);
+    if (s == nullptr) return backend::ShardNotFound(id);
+    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
+    s->step = step;
+    return absl::OkStatus();
+  }
+
+  int64_t AvailableBytes() const override { return int64_t{1} << 40; }
+  std::string Name() const override { return "cuda-emulated/host"; }
+
+ private:
+  // One piece of a Lookup call (all of it when it fits the scratch).
+  absl::Status LookupPiece(absl::Span<const LookupRequest> requests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const LookupPlan plan = PlanLookup(requests, Resolver());
     // The staged arrays, concatenated as on the device.
     std::vector<int64_t> lengths, ids;
     std::vector<float> weights(plan.any_weighted ? plan.total_ids : 0);
@@ -113,19 +207,11 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
-    absl::MutexLock lock(&mu_);
-    if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+  // One piece of an ApplyGradients call, without the Adam step.
+  absl::Status GradientPiece(absl::Span<const GradientRequest> requests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const GradientPlan plan = PlanGradients(requests, Resolver());
-    auto take_steps = [&] {
-      for (ShardId id : plan.idle) ++Find(id)->step;
-      for (ShardId id : plan.slots) ++Find(id)->step;
-    };
     const int64_t total = plan.total_ids;
-    if (total == 0) {
-      take_steps();
-      return absl::OkStatus();
-    }
     std::vector<int64_t> lengths, ids;
     std::vector<float> weights(plan.any_weighted ? total : 0), grads;
     for (const GradientRequest& r : requests) {
@@ -182,59 +268,9 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     a.partial_stride = plan.max_dim;
     RunWarp([&](HostWarp& w) { kernels::PartialSumWarp(w, 0, 1, a); });
     RunWarp([&](HostWarp& w) { kernels::UpdateWarp(w, 0, 1, a); });
-    take_steps();
     return absl::OkStatus();
   }
 
-  absl::Status ExportRows(ShardId id, int64_t b, int64_t e, absl::Span<float> weights,
-                          absl::Span<float> state) const override {
-    absl::MutexLock lock(&mu_);
-    const Shard* s = Find(id);
-    if (s == nullptr) return backend::ShardNotFound(id);
-    if (absl::Status st = backend::ValidateRowRange(s->spec, b, e, weights.size(), state.size());
-        !st.ok()) {
-      return st;
-    }
-    const int64_t dim = s->spec.dim;
-    for (int64_t i = 0; i < (e - b) * dim; ++i) weights[i] = Get(*s, b * dim + i);
-    std::copy(s->state.begin() + b * s->state_width, s->state.begin() + e * s->state_width,
-              state.begin());
-    return absl::OkStatus();
-  }
-
-  absl::Status ImportRows(ShardId id, int64_t b, int64_t e, absl::Span<const float> weights,
-                          absl::Span<const float> state) override {
-    absl::MutexLock lock(&mu_);
-    Shard* s = Find(id);
-    if (s == nullptr) return backend::ShardNotFound(id);
-    if (absl::Status st = backend::ValidateImport(s->spec, b, e, weights, state); !st.ok()) {
-      return st;
-    }
-    Store(s, b * s->spec.dim, weights.data(), (e - b) * s->spec.dim);
-    std::copy(state.begin(), state.end(), s->state.begin() + b * s->state_width);
-    return absl::OkStatus();
-  }
-
-  absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
-    absl::MutexLock lock(&mu_);
-    const Shard* s = Find(id);
-    if (s == nullptr) return backend::ShardNotFound(id);
-    return s->step;
-  }
-
-  absl::Status ImportStep(ShardId id, int64_t step) override {
-    absl::MutexLock lock(&mu_);
-    Shard* s = Find(id);
-    if (s == nullptr) return backend::ShardNotFound(id);
-    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
-    s->step = step;
-    return absl::OkStatus();
-  }
-
-  int64_t AvailableBytes() const override { return int64_t{1} << 40; }
-  std::string Name() const override { return "cuda-emulated/host"; }
-
- private:
   static std::vector<int64_t> ExclusiveOffsets(const std::vector<int64_t>& lengths) {
     std::vector<int64_t> offsets(lengths.size() + 1, 0);
     std::partial_sum(lengths.begin(), lengths.end(), offsets.begin() + 1);
@@ -294,12 +330,14 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   mutable absl::Mutex mu_;
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  Scratch scratch_;
 };
 
 }  // namespace
 
-std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend() {
-  return std::make_unique<EmulatedBackend>();
+std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend(
+    const EmulatedCudaOptions& options) {
+  return std::make_unique<EmulatedBackend>(options);
 }
 
 }  // namespace cuda

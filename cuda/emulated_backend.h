@@ -8,6 +8,7 @@
 #ifndef EMBER_CUDA_EMULATED_BACKEND_H_
 #define EMBER_CUDA_EMULATED_BACKEND_H_
 
+#include <cstddef>
 #include <memory>
 
 #include "server/backend/embedding_backend.h"
@@ -15,7 +16,15 @@
 namespace ember {
 namespace cuda {
 
-std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend();
+struct EmulatedCudaOptions {
+  // The fixed scratch the CUDA backend would have (device bytes; the
+  // staging is as large): calls that do not fit run in pieces
+  // (call_split.h), as on a GPU. 0: no limit.
+  size_t scratch_bytes = 0;
+};
+
+std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend(
+    const EmulatedCudaOptions& options = {});
 
 }  // namespace cuda
 }  // namespace ember

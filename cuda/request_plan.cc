@@ -3,6 +3,8 @@
 #include <map>
 #include <set>
 
+#include "cuda/kernel_bodies.h"
+
 namespace ember {
 namespace cuda {
 
@@ -101,6 +103,82 @@ GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
   }
   p.id_begin[n] = p.total_ids;
   return p;
+}
+
+CallSize SizeOf(const LookupPlan& plan) {
+  CallSize s;
+  s.requests = static_cast<int64_t>(plan.descs.size());
+  s.bags = plan.total_bags;
+  s.ids = plan.total_ids;
+  s.dense = plan.total_out;
+  s.weighted = plan.any_weighted;
+  return s;
+}
+
+CallSize SizeOf(const GradientPlan& plan) {
+  CallSize s;
+  s.requests = static_cast<int64_t>(plan.descs.size());
+  s.bags = plan.total_bags;
+  s.ids = plan.total_ids;
+  s.dense = plan.total_grad;
+  s.shards = static_cast<int64_t>(plan.slots.size());
+  s.max_dim = plan.max_dim;
+  s.end_bit = plan.end_bit;
+  s.weighted = plan.any_weighted;
+  return s;
+}
+
+LookupLayout LayOutLookup(const CallSize& size, size_t temp_bytes) {
+  LookupLayout l;
+  Layout in;
+  l.item_begin = in.Add<int64_t>(size.requests + 1);
+  l.descs = in.Add<LookupDesc>(size.requests);
+  l.lengths = in.Add<int64_t>(size.bags);
+  l.ids = in.Add<int64_t>(size.ids);
+  l.weights = in.Add<float>(size.weighted ? size.ids : 0);
+  l.in_bytes = in.bytes();
+  Layout dev = in, host = in;
+  l.offsets = dev.Add<int64_t>(size.bags + 1);
+  l.out = dev.Add<float>(size.dense);
+  l.temp = dev.Add<char>(static_cast<int64_t>(temp_bytes));
+  l.device_bytes = dev.bytes();
+  l.host_out = host.Add<float>(size.dense);
+  l.host_bytes = host.bytes();
+  return l;
+}
+
+GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes) {
+  GradientLayout l;
+  const int64_t n = size.requests, ids = size.ids;
+  Layout in;
+  l.id_begin = in.Add<int64_t>(n + 1);
+  l.descs = in.Add<GradDesc>(n);
+  l.updates = in.Add<UpdateDesc>(size.shards);
+  l.key_base = in.Add<uint64_t>(size.shards + 1);
+  l.lengths = in.Add<int64_t>(size.bags);
+  l.ids = in.Add<int64_t>(ids);
+  l.weights = in.Add<float>(size.weighted ? ids : 0);
+  l.grads = in.Add<float>(size.dense);
+  l.in_bytes = in.bytes();
+  Layout dev = in;
+  l.offsets = dev.Add<int64_t>(size.bags + 1);
+  l.keys_a = dev.Add<uint64_t>(ids);
+  l.keys_b = dev.Add<uint64_t>(ids);
+  l.pos_a = dev.Add<int64_t>(ids);
+  l.pos_b = dev.Add<int64_t>(ids);
+  l.src_off = dev.Add<int64_t>(ids);
+  l.scale = dev.Add<float>(ids);
+  l.run_id = dev.Add<int64_t>(ids);
+  l.run_begin = dev.Add<int64_t>(ids + 1);
+  // A run longer than kHotRun is cut into chunks of kHotRun, so there are
+  // at most 2 * ids / kHotRun of them.
+  l.max_units = 2 * (ids / kernels::kHotRun) + 1;
+  l.hot_units = dev.Add<int64_t>(ids);
+  l.hot_end = dev.Add<int64_t>(ids);
+  l.partials = dev.Add<float>(l.max_units * size.max_dim);
+  l.temp = dev.Add<char>(static_cast<int64_t>(temp_bytes));
+  l.device_bytes = dev.bytes();
+  return l;
 }
 
 }  // namespace cuda

@@ -78,6 +78,43 @@ class Layout {
   size_t offset_ = 0;
 };
 
+// The sizes that decide how much scratch (device) and staging (pinned host)
+// memory a call needs.
+struct CallSize {
+  int64_t requests = 0;
+  int64_t bags = 0;
+  int64_t ids = 0;
+  int64_t dense = 0;    // floats: the outputs of a lookup, the gradients
+  int64_t shards = 0;   // gradients: the shards updated
+  int64_t max_dim = 4;  // gradients: over the shards updated
+  int end_bit = 1;      // gradients: the sort's key bits
+  bool weighted = false;
+};
+CallSize SizeOf(const LookupPlan& plan);
+CallSize SizeOf(const GradientPlan& plan);
+
+// Where a lookup's arrays live. The inputs come first and are laid out alike
+// in staging and scratch (so they upload as one block); the scratch goes on
+// with the bag offsets, the output and the scan's temporary storage, the
+// staging with the output as it comes back.
+struct LookupLayout {
+  size_t item_begin, descs, lengths, ids, weights, in_bytes;
+  size_t offsets, out, temp, device_bytes;
+  size_t host_out, host_bytes;
+};
+LookupLayout LayOutLookup(const CallSize& size, size_t temp_bytes);
+
+// Where a backward pass's arrays live: inputs as for a lookup (staging holds
+// only those), then the sort's pairs, runs, hot-row chunks and their partial
+// sums, and the scans' and sort's temporary storage.
+struct GradientLayout {
+  size_t id_begin, descs, updates, key_base, lengths, ids, weights, grads, in_bytes;
+  size_t offsets, keys_a, keys_b, pos_a, pos_b, src_off, scale, run_id, run_begin;
+  size_t hot_units, hot_end, partials, temp, device_bytes;
+  int64_t max_units;  // hot-row chunks at most: runs longer than kHotRun
+};
+GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes);
+
 }  // namespace cuda
 }  // namespace ember
 
