@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gflags/gflags.h"
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 #include "server/backend/cpu_backend.h"
 
 DEFINE_string(backend, "cpu", "cpu, or cuda (GPU 0; the call's host<->device copies are timed too).");

@@ -74,6 +74,9 @@ DEFINE_string(rate_window, "1s",
 DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
+DEFINE_int32(cuda_scratch_mib, 256,
+             "worker --device=cuda: device scratch (and as much pinned host staging) reserved "
+             "at start for calls; not available for shards. Larger calls run in pieces.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
 DEFINE_double(memory_gib, 0,
               "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "
@@ -362,6 +365,7 @@ int RunWorker() {
   o.coordinator = FLAGS_coordinator;
   o.device = FLAGS_device;
   o.cuda_device = FLAGS_cuda_device;
+  o.cuda_scratch_bytes = int64_t{FLAGS_cuda_scratch_mib} << 20;
   o.threads = FLAGS_threads;
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
@@ -418,6 +422,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
+      absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
       "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};

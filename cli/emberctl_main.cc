@@ -7,7 +7,7 @@
 //   emberctl up --workers=N [--port=P] [--device=cpu|cuda]
 //   emberctl coordinator [--listen=HOST:PORT]
 //   emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]
-//       [--cuda_device=N]
+//       [--cuda_device=N] [--cuda_scratch_mib=M]
 //   emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE | --plan=FILE]
 //   emberctl plan --coordinator=ADDR --collection=NAME
 //   emberctl status --coordinator=ADDR
@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
       "  emberctl coordinator [--listen=HOST:PORT] [--state_dir=DIR] [--checkpoint_dir=ROOT]\n"
       "      [--checkpoint_every=DURATION] [--keep_checkpoints=K]\n"
       "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"
-      "      [--cuda_device=N]\n"
+      "      [--cuda_device=N] [--cuda_scratch_mib=M]\n"
       "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE | --plan=FILE]\n"
       "  emberctl plan --coordinator=ADDR --collection=NAME [--format=table|json]\n"
       "  emberctl status --coordinator=ADDR\n"

@@ -56,49 +56,58 @@ absl::Status ForEachLookupPiece(absl::Span<const LookupRequest> requests, const 
   if (scratch.FitsLookup(SizeOf(plan))) return run(requests);
   std::vector<std::vector<LookupRequest>> pieces(1);
   CallSize cur;  // of pieces.back()
-  std::vector<int64_t> id_at;  // a request's ids before each bag
+  // A piece is cut between units: the bags of a pooled request, the ids of
+  // a NONE one (its output is per id, so a long sequence can be cut inside
+  // a bag: those pieces see it as bags of one id).
+  int64_t most_none_ids = 0;
+  for (const LookupRequest& r : requests) {
+    if (r.feature.pooling == Pooling::kNone) {
+      most_none_ids = std::max(most_none_ids, static_cast<int64_t>(r.feature.ids.size()));
+    }
+  }
+  const std::vector<int64_t> ones(most_none_ids, 1);
+  std::vector<int64_t> id_at;  // a request's ids before each unit
   for (size_t i = 0; i < requests.size(); ++i) {
     const LookupRequest& r = requests[i];
     const FeatureRequest& f = r.feature;
     const backend::ShardSpec& spec = *shards(f.shard).spec;
     const bool per_id = f.pooling == Pooling::kNone;
-    const int64_t bags = static_cast<int64_t>(f.lengths.size());
+    const int64_t units = static_cast<int64_t>(per_id ? f.ids.size() : f.lengths.size());
     id_at.assign(1, 0);
-    for (int64_t len : f.lengths) id_at.push_back(id_at.back() + len);
-    // The current piece with bags [b, e) of this request added.
+    for (int64_t u = 0; u < units; ++u) id_at.push_back(id_at.back() + (per_id ? 1 : f.lengths[u]));
+    // The current piece with units [b, e) of this request added.
     auto with = [&](int64_t b, int64_t e) {
       CallSize s = cur;
       const int64_t ids = id_at[e] - id_at[b];
       s.requests += 1;
       s.bags += e - b;
       s.ids += ids;
-      s.dense += (per_id ? ids : e - b) * spec.dim;
+      s.dense += (e - b) * spec.dim;
       s.weighted |= !f.weights.empty();
       return s;
     };
     int64_t b = 0;
     for (;;) {
-      const int64_t e = LargestFitting(b, bags, [&](int64_t e) {
+      const int64_t e = LargestFitting(b, units, [&](int64_t e) {
         return scratch.FitsLookup(with(b, e));
       });
-      const bool took_all = e == bags && scratch.FitsLookup(with(b, e));
+      const bool took_all = e == units && scratch.FitsLookup(with(b, e));
       if (e > b || took_all) {
         LookupRequest sub;
         sub.feature = f;
-        sub.feature.lengths = f.lengths.subspan(b, e - b);
+        sub.feature.lengths = per_id ? absl::MakeConstSpan(ones).subspan(0, e - b)
+                                     : f.lengths.subspan(b, e - b);
         sub.feature.ids = f.ids.subspan(id_at[b], id_at[e] - id_at[b]);
         if (!f.weights.empty()) {
           sub.feature.weights = f.weights.subspan(id_at[b], id_at[e] - id_at[b]);
         }
-        const int64_t first = (per_id ? id_at[b] : b) * spec.dim;
-        const int64_t count = (per_id ? id_at[e] - id_at[b] : e - b) * spec.dim;
-        sub.output = r.output.subspan(first, count);
+        sub.output = r.output.subspan(b * spec.dim, (e - b) * spec.dim);
         pieces.back().push_back(sub);
         cur = with(b, e);
         b = e;
         if (took_all) break;
       } else if (pieces.back().empty()) {
-        const int64_t ids = b < bags ? f.lengths[b] : 0;
+        const int64_t ids = b < units ? id_at[b + 1] - id_at[b] : 0;
         return absl::ResourceExhaustedError(absl::StrCat(
             backend::RequestWhat("lookup", i, spec), ": bag ", b, " has ", ids,
             " ids, more than fit in the backend's ", ScratchBytes(scratch),

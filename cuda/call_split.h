@@ -33,9 +33,10 @@ using LookupRun = std::function<absl::Status(absl::Span<const backend::LookupReq
 using GradientRun = std::function<absl::Status(absl::Span<const backend::GradientRequest>)>;
 
 // Runs a validated Lookup call (`plan`: its PlanLookup) through `run`: the
-// call itself when it fits `scratch`, else pieces that each fit, cut between
-// bags in request order (each piece's requests are views of the caller's
-// ids and outputs). RESOURCE_EXHAUSTED, before anything runs, when a single
+// call itself when it fits `scratch`, else pieces that each fit, in request
+// order, cut between the bags of pooled requests and between the ids of
+// NONE ones (each piece's requests are views of the caller's ids and
+// outputs). RESOURCE_EXHAUSTED, before anything runs, when a single pooled
 // bag does not fit.
 absl::Status ForEachLookupPiece(absl::Span<const backend::LookupRequest> requests,
                                 const LookupPlan& plan, const ShardResolver& shards,

@@ -176,6 +176,42 @@ TEST(CallSplitTest, LookupBagLargerThanScratchIsRefusedBeforeAnythingRuns) {
   EXPECT_FALSE(ran);
 }
 
+// A NONE feature's output is per id: one long sequence is cut inside its
+// bag, where a pooled bag of the same length would be refused.
+TEST(CallSplitTest, LongSequenceIsCutInsideItsBag) {
+  Fixture fx;
+  fx.Add(0, 1000, 16);
+  const std::vector<int64_t> lengths = {3, 900, 2};
+  std::vector<int64_t> ids(905);
+  for (int i = 0; i < 905; ++i) ids[i] = (i * 13) % 1000;
+  std::vector<float> out(905 * 16), expected(out.size());
+  const FeatureRequest f = Feature(0, Pooling::kNone, lengths, ids);
+  NaiveLookup({{f, absl::MakeSpan(expected)}}, fx.resolver());
+  const std::vector<LookupRequest> reqs = {{f, absl::MakeSpan(out)}};
+  const Scratch scratch = MakeScratch(16 << 10);
+  int pieces = 0;
+  ASSERT_TRUE(ForEachLookupPiece(reqs, PlanLookup(reqs, fx.resolver()), fx.resolver(), scratch,
+                                 [&](absl::Span<const LookupRequest> piece) {
+                                   ++pieces;
+                                   EXPECT_TRUE(scratch.FitsLookup(
+                                       SizeOf(PlanLookup(piece, fx.resolver()))));
+                                   NaiveLookup(piece, fx.resolver());
+                                   return absl::OkStatus();
+                                 })
+                  .ok());
+  EXPECT_GT(pieces, 4);
+  EXPECT_EQ(out, expected);
+  // Pooled, the 900-id bag is one sum and cannot be cut.
+  std::vector<float> pooled(3 * 16);
+  const std::vector<LookupRequest> sum = {
+      {Feature(0, Pooling::kSum, lengths, ids), absl::MakeSpan(pooled)}};
+  EXPECT_EQ(ForEachLookupPiece(sum, PlanLookup(sum, fx.resolver()), fx.resolver(),
+                               MakeScratch(8 << 10),
+                               [](absl::Span<const LookupRequest>) { return absl::OkStatus(); })
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 // (shard, row) -> the gradient a call gives the row, summed in call order
 // in double: the factor (weight, 1/length for MEAN) times its bag's (or,
 // for NONE, its own) gradient row.

@@ -2,7 +2,7 @@
 // cover: the factory's failure codes, the name, the memory limit, and a
 // hand-computed fused step. Where no GPU is usable every test checks the
 // UNAVAILABLE answer and skips the rest.
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 
 #include <cmath>
 #include <memory>
@@ -72,13 +72,20 @@ TEST(CudaBackendTest, RejectsBadOptions) {
   o.memory_limit_bytes = -1;
   EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
   o.memory_limit_bytes = 0;
+  o.scratch_bytes = kMinCudaScratchBytes - 1;
+  EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
+  o.scratch_bytes = kMinCudaScratchBytes;
+  o.memory_limit_bytes = kMinCudaScratchBytes;  // nothing left for shards
+  EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
+  o.memory_limit_bytes = 0;
   o.device = 1 << 20;  // no machine has that many
   EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(CudaBackendTest, MemoryLimit) {
   CudaBackendOptions o;
-  o.memory_limit_bytes = 1000;
+  o.scratch_bytes = kMinCudaScratchBytes;
+  o.memory_limit_bytes = kMinCudaScratchBytes + 1000;  // 1000 bytes for shards
   auto be = MakeOrExpectUnavailable(o);
   if (be == nullptr) GTEST_SKIP() << "no usable GPU";
   auto a = be->CreateShard(MakeSpec(10, 8));  // 320 bytes
@@ -87,6 +94,7 @@ TEST(CudaBackendTest, MemoryLimit) {
             absl::StatusCode::kResourceExhausted);
   ASSERT_TRUE(be->DropShard(*a).ok());
   EXPECT_TRUE(be->CreateShard(MakeSpec(25, 8)).ok());  // 800 bytes once the first is gone
+  EXPECT_EQ(be->AvailableBytes(), 200);
 }
 
 // Two requests on one shard in one call, row 1 in both: SGD must apply the

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 #include "cuda/device_query.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 #include "cuda/emulated_backend.h"
 #include "gtest/gtest.h"
 #include "server/backend/half.h"

@@ -13,6 +13,12 @@ using backend::Pooling;
 using backend::ShardId;
 using backend::WeightType;
 
+static_assert(kernels::kFp16 == static_cast<int32_t>(WeightType::kFp16) &&
+                  kernels::kBf16 == static_cast<int32_t>(WeightType::kBf16) &&
+                  kernels::kMean == static_cast<int32_t>(Pooling::kMean) &&
+                  kernels::kNone == static_cast<int32_t>(Pooling::kNone),
+              "the kernels' enum codes");
+
 LookupPlan PlanLookup(absl::Span<const backend::LookupRequest> requests,
                       const ShardResolver& shard) {
   LookupPlan p;

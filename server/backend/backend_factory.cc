@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 #include "cuda/device_query.h"
 #include "server/backend/cpu_backend.h"
 #include "server/common/host_memory.h"
@@ -42,6 +42,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     cuda::CudaBackendOptions o;
     o.device = config.cuda_device;
     o.memory_limit_bytes = config.memory_limit_bytes;
+    o.scratch_bytes = config.cuda_scratch_bytes;
     auto b = cuda::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
     made.backend = std::move(*b);
@@ -57,6 +58,10 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
       made.hbm_bytes = std::min(made.hbm_bytes, config.memory_limit_bytes);
       made.capacity_note = "as given";
     }
+    // The scratch is reserved at start: not there for shards.
+    made.hbm_bytes = std::max<int64_t>(0, made.hbm_bytes - config.cuda_scratch_bytes);
+    made.capacity_note += absl::StrCat(", less ", config.cuda_scratch_bytes >> 20,
+                                       " MiB of scratch");
     return made;
   }
   return absl::InvalidArgumentError(

@@ -38,7 +38,10 @@ TEST(BackendFactoryTest, CudaOrUnavailable) {
     GTEST_SKIP() << "no usable GPU: " << made.status();
   }
   EXPECT_TRUE(made->cuda);
-  EXPECT_EQ(made->hbm_bytes, int64_t{1} << 30);  // the limit, below any GPU's memory
+  // The limit (below any GPU's memory) less the default 256 MiB scratch,
+  // which the shards cannot have.
+  EXPECT_EQ(made->hbm_bytes, (int64_t{1} << 30) - (int64_t{256} << 20));
+  EXPECT_EQ(made->backend->AvailableBytes(), made->hbm_bytes);
   EXPECT_EQ(made->backend->Name().rfind("cuda/", 0), 0u);
 }
 

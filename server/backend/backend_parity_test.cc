@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 #include "cuda/emulated_backend.h"
 #include "server/backend/cpu_backend.h"
 #include "server/backend/half.h"
@@ -29,6 +29,9 @@ namespace {
 // lookups are cut into pieces; large enough for its largest bag and all but
 // the hottest row (HotRowsMatchFormulas expects that call refused).
 constexpr size_t kSplitScratchBytes = 8 << 10;
+// On a GPU CUB's temporary storage (the radix sort's histograms) takes more
+// of a small scratch than the emulation's stand-in does.
+constexpr size_t kCudaSplitScratchBytes = 64 << 10;
 
 struct BackendParam {
   std::string name;
@@ -65,6 +68,13 @@ std::vector<BackendParam> AvailableBackends() {
   // The CUDA backend joins wherever a GPU is visible (never in CI here).
   if (cuda::CreateCudaBackend({}).ok()) {
     out.push_back({"cuda", [] { return cuda::CreateCudaBackend({}); }});
+    out.push_back({"cuda_split",
+                   [] {
+                     cuda::CudaBackendOptions o;
+                     o.scratch_bytes = kCudaSplitScratchBytes;
+                     return cuda::CreateCudaBackend(o);
+                   },
+                   kCudaSplitScratchBytes});
   }
   return out;
 }

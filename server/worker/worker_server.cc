@@ -81,6 +81,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     config.device = options.device;
     config.threads = options.threads;
     config.cuda_device = options.cuda_device;
+    config.cuda_scratch_bytes = options.cuda_scratch_bytes;
     config.memory_limit_bytes = options.memory_limit_bytes;
     auto made = backend::CreateBackend(config);
     if (!made.ok()) return made.status();

@@ -1,6 +1,6 @@
-// Built instead of cuda_backend.cu where nvcc is absent.
+// Built instead of cuda_backend.cc where nvcc is absent.
 #include "absl/status/status.h"
-#include "cuda/cuda_backend.h"
+#include "server/backend/cuda_backend.h"
 
 namespace ember {
 namespace cuda {

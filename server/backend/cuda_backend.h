@@ -12,13 +12,19 @@
 // UNAVAILABLE, and the worker stops heartbeating so that the coordinator
 // recovers the shards elsewhere.
 //
-// Thread-safe: every public call takes one internal mutex, so calls are
-// serialised; each call runs on the backend's own CUDA stream and returns
-// only once the GPU work it queued has finished. Request buffers (ids,
-// lengths, weights, gradients, outputs) are host memory, borrowed for the
-// call.
-#ifndef EMBER_CUDA_CUDA_BACKEND_H_
-#define EMBER_CUDA_CUDA_BACKEND_H_
+// Memory: shards (weights + optimizer state) within memory_limit_bytes less
+// a fixed scratch (device) and staging (pinned host) of scratch_bytes each,
+// reserved when the backend starts; a call too large for them runs in
+// pieces (cuda/call_split.h) and one that cannot be cut small enough (a
+// single bag or row beyond the scratch) is RESOURCE_EXHAUSTED.
+//
+// Thread-safe: data calls take one internal mutex, so they are serialised;
+// shard initialisation runs outside it. Each call runs on the backend's own
+// CUDA stream and returns only once the GPU work it queued has finished.
+// Request buffers (ids, lengths, weights, gradients, outputs) are host
+// memory, borrowed for the call.
+#ifndef EMBER_SERVER_BACKEND_CUDA_BACKEND_H_
+#define EMBER_SERVER_BACKEND_CUDA_BACKEND_H_
 
 #include <cstdint>
 #include <memory>
@@ -29,20 +35,26 @@
 namespace ember {
 namespace cuda {
 
+constexpr int64_t kDefaultCudaScratchBytes = int64_t{256} << 20;
+constexpr int64_t kMinCudaScratchBytes = int64_t{4} << 10;
+
 struct CudaBackendOptions {
   // CUDA device ordinal (as cudaSetDevice counts them).
   int device = 0;
-  // Upper bound on the bytes of shard weights + optimizer state held (the
-  // CPU backend's accounting: rows * (dim * weight bytes + state floats * 4);
-  // per-call scratch is not counted). CreateShard beyond it fails with
-  // RESOURCE_EXHAUSTED. 0: whatever the card has (a failing cudaMalloc is
-  // RESOURCE_EXHAUSTED too).
+  // Upper bound on the device bytes the backend uses: scratch_bytes plus
+  // the shards' weights + optimizer state (the CPU backend's accounting:
+  // rows * (dim * weight bytes + state floats * 4)). CreateShard beyond it
+  // fails with RESOURCE_EXHAUSTED. 0: whatever the card has (a failing
+  // cudaMalloc is RESOURCE_EXHAUSTED too).
   int64_t memory_limit_bytes = 0;
+  // The fixed scratch, on the device and again as pinned host staging.
+  int64_t scratch_bytes = kDefaultCudaScratchBytes;
 };
 
 // UNAVAILABLE when built without CUDA, when no driver or device is usable,
 // or when `device` is not among the visible devices; INVALID_ARGUMENT for
-// a negative device or memory limit.
+// a negative device or memory limit, a scratch below kMinCudaScratchBytes,
+// or a memory limit that does not exceed the scratch.
 absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
     const CudaBackendOptions& options);
 
@@ -55,4 +67,4 @@ absl::Status InjectDeviceFaultForTest(backend::EmbeddingBackend* backend);
 }  // namespace cuda
 }  // namespace ember
 
-#endif  // EMBER_CUDA_CUDA_BACKEND_H_
+#endif  // EMBER_SERVER_BACKEND_CUDA_BACKEND_H_

@@ -1,29 +1,17 @@
-// The CUDA embedding backend (see cuda_backend.h and, for the semantics,
-// server/backend/embedding_backend.h; cuda/README.md has the design).
+// The CUDA embedding backend's adapter: EmbeddingBackend over shards in GPU
+// memory, with the kernels of cuda/tbe_kernels.h (cuda/README.md has the
+// design; server/backend/embedding_backend.h the semantics).
 //
-// Every call stages its host inputs into one pinned buffer laid out exactly
-// like the start of one device scratch buffer, uploading it in 1 MiB chunks
-// as it fills (the DMA of one chunk overlaps the host copy of the next), runs
-// its kernels on the backend's stream, and downloads the result in chunks
-// that are handed to the caller's outputs as each lands. Both buffers grow and
-// are reused, so a warm backend allocates nothing per call.
-//
-// Forward (one launch for all requests): a warp per work item (a bag of a
-// pooled feature, an id of a NONE feature), found by binary search over the
-// per-request item prefix. Rows are read as float4 / 4 x fp16 / 4 x bf16 and
-// accumulated in fp32; when dim < 128 the warp splits into groups that each
-// take other ids of the bag, reduced with shuffles at the end.
-//
-// Backward (one pass for all requests and shards): each id becomes a pair
-// (key = the shard's key base + row, position); the pairs are radix sorted
-// (stable, so a row's occurrences stay in request-then-position order, the
-// CPU backend's order), runs of equal keys are found with a head-flag scan,
-// and a warp per run sums the run's scaled gradient rows and applies the
-// optimizer once to that row.
-#include "cuda/cuda_backend.h"
+// Scratch (device) and staging (pinned host) memory are reserved once, when
+// the backend starts (CudaBackendOptions::scratch_bytes), and a call that
+// does not fit runs in pieces (cuda/call_split.h). Every piece stages its
+// host inputs into the pinned buffer laid out exactly like the start of the
+// scratch, uploading it in 1 MiB chunks as it fills (the DMA of one chunk
+// overlaps the host copy of the next), runs its kernels on the backend's
+// stream, and downloads the result in chunks that are handed to the
+// caller's outputs as each lands.
+#include "server/backend/cuda_backend.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,18 +26,15 @@
 #include <utility>
 #include <vector>
 
-#include <cub/cub.cuh>
-
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "cuda/call_split.h"
 #include "cuda/cuda_status.h"
-#include "cuda/kernel_bodies.h"
-#include "cuda/kernel_descs.h"
 #include "cuda/request_plan.h"
-#include "cuda/warp.h"
+#include "cuda/tbe_kernels.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
@@ -77,107 +62,14 @@ using backend::ValidateImport;
 using backend::ValidateRowRange;
 using backend::WeightType;
 
-constexpr int kBlockThreads = 256;
-constexpr int kWarpsPerBlock = kBlockThreads / kWarpSize;
-
-static_assert(kernels::kFp16 == static_cast<int32_t>(WeightType::kFp16) &&
-                  kernels::kBf16 == static_cast<int32_t>(WeightType::kBf16) &&
-                  kernels::kMean == static_cast<int32_t>(Pooling::kMean) &&
-                  kernels::kNone == static_cast<int32_t>(Pooling::kNone),
-              "the kernels' enum codes");
-
 // Host <-> device copies of shard rows (init, export, import) go through
 // pinned staging in chunks of about this size.
 constexpr int64_t kTransferChunkBytes = int64_t{8} << 20;
 // Host threads that compute initial values.
 constexpr unsigned kMaxInitThreads = 8;
 
-// ---------------------------------------------------------------------------
-// Kernels: grid-stride loops over the bodies in kernel_bodies.h (the same
-// code the emulated backend runs on the CPU with HostWarp).
-
-__device__ __forceinline__ int64_t WarpIndex() {
-  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
-}
-__device__ __forceinline__ int64_t WarpCount() {
-  return static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-}
-__device__ __forceinline__ int64_t ThreadIndex() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t ThreadCount() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-// The min-blocks hint (at most 64 registers) is what keeps ptxas from
-// spilling on sm_80.
-__global__ void __launch_bounds__(kBlockThreads, 4)
-    LookupKernel(const int64_t* __restrict__ item_begin, const LookupDesc* __restrict__ descs,
-                 int64_t num_requests, const int64_t* __restrict__ offsets,
-                 const int64_t* __restrict__ ids, const float* __restrict__ weights,
-                 float* __restrict__ out) {
-  DeviceWarp w;
-  kernels::LookupWarp(w, WarpIndex(), WarpCount(), item_begin, descs, num_requests, offsets, ids,
-                      weights, out);
-}
-
-__global__ void __launch_bounds__(kBlockThreads)
-    ExpandKernel(const int64_t* __restrict__ id_begin, const GradDesc* __restrict__ descs,
-                 int64_t num_requests, const int64_t* __restrict__ offsets,
-                 const int64_t* __restrict__ ids, const float* __restrict__ weights,
-                 uint64_t* __restrict__ keys, int64_t* __restrict__ positions,
-                 int64_t* __restrict__ src_off, float* __restrict__ scale) {
-  const int64_t total = id_begin[num_requests];
-  for (int64_t p = ThreadIndex(); p < total; p += ThreadCount()) {
-    kernels::ExpandOne(p, id_begin, descs, num_requests, offsets, ids, weights, keys, positions,
-                       src_off, scale);
-  }
-}
-
-__global__ void __launch_bounds__(kBlockThreads)
-    HeadFlagsKernel(const uint64_t* __restrict__ keys, int64_t n, int64_t* __restrict__ flags) {
-  for (int64_t k = ThreadIndex(); k < n; k += ThreadCount()) kernels::HeadFlagOne(k, keys, flags);
-}
-
-__global__ void __launch_bounds__(kBlockThreads)
-    RunBeginKernel(const int64_t* __restrict__ run_id, int64_t n, int64_t* __restrict__ run_begin) {
-  for (int64_t k = ThreadIndex(); k < n; k += ThreadCount()) {
-    kernels::RunBeginOne(k, run_id, n, run_begin);
-  }
-}
-
-__global__ void __launch_bounds__(kBlockThreads)
-    HotUnitsKernel(const int64_t* __restrict__ run_begin, const int64_t* __restrict__ num_runs,
-                   int64_t* __restrict__ hot_units) {
-  const int64_t n = *num_runs;
-  for (int64_t u = ThreadIndex(); u < n; u += ThreadCount()) {
-    kernels::HotUnitsOne(u, run_begin, hot_units);
-  }
-}
-
-__global__ void __launch_bounds__(kBlockThreads) PartialSumKernel(kernels::UpdateArgs a) {
-  DeviceWarp w;
-  kernels::PartialSumWarp(w, WarpIndex(), WarpCount(), a);
-}
-
-__global__ void __launch_bounds__(kBlockThreads) UpdateKernel(kernels::UpdateArgs a) {
-  DeviceWarp w;
-  kernels::UpdateWarp(w, WarpIndex(), WarpCount(), a);
-}
-
-// Writes through a bad pointer: InjectFault's illegal address.
-__global__ void FaultKernel(float* p) { *p = 1.0f; }
-
-__global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    p[i] = value;
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Host side.
+// What a call is taken to need when CUB cannot say (it then does not fit).
+constexpr size_t kUnknownTemp = std::numeric_limits<size_t>::max() / 4;
 
 // cudaMalloc / cudaMallocHost that turn failure into a Status and clear the
 // (non-sticky) error, so a later cudaGetLastError after a launch does not
@@ -209,15 +101,6 @@ class DeviceBuffer {
     return absl::OkStatus();
   }
 
-  // At least `bytes`, growing by half again to amortise; contents are not
-  // kept when it grows.
-  absl::Status Reserve(size_t bytes) {
-    if (bytes <= capacity_) return absl::OkStatus();
-    const size_t grown = std::max(bytes, capacity_ + capacity_ / 2);
-    if (Allocate(grown).ok()) return absl::OkStatus();
-    return Allocate(bytes);
-  }
-
   void Reset() {
     if (ptr_ != nullptr) {
       if (pinned_host_) {
@@ -231,6 +114,7 @@ class DeviceBuffer {
   }
 
   char* get() const { return static_cast<char*>(ptr_); }
+  size_t capacity() const { return capacity_; }
 
  private:
   const bool pinned_host_;
@@ -382,13 +266,37 @@ class CudaBackend : public EmbeddingBackend {
         stream_(stream),
         device_name_(std::move(device_name)),
         max_blocks_(max_blocks),
-        budget_(options.memory_limit_bytes),
+        budget_(options.memory_limit_bytes > 0
+                    ? options.memory_limit_bytes - options.scratch_bytes
+                    : 0),
         staging_(/*pinned_host=*/true),
         init_stream_(init_stream),
-        init_staging_(/*pinned_host=*/true) {}
+        init_staging_(/*pinned_host=*/true) {
+    split_.device_bytes = split_.host_bytes = static_cast<size_t>(options.scratch_bytes);
+    split_.lookup_temp = [](const CallSize& s) {
+      size_t bytes = 0;
+      return LookupTempBytes(s.bags, &bytes) == cudaSuccess ? bytes : kUnknownTemp;
+    };
+    split_.gradient_temp = [](const CallSize& s) {
+      size_t bytes = 0;
+      return BackwardTempBytes(s.bags, s.ids, s.end_bit, &bytes) == cudaSuccess ? bytes
+                                                                                : kUnknownTemp;
+    };
+  }
 
-  // The download events; called once by CreateCudaBackend.
-  absl::Status CreateEvents() {
+  // The fixed scratch and staging, and the download events; called once by
+  // CreateCudaBackend.
+  absl::Status Init() {
+    absl::MutexLock lock(&mu_);
+    absl::MutexLock init_lock(&init_mu_);
+    const size_t bytes = static_cast<size_t>(options_.scratch_bytes);
+    absl::Status s = scratch_.Allocate(bytes);
+    if (s.ok()) s = staging_.Allocate(bytes);
+    if (s.ok()) s = init_staging_.Allocate(kTransferChunkBytes);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("the backend's scratch (", bytes,
+                                                 " bytes; --cuda_scratch_mib): ", s.message()));
+    }
     for (cudaEvent_t& e : events_) {
       EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
@@ -440,8 +348,7 @@ class CudaBackend : public EmbeddingBackend {
     return Guarded([&]() -> absl::Status {
       absl::MutexLock lock(&mu_);
       if (absl::Status s = Activate(); !s.ok()) return s;
-      FaultKernel<<<1, 1, 0, stream_>>>(reinterpret_cast<float*>(uintptr_t{16}));
-      EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+      EMBER_RETURN_IF_CUDA_ERROR(LaunchFault(stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
       return absl::OkStatus();
     });
@@ -461,6 +368,12 @@ class CudaBackend : public EmbeddingBackend {
     if (spec.rows > std::numeric_limits<int64_t>::max() / per_row) {
       return absl::ResourceExhaustedError(
           absl::StrCat("shard of table '", spec.table, "' is larger than 2^63 bytes"));
+    }
+    if (shard->RowBytes() > std::min<int64_t>(kTransferChunkBytes, options_.scratch_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a row of table '", spec.table, "' (", shard->RowBytes(), " bytes) is larger than ",
+          "the backend's staging (", std::min<int64_t>(kTransferChunkBytes, options_.scratch_bytes),
+          " bytes)"));
     }
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
@@ -513,149 +426,116 @@ class CudaBackend : public EmbeddingBackend {
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
       return st;
     }
-    const int64_t n = static_cast<int64_t>(requests.size());
     const LookupPlan plan = PlanLookup(requests, Resolver());
     // No bags and no ids anywhere: every output is empty.
     if (plan.total_items == 0) return absl::OkStatus();
     if (absl::Status s = Activate(); !s.ok()) return s;
-    const CallScope scope(stream_);
-
-    // Inputs, staged in pinned memory with the same layout as on the device.
-    Layout in;
-    const size_t item_begin_at = in.Add<int64_t>(n + 1);
-    const size_t desc_at = in.Add<LookupDesc>(n);
-    const size_t lengths_at = in.Add<int64_t>(plan.total_bags);
-    const size_t ids_at = in.Add<int64_t>(plan.total_ids);
-    const size_t weights_at = in.Add<float>(plan.any_weighted ? plan.total_ids : 0);
-    const size_t in_bytes = in.bytes();
-    Layout dev = in, host = in;
-    const size_t offsets_at = dev.Add<int64_t>(plan.total_bags + 1);
-    const size_t out_at = dev.Add<float>(plan.total_out);
-    size_t scan_temp = 0;
-    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        nullptr, scan_temp, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
-        plan.total_bags, stream_));
-    const size_t temp_at = dev.Add<char>(static_cast<int64_t>(scan_temp));
-    const size_t host_out_at = host.Add<float>(plan.total_out);
-    if (absl::Status s = Reserve(dev.bytes(), host.bytes()); !s.ok()) return s;
-    char* h = staging_.get();
-    char* d = scratch_.get();
-    std::memcpy(h + item_begin_at, plan.item_begin.data(), (n + 1) * sizeof(int64_t));
-    std::memcpy(h + desc_at, plan.descs.data(), n * sizeof(LookupDesc));
-    // The arrays, region by region in layout order, uploaded as they fill.
-    Uploader up(h, d, stream_);
-    if (absl::Status st = StageFeatures(requests, "lookup", lengths_at, ids_at, weights_at, &up);
-        !st.ok()) {
-      return st;
-    }
-    if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;
-
-    int64_t* offsets = At<int64_t>(d, offsets_at);
-    float* out = At<float>(d, out_at);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
-    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        d + temp_at, scan_temp, At<const int64_t>(d, lengths_at), offsets + 1, plan.total_bags,
-        stream_));
-    LookupKernel<<<WarpBlocks(plan.total_items), kBlockThreads, 0, stream_>>>(
-        At<const int64_t>(d, item_begin_at), At<const LookupDesc>(d, desc_at), n, offsets,
-        At<const int64_t>(d, ids_at), At<const float>(d, weights_at), out);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    return DownloadOutputs(out, At<float>(h, host_out_at), plan.total_out, requests, events_,
-                           stream_);
+    return ForEachLookupPiece(
+        requests, plan, Resolver(), split_,
+        [this](absl::Span<const LookupRequest> piece)
+            ABSL_NO_THREAD_SAFETY_ANALYSIS { return LookupPiece(piece); });
   }
 
   absl::Status DoApplyGradients(absl::Span<const GradientRequest> requests) {
     absl::MutexLock lock(&mu_);
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids, weights and gradients while they are staged (before
-    // any kernel).
+    // any kernel) when the call runs whole.
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
       return st;
     }
-    const int64_t n = static_cast<int64_t>(requests.size());
     const GradientPlan plan = PlanGradients(requests, Resolver());
-    // Every shard the call names takes an Adam step, ids or not (the
-    // interface rule, as in the CPU backend); only shards with ids update.
-    auto take_steps = [&] {
-      for (ShardId id : plan.idle) ++FindShard(id)->step;
-      for (ShardId id : plan.slots) ++FindShard(id)->step;
-    };
-    const int64_t total_ids = plan.total_ids;
-    if (total_ids == 0) {
+    if (plan.total_ids == 0) {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
-      for (int64_t i = 0; i < n; ++i) {
-        const GradientRequest& r = requests[i];
-        if (absl::Status st = CheckFinite(
-                r.grad, RequestWhat("gradient", i, FindShard(r.feature.shard)->spec), "gradient");
-            !st.ok()) {
-          return st;
-        }
+      if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
+    } else {
+      // In pieces, the first would be applied before the last is checked:
+      // check everything first.
+      if (!split_.FitsGradients(SizeOf(plan))) {
+        if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
       }
-      take_steps();
-      return absl::OkStatus();
+      if (absl::Status s = Activate(); !s.ok()) return s;
+      if (absl::Status st = ForEachGradientPiece(
+              requests, plan, Resolver(), split_,
+              [this](absl::Span<const GradientRequest> piece)
+                  ABSL_NO_THREAD_SAFETY_ANALYSIS { return GradientPiece(piece); });
+          !st.ok()) {
+        return st;
+      }
     }
-    const int64_t num_shards = static_cast<int64_t>(plan.slots.size());
-    if (absl::Status s = Activate(); !s.ok()) return s;
-    const CallScope scope(stream_);
+    // Every shard the call names takes an Adam step, ids or not (the
+    // interface rule, as in the CPU backend), once for the whole call.
+    for (ShardId id : plan.idle) ++FindShard(id)->step;
+    for (ShardId id : plan.slots) ++FindShard(id)->step;
+    return absl::OkStatus();
+  }
 
-    Layout in;
-    const size_t id_begin_at = in.Add<int64_t>(n + 1);
-    const size_t desc_at = in.Add<GradDesc>(n);
-    const size_t update_at = in.Add<UpdateDesc>(num_shards);
-    const size_t key_base_at = in.Add<uint64_t>(num_shards + 1);
-    const size_t lengths_at = in.Add<int64_t>(plan.total_bags);
-    const size_t ids_at = in.Add<int64_t>(total_ids);
-    const size_t weights_at = in.Add<float>(plan.any_weighted ? total_ids : 0);
-    const size_t grads_at = in.Add<float>(plan.total_grad);
-    const size_t in_bytes = in.bytes();
-    Layout dev = in;
-    const size_t offsets_at = dev.Add<int64_t>(plan.total_bags + 1);
-    const size_t keys_a_at = dev.Add<uint64_t>(total_ids);
-    const size_t keys_b_at = dev.Add<uint64_t>(total_ids);
-    const size_t pos_a_at = dev.Add<int64_t>(total_ids);
-    const size_t pos_b_at = dev.Add<int64_t>(total_ids);
-    const size_t src_off_at = dev.Add<int64_t>(total_ids);
-    const size_t scale_at = dev.Add<float>(total_ids);
-    const size_t run_id_at = dev.Add<int64_t>(total_ids);
-    const size_t run_begin_at = dev.Add<int64_t>(total_ids + 1);
-    // Hot rows: chunk counts per run, their scan, and the chunks' partial
-    // sums (runs longer than kHotRun hold at most 2 * ids / kHotRun chunks).
-    const int64_t max_units = 2 * (total_ids / kernels::kHotRun) + 1;
-    const size_t hot_units_at = dev.Add<int64_t>(total_ids);
-    const size_t hot_end_at = dev.Add<int64_t>(total_ids);
-    const size_t partials_at = dev.Add<float>(max_units * plan.max_dim);
-    size_t temp = 0, t = 0;
-    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        nullptr, t, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
-        plan.total_bags, stream_));
-    temp = std::max(temp, t);
-    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        nullptr, t, static_cast<int64_t*>(nullptr), static_cast<int64_t*>(nullptr), total_ids,
-        stream_));
-    temp = std::max(temp, t);
-    {
-      cub::DoubleBuffer<uint64_t> no_keys(nullptr, nullptr);
-      cub::DoubleBuffer<int64_t> no_values(nullptr, nullptr);
-      EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-          nullptr, t, no_keys, no_values, total_ids, 0, plan.end_bit, stream_));
+  // One piece of a Lookup call (all of it when it fits the scratch).
+  absl::Status LookupPiece(absl::Span<const LookupRequest> requests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t n = static_cast<int64_t>(requests.size());
+    const LookupPlan plan = PlanLookup(requests, Resolver());
+    if (plan.total_items == 0) return absl::OkStatus();
+    const CallSize size = SizeOf(plan);
+    const LookupLayout l = LayOutLookup(size, split_.lookup_temp(size));
+    if (l.device_bytes > scratch_.capacity() || l.host_bytes > staging_.capacity()) {
+      return absl::InternalError("a lookup piece does not fit the scratch");  // call_split's bug
     }
-    temp = std::max(temp, t);
-    const size_t temp_at = dev.Add<char>(static_cast<int64_t>(temp));
-    if (absl::Status s = Reserve(dev.bytes(), in_bytes); !s.ok()) return s;
+    const CallScope scope(stream_);
     char* h = staging_.get();
     char* d = scratch_.get();
-    std::memcpy(h + id_begin_at, plan.id_begin.data(), (n + 1) * sizeof(int64_t));
-    std::memcpy(h + desc_at, plan.descs.data(), n * sizeof(GradDesc));
-    std::memcpy(h + update_at, plan.updates.data(), num_shards * sizeof(UpdateDesc));
-    std::memcpy(h + key_base_at, plan.key_base.data(), (num_shards + 1) * sizeof(uint64_t));
+    std::memcpy(h + l.item_begin, plan.item_begin.data(), (n + 1) * sizeof(int64_t));
+    std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(LookupDesc));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
-    if (absl::Status st =
-            StageFeatures(requests, "gradient", lengths_at, ids_at, weights_at, &up);
+    if (absl::Status st = StageFeatures(requests, "lookup", l.lengths, l.ids, l.weights, &up);
         !st.ok()) {
       return st;
     }
-    size_t at = grads_at;
+    if (absl::Status st = up.Flush(l.in_bytes); !st.ok()) return st;
+    LookupLaunch a;
+    a.item_begin = At<const int64_t>(d, l.item_begin);
+    a.descs = At<const LookupDesc>(d, l.descs);
+    a.num_requests = n;
+    a.total_items = plan.total_items;
+    a.lengths = At<const int64_t>(d, l.lengths);
+    a.num_bags = plan.total_bags;
+    a.ids = At<const int64_t>(d, l.ids);
+    a.weights = At<const float>(d, l.weights);
+    a.offsets = At<int64_t>(d, l.offsets);
+    a.out = At<float>(d, l.out);
+    a.temp = d + l.temp;
+    a.temp_bytes = l.device_bytes - l.temp;
+    EMBER_RETURN_IF_CUDA_ERROR(LaunchLookup(a, max_blocks_, stream_));
+    return DownloadOutputs(a.out, At<float>(h, l.host_out), plan.total_out, requests, events_,
+                           stream_);
+  }
+
+  // One piece of an ApplyGradients call, without the Adam step.
+  absl::Status GradientPiece(absl::Span<const GradientRequest> requests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t n = static_cast<int64_t>(requests.size());
+    const GradientPlan plan = PlanGradients(requests, Resolver());
+    const int64_t num_shards = static_cast<int64_t>(plan.slots.size());
+    const CallSize size = SizeOf(plan);
+    const GradientLayout l = LayOutGradients(size, split_.gradient_temp(size));
+    if (l.device_bytes > scratch_.capacity() || l.in_bytes > staging_.capacity()) {
+      return absl::InternalError("a gradient piece does not fit the scratch");  // call_split's bug
+    }
+    const CallScope scope(stream_);
+    char* h = staging_.get();
+    char* d = scratch_.get();
+    std::memcpy(h + l.id_begin, plan.id_begin.data(), (n + 1) * sizeof(int64_t));
+    std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(GradDesc));
+    std::memcpy(h + l.updates, plan.updates.data(), num_shards * sizeof(UpdateDesc));
+    std::memcpy(h + l.key_base, plan.key_base.data(), (num_shards + 1) * sizeof(uint64_t));
+    // The arrays, region by region in layout order, uploaded as they fill.
+    Uploader up(h, d, stream_);
+    if (absl::Status st = StageFeatures(requests, "gradient", l.lengths, l.ids, l.weights, &up);
+        !st.ok()) {
+      return st;
+    }
+    size_t at = l.grads;
     for (int64_t i = 0; i < n; ++i) {
       const GradientRequest& r = requests[i];
       const ShardSpec& spec = FindShard(r.feature.shard)->spec;
@@ -665,79 +545,39 @@ class CudaBackend : public EmbeddingBackend {
       if (absl::Status st = up.AppendSpan(at, r.grad, check); !st.ok()) return st;
       at += r.grad.size() * sizeof(float);
     }
-    if (absl::Status st = up.Flush(in_bytes); !st.ok()) return st;
-
-    int64_t* offsets = At<int64_t>(d, offsets_at);
-    uint64_t* keys_a = At<uint64_t>(d, keys_a_at);
-    uint64_t* keys_b = At<uint64_t>(d, keys_b_at);
-    int64_t* pos_a = At<int64_t>(d, pos_a_at);
-    int64_t* pos_b = At<int64_t>(d, pos_b_at);
-    int64_t* src_off = At<int64_t>(d, src_off_at);
-    float* scale = At<float>(d, scale_at);
-    int64_t* run_id = At<int64_t>(d, run_id_at);
-    int64_t* run_begin = At<int64_t>(d, run_begin_at);
-    char* temp_ptr = d + temp_at;
-    const int thread_blocks = ThreadBlocks(total_ids);
-
-    EMBER_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream_));
-    t = temp;
-    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        temp_ptr, t, At<const int64_t>(d, lengths_at), offsets + 1, plan.total_bags, stream_));
-    ExpandKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(
-        At<const int64_t>(d, id_begin_at), At<const GradDesc>(d, desc_at), n, offsets,
-        At<const int64_t>(d, ids_at), At<const float>(d, weights_at), keys_a, pos_a, src_off,
-        scale);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    // Double-buffered sort (no copy of the pairs in CUB's temp storage); the
-    // selector, set on the host, says which buffer ends up sorted.
-    cub::DoubleBuffer<uint64_t> keys(keys_a, keys_b);
-    cub::DoubleBuffer<int64_t> positions(pos_a, pos_b);
-    t = temp;
-    EMBER_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(temp_ptr, t, keys, positions,
-                                                               total_ids, 0, plan.end_bit,
-                                                               stream_));
-    const uint64_t* sorted_keys = keys.Current();
-    const int64_t* sorted_positions = positions.Current();
-    HeadFlagsKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(sorted_keys, total_ids, run_id);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    t = temp;
-    // In place (CUB's in-place overload passes the same pointer twice).
-    EMBER_RETURN_IF_CUDA_ERROR(
-        cub::DeviceScan::InclusiveSum(temp_ptr, t, run_id, run_id, total_ids, stream_));
-    RunBeginKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(run_id, total_ids, run_begin);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    // The run count is run_id's last element; warps and threads beyond it exit.
-    const int64_t* num_runs = run_id + (total_ids - 1);
-    int64_t* hot_units = At<int64_t>(d, hot_units_at);
-    int64_t* hot_end = At<int64_t>(d, hot_end_at);
-    float* partials = At<float>(d, partials_at);
-    EMBER_RETURN_IF_CUDA_ERROR(
-        cudaMemsetAsync(hot_units, 0, total_ids * sizeof(int64_t), stream_));
-    HotUnitsKernel<<<thread_blocks, kBlockThreads, 0, stream_>>>(run_begin, num_runs, hot_units);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    t = temp;
-    EMBER_RETURN_IF_CUDA_ERROR(
-        cub::DeviceScan::InclusiveSum(temp_ptr, t, hot_units, hot_end, total_ids, stream_));
-    kernels::UpdateArgs args;
-    args.sorted_keys = sorted_keys;
-    args.sorted_positions = sorted_positions;
-    args.run_begin = run_begin;
-    args.num_runs = num_runs;
-    args.hot_end = hot_end;
-    args.key_base = At<const uint64_t>(d, key_base_at);
-    args.shards = At<const UpdateDesc>(d, update_at);
-    args.num_shards = num_shards;
-    args.src_off = src_off;
-    args.scale = scale;
-    args.grads = At<const float>(d, grads_at);
-    args.partials = partials;
-    args.partial_stride = plan.max_dim;
-    PartialSumKernel<<<WarpBlocks(max_units), kBlockThreads, 0, stream_>>>(args);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    UpdateKernel<<<WarpBlocks(total_ids), kBlockThreads, 0, stream_>>>(args);
-    EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    if (absl::Status st = up.Flush(l.in_bytes); !st.ok()) return st;
+    BackwardLaunch a;
+    a.id_begin = At<const int64_t>(d, l.id_begin);
+    a.descs = At<const GradDesc>(d, l.descs);
+    a.num_requests = n;
+    a.updates = At<const UpdateDesc>(d, l.updates);
+    a.key_base = At<const uint64_t>(d, l.key_base);
+    a.num_shards = num_shards;
+    a.lengths = At<const int64_t>(d, l.lengths);
+    a.num_bags = plan.total_bags;
+    a.ids = At<const int64_t>(d, l.ids);
+    a.total_ids = plan.total_ids;
+    a.weights = At<const float>(d, l.weights);
+    a.grads = At<const float>(d, l.grads);
+    a.end_bit = plan.end_bit;
+    a.max_dim = plan.max_dim;
+    a.offsets = At<int64_t>(d, l.offsets);
+    a.keys_a = At<uint64_t>(d, l.keys_a);
+    a.keys_b = At<uint64_t>(d, l.keys_b);
+    a.pos_a = At<int64_t>(d, l.pos_a);
+    a.pos_b = At<int64_t>(d, l.pos_b);
+    a.src_off = At<int64_t>(d, l.src_off);
+    a.scale = At<float>(d, l.scale);
+    a.run_id = At<int64_t>(d, l.run_id);
+    a.run_begin = At<int64_t>(d, l.run_begin);
+    a.hot_units = At<int64_t>(d, l.hot_units);
+    a.hot_end = At<int64_t>(d, l.hot_end);
+    a.partials = At<float>(d, l.partials);
+    a.max_units = l.max_units;
+    a.temp = d + l.temp;
+    a.temp_bytes = l.device_bytes - l.temp;
+    EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
     EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-    take_steps();
     return absl::OkStatus();
   }
 
@@ -755,11 +595,8 @@ class CudaBackend : public EmbeddingBackend {
     if (absl::Status st = Activate(); !st.ok()) return st;
     const CallScope scope(stream_);
     const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
-    const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
+    const int64_t chunk_rows = TransferRows(row_bytes, staging_);
     const int64_t n = row_end - row_begin;
-    if (absl::Status st = staging_.Reserve(std::min(n, chunk_rows) * row_bytes); !st.ok()) {
-      return st;
-    }
     for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, n - r0);
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
@@ -808,11 +645,8 @@ class CudaBackend : public EmbeddingBackend {
     if (absl::Status st = Activate(); !st.ok()) return st;
     const CallScope scope(stream_);
     const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
-    const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
+    const int64_t chunk_rows = TransferRows(row_bytes, staging_);
     const int64_t n = row_end - row_begin;
-    if (absl::Status st = staging_.Reserve(std::min(n, chunk_rows) * row_bytes); !st.ok()) {
-      return st;
-    }
     for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, n - r0);
       StoreRows(s->spec.weight_type, weights.data() + r0 * dim, rows * dim, staging_.get());
@@ -858,21 +692,11 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  absl::Status Reserve(size_t device_bytes, size_t host_bytes) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (absl::Status s = scratch_.Reserve(device_bytes); !s.ok()) return s;
-    return staging_.Reserve(host_bytes);
-  }
-
-  // Blocks for one thread per element / one warp per element, capped: the
-  // kernels loop grid-stride.
-  int ThreadBlocks(int64_t threads) const {
-    return static_cast<int>(std::clamp<int64_t>((threads + kBlockThreads - 1) / kBlockThreads,
-                                                1, max_blocks_));
-  }
-  int WarpBlocks(int64_t warps) const {
-    return static_cast<int>(
-        std::clamp<int64_t>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, max_blocks_));
+  // Rows of `row_bytes` that one copy through `staging` moves (>= 1: shard
+  // specs with a row larger than the staging are refused at creation).
+  static int64_t TransferRows(int64_t row_bytes, const DeviceBuffer& staging) {
+    const int64_t bytes = std::min<int64_t>(kTransferChunkBytes, staging.capacity());
+    return std::max<int64_t>(1, bytes / row_bytes);
   }
 
   // fp32 values into `dst` in the weight type, rounded to nearest even by
@@ -900,10 +724,7 @@ class CudaBackend : public EmbeddingBackend {
   absl::Status InitShard(Shard* shard) ABSL_EXCLUSIVE_LOCKS_REQUIRED(init_mu_) {
     const ShardSpec& sp = shard->spec;
     const int64_t dim = sp.dim, row_bytes = shard->RowBytes();
-    const int64_t chunk_rows = std::max<int64_t>(1, kTransferChunkBytes / row_bytes);
-    if (absl::Status s = init_staging_.Reserve(std::min(sp.rows, chunk_rows) * row_bytes); !s.ok()) {
-      return s;
-    }
+    const int64_t chunk_rows = TransferRows(row_bytes, init_staging_);
     std::vector<float> values;
     const unsigned threads =
         std::max(1u, std::min(kMaxInitThreads, std::thread::hardware_concurrency()));
@@ -945,9 +766,7 @@ class CudaBackend : public EmbeddingBackend {
         EMBER_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(state, 0, state_elems * sizeof(float), init_stream_));
       } else {
-        FillKernel<<<ThreadBlocks(state_elems), kBlockThreads, 0, init_stream_>>>(state, state_elems,
-                                                                            init);
-        EMBER_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+        EMBER_RETURN_IF_CUDA_ERROR(LaunchFill(state, state_elems, init, max_blocks_, init_stream_));
       }
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(init_stream_));
     }
@@ -1046,9 +865,11 @@ class CudaBackend : public EmbeddingBackend {
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
   backend::MemoryBudget budget_;
-  // Per-call scratch, grown on demand and reused (const calls use it too).
+  // The fixed scratch and staging every data call uses (const calls too),
+  // allocated once by Init, and what call_split needs to know of them.
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
   mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory
+  Scratch split_;
   // Shard creation, apart from the data calls (MakeShard).
   const cudaStream_t init_stream_;  // owned; non-blocking
   absl::Mutex init_mu_;
@@ -1073,6 +894,16 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
   }
   if (options.memory_limit_bytes < 0) {
     return absl::InvalidArgumentError("memory_limit_bytes must be >= 0");
+  }
+  if (options.scratch_bytes < kMinCudaScratchBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("scratch_bytes must be >= ",
+                                                   kMinCudaScratchBytes, ", got ",
+                                                   options.scratch_bytes));
+  }
+  if (options.memory_limit_bytes > 0 && options.memory_limit_bytes <= options.scratch_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory_limit_bytes (", options.memory_limit_bytes, ") must exceed scratch_bytes (",
+        options.scratch_bytes, "), which it includes"));
   }
 
   int count = 0;
@@ -1100,7 +931,7 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
   }
   const int max_blocks = std::max(1, prop.multiProcessorCount * 16);
   auto backend = std::make_unique<CudaBackend>(options, stream, init_stream, prop.name, max_blocks);
-  if (absl::Status s = backend->CreateEvents(); !s.ok()) return s;
+  if (absl::Status s = backend->Init(); !s.ok()) return s;
   return std::unique_ptr<EmbeddingBackend>(std::move(backend));
 }
 
