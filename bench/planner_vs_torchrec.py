@@ -7,7 +7,11 @@ A benchmark, not a test (torchrec from the SDK's .venv). Two parts:
              and `emberctl plan` on the same tables and pooling factors (H100
              topology, batch 512 per rank): planning time of each, and both
              plans scored by Ember's cost model (`emberctl plan --plan=FILE`
-             checks and scores TorchRec's plan as it would any other).
+             checks and scores TorchRec's plan as it would any other) and
+             by TorchRec's own estimators (EmbeddingPerfEstimator through
+             its enumerator, on each plan's exact shards and ranks: the
+             slowest rank's summed shard perf, the quantity TorchRec's
+             partitioner balances).
   measured   for a few collections on a local CPU cluster (`emberctl up
              --workers=2`): TorchRec's CPU plan and Ember's plan, each created
              on Ember (TorchRec's through `create_collection(plan=...)` with
@@ -21,6 +25,7 @@ A benchmark, not a test (torchrec from the SDK's .venv). Two parts:
 """
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -93,6 +98,69 @@ def torchrec_plan(tables, world, device, batch):
     start = time.perf_counter()
     plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
     return plan.plan[""], time.perf_counter() - start
+
+
+def torchrec_model(tables, world, device, batch):
+    """TorchRec's module, enumerator (estimators inside) and sharder for the tables."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    configs = [EmbeddingBagConfig(name=t["name"], embedding_dim=t["embedding_dim"],
+                                  num_embeddings=t["num_embeddings"],
+                                  feature_names=[f"f_{t['name']}"]) for t in tables]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    enumerator = EmbeddingEnumerator(
+        topology=Topology(world_size=world, compute_device=device,
+                          local_world_size=min(world, 8)),
+        batch_size=batch,
+        constraints={t["name"]: ParameterConstraints(pooling_factors=[t["pf"]]) for t in tables})
+    return ebc, enumerator, EmbeddingBagCollectionSharder()
+
+
+def plan_entries_of_torchrec(shardings, world):
+    """TorchRec's ParameterShardings as Ember's plan entries (table, type, kernel, shards)."""
+    entries = []
+    for name, ps in shardings.items():
+        if ps.sharding_spec is None:  # data_parallel: a full replica on each rank
+            shards = [{"offsets": None, "sizes": None, "rank": r}
+                      for r in (ps.ranks if ps.ranks is not None else range(world))]
+        else:
+            shards = [{"offsets": list(sh.shard_offsets), "sizes": list(sh.shard_sizes),
+                       "rank": int(re.search(r"rank:(\d+)", str(sh.placement)).group(1))}
+                      for sh in ps.sharding_spec.shards]
+        entries.append({"table": name, "sharding_type": ps.sharding_type,
+                        "compute_kernel": ps.compute_kernel, "shards": shards})
+    return entries
+
+
+def torchrec_score(tables, world, device, batch, entries):
+    """A plan scored by TorchRec's estimators: each table's option of the plan's sharding type
+    and kernel from TorchRec's enumerator, given the plan's exact shards and ranks and estimated
+    again; the slowest rank's summed shard perf (ms). None when TorchRec has no such option."""
+    from torchrec.distributed.planner.types import Shard
+    ebc, enumerator, sharder = torchrec_model(tables, world, device, batch)
+    options = {(o.name, o.sharding_type, o.compute_kernel): o
+               for o in enumerator.enumerate(ebc, [sharder])}
+    rows = {t["name"]: t["num_embeddings"] for t in tables}
+    dims = {t["name"]: t["embedding_dim"] for t in tables}
+    chosen = []
+    for e in entries:
+        base = options.get((e["table"], e["sharding_type"], e["compute_kernel"]))
+        if base is None:
+            return None
+        o = copy.copy(base)
+        o.shards = [Shard(size=s["sizes"] or [rows[e["table"]], dims[e["table"]]],
+                          offset=s["offsets"] or [0, 0], rank=s["rank"])
+                    for s in e["shards"]]
+        chosen.append(o)
+    enumerator.populate_estimates(chosen)
+    per_rank = [0.0] * world
+    for o in chosen:
+        for sh in o.shards:
+            per_rank[sh.rank] += sh.perf.total
+    return max(per_rank)
 
 
 def to_json(shardings):
@@ -174,13 +242,27 @@ def main():
         json.dump(to_json(tr), open(tr_file, "w"))
         tr_cost, _, tr_types = emberctl_plan(emberctl, spec_file, world, "cuda", 512, tr_file)
         em_cost, em_ms, em_types = emberctl_plan(emberctl, spec_file, world, "cuda", 512)
+        em_entries = [dict(e, shards=[{"offsets": sh["offsets"], "sizes": sh["sizes"],
+                                       "rank": sh["rank"]} for sh in e["shards"]])
+                      for e in json.loads(ember_plan_json(emberctl, spec_file, world, "cuda",
+                                                          512))["plan"]]
+        tr_by_tr = torchrec_score(tables, world, "cuda", 512, plan_entries_of_torchrec(tr, world))
+        em_by_tr = torchrec_score(tables, world, "cuda", 512, em_entries)
         row = {"tables": n, "ranks": world, "torchrec_plan_s": tr_s, "ember_plan_ms": em_ms,
                "speedup": tr_s * 1000 / em_ms, "torchrec_plan_cost_ms": tr_cost,
-               "ember_plan_cost_ms": em_cost, "torchrec_types": tr_types, "ember_types": em_types}
+               "ember_plan_cost_ms": em_cost, "torchrec_plan_torchrec_ms": tr_by_tr,
+               "ember_plan_torchrec_ms": em_by_tr, "torchrec_types": tr_types,
+               "ember_types": em_types}
         results["planning"].append(row)
         print(f"planned {n} tables on {world} ranks: TorchRec {tr_s:.2f} s, Ember {em_ms:.1f} ms",
               file=sys.stderr)
 
+    if args.measured > 0:
+        measure(args, rng, emberctl, work, results)
+    report(args, results)
+
+
+def measure(args, rng, emberctl, work, results):
     with ember.LocalCluster(workers=2, emberctl=emberctl) as cluster:
         client = ember.Client(cluster.address, timeout_s=120)
         # Ember plans as a deployment would: with the model calibrated on
@@ -217,14 +299,23 @@ def main():
             print(f"measured collection {k}: TorchRec's plan {tr_rate:.1f} steps/s, "
                   f"Ember's {em_rate:.1f}", file=sys.stderr)
 
+
+
+def report(args, results):
     if args.format == "json":
         print(json.dumps(results))
         return
+    def ms(v):
+        return "n/a" if v is None else f"{v:.4f}"
+
     print("tables | ranks | TorchRec planning s | Ember planning ms | speedup | "
-          "TorchRec plan, Ember model ms | Ember plan, Ember model ms | TorchRec types | Ember types")
+          "TorchRec plan, Ember model ms | Ember plan, Ember model ms | "
+          "TorchRec plan, TorchRec estimators ms | Ember plan, TorchRec estimators ms | "
+          "TorchRec types | Ember types")
     for r in results["planning"]:
         print(f"{r['tables']} | {r['ranks']} | {r['torchrec_plan_s']:.2f} | {r['ember_plan_ms']:.1f} | "
               f"{r['speedup']:.0f}x | {r['torchrec_plan_cost_ms']:.4f} | {r['ember_plan_cost_ms']:.4f} | "
+              f"{ms(r['torchrec_plan_torchrec_ms'])} | {ms(r['ember_plan_torchrec_ms'])} | "
               f"{r['torchrec_types']} | {r['ember_types']}")
     print()
     print("collection | tables | TorchRec plan types | Ember plan types | TorchRec plan steps/s | "
