@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -56,6 +57,24 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
   }
   testing_util::ExpectTablesMatch(c, ref->get(), name, spec, type);
   ASSERT_TRUE(c->DropCollection(name).ok());
+}
+
+// Shared-memory regions process `pid` holds: mappings and open descriptors
+// of files under /dev/shm named ember-* (names are unlinked early, so they
+// read "/dev/shm/ember-... (deleted)").
+int ShmHeld(int pid) {
+  const std::string proc = absl::StrCat("/proc/", pid);
+  int held = 0;
+  std::ifstream maps(proc + "/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/dev/shm/ember-") != std::string::npos) ++held;
+  }
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator(proc + "/fd", ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (target.find("/dev/shm/ember-") != std::string::npos) ++held;
+  }
+  return held;
 }
 
 // Every case runs twice: arrays inline in the gRPC messages, and through
@@ -116,14 +135,20 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     EXPECT_NE(entry.path().filename().string().rfind(mine, 0), 0u)
         << entry.path() << " was left in /dev/shm";
   }
+  // Mapped here and in the workers while open; no descriptor kept anywhere.
+  EXPECT_EQ(ShmHeld(getpid()) > 0, GetParam());
   ASSERT_TRUE(c->DropCollection("transport").ok());
   c.reset();  // its channels closed
+  EXPECT_EQ(ShmHeld(getpid()), 0) << "the client kept a region mapped";
   for (const auto& w : workers->workers()) {
     auto other = Connect();
     ASSERT_NE(other, nullptr);
     auto st = other->WorkerStatus(w.info().address());
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->shm_channels(), 0) << "a closed client's channel is still open";
+  }
+  for (int pid : cluster_->worker_pids()) {
+    EXPECT_EQ(ShmHeld(pid), 0) << "worker " << pid << " kept a closed channel's region";
   }
 }
 
@@ -385,12 +410,22 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   kjt.keys = {"f_sum"};
   kjt.lengths = {3};
   kjt.values = {1, 150, 300};  // one id per worker's row block
-  ASSERT_TRUE((*c)->Lookup("kill", kjt).ok());
+  auto first = (*c)->Lookup("kill", kjt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Shared memory (the default) to every worker: a region each.
+  EXPECT_EQ(ShmHeld(getpid()), 3);
   kill(cluster.worker_pids()[1], SIGKILL);
   const absl::Time start = absl::Now();
   auto kt = (*c)->Lookup("kill", kjt);
   EXPECT_EQ(kt.status().code(), absl::StatusCode::kUnavailable) << kt.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(6));  // the deadline, not a hang
+  // A failed update applies nothing and leaves nothing behind either.
+  EXPECT_EQ((*c)->ApplyGradients("kill", kjt, *first).code(), absl::StatusCode::kUnavailable);
+  c->reset();
+  EXPECT_EQ(ShmHeld(getpid()), 0) << "regions of a dead worker's channels stayed mapped";
+  for (int pid : {cluster.worker_pids()[0], cluster.worker_pids()[2]}) {
+    EXPECT_EQ(ShmHeld(pid), 0) << "worker " << pid << " kept a closed channel's region";
+  }
 }
 
 }  // namespace
