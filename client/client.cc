@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "client/transport.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
@@ -118,50 +119,78 @@ struct Sink {
   FeatureJob* job = nullptr;
   int index = 0;  // in the rank's request
   int64_t col_offset = 0, cols = 0;
+  int64_t rows = 0;                // of its output: bags, or (sequence) ids
   std::vector<int64_t> positions;  // sequence, row-split: id index in the feature
 };
 
-// Builds the ShardFeature of `job` for `shard`: the ids in the shard's rows
-// (shard-local), their weights, and (sequence) their positions.
+// Builds the ShardFeature of `job` for `shard` through `t`: the ids in the
+// shard's rows (shard-local), their weights, and (sequence) their
+// positions.
 void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
-               ShardFeature* f, std::vector<int64_t>* positions, int64_t* num_local) {
+               Transport* t, ShardFeature* f, std::vector<int64_t>* positions,
+               int64_t* num_local) {
   f->mutable_shard()->set_table(job.table->config->name());
   f->mutable_shard()->set_shard_index(shard.index);
   f->set_feature(job.key);
   f->set_pooling(job.sequence ? TableConfig::NONE : send_mean ? TableConfig::MEAN : TableConfig::SUM);
   const bool all_rows = shard.rows == job.table->config->num_embeddings();
-  auto lengths = wire::Resize<int64_t>(f->mutable_lengths(), job.batch);
+  auto lengths = t->TakeArray<int64_t>(f->mutable_lengths(), job.batch);
+  // Every length is written below before anything else is taken.
   if (all_rows) {
     std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
-    wire::Encode(absl::Span<const int64_t>(job.ids, job.num_ids), f->mutable_ids());
+    t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); },
+                          job.batch);
+    auto ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
+    if (job.num_ids > 0) std::memcpy(ids.data(), job.ids, job.num_ids * sizeof(int64_t));
+    t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, job.num_ids);
     if (job.weights != nullptr) {
-      wire::Encode(absl::Span<const float>(job.weights, job.num_ids), f->mutable_weights());
+      auto w = t->TakeArray<float>(f->mutable_weights(), job.num_ids);
+      if (job.num_ids > 0) std::memcpy(w.data(), job.weights, job.num_ids * sizeof(float));
+      t->KeepArray<float>(f->mutable_weights(), [&] { return f->mutable_shm_weights(); },
+                          job.num_ids);
     }
     *num_local = job.num_ids;
     return;
   }
-  // Written straight into the request's bytes, sized for every id and cut
-  // to the ones in the shard's rows.
-  auto ids = wire::Resize<int64_t>(f->mutable_ids(), job.num_ids);
-  absl::Span<float> weights;
-  if (job.weights != nullptr) weights = wire::Resize<float>(f->mutable_weights(), job.num_ids);
+  // The lengths first (counted in one pass), then the ids in the shard's
+  // rows written straight into their array, cut to the ones there.
   const int64_t lo = shard.row_offset, hi = shard.row_offset + shard.rows;
-  int64_t k = 0, n = 0;
-  for (int64_t b = 0; b < job.batch; ++b) {
-    const int64_t bag_start = n;
-    for (int64_t end = k + job.lengths[b]; k < end; ++k) {
-      const int64_t id = job.ids[k];
-      if (id < lo || id >= hi) continue;
-      ids[n] = id - lo;
-      if (job.weights != nullptr) weights[n] = job.weights[k];
-      if (positions != nullptr) positions->push_back(k);
-      ++n;
+  int64_t n = 0;
+  for (int64_t b = 0, k = 0; b < job.batch; ++b) {
+    int64_t in = 0;
+    for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
+      in += job.ids[k] >= lo && job.ids[k] < hi;
     }
-    lengths[b] = n - bag_start;
+    lengths[b] = in;
+    n += in;
   }
-  f->mutable_ids()->resize(n * sizeof(int64_t));
-  if (job.weights != nullptr) f->mutable_weights()->resize(n * sizeof(float));
+  t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); }, job.batch);
+  auto ids = t->TakeArray<int64_t>(f->mutable_ids(), n);
+  for (int64_t k = 0, i = 0; k < job.num_ids; ++k) {
+    const int64_t id = job.ids[k];
+    if (id < lo || id >= hi) continue;
+    ids[i++] = id - lo;
+    if (positions != nullptr) positions->push_back(k);
+  }
+  t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, n);
+  if (job.weights != nullptr) {
+    auto w = t->TakeArray<float>(f->mutable_weights(), n);
+    for (int64_t k = 0, i = 0; k < job.num_ids; ++k) {
+      if (job.ids[k] >= lo && job.ids[k] < hi) w[i++] = job.weights[k];
+    }
+    t->KeepArray<float>(f->mutable_weights(), [&] { return f->mutable_shm_weights(); }, n);
+  }
   *num_local = n;
+}
+
+// The most bytes a shard request of `job` can take (every id in the shard,
+// its output or gradient in `cols` columns): sizes a channel's region.
+uint64_t MostBytes(const FeatureJob& job, int64_t cols) {
+  using A = ShmTransport;
+  const int64_t rows = job.sequence ? job.num_ids : job.batch;
+  return A::Aligned(job.batch * sizeof(int64_t)) + A::Aligned(job.num_ids * sizeof(int64_t)) +
+         (job.weights != nullptr ? A::Aligned(job.num_ids * sizeof(float)) : 0) +
+         A::Aligned(rows * cols * sizeof(float));
 }
 
 template <typename Request, typename Response>
@@ -206,68 +235,15 @@ using StubFor = std::function<ember::v1::Worker::Stub*(const std::string&)>;
 // A shared-memory channel to a worker for one call, or an empty lease.
 using ChannelFor = std::function<ChannelPool::Lease(const std::string&, uint64_t)>;
 
-uint64_t Aligned(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
-
-uint64_t FeatureBytes(const ShardFeature& f) {
-  return Aligned(f.lengths().size()) + Aligned(f.ids().size()) + Aligned(f.weights().size());
-}
-
-// Moves an array from its bytes field into the region at *at (a slice
-// naming where).
-void MoveToRegion(std::string* bytes, char* base, uint64_t* at, ember::v1::ShmSlice* slice) {
-  if (bytes->empty()) return;
-  slice->set_offset(*at);
-  slice->set_size(bytes->size());
-  std::memcpy(base + *at, bytes->data(), bytes->size());
-  *at += Aligned(bytes->size());
-  std::string().swap(*bytes);
-}
-
-void MoveFeature(ShardFeature* f, char* base, uint64_t* at) {
-  MoveToRegion(f->mutable_lengths(), base, at, f->mutable_shm_lengths());
-  MoveToRegion(f->mutable_ids(), base, at, f->mutable_shm_ids());
-  MoveToRegion(f->mutable_weights(), base, at, f->mutable_shm_weights());
-}
-
-// Lays a lookup's arrays, and room for its outputs (`output_bytes`, one
-// per feature), out in a channel to `address` if one is to be had; the
-// request then names the channel. An empty lease: the request stays inline.
-ChannelPool::Lease PlaceLookup(ember::v1::WorkerLookupRequest* req,
-                               const std::vector<uint64_t>& output_bytes,
-                               const std::string& address, const ChannelFor& channel_for) {
-  uint64_t total = 0;
-  for (const ShardFeature& f : req->features()) total += FeatureBytes(f);
-  for (uint64_t b : output_bytes) total += Aligned(b);
-  ChannelPool::Lease lease = channel_for(address, total);
-  if (!lease) return lease;
-  char* base = lease.get()->base();
-  uint64_t at = 0;
-  for (ShardFeature& f : *req->mutable_features()) MoveFeature(&f, base, &at);
-  for (uint64_t b : output_bytes) {
-    auto* slice = req->add_shm_outputs();
-    slice->set_offset(at);
-    slice->set_size(b);
-    at += Aligned(b);
+// The transport of one worker request: a channel to `address` when one is
+// to be had for `bytes`, else inline.
+std::unique_ptr<Transport> TransportFor(const std::string& address, uint64_t bytes,
+                                        const ChannelFor& channel_for) {
+  if (bytes > 0) {
+    ChannelPool::Lease lease = channel_for(address, bytes);
+    if (lease) return std::make_unique<ShmTransport>(std::move(lease));
   }
-  req->set_channel_id(lease.get()->id());
-  return lease;
-}
-
-// The same for an update's arrays and gradients.
-ChannelPool::Lease PlaceGradients(ember::v1::WorkerApplyGradientsRequest* req,
-                                  const std::string& address, const ChannelFor& channel_for) {
-  uint64_t total = 0;
-  for (const auto& g : req->gradients()) total += FeatureBytes(g.feature()) + Aligned(g.grad().size());
-  ChannelPool::Lease lease = channel_for(address, total);
-  if (!lease) return lease;
-  char* base = lease.get()->base();
-  uint64_t at = 0;
-  for (auto& g : *req->mutable_gradients()) {
-    MoveFeature(g.mutable_feature(), base, &at);
-    MoveToRegion(g.mutable_grad(), base, &at, g.mutable_shm_grad());
-  }
-  req->set_channel_id(lease.get()->id());
-  return lease;
+  return std::make_unique<InlineTransport>();
 }
 
 // The calls of one client call, one per worker rank, each sent as soon as
@@ -607,8 +583,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
                        const ChannelFor& channel_for) {
   using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
-  // Channels outlive the calls that use them (declared first).
-  std::vector<ChannelPool::Lease> leases(r.info.worker_addresses_size());
+  // Transports (their channels) outlive the calls that use them (declared
+  // first).
+  std::vector<std::unique_ptr<Transport>> transports(r.info.worker_addresses_size());
   Fanout<LookupCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
   // Each job's shards: every shard of a sharded table, one replica of a
   // data-parallel one.
@@ -625,6 +602,14 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     LookupCall& c = fan[rank];
     c.request.set_collection(r.info.plan().collection());
     c.request.set_epoch(r.info.plan().epoch());
+    uint64_t most = 0;
+    for (size_t i = 0; i < jobs->size(); ++i) {
+      for (const auto& shard : targets[i]) {
+        if (shard.rank == rank) most += MostBytes((*jobs)[i], shard.cols);
+      }
+    }
+    transports[rank] = TransportFor(r.info.worker_addresses(rank), most, channel_for);
+    Transport* t = transports[rank].get();
     for (size_t i = 0; i < jobs->size(); ++i) {
       FeatureJob& j = (*jobs)[i];
       const bool row_split = j.table->row_split;
@@ -637,9 +622,10 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         sink.cols = shard.cols;
         ShardFeature f;
         int64_t local = 0;
-        Bucketize(j, shard, send_mean, &f, j.sequence && row_split ? &sink.positions : nullptr,
+        Bucketize(j, shard, send_mean, t, &f, j.sequence && row_split ? &sink.positions : nullptr,
                   &local);
         if (local == 0) continue;  // nothing from this shard: its part stays 0
+        sink.rows = j.sequence ? local : j.batch;
         sink.index = c.request.features_size();
         *c.request.add_features() = std::move(f);
         c.used = true;
@@ -647,14 +633,10 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       }
     }
     if (c.used) {
-      std::vector<uint64_t> output_bytes;
       for (const Sink& sink : sinks[rank]) {
-        const ShardFeature& f = c.request.features(sink.index);
-        const uint64_t rows = (sink.job->sequence ? f.ids().size() : f.lengths().size()) / 8;
-        output_bytes.push_back(rows * sink.cols * sizeof(float));
+        t->AddOutput(&c.request, sink.rows * sink.cols * sizeof(float));
       }
-      leases[rank] = PlaceLookup(&c.request, output_bytes, r.info.worker_addresses(rank),
-                                 channel_for);
+      c.request.set_channel_id(t->channel_id());
     }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, LookupCall* call, auto done) {
       stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
@@ -669,16 +651,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     const LookupCall& c = fan[rank];
     for (const Sink& s : sinks[rank]) {
       absl::Span<const float> buf;
-      if (leases[rank]) {  // written into the channel
-        const ember::v1::ShmSlice& slice = c.request.shm_outputs(s.index);
-        buf = absl::Span<const float>(
-            reinterpret_cast<const float*>(leases[rank].get()->base() + slice.offset()),
-            slice.size() / sizeof(float));
-      } else if (s.index >= c.response.outputs_size()) {
-        return absl::InternalError(absl::StrCat("worker ", rank, " returned too few outputs"));
-      } else if (absl::Status st = wire::View(c.response.outputs(s.index), "output", &scratch, &buf);
-                 !st.ok()) {
-        return absl::InternalError(st.message());
+      if (absl::Status st = transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
+          !st.ok()) {
+        return absl::InternalError(absl::StrCat("worker ", rank, ": ", st.message()));
       }
       FeatureJob& j = *s.job;
       const int64_t rows = static_cast<int64_t>(buf.size()) / std::max<int64_t>(1, s.cols);
@@ -702,7 +677,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   }
   if (absl::Status s = fan.WaitAll(); !s.ok()) {
     for (int rank = 0; rank < fan.size(); ++rank) {
-      if (fan[rank].started && !fan[rank].status.ok()) leases[rank].Invalidate();
+      if (fan[rank].started && !fan[rank].status.ok()) transports[rank]->Failed();
     }
     return s;
   }
@@ -724,17 +699,27 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
                           const std::string& request_id, absl::Time deadline,
                           const StubFor& stub_for, const ChannelFor& channel_for) {
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
-  std::vector<ChannelPool::Lease> leases(r.info.worker_addresses_size());
+  std::vector<std::unique_ptr<Transport>> transports(r.info.worker_addresses_size());
   Fanout<GradCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
+  auto targets_of = [](const FeatureJob& j) -> const std::vector<Client::Routing::Shard>& {
+    return j.table->replicas.empty() ? j.table->shards : j.table->replicas;
+  };
   // Rank by rank: build the rank's request and send it.
   for (int rank = 0; rank < fan.size(); ++rank) {
     GradCall& call = fan[rank];
     call.request.set_collection(r.info.plan().collection());
     call.request.set_epoch(r.info.plan().epoch());
     call.request.set_request_id(request_id);
+    uint64_t most = 0;
+    for (const FeatureJob& j : *jobs) {
+      for (const auto& shard : targets_of(j)) {
+        if (shard.rank == rank) most += MostBytes(j, shard.cols);
+      }
+    }
+    transports[rank] = TransportFor(r.info.worker_addresses(rank), most, channel_for);
+    Transport* t = transports[rank].get();
     for (FeatureJob& j : *jobs) {
-      const std::vector<Client::Routing::Shard>& targets =
-          j.table->replicas.empty() ? j.table->shards : j.table->replicas;
+      const std::vector<Client::Routing::Shard>& targets = targets_of(j);
       const bool row_split = j.table->row_split;
       const bool mean = j.table->config->pooling() == TableConfig::MEAN;
       for (const auto& shard : targets) {
@@ -745,11 +730,12 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
         call.used = true;
         std::vector<int64_t> positions;
         int64_t local = 0;
-        Bucketize(j, shard, mean && !row_split, g->mutable_feature(),
+        Bucketize(j, shard, mean && !row_split, t, g->mutable_feature(),
                   j.sequence ? &positions : nullptr, &local);
         const bool all_rows = shard.rows == j.table->config->num_embeddings();
+        const int64_t grad_rows = j.sequence ? local : j.batch;
+        auto dst = t->TakeArray<float>(g->mutable_grad(), grad_rows * shard.cols);
         if (j.sequence) {
-          auto dst = wire::Resize<float>(g->mutable_grad(), local * shard.cols);
           for (int64_t i = 0; i < local; ++i) {
             const int64_t src_row = all_rows ? i : positions[i];
             std::memcpy(dst.data() + i * shard.cols,
@@ -757,7 +743,6 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
                         shard.cols * sizeof(float));
           }
         } else {
-          auto dst = wire::Resize<float>(g->mutable_grad(), j.batch * shard.cols);
           for (int64_t b = 0; b < j.batch; ++b) {
             const float* src = j.grad + b * j.grad_stride + shard.col_offset;
             float* out = dst.data() + b * shard.cols;
@@ -769,18 +754,18 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
             }
           }
         }
+        t->KeepArray<float>(g->mutable_grad(), [&] { return g->mutable_shm_grad(); },
+                            grad_rows * shard.cols);
       }
     }
-    if (call.used) {
-      leases[rank] = PlaceGradients(&call.request, r.info.worker_addresses(rank), channel_for);
-    }
+    if (call.used) call.request.set_channel_id(t->channel_id());
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
       stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
     });
   }
   absl::Status s = fan.WaitAll();
   for (int rank = 0; rank < fan.size(); ++rank) {
-    if (fan[rank].started && !fan[rank].status.ok()) leases[rank].Invalidate();
+    if (fan[rank].started && !fan[rank].status.ok()) transports[rank]->Failed();
   }
   return s;
 }

@@ -1,0 +1,75 @@
+#include "client/transport.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/wire.h"
+
+namespace ember {
+namespace client {
+
+char* InlineTransport::Take(std::string* field, uint64_t bytes) {
+  field->resize(bytes);
+  return field->empty() ? nullptr : &(*field)[0];
+}
+
+void InlineTransport::Keep(std::string* field, SliceFn, uint64_t used) {
+  field->resize(used);
+}
+
+absl::Status InlineTransport::Output(const ember::v1::WorkerLookupRequest&,
+                                     const ember::v1::WorkerLookupResponse& response, int index,
+                                     std::vector<float>* scratch, absl::Span<const float>* out) {
+  if (index >= response.outputs_size()) {
+    return absl::InternalError(absl::StrCat("the worker returned ", response.outputs_size(),
+                                            " outputs, fewer than asked for"));
+  }
+  if (absl::Status s = wire::View(response.outputs(index), "output", scratch, out); !s.ok()) {
+    return absl::InternalError(s.message());
+  }
+  return absl::OkStatus();
+}
+
+char* ShmTransport::Take(std::string*, uint64_t bytes) {
+  // The caller sized the region for everything the call takes (upper
+  // bounds); past its end is a bug of the caller's, not bad input.
+  if (at_ + bytes > lease_.get()->size()) {
+    std::fprintf(stderr, "ShmTransport: %llu bytes at %llu overrun a region of %llu\n",
+                 static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(at_),
+                 static_cast<unsigned long long>(lease_.get()->size()));
+    std::abort();
+  }
+  return bytes == 0 ? nullptr : lease_.get()->base() + at_;
+}
+
+void ShmTransport::Keep(std::string*, SliceFn slice, uint64_t used) {
+  if (used == 0) return;  // an empty array: no slice
+  ember::v1::ShmSlice* s = slice();
+  s->set_offset(at_);
+  s->set_size(used);
+  at_ += Aligned(used);
+}
+
+void ShmTransport::AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) {
+  ember::v1::ShmSlice* slice = request->add_shm_outputs();
+  slice->set_offset(at_);
+  slice->set_size(bytes);
+  at_ += Aligned(bytes);
+}
+
+absl::Status ShmTransport::Output(const ember::v1::WorkerLookupRequest& request,
+                                  const ember::v1::WorkerLookupResponse&, int index,
+                                  std::vector<float>*, absl::Span<const float>* out) {
+  if (index >= request.shm_outputs_size()) {
+    return absl::InternalError(absl::StrCat("no output slice ", index));
+  }
+  const ember::v1::ShmSlice& slice = request.shm_outputs(index);
+  *out = absl::Span<const float>(
+      reinterpret_cast<const float*>(lease_.get()->base() + slice.offset()),
+      slice.size() / sizeof(float));
+  return absl::OkStatus();
+}
+
+}  // namespace client
+}  // namespace ember

@@ -1,0 +1,113 @@
+// How one worker request's bulk arrays travel. The client's routing
+// (client.cc) writes every array of a request (lengths, ids, weights,
+// gradients) through a Transport and reads every output back through it, so
+// the routing is one implementation whatever carries the bytes:
+//
+//   InlineTransport  the bytes fields of the gRPC message (the default, and
+//                    the fallback when no channel is to be had);
+//   ShmTransport     a shared-memory channel to the worker (shm_channel.h):
+//                    arrays are written straight into its region, the
+//                    message carries only slices naming where, and the
+//                    worker writes lookup outputs into the region too.
+//
+// The gRPC message stays the control message of every transfer (collection,
+// epoch, request id, shapes), so validation, epochs and exactly-once work
+// the same whatever carries the bytes.
+#ifndef EMBER_CLIENT_TRANSPORT_H_
+#define EMBER_CLIENT_TRANSPORT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "client/shm_channel.h"
+#include "proto/service.pb.h"
+
+namespace ember {
+namespace client {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Room for an array of `bytes`, to be filled and then cut to what was
+  // used with Keep (exactly once, before the next Take). `field` is the
+  // array's bytes field in the message; `slice` makes its shared-memory
+  // slice (called only by a transport that uses it: a slice present in a
+  // message says the array is in a channel).
+  using SliceFn = absl::FunctionRef<ember::v1::ShmSlice*()>;
+  virtual char* Take(std::string* field, uint64_t bytes) = 0;
+  virtual void Keep(std::string* field, SliceFn slice, uint64_t used) = 0;
+
+  // Lookups: where output `index` of `request` is to be written (shared
+  // memory: room in the region, named by a slice in the request), and the
+  // output's bytes once the call succeeded. INTERNAL when the worker's
+  // answer does not hold it.
+  virtual void AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) = 0;
+  // `scratch` holds a copy when the inline bytes are not aligned for floats.
+  virtual absl::Status Output(const ember::v1::WorkerLookupRequest& request,
+                              const ember::v1::WorkerLookupResponse& response, int index,
+                              std::vector<float>* scratch, absl::Span<const float>* out) = 0;
+
+  // The call failed: a channel is not to be trusted again.
+  virtual void Failed() {}
+
+  // The request's channel_id (WorkerLookupRequest /
+  // WorkerApplyGradientsRequest): 0 inline.
+  virtual uint64_t channel_id() const { return 0; }
+
+  // Typed forms of Take / Keep.
+  template <typename T>
+  absl::Span<T> TakeArray(std::string* field, int64_t count) {
+    return absl::Span<T>(reinterpret_cast<T*>(Take(field, count * sizeof(T))), count);
+  }
+  template <typename T>
+  void KeepArray(std::string* field, SliceFn slice, int64_t count) {
+    Keep(field, slice, count * sizeof(T));
+  }
+};
+
+// Arrays in the message's bytes fields.
+class InlineTransport : public Transport {
+ public:
+  char* Take(std::string* field, uint64_t bytes) override;
+  void Keep(std::string* field, SliceFn slice, uint64_t used) override;
+  void AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) override {}
+  absl::Status Output(const ember::v1::WorkerLookupRequest& request,
+                      const ember::v1::WorkerLookupResponse& response, int index,
+                      std::vector<float>* scratch, absl::Span<const float>* out) override;
+};
+
+// Arrays in a shared-memory channel's region, laid out in the order they
+// are taken, each 64-byte aligned. The lease holds the channel for this one
+// call; the region must be large enough for everything the call takes
+// (the caller sizes it by upper bounds).
+class ShmTransport : public Transport {
+ public:
+  explicit ShmTransport(ChannelPool::Lease lease) : lease_(std::move(lease)) {}
+  uint64_t channel_id() const override { return lease_.get()->id(); }
+
+  char* Take(std::string* field, uint64_t bytes) override;
+  void Keep(std::string* field, SliceFn slice, uint64_t used) override;
+  void AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) override;
+  absl::Status Output(const ember::v1::WorkerLookupRequest& request,
+                      const ember::v1::WorkerLookupResponse& response, int index,
+                      std::vector<float>* scratch, absl::Span<const float>* out) override;
+  void Failed() override { lease_.Invalidate(); }
+
+  // Bytes a region needs for arrays of these sizes (each aligned).
+  static uint64_t Aligned(uint64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+ private:
+  ChannelPool::Lease lease_;
+  uint64_t at_ = 0;  // the next array's offset
+};
+
+}  // namespace client
+}  // namespace ember
+
+#endif  // EMBER_CLIENT_TRANSPORT_H_
