@@ -429,6 +429,11 @@ class CudaBackend : public EmbeddingBackend {
     const LookupPlan plan = PlanLookup(requests, Resolver());
     // No bags and no ids anywhere: every output is empty.
     if (plan.total_items == 0) return absl::OkStatus();
+    // In pieces, errors would name requests of a piece: check the call's
+    // ids and weights first, so that they name the caller's.
+    if (!split_.FitsLookup(SizeOf(plan))) {
+      if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
+    }
     if (absl::Status s = Activate(); !s.ok()) return s;
     return ForEachLookupPiece(
         requests, plan, Resolver(), split_,
