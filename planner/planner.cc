@@ -55,6 +55,7 @@ struct Option {
   ShardingType type;
   ComputeKernel kernel;
   Placement placement;
+  std::vector<ShardBlock> blocks;  // the shards, in order (data_parallel: one per replica)
   std::vector<Run> runs;
   int num_shards = 0;
   double total_cost = 0;
@@ -628,6 +629,7 @@ Option MakeOption(ShardingType type, ComputeKernel kernel,
   o.type = type;
   o.kernel = kernel;
   o.placement = PlacementFor(type);
+  o.blocks = blocks;
   o.num_shards = static_cast<int>(blocks.size());
   for (const ShardBlock& b : blocks) {
     if (!o.runs.empty() && o.runs.back().rows == b.rows &&
@@ -909,15 +911,30 @@ absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& sp
         types.push_back(type);
       }
     }
-    if (types.empty()) types = AllShardingTypes();
+    const bool free_choice = types.empty();
+    if (free_choice) types = AllShardingTypes();
     const TableWorkload work = WorkloadFor(tc, c, topo, model);
     for (ShardingType type : types) {
       const std::vector<ComputeKernel> kernels = KernelsFor(type, device, c);
       if (kernels.empty()) continue;
-      const std::vector<ShardBlock> blocks = BlocksFor(type, tc, c, w, lw);
-      for (ComputeKernel k : kernels) {
-        tables[t].options.push_back(
-            MakeOption(type, k, blocks, work, tc, model, device, w));
+      // Column splits: chosen freely, every width FreeColumnWidths offers
+      // (wide blocks as TorchRec makes them, down to the even split); forced
+      // or with a min_partition, the one split ColumnShardWidth gives.
+      std::vector<std::vector<ShardBlock>> splits;
+      const bool column = type == ShardingType::kColumnWise ||
+                          type == ShardingType::kTableColumnWise;
+      if (column && free_choice && c.min_partition() == 0) {
+        const int workers = type == ShardingType::kColumnWise ? w : lw;
+        for (int64_t width : FreeColumnWidths(tc.embedding_dim(), workers)) {
+          splits.push_back(ColumnBlocksOfWidth(tc.num_embeddings(), tc.embedding_dim(), width));
+        }
+      }
+      if (splits.empty()) splits.push_back(BlocksFor(type, tc, c, w, lw));
+      for (const std::vector<ShardBlock>& blocks : splits) {
+        for (ComputeKernel k : kernels) {
+          tables[t].options.push_back(
+              MakeOption(type, k, blocks, work, tc, model, device, w));
+        }
       }
     }
     if (tables[t].options.empty()) {
@@ -1092,14 +1109,13 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   *plan.mutable_topology() = topo;
   for (int t = 0; t < n; ++t) {
     const TableConfig& tc = spec.tables(t);
-    const ParameterConstraints& c = ConstraintsFor(spec, tc.name());
     const Option& o = tables[t].options[best.tables[t].option];
     const std::vector<int>& ranks = best.tables[t].ranks;
     auto* ts = plan.add_tables();
     ts->set_table(tc.name());
     ts->set_sharding_type(std::string(ShardingTypeName(o.type)));
     ts->set_compute_kernel(std::string(ComputeKernelName(o.kernel)));
-    const std::vector<ShardBlock> blocks = BlocksFor(o.type, tc, c, w, lw);
+    const std::vector<ShardBlock>& blocks = o.blocks;
     for (int i = 0; i < o.num_shards; ++i) {
       ts->add_ranks(ranks[i]);
       if (o.type == ShardingType::kDataParallel) continue;

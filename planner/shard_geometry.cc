@@ -35,7 +35,23 @@ int64_t ColumnShardWidth(int64_t cols, int min_partition, int num_workers) {
 
 std::vector<ShardBlock> ColumnWiseBlocks(int64_t rows, int64_t cols,
                                          int min_partition, int num_workers) {
-  const int64_t width = ColumnShardWidth(cols, min_partition, num_workers);
+  return ColumnBlocksOfWidth(rows, cols, ColumnShardWidth(cols, min_partition, num_workers));
+}
+
+std::vector<int64_t> FreeColumnWidths(int64_t cols, int num_workers) {
+  std::vector<int64_t> widths;
+  for (int64_t k = 2; k <= std::min<int64_t>(num_workers, cols); ++k) {
+    const int64_t w = cols / k;
+    if (cols % k == 0 && w % 4 == 0 && w >= kMinFreeColumnWidth) widths.push_back(w);
+  }
+  const int64_t even = ColumnShardWidth(cols, 0, num_workers);
+  if (even < cols && std::find(widths.begin(), widths.end(), even) == widths.end()) {
+    widths.push_back(even);
+  }
+  return widths;
+}
+
+std::vector<ShardBlock> ColumnBlocksOfWidth(int64_t rows, int64_t cols, int64_t width) {
   std::vector<ShardBlock> blocks;
   for (int64_t c = 0; c < cols; c += width) {
     ShardBlock b;

@@ -40,6 +40,18 @@ int64_t ColumnShardWidth(int64_t cols, int min_partition, int num_workers);
 std::vector<ShardBlock> ColumnWiseBlocks(int64_t rows, int64_t cols,
                                          int min_partition, int num_workers);
 
+// The column widths the planner weighs when it chooses freely (no
+// min_partition, no forced sharding type): the even split over
+// `num_workers` (ColumnShardWidth(cols, 0, num_workers)) and every wider
+// width of at least kMinFreeColumnWidth columns that divides `cols` into 2
+// to `num_workers` shards (TorchRec's 128-column blocks among them), widest
+// first. Empty when no split of at least 2 shards exists.
+constexpr int64_t kMinFreeColumnWidth = 32;
+std::vector<int64_t> FreeColumnWidths(int64_t cols, int num_workers);
+
+// Blocks of `width` columns (the last may be narrower), all rows.
+std::vector<ShardBlock> ColumnBlocksOfWidth(int64_t rows, int64_t cols, int64_t width);
+
 }  // namespace planner
 }  // namespace ember
 

@@ -77,6 +77,21 @@ TEST(ColumnShardWidthTest, TorchRecRuleWithMinPartition) {
   EXPECT_EQ(ColumnShardWidth(100, 8, 4), 20);
 }
 
+// Worked by hand: widths cols / k for k = 2 .. W that are multiples of 4
+// and at least 32, widest first, then the even split if it is not among
+// them; nothing when the dim cannot be split.
+TEST(FreeColumnWidthsTest, WideBlocksThenTheEvenSplit) {
+  using W = std::vector<int64_t>;
+  EXPECT_EQ(FreeColumnWidths(128, 64), (W{64, 32, 4}));  // 128/32 = 4 is the even split
+  EXPECT_EQ(FreeColumnWidths(256, 8), (W{128, 64, 32}));  // even split 32 already there
+  EXPECT_EQ(FreeColumnWidths(64, 2), (W{32}));             // the seed tutorial's split
+  EXPECT_EQ(FreeColumnWidths(96, 4), (W{48, 32, 24}));     // 24 < 32, but it is the even split
+  EXPECT_EQ(FreeColumnWidths(96, 3), (W{48, 32}));
+  EXPECT_EQ(FreeColumnWidths(16, 8), (W{4}));              // too narrow for wide blocks
+  EXPECT_EQ(FreeColumnWidths(12, 2), (W{}));               // 6 is not a multiple of 4
+  EXPECT_EQ(FreeColumnWidths(128, 1), (W{}));              // one worker: no split
+}
+
 TEST(ColumnWiseBlocksTest, OffsetsAndSizes) {
   const auto blocks = ColumnWiseBlocks(4096, 64, 0, 2);
   ASSERT_EQ(blocks.size(), 2u);
