@@ -5,7 +5,8 @@
 //
 // Search. Every table gets one option per allowed (sharding type, compute
 // kernel) pair, each with its shards' estimated cost and memory (see
-// cost_model.h). The objective is the slowest worker's estimated step time,
+// cost_model.h); column splits chosen freely get one per column width
+// FreeColumnWidths offers (shard_geometry.h). The objective is the slowest worker's estimated step time,
 // subject to every worker's own HBM and host-memory capacity:
 //  1. For a makespan target T, a greedy pass takes tables in decreasing order
 //     of work and gives each the cheapest option (least total cost) that can
