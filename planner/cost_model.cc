@@ -104,6 +104,11 @@ int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
   }
 }
 
+double ExpectedDistinctRows(double rows, double ids) {
+  if (rows <= 0 || ids <= 0) return 0;
+  return -rows * std::expm1(-ids / rows);
+}
+
 ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                         ShardingType type, ComputeKernel kernel,
                         ember::v1::ComputeDevice device,
@@ -156,9 +161,15 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   const double bwd_grad_bytes = bwd_out_rows * cols * m.output_bytes;
 
   c.fwd_compute_ms = (fwd_ids * row_bytes * penalty + fwd_out_bytes) * ms_per_byte;
+  // Backward: every occurrence goes through the sort and merge (an id's
+  // worth of traffic), then each distinct row touched is read and written
+  // once with its optimizer state (cpu_backend.cc ApplyGradients, the CUDA
+  // backend's UpdateKernel): a small table hit by many ids costs its rows,
+  // not its ids.
+  const double touched = ExpectedDistinctRows(static_cast<double>(block.rows), bwd_ids);
   c.bwd_compute_ms = m.bwd_compute_multiplier *
-                     (bwd_ids * (row_bytes * penalty + state_row_bytes) +
-                      bwd_grad_bytes) *
+                     (touched * (row_bytes * penalty + state_row_bytes) +
+                      bwd_ids * m.id_bytes + bwd_grad_bytes) *
                      ms_per_byte;
   if (!empty) c.fwd_compute_ms += m.per_shard_overhead_ms;
   // On the wire, per shard request: the ids it gets (with their weights),

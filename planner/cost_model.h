@@ -116,6 +116,12 @@ struct ShardCost {
 int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
                                   int64_t cols);
 
+// Distinct rows `ids` uniform draws over `rows` rows hit on average:
+// rows * (1 - exp(-ids / rows)), below min(ids, rows). An update reads and
+// writes each touched row once, however many of its ids repeat it; skewed
+// ids touch fewer, so for them this is an upper bound.
+double ExpectedDistinctRows(double rows, double ids);
+
 // Bytes per weight element of a data type (fp32 4, fp16/bf16 2).
 int DataTypeBytes(ember::v1::DataType type);
 

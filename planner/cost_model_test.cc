@@ -1,5 +1,7 @@
 #include "planner/cost_model.h"
 
+#include <cmath>
+
 #include "gtest/gtest.h"
 
 namespace ember {
@@ -45,8 +47,10 @@ TEST(CostModelTest, TableWiseShardByHand) {
   // Ids in (8 B each), one length per bag (8 B) and pooled rows out (256 B
   // each) at 1e7 B/ms.
   EXPECT_DOUBLE_EQ(c.fwd_comms_ms, (1e6 * 8 + 1e5 * 8 + 1e5 * 256) / 1e7);
-  // Backward (SGD): 2 x (rows touched x 256 B + gradients read).
-  EXPECT_DOUBLE_EQ(c.bwd_compute_ms, 2.0 * (1e6 * 256 + 1e5 * 256) / 1e9);
+  // Backward (SGD): 2 x (each of the 1000 rows, hit 1000 times over, read
+  // and written once (256 B) + every id through the sort (8 B) + the
+  // gradients read).
+  EXPECT_DOUBLE_EQ(c.bwd_compute_ms, 2.0 * (1000 * 256 + 1e6 * 8 + 1e5 * 256) / 1e9);
   // Gradients, ids and lengths again.
   EXPECT_DOUBLE_EQ(c.bwd_comms_ms, (1e5 * 256 + 1e6 * 8 + 1e5 * 8) / 1e7);
   // Weights plus one copy of the I/O buffers, all in HBM.
@@ -77,7 +81,39 @@ TEST(CostModelTest, RowWiseShardSeesItsShareOfIds) {
   EXPECT_EQ(e.fwd_compute_ms + e.fwd_comms_ms, 0.0);
   EXPECT_NEAR(e.bwd_comms_ms, (1e5 * 256 + 1e5 * 8) / 1e7, 1e-12);
   EXPECT_NEAR(e.bwd_compute_ms, 2.0 * 1e5 * 256 / 1e9, 1e-12);
+  // The half with rows: its 500 rows (hit 400 times each) and 2e5 ids.
+  EXPECT_NEAR(c.bwd_compute_ms, 2.0 * (500 * 256 + 2e5 * 8 + 1e5 * 256) / 1e9, 1e-12);
   EXPECT_EQ(e.hbm_bytes, 100000 * 256);  // the gradient buffer
+}
+
+TEST(CostModelTest, ExpectedDistinctRowsByHand) {
+  EXPECT_EQ(ExpectedDistinctRows(1000, 0), 0.0);
+  EXPECT_EQ(ExpectedDistinctRows(0, 50), 0.0);
+  // 1000 ids over 1e6 rows: hardly a repeat, 1e6 * (1 - e^-0.001) = 999.50017.
+  EXPECT_NEAR(ExpectedDistinctRows(1e6, 1000), 999.50017, 1e-5);
+  // As many ids as rows: 1 - 1/e of them, 632.12 of 1000.
+  EXPECT_NEAR(ExpectedDistinctRows(1000, 1000), 632.1206, 1e-4);
+  // Far more ids than rows: every row.
+  EXPECT_NEAR(ExpectedDistinctRows(2500, 49152), 2500, 1e-4);
+}
+
+// A small table hit by many ids updates its rows, not its ids: at pooling
+// factor 48 over 2500 rows, the backward's row traffic is that of 2500 rows.
+TEST(CostModelTest, UpdatesCostTheRowsTheyTouch) {
+  const CostModel m = RoundModel();
+  const TableWorkload w = Work(/*ids=*/49152, /*bags=*/1024);
+  const ShardBlock small{0, 0, 2500, 32}, large{0, 0, 10000000, 32};
+  const ShardCost a = EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kFused,
+                                    ember::v1::CUDA, small, 2500, 2);
+  const ShardCost b = EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kFused,
+                                    ember::v1::CUDA, large, 10000000, 2);
+  const double grads = 1024 * 128;  // bytes of gradient read
+  EXPECT_NEAR(a.bwd_compute_ms, 2.0 * (2500 * 128 + 49152 * 8 + grads) / 1e9, 1e-9);
+  const double touched = 1e7 * -std::expm1(-49152 / 1e7);
+  EXPECT_NEAR(b.bwd_compute_ms, 2.0 * (touched * 128 + 49152 * 8 + grads) / 1e9, 1e-12);
+  EXPECT_LT(a.bwd_compute_ms, b.bwd_compute_ms / 5);
+  // The forward gathers every id either way.
+  EXPECT_DOUBLE_EQ(a.fwd_compute_ms, b.fwd_compute_ms);
 }
 
 TEST(CostModelTest, OptimizerStateBytes) {
