@@ -135,6 +135,30 @@ def plan_entries_of_torchrec(shardings, world):
     return entries
 
 
+def plan_entries_of_ember(plan):
+    """`emberctl plan --format=json`'s tables as plan entries (a data_parallel table, which
+    lists no shards, as a full replica on each of its ranks)."""
+    entries = []
+    for e in plan["plan"]:
+        shards = [{"offsets": sh["offsets"], "sizes": sh["sizes"], "rank": sh["rank"]}
+                  for sh in e["shards"]]
+        if not shards:
+            shards = [{"offsets": None, "sizes": None, "rank": r} for r in e["ranks"]]
+        entries.append({"table": e["table"], "sharding_type": e["sharding_type"],
+                        "compute_kernel": e["compute_kernel"], "shards": shards})
+    return entries
+
+
+def same_plan(a, b):
+    """Whether two lists of plan entries place every table alike (type, shards, ranks)."""
+    def norm(entries):
+        return {e["table"]: (e["sharding_type"],
+                             sorted((tuple(s["offsets"] or ()), tuple(s["sizes"] or ()), s["rank"])
+                                    for s in e["shards"]))
+                for e in entries}
+    return norm(a) == norm(b)
+
+
 def torchrec_score(tables, world, device, batch, entries):
     """A plan scored by TorchRec's estimators: each table's option of the plan's sharding type
     and kernel from TorchRec's enumerator, given the plan's exact shards and ranks and estimated
@@ -242,10 +266,8 @@ def main():
         json.dump(to_json(tr), open(tr_file, "w"))
         tr_cost, _, tr_types = emberctl_plan(emberctl, spec_file, world, "cuda", 512, tr_file)
         em_cost, em_ms, em_types = emberctl_plan(emberctl, spec_file, world, "cuda", 512)
-        em_entries = [dict(e, shards=[{"offsets": sh["offsets"], "sizes": sh["sizes"],
-                                       "rank": sh["rank"]} for sh in e["shards"]])
-                      for e in json.loads(ember_plan_json(emberctl, spec_file, world, "cuda",
-                                                          512))["plan"]]
+        em_entries = plan_entries_of_ember(
+            json.loads(ember_plan_json(emberctl, spec_file, world, "cuda", 512)))
         tr_by_tr = torchrec_score(tables, world, "cuda", 512, plan_entries_of_torchrec(tr, world))
         em_by_tr = torchrec_score(tables, world, "cuda", 512, em_entries)
         row = {"tables": n, "ranks": world, "torchrec_plan_s": tr_s, "ember_plan_ms": em_ms,
@@ -290,7 +312,9 @@ def measure(args, rng, emberctl, work, results):
             client.drop_collection(f"m{k}_torchrec")
             client.drop_collection(f"m{k}_ember")
             tr_rate, em_rate = float(np.median(rates["torchrec"])), float(np.median(rates["ember"]))
+            em_entries = plan_entries_of_ember(em)
             row = {"collection": k, "tables": len(tables),
+                   "same_plan": same_plan(plan_entries_of_torchrec(tr, 2), em_entries),
                    "torchrec_types": sorted({ps.sharding_type for ps in tr.values()}),
                    "ember_types": sorted({t["sharding_type"] for t in em["plan"]}),
                    "torchrec_plan_steps_per_s": tr_rate, "ember_plan_steps_per_s": em_rate,
@@ -319,11 +343,12 @@ def report(args, results):
               f"{r['torchrec_types']} | {r['ember_types']}")
     print()
     print("collection | tables | TorchRec plan types | Ember plan types | TorchRec plan steps/s | "
-          "Ember plan steps/s | ratio")
+          "Ember plan steps/s | ratio (same plan: the ratio is the noise)")
     for r in results["measured"]:
         print(f"{r['collection']} | {r['tables']} | {','.join(r['torchrec_types'])} | "
               f"{','.join(r['ember_types'])} | {r['torchrec_plan_steps_per_s']:.1f} | "
-              f"{r['ember_plan_steps_per_s']:.1f} | {r['ratio']:.2f}")
+              f"{r['ember_plan_steps_per_s']:.1f} | {r['ratio']:.2f}"
+              f"{' (same plan)' if r['same_plan'] else ''}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "cli/exit_status.h"
@@ -639,7 +640,8 @@ int RunStatus() {
   for (const auto& s : workers->workers()) {
     std::cout << "  " << s.worker_id() << " " << s.info().address() << " host " << s.info().host()
               << " pid " << s.info().pid() << " "
-              << (s.info().device() == ember::v1::CUDA ? "cuda" : "cpu") << " "
+              << (s.info().device() == ember::v1::CUDA ? "cuda" : "cpu") << " transports "
+              << absl::StrJoin(s.info().transports(), ",") << " "
               << (s.live() ? "live" : "LEASE LAPSED") << " (heartbeat " << s.ms_since_heartbeat()
               << " ms ago)" << std::endl;
     auto a = first.find(s.worker_id());

@@ -125,6 +125,9 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   auto workers = c->ListWorkers();
   ASSERT_TRUE(workers.ok());
   for (const auto& w : workers->workers()) {
+    // Every worker here offers both (emberctl up's default).
+    EXPECT_EQ(std::vector<std::string>(w.info().transports().begin(), w.info().transports().end()),
+              (std::vector<std::string>{"grpc", "shm"}));
     auto st = c->WorkerStatus(w.info().address());
     ASSERT_TRUE(st.ok()) << st.status();
     channels += st->shm_channels();

@@ -132,6 +132,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   info.set_address(w->address_);
   info.set_host(options.host.empty() ? HostName() : options.host);
   info.set_pid(getpid());
+  info.add_transports("grpc");
+  if (options.service.shared_memory) info.add_transports("shm");
   auto health = StartHealthServer(options.health_bind);
   if (!health.ok()) {
     w->server_->Shutdown();

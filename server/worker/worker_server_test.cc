@@ -5,8 +5,10 @@
 #include "server/worker/worker_server.h"
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -59,9 +61,10 @@ TEST(WorkerServerTest, LostBackendStopsHeartbeatsAndTheLeaseLapses) {
   const std::string address = "127.0.0.1:" + std::to_string(port);
 
   std::atomic<bool> lost_a{false}, lost_b{false};
-  auto start = [&](std::atomic<bool>* lost) {
+  auto start = [&](std::atomic<bool>* lost, bool shared_memory) {
     WorkerServerOptions o;
     o.coordinator = address;
+    o.service.shared_memory = shared_memory;
     o.register_timeout = absl::Seconds(10);
     o.backend_factory = [lost]() -> absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> {
       backend::CpuBackendOptions c;
@@ -73,8 +76,8 @@ TEST(WorkerServerTest, LostBackendStopsHeartbeatsAndTheLeaseLapses) {
     };
     return WorkerServer::Start(o);
   };
-  auto a = start(&lost_a);
-  auto w = start(&lost_b);
+  auto a = start(&lost_a, true);
+  auto w = start(&lost_b, false);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(w.ok()) << w.status();
   auto stub = ember::v1::Coordinator::NewStub(
@@ -82,6 +85,19 @@ TEST(WorkerServerTest, LostBackendStopsHeartbeatsAndTheLeaseLapses) {
   auto live = LiveByAddress(stub.get());
   ASSERT_TRUE(live[(*a)->address()]);
   ASSERT_TRUE(live[(*w)->address()]);
+  {
+    // Each advertises the transports it offers.
+    grpc::ClientContext ctx;
+    ember::v1::ListWorkersResponse resp;
+    ASSERT_TRUE(stub->ListWorkers(&ctx, ember::v1::ListWorkersRequest(), &resp).ok());
+    std::map<std::string, std::vector<std::string>> transports;
+    for (const auto& x : resp.workers()) {
+      transports[x.info().address()].assign(x.info().transports().begin(),
+                                            x.info().transports().end());
+    }
+    EXPECT_EQ(transports[(*a)->address()], (std::vector<std::string>{"grpc", "shm"}));
+    EXPECT_EQ(transports[(*w)->address()], (std::vector<std::string>{"grpc"}));
+  }
 
   lost_a = true;
   // Within a few leases the coordinator sees a's lease lapse; b stays live.
