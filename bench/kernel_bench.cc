@@ -34,7 +34,8 @@ DEFINE_string(dtype, "fp32", "fp32, fp16 or bf16.");
 DEFINE_string(pooling, "sum", "sum or mean.");
 DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
-DEFINE_int32(prefetch_distance, 4, "Rows ahead the CPU backend prefetches (0: none).");
+DEFINE_int32(prefetch_distance, 12, "Ids ahead the CPU backend's lookups prefetch (0: none).");
+DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates prefetch (0: none).");
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones).");
 DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "table", "table or json (one line).");
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
   options.num_threads = FLAGS_threads;
   options.isa = FLAGS_isa;
   options.prefetch_distance = FLAGS_prefetch_distance;
+  options.update_prefetch_distance = FLAGS_update_prefetch_distance;
   absl::StatusOr<std::unique_ptr<eb::EmbeddingBackend>> backend =
       absl::InvalidArgumentError("--backend must be cpu or cuda, got '" + FLAGS_backend + "'");
   if (FLAGS_backend == "cpu") backend = eb::CreateCpuBackend(options);

@@ -18,8 +18,8 @@ peer figure that ratios use copies the ids to the device and the output back
 in every call too; PyTorch's device-resident figure (ids already on the GPU,
 output left there) is printed beside it as the kernel-only bound.
 
-Usually run through bench/torch_compare.sh, which installs Debian's
-python3-torch and builds kernel_bench first. Needs torch and numpy.
+Usually run through bench/torch_compare.sh, which runs it with the SDK's
+.venv (PyPI torch) and builds kernel_bench first. Needs torch and numpy.
 """
 
 import argparse
@@ -114,7 +114,7 @@ def main():
         import numpy as np
         import torch
     except ImportError as e:
-        sys.exit(f"torch_compare: {e}; run bench/torch_compare.sh, which installs python3-torch")
+        sys.exit(f"torch_compare: {e}; run bench/torch_compare.sh, which uses the SDK's .venv")
     if not os.access(a.kernel_bench, os.X_OK):
         sys.exit(f"torch_compare: {a.kernel_bench} is not built; "
                  "run: bazel build -c opt //bench:kernel_bench")

@@ -258,7 +258,7 @@ class CpuBackend : public EmbeddingBackend {
       const math::StepParams params = MakeStepParams(s.spec.optimizer, s.step);
       const bool noise = s.spec.weight_type != WeightType::kFp32 &&
                          s.spec.optimizer.stochastic_rounding;
-      const int prefetch = options_.prefetch_distance;
+      const int prefetch = options_.update_prefetch_distance;
       pool_.ParallelFor(num_unique, 16, [&](int64_t b, int64_t e) {
         for (int64_t u = b; u < e; ++u) {
           if (prefetch > 0 && u + prefetch < e) {
@@ -507,8 +507,8 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(
     return absl::InvalidArgumentError(
         absl::StrCat("num_threads must be >= 1, got ", options.num_threads));
   }
-  if (options.prefetch_distance < 0) {
-    return absl::InvalidArgumentError("prefetch_distance must be >= 0");
+  if (options.prefetch_distance < 0 || options.update_prefetch_distance < 0) {
+    return absl::InvalidArgumentError("prefetch distances must be >= 0");
   }
   auto kernels = RowKernelsFor(options.isa);
   if (!kernels.ok()) return kernels.status();

@@ -20,9 +20,13 @@ struct CpuBackendOptions {
   int num_threads = 1;
   // Instruction set for the row kernels: "auto", "scalar", "avx2", "avx512".
   std::string isa = "auto";
-  // Rows ahead to prefetch while gathering (0 disables prefetching). 4 was
-  // best on the 2-core Xeon VM of docs/benchmarks.md at dim 64 and 128.
-  int prefetch_distance = 4;
+  // Ids ahead whose row a lookup prefetches while gathering (0: none). On
+  // the 2-core AMD EPYC VM of docs/benchmarks.md 12-16 gathered dim-64 rows
+  // 1.5-1.8x faster than 4 (which had been best on an Intel Xeon VM).
+  int prefetch_distance = 12;
+  // The same for the rows (and optimizer state) an update writes; there
+  // 4-8 was best and 16 halved the rate.
+  int update_prefetch_distance = 4;
   // Upper bound on the bytes of weights + optimizer state held; 0: none.
   // CreateShard beyond it fails with RESOURCE_EXHAUSTED.
   int64_t memory_limit_bytes = 0;
