@@ -637,6 +637,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         t->AddOutput(&c.request, sink.rows * sink.cols * sizeof(float));
       }
       c.request.set_channel_id(t->channel_id());
+      c.request.set_channel_seq(t->channel_seq());
     }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, LookupCall* call, auto done) {
       stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
@@ -758,7 +759,10 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
                             grad_rows * shard.cols);
       }
     }
-    if (call.used) call.request.set_channel_id(t->channel_id());
+    if (call.used) {
+      call.request.set_channel_id(t->channel_id());
+      call.request.set_channel_seq(t->channel_seq());
+    }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
       stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
     });

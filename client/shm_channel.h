@@ -35,6 +35,8 @@ class ShmChannel {
   ~ShmChannel();
 
   uint64_t id() const { return id_; }
+  // The number of the next transfer through it (1, 2, ...): one per call.
+  uint64_t NextSeq() { return ++seq_; }
   char* base() const { return base_; }
   uint64_t size() const { return size_; }
 
@@ -43,6 +45,7 @@ class ShmChannel {
   ember::v1::Worker::Stub* stub_ = nullptr;
   std::function<void(grpc::ClientContext*)> prepare_;
   uint64_t id_ = 0;
+  uint64_t seq_ = 0;
   char* base_ = nullptr;
   uint64_t size_ = 0;
 };

@@ -56,9 +56,10 @@ class Transport {
   // The call failed: a channel is not to be trusted again.
   virtual void Failed() {}
 
-  // The request's channel_id (WorkerLookupRequest /
+  // The request's channel_id and channel_seq (WorkerLookupRequest /
   // WorkerApplyGradientsRequest): 0 inline.
   virtual uint64_t channel_id() const { return 0; }
+  virtual uint64_t channel_seq() const { return 0; }
 
   // Typed forms of Take / Keep.
   template <typename T>
@@ -88,8 +89,10 @@ class InlineTransport : public Transport {
 // (the caller sizes it by upper bounds).
 class ShmTransport : public Transport {
  public:
-  explicit ShmTransport(ChannelPool::Lease lease) : lease_(std::move(lease)) {}
+  explicit ShmTransport(ChannelPool::Lease lease)
+      : lease_(std::move(lease)), seq_(lease_.get()->NextSeq()) {}
   uint64_t channel_id() const override { return lease_.get()->id(); }
+  uint64_t channel_seq() const override { return seq_; }
 
   char* Take(std::string* field, uint64_t bytes) override;
   void Keep(std::string* field, SliceFn slice, uint64_t used) override;
@@ -104,7 +107,8 @@ class ShmTransport : public Transport {
 
  private:
   ChannelPool::Lease lease_;
-  uint64_t at_ = 0;  // the next array's offset
+  const uint64_t seq_;  // this call's transfer number on the channel
+  uint64_t at_ = 0;     // the next array's offset
 };
 
 }  // namespace client

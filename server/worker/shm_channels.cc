@@ -95,7 +95,7 @@ absl::Status ShmChannels::Close(uint64_t id, const std::string& owner) {
 }
 
 absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
-    uint64_t id, const std::string& owner) {
+    uint64_t id, const std::string& owner, uint64_t seq) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   ExpireLocked(now);
@@ -109,6 +109,12 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
   if (it->second.owner != owner) {
     return absl::PermissionDeniedError(absl::StrCat("channel ", id, " belongs to another client"));
   }
+  if (seq <= it->second.last_seq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "channel ", id, " transfer ", seq, " is out of order: transfer ", it->second.last_seq,
+        " came before it (a stale or replayed control message; channel_seq counts from 1)"));
+  }
+  it->second.last_seq = seq;
   it->second.last_used = now;
   return it->second.region;
 }

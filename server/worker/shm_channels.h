@@ -55,10 +55,13 @@ class ShmChannels {
   absl::StatusOr<uint64_t> Open(const std::string& name, uint64_t size, const std::string& owner);
   // NOT_FOUND for an unknown channel, PERMISSION_DENIED for another owner's.
   absl::Status Close(uint64_t id, const std::string& owner);
-  // The channel's region for a call (its idle clock restarts). UNAVAILABLE
-  // for an unknown or expired channel (the client opens a new one and
-  // retries), PERMISSION_DENIED for another owner's.
-  absl::StatusOr<std::shared_ptr<const Region>> Use(uint64_t id, const std::string& owner);
+  // The channel's region for transfer `seq` (its idle clock restarts).
+  // UNAVAILABLE for an unknown or expired channel (the client opens a new
+  // one and retries), PERMISSION_DENIED for another owner's,
+  // INVALID_ARGUMENT for a seq not above every earlier one on the channel
+  // (a stale or replayed control message; nothing is read).
+  absl::StatusOr<std::shared_ptr<const Region>> Use(uint64_t id, const std::string& owner,
+                                                    uint64_t seq);
 
   int open_channels() const;
   absl::Duration idle_timeout() const { return idle_timeout_; }
@@ -68,6 +71,7 @@ class ShmChannels {
     std::shared_ptr<const Region> region;
     std::string owner;
     absl::Time last_used;
+    uint64_t last_seq = 0;  // of the latest transfer it served
   };
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

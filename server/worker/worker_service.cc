@@ -478,7 +478,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   std::shared_ptr<const ShmChannels::Region> region;
   ember::v1::WorkerLookupRequest copied;
   if (req->channel_id() != 0) {
-    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx));
+    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq());
     if (!r.ok()) return ToGrpc(r.status());
     region = *std::move(r);
     if (req->shm_outputs_size() != req->features_size()) {
@@ -557,7 +557,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   // Through a channel: every array copied out of its region first.
   ember::v1::WorkerApplyGradientsRequest copied;
   if (req->channel_id() != 0) {
-    auto region = channels_.Use(req->channel_id(), OwnerOf(ctx));
+    auto region = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq());
     if (!region.ok()) return ToGrpc(region.status());
     copied = *req;
     for (int i = 0; i < copied.gradients_size(); ++i) {

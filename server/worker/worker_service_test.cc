@@ -466,6 +466,8 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
 
   ember::v1::WorkerLookupRequest req = PooledLookup();
   req.set_channel_id(opened.channel_id());
+  uint64_t seq = 0;  // transfers through the channel so far
+  req.set_channel_seq(++seq);
   region.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
   region.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
   auto* out = req.add_shm_outputs();
@@ -481,6 +483,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   // Misuse, each refused.
   auto refused = [&](ember::v1::WorkerLookupRequest r, grpc::StatusCode code,
                      const std::string& why) {
+    if (r.channel_seq() == req.channel_seq()) r.set_channel_seq(++seq);  // a fresh transfer
     ember::v1::WorkerLookupResponse rr;
     const grpc::Status st = s->Lookup(nullptr, &r, &rr);
     EXPECT_EQ(st.error_code(), code) << why << ": " << st.error_message();
@@ -507,6 +510,9 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   r = req;
   r.set_channel_id(0);
   refused(r, grpc::StatusCode::INVALID_ARGUMENT, "without a channel");
+  r = req;  // a stale control message: an earlier transfer's number
+  r.set_channel_seq(seq - 1);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "out of order");
   r = req;  // ids out of the shard's range: checked after the copy
   const std::vector<int64_t> far = {0, 1, 99};
   region.Put(far, 128, r.mutable_features(0)->mutable_shm_ids());
@@ -519,6 +525,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   up.set_epoch(1);
   up.set_request_id("shm-1");
   up.set_channel_id(opened.channel_id());
+  up.set_channel_seq(++seq);
   auto* g = up.add_gradients();
   g->mutable_feature()->mutable_shard()->set_table("t");
   g->mutable_feature()->set_pooling(TableConfig::SUM);
@@ -531,6 +538,17 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   EXPECT_EQ(s->ApplyGradients(nullptr, &bad, &ur).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Table(s.get(), "t"), before);
+  // That transfer's number is spent: the same control message again (a
+  // replay: its slices may name bytes a later call has rewritten) is
+  // refused before anything is read.
+  bad = up;
+  bad.set_request_id("shm-replayed");
+  const grpc::Status replay = s->ApplyGradients(nullptr, &bad, &ur);
+  EXPECT_EQ(replay.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(replay.error_message().find("out of order"), std::string::npos)
+      << replay.error_message();
+  EXPECT_EQ(Table(s.get(), "t"), before);
+  up.set_channel_seq(++seq);
   ASSERT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());
   // SGD at rate 1 (MakeService): rows 0 and 1 minus [1,2,3,4], row 3 minus
   // [5,6,7,8], from zero.
@@ -538,7 +556,8 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   EXPECT_EQ(std::vector<float>(after.begin(), after.begin() + 4), (std::vector<float>{-1, -2, -3, -4}));
   EXPECT_EQ(std::vector<float>(after.begin() + 4, after.begin() + 8), (std::vector<float>{-1, -2, -3, -4}));
   EXPECT_EQ(std::vector<float>(after.begin() + 12, after.begin() + 16), (std::vector<float>{-5, -6, -7, -8}));
-  EXPECT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());  // a retry: exactly once
+  up.set_channel_seq(++seq);  // a retry is a new transfer of the same request
+  EXPECT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());  // exactly once
   EXPECT_TRUE(ur.duplicate());
 
   ember::v1::CloseChannelRequest close;
@@ -556,14 +575,19 @@ TEST(WorkerServiceTest, ChannelsHaveOwnersAndLapseWhenIdle) {
   ShmChannels channels(absl::Milliseconds(50), 1 << 20, 2);
   auto id = channels.Open(region.name, 1 << 14, "Bearer a");
   ASSERT_TRUE(id.ok()) << id.status();
-  EXPECT_EQ(channels.Use(*id, "Bearer b").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(channels.Use(*id, "Bearer b", 1).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(channels.Close(*id, "Bearer b").code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_TRUE(channels.Use(*id, "Bearer a").ok());
+  EXPECT_TRUE(channels.Use(*id, "Bearer a", 1).ok());
+  // Transfers in order only: a repeated or earlier number is refused.
+  EXPECT_EQ(channels.Use(*id, "Bearer a", 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(channels.Use(*id, "Bearer a", 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(channels.Use(*id, "Bearer a", 5).ok());  // gaps are fine
+  EXPECT_EQ(channels.Use(*id, "Bearer a", 4).status().code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(channels.Open(region.name, 1 << 14, "Bearer a").ok());
   EXPECT_EQ(channels.Open(region.name, 1 << 14, "Bearer a").status().code(),
             absl::StatusCode::kResourceExhausted);  // at most 2
   absl::SleepFor(absl::Milliseconds(120));
-  EXPECT_EQ(channels.Use(*id, "Bearer a").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(channels.Use(*id, "Bearer a", 6).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(channels.open_channels(), 0);
 }
 

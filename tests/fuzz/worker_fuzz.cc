@@ -74,6 +74,7 @@ struct FuzzChannel {
   char* base = nullptr;
   uint64_t size = 1 << 16;
   uint64_t id = 0;
+  uint64_t seq = 0;  // transfers sent through it
 };
 
 FuzzChannel OpenFuzzChannel(WorkerService* s) {
@@ -114,6 +115,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ember::v1::WorkerLookupResponse out;
       if (Parse(Split(payload, channel), &r)) {
         r.set_channel_id(channel.id);
+        r.set_channel_seq(++channel.seq);
         (void)service->Lookup(nullptr, &r, &out);
       }
       break;
@@ -123,6 +125,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ember::v1::WorkerApplyGradientsResponse out;
       if (Parse(Split(payload, channel), &r)) {
         r.set_channel_id(channel.id);
+        r.set_channel_seq(++channel.seq);
         (void)service->ApplyGradients(nullptr, &r, &out);
       }
       break;
