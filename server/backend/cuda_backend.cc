@@ -429,12 +429,13 @@ class CudaBackend : public EmbeddingBackend {
     const LookupPlan plan = PlanLookup(requests, Resolver());
     // No bags and no ids anywhere: every output is empty.
     if (plan.total_items == 0) return absl::OkStatus();
+    // Ours is the current device before CUB sizes anything.
+    if (absl::Status s = Activate(); !s.ok()) return s;
     // In pieces, errors would name requests of a piece: check the call's
     // ids and weights first, so that they name the caller's.
     if (!split_.FitsLookup(SizeOf(plan))) {
       if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
     }
-    if (absl::Status s = Activate(); !s.ok()) return s;
     return ForEachLookupPiece(
         requests, plan, Resolver(), split_,
         [this](absl::Span<const LookupRequest> piece)
@@ -454,12 +455,13 @@ class CudaBackend : public EmbeddingBackend {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
       if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
     } else {
+      // Ours is the current device before CUB sizes anything.
+      if (absl::Status s = Activate(); !s.ok()) return s;
       // In pieces, the first would be applied before the last is checked:
       // check everything first.
       if (!split_.FitsGradients(SizeOf(plan))) {
         if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
       }
-      if (absl::Status s = Activate(); !s.ok()) return s;
       if (absl::Status st = ForEachGradientPiece(
               requests, plan, Resolver(), split_,
               [this](absl::Span<const GradientRequest> piece)
