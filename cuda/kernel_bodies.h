@@ -1,5 +1,5 @@
 // The CUDA backend's kernels, written once against a warp (warp.h): under
-// nvcc the __global__ kernels in cuda_backend.cu call these with DeviceWarp;
+// nvcc the __global__ kernels in tbe_kernels.cu call these with DeviceWarp;
 // in host builds the emulated backend (emulated_backend.h) calls the same
 // code with HostWarp, so the parity suite runs these algorithms on any CPU.
 // Only the CUDA runtime calls, CUB's sort and scans, and the intrinsics
