@@ -134,51 +134,39 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
   f->set_feature(job.key);
   f->set_pooling(job.sequence ? TableConfig::NONE : send_mean ? TableConfig::MEAN : TableConfig::SUM);
   const bool all_rows = shard.rows == job.table->config->num_embeddings();
+  const bool weighted = job.weights != nullptr;
   auto lengths = t->TakeArray<int64_t>(f->mutable_lengths(), job.batch);
-  // Every length is written below before anything else is taken.
+  auto ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
+  absl::Span<float> weights;
+  if (weighted) weights = t->TakeArray<float>(f->mutable_weights(), job.num_ids);
+  int64_t n = job.num_ids;
   if (all_rows) {
-    std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
-    t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); },
-                          job.batch);
-    auto ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
-    if (job.num_ids > 0) std::memcpy(ids.data(), job.ids, job.num_ids * sizeof(int64_t));
-    t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, job.num_ids);
-    if (job.weights != nullptr) {
-      auto w = t->TakeArray<float>(f->mutable_weights(), job.num_ids);
-      if (job.num_ids > 0) std::memcpy(w.data(), job.weights, job.num_ids * sizeof(float));
-      t->KeepArray<float>(f->mutable_weights(), [&] { return f->mutable_shm_weights(); },
-                          job.num_ids);
+    if (job.batch > 0) std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
+    if (n > 0) std::memcpy(ids.data(), job.ids, n * sizeof(int64_t));
+    if (weighted && n > 0) std::memcpy(weights.data(), job.weights, n * sizeof(float));
+  } else {
+    // Sized for every id, cut to the ones in the shard's rows.
+    const int64_t lo = shard.row_offset, hi = shard.row_offset + shard.rows;
+    int64_t k = 0;
+    n = 0;
+    for (int64_t b = 0; b < job.batch; ++b) {
+      const int64_t bag_start = n;
+      for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
+        const int64_t id = job.ids[k];
+        if (id < lo || id >= hi) continue;
+        ids[n] = id - lo;
+        if (weighted) weights[n] = job.weights[k];
+        if (positions != nullptr) positions->push_back(k);
+        ++n;
+      }
+      lengths[b] = n - bag_start;
     }
-    *num_local = job.num_ids;
-    return;
   }
-  // The lengths first (counted in one pass), then the ids in the shard's
-  // rows written straight into their array, cut to the ones there.
-  const int64_t lo = shard.row_offset, hi = shard.row_offset + shard.rows;
-  int64_t n = 0;
-  for (int64_t b = 0, k = 0; b < job.batch; ++b) {
-    int64_t in = 0;
-    for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
-      in += job.ids[k] >= lo && job.ids[k] < hi;
-    }
-    lengths[b] = in;
-    n += in;
-  }
-  t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); }, job.batch);
-  auto ids = t->TakeArray<int64_t>(f->mutable_ids(), n);
-  for (int64_t k = 0, i = 0; k < job.num_ids; ++k) {
-    const int64_t id = job.ids[k];
-    if (id < lo || id >= hi) continue;
-    ids[i++] = id - lo;
-    if (positions != nullptr) positions->push_back(k);
-  }
-  t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, n);
-  if (job.weights != nullptr) {
-    auto w = t->TakeArray<float>(f->mutable_weights(), n);
-    for (int64_t k = 0, i = 0; k < job.num_ids; ++k) {
-      if (job.ids[k] >= lo && job.ids[k] < hi) w[i++] = job.weights[k];
-    }
-    t->KeepArray<float>(f->mutable_weights(), [&] { return f->mutable_shm_weights(); }, n);
+  t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); }, lengths);
+  t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, ids.first(n));
+  if (weighted) {
+    t->KeepArray<float>(f->mutable_weights(), [&] { return f->mutable_shm_weights(); },
+                        weights.first(n));
   }
   *num_local = n;
 }
@@ -755,8 +743,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
             }
           }
         }
-        t->KeepArray<float>(g->mutable_grad(), [&] { return g->mutable_shm_grad(); },
-                            grad_rows * shard.cols);
+        t->KeepArray<float>(g->mutable_grad(), [&] { return g->mutable_shm_grad(); }, dst);
       }
     }
     if (call.used) {

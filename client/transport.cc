@@ -14,7 +14,7 @@ char* InlineTransport::Take(std::string* field, uint64_t bytes) {
   return field->empty() ? nullptr : &(*field)[0];
 }
 
-void InlineTransport::Keep(std::string* field, SliceFn, uint64_t used) {
+void InlineTransport::Keep(std::string* field, SliceFn, const char*, uint64_t used) {
   field->resize(used);
 }
 
@@ -40,15 +40,16 @@ char* ShmTransport::Take(std::string*, uint64_t bytes) {
                  static_cast<unsigned long long>(lease_.get()->size()));
     std::abort();
   }
-  return bytes == 0 ? nullptr : lease_.get()->base() + at_;
+  char* at = lease_.get()->base() + at_;
+  at_ += Aligned(bytes);
+  return bytes == 0 ? nullptr : at;
 }
 
-void ShmTransport::Keep(std::string*, SliceFn slice, uint64_t used) {
+void ShmTransport::Keep(std::string*, SliceFn slice, const char* data, uint64_t used) {
   if (used == 0) return;  // an empty array: no slice
   ember::v1::ShmSlice* s = slice();
-  s->set_offset(at_);
+  s->set_offset(static_cast<uint64_t>(data - lease_.get()->base()));
   s->set_size(used);
-  at_ += Aligned(used);
 }
 
 void ShmTransport::AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) {

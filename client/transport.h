@@ -34,14 +34,15 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
-  // Room for an array of `bytes`, to be filled and then cut to what was
-  // used with Keep (exactly once, before the next Take). `field` is the
-  // array's bytes field in the message; `slice` makes its shared-memory
-  // slice (called only by a transport that uses it: a slice present in a
-  // message says the array is in a channel).
+  // Room for an array of `bytes` (`field`: the array's bytes field in the
+  // message), to be filled and then cut with Keep to the `used` bytes at
+  // `data` (what Take returned). Several arrays may be taken before any is
+  // kept. `slice` makes the array's shared-memory slice (called only by a
+  // transport that uses it: a slice present in a message says the array is
+  // in a channel).
   using SliceFn = absl::FunctionRef<ember::v1::ShmSlice*()>;
   virtual char* Take(std::string* field, uint64_t bytes) = 0;
-  virtual void Keep(std::string* field, SliceFn slice, uint64_t used) = 0;
+  virtual void Keep(std::string* field, SliceFn slice, const char* data, uint64_t used) = 0;
 
   // Lookups: where output `index` of `request` is to be written (shared
   // memory: room in the region, named by a slice in the request), and the
@@ -67,8 +68,8 @@ class Transport {
     return absl::Span<T>(reinterpret_cast<T*>(Take(field, count * sizeof(T))), count);
   }
   template <typename T>
-  void KeepArray(std::string* field, SliceFn slice, int64_t count) {
-    Keep(field, slice, count * sizeof(T));
+  void KeepArray(std::string* field, SliceFn slice, absl::Span<const T> kept) {
+    Keep(field, slice, reinterpret_cast<const char*>(kept.data()), kept.size() * sizeof(T));
   }
 };
 
@@ -76,7 +77,7 @@ class Transport {
 class InlineTransport : public Transport {
  public:
   char* Take(std::string* field, uint64_t bytes) override;
-  void Keep(std::string* field, SliceFn slice, uint64_t used) override;
+  void Keep(std::string* field, SliceFn slice, const char* data, uint64_t used) override;
   void AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) override {}
   absl::Status Output(const ember::v1::WorkerLookupRequest& request,
                       const ember::v1::WorkerLookupResponse& response, int index,
@@ -95,7 +96,7 @@ class ShmTransport : public Transport {
   uint64_t channel_seq() const override { return seq_; }
 
   char* Take(std::string* field, uint64_t bytes) override;
-  void Keep(std::string* field, SliceFn slice, uint64_t used) override;
+  void Keep(std::string* field, SliceFn slice, const char* data, uint64_t used) override;
   void AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) override;
   absl::Status Output(const ember::v1::WorkerLookupRequest& request,
                       const ember::v1::WorkerLookupResponse& response, int index,
