@@ -80,21 +80,27 @@ def ember_spec(name, tables):
             "constraints": {t["name"]: {"pooling_factors": [t["pf"]]} for t in tables}}
 
 
-def torchrec_plan(tables, world, device, batch):
+def torchrec_inputs(tables, world, device):
+    """The tables as TorchRec's module on the meta device, with the topology and the
+    constraints (pooling factors) its planner and enumerator take."""
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import (EmbeddingShardingPlanner, ParameterConstraints,
-                                              Topology)
+    from torchrec.distributed.planner import ParameterConstraints, Topology
     configs = [EmbeddingBagConfig(name=t["name"], embedding_dim=t["embedding_dim"],
                                   num_embeddings=t["num_embeddings"],
                                   feature_names=[f"f_{t['name']}"]) for t in tables]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    local = min(world, 8)
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world, compute_device=device, local_world_size=local),
-        batch_size=batch,
-        constraints={t["name"]: ParameterConstraints(pooling_factors=[t["pf"]]) for t in tables})
+    topology = Topology(world_size=world, compute_device=device, local_world_size=min(world, 8))
+    constraints = {t["name"]: ParameterConstraints(pooling_factors=[t["pf"]]) for t in tables}
+    return ebc, topology, constraints
+
+
+def torchrec_plan(tables, world, device, batch):
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    ebc, topology, constraints = torchrec_inputs(tables, world, device)
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch,
+                                       constraints=constraints)
     start = time.perf_counter()
     plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
     return plan.plan[""], time.perf_counter() - start
@@ -102,20 +108,10 @@ def torchrec_plan(tables, world, device, batch):
 
 def torchrec_model(tables, world, device, batch):
     """TorchRec's module, enumerator (estimators inside) and sharder for the tables."""
-    import torch
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-    configs = [EmbeddingBagConfig(name=t["name"], embedding_dim=t["embedding_dim"],
-                                  num_embeddings=t["num_embeddings"],
-                                  feature_names=[f"f_{t['name']}"]) for t in tables]
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    enumerator = EmbeddingEnumerator(
-        topology=Topology(world_size=world, compute_device=device,
-                          local_world_size=min(world, 8)),
-        batch_size=batch,
-        constraints={t["name"]: ParameterConstraints(pooling_factors=[t["pf"]]) for t in tables})
+    ebc, topology, constraints = torchrec_inputs(tables, world, device)
+    enumerator = EmbeddingEnumerator(topology=topology, batch_size=batch, constraints=constraints)
     return ebc, enumerator, EmbeddingBagCollectionSharder()
 
 
