@@ -190,7 +190,10 @@ absl::Status ForEachGradientPiece(absl::Span<const GradientRequest> requests,
     s.weighted = true;
     return s;
   };
-  std::vector<uint64_t> first_key;  // of each piece
+  // Each piece's first key, and where its ids start among all the call's
+  // (a piece holds every occurrence of its distinct keys).
+  std::vector<uint64_t> first_key;
+  std::vector<int64_t> piece_begin = {0};
   for (int64_t a = 0; a < num_unique;) {
     if (!scratch.FitsGradients(size_of(a, a + 1))) {
       const backend::ShardSpec& spec = *shards(plan.slots[slot[a]]).spec;
@@ -202,18 +205,18 @@ absl::Status ForEachGradientPiece(absl::Span<const GradientRequest> requests,
     first_key.push_back(unique[a]);
     a = LargestFitting(a + 1, num_unique,
                        [&](int64_t e) { return scratch.FitsGradients(size_of(a, e)); });
+    piece_begin.push_back(ids_before[a]);
   }
   // The ids of each piece, in call order.
   const int64_t num_pieces = static_cast<int64_t>(first_key.size());
-  std::vector<int64_t> piece_begin(num_pieces + 1, 0), by_piece(total);
-  auto piece_of = [&](uint64_t key) {
-    return std::upper_bound(first_key.begin(), first_key.end(), key) - first_key.begin() - 1;
-  };
-  for (int64_t p = 0; p < total; ++p) ++piece_begin[piece_of(keys[p]) + 1];
-  for (int64_t k = 0; k < num_pieces; ++k) piece_begin[k + 1] += piece_begin[k];
+  std::vector<int64_t> by_piece(total);
   {
     std::vector<int64_t> next(piece_begin.begin(), piece_begin.end() - 1);
-    for (int64_t p = 0; p < total; ++p) by_piece[next[piece_of(keys[p])]++] = p;
+    for (int64_t p = 0; p < total; ++p) {
+      const int64_t k =
+          std::upper_bound(first_key.begin(), first_key.end(), keys[p]) - first_key.begin() - 1;
+      by_piece[next[k]++] = p;
+    }
   }
   std::vector<int64_t> lengths, ids;
   std::vector<float> weights, grads;
