@@ -640,7 +640,8 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     const LookupCall& c = fan[rank];
     for (const Sink& s : sinks[rank]) {
       absl::Span<const float> buf;
-      if (absl::Status st = transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
+      if (absl::Status st =
+              transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
           !st.ok()) {
         return absl::InternalError(absl::StrCat("worker ", rank, ": ", st.message()));
       }

@@ -52,8 +52,11 @@ std::string ScratchBytes(const Scratch& s) {
 
 absl::Status ForEachLookupPiece(absl::Span<const LookupRequest> requests, const LookupPlan& plan,
                                 const ShardResolver& shards, const Scratch& scratch,
-                                const LookupRun& run) {
+                                const LookupRun& run, const CheckWhole& check_whole) {
   if (scratch.FitsLookup(SizeOf(plan))) return run(requests);
+  if (check_whole) {
+    if (absl::Status s = check_whole(); !s.ok()) return s;
+  }
   std::vector<std::vector<LookupRequest>> pieces(1);
   CallSize cur;  // of pieces.back()
   // A piece is cut between units: the bags of a pooled request, the ids of
@@ -127,8 +130,12 @@ absl::Status ForEachLookupPiece(absl::Span<const LookupRequest> requests, const 
 
 absl::Status ForEachGradientPiece(absl::Span<const GradientRequest> requests,
                                   const GradientPlan& plan, const ShardResolver& shards,
-                                  const Scratch& scratch, const GradientRun& run) {
+                                  const Scratch& scratch, const GradientRun& run,
+                                  const CheckWhole& check_whole) {
   if (scratch.FitsGradients(SizeOf(plan))) return run(requests);
+  if (check_whole) {
+    if (absl::Status s = check_whole(); !s.ok()) return s;
+  }
   const int64_t n = static_cast<int64_t>(requests.size());
   const int64_t total = plan.total_ids;
   // Every id's sort key (as ExpandOne makes it), the factor on its gradient

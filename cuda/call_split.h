@@ -30,6 +30,11 @@ struct Scratch {
 };
 
 using LookupRun = std::function<absl::Status(absl::Span<const backend::LookupRequest>)>;
+// Called once when a call is to be cut, before any piece runs: a backend
+// that checks values while staging checks the whole call there, so that
+// nothing is applied before a bad value in a later piece is seen, and
+// errors name the caller's requests. Null: nothing to check.
+using CheckWhole = std::function<absl::Status()>;
 using GradientRun = std::function<absl::Status(absl::Span<const backend::GradientRequest>)>;
 
 // Runs a validated Lookup call (`plan`: its PlanLookup) through `run`: the
@@ -40,7 +45,8 @@ using GradientRun = std::function<absl::Status(absl::Span<const backend::Gradien
 // bag does not fit.
 absl::Status ForEachLookupPiece(absl::Span<const backend::LookupRequest> requests,
                                 const LookupPlan& plan, const ShardResolver& shards,
-                                const Scratch& scratch, const LookupRun& run);
+                                const Scratch& scratch, const LookupRun& run,
+                                const CheckWhole& check_whole = nullptr);
 
 // Runs a validated ApplyGradients call (`plan`: its PlanGradients) through
 // `run`: the call itself when it fits `scratch`, else pieces over disjoint
@@ -53,7 +59,8 @@ absl::Status ForEachLookupPiece(absl::Span<const backend::LookupRequest> request
 // one row's occurrences alone do not fit.
 absl::Status ForEachGradientPiece(absl::Span<const backend::GradientRequest> requests,
                                   const GradientPlan& plan, const ShardResolver& shards,
-                                  const Scratch& scratch, const GradientRun& run);
+                                  const Scratch& scratch, const GradientRun& run,
+                                  const CheckWhole& check_whole = nullptr);
 
 }  // namespace cuda
 }  // namespace ember

@@ -316,6 +316,50 @@ TEST(CallSplitTest, GradientRowTooHotForScratchIsRefusedBeforeAnythingRuns) {
   EXPECT_FALSE(ran);
 }
 
+// The whole-call check runs only when the call is cut, before any piece;
+// its error stops everything.
+TEST(CallSplitTest, WholeCallIsCheckedOnlyWhenCut) {
+  Fixture fx;
+  fx.Add(0, 1000, 8);
+  std::vector<int64_t> lengths(500, 1), ids(500);
+  for (int i = 0; i < 500; ++i) ids[i] = i;
+  std::vector<float> out(500 * 8);
+  const std::vector<LookupRequest> reqs = {{Feature(0, Pooling::kSum, lengths, ids),
+                                            absl::MakeSpan(out)}};
+  const LookupPlan plan = PlanLookup(reqs, fx.resolver());
+  int checks = 0, runs = 0;
+  auto run = [&](absl::Span<const LookupRequest>) {
+    ++runs;
+    return absl::OkStatus();
+  };
+  auto refuse = [&] {
+    ++checks;
+    return absl::InvalidArgumentError("bad id");
+  };
+  EXPECT_TRUE(
+      ForEachLookupPiece(reqs, plan, fx.resolver(), MakeScratch(1 << 20), run, refuse).ok());
+  EXPECT_EQ(checks, 0);  // it fit: the backend checks while staging
+  EXPECT_EQ(runs, 1);
+  runs = 0;
+  EXPECT_EQ(ForEachLookupPiece(reqs, plan, fx.resolver(), MakeScratch(8 << 10), run, refuse).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(checks, 1);
+  EXPECT_EQ(runs, 0);
+
+  std::vector<float> grad(500 * 8, 1.0f);
+  const std::vector<GradientRequest> greqs = {{Feature(0, Pooling::kSum, lengths, ids), grad}};
+  const GradientPlan gplan = PlanGradients(greqs, fx.resolver());
+  auto grun = [&](absl::Span<const GradientRequest>) {
+    ++runs;
+    return absl::OkStatus();
+  };
+  EXPECT_EQ(ForEachGradientPiece(greqs, gplan, fx.resolver(), MakeScratch(8 << 10), grun, refuse)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(checks, 2);
+  EXPECT_EQ(runs, 0);
+}
+
 TEST(CallSplitTest, PieceFailureStopsTheRest) {
   Fixture fx;
   fx.Add(0, 1000, 8);

@@ -431,15 +431,13 @@ class CudaBackend : public EmbeddingBackend {
     if (plan.total_items == 0) return absl::OkStatus();
     // Ours is the current device before CUB sizes anything.
     if (absl::Status s = Activate(); !s.ok()) return s;
-    // In pieces, errors would name requests of a piece: check the call's
-    // ids and weights first, so that they name the caller's.
-    if (!split_.FitsLookup(SizeOf(plan))) {
-      if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
-    }
+    // In pieces the call's ids and weights are checked whole first, so that
+    // errors name the caller's requests.
     return ForEachLookupPiece(
         requests, plan, Resolver(), split_,
         [this](absl::Span<const LookupRequest> piece)
-            ABSL_NO_THREAD_SAFETY_ANALYSIS { return LookupPiece(piece); });
+            ABSL_NO_THREAD_SAFETY_ANALYSIS { return LookupPiece(piece); },
+        [&] { return ValidateRequests(requests, find_spec); });
   }
 
   absl::Status DoApplyGradients(absl::Span<const GradientRequest> requests) {
@@ -458,14 +456,12 @@ class CudaBackend : public EmbeddingBackend {
       // Ours is the current device before CUB sizes anything.
       if (absl::Status s = Activate(); !s.ok()) return s;
       // In pieces, the first would be applied before the last is checked:
-      // check everything first.
-      if (!split_.FitsGradients(SizeOf(plan))) {
-        if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
-      }
+      // the whole call is checked first.
       if (absl::Status st = ForEachGradientPiece(
               requests, plan, Resolver(), split_,
               [this](absl::Span<const GradientRequest> piece)
-                  ABSL_NO_THREAD_SAFETY_ANALYSIS { return GradientPiece(piece); });
+                  ABSL_NO_THREAD_SAFETY_ANALYSIS { return GradientPiece(piece); },
+              [&] { return ValidateRequests(requests, find_spec); });
           !st.ok()) {
         return st;
       }
