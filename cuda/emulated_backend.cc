@@ -250,7 +250,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     std::vector<int64_t> hot_units(total, 0), hot_end(total);
     for (int64_t u = 0; u < num_runs; ++u) kernels::HotUnitsOne(u, run_begin.data(), hot_units.data());
     std::partial_sum(hot_units.begin(), hot_units.end(), hot_end.begin());
-    const int64_t max_units = 2 * (total / kernels::kHotRun) + 1;
+    const int64_t max_units = MaxHotUnits(total);
     std::vector<float> partials(max_units * plan.max_dim);
     kernels::UpdateArgs a;
     a.sorted_keys = sorted_keys.data();

@@ -153,6 +153,8 @@ LookupLayout LayOutLookup(const CallSize& size, size_t temp_bytes) {
   return l;
 }
 
+int64_t MaxHotUnits(int64_t ids) { return 2 * (ids / kernels::kHotRun) + 1; }
+
 GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes) {
   GradientLayout l;
   const int64_t n = size.requests, ids = size.ids;
@@ -176,9 +178,7 @@ GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes) {
   l.scale = dev.Add<float>(ids);
   l.run_id = dev.Add<int64_t>(ids);
   l.run_begin = dev.Add<int64_t>(ids + 1);
-  // A run longer than kHotRun is cut into chunks of kHotRun, so there are
-  // at most 2 * ids / kHotRun of them.
-  l.max_units = 2 * (ids / kernels::kHotRun) + 1;
+  l.max_units = MaxHotUnits(ids);
   l.hot_units = dev.Add<int64_t>(ids);
   l.hot_end = dev.Add<int64_t>(ids);
   l.partials = dev.Add<float>(l.max_units * size.max_dim);

@@ -115,6 +115,10 @@ struct GradientLayout {
 };
 GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes);
 
+// Hot-row chunks a backward pass over `ids` ids can have at most: runs
+// longer than kHotRun are cut into chunks of kHotRun, so 2 * ids / kHotRun.
+int64_t MaxHotUnits(int64_t ids);
+
 }  // namespace cuda
 }  // namespace ember
 

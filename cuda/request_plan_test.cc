@@ -133,6 +133,15 @@ TEST(RequestPlanTest, LayoutAlignsEveryArrayTo256Bytes) {
   EXPECT_EQ(l.bytes(), 512u + 320u);
 }
 
+// Runs longer than kHotRun (32) are cut into 32-id chunks: with 64 ids at
+// most two runs of 33 can be hot, 2 chunks each, within 2 * 64 / 32 + 1.
+TEST(RequestPlanTest, MaxHotUnitsByHand) {
+  EXPECT_EQ(MaxHotUnits(0), 1);
+  EXPECT_EQ(MaxHotUnits(31), 1);
+  EXPECT_EQ(MaxHotUnits(64), 5);
+  EXPECT_EQ(MaxHotUnits(1000), 63);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace ember
