@@ -133,8 +133,9 @@ TEST(RequestPlanTest, LayoutAlignsEveryArrayTo256Bytes) {
   EXPECT_EQ(l.bytes(), 512u + 320u);
 }
 
-// Runs longer than kHotRun (32) are cut into 32-id chunks: with 64 ids at
-// most two runs of 33 can be hot, 2 chunks each, within 2 * 64 / 32 + 1.
+// Runs longer than kHotRun (32) are cut into 32-id chunks; a hot run of L
+// ids makes ceil(L / 32) < 2 * L / 32 chunks, so 2 * (ids / 32) + 1 bounds
+// them all.
 TEST(RequestPlanTest, MaxHotUnitsByHand) {
   EXPECT_EQ(MaxHotUnits(0), 1);
   EXPECT_EQ(MaxHotUnits(31), 1);
