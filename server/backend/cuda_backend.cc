@@ -369,11 +369,12 @@ class CudaBackend : public EmbeddingBackend {
       return absl::ResourceExhaustedError(
           absl::StrCat("shard of table '", spec.table, "' is larger than 2^63 bytes"));
     }
-    if (shard->RowBytes() > std::min<int64_t>(kTransferChunkBytes, options_.scratch_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a row of table '", spec.table, "' (", shard->RowBytes(), " bytes) is larger than ",
-          "the backend's staging (", std::min<int64_t>(kTransferChunkBytes, options_.scratch_bytes),
-          " bytes)"));
+    // Rows go through the staging (init, export, import) one piece at a time.
+    const int64_t staged = std::min<int64_t>(kTransferChunkBytes, options_.scratch_bytes);
+    if (shard->RowBytes() > staged) {
+      return absl::InvalidArgumentError(absl::StrCat("a row of table '", spec.table, "' (",
+                                                     shard->RowBytes(), " bytes) is larger than ",
+                                                     "the backend's staging (", staged, " bytes)"));
     }
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
