@@ -4,17 +4,21 @@
 //   bazel run -c opt //bench:kernel_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --batch=2048
 //       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
 //       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
-//       [--iters=20] [--format=table|json]
+//       [--iters=20] [--callers=1] [--format=table|json]
 //
 // lookups_per_s: ids gathered per second; gbps: embedding bytes read per
 // second (ids x dim x element size); bwd_lookups_per_s: ids per second through
-// backward + optimizer (duplicates merged, one update per row).
+// backward + optimizer (duplicates merged, one update per row). With
+// --callers=N, N threads issue the timed calls at once (each its own output
+// buffer): the CUDA backend overlaps one call's staging with the previous
+// call's kernels, which one caller never shows.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -36,7 +40,8 @@ DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
 DEFINE_int32(prefetch_distance, 12, "Ids ahead the CPU backend's lookups prefetch (0: none).");
 DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates prefetch (0: none).");
-DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones).");
+DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones), per caller.");
+DEFINE_int32(callers, 1, "Threads issuing the timed calls at once.");
 DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "table", "table or json (one line).");
 DEFINE_string(dump_ids, "",
@@ -47,6 +52,10 @@ namespace eb = ember::backend;
 
 int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (FLAGS_callers < 1 || FLAGS_iters < 1) {
+    std::fprintf(stderr, "kernel_bench: --callers and --iters must be >= 1\n");
+    return 1;
+  }
   eb::ShardSpec spec;
   spec.table = "bench";
   spec.rows = FLAGS_rows;
@@ -106,9 +115,13 @@ int main(int argc, char** argv) {
   f.pooling = FLAGS_pooling == "mean" ? eb::Pooling::kMean : eb::Pooling::kSum;
   f.lengths = lengths;
   f.ids = ids;
-  std::vector<float> out(static_cast<size_t>(FLAGS_batch) * FLAGS_dim);
-  std::vector<float> grad(out.size(), 1e-3f);
-  const eb::LookupRequest lreq{f, absl::MakeSpan(out)};
+  // One output buffer per caller.
+  std::vector<std::vector<float>> outs(
+      FLAGS_callers, std::vector<float>(static_cast<size_t>(FLAGS_batch) * FLAGS_dim));
+  std::vector<eb::LookupRequest> lreqs;
+  for (std::vector<float>& out : outs) lreqs.push_back({f, absl::MakeSpan(out)});
+  const eb::LookupRequest& lreq = lreqs[0];
+  std::vector<float> grad(outs[0].size(), 1e-3f);
   const eb::GradientRequest greq{f, grad};
 
   // A failing call would time nothing: check one of each first.
@@ -124,8 +137,21 @@ int main(int argc, char** argv) {
     for (int i = 0; i < FLAGS_iters; ++i) fn();
     return absl::ToDoubleSeconds(absl::Now() - start) / FLAGS_iters;
   };
-  const double fwd_s = time_it([&] { (void)(*backend)->Lookup({lreq}); });
-  const double bwd_s = time_it([&] { (void)(*backend)->ApplyGradients({greq}); });
+  // Seconds per call with FLAGS_callers threads calling at once.
+  auto time_calls = [&](auto&& call) {
+    for (int i = 0; i < 3; ++i) call(0);
+    const absl::Time start = absl::Now();
+    std::vector<std::thread> callers;
+    for (int c = 0; c < FLAGS_callers; ++c) {
+      callers.emplace_back([&, c] {
+        for (int i = 0; i < FLAGS_iters; ++i) call(c);
+      });
+    }
+    for (std::thread& t : callers) t.join();
+    return absl::ToDoubleSeconds(absl::Now() - start) / (FLAGS_iters * FLAGS_callers);
+  };
+  const double fwd_s = time_calls([&](int c) { (void)(*backend)->Lookup({lreqs[c]}); });
+  const double bwd_s = time_calls([&](int) { (void)(*backend)->ApplyGradients({greq}); });
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
   // arrays and the device (ids and lengths in, output out; for the backward,
@@ -150,19 +176,20 @@ int main(int argc, char** argv) {
   if (FLAGS_format == "json") {
     std::printf(
         "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"batch\": %d, \"pooling_factor\": %d, "
-        "\"threads\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
+        "\"threads\": %d, \"callers\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
         "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f}\n",
         (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
-        FLAGS_pooling_factor, FLAGS_threads, FLAGS_distribution.c_str(), FLAGS_dtype.c_str(),
-        FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
+        FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, FLAGS_distribution.c_str(),
+        FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
         memcpy_bwd_s * 1e3);
   } else {
-    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d %s %s %s %s\n",
+    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d %s %s %s %s\n",
                 (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
-                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_distribution.c_str(),
+                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers,
+                FLAGS_distribution.c_str(),
                 FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str());
     std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s\n", fwd_s * 1e3, lookups, gbps);
     std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s)\n", bwd_s * 1e3, bwd,

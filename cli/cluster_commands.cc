@@ -76,8 +76,9 @@ DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
 DEFINE_int32(cuda_scratch_mib, 256,
-             "worker --device=cuda: device scratch (and as much pinned host staging) reserved "
-             "at start for calls; not available for shards. Larger calls run in pieces.");
+             "worker --device=cuda: device scratch (and twice as much pinned host staging) "
+             "reserved at start for calls; not available for shards. Larger calls run in "
+             "pieces.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
 DEFINE_double(memory_gib, 0,
               "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "

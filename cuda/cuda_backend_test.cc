@@ -62,6 +62,21 @@ TEST(CudaBackendTest, CreatingALargeShardDoesNotStallCallsOnOthers) {
   backend::ExpectCreationDoesNotStallCalls(be.get());
 }
 
+// Calls from several threads overlap (double-buffered staging: one call
+// stages while the previous one's kernels run) and give what serial calls
+// give; with a small scratch most calls also run in pieces.
+TEST(CudaBackendTest, ConcurrentCallsMatchSerialOnes) {
+  if (MakeOrExpectUnavailable({}) == nullptr) GTEST_SKIP() << "no usable GPU";
+  for (int64_t scratch : {kDefaultCudaScratchBytes, int64_t{64} << 10}) {
+    SCOPED_TRACE(scratch);
+    backend::ExpectConcurrentCallsMatchSerial([scratch] {
+      CudaBackendOptions o;
+      o.scratch_bytes = scratch;
+      return MakeOrExpectUnavailable(o);
+    });
+  }
+}
+
 TEST(CudaBackendTest, RejectsBadOptions) {
   CudaBackendOptions o;
   o.device = -1;

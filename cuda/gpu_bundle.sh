@@ -77,7 +77,8 @@ for config in "cuda 1" "cpu 16"; do
   done
 done
 for args in "--dtype=fp16" "--dtype=bf16" "--optimizer=adagrad" "--optimizer=rowwise_adagrad" \
-            "--optimizer=adam" "--distribution=zipf" "--pooling=mean" "--dim=256" "--dim=32"; do
+            "--optimizer=adam" "--distribution=zipf" "--pooling=mean" "--dim=256" "--dim=32" \
+            "--callers=2" "--callers=4"; do
   timeout 120 "$here/kernel_bench" --backend=cuda --batch=16384 $args --format=json \
     >>"$out/kernel_bench.jsonl" 2>>"$out/kernel_bench.err" || rc=1
 done

@@ -18,8 +18,9 @@ struct BackendConfig {
   std::string device = "cpu";  // "cpu" or "cuda"
   int threads = 1;             // cpu: threads per call, the caller included
   int cuda_device = 0;         // cuda: the GPU ordinal
-  // cuda: the fixed scratch reserved at start (and as much pinned host
-  // staging); part of the memory limit, not advertised for shards.
+  // cuda: the fixed scratch reserved at start (and two pinned host staging
+  // buffers of as much); part of the memory limit, not advertised for
+  // shards.
   int64_t cuda_scratch_bytes = int64_t{256} << 20;
   // Bytes of weights + optimizer state the backend may hold (cuda: and its
   // scratch). 0: cpu, 90% of the host's available memory (its memory

@@ -5,11 +5,21 @@
 // Scratch (device) and staging (pinned host) memory are reserved once, when
 // the backend starts (CudaBackendOptions::scratch_bytes), and a call that
 // does not fit runs in pieces (cuda/call_split.h). Every piece stages its
-// host inputs into the pinned buffer laid out exactly like the start of the
+// host inputs into a pinned buffer laid out exactly like the start of the
 // scratch, uploading it in 1 MiB chunks as it fills (the DMA of one chunk
 // overlaps the host copy of the next), runs its kernels on the backend's
 // stream, and downloads the result in chunks that are handed to the
 // caller's outputs as each lands.
+//
+// Double-buffered staging: there are two pinned buffers (slots, held
+// through cuda/slot_pool.h). A call holds one from before it queues any
+// work until that work has finished, and queues all of its work (uploads,
+// kernels, downloads) under mu_ on the one stream, so the device runs calls
+// in the order they queued and one device scratch serves them all (a
+// call's uploads into it queue behind the previous call's kernels and
+// downloads). It then leaves mu_ and waits for its own work alone: the
+// next call stages and validates its inputs in the other buffer while this
+// call's kernels run and its outputs are copied out.
 #include "server/backend/cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -34,6 +44,7 @@
 #include "cuda/call_split.h"
 #include "cuda/cuda_status.h"
 #include "cuda/request_plan.h"
+#include "cuda/slot_pool.h"
 #include "cuda/tbe_kernels.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/embedding_math.h"
@@ -122,12 +133,12 @@ class DeviceBuffer {
   size_t capacity_ = 0;
 };
 
-// Brackets the GPU work of one public call. On entry it drops any error an
-// earlier, already-reported failure left in this thread's last-error slot,
-// so each launch check judges that launch alone. On every exit, failures
-// included, it waits for the stream: a call never returns while work it
-// queued may still read the staging or scratch buffers the next call
-// rewrites.
+// Brackets the GPU work of a shard's creation (on its own stream; data
+// calls use a SlotLease). On entry it drops any error an earlier,
+// already-reported failure left in this thread's last-error slot, so each
+// launch check judges that launch alone. On every exit, failures included,
+// it waits for the stream: creation never returns while work it queued may
+// still read the staging the next creation rewrites.
 class CallScope {
  public:
   explicit CallScope(cudaStream_t stream) : stream_(stream) { cudaGetLastError(); }
@@ -206,12 +217,22 @@ class Uploader {
   size_t sent_ = 0;
 };
 
-// Downloads `count` floats from `device` through staging `host` in chunks,
-// handing each chunk to the requests' outputs as soon as it has landed.
-// `events` holds kMaxDownloadChunks events of the calling backend.
-absl::Status DownloadOutputs(const float* device, float* host, int64_t count,
-                             absl::Span<const backend::LookupRequest> requests,
-                             const cudaEvent_t* events, cudaStream_t stream) {
+// A lookup's output on its way back: downloaded in chunks through a slot's
+// staging, each chunk marked by an event.
+struct PendingOutputs {
+  const float* host = nullptr;  // in the slot's staging
+  int64_t count = 0, chunk = 0, chunks = 0;
+  const cudaEvent_t* events = nullptr;
+  std::vector<absl::Span<float>> outputs;  // the requests' outputs, in order
+};
+
+// Queues the download of `count` floats from `device` into staging `host`
+// in chunks (at most kMaxDownloadChunks; `events` has that many), for
+// DeliverOutputs to hand to the requests' outputs.
+absl::Status QueueDownload(const float* device, float* host, int64_t count,
+                           absl::Span<const backend::LookupRequest> requests,
+                           const cudaEvent_t* events, cudaStream_t stream,
+                           PendingOutputs* pending) {
   const int64_t min_chunk = static_cast<int64_t>(kPipelineChunkBytes / sizeof(float));
   const int64_t chunk =
       std::max(min_chunk, (count + kMaxDownloadChunks - 1) / kMaxDownloadChunks);
@@ -222,17 +243,32 @@ absl::Status DownloadOutputs(const float* device, float* host, int64_t count,
                                                cudaMemcpyDeviceToHost, stream));
     EMBER_RETURN_IF_CUDA_ERROR(cudaEventRecord(events[c], stream));
   }
+  pending->host = host;
+  pending->count = count;
+  pending->chunk = chunk;
+  pending->chunks = chunks;
+  pending->events = events;
+  pending->outputs.clear();
+  for (const backend::LookupRequest& r : requests) pending->outputs.push_back(r.output);
+  return absl::OkStatus();
+}
+
+// Copies a queued download into its outputs, each chunk as soon as it has
+// landed, and empties `pending` (nothing pending: OK at once).
+absl::Status DeliverOutputs(PendingOutputs* pending) {
+  const PendingOutputs p = std::move(*pending);
+  *pending = PendingOutputs();
   // Walk the outputs in concatenated order alongside the chunks.
   size_t r = 0;
-  int64_t r_pos = 0;  // floats of requests[r].output already written
-  for (int64_t c = 0; c < chunks; ++c) {
-    EMBER_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(events[c]));
-    int64_t b = c * chunk;
-    const int64_t e = std::min(count, b + chunk);
+  int64_t r_pos = 0;  // floats of outputs[r] already written
+  for (int64_t c = 0; c < p.chunks; ++c) {
+    EMBER_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(p.events[c]));
+    int64_t b = c * p.chunk;
+    const int64_t e = std::min(p.count, b + p.chunk);
     while (b < e) {
-      absl::Span<float> out = requests[r].output;
+      const absl::Span<float> out = p.outputs[r];
       const int64_t take = std::min<int64_t>(e - b, static_cast<int64_t>(out.size()) - r_pos);
-      if (take > 0) std::memcpy(out.data() + r_pos, host + b, take * sizeof(float));
+      if (take > 0) std::memcpy(out.data() + r_pos, p.host + b, take * sizeof(float));
       b += take;
       r_pos += take;
       if (r_pos == static_cast<int64_t>(out.size())) {
@@ -243,6 +279,57 @@ absl::Status DownloadOutputs(const float* device, float* host, int64_t count,
   }
   return absl::OkStatus();
 }
+
+// Staging buffers: a call's inputs are staged in one while the previous
+// call's work runs from the other.
+constexpr int kStagingSlots = 2;
+
+struct StagingSlot {
+  DeviceBuffer host{/*pinned_host=*/true};
+  cudaEvent_t chunk_events[kMaxDownloadChunks] = {};  // QueueDownload's
+  cudaEvent_t done = nullptr;                         // SlotLease::MarkEnd's
+};
+
+// One call's hold on a staging slot, taken before mu_ and kept until the
+// GPU work the call queued has finished (the destructor waits for it), so
+// the slot's staging is never rewritten while a copy may still read it.
+// On entry it drops any error an earlier, already-reported failure left in
+// this thread's last-error slot, so each launch check judges that launch.
+class SlotLease {
+ public:
+  SlotLease(SlotPool* pool, StagingSlot* slots, cudaStream_t stream)
+      : pool_(pool), index_(pool->Acquire()), slot_(&slots[index_]), stream_(stream) {
+    cudaGetLastError();
+  }
+  ~SlotLease() {
+    Wait().IgnoreError();
+    cudaGetLastError();
+    pool_->Release(index_);
+  }
+  SlotLease(const SlotLease&) = delete;
+  SlotLease& operator=(const SlotLease&) = delete;
+
+  StagingSlot& slot() const { return *slot_; }
+
+  // Called under mu_ right after the call's last queued work: what Wait
+  // waits for.
+  void MarkEnd() { marked_ = cudaEventRecord(slot_->done, stream_) == cudaSuccess; }
+
+  // Waits for the work the call queued (for everything on the stream when
+  // MarkEnd was not reached or failed).
+  absl::Status Wait() const {
+    EMBER_RETURN_IF_CUDA_ERROR(marked_ ? cudaEventSynchronize(slot_->done)
+                                       : cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+
+ private:
+  SlotPool* const pool_;
+  const int index_;
+  StagingSlot* const slot_;
+  const cudaStream_t stream_;
+  bool marked_ = false;
+};
 
 int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
 
@@ -269,7 +356,7 @@ class CudaBackend : public EmbeddingBackend {
         budget_(options.memory_limit_bytes > 0
                     ? options.memory_limit_bytes - options.scratch_bytes
                     : 0),
-        staging_(/*pinned_host=*/true),
+        slot_pool_(kStagingSlots),
         init_stream_(init_stream),
         init_staging_(/*pinned_host=*/true) {
     split_.device_bytes = split_.host_bytes = static_cast<size_t>(options.scratch_bytes);
@@ -284,33 +371,45 @@ class CudaBackend : public EmbeddingBackend {
     };
   }
 
-  // The fixed scratch and staging, and the download events; called once by
+  // The fixed scratch, the staging slots and their events; called once by
   // CreateCudaBackend.
   absl::Status Init() {
     absl::MutexLock lock(&mu_);
     absl::MutexLock init_lock(&init_mu_);
     const size_t bytes = static_cast<size_t>(options_.scratch_bytes);
     absl::Status s = scratch_.Allocate(bytes);
-    if (s.ok()) s = staging_.Allocate(bytes);
+    for (StagingSlot& slot : slots_) {
+      if (s.ok()) s = slot.host.Allocate(bytes);
+    }
     if (s.ok()) s = init_staging_.Allocate(kTransferChunkBytes);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("the backend's scratch (", bytes,
-                                                 " bytes; --cuda_scratch_mib): ", s.message()));
+                                                 " bytes, and ", kStagingSlots,
+                                                 " pinned staging buffers of as much; "
+                                                 "--cuda_scratch_mib): ",
+                                                 s.message()));
     }
-    for (cudaEvent_t& e : events_) {
-      EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    for (StagingSlot& slot : slots_) {
+      for (cudaEvent_t& e : slot.chunk_events) {
+        EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      }
+      EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
     }
     return absl::OkStatus();
   }
 
   ~CudaBackend() override {
     cudaSetDevice(options_.device);
+    cudaStreamSynchronize(stream_);
     shards_.clear();
     scratch_.Reset();
-    staging_.Reset();
     init_staging_.Reset();
-    for (cudaEvent_t e : events_) {
-      if (e != nullptr) cudaEventDestroy(e);
+    for (StagingSlot& slot : slots_) {
+      slot.host.Reset();
+      for (cudaEvent_t e : slot.chunk_events) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
+      if (slot.done != nullptr) cudaEventDestroy(slot.done);
     }
     cudaStreamDestroy(stream_);
     cudaStreamDestroy(init_stream_);
@@ -408,6 +507,8 @@ class CudaBackend : public EmbeddingBackend {
     auto it = shards_.find(id);
     if (it == shards_.end()) return ShardNotFound(id);
     if (absl::Status s = Activate(); !s.ok()) return s;
+    // Calls that have left mu_ may still have kernels queued that read it.
+    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     budget_.Release(it->second->Bytes());
     shards_.erase(it);
     return absl::OkStatus();
@@ -420,8 +521,40 @@ class CudaBackend : public EmbeddingBackend {
     return s->spec;
   }
 
+  // A data call holds a staging slot throughout, queues its work under
+  // mu_ and waits for it outside mu_ (the top of this file).
   absl::Status DoLookup(absl::Span<const LookupRequest> requests) {
-    absl::MutexLock lock(&mu_);
+    SlotLease lease(&slot_pool_, slots_, stream_);
+    PendingOutputs pending;
+    absl::Status st;
+    {
+      absl::MutexLock lock(&mu_);
+      st = QueueLookup(requests, lease.slot(), &pending);
+      lease.MarkEnd();
+    }
+    if (!st.ok()) return st;
+    return DeliverOutputs(&pending);
+  }
+
+  absl::Status DoApplyGradients(absl::Span<const GradientRequest> requests) {
+    SlotLease lease(&slot_pool_, slots_, stream_);
+    absl::Status st;
+    {
+      absl::MutexLock lock(&mu_);
+      st = QueueGradients(requests, lease.slot());
+      lease.MarkEnd();
+    }
+    if (!st.ok()) return st;
+    // Returns once the update is applied (and a device failure is this
+    // call's error).
+    return lease.Wait();
+  }
+
+  // Validates a Lookup call and queues its work; the download of its last
+  // piece is left in `pending` (earlier pieces are delivered before the
+  // next one restages the slot).
+  absl::Status QueueLookup(absl::Span<const LookupRequest> requests, StagingSlot& slot,
+                           PendingOutputs* pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
@@ -436,13 +569,18 @@ class CudaBackend : public EmbeddingBackend {
     // errors name the caller's requests.
     return ForEachLookupPiece(
         requests, plan, Resolver(), split_,
-        [this](absl::Span<const LookupRequest> piece)
-            ABSL_NO_THREAD_SAFETY_ANALYSIS { return LookupPiece(piece); },
+        [&](absl::Span<const LookupRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          if (absl::Status st = DeliverOutputs(pending); !st.ok()) return st;
+          return QueueLookupPiece(piece, slot, pending);
+        },
         [&] { return ValidateRequests(requests, find_spec); });
   }
 
-  absl::Status DoApplyGradients(absl::Span<const GradientRequest> requests) {
-    absl::MutexLock lock(&mu_);
+  // Validates an ApplyGradients call and queues its work. Adam's step of
+  // the shards it names advances as the work is queued, so the next call,
+  // queued after it, plans with the step that follows.
+  absl::Status QueueGradients(absl::Span<const GradientRequest> requests, StagingSlot& slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids, weights and gradients while they are staged (before
     // any kernel) when the call runs whole.
@@ -456,12 +594,19 @@ class CudaBackend : public EmbeddingBackend {
     } else {
       // Ours is the current device before CUB sizes anything.
       if (absl::Status s = Activate(); !s.ok()) return s;
+      bool first = true;
       // In pieces, the first would be applied before the last is checked:
       // the whole call is checked first.
       if (absl::Status st = ForEachGradientPiece(
               requests, plan, Resolver(), split_,
-              [this](absl::Span<const GradientRequest> piece)
-                  ABSL_NO_THREAD_SAFETY_ANALYSIS { return GradientPiece(piece); },
+              [&](absl::Span<const GradientRequest> piece)
+                  ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+                // The previous piece's uploads read the slot's staging
+                // until they have run.
+                if (!first) EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+                first = false;
+                return QueueGradientPiece(piece, slot);
+              },
               [&] { return ValidateRequests(requests, find_spec); });
           !st.ok()) {
         return st;
@@ -474,19 +619,19 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // One piece of a Lookup call (all of it when it fits the scratch).
-  absl::Status LookupPiece(absl::Span<const LookupRequest> requests)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Queues one piece of a Lookup call (all of it when it fits the
+  // scratch), staged in `slot`; its download is left in `pending`.
+  absl::Status QueueLookupPiece(absl::Span<const LookupRequest> requests, StagingSlot& slot,
+                                PendingOutputs* pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t n = static_cast<int64_t>(requests.size());
     const LookupPlan plan = PlanLookup(requests, Resolver());
     if (plan.total_items == 0) return absl::OkStatus();
     const CallSize size = SizeOf(plan);
     const LookupLayout l = LayOutLookup(size, split_.lookup_temp(size));
-    if (l.device_bytes > scratch_.capacity() || l.host_bytes > staging_.capacity()) {
+    if (l.device_bytes > scratch_.capacity() || l.host_bytes > slot.host.capacity()) {
       return absl::InternalError("a lookup piece does not fit the scratch");  // call_split's bug
     }
-    const CallScope scope(stream_);
-    char* h = staging_.get();
+    char* h = slot.host.get();
     char* d = scratch_.get();
     std::memcpy(h + l.item_begin, plan.item_begin.data(), (n + 1) * sizeof(int64_t));
     std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(LookupDesc));
@@ -511,23 +656,23 @@ class CudaBackend : public EmbeddingBackend {
     a.temp = d + l.temp;
     a.temp_bytes = l.device_bytes - l.temp;
     EMBER_RETURN_IF_CUDA_ERROR(LaunchLookup(a, max_blocks_, stream_));
-    return DownloadOutputs(a.out, At<float>(h, l.host_out), plan.total_out, requests, events_,
-                           stream_);
+    return QueueDownload(a.out, At<float>(h, l.host_out), plan.total_out, requests,
+                         slot.chunk_events, stream_, pending);
   }
 
-  // One piece of an ApplyGradients call, without the Adam step.
-  absl::Status GradientPiece(absl::Span<const GradientRequest> requests)
+  // Queues one piece of an ApplyGradients call, without the Adam step,
+  // staged in `slot`.
+  absl::Status QueueGradientPiece(absl::Span<const GradientRequest> requests, StagingSlot& slot)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t n = static_cast<int64_t>(requests.size());
     const GradientPlan plan = PlanGradients(requests, Resolver());
     const int64_t num_shards = static_cast<int64_t>(plan.slots.size());
     const CallSize size = SizeOf(plan);
     const GradientLayout l = LayOutGradients(size, split_.gradient_temp(size));
-    if (l.device_bytes > scratch_.capacity() || l.in_bytes > staging_.capacity()) {
+    if (l.device_bytes > scratch_.capacity() || l.in_bytes > slot.host.capacity()) {
       return absl::InternalError("a gradient piece does not fit the scratch");  // call_split's bug
     }
-    const CallScope scope(stream_);
-    char* h = staging_.get();
+    char* h = slot.host.get();
     char* d = scratch_.get();
     std::memcpy(h + l.id_begin, plan.id_begin.data(), (n + 1) * sizeof(int64_t));
     std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(GradDesc));
@@ -581,12 +726,15 @@ class CudaBackend : public EmbeddingBackend {
     a.temp = d + l.temp;
     a.temp_bytes = l.device_bytes - l.temp;
     EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
-    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
 
   absl::Status DoExportRows(ShardId id, int64_t row_begin, int64_t row_end,
                             absl::Span<float> weights, absl::Span<float> state) const {
+    // Rows move through a staging slot, held (like a data call's) until
+    // the copies are done.
+    SlotLease lease(&slot_pool_, slots_, stream_);
+    const DeviceBuffer& staging = lease.slot().host;
     absl::MutexLock lock(&mu_);
     const Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
@@ -597,31 +745,30 @@ class CudaBackend : public EmbeddingBackend {
     }
     if (row_end == row_begin) return absl::OkStatus();
     if (absl::Status st = Activate(); !st.ok()) return st;
-    const CallScope scope(stream_);
     const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
-    const int64_t chunk_rows = TransferRows(row_bytes, staging_);
+    const int64_t chunk_rows = TransferRows(row_bytes, staging);
     const int64_t n = row_end - row_begin;
     for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, n - r0);
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
-          staging_.get(), s->weights.get() + (row_begin + r0) * row_bytes, rows * row_bytes,
+          staging.get(), s->weights.get() + (row_begin + r0) * row_bytes, rows * row_bytes,
           cudaMemcpyDeviceToHost, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
       float* dst = weights.data() + r0 * dim;
       const int64_t count = rows * dim;
       switch (s->spec.weight_type) {
         case WeightType::kFp16: {
-          const uint16_t* src = At<const uint16_t>(staging_.get(), 0);
+          const uint16_t* src = At<const uint16_t>(staging.get(), 0);
           for (int64_t i = 0; i < count; ++i) dst[i] = backend::Fp16ToFloat(src[i]);
           break;
         }
         case WeightType::kBf16: {
-          const uint16_t* src = At<const uint16_t>(staging_.get(), 0);
+          const uint16_t* src = At<const uint16_t>(staging.get(), 0);
           for (int64_t i = 0; i < count; ++i) dst[i] = backend::Bf16ToFloat(src[i]);
           break;
         }
         default:
-          std::memcpy(dst, staging_.get(), count * sizeof(float));
+          std::memcpy(dst, staging.get(), count * sizeof(float));
       }
     }
     if (s->state_width > 0) {
@@ -637,6 +784,10 @@ class CudaBackend : public EmbeddingBackend {
 
   absl::Status DoImportRows(ShardId id, int64_t row_begin, int64_t row_end,
                             absl::Span<const float> weights, absl::Span<const float> state) {
+    // Rows move through a staging slot, held (like a data call's) until
+    // the copies are done.
+    SlotLease lease(&slot_pool_, slots_, stream_);
+    const DeviceBuffer& staging = lease.slot().host;
     absl::MutexLock lock(&mu_);
     Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
@@ -647,15 +798,14 @@ class CudaBackend : public EmbeddingBackend {
     }
     if (row_end == row_begin) return absl::OkStatus();
     if (absl::Status st = Activate(); !st.ok()) return st;
-    const CallScope scope(stream_);
     const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
-    const int64_t chunk_rows = TransferRows(row_bytes, staging_);
+    const int64_t chunk_rows = TransferRows(row_bytes, staging);
     const int64_t n = row_end - row_begin;
     for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, n - r0);
-      StoreRows(s->spec.weight_type, weights.data() + r0 * dim, rows * dim, staging_.get());
+      StoreRows(s->spec.weight_type, weights.data() + r0 * dim, rows * dim, staging.get());
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(s->weights.get() + (row_begin + r0) * row_bytes,
-                                                 staging_.get(), rows * row_bytes,
+                                                 staging.get(), rows * row_bytes,
                                                  cudaMemcpyHostToDevice, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     }
@@ -869,16 +1019,18 @@ class CudaBackend : public EmbeddingBackend {
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
   backend::MemoryBudget budget_;
-  // The fixed scratch and staging every data call uses (const calls too),
-  // allocated once by Init, and what call_split needs to know of them.
+  // The fixed scratch every data call uses (const calls too), allocated
+  // once by Init, and what call_split needs to know of it and the staging.
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
-  mutable DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);  // pinned host memory
   Scratch split_;
+  // The staging slots (pinned host memory, scratch_bytes each), each held
+  // by one call at a time through a SlotLease.
+  mutable SlotPool slot_pool_;
+  mutable StagingSlot slots_[kStagingSlots];
   // Shard creation, apart from the data calls (MakeShard).
   const cudaStream_t init_stream_;  // owned; non-blocking
   absl::Mutex init_mu_;
   DeviceBuffer init_staging_ ABSL_GUARDED_BY(init_mu_);  // pinned host memory
-  cudaEvent_t events_[kMaxDownloadChunks] = {};        // DownloadOutputs' chunk events
   mutable absl::Mutex lost_mu_;
   mutable absl::Status lost_ ABSL_GUARDED_BY(lost_mu_);  // OK until the device is lost
 };

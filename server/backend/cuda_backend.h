@@ -13,16 +13,20 @@
 // recovers the shards elsewhere.
 //
 // Memory: shards (weights + optimizer state) within memory_limit_bytes less
-// a fixed scratch (device) and staging (pinned host) of scratch_bytes each,
-// reserved when the backend starts; a call too large for them runs in
-// pieces (cuda/call_split.h) and one that cannot be cut small enough (a
-// single bag or row beyond the scratch) is RESOURCE_EXHAUSTED.
+// a fixed device scratch of scratch_bytes, reserved when the backend starts
+// together with two pinned host staging buffers of as much (host memory,
+// outside the limit); a call too large for them runs in pieces
+// (cuda/call_split.h) and one that cannot be cut small enough (a single
+// bag or row beyond the scratch) is RESOURCE_EXHAUSTED.
 //
-// Thread-safe: data calls take one internal mutex, so they are serialised;
-// shard initialisation runs outside it. Each call runs on the backend's own
-// CUDA stream and returns only once the GPU work it queued has finished.
-// Request buffers (ids, lengths, weights, gradients, outputs) are host
-// memory, borrowed for the call.
+// Thread-safe: data calls queue their GPU work in turn, under one internal
+// mutex, on the backend's own CUDA stream, so the device runs them in the
+// order they were queued; the staging is double-buffered, so one call
+// stages its inputs while the previous call's kernels run and its outputs
+// are copied back. Shard initialisation runs apart, on a stream of its own.
+// Each call returns only once the GPU work it queued has finished. Request
+// buffers (ids, lengths, weights, gradients, outputs) are host memory,
+// borrowed for the call.
 #ifndef EMBER_SERVER_BACKEND_CUDA_BACKEND_H_
 #define EMBER_SERVER_BACKEND_CUDA_BACKEND_H_
 
@@ -47,7 +51,8 @@ struct CudaBackendOptions {
   // fails with RESOURCE_EXHAUSTED. 0: whatever the card has (a failing
   // cudaMalloc is RESOURCE_EXHAUSTED too).
   int64_t memory_limit_bytes = 0;
-  // The fixed scratch, on the device and again as pinned host staging.
+  // The fixed scratch, on the device, and the size of each of the two
+  // pinned host staging buffers.
   int64_t scratch_bytes = kDefaultCudaScratchBytes;
 };
 
