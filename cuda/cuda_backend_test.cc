@@ -64,16 +64,21 @@ TEST(CudaBackendTest, CreatingALargeShardDoesNotStallCallsOnOthers) {
 
 // Calls from several threads overlap (double-buffered staging: one call
 // stages while the previous one's kernels run) and give what serial calls
-// give; with a small scratch most calls also run in pieces.
+// give: with the default scratch and batches of up to 3,000 bags (outputs
+// of up to 1.6 MB, downloaded in several chunks), and with a small scratch
+// where most calls run in pieces.
 TEST(CudaBackendTest, ConcurrentCallsMatchSerialOnes) {
   if (MakeOrExpectUnavailable({}) == nullptr) GTEST_SKIP() << "no usable GPU";
-  for (int64_t scratch : {kDefaultCudaScratchBytes, int64_t{64} << 10}) {
+  for (const auto& [scratch, max_batch] :
+       {std::pair<int64_t, int64_t>{kDefaultCudaScratchBytes, 3000}, {int64_t{64} << 10, 300}}) {
     SCOPED_TRACE(scratch);
-    backend::ExpectConcurrentCallsMatchSerial([scratch] {
-      CudaBackendOptions o;
-      o.scratch_bytes = scratch;
-      return MakeOrExpectUnavailable(o);
-    });
+    backend::ExpectConcurrentCallsMatchSerial(
+        [scratch = scratch] {
+          CudaBackendOptions o;
+          o.scratch_bytes = scratch;
+          return MakeOrExpectUnavailable(o);
+        },
+        /*rounds=*/40, max_batch);
   }
 }
 

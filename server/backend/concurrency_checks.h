@@ -101,10 +101,10 @@ struct CallTrace {
 
 // Thread `t`'s calls, on its own shard `own` (lookups and updates) and on
 // `shared` (lookups only): `rounds` of a lookup over both shards followed
-// by an update of `own`, with batches, lengths, ids, weights and gradients
-// drawn from a generator seeded by t.
+// by an update of `own`, with batches (1 to max_batch bags), lengths, ids,
+// weights and gradients drawn from a generator seeded by t.
 inline CallTrace RunCallSequence(EmbeddingBackend* be, int t, ShardId own, ShardId shared,
-                                 int rounds) {
+                                 int rounds, int64_t max_batch) {
   CallTrace trace;
   std::mt19937_64 rng(1000 + t);
   auto fail = [&](const std::string& what, const absl::Status& s) {
@@ -113,7 +113,7 @@ inline CallTrace RunCallSequence(EmbeddingBackend* be, int t, ShardId own, Shard
   const ShardSpec own_spec = *be->GetShardSpec(own);
   const ShardSpec shared_spec = *be->GetShardSpec(shared);
   for (int round = 0; round < rounds; ++round) {
-    const int64_t batch = 1 + static_cast<int64_t>(rng() % 300);
+    const int64_t batch = 1 + static_cast<int64_t>(rng() % max_batch);
     const Pooling pooling = round % 3 == 0 ? Pooling::kMean : Pooling::kSum;
     std::vector<int64_t> lengths(batch), shared_lengths(batch);
     std::vector<int64_t> ids, shared_ids;
@@ -165,7 +165,8 @@ inline CallTrace RunCallSequence(EmbeddingBackend* be, int t, ShardId own, Shard
 // give bit for bit what the same calls give run one thread after another
 // on a second backend from `make`.
 inline void ExpectConcurrentCallsMatchSerial(
-    const std::function<std::unique_ptr<EmbeddingBackend>()>& make, int rounds = 40) {
+    const std::function<std::unique_ptr<EmbeddingBackend>()>& make, int rounds = 40,
+    int64_t max_batch = 300) {
   constexpr int kThreads = 4;
   const int64_t dims[kThreads] = {8, 20, 64, 132};
   const OptimizerType optimizers[kThreads] = {OptimizerType::kSgd, OptimizerType::kAdagrad,
@@ -196,13 +197,14 @@ inline void ExpectConcurrentCallsMatchSerial(
 
   std::vector<CallTrace> serial(kThreads), concurrent(kThreads);
   for (int t = 0; t < kThreads; ++t) {
-    serial[t] = RunCallSequence(serial_be.get(), t, serial_own[t], serial_shared, rounds);
+    serial[t] =
+        RunCallSequence(serial_be.get(), t, serial_own[t], serial_shared, rounds, max_batch);
   }
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      concurrent[t] =
-          RunCallSequence(concurrent_be.get(), t, concurrent_own[t], concurrent_shared, rounds);
+      concurrent[t] = RunCallSequence(concurrent_be.get(), t, concurrent_own[t],
+                                      concurrent_shared, rounds, max_batch);
     });
   }
   for (std::thread& th : threads) th.join();

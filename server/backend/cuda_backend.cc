@@ -284,6 +284,8 @@ absl::Status DeliverOutputs(PendingOutputs* pending) {
 // call's work runs from the other.
 constexpr int kStagingSlots = 2;
 
+// Its events block the waiting thread rather than spin: a call waits on
+// them for its kernels while another call stages on the host.
 struct StagingSlot {
   DeviceBuffer host{/*pinned_host=*/true};
   cudaEvent_t chunk_events[kMaxDownloadChunks] = {};  // QueueDownload's
@@ -293,12 +295,15 @@ struct StagingSlot {
 // One call's hold on a staging slot, taken before mu_ and kept until the
 // GPU work the call queued has finished (the destructor waits for it), so
 // the slot's staging is never rewritten while a copy may still read it.
-// On entry it drops any error an earlier, already-reported failure left in
-// this thread's last-error slot, so each launch check judges that launch.
+// On entry it makes the backend's device current (so that no CUDA call of
+// this thread lands on another device's context) and drops any error an
+// earlier, already-reported failure left in this thread's last-error
+// slot, so each launch check judges that launch alone.
 class SlotLease {
  public:
-  SlotLease(SlotPool* pool, StagingSlot* slots, cudaStream_t stream)
+  SlotLease(SlotPool* pool, StagingSlot* slots, int device, cudaStream_t stream)
       : pool_(pool), index_(pool->Acquire()), slot_(&slots[index_]), stream_(stream) {
+    cudaSetDevice(device);  // a failure shows again in the call's Activate
     cudaGetLastError();
   }
   ~SlotLease() {
@@ -311,13 +316,20 @@ class SlotLease {
 
   StagingSlot& slot() const { return *slot_; }
 
+  // Called under mu_ before the call queues its first work: from then on
+  // there is something to wait for.
+  void NoteQueued() { queued_ = true; }
+
   // Called under mu_ right after the call's last queued work: what Wait
   // waits for.
-  void MarkEnd() { marked_ = cudaEventRecord(slot_->done, stream_) == cudaSuccess; }
+  void MarkEnd() {
+    if (queued_) marked_ = cudaEventRecord(slot_->done, stream_) == cudaSuccess;
+  }
 
-  // Waits for the work the call queued (for everything on the stream when
-  // MarkEnd was not reached or failed).
+  // Waits for the work the call queued: none when it queued nothing; all
+  // of the stream's when MarkEnd was not reached or failed.
   absl::Status Wait() const {
+    if (!queued_) return absl::OkStatus();
     EMBER_RETURN_IF_CUDA_ERROR(marked_ ? cudaEventSynchronize(slot_->done)
                                        : cudaStreamSynchronize(stream_));
     return absl::OkStatus();
@@ -328,7 +340,21 @@ class SlotLease {
   const int index_;
   StagingSlot* const slot_;
   const cudaStream_t stream_;
+  bool queued_ = false;
   bool marked_ = false;
+};
+
+// Declared right after the lock of mu_: marks the end of the call's work
+// (SlotLease::MarkEnd) on every way out, before mu_ is released.
+class EndMark {
+ public:
+  explicit EndMark(SlotLease* lease) : lease_(lease) {}
+  ~EndMark() { lease_->MarkEnd(); }
+  EndMark(const EndMark&) = delete;
+  EndMark& operator=(const EndMark&) = delete;
+
+ private:
+  SlotLease* const lease_;
 };
 
 int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
@@ -389,11 +415,12 @@ class CudaBackend : public EmbeddingBackend {
                                                  "--cuda_scratch_mib): ",
                                                  s.message()));
     }
+    const unsigned flags = cudaEventDisableTiming | cudaEventBlockingSync;
     for (StagingSlot& slot : slots_) {
       for (cudaEvent_t& e : slot.chunk_events) {
-        EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&e, flags));
       }
-      EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&slot.done, flags));
     }
     return absl::OkStatus();
   }
@@ -508,7 +535,11 @@ class CudaBackend : public EmbeddingBackend {
     if (it == shards_.end()) return ShardNotFound(id);
     if (absl::Status s = Activate(); !s.ok()) return s;
     // Calls that have left mu_ may still have kernels queued that read it.
-    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    // A lost device runs nothing more: its shards are dropped all the same.
+    if (const cudaError_t err = cudaStreamSynchronize(stream_);
+        err != cudaSuccess && !IsStickyError(err)) {
+      return CudaErrorToStatus(err, "cudaStreamSynchronize");
+    }
     budget_.Release(it->second->Bytes());
     shards_.erase(it);
     return absl::OkStatus();
@@ -524,25 +555,25 @@ class CudaBackend : public EmbeddingBackend {
   // A data call holds a staging slot throughout, queues its work under
   // mu_ and waits for it outside mu_ (the top of this file).
   absl::Status DoLookup(absl::Span<const LookupRequest> requests) {
-    SlotLease lease(&slot_pool_, slots_, stream_);
+    SlotLease lease(&slot_pool_, slots_, options_.device, stream_);
     PendingOutputs pending;
     absl::Status st;
     {
       absl::MutexLock lock(&mu_);
-      st = QueueLookup(requests, lease.slot(), &pending);
-      lease.MarkEnd();
+      const EndMark end(&lease);
+      st = QueueLookup(requests, &lease, &pending);
     }
     if (!st.ok()) return st;
     return DeliverOutputs(&pending);
   }
 
   absl::Status DoApplyGradients(absl::Span<const GradientRequest> requests) {
-    SlotLease lease(&slot_pool_, slots_, stream_);
+    SlotLease lease(&slot_pool_, slots_, options_.device, stream_);
     absl::Status st;
     {
       absl::MutexLock lock(&mu_);
-      st = QueueGradients(requests, lease.slot());
-      lease.MarkEnd();
+      const EndMark end(&lease);
+      st = QueueGradients(requests, &lease);
     }
     if (!st.ok()) return st;
     // Returns once the update is applied (and a device failure is this
@@ -553,7 +584,7 @@ class CudaBackend : public EmbeddingBackend {
   // Validates a Lookup call and queues its work; the download of its last
   // piece is left in `pending` (earlier pieces are delivered before the
   // next one restages the slot).
-  absl::Status QueueLookup(absl::Span<const LookupRequest> requests, StagingSlot& slot,
+  absl::Status QueueLookup(absl::Span<const LookupRequest> requests, SlotLease* lease,
                            PendingOutputs* pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
@@ -565,13 +596,24 @@ class CudaBackend : public EmbeddingBackend {
     if (plan.total_items == 0) return absl::OkStatus();
     // Ours is the current device before CUB sizes anything.
     if (absl::Status s = Activate(); !s.ok()) return s;
+    lease->NoteQueued();
+    bool first = true;
     // In pieces the call's ids and weights are checked whole first, so that
     // errors name the caller's requests.
     return ForEachLookupPiece(
         requests, plan, Resolver(), split_,
-        [&](absl::Span<const LookupRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          if (absl::Status st = DeliverOutputs(pending); !st.ok()) return st;
-          return QueueLookupPiece(piece, slot, pending);
+        [&](absl::Span<const LookupRequest> piece)
+            ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+          if (!first) {
+            // The previous piece's output leaves the staging, and its
+            // uploads have run (they precede its download on the stream;
+            // the synchronisation says so whatever the piece queued),
+            // before this piece restages the slot.
+            if (absl::Status st = DeliverOutputs(pending); !st.ok()) return st;
+            EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+          }
+          first = false;
+          return QueueLookupPiece(piece, lease->slot(), pending);
         },
         [&] { return ValidateRequests(requests, find_spec); });
   }
@@ -579,7 +621,7 @@ class CudaBackend : public EmbeddingBackend {
   // Validates an ApplyGradients call and queues its work. Adam's step of
   // the shards it names advances as the work is queued, so the next call,
   // queued after it, plans with the step that follows.
-  absl::Status QueueGradients(absl::Span<const GradientRequest> requests, StagingSlot& slot)
+  absl::Status QueueGradients(absl::Span<const GradientRequest> requests, SlotLease* lease)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids, weights and gradients while they are staged (before
@@ -594,6 +636,7 @@ class CudaBackend : public EmbeddingBackend {
     } else {
       // Ours is the current device before CUB sizes anything.
       if (absl::Status s = Activate(); !s.ok()) return s;
+      lease->NoteQueued();
       bool first = true;
       // In pieces, the first would be applied before the last is checked:
       // the whole call is checked first.
@@ -605,7 +648,7 @@ class CudaBackend : public EmbeddingBackend {
                 // until they have run.
                 if (!first) EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
                 first = false;
-                return QueueGradientPiece(piece, slot);
+                return QueueGradientPiece(piece, lease->slot());
               },
               [&] { return ValidateRequests(requests, find_spec); });
           !st.ok()) {
@@ -733,9 +776,10 @@ class CudaBackend : public EmbeddingBackend {
                             absl::Span<float> weights, absl::Span<float> state) const {
     // Rows move through a staging slot, held (like a data call's) until
     // the copies are done.
-    SlotLease lease(&slot_pool_, slots_, stream_);
+    SlotLease lease(&slot_pool_, slots_, options_.device, stream_);
     const DeviceBuffer& staging = lease.slot().host;
     absl::MutexLock lock(&mu_);
+    const EndMark end(&lease);
     const Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
     if (absl::Status st =
@@ -745,6 +789,7 @@ class CudaBackend : public EmbeddingBackend {
     }
     if (row_end == row_begin) return absl::OkStatus();
     if (absl::Status st = Activate(); !st.ok()) return st;
+    lease.NoteQueued();
     const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
     const int64_t chunk_rows = TransferRows(row_bytes, staging);
     const int64_t n = row_end - row_begin;
@@ -786,9 +831,10 @@ class CudaBackend : public EmbeddingBackend {
                             absl::Span<const float> weights, absl::Span<const float> state) {
     // Rows move through a staging slot, held (like a data call's) until
     // the copies are done.
-    SlotLease lease(&slot_pool_, slots_, stream_);
+    SlotLease lease(&slot_pool_, slots_, options_.device, stream_);
     const DeviceBuffer& staging = lease.slot().host;
     absl::MutexLock lock(&mu_);
+    const EndMark end(&lease);
     Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
     if (absl::Status st =
@@ -798,6 +844,7 @@ class CudaBackend : public EmbeddingBackend {
     }
     if (row_end == row_begin) return absl::OkStatus();
     if (absl::Status st = Activate(); !st.ok()) return st;
+    lease.NoteQueued();
     const int64_t dim = s->spec.dim, row_bytes = s->RowBytes();
     const int64_t chunk_rows = TransferRows(row_bytes, staging);
     const int64_t n = row_end - row_begin;
