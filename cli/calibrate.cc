@@ -13,8 +13,10 @@ namespace ember {
 namespace cli {
 namespace {
 
-constexpr int64_t kDim = 64;
-constexpr double kRowBytes = kDim * 4;  // fp32, a multiple of every access granularity
+// Each worker holds a table of each width: rows of two widths tell the cost
+// per id from the cost per gathered byte (with one width they are
+// proportional). fp32, a multiple of every access granularity.
+constexpr int64_t kDims[] = {16, 128};
 
 // (batch, pooling factor): the fixed cost, gather-heavy, output-heavy and
 // in between.
@@ -36,14 +38,19 @@ client::KeyedJaggedTensor Batch(const std::string& key, int64_t batch, int64_t p
   return kjt;
 }
 
-// Bytes a lookup of `batch` bags of `pf` ids gathers and moves.
-planner::CallSample Bytes(int64_t batch, int64_t pf) {
-  const double ids = static_cast<double>(batch * pf), out = batch * kDim * 4.0;
+// Ids and bytes of a lookup of `batch` bags of `pf` ids from rows of
+// `dim` fp32 columns: gathered (rows read, output written) and on the wire.
+planner::CallSample Bytes(int64_t batch, int64_t pf, int64_t dim) {
+  const double ids = static_cast<double>(batch * pf), out = batch * dim * 4.0;
   planner::CallSample s;
-  s.gathered_bytes = ids * kRowBytes + out;
+  s.ids = ids;
+  s.gathered_bytes = ids * dim * 4.0 + out;
   s.wire_bytes = ids * 8 + batch * 8.0 + out;
   return s;
 }
+
+std::string TableName(int rank, int64_t dim) { return absl::StrCat("cal_", rank, "_d", dim); }
+std::string FeatureName(int rank, int64_t dim) { return absl::StrCat("f_", rank, "_d", dim); }
 
 }  // namespace
 
@@ -67,31 +74,36 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
     return absl::FailedPreconditionError("the live workers mix CPU and CUDA; one model fits one kind");
   }
 
-  // One table per worker, table-wise on its rank.
+  // A table of each width per worker, table-wise on its rank.
   ember::v1::CollectionSpec spec;
   spec.set_name(absl::StrCat("_calibrate_", getpid(), "_", absl::ToUnixMicros(absl::Now()) % 100000));
   ember::v1::ShardingPlan plan;
+  int64_t cols_per_worker = 0;
+  for (int64_t dim : kDims) cols_per_worker += dim;
   for (int r = 0; r < cal.workers; ++r) {
-    auto* t = spec.add_tables();
-    t->set_name(absl::StrCat("cal_", r));
-    t->set_num_embeddings(options.rows);
-    t->set_embedding_dim(kDim);
-    t->add_feature_names(absl::StrCat("f_", r));
-    t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
-    t->mutable_optimizer()->set_learning_rate(1e-6f);
-    auto* ts = plan.add_tables();
-    ts->set_table(t->name());
-    ts->set_sharding_type("table_wise");
-    ts->set_compute_kernel("fused");
-    ts->add_ranks(r);
-    auto* sh = ts->add_shards();
-    sh->set_rows(options.rows);
-    sh->set_cols(kDim);
-    sh->set_rank(r);
+    for (int64_t dim : kDims) {
+      auto* t = spec.add_tables();
+      t->set_name(TableName(r, dim));
+      t->set_num_embeddings(options.rows);
+      t->set_embedding_dim(dim);
+      t->add_feature_names(FeatureName(r, dim));
+      t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+      t->mutable_optimizer()->set_learning_rate(1e-6f);
+      auto* ts = plan.add_tables();
+      ts->set_table(t->name());
+      ts->set_sharding_type("table_wise");
+      ts->set_compute_kernel("fused");
+      ts->add_ranks(r);
+      auto* sh = ts->add_shards();
+      sh->set_rows(options.rows);
+      sh->set_cols(dim);
+      sh->set_rank(r);
+    }
   }
   *log << "calibrate: " << cal.workers << " " << ember::v1::ComputeDevice_Name(cal.device)
-       << " worker(s), one " << options.rows << " x " << kDim << " table each ("
-       << options.rows * kDim * 4 / (1 << 20) << " MiB)" << std::endl;
+       << " worker(s), tables of " << options.rows << " rows x " << kDims[0] << " and "
+       << kDims[1] << " columns on each (" << options.rows * cols_per_worker * 4 / (1 << 20)
+       << " MiB per worker)" << std::endl;
   auto created = client->CreateCollectionWithPlan(spec, plan);
   if (!created.ok()) return created.status();
   struct Drop {
@@ -102,27 +114,30 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
 
   std::mt19937_64 rng(7);
   std::vector<planner::CallSample> samples;
-  std::vector<std::vector<double>> per_config(std::size(kConfigs));
+  constexpr size_t kShapes = std::size(kDims) * std::size(kConfigs);
+  std::vector<std::vector<double>> per_shape(kShapes);  // [dim][config], over workers
   for (int r = 0; r < cal.workers; ++r) {
-    const std::string key = absl::StrCat("f_", r);
-    for (size_t k = 0; k < std::size(kConfigs); ++k) {
-      const int64_t batch = kConfigs[k][0], pf = kConfigs[k][1];
-      std::vector<double> times;
-      for (int i = -1; i < options.reps; ++i) {  // one untimed warm-up
-        const client::KeyedJaggedTensor kjt = Batch(key, batch, pf, options.rows, rng);
-        const absl::Time start = absl::Now();
-        auto kt = client->Lookup(spec.name(), kjt);
-        const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-        if (!kt.ok()) return kt.status();
-        if (i >= 0) times.push_back(ms);
+    for (size_t d = 0; d < std::size(kDims); ++d) {
+      const std::string key = FeatureName(r, kDims[d]);
+      for (size_t k = 0; k < std::size(kConfigs); ++k) {
+        const int64_t batch = kConfigs[k][0], pf = kConfigs[k][1];
+        std::vector<double> times;
+        for (int i = -1; i < options.reps; ++i) {  // one untimed warm-up
+          const client::KeyedJaggedTensor kjt = Batch(key, batch, pf, options.rows, rng);
+          const absl::Time start = absl::Now();
+          auto kt = client->Lookup(spec.name(), kjt);
+          const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+          if (!kt.ok()) return kt.status();
+          if (i >= 0) times.push_back(ms);
+        }
+        planner::CallSample s = Bytes(batch, pf, kDims[d]);
+        s.ms = Median(times);
+        samples.push_back(s);
+        per_shape[d * std::size(kConfigs) + k].push_back(s.ms);
       }
-      planner::CallSample s = Bytes(batch, pf);
-      s.ms = Median(times);
-      samples.push_back(s);
-      per_config[k].push_back(s.ms);
     }
-    *log << "calibrate: worker rank " << r << ": " << std::size(kConfigs)
-         << " lookup shapes timed" << std::endl;
+    *log << "calibrate: worker rank " << r << ": " << kShapes << " lookup shapes timed"
+         << std::endl;
   }
   auto fit = planner::FitCalls(samples);
   if (!fit.ok()) return fit.status();
@@ -132,43 +147,45 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   // their compute takes beyond the fit's wire and overhead, relative to a
   // forward gather of the same bytes.
   std::vector<double> multipliers;
+  constexpr int64_t kUpdateDim = kDims[std::size(kDims) - 1];
   for (int r = 0; r < cal.workers; ++r) {
-    const std::string key = absl::StrCat("f_", r);
+    const std::string key = FeatureName(r, kUpdateDim);
     for (const auto& [batch, pf] : {std::pair<int64_t, int64_t>{64, 256}, {1024, 16}}) {
       std::vector<double> times;
       for (int i = -1; i < options.reps; ++i) {
         const client::KeyedJaggedTensor kjt = Batch(key, batch, pf, options.rows, rng);
         client::KeyedTensor grads;
         grads.keys = {key};
-        grads.length_per_key = {kDim};
+        grads.length_per_key = {kUpdateDim};
         grads.batch_size = batch;
-        grads.values.assign(batch * kDim, 1e-3f);
+        grads.values.assign(batch * kUpdateDim, 1e-3f);
         const absl::Time start = absl::Now();
         absl::Status s = client->ApplyGradients(spec.name(), kjt, grads);
         const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
         if (!s.ok()) return s;
         if (i >= 0) times.push_back(ms);
       }
-      const planner::CallSample b = Bytes(batch, pf);
+      const planner::CallSample b = Bytes(batch, pf, kUpdateDim);
       const double compute = Median(times) - cal.fit.overhead_ms - cal.fit.ms_per_wire_byte * b.wire_bytes;
-      if (cal.fit.ms_per_gathered_byte > 0) {
-        multipliers.push_back(compute / (cal.fit.ms_per_gathered_byte * b.gathered_bytes));
-      }
+      const double forward =
+          cal.fit.ms_per_gathered_byte * b.gathered_bytes + cal.fit.ms_per_id * b.ids;
+      if (forward > 0) multipliers.push_back(compute / forward);
     }
   }
   cal.bwd_compute_multiplier =
       multipliers.empty() ? 0 : std::clamp(Median(multipliers), 0.5, 20.0);
   cal.model = planner::Calibrated(planner::DefaultCostModel(cal.device), cal.device, cal.fit,
                                   cal.bwd_compute_multiplier);
-  for (size_t k = 0; k < std::size(kConfigs); ++k) {
-    const planner::CallSample b = Bytes(kConfigs[k][0], kConfigs[k][1]);
-    Calibration::Row row;
-    row.batch = kConfigs[k][0];
-    row.pooling_factor = kConfigs[k][1];
-    row.measured_ms = Median(per_config[k]);
-    row.predicted_ms = cal.fit.overhead_ms + cal.fit.ms_per_gathered_byte * b.gathered_bytes +
-                       cal.fit.ms_per_wire_byte * b.wire_bytes;
-    cal.lookups.push_back(row);
+  for (size_t d = 0; d < std::size(kDims); ++d) {
+    for (size_t k = 0; k < std::size(kConfigs); ++k) {
+      Calibration::Row row;
+      row.dim = kDims[d];
+      row.batch = kConfigs[k][0];
+      row.pooling_factor = kConfigs[k][1];
+      row.measured_ms = Median(per_shape[d * std::size(kConfigs) + k]);
+      row.predicted_ms = planner::PredictCall(cal.fit, Bytes(row.batch, row.pooling_factor, row.dim));
+      cal.lookups.push_back(row);
+    }
   }
   return cal;
 }

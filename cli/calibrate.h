@@ -2,15 +2,16 @@
 // constants the planner's cost model needs, and fits them
 // (planner/cost_model_io.h).
 //
-// It creates a scratch collection with one table per worker (table-wise,
-// placed by an explicit plan, so each table's calls reach exactly one
-// worker), times lookups whose ids and output sizes vary independently
-// (tiny calls for the fixed cost, many ids with few bags for the gather,
-// many bags with one id each for the output and the wire), then gradient
-// updates, and drops the collection. The fit: ms per call = overhead +
-// gathered bytes x (1 / memory bandwidth) + wire bytes x (1 / network
-// bandwidth); the backward multiplier from the updates against the same
-// fit. What the client does per call (building requests, copying outputs)
+// It creates a scratch collection with two tables per worker, of 16 and
+// 128 columns (table-wise, placed by an explicit plan, so each table's
+// calls reach exactly one worker), times lookups whose ids and output sizes
+// vary independently (tiny calls for the fixed cost, many ids with few
+// bags for the gather, many bags with one id each for the output and the
+// wire) on both, then gradient updates, and drops the collection. The fit:
+// ms per call = overhead + ids x cost per id + gathered bytes x (1 /
+// memory bandwidth) + wire bytes x (1 / network bandwidth), the two widths
+// telling ids from gathered bytes; the backward multiplier from the
+// updates against the same fit. What the client does per call (building requests, copying outputs)
 // is in the wire term, as it is in a training step.
 #ifndef EMBER_CLI_CALIBRATE_H_
 #define EMBER_CLI_CALIBRATE_H_
@@ -28,7 +29,7 @@ namespace ember {
 namespace cli {
 
 struct CalibrateOptions {
-  int64_t rows = 1000000;  // rows of each worker's table (dim 64, fp32, SGD)
+  int64_t rows = 1000000;  // rows of each worker's tables (dims 16 and 128, fp32, SGD)
   int reps = 9;            // timed calls per configuration (the median counts)
 };
 
@@ -41,7 +42,7 @@ struct Calibration {
   // Per lookup shape: the median time over the workers and what the fit
   // predicts.
   struct Row {
-    int64_t batch = 0, pooling_factor = 0;
+    int64_t dim = 0, batch = 0, pooling_factor = 0;
     double measured_ms = 0, predicted_ms = 0;
   };
   std::vector<Row> lookups;

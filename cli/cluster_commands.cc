@@ -111,7 +111,7 @@ DEFINE_string(plan, "",
 DEFINE_string(cost_model, "",
               "Coordinator, up, plan: the planner's cost model, a JSON file (emberctl calibrate "
               "writes one); empty: the device's defaults.");
-DEFINE_int64(calibrate_rows, 1000000, "calibrate: rows of the scratch table on each worker.");
+DEFINE_int64(calibrate_rows, 1000000, "calibrate: rows of each scratch table (16 and 128 columns) on each worker.");
 DEFINE_int32(calibrate_reps, 9, "calibrate: timed calls per shape (the median counts).");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
@@ -558,15 +558,15 @@ int RunCalibrate() {
   o.reps = FLAGS_calibrate_reps;
   auto cal = Calibrate(cl->get(), o, &std::cout);
   if (!cal.ok()) return Fail("calibrate", cal.status());
-  std::cout << "batch x pooling | measured ms (median over workers) | fit ms\n";
+  std::cout << "dim | batch x pooling | measured ms (median over workers) | fit ms\n";
   for (const auto& row : cal->lookups) {
-    std::cout << absl::StrFormat("%6d x %-4d    | %10.3f | %10.3f\n", row.batch,
+    std::cout << absl::StrFormat("%3d | %6d x %-4d    | %10.3f | %10.3f\n", row.dim, row.batch,
                                  row.pooling_factor, row.measured_ms, row.predicted_ms);
   }
   std::cout << absl::StrFormat(
-                   "fit: %.4f ms per call + %.3f GB/s gathered + %.3f GB/s on the wire "
-                   "(r2 %.3f); backward multiplier %.2f\n",
-                   cal->fit.overhead_ms,
+                   "fit: %.4f ms per call + %.2f ns per id + %.3f GB/s gathered + %.3f GB/s on "
+                   "the wire (r2 %.3f); backward multiplier %.2f\n",
+                   cal->fit.overhead_ms, cal->fit.ms_per_id * 1e6,
                    cal->fit.ms_per_gathered_byte > 0 ? 1e-6 / cal->fit.ms_per_gathered_byte : 0.0,
                    cal->fit.ms_per_wire_byte > 0 ? 1e-6 / cal->fit.ms_per_wire_byte : 0.0,
                    cal->fit.r2, cal->bwd_compute_multiplier);

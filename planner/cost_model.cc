@@ -160,7 +160,8 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   const double fwd_out_bytes = fwd_out_rows * cols * m.output_bytes;
   const double bwd_grad_bytes = bwd_out_rows * cols * m.output_bytes;
 
-  c.fwd_compute_ms = (fwd_ids * row_bytes * penalty + fwd_out_bytes) * ms_per_byte;
+  c.fwd_compute_ms =
+      (fwd_ids * row_bytes * penalty + fwd_out_bytes) * ms_per_byte + fwd_ids * m.per_id_ms;
   // Backward: every occurrence goes through the sort and merge (an id's
   // worth of traffic), then each distinct row touched is read and written
   // once with its optimizer state (cpu_backend.cc ApplyGradients, the CUDA
@@ -168,9 +169,10 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // not its ids.
   const double touched = ExpectedDistinctRows(static_cast<double>(block.rows), bwd_ids);
   c.bwd_compute_ms = m.bwd_compute_multiplier *
-                     (touched * (row_bytes * penalty + state_row_bytes) +
-                      bwd_ids * m.id_bytes + bwd_grad_bytes) *
-                     ms_per_byte;
+                     ((touched * (row_bytes * penalty + state_row_bytes) +
+                       bwd_ids * m.id_bytes + bwd_grad_bytes) *
+                          ms_per_byte +
+                      bwd_ids * m.per_id_ms);
   if (!empty) c.fwd_compute_ms += m.per_shard_overhead_ms;
   // On the wire, per shard request: the ids it gets (with their weights),
   // one int64 length per bag of the feature whatever the shard's rows

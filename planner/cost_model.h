@@ -58,6 +58,13 @@ struct CostModel {
   bool narrow_row_penalty = true;
   // Fixed time per non-empty shard per step (kernel bookkeeping), ms.
   double per_shard_overhead_ms = 0.0;
+  // Time per id a shard receives beyond the bytes it moves (validation,
+  // the loop around each row, the sort of the backward), ms. Every column
+  // shard of a table receives all of its ids, so this is what prices
+  // column-wise splits above their bytes. 0 by default (bandwidth-only,
+  // as TorchRec's estimators); `emberctl calibrate` fits it by timing
+  // lookups on rows of two widths.
+  double per_id_ms = 0.0;
   // Default fraction of rows cached in HBM by fused_uvm_caching.
   double default_cache_load_factor = 0.2;
   // Copies of each step's input/output buffers kept alive (double buffering).

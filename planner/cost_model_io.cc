@@ -48,6 +48,7 @@ const std::map<std::string, FieldDef>& Fields() {
       EMBER_FIELD(access_granularity_bytes, true, true, false),
       EMBER_FIELD(narrow_row_penalty, false, false, true),
       EMBER_FIELD(per_shard_overhead_ms, false, false, false),
+      EMBER_FIELD(per_id_ms, false, false, false),
       EMBER_FIELD(default_cache_load_factor, false, false, true),
       EMBER_FIELD(io_buffer_copies, true, true, false),
       EMBER_FIELD(id_bytes, true, true, false),
@@ -130,23 +131,29 @@ absl::StatusOr<CostModel> LoadCostModel(const std::string& path,
   return m;
 }
 
+double PredictCall(const CallFit& fit, const CallSample& s) {
+  return fit.overhead_ms + fit.ms_per_id * s.ids + fit.ms_per_gathered_byte * s.gathered_bytes +
+         fit.ms_per_wire_byte * s.wire_bytes;
+}
+
 absl::StatusOr<CallFit> FitCalls(const std::vector<CallSample>& samples) {
   if (samples.size() < 3) return Bad("a fit needs 3 or more timed calls");
-  // Normal equations of the 3-term linear model, solved by Cramer's rule on
-  // the columns scaled to unit size (the byte counts are ~1e6 apart from
-  // the intercept).
-  double sg = 0, sw = 0;
+  // Normal equations of the linear model on the columns scaled to unit
+  // size (the byte counts are ~1e6 apart from the intercept).
+  double si = 0, sg = 0, sw = 0;
   for (const CallSample& s : samples) {
+    si = std::max(si, s.ids);
     sg = std::max(sg, s.gathered_bytes);
     sw = std::max(sw, s.wire_bytes);
   }
   if (sg <= 0 || sw <= 0) return Bad("the calls moved no bytes");
-  auto solve = [&](bool with_g, bool with_w, CallFit* fit) {
-    // Columns: 1, g/sg, w/sw (those in use).
+  // Terms beyond the intercept: bit 0 ids, bit 1 gathered, bit 2 wire.
+  auto solve = [&](int mask, CallFit* fit) {
     std::vector<std::function<double(const CallSample&)>> cols = {
         [](const CallSample&) { return 1.0; }};
-    if (with_g) cols.push_back([&](const CallSample& s) { return s.gathered_bytes / sg; });
-    if (with_w) cols.push_back([&](const CallSample& s) { return s.wire_bytes / sw; });
+    if (mask & 1) cols.push_back([&](const CallSample& s) { return s.ids / si; });
+    if (mask & 2) cols.push_back([&](const CallSample& s) { return s.gathered_bytes / sg; });
+    if (mask & 4) cols.push_back([&](const CallSample& s) { return s.wire_bytes / sw; });
     const size_t k = cols.size();
     std::vector<std::vector<double>> a(k, std::vector<double>(k + 1, 0.0));
     // Relative errors are what matter (a 0.2 ms call and a 10 ms one are
@@ -158,13 +165,16 @@ absl::StatusOr<CallFit> FitCalls(const std::vector<CallSample>& samples) {
         a[i][k] += weight * cols[i](s) * s.ms;
       }
     }
-    // Gaussian elimination with partial pivoting.
+    // Gauss-Jordan elimination with partial pivoting; a pivot that
+    // vanishes against its column's scale means the terms are collinear.
+    std::vector<double> scale(k);
+    for (size_t c = 0; c < k; ++c) scale[c] = a[c][c];
     for (size_t c = 0; c < k; ++c) {
       size_t p = c;
       for (size_t r = c + 1; r < k; ++r) {
         if (std::abs(a[r][c]) > std::abs(a[p][c])) p = r;
       }
-      if (std::abs(a[p][c]) < 1e-12 * samples.size()) return false;
+      if (std::abs(a[p][c]) < 1e-9 * std::max(scale[c], 1e-300)) return false;
       std::swap(a[p], a[c]);
       for (size_t r = 0; r < k; ++r) {
         if (r == c) continue;
@@ -174,40 +184,44 @@ absl::StatusOr<CallFit> FitCalls(const std::vector<CallSample>& samples) {
     }
     std::vector<double> x(k);
     for (size_t i = 0; i < k; ++i) x[i] = a[i][k] / a[i][i];
+    *fit = CallFit();
     fit->overhead_ms = x[0];
     size_t at = 1;
-    fit->ms_per_gathered_byte = with_g ? x[at++] / sg : 0;
-    fit->ms_per_wire_byte = with_w ? x[at++] / sw : 0;
+    if (mask & 1) fit->ms_per_id = x[at++] / si;
+    if (mask & 2) fit->ms_per_gathered_byte = x[at++] / sg;
+    if (mask & 4) fit->ms_per_wire_byte = x[at++] / sw;
     return true;
   };
-  // The full fit, or, where a term comes out negative (noise), the best
-  // fit without it: every term stays >= 0.
+  // The full fit, or, where a term comes out negative (noise) or cannot be
+  // told apart, the best fit without it: every term stays >= 0.
   CallFit best;
   double best_sse = -1;
-  for (int mask : {3, 1, 2}) {
+  for (int mask : {7, 6, 3, 5, 2, 4, 1}) {
+    if (mask & 1 && si <= 0) continue;
     CallFit fit;
-    if (!solve(mask & 1, mask & 2, &fit)) continue;
-    if (fit.overhead_ms < 0 || fit.ms_per_gathered_byte < 0 || fit.ms_per_wire_byte < 0) continue;
+    if (!solve(mask, &fit)) continue;
+    if (fit.overhead_ms < 0 || fit.ms_per_id < 0 || fit.ms_per_gathered_byte < 0 ||
+        fit.ms_per_wire_byte < 0) {
+      continue;
+    }
     double sse = 0;  // of relative errors, as fitted
     for (const CallSample& s : samples) {
-      const double e = s.ms - (fit.overhead_ms + fit.ms_per_gathered_byte * s.gathered_bytes +
-                               fit.ms_per_wire_byte * s.wire_bytes);
+      const double e = s.ms - PredictCall(fit, s);
       sse += s.ms > 0 ? e * e / (s.ms * s.ms) : e * e;
     }
     if (best_sse < 0 || sse < best_sse) {
       best = fit;
       best_sse = sse;
     }
-    if (mask == 3) break;  // the full model fits with every term >= 0
+    if (mask == 7) break;  // the full model fits with every term >= 0
   }
-  if (best_sse < 0) {
+  if (best_sse < 0 || (best.ms_per_gathered_byte == 0 && best.ms_per_wire_byte == 0)) {
     return Bad("the timed calls cannot tell the terms apart (vary ids and output sizes)");
   }
   double mean = 0, sst = 0, abs_sse = 0;
   for (const CallSample& s : samples) mean += s.ms / samples.size();
   for (const CallSample& s : samples) {
-    const double e = s.ms - (best.overhead_ms + best.ms_per_gathered_byte * s.gathered_bytes +
-                             best.ms_per_wire_byte * s.wire_bytes);
+    const double e = s.ms - PredictCall(best, s);
     abs_sse += e * e;
     sst += (s.ms - mean) * (s.ms - mean);
   }
@@ -228,6 +242,7 @@ CostModel Calibrated(CostModel m, ember::v1::ComputeDevice device, const CallFit
     m.lookup_efficiency = 1.0;
   }
   if (fit.ms_per_wire_byte > 0) m.network_bw_gbps = 1.0 / (fit.ms_per_wire_byte * 1e6);
+  m.per_id_ms = fit.ms_per_id;
   m.per_shard_overhead_ms = fit.overhead_ms;
   if (bwd_compute_multiplier > 0) m.bwd_compute_multiplier = bwd_compute_multiplier;
   return m;

@@ -35,30 +35,41 @@ absl::StatusOr<CostModel> LoadCostModel(const std::string& path,
 
 // One timed call to one worker with one table: the bytes the worker
 // gathered and wrote (rows read + output written) and the bytes that
-// crossed the wire (ids, lengths, outputs), and how long it took.
+// crossed the wire (ids, lengths, outputs), how long it took, and the ids
+// it looked up.
 struct CallSample {
   double gathered_bytes = 0;
   double wire_bytes = 0;
   double ms = 0;
+  double ids = 0;
 };
 
 // The least-squares fit (of relative errors: each sample weighs 1/ms^2)
-// of ms = overhead + gathered * per_gathered_byte + wire * per_wire_byte
-// (each term >= 0), and how well it explains the samples (r2 of the
-// times, 1 = exactly).
+// of ms = overhead + ids * per_id + gathered * per_gathered_byte +
+// wire * per_wire_byte (each term >= 0), and how well it explains the
+// samples (r2 of the times, 1 = exactly). The per-id term (hashing,
+// bounds checks, the loop around each row) can be told from the gathered
+// bytes only when the samples gather rows of more than one width.
 struct CallFit {
   double overhead_ms = 0;
+  double ms_per_id = 0;
   double ms_per_gathered_byte = 0;
   double ms_per_wire_byte = 0;
   double r2 = 0;
 };
+// The fit's prediction for a sample.
+double PredictCall(const CallFit& fit, const CallSample& sample);
 // INVALID_ARGUMENT for fewer than 3 samples or samples that cannot tell
-// the terms apart (gathered and wire bytes in a fixed ratio throughout).
+// any byte term from the overhead. Terms the samples cannot tell apart
+// (ids and gathered bytes in a fixed ratio, one row width) are fitted as
+// one: the full fit where it comes out with every term >= 0, else the
+// best of the fits without some terms.
 absl::StatusOr<CallFit> FitCalls(const std::vector<CallSample>& samples);
 
 // `base` with the fitted constants: the device's memory bandwidth at an
-// efficiency of 1 (the fit measures what gathers reach), the network
-// bandwidth, the per-shard overhead and the backward multiplier.
+// efficiency of 1 (the fit measures what gathers reach), the cost per id,
+// the network bandwidth, the per-shard overhead and the backward
+// multiplier.
 CostModel Calibrated(CostModel base, ember::v1::ComputeDevice device, const CallFit& fit,
                      double bwd_compute_multiplier);
 

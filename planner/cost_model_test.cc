@@ -58,6 +58,30 @@ TEST(CostModelTest, TableWiseShardByHand) {
   EXPECT_EQ(c.ddr_bytes, 0);
 }
 
+// A cost per id is paid by every shard an id reaches: a table split into
+// two column shards pays it twice for the same bytes.
+TEST(CostModelTest, CostPerIdIsPaidOnEveryShardTheIdsReach) {
+  CostModel m = RoundModel();
+  const TableWorkload w = Work(/*ids=*/1e6, /*bags=*/1e5);
+  auto shard = [&](const CostModel& model, ShardingType type, int64_t cols) {
+    return EstimateShard(model, w, type, ComputeKernel::kFused, ember::v1::CUDA,
+                         ShardBlock{0, 0, 1000, cols}, 1000, 2);
+  };
+  const ShardCost whole = shard(m, ShardingType::kTableWise, 64);
+  m.per_id_ms = 1e-6;  // 1 ns per id
+  const ShardCost priced = shard(m, ShardingType::kTableWise, 64);
+  // Forward: + 1e6 ids x 1e-6 ms; backward: the multiplier (2) x the same.
+  EXPECT_DOUBLE_EQ(priced.fwd_compute_ms, whole.fwd_compute_ms + 1.0);
+  EXPECT_DOUBLE_EQ(priced.bwd_compute_ms, whole.bwd_compute_ms + 2.0);
+  EXPECT_DOUBLE_EQ(priced.fwd_comms_ms, whole.fwd_comms_ms);
+  // Two 32-column halves move the bytes of the whole between them, and
+  // each pays for every id (and, in the backward, sorts every id's 8 B:
+  // 2 x 1e6 x 8 B at 1e9 B/ms more).
+  const ShardCost half = shard(m, ShardingType::kColumnWise, 32);
+  EXPECT_NEAR(2 * half.fwd_compute_ms - priced.fwd_compute_ms, 1.0, 1e-9);
+  EXPECT_NEAR(2 * half.bwd_compute_ms - priced.bwd_compute_ms, 2.0 + 2.0 * 1e6 * 8 / 1e9, 1e-9);
+}
+
 TEST(CostModelTest, RowWiseShardSeesItsShareOfIds) {
   const CostModel m = RoundModel();
   TableWorkload w = Work(/*ids=*/4e5, /*bags=*/1e5);  // pooling factor 4

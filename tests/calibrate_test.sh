@@ -37,7 +37,10 @@ up() {
 coordinator=$(up) || fail "the cluster did not come up"
 "$emberctl" calibrate --coordinator="$coordinator" --output="$work/model.json" \
   --calibrate_rows=20000 --calibrate_reps=3 | tee "$work/calibrate.out"
-grep -q '^fit: ' "$work/calibrate.out" || fail "no fit printed"
+grep -q '^fit: .* ns per id' "$work/calibrate.out" || fail "no fit printed"
+# Both widths timed: 8 shapes of each.
+[ "$(grep -cE '^ 16 \|' "$work/calibrate.out")" = 8 ] && [ "$(grep -cE '^128 \|' "$work/calibrate.out")" = 8 ] ||
+  fail "calibrate did not time both row widths"
 python3 - "$work/model.json" <<'EOF' || fail "the model file is not what calibrate should write"
 import json, math, sys
 m = json.load(open(sys.argv[1]))
@@ -45,6 +48,7 @@ assert m["device"] == "cpu", m
 for k in ("ddr_bw_gbps", "network_bw_gbps", "bwd_compute_multiplier"):
     assert math.isfinite(m[k]) and m[k] > 0, (k, m[k])
 assert m["per_shard_overhead_ms"] >= 0 and m["lookup_efficiency"] == 1, m
+assert math.isfinite(m["per_id_ms"]) and m["per_id_ms"] >= 0, m
 EOF
 # The scratch collection is gone.
 "$emberctl" status --coordinator="$coordinator" >"$work/status.out"
