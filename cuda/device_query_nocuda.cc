@@ -1,4 +1,4 @@
-// Built instead of device_query.cu where nvcc is absent.
+// Built instead of device_query.cc where the CUDA toolkit is absent.
 #include "absl/status/status.h"
 #include "cuda/device_query.h"
 

@@ -11,9 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "cuda/call_split.h"
-#include "cuda/kernel_bodies.h"
+#include "cuda/host_kernels.h"
 #include "cuda/request_plan.h"
-#include "cuda/warp.h"
 #include "server/backend/half.h"
 
 namespace ember {
@@ -40,12 +39,6 @@ struct Shard {
   void* weights() { return spec.weight_type == WeightType::kFp32 ? static_cast<void*>(full.data())
                                                                  : static_cast<void*>(half.data()); }
 };
-
-// One warp runs a whole warp body (as a grid of one warp would).
-template <typename Body>
-void RunWarp(Body body) {
-  HostWarp::Run([&](HostWarp& w) { body(w); });
-}
 
 // Stands in for CUB's temporary storage when sizing a call against the
 // scratch: a fixed part and some bytes per element, as CUB's grow.
@@ -179,11 +172,12 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   std::string Name() const override { return "cuda-emulated/host"; }
 
  private:
-  // One piece of a Lookup call (all of it when it fits the scratch).
+  // One piece of a Lookup call (all of it when it fits the scratch): the
+  // arrays concatenated as they are staged on the device, and the launch's
+  // steps on the CPU (host_kernels.h).
   absl::Status LookupPiece(absl::Span<const LookupRequest> requests)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const LookupPlan plan = PlanLookup(requests, Resolver());
-    // The staged arrays, concatenated as on the device.
     std::vector<int64_t> lengths, ids;
     std::vector<float> weights(plan.any_weighted ? plan.total_ids : 0);
     for (const LookupRequest& r : requests) {
@@ -192,13 +186,20 @@ class EmulatedBackend : public backend::EmbeddingBackend {
       if (!f.weights.empty()) std::copy(f.weights.begin(), f.weights.end(), weights.begin() + ids.size());
       ids.insert(ids.end(), f.ids.begin(), f.ids.end());
     }
-    const std::vector<int64_t> offsets = ExclusiveOffsets(lengths);
+    std::vector<int64_t> offsets(lengths.size() + 1);
     std::vector<float> out(plan.total_out);
-    const int64_t n = static_cast<int64_t>(requests.size());
-    RunWarp([&](HostWarp& w) {
-      kernels::LookupWarp(w, 0, 1, plan.item_begin.data(), plan.descs.data(), n, offsets.data(),
-                          ids.data(), weights.data(), out.data());
-    });
+    LookupLaunch a;
+    a.item_begin = plan.item_begin.data();
+    a.descs = plan.descs.data();
+    a.num_requests = static_cast<int64_t>(requests.size());
+    a.total_items = plan.total_items;
+    a.lengths = lengths.data();
+    a.num_bags = static_cast<int64_t>(lengths.size());
+    a.ids = ids.data();
+    a.weights = weights.data();
+    a.offsets = offsets.data();
+    a.out = out.data();
+    RunLookupOnHost(a);
     size_t at = 0;
     for (const LookupRequest& r : requests) {
       std::copy(out.begin() + at, out.begin() + at + r.output.size(), r.output.begin());
@@ -221,60 +222,43 @@ class EmulatedBackend : public backend::EmbeddingBackend {
       ids.insert(ids.end(), f.ids.begin(), f.ids.end());
       grads.insert(grads.end(), r.grad.begin(), r.grad.end());
     }
-    const std::vector<int64_t> offsets = ExclusiveOffsets(lengths);
-    const int64_t n = static_cast<int64_t>(requests.size());
-    std::vector<uint64_t> keys(total);
-    std::vector<int64_t> positions(total), src_off(total);
+    std::vector<int64_t> offsets(lengths.size() + 1);
+    std::vector<uint64_t> keys_a(total), keys_b(total);
+    std::vector<int64_t> pos_a(total), pos_b(total), src_off(total), run_id(total),
+        run_begin(total + 1), hot_units(total), hot_end(total);
     std::vector<float> scale(total);
-    for (int64_t p = 0; p < total; ++p) {
-      kernels::ExpandOne(p, plan.id_begin.data(), plan.descs.data(), n, offsets.data(), ids.data(),
-                         weights.data(), keys.data(), positions.data(), src_off.data(),
-                         scale.data());
-    }
-    // CUB's radix sort is stable: equal keys keep their position order.
-    std::vector<int64_t> order(total);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
-    std::vector<uint64_t> sorted_keys(total);
-    std::vector<int64_t> sorted_positions(total);
-    for (int64_t k = 0; k < total; ++k) {
-      sorted_keys[k] = keys[order[k]];
-      sorted_positions[k] = positions[order[k]];
-    }
-    std::vector<int64_t> run_id(total), run_begin(total + 1);
-    for (int64_t k = 0; k < total; ++k) kernels::HeadFlagOne(k, sorted_keys.data(), run_id.data());
-    std::partial_sum(run_id.begin(), run_id.end(), run_id.begin());
-    for (int64_t k = 0; k < total; ++k) kernels::RunBeginOne(k, run_id.data(), total, run_begin.data());
-    const int64_t num_runs = run_id[total - 1];
-    std::vector<int64_t> hot_units(total, 0), hot_end(total);
-    for (int64_t u = 0; u < num_runs; ++u) kernels::HotUnitsOne(u, run_begin.data(), hot_units.data());
-    std::partial_sum(hot_units.begin(), hot_units.end(), hot_end.begin());
     const int64_t max_units = MaxHotUnits(total);
     std::vector<float> partials(max_units * plan.max_dim);
-    kernels::UpdateArgs a;
-    a.sorted_keys = sorted_keys.data();
-    a.sorted_positions = sorted_positions.data();
-    a.run_begin = run_begin.data();
-    a.num_runs = &num_runs;
-    a.hot_end = hot_end.data();
+    BackwardLaunch a;
+    a.id_begin = plan.id_begin.data();
+    a.descs = plan.descs.data();
+    a.num_requests = static_cast<int64_t>(requests.size());
+    a.updates = plan.updates.data();
     a.key_base = plan.key_base.data();
-    a.shards = plan.updates.data();
     a.num_shards = static_cast<int64_t>(plan.slots.size());
+    a.lengths = lengths.data();
+    a.num_bags = static_cast<int64_t>(lengths.size());
+    a.ids = ids.data();
+    a.total_ids = total;
+    a.weights = weights.data();
+    a.grads = grads.data();
+    a.end_bit = plan.end_bit;
+    a.max_dim = plan.max_dim;
+    a.offsets = offsets.data();
+    a.keys_a = keys_a.data();
+    a.keys_b = keys_b.data();
+    a.pos_a = pos_a.data();
+    a.pos_b = pos_b.data();
     a.src_off = src_off.data();
     a.scale = scale.data();
-    a.grads = grads.data();
+    a.run_id = run_id.data();
+    a.run_begin = run_begin.data();
+    a.hot_units = hot_units.data();
+    a.hot_end = hot_end.data();
     a.partials = partials.data();
-    a.partial_stride = plan.max_dim;
-    RunWarp([&](HostWarp& w) { kernels::PartialSumWarp(w, 0, 1, a); });
-    RunWarp([&](HostWarp& w) { kernels::UpdateWarp(w, 0, 1, a); });
+    a.max_units = max_units;
+    RunBackwardOnHost(a);
     return absl::OkStatus();
-  }
-
-  static std::vector<int64_t> ExclusiveOffsets(const std::vector<int64_t>& lengths) {
-    std::vector<int64_t> offsets(lengths.size() + 1, 0);
-    std::partial_sum(lengths.begin(), lengths.end(), offsets.begin() + 1);
-    return offsets;
   }
 
   // fp32 values into the shard's weight type, rounded to nearest even.

@@ -41,6 +41,21 @@ struct BackendParam {
 
 std::vector<BackendParam> AvailableBackends() {
   std::vector<BackendParam> out;
+#ifdef EMBER_CUDA_ON_HOST
+  // backend_parity_on_host_test: the CUDA backend's adapter itself, on the
+  // host CUDA runtime (cuda/host_runtime.h), whole and with a scratch so
+  // small that most calls run in pieces. The others run in
+  // backend_parity_test.
+  out.push_back({"cuda_on_host", [] { return cuda::CreateCudaBackend({}); }});
+  out.push_back({"cuda_on_host_split",
+                 [] {
+                   cuda::CudaBackendOptions o;
+                   o.scratch_bytes = kSplitScratchBytes;
+                   return cuda::CreateCudaBackend(o);
+                 },
+                 kSplitScratchBytes});
+  return out;
+#endif
   for (const std::string isa : {"scalar", "avx2", "avx512"}) {
     if (!RowKernelsFor(isa).ok()) continue;  // this CPU lacks it
     for (int threads : {1, 3}) {
