@@ -17,6 +17,7 @@ every plan.
 """
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -55,6 +56,14 @@ def spearman(a, b):
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def plan_types(plan):
+    """'table_wise 4, column_wise 2': the sharding types of a plan's tables."""
+    if not plan:
+        return "nothing"
+    counts = collections.Counter(t["sharding_type"] for t in plan["plan"])
+    return ", ".join(f"{t} {n}" for t, n in counts.most_common())
+
+
 def main():
     args = parse_args()
     logging.disable(logging.WARNING)
@@ -66,9 +75,10 @@ def main():
     with ember.LocalCluster(workers=w, emberctl=emberctl) as cluster:
         client = ember.Client(cluster.address, timeout_s=120)
         model = os.path.join(work, "model.json")
-        subprocess.run([emberctl, "calibrate", f"--coordinator={cluster.address}",
-                        f"--output={model}", "--calibrate_reps=15"],
-                       check=True, capture_output=True, text=True)
+        cal = subprocess.run([emberctl, "calibrate", f"--coordinator={cluster.address}",
+                              f"--output={model}", "--calibrate_reps=15"],
+                             check=True, capture_output=True, text=True)
+        report["fit"] = next((l for l in cal.stdout.splitlines() if l.startswith("fit:")), "")
         all_pred, all_meas = [], []
         for k in range(args.collections):
             tables = random_tables(rng, args.tables, 200_000)
@@ -101,7 +111,8 @@ def main():
             all_pred += pred
             all_meas += meas
             row = {"collection": k, "plans": names, "predicted_ms": pred, "measured_ms": meas,
-                   "spearman": spearman(pred, meas)}
+                   "spearman": spearman(pred, meas),
+                   "planner_chose": plan_types(plans.get("planner"))}
             report["collections"].append(row)
             print(f"collection {k}: spearman {row['spearman']:.2f}", file=sys.stderr)
         report["spearman_all"] = spearman(all_pred, all_meas)
@@ -111,8 +122,10 @@ def main():
     if args.format == "json":
         print(json.dumps(report))
         return
+    print(report["fit"])
     for row in report["collections"]:
-        print(f"collection {row['collection']} (Spearman {row['spearman']:.2f})")
+        print(f"collection {row['collection']} (Spearman {row['spearman']:.2f}; the planner "
+              f"chose {row['planner_chose']})")
         for n, p, m in zip(row["plans"], row["predicted_ms"], row["measured_ms"]):
             print(f"  {n:14s} predicted {p:8.3f} ms  measured {m:8.3f} ms  ratio {m / p:5.2f}")
     lo, med, hi = report["measured_over_predicted"]

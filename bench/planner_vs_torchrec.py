@@ -19,6 +19,14 @@ A benchmark, not a test (torchrec from the SDK's .venv). Two parts:
              update per step, interleaved rounds): steps/s of each and the
              ratio (> 1: Ember's plan faster). Ember plans these with the
              model `emberctl calibrate` fits on the same cluster first.
+             A control: TorchRec's plan created a second time and trained
+             in the same rounds (an A/A pair, the order of the three
+             rotating from round to round), so each collection shows how
+             far apart two identical plans measure. Verdicts compare the
+             median ratio of Ember's plan with the median A/A ratios of all
+             collections in the run: "ahead" at >= 1, "slower" below the
+             lowest A/A median (a deficit no identical pair showed), else
+             "level".
 
     .venv/bin/python bench/planner_vs_torchrec.py [--sizes 10x8,50x8,100x8]
         [--measured 3] [--steps 20] [--format json]
@@ -298,26 +306,40 @@ def measure(args, rng, emberctl, work, results):
             json.dump(spec, open(spec_file, "w"))
             tr, _ = torchrec_plan(tables, 2, "cpu", args.batch)
             em = json.loads(ember_plan_json(emberctl, spec_file, 2, "cpu", args.batch, cost_model))
+            who_all = ("torchrec", "ember", "control")
             client.create_collection(dict(spec, name=f"m{k}_torchrec"), plan=tr)
             client.create_collection(dict(spec, name=f"m{k}_ember"), plan=em)
-            rates = {"torchrec": [], "ember": []}
-            for _ in range(args.rounds):
-                for who in ("torchrec", "ember"):
+            client.create_collection(dict(spec, name=f"m{k}_control"), plan=tr)
+            rates = {who: [] for who in who_all}
+            for r in range(args.rounds):
+                for i in range(len(who_all)):
+                    who = who_all[(i + r) % len(who_all)]
                     rates[who].append(train_rate(client, f"m{k}_{who}", tables, args.batch,
                                                  args.steps, rng))
-            client.drop_collection(f"m{k}_torchrec")
-            client.drop_collection(f"m{k}_ember")
+            for who in who_all:
+                client.drop_collection(f"m{k}_{who}")
             tr_rate, em_rate = float(np.median(rates["torchrec"])), float(np.median(rates["ember"]))
+            ctl_rate = float(np.median(rates["control"]))
+            # Ratios within each round (the three ran back to back).
+            em_ratios = [e / t for e, t in zip(rates["ember"], rates["torchrec"])]
+            aa_ratios = [c / t for c, t in zip(rates["control"], rates["torchrec"])]
+            em_ratio = float(np.median(em_ratios))
             em_entries = plan_entries_of_ember(em)
             row = {"collection": k, "tables": len(tables),
                    "same_plan": same_plan(plan_entries_of_torchrec(tr, 2), em_entries),
                    "torchrec_types": sorted({ps.sharding_type for ps in tr.values()}),
                    "ember_types": sorted({t["sharding_type"] for t in em["plan"]}),
                    "torchrec_plan_steps_per_s": tr_rate, "ember_plan_steps_per_s": em_rate,
-                   "ratio": em_rate / tr_rate}
+                   "control_steps_per_s": ctl_rate, "ratio": em_ratio,
+                   "aa_ratio": float(np.median(aa_ratios)),
+                   "aa_range": [float(min(aa_ratios)), float(max(aa_ratios))]}
             results["measured"].append(row)
             print(f"measured collection {k}: TorchRec's plan {tr_rate:.1f} steps/s, "
-                  f"Ember's {em_rate:.1f}", file=sys.stderr)
+                  f"Ember's {em_rate:.1f}, TorchRec's again {ctl_rate:.1f}", file=sys.stderr)
+        floor = min(r["aa_ratio"] for r in results["measured"]) if results["measured"] else 1.0
+        for r in results["measured"]:
+            r["verdict"] = ("ahead" if r["ratio"] >= 1.0 else
+                            "level" if r["ratio"] >= floor else "slower")
 
 
 
@@ -339,12 +361,21 @@ def report(args, results):
               f"{r['torchrec_types']} | {r['ember_types']}")
     print()
     print("collection | tables | TorchRec plan types | Ember plan types | TorchRec plan steps/s | "
-          "Ember plan steps/s | ratio (same plan: the ratio is the noise)")
+          "Ember plan steps/s | ratio (median of rounds) | A/A ratio, median [range of rounds] | "
+          "verdict")
     for r in results["measured"]:
+        lo, hi = r["aa_range"]
         print(f"{r['collection']} | {r['tables']} | {','.join(r['torchrec_types'])} | "
               f"{','.join(r['ember_types'])} | {r['torchrec_plan_steps_per_s']:.1f} | "
               f"{r['ember_plan_steps_per_s']:.1f} | {r['ratio']:.2f}"
-              f"{' (same plan)' if r['same_plan'] else ''}")
+              f"{' (same plan)' if r['same_plan'] else ''} | {r['aa_ratio']:.2f} "
+              f"[{lo:.2f}, {hi:.2f}] | {r['verdict']}")
+    if results["measured"]:
+        verdicts = [r["verdict"] for r in results["measured"]]
+        floor = min(r["aa_ratio"] for r in results["measured"])
+        print(f"Ember's plan ahead on {verdicts.count('ahead')}, level (above the lowest A/A "
+              f"median, {floor:.2f}) on {verdicts.count('level')}, slower on "
+              f"{verdicts.count('slower')} of {len(verdicts)} collections")
 
 
 if __name__ == "__main__":
