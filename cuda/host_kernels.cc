@@ -51,20 +51,7 @@ void RunBackwardOnHost(const BackwardLaunch& a) {
   std::fill(a.hot_units, a.hot_units + total, 0);
   for (int64_t u = 0; u < *num_runs; ++u) kernels::HotUnitsOne(u, a.run_begin, a.hot_units);
   std::partial_sum(a.hot_units, a.hot_units + total, a.hot_end);
-  kernels::UpdateArgs u;
-  u.sorted_keys = a.keys_b;
-  u.sorted_positions = a.pos_b;
-  u.run_begin = a.run_begin;
-  u.num_runs = num_runs;
-  u.hot_end = a.hot_end;
-  u.key_base = a.key_base;
-  u.shards = a.updates;
-  u.num_shards = a.num_shards;
-  u.src_off = a.src_off;
-  u.scale = a.scale;
-  u.grads = a.grads;
-  u.partials = a.partials;
-  u.partial_stride = a.max_dim;
+  const kernels::UpdateArgs u = UpdateArgsOf(a, a.keys_b, a.pos_b, num_runs);
   HostWarp::Run([&](HostWarp& w) { kernels::PartialSumWarp(w, 0, 1, u); });
   HostWarp::Run([&](HostWarp& w) { kernels::UpdateWarp(w, 0, 1, u); });
 }

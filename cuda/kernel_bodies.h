@@ -14,6 +14,11 @@
 #include <cmath>
 #include <cstdint>
 
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
 #include "cuda/kernel_descs.h"
 #include "cuda/warp.h"
 #include "server/backend/embedding_math.h"

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/kernel_bodies.h"
 #include "cuda/kernel_descs.h"
 
 namespace ember {
@@ -65,6 +66,28 @@ struct BackwardLaunch {
   void* temp = nullptr;  // BackwardTempBytes(num_bags, total_ids, end_bit)
   size_t temp_bytes = 0;
 };
+
+// The update steps' arguments (kernel_bodies.h) once the pairs are sorted
+// and the runs found.
+inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t* sorted_keys,
+                                        const int64_t* sorted_positions,
+                                        const int64_t* num_runs) {
+  kernels::UpdateArgs u;
+  u.sorted_keys = sorted_keys;
+  u.sorted_positions = sorted_positions;
+  u.run_begin = a.run_begin;
+  u.num_runs = num_runs;
+  u.hot_end = a.hot_end;
+  u.key_base = a.key_base;
+  u.shards = a.updates;
+  u.num_shards = a.num_shards;
+  u.src_off = a.src_off;
+  u.scale = a.scale;
+  u.grads = a.grads;
+  u.partials = a.partials;
+  u.partial_stride = a.max_dim;
+  return u;
+}
 
 }  // namespace cuda
 }  // namespace ember

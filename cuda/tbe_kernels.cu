@@ -187,20 +187,7 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t
   t = a.temp_bytes;
   EMBER_CUDA_TRY(
       cub::DeviceScan::InclusiveSum(a.temp, t, a.hot_units, a.hot_end, total, stream));
-  kernels::UpdateArgs u;
-  u.sorted_keys = sorted_keys;
-  u.sorted_positions = sorted_positions;
-  u.run_begin = a.run_begin;
-  u.num_runs = num_runs;
-  u.hot_end = a.hot_end;
-  u.key_base = a.key_base;
-  u.shards = a.updates;
-  u.num_shards = a.num_shards;
-  u.src_off = a.src_off;
-  u.scale = a.scale;
-  u.grads = a.grads;
-  u.partials = a.partials;
-  u.partial_stride = a.max_dim;
+  const kernels::UpdateArgs u = UpdateArgsOf(a, sorted_keys, sorted_positions, num_runs);
   PartialSumKernel<<<WarpBlocks(a.max_units, max_blocks), kBlockThreads, 0, stream>>>(u);
   EMBER_CUDA_TRY(cudaGetLastError());
   UpdateKernel<<<WarpBlocks(total, max_blocks), kBlockThreads, 0, stream>>>(u);

@@ -39,21 +39,26 @@ struct BackendParam {
   size_t scratch_bytes = 0;  // a fixed scratch calls are cut to fit; 0: none
 };
 
+// The CUDA backend as `name`, whole and (`name`_split) with a scratch of
+// `split_bytes`, so small that most calls run in pieces.
+void AddCudaBackend(const std::string& name, size_t split_bytes, std::vector<BackendParam>* out) {
+  out->push_back({name, [] { return cuda::CreateCudaBackend({}); }});
+  out->push_back({name + "_split",
+                  [split_bytes] {
+                    cuda::CudaBackendOptions o;
+                    o.scratch_bytes = static_cast<int64_t>(split_bytes);
+                    return cuda::CreateCudaBackend(o);
+                  },
+                  split_bytes});
+}
+
 std::vector<BackendParam> AvailableBackends() {
   std::vector<BackendParam> out;
 #ifdef EMBER_CUDA_ON_HOST
   // backend_parity_on_host_test: the CUDA backend's adapter itself, on the
-  // host CUDA runtime (cuda/host_runtime.h), whole and with a scratch so
-  // small that most calls run in pieces. The others run in
-  // backend_parity_test.
-  out.push_back({"cuda_on_host", [] { return cuda::CreateCudaBackend({}); }});
-  out.push_back({"cuda_on_host_split",
-                 [] {
-                   cuda::CudaBackendOptions o;
-                   o.scratch_bytes = kSplitScratchBytes;
-                   return cuda::CreateCudaBackend(o);
-                 },
-                 kSplitScratchBytes});
+  // host CUDA runtime (cuda/host_runtime.h), which needs no temporary
+  // storage for CUB. The others run in backend_parity_test.
+  AddCudaBackend("cuda_on_host", kSplitScratchBytes, &out);
   return out;
 #endif
   for (const std::string isa : {"scalar", "avx2", "avx512"}) {
@@ -81,16 +86,7 @@ std::vector<BackendParam> AvailableBackends() {
                  },
                  kSplitScratchBytes});
   // The CUDA backend joins wherever a GPU is visible (never in CI here).
-  if (cuda::CreateCudaBackend({}).ok()) {
-    out.push_back({"cuda", [] { return cuda::CreateCudaBackend({}); }});
-    out.push_back({"cuda_split",
-                   [] {
-                     cuda::CudaBackendOptions o;
-                     o.scratch_bytes = kCudaSplitScratchBytes;
-                     return cuda::CreateCudaBackend(o);
-                   },
-                   kCudaSplitScratchBytes});
-  }
+  if (cuda::CreateCudaBackend({}).ok()) AddCudaBackend("cuda", kCudaSplitScratchBytes, &out);
   return out;
 }
 
