@@ -40,18 +40,16 @@ struct Shard {
                                                                  : static_cast<void*>(half.data()); }
 };
 
-// Stands in for CUB's temporary storage when sizing a call against the
-// scratch: a fixed part and some bytes per element, as CUB's grow.
-size_t TempBytes(int64_t elements) { return 1024 + 16 * static_cast<size_t>(elements); }
-
 class EmulatedBackend : public backend::EmbeddingBackend {
  public:
   explicit EmulatedBackend(const EmulatedCudaOptions& options) {
     const size_t bytes = options.scratch_bytes == 0 ? std::numeric_limits<size_t>::max()
                                                     : options.scratch_bytes;
     scratch_.device_bytes = scratch_.host_bytes = bytes;
-    scratch_.lookup_temp = [](const CallSize& s) { return TempBytes(s.bags); };
-    scratch_.gradient_temp = [](const CallSize& s) { return TempBytes(std::max(s.bags, s.ids)); };
+    scratch_.lookup_temp = [](const CallSize& s) { return HostTempBytes(s.bags); };
+    scratch_.gradient_temp = [](const CallSize& s) {
+      return HostTempBytes(std::max(s.bags, s.ids));
+    };
   }
 
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {

@@ -12,11 +12,19 @@
 namespace ember {
 namespace cuda {
 
-// Writes a.offsets and a.out. a.temp is not used.
+// Stands in for CUB's temporary storage when sizing a call against a
+// scratch: a fixed part and some bytes per element, as CUB's grow. The
+// launches below need none; callers that reserve it see it overwritten.
+inline size_t HostTempBytes(int64_t elements) { return 1024 + 16 * static_cast<size_t>(elements); }
+
+// Writes a.offsets and a.out, and scribbles over a.temp (as CUB would use
+// it).
 void RunLookupOnHost(const LookupLaunch& a);
 
 // Applies the optimizer to every row the ids touch, working in a's scratch
-// arrays (the sorted pairs end in keys_b / pos_b). a.temp is not used.
+// arrays (the sorted pairs end in keys_b / pos_b), sorting on the low
+// a.end_bit bits of the keys as CUB does; scribbles over a.temp.
+// total_ids > 0.
 void RunBackwardOnHost(const BackwardLaunch& a);
 
 }  // namespace cuda

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -15,7 +16,9 @@
 #include <thread>
 #include <utility>
 
-// A stream: a thread running its queue in order.
+// A stream: a thread running its queue in order. Never freed (a destroyed
+// stream's thread is joined), so events and waiters that still hold one
+// stay valid, as handles may in CUDA.
 struct CUstream_st {
   std::mutex mu;
   std::condition_variable cv;
@@ -23,6 +26,7 @@ struct CUstream_st {
   int64_t queued = 0;    // operations ever queued
   int64_t finished = 0;  // operations run (or skipped once the device is lost)
   bool stop = false;
+  uint64_t rng = 0;      // the delays' generator
   std::thread worker;
 };
 
@@ -49,6 +53,18 @@ std::map<uintptr_t, size_t>& Pinned() {
 }
 std::mutex event_mu;  // an event's (stream, target)
 
+// Each operation waits a pseudo-random 0 to this many microseconds before it
+// runs ($EMBER_HOST_CUDA_DELAY_US, default 20; 0: none), so that work runs
+// later than its caller may assume, as on a device: a buffer reused before
+// the copy that reads it has run shows up.
+int MaxDelayMicros() {
+  static const int delay = [] {
+    const char* env = std::getenv("EMBER_HOST_CUDA_DELAY_US");
+    return env != nullptr ? std::max(0, std::atoi(env)) : 20;
+  }();
+  return delay;
+}
+
 cudaError_t Fail(cudaError_t e) {
   if (e != cudaSuccess) last_error = e;
   return e;
@@ -63,6 +79,10 @@ void Work(CUstream_st* s) {
     std::function<void()> op = std::move(s->queue.front());
     s->queue.pop_front();
     lock.unlock();
+    if (const int max = MaxDelayMicros(); max > 0) {
+      s->rng = s->rng * 6364136223846793005ULL + 1442695040888963407ULL;
+      std::this_thread::sleep_for(std::chrono::microseconds((s->rng >> 33) % (max + 1)));
+    }
     if (Sticky() == cudaSuccess) op();  // a lost device runs nothing more
     lock.lock();
     ++s->finished;
@@ -72,6 +92,7 @@ void Work(CUstream_st* s) {
 
 CUstream_st* NewStream() {
   auto* s = new CUstream_st();
+  s->rng = reinterpret_cast<uintptr_t>(s);
   s->worker = std::thread(Work, s);
   std::lock_guard<std::mutex> lock(registry_mu);
   Streams().insert(s);
@@ -124,8 +145,11 @@ bool IsPinned(const void* p) {
   return at < it->first + it->second;
 }
 
+// 256-byte aligned (as cudaMalloc's), exactly `bytes` long (so that a
+// sanitizer sees an overrun).
 void* Allocate(size_t bytes) {
-  return std::aligned_alloc(256, std::max<size_t>(256, (bytes + 255) / 256 * 256));
+  void* p = nullptr;
+  return posix_memalign(&p, 256, std::max<size_t>(bytes, 1)) == 0 ? p : nullptr;
 }
 
 int current_device_count() {
@@ -214,6 +238,7 @@ cudaError_t CUDARTAPI cudaMalloc(void** p, size_t bytes) {
 
 cudaError_t CUDARTAPI cudaFree(void* p) {
   if (p == nullptr) return Sticky() != cudaSuccess ? Fail(Sticky()) : cudaSuccess;
+  if (IsPinned(p)) return Fail(cudaErrorInvalidValue);  // cudaMallocHost's: cudaFreeHost
   WaitAllStreams();  // cudaFree synchronises the device
   std::free(p);
   return cudaSuccess;
@@ -230,6 +255,7 @@ cudaError_t CUDARTAPI cudaMallocHost(void** p, size_t bytes) {
 
 cudaError_t CUDARTAPI cudaFreeHost(void* p) {
   if (p == nullptr) return cudaSuccess;
+  if (!IsPinned(p)) return Fail(cudaErrorInvalidValue);
   WaitAllStreams();
   {
     std::lock_guard<std::mutex> lock(registry_mu);
@@ -248,17 +274,15 @@ cudaError_t CUDARTAPI cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned i
 cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t s) {
   if (s == nullptr) return Fail(cudaErrorInvalidValue);
   {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    Streams().erase(s);
-  }
-  {
     std::lock_guard<std::mutex> lock(s->mu);
     s->stop = true;
     s->cv.notify_all();
   }
   s->worker.join();  // runs what was queued first, as CUDA does
-  delete s;
-  return cudaSuccess;
+  // Out of the registry only now, so a cudaFree meanwhile waited for it.
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Streams().erase(s);
+  return cudaSuccess;  // the record stays (see CUstream_st)
 }
 
 cudaError_t CUDARTAPI cudaStreamSynchronize(cudaStream_t stream) {
@@ -320,7 +344,10 @@ cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
   // D2H: the destination is written) when the call returns.
   const bool pageable = (kind == cudaMemcpyHostToDevice && !IsPinned(src)) ||
                         (kind == cudaMemcpyDeviceToHost && !IsPinned(dst));
-  if (pageable) WaitFor(s, done);
+  if (pageable) {
+    WaitFor(s, done);
+    if (Sticky() != cudaSuccess) return Fail(Sticky());  // it never ran
+  }
   return cudaSuccess;
 }
 

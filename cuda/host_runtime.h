@@ -13,7 +13,9 @@
 // cudaMemcpyAsync returns; events complete when the stream passes the point
 // they were recorded at (one never recorded is complete); cudaFree and
 // cudaFreeHost wait for every stream; an illegal address (LaunchFault) is
-// sticky: every later call answers it. It shows one device (a "compute
+// sticky: every later call answers it. Each queued operation waits a
+// random 0-20 us first ($EMBER_HOST_CUDA_DELAY_US sets the bound; 0: none),
+// so work runs later than a caller may assume. It shows one device (a "compute
 // capability 8.0" named "host runtime"; $EMBER_HOST_CUDA_DEVICES sets how
 // many). What it does not model: concurrency
 // between streams' kernels beyond threads, device memory as a separate

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "cuda/warp.h"
@@ -47,8 +48,9 @@ uint64_t HostWarp::Exchange(uint64_t mine, int src) {
 }
 
 void HostWarp::Run(const std::function<void(HostWarp&)>& body) {
-  thread_local Group* group = new Group();  // stacks reused by every Run of this thread
-  Group* g = group;
+  // Stacks reused by every Run of this thread, freed when it exits.
+  thread_local std::unique_ptr<Group> group(new Group());
+  Group* g = group.get();
   Group* outer = current_group;
   if (outer == g) {
     std::fprintf(stderr, "HostWarp::Run: nested Run on one thread\n");

@@ -153,6 +153,7 @@ cudaError_t LaunchLookup(const LookupLaunch& a, int max_blocks, cudaStream_t str
 
 cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t stream) {
   const int64_t total = a.total_ids;
+  if (total <= 0) return cudaErrorInvalidValue;  // the run count is run_id[total - 1]
   const int thread_blocks = ThreadBlocks(total, max_blocks);
   EMBER_CUDA_TRY(cudaMemsetAsync(a.offsets, 0, sizeof(int64_t), stream));
   size_t t = a.temp_bytes;

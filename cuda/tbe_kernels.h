@@ -33,6 +33,7 @@ cudaError_t LaunchLookup(const LookupLaunch& a, int max_blocks, cudaStream_t str
 // Backward + optimizer over every request and shard of a call: expand ids to
 // (key, position) pairs, radix sort them, find the runs of equal keys, sum
 // hot runs in chunks, and apply one optimizer step per run (row).
+// cudaErrorInvalidValue when a.total_ids is 0 (there is nothing to do).
 cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t stream);
 
 // p[0, n) = value.

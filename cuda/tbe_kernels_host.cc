@@ -1,7 +1,12 @@
 // tbe_kernels.h on the host CUDA runtime (host_runtime.h): each launch is
-// queued on its stream and runs there with host_kernels.h. No temporary
-// storage is needed. For the *_on_host test targets.
+// queued on its stream and runs there with host_kernels.h, and, as the nvcc
+// launchers do, answers cudaGetLastError() after queuing. The temporary
+// storage asked for is the emulated backend's stand-in for CUB's, which the
+// launches scribble over. For the *_on_host test targets.
+#include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <utility>
 
 #include "cuda/host_kernels.h"
 #include "cuda/host_runtime.h"
@@ -10,26 +15,35 @@
 namespace ember {
 namespace cuda {
 
-cudaError_t LookupTempBytes(int64_t, size_t* bytes) {
-  *bytes = 0;
+namespace {
+
+cudaError_t Launch(cudaStream_t stream, std::function<void()> op) {
+  if (const cudaError_t e = HostLaunch(stream, std::move(op)); e != cudaSuccess) return e;
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LookupTempBytes(int64_t bags, size_t* bytes) {
+  *bytes = HostTempBytes(bags);
   return cudaSuccess;
 }
 
-cudaError_t BackwardTempBytes(int64_t, int64_t, int, size_t* bytes) {
-  *bytes = 0;
+cudaError_t BackwardTempBytes(int64_t bags, int64_t ids, int, size_t* bytes) {
+  *bytes = HostTempBytes(std::max(bags, ids));
   return cudaSuccess;
 }
 
 cudaError_t LaunchLookup(const LookupLaunch& a, int, cudaStream_t stream) {
-  return HostLaunch(stream, [a] { RunLookupOnHost(a); });
+  return Launch(stream, [a] { RunLookupOnHost(a); });
 }
 
 cudaError_t LaunchBackward(const BackwardLaunch& a, int, cudaStream_t stream) {
-  return HostLaunch(stream, [a] { RunBackwardOnHost(a); });
+  return Launch(stream, [a] { RunBackwardOnHost(a); });
 }
 
 cudaError_t LaunchFill(float* p, int64_t n, float value, int, cudaStream_t stream) {
-  return HostLaunch(stream, [p, n, value] {
+  return Launch(stream, [p, n, value] {
     for (int64_t i = 0; i < n; ++i) p[i] = value;
   });
 }
