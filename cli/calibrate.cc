@@ -143,6 +143,31 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   if (!fit.ok()) return fit.status();
   cal.fit = *fit;
 
+  // The fixed time split: one bag of one id from one table, against one
+  // from each of a worker's two tables in the same call (one RPC, two
+  // shards). The difference is what a shard adds; the rest is the call's.
+  std::vector<double> per_shard;
+  for (int r = 0; r < cal.workers; ++r) {
+    std::vector<double> one, both;
+    for (int i = -1; i < options.reps; ++i) {
+      for (bool two : {false, true}) {
+        client::KeyedJaggedTensor kjt = Batch(FeatureName(r, kDims[0]), 1, 1, options.rows, rng);
+        if (two) {
+          kjt.keys.push_back(FeatureName(r, kDims[1]));
+          kjt.lengths.push_back(1);
+          kjt.values.push_back(static_cast<int64_t>(rng() % options.rows));
+        }
+        const absl::Time start = absl::Now();
+        auto kt = client->Lookup(spec.name(), kjt);
+        const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+        if (!kt.ok()) return kt.status();
+        if (i >= 0) (two ? both : one).push_back(ms);
+      }
+    }
+    per_shard.push_back(std::max(0.0, Median(both) - Median(one)));
+  }
+  cal.per_shard_overhead_ms = Median(per_shard);
+
   // Updates (SGD: no optimizer state): the backward multiplier is what
   // their compute takes beyond the fit's wire and overhead, relative to a
   // forward gather of the same bytes.
@@ -175,7 +200,7 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   cal.bwd_compute_multiplier =
       multipliers.empty() ? 0 : std::clamp(Median(multipliers), 0.5, 20.0);
   cal.model = planner::Calibrated(planner::DefaultCostModel(cal.device), cal.device, cal.fit,
-                                  cal.bwd_compute_multiplier);
+                                  cal.bwd_compute_multiplier, cal.per_shard_overhead_ms);
   for (size_t d = 0; d < std::size(kDims); ++d) {
     for (size_t k = 0; k < std::size(kConfigs); ++k) {
       Calibration::Row row;

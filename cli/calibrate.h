@@ -7,7 +7,9 @@
 // calls reach exactly one worker), times lookups whose ids and output sizes
 // vary independently (tiny calls for the fixed cost, many ids with few
 // bags for the gather, many bags with one id each for the output and the
-// wire) on both, then gradient updates, and drops the collection. The fit:
+// wire) on both, one-id calls with one and with both of a worker's tables
+// (what a shard adds to a call's fixed time), then gradient updates, and
+// drops the collection. The fit:
 // ms per call = overhead + ids x cost per id + gathered bytes x (1 /
 // memory bandwidth) + wire bytes x (1 / network bandwidth), the two widths
 // telling ids from gathered bytes; the backward multiplier from the
@@ -37,6 +39,9 @@ struct Calibration {
   ember::v1::ComputeDevice device = ember::v1::CPU;
   int workers = 0;
   planner::CallFit fit;
+  // What a second shard in the same call adds to its fixed time (the fit's
+  // overhead_ms is one call with one shard).
+  double per_shard_overhead_ms = 0;
   double bwd_compute_multiplier = 0;
   planner::CostModel model;
   // Per lookup shape: the median time over the workers and what the fit

@@ -48,6 +48,7 @@ const std::map<std::string, FieldDef>& Fields() {
       EMBER_FIELD(access_granularity_bytes, true, true, false),
       EMBER_FIELD(narrow_row_penalty, false, false, true),
       EMBER_FIELD(per_shard_overhead_ms, false, false, false),
+      EMBER_FIELD(per_call_overhead_ms, false, false, false),
       EMBER_FIELD(per_id_ms, false, false, false),
       EMBER_FIELD(default_cache_load_factor, false, false, true),
       EMBER_FIELD(io_buffer_copies, true, true, false),
@@ -230,7 +231,7 @@ absl::StatusOr<CallFit> FitCalls(const std::vector<CallSample>& samples) {
 }
 
 CostModel Calibrated(CostModel m, ember::v1::ComputeDevice device, const CallFit& fit,
-                     double bwd_compute_multiplier) {
+                     double bwd_compute_multiplier, double per_shard_ms) {
   // ms per byte = 1 / (GB/s * 1e6).
   if (fit.ms_per_gathered_byte > 0) {
     const double gbps = 1.0 / (fit.ms_per_gathered_byte * 1e6);
@@ -243,7 +244,11 @@ CostModel Calibrated(CostModel m, ember::v1::ComputeDevice device, const CallFit
   }
   if (fit.ms_per_wire_byte > 0) m.network_bw_gbps = 1.0 / (fit.ms_per_wire_byte * 1e6);
   m.per_id_ms = fit.ms_per_id;
-  m.per_shard_overhead_ms = fit.overhead_ms;
+  // The fit's fixed time is one call with one shard: the part a second
+  // shard in the same call adds is per shard, the rest per call.
+  m.per_shard_overhead_ms =
+      per_shard_ms >= 0 ? std::min(per_shard_ms, fit.overhead_ms) : fit.overhead_ms;
+  m.per_call_overhead_ms = fit.overhead_ms - m.per_shard_overhead_ms;
   if (bwd_compute_multiplier > 0) m.bwd_compute_multiplier = bwd_compute_multiplier;
   return m;
 }

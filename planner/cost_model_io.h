@@ -68,10 +68,11 @@ absl::StatusOr<CallFit> FitCalls(const std::vector<CallSample>& samples);
 
 // `base` with the fitted constants: the device's memory bandwidth at an
 // efficiency of 1 (the fit measures what gathers reach), the cost per id,
-// the network bandwidth, the per-shard overhead and the backward
-// multiplier.
+// the network bandwidth, the fixed time of a call split into what each
+// shard in it adds (`per_shard_ms`, at most the whole; negative: unknown,
+// all of it per shard) and the rest per call, and the backward multiplier.
 CostModel Calibrated(CostModel base, ember::v1::ComputeDevice device, const CallFit& fit,
-                     double bwd_compute_multiplier);
+                     double bwd_compute_multiplier, double per_shard_ms = -1);
 
 }  // namespace planner
 }  // namespace ember

@@ -121,10 +121,24 @@ TEST(CostModelIoTest, FitRecoversACostPerIdFromTwoRowWidths) {
   for (const CallSample& s : samples) EXPECT_NEAR(PredictCall(*fit, s), s.ms, 1e-9);
   const CostModel m = Calibrated(DefaultCostModel(ember::v1::CPU), ember::v1::CPU, *fit, 2.0);
   EXPECT_NEAR(m.per_id_ms, per_id, 1e-12);
+  // Without the split measured, the whole fixed time is per shard.
+  EXPECT_NEAR(m.per_shard_overhead_ms, c0, 1e-9);
+  EXPECT_EQ(m.per_call_overhead_ms, 0);
+  // With it: what a second shard adds is per shard, the rest per call; a
+  // measured part above the whole (noise) is the whole.
+  const CostModel split =
+      Calibrated(DefaultCostModel(ember::v1::CPU), ember::v1::CPU, *fit, 2.0, 0.03);
+  EXPECT_NEAR(split.per_shard_overhead_ms, 0.03, 1e-12);
+  EXPECT_NEAR(split.per_call_overhead_ms, c0 - 0.03, 1e-9);
+  const CostModel over =
+      Calibrated(DefaultCostModel(ember::v1::CPU), ember::v1::CPU, *fit, 2.0, 5.0);
+  EXPECT_NEAR(over.per_shard_overhead_ms, c0, 1e-9);
+  EXPECT_NEAR(over.per_call_overhead_ms, 0, 1e-9);
   // And round-trips through the file.
-  auto back = CostModelFromJson(CostModelToJson(m, ember::v1::CPU));
+  auto back = CostModelFromJson(CostModelToJson(split, ember::v1::CPU));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_NEAR(back->per_id_ms, per_id, 1e-15);
+  EXPECT_NEAR(back->per_call_overhead_ms, c0 - 0.03, 1e-12);
 
   // With one width (the dim-16 half of the samples) the three terms are
   // linear in ids and bags alone: the full fit cannot tell them apart, and

@@ -969,6 +969,7 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   std::map<std::string, int> index;
   for (int t = 0; t < spec.tables_size(); ++t) index[spec.tables(t).name()] = t;
   std::vector<ember::v1::RankStats> per_rank(w);
+  std::vector<bool> busy(w, false);  // holds a non-empty shard
   for (int r = 0; r < w; ++r) {
     per_rank[r].set_rank(r);
     per_rank[r].set_hbm_cap_bytes(hbm_cap[r]);
@@ -990,6 +991,7 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
       rs.set_bwd_compute_ms(rs.bwd_compute_ms() + sc.bwd_compute_ms);
       rs.set_bwd_comms_ms(rs.bwd_comms_ms() + sc.bwd_comms_ms);
       rs.set_num_shards(rs.num_shards() + 1);
+      if (b.rows > 0 && b.cols > 0) busy[rank] = true;
     };
     if (type == ShardingType::kDataParallel) {
       for (int r : ts.ranks()) add(r, ShardBlock{0, 0, tc.num_embeddings(), tc.embedding_dim()});
@@ -1003,6 +1005,9 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->clear_per_rank();
   double max_cost = 0, sum_cost = 0;
   for (auto& rs : per_rank) {
+    // One call per step reaches each busy worker (the model's per-call
+    // time; the search leaves it out: it is the same for every busy worker).
+    if (busy[rs.rank()]) rs.set_fwd_compute_ms(rs.fwd_compute_ms() + model.per_call_overhead_ms);
     rs.set_cost_ms(rs.fwd_compute_ms() + rs.fwd_comms_ms() + rs.bwd_compute_ms() +
                    rs.bwd_comms_ms());
     max_cost = std::max(max_cost, rs.cost_ms());
@@ -1012,8 +1017,10 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->set_max_cost_ms(max_cost);
   stats->set_mean_cost_ms(sum_cost / w);
   stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
-  stats->set_lower_bound_ms(bounds.simple);
-  stats->set_option_lower_bound_ms(bounds.tight);
+  // The bounds are on the search's costs: a busy worker's per-call time on
+  // top, as on the plan's.
+  stats->set_lower_bound_ms(bounds.simple + model.per_call_overhead_ms);
+  stats->set_option_lower_bound_ms(bounds.tight + model.per_call_overhead_ms);
 }
 
 // What Plan and CheckPlan start from: the inputs checked, the cost model

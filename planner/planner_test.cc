@@ -132,6 +132,31 @@ TEST(PlannerTest, TableWisePutsOneLargeAndOneSmallTableOnEachWorker) {
   }
 }
 
+// The per-call time is the same on every busy worker: it is on each one's
+// cost and the bounds, and moves no table.
+TEST(PlannerTest, PerCallOverheadIsOnEveryBusyWorkerAndMovesNothing) {
+  const CollectionSpec spec = SeedSpec();
+  PlannerOptions without;
+  without.cost_model = DefaultCostModel(ember::v1::CUDA);
+  PlannerOptions with = without;
+  with.cost_model->per_call_overhead_ms = 0.5;
+  auto a = Plan(spec, Cuda(2), without);
+  auto b = Plan(spec, Cuda(2), with);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(a->tables_size(), b->tables_size());
+  for (int t = 0; t < a->tables_size(); ++t) {
+    EXPECT_EQ(a->tables(t).DebugString(), b->tables(t).DebugString());
+  }
+  EXPECT_NEAR(b->stats().max_cost_ms(), a->stats().max_cost_ms() + 0.5, 1e-9);
+  EXPECT_NEAR(b->stats().lower_bound_ms(), a->stats().lower_bound_ms() + 0.5, 1e-9);
+  for (int r = 0; r < 2; ++r) {
+    const auto& ra = a->stats().per_rank(r);
+    const auto& rb = b->stats().per_rank(r);
+    EXPECT_NEAR(rb.cost_ms(), ra.cost_ms() + (ra.num_shards() > 0 ? 0.5 : 0.0), 1e-9) << r;
+  }
+}
+
 TEST(PlannerTest, TableRowWiseStaysInsideOneHost) {
   CollectionSpec spec = SeedSpec();
   ForceType(&spec, "table_row_wise");
