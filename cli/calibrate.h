@@ -40,7 +40,8 @@ struct Calibration {
   int workers = 0;
   planner::CallFit fit;
   // What a second shard in the same call adds to its fixed time (the fit's
-  // overhead_ms is one call with one shard).
+  // overhead_ms is one call with one shard). Measured and printed; the
+  // model keeps the whole fixed time per shard (calibrate.cc says why).
   double per_shard_overhead_ms = 0;
   double bwd_compute_multiplier = 0;
   planner::CostModel model;

@@ -564,9 +564,10 @@ int RunCalibrate() {
                                  row.pooling_factor, row.measured_ms, row.predicted_ms);
   }
   std::cout << absl::StrFormat(
-                   "fit: %.4f ms per call (%.4f of it per shard) + %.2f ns per id + %.3f GB/s "
-                   "gathered + %.3f GB/s on the wire (r2 %.3f); backward multiplier %.2f\n",
-                   cal->fit.overhead_ms, cal->model.per_shard_overhead_ms,
+                   "fit: %.4f ms per call (a second shard in the call adds %.4f) + %.2f ns per "
+                   "id + %.3f GB/s gathered + %.3f GB/s on the wire (r2 %.3f); backward "
+                   "multiplier %.2f\n",
+                   cal->fit.overhead_ms, cal->per_shard_overhead_ms,
                    cal->fit.ms_per_id * 1e6,
                    cal->fit.ms_per_gathered_byte > 0 ? 1e-6 / cal->fit.ms_per_gathered_byte : 0.0,
                    cal->fit.ms_per_wire_byte > 0 ? 1e-6 / cal->fit.ms_per_wire_byte : 0.0,

@@ -59,12 +59,14 @@ struct CostModel {
   // Fixed time per non-empty shard per step (kernel bookkeeping), ms.
   double per_shard_overhead_ms = 0.0;
   // Fixed time per step of every worker that holds a non-empty shard, ms:
-  // the worker gets one lookup RPC per step however many shards it holds
-  // (client.cc fans a call out once per worker). Added to such workers'
-  // costs in the plan's statistics; the same for every busy worker, so it
-  // moves the slowest worker's cost and no choice of the search.
-  // `emberctl calibrate` splits its fitted per-call time into this and
-  // per_shard_overhead_ms.
+  // the worker gets one lookup RPC (and one update RPC) per step however
+  // many shards it holds (client.cc fans a call out once per worker).
+  // Added to such workers' costs in the plan's statistics (as forward
+  // time); the same for every busy worker, so it moves the slowest
+  // worker's cost and no choice of the search. 0 by default; `emberctl
+  // calibrate` measures how a call's fixed time splits between call and
+  // shard and prints it, but keeps the whole per shard in the file it
+  // writes (cli/calibrate.cc says why).
   double per_call_overhead_ms = 0.0;
   // Time per id a shard receives beyond the bytes it moves (validation,
   // the loop around each row, the sort of the backward), ms. Every column
