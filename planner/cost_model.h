@@ -61,9 +61,9 @@ struct CostModel {
   // Fixed time per step of every worker that holds a non-empty shard, ms:
   // the worker gets one lookup RPC (and one update RPC) per step however
   // many shards it holds (client.cc fans a call out once per worker).
-  // Added to such workers' costs in the plan's statistics (as forward
-  // time); the same for every busy worker, so it moves the slowest
-  // worker's cost and no choice of the search. 0 by default; `emberctl
+  // Added twice to such workers' costs in the plan's statistics (forward
+  // and backward time); the same for every busy worker, so it moves the
+  // slowest worker's cost and no choice of the search. 0 by default; `emberctl
   // calibrate` measures how a call's fixed time splits between call and
   // shard and prints it, but keeps the whole per shard in the file it
   // writes (cli/calibrate.cc says why).

@@ -1005,9 +1005,13 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->clear_per_rank();
   double max_cost = 0, sum_cost = 0;
   for (auto& rs : per_rank) {
-    // One call per step reaches each busy worker (the model's per-call
-    // time; the search leaves it out: it is the same for every busy worker).
-    if (busy[rs.rank()]) rs.set_fwd_compute_ms(rs.fwd_compute_ms() + model.per_call_overhead_ms);
+    // Two calls per step reach each busy worker, a lookup and an update
+    // (the model's per-call time; the search leaves it out: it is the same
+    // for every busy worker).
+    if (busy[rs.rank()]) {
+      rs.set_fwd_compute_ms(rs.fwd_compute_ms() + model.per_call_overhead_ms);
+      rs.set_bwd_compute_ms(rs.bwd_compute_ms() + model.per_call_overhead_ms);
+    }
     rs.set_cost_ms(rs.fwd_compute_ms() + rs.fwd_comms_ms() + rs.bwd_compute_ms() +
                    rs.bwd_comms_ms());
     max_cost = std::max(max_cost, rs.cost_ms());
@@ -1019,8 +1023,8 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
   // The bounds are on the search's costs: a busy worker's per-call time on
   // top, as on the plan's.
-  stats->set_lower_bound_ms(bounds.simple + model.per_call_overhead_ms);
-  stats->set_option_lower_bound_ms(bounds.tight + model.per_call_overhead_ms);
+  stats->set_lower_bound_ms(bounds.simple + 2 * model.per_call_overhead_ms);
+  stats->set_option_lower_bound_ms(bounds.tight + 2 * model.per_call_overhead_ms);
 }
 
 // What Plan and CheckPlan start from: the inputs checked, the cost model
