@@ -43,6 +43,10 @@ def parse_args():
     p.add_argument("--distribution", default="uniform", choices=["uniform", "zipf"])
     p.add_argument("--pooling", default="sum", choices=["sum", "mean"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating Ember / PyTorch measurements per (dim, threads); the "
+                        "figures are medians and the ratio the median of the rounds' ratios "
+                        "(this kind of VM's memory speed drifts between runs)")
     p.add_argument("--format", default="table", choices=["table", "json"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return p.parse_args()
@@ -122,8 +126,9 @@ def main():
     if a.format == "table":
         print(f"Ember {a.device} backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
               f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, fp32, SGD")
-        print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio':>6} | "
-              f"{'ember bwd':>12} {'torch bwd':>12} {'ratio':>6}   (ids/s)")
+        print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio [range]':>18} | "
+              f"{'ember bwd':>12} {'torch bwd':>12} {'ratio [range]':>18}   (ids/s; medians of "
+              f"{a.rounds} alternating rounds)")
     with tempfile.TemporaryDirectory() as tmp:
         ids_path = os.path.join(tmp, "ids.bin")
         for dim in [int(d) for d in a.dims.split(",")]:
@@ -133,19 +138,34 @@ def main():
                        f"--distribution={a.distribution}", f"--pooling={a.pooling}",
                        "--dtype=fp32", "--optimizer=sgd", f"--iters={a.iters}",
                        "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
-                ember = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                                  text=True).stdout)
-                t_fwd, t_bwd, t_fwd_res, t_bwd_res = torch_figures(torch, np, ids_path, a, dim,
-                                                                   threads)
+                # Rounds alternate Ember and PyTorch on the same ids, so a
+                # drift of the machine's speed reaches both alike.
+                rounds = []
+                for _ in range(max(1, a.rounds)):
+                    ember = json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                                      text=True).stdout)
+                    rounds.append((ember,) + torch_figures(torch, np, ids_path, a, dim, threads))
+                med = lambda v: float(np.median(v))
+                ember = rounds[0][0]
+                e_fwd = med([r[0]["lookups_per_s"] for r in rounds])
+                e_bwd = med([r[0]["bwd_lookups_per_s"] for r in rounds])
+                t_fwd = med([r[1] for r in rounds])
+                t_bwd = med([r[2] for r in rounds])
+                t_fwd_res = None if rounds[0][3] is None else med([r[3] for r in rounds])
+                t_bwd_res = None if rounds[0][4] is None else med([r[4] for r in rounds])
+                fwd_ratios = [r[0]["lookups_per_s"] / r[1] for r in rounds]
+                bwd_ratios = [r[0]["bwd_lookups_per_s"] / r[2] for r in rounds]
                 row = {
                     "dim": dim, "threads": threads, "rows": a.rows, "batch": a.batch,
                     "pooling_factor": a.pooling_factor, "distribution": a.distribution,
                     "pooling": a.pooling, "backend": ember["backend"], "peer": peer,
-                    "lookups_per_s": ember["lookups_per_s"], "torch_lookups_per_s": t_fwd,
-                    "ratio": ember["lookups_per_s"] / t_fwd,
-                    "bwd_lookups_per_s": ember["bwd_lookups_per_s"],
+                    "rounds": len(rounds),
+                    "lookups_per_s": e_fwd, "torch_lookups_per_s": t_fwd,
+                    "ratio": med(fwd_ratios), "ratio_range": [min(fwd_ratios), max(fwd_ratios)],
+                    "bwd_lookups_per_s": e_bwd,
                     "torch_bwd_lookups_per_s": t_bwd,
-                    "bwd_ratio": ember["bwd_lookups_per_s"] / t_bwd,
+                    "bwd_ratio": med(bwd_ratios),
+                    "bwd_ratio_range": [min(bwd_ratios), max(bwd_ratios)],
                     "device": a.device,
                 }
                 if t_fwd_res is not None:
@@ -154,10 +174,12 @@ def main():
                 if a.format == "json":
                     print(json.dumps(row), flush=True)
                 else:
+                    lo, hi = row["ratio_range"]
+                    blo, bhi = row["bwd_ratio_range"]
                     print(f"{dim:>4} {threads:>3} | {row['lookups_per_s']:>12.3e} "
-                          f"{t_fwd:>12.3e} {row['ratio']:>5.2f}x | "
+                          f"{t_fwd:>12.3e} {row['ratio']:>5.2f}x [{lo:.2f}-{hi:.2f}] | "
                           f"{row['bwd_lookups_per_s']:>12.3e} {t_bwd:>12.3e} "
-                          f"{row['bwd_ratio']:>5.2f}x", flush=True)
+                          f"{row['bwd_ratio']:>5.2f}x [{blo:.2f}-{bhi:.2f}]", flush=True)
                     if t_fwd_res is not None:
                         print(f"{'':>8} | torch, ids/output already on the GPU: "
                               f"fwd {t_fwd_res:.3e}, bwd {t_bwd_res:.3e}", flush=True)
