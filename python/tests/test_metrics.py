@@ -103,6 +103,8 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             # 5 lookups of 6 ids, row-wise over 2 workers: every id is looked up once.
             ids = query(prom, "sum(ember_worker_lookup_ids_total)")
             assert float(ids[0]["value"][1]) == 30
+            busy = query(prom, 'sum(ember_worker_backend_seconds_total{call="lookup"})')
+            assert 0 < float(busy[0]["value"][1]) < 60, busy
             lookups = query(prom, 'sum(ember_rpc_total{method="Worker/Lookup",code="OK"})')
             assert float(lookups[0]["value"][1]) >= 5
             live = query(prom, 'ember_coordinator_workers{state="live"}')

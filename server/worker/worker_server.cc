@@ -56,6 +56,14 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
               one(&Stats::calls_in_progress));
   m->AddGauge("ember_worker_shm_channels", "Shared-memory channels open (trainers on this host)",
               one(&Stats::shm_channels));
+  m->AddCounter("ember_worker_backend_seconds_total",
+                "Time inside the embedding backend (the worker's compute, without transport)",
+                [service]() {
+                  const Stats s = service->GetStats();
+                  return std::vector<ServerMetrics::Sample>{
+                      {{{"call", "lookup"}}, s.backend_lookup_ns * 1e-9},
+                      {{{"call", "update"}}, s.backend_update_ns * 1e-9}};
+                });
   m->AddCounter("ember_worker_busy_refused_total",
                 "Data calls refused because --max_queued_calls were in progress",
                 one(&Stats::busy_refused));

@@ -9,6 +9,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/checkpoint/checkpoint_files.h"
@@ -533,7 +535,11 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     }
     requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), size);
   }
-  if (absl::Status s = backend_->Lookup(requests); !s.ok()) {
+  const absl::Time lookup_start = absl::Now();
+  const absl::Status looked_up = backend_->Lookup(requests);
+  backend_lookup_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - lookup_start),
+                               std::memory_order_relaxed);
+  if (const absl::Status& s = looked_up; !s.ok()) {
     resp->clear_outputs();
     return ToGrpc(s);
   }
@@ -623,7 +629,11 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     duplicates_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status::OK;
   }
-  if (absl::Status s = backend_->ApplyGradients(requests); !s.ok()) return refuse(s);
+  const absl::Time update_start = absl::Now();
+  const absl::Status applied = backend_->ApplyGradients(requests);
+  backend_update_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - update_start),
+                               std::memory_order_relaxed);
+  if (!applied.ok()) return refuse(applied);
   int64_t ids = 0;
   for (const backend::GradientRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
   updates_.fetch_add(1, std::memory_order_relaxed);
@@ -751,6 +761,8 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
   s.shm_channels = channels_.open_channels();
+  s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
+  s.backend_update_ns = backend_update_ns_.load(std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);
   s.collections = static_cast<int64_t>(collections_.size());
   for (const auto& [name, c] : collections_) {
