@@ -137,14 +137,12 @@ int main(int argc, char** argv) {
     for (int i = 0; i < FLAGS_iters; ++i) fn();
     return absl::ToDoubleSeconds(absl::Now() - start) / FLAGS_iters;
   };
-  // Seconds per call with FLAGS_callers threads calling at once.
+  // Seconds per call with FLAGS_callers threads calling at once (one: on
+  // this thread, as time_it).
   auto time_calls = [&](auto&& call) {
+    if (FLAGS_callers == 1) return time_it([&] { call(0); });
     for (int i = 0; i < 3; ++i) call(0);
     const absl::Time start = absl::Now();
-    if (FLAGS_callers == 1) {  // on this thread, as the warm-up
-      for (int i = 0; i < FLAGS_iters; ++i) call(0);
-      return absl::ToDoubleSeconds(absl::Now() - start) / FLAGS_iters;
-    }
     std::vector<std::thread> callers;
     for (int c = 0; c < FLAGS_callers; ++c) {
       callers.emplace_back([&, c] {

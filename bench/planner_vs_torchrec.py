@@ -337,6 +337,7 @@ def measure(args, rng, emberctl, work, results):
             print(f"measured collection {k}: TorchRec's plan {tr_rate:.1f} steps/s, "
                   f"Ember's {em_rate:.1f}, TorchRec's again {ctl_rate:.1f}", file=sys.stderr)
         floor = min(r["aa_ratio"] for r in results["measured"]) if results["measured"] else 1.0
+        results["aa_floor"] = floor
         for r in results["measured"]:
             r["verdict"] = ("ahead" if r["ratio"] >= 1.0 else
                             "level" if r["ratio"] >= floor else "slower")
@@ -372,7 +373,7 @@ def report(args, results):
               f"[{lo:.2f}, {hi:.2f}] | {r['verdict']}")
     if results["measured"]:
         verdicts = [r["verdict"] for r in results["measured"]]
-        floor = min(r["aa_ratio"] for r in results["measured"])
+        floor = results["aa_floor"]
         print(f"Ember's plan ahead on {verdicts.count('ahead')}, level (above the lowest A/A "
               f"median, {floor:.2f}) on {verdicts.count('level')}, slower on "
               f"{verdicts.count('slower')} of {len(verdicts)} collections")

@@ -38,6 +38,16 @@ client::KeyedJaggedTensor Batch(const std::string& key, int64_t batch, int64_t p
   return kjt;
 }
 
+// One lookup, timed (ms).
+absl::StatusOr<double> TimedLookup(client::Client* client, const std::string& collection,
+                                   const client::KeyedJaggedTensor& kjt) {
+  const absl::Time start = absl::Now();
+  auto kt = client->Lookup(collection, kjt);
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  if (!kt.ok()) return kt.status();
+  return ms;
+}
+
 // Ids and bytes of a lookup of `batch` bags of `pf` ids from rows of
 // `dim` fp32 columns: gathered (rows read, output written) and on the wire.
 planner::CallSample Bytes(int64_t batch, int64_t pf, int64_t dim) {
@@ -123,12 +133,9 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
         const int64_t batch = kConfigs[k][0], pf = kConfigs[k][1];
         std::vector<double> times;
         for (int i = -1; i < options.reps; ++i) {  // one untimed warm-up
-          const client::KeyedJaggedTensor kjt = Batch(key, batch, pf, options.rows, rng);
-          const absl::Time start = absl::Now();
-          auto kt = client->Lookup(spec.name(), kjt);
-          const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-          if (!kt.ok()) return kt.status();
-          if (i >= 0) times.push_back(ms);
+          auto ms = TimedLookup(client, spec.name(), Batch(key, batch, pf, options.rows, rng));
+          if (!ms.ok()) return ms.status();
+          if (i >= 0) times.push_back(*ms);
         }
         planner::CallSample s = Bytes(batch, pf, kDims[d]);
         s.ms = Median(times);
@@ -157,11 +164,9 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
           kjt.lengths.push_back(1);
           kjt.values.push_back(static_cast<int64_t>(rng() % options.rows));
         }
-        const absl::Time start = absl::Now();
-        auto kt = client->Lookup(spec.name(), kjt);
-        const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
-        if (!kt.ok()) return kt.status();
-        if (i >= 0) (two ? both : one).push_back(ms);
+        auto ms = TimedLookup(client, spec.name(), kjt);
+        if (!ms.ok()) return ms.status();
+        if (i >= 0) (two ? both : one).push_back(*ms);
       }
     }
     per_shard.push_back(std::max(0.0, Median(both) - Median(one)));

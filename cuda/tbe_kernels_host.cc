@@ -39,6 +39,7 @@ cudaError_t LaunchLookup(const LookupLaunch& a, int, cudaStream_t stream) {
 }
 
 cudaError_t LaunchBackward(const BackwardLaunch& a, int, cudaStream_t stream) {
+  if (a.total_ids <= 0) return cudaErrorInvalidValue;  // as tbe_kernels.cu answers
   return Launch(stream, [a] { RunBackwardOnHost(a); });
 }
 
