@@ -62,6 +62,21 @@ planner::CallSample Bytes(int64_t batch, int64_t pf, int64_t dim) {
 std::string TableName(int rank, int64_t dim) { return absl::StrCat("cal_", rank, "_d", dim); }
 std::string FeatureName(int rank, int64_t dim) { return absl::StrCat("f_", rank, "_d", dim); }
 
+// The caches: gathers of rows of kCacheDim columns from a table that stays
+// in them, one larger than them and the large table, the same calls on
+// each. The large table must be kCacheMissFactor times the larger probe
+// to stand for memory.
+constexpr int64_t kCacheDim = 128;
+constexpr int64_t kCacheProbeBytes[] = {int64_t{1} << 20, int64_t{16} << 20};
+constexpr int64_t kCacheMissFactor = 4;
+constexpr int64_t kCacheConfigs[][2] = {{64, 256}, {256, 64}};
+std::string CacheTableName(int rank, int64_t bytes) {
+  return absl::StrCat("cal_", rank, "_c", bytes >> 20, "m");
+}
+std::string CacheFeatureName(int rank, int64_t bytes) {
+  return absl::StrCat("f_", rank, "_c", bytes >> 20, "m");
+}
+
 }  // namespace
 
 absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOptions& options,
@@ -108,6 +123,30 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
       sh->set_rows(options.rows);
       sh->set_cols(dim);
       sh->set_rank(r);
+    }
+  }
+  const int64_t row_bytes = kCacheDim * 4;
+  const bool probe_caches =
+      options.rows * row_bytes >= kCacheMissFactor * kCacheProbeBytes[1];
+  if (probe_caches) {
+    for (int r = 0; r < cal.workers; ++r) {
+      for (int64_t bytes : kCacheProbeBytes) {
+        auto* t = spec.add_tables();
+        t->set_name(CacheTableName(r, bytes));
+        t->set_num_embeddings(bytes / row_bytes);
+        t->set_embedding_dim(kCacheDim);
+        t->add_feature_names(CacheFeatureName(r, bytes));
+        t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+        auto* ts = plan.add_tables();
+        ts->set_table(t->name());
+        ts->set_sharding_type("table_wise");
+        ts->set_compute_kernel("fused");
+        ts->add_ranks(r);
+        auto* sh = ts->add_shards();
+        sh->set_rows(t->num_embeddings());
+        sh->set_cols(kCacheDim);
+        sh->set_rank(r);
+      }
     }
   }
   *log << "calibrate: " << cal.workers << " " << ember::v1::ComputeDevice_Name(cal.device)
@@ -173,6 +212,70 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   }
   cal.per_shard_overhead_ms = Median(per_shard);
 
+  // The caches. Per worker, the same gathers from the large table (t_m,
+  // memory), from a table that fits the caches (t_c) and from one of S
+  // bytes larger than them (t_s). Under the model's cache term (a table of
+  // S bytes keeps C of them cached; CachedFractions) t_s = t_m - (C / S) *
+  // (t_m - t_c), so C = S * (t_m - t_s) / (t_m - t_c), at most S (then the
+  // caches hold at least S). The cached rows' rate: t_m - t_c is the row
+  // bytes read at (memory's cost per byte - the caches').
+  if (probe_caches) {
+    std::vector<double> caches, rates;
+    for (int r = 0; r < cal.workers; ++r) {
+      auto timed = [&](const std::string& key, int64_t rows) -> absl::StatusOr<double> {
+        double sum = 0;
+        for (const auto& config : kCacheConfigs) {
+          std::vector<double> times;
+          for (int i = -1; i < options.reps; ++i) {
+            auto ms = TimedLookup(client, spec.name(), Batch(key, config[0], config[1], rows, rng));
+            if (!ms.ok()) return ms.status();
+            if (i >= 0) times.push_back(*ms);
+          }
+          sum += Median(times);
+        }
+        return sum;
+      };
+      auto t_m = timed(FeatureName(r, kCacheDim), options.rows);
+      auto t_c = timed(CacheFeatureName(r, kCacheProbeBytes[0]), kCacheProbeBytes[0] / row_bytes);
+      auto t_s = timed(CacheFeatureName(r, kCacheProbeBytes[1]), kCacheProbeBytes[1] / row_bytes);
+      if (!t_m.ok()) return t_m.status();
+      if (!t_c.ok()) return t_c.status();
+      if (!t_s.ok()) return t_s.status();
+      double row_read = 0;
+      for (const auto& config : kCacheConfigs) row_read += config[0] * config[1] * row_bytes;
+      const double gain = *t_m - *t_c;
+      *log << absl::StrFormat(
+                  "calibrate: worker rank %d: the same gathers from %d MiB, %d MiB and %d MiB "
+                  "of rows: %.3f, %.3f, %.3f ms",
+                  r, kCacheProbeBytes[0] >> 20, kCacheProbeBytes[1] >> 20,
+                  options.rows * row_bytes >> 20, *t_c, *t_s, *t_m)
+           << std::endl;
+      // Less than 5% faster from the caches: nothing to model.
+      if (gain < 0.05 * *t_m) {
+        caches.push_back(0);
+        rates.push_back(0);
+        continue;
+      }
+      caches.push_back(std::clamp((*t_m - *t_s) / gain, 0.0, 1.0) * kCacheProbeBytes[1]);
+      // The caches' cost per byte, at least 1/20 of memory's (timing noise
+      // could make it 0 or less).
+      const double memory = cal.fit.ms_per_gathered_byte;
+      const double cached = std::max(memory - gain / row_read, memory / 20);
+      rates.push_back(cached > 0 ? 1.0 / (cached * 1e6) : 0.0);
+    }
+    cal.cache_bytes = static_cast<int64_t>(Median(caches));
+    cal.cache_bw_gbps = Median(rates);
+    if (cal.cache_bytes <= 0 || cal.cache_bw_gbps <= 0) {
+      cal.cache_bytes = 0;
+      cal.cache_bw_gbps = 0;
+    }
+  } else {
+    *log << "calibrate: caches not measured: the large tables (" << (options.rows * row_bytes >> 20)
+         << " MiB) must be " << kCacheMissFactor << "x the " << (kCacheProbeBytes[1] >> 20)
+         << " MiB probe to stand for memory (--calibrate_rows >= "
+         << kCacheMissFactor * kCacheProbeBytes[1] / row_bytes << ")" << std::endl;
+  }
+
   // Updates (SGD: no optimizer state): the backward multiplier is what
   // their compute takes beyond the fit's wire and overhead, relative to a
   // forward gather of the same bytes.
@@ -212,6 +315,8 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   // printed; per_call_overhead_ms takes it where a model is written by hand.
   cal.model = planner::Calibrated(planner::DefaultCostModel(cal.device), cal.device, cal.fit,
                                   cal.bwd_compute_multiplier);
+  cal.model.cache_bytes = cal.cache_bytes;
+  cal.model.cache_bw_gbps = cal.cache_bw_gbps;
   for (size_t d = 0; d < std::size(kDims); ++d) {
     for (size_t k = 0; k < std::size(kConfigs); ++k) {
       Calibration::Row row;

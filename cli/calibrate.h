@@ -8,8 +8,10 @@
 // vary independently (tiny calls for the fixed cost, many ids with few
 // bags for the gather, many bags with one id each for the output and the
 // wire) on both, one-id calls with one and with both of a worker's tables
-// (what a shard adds to a call's fixed time), then gradient updates, and
-// drops the collection. The fit:
+// (what a shard adds to a call's fixed time), the same gathers from two
+// more tables per worker of 1 and 16 MiB (the caches: how much they hold
+// and how fast rows read from them; calibrate.cc), then gradient updates,
+// and drops the collection. The fit:
 // ms per call = overhead + ids x cost per id + gathered bytes x (1 /
 // memory bandwidth) + wire bytes x (1 / network bandwidth), the two widths
 // telling ids from gathered bytes; the backward multiplier from the
@@ -44,6 +46,11 @@ struct Calibration {
   // model keeps the whole fixed time per shard (calibrate.cc says why).
   double per_shard_overhead_ms = 0;
   double bwd_compute_multiplier = 0;
+  // The workers' caches (0: not measured, or too small a gain to model)
+  // and the rate of the row reads they serve (CostModel's cache_bytes and
+  // cache_bw_gbps).
+  int64_t cache_bytes = 0;
+  double cache_bw_gbps = 0;
   planner::CostModel model;
   // Per lookup shape: the median time over the workers and what the fit
   // predicts.

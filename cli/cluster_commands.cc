@@ -572,6 +572,12 @@ int RunCalibrate() {
                    cal->fit.ms_per_gathered_byte > 0 ? 1e-6 / cal->fit.ms_per_gathered_byte : 0.0,
                    cal->fit.ms_per_wire_byte > 0 ? 1e-6 / cal->fit.ms_per_wire_byte : 0.0,
                    cal->fit.r2, cal->bwd_compute_multiplier);
+  if (cal->cache_bytes > 0) {
+    std::cout << absl::StrFormat("caches: %.1f MiB per worker, rows read from them at %.1f GB/s\n",
+                                 cal->cache_bytes / 1048576.0, cal->cache_bw_gbps);
+  } else {
+    std::cout << "caches: none modelled (not measured, or under 5% faster)\n";
+  }
   if (absl::Status s = WriteFile(FLAGS_output, planner::CostModelToJson(cal->model, cal->device));
       !s.ok()) {
     return Fail("calibrate", s);

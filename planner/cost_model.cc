@@ -174,6 +174,13 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                           ms_per_byte +
                       bwd_ids * m.per_id_ms);
   if (!empty) c.fwd_compute_ms += m.per_shard_overhead_ms;
+  // The caches: the same row reads at their rate, where that is faster.
+  if (m.cache_bytes > 0 && m.cache_bw_gbps > 0 && ms_per_byte > 0) {
+    const double faster = std::max(0.0, 1.0 - 1.0 / (m.cache_bw_gbps * 1e6) / ms_per_byte);
+    c.fwd_cache_saving_ms = faster * fwd_ids * row_bytes * penalty * ms_per_byte;
+    c.bwd_cache_saving_ms = faster * m.bwd_compute_multiplier * touched *
+                            (row_bytes * penalty + state_row_bytes) * ms_per_byte;
+  }
   // On the wire, per shard request: the ids it gets (with their weights),
   // one int64 length per bag of the feature whatever the shard's rows
   // (Bucketize), and the outputs back. Updates carry the same ids and
@@ -189,6 +196,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // Storage.
   const int64_t weights = block.rows * cols * w.dtype_bytes;
   const int64_t state = block.rows * state_row_bytes;
+  c.resident_bytes = weights + state;
   const int64_t io = static_cast<int64_t>(
       std::ceil(std::max(fwd_ids, bwd_ids) * id_bytes +
                 std::max(fwd_out_bytes, bwd_grad_bytes))) *
@@ -218,6 +226,45 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
     }
   }
   return c;
+}
+
+std::vector<double> CachedFractions(const CostModel& m,
+                                    const std::vector<const ShardCost*>& shards) {
+  std::vector<double> fraction(shards.size(), 0.0);
+  if (m.cache_bytes <= 0) return fraction;
+  std::vector<int> order;
+  for (int i = 0; i < static_cast<int>(shards.size()); ++i) {
+    const ShardCost& s = *shards[i];
+    if (s.resident_bytes > 0 && s.fwd_cache_saving_ms + s.bwd_cache_saving_ms > 0) {
+      order.push_back(i);
+    }
+  }
+  auto density = [&](int i) {
+    const ShardCost& s = *shards[i];
+    return (s.fwd_cache_saving_ms + s.bwd_cache_saving_ms) / static_cast<double>(s.resident_bytes);
+  };
+  // Hottest per byte first; ties in the shards' order, so the result does
+  // not depend on the sort.
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return density(a) > density(b); });
+  double left = static_cast<double>(m.cache_bytes);
+  for (int i : order) {
+    if (left <= 0) break;
+    const double bytes = static_cast<double>(shards[i]->resident_bytes);
+    fraction[i] = std::min(1.0, left / bytes);
+    left -= bytes;
+  }
+  return fraction;
+}
+
+double CacheSavingMs(const CostModel& m, const std::vector<const ShardCost*>& shards) {
+  if (m.cache_bytes <= 0) return 0;
+  const std::vector<double> f = CachedFractions(m, shards);
+  double saving = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    saving += f[i] * (shards[i]->fwd_cache_saving_ms + shards[i]->bwd_cache_saving_ms);
+  }
+  return saving;
 }
 
 }  // namespace planner

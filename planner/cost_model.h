@@ -16,6 +16,7 @@
 #define EMBER_PLANNER_COST_MODEL_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "planner/shard_geometry.h"
 #include "planner/sharding_types.h"
@@ -75,6 +76,16 @@ struct CostModel {
   // as TorchRec's estimators); `emberctl calibrate` fits it by timing
   // lookups on rows of two widths.
   double per_id_ms = 0.0;
+  // A worker's caches (CPU: the last-level cache and the cores' own; a GPU's
+  // L2), in bytes, and the bandwidth that row reads served from them reach,
+  // GB/s (what a gather reaches: no efficiency is applied to it). A
+  // worker's shards share its caches: the hottest rows per byte stay in
+  // them (CachedFractions), and those rows' reads cost
+  // row bytes / cache_bw_gbps instead of the memory tier's rate. 0 bytes
+  // (the default, as in TorchRec's estimators): every row is read from
+  // memory. `emberctl calibrate` measures both on the workers.
+  int64_t cache_bytes = 0;
+  double cache_bw_gbps = 0;
   // Default fraction of rows cached in HBM by fused_uvm_caching.
   double default_cache_load_factor = 0.2;
   // Copies of each step's input/output buffers kept alive (double buffering).
@@ -122,6 +133,16 @@ struct ShardCost {
   double bwd_comms_ms = 0;
   int64_t hbm_bytes = 0;
   int64_t ddr_bytes = 0;
+  // What the compute times above would shrink by were every row this
+  // shard reads served from the worker's caches (the row reads of the
+  // forward gather and of the backward's read-modify-write, at the
+  // caches' rate instead of the memory tier's), and the bytes those rows
+  // occupy (weights and optimizer state). The worker's share of its caches
+  // decides how much of it applies (CachedFractions). 0 when the model has
+  // no caches.
+  double fwd_cache_saving_ms = 0;
+  double bwd_cache_saving_ms = 0;
+  int64_t resident_bytes = 0;
 
   double total_ms() const {
     return fwd_compute_ms + fwd_comms_ms + bwd_compute_ms + bwd_comms_ms;
@@ -151,6 +172,21 @@ ShardCost EstimateShard(const CostModel& model, const TableWorkload& workload,
                         ember::v1::ComputeDevice device,
                         const ShardBlock& block, int64_t table_rows,
                         int world_size);
+
+// How much of each of one worker's shards sits in its caches, each in
+// [0, 1]: the shards in order of cache saving per resident byte, hottest
+// first, each taking as much of model.cache_bytes as is left (a hot small
+// table stays cached; a large table read at random gets the rest, a hit
+// rate of what is left over its size). The worker's compute is its shards'
+// less sum(fraction * (fwd + bwd)_cache_saving_ms). All zeros when the
+// model has no caches. Non-additive by design: shards on one worker
+// compete for one cache, which a per-shard term cannot express (measured:
+// docs/benchmarks.md, "A cache term per worker").
+std::vector<double> CachedFractions(const CostModel& model,
+                                    const std::vector<const ShardCost*>& shards);
+
+// sum(fraction * saving) over `shards` on one worker.
+double CacheSavingMs(const CostModel& model, const std::vector<const ShardCost*>& shards);
 
 }  // namespace planner
 }  // namespace ember

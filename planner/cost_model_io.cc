@@ -50,6 +50,8 @@ const std::map<std::string, FieldDef>& Fields() {
       EMBER_FIELD(per_shard_overhead_ms, false, false, false),
       EMBER_FIELD(per_call_overhead_ms, false, false, false),
       EMBER_FIELD(per_id_ms, false, false, false),
+      EMBER_FIELD(cache_bytes, true, false, false),
+      EMBER_FIELD(cache_bw_gbps, false, false, false),
       EMBER_FIELD(default_cache_load_factor, false, false, true),
       EMBER_FIELD(io_buffer_copies, true, true, false),
       EMBER_FIELD(id_bytes, true, true, false),
@@ -116,6 +118,9 @@ absl::StatusOr<CostModel> CostModelFromJson(const std::string& json,
   if (device == ember::v1::CPU ? m.ddr_bw_gbps <= 0 : m.hbm_bw_gbps <= 0) {
     return Bad(device == ember::v1::CPU ? "CPU workers need ddr_bw_gbps > 0"
                                         : "CUDA workers need hbm_bw_gbps > 0");
+  }
+  if (m.cache_bytes > 0 && m.cache_bw_gbps <= 0) {
+    return Bad("cache_bytes > 0 needs cache_bw_gbps > 0 (the rate of reads the caches serve)");
   }
   if (device_out != nullptr) *device_out = device;
   return m;

@@ -21,6 +21,8 @@ TEST(CostModelIoTest, RoundTripsEveryField) {
   m.per_shard_overhead_ms = 0.125;
   m.bwd_compute_multiplier = 3;
   m.lookup_efficiency = 1;
+  m.cache_bytes = 6 << 20;
+  m.cache_bw_gbps = 180.5;
   ember::v1::ComputeDevice device = ember::v1::CUDA;
   auto back = CostModelFromJson(CostModelToJson(m, ember::v1::CPU), &device);
   ASSERT_TRUE(back.ok()) << back.status();
@@ -29,6 +31,8 @@ TEST(CostModelIoTest, RoundTripsEveryField) {
   EXPECT_EQ(back->network_bw_gbps, 1.5);
   EXPECT_EQ(back->per_shard_overhead_ms, 0.125);
   EXPECT_EQ(back->bwd_compute_multiplier, 3);
+  EXPECT_EQ(back->cache_bytes, 6 << 20);
+  EXPECT_EQ(back->cache_bw_gbps, 180.5);
   EXPECT_EQ(back->ddr_cap_bytes, m.ddr_cap_bytes);
   EXPECT_EQ(back->access_granularity_bytes, 64);
   EXPECT_FALSE(back->narrow_row_penalty);
@@ -55,6 +59,8 @@ TEST(CostModelIoTest, RefusesWhatWouldMisleadThePlanner) {
   bad(R"({"device": "cpu", "id_bytes": 7.5})", "an integer");
   bad(R"({"device": "cpu", "ddr_bw_gbps": "fast"})", "must be a number");
   bad(R"({"device": "cpu", "ddr_bw_gbps": 0})", "CPU workers need ddr_bw_gbps > 0");
+  bad(R"({"device": "cpu", "cache_bytes": 8388608})", "cache_bytes > 0 needs cache_bw_gbps > 0");
+  bad(R"({"device": "cpu", "cache_bytes": -1, "cache_bw_gbps": 100})", "'cache_bytes' = -1");
   EXPECT_EQ(LoadCostModel("/nonexistent/model.json").status().code(), absl::StatusCode::kNotFound);
 }
 

@@ -58,6 +58,55 @@ TEST(CostModelTest, TableWiseShardByHand) {
   EXPECT_EQ(c.ddr_bytes, 0);
 }
 
+// The caches: a shard's saving is its row reads at the caches' rate
+// instead of memory's, forward and backward; a worker's shards fill the
+// cache hottest per byte first.
+TEST(CostModelTest, CacheSavingByHand) {
+  CostModel m = RoundModel();
+  m.cache_bytes = 100000;
+  m.cache_bw_gbps = 400;  // 4e8 B/ms, 4x the DDR rate
+  const TableWorkload w = Work(/*ids=*/1e5, /*bags=*/1e4);
+  const ShardBlock block{0, 0, 1000, 16};  // 64 B rows, 64000 B resident
+  const ShardCost c = EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kFused,
+                                    ember::v1::CPU, block, 1000, 1);
+  // Forward row reads: 1e5 x 64 B at 1e8 B/ms; from the caches at 4e8:
+  // saving 3/4 of them.
+  EXPECT_DOUBLE_EQ(c.fwd_cache_saving_ms, 0.75 * 1e5 * 64 / 1e8);
+  // Backward: 2 x the touched rows (all 1000 of them, hit 100 times each:
+  // 1000 x (1 - e^-100)) read and written, 3/4 of it saved.
+  const double touched = 1000 * -std::expm1(-100.0);
+  EXPECT_DOUBLE_EQ(c.bwd_cache_saving_ms, 0.75 * 2.0 * touched * 64 / 1e8);
+  EXPECT_EQ(c.resident_bytes, 64000);
+  // No caches in the model: no saving.
+  const ShardCost none = EstimateShard(RoundModel(), w, ShardingType::kTableWise,
+                                       ComputeKernel::kFused, ember::v1::CPU, block, 1000, 1);
+  EXPECT_EQ(none.fwd_cache_saving_ms + none.bwd_cache_saving_ms, 0);
+  EXPECT_EQ(none.fwd_compute_ms, c.fwd_compute_ms);
+
+  // Filling: a (hot: 2 ms on 50000 B), b (cold: 1 ms on 200000 B), c (warm:
+  // 1 ms on 40000 B). By density a, c, b: a whole (50000 left), c whole
+  // (10000 left), then b gets 10000 / 200000.
+  ShardCost a, b, d;
+  a.fwd_cache_saving_ms = 1.5;
+  a.bwd_cache_saving_ms = 0.5;
+  a.resident_bytes = 50000;
+  b.fwd_cache_saving_ms = 1;
+  b.resident_bytes = 200000;
+  d.bwd_cache_saving_ms = 1;
+  d.resident_bytes = 40000;
+  const std::vector<double> f = CachedFractions(m, {&b, &a, &d});
+  ASSERT_EQ(f.size(), 3u);
+  EXPECT_DOUBLE_EQ(f[0], 0.05);
+  EXPECT_DOUBLE_EQ(f[1], 1.0);
+  EXPECT_DOUBLE_EQ(f[2], 1.0);
+  EXPECT_DOUBLE_EQ(CacheSavingMs(m, {&b, &a, &d}), 2 + 1 + 0.05);
+  // Alone, each gets all of the cache: the term is not additive.
+  EXPECT_DOUBLE_EQ(CacheSavingMs(m, {&b}), 0.5);
+  EXPECT_GT(CacheSavingMs(m, {&a}) + CacheSavingMs(m, {&b}) + CacheSavingMs(m, {&d}),
+            CacheSavingMs(m, {&b, &a, &d}));
+  EXPECT_EQ(CacheSavingMs(RoundModel(), {&b, &a, &d}), 0);
+}
+
 // A cost per id is paid by every shard an id reaches: a table split into
 // two column shards pays it twice for the same bytes.
 TEST(CostModelTest, CostPerIdIsPaidOnEveryShardTheIdsReach) {

@@ -186,31 +186,47 @@ class Search {
   }
 
   // Moves or swaps free shards off the slowest worker while that strictly
-  // lowers the larger of the two workers' costs. Each step lowers the sum of
-  // squared loads, so it terminates; `max_moves` bounds it anyway.
-  void LocalSearch(Solution* s, int max_moves) {
+  // lowers the larger of the two workers' costs. A worker's cost here is
+  // its shards' less what its caches save (CacheSavingMs; nothing when the
+  // model has no caches), which depends on which shards share the worker:
+  // the greedy passes, additive, do not see it, so this is where it acts.
+  // Each step replaces the slowest worker's cost and another's by two lower
+  // ones, so the workers' costs sorted in decreasing order fall
+  // lexicographically and it terminates; `max_moves` bounds it anyway.
+  // Sets the makespan to the slowest worker's cost with its caches.
+  void LocalSearch(Solution* s, const CostModel& model, int max_moves) {
     struct Item {
       int table, shard;
+      bool free;  // table_wise / column_wise: may move
     };
-    std::vector<std::vector<Item>> on_rank(w_);
+    std::vector<std::vector<Item>> on_rank(w_);  // every shard, fixed ones too
     for (int t = 0; t < static_cast<int>(tables_.size()); ++t) {
       const Option& opt = tables_[t].options[s->tables[t].option];
-      if (opt.placement != Placement::kFree &&
-          opt.placement != Placement::kHostFree) {
-        continue;
-      }
+      const bool free =
+          opt.placement == Placement::kFree || opt.placement == Placement::kHostFree;
       for (int i = 0; i < opt.num_shards; ++i) {
-        on_rank[s->tables[t].ranks[i]].push_back({t, i});
+        on_rank[s->tables[t].ranks[i]].push_back({t, i, free});
       }
     }
-    auto remove_item = [&](int r, int t, int i) {
-      auto& v = on_rank[r];
-      for (size_t k = 0; k < v.size(); ++k) {
-        if (v[k].table == t && v[k].shard == i) {
-          v.erase(v.begin() + k);
-          return;
-        }
+    auto cost_of = [&](const Item& it) -> const ShardCost& {
+      return tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
+    };
+    Loads& L = s->loads;
+    const bool cached = model.cache_bytes > 0;
+    std::vector<const ShardCost*> scratch;
+    // Worker r's cost with its shard `out` (an index into on_rank[r], or -1)
+    // taken off and `in` (or none) put on.
+    auto rank_cost = [&](int r, int out, const Item* in) {
+      double c = L.cost[r];
+      if (out >= 0) c -= cost_of(on_rank[r][out]).total_ms();
+      if (in != nullptr) c += cost_of(*in).total_ms();
+      if (!cached) return c;
+      scratch.clear();
+      for (int k = 0; k < static_cast<int>(on_rank[r].size()); ++k) {
+        if (k != out) scratch.push_back(&cost_of(on_rank[r][k]));
       }
+      if (in != nullptr) scratch.push_back(&cost_of(*in));
+      return c - CacheSavingMs(model, scratch);
     };
     auto allowed = [&](int t, int i, int from, int to) {
       const Option& opt = tables_[t].options[s->tables[t].option];
@@ -226,29 +242,30 @@ class Search {
       }
       return true;
     };
-    Loads& L = s->loads;
+    auto fits = [&](int r, const ShardCost& in, const ShardCost* out) {
+      return L.hbm[r] + in.hbm_bytes - (out ? out->hbm_bytes : 0) <= hbm_cap_[r] &&
+             L.ddr[r] + in.ddr_bytes - (out ? out->ddr_bytes : 0) <= ddr_cap_[r];
+    };
+    std::vector<double> cost(w_);
+    for (int r = 0; r < w_; ++r) cost[r] = rank_cost(r, -1, nullptr);
     std::vector<int> by_load(w_);
     for (int move = 0; move < max_moves; ++move) {
-      const int top = static_cast<int>(
-          std::max_element(L.cost.begin(), L.cost.end()) - L.cost.begin());
-      const double top_cost = L.cost[top];
+      const int top = static_cast<int>(std::max_element(cost.begin(), cost.end()) - cost.begin());
+      const double top_cost = cost[top];
       double best = top_cost - 1e-12 * std::max(1.0, top_cost);
       int best_k = -1, best_r = -1, best_u = -1;
       // Moves.
       for (int k = 0; k < static_cast<int>(on_rank[top].size()); ++k) {
         const Item it = on_rank[top][k];
-        const ShardCost& c =
-            tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
-        const double cm = c.total_ms();
+        if (!it.free) continue;
+        const ShardCost& c = cost_of(it);
+        const double without = rank_cost(top, k, nullptr);
+        if (without >= best) continue;
         for (int r = 0; r < w_; ++r) {
-          if (r == top) continue;
-          const double pair = std::max(top_cost - cm, L.cost[r] + cm);
-          if (pair >= best) continue;
-          if (L.hbm[r] + c.hbm_bytes > hbm_cap_[r] ||
-              L.ddr[r] + c.ddr_bytes > ddr_cap_[r]) {
-            continue;
-          }
+          if (r == top || cost[r] >= best || !fits(r, c, nullptr)) continue;
           if (!allowed(it.table, it.shard, top, r)) continue;
+          const double pair = std::max(without, rank_cost(r, -1, &it));
+          if (pair >= best) continue;
           best = pair;
           best_k = k;
           best_r = r;
@@ -258,37 +275,30 @@ class Search {
       if (best_k < 0) {
         std::iota(by_load.begin(), by_load.end(), 0);
         const int consider = std::min(w_, 16);
-        std::partial_sort(by_load.begin(), by_load.begin() + consider,
-                          by_load.end(), [&](int a, int b) {
-                            return L.cost[a] != L.cost[b] ? L.cost[a] < L.cost[b]
-                                                          : a < b;
-                          });
+        std::partial_sort(by_load.begin(), by_load.begin() + consider, by_load.end(),
+                          [&](int a, int b) { return cost[a] != cost[b] ? cost[a] < cost[b] : a < b; });
         for (int k = 0; k < static_cast<int>(on_rank[top].size()); ++k) {
           const Item it = on_rank[top][k];
-          const ShardCost& a =
-              tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
+          if (!it.free) continue;
+          const ShardCost& a = cost_of(it);
           for (int q = 0; q < consider; ++q) {
             const int r = by_load[q];
             if (r == top) continue;
             for (int u = 0; u < static_cast<int>(on_rank[r].size()); ++u) {
               const Item jt = on_rank[r][u];
-              const ShardCost& b =
-                  tables_[jt.table].options[s->tables[jt.table].option].RunOf(jt.shard).cost;
-              const double delta = a.total_ms() - b.total_ms();
-              if (delta <= 0) continue;
-              const double pair = std::max(top_cost - delta, L.cost[r] + delta);
+              if (!jt.free || jt.table == it.table) continue;
+              const ShardCost& b = cost_of(jt);
+              // Without caches a swap helps only a cheaper shard onto the
+              // top worker; with them, which shards share a cache counts too.
+              if (!cached && a.total_ms() <= b.total_ms()) continue;
+              if (!fits(r, a, &b) || !fits(top, b, &a)) continue;
+              if (!allowed(it.table, it.shard, top, r) || !allowed(jt.table, jt.shard, r, top)) {
+                continue;
+              }
+              const double at_top = rank_cost(top, k, &jt);
+              if (at_top >= best) continue;
+              const double pair = std::max(at_top, rank_cost(r, u, &it));
               if (pair >= best) continue;
-              if (L.hbm[r] - b.hbm_bytes + a.hbm_bytes > hbm_cap_[r] ||
-                  L.ddr[r] - b.ddr_bytes + a.ddr_bytes > ddr_cap_[r] ||
-                  L.hbm[top] - a.hbm_bytes + b.hbm_bytes > hbm_cap_[top] ||
-                  L.ddr[top] - a.ddr_bytes + b.ddr_bytes > ddr_cap_[top]) {
-                continue;
-              }
-              if (jt.table == it.table) continue;
-              if (!allowed(it.table, it.shard, top, r) ||
-                  !allowed(jt.table, jt.shard, r, top)) {
-                continue;
-              }
               best = pair;
               best_k = k;
               best_r = r;
@@ -299,25 +309,23 @@ class Search {
       }
       if (best_k < 0) break;
       const Item it = on_rank[top][best_k];
-      const ShardCost& a =
-          tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
-      L.Add(top, a, -1);
-      L.Add(best_r, a, +1);
+      L.Add(top, cost_of(it), -1);
+      L.Add(best_r, cost_of(it), +1);
       s->tables[it.table].ranks[it.shard] = best_r;
       if (best_u >= 0) {
         const Item jt = on_rank[best_r][best_u];
-        const ShardCost& b =
-            tables_[jt.table].options[s->tables[jt.table].option].RunOf(jt.shard).cost;
-        L.Add(best_r, b, -1);
-        L.Add(top, b, +1);
+        L.Add(best_r, cost_of(jt), -1);
+        L.Add(top, cost_of(jt), +1);
         s->tables[jt.table].ranks[jt.shard] = top;
-        remove_item(best_r, jt.table, jt.shard);
+        on_rank[best_r].erase(on_rank[best_r].begin() + best_u);
         on_rank[top].push_back(jt);
       }
-      remove_item(top, it.table, it.shard);
+      on_rank[top].erase(on_rank[top].begin() + best_k);
       on_rank[best_r].push_back(it);
+      cost[top] = rank_cost(top, -1, nullptr);
+      cost[best_r] = rank_cost(best_r, -1, nullptr);
     }
-    s->makespan = L.Max();
+    s->makespan = *std::max_element(cost.begin(), cost.end());
   }
 
   // True if `opt` can be placed on an empty cluster (ignoring cost).
@@ -810,11 +818,18 @@ void Summarize(TableInfo* info) {
 }
 
 // Lower bounds on the slowest worker's cost: max(total / W, largest shard)
-// and the option-aware one (OptionAwareLowerBound).
+// and the option-aware one (OptionAwareLowerBound), on the shards' costs
+// (the greedy passes' targets); and the same with the workers' caches,
+// which a plan's makespan cannot go below (equal to the first two when the
+// model has no caches). With caches: no worker saves more than its caches
+// hold at the hottest bytes' rate (s_max), the workers together no more
+// than W * s_max or every table's largest saving, and a shard's worker no
+// less than the shard less its own saving with the whole cache.
 struct Bounds {
   double simple = 0, tight = 0;
+  double cached_simple = 0, cached_tight = 0;
 };
-Bounds LowerBounds(const std::vector<TableInfo>& tables, int w) {
+Bounds LowerBounds(const std::vector<TableInfo>& tables, int w, const CostModel& model) {
   double total = 0, largest = 0;
   for (const TableInfo& t : tables) {
     total += t.min_total_cost;
@@ -823,6 +838,33 @@ Bounds LowerBounds(const std::vector<TableInfo>& tables, int w) {
   Bounds b;
   b.simple = std::max(total / w, largest);
   b.tight = OptionAwareLowerBound(tables, w, b.simple);
+  b.cached_simple = b.simple;
+  b.cached_tight = b.tight;
+  if (model.cache_bytes <= 0) return b;
+  const double cache = static_cast<double>(model.cache_bytes);
+  double densest = 0, savings = 0, largest_cached = 0;
+  for (const TableInfo& t : tables) {
+    double table_saving = 0, table_largest = kInf;
+    for (const Option& o : t.options) {
+      double saving = 0, shard_largest = 0;
+      for (const Run& r : o.runs) {
+        const ShardCost& c = r.cost;
+        const double s = c.fwd_cache_saving_ms + c.bwd_cache_saving_ms;
+        if (c.resident_bytes > 0) densest = std::max(densest, s / c.resident_bytes);
+        saving += r.count * s;
+        const double f = c.resident_bytes > 0 ? std::min(1.0, cache / c.resident_bytes) : 0.0;
+        shard_largest = std::max(shard_largest, c.total_ms() - f * s);
+      }
+      table_saving = std::max(table_saving, saving);
+      table_largest = std::min(table_largest, shard_largest);
+    }
+    savings += table_saving;
+    largest_cached = std::max(largest_cached, table_largest);
+  }
+  const double s_max = cache * densest;
+  b.cached_simple =
+      std::max(std::max(0.0, total - std::min(savings, w * s_max)) / w, largest_cached);
+  b.cached_tight = std::max(b.cached_simple, b.tight - s_max);
   return b;
 }
 
@@ -832,7 +874,7 @@ Bounds LowerBounds(const std::vector<TableInfo>& tables, int w) {
 // failed_table, when nothing fits.
 Solution Solve(Search* search, const std::vector<TableInfo>& tables,
                const std::vector<int64_t>& hbm_cap, const Bounds& bounds,
-               const PlannerOptions& options) {
+               const CostModel& model, const PlannerOptions& options) {
   const int n = static_cast<int>(tables.size());
   std::vector<int> by_cost(n), by_memory(n);
   std::iota(by_cost.begin(), by_cost.end(), 0);
@@ -866,7 +908,7 @@ Solution Solve(Search* search, const std::vector<TableInfo>& tables,
     if (best.ok) break;
   }
   search->SetHbmLimits({});
-  if (best.ok) search->LocalSearch(&best, options.max_local_search_moves);
+  if (best.ok) search->LocalSearch(&best, model, options.max_local_search_moves);
   return best;
 }
 
@@ -970,6 +1012,7 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   for (int t = 0; t < spec.tables_size(); ++t) index[spec.tables(t).name()] = t;
   std::vector<ember::v1::RankStats> per_rank(w);
   std::vector<bool> busy(w, false);  // holds a non-empty shard
+  std::vector<std::vector<ShardCost>> held(w);  // each worker's shards
   for (int r = 0; r < w; ++r) {
     per_rank[r].set_rank(r);
     per_rank[r].set_hbm_cap_bytes(hbm_cap[r]);
@@ -992,6 +1035,7 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
       rs.set_bwd_comms_ms(rs.bwd_comms_ms() + sc.bwd_comms_ms);
       rs.set_num_shards(rs.num_shards() + 1);
       if (b.rows > 0 && b.cols > 0) busy[rank] = true;
+      held[rank].push_back(sc);
     };
     if (type == ShardingType::kDataParallel) {
       for (int r : ts.ranks()) add(r, ShardBlock{0, 0, tc.num_embeddings(), tc.embedding_dim()});
@@ -1005,6 +1049,15 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->clear_per_rank();
   double max_cost = 0, sum_cost = 0;
   for (auto& rs : per_rank) {
+    // What the worker's caches save, from its forward and backward compute
+    // (CachedFractions: the search's LocalSearch takes the same off).
+    std::vector<const ShardCost*> shards;
+    for (const ShardCost& c : held[rs.rank()]) shards.push_back(&c);
+    const std::vector<double> cached = CachedFractions(model, shards);
+    for (size_t i = 0; i < shards.size(); ++i) {
+      rs.set_fwd_compute_ms(rs.fwd_compute_ms() - cached[i] * shards[i]->fwd_cache_saving_ms);
+      rs.set_bwd_compute_ms(rs.bwd_compute_ms() - cached[i] * shards[i]->bwd_cache_saving_ms);
+    }
     // Two calls per step reach each busy worker, a lookup and an update
     // (the model's per-call time; the search leaves it out: it is the same
     // for every busy worker).
@@ -1023,8 +1076,8 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
   stats->set_balance(sum_cost > 0 ? max_cost / (sum_cost / w) : 1.0);
   // The bounds are on the search's costs: a busy worker's per-call time on
   // top, as on the plan's.
-  stats->set_lower_bound_ms(bounds.simple + 2 * model.per_call_overhead_ms);
-  stats->set_option_lower_bound_ms(bounds.tight + 2 * model.per_call_overhead_ms);
+  stats->set_lower_bound_ms(bounds.cached_simple + 2 * model.per_call_overhead_ms);
+  stats->set_option_lower_bound_ms(bounds.cached_tight + 2 * model.per_call_overhead_ms);
 }
 
 // What Plan and CheckPlan start from: the inputs checked, the cost model
@@ -1065,9 +1118,9 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   if (!enumerated.ok()) return enumerated.status();
   const std::vector<TableInfo>& tables = *enumerated;
 
-  const Bounds bounds = LowerBounds(tables, w);
+  const Bounds bounds = LowerBounds(tables, w, model);
   Search search(tables, w, lw, hbm_cap, ddr_cap);
-  Solution best = Solve(&search, tables, hbm_cap, bounds, options);
+  Solution best = Solve(&search, tables, hbm_cap, bounds, model, options);
   if (!best.ok) {
     return Infeasible(spec, tables, hbm_cap, ddr_cap, &search, best.failed_table,
                       model, device);
@@ -1079,7 +1132,7 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   // of one type for every table.
   // (Held options are a subset: their lower bounds are at least the free
   // ones', so a plan that meets the free bound needs no seed.)
-  const bool optimal = best.makespan <= bounds.tight * (1 + 1e-12);
+  const bool optimal = best.makespan <= bounds.cached_tight * (1 + 1e-12);
   for (ShardingType type : AllShardingTypes()) {
     if (optimal) break;
     std::vector<TableInfo> held(tables.size());
@@ -1102,10 +1155,10 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
     }
     if (!narrower) continue;
     // A seed whose lower bound the plan already meets cannot beat it.
-    const Bounds held_bounds = LowerBounds(held, w);
-    if (held_bounds.tight >= best.makespan * (1 - 1e-12)) continue;
+    const Bounds held_bounds = LowerBounds(held, w, model);
+    if (held_bounds.cached_tight >= best.makespan * (1 - 1e-12)) continue;
     Search held_search(held, w, lw, hbm_cap, ddr_cap);
-    Solution s = Solve(&held_search, held, hbm_cap, held_bounds, options);
+    Solution s = Solve(&held_search, held, hbm_cap, held_bounds, model, options);
     if (!s.ok || s.makespan >= best.makespan) continue;
     for (size_t t = 0; t < tables.size(); ++t) {
       s.tables[t].option = original[t][s.tables[t].option];
@@ -1331,7 +1384,7 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec, const Topolog
   Capacities(topo, model, &hbm_cap, &ddr_cap);
   auto tables = EnumerateOptions(spec, topo, model);
   FillStats(spec, model, hbm_cap, ddr_cap,
-            tables.ok() ? LowerBounds(*tables, w) : Bounds(), &plan);
+            tables.ok() ? LowerBounds(*tables, w, model) : Bounds(), &plan);
   std::vector<std::string> over;
   for (const auto& rs : plan.stats().per_rank()) {
     if (rs.hbm_bytes() > rs.hbm_cap_bytes() || rs.ddr_bytes() > rs.ddr_cap_bytes()) {

@@ -36,7 +36,7 @@ up() {
 
 coordinator=$(up) || fail "the cluster did not come up"
 "$emberctl" calibrate --coordinator="$coordinator" --output="$work/model.json" \
-  --calibrate_rows=20000 --calibrate_reps=3 | tee "$work/calibrate.out"
+  --calibrate_rows=140000 --calibrate_reps=3 | tee "$work/calibrate.out"
 grep -q '^fit: .* ns per id' "$work/calibrate.out" || fail "no fit printed"
 # Both widths timed: 8 shapes of each.
 [ "$(grep -cE '^ 16 \|' "$work/calibrate.out")" = 8 ] && [ "$(grep -cE '^128 \|' "$work/calibrate.out")" = 8 ] ||
@@ -49,7 +49,12 @@ for k in ("ddr_bw_gbps", "network_bw_gbps", "bwd_compute_multiplier"):
     assert math.isfinite(m[k]) and m[k] > 0, (k, m[k])
 assert m["per_shard_overhead_ms"] >= 0 and m["lookup_efficiency"] == 1, m
 assert math.isfinite(m["per_id_ms"]) and m["per_id_ms"] >= 0, m
+# The caches: both or neither.
+assert m["cache_bytes"] >= 0 and m["cache_bw_gbps"] >= 0, m
+assert (m["cache_bytes"] > 0) == (m["cache_bw_gbps"] > 0), m
 EOF
+grep -q '^caches: ' "$work/calibrate.out" || fail "no caches line printed"
+grep -q 'the same gathers from 1 MiB, 16 MiB' "$work/calibrate.out" || fail "the caches were not probed"
 # The scratch collection is gone.
 "$emberctl" status --coordinator="$coordinator" >"$work/status.out"
 if grep -q "_calibrate_" "$work/status.out" || grep -qE "[1-9][0-9]* shard\(s\)" "$work/status.out"; then
