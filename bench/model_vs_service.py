@@ -79,6 +79,7 @@ def main():
                               f"--output={model}", "--calibrate_reps=15"],
                              check=True, capture_output=True, text=True)
         report["fit"] = next((l for l in cal.stdout.splitlines() if l.startswith("fit:")), "")
+        report["caches"] = next((l for l in cal.stdout.splitlines() if l.startswith("caches:")), "")
         all_pred, all_meas = [], []
         for k in range(args.collections):
             tables = random_tables(rng, args.tables, 200_000)
@@ -123,6 +124,7 @@ def main():
         print(json.dumps(report))
         return
     print(report["fit"])
+    print(report["caches"])
     for row in report["collections"]:
         print(f"collection {row['collection']} (Spearman {row['spearman']:.2f}; the planner "
               f"chose {row['planner_chose']})")

@@ -212,59 +212,63 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   }
   cal.per_shard_overhead_ms = Median(per_shard);
 
-  // The caches. Per worker, the same gathers from the large table (t_m,
-  // memory), from a table that fits the caches (t_c) and from one of S
-  // bytes larger than them (t_s). Under the model's cache term (a table of
-  // S bytes keeps C of them cached; CachedFractions) t_s = t_m - (C / S) *
-  // (t_m - t_c), so C = S * (t_m - t_s) / (t_m - t_c), at most S (then the
-  // caches hold at least S). The cached rows' rate: t_m - t_c is the row
-  // bytes read at (memory's cost per byte - the caches').
+  // The caches. The same gathers from the large tables (t_m, memory), from
+  // tables that fit the caches (t_c) and from ones of S bytes larger than
+  // them (t_s), on every worker at once (one call, a table per worker):
+  // workers on one host share its last-level cache, and in a training step
+  // they are all busy. Under the model's cache term (a table of S bytes
+  // keeps C of them cached; CachedFractions) t_s = t_m - (C / S) * (t_m -
+  // t_c), so C = S * (t_m - t_s) / (t_m - t_c), at most S (then the caches
+  // hold at least S). The cached rows' rate: t_m - t_c is the row bytes
+  // read at (memory's cost per byte - the caches').
   if (probe_caches) {
-    std::vector<double> caches, rates;
-    for (int r = 0; r < cal.workers; ++r) {
-      auto timed = [&](const std::string& key, int64_t rows) -> absl::StatusOr<double> {
-        double sum = 0;
-        for (const auto& config : kCacheConfigs) {
-          std::vector<double> times;
-          for (int i = -1; i < options.reps; ++i) {
-            auto ms = TimedLookup(client, spec.name(), Batch(key, config[0], config[1], rows, rng));
-            if (!ms.ok()) return ms.status();
-            if (i >= 0) times.push_back(*ms);
+    auto timed = [&](auto feature, int64_t rows) -> absl::StatusOr<double> {
+      double sum = 0;
+      for (const auto& config : kCacheConfigs) {
+        std::vector<double> times;
+        for (int i = -1; i < options.reps; ++i) {
+          client::KeyedJaggedTensor kjt;
+          for (int r = 0; r < cal.workers; ++r) {
+            const client::KeyedJaggedTensor one = Batch(feature(r), config[0], config[1], rows, rng);
+            kjt.keys.push_back(one.keys[0]);
+            kjt.lengths.insert(kjt.lengths.end(), one.lengths.begin(), one.lengths.end());
+            kjt.values.insert(kjt.values.end(), one.values.begin(), one.values.end());
           }
-          sum += Median(times);
+          auto ms = TimedLookup(client, spec.name(), kjt);
+          if (!ms.ok()) return ms.status();
+          if (i >= 0) times.push_back(*ms);
         }
-        return sum;
-      };
-      auto t_m = timed(FeatureName(r, kCacheDim), options.rows);
-      auto t_c = timed(CacheFeatureName(r, kCacheProbeBytes[0]), kCacheProbeBytes[0] / row_bytes);
-      auto t_s = timed(CacheFeatureName(r, kCacheProbeBytes[1]), kCacheProbeBytes[1] / row_bytes);
-      if (!t_m.ok()) return t_m.status();
-      if (!t_c.ok()) return t_c.status();
-      if (!t_s.ok()) return t_s.status();
-      double row_read = 0;
-      for (const auto& config : kCacheConfigs) row_read += config[0] * config[1] * row_bytes;
-      const double gain = *t_m - *t_c;
-      *log << absl::StrFormat(
-                  "calibrate: worker rank %d: the same gathers from %d MiB, %d MiB and %d MiB "
-                  "of rows: %.3f, %.3f, %.3f ms",
-                  r, kCacheProbeBytes[0] >> 20, kCacheProbeBytes[1] >> 20,
-                  options.rows * row_bytes >> 20, *t_c, *t_s, *t_m)
-           << std::endl;
-      // Less than 5% faster from the caches: nothing to model.
-      if (gain < 0.05 * *t_m) {
-        caches.push_back(0);
-        rates.push_back(0);
-        continue;
+        sum += Median(times);
       }
-      caches.push_back(std::clamp((*t_m - *t_s) / gain, 0.0, 1.0) * kCacheProbeBytes[1]);
+      return sum;
+    };
+    auto t_m = timed([](int r) { return FeatureName(r, kCacheDim); }, options.rows);
+    auto t_c = timed([](int r) { return CacheFeatureName(r, kCacheProbeBytes[0]); },
+                     kCacheProbeBytes[0] / row_bytes);
+    auto t_s = timed([](int r) { return CacheFeatureName(r, kCacheProbeBytes[1]); },
+                     kCacheProbeBytes[1] / row_bytes);
+    if (!t_m.ok()) return t_m.status();
+    if (!t_c.ok()) return t_c.status();
+    if (!t_s.ok()) return t_s.status();
+    double row_read = 0;
+    for (const auto& config : kCacheConfigs) row_read += config[0] * config[1] * row_bytes;
+    const double gain = *t_m - *t_c;
+    *log << absl::StrFormat(
+                "calibrate: the same gathers on every worker at once from %d MiB, %d MiB and "
+                "%d MiB of rows: %.3f, %.3f, %.3f ms",
+                kCacheProbeBytes[0] >> 20, kCacheProbeBytes[1] >> 20,
+                options.rows * row_bytes >> 20, *t_c, *t_s, *t_m)
+         << std::endl;
+    // Less than 5% faster from the caches: nothing to model.
+    if (gain >= 0.05 * *t_m) {
+      cal.cache_bytes = static_cast<int64_t>(std::clamp((*t_m - *t_s) / gain, 0.0, 1.0) *
+                                             kCacheProbeBytes[1]);
       // The caches' cost per byte, at least 1/20 of memory's (timing noise
       // could make it 0 or less).
       const double memory = cal.fit.ms_per_gathered_byte;
       const double cached = std::max(memory - gain / row_read, memory / 20);
-      rates.push_back(cached > 0 ? 1.0 / (cached * 1e6) : 0.0);
+      cal.cache_bw_gbps = cached > 0 ? 1.0 / (cached * 1e6) : 0.0;
     }
-    cal.cache_bytes = static_cast<int64_t>(Median(caches));
-    cal.cache_bw_gbps = Median(rates);
     if (cal.cache_bytes <= 0 || cal.cache_bw_gbps <= 0) {
       cal.cache_bytes = 0;
       cal.cache_bw_gbps = 0;
@@ -315,8 +319,10 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   // printed; per_call_overhead_ms takes it where a model is written by hand.
   cal.model = planner::Calibrated(planner::DefaultCostModel(cal.device), cal.device, cal.fit,
                                   cal.bwd_compute_multiplier);
-  cal.model.cache_bytes = cal.cache_bytes;
-  cal.model.cache_bw_gbps = cal.cache_bw_gbps;
+  if (options.write_caches) {
+    cal.model.cache_bytes = cal.cache_bytes;
+    cal.model.cache_bw_gbps = cal.cache_bw_gbps;
+  }
   for (size_t d = 0; d < std::size(kDims); ++d) {
     for (size_t k = 0; k < std::size(kConfigs); ++k) {
       Calibration::Row row;

@@ -113,6 +113,9 @@ DEFINE_string(cost_model, "",
               "writes one); empty: the device's defaults.");
 DEFINE_int64(calibrate_rows, 1000000, "calibrate: rows of each scratch table (16 and 128 columns) on each worker.");
 DEFINE_int32(calibrate_reps, 9, "calibrate: timed calls per shape (the median counts).");
+DEFINE_bool(calibrate_caches, false,
+            "calibrate: write the workers' caches the probe measures into the model "
+            "(cache_bytes, cache_bw_gbps); off by default, docs/benchmarks.md says why.");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
 DEFINE_string(input, "", "KJT JSON file: {keys, lengths, values, weights?}.");
@@ -556,6 +559,7 @@ int RunCalibrate() {
   CalibrateOptions o;
   o.rows = FLAGS_calibrate_rows;
   o.reps = FLAGS_calibrate_reps;
+  o.write_caches = FLAGS_calibrate_caches;
   auto cal = Calibrate(cl->get(), o, &std::cout);
   if (!cal.ok()) return Fail("calibrate", cal.status());
   std::cout << "dim | batch x pooling | measured ms (median over workers) | fit ms\n";
@@ -573,8 +577,11 @@ int RunCalibrate() {
                    cal->fit.ms_per_wire_byte > 0 ? 1e-6 / cal->fit.ms_per_wire_byte : 0.0,
                    cal->fit.r2, cal->bwd_compute_multiplier);
   if (cal->cache_bytes > 0) {
-    std::cout << absl::StrFormat("caches: %.1f MiB per worker, rows read from them at %.1f GB/s\n",
-                                 cal->cache_bytes / 1048576.0, cal->cache_bw_gbps);
+    std::cout << absl::StrFormat("caches: %.1f MiB per worker, rows read from them at %.1f GB/s%s\n",
+                                 cal->cache_bytes / 1048576.0, cal->cache_bw_gbps,
+                                 FLAGS_calibrate_caches
+                                     ? ""
+                                     : " (not written: --calibrate_caches writes them)");
   } else {
     std::cout << "caches: none modelled (not measured, or under 5% faster)\n";
   }
