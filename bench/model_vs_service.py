@@ -43,6 +43,9 @@ def parse_args():
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=2)
+    p.add_argument("--calibrate_caches", type=int, default=0,
+                   help="1: the model includes the workers' caches (emberctl calibrate "
+                        "--calibrate_caches)")
     p.add_argument("--emberctl", default="")
     p.add_argument("--format", default="table", choices=["table", "json"])
     return p.parse_args()
@@ -76,7 +79,8 @@ def main():
         client = ember.Client(cluster.address, timeout_s=120)
         model = os.path.join(work, "model.json")
         cal = subprocess.run([emberctl, "calibrate", f"--coordinator={cluster.address}",
-                              f"--output={model}", "--calibrate_reps=15"],
+                              f"--output={model}", "--calibrate_reps=15",
+                              f"--calibrate_caches={'true' if args.calibrate_caches else 'false'}"],
                              check=True, capture_output=True, text=True)
         report["fit"] = next((l for l in cal.stdout.splitlines() if l.startswith("fit:")), "")
         report["caches"] = next((l for l in cal.stdout.splitlines() if l.startswith("caches:")), "")

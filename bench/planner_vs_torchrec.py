@@ -64,6 +64,9 @@ def parse_args():
     p.add_argument("--calibrate", type=int, default=1,
                    help="1: Ember plans the measured collections with a model calibrated on the "
                         "cluster (emberctl calibrate); 0: with the CPU defaults")
+    p.add_argument("--calibrate_caches", type=int, default=0,
+                   help="1: the calibrated model includes the workers' caches (emberctl "
+                        "calibrate --calibrate_caches)")
     p.add_argument("--emberctl", default="")
     p.add_argument("--format", default="table", choices=["table", "json"])
     return p.parse_args()
@@ -297,7 +300,8 @@ def measure(args, rng, emberctl, work, results):
         if args.calibrate:
             cost_model = os.path.join(work, "model.json")
             subprocess.run([emberctl, "calibrate", f"--coordinator={cluster.address}",
-                            f"--output={cost_model}", "--calibrate_reps=15"],
+                            f"--output={cost_model}", "--calibrate_reps=15",
+                            f"--calibrate_caches={'true' if args.calibrate_caches else 'false'}"],
                            check=True, capture_output=True, text=True)
         for k in range(args.measured):
             tables = random_tables(rng, args.measured_tables, 300_000)

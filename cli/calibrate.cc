@@ -62,14 +62,14 @@ planner::CallSample Bytes(int64_t batch, int64_t pf, int64_t dim) {
 std::string TableName(int rank, int64_t dim) { return absl::StrCat("cal_", rank, "_d", dim); }
 std::string FeatureName(int rank, int64_t dim) { return absl::StrCat("f_", rank, "_d", dim); }
 
-// The caches: gathers of rows of kCacheDim columns from a table that stays
-// in them, one larger than them and the large table, the same calls on
-// each. The large table must be kCacheMissFactor times the larger probe
-// to stand for memory.
+// The caches: training steps (lookup and update) on rows of kCacheDim
+// columns from a table that stays in them, one larger than them and the
+// large table, the same steps on each. The large table must be
+// kCacheMissFactor times the larger probe to stand for memory.
 constexpr int64_t kCacheDim = 128;
 constexpr int64_t kCacheProbeBytes[] = {int64_t{1} << 20, int64_t{16} << 20};
 constexpr int64_t kCacheMissFactor = 4;
-constexpr int64_t kCacheConfigs[][2] = {{64, 256}, {256, 64}};
+constexpr int64_t kCacheConfigs[][2] = {{1024, 16}, {256, 64}};
 std::string CacheTableName(int rank, int64_t bytes) {
   return absl::StrCat("cal_", rank, "_c", bytes >> 20, "m");
 }
@@ -137,6 +137,7 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
         t->set_embedding_dim(kCacheDim);
         t->add_feature_names(CacheFeatureName(r, bytes));
         t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+        t->mutable_optimizer()->set_learning_rate(1e-6f);
         auto* ts = plan.add_tables();
         ts->set_table(t->name());
         ts->set_sharding_type("table_wise");
@@ -212,74 +213,6 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   }
   cal.per_shard_overhead_ms = Median(per_shard);
 
-  // The caches. The same gathers from the large tables (t_m, memory), from
-  // tables that fit the caches (t_c) and from ones of S bytes larger than
-  // them (t_s), on every worker at once (one call, a table per worker):
-  // workers on one host share its last-level cache, and in a training step
-  // they are all busy. Under the model's cache term (a table of S bytes
-  // keeps C of them cached; CachedFractions) t_s = t_m - (C / S) * (t_m -
-  // t_c), so C = S * (t_m - t_s) / (t_m - t_c), at most S (then the caches
-  // hold at least S). The cached rows' rate: t_m - t_c is the row bytes
-  // read at (memory's cost per byte - the caches').
-  if (probe_caches) {
-    auto timed = [&](auto feature, int64_t rows) -> absl::StatusOr<double> {
-      double sum = 0;
-      for (const auto& config : kCacheConfigs) {
-        std::vector<double> times;
-        for (int i = -1; i < options.reps; ++i) {
-          client::KeyedJaggedTensor kjt;
-          for (int r = 0; r < cal.workers; ++r) {
-            const client::KeyedJaggedTensor one = Batch(feature(r), config[0], config[1], rows, rng);
-            kjt.keys.push_back(one.keys[0]);
-            kjt.lengths.insert(kjt.lengths.end(), one.lengths.begin(), one.lengths.end());
-            kjt.values.insert(kjt.values.end(), one.values.begin(), one.values.end());
-          }
-          auto ms = TimedLookup(client, spec.name(), kjt);
-          if (!ms.ok()) return ms.status();
-          if (i >= 0) times.push_back(*ms);
-        }
-        sum += Median(times);
-      }
-      return sum;
-    };
-    auto t_m = timed([](int r) { return FeatureName(r, kCacheDim); }, options.rows);
-    auto t_c = timed([](int r) { return CacheFeatureName(r, kCacheProbeBytes[0]); },
-                     kCacheProbeBytes[0] / row_bytes);
-    auto t_s = timed([](int r) { return CacheFeatureName(r, kCacheProbeBytes[1]); },
-                     kCacheProbeBytes[1] / row_bytes);
-    if (!t_m.ok()) return t_m.status();
-    if (!t_c.ok()) return t_c.status();
-    if (!t_s.ok()) return t_s.status();
-    double row_read = 0;
-    for (const auto& config : kCacheConfigs) row_read += config[0] * config[1] * row_bytes;
-    const double gain = *t_m - *t_c;
-    *log << absl::StrFormat(
-                "calibrate: the same gathers on every worker at once from %d MiB, %d MiB and "
-                "%d MiB of rows: %.3f, %.3f, %.3f ms",
-                kCacheProbeBytes[0] >> 20, kCacheProbeBytes[1] >> 20,
-                options.rows * row_bytes >> 20, *t_c, *t_s, *t_m)
-         << std::endl;
-    // Less than 5% faster from the caches: nothing to model.
-    if (gain >= 0.05 * *t_m) {
-      cal.cache_bytes = static_cast<int64_t>(std::clamp((*t_m - *t_s) / gain, 0.0, 1.0) *
-                                             kCacheProbeBytes[1]);
-      // The caches' cost per byte, at least 1/20 of memory's (timing noise
-      // could make it 0 or less).
-      const double memory = cal.fit.ms_per_gathered_byte;
-      const double cached = std::max(memory - gain / row_read, memory / 20);
-      cal.cache_bw_gbps = cached > 0 ? 1.0 / (cached * 1e6) : 0.0;
-    }
-    if (cal.cache_bytes <= 0 || cal.cache_bw_gbps <= 0) {
-      cal.cache_bytes = 0;
-      cal.cache_bw_gbps = 0;
-    }
-  } else {
-    *log << "calibrate: caches not measured: the large tables (" << (options.rows * row_bytes >> 20)
-         << " MiB) must be " << kCacheMissFactor << "x the " << (kCacheProbeBytes[1] >> 20)
-         << " MiB probe to stand for memory (--calibrate_rows >= "
-         << kCacheMissFactor * kCacheProbeBytes[1] / row_bytes << ")" << std::endl;
-  }
-
   // Updates (SGD: no optimizer state): the backward multiplier is what
   // their compute takes beyond the fit's wire and overhead, relative to a
   // forward gather of the same bytes.
@@ -319,10 +252,107 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   // printed; per_call_overhead_ms takes it where a model is written by hand.
   cal.model = planner::Calibrated(planner::DefaultCostModel(cal.device), cal.device, cal.fit,
                                   cal.bwd_compute_multiplier);
+  // The caches, measured the way the planner uses them: training steps
+  // (a lookup and its update), on every worker at once (workers on one
+  // host share its last-level cache, and in a step they are all busy),
+  // from the large tables (x_m), from tables that fit the caches (x_c)
+  // and from tables of S bytes larger than them (x_s). The model without
+  // caches prices each step (e_m, e_c, e_s: it already knows a small
+  // table's update touches fewer rows); what the measurements differ by
+  // beyond that is the caches'. With R the step's row reads at memory's
+  // rate (a shard's cache saving were its rows read for free):
+  //   x_m - x_c = e_m - e_c + faster * R_c    (faster = 1 - memory's
+  //   x_m - x_s = e_m - e_s + (C / S) * faster * R_s     rate / caches')
+  // the large table's own cached share left out (under 1/4 of C / S).
+  if (probe_caches) {
+    auto steps = [&](auto feature, int64_t rows) -> absl::StatusOr<double> {
+      double sum = 0;
+      for (const auto& config : kCacheConfigs) {
+        std::vector<double> times;
+        for (int i = -1; i < options.reps; ++i) {
+          client::KeyedJaggedTensor kjt;
+          client::KeyedTensor grads;
+          grads.batch_size = config[0];
+          for (int r = 0; r < cal.workers; ++r) {
+            const client::KeyedJaggedTensor one = Batch(feature(r), config[0], config[1], rows, rng);
+            kjt.keys.push_back(one.keys[0]);
+            kjt.lengths.insert(kjt.lengths.end(), one.lengths.begin(), one.lengths.end());
+            kjt.values.insert(kjt.values.end(), one.values.begin(), one.values.end());
+            grads.keys.push_back(one.keys[0]);
+            grads.length_per_key.push_back(kCacheDim);
+          }
+          grads.values.assign(config[0] * kCacheDim * cal.workers, 1e-3f);
+          const absl::Time start = absl::Now();
+          auto kt = client->Lookup(spec.name(), kjt);
+          if (!kt.ok()) return kt.status();
+          if (absl::Status st = client->ApplyGradients(spec.name(), kjt, grads); !st.ok()) return st;
+          if (i >= 0) times.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+        }
+        sum += Median(times);
+      }
+      return sum;
+    };
+    // The model's step (e) and row reads (R) for a table of `rows`.
+    planner::CostModel free_reads = cal.model;
+    free_reads.cache_bytes = 1;
+    free_reads.cache_bw_gbps = 1e30;
+    auto model_step = [&](int64_t rows, double* e, double* reads) {
+      *e = *reads = 0;
+      for (const auto& config : kCacheConfigs) {
+        planner::TableWorkload w;
+        w.ids = static_cast<double>(config[0] * config[1]);
+        w.bags = static_cast<double>(config[0]);
+        w.pooling_factor = static_cast<double>(config[1]);
+        const planner::ShardBlock block{0, 0, rows, kCacheDim};
+        const planner::ShardCost c =
+            planner::EstimateShard(free_reads, w, planner::ShardingType::kTableWise,
+                                   planner::ComputeKernel::kFused, cal.device, block, rows, 1);
+        *e += c.total_ms();
+        *reads += c.fwd_cache_saving_ms + c.bwd_cache_saving_ms;
+      }
+    };
+    const int64_t rows_c = kCacheProbeBytes[0] / row_bytes, rows_s = kCacheProbeBytes[1] / row_bytes;
+    auto x_m = steps([](int r) { return FeatureName(r, kCacheDim); }, options.rows);
+    auto x_c = steps([](int r) { return CacheFeatureName(r, kCacheProbeBytes[0]); }, rows_c);
+    auto x_s = steps([](int r) { return CacheFeatureName(r, kCacheProbeBytes[1]); }, rows_s);
+    if (!x_m.ok()) return x_m.status();
+    if (!x_c.ok()) return x_c.status();
+    if (!x_s.ok()) return x_s.status();
+    double e_m, e_c, e_s, r_m, r_c, r_s;
+    model_step(options.rows, &e_m, &r_m);
+    model_step(rows_c, &e_c, &r_c);
+    model_step(rows_s, &e_s, &r_s);
+    *log << absl::StrFormat(
+                "calibrate: training steps on every worker at once, rows from %d MiB, %d MiB "
+                "and %d MiB tables: measured %.3f, %.3f, %.3f ms; the model without caches "
+                "%.3f, %.3f, %.3f ms",
+                kCacheProbeBytes[0] >> 20, kCacheProbeBytes[1] >> 20,
+                options.rows * row_bytes >> 20, *x_c, *x_s, *x_m, e_c, e_s, e_m)
+         << std::endl;
+    // The caches' part, at most 95% of the row reads' time (timing noise
+    // could say more); under 5% of the small table's step: nothing to model.
+    const double faster = std::min(0.95, ((*x_m - *x_c) - (e_m - e_c)) / r_c);
+    if (faster * r_c >= 0.05 * *x_c && r_s > 0) {
+      const double share = std::clamp(((*x_m - *x_s) - (e_m - e_s)) / (faster * r_s), 0.0, 1.0);
+      cal.cache_bytes = static_cast<int64_t>(share * kCacheProbeBytes[1]);
+      const double memory = free_reads.ddr_bw_gbps * free_reads.lookup_efficiency;
+      cal.cache_bw_gbps = memory / (1.0 - faster);
+    }
+    if (cal.cache_bytes <= 0 || cal.cache_bw_gbps <= 0 || cal.device != ember::v1::CPU) {
+      cal.cache_bytes = 0;
+      cal.cache_bw_gbps = 0;
+    }
+  } else {
+    *log << "calibrate: caches not measured: the large tables (" << (options.rows * row_bytes >> 20)
+         << " MiB) must be " << kCacheMissFactor << "x the " << (kCacheProbeBytes[1] >> 20)
+         << " MiB probe to stand for memory (--calibrate_rows >= "
+         << kCacheMissFactor * kCacheProbeBytes[1] / row_bytes << ")" << std::endl;
+  }
   if (options.write_caches) {
     cal.model.cache_bytes = cal.cache_bytes;
     cal.model.cache_bw_gbps = cal.cache_bw_gbps;
   }
+
   for (size_t d = 0; d < std::size(kDims); ++d) {
     for (size_t k = 0; k < std::size(kConfigs); ++k) {
       Calibration::Row row;

@@ -54,7 +54,7 @@ assert m["cache_bytes"] >= 0 and m["cache_bw_gbps"] >= 0, m
 assert (m["cache_bytes"] > 0) == (m["cache_bw_gbps"] > 0), m
 EOF
 grep -q '^caches: ' "$work/calibrate.out" || fail "no caches line printed"
-grep -q 'the same gathers on every worker at once from 1 MiB, 16 MiB' "$work/calibrate.out" || fail "the caches were not probed"
+grep -q 'training steps on every worker at once, rows from 1 MiB, 16 MiB' "$work/calibrate.out" || fail "the caches were not probed"
 # The scratch collection is gone.
 "$emberctl" status --coordinator="$coordinator" >"$work/status.out"
 if grep -q "_calibrate_" "$work/status.out" || grep -qE "[1-9][0-9]* shard\(s\)" "$work/status.out"; then
