@@ -3,7 +3,7 @@
 //
 //   bazel run -c opt //bench:planner_bench -- [--tables=10,100,1000,10000]
 //       [--workers=8,64,512] [--compute_device=cuda|cpu] [--seed=N]
-//       [--format=table|json]
+//       [--cache_mib=M] [--format=table|json]
 //
 // For each (tables, workers) it reports the planning wall time, the slowest
 // worker's estimated cost against the lower bound max(total cost / W,
@@ -36,6 +36,9 @@ DEFINE_string(compute_device, "cuda", "cuda or cpu.");
 DEFINE_int32(local_world_size, 8, "Workers per host.");
 DEFINE_uint64(seed, 1, "Random seed.");
 DEFINE_string(format, "table", "table or json (one JSON line per case).");
+DEFINE_int32(cache_mib, 0,
+             "Workers' caches in the model, MiB (CostModel::cache_bytes, read at 20x the "
+             "memory rate); 0: none, as the defaults.");
 DEFINE_double(hbm_fill, 0.5, "Weights + optimizer state as a fraction of cluster HBM, at most.");
 
 namespace {
@@ -92,7 +95,14 @@ int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   const bool json = FLAGS_format == "json";
   const bool cpu = FLAGS_compute_device == "cpu";
-  const auto model = ember::planner::DefaultCostModel(cpu ? ember::v1::CPU : ember::v1::CUDA);
+  auto model = ember::planner::DefaultCostModel(cpu ? ember::v1::CPU : ember::v1::CUDA);
+  if (FLAGS_cache_mib > 0) {
+    model.cache_bytes = int64_t{FLAGS_cache_mib} << 20;
+    model.cache_bw_gbps =
+        20 * (cpu ? model.ddr_bw_gbps : model.hbm_bw_gbps) * model.lookup_efficiency;
+  }
+  ember::planner::PlannerOptions options;
+  options.cost_model = model;
   const double cap = cpu ? model.ddr_cap_bytes : model.hbm_cap_bytes;
   if (!json) {
     std::printf("%7s %7s %10s %12s %12s %8s %12s %8s %9s\n", "tables", "workers",
@@ -107,7 +117,7 @@ int main(int argc, char** argv) {
       topo.set_local_world_size(w % FLAGS_local_world_size == 0 ? FLAGS_local_world_size : w);
       topo.set_compute_device(cpu ? ember::v1::CPU : ember::v1::CUDA);
       const absl::Time start = absl::Now();
-      auto plan = ember::planner::Plan(spec, topo);
+      auto plan = ember::planner::Plan(spec, topo, options);
       const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
       if (!plan.ok()) {
         std::printf("%7d %7d  planning failed: %s\n", n, w,

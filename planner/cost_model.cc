@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace ember {
 namespace planner {
@@ -259,12 +260,24 @@ std::vector<double> CachedFractions(const CostModel& m,
 
 double CacheSavingMs(const CostModel& m, const std::vector<const ShardCost*>& shards) {
   if (m.cache_bytes <= 0) return 0;
-  const std::vector<double> f = CachedFractions(m, shards);
-  double saving = 0;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    saving += f[i] * (shards[i]->fwd_cache_saving_ms + shards[i]->bwd_cache_saving_ms);
+  // CachedFractions' fill, summed as it goes (the planner's search calls
+  // this for every move it weighs).
+  std::vector<std::pair<double, const ShardCost*>> hot;  // (saving per byte, shard)
+  hot.reserve(shards.size());
+  for (const ShardCost* s : shards) {
+    const double saving = s->fwd_cache_saving_ms + s->bwd_cache_saving_ms;
+    if (s->resident_bytes > 0 && saving > 0) hot.emplace_back(saving / s->resident_bytes, s);
   }
-  return saving;
+  std::stable_sort(hot.begin(), hot.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  double left = static_cast<double>(m.cache_bytes), saved = 0;
+  for (const auto& [density, s] : hot) {
+    if (left <= 0) break;
+    const double bytes = static_cast<double>(s->resident_bytes);
+    saved += std::min(1.0, left / bytes) * (s->fwd_cache_saving_ms + s->bwd_cache_saving_ms);
+    left -= bytes;
+  }
+  return saved;
 }
 
 }  // namespace planner

@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -193,7 +194,11 @@ class Search {
   // Each step replaces the slowest worker's cost and another's by two lower
   // ones, so the workers' costs sorted in decreasing order fall
   // lexicographically and it terminates; `max_moves` bounds it anyway.
-  // Sets the makespan to the slowest worker's cost with its caches.
+  // Sets the makespan to the slowest worker's cost with its caches. With
+  // caches each cost is a pass over the worker's shards, so the search stops
+  // after kCacheVisits shard visits in all (deterministic: counted, not
+  // timed): well under a second of planning (docs/benchmarks.md).
+  static constexpr int64_t kCacheVisits = 20'000'000;
   void LocalSearch(Solution* s, const CostModel& model, int max_moves) {
     struct Item {
       int table, shard;
@@ -213,6 +218,7 @@ class Search {
     };
     Loads& L = s->loads;
     const bool cached = model.cache_bytes > 0;
+    int64_t visits = 0;
     std::vector<const ShardCost*> scratch;
     // Worker r's cost with its shard `out` (an index into on_rank[r], or -1)
     // taken off and `in` (or none) put on.
@@ -226,6 +232,7 @@ class Search {
         if (k != out) scratch.push_back(&cost_of(on_rank[r][k]));
       }
       if (in != nullptr) scratch.push_back(&cost_of(*in));
+      visits += static_cast<int64_t>(scratch.size());
       return c - CacheSavingMs(model, scratch);
     };
     auto allowed = [&](int t, int i, int from, int to) {
@@ -249,13 +256,13 @@ class Search {
     std::vector<double> cost(w_);
     for (int r = 0; r < w_; ++r) cost[r] = rank_cost(r, -1, nullptr);
     std::vector<int> by_load(w_);
-    for (int move = 0; move < max_moves; ++move) {
+    for (int move = 0; move < max_moves && visits < kCacheVisits; ++move) {
       const int top = static_cast<int>(std::max_element(cost.begin(), cost.end()) - cost.begin());
       const double top_cost = cost[top];
       double best = top_cost - 1e-12 * std::max(1.0, top_cost);
       int best_k = -1, best_r = -1, best_u = -1;
       // Moves.
-      for (int k = 0; k < static_cast<int>(on_rank[top].size()); ++k) {
+      for (int k = 0; k < static_cast<int>(on_rank[top].size()) && visits < kCacheVisits; ++k) {
         const Item it = on_rank[top][k];
         if (!it.free) continue;
         const ShardCost& c = cost_of(it);
@@ -277,7 +284,8 @@ class Search {
         const int consider = std::min(w_, 16);
         std::partial_sort(by_load.begin(), by_load.begin() + consider, by_load.end(),
                           [&](int a, int b) { return cost[a] != cost[b] ? cost[a] < cost[b] : a < b; });
-        for (int k = 0; k < static_cast<int>(on_rank[top].size()); ++k) {
+        for (int k = 0; k < static_cast<int>(on_rank[top].size()) && visits < kCacheVisits;
+             ++k) {
           const Item it = on_rank[top][k];
           if (!it.free) continue;
           const ShardCost& a = cost_of(it);
@@ -841,8 +849,14 @@ Bounds LowerBounds(const std::vector<TableInfo>& tables, int w, const CostModel&
   b.cached_simple = b.simple;
   b.cached_tight = b.tight;
   if (model.cache_bytes <= 0) return b;
+  // The most any worker's caches can save: its cache filled with the
+  // densest savings any option of any table offers (a fractional knapsack
+  // over every option's shards, a superset of any plan's); the most all
+  // workers' can: W caches filled so, and no more than every table's
+  // largest saving.
   const double cache = static_cast<double>(model.cache_bytes);
-  double densest = 0, savings = 0, largest_cached = 0;
+  std::vector<std::pair<double, double>> offers;  // (saving per byte, bytes)
+  double savings = 0, largest_cached = 0;
   for (const TableInfo& t : tables) {
     double table_saving = 0, table_largest = kInf;
     for (const Option& o : t.options) {
@@ -850,7 +864,9 @@ Bounds LowerBounds(const std::vector<TableInfo>& tables, int w, const CostModel&
       for (const Run& r : o.runs) {
         const ShardCost& c = r.cost;
         const double s = c.fwd_cache_saving_ms + c.bwd_cache_saving_ms;
-        if (c.resident_bytes > 0) densest = std::max(densest, s / c.resident_bytes);
+        if (c.resident_bytes > 0 && s > 0) {
+          offers.emplace_back(s / c.resident_bytes, static_cast<double>(r.count) * c.resident_bytes);
+        }
         saving += r.count * s;
         const double f = c.resident_bytes > 0 ? std::min(1.0, cache / c.resident_bytes) : 0.0;
         shard_largest = std::max(shard_largest, c.total_ms() - f * s);
@@ -861,10 +877,20 @@ Bounds LowerBounds(const std::vector<TableInfo>& tables, int w, const CostModel&
     savings += table_saving;
     largest_cached = std::max(largest_cached, table_largest);
   }
-  const double s_max = cache * densest;
-  b.cached_simple =
-      std::max(std::max(0.0, total - std::min(savings, w * s_max)) / w, largest_cached);
-  b.cached_tight = std::max(b.cached_simple, b.tight - s_max);
+  std::sort(offers.begin(), offers.end(), std::greater<>());
+  auto fill = [&offers](double capacity) {
+    double saved = 0;
+    for (const auto& [density, bytes] : offers) {
+      if (capacity <= 0) break;
+      saved += density * std::min(bytes, capacity);
+      capacity -= bytes;
+    }
+    return saved;
+  };
+  const double one = fill(cache);
+  const double all = std::min(savings, fill(cache * w));
+  b.cached_simple = std::max(std::max(0.0, total - all) / w, largest_cached);
+  b.cached_tight = std::max(b.cached_simple, b.tight - one);
   return b;
 }
 
