@@ -16,7 +16,10 @@
 //     plan, finds the tightest T the greedy pass meets. Two table orders are
 //     tried (by work, by memory) and the better plan kept.
 //  2. Local search then moves, or swaps, free shards off the slowest worker
-//     while that strictly lowers the pair's maximum.
+//     while that strictly lowers the pair's maximum. Where the model has
+//     caches (CostModel::cache_bytes) a worker's cost here is its shards'
+//     less what its caches save (CachedFractions: shards on one worker
+//     share them), which the additive greedy passes cannot see.
 // Unlike TorchEasyRec's DP proposer, which tracks only the total HBM, every
 // placement is checked against each worker's capacity; unlike TorchRec's
 // greedy proposers, the search is polynomial (about tables x options x
