@@ -126,8 +126,11 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
     }
   }
   const int64_t row_bytes = kCacheDim * 4;
-  const bool probe_caches =
-      options.rows * row_bytes >= kCacheMissFactor * kCacheProbeBytes[1];
+  static_assert(kCacheDim == kDims[std::size(kDims) - 1], "the probe's large table is kDims'");
+  // CPU workers only: on a GPU the model's memory tier is HBM, whose L2 a
+  // probe of this shape does not isolate.
+  const bool probe_caches = cal.device == ember::v1::CPU &&
+                            options.rows * row_bytes >= kCacheMissFactor * kCacheProbeBytes[1];
   if (probe_caches) {
     for (int r = 0; r < cal.workers; ++r) {
       for (int64_t bytes : kCacheProbeBytes) {
@@ -338,10 +341,12 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
       const double memory = free_reads.ddr_bw_gbps * free_reads.lookup_efficiency;
       cal.cache_bw_gbps = memory / (1.0 - faster);
     }
-    if (cal.cache_bytes <= 0 || cal.cache_bw_gbps <= 0 || cal.device != ember::v1::CPU) {
+    if (cal.cache_bytes <= 0 || cal.cache_bw_gbps <= 0) {
       cal.cache_bytes = 0;
       cal.cache_bw_gbps = 0;
     }
+  } else if (cal.device != ember::v1::CPU) {
+    *log << "calibrate: caches not measured (CPU workers only)" << std::endl;
   } else {
     *log << "calibrate: caches not measured: the large tables (" << (options.rows * row_bytes >> 20)
          << " MiB) must be " << kCacheMissFactor << "x the " << (kCacheProbeBytes[1] >> 20)

@@ -8,10 +8,11 @@
 // vary independently (tiny calls for the fixed cost, many ids with few
 // bags for the gather, many bags with one id each for the output and the
 // wire) on both, one-id calls with one and with both of a worker's tables
-// (what a shard adds to a call's fixed time), the same gathers from two
-// more tables per worker of 1 and 16 MiB (the caches: how much they hold
-// and how fast rows read from them; calibrate.cc), then gradient updates,
-// and drops the collection. The fit:
+// (what a shard adds to a call's fixed time), then gradient updates; on
+// CPU workers, training steps (lookup and update) on every worker at once
+// from the large tables and from two more per worker of 1 and 16 MiB (the
+// caches: how much they hold and how fast rows read from them;
+// calibrate.cc); and drops the collection. The fit:
 // ms per call = overhead + ids x cost per id + gathered bytes x (1 /
 // memory bandwidth) + wire bytes x (1 / network bandwidth), the two widths
 // telling ids from gathered bytes; the backward multiplier from the

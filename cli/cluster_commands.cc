@@ -583,7 +583,8 @@ int RunCalibrate() {
                                      ? ""
                                      : " (not written: --calibrate_caches writes them)");
   } else {
-    std::cout << "caches: none modelled (not measured, or under 5% faster)\n";
+    std::cout << "caches: none modelled (not measured, or saving under 5% of a small "
+                 "table's step)\n";
   }
   if (absl::Status s = WriteFile(FLAGS_output, planner::CostModelToJson(cal->model, cal->device));
       !s.ok()) {

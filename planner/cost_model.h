@@ -80,8 +80,9 @@ struct CostModel {
   // L2), in bytes, and the bandwidth that row reads served from them reach,
   // GB/s (what a gather reaches: no efficiency is applied to it). A
   // worker's shards share its caches: the hottest rows per byte stay in
-  // them (CachedFractions), and those rows' reads cost
-  // row bytes / cache_bw_gbps instead of the memory tier's rate. 0 bytes
+  // them (CachedFractions), and those rows' reads cost their bytes (with
+  // the narrow-row penalty where it applies) / cache_bw_gbps instead of the
+  // memory tier's rate. 0 bytes
   // (the default, as in TorchRec's estimators): every row is read from
   // memory. `emberctl calibrate` measures both on the workers.
   int64_t cache_bytes = 0;

@@ -195,9 +195,10 @@ class Search {
   // ones, so the workers' costs sorted in decreasing order fall
   // lexicographically and it terminates; `max_moves` bounds it anyway.
   // Sets the makespan to the slowest worker's cost with its caches. With
-  // caches each cost is a pass over the worker's shards, so the search stops
-  // after kCacheVisits shard visits in all (deterministic: counted, not
-  // timed): well under a second of planning (docs/benchmarks.md).
+  // caches each cost is a pass over the worker's shards, so each search
+  // stops after kCacheVisits shard visits (deterministic: counted, not
+  // timed; a plan runs up to seven searches, with the seeds): 0.4-0.6 s
+  // for 1,000 tables (docs/benchmarks.md).
   static constexpr int64_t kCacheVisits = 20'000'000;
   void LocalSearch(Solution* s, const CostModel& model, int max_moves) {
     struct Item {
@@ -289,10 +290,11 @@ class Search {
           const Item it = on_rank[top][k];
           if (!it.free) continue;
           const ShardCost& a = cost_of(it);
-          for (int q = 0; q < consider; ++q) {
+          for (int q = 0; q < consider && visits < kCacheVisits; ++q) {
             const int r = by_load[q];
             if (r == top) continue;
-            for (int u = 0; u < static_cast<int>(on_rank[r].size()); ++u) {
+            for (int u = 0; u < static_cast<int>(on_rank[r].size()) && visits < kCacheVisits;
+                 ++u) {
               const Item jt = on_rank[r][u];
               if (!jt.free || jt.table == it.table) continue;
               const ShardCost& b = cost_of(jt);
@@ -303,9 +305,15 @@ class Search {
               if (!allowed(it.table, it.shard, top, r) || !allowed(jt.table, jt.shard, r, top)) {
                 continue;
               }
-              const double at_top = rank_cost(top, k, &jt);
-              if (at_top >= best) continue;
-              const double pair = std::max(at_top, rank_cost(r, u, &it));
+              double pair;
+              if (cached) {
+                const double at_top = rank_cost(top, k, &jt);
+                if (at_top >= best) continue;
+                pair = std::max(at_top, rank_cost(r, u, &it));
+              } else {
+                const double delta = a.total_ms() - b.total_ms();
+                pair = std::max(top_cost - delta, cost[r] + delta);
+              }
               if (pair >= best) continue;
               best = pair;
               best_k = k;
