@@ -203,32 +203,40 @@ class Search {
   void LocalSearch(Solution* s, const CostModel& model, int max_moves) {
     struct Item {
       int table, shard;
-      bool free;  // table_wise / column_wise: may move
+      const ShardCost* cost;  // its option's, fixed during the search
+      double total_ms;        // cost->total_ms(), at hand for the swap scan
     };
-    std::vector<std::vector<Item>> on_rank(w_);  // every shard, fixed ones too
+    const bool cached = model.cache_bytes > 0;
+    // The shards that may move (table_wise, column_wise), and, for the
+    // caches only, those that may not.
+    std::vector<std::vector<Item>> on_rank(w_);
+    std::vector<std::vector<const ShardCost*>> fixed_on_rank(w_);
     for (int t = 0; t < static_cast<int>(tables_.size()); ++t) {
       const Option& opt = tables_[t].options[s->tables[t].option];
       const bool free =
           opt.placement == Placement::kFree || opt.placement == Placement::kHostFree;
       for (int i = 0; i < opt.num_shards; ++i) {
-        on_rank[s->tables[t].ranks[i]].push_back({t, i, free});
+        const int r = s->tables[t].ranks[i];
+        if (free) {
+          const ShardCost* c = &opt.RunOf(i).cost;
+          on_rank[r].push_back({t, i, c, c->total_ms()});
+        } else if (cached) {
+          fixed_on_rank[r].push_back(&opt.RunOf(i).cost);
+        }
       }
     }
-    auto cost_of = [&](const Item& it) -> const ShardCost& {
-      return tables_[it.table].options[s->tables[it.table].option].RunOf(it.shard).cost;
-    };
+    auto cost_of = [](const Item& it) -> const ShardCost& { return *it.cost; };
     Loads& L = s->loads;
-    const bool cached = model.cache_bytes > 0;
     int64_t visits = 0;
     std::vector<const ShardCost*> scratch;
     // Worker r's cost with its shard `out` (an index into on_rank[r], or -1)
     // taken off and `in` (or none) put on.
     auto rank_cost = [&](int r, int out, const Item* in) {
       double c = L.cost[r];
-      if (out >= 0) c -= cost_of(on_rank[r][out]).total_ms();
-      if (in != nullptr) c += cost_of(*in).total_ms();
+      if (out >= 0) c -= on_rank[r][out].total_ms;
+      if (in != nullptr) c += in->total_ms;
       if (!cached) return c;
-      scratch.clear();
+      scratch.assign(fixed_on_rank[r].begin(), fixed_on_rank[r].end());
       for (int k = 0; k < static_cast<int>(on_rank[r].size()); ++k) {
         if (k != out) scratch.push_back(&cost_of(on_rank[r][k]));
       }
@@ -265,15 +273,23 @@ class Search {
       // Moves.
       for (int k = 0; k < static_cast<int>(on_rank[top].size()) && visits < kCacheVisits; ++k) {
         const Item it = on_rank[top][k];
-        if (!it.free) continue;
         const ShardCost& c = cost_of(it);
         const double without = rank_cost(top, k, nullptr);
         if (without >= best) continue;
         for (int r = 0; r < w_; ++r) {
-          if (r == top || cost[r] >= best || !fits(r, c, nullptr)) continue;
-          if (!allowed(it.table, it.shard, top, r)) continue;
-          const double pair = std::max(without, rank_cost(r, -1, &it));
-          if (pair >= best) continue;
+          if (r == top || cost[r] >= best) continue;
+          // The cheap tests first: without caches the pair's cost is a sum,
+          // with them a pass over r's shards.
+          double pair = 0;
+          if (!cached) {
+            pair = std::max(without, cost[r] + it.total_ms);
+            if (pair >= best) continue;
+          }
+          if (!fits(r, c, nullptr) || !allowed(it.table, it.shard, top, r)) continue;
+          if (cached) {
+            pair = std::max(without, rank_cost(r, -1, &it));
+            if (pair >= best) continue;
+          }
           best = pair;
           best_k = k;
           best_r = r;
@@ -288,7 +304,6 @@ class Search {
         for (int k = 0; k < static_cast<int>(on_rank[top].size()) && visits < kCacheVisits;
              ++k) {
           const Item it = on_rank[top][k];
-          if (!it.free) continue;
           const ShardCost& a = cost_of(it);
           for (int q = 0; q < consider && visits < kCacheVisits; ++q) {
             const int r = by_load[q];
@@ -296,25 +311,27 @@ class Search {
             for (int u = 0; u < static_cast<int>(on_rank[r].size()) && visits < kCacheVisits;
                  ++u) {
               const Item jt = on_rank[r][u];
-              if (!jt.free || jt.table == it.table) continue;
               const ShardCost& b = cost_of(jt);
               // Without caches a swap helps only a cheaper shard onto the
-              // top worker; with them, which shards share a cache counts too.
-              if (!cached && a.total_ms() <= b.total_ms()) continue;
-              if (!fits(r, a, &b) || !fits(top, b, &a)) continue;
+              // top worker, and the pair's cost is a sum; with them, which
+              // shards share a cache counts too, at a pass over each.
+              double pair = 0;
+              if (!cached) {
+                const double delta = it.total_ms - jt.total_ms;
+                if (delta <= 0) continue;
+                pair = std::max(top_cost - delta, cost[r] + delta);
+                if (pair >= best) continue;
+              }
+              if (!fits(r, a, &b) || !fits(top, b, &a) || jt.table == it.table) continue;
               if (!allowed(it.table, it.shard, top, r) || !allowed(jt.table, jt.shard, r, top)) {
                 continue;
               }
-              double pair;
               if (cached) {
                 const double at_top = rank_cost(top, k, &jt);
                 if (at_top >= best) continue;
                 pair = std::max(at_top, rank_cost(r, u, &it));
-              } else {
-                const double delta = a.total_ms() - b.total_ms();
-                pair = std::max(top_cost - delta, cost[r] + delta);
+                if (pair >= best) continue;
               }
-              if (pair >= best) continue;
               best = pair;
               best_k = k;
               best_r = r;
