@@ -77,6 +77,28 @@ std::string CacheFeatureName(int rank, int64_t bytes) {
   return absl::StrCat("f_", rank, "_c", bytes >> 20, "m");
 }
 
+// A scratch table (fp32, SGD at a negligible rate) in `spec`, placed
+// table-wise on `rank` by `plan`.
+void AddTable(const std::string& name, const std::string& feature, int64_t rows, int64_t dim,
+              int rank, ember::v1::CollectionSpec* spec, ember::v1::ShardingPlan* plan) {
+  auto* t = spec->add_tables();
+  t->set_name(name);
+  t->set_num_embeddings(rows);
+  t->set_embedding_dim(dim);
+  t->add_feature_names(feature);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  t->mutable_optimizer()->set_learning_rate(1e-6f);
+  auto* ts = plan->add_tables();
+  ts->set_table(name);
+  ts->set_sharding_type("table_wise");
+  ts->set_compute_kernel("fused");
+  ts->add_ranks(rank);
+  auto* sh = ts->add_shards();
+  sh->set_rows(rows);
+  sh->set_cols(dim);
+  sh->set_rank(rank);
+}
+
 }  // namespace
 
 absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOptions& options,
@@ -107,22 +129,7 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   for (int64_t dim : kDims) cols_per_worker += dim;
   for (int r = 0; r < cal.workers; ++r) {
     for (int64_t dim : kDims) {
-      auto* t = spec.add_tables();
-      t->set_name(TableName(r, dim));
-      t->set_num_embeddings(options.rows);
-      t->set_embedding_dim(dim);
-      t->add_feature_names(FeatureName(r, dim));
-      t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
-      t->mutable_optimizer()->set_learning_rate(1e-6f);
-      auto* ts = plan.add_tables();
-      ts->set_table(t->name());
-      ts->set_sharding_type("table_wise");
-      ts->set_compute_kernel("fused");
-      ts->add_ranks(r);
-      auto* sh = ts->add_shards();
-      sh->set_rows(options.rows);
-      sh->set_cols(dim);
-      sh->set_rank(r);
+      AddTable(TableName(r, dim), FeatureName(r, dim), options.rows, dim, r, &spec, &plan);
     }
   }
   const int64_t row_bytes = kCacheDim * 4;
@@ -134,22 +141,8 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   if (probe_caches) {
     for (int r = 0; r < cal.workers; ++r) {
       for (int64_t bytes : kCacheProbeBytes) {
-        auto* t = spec.add_tables();
-        t->set_name(CacheTableName(r, bytes));
-        t->set_num_embeddings(bytes / row_bytes);
-        t->set_embedding_dim(kCacheDim);
-        t->add_feature_names(CacheFeatureName(r, bytes));
-        t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
-        t->mutable_optimizer()->set_learning_rate(1e-6f);
-        auto* ts = plan.add_tables();
-        ts->set_table(t->name());
-        ts->set_sharding_type("table_wise");
-        ts->set_compute_kernel("fused");
-        ts->add_ranks(r);
-        auto* sh = ts->add_shards();
-        sh->set_rows(t->num_embeddings());
-        sh->set_cols(kCacheDim);
-        sh->set_rank(r);
+        AddTable(CacheTableName(r, bytes), CacheFeatureName(r, bytes), bytes / row_bytes, kCacheDim,
+                 r, &spec, &plan);
       }
     }
   }

@@ -84,6 +84,22 @@ PlannerOptions CachedCpu(int64_t bytes) {
   return o;
 }
 
+// Calls fn with every placement of n items on w workers (w^n of them).
+void ForEachPlacement(int n, int w, const std::function<void(const std::vector<int>&)>& fn) {
+  std::vector<int> assign(n, 0);
+  std::function<void(int)> rec = [&](int i) {
+    if (i == n) {
+      fn(assign);
+      return;
+    }
+    for (int r = 0; r < w; ++r) {
+      assign[i] = r;
+      rec(i + 1);
+    }
+  };
+  rec(0);
+}
+
 // The golden-file rendering: one line per table, one indented line per shard.
 std::string RenderForGolden(const ShardingPlan& plan) {
   std::string out;
@@ -356,20 +372,11 @@ TEST(PlannerTest, TableWiseNearExhaustiveOptimum) {
       cost[i] = p->stats().max_cost_ms();
     }
     double best = 1e300;
-    std::vector<int> assign(n, 0);
-    std::function<void(int)> rec = [&](int i) {
-      if (i == n) {
-        std::vector<double> load(w, 0);
-        for (int k = 0; k < n; ++k) load[assign[k]] += cost[k];
-        best = std::min(best, *std::max_element(load.begin(), load.end()));
-        return;
-      }
-      for (int r = 0; r < w; ++r) {
-        assign[i] = r;
-        rec(i + 1);
-      }
-    };
-    rec(0);
+    ForEachPlacement(n, w, [&](const std::vector<int>& assign) {
+      std::vector<double> load(w, 0);
+      for (int k = 0; k < n; ++k) load[assign[k]] += cost[k];
+      best = std::min(best, *std::max_element(load.begin(), load.end()));
+    });
     const double got = plan->stats().max_cost_ms();
     EXPECT_LE(got, best * 4.0 / 3.0 + 1e-9) << "trial " << trial;
     EXPECT_GE(got, best * (1 - 1e-9)) << "trial " << trial;
@@ -410,25 +417,16 @@ TEST(PlannerTest, WithCachesNearExhaustiveOptimum) {
     auto plain = Plan(spec, topo);
     ASSERT_TRUE(plain.ok()) << plain.status();
     double best = 1e300;
-    std::vector<int> assign(n, 0);
-    std::function<void(int)> rec = [&](int i) {
-      if (i == n) {
-        ShardingPlan p = *plan;
-        for (int k = 0; k < n; ++k) {
-          p.mutable_tables(k)->set_ranks(0, assign[k]);
-          p.mutable_tables(k)->mutable_shards(0)->set_rank(assign[k]);
-        }
-        auto scored = CheckPlan(spec, topo, p, cached);
-        ASSERT_TRUE(scored.ok()) << scored.status();
-        best = std::min(best, scored->stats().max_cost_ms());
-        return;
+    ForEachPlacement(n, w, [&](const std::vector<int>& assign) {
+      ShardingPlan p = *plan;
+      for (int k = 0; k < n; ++k) {
+        p.mutable_tables(k)->set_ranks(0, assign[k]);
+        p.mutable_tables(k)->mutable_shards(0)->set_rank(assign[k]);
       }
-      for (int r = 0; r < w; ++r) {
-        assign[i] = r;
-        rec(i + 1);
-      }
-    };
-    rec(0);
+      auto scored = CheckPlan(spec, topo, p, cached);
+      ASSERT_TRUE(scored.ok()) << scored.status();
+      best = std::min(best, scored->stats().max_cost_ms());
+    });
     const double got = plan->stats().max_cost_ms();
     EXPECT_GE(got, best * (1 - 1e-9)) << "trial " << trial;
     EXPECT_LE(got, best * 4.0 / 3.0 + 1e-9) << "trial " << trial;
