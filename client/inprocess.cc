@@ -13,6 +13,19 @@ namespace client {
 
 using ember::v1::TableConfig;
 
+namespace {
+
+// A thread's reused lookup parts are dropped once they hold more than this.
+constexpr size_t kKeptPartBytes = size_t{64} << 20;
+
+void KeepSmall(std::vector<std::vector<float>>* parts) {
+  size_t bytes = 0;
+  for (const auto& p : *parts) bytes += p.capacity() * sizeof(float);
+  if (bytes > kKeptPartBytes) *parts = {};
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<InProcessCollection>> InProcessCollection::Create(
     const ember::v1::CollectionSpec& spec, const ember::v1::ShardingPlan* plan, int threads) {
   if (plan != nullptr && plan->tables_size() != spec.tables_size()) {
@@ -94,36 +107,45 @@ absl::StatusOr<std::vector<InProcessCollection::Feature>> InProcessCollection::F
   return out;
 }
 
-absl::Status InProcessCollection::LookupInto(const std::vector<Feature>& features,
-                                             std::vector<std::vector<float>>* outs) {
-  // One fused backend call: a request per (feature, column block).
-  std::vector<std::vector<float>> parts;
+absl::Status InProcessCollection::LookupParts(const std::vector<Feature>& features,
+                                              std::vector<std::vector<float>>* parts) {
+  // One fused backend call: a request per (feature, column block). The
+  // parts keep their buffers from the caller's last call: fresh megabytes
+  // each call would be faulted in and zeroed by the kernel page by page
+  // (measured: service_bench's in-process rate 0.5 of the kernels' without
+  // reuse, docs/benchmarks.md).
+  size_t blocks = 0;
+  for (const Feature& f : features) blocks += f.table->blocks.size();
+  if (parts->size() < blocks) parts->resize(blocks);
   std::vector<backend::LookupRequest> requests;
+  size_t p = 0;
   for (const Feature& f : features) {
     for (const Block& b : f.table->blocks) {
-      parts.emplace_back(f.rows_out * b.cols);
+      std::vector<float>& part = (*parts)[p++];
+      part.resize(f.rows_out * b.cols);  // every element is written (embedding_backend.h)
       backend::FeatureRequest r = f.request;
       r.shard = b.id;
-      requests.push_back({r, absl::MakeSpan(parts.back())});
+      requests.push_back({r, absl::MakeSpan(part)});
     }
   }
-  if (absl::Status s = backend_->Lookup(requests); !s.ok()) return s;
-  outs->assign(features.size(), {});
+  return backend_->Lookup(requests);
+}
+
+void InProcessCollection::Scatter(const std::vector<Feature>& features,
+                                  const std::vector<std::vector<float>>& parts,
+                                  const std::vector<float*>& out,
+                                  const std::vector<int64_t>& strides) {
   size_t part = 0;
   for (size_t i = 0; i < features.size(); ++i) {
     const Feature& f = features[i];
-    const int64_t dim = f.table->config->embedding_dim();
-    std::vector<float>& out = (*outs)[i];
-    out.resize(f.rows_out * dim);
     for (const Block& b : f.table->blocks) {
       const std::vector<float>& src = parts[part++];
       for (int64_t r = 0; r < f.rows_out; ++r) {
-        std::memcpy(out.data() + r * dim + b.col_offset, src.data() + r * b.cols,
+        std::memcpy(out[i] + r * strides[i] + b.col_offset, src.data() + r * b.cols,
                     b.cols * sizeof(float));
       }
     }
   }
-  return absl::OkStatus();
 }
 
 absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features,
@@ -153,25 +175,20 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
 absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor& kjt) {
   auto features = Features(kjt, /*sequence=*/false);
   if (!features.ok()) return features.status();
-  std::vector<std::vector<float>> outs;
-  if (absl::Status s = LookupInto(*features, &outs); !s.ok()) return s;
+  thread_local std::vector<std::vector<float>> parts;
+  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) return s;
   KeyedTensor kt;
   kt.batch_size = kjt.batch_size();
   for (const Feature& f : *features) {
     kt.keys.push_back(f.key);
     kt.length_per_key.push_back(f.table->config->embedding_dim());
   }
-  const int64_t width = kt.row_width();
-  kt.values.resize(kt.batch_size * width);
-  int64_t col = 0;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const int64_t dim = kt.length_per_key[i];
-    for (int64_t b = 0; b < kt.batch_size; ++b) {
-      std::memcpy(kt.values.data() + b * width + col, outs[i].data() + b * dim,
-                  dim * sizeof(float));
-    }
-    col += dim;
-  }
+  // Each part straight into its rows of the KeyedTensor.
+  kt.values.resize(kt.batch_size * kt.row_width());
+  std::vector<float*> out;
+  for (int64_t offset : kt.offset_per_key()) out.push_back(kt.values.data() + offset);
+  Scatter(*features, parts, out, std::vector<int64_t>(out.size(), kt.row_width()));
+  KeepSmall(&parts);
   return kt;
 }
 
@@ -197,13 +214,19 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
     const KeyedJaggedTensor& kjt) {
   auto features = Features(kjt, /*sequence=*/true);
   if (!features.ok()) return features.status();
-  std::vector<std::vector<float>> outs;
-  if (absl::Status s = LookupInto(*features, &outs); !s.ok()) return s;
+  thread_local std::vector<std::vector<float>> parts;
+  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) return s;
   std::vector<SequenceEmbedding> result;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const Feature& f = (*features)[i];
-    result.push_back({f.key, f.table->config->embedding_dim(), std::move(outs[i])});
+  std::vector<float*> out;
+  std::vector<int64_t> strides;
+  for (const Feature& f : *features) {
+    const int64_t dim = f.table->config->embedding_dim();
+    result.push_back({f.key, dim, std::vector<float>(f.rows_out * dim)});
+    strides.push_back(dim);
   }
+  for (SequenceEmbedding& e : result) out.push_back(e.values.data());
+  Scatter(*features, parts, out, strides);
+  KeepSmall(&parts);
   return result;
 }
 

@@ -129,6 +129,8 @@ struct FeatureRequest {
 struct LookupRequest {
   FeatureRequest feature;
   // Destination: [batch, dim] (pooled) or [num_ids, dim] (NONE), fp32.
+  // Every element is written (an empty bag's row with zeros), so it need
+  // not be cleared first.
   absl::Span<float> output;
 };
 
