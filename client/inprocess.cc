@@ -151,15 +151,19 @@ void InProcessCollection::Scatter(const std::vector<Feature>& features,
 absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features,
                                             const std::vector<const float*>& grads,
                                             const std::vector<int64_t>& strides) {
-  std::vector<std::vector<float>> parts;
+  // Each block's gradient gathered into a part of its own, the parts kept
+  // between calls as LookupParts' are.
+  thread_local std::vector<std::vector<float>> parts;
   size_t blocks = 0;
   for (const Feature& f : features) blocks += f.table->blocks.size();
-  parts.reserve(blocks);  // stable addresses for the requests' spans
+  if (parts.size() < blocks) parts.resize(blocks);
   std::vector<backend::GradientRequest> requests;
+  size_t p = 0;
   for (size_t i = 0; i < features.size(); ++i) {
     const Feature& f = features[i];
     for (const Block& b : f.table->blocks) {
-      std::vector<float>& part = parts.emplace_back(f.rows_out * b.cols);
+      std::vector<float>& part = parts[p++];
+      part.resize(f.rows_out * b.cols);  // every row is copied in below
       for (int64_t r = 0; r < f.rows_out; ++r) {
         std::memcpy(part.data() + r * b.cols, grads[i] + r * strides[i] + b.col_offset,
                     b.cols * sizeof(float));
@@ -169,7 +173,9 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
       requests.push_back({req, part});
     }
   }
-  return backend_->ApplyGradients(requests);
+  const absl::Status applied = backend_->ApplyGradients(requests);
+  KeepSmall(&parts);
+  return applied;
 }
 
 absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor& kjt) {
