@@ -8,6 +8,11 @@ BCE loss, torch SGD), trained three ways in one process run:
 
   torchrec   a local torchrec.EmbeddingBagCollection with FBGEMM's fused
              row-wise Adagrad (fuse_embedding_optimizer), in this process;
+  dmp        TorchRec's DistributedModelParallel over gloo in --workers
+             processes (one torch thread each, as Ember's workers have), its
+             own planner's CPU plan, FBGEMM's fused row-wise Adagrad, the
+             dense model under DistributedDataParallel, each rank a 1/W
+             share of the batch (the same global batch); off with --dmp 0;
   ember      ember.torch.EmbeddingBagCollection on a local cluster of
              --workers workers (`emberctl up`), row-wise Adagrad fused on the
              workers, one step at a time;
@@ -48,6 +53,9 @@ def parse_args():
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads in this process (0: torch's default)")
     p.add_argument("--coordinator", default="", help="a running cluster (default: start one)")
+    p.add_argument("--dmp", type=int, default=1,
+                   help="1: also time TorchRec DistributedModelParallel over gloo")
+    p.add_argument("--dmp_port", type=int, default=29571, help="gloo's rendezvous port")
     p.add_argument("--format", default="table", choices=["table", "json"])
     return p.parse_args()
 
@@ -62,8 +70,8 @@ class Dense(torch.nn.Module):
         return self.mlp(pooled).squeeze(1)
 
 
-def make_batches(args, torchrec, n=4):
-    rng = np.random.default_rng(1)
+def make_batches(args, torchrec, n=4, seed=1):
+    rng = np.random.default_rng(seed)
     keys = [f"f{t}" for t in range(args.tables)]
     out = []
     for _ in range(n):
@@ -84,6 +92,83 @@ def time_steps(step, batches, steps):
     for i in range(steps):
         step(batches[i % len(batches)])
     return steps / (time.perf_counter() - start)
+
+
+def dmp_rank(rank, args, queue):
+    """One rank of TorchRec's DistributedModelParallel over gloo: plans,
+    shards, times --steps steps; rank 0 puts (steps/s, sharding types)."""
+    import os
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(args.dmp_port)
+    dist.init_process_group("gloo", rank=rank, world_size=args.workers)
+    try:
+        torch.set_num_threads(1)
+        import torchrec
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+        configs = [torchrec.EmbeddingBagConfig(name=f"t{t}", embedding_dim=args.dim,
+                                               num_embeddings=args.rows, feature_names=[f"f{t}"])
+                   for t in range(args.tables)]
+        ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        sharder = EmbeddingBagCollectionSharder(fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-8})
+        local = args.batch // args.workers
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=args.workers, local_world_size=args.workers,
+                              compute_device="cpu"),
+            batch_size=local)
+        plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
+        model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
+                                         sharders=[sharder])
+        torch.manual_seed(0)
+        dense = torch.nn.parallel.DistributedDataParallel(Dense(args.tables * args.dim))
+        opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+        # Each rank its own share of the global batch, as make_batches draws it.
+        shard = copy.copy(args)
+        shard.batch = local
+        batches = make_batches(shard, torchrec, seed=1 + rank)
+
+        def step(b):
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                dense(model(b["kjt"]).values()), b["label"])
+            loss.backward()
+            opt.step()
+
+        for i in range(3):
+            step(batches[i % len(batches)])
+        dist.barrier()
+        start = time.perf_counter()
+        for i in range(args.steps):
+            step(batches[i % len(batches)])
+        dist.barrier()
+        rate = args.steps / (time.perf_counter() - start)
+        if rank == 0:
+            types = sorted({s.sharding_type for s in plan.plan[""].values()})
+            queue.put((rate, types))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_dmp(args):
+    """(steps/s, sharding types) of TorchRec's DMP over gloo, --workers ranks."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=dmp_rank, args=(r, args, queue)) for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=900)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return result
 
 
 def main():
@@ -121,6 +206,8 @@ def main():
 
     results = {"torchrec_steps_per_s": time_steps(torchrec_step, batches, args.steps)}
     del ref
+    if args.dmp:
+        results["dmp_steps_per_s"], results["dmp_plan"] = run_dmp(args)
 
     def run_ember(address):
         client = ember.Client(address, timeout_s=120)
@@ -168,6 +255,10 @@ def main():
     results.update({
         "ember_ratio": results["ember_steps_per_s"] / base,
         "pipelined_ratio": results["pipelined_steps_per_s"] / base,
+        "ember_vs_dmp": (results["ember_steps_per_s"] / results["dmp_steps_per_s"]
+                         if args.dmp else None),
+        "pipelined_vs_dmp": (results["pipelined_steps_per_s"] / results["dmp_steps_per_s"]
+                             if args.dmp else None),
         "tables": args.tables, "rows": args.rows, "dim": args.dim, "batch": args.batch,
         "pooling_factor": args.pf, "steps": args.steps, "workers": args.workers,
         "torch": torch.__version__, "torchrec": torchrec.__version__,
@@ -180,10 +271,16 @@ def main():
           f"({', '.join(results['plan'])}); torch {torch.__version__}, torchrec "
           f"{torchrec.__version__}")
     print(f"  torchrec (local, FBGEMM fused): {base:8.2f} steps/s")
+    if args.dmp:
+        print(f"  torchrec DMP, gloo, {args.workers} procs:  {results['dmp_steps_per_s']:8.2f} "
+              f"steps/s  ({', '.join(results['dmp_plan'])})")
     print(f"  ember:                          {results['ember_steps_per_s']:8.2f} steps/s  "
           f"{results['ember_ratio']:.2f}x")
     print(f"  ember, pipelined:               {results['pipelined_steps_per_s']:8.2f} steps/s  "
           f"{results['pipelined_ratio']:.2f}x")
+    if args.dmp:
+        print(f"  ember / DMP: {results['ember_vs_dmp']:.2f}x, pipelined / DMP: "
+              f"{results['pipelined_vs_dmp']:.2f}x")
 
 
 if __name__ == "__main__":
