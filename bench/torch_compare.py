@@ -8,9 +8,13 @@ the ratio Ember / PyTorch (> 1 means Ember is faster).
 
   Forward:  EmbeddingBag(ids, offsets) under torch.no_grad().
   Backward: one training step (forward with autograd, backward of a constant
-            gradient, sparse SGD step) minus the autograd forward, i.e. the
-            backward + optimizer part, against kernel_bench's
-            ApplyGradients (duplicates merged, SGD, one update per row).
+            gradient, sparse SGD or Adagrad step) minus the autograd forward,
+            i.e. the backward + optimizer part, against kernel_bench's
+            ApplyGradients (duplicates merged, the same optimizer, one update
+            per row).
+
+--dtype=fp16 puts both sides' weights in half precision (PyTorch's
+EmbeddingBag in torch.float16, its output fp16; Ember's output is fp32).
 
 With --device=cuda both run on GPU 0. Ember's backend takes host arrays and
 returns host arrays (a worker's gRPC payloads live in host memory), so the
@@ -42,6 +46,8 @@ def parse_args():
     p.add_argument("--pooling_factor", type=int, default=20)
     p.add_argument("--distribution", default="uniform", choices=["uniform", "zipf"])
     p.add_argument("--pooling", default="sum", choices=["sum", "mean"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="weights")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3,
                    help="alternating Ember / PyTorch measurements per (dim, threads); the "
@@ -73,9 +79,11 @@ def torch_figures(torch, np, ids_path, a, dim, threads):
     if host_ids.numel() != n:
         sys.exit(f"torch_compare: {ids_path} holds {host_ids.numel()} ids, expected {n}")
     host_offsets = torch.arange(0, n, a.pooling_factor, dtype=torch.int64)
-    bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True, device=dev)
-    opt = torch.optim.SGD(bag.parameters(), lr=0.01)
-    host_grad = torch.full((a.batch, dim), 1e-3)
+    dtype = torch.float16 if a.dtype == "fp16" else torch.float32
+    bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True, device=dev, dtype=dtype)
+    opt = (torch.optim.Adagrad(bag.parameters(), lr=0.01) if a.optimizer == "adagrad"
+           else torch.optim.SGD(bag.parameters(), lr=0.01))
+    host_grad = torch.full((a.batch, dim), 1e-3, dtype=dtype)
     dev_ids, dev_offsets, dev_grad = host_ids.to(dev), host_offsets.to(dev), host_grad.to(dev)
 
     # Pageable host tensors, as Ember's backend is handed them.
@@ -125,7 +133,8 @@ def main():
     peer = f"torch {torch.__version__}"
     if a.format == "table":
         print(f"Ember {a.device} backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
-              f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, fp32, SGD")
+              f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, {a.dtype}, "
+              f"{a.optimizer}")
         print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio [range]':>18} | "
               f"{'ember bwd':>12} {'torch bwd':>12} {'ratio [range]':>18}   (ids/s; medians of "
               f"{a.rounds} alternating rounds)")
@@ -136,7 +145,7 @@ def main():
                 cmd = [a.kernel_bench, f"--rows={a.rows}", f"--dim={dim}", f"--batch={a.batch}",
                        f"--pooling_factor={a.pooling_factor}", f"--threads={threads}",
                        f"--distribution={a.distribution}", f"--pooling={a.pooling}",
-                       "--dtype=fp32", "--optimizer=sgd", f"--iters={a.iters}",
+                       f"--dtype={a.dtype}", f"--optimizer={a.optimizer}", f"--iters={a.iters}",
                        "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
                 # Rounds alternate Ember and PyTorch on the same ids, so a
                 # drift of the machine's speed reaches both alike.
@@ -158,7 +167,8 @@ def main():
                 row = {
                     "dim": dim, "threads": threads, "rows": a.rows, "batch": a.batch,
                     "pooling_factor": a.pooling_factor, "distribution": a.distribution,
-                    "pooling": a.pooling, "backend": ember["backend"], "peer": peer,
+                    "pooling": a.pooling, "dtype": a.dtype, "optimizer": a.optimizer,
+                    "backend": ember["backend"], "peer": peer,
                     "rounds": len(rounds),
                     "lookups_per_s": e_fwd, "torch_lookups_per_s": t_fwd,
                     "ratio": med(fwd_ratios), "ratio_range": [min(fwd_ratios), max(fwd_ratios)],

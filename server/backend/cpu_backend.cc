@@ -275,7 +275,7 @@ class CpuBackend : public EmbeddingBackend {
             accumulate_f32(g, occ_[k].grad, dim, occ_[k].scale);
           }
           const int64_t row = occ_[unique_begin_[u]].row;
-          UpdateRow(&s, row, g, params, noise ? NoiseKey(s, row) : 0);
+          UpdateRow(*kernels_, &s, row, g, params, noise ? NoiseKey(s, row) : 0);
         }
       });
     }
@@ -412,8 +412,8 @@ class CpuBackend : public EmbeddingBackend {
   // One optimizer step on row r with merged gradient g (modified in place),
   // by embedding_math.h's formulas; `noise_key` is this row's stochastic
   // rounding key (fp16/bf16 with stochastic_rounding only).
-  static void UpdateRow(Shard* s, int64_t r, float* g, const math::StepParams& p,
-                        uint64_t noise_key) {
+  static void UpdateRow(const RowKernels& k, Shard* s, int64_t r, float* g,
+                        const math::StepParams& p, uint64_t noise_key) {
     const int64_t dim = s->spec.dim;
     // fp32 rows are updated in place; fp16/bf16 rows through a per-thread
     // fp32 copy (grown once, then reused).
@@ -425,7 +425,7 @@ class CpuBackend : public EmbeddingBackend {
     } else {
       if (static_cast<int64_t>(scratch.size()) < dim) scratch.resize(dim);
       wp = scratch.data();
-      for (int64_t c = 0; c < dim; ++c) wp[c] = s->Get(r, c);
+      k.widen[static_cast<int>(s->spec.weight_type)](wp, s->Row(r), dim);
     }
     // Restrict pointers and the parameters in a local, so the loops
     // vectorise (the compiler cannot otherwise rule out aliasing).
@@ -467,13 +467,8 @@ class CpuBackend : public EmbeddingBackend {
       for (int64_t c = 0; c < dim; ++c) s->Set(r, c, wp[c]);
       return;
     }
-    uint16_t* out = reinterpret_cast<uint16_t*>(s->Row(r));
-    const bool fp16 = s->spec.weight_type == WeightType::kFp16;
-    for (int64_t c = 0; c < dim; ++c) {
-      const uint32_t noise = math::ElementNoise(noise_key, s->spec.col_offset + c);
-      out[c] = fp16 ? math::FloatToFp16Stochastic(wp[c], noise)
-                    : math::FloatToBf16Stochastic(wp[c], noise);
-    }
+    k.narrow_stochastic[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim, noise_key,
+                                                               s->spec.col_offset);
   }
 
   // The stochastic rounding key of shard row r at the shard's current step.

@@ -23,11 +23,30 @@ using PoolFn = void (*)(float* out, const uint8_t* table, int64_t row_bytes, con
                         const float* weights, int64_t n, int64_t ids_avail, int64_t dim,
                         float out_scale, int prefetch);
 
+// out[0, dim) = a row stored as one weight type, as fp32 (exact: fp16 and
+// bf16 widen without loss). dim is a multiple of 4.
+using WidenFn = void (*)(float* out, const void* row, int64_t dim);
+
+// A row of fp16 (type 1) or bf16 (type 2) weights from fp32 w[0, dim),
+// rounded stochastically: element c as embedding_math.h's
+// FloatToFp16Stochastic / FloatToBf16Stochastic with the noise
+// ElementNoise(row_key, col_offset + c), bit for bit. dim is a multiple
+// of 4.
+using NarrowFn = void (*)(void* row, const float* w, int64_t dim, uint64_t row_key,
+                          int64_t col_offset);
+
 struct RowKernels {
   const char* isa;             // "scalar", "avx2", "avx512"
   AccumulateFn accumulate[3];  // indexed by WeightType (fp32, fp16, bf16)
   PoolFn pool[3];
+  WidenFn widen[3];
+  NarrowFn narrow_stochastic[3];  // [0] (fp32) is null
 };
+
+// One element of NarrowFn (type 1 fp16, 2 bf16), compiled without the
+// wider ISAs (cpu_kernels.cc): the vector kernels hand it the lanes their
+// fast path does not cover (zeros, subnormals, Inf, NaN).
+uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col);
 
 // Defined in cpu_kernels_avx2.cc / cpu_kernels_avx512.cc; use them only
 // where the CPU has the ISA (RowKernelsFor checks).

@@ -3,6 +3,7 @@
 #include <cpuid.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
 
 namespace ember {
@@ -37,9 +38,22 @@ void PoolScalar(float* out, const uint8_t* table, int64_t row_bytes, const int64
   for (int64_t c = 0; c < dim; ++c) out[c] *= out_scale;
 }
 
+template <int T>
+void WidenScalar(float* out, const void* row, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) out[i] = LoadScalar(T, row, i);
+}
+
+template <int T>
+void NarrowScalar(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  for (int64_t c = 0; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
+}
+
 const RowKernels kScalar = {"scalar",
                             {AccScalar<0>, AccScalar<1>, AccScalar<2>},
-                            {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>}};
+                            {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>},
+                            {WidenScalar<0>, WidenScalar<1>, WidenScalar<2>},
+                            {nullptr, NarrowScalar<1>, NarrowScalar<2>}};
 
 // F16C through CPUID (leaf 1, ECX bit 29): clang has no "f16c" feature
 // name for __builtin_cpu_supports.
@@ -57,6 +71,11 @@ bool HasAvx512() {
 }
 
 }  // namespace
+
+uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col) {
+  const uint32_t noise = math::ElementNoise(row_key, col);
+  return type == 1 ? math::FloatToFp16Stochastic(w, noise) : math::FloatToBf16Stochastic(w, noise);
+}
 
 const RowKernels& BestRowKernels() {
   if (HasAvx512()) return kAvx512RowKernels;

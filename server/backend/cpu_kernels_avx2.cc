@@ -51,6 +51,43 @@ void AccBf16(float* acc, const void* row, int64_t dim, float scale) {
   }
 }
 
+void WidenF32(float* out, const void* row, int64_t dim) {
+  const float* r = static_cast<const float*>(row);
+  for (int64_t i = 0; i < dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
+}
+
+void WidenFp16(float* out, const void* row, int64_t dim) {
+  const uint16_t* r = static_cast<const uint16_t*>(row);
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+  }
+  for (; i < dim; i += 4) {
+    _mm_storeu_ps(out + i, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i))));
+  }
+}
+
+void WidenBf16(float* out, const void* row, int64_t dim) {
+  const uint16_t* r = static_cast<const uint16_t*>(row);
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < dim; i += 4) {
+    const __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
+    _mm_storeu_ps(out + i, _mm_castsi128_ps(_mm_slli_epi32(w, 16)));
+  }
+}
+
+// Stochastic rounding element by element (the AVX-512 kernels vectorise it).
+template <int T>
+void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  for (int64_t c = 0; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
+}
+
 struct Ops {
   using Reg = __m256;
   static constexpr int kLanes = 8;
@@ -76,8 +113,11 @@ struct Ops {
 
 }  // namespace
 
-const RowKernels kAvx2RowKernels = {
-    "avx2", {AccF32, AccFp16, AccBf16}, {Pool<0>, Pool<1>, Pool<2>}};
+const RowKernels kAvx2RowKernels = {"avx2",
+                                    {AccF32, AccFp16, AccBf16},
+                                    {Pool<0>, Pool<1>, Pool<2>},
+                                    {WidenF32, WidenFp16, WidenBf16},
+                                    {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>}};
 
 }  // namespace backend
 }  // namespace ember

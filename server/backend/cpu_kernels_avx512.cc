@@ -43,6 +43,102 @@ void AccBf16(float* acc, const void* row, int64_t dim, float scale) {
   if (i < dim) kAvx2RowKernels.accumulate[2](acc + i, r + i, dim - i, scale);
 }
 
+void WidenF32(float* out, const void* row, int64_t dim) {
+  const float* r = static_cast<const float*>(row);
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) _mm512_storeu_ps(out + i, _mm512_loadu_ps(r + i));
+  for (; i < dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
+}
+
+void WidenFp16(float* out, const void* row, int64_t dim) {
+  const uint16_t* r = static_cast<const uint16_t*>(row);
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    _mm512_storeu_ps(out + i,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i))));
+  }
+  if (i < dim) kAvx2RowKernels.widen[1](out + i, r + i, dim - i);
+}
+
+void WidenBf16(float* out, const void* row, int64_t dim) {
+  const uint16_t* r = static_cast<const uint16_t*>(row);
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+  if (i < dim) kAvx2RowKernels.widen[2](out + i, r + i, dim - i);
+}
+
+// a * b mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products (AVX-512F
+// has no 64-bit multiply without DQ).
+inline __m512i MulLo64(__m512i a, uint64_t b) {
+  const __m512i lo = _mm512_set1_epi64(static_cast<long long>(b & 0xffffffffu));
+  const __m512i hi = _mm512_set1_epi64(static_cast<long long>(b >> 32));
+  const __m512i cross = _mm512_add_epi64(_mm512_mul_epu32(_mm512_srli_epi64(a, 32), lo),
+                                         _mm512_mul_epu32(a, hi));
+  return _mm512_add_epi64(_mm512_mul_epu32(a, lo), _mm512_slli_epi64(cross, 32));
+}
+
+// Eight lanes of embedding_math.h's ElementNoise: Mix64(x) >> 32 of x =
+// row_key + column.
+inline __m256i Noise8(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 30));
+  x = MulLo64(x, 0xbf58476d1ce4e5b9ull);
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 27));
+  x = MulLo64(x, 0x94d049bb133111ebull);
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
+  return _mm512_cvtepi64_epi32(_mm512_srli_epi64(x, 32));
+}
+
+// Sixteen columns' noise, columns col .. col + 15 of the row.
+inline __m512i Noise16(uint64_t row_key, int64_t col) {
+  const __m512i steps = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const uint64_t base = row_key + static_cast<uint64_t>(col);
+  const __m256i a = Noise8(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base)), steps));
+  const __m256i b =
+      Noise8(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base + 8)), steps));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+// T 1: fp16, the normal-half path of FloatToFp16Stochastic (rebias, add
+// the noise under the 13 dropped bits, shift); zeros, half subnormals,
+// Inf, NaN and overflow go to StochasticRoundOne. T 2: bf16, add 16 noise
+// bits and truncate; Inf and NaN one by one.
+template <int T>
+void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
+                      int64_t col_offset) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  int64_t c = 0;
+  for (; c + 16 <= dim; c += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(w + c));
+    const __m512i noise = Noise16(row_key, col_offset + c);
+    const __m512i abs = _mm512_and_si512(u, abs_mask);
+    __m512i h;
+    __mmask16 special;
+    if (T == 1) {
+      const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+      const __m512i r =
+          _mm512_add_epi32(_mm512_sub_epi32(abs, _mm512_set1_epi32(0x38000000)),
+                           _mm512_and_si512(noise, _mm512_set1_epi32(0x1fff)));
+      h = _mm512_or_si512(sign, _mm512_srli_epi32(r, 13));
+      special = _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)) |
+                _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x47800000));
+    } else {
+      h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff))),
+                            16);
+      special = _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm512_cvtepi32_epi16(h));
+    for (unsigned m = special; m != 0; m &= m - 1) {
+      const int i = __builtin_ctz(m);
+      out[c + i] = StochasticRoundOne(T, w[c + i], row_key, col_offset + c + i);
+    }
+  }
+  for (; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
+}
+
 struct Ops {
   using Reg = __m512;
   static constexpr int kLanes = 16;
@@ -67,7 +163,11 @@ struct Ops {
 }  // namespace
 
 const RowKernels kAvx512RowKernels = {
-    "avx512", {AccF32, AccFp16, AccBf16}, {Pool<0>, Pool<1>, Pool<2>}};
+    "avx512",
+    {AccF32, AccFp16, AccBf16},
+    {Pool<0>, Pool<1>, Pool<2>},
+    {WidenF32, WidenFp16, WidenBf16},
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>}};
 
 }  // namespace backend
 }  // namespace ember

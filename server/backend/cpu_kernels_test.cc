@@ -1,0 +1,115 @@
+// The ISA row kernels against embedding_math.h / half.h's scalar formulas,
+// bit for bit: widening every half and bf16 value, and stochastic
+// rounding of values from every range (zeros, half subnormals, normals,
+// overflow, Inf, NaN) at column offsets and widths that leave tails.
+#include "server/backend/cpu_kernels.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/backend/embedding_math.h"
+#include "server/backend/half.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+std::vector<const RowKernels*> AvailableKernels() {
+  std::vector<const RowKernels*> out;
+  for (const std::string isa : {"scalar", "avx2", "avx512"}) {
+    auto k = RowKernelsFor(isa);
+    if (k.ok()) out.push_back(*k);
+  }
+  return out;
+}
+
+TEST(CpuKernelsTest, WidenEveryHalfAndBf16Exactly) {
+  std::vector<uint16_t> all(65536);
+  for (int i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+  for (const RowKernels* k : AvailableKernels()) {
+    SCOPED_TRACE(k->isa);
+    std::vector<float> out(all.size());
+    k->widen[1](out.data(), all.data(), static_cast<int64_t>(all.size()));
+    for (int i = 0; i < 65536; ++i) {
+      const float want = Fp16ToFloat(all[i]);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(out[i])) << i;
+      } else {
+        ASSERT_EQ(Bits(out[i]), Bits(want)) << "half 0x" << std::hex << i;
+      }
+    }
+    k->widen[2](out.data(), all.data(), static_cast<int64_t>(all.size()));
+    for (int i = 0; i < 65536; ++i) ASSERT_EQ(Bits(out[i]), Bits(Bf16ToFloat(all[i]))) << i;
+    std::vector<float> f32 = {1.5f, -0.0f, 3e38f, 1e-40f};
+    std::vector<float> copy(4);
+    k->widen[0](copy.data(), f32.data(), 4);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(Bits(copy[i]), Bits(f32[i]));
+  }
+}
+
+TEST(CpuKernelsTest, StochasticRoundingMatchesTheFormulasBitForBit) {
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {0.0f,       -0.0f,     1e-30f,  -2.9e-8f, 3e-8f,    6e-8f,
+                            -5.9e-5f,   6.1e-5f,   6.2e-5f, 65504.0f, 65519.0f, 65520.0f,
+                            -70000.0f,  inf,       -inf,    std::nanf(""), 1.0f, -3.25f};
+  for (const RowKernels* k : AvailableKernels()) {
+    SCOPED_TRACE(k->isa);
+    for (int64_t dim : {4, 12, 16, 20, 64, 68, 132}) {
+      for (int64_t col_offset : {0, 4, 100}) {
+        std::vector<float> w(dim);
+        for (int64_t c = 0; c < dim; ++c) {
+          // A mix: specials, small values around the half subnormal range,
+          // and ordinary weights.
+          const int pick = static_cast<int>(rng() % 4);
+          if (pick == 0) {
+            w[c] = specials[rng() % (sizeof(specials) / sizeof(specials[0]))];
+          } else if (pick == 1) {
+            w[c] = unit(rng) * 1e-4f;
+          } else {
+            w[c] = unit(rng) * 0.05f;
+          }
+        }
+        const uint64_t key = rng();
+        for (int type : {1, 2}) {
+          std::vector<uint16_t> got(dim);
+          k->narrow_stochastic[type](got.data(), w.data(), dim, key, col_offset);
+          for (int64_t c = 0; c < dim; ++c) {
+            const uint32_t noise = math::ElementNoise(key, col_offset + c);
+            const uint16_t want = type == 1 ? math::FloatToFp16Stochastic(w[c], noise)
+                                            : math::FloatToBf16Stochastic(w[c], noise);
+            ASSERT_EQ(got[c], want) << "type " << type << " dim " << dim << " col "
+                                    << col_offset + c << " w " << w[c];
+          }
+        }
+      }
+    }
+  }
+}
+
+// A kernel that rounds a value the wrong way must fail the comparison
+// above: the noise really decides (two keys round some element apart).
+TEST(CpuKernelsTest, TheNoiseDecidesTheRounding) {
+  const RowKernels& k = BestRowKernels();
+  std::vector<float> w(64, 0.0123f);
+  std::vector<uint16_t> a(64), b(64);
+  k.narrow_stochastic[1](a.data(), w.data(), 64, 1, 0);
+  k.narrow_stochastic[1](b.data(), w.data(), 64, 2, 0);
+  EXPECT_NE(a, b);
+}
+
+}  // namespace
+}  // namespace backend
+}  // namespace ember
