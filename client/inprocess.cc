@@ -182,7 +182,10 @@ absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor&
   auto features = Features(kjt, /*sequence=*/false);
   if (!features.ok()) return features.status();
   thread_local std::vector<std::vector<float>> parts;
-  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) return s;
+  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) {
+    KeepSmall(&parts);
+    return s;
+  }
   KeyedTensor kt;
   kt.batch_size = kjt.batch_size();
   for (const Feature& f : *features) {
@@ -192,7 +195,8 @@ absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor&
   // Each part straight into its rows of the KeyedTensor.
   kt.values.resize(kt.batch_size * kt.row_width());
   std::vector<float*> out;
-  for (int64_t offset : kt.offset_per_key()) out.push_back(kt.values.data() + offset);
+  const std::vector<int64_t> offsets = kt.offset_per_key();
+  for (size_t k = 0; k < kt.keys.size(); ++k) out.push_back(kt.values.data() + offsets[k]);
   Scatter(*features, parts, out, std::vector<int64_t>(out.size(), kt.row_width()));
   KeepSmall(&parts);
   return kt;
@@ -221,7 +225,10 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
   auto features = Features(kjt, /*sequence=*/true);
   if (!features.ok()) return features.status();
   thread_local std::vector<std::vector<float>> parts;
-  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) return s;
+  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) {
+    KeepSmall(&parts);
+    return s;
+  }
   std::vector<SequenceEmbedding> result;
   std::vector<float*> out;
   std::vector<int64_t> strides;

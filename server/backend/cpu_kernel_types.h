@@ -44,8 +44,8 @@ struct RowKernels {
 };
 
 // One element of NarrowFn (type 1 fp16, 2 bf16), compiled without the
-// wider ISAs (cpu_kernels.cc): the vector kernels hand it the lanes their
-// fast path does not cover (zeros, subnormals, Inf, NaN).
+// wider ISAs (stochastic_round.cc): the vector kernels hand it the lanes
+// their fast path does not cover (zeros, subnormals, Inf, NaN).
 uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col);
 
 // Defined in cpu_kernels_avx2.cc / cpu_kernels_avx512.cc; use them only

@@ -3,7 +3,6 @@
 #include <cpuid.h>
 
 #include "absl/strings/str_cat.h"
-#include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
 
 namespace ember {
@@ -71,11 +70,6 @@ bool HasAvx512() {
 }
 
 }  // namespace
-
-uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col) {
-  const uint32_t noise = math::ElementNoise(row_key, col);
-  return type == 1 ? math::FloatToFp16Stochastic(w, noise) : math::FloatToBf16Stochastic(w, noise);
-}
 
 const RowKernels& BestRowKernels() {
   if (HasAvx512()) return kAvx512RowKernels;

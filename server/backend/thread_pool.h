@@ -14,7 +14,9 @@
 #ifndef EMBER_SERVER_BACKEND_THREAD_POOL_H_
 #define EMBER_SERVER_BACKEND_THREAD_POOL_H_
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -104,7 +106,11 @@ class ThreadPool {
   static void SpinUntil(Done done) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
     for (int i = 1; !done(); ++i) {
+#if defined(__x86_64__) || defined(__i386__)
       _mm_pause();
+#else
+      std::this_thread::yield();
+#endif
       if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return;
     }
   }

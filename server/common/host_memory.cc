@@ -1,5 +1,7 @@
 #include "server/common/host_memory.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <fstream>
 #include <limits>
@@ -79,6 +81,13 @@ int64_t HostMemoryBytes() {
       ReadText("/proc/meminfo"),
       CgroupFile("/sys/fs/cgroup", CgroupPath(self, ""), "memory.max"),
       CgroupFile("/sys/fs/cgroup/memory", CgroupPath(self, "memory"), "memory.limit_in_bytes"));
+}
+
+bool KeepFreedHeapMemory(int64_t keep_bytes) {
+  if (keep_bytes <= 0) return true;
+  constexpr int kHeapBelow = 32 << 20;
+  const int keep = static_cast<int>(std::min<int64_t>(keep_bytes, int64_t{1} << 30));
+  return mallopt(M_MMAP_THRESHOLD, kHeapBelow) == 1 && mallopt(M_TRIM_THRESHOLD, keep) == 1;
 }
 
 }  // namespace ember
