@@ -254,6 +254,22 @@ int Run(const char* argv0) {
       (void)clients.back()->Lookup(spec.name(), batches[i % batches.size()]);
     }
   }
+  // The workers' time in the backend against their time in the Lookup
+  // handler, over the timed calls (Worker.ShardStatus, before and after).
+  auto worker_times = [&](double* backend_ns, double* handler_ns) -> absl::Status {
+    *backend_ns = *handler_ns = 0;
+    for (const std::string& address : info->worker_addresses()) {
+      auto st = (*c)->WorkerStatus(address);
+      if (!st.ok()) return st.status();
+      *backend_ns += static_cast<double>(st->backend_lookup_ns());
+      *handler_ns += static_cast<double>(st->lookup_handler_ns());
+    }
+    return absl::OkStatus();
+  };
+  double backend_before = 0, handler_before = 0;
+  if (absl::Status s = worker_times(&backend_before, &handler_before); !s.ok()) {
+    return Fail("worker status", s);
+  }
   std::vector<std::vector<double>> latencies(FLAGS_clients);
   std::atomic<int> errors{0};
   std::vector<std::thread> threads;
@@ -270,6 +286,13 @@ int Run(const char* argv0) {
   }
   for (auto& th : threads) th.join();
   const double service_s = absl::ToDoubleSeconds(absl::Now() - start);
+  double backend_after = 0, handler_after = 0;
+  if (absl::Status s = worker_times(&backend_after, &handler_after); !s.ok()) {
+    return Fail("worker status", s);
+  }
+  const double worker_share = handler_after > handler_before
+                                  ? (backend_after - backend_before) / (handler_after - handler_before)
+                                  : 0.0;
   (void)(*c)->DropCollection(spec.name());
   if (errors > 0) {
     return Fail("lookups", absl::InternalError(absl::StrCat(errors.load(), " lookups failed")));
@@ -300,15 +323,20 @@ int Run(const char* argv0) {
     std::cout << absl::StrFormat("  ratio in-process / kernel: %.2f (target >= 0.95)\n",
                                  inprocess_per_s / kernel_per_s);
     std::cout << absl::StrFormat("  ratio service / in-process: %.2f (target >= 0.5)\n", ratio);
+    std::cout << absl::StrFormat(
+        "  workers: time in the backend / time in the Lookup handler: %.3f (target >= 0.95)\n",
+        worker_share);
   } else {
     std::cout << absl::StrFormat(
         "{\"lookups_per_s\": %.2f, \"ids_per_s\": %.4g, \"mb_per_s\": %.1f, \"p50_ms\": %.3f, "
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"kernel_lookups_per_s\": %.2f, "
+        "\"worker_backend_share\": %.4f, "
         "\"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
         "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\"}\n",
-        per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s, ratio,
+        per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
+        worker_share, ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
         FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport);

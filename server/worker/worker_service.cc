@@ -501,6 +501,7 @@ absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char*
 
 grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
                                    ember::v1::WorkerLookupResponse* resp) {
+  const absl::Time handler_start = absl::Now();
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("lookup");
   if (!call.ok()) return ToGrpc(call.status());
@@ -578,6 +579,8 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   lookups_.fetch_add(1, std::memory_order_relaxed);
   lookup_ids_.fetch_add(ids, std::memory_order_relaxed);
   lookup_bytes_.fetch_add(total_bytes + ids * 8, std::memory_order_relaxed);
+  lookup_handler_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - handler_start),
+                               std::memory_order_relaxed);
   return grpc::Status::OK;
 }
 
@@ -820,6 +823,8 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_updates(updates_.load(std::memory_order_relaxed));
   resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
   resp->set_shm_channels(channels_.open_channels());
+  resp->set_backend_lookup_ns(backend_lookup_ns_.load(std::memory_order_relaxed));
+  resp->set_lookup_handler_ns(lookup_handler_ns_.load(std::memory_order_relaxed));
   for (const auto& [name, c] : collections_) {
     for (const auto& [key, entry] : c->shards) {
       auto* info = resp->add_shards();

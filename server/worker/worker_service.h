@@ -179,6 +179,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   const WorkerServiceOptions options_;
   std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0};
   std::atomic<int64_t> backend_lookup_ns_{0}, backend_update_ns_{0};
+  std::atomic<int64_t> lookup_handler_ns_{0};  // successful lookups, whole handler
   std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};
   std::atomic<int64_t> nonfinite_refused_{0};
   std::atomic<int64_t> nonfinite_skipped_ids_{0};

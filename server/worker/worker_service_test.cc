@@ -424,6 +424,35 @@ ember::v1::WorkerLookupRequest PooledLookup(int64_t epoch = 1) {
   return req;
 }
 
+// ShardStatus reports the lookups' time in the backend and in the whole
+// handler: both grow with a lookup that succeeds, the handler's at least as
+// much; a refused lookup adds no handler time.
+TEST(WorkerServiceTest, StatusReportsBackendAndHandlerTime) {
+  auto s = MakeService(false);
+  auto status = [&] {
+    ember::v1::ShardStatusRequest sreq;
+    ember::v1::ShardStatusResponse st;
+    EXPECT_TRUE(s->ShardStatus(nullptr, &sreq, &st).ok());
+    return st;
+  };
+  const auto before = status();
+  EXPECT_EQ(before.backend_lookup_ns(), 0);
+  EXPECT_EQ(before.lookup_handler_ns(), 0);
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.mutable_features(0)->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{2, 1}));
+  req.mutable_features(0)->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 3}));
+  ember::v1::WorkerLookupResponse resp;
+  ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
+  const auto after = status();
+  EXPECT_GT(after.backend_lookup_ns(), 0);
+  EXPECT_GE(after.lookup_handler_ns(), after.backend_lookup_ns());
+  EXPECT_EQ(after.lookups(), 1);
+  ember::v1::WorkerLookupRequest bad = req;
+  bad.mutable_features(0)->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 99}));
+  EXPECT_EQ(s->Lookup(nullptr, &bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status().lookup_handler_ns(), after.lookup_handler_ns());
+}
+
 // Lookups and updates through a shared-memory channel give what the same
 // calls inline give; every malformed use of a channel is refused with
 // INVALID_ARGUMENT (UNAVAILABLE for an unknown channel) and applies
