@@ -258,26 +258,29 @@ std::vector<double> CachedFractions(const CostModel& m,
   return fraction;
 }
 
-double CacheSavingMs(const CostModel& m, const std::vector<const ShardCost*>& shards) {
-  if (m.cache_bytes <= 0) return 0;
-  // CachedFractions' fill, summed as it goes (the planner's search calls
-  // this for every move it weighs).
-  std::vector<std::pair<double, const ShardCost*>> hot;  // (saving per byte, shard)
-  hot.reserve(shards.size());
-  for (const ShardCost* s : shards) {
-    const double saving = s->fwd_cache_saving_ms + s->bwd_cache_saving_ms;
-    if (s->resident_bytes > 0 && saving > 0) hot.emplace_back(saving / s->resident_bytes, s);
-  }
-  std::stable_sort(hot.begin(), hot.end(),
+double FillDensest(std::vector<std::pair<double, double>> offers, double capacity) {
+  std::stable_sort(offers.begin(), offers.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
-  double left = static_cast<double>(m.cache_bytes), saved = 0;
-  for (const auto& [density, s] : hot) {
-    if (left <= 0) break;
-    const double bytes = static_cast<double>(s->resident_bytes);
-    saved += std::min(1.0, left / bytes) * (s->fwd_cache_saving_ms + s->bwd_cache_saving_ms);
-    left -= bytes;
+  double saved = 0;
+  for (const auto& [density, bytes] : offers) {
+    if (capacity <= 0) break;
+    saved += density * std::min(bytes, capacity);
+    capacity -= bytes;
   }
   return saved;
+}
+
+double CacheSavingMs(const CostModel& m, const std::vector<const ShardCost*>& shards) {
+  if (m.cache_bytes <= 0) return 0;
+  std::vector<std::pair<double, double>> offers;
+  offers.reserve(shards.size());
+  for (const ShardCost* s : shards) {
+    const double saving = s->fwd_cache_saving_ms + s->bwd_cache_saving_ms;
+    if (s->resident_bytes > 0 && saving > 0) {
+      offers.emplace_back(saving / s->resident_bytes, static_cast<double>(s->resident_bytes));
+    }
+  }
+  return FillDensest(std::move(offers), static_cast<double>(m.cache_bytes));
 }
 
 }  // namespace planner

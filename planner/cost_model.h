@@ -16,6 +16,7 @@
 #define EMBER_PLANNER_COST_MODEL_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "planner/shard_geometry.h"
@@ -186,8 +187,14 @@ ShardCost EstimateShard(const CostModel& model, const TableWorkload& workload,
 std::vector<double> CachedFractions(const CostModel& model,
                                     const std::vector<const ShardCost*>& shards);
 
-// sum(fraction * saving) over `shards` on one worker.
+// sum(fraction * saving) over `shards` on one worker: CachedFractions'
+// fill, summed (FillDensest).
 double CacheSavingMs(const CostModel& model, const std::vector<const ShardCost*>& shards);
+
+// A fractional knapsack: `capacity` bytes filled from `offers` (saving per
+// byte, bytes), densest first; the saving. What one worker's caches save
+// (CacheSavingMs), and the planner's bound on what any could.
+double FillDensest(std::vector<std::pair<double, double>> offers, double capacity);
 
 }  // namespace planner
 }  // namespace ember

@@ -4,7 +4,6 @@
 #include <map>
 #include <set>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -225,7 +224,6 @@ class Search {
         }
       }
     }
-    auto cost_of = [](const Item& it) -> const ShardCost& { return *it.cost; };
     Loads& L = s->loads;
     int64_t visits = 0;
     std::vector<const ShardCost*> scratch;
@@ -238,9 +236,9 @@ class Search {
       if (!cached) return c;
       scratch.assign(fixed_on_rank[r].begin(), fixed_on_rank[r].end());
       for (int k = 0; k < static_cast<int>(on_rank[r].size()); ++k) {
-        if (k != out) scratch.push_back(&cost_of(on_rank[r][k]));
+        if (k != out) scratch.push_back(on_rank[r][k].cost);
       }
-      if (in != nullptr) scratch.push_back(&cost_of(*in));
+      if (in != nullptr) scratch.push_back(in->cost);
       visits += static_cast<int64_t>(scratch.size());
       return c - CacheSavingMs(model, scratch);
     };
@@ -273,7 +271,7 @@ class Search {
       // Moves.
       for (int k = 0; k < static_cast<int>(on_rank[top].size()) && visits < kCacheVisits; ++k) {
         const Item it = on_rank[top][k];
-        const ShardCost& c = cost_of(it);
+        const ShardCost& c = *it.cost;
         const double without = rank_cost(top, k, nullptr);
         if (without >= best) continue;
         for (int r = 0; r < w_; ++r) {
@@ -304,14 +302,14 @@ class Search {
         for (int k = 0; k < static_cast<int>(on_rank[top].size()) && visits < kCacheVisits;
              ++k) {
           const Item it = on_rank[top][k];
-          const ShardCost& a = cost_of(it);
+          const ShardCost& a = *it.cost;
           for (int q = 0; q < consider && visits < kCacheVisits; ++q) {
             const int r = by_load[q];
             if (r == top) continue;
             for (int u = 0; u < static_cast<int>(on_rank[r].size()) && visits < kCacheVisits;
                  ++u) {
               const Item jt = on_rank[r][u];
-              const ShardCost& b = cost_of(jt);
+              const ShardCost& b = *jt.cost;
               // Without caches a swap helps only a cheaper shard onto the
               // top worker, and the pair's cost is a sum; with them, which
               // shards share a cache counts too, at a pass over each.
@@ -342,13 +340,13 @@ class Search {
       }
       if (best_k < 0) break;
       const Item it = on_rank[top][best_k];
-      L.Add(top, cost_of(it), -1);
-      L.Add(best_r, cost_of(it), +1);
+      L.Add(top, *it.cost, -1);
+      L.Add(best_r, *it.cost, +1);
       s->tables[it.table].ranks[it.shard] = best_r;
       if (best_u >= 0) {
         const Item jt = on_rank[best_r][best_u];
-        L.Add(best_r, cost_of(jt), -1);
-        L.Add(top, cost_of(jt), +1);
+        L.Add(best_r, *jt.cost, -1);
+        L.Add(top, *jt.cost, +1);
         s->tables[jt.table].ranks[jt.shard] = top;
         on_rank[best_r].erase(on_rank[best_r].begin() + best_u);
         on_rank[top].push_back(jt);
@@ -902,18 +900,8 @@ Bounds LowerBounds(const std::vector<TableInfo>& tables, int w, const CostModel&
     savings += table_saving;
     largest_cached = std::max(largest_cached, table_largest);
   }
-  std::sort(offers.begin(), offers.end(), std::greater<>());
-  auto fill = [&offers](double capacity) {
-    double saved = 0;
-    for (const auto& [density, bytes] : offers) {
-      if (capacity <= 0) break;
-      saved += density * std::min(bytes, capacity);
-      capacity -= bytes;
-    }
-    return saved;
-  };
-  const double one = fill(cache);
-  const double all = std::min(savings, fill(cache * w));
+  const double one = FillDensest(offers, cache);
+  const double all = std::min(savings, FillDensest(std::move(offers), cache * w));
   b.cached_simple = std::max(std::max(0.0, total - all) / w, largest_cached);
   b.cached_tight = std::max(b.cached_simple, b.tight - one);
   return b;
