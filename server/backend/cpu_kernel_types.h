@@ -48,6 +48,13 @@ struct RowKernels {
 // their fast path does not cover (zeros, subnormals, Inf, NaN).
 uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col);
 
+// NarrowFn element by element through StochasticRoundOne (T 1 fp16, 2
+// bf16): the scalar and AVX2 tables' narrowing, and the AVX-512 one's tail.
+template <int T>
+void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset);
+extern template void NarrowOneByOne<1>(void*, const float*, int64_t, uint64_t, int64_t);
+extern template void NarrowOneByOne<2>(void*, const float*, int64_t, uint64_t, int64_t);
+
 // Defined in cpu_kernels_avx2.cc / cpu_kernels_avx512.cc; use them only
 // where the CPU has the ISA (RowKernelsFor checks).
 extern const RowKernels kAvx2RowKernels;

@@ -42,17 +42,11 @@ void WidenScalar(float* out, const void* row, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) out[i] = LoadScalar(T, row, i);
 }
 
-template <int T>
-void NarrowScalar(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
-  uint16_t* out = static_cast<uint16_t*>(row);
-  for (int64_t c = 0; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
-}
-
 const RowKernels kScalar = {"scalar",
                             {AccScalar<0>, AccScalar<1>, AccScalar<2>},
                             {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>},
                             {WidenScalar<0>, WidenScalar<1>, WidenScalar<2>},
-                            {nullptr, NarrowScalar<1>, NarrowScalar<2>}};
+                            {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>}};
 
 // F16C through CPUID (leaf 1, ECX bit 29): clang has no "f16c" feature
 // name for __builtin_cpu_supports.

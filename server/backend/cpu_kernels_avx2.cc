@@ -81,13 +81,6 @@ void WidenBf16(float* out, const void* row, int64_t dim) {
   }
 }
 
-// Stochastic rounding element by element (the AVX-512 kernels vectorise it).
-template <int T>
-void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
-  uint16_t* out = static_cast<uint16_t*>(row);
-  for (int64_t c = 0; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
-}
-
 struct Ops {
   using Reg = __m256;
   static constexpr int kLanes = 8;

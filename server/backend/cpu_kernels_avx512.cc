@@ -136,7 +136,7 @@ void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
       out[c + i] = StochasticRoundOne(T, w[c + i], row_key, col_offset + c + i);
     }
   }
-  for (; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
+  if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
 }
 
 struct Ops {

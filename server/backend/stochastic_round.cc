@@ -1,6 +1,7 @@
-// StochasticRoundOne (cpu_kernel_types.h): its own library, built without
-// the wider ISAs, which both per-ISA kernel libraries link against for the
-// lanes their vector paths hand back.
+// StochasticRoundOne and NarrowOneByOne (cpu_kernel_types.h): their own
+// library, built without the wider ISAs, which every kernel table links
+// against (the scalar and AVX2 narrowing, the AVX-512 lanes and tails its
+// vector path hands back).
 #include "server/backend/cpu_kernel_types.h"
 #include "server/backend/embedding_math.h"
 
@@ -11,6 +12,14 @@ uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col) {
   const uint32_t noise = math::ElementNoise(row_key, col);
   return type == 1 ? math::FloatToFp16Stochastic(w, noise) : math::FloatToBf16Stochastic(w, noise);
 }
+
+template <int T>
+void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  for (int64_t c = 0; c < dim; ++c) out[c] = StochasticRoundOne(T, w[c], row_key, col_offset + c);
+}
+template void NarrowOneByOne<1>(void*, const float*, int64_t, uint64_t, int64_t);
+template void NarrowOneByOne<2>(void*, const float*, int64_t, uint64_t, int64_t);
 
 }  // namespace backend
 }  // namespace ember
