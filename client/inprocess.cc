@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/backend/cpu_backend.h"
 #include "server/common/table_spec.h"
+#include "server/common/thread_reused.h"
 
 namespace ember {
 namespace client {
@@ -15,14 +16,19 @@ using ember::v1::TableConfig;
 
 namespace {
 
-// A thread's reused lookup parts are dropped once they hold more than this.
-constexpr size_t kKeptPartBytes = size_t{64} << 20;
-
-void KeepSmall(std::vector<std::vector<float>>* parts) {
-  size_t bytes = 0;
-  for (const auto& p : *parts) bytes += p.capacity() * sizeof(float);
-  if (bytes > kKeptPartBytes) *parts = {};
-}
+// Per-block buffers of one call, kept per thread between calls
+// (ThreadReused) as they are, dropped above 64 MiB. Lookups and updates
+// share them: neither calls the other.
+struct PartsTraits {
+  static constexpr size_t kKeptBytes = size_t{64} << 20;
+  static size_t Bytes(const std::vector<std::vector<float>>& parts) {
+    size_t bytes = 0;
+    for (const auto& p : parts) bytes += p.capacity() * sizeof(float);
+    return bytes;
+  }
+  static void Keep(std::vector<std::vector<float>>*) {}
+};
+using ReusedParts = ThreadReused<std::vector<std::vector<float>>, PartsTraits>;
 
 }  // namespace
 
@@ -153,7 +159,8 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
                                             const std::vector<int64_t>& strides) {
   // Each block's gradient gathered into a part of its own, the parts kept
   // between calls as LookupParts' are.
-  thread_local std::vector<std::vector<float>> parts;
+  ReusedParts reused;
+  std::vector<std::vector<float>>& parts = *reused.get();
   size_t blocks = 0;
   for (const Feature& f : features) blocks += f.table->blocks.size();
   if (parts.size() < blocks) parts.resize(blocks);
@@ -173,19 +180,14 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
       requests.push_back({req, part});
     }
   }
-  const absl::Status applied = backend_->ApplyGradients(requests);
-  KeepSmall(&parts);
-  return applied;
+  return backend_->ApplyGradients(requests);
 }
 
 absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor& kjt) {
   auto features = Features(kjt, /*sequence=*/false);
   if (!features.ok()) return features.status();
-  thread_local std::vector<std::vector<float>> parts;
-  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) {
-    KeepSmall(&parts);
-    return s;
-  }
+  ReusedParts parts;
+  if (absl::Status s = LookupParts(*features, parts.get()); !s.ok()) return s;
   KeyedTensor kt;
   kt.batch_size = kjt.batch_size();
   for (const Feature& f : *features) {
@@ -197,8 +199,7 @@ absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor&
   std::vector<float*> out;
   const std::vector<int64_t> offsets = kt.offset_per_key();
   for (size_t k = 0; k < kt.keys.size(); ++k) out.push_back(kt.values.data() + offsets[k]);
-  Scatter(*features, parts, out, std::vector<int64_t>(out.size(), kt.row_width()));
-  KeepSmall(&parts);
+  Scatter(*features, *parts.get(), out, std::vector<int64_t>(out.size(), kt.row_width()));
   return kt;
 }
 
@@ -224,11 +225,8 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
     const KeyedJaggedTensor& kjt) {
   auto features = Features(kjt, /*sequence=*/true);
   if (!features.ok()) return features.status();
-  thread_local std::vector<std::vector<float>> parts;
-  if (absl::Status s = LookupParts(*features, &parts); !s.ok()) {
-    KeepSmall(&parts);
-    return s;
-  }
+  ReusedParts parts;
+  if (absl::Status s = LookupParts(*features, parts.get()); !s.ok()) return s;
   std::vector<SequenceEmbedding> result;
   std::vector<float*> out;
   std::vector<int64_t> strides;
@@ -238,8 +236,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
     strides.push_back(dim);
   }
   for (SequenceEmbedding& e : result) out.push_back(e.values.data());
-  Scatter(*features, parts, out, strides);
-  KeepSmall(&parts);
+  Scatter(*features, *parts.get(), out, strides);
   return result;
 }
 

@@ -14,6 +14,7 @@
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/checkpoint/checkpoint_files.h"
+#include "server/common/thread_reused.h"
 #include "server/checkpoint/recut.h"
 #include "server/common/grpc_util.h"
 #include "server/common/table_spec.h"
@@ -170,33 +171,16 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
 }
 
 // The request a channel call's arrays are copied into (CopyIn): one per
-// handler thread, kept between calls, so that its megabytes of ids reuse
-// the buffers of the last call instead of being faulted in afresh (the
-// kernel zeroes every new page: measured, docs/benchmarks.md). Emptied on
-// release; dropped when it holds more than kKeptCopyBytes.
+// handler thread, kept between calls (ThreadReused), emptied after each and
+// dropped above 64 MiB.
 template <typename Request>
-class ReusedCopy {
- public:
-  static constexpr size_t kKeptCopyBytes = size_t{64} << 20;
-  ReusedCopy() : copy_(Slot()) {}
-  ~ReusedCopy() {
-    if (copy_->SpaceUsedLong() > kKeptCopyBytes) {
-      *copy_ = Request();
-    } else {
-      copy_->Clear();
-    }
-  }
-  ReusedCopy(const ReusedCopy&) = delete;
-  ReusedCopy& operator=(const ReusedCopy&) = delete;
-  Request* get() { return copy_; }
-
- private:
-  static Request* Slot() {
-    thread_local Request copy;
-    return &copy;
-  }
-  Request* const copy_;
+struct RequestCopyTraits {
+  static constexpr size_t kKeptBytes = size_t{64} << 20;
+  static size_t Bytes(const Request& r) { return r.SpaceUsedLong(); }
+  static void Keep(Request* r) { r->Clear(); }
 };
+template <typename Request>
+using ReusedCopy = ThreadReused<Request, RequestCopyTraits<Request>>;
 
 }  // namespace
 
