@@ -85,13 +85,29 @@ def make_batches(args, torchrec, n=4, seed=1):
     return out
 
 
-def time_steps(step, batches, steps):
+def time_steps(step, batches, steps, sync=lambda: None):
+    """Steps/s over `steps` steps after 3 warm-up ones; `sync` (a barrier
+    across ranks) before and after the timed ones."""
     for i in range(3):
         step(batches[i % len(batches)])
+    sync()
     start = time.perf_counter()
     for i in range(steps):
         step(batches[i % len(batches)])
+    sync()
     return steps / (time.perf_counter() - start)
+
+
+def sgd_step(embeddings, dense, opt):
+    """One training step of `dense` over the pooled `embeddings` module (a
+    KJT in, a KeyedTensor out): BCE loss, backward, optimizer step."""
+    def step(b):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            dense(embeddings(b["kjt"]).values()), b["label"])
+        loss.backward()
+        opt.step()
+    return step
 
 
 def dmp_rank(rank, args, queue):
@@ -131,21 +147,7 @@ def dmp_rank(rank, args, queue):
         shard.batch = local
         batches = make_batches(shard, torchrec, seed=1 + rank)
 
-        def step(b):
-            opt.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                dense(model(b["kjt"]).values()), b["label"])
-            loss.backward()
-            opt.step()
-
-        for i in range(3):
-            step(batches[i % len(batches)])
-        dist.barrier()
-        start = time.perf_counter()
-        for i in range(args.steps):
-            step(batches[i % len(batches)])
-        dist.barrier()
-        rate = args.steps / (time.perf_counter() - start)
+        rate = time_steps(sgd_step(model, dense, opt), batches, args.steps, sync=dist.barrier)
         if rank == 0:
             types = sorted({s.sharding_type for s in plan.plan[""].values()})
             queue.put((rate, types))
@@ -197,14 +199,7 @@ def main():
     dense = copy.deepcopy(dense0)
     opt = torch.optim.SGD(dense.parameters(), lr=0.01)
 
-    def torchrec_step(b):
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            dense(ref(b["kjt"]).values()), b["label"])
-        loss.backward()
-        opt.step()
-
-    results = {"torchrec_steps_per_s": time_steps(torchrec_step, batches, args.steps)}
+    results = {"torchrec_steps_per_s": time_steps(sgd_step(ref, dense, opt), batches, args.steps)}
     del ref
     if args.dmp:
         results["dmp_steps_per_s"], results["dmp_plan"] = run_dmp(args)
@@ -223,12 +218,8 @@ def main():
                 return torch.nn.functional.binary_cross_entropy_with_logits(
                     model_dense(ebc(b["kjt"]).values()), b["label"])
 
-            def ember_step(b):
-                eopt.zero_grad()
-                model(b).backward()
-                eopt.step()
-
-            results["ember_steps_per_s"] = time_steps(ember_step, batches, args.steps)
+            results["ember_steps_per_s"] = time_steps(sgd_step(ebc, model_dense, eopt), batches,
+                                                      args.steps)
             # Pipelined: a fresh iterator over the same batches, cycled.
             pipeline = ember.torch.TrainPipeline(model, eopt, ebc, sparse=lambda b: b["kjt"])
             total = args.steps + 3
