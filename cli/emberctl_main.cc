@@ -185,6 +185,7 @@ int main(int argc, char** argv) {
   if (argc < 2) return Usage("missing command");
   const std::string command = argv[1];
   if (command == "worker" || command == "coordinator" || command == "up") {
+    if (FLAGS_keep_freed_heap_mib < 0) return Usage("--keep_freed_heap_mib must be >= 0");
     if (!ember::KeepFreedHeapMemory(int64_t{FLAGS_keep_freed_heap_mib} << 20)) {
       std::cerr << "emberctl: the allocator refused --keep_freed_heap_mib; using its defaults"
                 << std::endl;

@@ -130,6 +130,7 @@ expect_error "up device" 2 "--device must be cpu or cuda" -- up --device=tpu
 expect_error "up message limit" 2 "--max_message_mb must be in [1, 1024]" -- up --max_message_mb=0
 expect_error "coordinator message limit" 2 "--max_message_mb must be in [1, 1024]" -- coordinator --max_message_mb=4096
 expect_error "coordinator lease" 2 "--lease_ms must be >= 100" -- coordinator --lease_ms=5
+expect_error "worker heap" 2 "--keep_freed_heap_mib must be >= 0" -- worker --keep_freed_heap_mib=-1
 expect_error "create without coordinator" 1 "needs --coordinator" -- create --spec="$SEED"
 expect_error "lookup without input" 2 "lookup needs --collection" -- lookup --coordinator=127.0.0.1:1
 expect_error "unreachable coordinator" 1 "UNAVAILABLE" -- status --coordinator=127.0.0.1:1 --timeout_s=2
