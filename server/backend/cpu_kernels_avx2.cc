@@ -96,6 +96,14 @@ struct Ops {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  static void LoadFp16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
+    *lo = LoadFp16(p);
+    *hi = LoadFp16(p + kLanes);
+  }
+  static void LoadBf16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
+    *lo = LoadBf16(p);
+    *hi = LoadBf16(p + kLanes);
+  }
   static void Store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static AccumulateFn Accumulate(int type) {
     return type == 1 ? AccFp16 : type == 2 ? AccBf16 : AccF32;

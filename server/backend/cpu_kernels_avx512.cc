@@ -154,6 +154,21 @@ struct Ops {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  // Two registers' worth (32 columns, one cache line) of a 16-bit row from
+  // one 64-byte load, widened from registers: faster than two 32-byte
+  // memory-operand conversions on fp16 rows of 64 columns
+  // (docs/benchmarks.md).
+  static void LoadFp16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
+    const __m512i v = _mm512_loadu_si512(p);
+    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
+  }
+  static void LoadBf16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
+    const __m512i v = _mm512_loadu_si512(p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    *hi = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+  }
   static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static AccumulateFn Accumulate(int type) { return kAvx2RowKernels.accumulate[type]; }
 };

@@ -4,6 +4,7 @@
 //   using Reg;  static constexpr int kLanes;
 //   Reg Zero(); Reg Set1(float); Reg Mul(Reg, Reg); Reg Fma(Reg a, Reg b, Reg c) (a*b+c);
 //   Reg Load(const float*); Reg LoadFp16(const uint16_t*); Reg LoadBf16(const uint16_t*);
+//   void LoadFp16Pair / LoadBf16Pair(const uint16_t*, Reg* lo, Reg* hi)  (2 * kLanes columns);
 //   void Store(float*, Reg);
 //   AccumulateFn Accumulate(int type)  (memory-accumulator kernel for column tails)
 // Only <cstdint>/<immintrin.h> may be used here: anything instantiated in
@@ -15,6 +16,16 @@ inline typename Ops::Reg LoadRow(const uint8_t* row, int64_t col) {
   if (T == 1) return Ops::LoadFp16(reinterpret_cast<const uint16_t*>(row) + col);
   if (T == 2) return Ops::LoadBf16(reinterpret_cast<const uint16_t*>(row) + col);
   return Ops::Load(reinterpret_cast<const float*>(row) + col);
+}
+
+// Loads 2 * kLanes columns into *lo and *hi.
+template <int T>
+inline void LoadRowPair(const uint8_t* row, int64_t col, typename Ops::Reg* lo,
+                        typename Ops::Reg* hi) {
+  if (T == 1) return Ops::LoadFp16Pair(reinterpret_cast<const uint16_t*>(row) + col, lo, hi);
+  if (T == 2) return Ops::LoadBf16Pair(reinterpret_cast<const uint16_t*>(row) + col, lo, hi);
+  *lo = LoadRow<T>(row, col);
+  *hi = LoadRow<T>(row, col + Ops::kLanes);
 }
 
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
@@ -32,7 +43,16 @@ inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, con
     }
     const uint8_t* row = table + ids[k] * row_bytes;
     const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
-    for (int j = 0; j < NR; ++j) acc[j] = Ops::Fma(s, LoadRow<T>(row, col + j * Ops::kLanes), acc[j]);
+    if (NR % 2 == 0) {
+      for (int j = 0; j < NR; j += 2) {
+        typename Ops::Reg lo, hi;
+        LoadRowPair<T>(row, col + j * Ops::kLanes, &lo, &hi);
+        acc[j] = Ops::Fma(s, lo, acc[j]);
+        acc[j + 1] = Ops::Fma(s, hi, acc[j + 1]);
+      }
+    } else {
+      for (int j = 0; j < NR; ++j) acc[j] = Ops::Fma(s, LoadRow<T>(row, col + j * Ops::kLanes), acc[j]);
+    }
   }
   const typename Ops::Reg scale = Ops::Set1(out_scale);
   for (int j = 0; j < NR; ++j) Ops::Store(out + col + j * Ops::kLanes, Ops::Mul(acc[j], scale));

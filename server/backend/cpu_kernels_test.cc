@@ -2,6 +2,8 @@
 // bit for bit: widening every half and bf16 value, and stochastic
 // rounding of values from every range (zeros, half subnormals, normals,
 // overflow, Inf, NaN) at column offsets and widths that leave tails.
+// Pooling against a sum in double, for every weight type and widths that
+// use each register block (8, 4, 2, 1 registers, paired loads) and tails.
 #include "server/backend/cpu_kernels.h"
 
 #include <cmath>
@@ -55,6 +57,55 @@ TEST(CpuKernelsTest, WidenEveryHalfAndBf16Exactly) {
     std::vector<float> copy(4);
     k->widen[0](copy.data(), f32.data(), 4);
     for (int i = 0; i < 4; ++i) EXPECT_EQ(Bits(copy[i]), Bits(f32[i]));
+  }
+}
+
+TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-2, 2);
+  const int64_t rows = 37;
+  for (const RowKernels* k : AvailableKernels()) {
+    SCOPED_TRACE(k->isa);
+    for (int type = 0; type < 3; ++type) {
+      for (int64_t dim : {4, 8, 16, 20, 32, 48, 64, 96, 128, 144, 192, 256, 260}) {
+        const int64_t elem = type == 0 ? 4 : 2;
+        std::vector<uint8_t> table(rows * dim * elem);
+        std::vector<double> value(rows * dim);  // each stored weight, widened
+        for (int64_t i = 0; i < rows * dim; ++i) {
+          const float w = u(rng);
+          if (type == 0) {
+            std::memcpy(&table[i * 4], &w, 4);
+            value[i] = w;
+          } else {
+            const uint16_t h = type == 1 ? FloatToFp16(w) : FloatToBf16(w);
+            std::memcpy(&table[i * 2], &h, 2);
+            value[i] = type == 1 ? Fp16ToFloat(h) : Bf16ToFloat(h);
+          }
+        }
+        for (int64_t n : {0, 1, 7, 20}) {
+          std::vector<int64_t> ids(n + 3);  // prefetching reads up to 3 ahead
+          for (int64_t& id : ids) id = std::uniform_int_distribution<int64_t>(0, rows - 1)(rng);
+          for (bool weighted : {false, true}) {
+            std::vector<float> weights(ids.size());
+            for (float& w : weights) w = u(rng);
+            const float scale = n == 0 ? 1.0f : 1.0f / n;
+            std::vector<float> out(dim, 1e30f);
+            k->pool[type](out.data(), table.data(), dim * elem, ids.data(),
+                          weighted ? weights.data() : nullptr, n, n + 3, dim, scale, 3);
+            for (int64_t c = 0; c < dim; ++c) {
+              double want = 0;
+              for (int64_t j = 0; j < n; ++j) {
+                want += (weighted ? weights[j] : 1.0) * value[ids[j] * dim + c];
+              }
+              want *= scale;
+              ASSERT_NEAR(out[c], want, 1e-5 * (1 + n * 4))
+                  << "type " << type << " dim " << dim << " n " << n << " weighted " << weighted
+                  << " col " << c;
+            }
+          }
+        }
+      }
+    }
   }
 }
 
