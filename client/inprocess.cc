@@ -16,9 +16,8 @@ using ember::v1::TableConfig;
 
 namespace {
 
-// Per-block buffers of one call, kept per thread between calls
-// (ThreadReused) as they are, dropped above 64 MiB. Lookups and updates
-// share them: neither calls the other.
+// Per-block gradient buffers of one update, kept per thread between calls
+// (ThreadReused) as they are, dropped above 64 MiB.
 struct PartsTraits {
   static constexpr size_t kKeptBytes = size_t{64} << 20;
   static size_t Bytes(const std::vector<std::vector<float>>& parts) {
@@ -113,45 +112,28 @@ absl::StatusOr<std::vector<InProcessCollection::Feature>> InProcessCollection::F
   return out;
 }
 
-absl::Status InProcessCollection::LookupParts(const std::vector<Feature>& features,
-                                              std::vector<std::vector<float>>* parts) {
-  // One fused backend call: a request per (feature, column block). The
-  // parts keep their buffers from the caller's last call: fresh megabytes
-  // each call would be faulted in and zeroed by the kernel page by page
-  // (measured: service_bench's in-process rate 0.5 of the kernels' without
-  // reuse, docs/benchmarks.md).
-  size_t blocks = 0;
-  for (const Feature& f : features) blocks += f.table->blocks.size();
-  if (parts->size() < blocks) parts->resize(blocks);
+absl::Status InProcessCollection::LookupInto(const std::vector<Feature>& features,
+                                             const std::vector<float*>& out,
+                                             const std::vector<int64_t>& strides) {
+  // A request per (feature, column block), each writing its columns of the
+  // destination rows. Pooling into buffers of its own and copying them over
+  // cost 0.89 of the kernels' rate where this measures ~0.95
+  // (service_bench's kernel line, docs/benchmarks.md).
   std::vector<backend::LookupRequest> requests;
-  size_t p = 0;
-  for (const Feature& f : features) {
-    for (const Block& b : f.table->blocks) {
-      std::vector<float>& part = (*parts)[p++];
-      part.resize(f.rows_out * b.cols);  // every element is written (embedding_backend.h)
-      backend::FeatureRequest r = f.request;
-      r.shard = b.id;
-      requests.push_back({r, absl::MakeSpan(part)});
-    }
-  }
-  return backend_->Lookup(requests);
-}
-
-void InProcessCollection::Scatter(const std::vector<Feature>& features,
-                                  const std::vector<std::vector<float>>& parts,
-                                  const std::vector<float*>& out,
-                                  const std::vector<int64_t>& strides) {
-  size_t part = 0;
   for (size_t i = 0; i < features.size(); ++i) {
     const Feature& f = features[i];
     for (const Block& b : f.table->blocks) {
-      const std::vector<float>& src = parts[part++];
-      for (int64_t r = 0; r < f.rows_out; ++r) {
-        std::memcpy(out[i] + r * strides[i] + b.col_offset, src.data() + r * b.cols,
-                    b.cols * sizeof(float));
+      backend::LookupRequest r;
+      r.feature = f.request;
+      r.feature.shard = b.id;
+      if (f.rows_out > 0) {
+        r.output = absl::MakeSpan(out[i] + b.col_offset, (f.rows_out - 1) * strides[i] + b.cols);
       }
+      r.output_stride = strides[i];
+      requests.push_back(r);
     }
   }
+  return backend_->Lookup(requests);
 }
 
 absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features,
@@ -186,20 +168,22 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
 absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor& kjt) {
   auto features = Features(kjt, /*sequence=*/false);
   if (!features.ok()) return features.status();
-  ReusedParts parts;
-  if (absl::Status s = LookupParts(*features, parts.get()); !s.ok()) return s;
   KeyedTensor kt;
   kt.batch_size = kjt.batch_size();
   for (const Feature& f : *features) {
     kt.keys.push_back(f.key);
     kt.length_per_key.push_back(f.table->config->embedding_dim());
   }
-  // Each part straight into its rows of the KeyedTensor.
+  // Pooled straight into the KeyedTensor's columns.
   kt.values.resize(kt.batch_size * kt.row_width());
   std::vector<float*> out;
   const std::vector<int64_t> offsets = kt.offset_per_key();
   for (size_t k = 0; k < kt.keys.size(); ++k) out.push_back(kt.values.data() + offsets[k]);
-  Scatter(*features, *parts.get(), out, std::vector<int64_t>(out.size(), kt.row_width()));
+  if (absl::Status s =
+          LookupInto(*features, out, std::vector<int64_t>(out.size(), kt.row_width()));
+      !s.ok()) {
+    return s;
+  }
   return kt;
 }
 
@@ -225,8 +209,6 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
     const KeyedJaggedTensor& kjt) {
   auto features = Features(kjt, /*sequence=*/true);
   if (!features.ok()) return features.status();
-  ReusedParts parts;
-  if (absl::Status s = LookupParts(*features, parts.get()); !s.ok()) return s;
   std::vector<SequenceEmbedding> result;
   std::vector<float*> out;
   std::vector<int64_t> strides;
@@ -236,7 +218,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
     strides.push_back(dim);
   }
   for (SequenceEmbedding& e : result) out.push_back(e.values.data());
-  Scatter(*features, *parts.get(), out, strides);
+  if (absl::Status s = LookupInto(*features, out, strides); !s.ok()) return s;
   return result;
 }
 

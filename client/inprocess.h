@@ -71,15 +71,11 @@ class InProcessCollection {
 
   InProcessCollection() = default;
   absl::StatusOr<std::vector<Feature>> Features(const KeyedJaggedTensor& kjt, bool sequence) const;
-  // One fused backend call: parts[p] is (feature, column block) p's
-  // [rows_out, block cols], features in order, blocks in order.
-  absl::Status LookupParts(const std::vector<Feature>& features,
-                           std::vector<std::vector<float>>* parts);
-  // Copies the parts into feature i's rows at out[i] + r * strides[i], each
-  // block at its column offset.
-  static void Scatter(const std::vector<Feature>& features,
-                      const std::vector<std::vector<float>>& parts, const std::vector<float*>& out,
-                      const std::vector<int64_t>& strides);
+  // One fused backend call that pools feature i's rows straight into
+  // out[i] + r * strides[i], each column block at its column offset (the
+  // CPU backend's strided outputs): no intermediate copy.
+  absl::Status LookupInto(const std::vector<Feature>& features, const std::vector<float*>& out,
+                          const std::vector<int64_t>& strides);
   // grads[f]: feature f's gradient, row r at grads[f] + r * strides[f].
   absl::Status ApplyFrom(const std::vector<Feature>& features,
                          const std::vector<const float*>& grads,

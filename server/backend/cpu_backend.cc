@@ -168,7 +168,11 @@ class CpuBackend : public EmbeddingBackend {
     absl::MutexLock lock(&mu_);
     // Validate everything first.
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
-    if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAll,
+                                           /*strided_outputs=*/true);
+        !st.ok()) {
+      return st;
+    }
     // Work items: one per bag (pooled) or per id (NONE), across requests.
     PrepareItems(requests);
     const int64_t total = item_begin_.back();
@@ -185,7 +189,7 @@ class CpuBackend : public EmbeddingBackend {
         const int64_t row_bytes = dim * s.elem_bytes;
         const PoolFn pool = kernels->pool[static_cast<int>(s.spec.weight_type)];
         const int64_t local = item - item_begin_[req];
-        float* out = r.output.data() + local * dim;
+        float* out = r.output.data() + local * (r.output_stride == 0 ? dim : r.output_stride);
         if (f.pooling == Pooling::kNone) {
           pool(out, s.weights.get(), row_bytes, &f.ids[local], nullptr, 1,
                static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, prefetch);

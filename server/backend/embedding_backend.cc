@@ -74,10 +74,25 @@ absl::Status ShardNotFound(ShardId shard) {
 }
 
 absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, size_t dense_floats,
-                             const std::string& what, const char* buffer, Checks checks) {
+                             const std::string& what, const char* buffer, Checks checks,
+                             int64_t stride) {
   if (absl::Status s = ValidateFeature(f, spec.rows, what, checks); !s.ok()) return s;
   const int64_t want = OutputSize(f, spec.dim);
   const int64_t got = static_cast<int64_t>(dense_floats);
+  if (stride != 0) {
+    if (stride < spec.dim) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", buffer, " row stride ", stride,
+                                                     " is below the dim ", spec.dim));
+    }
+    const int64_t rows = spec.dim == 0 ? 0 : want / spec.dim;
+    const int64_t need = rows == 0 ? 0 : (rows - 1) * stride + spec.dim;
+    if (got < need) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", buffer, " has ", got,
+                                                     " floats, expected at least ", need, " (",
+                                                     rows, " rows at stride ", stride, ")"));
+    }
+    return absl::OkStatus();
+  }
   if (got != want) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": ", buffer, " has ", got, " floats, expected ", want));

@@ -132,6 +132,12 @@ struct LookupRequest {
   // Every element is written (an empty bag's row with zeros), so it need
   // not be cleared first.
   absl::Span<float> output;
+  // Floats from one output row to the next; 0: dim (rows packed). A wider
+  // stride writes the rows into a larger matrix (the in-process collection
+  // pools straight into a KeyedTensor's columns); the floats between rows
+  // are left alone. Only backends whose validation allows it take one
+  // (the CPU backend); the others refuse a non-zero stride.
+  int64_t output_stride = 0;
 };
 
 struct GradientRequest {
@@ -254,16 +260,19 @@ class MemoryBudget {
 
 // Checks one request against its shard: the feature (ValidateFeature) and
 // its dense buffer (`buffer`: a lookup's output or a gradient), which must
-// hold OutputSize floats. `what` prefixes the message.
+// hold OutputSize floats, or with a row stride (> 0, at least dim) reach
+// the last row's end. `what` prefixes the message.
 absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, size_t dense_floats,
                              const std::string& what, const char* buffer,
-                             Checks checks = Checks::kAll);
+                             Checks checks = Checks::kAll, int64_t stride = 0);
 
 // Checks every request of a Lookup or ApplyGradients call before anything
 // runs. find_spec(ShardId) returns the shard's spec, or nullptr if absent.
+// A lookup's output_stride is refused (INVALID_ARGUMENT) unless
+// `strided_outputs` says the backend writes strided rows.
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
-                              Checks checks = Checks::kAll);
+                              Checks checks = Checks::kAll, bool strided_outputs = false);
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
                               Checks checks = Checks::kAll);
@@ -289,6 +298,8 @@ float InitialValue(const InitializerConfig& init, int64_t table_rows,
 namespace internal {
 inline size_t DenseFloats(const LookupRequest& r) { return r.output.size(); }
 inline size_t DenseFloats(const GradientRequest& r) { return r.grad.size(); }
+inline int64_t Stride(const LookupRequest& r) { return r.output_stride; }
+inline int64_t Stride(const GradientRequest&) { return 0; }
 // A gradient's values must be finite (NaN/Inf would poison rows and
 // optimizer state for good); a lookup's output is written, not read.
 inline absl::Status CheckInputFloats(const LookupRequest&, const std::string&) {
@@ -300,14 +311,21 @@ inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string
 
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
-                         const char* kind, const char* buffer, Checks checks) {
+                         const char* kind, const char* buffer, Checks checks,
+                         bool strided_outputs) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const FeatureRequest& f = requests[i].feature;
     const ShardSpec* spec = find_spec(f.shard);
     if (spec == nullptr) return ShardNotFound(f.shard);
     const std::string what = RequestWhat(kind, i, *spec);
+    const int64_t stride = Stride(requests[i]);
+    if (stride != 0 && !strided_outputs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": this backend writes packed outputs (output_stride 0), got ",
+                       stride));
+    }
     if (absl::Status s =
-            ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, checks);
+            ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, checks, stride);
         !s.ok()) {
       return s;
     }
@@ -321,13 +339,13 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
 
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
-                              Checks checks) {
-  return internal::ValidateAll(requests, find_spec, "lookup", "output", checks);
+                              Checks checks, bool strided_outputs) {
+  return internal::ValidateAll(requests, find_spec, "lookup", "output", checks, strided_outputs);
 }
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
                               Checks checks) {
-  return internal::ValidateAll(requests, find_spec, "gradient", "gradient", checks);
+  return internal::ValidateAll(requests, find_spec, "gradient", "gradient", checks, false);
 }
 
 }  // namespace backend
