@@ -4,7 +4,13 @@
 //   bazel run -c opt //bench:kernel_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --batch=2048
 //       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
 //       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
-//       [--iters=20] [--callers=1] [--format=table|json]
+//       [--iters=20] [--callers=1] [--id_sets=1] [--format=table|json]
+//
+// --id_sets=N draws N batches of ids and cycles the calls through them. With
+// one (the default) every call gathers the same rows, which stay in the
+// caches when they fit (2048 x 20 ids of 256 bytes: 10 MB): a hot-batch
+// figure. Enough sets that their rows pass the last-level cache time a
+// table larger than the caches, as training's fresh batches see it.
 //
 // lookups_per_s: ids gathered per second; gbps: embedding bytes read per
 // second (ids x dim x element size); bwd_lookups_per_s: ids per second through
@@ -43,17 +49,21 @@ DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates 
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones), per caller.");
 DEFINE_int32(callers, 1, "Threads issuing the timed calls at once.");
 DEFINE_uint64(seed, 1, "Seed for ids.");
+DEFINE_int32(id_sets, 1,
+             "Batches of ids, each drawn afresh; the calls cycle through them (1: every call "
+             "gathers the same rows).");
 DEFINE_string(format, "table", "table or json (one line).");
 DEFINE_string(dump_ids, "",
-              "If set, write the batch's ids (int64 little-endian, bag-major, pooling_factor per "
-              "bag) to this file, so a peer (bench/torch_compare.py) runs on identical data.");
+              "If set, write the batches' ids (int64 little-endian, batch after batch, bag-major, "
+              "pooling_factor per bag) to this file, so a peer (bench/torch_compare.py) runs on "
+              "identical data.");
 
 namespace eb = ember::backend;
 
 int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  if (FLAGS_callers < 1 || FLAGS_iters < 1) {
-    std::fprintf(stderr, "kernel_bench: --callers and --iters must be >= 1\n");
+  if (FLAGS_callers < 1 || FLAGS_iters < 1 || FLAGS_id_sets < 1) {
+    std::fprintf(stderr, "kernel_bench: --callers, --iters and --id_sets must be >= 1\n");
     return 1;
   }
   eb::ShardSpec spec;
@@ -87,7 +97,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t n = static_cast<int64_t>(FLAGS_batch) * FLAGS_pooling_factor;
-  std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor), ids(n);
+  std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor), ids(n * FLAGS_id_sets);
   std::mt19937_64 rng(FLAGS_seed);
   if (FLAGS_distribution == "zipf") {
     std::vector<double> cdf(FLAGS_rows);
@@ -110,17 +120,23 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  eb::FeatureRequest f;
-  f.shard = *shard;
-  f.pooling = FLAGS_pooling == "mean" ? eb::Pooling::kMean : eb::Pooling::kSum;
-  f.lengths = lengths;
-  f.ids = ids;
+  // One feature request per id set.
+  std::vector<eb::FeatureRequest> sets(FLAGS_id_sets);
+  for (int k = 0; k < FLAGS_id_sets; ++k) {
+    eb::FeatureRequest& f = sets[k];
+    f.shard = *shard;
+    f.pooling = FLAGS_pooling == "mean" ? eb::Pooling::kMean : eb::Pooling::kSum;
+    f.lengths = lengths;
+    f.ids = absl::MakeConstSpan(ids.data() + k * n, n);
+  }
+  const eb::FeatureRequest& f = sets[0];
   // One output buffer per caller.
   std::vector<std::vector<float>> outs(
       FLAGS_callers, std::vector<float>(static_cast<size_t>(FLAGS_batch) * FLAGS_dim));
-  std::vector<eb::LookupRequest> lreqs;
-  for (std::vector<float>& out : outs) lreqs.push_back({f, absl::MakeSpan(out)});
-  const eb::LookupRequest& lreq = lreqs[0];
+  auto lookup = [&](int caller, int i) {
+    return eb::LookupRequest{sets[i % FLAGS_id_sets], absl::MakeSpan(outs[caller])};
+  };
+  const eb::LookupRequest lreq = lookup(0, 0);
   std::vector<float> grad(outs[0].size(), 1e-3f);
   const eb::GradientRequest greq{f, grad};
 
@@ -137,23 +153,30 @@ int main(int argc, char** argv) {
     for (int i = 0; i < FLAGS_iters; ++i) fn();
     return absl::ToDoubleSeconds(absl::Now() - start) / FLAGS_iters;
   };
+  // As time_it, fn(i) for the i-th call (warm-ups included).
+  auto time_indexed = [&](auto&& fn) {
+    int i = 0;
+    return time_it([&] { fn(i++); });
+  };
   // Seconds per call with FLAGS_callers threads calling at once (one: on
   // this thread, as time_it).
   auto time_calls = [&](auto&& call) {
-    if (FLAGS_callers == 1) return time_it([&] { call(0); });
-    for (int i = 0; i < 3; ++i) call(0);
+    if (FLAGS_callers == 1) return time_indexed([&](int i) { call(0, i); });
+    for (int i = 0; i < 3; ++i) call(0, i);
     const absl::Time start = absl::Now();
     std::vector<std::thread> callers;
     for (int c = 0; c < FLAGS_callers; ++c) {
       callers.emplace_back([&, c] {
-        for (int i = 0; i < FLAGS_iters; ++i) call(c);
+        for (int i = 0; i < FLAGS_iters; ++i) call(c, 3 + c + i * FLAGS_callers);
       });
     }
     for (std::thread& t : callers) t.join();
     return absl::ToDoubleSeconds(absl::Now() - start) / (FLAGS_iters * FLAGS_callers);
   };
-  const double fwd_s = time_calls([&](int c) { (void)(*backend)->Lookup({lreqs[c]}); });
-  const double bwd_s = time_calls([&](int) { (void)(*backend)->ApplyGradients({greq}); });
+  const double fwd_s = time_calls([&](int c, int i) { (void)(*backend)->Lookup({lookup(c, i)}); });
+  const double bwd_s = time_calls([&](int, int i) {
+    (void)(*backend)->ApplyGradients({eb::GradientRequest{sets[i % FLAGS_id_sets], grad}});
+  });
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
   // arrays and the device (ids and lengths in, output out; for the backward,
@@ -164,8 +187,8 @@ int main(int argc, char** argv) {
       time_it([&] { (void)eb::ValidateRequests(absl::MakeConstSpan(&lreq, 1), find_spec); });
   const double validate_bwd_s =
       time_it([&] { (void)eb::ValidateRequests(absl::MakeConstSpan(&greq, 1), find_spec); });
-  const size_t fwd_bytes = (ids.size() + lengths.size()) * 8 + lreq.output.size() * 4;
-  const size_t bwd_bytes = (ids.size() + lengths.size()) * 8 + greq.grad.size() * 4;
+  const size_t fwd_bytes = (n + lengths.size()) * 8 + lreq.output.size() * 4;
+  const size_t bwd_bytes = (n + lengths.size()) * 8 + greq.grad.size() * 4;
   std::vector<char> copy_src(std::max(fwd_bytes, bwd_bytes), 1), copy_dst(copy_src.size());
   const double memcpy_fwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), fwd_bytes); });
@@ -178,19 +201,19 @@ int main(int argc, char** argv) {
   if (FLAGS_format == "json") {
     std::printf(
         "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"batch\": %d, \"pooling_factor\": %d, "
-        "\"threads\": %d, \"callers\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
+        "\"threads\": %d, \"callers\": %d, \"id_sets\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
         "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f}\n",
         (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
-        FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, FLAGS_distribution.c_str(),
-        FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
+        FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, FLAGS_id_sets,
+        FLAGS_distribution.c_str(), FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
         memcpy_bwd_s * 1e3);
   } else {
-    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d %s %s %s %s\n",
+    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d id_sets=%d %s %s %s %s\n",
                 (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
-                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers,
+                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, FLAGS_id_sets,
                 FLAGS_distribution.c_str(),
                 FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str());
     std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s\n", fwd_s * 1e3, lookups, gbps);

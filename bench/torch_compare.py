@@ -13,6 +13,12 @@ the ratio Ember / PyTorch (> 1 means Ember is faster).
             ApplyGradients (duplicates merged, the same optimizer, one update
             per row).
 
+--id_sets=N gives both sides the same N batches of ids, the calls cycling
+through them. With one (the default) every call gathers the same rows, which
+stay in the caches when they fit (a hot-batch figure); with enough sets that
+their rows pass the last-level cache (e.g. 16: 655,360 ids), the table is
+read as training's fresh batches read it, from memory.
+
 --dtype=fp16 puts both sides' weights in half precision (PyTorch's
 EmbeddingBag in torch.float16, its output fp16; Ember's output is fp32).
 
@@ -49,6 +55,8 @@ def parse_args():
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="weights")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--id_sets", type=int, default=1,
+                   help="batches of ids the calls cycle through (1: the same batch every call)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternating Ember / PyTorch measurements per (dim, threads); the "
                         "figures are medians and the ratio the median of the rounds' ratios "
@@ -59,12 +67,13 @@ def parse_args():
 
 
 def time_it(fn, iters, sync=lambda: None):
-    for _ in range(3):
-        fn()
+    """Seconds per call of fn(i), i counting the calls (3 warm-ups first)."""
+    for i in range(3):
+        fn(i)
     sync()
     start = time.perf_counter()
-    for _ in range(iters):
-        fn()
+    for i in range(3, 3 + iters):
+        fn(i)
     sync()
     return (time.perf_counter() - start) / iters
 
@@ -74,40 +83,43 @@ def torch_figures(torch, np, ids_path, a, dim, threads):
     torch.set_num_threads(threads)
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    host_ids = torch.from_numpy(np.fromfile(ids_path, dtype="<i8"))
+    all_ids = torch.from_numpy(np.fromfile(ids_path, dtype="<i8"))
     n = a.batch * a.pooling_factor
-    if host_ids.numel() != n:
-        sys.exit(f"torch_compare: {ids_path} holds {host_ids.numel()} ids, expected {n}")
+    if all_ids.numel() != n * a.id_sets:
+        sys.exit(f"torch_compare: {ids_path} holds {all_ids.numel()} ids, expected {n * a.id_sets}")
+    host_sets = [all_ids[k * n:(k + 1) * n] for k in range(a.id_sets)]
     host_offsets = torch.arange(0, n, a.pooling_factor, dtype=torch.int64)
     dtype = torch.float16 if a.dtype == "fp16" else torch.float32
     bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True, device=dev, dtype=dtype)
     opt = (torch.optim.Adagrad(bag.parameters(), lr=0.01) if a.optimizer == "adagrad"
            else torch.optim.SGD(bag.parameters(), lr=0.01))
     host_grad = torch.full((a.batch, dim), 1e-3, dtype=dtype)
-    dev_ids, dev_offsets, dev_grad = host_ids.to(dev), host_offsets.to(dev), host_grad.to(dev)
+    dev_sets = [ids.to(dev) for ids in host_sets]
+    dev_offsets, dev_grad = host_offsets.to(dev), host_grad.to(dev)
 
     # Pageable host tensors, as Ember's backend is handed them.
-    def inputs(resident):
+    def inputs(resident, i):
+        k = i % a.id_sets
         if resident or a.device == "cpu":
-            return dev_ids, dev_offsets
-        return host_ids.to(dev), host_offsets.to(dev)
+            return dev_sets[k], dev_offsets
+        return host_sets[k].to(dev), host_offsets.to(dev)
 
     def gradient(resident):
         return dev_grad if resident or a.device == "cpu" else host_grad.to(dev)
 
     def figures(resident):
-        def forward():
+        def forward(i):
             with torch.no_grad():
-                out = bag(*inputs(resident))
+                out = bag(*inputs(resident, i))
                 if not resident:
                     out.cpu()
 
-        def forward_autograd():
-            bag(*inputs(resident))
+        def forward_autograd(i):
+            bag(*inputs(resident, i))
 
-        def train_step():
+        def train_step(i):
             opt.zero_grad(set_to_none=True)
-            bag(*inputs(resident)).backward(gradient(resident))
+            bag(*inputs(resident, i)).backward(gradient(resident))
             opt.step()
 
         fwd_s = time_it(forward, a.iters, sync)
@@ -134,7 +146,7 @@ def main():
     if a.format == "table":
         print(f"Ember {a.device} backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
               f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, {a.dtype}, "
-              f"{a.optimizer}")
+              f"{a.optimizer}, id_sets={a.id_sets}")
         print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio [range]':>18} | "
               f"{'ember bwd':>12} {'torch bwd':>12} {'ratio [range]':>18}   (ids/s; medians of "
               f"{a.rounds} alternating rounds)")
@@ -146,6 +158,7 @@ def main():
                        f"--pooling_factor={a.pooling_factor}", f"--threads={threads}",
                        f"--distribution={a.distribution}", f"--pooling={a.pooling}",
                        f"--dtype={a.dtype}", f"--optimizer={a.optimizer}", f"--iters={a.iters}",
+                       f"--id_sets={a.id_sets}",
                        "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
                 # Rounds alternate Ember and PyTorch on the same ids, so a
                 # drift of the machine's speed reaches both alike.
@@ -168,6 +181,7 @@ def main():
                     "dim": dim, "threads": threads, "rows": a.rows, "batch": a.batch,
                     "pooling_factor": a.pooling_factor, "distribution": a.distribution,
                     "pooling": a.pooling, "dtype": a.dtype, "optimizer": a.optimizer,
+                    "id_sets": a.id_sets,
                     "backend": ember["backend"], "peer": peer,
                     "rounds": len(rounds),
                     "lookups_per_s": e_fwd, "torch_lookups_per_s": t_fwd,

@@ -20,9 +20,11 @@ struct CpuBackendOptions {
   int num_threads = 1;
   // Instruction set for the row kernels: "auto", "scalar", "avx2", "avx512".
   std::string isa = "auto";
-  // Ids ahead whose row a lookup prefetches while gathering (0: none). On
-  // the 2-core AMD EPYC VM of docs/benchmarks.md 12-16 gathered dim-64 rows
-  // 1.5-1.8x faster than 4 (which had been best on an Intel Xeon VM).
+  // Ids ahead whose row a lookup prefetches into L1 while gathering (0:
+  // none); every line of the row twice as far ahead goes to the outer
+  // caches. On the 2-core AMD EPYC VM of docs/benchmarks.md 12-16 gathered
+  // dim-64 rows 1.5-1.8x faster than 4 (which had been best on an Intel
+  // Xeon VM).
   int prefetch_distance = 12;
   // The same for the rows (and optimizer state) an update writes; there
   // 4-8 was best and 16 halved the rate.

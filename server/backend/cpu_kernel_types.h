@@ -16,9 +16,9 @@ using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float sc
 
 // One bag: out[0, dim) = out_scale * sum_k weights[k] * row(ids[k]) over
 // k < n (weights == nullptr: all 1), rows at table + id * row_bytes.
-// Prefetches the row `prefetch` ids ahead (0: none), reading ahead past the
-// bag into the following bags: ids[0, ids_avail) must be readable, ids_avail
-// >= n. out is written, not accumulated; n == 0 writes zeros.
+// Prefetches rows `prefetch` ids ahead into L1 and 2 * prefetch ahead into
+// the outer caches (0: none), reading ahead past the bag into the following
+// bags: ids[0, ids_avail) must be readable, ids_avail >= n. out is written, not accumulated; n == 0 writes zeros.
 using PoolFn = void (*)(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
                         const float* weights, int64_t n, int64_t ids_avail, int64_t dim,
                         float out_scale, int prefetch);

@@ -37,9 +37,17 @@ inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, con
   typename Ops::Reg acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
   for (int64_t k = 0; k < n; ++k) {
+    // Two stages: every line of the row 2 * prefetch ids ahead towards the
+    // outer caches (T2), then its first line `prefetch` ahead into L1.
+    // Measured against the first line alone: +35-100% from memory, up to
+    // +50% from the L3 (docs/benchmarks.md).
     if (prefetch > 0 && k + prefetch < ids_avail) {
-      const char* p = reinterpret_cast<const char*>(table + ids[k + prefetch] * row_bytes);
-      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(table + ids[k + prefetch] * row_bytes),
+                   _MM_HINT_T0);
+      if (k + 2 * prefetch < ids_avail) {
+        const char* far = reinterpret_cast<const char*>(table + ids[k + 2 * prefetch] * row_bytes);
+        for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+      }
     }
     const uint8_t* row = table + ids[k] * row_bytes;
     const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
