@@ -265,12 +265,22 @@ class CpuBackend : public EmbeddingBackend {
       const int prefetch = options_.update_prefetch_distance;
       pool_.ParallelFor(num_unique, 16, [&](int64_t b, int64_t e) {
         for (int64_t u = b; u < e; ++u) {
+          // As the lookups' (cpu_kernels_impl.h): every line of the row
+          // and its state 2 * prefetch rows ahead to the outer caches, the
+          // first lines `prefetch` ahead into L1.
           if (prefetch > 0 && u + prefetch < e) {
             const int64_t ahead = occ_[unique_begin_[u + prefetch]].row;
             _mm_prefetch(reinterpret_cast<const char*>(s.Row(ahead)), _MM_HINT_T0);
             if (s.state_width > 0) {
               _mm_prefetch(reinterpret_cast<const char*>(s.state.get() + ahead * s.state_width),
                            _MM_HINT_T0);
+            }
+            if (u + 2 * prefetch < e) {
+              const int64_t far = occ_[unique_begin_[u + 2 * prefetch]].row;
+              const char* w = reinterpret_cast<const char*>(s.Row(far));
+              for (int64_t l = 0; l < dim * s.elem_bytes; l += 64) _mm_prefetch(w + l, _MM_HINT_T2);
+              const char* st = reinterpret_cast<const char*>(s.state.get() + far * s.state_width);
+              for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
             }
           }
           float* g = grad_sum_.data() + u * dim;
