@@ -164,8 +164,10 @@ def main():
                 # drift of the machine's speed reaches both alike.
                 rounds = []
                 for _ in range(max(1, a.rounds)):
-                    ember = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                                      text=True).stdout)
+                    run = subprocess.run(cmd, capture_output=True, text=True)
+                    if run.returncode != 0:
+                        sys.exit(f"torch_compare: {' '.join(cmd)} failed:\n{run.stderr.strip()}")
+                    ember = json.loads(run.stdout)
                     rounds.append((ember,) + torch_figures(torch, np, ids_path, a, dim, threads))
                 med = lambda v: float(np.median(v))
                 ember = rounds[0][0]
