@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -96,6 +97,12 @@ DEFINE_int32(max_queued_calls, 256,
 DEFINE_bool(shared_memory, true,
             "Workers: offer shared-memory channels to trainers on the same host (bulk arrays "
             "bypass gRPC); clients use them where offered.");
+DEFINE_string(shm_dir, "",
+              "A directory on tmpfs shared by workers and trainers of one host (e.g. a volume "
+              "both pods of a node mount, at the same path or not): workers accept channels "
+              "whose regions are files in it; clients create them there and try every worker "
+              "(one on another host refuses; its calls go inline). Empty: POSIX shared memory, "
+              "workers at loopback addresses only.");
 DEFINE_bool(skip_nonfinite, false,
             "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
             "instead of refusing the update.");
@@ -189,6 +196,9 @@ std::string BadServerFlags() {
   }
   if (FLAGS_dedup_window < 1) return "--dedup_window must be >= 1";
   if (FLAGS_max_queued_calls < 0) return "--max_queued_calls must be >= 0";
+  if (!FLAGS_shm_dir.empty() && !std::filesystem::is_directory(FLAGS_shm_dir)) {
+    return "--shm_dir " + FLAGS_shm_dir + " is not a directory";
+  }
   absl::Duration every;
   if (!FLAGS_checkpoint_every.empty()) {
     if (!absl::ParseDuration(FLAGS_checkpoint_every, &every) || every < absl::Seconds(1)) {
@@ -329,6 +339,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
   o.credentials = *credentials;
   o.timeout = absl::Seconds(FLAGS_timeout_s);
   o.shared_memory = FLAGS_shared_memory;
+  o.shm_dir = FLAGS_shm_dir;
   return client::Client::Connect(FLAGS_coordinator, o);
 }
 
@@ -378,6 +389,7 @@ int RunWorker() {
   o.service.dedup_window = FLAGS_dedup_window;
   o.service.max_queued_calls = FLAGS_max_queued_calls;
   o.service.shared_memory = FLAGS_shared_memory;
+  o.service.shm_dir = FLAGS_shm_dir;
   (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto tokens = ServerTokens();
@@ -429,7 +441,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
-      "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
+      "--shm_dir=" + FLAGS_shm_dir, "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.
   int gpus = 1;

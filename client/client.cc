@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <utility>
@@ -306,6 +307,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
                                                         const ClientOptions& options) {
   if (coordinator.empty()) return absl::InvalidArgumentError("coordinator address is empty");
   if (options.max_attempts < 1) return absl::InvalidArgumentError("max_attempts must be >= 1");
+  if (!options.shm_dir.empty() && !std::filesystem::is_directory(options.shm_dir)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm_dir ", options.shm_dir, " is not a directory"));
+  }
   std::unique_ptr<Client> c(new Client(coordinator, options));
   auto workers = c->ListWorkers();  // fails fast when nothing answers
   if (!workers.ok()) return workers.status();
@@ -314,7 +319,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
 
 ChannelPool::Lease Client::ChannelTo(const std::string& address, uint64_t bytes) {
   if (!options_.shared_memory) return {};
-  return channels_.Acquire(address, bytes, StubFor(address), [this](grpc::ClientContext* ctx) {
+  return channels_.Acquire(address, bytes, options_.shm_dir, StubFor(address),
+                           [this](grpc::ClientContext* ctx) {
     PrepareContext(ctx, options_.timeout);
   });
 }

@@ -58,6 +58,13 @@ struct ClientOptions {
   // that offer it; others, and calls that find their channel busy, go
   // inline in the gRPC messages.
   bool shared_memory = true;
+  // A directory (on tmpfs) this process shares with workers of its host,
+  // mounted where their --shm_dir is (e.g. one volume two pods of a node
+  // mount): channels are files in it, and every worker is tried, whatever
+  // its address; one on another host refuses, and calls to it go inline
+  // (asking again a minute later). Empty: POSIX shared memory, loopback
+  // workers only.
+  std::string shm_dir;
 };
 
 class Client {

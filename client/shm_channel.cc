@@ -19,16 +19,22 @@ namespace ember {
 namespace client {
 
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
-    ember::v1::Worker::Stub* stub, uint64_t bytes,
+    ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
     const std::function<void(grpc::ClientContext*)>& prepare) {
   static std::atomic<uint64_t> counter{0};
   const uint64_t size = (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
-  const std::string name = absl::StrCat("/ember-", getpid(), "-", counter.fetch_add(1), "-",
-                                        std::random_device()());
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  std::random_device rd;
+  const std::string base_name =
+      absl::StrCat("ember-", getpid(), "-", counter.fetch_add(1), "-", rd());
+  // A POSIX shared-memory name, or a file in the shared directory.
+  const std::string name = shm_dir.empty() ? "/" + base_name : absl::StrCat(shm_dir, "/", base_name);
+  const int fd = shm_dir.empty() ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                                 : open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
   if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("shm_open: ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat(shm_dir.empty() ? "shm_open " : "open ", name, ": ",
+                                               std::strerror(errno)));
   }
+  auto unlink_name = [&] { shm_dir.empty() ? shm_unlink(name.c_str()) : unlink(name.c_str()); };
   std::unique_ptr<ShmChannel> ch(new ShmChannel());
   ch->stub_ = stub;
   ch->prepare_ = prepare;
@@ -38,20 +44,29 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
   }
   close(fd);
   if (base == MAP_FAILED) {
-    shm_unlink(name.c_str());
+    unlink_name();
     return absl::ResourceExhaustedError(absl::StrCat("shared memory of ", size, " bytes: ",
                                                      std::strerror(errno)));
   }
   ch->base_ = static_cast<char*>(base);
   ch->size_ = size;
+  // The worker checks it maps these bytes, not another host's region of
+  // the same name.
+  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) | rd();
+  std::memcpy(ch->base_, &nonce, sizeof(nonce));
   grpc::ClientContext ctx;
   prepare(&ctx);
   ember::v1::OpenChannelRequest req;
-  req.set_shm_name(name);
+  if (shm_dir.empty()) {
+    req.set_shm_name(name);
+  } else {
+    req.set_shm_file(base_name);
+  }
   req.set_size(size);
+  req.set_nonce(nonce);
   ember::v1::OpenChannelResponse resp;
   const grpc::Status s = stub->OpenChannel(&ctx, req, &resp);
-  shm_unlink(name.c_str());  // mapped on both sides (or refused): the name is done with
+  unlink_name();  // mapped on both sides (or refused): the name is done with
   if (!s.ok()) return FromGrpc(s, "OpenChannel");  // the destructor unmaps
   ch->id_ = resp.channel_id();
   return ch;
@@ -76,9 +91,11 @@ bool ChannelPool::SameHost(const std::string& address) {
 }
 
 ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t bytes,
-                                        ember::v1::Worker::Stub* stub,
+                                        const std::string& shm_dir, ember::v1::Worker::Stub* stub,
                                         const std::function<void(grpc::ClientContext*)>& prepare) {
-  if (!SameHost(address) || bytes > static_cast<uint64_t>(kMaxMessageBytes)) return Lease();
+  if ((shm_dir.empty() && !SameHost(address)) || bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
+    return Lease();
+  }
   Slot* slot;
   {
     absl::MutexLock lock(&mu_);
@@ -95,7 +112,7 @@ ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t byt
   if (slot->channel == nullptr || slot->channel->size() < bytes) {
     if (absl::Now() < slot->retry_after) return Lease();
     slot->channel.reset();
-    auto ch = ShmChannel::Open(stub, bytes + bytes / 4, prepare);
+    auto ch = ShmChannel::Open(stub, bytes + bytes / 4, shm_dir, prepare);
     if (!ch.ok()) {
       // Another host after all, or shared memory turned off there: inline
       // for a while before asking again.

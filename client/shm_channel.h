@@ -1,8 +1,9 @@
 // The client's end of a shared-memory channel to one worker (OpenChannel in
-// proto/service.proto): a POSIX shared-memory region this process creates,
-// the worker maps, and the name of which is unlinked as soon as the worker
-// has answered (so nothing is left in /dev/shm whoever dies). Calls lay
-// their arrays out in it; one call at a time per channel (ChannelPool).
+// proto/service.proto): a POSIX shared-memory region (or a file in a
+// directory shared with the worker) this process creates, the worker maps,
+// and the name of which is unlinked as soon as the worker has answered (so
+// nothing is left in /dev/shm whoever dies). Calls lay their arrays out in
+// it; one call at a time per channel (ChannelPool).
 #ifndef EMBER_CLIENT_SHM_CHANNEL_H_
 #define EMBER_CLIENT_SHM_CHANNEL_H_
 
@@ -25,10 +26,11 @@ namespace client {
 
 class ShmChannel {
  public:
-  // Creates a region of at least `bytes` and has the worker map it.
-  // `prepare` sets a call's deadline and credentials.
+  // Creates a region of at least `bytes` (a file in `shm_dir` when it is
+  // not empty) and has the worker map it. `prepare` sets a call's deadline
+  // and credentials.
   static absl::StatusOr<std::unique_ptr<ShmChannel>> Open(
-      ember::v1::Worker::Stub* stub, uint64_t bytes,
+      ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
       const std::function<void(grpc::ClientContext*)>& prepare);
   // Unmaps the region and asks the worker to forget the channel (best
   // effort; it forgets idle channels anyway).
@@ -74,13 +76,15 @@ class ChannelPool {
     bool* broken_ = nullptr;
   };
 
-  // Channels are offered to workers whose address is a loopback one
-  // ("127.*", "localhost", "[::1]"): a trainer and a worker on one host.
+  // Without a shared directory, channels are offered to workers whose
+  // address is a loopback one ("127.*", "localhost", "[::1]"): a trainer
+  // and a worker on one host.
   static bool SameHost(const std::string& address);
 
   // A channel of at least `bytes` to `address` (opened or grown as needed),
-  // or an empty lease.
-  Lease Acquire(const std::string& address, uint64_t bytes, ember::v1::Worker::Stub* stub,
+  // or an empty lease. With `shm_dir` every address is tried (ClientOptions).
+  Lease Acquire(const std::string& address, uint64_t bytes, const std::string& shm_dir,
+                ember::v1::Worker::Stub* stub,
                 const std::function<void(grpc::ClientContext*)>& prepare);
 
  private:

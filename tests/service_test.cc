@@ -62,48 +62,72 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
 // Shared-memory regions process `pid` holds: mappings and open descriptors
 // of files under /dev/shm named ember-* (names are unlinked early, so they
 // read "/dev/shm/ember-... (deleted)").
-int ShmHeld(int pid) {
+// Regions under `where` ("/dev/shm/ember-", or a shared directory's
+// "DIR/ember-") mapped or held open by process `pid`.
+int ShmHeld(int pid, const std::string& where) {
   const std::string proc = absl::StrCat("/proc/", pid);
   int held = 0;
   std::ifstream maps(proc + "/maps");
   for (std::string line; std::getline(maps, line);) {
-    if (line.find("/dev/shm/ember-") != std::string::npos) ++held;
+    if (line.find(where) != std::string::npos) ++held;
   }
   std::error_code ec;
   for (const auto& fd : std::filesystem::directory_iterator(proc + "/fd", ec)) {
     const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
-    if (target.find("/dev/shm/ember-") != std::string::npos) ++held;
+    if (target.find(where) != std::string::npos) ++held;
   }
   return held;
 }
 
-// Every case runs twice: arrays inline in the gRPC messages, and through
-// shared-memory channels (the workers are on this host).
-class ServiceTest : public ::testing::TestWithParam<bool> {
+// Every case runs three times: arrays inline in the gRPC messages, through
+// POSIX shared-memory channels (the workers are on this host), and through
+// channels that are files in a directory the workers share (--shm_dir, as
+// pods of one node sharing a volume).
+enum class Mode { kInline, kSharedMemory, kSharedDirectory };
+
+class ServiceTest : public ::testing::TestWithParam<Mode> {
  protected:
   static void SetUpTestSuite() {
-    cluster_ = new testing_util::LocalCluster(kEmberctl, 2);
+    const std::string dir = absl::StrCat(::testing::TempDir(), "/service_test_shm_", getpid());
+    std::filesystem::create_directories(dir);
+    shm_dir_ = new std::string(std::filesystem::canonical(dir).string());  // as /proc shows it
+    cluster_ = new testing_util::LocalCluster(kEmberctl, 2, {"--shm_dir=" + *shm_dir_});
     ASSERT_TRUE(cluster_->ok()) << "emberctl up did not come up";
   }
   static void TearDownTestSuite() {
     delete cluster_;
     cluster_ = nullptr;
+    std::error_code ec;
+    std::filesystem::remove_all(*shm_dir_, ec);
+    delete shm_dir_;
   }
   std::unique_ptr<Client> Connect(absl::Duration timeout = absl::Seconds(20)) {
     client::ClientOptions o;
     o.timeout = timeout;
-    o.shared_memory = GetParam();
+    o.shared_memory = GetParam() != Mode::kInline;
+    if (GetParam() == Mode::kSharedDirectory) o.shm_dir = *shm_dir_;
     auto c = Client::Connect(cluster_->coordinator(), o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
+  static bool Channels() { return GetParam() != Mode::kInline; }
+  // Where this mode's regions live.
+  static std::string RegionPrefix() {
+    return GetParam() == Mode::kSharedDirectory ? *shm_dir_ + "/ember-" : "/dev/shm/ember-";
+  }
   static testing_util::LocalCluster* cluster_;
+  static std::string* shm_dir_;
 };
 testing_util::LocalCluster* ServiceTest::cluster_ = nullptr;
+std::string* ServiceTest::shm_dir_ = nullptr;
 
-INSTANTIATE_TEST_SUITE_P(Transport, ServiceTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& p) {
-                           return p.param ? "SharedMemory" : "Inline";
+INSTANTIATE_TEST_SUITE_P(Transport, ServiceTest,
+                         ::testing::Values(Mode::kInline, Mode::kSharedMemory,
+                                           Mode::kSharedDirectory),
+                         [](const ::testing::TestParamInfo<Mode>& p) {
+                           return p.param == Mode::kInline         ? "Inline"
+                                  : p.param == Mode::kSharedMemory ? "SharedMemory"
+                                                                   : "SharedDirectory";
                          });
 
 // The transport is the one asked for: with shared memory the workers hold
@@ -132,17 +156,23 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     ASSERT_TRUE(st.ok()) << st.status();
     channels += st->shm_channels();
   }
-  EXPECT_EQ(channels > 0, GetParam()) << channels << " channel(s) open";
+  EXPECT_EQ(channels > 0, Channels()) << channels << " channel(s) open";
   const std::string mine = absl::StrCat("ember-", getpid(), "-");
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-    EXPECT_NE(entry.path().filename().string().rfind(mine, 0), 0u)
-        << entry.path() << " was left in /dev/shm";
+  for (const std::string& dir : {std::string("/dev/shm"), *shm_dir_}) {
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      EXPECT_NE(entry.path().filename().string().rfind(mine, 0), 0u)
+          << entry.path() << " was left in " << dir;
+    }
   }
-  // Mapped here and in the workers while open; no descriptor kept anywhere.
-  EXPECT_EQ(ShmHeld(getpid()) > 0, GetParam());
+  // Mapped here and in the workers while open, where this mode puts them;
+  // no descriptor kept anywhere.
+  EXPECT_EQ(ShmHeld(getpid(), RegionPrefix()) > 0, Channels());
+  if (GetParam() == Mode::kSharedDirectory) {
+    EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 0) << "a POSIX region despite shm_dir";
+  }
   ASSERT_TRUE(c->DropCollection("transport").ok());
   c.reset();  // its channels closed
-  EXPECT_EQ(ShmHeld(getpid()), 0) << "the client kept a region mapped";
+  EXPECT_EQ(ShmHeld(getpid(), RegionPrefix()), 0) << "the client kept a region mapped";
   for (const auto& w : workers->workers()) {
     auto other = Connect();
     ASSERT_NE(other, nullptr);
@@ -151,7 +181,8 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     EXPECT_EQ(st->shm_channels(), 0) << "a closed client's channel is still open";
   }
   for (int pid : cluster_->worker_pids()) {
-    EXPECT_EQ(ShmHeld(pid), 0) << "worker " << pid << " kept a closed channel's region";
+    EXPECT_EQ(ShmHeld(pid, RegionPrefix()), 0)
+        << "worker " << pid << " kept a closed channel's region";
   }
 }
 
@@ -416,7 +447,7 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   auto first = (*c)->Lookup("kill", kjt);
   ASSERT_TRUE(first.ok()) << first.status();
   // Shared memory (the default) to every worker: a region each.
-  EXPECT_EQ(ShmHeld(getpid()), 3);
+  EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 3);
   kill(cluster.worker_pids()[1], SIGKILL);
   const absl::Time start = absl::Now();
   auto kt = (*c)->Lookup("kill", kjt);
@@ -425,9 +456,11 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   // A failed update applies nothing and leaves nothing behind either.
   EXPECT_EQ((*c)->ApplyGradients("kill", kjt, *first).code(), absl::StatusCode::kUnavailable);
   c->reset();
-  EXPECT_EQ(ShmHeld(getpid()), 0) << "regions of a dead worker's channels stayed mapped";
+  EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 0)
+      << "regions of a dead worker's channels stayed mapped";
   for (int pid : {cluster.worker_pids()[0], cluster.worker_pids()[2]}) {
-    EXPECT_EQ(ShmHeld(pid), 0) << "worker " << pid << " kept a closed channel's region";
+    EXPECT_EQ(ShmHeld(pid, "/dev/shm/ember-"), 0)
+        << "worker " << pid << " kept a closed channel's region";
   }
 }
 

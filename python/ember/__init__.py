@@ -190,10 +190,17 @@ class Client:
     servers run with --auth_token_file (a file holding just the token, as
     `emberctl --auth_token_file` takes). tls_ca / tls_cert / tls_key: PEM
     files, as emberctl's --tls_* flags (TLS is on when tls_ca is given).
+
+    shared_memory: bulk arrays go through shared-memory channels to workers
+    on this host (loopback addresses) that offer them (default on).
+    shm_dir: a directory on tmpfs shared with the workers of this host, at
+    their --shm_dir (e.g. a volume the trainer's and the worker's pods both
+    mount): channels are files in it and every worker is tried; one on
+    another host refuses and its calls go inline.
     """
 
     def __init__(self, address, timeout_s=30.0, auth_token=None, auth_token_file=None,
-                 tls_ca=None, tls_cert=None, tls_key=None):
+                 tls_ca=None, tls_cert=None, tls_key=None, shared_memory=True, shm_dir=None):
         if auth_token_file is not None:
             with open(auth_token_file) as f:
                 words = f.read().split()
@@ -201,7 +208,8 @@ class Client:
                 raise InvalidArgument(3, f"{auth_token_file}: expected exactly one token")
             auth_token = words[0]
         self._c = _ember.Client(address, float(timeout_s), auth_token or "", tls_ca or "",
-                                tls_cert or "", tls_key or "")
+                                tls_cert or "", tls_key or "", bool(shared_memory),
+                                str(shm_dir or ""))
         self.address = address
 
     # Control plane.

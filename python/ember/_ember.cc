@@ -126,16 +126,20 @@ PYBIND11_MODULE(_ember, m) {
   py::class_<Client>(m, "Client")
       .def(py::init([](const std::string& address, double timeout_s,
                        const std::string& auth_token, const std::string& tls_ca,
-                       const std::string& tls_cert, const std::string& tls_key) {
+                       const std::string& tls_cert, const std::string& tls_key,
+                       bool shared_memory, const std::string& shm_dir) {
              client::ClientOptions o;
              o.timeout = absl::Seconds(timeout_s);
              o.auth_token = auth_token;
+             o.shared_memory = shared_memory;
+             o.shm_dir = shm_dir;
              o.credentials = Value(ChannelCredentialsFrom({tls_cert, tls_key, tls_ca}));
              py::gil_scoped_release release;
              return Value(Client::Connect(address, o));
            }),
            py::arg("address"), py::arg("timeout_s"), py::arg("auth_token") = "",
-           py::arg("tls_ca") = "", py::arg("tls_cert") = "", py::arg("tls_key") = "")
+           py::arg("tls_ca") = "", py::arg("tls_cert") = "", py::arg("tls_key") = "",
+           py::arg("shared_memory") = true, py::arg("shm_dir") = "")
       .def("create_collection",
            [](Client& c, const std::string& spec_json, const std::string& sharding_type) {
              auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");

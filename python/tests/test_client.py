@@ -322,3 +322,37 @@ def test_tokens_and_roles(tmp_path):
         with pytest.raises(ember.PermissionDenied):
             trainer.drop_collection("auth")
         admin.drop_collection("auth")
+
+
+def test_transports_give_the_same_answers(tmp_path):
+    """Inline, POSIX shared memory and a shared directory (--shm_dir, as pods
+    of one node sharing a volume) look up and train alike; the directory's
+    channels are open on the workers and leave no file behind. A shm_dir
+    that is not a directory is refused when connecting."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with ember.LocalCluster(workers=2, extra_flags=[f"--shm_dir={shm}"]) as cluster:
+        clients = {
+            "inline": ember.Client(cluster.address, timeout_s=20, shared_memory=False),
+            "shm": ember.Client(cluster.address, timeout_s=20),
+            "dir": ember.Client(cluster.address, timeout_s=20, shm_dir=str(shm)),
+        }
+        clients["inline"].create_collection(spec("transports"), sharding_type="row_wise")
+        rng = np.random.default_rng(3)
+        kjt = ember.KeyedJaggedTensor.from_jagged(
+            {"f_sum": random_bags(rng, 101, 16), "f_mean": random_bags(rng, 57, 16)})
+        outs = {k: c.lookup("transports", kjt).values for k, c in clients.items()}
+        np.testing.assert_array_equal(outs["shm"], outs["inline"])
+        np.testing.assert_array_equal(outs["dir"], outs["inline"])
+        kt = clients["dir"].lookup("transports", kjt)
+        grads = ember.KeyedTensor(kt.keys, kt.length_per_key, np.full_like(kt.values, 0.25))
+        clients["dir"].apply_gradients("transports", kjt, grads)
+        after = clients["inline"].lookup("transports", kjt).values
+        assert not np.array_equal(after, outs["inline"])  # the update landed
+        with open("/proc/self/maps") as maps:
+            mapped = maps.read()
+        assert f"{shm}/ember-" in mapped  # the directory's channels are in use here
+        assert "/dev/shm/ember-" in mapped  # and the POSIX ones
+        assert list(shm.iterdir()) == []  # names unlinked once both sides mapped them
+        with pytest.raises(ember.InvalidArgument):
+            ember.Client(cluster.address, timeout_s=5, shm_dir=str(tmp_path / "missing"))

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -32,19 +33,35 @@ absl::StatusOr<absl::Span<char>> ShmChannels::Region::Bytes(const ember::v1::Shm
   return absl::Span<char>(base_ + slice.offset(), slice.size());
 }
 
-ShmChannels::ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels)
+ShmChannels::ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels,
+                         std::string shm_dir)
     : idle_timeout_(idle_timeout),
       max_region_bytes_(max_region_bytes),
       max_channels_(max_channels),
+      shm_dir_(std::move(shm_dir)),
       rng_(std::random_device()()) {}
 
-absl::StatusOr<uint64_t> ShmChannels::Open(const std::string& name, uint64_t size,
+absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& req,
                                            const std::string& owner) {
-  if (!absl::StartsWith(name, "/ember-") || name.size() > 200 ||
-      name.find('/', 1) != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared-memory name '", name.substr(0, 64), "' must be \"/ember-...\" (no other '/')"));
+  const bool file = !req.shm_file().empty();
+  if (file == !req.shm_name().empty()) {
+    return absl::InvalidArgumentError("name the region by exactly one of shm_name and shm_file");
   }
+  // A file is "ember-..." inside shm_dir; a POSIX name "/ember-...". Either
+  // way no other '/' (nothing outside the place meant).
+  const std::string& name = file ? req.shm_file() : req.shm_name();
+  const std::string prefix = file ? "ember-" : "/ember-";
+  if (!absl::StartsWith(name, prefix) || name.size() > 200 ||
+      name.find('/', prefix.size()) != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(file ? "shared-memory file '" : "shared-memory name '",
+                                                   name.substr(0, 64), "' must be \"", prefix,
+                                                   "...\" (no other '/')"));
+  }
+  if (file && shm_dir_.empty()) {
+    return absl::FailedPreconditionError(
+        "this worker shares no directory for channels (--shm_dir); use a shared-memory name");
+  }
+  const uint64_t size = req.size();
   if (size < 4096 || size > max_region_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("channel size ", size, " is outside [4096, ",
                                                    max_region_bytes_, "]"));
@@ -57,23 +74,34 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const std::string& name, uint64_t siz
           max_channels_, " shared-memory channels are open on this worker; close some"));
     }
   }
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  const std::string shown = file ? absl::StrCat(shm_dir_, "/", name) : name;
+  const int fd = file ? open(shown.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC)
+                      : shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat("cannot open shared memory '", name, "': ",
+    return absl::NotFoundError(absl::StrCat("cannot open shared memory '", shown, "': ",
                                             std::strerror(errno),
                                             " (is the client on this worker's host?)"));
   }
   struct stat st;
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < size) {
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < size) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("shared memory '", name, "' holds fewer than ",
-                                                   size, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("shared memory '", shown,
+                                                   "' is not a region of at least ", size,
+                                                   " bytes"));
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot map shared memory '", name, "': ",
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map shared memory '", shown, "': ",
                                                      std::strerror(errno)));
+  }
+  uint64_t nonce;
+  std::memcpy(&nonce, base, sizeof(nonce));
+  if (nonce != req.nonce()) {
+    munmap(base, size);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared memory '", shown,
+        "' does not hold the client's nonce: another host's region of that name"));
   }
   auto region = std::make_shared<const Region>(static_cast<char*>(base), size);
   absl::MutexLock lock(&mu_);

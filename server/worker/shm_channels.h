@@ -46,13 +46,19 @@ class ShmChannels {
   };
 
   // Limits: region sizes in [4 KiB, max_region_bytes], at most
-  // max_channels open at once.
-  ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels);
+  // max_channels open at once. `shm_dir`: a directory trainers share with
+  // this worker (empty: none; only POSIX shared-memory names then).
+  ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels,
+              std::string shm_dir = "");
 
-  // Maps `name` (a "/ember-..." POSIX shared-memory name of at least `size`
-  // bytes). INVALID_ARGUMENT for a bad name or size, NOT_FOUND when it
-  // cannot be opened, RESOURCE_EXHAUSTED past max_channels.
-  absl::StatusOr<uint64_t> Open(const std::string& name, uint64_t size, const std::string& owner);
+  // Maps the region of `req` (OpenChannelRequest): the POSIX shared-memory
+  // name "/ember-...", or the regular file "ember-..." in shm_dir, of at
+  // least req.size() bytes, whose first 8 bytes must be req.nonce().
+  // INVALID_ARGUMENT for a bad name or size, FAILED_PRECONDITION for a file
+  // without a shm_dir or other bytes than the nonce (not the client's
+  // region), NOT_FOUND when it cannot be opened, RESOURCE_EXHAUSTED past
+  // max_channels.
+  absl::StatusOr<uint64_t> Open(const ember::v1::OpenChannelRequest& req, const std::string& owner);
   // NOT_FOUND for an unknown channel, PERMISSION_DENIED for another owner's.
   absl::Status Close(uint64_t id, const std::string& owner);
   // The channel's region for transfer `seq` (its idle clock restarts).
@@ -78,6 +84,7 @@ class ShmChannels {
   const absl::Duration idle_timeout_;
   const uint64_t max_region_bytes_;
   const int max_channels_;
+  const std::string shm_dir_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Channel> channels_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);

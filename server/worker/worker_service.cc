@@ -127,7 +127,8 @@ WorkerService::WorkerService(std::unique_ptr<backend::EmbeddingBackend> backend,
                              const WorkerServiceOptions& options)
     : backend_(std::move(backend)),
       options_(options),
-      channels_(options.channel_idle_timeout, kMaxMessageBytes, options.max_channels) {}
+      channels_(options.channel_idle_timeout, kMaxMessageBytes, options.max_channels,
+                options.shm_dir) {}
 
 namespace {
 
@@ -192,7 +193,7 @@ grpc::Status WorkerService::OpenChannel(grpc::ServerContext* ctx,
     return ToGrpc(absl::FailedPreconditionError(
         "this worker offers no shared-memory channels (--shared_memory=false)"));
   }
-  auto id = channels_.Open(req->shm_name(), req->size(), OwnerOf(ctx));
+  auto id = channels_.Open(*req, OwnerOf(ctx));
   if (!id.ok()) return ToGrpc(id.status());
   resp->set_channel_id(*id);
   resp->set_idle_timeout_ms(absl::ToInt64Milliseconds(channels_.idle_timeout()));

@@ -68,6 +68,10 @@ struct WorkerServiceOptions {
   // Shared-memory channels (OpenChannel): offered when true; a channel
   // unused this long is forgotten; at most this many open at once.
   bool shared_memory = true;
+  // A directory (on tmpfs) trainers of this host share with the worker,
+  // e.g. a volume both pods mount: channels may be files in it as well as
+  // POSIX shared-memory names. Empty: none.
+  std::string shm_dir;
   absl::Duration channel_idle_timeout = absl::Minutes(10);
   int max_channels = 256;
 };

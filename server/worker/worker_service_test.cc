@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -18,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
 #include "server/backend/forwarding_backend.h"
@@ -599,10 +601,23 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
 }
 
 // Channels belong to who opened them and lapse when idle.
+ember::v1::OpenChannelRequest OpenOf(const std::string& name, uint64_t size, bool file = false,
+                                      uint64_t nonce = 0) {
+  ember::v1::OpenChannelRequest req;
+  if (file) {
+    req.set_shm_file(name);
+  } else {
+    req.set_shm_name(name);
+  }
+  req.set_size(size);
+  req.set_nonce(nonce);
+  return req;
+}
+
 TEST(WorkerServiceTest, ChannelsHaveOwnersAndLapseWhenIdle) {
   TestRegion region(1 << 14);
   ShmChannels channels(absl::Milliseconds(50), 1 << 20, 2);
-  auto id = channels.Open(region.name, 1 << 14, "Bearer a");
+  auto id = channels.Open(OpenOf(region.name, 1 << 14), "Bearer a");
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_EQ(channels.Use(*id, "Bearer b", 1).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(channels.Close(*id, "Bearer b").code(), absl::StatusCode::kPermissionDenied);
@@ -612,12 +627,67 @@ TEST(WorkerServiceTest, ChannelsHaveOwnersAndLapseWhenIdle) {
   EXPECT_EQ(channels.Use(*id, "Bearer a", 0).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(channels.Use(*id, "Bearer a", 5).ok());  // gaps are fine
   EXPECT_EQ(channels.Use(*id, "Bearer a", 4).status().code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(channels.Open(region.name, 1 << 14, "Bearer a").ok());
-  EXPECT_EQ(channels.Open(region.name, 1 << 14, "Bearer a").status().code(),
+  ASSERT_TRUE(channels.Open(OpenOf(region.name, 1 << 14), "Bearer a").ok());
+  EXPECT_EQ(channels.Open(OpenOf(region.name, 1 << 14), "Bearer a").status().code(),
             absl::StatusCode::kResourceExhausted);  // at most 2
   absl::SleepFor(absl::Milliseconds(120));
   EXPECT_EQ(channels.Use(*id, "Bearer a", 6).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(channels.open_channels(), 0);
+}
+
+// Regions as files in a directory shared with the worker (--shm_dir, e.g.
+// a volume two pods of one node mount), and the nonce that tells the
+// client's region from another host's of the same name.
+TEST(WorkerServiceTest, ChannelsInASharedDirectoryAndTheirNonce) {
+  const std::string dir = ::testing::TempDir() + "/shm_dir_test_" + std::to_string(getpid());
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  const std::string file = "ember-test-" + std::to_string(getpid());
+  const std::string path = dir + "/" + file;
+  const int fd = open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 1 << 14), 0);
+  const uint64_t nonce = 0x0123456789abcdefULL;
+  ASSERT_EQ(pwrite(fd, &nonce, sizeof(nonce), 0), static_cast<ssize_t>(sizeof(nonce)));
+  close(fd);
+  ASSERT_EQ(symlink(path.c_str(), (dir + "/ember-link").c_str()), 0);
+
+  ShmChannels shared(absl::Minutes(1), 1 << 20, 8, dir);
+  auto id = shared.Open(OpenOf(file, 1 << 14, true, nonce), "Bearer a");
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto region = shared.Use(*id, "Bearer a", 1);
+  ASSERT_TRUE(region.ok());
+  EXPECT_EQ((*region)->size(), 1u << 14);
+  auto refused = [&](const ember::v1::OpenChannelRequest& req, absl::StatusCode code,
+                     const std::string& words) {
+    const auto got = shared.Open(req, "Bearer a");
+    EXPECT_EQ(got.status().code(), code) << got.status();
+    EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr(words));
+  };
+  // Another host's region of the same name: other bytes than the nonce.
+  refused(OpenOf(file, 1 << 14, true, nonce + 1), absl::StatusCode::kFailedPrecondition,
+          "nonce");
+  refused(OpenOf("ember-missing", 1 << 14, true, nonce), absl::StatusCode::kNotFound,
+          "this worker's host");
+  // Nothing outside the directory, no links, no names that are not ours.
+  refused(OpenOf("ember-x/../" + file, 1 << 14, true, nonce), absl::StatusCode::kInvalidArgument,
+          "no other '/'");
+  refused(OpenOf("../" + file, 1 << 14, true, nonce), absl::StatusCode::kInvalidArgument,
+          "must be \"ember-...\"");
+  refused(OpenOf("ember-link", 1 << 14, true, nonce), absl::StatusCode::kNotFound, "ember-link");
+  refused(OpenOf(file, 1 << 15, true, nonce), absl::StatusCode::kInvalidArgument,
+          "at least 32768 bytes");
+  ember::v1::OpenChannelRequest both = OpenOf(file, 1 << 14, true, nonce);
+  both.set_shm_name("/ember-x");
+  refused(both, absl::StatusCode::kInvalidArgument, "exactly one");
+  refused(OpenOf("", 1 << 14, true, nonce), absl::StatusCode::kInvalidArgument, "exactly one");
+  // A worker without a shared directory takes POSIX names only.
+  ShmChannels plain(absl::Minutes(1), 1 << 20, 8);
+  EXPECT_EQ(plain.Open(OpenOf(file, 1 << 14, true, nonce), "Bearer a").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shared.open_channels(), 1);
+  unlink((dir + "/ember-link").c_str());
+  unlink(path.c_str());
+  rmdir(dir.c_str());
 }
 
 }  // namespace
