@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +36,8 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
                                                std::strerror(errno)));
   }
   auto unlink_name = [&] { shm_dir.empty() ? shm_unlink(name.c_str()) : unlink(name.c_str()); };
+  // A worker of this user or group maps it read-write, whatever the umask.
+  if (!shm_dir.empty()) (void)fchmod(fd, 0660);
   std::unique_ptr<ShmChannel> ch(new ShmChannel());
   ch->stub_ = stub;
   ch->prepare_ = prepare;
