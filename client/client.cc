@@ -777,6 +777,12 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
 
 absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtView kjt) {
   KeyedTensor kt;
+  if (absl::Status s = Lookup(collection, kjt, &kt); !s.ok()) return s;
+  return kt;
+}
+
+absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out) {
+  KeyedTensor& kt = *out;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   const uint64_t pick = replica_counter_.fetch_add(1);
@@ -785,7 +791,8 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtVie
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
       return st;
     }
-    kt = KeyedTensor();
+    kt.keys.clear();
+    kt.length_per_key.clear();
     kt.batch_size = kjt.batch_size();
     for (const FeatureJob& j : jobs) {
       kt.keys.push_back(j.key);
@@ -799,8 +806,7 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtVie
     }
     return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
   });
-  if (!s.ok()) return s;
-  return kt;
+  return s;
 }
 
 absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,

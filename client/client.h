@@ -123,6 +123,11 @@ class Client {
   // Pooled features (SUM/MEAN tables): a KeyedTensor of the KJT's features in
   // the collection's order (tables in spec order, then feature_names).
   absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, KjtView kjt);
+  // The same into *out: its keys, dims and batch are set and its values
+  // buffer reused (cleared, not reallocated, when large enough), so a
+  // trainer that keeps one KeyedTensor across steps does not fault fresh
+  // pages in every step. On an error *out is unspecified.
+  absl::Status Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out);
   // Gradients of Lookup's output (same keys, dims and batch). request_id
   // makes retries exactly-once; empty: a fresh random id. The id used is
   // written to *used_request_id (if given) whatever the outcome: after a

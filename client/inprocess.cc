@@ -112,9 +112,9 @@ absl::StatusOr<std::vector<InProcessCollection::Feature>> InProcessCollection::F
   return out;
 }
 
-absl::Status InProcessCollection::LookupInto(const std::vector<Feature>& features,
-                                             const std::vector<float*>& out,
-                                             const std::vector<int64_t>& strides) {
+absl::Status InProcessCollection::PoolInto(const std::vector<Feature>& features,
+                                           const std::vector<float*>& out,
+                                           const std::vector<int64_t>& strides) {
   // A request per (feature, column block), each writing its columns of the
   // destination rows. Pooling into buffers of its own and copying them over
   // cost 0.89 of the kernels' rate where this measures ~0.95
@@ -166,25 +166,28 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
 }
 
 absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor& kjt) {
+  KeyedTensor kt;
+  if (absl::Status s = Lookup(kjt, &kt); !s.ok()) return s;
+  return kt;
+}
+
+absl::Status InProcessCollection::Lookup(const KeyedJaggedTensor& kjt, KeyedTensor* kt) {
   auto features = Features(kjt, /*sequence=*/false);
   if (!features.ok()) return features.status();
-  KeyedTensor kt;
-  kt.batch_size = kjt.batch_size();
+  kt->batch_size = kjt.batch_size();
+  kt->keys.clear();
+  kt->length_per_key.clear();
   for (const Feature& f : *features) {
-    kt.keys.push_back(f.key);
-    kt.length_per_key.push_back(f.table->config->embedding_dim());
+    kt->keys.push_back(f.key);
+    kt->length_per_key.push_back(f.table->config->embedding_dim());
   }
-  // Pooled straight into the KeyedTensor's columns.
-  kt.values.resize(kt.batch_size * kt.row_width());
+  // Pooled straight into the KeyedTensor's columns (a kept buffer of the
+  // right size is neither reallocated nor cleared).
+  kt->values.resize(kt->batch_size * kt->row_width());
   std::vector<float*> out;
-  const std::vector<int64_t> offsets = kt.offset_per_key();
-  for (size_t k = 0; k < kt.keys.size(); ++k) out.push_back(kt.values.data() + offsets[k]);
-  if (absl::Status s =
-          LookupInto(*features, out, std::vector<int64_t>(out.size(), kt.row_width()));
-      !s.ok()) {
-    return s;
-  }
-  return kt;
+  const std::vector<int64_t> offsets = kt->offset_per_key();
+  for (size_t k = 0; k < kt->keys.size(); ++k) out.push_back(kt->values.data() + offsets[k]);
+  return PoolInto(*features, out, std::vector<int64_t>(out.size(), kt->row_width()));
 }
 
 absl::Status InProcessCollection::ApplyGradients(const KeyedJaggedTensor& kjt,
@@ -218,7 +221,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> InProcessCollection::LookupSequen
     strides.push_back(dim);
   }
   for (SequenceEmbedding& e : result) out.push_back(e.values.data());
-  if (absl::Status s = LookupInto(*features, out, strides); !s.ok()) return s;
+  if (absl::Status s = PoolInto(*features, out, strides); !s.ok()) return s;
   return result;
 }
 

@@ -44,6 +44,11 @@ class InProcessCollection {
       int threads = 1);
 
   absl::StatusOr<KeyedTensor> Lookup(const KeyedJaggedTensor& kjt);
+  // The same into *out: its keys, dims and batch are set, and its values
+  // kept when already of the size needed, so a caller that keeps one
+  // KeyedTensor across steps allocates and clears nothing (every element is
+  // written). On an error *out is unspecified.
+  absl::Status Lookup(const KeyedJaggedTensor& kjt, KeyedTensor* out);
   absl::Status ApplyGradients(const KeyedJaggedTensor& kjt, const KeyedTensor& grads);
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const KeyedJaggedTensor& kjt);
   absl::Status ApplySequenceGradients(const KeyedJaggedTensor& kjt,
@@ -74,8 +79,8 @@ class InProcessCollection {
   // One fused backend call that pools feature i's rows straight into
   // out[i] + r * strides[i], each column block at its column offset (the
   // CPU backend's strided outputs): no intermediate copy.
-  absl::Status LookupInto(const std::vector<Feature>& features, const std::vector<float*>& out,
-                          const std::vector<int64_t>& strides);
+  absl::Status PoolInto(const std::vector<Feature>& features, const std::vector<float*>& out,
+                        const std::vector<int64_t>& strides);
   // grads[f]: feature f's gradient, row r at grads[f] + r * strides[f].
   absl::Status ApplyFrom(const std::vector<Feature>& features,
                          const std::vector<const float*>& grads,

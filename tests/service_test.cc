@@ -186,6 +186,36 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   }
 }
 
+// A KeyedTensor kept across lookups of other shapes (the reusing forms of
+// Client::Lookup and InProcessCollection::Lookup) ends up as a fresh one,
+// whatever it held: row-wise partial sums start from zero again.
+TEST_P(ServiceTest, LookupsIntoAKeptKeyedTensor) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const CollectionSpec spec = TestSpec("kept");
+  ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
+  auto ref = InProcessCollection::Create(spec);
+  ASSERT_TRUE(ref.ok());
+  std::mt19937 rng(8);
+  KeyedTensor kept, kept_ref;
+  for (int batch : {32, 8, 64, 64}) {
+    auto kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, batch, batch == 8);
+    kept.values.assign(kept.values.size(), std::nanf(""));  // nothing may survive
+    kept_ref.values.assign(kept_ref.values.size(), std::nanf(""));
+    ASSERT_TRUE(c->Lookup("kept", kjt, &kept).ok());
+    ASSERT_TRUE((*ref)->Lookup(kjt, &kept_ref).ok());
+    auto fresh = c->Lookup("kept", kjt);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    EXPECT_EQ(kept.keys, fresh->keys);
+    EXPECT_EQ(kept.length_per_key, fresh->length_per_key);
+    EXPECT_EQ(kept.batch_size, batch);
+    EXPECT_EQ(kept.values, fresh->values) << "batch " << batch;
+    EXPECT_EQ(kept_ref.keys, fresh->keys);
+    ExpectNear(kept_ref.values, fresh->values, "in-process into a kept KeyedTensor");
+  }
+  ASSERT_TRUE(c->DropCollection("kept").ok());
+}
+
 TEST_P(ServiceTest, EveryShardingTypeMatchesReference) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
