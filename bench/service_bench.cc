@@ -26,6 +26,10 @@
 // halves. The kernel's tables are whole: under a column-wise plan (the
 // in-process collection keeps the plan's column blocks) the two do
 // different work and the ratio is not the collection's overhead alone.
+// --kept_output: the service's clients and the in-process collection look
+// up into one KeyedTensor each, kept across calls (the reusing Lookup
+// forms), as a trainer that keeps its output buffer does; off, every call
+// returns a fresh one.
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,6 +69,9 @@ DEFINE_string(sharding_type, "", "Sharding type of every table (empty: the plann
 DEFINE_int32(warmup, 5, "Untimed lookups first.");
 DEFINE_int32(iters, 50, "Timed lookups per client.");
 DEFINE_int32(clients, 1, "Concurrent client threads (each its own Client).");
+DEFINE_bool(kept_output, false,
+            "Look up into one KeyedTensor per caller kept across calls (service and in-process) "
+            "instead of a fresh one per call.");
 DEFINE_int32(batches, 4, "Distinct random batches, cycled.");
 DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "text", "text or json (one line).");
@@ -76,6 +83,7 @@ namespace ember {
 namespace {
 
 using client::KeyedJaggedTensor;
+using client::KeyedTensor;
 
 std::string DefaultEmberctl(const char* argv0) {
   for (const std::string& p : {std::string("cli/emberctl"),
@@ -218,8 +226,13 @@ int Run(const char* argv0) {
     }
   }
   // In process and the kernels alone, in alternating halves.
+  KeyedTensor kept_local;
+  auto local_lookup = [&](const KeyedJaggedTensor& kjt) -> absl::Status {
+    if (FLAGS_kept_output) return (*local)->Lookup(kjt, &kept_local);
+    return (*local)->Lookup(kjt).status();
+  };
   for (int i = 0; i < FLAGS_warmup; ++i) {
-    (void)(*local)->Lookup(batches[i % batches.size()]);
+    (void)local_lookup(batches[i % batches.size()]);
     (void)(*kernel)->Lookup(kernel_calls[i % batches.size()]);
   }
   double inprocess_s = 0, kernel_s = 0;
@@ -228,8 +241,9 @@ int Run(const char* argv0) {
     const int first = half * (FLAGS_iters / 2), last = half ? FLAGS_iters : FLAGS_iters / 2;
     start = absl::Now();
     for (int i = first; i < last; ++i) {
-      auto kt = (*local)->Lookup(batches[i % batches.size()]);
-      if (!kt.ok()) return Fail("in-process lookup", kt.status());
+      if (absl::Status s = local_lookup(batches[i % batches.size()]); !s.ok()) {
+        return Fail("in-process lookup", s);
+      }
     }
     inprocess_s += absl::ToDoubleSeconds(absl::Now() - start);
     start = absl::Now();
@@ -276,11 +290,14 @@ int Run(const char* argv0) {
   start = absl::Now();
   for (int t = 0; t < FLAGS_clients; ++t) {
     threads.emplace_back([&, t] {
+      KeyedTensor kept;
       for (int i = 0; i < FLAGS_iters; ++i) {
         const absl::Time s = absl::Now();
-        auto kt = clients[t]->Lookup(spec.name(), batches[(i + t) % batches.size()]);
+        const KeyedJaggedTensor& kjt = batches[(i + t) % batches.size()];
+        const absl::Status st = FLAGS_kept_output ? clients[t]->Lookup(spec.name(), kjt, &kept)
+                                                  : clients[t]->Lookup(spec.name(), kjt).status();
         latencies[t].push_back(absl::ToDoubleMilliseconds(absl::Now() - s));
-        if (!kt.ok()) ++errors;
+        if (!st.ok()) ++errors;
       }
     });
   }
@@ -310,9 +327,10 @@ int Run(const char* argv0) {
   if (text) {
     std::cout << absl::StrFormat(
         "service_bench: %d %s workers x %d threads, %s, transport %s, batch %d, %d features, "
-        "pooling %d, dim %d, %d rows/table, %d client(s)\n",
+        "pooling %d, dim %d, %d rows/table, %d client(s), %s output\n",
         world, FLAGS_device, FLAGS_worker_threads, plan_types, FLAGS_transport,
-        FLAGS_batch, FLAGS_features, FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_clients);
+        FLAGS_batch, FLAGS_features, FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, FLAGS_clients,
+        FLAGS_kept_output ? "kept" : "fresh");
     std::cout << absl::StrFormat(
         "  service:    %8.1f lookups/s  %.3g ids/s  %7.1f MB/s  p50 %.2f ms  p99 %.2f ms\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99);
@@ -334,12 +352,14 @@ int Run(const char* argv0) {
         "\"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
-        "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\"}\n",
+        "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\", "
+        "\"kept_output\": %s}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
         worker_share, ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
-        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport);
+        FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport,
+        FLAGS_kept_output ? "true" : "false");
   }
   return 0;
 }

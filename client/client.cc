@@ -561,13 +561,11 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
       }
       j.weights = kjt.weights.data() + off[k];
     }
-    const int64_t rows = j.table->config->num_embeddings();
-    for (int64_t i = 0; i < j.num_ids; ++i) {
-      if (j.ids[i] < 0 || j.ids[i] >= rows) {
-        return absl::InvalidArgumentError(absl::StrCat("feature '", j.key, "': id ", j.ids[i],
-                                                       " is outside [0, ", rows, ") of table '",
-                                                       j.table->config->name(), "'"));
-      }
+    if (absl::Status s = CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids),
+                                         j.table->config->num_embeddings(), j.key,
+                                         j.table->config->name());
+        !s.ok()) {
+      return s;
     }
     jobs->push_back(std::move(j));
   }

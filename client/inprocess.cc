@@ -97,12 +97,10 @@ absl::StatusOr<std::vector<InProcessCollection::Feature>> InProcessCollection::F
     if (!kjt.weights.empty()) {
       f.request.weights = absl::MakeConstSpan(kjt.weights.data() + off[k], off[k + 1] - off[k]);
     }
-    for (int64_t id : f.request.ids) {
-      if (id < 0 || id >= config.num_embeddings()) {
-        return absl::InvalidArgumentError(absl::StrCat("feature '", f.key, "': id ", id,
-                                                       " is outside [0, ", config.num_embeddings(),
-                                                       ") of table '", config.name(), "'"));
-      }
+    if (absl::Status s =
+            CheckFeatureIds(f.request.ids, config.num_embeddings(), f.key, config.name());
+        !s.ok()) {
+      return s;
     }
     f.rows_out = sequence ? static_cast<int64_t>(f.request.ids.size()) : batch;
     out.push_back(std::move(f));

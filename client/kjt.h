@@ -92,6 +92,12 @@ struct KeyedTensor {
   operator KeyedTensorView() const { return View(); }  // NOLINT(google-explicit-constructor)
 };
 
+// Checks that every id of `feature` lies in [0, rows) of `table`:
+// INVALID_ARGUMENT naming the first that does not. One unsigned compare per
+// id, vectorised; the id is searched for only on failure.
+absl::Status CheckFeatureIds(absl::Span<const int64_t> ids, int64_t rows,
+                             const std::string& feature, const std::string& table);
+
 // Checks that `grads` has the layout of a lookup's output: exactly `keys`
 // in that order with widths `dims`, `batch` rows, values [batch, sum(dims)].
 // INVALID_ARGUMENT naming the first difference.

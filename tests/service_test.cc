@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/inprocess.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/plan_format.h"
 #include "server/common/grpc_util.h"
@@ -214,6 +215,34 @@ TEST_P(ServiceTest, LookupsIntoAKeptKeyedTensor) {
     ExpectNear(kept_ref.values, fresh->values, "in-process into a kept KeyedTensor");
   }
   ASSERT_TRUE(c->DropCollection("kept").ok());
+}
+
+// An id outside its table, at any position (the vectorised blocks and the
+// tail) and negative ones, is refused by the client and by the in-process
+// collection with the same message naming it; nothing is sent.
+TEST_P(ServiceTest, OutOfRangeIdsAreRefusedAndNamed) {
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const CollectionSpec spec = TestSpec("range");
+  ASSERT_TRUE(c->CreateCollection(spec, "table_wise").ok());
+  auto ref = InProcessCollection::Create(spec);
+  ASSERT_TRUE(ref.ok());
+  for (int64_t bad : {int64_t{301}, int64_t{-1}, int64_t{1} << 40}) {
+    for (int pos : {0, 7, 8, 12, 18}) {
+      KeyedJaggedTensor kjt;
+      kjt.keys = {"f_sum"};
+      kjt.lengths = {19};
+      for (int i = 0; i < 19; ++i) kjt.values.push_back(i == pos ? bad : 300 - i);
+      const std::string want = absl::StrCat("feature 'f_sum': id ", bad, " is outside [0, 301)");
+      auto got = c->Lookup("range", kjt);
+      EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+      EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr(want));
+      auto local = (*ref)->Lookup(kjt);
+      EXPECT_EQ(local.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(local.status().message()), ::testing::HasSubstr(want));
+    }
+  }
+  ASSERT_TRUE(c->DropCollection("range").ok());
 }
 
 TEST_P(ServiceTest, EveryShardingTypeMatchesReference) {
