@@ -109,11 +109,17 @@ struct FeatureJob {
   const int64_t* lengths = nullptr;
   const int64_t* ids = nullptr;
   const float* weights = nullptr;  // nullptr: unweighted
-  float* out = nullptr;            // lookup: [batch or num_ids, dim], zeroed, rows
+  float* out = nullptr;            // lookup: [batch or num_ids, dim], rows
   int64_t out_stride = 0;          //   out_stride floats apart
+  bool out_zeroed = true;          //   false: RunLookup clears what it does not overwrite
   const float* grad = nullptr;     // gradients: same shape, row stride grad_stride
   int64_t grad_stride = 0;
 };
+
+// Zeroes columns [col, col + cols) of `rows` rows `stride` floats apart.
+void ClearColumns(float* out, int64_t stride, int64_t rows, int64_t col, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) std::fill_n(out + r * stride + col, cols, 0.0f);
+}
 
 // Where a shard request's output lands (sinks are kept per rank).
 struct Sink {
@@ -611,6 +617,11 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       FeatureJob& j = (*jobs)[i];
       const bool row_split = j.table->row_split;
       const bool send_mean = !row_split && j.table->config->pooling() == TableConfig::MEAN;
+      // An output not cleared by the caller: partial sums start from zero,
+      // and a shard given no ids leaves its columns zero (below).
+      if (!j.out_zeroed && rank == 0 && (row_split || j.sequence)) {
+        ClearColumns(j.out, j.out_stride, j.sequence ? j.num_ids : j.batch, 0, j.dim);
+      }
       for (const auto& shard : targets[i]) {
         if (shard.rank != rank) continue;
         Sink sink;
@@ -621,7 +632,12 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         int64_t local = 0;
         Bucketize(j, shard, send_mean, t, &f, j.sequence && row_split ? &sink.positions : nullptr,
                   &local);
-        if (local == 0) continue;  // nothing from this shard: its part stays 0
+        if (local == 0) {  // nothing from this shard: its part is 0
+          if (!j.out_zeroed && !row_split && !j.sequence) {
+            ClearColumns(j.out, j.out_stride, j.batch, shard.col_offset, shard.cols);
+          }
+          continue;
+        }
         sink.rows = j.sequence ? local : j.batch;
         sink.index = c.request.features_size();
         *c.request.add_features() = std::move(f);
@@ -796,11 +812,13 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
       kt.keys.push_back(j.key);
       kt.length_per_key.push_back(j.dim);
     }
-    kt.values.assign(kt.batch_size * kt.row_width(), 0.0f);
+    // A kept buffer is not cleared: RunLookup writes every element.
+    kt.values.resize(kt.batch_size * kt.row_width());
     const std::vector<int64_t> offsets = kt.offset_per_key();
     for (size_t k = 0; k < jobs.size(); ++k) {
       jobs[k].out = kt.values.data() + offsets[k];
       jobs[k].out_stride = kt.row_width();
+      jobs[k].out_zeroed = false;
     }
     return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
   });

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -189,32 +190,45 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
 
 // A KeyedTensor kept across lookups of other shapes (the reusing forms of
 // Client::Lookup and InProcessCollection::Lookup) ends up as a fresh one,
-// whatever it held: row-wise partial sums start from zero again.
+// whatever it held: under every sharding type, row-wise partial sums start
+// from zero, and a feature without ids (its shards sent nothing) is zero.
 TEST_P(ServiceTest, LookupsIntoAKeptKeyedTensor) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
-  const CollectionSpec spec = TestSpec("kept");
-  ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
-  auto ref = InProcessCollection::Create(spec);
-  ASSERT_TRUE(ref.ok());
-  std::mt19937 rng(8);
-  KeyedTensor kept, kept_ref;
-  for (int batch : {32, 8, 64, 64}) {
-    auto kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, batch, batch == 8);
-    kept.values.assign(kept.values.size(), std::nanf(""));  // nothing may survive
-    kept_ref.values.assign(kept_ref.values.size(), std::nanf(""));
-    ASSERT_TRUE(c->Lookup("kept", kjt, &kept).ok());
-    ASSERT_TRUE((*ref)->Lookup(kjt, &kept_ref).ok());
-    auto fresh = c->Lookup("kept", kjt);
-    ASSERT_TRUE(fresh.ok()) << fresh.status();
-    EXPECT_EQ(kept.keys, fresh->keys);
-    EXPECT_EQ(kept.length_per_key, fresh->length_per_key);
-    EXPECT_EQ(kept.batch_size, batch);
-    EXPECT_EQ(kept.values, fresh->values) << "batch " << batch;
-    EXPECT_EQ(kept_ref.keys, fresh->keys);
-    ExpectNear(kept_ref.values, fresh->values, "in-process into a kept KeyedTensor");
+  for (const std::string type :
+       {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}) {
+    SCOPED_TRACE(type);
+    const std::string name = "kept_" + type;
+    CollectionSpec spec = TestSpec(name);
+    ASSERT_TRUE(c->CreateCollection(spec, type).ok());
+    auto ref = InProcessCollection::Create(spec);
+    ASSERT_TRUE(ref.ok());
+    std::mt19937 rng(8);
+    KeyedTensor kept, kept_ref;
+    for (int batch : {32, 8, 64, 64}) {
+      auto kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, batch, batch == 8);
+      if (batch == 64 && kept.batch_size == 64) {  // the second 64: f_mean without ids
+        const int64_t sum_ids = std::accumulate(kjt.lengths.begin(), kjt.lengths.begin() + 64,
+                                                int64_t{0});
+        std::fill(kjt.lengths.begin() + 64, kjt.lengths.end(), 0);
+        kjt.values.resize(sum_ids);
+        if (!kjt.weights.empty()) kjt.weights.resize(sum_ids);
+      }
+      kept.values.assign(kept.values.size(), std::nanf(""));  // nothing may survive
+      kept_ref.values.assign(kept_ref.values.size(), std::nanf(""));
+      ASSERT_TRUE(c->Lookup(name, kjt, &kept).ok());
+      ASSERT_TRUE((*ref)->Lookup(kjt, &kept_ref).ok());
+      auto fresh = c->Lookup(name, kjt);
+      ASSERT_TRUE(fresh.ok()) << fresh.status();
+      EXPECT_EQ(kept.keys, fresh->keys);
+      EXPECT_EQ(kept.length_per_key, fresh->length_per_key);
+      EXPECT_EQ(kept.batch_size, batch);
+      EXPECT_EQ(kept.values, fresh->values) << "batch " << batch;
+      EXPECT_EQ(kept_ref.keys, fresh->keys);
+      ExpectNear(kept_ref.values, fresh->values, "in-process into a kept KeyedTensor");
+    }
+    ASSERT_TRUE(c->DropCollection(name).ok());
   }
-  ASSERT_TRUE(c->DropCollection("kept").ok());
 }
 
 // An id outside its table, at any position (the vectorised blocks and the
