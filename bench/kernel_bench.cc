@@ -6,6 +6,10 @@
 //       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
 //       [--iters=20] [--callers=1] [--id_sets=1] [--format=table|json]
 //
+// --tables=T holds T tables of --rows x --dim, one feature each, every call
+// one fused call over all of them (the 8-table collection of service_bench
+// is --tables=8 --rows=500000); the figures count the ids of all tables.
+//
 // --id_sets=N draws N batches of ids and cycles the calls through them. With
 // one (the default) every call gathers the same rows, which stay in the
 // caches when they fit (2048 x 20 ids of 256 bytes: 10 MB): a hot-batch
@@ -49,21 +53,22 @@ DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates 
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones), per caller.");
 DEFINE_int32(callers, 1, "Threads issuing the timed calls at once.");
 DEFINE_uint64(seed, 1, "Seed for ids.");
+DEFINE_int32(tables, 1, "Tables (one feature each) in every fused call.");
 DEFINE_int32(id_sets, 1,
              "Batches of ids, each drawn afresh; the calls cycle through them (1: every call "
              "gathers the same rows).");
 DEFINE_string(format, "table", "table or json (one line).");
 DEFINE_string(dump_ids, "",
-              "If set, write the batches' ids (int64 little-endian, batch after batch, bag-major, "
-              "pooling_factor per bag) to this file, so a peer (bench/torch_compare.py) runs on "
-              "identical data.");
+              "If set, write the batches' ids (int64 little-endian, batch after batch, in each "
+              "table after table, bag-major, pooling_factor per bag) to this file, so a peer "
+              "(bench/torch_compare.py) runs on identical data.");
 
 namespace eb = ember::backend;
 
 int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  if (FLAGS_callers < 1 || FLAGS_iters < 1 || FLAGS_id_sets < 1) {
-    std::fprintf(stderr, "kernel_bench: --callers, --iters and --id_sets must be >= 1\n");
+  if (FLAGS_callers < 1 || FLAGS_iters < 1 || FLAGS_id_sets < 1 || FLAGS_tables < 1) {
+    std::fprintf(stderr, "kernel_bench: --callers, --iters, --tables and --id_sets must be >= 1\n");
     return 1;
   }
   eb::ShardSpec spec;
@@ -91,13 +96,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kernel_bench: %s\n", backend.status().ToString().c_str());
     return 1;
   }
-  auto shard = (*backend)->CreateShard(spec);
-  if (!shard.ok()) {
-    std::fprintf(stderr, "kernel_bench: %s\n", shard.status().ToString().c_str());
-    return 1;
+  const int tables = FLAGS_tables;
+  std::vector<eb::ShardId> shards;
+  for (int t = 0; t < tables; ++t) {
+    auto shard = (*backend)->CreateShard(spec);
+    if (!shard.ok()) {
+      std::fprintf(stderr, "kernel_bench: %s\n", shard.status().ToString().c_str());
+      return 1;
+    }
+    shards.push_back(*shard);
   }
-  const int64_t n = static_cast<int64_t>(FLAGS_batch) * FLAGS_pooling_factor;
-  std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor), ids(n * FLAGS_id_sets);
+  const int64_t n = static_cast<int64_t>(FLAGS_batch) * FLAGS_pooling_factor;  // per table
+  std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor),
+      ids(n * tables * FLAGS_id_sets);
   std::mt19937_64 rng(FLAGS_seed);
   if (FLAGS_distribution == "zipf") {
     std::vector<double> cdf(FLAGS_rows);
@@ -120,28 +131,40 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  // One feature request per id set.
-  std::vector<eb::FeatureRequest> sets(FLAGS_id_sets);
+  // Per id set, one feature request per table.
+  std::vector<std::vector<eb::FeatureRequest>> sets(FLAGS_id_sets,
+                                                    std::vector<eb::FeatureRequest>(tables));
   for (int k = 0; k < FLAGS_id_sets; ++k) {
-    eb::FeatureRequest& f = sets[k];
-    f.shard = *shard;
-    f.pooling = FLAGS_pooling == "mean" ? eb::Pooling::kMean : eb::Pooling::kSum;
-    f.lengths = lengths;
-    f.ids = absl::MakeConstSpan(ids.data() + k * n, n);
+    for (int t = 0; t < tables; ++t) {
+      eb::FeatureRequest& f = sets[k][t];
+      f.shard = shards[t];
+      f.pooling = FLAGS_pooling == "mean" ? eb::Pooling::kMean : eb::Pooling::kSum;
+      f.lengths = lengths;
+      f.ids = absl::MakeConstSpan(ids.data() + (static_cast<int64_t>(k) * tables + t) * n, n);
+    }
   }
-  const eb::FeatureRequest& f = sets[0];
-  // One output buffer per caller.
-  std::vector<std::vector<float>> outs(
-      FLAGS_callers, std::vector<float>(static_cast<size_t>(FLAGS_batch) * FLAGS_dim));
+  // One output buffer per caller and table.
+  const size_t out_floats = static_cast<size_t>(FLAGS_batch) * FLAGS_dim;
+  std::vector<std::vector<float>> outs(FLAGS_callers, std::vector<float>(out_floats * tables));
   auto lookup = [&](int caller, int i) {
-    return eb::LookupRequest{sets[i % FLAGS_id_sets], absl::MakeSpan(outs[caller])};
+    std::vector<eb::LookupRequest> r;
+    for (int t = 0; t < tables; ++t) {
+      r.push_back({sets[i % FLAGS_id_sets][t],
+                   absl::MakeSpan(outs[caller].data() + t * out_floats, out_floats)});
+    }
+    return r;
   };
-  const eb::LookupRequest lreq = lookup(0, 0);
-  std::vector<float> grad(outs[0].size(), 1e-3f);
-  const eb::GradientRequest greq{f, grad};
+  std::vector<float> grad(out_floats, 1e-3f);
+  auto gradients = [&](int i) {
+    std::vector<eb::GradientRequest> r;
+    for (int t = 0; t < tables; ++t) r.push_back({sets[i % FLAGS_id_sets][t], grad});
+    return r;
+  };
+  const std::vector<eb::LookupRequest> lreq = lookup(0, 0);
+  const std::vector<eb::GradientRequest> greq = gradients(0);
 
   // A failing call would time nothing: check one of each first.
-  for (const absl::Status& s : {(*backend)->Lookup({lreq}), (*backend)->ApplyGradients({greq})}) {
+  for (const absl::Status& s : {(*backend)->Lookup(lreq), (*backend)->ApplyGradients(greq)}) {
     if (!s.ok()) {
       std::fprintf(stderr, "kernel_bench: %s\n", s.ToString().c_str());
       return 1;
@@ -173,10 +196,8 @@ int main(int argc, char** argv) {
     for (std::thread& t : callers) t.join();
     return absl::ToDoubleSeconds(absl::Now() - start) / (FLAGS_iters * FLAGS_callers);
   };
-  const double fwd_s = time_calls([&](int c, int i) { (void)(*backend)->Lookup({lookup(c, i)}); });
-  const double bwd_s = time_calls([&](int, int i) {
-    (void)(*backend)->ApplyGradients({eb::GradientRequest{sets[i % FLAGS_id_sets], grad}});
-  });
+  const double fwd_s = time_calls([&](int c, int i) { (void)(*backend)->Lookup(lookup(c, i)); });
+  const double bwd_s = time_calls([&](int, int i) { (void)(*backend)->ApplyGradients(gradients(i)); });
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
   // arrays and the device (ids and lengths in, output out; for the backward,
@@ -184,36 +205,38 @@ int main(int argc, char** argv) {
   // memory can cost.
   auto find_spec = [&](eb::ShardId) { return &spec; };
   const double validate_fwd_s =
-      time_it([&] { (void)eb::ValidateRequests(absl::MakeConstSpan(&lreq, 1), find_spec); });
+      time_it([&] { (void)eb::ValidateRequests(absl::MakeConstSpan(lreq), find_spec); });
   const double validate_bwd_s =
-      time_it([&] { (void)eb::ValidateRequests(absl::MakeConstSpan(&greq, 1), find_spec); });
-  const size_t fwd_bytes = (n + lengths.size()) * 8 + lreq.output.size() * 4;
-  const size_t bwd_bytes = (n + lengths.size()) * 8 + greq.grad.size() * 4;
+      time_it([&] { (void)eb::ValidateRequests(absl::MakeConstSpan(greq), find_spec); });
+  const size_t fwd_bytes = ((n + lengths.size()) * 8 + out_floats * 4) * tables;
+  const size_t bwd_bytes = ((n + lengths.size()) * 8 + grad.size() * 4) * tables;
   std::vector<char> copy_src(std::max(fwd_bytes, bwd_bytes), 1), copy_dst(copy_src.size());
   const double memcpy_fwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), fwd_bytes); });
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
   const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
-  const double lookups = n / fwd_s;
-  const double gbps = n * static_cast<double>(FLAGS_dim) * elem / fwd_s / 1e9;
-  const double bwd = n / bwd_s;
+  const double all_ids = static_cast<double>(n) * tables;
+  const double lookups = all_ids / fwd_s;
+  const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;
+  const double bwd = all_ids / bwd_s;
   if (FLAGS_format == "json") {
     std::printf(
         "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"batch\": %d, \"pooling_factor\": %d, "
-        "\"threads\": %d, \"callers\": %d, \"id_sets\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
+        "\"threads\": %d, \"callers\": %d, \"tables\": %d, \"id_sets\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
         "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f}\n",
         (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
-        FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, FLAGS_id_sets,
+        FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables, FLAGS_id_sets,
         FLAGS_distribution.c_str(), FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
         memcpy_bwd_s * 1e3);
   } else {
-    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d id_sets=%d %s %s %s %s\n",
+    std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d tables=%d id_sets=%d %s %s %s %s\n",
                 (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
-                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, FLAGS_id_sets,
+                FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables,
+                FLAGS_id_sets,
                 FLAGS_distribution.c_str(),
                 FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str());
     std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s\n", fwd_s * 1e3, lookups, gbps);

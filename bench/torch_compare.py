@@ -19,6 +19,12 @@ stay in the caches when they fit (a hot-batch figure); with enough sets that
 their rows pass the last-level cache (e.g. 16: 655,360 ids), the table is
 read as training's fresh batches read it, from memory.
 
+--tables=T compares a collection: T tables of --rows x dim, one feature
+each; Ember looks them up in one fused call, PyTorch with one EmbeddingBag
+per table called in turn (its plain API), the optimizer over all of them.
+--tables=8 --rows=500000 --batch=4096 --dims=64 is service_bench's
+collection. Figures count the ids of all tables.
+
 --dtype=fp16 puts both sides' weights in half precision (PyTorch's
 EmbeddingBag in torch.float16, its output fp16; Ember's output is fp32).
 
@@ -55,6 +61,8 @@ def parse_args():
     p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="weights")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tables", type=int, default=1,
+                   help="tables (one feature each) per call; > 1: a collection")
     p.add_argument("--id_sets", type=int, default=1,
                    help="batches of ids the calls cycle through (1: the same batch every call)")
     p.add_argument("--rounds", type=int, default=3,
@@ -84,25 +92,30 @@ def torch_figures(torch, np, ids_path, a, dim, threads):
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     all_ids = torch.from_numpy(np.fromfile(ids_path, dtype="<i8"))
-    n = a.batch * a.pooling_factor
-    if all_ids.numel() != n * a.id_sets:
-        sys.exit(f"torch_compare: {ids_path} holds {all_ids.numel()} ids, expected {n * a.id_sets}")
-    host_sets = [all_ids[k * n:(k + 1) * n] for k in range(a.id_sets)]
+    n = a.batch * a.pooling_factor  # ids per table per call
+    want = n * a.tables * a.id_sets
+    if all_ids.numel() != want:
+        sys.exit(f"torch_compare: {ids_path} holds {all_ids.numel()} ids, expected {want}")
+    # host_sets[k][t]: batch k's ids of table t (kernel_bench's --dump_ids order).
+    host_sets = [[all_ids[(k * a.tables + t) * n:(k * a.tables + t + 1) * n]
+                  for t in range(a.tables)] for k in range(a.id_sets)]
     host_offsets = torch.arange(0, n, a.pooling_factor, dtype=torch.int64)
     dtype = torch.float16 if a.dtype == "fp16" else torch.float32
-    bag = torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True, device=dev, dtype=dtype)
-    opt = (torch.optim.Adagrad(bag.parameters(), lr=0.01) if a.optimizer == "adagrad"
-           else torch.optim.SGD(bag.parameters(), lr=0.01))
+    bags = [torch.nn.EmbeddingBag(a.rows, dim, mode=a.pooling, sparse=True, device=dev, dtype=dtype)
+            for _ in range(a.tables)]
+    params = [p for bag in bags for p in bag.parameters()]
+    opt = (torch.optim.Adagrad(params, lr=0.01) if a.optimizer == "adagrad"
+           else torch.optim.SGD(params, lr=0.01))
     host_grad = torch.full((a.batch, dim), 1e-3, dtype=dtype)
-    dev_sets = [ids.to(dev) for ids in host_sets]
+    dev_sets = [[ids.to(dev) for ids in per_table] for per_table in host_sets]
     dev_offsets, dev_grad = host_offsets.to(dev), host_grad.to(dev)
 
     # Pageable host tensors, as Ember's backend is handed them.
-    def inputs(resident, i):
+    def inputs(resident, i, t):
         k = i % a.id_sets
         if resident or a.device == "cpu":
-            return dev_sets[k], dev_offsets
-        return host_sets[k].to(dev), host_offsets.to(dev)
+            return dev_sets[k][t], dev_offsets
+        return host_sets[k][t].to(dev), host_offsets.to(dev)
 
     def gradient(resident):
         return dev_grad if resident or a.device == "cpu" else host_grad.to(dev)
@@ -110,22 +123,26 @@ def torch_figures(torch, np, ids_path, a, dim, threads):
     def figures(resident):
         def forward(i):
             with torch.no_grad():
-                out = bag(*inputs(resident, i))
-                if not resident:
-                    out.cpu()
+                for t, bag in enumerate(bags):
+                    out = bag(*inputs(resident, i, t))
+                    if not resident:
+                        out.cpu()
 
         def forward_autograd(i):
-            bag(*inputs(resident, i))
+            for t, bag in enumerate(bags):
+                bag(*inputs(resident, i, t))
 
         def train_step(i):
             opt.zero_grad(set_to_none=True)
-            bag(*inputs(resident, i)).backward(gradient(resident))
+            outs = [bag(*inputs(resident, i, t)) for t, bag in enumerate(bags)]
+            torch.autograd.backward(outs, [gradient(resident)] * len(outs))
             opt.step()
 
         fwd_s = time_it(forward, a.iters, sync)
         fwd_ag_s = time_it(forward_autograd, a.iters, sync)
         step_s = time_it(train_step, a.iters, sync)
-        return n / fwd_s, n / max(step_s - fwd_ag_s, 1e-9)
+        ids = n * a.tables
+        return ids / fwd_s, ids / max(step_s - fwd_ag_s, 1e-9)
 
     if a.device == "cpu":
         return figures(True) + (None, None)
@@ -146,7 +163,7 @@ def main():
     if a.format == "table":
         print(f"Ember {a.device} backend vs PyTorch nn.EmbeddingBag ({peer}); rows={a.rows} "
               f"batch={a.batch} L={a.pooling_factor} {a.distribution} {a.pooling}, {a.dtype}, "
-              f"{a.optimizer}, id_sets={a.id_sets}")
+              f"{a.optimizer}, tables={a.tables}, id_sets={a.id_sets}")
         print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio [range]':>18} | "
               f"{'ember bwd':>12} {'torch bwd':>12} {'ratio [range]':>18}   (ids/s; medians of "
               f"{a.rounds} alternating rounds)")
@@ -158,7 +175,7 @@ def main():
                        f"--pooling_factor={a.pooling_factor}", f"--threads={threads}",
                        f"--distribution={a.distribution}", f"--pooling={a.pooling}",
                        f"--dtype={a.dtype}", f"--optimizer={a.optimizer}", f"--iters={a.iters}",
-                       f"--id_sets={a.id_sets}",
+                       f"--id_sets={a.id_sets}", f"--tables={a.tables}",
                        "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
                 # Rounds alternate Ember and PyTorch on the same ids, so a
                 # drift of the machine's speed reaches both alike.
@@ -183,7 +200,7 @@ def main():
                     "dim": dim, "threads": threads, "rows": a.rows, "batch": a.batch,
                     "pooling_factor": a.pooling_factor, "distribution": a.distribution,
                     "pooling": a.pooling, "dtype": a.dtype, "optimizer": a.optimizer,
-                    "id_sets": a.id_sets,
+                    "id_sets": a.id_sets, "tables": a.tables,
                     "backend": ember["backend"], "peer": peer,
                     "rounds": len(rounds),
                     "lookups_per_s": e_fwd, "torch_lookups_per_s": t_fwd,
