@@ -223,7 +223,8 @@ int main(int argc, char** argv) {
   if (FLAGS_format == "json") {
     std::printf(
         "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"batch\": %d, \"pooling_factor\": %d, "
-        "\"threads\": %d, \"callers\": %d, \"tables\": %d, \"id_sets\": %d, \"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
+        "\"threads\": %d, \"callers\": %d, \"tables\": %d, \"id_sets\": %d, "
+        "\"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
         "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f}\n",

@@ -28,7 +28,8 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
   const std::string base_name =
       absl::StrCat("ember-", getpid(), "-", counter.fetch_add(1), "-", rd());
   // A POSIX shared-memory name, or a file in the shared directory.
-  const std::string name = shm_dir.empty() ? "/" + base_name : absl::StrCat(shm_dir, "/", base_name);
+  const std::string name =
+      shm_dir.empty() ? "/" + base_name : absl::StrCat(shm_dir, "/", base_name);
   const int fd = shm_dir.empty() ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                                  : open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
   if (fd < 0) {

@@ -29,7 +29,9 @@ namespace {
 constexpr int64_t kOutputAhead = 4;
 
 // PREFETCHW (0F 0D /1): a hint, a no-op on x86 CPUs without it.
-inline void PrefetchForWrite(const void* p) { asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p))); }
+inline void PrefetchForWrite(const void* p) {
+  asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p)));
+}
 
 int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
 

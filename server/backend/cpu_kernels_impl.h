@@ -59,7 +59,9 @@ inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, con
         acc[j + 1] = Ops::Fma(s, hi, acc[j + 1]);
       }
     } else {
-      for (int j = 0; j < NR; ++j) acc[j] = Ops::Fma(s, LoadRow<T>(row, col + j * Ops::kLanes), acc[j]);
+      for (int j = 0; j < NR; ++j) {
+        acc[j] = Ops::Fma(s, LoadRow<T>(row, col + j * Ops::kLanes), acc[j]);
+      }
     }
   }
   const typename Ops::Reg scale = Ops::Set1(out_scale);

@@ -53,9 +53,9 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
   const std::string prefix = file ? "ember-" : "/ember-";
   if (!absl::StartsWith(name, prefix) || name.size() > 200 ||
       name.find('/', prefix.size()) != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(file ? "shared-memory file '" : "shared-memory name '",
-                                                   name.substr(0, 64), "' must be \"", prefix,
-                                                   "...\" (no other '/')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file ? "shared-memory file '" : "shared-memory name '", name.substr(0, 64),
+                     "' must be \"", prefix, "...\" (no other '/')"));
   }
   if (file && shm_dir_.empty()) {
     return absl::FailedPreconditionError(
