@@ -473,14 +473,31 @@ class CpuBackend : public EmbeddingBackend {
         }
         break;
       case math::kStepRowwiseAdagrad: {
-        double sq = 0;
-        for (int64_t c = 0; c < dim; ++c) {
-          gr[c] = math::L2Gradient(q, gr[c], w[c]);
-          sq += static_cast<double>(gr[c]) * gr[c];
+        // The loop-invariant decay mode is tested outside the loops, and
+        // the squares go into 8 running sums in double: one sum was a chain
+        // of dependent adds, 4 cycles an element, most of an update's time
+        // (docs/benchmarks.md). The order of the sum is not FBGEMM's either
+        // (a warp's tree); the result differs in double's last bits at most.
+        if (q.decay == math::kDecayL2) {
+          for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
         }
+        double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t c = 0;
+        for (; c + 8 <= dim; c += 8) {
+          for (int k = 0; k < 8; ++k) part[k] += static_cast<double>(gr[c + k]) * gr[c + k];
+        }
+        for (; c < dim; ++c) part[c % 8] += static_cast<double>(gr[c]) * gr[c];
+        const double sq = ((part[0] + part[1]) + (part[2] + part[3])) +
+                          ((part[4] + part[5]) + (part[6] + part[7]));
         const float mult =
             math::RowwiseMultiplier(q, &st[0], static_cast<float>(sq / static_cast<double>(dim)));
-        for (int64_t c = 0; c < dim; ++c) w[c] = math::RowwiseStep(q, w[c], gr[c], mult);
+        if (q.decay == math::kDecayDecouple) {
+          for (int64_t e = 0; e < dim; ++e) w[e] = math::RowwiseStep(q, w[e], gr[e], mult);
+        } else {
+          math::StepParams plain = q;  // the same step without the decay test per element
+          plain.decay = math::kDecayNone;
+          for (int64_t e = 0; e < dim; ++e) w[e] = math::RowwiseStep(plain, w[e], gr[e], mult);
+        }
         break;
       }
       case math::kStepAdam: {
