@@ -24,7 +24,10 @@ TEST(BackendFactoryTest, CpuWithAndWithoutALimit) {
   c.memory_limit_bytes = 0;  // 90% of what the host has
   made = CreateBackend(c);
   ASSERT_TRUE(made.ok()) << made.status();
-  EXPECT_EQ(made->ddr_bytes, HostMemoryBytes() / 10 * 9);
+  // Available memory moves while other processes run (tests in parallel):
+  // the second read may differ a little from the one the factory made.
+  const double want = static_cast<double>(HostMemoryBytes() / 10 * 9);
+  EXPECT_NEAR(static_cast<double>(made->ddr_bytes), want, 0.05 * want);
   EXPECT_EQ(made->capacity_note, "90% of the host's available memory");
 }
 

@@ -467,11 +467,20 @@ class CpuBackend : public EmbeddingBackend {
       case math::kStepSgd:
         for (int64_t c = 0; c < dim; ++c) w[c] = math::SgdStep(q, w[c], gr[c]);
         break;
-      case math::kStepAdagrad:
-        for (int64_t c = 0; c < dim; ++c) {
-          w[c] = math::AdagradStep(q, w[c], math::L2Gradient(q, gr[c], w[c]), &st[c]);
+      case math::kStepAdagrad: {
+        // The decay mode tested outside the loop, so it vectorises.
+        if (q.decay == math::kDecayL2) {
+          for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
+        }
+        if (q.decay == math::kDecayDecouple) {
+          for (int64_t c = 0; c < dim; ++c) w[c] = math::AdagradStep(q, w[c], gr[c], &st[c]);
+        } else {
+          math::StepParams plain = q;
+          plain.decay = math::kDecayNone;
+          for (int64_t c = 0; c < dim; ++c) w[c] = math::AdagradStep(plain, w[c], gr[c], &st[c]);
         }
         break;
+      }
       case math::kStepRowwiseAdagrad: {
         // The loop-invariant decay mode is tested outside the loops, and
         // the squares go into 8 running sums in double: one sum was a chain
@@ -503,8 +512,17 @@ class CpuBackend : public EmbeddingBackend {
       case math::kStepAdam: {
         float* __restrict m = st;
         float* __restrict v = st + dim;
-        for (int64_t c = 0; c < dim; ++c) {
-          w[c] = math::AdamStep(q, w[c], math::L2Gradient(q, gr[c], w[c]), &m[c], &v[c]);
+        if (q.decay == math::kDecayL2) {
+          for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
+        }
+        if (q.decay == math::kDecayDecouple) {
+          for (int64_t c = 0; c < dim; ++c) w[c] = math::AdamStep(q, w[c], gr[c], &m[c], &v[c]);
+        } else {
+          math::StepParams plain = q;
+          plain.decay = math::kDecayNone;
+          for (int64_t c = 0; c < dim; ++c) {
+            w[c] = math::AdamStep(plain, w[c], gr[c], &m[c], &v[c]);
+          }
         }
         break;
       }
