@@ -299,9 +299,14 @@ class CpuBackend : public EmbeddingBackend {
               for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
             }
           }
-          float* g = grad_sum_.data() + u * dim;
-          std::fill(g, g + dim, 0.0f);
-          for (size_t k = unique_begin_[u]; k < unique_begin_[u + 1]; ++k) {
+          // The row's gradient: its first occurrence scaled, then the others
+          // added. "0 + x" keeps the bits of adding it to zeros (a -0 product
+          // becomes +0), as before.
+          float* __restrict g = grad_sum_.data() + u * dim;
+          const Occ& first = occ_[unique_begin_[u]];
+          const float* __restrict src = first.grad;
+          for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
+          for (size_t k = unique_begin_[u] + 1; k < unique_begin_[u + 1]; ++k) {
             accumulate_f32(g, occ_[k].grad, dim, occ_[k].scale);
           }
           const int64_t row = occ_[unique_begin_[u]].row;
