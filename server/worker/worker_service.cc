@@ -267,8 +267,14 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   if (grad != nullptr && options_.skip_nonfinite) {
     if (absl::Status s = DropNonFinite(*cols, what, out, skipped); !s.ok()) return s;
   }
-  // Shape checks before any buffer is sized from the request.
-  return backend::ValidateFeature(out->request, (*shard)->assignment.rows(), what);
+  // Shape checks before any buffer is sized from the request. A lookup's
+  // ids are checked by the backend, which validates every request before
+  // anything runs (embedding_backend.h): one pass over them, not two. An
+  // update's are checked here too, as parts already applied never reach the
+  // backend and the whole request is still refused when one is bad.
+  return backend::ValidateFeature(out->request, (*shard)->assignment.rows(), what,
+                                  grad == nullptr ? backend::Checks::kShapesOnly
+                                                  : backend::Checks::kAll);
 }
 
 grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
