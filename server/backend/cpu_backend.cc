@@ -279,19 +279,25 @@ class CpuBackend : public EmbeddingBackend {
       const bool noise = s.spec.weight_type != WeightType::kFp32 &&
                          s.spec.optimizer.stochastic_rounding;
       const int prefetch = options_.update_prefetch_distance;
-      pool_.ParallelFor(num_unique, 16, [&](int64_t b, int64_t e) {
+      // Chunks of 128 rows: with 16 the threads took turns at every 16
+      // neighbouring rows and the 2-thread backward ran below 1 thread's
+      // (docs/benchmarks.md).
+      pool_.ParallelFor(num_unique, 128, [&](int64_t b, int64_t e) {
         for (int64_t u = b; u < e; ++u) {
           // As the lookups' (cpu_kernels_impl.h): every line of the row
           // and its state 2 * prefetch rows ahead to the outer caches, the
           // first lines `prefetch` ahead into L1.
-          if (prefetch > 0 && u + prefetch < e) {
+          // Prefetching reaches past this chunk's end: with several
+          // threads the chunks are short, and a chunk's last rows would
+          // otherwise never be prefetched.
+          if (prefetch > 0 && u + prefetch < num_unique) {
             const int64_t ahead = occ_[unique_begin_[u + prefetch]].row;
             _mm_prefetch(reinterpret_cast<const char*>(s.Row(ahead)), _MM_HINT_T0);
             if (s.state_width > 0) {
               _mm_prefetch(reinterpret_cast<const char*>(s.state.get() + ahead * s.state_width),
                            _MM_HINT_T0);
             }
-            if (u + 2 * prefetch < e) {
+            if (u + 2 * prefetch < num_unique) {
               const int64_t far = occ_[unique_begin_[u + 2 * prefetch]].row;
               const char* w = reinterpret_cast<const char*>(s.Row(far));
               for (int64_t l = 0; l < dim * s.elem_bytes; l += 64) _mm_prefetch(w + l, _MM_HINT_T2);
