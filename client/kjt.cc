@@ -4,6 +4,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/id_range.h"
 
 namespace ember {
 namespace client {
@@ -148,24 +149,11 @@ absl::StatusOr<std::vector<float>> KeyedTensor::Get(const std::string& key) cons
 
 absl::Status CheckFeatureIds(absl::Span<const int64_t> ids, int64_t rows,
                              const std::string& feature, const std::string& table) {
-  const uint64_t limit = static_cast<uint64_t>(rows);  // negatives wrap to huge values
-  uint64_t bad = 0;
-  size_t i = 0;
-  for (; i + 8 <= ids.size(); i += 8) {
-    uint64_t block = 0;
-    for (size_t k = 0; k < 8; ++k) block |= static_cast<uint64_t>(ids[i + k]) >= limit;
-    bad |= block;
-  }
-  for (; i < ids.size(); ++i) bad |= static_cast<uint64_t>(ids[i]) >= limit;
-  if (bad == 0) return absl::OkStatus();
-  for (int64_t id : ids) {
-    if (id < 0 || id >= rows) {
-      return absl::InvalidArgumentError(absl::StrCat("feature '", feature, "': id ", id,
-                                                     " is outside [0, ", rows, ") of table '",
-                                                     table, "'"));
-    }
-  }
-  return absl::OkStatus();
+  const int64_t j = FirstIdOutside(ids, rows);
+  if (j < 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("feature '", feature, "': id ", ids[j],
+                                                 " is outside [0, ", rows, ") of table '", table,
+                                                 "'"));
 }
 
 absl::Status CheckGradientLayout(const KeyedTensorView& grads,

@@ -93,8 +93,8 @@ struct KeyedTensor {
 };
 
 // Checks that every id of `feature` lies in [0, rows) of `table`:
-// INVALID_ARGUMENT naming the first that does not. One unsigned compare per
-// id, vectorised; the id is searched for only on failure.
+// INVALID_ARGUMENT naming the first that does not (FirstIdOutside, the
+// backend's scan).
 absl::Status CheckFeatureIds(absl::Span<const int64_t> ids, int64_t rows,
                              const std::string& feature, const std::string& table);
 

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/id_range.h"
 
 namespace ember {
 namespace backend {
@@ -245,28 +246,11 @@ absl::Status CheckFinite(absl::Span<const float> values, const std::string& what
 
 absl::Status CheckIds(absl::Span<const int64_t> ids, int64_t rows, const std::string& what,
                       int64_t first_position) {
-  // One unsigned compare per id (negatives wrap to huge values), in blocks
-  // of 8 that GCC vectorises at -O2; the position is searched for only on
-  // failure.
-  const uint64_t limit = static_cast<uint64_t>(rows);
-  const size_t n = ids.size();
-  uint64_t bad = 0;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t block = 0;
-    for (size_t k = 0; k < 8; ++k) block |= static_cast<uint64_t>(ids[i + k]) >= limit;
-    bad |= block;
-  }
-  for (; i < n; ++i) bad |= static_cast<uint64_t>(ids[i]) >= limit;
-  if (bad == 0) return absl::OkStatus();
-  for (size_t j = 0; j < n; ++j) {
-    if (ids[j] < 0 || ids[j] >= rows) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": id ", ids[j], " at position ",
-                                                     first_position + static_cast<int64_t>(j),
-                                                     " is outside [0, ", rows, ")"));
-    }
-  }
-  return absl::OkStatus();
+  const int64_t j = FirstIdOutside(ids, rows);
+  if (j < 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": id ", ids[j], " at position ",
+                                                 first_position + j, " is outside [0, ", rows,
+                                                 ")"));
 }
 
 math::StepDecay ResolvedDecay(const OptimizerConfig& o) {
