@@ -474,33 +474,31 @@ class CpuBackend : public EmbeddingBackend {
     float* __restrict gr = g;
     const math::StepParams q = p;
     float* __restrict st = s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr;
+    // L2 decay enters the gradient first (SGD's decay is always none). The
+    // decay mode is tested here and once per optimizer below, never per
+    // element, so the loops vectorise.
+    if (q.decay == math::kDecayL2) {
+      for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
+    }
+    const bool decouple = q.decay == math::kDecayDecouple;
+    math::StepParams plain = q;  // the step without decoupled decay
+    plain.decay = math::kDecayNone;
     switch (q.optimizer) {
       case math::kStepSgd:
         for (int64_t c = 0; c < dim; ++c) w[c] = math::SgdStep(q, w[c], gr[c]);
         break;
-      case math::kStepAdagrad: {
-        // The decay mode tested outside the loop, so it vectorises.
-        if (q.decay == math::kDecayL2) {
-          for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
-        }
-        if (q.decay == math::kDecayDecouple) {
+      case math::kStepAdagrad:
+        if (decouple) {
           for (int64_t c = 0; c < dim; ++c) w[c] = math::AdagradStep(q, w[c], gr[c], &st[c]);
         } else {
-          math::StepParams plain = q;
-          plain.decay = math::kDecayNone;
           for (int64_t c = 0; c < dim; ++c) w[c] = math::AdagradStep(plain, w[c], gr[c], &st[c]);
         }
         break;
-      }
       case math::kStepRowwiseAdagrad: {
-        // The loop-invariant decay mode is tested outside the loops, and
-        // the squares go into 8 running sums in double: one sum was a chain
+        // The squares go into 8 running sums in double: one sum was a chain
         // of dependent adds, 4 cycles an element, most of an update's time
         // (docs/benchmarks.md). The order of the sum is not FBGEMM's either
         // (a warp's tree); the result differs in double's last bits at most.
-        if (q.decay == math::kDecayL2) {
-          for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
-        }
         double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t c = 0;
         for (; c + 8 <= dim; c += 8) {
@@ -511,11 +509,9 @@ class CpuBackend : public EmbeddingBackend {
                           ((part[4] + part[5]) + (part[6] + part[7]));
         const float mult =
             math::RowwiseMultiplier(q, &st[0], static_cast<float>(sq / static_cast<double>(dim)));
-        if (q.decay == math::kDecayDecouple) {
+        if (decouple) {
           for (int64_t e = 0; e < dim; ++e) w[e] = math::RowwiseStep(q, w[e], gr[e], mult);
         } else {
-          math::StepParams plain = q;  // the same step without the decay test per element
-          plain.decay = math::kDecayNone;
           for (int64_t e = 0; e < dim; ++e) w[e] = math::RowwiseStep(plain, w[e], gr[e], mult);
         }
         break;
@@ -523,14 +519,9 @@ class CpuBackend : public EmbeddingBackend {
       case math::kStepAdam: {
         float* __restrict m = st;
         float* __restrict v = st + dim;
-        if (q.decay == math::kDecayL2) {
-          for (int64_t c = 0; c < dim; ++c) gr[c] = math::L2Gradient(q, gr[c], w[c]);
-        }
-        if (q.decay == math::kDecayDecouple) {
+        if (decouple) {
           for (int64_t c = 0; c < dim; ++c) w[c] = math::AdamStep(q, w[c], gr[c], &m[c], &v[c]);
         } else {
-          math::StepParams plain = q;
-          plain.decay = math::kDecayNone;
           for (int64_t c = 0; c < dim; ++c) {
             w[c] = math::AdamStep(plain, w[c], gr[c], &m[c], &v[c]);
           }
