@@ -599,6 +599,13 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       targets.back() = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
     }
   }
+  // An output the caller did not clear: partial sums start from zero, and
+  // a shard given no ids leaves its columns zero (below).
+  for (FeatureJob& j : *jobs) {
+    if (!j.out_zeroed && (j.table->row_split || j.sequence)) {
+      ClearColumns(j.out, j.out_stride, j.sequence ? j.num_ids : j.batch, 0, j.dim);
+    }
+  }
   // Rank by rank: build the rank's request and send it.
   std::vector<std::vector<Sink>> sinks(fan.size());
   for (int rank = 0; rank < fan.size(); ++rank) {
@@ -617,11 +624,6 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       FeatureJob& j = (*jobs)[i];
       const bool row_split = j.table->row_split;
       const bool send_mean = !row_split && j.table->config->pooling() == TableConfig::MEAN;
-      // An output not cleared by the caller: partial sums start from zero,
-      // and a shard given no ids leaves its columns zero (below).
-      if (!j.out_zeroed && rank == 0 && (row_split || j.sequence)) {
-        ClearColumns(j.out, j.out_stride, j.sequence ? j.num_ids : j.batch, 0, j.dim);
-      }
       for (const auto& shard : targets[i]) {
         if (shard.rank != rank) continue;
         Sink sink;
