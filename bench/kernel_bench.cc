@@ -146,22 +146,23 @@ int main(int argc, char** argv) {
   // One output buffer per caller and table.
   const size_t out_floats = static_cast<size_t>(FLAGS_batch) * FLAGS_dim;
   std::vector<std::vector<float>> outs(FLAGS_callers, std::vector<float>(out_floats * tables));
-  auto lookup = [&](int caller, int i) {
-    std::vector<eb::LookupRequest> r;
-    for (int t = 0; t < tables; ++t) {
-      r.push_back({sets[i % FLAGS_id_sets][t],
-                   absl::MakeSpan(outs[caller].data() + t * out_floats, out_floats)});
-    }
-    return r;
-  };
+  // Each call's requests, made once: lookups per caller and id set (each
+  // caller its own outputs), updates per id set.
+  std::vector<std::vector<std::vector<eb::LookupRequest>>> lookup_calls(
+      FLAGS_callers, std::vector<std::vector<eb::LookupRequest>>(FLAGS_id_sets));
   std::vector<float> grad(out_floats, 1e-3f);
-  auto gradients = [&](int i) {
-    std::vector<eb::GradientRequest> r;
-    for (int t = 0; t < tables; ++t) r.push_back({sets[i % FLAGS_id_sets][t], grad});
-    return r;
-  };
-  const std::vector<eb::LookupRequest> lreq = lookup(0, 0);
-  const std::vector<eb::GradientRequest> greq = gradients(0);
+  std::vector<std::vector<eb::GradientRequest>> gradient_calls(FLAGS_id_sets);
+  for (int k = 0; k < FLAGS_id_sets; ++k) {
+    for (int t = 0; t < tables; ++t) {
+      for (int c = 0; c < FLAGS_callers; ++c) {
+        lookup_calls[c][k].push_back(
+            {sets[k][t], absl::MakeSpan(outs[c].data() + t * out_floats, out_floats)});
+      }
+      gradient_calls[k].push_back({sets[k][t], grad});
+    }
+  }
+  const std::vector<eb::LookupRequest>& lreq = lookup_calls[0][0];
+  const std::vector<eb::GradientRequest>& greq = gradient_calls[0];
 
   // A failing call would time nothing: check one of each first.
   for (const absl::Status& s : {(*backend)->Lookup(lreq), (*backend)->ApplyGradients(greq)}) {
@@ -196,8 +197,10 @@ int main(int argc, char** argv) {
     for (std::thread& t : callers) t.join();
     return absl::ToDoubleSeconds(absl::Now() - start) / (FLAGS_iters * FLAGS_callers);
   };
-  const double fwd_s = time_calls([&](int c, int i) { (void)(*backend)->Lookup(lookup(c, i)); });
-  const double bwd_s = time_calls([&](int, int i) { (void)(*backend)->ApplyGradients(gradients(i)); });
+  const double fwd_s = time_calls(
+      [&](int c, int i) { (void)(*backend)->Lookup(lookup_calls[c][i % FLAGS_id_sets]); });
+  const double bwd_s = time_calls(
+      [&](int, int i) { (void)(*backend)->ApplyGradients(gradient_calls[i % FLAGS_id_sets]); });
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
   // arrays and the device (ids and lengths in, output out; for the backward,
