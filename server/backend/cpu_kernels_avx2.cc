@@ -8,6 +8,21 @@ namespace ember {
 namespace backend {
 namespace {
 
+// 8 and 4 bf16 values (the high halves of fp32) as fp32, and the 16-byte
+// and 8-byte loads of 16-bit rows.
+inline __m256 Bf16ToFloat(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m128 Bf16ToFloat4(__m128i h) {
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+inline __m128i Load128(const uint16_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+inline __m128i Load64(const uint16_t* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+
 void AccF32(float* acc, const void* row, int64_t dim, float scale) {
   const float* r = static_cast<const float*>(row);
   const __m256 s = _mm256_set1_ps(scale);
@@ -26,11 +41,11 @@ void AccFp16(float* acc, const void* row, int64_t dim, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
+    const __m256 v = _mm256_cvtph_ps(Load128(r + i));
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(acc + i)));
   }
   for (; i < dim; i += 4) {
-    const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
+    const __m128 v = _mm_cvtph_ps(Load64(r + i));
     _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), v, _mm_loadu_ps(acc + i)));
   }
 }
@@ -40,13 +55,11 @@ void AccBf16(float* acc, const void* row, int64_t dim, float scale) {
   const __m256 s = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
-    const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    const __m256 v = Bf16ToFloat(Load128(r + i));
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(acc + i)));
   }
   for (; i < dim; i += 4) {
-    const __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
-    const __m128 v = _mm_castsi128_ps(_mm_slli_epi32(w, 16));
+    const __m128 v = Bf16ToFloat4(Load64(r + i));
     _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), v, _mm_loadu_ps(acc + i)));
   }
 }
@@ -60,11 +73,10 @@ void WidenFp16(float* out, const void* row, int64_t dim) {
   const uint16_t* r = static_cast<const uint16_t*>(row);
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    _mm256_storeu_ps(out + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(Load128(r + i)));
   }
   for (; i < dim; i += 4) {
-    _mm_storeu_ps(out + i, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i))));
+    _mm_storeu_ps(out + i, _mm_cvtph_ps(Load64(r + i)));
   }
 }
 
@@ -72,12 +84,10 @@ void WidenBf16(float* out, const void* row, int64_t dim) {
   const uint16_t* r = static_cast<const uint16_t*>(row);
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    _mm256_storeu_ps(out + i, Bf16ToFloat(Load128(r + i)));
   }
   for (; i < dim; i += 4) {
-    const __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
-    _mm_storeu_ps(out + i, _mm_castsi128_ps(_mm_slli_epi32(w, 16)));
+    _mm_storeu_ps(out + i, Bf16ToFloat4(Load64(r + i)));
   }
 }
 
@@ -89,21 +99,9 @@ struct Ops {
   static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
   static Reg Fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg Load(const float* p) { return _mm256_loadu_ps(p); }
-  static Reg LoadFp16(const uint16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static Reg LoadBf16(const uint16_t* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
-  static void LoadFp16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
-    *lo = LoadFp16(p);
-    *hi = LoadFp16(p + kLanes);
-  }
-  static void LoadBf16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
-    *lo = LoadBf16(p);
-    *hi = LoadBf16(p + kLanes);
-  }
+  static Reg LoadFp16(const uint16_t* p) { return _mm256_cvtph_ps(Load128(p)); }
+  static Reg LoadBf16(const uint16_t* p) { return Bf16ToFloat(Load128(p)); }
+  static constexpr bool kPairLoads = false;  // LoadRowPair: two LoadRow's
   static void Store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static AccumulateFn Accumulate(int type) {
     return type == 1 ? AccFp16 : type == 2 ? AccBf16 : AccF32;

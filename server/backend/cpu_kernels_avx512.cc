@@ -9,6 +9,15 @@ namespace ember {
 namespace backend {
 namespace {
 
+// 16 bf16 values (the high halves of fp32) as fp32, and the 32-byte load
+// of a 16-bit row.
+inline __m512 Bf16ToFloat(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m256i Load256(const uint16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
 void AccF32(float* acc, const void* row, int64_t dim, float scale) {
   const float* r = static_cast<const float*>(row);
   const __m512 s = _mm512_set1_ps(scale);
@@ -24,7 +33,7 @@ void AccFp16(float* acc, const void* row, int64_t dim, float scale) {
   const __m512 s = _mm512_set1_ps(scale);
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16) {
-    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
+    const __m512 v = _mm512_cvtph_ps(Load256(r + i));
     _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(s, v, _mm512_loadu_ps(acc + i)));
   }
   if (i < dim) kAvx2RowKernels.accumulate[1](acc + i, r + i, dim - i, scale);
@@ -35,9 +44,7 @@ void AccBf16(float* acc, const void* row, int64_t dim, float scale) {
   const __m512 s = _mm512_set1_ps(scale);
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16) {
-    const __m512i w =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 v = Bf16ToFloat(Load256(r + i));
     _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(s, v, _mm512_loadu_ps(acc + i)));
   }
   if (i < dim) kAvx2RowKernels.accumulate[2](acc + i, r + i, dim - i, scale);
@@ -54,8 +61,7 @@ void WidenFp16(float* out, const void* row, int64_t dim) {
   const uint16_t* r = static_cast<const uint16_t*>(row);
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16) {
-    _mm512_storeu_ps(out + i,
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i))));
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(Load256(r + i)));
   }
   if (i < dim) kAvx2RowKernels.widen[1](out + i, r + i, dim - i);
 }
@@ -64,8 +70,7 @@ void WidenBf16(float* out, const void* row, int64_t dim) {
   const uint16_t* r = static_cast<const uint16_t*>(row);
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
-    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    _mm512_storeu_ps(out + i, Bf16ToFloat(Load256(r + i)));
   }
   if (i < dim) kAvx2RowKernels.widen[2](out + i, r + i, dim - i);
 }
@@ -147,17 +152,13 @@ struct Ops {
   static Reg Mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
   static Reg Fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static Reg Load(const float* p) { return _mm512_loadu_ps(p); }
-  static Reg LoadFp16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static Reg LoadBf16(const uint16_t* p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  }
+  static Reg LoadFp16(const uint16_t* p) { return _mm512_cvtph_ps(Load256(p)); }
+  static Reg LoadBf16(const uint16_t* p) { return Bf16ToFloat(Load256(p)); }
   // Two registers' worth (32 columns, one cache line) of a 16-bit row from
   // one 64-byte load, widened from registers: faster than two 32-byte
   // memory-operand conversions on fp16 rows of 64 columns
   // (docs/benchmarks.md).
+  static constexpr bool kPairLoads = true;
   static void LoadFp16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
     const __m512i v = _mm512_loadu_si512(p);
     *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
@@ -165,9 +166,8 @@ struct Ops {
   }
   static void LoadBf16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
     const __m512i v = _mm512_loadu_si512(p);
-    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-    *hi = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    *lo = Bf16ToFloat(_mm512_castsi512_si256(v));
+    *hi = Bf16ToFloat(_mm512_extracti64x4_epi64(v, 1));
   }
   static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static AccumulateFn Accumulate(int type) { return kAvx2RowKernels.accumulate[type]; }

@@ -4,6 +4,7 @@
 //   using Reg;  static constexpr int kLanes;
 //   Reg Zero(); Reg Set1(float); Reg Mul(Reg, Reg); Reg Fma(Reg a, Reg b, Reg c) (a*b+c);
 //   Reg Load(const float*); Reg LoadFp16(const uint16_t*); Reg LoadBf16(const uint16_t*);
+//   static constexpr bool kPairLoads; with it true, also
 //   void LoadFp16Pair / LoadBf16Pair(const uint16_t*, Reg* lo, Reg* hi)  (2 * kLanes columns);
 //   void Store(float*, Reg);
 //   AccumulateFn Accumulate(int type)  (memory-accumulator kernel for column tails)
@@ -18,14 +19,20 @@ inline typename Ops::Reg LoadRow(const uint8_t* row, int64_t col) {
   return Ops::Load(reinterpret_cast<const float*>(row) + col);
 }
 
-// Loads 2 * kLanes columns into *lo and *hi.
-template <int T>
-inline void LoadRowPair(const uint8_t* row, int64_t col, typename Ops::Reg* lo,
-                        typename Ops::Reg* hi) {
-  if (T == 1) return Ops::LoadFp16Pair(reinterpret_cast<const uint16_t*>(row) + col, lo, hi);
-  if (T == 2) return Ops::LoadBf16Pair(reinterpret_cast<const uint16_t*>(row) + col, lo, hi);
-  *lo = LoadRow<T>(row, col);
-  *hi = LoadRow<T>(row, col + Ops::kLanes);
+// Loads 2 * kLanes columns into *lo and *hi: one paired load where the ISA
+// has it (Ops::kPairLoads), else two LoadRow's. (O is Ops, a template
+// parameter so that the branch not taken is never compiled.)
+template <int T, typename O = Ops>
+inline void LoadRowPair(const uint8_t* row, int64_t col, typename O::Reg* lo,
+                        typename O::Reg* hi) {
+  if constexpr (O::kPairLoads && T == 1) {
+    O::LoadFp16Pair(reinterpret_cast<const uint16_t*>(row) + col, lo, hi);
+  } else if constexpr (O::kPairLoads && T == 2) {
+    O::LoadBf16Pair(reinterpret_cast<const uint16_t*>(row) + col, lo, hi);
+  } else {
+    *lo = LoadRow<T>(row, col);
+    *hi = LoadRow<T>(row, col + O::kLanes);
+  }
 }
 
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
