@@ -69,25 +69,18 @@ void WidenF32(float* out, const void* row, int64_t dim) {
   for (int64_t i = 0; i < dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
 }
 
-void WidenFp16(float* out, const void* row, int64_t dim) {
+// A 16-bit row (T 1 fp16, 2 bf16) widened to fp32.
+template <int T>
+void Widen16(float* out, const void* row, int64_t dim) {
   const uint16_t* r = static_cast<const uint16_t*>(row);
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(Load128(r + i)));
+    const __m128i h = Load128(r + i);
+    _mm256_storeu_ps(out + i, T == 1 ? _mm256_cvtph_ps(h) : Bf16ToFloat(h));
   }
   for (; i < dim; i += 4) {
-    _mm_storeu_ps(out + i, _mm_cvtph_ps(Load64(r + i)));
-  }
-}
-
-void WidenBf16(float* out, const void* row, int64_t dim) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  int64_t i = 0;
-  for (; i + 8 <= dim; i += 8) {
-    _mm256_storeu_ps(out + i, Bf16ToFloat(Load128(r + i)));
-  }
-  for (; i < dim; i += 4) {
-    _mm_storeu_ps(out + i, Bf16ToFloat4(Load64(r + i)));
+    const __m128i h = Load64(r + i);
+    _mm_storeu_ps(out + i, T == 1 ? _mm_cvtph_ps(h) : Bf16ToFloat4(h));
   }
 }
 
@@ -115,7 +108,7 @@ struct Ops {
 const RowKernels kAvx2RowKernels = {"avx2",
                                     {AccF32, AccFp16, AccBf16},
                                     {Pool<0>, Pool<1>, Pool<2>},
-                                    {WidenF32, WidenFp16, WidenBf16},
+                                    {WidenF32, Widen16<1>, Widen16<2>},
                                     {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>}};
 
 }  // namespace backend

@@ -57,22 +57,17 @@ void WidenF32(float* out, const void* row, int64_t dim) {
   for (; i < dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
 }
 
-void WidenFp16(float* out, const void* row, int64_t dim) {
+// A 16-bit row (T 1 fp16, 2 bf16) widened to fp32; tails of < 16 columns
+// to the AVX2 kernel.
+template <int T>
+void Widen16(float* out, const void* row, int64_t dim) {
   const uint16_t* r = static_cast<const uint16_t*>(row);
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16) {
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(Load256(r + i)));
+    const __m256i h = Load256(r + i);
+    _mm512_storeu_ps(out + i, T == 1 ? _mm512_cvtph_ps(h) : Bf16ToFloat(h));
   }
-  if (i < dim) kAvx2RowKernels.widen[1](out + i, r + i, dim - i);
-}
-
-void WidenBf16(float* out, const void* row, int64_t dim) {
-  const uint16_t* r = static_cast<const uint16_t*>(row);
-  int64_t i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    _mm512_storeu_ps(out + i, Bf16ToFloat(Load256(r + i)));
-  }
-  if (i < dim) kAvx2RowKernels.widen[2](out + i, r + i, dim - i);
+  if (i < dim) kAvx2RowKernels.widen[T](out + i, r + i, dim - i);
 }
 
 // a * b mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products (AVX-512F
@@ -181,7 +176,7 @@ const RowKernels kAvx512RowKernels = {
     "avx512",
     {AccF32, AccFp16, AccBf16},
     {Pool<0>, Pool<1>, Pool<2>},
-    {WidenF32, WidenFp16, WidenBf16},
+    {WidenF32, Widen16<1>, Widen16<2>},
     {nullptr, NarrowStochastic<1>, NarrowStochastic<2>}};
 
 }  // namespace backend
