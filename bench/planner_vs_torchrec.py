@@ -13,23 +13,25 @@ A benchmark, not a test (torchrec from the SDK's .venv). Two parts:
              slowest rank's summed shard perf, the quantity TorchRec's
              partitioner balances).
   measured   for a few collections on a local CPU cluster (`emberctl up
-             --workers=2`): TorchRec's CPU plan and Ember's plan, each created
-             on Ember (TorchRec's through `create_collection(plan=...)` with
-             torchrec's own ParameterSharding objects) and trained (lookup +
-             update per step, interleaved rounds): steps/s of each and the
-             ratio (> 1: Ember's plan faster). Ember plans these with the
-             model `emberctl calibrate` fits on the same cluster first.
-             A control: TorchRec's plan created a second time and trained
-             in the same rounds (an A/A pair, the order of the three
-             rotating from round to round), so each collection shows how
-             far apart two identical plans measure. Verdicts compare the
-             median ratio of Ember's plan with the median A/A ratios of all
-             collections in the run: "ahead" at >= 1, "slower" below the
-             lowest A/A median (a deficit no identical pair showed), else
-             "level".
+             --workers=2`, or `--workers`): TorchRec's CPU plan and Ember's
+             plan, each created on Ember (TorchRec's through `create_collection(plan=...)` with
+             torchrec's own ParameterSharding objects) and trained
+             (lookup + update per step, on the same batches): steps/s of
+             each and the ratio (> 1: Ember's plan faster). Ember plans
+             these with the model `emberctl calibrate` fits on the same
+             cluster first. A control: TorchRec's plan created a second
+             time (an A/A pair), so each collection shows how far apart two
+             identical plans measure. The three take turns step by step
+             (`--turn`), the order rotating every turn, so this VM's drifts
+             in memory speed fall on all three alike; a round's rate is its
+             steps over the time its own steps took. Verdicts compare the
+             median ratio of Ember's plan with the run's A/A medians (and
+             the ratios of collections where both planners chose the same
+             plan): "ahead" at >= 1, "slower" below the lowest of them (a
+             deficit no identical pair showed), else "level".
 
     .venv/bin/python bench/planner_vs_torchrec.py [--sizes 10x8,50x8,100x8]
-        [--measured 3] [--steps 20] [--format json]
+        [--measured 3] [--steps 20] [--rounds 3] [--turn 1] [--format json]
 """
 
 import argparse
@@ -47,7 +49,6 @@ import time
 import numpy as np
 
 import ember
-from train_bench import time_steps
 
 
 def parse_args():
@@ -57,8 +58,11 @@ def parse_args():
                    help="tables x ranks for the planning part")
     p.add_argument("--measured", type=int, default=3, help="collections measured on Ember")
     p.add_argument("--measured_tables", type=int, default=8)
+    p.add_argument("--workers", type=int, default=2, help="workers of the measured cluster")
     p.add_argument("--steps", type=int, default=20, help="timed steps per plan and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--turn", type=int, default=1,
+                   help="steps each plan takes in a row before the next one's turn")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--calibrate", type=int, default=1,
@@ -233,26 +237,55 @@ def ember_plan_json(emberctl, spec_file, world, device, batch, cost_model=""):
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout
 
 
-def train_rate(client, name, tables, batch, steps, rng):
+def training_batches(tables, batch, rng, count=4):
+    """`count` random KJT batches over `tables` (uniform ids, each table's
+    pooling factor), shared by every plan of one collection."""
     keys = [f"f_{t['name']}" for t in tables]
     rows = {f"f_{t['name']}": t["num_embeddings"] for t in tables}
     pfs = {f"f_{t['name']}": max(1, int(t["pf"])) for t in tables}
-    batches = []
-    for _ in range(4):
-        jagged = {k: [list(rng.integers(0, rows[k], size=pfs[k])) for _ in range(batch)]
-                  for k in keys}
-        batches.append(ember.KeyedJaggedTensor.from_jagged(jagged))
+    return [ember.KeyedJaggedTensor.from_jagged(
+        {k: [list(rng.integers(0, rows[k], size=pfs[k])) for _ in range(batch)] for k in keys})
+        for _ in range(count)]
+
+
+def train_step(client, name):
+    """One training step on collection `name`: a lookup, then small fixed
+    gradients in the output's layout applied."""
     grads = None
 
     def step(kjt):
         nonlocal grads
         out = client.lookup(name, kjt)
-        if grads is None:  # small, fixed gradients in the output's layout
+        if grads is None:
             grads = ember.KeyedTensor(out.keys, out.length_per_key,
                                       np.full(out.values.shape, 1e-4, dtype=np.float32))
         client.apply_gradients(name, kjt, grads)
 
-    return time_steps(step, batches, steps)
+    return step
+
+
+def interleaved_rates(steps_by_who, batches, rounds, steps, turn):
+    """Steps/s of each named step function, per round. Within a round the
+    functions take turns of `turn` steps on the same batches, the order
+    rotating every turn, so a drift in the machine's speed (this VM's
+    memory bandwidth swings within seconds) falls on all of them alike."""
+    who_all = list(steps_by_who)
+    for who in who_all:  # warm-up
+        for i in range(3):
+            steps_by_who[who](batches[i % len(batches)])
+    rates = {who: [] for who in who_all}
+    for r in range(rounds):
+        spent = dict.fromkeys(who_all, 0.0)
+        for t in range(0, steps, turn):
+            for i in range(len(who_all)):
+                who = who_all[(i + r + t // turn) % len(who_all)]
+                start = time.perf_counter()
+                for s in range(t, min(t + turn, steps)):
+                    steps_by_who[who](batches[s % len(batches)])
+                spent[who] += time.perf_counter() - start
+        for who in who_all:
+            rates[who].append(steps / spent[who])
+    return rates
 
 
 def main():
@@ -292,7 +325,7 @@ def main():
 
 
 def measure(args, rng, emberctl, work, results):
-    with ember.LocalCluster(workers=2, emberctl=emberctl) as cluster:
+    with ember.LocalCluster(workers=args.workers, emberctl=emberctl) as cluster:
         client = ember.Client(cluster.address, timeout_s=120)
         # Ember plans as a deployment would: with the model calibrated on
         # these workers (emberctl calibrate).
@@ -308,18 +341,16 @@ def measure(args, rng, emberctl, work, results):
             spec = ember_spec(f"m{k}", tables)
             spec_file = os.path.join(work, f"m{k}.json")
             json.dump(spec, open(spec_file, "w"))
-            tr, _ = torchrec_plan(tables, 2, "cpu", args.batch)
-            em = json.loads(ember_plan_json(emberctl, spec_file, 2, "cpu", args.batch, cost_model))
+            tr, _ = torchrec_plan(tables, args.workers, "cpu", args.batch)
+            em = json.loads(ember_plan_json(emberctl, spec_file, args.workers, "cpu", args.batch,
+                                             cost_model))
             who_all = ("torchrec", "ember", "control")
             client.create_collection(dict(spec, name=f"m{k}_torchrec"), plan=tr)
             client.create_collection(dict(spec, name=f"m{k}_ember"), plan=em)
             client.create_collection(dict(spec, name=f"m{k}_control"), plan=tr)
-            rates = {who: [] for who in who_all}
-            for r in range(args.rounds):
-                for i in range(len(who_all)):
-                    who = who_all[(i + r) % len(who_all)]
-                    rates[who].append(train_rate(client, f"m{k}_{who}", tables, args.batch,
-                                                 args.steps, rng))
+            rates = interleaved_rates(
+                {who: train_step(client, f"m{k}_{who}") for who in who_all},
+                training_batches(tables, args.batch, rng), args.rounds, args.steps, args.turn)
             for who in who_all:
                 client.drop_collection(f"m{k}_{who}")
             tr_rate, em_rate = float(np.median(rates["torchrec"])), float(np.median(rates["ember"]))
@@ -330,7 +361,7 @@ def measure(args, rng, emberctl, work, results):
             em_ratio = float(np.median(em_ratios))
             em_entries = plan_entries_of_ember(em)
             row = {"collection": k, "tables": len(tables),
-                   "same_plan": same_plan(plan_entries_of_torchrec(tr, 2), em_entries),
+                   "same_plan": same_plan(plan_entries_of_torchrec(tr, args.workers), em_entries),
                    "torchrec_types": sorted({ps.sharding_type for ps in tr.values()}),
                    "ember_types": sorted({t["sharding_type"] for t in em["plan"]}),
                    "torchrec_plan_steps_per_s": tr_rate, "ember_plan_steps_per_s": em_rate,
@@ -340,10 +371,14 @@ def measure(args, rng, emberctl, work, results):
             results["measured"].append(row)
             print(f"measured collection {k}: TorchRec's plan {tr_rate:.1f} steps/s, "
                   f"Ember's {em_rate:.1f}, TorchRec's again {ctl_rate:.1f}", file=sys.stderr)
-        floor = min(r["aa_ratio"] for r in results["measured"]) if results["measured"] else 1.0
+        # Identical plans on both sides make Ember's ratio one more A/A pair.
+        aa = [r["aa_ratio"] for r in results["measured"]]
+        aa += [r["ratio"] for r in results["measured"] if r["same_plan"]]
+        floor = min(aa) if aa else 1.0
         results["aa_floor"] = floor
         for r in results["measured"]:
-            r["verdict"] = ("ahead" if r["ratio"] >= 1.0 else
+            r["verdict"] = ("same plan" if r["same_plan"] else
+                            "ahead" if r["ratio"] >= 1.0 else
                             "level" if r["ratio"] >= floor else "slower")
 
 
@@ -372,15 +407,16 @@ def report(args, results):
         lo, hi = r["aa_range"]
         print(f"{r['collection']} | {r['tables']} | {','.join(r['torchrec_types'])} | "
               f"{','.join(r['ember_types'])} | {r['torchrec_plan_steps_per_s']:.1f} | "
-              f"{r['ember_plan_steps_per_s']:.1f} | {r['ratio']:.2f}"
-              f"{' (same plan)' if r['same_plan'] else ''} | {r['aa_ratio']:.2f} "
+              f"{r['ember_plan_steps_per_s']:.1f} | {r['ratio']:.3f} | "
+              f"{r['aa_ratio']:.3f} "
               f"[{lo:.2f}, {hi:.2f}] | {r['verdict']}")
     if results["measured"]:
         verdicts = [r["verdict"] for r in results["measured"]]
         floor = results["aa_floor"]
-        print(f"Ember's plan ahead on {verdicts.count('ahead')}, level (above the lowest A/A "
-              f"median, {floor:.2f}) on {verdicts.count('level')}, slower on "
-              f"{verdicts.count('slower')} of {len(verdicts)} collections")
+        print(f"Ember's plan ahead on {verdicts.count('ahead')}, level (at or above the lowest "
+              f"A/A median, {floor:.3f}) on {verdicts.count('level')}, slower on "
+              f"{verdicts.count('slower')}, the same plan as TorchRec's on "
+              f"{verdicts.count('same plan')} of {len(verdicts)} collections")
 
 
 if __name__ == "__main__":
