@@ -22,8 +22,11 @@
 // holding the same tables, into buffers allocated once: what the kernels
 // alone do; collection / kernel is what the in-process collection's own
 // work (checking the KJT, allocating and assembling the KeyedTensor)
-// costs. The kernel and the in-process collection are timed in alternating
-// halves. The kernel's tables are whole: under a column-wise plan (the
+// costs. kernel_kt_layout_lookups_per_s: the same fused calls writing every
+// table's columns of one KeyedTensor-shaped matrix (strided outputs), the
+// layout the collection produces; collection / that is its overhead apart
+// from the layout's own cost. The kernels and the in-process collection are
+// timed in alternating halves. The kernel's tables are whole: under a column-wise plan (the
 // in-process collection keeps the plan's column blocks) the two do
 // different work and the ratio is not the collection's overhead alone.
 // --kept_output: the service's clients and the in-process collection look
@@ -211,9 +214,15 @@ int Run(const char* argv0) {
     if (!id.ok()) return Fail("kernel shard", id.status());
     shards.push_back(*id);
   }
+  // Each table's output packed, and (kt_calls) all of them written into one
+  // KeyedTensor-shaped matrix, each table's columns at its offset: the
+  // layout the collection must produce.
   std::vector<std::vector<backend::LookupRequest>> kernel_calls(batches.size());
+  std::vector<std::vector<backend::LookupRequest>> kt_calls(batches.size());
   std::vector<std::vector<float>> kernel_out(spec.tables_size());
   for (size_t k = 0; k < kernel_out.size(); ++k) kernel_out[k].resize(FLAGS_batch * FLAGS_dim);
+  const int64_t kt_width = static_cast<int64_t>(spec.tables_size()) * FLAGS_dim;
+  std::vector<float> kt_out(FLAGS_batch * kt_width);
   for (size_t b = 0; b < batches.size(); ++b) {
     const KeyedJaggedTensor& kjt = batches[b];
     const std::vector<int64_t> off = kjt.key_offsets();
@@ -223,6 +232,10 @@ int Run(const char* argv0) {
       r.lengths = absl::MakeConstSpan(kjt.lengths).subspan(k * FLAGS_batch, FLAGS_batch);
       r.ids = absl::MakeConstSpan(kjt.values).subspan(off[k], off[k + 1] - off[k]);
       kernel_calls[b].push_back({r, absl::MakeSpan(kernel_out[k])});
+      backend::LookupRequest strided{
+          r, absl::MakeSpan(kt_out.data() + k * FLAGS_dim, (FLAGS_batch - 1) * kt_width + FLAGS_dim)};
+      strided.output_stride = kt_width;
+      kt_calls[b].push_back(strided);
     }
   }
   // In process and the kernels alone, in alternating halves.
@@ -234,8 +247,9 @@ int Run(const char* argv0) {
   for (int i = 0; i < FLAGS_warmup; ++i) {
     (void)local_lookup(batches[i % batches.size()]);
     (void)(*kernel)->Lookup(kernel_calls[i % batches.size()]);
+    (void)(*kernel)->Lookup(kt_calls[i % batches.size()]);
   }
-  double inprocess_s = 0, kernel_s = 0;
+  double inprocess_s = 0, kernel_s = 0, kt_s = 0;
   absl::Time start;
   for (int half = 0; half < 2; ++half) {
     const int first = half * (FLAGS_iters / 2), last = half ? FLAGS_iters : FLAGS_iters / 2;
@@ -253,9 +267,17 @@ int Run(const char* argv0) {
       }
     }
     kernel_s += absl::ToDoubleSeconds(absl::Now() - start);
+    start = absl::Now();
+    for (int i = first; i < last; ++i) {
+      if (absl::Status s = (*kernel)->Lookup(kt_calls[i % batches.size()]); !s.ok()) {
+        return Fail("kernel lookup into one matrix", s);
+      }
+    }
+    kt_s += absl::ToDoubleSeconds(absl::Now() - start);
   }
   const double inprocess_per_s = FLAGS_iters / inprocess_s;
   const double kernel_per_s = FLAGS_iters / kernel_s;
+  const double kt_per_s = FLAGS_iters / kt_s;
   kernel->reset();  // its tables' memory back before the service is timed
 
   // Through the service: `clients` threads, each with its own Client.
@@ -338,8 +360,13 @@ int Run(const char* argv0) {
                                  inprocess_per_s, inprocess_per_s * ids, inprocess_threads);
     std::cout << absl::StrFormat("  kernel:     %8.1f lookups/s  %.3g ids/s  (%d threads)\n",
                                  kernel_per_s, kernel_per_s * ids, inprocess_threads);
+    std::cout << absl::StrFormat("  kernel, KeyedTensor layout: %8.1f lookups/s  %.3g ids/s\n",
+                                 kt_per_s, kt_per_s * ids);
     std::cout << absl::StrFormat("  ratio in-process / kernel: %.2f (target >= 0.95)\n",
                                  inprocess_per_s / kernel_per_s);
+    std::cout << absl::StrFormat(
+        "  ratio in-process / kernel into the KeyedTensor's layout: %.2f (target >= 0.95)\n",
+        inprocess_per_s / kt_per_s);
     std::cout << absl::StrFormat("  ratio service / in-process: %.2f (target >= 0.5)\n", ratio);
     std::cout << absl::StrFormat(
         "  workers: time in the backend / time in the Lookup handler: %.3f (target >= 0.95)\n",
@@ -348,6 +375,7 @@ int Run(const char* argv0) {
     std::cout << absl::StrFormat(
         "{\"lookups_per_s\": %.2f, \"ids_per_s\": %.4g, \"mb_per_s\": %.1f, \"p50_ms\": %.3f, "
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"kernel_lookups_per_s\": %.2f, "
+        "\"kernel_kt_layout_lookups_per_s\": %.2f, "
         "\"worker_backend_share\": %.4f, "
         "\"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
@@ -355,7 +383,7 @@ int Run(const char* argv0) {
         "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\", "
         "\"kept_output\": %s}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
-        worker_share, ratio,
+        kt_per_s, worker_share, ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
         FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport,

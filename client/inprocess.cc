@@ -97,17 +97,29 @@ absl::StatusOr<std::vector<InProcessCollection::Feature>> InProcessCollection::F
     if (!kjt.weights.empty()) {
       f.request.weights = absl::MakeConstSpan(kjt.weights.data() + off[k], off[k + 1] - off[k]);
     }
-    if (absl::Status s =
-            CheckFeatureIds(f.request.ids, config.num_embeddings(), f.key, config.name());
-        !s.ok()) {
-      return s;
-    }
     f.rows_out = sequence ? static_cast<int64_t>(f.request.ids.size()) : batch;
     out.push_back(std::move(f));
   }
   std::sort(out.begin(), out.end(),
             [](const Feature& a, const Feature& b) { return a.order < b.order; });
   return out;
+}
+
+absl::Status InProcessCollection::Explained(const std::vector<Feature>& features,
+                                            absl::Status backend_status) {
+  if (backend_status.ok()) return backend_status;
+  // The backend checked every id (each block holds all of its table's
+  // rows), and refused the call before anything ran. Said again in the
+  // feature's and the table's names, as the Client says it.
+  for (const Feature& f : features) {
+    const TableConfig& config = *f.table->config;
+    if (absl::Status s =
+            CheckFeatureIds(f.request.ids, config.num_embeddings(), f.key, config.name());
+        !s.ok()) {
+      return s;
+    }
+  }
+  return backend_status;
 }
 
 absl::Status InProcessCollection::PoolInto(const std::vector<Feature>& features,
@@ -131,7 +143,7 @@ absl::Status InProcessCollection::PoolInto(const std::vector<Feature>& features,
       requests.push_back(r);
     }
   }
-  return backend_->Lookup(requests);
+  return Explained(features, backend_->Lookup(requests));
 }
 
 absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features,
@@ -160,7 +172,7 @@ absl::Status InProcessCollection::ApplyFrom(const std::vector<Feature>& features
       requests.push_back({req, part});
     }
   }
-  return backend_->ApplyGradients(requests);
+  return Explained(features, backend_->ApplyGradients(requests));
 }
 
 absl::StatusOr<KeyedTensor> InProcessCollection::Lookup(const KeyedJaggedTensor& kjt) {

@@ -75,7 +75,12 @@ class InProcessCollection {
   };
 
   InProcessCollection() = default;
+  // The KJT's features, their ids not yet checked: the backend checks them
+  // once, in the call (a second pass here cost 1.5% of a lookup).
   absl::StatusOr<std::vector<Feature>> Features(const KeyedJaggedTensor& kjt, bool sequence) const;
+  // A failed backend call's status; for ids out of range, the Client's
+  // message (feature, table, position) instead of the backend's.
+  static absl::Status Explained(const std::vector<Feature>& features, absl::Status backend_status);
   // One fused backend call that pools feature i's rows straight into
   // out[i] + r * strides[i], each column block at its column offset (the
   // CPU backend's strided outputs): no intermediate copy.

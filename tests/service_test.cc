@@ -233,7 +233,9 @@ TEST_P(ServiceTest, LookupsIntoAKeptKeyedTensor) {
 
 // An id outside its table, at any position (the vectorised blocks and the
 // tail) and negative ones, is refused by the client and by the in-process
-// collection with the same message naming it; nothing is sent.
+// collection with the same message naming it; nothing is sent, and the
+// in-process collection's update changes nothing (its backend checks the
+// ids, the collection names them).
 TEST_P(ServiceTest, OutOfRangeIdsAreRefusedAndNamed) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
@@ -254,6 +256,18 @@ TEST_P(ServiceTest, OutOfRangeIdsAreRefusedAndNamed) {
       auto local = (*ref)->Lookup(kjt);
       EXPECT_EQ(local.status().code(), absl::StatusCode::kInvalidArgument);
       EXPECT_THAT(std::string(local.status().message()), ::testing::HasSubstr(want));
+      int64_t rows = 0, dim = 0;
+      auto before = (*ref)->ExportTable("t_sum", &rows, &dim);
+      ASSERT_TRUE(before.ok());
+      KeyedTensor grads;
+      grads.keys = {"f_sum"};
+      grads.length_per_key = {dim};
+      grads.batch_size = 1;
+      grads.values.assign(dim, 0.5f);
+      const absl::Status update = (*ref)->ApplyGradients(kjt, grads);
+      EXPECT_EQ(update.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(update.message()), ::testing::HasSubstr(want));
+      EXPECT_EQ(*(*ref)->ExportTable("t_sum", &rows, &dim), *before);
     }
   }
   ASSERT_TRUE(c->DropCollection("range").ok());
