@@ -48,7 +48,9 @@ DEFINE_string(dtype, "fp32", "fp32, fp16 or bf16.");
 DEFINE_string(pooling, "sum", "sum or mean.");
 DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
-DEFINE_int32(prefetch_distance, 12, "Ids ahead the CPU backend's lookups prefetch (0: none).");
+DEFINE_int32(prefetch_distance, -1,
+             "Ids ahead the CPU backend's lookups prefetch (0: none; -1: the backend's choice by "
+             "row size, LookupPrefetchDistance).");
 DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates prefetch (0: none).");
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones), per caller.");
 DEFINE_int32(callers, 1, "Threads issuing the timed calls at once.");

@@ -185,7 +185,6 @@ class CpuBackend : public EmbeddingBackend {
     PrepareItems(requests);
     const int64_t total = item_begin_.back();
     const RowKernels* kernels = kernels_;
-    const int prefetch = options_.prefetch_distance;
     pool_.ParallelFor(total, 64, [&](int64_t b, int64_t e) {
       size_t req = std::upper_bound(item_begin_.begin(), item_begin_.end(), b) - item_begin_.begin() - 1;
       for (int64_t item = b; item < e; ++item) {
@@ -208,14 +207,14 @@ class CpuBackend : public EmbeddingBackend {
         }
         if (f.pooling == Pooling::kNone) {
           pool(out, s.weights.get(), row_bytes, &f.ids[local], nullptr, 1,
-               static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, prefetch);
+               static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, prefetch_[req]);
           continue;
         }
         const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
         const float scale = f.pooling == Pooling::kMean ? math::MeanScale(end - begin) : 1.0f;
         pool(out, s.weights.get(), row_bytes, f.ids.data() + begin,
              f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
-             static_cast<int64_t>(f.ids.size()) - begin, dim, scale, prefetch);
+             static_cast<int64_t>(f.ids.size()) - begin, dim, scale, prefetch_[req]);
       }
     });
     return absl::OkStatus();
@@ -414,16 +413,21 @@ class CpuBackend : public EmbeddingBackend {
     return it == shards_.end() ? nullptr : it->second.get();
   }
 
-  // Bag offsets and shard per lookup request, in reused buffers;
+  // Bag offsets, shard and prefetch distance per lookup request, in reused buffers;
   // item_begin_ is the prefix sum of work items (bags, or ids for NONE).
   void PrepareItems(absl::Span<const LookupRequest> requests) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t n = requests.size();
     if (offsets_.size() < n) offsets_.resize(n);
     shard_ptr_.resize(n);
+    prefetch_.resize(n);
     item_begin_.assign(1, 0);
     for (size_t i = 0; i < n; ++i) {
       const FeatureRequest& f = requests[i].feature;
       shard_ptr_[i] = FindShard(f.shard);
+      const ShardSpec& spec = shard_ptr_[i]->spec;
+      prefetch_[i] = options_.prefetch_distance == CpuBackendOptions::kPrefetchByRow
+                         ? LookupPrefetchDistance(spec.dim * shard_ptr_[i]->elem_bytes, spec.rows)
+                         : options_.prefetch_distance;
       auto& off = offsets_[i];
       off.resize(f.lengths.size() + 1);
       off[0] = 0;
@@ -555,6 +559,7 @@ class CpuBackend : public EmbeddingBackend {
   std::vector<size_t> req_order_ ABSL_GUARDED_BY(mu_);
   std::vector<const Shard*> shard_ptr_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> item_begin_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> prefetch_ ABSL_GUARDED_BY(mu_);  // per lookup request
   std::vector<Occ> occ_ ABSL_GUARDED_BY(mu_);
   std::vector<Occ> occ_tmp_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> unique_begin_ ABSL_GUARDED_BY(mu_);
@@ -563,14 +568,25 @@ class CpuBackend : public EmbeddingBackend {
 
 }  // namespace
 
+int LookupPrefetchDistance(int64_t row_bytes, int64_t rows) {
+  constexpr int64_t kCachedShardBytes = int64_t{4} << 20;
+  if (row_bytes * rows <= kCachedShardBytes) return 12;
+  if (row_bytes <= 128) return 32;
+  if (row_bytes <= 256) return 16;
+  return 12;
+}
+
 absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(
     const CpuBackendOptions& options) {
   if (options.num_threads < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_threads must be >= 1, got ", options.num_threads));
   }
-  if (options.prefetch_distance < 0 || options.update_prefetch_distance < 0) {
-    return absl::InvalidArgumentError("prefetch distances must be >= 0");
+  if ((options.prefetch_distance < 0 &&
+       options.prefetch_distance != CpuBackendOptions::kPrefetchByRow) ||
+      options.update_prefetch_distance < 0) {
+    return absl::InvalidArgumentError(
+        "prefetch distances must be >= 0 (or, for lookups, kPrefetchByRow)");
   }
   auto kernels = RowKernelsFor(options.isa);
   if (!kernels.ok()) return kernels.status();

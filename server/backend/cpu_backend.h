@@ -22,10 +22,10 @@ struct CpuBackendOptions {
   std::string isa = "auto";
   // Ids ahead whose row a lookup prefetches into L1 while gathering (0:
   // none); every line of the row twice as far ahead goes to the outer
-  // caches. On the 2-core AMD EPYC VM of docs/benchmarks.md 12-16 gathered
-  // dim-64 rows 1.5-1.8x faster than 4 (which had been best on an Intel
-  // Xeon VM).
-  int prefetch_distance = 12;
+  // caches. kPrefetchByRow (the default): chosen per shard by its row's
+  // bytes and its size (LookupPrefetchDistance).
+  static constexpr int kPrefetchByRow = -1;
+  int prefetch_distance = kPrefetchByRow;
   // The same for the rows (and optimizer state) an update writes; there
   // 4-8 was best and 16 halved the rate.
   int update_prefetch_distance = 4;
@@ -33,6 +33,15 @@ struct CpuBackendOptions {
   // CreateShard beyond it fails with RESOURCE_EXHAUSTED.
   int64_t memory_limit_bytes = 0;
 };
+
+// The lookups' prefetch distance for a shard of `rows` rows of `row_bytes`
+// bytes. The narrower the row, the less each id takes to gather, and the
+// more ids ahead a prefetch must be issued to land in time: 32 ids for rows
+// of up to 128 bytes, 16 up to 256, 12 beyond (4-12 had been tuned on
+// 256-byte rows). A shard of at most 4 MiB stays in the caches, where a
+// short distance is best: 12. Measured on the 2-core AMD EPYC VM of
+// docs/benchmarks.md.
+int LookupPrefetchDistance(int64_t row_bytes, int64_t rows);
 
 // INVALID_ARGUMENT / FAILED_PRECONDITION for bad options (unknown or
 // unsupported ISA, num_threads < 1).

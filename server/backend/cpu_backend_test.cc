@@ -1,8 +1,11 @@
 // The CPU backend's concurrency (concurrency_checks.h): creating a large
 // shard does not stall the calls on the shards held, and concurrent calls
-// give what serial ones give. Strided outputs against packed ones.
+// give what serial ones give. Strided outputs against packed ones; the
+// lookups' prefetch distance.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -80,6 +83,65 @@ TEST(CpuBackendTest, StridedOutputsMatchPackedOnes) {
   const absl::Status s = ValidateRequests(absl::MakeConstSpan(&r, 1), find);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), testing::HasSubstr("packed outputs"));
+}
+
+// The lookups' prefetch distance by row bytes and shard size, as
+// cpu_backend.h states it; a negative distance other than kPrefetchByRow is
+// refused.
+TEST(CpuBackendTest, PrefetchDistanceByRow) {
+  const int64_t mib = int64_t{1} << 20;
+  EXPECT_EQ(LookupPrefetchDistance(64, 4 * mib / 64), 12);  // 4 MiB: in the caches
+  EXPECT_EQ(LookupPrefetchDistance(64, 4 * mib / 64 + 1), 32);
+  EXPECT_EQ(LookupPrefetchDistance(128, 1000000), 32);
+  EXPECT_EQ(LookupPrefetchDistance(129, 1000000), 16);
+  EXPECT_EQ(LookupPrefetchDistance(256, 1000000), 16);
+  EXPECT_EQ(LookupPrefetchDistance(257, 1000000), 12);
+  EXPECT_EQ(LookupPrefetchDistance(1024, 1000000), 12);
+  CpuBackendOptions o;
+  EXPECT_EQ(o.prefetch_distance, CpuBackendOptions::kPrefetchByRow);
+  EXPECT_TRUE(CreateCpuBackend(o).ok());
+  o.prefetch_distance = -2;
+  EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.prefetch_distance = 0;
+  o.update_prefetch_distance = -1;
+  EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Shards past 4 MiB with narrow rows (the distances 32 and 16) give the
+// same bits as without prefetching, bags long and short, to the last id.
+TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
+  std::mt19937 rng(3);
+  for (int dim : {16, 32, 64}) {
+    for (WeightType wt : {WeightType::kFp32, WeightType::kFp16}) {
+      ShardSpec spec;
+      spec.table = "t";
+      spec.dim = dim;
+      spec.rows = (int64_t{5} << 20) / (dim * (wt == WeightType::kFp32 ? 4 : 2));
+      spec.table_rows = spec.rows;
+      spec.weight_type = wt;
+      std::vector<int64_t> lengths, ids;
+      for (int b = 0; b < 200; ++b) {
+        lengths.push_back(b % 7 == 0 ? 0 : 1 + rng() % 60);
+        for (int64_t k = 0; k < lengths.back(); ++k) ids.push_back(rng() % spec.rows);
+      }
+      std::vector<float> out[2];
+      for (int distance : {0, CpuBackendOptions::kPrefetchByRow}) {
+        CpuBackendOptions o;
+        o.prefetch_distance = distance;
+        auto be = CreateCpuBackend(o);
+        ASSERT_TRUE(be.ok());
+        auto id = (*be)->CreateShard(spec);
+        ASSERT_TRUE(id.ok()) << id.status();
+        std::vector<float>& got = out[distance == 0 ? 0 : 1];
+        got.assign(lengths.size() * dim, -1.0f);
+        FeatureRequest f{*id, Pooling::kSum, lengths, ids, {}};
+        ASSERT_TRUE((*be)->Lookup({LookupRequest{f, absl::MakeSpan(got)}}).ok());
+      }
+      EXPECT_EQ(out[0], out[1]) << "dim " << dim << " type " << static_cast<int>(wt);
+      EXPECT_GT(std::count_if(out[1].begin(), out[1].end(), [](float v) { return v != 0; }),
+                static_cast<long>(out[1].size() / 2));  // initialised rows, not zeros
+    }
+  }
 }
 
 TEST(CpuBackendTest, CreatingALargeShardDoesNotStallCallsOnOthers) {
