@@ -20,10 +20,11 @@ struct CpuBackendOptions {
   int num_threads = 1;
   // Instruction set for the row kernels: "auto", "scalar", "avx2", "avx512".
   std::string isa = "auto";
-  // Ids ahead whose row a lookup prefetches into L1 while gathering (0:
-  // none); every line of the row twice as far ahead goes to the outer
-  // caches. kPrefetchByRow (the default): chosen per shard by its row's
-  // bytes and its size (LookupPrefetchDistance).
+  // Ids ahead whose row a lookup prefetches while gathering (0: none):
+  // every line of the row twice as far ahead goes to the outer caches, its
+  // first line this far ahead (at most 16) into L1. kPrefetchByRow (the
+  // default): chosen per shard by its row's bytes and its size
+  // (LookupPrefetchDistance).
   static constexpr int kPrefetchByRow = -1;
   int prefetch_distance = kPrefetchByRow;
   // The same for the rows (and optimizer state) an update writes; there

@@ -35,6 +35,8 @@ inline void LoadRowPair(const uint8_t* row, int64_t col, typename O::Reg* lo,
   }
 }
 
+constexpr int kMaxNearPrefetch = 16;
+
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
 // NR accumulators in registers across the bag's rows.
 template <int T, int NR>
@@ -43,13 +45,17 @@ inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, con
                         float out_scale, int prefetch) {
   typename Ops::Reg acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
+  // The L1 stage stays within kMaxNearPrefetch ids, however far the outer
+  // one reaches: narrow rows at prefetch 32 (T2 64 ahead) gathered 3-14%
+  // faster with the first line 8-16 ahead than 32 (docs/benchmarks.md).
+  const int near = prefetch < kMaxNearPrefetch ? prefetch : kMaxNearPrefetch;
   for (int64_t k = 0; k < n; ++k) {
     // Two stages: every line of the row 2 * prefetch ids ahead towards the
-    // outer caches (T2), then its first line `prefetch` ahead into L1.
+    // outer caches (T2), then its first line `near` ahead into L1.
     // Measured against the first line alone: +35-100% from memory, up to
     // +50% from the L3 (docs/benchmarks.md).
-    if (prefetch > 0 && k + prefetch < ids_avail) {
-      _mm_prefetch(reinterpret_cast<const char*>(table + ids[k + prefetch] * row_bytes),
+    if (prefetch > 0 && k + near < ids_avail) {
+      _mm_prefetch(reinterpret_cast<const char*>(table + ids[k + near] * row_bytes),
                    _MM_HINT_T0);
       if (k + 2 * prefetch < ids_avail) {
         const char* far = reinterpret_cast<const char*>(table + ids[k + 2 * prefetch] * row_bytes);
