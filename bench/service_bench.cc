@@ -146,6 +146,14 @@ int Run(const char* argv0) {
       FLAGS_workers < 1 || FLAGS_worker_threads < 1) {
     return Fail("flags", absl::InvalidArgumentError("sizes, counts and threads must be >= 1"));
   }
+  if (FLAGS_transport == "nccl") {
+    return Fail("flags", absl::UnimplementedError(
+                             "--transport=nccl: the NCCL data plane is not built yet; use shm "
+                             "or grpc"));
+  }
+  if (FLAGS_transport != "shm" && FLAGS_transport != "grpc") {
+    return Fail("flags", absl::InvalidArgumentError("--transport must be shm or grpc"));
+  }
   const bool text = FLAGS_format != "json";
   std::unique_ptr<testing_util::LocalCluster> cluster;
   std::string coordinator = FLAGS_coordinator;
@@ -161,9 +169,6 @@ int Run(const char* argv0) {
                                  absl::StrCat("--device=", FLAGS_device)});
     if (!cluster->ok()) return Fail("cluster", absl::UnavailableError("emberctl up failed"));
     coordinator = cluster->coordinator();
-  }
-  if (FLAGS_transport != "shm" && FLAGS_transport != "grpc") {
-    return Fail("flags", absl::InvalidArgumentError("--transport must be shm or grpc"));
   }
   client::ClientOptions options;
   options.timeout = absl::Seconds(120);
