@@ -26,9 +26,10 @@
 // table's columns of one KeyedTensor-shaped matrix (strided outputs), the
 // layout the collection produces; collection / that is its overhead apart
 // from the layout's own cost. The kernels and the in-process collection are
-// timed in alternating halves. The kernel's tables are whole: under a column-wise plan (the
-// in-process collection keeps the plan's column blocks) the two do
-// different work and the ratio is not the collection's overhead alone.
+// timed in alternating halves. The kernel's tables are whole: under a
+// column-wise plan (the in-process collection keeps the plan's column
+// blocks) the two do different work and the ratio is not the collection's
+// overhead alone.
 // --kept_output: the service's clients and the in-process collection look
 // up into one KeyedTensor each, kept across calls (the reusing Lookup
 // forms), as a trainer that keeps its output buffer does; off, every call
@@ -37,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -238,7 +240,8 @@ int Run(const char* argv0) {
       r.ids = absl::MakeConstSpan(kjt.values).subspan(off[k], off[k + 1] - off[k]);
       kernel_calls[b].push_back({r, absl::MakeSpan(kernel_out[k])});
       backend::LookupRequest strided{
-          r, absl::MakeSpan(kt_out.data() + k * FLAGS_dim, (FLAGS_batch - 1) * kt_width + FLAGS_dim)};
+          r, absl::MakeSpan(kt_out.data() + k * FLAGS_dim,
+                            (FLAGS_batch - 1) * kt_width + FLAGS_dim)};
       strided.output_stride = kt_width;
       kt_calls[b].push_back(strided);
     }
@@ -249,40 +252,33 @@ int Run(const char* argv0) {
     if (FLAGS_kept_output) return (*local)->Lookup(kjt, &kept_local);
     return (*local)->Lookup(kjt).status();
   };
+  // Each timed over the same half of the lookups in turn, the halves
+  // alternating, so that a drift in the machine's speed falls on all three.
+  struct Phase {
+    const char* what;
+    std::function<absl::Status(size_t batch)> call;
+    double seconds = 0;
+  };
+  Phase phases[] = {
+      {"in-process lookup", [&](size_t b) { return local_lookup(batches[b]); }},
+      {"kernel lookup", [&](size_t b) { return (*kernel)->Lookup(kernel_calls[b]); }},
+      {"kernel lookup into one matrix", [&](size_t b) { return (*kernel)->Lookup(kt_calls[b]); }}};
   for (int i = 0; i < FLAGS_warmup; ++i) {
-    (void)local_lookup(batches[i % batches.size()]);
-    (void)(*kernel)->Lookup(kernel_calls[i % batches.size()]);
-    (void)(*kernel)->Lookup(kt_calls[i % batches.size()]);
+    for (Phase& p : phases) (void)p.call(i % batches.size());
   }
-  double inprocess_s = 0, kernel_s = 0, kt_s = 0;
-  absl::Time start;
   for (int half = 0; half < 2; ++half) {
     const int first = half * (FLAGS_iters / 2), last = half ? FLAGS_iters : FLAGS_iters / 2;
-    start = absl::Now();
-    for (int i = first; i < last; ++i) {
-      if (absl::Status s = local_lookup(batches[i % batches.size()]); !s.ok()) {
-        return Fail("in-process lookup", s);
+    for (Phase& p : phases) {
+      const absl::Time t0 = absl::Now();
+      for (int i = first; i < last; ++i) {
+        if (absl::Status s = p.call(i % batches.size()); !s.ok()) return Fail(p.what, s);
       }
+      p.seconds += absl::ToDoubleSeconds(absl::Now() - t0);
     }
-    inprocess_s += absl::ToDoubleSeconds(absl::Now() - start);
-    start = absl::Now();
-    for (int i = first; i < last; ++i) {
-      if (absl::Status s = (*kernel)->Lookup(kernel_calls[i % batches.size()]); !s.ok()) {
-        return Fail("kernel lookup", s);
-      }
-    }
-    kernel_s += absl::ToDoubleSeconds(absl::Now() - start);
-    start = absl::Now();
-    for (int i = first; i < last; ++i) {
-      if (absl::Status s = (*kernel)->Lookup(kt_calls[i % batches.size()]); !s.ok()) {
-        return Fail("kernel lookup into one matrix", s);
-      }
-    }
-    kt_s += absl::ToDoubleSeconds(absl::Now() - start);
   }
-  const double inprocess_per_s = FLAGS_iters / inprocess_s;
-  const double kernel_per_s = FLAGS_iters / kernel_s;
-  const double kt_per_s = FLAGS_iters / kt_s;
+  const double inprocess_per_s = FLAGS_iters / phases[0].seconds;
+  const double kernel_per_s = FLAGS_iters / phases[1].seconds;
+  const double kt_per_s = FLAGS_iters / phases[2].seconds;
   kernel->reset();  // its tables' memory back before the service is timed
 
   // Through the service: `clients` threads, each with its own Client.
@@ -314,7 +310,7 @@ int Run(const char* argv0) {
   std::vector<std::vector<double>> latencies(FLAGS_clients);
   std::atomic<int> errors{0};
   std::vector<std::thread> threads;
-  start = absl::Now();
+  absl::Time start = absl::Now();
   for (int t = 0; t < FLAGS_clients; ++t) {
     threads.emplace_back([&, t] {
       KeyedTensor kept;

@@ -441,7 +441,8 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
-      "--shm_dir=" + FLAGS_shm_dir, "--drain_on_sigterm=false", "--auth_token_file=" + FLAGS_auth_token_file,
+      "--shm_dir=" + FLAGS_shm_dir, "--drain_on_sigterm=false",
+      "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.
   int gpus = 1;

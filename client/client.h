@@ -124,8 +124,9 @@ class Client {
   // the collection's order (tables in spec order, then feature_names).
   absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, KjtView kjt);
   // The same into *out: its keys, dims and batch are set and its values
-  // buffer reused (cleared, not reallocated, when large enough), so a
-  // trainer that keeps one KeyedTensor across steps does not fault fresh
+  // buffer reused (not reallocated when large enough, and cleared only
+  // where no worker writes: row-split partial sums, shards given no ids), so
+  // a trainer that keeps one KeyedTensor across steps does not fault fresh
   // pages in every step. On an error *out is unspecified.
   absl::Status Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out);
   // Gradients of Lookup's output (same keys, dims and batch). request_id

@@ -61,6 +61,7 @@ struct Shard {
   std::unique_ptr<uint8_t[], FreeDeleter> weights;  // [rows, dim] in spec.weight_type
   std::unique_ptr<float[], FreeDeleter> state;      // [rows, state_width]
   int64_t step = 0;                    // Adam's t
+  int lookup_prefetch = 0;             // ids ahead the lookups prefetch (options, row size)
 
   const uint8_t* Row(int64_t r) const { return weights.get() + r * spec.dim * elem_bytes; }
   uint8_t* Row(int64_t r) { return weights.get() + r * spec.dim * elem_bytes; }
@@ -125,6 +126,10 @@ class CpuBackend : public EmbeddingBackend {
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    shard->lookup_prefetch =
+        options_.prefetch_distance == CpuBackendOptions::kPrefetchByRow
+            ? LookupPrefetchDistance(spec.dim * shard->elem_bytes, spec.rows)
+            : options_.prefetch_distance;
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
     shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
@@ -212,14 +217,14 @@ class CpuBackend : public EmbeddingBackend {
         }
         if (f.pooling == Pooling::kNone) {
           pool(out, s.weights.get(), row_bytes, &f.ids[local], nullptr, 1,
-               static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, prefetch_[req]);
+               static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, s.lookup_prefetch);
           continue;
         }
         const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
         const float scale = f.pooling == Pooling::kMean ? math::MeanScale(end - begin) : 1.0f;
         pool(out, s.weights.get(), row_bytes, f.ids.data() + begin,
              f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
-             static_cast<int64_t>(f.ids.size()) - begin, dim, scale, prefetch_[req]);
+             static_cast<int64_t>(f.ids.size()) - begin, dim, scale, s.lookup_prefetch);
       }
     });
     return absl::OkStatus();
@@ -319,7 +324,7 @@ class CpuBackend : public EmbeddingBackend {
           for (size_t k = unique_begin_[u] + 1; k < unique_begin_[u + 1]; ++k) {
             accumulate_f32(g, occ_[k].grad, dim, occ_[k].scale);
           }
-          const int64_t row = occ_[unique_begin_[u]].row;
+          const int64_t row = first.row;
           UpdateRow(*kernels_, &s, row, g, params, noise ? NoiseKey(s, row) : 0);
         }
       });
@@ -418,21 +423,16 @@ class CpuBackend : public EmbeddingBackend {
     return it == shards_.end() ? nullptr : it->second.get();
   }
 
-  // Bag offsets, shard and prefetch distance per lookup request, in reused buffers;
+  // Bag offsets and shard per lookup request, in reused buffers;
   // item_begin_ is the prefix sum of work items (bags, or ids for NONE).
   void PrepareItems(absl::Span<const LookupRequest> requests) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t n = requests.size();
     if (offsets_.size() < n) offsets_.resize(n);
     shard_ptr_.resize(n);
-    prefetch_.resize(n);
     item_begin_.assign(1, 0);
     for (size_t i = 0; i < n; ++i) {
       const FeatureRequest& f = requests[i].feature;
       shard_ptr_[i] = FindShard(f.shard);
-      const ShardSpec& spec = shard_ptr_[i]->spec;
-      prefetch_[i] = options_.prefetch_distance == CpuBackendOptions::kPrefetchByRow
-                         ? LookupPrefetchDistance(spec.dim * shard_ptr_[i]->elem_bytes, spec.rows)
-                         : options_.prefetch_distance;
       auto& off = offsets_[i];
       off.resize(f.lengths.size() + 1);
       off[0] = 0;
@@ -564,7 +564,6 @@ class CpuBackend : public EmbeddingBackend {
   std::vector<size_t> req_order_ ABSL_GUARDED_BY(mu_);
   std::vector<const Shard*> shard_ptr_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> item_begin_ ABSL_GUARDED_BY(mu_);
-  std::vector<int> prefetch_ ABSL_GUARDED_BY(mu_);  // per lookup request
   std::vector<Occ> occ_ ABSL_GUARDED_BY(mu_);
   std::vector<Occ> occ_tmp_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> unique_begin_ ABSL_GUARDED_BY(mu_);

@@ -600,7 +600,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   refused(req, grpc::StatusCode::UNAVAILABLE, "no shared-memory channel");
 }
 
-// Channels belong to who opened them and lapse when idle.
+// An OpenChannelRequest for a POSIX name or (file) a shm_dir file.
 ember::v1::OpenChannelRequest OpenOf(const std::string& name, uint64_t size, bool file = false,
                                       uint64_t nonce = 0) {
   ember::v1::OpenChannelRequest req;
@@ -614,6 +614,7 @@ ember::v1::OpenChannelRequest OpenOf(const std::string& name, uint64_t size, boo
   return req;
 }
 
+// Channels belong to who opened them and lapse when idle.
 TEST(WorkerServiceTest, ChannelsHaveOwnersAndLapseWhenIdle) {
   TestRegion region(1 << 14);
   ShmChannels channels(absl::Milliseconds(50), 1 << 20, 2);
