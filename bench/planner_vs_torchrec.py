@@ -73,7 +73,13 @@ def parse_args():
                         "calibrate --calibrate_caches)")
     p.add_argument("--emberctl", default="")
     p.add_argument("--format", default="table", choices=["table", "json"])
-    return p.parse_args()
+    args = p.parse_args()
+    for name in ("measured_tables", "workers", "steps", "rounds", "turn", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.measured < 0:
+        p.error("--measured must be >= 0")
+    return args
 
 
 def random_tables(rng, n, max_rows):
