@@ -59,7 +59,8 @@ absl::Status Ints(const ListValue& l, const char* name, std::vector<int64_t>* ou
   return absl::OkStatus();
 }
 
-absl::Status Floats(const ListValue& l, const std::string& name, std::vector<float>* out) {
+template <typename Vector>
+absl::Status Floats(const ListValue& l, const std::string& name, Vector* out) {
   for (int i = 0; i < l.values_size(); ++i) {
     if (l.values(i).kind_case() != Value::kNumberValue) {
       return absl::InvalidArgumentError(absl::StrCat(name, "[", i, "] is not a number"));

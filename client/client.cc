@@ -5,12 +5,14 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <random>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "client/output_buffer.h"
 #include "client/transport.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
@@ -128,6 +130,7 @@ struct Sink {
   int64_t col_offset = 0, cols = 0;
   int64_t rows = 0;                // of its output: bags, or (sequence) ids
   std::vector<int64_t> positions;  // sequence, row-split: id index in the feature
+  bool placed = false;             // placed in the caller's output buffer
 };
 
 // Builds the ShardFeature of `job` for `shard` through `t`: the ids in the
@@ -581,10 +584,46 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
   return absl::OkStatus();
 }
 
-// Lookup for pooled or sequence jobs into each job's `out` (zeroed by the caller).
+// Asks the worker of `request` (through a channel) to write the sinks whose
+// job's output lies in a shared buffer straight there: the request's
+// out_buffer and one placement per feature (row stride 0: not placed).
+// Every sink keeps its channel slice, where a worker that cannot map the
+// buffer writes instead. One buffer per request; `*placed_in` names it.
+void Place(const std::vector<FeatureJob>& jobs,
+           const std::vector<std::optional<SharedBufferInfo>>& shared,
+           ember::v1::WorkerLookupRequest* request, std::vector<Sink>* sinks,
+           std::optional<SharedBufferInfo>* placed_in) {
+  const SharedBufferInfo* buffer = nullptr;
+  for (Sink& sink : *sinks) {
+    const std::optional<SharedBufferInfo>& b = shared[sink.job - jobs.data()];
+    sink.placed = b.has_value() && (buffer == nullptr || b->id == buffer->id);
+    if (sink.placed) buffer = &*b;
+  }
+  if (buffer == nullptr) return;
+  auto* out = request->mutable_out_buffer();
+  out->set_id(buffer->id);
+  out->set_pid(buffer->pid);
+  out->set_fd(buffer->fd);
+  out->set_size(buffer->size);
+  out->set_nonce(buffer->nonce);
+  for (const Sink& sink : *sinks) {
+    auto* p = request->add_placements();
+    if (!sink.placed) continue;
+    const float* first = sink.job->out + sink.col_offset;
+    p->set_offset(reinterpret_cast<const char*>(first) - buffer->base);
+    p->set_row_stride(sink.job->out_stride);
+  }
+  *placed_in = *buffer;
+}
+
+// Lookup for pooled or sequence jobs into each job's `out`. Where the
+// outputs lie in a shared output buffer (output_buffer.h), workers reached
+// through a channel are asked to write their pooled columns straight into
+// it; on a failed call the buffer is poisoned (a worker may still write into
+// it) and `*poisoned` set: the caller must not keep it.
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
-                       const ChannelFor& channel_for) {
+                       const ChannelFor& channel_for, bool* poisoned = nullptr) {
   using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
   // Transports (their channels) outlive the calls that use them (declared
   // first).
@@ -606,6 +645,17 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       ClearColumns(j.out, j.out_stride, j.sequence ? j.num_ids : j.batch, 0, j.dim);
     }
   }
+  // The shared output buffer holding each job's output, if any: a pooled
+  // shard's columns can go straight there (a row-split table's partial sums
+  // and sequence rows cannot).
+  std::vector<std::optional<SharedBufferInfo>> shared(jobs->size());
+  for (size_t i = 0; i < jobs->size(); ++i) {
+    const FeatureJob& j = (*jobs)[i];
+    if (j.sequence || j.table->row_split || j.batch == 0) continue;
+    shared[i] = OutputBuffers::Global().Find(
+        j.out, ((j.batch - 1) * j.out_stride + j.dim) * sizeof(float));
+  }
+  std::optional<SharedBufferInfo> placed_in;  // the buffer any call was asked to write
   // Rank by rank: build the rank's request and send it.
   std::vector<std::vector<Sink>> sinks(fan.size());
   for (int rank = 0; rank < fan.size(); ++rank) {
@@ -653,6 +703,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       }
       c.request.set_channel_id(t->channel_id());
       c.request.set_channel_seq(t->channel_seq());
+      if (t->channel_id() != 0) Place(*jobs, shared, &c.request, &sinks[rank], &placed_in);
     }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, LookupCall* call, auto done) {
       stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
@@ -666,6 +717,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
     const LookupCall& c = fan[rank];
     for (const Sink& s : sinks[rank]) {
+      if (s.placed && c.response.placed()) continue;  // already in place
       absl::Span<const float> buf;
       if (absl::Status st =
               transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
@@ -695,6 +747,11 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   if (absl::Status s = fan.WaitAll(); !s.ok()) {
     for (int rank = 0; rank < fan.size(); ++rank) {
       if (fan[rank].started && !fan[rank].status.ok()) transports[rank]->Failed();
+    }
+    // A worker whose call failed (a deadline) may still be writing.
+    if (placed_in.has_value()) {
+      OutputBuffers::Global().Poison(placed_in->base + OutputBuffers::kHeaderBytes);
+      if (poisoned != nullptr) *poisoned = true;
     }
     return s;
   }
@@ -822,7 +879,12 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
       jobs[k].out_stride = kt.row_width();
       jobs[k].out_zeroed = false;
     }
-    return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
+    bool poisoned = false;
+    absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for, channel_for, &poisoned);
+    // A worker may yet write into this buffer: let it go (a retry or the
+    // next call takes a fresh one).
+    if (poisoned) kt.values = FloatBuffer();
+    return st;
   });
   return s;
 }

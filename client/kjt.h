@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "client/output_buffer.h"
 
 namespace ember {
 namespace client {
@@ -81,7 +82,9 @@ struct KeyedTensor {
   std::vector<std::string> keys;
   std::vector<int64_t> length_per_key;
   int64_t batch_size = 0;
-  std::vector<float> values;
+  // A std::vector<float> whose resize does not zero and whose large
+  // buffers a worker on this host can write into (output_buffer.h).
+  FloatBuffer values;
 
   int64_t row_width() const;  // sum(length_per_key)
   std::vector<int64_t> offset_per_key() const;

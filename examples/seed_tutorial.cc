@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/types/span.h"
 #include "cli/spec_io.h"
 #include "client/client.h"
 #include "client/inprocess.h"
@@ -43,7 +44,7 @@ using client::KeyedJaggedTensor;
 using client::KeyedTensor;
 
 // Largest |a - b| / (1 + |b|); infinity when the sizes differ.
-double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+double MaxRelDiff(absl::Span<const float> a, absl::Span<const float> b) {
   if (a.size() != b.size()) return INFINITY;
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i) {

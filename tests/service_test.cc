@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/inprocess.h"
+#include "client/output_buffer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/plan_format.h"
@@ -90,6 +91,9 @@ enum class Mode { kInline, kSharedMemory, kSharedDirectory };
 class ServiceTest : public ::testing::TestWithParam<Mode> {
  protected:
   static void SetUpTestSuite() {
+    // Every KeyedTensor of a page or more in shared memory: the tests'
+    // small lookups take the placed-output path too.
+    client::OutputBuffers::Global().set_shared_min_bytes(client::OutputBuffers::kFloorBytes);
     const std::string dir = absl::StrCat(::testing::TempDir(), "/service_test_shm_", getpid());
     std::filesystem::create_directories(dir);
     shm_dir_ = new std::string(std::filesystem::canonical(dir).string());  // as /proc shows it
@@ -159,6 +163,26 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     channels += st->shm_channels();
   }
   EXPECT_EQ(channels > 0, Channels()) << channels << " channel(s) open";
+  // Through a channel, pooled columns go straight into the KeyedTensor's
+  // shared buffer (a row-wise table's partial sums above cannot):
+  // column-wise, both workers write their columns of each row.
+  auto placed = [&] {
+    int64_t n = 0;
+    for (const auto& w : workers->workers()) n += c->WorkerStatus(w.info().address())->placed_lookups();
+    return n;
+  };
+  const int64_t placed_before = placed();
+  ASSERT_TRUE(c->CreateCollection(TestSpec("placed"), "column_wise").ok());
+  auto placed_ref = InProcessCollection::Create(TestSpec("placed"));
+  ASSERT_TRUE(placed_ref.ok());
+  for (int i = 0; i < 3; ++i) {
+    auto kjt2 = RandomKjt(rng, {"f_sum", "f_mean", "f_sum2"}, {301, 200, 301}, 64, false);
+    auto kt2 = c->Lookup("placed", kjt2);
+    ASSERT_TRUE(kt2.ok()) << kt2.status();
+    ExpectNear(kt2->values, (*placed_ref)->Lookup(kjt2)->values, "placed lookup");
+  }
+  EXPECT_EQ(placed() - placed_before, Channels() ? 6 : 0) << "placed lookups (3 on each worker)";
+  ASSERT_TRUE(c->DropCollection("placed").ok());
   const std::string mine = absl::StrCat("ember-", getpid(), "-");
   for (const std::string& dir : {std::string("/dev/shm"), *shm_dir_}) {
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -185,6 +209,8 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   for (int pid : cluster_->worker_pids()) {
     EXPECT_EQ(ShmHeld(pid, RegionPrefix()), 0)
         << "worker " << pid << " kept a closed channel's region";
+    EXPECT_EQ(ShmHeld(pid, "memfd:ember-output"), 0)
+        << "worker " << pid << " kept a closed channel's output buffer mapped";
   }
 }
 
@@ -517,6 +543,7 @@ TEST_P(ServiceTest, StaleEpochRefreshesThePlan) {
 // A separate 3-worker cluster: row-wise and column-wise over 3 workers, then
 // a worker is killed: clients get UNAVAILABLE within the deadline.
 TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
+  client::OutputBuffers::Global().set_shared_min_bytes(client::OutputBuffers::kFloorBytes);
   testing_util::LocalCluster cluster(kEmberctl, 3);
   ASSERT_TRUE(cluster.ok());
   ASSERT_EQ(cluster.worker_pids().size(), 3u);
@@ -535,11 +562,25 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   ASSERT_TRUE(first.ok()) << first.status();
   // Shared memory (the default) to every worker: a region each.
   EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 3);
+  // A column-wise collection looked up into a kept KeyedTensor in shared
+  // memory: every worker writes its columns into it.
+  ASSERT_TRUE((*c)->CreateCollection(TestSpec("kept"), "column_wise").ok());
+  std::mt19937 rng(8);
+  const KeyedJaggedTensor wide = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 64, false);
+  client::KeyedTensor kept;
+  ASSERT_TRUE((*c)->Lookup("kept", wide, &kept).ok());
+  auto kept_buffer = client::OutputBuffers::Global().Find(kept.values.data(), 4);
+  ASSERT_TRUE(kept_buffer.has_value());
   kill(cluster.worker_pids()[1], SIGKILL);
   const absl::Time start = absl::Now();
   auto kt = (*c)->Lookup("kill", kjt);
   EXPECT_EQ(kt.status().code(), absl::StatusCode::kUnavailable) << kt.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(6));  // the deadline, not a hang
+  // The failed lookup's buffer is let go (the workers that answered may
+  // not be the only writers): the kept KeyedTensor holds another.
+  EXPECT_EQ((*c)->Lookup("kept", wide, &kept).code(), absl::StatusCode::kUnavailable);
+  auto now_buffer = client::OutputBuffers::Global().Find(kept.values.data(), 4);
+  EXPECT_TRUE(!now_buffer.has_value() || now_buffer->id != kept_buffer->id);
   // A failed update applies nothing and leaves nothing behind either.
   EXPECT_EQ((*c)->ApplyGradients("kill", kjt, *first).code(), absl::StatusCode::kUnavailable);
   c->reset();

@@ -17,6 +17,7 @@
 #include "client/client.h"
 #include "client/inprocess.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "client/kjt.h"
 #include "gtest/gtest.h"
 #include "proto/collection.pb.h"
@@ -82,7 +83,8 @@ inline KeyedJaggedTensor RandomKjt(std::mt19937& rng, const std::vector<std::str
 // The tolerance every comparison with the reference uses.
 inline double Tolerance(float want) { return 2e-5 * (1 + std::abs(want)); }
 
-inline void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+inline void ExpectNear(absl::Span<const float> got, absl::Span<const float> want,
+                       const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_NEAR(got[i], want[i], Tolerance(want[i])) << what << " at " << i;
@@ -91,7 +93,7 @@ inline void ExpectNear(const std::vector<float>& got, const std::vector<float>& 
 
 // How many values differ beyond ExpectNear's tolerance (for threads, where
 // ASSERTs cannot stop the test); a size mismatch counts as one.
-inline int Mismatches(const std::vector<float>& got, const std::vector<float>& want) {
+inline int Mismatches(absl::Span<const float> got, absl::Span<const float> want) {
   if (got.size() != want.size()) return 1;
   int bad = 0;
   for (size_t i = 0; i < got.size(); ++i) {

@@ -69,9 +69,10 @@ M FromJson(const std::string& json, const char* what) {
 }
 
 // A vector's buffer handed to NumPy (no copy), shaped [rows, cols].
-py::array_t<float> ToNumpy(std::vector<float> v, int64_t rows, int64_t cols) {
-  auto* owned = new std::vector<float>(std::move(v));
-  py::capsule free(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+template <typename Vector>
+py::array_t<float> ToNumpy(Vector v, int64_t rows, int64_t cols) {
+  auto* owned = new Vector(std::move(v));
+  py::capsule free(owned, [](void* p) { delete static_cast<Vector*>(p); });
   return py::array_t<float>({rows, cols}, {cols * sizeof(float), sizeof(float)}, owned->data(),
                             free);
 }

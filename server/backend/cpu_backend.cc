@@ -402,6 +402,7 @@ class CpuBackend : public EmbeddingBackend {
   int64_t AvailableBytes() const override { return budget_.Available(); }
 
   std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }
+  bool WritesStridedOutputs() const override { return true; }
 
  private:
   // One id of a gradient request: its row, the gradient row it receives

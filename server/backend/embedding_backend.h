@@ -158,6 +158,9 @@ class EmbeddingBackend {
 
   // Fused lookup over every request (any mix of shards and poolings).
   virtual absl::Status Lookup(absl::Span<const LookupRequest> requests) = 0;
+  // Whether Lookup takes a non-zero output_stride (rows written into a
+  // wider matrix); false: outputs must be packed.
+  virtual bool WritesStridedOutputs() const { return false; }
 
   // Fused backward + optimizer: duplicate rows (within and across requests
   // of one shard) are merged and each touched row is updated once.

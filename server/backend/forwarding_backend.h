@@ -24,6 +24,7 @@ class ForwardingBackend : public EmbeddingBackend {
     return inner_->GetShardSpec(id);
   }
   absl::Status Lookup(absl::Span<const LookupRequest> r) override { return inner_->Lookup(r); }
+  bool WritesStridedOutputs() const override { return inner_->WritesStridedOutputs(); }
   absl::Status ApplyGradients(absl::Span<const GradientRequest> r) override {
     return inner_->ApplyGradients(r);
   }

@@ -147,6 +147,103 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
   return it->second.region;
 }
 
+namespace {
+
+// Whether descriptor-link `path` (a /proc/.../fd/N) names a memfd the
+// client made for outputs: "/memfd:ember-output (deleted)".
+bool IsOutputMemfd(const std::string& path) {
+  char target[128];
+  const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+  if (n <= 0) return false;
+  return absl::StartsWith(absl::string_view(target, n), "/memfd:ember-output");
+}
+
+bool SameBuffer(const ember::v1::OutputBuffer& a, const ember::v1::OutputBuffer& b) {
+  return a.id() == b.id() && a.pid() == b.pid() && a.fd() == b.fd() && a.size() == b.size() &&
+         a.nonce() == b.nonce();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutput(
+    uint64_t id, const std::string& owner, const ember::v1::OutputBuffer& b) {
+  auto find = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<Channel*> {
+    auto it = channels_.find(id);
+    if (it == channels_.end()) {
+      return absl::UnavailableError(absl::StrCat("no shared-memory channel ", id));
+    }
+    if (it->second.owner != owner) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("channel ", id, " belongs to another client"));
+    }
+    return &it->second;
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    auto ch = find();
+    if (!ch.ok()) return ch.status();
+    auto& outputs = (*ch)->outputs;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!SameBuffer(outputs[i].buffer, b)) continue;
+      Channel::Output hit = std::move(outputs[i]);  // now the most recently used
+      outputs.erase(outputs.begin() + i);
+      outputs.push_back(hit);
+      return hit.region;
+    }
+  }
+  const uint64_t size = b.size();
+  if (size < 8192 || size > max_region_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("output buffer size ", size,
+                                                   " is outside [8192, ", max_region_bytes_, "]"));
+  }
+  if (b.pid() <= 0 || b.fd() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output buffer pid ", b.pid(), " / fd ", b.fd(), " names no descriptor"));
+  }
+  // Only a client's output memfd is opened: checked by its link before
+  // (nothing else is opened at all) and after (the descriptor may have
+  // been swapped in between).
+  const std::string path = absl::StrCat("/proc/", b.pid(), "/fd/", b.fd());
+  auto refused = [&](const std::string& why) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("output buffer ", path, " ", why,
+                     " (a client in another PID namespace or on another host writes through "
+                     "its channel instead)"));
+  };
+  if (!IsOutputMemfd(path)) return refused("is not a client's output memfd");
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
+  struct stat st;
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (!IsOutputMemfd(absl::StrCat("/proc/self/fd/", fd)) || fstat(fd, &st) != 0 ||
+      !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < size || seals < 0 ||
+      (seals & F_SEAL_SHRINK) == 0) {
+    close(fd);
+    return refused(absl::StrCat("is not a client's output memfd of at least ", size,
+                                " bytes sealed against shrinking"));
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map output buffer ", path, ": ", std::strerror(errno)));
+  }
+  uint64_t nonce;
+  std::memcpy(&nonce, base, sizeof(nonce));
+  if (nonce != b.nonce()) {
+    munmap(base, size);
+    return refused("does not hold the client's nonce");
+  }
+  auto region = std::make_shared<const Region>(static_cast<char*>(base), size);
+  absl::MutexLock lock(&mu_);
+  auto ch = find();
+  if (!ch.ok()) return ch.status();
+  auto& outputs = (*ch)->outputs;
+  if (static_cast<int>(outputs.size()) >= kMaxOutputs) outputs.erase(outputs.begin());
+  outputs.push_back(Channel::Output{b, region});
+  return region;
+}
+
 int ShmChannels::open_channels() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(channels_.size());

@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -69,6 +70,18 @@ class ShmChannels {
   absl::StatusOr<std::shared_ptr<const Region>> Use(uint64_t id, const std::string& owner,
                                                     uint64_t seq);
 
+  // The client's output buffer `b` (WorkerLookupRequest.out_buffer) for
+  // channel `id`: mapped on first use and kept (up to kMaxOutputs per
+  // channel, the least recently used unmapped past that), its contents
+  // never read. FAILED_PRECONDITION when it cannot be opened through
+  // /proc/<pid>/fd/<fd> or is not the client's buffer (a memfd named
+  // "ember-output", sealed against shrinking, holding the nonce),
+  // INVALID_ARGUMENT for a size outside [8 KiB, max_region_bytes], and as
+  // Use for the channel.
+  static constexpr int kMaxOutputs = 8;
+  absl::StatusOr<std::shared_ptr<const Region>> MapOutput(uint64_t id, const std::string& owner,
+                                                          const ember::v1::OutputBuffer& b);
+
   int open_channels() const;
   absl::Duration idle_timeout() const { return idle_timeout_; }
 
@@ -78,6 +91,12 @@ class ShmChannels {
     std::string owner;
     absl::Time last_used;
     uint64_t last_seq = 0;  // of the latest transfer it served
+    // Mapped output buffers, least recently used first.
+    struct Output {
+      ember::v1::OutputBuffer buffer;
+      std::shared_ptr<const Region> region;
+    };
+    std::vector<Output> outputs;
   };
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -56,6 +56,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
               one(&Stats::calls_in_progress));
   m->AddGauge("ember_worker_shm_channels", "Shared-memory channels open (trainers on this host)",
               one(&Stats::shm_channels));
+  m->AddCounter("ember_worker_placed_lookups_total",
+                "Lookups whose outputs went straight into the trainer's output buffer (same host)",
+                one(&Stats::placed_lookups));
   m->AddCounter("ember_worker_backend_seconds_total",
                 "Time inside the embedding backend (the worker's compute, without transport)",
                 [service]() {

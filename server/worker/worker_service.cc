@@ -478,6 +478,34 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
   return grpc::Status::OK;
 }
 
+namespace {
+
+// The floats of output `index` ([size / cols, cols]) placed in `buffer` by
+// `p`: from its offset to the last row's end. INVALID_ARGUMENT unless every
+// row lies inside the buffer at a stride of at least cols.
+absl::StatusOr<absl::Span<float>> Placement(const ShmChannels::Region& buffer,
+                                            const ember::v1::OutputPlacement& p, int64_t size,
+                                            int64_t cols, int index) {
+  const std::string what = absl::StrCat("output ", index, "'s placement");
+  const uint64_t stride = p.row_stride();
+  if (cols <= 0 || stride < static_cast<uint64_t>(cols) || stride > buffer.size() / 4) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": row stride ", stride,
+                                                   " floats for rows of ", cols, " in a buffer of ",
+                                                   buffer.size(), " bytes"));
+  }
+  const uint64_t rows = static_cast<uint64_t>(size / cols);
+  // rows < 2^28 (they come from a request of at most 1 GiB) and stride <=
+  // 2^28 (a buffer of at most 1 GiB): no overflow.
+  ember::v1::ShmSlice extent;
+  extent.set_offset(p.offset());
+  extent.set_size(rows == 0 ? 0 : ((rows - 1) * stride + cols) * 4);
+  auto bytes = buffer.Bytes(extent, 4, what);
+  if (!bytes.ok()) return bytes.status();
+  return absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), bytes->size() / 4);
+}
+
+}  // namespace
+
 absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char* what) {
   const int64_t n = calls_in_progress_.fetch_add(1) + 1;
   DataCall call(&calls_in_progress_);
@@ -521,6 +549,25 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
              std::any_of(req->features().begin(), req->features().end(), InChannel)) {
     return ToGrpc(absl::InvalidArgumentError("shared-memory slices without a channel"));
   }
+  // The client's output buffer, when it names one this worker can map:
+  // placed outputs go straight into it. Otherwise they go to the channel's
+  // slices (the client copies them), as without one.
+  std::shared_ptr<const ShmChannels::Region> out_region;
+  if (req->has_out_buffer() || req->placements_size() > 0) {
+    if (region == nullptr) {
+      return ToGrpc(absl::InvalidArgumentError("an output buffer without a channel"));
+    }
+    if (req->placements_size() != req->features_size()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          req->features_size(), " feature(s) but ", req->placements_size(), " placement(s)")));
+    }
+    auto mapped = channels_.MapOutput(req->channel_id(), OwnerOf(ctx), req->out_buffer());
+    if (mapped.ok()) {
+      out_region = *std::move(mapped);
+    } else {
+      VLOG(1) << "lookup outputs through the channel: " << mapped.status();
+    }
+  }
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
   if (!c.ok()) return ToGrpc(c.status());
@@ -542,6 +589,14 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
                      options_.max_response_bytes, "; split the batch")));
   }
   std::vector<backend::LookupRequest> requests(n);
+  // Placed outputs a backend of packed outputs wrote into their slices:
+  // copied into the placement afterwards.
+  struct Move {
+    const float* from;
+    float* to;
+    int64_t rows, cols, stride;
+  };
+  std::vector<Move> moves;
   for (int i = 0; i < n; ++i) {
     requests[i].feature = decoded[i].request;
     const int64_t size = backend::OutputSize(decoded[i].request, cols[i]);
@@ -556,6 +611,16 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
           "output ", i, ": its slice holds ", bytes->size(), " bytes; the output is ", size * 4)));
     }
     requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), size);
+    if (out_region == nullptr || req->placements(i).row_stride() == 0) continue;
+    auto placed = Placement(*out_region, req->placements(i), size, cols[i], i);
+    if (!placed.ok()) return ToGrpc(placed.status());
+    if (backend_->WritesStridedOutputs()) {
+      requests[i].output = *placed;
+      requests[i].output_stride = static_cast<int64_t>(req->placements(i).row_stride());
+    } else {
+      moves.push_back(Move{requests[i].output.data(), placed->data(), size / cols[i], cols[i],
+                           static_cast<int64_t>(req->placements(i).row_stride())});
+    }
   }
   const absl::Time lookup_start = absl::Now();
   const absl::Status looked_up = backend_->Lookup(requests);
@@ -565,9 +630,16 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     resp->clear_outputs();
     return ToGrpc(s);
   }
+  for (const Move& m : moves) {
+    for (int64_t r = 0; r < m.rows; ++r) {
+      std::memcpy(m.to + r * m.stride, m.from + r * m.cols, m.cols * sizeof(float));
+    }
+  }
+  resp->set_placed(out_region != nullptr);
   int64_t ids = 0;
   for (const backend::LookupRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
   lookups_.fetch_add(1, std::memory_order_relaxed);
+  if (out_region != nullptr) placed_lookups_.fetch_add(1, std::memory_order_relaxed);
   lookup_ids_.fetch_add(ids, std::memory_order_relaxed);
   lookup_bytes_.fetch_add(total_bytes + ids * 8, std::memory_order_relaxed);
   lookup_handler_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - handler_start),
@@ -786,6 +858,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
   s.shm_channels = channels_.open_channels();
+  s.placed_lookups = placed_lookups_.load(std::memory_order_relaxed);
   s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
   s.backend_update_ns = backend_update_ns_.load(std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);
@@ -814,6 +887,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_updates(updates_.load(std::memory_order_relaxed));
   resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
   resp->set_shm_channels(channels_.open_channels());
+  resp->set_placed_lookups(placed_lookups_.load(std::memory_order_relaxed));
   resp->set_backend_lookup_ns(backend_lookup_ns_.load(std::memory_order_relaxed));
   resp->set_lookup_handler_ns(lookup_handler_ns_.load(std::memory_order_relaxed));
   for (const auto& [name, c] : collections_) {

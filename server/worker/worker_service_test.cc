@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <cmath>
 #include <memory>
@@ -598,6 +599,210 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   EXPECT_EQ(s->open_channels(), 0);
   EXPECT_EQ(s->CloseChannel(nullptr, &close, &closed).error_code(), grpc::StatusCode::NOT_FOUND);
   refused(req, grpc::StatusCode::UNAVAILABLE, "no shared-memory channel");
+}
+
+// A client output buffer as client/output_buffer.cc makes one: a memfd
+// named "ember-output" (or `name`), sealed against shrinking (unless not
+// `sealed`), its first 8 bytes the nonce. Every float starts at -1.
+struct TestOutputBuffer {
+  explicit TestOutputBuffer(size_t bytes, bool sealed = true, const char* name = "ember-output")
+      : size(bytes) {
+    fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    if (sealed) EXPECT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    base = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    std::fill_n(reinterpret_cast<float*>(base), bytes / 4, -1.0f);
+    nonce = 0x5eed0000u + static_cast<uint64_t>(fd);
+    std::memcpy(base, &nonce, sizeof(nonce));
+  }
+  ~TestOutputBuffer() {
+    munmap(base, size);
+    close(fd);
+  }
+  ember::v1::OutputBuffer Proto(uint64_t id) const {
+    ember::v1::OutputBuffer b;
+    b.set_id(id);
+    b.set_pid(getpid());
+    b.set_fd(fd);
+    b.set_size(size);
+    b.set_nonce(nonce);
+    return b;
+  }
+  const float* at(uint64_t byte) const { return reinterpret_cast<const float*>(base + byte); }
+  int fd;
+  size_t size;
+  char* base;
+  uint64_t nonce;
+};
+
+// Mappings of output memfds in this process.
+int OutputMappings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("memfd:ember-output") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// With the client's output buffer named, a lookup through a channel writes
+// its placed rows straight there (at the placement's offset and stride,
+// nothing between the rows touched, the channel's slice left alone); a
+// buffer the worker cannot trust (no seal, another memfd, other bytes than
+// the nonce, no such descriptor) is not mapped and the outputs go to the
+// slice as without one; a placement outside the buffer or narrower than a
+// row is refused. Mappings are bounded per channel and go with it.
+TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel) {
+  auto s = MakeService(false);
+  TestRegion region(1 << 16);
+  ember::v1::OpenChannelRequest open;
+  open.set_shm_name(region.name);
+  open.set_size(1 << 16);
+  ember::v1::OpenChannelResponse opened;
+  ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
+  const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
+  // Rows made non-zero first (the table starts at zero): SGD at rate 1.
+  ember::v1::WorkerApplyGradientsRequest up;
+  up.set_collection("c");
+  up.set_epoch(1);
+  up.set_request_id("nonzero");
+  auto* g = up.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1, 1, 1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 3}));
+  g->set_grad(wire::Encode<float>(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
+  ember::v1::WorkerApplyGradientsResponse ur;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());
+  ember::v1::WorkerLookupRequest inline_req = PooledLookup();
+  inline_req.mutable_features(0)->set_lengths(wire::Encode<int64_t>(lengths));
+  inline_req.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
+  ember::v1::WorkerLookupResponse inline_resp;
+  ASSERT_TRUE(s->Lookup(nullptr, &inline_req, &inline_resp).ok());
+  std::vector<float> want;
+  ASSERT_TRUE(wire::Decode(inline_resp.outputs(0), "out", &want).ok());
+  // Bag {0, 1}: -(1..4) - (5..8); bag {3}: -(9..12). By hand.
+  ASSERT_EQ(want, (std::vector<float>{-6, -8, -10, -12, -9, -10, -11, -12}));
+
+  uint64_t seq = 0;
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.set_channel_id(opened.channel_id());
+  region.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+  region.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
+  auto* slice = req.add_shm_outputs();
+  slice->set_offset(1024);
+  slice->set_size(8 * 4);
+  const int own = OutputMappings();
+  TestOutputBuffer buf(3 * 4096);
+  ASSERT_EQ(OutputMappings(), own + 1);
+  *req.mutable_out_buffer() = buf.Proto(1);
+  auto* p = req.add_placements();
+  p->set_offset(4096 + 8);  // rows 10 floats apart
+  p->set_row_stride(10);
+
+  // Placed: rows at 4104 and 4144, the 6 floats between and after untouched.
+  auto lookup = [&](const ember::v1::WorkerLookupRequest& r, ember::v1::WorkerLookupResponse* resp) {
+    std::fill_n(reinterpret_cast<float*>(region.base + 1024), 8, -1.0f);
+    ember::v1::WorkerLookupRequest sent = r;
+    sent.set_channel_seq(++seq);
+    return s->Lookup(nullptr, &sent, resp);
+  };
+  auto slice_holds = [&](const std::vector<float>& v) {
+    return std::vector<float>(reinterpret_cast<const float*>(region.base + 1024),
+                              reinterpret_cast<const float*>(region.base + 1024) + 8) == v;
+  };
+  const int64_t placed_before = s->GetStats().placed_lookups;
+  ember::v1::WorkerLookupResponse resp;
+  ASSERT_TRUE(lookup(req, &resp).ok());
+  EXPECT_TRUE(resp.placed());
+  EXPECT_EQ(std::vector<float>(buf.at(4104), buf.at(4104) + 4),
+            std::vector<float>(want.begin(), want.begin() + 4));
+  EXPECT_EQ(std::vector<float>(buf.at(4144), buf.at(4144) + 4),
+            std::vector<float>(want.begin() + 4, want.end()));
+  EXPECT_EQ(std::vector<float>(buf.at(4120), buf.at(4144)), std::vector<float>(6, -1.0f));
+  EXPECT_EQ(*buf.at(4160), -1.0f);
+  EXPECT_EQ(*buf.at(4100), -1.0f);
+  EXPECT_TRUE(slice_holds(std::vector<float>(8, -1.0f))) << "the slice was written too";
+  EXPECT_EQ(s->GetStats().placed_lookups, placed_before + 1);
+  EXPECT_EQ(OutputMappings(), own + 2);  // the worker's mapping
+  // Again: the mapping is reused, not made twice.
+  ASSERT_TRUE(lookup(req, &resp).ok());
+  EXPECT_TRUE(resp.placed());
+  EXPECT_EQ(OutputMappings(), own + 2);
+
+  // Buffers the worker does not map: served through the slice.
+  TestOutputBuffer unsealed(3 * 4096, /*sealed=*/false);
+  TestOutputBuffer other_name(3 * 4096, true, "not-ember");
+  std::vector<std::pair<std::string, ember::v1::OutputBuffer>> untrusted = {
+      {"unsealed", unsealed.Proto(2)}, {"another memfd", other_name.Proto(3)}};
+  untrusted.push_back({"wrong nonce", buf.Proto(4)});
+  untrusted.back().second.set_nonce(buf.nonce + 1);
+  untrusted.push_back({"no such descriptor", buf.Proto(5)});
+  untrusted.back().second.set_fd(999999);
+  untrusted.push_back({"larger than the file", buf.Proto(6)});
+  untrusted.back().second.set_size(buf.size * 2);
+  untrusted.push_back({"a pipe", buf.Proto(7)});
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  untrusted.back().second.set_fd(pipe_fds[0]);
+  for (const auto& [why, b] : untrusted) {
+    ember::v1::WorkerLookupRequest r = req;
+    *r.mutable_out_buffer() = b;
+    ASSERT_TRUE(lookup(r, &resp).ok()) << why;
+    EXPECT_FALSE(resp.placed()) << why;
+    EXPECT_TRUE(slice_holds(want)) << why;
+  }
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
+
+  // Malformed placements: refused.
+  auto refused = [&](const ember::v1::WorkerLookupRequest& r, const std::string& why) {
+    const grpc::Status st = lookup(r, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << why << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(why), std::string::npos) << st.error_message();
+  };
+  ember::v1::WorkerLookupRequest r = req;
+  r.mutable_placements(0)->set_row_stride(3);
+  refused(r, "row stride 3");
+  r = req;
+  r.mutable_placements(0)->set_row_stride(uint64_t{1} << 40);
+  refused(r, "row stride");
+  r = req;
+  r.mutable_placements(0)->set_offset(3 * 4096 - 40);  // the second row past the end
+  refused(r, "outside");
+  r = req;
+  r.mutable_placements(0)->set_offset(4098);
+  refused(r, "multiples of 4");
+  r = req;
+  r.add_placements();
+  refused(r, "2 placement(s)");
+  r = inline_req;
+  *r.mutable_out_buffer() = buf.Proto(1);
+  r.add_placements()->set_row_stride(4);
+  EXPECT_EQ(s->Lookup(nullptr, &r, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A placement of row stride 0 is not placed: that output goes to its slice.
+  r = req;
+  r.mutable_placements(0)->set_row_stride(0);
+  ASSERT_TRUE(lookup(r, &resp).ok());
+  EXPECT_TRUE(slice_holds(want));
+
+  // At most kMaxOutputs buffers mapped per channel; none once it closes.
+  std::vector<std::unique_ptr<TestOutputBuffer>> many;
+  for (int i = 0; i < ShmChannels::kMaxOutputs + 3; ++i) {
+    many.push_back(std::make_unique<TestOutputBuffer>(2 * 4096));
+    r = req;
+    *r.mutable_out_buffer() = many.back()->Proto(100 + i);
+    ASSERT_TRUE(lookup(r, &resp).ok());
+    EXPECT_TRUE(resp.placed());
+  }
+  const int mine = own + 2 + static_cast<int>(many.size());  // buf, unsealed, many
+  EXPECT_EQ(OutputMappings(), mine + ShmChannels::kMaxOutputs);
+  ember::v1::CloseChannelRequest close_req;
+  close_req.set_channel_id(opened.channel_id());
+  ember::v1::CloseChannelResponse closed;
+  ASSERT_TRUE(s->CloseChannel(nullptr, &close_req, &closed).ok());
+  EXPECT_EQ(OutputMappings(), mine) << "a closed channel's output buffers stayed mapped";
 }
 
 // An OpenChannelRequest for a POSIX name or (file) a shm_dir file.

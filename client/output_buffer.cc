@@ -1,0 +1,140 @@
+#include "client/output_buffer.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+namespace ember {
+namespace client {
+namespace {
+
+constexpr std::align_val_t kAlign{64};
+
+void* Ordinary(size_t bytes) { return ::operator new(bytes, kAlign); }
+
+}  // namespace
+
+OutputBuffers& OutputBuffers::Global() {
+  // Never destroyed: buffers may be freed during exit (Python arrays).
+  static OutputBuffers* const buffers = new OutputBuffers();
+  return *buffers;
+}
+
+void OutputBuffers::Destroy(const Buffer& b) {
+  munmap(const_cast<char*>(b.info.base), b.info.size);
+  close(b.info.fd);
+}
+
+void* OutputBuffers::Allocate(size_t bytes) {
+  if (bytes < shared_min_bytes()) return Ordinary(bytes);
+  const size_t data_bytes = (bytes + 4095) / 4096 * 4096;
+  {
+    absl::MutexLock lock(&mu_);
+    // A kept buffer that fits without wasting more than it holds.
+    for (size_t i = 0; i < kept_.size(); ++i) {
+      if (kept_[i].data_bytes >= bytes && kept_[i].data_bytes / 2 <= bytes) {
+        Buffer b = kept_[i];
+        kept_.erase(kept_.begin() + i);
+        char* data = const_cast<char*>(b.info.base) + kHeaderBytes;
+        live_[data] = b;
+        return data;
+      }
+    }
+    if (static_cast<int>(live_.size() + kept_.size()) >= kMaxShared) {
+      if (kept_.empty()) return Ordinary(bytes);
+      Destroy(kept_.front());
+      kept_.erase(kept_.begin());
+    }
+  }
+  // A new one (outside the lock: mapping is slow).
+  const int fd = memfd_create("ember-output", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Ordinary(bytes);
+  const size_t size = kHeaderBytes + data_bytes;
+  void* base = MAP_FAILED;
+  // Sealed at its size: a worker that maps it can trust it never shrinks
+  // under its writes (which would fault).
+  if (ftruncate(fd, static_cast<off_t>(size)) == 0 &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
+    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  if (base == MAP_FAILED) {
+    close(fd);
+    return Ordinary(bytes);
+  }
+  std::random_device rd;
+  Buffer b;
+  b.info.pid = getpid();
+  b.info.fd = fd;
+  b.info.size = size;
+  b.info.nonce = (static_cast<uint64_t>(rd()) << 32) | rd();
+  b.info.base = static_cast<const char*>(base);
+  b.data_bytes = data_bytes;
+  std::memcpy(base, &b.info.nonce, sizeof(b.info.nonce));
+  char* data = static_cast<char*>(base) + kHeaderBytes;
+  absl::MutexLock lock(&mu_);
+  b.info.id = next_id_++;
+  live_[data] = b;
+  return data;
+}
+
+void OutputBuffers::Free(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  if (bytes >= kFloorBytes) {  // maybe shared (whatever the threshold was then)
+    absl::MutexLock lock(&mu_);
+    auto it = live_.find(static_cast<const char*>(p));
+    if (it != live_.end()) {
+      Buffer b = it->second;
+      live_.erase(it);
+      if (b.poisoned) {
+        Destroy(b);
+        return;
+      }
+      if (static_cast<int>(kept_.size()) >= kMaxKept) {
+        Destroy(kept_.front());
+        kept_.erase(kept_.begin());
+      }
+      kept_.push_back(b);
+      return;
+    }
+  }
+  ::operator delete(p, kAlign);
+}
+
+std::optional<SharedBufferInfo> OutputBuffers::Find(const void* p, size_t bytes) const {
+  const char* c = static_cast<const char*>(p);
+  absl::MutexLock lock(&mu_);
+  auto it = live_.upper_bound(c);
+  if (it == live_.begin()) return std::nullopt;
+  --it;
+  const char* data = it->first;
+  if (c < data || bytes > it->second.data_bytes || c - data > static_cast<std::ptrdiff_t>(
+                                                                  it->second.data_bytes - bytes)) {
+    return std::nullopt;
+  }
+  return it->second.info;
+}
+
+void OutputBuffers::Poison(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  absl::MutexLock lock(&mu_);
+  auto it = live_.upper_bound(c);
+  if (it == live_.begin()) return;
+  --it;
+  if (c < it->first + it->second.data_bytes) it->second.poisoned = true;
+}
+
+int OutputBuffers::shared_buffers() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(live_.size() + kept_.size());
+}
+
+int OutputBuffers::kept_buffers() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(kept_.size());
+}
+
+}  // namespace client
+}  // namespace ember

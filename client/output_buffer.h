@@ -1,0 +1,138 @@
+// Where a KeyedTensor's values live: FloatBuffer, a std::vector<float> whose
+// allocator (OutputAllocator)
+//   - leaves new elements uninitialised (resize does not zero: every lookup
+//     writes every element of its output), and
+//   - takes large buffers (256 KiB and more) from shared
+//     memory this process can hand to a worker on its host, so that the
+//     worker pools its columns straight into the caller's KeyedTensor and
+//     the client copies nothing back (client.cc). Freed buffers are kept for
+//     the next lookup (a few), so a fresh output per call costs neither page
+//     faults nor clearing.
+//
+// A shared buffer is a memfd ("ember-output") the process keeps open; a
+// worker maps it through /proc/<pid>/fd/<fd> (same host and PID namespace;
+// elsewhere the worker says it cannot and the client copies as before). Its
+// first page is a header holding a random nonce the worker checks, so the
+// worker maps the client's buffer and nothing else. Nothing has a name:
+// nothing is left behind whoever dies.
+//
+// Thread-safe.
+#ifndef EMBER_CLIENT_OUTPUT_BUFFER_H_
+#define EMBER_CLIENT_OUTPUT_BUFFER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <atomic>
+#include <map>
+#include <new>
+#include <optional>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+
+namespace ember {
+namespace client {
+
+// What a worker needs to map a shared buffer (WorkerLookupRequest.out_buffer).
+struct SharedBufferInfo {
+  uint64_t id = 0;     // this process's number for the buffer
+  int64_t pid = 0;     // the process holding it ...
+  int fd = -1;         // ... open as this descriptor
+  uint64_t size = 0;   // bytes of the whole file, the header page included
+  uint64_t nonce = 0;  // the header's first 8 bytes
+  const char* base = nullptr;  // the file's first byte in this process
+};
+
+class OutputBuffers {
+ public:
+  // Buffers below shared_min_bytes() (default kSharedMinBytes) take
+  // ordinary memory. Tests lower it (not below kFloorBytes) so that small
+  // outputs take the shared path too.
+  static constexpr size_t kSharedMinBytes = 256 << 10;
+  static constexpr size_t kFloorBytes = 4096;
+  size_t shared_min_bytes() const { return shared_min_bytes_.load(std::memory_order_relaxed); }
+  void set_shared_min_bytes(size_t bytes) {
+    shared_min_bytes_.store(bytes < kFloorBytes ? kFloorBytes : bytes, std::memory_order_relaxed);
+  }
+  // At most this many shared buffers at once (each holds a descriptor);
+  // past it buffers take ordinary memory.
+  static constexpr int kMaxShared = 64;
+  // Freed shared buffers kept for reuse.
+  static constexpr int kMaxKept = 4;
+  // The header before a shared buffer's data.
+  static constexpr size_t kHeaderBytes = 4096;
+
+  static OutputBuffers& Global();
+
+  // Room for `bytes` (64-byte aligned at least); never null (throws
+  // std::bad_alloc as operator new does).
+  void* Allocate(size_t bytes);
+  void Free(void* p, size_t bytes);
+
+  // The shared buffer holding [p, p + bytes), if any.
+  std::optional<SharedBufferInfo> Find(const void* p, size_t bytes) const;
+  // The buffer at `p` may still be written by a worker whose call failed:
+  // once freed it is unmapped rather than kept for another lookup.
+  void Poison(const void* p);
+
+  // Counts, for tests.
+  int shared_buffers() const;  // live and kept
+  int kept_buffers() const;
+
+ private:
+  struct Buffer {
+    SharedBufferInfo info;
+    size_t data_bytes = 0;  // usable bytes after the header
+    bool poisoned = false;
+  };
+  static void Destroy(const Buffer& b);
+
+  std::atomic<size_t> shared_min_bytes_{kSharedMinBytes};
+  mutable absl::Mutex mu_;
+  std::map<const char*, Buffer> live_ ABSL_GUARDED_BY(mu_);  // by data pointer
+  std::vector<Buffer> kept_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+// A std::allocator that default-initialises (no zeroing) and takes large
+// arrays from OutputBuffers. Stateless: any two compare equal.
+template <typename T>
+class OutputAllocator {
+ public:
+  using value_type = T;
+  OutputAllocator() = default;
+  template <typename U>
+  OutputAllocator(const OutputAllocator<U>&) {}  // NOLINT(google-explicit-constructor)
+
+  T* allocate(size_t n) {
+    if (n > static_cast<size_t>(-1) / sizeof(T)) throw std::bad_alloc();
+    return static_cast<T*>(OutputBuffers::Global().Allocate(n * sizeof(T)));
+  }
+  void deallocate(T* p, size_t n) { OutputBuffers::Global().Free(p, n * sizeof(T)); }
+
+  // resize() default-initialises: a float is left as it was.
+  template <typename U>
+  void construct(U* p) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+
+  template <typename U>
+  bool operator==(const OutputAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const OutputAllocator<U>&) const {
+    return false;
+  }
+};
+
+using FloatBuffer = std::vector<float, OutputAllocator<float>>;
+
+}  // namespace client
+}  // namespace ember
+
+#endif  // EMBER_CLIENT_OUTPUT_BUFFER_H_

@@ -1,0 +1,114 @@
+#include "client/output_buffer.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace client {
+namespace {
+
+// Descriptors this process holds open on output memfds.
+int OutputFds() {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (target.find("memfd:ember-output") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+TEST(OutputBuffersTest, LargeBuffersAreSharedSealedAndNamedByANonce) {
+  OutputBuffers& ob = OutputBuffers::Global();
+  const int fds = OutputFds();
+  {
+    FloatBuffer v(1 << 20);  // 4 MiB
+    auto info = ob.Find(v.data(), v.size() * sizeof(float));
+    ASSERT_TRUE(info.has_value());
+    EXPECT_EQ(info->pid, getpid());
+    EXPECT_EQ(info->base + OutputBuffers::kHeaderBytes, reinterpret_cast<const char*>(v.data()));
+    EXPECT_GE(info->size, OutputBuffers::kHeaderBytes + v.size() * sizeof(float));
+    uint64_t nonce;
+    std::memcpy(&nonce, info->base, sizeof(nonce));
+    EXPECT_EQ(nonce, info->nonce);
+    // What a worker checks: a memfd sealed against shrinking, of that size.
+    EXPECT_NE(fcntl(info->fd, F_GET_SEALS) & F_SEAL_SHRINK, 0);
+    EXPECT_EQ(ftruncate(info->fd, 4096), -1) << "a sealed buffer shrank";
+    EXPECT_EQ(lseek(info->fd, 0, SEEK_END), static_cast<off_t>(info->size));
+    // A range inside is found; one reaching past the end, or outside, is not.
+    EXPECT_TRUE(ob.Find(v.data() + 100, 400).has_value());
+    EXPECT_FALSE(ob.Find(v.data() + v.size() - 1, 8).has_value());
+    EXPECT_FALSE(ob.Find(&nonce, sizeof(nonce)).has_value());
+    EXPECT_EQ(OutputFds(), fds + 1);
+  }
+  // Small ones take ordinary memory.
+  FloatBuffer small(100);
+  EXPECT_FALSE(ob.Find(small.data(), 4).has_value());
+}
+
+TEST(OutputBuffersTest, FreedBuffersAreReusedUnlessPoisoned) {
+  OutputBuffers& ob = OutputBuffers::Global();
+  const float* first;
+  uint64_t first_id;
+  {
+    FloatBuffer v(300000);
+    first = v.data();
+    first_id = ob.Find(first, 4)->id;
+  }
+  {
+    FloatBuffer v(290000);  // fits the freed one: taken again, not zeroed
+    EXPECT_EQ(v.data(), first);
+  }
+  {
+    FloatBuffer v(10 << 20);  // far larger: a new one
+    EXPECT_NE(v.data(), first);
+  }
+  {
+    FloatBuffer v(300000);
+    ASSERT_EQ(v.data(), first);
+    ob.Poison(v.data() + 5);
+  }
+  // Poisoned: unmapped when freed, never handed out again.
+  FloatBuffer again(300000);
+  EXPECT_TRUE(ob.Find(again.data(), 4).has_value());
+  for (int i = 0; i < 8; ++i) {
+    FloatBuffer v(300000);
+    auto info = ob.Find(v.data(), 4);
+    ASSERT_TRUE(info.has_value());
+    EXPECT_NE(info->id, first_id) << "a poisoned buffer came back";
+  }
+}
+
+TEST(OutputBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
+  OutputBuffers& ob = OutputBuffers::Global();
+  {
+    FloatBuffer v(300000, 7.0f);
+    v.resize(100000);
+    v.resize(300000);  // within capacity: the old values stay
+    EXPECT_EQ(v[200000], 7.0f);
+  }
+  {
+    std::vector<FloatBuffer> many;
+    for (int i = 0; i < 3 * OutputBuffers::kMaxKept; ++i) many.emplace_back(300000 + 4096 * i);
+  }
+  EXPECT_LE(ob.kept_buffers(), OutputBuffers::kMaxKept);
+  // Past kMaxShared live buffers, ordinary memory.
+  std::vector<FloatBuffer> live;
+  for (int i = 0; i < OutputBuffers::kMaxShared + 4; ++i) live.emplace_back(70000);
+  EXPECT_LE(ob.shared_buffers(), OutputBuffers::kMaxShared);
+  EXPECT_FALSE(ob.Find(live.back().data(), 4).has_value());
+  live.clear();
+  EXPECT_LE(OutputFds(), OutputBuffers::kMaxKept) << "freed buffers kept their descriptors";
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace ember
