@@ -292,21 +292,26 @@ int Run(const char* argv0) {
     }
   }
   // The workers' time in the backend against their time in the Lookup
-  // handler, over the timed calls (Worker.ShardStatus, before and after).
-  auto worker_times = [&](double* backend_ns, double* handler_ns) -> absl::Status {
-    *backend_ns = *handler_ns = 0;
+  // handler, and their lookups that wrote straight into the client's
+  // KeyedTensor, over the timed calls (Worker.ShardStatus, before and
+  // after).
+  struct WorkerCounts {
+    double backend_ns = 0, handler_ns = 0, lookups = 0, placed = 0;
+  };
+  auto worker_times = [&](WorkerCounts* w) -> absl::Status {
+    *w = WorkerCounts();
     for (const std::string& address : info->worker_addresses()) {
       auto st = (*c)->WorkerStatus(address);
       if (!st.ok()) return st.status();
-      *backend_ns += static_cast<double>(st->backend_lookup_ns());
-      *handler_ns += static_cast<double>(st->lookup_handler_ns());
+      w->backend_ns += static_cast<double>(st->backend_lookup_ns());
+      w->handler_ns += static_cast<double>(st->lookup_handler_ns());
+      w->lookups += static_cast<double>(st->lookups());
+      w->placed += static_cast<double>(st->placed_lookups());
     }
     return absl::OkStatus();
   };
-  double backend_before = 0, handler_before = 0;
-  if (absl::Status s = worker_times(&backend_before, &handler_before); !s.ok()) {
-    return Fail("worker status", s);
-  }
+  WorkerCounts before;
+  if (absl::Status s = worker_times(&before); !s.ok()) return Fail("worker status", s);
   std::vector<std::vector<double>> latencies(FLAGS_clients);
   std::atomic<int> errors{0};
   std::vector<std::thread> threads;
@@ -326,12 +331,14 @@ int Run(const char* argv0) {
   }
   for (auto& th : threads) th.join();
   const double service_s = absl::ToDoubleSeconds(absl::Now() - start);
-  double backend_after = 0, handler_after = 0;
-  if (absl::Status s = worker_times(&backend_after, &handler_after); !s.ok()) {
-    return Fail("worker status", s);
-  }
-  const double worker_share = handler_after > handler_before
-                                  ? (backend_after - backend_before) / (handler_after - handler_before)
+  WorkerCounts after;
+  if (absl::Status s = worker_times(&after); !s.ok()) return Fail("worker status", s);
+  const double worker_share = after.handler_ns > before.handler_ns
+                                  ? (after.backend_ns - before.backend_ns) /
+                                        (after.handler_ns - before.handler_ns)
+                                  : 0.0;
+  const double placed_share = after.lookups > before.lookups
+                                  ? (after.placed - before.placed) / (after.lookups - before.lookups)
                                   : 0.0;
   (void)(*c)->DropCollection(spec.name());
   if (errors > 0) {
@@ -372,19 +379,22 @@ int Run(const char* argv0) {
     std::cout << absl::StrFormat(
         "  workers: time in the backend / time in the Lookup handler: %.3f (target >= 0.95)\n",
         worker_share);
+    std::cout << absl::StrFormat(
+        "  workers: lookups written straight into the client's KeyedTensor: %.0f%%\n",
+        100 * placed_share);
   } else {
     std::cout << absl::StrFormat(
         "{\"lookups_per_s\": %.2f, \"ids_per_s\": %.4g, \"mb_per_s\": %.1f, \"p50_ms\": %.3f, "
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"kernel_lookups_per_s\": %.2f, "
         "\"kernel_kt_layout_lookups_per_s\": %.2f, "
-        "\"worker_backend_share\": %.4f, "
+        "\"worker_backend_share\": %.4f, \"placed_share\": %.3f, "
         "\"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
         "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\", "
         "\"kept_output\": %s}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
-        kt_per_s, worker_share, ratio,
+        kt_per_s, worker_share, placed_share, ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
         FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport,

@@ -534,8 +534,30 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
 namespace {
 
 // Prepares one job per KJT key. `sequence`: the call is for NONE tables.
+// Which ids PrepareJobs checks against their table's rows. Lookups leave
+// the ids of a table whose every shard holds all its rows to the workers,
+// which check each id anyway (NameRefusedIds names one they refuse); a
+// row-split table's ids are checked here, as routing would drop an id
+// outside every shard. Updates check every id here: a worker refusing one
+// would come after others applied their part.
+enum class IdCheck { kAll, kRowSplit };
+
+// The client's own message for the first id outside its table, if any.
+absl::Status NameRefusedIds(const std::vector<FeatureJob>& jobs) {
+  for (const FeatureJob& j : jobs) {
+    if (absl::Status s = CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids),
+                                         j.table->config->num_embeddings(), j.key,
+                                         j.table->config->name());
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection,
-                         const KjtView& kjt, bool sequence, std::vector<FeatureJob>* jobs) {
+                         const KjtView& kjt, bool sequence, std::vector<FeatureJob>* jobs,
+                         IdCheck check = IdCheck::kAll) {
   if (absl::Status s = kjt.Validate(); !s.ok()) return s;
   const int64_t batch = kjt.batch_size();
   const std::vector<int64_t> off = kjt.key_offsets();
@@ -570,11 +592,13 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
       }
       j.weights = kjt.weights.data() + off[k];
     }
-    if (absl::Status s = CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids),
-                                         j.table->config->num_embeddings(), j.key,
-                                         j.table->config->name());
-        !s.ok()) {
-      return s;
+    if (check == IdCheck::kAll || j.table->row_split) {
+      if (absl::Status s = CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids),
+                                           j.table->config->num_embeddings(), j.key,
+                                           j.table->config->name());
+          !s.ok()) {
+        return s;
+      }
     }
     jobs->push_back(std::move(j));
   }
@@ -861,7 +885,9 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
   const uint64_t pick = replica_counter_.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
-    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
+    if (absl::Status st =
+            PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs, IdCheck::kRowSplit);
+        !st.ok()) {
       return st;
     }
     kt.keys.clear();
@@ -884,6 +910,9 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
     // A worker may yet write into this buffer: let it go (a retry or the
     // next call takes a fresh one).
     if (poisoned) kt.values = FloatBuffer();
+    if (absl::IsInvalidArgument(st)) {
+      if (absl::Status named = NameRefusedIds(jobs); !named.ok()) return named;
+    }
     return st;
   });
   return s;
@@ -928,7 +957,9 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
   const uint64_t pick = replica_counter_.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
-    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
+    if (absl::Status st =
+            PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs, IdCheck::kRowSplit);
+        !st.ok()) {
       return st;
     }
     out.clear();
@@ -937,7 +968,11 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
       jobs[k].out = out[k].values.data();
       jobs[k].out_stride = jobs[k].dim;
     }
-    return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
+    absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
+    if (absl::IsInvalidArgument(st)) {
+      if (absl::Status named = NameRefusedIds(jobs); !named.ok()) return named;
+    }
+    return st;
   });
   if (!s.ok()) return s;
   return out;

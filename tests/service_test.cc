@@ -259,14 +259,18 @@ TEST_P(ServiceTest, LookupsIntoAKeptKeyedTensor) {
 
 // An id outside its table, at any position (the vectorised blocks and the
 // tail) and negative ones, is refused by the client and by the in-process
-// collection with the same message naming it; nothing is sent, and the
-// in-process collection's update changes nothing (its backend checks the
-// ids, the collection names them).
+// collection with the same message naming it. A lookup of a table whose
+// shards hold all its rows leaves the check to the workers (the client
+// names what they refuse); one of a row-wise table, and every update, is
+// refused before anything is sent. Updates change nothing, through the
+// service or in process (its backend checks the ids, the collection names
+// them).
 TEST_P(ServiceTest, OutOfRangeIdsAreRefusedAndNamed) {
   auto c = Connect();
   ASSERT_NE(c, nullptr);
   const CollectionSpec spec = TestSpec("range");
   ASSERT_TRUE(c->CreateCollection(spec, "table_wise").ok());
+  ASSERT_TRUE(c->CreateCollection(TestSpec("range_rw"), "row_wise").ok());
   auto ref = InProcessCollection::Create(spec);
   ASSERT_TRUE(ref.ok());
   for (int64_t bad : {int64_t{301}, int64_t{-1}, int64_t{1} << 40}) {
@@ -279,6 +283,9 @@ TEST_P(ServiceTest, OutOfRangeIdsAreRefusedAndNamed) {
       auto got = c->Lookup("range", kjt);
       EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
       EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr(want));
+      auto row_wise = c->Lookup("range_rw", kjt);
+      EXPECT_EQ(row_wise.status().code(), absl::StatusCode::kInvalidArgument) << row_wise.status();
+      EXPECT_THAT(std::string(row_wise.status().message()), ::testing::HasSubstr(want));
       auto local = (*ref)->Lookup(kjt);
       EXPECT_EQ(local.status().code(), absl::StatusCode::kInvalidArgument);
       EXPECT_THAT(std::string(local.status().message()), ::testing::HasSubstr(want));
@@ -294,9 +301,16 @@ TEST_P(ServiceTest, OutOfRangeIdsAreRefusedAndNamed) {
       EXPECT_EQ(update.code(), absl::StatusCode::kInvalidArgument);
       EXPECT_THAT(std::string(update.message()), ::testing::HasSubstr(want));
       EXPECT_EQ(*(*ref)->ExportTable("t_sum", &rows, &dim), *before);
+      if (pos != 0) continue;
+      const absl::Status service_update = c->ApplyGradients("range", kjt, grads);
+      EXPECT_EQ(service_update.code(), absl::StatusCode::kInvalidArgument) << service_update;
+      EXPECT_THAT(std::string(service_update.message()), ::testing::HasSubstr(want));
     }
   }
+  // The service's updates above changed nothing.
+  testing_util::ExpectTablesMatch(c.get(), ref->get(), "range", spec, "table_wise");
   ASSERT_TRUE(c->DropCollection("range").ok());
+  ASSERT_TRUE(c->DropCollection("range_rw").ok());
 }
 
 TEST_P(ServiceTest, EveryShardingTypeMatchesReference) {
