@@ -1,6 +1,7 @@
 #include "client/output_buffer.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -19,8 +20,31 @@ void* Ordinary(size_t bytes) { return ::operator new(bytes, kAlign); }
 
 OutputBuffers& OutputBuffers::Global() {
   // Never destroyed: buffers may be freed during exit (Python arrays).
-  static OutputBuffers* const buffers = new OutputBuffers();
+  static OutputBuffers* const buffers = [] {
+    auto* b = new OutputBuffers();
+    pthread_atfork(&PrepareFork, &ParentAfterFork, &ChildAfterFork);
+    return b;
+  }();
   return *buffers;
+}
+
+void OutputBuffers::PrepareFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Global().mu_.Lock(); }
+
+void OutputBuffers::ParentAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Global().mu_.Unlock(); }
+
+void OutputBuffers::ChildAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  OutputBuffers& g = Global();
+  for (const Buffer& b : g.kept_) Destroy(b);
+  g.kept_.clear();
+  for (auto& [data, b] : g.live_) {
+    // The same bytes, now copy-on-write: the parent's later writes and ours
+    // no longer meet. (Should the remap fail, the buffer stays shared but
+    // is still never reused or handed to a worker.)
+    (void)mmap(const_cast<char*>(b.info.base), b.info.size, PROT_READ | PROT_WRITE,
+               MAP_PRIVATE | MAP_FIXED, b.info.fd, 0);
+    b.inherited = true;
+  }
+  g.mu_.Unlock();
 }
 
 void OutputBuffers::Destroy(const Buffer& b) {
@@ -88,7 +112,7 @@ void OutputBuffers::Free(void* p, size_t bytes) {
     if (it != live_.end()) {
       Buffer b = it->second;
       live_.erase(it);
-      if (b.poisoned) {
+      if (b.poisoned || b.inherited) {
         Destroy(b);
         return;
       }
@@ -110,8 +134,8 @@ std::optional<SharedBufferInfo> OutputBuffers::Find(const void* p, size_t bytes)
   if (it == live_.begin()) return std::nullopt;
   --it;
   const char* data = it->first;
-  if (c < data || bytes > it->second.data_bytes || c - data > static_cast<std::ptrdiff_t>(
-                                                                  it->second.data_bytes - bytes)) {
+  if (it->second.inherited || c < data || bytes > it->second.data_bytes ||
+      c - data > static_cast<std::ptrdiff_t>(it->second.data_bytes - bytes)) {
     return std::nullopt;
   }
   return it->second.info;

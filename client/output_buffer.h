@@ -16,6 +16,11 @@
 // worker maps the client's buffer and nothing else. Nothing has a name:
 // nothing is left behind whoever dies.
 //
+// fork(): the child's copies of live buffers become private (copy on
+// write, as heap memory would be: neither process sees the other's
+// writes) and are never handed to a worker; the kept ones are dropped, so
+// the two processes never share a buffer.
+//
 // Thread-safe.
 #ifndef EMBER_CLIENT_OUTPUT_BUFFER_H_
 #define EMBER_CLIENT_OUTPUT_BUFFER_H_
@@ -84,8 +89,14 @@ class OutputBuffers {
     SharedBufferInfo info;
     size_t data_bytes = 0;  // usable bytes after the header
     bool poisoned = false;
+    bool inherited = false;  // a fork's child's private copy
   };
   static void Destroy(const Buffer& b);
+  // pthread_atfork: the parent holds mu_ across fork(); the child makes
+  // what it inherited its own (above).
+  static void PrepareFork();
+  static void ParentAfterFork();
+  static void ChildAfterFork();
 
   std::atomic<size_t> shared_min_bytes_{kSharedMinBytes};
   mutable absl::Mutex mu_;

@@ -2,8 +2,10 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -107,6 +109,39 @@ TEST(OutputBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
   EXPECT_FALSE(ob.Find(live.back().data(), 4).has_value());
   live.clear();
   EXPECT_LE(OutputFds(), OutputBuffers::kMaxKept) << "freed buffers kept their descriptors";
+}
+
+// After fork() the child's copy of a live buffer is its own (copy on
+// write: the parent does not see the child's writes), is never named to a
+// worker, and the child never takes a buffer the parent kept.
+TEST(OutputBuffersTest, AForkedChildSharesNoBufferWithItsParent) {
+  OutputBuffers& ob = OutputBuffers::Global();
+  FloatBuffer live(300000, 1.0f);
+  const float* kept_at;
+  {
+    FloatBuffer kept(300000);
+    kept_at = kept.data();
+  }
+  ASSERT_TRUE(ob.Find(live.data(), 4).has_value());
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int code = 0;
+    if (ob.Find(live.data(), 4).has_value()) code |= 1;  // would be named to a worker
+    live[0] = 42.0f;
+    FloatBuffer fresh(300000);  // not the parent's kept buffer (checked below)
+    std::fill(fresh.begin(), fresh.end(), 43.0f);
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status) & 1, 0) << "the child would hand an inherited buffer to a worker";
+  EXPECT_EQ(live[0], 1.0f) << "the child's write reached the parent";
+  FloatBuffer again(300000);
+  EXPECT_EQ(again.data(), kept_at);  // still the parent's to reuse
+  EXPECT_EQ(std::count(again.begin(), again.end(), 43.0f), 0)
+      << "the child wrote into the parent's kept buffer";
 }
 
 }  // namespace
