@@ -533,7 +533,6 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
 
 namespace {
 
-// Prepares one job per KJT key. `sequence`: the call is for NONE tables.
 // Which ids PrepareJobs checks against their table's rows. Lookups leave
 // the ids of a table whose every shard holds all its rows to the workers,
 // which check each id anyway (NameRefusedIds names one they refuse); a
@@ -555,6 +554,7 @@ absl::Status NameRefusedIds(const std::vector<FeatureJob>& jobs) {
   return absl::OkStatus();
 }
 
+// Prepares one job per KJT key. `sequence`: the call is for NONE tables.
 absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection,
                          const KjtView& kjt, bool sequence, std::vector<FeatureJob>* jobs,
                          IdCheck check = IdCheck::kAll) {

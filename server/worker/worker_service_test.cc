@@ -34,12 +34,22 @@ namespace {
 
 using ember::v1::TableConfig;
 
-std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so) {
+// The CPU backend as one that writes packed outputs only (the CUDA
+// backend's kind).
+class PackedOutputsBackend : public backend::ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  bool WritesStridedOutputs() const override { return false; }
+};
+
+std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so, bool packed_only = false) {
   backend::CpuBackendOptions o;
   o.memory_limit_bytes = 1 << 20;
   auto b = backend::CreateCpuBackend(o);
   EXPECT_TRUE(b.ok()) << b.status();
-  auto s = std::make_unique<WorkerService>(std::move(*b), so);
+  std::unique_ptr<backend::EmbeddingBackend> be = std::move(*b);
+  if (packed_only) be = std::make_unique<PackedOutputsBackend>(std::move(be));
+  auto s = std::make_unique<WorkerService>(std::move(be), so);
   ember::v1::CreateShardsRequest req;
   req.set_collection("c");
   req.set_epoch(1);
@@ -610,7 +620,9 @@ struct TestOutputBuffer {
     fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     EXPECT_GE(fd, 0);
     EXPECT_EQ(ftruncate(fd, bytes), 0);
-    if (sealed) EXPECT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    if (sealed) {
+      EXPECT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    }
     base = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
     std::fill_n(reinterpret_cast<float*>(base), bytes / 4, -1.0f);
     nonce = 0x5eed0000u + static_cast<uint64_t>(fd);
@@ -652,9 +664,11 @@ int OutputMappings() {
 // buffer the worker cannot trust (no seal, another memfd, other bytes than
 // the nonce, no such descriptor) is not mapped and the outputs go to the
 // slice as without one; a placement outside the buffer or narrower than a
-// row is refused. Mappings are bounded per channel and go with it.
-TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel) {
-  auto s = MakeService(false);
+// row is refused. Mappings are bounded per channel and go with it. A
+// backend of packed outputs only gets them placed too (the worker moves
+// the rows).
+void PlacedOutputs(bool packed_only) {
+  auto s = MakeService(WorkerServiceOptions(), packed_only);
   TestRegion region(1 << 16);
   ember::v1::OpenChannelRequest open;
   open.set_shm_name(region.name);
@@ -723,7 +737,9 @@ TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel)
   EXPECT_EQ(std::vector<float>(buf.at(4120), buf.at(4144)), std::vector<float>(6, -1.0f));
   EXPECT_EQ(*buf.at(4160), -1.0f);
   EXPECT_EQ(*buf.at(4100), -1.0f);
-  EXPECT_TRUE(slice_holds(std::vector<float>(8, -1.0f))) << "the slice was written too";
+  if (!packed_only) {  // (a packed backend pools into the slice first)
+    EXPECT_TRUE(slice_holds(std::vector<float>(8, -1.0f))) << "the slice was written too";
+  }
   EXPECT_EQ(s->GetStats().placed_lookups, placed_before + 1);
   EXPECT_EQ(OutputMappings(), own + 2);  // the worker's mapping
   // Again: the mapping is reused, not made twice.
@@ -803,6 +819,14 @@ TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel)
   ember::v1::CloseChannelResponse closed;
   ASSERT_TRUE(s->CloseChannel(nullptr, &close_req, &closed).ok());
   EXPECT_EQ(OutputMappings(), mine) << "a closed channel's output buffers stayed mapped";
+}
+
+TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel) {
+  PlacedOutputs(/*packed_only=*/false);
+}
+
+TEST(WorkerServiceTest, PackedOutputBackendsGetTheirOutputsPlacedToo) {
+  PlacedOutputs(/*packed_only=*/true);
 }
 
 // An OpenChannelRequest for a POSIX name or (file) a shm_dir file.
