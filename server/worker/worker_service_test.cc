@@ -437,6 +437,20 @@ ember::v1::WorkerLookupRequest PooledLookup(int64_t epoch = 1) {
   return req;
 }
 
+// Table "t"'s pooled rows for bags of `ids` (`lengths`), looked up inline.
+std::vector<float> InlineLookup(WorkerService* s, const std::vector<int64_t>& lengths,
+                                const std::vector<int64_t>& ids) {
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.mutable_features(0)->set_lengths(wire::Encode<int64_t>(lengths));
+  req.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
+  ember::v1::WorkerLookupResponse resp;
+  std::vector<float> out;
+  const grpc::Status st = s->Lookup(nullptr, &req, &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  if (st.ok()) EXPECT_TRUE(wire::Decode(resp.outputs(0), "out", &out).ok());
+  return out;
+}
+
 // ShardStatus reports the lookups' time in the backend and in the whole
 // handler: both grow with a lookup that succeeds, the handler's at least as
 // much; a refused lookup adds no handler time.
@@ -497,13 +511,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
 
   // Inline, then the same through the channel: bags {0, 1} and {3}.
   const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
-  ember::v1::WorkerLookupRequest inline_req = PooledLookup();
-  inline_req.mutable_features(0)->set_lengths(wire::Encode<int64_t>(lengths));
-  inline_req.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
-  ember::v1::WorkerLookupResponse inline_resp;
-  ASSERT_TRUE(s->Lookup(nullptr, &inline_req, &inline_resp).ok());
-  std::vector<float> want;
-  ASSERT_TRUE(wire::Decode(inline_resp.outputs(0), "out", &want).ok());
+  const std::vector<float> want = InlineLookup(s.get(), lengths, ids);
   ASSERT_EQ(want.size(), 8u);
 
   ember::v1::WorkerLookupRequest req = PooledLookup();
@@ -689,13 +697,7 @@ void PlacedOutputs(bool packed_only) {
   g->set_grad(wire::Encode<float>(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
   ember::v1::WorkerApplyGradientsResponse ur;
   ASSERT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());
-  ember::v1::WorkerLookupRequest inline_req = PooledLookup();
-  inline_req.mutable_features(0)->set_lengths(wire::Encode<int64_t>(lengths));
-  inline_req.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
-  ember::v1::WorkerLookupResponse inline_resp;
-  ASSERT_TRUE(s->Lookup(nullptr, &inline_req, &inline_resp).ok());
-  std::vector<float> want;
-  ASSERT_TRUE(wire::Decode(inline_resp.outputs(0), "out", &want).ok());
+  const std::vector<float> want = InlineLookup(s.get(), lengths, ids);
   // Bag {0, 1}: -(1..4) - (5..8); bag {3}: -(9..12). By hand.
   ASSERT_EQ(want, (std::vector<float>{-6, -8, -10, -12, -9, -10, -11, -12}));
 
@@ -793,10 +795,14 @@ void PlacedOutputs(bool packed_only) {
   r = req;
   r.add_placements();
   refused(r, "2 placement(s)");
-  r = inline_req;
+  r = PooledLookup();  // inline
+  r.mutable_features(0)->set_lengths(wire::Encode<int64_t>(lengths));
+  r.mutable_features(0)->set_ids(wire::Encode<int64_t>(ids));
   *r.mutable_out_buffer() = buf.Proto(1);
   r.add_placements()->set_row_stride(4);
-  EXPECT_EQ(s->Lookup(nullptr, &r, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status no_channel = s->Lookup(nullptr, &r, &resp);
+  EXPECT_EQ(no_channel.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(no_channel.error_message().find("without a channel"), std::string::npos);
   // A placement of row stride 0 is not placed: that output goes to its slice.
   r = req;
   r.mutable_placements(0)->set_row_stride(0);
