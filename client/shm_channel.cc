@@ -22,32 +22,67 @@ namespace client {
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
     ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
     const std::function<void(grpc::ClientContext*)>& prepare) {
+  if (!shm_dir.empty()) return OpenAs(Handover::kFile, stub, bytes, shm_dir, prepare);
+  // A sealed memfd first; a worker that cannot open it (another PID
+  // namespace sharing /dev/shm, an older worker) gets a name.
+  auto ch = OpenAs(Handover::kMemfd, stub, bytes, shm_dir, prepare);
+  if (ch.ok() || absl::IsUnavailable(ch.status()) || absl::IsDeadlineExceeded(ch.status()) ||
+      absl::IsResourceExhausted(ch.status()) || absl::IsUnauthenticated(ch.status()) ||
+      absl::IsPermissionDenied(ch.status())) {
+    return ch;
+  }
+  return OpenAs(Handover::kName, stub, bytes, shm_dir, prepare);
+}
+
+absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
+    Handover handover, ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
+    const std::function<void(grpc::ClientContext*)>& prepare) {
   static std::atomic<uint64_t> counter{0};
   const uint64_t size = (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
   std::random_device rd;
   const std::string base_name =
       absl::StrCat("ember-", getpid(), "-", counter.fetch_add(1), "-", rd());
-  // A POSIX shared-memory name, or a file in the shared directory.
+  // A memfd (nothing named), a POSIX shared-memory name, or a file in the
+  // shared directory.
   const std::string name =
-      shm_dir.empty() ? "/" + base_name : absl::StrCat(shm_dir, "/", base_name);
-  const int fd = shm_dir.empty() ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
-                                 : open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat(shm_dir.empty() ? "shm_open " : "open ", name, ": ",
-                                               std::strerror(errno)));
+      handover == Handover::kFile ? absl::StrCat(shm_dir, "/", base_name) : "/" + base_name;
+  int fd = -1;
+  switch (handover) {
+    case Handover::kMemfd:
+      fd = memfd_create("ember-channel", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+      break;
+    case Handover::kName:
+      fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      break;
+    case Handover::kFile:
+      fd = open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0660);
+      break;
   }
-  auto unlink_name = [&] { shm_dir.empty() ? shm_unlink(name.c_str()) : unlink(name.c_str()); };
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat(
+        handover == Handover::kMemfd ? "memfd_create" : handover == Handover::kName ? "shm_open "
+                                                                                     : "open ",
+        handover == Handover::kMemfd ? "" : name, ": ", std::strerror(errno)));
+  }
+  auto unlink_name = [&] {
+    if (handover == Handover::kName) shm_unlink(name.c_str());
+    if (handover == Handover::kFile) unlink(name.c_str());
+  };
   // A worker of this user or group maps it read-write, whatever the umask.
-  if (!shm_dir.empty()) (void)fchmod(fd, 0660);
+  if (handover == Handover::kFile) (void)fchmod(fd, 0660);
   std::unique_ptr<ShmChannel> ch(new ShmChannel());
   ch->stub_ = stub;
   ch->prepare_ = prepare;
   void* base = MAP_FAILED;
-  if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
+  // A memfd is sealed at its size: it can never shrink under the worker's
+  // mapping (which would fault there).
+  if (ftruncate(fd, static_cast<off_t>(size)) == 0 &&
+      (handover != Handover::kMemfd ||
+       fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0)) {
     base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
-  close(fd);
   if (base == MAP_FAILED) {
+    close(fd);
     unlink_name();
     return absl::ResourceExhaustedError(absl::StrCat("shared memory of ", size, " bytes: ",
                                                      std::strerror(errno)));
@@ -61,15 +96,23 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
   grpc::ClientContext ctx;
   prepare(&ctx);
   ember::v1::OpenChannelRequest req;
-  if (shm_dir.empty()) {
-    req.set_shm_name(name);
-  } else {
-    req.set_shm_file(base_name);
+  switch (handover) {
+    case Handover::kMemfd:  // held open until the worker has opened it
+      req.set_pid(getpid());
+      req.set_memfd(fd);
+      break;
+    case Handover::kName:
+      req.set_shm_name(name);
+      break;
+    case Handover::kFile:
+      req.set_shm_file(base_name);
+      break;
   }
   req.set_size(size);
   req.set_nonce(nonce);
   ember::v1::OpenChannelResponse resp;
   const grpc::Status s = stub->OpenChannel(&ctx, req, &resp);
+  close(fd);
   unlink_name();  // mapped on both sides (or refused): the name is done with
   if (!s.ok()) return FromGrpc(s, "OpenChannel");  // the destructor unmaps
   ch->id_ = resp.channel_id();

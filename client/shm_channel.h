@@ -1,9 +1,11 @@
 // The client's end of a shared-memory channel to one worker (OpenChannel in
-// proto/service.proto): a POSIX shared-memory region (or a file in a
-// directory shared with the worker) this process creates, the worker maps,
-// and the name of which is unlinked as soon as the worker has answered (so
-// nothing is left in /dev/shm whoever dies). Calls lay their arrays out in
-// it; one call at a time per channel (ChannelPool).
+// proto/service.proto): a region this process creates and the worker maps.
+// On the worker's host it is a memfd sealed against shrinking, which the
+// worker opens through /proc (nothing named at all); where the worker
+// cannot (another PID namespace), a POSIX shared-memory name, and with a
+// shared directory a file in it, either unlinked as soon as the worker has
+// answered (so nothing is left in /dev/shm whoever dies). Calls lay their
+// arrays out in it; one call at a time per channel (ChannelPool).
 #ifndef EMBER_CLIENT_SHM_CHANNEL_H_
 #define EMBER_CLIENT_SHM_CHANNEL_H_
 
@@ -44,6 +46,11 @@ class ShmChannel {
 
  private:
   ShmChannel() = default;
+  // How the region is handed to the worker.
+  enum class Handover { kMemfd, kName, kFile };
+  static absl::StatusOr<std::unique_ptr<ShmChannel>> OpenAs(
+      Handover handover, ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
+      const std::function<void(grpc::ClientContext*)>& prepare);
   ember::v1::Worker::Stub* stub_ = nullptr;
   std::function<void(grpc::ClientContext*)> prepare_;
   uint64_t id_ = 0;

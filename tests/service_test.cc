@@ -62,11 +62,10 @@ void RunAgainstReference(Client* c, const std::string& type, int seed) {
   ASSERT_TRUE(c->DropCollection(name).ok());
 }
 
-// Shared-memory regions process `pid` holds: mappings and open descriptors
-// of files under /dev/shm named ember-* (names are unlinked early, so they
-// read "/dev/shm/ember-... (deleted)").
-// Regions under `where` ("/dev/shm/ember-", or a shared directory's
-// "DIR/ember-") mapped or held open by process `pid`.
+// Shared-memory regions (names are unlinked early, so they read
+// "/dev/shm/ember-... (deleted)"; memfds read "/memfd:ember-channel
+// (deleted)") under `where` ("memfd:ember-channel", "/dev/shm/ember-", or a
+// shared directory's "DIR/ember-") mapped or held open by process `pid`.
 int ShmHeld(int pid, const std::string& where) {
   const std::string proc = absl::StrCat("/proc/", pid);
   int held = 0;
@@ -117,9 +116,10 @@ class ServiceTest : public ::testing::TestWithParam<Mode> {
     return c.ok() ? std::move(*c) : nullptr;
   }
   static bool Channels() { return GetParam() != Mode::kInline; }
-  // Where this mode's regions live.
+  // Where this mode's regions live: files in the shared directory, or
+  // memfds on this host (nothing named).
   static std::string RegionPrefix() {
-    return GetParam() == Mode::kSharedDirectory ? *shm_dir_ + "/ember-" : "/dev/shm/ember-";
+    return GetParam() == Mode::kSharedDirectory ? *shm_dir_ + "/ember-" : "memfd:ember-channel";
   }
   static testing_util::LocalCluster* cluster_;
   static std::string* shm_dir_;
@@ -193,8 +193,9 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   // Mapped here and in the workers while open, where this mode puts them;
   // no descriptor kept anywhere.
   EXPECT_EQ(ShmHeld(getpid(), RegionPrefix()) > 0, Channels());
+  EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 0) << "a named POSIX region";
   if (GetParam() == Mode::kSharedDirectory) {
-    EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 0) << "a POSIX region despite shm_dir";
+    EXPECT_EQ(ShmHeld(getpid(), "memfd:ember-channel"), 0) << "a memfd despite shm_dir";
   }
   ASSERT_TRUE(c->DropCollection("transport").ok());
   c.reset();  // its channels closed
@@ -574,8 +575,8 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   kjt.values = {1, 150, 300};  // one id per worker's row block
   auto first = (*c)->Lookup("kill", kjt);
   ASSERT_TRUE(first.ok()) << first.status();
-  // Shared memory (the default) to every worker: a region each.
-  EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 3);
+  // Shared memory (the default) to every worker: a region each, memfds.
+  EXPECT_EQ(ShmHeld(getpid(), "memfd:ember-channel"), 3);
   // A column-wise collection looked up into a kept KeyedTensor in shared
   // memory: every worker writes its columns into it.
   ASSERT_TRUE((*c)->CreateCollection(TestSpec("kept"), "column_wise").ok());
@@ -598,10 +599,10 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   // A failed update applies nothing and leaves nothing behind either.
   EXPECT_EQ((*c)->ApplyGradients("kill", kjt, *first).code(), absl::StatusCode::kUnavailable);
   c->reset();
-  EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 0)
+  EXPECT_EQ(ShmHeld(getpid(), "memfd:ember-channel"), 0)
       << "regions of a dead worker's channels stayed mapped";
   for (int pid : {cluster.worker_pids()[0], cluster.worker_pids()[2]}) {
-    EXPECT_EQ(ShmHeld(pid, "/dev/shm/ember-"), 0)
+    EXPECT_EQ(ShmHeld(pid, "memfd:ember-channel"), 0)
         << "worker " << pid << " kept a closed channel's region";
   }
 }

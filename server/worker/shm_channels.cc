@@ -33,6 +33,55 @@ absl::StatusOr<absl::Span<char>> ShmChannels::Region::Bytes(const ember::v1::Shm
   return absl::Span<char>(base_ + slice.offset(), slice.size());
 }
 
+namespace {
+
+// Whether descriptor link `path` (a /proc/.../fd/N) names a memfd called
+// `name` ("/memfd:ember-output (deleted)").
+bool IsMemfd(const std::string& path, const std::string& name) {
+  char target[128];
+  const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+  if (n <= 0) return false;
+  return absl::StartsWith(absl::string_view(target, n), absl::StrCat("/memfd:", name));
+}
+
+// Opens descriptor `fd` of process `pid`, a client's memfd called `name` of
+// at least `size` bytes sealed against shrinking (so it cannot shrink under
+// a mapping: no SIGBUS), read-write. Only such a memfd is opened: its link
+// is checked before (nothing else is opened at all) and after (the
+// descriptor may have been swapped in between). FAILED_PRECONDITION
+// otherwise, naming `what`.
+absl::StatusOr<int> OpenClientMemfd(int64_t pid, int fd, const std::string& name, uint64_t size,
+                                    const std::string& what) {
+  const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
+  auto refused = [&](const std::string& why) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " ", path, " ", why,
+                     " (a client in another PID namespace or on another host cannot hand "
+                     "over memory this way)"));
+  };
+  if (pid <= 0 || fd < 0) return refused("names no descriptor");
+  if (!IsMemfd(path, name)) return refused(absl::StrCat("is not a memfd named ", name));
+  const int opened = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (opened < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
+  struct stat st;
+  const int seals = fcntl(opened, F_GET_SEALS);
+  if (!IsMemfd(absl::StrCat("/proc/self/fd/", opened), name) || fstat(opened, &st) != 0 ||
+      !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < size || seals < 0 ||
+      (seals & F_SEAL_SHRINK) == 0) {
+    close(opened);
+    return refused(absl::StrCat("is not a memfd ", name, " of at least ", size,
+                                " bytes sealed against shrinking"));
+  }
+  return opened;
+}
+
+bool SameBuffer(const ember::v1::OutputBuffer& a, const ember::v1::OutputBuffer& b) {
+  return a.id() == b.id() && a.pid() == b.pid() && a.fd() == b.fd() && a.size() == b.size() &&
+         a.nonce() == b.nonce();
+}
+
+}  // namespace
+
 ShmChannels::ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels,
                          std::string shm_dir)
     : idle_timeout_(idle_timeout),
@@ -44,15 +93,17 @@ ShmChannels::ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes,
 absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& req,
                                            const std::string& owner) {
   const bool file = !req.shm_file().empty();
-  if (file == !req.shm_name().empty()) {
-    return absl::InvalidArgumentError("name the region by exactly one of shm_name and shm_file");
+  const bool memfd = req.pid() != 0;
+  if (file + !req.shm_name().empty() + memfd != 1) {
+    return absl::InvalidArgumentError(
+        "name the region by exactly one of shm_name, shm_file and pid/memfd");
   }
   // A file is "ember-..." inside shm_dir; a POSIX name "/ember-...". Either
   // way no other '/' (nothing outside the place meant).
   const std::string& name = file ? req.shm_file() : req.shm_name();
   const std::string prefix = file ? "ember-" : "/ember-";
-  if (!absl::StartsWith(name, prefix) || name.size() > 200 ||
-      name.find('/', prefix.size()) != std::string::npos) {
+  if (!memfd && (!absl::StartsWith(name, prefix) || name.size() > 200 ||
+                 name.find('/', prefix.size()) != std::string::npos)) {
     return absl::InvalidArgumentError(
         absl::StrCat(file ? "shared-memory file '" : "shared-memory name '", name.substr(0, 64),
                      "' must be \"", prefix, "...\" (no other '/')"));
@@ -74,9 +125,18 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
           max_channels_, " shared-memory channels are open on this worker; close some"));
     }
   }
-  const std::string shown = file ? absl::StrCat(shm_dir_, "/", name) : name;
-  const int fd = file ? open(shown.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC)
-                      : shm_open(name.c_str(), O_RDWR, 0);
+  const std::string shown = memfd  ? absl::StrCat("/proc/", req.pid(), "/fd/", req.memfd())
+                            : file ? absl::StrCat(shm_dir_, "/", name)
+                                   : name;
+  int fd;
+  if (memfd) {
+    auto opened = OpenClientMemfd(req.pid(), req.memfd(), "ember-channel", size, "channel");
+    if (!opened.ok()) return opened.status();
+    fd = *opened;
+  } else {
+    fd = file ? open(shown.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC)
+              : shm_open(name.c_str(), O_RDWR, 0);
+  }
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat("cannot open shared memory '", shown, "': ",
                                             std::strerror(errno),
@@ -147,23 +207,6 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
   return it->second.region;
 }
 
-namespace {
-
-// Whether descriptor-link `path` (a /proc/.../fd/N) names a memfd the
-// client made for outputs: "/memfd:ember-output (deleted)".
-bool IsOutputMemfd(const std::string& path) {
-  char target[128];
-  const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
-  if (n <= 0) return false;
-  return absl::StartsWith(absl::string_view(target, n), "/memfd:ember-output");
-}
-
-bool SameBuffer(const ember::v1::OutputBuffer& a, const ember::v1::OutputBuffer& b) {
-  return a.id() == b.id() && a.pid() == b.pid() && a.fd() == b.fd() && a.size() == b.size() &&
-         a.nonce() == b.nonce();
-}
-
-}  // namespace
 
 absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutput(
     uint64_t id, const std::string& owner, const ember::v1::OutputBuffer& b) {
@@ -196,32 +239,10 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutpu
     return absl::InvalidArgumentError(absl::StrCat("output buffer size ", size,
                                                    " is outside [8192, ", max_region_bytes_, "]"));
   }
-  if (b.pid() <= 0 || b.fd() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("output buffer pid ", b.pid(), " / fd ", b.fd(), " names no descriptor"));
-  }
-  // Only a client's output memfd is opened: checked by its link before
-  // (nothing else is opened at all) and after (the descriptor may have
-  // been swapped in between).
   const std::string path = absl::StrCat("/proc/", b.pid(), "/fd/", b.fd());
-  auto refused = [&](const std::string& why) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("output buffer ", path, " ", why,
-                     " (a client in another PID namespace or on another host writes through "
-                     "its channel instead)"));
-  };
-  if (!IsOutputMemfd(path)) return refused("is not a client's output memfd");
-  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
-  struct stat st;
-  const int seals = fcntl(fd, F_GET_SEALS);
-  if (!IsOutputMemfd(absl::StrCat("/proc/self/fd/", fd)) || fstat(fd, &st) != 0 ||
-      !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < size || seals < 0 ||
-      (seals & F_SEAL_SHRINK) == 0) {
-    close(fd);
-    return refused(absl::StrCat("is not a client's output memfd of at least ", size,
-                                " bytes sealed against shrinking"));
-  }
+  auto opened = OpenClientMemfd(b.pid(), b.fd(), "ember-output", size, "output buffer");
+  if (!opened.ok()) return opened.status();
+  const int fd = *opened;
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (base == MAP_FAILED) {
@@ -232,7 +253,8 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutpu
   std::memcpy(&nonce, base, sizeof(nonce));
   if (nonce != b.nonce()) {
     munmap(base, size);
-    return refused("does not hold the client's nonce");
+    return absl::FailedPreconditionError(
+        absl::StrCat("output buffer ", path, " does not hold the client's nonce"));
   }
   auto region = std::make_shared<const Region>(static_cast<char*>(base), size);
   absl::MutexLock lock(&mu_);

@@ -52,13 +52,15 @@ class ShmChannels {
   ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels,
               std::string shm_dir = "");
 
-  // Maps the region of `req` (OpenChannelRequest): the POSIX shared-memory
-  // name "/ember-...", or the regular file "ember-..." in shm_dir, of at
-  // least req.size() bytes, whose first 8 bytes must be req.nonce().
-  // INVALID_ARGUMENT for a bad name or size, FAILED_PRECONDITION for a file
-  // without a shm_dir or other bytes than the nonce (not the client's
-  // region), NOT_FOUND when it cannot be opened, RESOURCE_EXHAUSTED past
-  // max_channels.
+  // Maps the region of `req` (OpenChannelRequest): the client's memfd
+  // "ember-channel" sealed against shrinking (opened through
+  // /proc/<pid>/fd/<memfd>), the POSIX shared-memory name "/ember-...", or
+  // the regular file "ember-..." in shm_dir, of at least req.size() bytes,
+  // whose first 8 bytes must be req.nonce(). INVALID_ARGUMENT for a bad
+  // name or size, FAILED_PRECONDITION for a file without a shm_dir, a
+  // descriptor that is not such a memfd, or other bytes than the nonce (not
+  // the client's region), NOT_FOUND when a name cannot be opened,
+  // RESOURCE_EXHAUSTED past max_channels.
   absl::StatusOr<uint64_t> Open(const ember::v1::OpenChannelRequest& req, const std::string& owner);
   // NOT_FOUND for an unknown channel, PERMISSION_DENIED for another owner's.
   absl::Status Close(uint64_t id, const std::string& owner);

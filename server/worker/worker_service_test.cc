@@ -835,6 +835,72 @@ TEST(WorkerServiceTest, PackedOutputBackendsGetTheirOutputsPlacedToo) {
   PlacedOutputs(/*packed_only=*/true);
 }
 
+// A channel's region handed over as a memfd (the client's first choice on
+// the worker's host) is opened through /proc only when it is a memfd named
+// "ember-channel", sealed against shrinking (no SIGBUS, whatever the client
+// does later), holding the nonce; it then serves like a named one.
+TEST(WorkerServiceTest, ChannelsOverAMemfdMustBeSealedAndTheClients) {
+  auto s = MakeService(false);
+  auto open_of = [](const TestOutputBuffer& m) {
+    ember::v1::OpenChannelRequest req;
+    req.set_pid(getpid());
+    req.set_memfd(m.fd);
+    req.set_size(m.size);
+    req.set_nonce(m.nonce);
+    return req;
+  };
+  auto refused = [&](const ember::v1::OpenChannelRequest& req, grpc::StatusCode code,
+                     const std::string& why) {
+    ember::v1::OpenChannelResponse resp;
+    const grpc::Status st = s->OpenChannel(nullptr, &req, &resp);
+    EXPECT_EQ(st.error_code(), code) << why << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(why), std::string::npos) << st.error_message();
+  };
+  TestOutputBuffer good(1 << 16, true, "ember-channel");
+  TestOutputBuffer unsealed(1 << 16, false, "ember-channel");
+  TestOutputBuffer other(1 << 16, true, "ember-output");
+  refused(open_of(unsealed), grpc::StatusCode::FAILED_PRECONDITION, "sealed against shrinking");
+  refused(open_of(other), grpc::StatusCode::FAILED_PRECONDITION, "not a memfd named ember-channel");
+  ember::v1::OpenChannelRequest r = open_of(good);
+  r.set_nonce(good.nonce + 1);
+  refused(r, grpc::StatusCode::FAILED_PRECONDITION, "nonce");
+  r = open_of(good);
+  r.set_memfd(999999);
+  refused(r, grpc::StatusCode::FAILED_PRECONDITION, "not a memfd");
+  r = open_of(good);
+  r.set_size(good.size * 2);
+  refused(r, grpc::StatusCode::FAILED_PRECONDITION, "at least");
+  r = open_of(good);
+  r.set_shm_name("/ember-x");
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "exactly one");
+  EXPECT_EQ(s->open_channels(), 0);
+
+  ember::v1::OpenChannelResponse opened;
+  const ember::v1::OpenChannelRequest open = open_of(good);
+  ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
+  EXPECT_EQ(s->open_channels(), 1);
+  // A lookup through it, as through a named region.
+  const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.set_channel_id(opened.channel_id());
+  req.set_channel_seq(1);
+  auto put = [&](const std::vector<int64_t>& v, uint64_t at, ember::v1::ShmSlice* slice) {
+    std::memcpy(good.base + at, v.data(), v.size() * 8);
+    slice->set_offset(at);
+    slice->set_size(v.size() * 8);
+  };
+  put(lengths, 64, req.mutable_features(0)->mutable_shm_lengths());
+  put(ids, 128, req.mutable_features(0)->mutable_shm_ids());
+  auto* out = req.add_shm_outputs();
+  out->set_offset(1024);
+  out->set_size(8 * 4);
+  std::fill_n(reinterpret_cast<float*>(good.base + 1024), 8, -1.0f);
+  ember::v1::WorkerLookupResponse resp;
+  ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
+  EXPECT_EQ(std::vector<float>(good.at(1024), good.at(1024) + 8),
+            InlineLookup(s.get(), lengths, ids));
+}
+
 // An OpenChannelRequest for a POSIX name or (file) a shm_dir file.
 ember::v1::OpenChannelRequest OpenOf(const std::string& name, uint64_t size, bool file = false,
                                       uint64_t nonce = 0) {
