@@ -608,6 +608,40 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
   return absl::OkStatus();
 }
 
+// After calls of which some failed: a channel whose call ended without the
+// worker's answer (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN,
+// INTERNAL: the connection, not the request; PERMISSION_DENIED) is not
+// trusted again. Returns
+// whether any call ended so: its worker may still be running it. A
+// refusal (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, ...) came
+// from the worker's handler, done with the call, and leaves the channel
+// as it was.
+template <typename F>
+bool EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
+  bool unconfirmed = false;
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    if (!fan[rank].started) continue;
+    switch (fan[rank].status.error_code()) {
+      case grpc::StatusCode::OK:
+        break;
+      case grpc::StatusCode::UNAVAILABLE:
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+      case grpc::StatusCode::CANCELLED:
+      case grpc::StatusCode::UNKNOWN:
+      case grpc::StatusCode::INTERNAL:
+        (*transports)[rank]->Failed();
+        unconfirmed = true;
+        break;
+      case grpc::StatusCode::PERMISSION_DENIED:  // perhaps the channel's owner
+        (*transports)[rank]->Failed();
+        break;
+      default:
+        break;
+    }
+  }
+  return unconfirmed;
+}
+
 // Asks the worker of `request` (through a channel) to write the sinks whose
 // job's output lies in a shared buffer straight there: the request's
 // out_buffer and one placement per feature (row stride 0: not placed).
@@ -736,6 +770,17 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // Rank by rank (rank 0's output merges while later ranks may still run),
   // each sink's rows land in its job's output: copied where the shard is the
   // only one for its columns, added (partial sums) where rows are split.
+  // Any failure waits for every call first, then lets go of what a call
+  // may have left unsafe (EndCalls).
+  auto failed = [&](absl::Status s) {
+    (void)fan.WaitAll();
+    if (EndCalls(fan, &transports) && placed_in.has_value()) {
+      // A worker whose call ended unconfirmed may still write into it.
+      OutputBuffers::Global().Poison(placed_in->base + OutputBuffers::kHeaderBytes);
+      if (poisoned != nullptr) *poisoned = true;
+    }
+    return s;
+  };
   std::vector<float> scratch;
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
@@ -746,14 +791,15 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       if (absl::Status st =
               transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
           !st.ok()) {
-        return absl::InternalError(absl::StrCat("worker ", rank, ": ", st.message()));
+        return failed(absl::InternalError(absl::StrCat("worker ", rank, ": ", st.message())));
       }
       FeatureJob& j = *s.job;
       const int64_t rows = static_cast<int64_t>(buf.size()) / std::max<int64_t>(1, s.cols);
       if (rows * s.cols != static_cast<int64_t>(buf.size()) || (!j.sequence && rows != j.batch) ||
           (j.sequence && !s.positions.empty() &&
            rows != static_cast<int64_t>(s.positions.size()))) {
-        return absl::InternalError(absl::StrCat("worker ", rank, " returned a malformed output"));
+        return failed(
+            absl::InternalError(absl::StrCat("worker ", rank, " returned a malformed output")));
       }
       const bool add = !j.sequence && j.table->row_split;
       for (int64_t i = 0; i < rows; ++i) {
@@ -768,17 +814,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       }
     }
   }
-  if (absl::Status s = fan.WaitAll(); !s.ok()) {
-    for (int rank = 0; rank < fan.size(); ++rank) {
-      if (fan[rank].started && !fan[rank].status.ok()) transports[rank]->Failed();
-    }
-    // A worker whose call failed (a deadline) may still be writing.
-    if (placed_in.has_value()) {
-      OutputBuffers::Global().Poison(placed_in->base + OutputBuffers::kHeaderBytes);
-      if (poisoned != nullptr) *poisoned = true;
-    }
-    return s;
-  }
+  if (absl::Status s = fan.WaitAll(); !s.ok()) return failed(s);
   // Row-split MEAN: the partial sums, divided by the bag's total length.
   for (FeatureJob& j : *jobs) {
     if (j.sequence || !j.table->row_split || j.table->config->pooling() != TableConfig::MEAN) continue;
@@ -864,9 +900,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     });
   }
   absl::Status s = fan.WaitAll();
-  for (int rank = 0; rank < fan.size(); ++rank) {
-    if (fan[rank].started && !fan[rank].status.ok()) transports[rank]->Failed();
-  }
+  if (!s.ok()) (void)EndCalls(fan, &transports);
   return s;
 }
 

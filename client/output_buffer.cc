@@ -37,11 +37,22 @@ void OutputBuffers::ChildAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   for (const Buffer& b : g.kept_) Destroy(b);
   g.kept_.clear();
   for (auto& [data, b] : g.live_) {
-    // The same bytes, now copy-on-write: the parent's later writes and ours
-    // no longer meet. (Should the remap fail, the buffer stays shared but
-    // is still never reused or handed to a worker.)
-    (void)mmap(const_cast<char*>(b.info.base), b.info.size, PROT_READ | PROT_WRITE,
-               MAP_PRIVATE | MAP_FIXED, b.info.fd, 0);
+    // A private copy of the bytes moved to the same address: the parent's
+    // (and its workers') later writes and ours no longer meet, as with heap
+    // memory. Should that fail, the buffer stays shared, and is still never
+    // reused or handed to a worker.
+    char* base = const_cast<char*>(b.info.base);
+    void* copy = mmap(nullptr, b.info.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (copy != MAP_FAILED) {
+      std::memcpy(copy, base, b.info.size);
+      if (mremap(copy, b.info.size, b.info.size, MREMAP_MAYMOVE | MREMAP_FIXED, base) ==
+          MAP_FAILED) {
+        munmap(copy, b.info.size);
+      }
+    }
+    close(b.info.fd);
+    b.info.fd = -1;
     b.inherited = true;
   }
   g.mu_.Unlock();
@@ -49,7 +60,7 @@ void OutputBuffers::ChildAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
 
 void OutputBuffers::Destroy(const Buffer& b) {
   munmap(const_cast<char*>(b.info.base), b.info.size);
-  close(b.info.fd);
+  if (b.info.fd >= 0) close(b.info.fd);
 }
 
 void* OutputBuffers::Allocate(size_t bytes) {
@@ -67,13 +78,21 @@ void* OutputBuffers::Allocate(size_t bytes) {
         return data;
       }
     }
-    if (static_cast<int>(live_.size() + kept_.size()) >= kMaxShared) {
+    if (static_cast<int>(live_.size() + kept_.size()) + creating_ >= kMaxShared) {
       if (kept_.empty()) return Ordinary(bytes);
       Destroy(kept_.front());
       kept_.erase(kept_.begin());
     }
+    ++creating_;  // its slot, held while it is made outside the lock
   }
-  // A new one (outside the lock: mapping is slow).
+  void* data = Create(bytes, data_bytes);
+  absl::MutexLock lock(&mu_);
+  --creating_;
+  return data;
+}
+
+void* OutputBuffers::Create(size_t bytes, size_t data_bytes) {
+  // (Slow: outside the lock.)
   const int fd = memfd_create("ember-output", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Ordinary(bytes);
   const size_t size = kHeaderBytes + data_bytes;
@@ -82,7 +101,9 @@ void* OutputBuffers::Allocate(size_t bytes) {
   // under its writes (which would fault).
   if (ftruncate(fd, static_cast<off_t>(size)) == 0 &&
       fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
-    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    // Faulted in here: the pages are this process's, not charged to the
+    // first worker that writes them.
+    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   }
   if (base == MAP_FAILED) {
     close(fd);

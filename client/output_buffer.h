@@ -6,8 +6,9 @@
 //     memory this process can hand to a worker on its host, so that the
 //     worker pools its columns straight into the caller's KeyedTensor and
 //     the client copies nothing back (client.cc). Freed buffers are kept for
-//     the next lookup (a few), so a fresh output per call costs neither page
-//     faults nor clearing.
+//     the next lookup (a few), so a fresh output per call that reuses one
+//     costs neither page faults nor clearing (a new one is faulted in,
+//     zeroed by the kernel, once).
 //
 // A shared buffer is a memfd ("ember-output") the process keeps open; a
 // worker maps it through /proc/<pid>/fd/<fd> (same host and PID namespace;
@@ -16,10 +17,10 @@
 // worker maps the client's buffer and nothing else. Nothing has a name:
 // nothing is left behind whoever dies.
 //
-// fork(): the child's copies of live buffers become private (copy on
-// write, as heap memory would be: neither process sees the other's
-// writes) and are never handed to a worker; the kept ones are dropped, so
-// the two processes never share a buffer.
+// fork(): in the child, live buffers become private copies (as heap
+// memory would be: neither process sees the other's later writes) that are
+// never handed to a worker, and the kept ones are dropped, so the two
+// processes never share a buffer. (The child copies them at fork.)
 //
 // Thread-safe.
 #ifndef EMBER_CLIENT_OUTPUT_BUFFER_H_
@@ -92,6 +93,8 @@ class OutputBuffers {
     bool inherited = false;  // a fork's child's private copy
   };
   static void Destroy(const Buffer& b);
+  // A new shared buffer of data_bytes (>= bytes), or ordinary memory.
+  void* Create(size_t bytes, size_t data_bytes);
   // pthread_atfork: the parent holds mu_ across fork(); the child makes
   // what it inherited its own (above).
   static void PrepareFork();
@@ -103,6 +106,7 @@ class OutputBuffers {
   std::map<const char*, Buffer> live_ ABSL_GUARDED_BY(mu_);  // by data pointer
   std::vector<Buffer> kept_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int creating_ ABSL_GUARDED_BY(mu_) = 0;  // being made: count against kMaxShared
 };
 
 // A std::allocator that default-initialises (no zeroing) and takes large

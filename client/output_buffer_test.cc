@@ -111,9 +111,9 @@ TEST(OutputBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
   EXPECT_LE(OutputFds(), OutputBuffers::kMaxKept) << "freed buffers kept their descriptors";
 }
 
-// After fork() the child's copy of a live buffer is its own (copy on
-// write: the parent does not see the child's writes), is never named to a
-// worker, and the child never takes a buffer the parent kept.
+// After fork() the child's copy of a live buffer is its own (neither
+// process sees the other's later writes), is never named to a worker, and
+// the child never takes a buffer the parent kept.
 TEST(OutputBuffersTest, AForkedChildSharesNoBufferWithItsParent) {
   OutputBuffers& ob = OutputBuffers::Global();
   FloatBuffer live(300000, 1.0f);
@@ -123,19 +123,31 @@ TEST(OutputBuffersTest, AForkedChildSharesNoBufferWithItsParent) {
     kept_at = kept.data();
   }
   ASSERT_TRUE(ob.Find(live.data(), 4).has_value());
+  int go[2], ready[2];  // the parent's word that it wrote; the child's that it forked
+  ASSERT_EQ(pipe(go), 0);
+  ASSERT_EQ(pipe(ready), 0);
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     int code = 0;
     if (ob.Find(live.data(), 4).has_value()) code |= 1;  // would be named to a worker
+    char c;
+    if (write(ready[1], "r", 1) != 1) code |= 8;
+    if (read(go[0], &c, 1) != 1 || live[1] != 1.0f) code |= 4;  // saw the parent's write
     live[0] = 42.0f;
     FloatBuffer fresh(300000);  // not the parent's kept buffer (checked below)
     std::fill(fresh.begin(), fresh.end(), 43.0f);
     _exit(code);
   }
+  char c;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  live[1] = 7.0f;
+  ASSERT_EQ(write(go[1], "x", 1), 1);
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  for (int fd : {go[0], go[1], ready[0], ready[1]}) close(fd);
   ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status) & 4, 0) << "the parent's write reached the child";
   EXPECT_EQ(WEXITSTATUS(status) & 1, 0) << "the child would hand an inherited buffer to a worker";
   EXPECT_EQ(live[0], 1.0f) << "the child's write reached the parent";
   FloatBuffer again(300000);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -36,22 +37,23 @@ absl::StatusOr<absl::Span<char>> ShmChannels::Region::Bytes(const ember::v1::Shm
 namespace {
 
 // Whether descriptor link `path` (a /proc/.../fd/N) names a memfd called
-// `name` ("/memfd:ember-output (deleted)").
+// exactly `name`: "/memfd:ember-output (deleted)".
 bool IsMemfd(const std::string& path, const std::string& name) {
   char target[128];
   const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
   if (n <= 0) return false;
-  return absl::StartsWith(absl::string_view(target, n), absl::StrCat("/memfd:", name));
+  return absl::string_view(target, n) == absl::StrCat("/memfd:", name, " (deleted)");
 }
 
 // Opens descriptor `fd` of process `pid`, a client's memfd called `name` of
 // at least `size` bytes sealed against shrinking (so it cannot shrink under
-// a mapping: no SIGBUS), read-write. Only such a memfd is opened: its link
-// is checked before (nothing else is opened at all) and after (the
-// descriptor may have been swapped in between). FAILED_PRECONDITION
+// a mapping: no SIGBUS), read-write; `*inode` is its inode. Nothing else is
+// opened for reading or writing: the descriptor is first taken as a path
+// only (O_PATH: no open of a FIFO or device happens), checked, and then
+// reopened through this process's own descriptor. FAILED_PRECONDITION
 // otherwise, naming `what`.
 absl::StatusOr<int> OpenClientMemfd(int64_t pid, int fd, const std::string& name, uint64_t size,
-                                    const std::string& what) {
+                                    const std::string& what, ino_t* inode) {
   const std::string path = absl::StrCat("/proc/", pid, "/fd/", fd);
   auto refused = [&](const std::string& why) {
     return absl::FailedPreconditionError(
@@ -60,19 +62,33 @@ absl::StatusOr<int> OpenClientMemfd(int64_t pid, int fd, const std::string& name
                      "over memory this way)"));
   };
   if (pid <= 0 || fd < 0) return refused("names no descriptor");
-  if (!IsMemfd(path, name)) return refused(absl::StrCat("is not a memfd named ", name));
-  const int opened = open(path.c_str(), O_RDWR | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (opened < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
+  const int as_path = open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (as_path < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
+  const std::string own = absl::StrCat("/proc/self/fd/", as_path);
   struct stat st;
+  if (!IsMemfd(own, name) || fstat(as_path, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(as_path);
+    return refused(absl::StrCat("is not a memfd named ", name));
+  }
+  const int opened = open(own.c_str(), O_RDWR | O_CLOEXEC);
+  close(as_path);
+  if (opened < 0) return refused(absl::StrCat("cannot be opened: ", std::strerror(errno)));
   const int seals = fcntl(opened, F_GET_SEALS);
-  if (!IsMemfd(absl::StrCat("/proc/self/fd/", opened), name) || fstat(opened, &st) != 0 ||
-      !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < size || seals < 0 ||
+  if (fstat(opened, &st) != 0 || static_cast<uint64_t>(st.st_size) < size || seals < 0 ||
       (seals & F_SEAL_SHRINK) == 0) {
     close(opened);
     return refused(absl::StrCat("is not a memfd ", name, " of at least ", size,
                                 " bytes sealed against shrinking"));
   }
+  *inode = st.st_ino;
   return opened;
+}
+
+// Whether /proc/<pid>/fd/<fd> is still the file of `inode` (the client has
+// not let it go).
+bool StillOpen(int64_t pid, int fd, ino_t inode) {
+  struct stat st;
+  return stat(absl::StrCat("/proc/", pid, "/fd/", fd).c_str(), &st) == 0 && st.st_ino == inode;
 }
 
 bool SameBuffer(const ember::v1::OutputBuffer& a, const ember::v1::OutputBuffer& b) {
@@ -130,7 +146,9 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
                                    : name;
   int fd;
   if (memfd) {
-    auto opened = OpenClientMemfd(req.pid(), req.memfd(), "ember-channel", size, "channel");
+    ino_t inode;
+    auto opened =
+        OpenClientMemfd(req.pid(), req.memfd(), "ember-channel", size, "channel", &inode);
     if (!opened.ok()) return opened.status();
     fd = *opened;
   } else {
@@ -207,7 +225,6 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
   return it->second.region;
 }
 
-
 absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutput(
     uint64_t id, const std::string& owner, const ember::v1::OutputBuffer& b) {
   auto find = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<Channel*> {
@@ -226,6 +243,13 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutpu
     auto ch = find();
     if (!ch.ok()) return ch.status();
     auto& outputs = (*ch)->outputs;
+    // Buffers the client has let go are unmapped here, not kept until the
+    // LRU or the channel drops them (the mapping would keep their memory).
+    outputs.erase(std::remove_if(outputs.begin(), outputs.end(),
+                                 [](const Channel::Output& o) {
+                                   return !StillOpen(o.buffer.pid(), o.buffer.fd(), o.inode);
+                                 }),
+                  outputs.end());
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (!SameBuffer(outputs[i].buffer, b)) continue;
       Channel::Output hit = std::move(outputs[i]);  // now the most recently used
@@ -240,7 +264,8 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutpu
                                                    " is outside [8192, ", max_region_bytes_, "]"));
   }
   const std::string path = absl::StrCat("/proc/", b.pid(), "/fd/", b.fd());
-  auto opened = OpenClientMemfd(b.pid(), b.fd(), "ember-output", size, "output buffer");
+  ino_t inode;
+  auto opened = OpenClientMemfd(b.pid(), b.fd(), "ember-output", size, "output buffer", &inode);
   if (!opened.ok()) return opened.status();
   const int fd = *opened;
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -262,7 +287,7 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutpu
   if (!ch.ok()) return ch.status();
   auto& outputs = (*ch)->outputs;
   if (static_cast<int>(outputs.size()) >= kMaxOutputs) outputs.erase(outputs.begin());
-  outputs.push_back(Channel::Output{b, region});
+  outputs.push_back(Channel::Output{b, region, inode});
   return region;
 }
 

@@ -10,6 +10,8 @@
 #ifndef EMBER_SERVER_WORKER_SHM_CHANNELS_H_
 #define EMBER_SERVER_WORKER_SHM_CHANNELS_H_
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -74,8 +76,9 @@ class ShmChannels {
 
   // The client's output buffer `b` (WorkerLookupRequest.out_buffer) for
   // channel `id`: mapped on first use and kept (up to kMaxOutputs per
-  // channel, the least recently used unmapped past that), its contents
-  // never read. FAILED_PRECONDITION when it cannot be opened through
+  // channel, the least recently used unmapped past that, and any the
+  // client has closed unmapped at the next call), nothing in it read but
+  // the nonce. FAILED_PRECONDITION when it cannot be opened through
   // /proc/<pid>/fd/<fd> or is not the client's buffer (a memfd named
   // "ember-output", sealed against shrinking, holding the nonce),
   // INVALID_ARGUMENT for a size outside [8 KiB, max_region_bytes], and as
@@ -97,6 +100,7 @@ class ShmChannels {
     struct Output {
       ember::v1::OutputBuffer buffer;
       std::shared_ptr<const Region> region;
+      ino_t inode;  // of the memfd: gone from /proc/<pid>/fd/<fd>, the client let it go
     };
     std::vector<Output> outputs;
   };

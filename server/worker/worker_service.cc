@@ -480,6 +480,10 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
 
 namespace {
 
+// An output buffer's header (OutputBuffer in proto/service.proto): no
+// placement writes there.
+constexpr uint64_t kOutputHeaderBytes = 4096;
+
 // The floats of output `index` ([size / cols, cols]) placed in `buffer` by
 // `p`: from its offset to the last row's end. INVALID_ARGUMENT unless every
 // row lies inside the buffer at a stride of at least cols.
@@ -488,14 +492,25 @@ absl::StatusOr<absl::Span<float>> Placement(const ShmChannels::Region& buffer,
                                             int64_t cols, int index) {
   const std::string what = absl::StrCat("output ", index, "'s placement");
   const uint64_t stride = p.row_stride();
-  if (cols <= 0 || stride < static_cast<uint64_t>(cols) || stride > buffer.size() / 4) {
+  const uint64_t floats = buffer.size() / 4;
+  if (cols <= 0 || stride < static_cast<uint64_t>(cols) || stride > floats) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": row stride ", stride,
                                                    " floats for rows of ", cols, " in a buffer of ",
                                                    buffer.size(), " bytes"));
   }
+  if (p.offset() < kOutputHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", p.offset(),
+                                                   " lies in the buffer's ", kOutputHeaderBytes,
+                                                   "-byte header"));
+  }
   const uint64_t rows = static_cast<uint64_t>(size / cols);
-  // rows < 2^28 (they come from a request of at most 1 GiB) and stride <=
-  // 2^28 (a buffer of at most 1 GiB): no overflow.
+  // The last row must start inside the buffer (checked by division, so
+  // that no product overflows); Bytes checks its end.
+  if (rows > 0 && rows - 1 > (floats - cols) / stride) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", rows, " rows at stride ", stride,
+                                                   " lie outside the buffer's ", buffer.size(),
+                                                   " bytes"));
+  }
   ember::v1::ShmSlice extent;
   extent.set_offset(p.offset());
   extent.set_size(rows == 0 ? 0 : ((rows - 1) * stride + cols) * 4);

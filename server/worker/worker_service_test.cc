@@ -650,6 +650,11 @@ struct TestOutputBuffer {
     return b;
   }
   const float* at(uint64_t byte) const { return reinterpret_cast<const float*>(base + byte); }
+  ino_t inode() const {
+    struct stat st;
+    EXPECT_EQ(fstat(fd, &st), 0);
+    return st.st_ino;
+  }
   int fd;
   size_t size;
   char* base;
@@ -793,6 +798,9 @@ void PlacedOutputs(bool packed_only) {
   r.mutable_placements(0)->set_offset(4098);
   refused(r, "multiples of 4");
   r = req;
+  r.mutable_placements(0)->set_offset(8);  // over the nonce
+  refused(r, "header");
+  r = req;
   r.add_placements();
   refused(r, "2 placement(s)");
   r = PooledLookup();  // inline
@@ -820,11 +828,20 @@ void PlacedOutputs(bool packed_only) {
   }
   const int mine = own + 2 + static_cast<int>(many.size());  // buf, unsealed, many
   EXPECT_EQ(OutputMappings(), mine + ShmChannels::kMaxOutputs);
+  // A buffer the client closes is unmapped at the worker's next call (not
+  // when the LRU gets to it: it is the most recently used).
+  const std::string gone = " " + std::to_string(many.back()->inode()) + " ";
+  many.pop_back();
+  ASSERT_TRUE(lookup(req, &resp).ok());
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    EXPECT_EQ(line.find(gone), std::string::npos) << "still mapped: " << line;
+  }
   ember::v1::CloseChannelRequest close_req;
   close_req.set_channel_id(opened.channel_id());
   ember::v1::CloseChannelResponse closed;
   ASSERT_TRUE(s->CloseChannel(nullptr, &close_req, &closed).ok());
-  EXPECT_EQ(OutputMappings(), mine) << "a closed channel's output buffers stayed mapped";
+  EXPECT_EQ(OutputMappings(), mine - 1) << "a closed channel's output buffers stayed mapped";
 }
 
 TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel) {
@@ -866,7 +883,7 @@ TEST(WorkerServiceTest, ChannelsOverAMemfdMustBeSealedAndTheClients) {
   refused(r, grpc::StatusCode::FAILED_PRECONDITION, "nonce");
   r = open_of(good);
   r.set_memfd(999999);
-  refused(r, grpc::StatusCode::FAILED_PRECONDITION, "not a memfd");
+  refused(r, grpc::StatusCode::FAILED_PRECONDITION, "cannot be opened");
   r = open_of(good);
   r.set_size(good.size * 2);
   refused(r, grpc::StatusCode::FAILED_PRECONDITION, "at least");
