@@ -94,6 +94,29 @@ FuzzChannel OpenFuzzChannel(WorkerService* s) {
   return ch;
 }
 
+// A client output buffer the service can map (a sealed memfd, as
+// client/output_buffer.cc makes): lookups through the channel name it with
+// the fuzzer's placements.
+ember::v1::OutputBuffer MakeOutputBuffer() {
+  const uint64_t size = 1 << 16;
+  const int fd = memfd_create("ember-output", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0 || ftruncate(fd, size) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    std::abort();
+  }
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) std::abort();
+  const uint64_t nonce = 0x0e11be7;
+  std::memcpy(base, &nonce, sizeof(nonce));
+  ember::v1::OutputBuffer b;
+  b.set_id(1);
+  b.set_pid(getpid());
+  b.set_fd(fd);
+  b.set_size(size);
+  b.set_nonce(nonce);
+  return b;  // descriptor and mapping kept for the process's life
+}
+
 // The first half of the payload goes into the region, the rest is the
 // request.
 std::string Split(const std::string& payload, const FuzzChannel& ch) {
@@ -107,9 +130,21 @@ std::string Split(const std::string& payload, const FuzzChannel& ch) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static WorkerService* service = Make();
   static FuzzChannel channel = OpenFuzzChannel(service);
+  static const ember::v1::OutputBuffer output = MakeOutputBuffer();
   if (size < 1) return 0;
   const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 12) {
+  switch (data[0] % 13) {
+    case 12: {  // a lookup through the channel into a mappable output buffer
+      ember::v1::WorkerLookupRequest r;
+      ember::v1::WorkerLookupResponse out;
+      if (Parse(Split(payload, channel), &r)) {
+        r.set_channel_id(channel.id);
+        r.set_channel_seq(++channel.seq);
+        *r.mutable_out_buffer() = output;
+        (void)service->Lookup(nullptr, &r, &out);
+      }
+      break;
+    }
     case 9: {  // a lookup through the channel
       ember::v1::WorkerLookupRequest r;
       ember::v1::WorkerLookupResponse out;
@@ -134,7 +169,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ember::v1::OpenChannelRequest r;
       ember::v1::OpenChannelResponse out;
       if (Parse(payload, &r)) {
-        r.set_shm_name("/ember-fuzz-absent-" + r.shm_name().substr(0, 32));
+        if (r.pid() != 0) {  // descriptors of this process, whatever they are
+          r.set_pid(getpid());
+          r.clear_shm_name();
+          r.clear_shm_file();
+        } else {
+          r.set_shm_name("/ember-fuzz-absent-" + r.shm_name().substr(0, 32));
+        }
         (void)service->OpenChannel(nullptr, &r, &out);
       }
       ember::v1::CloseChannelRequest c;
