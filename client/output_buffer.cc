@@ -133,11 +133,16 @@ void OutputBuffers::Free(void* p, size_t bytes) {
     if (it != live_.end()) {
       Buffer b = it->second;
       live_.erase(it);
-      if (b.poisoned || b.inherited) {
+      if (b.poisoned || b.inherited || b.info.size > kMaxKeptBytes) {
         Destroy(b);
         return;
       }
-      if (static_cast<int>(kept_.size()) >= kMaxKept) {
+      // Within kMaxKept buffers and kMaxKeptBytes, the oldest let go first.
+      uint64_t kept_bytes = b.info.size;
+      for (const Buffer& k : kept_) kept_bytes += k.info.size;
+      while (!kept_.empty() &&
+             (static_cast<int>(kept_.size()) >= kMaxKept || kept_bytes > kMaxKeptBytes)) {
+        kept_bytes -= kept_.front().info.size;
         Destroy(kept_.front());
         kept_.erase(kept_.begin());
       }

@@ -63,8 +63,10 @@ class OutputBuffers {
   // At most this many shared buffers at once (each holds a descriptor);
   // past it buffers take ordinary memory.
   static constexpr int kMaxShared = 64;
-  // Freed shared buffers kept for reuse.
+  // Freed shared buffers kept for reuse: at most this many, of at most
+  // kMaxKeptBytes together (a larger one is unmapped when freed).
   static constexpr int kMaxKept = 4;
+  static constexpr uint64_t kMaxKeptBytes = uint64_t{512} << 20;
   // The header before a shared buffer's data.
   static constexpr size_t kHeaderBytes = 4096;
 

@@ -102,6 +102,14 @@ TEST(OutputBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
     for (int i = 0; i < 3 * OutputBuffers::kMaxKept; ++i) many.emplace_back(300000 + 4096 * i);
   }
   EXPECT_LE(ob.kept_buffers(), OutputBuffers::kMaxKept);
+  {
+    // Past kMaxKeptBytes together, the older ones go; one larger alone is
+    // not kept at all.
+    std::vector<FloatBuffer> big;
+    for (int i = 0; i < 3; ++i) big.emplace_back(OutputBuffers::kMaxKeptBytes / 4 / 3 + 4096 * i);
+    big.emplace_back(OutputBuffers::kMaxKeptBytes / 4 + 1);
+  }
+  EXPECT_LE(ob.kept_buffers(), 2);
   // Past kMaxShared live buffers, ordinary memory.
   std::vector<FloatBuffer> live;
   for (int i = 0; i < OutputBuffers::kMaxShared + 4; ++i) live.emplace_back(70000);
