@@ -682,6 +682,11 @@ int RunStatus() {
     std::cout << absl::StrFormat("    %s, memory %.2f of %.2f GiB used, %d shard(s)",
                                  a->second.backend(), used / double(1 << 30),
                                  capacity / double(1 << 30), a->second.shards_size());
+    if (a->second.shm_channels() > 0 || a->second.placed_lookups() > 0) {
+      std::cout << absl::StrFormat(", %d shared-memory channel(s), %d lookup(s) written into "
+                                   "trainers' KeyedTensors",
+                                   a->second.shm_channels(), a->second.placed_lookups());
+    }
     auto b = second.find(s.worker_id());
     if (b != second.end()) {
       std::cout << absl::StrFormat(
