@@ -78,6 +78,8 @@ DEFINE_bool(kept_output, false,
             "Look up into one KeyedTensor per caller kept across calls (service and in-process) "
             "instead of a fresh one per call.");
 DEFINE_int32(batches, 4, "Distinct random batches, cycled.");
+DEFINE_int32(keep_freed_heap_mib, 256,
+             "The clients' ClientOptions::keep_freed_heap_mib (0: glibc's allocator defaults).");
 DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "text", "text or json (one line).");
 DEFINE_string(transport, "shm",
@@ -175,6 +177,7 @@ int Run(const char* argv0) {
   client::ClientOptions options;
   options.timeout = absl::Seconds(120);
   options.shared_memory = FLAGS_transport == "shm";
+  options.keep_freed_heap_mib = FLAGS_keep_freed_heap_mib;
   auto c = client::Client::Connect(coordinator, options);
   if (!c.ok()) return Fail("connect", c.status());
 

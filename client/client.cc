@@ -16,6 +16,7 @@
 #include "client/transport.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
+#include "server/common/host_memory.h"
 #include "server/common/wire.h"
 
 namespace ember {
@@ -316,10 +317,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
                                                         const ClientOptions& options) {
   if (coordinator.empty()) return absl::InvalidArgumentError("coordinator address is empty");
   if (options.max_attempts < 1) return absl::InvalidArgumentError("max_attempts must be >= 1");
+  if (options.keep_freed_heap_mib < 0) {
+    return absl::InvalidArgumentError("keep_freed_heap_mib must be >= 0");
+  }
   if (!options.shm_dir.empty() && !std::filesystem::is_directory(options.shm_dir)) {
     return absl::InvalidArgumentError(
         absl::StrCat("shm_dir ", options.shm_dir, " is not a directory"));
   }
+  // (A refusal by the allocator leaves its defaults: only slower.)
+  (void)KeepFreedHeapMemory(int64_t{options.keep_freed_heap_mib} << 20);
   std::unique_ptr<Client> c(new Client(coordinator, options));
   auto workers = c->ListWorkers();  // fails fast when nothing answers
   if (!workers.ok()) return workers.status();

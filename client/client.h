@@ -65,6 +65,14 @@ struct ClientOptions {
   // (asking again a minute later). Empty: POSIX shared memory, loopback
   // workers only.
   std::string shm_dir;
+  // This process's allocator keeps up to this much freed heap for reuse and
+  // takes allocations under 32 MiB from the heap (glibc mallopt, as the
+  // servers' --keep_freed_heap_mib): the megabytes of request and response
+  // buffers each call makes are then not faulted in and zeroed afresh every
+  // call (the gRPC path measured 7-15% more lookups/s). Process-wide: set
+  // at Connect, the last client connected wins. 0 leaves the allocator as
+  // it was.
+  int keep_freed_heap_mib = 256;
 };
 
 class Client {

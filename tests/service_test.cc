@@ -1,6 +1,7 @@
 // Multi-process tests: a coordinator and 2 or 3 worker processes on
 // 127.0.0.1 (`emberctl up`), driven through the C++ client, compared with the
 // single-process reference, InProcessCollection (client/inprocess.h).
+#include <malloc.h>
 #include <signal.h>
 
 #include <atomic>
@@ -213,6 +214,24 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     EXPECT_EQ(ShmHeld(pid, "memfd:ember-output"), 0)
         << "worker " << pid << " kept a closed channel's output buffer mapped";
   }
+}
+
+// Connect sets this process's allocator to keep freed heap
+// (ClientOptions::keep_freed_heap_mib, on by default): a 24 MiB block then
+// comes from the heap, not from a mapping of its own as glibc's defaults
+// give it. A negative amount is refused.
+TEST_P(ServiceTest, ClientsKeepFreedHeapForTheNextCall) {
+  client::ClientOptions bad;
+  bad.keep_freed_heap_mib = -1;
+  EXPECT_EQ(Client::Connect(cluster_->coordinator(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  const size_t mapped_before = mallinfo2().hblkhd;
+  void* block = malloc(24 << 20);
+  ASSERT_NE(block, nullptr);
+  EXPECT_EQ(mallinfo2().hblkhd, mapped_before) << "a 24 MiB block was mapped apart";
+  free(block);
 }
 
 // A KeyedTensor kept across lookups of other shapes (the reusing forms of
