@@ -254,6 +254,13 @@ class Client:
     def list_workers(self):
         return json.loads(self._c.list_workers()).get("workers", [])
 
+    def worker_status(self, address):
+        """One worker's Worker.ShardStatus as a dict (proto field names): its
+        backend, shards, memory, traffic counters (lookups, lookup_ids,
+        updates, placed_lookups: lookups written straight into this
+        process's KeyedTensors), open shm_channels, ..."""
+        return json.loads(self._c.worker_status(address))
+
     def drop_collection(self, name):
         self._c.drop_collection(name)
 

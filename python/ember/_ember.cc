@@ -186,6 +186,11 @@ PYBIND11_MODULE(_ember, m) {
              py::gil_scoped_release release;
              return ToJson(Value(c.ListWorkers()));
            })
+      .def("worker_status",
+           [](Client& c, const std::string& address) {
+             py::gil_scoped_release release;
+             return ToJson(Value(c.WorkerStatus(address)));
+           })
       .def("preview_plan",
            [](Client& c, const std::string& spec_json, const std::string& topology_json,
               const std::string& sharding_type) {

@@ -357,3 +357,23 @@ def test_transports_give_the_same_answers(tmp_path):
         assert list(shm.iterdir()) == []  # names unlinked once both sides mapped them
         with pytest.raises(ember.InvalidArgument):
             ember.Client(cluster.address, timeout_s=5, shm_dir=str(tmp_path / "missing"))
+        # Outputs of 256 KiB and more come back written straight into the
+        # KeyedTensor's buffer by the workers (same host), whole and right;
+        # the inline client's are copied. (Table-wise: a row-wise table's
+        # partial sums are always copied.)
+        clients["inline"].create_collection(spec("placed"), sharding_type="table_wise")
+        big = ember.KeyedJaggedTensor.from_jagged(
+            {"f_sum": random_bags(rng, 101, 8192), "f_mean": random_bags(rng, 57, 8192)})
+        addresses = [w["info"]["address"] for w in clients["inline"].list_workers()]
+
+        def placed():
+            return sum(int(clients["inline"].worker_status(a)["placed_lookups"])
+                       for a in addresses)
+
+        before = placed()
+        want = clients["inline"].lookup("placed", big).values
+        assert placed() == before
+        got = clients["shm"].lookup("placed", big).values
+        np.testing.assert_array_equal(got, want)
+        assert want.nbytes >= 256 << 10
+        assert placed() > before
