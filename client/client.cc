@@ -547,15 +547,16 @@ namespace {
 // would come after others applied their part.
 enum class IdCheck { kAll, kRowSplit };
 
+// The job's ids against its table's rows (CheckFeatureIds).
+absl::Status CheckJobIds(const FeatureJob& j) {
+  return CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids), j.table->config->num_embeddings(),
+                         j.key, j.table->config->name());
+}
+
 // The client's own message for the first id outside its table, if any.
 absl::Status NameRefusedIds(const std::vector<FeatureJob>& jobs) {
   for (const FeatureJob& j : jobs) {
-    if (absl::Status s = CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids),
-                                         j.table->config->num_embeddings(), j.key,
-                                         j.table->config->name());
-        !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -599,12 +600,7 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
       j.weights = kjt.weights.data() + off[k];
     }
     if (check == IdCheck::kAll || j.table->row_split) {
-      if (absl::Status s = CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids),
-                                           j.table->config->num_embeddings(), j.key,
-                                           j.table->config->name());
-          !s.ok()) {
-        return s;
-      }
+      if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
     }
     jobs->push_back(std::move(j));
   }
@@ -684,7 +680,9 @@ void Place(const std::vector<FeatureJob>& jobs,
 // outputs lie in a shared output buffer (output_buffer.h), workers reached
 // through a channel are asked to write their pooled columns straight into
 // it; on a failed call the buffer is poisoned (a worker may still write into
-// it) and `*poisoned` set: the caller must not keep it.
+// it) and `*poisoned` set: the caller must not keep it. Ids the workers
+// refused (PrepareJobs left them to their check) are named in the
+// client's words (NameRefusedIds).
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
                        const ChannelFor& channel_for, bool* poisoned = nullptr) {
@@ -784,6 +782,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       // A worker whose call ended unconfirmed may still write into it.
       OutputBuffers::Global().Poison(placed_in->base + OutputBuffers::kHeaderBytes);
       if (poisoned != nullptr) *poisoned = true;
+    }
+    if (absl::IsInvalidArgument(s)) {
+      if (absl::Status named = NameRefusedIds(*jobs); !named.ok()) return named;
     }
     return s;
   };
@@ -950,9 +951,6 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
     // A worker may yet write into this buffer: let it go (a retry or the
     // next call takes a fresh one).
     if (poisoned) kt.values = FloatBuffer();
-    if (absl::IsInvalidArgument(st)) {
-      if (absl::Status named = NameRefusedIds(jobs); !named.ok()) return named;
-    }
     return st;
   });
   return s;
@@ -1008,11 +1006,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
       jobs[k].out = out[k].values.data();
       jobs[k].out_stride = jobs[k].dim;
     }
-    absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
-    if (absl::IsInvalidArgument(st)) {
-      if (absl::Status named = NameRefusedIds(jobs); !named.ok()) return named;
-    }
-    return st;
+    return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
   });
   if (!s.ok()) return s;
   return out;

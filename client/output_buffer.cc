@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <random>
 
@@ -17,6 +18,19 @@ constexpr std::align_val_t kAlign{64};
 void* Ordinary(size_t bytes) { return ::operator new(bytes, kAlign); }
 
 }  // namespace
+
+int SealedMemfd(const char* name, size_t size) {
+  const int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    const int err = errno;
+    close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
 
 OutputBuffers& OutputBuffers::Global() {
   // Never destroyed: buffers may be freed during exit (Python arrays).
@@ -93,18 +107,12 @@ void* OutputBuffers::Allocate(size_t bytes) {
 
 void* OutputBuffers::Create(size_t bytes, size_t data_bytes) {
   // (Slow: outside the lock.)
-  const int fd = memfd_create("ember-output", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return Ordinary(bytes);
   const size_t size = kHeaderBytes + data_bytes;
-  void* base = MAP_FAILED;
-  // Sealed at its size: a worker that maps it can trust it never shrinks
-  // under its writes (which would fault).
-  if (ftruncate(fd, static_cast<off_t>(size)) == 0 &&
-      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0) {
-    // Faulted in here: the pages are this process's, not charged to the
-    // first worker that writes them.
-    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  }
+  const int fd = SealedMemfd("ember-output", size);
+  if (fd < 0) return Ordinary(bytes);
+  // Faulted in here: the pages are this process's, not charged to the
+  // first worker that writes them.
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (base == MAP_FAILED) {
     close(fd);
     return Ordinary(bytes);

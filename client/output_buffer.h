@@ -39,6 +39,12 @@
 namespace ember {
 namespace client {
 
+// A memfd called `name` of `size` bytes, sealed against shrinking and
+// growing (a worker that maps it can trust it never shrinks under its
+// writes, which would fault), close-on-exec; -1 where that failed (errno
+// set). Output buffers and same-host channels (shm_channel.cc) are made so.
+int SealedMemfd(const char* name, size_t size);
+
 // What a worker needs to map a shared buffer (WorkerLookupRequest.out_buffer).
 struct SharedBufferInfo {
   uint64_t id = 0;     // this process's number for the buffer

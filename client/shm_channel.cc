@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/output_buffer.h"
 #include "server/common/grpc_util.h"
 
 namespace ember {
@@ -48,8 +49,8 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
       handover == Handover::kFile ? absl::StrCat(shm_dir, "/", base_name) : "/" + base_name;
   int fd = -1;
   switch (handover) {
-    case Handover::kMemfd:
-      fd = memfd_create("ember-channel", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    case Handover::kMemfd:  // sealed at its size: it never shrinks under the worker
+      fd = SealedMemfd("ember-channel", size);
       break;
     case Handover::kName:
       fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -74,11 +75,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
   ch->stub_ = stub;
   ch->prepare_ = prepare;
   void* base = MAP_FAILED;
-  // A memfd is sealed at its size: it can never shrink under the worker's
-  // mapping (which would fault there).
-  if (ftruncate(fd, static_cast<off_t>(size)) == 0 &&
-      (handover != Handover::kMemfd ||
-       fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0)) {
+  if (handover == Handover::kMemfd || ftruncate(fd, static_cast<off_t>(size)) == 0) {
     base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
   if (base == MAP_FAILED) {

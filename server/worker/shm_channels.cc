@@ -91,6 +91,28 @@ bool StillOpen(int64_t pid, int fd, ino_t inode) {
   return stat(absl::StrCat("/proc/", pid, "/fd/", fd).c_str(), &st) == 0 && st.st_ino == inode;
 }
 
+// Maps `size` bytes of `fd` (closed here) read-write, as `what` ("shared
+// memory '...'", "output buffer ..."): RESOURCE_EXHAUSTED when it cannot,
+// FAILED_PRECONDITION (`why_else` said after) when its first 8 bytes are
+// not `nonce`, so not the client's.
+absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> MapWithNonce(
+    int fd, uint64_t size, uint64_t nonce, const std::string& what, const char* why_else) {
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", what, ": ", std::strerror(errno)));
+  }
+  uint64_t first;
+  std::memcpy(&first, base, sizeof(first));
+  if (first != nonce) {
+    munmap(base, size);
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " does not hold the client's nonce", why_else));
+  }
+  return std::make_shared<const ShmChannels::Region>(static_cast<char*>(base), size);
+}
+
 bool SameBuffer(const ember::v1::OutputBuffer& a, const ember::v1::OutputBuffer& b) {
   return a.id() == b.id() && a.pid() == b.pid() && a.fd() == b.fd() && a.size() == b.size() &&
          a.nonce() == b.nonce();
@@ -167,25 +189,13 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
                                                    "' is not a region of at least ", size,
                                                    " bytes"));
   }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot map shared memory '", shown, "': ",
-                                                     std::strerror(errno)));
-  }
-  uint64_t nonce;
-  std::memcpy(&nonce, base, sizeof(nonce));
-  if (nonce != req.nonce()) {
-    munmap(base, size);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shared memory '", shown,
-        "' does not hold the client's nonce: another host's region of that name"));
-  }
-  auto region = std::make_shared<const Region>(static_cast<char*>(base), size);
+  auto region = MapWithNonce(fd, size, req.nonce(), absl::StrCat("shared memory '", shown, "'"),
+                             ": another host's region of that name");
+  if (!region.ok()) return region.status();
   absl::MutexLock lock(&mu_);
   uint64_t id = 0;
   while (id == 0 || channels_.count(id)) id = rng_();
-  channels_[id] = Channel{std::move(region), owner, absl::Now()};
+  channels_[id] = Channel{*std::move(region), owner, absl::Now()};
   return id;
 }
 
@@ -205,6 +215,21 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   ExpireLocked(now);
+  auto ch = FindLocked(id, owner);
+  if (!ch.ok()) return ch.status();
+  Channel& c = **ch;
+  if (seq <= c.last_seq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "channel ", id, " transfer ", seq, " is out of order: transfer ", c.last_seq,
+        " came before it (a stale or replayed control message; channel_seq counts from 1)"));
+  }
+  c.last_seq = seq;
+  c.last_used = now;
+  return c.region;
+}
+
+absl::StatusOr<ShmChannels::Channel*> ShmChannels::FindLocked(uint64_t id,
+                                                               const std::string& owner) {
   auto it = channels_.find(id);
   if (it == channels_.end()) {
     return absl::UnavailableError(absl::StrCat(
@@ -215,32 +240,14 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
   if (it->second.owner != owner) {
     return absl::PermissionDeniedError(absl::StrCat("channel ", id, " belongs to another client"));
   }
-  if (seq <= it->second.last_seq) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "channel ", id, " transfer ", seq, " is out of order: transfer ", it->second.last_seq,
-        " came before it (a stale or replayed control message; channel_seq counts from 1)"));
-  }
-  it->second.last_seq = seq;
-  it->second.last_used = now;
-  return it->second.region;
+  return &it->second;
 }
 
 absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutput(
     uint64_t id, const std::string& owner, const ember::v1::OutputBuffer& b) {
-  auto find = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<Channel*> {
-    auto it = channels_.find(id);
-    if (it == channels_.end()) {
-      return absl::UnavailableError(absl::StrCat("no shared-memory channel ", id));
-    }
-    if (it->second.owner != owner) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("channel ", id, " belongs to another client"));
-    }
-    return &it->second;
-  };
   {
     absl::MutexLock lock(&mu_);
-    auto ch = find();
+    auto ch = FindLocked(id, owner);
     if (!ch.ok()) return ch.status();
     auto& outputs = (*ch)->outputs;
     // Buffers the client has let go are unmapped here, not kept until the
@@ -263,32 +270,19 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutpu
     return absl::InvalidArgumentError(absl::StrCat("output buffer size ", size,
                                                    " is outside [8192, ", max_region_bytes_, "]"));
   }
-  const std::string path = absl::StrCat("/proc/", b.pid(), "/fd/", b.fd());
   ino_t inode;
   auto opened = OpenClientMemfd(b.pid(), b.fd(), "ember-output", size, "output buffer", &inode);
   if (!opened.ok()) return opened.status();
-  const int fd = *opened;
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map output buffer ", path, ": ", std::strerror(errno)));
-  }
-  uint64_t nonce;
-  std::memcpy(&nonce, base, sizeof(nonce));
-  if (nonce != b.nonce()) {
-    munmap(base, size);
-    return absl::FailedPreconditionError(
-        absl::StrCat("output buffer ", path, " does not hold the client's nonce"));
-  }
-  auto region = std::make_shared<const Region>(static_cast<char*>(base), size);
+  auto region = MapWithNonce(*opened, size, b.nonce(),
+                             absl::StrCat("output buffer /proc/", b.pid(), "/fd/", b.fd()), "");
+  if (!region.ok()) return region.status();
   absl::MutexLock lock(&mu_);
-  auto ch = find();
+  auto ch = FindLocked(id, owner);
   if (!ch.ok()) return ch.status();
   auto& outputs = (*ch)->outputs;
   if (static_cast<int>(outputs.size()) >= kMaxOutputs) outputs.erase(outputs.begin());
-  outputs.push_back(Channel::Output{b, region, inode});
-  return region;
+  outputs.push_back(Channel::Output{b, *region, inode});
+  return *region;
 }
 
 int ShmChannels::open_channels() const {

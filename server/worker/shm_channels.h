@@ -105,6 +105,10 @@ class ShmChannels {
     std::vector<Output> outputs;
   };
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Channel `id` if `owner`'s: UNAVAILABLE when unknown (closed, lapsed),
+  // PERMISSION_DENIED for another owner's.
+  absl::StatusOr<Channel*> FindLocked(uint64_t id, const std::string& owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const absl::Duration idle_timeout_;
   const uint64_t max_region_bytes_;
