@@ -4,6 +4,7 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -179,9 +180,11 @@ class CpuBackend : public EmbeddingBackend {
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     absl::MutexLock lock(&mu_);
-    // Validate everything first.
+    // Everything but the ids first; those are checked as the kernels gather them (one
+    // pass over them, not two, and safe against ids that change meanwhile:
+    // ChecksIdsWhileGathering).
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
-    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAll,
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAllButIds,
                                            /*strided_outputs=*/true);
         !st.ok()) {
       return st;
@@ -195,8 +198,10 @@ class CpuBackend : public EmbeddingBackend {
     // ids prefetch rows another thread will gather. 256 against 64
     // measured +16-22% on narrow rows at 2 threads (docs/benchmarks.md).
     const int64_t grain = std::clamp<int64_t>(total / (2 * options_.num_threads), 64, 256);
+    std::atomic<bool> bad_id{false};
     pool_.ParallelFor(total, grain, [&](int64_t b, int64_t e) {
       size_t req = std::upper_bound(item_begin_.begin(), item_begin_.end(), b) - item_begin_.begin() - 1;
+      bool ok = true;
       for (int64_t item = b; item < e; ++item) {
         while (item >= item_begin_[req + 1]) ++req;
         const LookupRequest& r = requests[req];
@@ -215,19 +220,31 @@ class CpuBackend : public EmbeddingBackend {
           const char* ahead = reinterpret_cast<const char*>(out + kOutputAhead * stride);
           for (int64_t l = 0; l < dim * 4; l += 64) PrefetchForWrite(ahead + l);
         }
+        const uint64_t rows = static_cast<uint64_t>(s.spec.rows);
         if (f.pooling == Pooling::kNone) {
-          pool(out, s.weights.get(), row_bytes, &f.ids[local], nullptr, 1,
-               static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, s.lookup_prefetch);
+          ok &= pool(out, s.weights.get(), row_bytes, rows, &f.ids[local], nullptr, 1,
+                     static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, s.lookup_prefetch);
           continue;
         }
         const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
         const float scale = f.pooling == Pooling::kMean ? math::MeanScale(end - begin) : 1.0f;
-        pool(out, s.weights.get(), row_bytes, f.ids.data() + begin,
-             f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
-             static_cast<int64_t>(f.ids.size()) - begin, dim, scale, s.lookup_prefetch);
+        ok &= pool(out, s.weights.get(), row_bytes, rows, f.ids.data() + begin,
+                   f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
+                   static_cast<int64_t>(f.ids.size()) - begin, dim, scale, s.lookup_prefetch);
       }
+      if (!ok) bad_id.store(true, std::memory_order_relaxed);
     });
-    return absl::OkStatus();
+    if (!bad_id.load(std::memory_order_relaxed)) return absl::OkStatus();
+    // Name the bad id as validation does; if none is bad now, the ids
+    // changed while they were read (memory another process writes).
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAll,
+                                           /*strided_outputs=*/true);
+        !st.ok()) {
+      return st;
+    }
+    return absl::InvalidArgumentError(
+        "lookup: an id was out of range when its row was gathered but is in range now: the "
+        "ids changed during the call");
   }
 
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
@@ -403,6 +420,7 @@ class CpuBackend : public EmbeddingBackend {
 
   std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }
   bool WritesStridedOutputs() const override { return true; }
+  bool ChecksIdsWhileGathering() const override { return true; }
 
  private:
   // One id of a gradient request: its row, the gradient row it receives

@@ -3,7 +3,9 @@
 // give what serial ones give. Strided outputs against packed ones; the
 // lookups' prefetch distance.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -142,6 +144,60 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
                 static_cast<long>(out[1].size() / 2));  // initialised rows, not zeros
     }
   }
+}
+
+// Ids another thread rewrites during lookups (as a client may in a shared
+// region a worker reads in place): every lookup either succeeds or is
+// refused with INVALID_ARGUMENT, and none reads outside the shard. The bad
+// value is far past the table, so a read of it would fault. Bounded to
+// 300 ms of rewriting.
+TEST(CpuBackendTest, IdsRewrittenDuringALookupAreNeverReadOutsideTheShard) {
+  CpuBackendOptions o;
+  o.num_threads = 2;
+  auto be = CreateCpuBackend(o);
+  ASSERT_TRUE(be.ok()) << be.status();
+  const int64_t rows = 1000, dim = 64, bags = 512, pooling = 20;
+  auto shard = (*be)->CreateShard(ShardSpec{"t", rows, dim, 0, 0, rows});
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  std::vector<int64_t> lengths(bags, pooling), ids(bags * pooling);
+  std::mt19937_64 rng(7);
+  for (int64_t& id : ids) id = static_cast<int64_t>(rng() % rows);
+  std::vector<float> out(bags * dim), want(bags * dim);
+  const LookupRequest r{FeatureRequest{*shard, Pooling::kSum, lengths, ids, {}},
+                        absl::MakeSpan(out)};
+  const LookupRequest ref{FeatureRequest{*shard, Pooling::kSum, lengths, ids, {}},
+                          absl::MakeSpan(want)};
+  ASSERT_TRUE((*be)->Lookup({ref}).ok());
+
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::mt19937_64 wrng(8);
+    const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    while (std::chrono::steady_clock::now() < end) {
+      const size_t k = wrng() % ids.size();
+      const int64_t kept = ids[k];
+      __atomic_store_n(&ids[k], int64_t{1} << 40, __ATOMIC_RELAXED);
+      for (int spin = 0; spin < 200; ++spin) std::atomic_signal_fence(std::memory_order_seq_cst);
+      __atomic_store_n(&ids[k], kept, __ATOMIC_RELAXED);
+    }
+    stop = true;
+  });
+  int ok = 0, refused = 0;
+  while (!stop) {
+    const absl::Status st = (*be)->Lookup({r});
+    if (st.ok()) {
+      ++ok;
+    } else {
+      ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      ++refused;
+    }
+  }
+  writer.join();
+  EXPECT_GT(ok + refused, 0);
+  // The ids as they were: the rows as the first lookup gave them.
+  ASSERT_TRUE((*be)->Lookup({r}).ok());
+  EXPECT_EQ(out, want);
+  std::printf("%d lookups succeeded, %d refused while ids were rewritten\n", ok, refused);
 }
 
 TEST(CpuBackendTest, CreatingALargeShardDoesNotStallCallsOnOthers) {

@@ -18,10 +18,27 @@ using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float sc
 // k < n (weights == nullptr: all 1), rows at table + id * row_bytes.
 // Prefetches rows `prefetch` ids ahead into L1 and 2 * prefetch ahead into
 // the outer caches (0: none), reading ahead past the bag into the following
-// bags: ids[0, ids_avail) must be readable, ids_avail >= n. out is written, not accumulated; n == 0 writes zeros.
-using PoolFn = void (*)(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
-                        const float* weights, int64_t n, int64_t ids_avail, int64_t dim,
-                        float out_scale, int prefetch);
+// bags: ids[0, ids_avail) must be readable, ids_avail >= n. out is written,
+// not accumulated; n == 0 writes zeros.
+//
+// Ids are checked as they are gathered: each read once (a relaxed atomic
+// load, which the compiler may not repeat) and compared with `rows`; one
+// outside [0, rows) reads row 0 instead and makes the call return false.
+// So the kernel never reads outside the table, even when another process
+// rewrites the ids during the call (a channel's region). Returns true when
+// every id was in range.
+using PoolFn = bool (*)(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
+                        const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
+                        int64_t dim, float out_scale, int prefetch);
+
+// One id of a PoolFn, read once and checked: ids[k] when below `rows`,
+// else 0 with *bad set.
+inline uint64_t CheckedId(const int64_t* ids, int64_t k, uint64_t rows, bool* bad) {
+  const uint64_t id = static_cast<uint64_t>(__atomic_load_n(ids + k, __ATOMIC_RELAXED));
+  const bool in = id < rows;
+  *bad |= !in;
+  return in ? id : 0;
+}
 
 // out[0, dim) = a row stored as one weight type, as fp32 (exact: fp16 and
 // bf16 widen without loss). dim is a multiple of 4.

@@ -27,14 +27,17 @@ void AccScalar(float* acc, const void* row, int64_t dim, float scale) {
 }
 
 template <int T>
-void PoolScalar(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
-                const float* weights, int64_t n, int64_t /*ids_avail*/, int64_t dim,
-                float out_scale, int /*prefetch*/) {
+bool PoolScalar(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
+                const int64_t* ids, const float* weights, int64_t n, int64_t /*ids_avail*/,
+                int64_t dim, float out_scale, int /*prefetch*/) {
+  bool bad = false;
   for (int64_t c = 0; c < dim; ++c) out[c] = 0.0f;
   for (int64_t k = 0; k < n; ++k) {
-    AccScalar<T>(out, table + ids[k] * row_bytes, dim, weights == nullptr ? 1.0f : weights[k]);
+    AccScalar<T>(out, table + CheckedId(ids, k, rows, &bad) * row_bytes, dim,
+                 weights == nullptr ? 1.0f : weights[k]);
   }
   for (int64_t c = 0; c < dim; ++c) out[c] *= out_scale;
+  return !bad;
 }
 
 template <int T>

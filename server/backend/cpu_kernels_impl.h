@@ -37,12 +37,24 @@ inline void LoadRowPair(const uint8_t* row, int64_t col, typename O::Reg* lo,
 
 constexpr int kMaxNearPrefetch = 16;
 
+// Where row `id` would start, for a prefetch only: the ids ahead are not
+// checked yet (a prefetch never faults), so the address is worked out in
+// integers, where an id out of range wraps instead of overflowing.
+inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, int64_t id) {
+  return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(table) +
+                                       static_cast<uint64_t>(id) *
+                                           static_cast<uint64_t>(row_bytes));
+}
+
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
 // NR accumulators in registers across the bag's rows.
+// Ids are read once each and checked (CheckedId); returns false if one
+// was out of range.
 template <int T, int NR>
-inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
-                        const float* weights, int64_t n, int64_t ids_avail, int64_t col,
-                        float out_scale, int prefetch) {
+inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
+                        const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
+                        int64_t col, float out_scale, int prefetch) {
+  bool bad = false;
   typename Ops::Reg acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
   // The L1 stage stays within kMaxNearPrefetch ids, however far the outer
@@ -55,14 +67,13 @@ inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, con
     // Measured against the first line alone: +35-100% from memory, up to
     // +50% from the L3 (docs/benchmarks.md).
     if (prefetch > 0 && k + near < ids_avail) {
-      _mm_prefetch(reinterpret_cast<const char*>(table + ids[k + near] * row_bytes),
-                   _MM_HINT_T0);
+      _mm_prefetch(PrefetchAddress(table, row_bytes, ids[k + near]), _MM_HINT_T0);
       if (k + 2 * prefetch < ids_avail) {
-        const char* far = reinterpret_cast<const char*>(table + ids[k + 2 * prefetch] * row_bytes);
+        const char* far = PrefetchAddress(table, row_bytes, ids[k + 2 * prefetch]);
         for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
       }
     }
-    const uint8_t* row = table + ids[k] * row_bytes;
+    const uint8_t* row = table + CheckedId(ids, k, rows, &bad) * row_bytes;
     const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
     if (NR % 2 == 0) {
       for (int j = 0; j < NR; j += 2) {
@@ -79,42 +90,51 @@ inline void PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, con
   }
   const typename Ops::Reg scale = Ops::Set1(out_scale);
   for (int j = 0; j < NR; ++j) Ops::Store(out + col + j * Ops::kLanes, Ops::Mul(acc[j], scale));
+  return !bad;
 }
 
 // out[0, dim) = out_scale * sum_k w_k * row(ids[k]); blocks of 8, 4, 2, 1
 // registers, then a memory-accumulated tail of < kLanes columns.
 template <int T>
-void Pool(float* out, const uint8_t* table, int64_t row_bytes, const int64_t* ids,
+bool Pool(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows, const int64_t* ids,
           const float* weights, int64_t n, int64_t ids_avail, int64_t dim, float out_scale,
           int prefetch) {
   int64_t col = 0;
+  bool ok = true;
   constexpr int L = Ops::kLanes;
   for (; col + 8 * L <= dim; col += 8 * L) {
-    PoolColumns<T, 8>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    ok &= PoolColumns<T, 8>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+                            out_scale, prefetch);
     prefetch = 0;  // the first pass brought the rows in
   }
   if (col + 4 * L <= dim) {
-    PoolColumns<T, 4>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    ok &= PoolColumns<T, 4>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+                            out_scale, prefetch);
     prefetch = 0;
     col += 4 * L;
   }
   if (col + 2 * L <= dim) {
-    PoolColumns<T, 2>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    ok &= PoolColumns<T, 2>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+                            out_scale, prefetch);
     prefetch = 0;
     col += 2 * L;
   }
   if (col + L <= dim) {
-    PoolColumns<T, 1>(out, table, row_bytes, ids, weights, n, ids_avail, col, out_scale, prefetch);
+    ok &= PoolColumns<T, 1>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+                            out_scale, prefetch);
     col += L;
   }
   if (col < dim) {
     const int elem = T == 0 ? 4 : 2;
     float* tail = out + col;
+    bool bad = false;
     for (int64_t c = 0; c < dim - col; ++c) tail[c] = 0.0f;
     for (int64_t k = 0; k < n; ++k) {
-      Ops::Accumulate(T)(tail, table + ids[k] * row_bytes + col * elem, dim - col,
-                          weights == nullptr ? 1.0f : weights[k]);
+      Ops::Accumulate(T)(tail, table + CheckedId(ids, k, rows, &bad) * row_bytes + col * elem,
+                         dim - col, weights == nullptr ? 1.0f : weights[k]);
     }
     for (int64_t c = 0; c < dim - col; ++c) tail[c] *= out_scale;
+    ok &= !bad;
   }
+  return ok;
 }

@@ -90,8 +90,9 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
             for (float& w : weights) w = u(rng);
             const float scale = n == 0 ? 1.0f : 1.0f / n;
             std::vector<float> out(dim, 1e30f);
-            k->pool[type](out.data(), table.data(), dim * elem, ids.data(),
-                          weighted ? weights.data() : nullptr, n, n + 3, dim, scale, 3);
+            ASSERT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
+                                      weighted ? weights.data() : nullptr, n, n + 3, dim, scale,
+                                      3));
             for (int64_t c = 0; c < dim; ++c) {
               double want = 0;
               for (int64_t j = 0; j < n; ++j) {
@@ -104,6 +105,57 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// Ids are checked as they are gathered: one outside [0, rows) (negative,
+// rows, huge) makes the call return false and reads row 0 in its place,
+// never memory outside the table. The table here is exactly rows * dim
+// elements, so a read past it shows under the sanitizers too.
+TEST(CpuKernelsTest, IdsOutOfRangeAreCaughtAndNeverRead) {
+  const int64_t rows = 5;
+  for (const RowKernels* k : AvailableKernels()) {
+    SCOPED_TRACE(k->isa);
+    for (int type : {0, 1, 2}) {
+      for (int64_t dim : {4, 20, 64, 132, 260}) {
+        const int64_t elem = type == 0 ? 4 : 2;
+        std::vector<uint8_t> table(rows * dim * elem);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < dim; ++c) {
+            // Small integers: exact in fp32, fp16 and bf16 alike.
+            const float w = static_cast<float>(r + 1);
+            if (type == 0) {
+              std::memcpy(&table[(r * dim + c) * 4], &w, 4);
+            } else {
+              const uint16_t h = type == 1 ? FloatToFp16(w) : FloatToBf16(w);
+              std::memcpy(&table[(r * dim + c) * 2], &h, 2);
+            }
+          }
+        }
+        for (int64_t bad : {int64_t{-1}, rows, int64_t{1} << 40,
+                            std::numeric_limits<int64_t>::min()}) {
+          for (int64_t at : {0, 3, 6}) {
+            std::vector<int64_t> ids = {4, 2, 1, 3, 0, 4, 2};  // row r sums r + 1
+            const int64_t want_in = 5 + 3 + 2 + 4 + 1 + 5 + 3;
+            const float want = static_cast<float>(want_in - (ids[at] + 1) + 1);  // row 0 read
+            ids[at] = bad;
+            std::vector<float> out(dim, -1.0f);
+            EXPECT_FALSE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
+                                       nullptr, 7, 7, dim, 1.0f, 2))
+                << "type " << type << " dim " << dim << " bad id " << bad << " at " << at;
+            for (int64_t c = 0; c < dim; ++c) {
+              ASSERT_EQ(out[c], want) << "type " << type << " dim " << dim << " col " << c;
+            }
+          }
+        }
+        // In range, the same call says so.
+        std::vector<int64_t> ids = {4, 2, 1, 3, 0, 4, 2};
+        std::vector<float> out(dim);
+        EXPECT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(), nullptr,
+                                  7, 7, dim, 1.0f, 2));
+        EXPECT_EQ(out[0], 23.0f);
       }
     }
   }

@@ -314,11 +314,11 @@ absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows, const std::s
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": ", f.weights.size(), " weights for ", f.ids.size(), " ids"));
     }
-    if (checks == Checks::kAll) {
+    if (checks != Checks::kShapesOnly) {
       if (absl::Status s = CheckFinite(f.weights, what, "weights"); !s.ok()) return s;
     }
   }
-  if (checks == Checks::kShapesOnly) return absl::OkStatus();
+  if (checks != Checks::kAll) return absl::OkStatus();
   return CheckIds(f.ids, rows, what);
 }
 

@@ -41,8 +41,11 @@
 //
 // Errors: bad input (unknown shard, id out of range or negative, lengths
 // that do not sum to the ids, weight count mismatch, gradient of the wrong
-// shape, NaN/Inf in per-id weights, gradients or imported rows) returns INVALID_ARGUMENT / NOT_FOUND and changes nothing: every
-// request of a call is validated before anything is written.
+// shape, NaN/Inf in per-id weights, gradients or imported rows) returns
+// INVALID_ARGUMENT / NOT_FOUND and changes nothing: every request of a call
+// is validated before anything is written, except the ids of a lookup in a
+// backend that checks them as it gathers (ChecksIdsWhileGathering), which
+// may have written parts of the outputs when it refuses a bad id.
 #ifndef EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 #define EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 
@@ -161,6 +164,13 @@ class EmbeddingBackend {
   // Whether Lookup takes a non-zero output_stride (rows written into a
   // wider matrix); false: outputs must be packed.
   virtual bool WritesStridedOutputs() const { return false; }
+  // Whether Lookup checks each id as it gathers its row, reading it once,
+  // and never reads outside a shard whatever the ids hold: the ids may then
+  // lie in memory another process writes during the call (a worker reads
+  // them in place in a channel's region). Lengths and weights counts are
+  // still checked first, and must not change. False: the ids are checked
+  // before anything runs and must hold still until the call returns.
+  virtual bool ChecksIdsWhileGathering() const { return false; }
 
   // Fused backward + optimizer: duplicate rows (within and across requests
   // of one shard) are merged and each touched row is updated once.
@@ -202,8 +212,9 @@ absl::Status ValidateShardSpec(const ShardSpec& spec);
 // passes over every value (ids in range, weights and gradients finite) for a
 // caller that checks those itself before anything is applied (the CUDA
 // backend does while it copies them into staging: one pass over the bytes
-// instead of two).
-enum class Checks { kAll, kShapesOnly };
+// instead of two). kAllButIds leaves out the ids alone, for a backend whose
+// lookup kernels check each id as they gather its row (the CPU backend).
+enum class Checks { kAll, kShapesOnly, kAllButIds };
 
 // Checks one feature request against a shard of `rows` rows: lengths >= 0
 // summing to ids.size() (CheckLengths), ids in [0, rows) (CheckIds), weights
@@ -332,7 +343,7 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
         !s.ok()) {
       return s;
     }
-    if (checks == Checks::kAll) {
+    if (checks != Checks::kShapesOnly) {
       if (absl::Status s = CheckInputFloats(requests[i], what); !s.ok()) return s;
     }
   }

@@ -143,10 +143,12 @@ bool InChannel(const ember::v1::ShardFeature& f) {
 }
 
 // Copies a feature's arrays out of a channel's region into its bytes
-// fields: inputs are never read in place, where the client could change
-// them after they are checked.
+// fields: inputs checked before use are never read in place, where the
+// client could change them after they are checked. `lengths_only`: its ids
+// and weights stay in the region, for a lookup whose backend checks each
+// id as it reads it (DecodeFeature views them there).
 absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
-                    ember::v1::ShardFeature* f) {
+                    ember::v1::ShardFeature* f, bool lengths_only = false) {
   struct Array {
     const ember::v1::ShmSlice& slice;
     std::string* bytes;
@@ -156,7 +158,7 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
   for (const Array& a : {Array{f->shm_lengths(), f->mutable_lengths(), 8, "lengths"},
                          Array{f->shm_ids(), f->mutable_ids(), 8, "ids"},
                          Array{f->shm_weights(), f->mutable_weights(), 4, "weights"}}) {
-    if (a.slice.size() == 0) continue;
+    if (a.slice.size() == 0 || (lengths_only && a.bytes != f->mutable_lengths())) continue;
     if (!a.bytes->empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": ", a.name, " given both inline and in the channel"));
@@ -166,8 +168,30 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
     a.bytes->assign(bytes->data(), bytes->size());
   }
   f->clear_shm_lengths();
+  if (lengths_only) return absl::OkStatus();
   f->clear_shm_ids();
   f->clear_shm_weights();
+  return absl::OkStatus();
+}
+
+// One of a feature's arrays: its bytes field, or its slice of `region`
+// (when given and the slice is set), viewed in place.
+template <typename T>
+absl::Status ViewArray(const std::string& bytes, const ember::v1::ShmSlice& slice,
+                       const ShmChannels::Region* region, const char* name,
+                       std::vector<T>* scratch, absl::Span<const T>* out) {
+  if (region == nullptr || slice.size() == 0) return wire::View(bytes, name, scratch, out);
+  if (!bytes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " given both inline and in the channel"));
+  }
+  auto in = region->Bytes(slice, sizeof(T), name);
+  if (!in.ok()) return in.status();
+  if (in->size() % sizeof(T) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", in->size(), " bytes is not a whole number of ", sizeof(T),
+                     "-byte values"));
+  }
+  *out = absl::Span<const T>(reinterpret_cast<const T*>(in->data()), in->size() / sizeof(T));
   return absl::OkStatus();
 }
 
@@ -242,7 +266,8 @@ absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::FindShard(
 
 absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeature& f,
                                           const std::string* grad, int64_t* cols, Decoded* out,
-                                          int64_t* skipped) const {
+                                          int64_t* skipped,
+                                          const ShmChannels::Region* region) const {
   auto shard = FindShard(c, f.shard());
   if (!shard.ok()) return shard.status();
   const std::string what = absl::StrCat("feature '", f.feature(), "' (", RefString(f.shard()), ")");
@@ -250,10 +275,13 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   if (absl::Status s = wire::View(f.lengths(), "lengths", &out->lengths, &r.lengths); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
-  if (absl::Status s = wire::View(f.ids(), "ids", &out->ids, &r.ids); !s.ok()) {
+  if (absl::Status s = ViewArray(f.ids(), f.shm_ids(), region, "ids", &out->ids, &r.ids);
+      !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
-  if (absl::Status s = wire::View(f.weights(), "weights", &out->weights, &r.weights); !s.ok()) {
+  if (absl::Status s =
+          ViewArray(f.weights(), f.shm_weights(), region, "weights", &out->weights, &r.weights);
+      !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
   if (grad != nullptr) {
@@ -268,8 +296,8 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
     if (absl::Status s = DropNonFinite(*cols, what, out, skipped); !s.ok()) return s;
   }
   // Shape checks before any buffer is sized from the request. A lookup's
-  // ids are checked by the backend, which validates every request before
-  // anything runs (embedding_backend.h): one pass over them, not two. An
+  // ids are checked by the backend, before anything runs or as it gathers
+  // them (embedding_backend.h): one pass over them, not two. An
   // update's are checked here too, as parts already applied never reach the
   // backend and the whole request is still refused when one is bad.
   return backend::ValidateFeature(out->request, (*shard)->assignment.rows(), what,
@@ -539,8 +567,12 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("lookup");
   if (!call.ok()) return ToGrpc(call.status());
-  // Through a channel: the inputs copied out of its region first, the
-  // outputs written into it.
+  // Through a channel: the outputs written into its region, the lengths
+  // copied out of it first, and the ids and weights too unless the backend
+  // checks each id as it gathers its row (then read in place: a client
+  // that rewrites them during the call gets wrong rows of its own table
+  // or a refusal, never a read outside the shard).
+  const bool ids_in_place = backend_->ChecksIdsWhileGathering();
   std::shared_ptr<const ShmChannels::Region> region;
   ReusedCopy<ember::v1::WorkerLookupRequest> reused;
   ember::v1::WorkerLookupRequest& copied = *reused.get();
@@ -554,7 +586,8 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     }
     copied = *req;
     for (int i = 0; i < copied.features_size(); ++i) {
-      if (absl::Status s = CopyIn(*region, absl::StrCat("feature ", i), copied.mutable_features(i));
+      if (absl::Status s = CopyIn(*region, absl::StrCat("feature ", i), copied.mutable_features(i),
+                                  /*lengths_only=*/ids_in_place);
           !s.ok()) {
         return ToGrpc(s);
       }
@@ -592,7 +625,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   int64_t total_bytes = 0;
   for (int i = 0; i < n; ++i) {
     if (absl::Status s = DecodeFeature(**c, req->features(i), nullptr, &cols[i], &decoded[i],
-                                       nullptr);
+                                       nullptr, ids_in_place ? region.get() : nullptr);
         !s.ok()) {
       return ToGrpc(s);
     }

@@ -150,10 +150,12 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   // Views f's arrays (and, with `grad`, the gradient's) and checks them
   // against the shard. With skip_nonfinite and a gradient, what NaN/Inf
-  // touches is left out first (counted in *skipped).
+  // touches is left out first (counted in *skipped). With `region`, ids and
+  // weights f names in it are viewed there, in place (lookups only).
   absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f,
                              const std::string* grad, int64_t* cols, Decoded* out,
-                             int64_t* skipped) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+                             int64_t* skipped, const ShmChannels::Region* region = nullptr) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // NOT_FOUND unless this worker holds the collection.
   absl::StatusOr<Collection*> HeldCollection(const std::string& name) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <fstream>
 #include <string>
 #include <cmath>
@@ -34,21 +35,41 @@ namespace {
 
 using ember::v1::TableConfig;
 
-// The CPU backend as one that writes packed outputs only (the CUDA
-// backend's kind).
+// The CPU backend as one that writes packed outputs only and checks ids
+// before its kernels run (the CUDA backend's kind).
 class PackedOutputsBackend : public backend::ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   bool WritesStridedOutputs() const override { return false; }
+  bool ChecksIdsWhileGathering() const override { return false; }
 };
 
-std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so, bool packed_only = false) {
+// A backend that runs `hook` as each lookup starts (a client writing its
+// region while a worker serves the call).
+class HookedBackend : public backend::ForwardingBackend {
+ public:
+  HookedBackend(std::unique_ptr<backend::EmbeddingBackend> b, std::function<void()> hook)
+      : ForwardingBackend(std::move(b)), hook_(std::move(hook)) {}
+  absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override {
+    hook_();
+    return ForwardingBackend::Lookup(r);
+  }
+
+ private:
+  const std::function<void()> hook_;
+};
+
+// A worker holding collection "c" at epoch 1: tables "t" (SUM) and "s"
+// (NONE), 4 rows of 4 columns, all zero, SGD at rate 1.
+std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so, bool packed_only = false,
+                                           std::function<void()> before_lookup = nullptr) {
   backend::CpuBackendOptions o;
   o.memory_limit_bytes = 1 << 20;
   auto b = backend::CreateCpuBackend(o);
   EXPECT_TRUE(b.ok()) << b.status();
   std::unique_ptr<backend::EmbeddingBackend> be = std::move(*b);
   if (packed_only) be = std::make_unique<PackedOutputsBackend>(std::move(be));
+  if (before_lookup) be = std::make_unique<HookedBackend>(std::move(be), std::move(before_lookup));
   auto s = std::make_unique<WorkerService>(std::move(be), so);
   ember::v1::CreateShardsRequest req;
   req.set_collection("c");
@@ -850,6 +871,88 @@ TEST(WorkerServiceTest, OutputsArePlacedInTheClientsBufferOrGoThroughTheChannel)
 
 TEST(WorkerServiceTest, PackedOutputBackendsGetTheirOutputsPlacedToo) {
   PlacedOutputs(/*packed_only=*/true);
+}
+
+// A lookup through a channel reads its ids in place when the backend checks
+// them as it gathers (the CPU backend), and a copy otherwise: a client that
+// rewrites an id in its region after sending the call changes the rows the
+// first one reads, not the second. An id rewritten out of range is refused
+// (INVALID_ARGUMENT), never read.
+void IdsRewrittenDuringALookup(bool packed_only) {
+  TestRegion region(1 << 16);
+  int64_t rewrite = -1;  // the value the "client" writes over ids[2]; -1: none
+  auto s = MakeService(WorkerServiceOptions(), packed_only, [&] {
+    if (rewrite >= 0) std::memcpy(region.base + 64 + 2 * 8, &rewrite, 8);
+  });
+  // Row r of table "t" holds r + 1 in every column: SGD at rate 1 from 0.
+  ember::v1::WorkerApplyGradientsRequest up;
+  up.set_collection("c");
+  up.set_epoch(1);
+  up.set_request_id("rows");
+  auto* g = up.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1, 1, 1, 1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 2, 3}));
+  std::vector<float> grad;
+  for (int r = 0; r < 4; ++r) grad.insert(grad.end(), 4, -(r + 1.0f));
+  g->set_grad(wire::Encode<float>(grad));
+  ember::v1::WorkerApplyGradientsResponse ur;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());
+
+  ember::v1::OpenChannelRequest open;
+  open.set_shm_name(region.name);
+  open.set_size(1 << 16);
+  ember::v1::OpenChannelResponse opened;
+  ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
+  uint64_t seq = 0;
+  // Bags {0, 1} and {3}, as sent.
+  auto lookup = [&](int64_t rewritten, std::vector<float>* got) {
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.set_channel_id(opened.channel_id());
+    req.set_channel_seq(++seq);
+    region.Put(std::vector<int64_t>{2, 1}, 0, req.mutable_features(0)->mutable_shm_lengths());
+    region.Put(std::vector<int64_t>{0, 1, 3}, 64, req.mutable_features(0)->mutable_shm_ids());
+    auto* out = req.add_shm_outputs();
+    out->set_offset(1024);
+    out->set_size(8 * 4);
+    rewrite = rewritten;
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
+    got->assign(8, 0.0f);
+    std::memcpy(got->data(), region.base + 1024, 32);
+    return st;
+  };
+  const std::vector<float> first_bag(4, 1.0f + 2.0f);
+  auto bags = [&](float second) {
+    std::vector<float> want = first_bag;
+    want.insert(want.end(), 4, second);
+    return want;
+  };
+  std::vector<float> got;
+  ASSERT_TRUE(lookup(-1, &got).ok());
+  EXPECT_EQ(got, bags(4.0f));
+  // Rewritten to row 2 (value 3) during the call.
+  ASSERT_TRUE(lookup(2, &got).ok());
+  EXPECT_EQ(got, bags(packed_only ? 4.0f : 3.0f)) << (packed_only ? "copied" : "in place");
+  // Rewritten out of range: the copy never sees it; read in place, it is
+  // refused.
+  const grpc::Status st = lookup(int64_t{1} << 40, &got);
+  if (packed_only) {
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(got, bags(4.0f));
+  } else {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("1099511627776"), std::string::npos) << st.error_message();
+  }
+}
+
+TEST(WorkerServiceTest, LookupIdsAreReadInPlaceWhenTheBackendChecksThemAsItGathers) {
+  IdsRewrittenDuringALookup(/*packed_only=*/false);
+}
+
+TEST(WorkerServiceTest, LookupIdsAreCopiedForABackendThatChecksThemFirst) {
+  IdsRewrittenDuringALookup(/*packed_only=*/true);
 }
 
 // A channel's region handed over as a memfd (the client's first choice on
