@@ -47,7 +47,8 @@ absl::StatusOr<const ListValue*> List(const Struct& s, const char* name, bool re
   return &it->second.list_value();
 }
 
-absl::Status Ints(const ListValue& l, const char* name, std::vector<int64_t>* out) {
+template <typename Vector>  // of int64_t
+absl::Status Ints(const ListValue& l, const char* name, Vector* out) {
   for (int i = 0; i < l.values_size(); ++i) {
     const Value& v = l.values(i);
     if (v.kind_case() != Value::kNumberValue || std::floor(v.number_value()) != v.number_value() ||

@@ -12,7 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "client/output_buffer.h"
+#include "client/shared_buffer.h"
 #include "client/transport.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
@@ -714,7 +714,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   for (size_t i = 0; i < jobs->size(); ++i) {
     const FeatureJob& j = (*jobs)[i];
     if (j.sequence || j.table->row_split || j.batch == 0) continue;
-    shared[i] = OutputBuffers::Global().Find(
+    shared[i] = SharedBuffers::Global().Find(
         j.out, ((j.batch - 1) * j.out_stride + j.dim) * sizeof(float));
   }
   std::optional<SharedBufferInfo> placed_in;  // the buffer any call was asked to write
@@ -780,7 +780,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     (void)fan.WaitAll();
     if (EndCalls(fan, &transports) && placed_in.has_value()) {
       // A worker whose call ended unconfirmed may still write into it.
-      OutputBuffers::Global().Poison(placed_in->base + OutputBuffers::kHeaderBytes);
+      SharedBuffers::Global().Poison(placed_in->base + SharedBuffers::kHeaderBytes);
       if (poisoned != nullptr) *poisoned = true;
     }
     if (absl::IsInvalidArgument(s)) {

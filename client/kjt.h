@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "client/output_buffer.h"
+#include "client/shared_buffer.h"
 
 namespace ember {
 namespace client {
@@ -53,7 +53,10 @@ struct KeyedTensorView {
 struct KeyedJaggedTensor {
   std::vector<std::string> keys;
   std::vector<int64_t> lengths;
-  std::vector<int64_t> values;
+  // A std::vector<int64_t> whose resize does not zero and whose large
+  // buffers a worker on this host can read the ids from in place
+  // (shared_buffer.h).
+  IdBuffer values;
   std::vector<float> weights;
 
   // From per-key jagged lists: ids[k][b] is the bag of key k, sample b

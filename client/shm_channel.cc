@@ -14,7 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/output_buffer.h"
+#include "client/shared_buffer.h"
 #include "server/common/grpc_util.h"
 
 namespace ember {

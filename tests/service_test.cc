@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/inprocess.h"
-#include "client/output_buffer.h"
+#include "client/shared_buffer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/plan_format.h"
@@ -93,7 +93,7 @@ class ServiceTest : public ::testing::TestWithParam<Mode> {
   static void SetUpTestSuite() {
     // Every KeyedTensor of a page or more in shared memory: the tests'
     // small lookups take the placed-output path too.
-    client::OutputBuffers::Global().set_shared_min_bytes(client::OutputBuffers::kFloorBytes);
+    client::SharedBuffers::Global().set_shared_min_bytes(client::SharedBuffers::kFloorBytes);
     const std::string dir = absl::StrCat(::testing::TempDir(), "/service_test_shm_", getpid());
     std::filesystem::create_directories(dir);
     shm_dir_ = new std::string(std::filesystem::canonical(dir).string());  // as /proc shows it
@@ -211,7 +211,7 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   for (int pid : cluster_->worker_pids()) {
     EXPECT_EQ(ShmHeld(pid, RegionPrefix()), 0)
         << "worker " << pid << " kept a closed channel's region";
-    EXPECT_EQ(ShmHeld(pid, "memfd:ember-output"), 0)
+    EXPECT_EQ(ShmHeld(pid, "memfd:ember-buffer"), 0)
         << "worker " << pid << " kept a closed channel's output buffer mapped";
   }
 }
@@ -577,7 +577,7 @@ TEST_P(ServiceTest, StaleEpochRefreshesThePlan) {
 // A separate 3-worker cluster: row-wise and column-wise over 3 workers, then
 // a worker is killed: clients get UNAVAILABLE within the deadline.
 TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
-  client::OutputBuffers::Global().set_shared_min_bytes(client::OutputBuffers::kFloorBytes);
+  client::SharedBuffers::Global().set_shared_min_bytes(client::SharedBuffers::kFloorBytes);
   testing_util::LocalCluster cluster(kEmberctl, 3);
   ASSERT_TRUE(cluster.ok());
   ASSERT_EQ(cluster.worker_pids().size(), 3u);
@@ -603,7 +603,7 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   const KeyedJaggedTensor wide = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 64, false);
   client::KeyedTensor kept;
   ASSERT_TRUE((*c)->Lookup("kept", wide, &kept).ok());
-  auto kept_buffer = client::OutputBuffers::Global().Find(kept.values.data(), 4);
+  auto kept_buffer = client::SharedBuffers::Global().Find(kept.values.data(), 4);
   ASSERT_TRUE(kept_buffer.has_value());
   kill(cluster.worker_pids()[1], SIGKILL);
   const absl::Time start = absl::Now();
@@ -613,7 +613,7 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   // The failed lookup's buffer is let go (the workers that answered may
   // not be the only writers): the kept KeyedTensor holds another.
   EXPECT_EQ((*c)->Lookup("kept", wide, &kept).code(), absl::StatusCode::kUnavailable);
-  auto now_buffer = client::OutputBuffers::Global().Find(kept.values.data(), 4);
+  auto now_buffer = client::SharedBuffers::Global().Find(kept.values.data(), 4);
   EXPECT_TRUE(!now_buffer.has_value() || now_buffer->id != kept_buffer->id);
   // A failed update applies nothing and leaves nothing behind either.
   EXPECT_EQ((*c)->ApplyGradients("kill", kjt, *first).code(), absl::StatusCode::kUnavailable);

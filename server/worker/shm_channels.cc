@@ -37,7 +37,7 @@ absl::StatusOr<absl::Span<char>> ShmChannels::Region::Bytes(const ember::v1::Shm
 namespace {
 
 // Whether descriptor link `path` (a /proc/.../fd/N) names a memfd called
-// exactly `name`: "/memfd:ember-output (deleted)".
+// exactly `name`: "/memfd:ember-buffer (deleted)".
 bool IsMemfd(const std::string& path, const std::string& name) {
   char target[128];
   const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
@@ -92,7 +92,7 @@ bool StillOpen(int64_t pid, int fd, ino_t inode) {
 }
 
 // Maps `size` bytes of `fd` (closed here) read-write, as `what` ("shared
-// memory '...'", "output buffer ..."): RESOURCE_EXHAUSTED when it cannot,
+// memory '...'", "shared buffer ..."): RESOURCE_EXHAUSTED when it cannot,
 // FAILED_PRECONDITION (`why_else` said after) when its first 8 bytes are
 // not `nonce`, so not the client's.
 absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> MapWithNonce(
@@ -113,7 +113,7 @@ absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> MapWithNonce(
   return std::make_shared<const ShmChannels::Region>(static_cast<char*>(base), size);
 }
 
-bool SameBuffer(const ember::v1::OutputBuffer& a, const ember::v1::OutputBuffer& b) {
+bool SameBuffer(const ember::v1::SharedBuffer& a, const ember::v1::SharedBuffer& b) {
   return a.id() == b.id() && a.pid() == b.pid() && a.fd() == b.fd() && a.size() == b.size() &&
          a.nonce() == b.nonce();
 }
@@ -243,45 +243,45 @@ absl::StatusOr<ShmChannels::Channel*> ShmChannels::FindLocked(uint64_t id,
   return &it->second;
 }
 
-absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapOutput(
-    uint64_t id, const std::string& owner, const ember::v1::OutputBuffer& b) {
+absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::MapBuffer(
+    uint64_t id, const std::string& owner, const ember::v1::SharedBuffer& b) {
   {
     absl::MutexLock lock(&mu_);
     auto ch = FindLocked(id, owner);
     if (!ch.ok()) return ch.status();
-    auto& outputs = (*ch)->outputs;
+    auto& buffers = (*ch)->buffers;
     // Buffers the client has let go are unmapped here, not kept until the
     // LRU or the channel drops them (the mapping would keep their memory).
-    outputs.erase(std::remove_if(outputs.begin(), outputs.end(),
-                                 [](const Channel::Output& o) {
+    buffers.erase(std::remove_if(buffers.begin(), buffers.end(),
+                                 [](const Channel::Buffer& o) {
                                    return !StillOpen(o.buffer.pid(), o.buffer.fd(), o.inode);
                                  }),
-                  outputs.end());
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (!SameBuffer(outputs[i].buffer, b)) continue;
-      Channel::Output hit = std::move(outputs[i]);  // now the most recently used
-      outputs.erase(outputs.begin() + i);
-      outputs.push_back(hit);
+                  buffers.end());
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (!SameBuffer(buffers[i].buffer, b)) continue;
+      Channel::Buffer hit = std::move(buffers[i]);  // now the most recently used
+      buffers.erase(buffers.begin() + i);
+      buffers.push_back(hit);
       return hit.region;
     }
   }
   const uint64_t size = b.size();
   if (size < 8192 || size > max_region_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("output buffer size ", size,
+    return absl::InvalidArgumentError(absl::StrCat("shared buffer size ", size,
                                                    " is outside [8192, ", max_region_bytes_, "]"));
   }
   ino_t inode;
-  auto opened = OpenClientMemfd(b.pid(), b.fd(), "ember-output", size, "output buffer", &inode);
+  auto opened = OpenClientMemfd(b.pid(), b.fd(), "ember-buffer", size, "shared buffer", &inode);
   if (!opened.ok()) return opened.status();
   auto region = MapWithNonce(*opened, size, b.nonce(),
-                             absl::StrCat("output buffer /proc/", b.pid(), "/fd/", b.fd()), "");
+                             absl::StrCat("shared buffer /proc/", b.pid(), "/fd/", b.fd()), "");
   if (!region.ok()) return region.status();
   absl::MutexLock lock(&mu_);
   auto ch = FindLocked(id, owner);
   if (!ch.ok()) return ch.status();
-  auto& outputs = (*ch)->outputs;
-  if (static_cast<int>(outputs.size()) >= kMaxOutputs) outputs.erase(outputs.begin());
-  outputs.push_back(Channel::Output{b, *region, inode});
+  auto& buffers = (*ch)->buffers;
+  if (static_cast<int>(buffers.size()) >= kMaxBuffers) buffers.erase(buffers.begin());
+  buffers.push_back(Channel::Buffer{b, *region, inode});
   return *region;
 }
 

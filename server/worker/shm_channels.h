@@ -74,18 +74,18 @@ class ShmChannels {
   absl::StatusOr<std::shared_ptr<const Region>> Use(uint64_t id, const std::string& owner,
                                                     uint64_t seq);
 
-  // The client's output buffer `b` (WorkerLookupRequest.out_buffer) for
-  // channel `id`: mapped on first use and kept (up to kMaxOutputs per
+  // The client's shared buffer `b` (WorkerLookupRequest.out_buffer or
+  // id_buffer) for channel `id`: mapped on first use and kept (up to kMaxBuffers per
   // channel, the least recently used unmapped past that, and any the
   // client has closed unmapped at the next call), nothing in it read but
   // the nonce. FAILED_PRECONDITION when it cannot be opened through
   // /proc/<pid>/fd/<fd> or is not the client's buffer (a memfd named
-  // "ember-output", sealed against shrinking, holding the nonce),
+  // "ember-buffer", sealed against shrinking, holding the nonce),
   // INVALID_ARGUMENT for a size outside [8 KiB, max_region_bytes], and as
   // Use for the channel.
-  static constexpr int kMaxOutputs = 8;
-  absl::StatusOr<std::shared_ptr<const Region>> MapOutput(uint64_t id, const std::string& owner,
-                                                          const ember::v1::OutputBuffer& b);
+  static constexpr int kMaxBuffers = 16;
+  absl::StatusOr<std::shared_ptr<const Region>> MapBuffer(uint64_t id, const std::string& owner,
+                                                          const ember::v1::SharedBuffer& b);
 
   int open_channels() const;
   absl::Duration idle_timeout() const { return idle_timeout_; }
@@ -96,13 +96,13 @@ class ShmChannels {
     std::string owner;
     absl::Time last_used;
     uint64_t last_seq = 0;  // of the latest transfer it served
-    // Mapped output buffers, least recently used first.
-    struct Output {
-      ember::v1::OutputBuffer buffer;
+    // Mapped shared buffers, least recently used first.
+    struct Buffer {
+      ember::v1::SharedBuffer buffer;
       std::shared_ptr<const Region> region;
       ino_t inode;  // of the memfd: gone from /proc/<pid>/fd/<fd>, the client let it go
     };
-    std::vector<Output> outputs;
+    std::vector<Buffer> buffers;
   };
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Channel `id` if `owner`'s: UNAVAILABLE when unknown (closed, lapsed),

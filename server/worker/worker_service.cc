@@ -508,7 +508,7 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
 
 namespace {
 
-// An output buffer's header (OutputBuffer in proto/service.proto): no
+// An output buffer's header (SharedBuffer in proto/service.proto): no
 // placement writes there.
 constexpr uint64_t kOutputHeaderBytes = 4096;
 
@@ -609,7 +609,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
           req->features_size(), " feature(s) but ", req->placements_size(), " placement(s)")));
     }
-    auto mapped = channels_.MapOutput(req->channel_id(), OwnerOf(ctx), req->out_buffer());
+    auto mapped = channels_.MapBuffer(req->channel_id(), OwnerOf(ctx), req->out_buffer());
     if (mapped.ok()) {
       out_region = *std::move(mapped);
     } else {

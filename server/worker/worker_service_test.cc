@@ -641,10 +641,10 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
 }
 
 // A client output buffer as client/output_buffer.cc makes one: a memfd
-// named "ember-output" (or `name`), sealed against shrinking (unless not
+// named "ember-buffer" (or `name`), sealed against shrinking (unless not
 // `sealed`), its first 8 bytes the nonce. Every float starts at -1.
-struct TestOutputBuffer {
-  explicit TestOutputBuffer(size_t bytes, bool sealed = true, const char* name = "ember-output")
+struct TestSharedBuffer {
+  explicit TestSharedBuffer(size_t bytes, bool sealed = true, const char* name = "ember-buffer")
       : size(bytes) {
     fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     EXPECT_GE(fd, 0);
@@ -657,12 +657,12 @@ struct TestOutputBuffer {
     nonce = 0x5eed0000u + static_cast<uint64_t>(fd);
     std::memcpy(base, &nonce, sizeof(nonce));
   }
-  ~TestOutputBuffer() {
+  ~TestSharedBuffer() {
     munmap(base, size);
     close(fd);
   }
-  ember::v1::OutputBuffer Proto(uint64_t id) const {
-    ember::v1::OutputBuffer b;
+  ember::v1::SharedBuffer Proto(uint64_t id) const {
+    ember::v1::SharedBuffer b;
     b.set_id(id);
     b.set_pid(getpid());
     b.set_fd(fd);
@@ -687,7 +687,7 @@ int OutputMappings() {
   std::ifstream maps("/proc/self/maps");
   int n = 0;
   for (std::string line; std::getline(maps, line);) {
-    if (line.find("memfd:ember-output") != std::string::npos) ++n;
+    if (line.find("memfd:ember-buffer") != std::string::npos) ++n;
   }
   return n;
 }
@@ -736,7 +736,7 @@ void PlacedOutputs(bool packed_only) {
   slice->set_offset(1024);
   slice->set_size(8 * 4);
   const int own = OutputMappings();
-  TestOutputBuffer buf(3 * 4096);
+  TestSharedBuffer buf(3 * 4096);
   ASSERT_EQ(OutputMappings(), own + 1);
   *req.mutable_out_buffer() = buf.Proto(1);
   auto* p = req.add_placements();
@@ -776,9 +776,9 @@ void PlacedOutputs(bool packed_only) {
   EXPECT_EQ(OutputMappings(), own + 2);
 
   // Buffers the worker does not map: served through the slice.
-  TestOutputBuffer unsealed(3 * 4096, /*sealed=*/false);
-  TestOutputBuffer other_name(3 * 4096, true, "not-ember");
-  std::vector<std::pair<std::string, ember::v1::OutputBuffer>> untrusted = {
+  TestSharedBuffer unsealed(3 * 4096, /*sealed=*/false);
+  TestSharedBuffer other_name(3 * 4096, true, "not-ember");
+  std::vector<std::pair<std::string, ember::v1::SharedBuffer>> untrusted = {
       {"unsealed", unsealed.Proto(2)}, {"another memfd", other_name.Proto(3)}};
   untrusted.push_back({"wrong nonce", buf.Proto(4)});
   untrusted.back().second.set_nonce(buf.nonce + 1);
@@ -838,17 +838,17 @@ void PlacedOutputs(bool packed_only) {
   ASSERT_TRUE(lookup(r, &resp).ok());
   EXPECT_TRUE(slice_holds(want));
 
-  // At most kMaxOutputs buffers mapped per channel; none once it closes.
-  std::vector<std::unique_ptr<TestOutputBuffer>> many;
-  for (int i = 0; i < ShmChannels::kMaxOutputs + 3; ++i) {
-    many.push_back(std::make_unique<TestOutputBuffer>(2 * 4096));
+  // At most kMaxBuffers buffers mapped per channel; none once it closes.
+  std::vector<std::unique_ptr<TestSharedBuffer>> many;
+  for (int i = 0; i < ShmChannels::kMaxBuffers + 3; ++i) {
+    many.push_back(std::make_unique<TestSharedBuffer>(2 * 4096));
     r = req;
     *r.mutable_out_buffer() = many.back()->Proto(100 + i);
     ASSERT_TRUE(lookup(r, &resp).ok());
     EXPECT_TRUE(resp.placed());
   }
   const int mine = own + 2 + static_cast<int>(many.size());  // buf, unsealed, many
-  EXPECT_EQ(OutputMappings(), mine + ShmChannels::kMaxOutputs);
+  EXPECT_EQ(OutputMappings(), mine + ShmChannels::kMaxBuffers);
   // A buffer the client closes is unmapped at the worker's next call (not
   // when the LRU gets to it: it is the most recently used).
   const std::string gone = " " + std::to_string(many.back()->inode()) + " ";
@@ -961,7 +961,7 @@ TEST(WorkerServiceTest, LookupIdsAreCopiedForABackendThatChecksThemFirst) {
 // does later), holding the nonce; it then serves like a named one.
 TEST(WorkerServiceTest, ChannelsOverAMemfdMustBeSealedAndTheClients) {
   auto s = MakeService(false);
-  auto open_of = [](const TestOutputBuffer& m) {
+  auto open_of = [](const TestSharedBuffer& m) {
     ember::v1::OpenChannelRequest req;
     req.set_pid(getpid());
     req.set_memfd(m.fd);
@@ -976,9 +976,9 @@ TEST(WorkerServiceTest, ChannelsOverAMemfdMustBeSealedAndTheClients) {
     EXPECT_EQ(st.error_code(), code) << why << ": " << st.error_message();
     EXPECT_NE(st.error_message().find(why), std::string::npos) << st.error_message();
   };
-  TestOutputBuffer good(1 << 16, true, "ember-channel");
-  TestOutputBuffer unsealed(1 << 16, false, "ember-channel");
-  TestOutputBuffer other(1 << 16, true, "ember-output");
+  TestSharedBuffer good(1 << 16, true, "ember-channel");
+  TestSharedBuffer unsealed(1 << 16, false, "ember-channel");
+  TestSharedBuffer other(1 << 16, true, "ember-buffer");
   refused(open_of(unsealed), grpc::StatusCode::FAILED_PRECONDITION, "sealed against shrinking");
   refused(open_of(other), grpc::StatusCode::FAILED_PRECONDITION, "not a memfd named ember-channel");
   ember::v1::OpenChannelRequest r = open_of(good);

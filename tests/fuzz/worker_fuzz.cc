@@ -97,9 +97,9 @@ FuzzChannel OpenFuzzChannel(WorkerService* s) {
 // A client output buffer the service can map (a sealed memfd, as
 // client/output_buffer.cc makes): lookups through the channel name it with
 // the fuzzer's placements.
-ember::v1::OutputBuffer MakeOutputBuffer() {
+ember::v1::SharedBuffer MakeSharedBuffer() {
   const uint64_t size = 1 << 16;
-  const int fd = memfd_create("ember-output", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  const int fd = memfd_create("ember-buffer", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0 || ftruncate(fd, size) != 0 ||
       fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     std::abort();
@@ -108,7 +108,7 @@ ember::v1::OutputBuffer MakeOutputBuffer() {
   if (base == MAP_FAILED) std::abort();
   const uint64_t nonce = 0x0e11be7;
   std::memcpy(base, &nonce, sizeof(nonce));
-  ember::v1::OutputBuffer b;
+  ember::v1::SharedBuffer b;
   b.set_id(1);
   b.set_pid(getpid());
   b.set_fd(fd);
@@ -130,7 +130,7 @@ std::string Split(const std::string& payload, const FuzzChannel& ch) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static WorkerService* service = Make();
   static FuzzChannel channel = OpenFuzzChannel(service);
-  static const ember::v1::OutputBuffer output = MakeOutputBuffer();
+  static const ember::v1::SharedBuffer output = MakeSharedBuffer();
   if (size < 1) return 0;
   const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
   switch (data[0] % 13) {

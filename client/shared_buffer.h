@@ -1,16 +1,18 @@
-// Where a KeyedTensor's values live: FloatBuffer, a std::vector<float> whose
-// allocator (OutputAllocator)
+// Memory a worker on this host can read and write in place: the allocator
+// (SharedAllocator) of a KeyedTensor's values (FloatBuffer) and of a
+// KeyedJaggedTensor's ids (IdBuffer), std::vectors whose allocator
 //   - leaves new elements uninitialised (resize does not zero: every lookup
 //     writes every element of its output), and
-//   - takes large buffers (256 KiB and more) from shared
-//     memory this process can hand to a worker on its host, so that the
-//     worker pools its columns straight into the caller's KeyedTensor and
-//     the client copies nothing back (client.cc). Freed buffers are kept for
-//     the next lookup (a few), so a fresh output per call that reuses one
-//     costs neither page faults nor clearing (a new one is faulted in,
-//     zeroed by the kernel, once).
+//   - takes large buffers (256 KiB and more) from shared memory this
+//     process can hand to a worker on its host (client.cc): the worker
+//     pools its columns straight into the caller's KeyedTensor, so the
+//     client copies nothing back, and reads a lookup's ids straight from
+//     the caller's KeyedJaggedTensor, so the client copies nothing there
+//     either. Freed buffers are kept for the next call (a few), so a fresh
+//     output per call that reuses one costs neither page faults nor
+//     clearing (a new one is faulted in, zeroed by the kernel, once).
 //
-// A shared buffer is a memfd ("ember-output") the process keeps open; a
+// A shared buffer is a memfd ("ember-buffer") the process keeps open; a
 // worker maps it through /proc/<pid>/fd/<fd> (same host and PID namespace;
 // elsewhere the worker says it cannot and the client copies as before). Its
 // first page is a header holding a random nonce the worker checks, so the
@@ -23,8 +25,8 @@
 // processes never share a buffer. (The child copies them at fork.)
 //
 // Thread-safe.
-#ifndef EMBER_CLIENT_OUTPUT_BUFFER_H_
-#define EMBER_CLIENT_OUTPUT_BUFFER_H_
+#ifndef EMBER_CLIENT_SHARED_BUFFER_H_
+#define EMBER_CLIENT_SHARED_BUFFER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -42,10 +44,11 @@ namespace client {
 // A memfd called `name` of `size` bytes, sealed against shrinking and
 // growing (a worker that maps it can trust it never shrinks under its
 // writes, which would fault), close-on-exec; -1 where that failed (errno
-// set). Output buffers and same-host channels (shm_channel.cc) are made so.
+// set). Shared buffers and same-host channels (shm_channel.cc) are made so.
 int SealedMemfd(const char* name, size_t size);
 
-// What a worker needs to map a shared buffer (WorkerLookupRequest.out_buffer).
+// What a worker needs to map a shared buffer (WorkerLookupRequest.out_buffer
+// and id_buffer).
 struct SharedBufferInfo {
   uint64_t id = 0;     // this process's number for the buffer
   int64_t pid = 0;     // the process holding it ...
@@ -55,7 +58,7 @@ struct SharedBufferInfo {
   const char* base = nullptr;  // the file's first byte in this process
 };
 
-class OutputBuffers {
+class SharedBuffers {
  public:
   // Buffers below shared_min_bytes() (default kSharedMinBytes) take
   // ordinary memory. Tests lower it (not below kFloorBytes) so that small
@@ -76,7 +79,7 @@ class OutputBuffers {
   // The header before a shared buffer's data.
   static constexpr size_t kHeaderBytes = 4096;
 
-  static OutputBuffers& Global();
+  static SharedBuffers& Global();
 
   // Room for `bytes` (64-byte aligned at least); never null (throws
   // std::bad_alloc as operator new does).
@@ -118,22 +121,22 @@ class OutputBuffers {
 };
 
 // A std::allocator that default-initialises (no zeroing) and takes large
-// arrays from OutputBuffers. Stateless: any two compare equal.
+// arrays from SharedBuffers. Stateless: any two compare equal.
 template <typename T>
-class OutputAllocator {
+class SharedAllocator {
  public:
   using value_type = T;
-  OutputAllocator() = default;
+  SharedAllocator() = default;
   template <typename U>
-  OutputAllocator(const OutputAllocator<U>&) {}  // NOLINT(google-explicit-constructor)
+  SharedAllocator(const SharedAllocator<U>&) {}  // NOLINT(google-explicit-constructor)
 
   T* allocate(size_t n) {
     if (n > static_cast<size_t>(-1) / sizeof(T)) throw std::bad_alloc();
-    return static_cast<T*>(OutputBuffers::Global().Allocate(n * sizeof(T)));
+    return static_cast<T*>(SharedBuffers::Global().Allocate(n * sizeof(T)));
   }
-  void deallocate(T* p, size_t n) { OutputBuffers::Global().Free(p, n * sizeof(T)); }
+  void deallocate(T* p, size_t n) { SharedBuffers::Global().Free(p, n * sizeof(T)); }
 
-  // resize() default-initialises: a float is left as it was.
+  // resize() default-initialises: a float or an id is left as it was.
   template <typename U>
   void construct(U* p) {
     ::new (static_cast<void*>(p)) U;
@@ -144,18 +147,19 @@ class OutputAllocator {
   }
 
   template <typename U>
-  bool operator==(const OutputAllocator<U>&) const {
+  bool operator==(const SharedAllocator<U>&) const {
     return true;
   }
   template <typename U>
-  bool operator!=(const OutputAllocator<U>&) const {
+  bool operator!=(const SharedAllocator<U>&) const {
     return false;
   }
 };
 
-using FloatBuffer = std::vector<float, OutputAllocator<float>>;
+using FloatBuffer = std::vector<float, SharedAllocator<float>>;
+using IdBuffer = std::vector<int64_t, SharedAllocator<int64_t>>;
 
 }  // namespace client
 }  // namespace ember
 
-#endif  // EMBER_CLIENT_OUTPUT_BUFFER_H_
+#endif  // EMBER_CLIENT_SHARED_BUFFER_H_

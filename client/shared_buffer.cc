@@ -1,4 +1,4 @@
-#include "client/output_buffer.h"
+#include "client/shared_buffer.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -32,22 +32,22 @@ int SealedMemfd(const char* name, size_t size) {
   return fd;
 }
 
-OutputBuffers& OutputBuffers::Global() {
+SharedBuffers& SharedBuffers::Global() {
   // Never destroyed: buffers may be freed during exit (Python arrays).
-  static OutputBuffers* const buffers = [] {
-    auto* b = new OutputBuffers();
+  static SharedBuffers* const buffers = [] {
+    auto* b = new SharedBuffers();
     pthread_atfork(&PrepareFork, &ParentAfterFork, &ChildAfterFork);
     return b;
   }();
   return *buffers;
 }
 
-void OutputBuffers::PrepareFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Global().mu_.Lock(); }
+void SharedBuffers::PrepareFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Global().mu_.Lock(); }
 
-void OutputBuffers::ParentAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Global().mu_.Unlock(); }
+void SharedBuffers::ParentAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Global().mu_.Unlock(); }
 
-void OutputBuffers::ChildAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  OutputBuffers& g = Global();
+void SharedBuffers::ChildAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  SharedBuffers& g = Global();
   for (const Buffer& b : g.kept_) Destroy(b);
   g.kept_.clear();
   for (auto& [data, b] : g.live_) {
@@ -72,12 +72,12 @@ void OutputBuffers::ChildAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   g.mu_.Unlock();
 }
 
-void OutputBuffers::Destroy(const Buffer& b) {
+void SharedBuffers::Destroy(const Buffer& b) {
   munmap(const_cast<char*>(b.info.base), b.info.size);
   if (b.info.fd >= 0) close(b.info.fd);
 }
 
-void* OutputBuffers::Allocate(size_t bytes) {
+void* SharedBuffers::Allocate(size_t bytes) {
   if (bytes < shared_min_bytes()) return Ordinary(bytes);
   const size_t data_bytes = (bytes + 4095) / 4096 * 4096;
   {
@@ -105,10 +105,10 @@ void* OutputBuffers::Allocate(size_t bytes) {
   return data;
 }
 
-void* OutputBuffers::Create(size_t bytes, size_t data_bytes) {
+void* SharedBuffers::Create(size_t bytes, size_t data_bytes) {
   // (Slow: outside the lock.)
   const size_t size = kHeaderBytes + data_bytes;
-  const int fd = SealedMemfd("ember-output", size);
+  const int fd = SealedMemfd("ember-buffer", size);
   if (fd < 0) return Ordinary(bytes);
   // Faulted in here: the pages are this process's, not charged to the
   // first worker that writes them.
@@ -133,7 +133,7 @@ void* OutputBuffers::Create(size_t bytes, size_t data_bytes) {
   return data;
 }
 
-void OutputBuffers::Free(void* p, size_t bytes) {
+void SharedBuffers::Free(void* p, size_t bytes) {
   if (p == nullptr) return;
   if (bytes >= kFloorBytes) {  // maybe shared (whatever the threshold was then)
     absl::MutexLock lock(&mu_);
@@ -161,7 +161,7 @@ void OutputBuffers::Free(void* p, size_t bytes) {
   ::operator delete(p, kAlign);
 }
 
-std::optional<SharedBufferInfo> OutputBuffers::Find(const void* p, size_t bytes) const {
+std::optional<SharedBufferInfo> SharedBuffers::Find(const void* p, size_t bytes) const {
   const char* c = static_cast<const char*>(p);
   absl::MutexLock lock(&mu_);
   auto it = live_.upper_bound(c);
@@ -175,7 +175,7 @@ std::optional<SharedBufferInfo> OutputBuffers::Find(const void* p, size_t bytes)
   return it->second.info;
 }
 
-void OutputBuffers::Poison(const void* p) {
+void SharedBuffers::Poison(const void* p) {
   const char* c = static_cast<const char*>(p);
   absl::MutexLock lock(&mu_);
   auto it = live_.upper_bound(c);
@@ -184,12 +184,12 @@ void OutputBuffers::Poison(const void* p) {
   if (c < it->first + it->second.data_bytes) it->second.poisoned = true;
 }
 
-int OutputBuffers::shared_buffers() const {
+int SharedBuffers::shared_buffers() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(live_.size() + kept_.size());
 }
 
-int OutputBuffers::kept_buffers() const {
+int SharedBuffers::kept_buffers() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(kept_.size());
 }

@@ -1,4 +1,4 @@
-#include "client/output_buffer.h"
+#include "client/shared_buffer.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -23,21 +23,21 @@ int OutputFds() {
   std::error_code ec;
   for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
     const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
-    if (target.find("memfd:ember-output") != std::string::npos) ++n;
+    if (target.find("memfd:ember-buffer") != std::string::npos) ++n;
   }
   return n;
 }
 
-TEST(OutputBuffersTest, LargeBuffersAreSharedSealedAndNamedByANonce) {
-  OutputBuffers& ob = OutputBuffers::Global();
+TEST(SharedBuffersTest, LargeBuffersAreSharedSealedAndNamedByANonce) {
+  SharedBuffers& ob = SharedBuffers::Global();
   const int fds = OutputFds();
   {
     FloatBuffer v(1 << 20);  // 4 MiB
     auto info = ob.Find(v.data(), v.size() * sizeof(float));
     ASSERT_TRUE(info.has_value());
     EXPECT_EQ(info->pid, getpid());
-    EXPECT_EQ(info->base + OutputBuffers::kHeaderBytes, reinterpret_cast<const char*>(v.data()));
-    EXPECT_GE(info->size, OutputBuffers::kHeaderBytes + v.size() * sizeof(float));
+    EXPECT_EQ(info->base + SharedBuffers::kHeaderBytes, reinterpret_cast<const char*>(v.data()));
+    EXPECT_GE(info->size, SharedBuffers::kHeaderBytes + v.size() * sizeof(float));
     uint64_t nonce;
     std::memcpy(&nonce, info->base, sizeof(nonce));
     EXPECT_EQ(nonce, info->nonce);
@@ -56,8 +56,8 @@ TEST(OutputBuffersTest, LargeBuffersAreSharedSealedAndNamedByANonce) {
   EXPECT_FALSE(ob.Find(small.data(), 4).has_value());
 }
 
-TEST(OutputBuffersTest, FreedBuffersAreReusedUnlessPoisoned) {
-  OutputBuffers& ob = OutputBuffers::Global();
+TEST(SharedBuffersTest, FreedBuffersAreReusedUnlessPoisoned) {
+  SharedBuffers& ob = SharedBuffers::Global();
   const float* first;
   uint64_t first_id;
   {
@@ -89,8 +89,8 @@ TEST(OutputBuffersTest, FreedBuffersAreReusedUnlessPoisoned) {
   }
 }
 
-TEST(OutputBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
-  OutputBuffers& ob = OutputBuffers::Global();
+TEST(SharedBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
+  SharedBuffers& ob = SharedBuffers::Global();
   {
     FloatBuffer v(300000, 7.0f);
     v.resize(100000);
@@ -99,31 +99,31 @@ TEST(OutputBuffersTest, ResizeDoesNotClearAndKeptBuffersAreBounded) {
   }
   {
     std::vector<FloatBuffer> many;
-    for (int i = 0; i < 3 * OutputBuffers::kMaxKept; ++i) many.emplace_back(300000 + 4096 * i);
+    for (int i = 0; i < 3 * SharedBuffers::kMaxKept; ++i) many.emplace_back(300000 + 4096 * i);
   }
-  EXPECT_LE(ob.kept_buffers(), OutputBuffers::kMaxKept);
+  EXPECT_LE(ob.kept_buffers(), SharedBuffers::kMaxKept);
   {
     // Past kMaxKeptBytes together, the older ones go; one larger alone is
     // not kept at all.
     std::vector<FloatBuffer> big;
-    for (int i = 0; i < 3; ++i) big.emplace_back(OutputBuffers::kMaxKeptBytes / 4 / 3 + 4096 * i);
-    big.emplace_back(OutputBuffers::kMaxKeptBytes / 4 + 1);
+    for (int i = 0; i < 3; ++i) big.emplace_back(SharedBuffers::kMaxKeptBytes / 4 / 3 + 4096 * i);
+    big.emplace_back(SharedBuffers::kMaxKeptBytes / 4 + 1);
   }
   EXPECT_LE(ob.kept_buffers(), 2);
   // Past kMaxShared live buffers, ordinary memory.
   std::vector<FloatBuffer> live;
-  for (int i = 0; i < OutputBuffers::kMaxShared + 4; ++i) live.emplace_back(70000);
-  EXPECT_LE(ob.shared_buffers(), OutputBuffers::kMaxShared);
+  for (int i = 0; i < SharedBuffers::kMaxShared + 4; ++i) live.emplace_back(70000);
+  EXPECT_LE(ob.shared_buffers(), SharedBuffers::kMaxShared);
   EXPECT_FALSE(ob.Find(live.back().data(), 4).has_value());
   live.clear();
-  EXPECT_LE(OutputFds(), OutputBuffers::kMaxKept) << "freed buffers kept their descriptors";
+  EXPECT_LE(OutputFds(), SharedBuffers::kMaxKept) << "freed buffers kept their descriptors";
 }
 
 // After fork() the child's copy of a live buffer is its own (neither
 // process sees the other's later writes), is never named to a worker, and
 // the child never takes a buffer the parent kept.
-TEST(OutputBuffersTest, AForkedChildSharesNoBufferWithItsParent) {
-  OutputBuffers& ob = OutputBuffers::Global();
+TEST(SharedBuffersTest, AForkedChildSharesNoBufferWithItsParent) {
+  SharedBuffers& ob = SharedBuffers::Global();
   FloatBuffer live(300000, 1.0f);
   const float* kept_at;
   {
