@@ -305,7 +305,7 @@ int Run(const char* argv0) {
   // KeyedTensor, over the timed calls (Worker.ShardStatus, before and
   // after).
   struct WorkerCounts {
-    double backend_ns = 0, handler_ns = 0, lookups = 0, placed = 0;
+    double backend_ns = 0, handler_ns = 0, lookups = 0, placed = 0, ids_in_place = 0;
   };
   auto worker_times = [&](WorkerCounts* w) -> absl::Status {
     *w = WorkerCounts();
@@ -316,6 +316,7 @@ int Run(const char* argv0) {
       w->handler_ns += static_cast<double>(st->lookup_handler_ns());
       w->lookups += static_cast<double>(st->lookups());
       w->placed += static_cast<double>(st->placed_lookups());
+      w->ids_in_place += static_cast<double>(st->id_buffer_lookups());
     }
     return absl::OkStatus();
   };
@@ -349,6 +350,10 @@ int Run(const char* argv0) {
   const double placed_share = after.lookups > before.lookups
                                   ? (after.placed - before.placed) / (after.lookups - before.lookups)
                                   : 0.0;
+  const double ids_share =
+      after.lookups > before.lookups
+          ? (after.ids_in_place - before.ids_in_place) / (after.lookups - before.lookups)
+          : 0.0;
   // A worker's mean time in the backend per call, against the client's
   // mean time per lookup: what the service adds around the kernels.
   const double backend_ms_per_call =
@@ -398,6 +403,9 @@ int Run(const char* argv0) {
         "  workers: lookups written straight into the client's KeyedTensor: %.0f%%\n",
         100 * placed_share);
     std::cout << absl::StrFormat(
+        "  workers: lookups that read their ids straight from the client's KJT: %.0f%%\n",
+        100 * ids_share);
+    std::cout << absl::StrFormat(
         "  workers: %.2f ms in the backend per call; the client's mean lookup: %.2f ms\n",
         backend_ms_per_call, Mean(all));
   } else {
@@ -405,14 +413,14 @@ int Run(const char* argv0) {
         "{\"lookups_per_s\": %.2f, \"ids_per_s\": %.4g, \"mb_per_s\": %.1f, \"p50_ms\": %.3f, "
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"kernel_lookups_per_s\": %.2f, "
         "\"kernel_kt_layout_lookups_per_s\": %.2f, "
-        "\"worker_backend_share\": %.4f, \"placed_share\": %.3f, "
+        "\"worker_backend_share\": %.4f, \"placed_share\": %.3f, \"ids_in_place_share\": %.3f, "
         "\"worker_backend_ms_per_call\": %.3f, \"mean_ms\": %.3f, \"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
         "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\", "
         "\"kept_output\": %s}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
-        kt_per_s, worker_share, placed_share, backend_ms_per_call, Mean(all), ratio,
+        kt_per_s, worker_share, placed_share, ids_share, backend_ms_per_call, Mean(all), ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
         FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport,

@@ -35,6 +35,7 @@
 #include "server/common/tls.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
+#include "server/common/scheduling.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/worker/worker_server.h"
 
@@ -81,6 +82,10 @@ DEFINE_int32(cuda_scratch_mib, 256,
              "reserved at start for calls; not available for shards. Larger calls run in "
              "pieces.");
 DEFINE_int32(threads, 1, "Worker backend threads per call.");
+DEFINE_bool(batch_scheduling, true,
+            "Workers: run under Linux's SCHED_BATCH policy: a worker woken by a call never "
+            "preempts a trainer on its host that is still sending calls to other workers; its "
+            "fair share of the CPU is unchanged. false: the default policy.");
 DEFINE_double(memory_gib, 0,
               "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "
               "(the cgroup limit where there is one), shared among `up`'s workers; cuda, the "
@@ -376,6 +381,13 @@ int RunCoordinator() {
 }
 
 int RunWorker() {
+  // First, so that every thread of the worker inherits it.
+  if (FLAGS_batch_scheduling) {
+    if (absl::Status s = UseBatchScheduling(); !s.ok()) {
+      std::cerr << "worker: --batch_scheduling: " << s << "; keeping the default policy"
+                << std::endl;
+    }
+  }
   worker::WorkerServerOptions o;
   o.listen = FLAGS_listen;
   o.coordinator = FLAGS_coordinator;
@@ -441,6 +453,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
+      absl::StrCat("--batch_scheduling=", FLAGS_batch_scheduling ? "true" : "false"),
       "--shm_dir=" + FLAGS_shm_dir, "--drain_on_sigterm=false",
       "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
@@ -682,10 +695,13 @@ int RunStatus() {
     std::cout << absl::StrFormat("    %s, memory %.2f of %.2f GiB used, %d shard(s)",
                                  a->second.backend(), used / double(1 << 30),
                                  capacity / double(1 << 30), a->second.shards_size());
-    if (a->second.shm_channels() > 0 || a->second.placed_lookups() > 0) {
+    if (a->second.shm_channels() > 0 || a->second.placed_lookups() > 0 ||
+        a->second.id_buffer_lookups() > 0) {
       std::cout << absl::StrFormat(", %d shared-memory channel(s), %d lookup(s) written into "
-                                   "trainers' KeyedTensors",
-                                   a->second.shm_channels(), a->second.placed_lookups());
+                                   "trainers' KeyedTensors, %d read ids from their "
+                                   "KeyedJaggedTensors",
+                                   a->second.shm_channels(), a->second.placed_lookups(),
+                                   a->second.id_buffer_lookups());
     }
     auto b = second.find(s.worker_id());
     if (b != second.end()) {

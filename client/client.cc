@@ -136,24 +136,33 @@ struct Sink {
 
 // Builds the ShardFeature of `job` for `shard` through `t`: the ids in the
 // shard's rows (shard-local), their weights, and (sequence) their
-// positions.
+// positions. `id_buffer` (lookups through a channel): the shared buffer
+// holding job.ids, where a shard of all rows has the worker read them in
+// place (buffer_ids) instead of taking a copy.
 void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
                Transport* t, ShardFeature* f, std::vector<int64_t>* positions,
-               int64_t* num_local) {
+               int64_t* num_local, const SharedBufferInfo* id_buffer = nullptr) {
   f->mutable_shard()->set_table(job.table->config->name());
   f->mutable_shard()->set_shard_index(shard.index);
   f->set_feature(job.key);
   f->set_pooling(job.sequence ? TableConfig::NONE : send_mean ? TableConfig::MEAN : TableConfig::SUM);
   const bool all_rows = shard.rows == job.table->config->num_embeddings();
   const bool weighted = job.weights != nullptr;
+  const bool ids_in_buffer = id_buffer != nullptr && all_rows && job.num_ids > 0;
   auto lengths = t->TakeArray<int64_t>(f->mutable_lengths(), job.batch);
-  auto ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
+  absl::Span<int64_t> ids;
+  if (!ids_in_buffer) ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
   absl::Span<float> weights;
   if (weighted) weights = t->TakeArray<float>(f->mutable_weights(), job.num_ids);
   int64_t n = job.num_ids;
   if (all_rows) {
     if (job.batch > 0) std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
-    if (n > 0) std::memcpy(ids.data(), job.ids, n * sizeof(int64_t));
+    if (ids_in_buffer) {
+      f->mutable_buffer_ids()->set_offset(reinterpret_cast<const char*>(job.ids) - id_buffer->base);
+      f->mutable_buffer_ids()->set_size(n * sizeof(int64_t));
+    } else if (n > 0) {
+      std::memcpy(ids.data(), job.ids, n * sizeof(int64_t));
+    }
     if (weighted && n > 0) std::memcpy(weights.data(), job.weights, n * sizeof(float));
   } else {
     // Sized for every id, cut to the ones in the shard's rows. Without a
@@ -179,7 +188,9 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
     }
   }
   t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); }, lengths);
-  t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, ids.first(n));
+  if (!ids_in_buffer) {
+    t->KeepArray<int64_t>(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, ids.first(n));
+  }
   if (weighted) {
     t->KeepArray<float>(f->mutable_weights(), [&] { return f->mutable_shm_weights(); },
                         weights.first(n));
@@ -644,6 +655,15 @@ bool EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
   return unconfirmed;
 }
 
+// `b` as the request names it to a worker.
+void SetSharedBuffer(const SharedBufferInfo& b, ember::v1::SharedBuffer* out) {
+  out->set_id(b.id);
+  out->set_pid(b.pid);
+  out->set_fd(b.fd);
+  out->set_size(b.size);
+  out->set_nonce(b.nonce);
+}
+
 // Asks the worker of `request` (through a channel) to write the sinks whose
 // job's output lies in a shared buffer straight there: the request's
 // out_buffer and one placement per feature (row stride 0: not placed).
@@ -660,12 +680,7 @@ void Place(const std::vector<FeatureJob>& jobs,
     if (sink.placed) buffer = &*b;
   }
   if (buffer == nullptr) return;
-  auto* out = request->mutable_out_buffer();
-  out->set_id(buffer->id);
-  out->set_pid(buffer->pid);
-  out->set_fd(buffer->fd);
-  out->set_size(buffer->size);
-  out->set_nonce(buffer->nonce);
+  SetSharedBuffer(*buffer, request->mutable_out_buffer());
   for (const Sink& sink : *sinks) {
     auto* p = request->add_placements();
     if (!sink.placed) continue;
@@ -677,7 +692,7 @@ void Place(const std::vector<FeatureJob>& jobs,
 }
 
 // Lookup for pooled or sequence jobs into each job's `out`. Where the
-// outputs lie in a shared output buffer (output_buffer.h), workers reached
+// outputs lie in a shared output buffer (shared_buffer.h), workers reached
 // through a channel are asked to write their pooled columns straight into
 // it; on a failed call the buffer is poisoned (a worker may still write into
 // it) and `*poisoned` set: the caller must not keep it. Ids the workers
@@ -718,6 +733,20 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         j.out, ((j.batch - 1) * j.out_stride + j.dim) * sizeof(float));
   }
   std::optional<SharedBufferInfo> placed_in;  // the buffer any call was asked to write
+  // The shared buffer holding the jobs' ids (the caller's KeyedJaggedTensor,
+  // when its values are an IdBuffer large enough to be shared): a worker
+  // reached through a channel reads those of all-rows shards there, in
+  // place. One buffer per call: ids elsewhere are sent as arrays.
+  std::optional<SharedBufferInfo> ids_in;
+  std::vector<bool> ids_shared(jobs->size(), false);
+  for (size_t i = 0; i < jobs->size(); ++i) {
+    const FeatureJob& j = (*jobs)[i];
+    if (j.num_ids == 0) continue;
+    auto b = SharedBuffers::Global().Find(j.ids, j.num_ids * sizeof(int64_t));
+    if (!b.has_value() || (ids_in.has_value() && b->id != ids_in->id)) continue;
+    ids_in = b;
+    ids_shared[i] = true;
+  }
   // Rank by rank: build the rank's request and send it.
   std::vector<std::vector<Sink>> sinks(fan.size());
   for (int rank = 0; rank < fan.size(); ++rank) {
@@ -732,6 +761,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     }
     transports[rank] = TransportFor(r.info.worker_addresses(rank), most, channel_for);
     Transport* t = transports[rank].get();
+    const bool name_ids = ids_in.has_value() && t->NamesBuffers();
     for (size_t i = 0; i < jobs->size(); ++i) {
       FeatureJob& j = (*jobs)[i];
       const bool row_split = j.table->row_split;
@@ -745,7 +775,10 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
         ShardFeature f;
         int64_t local = 0;
         Bucketize(j, shard, send_mean, t, &f, j.sequence && row_split ? &sink.positions : nullptr,
-                  &local);
+                  &local, name_ids && ids_shared[i] ? &*ids_in : nullptr);
+        if (f.has_buffer_ids() && !c.request.has_id_buffer()) {
+          SetSharedBuffer(*ids_in, c.request.mutable_id_buffer());
+        }
         if (local == 0) {  // nothing from this shard: its part is 0
           if (!j.out_zeroed && !row_split && !j.sequence) {
             ClearColumns(j.out, j.out_stride, j.batch, shard.col_offset, shard.cols);
@@ -782,6 +815,21 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       // A worker whose call ended unconfirmed may still write into it.
       SharedBuffers::Global().Poison(placed_in->base + SharedBuffers::kHeaderBytes);
       if (poisoned != nullptr) *poisoned = true;
+    }
+    // A worker that could not map the ids' buffer: its channel sends ids as
+    // arrays from now on, and the lookup is retried (UNAVAILABLE).
+    bool ids_refused = false;
+    for (int rank = 0; rank < fan.size(); ++rank) {
+      const grpc::Status& st = fan[rank].status;
+      if (fan[rank].started && st.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+          absl::StartsWith(st.error_message(), kIdBufferRefused)) {
+        transports[rank]->BuffersRefused();
+        ids_refused = true;
+      }
+    }
+    if (ids_refused) {
+      return absl::UnavailableError(absl::StrCat(
+          s.message(), "; sending the ids through the channel instead, and retrying"));
     }
     if (absl::IsInvalidArgument(s)) {
       if (absl::Status named = NameRefusedIds(*jobs); !named.ok()) return named;

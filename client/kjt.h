@@ -86,7 +86,7 @@ struct KeyedTensor {
   std::vector<int64_t> length_per_key;
   int64_t batch_size = 0;
   // A std::vector<float> whose resize does not zero and whose large
-  // buffers a worker on this host can write into (output_buffer.h).
+  // buffers a worker on this host can write into (shared_buffer.h).
   FloatBuffer values;
 
   int64_t row_width() const;  // sum(length_per_key)

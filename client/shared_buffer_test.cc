@@ -54,6 +54,14 @@ TEST(SharedBuffersTest, LargeBuffersAreSharedSealedAndNamedByANonce) {
   // Small ones take ordinary memory.
   FloatBuffer small(100);
   EXPECT_FALSE(ob.Find(small.data(), 4).has_value());
+  // A KeyedJaggedTensor's ids (IdBuffer) likewise: a large one is shared,
+  // and found by the range of any feature's ids inside it.
+  IdBuffer ids(1 << 16);  // 512 KiB
+  auto info = ob.Find(ids.data() + 1000, 5000 * sizeof(int64_t));
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->base + SharedBuffers::kHeaderBytes, reinterpret_cast<const char*>(ids.data()));
+  IdBuffer few(100);
+  EXPECT_FALSE(ob.Find(few.data(), 8).has_value());
 }
 
 TEST(SharedBuffersTest, FreedBuffersAreReusedUnlessPoisoned) {

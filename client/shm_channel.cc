@@ -113,6 +113,9 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
   unlink_name();  // mapped on both sides (or refused): the name is done with
   if (!s.ok()) return FromGrpc(s, "OpenChannel");  // the destructor unmaps
   ch->id_ = resp.channel_id();
+  // The worker opened our memfd through /proc: it can map our shared
+  // buffers the same way.
+  ch->names_buffers_ = handover == Handover::kMemfd;
   return ch;
 }
 

@@ -43,6 +43,12 @@ class ShmChannel {
   uint64_t NextSeq() { return ++seq_; }
   char* base() const { return base_; }
   uint64_t size() const { return size_; }
+  // Whether calls may name this process's shared buffers to the worker for
+  // it to read in place (a lookup's ids: WorkerLookupRequest.id_buffer):
+  // only over a memfd channel (the worker opened it through /proc, so it
+  // can open the buffers too), and not once the worker refused one.
+  bool names_buffers() const { return names_buffers_ && !buffers_refused_; }
+  void BuffersRefused() { buffers_refused_ = true; }
 
  private:
   ShmChannel() = default;
@@ -57,6 +63,8 @@ class ShmChannel {
   uint64_t seq_ = 0;
   char* base_ = nullptr;
   uint64_t size_ = 0;
+  bool names_buffers_ = false;
+  bool buffers_refused_ = false;  // one call at a time (ChannelPool::Lease)
 };
 
 // One channel per worker address, leased to one call at a time; a call that

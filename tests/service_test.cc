@@ -1,11 +1,12 @@
 // Multi-process tests: a coordinator and 2 or 3 worker processes on
 // 127.0.0.1 (`emberctl up`), driven through the C++ client, compared with the
 // single-process reference, InProcessCollection (client/inprocess.h).
+#include <fcntl.h>
 #include <malloc.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -172,17 +173,33 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     for (const auto& w : workers->workers()) n += c->WorkerStatus(w.info().address())->placed_lookups();
     return n;
   };
-  const int64_t placed_before = placed();
+  // And the ids come straight from the KeyedJaggedTensor's shared buffer
+  // (its IdBuffer), where the channel is a memfd the worker opened through
+  // /proc: not over a shared directory's files.
+  auto ids_in_place = [&] {
+    int64_t n = 0;
+    for (const auto& w : workers->workers()) {
+      n += c->WorkerStatus(w.info().address())->id_buffer_lookups();
+    }
+    return n;
+  };
+  const int64_t placed_before = placed(), ids_before = ids_in_place();
   ASSERT_TRUE(c->CreateCollection(TestSpec("placed"), "column_wise").ok());
   auto placed_ref = InProcessCollection::Create(TestSpec("placed"));
   ASSERT_TRUE(placed_ref.ok());
   for (int i = 0; i < 3; ++i) {
-    auto kjt2 = RandomKjt(rng, {"f_sum", "f_mean", "f_sum2"}, {301, 200, 301}, 64, false);
+    auto kjt2 = RandomKjt(rng, {"f_sum", "f_mean", "f_sum2"}, {301, 200, 301}, 256, false);
+    ASSERT_TRUE(client::SharedBuffers::Global()
+                    .Find(kjt2.values.data(), kjt2.values.size() * sizeof(int64_t))
+                    .has_value())
+        << "the test's ids are not in a shared buffer";
     auto kt2 = c->Lookup("placed", kjt2);
     ASSERT_TRUE(kt2.ok()) << kt2.status();
     ExpectNear(kt2->values, (*placed_ref)->Lookup(kjt2)->values, "placed lookup");
   }
   EXPECT_EQ(placed() - placed_before, Channels() ? 6 : 0) << "placed lookups (3 on each worker)";
+  EXPECT_EQ(ids_in_place() - ids_before, GetParam() == Mode::kSharedMemory ? 6 : 0)
+      << "lookups that read the KeyedJaggedTensor's ids in place";
   ASSERT_TRUE(c->DropCollection("placed").ok());
   const std::string mine = absl::StrCat("ember-", getpid(), "-");
   for (const std::string& dir : {std::string("/dev/shm"), *shm_dir_}) {
@@ -214,6 +231,61 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     EXPECT_EQ(ShmHeld(pid, "memfd:ember-buffer"), 0)
         << "worker " << pid << " kept a closed channel's output buffer mapped";
   }
+}
+
+// A worker that cannot map the KeyedJaggedTensor's buffer (here: its
+// descriptor made to name /dev/null, as a buffer of another process would
+// look) refuses the call; the client retries it with the ids sent through
+// the channel, the results are right, and that channel never names a
+// buffer for ids again.
+TEST_P(ServiceTest, IdsAWorkerCannotMapAreSentThroughTheChannel) {
+  if (GetParam() != Mode::kSharedMemory) GTEST_SKIP() << "ids are read in place over memfd channels";
+  auto c = Connect();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->CreateCollection(TestSpec("unmapped"), "column_wise").ok());
+  auto ref = InProcessCollection::Create(TestSpec("unmapped"));
+  ASSERT_TRUE(ref.ok());
+  auto workers = c->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  auto ids_in_place = [&] {
+    int64_t n = 0;
+    for (const auto& w : workers->workers()) {
+      n += c->WorkerStatus(w.info().address())->id_buffer_lookups();
+    }
+    return n;
+  };
+  std::mt19937 rng(17);
+  auto kjt = [&] { return RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 256, false); };
+  const auto first = kjt();
+  const int64_t before = ids_in_place();
+  auto kt = c->Lookup("unmapped", first);
+  ASSERT_TRUE(kt.ok()) << kt.status();
+  ExpectNear(kt->values, (*ref)->Lookup(first)->values, "lookup");
+  ASSERT_EQ(ids_in_place() - before, 2) << "both workers read the ids in place";
+
+  const auto sabotaged = kjt();
+  auto info = client::SharedBuffers::Global().Find(sabotaged.values.data(),
+                                                   sabotaged.values.size() * sizeof(int64_t));
+  ASSERT_TRUE(info.has_value());
+  const int saved = dup(info->fd);
+  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(saved, 0);
+  ASSERT_GE(null_fd, 0);
+  ASSERT_EQ(dup2(null_fd, info->fd), info->fd);
+  auto retried = c->Lookup("unmapped", sabotaged);
+  ASSERT_EQ(dup2(saved, info->fd), info->fd);  // the buffer's descriptor back
+  close(saved);
+  close(null_fd);
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  ExpectNear(retried->values, (*ref)->Lookup(sabotaged)->values, "retried lookup");
+  for (int i = 0; i < 2; ++i) {
+    const auto next = kjt();
+    auto later = c->Lookup("unmapped", next);
+    ASSERT_TRUE(later.ok()) << later.status();
+    ExpectNear(later->values, (*ref)->Lookup(next)->values, "later lookup");
+  }
+  EXPECT_EQ(ids_in_place() - before, 2) << "a channel named a buffer again after a refusal";
+  ASSERT_TRUE(c->DropCollection("unmapped").ok());
 }
 
 // Connect sets this process's allocator to keep freed heap

@@ -258,7 +258,9 @@ class Client:
         """One worker's Worker.ShardStatus as a dict (proto field names): its
         backend, shards, memory, traffic counters (lookups, lookup_ids,
         updates, placed_lookups: lookups written straight into this
-        process's KeyedTensors), open shm_channels, ..."""
+        process's KeyedTensors, id_buffer_lookups: lookups that read their
+        ids straight from a C++ trainer's KeyedJaggedTensor; Python's are
+        copied), open shm_channels, ..."""
         return json.loads(self._c.worker_status(address))
 
     def drop_collection(self, name):

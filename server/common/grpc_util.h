@@ -29,6 +29,10 @@ constexpr int kStreamWindowBytes = 8 << 20;
 // transient state clients retry with back-off, unlike the other
 // RESOURCE_EXHAUSTED answers (no memory, an output too large).
 constexpr char kWorkerBusy[] = "worker busy";
+// How a worker's refusal of a lookup's id buffer (WorkerLookupRequest.
+// id_buffer: it could not map it) begins; FAILED_PRECONDITION. The client
+// then sends ids through the channel instead.
+constexpr char kIdBufferRefused[] = "id buffer:";
 
 // Longest error message a server sends: messages echo input (names, ids,
 // addresses), and a request must not be able to make its error arbitrarily

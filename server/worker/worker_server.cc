@@ -59,6 +59,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   m->AddCounter("ember_worker_placed_lookups_total",
                 "Lookups whose outputs went straight into the trainer's output buffer (same host)",
                 one(&Stats::placed_lookups));
+  m->AddCounter("ember_worker_id_buffer_lookups_total",
+                "Lookups that read their ids straight from the trainer's KeyedJaggedTensor (same host)",
+                one(&Stats::id_buffer_lookups));
   m->AddCounter("ember_worker_backend_seconds_total",
                 "Time inside the embedding backend (the worker's compute, without transport)",
                 [service]() {

@@ -37,6 +37,10 @@ struct WorkerService::Decoded {
 
 namespace {
 
+// A client's shared buffer's header (SharedBuffer in proto/service.proto):
+// no placement or id slice lies there.
+constexpr uint64_t kSharedBufferHeaderBytes = 4096;
+
 // Every NaN/Inf refusal's message holds this (backend::CheckFinite).
 constexpr char kNonFiniteMessage[] = "NaN/Inf is refused";
 
@@ -139,7 +143,7 @@ std::string OwnerOf(const grpc::ServerContext* ctx) {
 }
 
 bool InChannel(const ember::v1::ShardFeature& f) {
-  return f.has_shm_lengths() || f.has_shm_ids() || f.has_shm_weights();
+  return f.has_shm_lengths() || f.has_shm_ids() || f.has_shm_weights() || f.has_buffer_ids();
 }
 
 // Copies a feature's arrays out of a channel's region into its bytes
@@ -266,8 +270,8 @@ absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::FindShard(
 
 absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeature& f,
                                           const std::string* grad, int64_t* cols, Decoded* out,
-                                          int64_t* skipped,
-                                          const ShmChannels::Region* region) const {
+                                          int64_t* skipped, const ShmChannels::Region* region,
+                                          const ShmChannels::Region* id_buffer) const {
   auto shard = FindShard(c, f.shard());
   if (!shard.ok()) return shard.status();
   const std::string what = absl::StrCat("feature '", f.feature(), "' (", RefString(f.shard()), ")");
@@ -275,10 +279,26 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   if (absl::Status s = wire::View(f.lengths(), "lengths", &out->lengths, &r.lengths); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
-  if (absl::Status s = ViewArray(f.ids(), f.shm_ids(), region, "ids", &out->ids, &r.ids);
-      !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
+  absl::Status viewed;
+  if (f.has_buffer_ids()) {
+    // Ids in the caller's id buffer (Lookup mapped it), read in place.
+    if (id_buffer == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": ids in an id buffer, which only a lookup through a channel names"));
+    }
+    if (f.has_shm_ids() || !f.ids().empty()) {  // (a copy out of the channel is in ids)
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ids given twice, in the id buffer and inline or in the channel"));
+    }
+    if (f.buffer_ids().offset() < kSharedBufferHeaderBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ids at byte ", f.buffer_ids().offset(), " of the id buffer, in its header"));
+    }
+    viewed = ViewArray(f.ids(), f.buffer_ids(), id_buffer, "ids", &out->ids, &r.ids);
+  } else {
+    viewed = ViewArray(f.ids(), f.shm_ids(), region, "ids", &out->ids, &r.ids);
   }
+  if (!viewed.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", viewed.message()));
   if (absl::Status s =
           ViewArray(f.weights(), f.shm_weights(), region, "weights", &out->weights, &r.weights);
       !s.ok()) {
@@ -508,10 +528,6 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
 
 namespace {
 
-// An output buffer's header (SharedBuffer in proto/service.proto): no
-// placement writes there.
-constexpr uint64_t kOutputHeaderBytes = 4096;
-
 // The floats of output `index` ([size / cols, cols]) placed in `buffer` by
 // `p`: from its offset to the last row's end. INVALID_ARGUMENT unless every
 // row lies inside the buffer at a stride of at least cols.
@@ -526,9 +542,9 @@ absl::StatusOr<absl::Span<float>> Placement(const ShmChannels::Region& buffer,
                                                    " floats for rows of ", cols, " in a buffer of ",
                                                    buffer.size(), " bytes"));
   }
-  if (p.offset() < kOutputHeaderBytes) {
+  if (p.offset() < kSharedBufferHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", p.offset(),
-                                                   " lies in the buffer's ", kOutputHeaderBytes,
+                                                   " lies in the buffer's ", kSharedBufferHeaderBytes,
                                                    "-byte header"));
   }
   const uint64_t rows = static_cast<uint64_t>(size / cols);
@@ -597,6 +613,36 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
              std::any_of(req->features().begin(), req->features().end(), InChannel)) {
     return ToGrpc(absl::InvalidArgumentError("shared-memory slices without a channel"));
   }
+  // The client's id buffer (its KeyedJaggedTensor), when it names one:
+  // features with buffer_ids read their ids there, in place, or copied out
+  // for a backend that checks ids before it runs. One this worker cannot
+  // map is refused (kIdBufferRefused): the client then sends the ids
+  // through the channel.
+  std::shared_ptr<const ShmChannels::Region> id_buffer;
+  if (req->has_id_buffer()) {
+    if (region == nullptr) {
+      return ToGrpc(absl::InvalidArgumentError("an id buffer without a channel"));
+    }
+    auto mapped = channels_.MapBuffer(req->channel_id(), OwnerOf(ctx), req->id_buffer());
+    if (!mapped.ok()) {
+      return ToGrpc(absl::FailedPreconditionError(
+          absl::StrCat(kIdBufferRefused, " ", mapped.status().message())));
+    }
+    id_buffer = *std::move(mapped);
+    if (!ids_in_place) {
+      for (int i = 0; i < copied.features_size(); ++i) {
+        ember::v1::ShardFeature* f = copied.mutable_features(i);
+        if (!f->has_buffer_ids() || f->buffer_ids().offset() < kSharedBufferHeaderBytes ||
+            !f->ids().empty() || f->has_shm_ids()) {
+          continue;  // left to DecodeFeature, which refuses what is wrong
+        }
+        auto bytes = id_buffer->Bytes(f->buffer_ids(), 8, absl::StrCat("feature ", i, " ids"));
+        if (!bytes.ok()) return ToGrpc(bytes.status());
+        f->set_ids(bytes->data(), bytes->size());
+        f->clear_buffer_ids();
+      }
+    }
+  }
   // The client's output buffer, when it names one this worker can map:
   // placed outputs go straight into it. Otherwise they go to the channel's
   // slices (the client copies them), as without one.
@@ -625,7 +671,8 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   int64_t total_bytes = 0;
   for (int i = 0; i < n; ++i) {
     if (absl::Status s = DecodeFeature(**c, req->features(i), nullptr, &cols[i], &decoded[i],
-                                       nullptr, ids_in_place ? region.get() : nullptr);
+                                       nullptr, ids_in_place ? region.get() : nullptr,
+                                       id_buffer.get());
         !s.ok()) {
       return ToGrpc(s);
     }
@@ -688,6 +735,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   for (const backend::LookupRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
   lookups_.fetch_add(1, std::memory_order_relaxed);
   if (out_region != nullptr) placed_lookups_.fetch_add(1, std::memory_order_relaxed);
+  if (id_buffer != nullptr) id_buffer_lookups_.fetch_add(1, std::memory_order_relaxed);
   lookup_ids_.fetch_add(ids, std::memory_order_relaxed);
   lookup_bytes_.fetch_add(total_bytes + ids * 8, std::memory_order_relaxed);
   lookup_handler_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - handler_start),
@@ -907,6 +955,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
   s.shm_channels = channels_.open_channels();
   s.placed_lookups = placed_lookups_.load(std::memory_order_relaxed);
+  s.id_buffer_lookups = id_buffer_lookups_.load(std::memory_order_relaxed);
   s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
   s.backend_update_ns = backend_update_ns_.load(std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);
@@ -936,6 +985,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
   resp->set_shm_channels(channels_.open_channels());
   resp->set_placed_lookups(placed_lookups_.load(std::memory_order_relaxed));
+  resp->set_id_buffer_lookups(id_buffer_lookups_.load(std::memory_order_relaxed));
   resp->set_backend_lookup_ns(backend_lookup_ns_.load(std::memory_order_relaxed));
   resp->set_lookup_handler_ns(lookup_handler_ns_.load(std::memory_order_relaxed));
   for (const auto& [name, c] : collections_) {

@@ -95,6 +95,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
     int64_t shm_channels = 0;                         // shared-memory channels open
     int64_t placed_lookups = 0;  // outputs written into the client's output buffer
+    int64_t id_buffer_lookups = 0;  // ids read from the client's id buffer
     // Time inside the backend's Lookup / ApplyGradients (calls that succeeded
     // or failed alike), ns: the worker's busy time, apart from transport.
     int64_t backend_lookup_ns = 0, backend_update_ns = 0;
@@ -151,10 +152,12 @@ class WorkerService final : public ember::v1::Worker::Service {
   // Views f's arrays (and, with `grad`, the gradient's) and checks them
   // against the shard. With skip_nonfinite and a gradient, what NaN/Inf
   // touches is left out first (counted in *skipped). With `region`, ids and
-  // weights f names in it are viewed there, in place (lookups only).
+  // weights f names in it are viewed there, in place, and with `id_buffer`
+  // ids in that (buffer_ids) too (lookups only).
   absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f,
                              const std::string* grad, int64_t* cols, Decoded* out,
-                             int64_t* skipped, const ShmChannels::Region* region = nullptr) const
+                             int64_t* skipped, const ShmChannels::Region* region = nullptr,
+                             const ShmChannels::Region* id_buffer = nullptr) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // NOT_FOUND unless this worker holds the collection.
   absl::StatusOr<Collection*> HeldCollection(const std::string& name) const
@@ -184,7 +187,8 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
-  std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0}, placed_lookups_{0};
+  std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0}, placed_lookups_{0},
+      id_buffer_lookups_{0};
   std::atomic<int64_t> backend_lookup_ns_{0}, backend_update_ns_{0};
   std::atomic<int64_t> lookup_handler_ns_{0};  // successful lookups, whole handler
   std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};

@@ -640,7 +640,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   refused(req, grpc::StatusCode::UNAVAILABLE, "no shared-memory channel");
 }
 
-// A client output buffer as client/output_buffer.cc makes one: a memfd
+// A client shared buffer as client/shared_buffer.cc makes one: a memfd
 // named "ember-buffer" (or `name`), sealed against shrinking (unless not
 // `sealed`), its first 8 bytes the nonce. Every float starts at -1.
 struct TestSharedBuffer {
@@ -878,13 +878,9 @@ TEST(WorkerServiceTest, PackedOutputBackendsGetTheirOutputsPlacedToo) {
 // rewrites an id in its region after sending the call changes the rows the
 // first one reads, not the second. An id rewritten out of range is refused
 // (INVALID_ARGUMENT), never read.
-void IdsRewrittenDuringALookup(bool packed_only) {
-  TestRegion region(1 << 16);
-  int64_t rewrite = -1;  // the value the "client" writes over ids[2]; -1: none
-  auto s = MakeService(WorkerServiceOptions(), packed_only, [&] {
-    if (rewrite >= 0) std::memcpy(region.base + 64 + 2 * 8, &rewrite, 8);
-  });
-  // Row r of table "t" holds r + 1 in every column: SGD at rate 1 from 0.
+// Sets row r of table "t" (MakeService) to r + 1 in every column: SGD at
+// rate 1 from 0.
+void NumberRows(WorkerService* s) {
   ember::v1::WorkerApplyGradientsRequest up;
   up.set_collection("c");
   up.set_epoch(1);
@@ -899,6 +895,15 @@ void IdsRewrittenDuringALookup(bool packed_only) {
   g->set_grad(wire::Encode<float>(grad));
   ember::v1::WorkerApplyGradientsResponse ur;
   ASSERT_TRUE(s->ApplyGradients(nullptr, &up, &ur).ok());
+}
+
+void IdsRewrittenDuringALookup(bool packed_only) {
+  TestRegion region(1 << 16);
+  int64_t rewrite = -1;  // the value the "client" writes over ids[2]; -1: none
+  auto s = MakeService(WorkerServiceOptions(), packed_only, [&] {
+    if (rewrite >= 0) std::memcpy(region.base + 64 + 2 * 8, &rewrite, 8);
+  });
+  NumberRows(s.get());
 
   ember::v1::OpenChannelRequest open;
   open.set_shm_name(region.name);
@@ -945,6 +950,113 @@ void IdsRewrittenDuringALookup(bool packed_only) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
     EXPECT_NE(st.error_message().find("1099511627776"), std::string::npos) << st.error_message();
   }
+}
+
+// A lookup's ids in the client's id buffer (its KeyedJaggedTensor): the
+// worker maps the buffer and reads them there (in place with the CPU
+// backend, copied out for one that checks ids first), giving what the same
+// ids through the channel give. Misuse is refused with nothing applied; a
+// buffer the worker cannot map is refused with kIdBufferRefused, the
+// client's cue to send the ids through the channel.
+void IdsFromTheClientsBuffer(bool packed_only) {
+  auto s = MakeService(WorkerServiceOptions(), packed_only);
+  NumberRows(s.get());
+  TestRegion region(1 << 16);
+  ember::v1::OpenChannelRequest open;
+  open.set_shm_name(region.name);
+  open.set_size(1 << 16);
+  ember::v1::OpenChannelResponse opened;
+  ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
+  TestSharedBuffer ids(1 << 14);
+  const std::vector<int64_t> sent = {0, 1, 3};  // bags {0, 1} and {3}
+  std::memcpy(ids.base + 4096, sent.data(), 24);
+  uint64_t seq = 0;
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.set_channel_id(opened.channel_id());
+  region.Put(std::vector<int64_t>{2, 1}, 0, req.mutable_features(0)->mutable_shm_lengths());
+  req.mutable_features(0)->mutable_buffer_ids()->set_offset(4096);
+  req.mutable_features(0)->mutable_buffer_ids()->set_size(24);
+  *req.mutable_id_buffer() = ids.Proto(9);
+  auto* out = req.add_shm_outputs();
+  out->set_offset(1024);
+  out->set_size(8 * 4);
+  auto call = [&](ember::v1::WorkerLookupRequest r) {
+    r.set_channel_seq(++seq);
+    std::fill_n(reinterpret_cast<float*>(region.base + 1024), 8, -1.0f);
+    ember::v1::WorkerLookupResponse resp;
+    return s->Lookup(nullptr, &r, &resp);
+  };
+  const int64_t before = s->GetStats().id_buffer_lookups;
+  const grpc::Status ok = call(req);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  std::vector<float> got(8);
+  std::memcpy(got.data(), region.base + 1024, 32);
+  EXPECT_EQ(got, (std::vector<float>{3, 3, 3, 3, 4, 4, 4, 4}));
+  EXPECT_EQ(s->GetStats().id_buffer_lookups, before + 1);
+
+  auto refused = [&](const ember::v1::WorkerLookupRequest& r, grpc::StatusCode code,
+                     const std::string& why) {
+    const grpc::Status st = call(r);
+    EXPECT_EQ(st.error_code(), code) << why << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(why), std::string::npos) << st.error_message();
+  };
+  ember::v1::WorkerLookupRequest r = req;
+  r.mutable_features(0)->mutable_buffer_ids()->set_offset(0);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "in its header");
+  r = req;
+  r.mutable_features(0)->mutable_buffer_ids()->set_offset((1 << 14) - 16);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "outside");
+  r = req;
+  region.Put(sent, 64, r.mutable_features(0)->mutable_shm_ids());
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "ids given twice");
+  r = req;
+  r.clear_id_buffer();
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "only a lookup through a channel");
+  r = req;
+  r.set_channel_id(0);
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "without a channel");
+  // An id out of range in the buffer: named.
+  const int64_t far = 99;
+  std::memcpy(ids.base + 4096 + 16, &far, 8);
+  refused(req, grpc::StatusCode::INVALID_ARGUMENT, "99");
+  std::memcpy(ids.base + 4096, sent.data(), 24);
+  // Not the client's buffer (unsealed, or another name): refused so that
+  // the client sends the ids instead.
+  TestSharedBuffer unsealed(1 << 14, /*sealed=*/false);
+  r = req;
+  *r.mutable_id_buffer() = unsealed.Proto(10);
+  refused(r, grpc::StatusCode::FAILED_PRECONDITION, kIdBufferRefused);
+  TestSharedBuffer other(1 << 14, true, "ember-channel");
+  *r.mutable_id_buffer() = other.Proto(11);
+  refused(r, grpc::StatusCode::FAILED_PRECONDITION, kIdBufferRefused);
+  EXPECT_EQ(s->GetStats().id_buffer_lookups, before + 1);
+
+  // Updates never take ids from a buffer; nothing is applied.
+  const std::vector<float> rows = Table(s.get(), "t");
+  ember::v1::WorkerApplyGradientsRequest up;
+  up.set_collection("c");
+  up.set_epoch(1);
+  up.set_request_id("from-buffer");
+  up.set_channel_id(opened.channel_id());
+  up.set_channel_seq(++seq);
+  auto* g = up.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  region.Put(std::vector<int64_t>{2, 1}, 0, g->mutable_feature()->mutable_shm_lengths());
+  g->mutable_feature()->mutable_buffer_ids()->set_offset(4096);
+  g->mutable_feature()->mutable_buffer_ids()->set_size(24);
+  region.Put(std::vector<float>(8, 1.0f), 2048, g->mutable_shm_grad());
+  ember::v1::WorkerApplyGradientsResponse ur;
+  EXPECT_EQ(s->ApplyGradients(nullptr, &up, &ur).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Table(s.get(), "t"), rows);
+}
+
+TEST(WorkerServiceTest, LookupIdsAreReadFromTheClientsBuffer) {
+  IdsFromTheClientsBuffer(/*packed_only=*/false);
+}
+
+TEST(WorkerServiceTest, LookupIdsAreCopiedFromTheClientsBufferForABackendThatChecksFirst) {
+  IdsFromTheClientsBuffer(/*packed_only=*/true);
 }
 
 TEST(WorkerServiceTest, LookupIdsAreReadInPlaceWhenTheBackendChecksThemAsItGathers) {

@@ -94,9 +94,11 @@ FuzzChannel OpenFuzzChannel(WorkerService* s) {
   return ch;
 }
 
-// A client output buffer the service can map (a sealed memfd, as
-// client/output_buffer.cc makes): lookups through the channel name it with
-// the fuzzer's placements.
+// A client shared buffer the service can map (a sealed memfd, as
+// client/shared_buffer.cc makes): lookups through the channel name it as
+// their output buffer, with the fuzzer's placements, and as their id
+// buffer, holding part of the payload (the ids any buffer_ids slice names).
+char* shared_base = nullptr;
 ember::v1::SharedBuffer MakeSharedBuffer() {
   const uint64_t size = 1 << 16;
   const int fd = memfd_create("ember-buffer", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -108,6 +110,7 @@ ember::v1::SharedBuffer MakeSharedBuffer() {
   if (base == MAP_FAILED) std::abort();
   const uint64_t nonce = 0x0e11be7;
   std::memcpy(base, &nonce, sizeof(nonce));
+  shared_base = static_cast<char*>(base);
   ember::v1::SharedBuffer b;
   b.set_id(1);
   b.set_pid(getpid());
@@ -135,13 +138,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
   switch (data[0] % 13) {
     case 9:     // a lookup through the channel
-    case 12: {  // the same into a mappable output buffer (the fuzzer's placements)
+    case 12: {  // the same with a mappable output and id buffer (the fuzzer's
+                // placements and buffer_ids)
       ember::v1::WorkerLookupRequest r;
       ember::v1::WorkerLookupResponse out;
       if (Parse(Split(payload, channel), &r)) {
         r.set_channel_id(channel.id);
         r.set_channel_seq(++channel.seq);
-        if (data[0] % 13 == 12) *r.mutable_out_buffer() = output;
+        if (data[0] % 13 == 12) {
+          *r.mutable_out_buffer() = output;
+          *r.mutable_id_buffer() = output;
+          std::memcpy(shared_base + 4096, payload.data(), std::min<size_t>(payload.size(), 4096));
+        }
         (void)service->Lookup(nullptr, &r, &out);
       }
       break;
