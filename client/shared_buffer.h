@@ -69,8 +69,9 @@ class SharedBuffers {
   void set_shared_min_bytes(size_t bytes) {
     shared_min_bytes_.store(bytes < kFloorBytes ? kFloorBytes : bytes, std::memory_order_relaxed);
   }
-  // At most this many shared buffers at once (each holds a descriptor);
-  // past it buffers take ordinary memory.
+  // At most this many shared buffers at once (each holds a descriptor),
+  // KeyedTensors and KeyedJaggedTensors together; past it buffers take
+  // ordinary memory (their lookups then go through the channel's copies).
   static constexpr int kMaxShared = 64;
   // Freed shared buffers kept for reuse: at most this many, of at most
   // kMaxKeptBytes together (a larger one is unmapped when freed).

@@ -113,9 +113,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
   unlink_name();  // mapped on both sides (or refused): the name is done with
   if (!s.ok()) return FromGrpc(s, "OpenChannel");  // the destructor unmaps
   ch->id_ = resp.channel_id();
-  // The worker opened our memfd through /proc: it can map our shared
-  // buffers the same way.
-  ch->names_buffers_ = handover == Handover::kMemfd;
+  ch->reads_id_buffers_ = resp.reads_id_buffers();
   return ch;
 }
 
@@ -168,7 +166,7 @@ ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t byt
     }
     slot->channel = *std::move(ch);
   }
-  return Lease(std::move(lock), slot->channel.get(), &slot->broken);
+  return Lease(std::move(lock), slot->channel.get(), &slot->broken, &slot->ids_refused);
 }
 
 }  // namespace client

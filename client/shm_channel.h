@@ -43,12 +43,10 @@ class ShmChannel {
   uint64_t NextSeq() { return ++seq_; }
   char* base() const { return base_; }
   uint64_t size() const { return size_; }
-  // Whether calls may name this process's shared buffers to the worker for
-  // it to read in place (a lookup's ids: WorkerLookupRequest.id_buffer):
-  // only over a memfd channel (the worker opened it through /proc, so it
-  // can open the buffers too), and not once the worker refused one.
-  bool names_buffers() const { return names_buffers_ && !buffers_refused_; }
-  void BuffersRefused() { buffers_refused_ = true; }
+  // Whether the worker reads a lookup's ids from this process's shared
+  // buffers on this channel (OpenChannelResponse.reads_id_buffers: a memfd
+  // channel, which it opened through /proc, to a worker that knows how).
+  bool reads_id_buffers() const { return reads_id_buffers_; }
 
  private:
   ShmChannel() = default;
@@ -63,8 +61,7 @@ class ShmChannel {
   uint64_t seq_ = 0;
   char* base_ = nullptr;
   uint64_t size_ = 0;
-  bool names_buffers_ = false;
-  bool buffers_refused_ = false;  // one call at a time (ChannelPool::Lease)
+  bool reads_id_buffers_ = false;
 };
 
 // One channel per worker address, leased to one call at a time; a call that
@@ -76,19 +73,32 @@ class ChannelPool {
   class Lease {
    public:
     Lease() = default;
-    Lease(std::unique_lock<std::mutex> lock, ShmChannel* channel, bool* broken)
-        : lock_(std::move(lock)), channel_(channel), broken_(broken) {}
+    Lease(std::unique_lock<std::mutex> lock, ShmChannel* channel, bool* broken,
+          bool* ids_refused)
+        : lock_(std::move(lock)), channel_(channel), broken_(broken), ids_refused_(ids_refused) {}
     ShmChannel* get() const { return channel_; }
     explicit operator bool() const { return channel_ != nullptr; }
     // The call failed: open a fresh channel next time.
     void Invalidate() {
       if (broken_ != nullptr) *broken_ = true;
     }
+    // Whether a lookup may name its ids' shared buffer to the worker
+    // (WorkerLookupRequest.id_buffer): where the channel says it reads them
+    // and the worker has never refused one (remembered per worker, across
+    // the channels opened to it).
+    bool NamesIdBuffers() const {
+      return channel_ != nullptr && channel_->reads_id_buffers() && ids_refused_ != nullptr &&
+             !*ids_refused_;
+    }
+    void IdBufferRefused() {
+      if (ids_refused_ != nullptr) *ids_refused_ = true;
+    }
 
    private:
     std::unique_lock<std::mutex> lock_;
     ShmChannel* channel_ = nullptr;
     bool* broken_ = nullptr;
+    bool* ids_refused_ = nullptr;
   };
 
   // Without a shared directory, channels are offered to workers whose
@@ -107,6 +117,7 @@ class ChannelPool {
     std::mutex mu;
     std::unique_ptr<ShmChannel> channel;
     bool broken = false;
+    bool ids_refused = false;  // the worker refused an id buffer once
     absl::Time retry_after = absl::InfinitePast();  // after a refused open
   };
   absl::Mutex mu_;

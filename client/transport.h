@@ -58,8 +58,8 @@ class Transport {
   virtual void Failed() {}
 
   // Whether the request may name a shared buffer of this process for the
-  // worker to read ids from in place (ShmChannel::names_buffers), and the
-  // worker's refusal of one (later calls send the ids as arrays).
+  // worker to read ids from (ChannelPool::Lease::NamesIdBuffers), and the
+  // worker's refusal of one (later calls to it send the ids as arrays).
   virtual bool NamesBuffers() const { return false; }
   virtual void BuffersRefused() {}
 
@@ -108,8 +108,8 @@ class ShmTransport : public Transport {
                       const ember::v1::WorkerLookupResponse& response, int index,
                       std::vector<float>* scratch, absl::Span<const float>* out) override;
   void Failed() override { lease_.Invalidate(); }
-  bool NamesBuffers() const override { return lease_.get()->names_buffers(); }
-  void BuffersRefused() override { lease_.get()->BuffersRefused(); }
+  bool NamesBuffers() const override { return lease_.NamesIdBuffers(); }
+  void BuffersRefused() override { lease_.IdBufferRefused(); }
 
   // Bytes a region needs for arrays of these sizes (each aligned).
   static uint64_t Aligned(uint64_t bytes) { return (bytes + 63) / 64 * 64; }

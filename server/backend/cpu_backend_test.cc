@@ -182,18 +182,23 @@ TEST(CpuBackendTest, IdsRewrittenDuringALookupAreNeverReadOutsideTheShard) {
     }
     stop = true;
   });
-  int ok = 0, refused = 0;
+  int ok = 0, refused = 0, other = 0;
   while (!stop) {
     const absl::Status st = (*be)->Lookup({r});
     if (st.ok()) {
       ++ok;
-    } else {
-      ASSERT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    } else if (st.code() == absl::StatusCode::kInvalidArgument) {
       ++refused;
+    } else {
+      ++other;
+      ADD_FAILURE() << st;
     }
   }
   writer.join();
-  EXPECT_GT(ok + refused, 0);
+  EXPECT_EQ(other, 0);
+  // The bad id is in place about half the time and a lookup takes far
+  // longer than one rewrite: some lookups met it, and were refused.
+  EXPECT_GT(refused, 0);
   // The ids as they were: the rows as the first lookup gave them.
   ASSERT_TRUE((*be)->Lookup({r}).ok());
   EXPECT_EQ(out, want);

@@ -37,13 +37,13 @@ inline void LoadRowPair(const uint8_t* row, int64_t col, typename O::Reg* lo,
 
 constexpr int kMaxNearPrefetch = 16;
 
-// Where row `id` would start, for a prefetch only: the ids ahead are not
-// checked yet (a prefetch never faults), so the address is worked out in
-// integers, where an id out of range wraps instead of overflowing.
-inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, int64_t id) {
-  return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(table) +
-                                       static_cast<uint64_t>(id) *
-                                           static_cast<uint64_t>(row_bytes));
+// Where the row of ids[k] starts, for a prefetch: the id read once and,
+// out of range, taken as row 0 (CheckedId's rule), so that the rows
+// prefetched are the table's whatever the ids hold.
+inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, uint64_t rows,
+                                   const int64_t* ids, int64_t k) {
+  bool ignored = false;
+  return reinterpret_cast<const char*>(table + CheckedId(ids, k, rows, &ignored) * row_bytes);
 }
 
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
@@ -67,9 +67,9 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
     // Measured against the first line alone: +35-100% from memory, up to
     // +50% from the L3 (docs/benchmarks.md).
     if (prefetch > 0 && k + near < ids_avail) {
-      _mm_prefetch(PrefetchAddress(table, row_bytes, ids[k + near]), _MM_HINT_T0);
+      _mm_prefetch(PrefetchAddress(table, row_bytes, rows, ids, k + near), _MM_HINT_T0);
       if (k + 2 * prefetch < ids_avail) {
-        const char* far = PrefetchAddress(table, row_bytes, ids[k + 2 * prefetch]);
+        const char* far = PrefetchAddress(table, row_bytes, rows, ids, k + 2 * prefetch);
         for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
       }
     }

@@ -25,6 +25,7 @@ class ForwardingBackend : public EmbeddingBackend {
   }
   absl::Status Lookup(absl::Span<const LookupRequest> r) override { return inner_->Lookup(r); }
   bool WritesStridedOutputs() const override { return inner_->WritesStridedOutputs(); }
+  // A wrapper whose own Lookup reads the ids must say false here.
   bool ChecksIdsWhileGathering() const override { return inner_->ChecksIdsWhileGathering(); }
   absl::Status ApplyGradients(absl::Span<const GradientRequest> r) override {
     return inner_->ApplyGradients(r);

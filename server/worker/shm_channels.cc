@@ -24,7 +24,7 @@ absl::StatusOr<absl::Span<char>> ShmChannels::Region::Bytes(const ember::v1::Shm
                                                             const std::string& what) const {
   if (slice.offset() > size_ || slice.size() > size_ - slice.offset()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", slice.offset(), ", +",
-                                                   slice.size(), ") lie outside the channel's ",
+                                                   slice.size(), ") lie outside the shared region's ",
                                                    size_, " bytes"));
   }
   if (align > 1 && (slice.offset() % align != 0 || slice.size() % align != 0)) {

@@ -75,10 +75,11 @@ class ShmChannels {
                                                     uint64_t seq);
 
   // The client's shared buffer `b` (WorkerLookupRequest.out_buffer or
-  // id_buffer) for channel `id`: mapped on first use and kept (up to kMaxBuffers per
-  // channel, the least recently used unmapped past that, and any the
-  // client has closed unmapped at the next call), nothing in it read but
-  // the nonce. FAILED_PRECONDITION when it cannot be opened through
+  // id_buffer) for channel `id`: mapped on first use and kept (up to
+  // kMaxBuffers per channel, the least recently used unmapped past that,
+  // and any the client has closed unmapped at the next call); only the
+  // nonce is read here (the caller reads ids from it or writes outputs
+  // into it, within its checked slices). FAILED_PRECONDITION when it cannot be opened through
   // /proc/<pid>/fd/<fd> or is not the client's buffer (a memfd named
   // "ember-buffer", sealed against shrinking, holding the nonce),
   // INVALID_ARGUMENT for a size outside [8 KiB, max_region_bytes], and as

@@ -148,11 +148,11 @@ bool InChannel(const ember::v1::ShardFeature& f) {
 
 // Copies a feature's arrays out of a channel's region into its bytes
 // fields: inputs checked before use are never read in place, where the
-// client could change them after they are checked. `lengths_only`: its ids
-// and weights stay in the region, for a lookup whose backend checks each
-// id as it reads it (DecodeFeature views them there).
+// client could change them after they are checked. `ids_in_place`: the ids
+// stay in the region, for a lookup whose backend checks each id as it
+// reads it (DecodeFeature views them there).
 absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
-                    ember::v1::ShardFeature* f, bool lengths_only = false) {
+                    ember::v1::ShardFeature* f, bool ids_in_place = false) {
   struct Array {
     const ember::v1::ShmSlice& slice;
     std::string* bytes;
@@ -162,7 +162,7 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
   for (const Array& a : {Array{f->shm_lengths(), f->mutable_lengths(), 8, "lengths"},
                          Array{f->shm_ids(), f->mutable_ids(), 8, "ids"},
                          Array{f->shm_weights(), f->mutable_weights(), 4, "weights"}}) {
-    if (a.slice.size() == 0 || (lengths_only && a.bytes != f->mutable_lengths())) continue;
+    if (a.slice.size() == 0 || (ids_in_place && a.bytes == f->mutable_ids())) continue;
     if (!a.bytes->empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": ", a.name, " given both inline and in the channel"));
@@ -172,9 +172,8 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
     a.bytes->assign(bytes->data(), bytes->size());
   }
   f->clear_shm_lengths();
-  if (lengths_only) return absl::OkStatus();
-  f->clear_shm_ids();
   f->clear_shm_weights();
+  if (!ids_in_place) f->clear_shm_ids();
   return absl::OkStatus();
 }
 
@@ -225,6 +224,8 @@ grpc::Status WorkerService::OpenChannel(grpc::ServerContext* ctx,
   if (!id.ok()) return ToGrpc(id.status());
   resp->set_channel_id(*id);
   resp->set_idle_timeout_ms(absl::ToInt64Milliseconds(channels_.idle_timeout()));
+  // Opened through /proc/<pid>/fd: the client's id buffers can be too.
+  resp->set_reads_id_buffers(req->pid() != 0);
   return grpc::Status::OK;
 }
 
@@ -299,9 +300,7 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
     viewed = ViewArray(f.ids(), f.shm_ids(), region, "ids", &out->ids, &r.ids);
   }
   if (!viewed.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", viewed.message()));
-  if (absl::Status s =
-          ViewArray(f.weights(), f.shm_weights(), region, "weights", &out->weights, &r.weights);
-      !s.ok()) {
+  if (absl::Status s = wire::View(f.weights(), "weights", &out->weights, &r.weights); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
   if (grad != nullptr) {
@@ -584,7 +583,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   auto call = EnterDataCall("lookup");
   if (!call.ok()) return ToGrpc(call.status());
   // Through a channel: the outputs written into its region, the lengths
-  // copied out of it first, and the ids and weights too unless the backend
+  // and weights copied out of it first, and the ids too unless the backend
   // checks each id as it gathers its row (then read in place: a client
   // that rewrites them during the call gets wrong rows of its own table
   // or a refusal, never a read outside the shard).
@@ -603,7 +602,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     copied = *req;
     for (int i = 0; i < copied.features_size(); ++i) {
       if (absl::Status s = CopyIn(*region, absl::StrCat("feature ", i), copied.mutable_features(i),
-                                  /*lengths_only=*/ids_in_place);
+                                  ids_in_place);
           !s.ok()) {
         return ToGrpc(s);
       }
@@ -624,10 +623,13 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
       return ToGrpc(absl::InvalidArgumentError("an id buffer without a channel"));
     }
     auto mapped = channels_.MapBuffer(req->channel_id(), OwnerOf(ctx), req->id_buffer());
-    if (!mapped.ok()) {
+    if (absl::IsFailedPrecondition(mapped.status()) || absl::IsInvalidArgument(mapped.status())) {
+      // Not a buffer this worker can map (another PID namespace, not the
+      // client's, a size it does not take): the client's cue.
       return ToGrpc(absl::FailedPreconditionError(
           absl::StrCat(kIdBufferRefused, " ", mapped.status().message())));
     }
+    if (!mapped.ok()) return ToGrpc(mapped.status());  // the channel's, or no memory
     id_buffer = *std::move(mapped);
     if (!ids_in_place) {
       for (int i = 0; i < copied.features_size(); ++i) {

@@ -529,6 +529,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
   EXPECT_NE(opened.channel_id(), 0u);
   EXPECT_EQ(s->open_channels(), 1);
+  EXPECT_FALSE(opened.reads_id_buffers()) << "a named region says nothing of the client's memfds";
 
   // Inline, then the same through the channel: bags {0, 1} and {3}.
   const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
@@ -565,7 +566,7 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
   refused(r, grpc::StatusCode::UNAVAILABLE, "no shared-memory channel");
   r = req;
   r.mutable_features(0)->mutable_shm_ids()->set_offset((1 << 16) - 8);
-  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "outside the channel");
+  refused(r, grpc::StatusCode::INVALID_ARGUMENT, "outside the shared region");
   r = req;
   r.mutable_features(0)->mutable_shm_ids()->set_offset(66);
   refused(r, grpc::StatusCode::INVALID_ARGUMENT, "multiples of 8");
@@ -1111,6 +1112,7 @@ TEST(WorkerServiceTest, ChannelsOverAMemfdMustBeSealedAndTheClients) {
   const ember::v1::OpenChannelRequest open = open_of(good);
   ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
   EXPECT_EQ(s->open_channels(), 1);
+  EXPECT_TRUE(opened.reads_id_buffers()) << "a memfd channel: the client's buffers open alike";
   // A lookup through it, as through a named region.
   const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
   ember::v1::WorkerLookupRequest req = PooledLookup();
