@@ -621,20 +621,28 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
   return absl::OkStatus();
 }
 
+// How the failed calls of a fan-out ended (EndCalls).
+struct CallEnds {
+  bool unconfirmed = false;        // a worker may still be running its call
+  bool id_buffer_refused = false;  // a worker could not map the ids' buffer
+};
+
 // After calls of which some failed: a channel whose call ended without the
 // worker's answer (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN,
 // INTERNAL: the connection, not the request; PERMISSION_DENIED) is not
-// trusted again. Returns
-// whether any call ended so: its worker may still be running it. A
-// refusal (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, ...) came
-// from the worker's handler, done with the call, and leaves the channel
-// as it was.
+// trusted again, and its worker may still be running the call
+// (`unconfirmed`). A refusal (INVALID_ARGUMENT, NOT_FOUND,
+// FAILED_PRECONDITION, ...) came from the worker's handler, done with the
+// call, and leaves the channel as it was; one of the ids' buffer
+// (kIdBufferRefused) makes that worker's channels send ids as arrays from
+// then on.
 template <typename F>
-bool EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
-  bool unconfirmed = false;
+CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
+  CallEnds ends;
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan[rank].started) continue;
-    switch (fan[rank].status.error_code()) {
+    const grpc::Status& status = fan[rank].status;
+    switch (status.error_code()) {
       case grpc::StatusCode::OK:
         break;
       case grpc::StatusCode::UNAVAILABLE:
@@ -643,16 +651,22 @@ bool EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
       case grpc::StatusCode::UNKNOWN:
       case grpc::StatusCode::INTERNAL:
         (*transports)[rank]->Failed();
-        unconfirmed = true;
+        ends.unconfirmed = true;
         break;
       case grpc::StatusCode::PERMISSION_DENIED:  // perhaps the channel's owner
         (*transports)[rank]->Failed();
+        break;
+      case grpc::StatusCode::FAILED_PRECONDITION:
+        if (absl::StartsWith(status.error_message(), kIdBufferRefused)) {
+          (*transports)[rank]->BuffersRefused();
+          ends.id_buffer_refused = true;
+        }
         break;
       default:
         break;
     }
   }
-  return unconfirmed;
+  return ends;
 }
 
 // `b` as the request names it to a worker.
@@ -811,23 +825,15 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // may have left unsafe (EndCalls).
   auto failed = [&](absl::Status s) {
     (void)fan.WaitAll();
-    if (EndCalls(fan, &transports) && placed_in.has_value()) {
+    const CallEnds ends = EndCalls(fan, &transports);
+    if (ends.unconfirmed && placed_in.has_value()) {
       // A worker whose call ended unconfirmed may still write into it.
       SharedBuffers::Global().Poison(placed_in->base + SharedBuffers::kHeaderBytes);
       if (poisoned != nullptr) *poisoned = true;
     }
-    // A worker that could not map the ids' buffer: its channel sends ids as
-    // arrays from now on, and the lookup is retried (UNAVAILABLE).
-    bool ids_refused = false;
-    for (int rank = 0; rank < fan.size(); ++rank) {
-      const grpc::Status& st = fan[rank].status;
-      if (fan[rank].started && st.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
-          absl::StartsWith(st.error_message(), kIdBufferRefused)) {
-        transports[rank]->BuffersRefused();
-        ids_refused = true;
-      }
-    }
-    if (ids_refused) {
+    // A worker that could not map the ids' buffer: retried (UNAVAILABLE),
+    // with ids as arrays.
+    if (ends.id_buffer_refused) {
       return absl::UnavailableError(absl::StrCat(
           s.message(), "; sending the ids through the channel instead, and retrying"));
     }

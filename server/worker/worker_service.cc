@@ -282,7 +282,9 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   }
   absl::Status viewed;
   if (f.has_buffer_ids()) {
-    // Ids in the caller's id buffer (Lookup mapped it), read in place.
+    // Ids in the caller's id buffer (Lookup mapped it): read in place by a
+    // backend that checks each id as it gathers, else copied out here, once,
+    // before anything checks them.
     if (id_buffer == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": ids in an id buffer, which only a lookup through a channel names"));
@@ -296,6 +298,10 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
           what, ": ids at byte ", f.buffer_ids().offset(), " of the id buffer, in its header"));
     }
     viewed = ViewArray(f.ids(), f.buffer_ids(), id_buffer, "ids", &out->ids, &r.ids);
+    if (viewed.ok() && !backend_->ChecksIdsWhileGathering()) {
+      out->ids.assign(r.ids.begin(), r.ids.end());
+      r.ids = out->ids;
+    }
   } else {
     viewed = ViewArray(f.ids(), f.shm_ids(), region, "ids", &out->ids, &r.ids);
   }
@@ -613,10 +619,9 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     return ToGrpc(absl::InvalidArgumentError("shared-memory slices without a channel"));
   }
   // The client's id buffer (its KeyedJaggedTensor), when it names one:
-  // features with buffer_ids read their ids there, in place, or copied out
-  // for a backend that checks ids before it runs. One this worker cannot
-  // map is refused (kIdBufferRefused): the client then sends the ids
-  // through the channel.
+  // features with buffer_ids take their ids there (DecodeFeature). One this
+  // worker cannot map is refused (kIdBufferRefused): the client then sends
+  // the ids through the channel.
   std::shared_ptr<const ShmChannels::Region> id_buffer;
   if (req->has_id_buffer()) {
     if (region == nullptr) {
@@ -631,19 +636,6 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     }
     if (!mapped.ok()) return ToGrpc(mapped.status());  // the channel's, or no memory
     id_buffer = *std::move(mapped);
-    if (!ids_in_place) {
-      for (int i = 0; i < copied.features_size(); ++i) {
-        ember::v1::ShardFeature* f = copied.mutable_features(i);
-        if (!f->has_buffer_ids() || f->buffer_ids().offset() < kSharedBufferHeaderBytes ||
-            !f->ids().empty() || f->has_shm_ids()) {
-          continue;  // left to DecodeFeature, which refuses what is wrong
-        }
-        auto bytes = id_buffer->Bytes(f->buffer_ids(), 8, absl::StrCat("feature ", i, " ids"));
-        if (!bytes.ok()) return ToGrpc(bytes.status());
-        f->set_ids(bytes->data(), bytes->size());
-        f->clear_buffer_ids();
-      }
-    }
   }
   // The client's output buffer, when it names one this worker can map:
   // placed outputs go straight into it. Otherwise they go to the channel's

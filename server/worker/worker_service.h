@@ -152,8 +152,9 @@ class WorkerService final : public ember::v1::Worker::Service {
   // Views f's arrays (and, with `grad`, the gradient's) and checks them
   // against the shard. With skip_nonfinite and a gradient, what NaN/Inf
   // touches is left out first (counted in *skipped). With `region`, ids f
-  // names in it are viewed there, in place, and with `id_buffer` ids in
-  // that (buffer_ids) too (lookups only).
+  // names in it are viewed there, in place; with `id_buffer`, ids in that
+  // (buffer_ids) are too, or copied out for a backend that checks ids
+  // before it runs (lookups only).
   absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f,
                              const std::string* grad, int64_t* cols, Decoded* out,
                              int64_t* skipped, const ShmChannels::Region* region = nullptr,

@@ -288,10 +288,9 @@ TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {
   EXPECT_TRUE(LookUp(&s, "held", "t").ok());
 }
 
-// Pooled table t: bag 0 = {id 0} with a NaN in its gradient row; bag 1 =
-// {id 1 (weight 2), id 2 (weight Inf)} with gradient [1, 2, 3, 4].
-// Sequence table s: id 0 with an Inf gradient row, id 3 with [1, 1, 1, 1].
-ember::v1::WorkerApplyGradientsRequest Update(const std::string& id) {
+// An update of collection "c" at epoch 1 under `id`, with one gradient
+// for table "t" (SUM) whose arrays the caller fills.
+ember::v1::WorkerApplyGradientsRequest UpdateOfT(const std::string& id) {
   ember::v1::WorkerApplyGradientsRequest r;
   r.set_collection("c");
   r.set_epoch(1);
@@ -299,6 +298,15 @@ ember::v1::WorkerApplyGradientsRequest Update(const std::string& id) {
   auto* g = r.add_gradients();
   g->mutable_feature()->mutable_shard()->set_table("t");
   g->mutable_feature()->set_pooling(TableConfig::SUM);
+  return r;
+}
+
+// Pooled table t: bag 0 = {id 0} with a NaN in its gradient row; bag 1 =
+// {id 1 (weight 2), id 2 (weight Inf)} with gradient [1, 2, 3, 4].
+// Sequence table s: id 0 with an Inf gradient row, id 3 with [1, 1, 1, 1].
+ember::v1::WorkerApplyGradientsRequest Update(const std::string& id) {
+  ember::v1::WorkerApplyGradientsRequest r = UpdateOfT(id);
+  auto* g = r.mutable_gradients(0);
   g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1, 2}));
   g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 2}));
   g->mutable_feature()->set_weights(wire::Encode<float>(std::vector<float>{1, 2, INFINITY}));
@@ -374,13 +382,8 @@ TEST(WorkerServiceTest, SkipNonFiniteLeavesOutWhatTheyTouchAndAppliesTheRest) {
 // One SGD step of -1 on row 0 of t under `id`; true if applied (not a
 // duplicate).
 bool Step(WorkerService* s, const std::string& id) {
-  ember::v1::WorkerApplyGradientsRequest r;
-  r.set_collection("c");
-  r.set_epoch(1);
-  r.set_request_id(id);
-  auto* g = r.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table("t");
-  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  ember::v1::WorkerApplyGradientsRequest r = UpdateOfT(id);
+  auto* g = r.mutable_gradients(0);
   g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
   g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0}));
   g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
@@ -592,15 +595,10 @@ TEST(WorkerServiceTest, SharedMemoryChannelsServeLikeInlineAndRefuseMisuse) {
 
   // Updates: through the channel as inline; a refused one applies nothing.
   const std::vector<float> before = Table(s.get(), "t");
-  ember::v1::WorkerApplyGradientsRequest up;
-  up.set_collection("c");
-  up.set_epoch(1);
-  up.set_request_id("shm-1");
+  ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("shm-1");
   up.set_channel_id(opened.channel_id());
   up.set_channel_seq(++seq);
-  auto* g = up.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table("t");
-  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  auto* g = up.mutable_gradients(0);
   region.Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
   region.Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
   region.Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
@@ -712,13 +710,8 @@ void PlacedOutputs(bool packed_only) {
   ASSERT_TRUE(s->OpenChannel(nullptr, &open, &opened).ok());
   const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
   // Rows made non-zero first (the table starts at zero): SGD at rate 1.
-  ember::v1::WorkerApplyGradientsRequest up;
-  up.set_collection("c");
-  up.set_epoch(1);
-  up.set_request_id("nonzero");
-  auto* g = up.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table("t");
-  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("nonzero");
+  auto* g = up.mutable_gradients(0);
   g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1, 1, 1}));
   g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 3}));
   g->set_grad(wire::Encode<float>(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}));
@@ -882,13 +875,8 @@ TEST(WorkerServiceTest, PackedOutputBackendsGetTheirOutputsPlacedToo) {
 // Sets row r of table "t" (MakeService) to r + 1 in every column: SGD at
 // rate 1 from 0.
 void NumberRows(WorkerService* s) {
-  ember::v1::WorkerApplyGradientsRequest up;
-  up.set_collection("c");
-  up.set_epoch(1);
-  up.set_request_id("rows");
-  auto* g = up.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table("t");
-  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("rows");
+  auto* g = up.mutable_gradients(0);
   g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1, 1, 1, 1}));
   g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 2, 3}));
   std::vector<float> grad;
@@ -1034,15 +1022,10 @@ void IdsFromTheClientsBuffer(bool packed_only) {
 
   // Updates never take ids from a buffer; nothing is applied.
   const std::vector<float> rows = Table(s.get(), "t");
-  ember::v1::WorkerApplyGradientsRequest up;
-  up.set_collection("c");
-  up.set_epoch(1);
-  up.set_request_id("from-buffer");
+  ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("from-buffer");
   up.set_channel_id(opened.channel_id());
   up.set_channel_seq(++seq);
-  auto* g = up.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table("t");
-  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  auto* g = up.mutable_gradients(0);
   region.Put(std::vector<int64_t>{2, 1}, 0, g->mutable_feature()->mutable_shm_lengths());
   g->mutable_feature()->mutable_buffer_ids()->set_offset(4096);
   g->mutable_feature()->mutable_buffer_ids()->set_size(24);
