@@ -1,0 +1,255 @@
+// NCCL links (peer_link.h): the only file that calls NCCL. libnccl.so.2 is
+// loaded on first use (dlopen), so binaries built with it run where it is
+// absent and answer UNAVAILABLE for "nccl" channels only. Communicators are
+// non-blocking (config.blocking = 0): initialisation and every call are
+// polled against a deadline, and a link that misses one is aborted
+// (ncclCommAbort), which is also how a link ends.
+//
+// NOT YET RUN ON A GPU: no machine with two GPUs has been lent since this
+// was written (cuda/README.md says what has run). The channel code above it
+// runs in CI over socket links.
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <cstring>
+#include <set>
+#include <type_traits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cuda/cuda_status.h"
+#include "cuda/peer_link.h"
+
+namespace ember {
+namespace cuda {
+namespace {
+
+// The NCCL entry points used, from libnccl.so.2.
+struct Nccl {
+  decltype(&ncclGetUniqueId) GetUniqueId;
+  decltype(&ncclCommInitRankConfig) CommInitRankConfig;
+  decltype(&ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&ncclCommAbort) CommAbort;
+  decltype(&ncclSend) Send;
+  decltype(&ncclRecv) Recv;
+  decltype(&ncclGetErrorString) GetErrorString;
+};
+
+absl::StatusOr<const Nccl*> LoadNccl() {
+  static absl::StatusOr<const Nccl*> loaded = []() -> absl::StatusOr<const Nccl*> {
+    // $EMBER_NCCL_LIBRARY, else the loader's path, else the toolkit's.
+    void* lib = nullptr;
+    std::string tried;
+    const char* env = std::getenv("EMBER_NCCL_LIBRARY");
+    for (const char* path : {env, "libnccl.so.2", "/usr/local/cuda/lib64/libnccl.so.2"}) {
+      if (path == nullptr || *path == 0) continue;
+      if ((lib = dlopen(path, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+      absl::StrAppend(&tried, tried.empty() ? "" : "; ", dlerror());
+    }
+    if (lib == nullptr) return absl::UnavailableError(absl::StrCat("NCCL: cannot load it: ", tried));
+    auto* n = new Nccl;
+    bool ok = true;
+    auto get = [&](auto* fn, const char* name) {
+      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(dlsym(lib, name));
+      ok = ok && *fn != nullptr;
+    };
+    get(&n->GetUniqueId, "ncclGetUniqueId");
+    get(&n->CommInitRankConfig, "ncclCommInitRankConfig");
+    get(&n->CommGetAsyncError, "ncclCommGetAsyncError");
+    get(&n->CommAbort, "ncclCommAbort");
+    get(&n->Send, "ncclSend");
+    get(&n->Recv, "ncclRecv");
+    get(&n->GetErrorString, "ncclGetErrorString");
+    if (!ok) return absl::UnavailableError("NCCL: libnccl.so.2 lacks ncclCommInitRankConfig (< 2.14)");
+    return n;
+  }();
+  return loaded;
+}
+
+absl::Status NcclError(const Nccl& n, ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", n.GetErrorString(r)));
+}
+
+// Waits for a non-blocking communicator's pending call to settle.
+ncclResult_t Settle(const Nccl& n, ncclComm_t comm, ncclResult_t r, absl::Time deadline) {
+  while (r == ncclInProgress) {
+    if (absl::Now() >= deadline) return ncclInProgress;
+    absl::SleepFor(absl::Microseconds(20));
+    if (n.CommGetAsyncError(comm, &r) != ncclSuccess) return ncclInternalError;
+  }
+  return r;
+}
+
+// Calls on one link run under its lock's caller (thread-compatible).
+class NcclLink : public PeerLink {
+ public:
+  NcclLink(const Nccl* n, ncclComm_t comm, cudaStream_t stream, int device, int peer)
+      : n_(n), comm_(comm), stream_(stream), device_(device), peer_(peer) {}
+  ~NcclLink() override {
+    cudaSetDevice(device_);
+    if (comm_ != nullptr) n_->CommAbort(comm_);
+    cudaStreamDestroy(stream_);
+    for (void* m : memory_) cudaFree(m);
+  }
+
+  absl::Status Send(const void* memory, uint64_t bytes) override {
+    if (!lost_.ok()) return lost_;
+    cudaSetDevice(device_);
+    return Check(n_->Send(memory, bytes, ncclUint8, peer_, comm_, stream_), "send");
+  }
+  absl::Status Recv(void* memory, uint64_t bytes) override {
+    if (!lost_.ok()) return lost_;
+    cudaSetDevice(device_);
+    return Check(n_->Recv(memory, bytes, ncclUint8, peer_, comm_, stream_), "receive");
+  }
+  absl::Status CopyIn(void* memory, const void* host, uint64_t bytes) override {
+    if (!lost_.ok()) return lost_;
+    cudaSetDevice(device_);
+    return CheckCuda(cudaMemcpyAsync(memory, host, bytes, cudaMemcpyHostToDevice, stream_),
+                     "copy to device");
+  }
+  absl::Status CopyOut(void* host, const void* memory, uint64_t bytes) override {
+    if (!lost_.ok()) return lost_;
+    cudaSetDevice(device_);
+    return CheckCuda(cudaMemcpyAsync(host, memory, bytes, cudaMemcpyDeviceToHost, stream_),
+                     "copy to host");
+  }
+
+  absl::Status Wait(absl::Time deadline) override {
+    if (!lost_.ok()) return lost_;
+    cudaSetDevice(device_);
+    for (;;) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Lose(CudaErrorToStatus(e, "peer link stream"));
+      ncclResult_t async = ncclSuccess;
+      if (n_->CommGetAsyncError(comm_, &async) != ncclSuccess ||
+          (async != ncclSuccess && async != ncclInProgress)) {
+        return Lose(NcclError(*n_, async, "link"));
+      }
+      if (absl::Now() >= deadline) {
+        return Lose(absl::DeadlineExceededError(
+            "peer link: queued transfers not done by the deadline (the other end did not queue "
+            "its side)"));
+      }
+      absl::SleepFor(absl::Microseconds(20));
+    }
+  }
+
+  absl::StatusOr<void*> Allocate(uint64_t bytes) override {
+    cudaSetDevice(device_);
+    void* m = nullptr;
+    if (absl::Status s = CudaErrorToStatus(cudaMalloc(&m, std::max<uint64_t>(bytes, 1)),
+                                           "peer link memory");
+        !s.ok()) {
+      return s;
+    }
+    memory_.insert(m);
+    return m;
+  }
+  void Free(void* memory) override {
+    if (memory_.erase(memory) == 0) return;
+    cudaSetDevice(device_);
+    cudaFree(memory);
+  }
+
+ private:
+  absl::Status Lose(absl::Status s) {
+    lost_ = std::move(s);
+    if (comm_ != nullptr) n_->CommAbort(comm_);
+    comm_ = nullptr;
+    return lost_;
+  }
+  absl::Status Check(ncclResult_t r, const char* what) {
+    r = Settle(*n_, comm_, r, absl::Now() + absl::Seconds(30));
+    if (r == ncclSuccess) return absl::OkStatus();
+    if (r == ncclInProgress) {
+      return Lose(absl::DeadlineExceededError(absl::StrCat("NCCL ", what, ": not queued in 30 s")));
+    }
+    return Lose(NcclError(*n_, r, what));
+  }
+  absl::Status CheckCuda(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return absl::OkStatus();
+    return Lose(CudaErrorToStatus(e, what));
+  }
+
+  const Nccl* const n_;
+  ncclComm_t comm_;
+  const cudaStream_t stream_;
+  const int device_;
+  const int peer_;
+  absl::Status lost_;
+  std::set<void*> memory_;
+};
+
+class NcclLinksImpl : public PeerLinks {
+ public:
+  explicit NcclLinksImpl(const Nccl* n) : n_(n) {}
+  std::string name() const override { return "nccl"; }
+
+  absl::StatusOr<std::string> NewId() override {
+    ncclUniqueId id;
+    if (ncclResult_t r = n_->GetUniqueId(&id); r != ncclSuccess) {
+      return NcclError(*n_, r, "ncclGetUniqueId");
+    }
+    return std::string(id.internal, sizeof(id.internal));
+  }
+
+  absl::StatusOr<std::unique_ptr<PeerLink>> Join(const std::string& id, int rank, int device,
+                                                 absl::Time deadline) override {
+    ncclUniqueId uid;
+    if (id.size() != sizeof(uid.internal)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("an NCCL link id is ", sizeof(uid.internal), " bytes, not ", id.size()));
+    }
+    if (rank != 0 && rank != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of a two-rank link"));
+    }
+    std::memcpy(uid.internal, id.data(), sizeof(uid.internal));
+    if (absl::Status s = CudaErrorToStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) {
+      return s;
+    }
+    cudaStream_t stream = nullptr;
+    if (absl::Status s = CudaErrorToStatus(
+            cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+        !s.ok()) {
+      return s;
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    ncclResult_t r = n_->CommInitRankConfig(&comm, 2, uid, rank, &config);
+    if (comm != nullptr) r = Settle(*n_, comm, r, deadline);
+    if (r != ncclSuccess) {
+      if (comm != nullptr) n_->CommAbort(comm);
+      cudaStreamDestroy(stream);
+      if (r == ncclInProgress) {
+        return absl::DeadlineExceededError(
+            "peer link: the other end did not join the NCCL communicator by the deadline");
+      }
+      return NcclError(*n_, r, "ncclCommInitRankConfig");
+    }
+    return std::unique_ptr<PeerLink>(new NcclLink(n_, comm, stream, device, 1 - rank));
+  }
+
+ private:
+  const Nccl* const n_;
+};
+
+}  // namespace
+
+absl::StatusOr<PeerLinks*> NcclLinks() {
+  static absl::StatusOr<PeerLinks*> links = []() -> absl::StatusOr<PeerLinks*> {
+    auto n = LoadNccl();
+    if (!n.ok()) return n.status();
+    return new NcclLinksImpl(*n);
+  }();
+  return links;
+}
+
+}  // namespace cuda
+}  // namespace ember

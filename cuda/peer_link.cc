@@ -1,0 +1,279 @@
+// Socket links (peer_link.h) and the choice of a kind by name.
+#include "cuda/peer_link.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+
+namespace ember {
+namespace cuda {
+namespace {
+
+constexpr char kSocketPrefix[] = "ember-link-";
+
+absl::Status LinkGone(const char* what) {
+  return absl::UnavailableError(
+      absl::StrCat("peer link: the other end went away (", what, ": ", std::strerror(errno), ")"));
+}
+
+bool WriteAll(int fd, const char* p, uint64_t n) {
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<uint64_t>(w);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, char* p, uint64_t n) {
+  while (n > 0) {
+    const ssize_t r = ::read(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      if (r == 0) errno = ECONNRESET;
+      return false;
+    }
+    p += r;
+    n -= static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
+// The operations run in order on the link's own thread (its "stream"); the
+// first failure loses the link and drops what is still queued.
+class SocketLink : public PeerLink {
+ public:
+  explicit SocketLink(int fd) : fd_(fd), thread_([this] { Run(); }) {}
+  ~SocketLink() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      ::shutdown(fd_, SHUT_RDWR);  // unblocks a transfer in progress
+    }
+    cv_.notify_all();
+    thread_.join();
+    ::close(fd_);
+    for (void* m : memory_) std::free(m);
+  }
+
+  absl::Status Send(const void* memory, uint64_t bytes) override {
+    return Queue([this, memory, bytes]() -> absl::Status {
+      const uint64_t size = bytes;
+      if (!WriteAll(fd_, reinterpret_cast<const char*>(&size), sizeof(size)) ||
+          !WriteAll(fd_, static_cast<const char*>(memory), bytes)) {
+        return LinkGone("send");
+      }
+      return absl::OkStatus();
+    });
+  }
+  absl::Status Recv(void* memory, uint64_t bytes) override {
+    return Queue([this, memory, bytes]() -> absl::Status {
+      uint64_t size = 0;
+      if (!ReadAll(fd_, reinterpret_cast<char*>(&size), sizeof(size))) return LinkGone("receive");
+      if (size != bytes) {
+        return absl::InternalError(absl::StrCat("peer link: the other end sent ", size,
+                                                " bytes where ", bytes, " were expected"));
+      }
+      if (!ReadAll(fd_, static_cast<char*>(memory), bytes)) return LinkGone("receive");
+      return absl::OkStatus();
+    });
+  }
+  absl::Status CopyIn(void* memory, const void* host, uint64_t bytes) override {
+    return Queue([=] {
+      std::memcpy(memory, host, bytes);
+      return absl::OkStatus();
+    });
+  }
+  absl::Status CopyOut(void* host, const void* memory, uint64_t bytes) override {
+    return Queue([=] {
+      std::memcpy(host, memory, bytes);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status Wait(absl::Time deadline) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    const bool done = cv_.wait_until(lock, absl::ToChronoTime(deadline), [this] {
+      return (ops_.empty() && !running_) || !lost_.ok();
+    });
+    if (!done && lost_.ok()) {
+      lost_ = absl::DeadlineExceededError(
+          "peer link: queued transfers not done by the deadline (the other end did not queue "
+          "its side)");
+      ops_.clear();
+      ::shutdown(fd_, SHUT_RDWR);
+    }
+    return lost_;
+  }
+
+  absl::StatusOr<void*> Allocate(uint64_t bytes) override {
+    void* m = std::aligned_alloc(64, (std::max<uint64_t>(bytes, 1) + 63) / 64 * 64);
+    if (m == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("peer link: ", bytes, " bytes"));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    memory_.insert(m);
+    return m;
+  }
+  void Free(void* memory) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (memory_.erase(memory) > 0) std::free(memory);
+  }
+
+ private:
+  absl::Status Queue(std::function<absl::Status()> op) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!lost_.ok()) return lost_;
+      ops_.push_back(std::move(op));
+    }
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || !ops_.empty(); });
+      if (stop_) return;
+      std::function<absl::Status()> op = std::move(ops_.front());
+      ops_.pop_front();
+      running_ = true;
+      lock.unlock();
+      absl::Status s = op();
+      lock.lock();
+      running_ = false;
+      if (!s.ok() && lost_.ok()) {
+        lost_ = std::move(s);
+        ops_.clear();
+        ::shutdown(fd_, SHUT_RDWR);
+      }
+      cv_.notify_all();
+    }
+  }
+
+  const int fd_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<absl::Status()>> ops_;
+  bool running_ = false;
+  bool stop_ = false;
+  absl::Status lost_;
+  std::set<void*> memory_;
+  std::thread thread_;  // last: started once the rest is built
+};
+
+// The abstract socket address of link `id`.
+bool AddressOf(const std::string& id, sockaddr_un* addr, socklen_t* len) {
+  if (!absl::StartsWith(id, kSocketPrefix) || id.size() + 1 > sizeof(addr->sun_path)) return false;
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  std::memcpy(addr->sun_path + 1, id.data(), id.size());  // sun_path[0] = 0: abstract
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + id.size());
+  return true;
+}
+
+int MillisecondsLeft(absl::Time deadline) {
+  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms, 60000)));
+}
+
+class SocketLinksImpl : public PeerLinks {
+ public:
+  std::string name() const override { return "socket"; }
+
+  absl::StatusOr<std::string> NewId() override {
+    std::random_device rd;
+    return absl::StrFormat("%s%08x%08x%08x%08x", kSocketPrefix, rd(), rd(), rd(), rd());
+  }
+
+  absl::StatusOr<std::unique_ptr<PeerLink>> Join(const std::string& id, int rank, int device,
+                                                 absl::Time deadline) override {
+    sockaddr_un addr;
+    socklen_t len;
+    if (!AddressOf(id, &addr, &len)) {
+      return absl::InvalidArgumentError(absl::StrCat("not a socket link id: \"", id, "\""));
+    }
+    if (rank != 0 && rank != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of a two-rank link"));
+    }
+    const auto* a = reinterpret_cast<const sockaddr*>(&addr);
+    if (rank == 0) {
+      const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (listener < 0) return LinkGone("socket");
+      if (::bind(listener, a, len) != 0 || ::listen(listener, 1) != 0) {
+        absl::Status s = absl::UnavailableError(
+            absl::StrCat("peer link ", id, ": cannot listen: ", std::strerror(errno)));
+        ::close(listener);
+        return s;
+      }
+      pollfd p{listener, POLLIN, 0};
+      int ready;
+      do {
+        ready = ::poll(&p, 1, MillisecondsLeft(deadline));
+      } while ((ready < 0 && errno == EINTR) || (ready == 0 && absl::Now() < deadline));
+      const int fd = ready > 0 ? ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC) : -1;
+      ::close(listener);
+      if (fd < 0) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("peer link ", id, ": the other end did not join by the deadline"));
+      }
+      return std::unique_ptr<PeerLink>(new SocketLink(fd));
+    }
+    // Rank 1: the listener may not be there yet.
+    for (;;) {
+      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) return LinkGone("socket");
+      if (::connect(fd, a, len) == 0) return std::unique_ptr<PeerLink>(new SocketLink(fd));
+      const int err = errno;
+      ::close(fd);
+      if (err != ECONNREFUSED && err != ENOENT && err != EAGAIN) {
+        return absl::UnavailableError(
+            absl::StrCat("peer link ", id, ": cannot connect: ", std::strerror(err)));
+      }
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("peer link ", id, ": the other end did not join by the deadline"));
+      }
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+  }
+};
+
+}  // namespace
+
+PeerLinks* SocketLinks() {
+  static PeerLinks* links = new SocketLinksImpl();
+  return links;
+}
+
+absl::StatusOr<PeerLinks*> PeerLinksNamed(const std::string& name) {
+  if (name == "socket") return SocketLinks();
+  if (name == "nccl") return NcclLinks();
+  return absl::InvalidArgumentError(
+      absl::StrCat("no peer link kind \"", name, "\" (\"nccl\" or \"socket\")"));
+}
+
+}  // namespace cuda
+}  // namespace ember
