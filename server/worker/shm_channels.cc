@@ -7,17 +7,55 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
 namespace ember {
 namespace worker {
 
-ShmChannels::Region::~Region() { munmap(base_, size_); }
+ShmChannels::Region::~Region() {
+  if (mapped_) {
+    munmap(base_, size_);
+  } else {
+    std::free(base_);
+  }
+}
+
+struct ShmChannels::LinkState {
+  std::mutex call_mu;            // one call at a time (Transfer)
+  absl::Notification joined;     // the join ended: join_status, link, memory set
+  absl::Status join_status;
+  std::unique_ptr<cuda::PeerLink> link;
+  char* memory = nullptr;        // the link's memory, the region's size
+};
+
+absl::Status ShmChannels::Transfer::CheckReply(const ember::v1::ShmSlice& reply) const {
+  if (link_ == nullptr) {
+    if (reply.size() == 0 && reply.offset() == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError("link_reply on a shared-memory channel");
+  }
+  return region_->Bytes(reply, 4, "link_reply").status();
+}
+
+absl::Status ShmChannels::Transfer::Reply(const ember::v1::ShmSlice& reply) {
+  if (link_ == nullptr || reply.size() == 0) return absl::OkStatus();
+  auto bytes = region_->Bytes(reply, 4, "link_reply");
+  if (!bytes.ok()) return bytes.status();
+  char* memory = link_->memory + reply.offset();
+  cuda::PeerLink& link = *link_->link;
+  if (absl::Status s = link.CopyIn(memory, bytes->data(), bytes->size()); !s.ok()) return s;
+  // Not waited for: the client receives it once it has the call's answer;
+  // the next call on the channel waits for it first (Use).
+  return link.Send(memory, bytes->size());
+}
 
 absl::StatusOr<absl::Span<char>> ShmChannels::Region::Bytes(const ember::v1::ShmSlice& slice,
                                                             size_t align,
@@ -121,15 +159,22 @@ bool SameBuffer(const ember::v1::SharedBuffer& a, const ember::v1::SharedBuffer&
 }  // namespace
 
 ShmChannels::ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels,
-                         std::string shm_dir)
+                         std::string shm_dir, LinkChannelOptions links)
     : idle_timeout_(idle_timeout),
       max_region_bytes_(max_region_bytes),
       max_channels_(max_channels),
       shm_dir_(std::move(shm_dir)),
+      links_(std::move(links)),
       rng_(std::random_device()()) {}
 
+ShmChannels::~ShmChannels() = default;
+
 absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& req,
-                                           const std::string& owner) {
+                                           const std::string& owner, std::string* link_id) {
+  if (!req.link().empty()) {
+    if (link_id == nullptr) return absl::InternalError("link channel opened without a link id");
+    return OpenLink(req, owner, link_id);
+  }
   const bool file = !req.shm_file().empty();
   const bool memfd = req.pid() != 0;
   if (file + !req.shm_name().empty() + memfd != 1) {
@@ -199,6 +244,106 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
   return id;
 }
 
+absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelRequest& req,
+                                               const std::string& owner, std::string* link_id) {
+  if (!req.shm_name().empty() || !req.shm_file().empty() || req.pid() != 0) {
+    return absl::InvalidArgumentError(
+        "a link channel names no region (shm_name, shm_file, pid/memfd): each side has its own");
+  }
+  cuda::PeerLinks* kind = nullptr;
+  std::vector<std::string> offered;
+  for (cuda::PeerLinks* k : links_.kinds) {
+    if (k->name() == req.link()) kind = k;
+    offered.push_back(absl::StrCat("\"", k->name(), "\""));
+  }
+  if (kind == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this worker offers no \"", req.link().substr(0, 32), "\" links (--links offers ",
+        offered.empty() ? "none" : absl::StrJoin(offered, ", "), ")"));
+  }
+  const uint64_t size = req.size();
+  if (size < 4096 || size > max_region_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("channel size ", size, " is outside [4096, ",
+                                                   max_region_bytes_, "]"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(absl::Now());
+    if (static_cast<int>(channels_.size()) >= max_channels_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(max_channels_, " channels are open on this worker; close some"));
+    }
+  }
+  auto id_made = kind->NewId();
+  if (!id_made.ok()) return id_made.status();
+  const size_t rounded = (size + 63) / 64 * 64;
+  char* base = static_cast<char*>(std::aligned_alloc(64, rounded));
+  if (base == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("a link channel's region of ", size, " bytes"));
+  }
+  auto region = std::make_shared<const Region>(base, size, /*mapped=*/false);
+  auto state = std::make_shared<LinkState>();
+  // Joined in the background: the client joins once it has this answer.
+  std::thread([state, kind, link = *id_made, device = links_.device, size,
+               deadline = absl::Now() + links_.transfer_timeout] {
+    auto joined = kind->Join(link, 0, device, deadline);
+    if (joined.ok()) {
+      auto memory = (*joined)->Allocate(size);
+      if (memory.ok()) {
+        state->link = *std::move(joined);
+        state->memory = static_cast<char*>(*memory);
+      } else {
+        state->join_status = memory.status();
+      }
+    } else {
+      state->join_status = joined.status();
+    }
+    state->joined.Notify();
+  }).detach();
+  *link_id = *id_made;
+  absl::MutexLock lock(&mu_);
+  uint64_t id = 0;
+  while (id == 0 || channels_.count(id)) id = rng_();
+  Channel& c = channels_[id];
+  c.region = std::move(region);
+  c.owner = owner;
+  c.last_used = absl::Now();
+  c.link = std::move(state);
+  return id;
+}
+
+void ShmChannels::Abandon(uint64_t id, const std::string& owner) {
+  std::shared_ptr<LinkState> gone;  // let go outside the lock
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(id);
+  if (it == channels_.end() || it->second.owner != owner || it->second.link == nullptr) return;
+  gone = std::move(it->second.link);
+  channels_.erase(it);
+}
+
+absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
+                                  const ember::v1::ShmSlice& sent) {
+  if (!link.joined.WaitForNotificationWithTimeout(links_.transfer_timeout)) {
+    return absl::UnavailableError("link channel: the link is still being joined");
+  }
+  if (!link.join_status.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("link channel: its link was not joined: ", link.join_status.message()));
+  }
+  auto bytes = region.Bytes(sent, 1, "link_sent");
+  if (!bytes.ok()) return bytes.status();
+  if (bytes->empty()) return absl::OkStatus();
+  char* memory = link.memory + sent.offset();
+  cuda::PeerLink& l = *link.link;
+  absl::Status s = l.Recv(memory, bytes->size());
+  if (s.ok()) s = l.CopyOut(bytes->data(), memory, bytes->size());
+  if (s.ok()) s = l.Wait(absl::Now() + links_.transfer_timeout);
+  if (!s.ok()) {
+    return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ShmChannels::Close(uint64_t id, const std::string& owner) {
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(id);
@@ -210,22 +355,41 @@ absl::Status ShmChannels::Close(uint64_t id, const std::string& owner) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const ShmChannels::Region>> ShmChannels::Use(
-    uint64_t id, const std::string& owner, uint64_t seq) {
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
-  ExpireLocked(now);
-  auto ch = FindLocked(id, owner);
-  if (!ch.ok()) return ch.status();
-  Channel& c = **ch;
-  if (seq <= c.last_seq) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "channel ", id, " transfer ", seq, " is out of order: transfer ", c.last_seq,
-        " came before it (a stale or replayed control message; channel_seq counts from 1)"));
+absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::string& owner,
+                                                       uint64_t seq,
+                                                       const ember::v1::ShmSlice& sent) {
+  Transfer t;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    ExpireLocked(now);
+    auto ch = FindLocked(id, owner);
+    if (!ch.ok()) return ch.status();
+    Channel& c = **ch;
+    absl::Status refused;
+    if (seq <= c.last_seq) {
+      refused = absl::InvalidArgumentError(absl::StrCat(
+          "channel ", id, " transfer ", seq, " is out of order: transfer ", c.last_seq,
+          " came before it (a stale or replayed control message; channel_seq counts from 1)"));
+    } else if (c.link == nullptr && (sent.size() != 0 || sent.offset() != 0)) {
+      refused = absl::InvalidArgumentError("link_sent on a shared-memory channel");
+    }
+    if (!refused.ok()) {
+      if (c.link != nullptr) channels_.erase(id);  // out of step with the client
+      return refused;
+    }
+    c.last_seq = seq;
+    c.last_used = now;
+    t.region_ = c.region;
+    t.link_ = c.link;
   }
-  c.last_seq = seq;
-  c.last_used = now;
-  return c.region;
+  if (t.link_ == nullptr) return t;
+  t.lock_ = std::unique_lock<std::mutex>(t.link_->call_mu);
+  if (absl::Status s = Receive(*t.link_, *t.region_, sent); !s.ok()) {
+    Abandon(id, owner);
+    return s;
+  }
+  return t;
 }
 
 absl::StatusOr<ShmChannels::Channel*> ShmChannels::FindLocked(uint64_t id,

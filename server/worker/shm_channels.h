@@ -1,6 +1,11 @@
-// The worker's shared-memory channels (OpenChannel in proto/service.proto):
-// regions trainers on the same host created and the worker mapped, through
-// which bulk arrays travel instead of inside gRPC messages.
+// The worker's data channels (OpenChannel in proto/service.proto), through
+// which bulk arrays travel instead of inside gRPC messages: shared-memory
+// regions trainers on the same host created and the worker mapped, and
+// link channels (an NCCL or socket peer link, cuda/peer_link.h), where each
+// side keeps its own copy of a region laid out the same way and a call's
+// bytes cross the link: received into the worker's copy when the call
+// starts (Use), its lookup outputs sent back from it when it succeeded
+// (Transfer::Reply).
 //
 // A channel belongs to the credentials that opened it (the authorization
 // value, when tokens are on): calls naming it with other credentials are
@@ -15,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,17 +29,29 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "cuda/peer_link.h"
 #include "proto/service.pb.h"
 
 namespace ember {
 namespace worker {
 
+// Link channels: the kinds offered (none: OpenChannel with a link is
+// refused), the CUDA device their links run on, and how long a transfer (or
+// a client's join) may take before the channel is given up.
+struct LinkChannelOptions {
+  std::vector<cuda::PeerLinks*> kinds;
+  int device = 0;
+  absl::Duration transfer_timeout = absl::Seconds(30);
+};
+
 class ShmChannels {
  public:
-  // A mapped region.
+  // A mapped region (`mapped`), or a link channel's copy of one (heap
+  // memory, std::free'd).
   class Region {
    public:
-    Region(char* base, size_t size) : base_(base), size_(size) {}
+    Region(char* base, size_t size, bool mapped = true)
+        : base_(base), size_(size), mapped_(mapped) {}
     ~Region();
     Region(const Region&) = delete;
     Region& operator=(const Region&) = delete;
@@ -46,13 +64,42 @@ class ShmChannels {
    private:
     char* const base_;
     const size_t size_;
+    const bool mapped_;
+  };
+
+  // One link channel's link and its memory, once joined.
+  struct LinkState;
+
+  // A call's hold on its channel (Use): the region, and for a link channel
+  // the link, which no other call uses until this hold goes.
+  class Transfer {
+   public:
+    Transfer() = default;
+    Transfer(Transfer&&) = default;
+    Transfer& operator=(Transfer&&) = default;
+    const std::shared_ptr<const Region>& region() const { return region_; }
+    bool linked() const { return link_ != nullptr; }
+    // INVALID_ARGUMENT unless `reply` (WorkerLookupRequest.link_reply) lies
+    // in the region at a multiple of 4; for a shared-memory channel unless
+    // it is empty.
+    absl::Status CheckReply(const ember::v1::ShmSlice& reply) const;
+    // Link channels: queues `reply`'s bytes of the region to the client (a
+    // lookup's outputs, written there). Nothing for shared memory.
+    absl::Status Reply(const ember::v1::ShmSlice& reply);
+
+   private:
+    friend class ShmChannels;
+    std::shared_ptr<const Region> region_;
+    std::shared_ptr<LinkState> link_;
+    std::unique_lock<std::mutex> lock_;  // link_'s call lock (after link_: let go first)
   };
 
   // Limits: region sizes in [4 KiB, max_region_bytes], at most
   // max_channels open at once. `shm_dir`: a directory trainers share with
   // this worker (empty: none; only POSIX shared-memory names then).
   ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes, int max_channels,
-              std::string shm_dir = "");
+              std::string shm_dir = "", LinkChannelOptions links = {});
+  ~ShmChannels();
 
   // Maps the region of `req` (OpenChannelRequest): the client's memfd
   // "ember-channel" sealed against shrinking (opened through
@@ -63,7 +110,13 @@ class ShmChannels {
   // descriptor that is not such a memfd, or other bytes than the nonce (not
   // the client's region), NOT_FOUND when a name cannot be opened,
   // RESOURCE_EXHAUSTED past max_channels.
-  absl::StatusOr<uint64_t> Open(const ember::v1::OpenChannelRequest& req, const std::string& owner);
+  //
+  // With req.link(): a link channel of that kind (FAILED_PRECONDITION when
+  // it is not offered), whose link's id goes to `*link_id`; the worker joins
+  // it as rank 0 in the background, and the client has until
+  // transfer_timeout to join too.
+  absl::StatusOr<uint64_t> Open(const ember::v1::OpenChannelRequest& req, const std::string& owner,
+                                std::string* link_id = nullptr);
   // NOT_FOUND for an unknown channel, PERMISSION_DENIED for another owner's.
   absl::Status Close(uint64_t id, const std::string& owner);
   // The channel's region for transfer `seq` (its idle clock restarts).
@@ -71,8 +124,19 @@ class ShmChannels {
   // one and retries), PERMISSION_DENIED for another owner's,
   // INVALID_ARGUMENT for a seq not above every earlier one on the channel
   // (a stale or replayed control message; nothing is read).
-  absl::StatusOr<std::shared_ptr<const Region>> Use(uint64_t id, const std::string& owner,
-                                                    uint64_t seq);
+  //
+  // A link channel's call first receives the `sent` bytes of the region
+  // (the client sent them with the call) into this side's copy, one call at
+  // a time. Any refusal of a link channel's call, and a transfer that fails
+  // or misses transfer_timeout (UNAVAILABLE), also drops the channel: its
+  // link may be out of step with the client's. `sent` must be empty for a
+  // shared-memory channel.
+  absl::StatusOr<Transfer> Use(uint64_t id, const std::string& owner, uint64_t seq,
+                               const ember::v1::ShmSlice& sent = ember::v1::ShmSlice());
+  // Drops link channel `id` of `owner` (a call on it was refused before it
+  // could receive: its link is out of step). Nothing for a shared-memory
+  // channel or an unknown one.
+  void Abandon(uint64_t id, const std::string& owner);
 
   // The client's shared buffer `b` (WorkerLookupRequest.out_buffer or
   // id_buffer) for channel `id`: mapped on first use and kept (up to
@@ -104,7 +168,12 @@ class ShmChannels {
       ino_t inode;  // of the memfd: gone from /proc/<pid>/fd/<fd>, the client let it go
     };
     std::vector<Buffer> buffers;
+    std::shared_ptr<LinkState> link;  // a link channel's
   };
+  absl::StatusOr<uint64_t> OpenLink(const ember::v1::OpenChannelRequest& req,
+                                    const std::string& owner, std::string* link_id);
+  // Receives `sent` into the region for a link channel's call.
+  absl::Status Receive(LinkState& link, const Region& region, const ember::v1::ShmSlice& sent);
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Channel `id` if `owner`'s: UNAVAILABLE when unknown (closed, lapsed),
   // PERMISSION_DENIED for another owner's.
@@ -115,6 +184,7 @@ class ShmChannels {
   const uint64_t max_region_bytes_;
   const int max_channels_;
   const std::string shm_dir_;
+  const LinkChannelOptions links_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Channel> channels_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);

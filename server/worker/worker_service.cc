@@ -132,7 +132,7 @@ WorkerService::WorkerService(std::unique_ptr<backend::EmbeddingBackend> backend,
     : backend_(std::move(backend)),
       options_(options),
       channels_(options.channel_idle_timeout, kMaxMessageBytes, options.max_channels,
-                options.shm_dir) {}
+                options.shm_dir, options.links) {}
 
 namespace {
 
@@ -216,13 +216,15 @@ grpc::Status WorkerService::OpenChannel(grpc::ServerContext* ctx,
                                         const ember::v1::OpenChannelRequest* req,
                                         ember::v1::OpenChannelResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
-  if (!options_.shared_memory) {
+  if (!options_.shared_memory && req->link().empty()) {
     return ToGrpc(absl::FailedPreconditionError(
         "this worker offers no shared-memory channels (--shared_memory=false)"));
   }
-  auto id = channels_.Open(*req, OwnerOf(ctx));
+  std::string link_id;
+  auto id = channels_.Open(*req, OwnerOf(ctx), &link_id);
   if (!id.ok()) return ToGrpc(id.status());
   resp->set_channel_id(*id);
+  resp->set_link_id(std::move(link_id));
   resp->set_idle_timeout_ms(absl::ToInt64Milliseconds(channels_.idle_timeout()));
   // Opened through /proc/<pid>/fd: the client's id buffers can be too.
   resp->set_reads_id_buffers(req->pid() != 0);
@@ -587,7 +589,10 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   const absl::Time handler_start = absl::Now();
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("lookup");
-  if (!call.ok()) return ToGrpc(call.status());
+  if (!call.ok()) {
+    channels_.Abandon(req->channel_id(), OwnerOf(ctx));  // a link channel's bytes not received
+    return ToGrpc(call.status());
+  }
   // Through a channel: the outputs written into its region, the lengths
   // and weights copied out of it first, and the ids too unless the backend
   // checks each id as it gathers its row (then read in place: a client
@@ -595,12 +600,15 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   // or a refusal, never a read outside the shard).
   const bool ids_in_place = backend_->ChecksIdsWhileGathering();
   std::shared_ptr<const ShmChannels::Region> region;
+  ShmChannels::Transfer transfer;  // a link channel's: held to the end of the call
   ReusedCopy<ember::v1::WorkerLookupRequest> reused;
   ember::v1::WorkerLookupRequest& copied = *reused.get();
   if (req->channel_id() != 0) {
-    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq());
+    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq(), req->link_sent());
     if (!r.ok()) return ToGrpc(r.status());
-    region = *std::move(r);
+    transfer = *std::move(r);
+    region = transfer.region();
+    if (absl::Status s = transfer.CheckReply(req->link_reply()); !s.ok()) return ToGrpc(s);
     if (req->shm_outputs_size() != req->features_size()) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
           req->features_size(), " feature(s) but ", req->shm_outputs_size(), " output slice(s)")));
@@ -614,7 +622,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
       }
     }
     req = &copied;
-  } else if (req->shm_outputs_size() > 0 ||
+  } else if (req->shm_outputs_size() > 0 || req->has_link_sent() || req->has_link_reply() ||
              std::any_of(req->features().begin(), req->features().end(), InChannel)) {
     return ToGrpc(absl::InvalidArgumentError("shared-memory slices without a channel"));
   }
@@ -724,6 +732,10 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
       std::memcpy(m.to + r * m.stride, m.from + r * m.cols, m.cols * sizeof(float));
     }
   }
+  // A link channel's outputs go back over its link.
+  if (absl::Status s = transfer.Reply(req->link_reply()); !s.ok()) {
+    return ToGrpc(absl::UnavailableError(absl::StrCat("link channel: ", s.message())));
+  }
   resp->set_placed(out_region != nullptr);
   int64_t ids = 0;
   for (const backend::LookupRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
@@ -742,16 +754,22 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
                                            ember::v1::WorkerApplyGradientsResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("gradient update");
-  if (!call.ok()) return ToGrpc(call.status());
+  if (!call.ok()) {
+    channels_.Abandon(req->channel_id(), OwnerOf(ctx));  // a link channel's bytes not received
+    return ToGrpc(call.status());
+  }
   if (req->request_id().empty()) {
+    channels_.Abandon(req->channel_id(), OwnerOf(ctx));
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
   }
   // Through a channel: every array copied out of its region first.
   ReusedCopy<ember::v1::WorkerApplyGradientsRequest> reused;
   ember::v1::WorkerApplyGradientsRequest& copied = *reused.get();
   if (req->channel_id() != 0) {
-    auto region = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq());
-    if (!region.ok()) return ToGrpc(region.status());
+    auto transfer =
+        channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq(), req->link_sent());
+    if (!transfer.ok()) return ToGrpc(transfer.status());
+    const std::shared_ptr<const ShmChannels::Region>* region = &transfer->region();
     copied = *req;
     for (int i = 0; i < copied.gradients_size(); ++i) {
       auto* g = copied.mutable_gradients(i);
@@ -769,7 +787,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
       }
     }
     req = &copied;
-  } else if (std::any_of(req->gradients().begin(), req->gradients().end(),
+  } else if (req->has_link_sent() ||
+             std::any_of(req->gradients().begin(), req->gradients().end(),
                          [](const ember::v1::ShardGradient& g) {
                            return InChannel(g.feature()) || g.has_shm_grad();
                          })) {

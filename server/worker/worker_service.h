@@ -74,6 +74,10 @@ struct WorkerServiceOptions {
   std::string shm_dir;
   absl::Duration channel_idle_timeout = absl::Minutes(10);
   int max_channels = 256;
+  // Link channels (OpenChannelRequest.link): the kinds of peer link
+  // offered ("nccl" where the backend is on a GPU; "socket" for tests and
+  // machines without one), offered whatever shared_memory says.
+  LinkChannelOptions links;
 };
 
 class WorkerService final : public ember::v1::Worker::Service {

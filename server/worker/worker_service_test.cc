@@ -18,10 +18,12 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 
 #include "gmock/gmock.h"
+#include "cuda/peer_link.h"
 #include "gtest/gtest.h"
 #include "server/backend/cpu_backend.h"
 #include "server/backend/forwarding_backend.h"
@@ -1175,7 +1177,7 @@ TEST(WorkerServiceTest, ChannelsInASharedDirectoryAndTheirNonce) {
   ASSERT_TRUE(id.ok()) << id.status();
   auto region = shared.Use(*id, "Bearer a", 1);
   ASSERT_TRUE(region.ok());
-  EXPECT_EQ((*region)->size(), 1u << 14);
+  EXPECT_EQ(region->region()->size(), 1u << 14);
   auto refused = [&](const ember::v1::OpenChannelRequest& req, absl::StatusCode code,
                      const std::string& words) {
     const auto got = shared.Open(req, "Bearer a");
@@ -1209,6 +1211,246 @@ TEST(WorkerServiceTest, ChannelsInASharedDirectoryAndTheirNonce) {
   rmdir(dir.c_str());
 }
 
+
+// The client's end of a link channel in these tests: its own copy of the
+// region, joined to the worker's socket link as rank 1.
+struct TestLinkClient {
+  // Opens a link channel of `size` bytes on `s` ("socket"), joins it
+  // unless `join` is false.
+  TestLinkClient(WorkerService* s, size_t size, bool join = true) : region(size) {
+    ember::v1::OpenChannelRequest open;
+    open.set_link("socket");
+    open.set_size(size);
+    ember::v1::OpenChannelResponse opened;
+    const grpc::Status st = s->OpenChannel(nullptr, &open, &opened);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    id = opened.channel_id();
+    if (!join) return;
+    auto l = cuda::SocketLinks()->Join(opened.link_id(), 1, 0, absl::Now() + absl::Seconds(10));
+    EXPECT_TRUE(l.ok()) << l.status();
+    if (!l.ok()) return;
+    link = *std::move(l);
+    memory = static_cast<char*>(*link->Allocate(size));
+  }
+  // Copies `v` to `at` of the region and names it in `slice`.
+  template <typename T>
+  void Put(const std::vector<T>& v, uint64_t at, ember::v1::ShmSlice* slice) {
+    std::memcpy(region.data() + at, v.data(), v.size() * sizeof(T));
+    slice->set_offset(at);
+    slice->set_size(v.size() * sizeof(T));
+  }
+  // Sends bytes [0, n) of the region, named in `sent` (as a call does
+  // before its message).
+  void Send(uint64_t n, ember::v1::ShmSlice* sent) {
+    sent->set_offset(0);
+    sent->set_size(n);
+    ASSERT_TRUE(link->CopyIn(memory, region.data(), n).ok());
+    ASSERT_TRUE(link->Send(memory, n).ok());
+  }
+  // Receives `reply` into the region (as a call does after its answer).
+  absl::Status Receive(const ember::v1::ShmSlice& reply) {
+    char* m = memory + reply.offset();
+    if (absl::Status s = link->Recv(m, reply.size()); !s.ok()) return s;
+    if (absl::Status s = link->CopyOut(region.data() + reply.offset(), m, reply.size()); !s.ok()) {
+      return s;
+    }
+    return link->Wait(absl::Now() + absl::Seconds(10));
+  }
+  std::vector<char> region;
+  uint64_t id = 0;
+  std::unique_ptr<cuda::PeerLink> link;
+  char* memory = nullptr;
+};
+
+WorkerServiceOptions OfferingSocketLinks() {
+  WorkerServiceOptions so;
+  so.links.kinds = {cuda::SocketLinks()};
+  so.links.transfer_timeout = absl::Milliseconds(500);
+  return so;
+}
+
+// Lookups and updates through a link channel (a socket link: the NCCL
+// channel's protocol without a GPU) give what the same calls inline give,
+// exactly once; the region's bytes cross the link both ways.
+TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
+  auto s = MakeService(OfferingSocketLinks());
+  TestLinkClient c(s.get(), 1 << 16);
+  ASSERT_NE(c.link, nullptr);
+  EXPECT_EQ(s->open_channels(), 1);
+  const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
+  const std::vector<float> want = InlineLookup(s.get(), lengths, ids);
+  uint64_t seq = 0;
+  for (int round = 0; round < 3; ++round) {  // the link stays in step call after call
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.set_channel_id(c.id);
+    req.set_channel_seq(++seq);
+    c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+    c.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
+    auto* out = req.add_shm_outputs();
+    out->set_offset(1024);
+    out->set_size(8 * 4);
+    *req.mutable_link_reply() = *out;
+    std::memset(c.region.data() + 1024, 0x7f, 32);  // not what comes back
+    c.Send(128, req.mutable_link_sent());
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_TRUE(c.Receive(req.link_reply()).ok());
+    std::vector<float> got(8);
+    std::memcpy(got.data(), c.region.data() + 1024, 32);
+    EXPECT_EQ(got, want) << "round " << round;
+  }
+  // An update, and its retry (a new transfer of the same request).
+  ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("link-1");
+  up.set_channel_id(c.id);
+  auto* g = up.mutable_gradients(0);
+  c.Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
+  c.Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
+  c.Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
+  ember::v1::WorkerApplyGradientsResponse ur;
+  for (bool duplicate : {false, true}) {
+    up.set_channel_seq(++seq);
+    c.Send(2048 + 32, up.mutable_link_sent());
+    const grpc::Status st = s->ApplyGradients(nullptr, &up, &ur);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(ur.duplicate(), duplicate);
+  }
+  // SGD at rate 1: rows 0 and 1 minus [1,2,3,4], row 3 minus [5,6,7,8].
+  const std::vector<float> after = Table(s.get(), "t");
+  EXPECT_EQ(std::vector<float>(after.begin(), after.begin() + 8),
+            (std::vector<float>{-1, -2, -3, -4, -1, -2, -3, -4}));
+  EXPECT_EQ(std::vector<float>(after.begin() + 12, after.end()),
+            (std::vector<float>{-5, -6, -7, -8}));
+  ember::v1::CloseChannelRequest close;
+  close.set_channel_id(c.id);
+  ember::v1::CloseChannelResponse closed;
+  EXPECT_TRUE(s->CloseChannel(nullptr, &close, &closed).ok());
+  EXPECT_EQ(s->open_channels(), 0);
+}
+
+// A link channel's call that is refused, or whose bytes never come, loses
+// the channel (its link may be out of step with the client's), and applies
+// nothing; kinds not offered, and link channels that name a region, are
+// refused when opened.
+TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
+  {
+    auto plain = MakeService(false);  // offers no links
+    ember::v1::OpenChannelRequest open;
+    open.set_link("socket");
+    open.set_size(1 << 16);
+    ember::v1::OpenChannelResponse opened;
+    const grpc::Status st = plain->OpenChannel(nullptr, &open, &opened);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr("offers none"));
+  }
+  auto s = MakeService(OfferingSocketLinks());
+  ember::v1::OpenChannelRequest open;
+  ember::v1::OpenChannelResponse opened;
+  open.set_size(1 << 16);
+  open.set_link("nccl");
+  grpc::Status st = s->OpenChannel(nullptr, &open, &opened);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("offers \"socket\""));
+  open.set_link("socket");
+  open.set_shm_name("/ember-x");
+  EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  open.clear_shm_name();
+  open.set_size(100);
+  EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s->open_channels(), 0);
+
+  const std::vector<float> before = Table(s.get(), "t");
+  const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
+  // An update through channel `c` as transfer `seq`, its bytes sent.
+  auto update = [&](TestLinkClient& c, uint64_t seq, bool send = true) {
+    ember::v1::WorkerApplyGradientsRequest up = UpdateOfT(absl::StrCat("u", seq, "-", c.id));
+    up.set_channel_id(c.id);
+    up.set_channel_seq(seq);
+    auto* g = up.mutable_gradients(0);
+    c.Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
+    c.Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
+    c.Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
+    if (send) c.Send(2048 + 32, up.mutable_link_sent());
+    return up;
+  };
+  auto lost = [&](const ember::v1::WorkerApplyGradientsRequest& up, grpc::StatusCode code,
+                  const std::string& why) {
+    ember::v1::WorkerApplyGradientsResponse ur;
+    const grpc::Status got = s->ApplyGradients(nullptr, &up, &ur);
+    EXPECT_EQ(got.error_code(), code) << why << ": " << got.error_message();
+    EXPECT_THAT(got.error_message(), ::testing::HasSubstr(why));
+    EXPECT_EQ(Table(s.get(), "t"), before) << why;
+    EXPECT_EQ(s->open_channels(), 0) << why << ": the channel is lost";
+  };
+  {  // link_sent past the region
+    TestLinkClient c(s.get(), 1 << 16);
+    auto up = update(c, 1);
+    up.mutable_link_sent()->set_size(1 << 20);
+    lost(up, grpc::StatusCode::INVALID_ARGUMENT, "outside the shared region");
+  }
+  {  // a replayed transfer number
+    TestLinkClient c(s.get(), 1 << 16);
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.set_channel_id(c.id);
+    req.set_channel_seq(2);
+    c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+    c.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
+    auto* out = req.add_shm_outputs();
+    out->set_offset(1024);
+    out->set_size(8 * 4);
+    *req.mutable_link_reply() = *out;
+    c.Send(128, req.mutable_link_sent());
+    ember::v1::WorkerLookupResponse resp;
+    ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
+    ASSERT_TRUE(c.Receive(req.link_reply()).ok());
+    lost(update(c, 2), grpc::StatusCode::INVALID_ARGUMENT, "out of order");
+  }
+  {  // refused before its bytes were received: no request id
+    TestLinkClient c(s.get(), 1 << 16);
+    auto up = update(c, 1);
+    up.set_request_id("");
+    lost(up, grpc::StatusCode::INVALID_ARGUMENT, "request_id is empty");
+  }
+  {  // bytes that never come (the client died after sending the message)
+    TestLinkClient c(s.get(), 1 << 16);
+    ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("never-sent");
+    up.set_channel_id(c.id);
+    up.set_channel_seq(1);
+    up.mutable_link_sent()->set_size(4096);
+    const absl::Time start = absl::Now();
+    lost(up, grpc::StatusCode::UNAVAILABLE, "not done by the deadline");
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  }
+  {  // a client that never joined the link
+    TestLinkClient c(s.get(), 1 << 16, /*join=*/false);
+    ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("never-joined");
+    up.set_channel_id(c.id);
+    up.set_channel_seq(1);
+    up.mutable_link_sent()->set_size(64);
+    lost(up, grpc::StatusCode::UNAVAILABLE, "was not joined");
+  }
+  {  // a link slice on an inline call
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.mutable_link_reply()->set_size(32);
+    ember::v1::WorkerLookupResponse resp;
+    EXPECT_EQ(s->Lookup(nullptr, &req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  // Refused after its bytes arrived (ids out of the shard): nothing
+  // applied, and the worker's side of the link is still in step.
+  TestLinkClient c(s.get(), 1 << 16);
+  auto up = update(c, 1, /*send=*/false);
+  c.Put(std::vector<int64_t>{0, 1, 99}, 4096, up.mutable_gradients(0)->mutable_feature()->mutable_shm_ids());
+  c.Send(4096 + 24, up.mutable_link_sent());
+  ember::v1::WorkerApplyGradientsResponse ur;
+  EXPECT_EQ(s->ApplyGradients(nullptr, &up, &ur).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s->open_channels(), 1);
+  up = update(c, 2);
+  const grpc::Status fine = s->ApplyGradients(nullptr, &up, &ur);
+  EXPECT_TRUE(fine.ok()) << fine.error_message();
+  EXPECT_NE(Table(s.get(), "t"), before);
+}
 }  // namespace
 }  // namespace worker
 }  // namespace ember
