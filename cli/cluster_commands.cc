@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "cli/exit_status.h"
@@ -26,6 +27,7 @@
 #include "cli/spec_io.h"
 #include "client/client.h"
 #include "cuda/device_query.h"
+#include "cuda/peer_link.h"
 #include "gflags/gflags.h"
 #include "cli/calibrate.h"
 #include "planner/cost_model_io.h"
@@ -108,6 +110,12 @@ DEFINE_string(shm_dir, "",
               "whose regions are files in it; clients create them there and try every worker "
               "(one on another host refuses; its calls go inline). Empty: POSIX shared memory, "
               "workers at loopback addresses only.");
+DEFINE_string(links, "auto",
+              "Workers: the peer links offered for link channels (bulk arrays over a link "
+              "instead of gRPC), a comma-separated list of \"nccl\" (GPU to GPU; needs "
+              "--device=cuda) and \"socket\" (a Unix-domain socket in host memory, same host: "
+              "the NCCL protocol without a GPU, for tests); \"auto\": nccl for a CUDA worker "
+              "where libnccl.so.2 loads, else none; empty: none.");
 DEFINE_bool(skip_nonfinite, false,
             "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
             "instead of refusing the update.");
@@ -184,6 +192,26 @@ int WaitForSignal(Tick tick) {
 int MaxMessageBytes() { return FLAGS_max_message_mb << 20; }
 
 // Checks the flags every server shares; "" when fine.
+// The peer links a worker offers (--links, --device).
+absl::StatusOr<std::vector<cuda::PeerLinks*>> OfferedLinks() {
+  std::vector<cuda::PeerLinks*> kinds;
+  if (FLAGS_links == "auto") {
+    if (FLAGS_device != "cuda") return kinds;
+    auto nccl = cuda::NcclLinks();
+    if (nccl.ok()) kinds.push_back(*nccl);
+    return kinds;
+  }
+  for (absl::string_view name : absl::StrSplit(FLAGS_links, ',', absl::SkipEmpty())) {
+    auto kind = cuda::PeerLinksNamed(std::string(name));
+    if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("--links: ", kind.status().message()));
+    if ((*kind)->name() == "nccl" && FLAGS_device != "cuda") {
+      return absl::InvalidArgumentError("--links=nccl needs --device=cuda");
+    }
+    kinds.push_back(*kind);
+  }
+  return kinds;
+}
+
 std::string BadServerFlags() {
   if (FLAGS_max_message_mb < 1 || FLAGS_max_message_mb > 1024) {
     return "--max_message_mb must be in [1, 1024]";
@@ -204,6 +232,7 @@ std::string BadServerFlags() {
   if (!FLAGS_shm_dir.empty() && !std::filesystem::is_directory(FLAGS_shm_dir)) {
     return "--shm_dir " + FLAGS_shm_dir + " is not a directory";
   }
+  if (auto links = OfferedLinks(); !links.ok()) return std::string(links.status().message());
   absl::Duration every;
   if (!FLAGS_checkpoint_every.empty()) {
     if (!absl::ParseDuration(FLAGS_checkpoint_every, &every) || every < absl::Seconds(1)) {
@@ -402,6 +431,10 @@ int RunWorker() {
   o.service.max_queued_calls = FLAGS_max_queued_calls;
   o.service.shared_memory = FLAGS_shared_memory;
   o.service.shm_dir = FLAGS_shm_dir;
+  if (auto links = OfferedLinks(); links.ok()) {  // (checked with the other flags below)
+    o.service.links.kinds = *links;
+    o.service.links.device = FLAGS_cuda_device;
+  }
   (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto tokens = ServerTokens();
@@ -454,7 +487,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
       absl::StrCat("--batch_scheduling=", FLAGS_batch_scheduling ? "true" : "false"),
-      "--shm_dir=" + FLAGS_shm_dir, "--drain_on_sigterm=false",
+      "--shm_dir=" + FLAGS_shm_dir, "--links=" + FLAGS_links, "--drain_on_sigterm=false",
       "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.
@@ -702,6 +735,10 @@ int RunStatus() {
                                    "KeyedJaggedTensors",
                                    a->second.shm_channels(), a->second.placed_lookups(),
                                    a->second.id_buffer_lookups());
+    }
+    if (a->second.link_channels() > 0 || a->second.link_lookups() > 0) {
+      std::cout << absl::StrFormat(", %d link channel(s), %d lookup(s) through links",
+                                   a->second.link_channels(), a->second.link_lookups());
     }
     auto b = second.find(s.worker_id());
     if (b != second.end()) {

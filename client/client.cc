@@ -338,17 +338,22 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
   // (A refusal by the allocator leaves its defaults: only slower.)
   (void)KeepFreedHeapMemory(int64_t{options.keep_freed_heap_mib} << 20);
   std::unique_ptr<Client> c(new Client(coordinator, options));
+  if (!options.link.empty()) {
+    auto link = cuda::PeerLinksNamed(options.link);
+    if (!link.ok()) return link.status();
+    c->link_ = *link;
+  }
   auto workers = c->ListWorkers();  // fails fast when nothing answers
   if (!workers.ok()) return workers.status();
   return c;
 }
 
 ChannelPool::Lease Client::ChannelTo(const std::string& address, uint64_t bytes) {
-  if (!options_.shared_memory) return {};
-  return channels_.Acquire(address, bytes, options_.shm_dir, StubFor(address),
-                           [this](grpc::ClientContext* ctx) {
-    PrepareContext(ctx, options_.timeout);
-  });
+  if (!options_.shared_memory && link_ == nullptr) return {};
+  return channels_.Acquire(
+      address, bytes, options_.shm_dir, StubFor(address),
+      [this](grpc::ClientContext* ctx) { PrepareContext(ctx, options_.timeout); }, link_,
+      options_.link_device);
 }
 
 ember::v1::Worker::Stub* Client::StubFor(const std::string& address) {
@@ -642,6 +647,9 @@ CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan[rank].started) continue;
     const grpc::Status& status = fan[rank].status;
+    // A link channel whose exchange did not end as agreed (refused, failed,
+    // outputs not taken): its link may be out of step.
+    if ((*transports)[rank]->Unfinished()) (*transports)[rank]->Failed();
     switch (status.error_code()) {
       case grpc::StatusCode::OK:
         break;
@@ -763,6 +771,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   }
   // Rank by rank: build the rank's request and send it.
   std::vector<std::vector<Sink>> sinks(fan.size());
+  absl::Status link_failure;  // a link channel's bytes could not be sent
   for (int rank = 0; rank < fan.size(); ++rank) {
     LookupCall& c = fan[rank];
     c.request.set_collection(r.info.plan().collection());
@@ -812,7 +821,17 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       }
       c.request.set_channel_id(t->channel_id());
       c.request.set_channel_seq(t->channel_seq());
-      if (t->channel_id() != 0) Place(*jobs, shared, &c.request, &sinks[rank], &placed_in);
+      if (t->channel_id() != 0 && !t->Linked()) {
+        Place(*jobs, shared, &c.request, &sinks[rank], &placed_in);
+      }
+      if (absl::Status s = t->Linked() ? t->Sending(c.request.mutable_link_sent(),
+                                                    c.request.mutable_link_reply())
+                                       : absl::OkStatus();
+          !s.ok()) {
+        t->Failed();
+        c.used = false;  // not sent: the call fails below and is retried
+        if (link_failure.ok()) link_failure = s;
+      }
     }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, LookupCall* call, auto done) {
       stub->async()->Lookup(&call->ctx, &call->request, &call->response, done);
@@ -842,10 +861,14 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     }
     return s;
   };
+  if (!link_failure.ok()) return failed(link_failure);
   std::vector<float> scratch;
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
     const LookupCall& c = fan[rank];
+    if (absl::Status st = transports[rank]->Received(deadline); !st.ok()) {  // link channels
+      return failed(absl::UnavailableError(absl::StrCat("worker ", rank, ": ", st.message())));
+    }
     for (const Sink& s : sinks[rank]) {
       if (s.placed && c.response.placed()) continue;  // already in place
       absl::Span<const float> buf;
@@ -900,6 +923,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     return j.table->replicas.empty() ? j.table->shards : j.table->replicas;
   };
   // Rank by rank: build the rank's request and send it.
+  absl::Status link_failure;  // a link channel's bytes could not be sent
   for (int rank = 0; rank < fan.size(); ++rank) {
     GradCall& call = fan[rank];
     call.request.set_collection(r.info.plan().collection());
@@ -955,12 +979,27 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     if (call.used) {
       call.request.set_channel_id(t->channel_id());
       call.request.set_channel_seq(t->channel_seq());
+      if (absl::Status s =
+              t->Linked() ? t->Sending(call.request.mutable_link_sent(), nullptr) : absl::OkStatus();
+          !s.ok()) {
+        t->Failed();
+        call.used = false;  // not sent: the update fails and is retried
+        if (link_failure.ok()) link_failure = s;
+      }
     }
     fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
       stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
     });
   }
   absl::Status s = fan.WaitAll();
+  // Link channels: each exchange waited for (its region is then free).
+  for (int rank = 0; rank < fan.size() && s.ok(); ++rank) {
+    if (!fan[rank].started) continue;
+    if (absl::Status st = transports[rank]->Received(deadline); !st.ok()) {
+      s = absl::UnavailableError(absl::StrCat("worker ", rank, ": ", st.message()));
+    }
+  }
+  if (s.ok()) s = link_failure;
   if (!s.ok()) (void)EndCalls(fan, &transports);
   return s;
 }

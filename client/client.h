@@ -65,6 +65,16 @@ struct ClientOptions {
   // (asking again a minute later). Empty: POSIX shared memory, loopback
   // workers only.
   std::string shm_dir;
+  // Link channels to every worker instead of shared memory: "nccl" (an
+  // NCCL link from CUDA device `link_device` of this process to the
+  // worker's GPU) or "socket" (a Unix-domain socket, same host: the NCCL
+  // channel's protocol without a GPU). A worker that offers none (its
+  // --links) gets its calls inline, and the first few such refusals are
+  // said on stderr. Empty: none. Connect answers INVALID_ARGUMENT for
+  // another name, UNAVAILABLE for "nccl" where libnccl.so.2 cannot be
+  // loaded.
+  std::string link;
+  int link_device = 0;
   // This process's allocator keeps up to this much freed heap for reuse and
   // takes allocations under 32 MiB from the heap (glibc mallopt, as the
   // servers' --keep_freed_heap_mib): the megabytes of request and response
@@ -201,6 +211,7 @@ class Client {
   std::map<std::string, std::shared_ptr<const Routing>> routing_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   ChannelPool channels_;  // after stubs_: closed before the stubs go
+  cuda::PeerLinks* link_ = nullptr;  // options_.link's kind
   std::atomic<uint64_t> replica_counter_{0};
 };
 

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -19,6 +21,12 @@
 
 namespace ember {
 namespace client {
+namespace {
+
+// How long a client waits for a link channel's link to be joined.
+constexpr absl::Duration kLinkJoinTimeout = absl::Seconds(30);
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
     ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
@@ -117,6 +125,37 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
   return ch;
 }
 
+absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenLink(
+    ember::v1::Worker::Stub* stub, uint64_t bytes, cuda::PeerLinks* kind, int device,
+    absl::Time deadline, const std::function<void(grpc::ClientContext*)>& prepare) {
+  const uint64_t size = (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
+  std::unique_ptr<ShmChannel> ch(new ShmChannel());
+  ch->base_ = static_cast<char*>(std::aligned_alloc(4096, size));
+  if (ch->base_ == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("a link channel's region of ", size, " bytes"));
+  }
+  ch->heap_ = true;
+  ch->size_ = size;
+  grpc::ClientContext ctx;
+  prepare(&ctx);
+  ember::v1::OpenChannelRequest req;
+  req.set_link(kind->name());
+  req.set_size(size);
+  ember::v1::OpenChannelResponse resp;
+  const grpc::Status s = stub->OpenChannel(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s, "OpenChannel");
+  ch->stub_ = stub;  // from here the destructor closes the worker's side
+  ch->prepare_ = prepare;
+  ch->id_ = resp.channel_id();
+  auto link = kind->Join(resp.link_id(), 1, device, deadline);
+  if (!link.ok()) return link.status();
+  auto memory = (*link)->Allocate(size);
+  if (!memory.ok()) return memory.status();
+  ch->link_ = *std::move(link);
+  ch->link_memory_ = static_cast<char*>(*memory);
+  return ch;
+}
+
 ShmChannel::~ShmChannel() {
   if (id_ != 0 && stub_ != nullptr) {
     grpc::ClientContext ctx;
@@ -127,7 +166,14 @@ ShmChannel::~ShmChannel() {
     ember::v1::CloseChannelResponse resp;
     (void)stub_->CloseChannel(&ctx, req, &resp);
   }
-  if (base_ != nullptr) munmap(base_, size_);
+  link_.reset();  // aborts what is still queued
+  if (base_ != nullptr) {
+    if (heap_) {
+      std::free(base_);
+    } else {
+      munmap(base_, size_);
+    }
+  }
 }
 
 bool ChannelPool::SameHost(const std::string& address) {
@@ -137,8 +183,10 @@ bool ChannelPool::SameHost(const std::string& address) {
 
 ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t bytes,
                                         const std::string& shm_dir, ember::v1::Worker::Stub* stub,
-                                        const std::function<void(grpc::ClientContext*)>& prepare) {
-  if ((shm_dir.empty() && !SameHost(address)) || bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
+                                        const std::function<void(grpc::ClientContext*)>& prepare,
+                                        cuda::PeerLinks* link, int device) {
+  if ((link == nullptr && shm_dir.empty() && !SameHost(address)) ||
+      bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
     return Lease();
   }
   Slot* slot;
@@ -157,10 +205,17 @@ ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t byt
   if (slot->channel == nullptr || slot->channel->size() < bytes) {
     if (absl::Now() < slot->retry_after) return Lease();
     slot->channel.reset();
-    auto ch = ShmChannel::Open(stub, bytes + bytes / 4, shm_dir, prepare);
+    auto ch = link != nullptr ? ShmChannel::OpenLink(stub, bytes + bytes / 4, link, device,
+                                                     absl::Now() + kLinkJoinTimeout, prepare)
+                              : ShmChannel::Open(stub, bytes + bytes / 4, shm_dir, prepare);
     if (!ch.ok()) {
-      // Another host after all, or shared memory turned off there: inline
-      // for a while before asking again.
+      // Another host after all, shared memory or the link turned off there,
+      // a link that could not be joined: inline for a while before asking
+      // again.
+      if (link != nullptr && link_warnings_.fetch_add(1) < 4) {  // asked for, not had: say so
+        std::fprintf(stderr, "ember client: no %s link channel to %s, its calls go inline: %s\n",
+                     link->name().c_str(), address.c_str(), ch.status().ToString().c_str());
+      }
       slot->retry_after = absl::Now() + absl::Seconds(60);
       return Lease();
     }

@@ -6,9 +6,15 @@
 // shared directory a file in it, either unlinked as soon as the worker has
 // answered (so nothing is left in /dev/shm whoever dies). Calls lay their
 // arrays out in it; one call at a time per channel (ChannelPool).
+//
+// Or a link channel (OpenLink): the region is this process's own memory,
+// the worker keeps a copy laid out the same way, and a call's bytes cross
+// a peer link (cuda/peer_link.h: NCCL between GPUs, or a socket) which this
+// process joins as rank 1; ShmTransport sends and receives them.
 #ifndef EMBER_CLIENT_SHM_CHANNEL_H_
 #define EMBER_CLIENT_SHM_CHANNEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -21,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "cuda/peer_link.h"
 #include "proto/service.grpc.pb.h"
 
 namespace ember {
@@ -34,6 +41,13 @@ class ShmChannel {
   static absl::StatusOr<std::unique_ptr<ShmChannel>> Open(
       ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
       const std::function<void(grpc::ClientContext*)>& prepare);
+  // A link channel of at least `bytes` over a link of kind `kind` on CUDA
+  // device `device` (ignored by sockets): the worker's answer names the
+  // link, which this joins by `deadline`. The worker's refusal as it gave
+  // it (FAILED_PRECONDITION: it offers no such links).
+  static absl::StatusOr<std::unique_ptr<ShmChannel>> OpenLink(
+      ember::v1::Worker::Stub* stub, uint64_t bytes, cuda::PeerLinks* kind, int device,
+      absl::Time deadline, const std::function<void(grpc::ClientContext*)>& prepare);
   // Unmaps the region and asks the worker to forget the channel (best
   // effort; it forgets idle channels anyway).
   ~ShmChannel();
@@ -47,6 +61,10 @@ class ShmChannel {
   // buffers on this channel (OpenChannelResponse.reads_id_buffers: a memfd
   // channel, which it opened through /proc, to a worker that knows how).
   bool reads_id_buffers() const { return reads_id_buffers_; }
+  // A link channel's link and its memory (the region's size); null for a
+  // shared-memory channel.
+  cuda::PeerLink* link() const { return link_.get(); }
+  char* link_memory() const { return link_memory_; }
 
  private:
   ShmChannel() = default;
@@ -62,6 +80,9 @@ class ShmChannel {
   char* base_ = nullptr;
   uint64_t size_ = 0;
   bool reads_id_buffers_ = false;
+  bool heap_ = false;  // base_ is this process's memory (a link channel's), not a mapping
+  std::unique_ptr<cuda::PeerLink> link_;
+  char* link_memory_ = nullptr;
 };
 
 // One channel per worker address, leased to one call at a time; a call that
@@ -108,9 +129,12 @@ class ChannelPool {
 
   // A channel of at least `bytes` to `address` (opened or grown as needed),
   // or an empty lease. With `shm_dir` every address is tried (ClientOptions).
+  // With `link`, link channels of that kind (on CUDA device `device`)
+  // instead, to every address.
   Lease Acquire(const std::string& address, uint64_t bytes, const std::string& shm_dir,
                 ember::v1::Worker::Stub* stub,
-                const std::function<void(grpc::ClientContext*)>& prepare);
+                const std::function<void(grpc::ClientContext*)>& prepare,
+                cuda::PeerLinks* link = nullptr, int device = 0);
 
  private:
   struct Slot {
@@ -122,6 +146,7 @@ class ChannelPool {
   };
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> link_warnings_{0};  // link channels refused, said on stderr (the first few)
 };
 
 }  // namespace client

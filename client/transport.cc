@@ -1,5 +1,6 @@
 #include "client/transport.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -53,10 +54,58 @@ void ShmTransport::Keep(std::string*, SliceFn slice, const char* data, uint64_t 
 }
 
 void ShmTransport::AddOutput(ember::v1::WorkerLookupRequest* request, uint64_t bytes) {
+  if (at_ + bytes > lease_.get()->size()) {  // as Take
+    std::fprintf(stderr, "ShmTransport: an output of %llu bytes overruns the region\n",
+                 static_cast<unsigned long long>(bytes));
+    std::abort();
+  }
   ember::v1::ShmSlice* slice = request->add_shm_outputs();
   slice->set_offset(at_);
   slice->set_size(bytes);
+  out_begin_ = std::min(out_begin_, at_);
+  out_end_ = at_ + bytes;
   at_ += Aligned(bytes);
+}
+
+absl::Status ShmTransport::Sending(ember::v1::ShmSlice* sent, ember::v1::ShmSlice* reply) {
+  cuda::PeerLink* link = lease_.get()->link();
+  if (link == nullptr) return absl::OkStatus();
+  // The arrays lie in [0, first output) (taken before any output), or in
+  // [0, at_) for an update.
+  const uint64_t n = out_end_ > 0 ? out_begin_ : at_;
+  sent->set_offset(0);
+  sent->set_size(n);
+  expects_reply_ = reply != nullptr && out_end_ > out_begin_;
+  if (expects_reply_) {
+    reply->set_offset(out_begin_);
+    reply->set_size(out_end_ - out_begin_);
+  }
+  char* memory = lease_.get()->link_memory();
+  absl::Status s;
+  if (n > 0) {
+    s = link->CopyIn(memory, lease_.get()->base(), n);
+    if (s.ok()) s = link->Send(memory, n);
+  }
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status ShmTransport::Received(absl::Time deadline) {
+  cuda::PeerLink* link = lease_.get()->link();
+  if (link == nullptr) return absl::OkStatus();
+  absl::Status s;
+  if (expects_reply_) {
+    const uint64_t n = out_end_ - out_begin_;
+    char* memory = lease_.get()->link_memory() + out_begin_;
+    s = link->Recv(memory, n);
+    if (s.ok()) s = link->CopyOut(lease_.get()->base() + out_begin_, memory, n);
+  }
+  // Also the send's copy out of the region: done before a later call
+  // rewrites it.
+  if (s.ok()) s = link->Wait(deadline);
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  finished_ = true;
+  return absl::OkStatus();
 }
 
 absl::Status ShmTransport::Output(const ember::v1::WorkerLookupRequest& request,

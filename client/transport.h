@@ -9,6 +9,10 @@
 //                    arrays are written straight into its region, the
 //                    message carries only slices naming where, and the
 //                    worker writes lookup outputs into the region too.
+//                    Over a link channel the region is this process's own,
+//                    the worker keeps a copy, and the bytes cross the link:
+//                    sent before the message (Sending), a lookup's outputs
+//                    received after the answer (Received).
 //
 // The gRPC message stays the control message of every transfer (collection,
 // epoch, request id, shapes), so validation, epochs and exactly-once work
@@ -56,6 +60,25 @@ class Transport {
 
   // The call failed: a channel is not to be trusted again.
   virtual void Failed() {}
+
+  // Link channels: just before the call's message goes, sends the arrays
+  // taken so far over the link and names them in `sent` (the request's
+  // link_sent); for a lookup (`reply` not null) names the outputs' bytes the
+  // worker sends back. Received takes those once the call succeeded, and
+  // waits for the whole exchange, by `deadline` (after every successful
+  // call, a lookup's or an update's: the region is not to be rewritten
+  // before). Failing, the channel is lost (Failed) and the call is to be
+  // retried. Called only where Linked().
+  virtual absl::Status Sending(ember::v1::ShmSlice* sent, ember::v1::ShmSlice* reply) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status Received(absl::Time deadline) { return absl::OkStatus(); }
+  // A link channel's call that ended without its whole exchange (refused,
+  // failed, or its outputs never received): the link may be out of step.
+  virtual bool Unfinished() const { return false; }
+  // Whether this is a link channel's (the worker cannot map this process's
+  // buffers through it).
+  virtual bool Linked() const { return false; }
 
   // Whether the request may name a shared buffer of this process for the
   // worker to read ids from (ChannelPool::Lease::NamesIdBuffers), and the
@@ -108,6 +131,10 @@ class ShmTransport : public Transport {
                       const ember::v1::WorkerLookupResponse& response, int index,
                       std::vector<float>* scratch, absl::Span<const float>* out) override;
   void Failed() override { lease_.Invalidate(); }
+  absl::Status Sending(ember::v1::ShmSlice* sent, ember::v1::ShmSlice* reply) override;
+  absl::Status Received(absl::Time deadline) override;
+  bool Unfinished() const override { return Linked() && !finished_; }
+  bool Linked() const override { return lease_.get()->link() != nullptr; }
   bool NamesBuffers() const override { return lease_.NamesIdBuffers(); }
   void BuffersRefused() override { lease_.IdBufferRefused(); }
 
@@ -118,6 +145,11 @@ class ShmTransport : public Transport {
   ChannelPool::Lease lease_;
   const uint64_t seq_;  // this call's transfer number on the channel
   uint64_t at_ = 0;     // the next array's offset
+  // The outputs' bytes [out_begin_, out_end_) (AddOutput); a link channel's
+  // exchange done (sent and, for a lookup, received).
+  uint64_t out_begin_ = UINT64_MAX, out_end_ = 0;
+  bool expects_reply_ = false;
+  bool finished_ = false;
 };
 
 }  // namespace client

@@ -83,11 +83,13 @@ int ShmHeld(int pid, const std::string& where) {
   return held;
 }
 
-// Every case runs three times: arrays inline in the gRPC messages, through
-// POSIX shared-memory channels (the workers are on this host), and through
+// Every case runs four times: arrays inline in the gRPC messages, through
+// POSIX shared-memory channels (the workers are on this host), through
 // channels that are files in a directory the workers share (--shm_dir, as
-// pods of one node sharing a volume).
-enum class Mode { kInline, kSharedMemory, kSharedDirectory };
+// pods of one node sharing a volume), and through link channels over
+// socket links (--links=socket: the NCCL channel's protocol, with its
+// bytes over a Unix-domain socket instead of between GPUs).
+enum class Mode { kInline, kSharedMemory, kSharedDirectory, kSocketLink };
 
 class ServiceTest : public ::testing::TestWithParam<Mode> {
  protected:
@@ -98,7 +100,8 @@ class ServiceTest : public ::testing::TestWithParam<Mode> {
     const std::string dir = absl::StrCat(::testing::TempDir(), "/service_test_shm_", getpid());
     std::filesystem::create_directories(dir);
     shm_dir_ = new std::string(std::filesystem::canonical(dir).string());  // as /proc shows it
-    cluster_ = new testing_util::LocalCluster(kEmberctl, 2, {"--shm_dir=" + *shm_dir_});
+    cluster_ = new testing_util::LocalCluster(kEmberctl, 2,
+                                              {"--shm_dir=" + *shm_dir_, "--links=socket"});
     ASSERT_TRUE(cluster_->ok()) << "emberctl up did not come up";
   }
   static void TearDownTestSuite() {
@@ -111,13 +114,17 @@ class ServiceTest : public ::testing::TestWithParam<Mode> {
   std::unique_ptr<Client> Connect(absl::Duration timeout = absl::Seconds(20)) {
     client::ClientOptions o;
     o.timeout = timeout;
-    o.shared_memory = GetParam() != Mode::kInline;
+    o.shared_memory = SharedRegions();
     if (GetParam() == Mode::kSharedDirectory) o.shm_dir = *shm_dir_;
+    if (GetParam() == Mode::kSocketLink) o.link = "socket";
     auto c = Client::Connect(cluster_->coordinator(), o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
   static bool Channels() { return GetParam() != Mode::kInline; }
+  static bool SharedRegions() {
+    return GetParam() == Mode::kSharedMemory || GetParam() == Mode::kSharedDirectory;
+  }
   // Where this mode's regions live: files in the shared directory, or
   // memfds on this host (nothing named).
   static std::string RegionPrefix() {
@@ -131,11 +138,12 @@ std::string* ServiceTest::shm_dir_ = nullptr;
 
 INSTANTIATE_TEST_SUITE_P(Transport, ServiceTest,
                          ::testing::Values(Mode::kInline, Mode::kSharedMemory,
-                                           Mode::kSharedDirectory),
+                                           Mode::kSharedDirectory, Mode::kSocketLink),
                          [](const ::testing::TestParamInfo<Mode>& p) {
-                           return p.param == Mode::kInline         ? "Inline"
-                                  : p.param == Mode::kSharedMemory ? "SharedMemory"
-                                                                   : "SharedDirectory";
+                           return p.param == Mode::kInline            ? "Inline"
+                                  : p.param == Mode::kSharedMemory    ? "SharedMemory"
+                                  : p.param == Mode::kSharedDirectory ? "SharedDirectory"
+                                                                      : "SocketLink";
                          });
 
 // The transport is the one asked for: with shared memory the workers hold
@@ -157,14 +165,24 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   auto workers = c->ListWorkers();
   ASSERT_TRUE(workers.ok());
   for (const auto& w : workers->workers()) {
-    // Every worker here offers both (emberctl up's default).
+    // Every worker here offers all three (emberctl up's default, and
+    // --links=socket).
     EXPECT_EQ(std::vector<std::string>(w.info().transports().begin(), w.info().transports().end()),
-              (std::vector<std::string>{"grpc", "shm"}));
+              (std::vector<std::string>{"grpc", "shm", "socket"}));
     auto st = c->WorkerStatus(w.info().address());
     ASSERT_TRUE(st.ok()) << st.status();
     channels += st->shm_channels();
   }
-  EXPECT_EQ(channels > 0, Channels()) << channels << " channel(s) open";
+  EXPECT_EQ(channels > 0, SharedRegions()) << channels << " shared-memory channel(s) open";
+  int64_t links = 0, link_lookups = 0;
+  for (const auto& w : workers->workers()) {
+    auto st = c->WorkerStatus(w.info().address());
+    ASSERT_TRUE(st.ok()) << st.status();
+    links += st->link_channels();
+    link_lookups += st->link_lookups();
+  }
+  EXPECT_EQ(links > 0, GetParam() == Mode::kSocketLink) << links << " link channel(s) open";
+  EXPECT_EQ(link_lookups > 0, GetParam() == Mode::kSocketLink) << link_lookups << " through links";
   // Through a channel, pooled columns go straight into the KeyedTensor's
   // shared buffer (a row-wise table's partial sums above cannot):
   // column-wise, both workers write their columns of each row.
@@ -197,7 +215,8 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     ASSERT_TRUE(kt2.ok()) << kt2.status();
     ExpectNear(kt2->values, (*placed_ref)->Lookup(kjt2)->values, "placed lookup");
   }
-  EXPECT_EQ(placed() - placed_before, Channels() ? 6 : 0) << "placed lookups (3 on each worker)";
+  EXPECT_EQ(placed() - placed_before, SharedRegions() ? 6 : 0)
+      << "placed lookups (3 on each worker; not through links)";
   EXPECT_EQ(ids_in_place() - ids_before, GetParam() == Mode::kSharedMemory ? 6 : 0)
       << "lookups that read the KeyedJaggedTensor's ids in place";
   ASSERT_TRUE(c->DropCollection("placed").ok());
@@ -210,7 +229,7 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
   }
   // Mapped here and in the workers while open, where this mode puts them;
   // no descriptor kept anywhere.
-  EXPECT_EQ(ShmHeld(getpid(), RegionPrefix()) > 0, Channels());
+  EXPECT_EQ(ShmHeld(getpid(), RegionPrefix()) > 0, SharedRegions());
   EXPECT_EQ(ShmHeld(getpid(), "/dev/shm/ember-"), 0) << "a named POSIX region";
   if (GetParam() == Mode::kSharedDirectory) {
     EXPECT_EQ(ShmHeld(getpid(), "memfd:ember-channel"), 0) << "a memfd despite shm_dir";
@@ -224,6 +243,7 @@ TEST_P(ServiceTest, TheTransportIsTheOneAskedFor) {
     auto st = other->WorkerStatus(w.info().address());
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->shm_channels(), 0) << "a closed client's channel is still open";
+    EXPECT_EQ(st->link_channels(), 0) << "a closed client's link channel is still open";
   }
   for (int pid : cluster_->worker_pids()) {
     EXPECT_EQ(ShmHeld(pid, RegionPrefix()), 0)
@@ -696,6 +716,72 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
     EXPECT_EQ(ShmHeld(pid, "memfd:ember-channel"), 0)
         << "worker " << pid << " kept a closed channel's region";
   }
+}
+
+// Link channels (socket links: the NCCL channel's protocol) to a worker that
+// is killed: clients get UNAVAILABLE within the deadline, and the surviving
+// worker's link channels go with the client. A client asking for links
+// from workers that offer none gets its calls inline.
+TEST(LinkChannelTest, AKilledWorkerAndWorkersWithoutLinks) {
+  testing_util::LocalCluster cluster(kEmberctl, 2, {"--links=socket"});
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(5);
+  o.link = "socket";
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  RunAgainstReference(c->get(), "row_wise", 31);
+  RunAgainstReference(c->get(), "table_wise", 32);
+  ASSERT_TRUE((*c)->CreateCollection(TestSpec("kill"), "row_wise").ok());
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {2};
+  kjt.values = {1, 300};  // one id per worker's row block
+  auto first = (*c)->Lookup("kill", kjt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto workers = (*c)->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  std::string survivor;
+  for (const auto& w : workers->workers()) {
+    auto st = (*c)->WorkerStatus(w.info().address());
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->link_channels(), 1) << w.info().address();
+    EXPECT_EQ(st->shm_channels(), 0) << "links were asked for";
+    if (w.info().pid() != cluster.worker_pids()[1]) survivor = w.info().address();
+  }
+  ASSERT_FALSE(survivor.empty());
+  kill(cluster.worker_pids()[1], SIGKILL);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ((*c)->Lookup("kill", kjt).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*c)->ApplyGradients("kill", kjt, *first).code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(12));  // two deadlines, not a hang
+  c->reset();
+  client::ClientOptions plain;
+  auto other = Client::Connect(cluster.coordinator(), plain);
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto st = (*other)->WorkerStatus(survivor);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->link_channels(), 0) << "a closed client's link channel is still open";
+
+  // Workers without links (emberctl up's default on a CPU host).
+  testing_util::LocalCluster linkless(kEmberctl, 2);
+  ASSERT_TRUE(linkless.ok());
+  auto asking = Client::Connect(linkless.coordinator(), o);
+  ASSERT_TRUE(asking.ok()) << asking.status();
+  RunAgainstReference(asking->get(), "row_wise", 33);
+  auto ws = (*asking)->ListWorkers();
+  ASSERT_TRUE(ws.ok());
+  for (const auto& w : ws->workers()) {
+    auto ls = (*asking)->WorkerStatus(w.info().address());
+    ASSERT_TRUE(ls.ok());
+    EXPECT_EQ(ls->link_channels() + ls->shm_channels(), 0) << "inline, as no link is offered";
+    EXPECT_GT(ls->lookups(), 0);
+  }
+  // And a link kind that does not exist is refused at Connect.
+  client::ClientOptions bad = o;
+  bad.link = "carrier-pigeon";
+  EXPECT_EQ(Client::Connect(linkless.coordinator(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

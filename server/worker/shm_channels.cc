@@ -454,6 +454,13 @@ int ShmChannels::open_channels() const {
   return static_cast<int>(channels_.size());
 }
 
+int ShmChannels::link_channels() const {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& [id, c] : channels_) n += c.link != nullptr;
+  return n;
+}
+
 void ShmChannels::ExpireLocked(absl::Time now) {
   for (auto it = channels_.begin(); it != channels_.end();) {
     it = now - it->second.last_used > idle_timeout_ ? channels_.erase(it) : std::next(it);

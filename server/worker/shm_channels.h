@@ -152,7 +152,8 @@ class ShmChannels {
   absl::StatusOr<std::shared_ptr<const Region>> MapBuffer(uint64_t id, const std::string& owner,
                                                           const ember::v1::SharedBuffer& b);
 
-  int open_channels() const;
+  int open_channels() const;  // of both kinds
+  int link_channels() const;
   absl::Duration idle_timeout() const { return idle_timeout_; }
 
  private:

@@ -56,6 +56,11 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
               one(&Stats::calls_in_progress));
   m->AddGauge("ember_worker_shm_channels", "Shared-memory channels open (trainers on this host)",
               one(&Stats::shm_channels));
+  m->AddGauge("ember_worker_link_channels",
+              "Link channels open (bulk arrays over an NCCL or socket link)",
+              one(&Stats::link_channels));
+  m->AddCounter("ember_worker_link_lookups_total", "Lookups served through link channels",
+                one(&Stats::link_lookups));
   m->AddCounter("ember_worker_placed_lookups_total",
                 "Lookups whose outputs went straight into the trainer's output buffer (same host)",
                 one(&Stats::placed_lookups));
@@ -151,6 +156,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   info.set_pid(getpid());
   info.add_transports("grpc");
   if (options.service.shared_memory) info.add_transports("shm");
+  for (cuda::PeerLinks* kind : options.service.links.kinds) info.add_transports(kind->name());
   auto health = StartHealthServer(options.health_bind);
   if (!health.ok()) {
     w->server_->Shutdown();

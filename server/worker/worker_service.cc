@@ -742,6 +742,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   lookups_.fetch_add(1, std::memory_order_relaxed);
   if (out_region != nullptr) placed_lookups_.fetch_add(1, std::memory_order_relaxed);
   if (id_buffer != nullptr) id_buffer_lookups_.fetch_add(1, std::memory_order_relaxed);
+  if (transfer.linked()) link_lookups_.fetch_add(1, std::memory_order_relaxed);
   lookup_ids_.fetch_add(ids, std::memory_order_relaxed);
   lookup_bytes_.fetch_add(total_bytes + ids * 8, std::memory_order_relaxed);
   lookup_handler_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - handler_start),
@@ -966,7 +967,9 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.available_bytes = backend_->AvailableBytes();
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
-  s.shm_channels = channels_.open_channels();
+  s.link_channels = channels_.link_channels();
+  s.shm_channels = channels_.open_channels() - s.link_channels;
+  s.link_lookups = link_lookups_.load(std::memory_order_relaxed);
   s.placed_lookups = placed_lookups_.load(std::memory_order_relaxed);
   s.id_buffer_lookups = id_buffer_lookups_.load(std::memory_order_relaxed);
   s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
@@ -996,7 +999,10 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_lookup_ids(lookup_ids_.load(std::memory_order_relaxed));
   resp->set_updates(updates_.load(std::memory_order_relaxed));
   resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
-  resp->set_shm_channels(channels_.open_channels());
+  const int links = channels_.link_channels();
+  resp->set_shm_channels(channels_.open_channels() - links);
+  resp->set_link_channels(links);
+  resp->set_link_lookups(link_lookups_.load(std::memory_order_relaxed));
   resp->set_placed_lookups(placed_lookups_.load(std::memory_order_relaxed));
   resp->set_id_buffer_lookups(id_buffer_lookups_.load(std::memory_order_relaxed));
   resp->set_backend_lookup_ns(backend_lookup_ns_.load(std::memory_order_relaxed));

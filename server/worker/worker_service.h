@@ -98,6 +98,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t available_bytes = 0, shards = 0, collections = 0, request_ids = 0;
     int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
     int64_t shm_channels = 0;                         // shared-memory channels open
+    int64_t link_channels = 0, link_lookups = 0;      // link channels open, lookups through them
     int64_t placed_lookups = 0;  // outputs written into the client's output buffer
     int64_t id_buffer_lookups = 0;  // ids read from the client's id buffer
     // Time inside the backend's Lookup / ApplyGradients (calls that succeeded
@@ -193,7 +194,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
   std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0}, placed_lookups_{0},
-      id_buffer_lookups_{0};
+      id_buffer_lookups_{0}, link_lookups_{0};
   std::atomic<int64_t> backend_lookup_ns_{0}, backend_update_ns_{0};
   std::atomic<int64_t> lookup_handler_ns_{0};  // successful lookups, whole handler
   std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};
