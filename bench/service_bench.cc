@@ -84,7 +84,9 @@ DEFINE_uint64(seed, 1, "Seed for ids.");
 DEFINE_string(format, "text", "text or json (one line).");
 DEFINE_string(transport, "shm",
               "How bulk arrays travel to the workers: shm (shared-memory channels, the client's "
-              "default on one host) or grpc (inline in the messages).");
+              "default on one host), grpc (inline in the messages), nccl (link channels over "
+              "NCCL, GPU to GPU: needs --device=cuda and two GPUs per pair) or socket (link "
+              "channels over a Unix-domain socket: the NCCL channel's protocol on the CPU).");
 
 namespace ember {
 namespace {
@@ -156,13 +158,13 @@ int Run(const char* argv0) {
       FLAGS_workers < 1 || FLAGS_worker_threads < 1) {
     return Fail("flags", absl::InvalidArgumentError("sizes, counts and threads must be >= 1"));
   }
-  if (FLAGS_transport == "nccl") {
-    return Fail("flags", absl::UnimplementedError(
-                             "--transport=nccl: the NCCL data plane is not built yet; use shm "
-                             "or grpc"));
+  const bool linked = FLAGS_transport == "nccl" || FLAGS_transport == "socket";
+  if (FLAGS_transport != "shm" && FLAGS_transport != "grpc" && !linked) {
+    return Fail("flags", absl::InvalidArgumentError("--transport must be shm, grpc, nccl or socket"));
   }
-  if (FLAGS_transport != "shm" && FLAGS_transport != "grpc") {
-    return Fail("flags", absl::InvalidArgumentError("--transport must be shm or grpc"));
+  if (FLAGS_transport == "nccl" && FLAGS_device != "cuda") {
+    return Fail("flags", absl::InvalidArgumentError(
+                             "--transport=nccl runs between GPUs: it needs --device=cuda"));
   }
   const bool text = FLAGS_format != "json";
   std::unique_ptr<testing_util::LocalCluster> cluster;
@@ -176,13 +178,15 @@ int Run(const char* argv0) {
     cluster = std::make_unique<testing_util::LocalCluster>(
         emberctl, FLAGS_workers,
         std::vector<std::string>{absl::StrCat("--threads=", FLAGS_worker_threads),
-                                 absl::StrCat("--device=", FLAGS_device)});
+                                 absl::StrCat("--device=", FLAGS_device),
+                                 "--links=" + std::string(linked ? FLAGS_transport : "auto")});
     if (!cluster->ok()) return Fail("cluster", absl::UnavailableError("emberctl up failed"));
     coordinator = cluster->coordinator();
   }
   client::ClientOptions options;
   options.timeout = absl::Seconds(120);
   options.shared_memory = FLAGS_transport == "shm";
+  if (linked) options.link = FLAGS_transport;
   options.keep_freed_heap_mib = FLAGS_keep_freed_heap_mib;
   auto c = client::Client::Connect(coordinator, options);
   if (!c.ok()) return Fail("connect", c.status());
@@ -305,7 +309,7 @@ int Run(const char* argv0) {
   // KeyedTensor, over the timed calls (Worker.ShardStatus, before and
   // after).
   struct WorkerCounts {
-    double backend_ns = 0, handler_ns = 0, lookups = 0, placed = 0, ids_in_place = 0;
+    double backend_ns = 0, handler_ns = 0, lookups = 0, placed = 0, ids_in_place = 0, linked = 0;
   };
   auto worker_times = [&](WorkerCounts* w) -> absl::Status {
     *w = WorkerCounts();
@@ -317,6 +321,7 @@ int Run(const char* argv0) {
       w->lookups += static_cast<double>(st->lookups());
       w->placed += static_cast<double>(st->placed_lookups());
       w->ids_in_place += static_cast<double>(st->id_buffer_lookups());
+      w->linked += static_cast<double>(st->link_lookups());
     }
     return absl::OkStatus();
   };
@@ -354,6 +359,10 @@ int Run(const char* argv0) {
       after.lookups > before.lookups
           ? (after.ids_in_place - before.ids_in_place) / (after.lookups - before.lookups)
           : 0.0;
+  const double link_share =
+      after.lookups > before.lookups
+          ? (after.linked - before.linked) / (after.lookups - before.lookups)
+          : 0.0;
   // A worker's mean time in the backend per call, against the client's
   // mean time per lookup: what the service adds around the kernels.
   const double backend_ms_per_call =
@@ -363,6 +372,11 @@ int Run(const char* argv0) {
   (void)(*c)->DropCollection(spec.name());
   if (errors > 0) {
     return Fail("lookups", absl::InternalError(absl::StrCat(errors.load(), " lookups failed")));
+  }
+  if (linked && link_share == 0) {  // the figures would be the gRPC path's
+    return Fail("transport", absl::UnavailableError(absl::StrCat(
+                                 "no lookup went through a ", FLAGS_transport,
+                                 " link channel (the client said why on stderr)")));
   }
 
   std::vector<double> all;
@@ -408,19 +422,25 @@ int Run(const char* argv0) {
     std::cout << absl::StrFormat(
         "  workers: %.2f ms in the backend per call; the client's mean lookup: %.2f ms\n",
         backend_ms_per_call, Mean(all));
+    if (linked) {
+      std::cout << absl::StrFormat("  workers: lookups through link channels: %.0f%%\n",
+                                   100 * link_share);
+    }
   } else {
     std::cout << absl::StrFormat(
         "{\"lookups_per_s\": %.2f, \"ids_per_s\": %.4g, \"mb_per_s\": %.1f, \"p50_ms\": %.3f, "
         "\"p99_ms\": %.3f, \"inprocess_lookups_per_s\": %.2f, \"kernel_lookups_per_s\": %.2f, "
         "\"kernel_kt_layout_lookups_per_s\": %.2f, "
         "\"worker_backend_share\": %.4f, \"placed_share\": %.3f, \"ids_in_place_share\": %.3f, "
+        "\"link_share\": %.3f, "
         "\"worker_backend_ms_per_call\": %.3f, \"mean_ms\": %.3f, \"ratio\": %.3f, \"workers\": %d, "
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
         "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\", "
         "\"kept_output\": %s}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
-        kt_per_s, worker_share, placed_share, ids_share, backend_ms_per_call, Mean(all), ratio,
+        kt_per_s, worker_share, placed_share, ids_share, link_share, backend_ms_per_call, Mean(all),
+        ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
         FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport,

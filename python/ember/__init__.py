@@ -197,6 +197,12 @@ class Client:
     their --shm_dir (e.g. a volume the trainer's and the worker's pods both
     mount): channels are files in it and every worker is tried; one on
     another host refuses and its calls go inline.
+    link: "nccl" or "socket": bulk arrays go through link channels to every
+    worker that offers that kind (its --links) instead of shared memory:
+    NCCL from CUDA device `link_device` of this process to the worker's GPU,
+    or a Unix-domain socket on one host (the NCCL channel's protocol without
+    a GPU). Arrays are staged through host memory on this side (CUDA tensors
+    are not yet passed through). Workers that offer none get inline calls.
     keep_freed_heap_mib: this process's allocator keeps up to this much
     freed heap and takes allocations under 32 MiB from the heap (glibc
     mallopt, process-wide), so each call's buffers are not faulted in
@@ -205,7 +211,7 @@ class Client:
 
     def __init__(self, address, timeout_s=30.0, auth_token=None, auth_token_file=None,
                  tls_ca=None, tls_cert=None, tls_key=None, shared_memory=True, shm_dir=None,
-                 keep_freed_heap_mib=256):
+                 keep_freed_heap_mib=256, link=None, link_device=0):
         if auth_token_file is not None:
             with open(auth_token_file) as f:
                 words = f.read().split()
@@ -214,7 +220,8 @@ class Client:
             auth_token = words[0]
         self._c = _ember.Client(address, float(timeout_s), auth_token or "", tls_ca or "",
                                 tls_cert or "", tls_key or "", bool(shared_memory),
-                                str(shm_dir or ""), int(keep_freed_heap_mib))
+                                str(shm_dir or ""), int(keep_freed_heap_mib), str(link or ""),
+                                int(link_device))
         self.address = address
 
     # Control plane.

@@ -128,13 +128,16 @@ PYBIND11_MODULE(_ember, m) {
       .def(py::init([](const std::string& address, double timeout_s,
                        const std::string& auth_token, const std::string& tls_ca,
                        const std::string& tls_cert, const std::string& tls_key,
-                       bool shared_memory, const std::string& shm_dir, int keep_freed_heap_mib) {
+                       bool shared_memory, const std::string& shm_dir, int keep_freed_heap_mib,
+                       const std::string& link, int link_device) {
              client::ClientOptions o;
              o.timeout = absl::Seconds(timeout_s);
              o.auth_token = auth_token;
              o.shared_memory = shared_memory;
              o.shm_dir = shm_dir;
              o.keep_freed_heap_mib = keep_freed_heap_mib;
+             o.link = link;
+             o.link_device = link_device;
              o.credentials = Value(ChannelCredentialsFrom({tls_cert, tls_key, tls_ca}));
              py::gil_scoped_release release;
              return Value(Client::Connect(address, o));
@@ -142,7 +145,8 @@ PYBIND11_MODULE(_ember, m) {
            py::arg("address"), py::arg("timeout_s"), py::arg("auth_token") = "",
            py::arg("tls_ca") = "", py::arg("tls_cert") = "", py::arg("tls_key") = "",
            py::arg("shared_memory") = true, py::arg("shm_dir") = "",
-           py::arg("keep_freed_heap_mib") = 256)
+           py::arg("keep_freed_heap_mib") = 256, py::arg("link") = "",
+           py::arg("link_device") = 0)
       .def("create_collection",
            [](Client& c, const std::string& spec_json, const std::string& sharding_type) {
              auto spec = FromJson<ember::v1::CollectionSpec>(spec_json, "collection spec");

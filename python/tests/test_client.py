@@ -325,17 +325,20 @@ def test_tokens_and_roles(tmp_path):
 
 
 def test_transports_give_the_same_answers(tmp_path):
-    """Inline, POSIX shared memory and a shared directory (--shm_dir, as pods
-    of one node sharing a volume) look up and train alike; the directory's
+    """Inline, POSIX shared memory, a shared directory (--shm_dir, as pods
+    of one node sharing a volume) and socket link channels (--links=socket:
+    the NCCL channel's protocol on the CPU) look up and train alike; the directory's
     channels are open on the workers and leave no file behind. A shm_dir
     that is not a directory is refused when connecting."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    with ember.LocalCluster(workers=2, extra_flags=[f"--shm_dir={shm}"]) as cluster:
+    with ember.LocalCluster(workers=2,
+                            extra_flags=[f"--shm_dir={shm}", "--links=socket"]) as cluster:
         clients = {
             "inline": ember.Client(cluster.address, timeout_s=20, shared_memory=False),
             "shm": ember.Client(cluster.address, timeout_s=20),
             "dir": ember.Client(cluster.address, timeout_s=20, shm_dir=str(shm)),
+            "link": ember.Client(cluster.address, timeout_s=20, link="socket"),
         }
         clients["inline"].create_collection(spec("transports"), sharding_type="row_wise")
         rng = np.random.default_rng(3)
@@ -344,6 +347,10 @@ def test_transports_give_the_same_answers(tmp_path):
         outs = {k: c.lookup("transports", kjt).values for k, c in clients.items()}
         np.testing.assert_array_equal(outs["shm"], outs["inline"])
         np.testing.assert_array_equal(outs["dir"], outs["inline"])
+        np.testing.assert_array_equal(outs["link"], outs["inline"])
+        links = sum(int(clients["inline"].worker_status(w["info"]["address"]).get("link_lookups", 0))
+                    for w in clients["inline"].list_workers())
+        assert links >= 2  # through the link channels, not inline
         kt = clients["dir"].lookup("transports", kjt)
         grads = ember.KeyedTensor(kt.keys, kt.length_per_key, np.full_like(kt.values, 0.25))
         clients["dir"].apply_gradients("transports", kjt, grads)
@@ -357,6 +364,8 @@ def test_transports_give_the_same_answers(tmp_path):
         assert list(shm.iterdir()) == []  # names unlinked once both sides mapped them
         with pytest.raises(ember.InvalidArgument):
             ember.Client(cluster.address, timeout_s=5, shm_dir=str(tmp_path / "missing"))
+        with pytest.raises(ember.InvalidArgument):
+            ember.Client(cluster.address, timeout_s=5, link="pigeon")
         # Outputs of 256 KiB and more come back written straight into the
         # KeyedTensor's buffer by the workers (same host), whole and right;
         # the inline client's are copied. (Table-wise: a row-wise table's
