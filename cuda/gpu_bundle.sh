@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.device/bundle}"
 targets=(cuda/cuda_backend_test cuda/device_query_test cuda/cuda_fault_test
-         cuda/emulation_match_test
+         cuda/emulation_match_test cuda/peer_link_test
          server/backend/backend_parity_test server/backend/embedding_math_test
          bench/kernel_bench bench/service_bench cli/emberctl)
 labels=()
@@ -27,6 +27,9 @@ for t in "${targets[@]}"; do
     esac
   done
 done
+# NCCL is loaded when first needed (dlopen), so ldd does not list it.
+nccl="$(ldconfig -p | awk '/libnccl\.so\.2 / {print $NF; exit}')"
+cp -L "${nccl:-/usr/local/cuda/lib64/libnccl.so.2}" "$dir/lib/libnccl.so.2"
 cp bench/torch_compare.py "$dir/"
 cat >"$dir/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -48,8 +51,9 @@ rc=0
 summary() { grep -E '^\[  (PASSED|FAILED)  \]|(ERROR|RACECHECK) SUMMARY' "$1" | tr '\n' ' '; }
 # cuda_fault_test plants an illegal address: plain runs only, never under
 # the sanitizers (which would report it).
+# peer_link_test's NCCL cases need two GPUs (they skip on one).
 for t in device_query_test cuda_backend_test backend_parity_test embedding_math_test \
-         emulation_match_test cuda_fault_test; do
+         emulation_match_test peer_link_test cuda_fault_test; do
   timeout 120 "$here/$t" --gtest_output="xml:$out/$t.xml" >"$out/$t.log" 2>&1 || rc=1
   echo "$t: $(summary "$out/$t.log")"
 done
