@@ -14,11 +14,14 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/inprocess.h"
 #include "client/shared_buffer.h"
@@ -79,6 +82,31 @@ int ShmHeld(int pid, const std::string& where) {
   for (const auto& fd : std::filesystem::directory_iterator(proc + "/fd", ec)) {
     const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
     if (target.find(where) != std::string::npos) ++held;
+  }
+  return held;
+}
+
+// Unix-domain sockets process `pid` holds open: all of them, or (`named`)
+// only those bound to a name containing it ("ember-link-": the worker's end
+// of a socket link; a client's end is unnamed).
+int UnixSockets(int pid, const std::string& named = "") {
+  std::set<std::string> inodes;  // of the sockets /proc/net/unix lists
+  std::ifstream table("/proc/net/unix");
+  for (std::string line; std::getline(table, line);) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (f.size() < 7 || (!named.empty() && (f.size() < 8 || f[7].find(named) == std::string::npos))) {
+      continue;
+    }
+    inodes.insert(f[6]);
+  }
+  int held = 0;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/fd"), ec)) {
+    const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+    if (absl::StartsWith(target, "socket:[") &&
+        inodes.count(target.substr(8, target.size() - 9)) > 0) {
+      ++held;
+    }
   }
   return held;
 }
@@ -725,6 +753,7 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
 TEST(LinkChannelTest, AKilledWorkerAndWorkersWithoutLinks) {
   testing_util::LocalCluster cluster(kEmberctl, 2, {"--links=socket"});
   ASSERT_TRUE(cluster.ok());
+  const int sockets_before = UnixSockets(getpid());
   client::ClientOptions o;
   o.timeout = absl::Seconds(5);
   o.link = "socket";
@@ -749,6 +778,8 @@ TEST(LinkChannelTest, AKilledWorkerAndWorkersWithoutLinks) {
     EXPECT_EQ(st->shm_channels(), 0) << "links were asked for";
     if (w.info().pid() != cluster.worker_pids()[1]) survivor = w.info().address();
   }
+  EXPECT_EQ(UnixSockets(getpid()) - sockets_before, 2) << "one link per worker";
+  for (int pid : cluster.worker_pids()) EXPECT_EQ(UnixSockets(pid, "ember-link-"), 1) << pid;
   ASSERT_FALSE(survivor.empty());
   kill(cluster.worker_pids()[1], SIGKILL);
   const absl::Time start = absl::Now();
@@ -762,6 +793,9 @@ TEST(LinkChannelTest, AKilledWorkerAndWorkersWithoutLinks) {
   auto st = (*other)->WorkerStatus(survivor);
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(st->link_channels(), 0) << "a closed client's link channel is still open";
+  EXPECT_EQ(UnixSockets(getpid()), sockets_before) << "the client kept a link's socket";
+  EXPECT_EQ(UnixSockets(cluster.worker_pids()[0], "ember-link-"), 0)
+      << "the surviving worker kept a closed link's socket";
 
   // Workers without links (emberctl up's default on a CPU host).
   testing_util::LocalCluster linkless(kEmberctl, 2);
