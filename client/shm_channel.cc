@@ -24,7 +24,7 @@ namespace client {
 namespace {
 
 // How long a client waits for a link channel's link to be joined.
-constexpr absl::Duration kLinkJoinTimeout = absl::Seconds(30);
+constexpr absl::Duration kLinkJoinTimeout = absl::Seconds(15);
 
 }  // namespace
 
@@ -185,8 +185,10 @@ ChannelPool::Lease ChannelPool::Acquire(const std::string& address, uint64_t byt
                                         const std::string& shm_dir, ember::v1::Worker::Stub* stub,
                                         const std::function<void(grpc::ClientContext*)>& prepare,
                                         cuda::PeerLinks* link, int device) {
-  if ((link == nullptr && shm_dir.empty() && !SameHost(address)) ||
-      bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
+  // Socket links join over an abstract socket of this host's: loopback
+  // workers only, as shared memory without a directory.
+  const bool host_only = link == nullptr ? shm_dir.empty() : link->name() == "socket";
+  if ((host_only && !SameHost(address)) || bytes > static_cast<uint64_t>(kMaxMessageBytes)) {
     return Lease();
   }
   Slot* slot;

@@ -94,15 +94,18 @@ absl::Status ShmTransport::Received(absl::Time deadline) {
   cuda::PeerLink* link = lease_.get()->link();
   if (link == nullptr) return absl::OkStatus();
   absl::Status s;
-  if (expects_reply_) {
-    const uint64_t n = out_end_ - out_begin_;
-    char* memory = lease_.get()->link_memory() + out_begin_;
-    s = link->Recv(memory, n);
-    if (s.ok()) s = link->CopyOut(lease_.get()->base() + out_begin_, memory, n);
-  }
-  // Also the send's copy out of the region: done before a later call
-  // rewrites it.
+  // The receive is waited for before the copy out of the link's memory (a
+  // copy into pageable host memory may block until the stream gets there,
+  // out of the deadline's reach), and so is the send's copy out of the
+  // region, before a later call rewrites it.
+  const uint64_t n = out_end_ - out_begin_;
+  char* memory = lease_.get()->link_memory() + out_begin_;
+  if (expects_reply_) s = link->Recv(memory, n);
   if (s.ok()) s = link->Wait(deadline);
+  if (s.ok() && expects_reply_) {
+    s = link->CopyOut(lease_.get()->base() + out_begin_, memory, n);
+    if (s.ok()) s = link->Wait(deadline);
+  }
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
   finished_ = true;
   return absl::OkStatus();

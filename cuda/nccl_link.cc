@@ -84,13 +84,32 @@ ncclResult_t Settle(const Nccl& n, ncclComm_t comm, ncclResult_t r, absl::Time d
   return r;
 }
 
+// Makes `device` current for a scope, then the caller's again (a client's
+// calls run on the trainer's own threads, whose current device is theirs).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : device_(device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    set_ = previous_ == device ? cudaSuccess : cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0 && previous_ != device_) cudaSetDevice(previous_);
+  }
+  absl::Status status() const { return CudaErrorToStatus(set_, "cudaSetDevice"); }
+
+ private:
+  const int device_;
+  int previous_ = -1;
+  cudaError_t set_ = cudaSuccess;
+};
+
 // Calls on one link run under its lock's caller (thread-compatible).
 class NcclLink : public PeerLink {
  public:
   NcclLink(const Nccl* n, ncclComm_t comm, cudaStream_t stream, int device, int peer)
       : n_(n), comm_(comm), stream_(stream), device_(device), peer_(peer) {}
   ~NcclLink() override {
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     if (comm_ != nullptr) n_->CommAbort(comm_);
     cudaStreamDestroy(stream_);
     for (void* m : memory_) cudaFree(m);
@@ -98,30 +117,30 @@ class NcclLink : public PeerLink {
 
   absl::Status Send(const void* memory, uint64_t bytes) override {
     if (!lost_.ok()) return lost_;
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     return Check(n_->Send(memory, bytes, ncclUint8, peer_, comm_, stream_), "send");
   }
   absl::Status Recv(void* memory, uint64_t bytes) override {
     if (!lost_.ok()) return lost_;
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     return Check(n_->Recv(memory, bytes, ncclUint8, peer_, comm_, stream_), "receive");
   }
   absl::Status CopyIn(void* memory, const void* host, uint64_t bytes) override {
     if (!lost_.ok()) return lost_;
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     return CheckCuda(cudaMemcpyAsync(memory, host, bytes, cudaMemcpyHostToDevice, stream_),
                      "copy to device");
   }
   absl::Status CopyOut(void* host, const void* memory, uint64_t bytes) override {
     if (!lost_.ok()) return lost_;
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     return CheckCuda(cudaMemcpyAsync(host, memory, bytes, cudaMemcpyDeviceToHost, stream_),
                      "copy to host");
   }
 
   absl::Status Wait(absl::Time deadline) override {
     if (!lost_.ok()) return lost_;
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     for (;;) {
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
@@ -141,7 +160,7 @@ class NcclLink : public PeerLink {
   }
 
   absl::StatusOr<void*> Allocate(uint64_t bytes) override {
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     void* m = nullptr;
     if (absl::Status s = CudaErrorToStatus(cudaMalloc(&m, std::max<uint64_t>(bytes, 1)),
                                            "peer link memory");
@@ -153,7 +172,7 @@ class NcclLink : public PeerLink {
   }
   void Free(void* memory) override {
     if (memory_.erase(memory) == 0) return;
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     cudaFree(memory);
   }
 
@@ -210,9 +229,8 @@ class NcclLinksImpl : public PeerLinks {
       return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of a two-rank link"));
     }
     std::memcpy(uid.internal, id.data(), sizeof(uid.internal));
-    if (absl::Status s = CudaErrorToStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) {
-      return s;
-    }
+    DeviceScope scope(device);
+    if (absl::Status s = scope.status(); !s.ok()) return s;
     cudaStream_t stream = nullptr;
     if (absl::Status s = CudaErrorToStatus(
             cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");

@@ -53,7 +53,7 @@ absl::Status ShmChannels::Transfer::Reply(const ember::v1::ShmSlice& reply) {
   cuda::PeerLink& link = *link_->link;
   if (absl::Status s = link.CopyIn(memory, bytes->data(), bytes->size()); !s.ok()) return s;
   // Not waited for: the client receives it once it has the call's answer;
-  // the next call on the channel waits for it first (Use).
+  // the next call on the channel waits for it first (Use, Receive).
   return link.Send(memory, bytes->size());
 }
 
@@ -201,8 +201,9 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
                                                    max_region_bytes_, "]"));
   }
   {
+    Gone gone;
     absl::MutexLock lock(&mu_);
-    ExpireLocked(absl::Now());
+    ExpireLocked(absl::Now(), &gone);
     if (static_cast<int>(channels_.size()) >= max_channels_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           max_channels_, " shared-memory channels are open on this worker; close some"));
@@ -267,8 +268,9 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
                                                    max_region_bytes_, "]"));
   }
   {
+    Gone gone;
     absl::MutexLock lock(&mu_);
-    ExpireLocked(absl::Now());
+    ExpireLocked(absl::Now(), &gone);
     if (static_cast<int>(channels_.size()) >= max_channels_) {
       return absl::ResourceExhaustedError(
           absl::StrCat(max_channels_, " channels are open on this worker; close some"));
@@ -276,8 +278,9 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
   }
   auto id_made = kind->NewId();
   if (!id_made.ok()) return id_made.status();
-  const size_t rounded = (size + 63) / 64 * 64;
-  char* base = static_cast<char*>(std::aligned_alloc(64, rounded));
+  // Zeroed: a reply may cover padding between outputs, which must hold
+  // nothing of this process's.
+  char* base = static_cast<char*>(std::calloc(size, 1));
   if (base == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("a link channel's region of ", size, " bytes"));
   }
@@ -332,12 +335,18 @@ absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
   }
   auto bytes = region.Bytes(sent, 1, "link_sent");
   if (!bytes.ok()) return bytes.status();
-  if (bytes->empty()) return absl::OkStatus();
-  char* memory = link.memory + sent.offset();
   cuda::PeerLink& l = *link.link;
-  absl::Status s = l.Recv(memory, bytes->size());
-  if (s.ok()) s = l.CopyOut(bytes->data(), memory, bytes->size());
-  if (s.ok()) s = l.Wait(absl::Now() + links_.transfer_timeout);
+  const absl::Time deadline = absl::Now() + links_.transfer_timeout;
+  // Waited for before the copy out (as well as the previous call's reply,
+  // queued before it): a copy into pageable host memory may block until
+  // the stream gets there, out of the deadline's reach.
+  absl::Status s;
+  if (!bytes->empty()) s = l.Recv(link.memory + sent.offset(), bytes->size());
+  if (s.ok()) s = l.Wait(deadline);
+  if (s.ok() && !bytes->empty()) {
+    s = l.CopyOut(bytes->data(), link.memory + sent.offset(), bytes->size());
+    if (s.ok()) s = l.Wait(deadline);
+  }
   if (!s.ok()) {
     return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
   }
@@ -345,12 +354,14 @@ absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
 }
 
 absl::Status ShmChannels::Close(uint64_t id, const std::string& owner) {
+  std::shared_ptr<LinkState> gone;  // let go outside the lock
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(id);
   if (it == channels_.end()) return absl::NotFoundError(absl::StrCat("no channel ", id));
   if (it->second.owner != owner) {
     return absl::PermissionDeniedError(absl::StrCat("channel ", id, " belongs to another client"));
   }
+  gone = std::move(it->second.link);
   channels_.erase(it);
   return absl::OkStatus();
 }
@@ -360,9 +371,10 @@ absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::s
                                                        const ember::v1::ShmSlice& sent) {
   Transfer t;
   {
+    Gone gone;
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
-    ExpireLocked(now);
+    ExpireLocked(now, &gone);
     auto ch = FindLocked(id, owner);
     if (!ch.ok()) return ch.status();
     Channel& c = **ch;
@@ -375,7 +387,10 @@ absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::s
       refused = absl::InvalidArgumentError("link_sent on a shared-memory channel");
     }
     if (!refused.ok()) {
-      if (c.link != nullptr) channels_.erase(id);  // out of step with the client
+      if (c.link != nullptr) {  // out of step with the client
+        gone.push_back(std::move(c.link));
+        channels_.erase(id);
+      }
       return refused;
     }
     c.last_seq = seq;
@@ -461,9 +476,14 @@ int ShmChannels::link_channels() const {
   return n;
 }
 
-void ShmChannels::ExpireLocked(absl::Time now) {
+void ShmChannels::ExpireLocked(absl::Time now, Gone* gone) {
   for (auto it = channels_.begin(); it != channels_.end();) {
-    it = now - it->second.last_used > idle_timeout_ ? channels_.erase(it) : std::next(it);
+    if (now - it->second.last_used <= idle_timeout_) {
+      ++it;
+      continue;
+    }
+    if (it->second.link != nullptr) gone->push_back(std::move(it->second.link));
+    it = channels_.erase(it);
   }
 }
 

@@ -175,7 +175,11 @@ class ShmChannels {
                                     const std::string& owner, std::string* link_id);
   // Receives `sent` into the region for a link channel's call.
   absl::Status Receive(LinkState& link, const Region& region, const ember::v1::ShmSlice& sent);
-  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Links of channels dropped under mu_, let go once it is released (an
+  // NCCL link's abort and cudaFree may wait on the device): declared before
+  // the lock, so destroyed after it.
+  using Gone = std::vector<std::shared_ptr<LinkState>>;
+  void ExpireLocked(absl::Time now, Gone* gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Channel `id` if `owner`'s: UNAVAILABLE when unknown (closed, lapsed),
   // PERMISSION_DENIED for another owner's.
   absl::StatusOr<Channel*> FindLocked(uint64_t id, const std::string& owner)

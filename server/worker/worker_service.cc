@@ -609,6 +609,20 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     transfer = *std::move(r);
     region = transfer.region();
     if (absl::Status s = transfer.CheckReply(req->link_reply()); !s.ok()) return ToGrpc(s);
+    if (transfer.linked()) {
+      // The reply covers the outputs and nothing else of the region.
+      uint64_t begin = UINT64_MAX, end = 0;
+      for (const auto& o : req->shm_outputs()) {
+        begin = std::min<uint64_t>(begin, o.offset());
+        end = std::max<uint64_t>(end, o.offset() + o.size());
+      }
+      if (begin == UINT64_MAX) begin = 0;
+      if (req->link_reply().offset() != begin || req->link_reply().size() != end - begin) {
+        return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+            "link_reply [", req->link_reply().offset(), ", +", req->link_reply().size(),
+            ") is not the outputs' bytes [", begin, ", ", end, ")")));
+      }
+    }
     if (req->shm_outputs_size() != req->features_size()) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
           req->features_size(), " feature(s) but ", req->shm_outputs_size(), " output slice(s)")));

@@ -1437,6 +1437,30 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
     ember::v1::WorkerLookupResponse resp;
     EXPECT_EQ(s->Lookup(nullptr, &req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
+  {  // a reply reaching past the outputs (into bytes of the region the
+     // outputs do not cover): refused, nothing sent back
+    TestLinkClient c(s.get(), 1 << 16);
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.set_channel_id(c.id);
+    req.set_channel_seq(1);
+    c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+    c.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
+    auto* out = req.add_shm_outputs();
+    out->set_offset(1024);
+    out->set_size(8 * 4);
+    req.mutable_link_reply()->set_offset(1024);
+    req.mutable_link_reply()->set_size(4096);
+    c.Send(128, req.mutable_link_sent());
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status got = s->Lookup(nullptr, &req, &resp);
+    EXPECT_EQ(got.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(got.error_message(), ::testing::HasSubstr("is not the outputs' bytes"));
+    ASSERT_TRUE(c.link->Wait(absl::Now() + absl::Seconds(5)).ok());
+    ember::v1::CloseChannelRequest close;  // as the client gives it up
+    close.set_channel_id(c.id);
+    ember::v1::CloseChannelResponse closed;
+    EXPECT_TRUE(s->CloseChannel(nullptr, &close, &closed).ok());
+  }
   // Refused after its bytes arrived (ids out of the shard): nothing
   // applied, and the worker's side of the link is still in step.
   TestLinkClient c(s.get(), 1 << 16);
