@@ -196,19 +196,7 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
         "this worker shares no directory for channels (--shm_dir); use a shared-memory name");
   }
   const uint64_t size = req.size();
-  if (size < 4096 || size > max_region_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("channel size ", size, " is outside [4096, ",
-                                                   max_region_bytes_, "]"));
-  }
-  {
-    Gone gone;
-    absl::MutexLock lock(&mu_);
-    ExpireLocked(absl::Now(), &gone);
-    if (static_cast<int>(channels_.size()) >= max_channels_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          max_channels_, " shared-memory channels are open on this worker; close some"));
-    }
-  }
+  if (absl::Status s = CheckRoom(size); !s.ok()) return s;
   const std::string shown = memfd  ? absl::StrCat("/proc/", req.pid(), "/fd/", req.memfd())
                             : file ? absl::StrCat(shm_dir_, "/", name)
                                    : name;
@@ -245,6 +233,21 @@ absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& 
   return id;
 }
 
+absl::Status ShmChannels::CheckRoom(uint64_t size) {
+  if (size < 4096 || size > max_region_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("channel size ", size, " is outside [4096, ",
+                                                   max_region_bytes_, "]"));
+  }
+  Gone gone;
+  absl::MutexLock lock(&mu_);
+  ExpireLocked(absl::Now(), &gone);
+  if (static_cast<int>(channels_.size()) >= max_channels_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(max_channels_, " channels are open on this worker; close some"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelRequest& req,
                                                const std::string& owner, std::string* link_id) {
   if (!req.shm_name().empty() || !req.shm_file().empty() || req.pid() != 0) {
@@ -263,19 +266,7 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
         offered.empty() ? "none" : absl::StrJoin(offered, ", "), ")"));
   }
   const uint64_t size = req.size();
-  if (size < 4096 || size > max_region_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("channel size ", size, " is outside [4096, ",
-                                                   max_region_bytes_, "]"));
-  }
-  {
-    Gone gone;
-    absl::MutexLock lock(&mu_);
-    ExpireLocked(absl::Now(), &gone);
-    if (static_cast<int>(channels_.size()) >= max_channels_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat(max_channels_, " channels are open on this worker; close some"));
-    }
-  }
+  if (absl::Status s = CheckRoom(size); !s.ok()) return s;
   auto id_made = kind->NewId();
   if (!id_made.ok()) return id_made.status();
   // Zeroed: a reply may cover padding between outputs, which must hold

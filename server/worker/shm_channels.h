@@ -171,6 +171,9 @@ class ShmChannels {
     std::vector<Buffer> buffers;
     std::shared_ptr<LinkState> link;  // a link channel's
   };
+  // INVALID_ARGUMENT for a region size outside [4096, max_region_bytes],
+  // RESOURCE_EXHAUSTED with max_channels open (after the idle ones lapse).
+  absl::Status CheckRoom(uint64_t size);
   absl::StatusOr<uint64_t> OpenLink(const ember::v1::OpenChannelRequest& req,
                                     const std::string& owner, std::string* link_id);
   // Receives `sent` into the region for a link channel's call.

@@ -1247,6 +1247,23 @@ struct TestLinkClient {
     ASSERT_TRUE(link->CopyIn(memory, region.data(), n).ok());
     ASSERT_TRUE(link->Send(memory, n).ok());
   }
+  // A pooled lookup of table t through the channel as transfer `seq`: bags
+  // of `ids` (`lengths`) at bytes 0 and 64, its output (`rows` rows) at
+  // 1024 and the reply covering it; the arrays sent.
+  ember::v1::WorkerLookupRequest Lookup(uint64_t seq, const std::vector<int64_t>& lengths,
+                                        const std::vector<int64_t>& ids) {
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.set_channel_id(id);
+    req.set_channel_seq(seq);
+    Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+    Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
+    auto* out = req.add_shm_outputs();
+    out->set_offset(1024);
+    out->set_size(lengths.size() * 4 * 4);
+    *req.mutable_link_reply() = *out;
+    Send(128, req.mutable_link_sent());
+    return req;
+  }
   // Receives `reply` into the region (as a call does after its answer).
   absl::Status Receive(const ember::v1::ShmSlice& reply) {
     char* m = memory + reply.offset();
@@ -1281,17 +1298,8 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
   const std::vector<float> want = InlineLookup(s.get(), lengths, ids);
   uint64_t seq = 0;
   for (int round = 0; round < 3; ++round) {  // the link stays in step call after call
-    ember::v1::WorkerLookupRequest req = PooledLookup();
-    req.set_channel_id(c.id);
-    req.set_channel_seq(++seq);
-    c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
-    c.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
-    auto* out = req.add_shm_outputs();
-    out->set_offset(1024);
-    out->set_size(8 * 4);
-    *req.mutable_link_reply() = *out;
     std::memset(c.region.data() + 1024, 0x7f, 32);  // not what comes back
-    c.Send(128, req.mutable_link_sent());
+    ember::v1::WorkerLookupRequest req = c.Lookup(++seq, lengths, ids);
     ember::v1::WorkerLookupResponse resp;
     const grpc::Status st = s->Lookup(nullptr, &req, &resp);
     ASSERT_TRUE(st.ok()) << st.error_message();
@@ -1392,16 +1400,7 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
   }
   {  // a replayed transfer number
     TestLinkClient c(s.get(), 1 << 16);
-    ember::v1::WorkerLookupRequest req = PooledLookup();
-    req.set_channel_id(c.id);
-    req.set_channel_seq(2);
-    c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
-    c.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
-    auto* out = req.add_shm_outputs();
-    out->set_offset(1024);
-    out->set_size(8 * 4);
-    *req.mutable_link_reply() = *out;
-    c.Send(128, req.mutable_link_sent());
+    ember::v1::WorkerLookupRequest req = c.Lookup(2, lengths, ids);
     ember::v1::WorkerLookupResponse resp;
     ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
     ASSERT_TRUE(c.Receive(req.link_reply()).ok());
@@ -1440,17 +1439,8 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
   {  // a reply reaching past the outputs (into bytes of the region the
      // outputs do not cover): refused, nothing sent back
     TestLinkClient c(s.get(), 1 << 16);
-    ember::v1::WorkerLookupRequest req = PooledLookup();
-    req.set_channel_id(c.id);
-    req.set_channel_seq(1);
-    c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
-    c.Put(ids, 64, req.mutable_features(0)->mutable_shm_ids());
-    auto* out = req.add_shm_outputs();
-    out->set_offset(1024);
-    out->set_size(8 * 4);
-    req.mutable_link_reply()->set_offset(1024);
+    ember::v1::WorkerLookupRequest req = c.Lookup(1, lengths, ids);
     req.mutable_link_reply()->set_size(4096);
-    c.Send(128, req.mutable_link_sent());
     ember::v1::WorkerLookupResponse resp;
     const grpc::Status got = s->Lookup(nullptr, &req, &resp);
     EXPECT_EQ(got.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
