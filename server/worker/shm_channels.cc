@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "glog/logging.h"
 
 namespace ember {
 namespace worker {
@@ -35,6 +37,10 @@ struct ShmChannels::LinkState {
   absl::Status join_status;
   std::unique_ptr<cuda::PeerLink> link;
   char* memory = nullptr;        // the link's memory, the region's size
+  // A reply queued (Reply) and not yet waited for (the next Receive waits)
+  // is given up on past this: the reaper aborts the link of a client that
+  // never took it, whose queued send would otherwise hold the device.
+  std::atomic<int64_t> reply_deadline_ns{INT64_MAX};
 };
 
 absl::Status ShmChannels::Transfer::CheckReply(const ember::v1::ShmSlice& reply) const {
@@ -53,7 +59,9 @@ absl::Status ShmChannels::Transfer::Reply(const ember::v1::ShmSlice& reply) {
   cuda::PeerLink& link = *link_->link;
   if (absl::Status s = link.CopyIn(memory, bytes->data(), bytes->size()); !s.ok()) return s;
   // Not waited for: the client receives it once it has the call's answer;
-  // the next call on the channel waits for it first (Use, Receive).
+  // the next call on the channel waits for it first (Use, Receive), and
+  // the reaper aborts the link if none comes in time.
+  link_->reply_deadline_ns = absl::ToUnixNanos(absl::Now() + reply_timeout_);
   return link.Send(memory, bytes->size());
 }
 
@@ -165,9 +173,48 @@ ShmChannels::ShmChannels(absl::Duration idle_timeout, uint64_t max_region_bytes,
       max_channels_(max_channels),
       shm_dir_(std::move(shm_dir)),
       links_(std::move(links)),
-      rng_(std::random_device()()) {}
+      rng_(std::random_device()()) {
+  if (!links_.kinds.empty()) reaper_ = std::thread([this] { Reap(); });
+}
 
-ShmChannels::~ShmChannels() = default;
+ShmChannels::~ShmChannels() {
+  if (reaper_.joinable()) {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    reaper_.join();
+  }
+}
+
+void ShmChannels::Reap() {
+  for (;;) {
+    std::vector<std::pair<uint64_t, std::shared_ptr<LinkState>>> late;
+    {
+      absl::MutexLock lock(&mu_);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Seconds(1))) return;
+      const int64_t now = absl::ToUnixNanos(absl::Now());
+      for (const auto& [id, c] : channels_) {
+        if (c.link != nullptr && c.link->reply_deadline_ns.load() < now) late.emplace_back(id, c.link);
+      }
+    }
+    for (auto& [id, link] : late) {
+      // A call holding the link waits for the reply itself.
+      std::unique_lock<std::mutex> call(link->call_mu, std::try_to_lock);
+      if (!call.owns_lock()) continue;
+      if (link->link->Wait(absl::InfinitePast()).ok()) {  // taken after all
+        link->reply_deadline_ns = INT64_MAX;
+        continue;
+      }
+      call.unlock();
+      LOG(WARNING) << "link channel " << id << ": the client never took a reply; dropped";
+      absl::MutexLock lock(&mu_);
+      auto it = channels_.find(id);
+      if (it != channels_.end() && it->second.link == link) channels_.erase(it);
+    }
+  }
+}
 
 absl::StatusOr<uint64_t> ShmChannels::Open(const ember::v1::OpenChannelRequest& req,
                                            const std::string& owner, std::string* link_id) {
@@ -334,6 +381,7 @@ absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
   absl::Status s;
   if (!bytes->empty()) s = l.Recv(link.memory + sent.offset(), bytes->size());
   if (s.ok()) s = l.Wait(deadline);
+  if (s.ok()) link.reply_deadline_ns = INT64_MAX;  // the previous reply was taken
   if (s.ok() && !bytes->empty()) {
     s = l.CopyOut(bytes->data(), link.memory + sent.offset(), bytes->size());
     if (s.ok()) s = l.Wait(deadline);
@@ -388,6 +436,7 @@ absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::s
     c.last_used = now;
     t.region_ = c.region;
     t.link_ = c.link;
+    t.reply_timeout_ = links_.transfer_timeout;
   }
   if (t.link_ == nullptr) return t;
   t.lock_ = std::unique_lock<std::mutex>(t.link_->call_mu);

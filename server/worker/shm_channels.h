@@ -23,6 +23,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -92,6 +93,7 @@ class ShmChannels {
     std::shared_ptr<const Region> region_;
     std::shared_ptr<LinkState> link_;
     std::unique_lock<std::mutex> lock_;  // link_'s call lock (after link_: let go first)
+    absl::Duration reply_timeout_;
   };
 
   // Limits: region sizes in [4 KiB, max_region_bytes], at most
@@ -193,7 +195,12 @@ class ShmChannels {
   const int max_channels_;
   const std::string shm_dir_;
   const LinkChannelOptions links_;
+  // Aborts the links of replies no client took (LinkState), every second;
+  // runs where links are offered.
+  void Reap();
+  std::thread reaper_;
   mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<uint64_t, Channel> channels_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
 };

@@ -1336,6 +1336,35 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
   EXPECT_EQ(s->open_channels(), 0);
 }
 
+// A reply the client never takes (it died after the call's answer) would
+// hold the worker's link, and with NCCL the device, until the channel
+// lapsed: the worker drops the channel once the reply is late.
+TEST(WorkerServiceTest, LinkRepliesNoClientTakesAreGivenUp) {
+  auto s = MakeService(OfferingSocketLinks());  // replies due within 500 ms
+  constexpr int64_t kBags = 1 << 16;  // a 1 MiB reply: more than the socket holds
+  TestLinkClient c(s.get(), 4 << 20);
+  ASSERT_NE(c.link, nullptr);
+  const std::vector<int64_t> lengths(kBags, 1), ids(kBags, 2);
+  ember::v1::WorkerLookupRequest req = PooledLookup();
+  req.set_channel_id(c.id);
+  req.set_channel_seq(1);
+  c.Put(lengths, 0, req.mutable_features(0)->mutable_shm_lengths());
+  c.Put(ids, kBags * 8, req.mutable_features(0)->mutable_shm_ids());
+  auto* out = req.add_shm_outputs();
+  out->set_offset(2 * kBags * 8);
+  out->set_size(kBags * 4 * 4);
+  *req.mutable_link_reply() = *out;
+  c.Send(2 * kBags * 8, req.mutable_link_sent());
+  ember::v1::WorkerLookupResponse resp;
+  ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
+  EXPECT_EQ(s->open_channels(), 1);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (s->open_channels() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(s->open_channels(), 0) << "a reply never taken kept its channel";
+  // The client's side sees its link lost.
+  EXPECT_FALSE(c.Receive(req.link_reply()).ok());
+}
+
 // A link channel's call that is refused, or whose bytes never come, loses
 // the channel (its link may be out of step with the client's), and applies
 // nothing; kinds not offered, and link channels that name a region, are
