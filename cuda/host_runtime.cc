@@ -40,6 +40,7 @@ namespace {
 
 std::atomic<cudaError_t> sticky{cudaSuccess};
 thread_local cudaError_t last_error = cudaSuccess;
+thread_local int current_device = 0;  // cudaSetDevice's, per thread as in CUDA
 
 // Every stream, for cudaFree's wait, and the pinned allocations by start.
 std::mutex registry_mu;
@@ -216,6 +217,12 @@ cudaError_t CUDARTAPI cudaGetDeviceCount(int* count) {
 cudaError_t CUDARTAPI cudaSetDevice(int device) {
   if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
   if (device < 0 || device >= current_device_count()) return Fail(cudaErrorInvalidDevice);
+  current_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t CUDARTAPI cudaGetDevice(int* device) {
+  *device = current_device;
   return cudaSuccess;
 }
 

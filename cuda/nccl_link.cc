@@ -6,8 +6,9 @@
 // (ncclCommAbort), which is also how a link ends.
 //
 // NOT YET RUN ON A GPU: no machine with two GPUs has been lent since this
-// was written (cuda/README.md says what has run). The channel code above it
-// runs in CI over socket links.
+// was written (cuda/README.md says what has run). In CI this file runs on
+// the host CUDA runtime over a stand-in for the library (fake_nccl.h), and
+// the channel code above it over socket links.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -22,25 +23,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "cuda/cuda_status.h"
+#include "cuda/nccl_api.h"
 #include "cuda/peer_link.h"
 
 namespace ember {
 namespace cuda {
 namespace {
 
-// The NCCL entry points used, from libnccl.so.2.
-struct Nccl {
-  decltype(&ncclGetUniqueId) GetUniqueId;
-  decltype(&ncclCommInitRankConfig) CommInitRankConfig;
-  decltype(&ncclCommGetAsyncError) CommGetAsyncError;
-  decltype(&ncclCommAbort) CommAbort;
-  decltype(&ncclSend) Send;
-  decltype(&ncclRecv) Recv;
-  decltype(&ncclGetErrorString) GetErrorString;
-};
-
-absl::StatusOr<const Nccl*> LoadNccl() {
-  static absl::StatusOr<const Nccl*> loaded = []() -> absl::StatusOr<const Nccl*> {
+absl::StatusOr<const NcclApi*> LoadNccl() {
+  static absl::StatusOr<const NcclApi*> loaded = []() -> absl::StatusOr<const NcclApi*> {
     // $EMBER_NCCL_LIBRARY, else the loader's path, else the toolkit's.
     void* lib = nullptr;
     std::string tried;
@@ -51,7 +42,7 @@ absl::StatusOr<const Nccl*> LoadNccl() {
       absl::StrAppend(&tried, tried.empty() ? "" : "; ", dlerror());
     }
     if (lib == nullptr) return absl::UnavailableError(absl::StrCat("NCCL: cannot load it: ", tried));
-    auto* n = new Nccl;
+    auto* n = new NcclApi;
     bool ok = true;
     auto get = [&](auto* fn, const char* name) {
       *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(dlsym(lib, name));
@@ -70,12 +61,12 @@ absl::StatusOr<const Nccl*> LoadNccl() {
   return loaded;
 }
 
-absl::Status NcclError(const Nccl& n, ncclResult_t r, const char* what) {
+absl::Status NcclError(const NcclApi& n, ncclResult_t r, const char* what) {
   return absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", n.GetErrorString(r)));
 }
 
 // Waits for a non-blocking communicator's pending call to settle.
-ncclResult_t Settle(const Nccl& n, ncclComm_t comm, ncclResult_t r, absl::Time deadline) {
+ncclResult_t Settle(const NcclApi& n, ncclComm_t comm, ncclResult_t r, absl::Time deadline) {
   while (r == ncclInProgress) {
     if (absl::Now() >= deadline) return ncclInProgress;
     absl::SleepFor(absl::Microseconds(20));
@@ -106,7 +97,7 @@ class DeviceScope {
 // Calls on one link run under its lock's caller (thread-compatible).
 class NcclLink : public PeerLink {
  public:
-  NcclLink(const Nccl* n, ncclComm_t comm, cudaStream_t stream, int device, int peer)
+  NcclLink(const NcclApi* n, ncclComm_t comm, cudaStream_t stream, int device, int peer)
       : n_(n), comm_(comm), stream_(stream), device_(device), peer_(peer) {}
   ~NcclLink() override {
     DeviceScope scope(device_);
@@ -143,13 +134,18 @@ class NcclLink : public PeerLink {
     DeviceScope scope(device_);
     for (;;) {
       const cudaError_t e = cudaStreamQuery(stream_);
-      if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return Lose(CudaErrorToStatus(e, "peer link stream"));
+      if (e != cudaSuccess && e != cudaErrorNotReady) {
+        return Lose(CudaErrorToStatus(e, "peer link stream"));
+      }
+      // Also once the stream is done: a transfer that failed (the peer went
+      // away) may have let the stream go on, its error left on the
+      // communicator.
       ncclResult_t async = ncclSuccess;
       if (n_->CommGetAsyncError(comm_, &async) != ncclSuccess ||
           (async != ncclSuccess && async != ncclInProgress)) {
         return Lose(NcclError(*n_, async, "link"));
       }
+      if (e == cudaSuccess) return absl::OkStatus();
       if (absl::Now() >= deadline) {
         return Lose(absl::DeadlineExceededError(
             "peer link: queued transfers not done by the deadline (the other end did not queue "
@@ -196,7 +192,7 @@ class NcclLink : public PeerLink {
     return Lose(CudaErrorToStatus(e, what));
   }
 
-  const Nccl* const n_;
+  const NcclApi* const n_;
   ncclComm_t comm_;
   const cudaStream_t stream_;
   const int device_;
@@ -207,7 +203,7 @@ class NcclLink : public PeerLink {
 
 class NcclLinksImpl : public PeerLinks {
  public:
-  explicit NcclLinksImpl(const Nccl* n) : n_(n) {}
+  explicit NcclLinksImpl(const NcclApi* n) : n_(n) {}
   std::string name() const override { return "nccl"; }
 
   absl::StatusOr<std::string> NewId() override {
@@ -255,16 +251,20 @@ class NcclLinksImpl : public PeerLinks {
   }
 
  private:
-  const Nccl* const n_;
+  const NcclApi* const n_;
 };
 
 }  // namespace
+
+std::unique_ptr<PeerLinks> NcclLinksOver(const NcclApi* api) {
+  return std::make_unique<NcclLinksImpl>(api);
+}
 
 absl::StatusOr<PeerLinks*> NcclLinks() {
   static absl::StatusOr<PeerLinks*> links = []() -> absl::StatusOr<PeerLinks*> {
     auto n = LoadNccl();
     if (!n.ok()) return n.status();
-    return new NcclLinksImpl(*n);
+    return NcclLinksOver(*n).release();
   }();
   return links;
 }
