@@ -116,6 +116,11 @@ DEFINE_string(links, "auto",
               "--device=cuda) and \"socket\" (a Unix-domain socket in host memory, same host: "
               "the NCCL protocol without a GPU, for tests); \"auto\": nccl for a CUDA worker "
               "where libnccl.so.2 loads, else none; empty: none.");
+DEFINE_int32(link_memory_mib, 4096,
+             "Workers: most memory the regions of open link channels hold together, in MiB "
+             "(each holds as much again in link memory: device memory for NCCL, outside "
+             "--memory_gib); past it a trainer's link channel is refused and its calls go "
+             "inline.");
 DEFINE_bool(skip_nonfinite, false,
             "Workers: leave NaN/Inf gradient values (and the ids they touch) out of updates "
             "instead of refusing the update.");
@@ -233,6 +238,7 @@ std::string BadServerFlags() {
     return "--shm_dir " + FLAGS_shm_dir + " is not a directory";
   }
   if (auto links = OfferedLinks(); !links.ok()) return std::string(links.status().message());
+  if (FLAGS_link_memory_mib < 1) return "--link_memory_mib must be >= 1";
   absl::Duration every;
   if (!FLAGS_checkpoint_every.empty()) {
     if (!absl::ParseDuration(FLAGS_checkpoint_every, &every) || every < absl::Seconds(1)) {
@@ -434,6 +440,7 @@ int RunWorker() {
   if (auto links = OfferedLinks(); links.ok()) {  // (checked with the other flags below)
     o.service.links.kinds = *links;
     o.service.links.device = FLAGS_cuda_device;
+    o.service.links.max_bytes = int64_t{FLAGS_link_memory_mib} << 20;
   }
   (void)absl::ParseDuration(FLAGS_dedup_ttl, &o.service.dedup_ttl);  // checked before
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
@@ -487,7 +494,8 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
       absl::StrCat("--batch_scheduling=", FLAGS_batch_scheduling ? "true" : "false"),
-      "--shm_dir=" + FLAGS_shm_dir, "--links=" + FLAGS_links, "--drain_on_sigterm=false",
+      "--shm_dir=" + FLAGS_shm_dir, "--links=" + FLAGS_links,
+      absl::StrCat("--link_memory_mib=", FLAGS_link_memory_mib), "--drain_on_sigterm=false",
       "--auth_token_file=" + FLAGS_auth_token_file,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.

@@ -324,6 +324,26 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
   }
   auto region = std::make_shared<const Region>(base, size, /*mapped=*/false);
   auto state = std::make_shared<LinkState>();
+  uint64_t id = 0;
+  {
+    Gone gone;
+    absl::MutexLock lock(&mu_);
+    int64_t held = 0;
+    for (const auto& [other, c] : channels_) {
+      if (c.link != nullptr) held += static_cast<int64_t>(c.region->size());
+    }
+    if (held + static_cast<int64_t>(size) > links_.max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "link channels hold ", held, " bytes of this worker's ", links_.max_bytes,
+          " (--link_memory_mib); a channel of ", size, " more is refused"));
+    }
+    while (id == 0 || channels_.count(id)) id = rng_();
+    Channel& c = channels_[id];
+    c.region = std::move(region);
+    c.owner = owner;
+    c.last_used = absl::Now();
+    c.link = state;
+  }
   // Joined in the background: the client joins once it has this answer.
   std::thread([state, kind, link = *id_made, device = links_.device, size,
                deadline = absl::Now() + links_.transfer_timeout] {
@@ -342,14 +362,6 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
     state->joined.Notify();
   }).detach();
   *link_id = *id_made;
-  absl::MutexLock lock(&mu_);
-  uint64_t id = 0;
-  while (id == 0 || channels_.count(id)) id = rng_();
-  Channel& c = channels_[id];
-  c.region = std::move(region);
-  c.owner = owner;
-  c.last_used = absl::Now();
-  c.link = std::move(state);
   return id;
 }
 

@@ -43,6 +43,10 @@ struct LinkChannelOptions {
   std::vector<cuda::PeerLinks*> kinds;
   int device = 0;
   absl::Duration transfer_timeout = absl::Seconds(30);
+  // The regions of all open link channels together (each also holds as
+  // much link memory: device memory for NCCL, outside the backend's memory
+  // limit); past it OpenChannel is RESOURCE_EXHAUSTED.
+  int64_t max_bytes = int64_t{4} << 30;
 };
 
 class ShmChannels {

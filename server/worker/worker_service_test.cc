@@ -1397,6 +1397,17 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
   EXPECT_EQ(s->OpenChannel(nullptr, &open, &opened).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(s->open_channels(), 0);
+  {  // link channels' memory is bounded: 2 of 64 KiB fit in 160 KiB, a third does not
+    WorkerServiceOptions bounded = OfferingSocketLinks();
+    bounded.links.max_bytes = 160 << 10;
+    auto b = MakeService(bounded);
+    TestLinkClient first(b.get(), 1 << 16), second(b.get(), 1 << 16);
+    open.set_size(1 << 16);
+    const grpc::Status third = b->OpenChannel(nullptr, &open, &opened);
+    EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(third.error_message(), ::testing::HasSubstr("--link_memory_mib"));
+    EXPECT_EQ(b->open_channels(), 2);
+  }
 
   const std::vector<float> before = Table(s.get(), "t");
   const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
