@@ -58,6 +58,13 @@ class KeyedTensor:
         return {k: self[k] for k in self._keys}
 
 
+def _device_of(kjt):
+    """The device of a torch-based KJT's values (torchrec's), else None."""
+    values = getattr(kjt, "values", None)
+    values = values() if callable(values) else values
+    return values.device if isinstance(values, torch.Tensor) else None
+
+
 class _RemoteLookup(torch.autograd.Function):
     """values = lookup(kjt); backward sends d(loss)/d(values) to the workers."""
 
@@ -135,6 +142,12 @@ class EmbeddingBagCollection(torch.nn.Module):
         else:
             kt = self._client.lookup(self._collection, kjt)
         values = torch.from_numpy(kt.values)
+        # A KJT of CUDA tensors (a GPU trainer's) gets its embeddings on its
+        # device: staged through host memory both ways (its ids were copied
+        # to the host for the lookup, its gradients are in backward).
+        device = _device_of(kjt)
+        if device is not None and device.type != "cpu":
+            values = values.to(device)
         if torch.is_grad_enabled() and self.training:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             values = _RemoteLookup.apply(anchor, self, ember._as_kjt(kjt), values)
