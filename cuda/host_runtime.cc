@@ -358,6 +358,33 @@ cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
   return cudaSuccess;
 }
 
+cudaError_t CUDARTAPI cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
+                                        size_t width, size_t height, enum cudaMemcpyKind kind,
+                                        cudaStream_t stream) {
+  if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
+  if (kind != cudaMemcpyDeviceToDevice) return Fail(cudaErrorInvalidValue);  // all the callers use
+  if (dpitch < width || spitch < width) return Fail(cudaErrorInvalidPitchValue);
+  return ember::cuda::HostLaunch(stream, [=] {
+    for (size_t r = 0; r < height; ++r) {
+      std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch,
+                  width);
+    }
+  });
+}
+
+cudaError_t CUDARTAPI cudaMemcpy2D(void* dst, size_t dpitch, const void* src, size_t spitch,
+                                   size_t width, size_t height, enum cudaMemcpyKind) {
+  if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
+  if (dpitch < width || spitch < width) return Fail(cudaErrorInvalidPitchValue);
+  // Synchronous; the streams here are all non-blocking ones, which a copy
+  // on the legacy default stream does not wait for.
+  for (size_t r = 0; r < height; ++r) {
+    std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch,
+                width);
+  }
+  return cudaSuccess;
+}
+
 cudaError_t CUDARTAPI cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
   return ember::cuda::HostLaunch(stream, [p, value, bytes] { std::memset(p, value, bytes); });
 }

@@ -129,6 +129,16 @@ class NcclLink : public PeerLink {
                      "copy to host");
   }
 
+  absl::Status CopyRows(void* dst, uint64_t dst_pitch, const void* src, uint64_t src_pitch,
+                        uint64_t width, uint64_t rows) override {
+    if (!lost_.ok()) return lost_;
+    if (rows == 0 || width == 0) return absl::OkStatus();
+    DeviceScope scope(device_);
+    return CheckCuda(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows,
+                                       cudaMemcpyDeviceToDevice, stream_),
+                     "copy on the device");
+  }
+
   absl::Status Wait(absl::Time deadline) override {
     if (!lost_.ok()) return lost_;
     DeviceScope scope(device_);
@@ -205,6 +215,18 @@ class NcclLinksImpl : public PeerLinks {
  public:
   explicit NcclLinksImpl(const NcclApi* n) : n_(n) {}
   std::string name() const override { return "nccl"; }
+
+  absl::Status CopyRowsNow(int device, bool to_device, void* dst, uint64_t dst_pitch,
+                           const void* src, uint64_t src_pitch, uint64_t width,
+                           uint64_t rows) override {
+    if (rows == 0 || width == 0) return absl::OkStatus();
+    DeviceScope scope(device);
+    if (absl::Status s = scope.status(); !s.ok()) return s;
+    return CudaErrorToStatus(
+        cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, rows,
+                     to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
+        to_device ? "copy to the device" : "copy to the host");
+  }
 
   absl::StatusOr<std::string> NewId() override {
     ncclUniqueId id;

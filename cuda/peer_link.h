@@ -50,6 +50,11 @@ class PeerLink {
   // order as the transfers. The host bytes must stay put until Wait.
   virtual absl::Status CopyIn(void* memory, const void* host, uint64_t bytes) = 0;
   virtual absl::Status CopyOut(void* host, const void* memory, uint64_t bytes) = 0;
+  // Queues a copy of `rows` rows of `width` bytes between device memories
+  // of the link's device (the link's own, or a trainer's arrays): row r
+  // from src + r * src_pitch to dst + r * dst_pitch (pitches >= width).
+  virtual absl::Status CopyRows(void* dst, uint64_t dst_pitch, const void* src,
+                                uint64_t src_pitch, uint64_t width, uint64_t rows) = 0;
 
   // Waits for everything queued so far. DEADLINE_EXCEEDED when that has
   // not finished by `deadline` (a peer that never queued its side), and
@@ -78,6 +83,12 @@ class PeerLinks {
   // INVALID_ARGUMENT for an id this kind did not make.
   virtual absl::StatusOr<std::unique_ptr<PeerLink>> Join(const std::string& id, int rank,
                                                          int device, absl::Time deadline) = 0;
+  // Copies rows as CopyRows does, at once, between host memory and device
+  // memory of `device` (`to_device`: host to device), outside any link: a
+  // trainer's arrays where its call goes without one.
+  virtual absl::Status CopyRowsNow(int device, bool to_device, void* dst, uint64_t dst_pitch,
+                                   const void* src, uint64_t src_pitch, uint64_t width,
+                                   uint64_t rows) = 0;
 };
 
 // NCCL links. UNAVAILABLE where the build has no NCCL or libnccl.so.2

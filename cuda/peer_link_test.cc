@@ -106,6 +106,26 @@ TEST_P(PeerLinkTest, TransfersArriveInOrderBothWays) {
   EXPECT_TRUE(pair_.b->Wait(Soon()).ok());
 }
 
+// Rows copied on the device, in stream order, and between host and device
+// at once.
+TEST_P(PeerLinkTest, RowsAreCopiedBetweenPitches) {
+  std::vector<int64_t> wide = {1, 2, 3, 4, 5, 6, 7, 8, 9};  // 3 rows of 3, the first 2 wanted
+  void* src = Holding(pair_.a.get(), wide);
+  auto dst = pair_.a->Allocate(6 * 8);
+  ASSERT_TRUE(dst.ok());
+  ASSERT_TRUE(pair_.a->CopyRows(*dst, 16, src, 24, 16, 3).ok());
+  std::vector<int64_t> got(6);
+  ASSERT_TRUE(pair_.a->CopyOut(got.data(), *dst, 48).ok());
+  ASSERT_TRUE(pair_.a->Wait(Soon()).ok());
+  EXPECT_EQ(got, (std::vector<int64_t>{1, 2, 4, 5, 7, 8}));
+  // Host rows into the device's, pitched, and back.
+  const std::vector<int64_t> host = {10, 20, 30, 40};
+  ASSERT_TRUE(links_->CopyRowsNow(0, true, *dst, 24, host.data(), 16, 16, 2).ok());
+  std::vector<int64_t> back(6, 0);
+  ASSERT_TRUE(links_->CopyRowsNow(0, false, back.data(), 8 * 3, *dst, 24, 16, 2).ok());
+  EXPECT_EQ(back, (std::vector<int64_t>{10, 20, 0, 30, 40, 0}));
+}
+
 TEST_P(PeerLinkTest, APeerThatNeverQueuesItsSideLosesTheLinkAtTheDeadline) {
   auto m = pair_.a->Allocate(4096);
   ASSERT_TRUE(m.ok());
