@@ -102,6 +102,74 @@ std::string RandomRequestId() {
   return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16), absl::Hex(rng(), absl::kZeroPad16));
 }
 
+// A DeviceKjt's arrays (and an update's gradients) copied to host memory
+// when a call needs them there, each once, through the link kind's copies.
+class DeviceStage {
+ public:
+  DeviceStage(cuda::PeerLinks* kind, int device, const DeviceKjt& kjt)
+      : kind_(kind), device_(device), kjt_(kjt) {}
+  const DeviceKjt& kjt() const { return kjt_; }
+
+  // Copies `count` elements at device `src` to the host.
+  template <typename T>
+  absl::Status ToHost(const T* src, int64_t count, std::vector<T>* out) {
+    out->resize(count);
+    if (count == 0) return absl::OkStatus();
+    const uint64_t bytes = count * sizeof(T);
+    return kind_->CopyRowsNow(device_, false, out->data(), bytes, src, bytes, bytes, 1);
+  }
+  // The whole of the KJT's values / weights / the gradients on the host.
+  absl::StatusOr<const int64_t*> Ids() {
+    if (!ids_loaded_) {
+      if (absl::Status s = ToHost(kjt_.values, kjt_.num_values, &ids_); !s.ok()) return s;
+      ids_loaded_ = true;
+    }
+    return ids_.data();
+  }
+  absl::StatusOr<const float*> Weights() {
+    if (kjt_.weights == nullptr) return nullptr;
+    if (!weights_loaded_) {
+      if (absl::Status s = ToHost(kjt_.weights, kjt_.num_values, &weights_); !s.ok()) return s;
+      weights_loaded_ = true;
+    }
+    return weights_.data();
+  }
+  // An update's gradients (device, `count` floats at `base`), and their
+  // host copy.
+  void SetGrads(const float* base, int64_t count) {
+    grads_base_ = base;
+    grads_count_ = count;
+  }
+  const float* grads_base() const { return grads_base_; }
+  absl::StatusOr<const float*> Grads() {
+    if (!grads_loaded_) {
+      if (absl::Status s = ToHost(grads_base_, grads_count_, &grads_); !s.ok()) return s;
+      grads_loaded_ = true;
+    }
+    return grads_.data();
+  }
+  // Host rows to device memory, or zeros.
+  absl::Status RowsToDevice(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
+                            int64_t cols, int64_t rows) {
+    return kind_->CopyRowsNow(device_, true, dst, dst_stride * sizeof(float), src,
+                              src_stride * sizeof(float), cols * sizeof(float), rows);
+  }
+  absl::Status ZeroRows(float* dst, int64_t dst_stride, int64_t cols, int64_t rows) {
+    zeros_.assign(cols * rows, 0.0f);
+    return RowsToDevice(dst, dst_stride, zeros_.data(), cols, cols, rows);
+  }
+
+ private:
+  cuda::PeerLinks* const kind_;
+  const int device_;
+  const DeviceKjt& kjt_;
+  std::vector<int64_t> ids_;
+  std::vector<float> weights_, grads_, zeros_;
+  bool ids_loaded_ = false, weights_loaded_ = false, grads_loaded_ = false;
+  const float* grads_base_ = nullptr;
+  int64_t grads_count_ = 0;
+};
+
 // One KJT feature's part in a call.
 struct FeatureJob {
   std::string key;
@@ -117,6 +185,16 @@ struct FeatureJob {
   bool out_zeroed = true;          //   false: RunLookup clears what it does not overwrite
   const float* grad = nullptr;     // gradients: same shape, row stride grad_stride
   int64_t grad_stride = 0;
+  // LookupOnDevice / ApplyGradientsOnDevice: `stage` copies the call's
+  // device arrays to the host where needed. `on_device`: ids and weights
+  // are device pointers (an all-rows table's lookup); `device_out`: the
+  // pooled output's place in device memory (out_stride floats a row;
+  // `out` is then null, or a host matrix for row-split partial sums);
+  // `device_grad`: the gradients' (grad_stride a row).
+  DeviceStage* stage = nullptr;
+  bool on_device = false;
+  float* device_out = nullptr;
+  const float* device_grad = nullptr;
 };
 
 // Zeroes columns [col, col + cols) of `rows` rows `stride` floats apart.
@@ -149,21 +227,43 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
   const bool all_rows = shard.rows == job.table->config->num_embeddings();
   const bool weighted = job.weights != nullptr;
   const bool ids_in_buffer = id_buffer != nullptr && all_rows && job.num_ids > 0;
+  // A device KJT's ids and weights: straight from device memory over a
+  // link channel, else from their host copies (loaded by the caller).
+  const bool ids_on_device = job.on_device && t->Linked();
+  const int64_t* src_ids = job.ids;
+  const float* src_weights = job.weights;
+  if (job.on_device && !ids_on_device) {
+    const ptrdiff_t at = job.ids - job.stage->kjt().values;
+    src_ids = *job.stage->Ids() + at;
+    if (weighted) src_weights = *job.stage->Weights() + at;
+  }
   auto lengths = t->TakeArray<int64_t>(f->mutable_lengths(), job.batch);
   absl::Span<int64_t> ids;
-  if (!ids_in_buffer) ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
   absl::Span<float> weights;
-  if (weighted) weights = t->TakeArray<float>(f->mutable_weights(), job.num_ids);
   int64_t n = job.num_ids;
+  if (ids_on_device) {  // all rows (LookupOnDevice keeps row-split ids on the host)
+    if (job.batch > 0) std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
+    t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); }, lengths);
+    t->KeepOnDevice(f->mutable_ids(), [&] { return f->mutable_shm_ids(); }, job.ids,
+                    n * sizeof(int64_t), n * sizeof(int64_t), 1);
+    if (weighted) {
+      t->KeepOnDevice(f->mutable_weights(), [&] { return f->mutable_shm_weights(); }, job.weights,
+                      n * sizeof(float), n * sizeof(float), 1);
+    }
+    *num_local = n;
+    return;
+  }
+  if (!ids_in_buffer) ids = t->TakeArray<int64_t>(f->mutable_ids(), job.num_ids);
+  if (weighted) weights = t->TakeArray<float>(f->mutable_weights(), job.num_ids);
   if (all_rows) {
     if (job.batch > 0) std::memcpy(lengths.data(), job.lengths, job.batch * sizeof(int64_t));
     if (ids_in_buffer) {
       f->mutable_buffer_ids()->set_offset(reinterpret_cast<const char*>(job.ids) - id_buffer->base);
       f->mutable_buffer_ids()->set_size(n * sizeof(int64_t));
     } else if (n > 0) {
-      std::memcpy(ids.data(), job.ids, n * sizeof(int64_t));
+      std::memcpy(ids.data(), src_ids, n * sizeof(int64_t));
     }
-    if (weighted && n > 0) std::memcpy(weights.data(), job.weights, n * sizeof(float));
+    if (weighted && n > 0) std::memcpy(weights.data(), src_weights, n * sizeof(float));
   } else {
     // Sized for every id, cut to the ones in the shard's rows. Without a
     // branch per id (uniform ids miss a shard half the time, and every
@@ -177,10 +277,10 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
     for (int64_t b = 0; b < job.batch; ++b) {
       const int64_t bag_start = n;
       for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
-        const uint64_t local = static_cast<uint64_t>(job.ids[k]) - lo;
+        const uint64_t local = static_cast<uint64_t>(src_ids[k]) - lo;
         const bool in = local < rows;
         ids[n] = static_cast<int64_t>(local);
-        if (weighted) weights[n] = job.weights[k];
+        if (weighted) weights[n] = src_weights[k];
         if (positions != nullptr && in) positions->push_back(k);
         n += in;
       }
@@ -561,7 +661,7 @@ namespace {
 // row-split table's ids are checked here, as routing would drop an id
 // outside every shard. Updates check every id here: a worker refusing one
 // would come after others applied their part.
-enum class IdCheck { kAll, kRowSplit };
+enum class IdCheck { kAll, kRowSplit, kNone };
 
 // The job's ids against its table's rows (CheckFeatureIds).
 absl::Status CheckJobIds(const FeatureJob& j) {
@@ -615,7 +715,7 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
       }
       j.weights = kjt.weights.data() + off[k];
     }
-    if (check == IdCheck::kAll || j.table->row_split) {
+    if (check == IdCheck::kAll || (check == IdCheck::kRowSplit && j.table->row_split)) {
       if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
     }
     jobs->push_back(std::move(j));
@@ -750,7 +850,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   std::vector<std::optional<SharedBufferInfo>> shared(jobs->size());
   for (size_t i = 0; i < jobs->size(); ++i) {
     const FeatureJob& j = (*jobs)[i];
-    if (j.sequence || j.table->row_split || j.batch == 0) continue;
+    if (j.sequence || j.table->row_split || j.batch == 0 || j.out == nullptr) continue;
     shared[i] = SharedBuffers::Global().Find(
         j.out, ((j.batch - 1) * j.out_stride + j.dim) * sizeof(float));
   }
@@ -763,7 +863,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   std::vector<bool> ids_shared(jobs->size(), false);
   for (size_t i = 0; i < jobs->size(); ++i) {
     const FeatureJob& j = (*jobs)[i];
-    if (j.num_ids == 0) continue;
+    if (j.num_ids == 0 || j.on_device) continue;
     auto b = SharedBuffers::Global().Find(j.ids, j.num_ids * sizeof(int64_t));
     if (!b.has_value() || (ids_in.has_value() && b->id != ids_in->id)) continue;
     ids_in = b;
@@ -772,6 +872,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // Rank by rank: build the rank's request and send it.
   std::vector<std::vector<Sink>> sinks(fan.size());
   absl::Status link_failure;  // a link channel's bytes could not be sent
+  absl::Status device_failure;  // a device array could not be copied
   for (int rank = 0; rank < fan.size(); ++rank) {
     LookupCall& c = fan[rank];
     c.request.set_collection(r.info.plan().collection());
@@ -785,6 +886,20 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     transports[rank] = TransportFor(r.info.worker_addresses(rank), most, channel_for);
     Transport* t = transports[rank].get();
     const bool name_ids = ids_in.has_value() && t->NamesBuffers();
+    // Device ids for a worker reached without a link channel: from their
+    // host copies (Bucketize).
+    if (!t->Linked()) {
+      for (size_t i = 0; i < jobs->size() && device_failure.ok(); ++i) {
+        const FeatureJob& j = (*jobs)[i];
+        if (!j.on_device) continue;
+        for (const auto& shard : targets[i]) {
+          if (shard.rank != rank) continue;
+          if (auto ids = j.stage->Ids(); !ids.ok()) device_failure = ids.status();
+          if (auto w = j.stage->Weights(); !w.ok()) device_failure = w.status();
+        }
+      }
+      if (!device_failure.ok()) continue;  // nothing sent to this worker
+    }
     for (size_t i = 0; i < jobs->size(); ++i) {
       FeatureJob& j = (*jobs)[i];
       const bool row_split = j.table->row_split;
@@ -803,7 +918,11 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
           SetSharedBuffer(*ids_in, c.request.mutable_id_buffer());
         }
         if (local == 0) {  // nothing from this shard: its part is 0
-          if (!j.out_zeroed && !row_split && !j.sequence) {
+          if (j.device_out != nullptr && !row_split) {
+            absl::Status z = j.stage->ZeroRows(j.device_out + shard.col_offset, j.out_stride,
+                                               shard.cols, j.batch);
+            if (!z.ok() && device_failure.ok()) device_failure = z;
+          } else if (!j.out_zeroed && !row_split && !j.sequence) {
             ClearColumns(j.out, j.out_stride, j.batch, shard.col_offset, shard.cols);
           }
           continue;
@@ -862,7 +981,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     return s;
   };
   if (!link_failure.ok()) return failed(link_failure);
+  if (!device_failure.ok()) return failed(device_failure);
   std::vector<float> scratch;
+  std::vector<bool> device_copies(fan.size(), false);  // queued on rank's link
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
     const LookupCall& c = fan[rank];
@@ -871,6 +992,38 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     }
     for (const Sink& s : sinks[rank]) {
       if (s.placed && c.response.placed()) continue;  // already in place
+      FeatureJob& dj = *s.job;
+      if (dj.device_out != nullptr && !dj.table->row_split) {
+        // Into the caller's device memory: over the link from its memory,
+        // or from the answer's host bytes.
+        const ember::v1::ShmSlice* slice =
+            transports[rank]->Linked() && s.index < c.request.shm_outputs_size()
+                ? &c.request.shm_outputs(s.index)
+                : nullptr;
+        absl::Status st;
+        if (slice != nullptr) {
+          if (slice->size() != static_cast<uint64_t>(dj.batch * s.cols * sizeof(float))) {
+            return failed(
+                absl::InternalError(absl::StrCat("worker ", rank, " returned a malformed output")));
+          }
+          st = transports[rank]->OutputToDevice(c.request, s.index, dj.device_out + s.col_offset,
+                                                dj.out_stride * sizeof(float), s.cols);
+          device_copies[rank] = true;
+        } else {
+          absl::Span<const float> host;
+          st = transports[rank]->Output(c.request, c.response, s.index, &scratch, &host);
+          if (st.ok() && host.size() != static_cast<size_t>(dj.batch * s.cols)) {
+            return failed(
+                absl::InternalError(absl::StrCat("worker ", rank, " returned a malformed output")));
+          }
+          if (st.ok()) {
+            st = dj.stage->RowsToDevice(dj.device_out + s.col_offset, dj.out_stride, host.data(),
+                                        s.cols, s.cols, dj.batch);
+          }
+        }
+        if (!st.ok()) return failed(absl::UnavailableError(absl::StrCat("worker ", rank, ": ", st.message())));
+        continue;
+      }
       absl::Span<const float> buf;
       if (absl::Status st =
               transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
@@ -899,6 +1052,13 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     }
   }
   if (absl::Status s = fan.WaitAll(); !s.ok()) return failed(s);
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    if (!device_copies[rank]) continue;
+    if (absl::Status s = transports[rank]->WaitCopies(deadline); !s.ok()) {
+      transports[rank]->Failed();
+      return failed(absl::UnavailableError(absl::StrCat("worker ", rank, ": ", s.message())));
+    }
+  }
   // Row-split MEAN: the partial sums, divided by the bag's total length.
   for (FeatureJob& j : *jobs) {
     if (j.sequence || !j.table->row_split || j.table->config->pooling() != TableConfig::MEAN) continue;
@@ -924,6 +1084,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
   };
   // Rank by rank: build the rank's request and send it.
   absl::Status link_failure;  // a link channel's bytes could not be sent
+  absl::Status device_failure;  // a device array could not be copied
   for (int rank = 0; rank < fan.size(); ++rank) {
     GradCall& call = fan[rank];
     call.request.set_collection(r.info.plan().collection());
@@ -953,6 +1114,22 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
                   j.sequence ? &positions : nullptr, &local);
         const bool all_rows = shard.rows == j.table->config->num_embeddings();
         const int64_t grad_rows = j.sequence ? local : j.batch;
+        if (j.device_grad != nullptr) {
+          if (t->Linked() && !(mean && row_split)) {  // device to link, no host copy
+            t->KeepOnDevice(g->mutable_grad(), [&] { return g->mutable_shm_grad(); },
+                            j.device_grad + shard.col_offset, j.grad_stride * sizeof(float),
+                            shard.cols * sizeof(float), j.batch);
+            continue;
+          }
+          if (j.grad == nullptr) {  // their host copy (scaled below, or sent inline)
+            auto host = j.stage->Grads();
+            if (!host.ok()) {
+              if (device_failure.ok()) device_failure = host.status();
+              continue;
+            }
+            j.grad = *host + (j.device_grad - j.stage->grads_base());
+          }
+        }
         auto dst = t->TakeArray<float>(g->mutable_grad(), grad_rows * shard.cols);
         if (j.sequence) {
           for (int64_t i = 0; i < local; ++i) {
@@ -976,6 +1153,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
         t->KeepArray<float>(g->mutable_grad(), [&] { return g->mutable_shm_grad(); }, dst);
       }
     }
+    if (!device_failure.ok()) call.used = false;  // not sent: the update fails
     if (call.used) {
       call.request.set_channel_id(t->channel_id());
       call.request.set_channel_seq(t->channel_seq());
@@ -1000,6 +1178,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     }
   }
   if (s.ok()) s = link_failure;
+  if (s.ok()) s = device_failure;
   if (!s.ok()) (void)EndCalls(fan, &transports);
   return s;
 }
@@ -1075,6 +1254,169 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
     for (size_t k = 0; k < jobs.size(); ++k) {
       jobs[k].grad = grads.values.data() + offsets[k];
       jobs[k].grad_stride = grads.row_width();
+    }
+    return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
+  });
+}
+
+namespace {
+
+// A DeviceKjt's lengths copied to the host, and a KjtView over them whose
+// values and weights are the device arrays (PrepareJobs reads neither with
+// IdCheck::kNone).
+struct DeviceView {
+  std::vector<int64_t> lengths;
+  KjtView view;
+};
+
+absl::StatusOr<std::unique_ptr<DeviceView>> ViewOf(DeviceStage* stage) {
+  const DeviceKjt& kjt = stage->kjt();
+  if (kjt.batch_size < 0 || kjt.num_values < 0) {
+    return absl::InvalidArgumentError("a device KJT's batch_size and num_values must be >= 0");
+  }
+  if ((kjt.values == nullptr && kjt.num_values > 0) ||
+      (kjt.lengths == nullptr && kjt.batch_size > 0 && !kjt.keys.empty())) {
+    return absl::InvalidArgumentError("a device KJT's lengths or values are null");
+  }
+  auto v = std::make_unique<DeviceView>();
+  if (absl::Status s = stage->ToHost(kjt.lengths, kjt.batch_size * kjt.keys.size(), &v->lengths);
+      !s.ok()) {
+    return s;
+  }
+  v->view.keys = kjt.keys;
+  v->view.lengths = v->lengths;
+  v->view.values = absl::MakeConstSpan(kjt.values, kjt.num_values);
+  if (kjt.weights != nullptr) v->view.weights = absl::MakeConstSpan(kjt.weights, kjt.num_values);
+  return v;
+}
+
+// Points row-split (or, `all`, every) job's ids and weights at their host
+// copies and checks them; the others keep their device arrays.
+absl::Status StageIds(DeviceStage* stage, std::vector<FeatureJob>* jobs, bool all) {
+  for (FeatureJob& j : *jobs) {
+    j.stage = stage;
+    if (!all && !j.table->row_split) {
+      j.on_device = true;
+      continue;
+    }
+    const ptrdiff_t at = j.ids - stage->kjt().values;
+    auto ids = stage->Ids();
+    if (!ids.ok()) return ids.status();
+    auto weights = stage->Weights();
+    if (!weights.ok()) return weights.status();
+    j.ids = *ids + at;
+    if (j.weights != nullptr) j.weights = *weights + at;
+    if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceKjt& kjt,
+                                    float* out, int64_t out_floats, Layout* layout) {
+  if (link_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "device KJTs travel over link channels: set ClientOptions::link");
+  }
+  DeviceStage stage(link_, options_.link_device, kjt);
+  auto view = ViewOf(&stage);
+  if (!view.ok()) return view.status();
+  auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  const uint64_t pick = replica_counter_.fetch_add(1);
+  return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, (*view)->view, /*sequence=*/false, &jobs,
+                                      IdCheck::kNone);
+        !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = StageIds(&stage, &jobs, /*all=*/false); !st.ok()) return st;
+    int64_t width = 0;
+    for (const FeatureJob& j : jobs) width += j.dim;
+    if (kjt.batch_size * width > out_floats) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the output needs ", kjt.batch_size, " x ", width, " floats; out holds ", out_floats));
+    }
+    if (layout != nullptr) {
+      layout->keys.clear();
+      layout->dims.clear();
+      for (const FeatureJob& j : jobs) {
+        layout->keys.push_back(j.key);
+        layout->dims.push_back(j.dim);
+      }
+    }
+    // Row-split features pool their partial sums here, then go up whole.
+    std::vector<std::vector<float>> partial(jobs.size());
+    int64_t col = 0;
+    for (size_t k = 0; k < jobs.size(); ++k) {
+      FeatureJob& j = jobs[k];
+      j.device_out = out + col;
+      j.out_stride = width;
+      if (j.table->row_split) {
+        partial[k].assign(j.batch * j.dim, 0.0f);
+        j.out = partial[k].data();
+        j.out_stride = j.dim;
+      }
+      col += j.dim;
+    }
+    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for, channel_for); !st.ok()) {
+      return st;
+    }
+    col = 0;
+    for (size_t k = 0; k < jobs.size(); ++k) {
+      const FeatureJob& j = jobs[k];
+      if (j.table->row_split) {
+        if (absl::Status st = stage.RowsToDevice(out + col, width, partial[k].data(), j.dim,
+                                                 j.dim, j.batch);
+            !st.ok()) {
+          return st;
+        }
+      }
+      col += j.dim;
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const DeviceKjt& kjt,
+                                            const float* grads, int64_t grad_floats,
+                                            const std::string& request_id,
+                                            std::string* used_request_id) {
+  const std::string id = request_id.empty() ? RandomRequestId() : request_id;
+  if (used_request_id != nullptr) *used_request_id = id;
+  if (link_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "device KJTs travel over link channels: set ClientOptions::link");
+  }
+  DeviceStage stage(link_, options_.link_device, kjt);
+  auto view = ViewOf(&stage);
+  if (!view.ok()) return view.status();
+  auto stub_for = [this](const std::string& a) { return StubFor(a); };
+  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, (*view)->view, /*sequence=*/false, &jobs,
+                                      IdCheck::kNone);
+        !st.ok()) {
+      return st;
+    }
+    // Every id checked before any worker is sent anything (all or none).
+    if (absl::Status st = StageIds(&stage, &jobs, /*all=*/true); !st.ok()) return st;
+    int64_t width = 0;
+    for (const FeatureJob& j : jobs) width += j.dim;
+    if (kjt.batch_size * width > grad_floats || (grads == nullptr && kjt.batch_size * width > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the gradients are ", kjt.batch_size, " x ", width, " floats; grads holds ", grad_floats));
+    }
+    stage.SetGrads(grads, kjt.batch_size * width);
+    int64_t col = 0;
+    for (FeatureJob& j : jobs) {
+      j.device_grad = grads + col;
+      j.grad = nullptr;  // its host copy, where one is needed (RunGradients)
+      j.grad_stride = width;
+      col += j.dim;
     }
     return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
   });

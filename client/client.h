@@ -39,6 +39,19 @@
 namespace ember {
 namespace client {
 
+// A KeyedJaggedTensor whose arrays lie in CUDA device memory (of
+// ClientOptions::link_device): a GPU trainer's, for LookupOnDevice and
+// ApplyGradientsOnDevice. With socket links (no GPU) "device memory" is
+// host memory.
+struct DeviceKjt {
+  std::vector<std::string> keys;
+  int64_t batch_size = 0;
+  const int64_t* lengths = nullptr;  // [keys.size() * batch_size]
+  const int64_t* values = nullptr;   // [num_values]
+  int64_t num_values = 0;
+  const float* weights = nullptr;    // [num_values], or null
+};
+
 struct ClientOptions {
   absl::Duration timeout = absl::Seconds(30);  // whole call, retries included
   // Sent as "authorization: Bearer TOKEN" on every call to the coordinator
@@ -156,6 +169,31 @@ class Client {
   absl::Status ApplyGradients(const std::string& collection, KjtView kjt, KeyedTensorView grads,
                               const std::string& request_id = "",
                               std::string* used_request_id = nullptr);
+
+  // Pooled lookups and their gradients with the arrays in device memory,
+  // over link channels (ClientOptions::link; FAILED_PRECONDITION without):
+  // `out` / `grads` hold batch_size rows of the features' dims side by side
+  // in the collection's order, as Lookup's KeyedTensor (`out_floats` /
+  // `grad_floats`: their room, INVALID_ARGUMENT when short; `*layout`, if
+  // given, says the keys and dims). Where the bytes go straight between
+  // this device's memory and the link: the ids and weights of table-wise
+  // and column-wise (all-rows) shards and their pooled outputs, and the
+  // gradients of their columns. Staged through host memory: the lengths
+  // (the routing reads them), the ids of row-wise shards (bucketed here),
+  // row-wise outputs (partial sums, added here), an update's ids (all
+  // checked here first, so that no worker applies part of a bad update),
+  // MEAN gradients of row-wise shards, and everything for a worker reached
+  // without a link channel. Sequence features: use LookupSequence.
+  struct Layout {
+    std::vector<std::string> keys;
+    std::vector<int64_t> dims;
+  };
+  absl::Status LookupOnDevice(const std::string& collection, const DeviceKjt& kjt, float* out,
+                              int64_t out_floats, Layout* layout = nullptr);
+  absl::Status ApplyGradientsOnDevice(const std::string& collection, const DeviceKjt& kjt,
+                                      const float* grads, int64_t grad_floats,
+                                      const std::string& request_id = "",
+                                      std::string* used_request_id = nullptr);
 
   // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,

@@ -83,7 +83,12 @@ absl::Status ShmTransport::Sending(ember::v1::ShmSlice* sent, ember::v1::ShmSlic
   char* memory = lease_.get()->link_memory();
   absl::Status s;
   if (n > 0) {
+    // The region's bytes, then the device arrays over their room (stream
+    // order), then the whole as one transfer.
     s = link->CopyIn(memory, lease_.get()->base(), n);
+    for (const DeviceArray& d : device_arrays_) {
+      if (s.ok()) s = link->CopyRows(memory + d.at, d.width, d.src, d.src_pitch, d.width, d.rows);
+    }
     if (s.ok()) s = link->Send(memory, n);
   }
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
@@ -94,20 +99,54 @@ absl::Status ShmTransport::Received(absl::Time deadline) {
   cuda::PeerLink* link = lease_.get()->link();
   if (link == nullptr) return absl::OkStatus();
   absl::Status s;
-  // The receive is waited for before the copy out of the link's memory (a
-  // copy into pageable host memory may block until the stream gets there,
-  // out of the deadline's reach), and so is the send's copy out of the
-  // region, before a later call rewrites it.
+  // The receive is waited for (and so is the send's copy out of the
+  // region, before a later call rewrites it). The outputs stay in the
+  // link's memory until Output copies one out (a copy into pageable host
+  // memory may block until the stream gets there, out of a deadline's
+  // reach: it comes after the wait) or OutputToDevice moves one on.
   const uint64_t n = out_end_ - out_begin_;
   char* memory = lease_.get()->link_memory() + out_begin_;
   if (expects_reply_) s = link->Recv(memory, n);
   if (s.ok()) s = link->Wait(deadline);
-  if (s.ok() && expects_reply_) {
-    s = link->CopyOut(lease_.get()->base() + out_begin_, memory, n);
-    if (s.ok()) s = link->Wait(deadline);
-  }
+  outputs_in_link_ = s.ok() && expects_reply_;
+  deadline_ = deadline;
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
   finished_ = true;
+  return absl::OkStatus();
+}
+
+void ShmTransport::KeepOnDevice(std::string* field, SliceFn slice, const void* src,
+                                uint64_t src_pitch, uint64_t width, uint64_t rows) {
+  const uint64_t bytes = width * rows;
+  char* room = Take(field, bytes);
+  if (bytes == 0) return;
+  device_arrays_.push_back(
+      DeviceArray{static_cast<uint64_t>(room - lease_.get()->base()), src, src_pitch, width, rows});
+  Keep(field, slice, room, bytes);
+}
+
+absl::Status ShmTransport::OutputToDevice(const ember::v1::WorkerLookupRequest& request, int index,
+                                          float* dst, uint64_t dst_pitch, int64_t cols) {
+  if (!outputs_in_link_ || index >= request.shm_outputs_size()) {
+    return absl::InternalError(absl::StrCat("no output ", index, " in the link's memory"));
+  }
+  const ember::v1::ShmSlice& slice = request.shm_outputs(index);
+  const uint64_t width = static_cast<uint64_t>(cols) * sizeof(float);
+  if (width == 0 || slice.size() % width != 0) {
+    return absl::InternalError(absl::StrCat("output ", index, " is not rows of ", cols));
+  }
+  absl::Status s = lease_.get()->link()->CopyRows(
+      dst, dst_pitch, lease_.get()->link_memory() + slice.offset(), width, width,
+      slice.size() / width);
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status ShmTransport::WaitCopies(absl::Time deadline) {
+  cuda::PeerLink* link = lease_.get()->link();
+  if (link == nullptr) return absl::OkStatus();
+  absl::Status s = link->Wait(deadline);
+  if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
   return absl::OkStatus();
 }
 
@@ -118,6 +157,13 @@ absl::Status ShmTransport::Output(const ember::v1::WorkerLookupRequest& request,
     return absl::InternalError(absl::StrCat("no output slice ", index));
   }
   const ember::v1::ShmSlice& slice = request.shm_outputs(index);
+  if (outputs_in_link_) {  // a link channel's, received: copied out of the link's memory
+    cuda::PeerLink* link = lease_.get()->link();
+    absl::Status s = link->CopyOut(lease_.get()->base() + slice.offset(),
+                                   lease_.get()->link_memory() + slice.offset(), slice.size());
+    if (s.ok()) s = link->Wait(deadline_);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  }
   *out = absl::Span<const float>(
       reinterpret_cast<const float*>(lease_.get()->base() + slice.offset()),
       slice.size() / sizeof(float));

@@ -80,6 +80,21 @@ class Transport {
   // buffers through it).
   virtual bool Linked() const { return false; }
 
+  // Link channels, for arrays in device memory (Client::LookupOnDevice):
+  // reserves room for `rows` rows of `width` bytes, names it as Keep does,
+  // and has Sending copy them there in the link's memory from `src` (rows
+  // `src_pitch` bytes apart) before the call's bytes go. And after
+  // Received, queues output `index`'s rows (`cols` floats each) to device
+  // memory `dst`, `dst_pitch` bytes apart; WaitCopies waits for those.
+  // Called only where Linked().
+  virtual void KeepOnDevice(std::string* field, SliceFn slice, const void* src,
+                            uint64_t src_pitch, uint64_t width, uint64_t rows) {}
+  virtual absl::Status OutputToDevice(const ember::v1::WorkerLookupRequest& request, int index,
+                                      float* dst, uint64_t dst_pitch, int64_t cols) {
+    return absl::UnimplementedError("no link channel");
+  }
+  virtual absl::Status WaitCopies(absl::Time deadline) { return absl::OkStatus(); }
+
   // Whether the request may name a shared buffer of this process for the
   // worker to read ids from (ChannelPool::Lease::NamesIdBuffers), and the
   // worker's refusal of one (later calls to it send the ids as arrays).
@@ -135,6 +150,11 @@ class ShmTransport : public Transport {
   absl::Status Received(absl::Time deadline) override;
   bool Unfinished() const override { return Linked() && !finished_; }
   bool Linked() const override { return lease_.get()->link() != nullptr; }
+  void KeepOnDevice(std::string* field, SliceFn slice, const void* src, uint64_t src_pitch,
+                    uint64_t width, uint64_t rows) override;
+  absl::Status OutputToDevice(const ember::v1::WorkerLookupRequest& request, int index,
+                              float* dst, uint64_t dst_pitch, int64_t cols) override;
+  absl::Status WaitCopies(absl::Time deadline) override;
   bool NamesBuffers() const override { return lease_.NamesIdBuffers(); }
   void BuffersRefused() override { lease_.IdBufferRefused(); }
 
@@ -150,6 +170,18 @@ class ShmTransport : public Transport {
   uint64_t out_begin_ = UINT64_MAX, out_end_ = 0;
   bool expects_reply_ = false;
   bool finished_ = false;
+  // Arrays in device memory, copied into the link's memory at `at` by
+  // Sending (KeepOnDevice).
+  struct DeviceArray {
+    uint64_t at;
+    const void* src;
+    uint64_t src_pitch, width, rows;
+  };
+  std::vector<DeviceArray> device_arrays_;
+  // Received outputs still only in the link's memory: Output copies its
+  // slice to the region first.
+  bool outputs_in_link_ = false;
+  absl::Time deadline_;  // Received's, for those copies
 };
 
 }  // namespace client

@@ -746,6 +746,102 @@ TEST(ThreeWorkerTest, ShardingOverThreeWorkersAndAKilledWorker) {
   }
 }
 
+// Device KJTs (LookupOnDevice / ApplyGradientsOnDevice) over socket links,
+// where "device memory" is host memory: every sharding type against the
+// in-process reference, weighted and not, several steps, then the tables;
+// and their bad input.
+TEST(LinkChannelTest, DeviceKjtsMatchTheReferenceForEverySharding) {
+  testing_util::LocalCluster cluster(kEmberctl, 2, {"--links=socket"});
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(20);
+  o.link = "socket";
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::mt19937 rng(41);
+  for (const std::string type :
+       {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}) {
+    const std::string name = "dev_" + type;
+    const CollectionSpec spec = TestSpec(name);
+    auto info = (*c)->CreateCollection(spec, type);
+    ASSERT_TRUE(info.ok()) << type << ": " << info.status();
+    auto ref = InProcessCollection::Create(spec, &info->plan());  // the plan's shards
+    ASSERT_TRUE(ref.ok());
+    for (int step = 0; step < 3; ++step) {
+      const bool weighted = step % 2 == 1;
+      const KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
+                                              {200, 301, 150, 301}, 24, weighted);
+      client::DeviceKjt dev;
+      dev.keys = kjt.keys;
+      dev.batch_size = 24;
+      dev.lengths = kjt.lengths.data();
+      dev.values = kjt.values.data();
+      dev.num_values = static_cast<int64_t>(kjt.values.size());
+      dev.weights = weighted ? kjt.weights.data() : nullptr;
+      auto want = (*ref)->Lookup(kjt);
+      ASSERT_TRUE(want.ok()) << want.status();
+      std::vector<float> out(want->values.size(), std::nanf(""));  // every element written
+      Client::Layout layout;
+      absl::Status st =
+          (*c)->LookupOnDevice(name, dev, out.data(), static_cast<int64_t>(out.size()), &layout);
+      ASSERT_TRUE(st.ok()) << type << ": " << st;
+      EXPECT_EQ(layout.keys, want->keys);
+      ExpectNear(out, want->values, absl::StrCat(type, " device lookup, step ", step));
+      auto host = (*c)->Lookup(name, kjt);  // and what the host path gives
+      ASSERT_TRUE(host.ok());
+      ExpectNear(out, host->values, absl::StrCat(type, " device vs host lookup, step ", step));
+      std::vector<float> grads(out.size());
+      for (float& g : grads) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+      st = (*c)->ApplyGradientsOnDevice(name, dev, grads.data(), static_cast<int64_t>(grads.size()));
+      ASSERT_TRUE(st.ok()) << type << ": " << st;
+      client::KeyedTensor kt = *want;
+      std::copy(grads.begin(), grads.end(), kt.values.begin());
+      ASSERT_TRUE((*ref)->ApplyGradients(kjt, kt).ok());
+    }
+    testing_util::ExpectTablesMatch(c->get(), ref->get(), name, spec, type);
+    ASSERT_TRUE((*c)->DropCollection(name).ok());
+  }
+  int64_t link_lookups = 0;
+  auto workers = (*c)->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  for (const auto& w : workers->workers()) {
+    link_lookups += (*c)->WorkerStatus(w.info().address())->link_lookups();
+  }
+  EXPECT_GE(link_lookups, 15) << "the device lookups went through the links";
+
+  // Bad input: nothing applied, precise errors.
+  const CollectionSpec spec = TestSpec("dev_bad");
+  ASSERT_TRUE((*c)->CreateCollection(spec, "row_wise").ok());
+  const KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum"}, {301}, 4, false);
+  client::DeviceKjt dev;
+  dev.keys = kjt.keys;
+  dev.batch_size = 4;
+  dev.lengths = kjt.lengths.data();
+  dev.values = kjt.values.data();
+  dev.num_values = static_cast<int64_t>(kjt.values.size());
+  std::vector<float> out(4 * 16);
+  EXPECT_EQ((*c)->LookupOnDevice("dev_bad", dev, out.data(), 4 * 16 - 1).code(),
+            absl::StatusCode::kInvalidArgument)
+      << "an output too small";
+  std::vector<int64_t> far(kjt.values.begin(), kjt.values.end());
+  if (!far.empty()) far.back() = 301;  // one past the table
+  dev.values = far.data();
+  int64_t rows = 0, dim = 0;
+  const std::vector<float> before = *(*c)->ExportTable("dev_bad", "t_sum", &rows, &dim);
+  if (!far.empty()) {
+    const absl::Status bad = (*c)->ApplyGradientsOnDevice("dev_bad", dev, out.data(), 4 * 16);
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("301"));
+    EXPECT_EQ(*(*c)->ExportTable("dev_bad", "t_sum", &rows, &dim), before) << "nothing applied";
+  }
+  client::ClientOptions plain;
+  auto no_link = Client::Connect(cluster.coordinator(), plain);
+  ASSERT_TRUE(no_link.ok());
+  EXPECT_EQ((*no_link)->LookupOnDevice("dev_bad", dev, out.data(), 4 * 16).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*c)->DropCollection("dev_bad").ok());
+}
+
 // Link channels (socket links: the NCCL channel's protocol) to a worker that
 // is killed: clients get UNAVAILABLE within the deadline, and the surviving
 // worker's link channels go with the client. A client asking for links
