@@ -223,6 +223,7 @@ class Client:
                                 str(shm_dir or ""), int(keep_freed_heap_mib), str(link or ""),
                                 int(link_device))
         self.address = address
+        self.link = link or None
 
     # Control plane.
     def create_collection(self, spec, sharding_type=None, plan=None):

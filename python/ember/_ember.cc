@@ -241,6 +241,54 @@ PYBIND11_MODULE(_ember, m) {
              }
              return used;
            })
+      // Device KJTs (Client::LookupOnDevice): raw addresses of contiguous
+      // int64 lengths/values, float32 weights (0: none) and output, in the
+      // memory the client's link reads (a CUDA tensor's for "nccl", host
+      // memory for "socket"); ember.torch passes its tensors' data_ptr().
+      .def("lookup_on_device",
+           [](Client& c, const std::string& name, std::vector<std::string> keys, int64_t batch,
+              uintptr_t lengths, uintptr_t values, int64_t num_values, uintptr_t weights,
+              uintptr_t out, int64_t out_floats) {
+             client::DeviceKjt kjt;
+             kjt.keys = std::move(keys);
+             kjt.batch_size = batch;
+             kjt.lengths = reinterpret_cast<const int64_t*>(lengths);
+             kjt.values = reinterpret_cast<const int64_t*>(values);
+             kjt.num_values = num_values;
+             kjt.weights = reinterpret_cast<const float*>(weights);
+             Client::Layout layout;
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.LookupOnDevice(name, kjt, reinterpret_cast<float*>(out), out_floats, &layout);
+             }
+             Check(s);
+             return std::make_pair(layout.keys, layout.dims);
+           })
+      .def("apply_gradients_on_device",
+           [](Client& c, const std::string& name, std::vector<std::string> keys, int64_t batch,
+              uintptr_t lengths, uintptr_t values, int64_t num_values, uintptr_t weights,
+              uintptr_t grads, int64_t grad_floats, const std::string& request_id) {
+             client::DeviceKjt kjt;
+             kjt.keys = std::move(keys);
+             kjt.batch_size = batch;
+             kjt.lengths = reinterpret_cast<const int64_t*>(lengths);
+             kjt.values = reinterpret_cast<const int64_t*>(values);
+             kjt.num_values = num_values;
+             kjt.weights = reinterpret_cast<const float*>(weights);
+             std::string used;
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.ApplyGradientsOnDevice(name, kjt, reinterpret_cast<const float*>(grads),
+                                            grad_floats, request_id, &used);
+             }
+             if (!s.ok()) {
+               throw StatusError{static_cast<int>(s.code()),
+                                 std::string(s.message()) + " [request_id " + used + "]"};
+             }
+             return used;
+           })
       .def("lookup_sequence",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
               py::object lengths, py::object values) {

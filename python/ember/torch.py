@@ -58,6 +58,24 @@ class KeyedTensor:
         return {k: self[k] for k in self._keys}
 
 
+def _device_args(kjt):
+    """A torch KJT's arrays as the device path takes them (contiguous int64
+    lengths and values, float32 weights or None), on their device; the
+    caller keeps them alive through the call."""
+    lengths = kjt.lengths().to(torch.int64).contiguous()
+    values = kjt.values().to(torch.int64).contiguous()
+    w = kjt.weights_or_none() if hasattr(kjt, "weights_or_none") else None
+    weights = None if w is None else w.to(torch.float32).contiguous()
+    return lengths, values, weights
+
+
+def _ready(device):
+    """Work queued on the device's current stream (what made the tensors)
+    done before the link's own stream reads them."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _device_of(kjt):
     """The device of a torch-based KJT's values (torchrec's), else None."""
     values = getattr(kjt, "values", None)
@@ -105,6 +123,8 @@ class EmbeddingBagCollection(torch.nn.Module):
         else:
             self._info = client.collection(collection)
         self._tables = [t["name"] for t in self._info["spec"]["tables"]]
+        self._dims = {f: int(t["embedding_dim"]) for t in self._info["spec"]["tables"]
+                      for f in t["feature_names"]}
         self._step = 0
         self._run = uuid.uuid4().hex[:12]
         self._prefetched = {}  # id(kjt) -> (kjt, Future of the lookup)
@@ -137,33 +157,74 @@ class EmbeddingBagCollection(torch.nn.Module):
         imported torchrec, else ember.torch.KeyedTensor (the same methods)."""
         with self._prefetch_lock:
             entry = self._prefetched.pop(id(kjt), None)
-        if entry is not None and entry[0] is kjt:
-            kt = entry[1].result()
+        on_device = entry is None and self._on_device(kjt)
+        if on_device:  # straight between its tensors' memory and the link
+            keys, dims, values = self._lookup_on_device(kjt)
+            kt = ember.KeyedTensor(keys, dims, np.zeros((0, 0), np.float32))
         else:
-            kt = self._client.lookup(self._collection, kjt)
-        values = torch.from_numpy(kt.values)
-        # A KJT of CUDA tensors (a GPU trainer's) gets its embeddings on its
-        # device: staged through host memory both ways (its ids were copied
-        # to the host for the lookup, its gradients are in backward).
-        device = _device_of(kjt)
-        if device is not None and device.type != "cpu":
-            values = values.to(device)
+            if entry is not None and entry[0] is kjt:
+                kt = entry[1].result()
+            else:
+                kt = self._client.lookup(self._collection, kjt)
+            values = torch.from_numpy(kt.values)
+            # A KJT of CUDA tensors (a GPU trainer's) without NCCL links gets
+            # its embeddings on its device, staged through host memory both
+            # ways (its ids were copied to the host for the lookup, its
+            # gradients are in backward).
+            device = _device_of(kjt)
+            if device is not None and device.type != "cpu":
+                values = values.to(device)
         if torch.is_grad_enabled() and self.training:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
-            values = _RemoteLookup.apply(anchor, self, ember._as_kjt(kjt), values)
+            values = _RemoteLookup.apply(anchor, self, kjt if on_device else ember._as_kjt(kjt),
+                                         values)
         if "torchrec" in sys.modules:  # a TorchRec program gets TorchRec's type
             from torchrec.sparse.jagged_tensor import KeyedTensor as TorchRecKeyedTensor
             return TorchRecKeyedTensor(keys=list(kt.keys), length_per_key=list(kt.length_per_key),
                                        values=values)
         return KeyedTensor(kt.keys, kt.length_per_key, values)
 
+    def _on_device(self, kjt):
+        """Whether kjt goes over the client's link channels straight from
+        its tensors' memory: NCCL links for CUDA tensors, socket links for
+        CPU ones (host memory: what runs without a GPU)."""
+        link = getattr(self._client, "link", None)
+        device = _device_of(kjt)
+        if link is None or device is None:
+            return False
+        return (link == "nccl" and device.type == "cuda") or (link == "socket" and
+                                                                device.type == "cpu")
+
+    def _lookup_on_device(self, kjt):
+        lengths, values, weights = _device_args(kjt)
+        keys = list(kjt.keys())
+        batch = lengths.numel() // len(keys) if keys else 0
+        width = sum(self._dims.get(k, 0) for k in keys)
+        out = torch.empty((batch, width), dtype=torch.float32, device=values.device)
+        _ready(values.device)
+        got_keys, dims = self._client._c.lookup_on_device(
+            self._collection, keys, batch, lengths.data_ptr(), values.data_ptr(), values.numel(),
+            0 if weights is None else weights.data_ptr(), out.data_ptr(), out.numel())
+        return got_keys, dims, out
+
     def _apply_gradients(self, kjt, grad):
+        self._step += 1
+        if self._on_device(kjt):
+            lengths, values, weights = _device_args(kjt)
+            keys = list(kjt.keys())
+            batch = lengths.numel() // len(keys) if keys else 0
+            grad = grad.detach().to(device=values.device, dtype=torch.float32).contiguous()
+            _ready(values.device)
+            self._client._c.apply_gradients_on_device(
+                self._collection, keys, batch, lengths.data_ptr(), values.data_ptr(),
+                values.numel(), 0 if weights is None else weights.data_ptr(), grad.data_ptr(),
+                grad.numel(), f"{self._run}-{self._step}")
+            return
         # The forward's layout: the KJT's features in the collection's order.
         keys = [f for t in self._info["spec"]["tables"] for f in t["feature_names"]]
         dims = {f: int(t["embedding_dim"]) for t in self._info["spec"]["tables"]
                 for f in t["feature_names"]}
         present = [k for k in keys if k in kjt.keys]
-        self._step += 1
         self._client.apply_gradients(
             self._collection, kjt,
             ember.KeyedTensor(present, [dims[k] for k in present],
