@@ -183,7 +183,10 @@ class Client {
   // row-wise outputs (partial sums, added here), an update's ids (all
   // checked here first, so that no worker applies part of a bad update),
   // MEAN gradients of row-wise shards, and everything for a worker reached
-  // without a link channel. Sequence features: use LookupSequence.
+  // without a link channel. Sequence features: use LookupSequence. The
+  // arrays must be ready when the call starts (nothing still queued on
+  // another stream writing them: the link's own stream reads them) and
+  // stay put until it returns; `out` is complete when it returns.
   struct Layout {
     std::vector<std::string> keys;
     std::vector<int64_t> dims;
