@@ -672,7 +672,13 @@ absl::Status CheckJobIds(const FeatureJob& j) {
 // The client's own message for the first id outside its table, if any.
 absl::Status NameRefusedIds(const std::vector<FeatureJob>& jobs) {
   for (const FeatureJob& j : jobs) {
-    if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
+    FeatureJob host = j;
+    if (j.on_device) {  // device ids: their host copy
+      auto ids = j.stage->Ids();
+      if (!ids.ok()) continue;
+      host.ids = *ids + (j.ids - j.stage->kjt().values);
+    }
+    if (absl::Status s = CheckJobIds(host); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -961,8 +967,16 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // only one for its columns, added (partial sums) where rows are split.
   // Any failure waits for every call first, then lets go of what a call
   // may have left unsafe (EndCalls).
+  std::vector<bool> device_copies(fan.size(), false);  // queued on rank's link
   auto failed = [&](absl::Status s) {
     (void)fan.WaitAll();
+    // Copies into the caller's device memory already queued finish before
+    // it hears of the failure (a retry, or the caller, reuses that memory).
+    for (int rank = 0; rank < fan.size(); ++rank) {
+      if (device_copies[rank] && !transports[rank]->WaitCopies(deadline).ok()) {
+        transports[rank]->Failed();
+      }
+    }
     const CallEnds ends = EndCalls(fan, &transports);
     if (ends.unconfirmed && placed_in.has_value()) {
       // A worker whose call ended unconfirmed may still write into it.
@@ -983,7 +997,6 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   if (!link_failure.ok()) return failed(link_failure);
   if (!device_failure.ok()) return failed(device_failure);
   std::vector<float> scratch;
-  std::vector<bool> device_copies(fan.size(), false);  // queued on rank's link
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan.Wait(rank)) continue;  // failed or unused: WaitAll reports it
     const LookupCall& c = fan[rank];
@@ -1028,7 +1041,11 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
       if (absl::Status st =
               transports[rank]->Output(c.request, c.response, s.index, &scratch, &buf);
           !st.ok()) {
-        return failed(absl::InternalError(absl::StrCat("worker ", rank, ": ", st.message())));
+        // UNAVAILABLE: a link lost while its outputs were copied out (the
+        // call is retried); else the answer lacks the output.
+        return failed(absl::Status(
+            absl::IsUnavailable(st) ? absl::StatusCode::kUnavailable : absl::StatusCode::kInternal,
+            absl::StrCat("worker ", rank, ": ", st.message())));
       }
       FeatureJob& j = *s.job;
       const int64_t rows = static_cast<int64_t>(buf.size()) / std::max<int64_t>(1, s.cols);
@@ -1085,6 +1102,27 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
   // Rank by rank: build the rank's request and send it.
   absl::Status link_failure;  // a link channel's bytes could not be sent
   absl::Status device_failure;  // a device array could not be copied
+  const bool defer = std::any_of(jobs->begin(), jobs->end(),
+                                 [](const FeatureJob& j) { return j.device_grad != nullptr; });
+  // Sends rank's call (its link bytes first) if its request carries anything.
+  auto send = [&](int rank) {
+    GradCall& call = fan[rank];
+    Transport* t = transports[rank].get();
+    if (call.used) {
+      call.request.set_channel_id(t->channel_id());
+      call.request.set_channel_seq(t->channel_seq());
+      if (absl::Status s =
+              t->Linked() ? t->Sending(call.request.mutable_link_sent(), nullptr) : absl::OkStatus();
+          !s.ok()) {
+        t->Failed();
+        call.used = false;  // not sent: the update fails and is retried
+        if (link_failure.ok()) link_failure = s;
+      }
+    }
+    fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
+      stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
+    });
+  };
   for (int rank = 0; rank < fan.size(); ++rank) {
     GradCall& call = fan[rank];
     call.request.set_collection(r.info.plan().collection());
@@ -1153,21 +1191,13 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
         t->KeepArray<float>(g->mutable_grad(), [&] { return g->mutable_shm_grad(); }, dst);
       }
     }
-    if (!device_failure.ok()) call.used = false;  // not sent: the update fails
-    if (call.used) {
-      call.request.set_channel_id(t->channel_id());
-      call.request.set_channel_seq(t->channel_seq());
-      if (absl::Status s =
-              t->Linked() ? t->Sending(call.request.mutable_link_sent(), nullptr) : absl::OkStatus();
-          !s.ok()) {
-        t->Failed();
-        call.used = false;  // not sent: the update fails and is retried
-        if (link_failure.ok()) link_failure = s;
-      }
-    }
-    fan.Start(rank, [](ember::v1::Worker::Stub* stub, GradCall* c, auto done) {
-      stub->async()->ApplyGradients(&c->ctx, &c->request, &c->response, done);
-    });
+    if (!defer) send(rank);
+  }
+  // Device gradients: every request built (their host copies made where
+  // needed) before any worker is sent anything, so that a failed copy
+  // leaves the update unapplied everywhere, not applied in part.
+  if (defer && device_failure.ok()) {
+    for (int rank = 0; rank < fan.size(); ++rank) send(rank);
   }
   absl::Status s = fan.WaitAll();
   // Link channels: each exchange waited for (its region is then free).
@@ -1285,28 +1315,39 @@ absl::StatusOr<std::unique_ptr<DeviceView>> ViewOf(DeviceStage* stage) {
   }
   v->view.keys = kjt.keys;
   v->view.lengths = v->lengths;
+  // Never read on the host (device memory): the weights are left out here
+  // and set by StageIds.
   v->view.values = absl::MakeConstSpan(kjt.values, kjt.num_values);
-  if (kjt.weights != nullptr) v->view.weights = absl::MakeConstSpan(kjt.weights, kjt.num_values);
   return v;
 }
 
 // Points row-split (or, `all`, every) job's ids and weights at their host
-// copies and checks them; the others keep their device arrays.
+// copies and checks them (ids in range, weights finite); the others keep
+// their device arrays (the workers check them).
 absl::Status StageIds(DeviceStage* stage, std::vector<FeatureJob>* jobs, bool all) {
+  const DeviceKjt& kjt = stage->kjt();
   for (FeatureJob& j : *jobs) {
     j.stage = stage;
+    const ptrdiff_t at = j.ids - kjt.values;
     if (!all && !j.table->row_split) {
       j.on_device = true;
+      j.weights = kjt.weights != nullptr ? kjt.weights + at : nullptr;
       continue;
     }
-    const ptrdiff_t at = j.ids - stage->kjt().values;
     auto ids = stage->Ids();
     if (!ids.ok()) return ids.status();
     auto weights = stage->Weights();
     if (!weights.ok()) return weights.status();
     j.ids = *ids + at;
-    if (j.weights != nullptr) j.weights = *weights + at;
+    j.weights = *weights != nullptr ? *weights + at : nullptr;
     if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
+    for (int64_t i = 0; j.weights != nullptr && i < j.num_ids; ++i) {
+      if (!std::isfinite(j.weights[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("feature '", j.key, "': weights[", i,
+                                                       "] is ", j.weights[i],
+                                                       " (NaN/Inf is refused)"));
+      }
+    }
   }
   return absl::OkStatus();
 }

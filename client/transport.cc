@@ -138,7 +138,10 @@ absl::Status ShmTransport::OutputToDevice(const ember::v1::WorkerLookupRequest& 
   absl::Status s = lease_.get()->link()->CopyRows(
       dst, dst_pitch, lease_.get()->link_memory() + slice.offset(), width, width,
       slice.size() / width);
-  if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  if (!s.ok()) {
+    Failed();
+    return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -146,7 +149,10 @@ absl::Status ShmTransport::WaitCopies(absl::Time deadline) {
   cuda::PeerLink* link = lease_.get()->link();
   if (link == nullptr) return absl::OkStatus();
   absl::Status s = link->Wait(deadline);
-  if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  if (!s.ok()) {
+    Failed();
+    return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -157,12 +163,18 @@ absl::Status ShmTransport::Output(const ember::v1::WorkerLookupRequest& request,
     return absl::InternalError(absl::StrCat("no output slice ", index));
   }
   const ember::v1::ShmSlice& slice = request.shm_outputs(index);
-  if (outputs_in_link_) {  // a link channel's, received: copied out of the link's memory
+  if (outputs_in_link_ && !outputs_copied_) {
+    // A link channel's, received: all copied out of the link's memory at
+    // the first one asked for (one wait).
     cuda::PeerLink* link = lease_.get()->link();
-    absl::Status s = link->CopyOut(lease_.get()->base() + slice.offset(),
-                                   lease_.get()->link_memory() + slice.offset(), slice.size());
+    absl::Status s = link->CopyOut(lease_.get()->base() + out_begin_,
+                                   lease_.get()->link_memory() + out_begin_, out_end_ - out_begin_);
     if (s.ok()) s = link->Wait(deadline_);
-    if (!s.ok()) return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+    if (!s.ok()) {
+      Failed();  // its exchange ended, but the link is not to be used again
+      return absl::UnavailableError(absl::StrCat("link channel: ", s.message()));
+    }
+    outputs_copied_ = true;
   }
   *out = absl::Span<const float>(
       reinterpret_cast<const float*>(lease_.get()->base() + slice.offset()),

@@ -181,6 +181,7 @@ class ShmTransport : public Transport {
   // Received outputs still only in the link's memory: Output copies its
   // slice to the region first.
   bool outputs_in_link_ = false;
+  bool outputs_copied_ = false;  // to the region (Output)
   absl::Time deadline_;  // Received's, for those copies
 };
 

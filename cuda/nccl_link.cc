@@ -134,6 +134,7 @@ class NcclLink : public PeerLink {
     if (!lost_.ok()) return lost_;
     if (rows == 0 || width == 0) return absl::OkStatus();
     DeviceScope scope(device_);
+    if (absl::Status s = scope.status(); !s.ok()) return Lose(s);
     return CheckCuda(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows,
                                        cudaMemcpyDeviceToDevice, stream_),
                      "copy on the device");
@@ -222,10 +223,12 @@ class NcclLinksImpl : public PeerLinks {
     if (rows == 0 || width == 0) return absl::OkStatus();
     DeviceScope scope(device);
     if (absl::Status s = scope.status(); !s.ok()) return s;
-    return CudaErrorToStatus(
-        cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, rows,
-                     to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost),
-        to_device ? "copy to the device" : "copy to the host");
+    cudaError_t e = cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, rows,
+                                 to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost);
+    // From pageable memory the copy may return before its DMA has landed;
+    // the caller reads the rows on streams that do not wait for this one.
+    if (e == cudaSuccess && to_device) e = cudaStreamSynchronize(nullptr);
+    return CudaErrorToStatus(e, to_device ? "copy to the device" : "copy to the host");
   }
 
   absl::StatusOr<std::string> NewId() override {

@@ -801,45 +801,71 @@ TEST(LinkChannelTest, DeviceKjtsMatchTheReferenceForEverySharding) {
     testing_util::ExpectTablesMatch(c->get(), ref->get(), name, spec, type);
     ASSERT_TRUE((*c)->DropCollection(name).ok());
   }
-  int64_t link_lookups = 0;
-  auto workers = (*c)->ListWorkers();
-  ASSERT_TRUE(workers.ok());
-  for (const auto& w : workers->workers()) {
-    link_lookups += (*c)->WorkerStatus(w.info().address())->link_lookups();
-  }
-  EXPECT_GE(link_lookups, 15) << "the device lookups went through the links";
-
-  // Bad input: nothing applied, precise errors.
-  const CollectionSpec spec = TestSpec("dev_bad");
-  ASSERT_TRUE((*c)->CreateCollection(spec, "row_wise").ok());
-  const KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum"}, {301}, 4, false);
+  // Bad input and edge cases, table-wise (all-rows: device ids the client
+  // never reads) and row-wise.
   client::DeviceKjt dev;
-  dev.keys = kjt.keys;
-  dev.batch_size = 4;
-  dev.lengths = kjt.lengths.data();
-  dev.values = kjt.values.data();
-  dev.num_values = static_cast<int64_t>(kjt.values.size());
-  std::vector<float> out(4 * 16);
-  EXPECT_EQ((*c)->LookupOnDevice("dev_bad", dev, out.data(), 4 * 16 - 1).code(),
-            absl::StatusCode::kInvalidArgument)
-      << "an output too small";
-  std::vector<int64_t> far(kjt.values.begin(), kjt.values.end());
-  if (!far.empty()) far.back() = 301;  // one past the table
-  dev.values = far.data();
-  int64_t rows = 0, dim = 0;
-  const std::vector<float> before = *(*c)->ExportTable("dev_bad", "t_sum", &rows, &dim);
-  if (!far.empty()) {
-    const absl::Status bad = (*c)->ApplyGradientsOnDevice("dev_bad", dev, out.data(), 4 * 16);
+  auto point = [&dev](const KeyedJaggedTensor& kjt, const std::vector<int64_t>* values = nullptr) {
+    dev.keys = kjt.keys;
+    dev.batch_size = kjt.batch_size();
+    dev.lengths = kjt.lengths.data();
+    dev.values = values != nullptr ? values->data() : kjt.values.data();
+    dev.num_values = static_cast<int64_t>(kjt.values.size());
+    dev.weights = nullptr;
+  };
+  for (const std::string type : {"table_wise", "row_wise"}) {
+    const std::string name = "dev_bad_" + type;
+    ASSERT_TRUE((*c)->CreateCollection(TestSpec(name), type).ok());
+    auto counts = [&] {  // (lookups, of them through links) over the workers
+      std::pair<int64_t, int64_t> n{0, 0};
+      auto workers = (*c)->ListWorkers();
+      for (const auto& w : workers->workers()) {
+        auto st = (*c)->WorkerStatus(w.info().address());
+        n.first += st->lookups();
+        n.second += st->link_lookups();
+      }
+      return n;
+    };
+    const auto before = counts();
+    // f_sum given ids, f_mean only empty bags: its columns are zeros.
+    auto kjt = KeyedJaggedTensor::FromJagged({"f_sum", "f_mean"}, {{{1, 2}, {3}}, {{}, {}}});
+    ASSERT_TRUE(kjt.ok());
+    point(*kjt);
+    std::vector<float> out(2 * 32, std::nanf(""));
+    ASSERT_TRUE((*c)->LookupOnDevice(name, dev, out.data(), 64).ok()) << type;
+    for (int b = 0; b < 2; ++b) {
+      for (int col = 16; col < 32; ++col) EXPECT_EQ(out[b * 32 + col], 0.0f) << type << " " << col;
+      for (int col = 0; col < 16; ++col) EXPECT_FALSE(std::isnan(out[b * 32 + col])) << type;
+    }
+    const auto after = counts();
+    EXPECT_GT(after.second - before.second, 0) << type;
+    EXPECT_EQ(after.second - before.second, after.first - before.first)
+        << type << ": every device lookup went through the links";
+    EXPECT_EQ((*c)->LookupOnDevice(name, dev, out.data(), 63).code(),
+              absl::StatusCode::kInvalidArgument)
+        << "an output too small";
+    // An id past the table: refused and named, in a lookup and in an update,
+    // which applies nothing anywhere.
+    std::vector<int64_t> far(kjt->values.begin(), kjt->values.end());
+    far.back() = 301;
+    point(*kjt, &far);
+    const absl::Status looked = (*c)->LookupOnDevice(name, dev, out.data(), 64);
+    EXPECT_EQ(looked.code(), absl::StatusCode::kInvalidArgument) << looked;
+    EXPECT_THAT(std::string(looked.message()), ::testing::HasSubstr("301")) << looked;
+    int64_t rows = 0, dim = 0;
+    const std::vector<float> weights_before = *(*c)->ExportTable(name, "t_sum", &rows, &dim);
+    std::vector<float> grads(64, 1.0f);
+    const absl::Status bad = (*c)->ApplyGradientsOnDevice(name, dev, grads.data(), 64);
     EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("301"));
-    EXPECT_EQ(*(*c)->ExportTable("dev_bad", "t_sum", &rows, &dim), before) << "nothing applied";
+    EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("301")) << bad;
+    EXPECT_EQ(*(*c)->ExportTable(name, "t_sum", &rows, &dim), weights_before) << "applied";
+    ASSERT_TRUE((*c)->DropCollection(name).ok());
   }
   client::ClientOptions plain;
   auto no_link = Client::Connect(cluster.coordinator(), plain);
   ASSERT_TRUE(no_link.ok());
-  EXPECT_EQ((*no_link)->LookupOnDevice("dev_bad", dev, out.data(), 4 * 16).code(),
+  std::vector<float> out(64);
+  EXPECT_EQ((*no_link)->LookupOnDevice("any", dev, out.data(), 64).code(),
             absl::StatusCode::kFailedPrecondition);
-  ASSERT_TRUE((*c)->DropCollection("dev_bad").ok());
 }
 
 // Link channels (socket links: the NCCL channel's protocol) to a worker that
