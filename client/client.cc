@@ -109,6 +109,7 @@ class DeviceStage {
   DeviceStage(cuda::PeerLinks* kind, int device, const DeviceKjt& kjt)
       : kind_(kind), device_(device), kjt_(kjt) {}
   const DeviceKjt& kjt() const { return kjt_; }
+  bool linked() const { return kind_ != nullptr; }  // the client has link channels
 
   // Copies `count` elements at device `src` to the host.
   template <typename T>
@@ -1300,6 +1301,10 @@ struct DeviceView {
 };
 
 absl::StatusOr<std::unique_ptr<DeviceView>> ViewOf(DeviceStage* stage) {
+  if (!stage->linked()) {
+    return absl::FailedPreconditionError(
+        "device KJTs travel over link channels: set ClientOptions::link");
+  }
   const DeviceKjt& kjt = stage->kjt();
   if (kjt.batch_size < 0 || kjt.num_values < 0) {
     return absl::InvalidArgumentError("a device KJT's batch_size and num_values must be >= 0");
@@ -1352,14 +1357,26 @@ absl::Status StageIds(DeviceStage* stage, std::vector<FeatureJob>* jobs, bool al
   return absl::OkStatus();
 }
 
+// A device call's jobs (prepared from `view`, their ids staged: `all`,
+// every feature's, checked on the host) and the width of their layout.
+absl::Status DeviceJobs(const Client::Routing& r, const std::string& collection,
+                        const DeviceView& view, DeviceStage* stage, bool all,
+                        std::vector<FeatureJob>* jobs, int64_t* width) {
+  if (absl::Status st = PrepareJobs(r, collection, view.view, /*sequence=*/false, jobs,
+                                    IdCheck::kNone);
+      !st.ok()) {
+    return st;
+  }
+  if (absl::Status st = StageIds(stage, jobs, all); !st.ok()) return st;
+  *width = 0;
+  for (const FeatureJob& j : *jobs) *width += j.dim;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceKjt& kjt,
                                     float* out, int64_t out_floats, Layout* layout) {
-  if (link_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "device KJTs travel over link channels: set ClientOptions::link");
-  }
   DeviceStage stage(link_, options_.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
@@ -1368,14 +1385,11 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
   const uint64_t pick = replica_counter_.fetch_add(1);
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
-    if (absl::Status st = PrepareJobs(r, collection, (*view)->view, /*sequence=*/false, &jobs,
-                                      IdCheck::kNone);
+    int64_t width = 0;
+    if (absl::Status st = DeviceJobs(r, collection, **view, &stage, /*all=*/false, &jobs, &width);
         !st.ok()) {
       return st;
     }
-    if (absl::Status st = StageIds(&stage, &jobs, /*all=*/false); !st.ok()) return st;
-    int64_t width = 0;
-    for (const FeatureJob& j : jobs) width += j.dim;
     if (kjt.batch_size * width > out_floats) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the output needs ", kjt.batch_size, " x ", width, " floats; out holds ", out_floats));
@@ -1427,10 +1441,6 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
                                             std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
-  if (link_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "device KJTs travel over link channels: set ClientOptions::link");
-  }
   DeviceStage stage(link_, options_.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
@@ -1438,15 +1448,12 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
   auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
-    if (absl::Status st = PrepareJobs(r, collection, (*view)->view, /*sequence=*/false, &jobs,
-                                      IdCheck::kNone);
+    int64_t width = 0;
+    // Every id checked before any worker is sent anything (all or none).
+    if (absl::Status st = DeviceJobs(r, collection, **view, &stage, /*all=*/true, &jobs, &width);
         !st.ok()) {
       return st;
     }
-    // Every id checked before any worker is sent anything (all or none).
-    if (absl::Status st = StageIds(&stage, &jobs, /*all=*/true); !st.ok()) return st;
-    int64_t width = 0;
-    for (const FeatureJob& j : jobs) width += j.dim;
     if (kjt.batch_size * width > grad_floats || (grads == nullptr && kjt.batch_size * width > 0)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the gradients are ", kjt.batch_size, " x ", width, " floats; grads holds ", grad_floats));

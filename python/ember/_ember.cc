@@ -41,6 +41,19 @@ void Check(const absl::Status& s) {
   if (!s.ok()) throw StatusError{static_cast<int>(s.code()), std::string(s.message())};
 }
 
+// A device KJT from the raw addresses Python passes (tensors' data_ptr()).
+client::DeviceKjt DeviceKjtOf(std::vector<std::string> keys, int64_t batch, uintptr_t lengths,
+                              uintptr_t values, int64_t num_values, uintptr_t weights) {
+  client::DeviceKjt kjt;
+  kjt.keys = std::move(keys);
+  kjt.batch_size = batch;
+  kjt.lengths = reinterpret_cast<const int64_t*>(lengths);
+  kjt.values = reinterpret_cast<const int64_t*>(values);
+  kjt.num_values = num_values;
+  kjt.weights = reinterpret_cast<const float*>(weights);
+  return kjt;
+}
+
 template <typename T>
 T Value(absl::StatusOr<T> v) {
   Check(v.status());
@@ -249,13 +262,8 @@ PYBIND11_MODULE(_ember, m) {
            [](Client& c, const std::string& name, std::vector<std::string> keys, int64_t batch,
               uintptr_t lengths, uintptr_t values, int64_t num_values, uintptr_t weights,
               uintptr_t out, int64_t out_floats) {
-             client::DeviceKjt kjt;
-             kjt.keys = std::move(keys);
-             kjt.batch_size = batch;
-             kjt.lengths = reinterpret_cast<const int64_t*>(lengths);
-             kjt.values = reinterpret_cast<const int64_t*>(values);
-             kjt.num_values = num_values;
-             kjt.weights = reinterpret_cast<const float*>(weights);
+             const client::DeviceKjt kjt =
+                 DeviceKjtOf(std::move(keys), batch, lengths, values, num_values, weights);
              Client::Layout layout;
              absl::Status s;
              {
@@ -269,13 +277,8 @@ PYBIND11_MODULE(_ember, m) {
            [](Client& c, const std::string& name, std::vector<std::string> keys, int64_t batch,
               uintptr_t lengths, uintptr_t values, int64_t num_values, uintptr_t weights,
               uintptr_t grads, int64_t grad_floats, const std::string& request_id) {
-             client::DeviceKjt kjt;
-             kjt.keys = std::move(keys);
-             kjt.batch_size = batch;
-             kjt.lengths = reinterpret_cast<const int64_t*>(lengths);
-             kjt.values = reinterpret_cast<const int64_t*>(values);
-             kjt.num_values = num_values;
-             kjt.weights = reinterpret_cast<const float*>(weights);
+             const client::DeviceKjt kjt =
+                 DeviceKjtOf(std::move(keys), batch, lengths, values, num_values, weights);
              std::string used;
              absl::Status s;
              {
