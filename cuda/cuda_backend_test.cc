@@ -6,6 +6,10 @@
 // (cuda_backend_on_host_test, EMBER_CUDA_ON_HOST), where it always runs.
 #include "server/backend/cuda_backend.h"
 
+#if __has_include(<cuda_runtime_api.h>)
+#include <cuda_runtime_api.h>
+#endif
+
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -172,6 +176,51 @@ TEST(CudaBackendTest, DuplicatesAcrossRequestsAreMergedOnce) {
     EXPECT_EQ(w1[12 + c], w0[12 + c]);
   }
   EXPECT_EQ(*be->ExportStep(*id), 1);
+}
+
+// Outputs on the device (LookupRequest::output_on_device, what a worker
+// does with a link channel's device memory): the same values as through
+// the host, never through it; a call mixing the two is refused.
+TEST(CudaBackendTest, OutputsGoStraightToDeviceMemory) {
+#if __has_include(<cuda_runtime_api.h>)
+  auto be = MakeOrExpectUnavailable({});
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  EXPECT_EQ(be->OutputMemory(), EmbeddingBackend::Memory::kCudaDevice);
+  auto id = be->CreateShard(MakeSpec(8, 8));
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<int64_t> len_a = {2, 0, 1}, ids_a = {1, 7, 3}, len_b = {3}, ids_b = {0, 2, 2};
+  FeatureRequest fa, fb;
+  fa.shard = fb.shard = *id;
+  fa.pooling = Pooling::kSum;
+  fa.lengths = len_a;
+  fa.ids = ids_a;
+  fb.pooling = Pooling::kMean;
+  fb.lengths = len_b;
+  fb.ids = ids_b;
+  std::vector<float> want(4 * 8);
+  ASSERT_TRUE(be->Lookup({LookupRequest{fa, absl::MakeSpan(want.data(), 24)},
+                          LookupRequest{fb, absl::MakeSpan(want.data() + 24, 8)}})
+                  .ok());
+  float* device = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), want.size() * sizeof(float)),
+            cudaSuccess);
+  LookupRequest a{fa, absl::MakeSpan(device, 24)}, b{fb, absl::MakeSpan(device + 24, 8)};
+  a.output_on_device = b.output_on_device = true;
+  ASSERT_TRUE(be->Lookup({a, b}).ok());
+  std::vector<float> got(want.size(), -1.0f);
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), device, got.size() * sizeof(float),
+                            cudaMemcpyDeviceToHost, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  EXPECT_EQ(got, want);
+  b.output_on_device = false;
+  b.output = absl::MakeSpan(got.data() + 24, 8);
+  const absl::Status mixed = be->Lookup({a, b});
+  EXPECT_EQ(mixed.code(), absl::StatusCode::kInvalidArgument) << mixed;
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+#else
+  GTEST_SKIP() << "built without the CUDA toolkit";
+#endif
 }
 
 }  // namespace

@@ -90,6 +90,27 @@ TEST(CpuBackendTest, StridedOutputsMatchPackedOnes) {
 // The lookups' prefetch distance by row bytes and shard size, as
 // cpu_backend.h states it; a negative distance other than kPrefetchByRow is
 // refused.
+// Device outputs are a CUDA backend's: the CPU backend refuses them.
+TEST(CpuBackendTest, OutputsOnTheDeviceAreRefused) {
+  auto be = CreateCpuBackend(CpuBackendOptions());
+  ASSERT_TRUE(be.ok()) << be.status();
+  EXPECT_EQ((*be)->OutputMemory(), EmbeddingBackend::Memory::kHost);
+  ShardSpec spec;
+  spec.table = "t";
+  spec.rows = 4;
+  spec.dim = 4;
+  spec.table_rows = 4;
+  auto id = (*be)->CreateShard(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<int64_t> lengths = {1}, ids = {2};
+  std::vector<float> out(4, -1.0f);
+  LookupRequest r{FeatureRequest{*id, Pooling::kSum, lengths, ids, {}}, absl::MakeSpan(out)};
+  r.output_on_device = true;
+  const absl::Status s = (*be)->Lookup({r});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(out, std::vector<float>(4, -1.0f));
+}
+
 TEST(CpuBackendTest, PrefetchDistanceByRow) {
   const int64_t mib = int64_t{1} << 20;
   EXPECT_EQ(LookupPrefetchDistance(64, 4 * mib / 64), 12);  // 4 MiB: in the caches

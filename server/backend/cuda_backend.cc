@@ -564,6 +564,8 @@ class CudaBackend : public EmbeddingBackend {
       st = QueueLookup(requests, &lease, &pending);
     }
     if (!st.ok()) return st;
+    // Outputs on the device: copied there on the stream, done when it is.
+    if (!requests.empty() && requests[0].output_on_device) return lease.Wait();
     return DeliverOutputs(&pending);
   }
 
@@ -588,7 +590,9 @@ class CudaBackend : public EmbeddingBackend {
                            PendingOutputs* pending) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
-    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly,
+                                           /*strided_outputs=*/false, /*device_outputs=*/true);
+        !st.ok()) {
       return st;
     }
     const LookupPlan plan = PlanLookup(requests, Resolver());
@@ -615,7 +619,10 @@ class CudaBackend : public EmbeddingBackend {
           first = false;
           return QueueLookupPiece(piece, lease->slot(), pending);
         },
-        [&] { return ValidateRequests(requests, find_spec); });
+        [&] {
+          return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/false,
+                                  /*device_outputs=*/true);
+        });
   }
 
   // Validates an ApplyGradients call and queues its work. Adam's step of
@@ -699,6 +706,18 @@ class CudaBackend : public EmbeddingBackend {
     a.temp = d + l.temp;
     a.temp_bytes = l.device_bytes - l.temp;
     EMBER_RETURN_IF_CUDA_ERROR(LaunchLookup(a, max_blocks_, stream_));
+    if (requests[0].output_on_device) {  // (all alike: validated) no host leg
+      int64_t at = 0;
+      for (const LookupRequest& r : requests) {
+        if (!r.output.empty()) {
+          EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(r.output.data(), a.out + at,
+                                                     r.output.size() * sizeof(float),
+                                                     cudaMemcpyDeviceToDevice, stream_));
+        }
+        at += static_cast<int64_t>(r.output.size());
+      }
+      return absl::OkStatus();
+    }
     return QueueDownload(a.out, At<float>(h, l.host_out), plan.total_out, requests,
                          slot.chunk_events, stream_, pending);
   }
@@ -884,6 +903,7 @@ class CudaBackend : public EmbeddingBackend {
   int64_t AvailableBytes() const override { return budget_.Available(); }
 
   std::string Name() const override { return absl::StrCat("cuda/", device_name_); }
+  Memory OutputMemory() const override { return Memory::kCudaDevice; }
 
  private:
   // The calling thread's current device is per thread: every call that

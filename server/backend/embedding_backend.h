@@ -141,6 +141,11 @@ struct LookupRequest {
   // are left alone. Only backends whose validation allows it take one
   // (the CPU backend); the others refuse a non-zero stride.
   int64_t output_stride = 0;
+  // The output is device memory of the backend's device (OutputMemory() is
+  // kCudaDevice: a worker hands a link channel's device memory, so that the
+  // outputs never cross to the host). Every request of a call alike; the
+  // others refuse it.
+  bool output_on_device = false;
 };
 
 struct GradientRequest {
@@ -171,6 +176,10 @@ class EmbeddingBackend {
   // still checked first, and must not change. False: the ids are checked
   // before anything runs and must hold still until the call returns.
   virtual bool ChecksIdsWhileGathering() const { return false; }
+  // Where Lookup can write outputs: host memory always; kCudaDevice: also
+  // device memory of its GPU (LookupRequest::output_on_device).
+  enum class Memory { kHost, kCudaDevice };
+  virtual Memory OutputMemory() const { return Memory::kHost; }
 
   // Fused backward + optimizer: duplicate rows (within and across requests
   // of one shard) are merged and each touched row is updated once.
@@ -283,10 +292,12 @@ absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, siz
 // Checks every request of a Lookup or ApplyGradients call before anything
 // runs. find_spec(ShardId) returns the shard's spec, or nullptr if absent.
 // A lookup's output_stride is refused (INVALID_ARGUMENT) unless
-// `strided_outputs` says the backend writes strided rows.
+// `strided_outputs` says the backend writes strided rows, and its
+// output_on_device unless `device_outputs` says it writes device memory.
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
-                              Checks checks = Checks::kAll, bool strided_outputs = false);
+                              Checks checks = Checks::kAll, bool strided_outputs = false,
+                              bool device_outputs = false);
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
                               Checks checks = Checks::kAll);
@@ -314,6 +325,8 @@ inline size_t DenseFloats(const LookupRequest& r) { return r.output.size(); }
 inline size_t DenseFloats(const GradientRequest& r) { return r.grad.size(); }
 inline int64_t Stride(const LookupRequest& r) { return r.output_stride; }
 inline int64_t Stride(const GradientRequest&) { return 0; }
+inline bool OnDevice(const LookupRequest& r) { return r.output_on_device; }
+inline bool OnDevice(const GradientRequest&) { return false; }
 // A gradient's values must be finite (NaN/Inf would poison rows and
 // optimizer state for good); a lookup's output is written, not read.
 inline absl::Status CheckInputFloats(const LookupRequest&, const std::string&) {
@@ -326,7 +339,7 @@ inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
                          const char* kind, const char* buffer, Checks checks,
-                         bool strided_outputs) {
+                         bool strided_outputs, bool device_outputs = false) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const FeatureRequest& f = requests[i].feature;
     const ShardSpec* spec = find_spec(f.shard);
@@ -337,6 +350,14 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": this backend writes packed outputs (output_stride 0), got ",
                        stride));
+    }
+    if (OnDevice(requests[i]) && !device_outputs) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": this backend writes outputs to host memory only"));
+    }
+    if (OnDevice(requests[i]) != OnDevice(requests[0])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": outputs on the device and in host memory in one call"));
     }
     if (absl::Status s =
             ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, checks, stride);
@@ -353,8 +374,9 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
 
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
-                              Checks checks, bool strided_outputs) {
-  return internal::ValidateAll(requests, find_spec, "lookup", "output", checks, strided_outputs);
+                              Checks checks, bool strided_outputs, bool device_outputs) {
+  return internal::ValidateAll(requests, find_spec, "lookup", "output", checks, strided_outputs,
+                               device_outputs);
 }
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,

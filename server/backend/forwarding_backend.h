@@ -27,6 +27,7 @@ class ForwardingBackend : public EmbeddingBackend {
   bool WritesStridedOutputs() const override { return inner_->WritesStridedOutputs(); }
   // A wrapper whose own Lookup reads the ids must say false here.
   bool ChecksIdsWhileGathering() const override { return inner_->ChecksIdsWhileGathering(); }
+  Memory OutputMemory() const override { return inner_->OutputMemory(); }
   absl::Status ApplyGradients(absl::Span<const GradientRequest> r) override {
     return inner_->ApplyGradients(r);
   }
