@@ -41,6 +41,7 @@ struct ShmChannels::LinkState {
   // is given up on past this: the reaper aborts the link of a client that
   // never took it, whose queued send would otherwise hold the device.
   std::atomic<int64_t> reply_deadline_ns{INT64_MAX};
+  bool memory_on_device = false;  // NCCL's (device) or a socket link's (host)
 };
 
 absl::Status ShmChannels::Transfer::CheckReply(const ember::v1::ShmSlice& reply) const {
@@ -51,13 +52,28 @@ absl::Status ShmChannels::Transfer::CheckReply(const ember::v1::ShmSlice& reply)
   return region_->Bytes(reply, 4, "link_reply").status();
 }
 
-absl::Status ShmChannels::Transfer::Reply(const ember::v1::ShmSlice& reply) {
+bool ShmChannels::Transfer::link_memory_on_device() const {
+  return link_ != nullptr && link_->memory_on_device;
+}
+
+absl::StatusOr<absl::Span<char>> ShmChannels::Transfer::LinkBytes(
+    const ember::v1::ShmSlice& slice, size_t align, const std::string& what) const {
+  if (link_ == nullptr) return absl::InternalError("not a link channel");
+  auto bytes = region_->Bytes(slice, align, what);  // the same bounds
+  if (!bytes.ok()) return bytes.status();
+  return absl::Span<char>(link_->memory + slice.offset(), bytes->size());
+}
+
+absl::Status ShmChannels::Transfer::Reply(const ember::v1::ShmSlice& reply,
+                                          bool in_link_memory) {
   if (link_ == nullptr || reply.size() == 0) return absl::OkStatus();
   auto bytes = region_->Bytes(reply, 4, "link_reply");
   if (!bytes.ok()) return bytes.status();
   char* memory = link_->memory + reply.offset();
   cuda::PeerLink& link = *link_->link;
-  if (absl::Status s = link.CopyIn(memory, bytes->data(), bytes->size()); !s.ok()) return s;
+  if (!in_link_memory) {
+    if (absl::Status s = link.CopyIn(memory, bytes->data(), bytes->size()); !s.ok()) return s;
+  }
   // Not waited for: the client receives it once it has the call's answer;
   // the next call on the channel waits for it first (Use, Receive), and
   // the reaper aborts the link if none comes in time.
@@ -324,6 +340,7 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
   }
   auto region = std::make_shared<const Region>(base, size, /*mapped=*/false);
   auto state = std::make_shared<LinkState>();
+  state->memory_on_device = kind->name() == "nccl";
   uint64_t id = 0;
   {
     Gone gone;

@@ -88,9 +88,17 @@ class ShmChannels {
     // in the region at a multiple of 4; for a shared-memory channel unless
     // it is empty.
     absl::Status CheckReply(const ember::v1::ShmSlice& reply) const;
-    // Link channels: queues `reply`'s bytes of the region to the client (a
-    // lookup's outputs, written there). Nothing for shared memory.
-    absl::Status Reply(const ember::v1::ShmSlice& reply);
+    // Link channels: queues `reply`'s bytes to the client (a lookup's
+    // outputs, written in the region, or, `in_link_memory`, straight into
+    // the link's memory). Nothing for shared memory.
+    absl::Status Reply(const ember::v1::ShmSlice& reply, bool in_link_memory = false);
+    // A link channel's memory (the region's size and layout), and whether
+    // it is device memory (NCCL's) or host memory (a socket link's): a
+    // backend that writes outputs there (EmbeddingBackend::OutputMemory)
+    // saves the copy into the region and out again.
+    bool link_memory_on_device() const;
+    absl::StatusOr<absl::Span<char>> LinkBytes(const ember::v1::ShmSlice& slice, size_t align,
+                                               const std::string& what) const;
 
    private:
     friend class ShmChannels;

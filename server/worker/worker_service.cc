@@ -700,6 +700,13 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
                      options_.max_response_bytes, "; split the batch")));
   }
   std::vector<backend::LookupRequest> requests(n);
+  // A link channel whose memory the backend writes (host memory of a socket
+  // link for the CPU backend, device memory of an NCCL link for the CUDA
+  // backend): the outputs go there and back over the link without a copy.
+  const bool outputs_in_link =
+      transfer.linked() &&
+      transfer.link_memory_on_device() ==
+          (backend_->OutputMemory() == backend::EmbeddingBackend::Memory::kCudaDevice);
   // Placed outputs a backend of packed outputs wrote into their slices:
   // copied into the placement afterwards.
   struct Move {
@@ -722,6 +729,13 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
           "output ", i, ": its slice holds ", bytes->size(), " bytes; the output is ", size * 4)));
     }
     requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), size);
+    if (outputs_in_link) {  // straight into the link's memory, sent from there
+      auto in_link = transfer.LinkBytes(req->shm_outputs(i), 4, absl::StrCat("output ", i));
+      if (!in_link.ok()) return ToGrpc(in_link.status());
+      requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(in_link->data()), size);
+      requests[i].output_on_device = transfer.link_memory_on_device();
+      continue;
+    }
     if (out_region == nullptr || req->placements(i).row_stride() == 0) continue;
     auto placed = Placement(*out_region, req->placements(i), size, cols[i], i);
     if (!placed.ok()) return ToGrpc(placed.status());
@@ -747,7 +761,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     }
   }
   // A link channel's outputs go back over its link.
-  if (absl::Status s = transfer.Reply(req->link_reply()); !s.ok()) {
+  if (absl::Status s = transfer.Reply(req->link_reply(), outputs_in_link); !s.ok()) {
     return ToGrpc(absl::UnavailableError(absl::StrCat("link channel: ", s.message())));
   }
   resp->set_placed(out_region != nullptr);

@@ -1329,6 +1329,20 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
             (std::vector<float>{-1, -2, -3, -4, -1, -2, -3, -4}));
   EXPECT_EQ(std::vector<float>(after.begin() + 12, after.end()),
             (std::vector<float>{-5, -6, -7, -8}));
+  // And lookups of the updated rows (not zeros now): the same through the
+  // link as inline.
+  const std::vector<float> updated = InlineLookup(s.get(), lengths, ids);
+  ASSERT_NE(updated, want);
+  {
+    ember::v1::WorkerLookupRequest req = c.Lookup(++seq, lengths, ids);
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_TRUE(c.Receive(req.link_reply()).ok());
+    std::vector<float> got(8);
+    std::memcpy(got.data(), c.region.data() + 1024, 32);
+    EXPECT_EQ(got, updated);
+  }
   ember::v1::CloseChannelRequest close;
   close.set_channel_id(c.id);
   ember::v1::CloseChannelResponse closed;
