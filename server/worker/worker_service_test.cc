@@ -15,6 +15,7 @@
 #include <string>
 #include <cmath>
 #include <memory>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -429,7 +430,10 @@ TEST(WorkerServiceTest, TheMemoryBoundForgetsTheOldestEarlyAndSaysSo) {
 // destroyed.
 struct TestRegion {
   explicit TestRegion(size_t bytes) : size(bytes) {
-    name = "/ember-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+    // pid, counter and a random part: test processes in sandboxes of their
+    // own may share a pid, never /dev/shm.
+    name = "/ember-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++) + "-" +
+           std::to_string(std::random_device()());
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0);
     EXPECT_EQ(ftruncate(fd, bytes), 0);
