@@ -180,8 +180,8 @@ class Client {
   // and column-wise (all-rows) shards and their pooled outputs, and the
   // gradients of their columns. Staged through host memory: the lengths
   // (the routing reads them), the ids of row-wise shards (bucketed here),
-  // row-wise outputs (partial sums, added here), an update's ids (all
-  // checked here first, so that no worker applies part of a bad update),
+  // row-wise outputs (partial sums, added here), an update's ids and
+  // weights (all checked here first, so that no worker applies part of a bad update),
   // MEAN gradients of row-wise shards, and everything for a worker reached
   // without a link channel. Sequence features: use LookupSequence. The
   // arrays must be ready when the call starts (nothing still queued on

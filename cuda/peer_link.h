@@ -1,6 +1,6 @@
 // A peer link: one end of a two-rank link between a trainer and a worker,
-// through which a data channel's bulk bytes travel (OpenChannel with
-// transport "nccl" in proto/service.proto). Rank 0 (the worker) makes the
+// through which a data channel's bulk bytes travel (OpenChannelRequest.link
+// in proto/service.proto: "nccl" or "socket"). Rank 0 (the worker) makes the
 // link's id, hands it to the client in the gRPC answer, and both ends join
 // it; from then on each end queues transfers on its link, and the two ends
 // queue them in the same order (the channel's sequence numbers see to

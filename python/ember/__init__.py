@@ -201,10 +201,11 @@ class Client:
     worker that offers that kind (its --links) instead of shared memory:
     NCCL from CUDA device `link_device` of this process to the worker's GPU,
     or a Unix-domain socket on one host (the NCCL channel's protocol without
-    a GPU). ember.torch passes a KJT's CUDA tensors (socket links: CPU
-    tensors) to the device path, straight between their memory and the
-    link; numpy KJTs are staged through host memory as ever. Workers that
-    offer none get inline calls.
+    a GPU; loopback workers only). ember.torch passes a KJT's CUDA tensors
+    (on cuda:link_device; socket links: CPU tensors) to the device path,
+    straight between their memory and the link, except lookups
+    TrainPipeline prefetched; numpy KJTs are staged through host memory as
+    ever. Workers that offer none get inline calls.
     keep_freed_heap_mib: this process's allocator keeps up to this much
     freed heap and takes allocations under 32 MiB from the heap (glibc
     mallopt, process-wide), so each call's buffers are not faulted in
