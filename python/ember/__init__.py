@@ -203,9 +203,8 @@ class Client:
     or a Unix-domain socket on one host (the NCCL channel's protocol without
     a GPU; loopback workers only). ember.torch passes a KJT's CUDA tensors
     (on cuda:link_device; socket links: CPU tensors) to the device path,
-    straight between their memory and the link, except lookups
-    TrainPipeline prefetched; numpy KJTs are staged through host memory as
-    ever. Workers that offer none get inline calls.
+    straight between their memory and the link (TrainPipeline's prefetches
+    too); numpy KJTs are staged through host memory as ever. Workers that offer none get inline calls.
     keep_freed_heap_mib: this process's allocator keeps up to this much
     freed heap and takes allocations under 32 MiB from the heap (glibc
     mallopt, process-wide), so each call's buffers are not faulted in

@@ -144,9 +144,14 @@ class EmbeddingBagCollection(torch.nn.Module):
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="ember-prefetch")
-        future = self._executor.submit(self._client.lookup, self._collection, kjt)
+        on_device = self._on_device(kjt)
+        if on_device:  # over the link straight from its tensors' memory
+            _ready(_device_of(kjt))  # the caller's stream made its tensors
+            future = self._executor.submit(self._lookup_on_device, kjt)
+        else:
+            future = self._executor.submit(self._client.lookup, self._collection, kjt)
         with self._prefetch_lock:
-            self._prefetched[id(kjt)] = (kjt, future)
+            self._prefetched[id(kjt)] = (kjt, future, on_device)
             while len(self._prefetched) > 8:  # never consumed: forget the oldest
                 self._prefetched.pop(next(iter(self._prefetched)))
         return future
@@ -157,15 +162,18 @@ class EmbeddingBagCollection(torch.nn.Module):
         imported torchrec, else ember.torch.KeyedTensor (the same methods)."""
         with self._prefetch_lock:
             entry = self._prefetched.pop(id(kjt), None)
-        on_device = entry is None and self._on_device(kjt)
+        if entry is not None and entry[0] is kjt:  # prefetched
+            on_device = entry[2]
+            result = entry[1].result()
+        else:
+            on_device = self._on_device(kjt)
+            result = (self._lookup_on_device(kjt) if on_device
+                      else self._client.lookup(self._collection, kjt))
         if on_device:  # straight between its tensors' memory and the link
-            keys, dims, values = self._lookup_on_device(kjt)
+            keys, dims, values = result
             kt = ember.KeyedTensor(keys, dims, np.zeros((0, 0), np.float32))
         else:
-            if entry is not None and entry[0] is kjt:
-                kt = entry[1].result()
-            else:
-                kt = self._client.lookup(self._collection, kjt)
+            kt = result
             values = torch.from_numpy(kt.values)
             # A KJT of CUDA tensors (a GPU trainer's) without NCCL links gets
             # its embeddings on its device, staged through host memory both
@@ -196,12 +204,13 @@ class EmbeddingBagCollection(torch.nn.Module):
                                                                 device.type == "cpu")
 
     def _lookup_on_device(self, kjt):
+        """kjt's lookup on the device path: (keys, dims, values on its device)."""
         lengths, values, weights = _device_args(kjt)
         keys = list(kjt.keys())
         batch = lengths.numel() // len(keys) if keys else 0
         width = sum(self._dims.get(k, 0) for k in keys)
         out = torch.empty((batch, width), dtype=torch.float32, device=values.device)
-        _ready(values.device)
+        _ready(values.device)  # this thread's conversions of the arrays, done
         got_keys, dims = self._client._c.lookup_on_device(
             self._collection, keys, batch, lengths.data_ptr(), values.data_ptr(), values.numel(),
             0 if weights is None else weights.data_ptr(), out.data_ptr(), out.numel())

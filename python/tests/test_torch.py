@@ -298,3 +298,62 @@ def test_torch_kjts_go_straight_over_link_channels():
                 linked.drop_collection(f"link_{sharding}")
                 plain.drop_collection(f"host_{sharding}")
         assert calls == {"lookup": 6, "update": 6}
+
+
+def test_train_pipeline_prefetches_on_the_device_path():
+    """TrainPipeline over link channels (socket links, torch KJTs): the
+    prefetched lookups take the device path too, each batch once, and the
+    pipelined run ends with the plain loop's tables (disjoint rows)."""
+    from ember.torch import TrainPipeline
+    with ember.LocalCluster(workers=2, extra_flags=["--links=socket"]) as cluster:
+        client = ember.Client(cluster.address, timeout_s=20, link="socket")
+        inner = client._c
+        device_lookups = []
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def lookup_on_device(self, *args):
+                device_lookups.append(1)
+                return inner.lookup_on_device(*args)
+
+        client._c = Counting()
+        results = {}
+        for mode in ("plain", "pipelined"):
+            name = f"dpipe_{mode}"
+            ebc = EmbeddingBagCollection(TABLES, client, name,
+                                         optimizer={"type": "SGD", "learning_rate": 0.5})
+            try:
+                ebc.load_state_dict({"embedding_bags.t_sum.weight": torch.zeros(60, 8),
+                                     "embedding_bags.t_mean.weight": torch.zeros(40, 4)})
+                head = torch.nn.Linear(12, 12)
+                torch.nn.init.eye_(head.weight)
+                torch.nn.init.zeros_(head.bias)
+                opt = torch.optim.SGD(head.parameters(), lr=0.0)  # dense part fixed
+                batches = [{"kjt": TorchKjt(["f_sum", "f_mean"], [2, 1, 1, 1],
+                                            [4 * i, 4 * i + 1, 4 * i + 2, 2 * i, 2 * i + 1], "cpu"),
+                            "target": torch.full((2, 12), 0.1 * i)} for i in range(4)]
+
+                def model(batch):
+                    out = head(ebc(batch["kjt"]).values())
+                    return ((out - batch["target"]) ** 2).sum()
+
+                device_lookups.clear()
+                if mode == "plain":
+                    for b in batches:
+                        opt.zero_grad()
+                        model(b).backward()
+                        opt.step()
+                else:
+                    pipeline = TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"])
+                    it = iter(batches)
+                    for _ in range(len(batches)):
+                        pipeline.progress(it)
+                assert len(device_lookups) == 4
+                results[mode] = ebc.state_dict()
+            finally:
+                client.drop_collection(name)
+        for k in results["plain"]:
+            np.testing.assert_allclose(results["pipelined"][k].numpy(),
+                                       results["plain"][k].numpy(), rtol=1e-6)
