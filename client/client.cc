@@ -120,20 +120,10 @@ class DeviceStage {
     return kind_->CopyRowsNow(device_, false, out->data(), bytes, src, bytes, bytes, 1);
   }
   // The whole of the KJT's values / weights / the gradients on the host.
-  absl::StatusOr<const int64_t*> Ids() {
-    if (!ids_loaded_) {
-      if (absl::Status s = ToHost(kjt_.values, kjt_.num_values, &ids_); !s.ok()) return s;
-      ids_loaded_ = true;
-    }
-    return ids_.data();
-  }
+  absl::StatusOr<const int64_t*> Ids() { return ids_.Get(this, kjt_.values, kjt_.num_values); }
   absl::StatusOr<const float*> Weights() {
     if (kjt_.weights == nullptr) return nullptr;
-    if (!weights_loaded_) {
-      if (absl::Status s = ToHost(kjt_.weights, kjt_.num_values, &weights_); !s.ok()) return s;
-      weights_loaded_ = true;
-    }
-    return weights_.data();
+    return weights_.Get(this, kjt_.weights, kjt_.num_values);
   }
   // An update's gradients (device, `count` floats at `base`), and their
   // host copy.
@@ -142,13 +132,7 @@ class DeviceStage {
     grads_count_ = count;
   }
   const float* grads_base() const { return grads_base_; }
-  absl::StatusOr<const float*> Grads() {
-    if (!grads_loaded_) {
-      if (absl::Status s = ToHost(grads_base_, grads_count_, &grads_); !s.ok()) return s;
-      grads_loaded_ = true;
-    }
-    return grads_.data();
-  }
+  absl::StatusOr<const float*> Grads() { return grads_.Get(this, grads_base_, grads_count_); }
   // Host rows to device memory, or zeros.
   absl::Status RowsToDevice(float* dst, int64_t dst_stride, const float* src, int64_t src_stride,
                             int64_t cols, int64_t rows) {
@@ -161,12 +145,26 @@ class DeviceStage {
   }
 
  private:
+  // A device array's host copy, made on first use.
+  template <typename T>
+  struct HostCopy {
+    absl::StatusOr<const T*> Get(DeviceStage* stage, const T* src, int64_t count) {
+      if (!loaded) {
+        if (absl::Status s = stage->ToHost(src, count, &copy); !s.ok()) return s;
+        loaded = true;
+      }
+      return copy.data();
+    }
+    std::vector<T> copy;
+    bool loaded = false;
+  };
+
   cuda::PeerLinks* const kind_;
   const int device_;
   const DeviceKjt& kjt_;
-  std::vector<int64_t> ids_;
-  std::vector<float> weights_, grads_, zeros_;
-  bool ids_loaded_ = false, weights_loaded_ = false, grads_loaded_ = false;
+  HostCopy<int64_t> ids_;
+  HostCopy<float> weights_, grads_;
+  std::vector<float> zeros_;
   const float* grads_base_ = nullptr;
   int64_t grads_count_ = 0;
 };
@@ -880,6 +878,10 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   std::vector<std::vector<Sink>> sinks(fan.size());
   absl::Status link_failure;  // a link channel's bytes could not be sent
   absl::Status device_failure;  // a device array could not be copied
+  DeviceStage* device_stage = nullptr;  // LookupOnDevice's, where it has device ids
+  for (const FeatureJob& j : *jobs) {
+    if (j.on_device) device_stage = j.stage;
+  }
   for (int rank = 0; rank < fan.size(); ++rank) {
     LookupCall& c = fan[rank];
     c.request.set_collection(r.info.plan().collection());
@@ -894,17 +896,10 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     Transport* t = transports[rank].get();
     const bool name_ids = ids_in.has_value() && t->NamesBuffers();
     // Device ids for a worker reached without a link channel: from their
-    // host copies (Bucketize).
-    if (!t->Linked()) {
-      for (size_t i = 0; i < jobs->size() && device_failure.ok(); ++i) {
-        const FeatureJob& j = (*jobs)[i];
-        if (!j.on_device) continue;
-        for (const auto& shard : targets[i]) {
-          if (shard.rank != rank) continue;
-          if (auto ids = j.stage->Ids(); !ids.ok()) device_failure = ids.status();
-          if (auto w = j.stage->Weights(); !w.ok()) device_failure = w.status();
-        }
-      }
+    // host copies (Bucketize), made once for the call.
+    if (device_stage != nullptr && !t->Linked()) {
+      if (auto ids = device_stage->Ids(); !ids.ok()) device_failure = ids.status();
+      if (auto w = device_stage->Weights(); !w.ok()) device_failure = w.status();
       if (!device_failure.ok()) continue;  // nothing sent to this worker
     }
     for (size_t i = 0; i < jobs->size(); ++i) {
@@ -969,15 +964,23 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // Any failure waits for every call first, then lets go of what a call
   // may have left unsafe (EndCalls).
   std::vector<bool> device_copies(fan.size(), false);  // queued on rank's link
-  auto failed = [&](absl::Status s) {
-    (void)fan.WaitAll();
-    // Copies into the caller's device memory already queued finish before
-    // it hears of the failure (a retry, or the caller, reuses that memory).
+  // Waits for the copies into the caller's device memory queued on the
+  // links (a link that fails it is let go); the first failure.
+  auto wait_copies = [&] {
+    absl::Status first;
     for (int rank = 0; rank < fan.size(); ++rank) {
-      if (device_copies[rank] && !transports[rank]->WaitCopies(deadline).ok()) {
-        transports[rank]->Failed();
+      if (!device_copies[rank]) continue;
+      if (absl::Status s = transports[rank]->WaitCopies(deadline); !s.ok() && first.ok()) {
+        first = absl::UnavailableError(absl::StrCat("worker ", rank, ": ", s.message()));
       }
     }
+    return first;
+  };
+  auto failed = [&](absl::Status s) {
+    (void)fan.WaitAll();
+    // Queued copies finish before the caller hears of the failure (a retry,
+    // or the caller, reuses that memory).
+    (void)wait_copies();
     const CallEnds ends = EndCalls(fan, &transports);
     if (ends.unconfirmed && placed_in.has_value()) {
       // A worker whose call ended unconfirmed may still write into it.
@@ -1070,13 +1073,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     }
   }
   if (absl::Status s = fan.WaitAll(); !s.ok()) return failed(s);
-  for (int rank = 0; rank < fan.size(); ++rank) {
-    if (!device_copies[rank]) continue;
-    if (absl::Status s = transports[rank]->WaitCopies(deadline); !s.ok()) {
-      transports[rank]->Failed();
-      return failed(absl::UnavailableError(absl::StrCat("worker ", rank, ": ", s.message())));
-    }
-  }
+  if (absl::Status s = wait_copies(); !s.ok()) return failed(s);
   // Row-split MEAN: the partial sums, divided by the bag's total length.
   for (FeatureJob& j : *jobs) {
     if (j.sequence || !j.table->row_split || j.table->config->pooling() != TableConfig::MEAN) continue;
@@ -1346,11 +1343,11 @@ absl::Status StageIds(DeviceStage* stage, std::vector<FeatureJob>* jobs, bool al
     j.ids = *ids + at;
     j.weights = *weights != nullptr ? *weights + at : nullptr;
     if (absl::Status s = CheckJobIds(j); !s.ok()) return s;
-    for (int64_t i = 0; j.weights != nullptr && i < j.num_ids; ++i) {
-      if (!std::isfinite(j.weights[i])) {
-        return absl::InvalidArgumentError(absl::StrCat("feature '", j.key, "': weights[", i,
-                                                       "] is ", j.weights[i],
-                                                       " (NaN/Inf is refused)"));
+    if (j.weights != nullptr) {
+      if (absl::Status s = CheckWeights(absl::MakeConstSpan(j.weights, j.num_ids),
+                                        absl::StrCat("feature '", j.key, "': "));
+          !s.ok()) {
+        return s;
       }
     }
   }

@@ -94,9 +94,13 @@ absl::Status KjtView::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat(weights.size(), " weights for ", values.size(), " values"));
   }
+  return CheckWeights(weights);
+}
+
+absl::Status CheckWeights(absl::Span<const float> weights, const std::string& what) {
   if (const int64_t i = FirstNonFinite(weights); i >= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("weights[", i, "] is ", weights[i], " (NaN/Inf is refused)"));
+        absl::StrCat(what, "weights[", i, "] is ", weights[i], " (NaN/Inf is refused)"));
   }
   return absl::OkStatus();
 }

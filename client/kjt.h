@@ -104,6 +104,10 @@ struct KeyedTensor {
 absl::Status CheckFeatureIds(absl::Span<const int64_t> ids, int64_t rows,
                              const std::string& feature, const std::string& table);
 
+// Checks that every per-id weight is finite: INVALID_ARGUMENT "`what`
+// weights[i] is x (NaN/Inf is refused)" for the first that is not.
+absl::Status CheckWeights(absl::Span<const float> weights, const std::string& what = "");
+
 // Checks that `grads` has the layout of a lookup's output: exactly `keys`
 // in that order with widths `dims`, `batch` rows, values [batch, sum(dims)].
 // INVALID_ARGUMENT naming the first difference.
