@@ -3,14 +3,10 @@
 // their transfers queued on the host CUDA runtime's streams.
 #include "cuda/fake_nccl.h"
 
-#include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
-#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -20,6 +16,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "cuda/abstract_socket.h"
 #include "cuda/host_runtime.h"
 
 namespace ember {
@@ -48,61 +45,6 @@ struct Comm {
 
 Comm* Of(ncclComm_t comm) { return reinterpret_cast<Comm*>(comm); }
 
-bool AddressOf(const ncclUniqueId& id, sockaddr_un* addr, socklen_t* len) {
-  const size_t n = strnlen(id.internal, sizeof(id.internal));
-  if (n == 0 || n + 1 > sizeof(addr->sun_path)) return false;
-  std::memset(addr, 0, sizeof(*addr));
-  addr->sun_family = AF_UNIX;
-  std::memcpy(addr->sun_path + 1, id.internal, n);
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
-  return true;
-}
-
-// Connects the two ranks (rank 0 listens), polling `aborted` every 20 ms.
-int Connect(const ncclUniqueId& id, int rank, const State& st) {
-  sockaddr_un addr;
-  socklen_t len;
-  if (!AddressOf(id, &addr, &len)) return -1;
-  const absl::Time deadline = absl::Now() + absl::Seconds(60);
-  const auto* a = reinterpret_cast<const sockaddr*>(&addr);
-  if (rank == 0) {
-    const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (listener < 0 || ::bind(listener, a, len) != 0 || ::listen(listener, 1) != 0) {
-      if (listener >= 0) ::close(listener);
-      return -1;
-    }
-    int fd = -1;
-    while (!st.aborted && absl::Now() < deadline) {
-      pollfd p{listener, POLLIN, 0};
-      if (::poll(&p, 1, 20) > 0) {
-        fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-        break;
-      }
-    }
-    ::close(listener);
-    return fd;
-  }
-  while (!st.aborted && absl::Now() < deadline) {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -1;
-    if (::connect(fd, a, len) == 0) return fd;
-    ::close(fd);
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  return -1;
-}
-
-bool Io(int fd, char* p, uint64_t n, bool write) {
-  while (n > 0) {
-    const ssize_t r = write ? ::send(fd, p, n, MSG_NOSIGNAL) : ::read(fd, p, n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
 ncclResult_t GetUniqueId(ncclUniqueId* id) {
   std::random_device rd;
   std::memset(id->internal, 0, sizeof(id->internal));
@@ -118,9 +60,10 @@ ncclResult_t CommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, i
   }
   auto* c = new Comm;
   c->init = std::thread([st = c->state, id, rank] {
-    const int fd = Connect(id, rank, *st);
-    st->fd = fd;
-    st->async = fd >= 0 ? ncclSuccess : ncclSystemError;
+    const std::string name(id.internal, strnlen(id.internal, sizeof(id.internal)));
+    auto fd = MeetAt(name, rank, absl::Now() + absl::Seconds(60), &st->aborted);
+    st->fd = fd.ok() ? *fd : -1;
+    st->async = fd.ok() ? ncclSuccess : ncclSystemError;
   });
   *comm = reinterpret_cast<ncclComm_t>(c);
   return ncclInProgress;
@@ -152,11 +95,11 @@ ncclResult_t Transfer(void* buf, size_t count, ncclDataType_t type, int peer, nc
     uint64_t size = count;
     bool ok;
     if (send) {
-      ok = Io(st->fd, reinterpret_cast<char*>(&size), sizeof(size), true) &&
-           Io(st->fd, static_cast<char*>(buf), count, true);
+      ok = WriteAll(st->fd, reinterpret_cast<char*>(&size), sizeof(size)) &&
+           WriteAll(st->fd, static_cast<char*>(buf), count);
     } else {
-      ok = Io(st->fd, reinterpret_cast<char*>(&size), sizeof(size), false) && size == count &&
-           Io(st->fd, static_cast<char*>(buf), count, false);
+      ok = ReadAll(st->fd, reinterpret_cast<char*>(&size), sizeof(size)) && size == count &&
+           ReadAll(st->fd, static_cast<char*>(buf), count);
     }
     if (!ok) st->Fail(ncclRemoteError);
   });

@@ -1,14 +1,11 @@
 // Socket links (peer_link.h) and the choice of a kind by name.
 #include "cuda/peer_link.h"
 
-#include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstddef>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "cuda/abstract_socket.h"
 
 namespace ember {
 namespace cuda {
@@ -33,31 +31,6 @@ constexpr char kSocketPrefix[] = "ember-link-";
 absl::Status LinkGone(const char* what) {
   return absl::UnavailableError(
       absl::StrCat("peer link: the other end went away (", what, ": ", std::strerror(errno), ")"));
-}
-
-bool WriteAll(int fd, const char* p, uint64_t n) {
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<uint64_t>(w);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, char* p, uint64_t n) {
-  while (n > 0) {
-    const ssize_t r = ::read(fd, p, n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      if (r == 0) errno = ECONNRESET;
-      return false;
-    }
-    p += r;
-    n -= static_cast<uint64_t>(r);
-  }
-  return true;
 }
 
 void CopyRowsOf(void* dst, uint64_t dst_pitch, const void* src, uint64_t src_pitch,
@@ -200,21 +173,6 @@ class SocketLink : public PeerLink {
   std::thread thread_;  // last: started once the rest is built
 };
 
-// The abstract socket address of link `id`.
-bool AddressOf(const std::string& id, sockaddr_un* addr, socklen_t* len) {
-  if (!absl::StartsWith(id, kSocketPrefix) || id.size() + 1 > sizeof(addr->sun_path)) return false;
-  std::memset(addr, 0, sizeof(*addr));
-  addr->sun_family = AF_UNIX;
-  std::memcpy(addr->sun_path + 1, id.data(), id.size());  // sun_path[0] = 0: abstract
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + id.size());
-  return true;
-}
-
-int MillisecondsLeft(absl::Time deadline) {
-  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms, 60000)));
-}
-
 class SocketLinksImpl : public PeerLinks {
  public:
   std::string name() const override { return "socket"; }
@@ -232,55 +190,17 @@ class SocketLinksImpl : public PeerLinks {
 
   absl::StatusOr<std::unique_ptr<PeerLink>> Join(const std::string& id, int rank, int device,
                                                  absl::Time deadline) override {
-    sockaddr_un addr;
-    socklen_t len;
-    if (!AddressOf(id, &addr, &len)) {
+    if (!absl::StartsWith(id, kSocketPrefix)) {
       return absl::InvalidArgumentError(absl::StrCat("not a socket link id: \"", id, "\""));
     }
-    if (rank != 0 && rank != 1) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of a two-rank link"));
+    auto fd = MeetAt(id, rank, deadline);
+    if (!fd.ok()) {
+      return absl::Status(fd.status().code(),
+                          absl::StrCat("peer link ", id, ": ", fd.status().message()));
     }
-    const auto* a = reinterpret_cast<const sockaddr*>(&addr);
-    if (rank == 0) {
-      const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (listener < 0) return LinkGone("socket");
-      if (::bind(listener, a, len) != 0 || ::listen(listener, 1) != 0) {
-        absl::Status s = absl::UnavailableError(
-            absl::StrCat("peer link ", id, ": cannot listen: ", std::strerror(errno)));
-        ::close(listener);
-        return s;
-      }
-      pollfd p{listener, POLLIN, 0};
-      int ready;
-      do {
-        ready = ::poll(&p, 1, MillisecondsLeft(deadline));
-      } while ((ready < 0 && errno == EINTR) || (ready == 0 && absl::Now() < deadline));
-      const int fd = ready > 0 ? ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC) : -1;
-      ::close(listener);
-      if (fd < 0) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("peer link ", id, ": the other end did not join by the deadline"));
-      }
-      return std::unique_ptr<PeerLink>(new SocketLink(fd));
-    }
-    // Rank 1: the listener may not be there yet.
-    for (;;) {
-      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (fd < 0) return LinkGone("socket");
-      if (::connect(fd, a, len) == 0) return std::unique_ptr<PeerLink>(new SocketLink(fd));
-      const int err = errno;
-      ::close(fd);
-      if (err != ECONNREFUSED && err != ENOENT && err != EAGAIN) {
-        return absl::UnavailableError(
-            absl::StrCat("peer link ", id, ": cannot connect: ", std::strerror(err)));
-      }
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("peer link ", id, ": the other end did not join by the deadline"));
-      }
-      absl::SleepFor(absl::Milliseconds(2));
-    }
+    return std::unique_ptr<PeerLink>(new SocketLink(*fd));
   }
+
 };
 
 }  // namespace
