@@ -188,15 +188,9 @@ TEST(CudaBackendTest, OutputsGoStraightToDeviceMemory) {
   EXPECT_EQ(be->OutputMemory(), EmbeddingBackend::Memory::kCudaDevice);
   auto id = be->CreateShard(MakeSpec(8, 8));
   ASSERT_TRUE(id.ok()) << id.status();
-  std::vector<int64_t> len_a = {2, 0, 1}, ids_a = {1, 7, 3}, len_b = {3}, ids_b = {0, 2, 2};
-  FeatureRequest fa, fb;
-  fa.shard = fb.shard = *id;
-  fa.pooling = Pooling::kSum;
-  fa.lengths = len_a;
-  fa.ids = ids_a;
-  fb.pooling = Pooling::kMean;
-  fb.lengths = len_b;
-  fb.ids = ids_b;
+  const std::vector<int64_t> len_a = {2, 0, 1}, ids_a = {1, 7, 3}, len_b = {3}, ids_b = {0, 2, 2};
+  const FeatureRequest fa{*id, Pooling::kSum, len_a, ids_a, {}};
+  const FeatureRequest fb{*id, Pooling::kMean, len_b, ids_b, {}};
   std::vector<float> want(4 * 8);
   ASSERT_TRUE(be->Lookup({LookupRequest{fa, absl::MakeSpan(want.data(), 24)},
                           LookupRequest{fb, absl::MakeSpan(want.data() + 24, 8)}})

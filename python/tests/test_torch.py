@@ -133,21 +133,17 @@ def test_state_dict_round_trip_uses_torchrec_names(client):
         client.drop_collection("sd")
 
 
-def test_train_pipeline_prefetches_and_matches_the_plain_loop(client):
-    """Batches on disjoint rows: the pipelined run (lookup k+1 issued before
-    step k's update) ends with the same tables as the plain loop, each batch
-    is looked up once (the prefetch is used), and progress() stops with
-    StopIteration."""
+def train_plain_and_pipelined(client, prefix, make_batches, calls):
+    """Trains `prefix`_plain with the plain loop and `prefix`_pipelined with
+    TrainPipeline on make_batches() (tables from zero, the dense part fixed)
+    and checks that they end with the same tables, each run looking every
+    batch up once ("lookup" entries the caller's counting wrapper appends
+    to `calls`) and progress() ending with StopIteration."""
     from ember.torch import TrainPipeline
-
-    def make_batches():
-        return [{"kjt": ember.KeyedJaggedTensor.from_jagged(
-                    {"f_sum": [[4 * i, 4 * i + 1], [4 * i + 2]], "f_mean": [[2 * i], [2 * i + 1]]}),
-                 "target": torch.full((2, 12), 0.1 * i)} for i in range(4)]
 
     results = {}
     for mode in ("plain", "pipelined"):
-        name = f"pipe_{mode}"
+        name = f"{prefix}_{mode}"
         ebc = EmbeddingBagCollection(TABLES, client, name,
                                      optimizer={"type": "SGD", "learning_rate": 0.5})
         try:
@@ -162,31 +158,21 @@ def test_train_pipeline_prefetches_and_matches_the_plain_loop(client):
                 out = head(ebc(batch["kjt"]).values())
                 return ((out - batch["target"]) ** 2).sum()
 
-            lookups = []
-            real_lookup = client.lookup
-
-            def counting_lookup(*args, **kwargs):
-                lookups.append(1)
-                return real_lookup(*args, **kwargs)
-
-            client.lookup = counting_lookup
-            try:
-                batches = make_batches()
-                if mode == "plain":
-                    for b in batches:
-                        opt.zero_grad()
-                        model(b).backward()
-                        opt.step()
-                else:
-                    pipeline = TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"])
-                    it = iter(batches)
-                    for _ in range(len(batches)):
-                        pipeline.progress(it)
-                    with pytest.raises(StopIteration):
-                        pipeline.progress(it)
-            finally:
-                client.lookup = real_lookup
-            assert len(lookups) == 4
+            batches = make_batches()
+            calls.clear()
+            if mode == "plain":
+                for b in batches:
+                    opt.zero_grad()
+                    model(b).backward()
+                    opt.step()
+            else:
+                pipeline = TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"])
+                it = iter(batches)
+                for _ in range(len(batches)):
+                    pipeline.progress(it)
+                with pytest.raises(StopIteration):
+                    pipeline.progress(it)
+            assert calls.count("lookup") == len(batches)
             results[mode] = ebc.state_dict()
         finally:
             client.drop_collection(name)
@@ -194,6 +180,50 @@ def test_train_pipeline_prefetches_and_matches_the_plain_loop(client):
         np.testing.assert_allclose(results["pipelined"][k].numpy(), results["plain"][k].numpy(),
                                    rtol=1e-6)
         assert np.abs(results["plain"][k].numpy()).sum() > 0
+
+
+def test_train_pipeline_prefetches_and_matches_the_plain_loop(client):
+    """Batches on disjoint rows: the pipelined run (lookup k+1 issued before
+    step k's update) ends with the same tables as the plain loop, each batch
+    is looked up once (the prefetch is used), and progress() stops with
+    StopIteration."""
+    def make_batches():
+        return [{"kjt": ember.KeyedJaggedTensor.from_jagged(
+                    {"f_sum": [[4 * i, 4 * i + 1], [4 * i + 2]], "f_mean": [[2 * i], [2 * i + 1]]}),
+                 "target": torch.full((2, 12), 0.1 * i)} for i in range(4)]
+
+    calls = []
+    real_lookup = client.lookup
+
+    def counting_lookup(*args, **kwargs):
+        calls.append("lookup")
+        return real_lookup(*args, **kwargs)
+
+    client.lookup = counting_lookup
+    try:
+        train_plain_and_pipelined(client, "pipe", make_batches, calls)
+    finally:
+        client.lookup = real_lookup
+
+
+def count_device_calls(client, calls):
+    """Wraps client's bindings so that each device-path call appends "lookup"
+    or "update" to `calls`."""
+    inner = client._c
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def lookup_on_device(self, *args):
+            calls.append("lookup")
+            return inner.lookup_on_device(*args)
+
+        def apply_gradients_on_device(self, *args):
+            calls.append("update")
+            return inner.apply_gradients_on_device(*args)
+
+    client._c = Counting()
 
 
 class TorchKjt:
@@ -255,22 +285,8 @@ def test_torch_kjts_go_straight_over_link_channels():
     with ember.LocalCluster(workers=2, extra_flags=["--links=socket"]) as cluster:
         linked = ember.Client(cluster.address, timeout_s=20, link="socket")
         plain = ember.Client(cluster.address, timeout_s=20, shared_memory=False)
-        calls = {"lookup": 0, "update": 0}
-        inner = linked._c
-
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(inner, name)
-
-            def lookup_on_device(self, *args):
-                calls["lookup"] += 1
-                return inner.lookup_on_device(*args)
-
-            def apply_gradients_on_device(self, *args):
-                calls["update"] += 1
-                return inner.apply_gradients_on_device(*args)
-
-        linked._c = Counting()
+        calls = []
+        count_device_calls(linked, calls)
         opt = {"type": "ADAGRAD", "learning_rate": 0.1, "eps": 1e-8}
         for sharding in ("table_wise", "row_wise"):
             dev = EmbeddingBagCollection(TABLES, linked, f"link_{sharding}", optimizer=opt,
@@ -297,63 +313,21 @@ def test_torch_kjts_go_straight_over_link_channels():
             finally:
                 linked.drop_collection(f"link_{sharding}")
                 plain.drop_collection(f"host_{sharding}")
-        assert calls == {"lookup": 6, "update": 6}
+        assert (calls.count("lookup"), calls.count("update")) == (6, 6)
 
 
 def test_train_pipeline_prefetches_on_the_device_path():
     """TrainPipeline over link channels (socket links, torch KJTs): the
     prefetched lookups take the device path too, each batch once, and the
     pipelined run ends with the plain loop's tables (disjoint rows)."""
-    from ember.torch import TrainPipeline
     with ember.LocalCluster(workers=2, extra_flags=["--links=socket"]) as cluster:
         client = ember.Client(cluster.address, timeout_s=20, link="socket")
-        inner = client._c
-        device_lookups = []
+        calls = []
+        count_device_calls(client, calls)
 
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(inner, name)
+        def make_batches():
+            return [{"kjt": TorchKjt(["f_sum", "f_mean"], [2, 1, 1, 1],
+                                     [4 * i, 4 * i + 1, 4 * i + 2, 2 * i, 2 * i + 1], "cpu"),
+                     "target": torch.full((2, 12), 0.1 * i)} for i in range(4)]
 
-            def lookup_on_device(self, *args):
-                device_lookups.append(1)
-                return inner.lookup_on_device(*args)
-
-        client._c = Counting()
-        results = {}
-        for mode in ("plain", "pipelined"):
-            name = f"dpipe_{mode}"
-            ebc = EmbeddingBagCollection(TABLES, client, name,
-                                         optimizer={"type": "SGD", "learning_rate": 0.5})
-            try:
-                ebc.load_state_dict({"embedding_bags.t_sum.weight": torch.zeros(60, 8),
-                                     "embedding_bags.t_mean.weight": torch.zeros(40, 4)})
-                head = torch.nn.Linear(12, 12)
-                torch.nn.init.eye_(head.weight)
-                torch.nn.init.zeros_(head.bias)
-                opt = torch.optim.SGD(head.parameters(), lr=0.0)  # dense part fixed
-                batches = [{"kjt": TorchKjt(["f_sum", "f_mean"], [2, 1, 1, 1],
-                                            [4 * i, 4 * i + 1, 4 * i + 2, 2 * i, 2 * i + 1], "cpu"),
-                            "target": torch.full((2, 12), 0.1 * i)} for i in range(4)]
-
-                def model(batch):
-                    out = head(ebc(batch["kjt"]).values())
-                    return ((out - batch["target"]) ** 2).sum()
-
-                device_lookups.clear()
-                if mode == "plain":
-                    for b in batches:
-                        opt.zero_grad()
-                        model(b).backward()
-                        opt.step()
-                else:
-                    pipeline = TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"])
-                    it = iter(batches)
-                    for _ in range(len(batches)):
-                        pipeline.progress(it)
-                assert len(device_lookups) == 4
-                results[mode] = ebc.state_dict()
-            finally:
-                client.drop_collection(name)
-        for k in results["plain"]:
-            np.testing.assert_allclose(results["pipelined"][k].numpy(),
-                                       results["plain"][k].numpy(), rtol=1e-6)
+        train_plain_and_pipelined(client, "dpipe", make_batches, calls)

@@ -1268,6 +1268,23 @@ struct TestLinkClient {
     Send(128, req.mutable_link_sent());
     return req;
   }
+  // Looks `ids` up on `s` through the channel as transfer `seq` (Lookup,
+  // the call, the outputs received): the output, not what the region held
+  // there before.
+  std::vector<float> LookUpOn(WorkerService* s, uint64_t seq, const std::vector<int64_t>& lengths,
+                              const std::vector<int64_t>& ids) {
+    const size_t floats = lengths.size() * 4;
+    std::memset(region.data() + 1024, 0x7f, floats * sizeof(float));  // not what comes back
+    ember::v1::WorkerLookupRequest req = Lookup(seq, lengths, ids);
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    if (!st.ok()) return {};
+    EXPECT_TRUE(Receive(req.link_reply()).ok());
+    std::vector<float> got(floats);
+    std::memcpy(got.data(), region.data() + 1024, floats * sizeof(float));
+    return got;
+  }
   // Receives `reply` into the region (as a call does after its answer).
   absl::Status Receive(const ember::v1::ShmSlice& reply) {
     char* m = memory + reply.offset();
@@ -1302,15 +1319,7 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
   const std::vector<float> want = InlineLookup(s.get(), lengths, ids);
   uint64_t seq = 0;
   for (int round = 0; round < 3; ++round) {  // the link stays in step call after call
-    std::memset(c.region.data() + 1024, 0x7f, 32);  // not what comes back
-    ember::v1::WorkerLookupRequest req = c.Lookup(++seq, lengths, ids);
-    ember::v1::WorkerLookupResponse resp;
-    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    ASSERT_TRUE(c.Receive(req.link_reply()).ok());
-    std::vector<float> got(8);
-    std::memcpy(got.data(), c.region.data() + 1024, 32);
-    EXPECT_EQ(got, want) << "round " << round;
+    EXPECT_EQ(c.LookUpOn(s.get(), ++seq, lengths, ids), want) << "round " << round;
   }
   // An update, and its retry (a new transfer of the same request).
   ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("link-1");
@@ -1337,16 +1346,7 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
   // link as inline.
   const std::vector<float> updated = InlineLookup(s.get(), lengths, ids);
   ASSERT_NE(updated, want);
-  {
-    ember::v1::WorkerLookupRequest req = c.Lookup(++seq, lengths, ids);
-    ember::v1::WorkerLookupResponse resp;
-    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    ASSERT_TRUE(c.Receive(req.link_reply()).ok());
-    std::vector<float> got(8);
-    std::memcpy(got.data(), c.region.data() + 1024, 32);
-    EXPECT_EQ(got, updated);
-  }
+  EXPECT_EQ(c.LookUpOn(s.get(), ++seq, lengths, ids), updated);
   ember::v1::CloseChannelRequest close;
   close.set_channel_id(c.id);
   ember::v1::CloseChannelResponse closed;
