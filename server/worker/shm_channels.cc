@@ -383,12 +383,17 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
 }
 
 void ShmChannels::Abandon(uint64_t id, const std::string& owner) {
-  std::shared_ptr<LinkState> gone;  // let go outside the lock
+  Gone gone;
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(id);
   if (it == channels_.end() || it->second.owner != owner || it->second.link == nullptr) return;
-  gone = std::move(it->second.link);
-  channels_.erase(it);
+  DropLocked(it, &gone);
+}
+
+std::map<uint64_t, ShmChannels::Channel>::iterator ShmChannels::DropLocked(
+    std::map<uint64_t, Channel>::iterator it, Gone* gone) {
+  if (it->second.link != nullptr) gone->push_back(std::move(it->second.link));
+  return channels_.erase(it);
 }
 
 absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
@@ -422,15 +427,14 @@ absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
 }
 
 absl::Status ShmChannels::Close(uint64_t id, const std::string& owner) {
-  std::shared_ptr<LinkState> gone;  // let go outside the lock
+  Gone gone;
   absl::MutexLock lock(&mu_);
   auto it = channels_.find(id);
   if (it == channels_.end()) return absl::NotFoundError(absl::StrCat("no channel ", id));
   if (it->second.owner != owner) {
     return absl::PermissionDeniedError(absl::StrCat("channel ", id, " belongs to another client"));
   }
-  gone = std::move(it->second.link);
-  channels_.erase(it);
+  DropLocked(it, &gone);
   return absl::OkStatus();
 }
 
@@ -455,10 +459,7 @@ absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::s
       refused = absl::InvalidArgumentError("link_sent on a shared-memory channel");
     }
     if (!refused.ok()) {
-      if (c.link != nullptr) {  // out of step with the client
-        gone.push_back(std::move(c.link));
-        channels_.erase(id);
-      }
+      if (c.link != nullptr) DropLocked(channels_.find(id), &gone);  // out of step with the client
       return refused;
     }
     c.last_seq = seq;
@@ -547,12 +548,7 @@ int ShmChannels::link_channels() const {
 
 void ShmChannels::ExpireLocked(absl::Time now, Gone* gone) {
   for (auto it = channels_.begin(); it != channels_.end();) {
-    if (now - it->second.last_used <= idle_timeout_) {
-      ++it;
-      continue;
-    }
-    if (it->second.link != nullptr) gone->push_back(std::move(it->second.link));
-    it = channels_.erase(it);
+    it = now - it->second.last_used > idle_timeout_ ? DropLocked(it, gone) : std::next(it);
   }
 }
 

@@ -197,6 +197,9 @@ class ShmChannels {
   // the lock, so destroyed after it.
   using Gone = std::vector<std::shared_ptr<LinkState>>;
   void ExpireLocked(absl::Time now, Gone* gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets a channel, its link (if any) moved to `gone`; the next one.
+  std::map<uint64_t, Channel>::iterator DropLocked(std::map<uint64_t, Channel>::iterator it,
+                                                  Gone* gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Channel `id` if `owner`'s: UNAVAILABLE when unknown (closed, lapsed),
   // PERMISSION_DENIED for another owner's.
   absl::StatusOr<Channel*> FindLocked(uint64_t id, const std::string& owner)

@@ -1285,6 +1285,20 @@ struct TestLinkClient {
     std::memcpy(got.data(), region.data() + 1024, floats * sizeof(float));
     return got;
   }
+  // An update of table t through the channel (request `request_id`, its
+  // seq and link_sent left to the caller): bags of `ids` at bytes 0 and 64,
+  // gradient rows [1..4] and [5..8] at 2048, 32 bytes in all past 2048.
+  ember::v1::WorkerApplyGradientsRequest Update(const std::string& request_id,
+                                                const std::vector<int64_t>& lengths,
+                                                const std::vector<int64_t>& ids) {
+    ember::v1::WorkerApplyGradientsRequest up = UpdateOfT(request_id);
+    up.set_channel_id(id);
+    auto* g = up.mutable_gradients(0);
+    Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
+    Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
+    Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
+    return up;
+  }
   // Receives `reply` into the region (as a call does after its answer).
   absl::Status Receive(const ember::v1::ShmSlice& reply) {
     char* m = memory + reply.offset();
@@ -1322,12 +1336,7 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
     EXPECT_EQ(c.LookUpOn(s.get(), ++seq, lengths, ids), want) << "round " << round;
   }
   // An update, and its retry (a new transfer of the same request).
-  ember::v1::WorkerApplyGradientsRequest up = UpdateOfT("link-1");
-  up.set_channel_id(c.id);
-  auto* g = up.mutable_gradients(0);
-  c.Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
-  c.Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
-  c.Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
+  ember::v1::WorkerApplyGradientsRequest up = c.Update("link-1", lengths, ids);
   ember::v1::WorkerApplyGradientsResponse ur;
   for (bool duplicate : {false, true}) {
     up.set_channel_seq(++seq);
@@ -1431,13 +1440,9 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
   const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
   // An update through channel `c` as transfer `seq`, its bytes sent.
   auto update = [&](TestLinkClient& c, uint64_t seq, bool send = true) {
-    ember::v1::WorkerApplyGradientsRequest up = UpdateOfT(absl::StrCat("u", seq, "-", c.id));
-    up.set_channel_id(c.id);
+    ember::v1::WorkerApplyGradientsRequest up =
+        c.Update(absl::StrCat("u", seq, "-", c.id), lengths, ids);
     up.set_channel_seq(seq);
-    auto* g = up.mutable_gradients(0);
-    c.Put(lengths, 0, g->mutable_feature()->mutable_shm_lengths());
-    c.Put(ids, 64, g->mutable_feature()->mutable_shm_ids());
-    c.Put(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}, 2048, g->mutable_shm_grad());
     if (send) c.Send(2048 + 32, up.mutable_link_sent());
     return up;
   };
