@@ -44,12 +44,26 @@ struct ShmChannels::LinkState {
   bool memory_on_device = false;  // NCCL's (device) or a socket link's (host)
 };
 
-absl::Status ShmChannels::Transfer::CheckReply(const ember::v1::ShmSlice& reply) const {
+absl::Status ShmChannels::Transfer::CheckReply(
+    const ember::v1::ShmSlice& reply,
+    const google::protobuf::RepeatedPtrField<ember::v1::ShmSlice>& outputs) const {
   if (link_ == nullptr) {
     if (reply.size() == 0 && reply.offset() == 0) return absl::OkStatus();
     return absl::InvalidArgumentError("link_reply on a shared-memory channel");
   }
-  return region_->Bytes(reply, 4, "link_reply").status();
+  if (absl::Status s = region_->Bytes(reply, 4, "link_reply").status(); !s.ok()) return s;
+  uint64_t begin = UINT64_MAX, end = 0;
+  for (const ember::v1::ShmSlice& o : outputs) {
+    begin = std::min<uint64_t>(begin, o.offset());
+    end = std::max<uint64_t>(end, o.offset() + o.size());
+  }
+  if (begin == UINT64_MAX) begin = 0;
+  if (reply.offset() != begin || reply.size() != end - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("link_reply [", reply.offset(), ", +",
+                                                   reply.size(), ") is not the outputs' bytes [",
+                                                   begin, ", ", end, ")"));
+  }
+  return absl::OkStatus();
 }
 
 bool ShmChannels::Transfer::link_memory_on_device() const {

@@ -85,9 +85,12 @@ class ShmChannels {
     const std::shared_ptr<const Region>& region() const { return region_; }
     bool linked() const { return link_ != nullptr; }
     // INVALID_ARGUMENT unless `reply` (WorkerLookupRequest.link_reply) lies
-    // in the region at a multiple of 4; for a shared-memory channel unless
-    // it is empty.
-    absl::Status CheckReply(const ember::v1::ShmSlice& reply) const;
+    // in the region at a multiple of 4 and covers exactly the bytes of
+    // `outputs`, first to last (nothing else of the region goes back); for
+    // a shared-memory channel unless it is empty.
+    absl::Status CheckReply(
+        const ember::v1::ShmSlice& reply,
+        const google::protobuf::RepeatedPtrField<ember::v1::ShmSlice>& outputs) const;
     // Link channels: queues `reply`'s bytes to the client (a lookup's
     // outputs, written in the region, or, `in_link_memory`, straight into
     // the link's memory). Nothing for shared memory.

@@ -608,20 +608,8 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     if (!r.ok()) return ToGrpc(r.status());
     transfer = *std::move(r);
     region = transfer.region();
-    if (absl::Status s = transfer.CheckReply(req->link_reply()); !s.ok()) return ToGrpc(s);
-    if (transfer.linked()) {
-      // The reply covers the outputs and nothing else of the region.
-      uint64_t begin = UINT64_MAX, end = 0;
-      for (const auto& o : req->shm_outputs()) {
-        begin = std::min<uint64_t>(begin, o.offset());
-        end = std::max<uint64_t>(end, o.offset() + o.size());
-      }
-      if (begin == UINT64_MAX) begin = 0;
-      if (req->link_reply().offset() != begin || req->link_reply().size() != end - begin) {
-        return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
-            "link_reply [", req->link_reply().offset(), ", +", req->link_reply().size(),
-            ") is not the outputs' bytes [", begin, ", ", end, ")")));
-      }
+    if (absl::Status s = transfer.CheckReply(req->link_reply(), req->shm_outputs()); !s.ok()) {
+      return ToGrpc(s);
     }
     if (req->shm_outputs_size() != req->features_size()) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
@@ -722,21 +710,18 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
       requests[i].output = wire::Resize<float>(resp->add_outputs(), size);
       continue;
     }
-    auto bytes = region->Bytes(req->shm_outputs(i), 4, absl::StrCat("output ", i));
+    // Straight into the link's memory, sent from there, or into the region.
+    const std::string what = absl::StrCat("output ", i);
+    auto bytes = outputs_in_link ? transfer.LinkBytes(req->shm_outputs(i), 4, what)
+                                 : region->Bytes(req->shm_outputs(i), 4, what);
     if (!bytes.ok()) return ToGrpc(bytes.status());
     if (static_cast<int64_t>(bytes->size()) != size * 4) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
-          "output ", i, ": its slice holds ", bytes->size(), " bytes; the output is ", size * 4)));
+          what, ": its slice holds ", bytes->size(), " bytes; the output is ", size * 4)));
     }
     requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), size);
-    if (outputs_in_link) {  // straight into the link's memory, sent from there
-      auto in_link = transfer.LinkBytes(req->shm_outputs(i), 4, absl::StrCat("output ", i));
-      if (!in_link.ok()) return ToGrpc(in_link.status());
-      requests[i].output = absl::MakeSpan(reinterpret_cast<float*>(in_link->data()), size);
-      requests[i].output_on_device = transfer.link_memory_on_device();
-      continue;
-    }
-    if (out_region == nullptr || req->placements(i).row_stride() == 0) continue;
+    requests[i].output_on_device = outputs_in_link && transfer.link_memory_on_device();
+    if (outputs_in_link || out_region == nullptr || req->placements(i).row_stride() == 0) continue;
     auto placed = Placement(*out_region, req->placements(i), size, cols[i], i);
     if (!placed.ok()) return ToGrpc(placed.status());
     if (backend_->WritesStridedOutputs()) {
