@@ -26,6 +26,11 @@ namespace {
 // How long a client waits for a link channel's link to be joined.
 constexpr absl::Duration kLinkJoinTimeout = absl::Seconds(15);
 
+// A channel's region for calls of `bytes`: at least 1 MiB, whole pages.
+uint64_t RegionSize(uint64_t bytes) {
+  return (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Open(
@@ -47,7 +52,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
     Handover handover, ember::v1::Worker::Stub* stub, uint64_t bytes, const std::string& shm_dir,
     const std::function<void(grpc::ClientContext*)>& prepare) {
   static std::atomic<uint64_t> counter{0};
-  const uint64_t size = (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
+  const uint64_t size = RegionSize(bytes);
   std::random_device rd;
   const std::string base_name =
       absl::StrCat("ember-", getpid(), "-", counter.fetch_add(1), "-", rd());
@@ -128,7 +133,7 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenAs(
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::OpenLink(
     ember::v1::Worker::Stub* stub, uint64_t bytes, cuda::PeerLinks* kind, int device,
     absl::Time deadline, const std::function<void(grpc::ClientContext*)>& prepare) {
-  const uint64_t size = (std::max<uint64_t>(bytes, 1 << 20) + 4095) / 4096 * 4096;
+  const uint64_t size = RegionSize(bytes);
   std::unique_ptr<ShmChannel> ch(new ShmChannel());
   ch->base_ = static_cast<char*>(std::aligned_alloc(4096, size));
   if (ch->base_ == nullptr) {
