@@ -152,6 +152,28 @@ EMBER_KERNEL int64_t UpperBound(const T* a, int64_t n, T x) {
   return lo;
 }
 
+// Whether `x` is NaN or Inf.
+EMBER_KERNEL bool NonFinite(float x) {
+#ifdef __CUDA_ARCH__
+  return !isfinite(x);
+#else
+  return !std::isfinite(x);
+#endif
+}
+
+// Whether element e of a call's device inputs (InputCheckDesc's numbering)
+// is bad: an id outside [0, rows), a NaN or Inf weight or gradient float.
+// begin[r] is descs[r].begin, begin[n] the element count (for the search).
+EMBER_KERNEL bool BadInputOne(int64_t e, const int64_t* begin, const InputCheckDesc* descs,
+                              int64_t n) {
+  const InputCheckDesc& d = descs[UpperBound(begin, n + 1, e) - 1];
+  int64_t k = e - d.begin;
+  if (k < d.num_ids) return d.ids[k] < 0 || d.ids[k] >= d.rows;
+  k -= d.num_ids;
+  if (k < d.num_weights) return NonFinite(d.weights[k]);
+  return NonFinite(d.grad[k - d.num_weights]);
+}
+
 // How a warp covers a row of `dim` elements: chunks of 4 elements, `group`
 // lanes per row (a power of two, <= 32), so 32 / group rows are read at
 // once. Lane = sub * group + chunk_lane. All fields are warp-uniform except

@@ -52,6 +52,23 @@ struct UpdateDesc {
   int64_t col_offset;
 };
 
+// One request's inputs in device memory (FeatureRequest::on_device: a
+// worker's link channel), checked before its call runs: ids in [0, rows),
+// weights and gradient floats finite. Its elements are numbered ids first,
+// then weights, then gradient floats, from `begin` on (numbers run on
+// across the call's requests), so the smallest bad number is the first bad
+// value in the order the host's checks meet them.
+struct InputCheckDesc {
+  const int64_t* ids;
+  const float* weights;  // [num_weights], or null
+  const float* grad;     // [num_grad], or null
+  int64_t num_ids;
+  int64_t num_weights;  // 0 or num_ids
+  int64_t num_grad;
+  int64_t rows;
+  int64_t begin;
+};
+
 }  // namespace cuda
 }  // namespace ember
 

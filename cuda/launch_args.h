@@ -67,6 +67,17 @@ struct BackwardLaunch {
   size_t temp_bytes = 0;
 };
 
+// A check of a call's device inputs (kernel_bodies.h's BadInputOne): the
+// smallest bad element number goes to *first_bad, which must hold
+// UINT64_MAX before (and still does when every element is good).
+struct InputCheckLaunch {
+  const int64_t* begin = nullptr;  // [num_requests + 1]
+  const InputCheckDesc* descs = nullptr;
+  int64_t num_requests = 0;
+  int64_t total = 0;  // elements: begin[num_requests]
+  unsigned long long* first_bad = nullptr;  // NOLINT(runtime/int): atomicMin's type
+};
+
 // The update steps' arguments (kernel_bodies.h) once the pairs are sorted
 // and the runs found.
 inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t* sorted_keys,

@@ -90,6 +90,16 @@ __global__ void __launch_bounds__(kBlockThreads) UpdateKernel(kernels::UpdateArg
   kernels::UpdateWarp(w, WarpIndex(), WarpCount(), a);
 }
 
+__global__ void __launch_bounds__(kBlockThreads)
+    CheckInputsKernel(const int64_t* __restrict__ begin, const InputCheckDesc* __restrict__ descs,
+                      int64_t num_requests, int64_t total, unsigned long long* first_bad) {
+  for (int64_t e = ThreadIndex(); e < total; e += ThreadCount()) {
+    if (kernels::BadInputOne(e, begin, descs, num_requests)) {
+      atomicMin(first_bad, static_cast<unsigned long long>(e));
+    }
+  }
+}
+
 __global__ void FaultKernel(float* p) { *p = 1.0f; }
 
 __global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
@@ -192,6 +202,13 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t
   PartialSumKernel<<<WarpBlocks(a.max_units, max_blocks), kBlockThreads, 0, stream>>>(u);
   EMBER_CUDA_TRY(cudaGetLastError());
   UpdateKernel<<<WarpBlocks(total, max_blocks), kBlockThreads, 0, stream>>>(u);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStream_t stream) {
+  if (a.total <= 0) return cudaSuccess;
+  CheckInputsKernel<<<ThreadBlocks(a.total, max_blocks), kBlockThreads, 0, stream>>>(
+      a.begin, a.descs, a.num_requests, a.total, a.first_bad);
   return cudaGetLastError();
 }
 

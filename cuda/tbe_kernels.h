@@ -36,6 +36,10 @@ cudaError_t LaunchLookup(const LookupLaunch& a, int max_blocks, cudaStream_t str
 // cudaErrorInvalidValue when a.total_ids is 0 (there is nothing to do).
 cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t stream);
 
+// Checks a call's inputs in device memory before it runs (BadInputOne over
+// every element): the first bad one's number, if any, in *a.first_bad.
+cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStream_t stream);
+
 // p[0, n) = value.
 cudaError_t LaunchFill(float* p, int64_t n, float value, int max_blocks, cudaStream_t stream);
 

@@ -43,6 +43,18 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int, cudaStream_t stream) {
   return Launch(stream, [a] { RunBackwardOnHost(a); });
 }
 
+cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int, cudaStream_t stream) {
+  if (a.total <= 0) return cudaSuccess;
+  return Launch(stream, [a] {
+    for (int64_t e = 0; e < a.total; ++e) {
+      if (kernels::BadInputOne(e, a.begin, a.descs, a.num_requests)) {
+        *a.first_bad = static_cast<unsigned long long>(e);  // NOLINT(runtime/int)
+        return;
+      }
+    }
+  });
+}
+
 cudaError_t LaunchFill(float* p, int64_t n, float value, int, cudaStream_t stream) {
   return Launch(stream, [p, n, value] {
     for (int64_t i = 0; i < n; ++i) p[i] = value;

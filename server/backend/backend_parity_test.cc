@@ -20,6 +20,11 @@
 #include "server/backend/half.h"
 #include "server/backend/cpu_kernels.h"
 #include "server/backend/embedding_backend.h"
+#include "server/backend/forwarding_backend.h"
+
+#if __has_include(<cuda_runtime_api.h>)
+#include <cuda_runtime_api.h>
+#endif
 
 namespace ember {
 namespace backend {
@@ -39,17 +44,85 @@ struct BackendParam {
   size_t scratch_bytes = 0;  // a fixed scratch calls are cut to fit; 0: none
 };
 
+#if __has_include(<cuda_runtime_api.h>)
+// A backend reading its inputs from device memory (FeatureRequest::
+// on_device), as a worker hands it a link channel's: each call's ids,
+// weights and gradients are copied into device memory first.
+class DeviceInputsBackend : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    Copies c;
+    std::vector<LookupRequest> r(requests.begin(), requests.end());
+    for (LookupRequest& x : r) c.Move(&x.feature);
+    if (!c.status.ok()) return c.status;
+    return inner()->Lookup(r);
+  }
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    Copies c;
+    std::vector<GradientRequest> r(requests.begin(), requests.end());
+    for (GradientRequest& x : r) {
+      c.Move(&x.feature);
+      x.grad = c.Copy(x.grad);
+    }
+    if (!c.status.ok()) return c.status;
+    return inner()->ApplyGradients(r);
+  }
+
+ private:
+  // Device copies, freed with it.
+  struct Copies {
+    std::vector<void*> blocks;
+    absl::Status status;
+    ~Copies() {
+      for (void* p : blocks) cudaFree(p);
+    }
+    template <typename T>
+    absl::Span<const T> Copy(absl::Span<const T> host) {
+      if (host.empty() || !status.ok()) return {};
+      void* p = nullptr;
+      const size_t bytes = host.size() * sizeof(T);
+      if (cudaMalloc(&p, bytes) != cudaSuccess ||
+          cudaMemcpyAsync(p, host.data(), bytes, cudaMemcpyHostToDevice, nullptr) != cudaSuccess ||
+          cudaStreamSynchronize(nullptr) != cudaSuccess) {
+        status = absl::InternalError("device copy of a test input failed");
+      }
+      if (p != nullptr) blocks.push_back(p);
+      return absl::Span<const T>(static_cast<const T*>(p), host.size());
+    }
+    void Move(FeatureRequest* f) {
+      f->ids = Copy(f->ids);
+      f->weights = Copy(f->weights);
+      f->on_device = true;
+    }
+  };
+};
+#endif
+
 // The CUDA backend as `name`, whole and (`name`_split) with a scratch of
-// `split_bytes`, so small that most calls run in pieces.
+// `split_bytes`, so small that most calls run in pieces; both again
+// (`name`_device_inputs...) reading their inputs from device memory.
 void AddCudaBackend(const std::string& name, size_t split_bytes, std::vector<BackendParam>* out) {
-  out->push_back({name, [] { return cuda::CreateCudaBackend({}); }});
-  out->push_back({name + "_split",
-                  [split_bytes] {
-                    cuda::CudaBackendOptions o;
-                    o.scratch_bytes = static_cast<int64_t>(split_bytes);
-                    return cuda::CreateCudaBackend(o);
-                  },
-                  split_bytes});
+  auto make = [](size_t scratch_bytes, bool device_inputs)
+      -> absl::StatusOr<std::unique_ptr<EmbeddingBackend>> {
+    cuda::CudaBackendOptions o;
+    if (scratch_bytes > 0) o.scratch_bytes = static_cast<int64_t>(scratch_bytes);
+    auto be = cuda::CreateCudaBackend(o);
+#if __has_include(<cuda_runtime_api.h>)
+    if (be.ok() && device_inputs) {
+      return std::unique_ptr<EmbeddingBackend>(new DeviceInputsBackend(*std::move(be)));
+    }
+#endif
+    return be;
+  };
+  for (const bool device_inputs : {false, true}) {
+    const std::string n = device_inputs ? name + "_device_inputs" : name;
+    out->push_back({n, [make, device_inputs] { return make(0, device_inputs); }});
+    out->push_back({n + "_split",
+                    [make, split_bytes, device_inputs] { return make(split_bytes, device_inputs); },
+                    split_bytes});
+  }
 }
 
 std::vector<BackendParam> AvailableBackends() {

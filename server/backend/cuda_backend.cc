@@ -201,6 +201,19 @@ class Uploader {
     return AppendSpan(at, src, [](absl::Span<const T>, int64_t) { return absl::OkStatus(); });
   }
 
+  // Copies `bytes` of device memory at `src` (an input in device memory,
+  // FeatureRequest::on_device) to device offset `at` (at >= what was filled
+  // before), after uploading the staging filled before it.
+  absl::Status AppendDevice(size_t at, const void* src, size_t bytes) {
+    if (absl::Status s = Flush(at); !s.ok()) return s;
+    if (bytes > 0) {
+      EMBER_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(device_ + at, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    }
+    sent_ = std::max(sent_, at + bytes);
+    return absl::OkStatus();
+  }
+
   // Uploads staging [sent, upto).
   absl::Status Flush(size_t upto) {
     if (upto <= sent_) return absl::OkStatus();
@@ -215,6 +228,19 @@ class Uploader {
   char* const device_;
   const cudaStream_t stream_;
   size_t sent_ = 0;
+};
+
+// The floats a request reads besides its weights: a gradient's.
+absl::Span<const float> InputFloats(const LookupRequest&) { return {}; }
+absl::Span<const float> InputFloats(const GradientRequest& r) { return r.grad; }
+
+// Host copies of an ApplyGradients call's device inputs, for a call that
+// must be cut into pieces (call_split.h reads the ids, weights and
+// gradients on the host to cut it).
+struct HostInputs {
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<float>> weights, grads;
+  std::vector<GradientRequest> requests;  // views of the above
 };
 
 // A lookup's output on its way back: downloaded in chunks through a slot's
@@ -591,7 +617,7 @@ class CudaBackend : public EmbeddingBackend {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly,
-                                           /*strided_outputs=*/false, /*device_outputs=*/true);
+                                           /*strided_outputs=*/false, /*device_memory=*/true);
         !st.ok()) {
       return st;
     }
@@ -601,9 +627,14 @@ class CudaBackend : public EmbeddingBackend {
     // Ours is the current device before CUB sizes anything.
     if (absl::Status s = Activate(); !s.ok()) return s;
     lease->NoteQueued();
+    if (requests[0].feature.on_device) {
+      if (absl::Status st = CheckDeviceInputs(requests, "lookup", lease->slot()); !st.ok()) {
+        return st;
+      }
+    }
     bool first = true;
     // In pieces the call's ids and weights are checked whole first, so that
-    // errors name the caller's requests.
+    // errors name the caller's requests (device inputs were, above).
     return ForEachLookupPiece(
         requests, plan, Resolver(), split_,
         [&](absl::Span<const LookupRequest> piece)
@@ -621,7 +652,7 @@ class CudaBackend : public EmbeddingBackend {
         },
         [&] {
           return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/false,
-                                  /*device_outputs=*/true);
+                                  /*device_memory=*/true);
         });
   }
 
@@ -633,13 +664,33 @@ class CudaBackend : public EmbeddingBackend {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids, weights and gradients while they are staged (before
     // any kernel) when the call runs whole.
-    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly); !st.ok()) {
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly,
+                                           /*device_memory=*/true);
+        !st.ok()) {
       return st;
     }
     const GradientPlan plan = PlanGradients(requests, Resolver());
+    // Inputs in device memory: their values checked there first; a call
+    // that must be cut is cut on the host (call_split.h), from host copies.
+    HostInputs host;
+    if (!requests.empty() && requests[0].feature.on_device) {
+      if (absl::Status s = Activate(); !s.ok()) return s;
+      lease->NoteQueued();
+      if (absl::Status st = CheckDeviceInputs(requests, "gradient", lease->slot()); !st.ok()) {
+        return st;
+      }
+      if (plan.total_ids > 0 && !split_.FitsGradients(SizeOf(plan))) {
+        if (absl::Status st = CopyToHost(requests, &host); !st.ok()) return st;
+        requests = host.requests;
+      }
+    }
     if (plan.total_ids == 0) {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
-      if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) return st;
+      if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAll,
+                                             /*device_memory=*/true);
+          !st.ok()) {
+        return st;
+      }
     } else {
       // Ours is the current device before CUB sizes anything.
       if (absl::Status s = Activate(); !s.ok()) return s;
@@ -657,7 +708,10 @@ class CudaBackend : public EmbeddingBackend {
                 first = false;
                 return QueueGradientPiece(piece, lease->slot());
               },
-              [&] { return ValidateRequests(requests, find_spec); });
+              [&] {
+                return ValidateRequests(requests, find_spec, Checks::kAll,
+                                        /*device_memory=*/true);
+              });
           !st.ok()) {
         return st;
       }
@@ -749,6 +803,14 @@ class CudaBackend : public EmbeddingBackend {
     size_t at = l.grads;
     for (int64_t i = 0; i < n; ++i) {
       const GradientRequest& r = requests[i];
+      if (r.feature.on_device) {  // checked on the device (CheckDeviceInputs)
+        if (absl::Status st = up.AppendDevice(at, r.grad.data(), r.grad.size() * sizeof(float));
+            !st.ok()) {
+          return st;
+        }
+        at += r.grad.size() * sizeof(float);
+        continue;
+      }
       const ShardSpec& spec = FindShard(r.feature.shard)->spec;
       auto check = [&](absl::Span<const float> g, int64_t first) {
         return CheckFinite(g, RequestWhat("gradient", i, spec), "gradient", first);
@@ -1015,7 +1077,9 @@ class CudaBackend : public EmbeddingBackend {
 
   // Stages the requests' lengths, ids and per-id weights into their layout
   // regions, in order, checking ids (in range) and weights (finite) piece by
-  // piece as they are copied. `kind` names the requests in messages.
+  // piece as they are copied; ids and weights in device memory are copied
+  // there, device to device (CheckDeviceInputs checked them). `kind` names
+  // the requests in messages.
   template <typename Request>
   absl::Status StageFeatures(absl::Span<const Request> requests, const char* kind,
                              size_t lengths_at, size_t ids_at, size_t weights_at,
@@ -1029,6 +1093,14 @@ class CudaBackend : public EmbeddingBackend {
     at = ids_at;
     for (int64_t i = 0; i < n; ++i) {
       const FeatureRequest& f = requests[i].feature;
+      if (f.on_device) {
+        if (absl::Status st = up->AppendDevice(at, f.ids.data(), f.ids.size() * sizeof(int64_t));
+            !st.ok()) {
+          return st;
+        }
+        at += f.ids.size() * sizeof(int64_t);
+        continue;
+      }
       const ShardSpec& spec = FindShard(f.shard)->spec;
       auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
         return CheckIds(ids, spec.rows, RequestWhat(kind, i, spec), first);
@@ -1043,6 +1115,12 @@ class CudaBackend : public EmbeddingBackend {
         at += f.ids.size() * sizeof(float);  // never read: the request is unweighted
         continue;
       }
+      if (f.on_device) {
+        const size_t bytes = f.weights.size() * sizeof(float);
+        if (absl::Status st = up->AppendDevice(at, f.weights.data(), bytes); !st.ok()) return st;
+        at += bytes;
+        continue;
+      }
       const ShardSpec& spec = FindShard(f.shard)->spec;
       auto check = [&](absl::Span<const float> w, int64_t first) {
         return CheckFinite(w, RequestWhat(kind, i, spec), "weights", first);
@@ -1050,6 +1128,142 @@ class CudaBackend : public EmbeddingBackend {
       if (absl::Status st = up->AppendSpan(at, f.weights, check); !st.ok()) return st;
       at += f.weights.size() * sizeof(float);
     }
+    return absl::OkStatus();
+  }
+
+  // Checks the values of a call's inputs in device memory (every request
+  // on_device), on the device, before anything of the call runs: ids in
+  // range, weights and gradients finite, the first bad value named as the
+  // host's checks name it (RequestWhat(kind, ...), CheckIds, CheckFinite).
+  // Runs in the call's scratch and staging `slot`, and waits for the
+  // check (so for the work queued before it too).
+  template <typename Request>
+  absl::Status CheckDeviceInputs(absl::Span<const Request> requests, const char* kind,
+                                 StagingSlot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t room = std::min(scratch_.capacity(), slot.host.capacity());
+    struct CheckLayout {
+      size_t begin, descs, first_bad, bytes;
+    };
+    auto lay_out = [](size_t m) {
+      Layout l;
+      CheckLayout c;
+      c.begin = l.Add<int64_t>(m + 1);
+      c.descs = l.Add<InputCheckDesc>(m);
+      c.first_bad = l.Add<uint64_t>(1);
+      c.bytes = l.bytes();
+      return c;
+    };
+    // As many requests at once as the scratch takes.
+    size_t group = requests.size();
+    while (group > 1 && lay_out(group).bytes > room) group = (group + 1) / 2;
+    if (lay_out(1).bytes > room) return absl::InternalError("the scratch cannot hold a check");
+    char* h = slot.host.get();
+    char* d = scratch_.get();
+    // A value read back from device memory (pageable: done on return).
+    auto read_back = [this](void* to, const void* from, size_t bytes) -> absl::Status {
+      EMBER_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      return absl::OkStatus();
+    };
+    for (size_t first = 0; first < requests.size(); first += group) {
+      const size_t m = std::min(group, requests.size() - first);
+      const CheckLayout l = lay_out(m);
+      int64_t* begin = At<int64_t>(h, l.begin);
+      InputCheckDesc* descs = At<InputCheckDesc>(h, l.descs);
+      int64_t total = 0;
+      for (size_t i = 0; i < m; ++i) {
+        const Request& r = requests[first + i];
+        const FeatureRequest& f = r.feature;
+        const absl::Span<const float> grad = InputFloats(r);
+        InputCheckDesc& c = descs[i];
+        c.ids = f.ids.data();
+        c.weights = f.weights.empty() ? nullptr : f.weights.data();
+        c.grad = grad.empty() ? nullptr : grad.data();
+        c.num_ids = static_cast<int64_t>(f.ids.size());
+        c.num_weights = static_cast<int64_t>(f.weights.size());
+        c.num_grad = static_cast<int64_t>(grad.size());
+        c.rows = FindShard(f.shard)->spec.rows;
+        c.begin = begin[i] = total;
+        total += c.num_ids + c.num_weights + c.num_grad;
+      }
+      begin[m] = total;
+      if (total == 0) continue;
+      uint64_t* first_bad = At<uint64_t>(h, l.first_bad);
+      *first_bad = std::numeric_limits<uint64_t>::max();
+      EMBER_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream_));
+      InputCheckLaunch a;
+      a.begin = At<const int64_t>(d, l.begin);
+      a.descs = At<const InputCheckDesc>(d, l.descs);
+      a.num_requests = static_cast<int64_t>(m);
+      a.total = total;
+      a.first_bad = At<unsigned long long>(d, l.first_bad);  // NOLINT(runtime/int)
+      EMBER_RETURN_IF_CUDA_ERROR(LaunchCheckInputs(a, max_blocks_, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(first_bad, d + l.first_bad, sizeof(uint64_t),
+                                                 cudaMemcpyDeviceToHost, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      if (*first_bad == std::numeric_limits<uint64_t>::max()) continue;
+      // The request it falls in, and the value, named as the host names it.
+      const int64_t bad = static_cast<int64_t>(*first_bad);
+      const size_t i = std::upper_bound(begin, begin + m + 1, bad) - begin - 1;
+      const InputCheckDesc c = descs[i];
+      const ShardSpec& spec = FindShard(requests[first + i].feature.shard)->spec;
+      const std::string what = RequestWhat(kind, first + i, spec);
+      int64_t k = bad - c.begin;
+      absl::Status refused;
+      if (k < c.num_ids) {
+        int64_t id = 0;
+        if (absl::Status s = read_back(&id, c.ids + k, sizeof(id)); !s.ok()) return s;
+        refused = CheckIds(absl::MakeConstSpan(&id, 1), spec.rows, what, k);
+      } else {
+        k -= c.num_ids;
+        const bool weight = k < c.num_weights;
+        if (!weight) k -= c.num_weights;
+        float value = 0;
+        if (absl::Status s = read_back(&value, (weight ? c.weights : c.grad) + k, sizeof(value));
+            !s.ok()) {
+          return s;
+        }
+        refused = CheckFinite(absl::MakeConstSpan(&value, 1), what,
+                              weight ? "weights" : "gradient", k);
+      }
+      if (refused.ok()) {
+        return absl::InternalError(absl::StrCat(what, ": the device check found a bad value at ",
+                                                bad, " that reads back as good"));
+      }
+      return refused;
+    }
+    return absl::OkStatus();
+  }
+
+  // Copies an ApplyGradients call's device inputs into `host` (its
+  // requests: the same, in host memory).
+  absl::Status CopyToHost(absl::Span<const GradientRequest> requests, HostInputs* host) const {
+    const size_t n = requests.size();
+    host->ids.resize(n);
+    host->weights.resize(n);
+    host->grads.resize(n);
+    host->requests.assign(requests.begin(), requests.end());
+    auto copy = [this](auto* to, auto from) -> absl::Status {
+      to->resize(from.size());
+      if (from.empty()) return absl::OkStatus();
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(to->data(), from.data(),
+                                                 from.size() * sizeof(from[0]),
+                                                 cudaMemcpyDeviceToHost, stream_));
+      return absl::OkStatus();
+    };
+    for (size_t i = 0; i < n; ++i) {
+      GradientRequest& r = host->requests[i];
+      if (absl::Status s = copy(&host->ids[i], r.feature.ids); !s.ok()) return s;
+      if (absl::Status s = copy(&host->weights[i], r.feature.weights); !s.ok()) return s;
+      if (absl::Status s = copy(&host->grads[i], r.grad); !s.ok()) return s;
+      r.feature.ids = host->ids[i];
+      r.feature.weights = host->weights[i];
+      r.grad = host->grads[i];
+      r.feature.on_device = false;
+    }
+    EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
 

@@ -301,6 +301,7 @@ std::string RequestWhat(const char* kind, size_t index, const ShardSpec& spec) {
 
 absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows, const std::string& what,
                              Checks checks) {
+  if (f.on_device) checks = Checks::kShapesOnly;  // values in device memory: the backend's
   if (absl::Status s = CheckLengths(f.lengths, static_cast<int64_t>(f.ids.size()), what);
       !s.ok()) {
     return s;

@@ -127,6 +127,13 @@ struct FeatureRequest {
   absl::Span<const int64_t> lengths;  // [batch]
   absl::Span<const int64_t> ids;      // [sum(lengths)]
   absl::Span<const float> weights;    // empty, or [sum(lengths)]
+  // The ids and weights (and a gradient request's grad) are device memory
+  // of the backend's device: a worker hands a link channel's device memory,
+  // so that they never cross to the host. The lengths are host memory
+  // still. Taken by a backend whose OutputMemory() is kCudaDevice, which
+  // checks the values on the device before anything runs; every request of
+  // a call alike; the others refuse it.
+  bool on_device = false;
 };
 
 struct LookupRequest {
@@ -177,7 +184,8 @@ class EmbeddingBackend {
   // before anything runs and must hold still until the call returns.
   virtual bool ChecksIdsWhileGathering() const { return false; }
   // Where Lookup can write outputs: host memory always; kCudaDevice: also
-  // device memory of its GPU (LookupRequest::output_on_device).
+  // device memory of its GPU (LookupRequest::output_on_device), and Lookup
+  // and ApplyGradients read inputs there too (FeatureRequest::on_device).
   enum class Memory { kHost, kCudaDevice };
   virtual Memory OutputMemory() const { return Memory::kHost; }
 
@@ -227,8 +235,9 @@ enum class Checks { kAll, kShapesOnly, kAllButIds };
 
 // Checks one feature request against a shard of `rows` rows: lengths >= 0
 // summing to ids.size() (CheckLengths), ids in [0, rows) (CheckIds), weights
-// empty or one finite weight per id and only for pooled features. `what`
-// prefixes the message.
+// empty or one finite weight per id and only for pooled features; the
+// shapes alone for inputs on the device (their values are never read
+// here). `what` prefixes the message.
 absl::Status ValidateFeature(const FeatureRequest& f, int64_t rows,
                              const std::string& what, Checks checks = Checks::kAll);
 
@@ -293,14 +302,17 @@ absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, siz
 // runs. find_spec(ShardId) returns the shard's spec, or nullptr if absent.
 // A lookup's output_stride is refused (INVALID_ARGUMENT) unless
 // `strided_outputs` says the backend writes strided rows, and its
-// output_on_device unless `device_outputs` says it writes device memory.
+// output_on_device, or inputs on the device (FeatureRequest::on_device),
+// unless `device_memory` says it takes device memory. The values of inputs
+// on the device are never read here (only their shapes are checked): the
+// backend checks them.
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
                               Checks checks = Checks::kAll, bool strided_outputs = false,
-                              bool device_outputs = false);
+                              bool device_memory = false);
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
-                              Checks checks = Checks::kAll);
+                              Checks checks = Checks::kAll, bool device_memory = false);
 
 // The prefix ValidateRequests gives request `index`'s messages: "lookup
 // request 3 (table 't')" / "gradient request 3 (table 't')".
@@ -339,7 +351,7 @@ inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
                          const char* kind, const char* buffer, Checks checks,
-                         bool strided_outputs, bool device_outputs = false) {
+                         bool strided_outputs, bool device_memory) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const FeatureRequest& f = requests[i].feature;
     const ShardSpec* spec = find_spec(f.shard);
@@ -351,7 +363,7 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
           absl::StrCat(what, ": this backend writes packed outputs (output_stride 0), got ",
                        stride));
     }
-    if (OnDevice(requests[i]) && !device_outputs) {
+    if (OnDevice(requests[i]) && !device_memory) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": this backend writes outputs to host memory only"));
     }
@@ -359,12 +371,22 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": outputs on the device and in host memory in one call"));
     }
+    if (f.on_device && !device_memory) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": this backend reads inputs from host memory only"));
+    }
+    if (f.on_device != requests[0].feature.on_device) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": inputs on the device and in host memory in one call"));
+    }
+    // Values on the device are the backend's to check.
+    const Checks values = f.on_device ? Checks::kShapesOnly : checks;
     if (absl::Status s =
-            ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, checks, stride);
+            ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, values, stride);
         !s.ok()) {
       return s;
     }
-    if (checks != Checks::kShapesOnly) {
+    if (values != Checks::kShapesOnly) {
       if (absl::Status s = CheckInputFloats(requests[i], what); !s.ok()) return s;
     }
   }
@@ -374,14 +396,15 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
 
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
-                              Checks checks, bool strided_outputs, bool device_outputs) {
+                              Checks checks, bool strided_outputs, bool device_memory) {
   return internal::ValidateAll(requests, find_spec, "lookup", "output", checks, strided_outputs,
-                               device_outputs);
+                               device_memory);
 }
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
-                              Checks checks) {
-  return internal::ValidateAll(requests, find_spec, "gradient", "gradient", checks, false);
+                              Checks checks, bool device_memory) {
+  return internal::ValidateAll(requests, find_spec, "gradient", "gradient", checks, false,
+                               device_memory);
 }
 
 }  // namespace backend

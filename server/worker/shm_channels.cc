@@ -411,7 +411,8 @@ std::map<uint64_t, ShmChannels::Channel>::iterator ShmChannels::DropLocked(
 }
 
 absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
-                                  const ember::v1::ShmSlice& sent) {
+                                  const ember::v1::ShmSlice& sent,
+                                  const std::vector<ember::v1::ShmSlice>* host_slices) {
   if (!link.joined.WaitForNotificationWithTimeout(links_.transfer_timeout)) {
     return absl::UnavailableError("link channel: the link is still being joined");
   }
@@ -431,7 +432,29 @@ absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
   if (s.ok()) s = l.Wait(deadline);
   if (s.ok()) link.reply_deadline_ns = INT64_MAX;  // the previous reply was taken
   if (s.ok() && !bytes->empty()) {
-    s = l.CopyOut(bytes->data(), link.memory + sent.offset(), bytes->size());
+    if (host_slices != nullptr && link.memory_on_device) {
+      // The slices the caller reads on the host, merged where they touch;
+      // one outside the region is left for the caller to refuse.
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [begin, end)
+      for (const ember::v1::ShmSlice& h : *host_slices) {
+        if (h.size() > 0 && region.Bytes(h, 1, "").ok()) {
+          ranges.emplace_back(h.offset(), h.offset() + h.size());
+        }
+      }
+      std::sort(ranges.begin(), ranges.end());
+      for (size_t i = 0; s.ok() && i < ranges.size();) {
+        uint64_t begin = ranges[i].first, end = ranges[i].second;
+        for (++i; i < ranges.size() && ranges[i].first <= end; ++i) {
+          end = std::max(end, ranges[i].second);
+        }
+        ember::v1::ShmSlice merged;
+        merged.set_offset(begin);
+        merged.set_size(end - begin);
+        s = l.CopyOut(region.Bytes(merged, 1, "")->data(), link.memory + begin, end - begin);
+      }
+    } else {
+      s = l.CopyOut(bytes->data(), link.memory + sent.offset(), bytes->size());
+    }
     if (s.ok()) s = l.Wait(deadline);
   }
   if (!s.ok()) {
@@ -454,7 +477,8 @@ absl::Status ShmChannels::Close(uint64_t id, const std::string& owner) {
 
 absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::string& owner,
                                                        uint64_t seq,
-                                                       const ember::v1::ShmSlice& sent) {
+                                                       const ember::v1::ShmSlice& sent,
+                                                       const std::vector<ember::v1::ShmSlice>* host_slices) {
   Transfer t;
   {
     Gone gone;
@@ -484,7 +508,7 @@ absl::StatusOr<ShmChannels::Transfer> ShmChannels::Use(uint64_t id, const std::s
   }
   if (t.link_ == nullptr) return t;
   t.lock_ = std::unique_lock<std::mutex>(t.link_->call_mu);
-  if (absl::Status s = Receive(*t.link_, *t.region_, sent); !s.ok()) {
+  if (absl::Status s = Receive(*t.link_, *t.region_, sent, host_slices); !s.ok()) {
     Abandon(id, owner);
     return s;
   }

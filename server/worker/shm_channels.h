@@ -143,13 +143,17 @@ class ShmChannels {
   // (a stale or replayed control message; nothing is read).
   //
   // A link channel's call first receives the `sent` bytes of the region
-  // (the client sent them with the call) into this side's copy, one call at
-  // a time. Any refusal of a link channel's call, and a transfer that fails
-  // or misses transfer_timeout (UNAVAILABLE), also drops the channel: its
-  // link may be out of step with the client's. `sent` must be empty for a
-  // shared-memory channel.
+  // (the client sent them with the call) into the link's memory and this
+  // side's copy of the region, one call at a time; where the link's memory
+  // is device memory and `host_slices` is given, only those slices (those
+  // inside the region) are copied into the region: the caller reads the
+  // rest on the device (LinkBytes). Any refusal of a link channel's call,
+  // and a transfer that fails or misses transfer_timeout (UNAVAILABLE),
+  // also drops the channel: its link may be out of step with the client's.
+  // `sent` must be empty for a shared-memory channel.
   absl::StatusOr<Transfer> Use(uint64_t id, const std::string& owner, uint64_t seq,
-                               const ember::v1::ShmSlice& sent = ember::v1::ShmSlice());
+                               const ember::v1::ShmSlice& sent = ember::v1::ShmSlice(),
+                               const std::vector<ember::v1::ShmSlice>* host_slices = nullptr);
   // Drops link channel `id` of `owner` (a call on it was refused before it
   // could receive: its link is out of step). Nothing for a shared-memory
   // channel or an unknown one.
@@ -193,8 +197,11 @@ class ShmChannels {
   absl::Status CheckRoom(uint64_t size);
   absl::StatusOr<uint64_t> OpenLink(const ember::v1::OpenChannelRequest& req,
                                     const std::string& owner, std::string* link_id);
-  // Receives `sent` into the region for a link channel's call.
-  absl::Status Receive(LinkState& link, const Region& region, const ember::v1::ShmSlice& sent);
+  // Receives `sent` into the link's memory for a link channel's call, and
+  // copies it (or only `host_slices` of it, when given and the memory is
+  // the device's) into the region.
+  absl::Status Receive(LinkState& link, const Region& region, const ember::v1::ShmSlice& sent,
+                       const std::vector<ember::v1::ShmSlice>* host_slices);
   // Links of channels dropped under mu_, let go once it is released (an
   // NCCL link's abort and cudaFree may wait on the device): declared before
   // the lock, so destroyed after it.

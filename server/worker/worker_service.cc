@@ -146,13 +146,23 @@ bool InChannel(const ember::v1::ShardFeature& f) {
   return f.has_shm_lengths() || f.has_shm_ids() || f.has_shm_weights() || f.has_buffer_ids();
 }
 
+// Whether a feature's ids and weights are all in the channel (none inline,
+// none in an id buffer): what leaves them in a link's device memory.
+bool IdsAndWeightsInChannel(const ember::v1::ShardFeature& f) {
+  return f.ids().empty() && f.weights().empty() && !f.has_buffer_ids();
+}
+
+// Which of a feature's arrays CopyIn copies out of the region: all; all but
+// the ids (a lookup whose backend checks each id as it reads it views them
+// in place); the lengths alone (the ids and weights stay in a link's device
+// memory, where the backend reads them: DecodeFeature views them there).
+enum class CopyOf { kAll, kAllButIds, kLengths };
+
 // Copies a feature's arrays out of a channel's region into its bytes
-// fields: inputs checked before use are never read in place, where the
-// client could change them after they are checked. `ids_in_place`: the ids
-// stay in the region, for a lookup whose backend checks each id as it
-// reads it (DecodeFeature views them there).
+// fields (`which` of them): inputs checked before use are never read in
+// place, where the client could change them after they are checked.
 absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
-                    ember::v1::ShardFeature* f, bool ids_in_place = false) {
+                    ember::v1::ShardFeature* f, CopyOf which = CopyOf::kAll) {
   struct Array {
     const ember::v1::ShmSlice& slice;
     std::string* bytes;
@@ -162,7 +172,11 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
   for (const Array& a : {Array{f->shm_lengths(), f->mutable_lengths(), 8, "lengths"},
                          Array{f->shm_ids(), f->mutable_ids(), 8, "ids"},
                          Array{f->shm_weights(), f->mutable_weights(), 4, "weights"}}) {
-    if (a.slice.size() == 0 || (ids_in_place && a.bytes == f->mutable_ids())) continue;
+    const bool is_lengths = a.bytes == f->mutable_lengths(), is_ids = a.bytes == f->mutable_ids();
+    if (a.slice.size() == 0 || (which == CopyOf::kLengths && !is_lengths) ||
+        (which == CopyOf::kAllButIds && is_ids)) {
+      continue;
+    }
     if (!a.bytes->empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": ", a.name, " given both inline and in the channel"));
@@ -172,8 +186,23 @@ absl::Status CopyIn(const ShmChannels::Region& region, const std::string& what,
     a.bytes->assign(bytes->data(), bytes->size());
   }
   f->clear_shm_lengths();
+  if (which == CopyOf::kLengths) return absl::OkStatus();
   f->clear_shm_weights();
-  if (!ids_in_place) f->clear_shm_ids();
+  if (which == CopyOf::kAll) f->clear_shm_ids();
+  return absl::OkStatus();
+}
+
+// One of a call's arrays left in a link's device memory: its slice there
+// (none: empty), which must lie in the link's memory at a multiple of
+// sizeof(T). Never read here.
+template <typename T>
+absl::Status ViewInLink(const ShmChannels::Transfer& link, const ember::v1::ShmSlice& slice,
+                        const char* name, absl::Span<const T>* out) {
+  *out = {};
+  if (slice.size() == 0) return absl::OkStatus();
+  auto in = link.LinkBytes(slice, sizeof(T), name);
+  if (!in.ok()) return in.status();
+  *out = absl::Span<const T>(reinterpret_cast<const T*>(in->data()), in->size() / sizeof(T));
   return absl::OkStatus();
 }
 
@@ -274,7 +303,9 @@ absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::FindShard(
 absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeature& f,
                                           const std::string* grad, int64_t* cols, Decoded* out,
                                           int64_t* skipped, const ShmChannels::Region* region,
-                                          const ShmChannels::Region* id_buffer) const {
+                                          const ShmChannels::Region* id_buffer,
+                                          const ShmChannels::Transfer* on_device,
+                                          const ember::v1::ShmSlice* device_grad) const {
   auto shard = FindShard(c, f.shard());
   if (!shard.ok()) return shard.status();
   const std::string what = absl::StrCat("feature '", f.feature(), "' (", RefString(f.shard()), ")");
@@ -304,18 +335,29 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
       out->ids.assign(r.ids.begin(), r.ids.end());
       r.ids = out->ids;
     }
+  } else if (on_device != nullptr) {
+    viewed = ViewInLink(*on_device, f.shm_ids(), "ids", &r.ids);
   } else {
     viewed = ViewArray(f.ids(), f.shm_ids(), region, "ids", &out->ids, &r.ids);
   }
   if (!viewed.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", viewed.message()));
-  if (absl::Status s = wire::View(f.weights(), "weights", &out->weights, &r.weights); !s.ok()) {
+  if (absl::Status s = on_device != nullptr
+                           ? ViewInLink(*on_device, f.shm_weights(), "weights", &r.weights)
+                           : wire::View(f.weights(), "weights", &out->weights, &r.weights);
+      !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
   }
   if (grad != nullptr) {
-    if (absl::Status s = wire::View(*grad, "grad", &out->grad, &out->grad_view); !s.ok()) {
+    if (absl::Status s = on_device != nullptr && device_grad != nullptr
+                             ? ViewInLink(*on_device, *device_grad, "grad", &out->grad_view)
+                             : wire::View(*grad, "grad", &out->grad, &out->grad_view);
+        !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
     }
   }
+  // Their values are the backend's to check, on the device (ValidateFeature
+  // below checks the shapes alone).
+  r.on_device = on_device != nullptr;
   r.shard = (*shard)->id;
   r.pooling = PoolingFromProto(f.pooling());
   *cols = (*shard)->assignment.cols();
@@ -599,14 +641,27 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   // that rewrites them during the call gets wrong rows of its own table
   // or a refusal, never a read outside the shard).
   const bool ids_in_place = backend_->ChecksIdsWhileGathering();
+  // Through an NCCL link, to a backend that reads device memory: only the
+  // lengths come to the host; the ids and weights stay in the link's device
+  // memory, where the backend checks and reads them.
+  std::vector<ember::v1::ShmSlice> host_slices;
+  const bool device_reads =
+      ReadsDeviceMemory() && !req->has_id_buffer() &&
+      std::all_of(req->features().begin(), req->features().end(), IdsAndWeightsInChannel);
+  bool inputs_on_device = false;
   std::shared_ptr<const ShmChannels::Region> region;
   ShmChannels::Transfer transfer;  // a link channel's: held to the end of the call
   ReusedCopy<ember::v1::WorkerLookupRequest> reused;
   ember::v1::WorkerLookupRequest& copied = *reused.get();
   if (req->channel_id() != 0) {
-    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq(), req->link_sent());
+    if (device_reads) {
+      for (const auto& f : req->features()) host_slices.push_back(f.shm_lengths());
+    }
+    auto r = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq(), req->link_sent(),
+                           device_reads ? &host_slices : nullptr);
     if (!r.ok()) return ToGrpc(r.status());
     transfer = *std::move(r);
+    inputs_on_device = device_reads && transfer.link_memory_on_device();
     region = transfer.region();
     if (absl::Status s = transfer.CheckReply(req->link_reply(), req->shm_outputs()); !s.ok()) {
       return ToGrpc(s);
@@ -617,8 +672,11 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     }
     copied = *req;
     for (int i = 0; i < copied.features_size(); ++i) {
+      const CopyOf which = inputs_on_device ? CopyOf::kLengths
+                           : ids_in_place   ? CopyOf::kAllButIds
+                                            : CopyOf::kAll;
       if (absl::Status s = CopyIn(*region, absl::StrCat("feature ", i), copied.mutable_features(i),
-                                  ids_in_place);
+                                  which);
           !s.ok()) {
         return ToGrpc(s);
       }
@@ -676,7 +734,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   for (int i = 0; i < n; ++i) {
     if (absl::Status s = DecodeFeature(**c, req->features(i), nullptr, &cols[i], &decoded[i],
                                        nullptr, ids_in_place ? region.get() : nullptr,
-                                       id_buffer.get());
+                                       id_buffer.get(), inputs_on_device ? &transfer : nullptr);
         !s.ok()) {
       return ToGrpc(s);
     }
@@ -692,9 +750,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   // link for the CPU backend, device memory of an NCCL link for the CUDA
   // backend): the outputs go there and back over the link without a copy.
   const bool outputs_in_link =
-      transfer.linked() &&
-      transfer.link_memory_on_device() ==
-          (backend_->OutputMemory() == backend::EmbeddingBackend::Memory::kCudaDevice);
+      transfer.linked() && transfer.link_memory_on_device() == ReadsDeviceMemory();
   // Placed outputs a backend of packed outputs wrote into their slices:
   // copied into the placement afterwards.
   struct Move {
@@ -776,20 +832,44 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     channels_.Abandon(req->channel_id(), OwnerOf(ctx));
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
   }
-  // Through a channel: every array copied out of its region first.
+  // Through a channel: every array copied out of its region first, but
+  // through an NCCL link to a backend that reads device memory, the
+  // lengths alone (the ids, weights and gradients stay in the link's device
+  // memory, checked and read there by the backend). Not with
+  // skip_nonfinite, which reads the gradients here. The parts of a retried
+  // update that were applied before are then not checked again (nothing of
+  // them is applied).
+  const bool device_reads =
+      ReadsDeviceMemory() && !options_.skip_nonfinite &&
+      std::all_of(req->gradients().begin(), req->gradients().end(),
+                  [](const ember::v1::ShardGradient& g) {
+                    return IdsAndWeightsInChannel(g.feature()) && g.grad().empty();
+                  });
+  bool inputs_on_device = false;
+  ShmChannels::Transfer transfer;  // a link channel's: held to the end of the call
   ReusedCopy<ember::v1::WorkerApplyGradientsRequest> reused;
   ember::v1::WorkerApplyGradientsRequest& copied = *reused.get();
   if (req->channel_id() != 0) {
-    auto transfer =
-        channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq(), req->link_sent());
-    if (!transfer.ok()) return ToGrpc(transfer.status());
-    const std::shared_ptr<const ShmChannels::Region>* region = &transfer->region();
+    std::vector<ember::v1::ShmSlice> host_slices;
+    if (device_reads) {
+      for (const auto& g : req->gradients()) host_slices.push_back(g.feature().shm_lengths());
+    }
+    auto used = channels_.Use(req->channel_id(), OwnerOf(ctx), req->channel_seq(),
+                              req->link_sent(), device_reads ? &host_slices : nullptr);
+    if (!used.ok()) return ToGrpc(used.status());
+    transfer = *std::move(used);
+    inputs_on_device = device_reads && transfer.link_memory_on_device();
+    const std::shared_ptr<const ShmChannels::Region>* region = &transfer.region();
     copied = *req;
     for (int i = 0; i < copied.gradients_size(); ++i) {
       auto* g = copied.mutable_gradients(i);
       const std::string what = absl::StrCat("gradient ", i);
-      if (absl::Status s = CopyIn(**region, what, g->mutable_feature()); !s.ok()) return ToGrpc(s);
-      if (g->shm_grad().size() > 0) {
+      if (absl::Status s = CopyIn(**region, what, g->mutable_feature(),
+                                  inputs_on_device ? CopyOf::kLengths : CopyOf::kAll);
+          !s.ok()) {
+        return ToGrpc(s);
+      }
+      if (g->shm_grad().size() > 0 && !inputs_on_device) {
         if (!g->grad().empty()) {
           return ToGrpc(absl::InvalidArgumentError(
               absl::StrCat(what, ": grad given both inline and in the channel")));
@@ -832,7 +912,9 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   for (int i = 0; i < n; ++i) {
     const auto& g = req->gradients(i);
     int64_t cols = 0;
-    if (absl::Status s = DecodeFeature(coll, g.feature(), &g.grad(), &cols, &decoded[i], &skipped);
+    if (absl::Status s = DecodeFeature(coll, g.feature(), &g.grad(), &cols, &decoded[i], &skipped,
+                                       nullptr, nullptr, inputs_on_device ? &transfer : nullptr,
+                                       &g.shm_grad());
         !s.ok()) {
       return refuse(s);
     }

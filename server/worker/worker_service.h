@@ -159,12 +159,22 @@ class WorkerService final : public ember::v1::Worker::Service {
   // touches is left out first (counted in *skipped). With `region`, ids f
   // names in it are viewed there, in place; with `id_buffer`, ids in that
   // (buffer_ids) are too, or copied out for a backend that checks ids
-  // before it runs (lookups only).
+  // before it runs (lookups only). With `on_device`, the ids and weights
+  // (and the gradient, at `device_grad`) are viewed in that link's device
+  // memory, for a backend that reads and checks them there
+  // (FeatureRequest::on_device): only their shapes are checked here.
   absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f,
                              const std::string* grad, int64_t* cols, Decoded* out,
                              int64_t* skipped, const ShmChannels::Region* region = nullptr,
-                             const ShmChannels::Region* id_buffer = nullptr) const
+                             const ShmChannels::Region* id_buffer = nullptr,
+                             const ShmChannels::Transfer* on_device = nullptr,
+                             const ember::v1::ShmSlice* device_grad = nullptr) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether the backend reads inputs in device memory (and writes outputs
+  // there): EmbeddingBackend::OutputMemory() is kCudaDevice.
+  bool ReadsDeviceMemory() const {
+    return backend_->OutputMemory() == backend::EmbeddingBackend::Memory::kCudaDevice;
+  }
   // NOT_FOUND unless this worker holds the collection.
   absl::StatusOr<Collection*> HeldCollection(const std::string& name) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
