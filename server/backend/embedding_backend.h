@@ -43,8 +43,9 @@
 // that do not sum to the ids, weight count mismatch, gradient of the wrong
 // shape, NaN/Inf in per-id weights, gradients or imported rows) returns
 // INVALID_ARGUMENT / NOT_FOUND and changes nothing: every request of a call
-// is validated before anything is written, except the ids of a lookup in a
-// backend that checks them as it gathers (ChecksIdsWhileGathering), which
+// is validated before anything is written (inputs in device memory,
+// FeatureRequest::on_device, on the device), except the ids of a lookup in
+// a backend that checks them as it gathers (ChecksIdsWhileGathering), which
 // may have written parts of the outputs when it refuses a bad id.
 #ifndef EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 #define EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_

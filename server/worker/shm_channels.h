@@ -4,8 +4,9 @@
 // link channels (an NCCL or socket peer link, cuda/peer_link.h), where each
 // side keeps its own copy of a region laid out the same way and a call's
 // bytes cross the link: received into the worker's copy when the call
-// starts (Use), its lookup outputs sent back from it when it succeeded
-// (Transfer::Reply).
+// starts (Use; a CUDA worker on NCCL links copies only the lengths out of
+// the link's device memory and its backend reads the rest there), its
+// lookup outputs sent back when it succeeded (Transfer::Reply).
 //
 // A channel belongs to the credentials that opened it (the authorization
 // value, when tokens are on): calls naming it with other credentials are
