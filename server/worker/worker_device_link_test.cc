@@ -220,19 +220,21 @@ class LinkClient {
   char* memory_ = nullptr;
 };
 
-// The same lookup inline (its arrays in the message): the outputs in order.
+// A feature of t with its arrays in the message.
+void Inline(const Bags& b, ember::v1::ShardFeature* f) {
+  f->mutable_shard()->set_table("t");
+  f->set_pooling(TableConfig::SUM);
+  f->set_lengths(wire::Encode<int64_t>(b.lengths));
+  f->set_ids(wire::Encode<int64_t>(b.ids));
+  if (!b.weights.empty()) f->set_weights(wire::Encode<float>(b.weights));
+}
+
+// The same lookup inline: the outputs in order.
 std::vector<float> InlineLookup(WorkerService* s, const std::vector<Bags>& features) {
   ember::v1::WorkerLookupRequest req;
   req.set_collection("c");
   req.set_epoch(1);
-  for (const Bags& b : features) {
-    auto* f = req.add_features();
-    f->mutable_shard()->set_table("t");
-    f->set_pooling(TableConfig::SUM);
-    f->set_lengths(wire::Encode<int64_t>(b.lengths));
-    f->set_ids(wire::Encode<int64_t>(b.ids));
-    if (!b.weights.empty()) f->set_weights(wire::Encode<float>(b.weights));
-  }
+  for (const Bags& b : features) Inline(b, req.add_features());
   ember::v1::WorkerLookupResponse resp;
   const grpc::Status st = s->Lookup(nullptr, &req, &resp);
   EXPECT_TRUE(st.ok()) << st.error_message();
@@ -255,12 +257,7 @@ grpc::Status InlineUpdate(WorkerService* s, const std::string& request_id,
   up.set_request_id(request_id);
   for (size_t i = 0; i < features.size(); ++i) {
     auto* g = up.add_gradients();
-    auto* f = g->mutable_feature();
-    f->mutable_shard()->set_table("t");
-    f->set_pooling(TableConfig::SUM);
-    f->set_lengths(wire::Encode<int64_t>(features[i].lengths));
-    f->set_ids(wire::Encode<int64_t>(features[i].ids));
-    if (!features[i].weights.empty()) f->set_weights(wire::Encode<float>(features[i].weights));
+    Inline(features[i], g->mutable_feature());
     g->set_grad(wire::Encode<float>(grads[i]));
   }
   ember::v1::WorkerApplyGradientsResponse resp;
