@@ -753,7 +753,12 @@ CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
     if (!fan[rank].started) continue;
     const grpc::Status& status = fan[rank].status;
     // A link channel whose exchange did not end as agreed (refused, failed,
-    // outputs not taken): its link may be out of step.
+    // outputs not taken): its link may be out of step, unless the worker
+    // took its bytes before refusing the call as busy.
+    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+        absl::StrContains(status.error_message(), kLinkBytesTaken)) {
+      (*transports)[rank]->Settled(absl::Now() + absl::Seconds(10));
+    }
     if ((*transports)[rank]->Unfinished()) (*transports)[rank]->Failed();
     switch (status.error_code()) {
       case grpc::StatusCode::OK:

@@ -115,6 +115,11 @@ absl::Status ShmTransport::Received(absl::Time deadline) {
   return absl::OkStatus();
 }
 
+void ShmTransport::Settled(absl::Time deadline) {
+  cuda::PeerLink* link = lease_.get()->link();
+  if (link != nullptr && !finished_) finished_ = link->Wait(deadline).ok();
+}
+
 void ShmTransport::KeepOnDevice(std::string* field, SliceFn slice, const void* src,
                                 uint64_t src_pitch, uint64_t width, uint64_t rows) {
   const uint64_t bytes = width * rows;

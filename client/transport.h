@@ -76,6 +76,10 @@ class Transport {
   // A link channel's call that ended without its whole exchange (refused,
   // failed, or its outputs never received): the link may be out of step.
   virtual bool Unfinished() const { return false; }
+  // A link channel's call the worker refused after taking its bytes off
+  // the link (kLinkBytesTaken): once the send is done (by `deadline`) the
+  // exchange is finished and the link in step.
+  virtual void Settled(absl::Time deadline) {}
   // Whether this is a link channel's (the worker cannot map this process's
   // buffers through it).
   virtual bool Linked() const { return false; }
@@ -149,6 +153,7 @@ class ShmTransport : public Transport {
   absl::Status Sending(ember::v1::ShmSlice* sent, ember::v1::ShmSlice* reply) override;
   absl::Status Received(absl::Time deadline) override;
   bool Unfinished() const override { return Linked() && !finished_; }
+  void Settled(absl::Time deadline) override;
   bool Linked() const override { return lease_.get()->link() != nullptr; }
   void KeepOnDevice(std::string* field, SliceFn slice, const void* src, uint64_t src_pitch,
                     uint64_t width, uint64_t rows) override;

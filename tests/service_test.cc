@@ -551,28 +551,55 @@ TEST_P(ServiceTest, AnExplicitPlanIsCheckedAndServed) {
 // Workers bound the data calls in progress (--max_queued_calls=1 here):
 // the calls past it are refused "worker busy", and clients wait them out
 // with back-off, so every concurrent call still gets the reference's
-// answer; the refusals are counted in ShardStatus.
-TEST(ServiceBoundTest, BusyWorkersAreWaitedOutByClients) {
-  testing_util::LocalCluster cluster(kEmberctl, 2, {"--max_queued_calls=1"});
+// answer; the refusals are counted in ShardStatus. Over link channels
+// (`link`: "socket") a busy worker takes a call's bytes before refusing
+// it, and the client keeps the channel: links are joined once per channel
+// the client needs at once (6 threads), not again after each refusal.
+void BusyWorkersAreWaitedOut(const std::string& link) {
+  std::vector<std::string> flags = {"--max_queued_calls=1"};
+  if (!link.empty()) flags.push_back("--links=" + link);
+  testing_util::LocalCluster cluster(kEmberctl, 2, flags);
   ASSERT_TRUE(cluster.ok()) << "emberctl up did not come up";
   client::ClientOptions o;
   o.timeout = absl::Seconds(60);
   o.max_attempts = 1000;
   o.initial_backoff = absl::Milliseconds(1);
+  o.link = link;
   auto c = Client::Connect(cluster.coordinator(), o);
   ASSERT_TRUE(c.ok()) << c.status();
   const CollectionSpec spec = TestSpec("bounded");
   ASSERT_TRUE((*c)->CreateCollection(spec, "row_wise").ok());
   auto ref = *InProcessCollection::Create(spec);
+  // The workers' counts, summed.
+  struct Totals {
+    int64_t refused = 0, kept = 0, opened = 0, link_lookups = 0;
+  };
+  auto totals = [&] {
+    Totals t;
+    auto workers = (*c)->ListWorkers();
+    EXPECT_TRUE(workers.ok()) << workers.status();
+    if (!workers.ok()) return t;
+    for (const auto& w : workers->workers()) {
+      auto st = (*c)->WorkerStatus(w.info().address());
+      EXPECT_TRUE(st.ok()) << st.status();
+      if (!st.ok()) continue;
+      t.refused += st->busy_refused();
+      t.kept += st->link_busy_kept();
+      t.opened += st->link_channels_opened();
+      t.link_lookups += st->link_lookups();
+    }
+    return t;
+  };
   // Rounds of 6 threads x 20 lookups until the workers have refused some
-  // (nearly always the first round; at most 5).
-  int64_t refused = 0;
-  for (int round = 0; round < 5 && refused == 0; ++round) {
+  // (nearly always the first round), and over links until they have
+  // refused at least 8 link channels' calls (a few rounds; at most 30).
+  Totals t;
+  for (int round = 0; round < 30 && (t.refused == 0 || (!link.empty() && t.kept < 8)); ++round) {
     std::vector<std::thread> threads;
     std::atomic<int> failures{0};
-    for (int t = 0; t < 6; ++t) {
-      threads.emplace_back([&, t] {
-        std::mt19937 rng(200 + 10 * round + t);
+    for (int th = 0; th < 6; ++th) {
+      threads.emplace_back([&, th] {
+        std::mt19937 rng(200 + 10 * round + th);
         for (int i = 0; i < 20; ++i) {
           KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 512, false);
           auto kt = (*c)->Lookup("bounded", kjt);
@@ -587,16 +614,22 @@ TEST(ServiceBoundTest, BusyWorkersAreWaitedOutByClients) {
     }
     for (auto& th : threads) th.join();
     EXPECT_EQ(failures.load(), 0);
-    auto workers = (*c)->ListWorkers();
-    ASSERT_TRUE(workers.ok());
-    for (const auto& w : workers->workers()) {
-      auto st = (*c)->WorkerStatus(w.info().address());
-      ASSERT_TRUE(st.ok()) << st.status();
-      refused += st->busy_refused();
-    }
+    t = totals();
   }
-  EXPECT_GT(refused, 0) << "6 threads never found a worker busy at --max_queued_calls=1";
+  EXPECT_GT(t.refused, 0) << "6 threads never found a worker busy at --max_queued_calls=1";
+  if (!link.empty()) {
+    EXPECT_GT(t.link_lookups, 0) << "no lookup went through a link channel";
+    EXPECT_GE(t.kept, 8) << "too few link channels' calls found a worker busy to tell";
+    // A link per worker, and another each time a call needs a larger
+    // region (rare): not one per refusal.
+    EXPECT_LE(t.opened, 2 * 3) << t.kept << " link channels' calls refused as busy";
+  }
   ASSERT_TRUE((*c)->DropCollection("bounded").ok());
+}
+
+TEST(ServiceBoundTest, BusyWorkersAreWaitedOutByClients) { BusyWorkersAreWaitedOut(""); }
+TEST(ServiceBoundTest, BusyWorkersAreWaitedOutOverLinkChannels) {
+  BusyWorkersAreWaitedOut("socket");
 }
 
 // A retried update (same request id) is applied once; the client's own

@@ -29,6 +29,10 @@ constexpr int kStreamWindowBytes = 8 << 20;
 // transient state clients retry with back-off, unlike the other
 // RESOURCE_EXHAUSTED answers (no memory, an output too large).
 constexpr char kWorkerBusy[] = "worker busy";
+// What a worker's busy refusal of a link channel's call adds when it took
+// the call's bytes off the link first: the link is still in step, and the
+// client keeps the channel (instead of joining a new link).
+constexpr char kLinkBytesTaken[] = "its link bytes were taken";
 // How a worker's refusal of a lookup's id buffer (WorkerLookupRequest.
 // id_buffer: it could not map it) begins; FAILED_PRECONDITION. The client
 // then sends ids through the channel instead.

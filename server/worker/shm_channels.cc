@@ -375,6 +375,7 @@ absl::StatusOr<uint64_t> ShmChannels::OpenLink(const ember::v1::OpenChannelReque
     c.last_used = absl::Now();
     c.link = state;
   }
+  links_opened_.fetch_add(1, std::memory_order_relaxed);
   // Joined in the background: the client joins once it has this answer.
   std::thread([state, kind, link = *id_made, device = links_.device, size,
                deadline = absl::Now() + links_.transfer_timeout] {

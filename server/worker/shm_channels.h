@@ -18,6 +18,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -176,6 +177,9 @@ class ShmChannels {
 
   int open_channels() const;  // of both kinds
   int link_channels() const;
+  int64_t link_channels_opened() const {  // since it started
+    return links_opened_.load(std::memory_order_relaxed);
+  }
   absl::Duration idle_timeout() const { return idle_timeout_; }
 
  private:
@@ -225,6 +229,7 @@ class ShmChannels {
   // runs where links are offered.
   void Reap();
   std::thread reaper_;
+  std::atomic<int64_t> links_opened_{0};
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<uint64_t, Channel> channels_ ABSL_GUARDED_BY(mu_);

@@ -61,6 +61,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
               one(&Stats::link_channels));
   m->AddCounter("ember_worker_link_lookups_total", "Lookups served through link channels",
                 one(&Stats::link_lookups));
+  m->AddCounter("ember_worker_link_channels_opened_total",
+                "Link channels opened (each joins a new NCCL or socket link)",
+                one(&Stats::link_channels_opened));
   m->AddCounter("ember_worker_placed_lookups_total",
                 "Lookups whose outputs went straight into the trainer's output buffer (same host)",
                 one(&Stats::placed_lookups));

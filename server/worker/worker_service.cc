@@ -626,14 +626,24 @@ absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char*
   return call;
 }
 
+absl::Status WorkerService::RefuseBusy(const std::string& owner, uint64_t channel, uint64_t seq,
+                                      const ember::v1::ShmSlice& sent, const absl::Status& busy) {
+  if (channel == 0) return busy;
+  auto taken = channels_.Use(channel, owner, seq, sent);
+  if (!taken.ok()) return taken.status();
+  if (!taken->linked()) return busy;
+  link_busy_kept_.fetch_add(1, std::memory_order_relaxed);
+  return absl::ResourceExhaustedError(absl::StrCat(busy.message(), "; ", kLinkBytesTaken));
+}
+
 grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
                                    ember::v1::WorkerLookupResponse* resp) {
   const absl::Time handler_start = absl::Now();
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("lookup");
   if (!call.ok()) {
-    channels_.Abandon(req->channel_id(), OwnerOf(ctx));  // a link channel's bytes not received
-    return ToGrpc(call.status());
+    return ToGrpc(RefuseBusy(OwnerOf(ctx), req->channel_id(), req->channel_seq(),
+                             req->link_sent(), call.status()));
   }
   // Through a channel: the outputs written into its region, the lengths
   // and weights copied out of it first, and the ids too unless the backend
@@ -825,8 +835,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
   auto call = EnterDataCall("gradient update");
   if (!call.ok()) {
-    channels_.Abandon(req->channel_id(), OwnerOf(ctx));  // a link channel's bytes not received
-    return ToGrpc(call.status());
+    return ToGrpc(RefuseBusy(OwnerOf(ctx), req->channel_id(), req->channel_seq(),
+                             req->link_sent(), call.status()));
   }
   if (req->request_id().empty()) {
     channels_.Abandon(req->channel_id(), OwnerOf(ctx));
@@ -1065,6 +1075,8 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.link_channels = channels_.link_channels();
   s.shm_channels = channels_.open_channels() - s.link_channels;
   s.link_lookups = link_lookups_.load(std::memory_order_relaxed);
+  s.link_channels_opened = channels_.link_channels_opened();
+  s.link_busy_kept = link_busy_kept_.load(std::memory_order_relaxed);
   s.placed_lookups = placed_lookups_.load(std::memory_order_relaxed);
   s.id_buffer_lookups = id_buffer_lookups_.load(std::memory_order_relaxed);
   s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
@@ -1098,6 +1110,8 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_shm_channels(channels_.open_channels() - links);
   resp->set_link_channels(links);
   resp->set_link_lookups(link_lookups_.load(std::memory_order_relaxed));
+  resp->set_link_channels_opened(channels_.link_channels_opened());
+  resp->set_link_busy_kept(link_busy_kept_.load(std::memory_order_relaxed));
   resp->set_placed_lookups(placed_lookups_.load(std::memory_order_relaxed));
   resp->set_id_buffer_lookups(id_buffer_lookups_.load(std::memory_order_relaxed));
   resp->set_backend_lookup_ns(backend_lookup_ns_.load(std::memory_order_relaxed));

@@ -99,6 +99,8 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
     int64_t shm_channels = 0;                         // shared-memory channels open
     int64_t link_channels = 0, link_lookups = 0;      // link channels open, lookups through them
+    int64_t link_channels_opened = 0;                 // since the worker started
+    int64_t link_busy_kept = 0;  // busy refusals of link calls whose bytes were taken
     int64_t placed_lookups = 0;  // outputs written into the client's output buffer
     int64_t id_buffer_lookups = 0;  // ids read from the client's id buffer
     // Time inside the backend's Lookup / ApplyGradients (calls that succeeded
@@ -170,6 +172,13 @@ class WorkerService final : public ember::v1::Worker::Service {
                              const ShmChannels::Transfer* on_device = nullptr,
                              const ember::v1::ShmSlice* device_grad = nullptr) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // A data call refused as busy (`busy`, EnterDataCall's): a link
+  // channel's bytes are taken off the link first, so that the link stays in
+  // step and the channel is kept, and the refusal says so
+  // (kLinkBytesTaken). A channel whose bytes cannot be taken is dropped
+  // (Use), and its refusal is the answer instead.
+  absl::Status RefuseBusy(const std::string& owner, uint64_t channel, uint64_t seq,
+                          const ember::v1::ShmSlice& sent, const absl::Status& busy);
   // Whether the backend reads inputs in device memory (and writes outputs
   // there): EmbeddingBackend::OutputMemory() is kCudaDevice.
   bool ReadsDeviceMemory() const {
@@ -204,7 +213,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
   std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0}, placed_lookups_{0},
-      id_buffer_lookups_{0}, link_lookups_{0};
+      id_buffer_lookups_{0}, link_lookups_{0}, link_busy_kept_{0};
   std::atomic<int64_t> backend_lookup_ns_{0}, backend_update_ns_{0};
   std::atomic<int64_t> lookup_handler_ns_{0};  // successful lookups, whole handler
   std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};

@@ -1363,6 +1363,50 @@ TEST(WorkerServiceTest, LinkChannelsServeLikeInline) {
   EXPECT_EQ(s->open_channels(), 0);
 }
 
+// A link channel's call refused as busy has its bytes taken off the link
+// first: the refusal says so (kLinkBytesTaken), the channel stays open and
+// in step, and the next call on it is served; no new link is joined.
+TEST(WorkerServiceTest, BusyRefusalsKeepLinkChannelsInStep) {
+  absl::Notification release;
+  std::atomic<bool> hold{false};
+  WorkerServiceOptions so = OfferingSocketLinks();
+  so.max_queued_calls = 1;
+  auto s = MakeService(so, false, [&] {
+    if (hold) release.WaitForNotification();
+  });
+  TestLinkClient c(s.get(), 1 << 16);
+  ASSERT_NE(c.link, nullptr);
+  const std::vector<int64_t> lengths = {2, 1}, ids = {0, 1, 3};
+  const std::vector<float> want = InlineLookup(s.get(), lengths, ids);
+  EXPECT_EQ(c.LookUpOn(s.get(), 1, lengths, ids), want);
+  hold = true;
+  std::thread held([&] { InlineLookup(s.get(), lengths, ids); });
+  while (s->GetStats().calls_in_progress < 1) std::this_thread::yield();
+  ember::v1::WorkerLookupRequest req = c.Lookup(2, lengths, ids);
+  ember::v1::WorkerLookupResponse resp;
+  grpc::Status st = s->Lookup(nullptr, &req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(st.error_message().rfind(kWorkerBusy, 0), 0u) << st.error_message();
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr(kLinkBytesTaken));
+  ember::v1::WorkerApplyGradientsRequest up = c.Update("busy", lengths, ids);
+  up.set_channel_seq(3);
+  c.Send(2048 + 32, up.mutable_link_sent());
+  ember::v1::WorkerApplyGradientsResponse ur;
+  st = s->ApplyGradients(nullptr, &up, &ur);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr(kLinkBytesTaken));
+  hold = false;
+  release.Notify();
+  held.join();
+  EXPECT_EQ(s->open_channels(), 1);
+  EXPECT_EQ(s->GetStats().busy_refused, 2);
+  EXPECT_EQ(Table(s.get(), "t"), std::vector<float>(16, 0.0f));  // nothing applied
+  // The same channel, in step: the next lookup gets its own outputs.
+  EXPECT_EQ(c.LookUpOn(s.get(), 4, lengths, ids), want);
+  EXPECT_EQ(s->GetStats().link_channels_opened, 1);
+  EXPECT_EQ(s->GetStats().link_busy_kept, 2);
+}
+
 // A reply the client never takes (it died after the call's answer) would
 // hold the worker's link, and with NCCL the device, until the channel
 // lapsed: the worker drops the channel once the reply is late.
