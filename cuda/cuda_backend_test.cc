@@ -217,6 +217,58 @@ TEST(CudaBackendTest, OutputsGoStraightToDeviceMemory) {
 #endif
 }
 
+// Inputs in device memory (FeatureRequest::on_device) with the outputs in
+// device memory too, as a worker lays out an NCCL link's memory: the same
+// values as from the host; an output over the call's ids is refused (a
+// later piece of the call would read earlier outputs as its ids).
+TEST(CudaBackendTest, DeviceInputsAndOutputsMayNotOverlap) {
+#if __has_include(<cuda_runtime_api.h>)
+  auto be = MakeOrExpectUnavailable({});
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  auto id = be->CreateShard(MakeSpec(8, 8));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<int64_t> lengths = {2, 0, 1}, ids = {1, 7, 3};
+  std::vector<float> want(3 * 8);
+  ASSERT_TRUE(
+      be->Lookup({LookupRequest{FeatureRequest{*id, Pooling::kSum, lengths, ids, {}},
+                                absl::MakeSpan(want)}})
+          .ok());
+  // One block: outputs at 0, ids at 512 bytes.
+  char* device = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), 4096), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(device + 512, ids.data(), ids.size() * sizeof(int64_t),
+                            cudaMemcpyHostToDevice, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  FeatureRequest f{*id, Pooling::kSum, lengths,
+                   absl::MakeConstSpan(reinterpret_cast<const int64_t*>(device + 512), ids.size()),
+                   {}};
+  f.on_device = true;
+  LookupRequest r{f, absl::MakeSpan(reinterpret_cast<float*>(device), want.size())};
+  r.output_on_device = true;
+  ASSERT_TRUE(be->Lookup({r}).ok());
+  std::vector<float> got(want.size());
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), device, got.size() * sizeof(float),
+                            cudaMemcpyDeviceToHost, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  EXPECT_EQ(got, want);
+  // The output's last row over the ids.
+  r.output = absl::MakeSpan(reinterpret_cast<float*>(device + 448), want.size());
+  const absl::Status overlap = be->Lookup({r});
+  EXPECT_EQ(overlap.code(), absl::StatusCode::kInvalidArgument) << overlap;
+  EXPECT_THAT(std::string(overlap.message()), ::testing::HasSubstr("overlaps the call's ids"));
+  // Device inputs to a host output: fine (only device memory is read).
+  LookupRequest host_out{f, absl::MakeSpan(got)};
+  std::fill(got.begin(), got.end(), -1.0f);
+  ASSERT_TRUE(be->Lookup({host_out}).ok());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+#else
+  GTEST_SKIP() << "built without the CUDA toolkit";
+#endif
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace ember

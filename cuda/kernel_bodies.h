@@ -168,10 +168,10 @@ EMBER_KERNEL bool BadInputOne(int64_t e, const int64_t* begin, const InputCheckD
                               int64_t n) {
   const InputCheckDesc& d = descs[UpperBound(begin, n + 1, e) - 1];
   int64_t k = e - d.begin;
-  if (k < d.num_ids) return d.ids[k] < 0 || d.ids[k] >= d.rows;
-  k -= d.num_ids;
   if (k < d.num_weights) return NonFinite(d.weights[k]);
-  return NonFinite(d.grad[k - d.num_weights]);
+  k -= d.num_weights;
+  if (k < d.num_ids) return d.ids[k] < 0 || d.ids[k] >= d.rows;
+  return NonFinite(d.grad[k - d.num_ids]);
 }
 
 // How a warp covers a row of `dim` elements: chunks of 4 elements, `group`

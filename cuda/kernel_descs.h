@@ -54,10 +54,10 @@ struct UpdateDesc {
 
 // One request's inputs in device memory (FeatureRequest::on_device: a
 // worker's link channel), checked before its call runs: ids in [0, rows),
-// weights and gradient floats finite. Its elements are numbered ids first,
-// then weights, then gradient floats, from `begin` on (numbers run on
+// weights and gradient floats finite. Its elements are numbered weights
+// first, then ids, then gradient floats, from `begin` on (numbers run on
 // across the call's requests), so the smallest bad number is the first bad
-// value in the order the host's checks meet them.
+// value in the order backend::ValidateRequests meets them.
 struct InputCheckDesc {
   const int64_t* ids;
   const float* weights;  // [num_weights], or null

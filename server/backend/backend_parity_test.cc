@@ -116,7 +116,12 @@ void AddCudaBackend(const std::string& name, size_t split_bytes, std::vector<Bac
 #endif
     return be;
   };
-  for (const bool device_inputs : {false, true}) {
+#if __has_include(<cuda_runtime_api.h>)
+  const std::vector<bool> input_kinds = {false, true};  // host, device
+#else
+  const std::vector<bool> input_kinds = {false};
+#endif
+  for (const bool device_inputs : input_kinds) {
     const std::string n = device_inputs ? name + "_device_inputs" : name;
     out->push_back({n, [make, device_inputs] { return make(0, device_inputs); }});
     out->push_back({n + "_split",
@@ -770,6 +775,45 @@ TEST_P(BackendParityTest, BadInputChangesNothing) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(be_->ImportRows(*id, 0, 1, buf, absl::MakeConstSpan(sbuf.data(), 3)).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Two bad values in one call: every backend and path names the same one,
+// the first in ValidateRequests' order (request by request: weights, ids,
+// then the gradient), though the second request's bad id comes first in a
+// pass over all the ids.
+TEST_P(BackendParityTest, TheFirstOfTwoBadValuesIsNamed) {
+  const ShardSpec spec = MakeSpec(20, 8, WeightType::kFp32, OptimizerType::kSgd);
+  auto id = be_->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  const std::vector<float> w0 = Export(be_.get(), *id, spec);
+  Jagged nan_weight, bad_id;
+  nan_weight.lengths = {2, 1};
+  nan_weight.ids = {1, 2, 3};
+  nan_weight.weights = {1.0f, std::nanf(""), 1.0f};
+  bad_id.lengths = {1, 2};
+  bad_id.ids = {4, 25, 6};
+  std::vector<float> out_a(16), out_b(16);
+  absl::Status s =
+      be_->Lookup({LookupRequest{Feature(*id, Pooling::kSum, nan_weight), absl::MakeSpan(out_a)},
+                   LookupRequest{Feature(*id, Pooling::kSum, bad_id), absl::MakeSpan(out_b)}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): weights[1] is nan"));
+  // Both in one request: its weights come before its ids.
+  Jagged both = nan_weight;
+  both.ids[2] = 25;
+  s = be_->Lookup({LookupRequest{Feature(*id, Pooling::kSum, both), absl::MakeSpan(out_a)}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): weights[1] is nan"));
+  // A NaN gradient in request 0, a bad id in request 1.
+  Jagged good = nan_weight;
+  good.weights.clear();
+  std::vector<float> nan_grad(16, 0.5f), grad(16, 0.5f);
+  nan_grad[9] = std::nanf("");
+  s = be_->ApplyGradients({{Feature(*id, Pooling::kSum, good), nan_grad},
+                           {Feature(*id, Pooling::kSum, bad_id), grad}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): gradient[9] is nan"));
+  EXPECT_EQ(Export(be_.get(), *id, spec), w0);
 }
 
 // Bad values far into large requests (past the CUDA backend's first staged

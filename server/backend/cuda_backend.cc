@@ -234,6 +234,49 @@ class Uploader {
 absl::Span<const float> InputFloats(const LookupRequest&) { return {}; }
 absl::Span<const float> InputFloats(const GradientRequest& r) { return r.grad; }
 
+// INVALID_ARGUMENT when a lookup's output overlaps any of the call's ids or
+// weights (CheckDeviceInputs' rule for inputs in device memory); gradient
+// calls write nothing there.
+absl::Status CheckNoOverlap(absl::Span<const GradientRequest>, const char*) {
+  return absl::OkStatus();
+}
+absl::Status CheckNoOverlap(absl::Span<const LookupRequest> requests, const char* kind) {
+  using Range = std::pair<uintptr_t, uintptr_t>;  // [begin, end)
+  std::vector<Range> inputs;
+  auto range = [](const void* p, size_t bytes) {
+    const uintptr_t b = reinterpret_cast<uintptr_t>(p);
+    return Range(b, b + bytes);
+  };
+  for (const LookupRequest& r : requests) {
+    const FeatureRequest& f = r.feature;
+    if (!f.ids.empty()) inputs.push_back(range(f.ids.data(), f.ids.size() * sizeof(int64_t)));
+    if (!f.weights.empty()) {
+      inputs.push_back(range(f.weights.data(), f.weights.size() * sizeof(float)));
+    }
+  }
+  // Disjoint and in order, for the search.
+  std::sort(inputs.begin(), inputs.end());
+  std::vector<Range> merged;
+  for (const Range& in : inputs) {
+    if (!merged.empty() && in.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, in.second);
+    } else {
+      merged.push_back(in);
+    }
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (requests[i].output.empty()) continue;
+    const Range out = range(requests[i].output.data(), requests[i].output.size() * sizeof(float));
+    // The last input range that starts before the output ends.
+    auto after = std::upper_bound(merged.begin(), merged.end(), Range(out.second, 0));
+    if (after != merged.begin() && std::prev(after)->second > out.first) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kind, " request ", i, ": its output overlaps the call's ids or weights"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Host copies of an ApplyGradients call's device inputs, for a call that
 // must be cut into pieces (call_split.h reads the ids, weights and
 // gradients on the host to cut it).
@@ -635,7 +678,7 @@ class CudaBackend : public EmbeddingBackend {
     bool first = true;
     // In pieces the call's ids and weights are checked whole first, so that
     // errors name the caller's requests (device inputs were, above).
-    return ForEachLookupPiece(
+    return CanonicalRefusal(requests, ForEachLookupPiece(
         requests, plan, Resolver(), split_,
         [&](absl::Span<const LookupRequest> piece)
             ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
@@ -650,10 +693,30 @@ class CudaBackend : public EmbeddingBackend {
           first = false;
           return QueueLookupPiece(piece, lease->slot(), pending);
         },
-        [&] {
-          return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/false,
-                                  /*device_memory=*/true);
-        });
+        [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return CheckAll(requests); }));
+  }
+
+  // A refusal from staging names the first bad value it met, ids of every
+  // request before any weights: `refused`, or the first in
+  // ValidateRequests' order (the CPU backend's, request by request), which
+  // names the same value whichever path a call takes.
+  template <typename Request>
+  absl::Status CanonicalRefusal(absl::Span<const Request> requests, absl::Status refused) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!absl::IsInvalidArgument(refused)) return refused;
+    absl::Status first = CheckAll(requests);
+    return first.ok() ? refused : first;
+  }
+  absl::Status CheckAll(absl::Span<const LookupRequest> requests) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto find_spec = [this](ShardId id) { return FindSpec(id); };
+    return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/false,
+                            /*device_memory=*/true);
+  }
+  absl::Status CheckAll(absl::Span<const GradientRequest> requests) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto find_spec = [this](ShardId id) { return FindSpec(id); };
+    return ValidateRequests(requests, find_spec, Checks::kAll, /*device_memory=*/true);
   }
 
   // Validates an ApplyGradients call and queues its work. Adam's step of
@@ -686,11 +749,7 @@ class CudaBackend : public EmbeddingBackend {
     }
     if (plan.total_ids == 0) {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
-      if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAll,
-                                             /*device_memory=*/true);
-          !st.ok()) {
-        return st;
-      }
+      if (absl::Status st = CheckAll(requests); !st.ok()) return st;
     } else {
       // Ours is the current device before CUB sizes anything.
       if (absl::Status s = Activate(); !s.ok()) return s;
@@ -698,7 +757,7 @@ class CudaBackend : public EmbeddingBackend {
       bool first = true;
       // In pieces, the first would be applied before the last is checked:
       // the whole call is checked first.
-      if (absl::Status st = ForEachGradientPiece(
+      if (absl::Status st = CanonicalRefusal(requests, ForEachGradientPiece(
               requests, plan, Resolver(), split_,
               [&](absl::Span<const GradientRequest> piece)
                   ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
@@ -708,10 +767,7 @@ class CudaBackend : public EmbeddingBackend {
                 first = false;
                 return QueueGradientPiece(piece, lease->slot());
               },
-              [&] {
-                return ValidateRequests(requests, find_spec, Checks::kAll,
-                                        /*device_memory=*/true);
-              });
+              [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return CheckAll(requests); }));
           !st.ok()) {
         return st;
       }
@@ -1133,8 +1189,11 @@ class CudaBackend : public EmbeddingBackend {
 
   // Checks the values of a call's inputs in device memory (every request
   // on_device), on the device, before anything of the call runs: ids in
-  // range, weights and gradients finite, the first bad value named as the
-  // host's checks name it (RequestWhat(kind, ...), CheckIds, CheckFinite).
+  // range, weights and gradients finite, the first bad value in
+  // ValidateRequests' order named as it names it (RequestWhat(kind, ...),
+  // CheckIds, CheckFinite). A lookup's outputs must not overlap its inputs
+  // (a later piece of a call cut in pieces would read earlier outputs as
+  // its ids, unchecked): INVALID_ARGUMENT.
   // Runs in the call's scratch and staging `slot`, and waits for the
   // check (so for the work queued before it too).
   template <typename Request>
@@ -1157,6 +1216,7 @@ class CudaBackend : public EmbeddingBackend {
     size_t group = requests.size();
     while (group > 1 && lay_out(group).bytes > room) group = (group + 1) / 2;
     if (lay_out(1).bytes > room) return absl::InternalError("the scratch cannot hold a check");
+    if (absl::Status s = CheckNoOverlap(requests, kind); !s.ok()) return s;
     char* h = slot.host.get();
     char* d = scratch_.get();
     // A value read back from device memory (pageable: done on return).
@@ -1212,14 +1272,14 @@ class CudaBackend : public EmbeddingBackend {
       const std::string what = RequestWhat(kind, first + i, spec);
       int64_t k = bad - c.begin;
       absl::Status refused;
-      if (k < c.num_ids) {
+      const bool weight = k < c.num_weights;
+      if (!weight) k -= c.num_weights;
+      if (!weight && k < c.num_ids) {
         int64_t id = 0;
         if (absl::Status s = read_back(&id, c.ids + k, sizeof(id)); !s.ok()) return s;
         refused = CheckIds(absl::MakeConstSpan(&id, 1), spec.rows, what, k);
       } else {
-        k -= c.num_ids;
-        const bool weight = k < c.num_weights;
-        if (!weight) k -= c.num_weights;
+        if (!weight) k -= c.num_ids;
         float value = 0;
         if (absl::Status s = read_back(&value, (weight ? c.weights : c.grad) + k, sizeof(value));
             !s.ok()) {

@@ -368,7 +368,9 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
   // ids are checked by the backend, before anything runs or as it gathers
   // them (embedding_backend.h): one pass over them, not two. An
   // update's are checked here too, as parts already applied never reach the
-  // backend and the whole request is still refused when one is bad.
+  // backend and the whole request is still refused when one is bad; but
+  // not in device memory (`on_device`): the backend checks those, and the
+  // parts already applied go unchecked (nothing of them is applied).
   return backend::ValidateFeature(out->request, (*shard)->assignment.rows(), what,
                                   grad == nullptr ? backend::Checks::kShapesOnly
                                                   : backend::Checks::kAll);
