@@ -747,7 +747,8 @@ struct CallEnds {
 // (kIdBufferRefused) makes that worker's channels send ids as arrays from
 // then on.
 template <typename F>
-CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
+CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports,
+                  absl::Time deadline) {
   CallEnds ends;
   for (int rank = 0; rank < fan.size(); ++rank) {
     if (!fan[rank].started) continue;
@@ -756,8 +757,9 @@ CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports) {
     // outputs not taken): its link may be out of step, unless the worker
     // took its bytes before refusing the call as busy.
     if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+        absl::StartsWith(status.error_message(), kWorkerBusy) &&
         absl::StrContains(status.error_message(), kLinkBytesTaken)) {
-      (*transports)[rank]->Settled(absl::Now() + absl::Seconds(10));
+      (*transports)[rank]->Settled(std::min(deadline, absl::Now() + absl::Seconds(10)));
     }
     if ((*transports)[rank]->Unfinished()) (*transports)[rank]->Failed();
     switch (status.error_code()) {
@@ -986,7 +988,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     // Queued copies finish before the caller hears of the failure (a retry,
     // or the caller, reuses that memory).
     (void)wait_copies();
-    const CallEnds ends = EndCalls(fan, &transports);
+    const CallEnds ends = EndCalls(fan, &transports, deadline);
     if (ends.unconfirmed && placed_in.has_value()) {
       // A worker whose call ended unconfirmed may still write into it.
       SharedBuffers::Global().Poison(placed_in->base + SharedBuffers::kHeaderBytes);
@@ -1203,16 +1205,18 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     for (int rank = 0; rank < fan.size(); ++rank) send(rank);
   }
   absl::Status s = fan.WaitAll();
-  // Link channels: each exchange waited for (its region is then free).
-  for (int rank = 0; rank < fan.size() && s.ok(); ++rank) {
-    if (!fan[rank].started) continue;
-    if (absl::Status st = transports[rank]->Received(deadline); !st.ok()) {
+  // Link channels: each exchange that was answered waited for (its region
+  // is then free, and its link in step, whatever the other ranks' calls
+  // did).
+  for (int rank = 0; rank < fan.size(); ++rank) {
+    if (!fan[rank].started || !fan[rank].status.ok()) continue;
+    if (absl::Status st = transports[rank]->Received(deadline); !st.ok() && s.ok()) {
       s = absl::UnavailableError(absl::StrCat("worker ", rank, ": ", st.message()));
     }
   }
   if (s.ok()) s = link_failure;
   if (s.ok()) s = device_failure;
-  if (!s.ok()) (void)EndCalls(fan, &transports);
+  if (!s.ok()) (void)EndCalls(fan, &transports, deadline);
   return s;
 }
 

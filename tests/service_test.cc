@@ -553,8 +553,9 @@ TEST_P(ServiceTest, AnExplicitPlanIsCheckedAndServed) {
 // with back-off, so every concurrent call still gets the reference's
 // answer; the refusals are counted in ShardStatus. Over link channels
 // (`link`: "socket") a busy worker takes a call's bytes before refusing
-// it, and the client keeps the channel: links are joined once per channel
-// the client needs at once (6 threads), not again after each refusal.
+// it, and the client keeps the channel: a link is joined once per worker
+// (the client keeps one channel per worker; calls that find it taken go
+// inline), not again after each refusal.
 void BusyWorkersAreWaitedOut(const std::string& link) {
   std::vector<std::string> flags = {"--max_queued_calls=1"};
   if (!link.empty()) flags.push_back("--links=" + link);

@@ -804,6 +804,11 @@ TEST_P(BackendParityTest, TheFirstOfTwoBadValuesIsNamed) {
   s = be_->Lookup({LookupRequest{Feature(*id, Pooling::kSum, both), absl::MakeSpan(out_a)}});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): weights[1] is nan"));
+  // The other way round: request 0's bad id before request 1's NaN weight.
+  s = be_->Lookup({LookupRequest{Feature(*id, Pooling::kSum, bad_id), absl::MakeSpan(out_b)},
+                   LookupRequest{Feature(*id, Pooling::kSum, nan_weight), absl::MakeSpan(out_a)}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): id 25 at position 1"));
   // A NaN gradient in request 0, a bad id in request 1.
   Jagged good = nan_weight;
   good.weights.clear();
@@ -813,6 +818,10 @@ TEST_P(BackendParityTest, TheFirstOfTwoBadValuesIsNamed) {
                            {Feature(*id, Pooling::kSum, bad_id), grad}});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): gradient[9] is nan"));
+  s = be_->ApplyGradients({{Feature(*id, Pooling::kSum, bad_id), grad},
+                           {Feature(*id, Pooling::kSum, good), nan_grad}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("request 0 (table 't'): id 25 at position 1"));
   EXPECT_EQ(Export(be_.get(), *id, spec), w0);
 }
 

@@ -187,6 +187,15 @@ class CpuBackend : public EmbeddingBackend {
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAllButIds,
                                            /*strided_outputs=*/true);
         !st.ok()) {
+      // An earlier request's bad id comes first in ValidateRequests' order,
+      // which every backend's refusals follow (the error path only).
+      if (absl::IsInvalidArgument(st)) {
+        if (absl::Status first = ValidateRequests(requests, find_spec, Checks::kAll,
+                                                  /*strided_outputs=*/true);
+            !first.ok()) {
+          return first;
+        }
+      }
       return st;
     }
     // Work items: one per bag (pooled) or per id (NONE), across requests.

@@ -405,6 +405,12 @@ void ShmChannels::Abandon(uint64_t id, const std::string& owner) {
   DropLocked(it, &gone);
 }
 
+bool ShmChannels::IsLink(uint64_t id, const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(id);
+  return it != channels_.end() && it->second.owner == owner && it->second.link != nullptr;
+}
+
 std::map<uint64_t, ShmChannels::Channel>::iterator ShmChannels::DropLocked(
     std::map<uint64_t, Channel>::iterator it, Gone* gone) {
   if (it->second.link != nullptr) gone->push_back(std::move(it->second.link));

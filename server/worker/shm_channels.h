@@ -160,6 +160,8 @@ class ShmChannels {
   // could receive: its link is out of step). Nothing for a shared-memory
   // channel or an unknown one.
   void Abandon(uint64_t id, const std::string& owner);
+  // Whether `id` is a link channel of `owner`'s.
+  bool IsLink(uint64_t id, const std::string& owner) const;
 
   // The client's shared buffer `b` (WorkerLookupRequest.out_buffer or
   // id_buffer) for channel `id`: mapped on first use and kept (up to

@@ -630,10 +630,21 @@ absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char*
 
 absl::Status WorkerService::RefuseBusy(const std::string& owner, uint64_t channel, uint64_t seq,
                                       const ember::v1::ShmSlice& sent, const absl::Status& busy) {
-  if (channel == 0) return busy;
-  auto taken = channels_.Use(channel, owner, seq, sent);
+  if (channel == 0 || !channels_.IsLink(channel, owner)) return busy;
+  // At most kMaxBusyReceives at once (they run outside max_queued_calls);
+  // past that the channel is given up, its bytes not received.
+  struct Held {
+    std::atomic<int>* n;
+    ~Held() { n->fetch_sub(1); }
+  } held{&busy_receives_};
+  if (busy_receives_.fetch_add(1) >= kMaxBusyReceives) {
+    channels_.Abandon(channel, owner);
+    return busy;
+  }
+  // Received, and nothing of it copied to the host (none of it is read).
+  const std::vector<ember::v1::ShmSlice> none;
+  auto taken = channels_.Use(channel, owner, seq, sent, &none);
   if (!taken.ok()) return taken.status();
-  if (!taken->linked()) return busy;
   link_busy_kept_.fetch_add(1, std::memory_order_relaxed);
   return absl::ResourceExhaustedError(absl::StrCat(busy.message(), "; ", kLinkBytesTaken));
 }

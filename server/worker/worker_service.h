@@ -173,8 +173,9 @@ class WorkerService final : public ember::v1::Worker::Service {
                              const ember::v1::ShmSlice* device_grad = nullptr) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // A data call refused as busy (`busy`, EnterDataCall's): a link
-  // channel's bytes are taken off the link first, so that the link stays in
-  // step and the channel is kept, and the refusal says so
+  // channel's bytes are taken off the link first (up to kMaxBusyReceives
+  // calls at once; past that the channel is dropped), so that the link
+  // stays in step and the channel is kept, and the refusal says so
   // (kLinkBytesTaken). A channel whose bytes cannot be taken is dropped
   // (Use), and its refusal is the answer instead.
   absl::Status RefuseBusy(const std::string& owner, uint64_t channel, uint64_t seq,
@@ -214,6 +215,10 @@ class WorkerService final : public ember::v1::Worker::Service {
   const WorkerServiceOptions options_;
   std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0}, placed_lookups_{0},
       id_buffer_lookups_{0}, link_lookups_{0}, link_busy_kept_{0};
+  // Busy refusals taking a link call's bytes now (RefuseBusy), and the most
+  // at once.
+  std::atomic<int> busy_receives_{0};
+  static constexpr int kMaxBusyReceives = 8;
   std::atomic<int64_t> backend_lookup_ns_{0}, backend_update_ns_{0};
   std::atomic<int64_t> lookup_handler_ns_{0};  // successful lookups, whole handler
   std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};
