@@ -103,6 +103,16 @@ std::vector<float> Table(WorkerService* s) {
   return w;
 }
 
+// An update of collection "c" (epoch 1) as request `request_id`, no
+// gradients yet.
+ember::v1::WorkerApplyGradientsRequest UpdateOf(const std::string& request_id) {
+  ember::v1::WorkerApplyGradientsRequest up;
+  up.set_collection("c");
+  up.set_epoch(1);
+  up.set_request_id(request_id);
+  return up;
+}
+
 // One feature of table t: bags of `ids` (`lengths`), per-id `weights` (or
 // none).
 struct Bags {
@@ -159,10 +169,7 @@ class LinkClient {
   ember::v1::WorkerApplyGradientsRequest Update(const std::string& request_id,
                                                 const std::vector<Bags>& features,
                                                 const std::vector<std::vector<float>>& grads) {
-    ember::v1::WorkerApplyGradientsRequest up;
-    up.set_collection("c");
-    up.set_epoch(1);
-    up.set_request_id(request_id);
+    ember::v1::WorkerApplyGradientsRequest up = UpdateOf(request_id);
     up.set_channel_id(id_);
     up.set_channel_seq(++seq_);
     at_ = 0;
@@ -251,10 +258,7 @@ std::vector<float> InlineLookup(WorkerService* s, const std::vector<Bags>& featu
 grpc::Status InlineUpdate(WorkerService* s, const std::string& request_id,
                           const std::vector<Bags>& features,
                           const std::vector<std::vector<float>>& grads) {
-  ember::v1::WorkerApplyGradientsRequest up;
-  up.set_collection("c");
-  up.set_epoch(1);
-  up.set_request_id(request_id);
+  ember::v1::WorkerApplyGradientsRequest up = UpdateOf(request_id);
   for (size_t i = 0; i < features.size(); ++i) {
     auto* g = up.add_gradients();
     Inline(features[i], g->mutable_feature());
