@@ -49,6 +49,7 @@
 #include "server/backend/embedding_backend.h"
 #include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
+#include "server/common/byte_ranges.h"
 
 namespace ember {
 namespace cuda {
@@ -241,11 +242,10 @@ absl::Status CheckNoOverlap(absl::Span<const GradientRequest>, const char*) {
   return absl::OkStatus();
 }
 absl::Status CheckNoOverlap(absl::Span<const LookupRequest> requests, const char* kind) {
-  using Range = std::pair<uintptr_t, uintptr_t>;  // [begin, end)
-  std::vector<Range> inputs;
+  std::vector<ByteRange> inputs;
   auto range = [](const void* p, size_t bytes) {
-    const uintptr_t b = reinterpret_cast<uintptr_t>(p);
-    return Range(b, b + bytes);
+    const uint64_t b = reinterpret_cast<uintptr_t>(p);
+    return ByteRange(b, b + bytes);
   };
   for (const LookupRequest& r : requests) {
     const FeatureRequest& f = r.feature;
@@ -255,20 +255,13 @@ absl::Status CheckNoOverlap(absl::Span<const LookupRequest> requests, const char
     }
   }
   // Disjoint and in order, for the search.
-  std::sort(inputs.begin(), inputs.end());
-  std::vector<Range> merged;
-  for (const Range& in : inputs) {
-    if (!merged.empty() && in.first <= merged.back().second) {
-      merged.back().second = std::max(merged.back().second, in.second);
-    } else {
-      merged.push_back(in);
-    }
-  }
+  const std::vector<ByteRange> merged = MergedRanges(std::move(inputs));
   for (size_t i = 0; i < requests.size(); ++i) {
     if (requests[i].output.empty()) continue;
-    const Range out = range(requests[i].output.data(), requests[i].output.size() * sizeof(float));
+    const ByteRange out =
+        range(requests[i].output.data(), requests[i].output.size() * sizeof(float));
     // The last input range that starts before the output ends.
-    auto after = std::upper_bound(merged.begin(), merged.end(), Range(out.second, 0));
+    auto after = std::upper_bound(merged.begin(), merged.end(), ByteRange(out.second, 0));
     if (after != merged.begin() && std::prev(after)->second > out.first) {
       return absl::InvalidArgumentError(absl::StrCat(
           kind, " request ", i, ": its output overlaps the call's ids or weights"));
@@ -733,12 +726,17 @@ class CudaBackend : public EmbeddingBackend {
       return st;
     }
     const GradientPlan plan = PlanGradients(requests, Resolver());
+    const bool on_device = !requests.empty() && requests[0].feature.on_device;
+    if (on_device || plan.total_ids > 0) {
+      // Ours is the current device before the check runs or CUB sizes
+      // anything.
+      if (absl::Status s = Activate(); !s.ok()) return s;
+      lease->NoteQueued();
+    }
     // Inputs in device memory: their values checked there first; a call
     // that must be cut is cut on the host (call_split.h), from host copies.
     HostInputs host;
-    if (!requests.empty() && requests[0].feature.on_device) {
-      if (absl::Status s = Activate(); !s.ok()) return s;
-      lease->NoteQueued();
+    if (on_device) {
       if (absl::Status st = CheckDeviceInputs(requests, "gradient", lease->slot()); !st.ok()) {
         return st;
       }
@@ -751,9 +749,6 @@ class CudaBackend : public EmbeddingBackend {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
       if (absl::Status st = CheckAll(requests); !st.ok()) return st;
     } else {
-      // Ours is the current device before CUB sizes anything.
-      if (absl::Status s = Activate(); !s.ok()) return s;
-      lease->NoteQueued();
       bool first = true;
       // In pieces, the first would be applied before the last is checked:
       // the whole call is checked first.

@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
+#include "server/common/byte_ranges.h"
 
 namespace ember {
 namespace worker {
@@ -442,22 +443,18 @@ absl::Status ShmChannels::Receive(LinkState& link, const Region& region,
     if (host_slices != nullptr && link.memory_on_device) {
       // The slices the caller reads on the host, merged where they touch;
       // one outside the region is left for the caller to refuse.
-      std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [begin, end)
+      std::vector<ByteRange> ranges;
       for (const ember::v1::ShmSlice& h : *host_slices) {
         if (h.size() > 0 && region.Bytes(h, 1, "").ok()) {
           ranges.emplace_back(h.offset(), h.offset() + h.size());
         }
       }
-      std::sort(ranges.begin(), ranges.end());
-      for (size_t i = 0; s.ok() && i < ranges.size();) {
-        uint64_t begin = ranges[i].first, end = ranges[i].second;
-        for (++i; i < ranges.size() && ranges[i].first <= end; ++i) {
-          end = std::max(end, ranges[i].second);
-        }
+      for (const auto& [begin, end] : MergedRanges(std::move(ranges))) {
         ember::v1::ShmSlice merged;
         merged.set_offset(begin);
         merged.set_size(end - begin);
         s = l.CopyOut(region.Bytes(merged, 1, "")->data(), link.memory + begin, end - begin);
+        if (!s.ok()) break;
       }
     } else {
       s = l.CopyOut(bytes->data(), link.memory + sent.offset(), bytes->size());
