@@ -49,8 +49,11 @@ DEFINE_string(pooling, "sum", "sum or mean.");
 DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
 DEFINE_int32(prefetch_distance, -1,
-             "Ids ahead the CPU backend's lookups prefetch (0: none; -1: the backend's choice by "
-             "row size, LookupPrefetchDistance).");
+             "Ids ahead the CPU backend's lookups prefetch every line of a row to the outer "
+             "caches (0: none; -1: the backend's choice by row size, LookupPrefetchFor).");
+DEFINE_string(prefetch_style, "auto",
+              "How the CPU backend's lookups prefetch: auto (by CPU vendor), outer (every line "
+              "to the outer caches) or two_stage (and the first line into L1).");
 DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates prefetch (0: none).");
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones), per caller.");
 DEFINE_int32(callers, 1, "Threads issuing the timed calls at once.");
@@ -89,6 +92,7 @@ int main(int argc, char** argv) {
   options.num_threads = FLAGS_threads;
   options.isa = FLAGS_isa;
   options.prefetch_distance = FLAGS_prefetch_distance;
+  options.prefetch_style = FLAGS_prefetch_style;
   options.update_prefetch_distance = FLAGS_update_prefetch_distance;
   absl::StatusOr<std::unique_ptr<eb::EmbeddingBackend>> backend =
       absl::InvalidArgumentError("--backend must be cpu or cuda, got '" + FLAGS_backend + "'");

@@ -62,7 +62,7 @@ struct Shard {
   std::unique_ptr<uint8_t[], FreeDeleter> weights;  // [rows, dim] in spec.weight_type
   std::unique_ptr<float[], FreeDeleter> state;      // [rows, state_width]
   int64_t step = 0;                    // Adam's t
-  int lookup_prefetch = 0;             // ids ahead the lookups prefetch (options, row size)
+  PrefetchAhead lookup_prefetch;       // how the lookups prefetch (options, row size)
 
   const uint8_t* Row(int64_t r) const { return weights.get() + r * spec.dim * elem_bytes; }
   uint8_t* Row(int64_t r) { return weights.get() + r * spec.dim * elem_bytes; }
@@ -112,9 +112,10 @@ void InitParallel(int64_t work, int64_t rows, F fn) {
 
 class CpuBackend : public EmbeddingBackend {
  public:
-  CpuBackend(const CpuBackendOptions& options, const RowKernels* kernels)
+  CpuBackend(const CpuBackendOptions& options, const RowKernels* kernels, PrefetchStyle style)
       : options_(options),
         kernels_(kernels),
+        style_(style),
         pool_(options.num_threads),
         budget_(options.memory_limit_bytes) {}
 
@@ -129,8 +130,8 @@ class CpuBackend : public EmbeddingBackend {
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
     shard->lookup_prefetch =
         options_.prefetch_distance == CpuBackendOptions::kPrefetchByRow
-            ? LookupPrefetchDistance(spec.dim * shard->elem_bytes, spec.rows)
-            : options_.prefetch_distance;
+            ? LookupPrefetchFor(style_, spec.dim * shard->elem_bytes, spec.rows)
+            : FixedPrefetch(style_, options_.prefetch_distance);
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
     shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
@@ -582,6 +583,7 @@ class CpuBackend : public EmbeddingBackend {
 
   const CpuBackendOptions options_;
   const RowKernels* const kernels_;
+  const PrefetchStyle style_;  // the lookups' (options_.prefetch_style resolved)
   ThreadPool pool_;
   mutable absl::Mutex mu_;
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
@@ -600,12 +602,33 @@ class CpuBackend : public EmbeddingBackend {
 
 }  // namespace
 
-int LookupPrefetchDistance(int64_t row_bytes, int64_t rows) {
+PrefetchStyle DefaultPrefetchStyle() {
+  return CpuIsIntel() ? PrefetchStyle::kOuterOnly : PrefetchStyle::kTwoStage;
+}
+
+absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name) {
+  if (name == "auto" || name.empty()) return DefaultPrefetchStyle();
+  if (name == "outer") return PrefetchStyle::kOuterOnly;
+  if (name == "two_stage") return PrefetchStyle::kTwoStage;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown prefetch style '", name, "' (valid: auto, outer, two_stage)"));
+}
+
+PrefetchAhead FixedPrefetch(PrefetchStyle style, int distance) {
+  PrefetchAhead p;
+  p.outer = distance;
+  if (style == PrefetchStyle::kTwoStage) p.l1 = std::min(distance / 2, 16);
+  return p;
+}
+
+PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows) {
   constexpr int64_t kCachedShardBytes = int64_t{4} << 20;
-  if (row_bytes * rows <= kCachedShardBytes) return 12;
-  if (row_bytes <= 128) return 32;
-  if (row_bytes <= 256) return 16;
-  return 12;
+  const bool cached = row_bytes * rows <= kCachedShardBytes;
+  if (style == PrefetchStyle::kOuterOnly) return FixedPrefetch(style, cached ? 0 : 64);
+  if (cached) return FixedPrefetch(style, 24);
+  if (row_bytes <= 128) return FixedPrefetch(style, 64);
+  if (row_bytes <= 256) return FixedPrefetch(style, 32);
+  return FixedPrefetch(style, 24);
 }
 
 absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(
@@ -622,7 +645,9 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(
   }
   auto kernels = RowKernelsFor(options.isa);
   if (!kernels.ok()) return kernels.status();
-  return std::unique_ptr<EmbeddingBackend>(new CpuBackend(options, *kernels));
+  auto style = ParsePrefetchStyle(options.prefetch_style);
+  if (!style.ok()) return style.status();
+  return std::unique_ptr<EmbeddingBackend>(new CpuBackend(options, *kernels, *style));
 }
 
 }  // namespace backend

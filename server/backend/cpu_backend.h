@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "server/backend/cpu_kernel_types.h"
 #include "server/backend/embedding_backend.h"
 
 namespace ember {
@@ -21,31 +22,57 @@ struct CpuBackendOptions {
   // Instruction set for the row kernels: "auto", "scalar", "avx2", "avx512".
   std::string isa = "auto";
   // Ids ahead whose row a lookup prefetches while gathering (0: none):
-  // every line of the row twice as far ahead goes to the outer caches, its
-  // first line this far ahead (at most 16) into L1. kPrefetchByRow (the
-  // default): chosen per shard by its row's bytes and its size
-  // (LookupPrefetchDistance).
+  // every line of the row this far ahead to the outer caches and, in the
+  // two-stage style, its first line half as far (at most 16) into L1.
+  // kPrefetchByRow (the default): chosen per shard by its row's bytes and
+  // its size (LookupPrefetchFor).
   static constexpr int kPrefetchByRow = -1;
   int prefetch_distance = kPrefetchByRow;
-  // The same for the rows (and optimizer state) an update writes; there
-  // 4-8 was best and 16 halved the rate.
+  // How lookups prefetch: "auto" (by the CPU: DefaultPrefetchStyle),
+  // "outer" or "two_stage" (PrefetchStyle).
+  std::string prefetch_style = "auto";
+  // Rows ahead an update prefetches the rows (and optimizer state) it
+  // writes: their first lines this far ahead into L1, every line twice as
+  // far to the outer caches; there 4-8 was best and 16 halved the rate.
   int update_prefetch_distance = 4;
   // Upper bound on the bytes of weights + optimizer state held; 0: none.
   // CreateShard beyond it fails with RESOURCE_EXHAUSTED.
   int64_t memory_limit_bytes = 0;
 };
 
-// The lookups' prefetch distance for a shard of `rows` rows of `row_bytes`
-// bytes. The narrower the row, the less each id takes to gather, and the
-// more ids ahead a prefetch must be issued to land in time: 32 ids for rows
-// of up to 128 bytes, 16 up to 256, 12 beyond (4-12 had been tuned on
-// 256-byte rows). A shard of at most 4 MiB stays in the caches, where a
-// short distance is best: 12. Measured on the 2-core AMD EPYC VM of
-// docs/benchmarks.md.
-int LookupPrefetchDistance(int64_t row_bytes, int64_t rows);
+// How lookups prefetch the rows they gather.
+enum class PrefetchStyle {
+  // Every line of a row to the outer caches (L2), nothing into L1. On the
+  // Intel Xeon (Emerald Rapids) VM of docs/benchmarks.md this gathered
+  // 4-27% faster than kTwoStage in every single-table case measured.
+  kOuterOnly,
+  // kOuterOnly and, half as far ahead (at most 16 ids), the row's first
+  // line into L1. Tuned on the AMD EPYC (Zen 4) VM of docs/benchmarks.md.
+  kTwoStage,
+};
+
+// kOuterOnly on Intel CPUs, kTwoStage on the others (measured on AMD's).
+PrefetchStyle DefaultPrefetchStyle();
+
+// "auto", "outer", "two_stage"; INVALID_ARGUMENT for anything else.
+absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name);
+
+// The lookups' prefetch for a shard of `rows` rows of `row_bytes` bytes.
+// kOuterOnly: every line 64 ids ahead; nothing for a shard of at most
+// 4 MiB, which stays in the caches, where the prefetches' own cost showed
+// (12-40% slower with them). kTwoStage: the narrower the row, the less each
+// id takes to gather, and the further ahead a prefetch must go to land in
+// time: every line 64 ids ahead for rows of up to 128 bytes, 32 up to 256,
+// 24 beyond and for shards of at most 4 MiB; the first line half as far,
+// at most 16, into L1.
+PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows);
+
+// The lookups' prefetch for a fixed distance (CpuBackendOptions::
+// prefetch_distance >= 0) in a style.
+PrefetchAhead FixedPrefetch(PrefetchStyle style, int distance);
 
 // INVALID_ARGUMENT / FAILED_PRECONDITION for bad options (unknown or
-// unsupported ISA, num_threads < 1).
+// unsupported ISA or prefetch style, num_threads < 1, negative distances).
 absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(
     const CpuBackendOptions& options);
 

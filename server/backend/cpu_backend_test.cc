@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "server/backend/concurrency_checks.h"
 #include "server/backend/cpu_backend.h"
+#include "server/backend/cpu_kernels.h"
 #include "server/backend/forwarding_backend.h"
 
 namespace ember {
@@ -87,9 +88,6 @@ TEST(CpuBackendTest, StridedOutputsMatchPackedOnes) {
   EXPECT_THAT(s.message(), testing::HasSubstr("packed outputs"));
 }
 
-// The lookups' prefetch distance by row bytes and shard size, as
-// cpu_backend.h states it; a negative distance other than kPrefetchByRow is
-// refused.
 // Device outputs are a CUDA backend's: the CPU backend refuses them.
 TEST(CpuBackendTest, OutputsOnTheDeviceAreRefused) {
   auto be = CreateCpuBackend(CpuBackendOptions());
@@ -111,18 +109,45 @@ TEST(CpuBackendTest, OutputsOnTheDeviceAreRefused) {
   EXPECT_EQ(out, std::vector<float>(4, -1.0f));
 }
 
-TEST(CpuBackendTest, PrefetchDistanceByRow) {
+// The lookups' prefetch by style, row bytes and shard size, as cpu_backend.h
+// states it (worked out by hand); bad distances and styles are refused.
+TEST(CpuBackendTest, PrefetchByRow) {
   const int64_t mib = int64_t{1} << 20;
-  EXPECT_EQ(LookupPrefetchDistance(64, 4 * mib / 64), 12);  // 4 MiB: in the caches
-  EXPECT_EQ(LookupPrefetchDistance(64, 4 * mib / 64 + 1), 32);
-  EXPECT_EQ(LookupPrefetchDistance(128, 1000000), 32);
-  EXPECT_EQ(LookupPrefetchDistance(129, 1000000), 16);
-  EXPECT_EQ(LookupPrefetchDistance(256, 1000000), 16);
-  EXPECT_EQ(LookupPrefetchDistance(257, 1000000), 12);
-  EXPECT_EQ(LookupPrefetchDistance(1024, 1000000), 12);
+  auto ahead = [](PrefetchStyle style, int64_t row_bytes, int64_t rows) {
+    const PrefetchAhead p = LookupPrefetchFor(style, row_bytes, rows);
+    return std::make_pair(p.outer, p.l1);
+  };
+  using P = std::pair<int, int>;
+  const PrefetchStyle two = PrefetchStyle::kTwoStage, outer = PrefetchStyle::kOuterOnly;
+  EXPECT_EQ(ahead(two, 64, 4 * mib / 64), P(24, 12));  // 4 MiB: in the caches
+  EXPECT_EQ(ahead(two, 64, 4 * mib / 64 + 1), P(64, 16));
+  EXPECT_EQ(ahead(two, 128, 1000000), P(64, 16));
+  EXPECT_EQ(ahead(two, 129, 1000000), P(32, 16));
+  EXPECT_EQ(ahead(two, 256, 1000000), P(32, 16));
+  EXPECT_EQ(ahead(two, 257, 1000000), P(24, 12));
+  EXPECT_EQ(ahead(two, 1024, 1000000), P(24, 12));
+  EXPECT_EQ(ahead(outer, 64, 4 * mib / 64), P(0, 0));
+  EXPECT_EQ(ahead(outer, 1024, 4 * mib / 1024), P(0, 0));
+  EXPECT_EQ(ahead(outer, 64, 4 * mib / 64 + 1), P(64, 0));
+  EXPECT_EQ(ahead(outer, 1024, 1000000), P(64, 0));
+  const PrefetchAhead fixed_two = FixedPrefetch(two, 40), fixed_outer = FixedPrefetch(outer, 40);
+  EXPECT_EQ(P(fixed_two.outer, fixed_two.l1), P(40, 16));
+  EXPECT_EQ(P(fixed_outer.outer, fixed_outer.l1), P(40, 0));
+  EXPECT_EQ(FixedPrefetch(two, 10).l1, 5);
+
+  EXPECT_EQ(*ParsePrefetchStyle("outer"), outer);
+  EXPECT_EQ(*ParsePrefetchStyle("two_stage"), two);
+  EXPECT_EQ(*ParsePrefetchStyle("auto"), DefaultPrefetchStyle());
+  EXPECT_EQ(DefaultPrefetchStyle(), CpuIsIntel() ? outer : two);
+  EXPECT_EQ(ParsePrefetchStyle("l2").status().code(), absl::StatusCode::kInvalidArgument);
+
   CpuBackendOptions o;
   EXPECT_EQ(o.prefetch_distance, CpuBackendOptions::kPrefetchByRow);
+  EXPECT_EQ(o.prefetch_style, "auto");
   EXPECT_TRUE(CreateCpuBackend(o).ok());
+  o.prefetch_style = "fast";
+  EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.prefetch_style = "auto";
   o.prefetch_distance = -2;
   EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.prefetch_distance = 0;
@@ -130,8 +155,9 @@ TEST(CpuBackendTest, PrefetchDistanceByRow) {
   EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Shards past 4 MiB with narrow rows (the distances 32 and 16) give the
-// same bits as without prefetching, bags long and short, to the last id.
+// Shards past 4 MiB with narrow rows (the long distances) give the same
+// bits as without prefetching, in both styles, bags long and short, to the
+// last id.
 TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
   std::mt19937 rng(3);
   for (int dim : {16, 32, 64}) {
@@ -147,22 +173,25 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
         lengths.push_back(b % 7 == 0 ? 0 : 1 + rng() % 60);
         for (int64_t k = 0; k < lengths.back(); ++k) ids.push_back(rng() % spec.rows);
       }
-      std::vector<float> out[2];
-      for (int distance : {0, CpuBackendOptions::kPrefetchByRow}) {
+      std::vector<float> out[3];
+      int k = 0;
+      for (const char* style : {"outer", "two_stage", "outer"}) {
         CpuBackendOptions o;
-        o.prefetch_distance = distance;
+        o.prefetch_style = style;
+        o.prefetch_distance = k == 0 ? 0 : CpuBackendOptions::kPrefetchByRow;
         auto be = CreateCpuBackend(o);
         ASSERT_TRUE(be.ok());
         auto id = (*be)->CreateShard(spec);
         ASSERT_TRUE(id.ok()) << id.status();
-        std::vector<float>& got = out[distance == 0 ? 0 : 1];
+        std::vector<float>& got = out[k++];
         got.assign(lengths.size() * dim, -1.0f);
         FeatureRequest f{*id, Pooling::kSum, lengths, ids, {}};
         ASSERT_TRUE((*be)->Lookup({LookupRequest{f, absl::MakeSpan(got)}}).ok());
       }
-      EXPECT_EQ(out[0], out[1]) << "dim " << dim << " type " << static_cast<int>(wt);
-      EXPECT_GT(std::count_if(out[1].begin(), out[1].end(), [](float v) { return v != 0; }),
-                static_cast<long>(out[1].size() / 2));  // initialised rows, not zeros
+      EXPECT_EQ(out[0], out[1]) << "two-stage, dim " << dim << " type " << static_cast<int>(wt);
+      EXPECT_EQ(out[0], out[2]) << "outer, dim " << dim << " type " << static_cast<int>(wt);
+      EXPECT_GT(std::count_if(out[0].begin(), out[0].end(), [](float v) { return v != 0; }),
+                static_cast<long>(out[0].size() / 2));  // initialised rows, not zeros
     }
   }
 }

@@ -14,12 +14,20 @@ namespace backend {
 // dim is a multiple of 4.
 using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float scale);
 
+// How far ahead a PoolFn prefetches the rows it will gather, in ids: every
+// line of the row `outer` ids ahead towards the outer caches (PREFETCHT2),
+// and the row's first line `l1` ids ahead into L1 (PREFETCHT0). 0 turns a
+// stage off.
+struct PrefetchAhead {
+  int outer = 0;
+  int l1 = 0;
+};
+
 // One bag: out[0, dim) = out_scale * sum_k weights[k] * row(ids[k]) over
 // k < n (weights == nullptr: all 1), rows at table + id * row_bytes.
-// Prefetches rows `prefetch` ids ahead into L1 and 2 * prefetch ahead into
-// the outer caches (0: none), reading ahead past the bag into the following
-// bags: ids[0, ids_avail) must be readable, ids_avail >= n. out is written,
-// not accumulated; n == 0 writes zeros.
+// Prefetches rows as `prefetch` says, reading ahead past the bag into the
+// following bags: ids[0, ids_avail) must be readable, ids_avail >= n. out
+// is written, not accumulated; n == 0 writes zeros.
 //
 // Ids are checked as they are gathered: each read once (a relaxed atomic
 // load, which the compiler may not repeat) and compared with `rows`; one
@@ -29,7 +37,7 @@ using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float sc
 // every id was in range.
 using PoolFn = bool (*)(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
                         const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
-                        int64_t dim, float out_scale, int prefetch);
+                        int64_t dim, float out_scale, PrefetchAhead prefetch);
 
 // One id of a PoolFn, read once and checked: ids[k] when below `rows`,
 // else 0 with *bad set.

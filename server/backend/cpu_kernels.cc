@@ -29,7 +29,7 @@ void AccScalar(float* acc, const void* row, int64_t dim, float scale) {
 template <int T>
 bool PoolScalar(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
                 const int64_t* ids, const float* weights, int64_t n, int64_t /*ids_avail*/,
-                int64_t dim, float out_scale, int /*prefetch*/) {
+                int64_t dim, float out_scale, PrefetchAhead /*prefetch*/) {
   bool bad = false;
   for (int64_t c = 0; c < dim; ++c) out[c] = 0.0f;
   for (int64_t k = 0; k < n; ++k) {
@@ -72,6 +72,13 @@ const RowKernels& BestRowKernels() {
   if (HasAvx512()) return kAvx512RowKernels;
   if (HasAvx2()) return kAvx2RowKernels;
   return kScalar;
+}
+
+bool CpuIsIntel() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  // The vendor string is EBX, EDX, ECX: "Genu" "ineI" "ntel".
+  return ebx == 0x756e6547u && edx == 0x49656e69u && ecx == 0x6c65746eu;
 }
 
 absl::StatusOr<const RowKernels*> RowKernelsFor(const std::string& isa) {

@@ -18,6 +18,10 @@ namespace backend {
 // The best kernels this CPU supports.
 const RowKernels& BestRowKernels();
 
+// Whether this CPU is Intel's (CPUID vendor "GenuineIntel"): the prefetch
+// that suits its caches differs from AMD's (cpu_backend.h, PrefetchStyle).
+bool CpuIsIntel();
+
 // Kernels for a named ISA ("auto", "scalar", "avx2", "avx512");
 // FAILED_PRECONDITION if this CPU lacks it, INVALID_ARGUMENT if unknown.
 absl::StatusOr<const RowKernels*> RowKernelsFor(const std::string& isa);

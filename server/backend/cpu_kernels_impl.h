@@ -35,8 +35,6 @@ inline void LoadRowPair(const uint8_t* row, int64_t col, typename O::Reg* lo,
   }
 }
 
-constexpr int kMaxNearPrefetch = 16;
-
 // Where the row of ids[k] starts, for a prefetch: the id read once and,
 // out of range, taken as row 0 (CheckedId's rule), so that the rows
 // prefetched are the table's whatever the ids hold.
@@ -53,25 +51,20 @@ inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, uint
 template <int T, int NR>
 inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
                         const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
-                        int64_t col, float out_scale, int prefetch) {
+                        int64_t col, float out_scale, PrefetchAhead prefetch) {
   bool bad = false;
   typename Ops::Reg acc[NR];
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
-  // The L1 stage stays within kMaxNearPrefetch ids, however far the outer
-  // one reaches: narrow rows at prefetch 32 (T2 64 ahead) gathered 3-14%
-  // faster with the first line 8-16 ahead than 32 (docs/benchmarks.md).
-  const int near = prefetch < kMaxNearPrefetch ? prefetch : kMaxNearPrefetch;
   for (int64_t k = 0; k < n; ++k) {
-    // Two stages: every line of the row 2 * prefetch ids ahead towards the
-    // outer caches (T2), then its first line `near` ahead into L1.
-    // Measured against the first line alone: +35-100% from memory, up to
-    // +50% from the L3 (docs/benchmarks.md).
-    if (prefetch > 0 && k + near < ids_avail) {
-      _mm_prefetch(PrefetchAddress(table, row_bytes, rows, ids, k + near), _MM_HINT_T0);
-      if (k + 2 * prefetch < ids_avail) {
-        const char* far = PrefetchAddress(table, row_bytes, rows, ids, k + 2 * prefetch);
-        for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
-      }
+    // The row's first line into L1 (a stage Intel's cores do better
+    // without), then every line of a row further ahead towards the outer
+    // caches (docs/benchmarks.md).
+    if (prefetch.l1 > 0 && k + prefetch.l1 < ids_avail) {
+      _mm_prefetch(PrefetchAddress(table, row_bytes, rows, ids, k + prefetch.l1), _MM_HINT_T0);
+    }
+    if (prefetch.outer > 0 && k + prefetch.outer < ids_avail) {
+      const char* far = PrefetchAddress(table, row_bytes, rows, ids, k + prefetch.outer);
+      for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
     }
     const uint8_t* row = table + CheckedId(ids, k, rows, &bad) * row_bytes;
     const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
@@ -98,25 +91,25 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
 template <int T>
 bool Pool(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows, const int64_t* ids,
           const float* weights, int64_t n, int64_t ids_avail, int64_t dim, float out_scale,
-          int prefetch) {
+          PrefetchAhead prefetch) {
   int64_t col = 0;
   bool ok = true;
   constexpr int L = Ops::kLanes;
   for (; col + 8 * L <= dim; col += 8 * L) {
     ok &= PoolColumns<T, 8>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
-    prefetch = 0;  // the first pass brought the rows in
+    prefetch = PrefetchAhead();  // the first pass brought the rows in
   }
   if (col + 4 * L <= dim) {
     ok &= PoolColumns<T, 4>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
-    prefetch = 0;
+    prefetch = PrefetchAhead();
     col += 4 * L;
   }
   if (col + 2 * L <= dim) {
     ok &= PoolColumns<T, 2>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
-    prefetch = 0;
+    prefetch = PrefetchAhead();
     col += 2 * L;
   }
   if (col + L <= dim) {

@@ -92,7 +92,7 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
             std::vector<float> out(dim, 1e30f);
             ASSERT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
                                       weighted ? weights.data() : nullptr, n, n + 3, dim, scale,
-                                      3));
+                                      PrefetchAhead{3, 2}));
             for (int64_t c = 0; c < dim; ++c) {
               double want = 0;
               for (int64_t j = 0; j < n; ++j) {
@@ -143,7 +143,7 @@ TEST(CpuKernelsTest, IdsOutOfRangeAreCaughtAndNeverRead) {
             ids[at] = bad;
             std::vector<float> out(dim, -1.0f);
             EXPECT_FALSE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
-                                       nullptr, 7, 7, dim, 1.0f, 2))
+                                       nullptr, 7, 7, dim, 1.0f, PrefetchAhead{2, 1}))
                 << "type " << type << " dim " << dim << " bad id " << bad << " at " << at;
             for (int64_t c = 0; c < dim; ++c) {
               ASSERT_EQ(out[c], want) << "type " << type << " dim " << dim << " col " << c;
@@ -154,7 +154,7 @@ TEST(CpuKernelsTest, IdsOutOfRangeAreCaughtAndNeverRead) {
         std::vector<int64_t> ids = {4, 2, 1, 3, 0, 4, 2};
         std::vector<float> out(dim);
         EXPECT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(), nullptr,
-                                  7, 7, dim, 1.0f, 2));
+                                  7, 7, dim, 1.0f, PrefetchAhead{2, 1}));
         EXPECT_EQ(out[0], 23.0f);
       }
     }
