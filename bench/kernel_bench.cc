@@ -4,7 +4,7 @@
 //   bazel run -c opt //bench:kernel_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --batch=2048
 //       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
 //       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
-//       [--iters=20] [--callers=1] [--id_sets=1] [--format=table|json]
+//       [--iters=20] [--callers=1] [--id_sets=1] [--format=table|json] [--serve]
 //
 // --tables=T holds T tables of --rows x --dim, one feature each, every call
 // one fused call over all of them (the 8-table collection of service_bench
@@ -63,6 +63,12 @@ DEFINE_int32(id_sets, 1,
              "Batches of ids, each drawn afresh; the calls cycle through them (1: every call "
              "gathers the same rows).");
 DEFINE_string(format, "table", "table or json (one line).");
+DEFINE_bool(serve, false,
+            "Measure on request (for bench/torch_compare.py, which alternates these timings with "
+            "its peer's on the same ids): after setting up, read lines from stdin; each 'measure' "
+            "times the forward and the backward again (--iters calls each, after 3 warm-ups) and "
+            "prints one JSON line (backend, lookups_per_s, fwd_ms, bwd_lookups_per_s, bwd_ms); "
+            "'quit' or the end of stdin ends.");
 DEFINE_string(dump_ids, "",
               "If set, write the batches' ids (int64 little-endian, batch after batch, in each "
               "table after table, bag-major, pooling_factor per bag) to this file, so a peer "
@@ -203,10 +209,35 @@ int main(int argc, char** argv) {
     for (std::thread& t : callers) t.join();
     return absl::ToDoubleSeconds(absl::Now() - start) / (FLAGS_iters * FLAGS_callers);
   };
-  const double fwd_s = time_calls(
-      [&](int c, int i) { (void)(*backend)->Lookup(lookup_calls[c][i % FLAGS_id_sets]); });
-  const double bwd_s = time_calls(
-      [&](int, int i) { (void)(*backend)->ApplyGradients(gradient_calls[i % FLAGS_id_sets]); });
+  auto time_forward = [&] {
+    return time_calls(
+        [&](int c, int i) { (void)(*backend)->Lookup(lookup_calls[c][i % FLAGS_id_sets]); });
+  };
+  auto time_backward = [&] {
+    return time_calls(
+        [&](int, int i) { (void)(*backend)->ApplyGradients(gradient_calls[i % FLAGS_id_sets]); });
+  };
+  const double all_ids = static_cast<double>(n) * tables;
+  if (FLAGS_serve) {
+    char line[64];
+    while (std::fgets(line, sizeof line, stdin) != nullptr) {
+      const std::string request(line, std::strcspn(line, "\r\n"));
+      if (request == "quit") break;
+      if (request != "measure") {
+        std::fprintf(stderr, "kernel_bench: unknown request '%s' (valid: measure, quit)\n",
+                     request.c_str());
+        return 1;
+      }
+      const double f = time_forward(), b = time_backward();
+      std::printf("{\"backend\": \"%s\", \"lookups_per_s\": %.4g, \"fwd_ms\": %.4f, "
+                  "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f}\n",
+                  (*backend)->Name().c_str(), all_ids / f, f * 1e3, all_ids / b, b * 1e3);
+      std::fflush(stdout);
+    }
+    return 0;
+  }
+  const double fwd_s = time_forward();
+  const double bwd_s = time_backward();
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
   // arrays and the device (ids and lengths in, output out; for the backward,
@@ -225,7 +256,6 @@ int main(int argc, char** argv) {
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
   const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
-  const double all_ids = static_cast<double>(n) * tables;
   const double lookups = all_ids / fwd_s;
   const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;
   const double bwd = all_ids / bwd_s;

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Ember's CPU or CUDA backend against PyTorch's nn.EmbeddingBag on identical data.
 
-A benchmark, not a test. For every (dim, threads) pair it runs
-bench/kernel_bench (which writes the ids it used with --dump_ids), then times
-torch.nn.EmbeddingBag on exactly those ids in the same process run, and prints
-the ratio Ember / PyTorch (> 1 means Ember is faster).
+A benchmark, not a test. For every (dim, threads) it starts bench/kernel_bench
+--serve (which writes the ids it used with --dump_ids and then times its
+backend on request), sets torch.nn.EmbeddingBag up on exactly those ids, and
+times the two in turn, --pairs times (each pair one Ember and one PyTorch
+timing, seconds apart), over --rounds such rounds (each with fresh tables on
+both sides). It prints the median ratio Ember / PyTorch over all pairs (> 1
+means Ember is faster) and their range.
 
   Forward:  EmbeddingBag(ids, offsets) under torch.no_grad().
   Backward: one training step (forward with autograd, backward of a constant
@@ -66,9 +69,13 @@ def parse_args():
     p.add_argument("--id_sets", type=int, default=1,
                    help="batches of ids the calls cycle through (1: the same batch every call)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="alternating Ember / PyTorch measurements per (dim, threads); the "
-                        "figures are medians and the ratio the median of the rounds' ratios "
-                        "(this kind of VM's memory speed drifts between runs)")
+                   help="rounds per (dim, threads), each with its own kernel_bench process and "
+                        "PyTorch tables (where memory places a table moves its speed)")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="Ember / PyTorch measurements taken in turn per round, on the same "
+                        "tables; the figures are medians over all pairs, the ratio the median "
+                        "of the pairs' ratios and the range theirs (this kind of VM's memory "
+                        "speed drifts from minute to minute, which pairs side-step)")
     p.add_argument("--format", default="table", choices=["table", "json"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return p.parse_args()
@@ -86,8 +93,10 @@ def time_it(fn, iters, sync=lambda: None):
     return (time.perf_counter() - start) / iters
 
 
-def torch_figures(torch, np, ids_path, a, dim, threads):
-    """(forward, backward) ids/s; on cuda also the device-resident pair."""
+def torch_timer(torch, np, ids_path, a, dim, threads):
+    """Sets PyTorch's tables up on the ids kernel_bench wrote; returns a
+    function that times them: (forward, backward) ids/s, on cuda also the
+    device-resident pair."""
     torch.set_num_threads(threads)
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
@@ -145,8 +154,30 @@ def torch_figures(torch, np, ids_path, a, dim, threads):
         return ids / fwd_s, ids / max(step_s - fwd_ag_s, 1e-9)
 
     if a.device == "cpu":
-        return figures(True) + (None, None)
-    return figures(False) + figures(True)
+        return lambda: figures(True) + (None, None)
+    return lambda: figures(False) + figures(True)
+
+
+class EmberServer:
+    """kernel_bench --serve: its tables set up once, timed on request."""
+
+    def __init__(self, cmd):
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd + ["--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def measure(self):
+        self.proc.stdin.write("measure\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read().strip()
+            sys.exit(f"torch_compare: {' '.join(self.cmd)} failed:\n{err}")
+        return json.loads(line)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main():
@@ -166,7 +197,7 @@ def main():
               f"{a.optimizer}, tables={a.tables}, id_sets={a.id_sets}")
         print(f"{'dim':>4} {'thr':>3} | {'ember fwd':>12} {'torch fwd':>12} {'ratio [range]':>18} | "
               f"{'ember bwd':>12} {'torch bwd':>12} {'ratio [range]':>18}   (ids/s; medians of "
-              f"{a.rounds} alternating rounds)")
+              f"{a.rounds} rounds x {a.pairs} alternating pairs)")
     with tempfile.TemporaryDirectory() as tmp:
         ids_path = os.path.join(tmp, "ids.bin")
         for dim in [int(d) for d in a.dims.split(",")]:
@@ -179,13 +210,16 @@ def main():
                        "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
                 # Rounds alternate Ember and PyTorch on the same ids, so a
                 # drift of the machine's speed reaches both alike.
-                rounds = []
+                rounds = []  # (ember, torch fwd, torch bwd, resident fwd, resident bwd)
                 for _ in range(max(1, a.rounds)):
-                    run = subprocess.run(cmd, capture_output=True, text=True)
-                    if run.returncode != 0:
-                        sys.exit(f"torch_compare: {' '.join(cmd)} failed:\n{run.stderr.strip()}")
-                    ember = json.loads(run.stdout)
-                    rounds.append((ember,) + torch_figures(torch, np, ids_path, a, dim, threads))
+                    server = EmberServer(cmd)
+                    ember = server.measure()  # the ids file is written once this answers
+                    torch_time = torch_timer(torch, np, ids_path, a, dim, threads)
+                    for pair in range(max(1, a.pairs)):
+                        if pair > 0:
+                            ember = server.measure()
+                        rounds.append((ember,) + torch_time())
+                    server.close()
                 med = lambda v: float(np.median(v))
                 ember = rounds[0][0]
                 e_fwd = med([r[0]["lookups_per_s"] for r in rounds])
@@ -202,7 +236,7 @@ def main():
                     "pooling": a.pooling, "dtype": a.dtype, "optimizer": a.optimizer,
                     "id_sets": a.id_sets, "tables": a.tables,
                     "backend": ember["backend"], "peer": peer,
-                    "rounds": len(rounds),
+                    "rounds": a.rounds, "pairs": len(rounds),
                     "lookups_per_s": e_fwd, "torch_lookups_per_s": t_fwd,
                     "ratio": med(fwd_ratios), "ratio_range": [min(fwd_ratios), max(fwd_ratios)],
                     "bwd_lookups_per_s": e_bwd,
