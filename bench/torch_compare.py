@@ -167,6 +167,12 @@ class EmberServer:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def measure(self):
+        # PyTorch's OpenMP threads spin for a while after each parallel
+        # region (libgomp: GOMP_SPINCOUNT, tens of ms with PAUSE's latency on
+        # these cores); timed right after the peer, Ember's threads would
+        # share the cores with that spin (2-thread dim-32 lookups read
+        # 0.74-0.93x PyTorch that way, 1.4-1.8x at one thread).
+        time.sleep(0.25)
         self.proc.stdin.write("measure\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
