@@ -163,8 +163,10 @@ class EmberServer:
 
     def __init__(self, cmd):
         self.cmd = cmd
+        # stderr to a file: a pipe nobody reads could fill and stall it.
+        self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd + ["--serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
 
     def measure(self):
         # PyTorch's OpenMP threads spin for a while after each parallel
@@ -173,17 +175,23 @@ class EmberServer:
         # share the cores with that spin (2-thread dim-32 lookups read
         # 0.74-0.93x PyTorch that way, 1.4-1.8x at one thread).
         time.sleep(0.25)
-        self.proc.stdin.write("measure\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write("measure\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
         if not line:
-            err = self.proc.stderr.read().strip()
-            sys.exit(f"torch_compare: {' '.join(self.cmd)} failed:\n{err}")
+            self.proc.wait()
+            self.err.seek(0)
+            sys.exit(f"torch_compare: {' '.join(self.cmd)} failed (exit {self.proc.returncode}):\n"
+                     f"{self.err.read().strip()}")
         return json.loads(line)
 
     def close(self):
         self.proc.stdin.close()
         self.proc.wait()
+        self.err.close()
 
 
 def main():
