@@ -50,7 +50,7 @@ DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
 DEFINE_int32(prefetch_distance, -1,
              "Ids ahead the CPU backend's lookups prefetch every line of a row to the outer "
-             "caches (0: none; -1: the backend's choice by row size, LookupPrefetchFor).");
+             "caches (0: none; -1: the backend's choice by row and shard size, LookupPrefetchFor).");
 DEFINE_string(prefetch_style, "auto",
               "How the CPU backend's lookups prefetch: auto (by CPU vendor), outer (every line "
               "to the outer caches) or two_stage (and the first line into L1).");

@@ -234,6 +234,7 @@ def main():
                             ember = server.measure()
                         rounds.append((ember,) + torch_time())
                     server.close()
+                    del torch_time  # free this round's tables before the next round's
                 med = lambda v: float(np.median(v))
                 ember = rounds[0][0]
                 e_fwd = med([r[0]["lookups_per_s"] for r in rounds])
@@ -250,7 +251,7 @@ def main():
                     "pooling": a.pooling, "dtype": a.dtype, "optimizer": a.optimizer,
                     "id_sets": a.id_sets, "tables": a.tables,
                     "backend": ember["backend"], "peer": peer,
-                    "rounds": a.rounds, "pairs": len(rounds),
+                    "rounds": max(1, a.rounds), "pairs_per_round": max(1, a.pairs),
                     "lookups_per_s": e_fwd, "torch_lookups_per_s": t_fwd,
                     "ratio": med(fwd_ratios), "ratio_range": [min(fwd_ratios), max(fwd_ratios)],
                     "bwd_lookups_per_s": e_bwd,

@@ -58,13 +58,14 @@ PrefetchStyle DefaultPrefetchStyle();
 absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name);
 
 // The lookups' prefetch for a shard of `rows` rows of `row_bytes` bytes.
-// kOuterOnly: every line 64 ids ahead; nothing for a shard of at most
-// 4 MiB, which stays in the caches, where the prefetches' own cost showed
-// (gathers 11-39% faster without them on the Xeon). kTwoStage: the narrower the row, the less each
-// id takes to gather, and the further ahead a prefetch must go to land in
-// time: every line 64 ids ahead for rows of up to 128 bytes, 32 up to 256,
-// 24 beyond and for shards of at most 4 MiB; the first line half as far,
-// at most 16, into L1.
+// kOuterOnly: every line 64 ids ahead. kTwoStage: the narrower the row,
+// the less each id takes to gather, and the further ahead a prefetch must
+// go to land in time: every line 64 ids ahead for rows of up to 128 bytes,
+// 32 up to 256, 24 beyond; the first line half as far, at most 16, into
+// L1. Both: 24 ahead for a shard of at most 4 MiB, which may stay in the
+// caches (alone on the Xeon it gathered fastest with no prefetch at all,
+// but 64 such shards in one call ran 1.4-2.1x faster with 24 than with
+// none: docs/benchmarks.md).
 PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows);
 
 // The lookups' prefetch for a fixed distance (CpuBackendOptions::
