@@ -222,8 +222,9 @@ def main():
                        f"--dtype={a.dtype}", f"--optimizer={a.optimizer}", f"--iters={a.iters}",
                        f"--id_sets={a.id_sets}", f"--tables={a.tables}",
                        "--format=json", f"--dump_ids={ids_path}", f"--backend={a.device}"]
-                # Rounds alternate Ember and PyTorch on the same ids, so a
-                # drift of the machine's speed reaches both alike.
+                # Each round's pairs alternate Ember and PyTorch on the same
+                # ids and tables, so a drift of the machine's speed reaches
+                # both alike.
                 rounds = []  # (ember, torch fwd, torch bwd, resident fwd, resident bwd)
                 for _ in range(max(1, a.rounds)):
                     server = EmberServer(cmd)

@@ -623,10 +623,8 @@ PrefetchAhead FixedPrefetch(PrefetchStyle style, int distance) {
 
 PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows) {
   constexpr int64_t kCachedShardBytes = int64_t{4} << 20;
-  const bool cached = row_bytes * rows <= kCachedShardBytes;
-  if (cached) return FixedPrefetch(style, 24);
-  if (style == PrefetchStyle::kOuterOnly) return FixedPrefetch(style, 64);
-  if (row_bytes <= 128) return FixedPrefetch(style, 64);
+  if (row_bytes * rows <= kCachedShardBytes) return FixedPrefetch(style, 24);
+  if (style == PrefetchStyle::kOuterOnly || row_bytes <= 128) return FixedPrefetch(style, 64);
   if (row_bytes <= 256) return FixedPrefetch(style, 32);
   return FixedPrefetch(style, 24);
 }

@@ -176,12 +176,19 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
         lengths.push_back(b % 7 == 0 ? 0 : 1 + rng() % 60);
         for (int64_t k = 0; k < lengths.back(); ++k) ids.push_back(rng() % spec.rows);
       }
+      // No prefetch (the reference), then each style's own choice.
+      const struct {
+        const char* style;
+        int distance;
+      } runs[] = {{"outer", 0},
+                  {"two_stage", CpuBackendOptions::kPrefetchByRow},
+                  {"outer", CpuBackendOptions::kPrefetchByRow}};
       std::vector<float> out[3];
       int k = 0;
-      for (const char* style : {"outer", "two_stage", "outer"}) {
+      for (const auto& run : runs) {
         CpuBackendOptions o;
-        o.prefetch_style = style;
-        o.prefetch_distance = k == 0 ? 0 : CpuBackendOptions::kPrefetchByRow;
+        o.prefetch_style = run.style;
+        o.prefetch_distance = run.distance;
         auto be = CreateCpuBackend(o);
         ASSERT_TRUE(be.ok());
         auto id = (*be)->CreateShard(spec);
