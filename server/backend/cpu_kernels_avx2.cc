@@ -87,6 +87,7 @@ void Widen16(float* out, const void* row, int64_t dim) {
 struct Ops {
   using Reg = __m256;
   static constexpr int kLanes = 8;
+  static constexpr int kMaxAccumulators = 8;  // of 16 registers
   static Reg Zero() { return _mm256_setzero_ps(); }
   static Reg Set1(float x) { return _mm256_set1_ps(x); }
   static Reg Mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }

@@ -142,6 +142,9 @@ void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
 struct Ops {
   using Reg = __m512;
   static constexpr int kLanes = 16;
+  // 32 registers: a bag's 16 accumulators (256 fp32 columns) fit beside
+  // the loads' temporaries.
+  static constexpr int kMaxAccumulators = 16;
   static Reg Zero() { return _mm512_setzero_ps(); }
   static Reg Set1(float x) { return _mm512_set1_ps(x); }
   static Reg Mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }

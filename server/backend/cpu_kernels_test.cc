@@ -67,7 +67,7 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
   for (const RowKernels* k : AvailableKernels()) {
     SCOPED_TRACE(k->isa);
     for (int type = 0; type < 3; ++type) {
-      for (int64_t dim : {4, 8, 16, 20, 32, 48, 64, 96, 128, 144, 192, 256, 260}) {
+      for (int64_t dim : {4, 8, 16, 20, 32, 48, 64, 96, 128, 144, 192, 256, 260, 400, 528}) {
         const int64_t elem = type == 0 ? 4 : 2;
         std::vector<uint8_t> table(rows * dim * elem);
         std::vector<double> value(rows * dim);  // each stored weight, widened
