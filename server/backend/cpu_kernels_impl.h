@@ -57,6 +57,7 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
   // keeps it on the stack otherwise, a load and a store around every FMA
   // (unrolled: +3% on 512-byte rows, +14% on 1 KiB ones; docs/benchmarks.md).
   typename Ops::Reg acc[NR];
+  const uint8_t* cols = table + col * (T == 0 ? 4 : 2);
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
   for (int64_t k = 0; k < n; ++k) {
@@ -70,20 +71,22 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
       const char* far = PrefetchAddress(table, row_bytes, rows, ids, k + prefetch.outer);
       for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
     }
-    const uint8_t* row = table + CheckedId(ids, k, rows, &bad) * row_bytes;
+    // Columns [col, ...) of the row: the loads' offsets below are then
+    // constants, which leaves the compiler its registers.
+    const uint8_t* row = cols + CheckedId(ids, k, rows, &bad) * row_bytes;
     const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
     if (NR % 2 == 0) {
 #pragma GCC unroll 16
       for (int j = 0; j < NR; j += 2) {
         typename Ops::Reg lo, hi;
-        LoadRowPair<T>(row, col + j * Ops::kLanes, &lo, &hi);
+        LoadRowPair<T>(row, j * Ops::kLanes, &lo, &hi);
         acc[j] = Ops::Fma(s, lo, acc[j]);
         acc[j + 1] = Ops::Fma(s, hi, acc[j + 1]);
       }
     } else {
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) {
-        acc[j] = Ops::Fma(s, LoadRow<T>(row, col + j * Ops::kLanes), acc[j]);
+        acc[j] = Ops::Fma(s, LoadRow<T>(row, j * Ops::kLanes), acc[j]);
       }
     }
   }
