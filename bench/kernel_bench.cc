@@ -82,6 +82,27 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kernel_bench: --callers, --iters, --tables and --id_sets must be >= 1\n");
     return 1;
   }
+  // A misspelt choice would otherwise time the default silently.
+  const struct {
+    const char* flag;
+    const std::string& value;
+    std::vector<std::string> valid;
+  } choices[] = {
+      {"dtype", FLAGS_dtype, {"fp32", "fp16", "bf16"}},
+      {"distribution", FLAGS_distribution, {"uniform", "zipf"}},
+      {"pooling", FLAGS_pooling, {"sum", "mean"}},
+      {"optimizer", FLAGS_optimizer, {"sgd", "adagrad", "rowwise_adagrad", "adam"}},
+      {"format", FLAGS_format, {"table", "json"}},
+  };
+  for (const auto& c : choices) {
+    if (std::find(c.valid.begin(), c.valid.end(), c.value) == c.valid.end()) {
+      std::string valid;
+      for (const std::string& v : c.valid) valid += (valid.empty() ? "" : ", ") + v;
+      std::fprintf(stderr, "kernel_bench: --%s=%s is not one of %s\n", c.flag, c.value.c_str(),
+                   valid.c_str());
+      return 1;
+    }
+  }
   eb::ShardSpec spec;
   spec.table = "bench";
   spec.rows = FLAGS_rows;
@@ -256,6 +277,15 @@ int main(int argc, char** argv) {
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
   const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
+  // The lookups' prefetch, as the CPU backend resolves its options for
+  // this shard (CreateCpuBackend has accepted the style by now).
+  eb::PrefetchAhead prefetch;
+  if (FLAGS_backend == "cpu") {
+    const eb::PrefetchStyle style = *eb::ParsePrefetchStyle(FLAGS_prefetch_style);
+    prefetch = FLAGS_prefetch_distance == eb::CpuBackendOptions::kPrefetchByRow
+                   ? eb::LookupPrefetchFor(style, int64_t{FLAGS_dim} * elem, FLAGS_rows)
+                   : eb::FixedPrefetch(style, FLAGS_prefetch_distance);
+  }
   const double lookups = all_ids / fwd_s;
   const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;
   const double bwd = all_ids / bwd_s;
@@ -266,12 +296,13 @@ int main(int argc, char** argv) {
         "\"distribution\": \"%s\", \"dtype\": \"%s\", \"pooling\": \"%s\", "
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
-        "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f}\n",
+        "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f, "
+        "\"prefetch_outer\": %d, \"prefetch_l1\": %d}\n",
         (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
         FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables, FLAGS_id_sets,
         FLAGS_distribution.c_str(), FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
-        memcpy_bwd_s * 1e3);
+        memcpy_bwd_s * 1e3, prefetch.outer, prefetch.l1);
   } else {
     std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d tables=%d id_sets=%d %s %s %s %s\n",
                 (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
@@ -279,7 +310,12 @@ int main(int argc, char** argv) {
                 FLAGS_id_sets,
                 FLAGS_distribution.c_str(),
                 FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str());
-    std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s\n", fwd_s * 1e3, lookups, gbps);
+    std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s", fwd_s * 1e3, lookups, gbps);
+    if (FLAGS_backend == "cpu") {
+      std::printf(" (prefetch: every line %d ids ahead to L2, first line %d into L1; 0: none)",
+                  prefetch.outer, prefetch.l1);
+    }
+    std::printf("\n");
     std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s)\n", bwd_s * 1e3, bwd,
                 FLAGS_optimizer.c_str());
     std::printf("  host parts: validation %.3f / %.3f ms, memcpy of the bytes moved %.3f / %.3f "

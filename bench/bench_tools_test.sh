@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Smoke tests of the benchmark tools (they assert no figures): kernel_bench
+# reports the prefetch its backend resolved, answers --serve requests and
+# refuses unknown ones; bench/kernel_ab.py pairs two sides and names a side
+# that cannot start. Tiny tables, a few seconds.
+set -uo pipefail
+
+KB="$1"
+AB="$2"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}"
+failures=0
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+tiny=(--rows=1000 --dim=8 --batch=16 --pooling_factor=4 --iters=1)
+
+# json_field FILE KEY: the value of "KEY": in kernel_bench's one-line JSON.
+json_field() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+
+# The prefetch kernel_bench reports is LookupPrefetchFor's / FixedPrefetch's
+# (cpu_backend.h), worked by hand: a shard of at most 4 MiB is 24 ahead in
+# either style; two_stage adds the first line half as far (at most 16).
+check_prefetch() {  # check_prefetch NAME OUTER L1 -- FLAGS...
+  local name="$1" outer="$2" l1="$3"
+  shift 4
+  if ! "$KB" "${tiny[@]}" --format=json "$@" >"$TMP/kb.json" 2>"$TMP/kb.err"; then
+    fail "$name: kernel_bench failed: $(cat "$TMP/kb.err")"
+    return
+  fi
+  local got_outer got_l1
+  got_outer=$(json_field "$TMP/kb.json" prefetch_outer)
+  got_l1=$(json_field "$TMP/kb.json" prefetch_l1)
+  [ "$got_outer/$got_l1" = "$outer/$l1" ] ||
+    fail "$name: prefetch $got_outer/$got_l1, want $outer/$l1"
+}
+check_prefetch "outer, small shard" 24 0 -- --prefetch_style=outer
+check_prefetch "two_stage, small shard" 24 12 -- --prefetch_style=two_stage
+check_prefetch "two_stage, fixed 40" 40 16 -- --prefetch_style=two_stage --prefetch_distance=40
+check_prefetch "outer, none" 0 0 -- --prefetch_style=outer --prefetch_distance=0
+# 4 MiB + one row of fp32 dim 8: past the small-shard rule.
+check_prefetch "two_stage, 32-byte rows" 64 16 -- --prefetch_style=two_stage --rows=131073
+
+# --serve: one JSON line per "measure", then "quit".
+printf 'measure\nmeasure\nquit\n' | "$KB" "${tiny[@]}" --serve >"$TMP/serve.out" 2>"$TMP/serve.err"
+[ "$(grep -c '"lookups_per_s"' "$TMP/serve.out")" = 2 ] ||
+  fail "--serve: want 2 timing lines, got: $(cat "$TMP/serve.out") $(cat "$TMP/serve.err")"
+if printf 'meausre\n' | "$KB" "${tiny[@]}" --serve >/dev/null 2>"$TMP/serve.err"; then
+  fail "--serve accepted an unknown request"
+elif ! grep -q "unknown request 'meausre'" "$TMP/serve.err"; then
+  fail "--serve's refusal does not name the request: $(cat "$TMP/serve.err")"
+fi
+
+# kernel_ab.py: two configurations of one binary, paired.
+if ! python3 "$AB" --a="$KB --dtype=fp32" --b="$KB --dtype=fp16" --pairs=2 --pause=0 -- \
+    "${tiny[@]}" >"$TMP/ab.out" 2>"$TMP/ab.err"; then
+  fail "kernel_ab: $(cat "$TMP/ab.err")"
+else
+  for what in forward backward; do
+    grep -qE "^$what +A [0-9.e+]+ +B [0-9.e+]+ ids/s +B/A [0-9.]+ \[[0-9.]+-[0-9.]+\] +\(2 pairs\)" \
+      "$TMP/ab.out" || fail "kernel_ab: no $what line: $(cat "$TMP/ab.out")"
+  done
+  [ "$(grep -c '^  pair ' "$TMP/ab.err")" = 2 ] || fail "kernel_ab: want 2 progress lines: $(cat "$TMP/ab.err")"
+fi
+# A side that cannot start, and one that exits, are named with the reason.
+if python3 "$AB" --a="$TMP/no_such_binary" --b="$KB" --pairs=1 -- "${tiny[@]}" >/dev/null 2>"$TMP/ab.err"; then
+  fail "kernel_ab accepted a missing binary"
+elif ! grep -q "side A cannot start" "$TMP/ab.err"; then
+  fail "kernel_ab: missing binary not named: $(cat "$TMP/ab.err")"
+fi
+if python3 "$AB" --a="$KB" --b="$KB --dtype=fp8" --pairs=1 -- "${tiny[@]}" >/dev/null 2>"$TMP/ab.err"; then
+  fail "kernel_ab accepted a side that exits"
+elif ! grep -q "side B .* exited with code 1: kernel_bench: --dtype=fp8 is not one of fp32, fp16, bf16" \
+    "$TMP/ab.err"; then
+  fail "kernel_ab: exiting side not reported with its reason: $(cat "$TMP/ab.err")"
+fi
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all checks passed"
