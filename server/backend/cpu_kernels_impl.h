@@ -57,6 +57,7 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
   // keeps it on the stack otherwise, a load and a store around every FMA
   // (unrolled: +3% on 512-byte rows, +14% on 1 KiB ones; docs/benchmarks.md).
   typename Ops::Reg acc[NR];
+  constexpr int64_t kBlockBytes = NR * Ops::kLanes * (T == 0 ? 4 : 2);
   const uint8_t* cols = table + col * (T == 0 ? 4 : 2);
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
@@ -69,7 +70,17 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
     }
     if (prefetch.outer > 0 && k + prefetch.outer < ids_avail) {
       const char* far = PrefetchAddress(table, row_bytes, rows, ids, k + prefetch.outer);
-      for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(far + line, _MM_HINT_T2);
+      if (row_bytes == kBlockBytes) {
+        // The row is this block (the usual case): its lines unrolled.
+#pragma GCC unroll 16
+        for (int64_t line = 0; line < kBlockBytes; line += 64) {
+          _mm_prefetch(far + line, _MM_HINT_T2);
+        }
+      } else {
+        for (int64_t line = 0; line < row_bytes; line += 64) {
+          _mm_prefetch(far + line, _MM_HINT_T2);
+        }
+      }
     }
     // Columns [col, ...) of the row: the loads' offsets below are then
     // constants, which leaves the compiler its registers.
