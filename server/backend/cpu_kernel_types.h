@@ -81,9 +81,13 @@ extern template void NarrowOneByOne<1>(void*, const float*, int64_t, uint64_t, i
 extern template void NarrowOneByOne<2>(void*, const float*, int64_t, uint64_t, int64_t);
 
 // Defined in cpu_kernels_avx2.cc / cpu_kernels_avx512.cc; use them only
-// where the CPU has the ISA (RowKernelsFor checks).
+// where the CPU has the ISA (RowKernelsFor checks). The two AVX-512 tables
+// differ only in how the pooling loads 16-bit rows: a 64-byte load widened
+// from registers (kAvx512RowKernels, the AMD choice) or each half converted
+// from memory (kAvx512IntelRowKernels, chosen on Intel CPUs).
 extern const RowKernels kAvx2RowKernels;
 extern const RowKernels kAvx512RowKernels;
+extern const RowKernels kAvx512IntelRowKernels;
 
 }  // namespace backend
 }  // namespace ember

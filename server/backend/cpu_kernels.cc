@@ -68,8 +68,15 @@ bool HasAvx512() {
 
 }  // namespace
 
+namespace {
+// The AVX-512 table for this CPU's vendor (cpu_kernel_types.h).
+const RowKernels& Avx512RowKernels() {
+  return CpuIsIntel() ? kAvx512IntelRowKernels : kAvx512RowKernels;
+}
+}  // namespace
+
 const RowKernels& BestRowKernels() {
-  if (HasAvx512()) return kAvx512RowKernels;
+  if (HasAvx512()) return Avx512RowKernels();
   if (HasAvx2()) return kAvx2RowKernels;
   return kScalar;
 }
@@ -90,7 +97,7 @@ absl::StatusOr<const RowKernels*> RowKernelsFor(const std::string& isa) {
   }
   if (isa == "avx512") {
     if (!HasAvx512()) return absl::FailedPreconditionError("this CPU lacks AVX-512 F/BW/VL");
-    return &kAvx512RowKernels;
+    return &Avx512RowKernels();
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown ISA '", isa, "' (valid: auto, scalar, avx2, avx512)"));

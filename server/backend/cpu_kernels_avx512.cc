@@ -139,7 +139,9 @@ void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
   if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
 }
 
-struct Ops {
+// The AVX-512 operations but how 16-bit rows are loaded (OpsPaired,
+// OpsFromMemory below).
+struct OpsCommon {
   using Reg = __m512;
   static constexpr int kLanes = 16;
   // 32 registers: a bag's 16 accumulators (256 fp32 columns) fit beside
@@ -152,11 +154,6 @@ struct Ops {
   static Reg Load(const float* p) { return _mm512_loadu_ps(p); }
   static Reg LoadFp16(const uint16_t* p) { return _mm512_cvtph_ps(Load256(p)); }
   static Reg LoadBf16(const uint16_t* p) { return Bf16ToFloat(Load256(p)); }
-  // Two registers' worth (32 columns, one cache line) of a 16-bit row from
-  // one 64-byte load, widened from registers: faster than two 32-byte
-  // memory-operand conversions on fp16 rows of 64 columns
-  // (docs/benchmarks.md).
-  static constexpr bool kPairLoads = true;
   static void LoadFp16Pair(const uint16_t* p, Reg* lo, Reg* hi) {
     const __m512i v = _mm512_loadu_si512(p);
     *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
@@ -171,14 +168,40 @@ struct Ops {
   static AccumulateFn Accumulate(int type) { return kAvx2RowKernels.accumulate[type]; }
 };
 
+// Two registers' worth (32 columns, one cache line) of a 16-bit row from
+// one 64-byte load, widened from registers: faster than two 32-byte
+// memory-operand conversions on the AMD EPYC VM (fp16 rows of 64 columns;
+// docs/benchmarks.md).
+namespace paired {
+struct Ops : OpsCommon {
+  static constexpr bool kPairLoads = true;
+};
 #include "server/backend/cpu_kernels_impl.h"
+}  // namespace paired
+
+// Each 32-byte half converted straight from memory: on the Intel Xeon VM
+// 1.03-1.10x the paired loads on cached fp16 rows and zipf ids in the
+// backend (docs/benchmarks.md), fewer micro-ops a row.
+namespace from_memory {
+struct Ops : OpsCommon {
+  static constexpr bool kPairLoads = false;
+};
+#include "server/backend/cpu_kernels_impl.h"
+}  // namespace from_memory
 
 }  // namespace
 
 const RowKernels kAvx512RowKernels = {
     "avx512",
     {AccF32, AccFp16, AccBf16},
-    {Pool<0>, Pool<1>, Pool<2>},
+    {paired::Pool<0>, paired::Pool<1>, paired::Pool<2>},
+    {WidenF32, Widen16<1>, Widen16<2>},
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>}};
+
+const RowKernels kAvx512IntelRowKernels = {
+    "avx512",
+    {AccF32, AccFp16, AccBf16},
+    {from_memory::Pool<0>, from_memory::Pool<1>, from_memory::Pool<2>},
     {WidenF32, Widen16<1>, Widen16<2>},
     {nullptr, NarrowStochastic<1>, NarrowStochastic<2>}};
 

@@ -27,20 +27,43 @@ uint32_t Bits(float f) {
   return u;
 }
 
+// Every table this CPU can run: both AVX-512 tables (one is chosen by the
+// CPU's vendor, but either runs on any AVX-512 CPU).
 std::vector<const RowKernels*> AvailableKernels() {
   std::vector<const RowKernels*> out;
   for (const std::string isa : {"scalar", "avx2", "avx512"}) {
     auto k = RowKernelsFor(isa);
-    if (k.ok()) out.push_back(*k);
+    if (!k.ok()) continue;
+    if (isa == "avx512") {
+      out.push_back(&kAvx512RowKernels);
+      out.push_back(&kAvx512IntelRowKernels);
+    } else {
+      out.push_back(*k);
+    }
   }
   return out;
+}
+
+// The tables a test names in its failures: the ISA and, for AVX-512, the
+// way 16-bit rows are loaded.
+std::string KernelName(const RowKernels* k) {
+  if (k == &kAvx512RowKernels) return "avx512 (paired loads)";
+  if (k == &kAvx512IntelRowKernels) return "avx512 (conversions from memory)";
+  return k->isa;
+}
+
+TEST(CpuKernelsTest, TheAvx512TableFollowsTheVendor) {
+  auto k = RowKernelsFor("avx512");
+  if (!k.ok()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  EXPECT_EQ(*k, CpuIsIntel() ? &kAvx512IntelRowKernels : &kAvx512RowKernels);
+  EXPECT_EQ(&BestRowKernels(), *k);
 }
 
 TEST(CpuKernelsTest, WidenEveryHalfAndBf16Exactly) {
   std::vector<uint16_t> all(65536);
   for (int i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
   for (const RowKernels* k : AvailableKernels()) {
-    SCOPED_TRACE(k->isa);
+    SCOPED_TRACE(KernelName(k));
     std::vector<float> out(all.size());
     k->widen[1](out.data(), all.data(), static_cast<int64_t>(all.size()));
     for (int i = 0; i < 65536; ++i) {
@@ -65,7 +88,7 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
   std::uniform_real_distribution<float> u(-2, 2);
   const int64_t rows = 37;
   for (const RowKernels* k : AvailableKernels()) {
-    SCOPED_TRACE(k->isa);
+    SCOPED_TRACE(KernelName(k));
     for (int type = 0; type < 3; ++type) {
       for (int64_t dim : {4, 8, 16, 20, 32, 48, 64, 96, 128, 144, 192, 256, 260, 400, 528}) {
         const int64_t elem = type == 0 ? 4 : 2;
@@ -121,7 +144,7 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
 TEST(CpuKernelsTest, IdsOutOfRangeAreCaughtAndNeverRead) {
   const int64_t rows = 5;
   for (const RowKernels* k : AvailableKernels()) {
-    SCOPED_TRACE(k->isa);
+    SCOPED_TRACE(KernelName(k));
     for (int type : {0, 1, 2}) {
       for (int64_t dim : {4, 20, 64, 132, 260}) {
         const int64_t elem = type == 0 ? 4 : 2;
@@ -173,7 +196,7 @@ TEST(CpuKernelsTest, StochasticRoundingMatchesTheFormulasBitForBit) {
                             -5.9e-5f,   6.1e-5f,   6.2e-5f, 65504.0f, 65519.0f, 65520.0f,
                             -70000.0f,  inf,       -inf,    std::nanf(""), 1.0f, -3.25f};
   for (const RowKernels* k : AvailableKernels()) {
-    SCOPED_TRACE(k->isa);
+    SCOPED_TRACE(KernelName(k));
     for (int64_t dim : {4, 12, 16, 20, 64, 68, 132}) {
       for (int64_t col_offset : {0, 4, 100}) {
         std::vector<float> w(dim);
