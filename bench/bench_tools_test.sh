@@ -62,12 +62,12 @@ fi
 # A side that cannot start, and one that exits, are named with the reason.
 if python3 "$AB" --a="$TMP/no_such_binary" --b="$KB" --pairs=1 -- "${tiny[@]}" >/dev/null 2>"$TMP/ab.err"; then
   fail "kernel_ab accepted a missing binary"
-elif ! grep -q "side A cannot start" "$TMP/ab.err"; then
+elif ! grep -q "kernel_ab: side A: cannot start $TMP/no_such_binary" "$TMP/ab.err"; then
   fail "kernel_ab: missing binary not named: $(cat "$TMP/ab.err")"
 fi
 if python3 "$AB" --a="$KB" --b="$KB --dtype=fp8" --pairs=1 -- "${tiny[@]}" >/dev/null 2>"$TMP/ab.err"; then
   fail "kernel_ab accepted a side that exits"
-elif ! grep -q "side B .* exited with code 1: kernel_bench: --dtype=fp8 is not one of fp32, fp16, bf16" \
+elif ! grep -q "kernel_ab: side B: .* failed (exit 1): kernel_bench: --dtype=fp8 is not one of fp32, fp16, bf16" \
     "$TMP/ab.err"; then
   fail "kernel_ab: exiting side not reported with its reason: $(cat "$TMP/ab.err")"
 fi

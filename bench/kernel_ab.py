@@ -21,13 +21,11 @@ the same time (twice the memory of one).
 """
 
 import argparse
-import json
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
+
+from kernel_bench_server import KernelBenchServer
 
 
 def parse_args():
@@ -44,56 +42,19 @@ def parse_args():
     return args
 
 
-class Side:
-    """One kernel_bench --serve process; stderr to a file nobody has to drain."""
-
-    def __init__(self, name, command, common):
-        argv = shlex.split(command) + list(common) + ["--serve"]
-        self.name = name
-        self.argv = argv
-        self.err = tempfile.TemporaryFile(mode="w+")
-        try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self.err, text=True)
-        except OSError as e:
-            sys.exit(f"kernel_ab: side {name} cannot start {argv[0]}: {e}")
-
-    def measure(self):
-        try:
-            self.proc.stdin.write("measure\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            self.err.seek(0)
-            sys.exit(f"kernel_ab: side {self.name} ({' '.join(self.argv)}) exited with code "
-                     f"{self.proc.returncode}: {self.err.read().strip()}")
-        return json.loads(line)
-
-    def close(self):
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-        self.proc.wait()
-
-
 def main():
     args = parse_args()
-    a = Side("A", args.a, args.common)
-    b = Side("B", args.b, args.common)
+    a = KernelBenchServer(shlex.split(args.a) + args.common, "kernel_ab: side A")
+    b = KernelBenchServer(shlex.split(args.b) + args.common, "kernel_ab: side B")
+    sides = {"A": a, "B": b}
     rows = {"forward": ([], [], []), "backward": ([], [], [])}  # A rates, B rates, ratios
     try:
         for i in range(args.pairs):
             # Which side goes first alternates, so neither always follows the other.
-            order = (a, b) if i % 2 == 0 else (b, a)
+            order = ("A", "B") if i % 2 == 0 else ("B", "A")
             got = {}
-            for side in order:
-                time.sleep(args.pause)
-                got[side.name] = side.measure()
+            for name in order:
+                got[name] = sides[name].measure(args.pause)
             for what, key in (("forward", "lookups_per_s"), ("backward", "bwd_lookups_per_s")):
                 ra, rb, ratio = rows[what]
                 ra.append(got["A"][key])

@@ -44,10 +44,11 @@ Usually run through bench/torch_compare.sh, which runs it with the SDK's
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from kernel_bench_server import KernelBenchServer
 
 
 def parse_args():
@@ -158,42 +159,6 @@ def torch_timer(torch, np, ids_path, a, dim, threads):
     return lambda: figures(False) + figures(True)
 
 
-class EmberServer:
-    """kernel_bench --serve: its tables set up once, timed on request."""
-
-    def __init__(self, cmd):
-        self.cmd = cmd
-        # stderr to a file: a pipe nobody reads could fill and stall it.
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd + ["--serve"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
-
-    def measure(self):
-        # PyTorch's OpenMP threads spin for a while after each parallel
-        # region (libgomp: GOMP_SPINCOUNT, tens of ms with PAUSE's latency on
-        # these cores); timed right after the peer, Ember's threads would
-        # share the cores with that spin (2-thread dim-32 lookups read
-        # 0.74-0.93x PyTorch that way, 1.4-1.8x at one thread).
-        time.sleep(0.25)
-        try:
-            self.proc.stdin.write("measure\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        except BrokenPipeError:
-            line = ""
-        if not line:
-            self.proc.wait()
-            self.err.seek(0)
-            sys.exit(f"torch_compare: {' '.join(self.cmd)} failed (exit {self.proc.returncode}):\n"
-                     f"{self.err.read().strip()}")
-        return json.loads(line)
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-        self.err.close()
-
-
 def main():
     a = parse_args()
     try:
@@ -227,7 +192,7 @@ def main():
                 # both alike.
                 rounds = []  # (ember, torch fwd, torch bwd, resident fwd, resident bwd)
                 for _ in range(max(1, a.rounds)):
-                    server = EmberServer(cmd)
+                    server = KernelBenchServer(cmd, "torch_compare")
                     ember = server.measure()  # the ids file is written once this answers
                     torch_time = torch_timer(torch, np, ids_path, a, dim, threads)
                     for pair in range(max(1, a.pairs)):
