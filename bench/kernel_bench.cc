@@ -277,14 +277,13 @@ int main(int argc, char** argv) {
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
   const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
-  // The lookups' prefetch, as the CPU backend resolves its options for
-  // this shard (CreateCpuBackend has accepted the style by now).
+  // The lookups' prefetch, as the CPU backend chooses it for this shard
+  // (CreateCpuBackend has accepted the style by now).
   eb::PrefetchAhead prefetch;
   if (FLAGS_backend == "cpu") {
-    const eb::PrefetchStyle style = *eb::ParsePrefetchStyle(FLAGS_prefetch_style);
-    prefetch = FLAGS_prefetch_distance == eb::CpuBackendOptions::kPrefetchByRow
-                   ? eb::LookupPrefetchFor(style, int64_t{FLAGS_dim} * elem, FLAGS_rows)
-                   : eb::FixedPrefetch(style, FLAGS_prefetch_distance);
+    prefetch = eb::ShardLookupPrefetch(FLAGS_prefetch_distance,
+                                       *eb::ParsePrefetchStyle(FLAGS_prefetch_style),
+                                       int64_t{FLAGS_dim} * elem, FLAGS_rows);
   }
   const double lookups = all_ids / fwd_s;
   const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;

@@ -128,10 +128,8 @@ class CpuBackend : public EmbeddingBackend {
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
-    shard->lookup_prefetch =
-        options_.prefetch_distance == CpuBackendOptions::kPrefetchByRow
-            ? LookupPrefetchFor(style_, spec.dim * shard->elem_bytes, spec.rows)
-            : FixedPrefetch(style_, options_.prefetch_distance);
+    shard->lookup_prefetch = ShardLookupPrefetch(options_.prefetch_distance, style_,
+                                                 spec.dim * shard->elem_bytes, spec.rows);
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
     shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
@@ -640,6 +638,13 @@ PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t 
   if (style == PrefetchStyle::kOuterOnly || row_bytes <= 128) return FixedPrefetch(style, 64);
   if (row_bytes <= 256) return FixedPrefetch(style, 32);
   return FixedPrefetch(style, 24);
+}
+
+PrefetchAhead ShardLookupPrefetch(int prefetch_distance, PrefetchStyle style, int64_t row_bytes,
+                                  int64_t rows) {
+  return prefetch_distance == CpuBackendOptions::kPrefetchByRow
+             ? LookupPrefetchFor(style, row_bytes, rows)
+             : FixedPrefetch(style, prefetch_distance);
 }
 
 absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(

@@ -72,6 +72,12 @@ PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t 
 // prefetch_distance >= 0) in a style.
 PrefetchAhead FixedPrefetch(PrefetchStyle style, int distance);
 
+// What a shard's lookups prefetch under CpuBackendOptions::prefetch_distance
+// (kPrefetchByRow: LookupPrefetchFor; else FixedPrefetch) and a resolved
+// style: the backend's own choice, for callers that report it.
+PrefetchAhead ShardLookupPrefetch(int prefetch_distance, PrefetchStyle style, int64_t row_bytes,
+                                  int64_t rows);
+
 // INVALID_ARGUMENT / FAILED_PRECONDITION for bad options (unknown or
 // unsupported ISA or prefetch style, num_threads < 1, negative distances).
 absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCpuBackend(

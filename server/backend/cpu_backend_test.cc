@@ -134,6 +134,12 @@ TEST(CpuBackendTest, PrefetchByRow) {
   EXPECT_EQ(P(fixed_two.outer, fixed_two.l1), P(40, 16));
   EXPECT_EQ(P(fixed_outer.outer, fixed_outer.l1), P(40, 0));
   EXPECT_EQ(FixedPrefetch(two, 10).l1, 5);
+  // What a shard gets under the options: the rule by row, or the fixed distance.
+  const PrefetchAhead by_row =
+      ShardLookupPrefetch(CpuBackendOptions::kPrefetchByRow, two, 129, 1000000);
+  const PrefetchAhead fixed = ShardLookupPrefetch(40, two, 129, 1000000);
+  EXPECT_EQ(P(by_row.outer, by_row.l1), P(32, 16));
+  EXPECT_EQ(P(fixed.outer, fixed.l1), P(40, 16));
 
   EXPECT_EQ(*ParsePrefetchStyle("outer"), outer);
   EXPECT_EQ(*ParsePrefetchStyle("two_stage"), two);

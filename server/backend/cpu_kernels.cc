@@ -66,13 +66,11 @@ bool HasAvx512() {
          __builtin_cpu_supports("avx512vl");
 }
 
-}  // namespace
-
-namespace {
 // The AVX-512 table for this CPU's vendor (cpu_kernel_types.h).
 const RowKernels& Avx512RowKernels() {
   return CpuIsIntel() ? kAvx512IntelRowKernels : kAvx512RowKernels;
 }
+
 }  // namespace
 
 const RowKernels& BestRowKernels() {

@@ -139,8 +139,8 @@ void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
   if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
 }
 
-// The AVX-512 operations but how 16-bit rows are loaded (OpsPaired,
-// OpsFromMemory below).
+// The AVX-512 operations but how 16-bit rows are loaded (paired::Ops,
+// from_memory::Ops below).
 struct OpsCommon {
   using Reg = __m512;
   static constexpr int kLanes = 16;
