@@ -63,7 +63,7 @@ bool HasAvx2() {
 }
 bool HasAvx512() {
   return HasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
 // The AVX-512 table for this CPU's vendor (cpu_kernel_types.h).
@@ -94,7 +94,7 @@ absl::StatusOr<const RowKernels*> RowKernelsFor(const std::string& isa) {
     return &kAvx2RowKernels;
   }
   if (isa == "avx512") {
-    if (!HasAvx512()) return absl::FailedPreconditionError("this CPU lacks AVX-512 F/BW/VL");
+    if (!HasAvx512()) return absl::FailedPreconditionError("this CPU lacks AVX-512 F/BW/DQ/VL");
     return &Avx512RowKernels();
   }
   return absl::InvalidArgumentError(

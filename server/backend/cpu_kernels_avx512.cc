@@ -1,5 +1,5 @@
-// AVX-512 (F/BW/VL) row kernels (compiled with -mavx512f -mavx512bw
-// -mavx512vl -mavx2 -mfma -mf16c; called only where the CPU has them).
+// AVX-512 (F/BW/DQ/VL) row kernels (compiled with -mavx512f -mavx512bw
+// -mavx512dq -mavx512vl -mavx2 -mfma -mf16c; called only where the CPU has them).
 // 16 fp32 lanes; tails of < 16 columns go to the AVX2 kernels.
 #include <immintrin.h>
 
@@ -70,71 +70,94 @@ void Widen16(float* out, const void* row, int64_t dim) {
   if (i < dim) kAvx2RowKernels.widen[T](out + i, r + i, dim - i);
 }
 
-// a * b mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products (AVX-512F
-// has no 64-bit multiply without DQ).
-inline __m512i MulLo64(__m512i a, uint64_t b) {
-  const __m512i lo = _mm512_set1_epi64(static_cast<long long>(b & 0xffffffffu));
-  const __m512i hi = _mm512_set1_epi64(static_cast<long long>(b >> 32));
-  const __m512i cross = _mm512_add_epi64(_mm512_mul_epu32(_mm512_srli_epi64(a, 32), lo),
-                                         _mm512_mul_epu32(a, hi));
-  return _mm512_add_epi64(_mm512_mul_epu32(a, lo), _mm512_slli_epi64(cross, 32));
-}
-
-// Eight lanes of embedding_math.h's ElementNoise: Mix64(x) >> 32 of x =
-// row_key + column.
-inline __m256i Noise8(__m512i x) {
+// Mix64 (embedding_math.h) up to its last step, per 64-bit lane: the
+// two products with AVX-512 DQ's 64-bit multiply (three micro-ops on
+// Intel, where the 32 x 32 -> 64 products it replaces took seven).
+inline __m512i Mix64UpToLastShift(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 30));
-  x = MulLo64(x, 0xbf58476d1ce4e5b9ull);
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(0xbf58476d1ce4e5b9ull)));
   x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 27));
-  x = MulLo64(x, 0x94d049bb133111ebull);
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
-  return _mm512_cvtepi64_epi32(_mm512_srli_epi64(x, 32));
+  return _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(0x94d049bb133111ebull)));
 }
 
-// Sixteen columns' noise, columns col .. col + 15 of the row.
+// Sixteen columns' noise, columns col .. col + 15 of the row: embedding_math.h's
+// ElementNoise, Mix64(row_key + column) >> 32. Mix64 ends with x ^ (x >> 31),
+// whose high half is hi ^ (hi >> 31) for hi = x >> 32: the high halves of
+// both groups of eight are gathered into one register first (one permute),
+// and that last step is taken on 32-bit lanes.
 inline __m512i Noise16(uint64_t row_key, int64_t col) {
   const __m512i steps = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const uint64_t base = row_key + static_cast<uint64_t>(col);
-  const __m256i a = Noise8(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base)), steps));
-  const __m256i b =
-      Noise8(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base + 8)), steps));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  const __m512i a =
+      Mix64UpToLastShift(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base)), steps));
+  const __m512i b = Mix64UpToLastShift(
+      _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base + 8)), steps));
+  const __m512i high_halves =
+      _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i hi = _mm512_permutex2var_epi32(a, high_halves, b);
+  return _mm512_xor_si512(hi, _mm512_srli_epi32(hi, 31));
 }
 
-// T 1: fp16, the normal-half path of FloatToFp16Stochastic (rebias, add
-// the noise under the 13 dropped bits, shift); zeros, half subnormals,
-// Inf, NaN and overflow go to StochasticRoundOne. T 2: bf16, add 16 noise
-// bits and truncate; Inf and NaN one by one.
+// Sixteen lanes of embedding_math.h's FloatToFp16Stochastic, every case
+// in vector form (a lane handed to the scalar function cost a mispredicted
+// branch and a call that spilled the loop's registers, and TorchRec's
+// initial weights, uniform within +-1/sqrt(rows), are half subnormals
+// for 1 in 16 values of a 1M-row table).
+inline __m256i Fp16Stochastic16(__m512i u, __m512i noise) {
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+  // Normal halves: rebias 127 -> 15, add the noise under the 13 dropped
+  // bits, shift (a carry out of the mantissa is the round-up).
+  __m512i h = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(abs, _mm512_set1_epi32(0x38000000)),
+                       _mm512_and_si512(noise, _mm512_set1_epi32(0x1fff))),
+      13);
+  // Half subnormals (2^-25 <= |w| < 2^-14): 14 to 24 bits dropped; round up
+  // when the noise under them is below them.
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i mant = _mm512_or_si512(_mm512_and_si512(abs, _mm512_set1_epi32(0x7fffff)),
+                                       _mm512_set1_epi32(0x800000));
+  const __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(abs, 23));
+  const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one);
+  const __mmask16 up = _mm512_cmplt_epu32_mask(_mm512_and_si512(noise, mask),
+                                               _mm512_and_si512(mant, mask));
+  const __m512i sub = _mm512_mask_add_epi32(_mm512_srlv_epi32(mant, shift), up,
+                                            _mm512_srlv_epi32(mant, shift), one);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)), sub);
+  // Under 2^-25: zero (the sign alone).
+  h = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x33000000)), h);
+  // 65536 and above, and Inf: Inf; NaN: the quiet NaN FloatToFp16 gives.
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x47800000)),
+                            _mm512_set1_epi32(0x7c00));
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
+                            _mm512_set1_epi32(0x7e00));
+  return _mm512_cvtepi32_epi16(_mm512_or_si512(sign, h));
+}
+
+// Sixteen lanes of FloatToBf16Stochastic: add 16 noise bits and truncate;
+// Inf unchanged, NaN quietened (FloatToBf16's).
+inline __m256i Bf16Stochastic16(__m512i u, __m512i noise) {
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  __m512i h = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff))), 16);
+  const __m512i high = _mm512_srli_epi32(u, 16);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpeq_epi32_mask(abs, _mm512_set1_epi32(0x7f800000)), high);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
+                            _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(h);
+}
+
+// T 1: fp16, T 2: bf16; tails of < 16 columns one by one.
 template <int T>
 void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
                       int64_t col_offset) {
   uint16_t* out = static_cast<uint16_t*>(row);
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   int64_t c = 0;
   for (; c + 16 <= dim; c += 16) {
     const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(w + c));
     const __m512i noise = Noise16(row_key, col_offset + c);
-    const __m512i abs = _mm512_and_si512(u, abs_mask);
-    __m512i h;
-    __mmask16 special;
-    if (T == 1) {
-      const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
-      const __m512i r =
-          _mm512_add_epi32(_mm512_sub_epi32(abs, _mm512_set1_epi32(0x38000000)),
-                           _mm512_and_si512(noise, _mm512_set1_epi32(0x1fff)));
-      h = _mm512_or_si512(sign, _mm512_srli_epi32(r, 13));
-      special = _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)) |
-                _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x47800000));
-    } else {
-      h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff))),
-                            16);
-      special = _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm512_cvtepi32_epi16(h));
-    for (unsigned m = special; m != 0; m &= m - 1) {
-      const int i = __builtin_ctz(m);
-      out[c + i] = StochasticRoundOne(T, w[c + i], row_key, col_offset + c + i);
-    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        T == 1 ? Fp16Stochastic16(u, noise) : Bf16Stochastic16(u, noise));
   }
   if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
 }

@@ -192,41 +192,83 @@ TEST(CpuKernelsTest, StochasticRoundingMatchesTheFormulasBitForBit) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   const float inf = std::numeric_limits<float>::infinity();
-  const float specials[] = {0.0f,       -0.0f,     1e-30f,  -2.9e-8f, 3e-8f,    6e-8f,
-                            -5.9e-5f,   6.1e-5f,   6.2e-5f, 65504.0f, 65519.0f, 65520.0f,
-                            -70000.0f,  inf,       -inf,    std::nanf(""), 1.0f, -3.25f};
+  // Zeros, half subnormals and the 2^-25 edge, the overflow edges, Inf,
+  // and NaNs of either sign, quiet and signalling.
+  const float specials[] = {0.0f,     -0.0f,          1e-30f,         -2.9e-8f,
+                            2.98e-8f, 3e-8f,          6e-8f,          -1.5e-5f,
+                            -5.9e-5f, 6.1e-5f,        6.2e-5f,        65504.0f,
+                            65519.0f, 65520.0f,       65535.0f,       -70000.0f,
+                            1e38f,    inf,            -inf,           std::nanf(""),
+                            1.0f,     -std::nanf(""), BitsFloat(0x7f800001u),
+                            -3.25f,   BitsFloat(0xffbfffffu)};
   for (const RowKernels* k : AvailableKernels()) {
     SCOPED_TRACE(KernelName(k));
-    for (int64_t dim : {4, 12, 16, 20, 64, 68, 132}) {
+    for (int64_t dim : {4, 12, 16, 20, 64, 68, 132, 256}) {
       for (int64_t col_offset : {0, 4, 100}) {
-        std::vector<float> w(dim);
-        for (int64_t c = 0; c < dim; ++c) {
-          // A mix: specials, small values around the half subnormal range,
-          // and ordinary weights.
-          const int pick = static_cast<int>(rng() % 4);
-          if (pick == 0) {
-            w[c] = specials[rng() % (sizeof(specials) / sizeof(specials[0]))];
-          } else if (pick == 1) {
-            w[c] = unit(rng) * 1e-4f;
-          } else {
-            w[c] = unit(rng) * 0.05f;
-          }
-        }
-        const uint64_t key = rng();
-        for (int type : {1, 2}) {
-          std::vector<uint16_t> got(dim);
-          k->narrow_stochastic[type](got.data(), w.data(), dim, key, col_offset);
+        for (int round = 0; round < 8; ++round) {
+          std::vector<float> w(dim);
           for (int64_t c = 0; c < dim; ++c) {
-            const uint32_t noise = math::ElementNoise(key, col_offset + c);
-            const uint16_t want = type == 1 ? math::FloatToFp16Stochastic(w[c], noise)
-                                            : math::FloatToBf16Stochastic(w[c], noise);
-            ASSERT_EQ(got[c], want) << "type " << type << " dim " << dim << " col "
-                                    << col_offset + c << " w " << w[c];
+            // A mix: specials, small values around the half subnormal range,
+            // and ordinary weights.
+            const int pick = static_cast<int>(rng() % 4);
+            if (pick == 0) {
+              w[c] = specials[rng() % (sizeof(specials) / sizeof(specials[0]))];
+            } else if (pick == 1) {
+              w[c] = unit(rng) * 1e-4f;
+            } else {
+              w[c] = unit(rng) * 0.05f;
+            }
+          }
+          const uint64_t key = rng();
+          for (int type : {1, 2}) {
+            std::vector<uint16_t> got(dim);
+            k->narrow_stochastic[type](got.data(), w.data(), dim, key, col_offset);
+            for (int64_t c = 0; c < dim; ++c) {
+              const uint32_t noise = math::ElementNoise(key, col_offset + c);
+              const uint16_t want = type == 1 ? math::FloatToFp16Stochastic(w[c], noise)
+                                              : math::FloatToBf16Stochastic(w[c], noise);
+              ASSERT_EQ(got[c], want) << "type " << type << " dim " << dim << " col "
+                                      << col_offset + c << " w " << w[c];
+            }
           }
         }
       }
     }
   }
+}
+
+// A half subnormal rounds up only when the noise under its dropped bits is
+// below them: equal is down. Random noise is equal one time in 2^14 or
+// less, so the keys here are searched for: each gives some column of the
+// row noise equal to the dropped bits of its weight.
+TEST(CpuKernelsTest, StochasticRoundingOfHalfSubnormalsWhereTheNoiseEqualsTheDroppedBits) {
+  constexpr int64_t kDim = 64;
+  const int64_t col_offset = 4;
+  // |w| in [2^-15, 2^-14): 14 dropped bits.
+  std::vector<float> w(kDim);
+  for (int64_t c = 0; c < kDim; ++c) w[c] = (c % 2 ? -1.0f : 1.0f) * (3.1e-5f + 4.5e-7f * c);
+  int found = 0;
+  for (uint64_t key = 1; found < 4 && key < 200000; ++key) {
+    int64_t tie = -1;
+    for (int64_t c = 0; c < kDim && tie < 0; ++c) {
+      const uint32_t dropped = (FloatBits(w[c]) & 0x7fffffu) & 0x3fffu;
+      if ((math::ElementNoise(key, col_offset + c) & 0x3fffu) == dropped) tie = c;
+    }
+    if (tie < 0) continue;
+    ++found;
+    for (const RowKernels* k : AvailableKernels()) {
+      SCOPED_TRACE(KernelName(k));
+      std::vector<uint16_t> got(kDim);
+      k->narrow_stochastic[1](got.data(), w.data(), kDim, key, col_offset);
+      const uint16_t want =
+          math::FloatToFp16Stochastic(w[tie], math::ElementNoise(key, col_offset + tie));
+      EXPECT_EQ(got[tie], want) << "key " << key << " col " << tie;
+      // Equal noise is not below: the value rounds down (toward zero).
+      EXPECT_EQ(Fp16ToFloat(want), std::ldexp(std::floor(std::ldexp(std::fabs(w[tie]), 24)), -24) *
+                                       (w[tie] < 0 ? -1.0f : 1.0f));
+    }
+  }
+  EXPECT_EQ(found, 4);
 }
 
 // A kernel that rounds a value the wrong way must fail the comparison
