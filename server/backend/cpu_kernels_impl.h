@@ -44,11 +44,19 @@ inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, uint
   return reinterpret_cast<const char*>(table + CheckedId(ids, k, rows, &ignored) * row_bytes);
 }
 
+// A line towards the outer caches (PREFETCHT2). An asm statement the
+// compiler keeps in order: with _mm_prefetch GCC issued an unrolled row's
+// lines out of order (the last two first), 0.95x on 512-byte rows.
+inline void PrefetchOuter(const char* p) { asm volatile("prefetcht2 %0" : : "m"(*p)); }
+
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
 // NR accumulators in registers across the bag's rows.
 // Ids are read once each and checked (CheckedId); returns false if one
-// was out of range.
-template <int T, int NR>
+// was out of range. kWeighted: weights[k] scale the rows (else all 1).
+// kWholeRow: the row is exactly this block (row_bytes == its bytes, the
+// usual case), so the row stride is a constant (a shift, not a multiply)
+// and its lines are prefetched unrolled.
+template <int T, int NR, bool kWeighted, bool kWholeRow>
 inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
                         const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
                         int64_t col, float out_scale, PrefetchAhead prefetch) {
@@ -58,35 +66,16 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
   // (unrolled: +3% on 512-byte rows, +14% on 1 KiB ones; docs/benchmarks.md).
   typename Ops::Reg acc[NR];
   constexpr int64_t kBlockBytes = NR * Ops::kLanes * (T == 0 ? 4 : 2);
+  const int64_t stride = kWholeRow ? kBlockBytes : row_bytes;
   const uint8_t* cols = table + col * (T == 0 ? 4 : 2);
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) acc[j] = Ops::Zero();
-  for (int64_t k = 0; k < n; ++k) {
-    // The row's first line into L1 (a stage Intel's cores do better
-    // without), then every line of a row further ahead towards the outer
-    // caches (docs/benchmarks.md).
-    if (prefetch.l1 > 0 && k + prefetch.l1 < ids_avail) {
-      _mm_prefetch(PrefetchAddress(table, row_bytes, rows, ids, k + prefetch.l1), _MM_HINT_T0);
-    }
-    if (prefetch.outer > 0 && k + prefetch.outer < ids_avail) {
-      const char* far = PrefetchAddress(table, row_bytes, rows, ids, k + prefetch.outer);
-      if (row_bytes == kBlockBytes) {
-        // The row is this block (the usual case): its lines unrolled.
-#pragma GCC unroll 16
-        for (int64_t line = 0; line < kBlockBytes; line += 64) {
-          _mm_prefetch(far + line, _MM_HINT_T2);
-        }
-      } else {
-        for (int64_t line = 0; line < row_bytes; line += 64) {
-          _mm_prefetch(far + line, _MM_HINT_T2);
-        }
-      }
-    }
-    // Columns [col, ...) of the row: the loads' offsets below are then
-    // constants, which leaves the compiler its registers.
-    const uint8_t* row = cols + CheckedId(ids, k, rows, &bad) * row_bytes;
-    const typename Ops::Reg s = Ops::Set1(weights == nullptr ? 1.0f : weights[k]);
-    if (NR % 2 == 0) {
+  // One id: its row's columns added in (their loads at constant offsets
+  // from the row, which leaves the compiler its registers).
+  auto add_row = [&](int64_t k) {
+    const uint8_t* row = cols + CheckedId(ids, k, rows, &bad) * stride;
+    const typename Ops::Reg s = Ops::Set1(kWeighted ? weights[k] : 1.0f);
+    if constexpr (NR % 2 == 0) {
 #pragma GCC unroll 16
       for (int j = 0; j < NR; j += 2) {
         typename Ops::Reg lo, hi;
@@ -96,15 +85,62 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
       }
     } else {
 #pragma GCC unroll 16
-      for (int j = 0; j < NR; ++j) {
-        acc[j] = Ops::Fma(s, LoadRow<T>(row, j * Ops::kLanes), acc[j]);
-      }
+      for (int j = 0; j < NR; ++j) acc[j] = Ops::Fma(s, LoadRow<T>(row, j * Ops::kLanes), acc[j]);
     }
+  };
+  // The ids whose prefetch target (prefetch.outer ahead) is among the ids
+  // available first, with the prefetches and no test of that per id; then
+  // the rest without.
+  int64_t k = 0;
+  if (prefetch.outer > 0) {
+    const int64_t last = ids_avail - prefetch.outer;  // ids before it prefetch
+    const int64_t with = last < 0 ? 0 : (last < n ? last : n);
+    for (; k < with; ++k) {
+      // The row's first line into L1 (a stage Intel's cores do better
+      // without), then every line of a row further ahead towards the
+      // outer caches (docs/benchmarks.md).
+      if (prefetch.l1 > 0 && k + prefetch.l1 < ids_avail) {
+        _mm_prefetch(PrefetchAddress(table, stride, rows, ids, k + prefetch.l1), _MM_HINT_T0);
+      }
+      const char* far = PrefetchAddress(table, stride, rows, ids, k + prefetch.outer);
+#pragma GCC unroll 16
+      for (int64_t line = 0; line < (kWholeRow ? kBlockBytes : row_bytes); line += 64) {
+        PrefetchOuter(far + line);
+      }
+      add_row(k);
+    }
+  }
+  for (; k < n; ++k) {
+    if (prefetch.l1 > 0 && k + prefetch.l1 < ids_avail) {
+      _mm_prefetch(PrefetchAddress(table, stride, rows, ids, k + prefetch.l1), _MM_HINT_T0);
+    }
+    add_row(k);
   }
   const typename Ops::Reg scale = Ops::Set1(out_scale);
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) Ops::Store(out + col + j * Ops::kLanes, Ops::Mul(acc[j], scale));
   return !bad;
+}
+
+// PoolColumns for the block of NR registers at col, its template
+// arguments chosen at run time.
+template <int T, int NR>
+inline bool PoolBlock(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
+                      const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
+                      int64_t col, float out_scale, PrefetchAhead prefetch) {
+  constexpr int64_t kBlockBytes = NR * Ops::kLanes * (T == 0 ? 4 : 2);
+  if (row_bytes == kBlockBytes) {
+    return weights == nullptr
+               ? PoolColumns<T, NR, false, true>(out, table, row_bytes, rows, ids, weights, n,
+                                                 ids_avail, col, out_scale, prefetch)
+               : PoolColumns<T, NR, true, true>(out, table, row_bytes, rows, ids, weights, n,
+                                                ids_avail, col, out_scale, prefetch);
+  }
+  return weights == nullptr
+             ? PoolColumns<T, NR, false, false>(out, table, row_bytes, rows, ids, weights, n,
+                                                ids_avail, col, out_scale, prefetch)
+             : PoolColumns<T, NR, true, false>(out, table, row_bytes, rows, ids, weights, n,
+                                               ids_avail, col, out_scale, prefetch);
 }
 
 // out[0, dim) = out_scale * sum_k w_k * row(ids[k]); blocks of 16 registers
@@ -120,30 +156,30 @@ bool Pool(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows, co
   constexpr int L = Ops::kLanes;
   if constexpr (Ops::kMaxAccumulators >= 16) {
     for (; col + 16 * L <= dim; col += 16 * L) {
-      ok &= PoolColumns<T, 16>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+      ok &= PoolBlock<T, 16>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                                out_scale, prefetch);
       prefetch = PrefetchAhead();
     }
   }
   for (; col + 8 * L <= dim; col += 8 * L) {
-    ok &= PoolColumns<T, 8>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+    ok &= PoolBlock<T, 8>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
     prefetch = PrefetchAhead();  // the first pass brought the rows in
   }
   if (col + 4 * L <= dim) {
-    ok &= PoolColumns<T, 4>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+    ok &= PoolBlock<T, 4>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
     prefetch = PrefetchAhead();
     col += 4 * L;
   }
   if (col + 2 * L <= dim) {
-    ok &= PoolColumns<T, 2>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+    ok &= PoolBlock<T, 2>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
     prefetch = PrefetchAhead();
     col += 2 * L;
   }
   if (col + L <= dim) {
-    ok &= PoolColumns<T, 1>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
+    ok &= PoolBlock<T, 1>(out, table, row_bytes, rows, ids, weights, n, ids_avail, col,
                             out_scale, prefetch);
     col += L;
   }

@@ -112,23 +112,26 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
             std::vector<float> weights(ids.size());
             for (float& w : weights) w = u(rng);
             const float scale = n == 0 ? 1.0f : 1.0f / n;
-            // Both stages, the outer one alone reaching past ids_avail (Intel's
-            // setting), the L1 one alone; none changes a result.
-            const PrefetchAhead prefetch[] = {{3, 2}, {64, 0}, {0, 3}};
-            const PrefetchAhead pf = prefetch[(n + weighted) % 3];
-            std::vector<float> out(dim, 1e30f);
-            ASSERT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
-                                      weighted ? weights.data() : nullptr, n, n + 3, dim, scale,
-                                      pf));
-            for (int64_t c = 0; c < dim; ++c) {
-              double want = 0;
-              for (int64_t j = 0; j < n; ++j) {
-                want += (weighted ? weights[j] : 1.0) * value[ids[j] * dim + c];
+            // Both stages; the outer one alone reaching past ids_avail (Intel's
+            // setting); the L1 one alone; the outer one ending within the bag
+            // (the kernel's ids with a prefetch, then those without). None
+            // changes a result.
+            for (const PrefetchAhead pf : {PrefetchAhead{3, 2}, PrefetchAhead{64, 0},
+                                           PrefetchAhead{0, 3}, PrefetchAhead{8, 4}}) {
+              std::vector<float> out(dim, 1e30f);
+              ASSERT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
+                                        weighted ? weights.data() : nullptr, n, n + 3, dim, scale,
+                                        pf));
+              for (int64_t c = 0; c < dim; ++c) {
+                double want = 0;
+                for (int64_t j = 0; j < n; ++j) {
+                  want += (weighted ? weights[j] : 1.0) * value[ids[j] * dim + c];
+                }
+                want *= scale;
+                ASSERT_NEAR(out[c], want, 1e-5 * (1 + n * 4))
+                    << "type " << type << " dim " << dim << " n " << n << " weighted " << weighted
+                    << " prefetch " << pf.outer << "/" << pf.l1 << " col " << c;
               }
-              want *= scale;
-              ASSERT_NEAR(out[c], want, 1e-5 * (1 + n * 4))
-                  << "type " << type << " dim " << dim << " n " << n << " weighted " << weighted
-                  << " col " << c;
             }
           }
         }
@@ -241,7 +244,7 @@ TEST(CpuKernelsTest, StochasticRoundingMatchesTheFormulasBitForBit) {
 // below them: equal is down. Random noise is equal one time in 2^14 or
 // less, so the keys here are searched for: each gives some column of the
 // row noise equal to the dropped bits of its weight.
-TEST(CpuKernelsTest, StochasticRoundingOfHalfSubnormalsWhereTheNoiseEqualsTheDroppedBits) {
+TEST(CpuKernelsTest, HalfSubnormalsWhereTheNoiseEqualsTheDroppedBitsRoundDown) {
   constexpr int64_t kDim = 64;
   const int64_t col_offset = 4;
   // |w| in [2^-15, 2^-14): 14 dropped bits.
