@@ -47,6 +47,9 @@ DEFINE_string(distribution, "uniform", "uniform or zipf (alpha 1.05, hot rows sc
 DEFINE_string(dtype, "fp32", "fp32, fp16 or bf16.");
 DEFINE_string(pooling, "sum", "sum or mean.");
 DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
+DEFINE_bool(stochastic_rounding, true,
+            "fp16/bf16 updates rounded stochastically (the default, FBGEMM's); false: to "
+            "nearest even.");
 DEFINE_string(isa, "auto", "auto, scalar, avx2 or avx512.");
 DEFINE_int32(prefetch_distance, -1,
              "Ids ahead the CPU backend's lookups prefetch every line of a row to the outer "
@@ -115,6 +118,7 @@ int main(int argc, char** argv) {
                         : FLAGS_optimizer == "rowwise_adagrad" ? eb::OptimizerType::kRowwiseAdagrad
                         : FLAGS_optimizer == "adam"            ? eb::OptimizerType::kAdam
                                                                : eb::OptimizerType::kSgd;
+  spec.optimizer.stochastic_rounding = FLAGS_stochastic_rounding;
   eb::CpuBackendOptions options;
   options.num_threads = FLAGS_threads;
   options.isa = FLAGS_isa;
@@ -315,8 +319,11 @@ int main(int argc, char** argv) {
                   prefetch.outer, prefetch.l1);
     }
     std::printf("\n");
-    std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s)\n", bwd_s * 1e3, bwd,
-                FLAGS_optimizer.c_str());
+    std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s%s)\n", bwd_s * 1e3, bwd,
+                FLAGS_optimizer.c_str(),
+                FLAGS_dtype == "fp32"              ? ""
+                : FLAGS_stochastic_rounding ? ", stochastic rounding"
+                                            : ", rounding to nearest");
     std::printf("  host parts: validation %.3f / %.3f ms, memcpy of the bytes moved %.3f / %.3f "
                 "ms (forward / backward)\n",
                 validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,

@@ -884,6 +884,50 @@ TEST_P(BackendParityTest, BadValuesDeepInLargeRequestsChangeNothing) {
   EXPECT_EQ(*be_->ExportStep(*id), 1);
 }
 
+// With stochastic rounding off, half-precision weights round to nearest
+// even wherever they are written: rows imported from fp32 (ties among
+// them) and the rows an SGD step updates (half.h's rounding of the fp32
+// step), over 16-column blocks and a tail (dim 36).
+TEST_P(BackendParityTest, HalfPrecisionRoundsToNearestWithStochasticRoundingOff) {
+  std::mt19937 rng(21);
+  for (WeightType wt : {WeightType::kFp16, WeightType::kBf16}) {
+    ShardSpec spec = MakeSpec(20, 36, wt, OptimizerType::kSgd);
+    spec.optimizer.stochastic_rounding = false;
+    spec.optimizer.learning_rate = 0.1f;
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const auto nearest = [wt](float v) {
+      return wt == WeightType::kFp16 ? Fp16ToFloat(FloatToFp16(v)) : Bf16ToFloat(FloatToBf16(v));
+    };
+    std::vector<float> w(spec.rows * spec.dim);
+    for (float& v : w) v = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+    w[0] = 1.0f + 1.0f / 2048;  // fp16 ties: to the even neighbour, 1 ...
+    w[1] = 1.0f + 3.0f / 2048;  // ... and 1 + 4/2048
+    w[2] = 1.0f + 1.0f / 256;   // a bf16 tie: 1
+    w[3] = -3.0e-6f;            // an fp16 subnormal
+    w[40] = 65519.0f;           // fp16: the largest finite half, 65504
+    ASSERT_TRUE(be_->ImportRows(*id, 0, spec.rows, w, {}).ok());
+    const std::vector<float> imported = Export(be_.get(), *id, spec);
+    for (size_t i = 0; i < w.size(); ++i) {
+      ASSERT_EQ(FloatBits(imported[i]), FloatBits(nearest(w[i]))) << "import, element " << i;
+    }
+    Jagged j;
+    for (int64_t r = 0; r < spec.rows; ++r) {
+      j.lengths.push_back(1);
+      j.ids.push_back(r);
+    }
+    std::vector<float> grad(w.size());
+    for (float& g : grad) g = std::uniform_real_distribution<float>(-0.05f, 0.05f)(rng);
+    ASSERT_TRUE(be_->ApplyGradients({{Feature(*id, Pooling::kSum, j), grad}}).ok());
+    const std::vector<float> updated = Export(be_.get(), *id, spec);
+    for (size_t i = 0; i < w.size(); ++i) {
+      const float step = 0.1f * grad[i];  // SGD: w - lr * g, rounded once each
+      ASSERT_EQ(FloatBits(updated[i]), FloatBits(nearest(imported[i] - step)))
+          << "update, element " << i;
+    }
+  }
+}
+
 TEST_P(BackendParityTest, ExportImportRoundTrip) {
   const ShardSpec spec = MakeSpec(30, 8, WeightType::kBf16, OptimizerType::kRowwiseAdagrad);
   auto a = be_->CreateShard(spec);

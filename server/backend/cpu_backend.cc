@@ -68,16 +68,6 @@ struct Shard {
   uint8_t* Row(int64_t r) { return weights.get() + r * spec.dim * elem_bytes; }
   int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
 
-  float Get(int64_t r, int64_t c) const {
-    switch (spec.weight_type) {
-      case WeightType::kFp16:
-        return Fp16ToFloat(reinterpret_cast<const uint16_t*>(Row(r))[c]);
-      case WeightType::kBf16:
-        return Bf16ToFloat(reinterpret_cast<const uint16_t*>(Row(r))[c]);
-      default:
-        return reinterpret_cast<const float*>(Row(r))[c];
-    }
-  }
   void Set(int64_t r, int64_t c, float v) {
     switch (spec.weight_type) {
       case WeightType::kFp16:
@@ -384,8 +374,9 @@ class CpuBackend : public EmbeddingBackend {
     if (s->spec.weight_type == WeightType::kFp32) {  // rows are contiguous fp32: one copy
       std::memcpy(weights.data(), s->Row(row_begin), (row_end - row_begin) * dim * sizeof(float));
     } else {
+      const WidenFn widen = kernels_->widen[static_cast<int>(s->spec.weight_type)];
       for (int64_t r = row_begin; r < row_end; ++r) {
-        for (int64_t c = 0; c < dim; ++c) weights[(r - row_begin) * dim + c] = s->Get(r, c);
+        widen(weights.data() + (r - row_begin) * dim, s->Row(r), dim);
       }
     }
     if (s->state_width > 0) {
@@ -410,8 +401,10 @@ class CpuBackend : public EmbeddingBackend {
     if (s->spec.weight_type == WeightType::kFp32) {
       std::memcpy(s->Row(row_begin), weights.data(), (row_end - row_begin) * dim * sizeof(float));
     } else {
+      const NarrowNearestFn narrow =
+          kernels_->narrow_nearest[static_cast<int>(s->spec.weight_type)];
       for (int64_t r = row_begin; r < row_end; ++r) {
-        for (int64_t c = 0; c < dim; ++c) s->Set(r, c, weights[(r - row_begin) * dim + c]);
+        narrow(s->Row(r), weights.data() + (r - row_begin) * dim, dim);
       }
     }
     if (s->state_width > 0) {
@@ -580,7 +573,7 @@ class CpuBackend : public EmbeddingBackend {
     }
     if (fp32) return;
     if (!s->spec.optimizer.stochastic_rounding) {
-      for (int64_t c = 0; c < dim; ++c) s->Set(r, c, wp[c]);
+      k.narrow_nearest[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim);
       return;
     }
     k.narrow_stochastic[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim, noise_key,

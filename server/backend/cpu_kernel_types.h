@@ -60,17 +60,22 @@ using WidenFn = void (*)(float* out, const void* row, int64_t dim);
 using NarrowFn = void (*)(void* row, const float* w, int64_t dim, uint64_t row_key,
                           int64_t col_offset);
 
+// A row of fp16 (type 1) or bf16 (type 2) weights from fp32 w[0, dim),
+// rounded to nearest even: element c as half.h's FloatToFp16 /
+// FloatToBf16, bit for bit. dim is a multiple of 4.
+using NarrowNearestFn = void (*)(void* row, const float* w, int64_t dim);
+
 struct RowKernels {
   const char* isa;             // "scalar", "avx2", "avx512"
   AccumulateFn accumulate[3];  // indexed by WeightType (fp32, fp16, bf16)
   PoolFn pool[3];
   WidenFn widen[3];
   NarrowFn narrow_stochastic[3];  // [0] (fp32) is null
+  NarrowNearestFn narrow_nearest[3];  // [0] (fp32) is null
 };
 
 // One element of NarrowFn (type 1 fp16, 2 bf16), compiled without the
-// wider ISAs (stochastic_round.cc): the vector kernels hand it the lanes
-// their fast path does not cover (zeros, subnormals, Inf, NaN).
+// wider ISAs (stochastic_round.cc).
 uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col);
 
 // NarrowFn element by element through StochasticRoundOne (T 1 fp16, 2
@@ -79,6 +84,13 @@ template <int T>
 void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset);
 extern template void NarrowOneByOne<1>(void*, const float*, int64_t, uint64_t, int64_t);
 extern template void NarrowOneByOne<2>(void*, const float*, int64_t, uint64_t, int64_t);
+
+// NarrowNearestFn element by element (half.h; stochastic_round.cc): the
+// scalar and AVX2 tables' rounding to nearest, and the AVX-512 one's tail.
+template <int T>
+void NarrowNearestOneByOne(void* row, const float* w, int64_t dim);
+extern template void NarrowNearestOneByOne<1>(void*, const float*, int64_t);
+extern template void NarrowNearestOneByOne<2>(void*, const float*, int64_t);
 
 // Defined in cpu_kernels_avx2.cc / cpu_kernels_avx512.cc; use them only
 // where the CPU has the ISA (RowKernelsFor checks). The two AVX-512 tables

@@ -49,7 +49,8 @@ const RowKernels kScalar = {"scalar",
                             {AccScalar<0>, AccScalar<1>, AccScalar<2>},
                             {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>},
                             {WidenScalar<0>, WidenScalar<1>, WidenScalar<2>},
-                            {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>}};
+                            {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>},
+                            {nullptr, NarrowNearestOneByOne<1>, NarrowNearestOneByOne<2>}};
 
 // F16C through CPUID (leaf 1, ECX bit 29): clang has no "f16c" feature
 // name for __builtin_cpu_supports.

@@ -110,7 +110,9 @@ const RowKernels kAvx2RowKernels = {"avx2",
                                     {AccF32, AccFp16, AccBf16},
                                     {Pool<0>, Pool<1>, Pool<2>},
                                     {WidenF32, Widen16<1>, Widen16<2>},
-                                    {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>}};
+                                    {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>},
+                                    {nullptr, NarrowNearestOneByOne<1>,
+                                     NarrowNearestOneByOne<2>}};
 
 }  // namespace backend
 }  // namespace ember

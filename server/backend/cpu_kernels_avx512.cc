@@ -162,6 +162,66 @@ void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
   if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
 }
 
+// Sixteen lanes of half.h's FloatToFp16 (round to nearest even) in
+// integer operations, as the scalar function (VCVTPS2PH would round the
+// same, but keeps a NaN's payload where FloatToFp16 gives one quiet NaN).
+inline __m256i Fp16Nearest16(__m512i u) {
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+  const __m512i one = _mm512_set1_epi32(1);
+  // Normal halves: rebias 127 -> 15, add half the dropped 13 bits' unit
+  // less one, plus the kept bit's parity (ties to even), shift.
+  const __m512i r = _mm512_sub_epi32(abs, _mm512_set1_epi32(0x38000000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(r, 13), one);
+  __m512i h = _mm512_srli_epi32(
+      _mm512_add_epi32(r, _mm512_add_epi32(_mm512_set1_epi32(0xfff), odd)), 13);
+  // Half subnormals (2^-25 <= |w| < 2^-14): 14 to 24 bits dropped, up when
+  // above the midpoint or at it with the kept bits odd.
+  const __m512i mant = _mm512_or_si512(_mm512_and_si512(abs, _mm512_set1_epi32(0x7fffff)),
+                                       _mm512_set1_epi32(0x800000));
+  const __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(abs, 23));
+  const __m512i kept = _mm512_srlv_epi32(mant, shift);
+  const __m512i rem = _mm512_and_si512(mant, _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one));
+  const __m512i mid = _mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one));
+  const __mmask16 up =
+      _mm512_cmpgt_epu32_mask(rem, mid) |
+      (_mm512_cmpeq_epi32_mask(rem, mid) & _mm512_test_epi32_mask(kept, one));
+  const __m512i sub = _mm512_mask_add_epi32(kept, up, kept, one);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)), sub);
+  h = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x33000000)), h);
+  // Overflow (at or above 65520, which rounds up to 2^16) and Inf; NaN.
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x477ff000)),
+                            _mm512_set1_epi32(0x7c00));
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
+                            _mm512_set1_epi32(0x7e00));
+  return _mm512_cvtepi32_epi16(_mm512_or_si512(sign, h));
+}
+
+// Sixteen lanes of FloatToBf16: ties to even on the high half; NaN
+// quietened.
+inline __m256i Bf16Nearest16(__m512i u) {
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i h = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
+                            _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(h);
+}
+
+// T 1: fp16, T 2: bf16; tails of < 16 columns one by one.
+template <int T>
+void NarrowNearest(void* row, const float* w, int64_t dim) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  int64_t c = 0;
+  for (; c + 16 <= dim; c += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(w + c));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        T == 1 ? Fp16Nearest16(u) : Bf16Nearest16(u));
+  }
+  if (c < dim) NarrowNearestOneByOne<T>(out + c, w + c, dim - c);
+}
+
 // The AVX-512 operations but how 16-bit rows are loaded (paired::Ops,
 // from_memory::Ops below).
 struct OpsCommon {
@@ -219,14 +279,16 @@ const RowKernels kAvx512RowKernels = {
     {AccF32, AccFp16, AccBf16},
     {paired::Pool<0>, paired::Pool<1>, paired::Pool<2>},
     {WidenF32, Widen16<1>, Widen16<2>},
-    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>}};
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>},
+    {nullptr, NarrowNearest<1>, NarrowNearest<2>}};
 
 const RowKernels kAvx512IntelRowKernels = {
     "avx512",
     {AccF32, AccFp16, AccBf16},
     {from_memory::Pool<0>, from_memory::Pool<1>, from_memory::Pool<2>},
     {WidenF32, Widen16<1>, Widen16<2>},
-    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>}};
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>},
+    {nullptr, NarrowNearest<1>, NarrowNearest<2>}};
 
 }  // namespace backend
 }  // namespace ember

@@ -6,6 +6,7 @@
 // use each register block (8, 4, 2, 1 registers, paired loads) and tails.
 #include "server/backend/cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -235,6 +236,57 @@ TEST(CpuKernelsTest, StochasticRoundingMatchesTheFormulasBitForBit) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// Rounding to nearest even, against half.h's scalar functions: every
+// half and bf16 value, the midpoints between neighbours (ties) and the
+// floats just either side of them, specials, and random bit patterns
+// (NaN payloads among them).
+TEST(CpuKernelsTest, RoundingToNearestMatchesHalfHBitForBit) {
+  std::vector<float> w;
+  const auto add_around = [&](float x) {
+    w.push_back(x);
+    w.push_back(std::nextafter(x, std::numeric_limits<float>::infinity()));
+    w.push_back(std::nextafter(x, -std::numeric_limits<float>::infinity()));
+  };
+  for (uint32_t h = 0; h < 0xffff; ++h) {
+    if ((h & 0x7c00u) == 0x7c00u) continue;  // Inf and NaN: among the specials
+    add_around(Fp16ToFloat(static_cast<uint16_t>(h)));
+    if ((h & 0x7fffu) != 0x7bffu) {  // the largest finite has no finite neighbour above
+      add_around(0.5f * (Fp16ToFloat(static_cast<uint16_t>(h)) +
+                         Fp16ToFloat(static_cast<uint16_t>(h + 1))));
+    }
+    // bf16: the value, and the tie halfway to the next (the low 16 bits 0x8000).
+    add_around(BitsFloat(h << 16 | 0x8000u));
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, -65520.0f, 1e38f, inf, -inf,
+                  std::nanf(""), -std::nanf(""), BitsFloat(0x7f800001u), BitsFloat(0xffbfffffu),
+                  2.98e-8f, 2.9802322e-8f, 5.96e-8f}) {
+    w.push_back(x);
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 200000; ++i) w.push_back(BitsFloat(static_cast<uint32_t>(rng())));
+  while (w.size() % 4 != 0) w.push_back(1.0f);
+  for (const RowKernels* k : AvailableKernels()) {
+    SCOPED_TRACE(KernelName(k));
+    for (int type : {1, 2}) {
+      // In rows of 132 columns (16-lane blocks and a 4-column tail) and the
+      // whole vector as one row.
+      std::vector<uint16_t> got(w.size());
+      for (size_t at = 0; at < w.size(); at += 132) {
+        const int64_t dim = static_cast<int64_t>(std::min<size_t>(132, w.size() - at));
+        k->narrow_nearest[type](got.data() + at, w.data() + at, dim);
+      }
+      std::vector<uint16_t> whole(w.size());
+      k->narrow_nearest[type](whole.data(), w.data(), static_cast<int64_t>(w.size()));
+      for (size_t i = 0; i < w.size(); ++i) {
+        const uint16_t want = type == 1 ? FloatToFp16(w[i]) : FloatToBf16(w[i]);
+        ASSERT_EQ(got[i], want) << "type " << type << " bits " << std::hex << FloatBits(w[i]);
+        ASSERT_EQ(whole[i], want) << "type " << type << " bits " << std::hex << FloatBits(w[i]);
       }
     }
   }

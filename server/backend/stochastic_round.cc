@@ -1,7 +1,7 @@
-// StochasticRoundOne and NarrowOneByOne (cpu_kernel_types.h): their own
-// library, built without the wider ISAs, which every kernel table links
-// against (the scalar and AVX2 narrowing, the AVX-512 lanes and tails its
-// vector path hands back).
+// StochasticRoundOne, NarrowOneByOne and NarrowNearestOneByOne
+// (cpu_kernel_types.h): their own library, built without the wider ISAs,
+// which every kernel table links against (the scalar and AVX2 narrowing,
+// the AVX-512 tails of < 16 columns).
 #include "server/backend/cpu_kernel_types.h"
 #include "server/backend/embedding_math.h"
 
@@ -20,6 +20,14 @@ void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, in
 }
 template void NarrowOneByOne<1>(void*, const float*, int64_t, uint64_t, int64_t);
 template void NarrowOneByOne<2>(void*, const float*, int64_t, uint64_t, int64_t);
+
+template <int T>
+void NarrowNearestOneByOne(void* row, const float* w, int64_t dim) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  for (int64_t c = 0; c < dim; ++c) out[c] = T == 1 ? FloatToFp16(w[c]) : FloatToBf16(w[c]);
+}
+template void NarrowNearestOneByOne<1>(void*, const float*, int64_t);
+template void NarrowNearestOneByOne<2>(void*, const float*, int64_t);
 
 }  // namespace backend
 }  // namespace ember
