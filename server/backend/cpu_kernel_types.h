@@ -79,14 +79,14 @@ struct RowKernels {
 uint16_t StochasticRoundOne(int type, float w, uint64_t row_key, int64_t col);
 
 // NarrowFn element by element through StochasticRoundOne (T 1 fp16, 2
-// bf16): the scalar and AVX2 tables' narrowing, and the AVX-512 one's tail.
+// bf16): the scalar table's narrowing, and the vector tables' tails.
 template <int T>
 void NarrowOneByOne(void* row, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset);
 extern template void NarrowOneByOne<1>(void*, const float*, int64_t, uint64_t, int64_t);
 extern template void NarrowOneByOne<2>(void*, const float*, int64_t, uint64_t, int64_t);
 
 // NarrowNearestFn element by element (half.h; stochastic_round.cc): the
-// scalar and AVX2 tables' rounding to nearest, and the AVX-512 one's tail.
+// scalar table's rounding to nearest, and the vector tables' tails.
 template <int T>
 void NarrowNearestOneByOne(void* row, const float* w, int64_t dim);
 extern template void NarrowNearestOneByOne<1>(void*, const float*, int64_t);

@@ -84,6 +84,150 @@ void Widen16(float* out, const void* row, int64_t dim) {
   }
 }
 
+// a * b mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products.
+inline __m256i MulLo64(__m256i a, uint64_t b) {
+  const __m256i lo = _mm256_set1_epi64x(static_cast<long long>(b & 0xffffffffu));
+  const __m256i hi = _mm256_set1_epi64x(static_cast<long long>(b >> 32));
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), lo),
+                                         _mm256_mul_epu32(a, hi));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, lo), _mm256_slli_epi64(cross, 32));
+}
+
+// Mix64 (embedding_math.h) up to its last step, per 64-bit lane.
+inline __m256i Mix64UpToLastShift(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 30));
+  x = MulLo64(x, 0xbf58476d1ce4e5b9ull);
+  x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 27));
+  return MulLo64(x, 0x94d049bb133111ebull);
+}
+
+// Eight columns' noise, columns col .. col + 7 of the row: ElementNoise,
+// Mix64(row_key + column) >> 32, whose last step x ^ (x >> 31) is, on the
+// high half, hi ^ (hi >> 31) (taken on 32-bit lanes once the high halves
+// of both groups of four are in one register).
+inline __m256i Noise8(uint64_t row_key, int64_t col) {
+  const __m256i steps = _mm256_set_epi64x(3, 2, 1, 0);
+  const uint64_t base = row_key + static_cast<uint64_t>(col);
+  const __m256i a = Mix64UpToLastShift(
+      _mm256_add_epi64(_mm256_set1_epi64x(static_cast<long long>(base)), steps));
+  const __m256i b = Mix64UpToLastShift(
+      _mm256_add_epi64(_mm256_set1_epi64x(static_cast<long long>(base + 4)), steps));
+  const __m256i high_halves = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+  const __m256i hi = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(a, high_halves),
+                                        _mm256_permutevar8x32_epi32(b, high_halves), 0xf0);
+  return _mm256_xor_si256(hi, _mm256_srli_epi32(hi, 31));
+}
+
+// 32-bit lane tests as all-ones masks. The magnitudes (|w|'s bits) are
+// below 2^31, so signed comparisons order them as unsigned ones would.
+inline __m256i Below(__m256i abs, int32_t bound) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(bound), abs);
+}
+inline __m256i Above(__m256i abs, int32_t bound) {
+  return _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(bound));
+}
+
+// Eight 32-bit lanes (each < 2^16) as eight 16-bit values, in order.
+inline __m128i Pack16(__m256i h) {
+  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// Half subnormals (2^-25 <= |w| < 2^-14): the kept bits of the mantissa
+// and, per lane, whether the dropped ones round up, as embedding_math.h's
+// FloatToFp16Stochastic (noise under the dropped bits below them) or
+// half.h's FloatToFp16 (above the midpoint, or at it with the kept bits
+// odd). The lanes out of that range hold garbage.
+template <bool kStochastic>
+inline __m256i Fp16Subnormal8(__m256i abs, __m256i noise) {
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i mant = _mm256_or_si256(_mm256_and_si256(abs, _mm256_set1_epi32(0x7fffff)),
+                                       _mm256_set1_epi32(0x800000));
+  const __m256i shift = _mm256_sub_epi32(_mm256_set1_epi32(126), _mm256_srli_epi32(abs, 23));
+  const __m256i kept = _mm256_srlv_epi32(mant, shift);
+  const __m256i mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, shift), one);
+  const __m256i rem = _mm256_and_si256(mant, mask);  // < 2^24: signed compares are fine
+  __m256i up;
+  if (kStochastic) {
+    up = _mm256_cmpgt_epi32(rem, _mm256_and_si256(noise, mask));
+  } else {
+    const __m256i mid = _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one));
+    const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(kept, one), one);
+    up = _mm256_or_si256(_mm256_cmpgt_epi32(rem, mid),
+                         _mm256_and_si256(_mm256_cmpeq_epi32(rem, mid), odd));
+  }
+  return _mm256_sub_epi32(kept, up);  // up is -1 where it rounds up
+}
+
+// Eight lanes of FloatToFp16Stochastic (kStochastic) or FloatToFp16, every
+// case in vector form, bit for bit.
+template <bool kStochastic>
+inline __m128i Fp16Round8(__m256i u, __m256i noise) {
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
+  // Normal halves: rebias 127 -> 15, add below the 13 dropped bits the noise
+  // (stochastic) or half their unit less one plus the kept bit's parity
+  // (nearest even), shift.
+  const __m256i r = _mm256_sub_epi32(abs, _mm256_set1_epi32(0x38000000));
+  const __m256i add =
+      kStochastic ? _mm256_and_si256(noise, _mm256_set1_epi32(0x1fff))
+                  : _mm256_add_epi32(_mm256_set1_epi32(0xfff),
+                                     _mm256_and_si256(_mm256_srli_epi32(r, 13), _mm256_set1_epi32(1)));
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(r, add), 13);
+  h = _mm256_blendv_epi8(h, Fp16Subnormal8<kStochastic>(abs, noise), Below(abs, 0x38800000));
+  h = _mm256_andnot_si256(Below(abs, 0x33000000), h);  // under 2^-25: zero
+  // Overflow to Inf (stochastic: from 65536; nearest: from 65520, which
+  // rounds up to 2^16), Inf itself; NaN: the one quiet NaN.
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7c00),
+                         Above(abs, kStochastic ? 0x477fffff : 0x477fefff));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7e00), Above(abs, 0x7f800000));
+  return Pack16(_mm256_or_si256(sign, h));
+}
+
+// Eight lanes of FloatToBf16Stochastic (kStochastic: add 16 noise bits,
+// truncate) or FloatToBf16 (ties to even); NaN quietened. (Inf needs no
+// case of its own: its low 16 bits are zero, so nothing added carries.)
+template <bool kStochastic>
+inline __m128i Bf16Round8(__m256i u, __m256i noise) {
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i high = _mm256_srli_epi32(u, 16);
+  const __m256i add =
+      kStochastic ? _mm256_and_si256(noise, _mm256_set1_epi32(0xffff))
+                  : _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                     _mm256_and_si256(high, _mm256_set1_epi32(1)));
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, add), 16);
+  h = _mm256_blendv_epi8(h, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), Above(abs, 0x7f800000));
+  return Pack16(h);
+}
+
+// NarrowFn (T 1 fp16, 2 bf16); tails of < 8 columns one by one.
+template <int T>
+void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
+                      int64_t col_offset) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  int64_t c = 0;
+  for (; c + 8 <= dim; c += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(w + c));
+    const __m256i noise = Noise8(row_key, col_offset + c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                     T == 1 ? Fp16Round8<true>(u, noise) : Bf16Round8<true>(u, noise));
+  }
+  if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
+}
+
+// NarrowNearestFn (T 1 fp16, 2 bf16); tails of < 8 columns one by one.
+template <int T>
+void NarrowNearest(void* row, const float* w, int64_t dim) {
+  uint16_t* out = static_cast<uint16_t*>(row);
+  const __m256i no_noise = _mm256_setzero_si256();
+  int64_t c = 0;
+  for (; c + 8 <= dim; c += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(w + c));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                     T == 1 ? Fp16Round8<false>(u, no_noise) : Bf16Round8<false>(u, no_noise));
+  }
+  if (c < dim) NarrowNearestOneByOne<T>(out + c, w + c, dim - c);
+}
+
 struct Ops {
   using Reg = __m256;
   static constexpr int kLanes = 8;
@@ -110,9 +254,8 @@ const RowKernels kAvx2RowKernels = {"avx2",
                                     {AccF32, AccFp16, AccBf16},
                                     {Pool<0>, Pool<1>, Pool<2>},
                                     {WidenF32, Widen16<1>, Widen16<2>},
-                                    {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>},
-                                    {nullptr, NarrowNearestOneByOne<1>,
-                                     NarrowNearestOneByOne<2>}};
+                                    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>},
+                                    {nullptr, NarrowNearest<1>, NarrowNearest<2>}};
 
 }  // namespace backend
 }  // namespace ember

@@ -1,7 +1,7 @@
 // StochasticRoundOne, NarrowOneByOne and NarrowNearestOneByOne
 // (cpu_kernel_types.h): their own library, built without the wider ISAs,
-// which every kernel table links against (the scalar and AVX2 narrowing,
-// the AVX-512 tails of < 16 columns).
+// which every kernel table links against (the scalar table's narrowing,
+// the vector tables' tails).
 #include "server/backend/cpu_kernel_types.h"
 #include "server/backend/embedding_math.h"
 
