@@ -17,26 +17,33 @@ json_field() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[s
 
 # The prefetch kernel_bench reports is LookupPrefetchFor's / FixedPrefetch's
 # (cpu_backend.h), worked by hand: a shard of at most 4 MiB is 24 ahead in
-# either style; two_stage adds the first line half as far (at most 16).
-check_prefetch() {  # check_prefetch NAME OUTER L1 -- FLAGS...
-  local name="$1" outer="$2" l1="$3"
-  shift 4
+# either style, two_stage adding the first line half as far (at most 16);
+# outer sends every line of rows of at most 512 bytes 16 ahead into L1 when
+# the call's shards total at most 6 MiB, as l1 does any shard's.
+check_prefetch() {  # check_prefetch NAME OUTER L1 INTO_L1 -- FLAGS...
+  local name="$1" outer="$2" l1="$3" into_l1="$4"
+  shift 5
   if ! "$KB" "${tiny[@]}" --format=json "$@" >"$TMP/kb.json" 2>"$TMP/kb.err"; then
     fail "$name: kernel_bench failed: $(cat "$TMP/kb.err")"
     return
   fi
-  local got_outer got_l1
-  got_outer=$(json_field "$TMP/kb.json" prefetch_outer)
-  got_l1=$(json_field "$TMP/kb.json" prefetch_l1)
-  [ "$got_outer/$got_l1" = "$outer/$l1" ] ||
-    fail "$name: prefetch $got_outer/$got_l1, want $outer/$l1"
+  local got
+  got=$(json_field "$TMP/kb.json" prefetch_outer)/$(json_field "$TMP/kb.json" prefetch_l1)
+  got="$got/$(json_field "$TMP/kb.json" prefetch_outer_into_l1)"
+  [ "$got" = "$outer/$l1/$into_l1" ] || fail "$name: prefetch $got, want $outer/$l1/$into_l1"
 }
-check_prefetch "outer, small shard" 24 0 -- --prefetch_style=outer
-check_prefetch "two_stage, small shard" 24 12 -- --prefetch_style=two_stage
-check_prefetch "two_stage, fixed 40" 40 16 -- --prefetch_style=two_stage --prefetch_distance=40
-check_prefetch "outer, none" 0 0 -- --prefetch_style=outer --prefetch_distance=0
+check_prefetch "outer, small shard" 16 0 True -- --prefetch_style=outer
+check_prefetch "outer, 4 MiB of 1 KiB rows" 24 0 False -- --prefetch_style=outer --dim=256 --rows=4096
+check_prefetch "two_stage, small shard" 24 12 False -- --prefetch_style=two_stage
+check_prefetch "two_stage, fixed 40" 40 16 False -- --prefetch_style=two_stage --prefetch_distance=40
+check_prefetch "outer, none" 0 0 False -- --prefetch_style=outer --prefetch_distance=0
+check_prefetch "l1, fixed 8" 8 0 True -- --prefetch_style=l1 --prefetch_distance=8
 # 4 MiB + one row of fp32 dim 8: past the small-shard rule.
-check_prefetch "two_stage, 32-byte rows" 64 16 -- --prefetch_style=two_stage --rows=131073
+check_prefetch "two_stage, 32-byte rows" 64 16 False -- --prefetch_style=two_stage --rows=131073
+# 6 MiB + one row of fp32 dim 8.
+check_prefetch "outer, past 6 MiB" 64 0 False -- --prefetch_style=outer --rows=196609
+# Eight 1 MiB shards read in each call: 8 MiB in all, no longer into L1.
+check_prefetch "outer, 8 x 1 MiB" 24 0 False -- --prefetch_style=outer --rows=32768 --tables=8
 
 # --serve: one JSON line per "measure", then "quit".
 printf 'measure\nmeasure\nquit\n' | "$KB" "${tiny[@]}" --serve >"$TMP/serve.out" 2>"$TMP/serve.err"

@@ -56,7 +56,8 @@ DEFINE_int32(prefetch_distance, -1,
              "caches (0: none; -1: the backend's choice by row and shard size, LookupPrefetchFor).");
 DEFINE_string(prefetch_style, "auto",
               "How the CPU backend's lookups prefetch: auto (by CPU vendor), outer (every line "
-              "to the outer caches) or two_stage (and the first line into L1).");
+              "to the outer caches; small shards into L1), two_stage (and the first line into "
+              "L1) or l1 (every line into L1).");
 DEFINE_int32(update_prefetch_distance, 4, "Rows ahead the CPU backend's updates prefetch (0: none).");
 DEFINE_int32(iters, 20, "Timed iterations (after 3 warm-up ones), per caller.");
 DEFINE_int32(callers, 1, "Threads issuing the timed calls at once.");
@@ -281,13 +282,14 @@ int main(int argc, char** argv) {
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
   const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
-  // The lookups' prefetch, as the CPU backend chooses it for this shard
-  // (CreateCpuBackend has accepted the style by now).
+  // The lookups' prefetch, as the CPU backend chooses it for these shards,
+  // all read in each call (CreateCpuBackend has accepted the style by now).
   eb::PrefetchAhead prefetch;
   if (FLAGS_backend == "cpu") {
+    const int64_t row_bytes = int64_t{FLAGS_dim} * elem;
     prefetch = eb::ShardLookupPrefetch(FLAGS_prefetch_distance,
-                                       *eb::ParsePrefetchStyle(FLAGS_prefetch_style),
-                                       int64_t{FLAGS_dim} * elem, FLAGS_rows);
+                                       *eb::ParsePrefetchStyle(FLAGS_prefetch_style), row_bytes,
+                                       FLAGS_rows, tables * row_bytes * FLAGS_rows);
   }
   const double lookups = all_ids / fwd_s;
   const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;
@@ -300,12 +302,13 @@ int main(int argc, char** argv) {
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
         "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f, "
-        "\"prefetch_outer\": %d, \"prefetch_l1\": %d}\n",
+        "\"prefetch_outer\": %d, \"prefetch_l1\": %d, \"prefetch_outer_into_l1\": %s}\n",
         (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
         FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables, FLAGS_id_sets,
         FLAGS_distribution.c_str(), FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
-        memcpy_bwd_s * 1e3, prefetch.outer, prefetch.l1);
+        memcpy_bwd_s * 1e3, prefetch.outer, prefetch.l1,
+        prefetch.outer_into_l1 ? "true" : "false");
   } else {
     std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d tables=%d id_sets=%d %s %s %s %s\n",
                 (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
@@ -315,8 +318,8 @@ int main(int argc, char** argv) {
                 FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str());
     std::printf("  forward:  %.3f ms/batch, %.3g lookups/s, %.2f GB/s", fwd_s * 1e3, lookups, gbps);
     if (FLAGS_backend == "cpu") {
-      std::printf(" (prefetch: every line %d ids ahead to L2, first line %d into L1; 0: none)",
-                  prefetch.outer, prefetch.l1);
+      std::printf(" (prefetch: every line %d ids ahead %s, first line %d into L1; 0: none)",
+                  prefetch.outer, prefetch.outer_into_l1 ? "into L1" : "to L2", prefetch.l1);
     }
     std::printf("\n");
     std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s%s)\n", bwd_s * 1e3, bwd,

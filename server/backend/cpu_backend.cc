@@ -62,7 +62,10 @@ struct Shard {
   std::unique_ptr<uint8_t[], FreeDeleter> weights;  // [rows, dim] in spec.weight_type
   std::unique_ptr<float[], FreeDeleter> state;      // [rows, state_width]
   int64_t step = 0;                    // Adam's t
-  PrefetchAhead lookup_prefetch;       // how the lookups prefetch (options, row size)
+  // How the lookups prefetch (options, row and shard size): in a call that
+  // reads at most kIntoL1CallBytes of shards, and in larger ones.
+  PrefetchAhead lookup_prefetch;
+  PrefetchAhead lookup_prefetch_large_call;
 
   const uint8_t* Row(int64_t r) const { return weights.get() + r * spec.dim * elem_bytes; }
   uint8_t* Row(int64_t r) { return weights.get() + r * spec.dim * elem_bytes; }
@@ -118,8 +121,12 @@ class CpuBackend : public EmbeddingBackend {
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
-    shard->lookup_prefetch = ShardLookupPrefetch(options_.prefetch_distance, style_,
-                                                 spec.dim * shard->elem_bytes, spec.rows);
+    const int64_t row_bytes = spec.dim * shard->elem_bytes;
+    shard->lookup_prefetch = ShardLookupPrefetch(options_.prefetch_distance, style_, row_bytes,
+                                                 spec.rows, row_bytes * spec.rows);
+    shard->lookup_prefetch_large_call =
+        ShardLookupPrefetch(options_.prefetch_distance, style_, row_bytes, spec.rows,
+                            std::numeric_limits<int64_t>::max());
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
     shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
@@ -189,6 +196,11 @@ class CpuBackend : public EmbeddingBackend {
     }
     // Work items: one per bag (pooled) or per id (NONE), across requests.
     PrepareItems(requests);
+    // The shards' bytes the call reads (a shard named twice counted twice):
+    // its prefetch into L1 only when they all fit the caches together.
+    int64_t call_bytes = 0;
+    for (const Shard* s : shard_ptr_) call_bytes += s->spec.rows * s->spec.dim * s->elem_bytes;
+    const bool small_call = call_bytes <= kIntoL1CallBytes;
     const int64_t total = item_begin_.back();
     const RowKernels* kernels = kernels_;
     // Chunks of up to 256 items, at least two per thread: a chunk restarts
@@ -205,6 +217,7 @@ class CpuBackend : public EmbeddingBackend {
         const LookupRequest& r = requests[req];
         const FeatureRequest& f = r.feature;
         const Shard& s = *shard_ptr_[req];
+        const PrefetchAhead prefetch = small_call ? s.lookup_prefetch : s.lookup_prefetch_large_call;
         const int64_t dim = s.spec.dim;
         const int64_t row_bytes = dim * s.elem_bytes;
         const PoolFn pool = kernels->pool[static_cast<int>(s.spec.weight_type)];
@@ -221,14 +234,14 @@ class CpuBackend : public EmbeddingBackend {
         const uint64_t rows = static_cast<uint64_t>(s.spec.rows);
         if (f.pooling == Pooling::kNone) {
           ok &= pool(out, s.weights.get(), row_bytes, rows, &f.ids[local], nullptr, 1,
-                     static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, s.lookup_prefetch);
+                     static_cast<int64_t>(f.ids.size()) - local, dim, 1.0f, prefetch);
           continue;
         }
         const int64_t begin = offsets_[req][local], end = offsets_[req][local + 1];
         const float scale = f.pooling == Pooling::kMean ? math::MeanScale(end - begin) : 1.0f;
         ok &= pool(out, s.weights.get(), row_bytes, rows, f.ids.data() + begin,
                    f.weights.empty() ? nullptr : f.weights.data() + begin, end - begin,
-                   static_cast<int64_t>(f.ids.size()) - begin, dim, scale, s.lookup_prefetch);
+                   static_cast<int64_t>(f.ids.size()) - begin, dim, scale, prefetch);
       }
       if (!ok) bad_id.store(true, std::memory_order_relaxed);
     });
@@ -614,19 +627,27 @@ absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name) {
   if (name == "auto" || name.empty()) return DefaultPrefetchStyle();
   if (name == "outer") return PrefetchStyle::kOuterOnly;
   if (name == "two_stage") return PrefetchStyle::kTwoStage;
+  if (name == "l1") return PrefetchStyle::kIntoL1;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown prefetch style '", name, "' (valid: auto, outer, two_stage)"));
+      absl::StrCat("unknown prefetch style '", name, "' (valid: auto, outer, two_stage, l1)"));
 }
 
 PrefetchAhead FixedPrefetch(PrefetchStyle style, int distance) {
   PrefetchAhead p;
   p.outer = distance;
   if (style == PrefetchStyle::kTwoStage) p.l1 = std::min(distance / 2, 16);
+  p.outer_into_l1 = style == PrefetchStyle::kIntoL1;
   return p;
 }
 
-PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows) {
+PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows,
+                                int64_t call_bytes) {
   constexpr int64_t kCachedShardBytes = int64_t{4} << 20;
+  if (style == PrefetchStyle::kIntoL1 ||
+      (style == PrefetchStyle::kOuterOnly && row_bytes <= 512 &&
+       std::max(call_bytes, row_bytes * rows) <= kIntoL1CallBytes)) {
+    return FixedPrefetch(PrefetchStyle::kIntoL1, 16);
+  }
   if (row_bytes * rows <= kCachedShardBytes) return FixedPrefetch(style, 24);
   if (style == PrefetchStyle::kOuterOnly || row_bytes <= 128) return FixedPrefetch(style, 64);
   if (row_bytes <= 256) return FixedPrefetch(style, 32);
@@ -634,9 +655,9 @@ PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t 
 }
 
 PrefetchAhead ShardLookupPrefetch(int prefetch_distance, PrefetchStyle style, int64_t row_bytes,
-                                  int64_t rows) {
+                                  int64_t rows, int64_t call_bytes) {
   return prefetch_distance == CpuBackendOptions::kPrefetchByRow
-             ? LookupPrefetchFor(style, row_bytes, rows)
+             ? LookupPrefetchFor(style, row_bytes, rows, call_bytes)
              : FixedPrefetch(style, prefetch_distance);
 }
 

@@ -29,7 +29,7 @@ struct CpuBackendOptions {
   static constexpr int kPrefetchByRow = -1;
   int prefetch_distance = kPrefetchByRow;
   // How lookups prefetch: "auto" (by the CPU: DefaultPrefetchStyle),
-  // "outer" or "two_stage" (PrefetchStyle).
+  // "outer", "two_stage" or "l1" (PrefetchStyle).
   std::string prefetch_style = "auto";
   // Rows ahead an update prefetches the rows (and optimizer state) it
   // writes: their first lines this far ahead into L1, every line twice as
@@ -49,12 +49,15 @@ enum class PrefetchStyle {
   // kOuterOnly and, half as far ahead (at most 16 ids), the row's first
   // line into L1. Tuned on the AMD EPYC (Zen 4) VM of docs/benchmarks.md.
   kTwoStage,
+  // Every line of a row into L1 (FBGEMM's CPU kernels' way, 16 ids ahead).
+  // kOuterOnly chooses it for small shards of narrow rows.
+  kIntoL1,
 };
 
 // kOuterOnly on Intel CPUs, kTwoStage on the others (measured on AMD's).
 PrefetchStyle DefaultPrefetchStyle();
 
-// "auto", "outer", "two_stage"; INVALID_ARGUMENT for anything else.
+// "auto", "outer", "two_stage", "l1"; INVALID_ARGUMENT for anything else.
 absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name);
 
 // The lookups' prefetch for a shard of `rows` rows of `row_bytes` bytes.
@@ -65,8 +68,15 @@ absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name);
 // L1. Both: 24 ahead for a shard of at most 4 MiB, which may stay in the
 // caches (alone on the Xeon it gathered fastest with no prefetch at all,
 // but 64 such shards in one call ran 1.4-2.1x faster with 24 than with
-// none: docs/benchmarks.md).
-PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows);
+// none: docs/benchmarks.md). kOuterOnly, before that: rows of at most 512
+// bytes, in a call whose shards total at most kIntoL1CallBytes
+// (`call_bytes`, this shard's included), have every line 16 ids ahead
+// into L1 (on the Xeon 1.14-1.15x on shards of 2.5 and 5 MiB read alone,
+// but 0.84x on 64 shards of 2.5 MiB read in one call). kIntoL1: every
+// line 16 ahead into L1.
+constexpr int64_t kIntoL1CallBytes = int64_t{6} << 20;
+PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows,
+                                int64_t call_bytes);
 
 // The lookups' prefetch for a fixed distance (CpuBackendOptions::
 // prefetch_distance >= 0) in a style.
@@ -76,7 +86,7 @@ PrefetchAhead FixedPrefetch(PrefetchStyle style, int distance);
 // (kPrefetchByRow: LookupPrefetchFor; else FixedPrefetch) and a resolved
 // style: the backend's own choice, for callers that report it.
 PrefetchAhead ShardLookupPrefetch(int prefetch_distance, PrefetchStyle style, int64_t row_bytes,
-                                  int64_t rows);
+                                  int64_t rows, int64_t call_bytes);
 
 // INVALID_ARGUMENT / FAILED_PRECONDITION for bad options (unknown or
 // unsupported ISA or prefetch style, num_threads < 1, negative distances).

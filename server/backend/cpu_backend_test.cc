@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -113,36 +114,56 @@ TEST(CpuBackendTest, OutputsOnTheDeviceAreRefused) {
 // states it (worked out by hand); bad distances and styles are refused.
 TEST(CpuBackendTest, PrefetchByRow) {
   const int64_t mib = int64_t{1} << 20;
-  auto ahead = [](PrefetchStyle style, int64_t row_bytes, int64_t rows) {
-    const PrefetchAhead p = LookupPrefetchFor(style, row_bytes, rows);
-    return std::make_pair(p.outer, p.l1);
+  // (outer, l1, 1 if every line goes into L1 else 0)
+  using P = std::tuple<int, int, int>;
+  const auto of = [](const PrefetchAhead& p) { return P(p.outer, p.l1, p.outer_into_l1 ? 1 : 0); };
+  // A shard read alone (the call's bytes are its own).
+  auto ahead = [&](PrefetchStyle style, int64_t row_bytes, int64_t rows) {
+    return of(LookupPrefetchFor(style, row_bytes, rows, row_bytes * rows));
   };
-  using P = std::pair<int, int>;
-  const PrefetchStyle two = PrefetchStyle::kTwoStage, outer = PrefetchStyle::kOuterOnly;
-  EXPECT_EQ(ahead(two, 64, 4 * mib / 64), P(24, 12));  // 4 MiB: in the caches
-  EXPECT_EQ(ahead(two, 64, 4 * mib / 64 + 1), P(64, 16));
-  EXPECT_EQ(ahead(two, 128, 1000000), P(64, 16));
-  EXPECT_EQ(ahead(two, 129, 1000000), P(32, 16));
-  EXPECT_EQ(ahead(two, 256, 1000000), P(32, 16));
-  EXPECT_EQ(ahead(two, 257, 1000000), P(24, 12));
-  EXPECT_EQ(ahead(two, 1024, 1000000), P(24, 12));
-  EXPECT_EQ(ahead(outer, 64, 4 * mib / 64), P(24, 0));
-  EXPECT_EQ(ahead(outer, 1024, 4 * mib / 1024), P(24, 0));
-  EXPECT_EQ(ahead(outer, 64, 4 * mib / 64 + 1), P(64, 0));
-  EXPECT_EQ(ahead(outer, 1024, 1000000), P(64, 0));
-  const PrefetchAhead fixed_two = FixedPrefetch(two, 40), fixed_outer = FixedPrefetch(outer, 40);
-  EXPECT_EQ(P(fixed_two.outer, fixed_two.l1), P(40, 16));
-  EXPECT_EQ(P(fixed_outer.outer, fixed_outer.l1), P(40, 0));
+  const PrefetchStyle two = PrefetchStyle::kTwoStage, outer = PrefetchStyle::kOuterOnly,
+                      l1 = PrefetchStyle::kIntoL1;
+  EXPECT_EQ(ahead(two, 64, 4 * mib / 64), P(24, 12, 0));  // 4 MiB: in the caches
+  EXPECT_EQ(ahead(two, 64, 4 * mib / 64 + 1), P(64, 16, 0));
+  EXPECT_EQ(ahead(two, 512, 6 * mib / 512), P(24, 12, 0));  // not outer: no L1 rule
+  EXPECT_EQ(ahead(two, 128, 1000000), P(64, 16, 0));
+  EXPECT_EQ(ahead(two, 129, 1000000), P(32, 16, 0));
+  EXPECT_EQ(ahead(two, 256, 1000000), P(32, 16, 0));
+  EXPECT_EQ(ahead(two, 257, 1000000), P(24, 12, 0));
+  EXPECT_EQ(ahead(two, 1024, 1000000), P(24, 12, 0));
+  // outer: up to 6 MiB of rows up to 512 bytes, every line 16 ahead into L1;
+  // else up to 4 MiB 24 ahead; else 64.
+  EXPECT_EQ(ahead(outer, 64, 4 * mib / 64), P(16, 0, 1));
+  EXPECT_EQ(ahead(outer, 512, 6 * mib / 512), P(16, 0, 1));
+  EXPECT_EQ(ahead(outer, 512, 6 * mib / 512 + 1), P(64, 0, 0));
+  EXPECT_EQ(ahead(outer, 64, 6 * mib / 64 + 1), P(64, 0, 0));
+  EXPECT_EQ(ahead(outer, 516, 4 * mib / 516), P(24, 0, 0));
+  EXPECT_EQ(ahead(outer, 1024, 4 * mib / 1024), P(24, 0, 0));
+  EXPECT_EQ(ahead(outer, 1024, 4 * mib / 1024 + 1), P(64, 0, 0));
+  EXPECT_EQ(ahead(outer, 1024, 1000000), P(64, 0, 0));
+  // A small shard in a call that reads more than 6 MiB in all: the rules
+  // without the L1 one.
+  EXPECT_EQ(of(LookupPrefetchFor(outer, 64, 4 * mib / 64, 6 * mib)), P(16, 0, 1));
+  EXPECT_EQ(of(LookupPrefetchFor(outer, 64, 4 * mib / 64, 6 * mib + 1)), P(24, 0, 0));
+  EXPECT_EQ(of(LookupPrefetchFor(outer, 64, 5 * mib / 64, 64 * mib)), P(64, 0, 0));
+  EXPECT_EQ(ahead(l1, 64, 1000000), P(16, 0, 1));  // l1: 16 ahead, any shard
+  EXPECT_EQ(ahead(l1, 1024, 10), P(16, 0, 1));
+  EXPECT_EQ(of(FixedPrefetch(two, 40)), P(40, 16, 0));
+  EXPECT_EQ(of(FixedPrefetch(outer, 40)), P(40, 0, 0));
+  EXPECT_EQ(of(FixedPrefetch(l1, 40)), P(40, 0, 1));
   EXPECT_EQ(FixedPrefetch(two, 10).l1, 5);
   // What a shard gets under the options: the rule by row, or the fixed distance.
-  const PrefetchAhead by_row =
-      ShardLookupPrefetch(CpuBackendOptions::kPrefetchByRow, two, 129, 1000000);
-  const PrefetchAhead fixed = ShardLookupPrefetch(40, two, 129, 1000000);
-  EXPECT_EQ(P(by_row.outer, by_row.l1), P(32, 16));
-  EXPECT_EQ(P(fixed.outer, fixed.l1), P(40, 16));
+  EXPECT_EQ(of(ShardLookupPrefetch(CpuBackendOptions::kPrefetchByRow, two, 129, 1000000,
+                                   129 * 1000000)),
+            P(32, 16, 0));
+  EXPECT_EQ(of(ShardLookupPrefetch(40, two, 129, 1000000, 129 * 1000000)), P(40, 16, 0));
+  EXPECT_EQ(of(ShardLookupPrefetch(CpuBackendOptions::kPrefetchByRow, outer, 64, 1000, 64000)),
+            P(16, 0, 1));
+  EXPECT_EQ(of(ShardLookupPrefetch(40, outer, 64, 1000, 64000)), P(40, 0, 0));
 
   EXPECT_EQ(*ParsePrefetchStyle("outer"), outer);
   EXPECT_EQ(*ParsePrefetchStyle("two_stage"), two);
+  EXPECT_EQ(*ParsePrefetchStyle("l1"), l1);
   EXPECT_EQ(*ParsePrefetchStyle("auto"), DefaultPrefetchStyle());
   EXPECT_EQ(CpuIsIntel(), __builtin_cpu_is("intel") != 0);  // the compiler's own CPUID reading
   EXPECT_EQ(DefaultPrefetchStyle(), CpuIsIntel() ? outer : two);
@@ -162,8 +183,8 @@ TEST(CpuBackendTest, PrefetchByRow) {
   EXPECT_EQ(CreateCpuBackend(o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Shards past 4 MiB with narrow rows (the long distances) give the same
-// bits as without prefetching, in both styles, bags long and short, to the
+// Shards past 6 MiB with narrow rows (the long distances) give the same
+// bits as without prefetching, in every style, bags long and short, to the
 // last id. (A prefetch cannot change a result: what this guards is that
 // prefetching ahead never reads ids past the request's, which shows as a
 // crash here or under the sanitizers.)
@@ -174,7 +195,7 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
       ShardSpec spec;
       spec.table = "t";
       spec.dim = dim;
-      spec.rows = (int64_t{5} << 20) / (dim * (wt == WeightType::kFp32 ? 4 : 2));
+      spec.rows = (int64_t{7} << 20) / (dim * (wt == WeightType::kFp32 ? 4 : 2));
       spec.table_rows = spec.rows;
       spec.weight_type = wt;
       std::vector<int64_t> lengths, ids;
@@ -188,8 +209,9 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
         int distance;
       } runs[] = {{"outer", 0},
                   {"two_stage", CpuBackendOptions::kPrefetchByRow},
-                  {"outer", CpuBackendOptions::kPrefetchByRow}};
-      std::vector<float> out[3];
+                  {"outer", CpuBackendOptions::kPrefetchByRow},
+                  {"l1", CpuBackendOptions::kPrefetchByRow}};
+      std::vector<float> out[4];
       int k = 0;
       for (const auto& run : runs) {
         CpuBackendOptions o;
@@ -206,6 +228,7 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
       }
       EXPECT_EQ(out[0], out[1]) << "two-stage, dim " << dim << " type " << static_cast<int>(wt);
       EXPECT_EQ(out[0], out[2]) << "outer, dim " << dim << " type " << static_cast<int>(wt);
+      EXPECT_EQ(out[0], out[3]) << "l1, dim " << dim << " type " << static_cast<int>(wt);
       EXPECT_GT(std::count_if(out[0].begin(), out[0].end(), [](float v) { return v != 0; }),
                 static_cast<long>(out[0].size() / 2));  // initialised rows, not zeros
     }

@@ -15,12 +15,13 @@ namespace backend {
 using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float scale);
 
 // How far ahead a PoolFn prefetches the rows it will gather, in ids: every
-// line of the row `outer` ids ahead towards the outer caches (PREFETCHT2),
-// and the row's first line `l1` ids ahead into L1 (PREFETCHT0). 0 turns a
-// stage off.
+// line of the row `outer` ids ahead towards the outer caches (PREFETCHT2;
+// with outer_into_l1, into L1: PREFETCHT0), and the row's first line `l1`
+// ids ahead into L1 (PREFETCHT0). 0 turns a stage off.
 struct PrefetchAhead {
   int outer = 0;
   int l1 = 0;
+  bool outer_into_l1 = false;
 };
 
 // One bag: out[0, dim) = out_scale * sum_k weights[k] * row(ids[k]) over

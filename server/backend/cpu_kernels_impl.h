@@ -44,10 +44,18 @@ inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, uint
   return reinterpret_cast<const char*>(table + CheckedId(ids, k, rows, &ignored) * row_bytes);
 }
 
-// A line towards the outer caches (PREFETCHT2). An asm statement the
-// compiler keeps in order: with _mm_prefetch GCC issued an unrolled row's
-// lines out of order (the last two first), 0.95x on 512-byte rows.
+// A line towards the outer caches (PREFETCHT2), or into L1 (PREFETCHT0).
+// Asm statements the compiler keeps in order: with _mm_prefetch GCC issued
+// an unrolled row's lines out of order (the last two first), 0.95x on
+// 512-byte rows.
 inline void PrefetchOuter(const char* p) { asm volatile("prefetcht2 %0" : : "m"(*p)); }
+inline void PrefetchL1(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+
+// A compile-time flag for a generic lambda's argument.
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
 
 // Pools columns [col, col + NR * kLanes) of the bag into out, keeping the
 // NR accumulators in registers across the bag's rows.
@@ -92,22 +100,34 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
   // available first, with the prefetches and no test of that per id; then
   // the rest without.
   int64_t k = 0;
-  if (prefetch.outer > 0) {
-    const int64_t last = ids_avail - prefetch.outer;  // ids before it prefetch
-    const int64_t with = last < 0 ? 0 : (last < n ? last : n);
+  // The row's first line into L1 (a stage Intel's cores do better
+  // without), then every line of a row further ahead towards the outer
+  // caches, or into L1 for shards that stay in the caches
+  // (docs/benchmarks.md).
+  auto with_prefetch = [&](int64_t with, auto into_l1) {
     for (; k < with; ++k) {
-      // The row's first line into L1 (a stage Intel's cores do better
-      // without), then every line of a row further ahead towards the
-      // outer caches (docs/benchmarks.md).
       if (prefetch.l1 > 0 && k + prefetch.l1 < ids_avail) {
         _mm_prefetch(PrefetchAddress(table, stride, rows, ids, k + prefetch.l1), _MM_HINT_T0);
       }
       const char* far = PrefetchAddress(table, stride, rows, ids, k + prefetch.outer);
 #pragma GCC unroll 16
       for (int64_t line = 0; line < (kWholeRow ? kBlockBytes : row_bytes); line += 64) {
-        PrefetchOuter(far + line);
+        if constexpr (decltype(into_l1)::value) {
+          PrefetchL1(far + line);
+        } else {
+          PrefetchOuter(far + line);
+        }
       }
       add_row(k);
+    }
+  };
+  if (prefetch.outer > 0) {
+    const int64_t last = ids_avail - prefetch.outer;  // ids before it prefetch
+    const int64_t with = last < 0 ? 0 : (last < n ? last : n);
+    if (prefetch.outer_into_l1) {
+      with_prefetch(with, Flag<true>());
+    } else {
+      with_prefetch(with, Flag<false>());
     }
   }
   for (; k < n; ++k) {

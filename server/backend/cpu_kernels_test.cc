@@ -115,10 +115,11 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
             const float scale = n == 0 ? 1.0f : 1.0f / n;
             // Both stages; the outer one alone reaching past ids_avail (Intel's
             // setting); the L1 one alone; the outer one ending within the bag
-            // (the kernel's ids with a prefetch, then those without). None
-            // changes a result.
-            for (const PrefetchAhead pf : {PrefetchAhead{3, 2}, PrefetchAhead{64, 0},
-                                           PrefetchAhead{0, 3}, PrefetchAhead{8, 4}}) {
+            // (the kernel's ids with a prefetch, then those without), also
+            // with every line into L1. None changes a result.
+            for (const PrefetchAhead pf :
+                 {PrefetchAhead{3, 2}, PrefetchAhead{64, 0}, PrefetchAhead{0, 3},
+                  PrefetchAhead{8, 4}, PrefetchAhead{5, 0, true}}) {
               std::vector<float> out(dim, 1e30f);
               ASSERT_TRUE(k->pool[type](out.data(), table.data(), dim * elem, rows, ids.data(),
                                         weighted ? weights.data() : nullptr, n, n + 3, dim, scale,
@@ -131,7 +132,8 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
                 want *= scale;
                 ASSERT_NEAR(out[c], want, 1e-5 * (1 + n * 4))
                     << "type " << type << " dim " << dim << " n " << n << " weighted " << weighted
-                    << " prefetch " << pf.outer << "/" << pf.l1 << " col " << c;
+                    << " prefetch " << pf.outer << "/" << pf.l1 << "/" << pf.outer_into_l1
+                    << " col " << c;
               }
             }
           }
