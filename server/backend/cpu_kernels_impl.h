@@ -51,6 +51,22 @@ inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, uint
 inline void PrefetchOuter(const char* p) { asm volatile("prefetcht2 %0" : : "m"(*p)); }
 inline void PrefetchL1(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
 
+// Every line of a kBytes-byte row at p, in order, each at a constant
+// offset from the one register holding p (PREFETCHT0 with kIntoL1, else
+// PREFETCHT2). Lines at offsets the compiler computed itself took a
+// register each, and the loop around them spilled its own.
+template <bool kIntoL1, int64_t kBytes, int64_t kOffset = 0>
+inline void PrefetchRowLines(const char* p) {
+  if constexpr (kOffset < kBytes) {
+    if constexpr (kIntoL1) {
+      asm volatile("prefetcht0 %c1(%0)" : : "r"(p), "i"(kOffset));
+    } else {
+      asm volatile("prefetcht2 %c1(%0)" : : "r"(p), "i"(kOffset));
+    }
+    PrefetchRowLines<kIntoL1, kBytes, kOffset + 64>(p);
+  }
+}
+
 // A compile-time flag for a generic lambda's argument.
 template <bool B>
 struct Flag {
@@ -110,12 +126,16 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
         _mm_prefetch(PrefetchAddress(table, stride, rows, ids, k + prefetch.l1), _MM_HINT_T0);
       }
       const char* far = PrefetchAddress(table, stride, rows, ids, k + prefetch.outer);
-#pragma GCC unroll 16
-      for (int64_t line = 0; line < (kWholeRow ? kBlockBytes : row_bytes); line += 64) {
-        if constexpr (decltype(into_l1)::value) {
-          PrefetchL1(far + line);
-        } else {
-          PrefetchOuter(far + line);
+      constexpr bool kIntoL1 = decltype(into_l1)::value;
+      if constexpr (kWholeRow) {
+        PrefetchRowLines<kIntoL1, kBlockBytes>(far);
+      } else {
+        for (int64_t line = 0; line < row_bytes; line += 64) {
+          if constexpr (kIntoL1) {
+            PrefetchL1(far + line);
+          } else {
+            PrefetchOuter(far + line);
+          }
         }
       }
       add_row(k);
