@@ -554,12 +554,18 @@ class CpuBackend : public EmbeddingBackend {
         // of dependent adds, 4 cycles an element, most of an update's time
         // (docs/benchmarks.md). The order of the sum is not FBGEMM's either
         // (a warp's tree); the result differs in double's last bits at most.
+        // Every part[] index a constant (the tail's too: a part[c % 8] kept
+        // them all on the stack, a load and a store around every add).
         double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t c = 0;
         for (; c + 8 <= dim; c += 8) {
+#pragma GCC unroll 8
           for (int k = 0; k < 8; ++k) part[k] += static_cast<double>(gr[c + k]) * gr[c + k];
         }
-        for (; c < dim; ++c) part[c % 8] += static_cast<double>(gr[c]) * gr[c];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          if (c + k < dim) part[k] += static_cast<double>(gr[c + k]) * gr[c + k];
+        }
         const double sq = ((part[0] + part[1]) + (part[2] + part[3])) +
                           ((part[4] + part[5]) + (part[6] + part[7]));
         const float mult =
