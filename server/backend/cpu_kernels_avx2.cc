@@ -199,33 +199,34 @@ inline __m128i Bf16Round8(__m256i u, __m256i noise) {
   return Pack16(h);
 }
 
-// NarrowFn (T 1 fp16, 2 bf16); tails of < 8 columns one by one.
+// A row of fp16 (T 1) or bf16 (T 2) from fp32, rounded stochastically
+// (NarrowFn) or to nearest even (NarrowNearestFn); tails of < 8 columns
+// one by one.
+template <int T, bool kStochastic>
+void Narrow(uint16_t* out, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
+  int64_t c = 0;
+  for (; c + 8 <= dim; c += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(w + c));
+    const __m256i noise = kStochastic ? Noise8(row_key, col_offset + c) : _mm256_setzero_si256();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                     T == 1 ? Fp16Round8<kStochastic>(u, noise)
+                            : Bf16Round8<kStochastic>(u, noise));
+  }
+  if (c == dim) return;
+  if (kStochastic) {
+    NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
+  } else {
+    NarrowNearestOneByOne<T>(out + c, w + c, dim - c);
+  }
+}
 template <int T>
 void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
                       int64_t col_offset) {
-  uint16_t* out = static_cast<uint16_t*>(row);
-  int64_t c = 0;
-  for (; c + 8 <= dim; c += 8) {
-    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(w + c));
-    const __m256i noise = Noise8(row_key, col_offset + c);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
-                     T == 1 ? Fp16Round8<true>(u, noise) : Bf16Round8<true>(u, noise));
-  }
-  if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
+  Narrow<T, true>(static_cast<uint16_t*>(row), w, dim, row_key, col_offset);
 }
-
-// NarrowNearestFn (T 1 fp16, 2 bf16); tails of < 8 columns one by one.
 template <int T>
 void NarrowNearest(void* row, const float* w, int64_t dim) {
-  uint16_t* out = static_cast<uint16_t*>(row);
-  const __m256i no_noise = _mm256_setzero_si256();
-  int64_t c = 0;
-  for (; c + 8 <= dim; c += 8) {
-    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(w + c));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
-                     T == 1 ? Fp16Round8<false>(u, no_noise) : Bf16Round8<false>(u, no_noise));
-  }
-  if (c < dim) NarrowNearestOneByOne<T>(out + c, w + c, dim - c);
+  Narrow<T, false>(static_cast<uint16_t*>(row), w, dim, 0, 0);
 }
 
 struct Ops {

@@ -98,127 +98,105 @@ inline __m512i Noise16(uint64_t row_key, int64_t col) {
   return _mm512_xor_si512(hi, _mm512_srli_epi32(hi, 31));
 }
 
-// Sixteen lanes of embedding_math.h's FloatToFp16Stochastic, every case
-// in vector form (a lane handed to the scalar function cost a mispredicted
-// branch and a call that spilled the loop's registers, and TorchRec's
-// initial weights, uniform within +-1/sqrt(rows), are half subnormals
-// for 1 in 16 values of a 1M-row table).
-inline __m256i Fp16Stochastic16(__m512i u, __m512i noise) {
-  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
-  // Normal halves: rebias 127 -> 15, add the noise under the 13 dropped
-  // bits, shift (a carry out of the mantissa is the round-up).
-  __m512i h = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_sub_epi32(abs, _mm512_set1_epi32(0x38000000)),
-                       _mm512_and_si512(noise, _mm512_set1_epi32(0x1fff))),
-      13);
-  // Half subnormals (2^-25 <= |w| < 2^-14): 14 to 24 bits dropped; round up
-  // when the noise under them is below them.
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i mant = _mm512_or_si512(_mm512_and_si512(abs, _mm512_set1_epi32(0x7fffff)),
-                                       _mm512_set1_epi32(0x800000));
-  const __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(abs, 23));
-  const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one);
-  const __mmask16 up = _mm512_cmplt_epu32_mask(_mm512_and_si512(noise, mask),
-                                               _mm512_and_si512(mant, mask));
-  const __m512i sub = _mm512_mask_add_epi32(_mm512_srlv_epi32(mant, shift), up,
-                                            _mm512_srlv_epi32(mant, shift), one);
-  h = _mm512_mask_mov_epi32(h, _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)), sub);
-  // Under 2^-25: zero (the sign alone).
-  h = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x33000000)), h);
-  // 65536 and above, and Inf: Inf; NaN: the quiet NaN FloatToFp16 gives.
-  h = _mm512_mask_mov_epi32(h, _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x47800000)),
-                            _mm512_set1_epi32(0x7c00));
-  h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
-                            _mm512_set1_epi32(0x7e00));
-  return _mm512_cvtepi32_epi16(_mm512_or_si512(sign, h));
-}
-
-// Sixteen lanes of FloatToBf16Stochastic: add 16 noise bits and truncate;
-// NaN quietened (FloatToBf16's). Inf needs no case of its own: its low 16
-// bits are zero, so the noise added never carries.
-inline __m256i Bf16Stochastic16(__m512i u, __m512i noise) {
-  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  __m512i h = _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff))), 16);
-  h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
-                            _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(h);
-}
-
-// T 1: fp16, T 2: bf16; tails of < 16 columns one by one.
-template <int T>
-void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
-                      int64_t col_offset) {
-  uint16_t* out = static_cast<uint16_t*>(row);
-  int64_t c = 0;
-  for (; c + 16 <= dim; c += 16) {
-    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(w + c));
-    const __m512i noise = Noise16(row_key, col_offset + c);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
-                        T == 1 ? Fp16Stochastic16(u, noise) : Bf16Stochastic16(u, noise));
-  }
-  if (c < dim) NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
-}
-
-// Sixteen lanes of half.h's FloatToFp16 (round to nearest even) in
-// integer operations, as the scalar function (VCVTPS2PH would round the
-// same, but keeps a NaN's payload where FloatToFp16 gives one quiet NaN).
-inline __m256i Fp16Nearest16(__m512i u) {
+// Sixteen lanes of embedding_math.h's FloatToFp16Stochastic (kStochastic)
+// or half.h's FloatToFp16 (to nearest even), every case in vector form and
+// integer operations, bit for bit. (A lane handed to the scalar function
+// cost a mispredicted branch and a call that spilled the loop's registers,
+// and TorchRec's initial weights, uniform within +-1/sqrt(rows), are half
+// subnormals for 1 in 16 values of a 1M-row table. VCVTPS2PH would round
+// to nearest the same, but keeps a NaN's payload where FloatToFp16 gives
+// one quiet NaN.)
+template <bool kStochastic>
+inline __m256i Fp16Round16(__m512i u, __m512i noise) {
   const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
   const __m512i one = _mm512_set1_epi32(1);
-  // Normal halves: rebias 127 -> 15, add half the dropped 13 bits' unit
-  // less one, plus the kept bit's parity (ties to even), shift.
+  // Normal halves: rebias 127 -> 15, add below the 13 dropped bits the
+  // noise (stochastic) or half their unit less one plus the kept bit's
+  // parity (ties to even), shift (a carry out of the mantissa rounds up).
   const __m512i r = _mm512_sub_epi32(abs, _mm512_set1_epi32(0x38000000));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(r, 13), one);
-  __m512i h = _mm512_srli_epi32(
-      _mm512_add_epi32(r, _mm512_add_epi32(_mm512_set1_epi32(0xfff), odd)), 13);
-  // Half subnormals (2^-25 <= |w| < 2^-14): 14 to 24 bits dropped, up when
-  // above the midpoint or at it with the kept bits odd.
+  const __m512i add =
+      kStochastic ? _mm512_and_si512(noise, _mm512_set1_epi32(0x1fff))
+                  : _mm512_add_epi32(_mm512_set1_epi32(0xfff),
+                                     _mm512_and_si512(_mm512_srli_epi32(r, 13), one));
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(r, add), 13);
+  // Half subnormals (2^-25 <= |w| < 2^-14): 14 to 24 bits dropped; up when
+  // the noise under them is below them (stochastic), or when they are
+  // above the midpoint or at it with the kept bits odd (nearest).
   const __m512i mant = _mm512_or_si512(_mm512_and_si512(abs, _mm512_set1_epi32(0x7fffff)),
                                        _mm512_set1_epi32(0x800000));
   const __m512i shift = _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(abs, 23));
   const __m512i kept = _mm512_srlv_epi32(mant, shift);
-  const __m512i rem = _mm512_and_si512(mant, _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one));
-  const __m512i mid = _mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one));
-  const __mmask16 up =
-      _mm512_cmpgt_epu32_mask(rem, mid) |
-      (_mm512_cmpeq_epi32_mask(rem, mid) & _mm512_test_epi32_mask(kept, one));
-  const __m512i sub = _mm512_mask_add_epi32(kept, up, kept, one);
-  h = _mm512_mask_mov_epi32(h, _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)), sub);
+  const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(one, shift), one);
+  const __m512i rem = _mm512_and_si512(mant, mask);
+  __mmask16 up;
+  if (kStochastic) {
+    up = _mm512_cmplt_epu32_mask(_mm512_and_si512(noise, mask), rem);
+  } else {
+    const __m512i mid = _mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one));
+    up = _mm512_cmpgt_epu32_mask(rem, mid) |
+         (_mm512_cmpeq_epi32_mask(rem, mid) & _mm512_test_epi32_mask(kept, one));
+  }
+  h = _mm512_mask_mov_epi32(h, _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(0x38800000)),
+                            _mm512_mask_add_epi32(kept, up, kept, one));
+  // Under 2^-25: zero (the sign alone).
   h = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x33000000)), h);
-  // Overflow (at or above 65520, which rounds up to 2^16) and Inf; NaN.
-  h = _mm512_mask_mov_epi32(h, _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(0x477ff000)),
-                            _mm512_set1_epi32(0x7c00));
+  // Overflow to Inf (stochastic: from 65536; nearest: from 65520, which
+  // rounds up to 2^16), Inf itself; NaN: the one quiet NaN.
+  h = _mm512_mask_mov_epi32(
+      h, _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(kStochastic ? 0x47800000 : 0x477ff000)),
+      _mm512_set1_epi32(0x7c00));
   h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
                             _mm512_set1_epi32(0x7e00));
   return _mm512_cvtepi32_epi16(_mm512_or_si512(sign, h));
 }
 
-// Sixteen lanes of FloatToBf16: ties to even on the high half; NaN
-// quietened.
-inline __m256i Bf16Nearest16(__m512i u) {
+// Sixteen lanes of FloatToBf16Stochastic (kStochastic: add 16 noise bits,
+// truncate) or FloatToBf16 (ties to even); NaN quietened. Inf needs no
+// case of its own: its low 16 bits are zero, so nothing added carries.
+template <bool kStochastic>
+inline __m256i Bf16Round16(__m512i u, __m512i noise) {
   const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i h = _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __m512i high = _mm512_srli_epi32(u, 16);
+  const __m512i add =
+      kStochastic ? _mm512_and_si512(noise, _mm512_set1_epi32(0xffff))
+                  : _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                     _mm512_and_si512(high, _mm512_set1_epi32(1)));
+  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, add), 16);
   h = _mm512_mask_mov_epi32(h, _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000)),
-                            _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+                            _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(h);
 }
 
-// T 1: fp16, T 2: bf16; tails of < 16 columns one by one.
-template <int T>
-void NarrowNearest(void* row, const float* w, int64_t dim) {
-  uint16_t* out = static_cast<uint16_t*>(row);
+// A row of fp16 (T 1) or bf16 (T 2) from fp32, rounded stochastically
+// (NarrowFn) or to nearest even (NarrowNearestFn); tails of < 16 columns
+// one by one.
+template <int T, bool kStochastic>
+void Narrow(uint16_t* out, const float* w, int64_t dim, uint64_t row_key, int64_t col_offset) {
   int64_t c = 0;
   for (; c + 16 <= dim; c += 16) {
     const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(w + c));
+    const __m512i noise =
+        kStochastic ? Noise16(row_key, col_offset + c) : _mm512_setzero_si512();
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
-                        T == 1 ? Fp16Nearest16(u) : Bf16Nearest16(u));
+                        T == 1 ? Fp16Round16<kStochastic>(u, noise)
+                               : Bf16Round16<kStochastic>(u, noise));
   }
-  if (c < dim) NarrowNearestOneByOne<T>(out + c, w + c, dim - c);
+  if (c == dim) return;
+  if (kStochastic) {
+    NarrowOneByOne<T>(out + c, w + c, dim - c, row_key, col_offset + c);
+  } else {
+    NarrowNearestOneByOne<T>(out + c, w + c, dim - c);
+  }
+}
+template <int T>
+void NarrowStochastic(void* row, const float* w, int64_t dim, uint64_t row_key,
+                      int64_t col_offset) {
+  Narrow<T, true>(static_cast<uint16_t*>(row), w, dim, row_key, col_offset);
+}
+template <int T>
+void NarrowNearest(void* row, const float* w, int64_t dim) {
+  Narrow<T, false>(static_cast<uint16_t*>(row), w, dim, 0, 0);
 }
 
 // The AVX-512 operations but how 16-bit rows are loaded (paired::Ops,
