@@ -112,14 +112,13 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
       for (int j = 0; j < NR; ++j) acc[j] = Ops::Fma(s, LoadRow<T>(row, j * Ops::kLanes), acc[j]);
     }
   };
-  // The ids whose prefetch target (prefetch.outer ahead) is among the ids
-  // available first, with the prefetches and no test of that per id; then
-  // the rest without.
-  int64_t k = 0;
-  // The row's first line into L1 (a stage Intel's cores do better
-  // without), then every line of a row further ahead towards the outer
-  // caches, or into L1 for shards that stay in the caches
+  // First the ids whose prefetch target (prefetch.outer ahead) is among the
+  // ids available, with no test of that per id; then the rest without. Each
+  // prefetches the row's first line into L1 (a stage Intel's cores do
+  // better without), and every line of a row further ahead towards the
+  // outer caches, or into L1 for calls that stay in the caches
   // (docs/benchmarks.md).
+  int64_t k = 0;
   auto with_prefetch = [&](int64_t with, auto into_l1) {
     for (; k < with; ++k) {
       if (prefetch.l1 > 0 && k + prefetch.l1 < ids_avail) {
