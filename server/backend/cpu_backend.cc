@@ -332,43 +332,12 @@ class CpuBackend : public EmbeddingBackend {
       // Chunks of 128 rows: with 16 the threads took turns at every 16
       // neighbouring rows and the 2-thread backward ran below 1 thread's
       // (docs/benchmarks.md).
-      pool_.ParallelFor(num_unique, 128, [&](int64_t b, int64_t e) {
-        for (int64_t u = b; u < e; ++u) {
-          // As the lookups' (cpu_kernels_impl.h): every line of the row
-          // and its state 2 * prefetch rows ahead to the outer caches, the
-          // first lines `prefetch` ahead into L1.
-          // Prefetching reaches past this chunk's end: with several
-          // threads the chunks are short, and a chunk's last rows would
-          // otherwise never be prefetched.
-          if (prefetch > 0 && u + prefetch < num_unique) {
-            const int64_t ahead = occ_[unique_begin_[u + prefetch]].row;
-            _mm_prefetch(reinterpret_cast<const char*>(s.Row(ahead)), _MM_HINT_T0);
-            if (s.state_width > 0) {
-              _mm_prefetch(reinterpret_cast<const char*>(s.state.get() + ahead * s.state_width),
-                           _MM_HINT_T0);
-            }
-            if (u + 2 * prefetch < num_unique) {
-              const int64_t far = occ_[unique_begin_[u + 2 * prefetch]].row;
-              const char* w = reinterpret_cast<const char*>(s.Row(far));
-              for (int64_t l = 0; l < dim * s.elem_bytes; l += 64) _mm_prefetch(w + l, _MM_HINT_T2);
-              const char* st = reinterpret_cast<const char*>(s.state.get() + far * s.state_width);
-              for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
-            }
-          }
-          // The row's gradient: its first occurrence scaled, then the others
-          // added. "0 + x" keeps the bits of adding it to zeros (a -0 product
-          // becomes +0), as before.
-          float* __restrict g = grad_sum_.data() + u * dim;
-          const Occ& first = occ_[unique_begin_[u]];
-          const float* __restrict src = first.grad;
-          for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
-          for (size_t k = unique_begin_[u] + 1; k < unique_begin_[u + 1]; ++k) {
-            accumulate_f32(g, occ_[k].grad, dim, occ_[k].scale);
-          }
-          const int64_t row = first.row;
-          UpdateRow(*kernels_, &s, row, g, params, noise ? NoiseKey(s, row) : 0);
-        }
-      });
+      const UpdateRun run{&s,       occ_.data(), unique_begin_.data(), grad_sum_.data(),
+                          num_unique, dim,     kernels_,    accumulate_f32,       params,
+                          noise,    prefetch};
+      const UpdateRowsFn update_rows = UpdateRowsFor(*kernels_);
+      pool_.ParallelFor(num_unique, 128,
+                        [&](int64_t b, int64_t e) { update_rows(run, b, e); });
     }
     return absl::OkStatus();
   }
@@ -505,11 +474,98 @@ class CpuBackend : public EmbeddingBackend {
     }
   }
 
+  // The rows [b, e) of an update: each row's gradient merged from its
+  // occurrences, then its optimizer step (UpdateRow). Compiled three times
+  // (UpdateRowsFor): for the baseline, and with AVX2 or AVX-512 enabled,
+  // where the same loops vectorise wider (the formulas are embedding_math.h's,
+  // inlined; the file is built with -ffp-contract=off, so no multiply and
+  // add fuse and every ISA gives the same bits).
+  struct UpdateRun {
+    Shard* shard;
+    const Occ* occ;
+    const size_t* unique_begin;
+    float* grad_sum;
+    int64_t num_unique;
+    int64_t dim;
+    const RowKernels* kernels;
+    AccumulateFn accumulate_f32;
+    math::StepParams params;
+    bool noise;
+    int prefetch;
+  };
+  using UpdateRowsFn = void (*)(const UpdateRun&, int64_t, int64_t);
+
+  __attribute__((always_inline)) static inline void UpdateRowsBody(const UpdateRun& a, int64_t b,
+                                                                   int64_t e) {
+    Shard& s = *a.shard;
+    const int64_t dim = a.dim, num_unique = a.num_unique;
+    const int prefetch = a.prefetch;
+    const math::StepParams& params = a.params;
+    const AccumulateFn accumulate_f32 = a.accumulate_f32;
+    const bool noise = a.noise;
+    for (int64_t u = b; u < e; ++u) {
+      // As the lookups' (cpu_kernels_impl.h): every line of the row
+      // and its state 2 * prefetch rows ahead to the outer caches, the
+      // first lines `prefetch` ahead into L1.
+      // Prefetching reaches past this chunk's end: with several
+      // threads the chunks are short, and a chunk's last rows would
+      // otherwise never be prefetched.
+      if (prefetch > 0 && u + prefetch < num_unique) {
+        const int64_t ahead = a.occ[a.unique_begin[u + prefetch]].row;
+        _mm_prefetch(reinterpret_cast<const char*>(s.Row(ahead)), _MM_HINT_T0);
+        if (s.state_width > 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(s.state.get() + ahead * s.state_width),
+                       _MM_HINT_T0);
+        }
+        if (u + 2 * prefetch < num_unique) {
+          const int64_t far = a.occ[a.unique_begin[u + 2 * prefetch]].row;
+          const char* w = reinterpret_cast<const char*>(s.Row(far));
+          for (int64_t l = 0; l < dim * s.elem_bytes; l += 64) _mm_prefetch(w + l, _MM_HINT_T2);
+          const char* st = reinterpret_cast<const char*>(s.state.get() + far * s.state_width);
+          for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
+        }
+      }
+      // The row's gradient: its first occurrence scaled, then the others
+      // added. "0 + x" keeps the bits of adding it to zeros (a -0 product
+      // becomes +0), as before.
+      float* __restrict g = a.grad_sum + u * dim;
+      const Occ& first = a.occ[a.unique_begin[u]];
+      const float* __restrict src = first.grad;
+      for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
+      for (size_t k = a.unique_begin[u] + 1; k < a.unique_begin[u + 1]; ++k) {
+        accumulate_f32(g, a.occ[k].grad, dim, a.occ[k].scale);
+      }
+      const int64_t row = first.row;
+      UpdateRow(*a.kernels, &s, row, g, params, noise ? NoiseKey(s, row) : 0);
+    }
+  }
+  static void UpdateRowsBaseline(const UpdateRun& a, int64_t b, int64_t e) {
+    UpdateRowsBody(a, b, e);
+  }
+  __attribute__((target("avx2"))) static void UpdateRowsAvx2(const UpdateRun& a, int64_t b,
+                                                             int64_t e) {
+    UpdateRowsBody(a, b, e);
+  }
+  __attribute__((target("avx512f,avx512vl,avx2"))) static void UpdateRowsAvx512(
+      const UpdateRun& a, int64_t b, int64_t e) {
+    UpdateRowsBody(a, b, e);
+  }
+  // The copy for the backend's row kernels' ISA (their table exists only
+  // where the CPU has it).
+  static UpdateRowsFn UpdateRowsFor(const RowKernels& k) {
+    const std::string isa = k.isa;
+    if (isa == "avx512") return UpdateRowsAvx512;
+    if (isa == "avx2") return UpdateRowsAvx2;
+    return UpdateRowsBaseline;
+  }
+
   // One optimizer step on row r with merged gradient g (modified in place),
   // by embedding_math.h's formulas; `noise_key` is this row's stochastic
   // rounding key (fp16/bf16 with stochastic_rounding only).
-  static void UpdateRow(const RowKernels& k, Shard* s, int64_t r, float* g,
-                        const math::StepParams& p, uint64_t noise_key) {
+  __attribute__((always_inline)) static inline void UpdateRow(const RowKernels& k, Shard* s,
+                                                              int64_t r, float* g,
+                                                              const math::StepParams& p,
+                                                              uint64_t noise_key) {
     const int64_t dim = s->spec.dim;
     // fp32 rows are updated in place; fp16/bf16 rows through a per-thread
     // fp32 copy (grown once, then reused).

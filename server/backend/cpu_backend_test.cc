@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -231,6 +232,92 @@ TEST(CpuBackendTest, LongPrefetchDistancesChangeNoResult) {
       EXPECT_EQ(out[0], out[3]) << "l1, dim " << dim << " type " << static_cast<int>(wt);
       EXPECT_GT(std::count_if(out[0].begin(), out[0].end(), [](float v) { return v != 0; }),
                 static_cast<long>(out[0].size() / 2));  // initialised rows, not zeros
+    }
+  }
+}
+
+// The update's rows run in a copy compiled for the row kernels' ISA
+// (baseline, AVX2, AVX-512; UpdateRowsFor): every optimizer and decay mode,
+// on each weight type, ends with the same bits on every ISA the CPU has.
+// Ids are distinct within a call, so no duplicate rows are merged (that
+// merge is the ISA's own kernel, fused on AVX2 and AVX-512).
+TEST(CpuBackendTest, UpdatesGiveTheSameBitsOnEveryIsa) {
+  struct Config {
+    OptimizerType type;
+    WeightDecayMode mode;
+    float decay;
+  };
+  const Config configs[] = {{OptimizerType::kSgd, WeightDecayMode::kDefault, 0.0f},
+                            {OptimizerType::kAdagrad, WeightDecayMode::kL2, 0.01f},
+                            {OptimizerType::kAdagrad, WeightDecayMode::kDecouple, 0.01f},
+                            {OptimizerType::kRowwiseAdagrad, WeightDecayMode::kDefault, 0.01f},
+                            {OptimizerType::kAdam, WeightDecayMode::kDefault, 0.01f},
+                            {OptimizerType::kAdam, WeightDecayMode::kL2, 0.01f}};
+  std::vector<std::string> isas;
+  for (const char* isa : {"scalar", "avx2", "avx512"}) {
+    if (RowKernelsFor(isa).ok()) isas.push_back(isa);
+  }
+  for (const Config& config : configs) {
+    for (WeightType wt : {WeightType::kFp32, WeightType::kFp16, WeightType::kBf16}) {
+      for (int64_t dim : {int64_t{36}, int64_t{132}}) {
+        ShardSpec spec;
+        spec.table = "t";
+        spec.rows = 64;
+        spec.dim = dim;
+        spec.table_rows = 64;
+        spec.weight_type = wt;
+        spec.optimizer.type = config.type;
+        spec.optimizer.learning_rate = 0.05f;
+        spec.optimizer.eps = 1e-6f;
+        spec.optimizer.weight_decay = config.decay;
+        spec.optimizer.weight_decay_mode = config.mode;
+        spec.initializer.seed = 5;
+        std::vector<float> first_w, first_state;
+        for (const std::string& isa : isas) {
+          CpuBackendOptions o;
+          o.isa = isa;
+          auto be = CreateCpuBackend(o);
+          ASSERT_TRUE(be.ok()) << be.status();
+          auto id = (*be)->CreateShard(spec);
+          ASSERT_TRUE(id.ok()) << id.status();
+          std::mt19937 rng(9);
+          for (int step = 0; step < 3; ++step) {
+            std::vector<int64_t> rows(spec.rows);
+            for (int64_t r = 0; r < spec.rows; ++r) rows[r] = r;
+            std::shuffle(rows.begin(), rows.end(), rng);
+            rows.resize(40);  // distinct ids, one a bag
+            const std::vector<int64_t> lengths(rows.size(), 1);
+            std::vector<float> grad(rows.size() * dim);
+            for (float& g : grad) g = std::uniform_real_distribution<float>(-0.1f, 0.1f)(rng);
+            const FeatureRequest f{*id, Pooling::kSum, lengths, rows, {}};
+            ASSERT_TRUE((*be)->ApplyGradients({GradientRequest{f, grad}}).ok());
+          }
+          std::vector<float> w(spec.rows * dim);
+          std::vector<float> state(spec.rows * OptimizerStateWidth(config.type, dim));
+          ASSERT_TRUE((*be)->ExportRows(*id, 0, spec.rows, absl::MakeSpan(w),
+                                        absl::MakeSpan(state))
+                          .ok());
+          if (first_w.empty()) {
+            first_w = w;
+            first_state = state;
+            continue;
+          }
+          for (size_t i = 0; i < w.size(); ++i) {
+            uint32_t a, b;
+            std::memcpy(&a, &first_w[i], 4);
+            std::memcpy(&b, &w[i], 4);
+            ASSERT_EQ(a, b) << isa << " against " << isas[0] << ", optimizer "
+                            << static_cast<int>(config.type) << " type " << static_cast<int>(wt)
+                            << " dim " << dim << " weight " << i;
+          }
+          for (size_t i = 0; i < state.size(); ++i) {
+            uint32_t a, b;
+            std::memcpy(&a, &first_state[i], 4);
+            std::memcpy(&b, &state[i], 4);
+            ASSERT_EQ(a, b) << isa << " state " << i;
+          }
+        }
+      }
     }
   }
 }
