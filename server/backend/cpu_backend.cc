@@ -67,9 +67,11 @@ struct Shard {
   PrefetchAhead lookup_prefetch;
   PrefetchAhead lookup_prefetch_large_call;
 
-  const uint8_t* Row(int64_t r) const { return weights.get() + r * spec.dim * elem_bytes; }
-  uint8_t* Row(int64_t r) { return weights.get() + r * spec.dim * elem_bytes; }
-  int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
+  int64_t RowBytes() const { return spec.dim * elem_bytes; }
+  int64_t WeightBytes() const { return spec.rows * RowBytes(); }
+  const uint8_t* Row(int64_t r) const { return weights.get() + r * RowBytes(); }
+  uint8_t* Row(int64_t r) { return weights.get() + r * RowBytes(); }
+  int64_t Bytes() const { return WeightBytes() + spec.rows * state_width * 4; }
 
   void Set(int64_t r, int64_t c, float v) {
     switch (spec.weight_type) {
@@ -108,6 +110,7 @@ class CpuBackend : public EmbeddingBackend {
   CpuBackend(const CpuBackendOptions& options, const RowKernels* kernels, PrefetchStyle style)
       : options_(options),
         kernels_(kernels),
+        update_rows_(UpdateRowsFor(*kernels)),
         style_(style),
         pool_(options.num_threads),
         budget_(options.memory_limit_bytes) {}
@@ -121,15 +124,15 @@ class CpuBackend : public EmbeddingBackend {
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
-    const int64_t row_bytes = spec.dim * shard->elem_bytes;
-    shard->lookup_prefetch = ShardLookupPrefetch(options_.prefetch_distance, style_, row_bytes,
-                                                 spec.rows, row_bytes * spec.rows);
+    shard->lookup_prefetch =
+        ShardLookupPrefetch(options_.prefetch_distance, style_, shard->RowBytes(), spec.rows,
+                            shard->WeightBytes());
     shard->lookup_prefetch_large_call =
-        ShardLookupPrefetch(options_.prefetch_distance, style_, row_bytes, spec.rows,
+        ShardLookupPrefetch(options_.prefetch_distance, style_, shard->RowBytes(), spec.rows,
                             std::numeric_limits<int64_t>::max());
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
-    shard->weights = AllocateHost<uint8_t>(spec.rows * spec.dim * shard->elem_bytes);
+    shard->weights = AllocateHost<uint8_t>(shard->WeightBytes());
     if (shard->state_width > 0) shard->state = AllocateHost<float>(spec.rows * shard->state_width);
     if (!shard->weights || (shard->state_width > 0 && !shard->state)) {
       budget_.Release(bytes);
@@ -199,7 +202,7 @@ class CpuBackend : public EmbeddingBackend {
     // The shards' bytes the call reads (a shard named twice counted twice):
     // its prefetch into L1 only when they all fit the caches together.
     int64_t call_bytes = 0;
-    for (const Shard* s : shard_ptr_) call_bytes += s->spec.rows * s->spec.dim * s->elem_bytes;
+    for (const Shard* s : shard_ptr_) call_bytes += s->WeightBytes();
     const bool small_call = call_bytes <= kIntoL1CallBytes;
     const int64_t total = item_begin_.back();
     const RowKernels* kernels = kernels_;
@@ -217,9 +220,10 @@ class CpuBackend : public EmbeddingBackend {
         const LookupRequest& r = requests[req];
         const FeatureRequest& f = r.feature;
         const Shard& s = *shard_ptr_[req];
-        const PrefetchAhead prefetch = small_call ? s.lookup_prefetch : s.lookup_prefetch_large_call;
+        const PrefetchAhead prefetch =
+            small_call ? s.lookup_prefetch : s.lookup_prefetch_large_call;
         const int64_t dim = s.spec.dim;
-        const int64_t row_bytes = dim * s.elem_bytes;
+        const int64_t row_bytes = s.RowBytes();
         const PoolFn pool = kernels->pool[static_cast<int>(s.spec.weight_type)];
         const int64_t local = item - item_begin_[req];
         const int64_t stride = r.output_stride == 0 ? dim : r.output_stride;
@@ -335,9 +339,7 @@ class CpuBackend : public EmbeddingBackend {
       const UpdateRun run{&s,       occ_.data(), unique_begin_.data(), grad_sum_.data(),
                           num_unique, dim,     kernels_,    accumulate_f32,       params,
                           noise,    prefetch};
-      const UpdateRowsFn update_rows = UpdateRowsFor(*kernels_);
-      pool_.ParallelFor(num_unique, 128,
-                        [&](int64_t b, int64_t e) { update_rows(run, b, e); });
+      pool_.ParallelFor(num_unique, 128, [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
     }
     return absl::OkStatus();
   }
@@ -520,7 +522,7 @@ class CpuBackend : public EmbeddingBackend {
         if (u + 2 * prefetch < num_unique) {
           const int64_t far = a.occ[a.unique_begin[u + 2 * prefetch]].row;
           const char* w = reinterpret_cast<const char*>(s.Row(far));
-          for (int64_t l = 0; l < dim * s.elem_bytes; l += 64) _mm_prefetch(w + l, _MM_HINT_T2);
+          for (int64_t l = 0; l < s.RowBytes(); l += 64) _mm_prefetch(w + l, _MM_HINT_T2);
           const char* st = reinterpret_cast<const char*>(s.state.get() + far * s.state_width);
           for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
         }
@@ -551,7 +553,7 @@ class CpuBackend : public EmbeddingBackend {
     UpdateRowsBody(a, b, e);
   }
   // The copy for the backend's row kernels' ISA (their table exists only
-  // where the CPU has it).
+  // where the CPU has it); chosen once, at construction (update_rows_).
   static UpdateRowsFn UpdateRowsFor(const RowKernels& k) {
     const std::string isa = k.isa;
     if (isa == "avx512") return UpdateRowsAvx512;
@@ -662,6 +664,7 @@ class CpuBackend : public EmbeddingBackend {
 
   const CpuBackendOptions options_;
   const RowKernels* const kernels_;
+  const UpdateRowsFn update_rows_;  // UpdateRowsFor(*kernels_)
   const PrefetchStyle style_;  // the lookups' (options_.prefetch_style resolved)
   ThreadPool pool_;
   mutable absl::Mutex mu_;

@@ -168,10 +168,11 @@ inline __m128i Fp16Round8(__m256i u, __m256i noise) {
   // (stochastic) or half their unit less one plus the kept bit's parity
   // (nearest even), shift.
   const __m256i r = _mm256_sub_epi32(abs, _mm256_set1_epi32(0x38000000));
+  const __m256i one = _mm256_set1_epi32(1);
   const __m256i add =
       kStochastic ? _mm256_and_si256(noise, _mm256_set1_epi32(0x1fff))
                   : _mm256_add_epi32(_mm256_set1_epi32(0xfff),
-                                     _mm256_and_si256(_mm256_srli_epi32(r, 13), _mm256_set1_epi32(1)));
+                                     _mm256_and_si256(_mm256_srli_epi32(r, 13), one));
   __m256i h = _mm256_srli_epi32(_mm256_add_epi32(r, add), 13);
   h = _mm256_blendv_epi8(h, Fp16Subnormal8<kStochastic>(abs, noise), Below(abs, 0x38800000));
   h = _mm256_andnot_si256(Below(abs, 0x33000000), h);  // under 2^-25: zero
