@@ -113,7 +113,8 @@ class CpuBackend : public EmbeddingBackend {
         update_rows_(UpdateRowsFor(*kernels)),
         style_(style),
         pool_(options.num_threads),
-        budget_(options.memory_limit_bytes) {}
+        budget_(options.memory_limit_bytes),
+        parts_(pool_.num_threads()) {}
 
   // The memory is reserved under the lock; allocation and initialisation
   // run outside it (on threads of their own, not the lookup pool), so a
@@ -280,66 +281,39 @@ class CpuBackend : public EmbeddingBackend {
       size_t last = first;
       while (last < req_order_.size() && requests[req_order_[last]].feature.shard == id) ++last;
       Shard& s = *FindShard(id);
-      const int64_t dim = s.spec.dim;
-      // Occurrences in (request, position) order: the row, its gradient row
-      // and the scale (per-id weight, 1/length for MEAN). Written field by
-      // field into the sized vector: built whole and pushed back, each
-      // went through the stack and its 16-byte copy waited on two 8-byte
-      // stores (a failed store forward), most of the time of this loop.
-      size_t n = 0;
-      for (size_t j = first; j < last; ++j) n += requests[req_order_[j]].feature.ids.size();
-      occ_.resize(n);
-      Occ* o = occ_.data();
-      for (size_t j = first; j < last; ++j) {
-        const GradientRequest& r = requests[req_order_[j]];
-        const FeatureRequest& f = r.feature;
-        const int64_t* ids = f.ids.data();
-        const float* grad = r.grad.data();
-        if (f.pooling == Pooling::kNone) {
-          for (size_t k = 0; k < f.ids.size(); ++k, ++o) {
-            o->row = ids[k];
-            o->grad = grad + k * dim;
-            o->scale = 1.0f;
-          }
-          continue;
-        }
-        const bool weighted = !f.weights.empty();
-        const float* weights = f.weights.data();
-        int64_t k = 0;
-        for (size_t bag = 0; bag < f.lengths.size(); ++bag) {
-          const int64_t len = f.lengths[bag];
-          const float mean = f.pooling == Pooling::kMean ? math::MeanScale(len) : 1.0f;
-          const float* bag_grad = grad + bag * dim;
-          for (int64_t end = k + len; k < end; ++k, ++o) {
-            o->row = ids[k];
-            o->grad = bag_grad;
-            o->scale = math::IdScale(weighted, weighted ? weights[k] : 1.0f, mean);
-          }
-        }
-      }
+      const Group group{requests, req_order_.data() + first, req_order_.data() + last};
       first = last;
       ++s.step;  // per call that names the shard, ids or not (as FBGEMM's iteration count)
-      if (occ_.empty()) continue;
-      SortByRow(s.spec.rows);
-      unique_begin_.clear();
-      for (size_t k = 0; k < occ_.size(); ++k) {
-        if (k == 0 || occ_[k].row != occ_[k - 1].row) unique_begin_.push_back(k);
+      size_t n = 0;
+      for (const size_t* r = group.begin; r != group.end; ++r) n += requests[*r].feature.ids.size();
+      if (n == 0) continue;
+      // Many occurrences and threads: the shard's rows are split among the
+      // threads by a hash of the row (UpdatePartOf), and each thread gathers,
+      // sorts, merges and updates the rows it owns, all in one hand-off to
+      // the pool. Each row's occurrences stay in (request, position) order,
+      // so every split gives the bits of one thread's update. Otherwise one
+      // thread gathers and sorts, and the pool shares the rows' updates.
+      const int num_parts = static_cast<int>(std::min<int64_t>(
+          pool_.num_threads(), static_cast<int64_t>(n) / kOccurrencesPerPart));
+      UpdatePart* parts = parts_.data();
+      if (num_parts <= 1) {
+        UpdatePart& part = parts[0];
+        GatherAll(group, s.spec.dim, &part.occ);
+        UpdateRun run = SortAndMerge(&s, &part);
+        pool_.ParallelFor(run.num_unique, 128,
+                          [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
+        continue;
       }
-      unique_begin_.push_back(occ_.size());
-      const int64_t num_unique = static_cast<int64_t>(unique_begin_.size()) - 1;
-      grad_sum_.resize(static_cast<size_t>(num_unique * dim));
-      const AccumulateFn accumulate_f32 = kernels_->accumulate[0];
-      const math::StepParams params = MakeStepParams(s.spec.optimizer, s.step);
-      const bool noise = s.spec.weight_type != WeightType::kFp32 &&
-                         s.spec.optimizer.stochastic_rounding;
-      const int prefetch = options_.update_prefetch_distance;
-      // Chunks of 128 rows: with 16 the threads took turns at every 16
-      // neighbouring rows and the 2-thread backward ran below 1 thread's
-      // (docs/benchmarks.md).
-      const UpdateRun run{&s,       occ_.data(), unique_begin_.data(), grad_sum_.data(),
-                          num_unique, dim,     kernels_,    accumulate_f32,       params,
-                          noise,    prefetch};
-      pool_.ParallelFor(num_unique, 128, [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
+      pool_.ParallelFor(num_parts, 1, [&](int64_t b, int64_t e) {
+        for (int64_t p = b; p < e; ++p) {
+          UpdatePart& part = parts[p];
+          GatherPart(group, s.spec.dim, static_cast<uint32_t>(p), static_cast<uint32_t>(num_parts),
+                     &part.occ);
+          if (part.occ.empty()) continue;
+          const UpdateRun run = SortAndMerge(&s, &part);
+          update_rows_(run, 0, run.num_unique);
+        }
+      });
     }
     return absl::OkStatus();
   }
@@ -429,6 +403,15 @@ class CpuBackend : public EmbeddingBackend {
     float scale;
   };
 
+  // A thread's share of a shard's update (all of it below
+  // kOccurrencesPerPart occurrences a thread): its occurrences, sorted by
+  // row, where each row's run begins, and the rows' merged gradients.
+  struct UpdatePart {
+    std::vector<Occ> occ, tmp;
+    std::vector<size_t> unique_begin;
+    std::vector<float> grad_sum;
+  };
+
   // For the shared request validation (ValidateRequests).
   const ShardSpec* FindSpec(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const Shard* s = FindShard(id);
@@ -460,19 +443,107 @@ class CpuBackend : public EmbeddingBackend {
     }
   }
 
-  // Stable LSD radix sort of occ_ by row (rows in [0, rows)), 11 bits a
+  // The gradient requests of one shard in a call, in request order.
+  struct Group {
+    absl::Span<const GradientRequest> requests;
+    const size_t* begin;  // indices into requests
+    const size_t* end;
+  };
+
+  // Calls these many occurrences a part at least: below, a part's hand-off
+  // and its pass over every id cost more than the split saves.
+  static constexpr int64_t kOccurrencesPerPart = 4096;
+
+  // The part of `parts` that owns row `row`: a multiplicative hash of the
+  // row, scaled to [0, parts) (no division), so that neighbouring rows and
+  // a zipf distribution's hot rows spread over the parts.
+  static uint32_t UpdatePartOf(int64_t row, uint32_t parts) {
+    const uint32_t h = static_cast<uint32_t>(
+        (static_cast<uint64_t>(row) * uint64_t{0x9E3779B97F4A7C15}) >> 32);
+    return static_cast<uint32_t>((static_cast<uint64_t>(h) * parts) >> 32);
+  }
+
+  // Appends the occurrences of a group at `o`, in (request, position) order:
+  // the row, its gradient row and the scale (per-id weight, 1/length for
+  // MEAN). With kFilter, only those of rows in part `part` of `parts`, at
+  // most `room` of them (a slot past them is written, never kept); returns
+  // how many it kept. Written field by field into sized memory: built whole
+  // and pushed back, each went through the stack and its 16-byte copy
+  // waited on two 8-byte stores (a failed store forward), most of the time
+  // of this loop.
+  template <bool kFilter>
+  static size_t GatherInto(const Group& g, int64_t dim, uint32_t part, uint32_t parts,
+                           size_t room, Occ* o) {
+    size_t kept = 0;
+    auto put = [&](int64_t row, const float* grad, float scale) {
+      Occ& slot = o[kept];
+      slot.row = row;
+      slot.grad = grad;
+      slot.scale = scale;
+      if (kFilter) {
+        kept += UpdatePartOf(row, parts) == part && kept < room;
+      } else {
+        ++kept;
+      }
+    };
+    for (const size_t* r = g.begin; r != g.end; ++r) {
+      const GradientRequest& req = g.requests[*r];
+      const FeatureRequest& f = req.feature;
+      const int64_t* ids = f.ids.data();
+      const float* grad = req.grad.data();
+      if (f.pooling == Pooling::kNone) {
+        for (size_t k = 0; k < f.ids.size(); ++k) put(ids[k], grad + k * dim, 1.0f);
+        continue;
+      }
+      const bool weighted = !f.weights.empty();
+      const float* weights = f.weights.data();
+      int64_t k = 0;
+      for (size_t bag = 0; bag < f.lengths.size(); ++bag) {
+        const int64_t len = f.lengths[bag];
+        const float mean = f.pooling == Pooling::kMean ? math::MeanScale(len) : 1.0f;
+        const float* bag_grad = grad + bag * dim;
+        for (int64_t end = k + len; k < end; ++k) {
+          put(ids[k], bag_grad, math::IdScale(weighted, weighted ? weights[k] : 1.0f, mean));
+        }
+      }
+    }
+    return kept;
+  }
+
+  // Every occurrence of the group into `occ`.
+  static void GatherAll(const Group& g, int64_t dim, std::vector<Occ>* occ) {
+    size_t n = 0;
+    for (const size_t* r = g.begin; r != g.end; ++r) n += g.requests[*r].feature.ids.size();
+    occ->resize(n);
+    GatherInto<false>(g, dim, 0, 1, n, occ->data());
+  }
+
+  // The occurrences of the rows of part `part` of `parts` into `occ`:
+  // counted first, so that `occ` has their size.
+  static void GatherPart(const Group& g, int64_t dim, uint32_t part, uint32_t parts,
+                         std::vector<Occ>* occ) {
+    size_t n = 0;
+    for (const size_t* r = g.begin; r != g.end; ++r) {
+      for (const int64_t row : g.requests[*r].feature.ids) n += UpdatePartOf(row, parts) == part;
+    }
+    occ->resize(n + 1);  // the slot past the kept ones
+    occ->resize(GatherInto<true>(g, dim, part, parts, n, occ->data()));
+  }
+
+  // Stable LSD radix sort of `occ` by row (rows in [0, rows)), 11 bits a
   // pass, so occurrences of a row stay in (request, position) order and the
-  // merged sums are reproducible.
-  void SortByRow(int64_t rows) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // merged sums are reproducible. `tmp` is scratch.
+  static void SortByRow(int64_t rows, std::vector<Occ>* occ, std::vector<Occ>* tmp) {
     constexpr int kBits = 11;
     constexpr size_t kBuckets = size_t{1} << kBits;
-    occ_tmp_.resize(occ_.size());
+    tmp->resize(occ->size());
     for (int shift = 0; (rows - 1) >> shift > 0; shift += kBits) {
       size_t count[kBuckets + 1] = {};
-      for (const Occ& o : occ_) ++count[((o.row >> shift) & (kBuckets - 1)) + 1];
+      for (const Occ& o : *occ) ++count[((o.row >> shift) & (kBuckets - 1)) + 1];
       for (size_t b = 1; b <= kBuckets; ++b) count[b] += count[b - 1];
-      for (const Occ& o : occ_) occ_tmp_[count[(o.row >> shift) & (kBuckets - 1)]++] = o;
-      occ_.swap(occ_tmp_);
+      Occ* out = tmp->data();
+      for (const Occ& o : *occ) out[count[(o.row >> shift) & (kBuckets - 1)]++] = o;
+      occ->swap(*tmp);
     }
   }
 
@@ -559,6 +630,34 @@ class CpuBackend : public EmbeddingBackend {
     if (isa == "avx512") return UpdateRowsAvx512;
     if (isa == "avx2") return UpdateRowsAvx2;
     return UpdateRowsBaseline;
+  }
+
+  // Sorts a part's occurrences by row, finds each row's run of them and
+  // sizes its merged gradients: the update of its rows, ready to run.
+  UpdateRun SortAndMerge(Shard* s, UpdatePart* part) const {
+    SortByRow(s->spec.rows, &part->occ, &part->tmp);
+    const std::vector<Occ>& occ = part->occ;
+    part->unique_begin.clear();
+    for (size_t k = 0; k < occ.size(); ++k) {
+      if (k == 0 || occ[k].row != occ[k - 1].row) part->unique_begin.push_back(k);
+    }
+    part->unique_begin.push_back(occ.size());
+    const int64_t num_unique = static_cast<int64_t>(part->unique_begin.size()) - 1;
+    const int64_t dim = s->spec.dim;
+    part->grad_sum.resize(static_cast<size_t>(num_unique * dim));
+    const bool noise =
+        s->spec.weight_type != WeightType::kFp32 && s->spec.optimizer.stochastic_rounding;
+    return UpdateRun{s,
+                     occ.data(),
+                     part->unique_begin.data(),
+                     part->grad_sum.data(),
+                     num_unique,
+                     dim,
+                     kernels_,
+                     kernels_->accumulate[0],
+                     MakeStepParams(s->spec.optimizer, s->step),
+                     noise,
+                     options_.update_prefetch_distance};
   }
 
   // One optimizer step on row r with merged gradient g (modified in place),
@@ -676,10 +775,7 @@ class CpuBackend : public EmbeddingBackend {
   std::vector<size_t> req_order_ ABSL_GUARDED_BY(mu_);
   std::vector<const Shard*> shard_ptr_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> item_begin_ ABSL_GUARDED_BY(mu_);
-  std::vector<Occ> occ_ ABSL_GUARDED_BY(mu_);
-  std::vector<Occ> occ_tmp_ ABSL_GUARDED_BY(mu_);
-  std::vector<size_t> unique_begin_ ABSL_GUARDED_BY(mu_);
-  std::vector<float> grad_sum_ ABSL_GUARDED_BY(mu_);
+  std::vector<UpdatePart> parts_ ABSL_GUARDED_BY(mu_);  // one a thread
 };
 
 }  // namespace

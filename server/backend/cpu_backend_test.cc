@@ -322,6 +322,100 @@ TEST(CpuBackendTest, UpdatesGiveTheSameBitsOnEveryIsa) {
   }
 }
 
+// Large updates are split among the threads by row (each thread gathers,
+// sorts, merges and updates the rows it owns): every thread count gives the
+// bits of one thread's update, whose rows are merged in (request,
+// position) order by one sort. Three calls of three requests on one shard
+// (weighted SUM, MEAN, NONE; hot rows and cold ones, 30,000 ids: past the
+// split's threshold at every thread count here) and a small request on a
+// second shard in the same call, then a call whose ids are all one row (one
+// part gets them all, the others none), for each weight type and a
+// stateless, a row-wise and a per-element optimizer.
+TEST(CpuBackendTest, UpdatesSplitAmongThreadsGiveOneThreadsBits) {
+  const int64_t dim = 20, rows = 5000;
+  for (WeightType wt : {WeightType::kFp32, WeightType::kFp16, WeightType::kBf16}) {
+    for (OptimizerType type :
+         {OptimizerType::kSgd, OptimizerType::kRowwiseAdagrad, OptimizerType::kAdam}) {
+      ShardSpec spec;
+      spec.table = "t";
+      spec.rows = rows;
+      spec.dim = dim;
+      spec.table_rows = rows;
+      spec.weight_type = wt;
+      spec.optimizer.type = type;
+      spec.optimizer.learning_rate = 0.05f;
+      spec.optimizer.eps = 1e-6f;
+      spec.initializer.seed = 11;
+      ShardSpec small = spec;
+      small.table = "small";
+      small.rows = small.table_rows = 100;
+      std::vector<uint32_t> first;  // the bits of one thread's weights and state
+      for (int threads : {1, 2, 3, 4}) {
+        CpuBackendOptions o;
+        o.num_threads = threads;
+        auto be = CreateCpuBackend(o);
+        ASSERT_TRUE(be.ok()) << be.status();
+        auto id = (*be)->CreateShard(spec);
+        auto small_id = (*be)->CreateShard(small);
+        ASSERT_TRUE(id.ok() && small_id.ok());
+        std::mt19937 rng(21);
+        auto row = [&] {
+          return rng() % 2 == 0 ? static_cast<int64_t>(rng() % 8)  // hot
+                                : static_cast<int64_t>(rng() % rows);
+        };
+        auto grads = [&](size_t n) {
+          std::vector<float> g(n * dim);
+          for (float& x : g) x = std::uniform_real_distribution<float>(-0.1f, 0.1f)(rng);
+          return g;
+        };
+        for (int step = 0; step < 4; ++step) {
+          const bool one_row = step == 3;
+          std::vector<int64_t> ids_sum(12000), ids_mean(12000), ids_none(6000), ids_small(50);
+          for (auto* ids : {&ids_sum, &ids_mean, &ids_none}) {
+            for (int64_t& i : *ids) i = one_row ? 4321 : row();
+          }
+          for (int64_t& i : ids_small) i = static_cast<int64_t>(rng() % 100);
+          const std::vector<int64_t> lengths_sum(600, 20), lengths_mean(1000, 12),
+              lengths_small(5, 10), none_lengths(ids_none.size(), 1);
+          std::vector<float> weights(ids_sum.size());
+          for (float& w : weights) w = std::uniform_real_distribution<float>(0.5f, 2.0f)(rng);
+          const std::vector<float> g_sum = grads(600), g_mean = grads(1000),
+                                   g_none = grads(ids_none.size()), g_small = grads(5);
+          const std::vector<GradientRequest> call = {
+              {FeatureRequest{*id, Pooling::kSum, lengths_sum, ids_sum, weights}, g_sum},
+              {FeatureRequest{*small_id, Pooling::kSum, lengths_small, ids_small, {}}, g_small},
+              {FeatureRequest{*id, Pooling::kMean, lengths_mean, ids_mean, {}}, g_mean},
+              {FeatureRequest{*id, Pooling::kNone, none_lengths, ids_none, {}}, g_none}};
+          ASSERT_TRUE((*be)->ApplyGradients(call).ok());
+        }
+        std::vector<uint32_t> bits;
+        for (const auto& [shard, n] : {std::pair{*id, rows}, std::pair{*small_id, int64_t{100}}}) {
+          std::vector<float> w(n * dim), state(n * OptimizerStateWidth(type, dim));
+          ASSERT_TRUE(
+              (*be)->ExportRows(shard, 0, n, absl::MakeSpan(w), absl::MakeSpan(state)).ok());
+          for (const std::vector<float>* v : {&w, &state}) {
+            for (float x : *v) {
+              uint32_t b;
+              std::memcpy(&b, &x, 4);
+              bits.push_back(b);
+            }
+          }
+        }
+        if (first.empty()) {
+          first = bits;
+          continue;
+        }
+        ASSERT_EQ(bits.size(), first.size());
+        for (size_t i = 0; i < bits.size(); ++i) {
+          ASSERT_EQ(bits[i], first[i]) << threads << " threads against 1, weight type "
+                                       << static_cast<int>(wt) << " optimizer "
+                                       << static_cast<int>(type) << " float " << i;
+        }
+      }
+    }
+  }
+}
+
 // Ids another thread rewrites during lookups (as a client may in a shared
 // region a worker reads in place): every lookup either succeeds or is
 // refused with INVALID_ARGUMENT, and none reads outside the shard. The bad
