@@ -104,7 +104,11 @@ absl::Status ForEachLookupPiece(absl::Span<const LookupRequest> requests, const 
         if (!f.weights.empty()) {
           sub.feature.weights = f.weights.subspan(id_at[b], id_at[e] - id_at[b]);
         }
-        sub.output = r.output.subspan(b * spec.dim, (e - b) * spec.dim);
+        // The piece's output rows, at the request's stride; where they go.
+        const int64_t stride = r.output_stride == 0 ? spec.dim : r.output_stride;
+        sub.output = r.output.subspan(b * stride, e == b ? 0 : (e - b - 1) * stride + spec.dim);
+        sub.output_stride = r.output_stride;
+        sub.output_on_device = r.output_on_device;
         pieces.back().push_back(sub);
         cur = with(b, e);
         b = e;

@@ -217,6 +217,52 @@ TEST(CudaBackendTest, OutputsGoStraightToDeviceMemory) {
 #endif
 }
 
+// A lookup with outputs on the device that the smallest scratch must cut
+// into pieces (as a large call through an NCCL link channel is): every
+// piece's outputs land in device memory, the last one's too, with the
+// values a lookup through the host gives.
+TEST(CudaBackendTest, DeviceOutputsOfACallCutInPieces) {
+#if __has_include(<cuda_runtime_api.h>)
+  CudaBackendOptions o;
+  o.scratch_bytes = kMinCudaScratchBytes;
+  auto be = MakeOrExpectUnavailable(o);
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  auto id = be->CreateShard(MakeSpec(1000, 16));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const int64_t bags = 3000;
+  std::vector<int64_t> lengths(bags, 5), ids(bags * 5), none_lengths(700, 1), none_ids(700);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i * 7919) % 1000);
+  for (size_t i = 0; i < none_ids.size(); ++i) none_ids[i] = static_cast<int64_t>(i % 1000);
+  const FeatureRequest pooled{*id, Pooling::kSum, lengths, ids, {}};
+  const FeatureRequest per_id{*id, Pooling::kNone, none_lengths, none_ids, {}};
+  const size_t pooled_floats = bags * 16, total = pooled_floats + none_ids.size() * 16;
+  std::vector<float> want(total);
+  ASSERT_TRUE(be->Lookup({LookupRequest{pooled, absl::MakeSpan(want.data(), pooled_floats)},
+                          LookupRequest{per_id, absl::MakeSpan(want.data() + pooled_floats,
+                                                               total - pooled_floats)}})
+                  .ok());
+  float* device = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&device), total * sizeof(float)), cudaSuccess);
+  std::vector<float> got(total, -1.0f);  // poison: every float must be written
+  ASSERT_EQ(cudaMemcpyAsync(device, got.data(), total * sizeof(float), cudaMemcpyHostToDevice,
+                            nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  LookupRequest a{pooled, absl::MakeSpan(device, pooled_floats)};
+  LookupRequest b{per_id, absl::MakeSpan(device + pooled_floats, total - pooled_floats)};
+  a.output_on_device = b.output_on_device = true;
+  ASSERT_TRUE(be->Lookup({a, b}).ok());
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), device, total * sizeof(float), cudaMemcpyDeviceToHost,
+                            nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+#else
+  GTEST_SKIP() << "built without the CUDA toolkit";
+#endif
+}
+
 // Inputs in device memory (FeatureRequest::on_device) with the outputs in
 // device memory too, as a worker lays out an NCCL link's memory: the same
 // values as from the host; an output over the call's ids is refused (a

@@ -43,7 +43,7 @@ LookupPlan PlanLookup(absl::Span<const backend::LookupRequest> requests,
         static_cast<int64_t>(f.pooling == Pooling::kNone ? f.ids.size() : f.lengths.size());
     p.total_bags += static_cast<int64_t>(f.lengths.size());
     p.total_ids += static_cast<int64_t>(f.ids.size());
-    p.total_out += static_cast<int64_t>(requests[i].output.size());
+    p.total_out += backend::OutputSize(f, s.spec->dim);  // packed, whatever the stride
     p.any_weighted |= !f.weights.empty();
   }
   p.item_begin[n] = p.total_items;

@@ -413,6 +413,72 @@ TEST_P(BackendParityTest, LargeShardLongBagsMatchReference) {
   }
 }
 
+// Lookups into rows of a wider matrix (output_stride, as the in-process
+// collection pools into a KeyedTensor's columns and a worker into a
+// client's): exactly what packed lookups write, at the stride, and nothing
+// between the rows, also for calls cut in pieces (the bags and ids
+// overflow the split instances' scratch), beside a packed request in the
+// same call. Bad strides are refused with nothing written. Backends that
+// write packed rows only refuse any stride.
+TEST_P(BackendParityTest, StridedOutputsMatchPackedOnes) {
+  std::mt19937 rng(12);
+  const int64_t dim = 20, stride = 33, at = 7;  // rows at matrix + 7 + r * 33
+  // The fp32 pass has 14,000 bags: 1.1 MB of outputs, which the CUDA
+  // backend downloads in more than one 1 MiB chunk, the first ending
+  // inside a row.
+  for (WeightType wt : {WeightType::kFp32, WeightType::kFp16}) {
+    const ShardSpec spec = MakeSpec(3000, dim, wt);
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const int bags = wt == WeightType::kFp32 ? 14000 : 700;
+    const Jagged pooled = RandomJagged(rng, bags, spec.rows, wt == WeightType::kFp32 ? 3 : 16,
+                                       /*weighted=*/true);
+    const Jagged per_id = RandomJagged(rng, 300, spec.rows, 6, /*weighted=*/false);
+    const FeatureRequest fp = Feature(*id, Pooling::kSum, pooled);
+    const FeatureRequest fn = Feature(*id, Pooling::kNone, per_id);
+    std::vector<float> want_p(OutputSize(fp, dim)), want_n(OutputSize(fn, dim));
+    ASSERT_TRUE(be_->Lookup({LookupRequest{fp, absl::MakeSpan(want_p)},
+                             LookupRequest{fn, absl::MakeSpan(want_n)}})
+                    .ok());
+    const int64_t rows = static_cast<int64_t>(want_p.size()) / dim;
+    std::vector<float> matrix(rows * stride + at, -7.5f), packed(want_n.size(), -7.5f);
+    LookupRequest strided{fp, absl::MakeSpan(matrix.data() + at, (rows - 1) * stride + dim)};
+    strided.output_stride = stride;
+    const absl::Status st =
+        be_->Lookup({strided, LookupRequest{fn, absl::MakeSpan(packed)}});
+    if (!be_->WritesStridedOutputs()) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_THAT(std::string(st.message()), testing::HasSubstr("packed outputs"));
+      EXPECT_TRUE(std::all_of(matrix.begin(), matrix.end(), [](float x) { return x == -7.5f; }));
+      continue;
+    }
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(packed, want_n);
+    for (int64_t i = 0; i < static_cast<int64_t>(matrix.size()); ++i) {
+      const int64_t r = (i - at) / stride, c = (i - at) % stride;
+      if (i >= at && c < dim && r < rows) {
+        ASSERT_EQ(matrix[i], want_p[r * dim + c]) << "row " << r << " col " << c;
+      } else {
+        ASSERT_EQ(matrix[i], -7.5f) << "element " << i << " between rows was written";
+      }
+    }
+    // Refused: a stride below the dim, a buffer that stops short of the
+    // last row's end; nothing written, the packed request beside it neither.
+    const std::vector<float> before = matrix;
+    LookupRequest narrow = strided;
+    narrow.output_stride = dim - 1;
+    LookupRequest short_buffer = strided;
+    short_buffer.output = short_buffer.output.subspan(0, short_buffer.output.size() - 1);
+    for (const LookupRequest& bad : {narrow, short_buffer}) {
+      std::fill(packed.begin(), packed.end(), -7.5f);
+      const absl::Status s = be_->Lookup({LookupRequest{fn, absl::MakeSpan(packed)}, bad});
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_EQ(matrix, before);
+      EXPECT_TRUE(std::all_of(packed.begin(), packed.end(), [](float x) { return x == -7.5f; }));
+    }
+  }
+}
+
 // Adam's step counts calls that name the shard, even with no ids (so a
 // row-wise shard that got no ids in a batch stays in step with the table),
 // and such a call changes no weight.

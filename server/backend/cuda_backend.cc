@@ -279,22 +279,30 @@ struct HostInputs {
   std::vector<GradientRequest> requests;  // views of the above
 };
 
+// A request's output in host memory: rows of `cols` floats, `stride`
+// floats apart (cols when packed), `floats` of them in all.
+struct OutputRows {
+  float* data = nullptr;
+  int64_t floats = 0, cols = 1, stride = 1;
+};
+
 // A lookup's output on its way back: downloaded in chunks through a slot's
 // staging, each chunk marked by an event.
 struct PendingOutputs {
   const float* host = nullptr;  // in the slot's staging
   int64_t count = 0, chunk = 0, chunks = 0;
   const cudaEvent_t* events = nullptr;
-  std::vector<absl::Span<float>> outputs;  // the requests' outputs, in order
+  std::vector<OutputRows> outputs;  // the requests', in order
 };
 
 // Queues the download of `count` floats from `device` into staging `host`
 // in chunks (at most kMaxDownloadChunks; `events` has that many), for
-// DeliverOutputs to hand to the requests' outputs.
+// DeliverOutputs to hand to the requests' outputs (packed in `device`, in
+// request order; each request's dim from `plan`).
 absl::Status QueueDownload(const float* device, float* host, int64_t count,
                            absl::Span<const backend::LookupRequest> requests,
-                           const cudaEvent_t* events, cudaStream_t stream,
-                           PendingOutputs* pending) {
+                           const LookupPlan& plan, const cudaEvent_t* events,
+                           cudaStream_t stream, PendingOutputs* pending) {
   const int64_t min_chunk = static_cast<int64_t>(kPipelineChunkBytes / sizeof(float));
   const int64_t chunk =
       std::max(min_chunk, (count + kMaxDownloadChunks - 1) / kMaxDownloadChunks);
@@ -311,31 +319,53 @@ absl::Status QueueDownload(const float* device, float* host, int64_t count,
   pending->chunks = chunks;
   pending->events = events;
   pending->outputs.clear();
-  for (const backend::LookupRequest& r : requests) pending->outputs.push_back(r.output);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const backend::LookupRequest& r = requests[i];
+    const int64_t dim = plan.descs[i].dim;
+    const int64_t end = i + 1 < requests.size() ? plan.descs[i + 1].out_begin : plan.total_out;
+    pending->outputs.push_back(OutputRows{r.output.data(), end - plan.descs[i].out_begin, dim,
+                                          r.output_stride == 0 ? dim : r.output_stride});
+  }
   return absl::OkStatus();
 }
 
 // Copies a queued download into its outputs, each chunk as soon as it has
-// landed, and empties `pending` (nothing pending: OK at once).
+// landed (rows to their stride, for outputs with one), and empties
+// `pending` (nothing pending: OK at once).
 absl::Status DeliverOutputs(PendingOutputs* pending) {
   const PendingOutputs p = std::move(*pending);
   *pending = PendingOutputs();
   // Walk the outputs in concatenated order alongside the chunks.
   size_t r = 0;
-  int64_t r_pos = 0;  // floats of outputs[r] already written
+  int64_t r_pos = 0;       // floats of outputs[r] already written
+  int64_t row = 0, col = 0;  // where the next of them goes (strided outputs)
   for (int64_t c = 0; c < p.chunks; ++c) {
     EMBER_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(p.events[c]));
     int64_t b = c * p.chunk;
     const int64_t e = std::min(p.count, b + p.chunk);
     while (b < e) {
-      const absl::Span<float> out = p.outputs[r];
-      const int64_t take = std::min<int64_t>(e - b, static_cast<int64_t>(out.size()) - r_pos);
-      if (take > 0) std::memcpy(out.data() + r_pos, p.host + b, take * sizeof(float));
+      const OutputRows& out = p.outputs[r];
+      const int64_t take = std::min<int64_t>(e - b, out.floats - r_pos);
+      if (out.stride == out.cols) {
+        if (take > 0) std::memcpy(out.data + r_pos, p.host + b, take * sizeof(float));
+      } else {
+        // Row by row; a chunk may end inside a row.
+        for (int64_t done = 0; done < take;) {
+          const int64_t n = std::min(take - done, out.cols - col);
+          std::memcpy(out.data + row * out.stride + col, p.host + b + done, n * sizeof(float));
+          done += n;
+          col += n;
+          if (col == out.cols) {
+            col = 0;
+            ++row;
+          }
+        }
+      }
       b += take;
       r_pos += take;
-      if (r_pos == static_cast<int64_t>(out.size())) {
+      if (r_pos == out.floats) {
         ++r;
-        r_pos = 0;
+        r_pos = row = col = 0;
       }
     }
   }
@@ -653,7 +683,7 @@ class CudaBackend : public EmbeddingBackend {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly,
-                                           /*strided_outputs=*/false, /*device_memory=*/true);
+                                           /*strided_outputs=*/true, /*device_memory=*/true);
         !st.ok()) {
       return st;
     }
@@ -703,7 +733,7 @@ class CudaBackend : public EmbeddingBackend {
   absl::Status CheckAll(absl::Span<const LookupRequest> requests) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
-    return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/false,
+    return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/true,
                             /*device_memory=*/true);
   }
   absl::Status CheckAll(absl::Span<const GradientRequest> requests) const
@@ -823,7 +853,7 @@ class CudaBackend : public EmbeddingBackend {
       }
       return absl::OkStatus();
     }
-    return QueueDownload(a.out, At<float>(h, l.host_out), plan.total_out, requests,
+    return QueueDownload(a.out, At<float>(h, l.host_out), plan.total_out, requests, plan,
                          slot.chunk_events, stream_, pending);
   }
 
@@ -1017,6 +1047,9 @@ class CudaBackend : public EmbeddingBackend {
 
   std::string Name() const override { return absl::StrCat("cuda/", device_name_); }
   Memory OutputMemory() const override { return Memory::kCudaDevice; }
+  // Outputs in host memory only: the download's copy out of the staging
+  // puts each row at its stride (DeliverOutputs).
+  bool WritesStridedOutputs() const override { return true; }
 
  private:
   // The calling thread's current device is per thread: every call that

@@ -147,7 +147,8 @@ struct LookupRequest {
   // stride writes the rows into a larger matrix (the in-process collection
   // pools straight into a KeyedTensor's columns); the floats between rows
   // are left alone. Only backends whose validation allows it take one
-  // (the CPU backend); the others refuse a non-zero stride.
+  // (the CPU backend, and the CUDA backend for outputs in host memory); the
+  // others refuse a non-zero stride.
   int64_t output_stride = 0;
   // The output is device memory of the backend's device (OutputMemory() is
   // kCudaDevice: a worker hands a link channel's device memory, so that the
@@ -371,6 +372,10 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
     if (OnDevice(requests[i]) != OnDevice(requests[0])) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": outputs on the device and in host memory in one call"));
+    }
+    if (OnDevice(requests[i]) && stride != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": outputs on the device are packed (output_stride 0), got ", stride));
     }
     if (f.on_device && !device_memory) {
       return absl::InvalidArgumentError(
