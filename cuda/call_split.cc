@@ -96,19 +96,18 @@ absl::Status ForEachLookupPiece(absl::Span<const LookupRequest> requests, const 
       });
       const bool took_all = e == units && scratch.FitsLookup(with(b, e));
       if (e > b || took_all) {
-        LookupRequest sub;
-        sub.feature = f;
+        // The request whole (its stride, where its outputs go, whatever it
+        // carries), then its piece's arrays.
+        LookupRequest sub = r;
         sub.feature.lengths = per_id ? absl::MakeConstSpan(ones).subspan(0, e - b)
                                      : f.lengths.subspan(b, e - b);
         sub.feature.ids = f.ids.subspan(id_at[b], id_at[e] - id_at[b]);
         if (!f.weights.empty()) {
           sub.feature.weights = f.weights.subspan(id_at[b], id_at[e] - id_at[b]);
         }
-        // The piece's output rows, at the request's stride; where they go.
+        // The piece's output rows, at the request's stride.
         const int64_t stride = r.output_stride == 0 ? spec.dim : r.output_stride;
         sub.output = r.output.subspan(b * stride, e == b ? 0 : (e - b - 1) * stride + spec.dim);
-        sub.output_stride = r.output_stride;
-        sub.output_on_device = r.output_on_device;
         pieces.back().push_back(sub);
         cur = with(b, e);
         b = e;

@@ -281,12 +281,13 @@ class CpuBackend : public EmbeddingBackend {
       size_t last = first;
       while (last < req_order_.size() && requests[req_order_[last]].feature.shard == id) ++last;
       Shard& s = *FindShard(id);
-      const Group group{requests, req_order_.data() + first, req_order_.data() + last};
+      Group group{requests, req_order_.data() + first, req_order_.data() + last, 0};
+      for (size_t j = first; j < last; ++j) {
+        group.occurrences += requests[req_order_[j]].feature.ids.size();
+      }
       first = last;
       ++s.step;  // per call that names the shard, ids or not (as FBGEMM's iteration count)
-      size_t n = 0;
-      for (const size_t* r = group.begin; r != group.end; ++r) n += requests[*r].feature.ids.size();
-      if (n == 0) continue;
+      if (group.occurrences == 0) continue;
       // Many occurrences and threads: the shard's rows are split among the
       // threads by a hash of the row (UpdatePartOf), and each thread gathers,
       // sorts, merges and updates the rows it owns, all in one hand-off to
@@ -294,12 +295,15 @@ class CpuBackend : public EmbeddingBackend {
       // so every split gives the bits of one thread's update. Otherwise one
       // thread gathers and sorts, and the pool shares the rows' updates.
       const int num_parts = static_cast<int>(std::min<int64_t>(
-          pool_.num_threads(), static_cast<int64_t>(n) / kOccurrencesPerPart));
+          pool_.num_threads(), static_cast<int64_t>(group.occurrences) / kOccurrencesPerPart));
       UpdatePart* parts = parts_.data();
       if (num_parts <= 1) {
         UpdatePart& part = parts[0];
         GatherAll(group, s.spec.dim, &part.occ);
         UpdateRun run = SortAndMerge(&s, &part);
+        // Chunks of 128 rows: with 16 the threads took turns at every 16
+        // neighbouring rows and the 2-thread backward ran below 1 thread's
+        // (docs/benchmarks.md).
         pool_.ParallelFor(run.num_unique, 128,
                           [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
         continue;
@@ -448,10 +452,11 @@ class CpuBackend : public EmbeddingBackend {
     absl::Span<const GradientRequest> requests;
     const size_t* begin;  // indices into requests
     const size_t* end;
+    size_t occurrences;  // their ids
   };
 
-  // Calls these many occurrences a part at least: below, a part's hand-off
-  // and its pass over every id cost more than the split saves.
+  // At least this many occurrences a part: below, a part's hand-off and its
+  // pass over every id cost more than the split saves.
   static constexpr int64_t kOccurrencesPerPart = 4096;
 
   // The part of `parts` that owns row `row`: a multiplicative hash of the
@@ -512,10 +517,8 @@ class CpuBackend : public EmbeddingBackend {
 
   // Every occurrence of the group into `occ`.
   static void GatherAll(const Group& g, int64_t dim, std::vector<Occ>* occ) {
-    size_t n = 0;
-    for (const size_t* r = g.begin; r != g.end; ++r) n += g.requests[*r].feature.ids.size();
-    occ->resize(n);
-    GatherInto<false>(g, dim, 0, 1, n, occ->data());
+    occ->resize(g.occurrences);
+    GatherInto<false>(g, dim, 0, 1, g.occurrences, occ->data());
   }
 
   // The occurrences of the rows of part `part` of `parts` into `occ`:

@@ -295,14 +295,15 @@ struct PendingOutputs {
   std::vector<OutputRows> outputs;  // the requests', in order
 };
 
-// Queues the download of `count` floats from `device` into staging `host`
-// in chunks (at most kMaxDownloadChunks; `events` has that many), for
-// DeliverOutputs to hand to the requests' outputs (packed in `device`, in
-// request order; each request's dim from `plan`).
-absl::Status QueueDownload(const float* device, float* host, int64_t count,
+// Queues the download of a lookup's outputs, plan.total_out floats packed
+// in request order at `device`, into staging `host` in chunks (at most
+// kMaxDownloadChunks; `events` has that many), for DeliverOutputs to hand
+// to the requests' outputs (each request's dim from `plan`).
+absl::Status QueueDownload(const float* device, float* host,
                            absl::Span<const backend::LookupRequest> requests,
                            const LookupPlan& plan, const cudaEvent_t* events,
                            cudaStream_t stream, PendingOutputs* pending) {
+  const int64_t count = plan.total_out;
   const int64_t min_chunk = static_cast<int64_t>(kPipelineChunkBytes / sizeof(float));
   const int64_t chunk =
       std::max(min_chunk, (count + kMaxDownloadChunks - 1) / kMaxDownloadChunks);
@@ -853,8 +854,8 @@ class CudaBackend : public EmbeddingBackend {
       }
       return absl::OkStatus();
     }
-    return QueueDownload(a.out, At<float>(h, l.host_out), plan.total_out, requests, plan,
-                         slot.chunk_events, stream_, pending);
+    return QueueDownload(a.out, At<float>(h, l.host_out), requests, plan, slot.chunk_events,
+                         stream_, pending);
   }
 
   // Queues one piece of an ApplyGradients call, without the Adam step,
