@@ -409,11 +409,10 @@ class CpuBackend : public EmbeddingBackend {
 
   // A thread's share of a shard's update (all of it below
   // kOccurrencesPerPart occurrences a thread): its occurrences, sorted by
-  // row, where each row's run begins, and the rows' merged gradients.
+  // row, and where each row's run of them begins.
   struct UpdatePart {
     std::vector<Occ> occ, tmp;
     std::vector<size_t> unique_begin;
-    std::vector<float> grad_sum;
   };
 
   // For the shared request validation (ValidateRequests).
@@ -560,7 +559,6 @@ class CpuBackend : public EmbeddingBackend {
     Shard* shard;
     const Occ* occ;
     const size_t* unique_begin;
-    float* grad_sum;
     int64_t num_unique;
     int64_t dim;
     const RowKernels* kernels;
@@ -579,6 +577,12 @@ class CpuBackend : public EmbeddingBackend {
     const math::StepParams& params = a.params;
     const AccumulateFn accumulate_f32 = a.accumulate_f32;
     const bool noise = a.noise;
+    // The row's merged gradient, in this thread's scratch (reused, in L1):
+    // a buffer of every row's, written once and read once, had doubled the
+    // update's memory traffic (docs/benchmarks.md).
+    thread_local std::vector<float> merged;
+    if (static_cast<int64_t>(merged.size()) < dim) merged.resize(dim);
+    float* __restrict g = merged.data();
     for (int64_t u = b; u < e; ++u) {
       // As the lookups' (cpu_kernels_impl.h): every line of the row
       // and its state 2 * prefetch rows ahead to the outer caches, the
@@ -604,7 +608,6 @@ class CpuBackend : public EmbeddingBackend {
       // The row's gradient: its first occurrence scaled, then the others
       // added. "0 + x" keeps the bits of adding it to zeros (a -0 product
       // becomes +0), as before.
-      float* __restrict g = a.grad_sum + u * dim;
       const Occ& first = a.occ[a.unique_begin[u]];
       const float* __restrict src = first.grad;
       for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
@@ -635,8 +638,8 @@ class CpuBackend : public EmbeddingBackend {
     return UpdateRowsBaseline;
   }
 
-  // Sorts a part's occurrences by row, finds each row's run of them and
-  // sizes its merged gradients: the update of its rows, ready to run.
+  // Sorts a part's occurrences by row and finds each row's run of them: the
+  // update of its rows, ready to run.
   UpdateRun SortAndMerge(Shard* s, UpdatePart* part) const {
     SortByRow(s->spec.rows, &part->occ, &part->tmp);
     const std::vector<Occ>& occ = part->occ;
@@ -647,13 +650,11 @@ class CpuBackend : public EmbeddingBackend {
     part->unique_begin.push_back(occ.size());
     const int64_t num_unique = static_cast<int64_t>(part->unique_begin.size()) - 1;
     const int64_t dim = s->spec.dim;
-    part->grad_sum.resize(static_cast<size_t>(num_unique * dim));
     const bool noise =
         s->spec.weight_type != WeightType::kFp32 && s->spec.optimizer.stochastic_rounding;
     return UpdateRun{s,
                      occ.data(),
                      part->unique_begin.data(),
-                     part->grad_sum.data(),
                      num_unique,
                      dim,
                      kernels_,
