@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include "server/backend/cpu_kernel_types.h"
+#include "server/backend/noise_hash.h"
 
 namespace ember {
 namespace backend {
@@ -84,38 +85,26 @@ void Widen16(float* out, const void* row, int64_t dim) {
   }
 }
 
-// a * b mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products.
-inline __m256i MulLo64(__m256i a, uint64_t b) {
-  const __m256i lo = _mm256_set1_epi64x(static_cast<long long>(b & 0xffffffffu));
-  const __m256i hi = _mm256_set1_epi64x(static_cast<long long>(b >> 32));
-  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), lo),
-                                         _mm256_mul_epu32(a, hi));
-  return _mm256_add_epi64(_mm256_mul_epu32(a, lo), _mm256_slli_epi64(cross, 32));
+// embedding_math.h's ElementNoiseInput (its header is not included here:
+// cpu_kernel_types.h says why).
+inline uint32_t NoiseInput(uint64_t row_key, int64_t col) {
+  return static_cast<uint32_t>(row_key ^ (row_key >> 32)) +
+         static_cast<uint32_t>(col) * kNoiseColumnStep;
 }
 
-// Mix64 (embedding_math.h) up to its last step, per 64-bit lane.
-inline __m256i Mix64UpToLastShift(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 30));
-  x = MulLo64(x, 0xbf58476d1ce4e5b9ull);
-  x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 27));
-  return MulLo64(x, 0x94d049bb133111ebull);
-}
-
-// Eight columns' noise, columns col .. col + 7 of the row: ElementNoise,
-// Mix64(row_key + column) >> 32, whose last step x ^ (x >> 31) is, on the
-// high half, hi ^ (hi >> 31) (taken on 32-bit lanes once the high halves
-// of both groups of four are in one register).
+// Eight columns' noise, columns col .. col + 7 of the row: embedding_math.h's
+// ElementNoise, Fmix32 of the row's base plus lane * kNoiseColumnStep.
 inline __m256i Noise8(uint64_t row_key, int64_t col) {
-  const __m256i steps = _mm256_set_epi64x(3, 2, 1, 0);
-  const uint64_t base = row_key + static_cast<uint64_t>(col);
-  const __m256i a = Mix64UpToLastShift(
-      _mm256_add_epi64(_mm256_set1_epi64x(static_cast<long long>(base)), steps));
-  const __m256i b = Mix64UpToLastShift(
-      _mm256_add_epi64(_mm256_set1_epi64x(static_cast<long long>(base + 4)), steps));
-  const __m256i high_halves = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
-  const __m256i hi = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(a, high_halves),
-                                        _mm256_permutevar8x32_epi32(b, high_halves), 0xf0);
-  return _mm256_xor_si256(hi, _mm256_srli_epi32(hi, 31));
+  const __m256i lanes =
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                         _mm256_set1_epi32(static_cast<int>(kNoiseColumnStep)));
+  __m256i x = _mm256_add_epi32(
+      _mm256_set1_epi32(static_cast<int>(NoiseInput(row_key, col))), lanes);
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kFmix32Mul1)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kFmix32Mul2)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
 // 32-bit lane tests as all-ones masks. The magnitudes (|w|'s bits) are

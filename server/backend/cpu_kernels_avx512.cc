@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "server/backend/cpu_kernel_types.h"
+#include "server/backend/noise_hash.h"
 
 namespace ember {
 namespace backend {
@@ -70,32 +71,27 @@ void Widen16(float* out, const void* row, int64_t dim) {
   if (i < dim) kAvx2RowKernels.widen[T](out + i, r + i, dim - i);
 }
 
-// Mix64 (embedding_math.h) up to its last step, per 64-bit lane: the
-// two products with AVX-512 DQ's 64-bit multiply (three micro-ops on
-// Intel, where the 32 x 32 -> 64 products it replaces took seven).
-inline __m512i Mix64UpToLastShift(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 30));
-  x = _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(0xbf58476d1ce4e5b9ull)));
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 27));
-  return _mm512_mullo_epi64(x, _mm512_set1_epi64(static_cast<long long>(0x94d049bb133111ebull)));
+// embedding_math.h's ElementNoiseInput (its header is not included here:
+// cpu_kernel_types.h says why).
+inline uint32_t NoiseInput(uint64_t row_key, int64_t col) {
+  return static_cast<uint32_t>(row_key ^ (row_key >> 32)) +
+         static_cast<uint32_t>(col) * kNoiseColumnStep;
 }
 
-// Sixteen columns' noise, columns col .. col + 15 of the row: embedding_math.h's
-// ElementNoise, Mix64(row_key + column) >> 32. Mix64 ends with x ^ (x >> 31),
-// whose high half is hi ^ (hi >> 31) for hi = x >> 32: the high halves of
-// both groups of eight are gathered into one register first (one permute),
-// and that last step is taken on 32-bit lanes.
+// Sixteen columns' noise, columns col .. col + 15 of the row:
+// embedding_math.h's ElementNoise, Fmix32 of the row's base plus
+// lane * kNoiseColumnStep.
 inline __m512i Noise16(uint64_t row_key, int64_t col) {
-  const __m512i steps = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-  const uint64_t base = row_key + static_cast<uint64_t>(col);
-  const __m512i a =
-      Mix64UpToLastShift(_mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base)), steps));
-  const __m512i b = Mix64UpToLastShift(
-      _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(base + 8)), steps));
-  const __m512i high_halves =
-      _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512i hi = _mm512_permutex2var_epi32(a, high_halves, b);
-  return _mm512_xor_si512(hi, _mm512_srli_epi32(hi, 31));
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(kNoiseColumnStep)));
+  __m512i x = _mm512_add_epi32(
+      _mm512_set1_epi32(static_cast<int>(NoiseInput(row_key, col))), lanes);
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kFmix32Mul1)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kFmix32Mul2)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
 // Sixteen lanes of embedding_math.h's FloatToFp16Stochastic (kStochastic)

@@ -193,9 +193,45 @@ TEST(EmbeddingMathTest, NoiseDependsOnEveryCoordinate) {
   EXPECT_NE(k, RowNoiseKey(1, 3, 3));
   EXPECT_NE(k, RowNoiseKey(1, 2, 4));
   EXPECT_NE(ElementNoise(k, 0), ElementNoise(k, 1));
-  // Pinned, so a change to the hash (which would change every half-precision
-  // table's training) is deliberate.
-  EXPECT_EQ(ElementNoise(RowNoiseKey(0, 0, 0), 0), ElementNoise(RowNoiseKey(0, 0, 0), 0));
+}
+
+// Pinned against values worked out by an independent implementation
+// (Python's integers, masked to 32 and 64 bits), so a change to the hash,
+// which changes every half-precision table's training, is deliberate.
+TEST(EmbeddingMathTest, NoiseIsPinned) {
+  EXPECT_EQ(Fmix32(1), 0x514e28b7u);  // MurmurHash3's fmix32
+  EXPECT_EQ(Fmix32(0xdeadbeefu), 0x0de5c6a9u);
+  const uint64_t k = RowNoiseKey(1, 2, 3);
+  EXPECT_EQ(k, 0x4a2a45a1bd1c8017ull);
+  EXPECT_EQ(ElementNoise(k, 0), 3673154415u);
+  EXPECT_EQ(ElementNoise(k, 5), 1332273884u);
+  EXPECT_EQ(ElementNoise(k, 1000), 3761830985u);
+}
+
+// The noise's bits are fair along a row and down a column: each of the 32
+// bits is set in half the draws (within 1%), and rounding a value 0.1 of
+// an fp16 ulp above 1 stochastically is unbiased over rows as over
+// columns. A hash whose bits depended on the column alone, or on a part of
+// the row key, fails.
+TEST(EmbeddingMathTest, NoiseBitsAreFairOverRowsAndColumns) {
+  const int n = 100000;
+  const float x = 1.0f + 0.0001f;
+  for (const bool down_a_column : {false, true}) {
+    int ones[32] = {};
+    double fp = 0;
+    const uint64_t row_key = RowNoiseKey(5, 9, 77);
+    for (int i = 0; i < n; ++i) {
+      const uint32_t noise = down_a_column ? ElementNoise(RowNoiseKey(5, 9, i), 3)
+                                           : ElementNoise(row_key, i);
+      for (int b = 0; b < 32; ++b) ones[b] += (noise >> b) & 1u;
+      fp += Fp16ToFloat(FloatToFp16Stochastic(x, noise));
+    }
+    for (int b = 0; b < 32; ++b) {
+      EXPECT_NEAR(ones[b] / static_cast<double>(n), 0.5, 0.01)
+          << "bit " << b << (down_a_column ? " down a column" : " along a row");
+    }
+    EXPECT_NEAR(fp / n, x, 6e-6) << (down_a_column ? "down a column" : "along a row");
+  }
 }
 
 }  // namespace
