@@ -85,21 +85,15 @@ void Widen16(float* out, const void* row, int64_t dim) {
   }
 }
 
-// embedding_math.h's ElementNoiseInput (its header is not included here:
-// cpu_kernel_types.h says why).
-inline uint32_t NoiseInput(uint64_t row_key, int64_t col) {
-  return static_cast<uint32_t>(row_key ^ (row_key >> 32)) +
-         static_cast<uint32_t>(col) * kNoiseColumnStep;
-}
-
-// Eight columns' noise, columns col .. col + 7 of the row: embedding_math.h's
-// ElementNoise, Fmix32 of the row's base plus lane * kNoiseColumnStep.
+// Eight columns' noise, columns col .. col + 7 of the row:
+// embedding_math.h's ElementNoise: noise_hash.h's Fmix32 of the first
+// column's input plus lane * kNoiseColumnStep.
 inline __m256i Noise8(uint64_t row_key, int64_t col) {
   const __m256i lanes =
       _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                          _mm256_set1_epi32(static_cast<int>(kNoiseColumnStep)));
   __m256i x = _mm256_add_epi32(
-      _mm256_set1_epi32(static_cast<int>(NoiseInput(row_key, col))), lanes);
+      _mm256_set1_epi32(static_cast<int>(ElementNoiseInput(row_key, col))), lanes);
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kFmix32Mul1)));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));

@@ -71,22 +71,15 @@ void Widen16(float* out, const void* row, int64_t dim) {
   if (i < dim) kAvx2RowKernels.widen[T](out + i, r + i, dim - i);
 }
 
-// embedding_math.h's ElementNoiseInput (its header is not included here:
-// cpu_kernel_types.h says why).
-inline uint32_t NoiseInput(uint64_t row_key, int64_t col) {
-  return static_cast<uint32_t>(row_key ^ (row_key >> 32)) +
-         static_cast<uint32_t>(col) * kNoiseColumnStep;
-}
-
 // Sixteen columns' noise, columns col .. col + 15 of the row:
-// embedding_math.h's ElementNoise, Fmix32 of the row's base plus
-// lane * kNoiseColumnStep.
+// embedding_math.h's ElementNoise: noise_hash.h's Fmix32 of the first
+// column's input plus lane * kNoiseColumnStep.
 inline __m512i Noise16(uint64_t row_key, int64_t col) {
   const __m512i lanes = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(static_cast<int>(kNoiseColumnStep)));
   __m512i x = _mm512_add_epi32(
-      _mm512_set1_epi32(static_cast<int>(NoiseInput(row_key, col))), lanes);
+      _mm512_set1_epi32(static_cast<int>(ElementNoiseInput(row_key, col))), lanes);
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kFmix32Mul1)));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));

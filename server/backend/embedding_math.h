@@ -175,29 +175,11 @@ EMBER_HD uint64_t RowNoiseKey(uint64_t seed, int64_t step, int64_t global_row) {
   return Mix64(s ^ static_cast<uint64_t>(global_row));
 }
 
-// MurmurHash3's 32-bit finaliser (fmix32): a bijection whose every output
-// bit depends on every input bit (constants in noise_hash.h).
-EMBER_HD uint32_t Fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= kFmix32Mul1;
-  x ^= x >> 13;
-  x *= kFmix32Mul2;
-  return x ^ (x >> 16);
-}
-
-// What an element's noise hashes: the row key's halves folded, plus the
-// column times 2^32 / golden ratio (kNoiseColumnStep), so consecutive
-// columns are far apart. The vector kernels add lane * kNoiseColumnStep to
-// a row's base for 8 or 16 columns at once.
-EMBER_HD uint32_t ElementNoiseInput(uint64_t row_key, int64_t global_col) {
-  return static_cast<uint32_t>(row_key ^ (row_key >> 32)) +
-         static_cast<uint32_t>(global_col) * kNoiseColumnStep;
-}
-
-// 32 random bits for one element of the row: Fmix32 of ElementNoiseInput.
-// Two 32-bit multiplies (SplitMix64 per element, as before, took two 64-bit
-// ones: four AVX-512 multiplies for 16 columns where these take two, and
-// most of an fp16 update's time; docs/benchmarks.md).
+// 32 random bits for one element of the row: noise_hash.h's Fmix32 of its
+// ElementNoiseInput, two 32-bit multiplies. (SplitMix64 per element, as
+// before, took two 64-bit ones: four AVX-512 multiplies for 16 columns
+// where these take two, and nearly half of an fp16 update's time;
+// docs/benchmarks.md.)
 EMBER_HD uint32_t ElementNoise(uint64_t row_key, int64_t global_col) {
   return Fmix32(ElementNoiseInput(row_key, global_col));
 }
