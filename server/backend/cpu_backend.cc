@@ -72,19 +72,6 @@ struct Shard {
   const uint8_t* Row(int64_t r) const { return weights.get() + r * RowBytes(); }
   uint8_t* Row(int64_t r) { return weights.get() + r * RowBytes(); }
   int64_t Bytes() const { return WeightBytes() + spec.rows * state_width * 4; }
-
-  void Set(int64_t r, int64_t c, float v) {
-    switch (spec.weight_type) {
-      case WeightType::kFp16:
-        reinterpret_cast<uint16_t*>(Row(r))[c] = FloatToFp16(v);
-        break;
-      case WeightType::kBf16:
-        reinterpret_cast<uint16_t*>(Row(r))[c] = FloatToBf16(v);
-        break;
-      default:
-        reinterpret_cast<float*>(Row(r))[c] = v;
-    }
-  }
 };
 
 // Runs fn over [0, rows) on the calling thread and, for `work` (elements)
@@ -142,18 +129,31 @@ class CpuBackend : public EmbeddingBackend {
                        " bytes)"));
     }
     Shard* s = shard.get();
-    InitParallel(spec.rows * spec.dim, spec.rows, [s](int64_t b, int64_t e) {
+    const NarrowNearestFn narrow = kernels_->narrow_nearest[static_cast<int>(spec.weight_type)];
+    InitParallel(spec.rows * spec.dim, spec.rows, [s, narrow](int64_t b, int64_t e) {
       const ShardSpec& sp = s->spec;
       const bool adagrad = sp.optimizer.type == OptimizerType::kAdagrad ||
                            sp.optimizer.type == OptimizerType::kRowwiseAdagrad;
-      for (int64_t r = b; r < e; ++r) {
-        for (int64_t c = 0; c < sp.dim; ++c) {
-          s->Set(r, c, InitialValue(sp.initializer, sp.table_rows, sp.row_offset + r,
-                                    sp.col_offset + c));
+      // Blocks of rows: fp32 ones straight into the shard, 16-bit ones
+      // through a block of floats, rounded to nearest (half.h's FloatToFp16
+      // and FloatToBf16, bit for bit).
+      constexpr int64_t kBlockRows = 256;
+      std::vector<float> block;
+      for (int64_t r0 = b; r0 < e; r0 += kBlockRows) {
+        const int64_t n = std::min(kBlockRows, e - r0);
+        if (narrow == nullptr) {
+          InitialValues(sp.initializer, sp.table_rows, sp.row_offset + r0, n, sp.col_offset,
+                        sp.dim, reinterpret_cast<float*>(s->Row(r0)));
+        } else {
+          block.resize(static_cast<size_t>(n * sp.dim));
+          InitialValues(sp.initializer, sp.table_rows, sp.row_offset + r0, n, sp.col_offset,
+                        sp.dim, block.data());
+          for (int64_t r = 0; r < n; ++r) narrow(s->Row(r0 + r), block.data() + r * sp.dim, sp.dim);
         }
-        for (int64_t k = 0; k < s->state_width; ++k) {
-          s->state[r * s->state_width + k] = adagrad ? sp.optimizer.initial_accumulator_value : 0;
-        }
+      }
+      if (s->state_width > 0) {
+        std::fill(s->state.get() + b * s->state_width, s->state.get() + e * s->state_width,
+                  adagrad ? sp.optimizer.initial_accumulator_value : 0.0f);
       }
     });
     absl::MutexLock lock(&mu_);

@@ -20,6 +20,7 @@
 #include "server/backend/cpu_backend.h"
 #include "server/backend/cpu_kernels.h"
 #include "server/backend/forwarding_backend.h"
+#include "server/backend/half.h"
 
 namespace ember {
 namespace backend {
@@ -369,6 +370,48 @@ TEST(CpuBackendTest, UpdatesSplitAmongThreadsGiveOneThreadsBits) {
                                        << static_cast<int>(wt) << " optimizer "
                                        << static_cast<int>(type) << " float " << i;
         }
+      }
+    }
+  }
+}
+
+// A shard's initial weights are InitialValue's for its global rows and
+// columns (rounded to nearest for fp16 / bf16: half.h), with the rows
+// split among the creation's threads and cut in blocks of 256 (3,001 rows
+// of 64 columns: two threads where the machine has them, a last block of
+// a few rows), and its Adagrad accumulators the configured value.
+TEST(CpuBackendTest, CreatedShardsHoldTheInitialValues) {
+  for (WeightType wt : {WeightType::kFp32, WeightType::kFp16, WeightType::kBf16}) {
+    ShardSpec spec;
+    spec.table = "t";
+    spec.rows = 3001;
+    spec.dim = 64;
+    spec.row_offset = 17;
+    spec.col_offset = 32;
+    spec.table_rows = 5000;
+    spec.weight_type = wt;
+    spec.optimizer.type = OptimizerType::kAdagrad;
+    spec.optimizer.initial_accumulator_value = 0.125f;
+    spec.initializer.type = InitializerType::kNormal;
+    spec.initializer.mean = 0.5f;
+    spec.initializer.std = 0.25f;
+    spec.initializer.seed = 99;
+    auto be = CreateCpuBackend(CpuBackendOptions{});
+    ASSERT_TRUE(be.ok()) << be.status();
+    auto id = (*be)->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    std::vector<float> w(spec.rows * spec.dim), state(spec.rows * spec.dim);
+    ASSERT_TRUE(
+        (*be)->ExportRows(*id, 0, spec.rows, absl::MakeSpan(w), absl::MakeSpan(state)).ok());
+    for (int64_t r = 0; r < spec.rows; ++r) {
+      for (int64_t c = 0; c < spec.dim; ++c) {
+        float want = InitialValue(spec.initializer, spec.table_rows, spec.row_offset + r,
+                                  spec.col_offset + c);
+        if (wt == WeightType::kFp16) want = Fp16ToFloat(FloatToFp16(want));
+        if (wt == WeightType::kBf16) want = Bf16ToFloat(FloatToBf16(want));
+        ASSERT_EQ(w[r * spec.dim + c], want) << "weight type " << static_cast<int>(wt) << " row "
+                                             << r << " column " << c;
+        ASSERT_EQ(state[r * spec.dim + c], 0.125f);
       }
     }
   }

@@ -1100,12 +1100,8 @@ class CudaBackend : public EmbeddingBackend {
       const int64_t rows = std::min(chunk_rows, sp.rows - r0);
       values.resize(static_cast<size_t>(rows * dim));
       auto fill = [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) {
-          for (int64_t c = 0; c < dim; ++c) {
-            values[r * dim + c] = backend::InitialValue(sp.initializer, sp.table_rows,
-                                                        sp.row_offset + r0 + r, sp.col_offset + c);
-          }
-        }
+        backend::InitialValues(sp.initializer, sp.table_rows, sp.row_offset + r0 + b, e - b,
+                               sp.col_offset, dim, values.data() + b * dim);
       };
       const int64_t per_thread = (rows + threads - 1) / threads;
       if (threads == 1 || rows * dim < 65536) {

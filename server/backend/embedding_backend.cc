@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/common/id_range.h"
@@ -19,11 +20,28 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Unit's hash of a column (in its stream): the part that InitialValues
+// computes once a block.
+uint64_t ColumnHash(int64_t col, uint64_t stream) {
+  return SplitMix64(static_cast<uint64_t>(col) + stream);
+}
+
+// Unit from the column's hash.
+double UnitOf(uint64_t seed, int64_t row, uint64_t column_hash) {
+  const uint64_t h =
+      SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(row) * 0x100000001b3ULL ^ column_hash));
+  return (static_cast<double>(h >> 40) + 0.5) / 16777216.0;
+}
+
 // Uniform in (0, 1), from 24 bits of a counter-based hash.
 double Unit(uint64_t seed, int64_t row, int64_t col, uint64_t stream) {
-  const uint64_t h = SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(row) * 0x100000001b3ULL ^
-                                                  SplitMix64(static_cast<uint64_t>(col) + stream)));
-  return (static_cast<double>(h >> 40) + 0.5) / 16777216.0;
+  return UnitOf(seed, row, ColumnHash(col, stream));
+}
+
+// The default initializer's bound, uniform in [-bound, bound): TorchRec's
+// 1 / sqrt(table rows).
+double DefaultBound(int64_t table_rows) {
+  return std::sqrt(1.0 / static_cast<double>(std::max<int64_t>(table_rows, 1)));
 }
 
 }  // namespace
@@ -336,8 +354,53 @@ float InitialValue(const InitializerConfig& init, int64_t table_rows, int64_t ro
     }
     case InitializerType::kDefault:
     default: {
-      const double bound = std::sqrt(1.0 / static_cast<double>(std::max<int64_t>(table_rows, 1)));
+      const double bound = DefaultBound(table_rows);
       return static_cast<float>(-bound + 2.0 * bound * Unit(init.seed, row, col, 0));
+    }
+  }
+}
+
+void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t global_row,
+                   int64_t rows, int64_t global_col, int64_t cols, float* out) {
+  if (init.type == InitializerType::kConstant) {
+    std::fill(out, out + rows * cols, init.value);
+    return;
+  }
+  // The same expressions as InitialValue's, in the same order, so the
+  // same doubles and floats.
+  const bool normal = init.type == InitializerType::kNormal;
+  std::vector<uint64_t> hash(static_cast<size_t>(normal ? 2 * cols : cols));
+  for (int64_t c = 0; c < cols; ++c) {
+    if (normal) {
+      hash[2 * c] = ColumnHash(global_col + c, 1);
+      hash[2 * c + 1] = ColumnHash(global_col + c, 2);
+    } else {
+      hash[c] = ColumnHash(global_col + c, 0);
+    }
+  }
+  const double bound = DefaultBound(table_rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = global_row + r;
+    float* o = out + r * cols;
+    switch (init.type) {
+      case InitializerType::kUniform:
+        for (int64_t c = 0; c < cols; ++c) {
+          o[c] = static_cast<float>(init.low + (init.high - init.low) * UnitOf(init.seed, row, hash[c]));
+        }
+        break;
+      case InitializerType::kNormal:
+        for (int64_t c = 0; c < cols; ++c) {
+          const double u1 = UnitOf(init.seed, row, hash[2 * c]);
+          const double u2 = UnitOf(init.seed, row, hash[2 * c + 1]);
+          o[c] = static_cast<float>(init.mean + init.std * std::sqrt(-2.0 * std::log(u1)) *
+                                                    std::cos(2.0 * M_PI * u2));
+        }
+        break;
+      case InitializerType::kDefault:
+      default:
+        for (int64_t c = 0; c < cols; ++c) {
+          o[c] = static_cast<float>(-bound + 2.0 * bound * UnitOf(init.seed, row, hash[c]));
+        }
     }
   }
 }

@@ -334,6 +334,13 @@ absl::Status ValidateImport(const ShardSpec& spec, int64_t row_begin, int64_t ro
 float InitialValue(const InitializerConfig& init, int64_t table_rows,
                    int64_t global_row, int64_t global_col);
 
+// InitialValue of a block, bit for bit: rows [global_row, global_row + rows)
+// by columns [global_col, global_col + cols), row-major into out (rows *
+// cols floats). Each column's part of the hash is computed once for the
+// block, where InitialValue computes it for every element.
+void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t global_row,
+                   int64_t rows, int64_t global_col, int64_t cols, float* out);
+
 namespace internal {
 inline size_t DenseFloats(const LookupRequest& r) { return r.output.size(); }
 inline size_t DenseFloats(const GradientRequest& r) { return r.grad.size(); }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -100,6 +101,84 @@ TEST(CheckLengthsTest, RefusesNegativeOverflowingAndMismatchedLengths) {
   // Sums that wrap around to the id count must not pass.
   EXPECT_FALSE(CheckLengths(std::vector<int64_t>{big, big, 4}, 2, "f").ok());
   EXPECT_FALSE(CheckLengths(std::vector<int64_t>{big, 1}, std::numeric_limits<int64_t>::min(), "f").ok());
+}
+
+// InitialValues computes a block with each column's hash once; every
+// element must be InitialValue's, bit for bit, for every initializer, at
+// offsets into the table, down to a block of one element.
+TEST(InitialValuesTest, MatchInitialValueBitForBit) {
+  std::vector<InitializerConfig> inits(4);
+  inits[0].type = InitializerType::kDefault;
+  inits[0].seed = 3;
+  inits[1].type = InitializerType::kUniform;
+  inits[1].low = -0.5f;
+  inits[1].high = 2.0f;
+  inits[1].seed = 11;
+  inits[2].type = InitializerType::kNormal;
+  inits[2].mean = 0.25f;
+  inits[2].std = 0.1f;
+  inits[2].seed = 12345;
+  inits[3].type = InitializerType::kConstant;
+  inits[3].value = -1.5f;
+  const std::vector<std::vector<int64_t>> blocks = {  // row, rows, col, cols
+      {0, 1, 0, 1}, {0, 40, 0, 16}, {1000, 7, 36, 12}, {999999, 1, 123, 4}};
+  for (const InitializerConfig& init : inits) {
+    for (const auto& b : blocks) {
+      const int64_t row = b[0], rows = b[1], col = b[2], cols = b[3];
+      std::vector<float> out(rows * cols, std::nanf(""));
+      InitialValues(init, 1000000, row, rows, col, cols, out.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float want = InitialValue(init, 1000000, row + r, col + c);
+          uint32_t got_bits, want_bits;
+          std::memcpy(&got_bits, &out[r * cols + c], 4);
+          std::memcpy(&want_bits, &want, 4);
+          ASSERT_EQ(got_bits, want_bits) << "initializer " << static_cast<int>(init.type)
+                                         << " element (" << row + r << ", " << col + c << ")";
+        }
+      }
+    }
+  }
+}
+
+// The initializers' values against their definitions: default within
+// TorchRec's +-1/sqrt(table rows) and centred, uniform within [low, high]
+// with the mean halfway, normal with its mean and deviation (20,000
+// draws; bounds several standard errors wide).
+TEST(InitialValuesTest, FollowTheirDistributions) {
+  const int64_t rows = 1000, cols = 20;
+  std::vector<float> v(rows * cols);
+  auto stats = [&](double* mean, double* sd) {
+    double s = 0, s2 = 0;
+    for (float x : v) {
+      s += x;
+      s2 += static_cast<double>(x) * x;
+    }
+    *mean = s / v.size();
+    *sd = std::sqrt(s2 / v.size() - *mean * *mean);
+  };
+  double mean, sd;
+  InitializerConfig init;
+  init.seed = 5;
+  InitialValues(init, 40000, 0, rows, 0, cols, v.data());  // bound 1/200
+  for (float x : v) ASSERT_LE(std::abs(x), 0.005f);
+  stats(&mean, &sd);
+  EXPECT_NEAR(mean, 0.0, 0.0001);
+  EXPECT_NEAR(sd, 0.005 / std::sqrt(3.0), 0.0001);
+  init.type = InitializerType::kUniform;
+  init.low = 1.0f;
+  init.high = 3.0f;
+  InitialValues(init, 40000, 0, rows, 0, cols, v.data());
+  for (float x : v) ASSERT_TRUE(x >= 1.0f && x <= 3.0f) << x;
+  stats(&mean, &sd);
+  EXPECT_NEAR(mean, 2.0, 0.03);
+  init.type = InitializerType::kNormal;
+  init.mean = -1.0f;
+  init.std = 0.5f;
+  InitialValues(init, 40000, 0, rows, 0, cols, v.data());
+  stats(&mean, &sd);
+  EXPECT_NEAR(mean, -1.0, 0.02);
+  EXPECT_NEAR(sd, 0.5, 0.02);
 }
 
 }  // namespace
