@@ -385,7 +385,8 @@ void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t gl
     switch (init.type) {
       case InitializerType::kUniform:
         for (int64_t c = 0; c < cols; ++c) {
-          o[c] = static_cast<float>(init.low + (init.high - init.low) * UnitOf(init.seed, row, hash[c]));
+          o[c] = static_cast<float>(init.low +
+                                    (init.high - init.low) * UnitOf(init.seed, row, hash[c]));
         }
         break;
       case InitializerType::kNormal:
