@@ -532,19 +532,27 @@ class CpuBackend : public EmbeddingBackend {
     occ->resize(GatherInto<true>(g, dim, part, parts, n, occ->data()));
   }
 
-  // Stable LSD radix sort of `occ` by row (rows in [0, rows)), 11 bits a
-  // pass, so occurrences of a row stay in (request, position) order and the
-  // merged sums are reproducible. `tmp` is scratch.
+  // Stable LSD radix sort of `occ` by row (rows in [0, rows)), so
+  // occurrences of a row stay in (request, position) order and the merged
+  // sums are reproducible. `tmp` is scratch. The row bits are split evenly
+  // over the fewest passes of at most kMaxBits.
   static void SortByRow(int64_t rows, std::vector<Occ>* occ, std::vector<Occ>* tmp) {
-    constexpr int kBits = 11;
-    constexpr size_t kBuckets = size_t{1} << kBits;
+    constexpr int kMaxBits = 12;
+    int row_bits = 0;
+    while (row_bits < 63 && (rows - 1) >> row_bits > 0) ++row_bits;
+    if (row_bits == 0) return;
+    const int passes = (row_bits + kMaxBits - 1) / kMaxBits;
+    const int bits = (row_bits + passes - 1) / passes;
+    const size_t buckets = size_t{1} << bits;
+    const int64_t mask = static_cast<int64_t>(buckets - 1);
+    size_t count[(size_t{1} << kMaxBits) + 1];
     tmp->resize(occ->size());
-    for (int shift = 0; (rows - 1) >> shift > 0; shift += kBits) {
-      size_t count[kBuckets + 1] = {};
-      for (const Occ& o : *occ) ++count[((o.row >> shift) & (kBuckets - 1)) + 1];
-      for (size_t b = 1; b <= kBuckets; ++b) count[b] += count[b - 1];
+    for (int pass = 0, shift = 0; pass < passes; ++pass, shift += bits) {
+      std::fill(count, count + buckets + 1, size_t{0});
+      for (const Occ& o : *occ) ++count[((o.row >> shift) & mask) + 1];
+      for (size_t b = 1; b <= buckets; ++b) count[b] += count[b - 1];
       Occ* out = tmp->data();
-      for (const Occ& o : *occ) out[count[(o.row >> shift) & (kBuckets - 1)]++] = o;
+      for (const Occ& o : *occ) out[count[(o.row >> shift) & mask]++] = o;
       occ->swap(*tmp);
     }
   }
