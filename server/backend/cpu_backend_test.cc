@@ -262,18 +262,13 @@ TEST(CpuBackendTest, UpdatesGiveTheSameBitsOnEveryIsa) {
             continue;
           }
           for (size_t i = 0; i < w.size(); ++i) {
-            uint32_t a, b;
-            std::memcpy(&a, &first_w[i], 4);
-            std::memcpy(&b, &w[i], 4);
-            ASSERT_EQ(a, b) << isa << " against " << isas[0] << ", optimizer "
-                            << static_cast<int>(config.type) << " type " << static_cast<int>(wt)
-                            << " dim " << dim << " weight " << i;
+            ASSERT_EQ(FloatBits(first_w[i]), FloatBits(w[i]))
+                << isa << " against " << isas[0] << ", optimizer "
+                << static_cast<int>(config.type) << " type " << static_cast<int>(wt) << " dim "
+                << dim << " weight " << i;
           }
           for (size_t i = 0; i < state.size(); ++i) {
-            uint32_t a, b;
-            std::memcpy(&a, &first_state[i], 4);
-            std::memcpy(&b, &state[i], 4);
-            ASSERT_EQ(a, b) << isa << " state " << i;
+            ASSERT_EQ(FloatBits(first_state[i]), FloatBits(state[i])) << isa << " state " << i;
           }
         }
       }
@@ -353,11 +348,7 @@ TEST(CpuBackendTest, UpdatesSplitAmongThreadsGiveOneThreadsBits) {
           ASSERT_TRUE(
               (*be)->ExportRows(shard, 0, n, absl::MakeSpan(w), absl::MakeSpan(state)).ok());
           for (const std::vector<float>* v : {&w, &state}) {
-            for (float x : *v) {
-              uint32_t b;
-              std::memcpy(&b, &x, 4);
-              bits.push_back(b);
-            }
+            for (float x : *v) bits.push_back(FloatBits(x));
           }
         }
         if (first.empty()) {

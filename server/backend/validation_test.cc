@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -10,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/backend/embedding_backend.h"
+#include "server/backend/half.h"
 
 namespace ember {
 namespace backend {
@@ -130,11 +130,9 @@ TEST(InitialValuesTest, MatchInitialValueBitForBit) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
           const float want = InitialValue(init, 1000000, row + r, col + c);
-          uint32_t got_bits, want_bits;
-          std::memcpy(&got_bits, &out[r * cols + c], 4);
-          std::memcpy(&want_bits, &want, 4);
-          ASSERT_EQ(got_bits, want_bits) << "initializer " << static_cast<int>(init.type)
-                                         << " element (" << row + r << ", " << col + c << ")";
+          ASSERT_EQ(FloatBits(out[r * cols + c]), FloatBits(want))
+              << "initializer " << static_cast<int>(init.type) << " element (" << row + r << ", "
+              << col + c << ")";
         }
       }
     }
