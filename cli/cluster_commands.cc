@@ -55,10 +55,15 @@ DEFINE_bool(drain_on_sigterm, true,
 DEFINE_string(worker, "", "drain: the worker id (see emberctl status).");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
 DEFINE_string(auth_token_file, "",
-              "Token authentication (server/common/auth.h). Servers (coordinator, worker, up): a "
-              "file of \"ROLE TOKEN\" lines (worker, trainer, admin), the same for all; every "
-              "call must then carry a token. Client commands: a file holding your token (or the "
-              "servers' file: its admin token).");
+              "Token authentication (server/common/auth.h, docs/security.md). Servers "
+              "(coordinator, worker, up): a file of \"admin TOKEN\", \"trainer TOKEN\" and "
+              "\"worker NAME TOKEN\" lines (one per worker); every call must then carry a "
+              "token. Client commands: a file holding your token (or the servers' file: its "
+              "admin token).");
+DEFINE_string(worker_name, "",
+              "worker: the NAME of this worker's \"worker NAME TOKEN\" line in "
+              "--auth_token_file (default: the file's only worker line). up gives worker i the "
+              "file's i-th worker line.");
 DEFINE_string(tls_cert, "", "TLS: this process's PEM certificate (servers: required for TLS).");
 DEFINE_string(tls_key, "", "TLS: the private key of --tls_cert.");
 DEFINE_string(tls_ca, "",
@@ -149,7 +154,9 @@ DEFINE_string(grads, "", "Gradients JSON file, in lookup's output format.");
 DEFINE_string(request_id, "", "apply-gradients: request id (empty: random).");
 DEFINE_double(timeout_s, 30, "Client call deadline in seconds.");
 DEFINE_string(checkpoint_dir, "",
-              "Coordinator/up: default ROOT for checkpoints (and for --checkpoint_every).");
+              "Coordinator, worker, up: the ROOT every checkpoint lies under (a request's "
+              "directory is taken relative to it, and refused outside it; docs/security.md); "
+              "also where --checkpoint_every writes. Empty: no checkpoints.");
 DEFINE_string(checkpoint_every, "",
               "Coordinator/up: checkpoint every collection this often, e.g. 10m, 1h (needs "
               "--checkpoint_dir; empty: never).");
@@ -433,6 +440,7 @@ int RunWorker() {
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
   o.service.skip_nonfinite = FLAGS_skip_nonfinite;
+  o.service.checkpoint_root = FLAGS_checkpoint_dir;
   o.service.dedup_window = FLAGS_dedup_window;
   o.service.max_queued_calls = FLAGS_max_queued_calls;
   o.service.shared_memory = FLAGS_shared_memory;
@@ -446,6 +454,10 @@ int RunWorker() {
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto tokens = ServerTokens();
   if (!tokens.ok()) return Fail("worker", tokens.status());
+  if (absl::Status s = tokens->SetSelf(FLAGS_worker_name); !s.ok()) {
+    return Fail("worker", absl::InvalidArgumentError(
+                              absl::StrCat(FLAGS_auth_token_file, ": ", s.message())));
+  }
   o.service.auth = *std::move(tokens);
   auto server_credentials = ServerCredentialsFrom(Tls());
   if (!server_credentials.ok()) return Fail("worker", server_credentials.status());
@@ -477,6 +489,13 @@ int RunUp(const std::string& self_path) {
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto c = StartCoordinator(absl::StrCat("127.0.0.1:", FLAGS_port));
   if (!c.ok()) return Fail("up", c.status());
+  const std::vector<std::string>& worker_names = c->service_tokens.worker_names();
+  if (c->service_tokens.enabled() && static_cast<int>(worker_names.size()) < FLAGS_workers) {
+    return Fail("up", absl::InvalidArgumentError(absl::StrCat(
+                          FLAGS_auth_token_file, " has ", worker_names.size(),
+                          " \"worker NAME TOKEN\" line(s); --workers=", FLAGS_workers,
+                          " needs one per worker")));
+  }
   // CPU workers share this host's memory: each gets its part unless told.
   double memory_gib = FLAGS_memory_gib;
   if (memory_gib == 0 && FLAGS_device == "cpu") {
@@ -496,7 +515,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--batch_scheduling=", FLAGS_batch_scheduling ? "true" : "false"),
       "--shm_dir=" + FLAGS_shm_dir, "--links=" + FLAGS_links,
       absl::StrCat("--link_memory_mib=", FLAGS_link_memory_mib), "--drain_on_sigterm=false",
-      "--auth_token_file=" + FLAGS_auth_token_file,
+      "--auth_token_file=" + FLAGS_auth_token_file, "--checkpoint_dir=" + FLAGS_checkpoint_dir,
       "--tls_cert=" + FLAGS_tls_cert, "--tls_key=" + FLAGS_tls_key, "--tls_ca=" + FLAGS_tls_ca};
   // CUDA workers: one GPU each, round-robin over the visible ones.
   int gpus = 1;
@@ -518,6 +537,7 @@ int RunUp(const std::string& self_path) {
   auto spawn = [&](int i) -> pid_t {
     std::vector<std::string> mine = args;
     if (FLAGS_device == "cuda") mine.push_back(absl::StrCat("--cuda_device=", i % gpus));
+    if (c->service_tokens.enabled()) mine.push_back("--worker_name=" + worker_names[i]);
     if (FLAGS_metrics_port > 0) {
       mine.push_back(absl::StrCat("--metrics_port=", FLAGS_metrics_port + 1 + i));
     }

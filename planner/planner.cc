@@ -1128,8 +1128,7 @@ struct Setup {
 
   static absl::StatusOr<Setup> Of(const CollectionSpec& spec, const Topology& topology,
                                   const PlannerOptions& options) {
-    if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
-    if (absl::Status s = ValidateTopology(topology); !s.ok()) return s;
+    if (absl::Status s = ValidatePlanInputs(spec, topology); !s.ok()) return s;
     Setup out;
     out.device = topology.compute_device();
     out.model = options.cost_model.has_value() ? *options.cost_model : DefaultCostModel(out.device);

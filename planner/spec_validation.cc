@@ -144,6 +144,11 @@ void CheckConstraints(const std::string& name, const ParameterConstraints& c,
 absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
   Problems p;
   if (spec.tables_size() == 0) p.Add("the collection has no tables");
+  if (spec.tables_size() > kMaxTables) {
+    // Nothing more is read of a spec this large.
+    p.Add("the collection has ", spec.tables_size(), " tables; at most ", kMaxTables);
+    return p.ToStatus("collection spec");
+  }
   absl::flat_hash_map<std::string, const TableConfig*> tables;
   absl::flat_hash_map<std::string, std::string> feature_owner;
   for (int i = 0; i < spec.tables_size(); ++i) {
@@ -156,12 +161,21 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
     }
     if (t.num_embeddings() <= 0) {
       p.Add(label, ": num_embeddings must be > 0, got ", t.num_embeddings());
+    } else if (t.num_embeddings() > kMaxRows) {
+      p.Add(label, ": num_embeddings must be at most ", kMaxRows, ", got ", t.num_embeddings());
     }
     if (t.embedding_dim() <= 0 || t.embedding_dim() % 4 != 0) {
       p.Add(label, ": embedding_dim must be > 0 and divisible by 4, got ",
             t.embedding_dim());
+    } else if (t.embedding_dim() > kMaxEmbeddingDim) {
+      p.Add(label, ": embedding_dim must be at most ", kMaxEmbeddingDim, ", got ",
+            t.embedding_dim());
     }
     if (t.feature_names_size() == 0) p.Add(label, ": no feature_names");
+    if (t.feature_names_size() > kMaxFeaturesPerTable) {
+      p.Add(label, ": ", t.feature_names_size(), " feature_names; at most ",
+            kMaxFeaturesPerTable);
+    }
     for (const std::string& f : t.feature_names()) {
       if (f.empty()) {
         p.Add(label, ": empty feature name");
@@ -192,6 +206,9 @@ absl::Status ValidateTopology(const ember::v1::Topology& t) {
   Problems p;
   if (t.world_size() < 1) {
     p.Add("world_size must be >= 1, got ", t.world_size());
+  } else if (t.world_size() > kMaxWorldSize) {
+    p.Add("world_size must be at most ", kMaxWorldSize, ", got ", t.world_size());
+    return p.ToStatus("topology");  // nothing more is read of a topology this large
   }
   if (t.local_world_size() < 0 ||
       (t.world_size() >= 1 && t.local_world_size() > t.world_size())) {
@@ -204,8 +221,16 @@ absl::Status ValidateTopology(const ember::v1::Topology& t) {
   }
   if (t.hbm_cap_bytes() < 0) p.Add("hbm_cap_bytes must be >= 0");
   if (t.ddr_cap_bytes() < 0) p.Add("ddr_cap_bytes must be >= 0");
-  if (t.batch_size() < 0) p.Add("batch_size must be >= 0");
-  if (t.num_trainers() < 0) p.Add("num_trainers must be >= 0");
+  if (t.batch_size() < 0 || t.batch_size() > kMaxBatchSize) {
+    p.Add("batch_size must be in [0, ", kMaxBatchSize, "], got ", t.batch_size());
+  }
+  if (t.num_trainers() < 0 || t.num_trainers() > kMaxTrainers) {
+    p.Add("num_trainers must be in [0, ", kMaxTrainers, "], got ", t.num_trainers());
+  }
+  if (t.devices_size() > t.world_size()) {
+    p.Add(t.devices_size(), " device overrides for ", t.world_size(), " ranks");
+    return p.ToStatus("topology");
+  }
   absl::flat_hash_set<int> seen;
   for (const auto& d : t.devices()) {
     if (d.rank() < 0 || d.rank() >= t.world_size()) {
@@ -219,6 +244,19 @@ absl::Status ValidateTopology(const ember::v1::Topology& t) {
     }
   }
   return p.ToStatus("topology");
+}
+
+absl::Status ValidatePlanInputs(const ember::v1::CollectionSpec& spec,
+                                const ember::v1::Topology& topology) {
+  if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateTopology(topology); !s.ok()) return s;
+  const int64_t table_ranks = int64_t{spec.tables_size()} * topology.world_size();
+  if (table_ranks > kMaxTableRanks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        spec.tables_size(), " tables on ", topology.world_size(), " workers: a plan of at most ",
+        kMaxTableRanks, " tables x workers (plan fewer tables at a time, or on fewer workers)"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace planner

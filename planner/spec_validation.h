@@ -8,13 +8,29 @@
 #include "proto/collection.pb.h"
 #include "proto/plan.pb.h"
 
+#include <cstdint>
+
 namespace ember {
 namespace planner {
+
+// Limits on what one collection spec or topology may ask for, checked before
+// anything is allocated (a plan's memory grows with tables x world size);
+// docs/security.md lists them.
+inline constexpr int kMaxWorldSize = 4096;                   // workers (ranks)
+inline constexpr int kMaxTables = 1 << 16;                   // per collection
+inline constexpr int kMaxFeaturesPerTable = 1 << 12;
+inline constexpr int64_t kMaxTableRanks = int64_t{1} << 20;  // tables x world_size
+inline constexpr int64_t kMaxRows = int64_t{1} << 40;        // num_embeddings
+inline constexpr int kMaxEmbeddingDim = 1 << 16;
+inline constexpr int kMaxBatchSize = 1 << 24;                // topology.batch_size
+inline constexpr int kMaxTrainers = 1 << 20;                 // topology.num_trainers
 
 // Checks every rule below and reports all violations at once, one per line,
 // in an INVALID_ARGUMENT status. OK when the spec can be planned.
 //  - at least one table; table names non-empty and unique;
-//  - num_embeddings > 0; embedding_dim > 0 and divisible by 4 (FBGEMM TBE);
+//  - at most kMaxTables tables of at most kMaxFeaturesPerTable features;
+//  - num_embeddings in (0, kMaxRows]; embedding_dim in (0, kMaxEmbeddingDim]
+//    and divisible by 4 (FBGEMM TBE);
 //  - at least one feature per table; feature names non-empty and unique
 //    across the collection;
 //  - optimizer hyper-parameters in range (learning_rate, eps, weight_decay
@@ -27,10 +43,14 @@ namespace planner {
 //    cache_load_factor in [0, 1].
 absl::Status ValidateCollectionSpec(const ember::v1::CollectionSpec& spec);
 
-// world_size >= 1; local_world_size in [0, world_size] and dividing it;
-// capacities >= 0; per-rank overrides name distinct ranks in range;
-// batch_size and num_trainers >= 0.
+// world_size in [1, kMaxWorldSize]; local_world_size in [0, world_size] and
+// dividing it; capacities >= 0; per-rank overrides name distinct ranks in
+// range; batch_size in [0, kMaxBatchSize], num_trainers in [0, kMaxTrainers].
 absl::Status ValidateTopology(const ember::v1::Topology& topology);
+
+// The two together: both valid, and tables x world_size <= kMaxTableRanks.
+absl::Status ValidatePlanInputs(const ember::v1::CollectionSpec& spec,
+                                const ember::v1::Topology& topology);
 
 }  // namespace planner
 }  // namespace ember

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
@@ -149,6 +150,60 @@ TEST(ValidateTopologyTest, Rules) {
   t.add_devices()->set_rank(2);
   EXPECT_THAT(std::string(ValidateTopology(t).message()),
               HasSubstr("device override for rank 2 is outside [0, 2)"));
+}
+
+// Limits: refused before anything is allocated, however large the ask.
+TEST(ValidateTopologyTest, Limits) {
+  ember::v1::Topology t;
+  t.set_world_size(kMaxWorldSize);
+  EXPECT_TRUE(ValidateTopology(t).ok());
+  t.set_world_size(kMaxWorldSize + 1);
+  EXPECT_THAT(std::string(ValidateTopology(t).message()), HasSubstr("world_size must be at most 4096"));
+  t.set_world_size(2147483647);
+  EXPECT_EQ(ValidateTopology(t).code(), absl::StatusCode::kInvalidArgument);
+  t.set_world_size(2);
+  t.set_batch_size(kMaxBatchSize + 1);
+  EXPECT_THAT(std::string(ValidateTopology(t).message()), HasSubstr("batch_size must be in"));
+  t.set_batch_size(0);
+  t.set_num_trainers(kMaxTrainers + 1);
+  EXPECT_THAT(std::string(ValidateTopology(t).message()), HasSubstr("num_trainers must be in"));
+  t.set_num_trainers(0);
+  for (int i = 0; i < 3; ++i) t.add_devices()->set_rank(i % 2);
+  EXPECT_THAT(std::string(ValidateTopology(t).message()), HasSubstr("3 device overrides for 2 ranks"));
+}
+
+TEST(ValidateCollectionSpecTest, Limits) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->set_num_embeddings(kMaxRows + 1);
+  ExpectInvalid(spec, "num_embeddings must be at most 1099511627776");
+  spec = Spec(kGood);
+  spec.mutable_tables(0)->set_embedding_dim(kMaxEmbeddingDim + 4);
+  ExpectInvalid(spec, "embedding_dim must be at most 65536");
+  spec = Spec(kGood);
+  for (int i = 0; i < kMaxFeaturesPerTable; ++i) spec.mutable_tables(0)->add_feature_names(absl::StrCat("x", i));
+  ExpectInvalid(spec, "feature_names; at most 4096");
+  spec = Spec(kGood);
+  while (spec.tables_size() <= kMaxTables) *spec.add_tables() = spec.tables(0);
+  ExpectInvalid(spec, "tables; at most 65536");
+}
+
+TEST(ValidatePlanInputsTest, TablesTimesWorkers) {
+  ember::v1::CollectionSpec spec;
+  spec.set_name("c");
+  for (int i = 0; i < 300; ++i) {
+    auto* t = spec.add_tables();
+    t->set_name(absl::StrCat("t", i));
+    t->set_num_embeddings(10);
+    t->set_embedding_dim(8);
+    t->add_feature_names(absl::StrCat("f", i));
+  }
+  ember::v1::Topology t;
+  t.set_world_size(kMaxWorldSize);
+  const absl::Status s = ValidatePlanInputs(spec, t);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("300 tables on 4096 workers"));
+  t.set_world_size(1024);
+  EXPECT_TRUE(ValidatePlanInputs(spec, t).ok());
 }
 
 }  // namespace

@@ -7,10 +7,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "proto/service.grpc.pb.h"
@@ -24,6 +27,7 @@ namespace {
 
 constexpr char kEmberctl[] = "cli/emberctl";
 constexpr char kWorker[] = "w0rker-token-5e1f0a77c2";
+constexpr char kWorkerB[] = "w1rker-token-0d93b6e7f4";
 constexpr char kTrainer[] = "tr4iner-token-91b3d00e4a";
 constexpr char kAdmin[] = "adm1n-token-7c44e2f9b1";
 
@@ -38,7 +42,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect(const std::string& addre
 
 TEST(AuthTest, TokensAndRolesGuardEveryPort) {
   const std::string file = ::testing::TempDir() + "/ember_tokens";
-  std::ofstream(file) << "worker " << kWorker << "\ntrainer " << kTrainer << "\nadmin " << kAdmin
+  std::ofstream(file) << "worker a " << kWorker << "\nworker b " << kWorkerB << "\ntrainer " << kTrainer << "\nadmin " << kAdmin
                       << "\n";
   testing_util::LocalCluster cluster(kEmberctl, 2, {"--auth_token_file=" + file});
   ASSERT_TRUE(cluster.ok()) << "emberctl up with tokens did not come up";
@@ -124,11 +128,199 @@ TEST(AuthTest, TokensAndRolesGuardEveryPort) {
   EXPECT_TRUE(admin->DropCollection("guarded").ok());
 }
 
+// Records the credentials the coordinator presents to a worker it set up
+// at an address the test controls (a process that registered under a
+// worker's token), and refuses the work.
+class FakeWorker final : public ember::v1::Worker::Service {
+ public:
+  grpc::Status CreateShards(grpc::ServerContext* ctx, const ember::v1::CreateShardsRequest*,
+                            ember::v1::CreateShardsResponse*) override {
+    return Record(ctx);
+  }
+  grpc::Status ImportRows(grpc::ServerContext* ctx, const ember::v1::ImportRowsRequest*,
+                          ember::v1::ImportRowsResponse*) override {
+    return Record(ctx);
+  }
+  grpc::Status DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest*,
+                          ember::v1::DropShardsResponse*) override {
+    return Record(ctx);
+  }
+  std::vector<std::string> seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  grpc::Status Record(grpc::ServerContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    const auto a = AuthorizationOf(ctx);
+    seen_.push_back(a.has_value() ? std::string(*a) : "");
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "a fake worker");
+  }
+  absl::Mutex mu_;
+  std::vector<std::string> seen_ ABSL_GUARDED_BY(mu_);
+};
+
+// A worker's token is one worker: it cannot heartbeat or drain another, a
+// second process cannot register with it while the first is live, and what
+// the coordinator sends to a worker registered with it is a credential only
+// that worker accepts: never the admin token, and nothing the coordinator or
+// another worker takes.
+TEST(AuthTest, AWorkerTokenActsOnlyAsItsWorkerAndCapturesNothing) {
+  const std::string file = ::testing::TempDir() + "/ember_worker_tokens";
+  constexpr char kSpare[] = "sp4re-token-a61c0e9d27";
+  std::ofstream(file) << "worker a " << kWorker << "\nworker b " << kWorkerB << "\nworker c "
+                      << kSpare << "\ntrainer " << kTrainer << "\nadmin " << kAdmin << "\n";
+  testing_util::LocalCluster cluster(kEmberctl, 2, {"--auth_token_file=" + file});
+  ASSERT_TRUE(cluster.ok()) << "emberctl up with tokens did not come up";
+  auto admin_or = Connect(cluster.coordinator(), kAdmin);
+  ASSERT_TRUE(admin_or.ok()) << admin_or.status();
+  client::Client* admin = admin_or->get();
+  ASSERT_TRUE(admin->CreateCollection(testing_util::TestSpec("held"), "table_wise").ok());
+  auto workers = admin->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  ASSERT_EQ(workers->workers_size(), 2);
+  auto coordinator = ember::v1::Coordinator::NewStub(MakeChannel(cluster.coordinator()));
+
+  // Worker a's token heartbeats exactly one of the two ids: its own.
+  std::string own_id, other_id, other_address;
+  for (const auto& w : workers->workers()) {
+    grpc::ClientContext ctx;
+    AddToken(&ctx, kWorker);
+    ember::v1::HeartbeatRequest req;
+    req.set_worker_id(w.worker_id());
+    ember::v1::HeartbeatResponse resp;
+    const grpc::Status s = coordinator->Heartbeat(&ctx, req, &resp);
+    if (s.ok()) {
+      own_id = w.worker_id();
+    } else {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+      other_id = w.worker_id();
+      other_address = w.info().address();
+    }
+  }
+  ASSERT_FALSE(own_id.empty());
+  ASSERT_FALSE(other_id.empty());
+  {  // ...nor drains it.
+    grpc::ClientContext ctx;
+    AddToken(&ctx, kWorker);
+    ember::v1::DrainWorkerRequest req;
+    req.set_worker_id(other_id);
+    ember::v1::DrainWorkerResponse resp;
+    EXPECT_EQ(coordinator->DrainWorker(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+
+  // A process of the test's own, at an address it controls.
+  FakeWorker fake;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  const std::string fake_address = absl::StrCat("127.0.0.1:", port);
+  auto register_as = [&](const std::string& token) {
+    grpc::ClientContext ctx;
+    AddToken(&ctx, token);
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(fake_address);
+    req.mutable_worker()->set_device(ember::v1::CPU);
+    req.mutable_worker()->set_ddr_bytes(int64_t{64} << 30);
+    req.mutable_worker()->set_host("elsewhere");
+    req.mutable_worker()->set_pid(1);
+    ember::v1::RegisterWorkerResponse resp;
+    const grpc::Status s = coordinator->RegisterWorker(&ctx, req, &resp);
+    return std::make_pair(s, resp.worker_id());
+  };
+  // Worker a is live: its token registers no second process.
+  EXPECT_EQ(register_as(kWorker).first.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  // The spare's token registers one; a row-wise collection (a shard on
+  // every live worker) sends it work, which it refuses.
+  const auto [registered, fake_id] = register_as(kSpare);
+  ASSERT_TRUE(registered.ok()) << registered.error_message();
+  EXPECT_FALSE(admin->CreateCollection(testing_util::TestSpec("spread"), "row_wise").ok());
+  const std::vector<std::string> seen = fake.seen();
+  ASSERT_FALSE(seen.empty()) << "the drain sent the fake worker nothing";
+  const std::string credential = seen[0];
+  for (const std::string& c : seen) {
+    EXPECT_EQ(c, credential);
+    EXPECT_EQ(c.find(kAdmin), std::string::npos) << "the admin token went to a stranger";
+  }
+  ASSERT_EQ(credential.rfind("Bearer ", 0), 0u) << credential;
+  const std::string captured = credential.substr(7);
+  for (const char* token : {kWorker, kWorkerB, kSpare, kTrainer, kAdmin}) {
+    EXPECT_NE(captured, token);
+  }
+
+  // The captured credential opens nothing: not the coordinator...
+  {
+    grpc::ClientContext ctx;
+    AddToken(&ctx, captured);
+    ember::v1::ListWorkersRequest req;
+    ember::v1::ListWorkersResponse resp;
+    EXPECT_EQ(coordinator->ListWorkers(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    AddToken(&ctx, captured);
+    ember::v1::DrainWorkerRequest req;
+    req.set_worker_id(own_id);
+    ember::v1::DrainWorkerResponse resp;
+    EXPECT_EQ(coordinator->DrainWorker(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // ...nor the real workers' control or data RPCs.
+  for (const auto& w : workers->workers()) {
+    auto stub = ember::v1::Worker::NewStub(MakeChannel(w.info().address()));
+    grpc::ClientContext ctx;
+    AddToken(&ctx, captured);
+    ember::v1::DropShardsRequest req;
+    req.set_collection("held");
+    ember::v1::DropShardsResponse resp;
+    EXPECT_EQ(stub->DropShards(&ctx, req, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext lctx;
+    AddToken(&lctx, captured);
+    ember::v1::WorkerLookupRequest lreq;
+    lreq.set_collection("held");
+    ember::v1::WorkerLookupResponse lresp;
+    EXPECT_EQ(stub->Lookup(&lctx, lreq, &lresp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // A worker token is not the coordinator's either: no worker takes control
+  // calls from it.
+  {
+    auto stub = ember::v1::Worker::NewStub(MakeChannel(other_address));
+    grpc::ClientContext ctx;
+    AddToken(&ctx, kWorker);
+    ember::v1::DropShardsRequest req;
+    req.set_collection("held");
+    ember::v1::DropShardsResponse resp;
+    EXPECT_EQ(stub->DropShards(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // The collection is whole and served by the real workers.
+  auto trainer_or = Connect(cluster.coordinator(), kTrainer);
+  ASSERT_TRUE(trainer_or.ok());
+  std::mt19937 rng(5);
+  const auto kjt = testing_util::RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 8, false);
+  EXPECT_TRUE((*trainer_or)->Lookup("held", kjt).ok());
+  server->Shutdown();
+}
+
 TEST(AuthTest, ServersRefuseABadTokenFile) {
   const std::string file = ::testing::TempDir() + "/ember_bad_tokens";
   std::ofstream(file) << "admin short\n";
   testing_util::LocalCluster cluster(kEmberctl, 1, {"--auth_token_file=" + file});
   EXPECT_FALSE(cluster.ok());
+  // The shared worker token of earlier versions, and too few worker lines
+  // for `up`.
+  std::ofstream(file) << "worker " << kWorker << "\nadmin " << kAdmin << "\n";
+  testing_util::LocalCluster shared(kEmberctl, 1, {"--auth_token_file=" + file});
+  EXPECT_FALSE(shared.ok());
+  std::ofstream(file) << "worker a " << kWorker << "\nadmin " << kAdmin << "\n";
+  testing_util::LocalCluster too_few(kEmberctl, 2, {"--auth_token_file=" + file});
+  EXPECT_FALSE(too_few.ok());
 }
 
 }  // namespace

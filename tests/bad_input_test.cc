@@ -18,6 +18,7 @@
 #include "client/client.h"
 #include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
+#include "server/checkpoint/checkpoint_files.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 #include "tests/local_cluster.h"
@@ -91,8 +92,10 @@ struct Snapshot {
 class BadInputTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    cluster_ = new testing_util::LocalCluster(kEmberctl, 2,
-                                              {absl::StrCat("--max_message_mb=", kMaxMessageMb)});
+    cluster_ = new testing_util::LocalCluster(
+        kEmberctl, 2,
+        {absl::StrCat("--max_message_mb=", kMaxMessageMb),
+         "--checkpoint_dir=" + ::testing::TempDir()});
     ASSERT_TRUE(cluster_->ok()) << "emberctl up did not come up";
   }
   static void TearDownTestSuite() {
@@ -595,14 +598,15 @@ TEST_F(BadInputTest, CheckpointRpcs) {
   ck.set_collection("nope");
   ck.set_dir("/tmp");
   EXPECT_EQ(Call(coordinator_.get(), &CStub::Checkpoint, ck), StatusCode::NOT_FOUND);
-  ck.set_collection("bad");
-  ck.clear_dir();  // and the coordinator has no --checkpoint_dir
-  EXPECT_EQ(Call(coordinator_.get(), &CStub::Checkpoint, ck), StatusCode::FAILED_PRECONDITION);
+  ck.set_collection("bad");  // /tmp is outside the servers' --checkpoint_dir
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Checkpoint, ck), StatusCode::INVALID_ARGUMENT);
 
   ember::v1::RestoreRequest rs;
   EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::INVALID_ARGUMENT);
+  // Outside the root: refused whether it exists or not (it said NOT_FOUND,
+  // which told that it did not).
   rs.set_from("/nonexistent/ember/checkpoints");
-  EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::NOT_FOUND);
+  EXPECT_EQ(Call(coordinator_.get(), &CStub::Restore, rs), StatusCode::INVALID_ARGUMENT);
   std::string tmpl = ::testing::TempDir() + "/ember_bad_input_XXXXXX";
   ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
   rs.set_from(tmpl);  // exists, holds no checkpoint
@@ -644,6 +648,24 @@ TEST_F(BadInputTest, CheckpointRpcs) {
   EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::DATA_LOSS);
   ld.add_only()->set_table("t_nope");
   EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::FAILED_PRECONDITION);
+  ld.clear_only();
+  // Two sources holding the same rows, as many cells as the shard has: the
+  // count of filled cells matched, and rows [151, 301) were left zero.
+  for (int64_t rows : {150, 151}) {
+    checkpoint::ShardData d;
+    d.rows = rows;
+    d.cols = 16;
+    d.state_width = 32;
+    d.weights.assign(rows * 16, 0.5f);
+    d.state.assign(rows * 32, 0.25f);
+    ember::v1::ShardRef ref;
+    ref.set_table("t_sum");
+    ref.set_shard_index(static_cast<int32_t>(rows - 150));
+    auto entry = checkpoint::WriteShardFile(tmpl, ref, d);
+    ASSERT_TRUE(entry.ok()) << entry.status();
+    *ld.add_sources() = *entry;
+  }
+  EXPECT_EQ(Call(w, &WStub::LoadCheckpoint, ld), StatusCode::DATA_LOSS);
 
   // UpdateShards (recovery's move to a new epoch).
   ember::v1::UpdateShardsRequest up;

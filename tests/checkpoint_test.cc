@@ -5,6 +5,7 @@
 // the coordinator or a worker while a checkpoint is written always leaves
 // the latest committed checkpoint restorable.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +18,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+#include "proto/service.grpc.pb.h"
+#include "server/common/grpc_util.h"
 #include "client/client.h"
 #include "client/inprocess.h"
 #include "gtest/gtest.h"
@@ -86,8 +91,11 @@ void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_
 class CheckpointTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    two_ = new LocalCluster(kEmberctl, 2);
-    three_ = new LocalCluster(kEmberctl, 3);
+    // Checkpoints lie under the servers' root: TempDir() makes its
+    // directories in ::testing::TempDir().
+    const std::string root = "--checkpoint_dir=" + ::testing::TempDir();
+    two_ = new LocalCluster(kEmberctl, 2, {root});
+    three_ = new LocalCluster(kEmberctl, 3, {root});
     ASSERT_TRUE(two_->ok() && three_->ok()) << "emberctl up did not come up";
   }
   static void TearDownTestSuite() {
@@ -196,6 +204,90 @@ TEST_F(CheckpointTest, RestoreChoosesANewShardingAndKeepsTheLastK) {
   EXPECT_EQ(ExportAll(c2.get(), "k_cw", spec), latest);
   ASSERT_TRUE(c2->DropCollection("k_cw").ok());
   ASSERT_TRUE(c2->DropCollection("k").ok());
+}
+
+// A manifest (with a valid CRC) whose two shards of a table hold the same
+// columns, as many cells as the table has: the restore once counted filled
+// cells and returned OK with the other columns zero.
+TEST_F(CheckpointTest, OverlappingShardsAreRefused) {
+  auto c2 = Connect(two_->coordinator());
+  ASSERT_TRUE(c2);
+  ASSERT_TRUE(c2->CreateCollection(TestSpec("ov"), "column_wise").ok());
+  auto ck = c2->Checkpoint("ov", absl::StrCat("ov-", getpid()));
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  auto m = checkpoint::ReadManifest(ck->path());
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<int> t_sum;
+  for (int i = 0; i < m->shards_size(); ++i) {
+    if (m->shards(i).ref().table() == "t_sum") t_sum.push_back(i);
+  }
+  ASSERT_EQ(t_sum.size(), 2u);
+  const auto& a = m->shards(t_sum[0]);
+  ASSERT_EQ(a.rows() * a.cols(), m->shards(t_sum[1]).rows() * m->shards(t_sum[1]).cols());
+  // The second shard's file, placed over the first's columns.
+  m->mutable_shards(t_sum[1])->set_row_offset(a.row_offset());
+  m->mutable_shards(t_sum[1])->set_col_offset(a.col_offset());
+  ASSERT_TRUE(checkpoint::CommitManifest(ck->path(), *m).ok());
+  auto r = c2->Restore(ck->path(), "ov2", "table_wise");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_NE(r.status().message().find("overlap"), std::string::npos) << r.status();
+  auto names = c2->ListCollections();
+  ASSERT_TRUE(names.ok());
+  for (const auto& c : *names) EXPECT_NE(c.spec().name(), "ov2");  // nothing was created
+  ASSERT_TRUE(c2->DropCollection("ov").ok());
+}
+
+// Checkpoint paths stay under the servers' root (--checkpoint_dir): a
+// directory elsewhere, "..", a NUL byte are refused before anything is
+// written, on the coordinator and on a worker called directly; the errors do
+// not tell whether a directory outside exists; and a NUL byte no longer
+// wedges the checkpoint lock (it once made every later checkpoint time out).
+TEST_F(CheckpointTest, PathsStayUnderTheRoot) {
+  auto c2 = Connect(two_->coordinator());
+  ASSERT_TRUE(c2);
+  ASSERT_TRUE(c2->CreateCollection(TestSpec("confined"), "row_wise").ok());
+  const std::string escape = absl::StrCat("/var/tmp/ember-escape-", getpid());
+  for (const std::string& dir :
+       {escape, std::string("../../ember-escape"), std::string("a\0b", 3), std::string("/")}) {
+    auto ck = c2->Checkpoint("confined", dir, absl::Seconds(10));
+    EXPECT_EQ(ck.status().code(), absl::StatusCode::kInvalidArgument) << ck.status();
+  }
+  struct stat st;
+  EXPECT_NE(stat(escape.c_str(), &st), 0) << escape << " was created";
+  // Existing (/etc) or not, a directory outside gets the same answer.
+  auto existing = c2->Restore("/etc", "r1");
+  auto absent = c2->Restore("/etc-not-here-ember", "r2");
+  EXPECT_EQ(existing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(absent.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(absent.status().message()),
+            absl::StrReplaceAll(existing.status().message(), {{"/etc", "/etc-not-here-ember"}}));
+  // A worker called directly confines its files the same way.
+  auto info = c2->GetCollection("confined");
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto worker = ember::v1::Worker::NewStub(MakeChannel(info->worker_addresses(0)));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, absl::Seconds(10));
+  ember::v1::WriteCheckpointRequest wr;
+  wr.set_collection("confined");
+  wr.set_epoch(info->plan().epoch());
+  wr.set_dir(escape);
+  ember::v1::WriteCheckpointResponse wresp;
+  EXPECT_EQ(worker->WriteCheckpoint(&ctx, wr, &wresp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(stat(escape.c_str(), &st), 0);
+  // Checkpoints still work, in a relative directory of the root too.
+  auto ck = c2->Checkpoint("confined", "", absl::Seconds(30));
+  EXPECT_EQ(ck.status().code(), absl::StatusCode::kOk) << ck.status();
+  const std::string rel = absl::StrCat("confined-", getpid());
+  ck = c2->Checkpoint("confined", rel, absl::Seconds(30));
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_EQ(ck->path().rfind(absl::StrCat(absl::StripSuffix(::testing::TempDir(), "/"), "/", rel), 0),
+            0u)
+      << ck->path();
+  auto back = c2->Restore(rel, "confined2");
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_TRUE(c2->DropCollection("confined2").ok());
+  ASSERT_TRUE(c2->DropCollection("confined").ok());
 }
 
 // While a checkpoint is written, ListCheckpoints shows it in progress with
@@ -346,7 +438,8 @@ TEST_F(CheckpointTest, KillDuringCheckpointLeavesTheLastCommittedOneRestorable) 
     SCOPED_TRACE(absl::StrCat("round ", round));
     const bool kill_worker = round % 2 == 1;
     const std::string root = TempDir();
-    auto cluster = std::make_unique<LocalCluster>(kEmberctl, 2);
+    auto cluster = std::make_unique<LocalCluster>(
+        kEmberctl, 2, std::vector<std::string>{"--checkpoint_dir=" + root});
     ASSERT_TRUE(cluster->ok());
     auto c = Connect(cluster->coordinator());
     ASSERT_TRUE(c);

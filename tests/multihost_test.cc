@@ -4,7 +4,7 @@
 // machine), and the servers run as the Kubernetes manifests run them: their
 // arguments are read from deploy/base/*.yaml, with the mounted secrets and
 // volumes mapped to files made here (a CA, one certificate naming every host,
-// the token file with the three roles) and the Service names to addresses.
+// the token file with the roles and a line per worker) and the Service names to addresses.
 //
 // The trainer (tests/multihost_trainer.cc) runs in its own namespace, in
 // phases: it trains against the in-process reference and shows that every
@@ -178,7 +178,9 @@ TEST(MultiHostTest, TrainsOverTlsAndTokensAndSurvivesACutLink) {
   }
   ASSERT_TRUE(testing_util::MakeCertificates(dir, "ember", sans)) << "openssl failed";
   ASSERT_TRUE(testing_util::MakeCertificates(dir, "other", sans));
-  std::ofstream(dir + "/tokens") << "worker mh-worker-token-0b6f3e21\n"
+  std::ofstream(dir + "/tokens") << "worker ember-workers-0 mh-worker-token-0b6f3e21\n"
+                                 << "worker ember-workers-1 mh-worker-token-1c7f4f32\n"
+                                 << "worker ember-workers-2 mh-worker-token-2d805043\n"
                                  << "trainer mh-trainer-token-7d2c9a48\n"
                                  << "admin mh-admin-token-e5a17c90\n";
   std::ofstream(dir + "/trainer.token") << "mh-trainer-token-7d2c9a48\n";
@@ -215,6 +217,7 @@ TEST(MultiHostTest, TrainsOverTlsAndTokensAndSurvivesACutLink) {
   for (int i = 0; i < kWorkers; ++i) {
     auto map = mounts;
     map.push_back({"$(POD_NAME).ember-workers.$(POD_NAMESPACE).svc.cluster.local", WorkerIp(i)});
+    map.push_back({"--worker_name=$(POD_NAME)", absl::StrCat("--worker_name=ember-workers-", i)});
     argv = {ip, "netns", "exec", hosts.Ns(absl::StrCat("w", i)), Absolute(kEmberctl)};
     for (const std::string& a : MapArgs(worker_args, map, &unmapped)) argv.push_back(a);
     ASSERT_EQ(unmapped, "") << "a worker argument this test cannot map";

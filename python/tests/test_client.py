@@ -24,8 +24,10 @@ TYPES = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parall
 
 
 @pytest.fixture(scope="module")
-def client():
-    with ember.LocalCluster(workers=2) as cluster:
+def client(tmp_path_factory):
+    # Checkpoints lie under the servers' root: each test's tmp_path is in it.
+    root = tmp_path_factory.getbasetemp()
+    with ember.LocalCluster(workers=2, extra_flags=[f"--checkpoint_dir={root}"]) as cluster:
         yield ember.Client(cluster.address, timeout_s=20)
 
 
@@ -305,7 +307,7 @@ def test_tokens_and_roles(tmp_path):
     """A cluster with --auth_token_file: no token is Unauthenticated, a
     trainer token trains but cannot drop, the admin token does everything."""
     servers = tmp_path / "tokens"
-    servers.write_text("worker w0rker-token-py-0123456\ntrainer tr4iner-token-py-0123456\n"
+    servers.write_text("worker w0 w0rker-token-py-0123456\ntrainer tr4iner-token-py-0123456\n"
                        "admin adm1n-token-py-0123456\n")
     trainer_file = tmp_path / "trainer"
     trainer_file.write_text("tr4iner-token-py-0123456\n")

@@ -8,11 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <set>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -419,19 +423,133 @@ absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& t
   return m;
 }
 
+absl::Status CheckCoverage(const ember::v1::CheckpointManifest& m) {
+  std::map<std::string, std::vector<const ember::v1::CheckpointShard*>> by_table;
+  for (const auto& s : m.shards()) by_table[s.ref().table()].push_back(&s);
+  for (const auto& table : m.spec().tables()) {
+    const int64_t rows = table.num_embeddings(), cols = table.embedding_dim();
+    const auto& shards = by_table[table.name()];
+    int64_t area = 0;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const auto& a = *shards[i];
+      if (a.row_offset() < 0 || a.col_offset() < 0 || a.rows() < 0 || a.cols() < 0 ||
+          a.row_offset() > rows - a.rows() || a.col_offset() > cols - a.cols()) {
+        return absl::DataLossError(absl::StrCat(
+            "checkpoint shard ", a.file(), " of table '", table.name(), "' lies outside its ",
+            rows, " x ", cols));
+      }
+      for (size_t j = 0; j < i; ++j) {
+        const auto& b = *shards[j];
+        if (std::max(a.row_offset(), b.row_offset()) <
+                std::min(a.row_offset() + a.rows(), b.row_offset() + b.rows()) &&
+            std::max(a.col_offset(), b.col_offset()) <
+                std::min(a.col_offset() + a.cols(), b.col_offset() + b.cols())) {
+          return absl::DataLossError(absl::StrCat("checkpoint shards ", b.file(), " and ",
+                                                  a.file(), " of table '", table.name(),
+                                                  "' overlap"));
+        }
+      }
+      area += a.rows() * a.cols();  // in range: both within the table
+    }
+    if (area != rows * cols) {
+      return absl::DataLossError(absl::StrCat("the checkpoint's shards of table '", table.name(),
+                                              "' cover ", area, " of its ", rows * cols,
+                                              " cells"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) {
   auto m = ReadManifest(dir);
   if (!m.ok()) return m.status();
+
   for (const auto& s : m->shards()) {
     if (absl::Status st = VerifyShardFile(dir, s); !st.ok()) return st;
   }
   return m;
 }
 
+namespace {
+
+bool HasControlByte(absl::string_view s) {
+  for (char c : s) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) return true;
+  }
+  return false;
+}
+
+// `path` with "." components and repeated '/' removed (no "..": refused
+// before).
+std::string Normalize(const std::string& path) {
+  std::vector<absl::string_view> parts;
+  for (absl::string_view p : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    if (p != ".") parts.push_back(p);
+  }
+  return absl::StrCat(path.empty() || path[0] != '/' ? "" : "/", absl::StrJoin(parts, "/"));
+}
+
+bool Under(const std::string& path, const std::string& root) {
+  if (root == "/") return true;
+  return path == root || (absl::StartsWith(path, root) && path[root.size()] == '/');
+}
+
+// The real path of `path`'s longest existing prefix, with the rest of
+// `path` appended; "" when even "/" cannot be resolved.
+std::string RealPathOfExisting(const std::string& path) {
+  std::string prefix = path, rest;
+  while (true) {
+    char buf[PATH_MAX];
+    if (realpath(prefix.c_str(), buf) != nullptr) return Normalize(Join(buf, rest));
+    const size_t slash = prefix.rfind('/');
+    if (slash == std::string::npos || prefix == "/") return "";
+    rest = rest.empty() ? prefix.substr(slash + 1) : Join(prefix.substr(slash + 1), rest);
+    prefix = slash == 0 ? "/" : prefix.substr(0, slash);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ConfinedPath(const std::string& root, const std::string& requested) {
+  if (root.empty()) {
+    if (requested.empty()) return absl::FailedPreconditionError("no checkpoint root configured");
+    return absl::FailedPreconditionError(
+        "this server has no checkpoint root (--checkpoint_dir): it accepts no checkpoint path");
+  }
+  const std::string shown = absl::CHexEscape(requested.substr(0, 256));
+  if (HasControlByte(requested)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint path \"", shown, "\" has a NUL or control byte"));
+  }
+  for (absl::string_view p : absl::StrSplit(requested, '/')) {
+    if (p == "..") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint path \"", shown, "\" has a '..' component"));
+    }
+  }
+  const std::string base = Normalize(root);
+  const std::string path =
+      requested.empty() ? base
+                        : Normalize(requested[0] == '/' ? requested : Join(base, requested));
+  const std::string outside = absl::StrCat("checkpoint path \"", shown,
+                                           "\" is outside this server's checkpoint root ", base);
+  if (!Under(path, base)) return absl::InvalidArgumentError(outside);
+  // Links inside root must not lead out of it.
+  const std::string real_base = RealPathOfExisting(base);
+  const std::string real_path = RealPathOfExisting(path);
+  if (real_base.empty() || real_path.empty() || !Under(real_path, real_base)) {
+    return absl::InvalidArgumentError(outside);
+  }
+  return path;
+}
+
 absl::StatusOr<std::string> MakeCheckpointDir(const std::string& root,
                                               const std::string& collection, int64_t epoch,
                                               int64_t created_unix_ms) {
   if (root.empty()) return absl::InvalidArgumentError("the checkpoint root is empty");
+  if (root.find('\0') != std::string::npos || collection.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("a checkpoint path with a NUL byte");
+  }
   std::string path;
   for (const std::string& part : {root, collection}) {
     path = path.empty() ? part : Join(path, part);
@@ -442,7 +560,8 @@ absl::StatusOr<std::string> MakeCheckpointDir(const std::string& root,
       if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) return Errno("creating", prefix);
     }
   }
-  for (int n = 0;; ++n) {
+  constexpr int kMaxNames = 1000;
+  for (int n = 0; n < kMaxNames; ++n) {
     const std::string dir = Join(path, absl::StrCat("ckpt-", created_unix_ms + n, "-e", epoch));
     if (mkdir(dir.c_str(), 0755) == 0) {
       if (absl::Status s = FsyncDir(path); !s.ok()) return s;
@@ -450,6 +569,8 @@ absl::StatusOr<std::string> MakeCheckpointDir(const std::string& root,
     }
     if (errno != EEXIST) return Errno("creating", dir);
   }
+  return absl::AlreadyExistsError(absl::StrCat("no free checkpoint name in ", path, " after ",
+                                               kMaxNames, " tries"));
 }
 
 absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path) {

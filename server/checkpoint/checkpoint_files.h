@@ -75,10 +75,27 @@ absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& di
 absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& text,
                                                             const std::string& path);
 
-// Reads the manifest of `dir` and verifies every shard file it names.
+// A manifest's shards against its spec, before anything is read: every
+// table's shards lie inside it, no two overlap, and together they cover it
+// (by distinct rows and columns). DATA_LOSS naming the table and the shards.
+absl::Status CheckCoverage(const ember::v1::CheckpointManifest& manifest);
+
+// Reads the manifest of `dir` and verifies every shard file it names (not
+// its coverage: CheckCoverage).
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir);
 
+// `requested` confined under `root`, for a path a request names: "" is root
+// itself, a relative path is taken under root, an absolute one must lie
+// under it. INVALID_ARGUMENT for a NUL or other control byte, a ".."
+// component, or a path outside root (after following the links of the part
+// that exists); FAILED_PRECONDITION when root is "" (a server without a
+// checkpoint root accepts no path). Errors name only the request: they never
+// tell what exists outside root.
+absl::StatusOr<std::string> ConfinedPath(const std::string& root, const std::string& requested);
+
 // A new, empty checkpoint directory under `root` (created with parents).
+// INVALID_ARGUMENT for a NUL byte in root or collection; ALREADY_EXISTS after
+// 1000 names taken (never an endless retry).
 absl::StatusOr<std::string> MakeCheckpointDir(const std::string& root,
                                               const std::string& collection, int64_t epoch,
                                               int64_t created_unix_ms);

@@ -1,9 +1,13 @@
 #include "server/checkpoint/checkpoint_files.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
+#include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
 #include "server/checkpoint/recut.h"
 
@@ -322,6 +327,128 @@ TEST(RecutTest, GapsAndBadShapesAreRefused) {
   EXPECT_EQ(FinishTarget("t", &t).code(), absl::StatusCode::kDataLoss);
   RecutTarget adagrad(OptimizerType::kAdagrad, 0, 0, 10, 8);  // width 8, the file has 16
   EXPECT_EQ(CopyOverlap(a, d, &adagrad).code(), absl::StatusCode::kDataLoss);
+}
+
+// Two sources over the same cells: the count of filled cells used to hide
+// the rows neither held.
+TEST(RecutTest, OverlappingSourcesAreRefused) {
+  ember::v1::CheckpointShard a, b;
+  a.set_rows(6);
+  a.set_cols(8);
+  a.set_file("a");
+  b.set_rows(6);
+  b.set_cols(8);
+  b.set_file("b");  // rows [0, 6) again; rows [6, 12) in no source
+  const ShardData d = Random(6, 8, 0, 1, 1);
+  RecutTarget t(OptimizerType::kSgd, 0, 0, 12, 8);
+  ASSERT_TRUE(CopyOverlap(a, d, &t).ok());
+  const absl::Status s = CopyOverlap(b, d, &t);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("a and b both hold rows [0, 6) columns [0, 8)"), std::string::npos)
+      << s;
+  EXPECT_EQ(FinishTarget("t", &t).code(), absl::StatusCode::kDataLoss);
+}
+
+// A manifest's shards against its spec: inside the table, disjoint, covering.
+TEST(CheckCoverageTest, DistinctRowsAndColumns) {
+  auto manifest = [](std::vector<std::array<int64_t, 4>> blocks) {
+    ember::v1::CheckpointManifest m;
+    auto* t = m.mutable_spec()->add_tables();
+    t->set_name("t");
+    t->set_num_embeddings(10);
+    t->set_embedding_dim(8);
+    for (const auto& [r, c, rows, cols] : blocks) {
+      auto* s = m.add_shards();
+      s->mutable_ref()->set_table("t");
+      s->set_row_offset(r);
+      s->set_col_offset(c);
+      s->set_rows(rows);
+      s->set_cols(cols);
+      s->set_file(absl::StrCat("s", r, "_", c));
+    }
+    return m;
+  };
+  EXPECT_TRUE(CheckCoverage(manifest({{0, 0, 5, 8}, {5, 0, 5, 8}})).ok());
+  EXPECT_TRUE(CheckCoverage(manifest({{0, 0, 10, 4}, {0, 4, 10, 4}})).ok());
+  struct Case {
+    std::vector<std::array<int64_t, 4>> blocks;
+    const char* needle;
+  } bad[] = {
+      {{{0, 0, 5, 8}, {0, 0, 5, 8}}, "overlap"},                    // same rows twice, equal area
+      {{{0, 0, 6, 8}, {4, 0, 4, 8}}, "overlap"},
+      {{{0, 0, 5, 8}}, "cover 40 of its 80 cells"},                 // a gap
+      {{{0, 0, 5, 8}, {5, 0, 6, 8}}, "lies outside"},               // past the last row
+      {{{0, 0, 10, 8}, {0, 0, 0, 8}, {-1, 0, 1, 8}}, "lies outside"},
+      {{{0, 0, 10, 4}, {0, 4, 10, 5}}, "lies outside"},             // past the last column
+      {{}, "cover 0 of its 80 cells"},
+  };
+  for (const Case& c : bad) {
+    const absl::Status s = CheckCoverage(manifest(c.blocks));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << c.needle;
+    EXPECT_NE(s.message().find(c.needle), std::string::npos) << s;
+  }
+}
+
+// Request paths stay under the root: NUL and control bytes, "..", absolute
+// paths elsewhere and links out of it are refused, with messages that do not
+// depend on what exists outside.
+TEST(ConfinedPathTest, KeepsRequestsUnderTheRoot) {
+  char real[PATH_MAX];
+  ASSERT_NE(realpath(TempDir().c_str(), real), nullptr);
+  const std::string root = real;
+  EXPECT_EQ(*ConfinedPath(root, ""), root);
+  EXPECT_EQ(*ConfinedPath(root, "a/b"), root + "/a/b");
+  EXPECT_EQ(*ConfinedPath(root, "./a//b/"), root + "/a/b");
+  EXPECT_EQ(*ConfinedPath(root, root + "/x"), root + "/x");
+  EXPECT_EQ(*ConfinedPath(root + "/", root), root);
+  struct Case {
+    std::string path, needle;
+  } refused[] = {
+      {std::string("a\0b", 3), "NUL or control byte"},
+      {"a\nb", "NUL or control byte"},
+      {"../x", "'..' component"},
+      {root + "/../x", "'..' component"},
+      {"a/../../x", "'..' component"},
+      {"/var/tmp/x", "outside this server's checkpoint root"},
+      {"/", "outside this server's checkpoint root"},
+      {root + "x", "outside this server's checkpoint root"},  // a sibling sharing a prefix
+  };
+  for (const Case& c : refused) {
+    auto p = ConfinedPath(root, c.path);
+    ASSERT_FALSE(p.ok()) << c.path;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << c.path;
+    EXPECT_NE(p.status().message().find(c.needle), std::string::npos) << p.status();
+  }
+  // A link inside the root to a directory outside it.
+  const std::string outside = TempDir();
+  ASSERT_EQ(symlink(outside.c_str(), (root + "/link").c_str()), 0);
+  EXPECT_EQ(ConfinedPath(root, "link/ckpt").status().code(), absl::StatusCode::kInvalidArgument);
+  // Existing or not, a directory outside gets the same words.
+  auto a = ConfinedPath(root, outside);
+  auto b = ConfinedPath(root, outside + "-absent");
+  ASSERT_FALSE(a.ok());
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(std::string(b.status().message()),
+            absl::StrReplaceAll(a.status().message(), {{outside, outside + "-absent"}}));
+  // No root configured: no path is accepted.
+  EXPECT_EQ(ConfinedPath("", "x").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A NUL byte once made the name search retry forever (the truncated path
+// always existed); now it is refused at once, and the search is bounded.
+TEST(MakeCheckpointDirTest, RefusesNulAndGivesUp) {
+  const std::string root = TempDir();
+  EXPECT_EQ(MakeCheckpointDir(std::string("x\0y", 3), "c", 1, 1000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeCheckpointDir(root, std::string("c\0", 2), 1, 1000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  for (int n = 0; n < 1000; ++n) {
+    ASSERT_EQ(mkdir(absl::StrCat(root, "/c").c_str(), 0755) == 0 || errno == EEXIST, true);
+    ASSERT_EQ(mkdir(absl::StrCat(root, "/c/ckpt-", 1000 + n, "-e1").c_str(), 0755), 0);
+  }
+  EXPECT_EQ(MakeCheckpointDir(root, "c", 1, 1000).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(MakeCheckpointDir(root, "c", 1, 5000).ok());
 }
 
 }  // namespace

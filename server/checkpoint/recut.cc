@@ -1,6 +1,9 @@
 #include "server/checkpoint/recut.h"
 
 #include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -41,6 +44,15 @@ absl::Status CopyOverlap(const ember::v1::CheckpointShard& s, const ShardData& d
   const int64_t c0 = std::max(s.col_offset(), t->col_offset);
   const int64_t c1 = std::min(s.col_offset() + scols, t->col_offset + t->cols);
   if (r0 >= r1 || c0 >= c1) return absl::OkStatus();
+  for (const RecutTarget::Block& b : t->filled) {
+    if (std::max(r0, b.row0) < std::min(r1, b.row1) && std::max(c0, b.col0) < std::min(c1, b.col1)) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint shards ", b.file, " and ", s.file(), " both hold rows [",
+          std::max(r0, b.row0), ", ", std::min(r1, b.row1), ") columns [", std::max(c0, b.col0),
+          ", ", std::min(c1, b.col1), ")"));
+    }
+  }
+  t->filled.push_back({r0, r1, c0, c1, s.file()});
   const int64_t n = c1 - c0, tc = c0 - t->col_offset, sc = c0 - s.col_offset();
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t tr = r - t->row_offset, sr = r - s.row_offset();

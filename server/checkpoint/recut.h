@@ -16,6 +16,7 @@
 #define EMBER_SERVER_CHECKPOINT_RECUT_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,13 @@ struct RecutTarget {
   std::vector<float> state;    // [rows, state_width]
   int64_t step = 0;
   int64_t covered = 0;         // cells filled so far
+  // The blocks filled so far, [row0, row1) x [col0, col1) in the table's
+  // coordinates: a source overlapping one of them is refused.
+  struct Block {
+    int64_t row0, row1, col0, col1;
+    std::string file;
+  };
+  std::vector<Block> filled;
   // Row-wise Adagrad: sum of accumulator x shared columns per row, in double
   // so that an unchanged layout restores the accumulator bit for bit.
   std::vector<double> rowwise_sum;
@@ -44,14 +52,15 @@ struct RecutTarget {
 // True when `source` (a manifest entry) overlaps the target's rows and columns.
 bool Overlaps(const ember::v1::CheckpointShard& source, const RecutTarget& target);
 
-// Copies the overlap of one source shard into the target. INVALID_ARGUMENT
-// (DATA_LOSS for the data) when the source's shape does not fit the
-// optimizer type.
+// Copies the overlap of one source shard into the target. DATA_LOSS when
+// the source's shape does not fit the optimizer type, or when it covers
+// cells another source already filled (nothing is copied then).
 absl::Status CopyOverlap(const ember::v1::CheckpointShard& source, const ShardData& data,
                          RecutTarget* target);
 
 // After every overlapping source: DATA_LOSS unless every cell was filled
-// exactly once; finishes the row-wise accumulator means.
+// (each exactly once: CopyOverlap refuses a second); finishes the row-wise
+// accumulator means.
 absl::Status FinishTarget(const std::string& table, RecutTarget* target);
 
 }  // namespace checkpoint

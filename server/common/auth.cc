@@ -4,6 +4,10 @@
 #include <sstream>
 #include <vector>
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -51,6 +55,8 @@ const char* RoleName(Role r) {
       return "worker";
     case Role::kTrainer:
       return "trainer";
+    case Role::kCoordinator:
+      return "coordinator";
     default:
       return "admin";
   }
@@ -59,40 +65,105 @@ const char* RoleName(Role r) {
 absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, const std::string& what) {
   TokenTable t;
   t.enabled_ = true;
+  std::vector<std::string> seen;  // every token, to refuse one given twice
   const auto lines = Lines(text);
   for (size_t n = 0; n < lines.size(); ++n) {
     const auto& w = lines[n];
     if (w.empty()) continue;
     const std::string where = absl::StrCat(what, " line ", n + 1);
-    if (w.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": expected \"ROLE TOKEN\""));
+    const bool worker = w[0] == RoleName(Role::kWorker);
+    if (worker && w.size() == 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": a worker line names its worker: \"worker NAME TOKEN\", one per worker (a "
+                 "shared worker token let any worker act as any other; docs/security.md)"));
+    }
+    if (w.size() != (worker ? 3u : 2u)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, worker ? ": expected \"worker NAME TOKEN\"" : ": expected \"ROLE TOKEN\""));
     }
     int role = -1;
-    for (Role r : {Role::kWorker, Role::kTrainer, Role::kAdmin}) {
+    for (Role r : {Role::kTrainer, Role::kAdmin}) {
       if (w[0] == RoleName(r)) role = static_cast<int>(r);
     }
-    if (role < 0) {
+    if (role < 0 && !worker) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": unknown role (worker, trainer or admin)"));
     }
-    if (!t.tokens_[role].empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": role ", w[0], " given twice"));
-    }
-    if (w[1].size() < kMinTokenLength) {
+    const std::string& token = w.back();
+    if (token.size() < kMinTokenLength) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": tokens need at least ", kMinTokenLength, " characters"));
     }
-    for (const std::string& other : t.tokens_) {
-      if (!other.empty() && SameToken(other, w[1])) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": the same token for two roles"));
+    for (const std::string& other : seen) {
+      if (SameToken(other, token)) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": the same token twice"));
       }
     }
-    t.tokens_[role] = w[1];
+    if (worker) {
+      if (t.worker_tokens_.count(w[1])) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": worker ", w[1], " given twice"));
+      }
+      t.worker_tokens_[w[1]] = token;
+      t.worker_order_.push_back(w[1]);
+    } else {
+      if (!t.tokens_[role].empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": role ", w[0], " given twice"));
+      }
+      t.tokens_[role] = token;
+    }
+    seen.push_back(token);
   }
   if (t.tokens_[static_cast<int>(Role::kAdmin)].empty()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": no admin token"));
   }
   return t;
+}
+
+const std::string& TokenTable::TokenOf(Role role) const {
+  static const std::string* const kNone = new std::string();
+  if (role != Role::kTrainer && role != Role::kAdmin) return *kNone;
+  return tokens_[static_cast<int>(role)];
+}
+
+absl::Status TokenTable::SetSelf(const std::string& name) {
+  if (!enabled_) {
+    self_ = name;
+    return absl::OkStatus();
+  }
+  if (name.empty()) {
+    if (worker_order_.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the token file has ", worker_order_.size(),
+          " worker lines: name this worker's with --worker_name"));
+    }
+    self_ = worker_order_[0];
+    self_coordinator_token_ = CoordinatorTokenFor(self_);
+    return absl::OkStatus();
+  }
+  if (!worker_tokens_.count(name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the token file has no line \"worker ", name, " TOKEN\""));
+  }
+  self_ = name;
+  self_coordinator_token_ = CoordinatorTokenFor(self_);
+  return absl::OkStatus();
+}
+
+std::string TokenTable::SelfToken() const {
+  auto it = worker_tokens_.find(self_);
+  return it == worker_tokens_.end() ? std::string() : it->second;
+}
+
+std::string TokenTable::CoordinatorTokenFor(absl::string_view name) const {
+  if (!enabled_) return "";
+  const std::string& key = tokens_[static_cast<int>(Role::kAdmin)];
+  const std::string message = absl::StrCat("ember coordinator credential for worker ", name);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int mac_len = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac, &mac_len);
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(mac), mac_len));
 }
 
 absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path) {
@@ -109,8 +180,22 @@ std::optional<absl::string_view> AuthorizationOf(const grpc::ServerContext* ctx)
   return absl::string_view(it->second.data(), it->second.size());
 }
 
-grpc::Status TokenTable::Check(const grpc::ServerContext* ctx, Role needed) const {
-  if (!enabled_) return grpc::Status::OK;
+std::string CertificateIdentityOf(const grpc::ServerContext* ctx) {
+  if (ctx == nullptr) return "";
+  const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  const std::vector<grpc::string_ref> cn = auth->FindPropertyValues("x509_common_name");
+  if (cn.empty()) return "";
+  return absl::StrCat("cert:", absl::string_view(cn[0].data(), cn[0].size()));
+}
+
+grpc::Status TokenTable::Check(const grpc::ServerContext* ctx, Role needed, Caller* caller) const {
+  Caller who;
+  if (!enabled_) {
+    who.identity = CertificateIdentityOf(ctx);
+    if (caller != nullptr) *caller = who;
+    return grpc::Status::OK;
+  }
   const std::optional<absl::string_view> authorization = AuthorizationOf(ctx);
   if (!authorization.has_value()) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
@@ -121,18 +206,35 @@ grpc::Status TokenTable::Check(const grpc::ServerContext* ctx, Role needed) cons
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization is not a Bearer token");
   }
-  int role = -1;
-  for (int r = 0; r < 3; ++r) {
-    if (!tokens_[r].empty() && SameToken(tokens_[r], value)) role = r;
+  bool known = false;
+  for (Role r : {Role::kTrainer, Role::kAdmin}) {
+    if (!tokens_[static_cast<int>(r)].empty() && SameToken(tokens_[static_cast<int>(r)], value)) {
+      who.role = r;
+      known = true;
+    }
   }
-  if (role < 0) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown token");
-  if (role == static_cast<int>(Role::kAdmin) || role == static_cast<int>(needed)) {
-    return grpc::Status::OK;
+  // Every worker's line is compared, so the time taken does not tell which.
+  for (const auto& [name, token] : worker_tokens_) {
+    if (SameToken(token, value)) {
+      who.role = Role::kWorker;
+      who.identity = name;
+      known = true;
+    }
   }
-  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      absl::StrCat("a ", RoleName(static_cast<Role>(role)),
-                                   " token may not make this call (needs ", RoleName(needed),
-                                   ")"));
+  // A worker accepts the coordinator's credential made for it alone.
+  if (!self_coordinator_token_.empty() && SameToken(self_coordinator_token_, value)) {
+    who.role = Role::kCoordinator;
+    known = true;
+  }
+  if (!known) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown token");
+  if (who.role != Role::kAdmin && who.role != needed) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat("a ", RoleName(who.role),
+                                     " token may not make this call (needs ", RoleName(needed),
+                                     ")"));
+  }
+  if (caller != nullptr) *caller = who;
+  return grpc::Status::OK;
 }
 
 absl::StatusOr<std::string> LoadClientToken(const std::string& path) {

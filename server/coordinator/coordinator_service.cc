@@ -147,7 +147,7 @@ void CoordinatorService::Load(const StateStore::State& state) {
   next_worker_ = state.next_worker;
   const absl::Time now = absl::Now();  // one lease to heartbeat again
   for (const auto& w : state.workers) {
-    workers_[w.worker_id()] = Worker{w.worker_id(), w.info(), now, w.seq()};
+    workers_[w.worker_id()] = Worker{w.worker_id(), w.info(), now, w.seq(), w.identity()};
   }
   for (const auto& c : state.collections) {
     collections_[c.info().spec().name()] = c.info();
@@ -291,7 +291,8 @@ CoordinatorService::~CoordinatorService() {
 grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
                                                 const ember::v1::RegisterWorkerRequest* req,
                                                 ember::v1::RegisterWorkerResponse* resp) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker); !a.ok()) return a;
+  Caller caller;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker, &caller); !a.ok()) return a;
   const auto& info = req->worker();
   const size_t colon = info.address().rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == info.address().size()) {
@@ -309,13 +310,24 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   // A live worker keeps its address: another process claiming it (a
   // stranger, or a restart that came too soon) waits for the old lease to
   // lapse. The same process registering again (it was forgotten) is fine.
+  // A worker credential (token mode) is one worker: a second process using
+  // it elsewhere waits for the first one's lease to lapse too.
+  const bool one_per_identity = options_.auth.enabled() && caller.role == Role::kWorker;
   for (const auto& [id, old] : workers_) {
-    if (old.info.address() == info.address() && now - old.last_heartbeat < options_.lease &&
-        (old.info.pid() != info.pid() || old.info.host() != info.host())) {
+    const bool live = now - old.last_heartbeat < options_.lease;
+    const bool same_process = old.info.pid() == info.pid() && old.info.host() == info.host();
+    if (old.info.address() == info.address() && live && !same_process) {
       return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
           "a live worker (", id, ", pid ", old.info.pid(), " on ", old.info.host(),
           ") holds address ", info.address(), "; retry once its lease (",
           absl::FormatDuration(options_.lease), ") has lapsed")));
+    }
+    if (one_per_identity && old.identity == caller.identity && live &&
+        old.info.address() != info.address()) {
+      return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
+          "worker ", caller.identity, " is live as ", id, " at ", old.info.address(),
+          "; one process per worker credential (retry once its lease (",
+          absl::FormatDuration(options_.lease), ") has lapsed)")));
     }
   }
   Worker w;
@@ -323,12 +335,16 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   w.id = absl::StrCat("w", w.seq);
   w.info = info;
   w.last_heartbeat = now;
+  w.identity = caller.identity;
   // A worker restarted at the same address replaces its old entry (its
-  // collections' shards are recovered onto it, see MonitorLoop).
+  // collections' shards are recovered onto it, see MonitorLoop); one under
+  // another credential only adds an entry (the old one's shards are
+  // recovered as a dead worker's).
   StateStore::Batch batch;
   std::vector<std::string> replaced;
   for (const auto& [id, old] : workers_) {
-    if (old.info.address() == info.address()) {
+    if (old.info.address() == info.address() &&
+        (old.identity == w.identity || old.identity.empty())) {
       replaced.push_back(id);
       batch.DeleteWorker(id);
     }
@@ -337,6 +353,7 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   stored.set_worker_id(w.id);
   *stored.mutable_info() = info;
   stored.set_seq(w.seq);
+  stored.set_identity(w.identity);
   if (absl::Status s = Persist(batch.PutWorker(stored).NextWorker(w.seq)); !s.ok()) {
     return ToGrpc(s);
   }
@@ -353,8 +370,10 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
                                            const ember::v1::HeartbeatRequest* req,
                                            ember::v1::HeartbeatResponse* resp) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker); !a.ok()) return a;
+  Caller caller;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker, &caller); !a.ok()) return a;
   if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
+  if (grpc::Status a = MayActFor(caller, req->worker_id()); !a.ok()) return a;
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(req->worker_id());
   if (it == workers_.end()) {
@@ -469,7 +488,7 @@ std::vector<grpc::Status> CoordinatorService::CallEach(const std::vector<std::st
   absl::BlockingCounter pending(static_cast<int>(n));
   for (size_t i = 0; i < n; ++i) {
     SetDeadline(&contexts[i], timeout == absl::ZeroDuration() ? options_.worker_rpc_timeout : timeout);
-    AddToken(&contexts[i], options_.auth.TokenOf(Role::kAdmin));
+    AddToken(&contexts[i], CredentialFor(addresses[i]));
     rpc(StubFor(addresses[i])->async(), &contexts[i], &requests[i], &responses[i],
         [&statuses, &pending, i](grpc::Status s) {
           statuses[i] = std::move(s);
@@ -485,6 +504,29 @@ ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address)
   auto& stub = stubs_[address];
   if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address, options_.worker_credentials));
   return stub.get();
+}
+
+std::string CoordinatorService::CredentialFor(const std::string& address) const {
+  if (!options_.auth.enabled()) return "";
+  absl::MutexLock lock(&mu_);
+  const Worker* latest = nullptr;
+  for (const auto& [id, w] : workers_) {
+    if (w.info.address() == address && (latest == nullptr || w.seq > latest->seq)) latest = &w;
+  }
+  if (latest == nullptr || latest->identity.empty()) return "";
+  return options_.auth.CoordinatorTokenFor(latest->identity);
+}
+
+grpc::Status CoordinatorService::MayActFor(const Caller& caller,
+                                           const std::string& worker_id) const {
+  if (caller.role == Role::kAdmin) return grpc::Status::OK;
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end() || it->second.identity == caller.identity) return grpc::Status::OK;
+  return grpc::Status(
+      grpc::StatusCode::PERMISSION_DENIED,
+      absl::StrCat("worker ", caller.identity.empty() ? "(unnamed)" : caller.identity,
+                   " may act only as itself; ", worker_id, " is another worker"));
 }
 
 absl::Status CoordinatorService::DropOnWorkers(const std::string& collection, int64_t epoch,
@@ -738,11 +780,20 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
 
 absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionCheckpoint(
     const std::string& collection, const std::string& requested_root) {
-  const std::string root = requested_root.empty() ? options_.checkpoint_dir : requested_root;
-  if (root.empty()) {
-    return absl::FailedPreconditionError(
-        "no checkpoint directory: give one, or start the coordinator with --checkpoint_dir");
+  {
+    absl::MutexLock lock(&mu_);
+    if (!collections_.count(collection)) {
+      return absl::NotFoundError(absl::StrCat("no collection '", collection, "'"));
+    }
   }
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "no checkpoint directory: start the coordinator with --checkpoint_dir (checkpoints are "
+        "written under it)");
+  }
+  auto confined = checkpoint::ConfinedPath(options_.checkpoint_dir, requested_root);
+  if (!confined.ok()) return confined.status();
+  const std::string root = *confined;
   absl::MutexLock one_at_a_time(&checkpoint_mu_);
   CollectionInfo info;
   {
@@ -912,11 +963,19 @@ grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext* ctx,
 grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::v1::RestoreRequest* req,
                                          ember::v1::RestoreResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
-  auto path = checkpoint::ResolveCheckpoint(req->from());
+  if (req->from().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("no checkpoint path given"));
+  }
+  auto from = checkpoint::ConfinedPath(options_.checkpoint_dir, req->from());
+  if (!from.ok()) return ToGrpc(from.status());
+  auto path = checkpoint::ResolveCheckpoint(*from);
   if (!path.ok()) return ToGrpc(path.status());
   // Every file is checked before anything is created.
   auto manifest = checkpoint::VerifyCheckpoint(*path);
   if (!manifest.ok()) return ToGrpc(manifest.status());
+  if (absl::Status s = checkpoint::CheckCoverage(*manifest); !s.ok()) {
+    return ToGrpc(absl::DataLossError(absl::StrCat(*path, ": ", s.message())));
+  }
   ember::v1::CollectionSpec spec = manifest->spec();
   if (!req->collection().empty()) spec.set_name(req->collection());
   absl::MutexLock create(&create_mu_);
@@ -1563,7 +1622,7 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
     {
       grpc::ClientContext ctx;
       SetDeadline(&ctx, options_.worker_rpc_timeout);
-      AddToken(&ctx, options_.auth.TokenOf(Role::kAdmin));
+      AddToken(&ctx, CredentialFor(from));
       if (grpc::Status s = src->ExportRows(&ctx, ex, got); !s.ok()) return FromGrpc(s, from);
     }
     ember::v1::ImportRowsRequest im;
@@ -1580,7 +1639,7 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
     ember::v1::ImportRowsResponse done;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.worker_rpc_timeout);
-    AddToken(&ctx, options_.auth.TokenOf(Role::kAdmin));
+    AddToken(&ctx, CredentialFor(to));
     if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, to);
     return absl::OkStatus();
   };
@@ -1598,8 +1657,10 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
 grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext* ctx,
                                              const ember::v1::DrainWorkerRequest* req,
                                              ember::v1::DrainWorkerResponse* resp) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker); !a.ok()) return a;
+  Caller caller;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker, &caller); !a.ok()) return a;
   if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
+  if (grpc::Status a = MayActFor(caller, req->worker_id()); !a.ok()) return a;
   std::vector<std::string> names;
   {
     absl::MutexLock lock(&mu_);

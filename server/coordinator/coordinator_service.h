@@ -140,6 +140,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
     ember::v1::WorkerInfo info;
     absl::Time last_heartbeat;
     int64_t seq = 0;  // registration order
+    std::string identity;  // the credential that registered it (auth.h Caller)
   };
 
   // Live workers in rank order: grouped by host (hosts in order of first
@@ -147,6 +148,13 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::vector<Worker> LiveWorkers() const ABSL_LOCKS_EXCLUDED(mu_);
   static ember::v1::Topology TopologyOf(const std::vector<Worker>& workers);
   ember::v1::Worker::Stub* StubFor(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  // The credential to present to the worker at `address`: the coordinator
+  // token made for the identity that registered it (auth.h), "" when auth is
+  // off or no registered worker is there (nothing is sent to a stranger).
+  std::string CredentialFor(const std::string& address) const ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when `caller` may act for worker `worker_id` (itself, or an admin).
+  grpc::Status MayActFor(const Caller& caller, const std::string& worker_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Calls `rpc` on every address at once; one status (and, if asked, one
   // response) per address. timeout 0: options.worker_rpc_timeout.
   template <typename Request, typename Response, typename Rpc>

@@ -204,7 +204,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
 
 void WorkerServer::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const {
   SetDeadline(ctx, timeout);
-  AddToken(ctx, options_.service.auth.TokenOf(Role::kWorker));
+  AddToken(ctx, options_.service.auth.SelfToken());
 }
 
 void WorkerServer::SetServing(bool serving) {

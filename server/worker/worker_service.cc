@@ -379,7 +379,7 @@ absl::Status WorkerService::DecodeFeature(const Collection& c, const ShardFeatur
 grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
                                          const ember::v1::CreateShardsRequest* req,
                                          ember::v1::CreateShardsResponse*) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->shards()); !s.ok()) {
     return ToGrpc(s);
   }
@@ -492,7 +492,7 @@ void WorkerService::DropAll(const std::string& collection, const Collection& c) 
 grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
                                          const ember::v1::UpdateShardsRequest* req,
                                          ember::v1::UpdateShardsResponse*) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->create()); !s.ok()) {
     return ToGrpc(s);
   }
@@ -554,7 +554,7 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
 
 grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
                                        ember::v1::DropShardsResponse*) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (req->epoch() <= 0) {
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
   }
@@ -1027,7 +1027,7 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
 
 grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1::ImportRowsRequest* req,
                                        ember::v1::ImportRowsResponse*) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (req->epoch() <= 0) {
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
   }
@@ -1149,8 +1149,10 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
 grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
                                             const ember::v1::WriteCheckpointRequest* req,
                                             ember::v1::WriteCheckpointResponse* resp) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
+  auto dir = checkpoint::ConfinedPath(options_.checkpoint_root, req->dir());
+  if (!dir.ok()) return ToGrpc(dir.status());
   struct Copy {
     ember::v1::ShardAssignment assignment;
     checkpoint::ShardData data;
@@ -1206,7 +1208,7 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
   // Updates flow again while the files are written.
   const absl::Time write_start = absl::Now();
   for (Copy& copy : copies) {
-    auto entry = checkpoint::WriteShardFile(req->dir(), copy.assignment.ref(), copy.data);
+    auto entry = checkpoint::WriteShardFile(*dir, copy.assignment.ref(), copy.data);
     if (!entry.ok()) return ToGrpc(entry.status());
     entry->set_row_offset(copy.assignment.row_offset());
     entry->set_col_offset(copy.assignment.col_offset());
@@ -1223,8 +1225,10 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
 grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
                                            const ember::v1::LoadCheckpointRequest* req,
                                            ember::v1::LoadCheckpointResponse* resp) {
-  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
+  auto dir = checkpoint::ConfinedPath(options_.checkpoint_root, req->dir());
+  if (!dir.ok()) return ToGrpc(dir.status());
   // Three phases, so that no lock is held while files are read: note the
   // shards to fill; read and re-cut the files; fill the shards, if they are
   // still the same ones. (Nobody updates them meanwhile: the coordinator
@@ -1271,7 +1275,7 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
       }
     }
     if (hit.empty()) continue;
-    auto data = checkpoint::ReadShardFile(req->dir(), source);
+    auto data = checkpoint::ReadShardFile(*dir, source);
     if (!data.ok()) return ToGrpc(data.status());
     bytes_read += source.bytes();
     for (Target* t : hit) {

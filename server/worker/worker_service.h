@@ -54,6 +54,9 @@ struct WorkerServiceOptions {
   // younger than dedup_ttl, and counted (ShardStatus.dedup_forgotten_early).
   absl::Duration dedup_ttl = absl::Minutes(10);
   int dedup_window = 1 << 20;
+  // The directory checkpoint files must lie under (checkpoint::ConfinedPath);
+  // empty: this worker writes and reads no checkpoint.
+  std::string checkpoint_root;
   // NaN/Inf in a gradient update: false refuses the whole update
   // (INVALID_ARGUMENT, nothing applied); true leaves out what they touch (a
   // pooled bag whose gradient row is not finite, an id whose weight or
