@@ -102,6 +102,50 @@ std::string RandomRequestId() {
   return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16), absl::Hex(rng(), absl::kZeroPad16));
 }
 
+// A stable 64-bit hash of an update's content (the same in every process
+// and build), sent with a request id the caller chose so that a worker tells
+// a retry from the id's reuse for another update (0 is never a digest).
+class UpdateDigest {
+ public:
+  void Add(const void* data, size_t n) {
+    Word(n);
+    const char* p = static_cast<const char*>(data);
+    for (; n >= 8; n -= 8, p += 8) {
+      uint64_t w;
+      std::memcpy(&w, p, 8);
+      Word(w);
+    }
+    uint64_t tail = 0;
+    std::memcpy(&tail, p, n);
+    Word(tail);
+  }
+  template <typename T>
+  void Add(absl::Span<const T> values) {
+    Add(values.data(), values.size() * sizeof(T));
+  }
+  void Add(absl::string_view s) { Add(s.data(), s.size()); }
+  void Add(const KjtView& kjt) {
+    for (const std::string& k : kjt.keys) Add(k);
+    Add(kjt.lengths);
+    Add(kjt.values);
+    Add(kjt.weights);
+  }
+  uint64_t value() const {
+    uint64_t h = h_;
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL;
+    h ^= h >> 31;
+    return h == 0 ? 1 : h;
+  }
+
+ private:
+  void Word(uint64_t w) {
+    h_ = (h_ ^ w) * 0x9e3779b97f4a7c15ULL;
+    h_ ^= h_ >> 29;
+  }
+  uint64_t h_ = 0x243f6a8885a308d3ULL;
+};
+
 // A DeviceKjt's arrays (and an update's gradients) copied to host memory
 // when a call needs them there, each once, through the link kind's copies.
 class DeviceStage {
@@ -1096,7 +1140,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
 
 // Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
 absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
-                          const std::string& request_id, absl::Time deadline,
+                          const std::string& request_id, uint64_t digest, absl::Time deadline,
                           const StubFor& stub_for, const ChannelFor& channel_for) {
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
   std::vector<std::unique_ptr<Transport>> transports(r.info.worker_addresses_size());
@@ -1133,6 +1177,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     call.request.set_collection(r.info.plan().collection());
     call.request.set_epoch(r.info.plan().epoch());
     call.request.set_request_id(request_id);
+    call.request.set_request_digest(digest);
     uint64_t most = 0;
     for (const FeatureJob& j : *jobs) {
       for (const auto& shard : targets_of(j)) {
@@ -1270,6 +1315,16 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
                                     std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
+  uint64_t digest = 0;  // a fresh id cannot be reused: no digest needed
+  if (!request_id.empty()) {
+    UpdateDigest d;
+    d.Add(collection);
+    d.Add(kjt);
+    for (const std::string& k : grads.keys) d.Add(k);
+    d.Add(grads.length_per_key);
+    d.Add(grads.values);
+    digest = d.value();
+  }
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
@@ -1277,22 +1332,28 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
       return st;
     }
-    // The gradients must have Lookup's layout.
+    // The gradients must have Lookup's layout (given without keys: taken
+    // to be in it).
     std::vector<std::string> keys;
     std::vector<int64_t> dims;
     for (const FeatureJob& j : jobs) {
       keys.push_back(j.key);
       dims.push_back(j.dim);
     }
-    if (absl::Status st = CheckGradientLayout(grads, keys, dims, kjt.batch_size()); !st.ok()) {
+    KeyedTensorView layout = grads;
+    if (grads.keys.empty() && grads.length_per_key.empty()) {
+      layout.keys = keys;
+      layout.length_per_key = dims;
+    }
+    if (absl::Status st = CheckGradientLayout(layout, keys, dims, kjt.batch_size()); !st.ok()) {
       return st;
     }
-    const std::vector<int64_t> offsets = grads.offset_per_key();
+    const std::vector<int64_t> offsets = layout.offset_per_key();
     for (size_t k = 0; k < jobs.size(); ++k) {
-      jobs[k].grad = grads.values.data() + offsets[k];
-      jobs[k].grad_stride = grads.row_width();
+      jobs[k].grad = layout.values.data() + offsets[k];
+      jobs[k].grad_stride = layout.row_width();
     }
-    return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
+    return RunGradients(r, &jobs, id, digest, deadline, stub_for, channel_for);
   });
 }
 
@@ -1472,7 +1533,7 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
       j.grad_stride = width;
       col += j.dim;
     }
-    return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
+    return RunGradients(r, &jobs, id, /*digest=*/0, deadline, stub_for, channel_for);
   });
 }
 
@@ -1516,6 +1577,18 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
                                             std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
+  uint64_t digest = 0;  // a fresh id cannot be reused: no digest needed
+  if (!request_id.empty()) {
+    UpdateDigest d;
+    d.Add(collection);
+    d.Add(kjt);
+    for (const SequenceEmbeddingView& g : grads) {
+      d.Add(g.key);
+      d.Add(&g.dim, sizeof(g.dim));
+      d.Add(g.values);
+    }
+    digest = d.value();
+  }
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
   auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
@@ -1547,7 +1620,7 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
       j.grad = g->values.data();
       j.grad_stride = j.dim;
     }
-    return RunGradients(r, &jobs, id, deadline, stub_for, channel_for);
+    return RunGradients(r, &jobs, id, digest, deadline, stub_for, channel_for);
   });
 }
 

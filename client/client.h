@@ -160,12 +160,16 @@ class Client {
   // a trainer that keeps one KeyedTensor across steps does not fault fresh
   // pages in every step. On an error *out is unspecified.
   absl::Status Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out);
-  // Gradients of Lookup's output (same keys, dims and batch). request_id
+  // Gradients of Lookup's output (same keys, dims and batch; `grads` with no
+  // keys and no length_per_key is taken to be in that layout). request_id
   // makes retries exactly-once; empty: a fresh random id. The id used is
   // written to *used_request_id (if given) whatever the outcome: after a
   // failure that reached some workers and not others, calling again with
   // that id applies the rest without applying anything twice (workers
-  // remember ids for their --dedup_ttl).
+  // remember ids for their --dedup_ttl). An id names one update: a chosen
+  // id travels with a hash of the KJT and gradients, and reused for another
+  // update it is INVALID_ARGUMENT on the shards that applied it, nothing
+  // applied.
   absl::Status ApplyGradients(const std::string& collection, KjtView kjt, KeyedTensorView grads,
                               const std::string& request_id = "",
                               std::string* used_request_id = nullptr);

@@ -282,6 +282,12 @@ TEST_F(BadInputTest, CoordinatorRpcs) {
   EXPECT_EQ(preview(Spec("p"), -1, 0, ""), StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(preview(Spec("p"), 4, 3, ""), StatusCode::INVALID_ARGUMENT);  // 3 does not divide 4
   EXPECT_EQ(preview(Spec("p"), 4, 2, "sideways"), StatusCode::INVALID_ARGUMENT);
+  // A topology of 2^31 - 1 workers once took the coordinator's memory (677
+  // MiB at a million); it is refused before anything is allocated.
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(preview(Spec("p"), 2147483647, 0, ""), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(preview(Spec("p"), 1000000, 1, ""), StatusCode::INVALID_ARGUMENT);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // a generous bound: it answers at once
 
   EXPECT_TRUE(Take() == before);
 }

@@ -72,10 +72,10 @@ class KeyedJaggedTensor:
 
     def __init__(self, keys, lengths, values, weights=None):
         self.keys = [str(k) for k in keys]
-        self.lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
-        self.values = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+        self.lengths = _int64_array("lengths", lengths)
+        self.values = _int64_array("values (ids)", values)
         self.weights = (None if weights is None else
-                        np.ascontiguousarray(weights, dtype=np.float32).reshape(-1))
+                        np.ascontiguousarray(_numpy(weights), dtype=np.float32).reshape(-1))
 
     @classmethod
     def from_jagged(cls, jagged, weights=None):
@@ -91,6 +91,33 @@ class KeyedJaggedTensor:
 
     def batch_size(self):
         return len(self.lengths) // len(self.keys) if self.keys else 0
+
+
+def _numpy(a):
+    """A NumPy view of an array-like or a torch tensor (copied to the CPU)."""
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+def _int64_array(what, a):
+    """`a` as a flat contiguous int64 array; InvalidArgument unless it holds
+    integers that fit (floats, bools, strings and uint64 past 2^63 - 1 were
+    cast, truncating or wrapping, before)."""
+    try:
+        arr = _numpy(a)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise InvalidArgument(3, f"{what} must be int64 integers: {e}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(3, f"{what} must be integers, got {arr.dtype} "
+                                 f"(e.g. {arr.reshape(-1)[0]!r})")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and \
+            int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidArgument(3, f"{what} must fit int64; {int(arr.max())} does not "
+                                 "(hash ids into [0, 2^63))")
+    return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
 def _as_kjt(kjt):
@@ -291,8 +318,17 @@ class Client:
         k = _as_kjt(kjt)
         if isinstance(grads, KeyedTensor):
             gkeys, gdims, gvalues = grads.keys, grads.length_per_key, grads.values
-        else:
-            raise TypeError("grads must be an ember.KeyedTensor (lookup's layout)")
+        else:  # an array (NumPy, torch, nested lists) in lookup's layout
+            gkeys, gdims = [], []
+            try:
+                gvalues = _numpy(grads)
+            except (ValueError, TypeError) as e:
+                raise InvalidArgument(3, f"grads: {e}") from None
+            if gvalues.dtype.kind not in "fiu" or gvalues.ndim != 2:
+                raise InvalidArgument(
+                    3, f"grads must be an ember.KeyedTensor or a [batch, sum of dims] float "
+                       f"array in lookup's layout, got {type(grads).__name__} of "
+                       f"{gvalues.dtype} {gvalues.shape}")
         return self._c.apply_gradients(name, k.keys, k.lengths, k.values, k.weights, gkeys,
                                        gdims, np.ascontiguousarray(gvalues, dtype=np.float32),
                                        request_id or "")

@@ -127,6 +127,10 @@ struct KjtArgs {
 PYBIND11_MODULE(_ember, m) {
   using namespace ember;
   m.doc() = "Ember's C++ client, for the ember package (use ember.Client).";
+  // pybind11 looks NumPy's C API up once, on first use, in a function-local
+  // static; two threads making their first calls at once (each releasing the
+  // GIL) could deadlock on it. Looked up here, under the import's GIL.
+  (void)py::detail::npy_api::get();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -145,6 +145,86 @@ def test_bad_input_raises_the_right_error_and_changes_nothing(client):
         client.collection("bad")
 
 
+def test_ids_must_be_integers_and_fit_int64():
+    """Float ids were truncated (5.7 -> 5) and applied; uint64 ids past 2^63 - 1
+    wrapped to negative ones."""
+    for values in ([5.7], np.array([1.0, 2.0]), [True], ["3"],
+                   np.array([2**63], dtype=np.uint64), [2**70]):
+        with pytest.raises(ember.InvalidArgument):
+            ember.KeyedJaggedTensor(["f_sum"], [len(np.atleast_1d(values))], values)
+    with pytest.raises(ember.InvalidArgument):
+        ember.KeyedJaggedTensor(["f_sum"], [1.5], [1])
+    ok = ember.KeyedJaggedTensor(["f_sum"], np.array([2], np.uint32),
+                                 np.array([3, 2**63 - 1], np.uint64))
+    assert ok.values.dtype == np.int64 and ok.values.tolist() == [3, 2**63 - 1]
+    assert ember.KeyedJaggedTensor(["f_sum"], [0], []).values.dtype == np.int64
+
+
+def test_gradients_as_arrays_and_request_ids_name_one_update(client):
+    """A [B, sum dims] array (NumPy or torch) is lookup's layout; a request id
+    reused for another update is refused with nothing applied (it returned
+    success and applied nothing); an unchanged retry is still a duplicate."""
+    client.create_collection(spec("grads"), sharding_type="row_wise")
+    try:
+        kjt = ember.KeyedJaggedTensor(["f_sum", "f_mean"], [2, 1, 1, 1], [1, 2, 3, 4, 5])
+        kt = client.lookup("grads", kjt)
+        before = client.export_table("grads", "t_sum")
+        g = np.full(kt.values.shape, 0.25, np.float32)
+        client.apply_gradients("grads", kjt, g, request_id="step-1")
+        after = client.export_table("grads", "t_sum")
+        want = before.astype(np.float64).copy()
+        for row, bag in ((1, 0), (2, 0), (3, 1)):  # lr 0.5, f_sum's columns [0, 8)
+            want[row] -= 0.5 * g[bag, :8]
+        np.testing.assert_allclose(after, want, rtol=1e-6, atol=1e-7)
+        # The same id and content: a duplicate, applied once.
+        client.apply_gradients("grads", kjt, g.copy(), request_id="step-1")
+        np.testing.assert_array_equal(client.export_table("grads", "t_sum"), after)
+        # The same id, other gradients: refused, nothing applied.
+        with pytest.raises(ember.InvalidArgument, match="step-1"):
+            client.apply_gradients("grads", kjt, g * 2, request_id="step-1")
+        with pytest.raises(ember.InvalidArgument):
+            client.apply_gradients("grads", ember.KeyedJaggedTensor(
+                ["f_sum", "f_mean"], [2, 1, 1, 1], [1, 9, 3, 4, 5]), g, request_id="step-1")
+        np.testing.assert_array_equal(client.export_table("grads", "t_sum"), after)
+        torch = pytest.importorskip("torch")
+        client.apply_gradients("grads", kjt, torch.from_numpy(g.copy()), request_id="step-2")
+        assert not np.array_equal(client.export_table("grads", "t_sum"), after)
+        for bad in (g[0], "grads", np.zeros((2, 3), np.float32), np.array([["a"] * 12] * 2)):
+            with pytest.raises(ember.InvalidArgument):
+                client.apply_gradients("grads", kjt, bad)
+    finally:
+        client.drop_collection("grads")
+
+
+def test_first_calls_from_many_threads_at_once(tmp_path):
+    """Two threads making their first calls at once once hung the process
+    (pybind11's one-time NumPy API lookup raced); a fresh interpreter runs
+    eight at once, bounded in time."""
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import sys, threading\n"
+        "import numpy as np\n"
+        "import ember\n"
+        "with ember.LocalCluster(workers=1) as cluster:\n"
+        "    c = ember.Client(cluster.address, timeout_s=20)\n"
+        "    c.create_collection(dict(SPEC, name='t'))\n"
+        "    errors = []\n"
+        "    def work():\n"
+        "        try:\n"
+        "            kjt = ember.KeyedJaggedTensor(['f_sum'], [1], [1])\n"
+        "            c.lookup('t', kjt)\n"
+        "        except Exception as e:\n"
+        "            errors.append(e)\n"
+        "    ts = [threading.Thread(target=work) for _ in range(8)]\n"
+        "    [t.start() for t in ts]\n"
+        "    [t.join() for t in ts]\n"
+        "    sys.exit(1 if errors else 0)\n".replace("SPEC", repr(SPEC)))
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, str(script)], timeout=120)
+    assert done.returncode == 0
+
+
 def test_torchrec_style_kjt_is_accepted(client):
     class FakeTorchrecKjt:  # the methods ember reads from a torchrec.KeyedJaggedTensor
         def keys(self):

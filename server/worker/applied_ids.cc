@@ -17,8 +17,19 @@ uint64_t RequestIdHash(const std::string& request_id) {
   return h ^ (h >> 31);
 }
 
-int64_t AppliedIds::Add(uint64_t id, absl::Time now, absl::Duration ttl, int window) {
-  if (ids_.insert(id).second) order_.emplace_back(id, now);
+bool AppliedIds::Conflicts(uint64_t id, uint64_t digest) const {
+  auto it = ids_.find(id);
+  return it != ids_.end() && digest != 0 && it->second != 0 && it->second != digest;
+}
+
+int64_t AppliedIds::Add(uint64_t id, absl::Time now, absl::Duration ttl, int window,
+                        uint64_t digest) {
+  auto [it, fresh] = ids_.emplace(id, digest);
+  if (fresh) {
+    order_.emplace_back(id, now);
+  } else if (it->second == 0) {
+    it->second = digest;
+  }
   return Trim(now, ttl, window);
 }
 
@@ -30,9 +41,13 @@ int64_t AppliedIds::Merge(const std::vector<std::pair<uint64_t, absl::Time>>& en
              [](const auto& a, const auto& b) { return a.second < b.second; });
   // One entry per id: the oldest.
   order_.clear();
-  ids_.clear();
+  absl::flat_hash_map<uint64_t, uint64_t> digests;  // this record's own
+  digests.swap(ids_);
   for (const auto& e : merged) {
-    if (ids_.insert(e.first).second) order_.push_back(e);
+    auto known = digests.find(e.first);
+    if (ids_.emplace(e.first, known == digests.end() ? 0 : known->second).second) {
+      order_.push_back(e);
+    }
   }
   return Trim(now, ttl, window);
 }

@@ -6,7 +6,10 @@
 // shard exactly once wherever the shard lives.
 //
 // Ids are kept as a stable 64-bit hash of the request id (RequestIdHash),
-// the same on every worker.
+// the same on every worker, with the update's digest where the client sent
+// one (WorkerApplyGradientsRequest.request_digest): an id reused for other
+// content is told apart from a retry. A record moved with its shard (Entries,
+// Merge: drains, checkpoints) keeps the ids, not the digests.
 //
 // Thread-compatible: the worker guards it with the collection's apply mutex.
 #ifndef EMBER_SERVER_WORKER_APPLIED_IDS_H_
@@ -18,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 
 namespace ember {
@@ -31,9 +34,13 @@ uint64_t RequestIdHash(const std::string& request_id);
 class AppliedIds {
  public:
   bool Contains(uint64_t id) const { return ids_.contains(id); }
-  // Records `id` applied at `now`, then forgets ids older than `ttl` and the
-  // oldest beyond `window`; returns how many of those were younger than ttl.
-  int64_t Add(uint64_t id, absl::Time now, absl::Duration ttl, int window);
+  // True when `id` was applied with a digest other than `digest` (both
+  // known, i.e. non-zero).
+  bool Conflicts(uint64_t id, uint64_t digest) const;
+  // Records `id` (with the update's digest, 0: none) applied at `now`, then
+  // forgets ids older than `ttl` and the oldest beyond `window`; returns how
+  // many of those were younger than ttl.
+  int64_t Add(uint64_t id, absl::Time now, absl::Duration ttl, int window, uint64_t digest = 0);
   // Every remembered id with when it was applied, oldest first.
   std::vector<std::pair<uint64_t, absl::Time>> Entries() const;
   // Adds another shard's record (oldest first), as Add does.
@@ -44,7 +51,7 @@ class AppliedIds {
  private:
   int64_t Trim(absl::Time now, absl::Duration ttl, int window);
 
-  absl::flat_hash_set<uint64_t> ids_;
+  absl::flat_hash_map<uint64_t, uint64_t> ids_;  // id -> digest (0: unknown)
   std::deque<std::pair<uint64_t, absl::Time>> order_;  // oldest first
 };
 

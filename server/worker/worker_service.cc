@@ -942,6 +942,12 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
       return refuse(s);
     }
     const ShardEntry* entry = *FindShard(coll, g.feature().shard());
+    if (entry->applied->Conflicts(id, req->request_digest())) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "request id '", req->request_id().substr(0, 128),
+          "' was applied before to other ids or gradients; a request id names one update "
+          "(retry it unchanged, or use a new id)")));
+    }
     if (entry->applied->Contains(id)) {
       seen = true;
       continue;
@@ -971,7 +977,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   const absl::Time now = absl::Now();
   int64_t early = 0;
   for (const ShardEntry* e : touched) {
-    early += e->applied->Add(id, now, options_.dedup_ttl, options_.dedup_window);
+    early += e->applied->Add(id, now, options_.dedup_ttl, options_.dedup_window,
+                             req->request_digest());
   }
   if (early > 0) {
     dedup_forgotten_early_.fetch_add(early, std::memory_order_relaxed);
