@@ -994,6 +994,32 @@ TEST_P(BackendParityTest, HalfPrecisionRoundsToNearestWithStochasticRoundingOff)
   }
 }
 
+// An import of a value the table's type cannot hold was stored as Inf: its
+// lookups returned Inf and its checkpoints did not restore. Refused, naming
+// the row, column and value, with nothing written.
+TEST_P(BackendParityTest, ImportOverflowingTheWeightTypeIsRefused) {
+  struct Case {
+    WeightType type;
+    float value;
+  } cases[] = {{WeightType::kFp16, 1e6f}, {WeightType::kFp16, 65520.0f},
+               {WeightType::kFp16, -65520.0f}, {WeightType::kBf16, 3.4e38f}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.value);
+    const ShardSpec spec = MakeSpec(6, 8, c.type, OptimizerType::kSgd);
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const std::vector<float> before = Export(be_.get(), *id, spec);
+    std::vector<float> w(spec.rows * spec.dim, 0.5f);
+    w[3 * spec.dim + 5] = c.value;
+    const absl::Status s = be_->ImportRows(*id, 0, spec.rows, w, {});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("row 3 column 5"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("overflows"), std::string::npos) << s;
+    EXPECT_EQ(Export(be_.get(), *id, spec), before);
+    ASSERT_TRUE(be_->DropShard(*id).ok());
+  }
+}
+
 TEST_P(BackendParityTest, ExportImportRoundTrip) {
   const ShardSpec spec = MakeSpec(30, 8, WeightType::kBf16, OptimizerType::kRowwiseAdagrad);
   auto a = be_->CreateShard(spec);

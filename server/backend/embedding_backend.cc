@@ -190,6 +190,21 @@ absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
   const std::string what = absl::StrCat("import into table '", spec.table, "'");
   if (absl::Status s = CheckFinite(weights, what, "weights"); !s.ok()) return s;
   if (absl::Status s = CheckFinite(state, what, "state"); !s.ok()) return s;
+  // A weight the table's type cannot hold would be stored as Inf (and the
+  // checkpoints holding it would not restore).
+  if (spec.weight_type != WeightType::kFp32) {
+    const bool fp16 = spec.weight_type == WeightType::kFp16;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const uint16_t h = fp16 ? FloatToFp16(weights[i]) : FloatToBf16(weights[i]);
+      if ((h & 0x7fffu) == (fp16 ? 0x7c00u : 0x7f80u)) {
+        const int64_t cols = spec.dim;
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": row ", spec.row_offset + b + static_cast<int64_t>(i) / cols, " column ",
+            spec.col_offset + static_cast<int64_t>(i) % cols, ": weight ", weights[i],
+            " overflows ", fp16 ? "fp16 (largest 65504)" : "bf16 (largest 3.39e38)"));
+      }
+    }
+  }
   // Accumulators must be >= 0 (a square root is taken): all of Adagrad's
   // and row-wise Adagrad's state, the second half (v) of each Adam row.
   const int64_t width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
