@@ -184,7 +184,7 @@ TEST(ValidateCollectionSpecTest, Limits) {
   ExpectInvalid(spec, "feature_names; at most 4096");
   spec = Spec(kGood);
   while (spec.tables_size() <= kMaxTables) *spec.add_tables() = spec.tables(0);
-  ExpectInvalid(spec, "tables; at most 65536");
+  ExpectInvalid(spec, "tables; at most 16384");
 }
 
 TEST(ValidatePlanInputsTest, TablesTimesWorkers) {
@@ -202,7 +202,9 @@ TEST(ValidatePlanInputsTest, TablesTimesWorkers) {
   const absl::Status s = ValidatePlanInputs(spec, t);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("300 tables on 4096 workers"));
-  t.set_world_size(1024);
+  t.set_world_size(1024);  // 307,200 > 2^18
+  EXPECT_FALSE(ValidatePlanInputs(spec, t).ok());
+  t.set_world_size(512);
   EXPECT_TRUE(ValidatePlanInputs(spec, t).ok());
 }
 

@@ -112,9 +112,15 @@ class StandaloneCluster {
                     std::vector<std::string> coordinator_flags, const std::string& crash_at = "")
       : emberctl_(emberctl), flags_(std::move(coordinator_flags)) {
     if (!StartCoordinator("127.0.0.1:0", crash_at)) return;
+    // Workers share the coordinator's checkpoint root (their files lie
+    // under it).
+    std::vector<std::string> worker_args = {emberctl, "worker", "--coordinator=" + address_,
+                                            "--listen=127.0.0.1:0"};
+    for (const std::string& f : flags_) {
+      if (f.rfind("--checkpoint_dir=", 0) == 0) worker_args.push_back(f);
+    }
     for (int i = 0; i < workers; ++i) {
-      workers_.push_back(std::make_unique<Process>(std::vector<std::string>{
-          emberctl, "worker", "--coordinator=" + address_, "--listen=127.0.0.1:0"}));
+      workers_.push_back(std::make_unique<Process>(worker_args));
       if (workers_.back()->Line("worker ").empty()) return;
     }
     ok_ = true;

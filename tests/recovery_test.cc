@@ -14,6 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "proto/service.grpc.pb.h"
+#include "server/common/grpc_util.h"
+#include "server/common/wire.h"
 #include "gtest/gtest.h"
 #include "tests/local_cluster.h"
 #include "tests/test_collection.h"
@@ -170,6 +173,100 @@ void RunCase(const Case& k) {
     EXPECT_EQ(ExportAll(c->get(), "r", spec), want);
   }
   Train(c->get(), "r", 3, 1);  // and it trains on
+}
+
+// A worker paused (SIGSTOP) past its lease and resumed, after the
+// coordinator recovered its shards elsewhere: it once went on serving its
+// copy to clients with the old plan (stale rows read, updates acknowledged
+// into a copy nothing reads). Now it refuses data calls from the moment it
+// resumes until the coordinator has said what it still holds, then drops
+// the rest; a client with the old plan refreshes and trains on.
+TEST(RecoveryTest, AWorkerBackFromAPauseServesNoStaleCopy) {
+  const std::string root = TempDir();
+  LocalCluster cluster(kEmberctl, 3,
+                       {"--checkpoint_dir=" + root, "--restart_workers=false", "--lease_ms=2000"});
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(20);
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  CollectionSpec spec = TestSpec("p");
+  spec.mutable_tables()->RemoveLast();  // the sequence table
+  auto info = (*c)->CreateCollection(spec, "table_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_TRUE((*c)->Checkpoint("p").ok());
+  int rank = -1;
+  for (const auto& ts : info->plan().tables()) {
+    if (ts.table() == "t_sum") rank = ts.shards(0).rank();
+  }
+  ASSERT_GE(rank, 0);
+  const std::string paused_address = info->worker_addresses(rank);
+  auto workers = (*c)->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  pid_t paused = -1;
+  for (const auto& w : workers->workers()) {
+    if (w.info().address() == paused_address) paused = static_cast<pid_t>(w.info().pid());
+  }
+  ASSERT_GT(paused, 0);
+
+  ASSERT_EQ(kill(paused, SIGSTOP), 0);
+  const absl::Time stopped = absl::Now();
+  absl::StatusOr<CollectionInfo> moved;
+  while (absl::Now() - stopped < absl::Seconds(30)) {
+    moved = (*c)->GetCollection("p");
+    if (moved.ok() && moved->plan().epoch() > info->plan().epoch() &&
+        moved->state() == CollectionInfo::SERVING) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(moved.ok() && moved->plan().epoch() > info->plan().epoch())
+      << "the coordinator did not recover the paused worker's shards";
+  ASSERT_EQ(kill(paused, SIGCONT), 0);
+
+  // The old plan's update, straight to the resumed worker: never applied.
+  auto stub = ember::v1::Worker::NewStub(MakeChannel(paused_address));
+  ember::v1::WorkerApplyGradientsRequest req;
+  req.set_collection("p");
+  req.set_epoch(info->plan().epoch());
+  req.set_request_id("stale");
+  auto* g = req.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t_sum");
+  g->mutable_feature()->set_feature("f_sum");
+  g->mutable_feature()->set_pooling(ember::v1::TableConfig::SUM);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>({1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>({7}));
+  g->set_grad(wire::Encode<float>(std::vector<float>(16, 1.0f)));
+  bool dropped = false;
+  for (const absl::Time resumed = absl::Now(); absl::Now() - resumed < absl::Seconds(10);) {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Seconds(5));
+    ember::v1::WorkerApplyGradientsResponse resp;
+    const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
+    ASSERT_FALSE(s.ok()) << "the resumed worker applied an update of the old plan";
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {  // the copy is gone
+      dropped = true;
+      break;
+    }
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(dropped) << "the resumed worker kept its copy of the moved collection";
+
+  // A client that planned before the pause refreshes and trains on; its
+  // update is where the collection is read.
+  const Tables before = ExportAll(c->get(), "p", spec);
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {1};
+  kjt.values = {7};
+  KeyedTensor grad;
+  grad.keys = {"f_sum"};
+  grad.length_per_key = {16};
+  grad.batch_size = 1;
+  grad.values.assign(16, 1.0f);
+  ASSERT_TRUE((*c)->ApplyGradients("p", kjt, grad).ok());
+  EXPECT_NE(ExportAll(c->get(), "p", spec), before);
 }
 
 TEST(RecoveryTest, ReplacementLoadsTheLostShardsFromTheCheckpoint) {

@@ -374,6 +374,11 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker, &caller); !a.ok()) return a;
   if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
   if (grpc::Status a = MayActFor(caller, req->worker_id()); !a.ok()) return a;
+  // A worker back from a pause learns what it still holds. Taken under
+  // create_mu_, so that no recovery of its shards is half done: either its
+  // ranks moved (and it is told to drop them) or its heartbeat keeps them.
+  std::optional<absl::MutexLock> create;
+  if (req->after_pause()) create.emplace(&create_mu_);
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(req->worker_id());
   if (it == workers_.end()) {
@@ -382,6 +387,22 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   }
   it->second.last_heartbeat = absl::Now();
   resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  if (req->after_pause()) {
+    for (const auto& [name, ids] : rank_ids_) {
+      auto info = collections_.find(name);
+      if (info == collections_.end()) continue;
+      for (int r : RanksWithShards(info->second.plan())) {
+        if (r < static_cast<int>(ids.size()) && ids[r] == req->worker_id()) {
+          auto* h = resp->add_holds();
+          h->set_collection(name);
+          h->set_epoch(info->second.plan().epoch());
+          break;
+        }
+      }
+    }
+    LOG(WARNING) << "worker " << req->worker_id() << " is back from a pause; it holds "
+                 << resp->holds_size() << " collection(s)";
+  }
   return grpc::Status::OK;
 }
 

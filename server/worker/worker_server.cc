@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <chrono>
+#include <map>
 #include <utility>
 
 #include <grpcpp/health_check_service_interface.h>
@@ -218,7 +220,22 @@ std::string WorkerServer::worker_id() const {
 }
 
 void WorkerServer::HeartbeatLoop() {
+  service_->SetLease(lease_);
+  auto last = std::chrono::steady_clock::now();
+  bool after_pause = false;  // until a heartbeat saying so is answered
   while (!stop_.WaitForNotificationWithTimeout(lease_ / 4)) {
+    // Woken a lease or more after the last round: this process was paused
+    // (or starved) long enough for the coordinator to move its shards.
+    const auto now = std::chrono::steady_clock::now();
+    const absl::Duration gap = absl::FromChrono(now - last);
+    if (gap >= lease_ && !after_pause) {
+      after_pause = true;
+      service_->Fence();
+      LOG(WARNING) << "worker " << worker_id() << ": no heartbeat for " << gap
+                   << " (paused?); serving nothing until the coordinator says what it holds";
+    }
+    last = now;
+    service_->Tick();
     if (backend_lost_) continue;
     if (absl::Status h = service_->BackendHealth(); !h.ok()) {
       // No heartbeat from now on: the lease lapses and the coordinator
@@ -234,9 +251,17 @@ void WorkerServer::HeartbeatLoop() {
     PrepareContext(&ctx, lease_ / 4);
     ember::v1::HeartbeatRequest req;
     req.set_worker_id(worker_id());
+    req.set_after_pause(after_pause);
     ember::v1::HeartbeatResponse resp;
     const grpc::Status s = coordinator_->Heartbeat(&ctx, req, &resp);
-    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+    if (s.ok() && after_pause) {
+      std::map<std::string, int64_t> keep;
+      for (const auto& h : resp.holds()) keep[h.collection()] = h.epoch();
+      service_->Unfence(keep);
+      after_pause = false;
+      LOG(WARNING) << "worker " << worker_id() << ": serving again (" << keep.size()
+                   << " collection(s) still here)";
+    } else if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
       LOG(WARNING) << "the coordinator forgot this worker; registering again";
       grpc::ClientContext rctx;
       PrepareContext(&rctx, absl::Seconds(2));

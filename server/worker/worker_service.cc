@@ -1,6 +1,7 @@
 #include "server/worker/worker_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -616,7 +617,57 @@ absl::StatusOr<absl::Span<float>> Placement(const ShmChannels::Region& buffer,
 
 }  // namespace
 
+namespace {
+
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+void WorkerService::SetLease(absl::Duration lease) {
+  last_tick_ns_.store(SteadyNanos());
+  lease_ns_.store(absl::ToInt64Nanoseconds(lease));
+}
+
+void WorkerService::Tick() { last_tick_ns_.store(SteadyNanos()); }
+
+void WorkerService::Fence() { fenced_.store(true); }
+
+void WorkerService::Unfence(const std::map<std::string, int64_t>& keep) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = collections_.begin(); it != collections_.end();) {
+      auto k = keep.find(it->first);
+      // A newer copy than the coordinator named is a create that raced
+      // this answer: kept.
+      if (k != keep.end() && it->second->epoch >= k->second) {
+        ++it;
+        continue;
+      }
+      LOG(WARNING) << "collection '" << it->first << "' epoch " << it->second->epoch
+                   << ": moved elsewhere while this worker was paused; dropped";
+      {
+        absl::MutexLock apply(it->second->apply_mu.get());
+        DropAll(it->first, *it->second);
+      }
+      it = collections_.erase(it);
+    }
+  }
+  Tick();
+  fenced_.store(false);
+}
+
 absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char* what) {
+  const int64_t lease = lease_ns_.load();
+  if (lease > 0 && (fenced_.load() || SteadyNanos() - last_tick_ns_.load() > lease)) {
+    return absl::UnavailableError(absl::StrCat(
+        "this worker was paused past its lease (the coordinator may have moved its shards); ",
+        what, " refused until the coordinator confirms what it holds: retry, refreshing the "
+              "plan"));
+  }
   const int64_t n = calls_in_progress_.fetch_add(1) + 1;
   DataCall call(&calls_in_progress_);
   if (options_.max_queued_calls > 0 && n > options_.max_queued_calls) {

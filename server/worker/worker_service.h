@@ -92,6 +92,21 @@ class WorkerService final : public ember::v1::Worker::Service {
   // The backend's health (EmbeddingBackend::Health).
   absl::Status BackendHealth() const { return backend_->Health(); }
 
+  // Pause fencing, driven by WorkerServer's heartbeat thread. A worker whose
+  // process was paused past its lease (SIGSTOP, a frozen VM) may have had
+  // its shards moved by the coordinator; a client with an old plan would
+  // then read stale rows from it and have updates acknowledged that no
+  // current shard holds. So data calls are refused (UNAVAILABLE: clients
+  // retry and refresh their plan) while the heartbeat thread has not ticked
+  // for a lease, and once it noticed the pause (Fence) until the
+  // coordinator's answer (Unfence). Without SetLease nothing is fenced.
+  void SetLease(absl::Duration lease);
+  void Tick();   // the heartbeat thread ran now
+  void Fence();  // it found itself paused
+  // Drops every collection held at an epoch other than `keep`'s (and every
+  // one `keep` does not name), then serves again.
+  void Unfence(const std::map<std::string, int64_t>& keep);
+
   // What the worker's metrics report (server/common/metrics.h).
   struct Stats {
     int64_t lookups = 0, lookup_ids = 0, lookup_bytes = 0;
@@ -243,8 +258,12 @@ class WorkerService final : public ember::v1::Worker::Service {
    private:
     std::atomic<int64_t>* n_;
   };
-  // RESOURCE_EXHAUSTED (kWorkerBusy) when max_queued_calls are in progress.
+  // RESOURCE_EXHAUSTED (kWorkerBusy) when max_queued_calls are in progress;
+  // UNAVAILABLE while fenced (SetLease).
   absl::StatusOr<DataCall> EnterDataCall(const char* what);
+  // Steady-clock nanoseconds of the last Tick; the lease (0: no fencing).
+  std::atomic<int64_t> last_tick_ns_{0}, lease_ns_{0};
+  std::atomic<bool> fenced_{false};
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
   ShmChannels channels_;
