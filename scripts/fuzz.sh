@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds Ember's libFuzzer targets (tests/fuzz/*.cc: every worker and
-# coordinator request decoder and validator, and the text formats) with
+# coordinator request decoder and validator, the coordinator with tokens on
+# against every credential, and the text formats) with
 # clang-14, AddressSanitizer and UndefinedBehaviorSanitizer, and runs each
 # for a set time. Prints one line per target:
 #   fuzz NAME: N executions in S s, C crash(es)
@@ -19,7 +20,7 @@ for a in "$@"; do
     *) targets+=("$a") ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(worker_fuzz coordinator_fuzz formats_fuzz)
+[ ${#targets[@]} -gt 0 ] || targets=(worker_fuzz coordinator_fuzz coordinator_auth_fuzz formats_fuzz)
 
 CXX=clang++-14
 command -v $CXX >/dev/null || { echo "fuzz: $CXX is missing (scripts/setup.sh installs it)" >&2; exit 1; }
@@ -31,7 +32,7 @@ mkdir -p "$obj"
 gen=$(bazel info bazel-bin 2>/dev/null)
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 cxxflags="-std=c++17 -O1 -g -fno-omit-frame-pointer $san -I. -I$gen -w"
-libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lpthread"
+libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lcrypto -lpthread"
 
 # Sources each target links (object files are shared and rebuilt when older
 # than their source).
@@ -68,7 +69,7 @@ failed=0
 for t in "${targets[@]}"; do
   case "$t" in
     worker_fuzz) srcs=$worker ;;
-    coordinator_fuzz) srcs=$coordinator ;;
+    coordinator_fuzz | coordinator_auth_fuzz) srcs=$coordinator ;;
     formats_fuzz) srcs=$formats ;;
     *) echo "fuzz: unknown target $t" >&2; exit 2 ;;
   esac

@@ -54,8 +54,9 @@ namespace ember {
 namespace coordinator {
 
 struct CoordinatorOptions {
-  // Tokens and roles (auth.h); disabled by default. Calls to workers carry
-  // the admin token.
+  // Tokens and roles (auth.h); disabled by default. A call to a worker
+  // carries the coordinator credential made for the name that registered it
+  // (TokenTable::CoordinatorTokenFor).
   TokenTable auth;
   // TLS for the calls to workers (tls.h); null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
