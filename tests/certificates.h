@@ -29,6 +29,21 @@ inline bool MakeCertificates(const std::string& dir, const std::string& name,
   return std::system(cmd.c_str()) == 0;
 }
 
+// dir/<name>.pem and dir/<name>.key: another certificate (CN=<name>)
+// signed by the CA MakeCertificates made as dir/<ca>-ca.*.
+inline bool IssueCertificate(const std::string& dir, const std::string& ca,
+                             const std::string& name, const std::string& subject_alt_names) {
+  const std::string p = dir + "/" + name, c = dir + "/" + ca;
+  const std::string cmd = absl::StrCat(
+      "set -e; cd ", dir, "; ",
+      "openssl req -newkey rsa:2048 -nodes -keyout ", p, ".key -out ", p,
+      ".csr -subj /CN=", name, " 2>/dev/null; ",
+      "printf 'subjectAltName=", subject_alt_names, "\\n' > ", p, ".ext; ",
+      "openssl x509 -req -in ", p, ".csr -CA ", c, "-ca.pem -CAkey ", c,
+      "-ca.key -CAcreateserial -out ", p, ".pem -days 2 -extfile ", p, ".ext 2>/dev/null");
+  return std::system(cmd.c_str()) == 0;
+}
+
 }  // namespace testing_util
 }  // namespace ember
 

@@ -12,6 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "proto/service.grpc.pb.h"
+#include "server/common/grpc_util.h"
 #include "gtest/gtest.h"
 #include "server/common/tls.h"
 #include "tests/certificates.h"
@@ -83,6 +85,75 @@ TEST(TlsTest, MutualTlsServesItsClientsAndRefusesOthers) {
   // A client that does not trust the server's CA refuses the server.
   EXPECT_FALSE(Connect(cluster.coordinator(), {cert, key, dir + "/other-ca.pem"}).ok());
   EXPECT_TRUE((*good)->DropCollection("tls").ok());
+}
+
+// Mutual TLS without tokens: a worker id is bound to the certificate that
+// registered it. Another certificate of the same CA may not heartbeat or
+// drain it (40 forged heartbeats once kept a killed worker "live"); the
+// worker's own certificate and an operator's may.
+TEST(TlsTest, AWorkersCertificateIsItsIdentity) {
+  const std::string dir = ::testing::TempDir() + "/identity";
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  ASSERT_TRUE(MakeCertificates(dir, "ember")) << "openssl failed";
+  const std::string sans = "IP:127.0.0.1,DNS:localhost";
+  ASSERT_TRUE(testing_util::IssueCertificate(dir, "ember", "intruder", sans));
+  ASSERT_TRUE(testing_util::IssueCertificate(dir, "ember", "operator", sans));
+  const std::string ca = dir + "/ember-ca.pem";
+  const TlsFiles worker = {dir + "/ember.pem", dir + "/ember.key", ca};
+  testing_util::LocalCluster cluster(
+      kEmberctl, 1, {"--tls_cert=" + worker.cert, "--tls_key=" + worker.key, "--tls_ca=" + ca});
+  ASSERT_TRUE(cluster.ok()) << "emberctl up with TLS did not come up";
+  // The worker's certificate (the one `up` gives it) registers and heartbeats
+  // a fake worker of its own; the intruder's registers another.
+  auto stub_as = [&](const std::string& name) {
+    const TlsFiles f = {dir + "/" + name + ".pem", dir + "/" + name + ".key", ca};
+    return ember::v1::Coordinator::NewStub(MakeChannel(cluster.coordinator(), *ChannelCredentialsFrom(f)));
+  };
+  auto as_worker = stub_as("ember");
+  auto as_intruder = stub_as("intruder");
+  auto as_operator = stub_as("operator");
+  auto register_with = [](ember::v1::Coordinator::Stub* stub, const std::string& address) {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.mutable_worker()->set_device(ember::v1::CPU);
+    req.mutable_worker()->set_host("elsewhere");
+    ember::v1::RegisterWorkerResponse resp;
+    EXPECT_TRUE(stub->RegisterWorker(&ctx, req, &resp).ok());
+    return resp.worker_id();
+  };
+  const std::string intruders = register_with(as_intruder.get(), "127.0.0.1:2");
+  auto heartbeat = [](ember::v1::Coordinator::Stub* stub, const std::string& id) {
+    grpc::ClientContext ctx;
+    ember::v1::HeartbeatRequest req;
+    req.set_worker_id(id);
+    ember::v1::HeartbeatResponse resp;
+    return stub->Heartbeat(&ctx, req, &resp).error_code();
+  };
+  auto drain = [](ember::v1::Coordinator::Stub* stub, const std::string& id) {
+    grpc::ClientContext ctx;
+    ember::v1::DrainWorkerRequest req;
+    req.set_worker_id(id);
+    ember::v1::DrainWorkerResponse resp;
+    return stub->DrainWorker(&ctx, req, &resp).error_code();
+  };
+  auto workers = Connect(cluster.coordinator(), worker);
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  auto listed = (*workers)->ListWorkers();
+  ASSERT_TRUE(listed.ok());
+  std::string real;
+  for (const auto& w : listed->workers()) {
+    if (w.worker_id() != intruders) real = w.worker_id();
+  }
+  ASSERT_FALSE(real.empty());
+  EXPECT_EQ(heartbeat(as_intruder.get(), real), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(drain(as_intruder.get(), real), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(heartbeat(as_worker.get(), real), grpc::StatusCode::OK);
+  EXPECT_EQ(heartbeat(as_intruder.get(), intruders), grpc::StatusCode::OK);  // its own
+  EXPECT_EQ(heartbeat(as_worker.get(), intruders), grpc::StatusCode::PERMISSION_DENIED);
+  // A certificate that registered no worker is an operator's.
+  EXPECT_EQ(heartbeat(as_operator.get(), real), grpc::StatusCode::OK);
+  EXPECT_EQ(drain(as_operator.get(), intruders), grpc::StatusCode::OK);
 }
 
 TEST(TlsTest, BadTlsFlagsAreRefused) {

@@ -540,10 +540,19 @@ std::string CoordinatorService::CredentialFor(const std::string& address) const 
 
 grpc::Status CoordinatorService::MayActFor(const Caller& caller,
                                            const std::string& worker_id) const {
-  if (caller.role == Role::kAdmin) return grpc::Status::OK;
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker_id);
   if (it == workers_.end() || it->second.identity == caller.identity) return grpc::Status::OK;
+  if (options_.auth.enabled()) {
+    if (caller.role == Role::kAdmin) return grpc::Status::OK;
+  } else {
+    // No roles (open or mutual-TLS-only mode): a certificate that
+    // registered a worker acts only as that worker; any other caller is an
+    // operator.
+    bool a_workers = false;
+    for (const auto& [id, w] : workers_) a_workers = a_workers || w.identity == caller.identity;
+    if (caller.identity.empty() || !a_workers) return grpc::Status::OK;
+  }
   return grpc::Status(
       grpc::StatusCode::PERMISSION_DENIED,
       absl::StrCat("worker ", caller.identity.empty() ? "(unnamed)" : caller.identity,
