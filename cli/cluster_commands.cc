@@ -1,12 +1,16 @@
 #include "cli/cluster_commands.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -16,6 +20,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -53,6 +58,9 @@ DEFINE_bool(drain_on_sigterm, true,
             "(live copy, no update lost) before exiting. `up` starts its workers without it: "
             "it stops them all at once.");
 DEFINE_string(worker, "", "drain: the worker id (see emberctl status).");
+DEFINE_string(worker_names, "",
+              "tokens: the workers' names, comma-separated (default: worker-0 ... worker-N-1 "
+              "for --workers=N); Kubernetes: the pod names, e.g. ember-workers-0,...");
 DEFINE_int32(port, 0, "up: the coordinator's port on 127.0.0.1 (0: a free port).");
 DEFINE_string(auth_token_file, "",
               "Token authentication (server/common/auth.h, docs/security.md). Servers "
@@ -166,8 +174,10 @@ DEFINE_string(state_dir, "",
               "reloads it.");
 DEFINE_int32(keep_checkpoints, 3,
              "Coordinator/up: committed checkpoints kept per collection and ROOT.");
-DEFINE_string(dir, "", "checkpoint: ROOT for the new checkpoint (default: the coordinator's "
-                       "--checkpoint_dir).");
+DEFINE_string(dir, "",
+              "checkpoint: the directory of the new checkpoint, under the servers' "
+              "--checkpoint_dir (relative to it; default: the root itself). tokens: where the "
+              "token files go.");
 DEFINE_string(from, "", "restore: a checkpoint directory, or a ROOT (its latest checkpoint).");
 DEFINE_double(checkpoint_timeout_s, 1800, "checkpoint/restore: deadline in seconds.");
 
@@ -930,6 +940,94 @@ int RunDrain() {
   if (!moved.ok()) return Fail("drain", moved.status());
   std::cout << "drained " << FLAGS_worker << ": " << moved->size()
             << " collection(s) moved off it; it holds nothing and gets no new shards"
+            << std::endl;
+  return 0;
+}
+
+namespace {
+
+// 24 random bytes from the kernel, as 48 hex characters.
+absl::StatusOr<std::string> RandomToken() {
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  char bytes[24];
+  if (!in.read(bytes, sizeof(bytes))) return absl::UnavailableError("cannot read /dev/urandom");
+  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
+
+// Writes `text` to a new file readable by its owner only; refuses to
+// replace one.
+absl::Status WriteSecret(const std::string& path, const std::string& text) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(path, ": ", errno == EEXIST ? "exists (not replaced)" : strerror(errno)));
+  }
+  const bool ok = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  close(fd);
+  return ok ? absl::OkStatus() : absl::InternalError(absl::StrCat("writing ", path));
+}
+
+}  // namespace
+
+int RunTokens() {
+  if (FLAGS_dir.empty()) return Usage("tokens needs --dir=DIR (where the token files go)");
+  std::vector<std::string> names = absl::StrSplit(FLAGS_worker_names, ',', absl::SkipEmpty());
+  if (names.empty()) {
+    if (FLAGS_workers < 1) return Usage("--workers must be >= 1");
+    for (int i = 0; i < FLAGS_workers; ++i) names.push_back(absl::StrCat("worker-", i));
+  }
+  std::string admin_line, trainer_line, workers;  // "ROLE TOKEN\n" lines
+  std::map<std::string, std::string> worker_lines;
+  for (const char* role : {"admin", "trainer"}) {
+    auto t = RandomToken();
+    if (!t.ok()) return Fail("tokens", t.status());
+    (std::string(role) == "admin" ? admin_line : trainer_line) = absl::StrCat(role, " ", *t, "\n");
+  }
+  for (const std::string& name : names) {
+    const bool plain = name[0] != '.' && name.find_first_not_of(
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") == std::string::npos;
+    if (worker_lines.count(name) || !plain) {
+      return Usage(absl::StrCat("worker name '", name,
+                                "' is repeated, or not letters, digits, '.', '_' and '-'"));
+    }
+    auto t = RandomToken();
+    if (!t.ok()) return Fail("tokens", t.status());
+    worker_lines[name] = absl::StrCat("worker ", name, " ", *t, "\n");
+    workers += worker_lines[name];
+  }
+  const std::string header = "# Ember tokens (emberctl tokens); keep this file secret.\n";
+  // The servers' file (coordinator; `up`); each worker's own (its line
+  // only, so a worker's host holds no other worker's token); the clients'.
+  std::vector<std::pair<std::string, std::string>> files = {
+      {"servers.tokens", header + admin_line + trainer_line + workers},
+      {"admin.token", admin_line.substr(6)},
+      {"trainer.token", trainer_line.substr(8)}};
+  for (const std::string& name : names) {
+    files.push_back({absl::StrCat("workers/", name, ".tokens"),
+                     header + admin_line + trainer_line + worker_lines[name]});
+  }
+  // All or nothing: no file is replaced, none written if one exists.
+  for (const auto& [file, text] : files) {
+    if (std::filesystem::exists(FLAGS_dir + "/" + file)) {
+      return Fail("tokens", absl::AlreadyExistsError(absl::StrCat(
+                                FLAGS_dir, "/", file, " exists; nothing written (use a new --dir)")));
+    }
+  }
+  std::error_code made;
+  std::filesystem::create_directories(FLAGS_dir + "/workers", made);
+  if (made) {
+    return Fail("tokens", absl::InvalidArgumentError(
+                              absl::StrCat("cannot create ", FLAGS_dir, "/workers: ", made.message())));
+  }
+  for (const auto& [file, text] : files) {
+    if (absl::Status s = WriteSecret(FLAGS_dir + "/" + file, text); !s.ok()) {
+      return Fail("tokens", s);
+    }
+  }
+  std::cout << "wrote " << files.size() << " files to " << FLAGS_dir
+            << ": servers.tokens (the coordinator, `up`), workers/NAME.tokens (each worker's "
+               "own: --auth_token_file, with --worker_name=NAME), admin.token and trainer.token "
+               "(clients)"
             << std::endl;
   return 0;
 }

@@ -27,6 +27,9 @@ int RunCheckpoints();
 int RunRestore();
 int RunDrain();
 int RunCalibrate();
+// emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]: fresh
+// random token files for token authentication (server/common/auth.h).
+int RunTokens();
 
 }  // namespace cli
 }  // namespace ember

@@ -21,6 +21,7 @@
 //       [--sharding_type=TYPE]
 //   emberctl drain --coordinator=ADDR --worker=ID
 //   emberctl calibrate --coordinator=ADDR --output=FILE [--calibrate_rows=N]
+//   emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]
 //
 // Exit status: 0 success, 1 the request failed (bad spec, infeasible plan),
 // 2 bad usage.
@@ -179,6 +180,7 @@ int main(int argc, char** argv) {
       "      [--sharding_type=TYPE]\n"
       "  emberctl drain --coordinator=ADDR --worker=ID\n"
       "  emberctl calibrate --coordinator=ADDR --output=FILE [--calibrate_rows=N]\n"
+      "  emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]\n"
       "Run 'emberctl --helpshort' for every flag.");
   ember::cli::BlockTerminationSignals();  // before any thread exists
   gflags::ParseCommandLineFlags(&argc, &argv, /*remove_flags=*/true);
@@ -207,6 +209,7 @@ int main(int argc, char** argv) {
   if (command == "restore") return ec::RunRestore();
   if (command == "drain") return ec::RunDrain();
   if (command == "calibrate") return ec::RunCalibrate();
+  if (command == "tokens") return ec::RunTokens();
   if (command == "help") {
     std::cout << gflags::ProgramUsage() << std::endl;
     return 0;

@@ -3,6 +3,9 @@
 // (UNAUTHENTICATED) and calls beyond the token's role (PERMISSION_DENIED)
 // before doing anything, and serves the rest: admins create and drop,
 // trainers look up, apply gradients and read, workers register.
+#include <sys/stat.h>
+
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -306,6 +309,47 @@ TEST(AuthTest, AWorkerTokenActsOnlyAsItsWorkerAndCapturesNothing) {
   const auto kjt = testing_util::RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 8, false);
   EXPECT_TRUE((*trainer_or)->Lookup("held", kjt).ok());
   server->Shutdown();
+}
+
+// `emberctl tokens` writes files that work as they are: the servers' file
+// brings a cluster up, the clients' tokens are accepted in their roles, each
+// worker's own file holds its line alone; all readable by their owner only,
+// and never replaced.
+TEST(AuthTest, TokensCommandWritesFilesThatWork) {
+  const std::string dir = ::testing::TempDir() + "/ember_made_tokens";
+  ASSERT_EQ(std::system(absl::StrCat(kEmberctl, " tokens --dir=", dir, " --workers=2").c_str()), 0);
+  EXPECT_NE(std::system(absl::StrCat(kEmberctl, " tokens --dir=", dir, " 2>/dev/null").c_str()), 0);
+  EXPECT_NE(std::system(absl::StrCat(kEmberctl, " tokens --dir=", dir,
+                                     "-x --worker_names=../a 2>/dev/null").c_str()),
+            0);
+  for (const char* f : {"servers.tokens", "admin.token", "trainer.token", "workers/worker-0.tokens",
+                        "workers/worker-1.tokens"}) {
+    struct stat st;
+    ASSERT_EQ(stat((dir + "/" + f).c_str(), &st), 0) << f;
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << f;
+  }
+  auto own = TokenTable::Load(dir + "/workers/worker-1.tokens");
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->worker_names(), std::vector<std::string>{"worker-1"});
+  ASSERT_TRUE(own->SetSelf("").ok());
+  auto servers = TokenTable::Load(dir + "/servers.tokens");
+  ASSERT_TRUE(servers.ok()) << servers.status();
+  EXPECT_EQ(servers->worker_names(), (std::vector<std::string>{"worker-0", "worker-1"}));
+
+  testing_util::LocalCluster cluster(kEmberctl, 2,
+                                     {"--auth_token_file=" + dir + "/servers.tokens"});
+  ASSERT_TRUE(cluster.ok()) << "emberctl up with the made tokens did not come up";
+  auto admin_token = LoadClientToken(dir + "/admin.token");
+  auto trainer_token = LoadClientToken(dir + "/trainer.token");
+  ASSERT_TRUE(admin_token.ok() && trainer_token.ok());
+  auto admin = Connect(cluster.coordinator(), *admin_token);
+  auto trainer = Connect(cluster.coordinator(), *trainer_token);
+  ASSERT_TRUE(admin.ok() && trainer.ok());
+  ASSERT_TRUE((*admin)->CreateCollection(testing_util::TestSpec("made"), "row_wise").ok());
+  EXPECT_EQ((*trainer)->DropCollection("made").code(), absl::StatusCode::kPermissionDenied);
+  std::mt19937 rng(9);
+  const auto kjt = testing_util::RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 4, false);
+  EXPECT_TRUE((*trainer)->Lookup("made", kjt).ok());
 }
 
 TEST(AuthTest, ServersRefuseABadTokenFile) {
