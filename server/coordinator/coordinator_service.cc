@@ -12,6 +12,7 @@
 #include "absl/synchronization/blocking_counter.h"
 #include "glog/logging.h"
 #include "planner/planner.h"
+#include "planner/spec_validation.h"
 #include "server/backend/embedding_backend.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/coordinator/state_store.h"
@@ -348,6 +349,25 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
       replaced.push_back(id);
       batch.DeleteWorker(id);
     }
+  }
+  // At most as many workers as a plan can use: past that, the longest
+  // silent one that no collection names makes room (as forget_workers_after
+  // would later), or the registration is refused.
+  if (replaced.empty() && workers_.size() >= static_cast<size_t>(planner::kMaxWorldSize)) {
+    std::set<std::string> named;
+    for (const auto& [name, ids] : rank_ids_) named.insert(ids.begin(), ids.end());
+    const Worker* oldest = nullptr;
+    for (const auto& [id, old] : workers_) {
+      if (now - old.last_heartbeat < options_.lease || named.count(id)) continue;
+      if (oldest == nullptr || old.last_heartbeat < oldest->last_heartbeat) oldest = &old;
+    }
+    if (oldest == nullptr) {
+      return ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
+          workers_.size(), " workers are registered, the most a plan can use (",
+          planner::kMaxWorldSize, "), and each is live or holds shards")));
+    }
+    replaced.push_back(oldest->id);
+    batch.DeleteWorker(oldest->id);
   }
   ember::v1::StoredWorker stored;
   stored.set_worker_id(w.id);

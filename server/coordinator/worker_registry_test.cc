@@ -89,6 +89,31 @@ TEST_F(WorkerRegistryTest, SilentWorkersHoldingNothingAreForgotten) {
   EXPECT_EQ(Listed(), 0);
 }
 
+// No more workers are kept than a plan can use (4,096): past that a
+// registration makes room by forgetting the longest silent worker that holds
+// nothing, or is refused while every one is live. (Registrations at fresh
+// addresses once grew the registry without bound.)
+TEST_F(WorkerRegistryTest, TheRegistryIsBounded) {
+  Start(absl::Seconds(8), absl::Minutes(10));
+  std::string first;
+  ASSERT_TRUE(Register("127.0.0.1:1", 1, &first).ok());
+  for (int i = 2; i <= 4096; ++i) {
+    ASSERT_TRUE(Register("127.0.0.1:" + std::to_string(i), i).ok()) << i;
+  }
+  EXPECT_EQ(Listed(), 4096);
+  const grpc::Status full = Register("127.0.0.1:5000", 5000);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
+  absl::SleepFor(absl::Milliseconds(8200));  // every lease lapses
+  std::string fresh;
+  ASSERT_TRUE(Register("127.0.0.1:5000", 5000, &fresh).ok());
+  EXPECT_EQ(Listed(), 4096);
+  grpc::ClientContext ctx;
+  ember::v1::HeartbeatRequest req;
+  req.set_worker_id(first);  // the longest silent: forgotten to make room
+  ember::v1::HeartbeatResponse resp;
+  EXPECT_EQ(stub_->Heartbeat(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 }  // namespace
 }  // namespace coordinator
 }  // namespace ember
