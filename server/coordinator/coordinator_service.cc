@@ -394,11 +394,22 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker, &caller); !a.ok()) return a;
   if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
   if (grpc::Status a = MayActFor(caller, req->worker_id()); !a.ok()) return a;
-  // A worker back from a pause learns what it still holds. Taken under
+  // A worker back from a pause learns what it still holds. Answered under
   // create_mu_, so that no recovery of its shards is half done: either its
   // ranks moved (and it is told to drop them) or its heartbeat keeps them.
-  std::optional<absl::MutexLock> create;
-  if (req->after_pause()) create.emplace(&create_mu_);
+  // Never waited for (a restore holds it for minutes, and a handler thread
+  // per heartbeat would pile up): the worker, serving nothing meanwhile,
+  // asks again next round.
+  if (req->after_pause() && !create_mu_.TryLock()) {
+    return ToGrpc(absl::UnavailableError(
+        "the coordinator is creating, dropping or moving shards; heartbeat again"));
+  }
+  struct Unlock {
+    absl::Mutex* mu;
+    ~Unlock() {
+      if (mu != nullptr) mu->Unlock();
+    }
+  } unlock{req->after_pause() ? &create_mu_ : nullptr};
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(req->worker_id());
   if (it == workers_.end()) {
