@@ -533,8 +533,9 @@ absl::StatusOr<std::string> ConfinedPath(const std::string& root, const std::str
                         : Normalize(requested[0] == '/' ? requested : Join(base, requested));
   const std::string outside = absl::StrCat("checkpoint path \"", shown,
                                            "\" is outside this server's checkpoint root ", base);
-  if (!Under(path, base)) return absl::InvalidArgumentError(outside);
-  // Links inside root must not lead out of it.
+  // Decided on real paths (with no ".." left, the lexical path differs only
+  // by links): a link inside root must not lead out of it, and a root given
+  // relative or through a link still takes its absolute spelling.
   const std::string real_base = RealPathOfExisting(base);
   const std::string real_path = RealPathOfExisting(path);
   if (real_base.empty() || real_path.empty() || !Under(real_path, real_base)) {
