@@ -354,8 +354,7 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   // silent one that no collection names makes room (as forget_workers_after
   // would later), or the registration is refused.
   if (replaced.empty() && workers_.size() >= static_cast<size_t>(planner::kMaxWorldSize)) {
-    std::set<std::string> named;
-    for (const auto& [name, ids] : rank_ids_) named.insert(ids.begin(), ids.end());
+    const std::set<std::string> named = NamedWorkersLocked();
     const Worker* oldest = nullptr;
     for (const auto& [id, old] : workers_) {
       if (now - old.last_heartbeat < options_.lease || named.count(id)) continue;
@@ -419,17 +418,10 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   it->second.last_heartbeat = absl::Now();
   resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
   if (req->after_pause()) {
-    for (const auto& [name, ids] : rank_ids_) {
-      auto info = collections_.find(name);
-      if (info == collections_.end()) continue;
-      for (int r : RanksWithShards(info->second.plan())) {
-        if (r < static_cast<int>(ids.size()) && ids[r] == req->worker_id()) {
-          auto* h = resp->add_holds();
-          h->set_collection(name);
-          h->set_epoch(info->second.plan().epoch());
-          break;
-        }
-      }
+    for (const std::string& name : CollectionsOnLocked(req->worker_id())) {
+      auto* h = resp->add_holds();
+      h->set_collection(name);
+      h->set_epoch(collections_[name].plan().epoch());
     }
     LOG(WARNING) << "worker " << req->worker_id() << " is back from a pause; it holds "
                  << resp->holds_size() << " collection(s)";
@@ -588,6 +580,28 @@ grpc::Status CoordinatorService::MayActFor(const Caller& caller,
       grpc::StatusCode::PERMISSION_DENIED,
       absl::StrCat("worker ", caller.identity.empty() ? "(unnamed)" : caller.identity,
                    " may act only as itself; ", worker_id, " is another worker"));
+}
+
+std::vector<std::string> CoordinatorService::CollectionsOnLocked(
+    const std::string& worker_id) const {
+  std::vector<std::string> names;
+  for (const auto& [name, ids] : rank_ids_) {
+    auto info = collections_.find(name);
+    if (info == collections_.end()) continue;
+    for (int r : RanksWithShards(info->second.plan())) {
+      if (r < static_cast<int>(ids.size()) && ids[r] == worker_id) {
+        names.push_back(name);
+        break;
+      }
+    }
+  }
+  return names;
+}
+
+std::set<std::string> CoordinatorService::NamedWorkersLocked() const {
+  std::set<std::string> named;
+  for (const auto& [name, ids] : rank_ids_) named.insert(ids.begin(), ids.end());
+  return named;
 }
 
 absl::Status CoordinatorService::DropOnWorkers(const std::string& collection, int64_t epoch,
@@ -1252,8 +1266,7 @@ void CoordinatorService::MonitorLoop() {
 void CoordinatorService::ForgetDeadWorkers() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
-  std::set<std::string> named;
-  for (const auto& [name, ids] : rank_ids_) named.insert(ids.begin(), ids.end());
+  const std::set<std::string> named = NamedWorkersLocked();
   StateStore::Batch batch;
   std::vector<std::string> gone;
   for (const auto& [id, w] : workers_) {
@@ -1729,14 +1742,7 @@ grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext* ctx,
       return ToGrpc(absl::NotFoundError(absl::StrCat("no worker '", req->worker_id(), "'")));
     }
     draining_.insert(req->worker_id());
-    for (const auto& [name, ids] : rank_ids_) {
-      for (int r : RanksWithShards(collections_[name].plan())) {
-        if (r < static_cast<int>(ids.size()) && ids[r] == req->worker_id()) {
-          names.push_back(name);
-          break;
-        }
-      }
-    }
+    names = CollectionsOnLocked(req->worker_id());
   }
   LOG(INFO) << "draining worker " << req->worker_id() << ": " << names.size() << " collection(s)";
   for (const std::string& name : names) {

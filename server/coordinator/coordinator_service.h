@@ -153,6 +153,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // token made for the identity that registered it (auth.h), "" when auth is
   // off or no registered worker is there (nothing is sent to a stranger).
   std::string CredentialFor(const std::string& address) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The collections whose plans place shards on worker `worker_id`.
+  std::vector<std::string> CollectionsOnLocked(const std::string& worker_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Worker ids some collection's ranks name.
+  std::set<std::string> NamedWorkersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when `caller` may act for worker `worker_id` (itself, or an admin).
   grpc::Status MayActFor(const Caller& caller, const std::string& worker_id) const
       ABSL_LOCKS_EXCLUDED(mu_);
