@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <map>
 #include <utility>
 
@@ -221,21 +220,17 @@ std::string WorkerServer::worker_id() const {
 
 void WorkerServer::HeartbeatLoop() {
   service_->SetLease(lease_);
-  auto last = std::chrono::steady_clock::now();
   bool after_pause = false;  // until a heartbeat saying so is answered
   while (!stop_.WaitForNotificationWithTimeout(lease_ / 4)) {
     // Woken a lease or more after the last round: this process was paused
     // (or starved) long enough for the coordinator to move its shards.
-    const auto now = std::chrono::steady_clock::now();
-    const absl::Duration gap = absl::FromChrono(now - last);
+    const absl::Duration gap = service_->Tick();
     if (gap >= lease_ && !after_pause) {
       after_pause = true;
       service_->Fence();
       LOG(WARNING) << "worker " << worker_id() << ": no heartbeat for " << gap
                    << " (paused?); serving nothing until the coordinator says what it holds";
     }
-    last = now;
-    service_->Tick();
     if (backend_lost_) continue;
     if (absl::Status h = service_->BackendHealth(); !h.ok()) {
       // No heartbeat from now on: the lease lapses and the coordinator

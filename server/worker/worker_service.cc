@@ -490,6 +490,15 @@ void WorkerService::DropAll(const std::string& collection, const Collection& c) 
   }
 }
 
+WorkerService::CollectionMap::iterator WorkerService::EraseCollection(
+    CollectionMap::iterator it) {
+  {
+    absl::MutexLock apply(it->second->apply_mu.get());  // let an update in flight finish
+    DropAll(it->first, *it->second);
+  }
+  return collections_.erase(it);
+}
+
 grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
                                          const ember::v1::UpdateShardsRequest* req,
                                          ember::v1::UpdateShardsResponse*) {
@@ -569,11 +578,7 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
         absl::StrCat("collection '", req->collection(), "' is held at epoch ", (*c)->epoch,
                      ", newer than ", req->epoch())));
   }
-  {
-    absl::MutexLock apply((*c)->apply_mu.get());  // let an update in flight finish
-    DropAll(req->collection(), **c);
-  }
-  collections_.erase(req->collection());
+  EraseCollection(collections_.find(req->collection()));
   LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << " dropped";
   return grpc::Status::OK;
 }
@@ -615,10 +620,6 @@ absl::StatusOr<absl::Span<float>> Placement(const ShmChannels::Region& buffer,
   return absl::MakeSpan(reinterpret_cast<float*>(bytes->data()), bytes->size() / 4);
 }
 
-}  // namespace
-
-namespace {
-
 int64_t SteadyNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -632,7 +633,10 @@ void WorkerService::SetLease(absl::Duration lease) {
   lease_ns_.store(absl::ToInt64Nanoseconds(lease));
 }
 
-void WorkerService::Tick() { last_tick_ns_.store(SteadyNanos()); }
+absl::Duration WorkerService::Tick() {
+  const int64_t now = SteadyNanos();
+  return absl::Nanoseconds(now - last_tick_ns_.exchange(now));
+}
 
 void WorkerService::Fence() { fenced_.store(true); }
 
@@ -649,14 +653,10 @@ void WorkerService::Unfence(const std::map<std::string, int64_t>& keep) {
       }
       LOG(WARNING) << "collection '" << it->first << "' epoch " << it->second->epoch
                    << ": moved elsewhere while this worker was paused; dropped";
-      {
-        absl::MutexLock apply(it->second->apply_mu.get());
-        DropAll(it->first, *it->second);
-      }
-      it = collections_.erase(it);
+      it = EraseCollection(it);
     }
   }
-  Tick();
+  (void)Tick();
   fenced_.store(false);
 }
 

@@ -101,7 +101,9 @@ class WorkerService final : public ember::v1::Worker::Service {
   // for a lease, and once it noticed the pause (Fence) until the
   // coordinator's answer (Unfence). Without SetLease nothing is fenced.
   void SetLease(absl::Duration lease);
-  void Tick();   // the heartbeat thread ran now
+  // The heartbeat thread runs now; the time since it last did (or since
+  // SetLease, or the last Unfence).
+  absl::Duration Tick();
   void Fence();  // it found itself paused
   // Drops every collection held at an epoch other than `keep`'s (and every
   // one `keep` does not name), then serves again.
@@ -228,6 +230,11 @@ class WorkerService final : public ember::v1::Worker::Service {
   // Drops every shard of c from the backend (an unpublished set, or one
   // being dropped).
   void DropAll(const std::string& collection, const Collection& c);
+  // DropAll (once an update in flight finished), then the collection out of
+  // collections_; the iterator after it.
+  using CollectionMap = std::map<std::string, std::unique_ptr<Collection>>;
+  CollectionMap::iterator EraseCollection(CollectionMap::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
@@ -265,7 +272,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   std::atomic<int64_t> last_tick_ns_{0}, lease_ns_{0};
   std::atomic<bool> fenced_{false};
   mutable absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<Collection>> collections_ ABSL_GUARDED_BY(mu_);
+  CollectionMap collections_ ABSL_GUARDED_BY(mu_);
   ShmChannels channels_;
   // Collections whose CreateShards is allocating (outside mu_): a second
   // create of the same name meanwhile is refused (ABORTED).
