@@ -440,10 +440,7 @@ absl::Status CheckCoverage(const ember::v1::CheckpointManifest& m) {
       }
       for (size_t j = 0; j < i; ++j) {
         const auto& b = *shards[j];
-        if (std::max(a.row_offset(), b.row_offset()) <
-                std::min(a.row_offset() + a.rows(), b.row_offset() + b.rows()) &&
-            std::max(a.col_offset(), b.col_offset()) <
-                std::min(a.col_offset() + a.cols(), b.col_offset() + b.cols())) {
+        if (!CellBlock::Of(a).Intersection(CellBlock::Of(b)).empty()) {
           return absl::DataLossError(absl::StrCat("checkpoint shards ", b.file(), " and ",
                                                   a.file(), " of table '", table.name(),
                                                   "' overlap"));

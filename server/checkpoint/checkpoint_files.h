@@ -20,6 +20,7 @@
 #ifndef EMBER_SERVER_CHECKPOINT_CHECKPOINT_FILES_H_
 #define EMBER_SERVER_CHECKPOINT_CHECKPOINT_FILES_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -74,6 +75,21 @@ absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& di
 // names it in errors.
 absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& text,
                                                             const std::string& path);
+
+// Rows [row0, row1) x columns [col0, col1) of a table.
+struct CellBlock {
+  int64_t row0 = 0, row1 = 0, col0 = 0, col1 = 0;
+
+  static CellBlock Of(const ember::v1::CheckpointShard& s) {
+    return {s.row_offset(), s.row_offset() + s.rows(), s.col_offset(), s.col_offset() + s.cols()};
+  }
+  // The cells both hold (empty() when none).
+  CellBlock Intersection(const CellBlock& o) const {
+    return {std::max(row0, o.row0), std::min(row1, o.row1), std::max(col0, o.col0),
+            std::min(col1, o.col1)};
+  }
+  bool empty() const { return row0 >= row1 || col0 >= col1; }
+};
 
 // A manifest's shards against its spec, before anything is read: every
 // table's shards lie inside it, no two overlap, and together they cover it

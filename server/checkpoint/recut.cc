@@ -1,9 +1,7 @@
 #include "server/checkpoint/recut.h"
 
 #include <algorithm>
-#include <map>
 #include <string>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -25,10 +23,7 @@ RecutTarget::RecutTarget(OptimizerType type, int64_t row_offset, int64_t col_off
       rowwise_sum(type == OptimizerType::kRowwiseAdagrad ? rows : 0, 0.0) {}
 
 bool Overlaps(const ember::v1::CheckpointShard& s, const RecutTarget& t) {
-  return std::max(s.row_offset(), t.row_offset) <
-             std::min(s.row_offset() + s.rows(), t.row_offset + t.rows) &&
-         std::max(s.col_offset(), t.col_offset) <
-             std::min(s.col_offset() + s.cols(), t.col_offset + t.cols);
+  return !CellBlock::Of(s).Intersection(t.block()).empty();
 }
 
 absl::Status CopyOverlap(const ember::v1::CheckpointShard& s, const ShardData& d, RecutTarget* t) {
@@ -39,20 +34,18 @@ absl::Status CopyOverlap(const ember::v1::CheckpointShard& s, const ShardData& d
         "checkpoint shard ", s.file(), " has ", d.rows, " x ", d.cols, " with state width ",
         d.state_width, ", which does not fit its table's optimizer"));
   }
-  const int64_t r0 = std::max(s.row_offset(), t->row_offset);
-  const int64_t r1 = std::min(s.row_offset() + s.rows(), t->row_offset + t->rows);
-  const int64_t c0 = std::max(s.col_offset(), t->col_offset);
-  const int64_t c1 = std::min(s.col_offset() + scols, t->col_offset + t->cols);
-  if (r0 >= r1 || c0 >= c1) return absl::OkStatus();
-  for (const RecutTarget::Block& b : t->filled) {
-    if (std::max(r0, b.row0) < std::min(r1, b.row1) && std::max(c0, b.col0) < std::min(c1, b.col1)) {
-      return absl::DataLossError(absl::StrCat(
-          "checkpoint shards ", b.file, " and ", s.file(), " both hold rows [",
-          std::max(r0, b.row0), ", ", std::min(r1, b.row1), ") columns [", std::max(c0, b.col0),
-          ", ", std::min(c1, b.col1), ")"));
+  const CellBlock cells = CellBlock::Of(s).Intersection(t->block());
+  if (cells.empty()) return absl::OkStatus();
+  for (const auto& [filled, file] : t->filled) {
+    const CellBlock both = cells.Intersection(filled);
+    if (!both.empty()) {
+      return absl::DataLossError(absl::StrCat("checkpoint shards ", file, " and ", s.file(),
+                                              " both hold rows [", both.row0, ", ", both.row1,
+                                              ") columns [", both.col0, ", ", both.col1, ")"));
     }
   }
-  t->filled.push_back({r0, r1, c0, c1, s.file()});
+  t->filled.emplace_back(cells, s.file());
+  const int64_t r0 = cells.row0, r1 = cells.row1, c0 = cells.col0, c1 = cells.col1;
   const int64_t n = c1 - c0, tc = c0 - t->col_offset, sc = c0 - s.col_offset();
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t tr = r - t->row_offset, sr = r - s.row_offset();

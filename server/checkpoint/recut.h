@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,13 +38,11 @@ struct RecutTarget {
   std::vector<float> state;    // [rows, state_width]
   int64_t step = 0;
   int64_t covered = 0;         // cells filled so far
-  // The blocks filled so far, [row0, row1) x [col0, col1) in the table's
-  // coordinates: a source overlapping one of them is refused.
-  struct Block {
-    int64_t row0, row1, col0, col1;
-    std::string file;
-  };
-  std::vector<Block> filled;
+  // The blocks filled so far, in the table's coordinates, and the files
+  // they came from: a source overlapping one of them is refused.
+  std::vector<std::pair<CellBlock, std::string>> filled;
+
+  CellBlock block() const { return {row_offset, row_offset + rows, col_offset, col_offset + cols}; }
   // Row-wise Adagrad: sum of accumulator x shared columns per row, in double
   // so that an unchanged layout restores the accumulator bit for bit.
   std::vector<double> rowwise_sum;
