@@ -976,13 +976,12 @@ int RunTokens() {
     if (FLAGS_workers < 1) return Usage("--workers must be >= 1");
     for (int i = 0; i < FLAGS_workers; ++i) names.push_back(absl::StrCat("worker-", i));
   }
-  std::string admin_line, trainer_line, workers;  // "ROLE TOKEN\n" lines
+  auto admin = RandomToken();
+  auto trainer = RandomToken();
+  if (!admin.ok() || !trainer.ok()) return Fail("tokens", admin.ok() ? trainer.status() : admin.status());
+  const std::string roles = absl::StrCat("admin ", *admin, "\ntrainer ", *trainer, "\n");
+  std::string workers;  // "worker NAME TOKEN\n" lines
   std::map<std::string, std::string> worker_lines;
-  for (const char* role : {"admin", "trainer"}) {
-    auto t = RandomToken();
-    if (!t.ok()) return Fail("tokens", t.status());
-    (std::string(role) == "admin" ? admin_line : trainer_line) = absl::StrCat(role, " ", *t, "\n");
-  }
   for (const std::string& name : names) {
     const bool plain = name[0] != '.' && name.find_first_not_of(
         "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") == std::string::npos;
@@ -999,12 +998,11 @@ int RunTokens() {
   // The servers' file (coordinator; `up`); each worker's own (its line
   // only, so a worker's host holds no other worker's token); the clients'.
   std::vector<std::pair<std::string, std::string>> files = {
-      {"servers.tokens", header + admin_line + trainer_line + workers},
-      {"admin.token", admin_line.substr(6)},
-      {"trainer.token", trainer_line.substr(8)}};
+      {"servers.tokens", header + roles + workers},
+      {"admin.token", *admin + "\n"},
+      {"trainer.token", *trainer + "\n"}};
   for (const std::string& name : names) {
-    files.push_back({absl::StrCat("workers/", name, ".tokens"),
-                     header + admin_line + trainer_line + worker_lines[name]});
+    files.push_back({absl::StrCat("workers/", name, ".tokens"), header + roles + worker_lines[name]});
   }
   // All or nothing: no file is replaced, none written if one exists.
   for (const auto& [file, text] : files) {

@@ -126,11 +126,9 @@ def _as_kjt(kjt):
     if isinstance(kjt, KeyedJaggedTensor):
         return kjt
     if callable(getattr(kjt, "keys", None)) and callable(getattr(kjt, "lengths", None)):
-        def numpy_of(t):
-            return t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)
         weights = kjt.weights_or_none() if hasattr(kjt, "weights_or_none") else None
-        return KeyedJaggedTensor(kjt.keys(), numpy_of(kjt.lengths()), numpy_of(kjt.values()),
-                                 None if weights is None else numpy_of(weights))
+        return KeyedJaggedTensor(kjt.keys(), _numpy(kjt.lengths()), _numpy(kjt.values()),
+                                 None if weights is None else _numpy(weights))
     raise TypeError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
 
 
@@ -352,8 +350,7 @@ class Client:
         """Replaces a table's weights with `array` ([rows, dim], e.g. a
         TorchRec state dict's "embedding_bags.<table>.weight"); optimizer
         state is kept."""
-        if hasattr(array, "detach"):
-            array = array.detach().cpu().numpy()
+        array = _numpy(array)
         self._c.import_table(name, table, np.ascontiguousarray(array, dtype=np.float32))
 
     def checkpoint(self, name, dir=""):

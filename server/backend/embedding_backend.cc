@@ -194,9 +194,10 @@ absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
   // checkpoints holding it would not restore).
   if (spec.weight_type != WeightType::kFp32) {
     const bool fp16 = spec.weight_type == WeightType::kFp16;
-    for (size_t i = 0; i < weights.size(); ++i) {
-      const uint16_t h = fp16 ? FloatToFp16(weights[i]) : FloatToBf16(weights[i]);
-      if ((h & 0x7fffu) == (fp16 ? 0x7c00u : 0x7f80u)) {
+    for (size_t i = 0; i < weights.size(); ++i) {  // finite, checked above
+      const float stored = fp16 ? Fp16ToFloat(FloatToFp16(weights[i]))
+                                : Bf16ToFloat(FloatToBf16(weights[i]));
+      if (std::isinf(stored)) {
         const int64_t cols = spec.dim;
         return absl::InvalidArgumentError(absl::StrCat(
             what, ": row ", spec.row_offset + b + static_cast<int64_t>(i) / cols, " column ",
