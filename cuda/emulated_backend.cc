@@ -14,6 +14,7 @@
 #include "cuda/host_kernels.h"
 #include "cuda/request_plan.h"
 #include "server/backend/half.h"
+#include "server/backend/overflow_guard.h"
 
 namespace ember {
 namespace cuda {
@@ -35,6 +36,9 @@ struct Shard {
   std::vector<float> full;     // fp32 weights
   std::vector<float> state;
   int64_t step = 0;
+  backend::ValueBounds bounds;  // overflow_guard.h
+  bool guard = false;           // this call's rows are checked first
+  backend::ValueBounds after;   // the bounds after this call, when not
 
   void* weights() { return spec.weight_type == WeightType::kFp32 ? static_cast<void*>(full.data())
                                                                  : static_cast<void*>(half.data()); }
@@ -42,7 +46,8 @@ struct Shard {
 
 class EmulatedBackend : public backend::EmbeddingBackend {
  public:
-  explicit EmulatedBackend(const EmulatedCudaOptions& options) {
+  explicit EmulatedBackend(const EmulatedCudaOptions& options)
+      : skip_overflow_(options.skip_overflow) {
     const size_t bytes = options.scratch_bytes == 0 ? std::numeric_limits<size_t>::max()
                                                     : options.scratch_bytes;
     scratch_.device_bytes = scratch_.host_bytes = bytes;
@@ -58,6 +63,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
     shard->state_width = backend::OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    shard->bounds = backend::InitialBounds(spec);
     const int64_t n = spec.rows * spec.dim;
     std::vector<float> values(n);
     for (int64_t r = 0; r < spec.rows; ++r) {
@@ -99,26 +105,69 @@ class EmulatedBackend : public backend::EmbeddingBackend {
                                   ABSL_NO_THREAD_SAFETY_ANALYSIS { return LookupPiece(piece); });
   }
 
+  // The CUDA backend's overflow guard (overflow_guard.h), over the same
+  // kernel bodies: shards whose bounds cannot rule an overflow out have
+  // their rows checked in a launch of their own before any piece applies
+  // (or, with skip_overflow, each such row checked as it is applied).
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+    std::vector<float> grad_max(requests.size());
+    if (absl::Status s = backend::ValidateRequests(requests, FindSpec(), backend::Checks::kAll,
+                                                   false, absl::MakeSpan(grad_max));
+        !s.ok()) {
+      return s;
+    }
+    std::map<ShardId, double> merged;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      merged[requests[i].feature.shard] +=
+          backend::MergedGradientBound(requests[i].feature, grad_max[i]);
+    }
+    bool any_guard = false;
+    for (auto& [id, bound] : merged) {
+      Shard* s = Find(id);
+      const backend::math::StepParams p = backend::MakeStepParams(s->spec.optimizer, s->step + 1);
+      s->guard = !backend::GuardStep(s->spec, p, &s->bounds, bound, &s->after,
+                                     [s] { return Measure(*s); });
+      any_guard |= s->guard;
+    }
     const GradientPlan plan = PlanGradients(requests, Resolver());
-    auto take_steps = [&] {
-      for (ShardId id : plan.idle) ++Find(id)->step;
-      for (ShardId id : plan.slots) ++Find(id)->step;
-    };
-    if (plan.total_ids > 0) {
+    backend::OverflowReport seen;
+    if (plan.total_ids > 0 && any_guard && !skip_overflow_) {
       if (absl::Status s = ForEachGradientPiece(
               requests, plan, Resolver(), scratch_,
-              [this](absl::Span<const GradientRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                return GradientPiece(piece);
+              [&](absl::Span<const GradientRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return CheckPiece(piece, &seen);
               });
           !s.ok()) {
         return s;
       }
     }
-    take_steps();
+    OverflowRecord applied = FreshRecord();
+    if (plan.total_ids > 0) {
+      if (absl::Status s = ForEachGradientPiece(
+              requests, plan, Resolver(), scratch_,
+              [&](absl::Span<const GradientRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return GradientPiece(piece, kApplyRows, skip_overflow_ && any_guard, &applied);
+              });
+          !s.ok()) {
+        return s;
+      }
+    }
+    NoteMaxima(applied, &seen);
+    skipped_rows_ += static_cast<int64_t>(applied.skipped);
+    for (ShardId id : plan.idle) ++Find(id)->step;
+    for (ShardId id : plan.slots) {
+      Shard* s = Find(id);
+      ++s->step;
+      s->bounds = s->guard ? backend::BoundsAfterCheck(s->bounds, seen) : s->after;
+      s->guard = false;
+    }
     return absl::OkStatus();
+  }
+
+  int64_t OverflowSkippedRows() const override {
+    absl::MutexLock lock(&mu_);
+    return skipped_rows_;
   }
 
   absl::Status ExportRows(ShardId id, int64_t b, int64_t e, absl::Span<float> weights,
@@ -147,6 +196,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     }
     Store(s, b * s->spec.dim, weights.data(), (e - b) * s->spec.dim);
     std::copy(state.begin(), state.end(), s->state.begin() + b * s->state_width);
+    s->bounds = backend::Widen(s->bounds, backend::ImportedBounds(s->spec, weights, state));
     return absl::OkStatus();
   }
 
@@ -206,8 +256,25 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // One piece of an ApplyGradients call, without the Adam step.
-  absl::Status GradientPiece(absl::Span<const GradientRequest> requests)
+  // A piece's guarded rows computed and not stored: a misfit refuses the
+  // call (named by a second, reporting launch); the fit rows' largest
+  // values go to *seen.
+  absl::Status CheckPiece(absl::Span<const GradientRequest> piece, backend::OverflowReport* seen)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    OverflowRecord rec = FreshRecord();
+    if (absl::Status s = GradientPiece(piece, kCheckRows, false, &rec); !s.ok()) return s;
+    NoteMaxima(rec, seen);
+    if (rec.first_key == FreshRecord().first_key) return absl::OkStatus();
+    if (absl::Status s = GradientPiece(piece, kReportRow, false, &rec); !s.ok()) return s;
+    ShardId id;
+    const backend::OverflowReport r = ReportOf(PlanGradients(piece, Resolver()), rec, &id);
+    return backend::OverflowRefusal(Find(id)->spec, r);
+  }
+
+  // One piece of an ApplyGradients call, without the Adam step, its update
+  // step as `mode` says (kernel_descs.h), noting in *record.
+  absl::Status GradientPiece(absl::Span<const GradientRequest> requests, int32_t mode,
+                             bool guarded_apply, OverflowRecord* record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const GradientPlan plan = PlanGradients(requests, Resolver());
     const int64_t total = plan.total_ids;
@@ -255,6 +322,9 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     a.hot_end = hot_end.data();
     a.partials = partials.data();
     a.max_units = max_units;
+    a.mode = mode;
+    a.guarded_apply = guarded_apply ? 1 : 0;
+    a.record = record;
     RunBackwardOnHost(a);
     return absl::OkStatus();
   }
@@ -305,11 +375,21 @@ class EmulatedBackend : public backend::EmbeddingBackend {
       v.spec = &s->spec;
       v.state_width = s->state_width;
       v.step = s->step;
+      v.guard = s->guard;
       return v;
     };
   }
 
+  // The bounds of every value a shard holds.
+  static backend::ValueBounds Measure(const Shard& s) {
+    std::vector<float> w(s.spec.rows * s.spec.dim);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = Get(s, static_cast<int64_t>(i));
+    return backend::MeasureValues(s.spec, w, s.state);
+  }
+
+  const bool skip_overflow_;
   mutable absl::Mutex mu_;
+  int64_t skipped_rows_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
   Scratch scratch_;

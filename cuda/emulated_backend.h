@@ -21,6 +21,8 @@ struct EmulatedCudaOptions {
   // staging is as large): calls that do not fit run in pieces
   // (call_split.h), as on a GPU. 0: no limit.
   size_t scratch_bytes = 0;
+  // As the CUDA backend's (CudaBackendOptions::skip_overflow).
+  bool skip_overflow = false;
 };
 
 std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend(

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
@@ -373,6 +374,9 @@ struct UpdateArgs {
   const float* grads;
   float* partials;  // [hot chunks, partial_stride]
   int64_t partial_stride;
+  int32_t mode;           // UpdateMode
+  int32_t guarded_apply;  // kApplyRows: guarded shards' misfit rows are left alone
+  OverflowRecord* record;  // kCheckRows, kReportRow, guarded kApplyRows
 };
 
 // Each hot chunk's scaled gradient rows summed into partials[unit].
@@ -426,12 +430,101 @@ EMBER_KERNEL Vec4 L2Gradient4(const math::StepParams& p, Vec4 g, Vec4 w) {
           math::L2Gradient(p, g.z, w.z), math::L2Gradient(p, g.w, w.w)};
 }
 
+// Atomics of the update's record: device atomics under nvcc; on the host,
+// where one warp runs at a time and its lanes switch only at shuffles,
+// plain reads and writes.
+EMBER_KERNEL void AtomicMinU64(unsigned long long* p, unsigned long long v) {  // NOLINT
+#ifdef __CUDA_ARCH__
+  atomicMin(p, v);
+#else
+  if (v < *p) *p = v;
+#endif
+}
+EMBER_KERNEL void AtomicMaxU32(unsigned int* p, unsigned int v) {
+#ifdef __CUDA_ARCH__
+  atomicMax(p, v);
+#else
+  if (v > *p) *p = v;
+#endif
+}
+EMBER_KERNEL void AtomicAddU64(unsigned long long* p, unsigned long long v) {  // NOLINT
+#ifdef __CUDA_ARCH__
+  atomicAdd(p, v);
+#else
+  *p += v;
+#endif
+}
+
+// A row's update computed and not stored (UpdateRow<kDry>): whether every
+// weight fits its type and every state element is finite, the first that
+// does not (element number: weights [0, dim), then state dim + k) and its
+// value, and the largest |weight| and accumulator. Warp-uniform.
+struct RowFit {
+  bool fits;
+  int64_t bad;
+  float value;
+  float max_weight;
+  float max_acc;
+};
+
+// One lane's note of its elements of a dry run.
+struct FitNote {
+  int64_t bad = INT64_MAX;
+  float value = 0;
+  float max_weight = 0;
+  float max_acc = 0;
+
+  EMBER_KERNEL void Weight(float x, float limit, int64_t e) {
+    if (!math::Fits(x, limit)) {
+      if (e < bad) bad = e, value = x;
+    } else {
+      max_weight = fmaxf(max_weight, fabsf(x));
+    }
+  }
+  EMBER_KERNEL void State(float x, int64_t e, bool accumulator) {
+    if (!math::Fits(x, math::kStateLimit)) {
+      if (e < bad) bad = e, value = x;
+    } else if (accumulator) {
+      max_acc = fmaxf(max_acc, x);
+    }
+  }
+  EMBER_KERNEL void Weights(Vec4 v, float limit, int64_t e) {
+    Weight(v.x, limit, e);
+    Weight(v.y, limit, e + 1);
+    Weight(v.z, limit, e + 2);
+    Weight(v.w, limit, e + 3);
+  }
+  EMBER_KERNEL void States(Vec4 v, int64_t e, bool accumulator) {
+    State(v.x, e, accumulator);
+    State(v.y, e + 1, accumulator);
+    State(v.z, e + 2, accumulator);
+    State(v.w, e + 3, accumulator);
+  }
+  // The warp's: the smallest bad element (its value from the one lane that
+  // holds it) and the largest values.
+  template <typename Warp>
+  EMBER_KERNEL RowFit Reduce(Warp& w) const {
+    int64_t b = bad;
+    float mw = max_weight, ma = max_acc;
+    for (int m = 1; m < kWarpSize; m <<= 1) {
+      const int64_t o = w.shfl_xor(b, m);
+      b = o < b ? o : b;
+      mw = fmaxf(mw, w.shfl_xor(mw, m));
+      ma = fmaxf(ma, w.shfl_xor(ma, m));
+    }
+    float v = bad == b && b != INT64_MAX ? value : 0.0f;
+    for (int m = 1; m < kWarpSize; m <<= 1) v += w.shfl_xor(v, m);
+    return RowFit{b == INT64_MAX, b == INT64_MAX ? -1 : b, v, mw, ma};
+  }
+};
+
 // One optimizer update of `row`, whose merged gradient is the sum over k in
 // [b, e) of meta's scaled rows of `grads` (its occurrences, or a hot row's
-// chunk sums). Called by a whole warp.
-template <typename Tag, typename Warp, typename Meta>
-EMBER_KERNEL void UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b, int64_t e,
-                            const float* grads, Meta meta) {
+// chunk sums). Called by a whole warp. kDry: the same arithmetic with
+// nothing stored, and what it would store judged (RowFit; overflow_guard.h).
+template <typename Tag, bool kDry, typename Warp, typename Meta>
+EMBER_KERNEL RowFit UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b, int64_t e,
+                              const float* grads, Meta meta) {
   using T = typename Tag::Storage;
   const int lane = w.lane();
   const int64_t dim = d.dim;
@@ -440,6 +533,8 @@ EMBER_KERNEL void UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b
   float* st = d.state != nullptr ? d.state + row * d.state_width : nullptr;
   const uint64_t key = d.stochastic ? math::RowNoiseKey(d.seed, d.step, d.row_offset + row) : 0;
   const WarpGeometry g = MakeGeometry(dim, lane);
+  const float limit = math::WeightLimit(d.weight_type);
+  FitNote note;
 
   if (p.optimizer == math::kStepRowwiseAdagrad) {
     // The row's mean square needs the whole gradient first: one pass for
@@ -461,7 +556,13 @@ EMBER_KERNEL void UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b
     for (int m = 1; m < kWarpSize; m <<= 1) sq += w.shfl_xor(sq, m);
     float mult = 0;
     if (lane == 0) {
-      mult = math::RowwiseMultiplier(p, &st[0], static_cast<float>(sq / static_cast<double>(dim)));
+      float acc = st[0];
+      mult = math::RowwiseMultiplier(p, &acc, static_cast<float>(sq / static_cast<double>(dim)));
+      if (kDry) {
+        note.State(acc, dim, true);
+      } else {
+        st[0] = acc;
+      }
     }
     mult = w.shfl(mult, 0);
     for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
@@ -476,10 +577,15 @@ EMBER_KERNEL void UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b
         wv.y = math::RowwiseStep(p, wv.y, gv.y, mult);
         wv.z = math::RowwiseStep(p, wv.z, gv.z, mult);
         wv.w = math::RowwiseStep(p, wv.w, gv.w, mult);
-        StoreUpdated<Tag>(d, wr + 4 * c, wv, key, 4 * c);
+        if (kDry) {
+          note.Weights(wv, limit, 4 * c);
+        } else {
+          StoreUpdated<Tag>(d, wr + 4 * c, wv, key, 4 * c);
+        }
       }
     }
-    return;
+    if (kDry) return note.Reduce(w);
+    return RowFit{true, -1, 0.0f, 0.0f, 0.0f};
   }
 
   for (int64_t cb = 0; cb < g.chunks; cb += g.group) {
@@ -499,6 +605,16 @@ EMBER_KERNEL void UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b
     wv.y = math::ElementStep(p, wv.y, gv.y, &s.y, &m.y, &v.y);
     wv.z = math::ElementStep(p, wv.z, gv.z, &s.z, &m.z, &v.z);
     wv.w = math::ElementStep(p, wv.w, gv.w, &s.w, &m.w, &v.w);
+    if (kDry) {
+      note.Weights(wv, limit, 4 * c);
+      if (p.optimizer == math::kStepAdagrad) {
+        note.States(s, dim + 4 * c, true);
+      } else if (p.optimizer == math::kStepAdam) {
+        note.States(m, dim + 4 * c, false);
+        note.States(v, 2 * dim + 4 * c, true);
+      }
+      continue;
+    }
     StoreUpdated<Tag>(d, wr + 4 * c, wv, key, 4 * c);
     if (p.optimizer == math::kStepAdagrad) {
       Store4(Fp32(), st + 4 * c, s);
@@ -507,19 +623,73 @@ EMBER_KERNEL void UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t b
       Store4(Fp32(), st + dim + 4 * c, v);
     }
   }
+  if (kDry) return note.Reduce(w);
+  return RowFit{true, -1, 0.0f, 0.0f, 0.0f};
+}
+
+EMBER_KERNEL unsigned int FloatBitsOf(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  unsigned int u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+// Row `row` of shard d as `a.mode` says (UpdateMode), its merged gradient
+// the sum over k in [b, e) of meta's scaled rows of `grads`.
+template <typename Tag, typename Warp, typename Meta>
+EMBER_KERNEL void UpdateOrCheck(Warp& w, const UpdateArgs& a, const UpdateDesc& d, int64_t row,
+                                uint64_t key, int64_t b, int64_t e, const float* grads,
+                                Meta meta) {
+  OverflowRecord* rec = a.record;
+  if (a.mode == kApplyRows) {
+    if (d.guard && a.guarded_apply) {
+      const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
+      if (!f.fits) {
+        if (w.lane() == 0) AtomicAddU64(&rec->skipped, 1);
+        return;
+      }
+      if (w.lane() == 0) {
+        AtomicMaxU32(&rec->max_weight_bits, FloatBitsOf(f.max_weight));
+        AtomicMaxU32(&rec->max_acc_bits, FloatBitsOf(f.max_acc));
+      }
+    }
+    UpdateRow<Tag, false>(w, d, row, b, e, grads, meta);
+    return;
+  }
+  if (a.mode == kCheckRows) {
+    if (!d.guard) return;
+    const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
+    if (w.lane() != 0) return;
+    if (!f.fits) {
+      AtomicMinU64(&rec->first_key, static_cast<unsigned long long>(key));  // NOLINT
+    } else {
+      AtomicMaxU32(&rec->max_weight_bits, FloatBitsOf(f.max_weight));
+      AtomicMaxU32(&rec->max_acc_bits, FloatBitsOf(f.max_acc));
+    }
+    return;
+  }
+  if (key != rec->first_key) return;  // kReportRow: one warp owns the row
+  const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
+  if (w.lane() == 0) {
+    rec->bad = f.bad;
+    rec->value = f.value;
+  }
 }
 
 template <typename Tag, typename Warp>
 EMBER_KERNEL void UpdateRun(Warp& w, const UpdateArgs& a, const UpdateDesc& d, int64_t row,
-                            int64_t u, int64_t b, int64_t e) {
+                            uint64_t key, int64_t u, int64_t b, int64_t e) {
   if (e - b > kHotRun) {  // the run's chunk sums
     const int64_t stride = a.partial_stride;
     auto chunk_sums = [stride](int64_t k, int64_t* off, float* s) {
       *off = k * stride;
       *s = 1.0f;
     };
-    UpdateRow<Tag>(w, d, row, u == 0 ? 0 : a.hot_end[u - 1], a.hot_end[u], a.partials,
-                   chunk_sums);
+    UpdateOrCheck<Tag>(w, a, d, row, key, u == 0 ? 0 : a.hot_end[u - 1], a.hot_end[u],
+                       a.partials, chunk_sums);
     return;
   }
   const int64_t* positions = a.sorted_positions;
@@ -530,7 +700,7 @@ EMBER_KERNEL void UpdateRun(Warp& w, const UpdateArgs& a, const UpdateDesc& d, i
     *off = src_off[q];
     *s = scale[q];
   };
-  UpdateRow<Tag>(w, d, row, b, e, a.grads, occurrences);
+  UpdateOrCheck<Tag>(w, a, d, row, key, b, e, a.grads, occurrences);
 }
 
 // One warp per run of equal sorted keys (a unique (shard, row)); each row is
@@ -546,13 +716,13 @@ EMBER_KERNEL void UpdateWarp(Warp& w, int64_t warp, int64_t warps, const UpdateA
     const int64_t row = static_cast<int64_t>(key - a.key_base[s]);
     switch (d.weight_type) {
       case kFp16:
-        UpdateRun<Fp16>(w, a, d, row, u, b, e);
+        UpdateRun<Fp16>(w, a, d, row, key, u, b, e);
         break;
       case kBf16:
-        UpdateRun<Bf16>(w, a, d, row, u, b, e);
+        UpdateRun<Bf16>(w, a, d, row, key, u, b, e);
         break;
       default:
-        UpdateRun<Fp32>(w, a, d, row, u, b, e);
+        UpdateRun<Fp32>(w, a, d, row, key, u, b, e);
     }
   }
 }

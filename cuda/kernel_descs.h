@@ -50,6 +50,29 @@ struct UpdateDesc {
   int64_t step;                     // this call's step,
   int64_t row_offset;               // and the shard's place in the table
   int64_t col_offset;
+  // Its rows are checked before they are applied (overflow_guard.h): in a
+  // check launch, and row by row in a guarded apply.
+  int32_t guard;
+  int32_t unused;
+};
+
+// What the update kernels do with each row (UpdateArgs::mode).
+enum UpdateMode : int32_t {
+  kApplyRows = 0,   // apply (rows of guarded shards only where they fit, when guarded_apply)
+  kCheckRows = 1,   // compute guarded shards' rows, store nothing, note misfits
+  kReportRow = 2,   // compute OverflowRecord::first_key's row, note its first bad element
+};
+
+// A check's findings (overflow_guard.h), in device memory; first_key
+// starts at UINT64_MAX and the rest at 0.
+struct OverflowRecord {
+  unsigned long long first_key;    // NOLINT(runtime/int): the smallest misfit's sort key
+  unsigned long long skipped;      // NOLINT(runtime/int): rows a guarded apply left alone
+  unsigned int max_weight_bits;    // the largest |weight| of the rows that fit, as float bits
+  unsigned int max_acc_bits;       // their largest accumulator, as float bits
+  int64_t bad;                     // kReportRow: its first bad element (weights, then state)
+  float value;                     // and the value it would take
+  int32_t unused;
 };
 
 // One request's inputs in device memory (FeatureRequest::on_device: a

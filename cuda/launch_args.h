@@ -65,6 +65,11 @@ struct BackwardLaunch {
   int64_t max_units = 1;
   void* temp = nullptr;  // BackwardTempBytes(num_bags, total_ids, end_bit)
   size_t temp_bytes = 0;
+  // What the update step does (kernel_descs.h's UpdateMode) and where a
+  // check notes what it finds.
+  int32_t mode = kApplyRows;
+  int32_t guarded_apply = 0;
+  OverflowRecord* record = nullptr;
 };
 
 // A check of a call's device inputs (kernel_bodies.h's BadInputOne): the
@@ -97,6 +102,9 @@ inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t*
   u.grads = a.grads;
   u.partials = a.partials;
   u.partial_stride = a.max_dim;
+  u.mode = a.mode;
+  u.guarded_apply = a.guarded_apply;
+  u.record = a.record;
   return u;
 }
 

@@ -1,5 +1,8 @@
 #include "cuda/request_plan.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include <map>
 #include <set>
 
@@ -81,6 +84,7 @@ GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
     u.step = s.step + 1;
     u.row_offset = spec.row_offset;
     u.col_offset = spec.col_offset;
+    u.guard = s.guard ? 1 : 0;
     p.updates.push_back(u);
     p.key_base.push_back(p.key_base.back() + static_cast<uint64_t>(spec.rows));
     p.max_dim = std::max(p.max_dim, spec.dim);
@@ -109,6 +113,36 @@ GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
   }
   p.id_begin[n] = p.total_ids;
   return p;
+}
+
+OverflowRecord FreshRecord() {
+  OverflowRecord r{};
+  r.first_key = ~0ull;
+  r.bad = -1;
+  return r;
+}
+
+void NoteMaxima(const OverflowRecord& record, backend::OverflowReport* report) {
+  float w, a;
+  std::memcpy(&w, &record.max_weight_bits, sizeof(w));
+  std::memcpy(&a, &record.max_acc_bits, sizeof(a));
+  report->max_weight = std::max(report->max_weight, static_cast<double>(w));
+  report->max_acc = std::max(report->max_acc, static_cast<double>(a));
+}
+
+backend::OverflowReport ReportOf(const GradientPlan& plan, const OverflowRecord& record,
+                                 backend::ShardId* shard) {
+  backend::OverflowReport r;
+  const uint64_t key = record.first_key;
+  const size_t s =
+      std::upper_bound(plan.key_base.begin(), plan.key_base.end(), key) - plan.key_base.begin() - 1;
+  *shard = plan.slots[s];
+  const int64_t dim = plan.updates[s].dim;
+  r.row = static_cast<int64_t>(key - plan.key_base[s]);
+  r.state = record.bad >= dim;
+  r.col = r.state ? record.bad - dim : record.bad;
+  r.value = record.value;
+  return r;
 }
 
 CallSize SizeOf(const LookupPlan& plan) {

@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "cuda/kernel_descs.h"
 #include "server/backend/embedding_backend.h"
+#include "server/backend/overflow_guard.h"
 
 namespace ember {
 namespace cuda {
@@ -25,6 +26,7 @@ struct ShardView {
   const backend::ShardSpec* spec = nullptr;
   int64_t state_width = 0;
   int64_t step = 0;
+  bool guard = false;  // this call checks its rows first (UpdateDesc::guard)
 };
 using ShardResolver = std::function<ShardView(backend::ShardId)>;
 
@@ -61,6 +63,15 @@ struct GradientPlan {
 
 GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
                            const ShardResolver& shard);
+
+// A record ready for a check launch: first_key UINT64_MAX, the rest 0.
+OverflowRecord FreshRecord();
+// The largest values a record saw, as overflow_guard.h's report holds them.
+void NoteMaxima(const OverflowRecord& record, backend::OverflowReport* report);
+// The misfit a kReportRow launch of `plan` filled `record` with: its shard
+// (*shard) and row, element and value.
+backend::OverflowReport ReportOf(const GradientPlan& plan, const OverflowRecord& record,
+                                 backend::ShardId* shard);
 
 // Byte offsets of arrays carved out of one buffer, each 256-byte aligned.
 class Layout {

@@ -1020,6 +1020,150 @@ TEST_P(BackendParityTest, ImportOverflowingTheWeightTypeIsRefused) {
   }
 }
 
+// An update whose result a table's type or its optimizer state cannot hold
+// is refused whole: the cases (fp16 SGD, fp32 Adagrad, row-wise
+// Adagrad, bf16 Adam), each after a valid request on another shard in the
+// same call, which is not applied either; the message names the table, the
+// global row and column, and the value the double-precision reference
+// expects there.
+TEST_P(BackendParityTest, UpdateOverflowIsRefusedAndChangesNothing) {
+  struct Case {
+    WeightType type;
+    OptimizerType opt;
+    float lr, grad;
+    bool state;  // the state overflows, not the weight
+  } cases[] = {{WeightType::kFp16, OptimizerType::kSgd, 1.0f, 1e5f, false},
+               {WeightType::kFp32, OptimizerType::kSgd, 1e30f, 1e10f, false},
+               {WeightType::kFp32, OptimizerType::kAdagrad, 0.05f, 2e19f, true},
+               {WeightType::kFp32, OptimizerType::kRowwiseAdagrad, 0.05f, 6e19f, true},
+               {WeightType::kBf16, OptimizerType::kAdam, 0.05f, 3e38f, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat("type ", static_cast<int>(c.type), " opt ",
+                              static_cast<int>(c.opt)));
+    const ShardSpec ok_spec = MakeSpec(10, 8, WeightType::kFp32, OptimizerType::kSgd);
+    ShardSpec spec = MakeSpec(12, 8, c.type, c.opt);
+    spec.table = "big";
+    spec.row_offset = 100;
+    spec.col_offset = 16;
+    spec.table_rows = 200;
+    spec.optimizer.learning_rate = c.lr;
+    if (c.opt == OptimizerType::kAdagrad) spec.optimizer.weight_decay_mode = WeightDecayMode::kL2;
+    auto ok_id = be_->CreateShard(ok_spec);
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(ok_id.ok() && id.ok());
+    std::vector<float> ok_st0, st0;
+    const std::vector<float> ok_w0 = Export(be_.get(), *ok_id, ok_spec, &ok_st0);
+    const std::vector<float> w0 = Export(be_.get(), *id, spec, &st0);
+    Jagged good;
+    good.lengths = {1, 1};
+    good.ids = {2, 3};
+    const std::vector<float> good_grad(2 * 8, 0.5f);
+    // Rows 4 and 7; row 7 gets the large gradient in column 5.
+    Jagged bad;
+    bad.lengths = {1, 1};
+    bad.ids = {4, 7};
+    std::vector<float> bad_grad(2 * 8, 0.25f);
+    bad_grad[8 + 5] = c.grad;
+    const std::vector<GradientRequest> reqs = {
+        {Feature(*ok_id, Pooling::kSum, good), good_grad},
+        {Feature(*id, Pooling::kSum, bad), bad_grad}};
+    const absl::Status s = be_->ApplyGradients(reqs);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    const std::string m(s.message());
+    EXPECT_THAT(m, testing::HasSubstr("table 'big': row 107"));
+    EXPECT_THAT(m, testing::HasSubstr("nothing of the call was applied"));
+    if (c.state) {
+      // Element 5 of the state row (Adagrad), its only one (row-wise), or
+      // v's (Adam: m first).
+      const int64_t k = c.opt == OptimizerType::kRowwiseAdagrad ? 0
+                        : c.opt == OptimizerType::kAdam         ? 8 + 5
+                                                                : 5;
+      EXPECT_THAT(m, testing::HasSubstr(absl::StrCat("optimizer state[", k, "] would become inf")));
+    } else {
+      const float expected = w0[7 * 8 + 5] - c.lr * c.grad;
+      EXPECT_THAT(m, testing::HasSubstr(absl::StrCat("column 21: the weight would become ",
+                                                     expected)));
+    }
+    std::vector<float> ok_st1, st1;
+    EXPECT_EQ(Export(be_.get(), *ok_id, ok_spec, &ok_st1), ok_w0);
+    EXPECT_EQ(ok_st1, ok_st0);
+    EXPECT_EQ(Export(be_.get(), *id, spec, &st1), w0);
+    EXPECT_EQ(st1, st0);
+    EXPECT_EQ(*be_->ExportStep(*id), 0);
+    EXPECT_EQ(*be_->ExportStep(*ok_id), 0);
+    EXPECT_EQ(be_->OverflowSkippedRows(), 0);
+    ASSERT_TRUE(be_->DropShard(*id).ok());
+    ASSERT_TRUE(be_->DropShard(*ok_id).ok());
+  }
+}
+
+// fp16 weights walked towards the limit by SGD calls of random gradients,
+// each call judged by the double-precision reference: refused (and nothing
+// changed) exactly when some row's new weight would pass 65504, applied and
+// matching the formulas otherwise; whatever was applied exports and
+// imports again (a checkpoint restores). The shard's bounds pass from
+// "cannot overflow" through measurement to row-by-row checks on the way.
+TEST_P(BackendParityTest, UpdatesNearTheLimitAreJudgedRowByRow) {
+  std::mt19937 rng(5);
+  ShardSpec spec = MakeSpec(16, 8, WeightType::kFp16, OptimizerType::kSgd);
+  spec.optimizer.learning_rate = 1.0f;
+  spec.optimizer.stochastic_rounding = false;
+  auto id = be_->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  RefShard ref = MakeRef(be_.get(), *id, spec);
+  int refused = 0, applied = 0;
+  for (int call = 0; call < 60; ++call) {
+    SCOPED_TRACE(call);
+    Jagged j = RandomJagged(rng, 6, spec.rows, 3, false);
+    const FeatureRequest f = Feature(*id, Pooling::kSum, j);
+    std::vector<float> g(OutputSize(f, spec.dim));
+    // Mostly pushing weights down (towards -65504), in steps of up to 6000.
+    for (float& v : g) v = std::uniform_real_distribution<float>(-500, 3000)(rng);
+    std::map<int64_t, std::vector<double>> merged;
+    RefExpand(ref, Pooling::kSum, j, g, &merged);
+    RefShard next = ref;
+    RefUpdate(&next, merged);
+    bool overflow = false, close = false;
+    for (const double w : next.w) {
+      overflow |= std::abs(w) > 65504;
+      close |= std::abs(std::abs(w) - 65504) < 64;  // rounding decides: not asked
+    }
+    if (close) continue;
+    const absl::Status s = be_->ApplyGradients({GradientRequest{f, g}});
+    const std::vector<float> w = Export(be_.get(), *id, spec);
+    if (overflow) {
+      ++refused;
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_THAT(std::string(s.message()), testing::HasSubstr("largest finite fp16 value 65504"));
+      for (size_t i = 0; i < w.size(); ++i) ASSERT_EQ(w[i], static_cast<float>(ref.w[i])) << i;
+      // Pull the table back from the limit now and then.
+      if (refused % 3 == 0) {
+        std::vector<float> pulled(w.size());
+        for (size_t i = 0; i < w.size(); ++i) pulled[i] = w[i] / 4;
+        ASSERT_TRUE(be_->ImportRows(*id, 0, spec.rows, pulled, {}).ok());
+        ref = MakeRef(be_.get(), *id, spec);
+      }
+      continue;
+    }
+    ++applied;
+    ASSERT_TRUE(s.ok()) << s;
+    for (size_t i = 0; i < w.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(w[i])) << i;
+      ASSERT_NEAR(w[i], next.w[i], 2e-3 * (std::abs(next.w[i]) + 1e-2)) << i;
+      next.w[i] = w[i];
+    }
+    ref = next;
+  }
+  EXPECT_GE(refused, 3);
+  EXPECT_GT(applied, 10);
+  ShardSpec copy_spec = spec;
+  auto copy = be_->CreateShard(copy_spec);
+  ASSERT_TRUE(copy.ok());
+  const std::vector<float> w = Export(be_.get(), *id, spec);
+  ASSERT_TRUE(be_->ImportRows(*copy, 0, spec.rows, w, {}).ok());
+  EXPECT_EQ(Export(be_.get(), *copy, spec), w);
+}
+
 TEST_P(BackendParityTest, ExportImportRoundTrip) {
   const ShardSpec spec = MakeSpec(30, 8, WeightType::kBf16, OptimizerType::kRowwiseAdagrad);
   auto a = be_->CreateShard(spec);
@@ -1075,6 +1219,55 @@ TEST_P(BackendParityTest, RejectsBadShardSpecs) {
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendParityTest, testing::ValuesIn(AvailableBackends()),
                          [](const testing::TestParamInfo<BackendParam>& info) { return info.param.name; });
+
+// With skip_overflow the rows whose update would overflow are left as they
+// were and counted, and the rest of the call applies as the formulas say:
+// the CPU backend and the CUDA kernels' emulation (whole and in pieces).
+TEST(SkipOverflowTest, MisfitRowsAreLeftAloneAndCounted) {
+  std::vector<std::pair<std::string, std::function<std::unique_ptr<EmbeddingBackend>()>>> makers;
+  makers.push_back({"cpu", [] {
+                      CpuBackendOptions o;
+                      o.skip_overflow = true;
+                      return *CreateCpuBackend(o);
+                    }});
+  for (size_t scratch : {size_t{0}, kSplitScratchBytes}) {
+    makers.push_back({absl::StrCat("cuda_emulated_", scratch), [scratch] {
+                        cuda::EmulatedCudaOptions o;
+                        o.skip_overflow = true;
+                        o.scratch_bytes = scratch;
+                        return cuda::CreateEmulatedCudaBackend(o);
+                      }});
+  }
+  for (auto& [name, make] : makers) {
+    SCOPED_TRACE(name);
+    std::unique_ptr<EmbeddingBackend> be = make();
+    ShardSpec spec = MakeSpec(10, 8, WeightType::kFp16, OptimizerType::kSgd);
+    spec.optimizer.learning_rate = 1.0f;
+    spec.optimizer.stochastic_rounding = false;
+    auto id = be->CreateShard(spec);
+    ASSERT_TRUE(id.ok());
+    RefShard ref = MakeRef(be.get(), *id, spec);
+    Jagged j;
+    j.lengths = {1, 1, 1, 2};
+    j.ids = {1, 4, 6, 4, 9};  // row 4 twice: its merged gradient overflows
+    std::vector<float> g(4 * 8, 0.5f);
+    for (int c = 0; c < 8; ++c) g[1 * 8 + c] = g[3 * 8 + c] = -40000.0f;
+    g[2 * 8 + 3] = 70000.0f;  // row 6, column 3 alone
+    const FeatureRequest f = Feature(*id, Pooling::kSum, j);
+    ASSERT_TRUE(be->ApplyGradients({GradientRequest{f, g}}).ok());
+    EXPECT_EQ(be->OverflowSkippedRows(), 2);
+    std::map<int64_t, std::vector<double>> merged;
+    RefExpand(ref, Pooling::kSum, j, g, &merged);
+    merged.erase(4);
+    merged.erase(6);
+    RefUpdate(&ref, merged);
+    const std::vector<float> w = Export(be.get(), *id, spec);
+    for (size_t i = 0; i < w.size(); ++i) {
+      EXPECT_NEAR(w[i], ref.w[i], 2e-3 * (std::abs(ref.w[i]) + 1e-2)) << i;
+    }
+    EXPECT_EQ(*be->ExportStep(*id), 1);
+  }
+}
 
 TEST(CpuBackendTest, MemoryLimitAndOptions) {
   CpuBackendOptions o;

@@ -20,6 +20,7 @@
 #include "server/backend/cpu_kernels.h"
 #include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
+#include "server/backend/overflow_guard.h"
 #include "server/backend/thread_pool.h"
 
 namespace ember {
@@ -62,6 +63,7 @@ struct Shard {
   std::unique_ptr<uint8_t[], FreeDeleter> weights;  // [rows, dim] in spec.weight_type
   std::unique_ptr<float[], FreeDeleter> state;      // [rows, state_width]
   int64_t step = 0;                    // Adam's t
+  ValueBounds bounds;                  // what its values stay within (overflow_guard.h)
   // How the lookups prefetch (options, row and shard size): in a call that
   // reads at most kIntoL1CallBytes of shards, and in larger ones.
   PrefetchAhead lookup_prefetch;
@@ -118,6 +120,7 @@ class CpuBackend : public EmbeddingBackend {
     shard->lookup_prefetch_large_call =
         ShardLookupPrefetch(options_.prefetch_distance, style_, shard->RowBytes(), spec.rows,
                             std::numeric_limits<int64_t>::max());
+    shard->bounds = InitialBounds(spec);
     const int64_t bytes = shard->Bytes();
     if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
     shard->weights = AllocateHost<uint8_t>(shard->WeightBytes());
@@ -263,10 +266,17 @@ class CpuBackend : public EmbeddingBackend {
         "ids changed during the call");
   }
 
+  // Every shard's update is first planned: whether its bounds show that no
+  // row can overflow (overflow_guard.h), else its rows are checked; only
+  // when every shard's rows fit (or, with skip_overflow, their misfits are
+  // known) is anything applied.
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     absl::MutexLock lock(&mu_);
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
-    if (absl::Status st = ValidateRequests(requests, find_spec); !st.ok()) {
+    grad_max_.assign(requests.size(), 0.0f);
+    if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kAll,
+                                           /*device_memory=*/false, absl::MakeSpan(grad_max_));
+        !st.ok()) {
       return st;
     }
     // Requests grouped by shard (stable: request order within a shard);
@@ -276,50 +286,51 @@ class CpuBackend : public EmbeddingBackend {
     std::stable_sort(req_order_.begin(), req_order_.end(), [&](size_t x, size_t y) {
       return requests[x].feature.shard < requests[y].feature.shard;
     });
+    plans_.clear();
     for (size_t first = 0; first < req_order_.size();) {
       const ShardId id = requests[req_order_[first]].feature.shard;
       size_t last = first;
       while (last < req_order_.size() && requests[req_order_[last]].feature.shard == id) ++last;
-      Shard& s = *FindShard(id);
-      Group group{requests, req_order_.data() + first, req_order_.data() + last, 0};
+      ShardPlan p;
+      p.shard = FindShard(id);
+      p.group = Group{requests, req_order_.data() + first, req_order_.data() + last, 0};
+      double merged = 0;
       for (size_t j = first; j < last; ++j) {
-        group.occurrences += requests[req_order_[j]].feature.ids.size();
+        const size_t i = req_order_[j];
+        p.group.occurrences += requests[i].feature.ids.size();
+        merged += MergedGradientBound(requests[i].feature, grad_max_[i]);
       }
+      // Adam's t of this call: the step taken per call that names the
+      // shard, ids or not (as FBGEMM's iteration count).
+      p.params = MakeStepParams(p.shard->spec.optimizer, p.shard->step + 1);
+      Shard* s = p.shard;
+      p.check = !GuardStep(s->spec, p.params, &s->bounds, merged, &p.after,
+                           [s] { return MeasureShard(*s); });
+      plans_.push_back(std::move(p));
       first = last;
-      ++s.step;  // per call that names the shard, ids or not (as FBGEMM's iteration count)
-      if (group.occurrences == 0) continue;
-      // Many occurrences and threads: the shard's rows are split among the
-      // threads by a hash of the row (UpdatePartOf), and each thread gathers,
-      // sorts, merges and updates the rows it owns, all in one hand-off to
-      // the pool. Each row's occurrences stay in (request, position) order,
-      // so every split gives the bits of one thread's update. Otherwise one
-      // thread gathers and sorts, and the pool shares the rows' updates.
-      const int num_parts = static_cast<int>(std::min<int64_t>(
-          pool_.num_threads(), static_cast<int64_t>(group.occurrences) / kOccurrencesPerPart));
-      UpdatePart* parts = parts_.data();
-      if (num_parts <= 1) {
-        UpdatePart& part = parts[0];
-        GatherAll(group, s.spec.dim, &part.occ);
-        UpdateRun run = SortAndMerge(&s, &part);
-        // Chunks of 128 rows: with 16 the threads took turns at every 16
-        // neighbouring rows and the 2-thread backward ran below 1 thread's
-        // (docs/benchmarks.md).
-        pool_.ParallelFor(run.num_unique, 128,
-                          [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
-        continue;
-      }
-      pool_.ParallelFor(num_parts, 1, [&](int64_t b, int64_t e) {
-        for (int64_t p = b; p < e; ++p) {
-          UpdatePart& part = parts[p];
-          GatherPart(group, s.spec.dim, static_cast<uint32_t>(p), static_cast<uint32_t>(num_parts),
-                     &part.occ);
-          if (part.occ.empty()) continue;
-          const UpdateRun run = SortAndMerge(&s, &part);
-          update_rows_(run, 0, run.num_unique);
-        }
-      });
     }
+    int64_t skipped = 0;
+    for (ShardPlan& p : plans_) {
+      if (!p.check || p.group.occurrences == 0) continue;
+      OverflowReport report;
+      CheckRows(p, &report);
+      if (report.row >= 0 && !options_.skip_overflow) return OverflowRefusal(p.shard->spec, report);
+      p.after = BoundsAfterCheck(p.shard->bounds, report);
+      skipped += static_cast<int64_t>(p.skip.size());
+    }
+    for (ShardPlan& p : plans_) {
+      Shard& s = *p.shard;
+      ++s.step;
+      s.bounds = p.after;
+      if (p.group.occurrences == 0) continue;
+      ApplyRows(p);
+    }
+    skipped_rows_.fetch_add(skipped, std::memory_order_relaxed);
     return absl::OkStatus();
+  }
+
+  int64_t OverflowSkippedRows() const override {
+    return skipped_rows_.load(std::memory_order_relaxed);
   }
 
   absl::Status ExportRows(ShardId id, int64_t row_begin, int64_t row_end,
@@ -373,6 +384,7 @@ class CpuBackend : public EmbeddingBackend {
       std::memcpy(s->state.get() + row_begin * s->state_width, state.data(),
                   (row_end - row_begin) * s->state_width * sizeof(float));
     }
+    s->bounds = Widen(s->bounds, ImportedBounds(s->spec, weights, state));
     return absl::OkStatus();
   }
 
@@ -453,6 +465,109 @@ class CpuBackend : public EmbeddingBackend {
     const size_t* end;
     size_t occurrences;  // their ids
   };
+
+  // One shard's share of an ApplyGradients call: its requests, this call's
+  // step parameters, and what the overflow guard decided (overflow_guard.h):
+  // whether its rows must be checked first, the bounds after the update,
+  // and (skip_overflow) the rows to leave alone, ascending.
+  struct ShardPlan {
+    Shard* shard;
+    Group group;
+    math::StepParams params;
+    bool check = false;
+    ValueBounds after;
+    std::vector<int64_t> skip;
+  };
+
+  // The bounds of every value the shard holds.
+  static ValueBounds MeasureShard(const Shard& s) {
+    const ShardSpec& spec = s.spec;
+    const absl::Span<const float> state(s.state.get(), spec.rows * s.state_width);
+    if (spec.weight_type == WeightType::kFp32) {
+      return MeasureValues(
+          spec, absl::MakeConstSpan(reinterpret_cast<const float*>(s.Row(0)), spec.rows * spec.dim),
+          state);
+    }
+    constexpr int64_t kBlockRows = 1024;
+    std::vector<float> block;
+    ValueBounds b = MeasureValues(spec, {}, state);
+    for (int64_t r0 = 0; r0 < spec.rows; r0 += kBlockRows) {
+      const int64_t n = std::min(kBlockRows, spec.rows - r0);
+      block.resize(static_cast<size_t>(n * spec.dim));
+      for (int64_t r = 0; r < n; ++r) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(s.Row(r0 + r));
+        for (int64_t c = 0; c < spec.dim; ++c) {
+          block[r * spec.dim + c] =
+              spec.weight_type == WeightType::kFp16 ? Fp16ToFloat(h[c]) : Bf16ToFloat(h[c]);
+        }
+      }
+      b.weight = std::max(b.weight, MeasureValues(spec, block, {}).weight);
+    }
+    return b;
+  }
+
+  // Computes every touched row's update without storing it (one thread:
+  // the rare path), into `report`: the first row that would not fit and the
+  // largest values of those that do; with skip_overflow, the misfits go to
+  // p.skip.
+  void CheckRows(ShardPlan& p, OverflowReport* report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Shard& s = *p.shard;
+    UpdatePart& part = parts_[0];
+    GatherAll(p.group, s.spec.dim, &part.occ);
+    UpdateRun run = SortAndMerge(&s, &part);
+    run.params = p.params;
+    thread_local std::vector<float> merged;
+    if (static_cast<int64_t>(merged.size()) < run.dim) merged.resize(run.dim);
+    p.skip.clear();
+    for (int64_t u = 0; u < run.num_unique; ++u) {
+      const int64_t row = MergeRow(run, u, merged.data());
+      if (!CheckRow(*kernels_, s, row, merged.data(), run.params, report)) {
+        p.skip.push_back(row);
+      }
+    }
+  }
+
+  // Applies the shard's update (p.skip's rows left alone).
+  void ApplyRows(const ShardPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Shard& s = *p.shard;
+    const Group& group = p.group;
+    const int64_t* skip_begin = p.skip.data();
+    const int64_t* skip_end = p.skip.data() + p.skip.size();
+    // Many occurrences and threads: the shard's rows are split among the
+    // threads by a hash of the row (UpdatePartOf), and each thread gathers,
+    // sorts, merges and updates the rows it owns, all in one hand-off to
+    // the pool. Each row's occurrences stay in (request, position) order,
+    // so every split gives the bits of one thread's update. Otherwise one
+    // thread gathers and sorts, and the pool shares the rows' updates.
+    const int num_parts = static_cast<int>(std::min<int64_t>(
+        pool_.num_threads(), static_cast<int64_t>(group.occurrences) / kOccurrencesPerPart));
+    UpdatePart* parts = parts_.data();
+    if (num_parts <= 1) {
+      UpdatePart& part = parts[0];
+      GatherAll(group, s.spec.dim, &part.occ);
+      UpdateRun run = SortAndMerge(&s, &part);
+      run.skip_begin = skip_begin;
+      run.skip_end = skip_end;
+      // Chunks of 128 rows: with 16 the threads took turns at every 16
+      // neighbouring rows and the 2-thread backward ran below 1 thread's
+      // (docs/benchmarks.md).
+      pool_.ParallelFor(run.num_unique, 128,
+                        [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
+      return;
+    }
+    pool_.ParallelFor(num_parts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t q = b; q < e; ++q) {
+        UpdatePart& part = parts[q];
+        GatherPart(group, s.spec.dim, static_cast<uint32_t>(q), static_cast<uint32_t>(num_parts),
+                   &part.occ);
+        if (part.occ.empty()) continue;
+        UpdateRun run = SortAndMerge(&s, &part);
+        run.skip_begin = skip_begin;
+        run.skip_end = skip_end;
+        update_rows_(run, 0, run.num_unique);
+      }
+    });
+  }
 
   // At least this many occurrences a part: below, a part's hand-off and its
   // pass over every id cost more than the split saves.
@@ -574,6 +689,9 @@ class CpuBackend : public EmbeddingBackend {
     math::StepParams params;
     bool noise;
     int prefetch;
+    // Rows to leave alone (skip_overflow), ascending; empty mostly.
+    const int64_t* skip_begin = nullptr;
+    const int64_t* skip_end = nullptr;
   };
   using UpdateRowsFn = void (*)(const UpdateRun&, int64_t, int64_t);
 
@@ -583,7 +701,6 @@ class CpuBackend : public EmbeddingBackend {
     const int64_t dim = a.dim, num_unique = a.num_unique;
     const int prefetch = a.prefetch;
     const math::StepParams& params = a.params;
-    const AccumulateFn accumulate_f32 = a.accumulate_f32;
     const bool noise = a.noise;
     // The row's merged gradient, in this thread's scratch (reused, in L1):
     // a buffer of every row's, written once and read once, had doubled the
@@ -613,18 +730,28 @@ class CpuBackend : public EmbeddingBackend {
           for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
         }
       }
-      // The row's gradient: its first occurrence scaled, then the others
-      // added. "0 + x" keeps the bits of adding it to zeros (a -0 product
-      // becomes +0), as before.
-      const Occ& first = a.occ[a.unique_begin[u]];
-      const float* __restrict src = first.grad;
-      for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
-      for (size_t k = a.unique_begin[u] + 1; k < a.unique_begin[u + 1]; ++k) {
-        accumulate_f32(g, a.occ[k].grad, dim, a.occ[k].scale);
+      if (a.skip_begin != a.skip_end &&
+          std::binary_search(a.skip_begin, a.skip_end, a.occ[a.unique_begin[u]].row)) {
+        continue;
       }
-      const int64_t row = first.row;
+      const int64_t row = MergeRow(a, u, g);
       UpdateRow(*a.kernels, &s, row, g, params, noise ? NoiseKey(s, row) : 0);
     }
+  }
+  // Row u's merged gradient into g: its first occurrence scaled, then the
+  // others added. "0 + x" keeps the bits of adding it to zeros (a -0
+  // product becomes +0), as before. Returns the row.
+  __attribute__((always_inline)) static inline int64_t MergeRow(const UpdateRun& a, int64_t u,
+                                                                float* __restrict g) {
+    const int64_t dim = a.dim;
+    const AccumulateFn accumulate_f32 = a.accumulate_f32;
+    const Occ& first = a.occ[a.unique_begin[u]];
+    const float* __restrict src = first.grad;
+    for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
+    for (size_t k = a.unique_begin[u] + 1; k < a.unique_begin[u + 1]; ++k) {
+      accumulate_f32(g, a.occ[k].grad, dim, a.occ[k].scale);
+    }
+    return first.row;
   }
   static void UpdateRowsBaseline(const UpdateRun& a, int64_t b, int64_t e) {
     UpdateRowsBody(a, b, e);
@@ -669,7 +796,9 @@ class CpuBackend : public EmbeddingBackend {
                      kernels_->accumulate[0],
                      MakeStepParams(s->spec.optimizer, s->step),
                      noise,
-                     options_.update_prefetch_distance};
+                     options_.update_prefetch_distance,
+                     nullptr,
+                     nullptr};
   }
 
   // One optimizer step on row r with merged gradient g (modified in place),
@@ -692,12 +821,73 @@ class CpuBackend : public EmbeddingBackend {
       wp = scratch.data();
       k.widen[static_cast<int>(s->spec.weight_type)](wp, s->Row(r), dim);
     }
+    StepRow(wp, s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr, g, dim, p);
+    if (fp32) return;
+    if (!s->spec.optimizer.stochastic_rounding) {
+      k.narrow_nearest[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim);
+      return;
+    }
+    k.narrow_stochastic[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim, noise_key,
+                                                               s->spec.col_offset);
+  }
+
+  // Whether row r's update with merged gradient g fits (overflow_guard.h):
+  // computed as UpdateRow computes it, into copies of the row and its
+  // state, and nothing stored. A misfit that is the first of the call goes
+  // to `report` (rows come in ascending order); a fit row's largest values
+  // raise report's maxima.
+  static bool CheckRow(const RowKernels& k, const Shard& s, int64_t r, float* g,
+                       const math::StepParams& p, OverflowReport* report) {
+    const int64_t dim = s.spec.dim;
+    const int64_t width = s.state_width;
+    thread_local std::vector<float> w, st;
+    w.resize(dim);
+    st.resize(std::max<int64_t>(width, 1));
+    if (s.spec.weight_type == WeightType::kFp32) {
+      std::memcpy(w.data(), s.Row(r), dim * sizeof(float));
+    } else {
+      k.widen[static_cast<int>(s.spec.weight_type)](w.data(), s.Row(r), dim);
+    }
+    if (width > 0) std::memcpy(st.data(), s.state.get() + r * width, width * sizeof(float));
+    StepRow(w.data(), width > 0 ? st.data() : nullptr, g, dim, p);
+    const float limit = WeightLimitOf(s.spec.weight_type);
+    int64_t bad = -1;
+    bool in_state = false;
+    for (int64_t c = 0; c < dim && bad < 0; ++c) {
+      if (!math::Fits(w[c], limit)) bad = c;
+    }
+    for (int64_t c = 0; c < width && bad < 0; ++c) {
+      if (!math::Fits(st[c], math::kStateLimit)) bad = c, in_state = true;
+    }
+    if (bad >= 0) {
+      if (report->row < 0) {
+        report->row = r;
+        report->col = bad;
+        report->state = in_state;
+        report->value = in_state ? st[bad] : w[bad];
+      }
+      return false;
+    }
+    for (int64_t c = 0; c < dim; ++c) {
+      report->max_weight = std::max(report->max_weight, std::fabs(static_cast<double>(w[c])));
+    }
+    for (int64_t c = FirstAccumulator(s.spec.optimizer.type, dim); c < width; ++c) {
+      report->max_acc = std::max(report->max_acc, static_cast<double>(st[c]));
+    }
+    return true;
+  }
+
+  // The optimizer step on a row's fp32 weights w and state st (null for
+  // SGD) with merged gradient g (modified in place).
+  __attribute__((always_inline)) static inline void StepRow(float* wp, float* stp, float* g,
+                                                            int64_t dim,
+                                                            const math::StepParams& p) {
     // Restrict pointers and the parameters in a local, so the loops
     // vectorise (the compiler cannot otherwise rule out aliasing).
     float* __restrict w = wp;
     float* __restrict gr = g;
     const math::StepParams q = p;
-    float* __restrict st = s->state_width > 0 ? s->state.get() + r * s->state_width : nullptr;
+    float* __restrict st = stp;
     // L2 decay enters the gradient first (SGD's decay is always none). The
     // decay mode is tested here and once per optimizer below, never per
     // element, so the loops vectorise.
@@ -759,13 +949,6 @@ class CpuBackend : public EmbeddingBackend {
         break;
       }
     }
-    if (fp32) return;
-    if (!s->spec.optimizer.stochastic_rounding) {
-      k.narrow_nearest[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim);
-      return;
-    }
-    k.narrow_stochastic[static_cast<int>(s->spec.weight_type)](s->Row(r), wp, dim, noise_key,
-                                                               s->spec.col_offset);
   }
 
   // The stochastic rounding key of shard row r at the shard's current step.
@@ -788,6 +971,9 @@ class CpuBackend : public EmbeddingBackend {
   std::vector<const Shard*> shard_ptr_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> item_begin_ ABSL_GUARDED_BY(mu_);
   std::vector<UpdatePart> parts_ ABSL_GUARDED_BY(mu_);  // one a thread
+  std::vector<float> grad_max_ ABSL_GUARDED_BY(mu_);     // a request's largest |gradient|
+  std::vector<ShardPlan> plans_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> skipped_rows_{0};
 };
 
 }  // namespace

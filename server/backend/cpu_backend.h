@@ -38,6 +38,10 @@ struct CpuBackendOptions {
   // Upper bound on the bytes of weights + optimizer state held; 0: none.
   // CreateShard beyond it fails with RESOURCE_EXHAUSTED.
   int64_t memory_limit_bytes = 0;
+  // An update row that would overflow (overflow_guard.h) is left as it was
+  // and counted, and the rest of the call applies; false: the call is
+  // refused whole.
+  bool skip_overflow = false;
 };
 
 // How lookups prefetch the rows they gather.

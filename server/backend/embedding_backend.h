@@ -192,8 +192,16 @@ class EmbeddingBackend {
   virtual Memory OutputMemory() const { return Memory::kHost; }
 
   // Fused backward + optimizer: duplicate rows (within and across requests
-  // of one shard) are merged and each touched row is updated once.
+  // of one shard) are merged and each touched row is updated once. An
+  // update that would take a weight beyond its type's largest finite value
+  // or an optimizer state element to Inf/NaN is INVALID_ARGUMENT naming
+  // the table, row, column and value, and nothing of the call is applied;
+  // a backend made with skip_overflow leaves those rows alone instead,
+  // applies the rest and counts them (OverflowSkippedRows). overflow_guard.h.
   virtual absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) = 0;
+  // Rows left as they were because their update would have overflowed
+  // (skip_overflow), since the backend was made.
+  virtual int64_t OverflowSkippedRows() const { return 0; }
 
   // Rows [row_begin, row_end) of a shard (shard-local), as fp32 weights
   // [n, dim] and optimizer state [n, OptimizerStateWidth]. The Adam step
@@ -255,12 +263,17 @@ absl::Status CheckIds(absl::Span<const int64_t> ids, int64_t rows, const std::st
 absl::Status CheckLengths(absl::Span<const int64_t> lengths, int64_t num_ids,
                           const std::string& what);
 
+// The largest |x| of `values` as its float bits (0x7f800000 and above:
+// there is a NaN or Inf), in one branch-free pass.
+uint32_t MaxAbsBits(absl::Span<const float> values);
 // Index of the first NaN or Inf in `values`, or -1.
 int64_t FirstNonFinite(absl::Span<const float> values);
 // INVALID_ARGUMENT naming `name`[i] when values[i] is NaN or Inf (i counted
-// from `first_position`).
+// from `first_position`); otherwise *max_abs (when given) is the largest
+// |value|, from the same pass.
 absl::Status CheckFinite(absl::Span<const float> values, const std::string& what,
-                         const char* name, int64_t first_position = 0);
+                         const char* name, int64_t first_position = 0,
+                         float* max_abs = nullptr);
 
 // Bytes a shard takes (weights + optimizer state); INT64_MAX when that
 // does not fit in an int64.
@@ -312,9 +325,13 @@ template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
                               Checks checks = Checks::kAll, bool strided_outputs = false,
                               bool device_memory = false);
+// For gradients, `grad_max_abs` (empty, or one float a request) receives
+// each request's largest |gradient| where its values are checked (0 where
+// they are not: on the device, or kShapesOnly).
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
-                              Checks checks = Checks::kAll, bool device_memory = false);
+                              Checks checks = Checks::kAll, bool device_memory = false,
+                              absl::Span<float> grad_max_abs = {});
 
 // The prefix ValidateRequests gives request `index`'s messages: "lookup
 // request 3 (table 't')" / "gradient request 3 (table 't')".
@@ -329,6 +346,11 @@ absl::Status ValidateRowRange(const ShardSpec& spec, int64_t row_begin, int64_t 
 // weight and state element finite, accumulators (Adagrad's, Adam's v) >= 0.
 absl::Status ValidateImport(const ShardSpec& spec, int64_t row_begin, int64_t row_end,
                             absl::Span<const float> weights, absl::Span<const float> state);
+
+// The largest magnitude `init` gives any element (normal: |mean| + 5.9 std,
+// as its uniforms are at least 2^-25); +Inf or NaN for a non-finite
+// parameter.
+double InitialWeightBound(const InitializerConfig& init, int64_t table_rows);
 
 // The initial value of element (global_row, global_col).
 float InitialValue(const InitializerConfig& init, int64_t table_rows,
@@ -350,17 +372,18 @@ inline bool OnDevice(const LookupRequest& r) { return r.output_on_device; }
 inline bool OnDevice(const GradientRequest&) { return false; }
 // A gradient's values must be finite (NaN/Inf would poison rows and
 // optimizer state for good); a lookup's output is written, not read.
-inline absl::Status CheckInputFloats(const LookupRequest&, const std::string&) {
+inline absl::Status CheckInputFloats(const LookupRequest&, const std::string&, float*) {
   return absl::OkStatus();
 }
-inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string& what) {
-  return CheckFinite(r.grad, what, "gradient");
+inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string& what,
+                                     float* max_abs) {
+  return CheckFinite(r.grad, what, "gradient", 0, max_abs);
 }
 
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
                          const char* kind, const char* buffer, Checks checks,
-                         bool strided_outputs, bool device_memory) {
+                         bool strided_outputs, bool device_memory, absl::Span<float> max_abs) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const FeatureRequest& f = requests[i].feature;
     const ShardSpec* spec = find_spec(f.shard);
@@ -400,7 +423,8 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
       return s;
     }
     if (values != Checks::kShapesOnly) {
-      if (absl::Status s = CheckInputFloats(requests[i], what); !s.ok()) return s;
+      float* m = max_abs.empty() ? nullptr : &max_abs[i];
+      if (absl::Status s = CheckInputFloats(requests[i], what, m); !s.ok()) return s;
     }
   }
   return absl::OkStatus();
@@ -411,13 +435,13 @@ template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
                               Checks checks, bool strided_outputs, bool device_memory) {
   return internal::ValidateAll(requests, find_spec, "lookup", "output", checks, strided_outputs,
-                               device_memory);
+                               device_memory, {});
 }
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,
-                              Checks checks, bool device_memory) {
+                              Checks checks, bool device_memory, absl::Span<float> grad_max_abs) {
   return internal::ValidateAll(requests, find_spec, "gradient", "gradient", checks, false,
-                               device_memory);
+                               device_memory, grad_max_abs);
 }
 
 }  // namespace backend

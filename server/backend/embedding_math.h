@@ -61,6 +61,22 @@ EMBER_HD float Sqrt(float a) {
 #endif
 }
 
+// --- Limits --------------------------------------------------------------------
+
+// The largest finite value a weight type holds (StepParams' weight type
+// codes, as UpdateDesc carries them: 0 fp32, 1 fp16, 2 bf16). An fp32
+// result at most this large rounds to a finite value of the type whether to
+// nearest or stochastically (the stochastic round-up of the largest value
+// carries into no exponent).
+EMBER_HD float WeightLimit(int32_t weight_type) {
+  return weight_type == 1 ? 65504.0f : weight_type == 2 ? 3.38953139e38f : 3.40282347e38f;
+}
+// Optimizer state is fp32.
+constexpr float kStateLimit = 3.40282347e38f;
+
+// Whether x is a number of magnitude at most `limit` (false for NaN).
+EMBER_HD bool Fits(float x, float limit) { return x <= limit && x >= -limit; }
+
 // --- Bag scales ---------------------------------------------------------------
 
 // The factor a MEAN bag of `len` ids applies to its sum (forward) and to each

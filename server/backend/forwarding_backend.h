@@ -31,6 +31,7 @@ class ForwardingBackend : public EmbeddingBackend {
   absl::Status ApplyGradients(absl::Span<const GradientRequest> r) override {
     return inner_->ApplyGradients(r);
   }
+  int64_t OverflowSkippedRows() const override { return inner_->OverflowSkippedRows(); }
   absl::Status ExportRows(ShardId id, int64_t begin, int64_t end, absl::Span<float> weights,
                           absl::Span<float> state) const override {
     return inner_->ExportRows(id, begin, end, weights, state);

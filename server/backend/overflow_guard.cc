@@ -1,0 +1,214 @@
+#include "server/backend/overflow_guard.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+// Room for float rounding: each formula rounds a handful of times (2^-24
+// each), and a bound that grows by this much a step is re-measured long
+// before it matters.
+constexpr double kRounding = 1e-6;
+
+const char* TypeName(WeightType t) {
+  switch (t) {
+    case WeightType::kFp16:
+      return "fp16";
+    case WeightType::kBf16:
+      return "bf16";
+    default:
+      return "fp32";
+  }
+}
+
+}  // namespace
+
+float WeightLimitOf(WeightType type) { return math::WeightLimit(static_cast<int32_t>(type)); }
+
+int64_t FirstAccumulator(OptimizerType type, int64_t dim) {
+  return type == OptimizerType::kAdam ? dim : 0;
+}
+
+ValueBounds Widen(const ValueBounds& a, const ValueBounds& b) {
+  ValueBounds w;
+  w.weight = std::max(a.weight, b.weight);
+  w.acc = std::max(a.acc, b.acc);
+  w.adam_ok = a.adam_ok && b.adam_ok;
+  w.measured = false;
+  return w;
+}
+
+ValueBounds InitialBounds(const ShardSpec& spec) {
+  ValueBounds b;
+  b.weight = InitialWeightBound(spec.initializer, spec.table_rows);
+  const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
+                       spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
+  b.acc = adagrad ? spec.optimizer.initial_accumulator_value : 0.0;
+  return b;
+}
+
+double AdamRatioBound(const OptimizerConfig& o) {
+  const double b1 = o.beta1, b2 = o.beta2;
+  if (!(b1 * b1 < b2) || !(b2 < 1)) return 0;
+  return 1.01 * (1 - b1) / std::sqrt((1 - b2) * (1 - b1 * b1 / b2));
+}
+
+ValueBounds MeasureValues(const ShardSpec& spec, absl::Span<const float> weights,
+                          absl::Span<const float> state) {
+  ValueBounds b;
+  b.measured = true;
+  for (const float w : weights) {
+    const double a = std::fabs(static_cast<double>(w));
+    b.weight = a > b.weight || std::isnan(a) ? a : b.weight;
+  }
+  const int64_t dim = spec.dim;
+  const int64_t width = OptimizerStateWidth(spec.optimizer.type, dim);
+  if (width == 0) return b;
+  const int64_t first = FirstAccumulator(spec.optimizer.type, dim);
+  const int64_t rows = static_cast<int64_t>(state.size()) / width;
+  const bool adam = spec.optimizer.type == OptimizerType::kAdam;
+  const double c = adam ? AdamRatioBound(spec.optimizer) : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* st = state.data() + r * width;
+    for (int64_t k = first; k < width; ++k) {
+      const double a = st[k];
+      b.acc = a > b.acc || std::isnan(a) ? a : b.acc;
+    }
+    if (!adam) continue;
+    for (int64_t k = 0; k < dim; ++k) {
+      const double m = std::fabs(static_cast<double>(st[k]));
+      const double v = st[dim + k];
+      if (!(m <= c * std::sqrt(std::max(v, 0.0)))) b.adam_ok = false;
+    }
+  }
+  return b;
+}
+
+ValueBounds ImportedBounds(const ShardSpec& spec, absl::Span<const float> weights,
+                           absl::Span<const float> state) {
+  ValueBounds b = MeasureValues(spec, weights, state);
+  // Rounding to nearest moves a 16-bit weight by at most half its gap:
+  // 2^-11 (fp16) or 2^-8 (bf16) of it.
+  if (spec.weight_type != WeightType::kFp32) b.weight *= 1 + 1.0 / 256;
+  b.measured = false;
+  return b;
+}
+
+double MergedGradientBound(const FeatureRequest& f, double max_abs_grad) {
+  const size_t n = f.ids.size();
+  if (n == 0 || max_abs_grad == 0) return 0;
+  double scales = 0;
+  if (f.pooling == Pooling::kNone || (f.pooling == Pooling::kSum && f.weights.empty())) {
+    scales = static_cast<double>(n);
+  } else {
+    size_t k = 0;
+    for (const int64_t len : f.lengths) {
+      double bag = 0;
+      if (f.weights.empty()) {
+        bag = static_cast<double>(len);
+      } else {
+        for (int64_t j = 0; j < len; ++j) bag += std::fabs(static_cast<double>(f.weights[k + j]));
+      }
+      if (f.pooling == Pooling::kMean && len > 0) bag /= static_cast<double>(len);
+      scales += bag;
+      k += static_cast<size_t>(len);
+    }
+  }
+  // A float sum of n terms is within n * 2^-24 of the exact one, relatively
+  // to the sum of their magnitudes; each scale rounds once more.
+  return scales * max_abs_grad * (1 + (static_cast<double>(n) + 2) * 1.2e-7);
+}
+
+bool StepStaysFinite(const ShardSpec& spec, const math::StepParams& p,
+                     const ValueBounds& before, double max_merged_grad, ValueBounds* after) {
+  const double limit = WeightLimitOf(spec.weight_type);
+  const double state_limit = math::kStateLimit;
+  const double g = max_merged_grad, w = before.weight, acc = before.acc;
+  if (!(g >= 0 && g <= state_limit) || !(w >= 0 && w <= limit) ||
+      !(acc >= 0 && acc <= state_limit)) {
+    return false;
+  }
+  const double lr = p.lr, wd = p.weight_decay;
+  // The gradient the optimizer sees: L2 decay adds wd * w to it.
+  const double ge = p.decay == math::kDecayL2 ? g + wd * w : g;
+  // Decoupled decay scales w by (1 - lr wd) before the Adagrad variants
+  // subtract their update (Adam adds wd w to its update instead).
+  const double keep = p.decay == math::kDecayDecouple && p.optimizer != math::kStepAdam
+                          ? std::fabs(static_cast<double>(p.decay_keep))
+                          : 1.0;
+  double w_after = 0, acc_after = acc;
+  switch (p.optimizer) {
+    case math::kStepSgd:
+      w_after = w + lr * ge;
+      break;
+    case math::kStepAdagrad:
+      // |g| / (sqrt(G + g^2) + eps) <= 1; lr * g is formed first.
+      if (!(p.eps > 0) || lr * ge > state_limit) return false;
+      acc_after = acc + ge * ge;
+      w_after = keep * w + lr * 1.01;
+      break;
+    case math::kStepRowwiseAdagrad:
+      // G' >= mean(g^2) >= g_c^2 / dim: each element moves at most
+      // lr sqrt(dim).
+      if (!(p.eps > 0)) return false;
+      acc_after = acc + ge * ge;
+      w_after = keep * w + lr * 1.01 * std::sqrt(static_cast<double>(spec.dim));
+      break;
+    case math::kStepAdam: {
+      // m^ / (sqrt(v^) + eps) <= C sqrt(1 - b2^t) / (1 - b1^t) while
+      // |m| <= C sqrt(v), which each step keeps.
+      const double c = AdamRatioBound(spec.optimizer);
+      if (!before.adam_ok || c == 0 || !(p.eps > 0) || !(p.bias1 > 0) || !(p.bias2 > 0)) {
+        return false;
+      }
+      acc_after = std::max(acc, ge * ge);
+      const double m = std::max(c * std::sqrt(acc_after), ge);
+      if (m / p.bias1 > state_limit) return false;
+      const double u = c * std::sqrt(static_cast<double>(p.bias2)) / p.bias1 +
+                       (p.decay == math::kDecayDecouple ? wd * w : 0.0);
+      w_after = w + lr * u;
+      break;
+    }
+    default:
+      return false;
+  }
+  if (ge * ge > state_limit) return false;  // g * g is formed in fp32
+  w_after *= 1 + kRounding;
+  acc_after *= 1 + kRounding;
+  if (!(w_after <= limit) || !(acc_after <= state_limit)) return false;
+  after->weight = w_after;
+  after->acc = acc_after;
+  after->adam_ok = before.adam_ok;
+  after->measured = false;
+  return true;
+}
+
+ValueBounds BoundsAfterCheck(const ValueBounds& before, const OverflowReport& report) {
+  ValueBounds b;
+  b.weight = std::max(before.weight, report.max_weight) * (1 + kRounding);
+  b.acc = std::max(before.acc, report.max_acc) * (1 + kRounding);
+  b.adam_ok = before.adam_ok;
+  b.measured = false;
+  return b;
+}
+
+absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& r) {
+  const std::string where =
+      absl::StrCat("gradient update of table '", spec.table, "': row ", spec.row_offset + r.row);
+  if (r.state) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": optimizer state[", r.col, "] would become ", r.value,
+        " (fp32 state must stay finite); nothing of the call was applied"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, " column ", spec.col_offset + r.col, ": the weight would become ", r.value,
+      ", beyond the largest finite ", TypeName(spec.weight_type), " value ",
+      WeightLimitOf(spec.weight_type), "; nothing of the call was applied"));
+}
+
+}  // namespace backend
+}  // namespace ember
