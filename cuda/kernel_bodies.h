@@ -42,6 +42,17 @@ constexpr int32_t kNone = 2;
 // row's update warp (FBGEMM splits long segments the same way).
 constexpr int64_t kHotRun = 32;
 
+// A float's bits (for the atomics on its magnitude).
+EMBER_KERNEL unsigned int FloatBitsOf(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  unsigned int u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
 struct alignas(16) Vec4 {
   float x, y, z, w;
 };
@@ -165,14 +176,24 @@ EMBER_KERNEL bool NonFinite(float x) {
 // Whether element e of a call's device inputs (InputCheckDesc's numbering)
 // is bad: an id outside [0, rows), a NaN or Inf weight or gradient float.
 // begin[r] is descs[r].begin, begin[n] the element count (for the search).
+// Its |value| as float bits goes to max_bits[0] (a gradient float) or
+// max_bits[1] (a weight), when larger.
 EMBER_KERNEL bool BadInputOne(int64_t e, const int64_t* begin, const InputCheckDesc* descs,
-                              int64_t n) {
+                              int64_t n, unsigned int* max_bits) {
   const InputCheckDesc& d = descs[UpperBound(begin, n + 1, e) - 1];
   int64_t k = e - d.begin;
-  if (k < d.num_weights) return NonFinite(d.weights[k]);
+  unsigned int bits;
+  if (k < d.num_weights) {
+    bits = FloatBitsOf(d.weights[k]) & 0x7fffffffu;
+    if (bits > max_bits[1]) max_bits[1] = bits;
+    return NonFinite(d.weights[k]);
+  }
   k -= d.num_weights;
   if (k < d.num_ids) return d.ids[k] < 0 || d.ids[k] >= d.rows;
-  return NonFinite(d.grad[k - d.num_ids]);
+  const float g = d.grad[k - d.num_ids];
+  bits = FloatBitsOf(g) & 0x7fffffffu;
+  if (bits > max_bits[0]) max_bits[0] = bits;
+  return NonFinite(g);
 }
 
 // How a warp covers a row of `dim` elements: chunks of 4 elements, `group`
@@ -376,6 +397,8 @@ struct UpdateArgs {
   int64_t partial_stride;
   int32_t mode;           // UpdateMode
   int32_t guarded_apply;  // kApplyRows: guarded shards' misfit rows are left alone
+  int32_t guard_all;      // every shard is guarded, whatever its UpdateDesc::guard
+  int32_t unused;
   OverflowRecord* record;  // kCheckRows, kReportRow, guarded kApplyRows
 };
 
@@ -627,16 +650,6 @@ EMBER_KERNEL RowFit UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t
   return RowFit{true, -1, 0.0f, 0.0f, 0.0f};
 }
 
-EMBER_KERNEL unsigned int FloatBitsOf(float x) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(x);
-#else
-  unsigned int u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-#endif
-}
-
 // Row `row` of shard d as `a.mode` says (UpdateMode), its merged gradient
 // the sum over k in [b, e) of meta's scaled rows of `grads`.
 template <typename Tag, typename Warp, typename Meta>
@@ -644,8 +657,9 @@ EMBER_KERNEL void UpdateOrCheck(Warp& w, const UpdateArgs& a, const UpdateDesc& 
                                 uint64_t key, int64_t b, int64_t e, const float* grads,
                                 Meta meta) {
   OverflowRecord* rec = a.record;
+  const bool guarded = d.guard || a.guard_all;
   if (a.mode == kApplyRows) {
-    if (d.guard && a.guarded_apply) {
+    if (guarded && a.guarded_apply) {
       const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
       if (!f.fits) {
         if (w.lane() == 0) AtomicAddU64(&rec->skipped, 1);
@@ -660,7 +674,7 @@ EMBER_KERNEL void UpdateOrCheck(Warp& w, const UpdateArgs& a, const UpdateDesc& 
     return;
   }
   if (a.mode == kCheckRows) {
-    if (!d.guard) return;
+    if (!guarded) return;
     const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
     if (w.lane() != 0) return;
     if (!f.fits) {

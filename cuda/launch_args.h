@@ -69,6 +69,7 @@ struct BackwardLaunch {
   // check notes what it finds.
   int32_t mode = kApplyRows;
   int32_t guarded_apply = 0;
+  int32_t guard_all = 0;
   OverflowRecord* record = nullptr;
 };
 
@@ -81,6 +82,9 @@ struct InputCheckLaunch {
   int64_t num_requests = 0;
   int64_t total = 0;  // elements: begin[num_requests]
   unsigned long long* first_bad = nullptr;  // NOLINT(runtime/int): atomicMin's type
+  // The largest |gradient| and |weight| as float bits (atomicMax's type),
+  // which must hold 0 before.
+  unsigned int* max_bits = nullptr;  // [2]
 };
 
 // The update steps' arguments (kernel_bodies.h) once the pairs are sorted
@@ -104,6 +108,7 @@ inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t*
   u.partial_stride = a.max_dim;
   u.mode = a.mode;
   u.guarded_apply = a.guarded_apply;
+  u.guard_all = a.guard_all;
   u.record = a.record;
   return u;
 }

@@ -92,12 +92,16 @@ __global__ void __launch_bounds__(kBlockThreads) UpdateKernel(kernels::UpdateArg
 
 __global__ void __launch_bounds__(kBlockThreads)
     CheckInputsKernel(const int64_t* __restrict__ begin, const InputCheckDesc* __restrict__ descs,
-                      int64_t num_requests, int64_t total, unsigned long long* first_bad) {
+                      int64_t num_requests, int64_t total, unsigned long long* first_bad,
+                      unsigned int* max_bits) {
+  unsigned int local[2] = {0, 0};  // this thread's maxima, one atomic each at the end
   for (int64_t e = ThreadIndex(); e < total; e += ThreadCount()) {
-    if (kernels::BadInputOne(e, begin, descs, num_requests)) {
+    if (kernels::BadInputOne(e, begin, descs, num_requests, local)) {
       atomicMin(first_bad, static_cast<unsigned long long>(e));
     }
   }
+  if (local[0] != 0) atomicMax(&max_bits[0], local[0]);
+  if (local[1] != 0) atomicMax(&max_bits[1], local[1]);
 }
 
 __global__ void FaultKernel(float* p) { *p = 1.0f; }
@@ -208,7 +212,7 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t
 cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStream_t stream) {
   if (a.total <= 0) return cudaSuccess;
   CheckInputsKernel<<<ThreadBlocks(a.total, max_blocks), kBlockThreads, 0, stream>>>(
-      a.begin, a.descs, a.num_requests, a.total, a.first_bad);
+      a.begin, a.descs, a.num_requests, a.total, a.first_bad, a.max_bits);
   return cudaGetLastError();
 }
 

@@ -47,9 +47,9 @@ cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int, cudaStream_t strea
   if (a.total <= 0) return cudaSuccess;
   return Launch(stream, [a] {
     for (int64_t e = 0; e < a.total; ++e) {
-      if (kernels::BadInputOne(e, a.begin, a.descs, a.num_requests)) {
-        *a.first_bad = static_cast<unsigned long long>(e);  // NOLINT(runtime/int)
-        return;
+      if (kernels::BadInputOne(e, a.begin, a.descs, a.num_requests, a.max_bits) &&
+          *a.first_bad > static_cast<unsigned long long>(e)) {  // NOLINT(runtime/int)
+        *a.first_bad = static_cast<unsigned long long>(e);      // NOLINT(runtime/int)
       }
     }
   });

@@ -23,6 +23,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     CpuBackendOptions o;
     o.num_threads = config.threads;
     o.memory_limit_bytes = config.memory_limit_bytes;
+    o.skip_overflow = config.skip_overflow;
     made.capacity_note = "as given";
     if (o.memory_limit_bytes == 0) {
       o.memory_limit_bytes = HostMemoryBytes() / 10 * 9;
@@ -42,6 +43,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     cuda::CudaBackendOptions o;
     o.device = config.cuda_device;
     o.memory_limit_bytes = config.memory_limit_bytes;
+    o.skip_overflow = config.skip_overflow;
     o.scratch_bytes = config.cuda_scratch_bytes;
     auto b = cuda::CreateCudaBackend(o);
     if (!b.ok()) return b.status();

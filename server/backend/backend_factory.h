@@ -26,6 +26,9 @@ struct BackendConfig {
   // scratch). 0: cpu, 90% of the host's available memory (its memory
   // cgroup's limit where there is one); cuda, the whole device.
   int64_t memory_limit_bytes = 0;
+  // An update row that would overflow is left alone and counted instead of
+  // refusing the call (overflow_guard.h; the worker's --skip_nonfinite).
+  bool skip_overflow = false;
 };
 
 struct MadeBackend {

@@ -25,6 +25,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +51,7 @@
 #include "server/backend/embedding_backend.h"
 #include "server/backend/embedding_math.h"
 #include "server/backend/half.h"
+#include "server/backend/overflow_guard.h"
 #include "server/common/byte_ranges.h"
 
 namespace ember {
@@ -459,6 +462,9 @@ struct Shard {
   DeviceBuffer weights;  // [rows, dim] in spec.weight_type
   DeviceBuffer state;    // [rows, state_width] fp32
   int64_t step = 0;      // Adam's t
+  backend::ValueBounds bounds;  // what its values stay within (overflow_guard.h)
+  bool guard = false;           // this call checks its rows first
+  backend::ValueBounds after;   // its bounds after this call, when not guarded
 
   int64_t RowBytes() const { return spec.dim * elem_bytes; }
   int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
@@ -501,6 +507,7 @@ class CudaBackend : public EmbeddingBackend {
       if (s.ok()) s = slot.host.Allocate(bytes);
     }
     if (s.ok()) s = init_staging_.Allocate(kTransferChunkBytes);
+    if (s.ok()) s = record_.Allocate(sizeof(OverflowRecord));
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("the backend's scratch (", bytes,
                                                  " bytes, and ", kStagingSlots,
@@ -523,6 +530,7 @@ class CudaBackend : public EmbeddingBackend {
     cudaStreamSynchronize(stream_);
     shards_.clear();
     scratch_.Reset();
+    record_.Reset();
     init_staging_.Reset();
     for (StagingSlot& slot : slots_) {
       slot.host.Reset();
@@ -583,6 +591,7 @@ class CudaBackend : public EmbeddingBackend {
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);
     shard->state_width = backend::OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    shard->bounds = backend::InitialBounds(spec);
     const int64_t per_row = spec.dim * shard->elem_bytes + shard->state_width * 4;
     if (spec.rows > std::numeric_limits<int64_t>::max() / per_row) {
       return absl::ResourceExhaustedError(
@@ -745,7 +754,10 @@ class CudaBackend : public EmbeddingBackend {
 
   // Validates an ApplyGradients call and queues its work. Adam's step of
   // the shards it names advances as the work is queued, so the next call,
-  // queued after it, plans with the step that follows.
+  // queued after it, plans with the step that follows. A shard whose
+  // bounds cannot rule an overflow out (overflow_guard.h) has the call's
+  // rows checked first, in a launch of their own that this call waits for
+  // (the rare path); nothing of a call is applied before its checks pass.
   absl::Status QueueGradients(absl::Span<const GradientRequest> requests, SlotLease* lease)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
@@ -756,6 +768,7 @@ class CudaBackend : public EmbeddingBackend {
         !st.ok()) {
       return st;
     }
+    for (const GradientRequest& r : requests) FindShard(r.feature.shard)->guard = false;
     const GradientPlan plan = PlanGradients(requests, Resolver());
     const bool on_device = !requests.empty() && requests[0].feature.on_device;
     if (on_device || plan.total_ids > 0) {
@@ -767,8 +780,11 @@ class CudaBackend : public EmbeddingBackend {
     // Inputs in device memory: their values checked there first; a call
     // that must be cut is cut on the host (call_split.h), from host copies.
     HostInputs host;
+    // The largest |gradient| and |weight| of device inputs (the check's).
+    float device_max[2] = {0, 0};
     if (on_device) {
-      if (absl::Status st = CheckDeviceInputs(requests, "gradient", lease->slot()); !st.ok()) {
+      if (absl::Status st = CheckDeviceInputs(requests, "gradient", lease->slot(), device_max);
+          !st.ok()) {
         return st;
       }
       if (plan.total_ids > 0 && !split_.FitsGradients(SizeOf(plan))) {
@@ -776,33 +792,207 @@ class CudaBackend : public EmbeddingBackend {
         requests = host.requests;
       }
     }
+    // Each request's largest |gradient|: from the whole call's check when it
+    // is cut (before any piece), else from its staging.
+    std::vector<float> grad_max(requests.size(), 0.0f);
+    auto decide = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return DecideGuards(requests, grad_max, requests[0].feature.on_device ? device_max : nullptr);
+    };
+    backend::OverflowReport seen;
     if (plan.total_ids == 0) {
       // Nothing is staged, so the gradients (of empty bags) are checked here.
       if (absl::Status st = CheckAll(requests); !st.ok()) return st;
-    } else {
-      bool first = true;
-      // In pieces, the first would be applied before the last is checked:
-      // the whole call is checked first.
-      if (absl::Status st = CanonicalRefusal(requests, ForEachGradientPiece(
-              requests, plan, Resolver(), split_,
-              [&](absl::Span<const GradientRequest> piece)
-                  ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
-                // The previous piece's uploads read the slot's staging
-                // until they have run.
-                if (!first) EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-                first = false;
-                return QueueGradientPiece(piece, lease->slot());
-              },
-              [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return CheckAll(requests); }));
+    } else if (split_.FitsGradients(SizeOf(plan))) {
+      if (absl::Status st = CanonicalRefusal(
+              requests, QueueGradientPiece(requests, lease->slot(), absl::MakeSpan(grad_max),
+                                           [&](const GradientPlan& p, const BackwardLaunch& a)
+                                               ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                                 const bool guard = decide();
+                                                 return LaunchGuarded(p, a, guard, false, &seen);
+                                               }));
           !st.ok()) {
         return st;
+      }
+    } else {
+      // In pieces, the first would be applied before the last is checked:
+      // the whole call is checked first, its values, then (when the guard
+      // asks) its rows, piece by piece, before a piece is applied.
+      auto find = [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS { return FindSpec(id); };
+      if (absl::Status st = ValidateRequests(requests, find, Checks::kAll,
+                                             /*device_memory=*/true, absl::MakeSpan(grad_max));
+          !st.ok()) {
+        return st;
+      }
+      const bool guard = decide();
+      for (const bool checking : {true, false}) {
+        if (checking && (!guard || options_.skip_overflow)) continue;
+        bool first = true;
+        if (absl::Status st = ForEachGradientPiece(
+                requests, plan, Resolver(), split_,
+                [&](absl::Span<const GradientRequest> piece)
+                    ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+                  // The previous piece's uploads read the slot's staging
+                  // until they have run.
+                  if (!first) EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+                  first = false;
+                  piece_max_.assign(piece.size(), 0.0f);
+                  return QueueGradientPiece(
+                      piece, lease->slot(), absl::MakeSpan(piece_max_),
+                      [&](const GradientPlan& p, const BackwardLaunch& a)
+                          ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                            return LaunchGuarded(p, a, guard, checking, &seen);
+                          });
+                });
+            !st.ok()) {
+          return st;
+        }
       }
     }
     // Every shard the call names takes an Adam step, ids or not (the
     // interface rule, as in the CPU backend), once for the whole call.
     for (ShardId id : plan.idle) ++FindShard(id)->step;
-    for (ShardId id : plan.slots) ++FindShard(id)->step;
+    for (ShardId id : plan.slots) {
+      Shard* s = FindShard(id);
+      ++s->step;
+      s->bounds = s->guard ? backend::BoundsAfterCheck(s->bounds, seen) : s->after;
+      s->guard = false;
+    }
     return absl::OkStatus();
+  }
+
+  // Decides, per shard of the call, whether its rows must be checked
+  // (overflow_guard.h), from each request's largest |gradient| (grad_max)
+  // or, for inputs on the device, the call's largest |gradient| and
+  // |weight| (device_max). Returns whether any must.
+  bool DecideGuards(absl::Span<const GradientRequest> requests, absl::Span<const float> grad_max,
+                    const float* device_max) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::map<ShardId, double> merged;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      if (f.ids.empty()) continue;
+      double bound;
+      if (device_max != nullptr) {
+        // Each id's scale is at most its |weight| (1/length <= 1).
+        const double scale = f.weights.empty() ? 1.0 : device_max[1];
+        bound = static_cast<double>(f.ids.size()) * scale * device_max[0] *
+                (1 + (static_cast<double>(f.ids.size()) + 2) * 1.2e-7);
+      } else {
+        bound = backend::MergedGradientBound(f, grad_max[i]);
+      }
+      merged[f.shard] += bound;
+    }
+    bool any = false;
+    for (auto& [id, bound] : merged) {
+      Shard* s = FindShard(id);
+      const backend::math::StepParams p = backend::MakeStepParams(s->spec.optimizer, s->step + 1);
+      s->guard = !backend::GuardStep(s->spec, p, &s->bounds, bound, &s->after,
+                                     [this, s]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                       return Measure(*s);
+                                     });
+      any |= s->guard;
+    }
+    return any;
+  }
+
+  // Launches a piece's update as the guard says. Unguarded: applied. With
+  // skip_overflow: applied with each guarded row checked first and left
+  // alone when it does not fit. Otherwise the rows are checked first
+  // (kCheckRows), and a misfit refuses the call, named by a reporting
+  // launch; `check_only` stops there (a cut call's first pass). The checks
+  // are waited for here.
+  absl::Status LaunchGuarded(const GradientPlan& plan, BackwardLaunch a, bool guard,
+                             bool check_only, backend::OverflowReport* seen)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!guard) {
+      if (check_only) return absl::OkStatus();
+      EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
+      return absl::OkStatus();
+    }
+    OverflowRecord* dev = reinterpret_cast<OverflowRecord*>(record_.get());
+    OverflowRecord got;
+    auto run = [&](int32_t mode, bool guarded_apply, bool reset) -> absl::Status {
+      if (reset) {
+        EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dev, &fresh_record_, sizeof(OverflowRecord),
+                                                   cudaMemcpyHostToDevice, stream_));
+      }
+      a.mode = mode;
+      a.guarded_apply = guarded_apply ? 1 : 0;
+      a.guard_all = 1;
+      a.record = dev;
+      EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(&got, dev, sizeof(got), cudaMemcpyDeviceToHost, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      return absl::OkStatus();
+    };
+    if (options_.skip_overflow) {
+      if (check_only) return absl::OkStatus();
+      if (absl::Status st = run(kApplyRows, true, true); !st.ok()) return st;
+      NoteMaxima(got, seen);
+      skipped_rows_.fetch_add(static_cast<int64_t>(got.skipped), std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
+    if (absl::Status st = run(kCheckRows, false, true); !st.ok()) return st;
+    NoteMaxima(got, seen);
+    if (got.first_key != fresh_record_.first_key) {
+      if (absl::Status st = run(kReportRow, false, false); !st.ok()) return st;
+      ShardId id;
+      const backend::OverflowReport r = ReportOf(plan, got, &id);
+      return backend::OverflowRefusal(FindShard(id)->spec, r);
+    }
+    if (check_only) return absl::OkStatus();
+    a.mode = kApplyRows;
+    a.guarded_apply = 0;
+    a.guard_all = 0;
+    EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
+    return absl::OkStatus();
+  }
+
+  // The bounds of every value a shard holds, read back through pageable
+  // host memory in pieces (the rare path: its grown bounds could not
+  // tell). Unreadable: bounds that rule nothing out.
+  backend::ValueBounds Measure(const Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    backend::ValueBounds none;
+    none.weight = std::numeric_limits<double>::infinity();
+    const ShardSpec& spec = s.spec;
+    constexpr int64_t kRowsAtOnce = 4096;
+    std::vector<uint8_t> raw;
+    std::vector<float> w, st;
+    backend::ValueBounds b = backend::MeasureValues(spec, {}, {});
+    for (int64_t r0 = 0; r0 < spec.rows; r0 += kRowsAtOnce) {
+      const int64_t n = std::min(kRowsAtOnce, spec.rows - r0);
+      raw.resize(static_cast<size_t>(n * s.RowBytes()));
+      st.resize(static_cast<size_t>(n * s.state_width));
+      if (cudaMemcpyAsync(raw.data(), s.weights.get() + r0 * s.RowBytes(), raw.size(),
+                          cudaMemcpyDeviceToHost, stream_) != cudaSuccess ||
+          (s.state_width > 0 &&
+           cudaMemcpyAsync(st.data(), reinterpret_cast<const float*>(s.state.get()) +
+                                          r0 * s.state_width,
+                           st.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                           stream_) != cudaSuccess) ||
+          cudaStreamSynchronize(stream_) != cudaSuccess) {
+        return none;
+      }
+      w.resize(static_cast<size_t>(n * spec.dim));
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(raw.data());
+      for (size_t i = 0; i < w.size(); ++i) {
+        switch (spec.weight_type) {
+          case WeightType::kFp16:
+            w[i] = backend::Fp16ToFloat(h[i]);
+            break;
+          case WeightType::kBf16:
+            w[i] = backend::Bf16ToFloat(h[i]);
+            break;
+          default:
+            std::memcpy(&w[i], raw.data() + i * sizeof(float), sizeof(float));
+        }
+      }
+      const backend::ValueBounds part = backend::MeasureValues(spec, w, st);
+      b.weight = std::max(b.weight, part.weight);
+      b.acc = std::max(b.acc, part.acc);
+      b.adam_ok = b.adam_ok && part.adam_ok;
+    }
+    return b;
   }
 
   // Queues one piece of a Lookup call (all of it when it fits the
@@ -859,8 +1049,11 @@ class CudaBackend : public EmbeddingBackend {
   }
 
   // Queues one piece of an ApplyGradients call, without the Adam step,
-  // staged in `slot`.
-  absl::Status QueueGradientPiece(absl::Span<const GradientRequest> requests, StagingSlot& slot)
+  // staged in `slot`: each request's largest |gradient| goes to grad_max
+  // as its host gradients are staged, and `launch` launches the update.
+  using GradientLaunch = std::function<absl::Status(const GradientPlan&, const BackwardLaunch&)>;
+  absl::Status QueueGradientPiece(absl::Span<const GradientRequest> requests, StagingSlot& slot,
+                                  absl::Span<float> grad_max, const GradientLaunch& launch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t n = static_cast<int64_t>(requests.size());
     const GradientPlan plan = PlanGradients(requests, Resolver());
@@ -895,7 +1088,10 @@ class CudaBackend : public EmbeddingBackend {
       }
       const ShardSpec& spec = FindShard(r.feature.shard)->spec;
       auto check = [&](absl::Span<const float> g, int64_t first) {
-        return CheckFinite(g, RequestWhat("gradient", i, spec), "gradient", first);
+        float m = 0;
+        absl::Status st = CheckFinite(g, RequestWhat("gradient", i, spec), "gradient", first, &m);
+        grad_max[i] = std::max(grad_max[i], m);
+        return st;
       };
       if (absl::Status st = up.AppendSpan(at, r.grad, check); !st.ok()) return st;
       at += r.grad.size() * sizeof(float);
@@ -931,8 +1127,7 @@ class CudaBackend : public EmbeddingBackend {
     a.max_units = l.max_units;
     a.temp = d + l.temp;
     a.temp_bytes = l.device_bytes - l.temp;
-    EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
-    return absl::OkStatus();
+    return launch(plan, a);
   }
 
   absl::Status DoExportRows(ShardId id, int64_t row_begin, int64_t row_end,
@@ -1025,6 +1220,7 @@ class CudaBackend : public EmbeddingBackend {
           n * s->state_width * sizeof(float), cudaMemcpyHostToDevice, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     }
+    s->bounds = backend::Widen(s->bounds, backend::ImportedBounds(s->spec, weights, state));
     return absl::OkStatus();
   }
 
@@ -1048,6 +1244,9 @@ class CudaBackend : public EmbeddingBackend {
 
   std::string Name() const override { return absl::StrCat("cuda/", device_name_); }
   Memory OutputMemory() const override { return Memory::kCudaDevice; }
+  int64_t OverflowSkippedRows() const override {
+    return skipped_rows_.load(std::memory_order_relaxed);
+  }
   // Outputs in host memory only: the download's copy out of the staging
   // puts each row at its stride (DeliverOutputs).
   bool WritesStridedOutputs() const override { return true; }
@@ -1223,10 +1422,11 @@ class CudaBackend : public EmbeddingBackend {
   // check (so for the work queued before it too).
   template <typename Request>
   absl::Status CheckDeviceInputs(absl::Span<const Request> requests, const char* kind,
-                                 StagingSlot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                 StagingSlot& slot, float* max_abs = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t room = std::min(scratch_.capacity(), slot.host.capacity());
     struct CheckLayout {
-      size_t begin, descs, first_bad, bytes;
+      size_t begin, descs, first_bad, max_bits, bytes;
     };
     auto lay_out = [](size_t m) {
       Layout l;
@@ -1234,6 +1434,7 @@ class CudaBackend : public EmbeddingBackend {
       c.begin = l.Add<int64_t>(m + 1);
       c.descs = l.Add<InputCheckDesc>(m);
       c.first_bad = l.Add<uint64_t>(1);
+      c.max_bits = l.Add<uint32_t>(2);
       c.bytes = l.bytes();
       return c;
     };
@@ -1276,6 +1477,8 @@ class CudaBackend : public EmbeddingBackend {
       if (total == 0) continue;
       uint64_t* first_bad = At<uint64_t>(h, l.first_bad);
       *first_bad = std::numeric_limits<uint64_t>::max();
+      uint32_t* max_bits = At<uint32_t>(h, l.max_bits);
+      max_bits[0] = max_bits[1] = 0;
       EMBER_RETURN_IF_CUDA_ERROR(
           cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream_));
       InputCheckLaunch a;
@@ -1284,10 +1487,19 @@ class CudaBackend : public EmbeddingBackend {
       a.num_requests = static_cast<int64_t>(m);
       a.total = total;
       a.first_bad = At<unsigned long long>(d, l.first_bad);  // NOLINT(runtime/int)
+      a.max_bits = At<unsigned int>(d, l.max_bits);
       EMBER_RETURN_IF_CUDA_ERROR(LaunchCheckInputs(a, max_blocks_, stream_));
-      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(first_bad, d + l.first_bad, sizeof(uint64_t),
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(first_bad, d + l.first_bad,
+                                                 l.max_bits + 2 * sizeof(uint32_t) - l.first_bad,
                                                  cudaMemcpyDeviceToHost, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      if (max_abs != nullptr) {
+        for (int k = 0; k < 2; ++k) {
+          float v;
+          std::memcpy(&v, &max_bits[k], sizeof(v));
+          max_abs[k] = std::max(max_abs[k], v);
+        }
+      }
       if (*first_bad == std::numeric_limits<uint64_t>::max()) continue;
       // The request it falls in, and the value, named as the host names it.
       const int64_t bad = static_cast<int64_t>(*first_bad);
@@ -1362,6 +1574,7 @@ class CudaBackend : public EmbeddingBackend {
       v.spec = &s->spec;
       v.state_width = s->state_width;
       v.step = s->step;
+      v.guard = s->guard;
       return v;
     };
   }
@@ -1389,6 +1602,12 @@ class CudaBackend : public EmbeddingBackend {
   // once by Init, and what call_split needs to know of it and the staging.
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
   Scratch split_;
+  // The overflow guard's record (kernel_descs.h), for the calls that check
+  // rows (each waits for its checks under mu_), and what resets it.
+  DeviceBuffer record_ ABSL_GUARDED_BY(mu_);
+  const OverflowRecord fresh_record_ = FreshRecord();
+  std::atomic<int64_t> skipped_rows_{0};
+  std::vector<float> piece_max_ ABSL_GUARDED_BY(mu_);  // a piece's (unused) gradient maxima
   // The staging slots (pinned host memory, scratch_bytes each), each held
   // by one call at a time through a SlotLease.
   mutable SlotPool slot_pool_;

@@ -54,6 +54,8 @@ struct CudaBackendOptions {
   // The fixed scratch, on the device, and the size of each of the two
   // pinned host staging buffers.
   int64_t scratch_bytes = kDefaultCudaScratchBytes;
+  // As the CPU backend's (CpuBackendOptions::skip_overflow).
+  bool skip_overflow = false;
 };
 
 // UNAVAILABLE when built without CUDA, when no driver or device is usable,

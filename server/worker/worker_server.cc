@@ -46,6 +46,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 one(&Stats::nonfinite_refused));
   m->AddCounter("ember_worker_nonfinite_skipped_ids_total", "Ids left out for NaN/Inf",
                 one(&Stats::nonfinite_skipped_ids));
+  m->AddCounter("ember_worker_overflow_skipped_rows_total",
+                "Update rows left as they were because their update would overflow",
+                one(&Stats::overflow_skipped_rows));
   m->AddGauge("ember_worker_available_bytes", "Shard memory still free on the worker's device",
               one(&Stats::available_bytes));
   m->AddGauge("ember_worker_shards", "Shards held", one(&Stats::shards));
@@ -106,6 +109,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     config.cuda_device = options.cuda_device;
     config.cuda_scratch_bytes = options.cuda_scratch_bytes;
     config.memory_limit_bytes = options.memory_limit_bytes;
+    config.skip_overflow = options.service.skip_nonfinite;
     auto made = backend::CreateBackend(config);
     if (!made.ok()) return made.status();
     backend = std::move(made->backend);

@@ -1140,6 +1140,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.nonfinite_refused = nonfinite_refused_.load(std::memory_order_relaxed);
   s.nonfinite_skipped_ids = nonfinite_skipped_ids_.load(std::memory_order_relaxed);
   s.dedup_forgotten_early = dedup_forgotten_early_.load(std::memory_order_relaxed);
+  s.overflow_skipped_rows = backend_->OverflowSkippedRows();
   s.available_bytes = backend_->AvailableBytes();
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
