@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace ember {
@@ -199,15 +200,21 @@ ValueBounds BoundsAfterCheck(const ValueBounds& before, const OverflowReport& re
 absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& r) {
   const std::string where =
       absl::StrCat("gradient update of table '", spec.table, "': row ", spec.row_offset + r.row);
-  if (r.state) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": optimizer state[", r.col, "] would become ", r.value,
-        " (fp32 state must stay finite); nothing of the call was applied"));
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      where, " column ", spec.col_offset + r.col, ": the weight would become ", r.value,
-      ", beyond the largest finite ", TypeName(spec.weight_type), " value ",
-      WeightLimitOf(spec.weight_type), "; nothing of the call was applied"));
+  absl::Status s =
+      r.state ? absl::InvalidArgumentError(absl::StrCat(
+                    where, ": optimizer state[", r.col, "] would become ", r.value,
+                    " (fp32 state must stay finite); nothing of the call was applied"))
+              : absl::InvalidArgumentError(absl::StrCat(
+                    where, " column ", spec.col_offset + r.col, ": the weight would become ",
+                    r.value, ", beyond the largest finite ", TypeName(spec.weight_type),
+                    " value ", WeightLimitOf(spec.weight_type),
+                    "; nothing of the call was applied"));
+  s.SetPayload(kOverflowPayload, absl::Cord(spec.table));
+  return s;
+}
+
+bool IsOverflowRefusal(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) && s.GetPayload(kOverflowPayload).has_value();
 }
 
 }  // namespace backend

@@ -121,8 +121,12 @@ struct OverflowReport {
 
 // INVALID_ARGUMENT for report.row of the shard: its table, global row and
 // column (or state element), the value and the limit, and that nothing of
-// the call was applied.
+// the call was applied. It carries the payload kOverflowPayload, which
+// IsOverflowRefusal tells by (callers count refusals by it, not by the
+// message's words).
 absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& report);
+inline constexpr char kOverflowPayload[] = "type.ember.dev/update_overflow";
+bool IsOverflowRefusal(const absl::Status& s);
 
 // The bounds after applying a checked call's fitting rows.
 ValueBounds BoundsAfterCheck(const ValueBounds& before, const OverflowReport& report);

@@ -46,6 +46,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 one(&Stats::nonfinite_refused));
   m->AddCounter("ember_worker_nonfinite_skipped_ids_total", "Ids left out for NaN/Inf",
                 one(&Stats::nonfinite_skipped_ids));
+  m->AddCounter("ember_worker_overflow_refused_total",
+                "Updates refused because a result would overflow its type or state",
+                one(&Stats::overflow_refused));
   m->AddCounter("ember_worker_overflow_skipped_rows_total",
                 "Update rows left as they were because their update would overflow",
                 one(&Stats::overflow_skipped_rows));

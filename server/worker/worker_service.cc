@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "server/backend/overflow_guard.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/common/thread_reused.h"
 #include "server/checkpoint/recut.h"
@@ -979,6 +980,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     if (absl::IsInvalidArgument(s) && absl::StrContains(s.message(), kNonFiniteMessage)) {
       nonfinite_refused_.fetch_add(1, std::memory_order_relaxed);
     }
+    if (backend::IsOverflowRefusal(s)) overflow_refused_.fetch_add(1, std::memory_order_relaxed);
     return ToGrpc(s);
   };
   // The whole request is checked; then only the parts whose shards have not
@@ -1141,6 +1143,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.nonfinite_skipped_ids = nonfinite_skipped_ids_.load(std::memory_order_relaxed);
   s.dedup_forgotten_early = dedup_forgotten_early_.load(std::memory_order_relaxed);
   s.overflow_skipped_rows = backend_->OverflowSkippedRows();
+  s.overflow_refused = overflow_refused_.load(std::memory_order_relaxed);
   s.available_bytes = backend_->AvailableBytes();
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
@@ -1172,6 +1175,8 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_backend(backend_->Name());
   resp->set_nonfinite_refused(nonfinite_refused_.load(std::memory_order_relaxed));
   resp->set_nonfinite_skipped_ids(nonfinite_skipped_ids_.load(std::memory_order_relaxed));
+  resp->set_overflow_refused(overflow_refused_.load(std::memory_order_relaxed));
+  resp->set_overflow_skipped_rows(backend_->OverflowSkippedRows());
   resp->set_available_bytes(backend_->AvailableBytes());
   resp->set_dedup_forgotten_early(dedup_forgotten_early_.load(std::memory_order_relaxed));
   resp->set_lookups(lookups_.load(std::memory_order_relaxed));

@@ -115,6 +115,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t updates = 0, update_ids = 0;  // ApplyGradients calls applied, their ids
     int64_t duplicates = 0;               // updates answered from the exactly-once record
     int64_t nonfinite_refused = 0, nonfinite_skipped_ids = 0, dedup_forgotten_early = 0;
+    int64_t overflow_refused = 0;       // updates refused: a result would overflow
     int64_t overflow_skipped_rows = 0;  // rows the backend left alone (skip_nonfinite)
     int64_t available_bytes = 0, shards = 0, collections = 0, request_ids = 0;
     int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
@@ -250,6 +251,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   std::atomic<int64_t> updates_{0}, update_ids_{0}, duplicates_{0};
   std::atomic<int64_t> nonfinite_refused_{0};
   std::atomic<int64_t> nonfinite_skipped_ids_{0};
+  std::atomic<int64_t> overflow_refused_{0};
   std::atomic<int64_t> dedup_forgotten_early_{0};
   // Data calls in progress, and those refused for max_queued_calls.
   std::atomic<int64_t> calls_in_progress_{0}, busy_refused_{0};

@@ -68,6 +68,7 @@ std::unique_ptr<WorkerService> MakeService(WorkerServiceOptions so, bool packed_
                                            std::function<void()> before_lookup = nullptr) {
   backend::CpuBackendOptions o;
   o.memory_limit_bytes = 1 << 20;
+  o.skip_overflow = so.skip_nonfinite;  // as WorkerServer makes its backend
   auto b = backend::CreateCpuBackend(o);
   EXPECT_TRUE(b.ok()) << b.status();
   std::unique_ptr<backend::EmbeddingBackend> be = std::move(*b);
@@ -380,6 +381,51 @@ TEST(WorkerServiceTest, SkipNonFiniteLeavesOutWhatTheyTouchAndAppliesTheRest) {
   EXPECT_EQ(s->ApplyGradients(nullptr, &bad, &resp).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Table(s.get(), "t"), t);
+}
+
+// fp32 SGD at rate 1 from zeros: bag {0, 0} with a gradient of 3e38 merges
+// to 6e38 for row 0, past fp32; bag {1} moves row 1 by -1.
+ember::v1::WorkerApplyGradientsRequest Overflowing(const std::string& id) {
+  ember::v1::WorkerApplyGradientsRequest r = UpdateOfT(id);
+  auto* g = r.mutable_gradients(0);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{2, 1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 0, 1}));
+  g->set_grad(wire::Encode<float>(std::vector<float>{3e38f, 0, 0, 0, 1, 1, 1, 1}));
+  return r;
+}
+
+TEST(WorkerServiceTest, UpdatesThatWouldOverflowAreRefusedAndCounted) {
+  auto s = MakeService(/*skip=*/false);
+  auto req = Overflowing("a");
+  ember::v1::WorkerApplyGradientsResponse resp;
+  const grpc::Status st = s->ApplyGradients(nullptr, &req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(),
+              ::testing::HasSubstr("table 't': row 0 column 0: the weight would become -inf"));
+  EXPECT_EQ(Table(s.get(), "t"), std::vector<float>(16, 0.0f));  // nothing applied
+  ember::v1::ShardStatusRequest sreq;
+  ember::v1::ShardStatusResponse status;
+  ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &status).ok());
+  EXPECT_EQ(status.overflow_refused(), 1);
+  EXPECT_EQ(status.overflow_skipped_rows(), 0);
+  EXPECT_EQ(status.nonfinite_refused(), 0);
+  EXPECT_EQ(s->GetStats().overflow_refused, 1);
+}
+
+TEST(WorkerServiceTest, SkipNonFiniteLeavesOverflowingRowsAsTheyWere) {
+  auto s = MakeService(/*skip=*/true);
+  auto req = Overflowing("a");
+  ember::v1::WorkerApplyGradientsResponse resp;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &req, &resp).ok());
+  std::vector<float> t(16, 0.0f);
+  for (int c = 0; c < 4; ++c) t[4 + c] = -1.0f;
+  EXPECT_EQ(Table(s.get(), "t"), t);
+  ember::v1::ShardStatusRequest sreq;
+  ember::v1::ShardStatusResponse status;
+  ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &status).ok());
+  EXPECT_EQ(status.overflow_skipped_rows(), 1);
+  EXPECT_EQ(status.overflow_refused(), 0);
+  EXPECT_EQ(s->GetStats().overflow_skipped_rows, 1);
 }
 
 // One SGD step of -1 on row 0 of t under `id`; true if applied (not a
