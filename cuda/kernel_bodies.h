@@ -196,6 +196,38 @@ EMBER_KERNEL bool BadInputOne(int64_t e, const int64_t* begin, const InputCheckD
   return NonFinite(g);
 }
 
+// Element e of a shard's measurement (MeasureLaunch): weights first, then
+// the state; its contribution goes to local[0..2] (the caller's maxima).
+template <typename MeasureArgs>
+EMBER_KERNEL void MeasureOne(int64_t e, const MeasureArgs& a, unsigned int* local) {
+  const int64_t n = a.rows * a.dim;
+  if (e < n) {
+    float w;
+    if (a.weight_type == kFp16) {
+      w = backend::Fp16ToFloat(static_cast<const uint16_t*>(a.weights)[e]);
+    } else if (a.weight_type == kBf16) {
+      w = backend::Bf16ToFloat(static_cast<const uint16_t*>(a.weights)[e]);
+    } else {
+      w = static_cast<const float*>(a.weights)[e];
+    }
+    const unsigned int bits = FloatBitsOf(w) & 0x7fffffffu;
+    if (bits > local[0]) local[0] = bits;
+    return;
+  }
+  const int64_t k = e - n;
+  const int64_t c = k % a.state_width;
+  const float x = a.state[k];
+  if (c >= a.first_acc) {
+    // Accumulators are >= 0 (imports refuse others); NaN's bits exceed all.
+    const unsigned int bits = FloatBitsOf(x) & 0x7fffffffu;
+    if (bits > local[1]) local[1] = bits;
+  }
+  if (a.adam && c < a.dim) {
+    const float v = a.state[k + a.dim];
+    if (!(fabsf(x) <= a.adam_c * sqrtf(v > 0 ? v : 0.0f))) local[2] = 1;
+  }
+}
+
 // How a warp covers a row of `dim` elements: chunks of 4 elements, `group`
 // lanes per row (a power of two, <= 32), so 32 / group rows are read at
 // once. Lane = sub * group + chunk_lane. All fields are warp-uniform except

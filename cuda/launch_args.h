@@ -87,6 +87,23 @@ struct InputCheckLaunch {
   unsigned int* max_bits = nullptr;  // [2]
 };
 
+// A measurement of a shard's values (overflow_guard.h's MeasureValues on
+// the device, kernel_bodies.h's MeasureOne): out[0] and out[1] receive the
+// largest |weight| and accumulator as float bits, out[2] 1 when an Adam
+// row breaks |m| <= adam_c sqrt(v); they must hold 0 before.
+struct MeasureLaunch {
+  const void* weights = nullptr;  // [rows, dim] in weight_type
+  int32_t weight_type = 0;
+  int32_t adam = 0;
+  int64_t rows = 0;
+  int64_t dim = 0;
+  const float* state = nullptr;  // [rows, state_width], or null
+  int64_t state_width = 0;
+  int64_t first_acc = 0;         // accumulators: state elements [first_acc, width)
+  float adam_c = 0;
+  unsigned int* out = nullptr;   // [3]
+};
+
 // The update steps' arguments (kernel_bodies.h) once the pairs are sorted
 // and the runs found.
 inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t* sorted_keys,

@@ -104,6 +104,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (local[1] != 0) atomicMax(&max_bits[1], local[1]);
 }
 
+__global__ void __launch_bounds__(kBlockThreads) MeasureKernel(MeasureLaunch a, int64_t total) {
+  unsigned int local[3] = {0, 0, 0};  // this thread's, one atomic each at the end
+  for (int64_t e = ThreadIndex(); e < total; e += ThreadCount()) kernels::MeasureOne(e, a, local);
+  for (int k = 0; k < 3; ++k) {
+    if (local[k] != 0) atomicMax(&a.out[k], local[k]);
+  }
+}
+
 __global__ void FaultKernel(float* p) { *p = 1.0f; }
 
 __global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
@@ -213,6 +221,13 @@ cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStr
   if (a.total <= 0) return cudaSuccess;
   CheckInputsKernel<<<ThreadBlocks(a.total, max_blocks), kBlockThreads, 0, stream>>>(
       a.begin, a.descs, a.num_requests, a.total, a.first_bad, a.max_bits);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMeasure(const MeasureLaunch& a, int max_blocks, cudaStream_t stream) {
+  const int64_t total = a.rows * (a.dim + a.state_width);
+  if (total <= 0) return cudaSuccess;
+  MeasureKernel<<<ThreadBlocks(total, max_blocks), kBlockThreads, 0, stream>>>(a, total);
   return cudaGetLastError();
 }
 

@@ -41,6 +41,9 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t
 cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStream_t stream);
 
 // p[0, n) = value.
+// Measures a shard's values (launch_args.h's MeasureLaunch).
+cudaError_t LaunchMeasure(const MeasureLaunch& a, int max_blocks, cudaStream_t stream);
+
 cudaError_t LaunchFill(float* p, int64_t n, float value, int max_blocks, cudaStream_t stream);
 
 // A write through a bad pointer: an illegal address, for the test of what

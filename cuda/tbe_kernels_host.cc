@@ -55,6 +55,14 @@ cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int, cudaStream_t strea
   });
 }
 
+cudaError_t LaunchMeasure(const MeasureLaunch& a, int, cudaStream_t stream) {
+  const int64_t total = a.rows * (a.dim + a.state_width);
+  if (total <= 0) return cudaSuccess;
+  return Launch(stream, [a, total] {
+    for (int64_t e = 0; e < total; ++e) kernels::MeasureOne(e, a, a.out);
+  });
+}
+
 cudaError_t LaunchFill(float* p, int64_t n, float value, int, cudaStream_t stream) {
   return Launch(stream, [p, n, value] {
     for (int64_t i = 0; i < n; ++i) p[i] = value;

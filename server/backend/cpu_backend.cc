@@ -333,15 +333,19 @@ class CpuBackend : public EmbeddingBackend {
         s.bounds = p.after;
         continue;
       }
-      const size_t max_run = ApplyRows(p);
-      // The bounds grow by what the rows' own merged gradients could add
-      // (at most max_run occurrences each), not the decision's sum over
-      // every id: they reach a type's limit, and ask for a measurement,
-      // that much later.
+      // Far from the limits the decision's bounds are kept. Nearer, they
+      // grow by what the rows' own merged gradients could add (at most
+      // max_run occurrences each), not the decision's sum over every id:
+      // they reach a type's limit, and ask for a measurement, that much
+      // later.
+      const bool near = p.after.weight > WeightLimitOf(s.spec.weight_type) / 64 ||
+                        p.after.acc > math::kStateLimit / 64;
+      const size_t max_run = ApplyRows(p, near && !p.check);
       ValueBounds tight;
       const double row_grad = static_cast<double>(max_run) * p.max_scale * p.max_grad *
                               (1 + (static_cast<double>(max_run) + 2) * 1.2e-7);
-      s.bounds = !p.check && StepStaysFinite(s.spec, p.params, s.bounds, row_grad, &tight)
+      s.bounds = near && !p.check &&
+                         StepStaysFinite(s.spec, p.params, s.bounds, row_grad, &tight)
                      ? tight
                      : p.after;
     }
@@ -445,7 +449,7 @@ class CpuBackend : public EmbeddingBackend {
   struct UpdatePart {
     std::vector<Occ> occ, tmp;
     std::vector<size_t> unique_begin;
-    size_t max_run = 0;  // the most occurrences of one row (SortAndMerge)
+    size_t max_run = 0;  // the most occurrences of one row (MaxRun)
   };
 
   // For the shared request validation (ValidateRequests).
@@ -552,9 +556,18 @@ class CpuBackend : public EmbeddingBackend {
     }
   }
 
+  // The most occurrences of one row of a sorted part.
+  static size_t MaxRun(const UpdatePart& part) {
+    size_t m = 0;
+    for (size_t u = 0; u + 1 < part.unique_begin.size(); ++u) {
+      m = std::max(m, part.unique_begin[u + 1] - part.unique_begin[u]);
+    }
+    return m;
+  }
+
   // Applies the shard's update (p.skip's rows left alone); returns the most
-  // occurrences of one row.
-  size_t ApplyRows(const ShardPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // occurrences of one row when `want_max_run`, else 0.
+  size_t ApplyRows(const ShardPlan& p, bool want_max_run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Shard& s = *p.shard;
     const Group& group = p.group;
     const int64_t* skip_begin = p.skip.data();
@@ -579,7 +592,7 @@ class CpuBackend : public EmbeddingBackend {
       // (docs/benchmarks.md).
       pool_.ParallelFor(run.num_unique, 128,
                         [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
-      return part.max_run;
+      return want_max_run ? MaxRun(part) : 0;
     }
     pool_.ParallelFor(num_parts, 1, [&](int64_t b, int64_t e) {
       for (int64_t q = b; q < e; ++q) {
@@ -591,6 +604,7 @@ class CpuBackend : public EmbeddingBackend {
         run.skip_begin = skip_begin;
         run.skip_end = skip_end;
         update_rows_(run, 0, run.num_unique);
+        part.max_run = want_max_run ? MaxRun(part) : 0;
       }
     });
     size_t max_run = 0;
@@ -825,11 +839,6 @@ class CpuBackend : public EmbeddingBackend {
     }
     part->unique_begin.push_back(occ.size());
     const int64_t num_unique = static_cast<int64_t>(part->unique_begin.size()) - 1;
-    part->max_run = 0;
-    for (int64_t u = 0; u < num_unique; ++u) {
-      part->max_run =
-          std::max(part->max_run, part->unique_begin[u + 1] - part->unique_begin[u]);
-    }
     const int64_t dim = s->spec.dim;
     const bool noise =
         s->spec.weight_type != WeightType::kFp32 && s->spec.optimizer.stochastic_rounding;

@@ -508,6 +508,7 @@ class CudaBackend : public EmbeddingBackend {
     }
     if (s.ok()) s = init_staging_.Allocate(kTransferChunkBytes);
     if (s.ok()) s = record_.Allocate(sizeof(OverflowRecord));
+    if (s.ok()) s = measure_.Allocate(4 * sizeof(unsigned int));
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("the backend's scratch (", bytes,
                                                  " bytes, and ", kStagingSlots,
@@ -531,6 +532,7 @@ class CudaBackend : public EmbeddingBackend {
     shards_.clear();
     scratch_.Reset();
     record_.Reset();
+    measure_.Reset();
     init_staging_.Reset();
     for (StagingSlot& slot : slots_) {
       slot.host.Reset();
@@ -948,50 +950,38 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // The bounds of every value a shard holds, read back through pageable
-  // host memory in pieces (the rare path: its grown bounds could not
-  // tell). Unreadable: bounds that rule nothing out.
+  // The bounds of every value a shard holds, measured on the device (the
+  // rare path: its grown bounds could not tell) and waited for.
+  // Unmeasurable: bounds that rule nothing out.
   backend::ValueBounds Measure(const Shard& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    backend::ValueBounds none;
-    none.weight = std::numeric_limits<double>::infinity();
+    backend::ValueBounds b;
+    b.weight = std::numeric_limits<double>::infinity();
     const ShardSpec& spec = s.spec;
-    constexpr int64_t kRowsAtOnce = 4096;
-    std::vector<uint8_t> raw;
-    std::vector<float> w, st;
-    backend::ValueBounds b = backend::MeasureValues(spec, {}, {});
-    for (int64_t r0 = 0; r0 < spec.rows; r0 += kRowsAtOnce) {
-      const int64_t n = std::min(kRowsAtOnce, spec.rows - r0);
-      raw.resize(static_cast<size_t>(n * s.RowBytes()));
-      st.resize(static_cast<size_t>(n * s.state_width));
-      if (cudaMemcpyAsync(raw.data(), s.weights.get() + r0 * s.RowBytes(), raw.size(),
-                          cudaMemcpyDeviceToHost, stream_) != cudaSuccess ||
-          (s.state_width > 0 &&
-           cudaMemcpyAsync(st.data(), reinterpret_cast<const float*>(s.state.get()) +
-                                          r0 * s.state_width,
-                           st.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                           stream_) != cudaSuccess) ||
-          cudaStreamSynchronize(stream_) != cudaSuccess) {
-        return none;
-      }
-      w.resize(static_cast<size_t>(n * spec.dim));
-      const uint16_t* h = reinterpret_cast<const uint16_t*>(raw.data());
-      for (size_t i = 0; i < w.size(); ++i) {
-        switch (spec.weight_type) {
-          case WeightType::kFp16:
-            w[i] = backend::Fp16ToFloat(h[i]);
-            break;
-          case WeightType::kBf16:
-            w[i] = backend::Bf16ToFloat(h[i]);
-            break;
-          default:
-            std::memcpy(&w[i], raw.data() + i * sizeof(float), sizeof(float));
-        }
-      }
-      const backend::ValueBounds part = backend::MeasureValues(spec, w, st);
-      b.weight = std::max(b.weight, part.weight);
-      b.acc = std::max(b.acc, part.acc);
-      b.adam_ok = b.adam_ok && part.adam_ok;
+    MeasureLaunch m;
+    m.weights = s.weights.get();
+    m.weight_type = static_cast<int32_t>(spec.weight_type);
+    m.adam = spec.optimizer.type == backend::OptimizerType::kAdam ? 1 : 0;
+    m.rows = spec.rows;
+    m.dim = spec.dim;
+    m.state = s.state_width > 0 ? reinterpret_cast<const float*>(s.state.get()) : nullptr;
+    m.state_width = s.state_width;
+    m.first_acc = backend::FirstAccumulator(spec.optimizer.type, spec.dim);
+    m.adam_c = static_cast<float>(backend::AdamRatioBound(spec.optimizer));
+    m.out = reinterpret_cast<unsigned int*>(measure_.get());
+    unsigned int got[3] = {0, 0, 0};
+    if (cudaMemcpyAsync(m.out, got, sizeof(got), cudaMemcpyHostToDevice, stream_) != cudaSuccess ||
+        LaunchMeasure(m, max_blocks_, stream_) != cudaSuccess ||
+        cudaMemcpyAsync(got, m.out, sizeof(got), cudaMemcpyDeviceToHost, stream_) != cudaSuccess ||
+        cudaStreamSynchronize(stream_) != cudaSuccess) {
+      return b;
     }
+    float w, acc;
+    std::memcpy(&w, &got[0], sizeof(w));
+    std::memcpy(&acc, &got[1], sizeof(acc));
+    b.weight = w;
+    b.acc = acc;
+    b.adam_ok = got[2] == 0 && (m.adam == 0 || m.adam_c > 0);
+    b.measured = true;
     return b;
   }
 
@@ -1605,6 +1595,7 @@ class CudaBackend : public EmbeddingBackend {
   // The overflow guard's record (kernel_descs.h), for the calls that check
   // rows (each waits for its checks under mu_), and what resets it.
   DeviceBuffer record_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer measure_ ABSL_GUARDED_BY(mu_);  // Measure's maxima
   const OverflowRecord fresh_record_ = FreshRecord();
   std::atomic<int64_t> skipped_rows_{0};
   std::vector<float> piece_max_ ABSL_GUARDED_BY(mu_);  // a piece's (unused) gradient maxima

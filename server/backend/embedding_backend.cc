@@ -4,6 +4,9 @@
 
 #include <cmath>
 #include <cstring>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -296,21 +299,33 @@ absl::Status CheckLengths(absl::Span<const int64_t> lengths, int64_t num_ids,
 }
 
 uint32_t MaxAbsBits(absl::Span<const float> values) {
-  // Branch-free, in blocks of 16 (a fixed-length inner loop is what GCC
-  // vectorises at -O2: 2.4x faster than the plain loop on 4 MiB). Without
-  // the sign bit, the bits of floats order as their magnitudes, and NaN
-  // and Inf above every finite one.
-  uint32_t top = 0;
+  // Without the sign bit, the bits of floats order as their magnitudes (as
+  // int32 too), and NaN and Inf above every finite one. Four running maxima
+  // of four lanes each, reduced once at the end: one pass, as cheap as the
+  // finiteness check it replaced (SSE2 has no unsigned max, hence the
+  // compare and select; a horizontal reduction per block had cost 3x).
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(values.data());
   const size_t n = values.size();
   size_t i = 0;
+  int32_t top = 0;
+#ifdef __SSE2__
+  const __m128i mask = _mm_set1_epi32(0x7fffffff);
+  __m128i acc[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(),
+                    _mm_setzero_si128()};
   for (; i + 16 <= n; i += 16) {
-    uint32_t block = 0;
-    for (size_t k = 0; k < 16; ++k) block = std::max(block, bits[i + k] & 0x7fffffffu);
-    top = std::max(top, block);
+    for (int k = 0; k < 4; ++k) {
+      const __m128i v = _mm_and_si128(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i + 4 * k)), mask);
+      const __m128i gt = _mm_cmpgt_epi32(v, acc[k]);
+      acc[k] = _mm_or_si128(_mm_and_si128(gt, v), _mm_andnot_si128(gt, acc[k]));
+    }
   }
-  for (; i < n; ++i) top = std::max(top, bits[i] & 0x7fffffffu);
-  return top;
+  alignas(16) int32_t lanes[16];
+  for (int k = 0; k < 4; ++k) _mm_store_si128(reinterpret_cast<__m128i*>(lanes + 4 * k), acc[k]);
+  for (const int32_t l : lanes) top = std::max(top, l);
+#endif
+  for (; i < n; ++i) top = std::max(top, static_cast<int32_t>(bits[i] & 0x7fffffffu));
+  return static_cast<uint32_t>(top);
 }
 
 int64_t FirstNonFinite(absl::Span<const float> values) {

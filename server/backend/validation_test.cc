@@ -1,7 +1,9 @@
 // The request validation shared by both backends, against naive references.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -55,6 +57,39 @@ TEST(FirstNonFiniteTest, ExtremeFiniteValuesPassAndFirstOfSeveralIsReported) {
   r[999] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_EQ(FirstNonFinite(r), NaiveFirstNonFinite(r));
   EXPECT_EQ(FirstNonFinite(r), 345);
+}
+
+// The largest magnitude, at every length and position of the largest,
+// against a plain scan; what CheckFinite reports with it.
+TEST(MaxAbsBitsTest, MatchesNaiveMaximumAtEveryPositionAndLength) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-100, 100);
+  for (size_t n = 0; n <= 70; ++n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = u(rng);
+    for (size_t p = 0; p < n; ++p) {
+      std::vector<float> w = v;
+      w[p] = (p % 2 ? -1 : 1) * 1e9f;
+      uint32_t bits;
+      const float expected = 1e9f;
+      std::memcpy(&bits, &expected, sizeof(bits));
+      ASSERT_EQ(MaxAbsBits(w), bits) << "n=" << n << " p=" << p;
+    }
+    float naive = 0;
+    for (const float x : v) naive = std::max(naive, std::fabs(x));
+    float got;
+    const uint32_t top = MaxAbsBits(v);
+    std::memcpy(&got, &top, sizeof(got));
+    ASSERT_EQ(got, naive) << n;
+    float reported = -1;
+    ASSERT_TRUE(CheckFinite(v, "w", "x", 0, &reported).ok());
+    EXPECT_EQ(reported, naive);
+  }
+  std::vector<float> v(37, 1.0f);
+  v[20] = -std::numeric_limits<float>::infinity();
+  EXPECT_GE(MaxAbsBits(v), 0x7f800000u);
+  v[20] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_GT(MaxAbsBits(v), 0x7f800000u);
 }
 
 TEST(CheckFiniteTest, MessageNamesArrayAndPosition) {
