@@ -66,7 +66,7 @@ void RunBackwardOnHost(const BackwardLaunch& a) {
   std::partial_sum(a.hot_units, a.hot_units + total, a.hot_end);
   const kernels::UpdateArgs u = UpdateArgsOf(a, a.keys_b, a.pos_b, num_runs);
   HostWarp::Run([&](HostWarp& w) { kernels::PartialSumWarp(w, 0, 1, u); });
-  HostWarp::Run([&](HostWarp& w) { kernels::UpdateWarp(w, 0, 1, u); });
+  HostWarp::Run([&](HostWarp& w) { kernels::UpdateWarpAs(w, 0, 1, u); });
 }
 
 }  // namespace cuda

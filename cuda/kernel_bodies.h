@@ -682,16 +682,18 @@ EMBER_KERNEL RowFit UpdateRow(Warp& w, const UpdateDesc& d, int64_t row, int64_t
   return RowFit{true, -1, 0.0f, 0.0f, 0.0f};
 }
 
-// Row `row` of shard d as `a.mode` says (UpdateMode), its merged gradient
-// the sum over k in [b, e) of meta's scaled rows of `grads`.
-template <typename Tag, typename Warp, typename Meta>
+// Row `row` of shard d as kMode says (UpdateMode; kGuarded: a guarded
+// apply), its merged gradient the sum over k in [b, e) of meta's scaled
+// rows of `grads`. One instantiation a kernel, so the plain update's kernel
+// holds the update alone (its registers and code as they were).
+template <int kMode, bool kGuarded, typename Tag, typename Warp, typename Meta>
 EMBER_KERNEL void UpdateOrCheck(Warp& w, const UpdateArgs& a, const UpdateDesc& d, int64_t row,
                                 uint64_t key, int64_t b, int64_t e, const float* grads,
                                 Meta meta) {
   OverflowRecord* rec = a.record;
   const bool guarded = d.guard || a.guard_all;
-  if (a.mode == kApplyRows) {
-    if (guarded && a.guarded_apply) {
+  if constexpr (kMode == kApplyRows) {
+    if (kGuarded && guarded) {
       const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
       if (!f.fits) {
         if (w.lane() == 0) AtomicAddU64(&rec->skipped, 1);
@@ -703,9 +705,7 @@ EMBER_KERNEL void UpdateOrCheck(Warp& w, const UpdateArgs& a, const UpdateDesc& 
       }
     }
     UpdateRow<Tag, false>(w, d, row, b, e, grads, meta);
-    return;
-  }
-  if (a.mode == kCheckRows) {
+  } else if constexpr (kMode == kCheckRows) {
     if (!guarded) return;
     const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
     if (w.lane() != 0) return;
@@ -715,17 +715,17 @@ EMBER_KERNEL void UpdateOrCheck(Warp& w, const UpdateArgs& a, const UpdateDesc& 
       AtomicMaxU32(&rec->max_weight_bits, FloatBitsOf(f.max_weight));
       AtomicMaxU32(&rec->max_acc_bits, FloatBitsOf(f.max_acc));
     }
-    return;
-  }
-  if (key != rec->first_key) return;  // kReportRow: one warp owns the row
-  const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
-  if (w.lane() == 0) {
-    rec->bad = f.bad;
-    rec->value = f.value;
+  } else {
+    if (key != rec->first_key) return;  // kReportRow: one warp owns the row
+    const RowFit f = UpdateRow<Tag, true>(w, d, row, b, e, grads, meta);
+    if (w.lane() == 0) {
+      rec->bad = f.bad;
+      rec->value = f.value;
+    }
   }
 }
 
-template <typename Tag, typename Warp>
+template <int kMode, bool kGuarded, typename Tag, typename Warp>
 EMBER_KERNEL void UpdateRun(Warp& w, const UpdateArgs& a, const UpdateDesc& d, int64_t row,
                             uint64_t key, int64_t u, int64_t b, int64_t e) {
   if (e - b > kHotRun) {  // the run's chunk sums
@@ -734,8 +734,8 @@ EMBER_KERNEL void UpdateRun(Warp& w, const UpdateArgs& a, const UpdateDesc& d, i
       *off = k * stride;
       *s = 1.0f;
     };
-    UpdateOrCheck<Tag>(w, a, d, row, key, u == 0 ? 0 : a.hot_end[u - 1], a.hot_end[u],
-                       a.partials, chunk_sums);
+    UpdateOrCheck<kMode, kGuarded, Tag>(w, a, d, row, key, u == 0 ? 0 : a.hot_end[u - 1],
+                                        a.hot_end[u], a.partials, chunk_sums);
     return;
   }
   const int64_t* positions = a.sorted_positions;
@@ -746,12 +746,13 @@ EMBER_KERNEL void UpdateRun(Warp& w, const UpdateArgs& a, const UpdateDesc& d, i
     *off = src_off[q];
     *s = scale[q];
   };
-  UpdateOrCheck<Tag>(w, a, d, row, key, b, e, a.grads, occurrences);
+  UpdateOrCheck<kMode, kGuarded, Tag>(w, a, d, row, key, b, e, a.grads, occurrences);
 }
 
 // One warp per run of equal sorted keys (a unique (shard, row)); each row is
-// owned by exactly one warp, so no atomics.
-template <typename Warp>
+// owned by exactly one warp, so no atomics (but the checks' record's).
+// kMode and kGuarded are a.mode and a.guarded_apply (UpdateWarpAs picks).
+template <int kMode, bool kGuarded, typename Warp>
 EMBER_KERNEL void UpdateWarp(Warp& w, int64_t warp, int64_t warps, const UpdateArgs& a) {
   const int64_t num_runs = *a.num_runs;
   for (int64_t u = warp; u < num_runs; u += warps) {
@@ -762,15 +763,25 @@ EMBER_KERNEL void UpdateWarp(Warp& w, int64_t warp, int64_t warps, const UpdateA
     const int64_t row = static_cast<int64_t>(key - a.key_base[s]);
     switch (d.weight_type) {
       case kFp16:
-        UpdateRun<Fp16>(w, a, d, row, key, u, b, e);
+        UpdateRun<kMode, kGuarded, Fp16>(w, a, d, row, key, u, b, e);
         break;
       case kBf16:
-        UpdateRun<Bf16>(w, a, d, row, key, u, b, e);
+        UpdateRun<kMode, kGuarded, Bf16>(w, a, d, row, key, u, b, e);
         break;
       default:
-        UpdateRun<Fp32>(w, a, d, row, key, u, b, e);
+        UpdateRun<kMode, kGuarded, Fp32>(w, a, d, row, key, u, b, e);
     }
   }
+}
+
+// UpdateWarp as a.mode and a.guarded_apply say (host code: the device
+// launches its kernel per instantiation).
+template <typename Warp>
+EMBER_KERNEL void UpdateWarpAs(Warp& w, int64_t warp, int64_t warps, const UpdateArgs& a) {
+  if (a.mode == kCheckRows) return UpdateWarp<kCheckRows, false>(w, warp, warps, a);
+  if (a.mode == kReportRow) return UpdateWarp<kReportRow, false>(w, warp, warps, a);
+  if (a.guarded_apply) return UpdateWarp<kApplyRows, true>(w, warp, warps, a);
+  UpdateWarp<kApplyRows, false>(w, warp, warps, a);
 }
 
 }  // namespace kernels

@@ -85,9 +85,12 @@ __global__ void __launch_bounds__(kBlockThreads) PartialSumKernel(kernels::Updat
   kernels::PartialSumWarp(w, WarpIndex(), WarpCount(), a);
 }
 
+// One kernel per update mode (kernel_descs.h's UpdateMode; kGuarded: a
+// guarded apply), so the plain update compiles as it did alone.
+template <int kMode, bool kGuarded>
 __global__ void __launch_bounds__(kBlockThreads) UpdateKernel(kernels::UpdateArgs a) {
   DeviceWarp w;
-  kernels::UpdateWarp(w, WarpIndex(), WarpCount(), a);
+  kernels::UpdateWarp<kMode, kGuarded>(w, WarpIndex(), WarpCount(), a);
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
@@ -213,7 +216,16 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t
   const kernels::UpdateArgs u = UpdateArgsOf(a, sorted_keys, sorted_positions, num_runs);
   PartialSumKernel<<<WarpBlocks(a.max_units, max_blocks), kBlockThreads, 0, stream>>>(u);
   EMBER_CUDA_TRY(cudaGetLastError());
-  UpdateKernel<<<WarpBlocks(total, max_blocks), kBlockThreads, 0, stream>>>(u);
+  const int blocks = WarpBlocks(total, max_blocks);
+  if (u.mode == kCheckRows) {
+    UpdateKernel<kCheckRows, false><<<blocks, kBlockThreads, 0, stream>>>(u);
+  } else if (u.mode == kReportRow) {
+    UpdateKernel<kReportRow, false><<<blocks, kBlockThreads, 0, stream>>>(u);
+  } else if (u.guarded_apply) {
+    UpdateKernel<kApplyRows, true><<<blocks, kBlockThreads, 0, stream>>>(u);
+  } else {
+    UpdateKernel<kApplyRows, false><<<blocks, kBlockThreads, 0, stream>>>(u);
+  }
   return cudaGetLastError();
 }
 
