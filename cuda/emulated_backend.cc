@@ -155,13 +155,9 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     }
     NoteMaxima(applied, &seen);
     skipped_rows_ += static_cast<int64_t>(applied.skipped);
-    for (ShardId id : plan.idle) ++Find(id)->step;
-    for (ShardId id : plan.slots) {
-      Shard* s = Find(id);
-      ++s->step;
-      s->bounds = s->guard ? backend::BoundsAfterCheck(s->bounds, seen) : s->after;
-      s->guard = false;
-    }
+    FinishGradients(plan, seen, [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return Find(id);
+    });
     return absl::OkStatus();
   }
 

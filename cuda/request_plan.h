@@ -64,6 +64,22 @@ struct GradientPlan {
 GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
                            const ShardResolver& shard);
 
+// The end of an applied ApplyGradients call: every shard it names takes its
+// step (ids or not: the interface rule), and each updated one its bounds
+// after it (overflow_guard.h): the decision's, or from what the checks saw
+// for a guarded one. `find` gives a backend's shard (with step, bounds,
+// guard and after).
+template <typename Find>
+void FinishGradients(const GradientPlan& plan, const backend::OverflowReport& seen, Find&& find) {
+  for (backend::ShardId id : plan.idle) ++find(id)->step;
+  for (backend::ShardId id : plan.slots) {
+    auto* s = find(id);
+    ++s->step;
+    s->bounds = s->guard ? backend::BoundsAfterCheck(s->bounds, seen) : s->after;
+    s->guard = false;
+  }
+}
+
 // A record ready for a check launch: first_key UINT64_MAX, the rest 0.
 OverflowRecord FreshRecord();
 // The largest values a record saw, as overflow_guard.h's report holds them.

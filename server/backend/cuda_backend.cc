@@ -852,13 +852,9 @@ class CudaBackend : public EmbeddingBackend {
     }
     // Every shard the call names takes an Adam step, ids or not (the
     // interface rule, as in the CPU backend), once for the whole call.
-    for (ShardId id : plan.idle) ++FindShard(id)->step;
-    for (ShardId id : plan.slots) {
-      Shard* s = FindShard(id);
-      ++s->step;
-      s->bounds = s->guard ? backend::BoundsAfterCheck(s->bounds, seen) : s->after;
-      s->guard = false;
-    }
+    FinishGradients(plan, seen, [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return FindShard(id);
+    });
     return absl::OkStatus();
   }
 
