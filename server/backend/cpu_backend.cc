@@ -740,6 +740,9 @@ class CpuBackend : public EmbeddingBackend {
   };
   using UpdateRowsFn = void (*)(const UpdateRun&, int64_t, int64_t);
 
+  // kSkip: some rows are left alone (a.skip_begin..skip_end); the plain
+  // copy has no test per row.
+  template <bool kSkip>
   __attribute__((always_inline)) static inline void UpdateRowsBody(const UpdateRun& a, int64_t b,
                                                                    int64_t e) {
     Shard& s = *a.shard;
@@ -776,8 +779,7 @@ class CpuBackend : public EmbeddingBackend {
           for (int64_t l = 0; l < s.state_width * 4; l += 64) _mm_prefetch(st + l, _MM_HINT_T2);
         }
       }
-      if (a.skip_begin != a.skip_end &&
-          std::binary_search(a.skip_begin, a.skip_end, a.occ[a.unique_begin[u]].row)) {
+      if (kSkip && std::binary_search(a.skip_begin, a.skip_end, a.occ[a.unique_begin[u]].row)) {
         continue;
       }
       // The row's gradient: its first occurrence scaled, then the others
@@ -809,15 +811,18 @@ class CpuBackend : public EmbeddingBackend {
     return first.row;
   }
   static void UpdateRowsBaseline(const UpdateRun& a, int64_t b, int64_t e) {
-    UpdateRowsBody(a, b, e);
+    if (a.skip_begin == a.skip_end) return UpdateRowsBody<false>(a, b, e);
+    UpdateRowsBody<true>(a, b, e);
   }
   __attribute__((target("avx2"))) static void UpdateRowsAvx2(const UpdateRun& a, int64_t b,
                                                              int64_t e) {
-    UpdateRowsBody(a, b, e);
+    if (a.skip_begin == a.skip_end) return UpdateRowsBody<false>(a, b, e);
+    UpdateRowsBody<true>(a, b, e);
   }
   __attribute__((target("avx512f,avx512vl,avx2"))) static void UpdateRowsAvx512(
       const UpdateRun& a, int64_t b, int64_t e) {
-    UpdateRowsBody(a, b, e);
+    if (a.skip_begin == a.skip_end) return UpdateRowsBody<false>(a, b, e);
+    UpdateRowsBody<true>(a, b, e);
   }
   // The copy for the backend's row kernels' ISA (their table exists only
   // where the CPU has it); chosen once, at construction (update_rows_).
