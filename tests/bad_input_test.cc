@@ -501,11 +501,28 @@ TEST_F(BadInputTest, WorkerRpcs) {
     r.mutable_gradients(1)->set_grad(wire::Encode<float>(grad));
     EXPECT_EQ(Call(w, &Stub::ApplyGradients, r), StatusCode::INVALID_ARGUMENT) << bad;
   }
+  // Finite gradients whose update overflows: id 1 twice in one bag with a
+  // gradient of 3e38 merges to Inf in fp32, and Adam's state would follow.
+  // Refused, after a valid request in the same call (nothing applied: the
+  // cluster's state is compared at the end).
+  {
+    ember::v1::WorkerApplyGradientsRequest r;
+    r.set_collection("bad");
+    r.set_epoch(epoch);
+    r.set_request_id("overflow");
+    *r.add_gradients()->mutable_feature() = good;
+    r.mutable_gradients(0)->set_grad(wire::Encode<float>(std::vector<float>(16, 1.0f)));
+    *r.add_gradients()->mutable_feature() = Feature("t_sum", {2}, {1, 1});
+    r.mutable_gradients(1)->set_grad(wire::Encode<float>(std::vector<float>(16, 3e38f)));
+    EXPECT_EQ(Call(w, &Stub::ApplyGradients, r), StatusCode::INVALID_ARGUMENT);
+  }
   {
     ember::v1::ShardStatusResponse st;
     ASSERT_EQ(Call(w, &Stub::ShardStatus, ember::v1::ShardStatusRequest(), &st), StatusCode::OK);
     EXPECT_GE(st.nonfinite_refused(), 4);  // the weight and the three gradients
     EXPECT_EQ(st.nonfinite_skipped_ids(), 0);
+    EXPECT_EQ(st.overflow_refused(), 1);
+    EXPECT_EQ(st.overflow_skipped_rows(), 0);
     EXPECT_GT(st.available_bytes(), 0);
   }
   {
