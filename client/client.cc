@@ -9,7 +9,6 @@
 #include <random>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/shared_buffer.h"
@@ -677,9 +676,10 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
       refresh = refreshed = true;  // a stale plan: fetch the current one, once
       continue;
     }
-    // A busy worker (kWorkerBusy) is waited out like an unavailable one.
+    // A busy worker (kSignalWorkerBusy) is waited out like an unavailable
+    // one.
     const bool busy = s.code() == absl::StatusCode::kResourceExhausted &&
-                      absl::StrContains(s.message(), kWorkerBusy);
+                      HasSignal(s, kSignalWorkerBusy);
     const bool transient = busy || s.code() == absl::StatusCode::kUnavailable ||
                            s.code() == absl::StatusCode::kDeadlineExceeded;
     if (!transient || !retry_unavailable || attempt >= options_.max_attempts ||
@@ -801,8 +801,7 @@ CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports,
     // outputs not taken): its link may be out of step, unless the worker
     // took its bytes before refusing the call as busy.
     if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
-        absl::StartsWith(status.error_message(), kWorkerBusy) &&
-        absl::StrContains(status.error_message(), kLinkBytesTaken)) {
+        HasSignal(status, kSignalLinkBytesTaken)) {
       (*transports)[rank]->Settled(std::min(deadline, absl::Now() + absl::Seconds(10)));
     }
     if ((*transports)[rank]->Unfinished()) (*transports)[rank]->Failed();
@@ -821,7 +820,7 @@ CallEnds EndCalls(F& fan, std::vector<std::unique_ptr<Transport>>* transports,
         (*transports)[rank]->Failed();
         break;
       case grpc::StatusCode::FAILED_PRECONDITION:
-        if (absl::StartsWith(status.error_message(), kIdBufferRefused)) {
+        if (HasSignal(status, kSignalIdBufferRefused)) {
           (*transports)[rank]->BuffersRefused();
           ends.id_buffer_refused = true;
         }

@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/id_range.h"
 
@@ -345,8 +346,14 @@ absl::Status CheckFinite(absl::Span<const float> values, const std::string& what
     return absl::OkStatus();
   }
   const int64_t i = FirstNonFinite(values);
-  return absl::InvalidArgumentError(absl::StrCat(what, ": ", name, "[", first_position + i,
-                                                 "] is ", values[i], " (NaN/Inf is refused)"));
+  absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+      what, ": ", name, "[", first_position + i, "] is ", values[i], " (NaN/Inf is refused)"));
+  s.SetPayload(kNonFinitePayload, absl::Cord(name));
+  return s;
+}
+
+bool IsNonFiniteRefusal(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) && s.GetPayload(kNonFinitePayload).has_value();
 }
 
 absl::Status CheckIds(absl::Span<const int64_t> ids, int64_t rows, const std::string& what,

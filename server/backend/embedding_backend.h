@@ -274,6 +274,11 @@ int64_t FirstNonFinite(absl::Span<const float> values);
 absl::Status CheckFinite(absl::Span<const float> values, const std::string& what,
                          const char* name, int64_t first_position = 0,
                          float* max_abs = nullptr);
+// CheckFinite's refusals carry this payload (the array's name), which
+// IsNonFiniteRefusal tells them by (callers count them by it, not by the
+// message's words).
+inline constexpr char kNonFinitePayload[] = "type.ember.dev/nonfinite";
+bool IsNonFiniteRefusal(const absl::Status& s);
 
 // Bytes a shard takes (weights + optimizer state); INT64_MAX when that
 // does not fit in an int64.

@@ -11,6 +11,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
@@ -38,6 +41,49 @@ constexpr char kLinkBytesTaken[] = "its link bytes were taken";
 // then sends ids through the channel instead.
 constexpr char kIdBufferRefused[] = "id buffer:";
 
+// Control signals: what a refusal asks the client to do, named apart from
+// the message (whose words are for people and may change). A signal rides
+// in an absl::Status as the payload kSignalPayload and on the wire as the
+// gRPC status's binary error details, "ember-signals:" followed by the
+// names, space-separated; ToGrpc and FromGrpc carry it across.
+//   kSignalWorkerBusy: the worker refused a data call as busy (its
+//     RESOURCE_EXHAUSTED begins kWorkerBusy); retry with back-off.
+//   kSignalLinkBytesTaken: a busy refusal of a link channel's call that
+//     took the call's bytes first (kLinkBytesTaken): keep the channel.
+//   kSignalIdBufferRefused: the worker cannot map the lookup's id buffer
+//     (kIdBufferRefused): send ids through the channel instead.
+constexpr char kSignalWorkerBusy[] = "worker_busy";
+constexpr char kSignalLinkBytesTaken[] = "link_bytes_taken";
+constexpr char kSignalIdBufferRefused[] = "id_buffer_refused";
+constexpr char kSignalPayload[] = "type.ember.dev/signals";
+constexpr char kSignalDetailsPrefix[] = "ember-signals:";
+
+// `s` with `signal` added to its signals.
+inline absl::Status WithSignal(absl::Status s, absl::string_view signal) {
+  std::string names(signal);
+  if (auto old = s.GetPayload(kSignalPayload)) names = std::string(*old) + " " + names;
+  s.SetPayload(kSignalPayload, absl::Cord(names));
+  return s;
+}
+
+inline bool SignalsName(absl::string_view names, absl::string_view signal) {
+  for (absl::string_view n : absl::StrSplit(names, ' ')) {
+    if (n == signal) return true;
+  }
+  return false;
+}
+
+inline bool HasSignal(const absl::Status& s, absl::string_view signal) {
+  auto names = s.GetPayload(kSignalPayload);
+  return names.has_value() && SignalsName(std::string(*names), signal);
+}
+
+inline bool HasSignal(const grpc::Status& s, absl::string_view signal) {
+  const std::string& details = s.error_details();
+  return absl::StartsWith(details, kSignalDetailsPrefix) &&
+         SignalsName(absl::string_view(details).substr(sizeof(kSignalDetailsPrefix) - 1), signal);
+}
+
 // Longest error message a server sends: messages echo input (names, ids,
 // addresses), and a request must not be able to make its error arbitrarily
 // large.
@@ -49,22 +95,30 @@ inline std::string BoundedMessage(absl::string_view message) {
          std::to_string(message.size() - kMaxErrorMessageBytes) + " more bytes)";
 }
 
+// Signals (above) travel as the error details.
 inline grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), BoundedMessage(s.message()));
-}
-
-inline absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  const auto code = static_cast<grpc::StatusCode>(s.code());
+  if (auto names = s.GetPayload(kSignalPayload)) {
+    return grpc::Status(code, BoundedMessage(s.message()),
+                        kSignalDetailsPrefix + std::string(*names));
+  }
+  return grpc::Status(code, BoundedMessage(s.message()));
 }
 
 // FromGrpc with the peer named: "worker 127.0.0.1:5001: <message>".
 inline absl::Status FromGrpc(const grpc::Status& s, const std::string& peer) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      peer + ": " + s.error_message());
+  absl::Status out(static_cast<absl::StatusCode>(s.error_code()),
+                   peer.empty() ? s.error_message() : peer + ": " + s.error_message());
+  const std::string& details = s.error_details();
+  if (absl::StartsWith(details, kSignalDetailsPrefix)) {
+    out.SetPayload(kSignalPayload, absl::Cord(details.substr(sizeof(kSignalDetailsPrefix) - 1)));
+  }
+  return out;
 }
+
+inline absl::Status FromGrpc(const grpc::Status& s) { return FromGrpc(s, ""); }
 
 // A channel with Ember's message limits; plaintext unless `credentials`
 // (server/common/tls.h) are given.

@@ -44,7 +44,6 @@ namespace {
 constexpr uint64_t kSharedBufferHeaderBytes = 4096;
 
 // Every NaN/Inf refusal's message holds this (backend::CheckFinite).
-constexpr char kNonFiniteMessage[] = "NaN/Inf is refused";
 
 std::string RefString(const ShardRef& ref) {
   return absl::StrCat("table '", ref.table(), "' shard ", ref.shard_index());
@@ -673,9 +672,11 @@ absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char*
   DataCall call(&calls_in_progress_);
   if (options_.max_queued_calls > 0 && n > options_.max_queued_calls) {
     busy_refused_.fetch_add(1, std::memory_order_relaxed);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        kWorkerBusy, ": ", options_.max_queued_calls, " data calls in progress (--max_queued_calls); ",
-        what, " refused, retry with back-off"));
+    return WithSignal(absl::ResourceExhaustedError(absl::StrCat(
+                          kWorkerBusy, ": ", options_.max_queued_calls,
+                          " data calls in progress (--max_queued_calls); ", what,
+                          " refused, retry with back-off")),
+                      kSignalWorkerBusy);
   }
   return call;
 }
@@ -698,7 +699,10 @@ absl::Status WorkerService::RefuseBusy(const std::string& owner, uint64_t channe
   auto taken = channels_.Use(channel, owner, seq, sent, &none);
   if (!taken.ok()) return taken.status();
   link_busy_kept_.fetch_add(1, std::memory_order_relaxed);
-  return absl::ResourceExhaustedError(absl::StrCat(busy.message(), "; ", kLinkBytesTaken));
+  return WithSignal(
+      WithSignal(absl::ResourceExhaustedError(absl::StrCat(busy.message(), "; ", kLinkBytesTaken)),
+                 kSignalWorkerBusy),
+      kSignalLinkBytesTaken);
 }
 
 grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
@@ -774,8 +778,9 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     if (absl::IsFailedPrecondition(mapped.status()) || absl::IsInvalidArgument(mapped.status())) {
       // Not a buffer this worker can map (another PID namespace, not the
       // client's, a size it does not take): the client's cue.
-      return ToGrpc(absl::FailedPreconditionError(
-          absl::StrCat(kIdBufferRefused, " ", mapped.status().message())));
+      return ToGrpc(WithSignal(absl::FailedPreconditionError(absl::StrCat(
+                                   kIdBufferRefused, " ", mapped.status().message())),
+                               kSignalIdBufferRefused));
     }
     if (!mapped.ok()) return ToGrpc(mapped.status());  // the channel's, or no memory
     id_buffer = *std::move(mapped);
@@ -977,7 +982,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   bool seen = false;
   // Counts a refusal for NaN/Inf (the message says so) and passes it on.
   auto refuse = [this](const absl::Status& s) {
-    if (absl::IsInvalidArgument(s) && absl::StrContains(s.message(), kNonFiniteMessage)) {
+    if (backend::IsNonFiniteRefusal(s)) {
       nonfinite_refused_.fetch_add(1, std::memory_order_relaxed);
     }
     if (backend::IsOverflowRefusal(s)) overflow_refused_.fetch_add(1, std::memory_order_relaxed);

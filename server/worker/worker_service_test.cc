@@ -276,6 +276,8 @@ TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {
   const grpc::Status busy = LookUp(&s, "held", "t");
   EXPECT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(busy.error_message().rfind(kWorkerBusy, 0), 0u) << busy.error_message();
+  EXPECT_TRUE(HasSignal(busy, kSignalWorkerBusy));
+  EXPECT_FALSE(HasSignal(busy, kSignalLinkBytesTaken));
   ember::v1::WorkerApplyGradientsRequest update;
   update.set_collection("held");
   update.set_epoch(1);
@@ -1067,9 +1069,14 @@ void IdsFromTheClientsBuffer(bool packed_only) {
   r = req;
   *r.mutable_id_buffer() = unsealed.Proto(10);
   refused(r, grpc::StatusCode::FAILED_PRECONDITION, kIdBufferRefused);
+  EXPECT_TRUE(HasSignal(call(r), kSignalIdBufferRefused));  // what the client acts on
   TestSharedBuffer other(1 << 14, true, "ember-channel");
   *r.mutable_id_buffer() = other.Proto(11);
   refused(r, grpc::StatusCode::FAILED_PRECONDITION, kIdBufferRefused);
+  // Other refusals carry no signal.
+  r = req;
+  r.mutable_features(0)->mutable_buffer_ids()->set_offset(0);
+  EXPECT_FALSE(HasSignal(call(r), kSignalIdBufferRefused));
   EXPECT_EQ(s->GetStats().id_buffer_lookups, before + 1);
 
   // Updates never take ids from a buffer; nothing is applied.
@@ -1434,6 +1441,8 @@ TEST(WorkerServiceTest, BusyRefusalsKeepLinkChannelsInStep) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(st.error_message().rfind(kWorkerBusy, 0), 0u) << st.error_message();
   EXPECT_THAT(st.error_message(), ::testing::HasSubstr(kLinkBytesTaken));
+  EXPECT_TRUE(HasSignal(st, kSignalWorkerBusy));
+  EXPECT_TRUE(HasSignal(st, kSignalLinkBytesTaken));
   ember::v1::WorkerApplyGradientsRequest up = c.Update("busy", lengths, ids);
   up.set_channel_seq(3);
   c.Send(2048 + 32, up.mutable_link_sent());
