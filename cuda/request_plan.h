@@ -75,7 +75,7 @@ void FinishGradients(const GradientPlan& plan, const backend::OverflowReport& se
   for (backend::ShardId id : plan.slots) {
     auto* s = find(id);
     ++s->step;
-    s->bounds = s->guard ? backend::BoundsAfterCheck(s->bounds, seen) : s->after;
+    s->bounds = s->guard ? backend::BoundsAfterCheck(s->spec, s->bounds, seen) : s->after;
     s->guard = false;
   }
 }

@@ -1164,6 +1164,92 @@ TEST_P(BackendParityTest, UpdatesNearTheLimitAreJudgedRowByRow) {
   EXPECT_EQ(Export(be_.get(), *copy, spec), w);
 }
 
+// Three ways bounds could have let an overflow through unchecked (found in
+// review): a call naming a shard without ids must leave its bounds alone;
+// what is stored may round a gap above the fp32 result; and a square that
+// vanishes in fp32 leaves g / eps unbounded.
+TEST_P(BackendParityTest, BoundsHoldThroughEmptyCallsRoundingAndVanishingSquares) {
+  auto refused_or_finite = [&](ShardId id, const ShardSpec& spec, const GradientRequest& r,
+                               bool must_refuse) -> bool {
+    std::vector<float> st0;
+    const std::vector<float> w0 = Export(be_.get(), id, spec, &st0);
+    const absl::Status s = be_->ApplyGradients({r});
+    std::vector<float> st1;
+    const std::vector<float> w1 = Export(be_.get(), id, spec, &st1);
+    if (must_refuse) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    }
+    if (!s.ok()) {
+      EXPECT_EQ(w1, w0);
+      EXPECT_EQ(st1, st0);
+    }
+    EXPECT_TRUE(std::all_of(w1.begin(), w1.end(), [](float v) { return std::isfinite(v); }));
+    EXPECT_TRUE(std::all_of(st1.begin(), st1.end(), [](float v) { return std::isfinite(v); }));
+    return s.ok();
+  };
+  {
+    // Adam whose imported state breaks |m| <= C sqrt(v): m = 1000, v = 0.
+    ShardSpec spec = MakeSpec(4, 8, WeightType::kFp16, OptimizerType::kAdam);
+    spec.optimizer.learning_rate = 0.01f;
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok());
+    std::vector<float> w(4 * 8, 0.0f), st(4 * 16, 0.0f);
+    for (int c = 0; c < 8; ++c) st[c] = 1000.0f;
+    ASSERT_TRUE(be_->ImportRows(*id, 0, 4, w, st).ok());
+    Jagged none;
+    none.lengths = {0};
+    std::vector<float> zero(8, 0.0f);
+    ASSERT_TRUE(be_->ApplyGradients({GradientRequest{Feature(*id, Pooling::kSum, none), zero}})
+                    .ok());  // a step, no rows
+    Jagged one;
+    one.lengths = {1};
+    one.ids = {0};
+    const std::vector<float> g(8, 1e-3f);
+    // t = 2: m^ = 900 / 0.19, sqrt(v^) = 7.07e-4: lr * u = 6.7e4, past fp16.
+    refused_or_finite(*id, spec, {Feature(*id, Pooling::kSum, one), g}, /*must_refuse=*/true);
+  }
+  {
+    // fp16 at 65472, SGD at rate 1 with stochastic rounding: 65472 + 16
+    // is half a gap below 65504, stored as 65504 on about half the rows;
+    // 15 more passes the limit exactly there.
+    ShardSpec spec = MakeSpec(64, 4, WeightType::kFp16, OptimizerType::kSgd);
+    spec.optimizer.learning_rate = 1.0f;
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok());
+    ASSERT_TRUE(be_->ImportRows(*id, 0, 64, std::vector<float>(64 * 4, 65472.0f), {}).ok());
+    Jagged all;
+    for (int64_t r = 0; r < 64; ++r) {
+      all.lengths.push_back(1);
+      all.ids.push_back(r);
+    }
+    ASSERT_TRUE(refused_or_finite(*id, spec,
+                                  {Feature(*id, Pooling::kSum, all),
+                                   std::vector<float>(64 * 4, -16.0f)},
+                                  false));
+    const std::vector<float> w = Export(be_.get(), *id, spec);
+    const bool any_at_limit = std::count(w.begin(), w.end(), 65504.0f) > 0;
+    EXPECT_TRUE(any_at_limit);  // 256 fair coins
+    const std::vector<float> g(64 * 4, -15.0f);
+    EXPECT_EQ(refused_or_finite(*id, spec, {Feature(*id, Pooling::kSum, all), g}, any_at_limit),
+              !any_at_limit);
+  }
+  {
+    // Adagrad, eps 1e-30, nothing accumulated: g = 1e-23 squares to 0 in
+    // fp32, and lr * g / eps = 1e5.
+    ShardSpec spec = MakeSpec(4, 8, WeightType::kFp16, OptimizerType::kAdagrad);
+    spec.optimizer.learning_rate = 0.01f;
+    spec.optimizer.eps = 1e-30f;
+    spec.optimizer.weight_decay_mode = WeightDecayMode::kL2;
+    auto id = be_->CreateShard(spec);
+    ASSERT_TRUE(id.ok());
+    Jagged one;
+    one.lengths = {1};
+    one.ids = {2};
+    refused_or_finite(*id, spec, {Feature(*id, Pooling::kSum, one), std::vector<float>(8, 1e-23f)},
+                      /*must_refuse=*/true);
+  }
+}
+
 TEST_P(BackendParityTest, ExportImportRoundTrip) {
   const ShardSpec spec = MakeSpec(30, 8, WeightType::kBf16, OptimizerType::kRowwiseAdagrad);
   auto a = be_->CreateShard(spec);

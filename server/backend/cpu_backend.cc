@@ -323,16 +323,13 @@ class CpuBackend : public EmbeddingBackend {
       OverflowReport report;
       CheckRows(p, &report);
       if (report.row >= 0 && !options_.skip_overflow) return OverflowRefusal(p.shard->spec, report);
-      p.after = BoundsAfterCheck(p.shard->bounds, report);
+      p.after = BoundsAfterCheck(p.shard->spec, p.shard->bounds, report);
       skipped += static_cast<int64_t>(p.skip.size());
     }
     for (ShardPlan& p : plans_) {
       Shard& s = *p.shard;
       ++s.step;
-      if (p.group.occurrences == 0) {
-        s.bounds = p.after;
-        continue;
-      }
+      if (p.group.occurrences == 0) continue;  // nothing applied: the bounds hold
       // Far from the limits the decision's bounds are kept. Nearer, they
       // grow by what the rows' own merged gradients could add (at most
       // max_run occurrences each), not the decision's sum over every id:

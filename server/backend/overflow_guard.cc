@@ -15,6 +15,25 @@ namespace {
 // before it matters.
 constexpr double kRounding = 1e-6;
 
+// The largest |g| whose square can vanish in fp32 (row-wise Adagrad's mean
+// square included, for any dim up to 2^24): an accumulator or Adam's v can
+// then stay 0 while the update divides g (or m) by eps alone.
+constexpr double kUnderflowGrad = 0x1p-50;
+
+// A bound on a stored weight given a bound on the fp32 value it was rounded
+// from: stochastic rounding moves it up by less than a gap (2^-10 of it for
+// fp16, 2^-7 for bf16; fp16's subnormal gap is 2^-24), to nearest by half.
+double StoredWeightBound(WeightType t, double fp32_bound) {
+  switch (t) {
+    case WeightType::kFp16:
+      return fp32_bound * (1 + 0x1p-10) + 0x1p-24;
+    case WeightType::kBf16:
+      return fp32_bound * (1 + 0x1p-7) + 0x1p-126;
+    default:
+      return fp32_bound;
+  }
+}
+
 const char* TypeName(WeightType t) {
   switch (t) {
     case WeightType::kFp16:
@@ -45,7 +64,8 @@ ValueBounds Widen(const ValueBounds& a, const ValueBounds& b) {
 
 ValueBounds InitialBounds(const ShardSpec& spec) {
   ValueBounds b;
-  b.weight = InitialWeightBound(spec.initializer, spec.table_rows);
+  b.weight = StoredWeightBound(spec.weight_type,
+                               InitialWeightBound(spec.initializer, spec.table_rows));
   const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
                        spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
   b.acc = adagrad ? spec.optimizer.initial_accumulator_value : 0.0;
@@ -92,9 +112,7 @@ ValueBounds MeasureValues(const ShardSpec& spec, absl::Span<const float> weights
 ValueBounds ImportedBounds(const ShardSpec& spec, absl::Span<const float> weights,
                            absl::Span<const float> state) {
   ValueBounds b = MeasureValues(spec, weights, state);
-  // Rounding to nearest moves a 16-bit weight by at most half its gap:
-  // 2^-11 (fp16) or 2^-8 (bf16) of it.
-  if (spec.weight_type != WeightType::kFp32) b.weight *= 1 + 1.0 / 256;
+  b.weight = StoredWeightBound(spec.weight_type, b.weight);
   b.measured = false;
   return b;
 }
@@ -147,17 +165,19 @@ bool StepStaysFinite(const ShardSpec& spec, const math::StepParams& p,
       w_after = w + lr * ge;
       break;
     case math::kStepAdagrad:
-      // |g| / (sqrt(G + g^2) + eps) <= 1; lr * g is formed first.
+      // |g| / (sqrt(G + g^2) + eps) <= 1, unless g^2 vanished in fp32
+      // (then |g| / eps, g below kUnderflowGrad); lr * g is formed first.
       if (!(p.eps > 0) || lr * ge > state_limit) return false;
       acc_after = acc + ge * ge;
-      w_after = keep * w + lr * 1.01;
+      w_after = keep * w + lr * (1.01 + std::min(ge, kUnderflowGrad) / p.eps);
       break;
     case math::kStepRowwiseAdagrad:
       // G' >= mean(g^2) >= g_c^2 / dim: each element moves at most
-      // lr sqrt(dim).
+      // lr sqrt(dim) (or by g / eps, its squares vanished).
       if (!(p.eps > 0)) return false;
       acc_after = acc + ge * ge;
-      w_after = keep * w + lr * 1.01 * std::sqrt(static_cast<double>(spec.dim));
+      w_after = keep * w + lr * (1.01 * std::sqrt(static_cast<double>(spec.dim)) +
+                                 std::min(ge, kUnderflowGrad) / p.eps);
       break;
     case math::kStepAdam: {
       // m^ / (sqrt(v^) + eps) <= C sqrt(1 - b2^t) / (1 - b1^t) while
@@ -169,7 +189,10 @@ bool StepStaysFinite(const ShardSpec& spec, const math::StepParams& p,
       acc_after = std::max(acc, ge * ge);
       const double m = std::max(c * std::sqrt(acc_after), ge);
       if (m / p.bias1 > state_limit) return false;
+      // m stays within C sqrt(v) unless v's g^2 vanished in fp32 (m below
+      // kUnderflowGrad then: divided by eps alone).
       const double u = c * std::sqrt(static_cast<double>(p.bias2)) / p.bias1 +
+                       std::min(m, kUnderflowGrad) / (p.bias1 * p.eps) +
                        (p.decay == math::kDecayDecouple ? wd * w : 0.0);
       w_after = w + lr * u;
       break;
@@ -180,17 +203,27 @@ bool StepStaysFinite(const ShardSpec& spec, const math::StepParams& p,
   if (ge * ge > state_limit) return false;  // g * g is formed in fp32
   w_after *= 1 + kRounding;
   acc_after *= 1 + kRounding;
+  // The fp32 result must fit (a value at most the limit rounds to at most
+  // the limit); what is stored may be a gap above the result.
   if (!(w_after <= limit) || !(acc_after <= state_limit)) return false;
-  after->weight = w_after;
+  after->weight = StoredWeightBound(spec.weight_type, w_after);
   after->acc = acc_after;
   after->adam_ok = before.adam_ok;
   after->measured = false;
   return true;
 }
 
-ValueBounds BoundsAfterCheck(const ValueBounds& before, const OverflowReport& report) {
+bool BoundsCannotTell(const ShardSpec& spec, const math::StepParams& p) {
+  if (p.optimizer == math::kStepSgd) return false;
+  return !(p.eps > 0x1p-40) ||
+         (p.optimizer == math::kStepAdam && AdamRatioBound(spec.optimizer) == 0);
+}
+
+ValueBounds BoundsAfterCheck(const ShardSpec& spec, const ValueBounds& before,
+                             const OverflowReport& report) {
   ValueBounds b;
-  b.weight = std::max(before.weight, report.max_weight) * (1 + kRounding);
+  b.weight = StoredWeightBound(spec.weight_type,
+                               std::max(before.weight, report.max_weight) * (1 + kRounding));
   b.acc = std::max(before.acc, report.max_acc) * (1 + kRounding);
   b.adam_ok = before.adam_ok;
   b.measured = false;

@@ -95,15 +95,25 @@ double MergedGradientBound(const FeatureRequest& f, double max_abs_grad);
 bool StepStaysFinite(const ShardSpec& spec, const math::StepParams& p,
                      const ValueBounds& before, double max_merged_grad, ValueBounds* after);
 
+// Whether no bounds can rule an overflow out for this optimizer and its
+// parameters (eps of 2^-40 or less, so a vanished square divided by it
+// could be anything; Adam with beta1^2 >= beta2): every call is checked,
+// and measuring would not help.
+bool BoundsCannotTell(const ShardSpec& spec, const math::StepParams& p);
+
 // StepStaysFinite, and when the shard's grown bounds cannot tell, the
 // same once more after `measure()` (the shard's MeasureValues) has set
 // *bounds to the values' own, unless they are measured already.
+// *after is set either way (the bounds themselves when it fails, for a
+// caller that applies nothing).
 template <typename Measure>
 bool GuardStep(const ShardSpec& spec, const math::StepParams& p, ValueBounds* bounds,
                double max_merged_grad, ValueBounds* after, Measure&& measure) {
+  *after = *bounds;
   if (StepStaysFinite(spec, p, *bounds, max_merged_grad, after)) return true;
-  if (bounds->measured) return false;
+  if (bounds->measured || BoundsCannotTell(spec, p)) return false;
   *bounds = measure();
+  *after = *bounds;
   return StepStaysFinite(spec, p, *bounds, max_merged_grad, after);
 }
 
@@ -128,8 +138,11 @@ absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& report
 inline constexpr char kOverflowPayload[] = "type.ember.dev/update_overflow";
 bool IsOverflowRefusal(const absl::Status& s);
 
-// The bounds after applying a checked call's fitting rows.
-ValueBounds BoundsAfterCheck(const ValueBounds& before, const OverflowReport& report);
+// The bounds after applying a checked call's fitting rows (their fp32
+// values in `report`, the stored ones a rounding gap above at most).
+ValueBounds BoundsAfterCheck(const ShardSpec& spec, const ValueBounds& before,
+                             const OverflowReport& report);
+
 
 // The accumulator elements of a state row: Adagrad's all, row-wise
 // Adagrad's one, Adam's second half (v); [first, width).

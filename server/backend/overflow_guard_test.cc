@@ -42,9 +42,10 @@ TEST(OverflowGuardTest, SgdStepBoundsByHand) {
   ValueBounds before;
   before.weight = 1000;
   ValueBounds after;
-  // 1000 + 1 * 60000 = 61000 <= 65504.
+  // 1000 + 1 * 60000 = 61000 <= 65504; stored in fp16 it may round up by
+  // a gap (2^-10 of it, plus 2^-24 for subnormals).
   ASSERT_TRUE(StepStaysFinite(spec, p, before, 60000, &after));
-  EXPECT_NEAR(after.weight, 61000, 1);
+  EXPECT_NEAR(after.weight, 61000 * (1 + 0x1p-10) + 0x1p-24, 1);
   EXPECT_FALSE(after.measured);
   // 1000 + 65000 passes the limit: the bounds cannot tell.
   EXPECT_FALSE(StepStaysFinite(spec, p, before, 65000, &after));
@@ -68,9 +69,18 @@ TEST(OverflowGuardTest, AdagradStateAndWeightBoundsByHand) {
   EXPECT_NEAR(after.weight, 2 + 0.5 * 1.01, 1e-3);  // moves at most lr
   // 2e19^2 overflows fp32.
   EXPECT_FALSE(StepStaysFinite(spec, p, before, 2e19, &after));
-  // eps = 0 can divide 0 by 0: always checked.
+  // eps = 0 can divide 0 by 0: always checked, and measuring cannot help.
   spec.optimizer.eps = 0;
   EXPECT_FALSE(StepStaysFinite(spec, MakeStepParams(spec.optimizer, 1), before, 10, &after));
+  EXPECT_TRUE(BoundsCannotTell(spec, MakeStepParams(spec.optimizer, 1)));
+  // A tiny eps: a gradient whose square vanishes in fp32 moves w by
+  // lr g / eps, so the bound grows by lr 2^-50 / eps (about 5.6e-8 here).
+  spec.optimizer.eps = 1e-8f;
+  ASSERT_TRUE(StepStaysFinite(spec, MakeStepParams(spec.optimizer, 1), before, 10, &after));
+  EXPECT_NEAR(after.weight, 2 + 0.5 * (1.01 + 0x1p-50 / 1e-8f), 1e-3);
+  EXPECT_FALSE(BoundsCannotTell(spec, MakeStepParams(spec.optimizer, 1)));
+  spec.optimizer.eps = 1e-30f;
+  EXPECT_TRUE(BoundsCannotTell(spec, MakeStepParams(spec.optimizer, 1)));
 }
 
 TEST(OverflowGuardTest, RowwiseMovesAtMostLrSqrtDim) {
@@ -81,7 +91,8 @@ TEST(OverflowGuardTest, RowwiseMovesAtMostLrSqrtDim) {
   before.weight = 1;
   ValueBounds after;
   ASSERT_TRUE(StepStaysFinite(spec, p, before, 1e6, &after));
-  EXPECT_NEAR(after.weight, 1 + 100 * 1.01 * 4, 1e-2);
+  // (1 + lr 1.01 sqrt(16) + lr 2^-50 / eps), then fp16's rounding gap.
+  EXPECT_NEAR(after.weight, (1 + 100 * 1.01 * 4 + 100 * 0x1p-50 / 1e-8) * (1 + 0x1p-10), 1e-2);
   EXPECT_NEAR(after.acc, 1e12, 1e7);
 }
 
@@ -163,7 +174,7 @@ TEST(OverflowGuardTest, InitialBoundsAndRefusalMessage) {
   spec.initializer.high = 2;
   spec.optimizer.initial_accumulator_value = 0.5f;
   const ValueBounds b = InitialBounds(spec);
-  EXPECT_EQ(b.weight, 3);
+  EXPECT_DOUBLE_EQ(b.weight, 3 * (1 + 0x1p-10) + 0x1p-24);  // rounded into fp16
   EXPECT_EQ(b.acc, 0.5);
   spec.row_offset = 40;
   spec.col_offset = 8;
