@@ -117,19 +117,10 @@ class EmulatedBackend : public backend::EmbeddingBackend {
         !s.ok()) {
       return s;
     }
-    std::map<ShardId, double> merged;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      merged[requests[i].feature.shard] +=
-          backend::MergedGradientBound(requests[i].feature, grad_max[i]);
-    }
-    bool any_guard = false;
-    for (auto& [id, bound] : merged) {
-      Shard* s = Find(id);
-      const backend::math::StepParams p = backend::MakeStepParams(s->spec.optimizer, s->step + 1);
-      s->guard = !backend::GuardStep(s->spec, p, &s->bounds, bound, &s->after,
-                                     [s] { return Measure(*s); });
-      any_guard |= s->guard;
-    }
+    const bool any_guard = DecideGuards(
+        requests, grad_max, nullptr,
+        [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS { return Find(id); },
+        [](const Shard& s) { return Measure(s); });
     const GradientPlan plan = PlanGradients(requests, Resolver());
     backend::OverflowReport seen;
     if (plan.total_ids > 0 && any_guard && !skip_overflow_) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -63,6 +64,41 @@ struct GradientPlan {
 
 GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
                            const ShardResolver& shard);
+
+// Decides, for each shard with ids in the call, whether its rows must be
+// checked before they are applied (overflow_guard.h's GuardStep, at the
+// shard's next step), setting its guard and (when not) its bounds after
+// the call; returns whether any must. Each request's merged gradients are
+// bounded from grad_max[i] (its largest |gradient|) or, for inputs on the
+// device, from device_max: the call's largest |gradient| and |weight|.
+// `find` gives a backend's shard (spec, step, bounds, guard, after) and
+// `measure(shard)` its measured bounds.
+template <typename Find, typename Measure>
+bool DecideGuards(absl::Span<const backend::GradientRequest> requests,
+                  absl::Span<const float> grad_max, const float* device_max, Find&& find,
+                  Measure&& measure) {
+  std::map<backend::ShardId, double> merged;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const backend::FeatureRequest& f = requests[i].feature;
+    if (f.ids.empty()) continue;
+    const double n = static_cast<double>(f.ids.size());
+    // On the device each id's scale is at most the largest |weight| (MEAN's
+    // 1/length is at most 1).
+    merged[f.shard] += device_max == nullptr
+                           ? backend::MergedGradientBound(f, grad_max[i])
+                           : backend::MergedBound(n * (f.weights.empty() ? 1.0 : device_max[1]),
+                                                  n, device_max[0]);
+  }
+  bool any = false;
+  for (auto& [id, bound] : merged) {
+    auto* s = find(id);
+    const backend::math::StepParams p = backend::MakeStepParams(s->spec.optimizer, s->step + 1);
+    s->guard = !backend::GuardStep(s->spec, p, &s->bounds, bound, &s->after,
+                                   [&measure, s] { return measure(*s); });
+    any |= s->guard;
+  }
+  return any;
+}
 
 // The end of an applied ApplyGradients call: every shard it names takes its
 // step (ids or not: the interface rule), and each updated one its bounds

@@ -298,22 +298,18 @@ class CpuBackend : public EmbeddingBackend {
       for (size_t j = first; j < last; ++j) {
         const size_t i = req_order_[j];
         const FeatureRequest& f = requests[i].feature;
+        const IdScales scales = ScalesOf(f);
         p.group.occurrences += f.ids.size();
-        merged += MergedGradientBound(f, grad_max_[i]);
+        merged += MergedBound(scales.sum, static_cast<double>(f.ids.size()), grad_max_[i]);
         p.max_grad = std::max(p.max_grad, static_cast<double>(grad_max_[i]));
-        double scale = f.ids.empty() ? 0.0 : 1.0;
-        if (!f.weights.empty()) {
-          scale = 0;
-          for (const float w : f.weights) scale = std::max(scale, std::fabs(static_cast<double>(w)));
-        }
-        p.max_scale = std::max(p.max_scale, scale);
+        p.max_scale = std::max(p.max_scale, scales.max);
       }
       // Adam's t of this call: the step taken per call that names the
       // shard, ids or not (as FBGEMM's iteration count).
       p.params = MakeStepParams(p.shard->spec.optimizer, p.shard->step + 1);
       Shard* s = p.shard;
       p.check = !GuardStep(s->spec, p.params, &s->bounds, merged, &p.after,
-                           [s] { return MeasureShard(*s); });
+                           [this, s] { return MeasureShard(*kernels_, *s); });
       plans_.push_back(std::move(p));
       first = last;
     }
@@ -339,8 +335,8 @@ class CpuBackend : public EmbeddingBackend {
                         p.after.acc > math::kStateLimit / 64;
       const size_t max_run = ApplyRows(p, near && !p.check);
       ValueBounds tight;
-      const double row_grad = static_cast<double>(max_run) * p.max_scale * p.max_grad *
-                              (1 + (static_cast<double>(max_run) + 2) * 1.2e-7);
+      const double row_grad = MergedBound(static_cast<double>(max_run) * p.max_scale,
+                                          static_cast<double>(max_run), p.max_grad);
       s.bounds = near && !p.check &&
                          StepStaysFinite(s.spec, p.params, s.bounds, row_grad, &tight)
                      ? tight
@@ -505,8 +501,9 @@ class CpuBackend : public EmbeddingBackend {
     double max_grad = 0, max_scale = 0;
   };
 
-  // The bounds of every value the shard holds.
-  static ValueBounds MeasureShard(const Shard& s) {
+  // The bounds of every value the shard holds (16-bit rows widened a row
+  // at a time by the row kernels).
+  static ValueBounds MeasureShard(const RowKernels& k, const Shard& s) {
     const ShardSpec& spec = s.spec;
     const absl::Span<const float> state(s.state.get(), spec.rows * s.state_width);
     if (spec.weight_type == WeightType::kFp32) {
@@ -514,20 +511,12 @@ class CpuBackend : public EmbeddingBackend {
           spec, absl::MakeConstSpan(reinterpret_cast<const float*>(s.Row(0)), spec.rows * spec.dim),
           state);
     }
-    constexpr int64_t kBlockRows = 1024;
-    std::vector<float> block;
+    const WidenFn widen = k.widen[static_cast<int>(spec.weight_type)];
+    std::vector<float> row(static_cast<size_t>(spec.dim));
     ValueBounds b = MeasureValues(spec, {}, state);
-    for (int64_t r0 = 0; r0 < spec.rows; r0 += kBlockRows) {
-      const int64_t n = std::min(kBlockRows, spec.rows - r0);
-      block.resize(static_cast<size_t>(n * spec.dim));
-      for (int64_t r = 0; r < n; ++r) {
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(s.Row(r0 + r));
-        for (int64_t c = 0; c < spec.dim; ++c) {
-          block[r * spec.dim + c] =
-              spec.weight_type == WeightType::kFp16 ? Fp16ToFloat(h[c]) : Bf16ToFloat(h[c]);
-        }
-      }
-      b.weight = std::max(b.weight, MeasureValues(spec, block, {}).weight);
+    for (int64_t r = 0; r < spec.rows; ++r) {
+      widen(row.data(), s.Row(r), spec.dim);
+      b.weight = std::max(b.weight, MeasureValues(spec, row, {}).weight);
     }
     return b;
   }
@@ -746,7 +735,6 @@ class CpuBackend : public EmbeddingBackend {
     const int64_t dim = a.dim, num_unique = a.num_unique;
     const int prefetch = a.prefetch;
     const math::StepParams& params = a.params;
-    const AccumulateFn accumulate_f32 = a.accumulate_f32;
     const bool noise = a.noise;
     // The row's merged gradient, in this thread's scratch (reused, in L1):
     // a buffer of every row's, written once and read once, had doubled the
@@ -779,16 +767,7 @@ class CpuBackend : public EmbeddingBackend {
       if (kSkip && std::binary_search(a.skip_begin, a.skip_end, a.occ[a.unique_begin[u]].row)) {
         continue;
       }
-      // The row's gradient: its first occurrence scaled, then the others
-      // added (MergeRow's, written out here: through MergeRow the loop ran
-      // 15% slower at dim 32, fp16).
-      const Occ& first = a.occ[a.unique_begin[u]];
-      const float* __restrict src = first.grad;
-      for (int64_t c = 0; c < dim; ++c) g[c] = 0.0f + first.scale * src[c];
-      for (size_t k = a.unique_begin[u] + 1; k < a.unique_begin[u + 1]; ++k) {
-        accumulate_f32(g, a.occ[k].grad, dim, a.occ[k].scale);
-      }
-      const int64_t row = first.row;
+      const int64_t row = MergeRow(a, u, g);
       UpdateRow(*a.kernels, &s, row, g, params, noise ? NoiseKey(s, row) : 0);
     }
   }

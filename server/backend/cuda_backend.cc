@@ -798,7 +798,10 @@ class CudaBackend : public EmbeddingBackend {
     // is cut (before any piece), else from its staging.
     std::vector<float> grad_max(requests.size(), 0.0f);
     auto decide = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return DecideGuards(requests, grad_max, requests[0].feature.on_device ? device_max : nullptr);
+      return DecideGuards(
+          requests, grad_max, requests[0].feature.on_device ? device_max : nullptr,
+          [this](ShardId id) ABSL_NO_THREAD_SAFETY_ANALYSIS { return FindShard(id); },
+          [this](const Shard& s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return Measure(s); });
     };
     backend::OverflowReport seen;
     if (plan.total_ids == 0) {
@@ -837,9 +840,8 @@ class CudaBackend : public EmbeddingBackend {
                   // until they have run.
                   if (!first) EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
                   first = false;
-                  piece_max_.assign(piece.size(), 0.0f);
                   return QueueGradientPiece(
-                      piece, lease->slot(), absl::MakeSpan(piece_max_),
+                      piece, lease->slot(), /*grad_max=*/{},
                       [&](const GradientPlan& p, const BackwardLaunch& a)
                           ABSL_NO_THREAD_SAFETY_ANALYSIS {
                             return LaunchGuarded(p, a, guard, checking, &seen);
@@ -856,40 +858,6 @@ class CudaBackend : public EmbeddingBackend {
       return FindShard(id);
     });
     return absl::OkStatus();
-  }
-
-  // Decides, per shard of the call, whether its rows must be checked
-  // (overflow_guard.h), from each request's largest |gradient| (grad_max)
-  // or, for inputs on the device, the call's largest |gradient| and
-  // |weight| (device_max). Returns whether any must.
-  bool DecideGuards(absl::Span<const GradientRequest> requests, absl::Span<const float> grad_max,
-                    const float* device_max) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::map<ShardId, double> merged;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const FeatureRequest& f = requests[i].feature;
-      if (f.ids.empty()) continue;
-      double bound;
-      if (device_max != nullptr) {
-        // Each id's scale is at most its |weight| (1/length <= 1).
-        const double scale = f.weights.empty() ? 1.0 : device_max[1];
-        bound = static_cast<double>(f.ids.size()) * scale * device_max[0] *
-                (1 + (static_cast<double>(f.ids.size()) + 2) * 1.2e-7);
-      } else {
-        bound = backend::MergedGradientBound(f, grad_max[i]);
-      }
-      merged[f.shard] += bound;
-    }
-    bool any = false;
-    for (auto& [id, bound] : merged) {
-      Shard* s = FindShard(id);
-      const backend::math::StepParams p = backend::MakeStepParams(s->spec.optimizer, s->step + 1);
-      s->guard = !backend::GuardStep(s->spec, p, &s->bounds, bound, &s->after,
-                                     [this, s]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                       return Measure(*s);
-                                     });
-      any |= s->guard;
-    }
-    return any;
   }
 
   // Launches a piece's update as the guard says. Unguarded: applied. With
@@ -1036,7 +1004,8 @@ class CudaBackend : public EmbeddingBackend {
 
   // Queues one piece of an ApplyGradients call, without the Adam step,
   // staged in `slot`: each request's largest |gradient| goes to grad_max
-  // as its host gradients are staged, and `launch` launches the update.
+  // (unless empty) as its host gradients are staged, and `launch` launches
+  // the update.
   using GradientLaunch = std::function<absl::Status(const GradientPlan&, const BackwardLaunch&)>;
   absl::Status QueueGradientPiece(absl::Span<const GradientRequest> requests, StagingSlot& slot,
                                   absl::Span<float> grad_max, const GradientLaunch& launch)
@@ -1076,7 +1045,7 @@ class CudaBackend : public EmbeddingBackend {
       auto check = [&](absl::Span<const float> g, int64_t first) {
         float m = 0;
         absl::Status st = CheckFinite(g, RequestWhat("gradient", i, spec), "gradient", first, &m);
-        grad_max[i] = std::max(grad_max[i], m);
+        if (!grad_max.empty()) grad_max[i] = std::max(grad_max[i], m);
         return st;
       };
       if (absl::Status st = up.AppendSpan(at, r.grad, check); !st.ok()) return st;
@@ -1594,7 +1563,6 @@ class CudaBackend : public EmbeddingBackend {
   DeviceBuffer measure_ ABSL_GUARDED_BY(mu_);  // Measure's maxima
   const OverflowRecord fresh_record_ = FreshRecord();
   std::atomic<int64_t> skipped_rows_{0};
-  std::vector<float> piece_max_ ABSL_GUARDED_BY(mu_);  // a piece's (unused) gradient maxima
   // The staging slots (pinned host memory, scratch_bytes each), each held
   // by one call at a time through a SlotLease.
   mutable SlotPool slot_pool_;

@@ -117,29 +117,44 @@ ValueBounds ImportedBounds(const ShardSpec& spec, absl::Span<const float> weight
   return b;
 }
 
-double MergedGradientBound(const FeatureRequest& f, double max_abs_grad) {
-  const size_t n = f.ids.size();
-  if (n == 0 || max_abs_grad == 0) return 0;
-  double scales = 0;
-  if (f.pooling == Pooling::kNone || (f.pooling == Pooling::kSum && f.weights.empty())) {
-    scales = static_cast<double>(n);
-  } else {
-    size_t k = 0;
-    for (const int64_t len : f.lengths) {
-      double bag = 0;
-      if (f.weights.empty()) {
-        bag = static_cast<double>(len);
-      } else {
-        for (int64_t j = 0; j < len; ++j) bag += std::fabs(static_cast<double>(f.weights[k + j]));
-      }
-      if (f.pooling == Pooling::kMean && len > 0) bag /= static_cast<double>(len);
-      scales += bag;
-      k += static_cast<size_t>(len);
-    }
-  }
+double MergedBound(double scales, double terms, double max_abs_grad) {
   // A float sum of n terms is within n * 2^-24 of the exact one, relatively
   // to the sum of their magnitudes; each scale rounds once more.
-  return scales * max_abs_grad * (1 + (static_cast<double>(n) + 2) * 1.2e-7);
+  return scales * max_abs_grad * (1 + (terms + 2) * 1.2e-7);
+}
+
+IdScales ScalesOf(const FeatureRequest& f) {
+  IdScales s;
+  const size_t n = f.ids.size();
+  if (n == 0) return s;
+  s.max = 1;
+  if (f.weights.empty()) {
+    if (f.pooling != Pooling::kMean) {
+      s.sum = static_cast<double>(n);
+      return s;
+    }
+    for (const int64_t len : f.lengths) s.sum += len > 0 ? 1.0 : 0.0;  // len x 1/len
+    return s;
+  }
+  s.max = 0;
+  size_t k = 0;
+  for (const int64_t len : f.lengths) {
+    double bag = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const double w = std::fabs(static_cast<double>(f.weights[k + j]));
+      bag += w;
+      s.max = std::max(s.max, w);
+    }
+    if (f.pooling == Pooling::kMean && len > 0) bag /= static_cast<double>(len);
+    s.sum += bag;
+    k += static_cast<size_t>(len);
+  }
+  return s;
+}
+
+double MergedGradientBound(const FeatureRequest& f, double max_abs_grad) {
+  if (f.ids.empty() || max_abs_grad == 0) return 0;
+  return MergedBound(ScalesOf(f).sum, static_cast<double>(f.ids.size()), max_abs_grad);
 }
 
 bool StepStaysFinite(const ShardSpec& spec, const math::StepParams& p,

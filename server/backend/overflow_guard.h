@@ -81,10 +81,23 @@ ValueBounds MeasureValues(const ShardSpec& spec, absl::Span<const float> weights
 ValueBounds ImportedBounds(const ShardSpec& spec, absl::Span<const float> weights,
                            absl::Span<const float> state);
 
-// A bound on |merged gradient| of any row a request touches: its largest
-// |gradient| element times the sum of |scale| over its ids (the scale an
-// id's gradient row is multiplied by: its weight, times 1/length for
-// MEAN). A call's bound for a shard is the sum over its requests there.
+// A bound on |merged gradient| of a row whose occurrences' |scale|s sum to
+// at most `scales`, over at most `terms` of them, each gradient element at
+// most max_abs_grad: their product, with room for the float sum's rounding.
+double MergedBound(double scales, double terms, double max_abs_grad);
+
+// The scales a request's ids multiply their gradient rows by (an id's
+// weight, times 1/length for MEAN): their sum of magnitudes, and the
+// largest |weight| (1 unweighted), which bounds each scale.
+struct IdScales {
+  double sum = 0;
+  double max = 0;
+};
+IdScales ScalesOf(const FeatureRequest& f);
+
+// A bound on |merged gradient| of any row a request touches: MergedBound
+// over all of its ids. A call's bound for a shard is the sum over its
+// requests there.
 double MergedGradientBound(const FeatureRequest& f, double max_abs_grad);
 
 // Whether one step with `p` (this call's hyper-parameters) of a shard whose
