@@ -34,8 +34,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gflags/gflags.h"
-#include "server/backend/cuda_backend.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cuda/cuda_backend.h"
 
 DEFINE_string(backend, "cpu", "cpu, or cuda (GPU 0; the call's host<->device copies are timed too).");
 DEFINE_int64(rows, 1000000, "Table rows.");

@@ -55,7 +55,7 @@
 #include "client/client.h"
 #include "client/inprocess.h"
 #include "gflags/gflags.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/common/table_spec.h"
 #include "tests/local_cluster.h"
 

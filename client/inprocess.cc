@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/common/table_spec.h"
 #include "server/common/thread_reused.h"
 

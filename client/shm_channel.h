@@ -9,7 +9,7 @@
 //
 // Or a link channel (OpenLink): the region is this process's own memory,
 // the worker keeps a copy laid out the same way, and a call's bytes cross
-// a peer link (cuda/peer_link.h: NCCL between GPUs, or a socket) which this
+// a peer link (link/peer_link.h: NCCL between GPUs, or a socket) which this
 // process joins as rank 1; ShmTransport sends and receives them.
 #ifndef EMBER_CLIENT_SHM_CHANNEL_H_
 #define EMBER_CLIENT_SHM_CHANNEL_H_
@@ -27,7 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "cuda/peer_link.h"
+#include "link/peer_link.h"
 #include "proto/service.grpc.pb.h"
 
 namespace ember {

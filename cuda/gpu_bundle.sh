@@ -8,8 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:-.device/bundle}"
-targets=(cuda/cuda_backend_test cuda/device_query_test cuda/cuda_fault_test
-         cuda/emulation_match_test cuda/peer_link_test
+targets=(server/backend/cuda/cuda_backend_test cuda/device_query_test
+         server/backend/cuda/cuda_fault_test server/backend/cuda/emulation_match_test
+         link/peer_link_test
          server/backend/backend_parity_test server/backend/embedding_math_test
          bench/kernel_bench bench/service_bench cli/emberctl)
 labels=()

@@ -1,5 +1,5 @@
 // A CUDA runtime on the CPU, for tests: the subset of the runtime API the
-// CUDA backend's adapter (server/backend/cuda_backend.cc) calls, over host
+// CUDA backend's adapter (server/backend/cuda/cuda_backend.cc) calls, over host
 // memory, with each stream a thread that runs its queued operations in
 // order, and the kernels of tbe_kernels.h run by host_kernels.h on those
 // threads. Linked instead of cudart and tbe_kernels (the *_on_host test

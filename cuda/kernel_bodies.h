@@ -22,8 +22,8 @@
 
 #include "cuda/kernel_descs.h"
 #include "cuda/warp.h"
-#include "server/backend/embedding_math.h"
-#include "server/backend/half.h"
+#include "math/embedding_math.h"
+#include "math/half.h"
 
 namespace ember {
 namespace cuda {

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "server/backend/embedding_math.h"
+#include "math/embedding_math.h"
 
 namespace ember {
 namespace cuda {

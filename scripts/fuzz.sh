@@ -40,9 +40,9 @@ common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.
   $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc server/common/auth.cc
   server/checkpoint/checkpoint_files.cc"
 worker="$common server/worker/worker_service.cc server/worker/applied_ids.cc server/worker/shm_channels.cc
-  server/backend/cpu_backend.cc server/backend/cpu_kernels.cc
-  server/backend/cpu_kernels_avx2.cc server/backend/cpu_kernels_avx512.cc
-  server/backend/stochastic_round.cc server/backend/overflow_guard.cc
+  server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
+  server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
+  server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
   server/common/table_spec.cc server/checkpoint/recut.cc"
 planner="planner/cost_model.cc planner/planner.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"

@@ -3,9 +3,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "server/backend/cuda_backend.h"
 #include "cuda/device_query.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cuda/cuda_backend.h"
 #include "server/common/host_memory.h"
 
 namespace ember {

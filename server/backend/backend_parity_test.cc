@@ -14,11 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/backend/cuda_backend.h"
-#include "cuda/emulated_backend.h"
-#include "server/backend/cpu_backend.h"
-#include "server/backend/half.h"
-#include "server/backend/cpu_kernels.h"
+#include "math/half.h"
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cpu/cpu_kernels.h"
+#include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/cuda/emulated_backend.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/forwarding_backend.h"
 
@@ -155,7 +155,7 @@ std::vector<BackendParam> AvailableBackends() {
                        cuda::CreateEmulatedCudaBackend());
                  }});
   // The same with a scratch so small that most calls run in pieces
-  // (cuda/call_split.h), as calls larger than a GPU's scratch do.
+  // (server/backend/cuda/call_split.h), as calls larger than a GPU's scratch do.
   out.push_back({"cuda_emulated_split", [] {
                    cuda::EmulatedCudaOptions o;
                    o.scratch_bytes = kSplitScratchBytes;

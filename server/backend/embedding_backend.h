@@ -58,7 +58,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "server/backend/embedding_math.h"
+#include "math/embedding_math.h"
 
 namespace ember {
 namespace backend {

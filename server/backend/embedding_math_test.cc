@@ -1,14 +1,14 @@
 // embedding_math.h pinned to hand-computed values and bit patterns.
 
-#include "server/backend/embedding_math.h"
+#include "math/embedding_math.h"
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "gtest/gtest.h"
+#include "math/half.h"
 #include "server/backend/embedding_backend.h"
-#include "server/backend/half.h"
 
 namespace ember {
 namespace backend {

@@ -35,8 +35,8 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "math/embedding_math.h"
 #include "server/backend/embedding_backend.h"
-#include "server/backend/embedding_math.h"
 
 namespace ember {
 namespace backend {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/backend/half.h"
+#include "math/half.h"
 
 namespace ember {
 namespace backend {

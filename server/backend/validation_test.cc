@@ -10,8 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "math/half.h"
 #include "server/backend/embedding_backend.h"
-#include "server/backend/half.h"
 
 namespace ember {
 namespace backend {

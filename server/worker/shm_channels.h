@@ -1,7 +1,7 @@
 // The worker's data channels (OpenChannel in proto/service.proto), through
 // which bulk arrays travel instead of inside gRPC messages: shared-memory
 // regions trainers on the same host created and the worker mapped, and
-// link channels (an NCCL or socket peer link, cuda/peer_link.h), where each
+// link channels (an NCCL or socket peer link, link/peer_link.h), where each
 // side keeps its own copy of a region laid out the same way and a call's
 // bytes cross the link: received into the worker's copy when the call
 // starts (Use; a CUDA worker on NCCL links copies only the lengths out of
@@ -32,7 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "cuda/peer_link.h"
+#include "link/peer_link.h"
 #include "proto/service.pb.h"
 
 namespace ember {

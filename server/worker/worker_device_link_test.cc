@@ -1,6 +1,6 @@
 // A worker with the CUDA backend serving link channels over NCCL links, all
 // on the host CUDA runtime (cuda/host_runtime.h) with the stand-in NCCL
-// (cuda/fake_nccl.h): a call's ids, weights and gradients stay in the
+// (link/fake_nccl.h): a call's ids, weights and gradients stay in the
 // link's device memory, where the backend checks and reads them, and only
 // the lengths come to the host. Checked against the same calls inline (on
 // a second worker for updates), with bad values in device memory refused
@@ -15,12 +15,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "cuda/fake_nccl.h"
-#include "cuda/nccl_api.h"
-#include "cuda/peer_link.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/backend/cuda_backend.h"
+#include "link/fake_nccl.h"
+#include "link/nccl_api.h"
+#include "link/peer_link.h"
+#include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/common/wire.h"
 #include "server/worker/worker_service.h"

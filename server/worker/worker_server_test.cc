@@ -15,7 +15,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "proto/service.grpc.pb.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/coordinator/coordinator_service.h"
 

@@ -24,9 +24,9 @@
 #include "absl/synchronization/notification.h"
 
 #include "gmock/gmock.h"
-#include "cuda/peer_link.h"
 #include "gtest/gtest.h"
-#include "server/backend/cpu_backend.h"
+#include "link/peer_link.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "proto/service.pb.h"
-#include "server/backend/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/common/wire.h"
 #include "server/worker/worker_service.h"
 
