@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up what is missing, builds everything and runs every test with Bazel,
+# checks the layers (scripts/check_layers.py) and fuzzes each target briefly,
 # then prints a closing line "N passed, N failed" (test cases, counted from
-# each test target's JUnit XML). Exits non-zero if anything failed.
+# each test target's JUnit XML, plus one per layer rule and fuzz target).
+# Exits non-zero if anything failed.
 #
 # Extra arguments go to `bazel test` (e.g. scripts/test.sh //planner/...).
 set -uo pipefail
@@ -48,6 +50,20 @@ done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|NO STATU
 if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
   # The build itself failed before any test ran.
   failed=1
+fi
+
+# The layers of docs/design.md (scripts/check_layers.py): each rule is one
+# test, passed when no include or dependency path breaks it. Skipped when
+# specific Bazel targets were asked for.
+if [ $# -eq 0 ]; then
+  layers_log=$(mktemp)
+  python3 scripts/check_layers.py 2>&1 | tee "$layers_log"
+  ok=$(grep -cE '^layers .*: ok$' "$layers_log")
+  bad=$(grep -cE '^layers .*: FAILED$' "$layers_log")
+  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # the check did not run
+  passed=$((passed + ok))
+  failed=$((failed + bad))
+  rm -f "$layers_log"
 fi
 
 # A short fuzzing run of every libFuzzer target (scripts/fuzz.sh): each

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Checks the layers of docs/design.md against the code, twice over.
+
+1. Includes: every non-test source file includes project headers only from
+   the packages its layer may see (INCLUDES below). Bazel 4 has no layering
+   check, so a header reached through a transitive dependency would compile.
+2. Build graph: `bazel query` finds no forbidden dependency path between
+   library targets (QUERIES below). Visibility already refuses a new direct
+   edge to a private target; these catch an edge made legal by widening a
+   visibility list.
+
+Prints one line per rule, "layers RULE: ok" or "layers RULE: FAILED" with
+the offending files or paths, and exits non-zero if any rule failed.
+scripts/test.sh runs it and counts each rule as one test.
+
+  python3 scripts/check_layers.py [--no-query]
+"""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Project directories whose headers are checked (everything else, such as
+# absl/ or gtest/, is a third-party include and not ruled on here).
+PROJECT = ("bench/", "cli/", "client/", "cuda/", "examples/", "link/", "math/",
+           "planner/", "proto/", "python/", "server/", "tests/")
+
+# Layer name -> (directory of its files, prefixes of the headers they may
+# include). A file matches the longest directory; per-file exceptions follow.
+INCLUDES = {
+    "math": ("math/", ["math/"]),
+    "cuda": ("cuda/", ["cuda/", "math/"]),
+    "link": ("link/", ["link/", "cuda/"]),
+    "planner": ("planner/", ["planner/", "proto/"]),
+    "common": ("server/common/", ["server/common/", "proto/",
+                                  # table_spec: a proto table as a shard spec.
+                                  "server/backend/embedding_backend.h"]),
+    "backend": ("server/backend/", ["server/backend/embedding_backend.h",
+                                    "server/backend/overflow_guard.h",
+                                    "server/backend/backend_factory.h",
+                                    "server/common/", "math/"]),
+    "backend/cpu": ("server/backend/cpu/", ["server/backend/cpu/",
+                                            "server/backend/embedding_backend.h",
+                                            "server/backend/overflow_guard.h",
+                                            "math/"]),
+    "backend/cuda": ("server/backend/cuda/", ["server/backend/cuda/",
+                                              "server/backend/embedding_backend.h",
+                                              "server/backend/overflow_guard.h",
+                                              "server/common/", "cuda/", "math/"]),
+    "checkpoint": ("server/checkpoint/", ["server/checkpoint/", "server/common/", "proto/",
+                                          "server/backend/embedding_backend.h"]),
+    "worker": ("server/worker/", ["server/worker/", "server/checkpoint/", "server/common/",
+                                  "link/", "proto/",
+                                  "server/backend/embedding_backend.h",
+                                  "server/backend/overflow_guard.h",
+                                  "server/backend/backend_factory.h"]),
+    "coordinator": ("server/coordinator/", ["server/coordinator/", "server/checkpoint/",
+                                            "server/common/", "planner/", "proto/",
+                                            "server/backend/embedding_backend.h"]),
+    "client": ("client/", ["client/", "server/common/", "link/", "proto/"]),
+}
+
+# Files allowed more than their layer: the factory picks a backend, and the
+# client's in-process collection is the one client -> backend edge.
+EXTRA = {
+    "server/backend/backend_factory.cc": ["server/backend/cpu/", "server/backend/cuda/",
+                                          "cuda/device_query.h"],
+    "client/inprocess.h": ["server/backend/embedding_backend.h",
+                           "server/backend/cpu/cpu_backend.h"],
+    "client/inprocess.cc": ["server/backend/embedding_backend.h",
+                            "server/backend/cpu/cpu_backend.h"],
+}
+
+INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def is_test(path):
+    base = os.path.basename(path)
+    return (base.endswith("_test.cc") or base.startswith("fake_") or
+            base in ("forwarding_backend.h", "concurrency_checks.h"))
+
+
+def layer_of(path):
+    best = None
+    for name, (directory, _) in INCLUDES.items():
+        if path.startswith(directory) and (best is None or
+                                           len(directory) > len(INCLUDES[best][0])):
+            best = name
+    return best
+
+
+def include_violations(path, text):
+    """The project headers `path` includes that its layer may not see."""
+    layer = layer_of(path)
+    if layer is None or is_test(path):
+        return []
+    allowed = INCLUDES[layer][1] + EXTRA.get(path, [])
+    bad = []
+    for header in INCLUDE_RE.findall(text):
+        if not header.startswith(PROJECT):
+            continue
+        if not any(header == a or (a.endswith("/") and header.startswith(a)) for a in allowed):
+            bad.append("%s includes %s" % (path, header))
+    return bad
+
+
+def check_includes():
+    files = subprocess.check_output(["git", "ls-files", "--cached", "--others",
+                                     "--exclude-standard"], cwd=ROOT, text=True).split()
+    by_layer = {name: [] for name in INCLUDES}
+    for path in files:
+        if not path.endswith((".h", ".cc", ".cu")) or not os.path.exists(os.path.join(ROOT, path)):
+            continue
+        layer = layer_of(path)
+        if layer is None:
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as f:
+            by_layer[layer] += include_violations(path, f.read())
+    return [("includes " + name, bad) for name, bad in by_layer.items()]
+
+
+def self_check():
+    """The include rule refuses what it should (a check that cannot fail is
+    no check): a planner file reaching into the server, a worker file naming
+    a concrete backend, a kernel including the backend interface."""
+    cases = [
+        ("planner/planner.cc", '#include "server/common/wire.h"\n'),
+        ("server/worker/worker_service.cc", '#include "server/backend/cpu/cpu_backend.h"\n'),
+        ("cuda/tbe_kernels.cu", '#include "server/backend/embedding_backend.h"\n'),
+        ("client/client.cc", '#include "server/backend/embedding_backend.h"\n'),
+    ]
+    missed = [p for p, text in cases if not include_violations(p, text)]
+    allowed = [("client/inprocess.cc", '#include "server/backend/cpu/cpu_backend.h"\n'),
+               ("cuda/kernel_bodies.h", '#include "math/half.h"\n#include "absl/types/span.h"\n')]
+    wrongly = [p for p, text in allowed if include_violations(p, text)]
+    return ("self-check", ["not refused: " + p for p in missed] +
+            ["wrongly refused: " + p for p in wrongly])
+
+
+# Rule name -> (query that must come back empty, what it means).
+LIBS = 'kind("cc_library", {0}) except attr(testonly, 1, {0})'
+QUERIES = {
+    "math depends on nothing": (
+        "deps(%s) intersect //... except //math/..." % LIBS.format("//math:all"), ""),
+    "kernels know no backend, worker or proto": (
+        "deps(%s) intersect //... except (//cuda/... + //math/... + //third_party/...)"
+        % LIBS.format("//cuda:all"), ""),
+    "link sees only the CUDA runtime seam": (
+        "deps(%s) intersect //... except (//link/... + //cuda/... + //third_party/...)"
+        % LIBS.format("//link:all"), ""),
+    "planner depends only on the protos": (
+        "deps(%s) intersect //... except (//planner/... + //proto/... + //third_party/...)"
+        % LIBS.format("//planner:all"), ""),
+    "backend interface below every backend": (
+        "deps(//server/backend:embedding_backend + //server/backend:overflow_guard) "
+        "intersect //... except (//server/backend:all + //math/... + "
+        "//server/common:id_range + //third_party/...)", ""),
+    "worker sees the backend interface and factory only": (
+        "deps(%s, 1) intersect (//server/backend/cpu/... + //server/backend/cuda/... + //cuda/...)"
+        % LIBS.format("//server/worker:all"), ""),
+    "worker knows no coordinator, planner or client": (
+        "deps(%s) intersect (//server/coordinator/... + //planner/... + //client/...)"
+        % LIBS.format("//server/worker:all"), ""),
+    "coordinator knows no worker, backend or device": (
+        "deps(%s) intersect (//server/worker/... + //server/backend/cpu/... + "
+        "//server/backend/cuda/... + //cuda/... + //link/... + //client/...)"
+        % LIBS.format("//server/coordinator:all"), ""),
+    "client reaches servers over RPC only (inprocess aside)": (
+        "deps(%s except //client:inprocess) intersect (//server/backend/... + "
+        "//server/worker/... + //server/coordinator/... + //planner/...)"
+        % LIBS.format("//client:all"), ""),
+}
+
+
+def check_queries():
+    results = []
+    for name, (query, _) in QUERIES.items():
+        proc = subprocess.run(["bazel", "query", "--noshow_progress", query], cwd=ROOT,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            results.append((name, ["bazel query failed: " + proc.stderr.strip()[-400:]]))
+            continue
+        found = [line for line in proc.stdout.split("\n") if line.strip()]
+        results.append((name, ["reaches " + t for t in found]))
+    return results
+
+
+def main():
+    results = [self_check()] + check_includes()
+    if "--no-query" not in sys.argv[1:]:
+        results += check_queries()
+    failed = 0
+    for name, bad in results:
+        if bad:
+            failed += 1
+            print("layers %s: FAILED" % name)
+            for line in bad:
+                print("    " + line)
+        else:
+            print("layers %s: ok" % name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
