@@ -56,7 +56,7 @@
 #include "client/inprocess.h"
 #include "gflags/gflags.h"
 #include "server/backend/cpu/cpu_backend.h"
-#include "server/common/table_spec.h"
+#include "server/backend/table_spec.h"
 #include "tests/local_cluster.h"
 
 DEFINE_string(coordinator, "", "A running cluster's coordinator; empty: start one.");

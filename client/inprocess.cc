@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/backend/cpu/cpu_backend.h"
-#include "server/common/table_spec.h"
+#include "server/backend/table_spec.h"
 #include "server/common/thread_reused.h"
 
 namespace ember {

@@ -34,13 +34,12 @@ INCLUDES = {
     "cuda": ("cuda/", ["cuda/", "math/"]),
     "link": ("link/", ["link/", "cuda/"]),
     "planner": ("planner/", ["planner/", "proto/"]),
-    "common": ("server/common/", ["server/common/", "proto/",
-                                  # table_spec: a proto table as a shard spec.
-                                  "server/backend/embedding_backend.h"]),
+    "common": ("server/common/", ["server/common/", "proto/"]),
     "backend": ("server/backend/", ["server/backend/embedding_backend.h",
                                     "server/backend/overflow_guard.h",
                                     "server/backend/backend_factory.h",
-                                    "server/common/", "math/"]),
+                                    "server/backend/table_spec.h",
+                                    "server/common/", "math/", "proto/"]),
     "backend/cpu": ("server/backend/cpu/", ["server/backend/cpu/",
                                             "server/backend/embedding_backend.h",
                                             "server/backend/overflow_guard.h",
@@ -55,10 +54,12 @@ INCLUDES = {
                                   "link/", "proto/",
                                   "server/backend/embedding_backend.h",
                                   "server/backend/overflow_guard.h",
-                                  "server/backend/backend_factory.h"]),
+                                  "server/backend/backend_factory.h",
+                                  "server/backend/table_spec.h"]),
     "coordinator": ("server/coordinator/", ["server/coordinator/", "server/checkpoint/",
                                             "server/common/", "planner/", "proto/",
-                                            "server/backend/embedding_backend.h"]),
+                                            "server/backend/embedding_backend.h",
+                                            "server/backend/table_spec.h"]),
     "client": ("client/", ["client/", "server/common/", "link/", "proto/"]),
 }
 
@@ -70,6 +71,7 @@ EXTRA = {
     "client/inprocess.h": ["server/backend/embedding_backend.h",
                            "server/backend/cpu/cpu_backend.h"],
     "client/inprocess.cc": ["server/backend/embedding_backend.h",
+                            "server/backend/table_spec.h",
                             "server/backend/cpu/cpu_backend.h"],
 }
 
@@ -157,6 +159,10 @@ QUERIES = {
         "deps(//server/backend:embedding_backend + //server/backend:overflow_guard) "
         "intersect //... except (//server/backend:all + //math/... + "
         "//server/common:id_range + //third_party/...)", ""),
+    "server/common depends on no server layer": (
+        "deps(%s) intersect (//server/backend/... + //server/worker/... + "
+        "//server/coordinator/... + //server/checkpoint/... + //planner/...)"
+        % LIBS.format("//server/common:all"), ""),
     "worker sees the backend interface and factory only": (
         "deps(%s, 1) intersect (//server/backend/cpu/... + //server/backend/cuda/... + //cuda/...)"
         % LIBS.format("//server/worker:all"), ""),

@@ -43,11 +43,11 @@ worker="$common server/worker/worker_service.cc server/worker/applied_ids.cc ser
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
   server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
-  server/common/table_spec.cc server/checkpoint/recut.cc"
+  server/backend/table_spec.cc server/checkpoint/recut.cc"
 planner="planner/cost_model.cc planner/planner.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"
 coordinator="$common $planner server/coordinator/coordinator_service.cc
-  server/coordinator/state_store.cc server/common/table_spec.cc"
+  server/coordinator/state_store.cc server/backend/table_spec.cc"
 formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc client/shared_buffer.cc"
 
 compile() {  # source -> object path

@@ -14,10 +14,10 @@
 #include "planner/planner.h"
 #include "planner/spec_validation.h"
 #include "server/backend/embedding_backend.h"
+#include "server/backend/table_spec.h"
 #include "server/checkpoint/checkpoint_files.h"
-#include "server/coordinator/state_store.h"
-#include "server/common/table_spec.h"
 #include "server/common/grpc_util.h"
+#include "server/coordinator/state_store.h"
 
 namespace ember {
 namespace coordinator {

@@ -15,11 +15,11 @@
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/backend/overflow_guard.h"
+#include "server/backend/table_spec.h"
 #include "server/checkpoint/checkpoint_files.h"
-#include "server/common/thread_reused.h"
 #include "server/checkpoint/recut.h"
 #include "server/common/grpc_util.h"
-#include "server/common/table_spec.h"
+#include "server/common/thread_reused.h"
 #include "server/common/wire.h"
 
 namespace ember {

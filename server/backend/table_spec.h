@@ -2,8 +2,8 @@
 // the proto's documented defaults filled in.
 //
 // Thread-safe: pure functions.
-#ifndef EMBER_SERVER_COMMON_TABLE_SPEC_H_
-#define EMBER_SERVER_COMMON_TABLE_SPEC_H_
+#ifndef EMBER_SERVER_BACKEND_TABLE_SPEC_H_
+#define EMBER_SERVER_BACKEND_TABLE_SPEC_H_
 
 #include <cstdint>
 
@@ -21,4 +21,4 @@ backend::Pooling PoolingFromProto(ember::v1::TableConfig::Pooling p);
 
 }  // namespace ember
 
-#endif  // EMBER_SERVER_COMMON_TABLE_SPEC_H_
+#endif  // EMBER_SERVER_BACKEND_TABLE_SPEC_H_

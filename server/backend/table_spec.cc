@@ -1,4 +1,4 @@
-#include "server/common/table_spec.h"
+#include "server/backend/table_spec.h"
 
 namespace ember {
 
