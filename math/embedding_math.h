@@ -97,6 +97,23 @@ EMBER_HD float IdScale(bool weighted, float weight, float mean_scale) {
 enum StepOptimizer : int32_t { kStepSgd = 0, kStepAdagrad = 1, kStepRowwiseAdagrad = 2, kStepAdam = 3 };
 enum StepDecay : int32_t { kDecayNone = 0, kDecayL2 = 1, kDecayDecouple = 2 };
 
+// The fp32 optimizer state one row of `dim` columns holds, in floats: SGD
+// none, Adagrad one per column, row-wise Adagrad one per row, Adam two per
+// column (the moments). The one layout the backends, the checkpoint files
+// and the planner size a table by.
+constexpr int64_t StateFloatsPerRow(StepOptimizer optimizer, int64_t dim) {
+  return optimizer == kStepAdagrad          ? dim
+         : optimizer == kStepRowwiseAdagrad ? 1
+         : optimizer == kStepAdam           ? 2 * dim
+                                            : 0;
+}
+
+// Bytes one row of a table takes: its `dim` weights of `weight_bytes` each
+// and its fp32 optimizer state.
+constexpr int64_t RowBytes(int64_t weight_bytes, StepOptimizer optimizer, int64_t dim) {
+  return dim * weight_bytes + 4 * StateFloatsPerRow(optimizer, dim);
+}
+
 // One shard's hyper-parameters for one ApplyGradients call, resolved on the
 // host (MakeStepParams in embedding_backend.h): plain data, copied to the
 // device as it is.
@@ -195,7 +212,7 @@ EMBER_HD uint64_t RowNoiseKey(uint64_t seed, int64_t step, int64_t global_row) {
 // ElementNoiseInput, two 32-bit multiplies. (SplitMix64 per element, as
 // before, took two 64-bit ones: four AVX-512 multiplies for 16 columns
 // where these take two, and nearly half of an fp16 update's time;
-// docs/benchmarks.md.)
+// docs/lab-notes/2026-11-benchmarks.md.)
 EMBER_HD uint32_t ElementNoise(uint64_t row_key, int64_t global_col) {
   return Fmix32(ElementNoiseInput(row_key, global_col));
 }

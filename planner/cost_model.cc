@@ -4,6 +4,8 @@
 #include <cmath>
 #include <utility>
 
+#include "math/embedding_math.h"
+
 namespace ember {
 namespace planner {
 namespace {
@@ -93,16 +95,21 @@ int DataTypeBytes(ember::v1::DataType type) {
 
 int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
                                   int64_t cols) {
+  backend::math::StepOptimizer step = backend::math::kStepSgd;
   switch (optimizer) {
     case ember::v1::OptimizerSpec::ADAGRAD:
-      return 4 * cols;
+      step = backend::math::kStepAdagrad;
+      break;
     case ember::v1::OptimizerSpec::ROWWISE_ADAGRAD:
-      return 4;
+      step = backend::math::kStepRowwiseAdagrad;
+      break;
     case ember::v1::OptimizerSpec::ADAM:
-      return 8 * cols;
+      step = backend::math::kStepAdam;
+      break;
     default:
-      return 0;
+      break;
   }
+  return 4 * backend::math::StateFloatsPerRow(step, cols);
 }
 
 double ExpectedDistinctRows(double rows, double ids) {
@@ -140,7 +147,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // rows, and takes the gradient back in the same dense shape (client.cc:
   // Bucketize sends every bag's length; RunGradients slices `batch x cols`
   // gradient rows for pooled features). Measured, this is what decides
-  // row-wise against table-wise (docs/benchmarks.md, "The cost model
+  // row-wise against table-wise (docs/lab-notes/2026-11-benchmarks.md, "The cost model
   // against the service").
   // Lookups skip a shard none of whose rows are asked for (RunLookup); an
   // update reaches every shard of the table, an empty one too, so that

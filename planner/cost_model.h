@@ -151,8 +151,9 @@ struct ShardCost {
   }
 };
 
-// fp32 optimizer state bytes per row of `cols` columns: SGD 0, Adagrad
-// 4*cols, row-wise Adagrad 4, Adam 8*cols (two moments).
+// fp32 optimizer state bytes per row of `cols` columns, by the backends'
+// own formula (math::StateFloatsPerRow): SGD 0, Adagrad 4*cols, row-wise
+// Adagrad 4, Adam 8*cols (two moments).
 int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
                                   int64_t cols);
 
@@ -183,7 +184,7 @@ ShardCost EstimateShard(const CostModel& model, const TableWorkload& workload,
 // less sum(fraction * (fwd + bwd)_cache_saving_ms). All zeros when the
 // model has no caches. Non-additive by design: shards on one worker
 // compete for one cache, which a per-shard term cannot express (measured:
-// docs/benchmarks.md, "A cache term per worker").
+// docs/lab-notes/2026-11-benchmarks.md, "A cache term per worker").
 std::vector<double> CachedFractions(const CostModel& model,
                                     const std::vector<const ShardCost*>& shards);
 

@@ -55,8 +55,8 @@ ColumnHashes HashesOf(const InitializerConfig& init, int64_t col) {
 
 // Calls with(value), value(row, h) being the initial value of element
 // (row, the column whose hashes are h) under `init`, one function a type:
-// InitialValues chooses it once a block, not once an element (which took
-// it 1.1-1.6x the time). `bound` is DefaultBound's for the table.
+// InitialValues chooses it once a block, not once an element, so the
+// per-element loop has no switch. `bound` is DefaultBound's for the table.
 template <typename F>
 void WithValueFunction(const InitializerConfig& init, double bound, F&& with) {
   switch (init.type) {
@@ -86,18 +86,26 @@ void WithValueFunction(const InitializerConfig& init, double bound, F&& with) {
 
 }  // namespace
 
-int64_t OptimizerStateWidth(OptimizerType type, int64_t dim) {
+namespace {
+
+math::StepOptimizer StepOptimizerOf(OptimizerType type) {
   switch (type) {
-    case OptimizerType::kSgd:
-      return 0;
     case OptimizerType::kAdagrad:
-      return dim;
+      return math::kStepAdagrad;
     case OptimizerType::kRowwiseAdagrad:
-      return 1;
+      return math::kStepRowwiseAdagrad;
     case OptimizerType::kAdam:
-      return 2 * dim;
+      return math::kStepAdam;
+    case OptimizerType::kSgd:
+      break;
   }
-  return 0;
+  return math::kStepSgd;
+}
+
+}  // namespace
+
+int64_t OptimizerStateWidth(OptimizerType type, int64_t dim) {
+  return math::StateFloatsPerRow(StepOptimizerOf(type), dim);
 }
 
 int64_t OutputSize(const FeatureRequest& f, int64_t dim) {
@@ -179,7 +187,7 @@ absl::Status ValidateRowRange(const ShardSpec& spec, int64_t b, int64_t e, size_
 int64_t ShardBytes(const ShardSpec& spec) {
   int64_t elem = 4;
   if (spec.weight_type == WeightType::kFp16 || spec.weight_type == WeightType::kBf16) elem = 2;
-  const int64_t per_row = spec.dim * elem + OptimizerStateWidth(spec.optimizer.type, spec.dim) * 4;
+  const int64_t per_row = math::RowBytes(elem, StepOptimizerOf(spec.optimizer.type), spec.dim);
   if (spec.rows <= 0 || per_row <= 0) return 0;
   if (spec.rows > std::numeric_limits<int64_t>::max() / per_row) {
     return std::numeric_limits<int64_t>::max();
@@ -379,19 +387,7 @@ math::StepDecay ResolvedDecay(const OptimizerConfig& o) {
 
 math::StepParams MakeStepParams(const OptimizerConfig& o, int64_t step) {
   math::StepParams p{};
-  switch (o.type) {
-    case OptimizerType::kAdagrad:
-      p.optimizer = math::kStepAdagrad;
-      break;
-    case OptimizerType::kRowwiseAdagrad:
-      p.optimizer = math::kStepRowwiseAdagrad;
-      break;
-    case OptimizerType::kAdam:
-      p.optimizer = math::kStepAdam;
-      break;
-    default:
-      p.optimizer = math::kStepSgd;
-  }
+  p.optimizer = StepOptimizerOf(o.type);
   p.decay = ResolvedDecay(o);
   p.lr = o.learning_rate;
   p.eps = o.eps;

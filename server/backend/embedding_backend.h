@@ -117,8 +117,8 @@ struct ShardSpec {
 
 using ShardId = int32_t;
 
-// fp32 optimizer state elements per row: SGD 0, Adagrad dim, row-wise
-// Adagrad 1, Adam 2 * dim (m then v).
+// fp32 optimizer state elements per row (math::StateFloatsPerRow, the one
+// formula): SGD 0, Adagrad dim, row-wise Adagrad 1, Adam 2 * dim (m then v).
 int64_t OptimizerStateWidth(OptimizerType type, int64_t dim);
 
 // One feature's ids for one shard. Pointers are borrowed for the call.
