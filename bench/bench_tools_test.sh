@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Smoke tests of the benchmark tools (they assert no figures): kernel_bench
-# reports the prefetch its backend resolved, answers --serve requests and
-# refuses unknown ones; bench/kernel_ab.py pairs two sides and names a side
+# reports the prefetch its backend resolved, its ceiling reads every line of
+# every row it should, it answers --serve requests and refuses unknown ones
+# and impossible flags; bench/kernel_ab.py pairs two sides and names a side
 # that cannot start. Tiny tables, a few seconds.
 set -uo pipefail
 
@@ -44,6 +45,58 @@ check_prefetch "two_stage, 32-byte rows" 64 16 False -- --prefetch_style=two_sta
 check_prefetch "outer, past 6 MiB" 64 0 False -- --prefetch_style=outer --rows=196609
 # Eight 1 MiB shards read in each call: 8 MiB in all, no longer into L1.
 check_prefetch "outer, 8 x 1 MiB" 24 0 False -- --prefetch_style=outer --rows=32768 --tables=8
+
+# --ceiling: the bare gather reads one word of every line of every id's row
+# in every call (3 warm-ups and --iters timed, for each of the three
+# prefetch distances of each round), in the order the calls cycle the sets; its checksum against that sum worked here, over the
+# table's fill (word i holds i * 0x9E3779B97F4A7C15 mod 2^64, row_ceiling.cc).
+ceiling=(--rows=1000 --dim=32 --batch=16 --pooling_factor=4 --iters=2 --id_sets=3
+         --ceiling --ceiling_rounds=2 --format=json --dump_ids="$TMP/ids.bin")
+if ! "$KB" "${ceiling[@]}" >"$TMP/ceiling.json" 2>"$TMP/ceiling.err"; then
+  fail "--ceiling: kernel_bench failed: $(cat "$TMP/ceiling.err")"
+else
+  python3 - "$TMP/ceiling.json" "$TMP/ids.bin" <<'PY' || fail "--ceiling: $(cat "$TMP/ceiling.json")"
+import json, struct, sys
+d = json.load(open(sys.argv[1]))
+raw = open(sys.argv[2], "rb").read()
+ids = struct.unpack("<%dq" % (len(raw) // 8), raw)
+per_set = 16 * 4
+sets = [ids[k * per_set:(k + 1) * per_set] for k in range(3)]
+row_bytes = 32 * 4
+want = 0
+for _ in range(2 * 3):                  # rounds x prefetch distances
+    for first, count in ((0, 3), (3, 2)):   # warm-ups, then --iters
+        for call in range(first, first + count):
+            for r in sets[call % 3]:
+                for line in range(0, row_bytes, 64):
+                    want += ((r * row_bytes + line) // 8) * 0x9E3779B97F4A7C15
+want %= 1 << 64
+assert d["ceiling_checksum"] == want, (d["ceiling_checksum"], want)
+assert d["ceiling_lookups_per_s"] > 0 and d["of_ceiling"] > 0, d
+PY
+fi
+# --id_sets=0: a batch for every call, 3 warm-ups and --iters per caller.
+if "$KB" "${tiny[@]}" --iters=2 --callers=2 --id_sets=0 --format=json >"$TMP/fresh.json" 2>"$TMP/fresh.err"; then
+  [ "$(json_field "$TMP/fresh.json" id_sets)" = 10 ] ||
+    fail "--id_sets=0: want 10 sets, got $(json_field "$TMP/fresh.json" id_sets)"
+else
+  fail "--id_sets=0: kernel_bench failed: $(cat "$TMP/fresh.err")"
+fi
+# What --ceiling and --id_sets=0 cannot do is refused, with the reason.
+refused() {  # refused WHAT MESSAGE -- FLAGS...
+  local what="$1" message="$2"
+  shift 3
+  if "$KB" "${tiny[@]}" "$@" >/dev/null 2>"$TMP/refused.err"; then
+    fail "$what: accepted"
+  elif ! grep -qF -- "$message" "$TMP/refused.err"; then
+    fail "$what: refused without '$message': $(cat "$TMP/refused.err")"
+  fi
+}
+refused "--ceiling over two tables" "--ceiling times one table" -- --ceiling --tables=2
+refused "--ceiling with --serve" "--ceiling is for the CPU backend, without --serve" -- --ceiling --serve
+refused "--ceiling_rounds=0" "--ceiling_rounds must be >= 1" -- --ceiling --ceiling_rounds=0
+refused "--id_sets=0 with --serve" "--serve repeats its calls" -- --id_sets=0 --serve
+refused "--id_sets=-1" "--id_sets >= 0" -- --id_sets=-1
 
 # --serve: one JSON line per "measure", then "quit".
 printf 'measure\nmeasure\nquit\n' | "$KB" "${tiny[@]}" --serve >"$TMP/serve.out" 2>"$TMP/serve.err"

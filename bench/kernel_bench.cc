@@ -4,7 +4,7 @@
 //   bazel run -c opt //bench:kernel_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --batch=2048
 //       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
 //       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
-//       [--iters=20] [--callers=1] [--id_sets=1] [--format=table|json] [--serve]
+//       [--iters=20] [--callers=1] [--id_sets=1] [--ceiling] [--format=table|json] [--serve]
 //
 // --tables=T holds T tables of --rows x --dim, one feature each, every call
 // one fused call over all of them (the 8-table collection of service_bench
@@ -14,7 +14,17 @@
 // one (the default) every call gathers the same rows, which stay in the
 // caches when they fit (2048 x 20 ids of 256 bytes: 10 MB): a hot-batch
 // figure. Enough sets that their rows pass the last-level cache time a
-// table larger than the caches, as training's fresh batches see it.
+// table larger than the caches, as training's fresh batches see it;
+// --id_sets=0 gives every timed call a batch of its own (none repeats). A
+// table only a few times the last-level cache still serves part of any
+// batch from it: its --rows decide that, not the sets.
+//
+// --ceiling (CPU backend) also times bench/row_ceiling.h's bare gather on
+// the same pattern (a table of the same rows, the same ids and threads, the
+// backend's two-stage prefetch for these shards at its distances and at 2x
+// and 4x them, the fastest counting), in turn with the forward
+// (--ceiling_rounds), and prints the forward as a fraction of it: how close
+// the kernel runs to what the memory gives.
 //
 // lookups_per_s: ids gathered per second; gbps: embedding bytes read per
 // second (ids x dim x element size); bwd_lookups_per_s: ids per second through
@@ -33,6 +43,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/row_ceiling.h"
 #include "gflags/gflags.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
@@ -66,6 +77,14 @@ DEFINE_int32(tables, 1, "Tables (one feature each) in every fused call.");
 DEFINE_int32(id_sets, 1,
              "Batches of ids, each drawn afresh; the calls cycle through them (1: every call "
              "gathers the same rows).");
+DEFINE_bool(ceiling, false,
+            "CPU backend: also time the bare gather of the same rows, ids, threads and prefetch "
+            "(bench/row_ceiling.h) and print the forward as a fraction of it.");
+DEFINE_int32(ceiling_rounds, 5,
+             "With --ceiling: rounds of the forward and the ceiling timed in turn (medians).");
+DEFINE_bool(ceiling_huge_pages, true,
+            "The ceiling's table on transparent huge pages, as the CPU backend's shards (false: "
+            "4 KiB pages).");
 DEFINE_string(format, "table", "table or json (one line).");
 DEFINE_bool(serve, false,
             "Measure on request (for bench/torch_compare.py, which alternates these timings with "
@@ -82,10 +101,29 @@ namespace eb = ember::backend;
 
 int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  if (FLAGS_callers < 1 || FLAGS_iters < 1 || FLAGS_id_sets < 1 || FLAGS_tables < 1) {
-    std::fprintf(stderr, "kernel_bench: --callers, --iters, --tables and --id_sets must be >= 1\n");
+  if (FLAGS_callers < 1 || FLAGS_iters < 1 || FLAGS_id_sets < 0 || FLAGS_tables < 1) {
+    std::fprintf(stderr,
+                 "kernel_bench: --callers, --iters and --tables must be >= 1, --id_sets >= 0\n");
     return 1;
   }
+  if (FLAGS_id_sets == 0 && FLAGS_serve) {
+    std::fprintf(stderr, "kernel_bench: --serve repeats its calls: give --id_sets >= 1\n");
+    return 1;
+  }
+  if (FLAGS_ceiling && (FLAGS_backend != "cpu" || FLAGS_serve)) {
+    std::fprintf(stderr, "kernel_bench: --ceiling is for the CPU backend, without --serve\n");
+    return 1;
+  }
+  if (FLAGS_ceiling && FLAGS_ceiling_rounds < 1) {
+    std::fprintf(stderr, "kernel_bench: --ceiling_rounds must be >= 1\n");
+    return 1;
+  }
+  if (FLAGS_ceiling && FLAGS_tables != 1) {
+    std::fprintf(stderr, "kernel_bench: --ceiling times one table: give --tables=1\n");
+    return 1;
+  }
+  // 0: a batch for every call (3 warm-ups and the timed ones, per caller).
+  if (FLAGS_id_sets == 0) FLAGS_id_sets = (3 + FLAGS_iters) * FLAGS_callers;
   // A misspelt choice would otherwise time the default silently.
   const struct {
     const char* flag;
@@ -262,7 +300,64 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  const double fwd_s = time_forward();
+  const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
+  // The lookups' prefetch, as the CPU backend chooses it for these shards,
+  // all read in each call (CreateCpuBackend has accepted the style by now).
+  eb::PrefetchAhead prefetch;
+  if (FLAGS_backend == "cpu") {
+    const int64_t row_bytes = int64_t{FLAGS_dim} * elem;
+    prefetch = eb::ShardLookupPrefetch(FLAGS_prefetch_distance,
+                                       *eb::ParsePrefetchStyle(FLAGS_prefetch_style), row_bytes,
+                                       FLAGS_rows, tables * row_bytes * FLAGS_rows);
+  }
+  // The forward, and with --ceiling the bare gather of the same pattern
+  // (bench/row_ceiling.h), timed in turn --ceiling_rounds times: the
+  // medians, and the median of the rounds' ratios (the machine drifts).
+  double fwd_s = 0, ceiling_s = 0, of_ceiling = 0, of_ceiling_min = 0, of_ceiling_max = 0;
+  int64_t huge_page_bytes = -1;
+  uint64_t ceiling_checksum = 0;
+  int ceiling_scale = 0;
+  if (FLAGS_ceiling) {
+    ember::bench::RowCeiling ceiling(FLAGS_rows, int64_t{FLAGS_dim} * elem,
+                                     FLAGS_ceiling_huge_pages);
+    std::vector<absl::Span<const int64_t>> id_sets;
+    for (int k = 0; k < FLAGS_id_sets; ++k) id_sets.push_back(sets[k][0].ids);
+    std::vector<double> fwd, ceil, ratio;
+    // The bare gather runs ahead of its prefetches at the kernel's
+    // distances (it spends less per id, so the same ids ahead are less time
+    // ahead): each round takes its fastest of the kernel's distances times
+    // 1, 2 and 4, and the distances that won most often are reported.
+    std::vector<int> wins(3, 0);
+    for (int round = 0; round < FLAGS_ceiling_rounds; ++round) {
+      fwd.push_back(time_forward());
+      double best = 0;
+      int best_scale = 0;
+      for (int scale = 0; scale < 3; ++scale) {
+        const int times = 1 << scale;
+        const double t = ceiling.SecondsPerCall(
+            id_sets, FLAGS_pooling_factor, FLAGS_threads,
+            {prefetch.outer * times, prefetch.outer_into_l1, prefetch.l1 * times}, FLAGS_iters);
+        if (scale == 0 || t < best) best = t, best_scale = scale;
+      }
+      ++wins[best_scale];
+      ceil.push_back(best);
+      ratio.push_back(ceil.back() / fwd.back());
+    }
+    ceiling_scale = 1 << (std::max_element(wins.begin(), wins.end()) - wins.begin());
+    ceiling_checksum = ceiling.checksum();
+    huge_page_bytes = ember::bench::ProcessHugePageBytes();
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+    };
+    fwd_s = median(fwd);
+    ceiling_s = median(ceil);
+    of_ceiling = median(ratio);
+    of_ceiling_min = *std::min_element(ratio.begin(), ratio.end());
+    of_ceiling_max = *std::max_element(ratio.begin(), ratio.end());
+  } else {
+    fwd_s = time_forward();
+  }
   const double bwd_s = time_backward();
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
@@ -281,16 +376,6 @@ int main(int argc, char** argv) {
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), fwd_bytes); });
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
-  const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
-  // The lookups' prefetch, as the CPU backend chooses it for these shards,
-  // all read in each call (CreateCpuBackend has accepted the style by now).
-  eb::PrefetchAhead prefetch;
-  if (FLAGS_backend == "cpu") {
-    const int64_t row_bytes = int64_t{FLAGS_dim} * elem;
-    prefetch = eb::ShardLookupPrefetch(FLAGS_prefetch_distance,
-                                       *eb::ParsePrefetchStyle(FLAGS_prefetch_style), row_bytes,
-                                       FLAGS_rows, tables * row_bytes * FLAGS_rows);
-  }
   const double lookups = all_ids / fwd_s;
   const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;
   const double bwd = all_ids / bwd_s;
@@ -302,13 +387,16 @@ int main(int argc, char** argv) {
         "\"optimizer\": \"%s\", \"lookups_per_s\": %.4g, \"gbps\": %.4g, \"fwd_ms\": %.4f, "
         "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f, \"validate_fwd_ms\": %.4f, "
         "\"validate_bwd_ms\": %.4f, \"memcpy_fwd_ms\": %.4f, \"memcpy_bwd_ms\": %.4f, "
-        "\"prefetch_outer\": %d, \"prefetch_l1\": %d, \"prefetch_outer_into_l1\": %s}\n",
+        "\"prefetch_outer\": %d, \"prefetch_l1\": %d, \"prefetch_outer_into_l1\": %s, "
+        "\"ceiling_lookups_per_s\": %.4g, \"of_ceiling\": %.4g, \"ceiling_prefetch_scale\": %d, "
+        "\"ceiling_checksum\": %llu}\n",
         (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
         FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables, FLAGS_id_sets,
         FLAGS_distribution.c_str(), FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
         memcpy_bwd_s * 1e3, prefetch.outer, prefetch.l1,
-        prefetch.outer_into_l1 ? "true" : "false");
+        prefetch.outer_into_l1 ? "true" : "false", ceiling_s > 0 ? all_ids / ceiling_s : 0.0,
+        of_ceiling, ceiling_scale, static_cast<unsigned long long>(ceiling_checksum));
   } else {
     std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d tables=%d id_sets=%d %s %s %s %s\n",
                 (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
@@ -322,6 +410,18 @@ int main(int argc, char** argv) {
                   prefetch.outer, prefetch.outer_into_l1 ? "into L1" : "to L2", prefetch.l1);
     }
     std::printf("\n");
+    if (ceiling_s > 0) {
+      std::printf("  ceiling:  %.3f ms/batch, %.3g rows/s, %.2f GB/s (bare gather of the same rows, "
+                  "ids and threads, prefetching %dx as far; %s pages): the forward runs at %.2f "
+                  "of it [%.2f-%.2f over %d rounds in turn]\n",
+                  ceiling_s * 1e3, all_ids / ceiling_s,
+                  all_ids * FLAGS_dim * elem / ceiling_s / 1e9, ceiling_scale,
+                  FLAGS_ceiling_huge_pages ? "huge" : "4 KiB", of_ceiling, of_ceiling_min,
+                  of_ceiling_max, FLAGS_ceiling_rounds);
+      std::printf("  huge pages: %.0f MiB of the two tables' %.0f MiB (the backend's and the "
+                  "ceiling's)\n",
+                  huge_page_bytes / 1048576.0, 2.0 * FLAGS_rows * FLAGS_dim * elem / 1048576.0);
+    }
     std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s%s)\n", bwd_s * 1e3, bwd,
                 FLAGS_optimizer.c_str(),
                 FLAGS_dtype == "fp32"              ? ""
