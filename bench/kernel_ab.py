@@ -11,7 +11,7 @@ and its flags, so one tool compares two builds on one configuration
 
 On a VM whose memory speed moves within seconds, separate runs minutes
 apart cannot resolve differences of 10-30%; timings seconds apart, in
-turn, can (docs/benchmarks.md).
+turn, can (docs/lab-notes/2026-11-benchmarks.md).
 
   bench/kernel_ab.py --a="bazel-bin/bench/kernel_bench --dtype=fp32" \\
       --b="bazel-bin/bench/kernel_bench --dtype=fp16" -- --dim=32 --id_sets=16

@@ -32,8 +32,8 @@ class KernelBenchServer:
         The pause is for PyTorch's OpenMP threads, which spin for a while
         after each parallel region (libgomp: GOMP_SPINCOUNT, tens of ms with
         PAUSE's latency on these cores); timed right after the peer, Ember's
-        threads would share the cores with that spin (2-thread dim-32
-        lookups read 0.74-0.93x PyTorch that way, 1.4-1.8x at one thread).
+        threads would share the cores with that spin and read slower than
+        they are (docs/lab-notes/2026-11-benchmarks.md).
         """
         time.sleep(pause)
         try:

@@ -21,7 +21,7 @@ BCE loss, torch SGD), trained three ways in one process run:
 
 Prints steps/s for each and the ratios to TorchRec (> 1: Ember faster), or
 one JSON line with --format=json. On one machine the workers, the trainer and
-TorchRec share the cores: see docs/benchmarks.md for what limits the ratio.
+TorchRec share the cores: see docs/lab-notes/2026-11-benchmarks.md for what limits the ratio.
 
     .venv/bin/python bench/train_bench.py [--steps 20] [--workers 2] [--format json]
 """

@@ -243,7 +243,7 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   // The model file keeps the whole fixed time per shard: charged per call
   // (what the split measures), it leaves row-wise splits nearly free of
   // fixed costs, and the model under-prices row-wise on the service by
-  // more than that (docs/benchmarks.md, "a cost per call"), so the planner
+  // more than that (docs/lab-notes/2026-11-benchmarks.md, "a cost per call"), so the planner
   // chose row-wise splits that measured slower. The split is measured and
   // printed; per_call_overhead_ms takes it where a model is written by hand.
   cal.model = planner::Calibrated(planner::DefaultCostModel(cal.device), cal.device, cal.fit,

@@ -37,10 +37,11 @@ struct CalibrateOptions {
   int64_t rows = 1000000;  // rows of each worker's tables (dims 16 and 128, fp32, SGD)
   int reps = 9;            // timed calls per configuration (the median counts)
   // Write the caches the probe measures into the model (cache_bytes,
-  // cache_bw_gbps). Off by default: on the 2-core test VM, with the
-  // client and both workers on one host, the probe's figures made the
-  // model under-predict training steps 1.4-2.3x (docs/benchmarks.md, "A
-  // cache term per worker"); they are measured and printed either way.
+  // cache_bw_gbps). Off by default: with the client and the workers
+  // sharing a host, the probe's caches are not what a training step gets,
+  // and the model under-predicted steps with them (docs/lab-notes/
+  // 2026-11-benchmarks.md, "A cache term per worker"). They are measured
+  // and printed either way.
   bool write_caches = false;
 };
 

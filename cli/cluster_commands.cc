@@ -153,7 +153,7 @@ DEFINE_int64(calibrate_rows, 1000000, "calibrate: rows of each scratch table (16
 DEFINE_int32(calibrate_reps, 9, "calibrate: timed calls per shape (the median counts).");
 DEFINE_bool(calibrate_caches, false,
             "calibrate: write the workers' caches the probe measures into the model "
-            "(cache_bytes, cache_bw_gbps); off by default, docs/benchmarks.md says why.");
+            "(cache_bytes, cache_bw_gbps); off by default, docs/lab-notes/2026-11-benchmarks.md says why.");
 DEFINE_string(collection, "", "Collection name.");
 DEFINE_string(table, "", "Table name (export).");
 DEFINE_string(input, "", "KJT JSON file: {keys, lengths, values, weights?}.");

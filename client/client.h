@@ -92,7 +92,7 @@ struct ClientOptions {
   // takes allocations under 32 MiB from the heap (glibc mallopt, as the
   // servers' --keep_freed_heap_mib): the megabytes of request and response
   // buffers each call makes are then not faulted in and zeroed afresh every
-  // call (the gRPC path measured 7-15% more lookups/s). Process-wide: set
+  // call (measured: docs/lab-notes/2026-11-benchmarks.md). Process-wide: set
   // at Connect, the last client connected wins. 0 leaves the allocator as
   // it was.
   int keep_freed_heap_mib = 256;

@@ -128,7 +128,7 @@ absl::Status InProcessCollection::PoolInto(const std::vector<Feature>& features,
   // A request per (feature, column block), each writing its columns of the
   // destination rows. Pooling into buffers of its own and copying them over
   // measured 0.88-0.90 of the kernels' rate where this measured 0.93-0.95
-  // (service_bench's kernel line, docs/benchmarks.md).
+  // (service_bench's kernel line, docs/lab-notes/2026-11-benchmarks.md).
   std::vector<backend::LookupRequest> requests;
   for (size_t i = 0; i < features.size(); ++i) {
     const Feature& f = features[i];

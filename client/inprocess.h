@@ -76,7 +76,7 @@ class InProcessCollection {
 
   InProcessCollection() = default;
   // The KJT's features, their ids not yet checked: the backend checks them
-  // once, in the call (a second pass here cost 1.5% of a lookup).
+  // once, in the call, so the ids are read once.
   absl::StatusOr<std::vector<Feature>> Features(const KeyedJaggedTensor& kjt, bool sequence) const;
   // A failed backend call's status; for ids out of range, the Client's
   // message (feature, table, position) instead of the backend's.

@@ -197,7 +197,7 @@ class Search {
   // caches each cost is a pass over the worker's shards, so each search
   // stops after kCacheVisits shard visits (deterministic: counted, not
   // timed; a plan runs up to seven searches, with the seeds): 0.4-0.6 s
-  // for 1,000 tables (docs/benchmarks.md).
+  // for 1,000 tables (docs/lab-notes/2026-11-benchmarks.md).
   static constexpr int64_t kCacheVisits = 20'000'000;
   void LocalSearch(Solution* s, const CostModel& model, int max_moves) {
     struct Item {

@@ -15,9 +15,9 @@ namespace planner {
 
 // Limits on what one collection spec or topology may ask for, checked before
 // anything is allocated: a plan's memory grows with tables x world size and
-// its time faster than linearly with tables (measured: 16,384 tables on 16
-// workers plan in 1.5 s and 210 MB on the 2-core VM; 65,536 took 28 s and
-// 790 MB). docs/security.md lists them.
+// its time faster than linearly with tables, so the limits keep one request
+// from holding the coordinator for long (the sizes behind them:
+// docs/lab-notes/2026-11-benchmarks.md). docs/security.md lists them.
 inline constexpr int kMaxWorldSize = 4096;                   // workers (ranks)
 inline constexpr int kMaxTables = 1 << 14;                   // per collection
 inline constexpr int kMaxFeaturesPerTable = 1 << 12;

@@ -130,7 +130,7 @@ inline std::shared_ptr<grpc::Channel> MakeChannel(
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   // Bulk payloads of megabytes in HTTP/2 frames of up to 1 MiB (16 KiB by
   // default) and a stream window that starts at 8 MiB rather than growing
-  // from 64 KiB: service_bench over gRPC +3-8% (docs/benchmarks.md).
+  // from 64 KiB: service_bench over gRPC +3-8% (docs/lab-notes/2026-11-benchmarks.md).
   // Workers advertise the same (worker_server.cc).
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, kMaxFrameBytes);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kStreamWindowBytes);

@@ -27,7 +27,7 @@ int64_t HostMemoryBytes();
 // reuse instead of being handed back to the kernel at once. A worker builds
 // and frees megabytes per call (request copies, response buffers); with
 // glibc's defaults those were faulted in and zeroed afresh each call
-// (docs/benchmarks.md: the gRPC path 16-22% faster with this). Shards of
+// (measured: docs/lab-notes/2026-11-benchmarks.md). Shards of
 // 32 MiB or more are still mapped apart and go back to the system on
 // drop; smaller ones go back to the heap. keep_bytes 0 leaves the
 // defaults. False where the allocator refused.

@@ -6,7 +6,7 @@
 // thread running on its CPU, so a worker woken by a trainer's first call
 // takes the CPU from that trainer before it has sent its calls to the other
 // workers: on a host with no idle core, their calls then reached them up
-// to milliseconds later (docs/benchmarks.md). SCHED_BATCH threads never
+// to milliseconds later (docs/lab-notes/2026-11-benchmarks.md). SCHED_BATCH threads never
 // preempt on waking; otherwise they get their fair share of the CPU, as
 // before.
 //

@@ -1,7 +1,7 @@
 // A value kept per thread between calls, so that its buffers (megabytes of
 // ids, outputs or gradients) are reused instead of allocated afresh each
 // call: fresh memory of that size is faulted in and zeroed by the kernel
-// page by page (measured: docs/benchmarks.md, the worker's request copies
+// page by page (measured: docs/lab-notes/2026-11-benchmarks.md, the worker's request copies
 // and the in-process collection's parts).
 //
 // ThreadReused<T, Traits> leases this thread's T for one scope. On release

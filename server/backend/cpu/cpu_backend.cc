@@ -213,7 +213,7 @@ class CpuBackend : public EmbeddingBackend {
     // Chunks of up to 256 items, at least two per thread: a chunk restarts
     // the prefetch pipeline (its first ids wait for memory) and its last
     // ids prefetch rows another thread will gather. 256 against 64
-    // measured +16-22% on narrow rows at 2 threads (docs/benchmarks.md).
+    // measured +16-22% on narrow rows at 2 threads (docs/lab-notes/2026-11-benchmarks.md).
     const int64_t grain = std::clamp<int64_t>(total / (2 * options_.num_threads), 64, 256);
     std::atomic<bool> bad_id{false};
     pool_.ParallelFor(total, grain, [&](int64_t b, int64_t e) {
@@ -575,7 +575,7 @@ class CpuBackend : public EmbeddingBackend {
       run.skip_end = skip_end;
       // Chunks of 128 rows: with 16 the threads took turns at every 16
       // neighbouring rows and the 2-thread backward ran below 1 thread's
-      // (docs/benchmarks.md).
+      // (docs/lab-notes/2026-11-benchmarks.md).
       pool_.ParallelFor(run.num_unique, 128,
                         [&](int64_t b, int64_t e) { update_rows_(run, b, e); });
       return want_max_run ? MaxRun(part) : 0;
@@ -738,7 +738,7 @@ class CpuBackend : public EmbeddingBackend {
     const bool noise = a.noise;
     // The row's merged gradient, in this thread's scratch (reused, in L1):
     // a buffer of every row's, written once and read once, had doubled the
-    // update's memory traffic (docs/benchmarks.md).
+    // update's memory traffic (docs/lab-notes/2026-11-benchmarks.md).
     thread_local std::vector<float> merged;
     if (static_cast<int64_t>(merged.size()) < dim) merged.resize(dim);
     float* __restrict g = merged.data();
@@ -947,7 +947,7 @@ class CpuBackend : public EmbeddingBackend {
       case math::kStepRowwiseAdagrad: {
         // The squares go into 8 running sums in double: one sum was a chain
         // of dependent adds, 4 cycles an element, most of an update's time
-        // (docs/benchmarks.md). The order of the sum is not FBGEMM's either
+        // (docs/lab-notes/2026-11-benchmarks.md). The order of the sum is not FBGEMM's either
         // (a warp's tree); the result differs in double's last bits at most.
         // Every part[] index a constant (the tail's too: a part[c % 8] kept
         // them all on the stack, a load and a store around every add).

@@ -46,12 +46,12 @@ struct CpuBackendOptions {
 
 // How lookups prefetch the rows they gather.
 enum class PrefetchStyle {
-  // Every line of a row to the outer caches (L2), nothing into L1. On the
-  // Intel Xeon (Emerald Rapids) VM of docs/benchmarks.md this gathered
-  // 4-27% faster than kTwoStage in every single-table case measured.
+  // Every line of a row to the outer caches (L2), nothing into L1: chosen
+  // on Intel's cores, which gathered faster without the L1 stage
+  // (docs/lab-notes/2026-11-benchmarks.md).
   kOuterOnly,
   // kOuterOnly and, half as far ahead (at most 16 ids), the row's first
-  // line into L1. Tuned on the AMD EPYC (Zen 4) VM of docs/benchmarks.md.
+  // line into L1. Tuned on the AMD EPYC (Zen 4) VM of docs/lab-notes/2026-11-benchmarks.md.
   kTwoStage,
   // Every line of a row into L1 (FBGEMM's CPU kernels' way, 16 ids ahead).
   // kOuterOnly chooses it for small shards of narrow rows.
@@ -70,13 +70,13 @@ absl::StatusOr<PrefetchStyle> ParsePrefetchStyle(const std::string& name);
 // go to land in time: every line 64 ids ahead for rows of up to 128 bytes,
 // 32 up to 256, 24 beyond; the first line half as far, at most 16, into
 // L1. Both: 24 ahead for a shard of at most 4 MiB, which may stay in the
-// caches (alone on the Xeon it gathered fastest with no prefetch at all,
-// but 64 such shards in one call ran 1.4-2.1x faster with 24 than with
-// none: docs/benchmarks.md). kOuterOnly, before that: rows of at most 512
+// caches (alone, such a shard gathers fastest with no prefetch at all, but
+// many of them read in one call do not stay there:
+// docs/lab-notes/2026-11-benchmarks.md). kOuterOnly, before that: rows of at most 512
 // bytes, in a call whose shards total at most kIntoL1CallBytes
 // (`call_bytes`, this shard's included), have every line 16 ids ahead
-// into L1 (on the Xeon 1.14-1.15x on shards of 2.5 and 5 MiB read alone,
-// but 0.84x on 64 shards of 2.5 MiB read in one call). kIntoL1: every
+// into L1 (faster where the call's rows fit the caches, slower where they
+// do not). kIntoL1: every
 // line 16 ahead into L1.
 constexpr int64_t kIntoL1CallBytes = int64_t{6} << 20;
 PrefetchAhead LookupPrefetchFor(PrefetchStyle style, int64_t row_bytes, int64_t rows,

@@ -218,9 +218,9 @@ struct OpsCommon {
 };
 
 // Two registers' worth (32 columns, one cache line) of a 16-bit row from
-// one 64-byte load, widened from registers: faster than two 32-byte
-// memory-operand conversions on the AMD EPYC VM (fp16 rows of 64 columns;
-// docs/benchmarks.md).
+// one 64-byte load, widened from registers, rather than two 32-byte
+// memory-operand conversions (chosen by measurement on AMD's cores:
+// docs/lab-notes/2026-11-benchmarks.md).
 namespace paired {
 struct Ops : OpsCommon {
   static constexpr bool kPairLoads = true;
@@ -228,9 +228,8 @@ struct Ops : OpsCommon {
 #include "server/backend/cpu/cpu_kernels_impl.h"
 }  // namespace paired
 
-// Each 32-byte half converted straight from memory: on the Intel Xeon VM
-// 1.03-1.10x the paired loads on cached fp16 rows and zipf ids in the
-// backend (docs/benchmarks.md), fewer micro-ops a row.
+// Each 32-byte half converted straight from memory: fewer micro-ops a row,
+// chosen by measurement on Intel's cores (docs/lab-notes/2026-11-benchmarks.md).
 namespace from_memory {
 struct Ops : OpsCommon {
   static constexpr bool kPairLoads = false;

@@ -45,9 +45,9 @@ inline const char* PrefetchAddress(const uint8_t* table, int64_t row_bytes, uint
 }
 
 // A line towards the outer caches (PREFETCHT2), or into L1 (PREFETCHT0).
-// Asm statements the compiler keeps in order: with _mm_prefetch GCC issued
-// an unrolled row's lines out of order (the last two first), 0.95x on
-// 512-byte rows.
+// Asm statements the compiler keeps, in order: with _mm_prefetch GCC issued
+// an unrolled row's lines out of order (the last two first), and may drop
+// them altogether.
 inline void PrefetchOuter(const char* p) { asm volatile("prefetcht2 %0" : : "m"(*p)); }
 inline void PrefetchL1(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
 
@@ -87,7 +87,7 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
   bool bad = false;
   // The j loops are unrolled so that acc[] lives in registers: GCC's -O2
   // keeps it on the stack otherwise, a load and a store around every FMA
-  // (unrolled: +3% on 512-byte rows, +14% on 1 KiB ones; docs/benchmarks.md).
+  // (docs/lab-notes/2026-11-benchmarks.md).
   typename Ops::Reg acc[NR];
   constexpr int64_t kBlockBytes = NR * Ops::kLanes * (T == 0 ? 4 : 2);
   const int64_t stride = kWholeRow ? kBlockBytes : row_bytes;
@@ -117,7 +117,7 @@ inline bool PoolColumns(float* out, const uint8_t* table, int64_t row_bytes, uin
   // prefetches the row's first line into L1 (a stage Intel's cores do
   // better without), and every line of a row further ahead towards the
   // outer caches, or into L1 for calls that stay in the caches
-  // (docs/benchmarks.md).
+  // (docs/lab-notes/2026-11-benchmarks.md).
   int64_t k = 0;
   auto with_prefetch = [&](int64_t with, auto into_l1) {
     for (; k < with; ++k) {
@@ -184,7 +184,7 @@ inline bool PoolBlock(float* out, const uint8_t* table, int64_t row_bytes, uint6
 
 // out[0, dim) = out_scale * sum_k w_k * row(ids[k]); blocks of 16 registers
 // (where the ISA has 32: 256 columns in one pass over the bag, +8-10% on
-// fp32 rows of 1 KiB, docs/benchmarks.md), 8, 4, 2, 1, then a
+// fp32 rows of 1 KiB, docs/lab-notes/2026-11-benchmarks.md), 8, 4, 2, 1, then a
 // memory-accumulated tail of < kLanes columns.
 template <int T>
 bool Pool(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows, const int64_t* ids,
