@@ -1,0 +1,311 @@
+// WorkerService's rows in and out: ExportRows and ImportRows (drain, the
+// coordinator's copies, tools), WriteCheckpoint and LoadCheckpoint (shard
+// files, re-cut on restore). The data plane is worker_service.cc; shard
+// bookkeeping is worker_shards.cc.
+#include <algorithm>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "glog/logging.h"
+#include "server/checkpoint/checkpoint_files.h"
+#include "server/checkpoint/recut.h"
+#include "server/common/grpc_util.h"
+#include "server/common/wire.h"
+#include "server/worker/shard_names.h"
+#include "server/worker/worker_service.h"
+
+namespace ember {
+namespace worker {
+
+grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1::ExportRowsRequest* req,
+                                       ember::v1::ExportRowsResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  absl::ReaderMutexLock lock(&mu_);
+  auto c = HeldCollection(req->collection());
+  if (!c.ok()) return ToGrpc(c.status());
+  auto shard = FindShard(**c, req->shard());
+  if (!shard.ok()) return ToGrpc(shard.status());
+  const auto& a = (*shard)->assignment;
+  const int64_t b = req->row_begin(), e = req->row_end();
+  if (b < 0 || e > a.rows() || b > e) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("row range [", b, ", ", e, ") is outside [0, ", a.rows(), ")")));
+  }
+  auto spec = backend_->GetShardSpec((*shard)->id);
+  if (!spec.ok()) return ToGrpc(spec.status());
+  const int64_t width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
+  const int64_t bytes = (e - b) * (spec->dim + width) * 4;
+  if (bytes > options_.max_response_bytes) {
+    return ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
+        "exporting ", e - b, " rows takes ", bytes, " bytes, over the limit of ",
+        options_.max_response_bytes, "; export fewer rows per call")));
+  }
+  auto weights = wire::Resize<float>(resp->mutable_weights(), (e - b) * spec->dim);
+  auto state = wire::Resize<float>(resp->mutable_state(), (e - b) * width);
+  if (absl::Status s = backend_->ExportRows((*shard)->id, b, e, weights, state); !s.ok()) {
+    return ToGrpc(s);
+  }
+  auto step = backend_->ExportStep((*shard)->id);
+  if (!step.ok()) return ToGrpc(step.status());
+  resp->set_cols(spec->dim);
+  resp->set_state_width(width);
+  resp->set_step(*step);
+  if (req->with_applied_ids()) {
+    absl::MutexLock apply((*c)->apply_mu.get());
+    for (const auto& [id, when] : (*shard)->applied->Entries()) {
+      resp->add_applied_ids(id);
+      resp->add_applied_unix_ms(absl::ToUnixMillis(when));
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1::ImportRowsRequest* req,
+                                       ember::v1::ImportRowsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  if (req->epoch() <= 0) {
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
+  }
+  absl::ReaderMutexLock lock(&mu_);
+  auto c = FindCollection(req->collection(), req->epoch());
+  if (!c.ok()) return ToGrpc(c.status());
+  auto shard = FindShard(**c, req->shard());
+  if (!shard.ok()) return ToGrpc(shard.status());
+  std::vector<float> weights, state;
+  if (absl::Status s = wire::Decode(req->weights(), "weights", &weights); !s.ok()) {
+    return ToGrpc(s);
+  }
+  if (absl::Status s = wire::Decode(req->state(), "state", &state); !s.ok()) return ToGrpc(s);
+  if (req->applied_ids_size() != req->applied_unix_ms_size()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat(req->applied_ids_size(), " applied ids with ", req->applied_unix_ms_size(),
+                     " times")));
+  }
+  absl::MutexLock apply((*c)->apply_mu.get());
+  if (absl::Status s =
+          backend_->ImportRows((*shard)->id, req->row_begin(), req->row_end(), weights, state);
+      !s.ok()) {
+    return ToGrpc(s);
+  }
+  if (req->applied_ids_size() > 0) {
+    std::vector<std::pair<uint64_t, absl::Time>> entries;
+    for (int i = 0; i < req->applied_ids_size(); ++i) {
+      entries.emplace_back(req->applied_ids(i), absl::FromUnixMillis(req->applied_unix_ms(i)));
+    }
+    std::sort(entries.begin(), entries.end(),
+              [](const auto& a, const auto& b) { return a.second < b.second; });
+    dedup_forgotten_early_.fetch_add(
+        (*shard)->applied->Merge(entries, absl::Now(), options_.dedup_ttl, options_.dedup_window),
+        std::memory_order_relaxed);
+  }
+  if (req->step() >= 0) {
+    if (absl::Status s = backend_->ImportStep((*shard)->id, req->step()); !s.ok()) {
+      return ToGrpc(s);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
+                                            const ember::v1::WriteCheckpointRequest* req,
+                                            ember::v1::WriteCheckpointResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
+  auto dir = checkpoint::ConfinedPath(options_.checkpoint_root, req->dir());
+  if (!dir.ok()) return ToGrpc(dir.status());
+  struct Copy {
+    ember::v1::ShardAssignment assignment;
+    checkpoint::ShardData data;
+  };
+  std::vector<Copy> copies(req->shards_size());
+  absl::Duration pause;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req->collection(), req->epoch());
+    if (!c.ok()) return ToGrpc(c.status());
+    std::vector<const ShardEntry*> entries;
+    for (const auto& ref : req->shards()) {
+      auto shard = FindShard(**c, ref);
+      if (!shard.ok()) return ToGrpc(shard.status());
+      entries.push_back(*shard);
+    }
+    // The buffers are allocated (and their pages touched) before the fence,
+    // so that the fence lasts only for the copies themselves.
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const ShardEntry& e = *entries[i];
+      auto spec = backend_->GetShardSpec(e.id);
+      if (!spec.ok()) return ToGrpc(spec.status());
+      checkpoint::ShardData& d = copies[i].data;
+      copies[i].assignment = e.assignment;
+      d.rows = spec->rows;
+      d.cols = spec->dim;
+      d.state_width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
+      d.weights.resize(d.rows * d.cols);
+      d.state.resize(d.rows * d.state_width);
+    }
+    // The fence: no update runs on this collection while its shards are
+    // copied; lookups go on.
+    const absl::Time fence = absl::Now();
+    absl::MutexLock apply((*c)->apply_mu.get());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const ShardEntry& e = *entries[i];
+      checkpoint::ShardData& d = copies[i].data;
+      if (absl::Status s = backend_->ExportRows(e.id, 0, d.rows, absl::MakeSpan(d.weights),
+                                                absl::MakeSpan(d.state));
+          !s.ok()) {
+        return ToGrpc(s);
+      }
+      auto step = backend_->ExportStep(e.id);
+      if (!step.ok()) return ToGrpc(step.status());
+      d.step = *step;
+      for (const auto& [id, when] : e.applied->Entries()) {
+        d.applied_ids.push_back(id);
+        d.applied_unix_ms.push_back(absl::ToUnixMillis(when));
+      }
+    }
+    pause = absl::Now() - fence;
+  }
+  // Updates flow again while the files are written.
+  const absl::Time write_start = absl::Now();
+  for (Copy& copy : copies) {
+    auto entry = checkpoint::WriteShardFile(*dir, copy.assignment.ref(), copy.data);
+    if (!entry.ok()) return ToGrpc(entry.status());
+    entry->set_row_offset(copy.assignment.row_offset());
+    entry->set_col_offset(copy.assignment.col_offset());
+    *resp->add_shards() = *std::move(entry);
+    copy.data = checkpoint::ShardData();  // free the copy as soon as it is on disk
+  }
+  resp->set_pause_ms(absl::ToDoubleMilliseconds(pause));
+  resp->set_write_ms(absl::ToDoubleMilliseconds(absl::Now() - write_start));
+  VLOG(1) << "checkpoint of '" << req->collection() << "': " << copies.size() << " shard(s), pause "
+          << resp->pause_ms() << " ms, write " << resp->write_ms() << " ms";
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
+                                           const ember::v1::LoadCheckpointRequest* req,
+                                           ember::v1::LoadCheckpointResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  if (req->dir().empty()) return ToGrpc(absl::InvalidArgumentError("no checkpoint directory"));
+  auto dir = checkpoint::ConfinedPath(options_.checkpoint_root, req->dir());
+  if (!dir.ok()) return ToGrpc(dir.status());
+  // Three phases, so that no lock is held while files are read: note the
+  // shards to fill; read and re-cut the files; fill the shards, if they are
+  // still the same ones. (Nobody updates them meanwhile: the coordinator
+  // publishes the collection's plan only once every load is done.)
+  struct Target {
+    std::pair<std::string, int32_t> key;
+    backend::ShardId id;
+    backend::ShardSpec spec;
+    checkpoint::RecutTarget recut;
+    // The exactly-once record of a source with exactly this shard's rows
+    // and columns (a recovery); a re-cut shard starts with none.
+    std::vector<std::pair<uint64_t, absl::Time>> applied;
+  };
+  std::vector<Target> targets;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req->collection(), req->epoch());
+    if (!c.ok()) return ToGrpc(c.status());
+    std::set<std::pair<std::string, int32_t>> only;
+    for (const auto& ref : req->only()) {
+      if (!(*c)->shards.count({ref.table(), ref.shard_index()})) {
+        return ToGrpc(absl::FailedPreconditionError(absl::StrCat("no ", RefString(ref),
+                                                                 " on this worker to load")));
+      }
+      only.insert({ref.table(), ref.shard_index()});
+    }
+    for (const auto& [key, entry] : (*c)->shards) {
+      if (!only.empty() && !only.count(key)) continue;
+      auto spec = backend_->GetShardSpec(entry.id);
+      if (!spec.ok()) return ToGrpc(spec.status());
+      const auto& a = entry.assignment;
+      targets.push_back({key, entry.id, *spec,
+                         checkpoint::RecutTarget(spec->optimizer.type, a.row_offset(),
+                                                 a.col_offset(), a.rows(), a.cols()),
+                         {}});
+    }
+  }
+  int64_t bytes_read = 0;
+  for (const auto& source : req->sources()) {
+    std::vector<Target*> hit;
+    for (Target& t : targets) {
+      if (t.key.first == source.ref().table() && checkpoint::Overlaps(source, t.recut)) {
+        hit.push_back(&t);
+      }
+    }
+    if (hit.empty()) continue;
+    auto data = checkpoint::ReadShardFile(*dir, source);
+    if (!data.ok()) return ToGrpc(data.status());
+    bytes_read += source.bytes();
+    for (Target* t : hit) {
+      if (absl::Status s = checkpoint::CopyOverlap(source, *data, &t->recut); !s.ok()) {
+        return ToGrpc(s);
+      }
+      if (source.row_offset() == t->recut.row_offset && source.rows() == t->recut.rows &&
+          source.col_offset() == t->recut.col_offset && source.cols() == t->recut.cols) {
+        for (size_t i = 0; i < data->applied_ids.size(); ++i) {
+          t->applied.emplace_back(data->applied_ids[i],
+                                  absl::FromUnixMillis(data->applied_unix_ms[i]));
+        }
+      }
+    }
+  }
+  // Every shard is checked before the first is written: a load that fails
+  // changes nothing.
+  for (Target& t : targets) {
+    const std::string what = absl::StrCat("table '", t.key.first, "' shard ", t.key.second);
+    if (absl::Status s = checkpoint::FinishTarget(t.key.first, &t.recut); !s.ok()) return ToGrpc(s);
+    if (absl::Status s =
+            backend::ValidateImport(t.spec, 0, t.recut.rows, t.recut.weights, t.recut.state);
+        !s.ok()) {
+      return ToGrpc(absl::DataLossError(absl::StrCat(what, ": ", s.message())));
+    }
+    std::sort(t.applied.begin(), t.applied.end(),
+              [](const auto& a, const auto& b) { return a.second < b.second; });
+  }
+  absl::ReaderMutexLock lock(&mu_);
+  auto c = FindCollection(req->collection(), req->epoch());
+  if (!c.ok()) return ToGrpc(c.status());
+  absl::MutexLock apply((*c)->apply_mu.get());
+  std::vector<const ShardEntry*> entries;
+  for (const Target& t : targets) {
+    auto it = (*c)->shards.find(t.key);
+    if (it == (*c)->shards.end() || it->second.id != t.id) {
+      return ToGrpc(absl::FailedPreconditionError(
+          absl::StrCat("table '", t.key.first, "' shard ", t.key.second,
+                       " changed on this worker while its checkpoint was read")));
+    }
+    entries.push_back(&it->second);
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    Target& t = targets[i];
+    if (absl::Status s = backend_->ImportRows(t.id, 0, t.recut.rows, t.recut.weights,
+                                              t.recut.state);
+        !s.ok()) {
+      return ToGrpc(absl::Status(
+          s.code(), absl::StrCat("table '", t.key.first, "' shard ", t.key.second, ": ",
+                                 s.message())));
+    }
+    if (absl::Status s = backend_->ImportStep(t.id, t.recut.step); !s.ok()) return ToGrpc(s);
+    // A whole-collection load rolls the record back with the rows.
+    if (req->only().empty()) *entries[i]->applied = AppliedIds();
+    dedup_forgotten_early_.fetch_add(
+        entries[i]->applied->Merge(t.applied, absl::Now(), options_.dedup_ttl,
+                                   options_.dedup_window),
+        std::memory_order_relaxed);
+  }
+  resp->set_bytes_read(bytes_read);
+  LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << ": "
+            << targets.size() << " shard(s) loaded from " << req->dir() << " (" << bytes_read
+            << " bytes read)";
+  return grpc::Status::OK;
+}
+
+}  // namespace worker
+}  // namespace ember

@@ -1,0 +1,354 @@
+// WorkerService's shard bookkeeping: the collections and shards it holds,
+// CreateShards / UpdateShards / DropShards (epochs, memory, retries), and
+// the ShardStatus report. The data plane is worker_service.cc; rows in and
+// out (export, import, checkpoints) are worker_rows.cc.
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "server/backend/table_spec.h"
+#include "server/common/grpc_util.h"
+#include "server/worker/shard_names.h"
+#include "server/worker/worker_service.h"
+
+namespace ember {
+namespace worker {
+
+using ember::v1::ShardRef;
+
+// True when a CreateShards retried at the held epoch asks for exactly the
+// shards held.
+bool WorkerService::SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req) {
+  if (c.shards.size() != static_cast<size_t>(req.shards_size())) return false;
+  for (const auto& a : req.shards()) {
+    auto it = c.shards.find({a.ref().table(), a.ref().shard_index()});
+    if (it == c.shards.end() ||
+        !google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<WorkerService::Collection*> WorkerService::HeldCollection(
+    const std::string& name) const {
+  auto it = collections_.find(name);
+  if (it == collections_.end()) {
+    return absl::NotFoundError(absl::StrCat("no collection '", name, "' on this worker"));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<WorkerService::Collection*> WorkerService::FindCollection(const std::string& name,
+                                                                         int64_t epoch) const {
+  auto c = HeldCollection(name);
+  if (!c.ok()) return c;
+  if (epoch != (*c)->epoch) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("stale epoch ", epoch, " for collection '", name, "': the plan is at epoch ",
+                     (*c)->epoch, "; refresh the plan"));
+  }
+  return c;
+}
+
+absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::FindShard(
+    const Collection& c, const ShardRef& ref) const {
+  auto it = c.shards.find({ref.table(), ref.shard_index()});
+  if (it == c.shards.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no ", RefString(ref), " on this worker; refresh the plan"));
+  }
+  return &it->second;
+}
+
+grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
+                                         const ember::v1::CreateShardsRequest* req,
+                                         ember::v1::CreateShardsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->shards()); !s.ok()) {
+    return ToGrpc(s);
+  }
+  const std::string& name = req->collection();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(name);
+    if (it != collections_.end()) {
+      if (it->second->epoch == req->epoch() && SameAssignments(*it->second, *req)) {
+        return grpc::Status::OK;  // a retried create
+      }
+      return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
+          "collection '", name, "' is already held at epoch ", it->second->epoch,
+          it->second->epoch == req->epoch() ? " with other shards" : "", "; drop it first")));
+    }
+    if (!creating_.insert(name).second) {
+      return ToGrpc(absl::AbortedError(
+          absl::StrCat("collection '", name, "' is being created by another call")));
+    }
+  }
+  // Allocated and initialised unpublished, outside mu_: lookups and updates
+  // of the other collections go on meanwhile.
+  auto c = std::make_unique<Collection>();
+  c->epoch = req->epoch();
+  absl::Status s = AllocateShards(name, req->shards(), c.get());
+  absl::MutexLock lock(&mu_);
+  creating_.erase(name);
+  if (!s.ok()) return ToGrpc(s);
+  c->generation = next_generation_++;
+  LOG(INFO) << "collection '" << name << "' epoch " << req->epoch() << ": " << c->shards.size()
+            << " shard(s) created";
+  collections_[name] = std::move(c);
+  return grpc::Status::OK;
+}
+
+absl::Status WorkerService::CheckAssignments(
+    const std::string& collection, int64_t epoch,
+    const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards) {
+  if (collection.empty()) return absl::InvalidArgumentError("collection name is empty");
+  if (epoch <= 0) return absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", epoch));
+  for (const auto& a : shards) {
+    if (a.ref().table() != a.table().name()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          RefString(a.ref()), " carries the config of table '", a.table().name(), "'"));
+    }
+    if (a.col_offset() < 0 || a.cols() <= 0 ||
+        a.col_offset() + a.cols() > a.table().embedding_dim()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(RefString(a.ref()), ": columns [", a.col_offset(), ", ",
+                       a.col_offset() + a.cols(), ") are outside the table's ",
+                       a.table().embedding_dim()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::AllocateShards(
+    const std::string& collection,
+    const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards, Collection* c) {
+  // Refused before anything is allocated when the shards cannot all fit.
+  int64_t need = 0;
+  for (const auto& a : shards) {
+    const int64_t bytes = backend::ShardBytes(
+        ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
+    need = bytes > std::numeric_limits<int64_t>::max() - need ? std::numeric_limits<int64_t>::max()
+                                                              : need + bytes;
+  }
+  if (const int64_t available = backend_->AvailableBytes(); need > available) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("collection '", collection, "': ", shards.size(), " shard(s) need ", need,
+                     " bytes; this worker has ", available, " free for shards"));
+  }
+  std::vector<std::pair<std::string, int32_t>> made;
+  absl::Status failed;
+  for (const auto& a : shards) {
+    const backend::ShardSpec spec =
+        ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
+    auto key = std::make_pair(a.ref().table(), a.ref().shard_index());
+    if (c->shards.count(key)) {
+      failed = absl::InvalidArgumentError(absl::StrCat("duplicate ", RefString(a.ref())));
+      break;
+    }
+    auto id = backend_->CreateShard(spec);
+    if (!id.ok()) {
+      failed = absl::Status(id.status().code(),
+                            absl::StrCat(RefString(a.ref()), ": ", id.status().message()));
+      break;
+    }
+    c->shards[key] = ShardEntry{*id, a};
+    made.push_back(key);
+  }
+  if (!failed.ok()) {  // all or nothing
+    for (const auto& key : made) {
+      (void)backend_->DropShard(c->shards[key].id);
+      c->shards.erase(key);
+    }
+  }
+  return failed;
+}
+
+void WorkerService::DropAll(const std::string& collection, const Collection& c) {
+  for (const auto& [key, entry] : c.shards) {
+    if (absl::Status s = backend_->DropShard(entry.id); !s.ok()) {
+      LOG(ERROR) << "dropping " << RefString(entry.assignment.ref()) << " of '" << collection
+                 << "': " << s;
+    }
+  }
+}
+
+WorkerService::CollectionMap::iterator WorkerService::EraseCollection(
+    CollectionMap::iterator it) {
+  {
+    absl::MutexLock apply(it->second->apply_mu.get());  // let an update in flight finish
+    DropAll(it->first, *it->second);
+  }
+  return collections_.erase(it);
+}
+
+grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
+                                         const ember::v1::UpdateShardsRequest* req,
+                                         ember::v1::UpdateShardsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->create()); !s.ok()) {
+    return ToGrpc(s);
+  }
+  const std::string& name = req->collection();
+  // Which shards are new: held ones with the same assignment stay (a
+  // retry), another assignment for a held shard is refused.
+  google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment> create;
+  int64_t generation = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto c = HeldCollection(name);
+    if (!c.ok()) return ToGrpc(c.status());
+    generation = (*c)->generation;
+    if (req->epoch() < (*c)->epoch) {
+      return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+          "collection '", name, "' is held at epoch ", (*c)->epoch, ", newer than ", req->epoch())));
+    }
+    for (const auto& a : req->create()) {
+      auto it = (*c)->shards.find({a.ref().table(), a.ref().shard_index()});
+      if (it == (*c)->shards.end()) {
+        *create.Add() = a;
+      } else if (!google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
+        return ToGrpc(absl::AlreadyExistsError(
+            absl::StrCat(RefString(a.ref()), " is held with another assignment")));
+      }
+    }
+    if (!updating_.insert(name).second) {
+      return ToGrpc(absl::AbortedError(
+          absl::StrCat("collection '", name, "' is being updated by another call")));
+    }
+  }
+  // The new shards, allocated and initialised outside mu_ (all or nothing),
+  // then published with the new epoch.
+  Collection added;
+  absl::Status s = AllocateShards(name, create, &added);
+  absl::MutexLock lock(&mu_);
+  updating_.erase(name);
+  if (!s.ok()) return ToGrpc(s);
+  auto c = HeldCollection(name);
+  if (c.ok() && (*c)->generation != generation) {
+    c = absl::FailedPreconditionError(
+        absl::StrCat("collection '", name, "' was dropped and created again meanwhile"));
+  } else if (c.ok() && req->epoch() < (*c)->epoch) {
+    c = absl::FailedPreconditionError(absl::StrCat(
+        "collection '", name, "' is held at epoch ", (*c)->epoch, ", newer than ", req->epoch()));
+  }
+  if (!c.ok()) {  // dropped or moved on meanwhile
+    DropAll(name, added);
+    return ToGrpc(c.status());
+  }
+  Collection& coll = **c;
+  absl::MutexLock apply(coll.apply_mu.get());
+  for (auto& [key, entry] : added.shards) coll.shards.emplace(key, std::move(entry));
+  LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
+            << create.size() << " shard(s) added";
+  coll.epoch = req->epoch();
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
+                                       ember::v1::DropShardsResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  if (req->epoch() <= 0) {
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
+  }
+  absl::MutexLock lock(&mu_);
+  auto c = HeldCollection(req->collection());
+  if (!c.ok()) return ToGrpc(c.status());
+  // A drop names the newest epoch its sender knows: a copy held at that
+  // epoch or an older one goes; a newer one (a later create) stays.
+  if ((*c)->epoch > req->epoch()) {
+    return ToGrpc(absl::FailedPreconditionError(
+        absl::StrCat("collection '", req->collection(), "' is held at epoch ", (*c)->epoch,
+                     ", newer than ", req->epoch())));
+  }
+  EraseCollection(collections_.find(req->collection()));
+  LOG(INFO) << "collection '" << req->collection() << "' epoch " << req->epoch() << " dropped";
+  return grpc::Status::OK;
+}
+
+WorkerService::Stats WorkerService::GetStats() const {
+  Stats s;
+  s.lookups = lookups_.load(std::memory_order_relaxed);
+  s.lookup_ids = lookup_ids_.load(std::memory_order_relaxed);
+  s.lookup_bytes = lookup_bytes_.load(std::memory_order_relaxed);
+  s.updates = updates_.load(std::memory_order_relaxed);
+  s.update_ids = update_ids_.load(std::memory_order_relaxed);
+  s.duplicates = duplicates_.load(std::memory_order_relaxed);
+  s.nonfinite_refused = nonfinite_refused_.load(std::memory_order_relaxed);
+  s.nonfinite_skipped_ids = nonfinite_skipped_ids_.load(std::memory_order_relaxed);
+  s.dedup_forgotten_early = dedup_forgotten_early_.load(std::memory_order_relaxed);
+  s.overflow_skipped_rows = backend_->OverflowSkippedRows();
+  s.overflow_refused = overflow_refused_.load(std::memory_order_relaxed);
+  s.available_bytes = backend_->AvailableBytes();
+  s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
+  s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
+  s.link_channels = channels_.link_channels();
+  s.shm_channels = channels_.open_channels() - s.link_channels;
+  s.link_lookups = link_lookups_.load(std::memory_order_relaxed);
+  s.link_channels_opened = channels_.link_channels_opened();
+  s.link_busy_kept = link_busy_kept_.load(std::memory_order_relaxed);
+  s.placed_lookups = placed_lookups_.load(std::memory_order_relaxed);
+  s.id_buffer_lookups = id_buffer_lookups_.load(std::memory_order_relaxed);
+  s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
+  s.backend_update_ns = backend_update_ns_.load(std::memory_order_relaxed);
+  absl::ReaderMutexLock lock(&mu_);
+  s.collections = static_cast<int64_t>(collections_.size());
+  for (const auto& [name, c] : collections_) {
+    s.shards += static_cast<int64_t>(c->shards.size());
+    absl::MutexLock apply(c->apply_mu.get());  // the records change under it
+    for (const auto& [key, entry] : c->shards) {
+      s.request_ids += static_cast<int64_t>(entry.applied->size());
+    }
+  }
+  return s;
+}
+
+grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v1::ShardStatusRequest*,
+                                        ember::v1::ShardStatusResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  absl::ReaderMutexLock lock(&mu_);
+  resp->set_backend(backend_->Name());
+  resp->set_nonfinite_refused(nonfinite_refused_.load(std::memory_order_relaxed));
+  resp->set_nonfinite_skipped_ids(nonfinite_skipped_ids_.load(std::memory_order_relaxed));
+  resp->set_overflow_refused(overflow_refused_.load(std::memory_order_relaxed));
+  resp->set_overflow_skipped_rows(backend_->OverflowSkippedRows());
+  resp->set_available_bytes(backend_->AvailableBytes());
+  resp->set_dedup_forgotten_early(dedup_forgotten_early_.load(std::memory_order_relaxed));
+  resp->set_lookups(lookups_.load(std::memory_order_relaxed));
+  resp->set_lookup_ids(lookup_ids_.load(std::memory_order_relaxed));
+  resp->set_updates(updates_.load(std::memory_order_relaxed));
+  resp->set_busy_refused(busy_refused_.load(std::memory_order_relaxed));
+  const int links = channels_.link_channels();
+  resp->set_shm_channels(channels_.open_channels() - links);
+  resp->set_link_channels(links);
+  resp->set_link_lookups(link_lookups_.load(std::memory_order_relaxed));
+  resp->set_link_channels_opened(channels_.link_channels_opened());
+  resp->set_link_busy_kept(link_busy_kept_.load(std::memory_order_relaxed));
+  resp->set_placed_lookups(placed_lookups_.load(std::memory_order_relaxed));
+  resp->set_id_buffer_lookups(id_buffer_lookups_.load(std::memory_order_relaxed));
+  resp->set_backend_lookup_ns(backend_lookup_ns_.load(std::memory_order_relaxed));
+  resp->set_lookup_handler_ns(lookup_handler_ns_.load(std::memory_order_relaxed));
+  for (const auto& [name, c] : collections_) {
+    for (const auto& [key, entry] : c->shards) {
+      auto* info = resp->add_shards();
+      info->set_collection(name);
+      info->set_epoch(c->epoch);
+      *info->mutable_shard() = entry.assignment.ref();
+      info->set_row_offset(entry.assignment.row_offset());
+      info->set_col_offset(entry.assignment.col_offset());
+      info->set_rows(entry.assignment.rows());
+      info->set_cols(entry.assignment.cols());
+      auto step = backend_->ExportStep(entry.id);
+      info->set_step(step.ok() ? *step : -1);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace worker
+}  // namespace ember
