@@ -47,7 +47,8 @@ worker="$common server/worker/worker_service.cc server/worker/worker_shards.cc s
 planner="planner/cost_model.cc planner/planner.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"
 coordinator="$common $planner server/coordinator/coordinator_service.cc
-  server/coordinator/state_store.cc server/backend/table_spec.cc"
+  server/coordinator/state_store.cc server/coordinator/assignments.cc
+  server/coordinator/replacement_policy.cc server/backend/table_spec.cc"
 formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc client/shared_buffer.cc"
 
 compile() {  # source -> object path

@@ -17,6 +17,8 @@
 #include "server/backend/table_spec.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/common/grpc_util.h"
+#include "server/coordinator/assignments.h"
+#include "server/coordinator/replacement_policy.h"
 #include "server/coordinator/state_store.h"
 
 namespace ember {
@@ -26,79 +28,6 @@ using ember::v1::CollectionInfo;
 using ember::v1::ShardAssignment;
 
 namespace {
-
-// Ranks that hold something of the collection in `plan`.
-std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan) {
-  std::set<int> ranks;
-  for (const auto& ts : plan.tables()) {
-    if (ts.shards_size() == 0) ranks.insert(ts.ranks().begin(), ts.ranks().end());
-    for (const auto& sh : ts.shards()) {
-      if (sh.rows() > 0) ranks.insert(sh.rank());
-    }
-  }
-  return ranks;
-}
-
-// Every shard assignment of `rank` under `plan` (as PlanAndCreate makes them).
-ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, int index, int64_t row_offset,
-                               int64_t col_offset, int64_t rows, int64_t cols) {
-  ShardAssignment a;
-  a.mutable_ref()->set_table(table.name());
-  a.mutable_ref()->set_shard_index(index);
-  *a.mutable_table() = table;
-  a.set_row_offset(row_offset);
-  a.set_col_offset(col_offset);
-  a.set_rows(rows);
-  a.set_cols(cols);
-  return a;
-}
-
-std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank) {
-  std::vector<ShardAssignment> out;
-  for (int t = 0; t < info.plan().tables_size(); ++t) {
-    const auto& ts = info.plan().tables(t);
-    const auto& table = info.spec().tables(t);
-    if (ts.shards_size() == 0) {  // data_parallel: a replica per rank
-      for (int r : ts.ranks()) {
-        if (r == rank) {
-          out.push_back(MakeAssignment(table, r, 0, 0, table.num_embeddings(),
-                                       table.embedding_dim()));
-        }
-      }
-    }
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      const auto& sh = ts.shards(i);
-      // An empty trailing row-wise shard holds nothing.
-      if (sh.rows() > 0 && sh.rank() == rank) {
-        out.push_back(MakeAssignment(table, i, sh.row_offset(), sh.col_offset(), sh.rows(),
-                                     sh.cols()));
-      }
-    }
-  }
-  return out;
-}
-
-// The rank holding shard `ref` (a data-parallel replica: its rank).
-int RankOf(const CollectionInfo& info, const ember::v1::ShardRef& ref) {
-  for (const auto& ts : info.plan().tables()) {
-    if (ts.table() != ref.table()) continue;
-    if (ts.shards_size() == 0) return ref.shard_index();
-    if (ref.shard_index() >= 0 && ref.shard_index() < ts.shards_size()) {
-      return ts.shards(ref.shard_index()).rank();
-    }
-  }
-  return -1;
-}
-
-// The assignment of shard `ref` (a data-parallel replica: shard_index is
-// its rank); nullopt if the plan has no such shard.
-std::optional<ShardAssignment> AssignmentOf(const CollectionInfo& info,
-                                            const ember::v1::ShardRef& ref) {
-  for (const ShardAssignment& a : AssignmentsOf(info, RankOf(info, ref))) {
-    if (a.ref().table() == ref.table() && a.ref().shard_index() == ref.shard_index()) return a;
-  }
-  return std::nullopt;
-}
 
 // A collection's name names directories under checkpoint roots: letters,
 // digits, '_', '-' and '.', not starting with '.', at most 128 characters.
@@ -115,12 +44,6 @@ absl::Status CheckCollectionName(const std::string& name) {
         "' must be 1-128 letters, digits, '_', '-' or '.', not starting with '.'"));
   }
   return absl::OkStatus();
-}
-
-
-int64_t AssignmentBytes(const ShardAssignment& a) {
-  return backend::ShardBytes(
-      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
 }
 
 }  // namespace
@@ -1315,9 +1238,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   }
   if (lost.empty()) return absl::OkStatus();
   const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
-  std::string lost_names;
-  for (int r : lost) absl::StrAppend(&lost_names, lost_names.empty() ? "" : ", ", "rank ", r, " (",
-                                     info.worker_addresses(r), ")");
+  const std::string lost_names = DescribeRanks(info, lost);
   LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
   SetState(name, CollectionInfo::RECOVERING,
            (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
@@ -1349,77 +1270,22 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     }
   }
 
-  // Live workers that hold nothing of this collection replace dead ranks;
-  // without one, a dead rank's shards go to the live ranks with the least.
-  std::vector<std::string> spare;
-  std::set<std::string> in_use(ids.begin(), ids.end());
-  for (const auto& [id, w] : live) {
-    if (!in_use.count(id)) spare.push_back(id);
+  // Where the lost ranks' shards go (replacement_policy.h).
+  std::vector<ReplacementCandidate> candidates;
+  for (const auto& [id, w] : live) candidates.push_back({id, w.seq, w.info.address()});
+  absl::StatusOr<Replacement> placed = PlaceLostShards(info, ids, lost, candidates);
+  if (!placed.ok()) {
+    SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::DEGRADED,
+             drain ? "" : std::string(placed.status().message()));
+    return placed.status();
   }
-  std::sort(spare.begin(), spare.end(),
-            [&](const std::string& a, const std::string& b) { return live[a].seq < live[b].seq; });
-  std::map<int, int64_t> load;  // bytes per rank that can take shards (not draining)
-  for (int r = 0; r < world; ++r) {
-    if (lost.count(r) || !live.count(ids[r])) continue;
-    for (const auto& a : AssignmentsOf(info, r)) load[r] += AssignmentBytes(a);
-  }
+  info = std::move(placed->info);
+  ids = std::move(placed->ids);
   ember::v1::ShardingPlan& plan = *info.mutable_plan();
-  std::map<int, std::set<std::pair<std::string, int32_t>>> reload;  // rank -> shards to load
-  std::set<int> replaced;
-  std::map<std::pair<std::string, int32_t>, int> dp_source;  // new replica -> old rank
-  for (int r : lost) {
-    if (!spare.empty()) {
-      ids[r] = spare.front();
-      info.set_worker_addresses(r, live[spare.front()].info.address());
-      spare.erase(spare.begin());
-      load[r] = 0;
-      replaced.insert(r);
-      continue;
-    }
-    for (int t = 0; t < plan.tables_size(); ++t) {
-      auto* ts = plan.mutable_tables(t);
-      for (int i = 0; i < ts->shards_size(); ++i) {
-        auto* sh = ts->mutable_shards(i);
-        if (sh->rank() != r || sh->rows() == 0 || load.empty()) continue;
-        const int to = std::min_element(load.begin(), load.end(), [](const auto& a, const auto& b) {
-                         return a.second < b.second;
-                       })->first;
-        sh->set_rank(to);
-        load[to] += AssignmentBytes(MakeAssignment(info.spec().tables(t), i, sh->row_offset(),
-                                                   sh->col_offset(), sh->rows(), sh->cols()));
-        reload[to].insert({ts->table(), i});
-      }
-    }
-  }
-  // Data-parallel tables drop dead replicas; one with none left gets one.
-  for (int t = 0; t < plan.tables_size(); ++t) {
-    auto* ts = plan.mutable_tables(t);
-    if (ts->shards_size() > 0) continue;
-    std::vector<int> kept;
-    for (int r : ts->ranks()) {
-      if (!lost.count(r)) kept.push_back(r);
-    }
-    if (kept.empty() && !load.empty()) {
-      const int to = std::min_element(load.begin(), load.end(), [](const auto& a, const auto& b) {
-                       return a.second < b.second;
-                     })->first;
-      kept.push_back(to);
-      reload[to].insert({ts->table(), to});
-      dp_source[{ts->table(), to}] = ts->ranks(0);  // the replica it copies (drain)
-    }
-    ts->clear_ranks();
-    for (int r : kept) ts->add_ranks(r);
-  }
-  for (int r : replaced) {  // a replacement loads all it holds
-    for (const auto& a : AssignmentsOf(info, r)) {
-      reload[r].insert({a.ref().table(), a.ref().shard_index()});
-    }
-  }
-  if (load.empty()) {
-    const std::string why = "no live worker to take the shards of " + lost_names + "; start one";
-    SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::DEGRADED, drain ? "" : why);
-    return absl::UnavailableError(why);
-  }
+  const std::set<int>& replaced = placed->replaced;
+  const std::map<int, int64_t>& load = placed->load;
+  std::map<int, std::set<std::pair<std::string, int32_t>>>& reload = placed->reload;
+  const std::map<std::pair<std::string, int32_t>, int>& dp_source = placed->replica_source;
   // Every rank holding something under the new plan moves to its epoch
   // (replacements are created there); a drained rank holds nothing now.
   std::set<int> kept = RanksWithShards(info.plan());

@@ -1,0 +1,50 @@
+// A collection's plan as shard assignments: what each rank holds
+// (ShardAssignment: the shard's ref, its table's config, its row and column
+// ranges), which ranks hold anything, where one shard lives, and what a
+// shard weighs in memory. A data-parallel table has a full replica on each
+// of its plan's ranks, named by its rank (ShardRef.shard_index); an empty
+// trailing row-wise shard (rows == 0) holds nothing.
+//
+// Thread-safe: pure functions.
+#ifndef EMBER_SERVER_COORDINATOR_ASSIGNMENTS_H_
+#define EMBER_SERVER_COORDINATOR_ASSIGNMENTS_H_
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "proto/service.pb.h"
+
+namespace ember {
+namespace coordinator {
+
+// Ranks that hold something of the collection in `plan`.
+std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan);
+
+// One assignment: shard `index` of `table` (a replica: its rank).
+ember::v1::ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, int index,
+                                          int64_t row_offset, int64_t col_offset, int64_t rows,
+                                          int64_t cols);
+
+// Every assignment of `rank` under info's plan, in plan order, as
+// PlanAndCreate makes them.
+std::vector<ember::v1::ShardAssignment> AssignmentsOf(const ember::v1::CollectionInfo& info,
+                                                      int rank);
+
+// The rank holding shard `ref` (a data-parallel replica: its rank); -1 if
+// the plan has no such table or shard.
+int RankOf(const ember::v1::CollectionInfo& info, const ember::v1::ShardRef& ref);
+
+// The assignment of shard `ref`; nullopt if the plan has no such shard.
+std::optional<ember::v1::ShardAssignment> AssignmentOf(const ember::v1::CollectionInfo& info,
+                                                       const ember::v1::ShardRef& ref);
+
+// The bytes a worker holds for `a`: weights and optimizer state
+// (backend::ShardBytes of its shard spec).
+int64_t AssignmentBytes(const ember::v1::ShardAssignment& a);
+
+}  // namespace coordinator
+}  // namespace ember
+
+#endif  // EMBER_SERVER_COORDINATOR_ASSIGNMENTS_H_
