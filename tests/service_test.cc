@@ -593,9 +593,10 @@ void BusyWorkersAreWaitedOut(const std::string& link) {
   };
   // Rounds of 6 threads x 20 lookups until the workers have refused some
   // (nearly always the first round), and over links until they have
-  // refused at least 8 link channels' calls (a few rounds; at most 30).
+  // refused at least 8 link channels' calls (a few rounds; at most 90: on
+  // a loaded 2-core machine 30 rounds have ended at 7).
   Totals t;
-  for (int round = 0; round < 30 && (t.refused == 0 || (!link.empty() && t.kept < 8)); ++round) {
+  for (int round = 0; round < 90 && (t.refused == 0 || (!link.empty() && t.kept < 8)); ++round) {
     std::vector<std::thread> threads;
     std::atomic<int> failures{0};
     for (int th = 0; th < 6; ++th) {
