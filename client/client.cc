@@ -13,6 +13,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/shared_buffer.h"
 #include "client/transport.h"
+#include "planner/plan_view.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
@@ -64,19 +65,18 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionIn
     Client::Routing::Table table;
     table.config = &spec.tables(t);
     const auto& ts = plan.tables(t);
-    if (ts.shards_size() == 0) {
-      for (int rank : ts.ranks()) {
-        if (rank < 0 || rank >= world) return absl::InternalError("plan rank out of range");
-        table.replicas.push_back({rank, rank, 0, table.config->num_embeddings(), 0,
-                                  table.config->embedding_dim()});
+    for (const planner::PlacedBlock& b : planner::TableBlocks(
+             ts, table.config->num_embeddings(), table.config->embedding_dim())) {
+      if (!b.Held()) continue;  // an empty trailing row-wise shard
+      if (b.rank < 0 || b.rank >= world) return absl::InternalError("plan rank out of range");
+      const Client::Routing::Shard shard{b.rank, b.index, b.row_offset, b.rows, b.col_offset,
+                                         b.cols};
+      if (b.replica) {
+        table.replicas.push_back(shard);
+      } else {
+        table.shards.push_back(shard);
+        table.row_split |= b.rows < table.config->num_embeddings();
       }
-    }
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      const auto& s = ts.shards(i);
-      if (s.rows() == 0) continue;  // an empty trailing row-wise shard
-      if (s.rank() < 0 || s.rank() >= world) return absl::InternalError("plan rank out of range");
-      table.shards.push_back({s.rank(), i, s.row_offset(), s.rows(), s.col_offset(), s.cols()});
-      table.row_split |= s.rows() < table.config->num_embeddings();
     }
     for (const std::string& f : table.config->feature_names()) r->features[f] = {t, order++};
     r->tables.push_back(std::move(table));

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "planner/plan_view.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/table_spec.h"
 #include "server/common/thread_reused.h"
@@ -49,7 +50,10 @@ absl::StatusOr<std::unique_ptr<InProcessCollection>> InProcessCollection::Create
     const TableConfig& config = c->spec_.tables(t);
     std::map<int64_t, int64_t> cols;  // col_offset -> cols: the plan's column blocks
     if (plan != nullptr) {
-      for (const auto& s : plan->tables(t).shards()) cols[s.col_offset()] = s.cols();
+      for (const planner::PlacedBlock& b : planner::TableBlocks(
+               plan->tables(t), config.num_embeddings(), config.embedding_dim())) {
+        cols[b.col_offset] = b.cols;
+      }
     }
     if (cols.empty()) cols[0] = config.embedding_dim();
     Table table{&config, {}};

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "planner/plan_view.h"
 #include "planner/shard_geometry.h"
 #include "planner/sharding_types.h"
 #include "planner/spec_validation.h"
@@ -1076,12 +1077,8 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
       if (b.rows > 0 && b.cols > 0) busy[rank] = true;
       held[rank].push_back(sc);
     };
-    if (type == ShardingType::kDataParallel) {
-      for (int r : ts.ranks()) add(r, ShardBlock{0, 0, tc.num_embeddings(), tc.embedding_dim()});
-      continue;
-    }
-    for (const auto& s : ts.shards()) {
-      add(s.rank(), ShardBlock{s.row_offset(), s.col_offset(), s.rows(), s.cols()});
+    for (const PlacedBlock& b : TableBlocks(ts, tc.num_embeddings(), tc.embedding_dim())) {
+      add(b.rank, ShardBlock{b.row_offset, b.col_offset, b.rows, b.cols});
     }
   }
   auto* stats = plan->mutable_stats();

@@ -1,5 +1,6 @@
 #include "server/coordinator/assignments.h"
 
+#include "planner/plan_view.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/table_spec.h"
 
@@ -8,17 +9,6 @@ namespace coordinator {
 
 using ember::v1::CollectionInfo;
 using ember::v1::ShardAssignment;
-
-std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan) {
-  std::set<int> ranks;
-  for (const auto& ts : plan.tables()) {
-    if (ts.shards_size() == 0) ranks.insert(ts.ranks().begin(), ts.ranks().end());
-    for (const auto& sh : ts.shards()) {
-      if (sh.rows() > 0) ranks.insert(sh.rank());
-    }
-  }
-  return ranks;
-}
 
 ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, int index, int64_t row_offset,
                                int64_t col_offset, int64_t rows, int64_t cols) {
@@ -36,22 +26,11 @@ ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, int index, i
 std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank) {
   std::vector<ShardAssignment> out;
   for (int t = 0; t < info.plan().tables_size(); ++t) {
-    const auto& ts = info.plan().tables(t);
     const auto& table = info.spec().tables(t);
-    if (ts.shards_size() == 0) {  // data_parallel: a replica per rank
-      for (int r : ts.ranks()) {
-        if (r == rank) {
-          out.push_back(MakeAssignment(table, r, 0, 0, table.num_embeddings(),
-                                       table.embedding_dim()));
-        }
-      }
-    }
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      const auto& sh = ts.shards(i);
-      // An empty trailing row-wise shard holds nothing.
-      if (sh.rows() > 0 && sh.rank() == rank) {
-        out.push_back(MakeAssignment(table, i, sh.row_offset(), sh.col_offset(), sh.rows(),
-                                     sh.cols()));
+    for (const planner::PlacedBlock& b : planner::TableBlocks(
+             info.plan().tables(t), table.num_embeddings(), table.embedding_dim())) {
+      if (b.rank == rank && b.Held()) {
+        out.push_back(MakeAssignment(table, b.index, b.row_offset, b.col_offset, b.rows, b.cols));
       }
     }
   }
@@ -60,11 +39,7 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
 
 int RankOf(const CollectionInfo& info, const ember::v1::ShardRef& ref) {
   for (const auto& ts : info.plan().tables()) {
-    if (ts.table() != ref.table()) continue;
-    if (ts.shards_size() == 0) return ref.shard_index();
-    if (ref.shard_index() >= 0 && ref.shard_index() < ts.shards_size()) {
-      return ts.shards(ref.shard_index()).rank();
-    }
+    if (ts.table() == ref.table()) return planner::RankOfBlock(ts, ref.shard_index());
   }
   return -1;
 }

@@ -1,9 +1,7 @@
 // A collection's plan as shard assignments: what each rank holds
 // (ShardAssignment: the shard's ref, its table's config, its row and column
-// ranges), which ranks hold anything, where one shard lives, and what a
-// shard weighs in memory. A data-parallel table has a full replica on each
-// of its plan's ranks, named by its rank (ShardRef.shard_index); an empty
-// trailing row-wise shard (rows == 0) holds nothing.
+// ranges), where one shard lives, and what a shard weighs in memory. The
+// plan is read through planner/plan_view.h (the replica rule).
 //
 // Thread-safe: pure functions.
 #ifndef EMBER_SERVER_COORDINATOR_ASSIGNMENTS_H_
@@ -11,16 +9,12 @@
 
 #include <cstdint>
 #include <optional>
-#include <set>
 #include <vector>
 
 #include "proto/service.pb.h"
 
 namespace ember {
 namespace coordinator {
-
-// Ranks that hold something of the collection in `plan`.
-std::set<int> RanksWithShards(const ember::v1::ShardingPlan& plan);
 
 // One assignment: shard `index` of `table` (a replica: its rank).
 ember::v1::ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, int index,

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "glog/logging.h"
+#include "planner/plan_view.h"
 #include "planner/planner.h"
 #include "planner/spec_validation.h"
 #include "server/backend/embedding_backend.h"
@@ -151,7 +152,7 @@ void CoordinatorService::Reconcile() {
       auto it = collections.find(name);
       std::vector<int> ranks;  // this worker's ranks of `name`
       if (it != collections.end()) {
-        for (int r : RanksWithShards(it->second.plan())) {
+        for (int r : planner::HoldingRanks(it->second.plan())) {
           if (r < static_cast<int>(ids[name].size()) && ids[name][r] == live[i].id) {
             ranks.push_back(r);
           }
@@ -182,7 +183,7 @@ void CoordinatorService::Reconcile() {
     for (const auto& [name, info] : collections) {
       if (here.count(name)) continue;
       const std::vector<std::string>& rank_ids = ids[name];
-      for (int r : RanksWithShards(info.plan())) {
+      for (int r : planner::HoldingRanks(info.plan())) {
         if (r < static_cast<int>(rank_ids.size()) && rank_ids[r] == live[i].id) {
           LOG(WARNING) << "reconcile: worker " << live[i].id << " lacks '" << name << "' rank "
                        << r << "; recovering it";
@@ -511,7 +512,7 @@ std::vector<std::string> CoordinatorService::CollectionsOnLocked(
   for (const auto& [name, ids] : rank_ids_) {
     auto info = collections_.find(name);
     if (info == collections_.end()) continue;
-    for (int r : RanksWithShards(info->second.plan())) {
+    for (int r : planner::HoldingRanks(info->second.plan())) {
       if (r < static_cast<int>(ids.size()) && ids[r] == worker_id) {
         names.push_back(name);
         break;
@@ -817,17 +818,12 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
     r.set_dir(*dir);
   }
   for (const auto& ts : info.plan().tables()) {
-    if (ts.shards_size() == 0) {
-      if (ts.ranks_size() == 0) continue;
-      auto* ref = per_rank[ts.ranks(0)].add_shards();
+    for (const planner::PlacedBlock& b : planner::TableBlocks(ts, 0, 0)) {
+      if (!b.Held()) continue;
+      auto* ref = per_rank[b.rank].add_shards();
       ref->set_table(ts.table());
-      ref->set_shard_index(ts.ranks(0));
-    }
-    for (int i = 0; i < ts.shards_size(); ++i) {
-      if (ts.shards(i).rows() == 0) continue;
-      auto* ref = per_rank[ts.shards(i).rank()].add_shards();
-      ref->set_table(ts.table());
-      ref->set_shard_index(i);
+      ref->set_shard_index(b.index);
+      if (b.replica) break;  // a replicated table is written once, from its first replica
     }
   }
   // Only ranks with something to write are called (a dead rank whose
@@ -1167,7 +1163,7 @@ void CoordinatorService::MonitorLoop() {
           continue;
         }
         const std::vector<std::string>& ids = rank_ids_[name];
-        for (int r : RanksWithShards(info.plan())) {
+        for (int r : planner::HoldingRanks(info.plan())) {
           auto w = r < static_cast<int>(ids.size()) ? workers_.find(ids[r]) : workers_.end();
           if (w == workers_.end() || now - w->second.last_heartbeat >= options_.lease) {
             lost.push_back(name);
@@ -1232,7 +1228,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   }
   const int world = info.worker_addresses_size();
   ids.resize(world);
-  const std::set<int> holding = RanksWithShards(info.plan());
+  const std::set<int> holding = planner::HoldingRanks(info.plan());
   for (int r : holding) {
     if (drain ? ids[r] == drain_id : !alive.count(ids[r])) lost.insert(r);
   }
@@ -1288,7 +1284,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   const std::map<std::pair<std::string, int32_t>, int>& dp_source = placed->replica_source;
   // Every rank holding something under the new plan moves to its epoch
   // (replacements are created there); a drained rank holds nothing now.
-  std::set<int> kept = RanksWithShards(info.plan());
+  std::set<int> kept = planner::HoldingRanks(info.plan());
   for (int r : replaced) kept.erase(r);
   auto next = NextEpoch();
   if (!next.ok()) {
@@ -1471,7 +1467,7 @@ absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const st
   ids.resize(info.worker_addresses_size());
   std::vector<std::string> at;
   std::vector<ember::v1::UpdateShardsRequest> updates;
-  for (int r : RanksWithShards(info.plan())) {
+  for (int r : planner::HoldingRanks(info.plan())) {
     if (!alive.count(ids[r])) continue;  // a dead rank is the monitor's to recover
     ember::v1::UpdateShardsRequest u;
     u.set_collection(name);

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "planner/plan_view.h"
 #include "server/coordinator/assignments.h"
 
 namespace ember {
@@ -95,7 +96,7 @@ absl::StatusOr<Replacement> PlaceLostShards(const ember::v1::CollectionInfo& old
   // Data-parallel tables drop lost replicas; one with none left gets one.
   for (int t = 0; t < plan.tables_size(); ++t) {
     auto* ts = plan.mutable_tables(t);
-    if (ts->shards_size() > 0) continue;
+    if (!planner::IsReplicated(*ts)) continue;
     std::vector<int> kept;
     for (int r : ts->ranks()) {
       if (!lost.count(r)) kept.push_back(r);
