@@ -1,17 +1,21 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <optional>
 #include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/shared_buffer.h"
+#include "client/shm_channel.h"
 #include "client/transport.h"
 #include "planner/plan_view.h"
 #include "server/common/auth.h"
@@ -459,10 +463,29 @@ class Fanout {
 
 // ------------------------------------------------------------------- client
 
+struct Client::Impl {
+  Impl(const std::string& address, const ClientOptions& o)
+      : coordinator_address(address),
+        options(o),
+        coordinator(ember::v1::Coordinator::NewStub(MakeChannel(address, o.credentials))) {}
+
+  // A shared-memory or link channel of `bytes` to the worker at `address`
+  // for one call, or an empty lease (inline; always with neither on).
+  ChannelPool::Lease ChannelTo(Client& client, const std::string& address, uint64_t bytes);
+
+  const std::string coordinator_address;
+  const ClientOptions options;
+  std::unique_ptr<ember::v1::Coordinator::Stub> coordinator;
+  absl::Mutex mu;
+  std::map<std::string, std::shared_ptr<const Routing>> routing ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs ABSL_GUARDED_BY(mu);
+  ChannelPool channels;  // after stubs: closed before the stubs go
+  cuda::PeerLinks* link = nullptr;  // options.link's kind
+  std::atomic<uint64_t> replica_counter{0};
+};
+
 Client::Client(const std::string& coordinator, const ClientOptions& options)
-    : coordinator_address_(coordinator),
-      options_(options),
-      coordinator_(ember::v1::Coordinator::NewStub(MakeChannel(coordinator, options.credentials))) {}
+    : impl_(std::make_unique<Impl>(coordinator, options)) {}
 
 Client::~Client() = default;
 
@@ -483,25 +506,26 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& coord
   if (!options.link.empty()) {
     auto link = cuda::PeerLinksNamed(options.link);
     if (!link.ok()) return link.status();
-    c->link_ = *link;
+    c->impl_->link = *link;
   }
   auto workers = c->ListWorkers();  // fails fast when nothing answers
   if (!workers.ok()) return workers.status();
   return c;
 }
 
-ChannelPool::Lease Client::ChannelTo(const std::string& address, uint64_t bytes) {
-  if (!options_.shared_memory && link_ == nullptr) return {};
-  return channels_.Acquire(
-      address, bytes, options_.shm_dir, StubFor(address),
-      [this](grpc::ClientContext* ctx) { PrepareContext(ctx, options_.timeout); }, link_,
-      options_.link_device);
+ChannelPool::Lease Client::Impl::ChannelTo(Client& client, const std::string& address,
+                                           uint64_t bytes) {
+  if (!options.shared_memory && link == nullptr) return {};
+  return channels.Acquire(
+      address, bytes, options.shm_dir, client.StubFor(address),
+      [this, &client](grpc::ClientContext* ctx) { client.PrepareContext(ctx, options.timeout); },
+      link, options.link_device);
 }
 
 ember::v1::Worker::Stub* Client::StubFor(const std::string& address) {
-  absl::MutexLock lock(&mu_);
-  auto& stub = stubs_[address];
-  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address, options_.credentials));
+  absl::MutexLock lock(&impl_->mu);
+  auto& stub = impl_->stubs[address];
+  if (!stub) stub = ember::v1::Worker::NewStub(MakeChannel(address, impl_->options.credentials));
   return stub.get();
 }
 
@@ -513,8 +537,8 @@ absl::StatusOr<Response> Client::CallCoordinator(
   grpc::ClientContext ctx;
   PrepareContext(&ctx, timeout);
   Response response;
-  grpc::Status s = (coordinator_.get()->*method)(&ctx, request, &response);
-  if (!s.ok()) return FromGrpc(s, "coordinator " + coordinator_address_);
+  grpc::Status s = (impl_->coordinator.get()->*method)(&ctx, request, &response);
+  if (!s.ok()) return FromGrpc(s, "coordinator " + impl_->coordinator_address);
   return response;
 }
 
@@ -524,7 +548,7 @@ absl::StatusOr<CollectionInfo> Client::CreateCollection(const ember::v1::Collect
   *req.mutable_spec() = spec;
   req.set_sharding_type(sharding_type);
   auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::CreateCollection, req,
-                              options_.timeout);
+                              impl_->options.timeout);
   if (!resp.ok()) return resp.status();
   return resp->collection();
 }
@@ -535,7 +559,7 @@ absl::StatusOr<CollectionInfo> Client::CreateCollectionWithPlan(
   *req.mutable_spec() = spec;
   *req.mutable_plan() = plan;
   auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::CreateCollection, req,
-                              options_.timeout);
+                              impl_->options.timeout);
   if (!resp.ok()) return resp.status();
   return resp->collection();
 }
@@ -543,14 +567,15 @@ absl::StatusOr<CollectionInfo> Client::CreateCollectionWithPlan(
 absl::StatusOr<CollectionInfo> Client::GetCollection(const std::string& collection) {
   ember::v1::GetCollectionRequest req;
   req.set_collection(collection);
-  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::GetCollection, req, options_.timeout);
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::GetCollection, req,
+      impl_->options.timeout);
   if (!resp.ok()) return resp.status();
   return resp->collection();
 }
 
 absl::StatusOr<std::vector<CollectionInfo>> Client::ListCollections() {
   auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::ListCollections,
-                              ember::v1::ListCollectionsRequest(), options_.timeout);
+                              ember::v1::ListCollectionsRequest(), impl_->options.timeout);
   if (!resp.ok()) return resp.status();
   return std::vector<CollectionInfo>(resp->collections().begin(), resp->collections().end());
 }
@@ -582,7 +607,7 @@ absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> Client::ListCheckpoints(
   ember::v1::ListCheckpointsRequest req;
   req.set_collection(collection);
   auto resp =
-      CallCoordinator(&ember::v1::Coordinator::Stub::ListCheckpoints, req, options_.timeout);
+      CallCoordinator(&ember::v1::Coordinator::Stub::ListCheckpoints, req, impl_->options.timeout);
   if (!resp.ok()) return resp.status();
   return std::vector<ember::v1::CheckpointInfo>(resp->checkpoints().begin(),
                                                 resp->checkpoints().end());
@@ -601,27 +626,27 @@ absl::Status Client::DropCollection(const std::string& collection) {
   ember::v1::DropCollectionRequest req;
   req.set_collection(collection);
   auto resp =
-      CallCoordinator(&ember::v1::Coordinator::Stub::DropCollection, req, options_.timeout);
+      CallCoordinator(&ember::v1::Coordinator::Stub::DropCollection, req, impl_->options.timeout);
   {
-    absl::MutexLock lock(&mu_);
-    routing_.erase(collection);
+    absl::MutexLock lock(&impl_->mu);
+    impl_->routing.erase(collection);
   }
   return resp.status();
 }
 
 absl::StatusOr<ember::v1::ListWorkersResponse> Client::ListWorkers() {
   return CallCoordinator(&ember::v1::Coordinator::Stub::ListWorkers,
-                         ember::v1::ListWorkersRequest(), options_.timeout);
+                         ember::v1::ListWorkersRequest(), impl_->options.timeout);
 }
 
 void Client::PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const {
   SetDeadline(ctx, timeout);
-  AddToken(ctx, options_.auth_token);
+  AddToken(ctx, impl_->options.auth_token);
 }
 
 absl::StatusOr<ember::v1::ShardStatusResponse> Client::WorkerStatus(const std::string& address) {
   grpc::ClientContext ctx;
-  PrepareContext(&ctx, options_.timeout);
+  PrepareContext(&ctx, impl_->options.timeout);
   ember::v1::ShardStatusResponse resp;
   grpc::Status s = StubFor(address)->ShardStatus(&ctx, ember::v1::ShardStatusRequest(), &resp);
   if (!s.ok()) return FromGrpc(s, "worker " + address);
@@ -635,7 +660,8 @@ absl::StatusOr<ember::v1::ShardingPlan> Client::PreviewPlan(const ember::v1::Col
   *req.mutable_spec() = spec;
   *req.mutable_topology() = topology;
   req.set_sharding_type(sharding_type);
-  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::PreviewPlan, req, options_.timeout);
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::PreviewPlan, req,
+      impl_->options.timeout);
   if (!resp.ok()) return resp.status();
   return resp->plan();
 }
@@ -643,9 +669,9 @@ absl::StatusOr<ember::v1::ShardingPlan> Client::PreviewPlan(const ember::v1::Col
 absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
     const std::string& collection, bool refresh) {
   if (!refresh) {
-    absl::MutexLock lock(&mu_);
-    auto it = routing_.find(collection);
-    if (it != routing_.end()) return it->second;
+    absl::MutexLock lock(&impl_->mu);
+    auto it = impl_->routing.find(collection);
+    if (it != impl_->routing.end()) return it->second;
   }
   auto info = GetCollection(collection);
   if (!info.ok()) return info.status();
@@ -655,17 +681,17 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
         info->state() == CollectionInfo::RECOVERING ? "recovering" : "degraded", ": ",
         info->note()));
   }
-  auto routing = BuildRouting(*std::move(info), options_.auth_token);
+  auto routing = BuildRouting(*std::move(info), impl_->options.auth_token);
   if (!routing.ok()) return routing.status();
-  absl::MutexLock lock(&mu_);
-  routing_[collection] = *routing;
+  absl::MutexLock lock(&impl_->mu);
+  impl_->routing[collection] = *routing;
   return *routing;
 }
 
 template <typename Fn>
 absl::Status Client::WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn) {
-  const absl::Time deadline = absl::Now() + options_.timeout;
-  absl::Duration backoff = options_.initial_backoff;
+  const absl::Time deadline = absl::Now() + impl_->options.timeout;
+  absl::Duration backoff = impl_->options.initial_backoff;
   bool refresh = false, refreshed = false;
   for (int attempt = 1;; ++attempt) {
     auto routing = RoutingFor(collection, refresh);
@@ -682,7 +708,7 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
                       HasSignal(s, kSignalWorkerBusy);
     const bool transient = busy || s.code() == absl::StatusCode::kUnavailable ||
                            s.code() == absl::StatusCode::kDeadlineExceeded;
-    if (!transient || !retry_unavailable || attempt >= options_.max_attempts ||
+    if (!transient || !retry_unavailable || attempt >= impl_->options.max_attempts ||
         absl::Now() + backoff >= deadline) {
       if (transient) {
         return absl::Status(busy ? s.code() : absl::StatusCode::kUnavailable,
@@ -691,7 +717,7 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
       return s;
     }
     absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, options_.max_backoff);
+    backoff = std::min(backoff * 2, impl_->options.max_backoff);
     refresh = true;  // a dead worker may have been replaced meanwhile
   }
 }
@@ -1275,8 +1301,10 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtVie
 absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out) {
   KeyedTensor& kt = *out;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  const uint64_t pick = replica_counter_.fetch_add(1);
+  auto channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
+  const uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st =
@@ -1325,7 +1353,9 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
     digest = d.value();
   }
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  auto channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
@@ -1443,12 +1473,14 @@ absl::Status DeviceJobs(const Client::Routing& r, const std::string& collection,
 
 absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceKjt& kjt,
                                     float* out, int64_t out_floats, Layout* layout) {
-  DeviceStage stage(link_, options_.link_device, kjt);
+  DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  const uint64_t pick = replica_counter_.fetch_add(1);
+  auto channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
+  const uint64_t pick = impl_->replica_counter.fetch_add(1);
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     int64_t width = 0;
@@ -1507,11 +1539,13 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
                                             std::string* used_request_id) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
-  DeviceStage stage(link_, options_.link_device, kjt);
+  DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  auto channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     int64_t width = 0;
@@ -1540,8 +1574,10 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
     const std::string& collection, KjtView kjt) {
   std::vector<SequenceEmbedding> out;
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
-  const uint64_t pick = replica_counter_.fetch_add(1);
+  auto channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
+  const uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st =
@@ -1589,7 +1625,9 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
     digest = d.value();
   }
   auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) { return ChannelTo(a, bytes); };
+  auto channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
@@ -1664,7 +1702,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       ember::v1::ExportRowsResponse got;
       {
         grpc::ClientContext ctx;
-        PrepareContext(&ctx, options_.timeout);
+        PrepareContext(&ctx, impl_->options.timeout);
         grpc::Status st = StubFor(address)->ExportRows(&ctx, ex, &got);
         if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
       }
@@ -1685,7 +1723,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       im.set_step(-1);
       ember::v1::ImportRowsResponse done;
       grpc::ClientContext ctx;
-      PrepareContext(&ctx, options_.timeout);
+      PrepareContext(&ctx, impl_->options.timeout);
       grpc::Status st = StubFor(address)->ImportRows(&ctx, im, &done);
       if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
     }
@@ -1714,7 +1752,7 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
     for (int64_t b = 0; b < s.rows; b += chunk) {
       const int64_t e = std::min(s.rows, b + chunk);
       grpc::ClientContext ctx;
-      PrepareContext(&ctx, options_.timeout);
+      PrepareContext(&ctx, impl_->options.timeout);
       ember::v1::ExportRowsRequest req;
       req.set_collection(collection);
       req.mutable_shard()->set_table(table);

@@ -19,7 +19,6 @@
 #ifndef EMBER_CLIENT_CLIENT_H_
 #define EMBER_CLIENT_CLIENT_H_
 
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -29,11 +28,9 @@
 #include <grpcpp/security/credentials.h>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/kjt.h"
-#include "client/shm_channel.h"
 #include "proto/service.grpc.pb.h"
 
 namespace ember {
@@ -230,13 +227,15 @@ class Client {
   struct Routing;  // a collection's plan prepared for routing (client.cc)
 
  private:
+  // The client's state: its coordinator stub, the routing and worker stubs
+  // it caches, and its transports (shared-memory and link channels), all
+  // in client.cc, so that this header names no transport.
+  struct Impl;
+
   Client(const std::string& coordinator, const ClientOptions& options);
   absl::StatusOr<std::shared_ptr<const Routing>> RoutingFor(const std::string& collection,
                                                             bool refresh);
   ember::v1::Worker::Stub* StubFor(const std::string& address);
-  // A shared-memory channel of `bytes` to the worker at `address` for one
-  // call, or an empty lease (inline; always with shared_memory off).
-  ChannelPool::Lease ChannelTo(const std::string& address, uint64_t bytes);
   // A unary call's deadline and token (the fan-outs set theirs in Fanout).
   void PrepareContext(grpc::ClientContext* ctx, absl::Duration timeout) const;
   // One unary call to the coordinator with its own deadline.
@@ -249,15 +248,7 @@ class Client {
   template <typename Fn>
   absl::Status WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn);
 
-  const std::string coordinator_address_;
-  const ClientOptions options_;
-  std::unique_ptr<ember::v1::Coordinator::Stub> coordinator_;
-  absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<const Routing>> routing_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
-  ChannelPool channels_;  // after stubs_: closed before the stubs go
-  cuda::PeerLinks* link_ = nullptr;  // options_.link's kind
-  std::atomic<uint64_t> replica_counter_{0};
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace client

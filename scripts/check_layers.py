@@ -78,6 +78,12 @@ EXTRA = {
                             "server/backend/cpu/cpu_backend.h"],
 }
 
+# Public headers that must not name what lies behind them: the client's
+# header is a pimpl (Client::Impl in client.cc) over its transports.
+HIDDEN = {
+    "client/client.h": ["client/shm_channel.h", "client/transport.h", "link/"],
+}
+
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -103,6 +109,9 @@ def include_violations(path, text):
         return []
     allowed = INCLUDES[layer][1] + EXTRA.get(path, [])
     bad = []
+    for header in INCLUDE_RE.findall(text):
+        if any(header.startswith(h) for h in HIDDEN.get(path, [])):
+            bad.append("%s includes %s, which it hides" % (path, header))
     for header in INCLUDE_RE.findall(text):
         if not header.startswith(PROJECT):
             continue
@@ -137,6 +146,7 @@ def self_check():
         ("cuda/tbe_kernels.cu", '#include "server/backend/embedding_backend.h"\n'),
         ("client/client.cc", '#include "server/backend/embedding_backend.h"\n'),
         ("client/client.cc", '#include "planner/planner.h"\n'),
+        ("client/client.h", '#include "client/shm_channel.h"\n'),
     ]
     missed = [p for p, text in cases if not include_violations(p, text)]
     allowed = [("client/inprocess.cc", '#include "server/backend/cpu/cpu_backend.h"\n'),
