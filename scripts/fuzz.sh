@@ -48,6 +48,8 @@ planner="planner/cost_model.cc planner/planner.cc planner/plan_options.cc planne
   planner/plan_search.cc planner/plan_stats.cc planner/plan_view.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"
 coordinator="$common $planner server/coordinator/coordinator_service.cc
+  server/coordinator/coordinator_workers.cc server/coordinator/coordinator_collections.cc
+  server/coordinator/coordinator_checkpoints.cc server/coordinator/coordinator_recovery.cc
   server/coordinator/state_store.cc server/coordinator/assignments.cc
   server/coordinator/replacement_policy.cc server/backend/table_spec.cc"
 formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc client/shared_buffer.cc"

@@ -1,0 +1,356 @@
+// CoordinatorService's checkpoints: writing one (every worker's shard files,
+// then the manifest), periodic ones, listing them, and restoring one onto
+// the live workers.
+#include "server/coordinator/coordinator_service.h"
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "glog/logging.h"
+#include "planner/plan_view.h"
+#include "server/backend/embedding_backend.h"
+#include "server/backend/table_spec.h"
+#include "server/checkpoint/checkpoint_files.h"
+#include "server/common/grpc_util.h"
+#include "server/coordinator/assignments.h"
+#include "server/coordinator/call_each.h"
+#include "server/coordinator/state_store.h"
+
+namespace ember {
+namespace coordinator {
+
+using ember::v1::CollectionInfo;
+using ember::v1::ShardAssignment;
+
+absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollection(
+    const std::string& collection, const std::string& root) {
+  const absl::Time start = absl::Now();
+  auto info = WriteCollectionCheckpoint(collection, root);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (absl::IsNotFound(info.status())) return info;  // no such collection: nothing was written
+  absl::MutexLock lock(&mu_);
+  Stats& s = checkpoint_stats_;
+  (info.ok() ? s.checkpoints_ok : s.checkpoints_failed) += 1;
+  s.checkpoint_seconds += seconds;
+  s.last_checkpoint_seconds = seconds;
+  if (info.ok()) s.last_checkpoint_unix_seconds = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  return info;
+}
+
+absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionCheckpoint(
+    const std::string& collection, const std::string& requested_root) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!collections_.count(collection)) {
+      return absl::NotFoundError(absl::StrCat("no collection '", collection, "'"));
+    }
+  }
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "no checkpoint directory: start the coordinator with --checkpoint_dir (checkpoints are "
+        "written under it)");
+  }
+  auto confined = checkpoint::ConfinedPath(options_.checkpoint_dir, requested_root);
+  if (!confined.ok()) return confined.status();
+  const std::string root = *confined;
+  absl::MutexLock one_at_a_time(&checkpoint_mu_);
+  CollectionInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(collection);
+    if (it == collections_.end()) {
+      return absl::NotFoundError(absl::StrCat("no collection '", collection, "'"));
+    }
+    info = it->second;
+  }
+  const absl::Time start = absl::Now();
+  const int64_t epoch = info.plan().epoch();
+  auto dir = checkpoint::MakeCheckpointDir(root, collection, epoch, absl::ToUnixMillis(start));
+  if (!dir.ok()) return dir.status();
+
+  // Each shard is written by the worker holding it; a data-parallel table
+  // by its first replica only.
+  const int world = info.worker_addresses_size();
+  std::vector<ember::v1::WriteCheckpointRequest> per_rank(world);
+  for (auto& r : per_rank) {
+    r.set_collection(collection);
+    r.set_epoch(epoch);
+    r.set_dir(*dir);
+  }
+  for (const auto& ts : info.plan().tables()) {
+    for (const planner::PlacedBlock& b : planner::TableBlocks(ts, 0, 0)) {
+      if (!b.Held()) continue;
+      auto* ref = per_rank[b.rank].add_shards();
+      ref->set_table(ts.table());
+      ref->set_shard_index(b.index);
+      if (b.replica) break;  // a replicated table is written once, from its first replica
+    }
+  }
+  // Only ranks with something to write are called (a dead rank whose
+  // shards moved elsewhere holds nothing).
+  std::vector<std::string> addresses;
+  std::vector<ember::v1::WriteCheckpointRequest> requests;
+  for (int r = 0; r < world; ++r) {
+    if (per_rank[r].shards_size() == 0) continue;
+    addresses.push_back(info.worker_addresses(r));
+    requests.push_back(std::move(per_rank[r]));
+  }
+  // Shown by ListCheckpoints while it is written (bytes: the files so far).
+  {
+    ember::v1::CheckpointInfo progress;
+    progress.set_path(*dir);
+    progress.set_collection(collection);
+    progress.set_epoch(epoch);
+    progress.set_created_unix_ms(absl::ToUnixMillis(start));
+    progress.set_in_progress(true);
+    for (const auto& r : requests) {
+      for (const auto& ref : r.shards()) {
+        const std::optional<ShardAssignment> a = AssignmentOf(info, ref);
+        if (!a) continue;
+        const backend::ShardSpec spec = ShardSpecFromTable(a->table(), a->row_offset(),
+                                                           a->col_offset(), a->rows(), a->cols());
+        progress.set_total_bytes(
+            progress.total_bytes() +
+            checkpoint::ShardFileBytes(spec.rows, spec.dim,
+                                       backend::OptimizerStateWidth(spec.optimizer.type, spec.dim)));
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    in_progress_[*dir] = progress;
+  }
+  struct Done {
+    CoordinatorService* self;
+    std::string dir;
+    ~Done() {
+      absl::MutexLock lock(&self->mu_);
+      self->in_progress_.erase(dir);
+    }
+  } done{this, *dir};
+  std::vector<ember::v1::WriteCheckpointResponse> responses;
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::WriteCheckpointRequest, ember::v1::WriteCheckpointResponse>(
+          addresses, requests,
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->WriteCheckpoint(ctx, request, response, std::move(done));
+          },
+          options_.checkpoint_rpc_timeout, &responses);
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    if (statuses[r].ok()) continue;
+    if (absl::Status s = checkpoint::RemoveCheckpoint(*dir); !s.ok()) {
+      LOG(WARNING) << "removing the failed checkpoint " << *dir << ": " << s;
+    }
+    return FromGrpc(statuses[r], absl::StrCat("checkpoint of '", collection, "' on worker ",
+                                              addresses[r]));
+  }
+  ember::v1::CheckpointManifest manifest;
+  manifest.set_format_version(checkpoint::kFormatVersion);
+  ember::v1::CheckpointInfo* ci = manifest.mutable_info();
+  ci->set_collection(collection);
+  ci->set_epoch(epoch);
+  ci->set_created_unix_ms(absl::ToUnixMillis(start));
+  for (const auto& resp : responses) {
+    for (const auto& shard : resp.shards()) {
+      ci->set_bytes(ci->bytes() + shard.bytes());
+      *manifest.add_shards() = shard;
+    }
+    ci->set_max_pause_ms(std::max(ci->max_pause_ms(), resp.pause_ms()));
+    ci->set_write_ms(std::max(ci->write_ms(), resp.write_ms()));
+  }
+  ci->set_shards(manifest.shards_size());
+  *manifest.mutable_spec() = info.spec();
+  *manifest.mutable_plan() = info.plan();
+  ci->set_total_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  if (absl::Status s = checkpoint::CommitManifest(*dir, manifest); !s.ok()) {
+    (void)checkpoint::RemoveCheckpoint(*dir);
+    return s;
+  }
+  ci->set_total_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
+  ci->set_path(*dir);
+  LOG(INFO) << "checkpoint of '" << collection << "' epoch " << epoch << " committed: " << *dir
+            << ", " << ci->shards() << " shard(s), " << ci->bytes() << " bytes, pause "
+            << ci->max_pause_ms() << " ms, total " << ci->total_ms() << " ms";
+
+  // Keep the newest keep_checkpoints; remove what crashed writes left.
+  std::set<std::string> removed;
+  const std::vector<std::string> committed = checkpoint::ListCommitted(root, collection);
+  for (size_t i = 0; i + std::max(options_.keep_checkpoints, 1) < committed.size(); ++i) {
+    if (absl::Status s = checkpoint::RemoveCheckpoint(committed[i]); s.ok()) {
+      removed.insert(committed[i]);
+    } else {
+      LOG(WARNING) << "removing old checkpoint " << committed[i] << ": " << s;
+    }
+  }
+  for (const std::string& d : checkpoint::ListUncommitted(root, collection)) {
+    if (d < *dir) (void)checkpoint::RemoveCheckpoint(d);
+  }
+  absl::MutexLock lock(&mu_);
+  StateStore::Batch batch;
+  batch.PutCheckpoint(*ci);
+  for (const auto& c : catalogue_) {
+    if (removed.count(c.path())) batch.DeleteCheckpoint(c);
+  }
+  if (absl::Status s = Persist(batch); !s.ok()) {
+    LOG(ERROR) << "checkpoint " << *dir << " is committed but not in the state store: " << s;
+  }
+  catalogue_.erase(std::remove_if(catalogue_.begin(), catalogue_.end(),
+                                  [&](const ember::v1::CheckpointInfo& c) {
+                                    return removed.count(c.path()) > 0;
+                                  }),
+                   catalogue_.end());
+  catalogue_.push_back(*ci);
+  return *ci;
+}
+
+grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext* ctx,
+                                            const ember::v1::CheckpointRequest* req,
+                                            ember::v1::CheckpointResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (req->collection().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
+  }
+  auto info = CheckpointCollection(req->collection(), req->dir());
+  if (!info.ok()) return ToGrpc(info.status());
+  *resp->mutable_checkpoint() = *std::move(info);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::v1::RestoreRequest* req,
+                                         ember::v1::RestoreResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (req->from().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("no checkpoint path given"));
+  }
+  auto from = checkpoint::ConfinedPath(options_.checkpoint_dir, req->from());
+  if (!from.ok()) return ToGrpc(from.status());
+  auto path = checkpoint::ResolveCheckpoint(*from);
+  if (!path.ok()) return ToGrpc(path.status());
+  // Every file is checked before anything is created.
+  auto manifest = checkpoint::VerifyCheckpoint(*path);
+  if (!manifest.ok()) return ToGrpc(manifest.status());
+  if (absl::Status s = checkpoint::CheckCoverage(*manifest); !s.ok()) {
+    return ToGrpc(absl::DataLossError(absl::StrCat(*path, ": ", s.message())));
+  }
+  ember::v1::CollectionSpec spec = manifest->spec();
+  if (!req->collection().empty()) spec.set_name(req->collection());
+  absl::MutexLock create(&create_mu_);
+  std::vector<std::string> ids;
+  auto info = PlanAndCreate(spec, req->sharding_type(), &ids);
+  if (!info.ok()) return ToGrpc(info.status());
+  const int64_t epoch = info->plan().epoch();
+  const std::vector<std::string> addresses(info->worker_addresses().begin(),
+                                           info->worker_addresses().end());
+  ember::v1::LoadCheckpointRequest load;
+  load.set_collection(spec.name());
+  load.set_epoch(epoch);
+  load.set_dir(*path);
+  *load.mutable_sources() = manifest->shards();
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
+          addresses, std::vector<ember::v1::LoadCheckpointRequest>(addresses.size(), load),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->LoadCheckpoint(ctx, request, response, std::move(done));
+          },
+          options_.checkpoint_rpc_timeout);
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    if (statuses[r].ok()) continue;
+    (void)DropOnWorkers(spec.name(), epoch, addresses);
+    return ToGrpc(FromGrpc(statuses[r], absl::StrCat("restoring '", spec.name(), "' from ", *path,
+                                                     " on worker ", r, " (", addresses[r], ")")));
+  }
+  info->set_recovered_from(*path);
+  info->set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
+  info->set_note(absl::StrCat("restored from ", *path));
+  if (absl::Status s = Register(*info, ids); !s.ok()) {
+    (void)DropOnWorkers(spec.name(), epoch, addresses);
+    return ToGrpc(s);
+  }
+  LOG(INFO) << "collection '" << spec.name() << "' restored from " << *path << " at epoch " << epoch
+            << " on " << addresses.size() << " worker(s)";
+  *resp->mutable_collection() = *std::move(info);
+  *resp->mutable_checkpoint() = manifest->info();
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
+                                                 const ember::v1::ListCheckpointsRequest* req,
+                                                 ember::v1::ListCheckpointsResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
+  std::vector<ember::v1::CheckpointInfo> writing;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& c : catalogue_) {
+      if (req->collection().empty() || c.collection() == req->collection()) {
+        *resp->add_checkpoints() = c;
+      }
+    }
+    for (const auto& [dir, c] : in_progress_) {
+      if (req->collection().empty() || c.collection() == req->collection()) writing.push_back(c);
+    }
+  }
+  for (auto& c : writing) {  // the files' sizes, read outside the lock
+    c.set_bytes(checkpoint::BytesInDirectory(c.path()));
+    *resp->add_checkpoints() = std::move(c);
+  }
+  return grpc::Status::OK;
+}
+
+void CoordinatorService::PeriodicCheckpoints() {
+  while (!stop_.WaitForNotificationWithTimeout(options_.checkpoint_every)) {
+    std::vector<std::string> names;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [name, info] : collections_) names.push_back(name);
+    }
+    for (const std::string& name : names) {
+      if (stop_.HasBeenNotified()) return;
+      auto info = CheckpointCollection(name, "");
+      if (!info.ok() && !absl::IsNotFound(info.status())) {
+        LOG(WARNING) << "periodic checkpoint of '" << name << "': " << info.status();
+      }
+    }
+  }
+}
+
+std::vector<std::string> CoordinatorService::CheckpointCandidates(const CollectionInfo& info) {
+  const std::string& name = info.spec().name();
+  std::vector<std::pair<int64_t, std::string>> found;  // (created ms, path)
+  std::set<std::string> seen;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& c : catalogue_) {
+      if (c.collection() == name && c.epoch() >= info.created_epoch()) {
+        found.emplace_back(c.created_unix_ms(), c.path());
+        seen.insert(c.path());
+      }
+    }
+  }
+  // Manifests are read outside the lock (a slow disk must not stall
+  // heartbeats).
+  if (!options_.checkpoint_dir.empty()) {
+    for (const std::string& dir : checkpoint::ListCommitted(options_.checkpoint_dir, name)) {
+      if (seen.count(dir)) continue;
+      auto m = checkpoint::ReadManifest(dir);
+      if (m.ok() && m->info().epoch() >= info.created_epoch()) {
+        found.emplace_back(m->info().created_unix_ms(), dir);
+      }
+    }
+  }
+  // The checkpoint the collection was restored or last recovered from.
+  if (!info.recovered_from().empty() && !seen.count(info.recovered_from())) {
+    auto m = checkpoint::ReadManifest(info.recovered_from());
+    if (m.ok()) found.emplace_back(m->info().created_unix_ms(), info.recovered_from());
+  }
+  std::sort(found.rbegin(), found.rend());
+  std::vector<std::string> out;
+  for (auto& f : found) out.push_back(std::move(f.second));
+  return out;
+}
+
+}  // namespace coordinator
+}  // namespace ember

@@ -1,0 +1,466 @@
+// CoordinatorService's recovery and drain: a dead or draining worker's
+// shards re-placed (replacement_policy.h), reloaded from the latest
+// checkpoint or copied live from the draining worker, under a new epoch;
+// and re-adopting a move a restarted coordinator finds half done.
+#include "server/coordinator/coordinator_service.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "glog/logging.h"
+#include "planner/plan_view.h"
+#include "server/checkpoint/checkpoint_files.h"
+#include "server/common/grpc_util.h"
+#include "server/coordinator/assignments.h"
+#include "server/coordinator/call_each.h"
+#include "server/coordinator/replacement_policy.h"
+
+namespace ember {
+namespace coordinator {
+
+using ember::v1::CollectionInfo;
+using ember::v1::ShardAssignment;
+
+namespace {
+
+// A fault-injection point for tests: EMBER_COORDINATOR_CRASH_AT=<point> makes
+// the coordinator exit there at once, as kill -9 would.
+void CrashPoint(const char* point) {
+  static const char* at = std::getenv("EMBER_COORDINATOR_CRASH_AT");
+  if (at != nullptr && std::string(at) == point) {
+    LOG(ERROR) << "EMBER_COORDINATOR_CRASH_AT=" << point << ": exiting";
+    _exit(137);
+  }
+}
+
+}  // namespace
+
+absl::Status CoordinatorService::RecoverCollection(const std::string& name,
+                                                  const std::string& drain_id) {
+  absl::MutexLock create(&create_mu_);
+  const absl::Time start = absl::Now();
+  const bool drain = !drain_id.empty();
+  CollectionInfo info;
+  std::vector<std::string> ids;
+  // `live` may receive shards (a draining worker may not); `alive` holds a
+  // lease (a draining worker too: it is not lost).
+  std::map<std::string, Worker> live, alive;
+  for (const Worker& w : LiveWorkers()) live[w.id] = w;
+  std::set<int> lost;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(name);
+    if (it == collections_.end()) return absl::OkStatus();
+    info = it->second;
+    ids = rank_ids_[name];
+    if (!drain && force_lost_.count(name)) lost = force_lost_[name];
+    const absl::Time now = absl::Now();
+    for (const auto& [id, w] : workers_) {
+      if (now - w.last_heartbeat < options_.lease) alive[id] = w;
+    }
+  }
+  const int world = info.worker_addresses_size();
+  ids.resize(world);
+  const std::set<int> holding = planner::HoldingRanks(info.plan());
+  for (int r : holding) {
+    if (drain ? ids[r] == drain_id : !alive.count(ids[r])) lost.insert(r);
+  }
+  if (lost.empty()) return absl::OkStatus();
+  const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
+  const std::string lost_names = DescribeRanks(info, lost);
+  LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
+  SetState(name, CollectionInfo::RECOVERING,
+           (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
+
+  // The checkpoint to reload from, chosen (and every file verified) before
+  // anything changes: the newest usable one of this collection.
+  std::string path;
+  ember::v1::CheckpointManifest manifest;
+  if (!drain) {
+    const std::vector<std::string> candidates = CheckpointCandidates(info);
+    std::string unusable;
+    for (const std::string& candidate : candidates) {
+      auto m = checkpoint::VerifyCheckpoint(candidate);
+      if (m.ok()) {
+        path = candidate;
+        manifest = *std::move(m);
+        break;
+      }
+      absl::StrAppend(&unusable, unusable.empty() ? "" : "; ", m.status().message());
+    }
+    if (path.empty() && !candidates.empty()) {
+      const std::string why =
+          absl::StrCat("no usable checkpoint to recover ", lost_names, " from: ", unusable,
+                       "; retrying in 30 s");
+      SetState(name, CollectionInfo::DEGRADED, why);
+      absl::MutexLock lock(&mu_);
+      retry_after_[name] = absl::Now() + absl::Seconds(30);
+      return absl::DataLossError(why);
+    }
+  }
+
+  // Where the lost ranks' shards go (replacement_policy.h).
+  std::vector<ReplacementCandidate> candidates;
+  for (const auto& [id, w] : live) candidates.push_back({id, w.seq, w.info.address()});
+  absl::StatusOr<Replacement> placed = PlaceLostShards(info, ids, lost, candidates);
+  if (!placed.ok()) {
+    SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::DEGRADED,
+             drain ? "" : std::string(placed.status().message()));
+    return placed.status();
+  }
+  info = std::move(placed->info);
+  ids = std::move(placed->ids);
+  ember::v1::ShardingPlan& plan = *info.mutable_plan();
+  const std::set<int>& replaced = placed->replaced;
+  const std::map<int, int64_t>& load = placed->load;
+  std::map<int, std::set<std::pair<std::string, int32_t>>>& reload = placed->reload;
+  const std::map<std::pair<std::string, int32_t>, int>& dp_source = placed->replica_source;
+  // Every rank holding something under the new plan moves to its epoch
+  // (replacements are created there); a drained rank holds nothing now.
+  std::set<int> kept = planner::HoldingRanks(info.plan());
+  for (int r : replaced) kept.erase(r);
+  auto next = NextEpoch();
+  if (!next.ok()) {
+    SetState(name, CollectionInfo::DEGRADED, std::string(next.status().message()));
+    return next.status();
+  }
+  const int64_t epoch = *next;
+  plan.set_epoch(epoch);
+  // The new placement is durable before any worker hears of it, so a
+  // restarted coordinator knows what an interrupted move was doing.
+  if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/false); !s.ok()) {
+    SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
+    return s;
+  }
+
+  // Replacements create their shards; the other live ranks move to the new
+  // epoch and create what they were given.
+  std::vector<std::string> create_at, update_at;
+  std::vector<ember::v1::CreateShardsRequest> creates;
+  std::vector<ember::v1::UpdateShardsRequest> updates;
+  for (int r : replaced) {
+    ember::v1::CreateShardsRequest c;
+    c.set_collection(name);
+    c.set_epoch(epoch);
+    for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
+    create_at.push_back(info.worker_addresses(r));
+    creates.push_back(std::move(c));
+  }
+  for (int r : kept) {
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(name);
+    u.set_epoch(epoch);
+    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+    update_at.push_back(info.worker_addresses(r));
+    updates.push_back(std::move(u));
+  }
+  // A failed attempt lets go of what it created on replacements; a drain
+  // goes back to the old placement (the drained worker still holds it).
+  auto give_up = [&](const absl::Status& why) {
+    (void)DropOnWorkers(name, epoch, create_at);
+    if (drain) {
+      (void)ReadoptLocked(name, absl::StrCat("moving ", lost_names, " failed (", why.message(),
+                                             "); back on the old placement"));
+    }
+    return why;
+  };
+  absl::Status failure;
+  auto failed = [&](const std::vector<grpc::Status>& statuses,
+                    const std::vector<std::string>& at) -> bool {
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (statuses[i].ok()) continue;
+      const std::string why =
+          absl::StrCat(drain ? "moving " : "recovery of ", lost_names, " failed on ", at[i], ": ",
+                       statuses[i].error_message(), drain ? "" : "; retrying");
+      LOG(WARNING) << "collection '" << name << "': " << why;
+      SetState(name, CollectionInfo::DEGRADED, why);
+      failure = FromGrpc(statuses[i], at[i]);
+      return true;
+    }
+    return false;
+  };
+  if (failed(CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
+                 create_at, creates,
+                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                   async->CreateShards(ctx, request, response, std::move(done));
+                 }),
+             create_at) ||
+      failed(CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+                 update_at, updates,
+                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                   async->UpdateShards(ctx, request, response, std::move(done));
+                 }),
+             update_at)) {
+    return give_up(failure);
+  }
+  CrashPoint("move_before_data");
+
+  // Reload from the checkpoint: the lost shards, or everything. A drain
+  // copies them live from the draining worker instead.
+  const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
+  std::string note;
+  if (drain) {
+    if (absl::Status s = CopyFromDrained(name, epoch, before, info, lost, reload, dp_source);
+        !s.ok()) {
+      return give_up(s);
+    }
+    note = absl::StrCat("drained ", lost_names, ": shards copied live, no update lost");
+  } else if (path.empty()) {
+    note = absl::StrCat("no checkpoint: the shards of ", lost_names,
+                        " came back freshly initialised");
+  } else {
+    std::vector<std::string> at;
+    std::vector<ember::v1::LoadCheckpointRequest> loads;
+    for (const auto& [r, bytes] : load) {
+      if (!whole && !reload.count(r)) continue;
+      ember::v1::LoadCheckpointRequest l;
+      l.set_collection(name);
+      l.set_epoch(epoch);
+      l.set_dir(path);
+      *l.mutable_sources() = manifest.shards();
+      if (!whole) {
+        for (const auto& [table, index] : reload[r]) {
+          auto* ref = l.add_only();
+          ref->set_table(table);
+          ref->set_shard_index(index);
+        }
+      }
+      at.push_back(info.worker_addresses(r));
+      loads.push_back(std::move(l));
+    }
+    if (failed(CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
+                   at, loads,
+                   [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                     async->LoadCheckpoint(ctx, request, response, std::move(done));
+                   },
+                   options_.checkpoint_rpc_timeout),
+               at)) {
+      return give_up(failure);
+    }
+    note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
+                                lost_names, ")")
+                 : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
+                                "; their updates since then are lost");
+  }
+  // The data is in place: from here a restarted coordinator keeps the new
+  // placement; only then does a drained worker let go of its copy.
+  if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/true); !s.ok()) {
+    return give_up(s);
+  }
+  CrashPoint("move_after_data");
+  if (drain) {
+    std::vector<std::string> sources;
+    for (int r : lost) sources.push_back(before.worker_addresses(r));
+    if (absl::Status s = DropOnWorkers(name, epoch, sources); !s.ok()) {
+      LOG(WARNING) << "collection '" << name << "': moved, but the drained copy stays: " << s;
+    }
+  }
+  info.set_state(CollectionInfo::SERVING);
+  if (!drain) {
+    info.set_recovered_from(path);
+    info.set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
+  }
+  info.set_note(note);
+  {
+    absl::MutexLock lock(&mu_);
+    if (!collections_.count(name)) return absl::OkStatus();  // dropped meanwhile
+  }
+  if (absl::Status s = Register(info, ids); !s.ok()) {
+    SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
+    return s;
+  }
+  if (!drain) {
+    absl::MutexLock lock(&mu_);
+    force_lost_.erase(name);
+  }
+  LOG(INFO) << "collection '" << name << "' " << (drain ? "moved" : "recovered") << " at epoch "
+            << epoch << " in " << absl::ToDoubleMilliseconds(absl::Now() - start)
+            << " ms: " << note;
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const std::string& why) {
+  CollectionInfo info;
+  std::vector<std::string> ids;
+  std::set<std::string> alive;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(name);
+    if (it == collections_.end()) return absl::OkStatus();
+    info = it->second;
+    ids = rank_ids_[name];
+    const absl::Time now = absl::Now();
+    for (const auto& [id, w] : workers_) {
+      if (now - w.last_heartbeat < options_.lease) alive.insert(id);
+    }
+  }
+  auto next = NextEpoch();
+  if (!next.ok()) return next.status();
+  info.mutable_plan()->set_epoch(*next);
+  ids.resize(info.worker_addresses_size());
+  std::vector<std::string> at;
+  std::vector<ember::v1::UpdateShardsRequest> updates;
+  for (int r : planner::HoldingRanks(info.plan())) {
+    if (!alive.count(ids[r])) continue;  // a dead rank is the monitor's to recover
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(name);
+    u.set_epoch(*next);
+    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+    at.push_back(info.worker_addresses(r));
+    updates.push_back(std::move(u));
+  }
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+          at, updates, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->UpdateShards(ctx, request, response, std::move(done));
+          });
+  for (size_t i = 0; i < at.size(); ++i) {
+    if (statuses[i].ok()) continue;
+    const absl::Status s = FromGrpc(statuses[i], at[i]);
+    SetState(name, CollectionInfo::DEGRADED, absl::StrCat(why, "; re-adopting failed: ", s.message()));
+    return s;
+  }
+  info.set_state(CollectionInfo::SERVING);
+  info.set_note(why);
+  LOG(WARNING) << "collection '" << name << "' re-adopted at epoch " << *next << ": " << why;
+  return Register(info, ids);
+}
+
+absl::Status CoordinatorService::CopyFromDrained(
+    const std::string& name, int64_t epoch, const CollectionInfo& before,
+    const CollectionInfo& after, const std::set<int>& drained,
+    const std::map<int, std::set<std::pair<std::string, int32_t>>>& moved,
+    const std::map<std::pair<std::string, int32_t>, int>& dp_source) {
+  // 1. The draining worker moves to the new epoch too: every client still on
+  //    the old plan is refused everywhere (and refreshes, and waits for
+  //    RECOVERING to end), so no update lands on a shard being copied.
+  std::vector<std::string> sources;
+  for (int r : drained) sources.push_back(before.worker_addresses(r));
+  ember::v1::UpdateShardsRequest fence;
+  fence.set_collection(name);
+  fence.set_epoch(epoch);
+  const std::vector<grpc::Status> fenced =
+      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+          sources, std::vector<ember::v1::UpdateShardsRequest>(sources.size(), fence),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->UpdateShards(ctx, request, response, std::move(done));
+          });
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (!fenced[i].ok()) return FromGrpc(fenced[i], sources[i]);
+  }
+  // 2. Each moved shard: rows exported from the old place, imported into the
+  //    new, in chunks of about 4 MiB, with the optimizer step.
+  for (const auto& [to, refs] : moved) {
+    for (const auto& [table, index] : refs) {
+      // A new data-parallel replica copies an old one; a shard copies itself.
+      auto dp = dp_source.find({table, index});
+      ember::v1::ShardRef from_ref, to_ref;
+      from_ref.set_table(table);
+      from_ref.set_shard_index(dp != dp_source.end() ? dp->second : index);
+      to_ref.set_table(table);
+      to_ref.set_shard_index(index);
+      const std::optional<ShardAssignment> from = AssignmentOf(before, from_ref);
+      if (!from) return absl::InternalError(absl::StrCat("no shard to copy for table '", table,
+                                                         "' shard ", index));
+      if (absl::Status s = CopyShard(name, epoch, before.worker_addresses(RankOf(before, from_ref)),
+                                     from_ref, after.worker_addresses(to), to_ref, from->rows());
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  return absl::OkStatus();  // the caller drops the drained copy once this is durable
+}
+
+absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_t epoch,
+                                           const std::string& from,
+                                           const ember::v1::ShardRef& from_ref,
+                                           const std::string& to,
+                                           const ember::v1::ShardRef& to_ref, int64_t rows) {
+  ember::v1::Worker::Stub* src = StubFor(from);
+  ember::v1::Worker::Stub* dst = StubFor(to);
+  // Rows [b, e) across, with the step; the first call (no rows) carries the
+  // shard's exactly-once record and tells the row width.
+  auto copy = [&](int64_t b, int64_t e, bool first, ember::v1::ExportRowsResponse* got) {
+    ember::v1::ExportRowsRequest ex;
+    ex.set_collection(collection);
+    *ex.mutable_shard() = from_ref;
+    ex.set_row_begin(b);
+    ex.set_row_end(e);
+    ex.set_with_applied_ids(first);
+    {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, options_.worker_rpc_timeout);
+      AddToken(&ctx, CredentialFor(from));
+      if (grpc::Status s = src->ExportRows(&ctx, ex, got); !s.ok()) return FromGrpc(s, from);
+    }
+    ember::v1::ImportRowsRequest im;
+    im.set_collection(collection);
+    im.set_epoch(epoch);
+    *im.mutable_shard() = to_ref;
+    im.set_row_begin(b);
+    im.set_row_end(e);
+    im.set_weights(std::move(*got->mutable_weights()));
+    im.set_state(std::move(*got->mutable_state()));
+    im.set_step(got->step());
+    *im.mutable_applied_ids() = got->applied_ids();
+    *im.mutable_applied_unix_ms() = got->applied_unix_ms();
+    ember::v1::ImportRowsResponse done;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, options_.worker_rpc_timeout);
+    AddToken(&ctx, CredentialFor(to));
+    if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, to);
+    return absl::OkStatus();
+  };
+  ember::v1::ExportRowsResponse shape;
+  if (absl::Status s = copy(0, 0, true, &shape); !s.ok()) return s;
+  const int64_t chunk =
+      std::max<int64_t>(1, (int64_t{4} << 20) / (4 * (shape.cols() + shape.state_width())));
+  for (int64_t b = 0; b < rows; b += chunk) {
+    ember::v1::ExportRowsResponse got;
+    if (absl::Status s = copy(b, std::min(rows, b + chunk), false, &got); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext* ctx,
+                                             const ember::v1::DrainWorkerRequest* req,
+                                             ember::v1::DrainWorkerResponse* resp) {
+  Caller caller;
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kWorker, &caller); !a.ok()) return a;
+  if (req->worker_id().empty()) return ToGrpc(absl::InvalidArgumentError("worker_id is empty"));
+  if (grpc::Status a = MayActFor(caller, req->worker_id()); !a.ok()) return a;
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!workers_.count(req->worker_id())) {
+      return ToGrpc(absl::NotFoundError(absl::StrCat("no worker '", req->worker_id(), "'")));
+    }
+    draining_.insert(req->worker_id());
+    names = CollectionsOnLocked(req->worker_id());
+  }
+  LOG(INFO) << "draining worker " << req->worker_id() << ": " << names.size() << " collection(s)";
+  for (const std::string& name : names) {
+    if (absl::Status s = RecoverCollection(name, req->worker_id()); !s.ok()) {
+      absl::MutexLock lock(&mu_);
+      draining_.erase(req->worker_id());
+      return ToGrpc(absl::Status(s.code(), absl::StrCat("draining ", req->worker_id(), ": ",
+                                                        s.message())));
+    }
+    resp->add_collections(name);
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace coordinator
+}  // namespace ember
