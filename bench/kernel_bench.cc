@@ -15,7 +15,8 @@
 // caches when they fit (2048 x 20 ids of 256 bytes: 10 MB): a hot-batch
 // figure. Enough sets that their rows pass the last-level cache time a
 // table larger than the caches, as training's fresh batches see it;
-// --id_sets=0 gives every timed call a batch of its own (none repeats). A
+// --id_sets=0 gives every call of a timing a batch of its own (none
+// repeats within it; with --ceiling each round starts them again). A
 // table only a few times the last-level cache still serves part of any
 // batch from it: its --rows decide that, not the sets.
 //

@@ -1,7 +1,7 @@
 // The CUDA backend's kernels and their launchers: device pointers, a stream
 // and a cudaError_t, nothing of the server. The adapter that implements
 // EmbeddingBackend with them (staging, shards, validation, errors as
-// Status) is server/backend/cuda_backend.cc. The kernels are grid-stride
+// Status) is server/backend/cuda/cuda_backend.cc. The kernels are grid-stride
 // loops over the bodies in kernel_bodies.h, the code the emulated backend
 // runs on the CPU.
 //
