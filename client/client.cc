@@ -16,8 +16,8 @@
 #include "absl/synchronization/notification.h"
 #include "client/shared_buffer.h"
 #include "client/shm_channel.h"
+#include "client/routing.h"
 #include "client/transport.h"
-#include "planner/plan_view.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
@@ -30,74 +30,7 @@ using ember::v1::CollectionInfo;
 using ember::v1::ShardFeature;
 using ember::v1::TableConfig;
 
-// ------------------------------------------------------------------ routing
-
-struct Client::Routing {
-  struct Shard {
-    int rank = 0;
-    int32_t index = 0;  // ShardRef.shard_index
-    int64_t row_offset = 0, rows = 0, col_offset = 0, cols = 0;
-  };
-  struct Table {
-    const TableConfig* config = nullptr;
-    std::vector<Shard> shards;    // sharded tables
-    std::vector<Shard> replicas;  // data_parallel: one full copy per rank
-    bool row_split = false;       // some shard holds only part of the rows
-  };
-  CollectionInfo info;
-  std::vector<Table> tables;
-  // feature -> (table index, position in the collection's feature order)
-  std::map<std::string, std::pair<int, int>> features;
-  std::string auth_token;  // ClientOptions::auth_token, for the workers
-};
-
 namespace {
-
-absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionInfo info,
-                                                                    const std::string& token) {
-  auto r = std::make_shared<Client::Routing>();
-  r->info = std::move(info);
-  r->auth_token = token;
-  const auto& spec = r->info.spec();
-  const auto& plan = r->info.plan();
-  if (plan.tables_size() != spec.tables_size()) {
-    return absl::InternalError("the plan and the spec disagree on the tables");
-  }
-  const int world = r->info.worker_addresses_size();
-  int order = 0;
-  for (int t = 0; t < spec.tables_size(); ++t) {
-    Client::Routing::Table table;
-    table.config = &spec.tables(t);
-    const auto& ts = plan.tables(t);
-    for (const planner::PlacedBlock& b : planner::TableBlocks(
-             ts, table.config->num_embeddings(), table.config->embedding_dim())) {
-      if (!b.Held()) continue;  // an empty trailing row-wise shard
-      if (b.rank < 0 || b.rank >= world) return absl::InternalError("plan rank out of range");
-      const Client::Routing::Shard shard{b.rank, b.index, b.row_offset, b.rows, b.col_offset,
-                                         b.cols};
-      if (b.replica) {
-        table.replicas.push_back(shard);
-      } else {
-        table.shards.push_back(shard);
-        table.row_split |= b.rows < table.config->num_embeddings();
-      }
-    }
-    for (const std::string& f : table.config->feature_names()) r->features[f] = {t, order++};
-    r->tables.push_back(std::move(table));
-  }
-  return std::shared_ptr<const Client::Routing>(std::move(r));
-}
-
-// A table of the routed collection; NOT_FOUND if it has none of that name.
-absl::StatusOr<const Client::Routing::Table*> FindTable(const Client::Routing& r,
-                                                       const std::string& collection,
-                                                       const std::string& table) {
-  for (const auto& candidate : r.tables) {
-    if (candidate.config->name() == table) return &candidate;
-  }
-  return absl::NotFoundError(
-      absl::StrCat("no table '", table, "' in collection '", collection, "'"));
-}
 
 std::string RandomRequestId() {
   thread_local std::mt19937_64 rng(std::random_device{}() ^

@@ -224,7 +224,7 @@ class Client {
                                                  const std::string& table, int64_t* rows,
                                                  int64_t* dim);
 
-  struct Routing;  // a collection's plan prepared for routing (client.cc)
+  struct Routing;  // a collection's plan prepared for routing (routing.h)
 
  private:
   // The client's state: its coordinator stub, the routing and worker stubs
