@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -13,12 +12,11 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/common/host_memory.h"
 
 namespace ember {
 namespace bench {
 namespace {
-
-constexpr size_t kHuge = size_t{2} << 20;
 
 // PREFETCHT0 (into L1) or PREFETCHT2 (towards the outer caches), as the
 // CPU backend's kernels issue them (asm, so the compiler keeps each one).
@@ -69,15 +67,15 @@ uint64_t GatherIds(const uint8_t* table, int64_t row_bytes, const int64_t* ids, 
 }  // namespace
 
 RowCeiling::RowCeiling(int64_t rows, int64_t row_bytes, bool huge_pages)
-    : rows_(rows), row_bytes_(row_bytes) {
+    : row_bytes_(row_bytes) {
   const size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(row_bytes);
-  const size_t align = huge_pages ? kHuge : 4096;
-  table_bytes_ = (bytes + align - 1) / align * align;
-  table_ = static_cast<uint8_t*>(std::aligned_alloc(align, table_bytes_));
+  // The CPU backend's own allocation; without huge pages, their request
+  // withdrawn before any page is touched.
+  table_ = static_cast<uint8_t*>(AllocateTableMemory(bytes));
   if (table_ == nullptr) std::abort();
-  madvise(table_, table_bytes_, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  if (!huge_pages) madvise(table_, bytes, MADV_NOHUGEPAGE);
   // Every byte written, each row different.
-  for (size_t i = 0; i < table_bytes_ / 8; ++i) {
+  for (size_t i = 0; i < bytes / 8; ++i) {
     reinterpret_cast<uint64_t*>(table_)[i] = i * 0x9E3779B97F4A7C15ULL;
   }
 }

@@ -30,10 +30,10 @@ struct CeilingPrefetch {
 
 class RowCeiling {
  public:
-  // A table of `rows` rows of `row_bytes` bytes (a multiple of 8), every
-  // byte written (no page is left to the shared zero page). huge_pages:
-  // request transparent huge pages as the CPU backend does; false: 4 KiB
-  // pages (to show what the TLB costs).
+  // A table of `rows` rows of `row_bytes` bytes (a multiple of 8), from
+  // the CPU backend's AllocateTableMemory, every byte written (no page is
+  // left to the shared zero page). huge_pages false: 4 KiB pages (to show
+  // what the TLB costs).
   RowCeiling(int64_t rows, int64_t row_bytes, bool huge_pages = true);
   ~RowCeiling();
 
@@ -50,10 +50,8 @@ class RowCeiling {
   uint64_t checksum() const { return checksum_; }
 
  private:
-  int64_t rows_;
   int64_t row_bytes_;
   uint8_t* table_ = nullptr;
-  size_t table_bytes_ = 0;
   uint64_t checksum_ = 0;
 };
 

@@ -44,7 +44,7 @@ INCLUDES = {
     "backend/cpu": ("server/backend/cpu/", ["server/backend/cpu/",
                                             "server/backend/embedding_backend.h",
                                             "server/backend/overflow_guard.h",
-                                            "math/"]),
+                                            "server/common/", "math/"]),
     "backend/cuda": ("server/backend/cuda/", ["server/backend/cuda/",
                                               "server/backend/embedding_backend.h",
                                               "server/backend/overflow_guard.h",

@@ -43,7 +43,7 @@ worker="$common server/worker/worker_service.cc server/worker/worker_shards.cc s
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
   server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
-  server/backend/table_spec.cc server/checkpoint/recut.cc"
+  server/backend/table_spec.cc server/checkpoint/recut.cc server/common/host_memory.cc"
 planner="planner/cost_model.cc planner/planner.cc planner/plan_options.cc planner/plan_bounds.cc
   planner/plan_search.cc planner/plan_stats.cc planner/plan_view.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"

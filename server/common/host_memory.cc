@@ -1,8 +1,10 @@
 #include "server/common/host_memory.h"
 
 #include <malloc.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -88,6 +90,15 @@ bool KeepFreedHeapMemory(int64_t keep_bytes) {
   constexpr int kHeapBelow = 32 << 20;
   const int keep = static_cast<int>(std::min<int64_t>(keep_bytes, int64_t{1} << 30));
   return mallopt(M_MMAP_THRESHOLD, kHeapBelow) == 1 && mallopt(M_TRIM_THRESHOLD, keep) == 1;
+}
+
+void* AllocateTableMemory(size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t align = bytes >= kHuge ? kHuge : 64;
+  const size_t rounded = (bytes + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, rounded);
+  if (p != nullptr && align == kHuge) madvise(p, rounded, MADV_HUGEPAGE);  // a hint only
+  return p;
 }
 
 }  // namespace ember

@@ -8,6 +8,7 @@
 #ifndef EMBER_SERVER_COMMON_HOST_MEMORY_H_
 #define EMBER_SERVER_COMMON_HOST_MEMORY_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -32,6 +33,13 @@ int64_t HostMemoryBytes();
 // drop; smaller ones go back to the heap. keep_bytes 0 leaves the
 // defaults. False where the allocator refused.
 bool KeepFreedHeapMemory(int64_t keep_bytes);
+
+// Memory for a table of `bytes` that rows are gathered from at random:
+// 64-byte aligned, and for 2 MiB or more, 2 MiB aligned with transparent
+// huge pages requested (random row gathers over a large table otherwise
+// miss the TLB on nearly every id; the kernel may still refuse them). Not
+// touched. nullptr when the memory cannot be had; free with std::free.
+void* AllocateTableMemory(size_t bytes);
 
 }  // namespace ember
 

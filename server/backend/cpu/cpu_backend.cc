@@ -1,6 +1,5 @@
 #include "server/backend/cpu/cpu_backend.h"
 
-#include <sys/mman.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include "server/backend/cpu/cpu_kernels.h"
 #include "server/backend/cpu/thread_pool.h"
 #include "server/backend/overflow_guard.h"
+#include "server/common/host_memory.h"
 
 namespace ember {
 namespace backend {
@@ -41,19 +41,12 @@ struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 
-// Host memory for a shard's weights or state: 64-byte aligned, and for
-// 2 MiB or more, 2 MiB aligned with transparent huge pages requested
-// (random row gathers over a large table otherwise miss the TLB on nearly
-// every id). nullptr when the memory cannot be had.
+// Host memory for a shard's weights or state (AllocateTableMemory: huge
+// pages requested from 2 MiB up). nullptr when the memory cannot be had.
 template <typename T>
 std::unique_ptr<T[], FreeDeleter> AllocateHost(int64_t count) {
-  constexpr size_t kHuge = size_t{2} << 20;
-  const size_t bytes = static_cast<size_t>(count) * sizeof(T);
-  const size_t align = bytes >= kHuge ? kHuge : 64;
-  const size_t rounded = (bytes + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, rounded);
-  if (p != nullptr && align == kHuge) madvise(p, rounded, MADV_HUGEPAGE);  // a hint only
-  return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(p));
+  return std::unique_ptr<T[], FreeDeleter>(
+      static_cast<T*>(AllocateTableMemory(static_cast<size_t>(count) * sizeof(T))));
 }
 
 struct Shard {
