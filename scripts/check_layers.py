@@ -112,10 +112,8 @@ def include_violations(path, text):
     for header in INCLUDE_RE.findall(text):
         if any(header.startswith(h) for h in HIDDEN.get(path, [])):
             bad.append("%s includes %s, which it hides" % (path, header))
-    for header in INCLUDE_RE.findall(text):
-        if not header.startswith(PROJECT):
-            continue
-        if not any(header == a or (a.endswith("/") and header.startswith(a)) for a in allowed):
+        elif header.startswith(PROJECT) and not any(
+                header == a or (a.endswith("/") and header.startswith(a)) for a in allowed):
             bad.append("%s includes %s" % (path, header))
     return bad
 
@@ -158,48 +156,59 @@ def self_check():
             ["wrongly refused: " + p for p in wrongly])
 
 
-# Rule name -> (query that must come back empty, what it means).
-LIBS = 'kind("cc_library", {0}) except attr(testonly, 1, {0})'
+# The two shapes of a rule, as queries that must come back empty.
+def libs(package):
+    """A package's libraries, tests' helpers left out."""
+    return 'kind("cc_library", {0}) except attr(testonly, 1, {0})'.format(package)
+
+
+def only_within(targets, allowed):
+    """`targets` depend on nothing in the repository outside `allowed`."""
+    return "deps(%s) intersect //... except (%s)" % (targets, " + ".join(allowed))
+
+
+def never_reach(targets, forbidden, direct=False, exempt=None):
+    """`targets` reach none of `forbidden` (`direct`: as direct deps only)."""
+    query = "deps(%s%s) intersect (%s)" % (targets, ", 1" if direct else "",
+                                           " + ".join(forbidden))
+    return query + (" except " + exempt if exempt else "")
+
+
+# Rule name -> its query.
 QUERIES = {
-    "math depends on nothing": (
-        "deps(%s) intersect //... except //math/..." % LIBS.format("//math:all"), ""),
-    "kernels know no backend, worker or proto": (
-        "deps(%s) intersect //... except (//cuda/... + //math/... + //third_party/...)"
-        % LIBS.format("//cuda:all"), ""),
-    "link sees only the CUDA runtime seam": (
-        "deps(%s) intersect //... except (//link/... + //cuda:cuda_status + //third_party/...)"
-        % LIBS.format("//link:all"), ""),
-    "planner depends only on the protos (and the arithmetic's sizes)": (
-        "deps(%s) intersect //... except (//planner/... + //proto/... + //math/... + "
-        "//third_party/...)" % LIBS.format("//planner:all"), ""),
-    "backend interface below every backend": (
-        "deps(//server/backend:embedding_backend + //server/backend:overflow_guard) "
-        "intersect //... except (//server/backend:all + //math/... + "
-        "//server/common:id_range + //third_party/...)", ""),
-    "server/common depends on no server layer": (
-        "deps(%s) intersect (//server/backend/... + //server/worker/... + "
-        "//server/coordinator/... + //server/checkpoint/... + //planner/...)"
-        % LIBS.format("//server/common:all"), ""),
-    "worker sees the backend interface and factory only": (
-        "deps(%s, 1) intersect (//server/backend/cpu/... + //server/backend/cuda/... + //cuda/...)"
-        % LIBS.format("//server/worker:all"), ""),
-    "worker knows no coordinator, planner or client": (
-        "deps(%s) intersect (//server/coordinator/... + //planner/... + //client/...)"
-        % LIBS.format("//server/worker:all"), ""),
-    "coordinator knows no worker, backend or device": (
-        "deps(%s) intersect (//server/worker/... + //server/backend/cpu/... + "
-        "//server/backend/cuda/... + //cuda/... + //link/... + //client/...)"
-        % LIBS.format("//server/coordinator:all"), ""),
-    "client reaches servers over RPC only (inprocess aside)": (
-        "deps(%s except //client:inprocess) intersect (//server/backend/... + "
-        "//server/worker/... + //server/coordinator/... + //planner/...) except "
-        "//planner:plan_view" % LIBS.format("//client:all"), ""),
+    "math depends on nothing": only_within(libs("//math:all"), ["//math/..."]),
+    "kernels know no backend, worker or proto": only_within(
+        libs("//cuda:all"), ["//cuda/...", "//math/...", "//third_party/..."]),
+    "link sees only the CUDA runtime seam": only_within(
+        libs("//link:all"), ["//link/...", "//cuda:cuda_status", "//third_party/..."]),
+    "planner depends only on the protos (and the arithmetic's sizes)": only_within(
+        libs("//planner:all"), ["//planner/...", "//proto/...", "//math/...", "//third_party/..."]),
+    "backend interface below every backend": only_within(
+        "//server/backend:embedding_backend + //server/backend:overflow_guard",
+        ["//server/backend:all", "//math/...", "//server/common:id_range", "//third_party/..."]),
+    "server/common depends on no server layer": never_reach(
+        libs("//server/common:all"), ["//server/backend/...", "//server/worker/...",
+                                      "//server/coordinator/...", "//server/checkpoint/...",
+                                      "//planner/..."]),
+    "worker sees the backend interface and factory only": never_reach(
+        libs("//server/worker:all"),
+        ["//server/backend/cpu/...", "//server/backend/cuda/...", "//cuda/..."], direct=True),
+    "worker knows no coordinator, planner or client": never_reach(
+        libs("//server/worker:all"), ["//server/coordinator/...", "//planner/...", "//client/..."]),
+    "coordinator knows no worker, backend or device": never_reach(
+        libs("//server/coordinator:all"),
+        ["//server/worker/...", "//server/backend/cpu/...", "//server/backend/cuda/...",
+         "//cuda/...", "//link/...", "//client/..."]),
+    "client reaches servers over RPC only (inprocess aside)": never_reach(
+        libs("//client:all") + " except //client:inprocess",
+        ["//server/backend/...", "//server/worker/...", "//server/coordinator/...",
+         "//planner/..."], exempt="//planner:plan_view"),
 }
 
 
 def check_queries():
     results = []
-    for name, (query, _) in QUERIES.items():
+    for name, query in QUERIES.items():
         proc = subprocess.run(["bazel", "query", "--noshow_progress", query], cwd=ROOT,
                               capture_output=True, text=True)
         if proc.returncode != 0:
