@@ -35,11 +35,11 @@ cxxflags="-std=c++17 -O1 -g -fno-omit-frame-pointer $san -I. -I$gen -w"
 libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lcrypto -lpthread"
 
 # Sources each target links (object files are shared and rebuilt when older
-# than their source).
+# than their source or a header it includes).
 common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.cc
   $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc server/common/auth.cc
   server/checkpoint/checkpoint_files.cc"
-worker="$common server/worker/worker_service.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/applied_ids.cc server/worker/shm_channels.cc
+worker="$common server/worker/worker_service.cc server/worker/request_codec.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/applied_ids.cc server/worker/shm_channels.cc
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
   server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
@@ -54,17 +54,28 @@ coordinator="$common $planner server/coordinator/coordinator_service.cc
   server/coordinator/replacement_policy.cc server/backend/table_spec.cc"
 formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc client/shared_buffer.cc"
 
+# Whether object $1 must be rebuilt from source $2: missing, or older than
+# the source or any header it included (its depfile, $1.d).
+stale() {
+  local o=$1 src=$2 f
+  if [ ! -f "$o" ] || [ ! -f "$o.d" ] || [ "$src" -nt "$o" ]; then return 0; fi
+  for f in $(sed -e 's/^[^:]*://' -e 's/\\$//' "$o.d"); do
+    if [ "$f" -nt "$o" ]; then return 0; fi
+  done
+  return 1
+}
+
 compile() {  # source -> object path
   local src=$1 o
   o=$obj/$(echo "$src" | sed 's|^/||; s|/|_|g').o
-  if [ ! -f "$o" ] || [ "$src" -nt "$o" ]; then
+  if stale "$o" "$src"; then
     local extra=""
     case "$src" in
       *cpu_kernels_avx2.cc) extra="-mavx2 -mfma -mf16c" ;;
       *cpu_kernels_avx512.cc) extra="-mavx512f -mavx512bw -mavx512dq -mavx512vl -mavx2 -mfma -mf16c" ;;
       *cpu_backend.cc) extra="-fno-math-errno -ffp-contract=off" ;;
     esac
-    $CXX $cxxflags -fsanitize=fuzzer-no-link $extra -c "$src" -o "$o" || return 1
+    $CXX $cxxflags -fsanitize=fuzzer-no-link $extra -MMD -MF "$o.d" -c "$src" -o "$o" || return 1
   fi
   echo "$o"
 }

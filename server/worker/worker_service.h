@@ -37,6 +37,7 @@
 #include "server/common/auth.h"
 #include "server/backend/embedding_backend.h"
 #include "server/worker/applied_ids.h"
+#include "server/worker/request_codec.h"
 #include "server/worker/shm_channels.h"
 
 namespace ember {
@@ -160,9 +161,6 @@ class WorkerService final : public ember::v1::Worker::Service {
   grpc::Status UpdateShards(grpc::ServerContext* ctx, const ember::v1::UpdateShardsRequest* req,
                             ember::v1::UpdateShardsResponse* resp) override;
 
-  // Decoded arrays of one ShardFeature (owned storage for the backend's spans).
-  struct Decoded;
-
  private:
   struct ShardEntry {
     backend::ShardId id = 0;
@@ -178,22 +176,6 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
   };
 
-  // Views f's arrays (and, with `grad`, the gradient's) and checks them
-  // against the shard. With skip_nonfinite and a gradient, what NaN/Inf
-  // touches is left out first (counted in *skipped). With `region`, ids f
-  // names in it are viewed there, in place; with `id_buffer`, ids in that
-  // (buffer_ids) are too, or copied out for a backend that checks ids
-  // before it runs (lookups only). With `on_device`, the ids and weights
-  // (and the gradient, at `device_grad`) are viewed in that link's device
-  // memory, for a backend that reads and checks them there
-  // (FeatureRequest::on_device): only their shapes are checked here.
-  absl::Status DecodeFeature(const Collection& c, const ember::v1::ShardFeature& f,
-                             const std::string* grad, int64_t* cols, Decoded* out,
-                             int64_t* skipped, const ShmChannels::Region* region = nullptr,
-                             const ShmChannels::Region* id_buffer = nullptr,
-                             const ShmChannels::Transfer* on_device = nullptr,
-                             const ember::v1::ShmSlice* device_grad = nullptr) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // A data call refused as busy (`busy`, EnterDataCall's): a link
   // channel's bytes are taken off the link first (up to kMaxBusyReceives
   // calls at once; past that the channel is dropped), so that the link
@@ -202,11 +184,6 @@ class WorkerService final : public ember::v1::Worker::Service {
   // (Use), and its refusal is the answer instead.
   absl::Status RefuseBusy(const std::string& owner, uint64_t channel, uint64_t seq,
                           const ember::v1::ShmSlice& sent, const absl::Status& busy);
-  // Whether the backend reads inputs in device memory (and writes outputs
-  // there): EmbeddingBackend::OutputMemory() is kCudaDevice.
-  bool ReadsDeviceMemory() const {
-    return backend_->OutputMemory() == backend::EmbeddingBackend::Memory::kCudaDevice;
-  }
   // NOT_FOUND unless this worker holds the collection.
   absl::StatusOr<Collection*> HeldCollection(const std::string& name) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -215,6 +192,14 @@ class WorkerService final : public ember::v1::Worker::Service {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const ShardEntry*> FindShard(const Collection& c,
                                               const ember::v1::ShardRef& ref) const;
+  // FindShard, as the codec's ShardResolver sees it.
+  auto ShapesOf(const Collection& c) const {
+    return [this, &c](const ember::v1::ShardRef& ref) -> absl::StatusOr<ShardShape> {
+      auto shard = FindShard(c, ref);
+      if (!shard.ok()) return shard.status();
+      return ShardShape{(*shard)->id, (*shard)->assignment.rows(), (*shard)->assignment.cols()};
+    };
+  }
   static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
   // INVALID_ARGUMENT for a bad name, epoch or assignment.
   static absl::Status CheckAssignments(
@@ -277,6 +262,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   mutable absl::Mutex mu_;
   CollectionMap collections_ ABSL_GUARDED_BY(mu_);
   ShmChannels channels_;
+  const RequestCodec codec_;  // decodes data calls from every transport of channels_
   // Collections whose CreateShards is allocating (outside mu_): a second
   // create of the same name meanwhile is refused (ABORTED).
   std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
