@@ -1,0 +1,41 @@
+// The client's two data calls over a collection's routing, one attempt
+// each (Client::WithRetries retries them): a lookup (RunLookup,
+// lookup_call.cc) and a gradient update (RunGradients, gradient_call.cc),
+// both fanned out to the workers (fanout.h) with each job bucketized per
+// shard (call_jobs.h). Private to //client:client.
+#ifndef EMBER_CLIENT_DATA_CALLS_H_
+#define EMBER_CLIENT_DATA_CALLS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "client/call_jobs.h"
+#include "client/fanout.h"
+#include "client/routing.h"
+
+namespace ember {
+namespace client {
+
+// Lookup for pooled or sequence jobs into each job's `out`. Where the
+// outputs lie in a shared output buffer (shared_buffer.h), workers reached
+// through a channel are asked to write their pooled columns straight into
+// it; on a failed call the buffer is poisoned (a worker may still write into
+// it) and `*poisoned` set: the caller must not keep it. Ids the workers
+// refused (PrepareJobs left them to their check) are named in the
+// client's words (NameRefusedIds).
+absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                       uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
+                       const ChannelFor& channel_for, bool* poisoned = nullptr);
+
+// Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
+absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                          const std::string& request_id, uint64_t digest, absl::Time deadline,
+                          const StubFor& stub_for, const ChannelFor& channel_for);
+
+}  // namespace client
+}  // namespace ember
+
+#endif  // EMBER_CLIENT_DATA_CALLS_H_
