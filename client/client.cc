@@ -38,6 +38,10 @@ struct Client::Impl {
   // A shared-memory or link channel of `bytes` to the worker at `address`
   // for one call, or an empty lease (inline; always with neither on).
   ChannelPool::Lease ChannelTo(Client& client, const std::string& address, uint64_t bytes);
+  // The data calls' ways to a worker (fanout.h): its stub, and a channel
+  // to it for one call (ChannelTo). Set by the Client's constructor.
+  client::StubFor stub_for;  // (the type: Client::StubFor is the method)
+  ChannelFor channel_for;
 
   const std::string coordinator_address;
   const ClientOptions options;
@@ -51,7 +55,12 @@ struct Client::Impl {
 };
 
 Client::Client(const std::string& coordinator, const ClientOptions& options)
-    : impl_(std::make_unique<Impl>(coordinator, options)) {}
+    : impl_(std::make_unique<Impl>(coordinator, options)) {
+  impl_->stub_for = [this](const std::string& a) { return StubFor(a); };
+  impl_->channel_for = [this](const std::string& a, uint64_t bytes) {
+    return impl_->ChannelTo(*this, a, bytes);
+  };
+}
 
 Client::~Client() = default;
 
@@ -296,10 +305,6 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtVie
 
 absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out) {
   KeyedTensor& kt = *out;
-  auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) {
-    return impl_->ChannelTo(*this, a, bytes);
-  };
   const uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -324,7 +329,7 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
       jobs[k].out_zeroed = false;
     }
     bool poisoned = false;
-    absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for, channel_for, &poisoned);
+    absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, &poisoned);
     // A worker may yet write into this buffer: let it go (a retry or the
     // next call takes a fresh one).
     if (poisoned) kt.values = FloatBuffer();
@@ -348,10 +353,6 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
     d.Add(grads.values);
     digest = d.value();
   }
-  auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) {
-    return impl_->ChannelTo(*this, a, bytes);
-  };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/false, &jobs); !st.ok()) {
@@ -378,7 +379,7 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
       jobs[k].grad = layout.values.data() + offsets[k];
       jobs[k].grad_stride = layout.row_width();
     }
-    return RunGradients(r, &jobs, id, digest, deadline, stub_for, channel_for);
+    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for);
   });
 }
 
@@ -472,10 +473,6 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
   DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
-  auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) {
-    return impl_->ChannelTo(*this, a, bytes);
-  };
   const uint64_t pick = impl_->replica_counter.fetch_add(1);
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -510,7 +507,7 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
       }
       col += j.dim;
     }
-    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, stub_for, channel_for); !st.ok()) {
+    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for); !st.ok()) {
       return st;
     }
     col = 0;
@@ -538,10 +535,6 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
   DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
-  auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) {
-    return impl_->ChannelTo(*this, a, bytes);
-  };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     int64_t width = 0;
@@ -562,17 +555,13 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
       j.grad_stride = width;
       col += j.dim;
     }
-    return RunGradients(r, &jobs, id, /*digest=*/0, deadline, stub_for, channel_for);
+    return RunGradients(r, &jobs, id, /*digest=*/0, deadline, impl_->stub_for, impl_->channel_for);
   });
 }
 
 absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
     const std::string& collection, KjtView kjt) {
   std::vector<SequenceEmbedding> out;
-  auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) {
-    return impl_->ChannelTo(*this, a, bytes);
-  };
   const uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
@@ -587,7 +576,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
       jobs[k].out = out[k].values.data();
       jobs[k].out_stride = jobs[k].dim;
     }
-    return RunLookup(r, &jobs, pick, deadline, stub_for, channel_for);
+    return RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for);
   });
   if (!s.ok()) return s;
   return out;
@@ -620,10 +609,6 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
     }
     digest = d.value();
   }
-  auto stub_for = [this](const std::string& a) { return StubFor(a); };
-  auto channel_for = [this](const std::string& a, uint64_t bytes) {
-    return impl_->ChannelTo(*this, a, bytes);
-  };
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/true, &jobs); !st.ok()) {
@@ -653,7 +638,7 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
       j.grad = g->values.data();
       j.grad_stride = j.dim;
     }
-    return RunGradients(r, &jobs, id, digest, deadline, stub_for, channel_for);
+    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for);
   });
 }
 

@@ -21,6 +21,7 @@
 #include "server/backend/cpu/cpu_kernels.h"
 #include "server/backend/cpu/thread_pool.h"
 #include "server/backend/overflow_guard.h"
+#include "server/backend/shard_registry.h"
 #include "server/common/host_memory.h"
 
 namespace ember {
@@ -153,25 +154,20 @@ class CpuBackend : public EmbeddingBackend {
       }
     });
     absl::MutexLock lock(&mu_);
-    const ShardId id = next_id_++;
-    shards_.emplace(id, std::move(shard));
-    return id;
+    return shards_.Add(std::move(shard));
   }
 
   absl::Status DropShard(ShardId id) override {
     absl::MutexLock lock(&mu_);
-    auto it = shards_.find(id);
-    if (it == shards_.end()) return ShardNotFound(id);
-    budget_.Release(it->second->Bytes());
-    shards_.erase(it);
+    auto shard = shards_.Remove(id);
+    if (!shard.ok()) return shard.status();
+    budget_.Release((*shard)->Bytes());
     return absl::OkStatus();
   }
 
   absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
     absl::MutexLock lock(&mu_);
-    auto it = shards_.find(id);
-    if (it == shards_.end()) return ShardNotFound(id);
-    return it->second->spec;
+    return shards_.Spec(id);
   }
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
@@ -400,18 +396,12 @@ class CpuBackend : public EmbeddingBackend {
 
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
     absl::MutexLock lock(&mu_);
-    const Shard* s = FindShard(id);
-    if (s == nullptr) return ShardNotFound(id);
-    return s->step;
+    return shards_.Step(id);
   }
 
   absl::Status ImportStep(ShardId id, int64_t step) override {
     absl::MutexLock lock(&mu_);
-    Shard* s = FindShard(id);
-    if (s == nullptr) return ShardNotFound(id);
-    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
-    s->step = step;
-    return absl::OkStatus();
+    return shards_.SetStep(id, step);
   }
 
   int64_t AvailableBytes() const override { return budget_.Available(); }
@@ -445,8 +435,7 @@ class CpuBackend : public EmbeddingBackend {
   }
 
   Shard* FindShard(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = shards_.find(id);
-    return it == shards_.end() ? nullptr : it->second.get();
+    return shards_.Find(id);
   }
 
   // Bag offsets and shard per lookup request, in reused buffers;
@@ -991,8 +980,7 @@ class CpuBackend : public EmbeddingBackend {
   const PrefetchStyle style_;  // the lookups' (options_.prefetch_style resolved)
   ThreadPool pool_;
   mutable absl::Mutex mu_;
-  std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
-  ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  ShardRegistry<Shard> shards_ ABSL_GUARDED_BY(mu_);
   MemoryBudget budget_;
   // Scratch reused across calls (no allocation once warm).
   std::vector<std::vector<int64_t>> offsets_ ABSL_GUARDED_BY(mu_);

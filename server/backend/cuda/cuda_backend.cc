@@ -52,6 +52,7 @@
 #include "server/backend/cuda/slot_pool.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/overflow_guard.h"
+#include "server/backend/shard_registry.h"
 #include "server/common/byte_ranges.h"
 
 namespace ember {
@@ -529,7 +530,7 @@ class CudaBackend : public EmbeddingBackend {
   ~CudaBackend() override {
     cudaSetDevice(options_.device);
     cudaStreamSynchronize(stream_);
-    shards_.clear();
+    shards_.Clear();
     scratch_.Reset();
     record_.Reset();
     measure_.Reset();
@@ -613,9 +614,7 @@ class CudaBackend : public EmbeddingBackend {
       return s;
     }
     absl::MutexLock lock(&mu_);
-    const ShardId id = next_id_++;
-    shards_.emplace(id, std::move(shard));
-    return id;
+    return shards_.Add(std::move(shard));
   }
 
   // Allocates and initialises an unpublished shard (DoCreateShard).
@@ -635,8 +634,7 @@ class CudaBackend : public EmbeddingBackend {
 
   absl::Status DropShard(ShardId id) override {
     absl::MutexLock lock(&mu_);
-    auto it = shards_.find(id);
-    if (it == shards_.end()) return ShardNotFound(id);
+    if (shards_.Find(id) == nullptr) return ShardNotFound(id);
     if (absl::Status s = Activate(); !s.ok()) return s;
     // Calls that have left mu_ may still have kernels queued that read it.
     // A lost device runs nothing more: its shards are dropped all the same.
@@ -644,16 +642,14 @@ class CudaBackend : public EmbeddingBackend {
         err != cudaSuccess && !IsStickyError(err)) {
       return CudaErrorToStatus(err, "cudaStreamSynchronize");
     }
-    budget_.Release(it->second->Bytes());
-    shards_.erase(it);
+    auto shard = shards_.Remove(id);
+    budget_.Release((*shard)->Bytes());
     return absl::OkStatus();
   }
 
   absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
     absl::MutexLock lock(&mu_);
-    const Shard* s = FindShard(id);
-    if (s == nullptr) return ShardNotFound(id);
-    return s->spec;
+    return shards_.Spec(id);
   }
 
   // A data call holds a staging slot throughout, queues its work under
@@ -1181,18 +1177,12 @@ class CudaBackend : public EmbeddingBackend {
 
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
     absl::MutexLock lock(&mu_);
-    const Shard* s = FindShard(id);
-    if (s == nullptr) return ShardNotFound(id);
-    return s->step;
+    return shards_.Step(id);
   }
 
   absl::Status ImportStep(ShardId id, int64_t step) override {
     absl::MutexLock lock(&mu_);
-    Shard* s = FindShard(id);
-    if (s == nullptr) return ShardNotFound(id);
-    if (step < 0) return absl::InvalidArgumentError("step must be >= 0");
-    s->step = step;
-    return absl::OkStatus();
+    return shards_.SetStep(id, step);
   }
 
   int64_t AvailableBytes() const override { return budget_.Available(); }
@@ -1541,8 +1531,7 @@ class CudaBackend : public EmbeddingBackend {
   }
 
   Shard* FindShard(ShardId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = shards_.find(id);
-    return it == shards_.end() ? nullptr : it->second.get();
+    return shards_.Find(id);
   }
 
   const CudaBackendOptions options_;
@@ -1550,8 +1539,7 @@ class CudaBackend : public EmbeddingBackend {
   const std::string device_name_;
   const int max_blocks_;
   mutable absl::Mutex mu_;
-  std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
-  ShardId next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  backend::ShardRegistry<Shard> shards_ ABSL_GUARDED_BY(mu_);
   backend::MemoryBudget budget_;
   // The fixed scratch every data call uses (const calls too), allocated
   // once by Init, and what call_split needs to know of it and the staging.
