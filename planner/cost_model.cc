@@ -144,7 +144,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // the ids it got); for pooled tables one per bag of the request, on every
   // shard, row-wise ones included: a row-wise shard returns a dense
   // [batch, cols] partial sum, zeros where none of a bag's ids fell in its
-  // rows, and takes the gradient back in the same dense shape (client.cc:
+  // rows, and takes the gradient back in the same dense shape (client/:
   // Bucketize sends every bag's length; RunGradients slices `batch x cols`
   // gradient rows for pooled features). Measured, this is what decides
   // row-wise against table-wise (docs/lab-notes/2026-11-benchmarks.md, "The cost model

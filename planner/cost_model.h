@@ -62,7 +62,7 @@ struct CostModel {
   double per_shard_overhead_ms = 0.0;
   // Fixed time per step of every worker that holds a non-empty shard, ms:
   // the worker gets one lookup RPC (and one update RPC) per step however
-  // many shards it holds (client.cc fans a call out once per worker).
+  // many shards it holds (client/fanout.h: one call per worker).
   // Added twice to such workers' costs in the plan's statistics (forward
   // and backward time); the same for every busy worker, so it moves the
   // slowest worker's cost and no choice of the search. 0 by default; `emberctl
