@@ -168,7 +168,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<eb::EmbeddingBackend>> backend =
       absl::InvalidArgumentError("--backend must be cpu or cuda, got '" + FLAGS_backend + "'");
   if (FLAGS_backend == "cpu") backend = eb::CreateCpuBackend(options);
-  if (FLAGS_backend == "cuda") backend = ember::cuda::CreateCudaBackend({});
+  if (FLAGS_backend == "cuda") backend = ember::backend::CreateCudaBackend({});
   if (!backend.ok()) {
     std::fprintf(stderr, "kernel_bench: %s\n", backend.status().ToString().c_str());
     return 1;

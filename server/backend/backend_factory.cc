@@ -40,12 +40,12 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     return made;
   }
   if (config.device == "cuda") {
-    cuda::CudaBackendOptions o;
+    backend::CudaBackendOptions o;
     o.device = config.cuda_device;
     o.memory_limit_bytes = config.memory_limit_bytes;
     o.skip_overflow = config.skip_overflow;
     o.scratch_bytes = config.cuda_scratch_bytes;
-    auto b = cuda::CreateCudaBackend(o);
+    auto b = backend::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
     made.backend = std::move(*b);
     made.cuda = true;

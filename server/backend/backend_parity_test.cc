@@ -106,9 +106,9 @@ class DeviceInputsBackend : public ForwardingBackend {
 void AddCudaBackend(const std::string& name, size_t split_bytes, std::vector<BackendParam>* out) {
   auto make = [](size_t scratch_bytes, bool device_inputs)
       -> absl::StatusOr<std::unique_ptr<EmbeddingBackend>> {
-    cuda::CudaBackendOptions o;
+    backend::CudaBackendOptions o;
     if (scratch_bytes > 0) o.scratch_bytes = static_cast<int64_t>(scratch_bytes);
-    auto be = cuda::CreateCudaBackend(o);
+    auto be = backend::CreateCudaBackend(o);
 #if __has_include(<cuda_runtime_api.h>)
     if (be.ok() && device_inputs) {
       return std::unique_ptr<EmbeddingBackend>(new DeviceInputsBackend(*std::move(be)));
@@ -152,19 +152,19 @@ std::vector<BackendParam> AvailableBackends() {
   // in every build.
   out.push_back({"cuda_emulated", [] {
                    return absl::StatusOr<std::unique_ptr<EmbeddingBackend>>(
-                       cuda::CreateEmulatedCudaBackend());
+                       backend::CreateEmulatedCudaBackend());
                  }});
   // The same with a scratch so small that most calls run in pieces
   // (server/backend/cuda/call_split.h), as calls larger than a GPU's scratch do.
   out.push_back({"cuda_emulated_split", [] {
-                   cuda::EmulatedCudaOptions o;
+                   backend::EmulatedCudaOptions o;
                    o.scratch_bytes = kSplitScratchBytes;
                    return absl::StatusOr<std::unique_ptr<EmbeddingBackend>>(
-                       cuda::CreateEmulatedCudaBackend(o));
+                       backend::CreateEmulatedCudaBackend(o));
                  },
                  kSplitScratchBytes});
   // The CUDA backend joins wherever a GPU is visible (never in CI here).
-  if (cuda::CreateCudaBackend({}).ok()) AddCudaBackend("cuda", kCudaSplitScratchBytes, &out);
+  if (backend::CreateCudaBackend({}).ok()) AddCudaBackend("cuda", kCudaSplitScratchBytes, &out);
   return out;
 }
 
@@ -1318,10 +1318,10 @@ TEST(SkipOverflowTest, MisfitRowsAreLeftAloneAndCounted) {
                     }});
   for (size_t scratch : {size_t{0}, kSplitScratchBytes}) {
     makers.push_back({absl::StrCat("cuda_emulated_", scratch), [scratch] {
-                        cuda::EmulatedCudaOptions o;
+                        backend::EmulatedCudaOptions o;
                         o.skip_overflow = true;
                         o.scratch_bytes = scratch;
-                        return cuda::CreateEmulatedCudaBackend(o);
+                        return backend::CreateEmulatedCudaBackend(o);
                       }});
   }
   for (auto& [name, make] : makers) {

@@ -57,10 +57,10 @@ cuda::PeerLinks* Nccl() {
 // "c": table "t" (SUM, kRows x kDim, TorchRec's default initialisation,
 // SGD at rate 1). *recorder is its backend.
 std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip_nonfinite = false) {
-  cuda::CudaBackendOptions o;
+  backend::CudaBackendOptions o;
   o.device = 0;
   o.scratch_bytes = 1 << 20;
-  auto b = cuda::CreateCudaBackend(o);
+  auto b = backend::CreateCudaBackend(o);
   EXPECT_TRUE(b.ok()) << b.status();
   if (!b.ok()) return nullptr;
   auto rec = std::make_unique<RecordingBackend>(*std::move(b));

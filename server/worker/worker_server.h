@@ -34,7 +34,7 @@ struct WorkerServerOptions {
   std::string coordinator;             // host:port of the coordinator
   std::string device = "cpu";          // "cpu" or "cuda"
   int cuda_device = 0;                 // cuda: the GPU ordinal
-  // cuda: the fixed scratch (cuda::CudaBackendOptions::scratch_bytes).
+  // cuda: the fixed scratch (backend::CudaBackendOptions::scratch_bytes).
   int64_t cuda_scratch_bytes = int64_t{256} << 20;
   int threads = 1;                     // CPU backend threads per call
   // Memory for shards. 0: for CPU workers 90% of what the host really has

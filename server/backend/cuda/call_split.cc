@@ -8,12 +8,8 @@
 #include "absl/strings/str_cat.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::Pooling;
 
 bool Scratch::FitsLookup(const CallSize& size) const {
   const LookupLayout l = LayOutLookup(size, lookup_temp(size));
@@ -148,7 +144,7 @@ absl::Status ForEachGradientPiece(absl::Span<const GradientRequest> requests,
   std::vector<const float*> src(total);
   for (int64_t i = 0, p = 0; i < n; ++i) {
     const FeatureRequest& f = requests[i].feature;
-    const GradDesc& d = plan.descs[i];
+    const cuda::GradDesc& d = plan.descs[i];
     int64_t k = 0;
     for (size_t bag = 0; bag < f.lengths.size(); ++bag) {
       const int64_t len = f.lengths[bag];
@@ -245,7 +241,7 @@ absl::Status ForEachGradientPiece(absl::Span<const GradientRequest> requests,
       // Positions grow within a piece, so requests come in order.
       const int64_t req = std::upper_bound(plan.id_begin.begin(), plan.id_begin.end(), p) -
                           plan.id_begin.begin() - 1;
-      const GradDesc& d = plan.descs[req];
+      const cuda::GradDesc& d = plan.descs[req];
       if (req != r) {
         GradientRequest g;
         g.feature.shard = requests[req].feature.shard;
@@ -277,5 +273,5 @@ absl::Status ForEachGradientPiece(absl::Span<const GradientRequest> requests,
   return absl::OkStatus();
 }
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -15,7 +15,7 @@
 #include "server/backend/embedding_backend.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 // A backend's fixed scratch and staging bytes, and the temporary storage its
 // scans and sort need for a call of a given size.
@@ -62,7 +62,7 @@ absl::Status ForEachGradientPiece(absl::Span<const backend::GradientRequest> req
                                   const Scratch& scratch, const GradientRun& run,
                                   const CheckWhole& check_whole = nullptr);
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_CUDA_CALL_SPLIT_H_

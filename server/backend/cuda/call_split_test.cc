@@ -12,15 +12,9 @@
 #include "gtest/gtest.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::Pooling;
-using backend::ShardId;
-using backend::ShardSpec;
 
 struct Fixture {
   std::map<ShardId, ShardSpec> specs;
@@ -380,5 +374,5 @@ TEST(CallSplitTest, PieceFailureStopsTheRest) {
 }
 
 }  // namespace
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

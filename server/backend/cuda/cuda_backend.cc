@@ -56,27 +56,9 @@
 #include "server/common/byte_ranges.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::EmbeddingBackend;
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::OptimizerType;
-using backend::Pooling;
-using backend::ShardId;
-using backend::ShardNotFound;
-using backend::ShardSpec;
-namespace math = backend::math;
-using backend::CheckFinite;
-using backend::CheckIds;
-using backend::Checks;
-using backend::RequestWhat;
-using backend::ValidateRequests;
-using backend::ValidateImport;
-using backend::ValidateRowRange;
-using backend::WeightType;
 
 // Host <-> device copies of shard rows (init, export, import) go through
 // pinned staging in chunks of about this size.
@@ -95,7 +77,7 @@ absl::Status DeviceAlloc(void** p, size_t bytes, bool pinned_host) {
   if (err == cudaSuccess) return absl::OkStatus();
   *p = nullptr;
   cudaGetLastError();
-  return CudaErrorToStatus(err, pinned_host ? "cudaMallocHost" : "cudaMalloc");
+  return cuda::CudaErrorToStatus(err, pinned_host ? "cudaMallocHost" : "cudaMalloc");
 }
 
 // Owns one cudaMalloc'd (or, when pinned_host, cudaMallocHost'd) block.
@@ -488,11 +470,11 @@ class CudaBackend : public EmbeddingBackend {
     split_.device_bytes = split_.host_bytes = static_cast<size_t>(options.scratch_bytes);
     split_.lookup_temp = [](const CallSize& s) {
       size_t bytes = 0;
-      return LookupTempBytes(s.bags, &bytes) == cudaSuccess ? bytes : kUnknownTemp;
+      return cuda::LookupTempBytes(s.bags, &bytes) == cudaSuccess ? bytes : kUnknownTemp;
     };
     split_.gradient_temp = [](const CallSize& s) {
       size_t bytes = 0;
-      return BackwardTempBytes(s.bags, s.ids, s.end_bit, &bytes) == cudaSuccess ? bytes
+      return cuda::BackwardTempBytes(s.bags, s.ids, s.end_bit, &bytes) == cudaSuccess ? bytes
                                                                                 : kUnknownTemp;
     };
   }
@@ -508,7 +490,7 @@ class CudaBackend : public EmbeddingBackend {
       if (s.ok()) s = slot.host.Allocate(bytes);
     }
     if (s.ok()) s = init_staging_.Allocate(kTransferChunkBytes);
-    if (s.ok()) s = record_.Allocate(sizeof(OverflowRecord));
+    if (s.ok()) s = record_.Allocate(sizeof(cuda::OverflowRecord));
     if (s.ok()) s = measure_.Allocate(4 * sizeof(unsigned int));
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("the backend's scratch (", bytes,
@@ -578,7 +560,7 @@ class CudaBackend : public EmbeddingBackend {
     return Guarded([&]() -> absl::Status {
       absl::MutexLock lock(&mu_);
       if (absl::Status s = Activate(); !s.ok()) return s;
-      EMBER_RETURN_IF_CUDA_ERROR(LaunchFault(stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchFault(stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
       return absl::OkStatus();
     });
@@ -639,8 +621,8 @@ class CudaBackend : public EmbeddingBackend {
     // Calls that have left mu_ may still have kernels queued that read it.
     // A lost device runs nothing more: its shards are dropped all the same.
     if (const cudaError_t err = cudaStreamSynchronize(stream_);
-        err != cudaSuccess && !IsStickyError(err)) {
-      return CudaErrorToStatus(err, "cudaStreamSynchronize");
+        err != cudaSuccess && !cuda::IsStickyError(err)) {
+      return cuda::CudaErrorToStatus(err, "cudaStreamSynchronize");
     }
     auto shard = shards_.Remove(id);
     budget_.Release((*shard)->Bytes());
@@ -806,7 +788,7 @@ class CudaBackend : public EmbeddingBackend {
     } else if (split_.FitsGradients(SizeOf(plan))) {
       if (absl::Status st = CanonicalRefusal(
               requests, QueueGradientPiece(requests, lease->slot(), absl::MakeSpan(grad_max),
-                                           [&](const GradientPlan& p, const BackwardLaunch& a)
+                                           [&](const GradientPlan& p, const cuda::BackwardLaunch& a)
                                                ABSL_NO_THREAD_SAFETY_ANALYSIS {
                                                  const bool guard = decide();
                                                  return LaunchGuarded(p, a, guard, false, &seen);
@@ -838,7 +820,7 @@ class CudaBackend : public EmbeddingBackend {
                   first = false;
                   return QueueGradientPiece(
                       piece, lease->slot(), /*grad_max=*/{},
-                      [&](const GradientPlan& p, const BackwardLaunch& a)
+                      [&](const GradientPlan& p, const cuda::BackwardLaunch& a)
                           ABSL_NO_THREAD_SAFETY_ANALYSIS {
                             return LaunchGuarded(p, a, guard, checking, &seen);
                           });
@@ -862,26 +844,26 @@ class CudaBackend : public EmbeddingBackend {
   // (kCheckRows), and a misfit refuses the call, named by a reporting
   // launch; `check_only` stops there (a cut call's first pass). The checks
   // are waited for here.
-  absl::Status LaunchGuarded(const GradientPlan& plan, BackwardLaunch a, bool guard,
+  absl::Status LaunchGuarded(const GradientPlan& plan, cuda::BackwardLaunch a, bool guard,
                              bool check_only, backend::OverflowReport* seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!guard) {
       if (check_only) return absl::OkStatus();
-      EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchBackward(a, max_blocks_, stream_));
       return absl::OkStatus();
     }
-    OverflowRecord* dev = reinterpret_cast<OverflowRecord*>(record_.get());
-    OverflowRecord got;
+    cuda::OverflowRecord* dev = reinterpret_cast<cuda::OverflowRecord*>(record_.get());
+    cuda::OverflowRecord got;
     auto run = [&](int32_t mode, bool guarded_apply, bool reset) -> absl::Status {
       if (reset) {
-        EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dev, &fresh_record_, sizeof(OverflowRecord),
+        EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(dev, &fresh_record_, sizeof(cuda::OverflowRecord),
                                                    cudaMemcpyHostToDevice, stream_));
       }
       a.mode = mode;
       a.guarded_apply = guarded_apply ? 1 : 0;
       a.guard_all = 1;
       a.record = dev;
-      EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchBackward(a, max_blocks_, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(
           cudaMemcpyAsync(&got, dev, sizeof(got), cudaMemcpyDeviceToHost, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
@@ -889,24 +871,24 @@ class CudaBackend : public EmbeddingBackend {
     };
     if (options_.skip_overflow) {
       if (check_only) return absl::OkStatus();
-      if (absl::Status st = run(kApplyRows, true, true); !st.ok()) return st;
+      if (absl::Status st = run(cuda::kApplyRows, true, true); !st.ok()) return st;
       NoteMaxima(got, seen);
       skipped_rows_.fetch_add(static_cast<int64_t>(got.skipped), std::memory_order_relaxed);
       return absl::OkStatus();
     }
-    if (absl::Status st = run(kCheckRows, false, true); !st.ok()) return st;
+    if (absl::Status st = run(cuda::kCheckRows, false, true); !st.ok()) return st;
     NoteMaxima(got, seen);
     if (got.first_key != fresh_record_.first_key) {
-      if (absl::Status st = run(kReportRow, false, false); !st.ok()) return st;
+      if (absl::Status st = run(cuda::kReportRow, false, false); !st.ok()) return st;
       ShardId id;
       const backend::OverflowReport r = ReportOf(plan, got, &id);
       return backend::OverflowRefusal(FindShard(id)->spec, r);
     }
     if (check_only) return absl::OkStatus();
-    a.mode = kApplyRows;
+    a.mode = cuda::kApplyRows;
     a.guarded_apply = 0;
     a.guard_all = 0;
-    EMBER_RETURN_IF_CUDA_ERROR(LaunchBackward(a, max_blocks_, stream_));
+    EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchBackward(a, max_blocks_, stream_));
     return absl::OkStatus();
   }
 
@@ -917,7 +899,7 @@ class CudaBackend : public EmbeddingBackend {
     backend::ValueBounds b;
     b.weight = std::numeric_limits<double>::infinity();
     const ShardSpec& spec = s.spec;
-    MeasureLaunch m;
+    cuda::MeasureLaunch m;
     m.weights = s.weights.get();
     m.weight_type = static_cast<int32_t>(spec.weight_type);
     m.adam = spec.optimizer.type == backend::OptimizerType::kAdam ? 1 : 0;
@@ -930,7 +912,7 @@ class CudaBackend : public EmbeddingBackend {
     m.out = reinterpret_cast<unsigned int*>(measure_.get());
     unsigned int got[3] = {0, 0, 0};
     if (cudaMemcpyAsync(m.out, got, sizeof(got), cudaMemcpyHostToDevice, stream_) != cudaSuccess ||
-        LaunchMeasure(m, max_blocks_, stream_) != cudaSuccess ||
+        cuda::LaunchMeasure(m, max_blocks_, stream_) != cudaSuccess ||
         cudaMemcpyAsync(got, m.out, sizeof(got), cudaMemcpyDeviceToHost, stream_) != cudaSuccess ||
         cudaStreamSynchronize(stream_) != cudaSuccess) {
       return b;
@@ -960,7 +942,7 @@ class CudaBackend : public EmbeddingBackend {
     char* h = slot.host.get();
     char* d = scratch_.get();
     std::memcpy(h + l.item_begin, plan.item_begin.data(), (n + 1) * sizeof(int64_t));
-    std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(LookupDesc));
+    std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(cuda::LookupDesc));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
     if (absl::Status st = StageFeatures(requests, "lookup", l.lengths, l.ids, l.weights, &up);
@@ -968,9 +950,9 @@ class CudaBackend : public EmbeddingBackend {
       return st;
     }
     if (absl::Status st = up.Flush(l.in_bytes); !st.ok()) return st;
-    LookupLaunch a;
+    cuda::LookupLaunch a;
     a.item_begin = At<const int64_t>(d, l.item_begin);
-    a.descs = At<const LookupDesc>(d, l.descs);
+    a.descs = At<const cuda::LookupDesc>(d, l.descs);
     a.num_requests = n;
     a.total_items = plan.total_items;
     a.lengths = At<const int64_t>(d, l.lengths);
@@ -981,7 +963,7 @@ class CudaBackend : public EmbeddingBackend {
     a.out = At<float>(d, l.out);
     a.temp = d + l.temp;
     a.temp_bytes = l.device_bytes - l.temp;
-    EMBER_RETURN_IF_CUDA_ERROR(LaunchLookup(a, max_blocks_, stream_));
+    EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchLookup(a, max_blocks_, stream_));
     if (requests[0].output_on_device) {  // (all alike: validated) no host leg
       int64_t at = 0;
       for (const LookupRequest& r : requests) {
@@ -1002,7 +984,7 @@ class CudaBackend : public EmbeddingBackend {
   // staged in `slot`: each request's largest |gradient| goes to grad_max
   // (unless empty) as its host gradients are staged, and `launch` launches
   // the update.
-  using GradientLaunch = std::function<absl::Status(const GradientPlan&, const BackwardLaunch&)>;
+  using GradientLaunch = std::function<absl::Status(const GradientPlan&, const cuda::BackwardLaunch&)>;
   absl::Status QueueGradientPiece(absl::Span<const GradientRequest> requests, StagingSlot& slot,
                                   absl::Span<float> grad_max, const GradientLaunch& launch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1017,8 +999,8 @@ class CudaBackend : public EmbeddingBackend {
     char* h = slot.host.get();
     char* d = scratch_.get();
     std::memcpy(h + l.id_begin, plan.id_begin.data(), (n + 1) * sizeof(int64_t));
-    std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(GradDesc));
-    std::memcpy(h + l.updates, plan.updates.data(), num_shards * sizeof(UpdateDesc));
+    std::memcpy(h + l.descs, plan.descs.data(), n * sizeof(cuda::GradDesc));
+    std::memcpy(h + l.updates, plan.updates.data(), num_shards * sizeof(cuda::UpdateDesc));
     std::memcpy(h + l.key_base, plan.key_base.data(), (num_shards + 1) * sizeof(uint64_t));
     // The arrays, region by region in layout order, uploaded as they fill.
     Uploader up(h, d, stream_);
@@ -1048,11 +1030,11 @@ class CudaBackend : public EmbeddingBackend {
       at += r.grad.size() * sizeof(float);
     }
     if (absl::Status st = up.Flush(l.in_bytes); !st.ok()) return st;
-    BackwardLaunch a;
+    cuda::BackwardLaunch a;
     a.id_begin = At<const int64_t>(d, l.id_begin);
-    a.descs = At<const GradDesc>(d, l.descs);
+    a.descs = At<const cuda::GradDesc>(d, l.descs);
     a.num_requests = n;
-    a.updates = At<const UpdateDesc>(d, l.updates);
+    a.updates = At<const cuda::UpdateDesc>(d, l.updates);
     a.key_base = At<const uint64_t>(d, l.key_base);
     a.num_shards = num_shards;
     a.lengths = At<const int64_t>(d, l.lengths);
@@ -1274,7 +1256,7 @@ class CudaBackend : public EmbeddingBackend {
         EMBER_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(state, 0, state_elems * sizeof(float), init_stream_));
       } else {
-        EMBER_RETURN_IF_CUDA_ERROR(LaunchFill(state, state_elems, init, max_blocks_, init_stream_));
+        EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchFill(state, state_elems, init, max_blocks_, init_stream_));
       }
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(init_stream_));
     }
@@ -1289,7 +1271,7 @@ class CudaBackend : public EmbeddingBackend {
     auto result = fn();
     if (!result.ok()) {
       const cudaError_t err = cudaStreamQuery(stream_);  // sticky errors persist
-      if (IsStickyError(err)) {
+      if (cuda::IsStickyError(err)) {
         absl::MutexLock lock(&lost_mu_);
         lost_.Update(absl::UnavailableError(absl::StrCat(  // the first loss is kept
             "CUDA device ", options_.device, " lost (", cudaGetErrorName(err), ": ",
@@ -1377,7 +1359,7 @@ class CudaBackend : public EmbeddingBackend {
       Layout l;
       CheckLayout c;
       c.begin = l.Add<int64_t>(m + 1);
-      c.descs = l.Add<InputCheckDesc>(m);
+      c.descs = l.Add<cuda::InputCheckDesc>(m);
       c.first_bad = l.Add<uint64_t>(1);
       c.max_bits = l.Add<uint32_t>(2);
       c.bytes = l.bytes();
@@ -1401,13 +1383,13 @@ class CudaBackend : public EmbeddingBackend {
       const size_t m = std::min(group, requests.size() - first);
       const CheckLayout l = lay_out(m);
       int64_t* begin = At<int64_t>(h, l.begin);
-      InputCheckDesc* descs = At<InputCheckDesc>(h, l.descs);
+      cuda::InputCheckDesc* descs = At<cuda::InputCheckDesc>(h, l.descs);
       int64_t total = 0;
       for (size_t i = 0; i < m; ++i) {
         const Request& r = requests[first + i];
         const FeatureRequest& f = r.feature;
         const absl::Span<const float> grad = InputFloats(r);
-        InputCheckDesc& c = descs[i];
+        cuda::InputCheckDesc& c = descs[i];
         c.ids = f.ids.data();
         c.weights = f.weights.empty() ? nullptr : f.weights.data();
         c.grad = grad.empty() ? nullptr : grad.data();
@@ -1426,14 +1408,14 @@ class CudaBackend : public EmbeddingBackend {
       max_bits[0] = max_bits[1] = 0;
       EMBER_RETURN_IF_CUDA_ERROR(
           cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream_));
-      InputCheckLaunch a;
+      cuda::InputCheckLaunch a;
       a.begin = At<const int64_t>(d, l.begin);
-      a.descs = At<const InputCheckDesc>(d, l.descs);
+      a.descs = At<const cuda::InputCheckDesc>(d, l.descs);
       a.num_requests = static_cast<int64_t>(m);
       a.total = total;
       a.first_bad = At<unsigned long long>(d, l.first_bad);  // NOLINT(runtime/int)
       a.max_bits = At<unsigned int>(d, l.max_bits);
-      EMBER_RETURN_IF_CUDA_ERROR(LaunchCheckInputs(a, max_blocks_, stream_));
+      EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchCheckInputs(a, max_blocks_, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(first_bad, d + l.first_bad,
                                                  l.max_bits + 2 * sizeof(uint32_t) - l.first_bad,
                                                  cudaMemcpyDeviceToHost, stream_));
@@ -1449,7 +1431,7 @@ class CudaBackend : public EmbeddingBackend {
       // The request it falls in, and the value, named as the host names it.
       const int64_t bad = static_cast<int64_t>(*first_bad);
       const size_t i = std::upper_bound(begin, begin + m + 1, bad) - begin - 1;
-      const InputCheckDesc c = descs[i];
+      const cuda::InputCheckDesc c = descs[i];
       const ShardSpec& spec = FindShard(requests[first + i].feature.shard)->spec;
       const std::string what = RequestWhat(kind, first + i, spec);
       int64_t k = bad - c.begin;
@@ -1549,7 +1531,7 @@ class CudaBackend : public EmbeddingBackend {
   // rows (each waits for its checks under mu_), and what resets it.
   DeviceBuffer record_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer measure_ ABSL_GUARDED_BY(mu_);  // Measure's maxima
-  const OverflowRecord fresh_record_ = FreshRecord();
+  const cuda::OverflowRecord fresh_record_ = FreshRecord();
   std::atomic<int64_t> skipped_rows_{0};
   // The staging slots (pinned host memory, scratch_bytes each), each held
   // by one call at a time through a SlotLease.
@@ -1619,5 +1601,5 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
   return std::unique_ptr<EmbeddingBackend>(std::move(backend));
 }
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -37,7 +37,7 @@
 #include "server/backend/embedding_backend.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 constexpr int64_t kDefaultCudaScratchBytes = int64_t{256} << 20;
 constexpr int64_t kMinCudaScratchBytes = int64_t{4} << 10;
@@ -71,7 +71,7 @@ absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
 // UNAVAILABLE without CUDA; INVALID_ARGUMENT for another backend.
 absl::Status InjectDeviceFaultForTest(backend::EmbeddingBackend* backend);
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_CUDA_CUDA_BACKEND_H_

@@ -3,7 +3,7 @@
 #include "server/backend/cuda/cuda_backend.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 absl::StatusOr<std::unique_ptr<backend::EmbeddingBackend>> CreateCudaBackend(
     const CudaBackendOptions&) {
@@ -14,5 +14,5 @@ absl::Status InjectDeviceFaultForTest(backend::EmbeddingBackend*) {
   return absl::UnavailableError("built without CUDA");
 }
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -21,15 +21,9 @@
 #include "server/backend/concurrency_checks.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::EmbeddingBackend;
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::Pooling;
-using backend::ShardSpec;
 
 // The backend, or null after checking that its absence is UNAVAILABLE.
 std::unique_ptr<EmbeddingBackend> MakeOrExpectUnavailable(const CudaBackendOptions& options) {
@@ -102,7 +96,7 @@ TEST(CudaBackendTest, RejectsBadOptions) {
   CudaBackendOptions o;
   o.device = -1;
   const absl::StatusCode want =
-      BuiltWithCuda() ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kUnavailable;
+      cuda::BuiltWithCuda() ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kUnavailable;
   EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
   o.device = 0;
   o.memory_limit_bytes = -1;
@@ -316,5 +310,5 @@ TEST(CudaBackendTest, DeviceInputsAndOutputsMayNotOverlap) {
 }
 
 }  // namespace
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

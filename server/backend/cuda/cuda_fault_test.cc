@@ -11,20 +11,16 @@
 #include "server/backend/cuda/cuda_backend.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::Pooling;
 
 TEST(CudaFaultTest, StickyErrorMakesTheBackendUnavailableForGood) {
   auto be = CreateCudaBackend({});
   if (!be.ok()) {
     EXPECT_EQ(be.status().code(), absl::StatusCode::kUnavailable) << be.status();
     EXPECT_EQ(InjectDeviceFaultForTest(nullptr).code(),
-              BuiltWithCuda() ? absl::StatusCode::kInvalidArgument
+              cuda::BuiltWithCuda() ? absl::StatusCode::kInvalidArgument
                                      : absl::StatusCode::kUnavailable);
     GTEST_SKIP() << "no usable GPU";
   }
@@ -61,5 +57,5 @@ TEST(CudaFaultTest, StickyErrorMakesTheBackendUnavailableForGood) {
 }
 
 }  // namespace
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -17,16 +17,9 @@
 #include "server/backend/overflow_guard.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::OptimizerType;
-using backend::ShardId;
-using backend::ShardSpec;
-using backend::WeightType;
 
 struct Shard {
   ShardSpec spec;
@@ -51,9 +44,9 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     const size_t bytes = options.scratch_bytes == 0 ? std::numeric_limits<size_t>::max()
                                                     : options.scratch_bytes;
     scratch_.device_bytes = scratch_.host_bytes = bytes;
-    scratch_.lookup_temp = [](const CallSize& s) { return HostTempBytes(s.bags); };
+    scratch_.lookup_temp = [](const CallSize& s) { return cuda::HostTempBytes(s.bags); };
     scratch_.gradient_temp = [](const CallSize& s) {
-      return HostTempBytes(std::max(s.bags, s.ids));
+      return cuda::HostTempBytes(std::max(s.bags, s.ids));
     };
   }
 
@@ -133,12 +126,12 @@ class EmulatedBackend : public backend::EmbeddingBackend {
         return s;
       }
     }
-    OverflowRecord applied = FreshRecord();
+    cuda::OverflowRecord applied = FreshRecord();
     if (plan.total_ids > 0) {
       if (absl::Status s = ForEachGradientPiece(
               requests, plan, Resolver(), scratch_,
               [&](absl::Span<const GradientRequest> piece) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                return GradientPiece(piece, kApplyRows, skip_overflow_ && any_guard, &applied);
+                return GradientPiece(piece, cuda::kApplyRows, skip_overflow_ && any_guard, &applied);
               });
           !s.ok()) {
         return s;
@@ -223,7 +216,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     }
     std::vector<int64_t> offsets(lengths.size() + 1);
     std::vector<float> out(plan.total_out);
-    LookupLaunch a;
+    cuda::LookupLaunch a;
     a.item_begin = plan.item_begin.data();
     a.descs = plan.descs.data();
     a.num_requests = static_cast<int64_t>(requests.size());
@@ -234,7 +227,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     a.weights = weights.data();
     a.offsets = offsets.data();
     a.out = out.data();
-    RunLookupOnHost(a);
+    cuda::RunLookupOnHost(a);
     size_t at = 0;
     for (const LookupRequest& r : requests) {
       std::copy(out.begin() + at, out.begin() + at + r.output.size(), r.output.begin());
@@ -248,11 +241,11 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   // values go to *seen.
   absl::Status CheckPiece(absl::Span<const GradientRequest> piece, backend::OverflowReport* seen)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    OverflowRecord rec = FreshRecord();
-    if (absl::Status s = GradientPiece(piece, kCheckRows, false, &rec); !s.ok()) return s;
+    cuda::OverflowRecord rec = FreshRecord();
+    if (absl::Status s = GradientPiece(piece, cuda::kCheckRows, false, &rec); !s.ok()) return s;
     NoteMaxima(rec, seen);
     if (rec.first_key == FreshRecord().first_key) return absl::OkStatus();
-    if (absl::Status s = GradientPiece(piece, kReportRow, false, &rec); !s.ok()) return s;
+    if (absl::Status s = GradientPiece(piece, cuda::kReportRow, false, &rec); !s.ok()) return s;
     ShardId id;
     const backend::OverflowReport r = ReportOf(PlanGradients(piece, Resolver()), rec, &id);
     return backend::OverflowRefusal(Find(id)->spec, r);
@@ -261,7 +254,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   // One piece of an ApplyGradients call, without the Adam step, its update
   // step as `mode` says (kernel_descs.h), noting in *record.
   absl::Status GradientPiece(absl::Span<const GradientRequest> requests, int32_t mode,
-                             bool guarded_apply, OverflowRecord* record)
+                             bool guarded_apply, cuda::OverflowRecord* record)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const GradientPlan plan = PlanGradients(requests, Resolver());
     const int64_t total = plan.total_ids;
@@ -281,7 +274,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     std::vector<float> scale(total);
     const int64_t max_units = MaxHotUnits(total);
     std::vector<float> partials(max_units * plan.max_dim);
-    BackwardLaunch a;
+    cuda::BackwardLaunch a;
     a.id_begin = plan.id_begin.data();
     a.descs = plan.descs.data();
     a.num_requests = static_cast<int64_t>(requests.size());
@@ -312,7 +305,7 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     a.mode = mode;
     a.guarded_apply = guarded_apply ? 1 : 0;
     a.record = record;
-    RunBackwardOnHost(a);
+    cuda::RunBackwardOnHost(a);
     return absl::OkStatus();
   }
 
@@ -389,5 +382,5 @@ std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend(
   return std::make_unique<EmulatedBackend>(options);
 }
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -14,7 +14,7 @@
 #include "server/backend/embedding_backend.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 struct EmulatedCudaOptions {
   // The fixed scratch the CUDA backend would have (device bytes; the
@@ -28,7 +28,7 @@ struct EmulatedCudaOptions {
 std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend(
     const EmulatedCudaOptions& options = {});
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_CUDA_EMULATED_BACKEND_H_

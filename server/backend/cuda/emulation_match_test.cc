@@ -12,17 +12,9 @@
 #include "server/backend/cuda/emulated_backend.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::EmbeddingBackend;
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::OptimizerType;
-using backend::Pooling;
-using backend::ShardSpec;
-using backend::WeightType;
 
 std::vector<uint32_t> Bits(const std::vector<float>& v) {
   std::vector<uint32_t> out;
@@ -95,5 +87,5 @@ TEST(EmulationMatchTest, CudaAndEmulatedGiveTheSameBits) {
 }
 
 }  // namespace
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -9,18 +9,14 @@
 #include "cuda/kernel_bodies.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
-using backend::FeatureRequest;
-using backend::Pooling;
-using backend::ShardId;
-using backend::WeightType;
 
-static_assert(kernels::kFp16 == static_cast<int32_t>(WeightType::kFp16) &&
-                  kernels::kBf16 == static_cast<int32_t>(WeightType::kBf16) &&
-                  kernels::kMean == static_cast<int32_t>(Pooling::kMean) &&
-                  kernels::kNone == static_cast<int32_t>(Pooling::kNone),
-              "the kernels' enum codes");
+static_assert(cuda::kernels::kFp16 == static_cast<int32_t>(WeightType::kFp16) &&
+                  cuda::kernels::kBf16 == static_cast<int32_t>(WeightType::kBf16) &&
+                  cuda::kernels::kMean == static_cast<int32_t>(Pooling::kMean) &&
+                  cuda::kernels::kNone == static_cast<int32_t>(Pooling::kNone),
+              "the cuda::kernels' enum codes");
 
 LookupPlan PlanLookup(absl::Span<const backend::LookupRequest> requests,
                       const ShardResolver& shard) {
@@ -32,8 +28,8 @@ LookupPlan PlanLookup(absl::Span<const backend::LookupRequest> requests,
     const FeatureRequest& f = requests[i].feature;
     const ShardView s = shard(f.shard);
     p.item_begin[i] = p.total_items;
-    LookupDesc& d = p.descs[i];
-    d = LookupDesc{};
+    cuda::LookupDesc& d = p.descs[i];
+    d = cuda::LookupDesc{};
     d.weights = s.weights;
     d.dim = s.spec->dim;
     d.bag_begin = p.total_bags;
@@ -72,7 +68,7 @@ GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
     p.slots.push_back(id);
     const ShardView s = shard(id);
     const backend::ShardSpec& spec = *s.spec;
-    UpdateDesc u{};
+    cuda::UpdateDesc u{};
     u.weights = s.weights;
     u.state = s.state_width > 0 ? s.state : nullptr;
     u.dim = spec.dim;
@@ -97,8 +93,8 @@ GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
   for (size_t i = 0; i < n; ++i) {
     const FeatureRequest& f = requests[i].feature;
     p.id_begin[i] = p.total_ids;
-    GradDesc& d = p.descs[i];
-    d = GradDesc{};
+    cuda::GradDesc& d = p.descs[i];
+    d = cuda::GradDesc{};
     d.dim = shard(f.shard).spec->dim;
     d.bag_begin = p.total_bags;
     d.num_bags = static_cast<int64_t>(f.lengths.size());
@@ -115,14 +111,14 @@ GradientPlan PlanGradients(absl::Span<const backend::GradientRequest> requests,
   return p;
 }
 
-OverflowRecord FreshRecord() {
-  OverflowRecord r{};
+cuda::OverflowRecord FreshRecord() {
+  cuda::OverflowRecord r{};
   r.first_key = ~0ull;
   r.bad = -1;
   return r;
 }
 
-void NoteMaxima(const OverflowRecord& record, backend::OverflowReport* report) {
+void NoteMaxima(const cuda::OverflowRecord& record, backend::OverflowReport* report) {
   float w, a;
   std::memcpy(&w, &record.max_weight_bits, sizeof(w));
   std::memcpy(&a, &record.max_acc_bits, sizeof(a));
@@ -130,7 +126,7 @@ void NoteMaxima(const OverflowRecord& record, backend::OverflowReport* report) {
   report->max_acc = std::max(report->max_acc, static_cast<double>(a));
 }
 
-backend::OverflowReport ReportOf(const GradientPlan& plan, const OverflowRecord& record,
+backend::OverflowReport ReportOf(const GradientPlan& plan, const cuda::OverflowRecord& record,
                                  backend::ShardId* shard) {
   backend::OverflowReport r;
   const uint64_t key = record.first_key;
@@ -172,7 +168,7 @@ LookupLayout LayOutLookup(const CallSize& size, size_t temp_bytes) {
   LookupLayout l;
   Layout in;
   l.item_begin = in.Add<int64_t>(size.requests + 1);
-  l.descs = in.Add<LookupDesc>(size.requests);
+  l.descs = in.Add<cuda::LookupDesc>(size.requests);
   l.lengths = in.Add<int64_t>(size.bags);
   l.ids = in.Add<int64_t>(size.ids);
   l.weights = in.Add<float>(size.weighted ? size.ids : 0);
@@ -187,15 +183,15 @@ LookupLayout LayOutLookup(const CallSize& size, size_t temp_bytes) {
   return l;
 }
 
-int64_t MaxHotUnits(int64_t ids) { return 2 * (ids / kernels::kHotRun) + 1; }
+int64_t MaxHotUnits(int64_t ids) { return 2 * (ids / cuda::kernels::kHotRun) + 1; }
 
 GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes) {
   GradientLayout l;
   const int64_t n = size.requests, ids = size.ids;
   Layout in;
   l.id_begin = in.Add<int64_t>(n + 1);
-  l.descs = in.Add<GradDesc>(n);
-  l.updates = in.Add<UpdateDesc>(size.shards);
+  l.descs = in.Add<cuda::GradDesc>(n);
+  l.updates = in.Add<cuda::UpdateDesc>(size.shards);
   l.key_base = in.Add<uint64_t>(size.shards + 1);
   l.lengths = in.Add<int64_t>(size.bags);
   l.ids = in.Add<int64_t>(ids);
@@ -221,5 +217,5 @@ GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes) {
   return l;
 }
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -17,7 +17,7 @@
 #include "server/backend/overflow_guard.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 // What a plan needs to know of a shard: where its weights and state live
 // (device or host), its spec and its Adam step before this call.
@@ -27,13 +27,13 @@ struct ShardView {
   const backend::ShardSpec* spec = nullptr;
   int64_t state_width = 0;
   int64_t step = 0;
-  bool guard = false;  // this call checks its rows first (UpdateDesc::guard)
+  bool guard = false;  // this call checks its rows first (cuda::UpdateDesc::guard)
 };
 using ShardResolver = std::function<ShardView(backend::ShardId)>;
 
 struct LookupPlan {
   std::vector<int64_t> item_begin;  // [requests + 1]: work items per request, scanned
-  std::vector<LookupDesc> descs;    // [requests]
+  std::vector<cuda::LookupDesc> descs;    // [requests]
   int64_t total_items = 0;          // bags of pooled features + ids of NONE ones
   int64_t total_bags = 0;
   int64_t total_ids = 0;
@@ -48,12 +48,12 @@ struct GradientPlan {
   // Shards with at least one id, in id order (their slot); only these take
   // an update, with key range [key_base[s], key_base[s + 1]).
   std::vector<backend::ShardId> slots;
-  std::vector<UpdateDesc> updates;  // [slots], with this call's step (old + 1)
+  std::vector<cuda::UpdateDesc> updates;  // [slots], with this call's step (old + 1)
   std::vector<uint64_t> key_base;   // [slots + 1]
   // Shards the call names without any id: they take an Adam step only.
   std::vector<backend::ShardId> idle;
   std::vector<int64_t> id_begin;    // [requests + 1]
-  std::vector<GradDesc> descs;      // [requests]
+  std::vector<cuda::GradDesc> descs;      // [requests]
   int64_t total_bags = 0;
   int64_t total_ids = 0;
   int64_t total_grad = 0;           // floats
@@ -117,12 +117,12 @@ void FinishGradients(const GradientPlan& plan, const backend::OverflowReport& se
 }
 
 // A record ready for a check launch: first_key UINT64_MAX, the rest 0.
-OverflowRecord FreshRecord();
+cuda::OverflowRecord FreshRecord();
 // The largest values a record saw, as overflow_guard.h's report holds them.
-void NoteMaxima(const OverflowRecord& record, backend::OverflowReport* report);
+void NoteMaxima(const cuda::OverflowRecord& record, backend::OverflowReport* report);
 // The misfit a kReportRow launch of `plan` filled `record` with: its shard
 // (*shard) and row, element and value.
-backend::OverflowReport ReportOf(const GradientPlan& plan, const OverflowRecord& record,
+backend::OverflowReport ReportOf(const GradientPlan& plan, const cuda::OverflowRecord& record,
                                  backend::ShardId* shard);
 
 // Byte offsets of arrays carved out of one buffer, each 256-byte aligned.
@@ -182,7 +182,7 @@ GradientLayout LayOutGradients(const CallSize& size, size_t temp_bytes);
 // longer than kHotRun are cut into chunks of kHotRun, so 2 * ids / kHotRun.
 int64_t MaxHotUnits(int64_t ids);
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_CUDA_REQUEST_PLAN_H_

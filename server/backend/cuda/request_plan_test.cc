@@ -8,16 +8,9 @@
 #include "gtest/gtest.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
-using backend::FeatureRequest;
-using backend::GradientRequest;
-using backend::LookupRequest;
-using backend::Pooling;
-using backend::ShardId;
-using backend::ShardSpec;
-using backend::WeightType;
 
 struct Fixture {
   std::map<ShardId, ShardSpec> specs;
@@ -144,5 +137,5 @@ TEST(RequestPlanTest, MaxHotUnitsByHand) {
 }
 
 }  // namespace
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

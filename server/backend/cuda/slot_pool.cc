@@ -3,7 +3,7 @@
 #include <cstdlib>
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 SlotPool::SlotPool(int slots) : held_(slots > 0 ? slots : 1, false) {}
 
@@ -35,5 +35,5 @@ int SlotPool::Held() const {
   return num_held_;
 }
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember

@@ -12,7 +12,7 @@
 #include "absl/synchronization/mutex.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 
 class SlotPool {
  public:
@@ -41,7 +41,7 @@ class SlotPool {
   int num_held_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_CUDA_SLOT_POOL_H_

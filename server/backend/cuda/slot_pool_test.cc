@@ -10,7 +10,7 @@
 #include "gtest/gtest.h"
 
 namespace ember {
-namespace cuda {
+namespace backend {
 namespace {
 
 TEST(SlotPoolTest, HandsOutDistinctSlotsUntilAllAreHeld) {
@@ -99,5 +99,5 @@ TEST(SlotPoolDeathTest, ReleasingASlotNotHeldAborts) {
 }
 
 }  // namespace
-}  // namespace cuda
+}  // namespace backend
 }  // namespace ember
