@@ -135,7 +135,7 @@ int Run() {
     for (const auto& t : spec->tables()) {
       const auto& o = t.optimizer();
       optimizers.insert(absl::StrFormat("%s lr %g", ember::v1::OptimizerSpec::Type_Name(o.type()),
-                                        o.learning_rate() > 0 ? o.learning_rate() : 0.01));
+                                        o.has_learning_rate() ? o.learning_rate() : 0.01));
     }
     summary = absl::StrFormat(
         "%d tables on %d workers; %d steps of batch %d (%d ids), %s; max rel diff vs "

@@ -54,6 +54,9 @@ void CheckOptimizer(const TableConfig& t, const std::string& label,
              nonneg[i]);
     }
   }
+  if (o.has_eps() && o.eps() == 0) {
+    p->Add(label, ": optimizer.eps must be > 0, got 0 (leave it unset for the default, 1e-8)");
+  }
   if (o.weight_decay() > 0 && o.type() == ember::v1::OptimizerSpec::SGD) {
     p->Add(label, ": optimizer.weight_decay is not supported with SGD (FBGEMM's exact SGD has none)");
   }

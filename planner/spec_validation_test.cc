@@ -110,6 +110,18 @@ TEST(ValidateCollectionSpecTest, RejectsBadOptimizerAndInitializer) {
   ExpectInvalid(spec, "initializer uniform needs low <= high");
 }
 
+TEST(ValidateCollectionSpecTest, EpsGivenAsZeroIsRefusedAndZeroRatesAccepted) {
+  auto spec = Spec(kGood);
+  auto* o = spec.mutable_tables(0)->mutable_optimizer();
+  o->set_eps(0);
+  ExpectInvalid(spec, "optimizer.eps must be > 0, got 0 (leave it unset");
+  o->clear_eps();
+  o->set_learning_rate(0);  // a frozen table
+  o->set_type(ember::v1::OptimizerSpec::ADAM);
+  o->set_beta1(0);
+  EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
+}
+
 TEST(ValidateCollectionSpecTest, WeightDecayOnlyWhereFbgemmHasIt) {
   auto spec = Spec(kGood);
   auto* o = spec.mutable_tables(0)->mutable_optimizer();

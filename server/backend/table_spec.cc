@@ -50,11 +50,14 @@ backend::ShardSpec ShardSpecFromTable(const TableConfig& table, int64_t row_offs
     default:
       s.optimizer.type = backend::OptimizerType::kSgd;
   }
-  // Zero means the documented default (proto3 has no presence for doubles).
-  s.optimizer.learning_rate = o.learning_rate() != 0 ? static_cast<float>(o.learning_rate()) : 0.01f;
-  s.optimizer.eps = o.eps() != 0 ? static_cast<float>(o.eps()) : 1e-8f;
-  s.optimizer.beta1 = o.beta1() != 0 ? static_cast<float>(o.beta1()) : 0.9f;
-  s.optimizer.beta2 = o.beta2() != 0 ? static_cast<float>(o.beta2()) : 0.999f;
+  // Unset: the documented default (FillOptimizerDefaults); set: the value,
+  // 0 included.
+  ember::v1::OptimizerSpec filled = o;
+  FillOptimizerDefaults(&filled);
+  s.optimizer.learning_rate = static_cast<float>(filled.learning_rate());
+  s.optimizer.eps = static_cast<float>(filled.eps());
+  s.optimizer.beta1 = static_cast<float>(filled.beta1());
+  s.optimizer.beta2 = static_cast<float>(filled.beta2());
   s.optimizer.weight_decay = static_cast<float>(o.weight_decay());
   switch (o.weight_decay_mode()) {
     case OptimizerSpec::L2:
@@ -89,6 +92,19 @@ backend::ShardSpec ShardSpecFromTable(const TableConfig& table, int64_t row_offs
   s.initializer.value = static_cast<float>(i.value());
   s.initializer.seed = i.seed();
   return s;
+}
+
+void FillOptimizerDefaults(ember::v1::OptimizerSpec* o) {
+  if (!o->has_learning_rate()) o->set_learning_rate(0.01);
+  if (!o->has_eps()) o->set_eps(1e-8);
+  if (!o->has_beta1()) o->set_beta1(0.9);
+  if (!o->has_beta2()) o->set_beta2(0.999);
+}
+
+void FillOptimizerDefaults(ember::v1::CollectionSpec* spec) {
+  for (ember::v1::TableConfig& t : *spec->mutable_tables()) {
+    FillOptimizerDefaults(t.mutable_optimizer());
+  }
 }
 
 }  // namespace ember

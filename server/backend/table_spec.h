@@ -19,6 +19,13 @@ backend::ShardSpec ShardSpecFromTable(const ember::v1::TableConfig& table, int64
 
 backend::Pooling PoolingFromProto(ember::v1::TableConfig::Pooling p);
 
+// Sets every optimizer field a spec left unset to its documented default
+// (proto/collection.proto: learning_rate 0.01, eps 1e-8, beta1 0.9, beta2
+// 0.999); fields that are set, to 0 included, are kept.
+void FillOptimizerDefaults(ember::v1::OptimizerSpec* o);
+// The same for every table of `spec`.
+void FillOptimizerDefaults(ember::v1::CollectionSpec* spec);
+
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_TABLE_SPEC_H_

@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "planner/planner.h"
+#include "server/backend/table_spec.h"
 #include "server/common/grpc_util.h"
 #include "server/coordinator/assignments.h"
 #include "server/coordinator/call_each.h"
@@ -138,6 +139,8 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   const int64_t epoch = *next;
   plan->set_epoch(epoch);
 
+  // The stored spec names every optimizer value a table runs with.
+  FillOptimizerDefaults(&spec);
   CollectionInfo info;
   *info.mutable_spec() = spec;
   *info.mutable_plan() = *std::move(plan);

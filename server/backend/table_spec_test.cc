@@ -1,0 +1,60 @@
+// A table's config as a shard spec: the optimizer's documented defaults fill
+// only what the spec leaves unset; a value given is kept, 0 included.
+#include "server/backend/table_spec.h"
+
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace {
+
+ember::v1::TableConfig Table() {
+  ember::v1::TableConfig t;
+  t.set_name("t");
+  t.set_num_embeddings(10);
+  t.set_embedding_dim(4);
+  t.add_feature_names("f");
+  return t;
+}
+
+TEST(TableSpecTest, UnsetOptimizerFieldsTakeTheDocumentedDefaults) {
+  const backend::ShardSpec s = ShardSpecFromTable(Table(), 0, 0, 10, 4);
+  EXPECT_FLOAT_EQ(s.optimizer.learning_rate, 0.01f);
+  EXPECT_FLOAT_EQ(s.optimizer.eps, 1e-8f);
+  EXPECT_FLOAT_EQ(s.optimizer.beta1, 0.9f);
+  EXPECT_FLOAT_EQ(s.optimizer.beta2, 0.999f);
+}
+
+TEST(TableSpecTest, ZeroGivenIsZero) {
+  ember::v1::TableConfig t = Table();
+  t.mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAM);
+  t.mutable_optimizer()->set_learning_rate(0);
+  t.mutable_optimizer()->set_beta1(0);
+  t.mutable_optimizer()->set_beta2(0.5);
+  const backend::ShardSpec s = ShardSpecFromTable(t, 0, 0, 10, 4);
+  EXPECT_EQ(s.optimizer.learning_rate, 0.0f);
+  EXPECT_EQ(s.optimizer.beta1, 0.0f);
+  EXPECT_FLOAT_EQ(s.optimizer.beta2, 0.5f);
+  EXPECT_FLOAT_EQ(s.optimizer.eps, 1e-8f);  // unset
+}
+
+TEST(TableSpecTest, FillOptimizerDefaultsKeepsWhatIsSet) {
+  ember::v1::CollectionSpec spec;
+  *spec.add_tables() = Table();
+  *spec.add_tables() = Table();
+  spec.mutable_tables(1)->mutable_optimizer()->set_learning_rate(0);
+  spec.mutable_tables(1)->mutable_optimizer()->set_eps(1e-3);
+  FillOptimizerDefaults(&spec);
+  const auto& a = spec.tables(0).optimizer();
+  EXPECT_TRUE(a.has_learning_rate() && a.has_eps() && a.has_beta1() && a.has_beta2());
+  EXPECT_EQ(a.learning_rate(), 0.01);
+  EXPECT_EQ(a.eps(), 1e-8);
+  EXPECT_EQ(a.beta1(), 0.9);
+  EXPECT_EQ(a.beta2(), 0.999);
+  const auto& b = spec.tables(1).optimizer();
+  EXPECT_EQ(b.learning_rate(), 0.0);
+  EXPECT_EQ(b.eps(), 1e-3);
+  EXPECT_EQ(b.beta1(), 0.9);
+}
+
+}  // namespace
+}  // namespace ember
