@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 import numpy as np
@@ -54,6 +55,8 @@ try:
     from ember import _ember
 except ImportError:
     _ember = _load_built_extension()
+
+__version__ = "0.1.0"  # pyproject.toml's; make_wheel.py checks they agree
 
 __all__ = [
     "Client", "KeyedJaggedTensor", "KeyedTensor", "LocalCluster", "EmberError",
@@ -239,6 +242,13 @@ class Client:
     def __init__(self, address, timeout_s=30.0, auth_token=None, auth_token_file=None,
                  tls_ca=None, tls_cert=None, tls_key=None, shared_memory=True, shm_dir=None,
                  keep_freed_heap_mib=256, link=None, link_device=0):
+        # How to connect again (a pickled ember.torch module keeps these;
+        # the token itself only by its file).
+        self._connect_kwargs = {
+            "address": address, "timeout_s": timeout_s, "auth_token_file": auth_token_file,
+            "tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key,
+            "shared_memory": shared_memory, "shm_dir": shm_dir,
+            "keep_freed_heap_mib": keep_freed_heap_mib, "link": link, "link_device": link_device}
         if auth_token_file is not None:
             with open(auth_token_file) as f:
                 words = f.read().split()
@@ -359,14 +369,29 @@ class Client:
     def restore(self, path, name="", sharding_type=None):
         return json.loads(self._c.restore(path, name, sharding_type or ""))
 
+    def list_checkpoints(self, name=""):
+        """The coordinator's catalogue of checkpoints (of collection `name`,
+        or all), oldest first, as dicts (CheckpointInfo's fields)."""
+        return [json.loads(c) for c in self._c.list_checkpoints(name)]
+
+    def drain(self, worker_id, timeout_s=1800.0):
+        """Moves every shard off worker `worker_id` (copied live, no update
+        lost) and keeps it out of new plans, as `emberctl drain`; returns
+        the names of the collections moved."""
+        return list(self._c.drain_worker(worker_id, float(timeout_s)))
+
 
 def _find_emberctl():
-    """$EMBER_EMBERCTL, else bazel-bin/cli/emberctl of the checkout this
+    """$EMBER_EMBERCTL, else the emberctl an installed wheel carries
+    (ember/bin/emberctl), else bazel-bin/cli/emberctl of the checkout this
     package lives in."""
     env = os.environ.get("EMBER_EMBERCTL")
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(here, "bin", "emberctl")
+    if os.access(packaged, os.X_OK):
+        return packaged
     for up in (os.path.join(here, "..", ".."), os.path.join(here, "..", "..", "..")):
         candidate = os.path.normpath(os.path.join(up, "bazel-bin", "cli", "emberctl"))
         if os.access(candidate, os.X_OK):
@@ -386,23 +411,41 @@ class LocalCluster:
         self.extra_flags = list(extra_flags)
         self.timeout_s = timeout_s
         self.address = None
+        # {"coordinator": url, worker id: url} with --metrics_port, else {}.
+        self.metrics_urls = {}
         self._proc = None
 
     def __enter__(self):
         args = [self.emberctl, "up", f"--workers={self.workers}", f"--device={self.device}"]
+        # Its stderr goes to a file: read back when it does not come up (the
+        # CLI's own message, e.g. an unknown flag), never a pipe that could
+        # fill while nobody reads it.
+        self._stderr = tempfile.TemporaryFile(mode="w+t")
         self._proc = subprocess.Popen(args + self.extra_flags, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True)
+                                      stderr=self._stderr, text=True)
         deadline = time.monotonic() + self.timeout_s
         for line in self._proc.stdout:
             if line.startswith("coordinator: "):
                 self.address = line.split()[1]
+            # With --metrics_port: where each process serves /metrics.
+            words = line.split()
+            if line.startswith("metrics: coordinator "):
+                self.metrics_urls["coordinator"] = words[2]
+            if line.startswith("worker ") and "metrics" in words:
+                self.metrics_urls[words[1]] = words[words.index("metrics") + 1]
             if line.startswith("ready:"):
                 break
             if time.monotonic() > deadline:
                 break
         if self.address is None or self._proc.poll() is not None:
+            stderr = self._stderr
+            self._stderr = None  # read below, after __exit__ stopped what was started
             self.__exit__(None, None, None)
-            raise Unavailable(14, "emberctl up did not come up")
+            stderr.seek(0)
+            tail = stderr.read()[-2000:].strip()
+            stderr.close()
+            raise Unavailable(14, "emberctl up did not come up" +
+                              (f": {tail}" if tail else " (it printed nothing on stderr)"))
         return self
 
     def __exit__(self, *exc):
@@ -415,4 +458,6 @@ class LocalCluster:
                 self._proc.wait()
         if self._proc is not None and self._proc.stdout is not None:
             self._proc.stdout.close()
+        if getattr(self, "_stderr", None) is not None and not self._stderr.closed:
+            self._stderr.close()
         return False

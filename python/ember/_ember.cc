@@ -372,5 +372,16 @@ PYBIND11_MODULE(_ember, m) {
               const std::string& sharding_type) {
              py::gil_scoped_release release;
              return ToJson(Value(c.Restore(from, name, sharding_type)));
-           });
+           })
+      .def("list_checkpoints",
+           [](Client& c, const std::string& name) {
+             std::vector<std::string> out;
+             py::gil_scoped_release release;
+             for (const auto& cp : Value(c.ListCheckpoints(name))) out.push_back(ToJson(cp));
+             return out;
+           })
+      .def("drain_worker", [](Client& c, const std::string& worker_id, double timeout_s) {
+        py::gil_scoped_release release;
+        return Value(c.DrainWorker(worker_id, absl::Seconds(timeout_s)));
+      });
 }

@@ -98,32 +98,223 @@ class _RemoteLookup(torch.autograd.Function):
         return None, None, None, None
 
 
+def _check_stored(collection, specs, stored):
+    """FailedPrecondition unless the stored collection's tables are `specs`
+    (create=False): same names, and the same value of every field a config
+    fixes, the optimizer too where one is given."""
+    have = {t["name"]: t for t in stored}
+    want_names = [t["name"] for t in specs]
+    if sorted(have) != sorted(want_names):
+        raise ember.FailedPrecondition(
+            9, f"collection '{collection}' holds tables {sorted(have)}, not {sorted(want_names)}")
+    for t in specs:
+        h = have[t["name"]]
+        for field in _CONFIG_FIELDS + ("optimizer",):
+            if field not in t:
+                continue
+            want, got = t[field], h.get(field)
+            if field in ("num_embeddings", "embedding_dim"):
+                want, got = int(want), int(got or 0)
+            elif field in ("pooling", "data_type"):
+                want, got = str(want).upper(), str(got or ("SUM" if field == "pooling" else "FP32"))
+            elif field == "optimizer":
+                got = dict(got or {})
+                mismatch = [k for k, v in want.items() if not _same(v, got.get(k))]
+                if mismatch:
+                    k = mismatch[0]
+                    raise ember.FailedPrecondition(
+                        9, f"collection '{collection}' table '{t['name']}': optimizer.{k} is "
+                           f"{got.get(k)!r} there, {want[k]!r} here (create=False attaches to "
+                           "the tables as they are)")
+                continue
+            if want != got:
+                raise ember.FailedPrecondition(
+                    9, f"collection '{collection}' table '{t['name']}': {field} is {got!r} "
+                       f"there, {want!r} here (create=False attaches to the tables as they are)")
+
+
+def _same(a, b):
+    """Whether a spec value given here matches the stored one (numbers by
+    value: the stored spec's are JSON's)."""
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        try:
+            return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)))
+        except (TypeError, ValueError):
+            return False
+    return str(a).upper() == str(b).upper() if isinstance(a, str) else a == b
+
+
+class EmbeddingBagConfig:
+    """A table's configuration with the fields and defaults of
+    torchrec.EmbeddingBagConfig, for a program without TorchRec (tables given
+    as dicts are turned into these; with TorchRec installed, into TorchRec's
+    own)."""
+
+    def __init__(self, name, num_embeddings, embedding_dim, feature_names=None,
+                 pooling="SUM", data_type="FP32", init_fn=None, weight_init_min=None,
+                 weight_init_max=None):
+        self.name = name
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.feature_names = list(feature_names or [name])
+        self.pooling = pooling
+        self.data_type = data_type
+        self.init_fn = init_fn
+        self.weight_init_min = weight_init_min
+        self.weight_init_max = weight_init_max
+
+    def __repr__(self):
+        return (f"EmbeddingBagConfig(name={self.name!r}, num_embeddings={self.num_embeddings}, "
+                f"embedding_dim={self.embedding_dim}, feature_names={self.feature_names!r}, "
+                f"pooling={self.pooling!r})")
+
+
+# The spec fields a TorchRec-style config fixes, compared when a module
+# attaches to an existing collection (create=False).
+_CONFIG_FIELDS = ("num_embeddings", "embedding_dim", "feature_names", "pooling", "data_type")
+
+
+def _config_of(t):
+    """A table given as a dict as an EmbeddingBagConfig (TorchRec's when it is
+    installed); a config object as it is."""
+    if not isinstance(t, dict):
+        return t
+    fields = {k: t[k] for k in ("name", "num_embeddings", "embedding_dim", "feature_names")
+              if k in t}
+    try:
+        from torchrec import EmbeddingBagConfig as TorchRecConfig
+        from torchrec.modules.embedding_configs import PoolingType
+        pooling = str(t.get("pooling", "SUM")).upper()
+        return TorchRecConfig(**fields, pooling=PoolingType[pooling])
+    except ImportError:
+        return EmbeddingBagConfig(**fields, pooling=t.get("pooling", "SUM"),
+                                  data_type=t.get("data_type", "FP32"))
+
+
+def _default_init(config, weight):
+    """TorchRec's default initialisation: uniform in +-sqrt(1 / rows), or
+    the config's weight_init_min/max."""
+    lo = getattr(config, "weight_init_min", None)
+    hi = getattr(config, "weight_init_max", None)
+    bound = (1.0 / max(1, config.num_embeddings)) ** 0.5
+    torch.nn.init.uniform_(weight, -bound if lo is None else lo, bound if hi is None else hi)
+
+
+class _RemoteEmbeddingBag(torch.nn.Module):
+    """One table of the collection, where TorchRec's module has its
+    nn.EmbeddingBag (ebc.embedding_bags[name]): its shape and pooling, and its
+    weight in the state dict (read from and written to the workers). It holds
+    no parameter: the table lives on the workers."""
+
+    def __init__(self, owner, config):
+        super().__init__()
+        self._owner = [owner]  # a list: not a submodule (no cycle in modules())
+        self.name = config.name
+        self.num_embeddings = int(config.num_embeddings)
+        self.embedding_dim = int(config.embedding_dim)
+        pooling = getattr(config, "pooling", "SUM")
+        self.mode = getattr(pooling, "name", str(pooling)).lower()
+
+    @property
+    def weight(self):
+        """A copy of the table as it is on the workers ([rows, dim] float32);
+        writing into it changes nothing there (load_state_dict does)."""
+        ebc = self._owner[0]
+        return torch.from_numpy(ebc._client.export_table(ebc._collection, self.name))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        if key in state_dict:
+            ebc = self._owner[0]
+            ebc._client.import_table(ebc._collection, self.name, state_dict[key])
+        elif strict:
+            missing_keys.append(key)
+        for k in state_dict:
+            if strict and k.startswith(prefix) and k != key:
+                unexpected_keys.append(k)
+
+
+class _ClientRef:
+    """What a pickled module keeps of its client: how to connect again.
+    A token given as a string is not written (it is a secret); a token file's
+    path is, and is read again on load."""
+
+    def __init__(self, client):
+        self.kwargs = dict(getattr(client, "_connect_kwargs", {"address": client.address}))
+        self.kwargs.pop("auth_token", None)
+
+    def connect(self):
+        return ember.Client(**self.kwargs)
+
+
 class EmbeddingBagCollection(torch.nn.Module):
-    """A torch.nn.Module over an Ember collection (see the module doc).
+    """A torch.nn.Module over an Ember collection (see the module doc), in
+    place of torchrec.EmbeddingBagCollection: TorchRec's models take it as
+    they take theirs (DLRM, DLRM_DCN, DLRM_Projection, SimpleDeepFMNN, ...).
 
     tables: torchrec.EmbeddingBagConfig objects or dicts of the same fields
       (name, num_embeddings, embedding_dim, feature_names, pooling, ...).
     optimizer: dict such as {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.05}
       for every table that names none (TorchRec's fused optimizer).
-    create: False to attach to an existing collection of that name.
+    create: False to attach to an existing collection of that name; its
+      tables must then be the ones given (FailedPrecondition naming the
+      table and field otherwise).
+    is_weighted: as TorchRec's: per-id weights of the KJT are applied only
+      when True, and ignored otherwise.
+    device: the module's `device` (TorchRec's compute device); outputs are
+      on the KJT's device.
+
+    As TorchRec's module does, a forward reads the features of its tables
+    from the KJT, ignores any other, and raises KeyError for a missing one;
+    the output's keys are its tables' features in table order.
+
+    The module pickles (pickle, copy.deepcopy, torch.save) as its client's
+    address and options, its collection and its configs: loading it
+    connects again to the same tables (a copy shares them).
     """
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
-                 create=True):
+                 create=True, is_weighted=False, device=None):
         super().__init__()
-        self._client = client
-        self._collection = collection
+        configs = [_config_of(t) for t in tables]
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Duplicate table name in {names}")
+        for c in configs:
+            if not c.feature_names:
+                c.feature_names = [c.name]
         specs = [ember.table_spec(t) for t in tables]
         for t in specs:
             if optimizer is not None and "optimizer" not in t:
                 t["optimizer"] = dict(optimizer)
         if create:
-            self._info = client.create_collection({"name": collection, "tables": specs},
-                                                  sharding_type=sharding_type)
+            info = client.create_collection({"name": collection, "tables": specs},
+                                            sharding_type=sharding_type)
         else:
-            self._info = client.collection(collection)
-        self._tables = [t["name"] for t in self._info["spec"]["tables"]]
-        self._dims = {f: int(t["embedding_dim"]) for t in self._info["spec"]["tables"]
+            info = client.collection(collection)
+            _check_stored(collection, specs, info["spec"]["tables"])
+        self._setup(client, collection, configs, bool(is_weighted), device, info)
+
+    def _setup(self, client, collection, configs, is_weighted, device, info):
+        self._client = client
+        self._collection = collection
+        self._info = info
+        # TorchRec's attributes, which its models and tools read.
+        self._embedding_bag_configs = configs
+        self._is_weighted = is_weighted
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._feature_names = [list(c.feature_names) for c in configs]
+        self._embedding_names = [f for names in self._feature_names for f in names]
+        self._lengths_per_embedding = [int(c.embedding_dim) for c in configs
+                                       for _ in c.feature_names]
+        self.embedding_bags = torch.nn.ModuleDict(
+            {c.name: _RemoteEmbeddingBag(self, c) for c in configs})
+        self._tables = [t["name"] for t in info["spec"]["tables"]]
+        self._dims = {f: int(t["embedding_dim"]) for t in info["spec"]["tables"]
                       for f in t["feature_names"]}
         self._step = 0
         self._run = uuid.uuid4().hex[:12]
@@ -131,9 +322,76 @@ class EmbeddingBagCollection(torch.nn.Module):
         self._prefetch_lock = threading.Lock()
         self._executor = None
 
+    # TorchRec's interface.
+    def embedding_bag_configs(self):
+        return self._embedding_bag_configs
+
+    def is_weighted(self):
+        return self._is_weighted
+
+    @property
+    def device(self):
+        return self._device
+
+    def reset_parameters(self):
+        """Re-initialises every table on the workers, as TorchRec's does:
+        each config's init_fn (TorchRec's default: uniform in
+        +-sqrt(1 / rows)) over a [rows, dim] tensor, written to the workers.
+        Optimizer state is kept."""
+        for c in self._embedding_bag_configs:
+            weight = torch.empty(c.num_embeddings, c.embedding_dim, dtype=torch.float32)
+            init = getattr(c, "init_fn", None)
+            if init is not None:
+                init(weight)
+            else:
+                _default_init(c, weight)
+            self._client.import_table(self._collection, c.name, weight)
+
     @property
     def collection(self):
         return self._collection
+
+    # Pickling: the client's address and options, not the connection.
+    def __getstate__(self):
+        state = {"client": _ClientRef(self._client), "collection": self._collection,
+                 "configs": self._embedding_bag_configs, "is_weighted": self._is_weighted,
+                 "device": str(self._device), "info": self._info, "training": self.training}
+        return state
+
+    def __setstate__(self, state):
+        torch.nn.Module.__init__(self)
+        self._setup(state["client"].connect(), state["collection"], state["configs"],
+                    state["is_weighted"], state["device"], state["info"])
+        self.train(state["training"])
+
+    def _select(self, kjt):
+        """kjt as the lookup takes it: this module's features only (KeyError
+        for one that is missing, as TorchRec's module raises), without
+        weights unless is_weighted. The KJT itself when it already is that."""
+        keys = list(kjt.keys() if callable(kjt.keys) else kjt.keys)
+        mine = self._embedding_names
+        for f in mine:
+            if f not in keys:
+                raise KeyError(f)
+        weights = (kjt.weights_or_none() if hasattr(kjt, "weights_or_none")
+                   else getattr(kjt, "weights", None))
+        if keys == mine and (weights is None or self._is_weighted):
+            return kjt
+        k = ember._as_kjt(kjt)
+        batch = k.batch_size()
+        offsets = np.concatenate([[0], np.cumsum(k.lengths)])
+        lengths, values, w = [], [], []
+        for f in mine:
+            i = keys.index(f)
+            lengths.append(k.lengths[i * batch:(i + 1) * batch])
+            lo, hi = offsets[i * batch], offsets[(i + 1) * batch]
+            values.append(k.values[lo:hi])
+            if self._is_weighted and k.weights is not None:
+                w.append(k.weights[lo:hi])
+        return ember.KeyedJaggedTensor(
+            mine, np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+            np.concatenate(values) if values else np.zeros(0, np.int64),
+            np.concatenate(w) if w else None)
 
     def prefetch(self, kjt):
         """Starts kjt's lookup in a background thread (the client releases the
@@ -144,14 +402,15 @@ class EmbeddingBagCollection(torch.nn.Module):
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="ember-prefetch")
-        on_device = self._on_device(kjt)
+        sel = self._select(kjt)
+        on_device = self._on_device(sel)
         if on_device:  # over the link straight from its tensors' memory
-            _ready(_device_of(kjt))  # the caller's stream made its tensors
-            future = self._executor.submit(self._lookup_on_device, kjt)
+            _ready(_device_of(sel))  # the caller's stream made its tensors
+            future = self._executor.submit(self._lookup_on_device, sel)
         else:
-            future = self._executor.submit(self._client.lookup, self._collection, kjt)
+            future = self._executor.submit(self._client.lookup, self._collection, sel)
         with self._prefetch_lock:
-            self._prefetched[id(kjt)] = (kjt, future, on_device)
+            self._prefetched[id(kjt)] = (kjt, future, on_device, sel)
             while len(self._prefetched) > 8:  # never consumed: forget the oldest
                 self._prefetched.pop(next(iter(self._prefetched)))
         return future
@@ -163,12 +422,13 @@ class EmbeddingBagCollection(torch.nn.Module):
         with self._prefetch_lock:
             entry = self._prefetched.pop(id(kjt), None)
         if entry is not None and entry[0] is kjt:  # prefetched
-            on_device = entry[2]
+            on_device, sel = entry[2], entry[3]
             result = entry[1].result()
         else:
-            on_device = self._on_device(kjt)
-            result = (self._lookup_on_device(kjt) if on_device
-                      else self._client.lookup(self._collection, kjt))
+            sel = self._select(kjt)
+            on_device = self._on_device(sel)
+            result = (self._lookup_on_device(sel) if on_device
+                      else self._client.lookup(self._collection, sel))
         if on_device:  # straight between its tensors' memory and the link
             keys, dims, values = result
             kt = ember.KeyedTensor(keys, dims, np.zeros((0, 0), np.float32))
@@ -184,7 +444,7 @@ class EmbeddingBagCollection(torch.nn.Module):
                 values = values.to(device)
         if torch.is_grad_enabled() and self.training:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
-            values = _RemoteLookup.apply(anchor, self, kjt if on_device else ember._as_kjt(kjt),
+            values = _RemoteLookup.apply(anchor, self, sel if on_device else ember._as_kjt(sel),
                                          values)
         if "torchrec" in sys.modules:  # a TorchRec program gets TorchRec's type
             from torchrec.sparse.jagged_tensor import KeyedTensor as TorchRecKeyedTensor
@@ -240,25 +500,154 @@ class EmbeddingBagCollection(torch.nn.Module):
                               grad.detach().cpu().numpy().astype(np.float32, copy=False)),
             request_id=f"{self._run}-{self._step}")
 
-    # State: the tables, by TorchRec's names.
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for t in self._tables:
-            destination[f"{prefix}embedding_bags.{t}.weight"] = torch.from_numpy(
-                self._client.export_table(self._collection, t))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        for t in self._tables:
-            key = f"{prefix}embedding_bags.{t}.weight"
-            if key in state_dict:
-                self._client.import_table(self._collection, t, state_dict[key])
-            elif strict:
-                missing_keys.append(key)
-        mine = {f"{prefix}embedding_bags.{t}.weight" for t in self._tables}
-        for key in state_dict:
-            if key.startswith(prefix) and key not in mine and strict:
-                unexpected_keys.append(key)
+class _RemoteSequenceLookup(torch.autograd.Function):
+    """(values of feature 1, ...) = lookup_sequence(kjt); backward sends each
+    feature's d(loss)/d(values) to the workers."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, kjt, *values):
+        ctx.module = module
+        ctx.kjt = kjt
+        return tuple(v.clone() for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.module._apply_gradients(ctx.kjt, grads)
+        return (None, None, None) + (None,) * len(grads)
+
+
+class EmbeddingCollection(torch.nn.Module):
+    """TorchRec's EmbeddingCollection (sequence features: one embedding per
+    id, no pooling) over an Ember collection whose tables are NONE-pooled.
+    forward(kjt) returns {feature: torchrec JaggedTensor} whose values are
+    [ids, dim] and take part in autograd; backward sends the gradients to the
+    workers, whose optimizer runs there, exactly once.
+
+    tables: torchrec.EmbeddingConfig objects or dicts of the same fields.
+    optimizer, create, device: as EmbeddingBagCollection's. need_indices:
+    as TorchRec's (each JaggedTensor's weights are its ids).
+    As TorchRec's module, every table must have the same embedding_dim, a
+    missing feature raises KeyError, and other features are ignored. Needs
+    torchrec (its JaggedTensor)."""
+
+    def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
+                 create=True, need_indices=False, device=None):
+        super().__init__()
+        configs = [_config_of(t) for t in tables]
+        dims = {int(c.embedding_dim) for c in configs}
+        if len(dims) > 1:
+            raise ValueError(f"All tables in an EmbeddingCollection need the same "
+                             f"embedding_dim, got {sorted(dims)}")
+        for c in configs:
+            if not c.feature_names:
+                c.feature_names = [c.name]
+        specs = []
+        for t in tables:
+            spec = ember.table_spec(t)
+            spec["pooling"] = "NONE"
+            if optimizer is not None and "optimizer" not in spec:
+                spec["optimizer"] = dict(optimizer)
+            specs.append(spec)
+        if create:
+            info = client.create_collection({"name": collection, "tables": specs},
+                                            sharding_type=sharding_type)
+        else:
+            info = client.collection(collection)
+            _check_stored(collection, specs, info["spec"]["tables"])
+        self._setup(client, collection, configs, bool(need_indices), device, info)
+
+    def _setup(self, client, collection, configs, need_indices, device, info):
+        self._client = client
+        self._collection = collection
+        self._info = info
+        self._embedding_configs = configs
+        self._need_indices = need_indices
+        self._is_weighted = False  # sequence features take no weights (_select drops them)
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._embedding_dim = int(configs[0].embedding_dim) if configs else -1
+        self._feature_names = [list(c.feature_names) for c in configs]
+        self._embedding_names_by_table = [list(c.feature_names) for c in configs]
+        self._embedding_names = [f for names in self._feature_names for f in names]
+        self.embeddings = torch.nn.ModuleDict(
+            {c.name: _RemoteEmbeddingBag(self, c) for c in configs})
+        self._step = 0
+        self._run = uuid.uuid4().hex[:12]
+
+    def embedding_configs(self):
+        return self._embedding_configs
+
+    def embedding_dim(self):
+        return self._embedding_dim
+
+    def embedding_names_by_table(self):
+        return self._embedding_names_by_table
+
+    def need_indices(self):
+        return self._need_indices
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def collection(self):
+        return self._collection
+
+    reset_parameters = EmbeddingBagCollection.reset_parameters
+
+    def __getstate__(self):
+        return {"client": _ClientRef(self._client), "collection": self._collection,
+                "configs": self._embedding_configs, "need_indices": self._need_indices,
+                "device": str(self._device), "info": self._info, "training": self.training}
+
+    def __setstate__(self, state):
+        torch.nn.Module.__init__(self)
+        self._setup(state["client"].connect(), state["collection"], state["configs"],
+                    state["need_indices"], state["device"], state["info"])
+        self.train(state["training"])
+
+    @property
+    def _embedding_bag_configs(self):  # for reset_parameters, shared with the bags' module
+        return self._embedding_configs
+
+    def forward(self, kjt):
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+        keys = list(kjt.keys() if callable(kjt.keys) else kjt.keys)
+        for f in self._embedding_names:
+            if f not in keys:
+                raise KeyError(f)
+        k = ember._as_kjt(kjt)
+        if k.keys != self._embedding_names or k.weights is not None:
+            k = EmbeddingBagCollection._select(self, kjt)
+            k = ember._as_kjt(k)
+        got = self._client.lookup_sequence(self._collection, k)
+        device = _device_of(kjt) or torch.device("cpu")
+        values = [torch.from_numpy(got[f]).to(device) for f in self._embedding_names]
+        if torch.is_grad_enabled() and self.training and values:
+            anchor = torch.empty(0, requires_grad=True)
+            values = list(_RemoteSequenceLookup.apply(anchor, self, k, *values))
+        batch = k.batch_size()
+        out = {}
+        for i, f in enumerate(self._embedding_names):
+            lengths = torch.from_numpy(k.lengths[i * batch:(i + 1) * batch].copy()).to(device)
+            ids = None
+            if self._need_indices:
+                lo = int(k.lengths[:i * batch].sum())
+                ids = torch.from_numpy(k.values[lo:lo + int(lengths.sum())].copy()).to(device)
+            out[f] = JaggedTensor(values=values[i], lengths=lengths, weights=ids)
+        return out
+
+    def _apply_gradients(self, kjt, grads):
+        self._step += 1
+        items = {}
+        for f, g in zip(self._embedding_names, grads):
+            n = int(kjt.lengths[self._embedding_names.index(f) * kjt.batch_size():
+                                (self._embedding_names.index(f) + 1) * kjt.batch_size()].sum())
+            items[f] = (np.zeros((n, self._embedding_dim), np.float32) if g is None
+                        else g.detach().cpu().numpy().astype(np.float32, copy=False))
+        self._client.apply_sequence_gradients(self._collection, kjt, items,
+                                              request_id=f"{self._run}-{self._step}")
 
 
 class TrainPipeline:

@@ -286,8 +286,62 @@ def test_checkpoint_and_restore(client, tmp_path):
         client.drop_collection("ck2")
         with pytest.raises(ember.NotFound):
             client.restore(str(tmp_path / "nothing-here"))
+        listed = client.list_checkpoints("ck")
+        assert [c["path"] for c in listed][-1] == ck["path"]
+        assert all(c["collection"] == "ck" for c in listed)
+        assert ck["path"] in [c["path"] for c in client.list_checkpoints()]
+        assert client.list_checkpoints("no_such_collection") == []
     finally:
         client.drop_collection("ck")
+
+
+def test_optimizer_values_given_are_kept_and_defaults_shown(client):
+    tables = [
+        {"name": "frozen", "num_embeddings": 10, "embedding_dim": 4, "feature_names": ["a"],
+         "optimizer": {"type": "SGD", "learning_rate": 0}},
+        {"name": "defaults", "num_embeddings": 10, "embedding_dim": 4, "feature_names": ["b"],
+         "optimizer": {"type": "ADAGRAD"}},
+    ]
+    info = client.create_collection({"name": "opt_defaults", "tables": tables})
+    try:
+        opts = {t["name"]: t["optimizer"] for t in info["spec"]["tables"]}
+        assert opts["frozen"]["learning_rate"] == 0  # given: kept, shown
+        assert (opts["defaults"]["learning_rate"], opts["defaults"]["eps"],
+                opts["defaults"]["beta1"], opts["defaults"]["beta2"]) == (0.01, 1e-8, 0.9, 0.999)
+        assert client.collection("opt_defaults")["spec"] == info["spec"]
+        before = {t: client.export_table("opt_defaults", t) for t in ("frozen", "defaults")}
+        kjt = ember.KeyedJaggedTensor(["a", "b"], [2, 1], [1, 2, 3])
+        client.apply_gradients("opt_defaults", kjt, np.ones((1, 8), np.float32))
+        np.testing.assert_array_equal(client.export_table("opt_defaults", "frozen"),
+                                      before["frozen"])  # learning rate 0: frozen
+        after = client.export_table("opt_defaults", "defaults")
+        # Adagrad's first step at lr 0.01: every touched element moves by
+        # lr * g / (sqrt(g^2) + eps) = 0.01 (to float32 precision).
+        np.testing.assert_allclose(before["defaults"][3] - after[3], 0.01, rtol=1e-5)
+        with pytest.raises(ember.InvalidArgument, match="optimizer.eps must be > 0"):
+            client.create_collection({"name": "eps0", "tables": [
+                dict(tables[1], optimizer={"type": "ADAGRAD", "eps": 0})]})
+    finally:
+        client.drop_collection("opt_defaults")
+
+
+def test_drain_moves_a_workers_shards(tmp_path):
+    with ember.LocalCluster(workers=3) as cluster:
+        c = ember.Client(cluster.address, timeout_s=30)
+        c.create_collection(spec("dr"), sharding_type="row_wise")
+        before = {t: c.export_table("dr", t) for t in ("t_sum", "t_mean", "t_seq")}
+        worker = c.list_workers()[0]
+        victim, address = worker["worker_id"], worker["info"]["address"]
+        def holders(info):  # the addresses of the workers holding a shard
+            return {info["worker_addresses"][int(s.get("rank", 0))]
+                    for t in info["plan"]["tables"] for s in t["shards"]}
+        assert address in holders(c.collection("dr"))
+        assert c.drain(victim) == ["dr"]
+        assert address not in holders(c.collection("dr"))
+        for t, rows in before.items():
+            np.testing.assert_array_equal(c.export_table("dr", t), rows)
+        with pytest.raises(ember.NotFound):
+            c.drain("w999")
 
 
 @pytest.mark.parametrize("sharding_type", ["row_wise", "column_wise", "data_parallel"])

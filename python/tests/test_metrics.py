@@ -71,6 +71,16 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
         client.checkpoint("m")
         client.checkpoint("m")
 
+        # emberctl up says where each process serves its metrics.
+        urls = cluster.metrics_urls
+        assert urls["coordinator"] == f"http://127.0.0.1:{base}/metrics"
+        workers = {w["worker_id"] for w in client.list_workers()}
+        assert set(urls) == workers | {"coordinator"}
+        assert sorted(urls[w] for w in workers) == [
+            f"http://127.0.0.1:{base + i}/metrics" for i in (1, 2)]
+        for w in workers:
+            assert "ember_worker_lookups_total" in get(urls[w])
+
         # The exposition itself is valid Prometheus text.
         text = get(f"http://127.0.0.1:{base + 1}/metrics")
         check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, text=True,

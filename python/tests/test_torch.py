@@ -62,8 +62,9 @@ def local_forward(bags, jagged, weights):
 ])
 def test_training_matches_torch(client, optimizer, sharding_type):
     name = f"tt_{optimizer['type'].lower()}_{sharding_type}"
+    # Weighted (TorchRec's is_weighted): the odd steps' per-id weights apply.
     ebc = EmbeddingBagCollection(TABLES, client, name, optimizer=optimizer,
-                                 sharding_type=sharding_type)
+                                 sharding_type=sharding_type, is_weighted=True)
     try:
         assert list(ebc.parameters()) == []
         tables = {t["name"]: client.export_table(name, t["name"]) for t in TABLES}
