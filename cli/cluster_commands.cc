@@ -615,10 +615,24 @@ int RunUp(const std::string& self_path) {
                           live, " of ", FLAGS_workers, " workers registered; see their logs")));
   }
   std::cout << "coordinator: " << c->address << std::endl;
+  // Where Prometheus scrapes each process (--metrics_port: the coordinator's,
+  // then worker i's at metrics_port + 1 + i, matched by pid).
+  auto metrics_url = [](int port) {
+    return absl::StrCat("http://127.0.0.1:", port, "/metrics");
+  };
+  if (FLAGS_metrics_port > 0) {
+    std::cout << "metrics: coordinator " << metrics_url(FLAGS_metrics_port) << std::endl;
+  }
   auto workers = (*cl)->ListWorkers();
   for (const auto& s : workers->workers()) {
-    std::cout << "worker " << s.worker_id() << " " << s.info().address() << " pid " << s.info().pid()
-              << std::endl;
+    std::cout << "worker " << s.worker_id() << " " << s.info().address() << " pid "
+              << s.info().pid();
+    for (size_t i = 0; FLAGS_metrics_port > 0 && i < children.size(); ++i) {
+      if (children[i] == static_cast<pid_t>(s.info().pid())) {
+        std::cout << " metrics " << metrics_url(FLAGS_metrics_port + 1 + static_cast<int>(i));
+      }
+    }
+    std::cout << std::endl;
   }
   std::cout << "ready: " << FLAGS_workers << " " << FLAGS_device
             << " worker(s); Ctrl-C (SIGINT) or SIGTERM stops everything" << std::endl;

@@ -37,6 +37,7 @@
 #include "cli/cluster_commands.h"
 #include "cli/exit_status.h"
 #include "cli/spec_io.h"
+#include "cuda/device_query.h"
 #include "gflags/gflags.h"
 #include "server/common/host_memory.h"
 #include "cli/json_io.h"
@@ -55,7 +56,9 @@ DEFINE_int32(local_world_size, 0, "Workers per host (0: world_size, one host).")
 DEFINE_string(sharding_type, "",
               "Force one sharding type on every table (table_wise, row_wise, "
               "column_wise, table_row_wise, table_column_wise, data_parallel).");
-DEFINE_string(compute_device, "cuda", "Worker device kind: cuda or cpu.");
+DEFINE_string(compute_device, "",
+              "Worker device kind: cuda or cpu (default: cuda where this machine has a CUDA "
+              "device, else cpu; plan says which on stderr).");
 DEFINE_double(hbm_cap_gib, 0, "HBM per worker in GiB (0: device default, 80 GiB for cuda).");
 DEFINE_double(ddr_cap_gib, 0, "Host memory per worker in GiB (0: default, 128 GiB).");
 DEFINE_int32(batch_size, 0, "Per-trainer batch size (0: 512).");
@@ -86,6 +89,17 @@ int RunPlan() {
     return Usage("--format must be table or json, got '" + FLAGS_format + "'");
   }
   ember::v1::Topology topology;
+  if (FLAGS_compute_device.empty()) {
+    // This machine's kind, said aloud: a plan for GPUs made on a laptop, or
+    // the reverse, is the kind of surprise a default should not spring.
+    auto devices = ember::cuda::QueryDevices();
+    const bool gpu = devices.ok() && !devices->empty();
+    FLAGS_compute_device = gpu ? "cuda" : "cpu";
+    std::cerr << "emberctl plan: planning for " << FLAGS_compute_device << " workers ("
+              << (gpu ? "this machine has a CUDA device"
+                      : "this machine has no CUDA device")
+              << "; --compute_device chooses)" << std::endl;
+  }
   if (FLAGS_compute_device == "cuda") {
     topology.set_compute_device(ember::v1::CUDA);
   } else if (FLAGS_compute_device == "cpu") {

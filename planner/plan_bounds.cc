@@ -107,9 +107,17 @@ absl::Status Infeasible(const CollectionSpec& spec,
   const int64_t max_ddr = *std::max_element(ddr_cap.begin(), ddr_cap.end());
   const int64_t sum_hbm = std::accumulate(hbm_cap.begin(), hbm_cap.end(), int64_t{0});
   const int64_t sum_ddr = std::accumulate(ddr_cap.begin(), ddr_cap.end(), int64_t{0});
-  const std::string reserve = absl::StrFormat(
-      "after reserving %.0f%% of HBM and %.0f%% of host memory",
-      100 * model.hbm_reserved_fraction, 100 * model.ddr_reserved_fraction);
+  const bool cpu = device == ember::v1::CPU;
+  const std::string reserve =
+      cpu ? absl::StrFormat("after reserving %.0f%% of host memory",
+                            100 * model.ddr_reserved_fraction)
+          : absl::StrFormat("after reserving %.0f%% of HBM and %.0f%% of host memory",
+                            100 * model.hbm_reserved_fraction, 100 * model.ddr_reserved_fraction);
+  // Memory as the workers have it: CPU workers have no HBM to speak of.
+  auto memory = [cpu](int64_t hbm, int64_t ddr) {
+    return cpu ? absl::StrCat(GiB(ddr), " host memory")
+               : absl::StrCat(GiB(hbm), " HBM and ", GiB(ddr), " host memory");
+  };
   std::vector<std::string> lines;
 
   // 1. Tables with no layout that fits on an empty cluster.
@@ -163,9 +171,8 @@ absl::Status Infeasible(const CollectionSpec& spec,
         tc.embedding_dim(), ", ", ember::v1::DataType_Name(tc.data_type()),
         ", ", ember::v1::OptimizerSpec::Type_Name(tc.optimizer().type()),
         "): its smallest layout (", OptionName(*smallest), ") needs ",
-        GiB(smallest->max_shard_hbm), " HBM and ",
-        GiB(smallest->max_shard_ddr), " host memory on one worker, but the largest worker has ",
-        GiB(max_hbm), " HBM and ", GiB(max_ddr), " host memory usable ",
+        memory(smallest->max_shard_hbm, smallest->max_shard_ddr),
+        " on one worker, but the largest worker has ", memory(max_hbm, max_ddr), " usable ",
         reserve, "; to fit: ", absl::StrJoin(remedies, ", or ")));
   }
   if (lines.empty()) {
@@ -203,11 +210,10 @@ absl::Status Infeasible(const CollectionSpec& spec,
         "no placement keeps every worker within capacity: table '",
         spec.tables(failed_table).name(),
         "' found no worker with room (its cheapest layout ", OptionName(o),
-        " needs ", GiB(o.max_shard_hbm), " HBM and ", GiB(o.max_shard_ddr),
-        " host memory per shard; workers have ", GiB(max_hbm), " HBM and ",
-        GiB(max_ddr), " host memory usable ", reserve,
-        "); to fit: add workers, raise capacities, or allow row_wise and "
-        "fused_uvm layouts for the largest tables"));
+        " needs ", memory(o.max_shard_hbm, o.max_shard_ddr), " per shard; workers have ",
+        memory(max_hbm, max_ddr), " usable ", reserve,
+        "); to fit: add workers, raise capacities, or allow row_wise",
+        cpu ? "" : " and fused_uvm", " layouts for the largest tables"));
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "the collection does not fit on ", w, " worker(s):\n  ",

@@ -269,6 +269,21 @@ TEST(PlannerTest, TableLargerThanAnyWorkerIsExplained) {
   EXPECT_THAT(msg, Not(HasSubstr("'tiny'")));
 }
 
+TEST(PlannerTest, CpuWorkersAreExplainedInHostMemoryOnly) {
+  CollectionSpec spec;
+  AddTable(&spec, "huge", 100'000'000, 128);  // 47.7 GiB fp32, SGD
+  (*spec.mutable_constraints())["huge"].add_sharding_types("table_wise");
+  Topology topo = Cpu(2);
+  topo.set_ddr_cap_bytes(16 * kGiB);
+  auto plan = Plan(spec, topo);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  const std::string msg(plan.status().message());
+  EXPECT_THAT(msg, HasSubstr("GiB host memory on one worker"));
+  EXPECT_THAT(msg, HasSubstr("after reserving 10% of host memory"));
+  EXPECT_THAT(msg, Not(HasSubstr("HBM")));
+  EXPECT_THAT(msg, Not(HasSubstr("fused_uvm")));
+}
+
 TEST(PlannerTest, RowWiseSuggestsHowManyWorkers) {
   CollectionSpec spec;
   AddTable(&spec, "wide", 100'000'000, 128);  // 47.7 GiB fp32, SGD

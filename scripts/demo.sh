@@ -19,7 +19,7 @@ bazel build -c opt //:emberctl //examples:seed_tutorial //python/ember:_ember.so
 bin="$(bazel info -c opt bazel-bin 2>/dev/null)"
 
 echo "================ planner's choice for 8 GPUs on 2 hosts (a preview, no cluster) ================"
-"$bin/cli/emberctl" plan --spec=examples/seed_tables.json --world_size=8 --local_world_size=4
+"$bin/cli/emberctl" plan --spec=examples/seed_tables.json --world_size=8 --local_world_size=4 --compute_device=cuda
 echo
 examples/run_seed_tutorial.sh "$bin/cli/emberctl" "$bin/examples/seed_tutorial" \
   examples/seed_tables.json

@@ -35,7 +35,7 @@ spec() {  # spec NAME JSON: writes $TMP/NAME.json
 for type in table_wise row_wise column_wise data_parallel; do
   checks=$((checks + 1))
   if ! "$EMBERCTL" plan --spec="$SEED" --world_size=2 --sharding_type="$type" \
-      --format=json >"$TMP/$type.json" 2>"$TMP/err"; then
+      --compute_device=cuda --format=json >"$TMP/$type.json" 2>"$TMP/err"; then
     fail "seed $type: $(cat "$TMP/err")"
     continue
   fi
@@ -75,7 +75,8 @@ done
 
 # --- TorchRec's printed form.
 checks=$((checks + 1))
-"$EMBERCTL" plan --spec="$SEED" --world_size=2 --sharding_type=row_wise >"$TMP/table.txt" 2>&1 ||
+"$EMBERCTL" plan --spec="$SEED" --world_size=2 --sharding_type=row_wise --compute_device=cuda \
+  >"$TMP/table.txt" 2>&1 ||
   fail "table format run failed"
 for needle in "param         | sharding type | compute kernel | ranks" \
               "large_table_0 | row_wise      | fused          | [0, 1]" \
@@ -95,6 +96,29 @@ d = json.load(open(sys.argv[1]))
 assert len(d["plan"]) == 4
 assert all(r["hbm_bytes"] == 0 and r["ddr_bytes"] > 0 for r in d["stats"]["per_rank"] if r["cost_ms"] > 0)
 ' "$TMP/cpu.json" || fail "cpu plan JSON"
+
+# --- No --compute_device: this machine's kind, said on stderr, and the plan
+# is for it (host memory only for cpu, HBM for cuda).
+checks=$((checks + 1))
+"$EMBERCTL" plan --spec="$SEED" --world_size=2 --format=json >"$TMP/auto.json" 2>"$TMP/auto.err" ||
+  fail "plan without --compute_device: $(cat "$TMP/auto.err")"
+if grep -q "planning for cpu workers (this machine has no CUDA device" "$TMP/auto.err"; then
+  kind=cpu
+elif grep -q "planning for cuda workers (this machine has a CUDA device" "$TMP/auto.err"; then
+  kind=cuda
+else
+  kind=none
+  fail "plan without --compute_device did not say which kind: $(cat "$TMP/auto.err")"
+fi
+python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+ranks = [r for r in d["stats"]["per_rank"] if r["cost_ms"] > 0]
+if sys.argv[2] == "cpu":
+    assert all(r["hbm_bytes"] == 0 and r["ddr_bytes"] > 0 for r in ranks), ranks
+elif sys.argv[2] == "cuda":
+    assert all(r["hbm_bytes"] > 0 for r in ranks), ranks
+' "$TMP/auto.json" "$kind" || fail "plan without --compute_device: not a $kind plan"
 
 # --- Bad input: clear errors, non-zero exit.
 T='{"name": "NAME", "num_embeddings": ROWS, "embedding_dim": DIM, "feature_names": ["FEAT"]}'
@@ -119,8 +143,8 @@ spec bad_ref "{\"tables\": [$(table a 10 8 fa)], \"constraints\": {\"b\": {\"sha
 expect_error "constraint naming unknown table" 1 "constraints for 'b': no table named 'b'" -- plan --spec="$TMP/bad_ref.json"
 expect_error "unknown sharding type flag" 2 "unknown sharding type 'diagonal'" -- plan --spec="$SEED" --sharding_type=diagonal
 spec huge "{\"tables\": [$(table huge 1000000000 128 fh)], \"constraints\": {\"huge\": {\"sharding_types\": [\"table_wise\"]}}}"
-expect_error "infeasible" 1 "table 'huge' (1000000000 x 128, FP32, SGD)" -- plan --spec="$TMP/huge.json" --world_size=2
-expect_error "infeasible remedy" 1 "to fit: allow row_wise" -- plan --spec="$TMP/huge.json" --world_size=2
+expect_error "infeasible" 1 "table 'huge' (1000000000 x 128, FP32, SGD)" -- plan --spec="$TMP/huge.json" --world_size=2 --compute_device=cuda
+expect_error "infeasible remedy" 1 "to fit: allow row_wise" -- plan --spec="$TMP/huge.json" --world_size=2 --compute_device=cuda
 expect_error "world size" 1 "world_size must be >= 1" -- plan --spec="$SEED" --world_size=0
 expect_error "bad format" 2 "--format must be table or json" -- plan --spec="$SEED" --format=xml
 expect_error "bad device" 2 "--compute_device must be cuda or cpu" -- plan --spec="$SEED" --compute_device=tpu
