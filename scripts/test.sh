@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Sets up what is missing, builds everything and runs every test with Bazel,
+# builds and installs the wheel in a fresh venv (scripts/wheel_test.sh),
 # checks the layers (scripts/check_layers.py) and fuzzes each target briefly,
 # then prints a closing line "N passed, N failed" (test cases, counted from
 # each test target's JUnit XML, plus one per layer rule and fuzz target).
@@ -50,6 +51,28 @@ done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|NO STATU
 if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
   # The build itself failed before any test ran.
   failed=1
+fi
+
+# The wheel as a user installs it (scripts/wheel.sh, then
+# scripts/wheel_test.sh in a fresh venv): each of its checks is one test.
+# Packed from the binaries `bazel test` built above. Skipped when specific
+# Bazel targets were asked for.
+if [ $# -eq 0 ]; then
+  wheel_dir=$(mktemp -d)
+  wheel_log=$(mktemp)
+  if EMBER_WHEEL_COMPILATION_MODE=fastbuild bash scripts/wheel.sh "$wheel_dir" >"$wheel_log" 2>&1; then
+    tail -n 1 "$wheel_log"
+    bash scripts/wheel_test.sh "$wheel_dir"/ember-*.whl 2>&1 | tee -a "$wheel_log"
+  else
+    cat "$wheel_log"
+    echo "wheel build: FAILED" | tee -a "$wheel_log"
+  fi
+  ok=$(grep -cE '^wheel [a-z]+: ok$' "$wheel_log")
+  bad=$(grep -cE '^wheel [a-z ]+: FAILED$' "$wheel_log")
+  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # nothing was checked
+  passed=$((passed + ok))
+  failed=$((failed + bad))
+  rm -rf "$wheel_dir" "$wheel_log"
 fi
 
 # The layers of docs/design.md (scripts/check_layers.py): each rule is one
