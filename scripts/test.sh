@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up what is missing, builds everything and runs every test with Bazel,
 # builds and installs the wheel in a fresh venv (scripts/wheel_test.sh),
+# checks the generated references and the docs' links (scripts/reference.py),
 # checks the layers (scripts/check_layers.py) and fuzzes each target briefly,
 # then prints a closing line "N passed, N failed" (test cases, counted from
 # each test target's JUnit XML, plus one per layer rule and fuzz target).
@@ -73,6 +74,21 @@ if [ $# -eq 0 ]; then
   passed=$((passed + ok))
   failed=$((failed + bad))
   rm -rf "$wheel_dir" "$wheel_log"
+fi
+
+# The generated references (docs/reference/) against their sources, and the
+# docs' links (scripts/reference.py --check): each check is one test.
+if [ $# -eq 0 ]; then
+  docs_log=$(mktemp)
+  py=python3
+  [ -x .venv/bin/python ] && py=.venv/bin/python
+  "$py" scripts/reference.py --check 2>&1 | tee "$docs_log"
+  ok=$(grep -cE '^docs .*: ok$' "$docs_log")
+  bad=$(grep -cE '^docs .*: FAILED$' "$docs_log")
+  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # the check did not run
+  passed=$((passed + ok))
+  failed=$((failed + bad))
+  rm -f "$docs_log"
 fi
 
 # The layers of docs/design.md (scripts/check_layers.py): each rule is one

@@ -93,6 +93,7 @@ class KeyedJaggedTensor:
         return cls(keys, lengths, values, w)
 
     def batch_size(self):
+        """Samples per key: len(lengths) / len(keys)."""
         return len(self.lengths) // len(self.keys) if self.keys else 0
 
 
@@ -281,22 +282,32 @@ class Client:
         return json.loads(self._c.create_collection(_spec_json(spec), sharding_type or ""))
 
     def collection(self, name):
+        """Collection `name`'s info as a dict: its spec (with every optimizer
+        default filled in), plan (with its epoch), worker_addresses (one per
+        rank) and state. NotFound when there is none."""
         return json.loads(self._c.get_collection(name))
 
     def plan(self, name):
+        """Collection `name`'s sharding plan as a dict."""
         return self.collection(name)["plan"]
 
     def list_collections(self):
+        """Every collection's info, as collection() gives each."""
         return [json.loads(c) for c in self._c.list_collections()]
 
     def preview_plan(self, spec, world_size, local_world_size=0, sharding_type=None,
                      compute_device="CPU"):
+        """The plan the coordinator's planner would make for `spec` on
+        `world_size` workers of `compute_device` (CPU or CUDA), without
+        creating anything."""
         topology = {"world_size": world_size, "local_world_size": local_world_size,
                     "compute_device": compute_device}
         return json.loads(self._c.preview_plan(_spec_json(spec), json.dumps(topology),
                                                sharding_type or ""))
 
     def list_workers(self):
+        """The registered workers: dicts of worker_id, info (address, host,
+        device, capacities), live and ms_since_heartbeat."""
         return json.loads(self._c.list_workers()).get("workers", [])
 
     def worker_status(self, address):
@@ -309,6 +320,7 @@ class Client:
         return json.loads(self._c.worker_status(address))
 
     def drop_collection(self, name):
+        """Drops collection `name` and frees its shards on the workers."""
         self._c.drop_collection(name)
 
     # Data plane.
@@ -347,6 +359,9 @@ class Client:
         return dict(self._c.lookup_sequence(name, k.keys, k.lengths, k.values))
 
     def apply_sequence_gradients(self, name, kjt, grads, request_id=None):
+        """Gradients of lookup_sequence()'s output, {key: [num_ids, dim]};
+        the tables' optimizers run on the workers, exactly once per
+        request id (returned, as apply_gradients does)."""
         k = _as_kjt(kjt)
         items = [(key, np.ascontiguousarray(g, dtype=np.float32)) for key, g in grads.items()]
         return self._c.apply_sequence_gradients(name, k.keys, k.lengths, k.values, items,
@@ -364,9 +379,16 @@ class Client:
         self._c.import_table(name, table, np.ascontiguousarray(array, dtype=np.float32))
 
     def checkpoint(self, name, dir=""):
+        """Writes a checkpoint of collection `name` under `dir` (a root the
+        servers' --checkpoint_dir allows; empty: the coordinator's own);
+        returns its CheckpointInfo (path, bytes, ...) as a dict."""
         return json.loads(self._c.checkpoint(name, dir))
 
     def restore(self, path, name="", sharding_type=None):
+        """Creates a collection (named `name`, or the checkpoint's name) from
+        checkpoint `path` (a checkpoint directory or a root: its latest), on
+        the live workers, planned afresh; DataLoss naming the file when a
+        checkpoint is damaged (nothing is created)."""
         return json.loads(self._c.restore(path, name, sharding_type or ""))
 
     def list_checkpoints(self, name=""):

@@ -324,13 +324,17 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     # TorchRec's interface.
     def embedding_bag_configs(self):
+        """The tables' configs, as given (dicts become config objects)."""
         return self._embedding_bag_configs
 
     def is_weighted(self):
+        """Whether per-id weights of the KJT are applied."""
         return self._is_weighted
 
     @property
     def device(self):
+        """TorchRec's compute device (cpu unless given); outputs are on the
+        KJT's device."""
         return self._device
 
     def reset_parameters(self):
