@@ -3,8 +3,13 @@
 
 A benchmark, not a test. The service_bench configuration (8 tables of
 --rows x --dim, one feature each, batch --batch, pooling factor --pf, uniform
-ids) under a small DLRM-style dense model (MLP over the pooled embeddings,
-BCE loss, torch SGD), trained three ways in one process run:
+ids) under a dense model trained with BCE loss and torch SGD: with --model
+mlp (default) a small MLP over the pooled embeddings; with --model dlrm
+TorchRec's own torchrec.models.dlrm.DLRM (13 dense features, bottom MLP
+512-256-dim, top MLP 512-256-1, dot interactions) built over each embedding
+module unmodified, DMP's included (DistributedModelParallel over the whole
+DLRM, as TorchRec's examples shard it). Trained three ways in one process
+run:
 
   torchrec   a local torchrec.EmbeddingBagCollection with FBGEMM's fused
              row-wise Adagrad (fuse_embedding_optimizer), in this process;
@@ -57,7 +62,31 @@ def parse_args():
                    help="1: also time TorchRec DistributedModelParallel over gloo")
     p.add_argument("--dmp_port", type=int, default=29571, help="gloo's rendezvous port")
     p.add_argument("--format", default="table", choices=["table", "json"])
+    p.add_argument("--model", default="mlp", choices=["mlp", "dlrm"],
+                   help="the dense model: a small MLP, or TorchRec's DLRM")
     return p.parse_args()
+
+
+DENSE_FEATURES = 13  # Criteo's, as TorchRec's DLRM examples use
+
+
+def dlrm_over(ebc, args):
+    """TorchRec's DLRM over the embedding module `ebc` (any of the three)."""
+    from torchrec.models.dlrm import DLRM
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_FEATURES,
+                dense_arch_layer_sizes=[512, 256, args.dim],
+                over_arch_layer_sizes=[512, 256, 1])
+
+
+def dlrm_step(model, opt):
+    """One DLRM training step: BCE over model(dense, kjt), backward, step."""
+    def step(b):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(b["dense"], b["kjt"]).squeeze(-1), b["label"])
+        loss.backward()
+        opt.step()
+    return step
 
 
 class Dense(torch.nn.Module):
@@ -81,7 +110,8 @@ def make_batches(args, torchrec, n=4, seed=1):
         kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values,
                                                            lengths=lengths)
         labels = torch.from_numpy((rng.random(args.batch) < 0.3).astype(np.float32))
-        out.append({"kjt": kjt, "label": labels})
+        dense = torch.from_numpy(rng.normal(size=(args.batch, DENSE_FEATURES)).astype(np.float32))
+        out.append({"kjt": kjt, "label": labels, "dense": dense})
     return out
 
 
@@ -136,20 +166,33 @@ def dmp_rank(rank, args, queue):
             topology=Topology(world_size=args.workers, local_world_size=args.workers,
                               compute_device="cpu"),
             batch_size=local)
-        plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
-        model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
-                                         sharders=[sharder])
-        torch.manual_seed(0)
-        dense = torch.nn.parallel.DistributedDataParallel(Dense(args.tables * args.dim))
-        opt = torch.optim.SGD(dense.parameters(), lr=0.01)
         # Each rank its own share of the global batch, as make_batches draws it.
         shard = copy.copy(args)
         shard.batch = local
         batches = make_batches(shard, torchrec, seed=1 + rank)
+        torch.manual_seed(0)
+        if args.model == "dlrm":
+            # The whole DLRM under DMP: it shards the EBC inside and wraps
+            # the dense part in DDP, as TorchRec's DLRM examples do.
+            plan = planner.collective_plan(dlrm_over(ebc, args), [sharder],
+                                           dist.GroupMember.WORLD)
+            model = DistributedModelParallel(dlrm_over(ebc, args), device=torch.device("cpu"),
+                                             plan=plan, sharders=[sharder])
+            opt = torch.optim.SGD([p for n, p in model.named_parameters()
+                                   if "embedding_bags" not in n], lr=0.01)
+            step = dlrm_step(model, opt)
+        else:
+            plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
+            model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
+                                             sharders=[sharder])
+            dense = torch.nn.parallel.DistributedDataParallel(Dense(args.tables * args.dim))
+            opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+            step = sgd_step(model, dense, opt)
 
-        rate = time_steps(sgd_step(model, dense, opt), batches, args.steps, sync=dist.barrier)
+        rate = time_steps(step, batches, args.steps, sync=dist.barrier)
         if rank == 0:
-            types = sorted({s.sharding_type for s in plan.plan[""].values()})
+            types = sorted({s.sharding_type for plans in plan.plan.values()
+                            for s in plans.values()})
             queue.put((rate, types))
     finally:
         dist.destroy_process_group()
@@ -196,10 +239,18 @@ def main():
         torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu")),
         optimizer_type=trec_optim.RowWiseAdagrad, optimizer_kwargs={"lr": lr, "eps": 1e-8},
         device=torch.device("cpu"))
-    dense = copy.deepcopy(dense0)
-    opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+    if args.model == "dlrm":
+        torch.manual_seed(0)
+        ref_model = dlrm_over(ref, args)
+        opt = torch.optim.SGD([p for n, p in ref_model.named_parameters()
+                               if "embedding_bags" not in n], lr=0.01)
+        ref_step = dlrm_step(ref_model, opt)
+    else:
+        dense = copy.deepcopy(dense0)
+        opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+        ref_step = sgd_step(ref, dense, opt)
 
-    results = {"torchrec_steps_per_s": time_steps(sgd_step(ref, dense, opt), batches, args.steps)}
+    results = {"torchrec_steps_per_s": time_steps(ref_step, batches, args.steps)}
     del ref
     if args.dmp:
         results["dmp_steps_per_s"], results["dmp_plan"] = run_dmp(args)
@@ -211,15 +262,27 @@ def main():
             configs, client, name, optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": lr,
                                               "eps": 1e-8})
         try:
-            model_dense = copy.deepcopy(dense0)
-            eopt = torch.optim.SGD(model_dense.parameters(), lr=0.01)
+            if args.model == "dlrm":
+                torch.manual_seed(0)
+                dlrm = dlrm_over(ebc, args)  # TorchRec's class over Ember's module
+                eopt = torch.optim.SGD(dlrm.parameters(), lr=0.01)  # dense only: Ember's
+                # module holds no parameter
 
-            def model(b):
-                return torch.nn.functional.binary_cross_entropy_with_logits(
-                    model_dense(ebc(b["kjt"]).values()), b["label"])
+                def model(b):
+                    return torch.nn.functional.binary_cross_entropy_with_logits(
+                        dlrm(b["dense"], b["kjt"]).squeeze(-1), b["label"])
 
-            results["ember_steps_per_s"] = time_steps(sgd_step(ebc, model_dense, eopt), batches,
-                                                      args.steps)
+                ember_step = dlrm_step(dlrm, eopt)
+            else:
+                model_dense = copy.deepcopy(dense0)
+                eopt = torch.optim.SGD(model_dense.parameters(), lr=0.01)
+
+                def model(b):
+                    return torch.nn.functional.binary_cross_entropy_with_logits(
+                        model_dense(ebc(b["kjt"]).values()), b["label"])
+
+                ember_step = sgd_step(ebc, model_dense, eopt)
+            results["ember_steps_per_s"] = time_steps(ember_step, batches, args.steps)
             # Pipelined: a fresh iterator over the same batches, cycled.
             pipeline = ember.torch.TrainPipeline(model, eopt, ebc, sparse=lambda b: b["kjt"])
             total = args.steps + 3
@@ -252,13 +315,14 @@ def main():
                              if args.dmp else None),
         "tables": args.tables, "rows": args.rows, "dim": args.dim, "batch": args.batch,
         "pooling_factor": args.pf, "steps": args.steps, "workers": args.workers,
-        "torch": torch.__version__, "torchrec": torchrec.__version__,
+        "torch": torch.__version__, "torchrec": torchrec.__version__, "model": args.model,
     })
     if args.format == "json":
         print(json.dumps(results), flush=True)
         return
-    print(f"train_bench: {args.tables} tables of {args.rows} x {args.dim}, batch {args.batch}, "
-          f"pooling factor {args.pf}, row-wise Adagrad; {args.workers} Ember workers "
+    print(f"train_bench: {args.model}; {args.tables} tables of {args.rows} x {args.dim}, "
+          f"batch {args.batch}, pooling factor {args.pf}, row-wise Adagrad; {args.workers} "
+          f"Ember workers "
           f"({', '.join(results['plan'])}); torch {torch.__version__}, torchrec "
           f"{torchrec.__version__}")
     print(f"  torchrec (local, FBGEMM fused): {base:8.2f} steps/s")
