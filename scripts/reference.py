@@ -6,7 +6,8 @@
 - docs/reference/protos.md: every message, enum and field of proto/*.proto
   (the spec, plan and service contract; JSON uses the field names shown),
   with the comments written beside them in the .proto files.
-- docs/reference/python.md: the public API of `ember` and `ember.torch`
+- docs/reference/python.md: the public API of `ember`, `ember.torch` and
+  `ember.torchrec`
   (classes, methods, functions, their signatures and docstrings), imported
   from the package as built (needs _ember.so: run after a build, with the
   .venv's python for ember.torch).
@@ -148,12 +149,13 @@ def python_md():
     modules = [ember]
     try:
         import ember.torch
-        modules.append(ember.torch)
+        import ember.torchrec
+        modules += [ember.torch, ember.torchrec]
     except ImportError as e:  # no torch: say so rather than drop it silently
-        raise SystemExit(f"reference: ember.torch does not import ({e}); run with the .venv's "
-                         "python")
+        raise SystemExit(f"reference: ember.torch / ember.torchrec do not import ({e}); run "
+                         "with the .venv's python")
     out = ["# Python API reference (generated)", "",
-           "Generated from the docstrings of `ember` and `ember.torch` by "
+           "Generated from the docstrings of `ember`, `ember.torch` and `ember.torchrec` by "
            "`scripts/reference.py`; do not edit.", ""]
     for module in modules:
         out += [f"## `{module.__name__}`", "", doc_of(module), ""]

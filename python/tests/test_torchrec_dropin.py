@@ -380,3 +380,63 @@ def test_embedding_collection_matches_torchrec(client):
         assert copy_.collection == "dropin_seq"
     finally:
         client.drop_collection("dropin_seq")
+
+
+def test_dmp_with_ember_sharder_trains_like_torchrec(client):
+    """TorchRec's DistributedModelParallel over an unmodified DLRM with
+    EmberSharder: the EBC is replaced by Ember's module over a collection
+    holding the model's own initial tables, the dense part is DMP's (DDP),
+    and training gives the losses of the same DLRM trained locally with
+    TorchRec's module (one rank over gloo)."""
+    import socket
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from ember.torchrec import EmberSharder
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    sharder = EmberSharder(client, optimizer={"type": "SGD", "learning_rate": LR},
+                           prefix="dropin_dmp_")
+    name = sharder.collection_name("sparse_arch.embedding_bag_collection")
+    try:
+        torch.manual_seed(1)
+        ref_ebc = torchrec.EmbeddingBagCollection(tables=configs(), device=torch.device("cpu"))
+        ebc = torchrec.EmbeddingBagCollection(tables=configs(), device=torch.device("cpu"))
+        ebc.load_state_dict(ref_ebc.state_dict())
+        torch.manual_seed(5)
+        ref = MODELS["DLRM"](ref_ebc)
+        torch.manual_seed(5)
+        model = DistributedModelParallel(MODELS["DLRM"](ebc), device=torch.device("cpu"),
+                                         sharders=[sharder])
+        inner = model.module.sparse_arch.embedding_bag_collection
+        assert isinstance(inner, ember.torch.EmbeddingBagCollection)
+        assert inner.collection == name == "dropin_dmp_sparse_arch_embedding_bag_collection"
+        np.testing.assert_array_equal(inner.embedding_bags["t_user"].weight.numpy(),
+                                      ref_ebc.embedding_bags["t_user"].weight.detach().numpy())
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        rng = np.random.default_rng(12)
+        for step in range(3):
+            kjt = kjt_batch(rng)
+            dense = torch.from_numpy(rng.normal(size=(8, DENSE)).astype(np.float32))
+            labels = torch.from_numpy((rng.random(8) < 0.4).astype(np.float32))
+            losses = []
+            for m, o in ((ref, ref_opt), (model, opt)):
+                o.zero_grad()
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                    m(dense, kjt).squeeze(-1), labels)
+                loss.backward()
+                o.step()
+                losses.append(float(loss.detach()))
+            np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(inner.embedding_bags["t_item"].weight.numpy(),
+                                   ref_ebc.embedding_bags["t_item"].weight.detach().numpy(),
+                                   rtol=1e-4, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+        try:
+            client.drop_collection(name)
+        except ember.NotFound:
+            pass
