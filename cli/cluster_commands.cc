@@ -104,7 +104,9 @@ DEFINE_bool(batch_scheduling, true,
 DEFINE_double(memory_gib, 0,
               "Worker memory for shards in GiB (0: cpu, 90% of the host's available memory "
               "(the cgroup limit where there is one), shared among `up`'s workers; cuda, the "
-              "card's).");
+              "card's). A cpu worker left at 0 beside live workers of its host that already "
+              "claim memory is refused by the coordinator if together they would overcommit "
+              "the host: give it its share.");
 DEFINE_string(dedup_ttl, "10m",
               "Workers: how long an update's request id is remembered for exactly-once "
               "(must exceed every client's retry deadline).");

@@ -114,8 +114,10 @@ class StandaloneCluster {
     if (!StartCoordinator("127.0.0.1:0", crash_at)) return;
     // Workers share the coordinator's checkpoint root (their files lie
     // under it).
+    // An explicit share of memory each: N workers on one host with the
+    // host's default would overcommit it (the coordinator refuses that).
     std::vector<std::string> worker_args = {emberctl, "worker", "--coordinator=" + address_,
-                                            "--listen=127.0.0.1:0"};
+                                            "--listen=127.0.0.1:0", "--memory_gib=2"};
     for (const std::string& f : flags_) {
       if (f.rfind("--checkpoint_dir=", 0) == 0) worker_args.push_back(f);
     }

@@ -221,6 +221,10 @@ TEST(MultiHostTest, TrainsOverTlsAndTokensAndSurvivesACutLink) {
     argv = {ip, "netns", "exec", hosts.Ns(absl::StrCat("w", i)), Absolute(kEmberctl)};
     for (const std::string& a : MapArgs(worker_args, map, &unmapped)) argv.push_back(a);
     ASSERT_EQ(unmapped, "") << "a worker argument this test cannot map";
+    // The "hosts" share this machine's memory and host name, where pods
+    // each have their cgroup's limit: an explicit share each (else the
+    // coordinator refuses the second as overcommitting the host).
+    argv.push_back("--memory_gib=2");
     std::cout << "worker " << i << ": " << absl::StrJoin(argv, " ") << std::endl;
     workers.push_back(std::make_unique<Process>(argv));
     ASSERT_FALSE(workers.back()->Line("worker ").empty()) << "worker " << i << " did not start";

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "planner/plan_view.h"
@@ -63,6 +65,32 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
           "worker ", caller.identity, " is live as ", id, " at ", old.info.address(),
           "; one process per worker credential (retry once its lease (",
           absl::FormatDuration(options_.lease), ") has lapsed)")));
+    }
+  }
+  // A worker whose shard memory defaulted to its whole host's, beside live
+  // workers of the same host that already claim part of it: together they
+  // would promise shards memory the host does not have.
+  if (info.host_memory_bytes() > 0 && info.ddr_bytes() > 0) {
+    int64_t claimed = 0;
+    std::vector<std::string> holders;
+    for (const auto& [id, old] : workers_) {
+      const bool live = now - old.last_heartbeat < options_.lease;
+      if (!live || old.info.host() != info.host() || old.info.address() == info.address()) {
+        continue;
+      }
+      claimed += old.info.ddr_bytes();
+      holders.push_back(absl::StrCat(id, " (", old.info.address(), ", ",
+                                     absl::StrFormat("%.2f", old.info.ddr_bytes() / 1073741824.0),
+                                     " GiB)"));
+    }
+    if (claimed > 0 && claimed + info.ddr_bytes() > info.host_memory_bytes()) {
+      const double left = std::max<int64_t>(0, info.host_memory_bytes() - claimed) / 1073741824.0;
+      return ToGrpc(absl::ResourceExhaustedError(absl::StrFormat(
+          "host %s has %.2f GiB of memory and its live workers %s already advertise %.2f GiB "
+          "of it for shards; this worker would advertise %.2f GiB more: start it with "
+          "--memory_gib at most %.2f",
+          info.host(), info.host_memory_bytes() / 1073741824.0, absl::StrJoin(holders, ", "),
+          claimed / 1073741824.0, info.ddr_bytes() / 1073741824.0, left)));
     }
   }
   Worker w;

@@ -49,6 +49,20 @@ class WorkerRegistryTest : public testing::Test {
     if (id != nullptr) *id = resp.worker_id();
     return s;
   }
+  // A CPU worker of `host` advertising `ddr` bytes, and (when its memory
+  // defaulted to the host's) the host's `host_memory`.
+  grpc::Status RegisterOn(const std::string& address, const std::string& host, int64_t ddr,
+                          int64_t host_memory, int pid) {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.mutable_worker()->set_host(host);
+    req.mutable_worker()->set_pid(pid);
+    req.mutable_worker()->set_ddr_bytes(ddr);
+    req.mutable_worker()->set_host_memory_bytes(host_memory);
+    ember::v1::RegisterWorkerResponse resp;
+    return stub_->RegisterWorker(&ctx, req, &resp);
+  }
   int Listed() {
     grpc::ClientContext ctx;
     ember::v1::ListWorkersResponse resp;
@@ -112,6 +126,31 @@ TEST_F(WorkerRegistryTest, TheRegistryIsBounded) {
   req.set_worker_id(first);  // the longest silent: forgotten to make room
   ember::v1::HeartbeatResponse resp;
   EXPECT_EQ(stub_->Heartbeat(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// A worker whose memory defaulted to its host's is refused beside live
+// workers of the same host that already claim part of it (it would
+// overcommit the host); the message names them and the most it may take.
+// Explicit capacities (no host_memory_bytes), other hosts, a worker's own
+// re-registration and hosts with nothing claimed are let through.
+TEST_F(WorkerRegistryTest, DefaultMemoryMayNotOvercommitTheHost) {
+  Start(absl::Seconds(30), absl::Minutes(10));
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  ASSERT_TRUE(RegisterOn("127.0.0.1:1", "h", 40 * kGiB, 0, 1).ok());  // explicit
+  ASSERT_TRUE(RegisterOn("127.0.0.1:2", "h", 40 * kGiB, 0, 2).ok());
+  const grpc::Status s = RegisterOn("127.0.0.1:3", "h", 90 * kGiB, 100 * kGiB, 3);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("host h has 100.00 GiB"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("already advertise 80.00 GiB"), std::string::npos);
+  EXPECT_NE(s.error_message().find("--memory_gib at most 20.00"), std::string::npos);
+  EXPECT_NE(s.error_message().find("127.0.0.1:1"), std::string::npos);
+  EXPECT_EQ(Listed(), 2);
+  // What fits is taken; another host is another host's memory.
+  EXPECT_TRUE(RegisterOn("127.0.0.1:3", "h", 20 * kGiB, 100 * kGiB, 3).ok());
+  EXPECT_TRUE(RegisterOn("127.0.0.1:4", "other", 90 * kGiB, 100 * kGiB, 4).ok());
+  // The same worker registering again (same address) does not count itself.
+  EXPECT_TRUE(RegisterOn("127.0.0.1:4", "other", 90 * kGiB, 100 * kGiB, 4).ok());
+  EXPECT_EQ(Listed(), 4);
 }
 
 }  // namespace

@@ -52,6 +52,25 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   m->AddCounter("ember_worker_overflow_skipped_rows_total",
                 "Update rows left as they were because their update would overflow",
                 one(&Stats::overflow_skipped_rows));
+  // Per table, labelled by collection and table.
+  auto per_table = [service](int64_t WorkerService::TableStats::*field) {
+    return [service, field]() {
+      std::vector<ServerMetrics::Sample> out;
+      for (const WorkerService::TableStats& t : service->GetTableStats()) {
+        out.push_back({{{"collection", t.collection}, {"table", t.table}},
+                       static_cast<double>(t.*field)});
+      }
+      return out;
+    };
+  };
+  m->AddCounter("ember_worker_table_lookup_ids_total",
+                "Ids looked up, per collection and table (this worker's shards)",
+                per_table(&WorkerService::TableStats::lookup_ids));
+  m->AddCounter("ember_worker_table_gradient_ids_total",
+                "Ids of applied gradients, per collection and table (this worker's shards)",
+                per_table(&WorkerService::TableStats::gradient_ids));
+  m->AddGauge("ember_worker_table_shards", "Shards held, per collection and table",
+              per_table(&WorkerService::TableStats::shards));
   m->AddGauge("ember_worker_available_bytes", "Shard memory still free on the worker's device",
               one(&Stats::available_bytes));
   m->AddGauge("ember_worker_shards", "Shards held", one(&Stats::shards));
@@ -119,6 +138,11 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     info.set_device(made->cuda ? ember::v1::CUDA : ember::v1::CPU);
     info.set_hbm_bytes(made->hbm_bytes);
     info.set_ddr_bytes(made->ddr_bytes);
+    // Shard memory the host's by default: the coordinator checks it against
+    // the other workers of this host (WorkerInfo.host_memory_bytes).
+    if (!made->cuda && options.memory_limit_bytes == 0) {
+      info.set_host_memory_bytes(HostMemoryBytes());
+    }
     LOG(INFO) << "shard memory: " << (made->cuda ? made->hbm_bytes : made->ddr_bytes) / (1 << 20)
               << " MiB (" << made->capacity_note << ")";
   }
