@@ -80,6 +80,15 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             f"http://127.0.0.1:{base + i}/metrics" for i in (1, 2)]
         for w in workers:
             assert "ember_worker_lookups_total" in get(urls[w])
+        # Per table: the 6 ids of each of the 5 lookups, each served by the
+        # one row-wise shard that holds it, summed over both workers.
+        table_ids = 0.0
+        for w in workers:
+            for line in get(urls[w]).splitlines():
+                if line.startswith("ember_worker_table_lookup_ids_total{") and \
+                        'collection="m"' in line and 'table="t"' in line:
+                    table_ids += float(line.rsplit(" ", 1)[1])
+        assert table_ids == 30, table_ids
 
         # The exposition itself is valid Prometheus text.
         text = get(f"http://127.0.0.1:{base + 1}/metrics")

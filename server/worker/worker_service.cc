@@ -180,8 +180,13 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   }
   if (absl::Status s = in.Finish(resp); !s.ok()) return ToGrpc(s);
   int64_t ids = 0;
-  for (const backend::LookupRequest& r : in.requests()) {
-    ids += static_cast<int64_t>(r.feature.ids.size());
+  for (size_t i = 0; i < in.requests().size(); ++i) {
+    const int64_t n = static_cast<int64_t>(in.requests()[i].feature.ids.size());
+    ids += n;
+    if (auto entry = FindShard(**c, in.request().features(static_cast<int>(i)).shard());
+        entry.ok()) {
+      (*entry)->traffic->lookup_ids.fetch_add(n, std::memory_order_relaxed);
+    }
   }
   lookups_.fetch_add(1, std::memory_order_relaxed);
   if (in.placed()) placed_lookups_.fetch_add(1, std::memory_order_relaxed);
@@ -218,6 +223,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   absl::MutexLock apply(coll.apply_mu.get());
   const uint64_t id = RequestIdHash(req->request_id());
   std::vector<backend::GradientRequest> requests;
+  std::vector<const ShardEntry*> entries;  // requests[i]'s shard
   std::set<const ShardEntry*> touched;
   bool seen = false;
   // Counts a refusal for NaN/Inf (the message says so) and passes it on.
@@ -245,6 +251,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
       continue;
     }
     requests.push_back(*part);
+    entries.push_back(entry);
     touched.insert(entry);
   }
   if (requests.empty() && seen) {
@@ -258,7 +265,11 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
                                std::memory_order_relaxed);
   if (!applied.ok()) return refuse(applied);
   int64_t ids = 0;
-  for (const backend::GradientRequest& r : requests) ids += static_cast<int64_t>(r.feature.ids.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(requests[i].feature.ids.size());
+    ids += n;
+    entries[i]->traffic->gradient_ids.fetch_add(n, std::memory_order_relaxed);
+  }
   updates_.fetch_add(1, std::memory_order_relaxed);
   update_ids_.fetch_add(ids, std::memory_order_relaxed);
   if (const int64_t skipped = in.skipped(); skipped > 0) {

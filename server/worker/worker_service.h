@@ -29,6 +29,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
@@ -132,6 +133,16 @@ class WorkerService final : public ember::v1::Worker::Service {
   };
   Stats GetStats() const;
 
+  // Traffic per table of each collection held here, summed over the table's
+  // shards on this worker (the metrics' collection and table labels).
+  struct TableStats {
+    std::string collection, table;
+    int64_t shards = 0;
+    int64_t lookup_ids = 0;    // ids of lookups served (each in one shard)
+    int64_t gradient_ids = 0;  // ids of gradient updates applied
+  };
+  std::vector<TableStats> GetTableStats() const;
+
   grpc::Status CreateShards(grpc::ServerContext* ctx, const ember::v1::CreateShardsRequest* req,
                             ember::v1::CreateShardsResponse* resp) override;
   grpc::Status DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
@@ -162,9 +173,14 @@ class WorkerService final : public ember::v1::Worker::Service {
                             ember::v1::UpdateShardsResponse* resp) override;
 
  private:
+  // A shard's traffic (GetTableStats); it moves with the shard's entry.
+  struct ShardTraffic {
+    std::atomic<int64_t> lookup_ids{0}, gradient_ids{0};
+  };
   struct ShardEntry {
     backend::ShardId id = 0;
     ember::v1::ShardAssignment assignment;
+    std::shared_ptr<ShardTraffic> traffic = std::make_shared<ShardTraffic>();
     // Exactly-once, per shard (it moves with the shard); under apply_mu.
     std::shared_ptr<AppliedIds> applied = std::make_shared<AppliedIds>();
   };

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <fstream>
 #include <string>
 #include <cmath>
@@ -556,6 +557,37 @@ TEST(WorkerServiceTest, StatusReportsBackendAndHandlerTime) {
   bad.mutable_features(0)->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 99}));
   EXPECT_EQ(s->Lookup(nullptr, &bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(status().lookup_handler_ns(), after.lookup_handler_ns());
+}
+
+// Traffic per table: the ids each table's shards served, counted only for
+// calls that succeeded (the refused lookup and the duplicate update add
+// nothing), with the collection and table that label the metrics.
+TEST(WorkerServiceTest, TableStatsCountEachTablesIds) {
+  auto s = MakeService(/*skip=*/true);
+  InlineLookup(s.get(), {2, 1}, {0, 1, 3});
+  InlineLookup(s.get(), {0, 1}, {2});
+  ember::v1::WorkerLookupRequest bad = PooledLookup();
+  bad.mutable_features(0)->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+  bad.mutable_features(0)->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{99}));
+  ember::v1::WorkerLookupResponse resp;
+  EXPECT_FALSE(s->Lookup(nullptr, &bad, &resp).ok());
+  // Update(): t keeps ids 1 of {0, 1, 2} (NaN row, Inf weight left out), s
+  // keeps id 3 of {0, 3}; applied once, then answered as a duplicate.
+  ember::v1::WorkerApplyGradientsResponse gresp;
+  const ember::v1::WorkerApplyGradientsRequest first = Update("u1");
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &first, &gresp).ok());
+  const ember::v1::WorkerApplyGradientsRequest again = Update("u1");
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &again, &gresp).ok());
+  EXPECT_TRUE(gresp.duplicate());
+  std::map<std::string, WorkerService::TableStats> by_table;
+  for (const auto& t : s->GetTableStats()) by_table[t.table] = t;
+  ASSERT_EQ(by_table.size(), 2u);
+  EXPECT_EQ(by_table["t"].collection, "c");
+  EXPECT_EQ(by_table["t"].shards, 1);
+  EXPECT_EQ(by_table["t"].lookup_ids, 4);
+  EXPECT_EQ(by_table["t"].gradient_ids, 1);
+  EXPECT_EQ(by_table["s"].lookup_ids, 0);
+  EXPECT_EQ(by_table["s"].gradient_ids, 1);
 }
 
 // Lookups and updates through a shared-memory channel give what the same

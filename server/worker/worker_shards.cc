@@ -271,6 +271,24 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
   return grpc::Status::OK;
 }
 
+std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
+  std::map<std::pair<std::string, std::string>, TableStats> by_table;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, c] : collections_) {
+    for (const auto& [key, entry] : c->shards) {
+      TableStats& t = by_table[{name, key.first}];
+      t.collection = name;
+      t.table = key.first;
+      ++t.shards;
+      t.lookup_ids += entry.traffic->lookup_ids.load(std::memory_order_relaxed);
+      t.gradient_ids += entry.traffic->gradient_ids.load(std::memory_order_relaxed);
+    }
+  }
+  std::vector<TableStats> out;
+  for (auto& [key, t] : by_table) out.push_back(std::move(t));
+  return out;
+}
+
 WorkerService::Stats WorkerService::GetStats() const {
   Stats s;
   s.lookups = lookups_.load(std::memory_order_relaxed);
