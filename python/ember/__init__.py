@@ -19,7 +19,9 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -378,11 +380,42 @@ class Client:
         array = _numpy(array)
         self._c.import_table(name, table, np.ascontiguousarray(array, dtype=np.float32))
 
-    def checkpoint(self, name, dir=""):
+    def checkpoint(self, name, dir="", progress=None, poll_s=0.5):
         """Writes a checkpoint of collection `name` under `dir` (a root the
         servers' --checkpoint_dir allows; empty: the coordinator's own);
-        returns its CheckpointInfo (path, bytes, ...) as a dict."""
-        return json.loads(self._c.checkpoint(name, dir))
+        returns its CheckpointInfo (path, bytes, ...) as a dict.
+
+        progress: None; True, a line on stderr every `poll_s` seconds while
+        it runs ("checkpoint NAME: X of Y MiB written"); or a callable
+        progress(bytes_written, total_bytes), called as the coordinator
+        reports the shard files growing and once more at the end with the
+        checkpoint's bytes."""
+        if progress is None:
+            return json.loads(self._c.checkpoint(name, dir))
+        if progress is True:
+            progress = _stderr_progress(f"checkpoint {name}")
+        result = {}
+
+        def run():
+            try:
+                result["value"] = self._c.checkpoint(name, dir)
+            except BaseException as e:  # raised in the caller's thread below
+                result["error"] = e
+
+        worker = threading.Thread(target=run, name="ember-checkpoint", daemon=True)
+        worker.start()
+        while True:
+            worker.join(poll_s)
+            if not worker.is_alive():
+                break
+            for c in self.list_checkpoints(name):
+                if c.get("in_progress"):
+                    progress(int(c.get("bytes", 0)), int(c.get("total_bytes", 0)))
+        if "error" in result:
+            raise result["error"]
+        info = json.loads(result["value"])
+        progress(int(info.get("bytes", 0)), int(info.get("bytes", 0)))
+        return info
 
     def restore(self, path, name="", sharding_type=None):
         """Creates a collection (named `name`, or the checkpoint's name) from
@@ -401,6 +434,15 @@ class Client:
         lost) and keeps it out of new plans, as `emberctl drain`; returns
         the names of the collections moved."""
         return list(self._c.drain_worker(worker_id, float(timeout_s)))
+
+
+def _stderr_progress(what):
+    """A progress(bytes, total) that writes a line to stderr."""
+    def report(done, total):
+        mib = 1 << 20
+        total_text = f" of {total / mib:.1f}" if total else ""
+        print(f"{what}: {done / mib:.1f}{total_text} MiB written", file=sys.stderr, flush=True)
+    return report
 
 
 def _find_emberctl():

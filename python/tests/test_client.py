@@ -286,8 +286,14 @@ def test_checkpoint_and_restore(client, tmp_path):
         client.drop_collection("ck2")
         with pytest.raises(ember.NotFound):
             client.restore(str(tmp_path / "nothing-here"))
+        seen = []
+        ck2 = client.checkpoint("ck", str(tmp_path), progress=lambda d, t: seen.append((d, t)),
+                                poll_s=0.01)
+        assert seen and seen[-1] == (int(ck2["bytes"]), int(ck2["bytes"]))
+        assert all(d <= t for d, t in seen[:-1] if t)
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen)
         listed = client.list_checkpoints("ck")
-        assert [c["path"] for c in listed][-1] == ck["path"]
+        assert [c["path"] for c in listed][-1] == ck2["path"]
         assert all(c["collection"] == "ck" for c in listed)
         assert ck["path"] in [c["path"] for c in client.list_checkpoints()]
         assert client.list_checkpoints("no_such_collection") == []
