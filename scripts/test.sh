@@ -54,6 +54,18 @@ if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
   failed=1
 fi
 
+# Adds LOG's "PREFIX ...: ok" lines to the passed tests and its
+# "PREFIX ...: FAILED" lines to the failed ones; one failure when it has
+# neither (the check did not run).
+count_checks() {
+  local log=$1 prefix=$2 ok bad
+  ok=$(grep -cE "^$prefix .*: ok\$" "$log")
+  bad=$(grep -cE "^$prefix .*: FAILED\$" "$log")
+  [ "$ok" -gt 0 ] || bad=$((bad + 1))
+  passed=$((passed + ok))
+  failed=$((failed + bad))
+}
+
 # The wheel as a user installs it (scripts/wheel.sh, then
 # scripts/wheel_test.sh in a fresh venv): each of its checks is one test.
 # Packed from the binaries `bazel test` built above. Skipped when specific
@@ -68,11 +80,7 @@ if [ $# -eq 0 ]; then
     cat "$wheel_log"
     echo "wheel build: FAILED" | tee -a "$wheel_log"
   fi
-  ok=$(grep -cE '^wheel [a-z]+: ok$' "$wheel_log")
-  bad=$(grep -cE '^wheel [a-z ]+: FAILED$' "$wheel_log")
-  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # nothing was checked
-  passed=$((passed + ok))
-  failed=$((failed + bad))
+  count_checks "$wheel_log" wheel
   rm -rf "$wheel_dir" "$wheel_log"
 fi
 
@@ -83,11 +91,7 @@ if [ $# -eq 0 ]; then
   py=python3
   [ -x .venv/bin/python ] && py=.venv/bin/python
   "$py" scripts/reference.py --check 2>&1 | tee "$docs_log"
-  ok=$(grep -cE '^docs .*: ok$' "$docs_log")
-  bad=$(grep -cE '^docs .*: FAILED$' "$docs_log")
-  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # the check did not run
-  passed=$((passed + ok))
-  failed=$((failed + bad))
+  count_checks "$docs_log" docs
   rm -f "$docs_log"
 fi
 
@@ -97,11 +101,7 @@ fi
 if [ $# -eq 0 ]; then
   layers_log=$(mktemp)
   python3 scripts/check_layers.py 2>&1 | tee "$layers_log"
-  ok=$(grep -cE '^layers .*: ok$' "$layers_log")
-  bad=$(grep -cE '^layers .*: FAILED$' "$layers_log")
-  [ "$ok" -gt 0 ] || bad=$((bad + 1))  # the check did not run
-  passed=$((passed + ok))
-  failed=$((failed + bad))
+  count_checks "$layers_log" layers
   rm -f "$layers_log"
 fi
 

@@ -144,6 +144,31 @@ def _same(a, b):
     return str(a).upper() == str(b).upper() if isinstance(a, str) else a == b
 
 
+def _table_specs(tables, optimizer, pooling=None):
+    """The spec tables of `tables` (configs or dicts), each with `optimizer`
+    where it names none, and `pooling` forced when given."""
+    specs = []
+    for t in tables:
+        spec = ember.table_spec(t)
+        if pooling is not None:
+            spec["pooling"] = pooling
+        if optimizer is not None and "optimizer" not in spec:
+            spec["optimizer"] = dict(optimizer)
+        specs.append(spec)
+    return specs
+
+
+def _open_collection(client, collection, specs, create, sharding_type):
+    """The collection's info: created from `specs`, or (create=False) the
+    existing one, refused unless its tables are `specs` (_check_stored)."""
+    if create:
+        return client.create_collection({"name": collection, "tables": specs},
+                                        sharding_type=sharding_type)
+    info = client.collection(collection)
+    _check_stored(collection, specs, info["spec"]["tables"])
+    return info
+
+
 class EmbeddingBagConfig:
     """A table's configuration with the fields and defaults of
     torchrec.EmbeddingBagConfig, for a program without TorchRec (tables given
@@ -287,16 +312,8 @@ class EmbeddingBagCollection(torch.nn.Module):
         for c in configs:
             if not c.feature_names:
                 c.feature_names = [c.name]
-        specs = [ember.table_spec(t) for t in tables]
-        for t in specs:
-            if optimizer is not None and "optimizer" not in t:
-                t["optimizer"] = dict(optimizer)
-        if create:
-            info = client.create_collection({"name": collection, "tables": specs},
-                                            sharding_type=sharding_type)
-        else:
-            info = client.collection(collection)
-            _check_stored(collection, specs, info["spec"]["tables"])
+        info = _open_collection(client, collection, _table_specs(tables, optimizer), create,
+                                sharding_type)
         self._setup(client, collection, configs, bool(is_weighted), device, info)
 
     def _setup(self, client, collection, configs, is_weighted, device, info):
@@ -546,19 +563,9 @@ class EmbeddingCollection(torch.nn.Module):
         for c in configs:
             if not c.feature_names:
                 c.feature_names = [c.name]
-        specs = []
-        for t in tables:
-            spec = ember.table_spec(t)
-            spec["pooling"] = "NONE"
-            if optimizer is not None and "optimizer" not in spec:
-                spec["optimizer"] = dict(optimizer)
-            specs.append(spec)
-        if create:
-            info = client.create_collection({"name": collection, "tables": specs},
-                                            sharding_type=sharding_type)
-        else:
-            info = client.collection(collection)
-            _check_stored(collection, specs, info["spec"]["tables"])
+        info = _open_collection(client, collection,
+                                _table_specs(tables, optimizer, pooling="NONE"), create,
+                                sharding_type)
         self._setup(client, collection, configs, bool(need_indices), device, info)
 
     def _setup(self, client, collection, configs, need_indices, device, info):
