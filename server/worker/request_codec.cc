@@ -398,7 +398,7 @@ absl::Status LookupCall::Decode(ShardResolver shard, ember::v1::WorkerLookupResp
   const ember::v1::WorkerLookupRequest& req = *req_;
   const int n = req.features_size();
   decoded_.resize(n);
-  std::vector<int64_t> cols(n);
+  std::vector<int64_t> cols(n), sizes(n);  // each output's columns and floats
   output_bytes_ = 0;
   for (int i = 0; i < n; ++i) {
     if (absl::Status s = DecodeFeature(*backend_, /*skip_nonfinite=*/false, shard,
@@ -408,7 +408,8 @@ absl::Status LookupCall::Decode(ShardResolver shard, ember::v1::WorkerLookupResp
         !s.ok()) {
       return s;
     }
-    output_bytes_ += backend::OutputSize(decoded_[i].request, cols[i]) * 4;
+    sizes[i] = backend::OutputSize(decoded_[i].request, cols[i]);
+    output_bytes_ += sizes[i] * 4;
   }
   if (output_bytes_ > max_response_bytes_) {
     return absl::ResourceExhaustedError(
@@ -423,7 +424,7 @@ absl::Status LookupCall::Decode(ShardResolver shard, ember::v1::WorkerLookupResp
       transfer_.linked() && transfer_.link_memory_on_device() == ReadsDeviceMemory(*backend_);
   for (int i = 0; i < n; ++i) {
     requests_[i].feature = decoded_[i].request;
-    const int64_t size = backend::OutputSize(decoded_[i].request, cols[i]);
+    const int64_t size = sizes[i];
     if (region_ == nullptr) {
       requests_[i].output = wire::Resize<float>(resp->add_outputs(), size);
       continue;

@@ -48,7 +48,8 @@ struct ShardShape {
   int64_t cols = 0;
 };
 // The shard a ShardRef names, or the status that refuses it (NOT_FOUND,
-// FAILED_PRECONDITION: WorkerService::FindShard).
+// FAILED_PRECONDITION: WorkerService::FindShard). Decode calls it once per
+// feature, in the request's order, before anything else of that feature.
 using ShardResolver = absl::FunctionRef<absl::StatusOr<ShardShape>(const ember::v1::ShardRef&)>;
 
 // One feature's arrays, viewed in place (in the request's bytes, the

@@ -169,7 +169,8 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
   if (!c.ok()) return ToGrpc(c.status());
-  if (absl::Status s = in.Decode(ShapesOf(**c), resp); !s.ok()) return ToGrpc(s);
+  std::vector<const ShardEntry*> entries;  // each feature's shard
+  if (absl::Status s = in.Decode(ShapesOf(**c, &entries), resp); !s.ok()) return ToGrpc(s);
   const absl::Time lookup_start = absl::Now();
   const absl::Status looked_up = backend_->Lookup(in.requests());
   backend_lookup_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - lookup_start),
@@ -183,10 +184,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   for (size_t i = 0; i < in.requests().size(); ++i) {
     const int64_t n = static_cast<int64_t>(in.requests()[i].feature.ids.size());
     ids += n;
-    if (auto entry = FindShard(**c, in.request().features(static_cast<int>(i)).shard());
-        entry.ok()) {
-      (*entry)->traffic->lookup_ids.fetch_add(n, std::memory_order_relaxed);
-    }
+    entries[i]->traffic->lookup_ids.fetch_add(n, std::memory_order_relaxed);
   }
   lookups_.fetch_add(1, std::memory_order_relaxed);
   if (in.placed()) placed_lookups_.fetch_add(1, std::memory_order_relaxed);
@@ -223,6 +221,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   absl::MutexLock apply(coll.apply_mu.get());
   const uint64_t id = RequestIdHash(req->request_id());
   std::vector<backend::GradientRequest> requests;
+  std::vector<const ShardEntry*> found;    // gradient i's shard
   std::vector<const ShardEntry*> entries;  // requests[i]'s shard
   std::set<const ShardEntry*> touched;
   bool seen = false;
@@ -237,9 +236,9 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   // The whole request is checked; then only the parts whose shards have not
   // applied this id run (a retry after a partial failure or a move).
   for (int i = 0; i < in.request().gradients_size(); ++i) {
-    auto part = in.Decode(i, ShapesOf(coll));
+    auto part = in.Decode(i, ShapesOf(coll, &found));
     if (!part.ok()) return refuse(part.status());
-    const ShardEntry* entry = *FindShard(coll, in.request().gradients(i).feature().shard());
+    const ShardEntry* entry = found.back();
     if (entry->applied->Conflicts(id, req->request_digest())) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
           "request id '", req->request_id().substr(0, 128),

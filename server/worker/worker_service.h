@@ -208,11 +208,14 @@ class WorkerService final : public ember::v1::Worker::Service {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<const ShardEntry*> FindShard(const Collection& c,
                                               const ember::v1::ShardRef& ref) const;
-  // FindShard, as the codec's ShardResolver sees it.
-  auto ShapesOf(const Collection& c) const {
-    return [this, &c](const ember::v1::ShardRef& ref) -> absl::StatusOr<ShardShape> {
+  // FindShard, as the codec's ShardResolver sees it; each shard found is
+  // appended to *found (the codec resolves features in request order, once
+  // each), so the handler has a feature's entry without a second lookup.
+  auto ShapesOf(const Collection& c, std::vector<const ShardEntry*>* found) const {
+    return [this, &c, found](const ember::v1::ShardRef& ref) -> absl::StatusOr<ShardShape> {
       auto shard = FindShard(c, ref);
       if (!shard.ok()) return shard.status();
+      found->push_back(*shard);
       return ShardShape{(*shard)->id, (*shard)->assignment.rows(), (*shard)->assignment.cols()};
     };
   }
