@@ -66,7 +66,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     if (!drain && force_lost_.count(name)) lost = force_lost_[name];
     const absl::Time now = absl::Now();
     for (const auto& [id, w] : workers_) {
-      if (now - w.last_heartbeat < options_.lease) alive[id] = w;
+      if (Live(w, now)) alive[id] = w;
     }
   }
   const int world = info.worker_addresses_size();
@@ -301,7 +301,7 @@ absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const st
     ids = rank_ids_[name];
     const absl::Time now = absl::Now();
     for (const auto& [id, w] : workers_) {
-      if (now - w.last_heartbeat < options_.lease) alive.insert(id);
+      if (Live(w, now)) alive.insert(id);
     }
   }
   auto next = NextEpoch();

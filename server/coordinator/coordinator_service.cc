@@ -299,7 +299,7 @@ void CoordinatorService::MonitorLoop() {
         const std::vector<std::string>& ids = rank_ids_[name];
         for (int r : planner::HoldingRanks(info.plan())) {
           auto w = r < static_cast<int>(ids.size()) ? workers_.find(ids[r]) : workers_.end();
-          if (w == workers_.end() || now - w->second.last_heartbeat >= options_.lease) {
+          if (w == workers_.end() || !Live(w->second, now)) {
             lost.push_back(name);
             break;
           }

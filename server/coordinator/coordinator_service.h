@@ -144,6 +144,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
     std::string identity;  // the credential that registered it (auth.h Caller)
   };
 
+  // Whether `w` heartbeated within its lease at `now`.
+  bool Live(const Worker& w, absl::Time now) const {
+    return now - w.last_heartbeat < options_.lease;
+  }
   // Live workers in rank order: grouped by host (hosts in order of first
   // registration), registration order within a host.
   std::vector<Worker> LiveWorkers() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -51,7 +51,7 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   // it elsewhere waits for the first one's lease to lapse too.
   const bool one_per_identity = options_.auth.enabled() && caller.role == Role::kWorker;
   for (const auto& [id, old] : workers_) {
-    const bool live = now - old.last_heartbeat < options_.lease;
+    const bool live = Live(old, now);
     const bool same_process = old.info.pid() == info.pid() && old.info.host() == info.host();
     if (old.info.address() == info.address() && live && !same_process) {
       return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
@@ -71,26 +71,25 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   // workers of the same host that already claim part of it: together they
   // would promise shards memory the host does not have.
   if (info.host_memory_bytes() > 0 && info.ddr_bytes() > 0) {
+    auto gib = [](int64_t bytes) { return bytes / 1073741824.0; };
     int64_t claimed = 0;
     std::vector<std::string> holders;
     for (const auto& [id, old] : workers_) {
-      const bool live = now - old.last_heartbeat < options_.lease;
-      if (!live || old.info.host() != info.host() || old.info.address() == info.address()) {
+      if (!Live(old, now) || old.info.host() != info.host() || old.info.address() == info.address()) {
         continue;
       }
       claimed += old.info.ddr_bytes();
-      holders.push_back(absl::StrCat(id, " (", old.info.address(), ", ",
-                                     absl::StrFormat("%.2f", old.info.ddr_bytes() / 1073741824.0),
-                                     " GiB)"));
+      holders.push_back(absl::StrFormat("%s (%s, %.2f GiB)", id, old.info.address(),
+                                        gib(old.info.ddr_bytes())));
     }
     if (claimed > 0 && claimed + info.ddr_bytes() > info.host_memory_bytes()) {
-      const double left = std::max<int64_t>(0, info.host_memory_bytes() - claimed) / 1073741824.0;
+      const double left = gib(std::max<int64_t>(0, info.host_memory_bytes() - claimed));
       return ToGrpc(absl::ResourceExhaustedError(absl::StrFormat(
           "host %s has %.2f GiB of memory and its live workers %s already advertise %.2f GiB "
           "of it for shards; this worker would advertise %.2f GiB more: start it with "
           "--memory_gib at most %.2f",
-          info.host(), info.host_memory_bytes() / 1073741824.0, absl::StrJoin(holders, ", "),
-          claimed / 1073741824.0, info.ddr_bytes() / 1073741824.0, left)));
+          info.host(), gib(info.host_memory_bytes()), absl::StrJoin(holders, ", "), gib(claimed),
+          gib(info.ddr_bytes()), left)));
     }
   }
   Worker w;
@@ -119,7 +118,7 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
     const std::set<std::string> named = NamedWorkersLocked();
     const Worker* oldest = nullptr;
     for (const auto& [id, old] : workers_) {
-      if (now - old.last_heartbeat < options_.lease || named.count(id)) continue;
+      if (Live(old, now) || named.count(id)) continue;
       if (oldest == nullptr || old.last_heartbeat < oldest->last_heartbeat) oldest = &old;
     }
     if (oldest == nullptr) {
@@ -204,7 +203,7 @@ grpc::Status CoordinatorService::ListWorkers(grpc::ServerContext* ctx,
     auto* s = resp->add_workers();
     s->set_worker_id(w->id);
     *s->mutable_info() = w->info;
-    s->set_live(now - w->last_heartbeat < options_.lease);
+    s->set_live(Live(*w, now));
     s->set_ms_since_heartbeat(absl::ToInt64Milliseconds(now - w->last_heartbeat));
   }
   return grpc::Status::OK;
@@ -216,7 +215,7 @@ CoordinatorService::Stats CoordinatorService::GetStats() const {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   for (const auto& [id, w] : workers_) {
-    (now - w.last_heartbeat < options_.lease ? s.workers_live : s.workers_lost) += 1;
+    (Live(w, now) ? s.workers_live : s.workers_lost) += 1;
   }
   for (const auto& [name, info] : collections_) {
     ++s.collections_by_state[ember::v1::CollectionInfo::State_Name(info.state())];
@@ -235,7 +234,7 @@ std::vector<CoordinatorService::Worker> CoordinatorService::LiveWorkers() const 
   const absl::Time now = absl::Now();
   std::vector<Worker> live;
   for (const auto& [id, w] : workers_) {
-    if (now - w.last_heartbeat < options_.lease && !draining_.count(id)) live.push_back(w);
+    if (Live(w, now) && !draining_.count(id)) live.push_back(w);
   }
   // Hosts in order of their first registration, then registration order:
   // each host's workers get consecutive ranks (TorchRec's local groups).
