@@ -166,7 +166,13 @@ def python_md():
                 continue
             if inspect.isclass(obj):
                 out += [f"### class `{module.__name__}.{name}{signature(obj)}`", "", doc_of(obj), ""]
-                for mname, m in sorted(vars(obj).items()):
+                # Its own members and those it inherits from ember's classes
+                # (not torch.nn.Module's).
+                members = {}
+                for cls in reversed(obj.__mro__):
+                    if cls.__module__.startswith("ember"):
+                        members.update(vars(cls))
+                for mname, m in sorted(members.items()):
                     if mname.startswith("_") and mname != "__init__":
                         continue
                     if mname == "__init__" or not (inspect.isfunction(m) or

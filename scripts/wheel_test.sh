@@ -35,9 +35,9 @@ assert ember._find_emberctl() == os.path.join(here, "bin", "emberctl")
 # ember.libs, but the system's own (glibc, the C++ runtime): this machine has
 # the Debian libraries too, so resolving to them would hide a missing one.
 import re, subprocess
+sys.path.append(os.path.join(root, "python", "packaging"))  # after the check above
+from make_wheel import SYSTEM as system  # what the wheel leaves to the system
 libs = os.path.join(os.path.dirname(here), "ember.libs")
-system = re.compile(r"^(linux-vdso|ld-linux|libc|libm|libpthread|libdl|librt|libutil|"
-                    r"libresolv|libstdc\+\+|libgcc_s)\b")
 for binary in (ember._ember.__file__, os.path.join(here, "bin", "emberctl")):
     out = subprocess.run(["ldd", binary], check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():

@@ -276,7 +276,92 @@ class _ClientRef:
         return ember.Client(**self.kwargs)
 
 
-class EmbeddingBagCollection(torch.nn.Module):
+def _select_features(kjt, names, keep_weights):
+    """kjt as a lookup takes it: features `names` only, in that order
+    (KeyError for one that is missing, as TorchRec's modules raise), without
+    weights unless keep_weights. The KJT itself when it already is that."""
+    keys = list(kjt.keys() if callable(kjt.keys) else kjt.keys)
+    for f in names:
+        if f not in keys:
+            raise KeyError(f)
+    weights = (kjt.weights_or_none() if hasattr(kjt, "weights_or_none")
+               else getattr(kjt, "weights", None))
+    if keys == names and (weights is None or keep_weights):
+        return kjt
+    k = ember._as_kjt(kjt)
+    batch = k.batch_size()
+    offsets = np.concatenate([[0], np.cumsum(k.lengths)])
+    lengths, values, w = [], [], []
+    for f in names:
+        i = keys.index(f)
+        lengths.append(k.lengths[i * batch:(i + 1) * batch])
+        lo, hi = offsets[i * batch], offsets[(i + 1) * batch]
+        values.append(k.values[lo:hi])
+        if keep_weights and k.weights is not None:
+            w.append(k.weights[lo:hi])
+    return ember.KeyedJaggedTensor(
+        names, np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+        np.concatenate(values) if values else np.zeros(0, np.int64),
+        np.concatenate(w) if w else None)
+
+
+class _RemoteTables(torch.nn.Module):
+    """What ember.torch's two modules share: their tables' configs, the
+    collection on the workers and the client that reaches it, TorchRec's
+    `device` and reset_parameters(), and pickling as a reconnecting handle.
+    A subclass's _setup(client, collection, configs, flag, device, info)
+    calls _setup_tables; `flag` is its constructor's flag that a pickle
+    keeps (_flag())."""
+
+    def _setup_tables(self, client, collection, configs, device, info):
+        self._client = client
+        self._collection = collection
+        self._info = info
+        self._configs = configs
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._feature_names = [list(c.feature_names) for c in configs]
+        self._embedding_names = [f for names in self._feature_names for f in names]
+        self._step = 0
+        self._run = uuid.uuid4().hex[:12]
+
+    @property
+    def device(self):
+        """TorchRec's compute device (cpu unless given); outputs are on the
+        KJT's device."""
+        return self._device
+
+    @property
+    def collection(self):
+        return self._collection
+
+    def reset_parameters(self):
+        """Re-initialises every table on the workers, as TorchRec's does:
+        each config's init_fn (TorchRec's default: uniform in
+        +-sqrt(1 / rows)) over a [rows, dim] tensor, written to the workers.
+        Optimizer state is kept."""
+        for c in self._configs:
+            weight = torch.empty(c.num_embeddings, c.embedding_dim, dtype=torch.float32)
+            init = getattr(c, "init_fn", None)
+            if init is not None:
+                init(weight)
+            else:
+                _default_init(c, weight)
+            self._client.import_table(self._collection, c.name, weight)
+
+    # Pickling: the client's address and options, not the connection.
+    def __getstate__(self):
+        return {"client": _ClientRef(self._client), "collection": self._collection,
+                "configs": self._configs, "flag": self._flag(), "device": str(self._device),
+                "info": self._info, "training": self.training}
+
+    def __setstate__(self, state):
+        torch.nn.Module.__init__(self)
+        self._setup(state["client"].connect(), state["collection"], state["configs"],
+                    state["flag"], state["device"], state["info"])
+        self.train(state["training"])
+
+
+class EmbeddingBagCollection(_RemoteTables):
     """A torch.nn.Module over an Ember collection (see the module doc), in
     place of torchrec.EmbeddingBagCollection: TorchRec's models take it as
     they take theirs (DLRM, DLRM_DCN, DLRM_Projection, SimpleDeepFMNN, ...).
@@ -317,15 +402,9 @@ class EmbeddingBagCollection(torch.nn.Module):
         self._setup(client, collection, configs, bool(is_weighted), device, info)
 
     def _setup(self, client, collection, configs, is_weighted, device, info):
-        self._client = client
-        self._collection = collection
-        self._info = info
+        self._setup_tables(client, collection, configs, device, info)
         # TorchRec's attributes, which its models and tools read.
-        self._embedding_bag_configs = configs
         self._is_weighted = is_weighted
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self._feature_names = [list(c.feature_names) for c in configs]
-        self._embedding_names = [f for names in self._feature_names for f in names]
         self._lengths_per_embedding = [int(c.embedding_dim) for c in configs
                                        for _ in c.feature_names]
         self.embedding_bags = torch.nn.ModuleDict(
@@ -333,86 +412,28 @@ class EmbeddingBagCollection(torch.nn.Module):
         self._tables = [t["name"] for t in info["spec"]["tables"]]
         self._dims = {f: int(t["embedding_dim"]) for t in info["spec"]["tables"]
                       for f in t["feature_names"]}
-        self._step = 0
-        self._run = uuid.uuid4().hex[:12]
         self._prefetched = {}  # id(kjt) -> (kjt, Future of the lookup)
         self._prefetch_lock = threading.Lock()
         self._executor = None
 
     # TorchRec's interface.
+    @property
+    def _embedding_bag_configs(self):
+        return self._configs
+
     def embedding_bag_configs(self):
         """The tables' configs, as given (dicts become config objects)."""
-        return self._embedding_bag_configs
+        return self._configs
 
     def is_weighted(self):
         """Whether per-id weights of the KJT are applied."""
         return self._is_weighted
 
-    @property
-    def device(self):
-        """TorchRec's compute device (cpu unless given); outputs are on the
-        KJT's device."""
-        return self._device
-
-    def reset_parameters(self):
-        """Re-initialises every table on the workers, as TorchRec's does:
-        each config's init_fn (TorchRec's default: uniform in
-        +-sqrt(1 / rows)) over a [rows, dim] tensor, written to the workers.
-        Optimizer state is kept."""
-        for c in self._embedding_bag_configs:
-            weight = torch.empty(c.num_embeddings, c.embedding_dim, dtype=torch.float32)
-            init = getattr(c, "init_fn", None)
-            if init is not None:
-                init(weight)
-            else:
-                _default_init(c, weight)
-            self._client.import_table(self._collection, c.name, weight)
-
-    @property
-    def collection(self):
-        return self._collection
-
-    # Pickling: the client's address and options, not the connection.
-    def __getstate__(self):
-        state = {"client": _ClientRef(self._client), "collection": self._collection,
-                 "configs": self._embedding_bag_configs, "is_weighted": self._is_weighted,
-                 "device": str(self._device), "info": self._info, "training": self.training}
-        return state
-
-    def __setstate__(self, state):
-        torch.nn.Module.__init__(self)
-        self._setup(state["client"].connect(), state["collection"], state["configs"],
-                    state["is_weighted"], state["device"], state["info"])
-        self.train(state["training"])
+    def _flag(self):
+        return self._is_weighted
 
     def _select(self, kjt):
-        """kjt as the lookup takes it: this module's features only (KeyError
-        for one that is missing, as TorchRec's module raises), without
-        weights unless is_weighted. The KJT itself when it already is that."""
-        keys = list(kjt.keys() if callable(kjt.keys) else kjt.keys)
-        mine = self._embedding_names
-        for f in mine:
-            if f not in keys:
-                raise KeyError(f)
-        weights = (kjt.weights_or_none() if hasattr(kjt, "weights_or_none")
-                   else getattr(kjt, "weights", None))
-        if keys == mine and (weights is None or self._is_weighted):
-            return kjt
-        k = ember._as_kjt(kjt)
-        batch = k.batch_size()
-        offsets = np.concatenate([[0], np.cumsum(k.lengths)])
-        lengths, values, w = [], [], []
-        for f in mine:
-            i = keys.index(f)
-            lengths.append(k.lengths[i * batch:(i + 1) * batch])
-            lo, hi = offsets[i * batch], offsets[(i + 1) * batch]
-            values.append(k.values[lo:hi])
-            if self._is_weighted and k.weights is not None:
-                w.append(k.weights[lo:hi])
-        return ember.KeyedJaggedTensor(
-            mine, np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
-            np.concatenate(values) if values else np.zeros(0, np.int64),
-            np.concatenate(w) if w else None)
+        return _select_features(kjt, self._embedding_names, self._is_weighted)
 
     def prefetch(self, kjt):
         """Starts kjt's lookup in a background thread (the client releases the
@@ -538,7 +559,7 @@ class _RemoteSequenceLookup(torch.autograd.Function):
         return (None, None, None) + (None,) * len(grads)
 
 
-class EmbeddingCollection(torch.nn.Module):
+class EmbeddingCollection(_RemoteTables):
     """TorchRec's EmbeddingCollection (sequence features: one embedding per
     id, no pooling) over an Ember collection whose tables are NONE-pooled.
     forward(kjt) returns {feature: torchrec JaggedTensor} whose values are
@@ -569,24 +590,22 @@ class EmbeddingCollection(torch.nn.Module):
         self._setup(client, collection, configs, bool(need_indices), device, info)
 
     def _setup(self, client, collection, configs, need_indices, device, info):
-        self._client = client
-        self._collection = collection
-        self._info = info
-        self._embedding_configs = configs
+        self._setup_tables(client, collection, configs, device, info)
         self._need_indices = need_indices
-        self._is_weighted = False  # sequence features take no weights (_select drops them)
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._embedding_dim = int(configs[0].embedding_dim) if configs else -1
-        self._feature_names = [list(c.feature_names) for c in configs]
         self._embedding_names_by_table = [list(c.feature_names) for c in configs]
-        self._embedding_names = [f for names in self._feature_names for f in names]
         self.embeddings = torch.nn.ModuleDict(
             {c.name: _RemoteEmbeddingBag(self, c) for c in configs})
-        self._step = 0
-        self._run = uuid.uuid4().hex[:12]
+
+    @property
+    def _embedding_configs(self):
+        return self._configs
 
     def embedding_configs(self):
-        return self._embedding_configs
+        return self._configs
+
+    def _flag(self):
+        return self._need_indices
 
     def embedding_dim(self):
         return self._embedding_dim
@@ -597,41 +616,10 @@ class EmbeddingCollection(torch.nn.Module):
     def need_indices(self):
         return self._need_indices
 
-    @property
-    def device(self):
-        return self._device
-
-    @property
-    def collection(self):
-        return self._collection
-
-    reset_parameters = EmbeddingBagCollection.reset_parameters
-
-    def __getstate__(self):
-        return {"client": _ClientRef(self._client), "collection": self._collection,
-                "configs": self._embedding_configs, "need_indices": self._need_indices,
-                "device": str(self._device), "info": self._info, "training": self.training}
-
-    def __setstate__(self, state):
-        torch.nn.Module.__init__(self)
-        self._setup(state["client"].connect(), state["collection"], state["configs"],
-                    state["need_indices"], state["device"], state["info"])
-        self.train(state["training"])
-
-    @property
-    def _embedding_bag_configs(self):  # for reset_parameters, shared with the bags' module
-        return self._embedding_configs
-
     def forward(self, kjt):
         from torchrec.sparse.jagged_tensor import JaggedTensor
-        keys = list(kjt.keys() if callable(kjt.keys) else kjt.keys)
-        for f in self._embedding_names:
-            if f not in keys:
-                raise KeyError(f)
-        k = ember._as_kjt(kjt)
-        if k.keys != self._embedding_names or k.weights is not None:
-            k = EmbeddingBagCollection._select(self, kjt)
-            k = ember._as_kjt(k)
+        # Sequence features take no weights.
+        k = ember._as_kjt(_select_features(kjt, self._embedding_names, keep_weights=False))
         got = self._client.lookup_sequence(self._collection, k)
         device = _device_of(kjt) or torch.device("cpu")
         values = [torch.from_numpy(got[f]).to(device) for f in self._embedding_names]
@@ -652,9 +640,9 @@ class EmbeddingCollection(torch.nn.Module):
     def _apply_gradients(self, kjt, grads):
         self._step += 1
         items = {}
-        for f, g in zip(self._embedding_names, grads):
-            n = int(kjt.lengths[self._embedding_names.index(f) * kjt.batch_size():
-                                (self._embedding_names.index(f) + 1) * kjt.batch_size()].sum())
+        batch = kjt.batch_size()
+        for i, (f, g) in enumerate(zip(self._embedding_names, grads)):
+            n = int(kjt.lengths[i * batch:(i + 1) * batch].sum())
             items[f] = (np.zeros((n, self._embedding_dim), np.float32) if g is None
                         else g.detach().cpu().numpy().astype(np.float32, copy=False))
         self._client.apply_sequence_gradients(self._collection, kjt, items,

@@ -72,6 +72,27 @@ def pair(client, name, sharding="row_wise", **kwargs):
     return ref, ours
 
 
+def train_side_by_side(ref, model, rng, steps):
+    """`steps` SGD steps (lr LR) of the reference model and ours, each
+    model(dense, kjt) under BCE, on the same batches: their losses must
+    match within 1e-5 at every step."""
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        kjt = kjt_batch(rng)
+        dense = torch.from_numpy(rng.normal(size=(8, DENSE)).astype(np.float32))
+        labels = torch.from_numpy((rng.random(8) < 0.4).astype(np.float32))
+        losses = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                m(dense, kjt).squeeze(-1), labels)
+            loss.backward()
+            o.step()
+            losses.append(float(loss.detach()))
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, err_msg=f"step {step}")
+
+
 MODELS = {
     "DLRM": lambda ebc: dlrm.DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE,
                                   dense_arch_layer_sizes=[16, DIM],
@@ -108,22 +129,7 @@ def test_torchrec_models_train_with_embers_module(client, model_name):
             assert torch.equal(a, b), k
         # Ember's module holds no parameter: the model's are the dense ones.
         assert not any("embedding_bags" in n for n, _ in model.named_parameters())
-        ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        rng = np.random.default_rng(3)
-        for step in range(4):
-            kjt = kjt_batch(rng)
-            dense = torch.from_numpy(rng.normal(size=(8, DENSE)).astype(np.float32))
-            labels = torch.from_numpy((rng.random(8) < 0.4).astype(np.float32))
-            losses = []
-            for m, o in ((ref_model, ref_opt), (model, opt)):
-                o.zero_grad()
-                logits = m(dense, kjt).squeeze(-1)
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
-                loss.backward()
-                o.step()
-                losses.append(float(loss.detach()))
-            np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, err_msg=f"step {step}")
+        train_side_by_side(ref_model, model, np.random.default_rng(3), steps=4)
         ours, theirs = model.state_dict(), ref_model.state_dict()
         assert set(ours) == set(theirs)
         for key in theirs:
@@ -415,22 +421,7 @@ def test_dmp_with_ember_sharder_trains_like_torchrec(client):
         assert inner.collection == name == "dropin_dmp_sparse_arch_embedding_bag_collection"
         np.testing.assert_array_equal(inner.embedding_bags["t_user"].weight.numpy(),
                                       ref_ebc.embedding_bags["t_user"].weight.detach().numpy())
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        rng = np.random.default_rng(12)
-        for step in range(3):
-            kjt = kjt_batch(rng)
-            dense = torch.from_numpy(rng.normal(size=(8, DENSE)).astype(np.float32))
-            labels = torch.from_numpy((rng.random(8) < 0.4).astype(np.float32))
-            losses = []
-            for m, o in ((ref, ref_opt), (model, opt)):
-                o.zero_grad()
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                    m(dense, kjt).squeeze(-1), labels)
-                loss.backward()
-                o.step()
-                losses.append(float(loss.detach()))
-            np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, err_msg=f"step {step}")
+        train_side_by_side(ref, model, np.random.default_rng(12), steps=3)
         np.testing.assert_allclose(inner.embedding_bags["t_item"].weight.numpy(),
                                    ref_ebc.embedding_bags["t_item"].weight.detach().numpy(),
                                    rtol=1e-4, atol=1e-6)
