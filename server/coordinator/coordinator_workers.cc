@@ -39,7 +39,7 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
   if (info.device() != ember::v1::CPU && info.device() != ember::v1::CUDA) {
     return ToGrpc(absl::InvalidArgumentError("worker device must be CPU or CUDA"));
   }
-  if (info.hbm_bytes() < 0 || info.ddr_bytes() < 0) {
+  if (info.hbm_bytes() < 0 || info.ddr_bytes() < 0 || info.host_memory_bytes() < 0) {
     return ToGrpc(absl::InvalidArgumentError("worker capacities must be >= 0"));
   }
   absl::MutexLock lock(&mu_);

@@ -145,6 +145,9 @@ TEST_F(WorkerRegistryTest, DefaultMemoryMayNotOvercommitTheHost) {
   EXPECT_NE(s.error_message().find("--memory_gib at most 20.00"), std::string::npos);
   EXPECT_NE(s.error_message().find("127.0.0.1:1"), std::string::npos);
   EXPECT_EQ(Listed(), 2);
+  // A negative host memory is malformed, as a negative capacity is.
+  EXPECT_EQ(RegisterOn("127.0.0.1:5", "h", 1, -1, 5).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
   // What fits is taken; another host is another host's memory.
   EXPECT_TRUE(RegisterOn("127.0.0.1:3", "h", 20 * kGiB, 100 * kGiB, 3).ok());
   EXPECT_TRUE(RegisterOn("127.0.0.1:4", "other", 90 * kGiB, 100 * kGiB, 4).ok());
