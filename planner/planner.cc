@@ -260,8 +260,12 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec, const Topolog
         geometry_ok = false;
         continue;
       }
-      if (sh.cols() % 4 != 0 || sh.col_offset() % 4 != 0) {
-        problem(what, ": column offsets and widths must be multiples of 4");
+      // Column shards start at multiples of 4 and are as wide, but for a
+      // table's last columns when its dim is not (CPU workers only:
+      // ValidatePlanInputs asks CUDA's for multiples of 4).
+      if (sh.col_offset() % 4 != 0 || (sh.cols() % 4 != 0 && sh.col_offset() + sh.cols() != dim)) {
+        problem(what, ": column offsets and widths must be multiples of 4 (a width may end at "
+                "the table's last column)");
         geometry_ok = false;
       }
       const bool full_width = sh.col_offset() == 0 && sh.cols() == dim;

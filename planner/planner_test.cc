@@ -240,11 +240,49 @@ TEST(PlannerTest, ConstraintsLeavingNoOptionAreRejected) {
 TEST(PlannerTest, MalformedSpecIsRejectedWithEveryProblem) {
   CollectionSpec spec = SeedSpec();
   spec.mutable_tables(1)->set_name("large_table_0");
-  spec.mutable_tables(2)->set_embedding_dim(30);
+  spec.mutable_tables(2)->set_embedding_dim(0);
   auto plan = Plan(spec, Cuda(2));
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(plan.status().message()), HasSubstr("duplicate table name"));
-  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("divisible by 4, got 30"));
+  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("embedding_dim must be > 0, got 0"));
+}
+
+// TorchRec's CPU modules take any dim, and so does a plan for CPU workers:
+// a column-wise table of dim 30 is cut where widths divide it in multiples
+// of 4 (none do: one shard), and a given plan's last column shard may be
+// narrower than 4. On CUDA the dim is refused.
+TEST(PlannerTest, DimsNotMultipleOfFourPlanOnCpuOnly) {
+  CollectionSpec spec = SeedSpec();
+  for (int t = 0; t < spec.tables_size(); ++t) spec.mutable_tables(t)->set_embedding_dim(30);
+  auto cuda = Plan(spec, Cuda(2));
+  EXPECT_EQ(cuda.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(cuda.status().message()), HasSubstr("is not a multiple of 4"));
+  ForceType(&spec, "column_wise");
+  auto cpu = Plan(spec, Cpu(2));
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  for (const auto& t : cpu->tables()) {
+    ASSERT_EQ(t.shards_size(), 1) << t.table();
+    EXPECT_EQ(t.shards(0).col_offset(), 0);
+    EXPECT_EQ(t.shards(0).cols(), 30);
+  }
+  // Given by hand: columns [0, 28) and [28, 30) check; [0, 26) + [26, 30)
+  // do not (an offset off the 4-column grid).
+  ember::v1::ShardingPlan given = *cpu;
+  auto* ts = given.mutable_tables(0);
+  ts->mutable_shards(0)->set_cols(28);
+  auto* last = ts->add_shards();
+  *last = ts->shards(0);
+  last->set_col_offset(28);
+  last->set_cols(2);
+  last->set_rank(1);
+  EXPECT_TRUE(CheckPlan(spec, Cpu(2), given, PlannerOptions()).ok())
+      << CheckPlan(spec, Cpu(2), given, PlannerOptions()).status();
+  ts->mutable_shards(0)->set_cols(26);
+  last->set_col_offset(26);
+  last->set_cols(4);
+  auto off_grid = CheckPlan(spec, Cpu(2), given, PlannerOptions());
+  EXPECT_EQ(off_grid.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(off_grid.status().message()), HasSubstr("multiples of 4"));
 }
 
 TEST(PlannerTest, TableLargerThanAnyWorkerIsExplained) {

@@ -167,9 +167,8 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
     } else if (t.num_embeddings() > kMaxRows) {
       p.Add(label, ": num_embeddings must be at most ", kMaxRows, ", got ", t.num_embeddings());
     }
-    if (t.embedding_dim() <= 0 || t.embedding_dim() % 4 != 0) {
-      p.Add(label, ": embedding_dim must be > 0 and divisible by 4, got ",
-            t.embedding_dim());
+    if (t.embedding_dim() <= 0) {
+      p.Add(label, ": embedding_dim must be > 0, got ", t.embedding_dim());
     } else if (t.embedding_dim() > kMaxEmbeddingDim) {
       p.Add(label, ": embedding_dim must be at most ", kMaxEmbeddingDim, ", got ",
             t.embedding_dim());
@@ -253,6 +252,17 @@ absl::Status ValidatePlanInputs(const ember::v1::CollectionSpec& spec,
                                 const ember::v1::Topology& topology) {
   if (absl::Status s = ValidateCollectionSpec(spec); !s.ok()) return s;
   if (absl::Status s = ValidateTopology(topology); !s.ok()) return s;
+  if (topology.compute_device() == ember::v1::CUDA) {
+    Problems p;
+    for (int i = 0; i < spec.tables_size(); ++i) {
+      const TableConfig& t = spec.tables(i);
+      if (t.embedding_dim() % kCudaColumnMultiple != 0) {
+        p.Add(TableLabel(t, i), ": embedding_dim ", t.embedding_dim(), " is not a multiple of ",
+              kCudaColumnMultiple, ", which CUDA workers need (CPU workers take any dim)");
+      }
+    }
+    if (absl::Status s = p.ToStatus("collection spec for CUDA workers"); !s.ok()) return s;
+  }
   const int64_t table_ranks = int64_t{spec.tables_size()} * topology.world_size();
   if (table_ranks > kMaxTableRanks) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -26,13 +26,15 @@ inline constexpr int64_t kMaxRows = int64_t{1} << 40;        // num_embeddings
 inline constexpr int kMaxEmbeddingDim = 1 << 16;
 inline constexpr int kMaxBatchSize = 1 << 24;                // topology.batch_size
 inline constexpr int kMaxTrainers = 1 << 20;                 // topology.num_trainers
+inline constexpr int kCudaColumnMultiple = 4;  // the CUDA kernels' column step
 
 // Checks every rule below and reports all violations at once, one per line,
 // in an INVALID_ARGUMENT status. OK when the spec can be planned.
 //  - at least one table; table names non-empty and unique;
 //  - at most kMaxTables tables of at most kMaxFeaturesPerTable features;
 //  - num_embeddings in (0, kMaxRows]; embedding_dim in (0, kMaxEmbeddingDim]
-//    and divisible by 4 (FBGEMM TBE);
+//    (any dim, as TorchRec's CPU modules take; ValidatePlanInputs asks CUDA
+//    workers' tables for multiples of kCudaColumnMultiple);
 //  - at least one feature per table; feature names non-empty and unique
 //    across the collection;
 //  - optimizer hyper-parameters in range (learning_rate, eps, weight_decay
@@ -50,7 +52,8 @@ absl::Status ValidateCollectionSpec(const ember::v1::CollectionSpec& spec);
 // range; batch_size in [0, kMaxBatchSize], num_trainers in [0, kMaxTrainers].
 absl::Status ValidateTopology(const ember::v1::Topology& topology);
 
-// The two together: both valid, and tables x world_size <= kMaxTableRanks.
+// The two together: both valid, tables x world_size <= kMaxTableRanks, and
+// on CUDA every embedding_dim a multiple of kCudaColumnMultiple.
 absl::Status ValidatePlanInputs(const ember::v1::CollectionSpec& spec,
                                 const ember::v1::Topology& topology);
 

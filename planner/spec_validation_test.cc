@@ -49,12 +49,34 @@ TEST(ValidateCollectionSpecTest, RejectsZeroRows) {
   ExpectInvalid(spec, "table 'a': num_embeddings must be > 0, got 0");
 }
 
-TEST(ValidateCollectionSpecTest, RejectsDimNotAllowed) {
+TEST(ValidateCollectionSpecTest, AnyPositiveDimOnCpuMultiplesOfFourOnCuda) {
   auto spec = Spec(kGood);
-  spec.mutable_tables(0)->set_embedding_dim(6);
-  ExpectInvalid(spec, "table 'a': embedding_dim must be > 0 and divisible by 4, got 6");
   spec.mutable_tables(0)->set_embedding_dim(0);
-  ExpectInvalid(spec, "got 0");
+  ExpectInvalid(spec, "table 'a': embedding_dim must be > 0, got 0");
+  spec.mutable_tables(0)->set_embedding_dim(-3);
+  ExpectInvalid(spec, "got -3");
+  // TorchRec's CPU modules take any dim; so do CPU workers.
+  ember::v1::Topology topo;
+  topo.set_world_size(2);
+  topo.set_compute_device(ember::v1::CPU);
+  for (int dim : {1, 2, 3, 6, 10, 13}) {
+    spec.mutable_tables(0)->set_embedding_dim(dim);
+    EXPECT_TRUE(ValidateCollectionSpec(spec).ok()) << dim;
+    EXPECT_TRUE(ValidatePlanInputs(spec, topo).ok()) << dim;
+  }
+  // CUDA workers' kernels move 4 columns at a time: every table named.
+  topo.set_compute_device(ember::v1::CUDA);
+  spec.mutable_tables(0)->set_embedding_dim(6);
+  spec.mutable_tables(1)->set_embedding_dim(10);
+  const absl::Status s = ValidatePlanInputs(spec, topo);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("table 'a': embedding_dim 6 is not a multiple of 4, which CUDA workers "
+                        "need (CPU workers take any dim)"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("table 'b': embedding_dim 10 is not"));
+  spec.mutable_tables(0)->set_embedding_dim(8);
+  spec.mutable_tables(1)->set_embedding_dim(12);
+  EXPECT_TRUE(ValidatePlanInputs(spec, topo).ok());
 }
 
 TEST(ValidateCollectionSpecTest, RejectsDuplicateTableName) {
@@ -142,7 +164,7 @@ TEST(ValidateCollectionSpecTest, WeightDecayOnlyWhereFbgemmHasIt) {
 TEST(ValidateCollectionSpecTest, ListsEveryProblem) {
   auto spec = Spec(kGood);
   spec.mutable_tables(0)->set_num_embeddings(-5);
-  spec.mutable_tables(1)->set_embedding_dim(3);
+  spec.mutable_tables(1)->set_embedding_dim(0);
   const absl::Status s = ValidateCollectionSpec(spec);
   EXPECT_THAT(std::string(s.message()), HasSubstr("(2 problems)"));
 }

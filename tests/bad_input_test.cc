@@ -230,7 +230,7 @@ TEST_F(BadInputTest, CoordinatorRpcs) {
   s.mutable_tables(0)->set_num_embeddings(0);
   EXPECT_EQ(create(s), StatusCode::INVALID_ARGUMENT);
   s = Spec("x");
-  s.mutable_tables(0)->set_embedding_dim(6);  // not a multiple of 4
+  s.mutable_tables(0)->set_embedding_dim(-4);
   EXPECT_EQ(create(s), StatusCode::INVALID_ARGUMENT);
   s = Spec("x");
   s.mutable_tables(1)->set_name("t_sum");  // two tables of one name

@@ -132,7 +132,11 @@ expect_error "unknown field" 1 "malformed collection spec" -- plan --spec="$TMP/
 spec zero_rows "{\"tables\": [$(table a 0 8 fa)]}"
 expect_error "zero rows" 1 "table 'a': num_embeddings must be > 0, got 0" -- plan --spec="$TMP/zero_rows.json"
 spec bad_dim "{\"tables\": [$(table a 10 10 fa)]}"
-expect_error "dim not allowed" 1 "embedding_dim must be > 0 and divisible by 4, got 10" -- plan --spec="$TMP/bad_dim.json"
+expect_error "dim on CUDA" 1 "table 'a': embedding_dim 10 is not a multiple of 4, which CUDA workers need" -- plan --spec="$TMP/bad_dim.json" --compute_device=cuda
+"$EMBERCTL" plan --spec="$TMP/bad_dim.json" --compute_device=cpu >/dev/null 2>"$TMP/err" ||
+  fail "dim 10 on CPU workers (TorchRec's CPU modules take it): $(cat "$TMP/err")"
+spec zero_dim "{\"tables\": [$(table a 10 0 fa)]}"
+expect_error "zero dim" 1 "table 'a': embedding_dim must be > 0, got 0" -- plan --spec="$TMP/zero_dim.json"
 spec dup_table "{\"tables\": [$(table a 10 8 fa), $(table a 10 8 fb)]}"
 expect_error "duplicate table" 1 "table 'a': duplicate table name" -- plan --spec="$TMP/dup_table.json"
 spec dup_feature "{\"tables\": [$(table a 10 8 f), $(table b 10 8 f)]}"

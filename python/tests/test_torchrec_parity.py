@@ -4,9 +4,12 @@ torchrec.EmbeddingBagCollection and with ember.torch.EmbeddingBagCollection
 from the same initial weights gives the same losses and the same final
 tables. References: torch.optim.SGD and torch.optim.Adagrad on the TorchRec
 module's parameters, and FBGEMM's fused CPU row-wise Adagrad through
-TorchRec's fuse_embedding_optimizer. Two workers, row-wise and table-wise
-plans. Needs torchrec (the .venv that scripts/setup.sh prepares); skipped
-without it."""
+TorchRec's fuse_embedding_optimizer (TorchRec's unfused RowWiseAdagrad
+where FBGEMM refuses the dim). Two workers, row-wise and table-wise
+plans; tables of dims 8 and 4, and of dims 10 and 3 (TorchRec's CPU modules
+take any dim, and so does Ember on CPU workers: row-wise Adagrad's mean is
+over the table's own columns). Needs torchrec (the .venv that
+scripts/setup.sh prepares); skipped without it."""
 
 import copy
 
@@ -22,13 +25,17 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
 from torchrec.modules.fused_embedding_modules import fuse_embedding_optimizer  # noqa: E402
 import torchrec.optim as trec_optim  # noqa: E402
 
-TABLES = [
-    EmbeddingBagConfig(name="t_user", embedding_dim=8, num_embeddings=60,
-                       feature_names=["user"]),
-    # One table behind two features, as TorchRec allows.
-    EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=40,
-                       feature_names=["item", "item_last"]),
-]
+def tables(dims=(8, 4)):
+    return [
+        EmbeddingBagConfig(name="t_user", embedding_dim=dims[0], num_embeddings=60,
+                           feature_names=["user"]),
+        # One table behind two features, as TorchRec allows.
+        EmbeddingBagConfig(name="t_item", embedding_dim=dims[1], num_embeddings=40,
+                           feature_names=["item", "item_last"]),
+    ]
+
+
+TABLES = tables()
 FEATURES = ["user", "item", "item_last"]
 DENSE = 3
 STEPS = 6
@@ -45,10 +52,10 @@ class Dense(torch.nn.Module):
     """The dense part of the DLRM: bottom MLP over dense features, top
     layer over [bottom, pooled embeddings]."""
 
-    def __init__(self):
+    def __init__(self, dims=(8, 4)):
         super().__init__()
         self.bottom = torch.nn.Linear(DENSE, 4)
-        self.top = torch.nn.Linear(4 + 8 + 4 + 4, 1)
+        self.top = torch.nn.Linear(4 + dims[0] + 2 * dims[1], 1)
 
     def forward(self, dense, pooled):
         x = torch.cat([torch.relu(self.bottom(dense)), pooled], dim=1)
@@ -79,20 +86,23 @@ def bce(logit, labels):
     return torch.nn.functional.binary_cross_entropy_with_logits(logit, labels)
 
 
-CASES = [(opt, sharding) for opt in ("SGD", "ADAGRAD", "ROWWISE_ADAGRAD")
+CASES = [(opt, sharding, (8, 4)) for opt in ("SGD", "ADAGRAD", "ROWWISE_ADAGRAD")
          for sharding in ("row_wise", "table_wise")]
+CASES += [(opt, sharding, (10, 3)) for opt in ("SGD", "ADAGRAD", "ROWWISE_ADAGRAD")
+          for sharding in ("row_wise", "column_wise")]
 
 
-@pytest.mark.parametrize("opt,sharding", CASES)
-def test_dlrm_trains_like_torchrec(client, opt, sharding):
+@pytest.mark.parametrize("opt,sharding,dims", CASES)
+def test_dlrm_trains_like_torchrec(client, opt, sharding, dims):
     torch.manual_seed(7)
-    ref_ebc = torchrec.EmbeddingBagCollection(tables=TABLES, device=torch.device("cpu"))
+    configs = tables(dims)
+    ref_ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
     initial = {k: v.detach().clone() for k, v in ref_ebc.state_dict().items()}
-    name = f"parity_{opt.lower()}_{sharding}"
+    name = f"parity_{opt.lower()}_{sharding}_{dims[0]}_{dims[1]}"
     optimizer = {"type": opt, "learning_rate": LR}
     if opt != "SGD":
         optimizer["eps"] = 1e-8
-    ebc = ember.torch.EmbeddingBagCollection(TABLES, client, name, optimizer=optimizer,
+    ebc = ember.torch.EmbeddingBagCollection(configs, client, name, optimizer=optimizer,
                                              sharding_type=sharding)
     try:
         ebc.load_state_dict(initial)  # the same initial tables
@@ -100,13 +110,17 @@ def test_dlrm_trains_like_torchrec(client, opt, sharding):
             sparse_opt = torch.optim.SGD(ref_ebc.parameters(), lr=LR)
         elif opt == "ADAGRAD":
             sparse_opt = torch.optim.Adagrad(ref_ebc.parameters(), lr=LR, eps=1e-8)
+        elif any(d % 4 for d in dims):
+            # FBGEMM's TBE asserts embedding_dim % 4 == 0 (CPU too); TorchRec's
+            # unfused RowWiseAdagrad is the same formula on any dim.
+            sparse_opt = trec_optim.RowWiseAdagrad(ref_ebc.parameters(), lr=LR, eps=1e-8)
         else:  # FBGEMM's fused CPU kernel through TorchRec
             ref_ebc = fuse_embedding_optimizer(
                 ref_ebc, optimizer_type=trec_optim.RowWiseAdagrad,
                 optimizer_kwargs={"lr": LR, "eps": 1e-8}, device=torch.device("cpu"))
             ref_ebc.load_state_dict(initial)
             sparse_opt = None
-        dense_ref = Dense()
+        dense_ref = Dense(dims)
         dense_ember = copy.deepcopy(dense_ref)
         opt_ref = torch.optim.SGD(dense_ref.parameters(), lr=0.1)
         opt_ember = torch.optim.SGD(dense_ember.parameters(), lr=0.1)
@@ -131,7 +145,7 @@ def test_dlrm_trains_like_torchrec(client, opt, sharding):
                                        err_msg=f"step {step}")
         ours = ebc.state_dict()
         theirs = ref_ebc.state_dict()
-        for t in TABLES:
+        for t in configs:
             key = f"embedding_bags.{t.name}.weight"
             np.testing.assert_allclose(ours[key].numpy(), theirs[key].detach().numpy(),
                                        rtol=1e-4, atol=1e-6, err_msg=key)

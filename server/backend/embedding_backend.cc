@@ -236,12 +236,16 @@ absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
   return absl::OkStatus();
 }
 
-absl::Status ValidateShardSpec(const ShardSpec& s) {
+absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple) {
   auto bad = [&](auto... parts) {
     return absl::InvalidArgumentError(absl::StrCat("shard of table '", s.table, "': ", parts...));
   };
   if (s.rows <= 0) return bad("rows must be > 0, got ", s.rows);
-  if (s.dim <= 0 || s.dim % 4 != 0) return bad("dim must be > 0 and divisible by 4, got ", s.dim);
+  if (s.dim <= 0) return bad("dim must be > 0, got ", s.dim);
+  if (s.dim % column_multiple != 0) {
+    return bad("dim ", s.dim, " is not a multiple of ", column_multiple,
+               ", which this backend's kernels need (the CPU backend takes any dim)");
+  }
   if (s.row_offset < 0 || s.col_offset < 0) return bad("offsets must be >= 0");
   if (s.table_rows < s.row_offset + s.rows) {
     return bad("row_offset + rows (", s.row_offset + s.rows, ") exceeds table_rows (",

@@ -230,10 +230,15 @@ class EmbeddingBackend {
   virtual absl::Status Health() const { return absl::OkStatus(); }
 };
 
-// Checks a shard spec: rows > 0, dim > 0 and divisible by 4, offsets >= 0,
+// Checks a shard spec: rows > 0, dim > 0 (and a multiple of
+// column_multiple: the CUDA kernels move 4 columns at a time; the CPU
+// backend takes any dim, as TorchRec's CPU modules do), offsets >= 0,
 // row_offset + rows <= table_rows, optimizer hyper-parameters in range
 // (SGD with weight_decay is rejected: FBGEMM's exact SGD has none).
-absl::Status ValidateShardSpec(const ShardSpec& spec);
+absl::Status ValidateShardSpec(const ShardSpec& spec, int column_multiple = 1);
+
+// The column multiple of the CUDA backend and its emulation.
+inline constexpr int kCudaColumnMultiple = 4;
 
 // What the validation functions below check. kShapesOnly leaves out the
 // passes over every value (ids in range, weights and gradients finite) for a

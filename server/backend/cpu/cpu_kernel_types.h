@@ -11,7 +11,7 @@ namespace ember {
 namespace backend {
 
 // acc[0, dim) += scale * row[0, dim), the row stored as one weight type.
-// dim is a multiple of 4.
+// Any dim >= 0: rows are unaligned and need not be a multiple of 4 columns.
 using AccumulateFn = void (*)(float* acc, const void* row, int64_t dim, float scale);
 
 // How far ahead a PoolFn prefetches the rows it will gather, in ids: every
@@ -50,20 +50,19 @@ inline uint64_t CheckedId(const int64_t* ids, int64_t k, uint64_t rows, bool* ba
 }
 
 // out[0, dim) = a row stored as one weight type, as fp32 (exact: fp16 and
-// bf16 widen without loss). dim is a multiple of 4.
+// bf16 widen without loss). Any dim >= 0.
 using WidenFn = void (*)(float* out, const void* row, int64_t dim);
 
 // A row of fp16 (type 1) or bf16 (type 2) weights from fp32 w[0, dim),
 // rounded stochastically: element c as embedding_math.h's
 // FloatToFp16Stochastic / FloatToBf16Stochastic with the noise
-// ElementNoise(row_key, col_offset + c), bit for bit. dim is a multiple
-// of 4.
+// ElementNoise(row_key, col_offset + c), bit for bit. Any dim >= 0.
 using NarrowFn = void (*)(void* row, const float* w, int64_t dim, uint64_t row_key,
                           int64_t col_offset);
 
 // A row of fp16 (type 1) or bf16 (type 2) weights from fp32 w[0, dim),
 // rounded to nearest even: element c as half.h's FloatToFp16 /
-// FloatToBf16, bit for bit. dim is a multiple of 4.
+// FloatToBf16, bit for bit. Any dim >= 0.
 using NarrowNearestFn = void (*)(void* row, const float* w, int64_t dim);
 
 struct RowKernels {

@@ -1,5 +1,6 @@
 // AVX2 + FMA + F16C row kernels (compiled with -mavx2 -mfma -mf16c; called
-// only where the CPU has them). 8 fp32 lanes; 4-lane tails (dim % 4 == 0).
+// only where the CPU has them). 8 fp32 lanes, then a 4-lane step, then
+// column by column (any dim).
 #include <immintrin.h>
 
 #include "math/noise_hash.h"
@@ -24,6 +25,29 @@ inline __m128i Load64(const uint16_t* p) {
   return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
 }
 
+// One stored element as fp32 (T 0 fp32, 1 fp16, 2 bf16), for the last
+// dim % 4 columns.
+template <int T>
+inline float LoadOne(const void* row, int64_t i) {
+  if (T == 0) return static_cast<const float*>(row)[i];
+  const uint16_t h = static_cast<const uint16_t*>(row)[i];
+  if (T == 1) return _cvtsh_ss(h);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// acc[i, dim) += scale * row[i, dim) one column at a time, fused as the
+// vector lanes are (the same rounding whichever lane a column falls in).
+template <int T>
+inline void AccTail(float* acc, const void* row, int64_t i, int64_t dim, float scale) {
+  for (; i < dim; ++i) {
+    acc[i] = _mm_cvtss_f32(
+        _mm_fmadd_ss(_mm_set_ss(scale), _mm_set_ss(LoadOne<T>(row, i)), _mm_set_ss(acc[i])));
+  }
+}
+
 void AccF32(float* acc, const void* row, int64_t dim, float scale) {
   const float* r = static_cast<const float*>(row);
   const __m256 s = _mm256_set1_ps(scale);
@@ -31,10 +55,11 @@ void AccF32(float* acc, const void* row, int64_t dim, float scale) {
   for (; i + 8 <= dim; i += 8) {
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, _mm256_loadu_ps(r + i), _mm256_loadu_ps(acc + i)));
   }
-  for (; i < dim; i += 4) {
+  for (; i + 4 <= dim; i += 4) {
     _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), _mm_loadu_ps(r + i),
                                         _mm_loadu_ps(acc + i)));
   }
+  AccTail<0>(acc, row, i, dim, scale);
 }
 
 void AccFp16(float* acc, const void* row, int64_t dim, float scale) {
@@ -45,10 +70,11 @@ void AccFp16(float* acc, const void* row, int64_t dim, float scale) {
     const __m256 v = _mm256_cvtph_ps(Load128(r + i));
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(acc + i)));
   }
-  for (; i < dim; i += 4) {
+  for (; i + 4 <= dim; i += 4) {
     const __m128 v = _mm_cvtph_ps(Load64(r + i));
     _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), v, _mm_loadu_ps(acc + i)));
   }
+  AccTail<1>(acc, row, i, dim, scale);
 }
 
 void AccBf16(float* acc, const void* row, int64_t dim, float scale) {
@@ -59,15 +85,18 @@ void AccBf16(float* acc, const void* row, int64_t dim, float scale) {
     const __m256 v = Bf16ToFloat(Load128(r + i));
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(acc + i)));
   }
-  for (; i < dim; i += 4) {
+  for (; i + 4 <= dim; i += 4) {
     const __m128 v = Bf16ToFloat4(Load64(r + i));
     _mm_storeu_ps(acc + i, _mm_fmadd_ps(_mm256_castps256_ps128(s), v, _mm_loadu_ps(acc + i)));
   }
+  AccTail<2>(acc, row, i, dim, scale);
 }
 
 void WidenF32(float* out, const void* row, int64_t dim) {
   const float* r = static_cast<const float*>(row);
-  for (int64_t i = 0; i < dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
+  int64_t i = 0;
+  for (; i + 4 <= dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
+  for (; i < dim; ++i) out[i] = r[i];
 }
 
 // A 16-bit row (T 1 fp16, 2 bf16) widened to fp32.
@@ -79,10 +108,11 @@ void Widen16(float* out, const void* row, int64_t dim) {
     const __m128i h = Load128(r + i);
     _mm256_storeu_ps(out + i, T == 1 ? _mm256_cvtph_ps(h) : Bf16ToFloat(h));
   }
-  for (; i < dim; i += 4) {
+  for (; i + 4 <= dim; i += 4) {
     const __m128i h = Load64(r + i);
     _mm_storeu_ps(out + i, T == 1 ? _mm_cvtph_ps(h) : Bf16ToFloat4(h));
   }
+  for (; i < dim; ++i) out[i] = LoadOne<T>(row, i);
 }
 
 // Eight columns' noise, columns col .. col + 7 of the row:

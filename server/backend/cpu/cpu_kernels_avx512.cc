@@ -55,7 +55,7 @@ void WidenF32(float* out, const void* row, int64_t dim) {
   const float* r = static_cast<const float*>(row);
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16) _mm512_storeu_ps(out + i, _mm512_loadu_ps(r + i));
-  for (; i < dim; i += 4) _mm_storeu_ps(out + i, _mm_loadu_ps(r + i));
+  if (i < dim) kAvx2RowKernels.widen[0](out + i, r + i, dim - i);
 }
 
 // A 16-bit row (T 1 fp16, 2 bf16) widened to fp32; tails of < 16 columns

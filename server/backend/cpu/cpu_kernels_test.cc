@@ -81,6 +81,26 @@ TEST(CpuKernelsTest, WidenEveryHalfAndBf16Exactly) {
     std::vector<float> copy(4);
     k->widen[0](copy.data(), f32.data(), 4);
     for (int i = 0; i < 4; ++i) EXPECT_EQ(Bits(copy[i]), Bits(f32[i]));
+    // Odd lengths at odd offsets: every column, and nothing past the last.
+    for (int64_t dim : {1, 2, 3, 5, 7, 13, 19, 31, 35}) {
+      for (int type = 0; type < 3; ++type) {
+        std::vector<float> got(dim + 1, 42.0f);
+        std::vector<float> src(dim);
+        for (int64_t c = 0; c < dim; ++c) src[c] = 0.25f * static_cast<float>(c) - 3.0f;
+        if (type == 0) {
+          k->widen[0](got.data(), src.data(), dim);
+        } else {
+          k->widen[type](got.data(), all.data() + 4097, dim);
+        }
+        for (int64_t c = 0; c < dim; ++c) {
+          const float want = type == 0   ? src[c]
+                             : type == 1 ? Fp16ToFloat(all[4097 + c])
+                                         : Bf16ToFloat(all[4097 + c]);
+          ASSERT_EQ(Bits(got[c]), Bits(want)) << "type " << type << " dim " << dim << " col " << c;
+        }
+        EXPECT_EQ(got[dim], 42.0f) << "type " << type << " dim " << dim << ": wrote past the row";
+      }
+    }
   }
 }
 
@@ -91,7 +111,10 @@ TEST(CpuKernelsTest, PoolMatchesASumInDouble) {
   for (const RowKernels* k : AvailableKernels()) {
     SCOPED_TRACE(KernelName(k));
     for (int type = 0; type < 3; ++type) {
-      for (int64_t dim : {4, 8, 16, 20, 32, 48, 64, 96, 128, 144, 192, 256, 260, 400, 528}) {
+      // Odd dims too: TorchRec's CPU modules take any, so the kernels do
+      // (their last dim % 4 columns one at a time).
+      for (int64_t dim : {1, 2, 3, 4, 5, 7, 8, 10, 13, 16, 20, 30, 32, 48, 64, 96, 127, 128, 144,
+                          192, 256, 260, 262, 400, 528}) {
         const int64_t elem = type == 0 ? 4 : 2;
         std::vector<uint8_t> table(rows * dim * elem);
         std::vector<double> value(rows * dim);  // each stored weight, widened
@@ -152,7 +175,7 @@ TEST(CpuKernelsTest, IdsOutOfRangeAreCaughtAndNeverRead) {
   for (const RowKernels* k : AvailableKernels()) {
     SCOPED_TRACE(KernelName(k));
     for (int type : {0, 1, 2}) {
-      for (int64_t dim : {4, 20, 64, 132, 260}) {
+      for (int64_t dim : {4, 5, 20, 23, 64, 132, 138, 260}) {
         const int64_t elem = type == 0 ? 4 : 2;
         std::vector<uint8_t> table(rows * dim * elem);
         for (int64_t r = 0; r < rows; ++r) {
@@ -209,7 +232,7 @@ TEST(CpuKernelsTest, StochasticRoundingMatchesTheFormulasBitForBit) {
                             -3.25f,   BitsFloat(0xffbfffffu)};
   for (const RowKernels* k : AvailableKernels()) {
     SCOPED_TRACE(KernelName(k));
-    for (int64_t dim : {4, 12, 16, 20, 64, 68, 132, 256}) {
+    for (int64_t dim : {1, 3, 4, 10, 12, 16, 20, 63, 64, 68, 132, 135, 256}) {
       for (int64_t col_offset : {0, 4, 100}) {
         for (int round = 0; round < 8; ++round) {
           std::vector<float> w(dim);

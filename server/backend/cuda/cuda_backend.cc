@@ -571,7 +571,8 @@ class CudaBackend : public EmbeddingBackend {
   // at a time), so a large shard's creation does not stall the data calls
   // on the shards held. The shard is published when it is ready.
   absl::StatusOr<ShardId> DoCreateShard(const ShardSpec& spec) {
-    if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
+    absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple);
+    if (!s.ok()) return s;
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);

@@ -51,7 +51,8 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   }
 
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
-    if (absl::Status s = backend::ValidateShardSpec(spec); !s.ok()) return s;
+    absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple);
+    if (!s.ok()) return s;
     absl::MutexLock lock(&mu_);
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
