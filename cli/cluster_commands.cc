@@ -936,8 +936,30 @@ int RunRestore() {
   std::cout << "restoring from " << FLAGS_from << " (every file is verified first)..."
             << std::endl;
   const absl::Time start = absl::Now();
-  auto r = (*cl)->Restore(FLAGS_from, FLAGS_collection, FLAGS_sharding_type,
-                          absl::Seconds(FLAGS_checkpoint_timeout_s));
+  absl::StatusOr<ember::v1::RestoreResponse> r;
+  absl::Notification finished;
+  std::thread call([&] {
+    r = (*cl)->Restore(FLAGS_from, FLAGS_collection, FLAGS_sharding_type,
+                       absl::Seconds(FLAGS_checkpoint_timeout_s));
+    finished.Notify();
+  });
+  // Progress once a second: bytes verified, then the workers loading.
+  std::string last_phase;
+  while (!finished.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+    auto list = (*cl)->ListRestores(FLAGS_collection);
+    if (!list.ok() || list->empty()) continue;
+    const ember::v1::RestoreProgress& p = list->front();
+    if (p.phase() == "loading") {
+      if (last_phase != "loading") {
+        std::cout << "  verified; loading on " << p.workers() << " worker(s)" << std::endl;
+      }
+    } else {
+      std::cout << "  verified " << FormatBytes(p.bytes_verified()) << " of "
+                << FormatBytes(p.total_bytes()) << std::endl;
+    }
+    last_phase = p.phase();
+  }
+  call.join();
   if (!r.ok()) return Fail("restore", r.status());
   PrintPlan(r->collection());
   std::cout << "restored '" << r->collection().spec().name() << "' from "

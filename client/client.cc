@@ -177,15 +177,28 @@ absl::StatusOr<ember::v1::RestoreResponse> Client::Restore(const std::string& fr
   return CallCoordinator(&ember::v1::Coordinator::Stub::Restore, req, timeout);
 }
 
-absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> Client::ListCheckpoints(
+absl::StatusOr<ember::v1::ListCheckpointsResponse> Client::CatalogueOf(
     const std::string& collection) {
   ember::v1::ListCheckpointsRequest req;
   req.set_collection(collection);
-  auto resp =
-      CallCoordinator(&ember::v1::Coordinator::Stub::ListCheckpoints, req, impl_->options.timeout);
+  return CallCoordinator(&ember::v1::Coordinator::Stub::ListCheckpoints, req,
+                         impl_->options.timeout);
+}
+
+absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> Client::ListCheckpoints(
+    const std::string& collection) {
+  auto resp = CatalogueOf(collection);
   if (!resp.ok()) return resp.status();
   return std::vector<ember::v1::CheckpointInfo>(resp->checkpoints().begin(),
                                                 resp->checkpoints().end());
+}
+
+absl::StatusOr<std::vector<ember::v1::RestoreProgress>> Client::ListRestores(
+    const std::string& collection) {
+  auto resp = CatalogueOf(collection);
+  if (!resp.ok()) return resp.status();
+  return std::vector<ember::v1::RestoreProgress>(resp->restores().begin(),
+                                                 resp->restores().end());
 }
 
 absl::StatusOr<std::vector<std::string>> Client::DrainWorker(const std::string& worker_id,

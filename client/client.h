@@ -133,6 +133,10 @@ class Client {
                                                      absl::Duration timeout = absl::Minutes(30));
   absl::StatusOr<std::vector<ember::v1::CheckpointInfo>> ListCheckpoints(
       const std::string& collection = "");
+  // The restores under way (of `collection`, or all): bytes verified, then
+  // loading on the workers.
+  absl::StatusOr<std::vector<ember::v1::RestoreProgress>> ListRestores(
+      const std::string& collection = "");
   // Moves every shard off a worker (copied live, no update lost) and keeps
   // it out of new plans; returns the collections moved.
   absl::StatusOr<std::vector<std::string>> DrainWorker(const std::string& worker_id,
@@ -227,6 +231,8 @@ class Client {
   struct Routing;  // a collection's plan prepared for routing (routing.h)
 
  private:
+  // The coordinator's ListCheckpoints answer: checkpoints and restores.
+  absl::StatusOr<ember::v1::ListCheckpointsResponse> CatalogueOf(const std::string& collection);
   // The client's state: its coordinator stub, the routing and worker stubs
   // it caches, and its transports (shared-memory and link channels), all
   // in client.cc, so that this header names no transport.

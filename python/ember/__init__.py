@@ -390,39 +390,54 @@ class Client:
         progress(bytes_written, total_bytes), called as the coordinator
         reports the shard files growing and once more at the end with the
         checkpoint's bytes."""
-        if progress is None:
-            return json.loads(self._c.checkpoint(name, dir))
         if progress is True:
-            progress = _stderr_progress(f"checkpoint {name}")
-        result = {}
+            progress = _stderr_progress(f"checkpoint {name}", "written")
 
-        def run():
-            try:
-                result["value"] = self._c.checkpoint(name, dir)
-            except BaseException as e:  # raised in the caller's thread below
-                result["error"] = e
-
-        worker = threading.Thread(target=run, name="ember-checkpoint", daemon=True)
-        worker.start()
-        while True:
-            worker.join(poll_s)
-            if not worker.is_alive():
-                break
+        def poll():
             for c in self.list_checkpoints(name):
                 if c.get("in_progress"):
                     progress(int(c.get("bytes", 0)), int(c.get("total_bytes", 0)))
-        if "error" in result:
-            raise result["error"]
-        info = json.loads(result["value"])
-        progress(int(info.get("bytes", 0)), int(info.get("bytes", 0)))
+
+        info = json.loads(_polled(lambda: self._c.checkpoint(name, dir),
+                                  poll if progress else None, poll_s, "ember-checkpoint"))
+        if progress:
+            progress(int(info.get("bytes", 0)), int(info.get("bytes", 0)))
         return info
 
-    def restore(self, path, name="", sharding_type=None):
+    def restore(self, path, name="", sharding_type=None, progress=None, poll_s=0.5):
         """Creates a collection (named `name`, or the checkpoint's name) from
         checkpoint `path` (a checkpoint directory or a root: its latest), on
         the live workers, planned afresh; DataLoss naming the file when a
-        checkpoint is damaged (nothing is created)."""
-        return json.loads(self._c.restore(path, name, sharding_type or ""))
+        checkpoint is damaged (nothing is created). Returns a dict of
+        "collection" (CollectionInfo) and "checkpoint" (CheckpointInfo).
+
+        progress: None; True, a line on stderr every `poll_s` seconds while
+        it runs ("restore NAME: X of Y MiB verified", then "loading on N
+        workers"); or a callable progress(bytes_verified, total_bytes,
+        phase), phase "verifying" then "loading", called as the coordinator
+        reports and once more at the end (phase "done")."""
+        if progress is True:
+            progress = _stderr_restore_progress(f"restore {name or path}")
+
+        def poll():
+            # With a name the coordinator shows only this collection's;
+            # without, any restore under way (the likeliest is this one).
+            for r in self.list_restores(name)[:1]:
+                progress(int(r.get("bytes_verified", 0)), int(r.get("total_bytes", 0)),
+                         r.get("phase", "verifying"))
+
+        out = json.loads(_polled(lambda: self._c.restore(path, name, sharding_type or ""),
+                                 poll if progress else None, poll_s, "ember-restore"))
+        if progress:
+            total = int(out.get("checkpoint", {}).get("bytes", 0))
+            progress(total, total, "done")
+        return out
+
+    def list_restores(self, name=""):
+        """The restores under way on the coordinator (of collection `name`, or
+        all), as dicts (RestoreProgress's fields: from, collection, phase,
+        bytes_verified, total_bytes, workers)."""
+        return [json.loads(r) for r in self._c.list_restores(name)]
 
     def list_checkpoints(self, name=""):
         """The coordinator's catalogue of checkpoints (of collection `name`,
@@ -436,12 +451,56 @@ class Client:
         return list(self._c.drain_worker(worker_id, float(timeout_s)))
 
 
-def _stderr_progress(what):
+def _polled(call, poll, poll_s, thread_name):
+    """call() in a thread of its own, poll() every poll_s seconds while it
+    runs (none: call() here); call()'s result, or its exception raised
+    here."""
+    if poll is None:
+        return call()
+    result = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # raised in the caller's thread below
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name=thread_name, daemon=True)
+    worker.start()
+    while True:
+        worker.join(poll_s)
+        if not worker.is_alive():
+            break
+        try:
+            poll()
+        except EmberError:
+            pass  # progress is best effort; the call's own status is what counts
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _stderr_progress(what, verb):
     """A progress(bytes, total) that writes a line to stderr."""
     def report(done, total):
         mib = 1 << 20
         total_text = f" of {total / mib:.1f}" if total else ""
-        print(f"{what}: {done / mib:.1f}{total_text} MiB written", file=sys.stderr, flush=True)
+        print(f"{what}: {done / mib:.1f}{total_text} MiB {verb}", file=sys.stderr, flush=True)
+    return report
+
+
+def _stderr_restore_progress(what):
+    """A restore's progress(bytes, total, phase) that writes a line to
+    stderr."""
+    verified = _stderr_progress(what, "verified")
+
+    def report(done, total, phase):
+        if phase == "loading":
+            print(f"{what}: verified; loading on the workers", file=sys.stderr, flush=True)
+        elif phase == "done":
+            print(f"{what}: restored ({total / (1 << 20):.1f} MiB)", file=sys.stderr, flush=True)
+        else:
+            verified(done, total)
     return report
 
 

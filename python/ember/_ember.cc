@@ -380,6 +380,13 @@ PYBIND11_MODULE(_ember, m) {
              for (const auto& cp : Value(c.ListCheckpoints(name))) out.push_back(ToJson(cp));
              return out;
            })
+      .def("list_restores",
+           [](Client& c, const std::string& name) {
+             std::vector<std::string> out;
+             py::gil_scoped_release release;
+             for (const auto& r : Value(c.ListRestores(name))) out.push_back(ToJson(r));
+             return out;
+           })
       .def("drain_worker", [](Client& c, const std::string& worker_id, double timeout_s) {
         py::gil_scoped_release release;
         return Value(c.DrainWorker(worker_id, absl::Seconds(timeout_s)));

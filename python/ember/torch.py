@@ -12,7 +12,10 @@ It behaves like TorchRec's EmbeddingBagCollection with a fused optimizer,
 but the tables live on Ember workers: no embedding parameter is in the
 trainer (parameters() yields none of them, so the dense optimizer never sees
 them), `state_dict()` carries each table as "embedding_bags.<table>.weight"
-(TorchRec's names) and `load_state_dict()` writes them to the workers. Under
+(TorchRec's names) and `load_state_dict()` writes them to the workers; with
+table_state="checkpoint" it carries TableCheckpoint entries instead, which
+torch.distributed.checkpoint saves as an Ember checkpoint on the workers and
+loads by restoring it (no table passes through the trainer). Under
 torch.no_grad() or eval() a forward only looks up.
 """
 
@@ -248,19 +251,112 @@ class _RemoteEmbeddingBag(torch.nn.Module):
         return torch.from_numpy(ebc._client.export_table(ebc._collection, self.name))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
+        ebc = self._owner[0]
+        if ebc._table_state == "checkpoint":
+            destination[prefix + "weight"] = TableCheckpoint(
+                ebc._collection, self.name, self.num_embeddings, self.embedding_dim,
+                _snapshot=ebc._saving)
+        else:
+            destination[prefix + "weight"] = self.weight
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "weight"
         if key in state_dict:
             ebc = self._owner[0]
-            ebc._client.import_table(ebc._collection, self.name, state_dict[key])
+            # A TableCheckpoint was restored by the owner (_RemoteTables).
+            if not isinstance(state_dict[key], TableCheckpoint):
+                ebc._client.import_table(ebc._collection, self.name, state_dict[key])
         elif strict:
             missing_keys.append(key)
         for k in state_dict:
             if strict and k.startswith(prefix) and k != key:
                 unexpected_keys.append(k)
+
+
+class TableCheckpoint:
+    """A table's entry in the state dict of a module whose table_state is
+    "checkpoint": where the table is saved on the workers, not its values.
+
+    state_dict() takes nothing. The first time one of a state dict's entries
+    is serialized (torch.distributed.checkpoint writing it, pickle,
+    torch.save) or take() is called, the module's collection is checkpointed
+    on the workers (Client.checkpoint, one checkpoint for all its tables) and
+    every entry of that state dict records its path. load_state_dict() given
+    such entries restores the collection from that checkpoint. Fields:
+    collection, table, num_embeddings, embedding_dim, path (None until
+    taken)."""
+
+    def __init__(self, collection, table, num_embeddings, embedding_dim, path=None,
+                 _snapshot=None):
+        self.collection = collection
+        self.table = table
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self._path = path
+        self._snapshot = _snapshot
+
+    @property
+    def path(self):
+        if self._path is None and self._snapshot is not None:
+            return self._snapshot.path
+        return self._path
+
+    def take(self):
+        """Checkpoints the collection now unless this state dict's entries
+        already did; returns the checkpoint's path."""
+        if self._path is None:
+            if self._snapshot is None:
+                raise ValueError(f"TableCheckpoint of '{self.collection}.{self.table}' "
+                                 "has no path and no module to checkpoint")
+            self._path = self._snapshot.take()
+        return self._path
+
+    def __reduce__(self):
+        return (TableCheckpoint, (self.collection, self.table, self.num_embeddings,
+                                  self.embedding_dim, self.take()))
+
+    def __deepcopy__(self, memo):
+        # A copy of the state dict shares its snapshot: nothing is taken.
+        return TableCheckpoint(self.collection, self.table, self.num_embeddings,
+                               self.embedding_dim, self._path, self._snapshot)
+
+    def __repr__(self):
+        return (f"TableCheckpoint(collection={self.collection!r}, table={self.table!r}, "
+                f"shape=[{self.num_embeddings}, {self.embedding_dim}], path={self.path!r})")
+
+
+def take_table_checkpoints(state_dict):
+    """Takes the checkpoints of every TableCheckpoint in `state_dict`
+    (nested dicts too) now, before an asynchronous save serializes them later
+    (torch.distributed.checkpoint.async_save): the tables are then saved at
+    the same step as the dense state. Returns the paths taken."""
+    paths = []
+    for v in state_dict.values():
+        if isinstance(v, TableCheckpoint):
+            paths.append(v.take())
+        elif isinstance(v, dict):
+            paths.extend(take_table_checkpoints(v))
+    return sorted(set(paths))
+
+
+class _Snapshot:
+    """One state_dict() call's checkpoint of a module's collection, taken
+    once, when the first of its entries asks (TableCheckpoint.take)."""
+
+    def __init__(self, client, collection, directory):
+        self._client = client
+        self._collection = collection
+        self._dir = directory
+        self._lock = threading.Lock()
+        self.path = None
+
+    def take(self):
+        with self._lock:
+            if self.path is None:
+                info = self._client.checkpoint(self._collection, dir=self._dir, progress=True)
+                self.path = info["path"]
+        return self.path
 
 
 class _ClientRef:
@@ -323,6 +419,93 @@ class _RemoteTables(torch.nn.Module):
         self._embedding_names = [f for names in self._feature_names for f in names]
         self._step = 0
         self._run = uuid.uuid4().hex[:12]
+        self._saving = None
+        self._dist_group = None  # set by ember.torchrec.EmberSharder: restores on rank 0
+        self._set_table_state("tensors", "", None)
+
+    def _set_table_state(self, table_state, checkpoint_dir, sharding_type):
+        if table_state not in ("tensors", "checkpoint"):
+            raise ValueError(f"table_state must be 'tensors' or 'checkpoint', got {table_state!r}")
+        self._table_state = table_state
+        self._checkpoint_dir = checkpoint_dir or ""
+        self._sharding_type = sharding_type
+
+    @property
+    def table_state(self):
+        """What state_dict() holds for each table: "tensors" (a copy read from
+        the workers, as TorchRec's unsharded module) or "checkpoint" (a
+        TableCheckpoint: the tables are checkpointed on the workers when the
+        state dict is saved, and restored from there when loaded)."""
+        return self._table_state
+
+    def _tables_attr(self):
+        return "embedding_bags"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Called before the tables' own: one snapshot for this state dict.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._table_state == "checkpoint":
+            self._saving = _Snapshot(self._client, self._collection, self._checkpoint_dir)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        keys = {c.name: f"{prefix}{self._tables_attr()}.{c.name}.weight" for c in self._configs}
+        saved = {t: state_dict[k] for t, k in keys.items()
+                 if isinstance(state_dict.get(k), TableCheckpoint)}
+        if saved:
+            self._restore(saved)
+
+    def _restore(self, saved):
+        """Replaces the collection's tables (and optimizer state) with the
+        checkpoint the entries name: checked first, so that a mismatch
+        changes nothing; then the collection is dropped and restored from it
+        under its name (planned afresh). Under EmberSharder, rank 0 restores
+        and the other ranks wait for it."""
+        paths = {e.path for e in saved.values()}
+        missing = [c.name for c in self._configs if c.name not in saved]
+        if missing:
+            raise ValueError(f"collection '{self._collection}': the state dict restores tables "
+                             f"{sorted(saved)} from a checkpoint but has no checkpoint entry for "
+                             f"{missing}; a checkpoint restores every table of a collection")
+        if len(paths) != 1 or None in paths:
+            raise ValueError(f"collection '{self._collection}': its tables' entries name "
+                             f"checkpoints {sorted(map(str, paths))}; one checkpoint is needed")
+        for c in self._configs:
+            e = saved[c.name]
+            if (e.num_embeddings, e.embedding_dim) != (int(c.num_embeddings),
+                                                       int(c.embedding_dim)):
+                raise ValueError(
+                    f"table '{c.name}': the checkpoint's table is [{e.num_embeddings}, "
+                    f"{e.embedding_dim}], this module's [{c.num_embeddings}, {c.embedding_dim}]")
+        path = paths.pop()
+        group = self._dist_group
+        distributed = group is not None and torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank(group) if distributed else 0
+        error = None
+        if rank == 0:
+            try:
+                self._client.drop_collection(self._collection)
+                try:
+                    self._client.restore(path, self._collection, self._sharding_type)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"collection '{self._collection}' was dropped to be restored from "
+                        f"{path}, and the restore failed: {e}. Restore it with "
+                        f"client.restore({path!r}, {self._collection!r}) once the checkpoint "
+                        f"reads") from e
+            except Exception as e:  # said to every rank below, then raised
+                error = e
+        if distributed:
+            failed = [error is not None]
+            torch.distributed.broadcast_object_list(failed, src=0, group=group)
+            if failed[0] and error is None:
+                raise RuntimeError(f"collection '{self._collection}': rank 0 could not restore "
+                                   f"it from {path}")
+        if error is not None:
+            raise error
+        self._info = self._client.collection(self._collection)
 
     @property
     def device(self):
@@ -352,12 +535,14 @@ class _RemoteTables(torch.nn.Module):
     def __getstate__(self):
         return {"client": _ClientRef(self._client), "collection": self._collection,
                 "configs": self._configs, "flag": self._flag(), "device": str(self._device),
-                "info": self._info, "training": self.training}
+                "info": self._info, "training": self.training,
+                "table_state": (self._table_state, self._checkpoint_dir, self._sharding_type)}
 
     def __setstate__(self, state):
         torch.nn.Module.__init__(self)
         self._setup(state["client"].connect(), state["collection"], state["configs"],
                     state["flag"], state["device"], state["info"])
+        self._set_table_state(*state.get("table_state", ("tensors", "", None)))
         self.train(state["training"])
 
 
@@ -377,6 +562,12 @@ class EmbeddingBagCollection(_RemoteTables):
       when True, and ignored otherwise.
     device: the module's `device` (TorchRec's compute device); outputs are
       on the KJT's device.
+    table_state: what state_dict() holds for each table: "tensors" (a copy
+      read from the workers, as TorchRec's unsharded module) or "checkpoint"
+      (a TableCheckpoint: saving the state dict, with
+      torch.distributed.checkpoint or torch.save, checkpoints the tables on
+      the workers under `checkpoint_dir` (empty: the coordinator's
+      --checkpoint_dir) and records where; loading it restores them).
 
     As TorchRec's module does, a forward reads the features of its tables
     from the KJT, ignores any other, and raises KeyError for a missing one;
@@ -388,7 +579,8 @@ class EmbeddingBagCollection(_RemoteTables):
     """
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
-                 create=True, is_weighted=False, device=None):
+                 create=True, is_weighted=False, device=None, table_state="tensors",
+                 checkpoint_dir=""):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         names = [c.name for c in configs]
@@ -400,6 +592,7 @@ class EmbeddingBagCollection(_RemoteTables):
         info = _open_collection(client, collection, _table_specs(tables, optimizer), create,
                                 sharding_type)
         self._setup(client, collection, configs, bool(is_weighted), device, info)
+        self._set_table_state(table_state, checkpoint_dir, sharding_type)
 
     def _setup(self, client, collection, configs, is_weighted, device, info):
         self._setup_tables(client, collection, configs, device, info)
@@ -567,14 +760,16 @@ class EmbeddingCollection(_RemoteTables):
     workers, whose optimizer runs there, exactly once.
 
     tables: torchrec.EmbeddingConfig objects or dicts of the same fields.
-    optimizer, create, device: as EmbeddingBagCollection's. need_indices:
+    optimizer, create, device, table_state, checkpoint_dir: as
+    EmbeddingBagCollection's. need_indices:
     as TorchRec's (each JaggedTensor's weights are its ids).
     As TorchRec's module, every table must have the same embedding_dim, a
     missing feature raises KeyError, and other features are ignored. Needs
     torchrec (its JaggedTensor)."""
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
-                 create=True, need_indices=False, device=None):
+                 create=True, need_indices=False, device=None, table_state="tensors",
+                 checkpoint_dir=""):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         dims = {int(c.embedding_dim) for c in configs}
@@ -588,6 +783,7 @@ class EmbeddingCollection(_RemoteTables):
                                 _table_specs(tables, optimizer, pooling="NONE"), create,
                                 sharding_type)
         self._setup(client, collection, configs, bool(need_indices), device, info)
+        self._set_table_state(table_state, checkpoint_dir, sharding_type)
 
     def _setup(self, client, collection, configs, need_indices, device, info):
         self._setup_tables(client, collection, configs, device, info)
@@ -600,6 +796,9 @@ class EmbeddingCollection(_RemoteTables):
     @property
     def _embedding_configs(self):
         return self._configs
+
+    def _tables_attr(self):
+        return "embeddings"
 
     def embedding_configs(self):
         return self._configs

@@ -21,6 +21,16 @@ to it once it exists. The dense rest of the model is DMP's, under DDP.
 Semantics with several ranks: each rank's backward sends its own share of
 the gradients, applied as it arrives (asynchronous), where TorchRec's DMP
 all-reduces them into one step. One rank trains exactly as TorchRec would.
+
+Checkpoints: the modules' table_state is "checkpoint" (the sharder's
+`table_state`), so the model's state dict holds a TableCheckpoint per table,
+never the tables themselves (as TorchRec's sharded modules hold only their
+rank's shards). torch.distributed.checkpoint.save(model.state_dict() or
+{"model": model}, ...) writes the dense state and, once for each
+collection, an Ember checkpoint on the workers (under `checkpoint_dir`;
+empty: the coordinator's --checkpoint_dir), recording its path;
+torch.distributed.checkpoint.load restores it, rank 0 restoring while the
+other ranks wait.
 """
 
 import torch
@@ -37,14 +47,22 @@ class EmberSharder(ModuleSharder):
     """A TorchRec ModuleSharder that serves EmbeddingBagCollections from
     Ember (see the module doc). `optimizer` is the tables' fused optimizer
     (ember.torch's form); `sharding_type` Ember's plan for the collection
-    (None: its planner's choice); `prefix` starts every collection's name."""
+    (None: its planner's choice); `prefix` starts every collection's name;
+    `table_state` and `checkpoint_dir` the modules' (ember.torch's: with
+    "checkpoint", a state dict names an Ember checkpoint of the tables
+    instead of copying them into the trainer)."""
 
-    def __init__(self, client, optimizer=None, sharding_type=None, prefix="dmp_"):
+    def __init__(self, client, optimizer=None, sharding_type=None, prefix="dmp_",
+                 table_state="checkpoint", checkpoint_dir=""):
         super().__init__()
+        if table_state not in ("tensors", "checkpoint"):
+            raise ValueError(f"table_state must be 'tensors' or 'checkpoint', got {table_state!r}")
         self._client = client
         self._optimizer = optimizer
         self._sharding_type = sharding_type
         self._prefix = prefix
+        self._table_state = table_state
+        self._checkpoint_dir = checkpoint_dir
 
     @property
     def module_type(self):
@@ -95,4 +113,6 @@ class EmberSharder(ModuleSharder):
             ebc = ember.torch.EmbeddingBagCollection(
                 configs, self._client, name, optimizer=self._optimizer, create=False,
                 is_weighted=module.is_weighted())
+        ebc._set_table_state(self._table_state, self._checkpoint_dir, self._sharding_type)
+        ebc._dist_group = pg
         return ebc

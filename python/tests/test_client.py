@@ -297,8 +297,47 @@ def test_checkpoint_and_restore(client, tmp_path):
         assert all(c["collection"] == "ck" for c in listed)
         assert ck["path"] in [c["path"] for c in client.list_checkpoints()]
         assert client.list_checkpoints("no_such_collection") == []
+        assert client.list_restores() == []  # none under way
     finally:
         client.drop_collection("ck")
+
+
+def test_restore_reports_progress(client, tmp_path, capsys):
+    """A restore large enough to watch (100 MB): the coordinator shows it
+    under way (bytes verified, then loading), the callable hears it in that
+    order, and progress=True writes it to stderr."""
+    big = {"name": "ckbig", "tables": [{"name": "wide", "num_embeddings": 400_000,
+                                        "embedding_dim": 64, "feature_names": ["w"]}]}
+    client.create_collection(big)
+    try:
+        ck = client.checkpoint("ckbig", str(tmp_path))
+        seen = []
+        restored = client.restore(ck["path"], "ckbig2",
+                                  progress=lambda d, t, phase: seen.append((d, t, phase)),
+                                  poll_s=0.005)
+        total = int(restored["checkpoint"]["bytes"])
+        assert total == int(ck["bytes"]) > 100e6 * 0.9
+        assert seen[-1] == (total, total, "done")
+        assert len(seen) > 1, "no progress was reported while the restore ran"
+        order = {"verifying": 0, "loading": 1, "done": 2}
+        assert [order[p] for _, _, p in seen] == sorted(order[p] for _, _, p in seen)
+        assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+        assert all(t in (0, total) and d <= total for d, t, _ in seen)
+        np.testing.assert_array_equal(client.export_table("ckbig2", "wide")[::997],
+                                      client.export_table("ckbig", "wide")[::997])
+        client.drop_collection("ckbig2")
+        capsys.readouterr()
+        client.restore(ck["path"], "ckbig2", progress=True, poll_s=0.005)
+        err = capsys.readouterr().err
+        assert "restore ckbig2: " in err and "MiB verified" in err, err
+        assert err.strip().splitlines()[-1].startswith("restore ckbig2: restored ("), err
+        assert client.list_restores() == []
+    finally:
+        for name in ("ckbig", "ckbig2"):
+            try:
+                client.drop_collection(name)
+            except ember.NotFound:
+                pass
 
 
 def test_optimizer_values_given_are_kept_and_defaults_shown(client):

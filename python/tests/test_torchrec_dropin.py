@@ -42,8 +42,9 @@ FEATURES = ["user", "item", "item_prev"]
 
 
 @pytest.fixture(scope="module")
-def client():
-    with ember.LocalCluster(workers=2) as cluster:
+def client(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ember_checkpoints")
+    with ember.LocalCluster(workers=2, extra_flags=[f"--checkpoint_dir={root}"]) as cluster:
         yield ember.Client(cluster.address, timeout_s=30)
 
 
@@ -388,7 +389,7 @@ def test_embedding_collection_matches_torchrec(client):
         client.drop_collection("dropin_seq")
 
 
-def test_dmp_with_ember_sharder_trains_like_torchrec(client):
+def test_dmp_with_ember_sharder_trains_like_torchrec(client, tmp_path):
     """TorchRec's DistributedModelParallel over an unmodified DLRM with
     EmberSharder: the EBC is replaced by Ember's module over a collection
     holding the model's own initial tables, the dense part is DMP's (DDP),
@@ -425,9 +426,148 @@ def test_dmp_with_ember_sharder_trains_like_torchrec(client):
         np.testing.assert_allclose(inner.embedding_bags["t_item"].weight.numpy(),
                                    ref_ebc.embedding_bags["t_item"].weight.detach().numpy(),
                                    rtol=1e-4, atol=1e-6)
+        # DCP over DMP's state dict: the tables as an Ember checkpoint (no
+        # copy in the trainer), restored by loading; the dense part as DCP's.
+        import torch.distributed.checkpoint as dcp
+        assert inner.table_state == "checkpoint"
+        sd = model.state_dict()
+        table_keys = [k for k, v in sd.items() if isinstance(v, ember.torch.TableCheckpoint)]
+        assert sorted(k.split(".")[-2] for k in table_keys) == ["t_item", "t_user"]
+        saved = _tables(client, name)
+        dense = {k: v.detach().clone() for k, v in sd.items() if torch.is_tensor(v)}
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dmp"))
+        _one_step(model, np.random.default_rng(4))
+        assert not np.allclose(_tables(client, name)["t_item"], saved["t_item"])
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=str(tmp_path / "dmp"))
+        model.load_state_dict(state)
+        for t, w in _tables(client, name).items():
+            np.testing.assert_array_equal(w, saved[t], err_msg=t)
+        for k, v in model.state_dict().items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, dense[k]), k
     finally:
         dist.destroy_process_group()
         try:
             client.drop_collection(name)
         except ember.NotFound:
             pass
+
+
+def _tables(client, name):
+    return {t: client.export_table(name, t) for t in ("t_user", "t_item")}
+
+
+def _one_step(model, rng):
+    kjt = kjt_batch(rng)
+    dense = torch.from_numpy(rng.normal(size=(8, DENSE)).astype(np.float32))
+    model(dense, kjt).sum().backward()
+
+
+def test_dcp_saves_an_ember_checkpoint_and_loads_by_restoring(client, tmp_path):
+    """table_state="checkpoint": torch.distributed.checkpoint writes the
+    dense weights and, for the tables, where an Ember checkpoint of them is
+    (taken once, when DCP writes the entries); loading restores it, optimizer
+    state included: the step after the load equals the step after the save."""
+    import torch.distributed.checkpoint as dcp
+    name = "dropin_dcp"
+    ebc = ember.torch.EmbeddingBagCollection(
+        configs(), client, name, optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": LR},
+        table_state="checkpoint")
+    try:
+        torch.manual_seed(5)
+        model = MODELS["DLRM"](ebc)
+        rng = np.random.default_rng(21)
+        for _ in range(2):
+            _one_step(model, rng)
+        # state_dict() copies no table and takes nothing yet.
+        before = len(client.list_checkpoints(name))
+        sd = model.state_dict()
+        entry = sd["sparse_arch.embedding_bag_collection.embedding_bags.t_user.weight"]
+        assert isinstance(entry, ember.torch.TableCheckpoint) and entry.path is None
+        assert (entry.num_embeddings, entry.embedding_dim) == (50, DIM)
+        assert len(client.list_checkpoints(name)) == before
+        saved_tables = _tables(client, name)
+        saved_dense = {k: v.detach().clone() for k, v in sd.items() if torch.is_tensor(v)}
+        dcp.save({"model": model}, checkpoint_id=str(tmp_path / "dcp"))
+        catalogue = client.list_checkpoints(name)
+        assert len(catalogue) == before + 1  # one checkpoint for both tables
+        # The step after the save, then back to the save and the same step.
+        step_rng_state = np.random.default_rng(99)
+        _one_step(model, step_rng_state)
+        after_step = _tables(client, name)
+        assert not np.allclose(after_step["t_item"], saved_tables["t_item"])
+        dcp.load({"model": model}, checkpoint_id=str(tmp_path / "dcp"))
+        assert len(client.list_checkpoints(name)) == before + 1  # loading takes none
+        for t, w in _tables(client, name).items():
+            np.testing.assert_array_equal(w, saved_tables[t], err_msg=t)
+        for k, v in model.state_dict().items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, saved_dense[k]), k
+        _one_step(model, np.random.default_rng(99))
+        for t, w in _tables(client, name).items():  # Adagrad's state came back too
+            np.testing.assert_allclose(w, after_step[t], rtol=1e-6, atol=1e-7, err_msg=t)
+
+        # torch.save / torch.load of the state dict: the same, through pickle.
+        buf = io.BytesIO()
+        torch.save(ebc.state_dict(), buf)
+        assert len(client.list_checkpoints(name)) == before + 2
+        at_save = _tables(client, name)
+        _one_step(model, rng)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert {e.path for e in loaded.values()} == {client.list_checkpoints(name)[-1]["path"]}
+        ebc.load_state_dict(loaded)
+        for t, w in _tables(client, name).items():
+            np.testing.assert_array_equal(w, at_save[t], err_msg=t)
+
+        # Refused before anything changes: a checkpoint of other shapes, one
+        # table missing, two checkpoints.
+        current = _tables(client, name)
+        bad = dict(loaded)
+        k = "embedding_bags.t_user.weight"
+        bad[k] = ember.torch.TableCheckpoint(name, "t_user", 51, DIM, loaded[k].path)
+        with pytest.raises(ValueError, match=r"the checkpoint's table is \[51, 8\]"):
+            ebc.load_state_dict(bad)
+        bad = {"embedding_bags.t_item.weight": loaded["embedding_bags.t_item.weight"]}
+        with pytest.raises(ValueError, match=r"no checkpoint entry for \['t_user'\]"):
+            ebc.load_state_dict(bad, strict=False)
+        bad = dict(loaded)
+        bad[k] = ember.torch.TableCheckpoint(name, "t_user", 50, DIM, "/elsewhere")
+        with pytest.raises(ValueError, match="one checkpoint is needed"):
+            ebc.load_state_dict(bad)
+        for t, w in _tables(client, name).items():
+            np.testing.assert_array_equal(w, current[t], err_msg=t)
+        with pytest.raises(ValueError, match="table_state must be"):
+            ember.torch.EmbeddingBagCollection(configs(), client, name, create=False,
+                                               table_state="lazy")
+    finally:
+        client.drop_collection(name)
+
+
+def test_dcp_over_two_dmp_ranks_restores_once(client, tmp_path):
+    """Two DMP ranks (processes) over gloo: one DCP save takes one Ember
+    checkpoint; a load restores it on rank 0 while rank 1 waits; both then
+    read the saved tables and dense weights and train on (dmp_ranks.py)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dmp_ranks.py")
+    procs = [subprocess.Popen([sys.executable, script, f"--rank={r}", f"--port={port}",
+                               f"--coordinator={client.address}", f"--dir={tmp_path / 'dcp'}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r} ok" in out, out[-3000:]

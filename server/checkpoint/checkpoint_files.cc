@@ -457,12 +457,17 @@ absl::Status CheckCoverage(const ember::v1::CheckpointManifest& m) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) {
+absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
+    const std::string& dir, const std::function<void(int64_t done, int64_t total)>& progress) {
   auto m = ReadManifest(dir);
   if (!m.ok()) return m.status();
-
+  int64_t total = 0, done = 0;
+  for (const auto& s : m->shards()) total += std::max<int64_t>(s.bytes(), 0);
+  if (progress) progress(0, total);
   for (const auto& s : m->shards()) {
     if (absl::Status st = VerifyShardFile(dir, s); !st.ok()) return st;
+    done += std::max<int64_t>(s.bytes(), 0);
+    if (progress) progress(done, total);
   }
   return m;
 }

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -97,8 +98,11 @@ struct CellBlock {
 absl::Status CheckCoverage(const ember::v1::CheckpointManifest& manifest);
 
 // Reads the manifest of `dir` and verifies every shard file it names (not
-// its coverage: CheckCoverage).
-absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir);
+// its coverage: CheckCoverage). `progress`, when given, is called with
+// (bytes verified, total bytes) before the first file and after each.
+absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
+    const std::string& dir,
+    const std::function<void(int64_t done, int64_t total)>& progress = nullptr);
 
 // `requested` confined under `root`, for a path a request names: "" is root
 // itself, a relative path is taken under root, an absolute one must lie

@@ -116,6 +116,24 @@ TEST(CheckpointFilesTest, ShardWithoutOptimizerStateRoundTrips) {
   EXPECT_TRUE(back->state.empty());
 }
 
+// Verification reports (0, total) first, then the bytes after each file,
+// ending at the manifest's total; a damaged file stops it there.
+TEST(CheckpointFilesTest, VerificationReportsItsProgress) {
+  const std::string dir = WriteCheckpoint(TempDir(), 1000, 3);
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  auto m = VerifyCheckpoint(dir, [&](int64_t done, int64_t total) { seen.push_back({done, total}); });
+  ASSERT_TRUE(m.ok()) << m.status();
+  const int64_t a = m->shards(0).bytes(), b = m->shards(1).bytes();
+  EXPECT_EQ(seen, (std::vector<std::pair<int64_t, int64_t>>{{0, a + b}, {a, a + b}, {a + b, a + b}}));
+  FlipByte(dir + "/" + m->shards(1).file(), 100);
+  seen.clear();
+  EXPECT_EQ(VerifyCheckpoint(dir, [&](int64_t done, int64_t total) { seen.push_back({done, total}); })
+                .status()
+                .code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(seen, (std::vector<std::pair<int64_t, int64_t>>{{0, a + b}, {a, a + b}}));
+}
+
 TEST(CheckpointFilesTest, DamageIsRefusedWithTheFileNamed) {
   const std::string root = TempDir();
   const std::string dir = WriteCheckpoint(root, 1000, 7);

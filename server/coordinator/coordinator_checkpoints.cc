@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
@@ -230,8 +231,28 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::
   if (!from.ok()) return ToGrpc(from.status());
   auto path = checkpoint::ResolveCheckpoint(*from);
   if (!path.ok()) return ToGrpc(path.status());
+  // Shown by ListCheckpoints while it runs: bytes verified, then loading.
+  int64_t key;
+  {
+    absl::MutexLock lock(&mu_);
+    key = next_restore_++;
+    ember::v1::RestoreProgress& p = restoring_[key];
+    p.set_from(*path);
+    p.set_collection(req->collection());
+    p.set_phase("verifying");
+    p.set_started_unix_ms(absl::ToUnixMillis(absl::Now()));
+  }
+  auto done_restoring = absl::MakeCleanup([this, key] {
+    absl::MutexLock lock(&mu_);
+    restoring_.erase(key);
+  });
   // Every file is checked before anything is created.
-  auto manifest = checkpoint::VerifyCheckpoint(*path);
+  auto manifest = checkpoint::VerifyCheckpoint(*path, [this, key](int64_t done, int64_t total) {
+    absl::MutexLock lock(&mu_);
+    ember::v1::RestoreProgress& p = restoring_[key];
+    p.set_bytes_verified(done);
+    p.set_total_bytes(total);
+  });
   if (!manifest.ok()) return ToGrpc(manifest.status());
   if (absl::Status s = checkpoint::CheckCoverage(*manifest); !s.ok()) {
     return ToGrpc(absl::DataLossError(absl::StrCat(*path, ": ", s.message())));
@@ -250,6 +271,13 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::
   load.set_epoch(epoch);
   load.set_dir(*path);
   *load.mutable_sources() = manifest->shards();
+  {
+    absl::MutexLock lock(&mu_);
+    ember::v1::RestoreProgress& p = restoring_[key];
+    p.set_collection(spec.name());
+    p.set_phase("loading");
+    p.set_workers(static_cast<int32_t>(addresses.size()));
+  }
   const std::vector<grpc::Status> statuses =
       CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
           addresses, std::vector<ember::v1::LoadCheckpointRequest>(addresses.size(), load),
@@ -291,6 +319,11 @@ grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
     }
     for (const auto& [dir, c] : in_progress_) {
       if (req->collection().empty() || c.collection() == req->collection()) writing.push_back(c);
+    }
+    for (const auto& [key, r] : restoring_) {
+      if (req->collection().empty() || r.collection() == req->collection()) {
+        *resp->add_restores() = r;
+      }
     }
   }
   for (auto& c : writing) {  // the files' sizes, read outside the lock

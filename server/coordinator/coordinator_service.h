@@ -270,6 +270,9 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   Stats checkpoint_stats_ ABSL_GUARDED_BY(mu_);  // the checkpoint_* fields only
   std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::map<std::string, ember::v1::CheckpointInfo> in_progress_ ABSL_GUARDED_BY(mu_);  // by dir
+  // Restores under way, by a key of their own (ListCheckpoints shows them).
+  std::map<int64_t, ember::v1::RestoreProgress> restoring_ ABSL_GUARDED_BY(mu_);
+  int64_t next_restore_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Notification stop_;
   std::thread periodic_;
   std::thread monitor_;
