@@ -1,8 +1,8 @@
 """ember.torch.EmbeddingBagCollection as a drop-in for TorchRec's: TorchRec's
-own model classes (DLRM, DLRM_DCN, DLRM_Projection, SimpleDeepFMNN, and
-DLRMTrain around DLRM) take it unmodified and train to the same losses and
-tables as with torchrec.EmbeddingBagCollection (torch.optim.SGD on its
-parameters as the reference); TorchRec's semantics where a user could notice
+own model classes (DLRM, DLRM_DCN, DLRM_Projection, DLRM_Transformer,
+SimpleDeepFMNN, and DLRMTrain around DLRM) take it unmodified and train to
+the same losses and tables as with torchrec.EmbeddingBagCollection
+(torch.optim.SGD on its parameters as the reference); TorchRec's semantics where a user could notice
 them (weights on unweighted tables ignored, KeyError for a missing feature,
 other features ignored, the output's key order); attaching with
 create=False refuses other tables; the module pickles, deep-copies and
@@ -23,6 +23,7 @@ import ember.torch  # noqa: E402
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
 from torchrec.datasets.utils import Batch  # noqa: E402
 from torchrec.models import deepfm, dlrm  # noqa: E402
+from torchrec.models.experimental import transformerdlrm  # noqa: E402
 
 DIM = 8
 DENSE = 5
@@ -94,6 +95,17 @@ def train_side_by_side(ref, model, rng, steps):
         np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, err_msg=f"step {step}")
 
 
+def _no_dropout(model):
+    """The model with its dropout off, so that two copies trained side by
+    side draw no random masks (the transformer's)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, torch.nn.MultiheadAttention):
+            m.dropout = 0.0
+    return model
+
+
 MODELS = {
     "DLRM": lambda ebc: dlrm.DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE,
                                   dense_arch_layer_sizes=[16, DIM],
@@ -108,6 +120,10 @@ MODELS = {
         dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
         interaction_branch1_layer_sizes=[12, 2 * DIM],
         interaction_branch2_layer_sizes=[12, 2 * DIM]),
+    "DLRM_Transformer": lambda ebc: _no_dropout(transformerdlrm.DLRM_Transformer(
+        embedding_bag_collection=ebc, dense_in_features=DENSE,
+        dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1], nhead=2,
+        ntransformer_layers=1)),
     "SimpleDeepFMNN": lambda ebc: deepfm.SimpleDeepFMNN(
         num_dense_features=DENSE, embedding_bag_collection=ebc, hidden_layer_size=16,
         deep_fm_dimension=6),
