@@ -402,6 +402,34 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
   return client::Client::Connect(FLAGS_coordinator, o);
 }
 
+// A collection's tables as it runs them: shape, data type, pooling and the
+// optimizer's values (defaults filled in by the coordinator), the first
+// kMaxTablesShown of them.
+void PrintTables(const ember::v1::CollectionSpec& spec) {
+  constexpr int kMaxTablesShown = 32;
+  for (int i = 0; i < spec.tables_size() && i < kMaxTablesShown; ++i) {
+    const ember::v1::TableConfig& t = spec.tables(i);
+    const ember::v1::OptimizerSpec& o = t.optimizer();
+    std::cout << "    table " << t.name() << " [" << t.num_embeddings() << " x "
+              << t.embedding_dim() << "] " << ember::v1::DataType_Name(t.data_type()) << " "
+              << ember::v1::TableConfig::Pooling_Name(t.pooling()) << ", "
+              << ember::v1::OptimizerSpec::Type_Name(o.type()) << " lr " << o.learning_rate();
+    if (o.type() != ember::v1::OptimizerSpec::SGD) std::cout << " eps " << o.eps();
+    if (o.type() == ember::v1::OptimizerSpec::ADAM) {
+      std::cout << " beta1 " << o.beta1() << " beta2 " << o.beta2();
+    }
+    if (o.weight_decay() > 0) {
+      std::cout << " weight_decay " << o.weight_decay() << " ("
+                << ember::v1::OptimizerSpec::WeightDecayMode_Name(o.weight_decay_mode()) << ")";
+    }
+    std::cout << std::endl;
+  }
+  if (spec.tables_size() > kMaxTablesShown) {
+    std::cout << "    ... and " << spec.tables_size() - kMaxTablesShown
+              << " more table(s) (GetCollection has them all)" << std::endl;
+  }
+}
+
 void PrintPlan(const ember::v1::CollectionInfo& info) {
   if (FLAGS_format == "json") {
     std::cout << planner::FormatPlanJson(info.plan()) << std::endl;
@@ -819,6 +847,7 @@ int RunStatus() {
                 << std::endl;
     }
     if (!c.note().empty()) std::cout << "    " << c.note() << std::endl;
+    PrintTables(c.spec());
   }
   return 0;
 }

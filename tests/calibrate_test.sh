@@ -77,6 +77,12 @@ grep -q "is for cpu workers" "$work/plan.err" || fail "unclear refusal: $(cat "$
 with_model=$(up --cost_model="$work/model.json") || fail "up --cost_model did not come up"
 "$emberctl" create --coordinator="$with_model" --spec="$spec" >/dev/null ||
   fail "create with a calibrated coordinator failed"
+# status shows each table as it runs: no optimizer given, so SGD at the
+# default learning rate the coordinator filled in.
+"$emberctl" status --coordinator="$with_model" --rate_window=0s >"$work/status2.out"
+grep -qE '^    table large_table_0 \[4096 x 64\] FP32 SUM, SGD lr 0\.01$' "$work/status2.out" ||
+  fail "status does not show the tables' optimizer values: $(cat "$work/status2.out")"
+[ "$(grep -c '^    table ' "$work/status2.out")" = 4 ] || fail "status does not list the 4 tables"
 printf '{"device": "cuda", "network_bw_gbps": 10}\n' >"$work/cuda.json"
 cuda_model=$(up --cost_model="$work/cuda.json") || fail "up with a CUDA model did not come up"
 if "$emberctl" create --coordinator="$cuda_model" --spec="$spec" 2>"$work/create.err"; then
