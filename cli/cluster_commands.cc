@@ -116,6 +116,10 @@ DEFINE_int32(max_queued_calls, 256,
              "Workers: lookups and gradient updates in progress at once (running or waiting for "
              "the backend); past it a call gets RESOURCE_EXHAUSTED \"worker busy\" and clients "
              "retry with back-off. 0: no bound.");
+DEFINE_int64(max_pending_step_bytes, int64_t{1} << 30,
+             "Workers: most bytes of gradient updates one SYNC or BOUNDED collection holds "
+             "until their training step completes; past it a contribution is refused "
+             "(RESOURCE_EXHAUSTED).");
 DEFINE_bool(shared_memory, true,
             "Workers: offer shared-memory channels to trainers on the same host (bulk arrays "
             "bypass gRPC); clients use them where offered.");
@@ -253,6 +257,7 @@ std::string BadServerFlags() {
   }
   if (FLAGS_dedup_window < 1) return "--dedup_window must be >= 1";
   if (FLAGS_max_queued_calls < 0) return "--max_queued_calls must be >= 0";
+  if (FLAGS_max_pending_step_bytes <= 0) return "--max_pending_step_bytes must be > 0";
   if (!FLAGS_shm_dir.empty() && !std::filesystem::is_directory(FLAGS_shm_dir)) {
     return "--shm_dir " + FLAGS_shm_dir + " is not a directory";
   }
@@ -483,6 +488,7 @@ int RunWorker() {
   o.service.checkpoint_root = FLAGS_checkpoint_dir;
   o.service.dedup_window = FLAGS_dedup_window;
   o.service.max_queued_calls = FLAGS_max_queued_calls;
+  o.service.max_pending_step_bytes = FLAGS_max_pending_step_bytes;
   o.service.shared_memory = FLAGS_shared_memory;
   o.service.shm_dir = FLAGS_shm_dir;
   if (auto links = OfferedLinks(); links.ok()) {  // (checked with the other flags below)
@@ -550,6 +556,7 @@ int RunUp(const std::string& self_path) {
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
+      absl::StrCat("--max_pending_step_bytes=", FLAGS_max_pending_step_bytes),
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
       absl::StrCat("--batch_scheduling=", FLAGS_batch_scheduling ? "true" : "false"),

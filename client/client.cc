@@ -277,12 +277,21 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
 }
 
 template <typename Fn>
-absl::Status Client::WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn) {
-  const absl::Time deadline = absl::Now() + impl_->options.timeout;
+absl::Status Client::WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn,
+                                 bool step_update) {
+  const absl::Time start = absl::Now();
+  absl::Time deadline = start + impl_->options.timeout;
   absl::Duration backoff = impl_->options.initial_backoff;
   bool refresh = false, refreshed = false;
   for (int attempt = 1;; ++attempt) {
     auto routing = RoutingFor(collection, refresh);
+    if (routing.ok() && step_update) {
+      const ember::v1::TrainingSpec& t = (*routing)->info.spec().training();
+      if (t.mode() != ember::v1::TrainingSpec::ASYNC) {
+        const double wait_s = t.step_timeout_s() > 0 ? t.step_timeout_s() : 300;
+        deadline = std::max(deadline, start + impl_->options.timeout + absl::Seconds(wait_s));
+      }
+    }
     absl::Status s = routing.ok() ? fn(**routing, deadline) : routing.status();
     if (s.ok()) return s;
     refresh = false;
@@ -310,13 +319,15 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
   }
 }
 
-absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtView kjt) {
+absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtView kjt,
+                                           const StepTag& tag) {
   KeyedTensor kt;
-  if (absl::Status s = Lookup(collection, kjt, &kt); !s.ok()) return s;
+  if (absl::Status s = Lookup(collection, kjt, &kt, tag); !s.ok()) return s;
   return kt;
 }
 
-absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out) {
+absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out,
+                            const StepTag& tag) {
   KeyedTensor& kt = *out;
   const uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
@@ -342,7 +353,8 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
       jobs[k].out_zeroed = false;
     }
     bool poisoned = false;
-    absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, &poisoned);
+    absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for,
+                                &poisoned, tag);
     // A worker may yet write into this buffer: let it go (a retry or the
     // next call takes a fresh one).
     if (poisoned) kt.values = FloatBuffer();
@@ -353,11 +365,13 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
 
 absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
                                     KeyedTensorView grads, const std::string& request_id,
-                                    std::string* used_request_id) {
+                                    std::string* used_request_id, const StepTag& tag) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
-  uint64_t digest = 0;  // a fresh id cannot be reused: no digest needed
-  if (!request_id.empty()) {
+  // A fresh id cannot be reused: no digest needed, but for a step, which a
+  // rank may send again (its digest tells a retry from a conflict).
+  uint64_t digest = 0;
+  if (!request_id.empty() || tag.step >= 0) {
     UpdateDigest d;
     d.Add(collection);
     d.Add(kjt);
@@ -392,8 +406,9 @@ absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
       jobs[k].grad = layout.values.data() + offsets[k];
       jobs[k].grad_stride = layout.row_width();
     }
-    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for);
-  });
+    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for,
+                        tag);
+  }, /*step_update=*/true);
 }
 
 namespace {
@@ -573,7 +588,7 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
 }
 
 absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
-    const std::string& collection, KjtView kjt) {
+    const std::string& collection, KjtView kjt, const StepTag& tag) {
   std::vector<SequenceEmbedding> out;
   const uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
@@ -589,7 +604,7 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
       jobs[k].out = out[k].values.data();
       jobs[k].out_stride = jobs[k].dim;
     }
-    return RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for);
+    return RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, nullptr, tag);
   });
   if (!s.ok()) return s;
   return out;
@@ -598,20 +613,20 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
 absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtView kjt,
                                             const std::vector<SequenceEmbedding>& grads,
                                             const std::string& request_id,
-                                            std::string* used_request_id) {
+                                            std::string* used_request_id, const StepTag& tag) {
   std::vector<SequenceEmbeddingView> views;
   for (const SequenceEmbedding& g : grads) views.push_back(g.View());
-  return ApplySequenceGradients(collection, kjt, views, request_id, used_request_id);
+  return ApplySequenceGradients(collection, kjt, views, request_id, used_request_id, tag);
 }
 
 absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtView kjt,
                                             absl::Span<const SequenceEmbeddingView> grads,
                                             const std::string& request_id,
-                                            std::string* used_request_id) {
+                                            std::string* used_request_id, const StepTag& tag) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
-  uint64_t digest = 0;  // a fresh id cannot be reused: no digest needed
-  if (!request_id.empty()) {
+  uint64_t digest = 0;  // as ApplyGradients'
+  if (!request_id.empty() || tag.step >= 0) {
     UpdateDigest d;
     d.Add(collection);
     d.Add(kjt);
@@ -651,8 +666,9 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
       j.grad = g->values.data();
       j.grad_stride = j.dim;
     }
-    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for);
-  });
+    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for,
+                        tag);
+  }, /*step_update=*/true);
 }
 
 absl::Status Client::ImportTable(const std::string& collection, const std::string& table,

@@ -49,6 +49,18 @@ struct DeviceKjt {
   const float* weights = nullptr;    // [num_values], or null
 };
 
+// The training step a data call belongs to, and the trainer's rank, for a
+// collection whose TrainingSpec is SYNC or BOUNDED: every lookup carries
+// its step and every update its step and rank there (INVALID_ARGUMENT
+// without); ASYNC collections ignore them. An update of a stepped
+// collection goes to every worker of the plan (with no gradients where the
+// rank has none for it), and its call waits up to the collection's
+// step_timeout_s (plus the client's timeout) for the other ranks.
+struct StepTag {
+  int64_t step = -1;  // < 0: none
+  int32_t rank = -1;  // updates; < 0: none
+};
+
 struct ClientOptions {
   absl::Duration timeout = absl::Seconds(30);  // whole call, retries included
   // Sent as "authorization: Bearer TOKEN" on every call to the coordinator
@@ -154,13 +166,15 @@ class Client {
   //
   // Pooled features (SUM/MEAN tables): a KeyedTensor of the KJT's features in
   // the collection's order (tables in spec order, then feature_names).
-  absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, KjtView kjt);
+  absl::StatusOr<KeyedTensor> Lookup(const std::string& collection, KjtView kjt,
+                                     const StepTag& tag = {});
   // The same into *out: its keys, dims and batch are set and its values
   // buffer reused (not reallocated when large enough, and cleared only
   // where no worker writes: row-split partial sums, shards given no ids), so
   // a trainer that keeps one KeyedTensor across steps does not fault fresh
   // pages in every step. On an error *out is unspecified.
-  absl::Status Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out);
+  absl::Status Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out,
+                      const StepTag& tag = {});
   // Gradients of Lookup's output (same keys, dims and batch; `grads` with no
   // keys and no length_per_key is taken to be in that layout). request_id
   // makes retries exactly-once; empty: a fresh random id. The id used is
@@ -173,7 +187,7 @@ class Client {
   // applied.
   absl::Status ApplyGradients(const std::string& collection, KjtView kjt, KeyedTensorView grads,
                               const std::string& request_id = "",
-                              std::string* used_request_id = nullptr);
+                              std::string* used_request_id = nullptr, const StepTag& tag = {});
 
   // Pooled lookups and their gradients with the arrays in device memory,
   // over link channels (ClientOptions::link; FAILED_PRECONDITION without):
@@ -205,16 +219,19 @@ class Client {
 
   // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,
-                                                                KjtView kjt);
+                                                                KjtView kjt,
+                                                                const StepTag& tag = {});
   absl::Status ApplySequenceGradients(const std::string& collection, KjtView kjt,
                                       const std::vector<SequenceEmbedding>& grads,
                                       const std::string& request_id = "",
-                                      std::string* used_request_id = nullptr);
+                                      std::string* used_request_id = nullptr,
+                                      const StepTag& tag = {});
   // The same over caller-owned gradient blocks (no copy).
   absl::Status ApplySequenceGradients(const std::string& collection, KjtView kjt,
                                       absl::Span<const SequenceEmbeddingView> grads,
                                       const std::string& request_id = "",
-                                      std::string* used_request_id = nullptr);
+                                      std::string* used_request_id = nullptr,
+                                      const StepTag& tag = {});
 
   // Replaces a table's weights with `values` (float32 [rows, dim], the
   // table's shape; finite), on every shard and replica; optimizer state and
@@ -251,8 +268,11 @@ class Client {
                                                            Response*),
       const Request& request, absl::Duration timeout);
   // Runs one routed call with stale-plan refresh and UNAVAILABLE retries.
+  // An update of a stepped collection (`step_update`) may wait for the
+  // other ranks: its deadline grows by the collection's step_timeout_s.
   template <typename Fn>
-  absl::Status WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn);
+  absl::Status WithRetries(const std::string& collection, bool retry_unavailable, Fn&& fn,
+                           bool step_update = false);
 
   std::unique_ptr<Impl> impl_;
 };

@@ -26,14 +26,20 @@ namespace client {
 // it) and `*poisoned` set: the caller must not keep it. Ids the workers
 // refused (PrepareJobs left them to their check) are named in the
 // client's words (NameRefusedIds).
+// `tag`'s step, where given, travels with every worker's request.
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
-                       const ChannelFor& channel_for, bool* poisoned = nullptr);
+                       const ChannelFor& channel_for, bool* poisoned = nullptr,
+                       const StepTag& tag = {});
 
 // Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
+// `tag`'s step and rank, where given, travel with every worker's request;
+// for a SYNC or BOUNDED collection every worker of the plan gets one, with
+// no gradients where this rank has none for it (its step counts the rank).
 absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                           const std::string& request_id, uint64_t digest, absl::Time deadline,
-                          const StubFor& stub_for, const ChannelFor& channel_for);
+                          const StubFor& stub_for, const ChannelFor& channel_for,
+                          const StepTag& tag = {});
 
 }  // namespace client
 }  // namespace ember

@@ -14,7 +14,9 @@ using ember::v1::TableConfig;
 
 absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                           const std::string& request_id, uint64_t digest, absl::Time deadline,
-                          const StubFor& stub_for, const ChannelFor& channel_for) {
+                          const StubFor& stub_for, const ChannelFor& channel_for,
+                          const StepTag& tag) {
+  const bool stepped = r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC;
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
   std::vector<std::unique_ptr<Transport>> transports(r.info.worker_addresses_size());
   Fanout<GradCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
@@ -51,6 +53,9 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     call.request.set_epoch(r.info.plan().epoch());
     call.request.set_request_id(request_id);
     call.request.set_request_digest(digest);
+    if (tag.step >= 0) call.request.set_step(tag.step);
+    if (tag.rank >= 0) call.request.set_rank(tag.rank);
+    if (stepped) call.used = true;  // the worker's step counts this rank
     uint64_t most = 0;
     for (const FeatureJob& j : *jobs) {
       for (const auto& shard : targets_of(j)) {

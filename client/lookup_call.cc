@@ -57,7 +57,7 @@ void Place(const std::vector<FeatureJob>& jobs,
 
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
-                       const ChannelFor& channel_for, bool* poisoned) {
+                       const ChannelFor& channel_for, bool* poisoned, const StepTag& tag) {
   using LookupCall = Call<ember::v1::WorkerLookupRequest, ember::v1::WorkerLookupResponse>;
   // Transports (their channels) outlive the calls that use them (declared
   // first).
@@ -116,6 +116,7 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     LookupCall& c = fan[rank];
     c.request.set_collection(r.info.plan().collection());
     c.request.set_epoch(r.info.plan().epoch());
+    if (tag.step >= 0) c.request.set_step(tag.step);
     uint64_t most = 0;
     for (size_t i = 0; i < jobs->size(); ++i) {
       for (const auto& shard : targets[i]) {

@@ -36,6 +36,37 @@ class Problems {
   std::vector<std::string> lines_;
 };
 
+void CheckTraining(const ember::v1::TrainingSpec& t, Problems* p) {
+  using ember::v1::TrainingSpec;
+  if (!TrainingSpec::Mode_IsValid(t.mode())) {
+    p->Add("training.mode ", static_cast<int>(t.mode()), " is not ASYNC, SYNC or BOUNDED");
+    return;
+  }
+  const bool stepped = t.mode() != TrainingSpec::ASYNC;
+  if (t.trainers() < 0 || t.trainers() > kMaxTrainingRanks) {
+    p->Add("training.trainers must be in [1, ", kMaxTrainingRanks, "], got ", t.trainers());
+  } else if (stepped && t.trainers() == 0) {
+    p->Add("training.trainers must be given (>= 1) for ", TrainingSpec::Mode_Name(t.mode()));
+  }
+  if (t.mode() == TrainingSpec::BOUNDED) {
+    if (t.max_staleness() < 1 || t.max_staleness() > kMaxStaleness) {
+      p->Add("training.max_staleness must be in [1, ", kMaxStaleness, "] for BOUNDED, got ",
+             t.max_staleness());
+    }
+  } else if (t.max_staleness() != 0) {
+    p->Add("training.max_staleness is for BOUNDED; ", TrainingSpec::Mode_Name(t.mode()),
+           " takes none, got ", t.max_staleness());
+  }
+  if (!(t.step_timeout_s() >= 0 && t.step_timeout_s() <= kMaxStepTimeoutS)) {
+    p->Add("training.step_timeout_s must be in [0, ", kMaxStepTimeoutS, "] (0: 300), got ",
+           t.step_timeout_s());
+  }
+  if (!TrainingSpec::Reduction_IsValid(t.gradient_reduction())) {
+    p->Add("training.gradient_reduction ", static_cast<int>(t.gradient_reduction()),
+           " is not MEAN or SUM");
+  }
+}
+
 std::string TableLabel(const TableConfig& t, int index) {
   if (t.name().empty()) return absl::StrCat("table #", index);
   return absl::StrCat("table '", t.name(), "'");
@@ -201,6 +232,7 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
     CheckConstraints(name, spec.constraints().at(name),
                      it == tables.end() ? nullptr : it->second, &p);
   }
+  CheckTraining(spec.training(), &p);
   return p.ToStatus("collection spec");
 }
 

@@ -27,6 +27,9 @@ inline constexpr int kMaxEmbeddingDim = 1 << 16;
 inline constexpr int kMaxBatchSize = 1 << 24;                // topology.batch_size
 inline constexpr int kMaxTrainers = 1 << 20;                 // topology.num_trainers
 inline constexpr int kCudaColumnMultiple = 4;  // the CUDA kernels' column step
+inline constexpr int kMaxTrainingRanks = 1 << 16;         // training.trainers
+inline constexpr int kMaxStaleness = 1024;                // training.max_staleness
+inline constexpr double kMaxStepTimeoutS = 86400;         // training.step_timeout_s
 
 // Checks every rule below and reports all violations at once, one per line,
 // in an INVALID_ARGUMENT status. OK when the spec can be planned.
@@ -44,7 +47,11 @@ inline constexpr int kCudaColumnMultiple = 4;  // the CUDA kernels' column step
 //  - constraints name existing tables; sharding types and compute kernels are
 //    known names; min_partition >= 0; pooling_factors / num_poolings /
 //    batch_sizes empty or one per feature, finite and >= 0 (batch > 0);
-//    cache_load_factor in [0, 1].
+//    cache_load_factor in [0, 1];
+//  - training: a known mode; trainers in [0, kMaxTrainingRanks], >= 1 for
+//    SYNC and BOUNDED; max_staleness in [1, kMaxStaleness] for BOUNDED and
+//    0 otherwise; step_timeout_s in [0, kMaxStepTimeoutS]; a known
+//    gradient_reduction.
 absl::Status ValidateCollectionSpec(const ember::v1::CollectionSpec& spec);
 
 // world_size in [1, kMaxWorldSize]; local_world_size in [0, world_size] and

@@ -39,7 +39,7 @@ libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lcrypt
 common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.cc
   $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc server/common/auth.cc
   server/checkpoint/checkpoint_files.cc"
-worker="$common server/worker/worker_service.cc server/worker/request_codec.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/applied_ids.cc server/worker/shm_channels.cc
+worker="$common server/worker/worker_service.cc server/worker/request_codec.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/applied_ids.cc server/worker/step_barrier.cc server/worker/shm_channels.cc
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
   server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc

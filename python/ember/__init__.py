@@ -326,17 +326,26 @@ class Client:
         self._c.drop_collection(name)
 
     # Data plane.
-    def lookup(self, name, kjt):
-        """Pooled features: a KeyedTensor in the collection's feature order."""
+    def lookup(self, name, kjt, step=None):
+        """Pooled features: a KeyedTensor in the collection's feature order.
+        step: the training step it reads for, needed when the collection
+        trains SYNC or BOUNDED (it then waits for the steps it must see;
+        docs/training.md); ignored in ASYNC."""
         k = _as_kjt(kjt)
-        keys, dims, values = self._c.lookup(name, k.keys, k.lengths, k.values, k.weights)
+        keys, dims, values = self._c.lookup(name, k.keys, k.lengths, k.values, k.weights,
+                                            _step_arg(step, "step"))
         return KeyedTensor(keys, dims, values)
 
-    def apply_gradients(self, name, kjt, grads, request_id=None):
+    def apply_gradients(self, name, kjt, grads, request_id=None, step=None, rank=None):
         """Gradients of lookup()'s output (a KeyedTensor, or a [B, sum dims]
         array in that layout); the tables' optimizers run on the workers.
         Returns the request id used: retrying with it applies each shard's
-        part exactly once (an error's message names it too)."""
+        part exactly once (an error's message names it too).
+
+        step, rank: the training step and this trainer's rank, needed when
+        the collection trains SYNC or BOUNDED: the update is applied once
+        every rank sent its own for the step (SYNC: this call returns then;
+        BOUNDED: once held). Ignored in ASYNC."""
         k = _as_kjt(kjt)
         if isinstance(grads, KeyedTensor):
             gkeys, gdims, gvalues = grads.keys, grads.length_per_key, grads.values
@@ -353,21 +362,26 @@ class Client:
                        f"{gvalues.dtype} {gvalues.shape}")
         return self._c.apply_gradients(name, k.keys, k.lengths, k.values, k.weights, gkeys,
                                        gdims, np.ascontiguousarray(gvalues, dtype=np.float32),
-                                       request_id or "")
+                                       request_id or "", _step_arg(step, "step"),
+                                       _step_arg(rank, "rank"))
 
-    def lookup_sequence(self, name, kjt):
-        """Sequence (NONE) features: {key: [num_ids, dim] array}."""
+    def lookup_sequence(self, name, kjt, step=None):
+        """Sequence (NONE) features: {key: [num_ids, dim] array}. step: as
+        lookup()'s."""
         k = _as_kjt(kjt)
-        return dict(self._c.lookup_sequence(name, k.keys, k.lengths, k.values))
+        return dict(self._c.lookup_sequence(name, k.keys, k.lengths, k.values,
+                                            _step_arg(step, "step")))
 
-    def apply_sequence_gradients(self, name, kjt, grads, request_id=None):
+    def apply_sequence_gradients(self, name, kjt, grads, request_id=None, step=None, rank=None):
         """Gradients of lookup_sequence()'s output, {key: [num_ids, dim]};
         the tables' optimizers run on the workers, exactly once per
-        request id (returned, as apply_gradients does)."""
+        request id (returned, as apply_gradients does). step, rank: as
+        apply_gradients()'."""
         k = _as_kjt(kjt)
         items = [(key, np.ascontiguousarray(g, dtype=np.float32)) for key, g in grads.items()]
         return self._c.apply_sequence_gradients(name, k.keys, k.lengths, k.values, items,
-                                                request_id or "")
+                                                request_id or "", _step_arg(step, "step"),
+                                                _step_arg(rank, "rank"))
 
     def export_table(self, name, table):
         """The whole table as float32 [rows, dim]."""
@@ -449,6 +463,19 @@ class Client:
         lost) and keeps it out of new plans, as `emberctl drain`; returns
         the names of the collections moved."""
         return list(self._c.drain_worker(worker_id, float(timeout_s)))
+
+
+def _step_arg(value, what):
+    """A step or rank for the extension: -1 for None, else an int >= 0
+    (InvalidArgument otherwise, before anything is sent)."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgument(3, f"{what} must be an int >= 0 (or None), got {value!r}")
+    limit = (1 << 63) - 1 if what == "step" else (1 << 31) - 1
+    if value > limit:
+        raise InvalidArgument(3, f"{what} {value} is too large")
+    return int(value)
 
 
 def _polled(call, poll, poll_s, thread_name):

@@ -222,12 +222,12 @@ PYBIND11_MODULE(_ember, m) {
            })
       .def("lookup",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
-              py::object lengths, py::object values, py::object weights) {
+              py::object lengths, py::object values, py::object weights, int64_t step) {
              const KjtArgs kjt(std::move(keys), lengths, values, weights);
              absl::StatusOr<KeyedTensor> kt;
              {
                py::gil_scoped_release release;
-               kt = c.Lookup(name, kjt.View());
+               kt = c.Lookup(name, kjt.View(), client::StepTag{step, -1});
              }
              KeyedTensor t = Value(std::move(kt));
              const int64_t width = t.row_width();
@@ -239,7 +239,7 @@ PYBIND11_MODULE(_ember, m) {
               py::object lengths, py::object values, py::object weights,
               std::vector<std::string> grad_keys, std::vector<int64_t> length_per_key,
               const CArray<float>& grads,
-              const std::string& request_id) {
+              const std::string& request_id, int64_t step, int32_t rank) {
              const KjtArgs kjt(std::move(keys), lengths, values, weights);
              client::KeyedTensorView g;
              g.keys = grad_keys;
@@ -250,7 +250,8 @@ PYBIND11_MODULE(_ember, m) {
              absl::Status s;
              {
                py::gil_scoped_release release;
-               s = c.ApplyGradients(name, kjt.View(), g, request_id, &used);
+               s = c.ApplyGradients(name, kjt.View(), g, request_id, &used,
+                                    client::StepTag{step, rank});
              }
              if (!s.ok()) {  // the id goes with the error, for a retry that finishes the job
                throw StatusError{static_cast<int>(s.code()),
@@ -298,12 +299,12 @@ PYBIND11_MODULE(_ember, m) {
            })
       .def("lookup_sequence",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
-              py::object lengths, py::object values) {
+              py::object lengths, py::object values, int64_t step) {
              const KjtArgs kjt(std::move(keys), lengths, values, py::none());
              absl::StatusOr<std::vector<SequenceEmbedding>> out;
              {
                py::gil_scoped_release release;
-               out = c.LookupSequence(name, kjt.View());
+               out = c.LookupSequence(name, kjt.View(), client::StepTag{step, -1});
              }
              py::list result;
              for (SequenceEmbedding& e : Value(std::move(out))) {
@@ -315,7 +316,7 @@ PYBIND11_MODULE(_ember, m) {
       .def("apply_sequence_gradients",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
               py::object lengths, py::object values, py::list grads,
-              const std::string& request_id) {
+              const std::string& request_id, int64_t step, int32_t rank) {
              const KjtArgs kjt(std::move(keys), lengths, values, py::none());
              // The blocks as C-contiguous float32 arrays (in place when they
              // are), held for the call.
@@ -332,7 +333,8 @@ PYBIND11_MODULE(_ember, m) {
              absl::Status s;
              {
                py::gil_scoped_release release;
-               s = c.ApplySequenceGradients(name, kjt.View(), g, request_id, &used);
+               s = c.ApplySequenceGradients(name, kjt.View(), g, request_id, &used,
+                                            client::StepTag{step, rank});
              }
              if (!s.ok()) {
                throw StatusError{static_cast<int>(s.code()),

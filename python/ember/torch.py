@@ -90,15 +90,16 @@ class _RemoteLookup(torch.autograd.Function):
     """values = lookup(kjt); backward sends d(loss)/d(values) to the workers."""
 
     @staticmethod
-    def forward(ctx, anchor, module, kjt, values):
+    def forward(ctx, anchor, module, kjt, step, values):
         ctx.module = module
         ctx.kjt = kjt
+        ctx.step = step
         return values.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.module._apply_gradients(ctx.kjt, grad)
-        return None, None, None, None
+        ctx.module._apply_gradients(ctx.kjt, grad, ctx.step)
+        return None, None, None, None, None
 
 
 def _check_stored(collection, specs, stored):
@@ -422,6 +423,65 @@ class _RemoteTables(torch.nn.Module):
         self._saving = None
         self._dist_group = None  # set by ember.torchrec.EmberSharder: restores on rank 0
         self._set_table_state("tensors", "", None)
+        # _set_rank (the constructors, unpickling) sets these for real.
+        self._stepped, self._rank, self._rank_given, self._next_step = False, None, None, 0
+
+    def _set_rank(self, rank):
+        """The trainer's rank and the step counter, for a collection that
+        trains SYNC or BOUNDED (its TrainingSpec): `rank` given, else
+        torch.distributed's when initialised, else 0 with one trainer."""
+        training = self._info["spec"].get("training", {})
+        self._stepped = training.get("mode", "ASYNC") in ("SYNC", "BOUNDED")
+        trainers = int(training.get("trainers", 1) or 1)
+        self._rank_given = rank
+        if rank is None and torch.distributed.is_available() and \
+                torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        if rank is None and trainers == 1:
+            rank = 0
+        if self._stepped:
+            if rank is None:
+                raise ValueError(f"collection '{self._collection}' trains "
+                                 f"{training.get('mode')} with {trainers} trainers: give this "
+                                 "trainer's rank (rank=...) or initialise torch.distributed")
+            if not 0 <= int(rank) < trainers:
+                raise ValueError(f"rank {rank} is outside 0..{trainers - 1} (collection "
+                                 f"'{self._collection}' has {trainers} trainers)")
+        self._rank = None if rank is None else int(rank)
+        self._next_step = 0
+        self._steps_ahead = 0  # prefetched lookups not yet consumed
+
+    @property
+    def rank(self):
+        """This trainer's rank among the collection's trainers (SYNC and
+        BOUNDED collections), or None."""
+        return self._rank
+
+    @property
+    def train_step(self):
+        """The step the next training forward belongs to (counted from 0 by
+        the module: each training forward is one step, its backward sends
+        that step's update). Set it to resume a job at its step."""
+        return self._next_step
+
+    @train_step.setter
+    def train_step(self, step):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"train_step must be an int >= 0, got {step!r}")
+        self._next_step = step
+
+    def _step_of_forward(self):
+        """The step of a forward now: a training forward takes the next step
+        (and moves the counter on); an evaluation reads for the next step
+        (it sees every step applied before it)."""
+        step = self._next_step
+        if torch.is_grad_enabled() and self.training:
+            self._next_step += 1
+        return step if self._stepped else None
+
+    def _request_id(self, step):
+        self._step += 1
+        return f"{self._run}-{self._step}" if step is None else f"{self._run}-s{step}"
 
     def _set_table_state(self, table_state, checkpoint_dir, sharding_type):
         if table_state not in ("tensors", "checkpoint"):
@@ -536,13 +596,15 @@ class _RemoteTables(torch.nn.Module):
         return {"client": _ClientRef(self._client), "collection": self._collection,
                 "configs": self._configs, "flag": self._flag(), "device": str(self._device),
                 "info": self._info, "training": self.training,
-                "table_state": (self._table_state, self._checkpoint_dir, self._sharding_type)}
+                "table_state": (self._table_state, self._checkpoint_dir, self._sharding_type),
+                "rank": self._rank_given}
 
     def __setstate__(self, state):
         torch.nn.Module.__init__(self)
         self._setup(state["client"].connect(), state["collection"], state["configs"],
                     state["flag"], state["device"], state["info"])
         self._set_table_state(*state.get("table_state", ("tensors", "", None)))
+        self._set_rank(state.get("rank"))
         self.train(state["training"])
 
 
@@ -580,7 +642,7 @@ class EmbeddingBagCollection(_RemoteTables):
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
                  create=True, is_weighted=False, device=None, table_state="tensors",
-                 checkpoint_dir=""):
+                 checkpoint_dir="", rank=None):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         names = [c.name for c in configs]
@@ -593,6 +655,7 @@ class EmbeddingBagCollection(_RemoteTables):
                                 sharding_type)
         self._setup(client, collection, configs, bool(is_weighted), device, info)
         self._set_table_state(table_state, checkpoint_dir, sharding_type)
+        self._set_rank(rank)
 
     def _setup(self, client, collection, configs, is_weighted, device, info):
         self._setup_tables(client, collection, configs, device, info)
@@ -639,13 +702,17 @@ class EmbeddingBagCollection(_RemoteTables):
                 max_workers=1, thread_name_prefix="ember-prefetch")
         sel = self._select(kjt)
         on_device = self._on_device(sel)
+        # The step of the training forward that will take it: the next one
+        # after those already prefetched.
+        with self._prefetch_lock:
+            step = self._next_step + len(self._prefetched) if self._stepped else None
         if on_device:  # over the link straight from its tensors' memory
             _ready(_device_of(sel))  # the caller's stream made its tensors
-            future = self._executor.submit(self._lookup_on_device, sel)
+            future = self._executor.submit(self._lookup_on_device, sel, step)
         else:
-            future = self._executor.submit(self._client.lookup, self._collection, sel)
+            future = self._executor.submit(self._client.lookup, self._collection, sel, step)
         with self._prefetch_lock:
-            self._prefetched[id(kjt)] = (kjt, future, on_device, sel)
+            self._prefetched[id(kjt)] = (kjt, future, on_device, sel, step)
             while len(self._prefetched) > 8:  # never consumed: forget the oldest
                 self._prefetched.pop(next(iter(self._prefetched)))
         return future
@@ -657,13 +724,16 @@ class EmbeddingBagCollection(_RemoteTables):
         with self._prefetch_lock:
             entry = self._prefetched.pop(id(kjt), None)
         if entry is not None and entry[0] is kjt:  # prefetched
-            on_device, sel = entry[2], entry[3]
+            on_device, sel, step = entry[2], entry[3], entry[4]
             result = entry[1].result()
+            if step is not None and torch.is_grad_enabled() and self.training:
+                self._next_step = step + 1
         else:
             sel = self._select(kjt)
             on_device = self._on_device(sel)
-            result = (self._lookup_on_device(sel) if on_device
-                      else self._client.lookup(self._collection, sel))
+            step = self._step_of_forward()
+            result = (self._lookup_on_device(sel, step) if on_device
+                      else self._client.lookup(self._collection, sel, step))
         if on_device:  # straight between its tensors' memory and the link
             keys, dims, values = result
             kt = ember.KeyedTensor(keys, dims, np.zeros((0, 0), np.float32))
@@ -680,7 +750,7 @@ class EmbeddingBagCollection(_RemoteTables):
         if torch.is_grad_enabled() and self.training:
             anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
             values = _RemoteLookup.apply(anchor, self, sel if on_device else ember._as_kjt(sel),
-                                         values)
+                                         step, values)
         if "torchrec" in sys.modules:  # a TorchRec program gets TorchRec's type
             from torchrec.sparse.jagged_tensor import KeyedTensor as TorchRecKeyedTensor
             return TorchRecKeyedTensor(keys=list(kt.keys), length_per_key=list(kt.length_per_key),
@@ -698,8 +768,12 @@ class EmbeddingBagCollection(_RemoteTables):
         return (link == "nccl" and device.type == "cuda") or (link == "socket" and
                                                                 device.type == "cpu")
 
-    def _lookup_on_device(self, kjt):
+    def _lookup_on_device(self, kjt, step=None):
         """kjt's lookup on the device path: (keys, dims, values on its device)."""
+        if step is not None:
+            raise ember.Unimplemented(
+                12, "SYNC and BOUNDED collections take no device-path lookups (link channels) "
+                    "yet; open the client without a link")
         lengths, values, weights = _device_args(kjt)
         keys = list(kjt.keys())
         batch = lengths.numel() // len(keys) if keys else 0
@@ -711,8 +785,8 @@ class EmbeddingBagCollection(_RemoteTables):
             0 if weights is None else weights.data_ptr(), out.data_ptr(), out.numel())
         return got_keys, dims, out
 
-    def _apply_gradients(self, kjt, grad):
-        self._step += 1
+    def _apply_gradients(self, kjt, grad, step=None):
+        request_id = self._request_id(step)
         if self._on_device(kjt):
             lengths, values, weights = _device_args(kjt)
             keys = list(kjt.keys())
@@ -722,7 +796,7 @@ class EmbeddingBagCollection(_RemoteTables):
             self._client._c.apply_gradients_on_device(
                 self._collection, keys, batch, lengths.data_ptr(), values.data_ptr(),
                 values.numel(), 0 if weights is None else weights.data_ptr(), grad.data_ptr(),
-                grad.numel(), f"{self._run}-{self._step}")
+                grad.numel(), request_id)
             return
         # The forward's layout: the KJT's features in the collection's order.
         keys = [f for t in self._info["spec"]["tables"] for f in t["feature_names"]]
@@ -733,7 +807,7 @@ class EmbeddingBagCollection(_RemoteTables):
             self._collection, kjt,
             ember.KeyedTensor(present, [dims[k] for k in present],
                               grad.detach().cpu().numpy().astype(np.float32, copy=False)),
-            request_id=f"{self._run}-{self._step}")
+            request_id=request_id, step=step, rank=self._rank if step is not None else None)
 
 
 class _RemoteSequenceLookup(torch.autograd.Function):
@@ -741,15 +815,16 @@ class _RemoteSequenceLookup(torch.autograd.Function):
     feature's d(loss)/d(values) to the workers."""
 
     @staticmethod
-    def forward(ctx, anchor, module, kjt, *values):
+    def forward(ctx, anchor, module, kjt, step, *values):
         ctx.module = module
         ctx.kjt = kjt
+        ctx.step = step
         return tuple(v.clone() for v in values)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.module._apply_gradients(ctx.kjt, grads)
-        return (None, None, None) + (None,) * len(grads)
+        ctx.module._apply_gradients(ctx.kjt, grads, ctx.step)
+        return (None, None, None, None) + (None,) * len(grads)
 
 
 class EmbeddingCollection(_RemoteTables):
@@ -769,7 +844,7 @@ class EmbeddingCollection(_RemoteTables):
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
                  create=True, need_indices=False, device=None, table_state="tensors",
-                 checkpoint_dir=""):
+                 checkpoint_dir="", rank=None):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         dims = {int(c.embedding_dim) for c in configs}
@@ -784,6 +859,7 @@ class EmbeddingCollection(_RemoteTables):
                                 sharding_type)
         self._setup(client, collection, configs, bool(need_indices), device, info)
         self._set_table_state(table_state, checkpoint_dir, sharding_type)
+        self._set_rank(rank)
 
     def _setup(self, client, collection, configs, need_indices, device, info):
         self._setup_tables(client, collection, configs, device, info)
@@ -819,12 +895,13 @@ class EmbeddingCollection(_RemoteTables):
         from torchrec.sparse.jagged_tensor import JaggedTensor
         # Sequence features take no weights.
         k = ember._as_kjt(_select_features(kjt, self._embedding_names, keep_weights=False))
-        got = self._client.lookup_sequence(self._collection, k)
+        step = self._step_of_forward()
+        got = self._client.lookup_sequence(self._collection, k, step)
         device = _device_of(kjt) or torch.device("cpu")
         values = [torch.from_numpy(got[f]).to(device) for f in self._embedding_names]
         if torch.is_grad_enabled() and self.training and values:
             anchor = torch.empty(0, requires_grad=True)
-            values = list(_RemoteSequenceLookup.apply(anchor, self, k, *values))
+            values = list(_RemoteSequenceLookup.apply(anchor, self, k, step, *values))
         batch = k.batch_size()
         out = {}
         for i, f in enumerate(self._embedding_names):
@@ -836,16 +913,17 @@ class EmbeddingCollection(_RemoteTables):
             out[f] = JaggedTensor(values=values[i], lengths=lengths, weights=ids)
         return out
 
-    def _apply_gradients(self, kjt, grads):
-        self._step += 1
+    def _apply_gradients(self, kjt, grads, step=None):
+        request_id = self._request_id(step)
         items = {}
         batch = kjt.batch_size()
         for i, (f, g) in enumerate(zip(self._embedding_names, grads)):
             n = int(kjt.lengths[i * batch:(i + 1) * batch].sum())
             items[f] = (np.zeros((n, self._embedding_dim), np.float32) if g is None
                         else g.detach().cpu().numpy().astype(np.float32, copy=False))
-        self._client.apply_sequence_gradients(self._collection, kjt, items,
-                                              request_id=f"{self._run}-{self._step}")
+        self._client.apply_sequence_gradients(
+            self._collection, kjt, items, request_id=request_id, step=step,
+            rank=self._rank if step is not None else None)
 
 
 class TrainPipeline:

@@ -107,4 +107,10 @@ void FillOptimizerDefaults(ember::v1::CollectionSpec* spec) {
   }
 }
 
+void FillTrainingDefaults(ember::v1::CollectionSpec* spec) {
+  ember::v1::TrainingSpec* t = spec->mutable_training();
+  if (t->step_timeout_s() == 0) t->set_step_timeout_s(kDefaultStepTimeoutS);
+  if (t->trainers() == 0) t->set_trainers(1);
+}
+
 }  // namespace ember

@@ -26,6 +26,11 @@ void FillOptimizerDefaults(ember::v1::OptimizerSpec* o);
 // The same for every table of `spec`.
 void FillOptimizerDefaults(ember::v1::CollectionSpec* spec);
 
+// The training spec's defaults written in: step_timeout_s 300 where 0, and
+// trainers 1 where 0 (ASYNC too: it then says nothing but is shown).
+inline constexpr double kDefaultStepTimeoutS = 300;
+void FillTrainingDefaults(ember::v1::CollectionSpec* spec);
+
 }  // namespace ember
 
 #endif  // EMBER_SERVER_BACKEND_TABLE_SPEC_H_

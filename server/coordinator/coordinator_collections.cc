@@ -141,6 +141,7 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
 
   // The stored spec names every optimizer value a table runs with.
   FillOptimizerDefaults(&spec);
+  FillTrainingDefaults(&spec);
   CollectionInfo info;
   *info.mutable_spec() = spec;
   *info.mutable_plan() = *std::move(plan);
@@ -151,6 +152,7 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   for (int r = 0; r < world; ++r) {
     per_rank[r].set_collection(spec.name());
     per_rank[r].set_epoch(epoch);
+    *per_rank[r].mutable_training() = info.spec().training();
     for (ShardAssignment& a : AssignmentsOf(info, r)) *per_rank[r].add_shards() = std::move(a);
   }
   std::vector<std::string> addresses;

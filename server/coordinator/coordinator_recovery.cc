@@ -152,6 +152,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     ember::v1::CreateShardsRequest c;
     c.set_collection(name);
     c.set_epoch(epoch);
+    *c.mutable_training() = info.spec().training();
     for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
     create_at.push_back(info.worker_addresses(r));
     creates.push_back(std::move(c));
@@ -160,6 +161,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     ember::v1::UpdateShardsRequest u;
     u.set_collection(name);
     u.set_epoch(epoch);
+    *u.mutable_training() = info.spec().training();
     for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
     update_at.push_back(info.worker_addresses(r));
     updates.push_back(std::move(u));
@@ -315,6 +317,7 @@ absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const st
     ember::v1::UpdateShardsRequest u;
     u.set_collection(name);
     u.set_epoch(*next);
+    *u.mutable_training() = info.spec().training();
     for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
     at.push_back(info.worker_addresses(r));
     updates.push_back(std::move(u));
@@ -349,6 +352,7 @@ absl::Status CoordinatorService::CopyFromDrained(
   ember::v1::UpdateShardsRequest fence;
   fence.set_collection(name);
   fence.set_epoch(epoch);
+  *fence.mutable_training() = before.spec().training();
   const std::vector<grpc::Status> fenced =
       CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
           sources, std::vector<ember::v1::UpdateShardsRequest>(sources.size(), fence),

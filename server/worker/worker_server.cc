@@ -104,6 +104,23 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                       {{{"call", "lookup"}}, s.backend_lookup_ns * 1e-9},
                       {{{"call", "update"}}, s.backend_update_ns * 1e-9}};
                 });
+  m->AddCounter("ember_worker_steps_applied_total",
+                "Training steps applied (SYNC and BOUNDED collections: every rank's update merged)",
+                one(&Stats::steps_applied));
+  m->AddCounter("ember_worker_steps_aborted_total",
+                "Training steps dropped: a rank missing past step_timeout_s, or the step failed",
+                one(&Stats::steps_aborted));
+  m->AddCounter("ember_worker_step_ranks_missing_total",
+                "Ranks absent from aborted steps, summed", one(&Stats::step_ranks_missing));
+  m->AddCounter("ember_worker_step_wait_seconds_total",
+                "Time updates and lookups waited for training steps (SYNC and BOUNDED)",
+                [service]() {
+                  return std::vector<ServerMetrics::Sample>{
+                      {{}, service->GetStats().step_wait_ns * 1e-9}};
+                });
+  m->AddGauge("ember_worker_step_pending_bytes",
+              "Bytes of updates held until their training step completes",
+              one(&Stats::step_pending_bytes));
   m->AddCounter("ember_worker_busy_refused_total",
                 "Data calls refused because --max_queued_calls were in progress",
                 one(&Stats::busy_refused));

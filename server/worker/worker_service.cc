@@ -7,7 +7,9 @@
 #include "server/worker/worker_service.h"
 
 #include <chrono>
+#include <map>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -155,6 +157,20 @@ absl::Status WorkerService::RefuseBusy(const std::string& owner, uint64_t channe
       kSignalLinkBytesTaken);
 }
 
+namespace {
+
+// The call's deadline (none, or no context: the infinite future).
+absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
+  if (ctx == nullptr) return absl::InfiniteFuture();
+  const auto d = ctx->deadline();
+  if (d >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(d);
+}
+
+}  // namespace
+
 grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest* req,
                                    ember::v1::WorkerLookupResponse* resp) {
   const absl::Time handler_start = absl::Now();
@@ -166,6 +182,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   }
   LookupCall in;
   if (absl::Status s = codec_.ReceiveLookup(*req, OwnerOf(ctx), &in); !s.ok()) return ToGrpc(s);
+  if (absl::Status s = WaitForStep(*req, DeadlineOf(ctx)); !s.ok()) return ToGrpc(s);
   absl::ReaderMutexLock lock(&mu_);
   auto c = FindCollection(req->collection(), req->epoch());
   if (!c.ok()) return ToGrpc(c.status());
@@ -214,34 +231,98 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   if (absl::Status s = codec_.ReceiveGradients(*req, OwnerOf(ctx), &in); !s.ok()) {
     return ToGrpc(s);
   }
-  absl::ReaderMutexLock lock(&mu_);
-  auto c = FindCollection(req->collection(), req->epoch());
-  if (!c.ok()) return ToGrpc(c.status());
-  Collection& coll = **c;
+  std::shared_ptr<StepBarrier> steps;
+  Contribution held;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req->collection(), req->epoch());
+    if (!c.ok()) return ToGrpc(c.status());
+    if (!(*c)->steps->stepped()) return ApplyNow(**c, in, *req, resp);
+    if (absl::Status s = HoldContribution(**c, in, *req, &held); !s.ok()) return ToGrpc(s);
+    steps = (*c)->steps;
+  }
+  // SYNC / BOUNDED: held until every rank sent the step, waited for
+  // without mu_ (the collection may move meanwhile: its barrier is then
+  // aborted and the caller refreshes its plan and sends again).
+  bool duplicate = false;
+  const std::string name = req->collection();
+  const StepBarrier* barrier = steps.get();
+  absl::Status s = steps->Submit(
+      req->step(), std::move(held), DeadlineOf(ctx),
+      [this, &name, barrier](int64_t, const std::vector<const Contribution*>& ranks) {
+        return ApplyStep(name, barrier, ranks);
+      },
+      &duplicate);
+  if (duplicate) {
+    resp->set_duplicate(true);
+    duplicates_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return ToGrpc(s);
+}
+
+absl::Status WorkerService::WaitForStep(const ember::v1::WorkerLookupRequest& req,
+                                        absl::Time deadline) {
+  std::shared_ptr<StepBarrier> steps;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req.collection(), req.epoch());
+    if (!c.ok()) return c.status();
+    if (!(*c)->steps->stepped()) return absl::OkStatus();
+    steps = (*c)->steps;
+  }
+  if (!req.has_step() || req.step() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "collection '", req.collection(), "' trains ",
+        ember::v1::TrainingSpec::Mode_Name(steps->options().mode),
+        ": a lookup carries the step it reads for (>= 0)",
+        req.has_step() ? absl::StrCat(", got ", req.step()) : std::string()));
+  }
+  return steps->WaitForLookup(req.step(), deadline);
+}
+
+absl::Status WorkerService::RunUpdate(const std::vector<backend::GradientRequest>& requests,
+                                      const std::vector<const ShardEntry*>& entries) {
+  const absl::Time update_start = absl::Now();
+  const absl::Status applied = backend_->ApplyGradients(requests);
+  backend_update_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - update_start),
+                               std::memory_order_relaxed);
+  if (!applied.ok()) return CountRefusal(applied);
+  int64_t ids = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(requests[i].feature.ids.size());
+    ids += n;
+    entries[i]->traffic->gradient_ids.fetch_add(n, std::memory_order_relaxed);
+  }
+  updates_.fetch_add(1, std::memory_order_relaxed);
+  update_ids_.fetch_add(ids, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::CountRefusal(const absl::Status& s) {
+  if (backend::IsNonFiniteRefusal(s)) nonfinite_refused_.fetch_add(1, std::memory_order_relaxed);
+  if (backend::IsOverflowRefusal(s)) overflow_refused_.fetch_add(1, std::memory_order_relaxed);
+  return s;
+}
+
+grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
+                                     const ember::v1::WorkerApplyGradientsRequest& req,
+                                     ember::v1::WorkerApplyGradientsResponse* resp) {
   absl::MutexLock apply(coll.apply_mu.get());
-  const uint64_t id = RequestIdHash(req->request_id());
+  const uint64_t id = RequestIdHash(req.request_id());
   std::vector<backend::GradientRequest> requests;
   std::vector<const ShardEntry*> found;    // gradient i's shard
   std::vector<const ShardEntry*> entries;  // requests[i]'s shard
   std::set<const ShardEntry*> touched;
   bool seen = false;
-  // Counts a refusal for NaN/Inf (the message says so) and passes it on.
-  auto refuse = [this](const absl::Status& s) {
-    if (backend::IsNonFiniteRefusal(s)) {
-      nonfinite_refused_.fetch_add(1, std::memory_order_relaxed);
-    }
-    if (backend::IsOverflowRefusal(s)) overflow_refused_.fetch_add(1, std::memory_order_relaxed);
-    return ToGrpc(s);
-  };
   // The whole request is checked; then only the parts whose shards have not
   // applied this id run (a retry after a partial failure or a move).
   for (int i = 0; i < in.request().gradients_size(); ++i) {
     auto part = in.Decode(i, ShapesOf(coll, &found));
-    if (!part.ok()) return refuse(part.status());
+    if (!part.ok()) return ToGrpc(CountRefusal(part.status()));
     const ShardEntry* entry = found.back();
-    if (entry->applied->Conflicts(id, req->request_digest())) {
+    if (entry->applied->Conflicts(id, req.request_digest())) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
-          "request id '", req->request_id().substr(0, 128),
+          "request id '", req.request_id().substr(0, 128),
           "' was applied before to other ids or gradients; a request id names one update "
           "(retry it unchanged, or use a new id)")));
     }
@@ -258,37 +339,162 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     duplicates_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status::OK;
   }
-  const absl::Time update_start = absl::Now();
-  const absl::Status applied = backend_->ApplyGradients(requests);
-  backend_update_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - update_start),
-                               std::memory_order_relaxed);
-  if (!applied.ok()) return refuse(applied);
-  int64_t ids = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const int64_t n = static_cast<int64_t>(requests[i].feature.ids.size());
-    ids += n;
-    entries[i]->traffic->gradient_ids.fetch_add(n, std::memory_order_relaxed);
-  }
-  updates_.fetch_add(1, std::memory_order_relaxed);
-  update_ids_.fetch_add(ids, std::memory_order_relaxed);
+  if (absl::Status s = RunUpdate(requests, entries); !s.ok()) return ToGrpc(s);
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
-    LOG_EVERY_N(WARNING, 100) << "collection '" << req->collection() << "': " << skipped
+    LOG_EVERY_N(WARNING, 100) << "collection '" << req.collection() << "': " << skipped
                               << " id(s) with NaN/Inf gradients or weights left out of an update";
   }
+  RecordApplied(touched, id, req.request_digest(), req.collection());
+  return grpc::Status::OK;
+}
+
+void WorkerService::RecordApplied(const std::set<const ShardEntry*>& touched, uint64_t id,
+                                  uint64_t digest, const std::string& collection) {
   const absl::Time now = absl::Now();
   int64_t early = 0;
   for (const ShardEntry* e : touched) {
-    early += e->applied->Add(id, now, options_.dedup_ttl, options_.dedup_window,
-                             req->request_digest());
+    early += e->applied->Add(id, now, options_.dedup_ttl, options_.dedup_window, digest);
   }
   if (early > 0) {
     dedup_forgotten_early_.fetch_add(early, std::memory_order_relaxed);
-    LOG_EVERY_N(WARNING, 1000) << "collection '" << req->collection() << "': more than "
+    LOG_EVERY_N(WARNING, 1000) << "collection '" << collection << "': more than "
                                << options_.dedup_window << " update ids within "
                                << options_.dedup_ttl << " on a shard; forgetting the oldest early";
   }
-  return grpc::Status::OK;
+}
+
+std::shared_ptr<StepBarrier> WorkerService::MakeSteps(
+    const ember::v1::TrainingSpec& training) const {
+  return std::make_shared<StepBarrier>(
+      StepBarrier::OptionsOf(training, options_.max_pending_step_bytes));
+}
+
+absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCall& in,
+                                             const ember::v1::WorkerApplyGradientsRequest& req,
+                                             Contribution* held) const {
+  const StepBarrier::Options& o = coll.steps->options();
+  const char* mode = ember::v1::TrainingSpec::Mode_Name(o.mode).c_str();
+  if (!req.has_step() || !req.has_rank()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "collection '", req.collection(), "' trains ", mode,
+        ": an update carries its step and the trainer's rank"));
+  }
+  if (req.step() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("step must be >= 0, got ", req.step()));
+  }
+  if (req.rank() < 0 || req.rank() >= o.trainers) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", req.rank(), " is outside 0..",
+                                                   o.trainers - 1, " (the collection's ",
+                                                   o.trainers, " trainers)"));
+  }
+  held->rank = req.rank();
+  held->request_id = req.request_id();
+  held->digest = req.request_digest();
+  // MEAN: divided (as TorchRec's gradient division and DDP do), not
+  // multiplied by a rounded 1/trainers.
+  const float divisor = o.mean ? static_cast<float>(o.trainers) : 1.0f;
+  std::vector<const ShardEntry*> found;
+  for (int i = 0; i < in.request().gradients_size(); ++i) {
+    auto part = in.Decode(i, ShapesOf(coll, &found));
+    if (!part.ok()) return part.status();
+    if (part->feature.on_device) {
+      return absl::UnimplementedError(
+          "SYNC and BOUNDED updates over a link channel to device memory are not supported; "
+          "open the client without a link for this collection");
+    }
+    const ShardEntry* entry = found.back();
+    HeldPart h;
+    h.table = entry->assignment.ref().table();
+    h.shard_index = entry->assignment.ref().shard_index();
+    h.feature = in.request().gradients(i).feature().feature();
+    h.pooling = part->feature.pooling;
+    h.lengths.assign(part->feature.lengths.begin(), part->feature.lengths.end());
+    h.ids.assign(part->feature.ids.begin(), part->feature.ids.end());
+    h.weights.assign(part->feature.weights.begin(), part->feature.weights.end());
+    h.grad.assign(part->grad.begin(), part->grad.end());
+    if (divisor != 1.0f) {
+      for (float& g : h.grad) g /= divisor;
+    }
+    held->parts.push_back(std::move(h));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier* steps,
+                                      const std::vector<const Contribution*>& ranks) {
+  absl::ReaderMutexLock lock(&mu_);
+  auto c = HeldCollection(name);
+  if (!c.ok() || (*c)->steps.get() != steps) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "collection '", name, "' moved or was dropped on this worker during the step; "
+        "refresh the plan and send the step again"));
+  }
+  Collection& coll = **c;
+  absl::MutexLock apply(coll.apply_mu.get());
+  // The ranks' parts of one (shard, feature) become one request, their bags
+  // (or ids) concatenated in rank order: what one trainer sending the
+  // global batch sends, so the backend sums every row's occurrences in the
+  // same order, and the tables match that trainer's bit for bit. Parts that
+  // cannot be joined (weights on some ranks only) stay requests of their
+  // own, after.
+  struct Group {
+    const ShardEntry* entry;
+    std::vector<const HeldPart*> parts;
+  };
+  std::vector<Group> groups;
+  std::map<std::tuple<std::string, int32_t, std::string>, size_t> group_of;
+  std::vector<std::set<const ShardEntry*>> touched(ranks.size());
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    const uint64_t id = RequestIdHash(ranks[k]->request_id);
+    for (const HeldPart& h : ranks[k]->parts) {
+      auto it = coll.shards.find({h.table, h.shard_index});
+      if (it == coll.shards.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "shard ", h.shard_index, " of table '", h.table, "' left this worker during the step"));
+      }
+      const ShardEntry* entry = &it->second;
+      if (entry->applied->Contains(id)) continue;  // applied before it moved here
+      touched[k].insert(entry);
+      auto [g, inserted] = group_of.emplace(std::make_tuple(h.table, h.shard_index, h.feature),
+                                            groups.size());
+      if (inserted) groups.push_back({entry, {}});
+      Group& group = groups[g->second];
+      if (!group.parts.empty() && (group.parts[0]->pooling != h.pooling ||
+                                   group.parts[0]->weights.empty() != h.weights.empty())) {
+        groups.push_back({entry, {&h}});  // not joinable
+        continue;
+      }
+      group.parts.push_back(&h);
+    }
+  }
+  std::vector<HeldPart> joined(groups.size());
+  std::vector<backend::GradientRequest> requests;
+  std::vector<const ShardEntry*> entries;  // requests[i]'s shard
+  for (size_t g = 0; g < groups.size(); ++g) {
+    HeldPart& j = joined[g];
+    for (const HeldPart* p : groups[g].parts) {
+      j.pooling = p->pooling;
+      j.lengths.insert(j.lengths.end(), p->lengths.begin(), p->lengths.end());
+      j.ids.insert(j.ids.end(), p->ids.begin(), p->ids.end());
+      j.weights.insert(j.weights.end(), p->weights.begin(), p->weights.end());
+      j.grad.insert(j.grad.end(), p->grad.begin(), p->grad.end());
+    }
+    backend::GradientRequest r;
+    r.feature.shard = groups[g].entry->id;
+    r.feature.pooling = j.pooling;
+    r.feature.lengths = j.lengths;
+    r.feature.ids = j.ids;
+    r.feature.weights = j.weights;
+    r.grad = j.grad;
+    requests.push_back(r);
+    entries.push_back(groups[g].entry);
+  }
+  if (absl::Status s = RunUpdate(requests, entries); !s.ok()) return s;
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    RecordApplied(touched[k], RequestIdHash(ranks[k]->request_id), ranks[k]->digest, name);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace worker

@@ -40,6 +40,7 @@
 #include "server/worker/applied_ids.h"
 #include "server/worker/request_codec.h"
 #include "server/worker/shm_channels.h"
+#include "server/worker/step_barrier.h"
 
 namespace ember {
 namespace worker {
@@ -83,6 +84,10 @@ struct WorkerServiceOptions {
   // offered ("nccl" where the backend is on a GPU; "socket" for tests and
   // machines without one), offered whatever shared_memory says.
   LinkChannelOptions links;
+  // Steps of SYNC and BOUNDED collections (TrainingSpec): the most bytes
+  // of updates one collection holds for its steps to complete; past it a
+  // contribution is refused (RESOURCE_EXHAUSTED).
+  int64_t max_pending_step_bytes = int64_t{1} << 30;
 };
 
 class WorkerService final : public ember::v1::Worker::Service {
@@ -130,6 +135,11 @@ class WorkerService final : public ember::v1::Worker::Service {
     // Time inside the backend's Lookup / ApplyGradients (calls that succeeded
     // or failed alike), ns: the worker's busy time, apart from transport.
     int64_t backend_lookup_ns = 0, backend_update_ns = 0;
+    // SYNC and BOUNDED collections (StepBarrier::Stats, summed): steps
+    // applied and aborted, time updates and lookups waited for steps,
+    // ranks missing from aborted steps, bytes held for steps.
+    int64_t steps_applied = 0, steps_aborted = 0, step_wait_ns = 0, step_ranks_missing = 0;
+    int64_t step_pending_bytes = 0;
   };
   Stats GetStats() const;
 
@@ -190,6 +200,10 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::map<std::pair<std::string, int32_t>, ShardEntry> shards;
     // Serialises updates, imports and checkpoint copies of the collection.
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
+    // Its trainers' steps (TrainingSpec); replaced, its held steps dropped,
+    // when the collection moves to another epoch. Shared: a caller waits on
+    // it without mu_.
+    std::shared_ptr<StepBarrier> steps = std::make_shared<StepBarrier>(StepBarrier::Options{});
   };
 
   // A data call refused as busy (`busy`, EnterDataCall's): a link
@@ -220,6 +234,38 @@ class WorkerService final : public ember::v1::Worker::Service {
     };
   }
   static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
+  // A step barrier for `training` (max_pending_step_bytes its bound).
+  std::shared_ptr<StepBarrier> MakeSteps(const ember::v1::TrainingSpec& training) const;
+  // An update applied as it arrives (ASYNC collections).
+  grpc::Status ApplyNow(Collection& coll, GradientCall& in,
+                        const ember::v1::WorkerApplyGradientsRequest& req,
+                        ember::v1::WorkerApplyGradientsResponse* resp)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // A SYNC/BOUNDED update checked and copied into *held (nothing applied).
+  absl::Status HoldContribution(const Collection& coll, GradientCall& in,
+                                const ember::v1::WorkerApplyGradientsRequest& req,
+                                Contribution* held) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Applies a complete step of collection `name` (as StepBarrier::ApplyFn)
+  // if it is still held with barrier `steps`: the ranks' parts in rank
+  // order, in one backend call; shards that applied a contribution's
+  // request id before (a retry after a move) skip it.
+  absl::Status ApplyStep(const std::string& name, const StepBarrier* steps,
+                         const std::vector<const Contribution*>& ranks) ABSL_LOCKS_EXCLUDED(mu_);
+  // A lookup of a SYNC/BOUNDED collection waits (without mu_) until the
+  // steps it must see are applied; INVALID_ARGUMENT without a step.
+  absl::Status WaitForStep(const ember::v1::WorkerLookupRequest& req, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts a refusal for NaN/Inf or overflow (the message says so) and
+  // passes it on.
+  absl::Status CountRefusal(const absl::Status& s);
+  // The backend's update of `requests` (requests[i] on shard entries[i]),
+  // timed and counted; its refusal counted and returned.
+  absl::Status RunUpdate(const std::vector<backend::GradientRequest>& requests,
+                         const std::vector<const ShardEntry*>& entries);
+  // Remembers update `id` (with its digest) on every shard touched
+  // (exactly-once), counting ids forgotten early.
+  void RecordApplied(const std::set<const ShardEntry*>& touched, uint64_t id, uint64_t digest,
+                     const std::string& collection);
   // INVALID_ARGUMENT for a bad name, epoch or assignment.
   static absl::Status CheckAssignments(
       const std::string& collection, int64_t epoch,

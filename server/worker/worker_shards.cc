@@ -93,6 +93,7 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
   // of the other collections go on meanwhile.
   auto c = std::make_unique<Collection>();
   c->epoch = req->epoch();
+  c->steps = MakeSteps(req->training());
   absl::Status s = AllocateShards(name, req->shards(), c.get());
   absl::MutexLock lock(&mu_);
   creating_.erase(name);
@@ -183,6 +184,9 @@ WorkerService::CollectionMap::iterator WorkerService::EraseCollection(
   {
     absl::MutexLock apply(it->second->apply_mu.get());  // let an update in flight finish
     DropAll(it->first, *it->second);
+    it->second->steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
+        "collection '", it->first, "' was dropped on this worker while a step was held; "
+        "refresh the plan")));
   }
   return collections_.erase(it);
 }
@@ -244,6 +248,14 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   Collection& coll = **c;
   absl::MutexLock apply(coll.apply_mu.get());
   for (auto& [key, entry] : added.shards) coll.shards.emplace(key, std::move(entry));
+  if (req->epoch() != coll.epoch) {
+    // Steps held at the old epoch are dropped: their trainers refresh the
+    // plan and send them again to the new one.
+    coll.steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
+        "collection '", name, "' moved to epoch ", req->epoch(),
+        " while a step was held; refresh the plan and send the step again")));
+    coll.steps = MakeSteps(req->training());
+  }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
             << create.size() << " shard(s) added";
   coll.epoch = req->epoch();
@@ -318,6 +330,12 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.collections = static_cast<int64_t>(collections_.size());
   for (const auto& [name, c] : collections_) {
     s.shards += static_cast<int64_t>(c->shards.size());
+    const StepBarrier::Stats st = c->steps->GetStats();
+    s.steps_applied += st.steps_applied;
+    s.steps_aborted += st.steps_aborted;
+    s.step_wait_ns += st.wait_ns;
+    s.step_ranks_missing += st.ranks_missing;
+    s.step_pending_bytes += st.pending_bytes;
     absl::MutexLock apply(c->apply_mu.get());  // the records change under it
     for (const auto& [key, entry] : c->shards) {
       s.request_ids += static_cast<int64_t>(entry.applied->size());

@@ -60,6 +60,13 @@ WorkerService* Make() {
   }
   ember::v1::CreateShardsResponse resp;
   if (!s->CreateShards(nullptr, &req, &resp).ok()) std::abort();
+  // The same tables trained SYNC by one trainer: its steps' path (a step
+  // never waits for another rank; a lookup waits at most 1 ms).
+  req.set_collection("sync");
+  req.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  req.mutable_training()->set_trainers(1);
+  req.mutable_training()->set_step_timeout_s(0.001);
+  if (!s->CreateShards(nullptr, &req, &resp).ok()) std::abort();
   return s;
 }
 
@@ -187,13 +194,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 0: {
       ember::v1::WorkerLookupRequest r;
       ember::v1::WorkerLookupResponse out;
-      if (Parse(payload, &r)) (void)service->Lookup(nullptr, &r, &out);
+      if (Parse(payload, &r)) {
+        if (payload.size() % 2 == 1) r.set_collection("sync");
+        (void)service->Lookup(nullptr, &r, &out);
+      }
       break;
     }
     case 1: {
       ember::v1::WorkerApplyGradientsRequest r;
       ember::v1::WorkerApplyGradientsResponse out;
-      if (Parse(payload, &r)) (void)service->ApplyGradients(nullptr, &r, &out);
+      if (Parse(payload, &r)) {
+        if (payload.size() % 2 == 1) r.set_collection("sync");
+        (void)service->ApplyGradients(nullptr, &r, &out);
+      }
       break;
     }
     case 2: {
@@ -211,7 +224,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 4: {  // creates are dropped again so memory stays bounded
       ember::v1::CreateShardsRequest r;
       ember::v1::CreateShardsResponse out;
-      if (Parse(payload, &r) && r.collection() != "c" &&
+      if (Parse(payload, &r) && r.collection() != "c" && r.collection() != "sync" &&
           service->CreateShards(nullptr, &r, &out).ok()) {
         ember::v1::DropShardsRequest d;
         d.set_collection(r.collection());
@@ -224,13 +237,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 5: {
       ember::v1::UpdateShardsRequest r;
       ember::v1::UpdateShardsResponse out;
-      if (Parse(payload, &r) && r.collection() != "c") (void)service->UpdateShards(nullptr, &r, &out);
+      if (Parse(payload, &r) && r.collection() != "c" && r.collection() != "sync") {
+        (void)service->UpdateShards(nullptr, &r, &out);
+      }
       break;
     }
     case 6: {
       ember::v1::DropShardsRequest r;
       ember::v1::DropShardsResponse out;
-      if (Parse(payload, &r) && r.collection() != "c") (void)service->DropShards(nullptr, &r, &out);
+      if (Parse(payload, &r) && r.collection() != "c" && r.collection() != "sync") {
+        (void)service->DropShards(nullptr, &r, &out);
+      }
       break;
     }
     case 7: {  // reads only under a directory that holds no checkpoint

@@ -1,0 +1,293 @@
+#include "server/worker/step_barrier.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace ember {
+namespace worker {
+namespace {
+
+// Outcomes and applied digests kept for retries and late waiters.
+constexpr size_t kHistory = 4096;
+
+template <typename Map>
+void Trim(Map* m) {
+  while (m->size() > kHistory) m->erase(m->begin());
+}
+
+}  // namespace
+
+int64_t HeldPart::Bytes() const {
+  return static_cast<int64_t>(sizeof(HeldPart) + table.size() + 8 * (lengths.size() + ids.size()) +
+                              4 * (weights.size() + grad.size()));
+}
+
+int64_t Contribution::Bytes() const {
+  int64_t b = static_cast<int64_t>(sizeof(Contribution) + request_id.size());
+  for (const HeldPart& p : parts) b += p.Bytes();
+  return b;
+}
+
+StepBarrier::Options StepBarrier::OptionsOf(const ember::v1::TrainingSpec& spec,
+                                            int64_t max_pending_bytes) {
+  Options o;
+  o.mode = spec.mode();
+  o.trainers = std::max(spec.trainers(), 1);
+  o.max_staleness = spec.max_staleness();
+  o.timeout = absl::Seconds(spec.step_timeout_s() > 0 ? spec.step_timeout_s() : 300);
+  o.mean = spec.gradient_reduction() == ember::v1::TrainingSpec::MEAN;
+  o.max_pending_bytes = max_pending_bytes;
+  return o;
+}
+
+std::string StepBarrier::MissingRanksLocked(const Pending& p) const {
+  std::vector<int32_t> missing;
+  for (int32_t r = 0; r < options_.trainers && missing.size() < 16; ++r) {
+    if (!p.by_rank.count(r)) missing.push_back(r);
+  }
+  const int64_t absent = options_.trainers - static_cast<int64_t>(p.by_rank.size());
+  return absl::StrCat(absl::StrJoin(missing, ", "),
+                      absent > static_cast<int64_t>(missing.size()) ? ", ..." : "");
+}
+
+void StepBarrier::AbortLocked(int64_t step, const absl::Status& why) {
+  auto it = pending_.find(step);
+  if (it == pending_.end()) return;
+  for (const auto& [rank, c] : it->second.by_rank) pending_bytes_ -= c.Bytes();
+  ranks_missing_ += options_.trainers - static_cast<int64_t>(it->second.by_rank.size());
+  pending_.erase(it);
+  dropped_[step] = why;
+  Trim(&dropped_);
+  ++steps_aborted_;
+  changed_.SignalAll();
+}
+
+void StepBarrier::ExpireLocked(absl::Time now) {
+  std::vector<int64_t> expired;
+  for (const auto& [step, p] : pending_) {
+    if (now - p.first >= options_.timeout) expired.push_back(step);
+  }
+  for (int64_t step : expired) {
+    const Pending& p = pending_.at(step);
+    const absl::Status why = absl::AbortedError(absl::StrCat(
+        "step ", step, " aborted after ", absl::FormatDuration(options_.timeout),
+        " (the collection's step_timeout_s): rank(s) ", MissingRanksLocked(p),
+        " of ", options_.trainers, " did not send it; nothing of it was applied; send it again"));
+    AbortLocked(step, why);
+  }
+}
+
+std::optional<absl::Status> StepBarrier::OutcomeLocked(int64_t step) const {
+  if (all_aborted_.has_value()) return *all_aborted_;
+  if (applied_.has_value() && step <= *applied_) return absl::OkStatus();
+  if (!pending_.count(step)) {
+    auto d = dropped_.find(step);
+    if (d != dropped_.end()) return d->second;
+  }
+  return std::nullopt;
+}
+
+void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
+  while (!applying_ && !all_aborted_.has_value() && !pending_.empty()) {
+    auto it = pending_.begin();
+    const int64_t next = applied_.has_value() ? *applied_ + 1 : it->first;
+    if (it->first != next ||
+        static_cast<int64_t>(it->second.by_rank.size()) < options_.trainers) {
+      return;
+    }
+    Pending p = std::move(it->second);
+    pending_.erase(it);
+    applying_ = true;
+    std::vector<const Contribution*> ranks;
+    int64_t bytes = 0;
+    for (const auto& [rank, c] : p.by_rank) {
+      ranks.push_back(&c);
+      bytes += c.Bytes();
+    }
+    mu_.Unlock();
+    const absl::Status s = apply(next, ranks);
+    mu_.Lock();
+    applying_ = false;
+    pending_bytes_ -= bytes;
+    if (s.ok()) {
+      applied_ = next;
+      dropped_.erase(next);
+      auto& digests = applied_digests_[next];
+      for (const auto& [rank, c] : p.by_rank) digests[rank] = c.digest;
+      Trim(&applied_digests_);
+      ++steps_applied_;
+    } else {
+      dropped_[next] = s;
+      Trim(&dropped_);
+      ++steps_aborted_;
+    }
+    changed_.SignalAll();
+  }
+}
+
+absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadline,
+                                 const ApplyFn& apply, bool* duplicate) {
+  *duplicate = false;
+  const int32_t rank = c.rank;
+  const absl::Time start = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (all_aborted_.has_value()) return *all_aborted_;
+  ExpireLocked(start);
+  if (applied_.has_value() && step <= *applied_) {
+    auto a = applied_digests_.find(step);
+    if (a != applied_digests_.end() && a->second.count(rank) && a->second.at(rank) == c.digest) {
+      *duplicate = true;  // a retry of what was applied
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " sent step ", step, ", but steps up to ", *applied_,
+        " are applied here already", a != applied_digests_.end() && a->second.count(rank)
+                                         ? " (with another contribution of this rank)"
+                                         : ""));
+  }
+  const int64_t ahead = 1 + staleness();
+  if (applied_.has_value() && step > *applied_ + ahead) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " sent step ", step, " while step ", *applied_ + 1,
+        " is not applied yet: a trainer may run at most ", staleness(), " step(s) ahead (",
+        ember::v1::TrainingSpec::Mode_Name(options_.mode), ")"));
+  }
+  auto found = pending_.find(step);
+  if (found != pending_.end() && found->second.by_rank.count(rank)) {
+    if (found->second.by_rank.at(rank).digest != c.digest) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, " sent two different contributions for step ", step,
+          " (a retry must resend the same update)"));
+    }
+    *duplicate = true;
+  } else {
+    const int64_t bytes = c.Bytes();
+    if (pending_bytes_ + bytes > options_.max_pending_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "rank ", rank, "'s contribution to step ", step, " (", bytes, " bytes) would take the ",
+          "updates held for their steps past this worker's --max_pending_step_bytes (",
+          options_.max_pending_bytes, "; held: ", pending_bytes_, ")"));
+    }
+    Pending& p = pending_[step];
+    if (p.by_rank.empty()) {
+      p.first = start;
+      dropped_.erase(step);  // sent again after an abort
+    }
+    p.by_rank.emplace(rank, std::move(c));
+    pending_bytes_ += bytes;
+  }
+  ApplyReadyLocked(apply);
+  if (options_.mode == ember::v1::TrainingSpec::BOUNDED) {
+    auto outcome = OutcomeLocked(step);
+    return outcome.has_value() && !outcome->ok() ? *outcome : absl::OkStatus();
+  }
+  // SYNC: until the step is applied or dropped.
+  while (true) {
+    if (auto outcome = OutcomeLocked(step); outcome.has_value()) {
+      wait_ns_ += absl::ToInt64Nanoseconds(absl::Now() - start);
+      return *outcome;
+    }
+    const absl::Time now = absl::Now();
+    ExpireLocked(now);
+    if (OutcomeLocked(step).has_value()) continue;
+    if (now >= deadline) {
+      wait_ns_ += absl::ToInt64Nanoseconds(now - start);
+      auto p = pending_.find(step);
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step ", step, " is still waiting for rank(s) ",
+          p == pending_.end() ? std::string("?") : MissingRanksLocked(p->second),
+          " (or an earlier step); rank ", rank, "'s contribution stays held"));
+    }
+    absl::Time wake = deadline;
+    for (const auto& [s, p] : pending_) wake = std::min(wake, p.first + options_.timeout);
+    changed_.WaitWithDeadline(&mu_, wake);
+  }
+}
+
+absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
+  const int64_t target = step - 1 - staleness();  // the last step it must see
+  const absl::Time start = absl::Now();
+  // A lookup waits at most a step's timeout (a step that never starts
+  // times out here as one that started would).
+  deadline = std::min(deadline, start + options_.timeout);
+  absl::MutexLock lock(&mu_);
+  // The furthest step a trainer can have sent: steps up to 1 + staleness
+  // past the last applied (or before the lowest held, before any applied).
+  std::optional<int64_t> base = applied_;
+  if (!base.has_value() && !pending_.empty()) base = pending_.begin()->first - 1;
+  if (base.has_value() && target > *base + 1 + staleness()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a lookup for step ", step, " is ahead of every step a trainer can have sent (",
+        applied_.has_value() ? absl::StrCat("last applied: ", *applied_)
+                             : absl::StrCat("lowest held: ", *base + 1),
+        "; a lookup reads for at most ", 2 + staleness(), " step(s) past the last applied)"));
+  }
+  while (true) {
+    if (all_aborted_.has_value()) return *all_aborted_;
+    const absl::Time now = absl::Now();
+    ExpireLocked(now);
+    if (applied_.has_value() ? *applied_ >= target
+                             : (pending_.empty() || target < pending_.begin()->first)) {
+      wait_ns_ += absl::ToInt64Nanoseconds(now - start);
+      return absl::OkStatus();
+    }
+    // A step it waits for was dropped: it is not coming until sent again.
+    for (const auto& [s, why] : dropped_) {
+      if (s <= target && (!applied_.has_value() || s > *applied_) && !pending_.count(s)) {
+        wait_ns_ += absl::ToInt64Nanoseconds(now - start);
+        return absl::AbortedError(absl::StrCat("a lookup for step ", step, " needs step ", s,
+                                               ", which was not applied: ", why.message()));
+      }
+    }
+    if (now >= deadline) {
+      wait_ns_ += absl::ToInt64Nanoseconds(now - start);
+      if (now >= start + options_.timeout) {
+        auto p = pending_.find(target);
+        return absl::AbortedError(absl::StrCat(
+            "a lookup for step ", step, " waited ", absl::FormatDuration(options_.timeout),
+            " (the collection's step_timeout_s) for step ", target, ", which ",
+            p == pending_.end() ? std::string("no rank sent")
+                                : absl::StrCat("rank(s) ", MissingRanksLocked(p->second),
+                                               " did not send"),
+            " (",
+            applied_.has_value() ? absl::StrCat("last applied: ", *applied_)
+                                 : std::string("none applied yet"),
+            ")"));
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "a lookup for step ", step, " waited for step ", target, " to be applied (",
+          applied_.has_value() ? absl::StrCat("last applied: ", *applied_)
+                               : std::string("none applied yet"),
+          ")"));
+    }
+    absl::Time wake = deadline;
+    for (const auto& [s, p] : pending_) wake = std::min(wake, p.first + options_.timeout);
+    changed_.WaitWithDeadline(&mu_, wake);
+  }
+}
+
+void StepBarrier::AbortAll(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (all_aborted_.has_value()) return;
+  all_aborted_ = why;
+  pending_.clear();
+  pending_bytes_ = 0;
+  changed_.SignalAll();
+}
+
+StepBarrier::Stats StepBarrier::GetStats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s;
+  s.steps_applied = steps_applied_;
+  s.steps_aborted = steps_aborted_;
+  s.pending_bytes = pending_bytes_;
+  s.wait_ns = wait_ns_;
+  s.ranks_missing = ranks_missing_;
+  s.applied_through = applied_;
+  return s;
+}
+
+}  // namespace worker
+}  // namespace ember
