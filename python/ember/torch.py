@@ -162,14 +162,25 @@ def _table_specs(tables, optimizer, pooling=None):
     return specs
 
 
-def _open_collection(client, collection, specs, create, sharding_type):
-    """The collection's info: created from `specs`, or (create=False) the
-    existing one, refused unless its tables are `specs` (_check_stored)."""
+def _open_collection(client, collection, specs, create, sharding_type, training=None):
+    """The collection's info: created from `specs` (and `training`, its
+    TrainingSpec, when given), or (create=False) the existing one, refused
+    unless its tables are `specs` (_check_stored) and its training has the
+    values `training` gives."""
     if create:
-        return client.create_collection({"name": collection, "tables": specs},
-                                        sharding_type=sharding_type)
+        spec = {"name": collection, "tables": specs}
+        if training is not None:
+            spec["training"] = dict(training)
+        return client.create_collection(spec, sharding_type=sharding_type)
     info = client.collection(collection)
     _check_stored(collection, specs, info["spec"]["tables"])
+    stored = info["spec"].get("training", {})
+    for key, value in (training or {}).items():
+        have = stored.get(key, {"mode": "ASYNC", "gradient_reduction": "MEAN"}.get(key, 0))
+        if have != value:
+            raise ember.FailedPrecondition(
+                9, f"collection '{collection}' exists with training.{key} {have!r}, not "
+                   f"{value!r}")
     return info
 
 
@@ -624,6 +635,12 @@ class EmbeddingBagCollection(_RemoteTables):
       when True, and ignored otherwise.
     device: the module's `device` (TorchRec's compute device); outputs are
       on the KJT's device.
+    training: the collection's TrainingSpec as a dict, e.g. {"mode": "SYNC",
+      "trainers": 4} (docs/training.md); None: ASYNC (create=False: the
+      stored one, checked against the values given).
+    rank: this trainer's rank in a SYNC or BOUNDED collection (None:
+      torch.distributed's when initialised, 0 with one trainer). The module
+      counts the steps (train_step).
     table_state: what state_dict() holds for each table: "tensors" (a copy
       read from the workers, as TorchRec's unsharded module) or "checkpoint"
       (a TableCheckpoint: saving the state dict, with
@@ -642,7 +659,7 @@ class EmbeddingBagCollection(_RemoteTables):
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
                  create=True, is_weighted=False, device=None, table_state="tensors",
-                 checkpoint_dir="", rank=None):
+                 checkpoint_dir="", rank=None, training=None):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         names = [c.name for c in configs]
@@ -652,7 +669,7 @@ class EmbeddingBagCollection(_RemoteTables):
             if not c.feature_names:
                 c.feature_names = [c.name]
         info = _open_collection(client, collection, _table_specs(tables, optimizer), create,
-                                sharding_type)
+                                sharding_type, training)
         self._setup(client, collection, configs, bool(is_weighted), device, info)
         self._set_table_state(table_state, checkpoint_dir, sharding_type)
         self._set_rank(rank)
@@ -835,8 +852,8 @@ class EmbeddingCollection(_RemoteTables):
     workers, whose optimizer runs there, exactly once.
 
     tables: torchrec.EmbeddingConfig objects or dicts of the same fields.
-    optimizer, create, device, table_state, checkpoint_dir: as
-    EmbeddingBagCollection's. need_indices:
+    optimizer, create, device, table_state, checkpoint_dir, training, rank:
+    as EmbeddingBagCollection's. need_indices:
     as TorchRec's (each JaggedTensor's weights are its ids).
     As TorchRec's module, every table must have the same embedding_dim, a
     missing feature raises KeyError, and other features are ignored. Needs
@@ -844,7 +861,7 @@ class EmbeddingCollection(_RemoteTables):
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
                  create=True, need_indices=False, device=None, table_state="tensors",
-                 checkpoint_dir="", rank=None):
+                 checkpoint_dir="", rank=None, training=None):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         dims = {int(c.embedding_dim) for c in configs}
@@ -856,7 +873,7 @@ class EmbeddingCollection(_RemoteTables):
                 c.feature_names = [c.name]
         info = _open_collection(client, collection,
                                 _table_specs(tables, optimizer, pooling="NONE"), create,
-                                sharding_type)
+                                sharding_type, training)
         self._setup(client, collection, configs, bool(need_indices), device, info)
         self._set_table_state(table_state, checkpoint_dir, sharding_type)
         self._set_rank(rank)

@@ -18,9 +18,12 @@ DMP's process group creates the collection, with the module's weights when
 they are materialised (not on the meta device), and the other ranks attach
 to it once it exists. The dense rest of the model is DMP's, under DDP.
 
-Semantics with several ranks: each rank's backward sends its own share of
-the gradients, applied as it arrives (asynchronous), where TorchRec's DMP
-all-reduces them into one step. One rank trains exactly as TorchRec would.
+Semantics with several ranks: TorchRec's. The collection trains SYNC with
+one trainer per rank of DMP's process group (the sharder's `training`, by
+default {"mode": "SYNC", "trainers": world size}; docs/training.md): each
+step's update is applied once every rank sent its own, merged, the
+gradients averaged over the ranks as TorchRec's gradient division does.
+Give {"mode": "BOUNDED", ...} or {"mode": "ASYNC"} for other semantics.
 
 Checkpoints: the modules' table_state is "checkpoint" (the sharder's
 `table_state`), so the model's state dict holds a TableCheckpoint per table,
@@ -50,10 +53,11 @@ class EmberSharder(ModuleSharder):
     (None: its planner's choice); `prefix` starts every collection's name;
     `table_state` and `checkpoint_dir` the modules' (ember.torch's: with
     "checkpoint", a state dict names an Ember checkpoint of the tables
-    instead of copying them into the trainer)."""
+    instead of copying them into the trainer); `training` the collection's
+    TrainingSpec (None: SYNC over DMP's ranks, ASYNC with one rank)."""
 
     def __init__(self, client, optimizer=None, sharding_type=None, prefix="dmp_",
-                 table_state="checkpoint", checkpoint_dir=""):
+                 table_state="checkpoint", checkpoint_dir="", training=None):
         super().__init__()
         if table_state not in ("tensors", "checkpoint"):
             raise ValueError(f"table_state must be 'tensors' or 'checkpoint', got {table_state!r}")
@@ -63,6 +67,7 @@ class EmberSharder(ModuleSharder):
         self._prefix = prefix
         self._table_state = table_state
         self._checkpoint_dir = checkpoint_dir
+        self._training = training
 
     @property
     def module_type(self):
@@ -90,13 +95,19 @@ class EmberSharder(ModuleSharder):
         name = self.collection_name(module_fqn)
         configs = module.embedding_bag_configs()
         pg = getattr(env, "process_group", None)
-        rank = dist.get_rank(pg) if pg is not None and dist.is_initialized() else 0
+        distributed = pg is not None and dist.is_initialized()
+        rank = dist.get_rank(pg) if distributed else 0
+        world = dist.get_world_size(pg) if distributed else 1
+        training = self._training
+        if training is None and world > 1:
+            training = {"mode": "SYNC", "trainers": world}  # TorchRec's step semantics
         error = None
         if rank == 0:
             try:
                 ebc = ember.torch.EmbeddingBagCollection(
                     configs, self._client, name, optimizer=self._optimizer,
-                    sharding_type=self._sharding_type, is_weighted=module.is_weighted())
+                    sharding_type=self._sharding_type, is_weighted=module.is_weighted(),
+                    training=training, rank=rank)
                 state = module.state_dict()
                 if all(v.device.type != "meta" for v in state.values()):
                     ebc.load_state_dict(state)
@@ -112,7 +123,7 @@ class EmberSharder(ModuleSharder):
         if rank != 0:
             ebc = ember.torch.EmbeddingBagCollection(
                 configs, self._client, name, optimizer=self._optimizer, create=False,
-                is_weighted=module.is_weighted())
+                is_weighted=module.is_weighted(), training=training, rank=rank)
         ebc._set_table_state(self._table_state, self._checkpoint_dir, self._sharding_type)
         ebc._dist_group = pg
         return ebc

@@ -380,3 +380,64 @@ def test_torch_modules_count_steps_and_ranks(client, mode, pipeline):
     finally:
         client.drop_collection(name)
         client.drop_collection(ref)
+
+
+def _ranks(script, args_of, world=2, timeout=240):
+    """Runs `world` processes of `script` (one per rank, over gloo) and
+    fails with their output unless each prints "rank R ok"."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    procs = [subprocess.Popen([sys.executable, path, f"--rank={r}", f"--world={world}",
+                               f"--port={port}"] + args_of(r),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r} ok" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("optimizer", ["ROWWISE_ADAGRAD", "SGD"])  # FBGEMM's CPU: no Adam
+def test_two_dmp_ranks_train_as_torchrecs_own(client, tmp_path, optimizer):
+    """TorchRec's DLRM under DistributedModelParallel with 2 ranks over gloo:
+    its tables sharded by TorchRec (FBGEMM's fused optimizer), then on Ember
+    through EmberSharder (SYNC over the ranks), the same initial weights and
+    global batches: every rank's loss at every step and the final tables
+    agree (dmp_sync_ranks.py)."""
+    pytest.importorskip("torchrec")
+    pytest.importorskip("fbgemm_gpu")
+    runs = {}
+    for mode in ("torchrec", "ember"):
+        extra = [f"--coordinator={client.address}"] if mode == "ember" else []
+        _ranks("dmp_sync_ranks.py",
+               lambda r, m=mode, e=extra: [f"--mode={m}", f"--optimizer={optimizer}",
+                                           f"--collection=dmp_{optimizer.lower()}",
+                                           f"--out={tmp_path / f'{m}{r}'}"] + e)
+        runs[mode] = [np.load(tmp_path / f"{mode}{r}.npz") for r in range(2)]
+    for r in range(2):
+        np.testing.assert_allclose(runs["ember"][r]["losses"], runs["torchrec"][r]["losses"],
+                                   rtol=1e-6, err_msg=f"rank {r}'s losses")
+    theirs = {}
+    for d in runs["torchrec"]:  # each rank's table-wise shards
+        for k in d.files:
+            if k.endswith("/values"):
+                name = k.split("/")[0]
+                assert tuple(d[k.replace("values", "offsets")]) == (0, 0)
+                theirs[name] = d[k]
+    assert sorted(theirs) == ["t_item", "t_user"]
+    for name, want in theirs.items():
+        got = runs["ember"][0][f"{name}/0/values"]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=name)
+        assert not np.allclose(got, 0)
