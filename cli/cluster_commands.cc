@@ -58,6 +58,8 @@ DEFINE_bool(drain_on_sigterm, true,
             "(live copy, no update lost) before exiting. `up` starts its workers without it: "
             "it stops them all at once.");
 DEFINE_string(worker, "", "drain: the worker id (see emberctl status).");
+DEFINE_int32(trainers, 0, "set-trainers: the trainer count (>= 1).");
+DEFINE_int64(from_step, -1, "set-trainers: the first step with the new count (>= 0).");
 DEFINE_string(worker_names, "",
               "tokens: the workers' names, comma-separated (default: worker-0 ... worker-N-1 "
               "for --workers=N); Kubernetes: the pod names, e.g. ember-workers-0,...");
@@ -1002,6 +1004,19 @@ int RunRestore() {
             << r->checkpoint().path() << " (" << FormatBytes(r->checkpoint().bytes())
             << ", taken at epoch " << r->checkpoint().epoch() << ") in "
             << absl::ToDoubleSeconds(absl::Now() - start) << " s" << std::endl;
+  return 0;
+}
+
+int RunSetTrainers() {
+  if (FLAGS_collection.empty() || FLAGS_trainers < 1 || FLAGS_from_step < 0) {
+    return Usage("set-trainers needs --collection=NAME, --trainers=N (>= 1) and --from_step=S (>= 0)");
+  }
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("set-trainers", cl.status());
+  auto info = (*cl)->SetTrainers(FLAGS_collection, FLAGS_trainers, FLAGS_from_step);
+  if (!info.ok()) return Fail("set-trainers", info.status());
+  std::cout << "collection '" << FLAGS_collection << "': " << FLAGS_trainers
+            << " trainer(s) from step " << FLAGS_from_step << " on every worker" << std::endl;
   return 0;
 }
 

@@ -26,6 +26,7 @@ int RunCheckpoint();
 int RunCheckpoints();
 int RunRestore();
 int RunDrain();
+int RunSetTrainers();
 int RunCalibrate();
 // emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]: fresh
 // random token files for token authentication (server/common/auth.h).

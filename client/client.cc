@@ -201,6 +201,19 @@ absl::StatusOr<std::vector<ember::v1::RestoreProgress>> Client::ListRestores(
                                                  resp->restores().end());
 }
 
+absl::StatusOr<ember::v1::CollectionInfo> Client::SetTrainers(const std::string& collection,
+                                                              int32_t trainers,
+                                                              int64_t from_step) {
+  ember::v1::SetTrainersRequest req;
+  req.set_collection(collection);
+  req.set_trainers(trainers);
+  req.set_from_step(from_step);
+  auto resp =
+      CallCoordinator(&ember::v1::Coordinator::Stub::SetTrainers, req, impl_->options.timeout);
+  if (!resp.ok()) return resp.status();
+  return resp->collection();
+}
+
 absl::StatusOr<std::vector<std::string>> Client::DrainWorker(const std::string& worker_id,
                                                              absl::Duration timeout) {
   ember::v1::DrainWorkerRequest req;

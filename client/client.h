@@ -149,6 +149,10 @@ class Client {
   // loading on the workers.
   absl::StatusOr<std::vector<ember::v1::RestoreProgress>> ListRestores(
       const std::string& collection = "");
+  // A SYNC or BOUNDED collection's trainer count from step `from_step` on
+  // (ember.v1.Coordinator.SetTrainers); the collection as stored after.
+  absl::StatusOr<ember::v1::CollectionInfo> SetTrainers(const std::string& collection,
+                                                        int32_t trainers, int64_t from_step);
   // Moves every shard off a worker (copied live, no update lost) and keeps
   // it out of new plans; returns the collections moved.
   absl::StatusOr<std::vector<std::string>> DrainWorker(const std::string& worker_id,

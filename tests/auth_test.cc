@@ -84,6 +84,10 @@ TEST(AuthTest, TokensAndRolesGuardEveryPort) {
   // ...but not change the deployment.
   EXPECT_EQ(trainer->DropCollection("guarded").code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(trainer->Checkpoint("guarded").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(trainer->SetTrainers("guarded", 2, 0).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(admin->SetTrainers("guarded", 2, 0).status().code(),  // admitted; an ASYNC collection
+            absl::StatusCode::kFailedPrecondition);
 
   // The workers' own ports: no token, or a trainer's for an admin call.
   const std::string worker_address = workers->workers(0).info().address();
@@ -101,6 +105,15 @@ TEST(AuthTest, TokensAndRolesGuardEveryPort) {
     req.set_collection("guarded");
     ember::v1::DropShardsResponse resp;
     EXPECT_EQ(stub->DropShards(&ctx, req, &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    AddToken(&ctx, kTrainer);
+    ember::v1::UpdateTrainingRequest req;
+    req.set_collection("guarded");
+    ember::v1::UpdateTrainingResponse resp;
+    EXPECT_EQ(stub->UpdateTraining(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
   }
   {
     grpc::ClientContext ctx;

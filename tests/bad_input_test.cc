@@ -726,8 +726,8 @@ TEST_F(BadInputTest, OversizedAndMalformedMessagesOnEveryMethod) {
   const std::string garbage = "\xff\xff\xff\xff";  // a truncated varint tag
   const std::vector<std::string> coordinator_methods = MethodsOf("ember.v1.Coordinator");
   const std::vector<std::string> worker_methods = MethodsOf("ember.v1.Worker");
-  ASSERT_EQ(coordinator_methods.size(), 12u);
-  ASSERT_EQ(worker_methods.size(), 12u);
+  ASSERT_EQ(coordinator_methods.size(), 13u);
+  ASSERT_EQ(worker_methods.size(), 13u);
   for (const std::string& m : coordinator_methods) {
     EXPECT_EQ(RawCall(cluster_->coordinator(), m, oversized), StatusCode::RESOURCE_EXHAUSTED) << m;
     EXPECT_NE(RawCall(cluster_->coordinator(), m, garbage), StatusCode::OK) << m;

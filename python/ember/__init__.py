@@ -458,6 +458,15 @@ class Client:
         or all), oldest first, as dicts (CheckpointInfo's fields)."""
         return [json.loads(c) for c in self._c.list_checkpoints(name)]
 
+    def set_trainers(self, name, trainers, from_step):
+        """Sets SYNC or BOUNDED collection `name`'s trainer count from step
+        `from_step` on (a trainer lost or added between steps; the steps
+        before keep theirs), on the coordinator and every worker; returns
+        the collection as stored. Idempotent: after a failure, the same
+        call again finishes it. FailedPrecondition when that step is
+        applied already or the collection trains ASYNC."""
+        return json.loads(self._c.set_trainers(name, int(trainers), int(from_step)))
+
     def drain(self, worker_id, timeout_s=1800.0):
         """Moves every shard off worker `worker_id` (copied live, no update
         lost) and keeps it out of new plans, as `emberctl drain`; returns

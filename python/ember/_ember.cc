@@ -389,6 +389,15 @@ PYBIND11_MODULE(_ember, m) {
              for (const auto& r : Value(c.ListRestores(name))) out.push_back(ToJson(r));
              return out;
            })
+      .def("set_trainers",
+           [](Client& c, const std::string& name, int32_t trainers, int64_t from_step) {
+             absl::StatusOr<ember::v1::CollectionInfo> info;
+             {
+               py::gil_scoped_release release;
+               info = c.SetTrainers(name, trainers, from_step);
+             }
+             return ToJson(Value(std::move(info)));
+           })
       .def("drain_worker", [](Client& c, const std::string& worker_id, double timeout_s) {
         py::gil_scoped_release release;
         return Value(c.DrainWorker(worker_id, absl::Seconds(timeout_s)));

@@ -441,3 +441,61 @@ def test_two_dmp_ranks_train_as_torchrecs_own(client, tmp_path, optimizer):
         got = runs["ember"][0][f"{name}/0/values"]
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=name)
         assert not np.allclose(got, 0)
+
+
+def test_the_trainer_count_changes_between_steps(client):
+    """Three trainers for steps 0-1, two from step 2 on (set_trainers; a
+    trainer lost as TorchElastic would see it): each step equals one trainer
+    with that step's global batch, its gradients divided by that step's
+    count. The past cannot change; a rank past the count is refused;
+    emberctl set-trainers does the same (idempotently)."""
+    import subprocess
+    opt = {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.3}
+    name, ref = "elastic", "elastic_ref"
+    # Table-wise: see docs/training.md on row-split MEAN tables and 3 ranks.
+    create(client, name, opt, "SYNC", 3, "table_wise")
+    create(client, ref, opt, None, 1, "table_wise")
+    try:
+        for t in ("t_sum", "t_mean"):
+            client.import_table(ref, t, client.export_table(name, t))
+        rng = np.random.default_rng(12)
+        plan = [[batch(rng, 2) for _ in range(3 if s < 2 else 2)] for s in range(4)]
+        grads = [[rng.normal(size=(2, 12)).astype(np.float32) for _ in p] for p in plan]
+
+        def run(steps):
+            for s in steps:
+                n = len(plan[s])
+                run_ranks([lambda r=r, s=s: client.apply_gradients(
+                    name, kjt_of(plan[s][r]), grads[s][r], step=s, rank=r) for r in range(n)])
+                client.apply_gradients(ref, kjt_of(concat(plan[s])),
+                                       np.concatenate(grads[s]) / np.float32(n))
+
+        run([0, 1])
+        with pytest.raises(ember.FailedPrecondition, match="step 1 is applied here already"):
+            client.set_trainers(name, 2, 1)
+        info = client.set_trainers(name, 2, 2)
+        assert info["spec"]["training"]["trainers"] == 2
+        assert client.collection(name)["spec"]["training"]["trainers"] == 2
+        with pytest.raises(ember.InvalidArgument, match=r"rank 2 is outside 0\.\.1"):
+            client.apply_gradients(name, kjt_of(plan[2][0]), grads[2][0], step=2, rank=2)
+        out = subprocess.run([ember._find_emberctl(), "set-trainers",
+                              f"--coordinator={client.address}", f"--collection={name}",
+                              "--trainers=2", "--from_step=2"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "2 trainer(s) from step 2" in out.stdout, out
+        run([2, 3])
+        got, want = export(client, name), export(client, ref)
+        for t in got:
+            np.testing.assert_array_equal(got[t], want[t], err_msg=t)
+        asynchronous = "elastic_async"
+        create(client, asynchronous, opt, None, 1, "row_wise")
+        with pytest.raises(ember.FailedPrecondition, match="trains ASYNC"):
+            client.set_trainers(asynchronous, 2, 0)
+        client.drop_collection(asynchronous)
+        with pytest.raises(ember.InvalidArgument, match="trainers must be in"):
+            client.set_trainers(name, 0, 5)
+        with pytest.raises(ember.NotFound):
+            client.set_trainers("no_such_collection", 2, 5)
+    finally:
+        client.drop_collection(name)
+        client.drop_collection(ref)

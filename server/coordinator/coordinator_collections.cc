@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "planner/planner.h"
+#include "planner/spec_validation.h"
 #include "server/backend/table_spec.h"
 #include "server/common/grpc_util.h"
 #include "server/coordinator/assignments.h"
@@ -278,6 +279,62 @@ grpc::Status CoordinatorService::DropCollection(grpc::ServerContext* ctx,
     LOG(WARNING) << "collection '" << req->collection() << "' dropped; " << s;
   }
   LOG(INFO) << "collection '" << req->collection() << "' dropped";
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::SetTrainers(grpc::ServerContext* ctx,
+                                             const ember::v1::SetTrainersRequest* req,
+                                             ember::v1::SetTrainersResponse* resp) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kAdmin); !a.ok()) return a;
+  if (req->trainers() < 1 || req->trainers() > planner::kMaxTrainingRanks) {
+    return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+        "trainers must be in [1, ", planner::kMaxTrainingRanks, "], got ", req->trainers())));
+  }
+  if (req->from_step() < 0) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("from_step must be >= 0, got ", req->from_step())));
+  }
+  absl::MutexLock create(&create_mu_);  // no create, drop or move meanwhile
+  CollectionInfo info;
+  std::vector<std::string> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = collections_.find(req->collection());
+    if (it == collections_.end()) {
+      return ToGrpc(absl::NotFoundError(absl::StrCat("no collection '", req->collection(), "'")));
+    }
+    info = it->second;
+    ids = rank_ids_[req->collection()];
+  }
+  if (info.spec().training().mode() == ember::v1::TrainingSpec::ASYNC) {
+    return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+        "collection '", req->collection(), "' trains ASYNC: it counts no trainers")));
+  }
+  info.mutable_spec()->mutable_training()->set_trainers(req->trainers());
+  if (absl::Status s = Register(info, ids); !s.ok()) return ToGrpc(s);
+  ember::v1::UpdateTrainingRequest u;
+  u.set_collection(req->collection());
+  u.set_epoch(info.plan().epoch());
+  u.set_trainers(req->trainers());
+  u.set_from_step(req->from_step());
+  const std::vector<std::string> addresses(info.worker_addresses().begin(),
+                                           info.worker_addresses().end());
+  const std::vector<grpc::Status> statuses =
+      CallEach<ember::v1::UpdateTrainingRequest, ember::v1::UpdateTrainingResponse>(
+          addresses, std::vector<ember::v1::UpdateTrainingRequest>(addresses.size(), u),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+            async->UpdateTraining(ctx, request, response, std::move(done));
+          });
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    if (statuses[r].ok()) continue;
+    return ToGrpc(FromGrpc(statuses[r],
+                           absl::StrCat("setting ", req->trainers(), " trainer(s) from step ",
+                                        req->from_step(), " on worker ", r, " (",
+                                        addresses[r], "); the same call again finishes it")));
+  }
+  LOG(INFO) << "collection '" << req->collection() << "': " << req->trainers()
+            << " trainer(s) from step " << req->from_step();
+  *resp->mutable_collection() = std::move(info);
   return grpc::Status::OK;
 }
 

@@ -116,6 +116,12 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                            ember::v1::PreviewPlanResponse* resp) override;
   grpc::Status DropCollection(grpc::ServerContext* ctx, const ember::v1::DropCollectionRequest* req,
                               ember::v1::DropCollectionResponse* resp) override;
+  // A stepped collection's trainer count from a step on: stored first (the
+  // source of truth for shards created later), then set on every worker
+  // (UpdateTraining); idempotent, so a call that failed on a worker is
+  // retried as it is.
+  grpc::Status SetTrainers(grpc::ServerContext* ctx, const ember::v1::SetTrainersRequest* req,
+                           ember::v1::SetTrainersResponse* resp) override;
   grpc::Status Checkpoint(grpc::ServerContext* ctx, const ember::v1::CheckpointRequest* req,
                           ember::v1::CheckpointResponse* resp) override;
   grpc::Status Restore(grpc::ServerContext* ctx, const ember::v1::RestoreRequest* req,

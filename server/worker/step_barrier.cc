@@ -42,12 +42,24 @@ StepBarrier::Options StepBarrier::OptionsOf(const ember::v1::TrainingSpec& spec,
   return o;
 }
 
-std::string StepBarrier::MissingRanksLocked(const Pending& p) const {
+int32_t StepBarrier::TrainersAtLocked(int64_t step) const {
+  auto it = trainers_from_.upper_bound(step);
+  if (it == trainers_from_.begin()) return options_.trainers;
+  return std::prev(it)->second;
+}
+
+int32_t StepBarrier::TrainersAt(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  return TrainersAtLocked(step);
+}
+
+std::string StepBarrier::MissingRanksLocked(int64_t step, const Pending& p) const {
+  const int32_t trainers = TrainersAtLocked(step);
   std::vector<int32_t> missing;
-  for (int32_t r = 0; r < options_.trainers && missing.size() < 16; ++r) {
+  for (int32_t r = 0; r < trainers && missing.size() < 16; ++r) {
     if (!p.by_rank.count(r)) missing.push_back(r);
   }
-  const int64_t absent = options_.trainers - static_cast<int64_t>(p.by_rank.size());
+  const int64_t absent = trainers - static_cast<int64_t>(p.by_rank.size());
   return absl::StrCat(absl::StrJoin(missing, ", "),
                       absent > static_cast<int64_t>(missing.size()) ? ", ..." : "");
 }
@@ -56,7 +68,7 @@ void StepBarrier::AbortLocked(int64_t step, const absl::Status& why) {
   auto it = pending_.find(step);
   if (it == pending_.end()) return;
   for (const auto& [rank, c] : it->second.by_rank) pending_bytes_ -= c.Bytes();
-  ranks_missing_ += options_.trainers - static_cast<int64_t>(it->second.by_rank.size());
+  ranks_missing_ += TrainersAtLocked(step) - static_cast<int64_t>(it->second.by_rank.size());
   pending_.erase(it);
   dropped_[step] = why;
   Trim(&dropped_);
@@ -73,8 +85,8 @@ void StepBarrier::ExpireLocked(absl::Time now) {
     const Pending& p = pending_.at(step);
     const absl::Status why = absl::AbortedError(absl::StrCat(
         "step ", step, " aborted after ", absl::FormatDuration(options_.timeout),
-        " (the collection's step_timeout_s): rank(s) ", MissingRanksLocked(p),
-        " of ", options_.trainers, " did not send it; nothing of it was applied; send it again"));
+        " (the collection's step_timeout_s): rank(s) ", MissingRanksLocked(step, p),
+        " of ", TrainersAtLocked(step), " did not send it; nothing of it was applied; send it again"));
     AbortLocked(step, why);
   }
 }
@@ -94,7 +106,7 @@ void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
     auto it = pending_.begin();
     const int64_t next = applied_.has_value() ? *applied_ + 1 : it->first;
     if (it->first != next ||
-        static_cast<int64_t>(it->second.by_rank.size()) < options_.trainers) {
+        static_cast<int64_t>(it->second.by_rank.size()) < TrainersAtLocked(next)) {
       return;
     }
     Pending p = std::move(it->second);
@@ -197,7 +209,7 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
       auto p = pending_.find(step);
       return absl::DeadlineExceededError(absl::StrCat(
           "step ", step, " is still waiting for rank(s) ",
-          p == pending_.end() ? std::string("?") : MissingRanksLocked(p->second),
+          p == pending_.end() ? std::string("?") : MissingRanksLocked(step, p->second),
           " (or an earlier step); rank ", rank, "'s contribution stays held"));
     }
     absl::Time wake = deadline;
@@ -249,7 +261,7 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
             "a lookup for step ", step, " waited ", absl::FormatDuration(options_.timeout),
             " (the collection's step_timeout_s) for step ", target, ", which ",
             p == pending_.end() ? std::string("no rank sent")
-                                : absl::StrCat("rank(s) ", MissingRanksLocked(p->second),
+                                : absl::StrCat("rank(s) ", MissingRanksLocked(target, p->second),
                                                " did not send"),
             " (",
             applied_.has_value() ? absl::StrCat("last applied: ", *applied_)
@@ -266,6 +278,36 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
     for (const auto& [s, p] : pending_) wake = std::min(wake, p.first + options_.timeout);
     changed_.WaitWithDeadline(&mu_, wake);
   }
+}
+
+absl::Status StepBarrier::SetTrainers(int32_t trainers, int64_t from_step,
+                                      const ApplyFn& apply) {
+  absl::MutexLock lock(&mu_);
+  if (all_aborted_.has_value()) return *all_aborted_;
+  if (trainers < 1 || from_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("trainers must be >= 1 and from_step >= 0, got ",
+                                                   trainers, " from step ", from_step));
+  }
+  auto same = trainers_from_.find(from_step);
+  if (same != trainers_from_.end() && same->second == trainers) return absl::OkStatus();  // again
+  if (applied_.has_value() && from_step <= *applied_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", from_step, " is applied here already (last applied: ", *applied_,
+        "); the trainer count can change from step ", *applied_ + 1, " on"));
+  }
+  for (auto it = pending_.lower_bound(from_step); it != pending_.end(); ++it) {
+    if (!it->second.by_rank.empty() && it->second.by_rank.rbegin()->first >= trainers) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", it->first, " holds rank ", it->second.by_rank.rbegin()->first,
+          "'s update, past ", trainers, " trainers; change the count from a later step"));
+    }
+  }
+  // Later changes are replaced by this one.
+  trainers_from_.erase(trainers_from_.lower_bound(from_step), trainers_from_.end());
+  trainers_from_[from_step] = trainers;
+  ApplyReadyLocked(apply);  // fewer ranks may complete a held step
+  changed_.SignalAll();
+  return absl::OkStatus();
 }
 
 void StepBarrier::AbortAll(const absl::Status& why) {

@@ -41,8 +41,7 @@ namespace ember {
 namespace worker {
 
 // One shard's part of a rank's contribution, its arrays copied (the gRPC
-// message or channel region it came in is reused once its call returns);
-// the gradients already divided by the trainers for a MEAN reduction.
+// message or channel region it came in is reused once its call returns).
 struct HeldPart {
   std::string table;
   int32_t shard_index = 0;
@@ -80,6 +79,10 @@ class StepBarrier {
   const Options& options() const { return options_; }
   // SYNC or BOUNDED: data calls must carry steps (and updates ranks).
   bool stepped() const { return options_.mode != ember::v1::TrainingSpec::ASYNC; }
+  // The trainers step `step` waits for: options().trainers, or the count
+  // SetTrainers gave from a step at or before it.
+  int32_t TrainersAt(int64_t step) const;
+
   // How far a lookup may run ahead of the last applied step (SYNC 0).
   int32_t staleness() const {
     return options_.mode == ember::v1::TrainingSpec::BOUNDED ? options_.max_staleness : 0;
@@ -115,6 +118,12 @@ class StepBarrier {
   // moved or was dropped: clients refresh their plan and send again).
   void AbortAll(const absl::Status& why);
 
+  // `trainers` ranks from step `from_step` on (the steps before keep
+  // theirs); then applies the steps that completes. The same change again
+  // is accepted. FAILED_PRECONDITION: from_step applied already, or a held
+  // step from it on holds a rank >= trainers (nothing changed).
+  absl::Status SetTrainers(int32_t trainers, int64_t from_step, const ApplyFn& apply);
+
   struct Stats {
     int64_t steps_applied = 0;
     int64_t steps_aborted = 0;
@@ -138,12 +147,15 @@ class StepBarrier {
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step's outcome once it has one: OK (applied) or why it was not.
   std::optional<absl::Status> OutcomeLocked(int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::string MissingRanksLocked(const Pending& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string MissingRanksLocked(int64_t step, const Pending& p) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int32_t TrainersAtLocked(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::map<int64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, int32_t> trainers_from_ ABSL_GUARDED_BY(mu_);  // SetTrainers' changes
   std::optional<int64_t> applied_ ABSL_GUARDED_BY(mu_);
   bool applying_ ABSL_GUARDED_BY(mu_) = false;
   // Recent outcomes: steps dropped (and why), and the digests of applied

@@ -260,6 +260,54 @@ TEST(StepBarrierTest, HeldBytesAreBoundedAndAbortAllWakesEveryWaiter) {
   EXPECT_TRUE(log.applied.empty());
 }
 
+// The trainer count changes from a step on: earlier steps keep theirs; a
+// held step the new count completes is applied at once; the past, or a
+// held rank past the new count, refuses the change.
+TEST(StepBarrierTest, TheTrainerCountChangesFromAStepOn) {
+  StepBarrier b(Opts(TrainingSpec::BOUNDED, 3, /*staleness=*/2));
+  Log log;
+  bool d = false;
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(b.Submit(0, Make(r, r), Soon(), log.Fn(), &d).ok());
+  ASSERT_EQ(log.applied.size(), 1u);
+  // Step 1: ranks 0 and 1 held; a third is expected until the change.
+  ASSERT_TRUE(b.Submit(1, Make(0, 10), Soon(), log.Fn(), &d).ok());
+  ASSERT_TRUE(b.Submit(1, Make(1, 11), Soon(), log.Fn(), &d).ok());
+  ASSERT_TRUE(b.Submit(2, Make(2, 22), Soon(), log.Fn(), &d).ok());  // rank 2 at step 2
+  EXPECT_EQ(log.applied.size(), 1u);
+  absl::Status s = b.SetTrainers(2, 0, log.Fn());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("step 0 is applied here already"));
+  s = b.SetTrainers(2, 1, log.Fn());  // step 2 holds rank 2
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("step 2 holds rank 2's update"));
+  EXPECT_EQ(b.TrainersAt(1), 3);
+  EXPECT_EQ(log.applied.size(), 1u);
+  // From step 3: steps 1 and 2 keep three trainers.
+  ASSERT_TRUE(b.SetTrainers(2, 3, log.Fn()).ok());
+  ASSERT_TRUE(b.SetTrainers(2, 3, log.Fn()).ok());  // again: accepted
+  EXPECT_EQ(b.TrainersAt(2), 3);
+  EXPECT_EQ(b.TrainersAt(3), 2);
+  EXPECT_EQ(b.TrainersAt(100), 2);
+  EXPECT_EQ(log.applied.size(), 1u);
+  ASSERT_TRUE(b.Submit(1, Make(2, 12), Soon(), log.Fn(), &d).ok());  // completes step 1
+  ASSERT_EQ(log.applied.size(), 2u);
+  // Step 2 has rank 2; dropping the count to 2 from step 2 is refused, to
+  // 3 kept; from step 2 with ranks 0, 1 in and the count then 2: applied.
+  ASSERT_TRUE(b.Submit(2, Make(0, 20), Soon(), log.Fn(), &d).ok());
+  ASSERT_TRUE(b.Submit(2, Make(1, 21), Soon(), log.Fn(), &d).ok());
+  EXPECT_EQ(log.applied.size(), 3u);
+  ASSERT_TRUE(b.Submit(3, Make(0, 30), Soon(), log.Fn(), &d).ok());
+  ASSERT_TRUE(b.Submit(3, Make(1, 31), Soon(), log.Fn(), &d).ok());  // two trainers now
+  ASSERT_EQ(log.applied.size(), 4u);
+  EXPECT_EQ(log.applied[3].second, (std::vector<int32_t>{0, 1}));
+  // A count lowered under held ranks completes their step.
+  ASSERT_TRUE(b.SetTrainers(3, 4, log.Fn()).ok());
+  ASSERT_TRUE(b.Submit(4, Make(0, 40), Soon(), log.Fn(), &d).ok());
+  EXPECT_EQ(log.applied.size(), 4u);
+  ASSERT_TRUE(b.SetTrainers(1, 4, log.Fn()).ok());
+  EXPECT_EQ(log.applied.size(), 5u);
+}
+
 TEST(StepBarrierTest, OptionsFromTheSpec) {
   TrainingSpec spec;
   spec.set_mode(TrainingSpec::BOUNDED);

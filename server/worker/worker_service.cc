@@ -245,14 +245,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   // without mu_ (the collection may move meanwhile: its barrier is then
   // aborted and the caller refreshes its plan and sends again).
   bool duplicate = false;
-  const std::string name = req->collection();
-  const StepBarrier* barrier = steps.get();
-  absl::Status s = steps->Submit(
-      req->step(), std::move(held), DeadlineOf(ctx),
-      [this, &name, barrier](int64_t, const std::vector<const Contribution*>& ranks) {
-        return ApplyStep(name, barrier, ranks);
-      },
-      &duplicate);
+  absl::Status s = steps->Submit(req->step(), std::move(held), DeadlineOf(ctx),
+                                 StepApplier(req->collection(), steps.get()), &duplicate);
   if (duplicate) {
     resp->set_duplicate(true);
     duplicates_.fetch_add(1, std::memory_order_relaxed);
@@ -383,17 +377,15 @@ absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCal
   if (req.step() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("step must be >= 0, got ", req.step()));
   }
-  if (req.rank() < 0 || req.rank() >= o.trainers) {
+  const int32_t trainers = coll.steps->TrainersAt(req.step());
+  if (req.rank() < 0 || req.rank() >= trainers) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", req.rank(), " is outside 0..",
-                                                   o.trainers - 1, " (the collection's ",
-                                                   o.trainers, " trainers)"));
+                                                   trainers - 1, " (the collection's ", trainers,
+                                                   " trainers at step ", req.step(), ")"));
   }
   held->rank = req.rank();
   held->request_id = req.request_id();
   held->digest = req.request_digest();
-  // MEAN: divided (as TorchRec's gradient division and DDP do), not
-  // multiplied by a rounded 1/trainers.
-  const float divisor = o.mean ? static_cast<float>(o.trainers) : 1.0f;
   std::vector<const ShardEntry*> found;
   for (int i = 0; i < in.request().gradients_size(); ++i) {
     auto part = in.Decode(i, ShapesOf(coll, &found));
@@ -413,15 +405,13 @@ absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCal
     h.ids.assign(part->feature.ids.begin(), part->feature.ids.end());
     h.weights.assign(part->feature.weights.begin(), part->feature.weights.end());
     h.grad.assign(part->grad.begin(), part->grad.end());
-    if (divisor != 1.0f) {
-      for (float& g : h.grad) g /= divisor;
-    }
     held->parts.push_back(std::move(h));
   }
   return absl::OkStatus();
 }
 
 absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier* steps,
+                                      int64_t step,
                                       const std::vector<const Contribution*>& ranks) {
   absl::ReaderMutexLock lock(&mu_);
   auto c = HeldCollection(name);
@@ -468,6 +458,11 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
       group.parts.push_back(&h);
     }
   }
+  // MEAN: each rank's gradients divided by the step's trainers (as
+  // TorchRec's gradient division and DDP do: a division, not a product
+  // with a rounded 1/N).
+  const float divisor =
+      steps->options().mean ? static_cast<float>(steps->TrainersAt(step)) : 1.0f;
   std::vector<HeldPart> joined(groups.size());
   std::vector<backend::GradientRequest> requests;
   std::vector<const ShardEntry*> entries;  // requests[i]'s shard
@@ -479,6 +474,9 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
       j.ids.insert(j.ids.end(), p->ids.begin(), p->ids.end());
       j.weights.insert(j.weights.end(), p->weights.begin(), p->weights.end());
       j.grad.insert(j.grad.end(), p->grad.begin(), p->grad.end());
+    }
+    if (divisor != 1.0f) {
+      for (float& g : j.grad) g /= divisor;
     }
     backend::GradientRequest r;
     r.feature.shard = groups[g].entry->id;

@@ -181,6 +181,9 @@ class WorkerService final : public ember::v1::Worker::Service {
                               ember::v1::LoadCheckpointResponse* resp) override;
   grpc::Status UpdateShards(grpc::ServerContext* ctx, const ember::v1::UpdateShardsRequest* req,
                             ember::v1::UpdateShardsResponse* resp) override;
+  grpc::Status UpdateTraining(grpc::ServerContext* ctx,
+                              const ember::v1::UpdateTrainingRequest* req,
+                              ember::v1::UpdateTrainingResponse* resp) override;
 
  private:
   // A shard's traffic (GetTableStats); it moves with the shard's entry.
@@ -249,8 +252,14 @@ class WorkerService final : public ember::v1::Worker::Service {
   // if it is still held with barrier `steps`: the ranks' parts in rank
   // order, in one backend call; shards that applied a contribution's
   // request id before (a retry after a move) skip it.
-  absl::Status ApplyStep(const std::string& name, const StepBarrier* steps,
+  absl::Status ApplyStep(const std::string& name, const StepBarrier* steps, int64_t step,
                          const std::vector<const Contribution*>& ranks) ABSL_LOCKS_EXCLUDED(mu_);
+  // ApplyStep for collection `name`'s barrier `steps`, as the barrier calls it.
+  StepBarrier::ApplyFn StepApplier(const std::string& name, const StepBarrier* steps) {
+    return [this, name, steps](int64_t step, const std::vector<const Contribution*>& ranks) {
+      return ApplyStep(name, steps, step, ranks);
+    };
+  }
   // A lookup of a SYNC/BOUNDED collection waits (without mu_) until the
   // steps it must see are applied; INVALID_ARGUMENT without a step.
   absl::Status WaitForStep(const ember::v1::WorkerLookupRequest& req, absl::Time deadline)

@@ -262,6 +262,30 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerService::UpdateTraining(grpc::ServerContext* ctx,
+                                           const ember::v1::UpdateTrainingRequest* req,
+                                           ember::v1::UpdateTrainingResponse*) {
+  if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
+  std::shared_ptr<StepBarrier> steps;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req->collection(), req->epoch());
+    if (!c.ok()) return ToGrpc(c.status());
+    steps = (*c)->steps;
+  }
+  if (!steps->stepped()) {
+    return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+        "collection '", req->collection(), "' trains ASYNC: it counts no trainers")));
+  }
+  absl::Status s = steps->SetTrainers(req->trainers(), req->from_step(),
+                                      StepApplier(req->collection(), steps.get()));
+  if (s.ok()) {
+    LOG(INFO) << "collection '" << req->collection() << "': " << req->trainers()
+              << " trainer(s) from step " << req->from_step();
+  }
+  return ToGrpc(s);
+}
+
 grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1::DropShardsRequest* req,
                                        ember::v1::DropShardsResponse*) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
