@@ -53,8 +53,8 @@ struct DeviceKjt {
 // collection whose TrainingSpec is SYNC or BOUNDED: every lookup carries
 // its step and every update its step and rank there (INVALID_ARGUMENT
 // without); ASYNC collections ignore them. An update of a stepped
-// collection goes to every worker of the plan (with no gradients where the
-// rank has none for it), and its call waits up to the collection's
+// collection goes to every worker holding a shard of it (with no gradients
+// where the rank has none for it), and its call waits up to the collection's
 // step_timeout_s (plus the client's timeout) for the other ranks.
 struct StepTag {
   int64_t step = -1;  // < 0: none

@@ -34,8 +34,9 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
 
 // Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
 // `tag`'s step and rank, where given, travel with every worker's request;
-// for a SYNC or BOUNDED collection every worker of the plan gets one, with
-// no gradients where this rank has none for it (its step counts the rank).
+// for a SYNC or BOUNDED collection every worker holding a shard of it gets
+// one, with no gradients where this rank has none for it (its step counts
+// the rank).
 absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                           const std::string& request_id, uint64_t digest, absl::Time deadline,
                           const StubFor& stub_for, const ChannelFor& channel_for,

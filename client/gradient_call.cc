@@ -16,7 +16,16 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
                           const std::string& request_id, uint64_t digest, absl::Time deadline,
                           const StubFor& stub_for, const ChannelFor& channel_for,
                           const StepTag& tag) {
-  const bool stepped = r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC;
+  // A stepped collection's update goes to every worker holding a shard of
+  // it (gradients or none), so that every worker's step counts this rank.
+  std::vector<bool> holds(r.info.worker_addresses_size(), false);
+  if (r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC) {
+    for (const Client::Routing::Table& t : r.tables) {
+      for (const auto* list : {&t.shards, &t.replicas}) {
+        for (const auto& shard : *list) holds[shard.rank] = true;
+      }
+    }
+  }
   using GradCall = Call<ember::v1::WorkerApplyGradientsRequest, ember::v1::WorkerApplyGradientsResponse>;
   std::vector<std::unique_ptr<Transport>> transports(r.info.worker_addresses_size());
   Fanout<GradCall> fan(r, r.info.worker_addresses_size(), deadline, stub_for);
@@ -55,7 +64,7 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
     call.request.set_request_digest(digest);
     if (tag.step >= 0) call.request.set_step(tag.step);
     if (tag.rank >= 0) call.request.set_rank(tag.rank);
-    if (stepped) call.used = true;  // the worker's step counts this rank
+    if (holds[rank]) call.used = true;  // the worker's step counts this rank
     uint64_t most = 0;
     for (const FeatureJob& j : *jobs) {
       for (const auto& shard : targets_of(j)) {

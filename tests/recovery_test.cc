@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -287,6 +288,119 @@ TEST(RecoveryTest, WithoutACheckpointTheLostShardsComeBackFresh) {
 
 TEST(RecoveryTest, ACheckpointOfAnEarlierCollectionOfTheSameNameIsNotUsed) {
   RunCase({/*restart_workers=*/true, /*checkpoint=*/false, /*whole=*/false, /*recreate=*/true});
+}
+
+// A SYNC step held when a worker dies (docs/training.md, "Moves"): rank 0's update
+// is held on the workers when worker 1 is killed; rank 1 sends its own
+// meanwhile (retrying until the collection serves again). Whatever each
+// worker had applied of the step when it moved, the step ends applied
+// exactly once everywhere: the tables equal the checkpoint (taken before
+// the step: the lost shards come back from it, the survivors never moved
+// past it) plus one trainer's update with the global batch, halved.
+TEST(RecoveryTest, ASyncStepHeldWhenAWorkerDiesIsAppliedOnce) {
+  const std::string root = TempDir();
+  LocalCluster cluster(kEmberctl, 3, {"--checkpoint_dir=" + root, "--restart_workers=false"});
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(10);
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  CollectionSpec spec = TestSpec("sync");
+  spec.mutable_tables()->RemoveLast();  // the sequence table
+  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec.mutable_training()->set_trainers(2);
+  spec.mutable_training()->set_step_timeout_s(60);
+  auto info = (*c)->CreateCollection(spec, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  CollectionSpec ref_spec = spec;
+  ref_spec.set_name("ref");
+  ref_spec.clear_training();
+  ASSERT_TRUE((*c)->CreateCollection(ref_spec, "row_wise").ok());
+  ASSERT_TRUE((*c)->Checkpoint("sync").ok());
+  for (const auto& [table, values] : ExportAll(c->get(), "sync", spec)) {
+    ASSERT_TRUE((*c)->ImportTable("ref", table, values, values.size() / 16, 16).ok());
+  }
+
+  // Each rank's slice, and the global batch: per key, rank 0's bags then 1's.
+  const std::vector<std::string> keys = {"f_sum", "f_mean", "f_rw", "f_sum2"};
+  const std::vector<int> rows = {301, 200, 150, 301};
+  std::mt19937 rng(17);
+  std::vector<std::vector<std::vector<int64_t>>> ids[2], global(keys.size());
+  for (int r = 0; r < 2; ++r) {
+    ids[r].resize(keys.size());
+    for (size_t k = 0; k < keys.size(); ++k) {
+      for (int b = 0; b < 5; ++b) {
+        std::vector<int64_t> bag;
+        for (int i = 0, n = 1 + rng() % 5; i < n; ++i) bag.push_back(rng() % (rng() % 2 ? 7 : rows[k]));
+        ids[r][k].push_back(bag);
+        global[k].push_back(bag);
+      }
+    }
+  }
+  std::vector<KeyedJaggedTensor> kjt;
+  for (int r = 0; r < 2; ++r) kjt.push_back(*KeyedJaggedTensor::FromJagged(keys, ids[r], {}));
+  const KeyedJaggedTensor all = *KeyedJaggedTensor::FromJagged(keys, global, {});
+  std::vector<KeyedTensor> grads;
+  for (int r = 0; r < 2; ++r) {
+    auto layout = (*c)->Lookup("sync", kjt[r], client::StepTag{0, -1});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    grads.push_back(testing_util::RandomGradients(rng, layout->keys, layout->length_per_key, 5));
+  }
+  KeyedTensor both = grads[0];  // rows of rank 0 then rank 1, halved
+  both.batch_size = 10;
+  both.values.insert(both.values.end(), grads[1].values.begin(), grads[1].values.end());
+  for (float& g : both.values) g /= 2.0f;
+
+  // Sends rank r's step 0 until it is acknowledged, as a trainer would
+  // (with its own id: a resend is the same update).
+  auto send = [&](int r, absl::Status* last) {
+    auto mine = Client::Connect(cluster.coordinator(), o);
+    if (!mine.ok()) {
+      *last = mine.status();
+      return;
+    }
+    const absl::Time start = absl::Now();
+    while (absl::Now() - start < absl::Seconds(60)) {
+      *last = (*mine)->ApplyGradients("sync", kjt[r], grads[r], absl::StrCat("rank", r, "-step0"),
+                                      nullptr, client::StepTag{0, r});
+      if (last->ok()) return;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  };
+  absl::Status rank0, rank1;
+  std::thread t0([&] { send(0, &rank0); });
+  absl::SleepFor(absl::Milliseconds(500));  // held on the workers, waiting for rank 1
+
+  auto workers = (*c)->ListWorkers();
+  ASSERT_TRUE(workers.ok());
+  pid_t victim = -1;
+  for (const auto& w : workers->workers()) {
+    if (w.info().address() == info->worker_addresses(1)) victim = static_cast<pid_t>(w.info().pid());
+  }
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  std::thread t1([&] { send(1, &rank1); });
+  t0.join();
+  t1.join();
+  ASSERT_TRUE(rank0.ok()) << rank0;
+  ASSERT_TRUE(rank1.ok()) << rank1;
+  ASSERT_TRUE((*c)->ApplyGradients("ref", all, both).ok());
+  auto after = (*c)->GetCollection("sync");
+  ASSERT_TRUE(after.ok());
+  EXPECT_GT(after->plan().epoch(), info->plan().epoch());  // it moved
+  const Tables got = ExportAll(c->get(), "sync", spec), want = ExportAll(c->get(), "ref", ref_spec);
+  for (const auto& [table, values] : want) {
+    SCOPED_TRACE(table);
+    testing_util::ExpectNear(got.at(table), values, table);
+  }
+  // And it trains on: step 1 from both ranks.
+  std::thread u0([&] {
+    rank0 = (*c)->ApplyGradients("sync", kjt[0], grads[0], "", nullptr, client::StepTag{1, 0});
+  });
+  rank1 = (*c)->ApplyGradients("sync", kjt[1], grads[1], "", nullptr, client::StepTag{1, 1});
+  u0.join();
+  EXPECT_TRUE(rank0.ok()) << rank0;
+  EXPECT_TRUE(rank1.ok()) << rank1;
 }
 
 }  // namespace
