@@ -10,12 +10,18 @@ Adagrad, fused on the workers), a top MLP over both, BCE loss; the dense
 parameters train with torch's Adam in this process.
 
     examples/train_dlrm.py [--steps 300] [--batch 256] [--workers 2] [--pipeline]
-        [--coordinator HOST:PORT]
+        [--trainers N] [--coordinator HOST:PORT]
 
 Without --coordinator it starts a local cluster (`emberctl up`) and stops it
 at the end. Prints a progress line every --log_every steps and the held-out
 AUC before and after training; exits non-zero if the final AUC is below
 --min_auc.
+
+With --trainers N it runs N trainer processes, each with its slice of every
+global batch of --batch samples: the dense part under torch's
+DistributedDataParallel over gloo, the tables on one Ember collection that
+trains SYNC over the N ranks (BOUNDED(1) with --pipeline), so it reaches
+the AUC of one trainer (docs/training.md).
 """
 
 import argparse
@@ -47,6 +53,8 @@ def parse_args():
     p.add_argument("--log_every", type=int, default=50)
     p.add_argument("--min_auc", type=float, default=0.65)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainers", type=int, default=1,
+                   help="trainer processes (each a slice of every global batch)")
     return p.parse_args()
 
 
@@ -59,7 +67,8 @@ class ClickData:
         self.scores = [self.rng.normal(0, 1.0, size=n) for n in ROWS]
         self.w = self.rng.normal(0, 0.5, size=DENSE)
 
-    def batch(self, size):
+    def batch(self, size, rank=0, world=1):
+        """A global batch of `size` samples; rank `rank`'s slice of it."""
         jagged, logit = {}, np.zeros(size)
         for f, n, score in zip(FEATURES, ROWS, self.scores):
             bags = []
@@ -72,8 +81,10 @@ class ClickData:
         dense = self.rng.normal(0, 1, size=(size, DENSE)).astype(np.float32)
         logit += dense @ self.w - 0.5
         clicks = (self.rng.random(size) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-        return {"kjt": ember.KeyedJaggedTensor.from_jagged(jagged),
-                "dense": torch.from_numpy(dense), "label": torch.from_numpy(clicks)}
+        lo, hi = size * rank // world, size * (rank + 1) // world
+        return {"kjt": ember.KeyedJaggedTensor.from_jagged(
+                    {f: bags[lo:hi] for f, bags in jagged.items()}),
+                "dense": torch.from_numpy(dense[lo:hi]), "label": torch.from_numpy(clicks[lo:hi])}
 
 
 class DLRM(torch.nn.Module):
@@ -124,25 +135,48 @@ def evaluate(model, batches):
     return auc(np.concatenate(labels), np.concatenate(scores))
 
 
-def train(address, args):
+def train(address, args, rank=0, world=1, name=None, port=0):
+    """Trains (rank `rank` of `world` trainers); returns the final held-out
+    AUC (rank 0's; None on the others)."""
+    import torch.distributed as dist
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+    say = print if rank == 0 else (lambda *a, **k: None)
     client = ember.Client(address, timeout_s=60)
     tables = [{"name": f"t_{f}", "num_embeddings": n, "embedding_dim": DIM,
                "feature_names": [f], "pooling": "MEAN"} for f, n in zip(FEATURES, ROWS)]
-    name = f"dlrm_example_{int(time.time())}"
-    ebc = EmbeddingBagCollection(tables, client, name, sharding_type=args.sharding_type,
-                                 optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": 0.1})
+    name = name or f"dlrm_example_{int(time.time())}"
+    training = None
+    if world > 1:
+        training = ({"mode": "BOUNDED", "trainers": world, "max_staleness": 1} if args.pipeline
+                    else {"mode": "SYNC", "trainers": world})
+    kwargs = dict(sharding_type=args.sharding_type, training=training,
+                  optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": 0.1})
+    if rank == 0:
+        ebc = EmbeddingBagCollection(tables, client, name, **kwargs)
+    if world > 1:
+        dist.barrier()  # created
+    if rank != 0:
+        ebc = EmbeddingBagCollection(tables, client, name, create=False, **kwargs)
     try:
         torch.manual_seed(args.seed)
         model = DLRM(ebc)
+        trained = model
+        if world > 1:  # the dense part all-reduced, the tables stepped by Ember
+            trained = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
         data = ClickData(args.seed)
         held_out = [data.batch(args.batch) for _ in range(8)]
-        print(f"train_dlrm: {len(FEATURES)} tables on {client.collection(name)['worker_addresses'].__len__()} "
-              f"worker(s) ({args.sharding_type}), batch {args.batch}, {args.steps} steps"
-              f"{', pipelined' if args.pipeline else ''}", flush=True)
-        print(f"train_dlrm: held-out AUC before training {evaluate(model, held_out):.3f}", flush=True)
-        batches = (data.batch(args.batch) for _ in range(args.steps))
-        pipeline = TrainPipeline(model, optimizer, ebc, sparse=lambda b: b["kjt"])
+        mode = f", {world} trainers ({training['mode']})" if world > 1 else ""
+        say(f"train_dlrm: {len(FEATURES)} tables on {client.collection(name)['worker_addresses'].__len__()} "
+            f"worker(s) ({args.sharding_type}), batch {args.batch}, {args.steps} steps"
+            f"{', pipelined' if args.pipeline else ''}{mode}", flush=True)
+        if rank == 0:
+            say(f"train_dlrm: held-out AUC before training {evaluate(model, held_out):.3f}",
+                flush=True)
+        batches = (data.batch(args.batch, rank, world) for _ in range(args.steps))
+        pipeline = TrainPipeline(trained, optimizer, ebc, sparse=lambda b: b["kjt"])
         start, recent = time.monotonic(), []
         for step in range(1, args.steps + 1):
             if args.pipeline:
@@ -150,29 +184,67 @@ def train(address, args):
             else:
                 batch = next(batches)
                 optimizer.zero_grad()
-                loss, _ = model(batch)
+                loss, _ = trained(batch)
                 loss.backward()
                 optimizer.step()
             recent.append(float(loss.detach()))
             if step % args.log_every == 0 or step == args.steps:
                 rate = step / (time.monotonic() - start)
-                print(f"train_dlrm: step {step}/{args.steps}  loss {np.mean(recent):.4f}  "
-                      f"{rate:.1f} steps/s", flush=True)
+                say(f"train_dlrm: step {step}/{args.steps}  loss {np.mean(recent):.4f}  "
+                    f"{rate:.1f} steps/s ({rate * args.batch:.0f} samples/s)", flush=True)
                 recent = []
+        if world > 1:
+            dist.barrier()  # every rank's last step is in
+        if rank != 0:
+            return None
         final = evaluate(model, held_out)
-        print(f"train_dlrm: held-out AUC after training {final:.3f}", flush=True)
+        say(f"train_dlrm: held-out AUC after training {final:.3f}", flush=True)
         return final
     finally:
-        client.drop_collection(name)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            client.drop_collection(name)
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _trainer(rank, address, args, name, port, results):
+    """A trainer process of --trainers (torch.multiprocessing.spawn)."""
+    final = train(address, args, rank, args.trainers, name, port)
+    if rank == 0:
+        results.put(final)
+
+
+def run(address, args):
+    """train() in this process, or in --trainers processes; the final AUC."""
+    if args.trainers == 1:
+        return train(address, args)
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_trainer, args=(address, args, f"dlrm_example_{int(time.time())}", port, results),
+             nprocs=args.trainers)
+    return results.get()
 
 
 def main():
     args = parse_args()
+    if args.trainers < 1:
+        print("train_dlrm: --trainers must be >= 1", file=sys.stderr)
+        return 2
+    if args.batch % args.trainers:
+        print(f"train_dlrm: --batch {args.batch} is not a multiple of --trainers {args.trainers}",
+              file=sys.stderr)
+        return 2
     if args.coordinator:
-        final = train(args.coordinator, args)
+        final = run(args.coordinator, args)
     else:
         with ember.LocalCluster(workers=args.workers) as cluster:
-            final = train(cluster.address, args)
+            final = run(cluster.address, args)
     if final < args.min_auc:
         print(f"train_dlrm: AUC {final:.3f} is below --min_auc {args.min_auc}", file=sys.stderr)
         return 1

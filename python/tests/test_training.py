@@ -499,3 +499,31 @@ def test_the_trainer_count_changes_between_steps(client):
     finally:
         client.drop_collection(name)
         client.drop_collection(ref)
+
+
+def test_the_dlrm_example_with_two_trainers_reaches_one_trainers_auc(client):
+    """examples/train_dlrm.py --trainers=2 (two processes, DDP over gloo for
+    the dense part, the tables SYNC on Ember) against --trainers=1 on the
+    same data: the same held-out AUC (to 0.01; the dense sums' order
+    differs), well above chance."""
+    import os
+    import re
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    # The checkout (the runfiles' test sources are symlinks into it).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    script = os.path.join(root, "examples", "train_dlrm.py")
+    if not os.path.exists(script):
+        pytest.skip("examples/train_dlrm.py is not beside the tests")
+    aucs = {}
+    for trainers in (1, 2):
+        out = subprocess.run([sys.executable, script, "--steps=80", "--batch=128",
+                              f"--trainers={trainers}", f"--coordinator={client.address}",
+                              "--min_auc=0.6", "--log_every=40"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        aucs[trainers] = float(re.search(r"AUC after training ([0-9.]+)", out.stdout).group(1))
+        if trainers == 2:
+            assert "2 trainers (SYNC)" in out.stdout, out.stdout
+    assert abs(aucs[2] - aucs[1]) < 0.01, aucs
