@@ -25,7 +25,15 @@ run:
              overlaps the current step; one step of staleness).
 
 Prints steps/s for each and the ratios to TorchRec (> 1: Ember faster), or
-one JSON line with --format=json. On one machine the workers, the trainer and
+one JSON line with --format=json.
+
+With --trainers N (> 1, or any N with --modes) it times many trainers
+instead (the MLP model): N
+trainer processes over gloo, each a 1/N share of the global batch --batch,
+the dense part under DistributedDataParallel; TorchRec's DMP with N ranks
+(FBGEMM's fused row-wise Adagrad) against Ember's tables on --workers
+workers trained ASYNC, SYNC and BOUNDED(1) (pipelined: TrainPipeline). It
+prints samples/s (global) for each and SYNC / DMP. On one machine the workers, the trainer and
 TorchRec share the cores: see docs/lab-notes/2026-11-benchmarks.md for what limits the ratio.
 
     .venv/bin/python bench/train_bench.py [--steps 20] [--workers 2] [--format json]
@@ -64,6 +72,10 @@ def parse_args():
     p.add_argument("--format", default="table", choices=["table", "json"])
     p.add_argument("--model", default="mlp", choices=["mlp", "dlrm"],
                    help="the dense model: a small MLP, or TorchRec's DLRM")
+    p.add_argument("--trainers", type=int, default=1,
+                   help="> 1: time that many trainer processes (docs/training.md)")
+    p.add_argument("--modes", action="store_true",
+                   help="time --trainers processes in each training mode, 1 included")
     return p.parse_args()
 
 
@@ -198,11 +210,15 @@ def dmp_rank(rank, args, queue):
         dist.destroy_process_group()
 
 
-def run_dmp(args):
-    """(steps/s, sharding types) of TorchRec's DMP over gloo, --workers ranks."""
+def run_dmp(args, world=None):
+    """(steps/s, sharding types) of TorchRec's DMP over gloo, `world` ranks
+    (--workers)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    if world is not None:
+        args = copy.copy(args)
+        args.workers = world
     procs = [ctx.Process(target=dmp_rank, args=(r, args, queue)) for r in range(args.workers)]
     for p in procs:
         p.start()
@@ -216,10 +232,120 @@ def run_dmp(args):
     return result
 
 
+def ember_trainer(rank, args, address, name, training, port, queue):
+    """One of --trainers trainer processes on Ember: its share of the global
+    batch, the dense MLP under DDP over gloo, the tables trained `training`
+    (BOUNDED: through TrainPipeline); rank 0 puts steps/s."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.trainers)
+    try:
+        torch.set_num_threads(1)
+        import torchrec
+        configs = [{"name": f"t{t}", "num_embeddings": args.rows, "embedding_dim": args.dim,
+                    "feature_names": [f"f{t}"]} for t in range(args.tables)]
+        client = ember.Client(address, timeout_s=600)
+        kw = dict(optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": 0.05, "eps": 1e-8},
+                  training=training)
+        if rank == 0:
+            ebc = ember.torch.EmbeddingBagCollection(configs, client, name, **kw)
+        dist.barrier()
+        if rank != 0:
+            ebc = ember.torch.EmbeddingBagCollection(configs, client, name, create=False, **kw)
+        shard = copy.copy(args)
+        shard.batch = args.batch // args.trainers
+        batches = make_batches(shard, torchrec, seed=1 + rank)
+        torch.manual_seed(0)
+        dense = torch.nn.parallel.DistributedDataParallel(Dense(args.tables * args.dim))
+        opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+        if training["mode"] == "BOUNDED":
+            def model(b):
+                return torch.nn.functional.binary_cross_entropy_with_logits(
+                    dense(ebc(b["kjt"]).values()), b["label"])
+            pipeline = ember.torch.TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"])
+            seq = iter([dict(batches[i % len(batches)], kjt=copy.copy(batches[i % len(batches)]["kjt"]))
+                        for i in range(args.steps + 3)])
+            rate = time_steps(lambda _: pipeline.progress(seq), batches, args.steps,
+                              sync=dist.barrier)
+        else:
+            rate = time_steps(sgd_step(ebc, dense, opt), batches, args.steps, sync=dist.barrier)
+        dist.barrier()
+        if rank == 0:
+            client.drop_collection(name)
+            queue.put(rate)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_trainers(args):
+    """--trainers > 1: samples/s of DMP and of Ember in each mode."""
+    import socket
+    import torch.multiprocessing as mp
+    import torchrec
+    results = {"trainers": args.trainers, "batch": args.batch, "workers": args.workers}
+    if args.dmp:
+        rate, plan = run_dmp(args, world=args.trainers)
+        results["dmp_samples_per_s"], results["dmp_plan"] = rate * args.batch, plan
+    modes = {"async": {"mode": "ASYNC"},
+             "sync": {"mode": "SYNC", "trainers": args.trainers},
+             "bounded1": {"mode": "BOUNDED", "trainers": args.trainers, "max_staleness": 1}}
+
+    def run(address):
+        ctx = mp.get_context("spawn")
+        for key, training in modes.items():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            queue = ctx.Queue()
+            name = f"train_bench_{key}_{int(time.time())}"
+            procs = [ctx.Process(target=ember_trainer,
+                                 args=(r, args, address, name, training, port, queue))
+                     for r in range(args.trainers)]
+            for p in procs:
+                p.start()
+            try:
+                results[f"ember_{key}_samples_per_s"] = queue.get(timeout=900) * args.batch
+            finally:
+                for p in procs:
+                    p.join(timeout=60)
+                    if p.is_alive():
+                        p.kill()
+
+    if args.coordinator:
+        run(args.coordinator)
+    else:
+        with ember.LocalCluster(workers=args.workers,
+                                extra_flags=[f"--threads={args.worker_threads}"]) as cluster:
+            run(cluster.address)
+    if args.dmp:
+        results["sync_vs_dmp"] = results["ember_sync_samples_per_s"] / results["dmp_samples_per_s"]
+    results.update({"tables": args.tables, "rows": args.rows, "dim": args.dim,
+                    "pooling_factor": args.pf, "steps": args.steps,
+                    "torch": torch.__version__, "torchrec": torchrec.__version__})
+    if args.format == "json":
+        print(json.dumps(results), flush=True)
+        return
+    print(f"train_bench: {args.trainers} trainers, global batch {args.batch}; {args.tables} "
+          f"tables of {args.rows} x {args.dim}, pooling factor {args.pf}, row-wise Adagrad; "
+          f"{args.workers} Ember workers; torch {torch.__version__}, torchrec "
+          f"{torchrec.__version__}")
+    if args.dmp:
+        print(f"  torchrec DMP, gloo, {args.trainers} ranks: {results['dmp_samples_per_s']:10.0f} "
+              f"samples/s  ({', '.join(results['dmp_plan'])})")
+    for key, label in (("async", "ASYNC"), ("sync", "SYNC"), ("bounded1", "BOUNDED(1), pipelined")):
+        print(f"  ember {label:22s} {results[f'ember_{key}_samples_per_s']:10.0f} samples/s")
+    if args.dmp:
+        print(f"  ember SYNC / DMP: {results['sync_vs_dmp']:.2f}x")
+
+
 def main():
     args = parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.trainers > 1 or args.modes:
+        if args.trainers < 1 or args.batch % args.trainers:
+            sys.exit(f"train_bench: --batch {args.batch} is not a multiple of --trainers")
+        return run_trainers(args)
     try:
         import torchrec
         import torchrec.optim as trec_optim
