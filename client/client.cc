@@ -510,7 +510,8 @@ absl::Status DeviceJobs(const Client::Routing& r, const std::string& collection,
 }  // namespace
 
 absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceKjt& kjt,
-                                    float* out, int64_t out_floats, Layout* layout) {
+                                    float* out, int64_t out_floats, Layout* layout,
+                                    const StepTag& tag) {
   DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
@@ -548,7 +549,9 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
       }
       col += j.dim;
     }
-    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for); !st.ok()) {
+    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for,
+                                    impl_->channel_for, nullptr, tag);
+        !st.ok()) {
       return st;
     }
     col = 0;
@@ -570,9 +573,18 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
 absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const DeviceKjt& kjt,
                                             const float* grads, int64_t grad_floats,
                                             const std::string& request_id,
-                                            std::string* used_request_id) {
+                                            std::string* used_request_id, const StepTag& tag) {
   const std::string id = request_id.empty() ? RandomRequestId() : request_id;
   if (used_request_id != nullptr) *used_request_id = id;
+  // A step's digest tells a retry from a conflict; the device arrays are
+  // not read here, so it is the id's: a resend carries the same id.
+  uint64_t digest = 0;
+  if (tag.step >= 0) {
+    UpdateDigest d;
+    d.Add(collection);
+    d.Add(id);
+    digest = d.value();
+  }
   DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
@@ -596,8 +608,9 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
       j.grad_stride = width;
       col += j.dim;
     }
-    return RunGradients(r, &jobs, id, /*digest=*/0, deadline, impl_->stub_for, impl_->channel_for);
-  });
+    return RunGradients(r, &jobs, id, digest, deadline, impl_->stub_for, impl_->channel_for,
+                        tag);
+  }, /*step_update=*/true);
 }
 
 absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(

@@ -214,12 +214,17 @@ class Client {
     std::vector<std::string> keys;
     std::vector<int64_t> dims;
   };
+  // `tag`: as Lookup's and ApplyGradients' (a stepped update's resend
+  // must carry the same request id: its digest is the id's, the device
+  // arrays not being read here).
   absl::Status LookupOnDevice(const std::string& collection, const DeviceKjt& kjt, float* out,
-                              int64_t out_floats, Layout* layout = nullptr);
+                              int64_t out_floats, Layout* layout = nullptr,
+                              const StepTag& tag = {});
   absl::Status ApplyGradientsOnDevice(const std::string& collection, const DeviceKjt& kjt,
                                       const float* grads, int64_t grad_floats,
                                       const std::string& request_id = "",
-                                      std::string* used_request_id = nullptr);
+                                      std::string* used_request_id = nullptr,
+                                      const StepTag& tag = {});
 
   // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,

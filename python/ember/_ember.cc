@@ -266,14 +266,15 @@ PYBIND11_MODULE(_ember, m) {
       .def("lookup_on_device",
            [](Client& c, const std::string& name, std::vector<std::string> keys, int64_t batch,
               uintptr_t lengths, uintptr_t values, int64_t num_values, uintptr_t weights,
-              uintptr_t out, int64_t out_floats) {
+              uintptr_t out, int64_t out_floats, int64_t step) {
              const client::DeviceKjt kjt =
                  DeviceKjtOf(std::move(keys), batch, lengths, values, num_values, weights);
              Client::Layout layout;
              absl::Status s;
              {
                py::gil_scoped_release release;
-               s = c.LookupOnDevice(name, kjt, reinterpret_cast<float*>(out), out_floats, &layout);
+               s = c.LookupOnDevice(name, kjt, reinterpret_cast<float*>(out), out_floats, &layout,
+                                    client::StepTag{step, -1});
              }
              Check(s);
              return std::make_pair(layout.keys, layout.dims);
@@ -281,7 +282,8 @@ PYBIND11_MODULE(_ember, m) {
       .def("apply_gradients_on_device",
            [](Client& c, const std::string& name, std::vector<std::string> keys, int64_t batch,
               uintptr_t lengths, uintptr_t values, int64_t num_values, uintptr_t weights,
-              uintptr_t grads, int64_t grad_floats, const std::string& request_id) {
+              uintptr_t grads, int64_t grad_floats, const std::string& request_id,
+              int64_t step, int32_t rank) {
              const client::DeviceKjt kjt =
                  DeviceKjtOf(std::move(keys), batch, lengths, values, num_values, weights);
              std::string used;
@@ -289,7 +291,8 @@ PYBIND11_MODULE(_ember, m) {
              {
                py::gil_scoped_release release;
                s = c.ApplyGradientsOnDevice(name, kjt, reinterpret_cast<const float*>(grads),
-                                            grad_floats, request_id, &used);
+                                            grad_floats, request_id, &used,
+                                            client::StepTag{step, rank});
              }
              if (!s.ok()) {
                throw StatusError{static_cast<int>(s.code()),

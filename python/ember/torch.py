@@ -787,10 +787,6 @@ class EmbeddingBagCollection(_RemoteTables):
 
     def _lookup_on_device(self, kjt, step=None):
         """kjt's lookup on the device path: (keys, dims, values on its device)."""
-        if step is not None:
-            raise ember.Unimplemented(
-                12, "SYNC and BOUNDED collections take no device-path lookups (link channels) "
-                    "yet; open the client without a link")
         lengths, values, weights = _device_args(kjt)
         keys = list(kjt.keys())
         batch = lengths.numel() // len(keys) if keys else 0
@@ -799,7 +795,8 @@ class EmbeddingBagCollection(_RemoteTables):
         _ready(values.device)  # this thread's conversions of the arrays, done
         got_keys, dims = self._client._c.lookup_on_device(
             self._collection, keys, batch, lengths.data_ptr(), values.data_ptr(), values.numel(),
-            0 if weights is None else weights.data_ptr(), out.data_ptr(), out.numel())
+            0 if weights is None else weights.data_ptr(), out.data_ptr(), out.numel(),
+            -1 if step is None else step)
         return got_keys, dims, out
 
     def _apply_gradients(self, kjt, grad, step=None):
@@ -813,7 +810,8 @@ class EmbeddingBagCollection(_RemoteTables):
             self._client._c.apply_gradients_on_device(
                 self._collection, keys, batch, lengths.data_ptr(), values.data_ptr(),
                 values.numel(), 0 if weights is None else weights.data_ptr(), grad.data_ptr(),
-                grad.numel(), request_id)
+                grad.numel(), request_id, -1 if step is None else step,
+                -1 if step is None or self._rank is None else self._rank)
             return
         # The forward's layout: the KJT's features in the collection's order.
         keys = [f for t in self._info["spec"]["tables"] for f in t["feature_names"]]

@@ -90,6 +90,25 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
                     table_ids += float(line.rsplit(" ", 1)[1])
         assert table_ids == 30, table_ids
 
+        # Training steps (a SYNC collection of one trainer): each worker
+        # holding shards counts every step it applied.
+        client.create_collection({"name": "ms", "tables": [
+            {"name": "t", "num_embeddings": 100, "embedding_dim": 8, "feature_names": ["f"]}],
+            "training": {"mode": "SYNC", "trainers": 1}}, sharding_type="row_wise")
+        for step in range(2):
+            client.apply_gradients("ms", kjt, np.ones((3, 8), np.float32), step=step, rank=0)
+
+        def total(metric):
+            return sum(float(line.rsplit(" ", 1)[1]) for w in workers
+                       for line in get(urls[w]).splitlines()
+                       if line.startswith(metric + " ") or line.startswith(metric + "{"))
+
+        assert total("ember_worker_steps_applied_total") == 4  # 2 steps x 2 workers
+        assert total("ember_worker_steps_aborted_total") == 0
+        assert total("ember_worker_step_pending_bytes") == 0
+        client.drop_collection("ms")  # the counts below are of collection "m"
+        assert total("ember_worker_steps_applied_total") == 4  # a counter: kept
+
         # The exposition itself is valid Prometheus text.
         text = get(f"http://127.0.0.1:{base + 1}/metrics")
         check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, text=True,

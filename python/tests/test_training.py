@@ -527,3 +527,89 @@ def test_the_dlrm_example_with_two_trainers_reaches_one_trainers_auc(client):
         if trainers == 2:
             assert "2 trainers (SYNC)" in out.stdout, out.stdout
     assert abs(aucs[2] - aucs[1]) < 0.01, aucs
+
+
+def test_sync_ranks_over_link_channels():
+    """Two ranks whose modules send their torch tensors over link channels
+    (socket links: a KJT of CPU tensors is what a CUDA one is to NCCL)
+    train SYNC to the tables of one module on the host path with the
+    global batch, the loss divided by 2."""
+    torch = pytest.importorskip("torch")
+    import ember.torch as et
+    from torchrec import KeyedJaggedTensor as TorchKjt
+    opt = {"type": "ADAGRAD", "learning_rate": 0.2, "eps": 1e-8}
+    cfgs = [{"name": t["name"], "num_embeddings": t["num_embeddings"],
+             "embedding_dim": t["embedding_dim"], "feature_names": t["feature_names"],
+             "pooling": t["pooling"]} for t in tables(opt)]
+    with ember.LocalCluster(workers=2, extra_flags=["--links=socket"]) as cluster:
+        plain = ember.Client(cluster.address, timeout_s=20, shared_memory=False)
+        name, ref = "linked_sync", "linked_sync_ref"
+        et.EmbeddingBagCollection(cfgs, plain, name, optimizer=opt, sharding_type="table_wise",
+                                  training={"mode": "SYNC", "trainers": 2}, rank=0)
+        refmod = et.EmbeddingBagCollection(cfgs, plain, ref, optimizer=opt,
+                                           sharding_type="table_wise")
+        for t in ("t_sum", "t_mean"):
+            plain.import_table(ref, t, plain.export_table(name, t))
+        rng = np.random.default_rng(6)
+        slices = [[batch(rng, 3) for _ in range(2)] for _ in range(3)]
+        weights = [torch.from_numpy(rng.normal(size=(3, 12)).astype(np.float32))
+                   for _ in range(2)]
+
+        def torch_kjt(bags):
+            k = kjt_of(bags)
+            return TorchKjt.from_lengths_sync(keys=list(k.keys),
+                                              values=torch.from_numpy(k.values),
+                                              lengths=torch.from_numpy(k.lengths))
+
+        def rank_fn(r):
+            def fn():
+                linked = ember.Client(cluster.address, timeout_s=20, link="socket")
+                ebc = et.EmbeddingBagCollection(cfgs, linked, name, create=False, rank=r)
+                for s in range(3):
+                    (ebc(torch_kjt(slices[s][r])).values() * weights[r]).sum().backward()
+            return fn
+
+        run_ranks([rank_fn(0), rank_fn(1)])
+        linked_lookups = sum(int(plain.worker_status(a).get("link_lookups", 0))
+                             for a in plain.collection(name)["worker_addresses"])
+        assert linked_lookups >= 6, linked_lookups  # 2 ranks x 3 steps went over the links
+        for s in range(3):
+            kjt = kjt_of(concat(slices[s]))
+            ((refmod(kjt).values() * torch.cat(weights)).sum() / 2).backward()
+        for t in ("t_sum", "t_mean"):
+            np.testing.assert_array_equal(plain.export_table(name, t),
+                                          plain.export_table(ref, t), err_msg=t)
+
+
+def test_sync_sequence_features(client):
+    """NONE-pooled (sequence) tables: two ranks' per-id gradients in SYNC
+    equal one trainer's with the concatenated ids, halved (Adam)."""
+    seq = [{"name": "t_seq", "num_embeddings": 20, "embedding_dim": 4,
+            "feature_names": ["f_seq"], "pooling": "NONE",
+            "optimizer": {"type": "ADAM", "learning_rate": 0.05}}]
+    name, ref = "sync_seq", "sync_seq_ref"
+    client.create_collection({"name": name, "tables": seq,
+                              "training": {"mode": "SYNC", "trainers": 2}},
+                             sharding_type="row_wise")
+    client.create_collection({"name": ref, "tables": seq}, sharding_type="row_wise")
+    try:
+        client.import_table(ref, "t_seq", client.export_table(name, "t_seq"))
+        rng = np.random.default_rng(13)
+        for step in range(3):
+            slices = [batch(rng, 3, features=("f_seq",)) for _ in range(2)]
+            ids = [sum(len(b) for b in s["f_seq"]) for s in slices]
+            grads = [rng.normal(size=(n, 4)).astype(np.float32) for n in ids]
+            run_ranks([lambda r=r: client.apply_sequence_gradients(
+                name, kjt_of(slices[r], features=("f_seq",)), {"f_seq": grads[r]},
+                step=step, rank=r) for r in range(2)])
+            client.apply_sequence_gradients(
+                ref, kjt_of(concat(slices, features=("f_seq",)), features=("f_seq",)),
+                {"f_seq": np.concatenate(grads) / np.float32(2)})
+        np.testing.assert_array_equal(client.export_table(name, "t_seq"),
+                                      client.export_table(ref, "t_seq"))
+        got = client.lookup_sequence(name, kjt_of({"f_seq": [[1, 2]]}, features=("f_seq",)),
+                                     step=3)
+        np.testing.assert_array_equal(got["f_seq"], client.export_table(ref, "t_seq")[[1, 2]])
+    finally:
+        client.drop_collection(name)
+        client.drop_collection(ref)

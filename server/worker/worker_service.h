@@ -312,6 +312,11 @@ class WorkerService final : public ember::v1::Worker::Service {
   std::atomic<int64_t> nonfinite_skipped_ids_{0};
   std::atomic<int64_t> overflow_refused_{0};
   std::atomic<int64_t> dedup_forgotten_early_{0};
+  // The step counters of barriers gone (a collection dropped or moved), so
+  // that the metrics' counters never go down.
+  std::atomic<int64_t> retired_steps_applied_{0}, retired_steps_aborted_{0},
+      retired_step_wait_ns_{0}, retired_step_ranks_missing_{0};
+  void RetireSteps(const StepBarrier& steps);
   // Data calls in progress, and those refused for max_queued_calls.
   std::atomic<int64_t> calls_in_progress_{0}, busy_refused_{0};
   // Counts a data call in (EnterDataCall) and out (when destroyed).

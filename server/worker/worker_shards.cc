@@ -187,6 +187,7 @@ WorkerService::CollectionMap::iterator WorkerService::EraseCollection(
     it->second->steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
         "collection '", it->first, "' was dropped on this worker while a step was held; "
         "refresh the plan")));
+    RetireSteps(*it->second->steps);
   }
   return collections_.erase(it);
 }
@@ -254,12 +255,21 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     coll.steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
         "collection '", name, "' moved to epoch ", req->epoch(),
         " while a step was held; refresh the plan and send the step again")));
+    RetireSteps(*coll.steps);
     coll.steps = MakeSteps(req->training());
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
             << create.size() << " shard(s) added";
   coll.epoch = req->epoch();
   return grpc::Status::OK;
+}
+
+void WorkerService::RetireSteps(const StepBarrier& steps) {
+  const StepBarrier::Stats st = steps.GetStats();
+  retired_steps_applied_.fetch_add(st.steps_applied, std::memory_order_relaxed);
+  retired_steps_aborted_.fetch_add(st.steps_aborted, std::memory_order_relaxed);
+  retired_step_wait_ns_.fetch_add(st.wait_ns, std::memory_order_relaxed);
+  retired_step_ranks_missing_.fetch_add(st.ranks_missing, std::memory_order_relaxed);
 }
 
 grpc::Status WorkerService::UpdateTraining(grpc::ServerContext* ctx,
@@ -350,11 +360,15 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.id_buffer_lookups = id_buffer_lookups_.load(std::memory_order_relaxed);
   s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
   s.backend_update_ns = backend_update_ns_.load(std::memory_order_relaxed);
-  absl::ReaderMutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);  // retiring happens under it: no count seen twice or lost
+  s.steps_applied = retired_steps_applied_.load(std::memory_order_relaxed);
+  s.steps_aborted = retired_steps_aborted_.load(std::memory_order_relaxed);
+  s.step_wait_ns = retired_step_wait_ns_.load(std::memory_order_relaxed);
+  s.step_ranks_missing = retired_step_ranks_missing_.load(std::memory_order_relaxed);
   s.collections = static_cast<int64_t>(collections_.size());
   for (const auto& [name, c] : collections_) {
     s.shards += static_cast<int64_t>(c->shards.size());
-    const StepBarrier::Stats st = c->steps->GetStats();
+    const StepBarrier::Stats st = c->steps->GetStats();  // added to the retired ones
     s.steps_applied += st.steps_applied;
     s.steps_aborted += st.steps_aborted;
     s.step_wait_ns += st.wait_ns;
