@@ -134,7 +134,8 @@ OPTIMIZERS = [{"type": "SGD", "learning_rate": 0.5},
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o["type"])
 @pytest.mark.parametrize("trainers,sharding", [(2, "row_wise"), (3, "table_wise"),
-                                               (2, "column_wise")])
+                                               (2, "column_wise"), (2, "table_row_wise"),
+                                               (2, "data_parallel")])
 def test_sync_ranks_equal_one_trainer_with_the_global_batch(client, opt, trainers, sharding):
     name = f"sync_{opt['type'].lower()}_{trainers}_{sharding}"
     ref = name + "_ref"
