@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/data_calls.h"
+#include "server/common/wire.h"
 
 namespace ember {
 namespace client {
@@ -19,7 +20,8 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
   // A stepped collection's update goes to every worker holding a shard of
   // it (gradients or none), so that every worker's step counts this rank.
   std::vector<bool> holds(r.info.worker_addresses_size(), false);
-  if (r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC) {
+  const bool stepped = r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC;
+  if (stepped) {
     for (const Client::Routing::Table& t : r.tables) {
       for (const auto* list : {&t.shards, &t.replicas}) {
         for (const auto& shard : *list) holds[shard.rank] = true;
@@ -117,7 +119,9 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
           for (int64_t b = 0; b < j.batch; ++b) {
             const float* src = j.grad + b * j.grad_stride + shard.col_offset;
             float* out = dst.data() + b * shard.cols;
-            if (mean && row_split) {  // d(sum/len)/d(row) = 1/len, the bag's total length
+            if (mean && row_split && stepped) {  // the worker scales, after its division
+              std::memcpy(out, src, shard.cols * sizeof(float));
+            } else if (mean && row_split) {  // d(sum/len)/d(row) = 1/len, the bag's total length
               const float inv = j.lengths[b] > 0 ? 1.0f / static_cast<float>(j.lengths[b]) : 0.0f;
               for (int64_t c = 0; c < shard.cols; ++c) out[c] = src[c] * inv;
             } else {
@@ -126,6 +130,9 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
           }
         }
         t->KeepArray<float>(g->mutable_grad(), [&] { return g->mutable_shm_grad(); }, dst);
+        if (mean && row_split && stepped && !j.sequence) {
+          g->set_mean_lengths(wire::Encode<int64_t>(absl::MakeConstSpan(j.lengths, j.batch)));
+        }
       }
     }
     if (!defer) send(rank);

@@ -134,6 +134,7 @@ OPTIMIZERS = [{"type": "SGD", "learning_rate": 0.5},
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: o["type"])
 @pytest.mark.parametrize("trainers,sharding", [(2, "row_wise"), (3, "table_wise"),
+                                               (3, "row_wise"),
                                                (2, "column_wise"), (2, "table_row_wise"),
                                                (2, "data_parallel")])
 def test_sync_ranks_equal_one_trainer_with_the_global_batch(client, opt, trainers, sharding):
@@ -453,9 +454,8 @@ def test_the_trainer_count_changes_between_steps(client):
     import subprocess
     opt = {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.3}
     name, ref = "elastic", "elastic_ref"
-    # Table-wise: see docs/training.md on row-split MEAN tables and 3 ranks.
-    create(client, name, opt, "SYNC", 3, "table_wise")
-    create(client, ref, opt, None, 1, "table_wise")
+    create(client, name, opt, "SYNC", 3, "row_wise")
+    create(client, ref, opt, None, 1, "row_wise")
     try:
         for t in ("t_sum", "t_mean"):
             client.import_table(ref, t, client.export_table(name, t))
@@ -614,3 +614,52 @@ def test_sync_sequence_features(client):
     finally:
         client.drop_collection(name)
         client.drop_collection(ref)
+
+
+def test_a_step_held_during_a_drain_is_applied_once():
+    """Rank 0's SYNC step is held on the workers when one of them is drained
+    (its shards copied live to the others, the collection moved to a new
+    epoch): the held step is dropped there, rank 0 resends it to the new
+    plan, rank 1 sends its own, and the step is applied exactly once: the
+    tables equal one trainer's with the global batch (halved)."""
+    opt = {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.3}
+    with ember.LocalCluster(workers=3) as cluster:
+        c = ember.Client(cluster.address, timeout_s=30)
+        name, ref = "drained", "drained_ref"
+        create(c, name, opt, "SYNC", 2, "row_wise", step_timeout_s=60)
+        create(c, ref, opt, None, 1, "row_wise")
+        for t in ("t_sum", "t_mean"):
+            c.import_table(ref, t, c.export_table(name, t))
+        rng = np.random.default_rng(21)
+        slices = [batch(rng, 3) for _ in range(2)]
+        grads = [rng.normal(size=(3, 12)).astype(np.float32) for _ in range(2)]
+        done = {}
+
+        def send(r):
+            mine = ember.Client(cluster.address, timeout_s=30)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # a trainer resending its step, same id
+                try:
+                    mine.apply_gradients(name, kjt_of(slices[r]), grads[r],
+                                         request_id=f"rank{r}-step0", step=0, rank=r)
+                    done[r] = True
+                    return
+                except (ember.Unavailable, ember.FailedPrecondition, ember.Aborted):
+                    time.sleep(0.1)
+
+        first = threading.Thread(target=send, args=(0,))
+        first.start()
+        time.sleep(0.5)  # held, waiting for rank 1
+        assert 0 not in done
+        info = c.collection(name)
+        victim = next(w["worker_id"] for w in c.list_workers()
+                      if w["info"]["address"] == info["worker_addresses"][1])
+        assert name in c.drain(victim)
+        assert c.collection(name)["plan"]["epoch"] > info["plan"]["epoch"]
+        send(1)
+        first.join(70)
+        assert done == {0: True, 1: True}
+        c.apply_gradients(ref, kjt_of(concat(slices)), np.concatenate(grads) / np.float32(2))
+        for t in ("t_sum", "t_mean"):
+            np.testing.assert_array_equal(c.export_table(name, t), c.export_table(ref, t),
+                                          err_msg=t)

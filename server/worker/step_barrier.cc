@@ -20,7 +20,8 @@ void Trim(Map* m) {
 }  // namespace
 
 int64_t HeldPart::Bytes() const {
-  return static_cast<int64_t>(sizeof(HeldPart) + table.size() + 8 * (lengths.size() + ids.size()) +
+  return static_cast<int64_t>(sizeof(HeldPart) + table.size() + feature.size() +
+                              8 * (lengths.size() + ids.size() + mean_lengths.size()) +
                               4 * (weights.size() + grad.size()));
 }
 

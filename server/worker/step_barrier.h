@@ -49,6 +49,9 @@ struct HeldPart {
   backend::Pooling pooling = backend::Pooling::kSum;
   std::vector<int64_t> lengths, ids;
   std::vector<float> weights, grad;
+  // A row-split MEAN feature (sent as SUM): each bag's whole length; its
+  // rows are scaled by 1/length when applied (ShardGradient.mean_lengths).
+  std::vector<int64_t> mean_lengths;
   int64_t Bytes() const;
 };
 

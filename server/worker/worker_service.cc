@@ -19,6 +19,7 @@
 #include "glog/logging.h"
 #include "server/backend/overflow_guard.h"
 #include "server/common/grpc_util.h"
+#include "server/common/wire.h"
 
 namespace ember {
 namespace worker {
@@ -311,6 +312,11 @@ grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
   // The whole request is checked; then only the parts whose shards have not
   // applied this id run (a retry after a partial failure or a move).
   for (int i = 0; i < in.request().gradients_size(); ++i) {
+    if (!in.request().gradients(i).mean_lengths().empty()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "gradient ", i, " carries mean_lengths, which only SYNC and BOUNDED updates take; "
+          "collection '", req.collection(), "' trains ASYNC")));
+    }
     auto part = in.Decode(i, ShapesOf(coll, &found));
     if (!part.ok()) return ToGrpc(CountRefusal(part.status()));
     const ShardEntry* entry = found.back();
@@ -405,6 +411,24 @@ absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCal
     h.ids.assign(part->feature.ids.begin(), part->feature.ids.end());
     h.weights.assign(part->feature.weights.begin(), part->feature.weights.end());
     h.grad.assign(part->grad.begin(), part->grad.end());
+    const std::string& mean_lengths = in.request().gradients(i).mean_lengths();
+    if (!mean_lengths.empty()) {
+      if (absl::Status s = wire::Decode(mean_lengths, "mean_lengths", &h.mean_lengths); !s.ok()) {
+        return s;
+      }
+      if (h.pooling != backend::Pooling::kSum || h.mean_lengths.size() != h.lengths.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "gradient ", i, ": mean_lengths goes with a SUM-pooled feature, one per bag (",
+            h.lengths.size(), "), got ", h.mean_lengths.size()));
+      }
+      for (size_t b = 0; b < h.lengths.size(); ++b) {
+        if (h.mean_lengths[b] < h.lengths[b]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "gradient ", i, ": mean_lengths[", b, "] (", h.mean_lengths[b],
+              ") is less than the bag's ", h.lengths[b], " id(s) here"));
+        }
+      }
+    }
     held->parts.push_back(std::move(h));
   }
   return absl::OkStatus();
@@ -450,8 +474,10 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
                                             groups.size());
       if (inserted) groups.push_back({entry, {}});
       Group& group = groups[g->second];
-      if (!group.parts.empty() && (group.parts[0]->pooling != h.pooling ||
-                                   group.parts[0]->weights.empty() != h.weights.empty())) {
+      if (!group.parts.empty() &&
+          (group.parts[0]->pooling != h.pooling ||
+           group.parts[0]->weights.empty() != h.weights.empty() ||
+           group.parts[0]->mean_lengths.empty() != h.mean_lengths.empty())) {
         groups.push_back({entry, {&h}});  // not joinable
         continue;
       }
@@ -474,9 +500,20 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
       j.ids.insert(j.ids.end(), p->ids.begin(), p->ids.end());
       j.weights.insert(j.weights.end(), p->weights.begin(), p->weights.end());
       j.grad.insert(j.grad.end(), p->grad.begin(), p->grad.end());
+      j.mean_lengths.insert(j.mean_lengths.end(), p->mean_lengths.begin(), p->mean_lengths.end());
     }
     if (divisor != 1.0f) {
       for (float& g : j.grad) g /= divisor;
+    }
+    if (!j.mean_lengths.empty() && !j.lengths.empty()) {
+      // Row-split MEAN: d(sum / length) = 1 / length, after the division
+      // (what one trainer's client does to its divided gradient).
+      const size_t cols = j.grad.size() / j.lengths.size();
+      for (size_t b = 0; b < j.lengths.size(); ++b) {
+        const float inv =
+            j.mean_lengths[b] > 0 ? 1.0f / static_cast<float>(j.mean_lengths[b]) : 0.0f;
+        for (size_t c = 0; c < cols; ++c) j.grad[b * cols + c] *= inv;
+      }
     }
     backend::GradientRequest r;
     r.feature.shard = groups[g].entry->id;

@@ -1663,6 +1663,68 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
   EXPECT_TRUE(fine.ok()) << fine.error_message();
   EXPECT_NE(Table(s.get(), "t"), before);
 }
+// ShardGradient.mean_lengths (a stepped update's row-split MEAN feature):
+// refused by an ASYNC collection and when malformed; applied, the bag's
+// gradient is scaled by 1/length (here after dividing by 1 trainer).
+TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
+  auto s = MakeService(WorkerServiceOptions());
+  auto update = [](const std::string& collection, std::vector<int64_t> mean_lengths) {
+    ember::v1::WorkerApplyGradientsRequest r = UpdateOfT("m-" + collection);
+    r.set_collection(collection);
+    auto* g = r.mutable_gradients(0);
+    g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1, 2}));
+    g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 1, 2}));
+    g->set_grad(wire::Encode<float>(std::vector<float>{2, 2, 2, 2, 4, 4, 4, 4}));
+    g->set_mean_lengths(wire::Encode<int64_t>(mean_lengths));
+    r.set_step(0);
+    r.set_rank(0);
+    return r;
+  };
+  ember::v1::WorkerApplyGradientsResponse resp;
+  auto refused = update("c", {2, 4});
+  const grpc::Status async = s->ApplyGradients(nullptr, &refused, &resp);
+  EXPECT_EQ(async.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(async.error_message(), ::testing::HasSubstr("only SYNC and BOUNDED updates take"));
+  // The same table in a SYNC collection of one trainer.
+  ember::v1::CreateShardsRequest create;
+  create.set_collection("sy");
+  create.set_epoch(1);
+  create.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  create.mutable_training()->set_trainers(1);
+  auto* a = create.add_shards();
+  a->mutable_ref()->set_table("t");
+  TableConfig* t = a->mutable_table();
+  t->set_name("t");
+  t->set_num_embeddings(4);
+  t->set_embedding_dim(4);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  t->mutable_optimizer()->set_learning_rate(1.0);
+  t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
+  a->set_rows(4);
+  a->set_cols(4);
+  ember::v1::CreateShardsResponse created;
+  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+  for (const auto& [bad, why] : std::vector<std::pair<std::vector<int64_t>, std::string>>{
+           {{2}, "one per bag (2), got 1"}, {{2, 1}, "mean_lengths[1] (1) is less than"}}) {
+    auto r = update("sy", bad);
+    const grpc::Status st = s->ApplyGradients(nullptr, &r, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << why;
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr(why));
+  }
+  auto good = update("sy", {2, 4});
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &good, &resp).ok());
+  ember::v1::ExportRowsRequest er;
+  er.set_collection("sy");
+  er.mutable_shard()->set_table("t");
+  er.set_row_end(4);
+  ember::v1::ExportRowsResponse rows;
+  ASSERT_TRUE(s->ExportRows(nullptr, &er, &rows).ok());
+  std::vector<float> w;
+  ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
+  // SGD lr 1 from 0: row 0 -= 2 / 2; rows 1 and 2 -= 4 / 4; row 3 untouched.
+  EXPECT_EQ(w, (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0}));
+}
+
 }  // namespace
 }  // namespace worker
 }  // namespace ember
