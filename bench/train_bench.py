@@ -127,6 +127,23 @@ def make_batches(args, torchrec, n=4, seed=1):
     return out
 
 
+def on_cluster(args, fn):
+    """fn(coordinator address): --coordinator's, or a local cluster's of
+    --workers workers started for the call."""
+    if args.coordinator:
+        return fn(args.coordinator)
+    with ember.LocalCluster(workers=args.workers,
+                            extra_flags=[f"--threads={args.worker_threads}"]) as cluster:
+        return fn(cluster.address)
+
+
+def distinct_batches(batches, n):
+    """An iterator over n steps of `batches`, cycled, each a dict and KJT
+    of its own (TrainPipeline's prefetch matches KJT objects), same data."""
+    return iter([dict(batches[i % len(batches)], kjt=copy.copy(batches[i % len(batches)]["kjt"]))
+                 for i in range(n)])
+
+
 def time_steps(step, batches, steps, sync=lambda: None):
     """Steps/s over `steps` steps after 3 warm-up ones; `sync` (a barrier
     across ranks) before and after the timed ones."""
@@ -263,8 +280,7 @@ def ember_trainer(rank, args, address, name, training, port, queue):
                 return torch.nn.functional.binary_cross_entropy_with_logits(
                     dense(ebc(b["kjt"]).values()), b["label"])
             pipeline = ember.torch.TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"])
-            seq = iter([dict(batches[i % len(batches)], kjt=copy.copy(batches[i % len(batches)]["kjt"]))
-                        for i in range(args.steps + 3)])
+            seq = distinct_batches(batches, args.steps + 3)
             rate = time_steps(lambda _: pipeline.progress(seq), batches, args.steps,
                               sync=dist.barrier)
         else:
@@ -311,12 +327,7 @@ def run_trainers(args):
                     if p.is_alive():
                         p.kill()
 
-    if args.coordinator:
-        run(args.coordinator)
-    else:
-        with ember.LocalCluster(workers=args.workers,
-                                extra_flags=[f"--threads={args.worker_threads}"]) as cluster:
-            run(cluster.address)
+    on_cluster(args, run)
     if args.dmp:
         results["sync_vs_dmp"] = results["ember_sync_samples_per_s"] / results["dmp_samples_per_s"]
     results.update({"tables": args.tables, "rows": args.rows, "dim": args.dim,
@@ -412,9 +423,7 @@ def main():
             # Pipelined: a fresh iterator over the same batches, cycled.
             pipeline = ember.torch.TrainPipeline(model, eopt, ebc, sparse=lambda b: b["kjt"])
             total = args.steps + 3
-            # Distinct dicts per step (the prefetch matches KJT objects), same data.
-            seq = iter([dict(batches[i % len(batches)], kjt=copy.copy(batches[i % len(batches)]["kjt"]))
-                        for i in range(total)])
+            seq = distinct_batches(batches, total)
             for _ in range(3):
                 pipeline.progress(seq)
             start = time.perf_counter()
@@ -425,12 +434,7 @@ def main():
         finally:
             client.drop_collection(name)
 
-    if args.coordinator:
-        run_ember(args.coordinator)
-    else:
-        with ember.LocalCluster(workers=args.workers,
-                                extra_flags=[f"--threads={args.worker_threads}"]) as cluster:
-            run_ember(cluster.address)
+    on_cluster(args, run_ember)
     base = results["torchrec_steps_per_s"]
     results.update({
         "ember_ratio": results["ember_steps_per_s"] / base,

@@ -69,6 +69,24 @@ Tables RollBackRank(const Tables& now, const Tables& then, const CollectionInfo&
   return want;
 }
 
+// *pid: the process of the worker serving at `address`, as it registered.
+void PidOf(Client* c, const std::string& address, pid_t* pid) {
+  auto workers = c->ListWorkers();
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  *pid = -1;
+  for (const auto& w : workers->workers()) {
+    if (w.info().address() == address) *pid = static_cast<pid_t>(w.info().pid());
+  }
+  ASSERT_GT(*pid, 0) << "no worker at " << address;
+}
+
+// kill -9 the worker process serving at `address`.
+void KillWorkerAt(Client* c, const std::string& address) {
+  pid_t victim = -1;
+  ASSERT_NO_FATAL_FAILURE(PidOf(c, address, &victim));
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
+}
+
 struct Case {
   bool restart_workers;  // the replacement path, else the survivors take the shards
   bool checkpoint;       // else the lost shards come back freshly initialised
@@ -126,14 +144,7 @@ void RunCase(const Case& k) {
   const Tables now = ExportAll(c->get(), "r", spec);
 
   // kill -9 the worker at rank 1.
-  auto workers = (*c)->ListWorkers();
-  ASSERT_TRUE(workers.ok());
-  pid_t victim = -1;
-  for (const auto& w : workers->workers()) {
-    if (w.info().address() == info->worker_addresses(1)) victim = static_cast<pid_t>(w.info().pid());
-  }
-  ASSERT_GT(victim, 0);
-  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(KillWorkerAt(c->get(), info->worker_addresses(1)));
   const absl::Time killed = absl::Now();
 
   // Training goes on once the collection is back: lookups are retried.
@@ -202,13 +213,8 @@ TEST(RecoveryTest, AWorkerBackFromAPauseServesNoStaleCopy) {
   }
   ASSERT_GE(rank, 0);
   const std::string paused_address = info->worker_addresses(rank);
-  auto workers = (*c)->ListWorkers();
-  ASSERT_TRUE(workers.ok());
   pid_t paused = -1;
-  for (const auto& w : workers->workers()) {
-    if (w.info().address() == paused_address) paused = static_cast<pid_t>(w.info().pid());
-  }
-  ASSERT_GT(paused, 0);
+  ASSERT_NO_FATAL_FAILURE(PidOf(c->get(), paused_address, &paused));
 
   ASSERT_EQ(kill(paused, SIGSTOP), 0);
   const absl::Time stopped = absl::Now();
@@ -371,14 +377,7 @@ TEST(RecoveryTest, ASyncStepHeldWhenAWorkerDiesIsAppliedOnce) {
   std::thread t0([&] { send(0, &rank0); });
   absl::SleepFor(absl::Milliseconds(500));  // held on the workers, waiting for rank 1
 
-  auto workers = (*c)->ListWorkers();
-  ASSERT_TRUE(workers.ok());
-  pid_t victim = -1;
-  for (const auto& w : workers->workers()) {
-    if (w.info().address() == info->worker_addresses(1)) victim = static_cast<pid_t>(w.info().pid());
-  }
-  ASSERT_GT(victim, 0);
-  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(KillWorkerAt(c->get(), info->worker_addresses(1)));
   std::thread t1([&] { send(1, &rank1); });
   t0.join();
   t1.join();

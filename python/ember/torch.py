@@ -286,6 +286,13 @@ class _RemoteEmbeddingBag(torch.nn.Module):
                 unexpected_keys.append(k)
 
 
+def _checked_table_state(table_state):
+    """`table_state` if it is one the modules take; ValueError otherwise."""
+    if table_state not in ("tensors", "checkpoint"):
+        raise ValueError(f"table_state must be 'tensors' or 'checkpoint', got {table_state!r}")
+    return table_state
+
+
 class TableCheckpoint:
     """A table's entry in the state dict of a module whose table_state is
     "checkpoint": where the table is saved on the workers, not its values.
@@ -495,9 +502,7 @@ class _RemoteTables(torch.nn.Module):
         return f"{self._run}-{self._step}" if step is None else f"{self._run}-s{step}"
 
     def _set_table_state(self, table_state, checkpoint_dir, sharding_type):
-        if table_state not in ("tensors", "checkpoint"):
-            raise ValueError(f"table_state must be 'tensors' or 'checkpoint', got {table_state!r}")
-        self._table_state = table_state
+        self._table_state = _checked_table_state(table_state)
         self._checkpoint_dir = checkpoint_dir or ""
         self._sharding_type = sharding_type
 

@@ -59,13 +59,11 @@ class EmberSharder(ModuleSharder):
     def __init__(self, client, optimizer=None, sharding_type=None, prefix="dmp_",
                  table_state="checkpoint", checkpoint_dir="", training=None):
         super().__init__()
-        if table_state not in ("tensors", "checkpoint"):
-            raise ValueError(f"table_state must be 'tensors' or 'checkpoint', got {table_state!r}")
         self._client = client
         self._optimizer = optimizer
         self._sharding_type = sharding_type
         self._prefix = prefix
-        self._table_state = table_state
+        self._table_state = ember.torch._checked_table_state(table_state)
         self._checkpoint_dir = checkpoint_dir
         self._training = training
 

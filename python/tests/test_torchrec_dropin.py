@@ -565,25 +565,6 @@ def test_dcp_over_two_dmp_ranks_restores_once(client, tmp_path):
     """Two DMP ranks (processes) over gloo: one DCP save takes one Ember
     checkpoint; a load restores it on rank 0 while rank 1 waits; both then
     read the saved tables and dense weights and train on (dmp_ranks.py)."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dmp_ranks.py")
-    procs = [subprocess.Popen([sys.executable, script, f"--rank={r}", f"--port={port}",
-                               f"--coordinator={client.address}", f"--dir={tmp_path / 'dcp'}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"rank {r} ok" in out, out[-3000:]
+    from rank_processes import run_rank_processes
+    run_rank_processes("dmp_ranks.py", lambda r: [f"--coordinator={client.address}",
+                                                  f"--dir={tmp_path / 'dcp'}"], timeout=120)

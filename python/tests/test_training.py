@@ -211,10 +211,11 @@ def test_bounded_lookups_see_exactly_their_steps(client):
         probe = kjt_of({"f_sum": [[0, 1, 2, 3]], "f_mean": [[0, 1, 2]]})
         client.apply_gradients(name, k0, ones, step=0, rank=0)  # held: returns at once
         # Step 1 may read with step 0 held.
-        want1 = np.concatenate([initial["t_sum"][[0, 1, 2, 3]].sum(0),
-                                initial["t_mean"][[0, 1, 2]].mean(0)])
-        np.testing.assert_allclose(client.lookup(name, probe, step=1).values[0], want1,
-                                   rtol=1e-6, atol=1e-6)
+        def pooled(t):  # the probe's one bag of each feature, from tables `t`
+            return np.concatenate([t["t_sum"][[0, 1, 2, 3]].sum(0), t["t_mean"][[0, 1, 2]].mean(0)])
+
+        np.testing.assert_allclose(client.lookup(name, probe, step=1).values[0],
+                                   pooled(initial), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(export(client, name)["t_sum"], initial["t_sum"])
         got = {}
         reader = threading.Thread(target=lambda: got.setdefault(
@@ -227,9 +228,7 @@ def test_bounded_lookups_see_exactly_their_steps(client):
         assert not reader.is_alive()
         after = export(client, name)
         assert not np.array_equal(after["t_sum"], initial["t_sum"])
-        want = np.concatenate([after["t_sum"][[0, 1, 2, 3]].sum(0),
-                               after["t_mean"][[0, 1, 2]].mean(0)])
-        np.testing.assert_allclose(got["kt"].values[0], want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got["kt"].values[0], pooled(after), rtol=1e-6, atol=1e-6)
     finally:
         client.drop_collection(name)
 
@@ -384,33 +383,6 @@ def test_torch_modules_count_steps_and_ranks(client, mode, pipeline):
         client.drop_collection(ref)
 
 
-def _ranks(script, args_of, world=2, timeout=240):
-    """Runs `world` processes of `script` (one per rank, over gloo) and
-    fails with their output unless each prints "rank R ok"."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
-    procs = [subprocess.Popen([sys.executable, path, f"--rank={r}", f"--world={world}",
-                               f"--port={port}"] + args_of(r),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"rank {r} ok" in out, out[-3000:]
-
-
 @pytest.mark.parametrize("optimizer", ["ROWWISE_ADAGRAD", "SGD"])  # FBGEMM's CPU: no Adam
 def test_two_dmp_ranks_train_as_torchrecs_own(client, tmp_path, optimizer):
     """TorchRec's DLRM under DistributedModelParallel with 2 ranks over gloo:
@@ -420,13 +392,14 @@ def test_two_dmp_ranks_train_as_torchrecs_own(client, tmp_path, optimizer):
     agree (dmp_sync_ranks.py)."""
     pytest.importorskip("torchrec")
     pytest.importorskip("fbgemm_gpu")
+    from rank_processes import run_rank_processes
     runs = {}
     for mode in ("torchrec", "ember"):
         extra = [f"--coordinator={client.address}"] if mode == "ember" else []
-        _ranks("dmp_sync_ranks.py",
-               lambda r, m=mode, e=extra: [f"--mode={m}", f"--optimizer={optimizer}",
-                                           f"--collection=dmp_{optimizer.lower()}",
-                                           f"--out={tmp_path / f'{m}{r}'}"] + e)
+        run_rank_processes("dmp_sync_ranks.py",
+                           lambda r, m=mode, e=extra: [f"--mode={m}", f"--optimizer={optimizer}",
+                                                       f"--collection=dmp_{optimizer.lower()}",
+                                                       f"--out={tmp_path / f'{m}{r}'}"] + e)
         runs[mode] = [np.load(tmp_path / f"{mode}{r}.npz") for r in range(2)]
     for r in range(2):
         np.testing.assert_allclose(runs["ember"][r]["losses"], runs["torchrec"][r]["losses"],

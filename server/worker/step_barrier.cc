@@ -92,6 +92,11 @@ void StepBarrier::ExpireLocked(absl::Time now) {
   }
 }
 
+absl::Time StepBarrier::WakeLocked(absl::Time deadline) const {
+  for (const auto& [step, p] : pending_) deadline = std::min(deadline, p.first + options_.timeout);
+  return deadline;
+}
+
 std::optional<absl::Status> StepBarrier::OutcomeLocked(int64_t step) const {
   if (all_aborted_.has_value()) return *all_aborted_;
   if (applied_.has_value() && step <= *applied_) return absl::OkStatus();
@@ -213,9 +218,7 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
           p == pending_.end() ? std::string("?") : MissingRanksLocked(step, p->second),
           " (or an earlier step); rank ", rank, "'s contribution stays held"));
     }
-    absl::Time wake = deadline;
-    for (const auto& [s, p] : pending_) wake = std::min(wake, p.first + options_.timeout);
-    changed_.WaitWithDeadline(&mu_, wake);
+    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline));
   }
 }
 
@@ -275,9 +278,7 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
                                : std::string("none applied yet"),
           ")"));
     }
-    absl::Time wake = deadline;
-    for (const auto& [s, p] : pending_) wake = std::min(wake, p.first + options_.timeout);
-    changed_.WaitWithDeadline(&mu_, wake);
+    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline));
   }
 }
 

@@ -148,6 +148,8 @@ class StepBarrier {
   void AbortLocked(int64_t step, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Aborts the held steps whose timeout passed.
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When a waiter wakes: `deadline`, or the first held step's timeout.
+  absl::Time WakeLocked(absl::Time deadline) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The step's outcome once it has one: OK (applied) or why it was not.
   std::optional<absl::Status> OutcomeLocked(int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingRanksLocked(int64_t step, const Pending& p) const
