@@ -162,6 +162,8 @@ expect_error "worker heap" 2 "--keep_freed_heap_mib must be >= 0" -- worker --ke
 expect_error "create without coordinator" 1 "needs --coordinator" -- create --spec="$SEED"
 expect_error "lookup without input" 2 "lookup needs --collection" -- lookup --coordinator=127.0.0.1:1
 expect_error "unreachable coordinator" 1 "UNAVAILABLE" -- status --coordinator=127.0.0.1:1 --timeout_s=2
+expect_error "set-trainers without a count" 2 "set-trainers needs --collection=NAME, --trainers=N (>= 1) and --from_step=S (>= 0)" -- set-trainers --coordinator=127.0.0.1:1 --collection=c --from_step=3
+expect_error "set-trainers with a negative step" 2 "set-trainers needs" -- set-trainers --coordinator=127.0.0.1:1 --collection=c --trainers=2 --from_step=-2
 expect_error "unknown command" 2 "unknown command 'plant'" -- plant
 expect_error "no command" 2 "missing command" --
 
