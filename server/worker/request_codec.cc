@@ -470,7 +470,8 @@ absl::Status LookupCall::Finish(ember::v1::WorkerLookupResponse* resp) {
 }
 
 absl::Status RequestCodec::ReceiveGradients(const ember::v1::WorkerApplyGradientsRequest& req,
-                                            const std::string& owner, GradientCall* call) const {
+                                            const std::string& owner, GradientCall* call,
+                                            bool to_host) const {
   call->backend_ = backend_;
   call->skip_nonfinite_ = options_.skip_nonfinite;
   call->req_ = &req;
@@ -478,11 +479,11 @@ absl::Status RequestCodec::ReceiveGradients(const ember::v1::WorkerApplyGradient
   // through an NCCL link to a backend that reads device memory, the
   // lengths alone (the ids, weights and gradients stay in the link's device
   // memory, checked and read there by the backend). Not with
-  // skip_nonfinite, which reads the gradients here. The parts of a retried
+  // skip_nonfinite, which reads the gradients here, nor `to_host`. The parts of a retried
   // update that were applied before are then not checked again (nothing of
   // them is applied).
   const bool device_reads =
-      ReadsDeviceMemory(*backend_) && !options_.skip_nonfinite &&
+      ReadsDeviceMemory(*backend_) && !options_.skip_nonfinite && !to_host &&
       std::all_of(req.gradients().begin(), req.gradients().end(),
                   [](const ember::v1::ShardGradient& g) {
                     return IdsAndWeightsInChannel(g.feature()) && g.grad().empty();

@@ -173,9 +173,11 @@ class RequestCodec {
   // The same for an update: through a channel every array is copied out of
   // its region, but through an NCCL link to a backend that reads device
   // memory only the lengths are (without skip_nonfinite, which reads the
-  // gradients on the host).
+  // gradients on the host, and without `to_host`: an update held for a
+  // step outlives the link's memory, so it comes to the host whole).
   absl::Status ReceiveGradients(const ember::v1::WorkerApplyGradientsRequest& req,
-                                const std::string& owner, GradientCall* call) const;
+                                const std::string& owner, GradientCall* call,
+                                bool to_host = false) const;
 
  private:
   ShmChannels* const channels_;

@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -55,8 +56,10 @@ cuda::PeerLinks* Nccl() {
 
 // A worker on host CUDA device 0 offering NCCL links, holding collection
 // "c": table "t" (SUM, kRows x kDim, TorchRec's default initialisation,
-// SGD at rate 1). *recorder is its backend.
-std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip_nonfinite = false) {
+// SGD at rate 1), trained as `training` says (default: ASYNC). *recorder is
+// its backend.
+std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip_nonfinite = false,
+                                          const ember::v1::TrainingSpec& training = {}) {
   backend::CudaBackendOptions o;
   o.device = 0;
   o.scratch_bytes = 1 << 20;
@@ -74,6 +77,7 @@ std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip
   ember::v1::CreateShardsRequest req;
   req.set_collection("c");
   req.set_epoch(1);
+  *req.mutable_training() = training;
   auto* a = req.add_shards();
   a->mutable_ref()->set_table("t");
   TableConfig* t = a->mutable_table();
@@ -386,6 +390,72 @@ TEST(WorkerDeviceLinkTest, SkipNonFiniteUpdatesComeToTheHost) {
   ASSERT_TRUE(s->Lookup(nullptr, &req, &resp).ok());
   EXPECT_EQ(rec->lookup_on_device, 1);
   EXPECT_EQ(c.Reply(req).size(), 5u * kDim);
+}
+
+// SYNC over NCCL links: each rank's update comes to the host whole (it is
+// held until the step is complete, after the link's memory is reused), and
+// the step applies as one trainer sending both ranks' bags, with MEAN's
+// division by 2; a lookup for the next step through the link reads it.
+TEST(WorkerDeviceLinkTest, SyncStepsHoldTheRanksUpdatesOnTheHost) {
+  ember::v1::TrainingSpec sync;
+  sync.set_mode(ember::v1::TrainingSpec::SYNC);
+  sync.set_trainers(2);
+  RecordingBackend* rec = nullptr;
+  auto s = MakeWorker(&rec, /*skip_nonfinite=*/false, sync);
+  RecordingBackend* ref_rec = nullptr;
+  auto ref = MakeWorker(&ref_rec);
+  ASSERT_NE(s, nullptr);
+  ASSERT_NE(ref, nullptr);
+  LinkClient c0(s.get()), c1(s.get());
+  ASSERT_TRUE(c0.ok());
+  ASSERT_TRUE(c1.ok());
+  const std::vector<float> initial = Table(s.get());
+  const Bags b0 = kFeatures[1];                      // bags {0, 0, 5}, {6}
+  const Bags b1 = {{2, 3, 0}, {1, 0, 0, 7, 5}, {}};  // bags {1, 0}, {0, 7, 5}, {}
+  const std::vector<float> g0 = kGrads[1];
+  const std::vector<float> g1 = {1, 2, 3, 4, -4, -3, -2, -1, 8, 8, 8, 8};
+  for (int step = 0; step < 2; ++step) {
+    auto stepped = [&](LinkClient& c, const Bags& b, const std::vector<float>& g, int rank) {
+      ember::v1::WorkerApplyGradientsRequest up =
+          c.Update(absl::StrCat("s", step, "r", rank), {b}, {g});
+      up.set_step(step);
+      up.set_rank(rank);
+      return up;
+    };
+    ember::v1::WorkerApplyGradientsRequest up0 = stepped(c0, b0, g0, 0);
+    ember::v1::WorkerApplyGradientsRequest up1 = stepped(c1, b1, g1, 1);
+    grpc::Status st0;
+    std::thread rank0([&] {
+      ember::v1::WorkerApplyGradientsResponse r;
+      st0 = s->ApplyGradients(nullptr, &up0, &r);
+    });
+    ember::v1::WorkerApplyGradientsResponse r1;
+    const grpc::Status st1 = s->ApplyGradients(nullptr, &up1, &r1);
+    rank0.join();
+    ASSERT_TRUE(st0.ok()) << st0.error_message();
+    ASSERT_TRUE(st1.ok()) << st1.error_message();
+    EXPECT_EQ(rec->update_on_device, 0);
+    // The reference: one trainer, the global batch (rank 0's bags, then
+    // rank 1's), its gradients halved.
+    Bags global = b0;
+    global.lengths.insert(global.lengths.end(), b1.lengths.begin(), b1.lengths.end());
+    global.ids.insert(global.ids.end(), b1.ids.begin(), b1.ids.end());
+    std::vector<float> grad = g0;
+    grad.insert(grad.end(), g1.begin(), g1.end());
+    for (float& x : grad) x *= 0.5f;
+    const grpc::Status rst = InlineUpdate(ref.get(), absl::StrCat("g", step), {global}, {grad});
+    ASSERT_TRUE(rst.ok()) << rst.error_message();
+    EXPECT_EQ(Table(s.get()), Table(ref.get())) << "step " << step;
+    // Rank 0 reads for the next step through its link.
+    ember::v1::WorkerLookupRequest req = c0.Lookup(kFeatures);
+    req.set_step(step + 1);
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status lst = s->Lookup(nullptr, &req, &resp);
+    ASSERT_TRUE(lst.ok()) << lst.error_message();
+    EXPECT_EQ(rec->lookup_on_device, 1);
+    EXPECT_EQ(c0.Reply(req), InlineLookup(ref.get(), kFeatures)) << "step " << step;
+  }
+  EXPECT_NE(Table(s.get()), initial);
 }
 
 }  // namespace

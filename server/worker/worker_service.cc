@@ -228,8 +228,17 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     channels_.Abandon(req->channel_id(), OwnerOf(ctx));
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
   }
+  // An update held for a step (SYNC / BOUNDED) outlives the channel's
+  // transfer, so it comes to the host whole, even from a link's device
+  // memory.
+  bool stepped = false;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto c = FindCollection(req->collection(), req->epoch());
+    stepped = c.ok() && (*c)->steps->stepped();
+  }
   GradientCall in;
-  if (absl::Status s = codec_.ReceiveGradients(*req, OwnerOf(ctx), &in); !s.ok()) {
+  if (absl::Status s = codec_.ReceiveGradients(*req, OwnerOf(ctx), &in, stepped); !s.ok()) {
     return ToGrpc(s);
   }
   std::shared_ptr<StepBarrier> steps;
@@ -396,10 +405,10 @@ absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCal
   for (int i = 0; i < in.request().gradients_size(); ++i) {
     auto part = in.Decode(i, ShapesOf(coll, &found));
     if (!part.ok()) return part.status();
-    if (part->feature.on_device) {
-      return absl::UnimplementedError(
-          "SYNC and BOUNDED updates over a link channel to device memory are not supported; "
-          "open the client without a link for this collection");
+    if (part->feature.on_device) {  // the collection was re-made stepped during the call
+      return absl::UnavailableError(absl::StrCat(
+          "collection '", req.collection(), "' began training in steps during this update; "
+          "send it again"));
     }
     const ShardEntry* entry = found.back();
     HeldPart h;

@@ -526,7 +526,9 @@ std::vector<float> InlineLookup(WorkerService* s, const std::vector<int64_t>& le
   std::vector<float> out;
   const grpc::Status st = s->Lookup(nullptr, &req, &resp);
   EXPECT_TRUE(st.ok()) << st.error_message();
-  if (st.ok()) EXPECT_TRUE(wire::Decode(resp.outputs(0), "out", &out).ok());
+  if (st.ok()) {
+    EXPECT_TRUE(wire::Decode(resp.outputs(0), "out", &out).ok());
+  }
   return out;
 }
 
