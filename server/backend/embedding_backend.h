@@ -101,8 +101,21 @@ struct InitializerConfig {
   uint64_t seed = 0;
 };
 
+// A hash-keyed (dynamic) shard: any int64 id, a row created once the id
+// has appeared in admit_after updates, evicted by TTL or, when the shard is
+// full, by LRU or LFU (dynamic/dynamic_index.h). capacity 0: a fixed shard.
+enum class Eviction { kLru, kLfu };
+struct DynamicConfig {
+  int64_t admit_after = 0;  // 0 or 1: on an id's first update
+  int64_t ttl_steps = 0;    // 0: never
+  Eviction eviction = Eviction::kLru;
+};
+
 // One shard: rows [row_offset, row_offset + rows) and columns
-// [col_offset, col_offset + dim) of a table with table_rows rows.
+// [col_offset, col_offset + dim) of a table with table_rows rows. A dynamic
+// shard (`dynamic` set) holds up to `rows` rows of any ids (its share of
+// the table's capacity, table_rows); row_offset places its share of the
+// ids' hash range (dynamic/dynamic_index.h: RouteRow).
 struct ShardSpec {
   std::string table;
   int64_t rows = 0;
@@ -113,6 +126,8 @@ struct ShardSpec {
   WeightType weight_type = WeightType::kFp32;
   OptimizerConfig optimizer;
   InitializerConfig initializer;
+  bool is_dynamic = false;
+  DynamicConfig dynamic;
 };
 
 using ShardId = int32_t;

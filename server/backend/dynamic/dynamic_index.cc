@@ -1,0 +1,418 @@
+// DynamicIndex (dynamic_index.h).
+#include "server/backend/dynamic/dynamic_index.h"
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+constexpr uint64_t kIndexSalt = 0x9e3779b97f4a7c15ull;  // the index's placement, not the routing's
+constexpr size_t kSketchRows = 4;
+constexpr size_t kSketchWidth = size_t{1} << 16;
+constexpr size_t kFindAhead = 8;  // ids whose index entry FindAll prefetches ahead
+
+size_t IndexSize(int64_t capacity) {
+  size_t n = 16;
+  while (n < static_cast<size_t>(capacity) * 2) n <<= 1;
+  return n;
+}
+
+size_t SketchCell(int64_t id, size_t row) {
+  return row * kSketchWidth +
+         (math::Mix64(static_cast<uint64_t>(id) + (row + 1) * 0xd6e8feb86659fd93ull) &
+          (kSketchWidth - 1));
+}
+
+}  // namespace
+
+DynamicIndex::DynamicIndex(int64_t capacity, const DynamicConfig& config, int64_t max_pending_ids)
+    : capacity_(capacity),
+      config_(config),
+      max_pending_(max_pending_ids),
+      table_(IndexSize(capacity), Entry{0, -1}),
+      mask_(table_.size() - 1),
+      meta_(static_cast<size_t>(capacity)) {
+  free_.reserve(static_cast<size_t>(capacity));
+  // Slot 0 is taken first.
+  for (int64_t s = capacity - 1; s >= 0; --s) free_.push_back(s);
+  stats_.capacity = capacity;
+}
+
+size_t DynamicIndex::Home(int64_t id) const {
+  return math::Mix64(static_cast<uint64_t>(id) ^ kIndexSalt) & mask_;
+}
+
+int64_t DynamicIndex::Find(int64_t id) const {
+  for (size_t i = Home(id);; i = (i + 1) & mask_) {
+    const Entry& e = table_[i];
+    if (e.slot < 0) return -1;
+    if (e.id == id) return e.slot;
+  }
+}
+
+void DynamicIndex::FindAll(absl::Span<const int64_t> ids, int64_t missing, int64_t* slots) const {
+  const size_t n = ids.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kFindAhead < n) __builtin_prefetch(&table_[Home(ids[i + kFindAhead])]);
+    const int64_t s = Find(ids[i]);
+    slots[i] = s < 0 ? missing : s;
+  }
+}
+
+void DynamicIndex::IndexInsert(int64_t id, int64_t slot) {
+  size_t i = Home(id);
+  while (table_[i].slot >= 0) i = (i + 1) & mask_;
+  table_[i] = Entry{id, slot};
+}
+
+void DynamicIndex::IndexErase(int64_t id) {
+  size_t i = Home(id);
+  while (table_[i].slot >= 0 && table_[i].id != id) i = (i + 1) & mask_;
+  if (table_[i].slot < 0) return;
+  // Backward shift: every later entry of the run whose home is not in
+  // (i, j] moves into the hole.
+  for (size_t j = (i + 1) & mask_; table_[j].slot >= 0; j = (j + 1) & mask_) {
+    const size_t k = Home(table_[j].id);
+    const bool stays = i <= j ? (k > i && k <= j) : (k > i || k <= j);
+    if (!stays) {
+      table_[i] = table_[j];
+      i = j;
+    }
+  }
+  table_[i].slot = -1;
+}
+
+void DynamicIndex::SetMeta(int64_t slot, const Meta& m) {
+  Meta& cur = meta_[slot];
+  Change c{Change::kMeta};
+  c.a = slot;
+  c.meta = cur;
+  journal_.push_back(c);
+  const bool moved = cur.used != m.used || (m.used && cur.id != m.id);
+  if (moved && cur.used) IndexErase(cur.id);
+  if (moved && m.used) IndexInsert(m.id, slot);
+  cur = m;
+}
+
+bool DynamicIndex::Valid(const QEntry& e) const {
+  const Meta& m = meta_[e.slot];
+  return m.used && m.version == e.version;
+}
+
+void DynamicIndex::Evict(int64_t slot, int64_t* counter) {
+  Meta m = meta_[slot];
+  m.used = false;
+  m.version = next_version_++;
+  SetMeta(slot, m);
+  free_.push_back(slot);
+  Change c{Change::kFreePush};
+  c.a = slot;
+  journal_.push_back(c);
+  evicted_now_.insert(slot);
+  ++*counter;
+}
+
+int64_t DynamicIndex::TakeSlot(bool import) {
+  if (free_.empty()) {
+    if (config_.eviction == Eviction::kLfu) {
+      while (!lfu_.empty() && free_.empty()) {
+        auto bucket = lfu_.begin();
+        while (!bucket->second.empty()) {
+          const QEntry e = bucket->second.front();
+          bucket->second.pop_front();
+          Change c{Change::kLfuPop};
+          c.a = bucket->first;
+          c.q = e;
+          journal_.push_back(c);
+          if (Valid(e)) {
+            Evict(e.slot, import ? &stats_.evicted_import : &stats_.evicted_lfu);
+            break;
+          }
+        }
+        if (bucket->second.empty()) lfu_.erase(bucket);
+      }
+    } else {
+      while (!lru_.empty() && free_.empty()) {
+        const QEntry e = lru_.front();
+        lru_.pop_front();
+        Change c{Change::kLruPop};
+        c.q = e;
+        journal_.push_back(c);
+        if (Valid(e)) Evict(e.slot, import ? &stats_.evicted_import : &stats_.evicted_lru);
+      }
+    }
+    if (free_.empty()) return -1;  // every row is this step's
+  }
+  const int64_t slot = free_.back();
+  free_.pop_back();
+  Change c{Change::kFreePop};
+  c.a = slot;
+  journal_.push_back(c);
+  return slot;
+}
+
+int64_t DynamicIndex::CountPending(int64_t id, int64_t n) {
+  auto it = pending_.find(id);
+  if (it != pending_.end() || static_cast<int64_t>(pending_.size()) < max_pending_) {
+    Change c{Change::kPending};
+    c.a = id;
+    c.had = it != pending_.end();
+    c.b = c.had ? it->second : 0;
+    journal_.push_back(c);
+    int64_t& count = pending_[id];
+    count += n;
+    return count;
+  }
+  if (sketch_.empty()) sketch_.assign(kSketchRows * kSketchWidth, 0);
+  const uint32_t add = static_cast<uint32_t>(std::min<int64_t>(n, 1 << 30));
+  uint32_t least = std::numeric_limits<uint32_t>::max();
+  for (size_t r = 0; r < kSketchRows; ++r) {
+    uint32_t& cell = sketch_[SketchCell(id, r)];
+    cell = cell > std::numeric_limits<uint32_t>::max() - add ? std::numeric_limits<uint32_t>::max()
+                                                             : cell + add;
+    least = std::min(least, cell);
+  }
+  Change c{Change::kSketch};
+  c.a = id;
+  c.b = add;
+  journal_.push_back(c);
+  stats_.sketch_counts += n;
+  return least;
+}
+
+void DynamicIndex::BeginJournal() {
+  open_ = true;
+  journal_.clear();
+  evicted_now_.clear();
+  marked_.clear();
+  saved_step_ = step_;
+  saved_stats_ = stats_;
+}
+
+std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const int64_t> ids) {
+  BeginJournal();
+  const int64_t t = ++step_;
+  stats_.steps = step_;
+  const int64_t ttl = config_.ttl_steps;
+  if (ttl > 0) {
+    while (!lru_.empty()) {
+      const QEntry e = lru_.front();
+      if (Valid(e) && t - meta_[e.slot].last_step <= ttl) break;
+      lru_.pop_front();
+      Change c{Change::kLruPop};
+      c.q = e;
+      journal_.push_back(c);
+      if (Valid(e)) Evict(e.slot, &stats_.evicted_ttl);
+    }
+  }
+  std::vector<int64_t> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t threshold = std::max<int64_t>(config_.admit_after, 1);
+  std::vector<std::pair<int64_t, int64_t>> admit;  // (id, occurrences)
+  for (size_t i = 0; i < sorted.size();) {
+    size_t j = i + 1;
+    while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+    const int64_t id = sorted[i], n = static_cast<int64_t>(j - i);
+    i = j;
+    const int64_t slot = Find(id);
+    if (slot >= 0) {
+      Meta m = meta_[slot];
+      m.last_step = t;
+      ++m.updates;
+      m.version = next_version_++;
+      SetMeta(slot, m);
+      marked_.push_back(slot);
+    } else if ((threshold <= 1 ? n : CountPending(id, n)) >= threshold) {
+      admit.emplace_back(id, n);
+    } else {
+      stats_.dropped_pending += n;
+    }
+  }
+  std::vector<Created> created;
+  for (const auto& [id, n] : admit) {
+    const int64_t slot = TakeSlot(/*import=*/false);
+    if (slot < 0) {
+      ++stats_.dropped_no_room;
+      stats_.dropped_pending += n;
+      continue;
+    }
+    // Reused: the slot's row was evicted in this update (just now or by TTL).
+    const bool reused = evicted_now_.contains(slot);
+    if (threshold > 1) {
+      auto it = pending_.find(id);
+      if (it != pending_.end()) {
+        Change c{Change::kPending};
+        c.a = id;
+        c.had = true;
+        c.b = it->second;
+        journal_.push_back(c);
+        pending_.erase(it);
+      }
+    }
+    Meta m;
+    m.id = id;
+    m.last_step = t;
+    m.updates = 1;
+    m.version = next_version_++;
+    m.used = true;
+    SetMeta(slot, m);
+    marked_.push_back(slot);
+    created.push_back(Created{id, slot, reused});
+    ++stats_.admitted;
+  }
+  return created;
+}
+
+absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
+    absl::Span<const int64_t> ids) {
+  BeginJournal();
+  std::vector<int64_t> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<Created> created;
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const int64_t id = sorted[i];
+    if (i > 0 && sorted[i - 1] == id) {
+      Rollback();
+      return absl::InvalidArgumentError(absl::StrCat("id ", id, " is given twice"));
+    }
+    if (Find(id) >= 0) continue;
+    const int64_t slot = TakeSlot(/*import=*/true);
+    if (slot < 0) {
+      Rollback();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the shard holds at most ", capacity_, " rows; the import brings more new ids"));
+    }
+    const bool reused = evicted_now_.contains(slot);
+    auto it = pending_.find(id);
+    if (it != pending_.end()) {
+      Change c{Change::kPending};
+      c.a = id;
+      c.had = true;
+      c.b = it->second;
+      journal_.push_back(c);
+      pending_.erase(it);
+    }
+    Meta m;
+    m.id = id;
+    m.last_step = step_;
+    m.updates = 1;
+    m.version = next_version_++;
+    m.used = true;
+    SetMeta(slot, m);
+    marked_.push_back(slot);
+    created.push_back(Created{id, slot, reused});
+    ++stats_.imported;
+  }
+  return created;
+}
+
+void DynamicIndex::Commit() {
+  // This step's rows join the queues in ascending id order.
+  std::sort(marked_.begin(), marked_.end(),
+            [&](int64_t a, int64_t b) { return meta_[a].id < meta_[b].id; });
+  for (const int64_t slot : marked_) {
+    const Meta& m = meta_[slot];
+    lru_.push_back(QEntry{slot, m.version});
+    if (config_.eviction == Eviction::kLfu) lfu_[m.updates].push_back(QEntry{slot, m.version});
+  }
+  marked_.clear();
+  journal_.clear();
+  open_ = false;
+  const size_t held = static_cast<size_t>(capacity_) - free_.size();
+  if (lru_.size() > 2 * held + 1024) Compact();
+}
+
+void DynamicIndex::Rollback() {
+  for (auto it = journal_.rbegin(); it != journal_.rend(); ++it) {
+    const Change& c = *it;
+    switch (c.kind) {
+      case Change::kMeta: {
+        Meta& cur = meta_[c.a];
+        const bool moved = cur.used != c.meta.used || (cur.used && cur.id != c.meta.id);
+        if (moved && cur.used) IndexErase(cur.id);
+        if (moved && c.meta.used) IndexInsert(c.meta.id, c.a);
+        cur = c.meta;
+        break;
+      }
+      case Change::kFreePop:
+        free_.push_back(c.a);
+        break;
+      case Change::kFreePush:
+        free_.pop_back();
+        break;
+      case Change::kPending:
+        if (c.had) {
+          pending_[c.a] = c.b;
+        } else {
+          pending_.erase(c.a);
+        }
+        break;
+      case Change::kSketch:
+        for (size_t r = 0; r < kSketchRows; ++r) {
+          uint32_t& cell = sketch_[SketchCell(c.a, r)];
+          cell -= std::min<uint32_t>(cell, static_cast<uint32_t>(c.b));
+        }
+        break;
+      case Change::kLruPop:
+        lru_.push_front(c.q);
+        break;
+      case Change::kLfuPop:
+        lfu_[c.a].push_front(c.q);
+        break;
+    }
+  }
+  journal_.clear();
+  marked_.clear();
+  step_ = saved_step_;
+  stats_ = saved_stats_;
+  open_ = false;
+}
+
+void DynamicIndex::Compact() {
+  std::vector<int64_t> held;
+  for (int64_t s = 0; s < capacity_; ++s) {
+    if (meta_[s].used) held.push_back(s);
+  }
+  std::sort(held.begin(), held.end(), [&](int64_t a, int64_t b) {
+    return std::make_pair(meta_[a].last_step, meta_[a].id) <
+           std::make_pair(meta_[b].last_step, meta_[b].id);
+  });
+  lru_.clear();
+  lfu_.clear();
+  for (const int64_t s : held) {
+    lru_.push_back(QEntry{s, meta_[s].version});
+    // (last_step, id) order within each bucket, as the updates queued them.
+    if (config_.eviction == Eviction::kLfu) lfu_[meta_[s].updates].push_back(QEntry{s, meta_[s].version});
+  }
+}
+
+void DynamicIndex::Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const {
+  std::vector<std::pair<int64_t, int64_t>> held;
+  for (int64_t s = 0; s < capacity_; ++s) {
+    if (meta_[s].used) held.emplace_back(meta_[s].id, s);
+  }
+  std::sort(held.begin(), held.end());
+  ids->clear();
+  slots->clear();
+  for (const auto& [id, s] : held) {
+    ids->push_back(id);
+    slots->push_back(s);
+  }
+}
+
+DynamicStats DynamicIndex::Stats() const {
+  DynamicStats s = stats_;
+  s.rows_held = capacity_ - static_cast<int64_t>(free_.size());
+  s.pending_ids = static_cast<int64_t>(pending_.size());
+  s.index_slots = static_cast<int64_t>(table_.size());
+  return s;
+}
+
+}  // namespace backend
+}  // namespace ember

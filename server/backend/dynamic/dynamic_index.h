@@ -1,0 +1,192 @@
+// DynamicIndex: the bookkeeping of one hash-keyed (dynamic) shard, which
+// holds up to `capacity` rows for any int64 ids. The rows themselves live
+// in a fixed backend shard ("slots" 0 .. capacity-1, contiguous, so the
+// backends' gather and update kernels run on them unchanged); this maps ids
+// to slots and decides, per update, which ids get rows and which rows go.
+//
+//   Index       open addressing with linear probing over a power-of-two
+//               array at most half full (16 bytes an entry: the id and its
+//               slot), placed by MixId(id) with a second constant, so that
+//               it does not share bits with the routing below; deletion
+//               shifts the following entries back (no tombstones).
+//   Steps       every update of the shard (every ApplyGradients call that
+//               names it) is one step, counted from 1, as Adam's t is.
+//   TTL         at the start of step t every row last updated at step L
+//               with t - L > ttl_steps is evicted (ttl_steps 0: never).
+//   Admission   each occurrence of an id without a row in an update counts
+//               toward admit_after (0 and 1: on its first update); the
+//               update in which the count reaches it creates the row. The
+//               counts are exact for up to max_pending_ids ids; ids beyond
+//               are counted in a count-min sketch (4 x 65536 counters),
+//               which may over-count and so admit early, never late.
+//   Eviction    a full shard that must create a row evicts LRU: the row
+//               updated longest ago (ties: the lower id), or LFU: the row
+//               updated in the fewest steps since it was created (ties: the
+//               one updated longest ago, then the lower id). A row the
+//               current step updates or creates is never evicted by it: an
+//               id that finds no row then is dropped for this step
+//               (no_room) and keeps its count. An evicted id that comes
+//               back starts over: count, row and optimizer state.
+//   Order       the rows a step updates are marked first, then the ids it
+//               admits get rows in ascending id order.
+//
+// Every change of a Begin is journaled until Commit or Rollback, which
+// restores the index exactly (the caller restores the rows' contents).
+//
+// Not thread-safe: the owner serialises Begin..Commit against everything
+// and allows concurrent const calls (Find, FindAll) only between updates.
+#ifndef EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_INDEX_H_
+#define EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_INDEX_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "math/embedding_math.h"
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+
+// The fixed 64-bit mix of an id (SplitMix64's finaliser of its bits).
+inline uint64_t MixId(int64_t id) { return math::Mix64(static_cast<uint64_t>(id)); }
+
+// The routing row of `id` in a dynamic table of `capacity` rows: MixId(id)
+// mod capacity. A row_wise shard of rows [row_offset, row_offset + rows)
+// owns the ids whose routing row falls there (capacity split as the plan
+// splits rows); a table_wise shard owns every id.
+inline int64_t RouteRow(int64_t id, int64_t capacity) {
+  return static_cast<int64_t>(MixId(id) % static_cast<uint64_t>(capacity));
+}
+
+struct DynamicStats {
+  int64_t capacity = 0;
+  int64_t rows_held = 0;
+  int64_t steps = 0;
+  int64_t admitted = 0;         // rows created by updates
+  int64_t imported = 0;         // rows created by imports
+  int64_t evicted_ttl = 0;
+  int64_t evicted_lru = 0;
+  int64_t evicted_lfu = 0;
+  int64_t evicted_import = 0;   // rows an import made room for (by the policy)
+  int64_t dropped_pending = 0;  // update occurrences of ids still below admit_after
+  int64_t dropped_no_room = 0;  // ids admitted by count that found no row this step
+  int64_t pending_ids = 0;      // ids counted exactly, waiting for admission
+  int64_t sketch_counts = 0;    // occurrences counted by the sketch instead
+  int64_t index_slots = 0;      // the index's entries (its load factor: rows_held / this)
+};
+
+class DynamicIndex {
+ public:
+  static constexpr int64_t kDefaultMaxPendingIds = int64_t{1} << 20;
+
+  DynamicIndex(int64_t capacity, const DynamicConfig& config,
+               int64_t max_pending_ids = kDefaultMaxPendingIds);
+  DynamicIndex(const DynamicIndex&) = delete;
+  DynamicIndex& operator=(const DynamicIndex&) = delete;
+
+  int64_t capacity() const { return capacity_; }
+  int64_t step() const { return step_; }
+
+  // The slot holding `id`, or -1.
+  int64_t Find(int64_t id) const;
+  // slots[i] = Find(ids[i]), or `missing` where there is none.
+  void FindAll(absl::Span<const int64_t> ids, int64_t missing, int64_t* slots) const;
+
+  // A row the caller must initialise (fresh weights and optimizer state);
+  // `reused`: the slot held an evicted row this step, whose contents the
+  // caller keeps until Commit to put back on Rollback.
+  struct Created {
+    int64_t id;
+    int64_t slot;
+    bool reused;
+  };
+  // One update: steps the shard, evicts what TTL expires, marks the rows of
+  // `ids` (every occurrence, any order) updated, counts the others toward
+  // admission and creates rows for those admitted. Then Find tells which
+  // ids have rows. Until Commit or Rollback nothing else may be called but
+  // Find / FindAll.
+  std::vector<Created> BeginUpdate(absl::Span<const int64_t> ids);
+  // Rows for `ids` (distinct) created where absent, as by an import: no
+  // step, no counting; existing rows keep their place. RESOURCE_EXHAUSTED
+  // (nothing changed) when more new ids than the shard can take.
+  absl::StatusOr<std::vector<Created>> BeginImport(absl::Span<const int64_t> ids);
+  void Commit();
+  void Rollback();
+
+  // The ids held and their slots, by ascending id.
+  void Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const;
+  DynamicStats Stats() const;
+
+ private:
+  struct Meta {
+    int64_t id = 0;
+    int64_t last_step = 0;
+    int64_t updates = 0;  // steps that updated it since it was created
+    uint64_t version = 0;
+    bool used = false;
+  };
+  struct QEntry {
+    int64_t slot;
+    uint64_t version;
+  };
+  struct Entry {
+    int64_t id;
+    int64_t slot;  // -1: empty
+  };
+  struct Change {
+    enum Kind { kMeta, kFreePop, kFreePush, kPending, kSketch, kLruPop, kLfuPop } kind;
+    int64_t a = 0;   // slot / id / frequency bucket
+    int64_t b = 0;   // old count / sketch amount
+    bool had = false;
+    Meta meta;       // kMeta: the old meta
+    QEntry q{0, 0};  // queue pops
+  };
+
+  size_t Home(int64_t id) const;
+  void IndexInsert(int64_t id, int64_t slot);
+  void IndexErase(int64_t id);
+  void SetMeta(int64_t slot, const Meta& m);  // journaled, index kept in step
+  bool Valid(const QEntry& e) const;
+  void Evict(int64_t slot, int64_t* counter);
+  // A free slot, evicting by the policy if none: -1 when every row is this
+  // step's. `import`: count an import's eviction.
+  int64_t TakeSlot(bool import);
+  int64_t CountPending(int64_t id, int64_t n);  // the id's count after n more
+  void BeginJournal();
+  void Compact();
+
+  const int64_t capacity_;
+  const DynamicConfig config_;
+  const int64_t max_pending_;
+  std::vector<Entry> table_;
+  size_t mask_ = 0;
+  std::vector<Meta> meta_;
+  std::vector<int64_t> free_;  // a stack of free slots
+  absl::flat_hash_map<int64_t, int64_t> pending_;
+  std::vector<uint32_t> sketch_;  // 4 x kSketchWidth, allocated on first use
+  std::deque<QEntry> lru_;                   // by (last_step, id)
+  std::map<int64_t, std::deque<QEntry>> lfu_;  // by updates, then (last_step, id)
+  std::vector<int64_t> marked_;              // this step's rows, queued at Commit
+  int64_t step_ = 0;
+  uint64_t next_version_ = 1;
+  DynamicStats stats_;
+  // The journal of the update in progress.
+  bool open_ = false;
+  std::vector<Change> journal_;
+  absl::flat_hash_set<int64_t> evicted_now_;  // slots whose row it evicted
+  int64_t saved_step_ = 0;
+  DynamicStats saved_stats_;
+};
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_INDEX_H_

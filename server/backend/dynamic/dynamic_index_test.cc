@@ -1,0 +1,307 @@
+// DynamicIndex against a naive model of its rules (a map of rows and a map
+// of counts, every decision by a full scan), under random streams; and the
+// rules worked by hand: LRU and LFU order, TTL, admission at 3, no room,
+// rollback.
+#include "server/backend/dynamic/dynamic_index.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+// The rules of dynamic_index.h, naively.
+class Model {
+ public:
+  Model(int64_t capacity, const DynamicConfig& c) : cap_(capacity), c_(c) {}
+  void Update(std::vector<int64_t> ids) {
+    const int64_t t = ++step_;
+    if (c_.ttl_steps > 0) {
+      for (auto it = rows_.begin(); it != rows_.end();) {
+        it = t - it->second.last > c_.ttl_steps ? rows_.erase(it) : std::next(it);
+      }
+    }
+    std::map<int64_t, int64_t> count;
+    for (int64_t id : ids) ++count[id];
+    const int64_t threshold = std::max<int64_t>(c_.admit_after, 1);
+    std::vector<int64_t> admit;
+    for (const auto& [id, n] : count) {
+      auto it = rows_.find(id);
+      if (it != rows_.end()) {
+        it->second.last = t;
+        ++it->second.updates;
+      } else if ((pending_[id] += n) >= threshold) {
+        admit.push_back(id);
+      }
+    }
+    for (int64_t id : admit) {
+      if (static_cast<int64_t>(rows_.size()) >= cap_) {
+        auto victim = rows_.end();
+        for (auto it = rows_.begin(); it != rows_.end(); ++it) {
+          if (it->second.last == t) continue;
+          if (victim == rows_.end() || Key(*it) < Key(*victim)) victim = it;
+        }
+        if (victim == rows_.end()) continue;  // no room
+        rows_.erase(victim);
+      }
+      rows_[id] = Row{t, 1};
+      pending_.erase(id);
+    }
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      it = rows_.count(it->first) ? pending_.erase(it) : std::next(it);
+    }
+  }
+  std::vector<int64_t> Held() const {
+    std::vector<int64_t> ids;
+    for (const auto& [id, r] : rows_) ids.push_back(id);
+    return ids;
+  }
+
+ private:
+  struct Row {
+    int64_t last, updates;
+  };
+  std::tuple<int64_t, int64_t, int64_t> Key(const std::pair<const int64_t, Row>& r) const {
+    if (c_.eviction == Eviction::kLfu) return {r.second.updates, r.second.last, r.first};
+    return {0, r.second.last, r.first};
+  }
+  const int64_t cap_;
+  const DynamicConfig c_;
+  int64_t step_ = 0;
+  std::map<int64_t, Row> rows_;
+  std::map<int64_t, int64_t> pending_;
+};
+
+std::vector<int64_t> HeldIds(const DynamicIndex& x) {
+  std::vector<int64_t> ids, slots;
+  x.Held(&ids, &slots);
+  return ids;
+}
+
+// Every held id is found at its slot, every slot distinct and in range.
+void ExpectConsistent(const DynamicIndex& x) {
+  std::vector<int64_t> ids, slots;
+  x.Held(&ids, &slots);
+  std::vector<int64_t> seen = slots;
+  std::sort(seen.begin(), seen.end());
+  EXPECT_TRUE(std::adjacent_find(seen.begin(), seen.end()) == seen.end());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_EQ(x.Find(ids[i]), slots[i]) << "id " << ids[i];
+    ASSERT_GE(slots[i], 0);
+    ASSERT_LT(slots[i], x.capacity());
+  }
+  std::vector<int64_t> found(ids.size());
+  x.FindAll(ids, -7, found.data());
+  EXPECT_EQ(found, slots);
+}
+
+struct Case {
+  int64_t capacity, admit_after, ttl;
+  Eviction eviction;
+  int64_t universe;  // ids drawn from [-universe, universe)
+};
+
+class DynamicIndexModelTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
+  const Case c = GetParam();
+  DynamicConfig config;
+  config.admit_after = c.admit_after;
+  config.ttl_steps = c.ttl;
+  config.eviction = c.eviction;
+  DynamicIndex x(c.capacity, config);
+  Model m(c.capacity, config);
+  std::mt19937_64 rng(c.capacity * 131 + c.admit_after * 7 + c.ttl);
+  // Skewed ids: a hot few and a long tail, negative and huge ones too.
+  std::uniform_int_distribution<int64_t> any(-c.universe, c.universe - 1);
+  std::uniform_int_distribution<int> len(0, 24);
+  for (int step = 0; step < 400; ++step) {
+    std::vector<int64_t> ids;
+    for (int i = len(rng); i > 0; --i) {
+      const int64_t id = any(rng);
+      ids.push_back(rng() % 3 == 0 ? id % 5 : id * int64_t{1000003});
+    }
+    if (step % 7 == 3) {  // an update that is rolled back changes nothing
+      const std::vector<int64_t> before = HeldIds(x);
+      const DynamicStats s0 = x.Stats();
+      std::vector<int64_t> slots_before, unused;
+      x.Held(&unused, &slots_before);
+      x.BeginUpdate(ids);
+      x.Rollback();
+      std::vector<int64_t> slots_after;
+      x.Held(&unused, &slots_after);
+      EXPECT_EQ(HeldIds(x), before);
+      EXPECT_EQ(slots_after, slots_before);
+      EXPECT_EQ(x.Stats().steps, s0.steps);
+      EXPECT_EQ(x.Stats().admitted, s0.admitted);
+      EXPECT_EQ(x.Stats().pending_ids, s0.pending_ids);
+    }
+    const auto created = x.BeginUpdate(ids);
+    for (const auto& cr : created) EXPECT_EQ(x.Find(cr.id), cr.slot);
+    x.Commit();
+    m.Update(ids);
+    ASSERT_EQ(HeldIds(x), m.Held()) << "step " << step;
+    ExpectConsistent(x);
+    ASSERT_LE(x.Stats().rows_held, c.capacity);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, DynamicIndexModelTest,
+    ::testing::Values(Case{8, 1, 0, Eviction::kLru, 20}, Case{8, 1, 0, Eviction::kLfu, 20},
+                      Case{16, 3, 0, Eviction::kLru, 30}, Case{16, 2, 0, Eviction::kLfu, 30},
+                      Case{12, 1, 3, Eviction::kLru, 25}, Case{12, 2, 4, Eviction::kLfu, 25},
+                      Case{64, 1, 0, Eviction::kLru, 1000}, Case{3, 1, 0, Eviction::kLfu, 6}));
+
+TEST(DynamicIndexTest, LruEvictsTheRowUpdatedLongestAgoTiesByLowerId) {
+  DynamicIndex x(3, DynamicConfig{});
+  auto step = [&](std::vector<int64_t> ids) {
+    x.BeginUpdate(ids);
+    x.Commit();
+  };
+  step({30, 10});  // 10 and 30 at step 1
+  step({20});      // 20 at step 2
+  step({40});      // full: 10 (step 1, lower id than 30) goes
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{20, 30, 40}));
+  step({30, 50});  // 30 refreshed; 20 (step 2) goes
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{30, 40, 50}));
+  EXPECT_EQ(x.Stats().evicted_lru, 2);
+  EXPECT_EQ(x.Stats().admitted, 5);
+}
+
+TEST(DynamicIndexTest, LfuEvictsTheFewestUpdatedThenTheOldest) {
+  DynamicConfig c;
+  c.eviction = Eviction::kLfu;
+  DynamicIndex x(3, c);
+  auto step = [&](std::vector<int64_t> ids) {
+    x.BeginUpdate(ids);
+    x.Commit();
+  };
+  step({1, 2, 3});  // all once
+  step({1, 1, 1});  // occurrences in one step count once: 1 twice
+  step({2});        // 2 twice
+  step({4});        // 3 (once) goes
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{1, 2, 4}));
+  step({5});  // 4 (once) goes, though it is the newest
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{1, 2, 5}));
+  step({2, 6});  // 5 (once) goes; 1 and 2 stay
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{1, 2, 6}));
+  EXPECT_EQ(x.Stats().evicted_lfu, 3);
+}
+
+TEST(DynamicIndexTest, TtlEvictsAtTheStartOfTheStepAfterExpiry) {
+  DynamicConfig c;
+  c.ttl_steps = 2;
+  DynamicIndex x(10, c);
+  auto step = [&](std::vector<int64_t> ids) {
+    x.BeginUpdate(ids);
+    x.Commit();
+  };
+  step({7});  // step 1
+  step({});   // 2
+  step({});   // 3: age 2, kept
+  EXPECT_EQ(HeldIds(x), std::vector<int64_t>{7});
+  step({8});  // 4: age 3 > 2, evicted
+  EXPECT_EQ(HeldIds(x), std::vector<int64_t>{8});
+  EXPECT_EQ(x.Stats().evicted_ttl, 1);
+  EXPECT_EQ(x.Find(7), -1);
+}
+
+TEST(DynamicIndexTest, AdmissionCountsOccurrencesAndAnEvictedIdStartsOver) {
+  DynamicConfig c;
+  c.admit_after = 3;
+  DynamicIndex x(1, c);
+  auto step = [&](std::vector<int64_t> ids) {
+    x.BeginUpdate(ids);
+    x.Commit();
+  };
+  step({-5, -5});  // count 2
+  EXPECT_EQ(x.Find(-5), -1);
+  EXPECT_EQ(x.Stats().dropped_pending, 2);
+  EXPECT_EQ(x.Stats().pending_ids, 1);
+  step({-5});  // 3: admitted
+  EXPECT_GE(x.Find(-5), 0);
+  EXPECT_EQ(x.Stats().pending_ids, 0);
+  step({9, 9, 9});  // admitted, evicting -5
+  EXPECT_EQ(HeldIds(x), std::vector<int64_t>{9});
+  step({-5});  // starts over: count 1
+  EXPECT_EQ(HeldIds(x), std::vector<int64_t>{9});
+  EXPECT_EQ(x.Stats().pending_ids, 1);
+}
+
+TEST(DynamicIndexTest, RowsOfTheCurrentStepAreNeverEvictedByIt) {
+  DynamicIndex x(2, DynamicConfig{});
+  const auto created = x.BeginUpdate(std::vector<int64_t>{1, 2, 3});
+  x.Commit();
+  EXPECT_EQ(created.size(), 2u);
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(x.Stats().dropped_no_room, 1);
+  // The next step has room for 3 (1 and 2 are older).
+  x.BeginUpdate(std::vector<int64_t>{3});
+  x.Commit();
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{2, 3}));
+}
+
+TEST(DynamicIndexTest, ImportsPlaceRowsAndRefuseMoreThanFitsWholesale) {
+  DynamicIndex x(3, DynamicConfig{});
+  auto a = x.BeginImport(std::vector<int64_t>{5, 6});
+  ASSERT_TRUE(a.ok());
+  x.Commit();
+  auto b = x.BeginImport(std::vector<int64_t>{1, 2, 3, 4});
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{5, 6}));
+  auto d = x.BeginImport(std::vector<int64_t>{7, 7});
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  auto e = x.BeginImport(std::vector<int64_t>{6, 8, 9});  // 5 makes room (LRU)
+  ASSERT_TRUE(e.ok());
+  x.Commit();
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{6, 8, 9}));
+  EXPECT_EQ(x.Stats().evicted_import, 1);
+}
+
+TEST(DynamicIndexTest, PendingCountsPastTheBoundGoToTheSketch) {
+  DynamicConfig c;
+  c.admit_after = 2;
+  DynamicIndex x(100, c, /*max_pending_ids=*/4);
+  std::vector<int64_t> first;
+  for (int64_t id = 0; id < 10; ++id) first.push_back(id);
+  x.BeginUpdate(first);
+  x.Commit();
+  EXPECT_EQ(x.Stats().pending_ids, 4);
+  EXPECT_EQ(x.Stats().sketch_counts, 6);
+  x.BeginUpdate(first);  // every id reaches 2, exact or sketched
+  x.Commit();
+  EXPECT_EQ(HeldIds(x), first);
+}
+
+TEST(DynamicIndexTest, MemoryStaysWithinCapacityUnderTenTimesAsManyIds) {
+  DynamicConfig c;
+  c.admit_after = 1;
+  DynamicIndex x(1000, c);
+  for (int64_t b = 0; b < 100; ++b) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < 100; ++i) ids.push_back(static_cast<int64_t>(0x9e3779b97f4a7c15ull * static_cast<uint64_t>(b * 100 + i)));
+    x.BeginUpdate(ids);
+    x.Commit();
+    ASSERT_LE(x.Stats().rows_held, 1000);
+  }
+  EXPECT_EQ(x.Stats().evicted_lru, 9000);
+  ExpectConsistent(x);
+}
+
+TEST(DynamicIndexTest, RouteRowIsTheDocumentedMix) {
+  // SplitMix64's finaliser of 1, worked in Python: 0x5692161d100b05e5.
+  EXPECT_EQ(MixId(1), 0x5692161d100b05e5ull);
+  EXPECT_EQ(RouteRow(1, 1000), static_cast<int64_t>(0x5692161d100b05e5ull % 1000));
+  EXPECT_GE(RouteRow(-1, 7), 0);
+}
+
+}  // namespace
+}  // namespace backend
+}  // namespace ember
