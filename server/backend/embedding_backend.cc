@@ -470,5 +470,19 @@ void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t gl
   });
 }
 
+absl::Status EmbeddingBackend::ExportSlots(ShardId, int64_t, int64_t, absl::Span<SlotMeta>) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+absl::Status EmbeddingBackend::ImportSlots(ShardId, int64_t, int64_t, absl::Span<const SlotMeta>) {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+absl::Status EmbeddingBackend::ImportIds(ShardId, absl::Span<const int64_t>, absl::Span<const float>,
+                                         absl::Span<const float>) {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+absl::StatusOr<DynamicStats> EmbeddingBackend::GetDynamicStats(ShardId) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+
 }  // namespace backend
 }  // namespace ember

@@ -132,6 +132,24 @@ struct ShardSpec {
 
 using ShardId = int32_t;
 
+// A dynamic shard's counters (DynamicIndex: dynamic/dynamic_index.h).
+struct DynamicStats {
+  int64_t capacity = 0;
+  int64_t rows_held = 0;
+  int64_t steps = 0;
+  int64_t admitted = 0;         // rows created by updates
+  int64_t imported = 0;         // rows created by imports
+  int64_t evicted_ttl = 0;
+  int64_t evicted_lru = 0;
+  int64_t evicted_lfu = 0;
+  int64_t evicted_import = 0;   // rows an import made room for (by the policy)
+  int64_t dropped_pending = 0;  // update occurrences of ids still below admit_after
+  int64_t dropped_no_room = 0;  // ids admitted by count that found no row in their step
+  int64_t pending_ids = 0;      // ids counted exactly, waiting for admission
+  int64_t sketch_counts = 0;    // occurrences counted by the sketch instead
+  int64_t index_slots = 0;      // the index's entries (load factor: rows_held / this)
+};
+
 // fp32 optimizer state elements per row (math::StateFloatsPerRow, the one
 // formula): SGD 0, Adagrad dim, row-wise Adagrad 1, Adam 2 * dim (m then v).
 int64_t OptimizerStateWidth(OptimizerType type, int64_t dim);
@@ -229,6 +247,31 @@ class EmbeddingBackend {
                                   absl::Span<const float> state) = 0;
   virtual absl::StatusOr<int64_t> ExportStep(ShardId shard) const = 0;
   virtual absl::Status ImportStep(ShardId shard, int64_t step) = 0;
+
+  // Dynamic shards (ShardSpec::is_dynamic): their rows are slots
+  // [0, rows), read and written by ExportRows / ImportRows as any shard's;
+  // these carry what each slot holds. A backend without dynamic shards
+  // answers UNIMPLEMENTED; a fixed shard, INVALID_ARGUMENT.
+  struct SlotMeta {
+    int64_t id = 0;
+    int64_t last_step = 0;  // the shard step that last updated it
+    int64_t updates = 0;    // steps that updated it since it was created
+    bool held = false;      // false: a free slot (the rest is ignored)
+  };
+  virtual absl::Status ExportSlots(ShardId shard, int64_t slot_begin, int64_t slot_end,
+                                   absl::Span<SlotMeta> out) const;
+  // Replaces the bookkeeping of slots [slot_begin, slot_end) (a moved or
+  // restored shard; its rows come by ImportRows). INVALID_ARGUMENT, nothing
+  // changed, when an id would be held twice.
+  virtual absl::Status ImportSlots(ShardId shard, int64_t slot_begin, int64_t slot_end,
+                                   absl::Span<const SlotMeta> in);
+  // Writes the rows of `ids` (distinct), creating those absent (evicting by
+  // the shard's policy when full): fp32 weights [n, dim] and optimizer state
+  // [n, OptimizerStateWidth]. RESOURCE_EXHAUSTED when more new ids than fit.
+  virtual absl::Status ImportIds(ShardId shard, absl::Span<const int64_t> ids,
+                                 absl::Span<const float> weights, absl::Span<const float> state);
+  // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
+  virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
 
   // Bytes still free for shards under the backend's memory limit
   // (INT64_MAX when it has none): a caller creating several shards checks

@@ -1,5 +1,6 @@
-// A backend that forwards every call to another one: tests derive from it
-// and override what they change (a gate, an injected failure).
+// A backend that forwards every call to another one: the dynamic shards'
+// wrapper (dynamic/dynamic_backend.h) and tests derive from it and override
+// what they change (dynamic shards; a gate, an injected failure).
 #ifndef EMBER_SERVER_BACKEND_FORWARDING_BACKEND_H_
 #define EMBER_SERVER_BACKEND_FORWARDING_BACKEND_H_
 
@@ -43,6 +44,21 @@ class ForwardingBackend : public EmbeddingBackend {
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override { return inner_->ExportStep(id); }
   absl::Status ImportStep(ShardId id, int64_t step) override {
     return inner_->ImportStep(id, step);
+  }
+  absl::Status ExportSlots(ShardId id, int64_t begin, int64_t end,
+                           absl::Span<SlotMeta> out) const override {
+    return inner_->ExportSlots(id, begin, end, out);
+  }
+  absl::Status ImportSlots(ShardId id, int64_t begin, int64_t end,
+                           absl::Span<const SlotMeta> in) override {
+    return inner_->ImportSlots(id, begin, end, in);
+  }
+  absl::Status ImportIds(ShardId id, absl::Span<const int64_t> ids, absl::Span<const float> weights,
+                         absl::Span<const float> state) override {
+    return inner_->ImportIds(id, ids, weights, state);
+  }
+  absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
+    return inner_->GetDynamicStats(id);
   }
   int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
   std::string Name() const override { return inner_->Name(); }

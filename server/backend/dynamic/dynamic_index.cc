@@ -187,6 +187,7 @@ int64_t DynamicIndex::CountPending(int64_t id, int64_t n) {
 }
 
 void DynamicIndex::BeginJournal() {
+  if (rebuild_) Rebuild();
   open_ = true;
   journal_.clear();
   evicted_now_.clear();
@@ -374,6 +375,60 @@ void DynamicIndex::Rollback() {
   open_ = false;
 }
 
+void DynamicIndex::Rebuild() {
+  free_.clear();
+  for (int64_t s = capacity_ - 1; s >= 0; --s) {
+    if (!meta_[s].used) free_.push_back(s);
+  }
+  Compact();
+  rebuild_ = false;
+}
+
+void DynamicIndex::ExportSlots(int64_t begin, int64_t end, EmbeddingBackend::SlotMeta* out) const {
+  for (int64_t s = begin; s < end; ++s) {
+    const Meta& m = meta_[s];
+    out[s - begin] = EmbeddingBackend::SlotMeta{m.id, m.last_step, m.updates, m.used};
+  }
+}
+
+absl::Status DynamicIndex::RestoreSlots(int64_t begin, int64_t end,
+                                        const EmbeddingBackend::SlotMeta* in) {
+  absl::flat_hash_set<int64_t> ids;
+  for (int64_t s = begin; s < end; ++s) {
+    const EmbeddingBackend::SlotMeta& m = in[s - begin];
+    if (!m.held) continue;
+    const int64_t at = Find(m.id);
+    if (!ids.insert(m.id).second || (at >= 0 && (at < begin || at >= end))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "id ", m.id, " for slot ", s, " is held in slot ", at >= 0 ? at : s, " too"));
+    }
+    if (m.updates < 1 || m.last_step < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", s, ": updates ", m.updates,
+                                                     " and last_step ", m.last_step,
+                                                     " (a held row has updates >= 1)"));
+    }
+  }
+  for (int64_t s = begin; s < end; ++s) {
+    if (meta_[s].used) IndexErase(meta_[s].id);
+    meta_[s].used = false;
+  }
+  for (int64_t s = begin; s < end; ++s) {
+    const EmbeddingBackend::SlotMeta& m = in[s - begin];
+    Meta& cur = meta_[s];
+    cur.id = m.id;
+    cur.last_step = m.last_step;
+    cur.updates = m.updates;
+    cur.used = m.held;
+    cur.version = next_version_++;
+    if (m.held) {
+      IndexInsert(m.id, s);
+      pending_.erase(m.id);
+    }
+  }
+  rebuild_ = true;
+  return absl::OkStatus();
+}
+
 void DynamicIndex::Compact() {
   std::vector<int64_t> held;
   for (int64_t s = 0; s < capacity_; ++s) {
@@ -409,6 +464,10 @@ void DynamicIndex::Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) 
 DynamicStats DynamicIndex::Stats() const {
   DynamicStats s = stats_;
   s.rows_held = capacity_ - static_cast<int64_t>(free_.size());
+  if (rebuild_) {
+    s.rows_held = 0;
+    for (const Meta& m : meta_) s.rows_held += m.used;
+  }
   s.pending_ids = static_cast<int64_t>(pending_.size());
   s.index_slots = static_cast<int64_t>(table_.size());
   return s;

@@ -66,22 +66,6 @@ inline int64_t RouteRow(int64_t id, int64_t capacity) {
   return static_cast<int64_t>(MixId(id) % static_cast<uint64_t>(capacity));
 }
 
-struct DynamicStats {
-  int64_t capacity = 0;
-  int64_t rows_held = 0;
-  int64_t steps = 0;
-  int64_t admitted = 0;         // rows created by updates
-  int64_t imported = 0;         // rows created by imports
-  int64_t evicted_ttl = 0;
-  int64_t evicted_lru = 0;
-  int64_t evicted_lfu = 0;
-  int64_t evicted_import = 0;   // rows an import made room for (by the policy)
-  int64_t dropped_pending = 0;  // update occurrences of ids still below admit_after
-  int64_t dropped_no_room = 0;  // ids admitted by count that found no row this step
-  int64_t pending_ids = 0;      // ids counted exactly, waiting for admission
-  int64_t sketch_counts = 0;    // occurrences counted by the sketch instead
-  int64_t index_slots = 0;      // the index's entries (its load factor: rows_held / this)
-};
 
 class DynamicIndex {
  public:
@@ -125,6 +109,15 @@ class DynamicIndex {
   void Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const;
   DynamicStats Stats() const;
 
+  // Slots [begin, end)'s bookkeeping, for a move or a checkpoint
+  // (in range: the caller checked).
+  void ExportSlots(int64_t begin, int64_t end, EmbeddingBackend::SlotMeta* out) const;
+  // Replaces it (a moved or restored shard). INVALID_ARGUMENT, nothing
+  // changed, when an id would be held twice. Pending counts are kept.
+  absl::Status RestoreSlots(int64_t begin, int64_t end, const EmbeddingBackend::SlotMeta* in);
+  // The shard's step (the optimizer's, restored with it).
+  void SetStep(int64_t step) { step_ = step; }
+
  private:
   struct Meta {
     int64_t id = 0;
@@ -162,6 +155,9 @@ class DynamicIndex {
   int64_t CountPending(int64_t id, int64_t n);  // the id's count after n more
   void BeginJournal();
   void Compact();
+  // The free slots and the queues again from the slots' bookkeeping (after
+  // RestoreSlots, before the next update or import).
+  void Rebuild();
 
   const int64_t capacity_;
   const DynamicConfig config_;
@@ -177,6 +173,7 @@ class DynamicIndex {
   std::vector<int64_t> marked_;              // this step's rows, queued at Commit
   int64_t step_ = 0;
   uint64_t next_version_ = 1;
+  bool rebuild_ = false;  // RestoreSlots ran: free_ and the queues are stale
   DynamicStats stats_;
   // The journal of the update in progress.
   bool open_ = false;

@@ -11,72 +11,11 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "server/backend/dynamic/naive_dynamic_model.h"
 
 namespace ember {
 namespace backend {
 namespace {
-
-// The rules of dynamic_index.h, naively.
-class Model {
- public:
-  Model(int64_t capacity, const DynamicConfig& c) : cap_(capacity), c_(c) {}
-  void Update(std::vector<int64_t> ids) {
-    const int64_t t = ++step_;
-    if (c_.ttl_steps > 0) {
-      for (auto it = rows_.begin(); it != rows_.end();) {
-        it = t - it->second.last > c_.ttl_steps ? rows_.erase(it) : std::next(it);
-      }
-    }
-    std::map<int64_t, int64_t> count;
-    for (int64_t id : ids) ++count[id];
-    const int64_t threshold = std::max<int64_t>(c_.admit_after, 1);
-    std::vector<int64_t> admit;
-    for (const auto& [id, n] : count) {
-      auto it = rows_.find(id);
-      if (it != rows_.end()) {
-        it->second.last = t;
-        ++it->second.updates;
-      } else if ((pending_[id] += n) >= threshold) {
-        admit.push_back(id);
-      }
-    }
-    for (int64_t id : admit) {
-      if (static_cast<int64_t>(rows_.size()) >= cap_) {
-        auto victim = rows_.end();
-        for (auto it = rows_.begin(); it != rows_.end(); ++it) {
-          if (it->second.last == t) continue;
-          if (victim == rows_.end() || Key(*it) < Key(*victim)) victim = it;
-        }
-        if (victim == rows_.end()) continue;  // no room
-        rows_.erase(victim);
-      }
-      rows_[id] = Row{t, 1};
-      pending_.erase(id);
-    }
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      it = rows_.count(it->first) ? pending_.erase(it) : std::next(it);
-    }
-  }
-  std::vector<int64_t> Held() const {
-    std::vector<int64_t> ids;
-    for (const auto& [id, r] : rows_) ids.push_back(id);
-    return ids;
-  }
-
- private:
-  struct Row {
-    int64_t last, updates;
-  };
-  std::tuple<int64_t, int64_t, int64_t> Key(const std::pair<const int64_t, Row>& r) const {
-    if (c_.eviction == Eviction::kLfu) return {r.second.updates, r.second.last, r.first};
-    return {0, r.second.last, r.first};
-  }
-  const int64_t cap_;
-  const DynamicConfig c_;
-  int64_t step_ = 0;
-  std::map<int64_t, Row> rows_;
-  std::map<int64_t, int64_t> pending_;
-};
 
 std::vector<int64_t> HeldIds(const DynamicIndex& x) {
   std::vector<int64_t> ids, slots;
@@ -116,7 +55,7 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
   config.ttl_steps = c.ttl;
   config.eviction = c.eviction;
   DynamicIndex x(c.capacity, config);
-  Model m(c.capacity, config);
+  NaiveDynamicModel m(c.capacity, config);
   std::mt19937_64 rng(c.capacity * 131 + c.admit_after * 7 + c.ttl);
   // Skewed ids: a hot few and a long tail, negative and huge ones too.
   std::uniform_int_distribution<int64_t> any(-c.universe, c.universe - 1);

@@ -1,0 +1,429 @@
+// WithDynamicShards (dynamic_backend.h).
+#include "server/backend/dynamic/dynamic_backend.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "server/backend/dynamic/dynamic_index.h"
+#include "server/backend/forwarding_backend.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+// A fresh row's optimizer state: the Adagrad variants' initial
+// accumulator, else zeros.
+std::vector<float> FreshState(const ShardSpec& spec) {
+  const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
+                       spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
+  return std::vector<float>(static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)),
+                            adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
+}
+
+class DynamicShardsBackend : public ForwardingBackend {
+ public:
+  DynamicShardsBackend(std::unique_ptr<EmbeddingBackend> inner, const DynamicShardOptions& options)
+      : ForwardingBackend(std::move(inner)), options_(options) {}
+
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    if (!spec.is_dynamic) return inner()->CreateShard(spec);
+    if (absl::Status s = ValidateDynamicSpec(spec); !s.ok()) return s;
+    ShardSpec fixed = spec;
+    fixed.is_dynamic = false;
+    fixed.rows = spec.rows + 1;  // the zero slot
+    fixed.table_rows = spec.table_rows + 1;
+    auto id = inner()->CreateShard(fixed);
+    if (!id.ok()) return id.status();
+    auto shard = std::make_shared<Shard>(spec, options_.max_pending_ids);
+    // The zero slot: zero weights and zero state, which a zero gradient
+    // leaves as they are under every optimizer (an Adagrad step of 0 / eps).
+    const std::vector<float> zeros(static_cast<size_t>(spec.dim), 0.0f);
+    const std::vector<float> zero_state(FreshState(spec).size(), 0.0f);
+    const absl::Status zeroed = inner()->ImportRows(*id, spec.rows, spec.rows + 1, zeros, zero_state);
+    if (!zeroed.ok()) {
+      (void)inner()->DropShard(*id);
+      return zeroed;
+    }
+    absl::MutexLock lock(&mu_);
+    shards_[*id] = std::move(shard);
+    return *id;
+  }
+
+  absl::Status DropShard(ShardId id) override {
+    std::shared_ptr<Shard> shard;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = shards_.find(id);
+      if (it != shards_.end()) {
+        shard = std::move(it->second);
+        shards_.erase(it);
+      }
+    }
+    if (shard != nullptr) absl::MutexLock wait(&shard->mu);  // calls in flight end first
+    return inner()->DropShard(id);
+  }
+
+  absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
+    if (auto shard = Find(id)) return shard->spec;
+    return inner()->GetShardSpec(id);
+  }
+
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    Held held = Collect(requests, /*exclusive=*/false);
+    if (held.shards.empty()) return inner()->Lookup(requests);
+    std::vector<LookupRequest> mapped(requests.begin(), requests.end());
+    std::vector<std::vector<int64_t>> slots(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const Shard* s = held.Of(requests[i].feature.shard);
+      if (s == nullptr) continue;
+      if (absl::Status st = CheckHostInputs(requests[i].feature, "lookup", i, *s); !st.ok()) {
+        return st;
+      }
+      slots[i].resize(requests[i].feature.ids.size());
+      s->index.FindAll(requests[i].feature.ids, s->spec.rows, slots[i].data());
+      mapped[i].feature.ids = slots[i];
+    }
+    return inner()->Lookup(mapped);
+  }
+
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    Held held = Collect(requests, /*exclusive=*/true);
+    if (held.shards.empty()) return inner()->ApplyGradients(requests);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (const Shard* s = held.Of(requests[i].feature.shard)) {
+        if (absl::Status st = CheckHostInputs(requests[i].feature, "gradient", i, *s); !st.ok()) {
+          return st;
+        }
+      }
+    }
+    // Each shard's step: its ids in request order.
+    std::vector<Undo> undo(held.shards.size());
+    for (size_t k = 0; k < held.shards.size(); ++k) {
+      auto& [id, shard] = held.shards[k];
+      std::vector<int64_t> ids;
+      for (const GradientRequest& r : requests) {
+        if (r.feature.shard == id) ids.insert(ids.end(), r.feature.ids.begin(), r.feature.ids.end());
+      }
+      undo[k].begun = true;
+      const auto created = shard->index.BeginUpdate(ids);
+      if (absl::Status s = WriteCreated(id, *shard, created, &undo[k]); !s.ok()) {
+        UndoAll(held, &undo);
+        return s;
+      }
+    }
+    // Ids without a row contribute nothing: weight 0 (pooled) or zero
+    // gradient rows (NONE).
+    std::vector<GradientRequest> mapped(requests.begin(), requests.end());
+    std::vector<std::vector<int64_t>> slots(requests.size());
+    std::vector<std::vector<float>> weights(requests.size()), grads(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const Shard* s = held.Of(requests[i].feature.shard);
+      if (s == nullptr) continue;
+      const FeatureRequest& f = requests[i].feature;
+      const int64_t zero = s->spec.rows;
+      slots[i].resize(f.ids.size());
+      s->index.FindAll(f.ids, zero, slots[i].data());
+      mapped[i].feature.ids = slots[i];
+      if (std::find(slots[i].begin(), slots[i].end(), zero) == slots[i].end()) continue;
+      if (f.pooling != Pooling::kNone) {
+        weights[i].assign(f.ids.size(), 1.0f);
+        if (!f.weights.empty()) weights[i].assign(f.weights.begin(), f.weights.end());
+        for (size_t j = 0; j < slots[i].size(); ++j) {
+          if (slots[i][j] == zero) weights[i][j] = 0.0f;
+        }
+        mapped[i].feature.weights = weights[i];
+      } else if (requests[i].grad.size() == f.ids.size() * static_cast<size_t>(s->spec.dim)) {
+        grads[i].assign(requests[i].grad.begin(), requests[i].grad.end());
+        for (size_t j = 0; j < slots[i].size(); ++j) {
+          if (slots[i][j] == zero) {
+            std::fill_n(grads[i].begin() + j * s->spec.dim, s->spec.dim, 0.0f);
+          }
+        }
+        mapped[i].grad = grads[i];
+      }  // (a gradient of the wrong size: the wrapped backend refuses it)
+    }
+    if (absl::Status s = inner()->ApplyGradients(mapped); !s.ok()) {
+      UndoAll(held, &undo);
+      return s;
+    }
+    for (auto& [id, shard] : held.shards) shard->index.Commit();
+    return absl::OkStatus();
+  }
+
+  absl::Status ExportRows(ShardId id, int64_t begin, int64_t end, absl::Span<float> weights,
+                          absl::Span<float> state) const override {
+    if (auto shard = Find(id)) {
+      absl::ReaderMutexLock lock(&shard->mu);
+      if (absl::Status s = CheckSlots(*shard, begin, end); !s.ok()) return s;
+    }
+    return inner()->ExportRows(id, begin, end, weights, state);
+  }
+
+  absl::Status ImportRows(ShardId id, int64_t begin, int64_t end, absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    if (auto shard = Find(id)) {
+      absl::MutexLock lock(&shard->mu);
+      if (absl::Status s = CheckSlots(*shard, begin, end); !s.ok()) return s;
+      return inner()->ImportRows(id, begin, end, weights, state);
+    }
+    return inner()->ImportRows(id, begin, end, weights, state);
+  }
+
+  absl::Status ImportStep(ShardId id, int64_t step) override {
+    if (auto shard = Find(id)) {
+      absl::MutexLock lock(&shard->mu);
+      if (absl::Status s = inner()->ImportStep(id, step); !s.ok()) return s;
+      shard->index.SetStep(step);
+      return absl::OkStatus();
+    }
+    return inner()->ImportStep(id, step);
+  }
+
+  absl::Status ExportSlots(ShardId id, int64_t begin, int64_t end,
+                           absl::Span<SlotMeta> out) const override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::ReaderMutexLock lock(&shard->mu);
+    if (absl::Status s = CheckSlots(*shard, begin, end); !s.ok()) return s;
+    if (out.size() != static_cast<size_t>(end - begin)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ExportSlots: ", out.size(), " entries for ", end - begin, " slots"));
+    }
+    shard->index.ExportSlots(begin, end, out.data());
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportSlots(ShardId id, int64_t begin, int64_t end,
+                           absl::Span<const SlotMeta> in) override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::MutexLock lock(&shard->mu);
+    if (absl::Status s = CheckSlots(*shard, begin, end); !s.ok()) return s;
+    if (in.size() != static_cast<size_t>(end - begin)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ImportSlots: ", in.size(), " entries for ", end - begin, " slots"));
+    }
+    return shard->index.RestoreSlots(begin, end, in.data());
+  }
+
+  absl::Status ImportIds(ShardId id, absl::Span<const int64_t> ids, absl::Span<const float> weights,
+                         absl::Span<const float> state) override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::MutexLock lock(&shard->mu);
+    const ShardSpec& spec = shard->spec;
+    const size_t width = static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim));
+    if (weights.size() != ids.size() * spec.dim || state.size() != ids.size() * width) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table '", spec.table, "': ", ids.size(), " ids take ", ids.size() * spec.dim,
+          " weights and ", ids.size() * width, " state values; got ", weights.size(), " and ",
+          state.size()));
+    }
+    if (absl::Status s = CheckFinite(weights, absl::StrCat("table '", spec.table, "'"), "weights");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = CheckFinite(state, absl::StrCat("table '", spec.table, "'"), "state");
+        !s.ok()) {
+      return s;
+    }
+    auto created = shard->index.BeginImport(ids);
+    if (!created.ok()) return created.status();
+    Undo undo;
+    undo.begun = true;
+    absl::Status s = WriteCreated(id, *shard, *created, &undo);
+    for (size_t i = 0; s.ok() && i < ids.size(); ++i) {
+      const int64_t slot = shard->index.Find(ids[i]);
+      s = inner()->ImportRows(id, slot, slot + 1, weights.subspan(i * spec.dim, spec.dim),
+                              state.subspan(i * width, width));
+    }
+    if (!s.ok()) {
+      Restore(id, *shard, undo);
+      shard->index.Rollback();
+      return s;
+    }
+    shard->index.Commit();
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::ReaderMutexLock lock(&shard->mu);
+    return shard->index.Stats();
+  }
+
+ private:
+  struct Shard {
+    Shard(const ShardSpec& s, int64_t max_pending)
+        : spec(s), index(s.rows, s.dynamic, max_pending) {}
+    const ShardSpec spec;
+    mutable absl::Mutex mu;
+    DynamicIndex index;  // guarded by mu (shared for Find/FindAll)
+  };
+  // The dynamic shards of one call, locked in shard id order for the call.
+  struct Held {
+    std::vector<std::pair<ShardId, std::shared_ptr<Shard>>> shards;
+    bool exclusive = false;
+    Held() = default;
+    Held(Held&& o) noexcept : shards(std::move(o.shards)), exclusive(o.exclusive) {}
+    ~Held() {
+      for (auto it = shards.rbegin(); it != shards.rend(); ++it) {
+        if (exclusive) {
+          it->second->mu.Unlock();
+        } else {
+          it->second->mu.ReaderUnlock();
+        }
+      }
+    }
+    Shard* Of(ShardId id) const {
+      for (const auto& [sid, s] : shards) {
+        if (sid == id) return s.get();
+      }
+      return nullptr;
+    }
+  };
+  // What an update overwrote: the rows of reused slots, put back on failure.
+  struct Undo {
+    bool begun = false;
+    std::vector<int64_t> slots;
+    std::vector<float> weights, state;
+  };
+
+  std::shared_ptr<Shard> Find(ShardId id) const {
+    absl::MutexLock lock(&mu_);
+    auto it = shards_.find(id);
+    return it == shards_.end() ? nullptr : it->second;
+  }
+
+  template <typename Request>
+  Held Collect(absl::Span<const Request> requests, bool exclusive) const {
+    Held held;
+    held.exclusive = exclusive;
+    {
+      absl::MutexLock lock(&mu_);
+      if (shards_.empty()) return held;
+      for (const Request& r : requests) {
+        auto it = shards_.find(r.feature.shard);
+        if (it != shards_.end() && held.Of(it->first) == nullptr) held.shards.push_back(*it);
+      }
+    }
+    std::sort(held.shards.begin(), held.shards.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& [id, s] : held.shards) {
+      if (exclusive) {
+        s->mu.Lock();
+      } else {
+        s->mu.ReaderLock();
+      }
+    }
+    return held;
+  }
+
+  static absl::Status CheckHostInputs(const FeatureRequest& f, const char* kind, size_t i,
+                                      const Shard& s) {
+    if (!f.on_device) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        kind, " request ", i, " (table '", s.spec.table,
+        "'): a dynamic table takes its ids in host memory, not on the device"));
+  }
+
+  static absl::Status CheckSlots(const Shard& s, int64_t begin, int64_t end) {
+    if (begin < 0 || begin > end || end > s.spec.rows) {
+      return absl::InvalidArgumentError(absl::StrCat("slot range [", begin, ", ", end,
+                                                     ") is outside [0, ", s.spec.rows,
+                                                     ") of dynamic table '", s.spec.table, "'"));
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status NotDynamic(ShardId id) {
+    return absl::InvalidArgumentError(absl::StrCat("shard ", id, " is not a dynamic shard"));
+  }
+
+  // Writes the created rows' initial values and fresh state, keeping what
+  // reused slots held in *undo first.
+  absl::Status WriteCreated(ShardId id, const Shard& shard,
+                            const std::vector<DynamicIndex::Created>& created, Undo* undo) {
+    const ShardSpec& spec = shard.spec;
+    const std::vector<float> state = FreshState(spec);
+    std::vector<float> row(static_cast<size_t>(spec.dim));
+    for (const DynamicIndex::Created& c : created) {
+      if (c.reused) {
+        const size_t w = undo->weights.size(), st = undo->state.size();
+        undo->weights.resize(w + row.size());
+        undo->state.resize(st + state.size());
+        if (absl::Status s = inner()->ExportRows(
+                id, c.slot, c.slot + 1, absl::MakeSpan(undo->weights).subspan(w, row.size()),
+                absl::MakeSpan(undo->state).subspan(st, state.size()));
+            !s.ok()) {
+          undo->weights.resize(w);
+          undo->state.resize(st);
+          return s;
+        }
+        undo->slots.push_back(c.slot);
+      }
+      InitialValues(spec.initializer, spec.table_rows, c.id, 1, spec.col_offset, spec.dim,
+                    row.data());
+      if (absl::Status s = inner()->ImportRows(id, c.slot, c.slot + 1, row, state); !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  void Restore(ShardId id, const Shard& shard, const Undo& undo) {
+    const size_t dim = static_cast<size_t>(shard.spec.dim);
+    const size_t width = undo.slots.empty() ? 0 : undo.state.size() / undo.slots.size();
+    for (size_t k = undo.slots.size(); k-- > 0;) {
+      const absl::Status s = inner()->ImportRows(
+          id, undo.slots[k], undo.slots[k] + 1,
+          absl::MakeConstSpan(undo.weights).subspan(k * dim, dim),
+          absl::MakeConstSpan(undo.state).subspan(k * width, width));
+      (void)s;  // the same rows, written back: nothing to refuse
+    }
+  }
+
+  void UndoAll(Held& held, std::vector<Undo>* undo) {
+    for (size_t k = held.shards.size(); k-- > 0;) {
+      if (!(*undo)[k].begun) continue;
+      Restore(held.shards[k].first, *held.shards[k].second, (*undo)[k]);
+      held.shards[k].second->index.Rollback();
+    }
+  }
+
+  const DynamicShardOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<ShardId, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::Status ValidateDynamicSpec(const ShardSpec& spec) {
+  const std::string what = absl::StrCat("dynamic table '", spec.table, "'");
+  if (spec.rows <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": capacity must be > 0, got ", spec.rows));
+  }
+  if (spec.dynamic.admit_after < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": admit_after must be >= 0, got ", spec.dynamic.admit_after));
+  }
+  if (spec.dynamic.ttl_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ttl_steps must be >= 0, got ", spec.dynamic.ttl_steps));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<EmbeddingBackend> WithDynamicShards(std::unique_ptr<EmbeddingBackend> inner,
+                                                    const DynamicShardOptions& options) {
+  return std::make_unique<DynamicShardsBackend>(std::move(inner), options);
+}
+
+}  // namespace backend
+}  // namespace ember

@@ -1,0 +1,57 @@
+// Dynamic (hash-keyed) shards over any backend: WithDynamicShards wraps a
+// backend so that a ShardSpec with is_dynamic makes a shard that takes any
+// int64 id (dynamic_index.h has the rules).
+//
+// A dynamic shard of `rows` rows is a fixed shard of the wrapped backend
+// with rows + 1 rows: slots 0 .. rows-1 hold the rows of admitted ids,
+// contiguous, so the backend's own gather, update and optimizer kernels run
+// on them; slot `rows` is kept all zeros (weights and optimizer state) and
+// stands in for every id without a row:
+//   Lookup   ids are mapped to slots (FindAll, prefetched); an id without a
+//            row reads the zero slot: a zero vector (pooled: it adds
+//            nothing, though MEAN still counts it in the bag's length).
+//            Lookups change nothing.
+//   Update   DynamicIndex::BeginUpdate (TTL, admission, eviction), the
+//            created rows written with their initial values: a function of
+//            the table's initializer, seed, the id and the column
+//            (InitialValues with the id as the row), the same on every
+//            sharding and restore; fresh optimizer state. The ids still
+//            without a row then contribute nothing: a pooled feature gets
+//            per-id weight 0 for them, a sequence feature (NONE) zero
+//            gradient rows, so the zero slot's update is exactly zero for
+//            every optimizer. If the wrapped backend refuses the call
+//            (bad input, overflow), the index and the overwritten rows are
+//            put back: nothing of the call is applied.
+//
+// Ids and weights must be in host memory for a dynamic shard
+// (FeatureRequest::on_device is refused: INVALID_ARGUMENT).
+//
+// Thread-safe: a lookup holds its dynamic shards' locks shared, an update
+// exclusive (taken in shard id order); fixed shards pass straight through.
+#ifndef EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_BACKEND_H_
+#define EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+
+struct DynamicShardOptions {
+  // Ids whose admission count a shard keeps exactly; past it, a count-min
+  // sketch (dynamic_index.h).
+  int64_t max_pending_ids = int64_t{1} << 20;
+};
+
+std::unique_ptr<EmbeddingBackend> WithDynamicShards(std::unique_ptr<EmbeddingBackend> inner,
+                                                    const DynamicShardOptions& options = {});
+
+// INVALID_ARGUMENT naming the field for a dynamic spec's bad values.
+absl::Status ValidateDynamicSpec(const ShardSpec& spec);
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_BACKEND_H_

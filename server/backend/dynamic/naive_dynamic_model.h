@@ -1,0 +1,90 @@
+// A naive model of DynamicIndex's rules (dynamic_index.h): a map of rows
+// and a map of counts, every decision by a full scan. The reference for the
+// index's and the dynamic backend's tests.
+#ifndef EMBER_SERVER_BACKEND_DYNAMIC_NAIVE_DYNAMIC_MODEL_H_
+#define EMBER_SERVER_BACKEND_DYNAMIC_NAIVE_DYNAMIC_MODEL_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+
+class NaiveDynamicModel {
+ public:
+  NaiveDynamicModel(int64_t capacity, const DynamicConfig& c) : cap_(capacity), c_(c) {}
+  // One update with every occurrence of `ids`; the ids it created rows
+  // for, ascending.
+  std::vector<int64_t> Update(const std::vector<int64_t>& ids) {
+    const int64_t t = ++step_;
+    if (c_.ttl_steps > 0) {
+      for (auto it = rows_.begin(); it != rows_.end();) {
+        it = t - it->second.last > c_.ttl_steps ? rows_.erase(it) : std::next(it);
+      }
+    }
+    std::map<int64_t, int64_t> count;
+    for (int64_t id : ids) ++count[id];
+    const int64_t threshold = std::max<int64_t>(c_.admit_after, 1);
+    std::vector<int64_t> admit;
+    for (const auto& [id, n] : count) {
+      auto it = rows_.find(id);
+      if (it != rows_.end()) {
+        it->second.last = t;
+        ++it->second.updates;
+      } else if ((pending_[id] += n) >= threshold) {
+        admit.push_back(id);
+      }
+    }
+    std::vector<int64_t> created;
+    for (int64_t id : admit) {
+      if (static_cast<int64_t>(rows_.size()) >= cap_) {
+        auto victim = rows_.end();
+        for (auto it = rows_.begin(); it != rows_.end(); ++it) {
+          if (it->second.last == t) continue;
+          if (victim == rows_.end() || Key(*it) < Key(*victim)) victim = it;
+        }
+        if (victim == rows_.end()) continue;  // no room
+        rows_.erase(victim);
+      }
+      rows_[id] = Row{t, 1};
+      pending_.erase(id);
+      created.push_back(id);
+    }
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      it = rows_.count(it->first) ? pending_.erase(it) : std::next(it);
+    }
+    return created;
+  }
+  bool Holds(int64_t id) const { return rows_.count(id) > 0; }
+  std::vector<int64_t> Held() const {
+    std::vector<int64_t> ids;
+    for (const auto& [id, r] : rows_) ids.push_back(id);
+    return ids;
+  }
+
+ private:
+  struct Row {
+    int64_t last, updates;
+  };
+  std::tuple<int64_t, int64_t, int64_t> Key(const std::pair<const int64_t, Row>& r) const {
+    if (c_.eviction == Eviction::kLfu) return {r.second.updates, r.second.last, r.first};
+    return {0, r.second.last, r.first};
+  }
+  const int64_t cap_;
+  const DynamicConfig c_;
+  int64_t step_ = 0;
+  std::map<int64_t, Row> rows_;
+  std::map<int64_t, int64_t> pending_;
+};
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_DYNAMIC_NAIVE_DYNAMIC_MODEL_H_
