@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/dynamic_route.h"
 #include "server/common/wire.h"
 
 namespace ember {
@@ -73,19 +74,35 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
     // the shard's.
     const uint64_t lo = static_cast<uint64_t>(shard.row_offset);
     const uint64_t rows = static_cast<uint64_t>(shard.rows);
-    int64_t k = 0;
-    n = 0;
-    for (int64_t b = 0; b < job.batch; ++b) {
-      const int64_t bag_start = n;
-      for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
-        const uint64_t local = static_cast<uint64_t>(src_ids[k]) - lo;
-        const bool in = local < rows;
-        ids[n] = static_cast<int64_t>(local);
-        if (weighted) weights[n] = src_weights[k];
-        if (positions != nullptr && in) positions->push_back(k);
-        n += in;
+    // route(id) = (the id's row relative to the shard's first, the id sent).
+    auto cut = [&](auto route) {
+      int64_t k = 0;
+      n = 0;
+      for (int64_t b = 0; b < job.batch; ++b) {
+        const int64_t bag_start = n;
+        for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
+          const auto [local, sent] = route(src_ids[k]);
+          const bool in = local < rows;
+          ids[n] = sent;
+          if (weighted) weights[n] = src_weights[k];
+          if (positions != nullptr && in) positions->push_back(k);
+          n += in;
+        }
+        lengths[b] = n - bag_start;
       }
-      lengths[b] = n - bag_start;
+    };
+    if (job.table->config->has_dynamic()) {
+      // A dynamic table's ids go whole to the shard whose rows hold their
+      // routing row (RouteRow: a fixed mix of the id, mod the capacity).
+      const int64_t capacity = job.table->config->dynamic().capacity();
+      cut([&](int64_t id) {
+        return std::make_pair(static_cast<uint64_t>(RouteRow(id, capacity)) - lo, id);
+      });
+    } else {
+      cut([&](int64_t id) {
+        const uint64_t local = static_cast<uint64_t>(id) - lo;
+        return std::make_pair(local, static_cast<int64_t>(local));
+      });
     }
   }
   t->KeepArray<int64_t>(f->mutable_lengths(), [&] { return f->mutable_shm_lengths(); }, lengths);
@@ -107,8 +124,10 @@ uint64_t MostBytes(const FeatureJob& job, int64_t cols) {
          A::Aligned(rows * cols * sizeof(float));
 }
 
-// The job's ids against its table's rows (CheckFeatureIds).
+// The job's ids against its table's rows (CheckFeatureIds); a dynamic
+// table takes any int64 id.
 absl::Status CheckJobIds(const FeatureJob& j) {
+  if (j.table->config->has_dynamic()) return absl::OkStatus();
   return CheckFeatureIds(absl::MakeConstSpan(j.ids, j.num_ids), j.table->config->num_embeddings(),
                          j.key, j.table->config->name());
 }

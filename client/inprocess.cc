@@ -6,7 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "planner/plan_view.h"
+#include "planner/spec_validation.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/table_spec.h"
 #include "server/common/thread_reused.h"
 
@@ -43,8 +45,8 @@ absl::StatusOr<std::unique_ptr<InProcessCollection>> InProcessCollection::Create
   auto be = backend::CreateCpuBackend(options);
   if (!be.ok()) return be.status();
   std::unique_ptr<InProcessCollection> c(new InProcessCollection());
-  c->spec_ = spec;
-  c->backend_ = *std::move(be);
+  c->spec_ = planner::WithDynamicRows(spec);
+  c->backend_ = backend::WithDynamicShards(*std::move(be));
   int order = 0;
   for (int t = 0; t < c->spec_.tables_size(); ++t) {
     const TableConfig& config = c->spec_.tables(t);
@@ -117,6 +119,7 @@ absl::Status InProcessCollection::Explained(const std::vector<Feature>& features
   // feature's and the table's names, as the Client says it.
   for (const Feature& f : features) {
     const TableConfig& config = *f.table->config;
+    if (config.has_dynamic()) continue;  // any int64 id
     if (absl::Status s =
             CheckFeatureIds(f.request.ids, config.num_embeddings(), f.key, config.name());
         !s.ok()) {

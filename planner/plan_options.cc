@@ -214,7 +214,13 @@ absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& sp
     if (free_choice) types = AllShardingTypes();
     const TableWorkload work = WorkloadFor(tc, c, topo, model);
     for (ShardingType type : types) {
-      const std::vector<ComputeKernel> kernels = KernelsFor(type, device, c);
+      std::vector<ComputeKernel> kernels = KernelsFor(type, device, c);
+      if (tc.has_dynamic()) {
+        if (!DynamicTableTakes(type)) continue;
+        kernels.erase(std::remove_if(kernels.begin(), kernels.end(),
+                                     [](ComputeKernel k) { return !DynamicTableTakes(k); }),
+                      kernels.end());
+      }
       if (kernels.empty()) continue;
       // Column splits: chosen freely, every width FreeColumnWidths offers
       // (wide blocks as TorchRec makes them, down to the even split); forced
@@ -245,7 +251,7 @@ absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& sp
           "], compute_kernels [", absl::StrJoin(c.compute_kernels(), ", "),
           "]; data_parallel uses dense, the other types fused",
           device == ember::v1::CUDA ? ", fused_uvm_caching or fused_uvm" : "",
-          ""));
+          tc.has_dynamic() ? "; a dynamic table takes table_wise or row_wise, fused" : ""));
     }
     auto& opts = tables[t].options;
     std::stable_sort(opts.begin(), opts.end(), [](const Option& a, const Option& b) {

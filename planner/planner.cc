@@ -63,9 +63,10 @@ struct Setup {
 }  // namespace
 
 
-absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
+absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec_in,
                                   const Topology& topology_in,
                                   const PlannerOptions& options) {
+  const CollectionSpec spec = WithDynamicRows(spec_in);
   auto setup = Setup::Of(spec, topology_in, options);
   if (!setup.ok()) return setup.status();
   const ComputeDevice device = setup->device;
@@ -157,8 +158,9 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec,
   return plan;
 }
 
-absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec, const Topology& topology_in,
+absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topology& topology_in,
                                        const ShardingPlan& given, const PlannerOptions& options) {
+  const CollectionSpec spec = WithDynamicRows(spec_in);
   auto setup = Setup::Of(spec, topology_in, options);
   if (!setup.ok()) return setup.status();
   const ComputeDevice device = setup->device;
@@ -210,6 +212,10 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec, const Topolog
             c.sharding_types().end()) {
       problem(label, ": its constraints allow sharding types [",
               absl::StrJoin(c.sharding_types(), ", "), "], not ", ts->sharding_type());
+    }
+    if (tc.has_dynamic() && (!DynamicTableTakes(*type) || !DynamicTableTakes(*kernel))) {
+      problem(label, ": a dynamic table takes table_wise or row_wise shards on the fused "
+              "kernel, not ", ts->sharding_type(), " on ", ts->compute_kernel());
     }
     const std::vector<ComputeKernel> kernels = KernelsFor(*type, device, c);
     if (std::find(kernels.begin(), kernels.end(), *kernel) == kernels.end()) {

@@ -108,5 +108,11 @@ absl::StatusOr<ComputeKernel> ParseComputeKernel(absl::string_view name) {
                    "' (valid: ", ValidComputeKernelNames(), ")"));
 }
 
+bool DynamicTableTakes(ShardingType type) {
+  return type == ShardingType::kTableWise || type == ShardingType::kRowWise;
+}
+
+bool DynamicTableTakes(ComputeKernel kernel) { return kernel == ComputeKernel::kFused; }
+
 }  // namespace planner
 }  // namespace ember

@@ -32,6 +32,12 @@ enum class ComputeKernel {
 
 // Every value, in the order the planner enumerates them.
 const std::vector<ShardingType>& AllShardingTypes();
+
+// What a dynamic (hash-keyed) table takes: table_wise and row_wise shards
+// (every column: an id's row lives whole on one shard), on the fused
+// kernel (its rows in the worker's memory, no UVM tiers yet).
+bool DynamicTableTakes(ShardingType type);
+bool DynamicTableTakes(ComputeKernel kernel);
 const std::vector<ComputeKernel>& AllComputeKernels();
 
 // TorchRec's string names ("table_wise", "fused_uvm_caching", ...).

@@ -173,7 +173,30 @@ void CheckConstraints(const std::string& name, const ParameterConstraints& c,
   }
 }
 
+void CheckDynamic(const TableConfig& t, const std::string& label, Problems* p) {
+  const ember::v1::DynamicTableSpec& d = t.dynamic();
+  if (d.capacity() <= 0 || d.capacity() > kMaxRows) {
+    p->Add(label, ": dynamic.capacity must be in [1, ", kMaxRows, "], got ", d.capacity());
+  } else if (t.num_embeddings() != 0 && t.num_embeddings() != d.capacity()) {
+    p->Add(label, ": num_embeddings is unused by a dynamic table: give 0 (or the capacity, ",
+           d.capacity(), "), got ", t.num_embeddings());
+  }
+  if (d.admit_after() < 0) p->Add(label, ": dynamic.admit_after must be >= 0, got ", d.admit_after());
+  if (d.ttl_steps() < 0) p->Add(label, ": dynamic.ttl_steps must be >= 0, got ", d.ttl_steps());
+  if (!ember::v1::DynamicTableSpec::Eviction_IsValid(d.eviction())) {
+    p->Add(label, ": dynamic.eviction ", static_cast<int>(d.eviction()), " is not LRU or LFU");
+  }
+}
+
 }  // namespace
+
+CollectionSpec WithDynamicRows(const CollectionSpec& spec) {
+  CollectionSpec out = spec;
+  for (TableConfig& t : *out.mutable_tables()) {
+    if (t.has_dynamic() && t.num_embeddings() == 0) t.set_num_embeddings(t.dynamic().capacity());
+  }
+  return out;
+}
 
 absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
   Problems p;
@@ -193,7 +216,9 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
     } else if (!tables.emplace(t.name(), &t).second) {
       p.Add(label, ": duplicate table name");
     }
-    if (t.num_embeddings() <= 0) {
+    if (t.has_dynamic()) {
+      CheckDynamic(t, label, &p);
+    } else if (t.num_embeddings() <= 0) {
       p.Add(label, ": num_embeddings must be > 0, got ", t.num_embeddings());
     } else if (t.num_embeddings() > kMaxRows) {
       p.Add(label, ": num_embeddings must be at most ", kMaxRows, ", got ", t.num_embeddings());

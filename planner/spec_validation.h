@@ -51,8 +51,16 @@ inline constexpr double kMaxStepTimeoutS = 86400;         // training.step_timeo
 //  - training: a known mode; trainers in [0, kMaxTrainingRanks], >= 1 for
 //    SYNC and BOUNDED; max_staleness in [1, kMaxStaleness] for BOUNDED and
 //    0 otherwise; step_timeout_s in [0, kMaxStepTimeoutS]; a known
-//    gradient_reduction.
+//    gradient_reduction;
+//  - dynamic tables: capacity in [1, kMaxRows], admit_after and ttl_steps
+//    >= 0, a known eviction, num_embeddings 0 or the capacity; constraints
+//    that name sharding types name table_wise or row_wise among them.
 absl::Status ValidateCollectionSpec(const ember::v1::CollectionSpec& spec);
+
+// `spec` with every dynamic table's num_embeddings set to its capacity where
+// 0: the rows that size its shards for the planner, the routing and exports.
+// The planner plans (and the coordinator stores) specs so filled.
+ember::v1::CollectionSpec WithDynamicRows(const ember::v1::CollectionSpec& spec);
 
 // world_size in [1, kMaxWorldSize]; local_world_size in [0, world_size] and
 // dividing it; capacities >= 0; per-rank overrides name distinct ranks in

@@ -52,6 +52,11 @@ INCLUDES = {
                                               "server/backend/overflow_guard.h",
                                               "server/backend/shard_registry.h",
                                               "server/common/", "cuda/", "math/"]),
+    # Hash-keyed shards over any backend's fixed ones.
+    "backend/dynamic": ("server/backend/dynamic/", ["server/backend/dynamic/",
+                                                    "server/backend/embedding_backend.h",
+                                                    "server/backend/forwarding_backend.h",
+                                                    "server/common/", "math/"]),
     "checkpoint": ("server/checkpoint/", ["server/checkpoint/", "server/common/", "proto/",
                                           "server/backend/embedding_backend.h"]),
     "worker": ("server/worker/", ["server/worker/", "server/checkpoint/", "server/common/",
@@ -73,12 +78,15 @@ INCLUDES = {
 # client's in-process collection is the one client -> backend edge.
 EXTRA = {
     "server/backend/backend_factory.cc": ["server/backend/cpu/", "server/backend/cuda/",
+                                          "server/backend/dynamic/dynamic_backend.h",
                                           "cuda/device_query.h"],
     "client/inprocess.h": ["server/backend/embedding_backend.h",
                            "server/backend/cpu/cpu_backend.h"],
     "client/inprocess.cc": ["server/backend/embedding_backend.h",
                             "server/backend/table_spec.h",
-                            "server/backend/cpu/cpu_backend.h"],
+                            "server/backend/cpu/cpu_backend.h",
+                            "server/backend/dynamic/dynamic_backend.h",
+                            "planner/spec_validation.h"],
 }
 
 # Public headers that must not name what lies behind them: the client's

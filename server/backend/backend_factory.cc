@@ -6,6 +6,7 @@
 #include "cuda/device_query.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/common/host_memory.h"
 
 namespace ember {
@@ -35,7 +36,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     }
     auto b = CreateCpuBackend(o);
     if (!b.ok()) return b.status();
-    made.backend = std::move(*b);
+    made.backend = WithDynamicShards(std::move(*b));  // hash-keyed tables over its shards
     made.ddr_bytes = o.memory_limit_bytes;
     return made;
   }
@@ -47,7 +48,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     o.scratch_bytes = config.cuda_scratch_bytes;
     auto b = backend::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
-    made.backend = std::move(*b);
+    made.backend = WithDynamicShards(std::move(*b));  // hash-keyed tables over its shards
     made.cuda = true;
     auto devices = cuda::QueryDevices();
     if (devices.ok()) {

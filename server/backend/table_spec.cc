@@ -91,6 +91,16 @@ backend::ShardSpec ShardSpecFromTable(const TableConfig& table, int64_t row_offs
   s.initializer.std = static_cast<float>(i.std());
   s.initializer.value = static_cast<float>(i.value());
   s.initializer.seed = i.seed();
+  if (table.has_dynamic()) {
+    const ember::v1::DynamicTableSpec& d = table.dynamic();
+    s.is_dynamic = true;
+    s.table_rows = d.capacity();
+    s.dynamic.admit_after = d.admit_after();
+    s.dynamic.ttl_steps = d.ttl_steps();
+    s.dynamic.eviction = d.eviction() == ember::v1::DynamicTableSpec::LFU
+                             ? backend::Eviction::kLfu
+                             : backend::Eviction::kLru;
+  }
   return s;
 }
 

@@ -140,7 +140,9 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   const int64_t epoch = *next;
   plan->set_epoch(epoch);
 
-  // The stored spec names every optimizer value a table runs with.
+  // The stored spec names every optimizer value a table runs with, and a
+  // dynamic table's rows (its capacity).
+  spec = planner::WithDynamicRows(spec);
   FillOptimizerDefaults(&spec);
   FillTrainingDefaults(&spec);
   CollectionInfo info;

@@ -259,9 +259,11 @@ absl::Status DecodeFeature(const backend::EmbeddingBackend& backend, bool skip_n
   // backend and the whole request is still refused when one is bad; but
   // not in device memory (`on_device`): the backend checks those, and the
   // parts already applied go unchecked (nothing of them is applied).
+  // A dynamic shard takes any int64 id.
   return backend::ValidateFeature(out->request, shard->rows, what,
-                                  grad == nullptr ? backend::Checks::kShapesOnly
-                                                  : backend::Checks::kAll);
+                                  grad == nullptr  ? backend::Checks::kShapesOnly
+                                  : shard->dynamic ? backend::Checks::kAllButIds
+                                                   : backend::Checks::kAll);
 }
 
 // The floats of output `index` ([size / cols, cols]) placed in `buffer` by

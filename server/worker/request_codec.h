@@ -46,6 +46,7 @@ struct ShardShape {
   backend::ShardId id = 0;
   int64_t rows = 0;
   int64_t cols = 0;
+  bool dynamic = false;  // a hash-keyed shard: any int64 id (rows: its capacity)
 };
 // The shard a ShardRef names, or the status that refuses it (NOT_FOUND,
 // FAILED_PRECONDITION: WorkerService::FindShard). Decode calls it once per

@@ -233,7 +233,8 @@ class WorkerService final : public ember::v1::Worker::Service {
       auto shard = FindShard(c, ref);
       if (!shard.ok()) return shard.status();
       found->push_back(*shard);
-      return ShardShape{(*shard)->id, (*shard)->assignment.rows(), (*shard)->assignment.cols()};
+      return ShardShape{(*shard)->id, (*shard)->assignment.rows(), (*shard)->assignment.cols(),
+                        (*shard)->assignment.table().has_dynamic()};
     };
   }
   static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);

@@ -7,7 +7,8 @@
 //   Index       open addressing with linear probing over a power-of-two
 //               array at most half full (16 bytes an entry: the id and its
 //               slot), placed by MixId(id) with a second constant, so that
-//               it does not share bits with the routing below; deletion
+//               it does not share bits with the routing (RouteRow,
+//               server/common/dynamic_route.h); deletion
 //               shifts the following entries back (no tombstones).
 //   Steps       every update of the shard (every ApplyGradients call that
 //               names it) is one step, counted from 1, as Adam's t is.
@@ -51,21 +52,10 @@
 #include "absl/types/span.h"
 #include "math/embedding_math.h"
 #include "server/backend/embedding_backend.h"
+#include "server/common/dynamic_route.h"
 
 namespace ember {
 namespace backend {
-
-// The fixed 64-bit mix of an id (SplitMix64's finaliser of its bits).
-inline uint64_t MixId(int64_t id) { return math::Mix64(static_cast<uint64_t>(id)); }
-
-// The routing row of `id` in a dynamic table of `capacity` rows: MixId(id)
-// mod capacity. A row_wise shard of rows [row_offset, row_offset + rows)
-// owns the ids whose routing row falls there (capacity split as the plan
-// splits rows); a table_wise shard owns every id.
-inline int64_t RouteRow(int64_t id, int64_t capacity) {
-  return static_cast<int64_t>(MixId(id) % static_cast<uint64_t>(capacity));
-}
-
 
 class DynamicIndex {
  public:

@@ -17,6 +17,9 @@ namespace ember {
 namespace backend {
 namespace {
 
+using ::ember::MixId;
+using ::ember::RouteRow;
+
 std::vector<int64_t> HeldIds(const DynamicIndex& x) {
   std::vector<int64_t> ids, slots;
   x.Held(&ids, &slots);
