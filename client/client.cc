@@ -20,6 +20,7 @@
 #include "client/shm_channel.h"
 #include "client/update_id.h"
 #include "server/common/auth.h"
+#include "server/common/dynamic_route.h"
 #include "server/common/grpc_util.h"
 #include "server/common/host_memory.h"
 #include "server/common/wire.h"
@@ -697,6 +698,21 @@ absl::Status Client::ApplySequenceGradients(const std::string& collection, KjtVi
   }, /*step_update=*/true);
 }
 
+namespace {
+
+absl::Status NotDense(const std::string& table) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "table '", table, "' is dynamic (hash-keyed): its rows go by id "
+      "(ExportDynamicTable / ImportDynamicTable; Python: export_table gives (ids, rows))"));
+}
+
+absl::Status NotDynamic(const std::string& table) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "table '", table, "' is not dynamic: ExportTable / ImportTable take its [rows, dim]"));
+}
+
+}  // namespace
+
 absl::Status Client::ImportTable(const std::string& collection, const std::string& table,
                                  absl::Span<const float> values, int64_t rows, int64_t dim) {
   auto routing = RoutingFor(collection, /*refresh=*/true);
@@ -705,6 +721,7 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
   auto found = FindTable(r, collection, table);
   if (!found.ok()) return found.status();
   const Routing::Table* t = *found;
+  if (t->config->has_dynamic()) return NotDense(table);
   if (rows != t->config->num_embeddings() || dim != t->config->embedding_dim() ||
       static_cast<int64_t>(values.size()) != rows * dim) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -776,6 +793,7 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
   auto found = FindTable(r, collection, table);
   if (!found.ok()) return found.status();
   const Routing::Table* t = *found;
+  if (t->config->has_dynamic()) return NotDense(table);
   *rows = t->config->num_embeddings();
   *dim = t->config->embedding_dim();
   std::vector<float> out(*rows * *dim, 0.0f);
@@ -810,6 +828,142 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
     }
   }
   return out;
+}
+
+absl::Status Client::ExportDynamicTable(const std::string& collection, const std::string& table,
+                                        std::vector<int64_t>* ids, std::vector<float>* rows,
+                                        int64_t* dim) {
+  auto routing = RoutingFor(collection, /*refresh=*/true);
+  if (!routing.ok()) return routing.status();
+  const Routing& r = **routing;
+  auto found = FindTable(r, collection, table);
+  if (!found.ok()) return found.status();
+  const Routing::Table* t = *found;
+  if (!t->config->has_dynamic()) return NotDynamic(table);
+  *dim = t->config->embedding_dim();
+  std::vector<std::pair<int64_t, size_t>> order;  // (id, its row in `all`)
+  std::vector<float> all, buf;
+  std::vector<int64_t> meta;
+  constexpr int64_t kChunkBytes = 32 << 20;
+  for (const auto& s : t->shards) {
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3 + 24));
+    for (int64_t b = 0; b < s.rows; b += chunk) {
+      const int64_t e = std::min(s.rows, b + chunk);
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, impl_->options.timeout);
+      ember::v1::ExportRowsRequest req;
+      req.set_collection(collection);
+      req.mutable_shard()->set_table(table);
+      req.mutable_shard()->set_shard_index(s.index);
+      req.set_row_begin(b);
+      req.set_row_end(e);
+      ember::v1::ExportRowsResponse resp;
+      const std::string& address = r.info.worker_addresses(s.rank);
+      grpc::Status st = StubFor(address)->ExportRows(&ctx, req, &resp);
+      if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+      if (absl::Status d = wire::Decode(resp.weights(), "weights", &buf); !d.ok()) return d;
+      if (absl::Status d = wire::Decode(resp.slot_meta(), "slot_meta", &meta); !d.ok()) return d;
+      if (static_cast<int64_t>(buf.size()) != (e - b) * s.cols ||
+          static_cast<int64_t>(meta.size()) != (e - b) * 3) {
+        return absl::InternalError("worker returned a malformed export");
+      }
+      for (int64_t i = 0; i < e - b; ++i) {
+        if (meta[3 * i + 2] == 0) continue;  // a free slot
+        order.emplace_back(meta[3 * i], all.size() / *dim);
+        all.insert(all.end(), buf.begin() + i * s.cols, buf.begin() + (i + 1) * s.cols);
+      }
+    }
+  }
+  std::sort(order.begin(), order.end());
+  ids->clear();
+  rows->assign(order.size() * *dim, 0.0f);
+  for (size_t k = 0; k < order.size(); ++k) {
+    ids->push_back(order[k].first);
+    std::memcpy(rows->data() + k * *dim, all.data() + order[k].second * *dim,
+                *dim * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::ImportDynamicTable(const std::string& collection, const std::string& table,
+                                        absl::Span<const int64_t> ids,
+                                        absl::Span<const float> rows, int64_t dim) {
+  auto routing = RoutingFor(collection, /*refresh=*/true);
+  if (!routing.ok()) return routing.status();
+  const Routing& r = **routing;
+  auto found = FindTable(r, collection, table);
+  if (!found.ok()) return found.status();
+  const Routing::Table* t = *found;
+  if (!t->config->has_dynamic()) return NotDynamic(table);
+  if (dim != t->config->embedding_dim() || rows.size() != ids.size() * static_cast<size_t>(dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "table '", table, "' takes rows of ", t->config->embedding_dim(), " for ", ids.size(),
+        " ids; got ", rows.size(), " values of dim ", dim));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!std::isfinite(rows[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("row ", i / dim, " (id ", ids[i / dim],
+                                                     "), column ", i % dim, " is ", rows[i],
+                                                     " (NaN/Inf is refused)"));
+    }
+  }
+  {
+    std::vector<int64_t> sorted(ids.begin(), ids.end());
+    std::sort(sorted.begin(), sorted.end());
+    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    if (dup != sorted.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("id ", *dup, " is given twice"));
+    }
+  }
+  // Each id to the shard holding its routing row; no shard gets more ids
+  // than it holds.
+  const int64_t capacity = t->config->dynamic().capacity();
+  std::vector<std::vector<size_t>> of(t->shards.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int64_t row = RouteRow(ids[i], capacity);
+    for (size_t k = 0; k < t->shards.size(); ++k) {
+      const auto& s = t->shards[k];
+      if (row >= s.row_offset && row < s.row_offset + s.rows) of[k].push_back(i);
+    }
+  }
+  for (size_t k = 0; k < of.size(); ++k) {
+    if (static_cast<int64_t>(of[k].size()) > t->shards[k].rows) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "table '", table, "': ", of[k].size(), " of the ids go to shard ", t->shards[k].index,
+          ", which holds ", t->shards[k].rows, " rows"));
+    }
+  }
+  constexpr size_t kChunkIds = 1 << 16;
+  std::vector<int64_t> chunk_ids;
+  std::vector<float> chunk_rows;
+  for (size_t k = 0; k < of.size(); ++k) {
+    const auto& s = t->shards[k];
+    const std::string& address = r.info.worker_addresses(s.rank);
+    for (size_t b = 0; b < of[k].size(); b += kChunkIds) {
+      const size_t e = std::min(of[k].size(), b + kChunkIds);
+      chunk_ids.clear();
+      chunk_rows.clear();
+      for (size_t j = b; j < e; ++j) {
+        chunk_ids.push_back(ids[of[k][j]]);
+        chunk_rows.insert(chunk_rows.end(), rows.begin() + of[k][j] * dim,
+                          rows.begin() + (of[k][j] + 1) * dim);
+      }
+      ember::v1::ImportRowsRequest im;
+      im.set_collection(collection);
+      im.set_epoch(r.info.plan().epoch());
+      im.mutable_shard()->set_table(table);
+      im.mutable_shard()->set_shard_index(s.index);
+      wire::Encode(absl::Span<const int64_t>(chunk_ids), im.mutable_ids());
+      wire::Encode(absl::Span<const float>(chunk_rows), im.mutable_weights());
+      im.set_step(-1);
+      ember::v1::ImportRowsResponse done;
+      grpc::ClientContext ctx;
+      PrepareContext(&ctx, impl_->options.timeout);
+      grpc::Status st = StubFor(address)->ImportRows(&ctx, im, &done);
+      if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace client

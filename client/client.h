@@ -250,9 +250,25 @@ class Client {
                            absl::Span<const float> values, int64_t rows, int64_t dim);
 
   // The whole table as float32 [rows, dim], reassembled from its shards.
+  // A dynamic table: ExportDynamicTable.
   absl::StatusOr<std::vector<float>> ExportTable(const std::string& collection,
                                                  const std::string& table, int64_t* rows,
                                                  int64_t* dim);
+
+  // A dynamic (hash-keyed) table's rows: the ids it holds, ascending, and
+  // their weights, float32 [ids, dim].
+  absl::Status ExportDynamicTable(const std::string& collection, const std::string& table,
+                                  std::vector<int64_t>* ids, std::vector<float>* rows,
+                                  int64_t* dim);
+  // Writes rows for `ids` (distinct; float32 [ids, dim], finite) into a
+  // dynamic table: an id held keeps its optimizer state, a new one gets a
+  // row with fresh state (its shard evicting by the table's policy to make
+  // room: the import counts as writing every row it names). Refused before
+  // any worker sees a row when ids repeat, a value is not finite, or more
+  // ids go to one shard than it holds (INVALID_ARGUMENT, RESOURCE_EXHAUSTED).
+  absl::Status ImportDynamicTable(const std::string& collection, const std::string& table,
+                                  absl::Span<const int64_t> ids, absl::Span<const float> rows,
+                                  int64_t dim);
 
   struct Routing;  // a collection's plan prepared for routing (routing.h)
 

@@ -122,7 +122,7 @@ def _int64_array(what, a):
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and \
             int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidArgument(3, f"{what} must fit int64; {int(arr.max())} does not "
-                                 "(hash ids into [0, 2^63))")
+                                 "(hash ids into [0, 2^63), or reinterpret them as int64: a.view(np.int64))")
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
@@ -383,14 +383,36 @@ class Client:
                                                 request_id or "", _step_arg(step, "step"),
                                                 _step_arg(rank, "rank"))
 
+    def _is_dynamic(self, name, table):
+        for t in self.collection(name)["spec"]["tables"]:
+            if t["name"] == table:
+                return "dynamic" in t
+        return False  # (the call names the missing table)
+
     def export_table(self, name, table):
-        """The whole table as float32 [rows, dim]."""
+        """The whole table as float32 [rows, dim]. A dynamic (hash-keyed)
+        table: `(ids, rows)`, ids int64 [n] ascending (the ids it holds),
+        rows float32 [n, dim]."""
+        if self._is_dynamic(name, table):
+            return self._c.export_dynamic_table(name, table)
         return self._c.export_table(name, table)
 
     def import_table(self, name, table, array):
         """Replaces a table's weights with `array` ([rows, dim], e.g. a
         TorchRec state dict's "embedding_bags.<table>.weight"); optimizer
-        state is kept."""
+        state is kept. A dynamic table takes `(ids, rows)` (ids distinct,
+        rows [n, dim]): an id held keeps its optimizer state, a new one gets
+        a row with fresh state, its shard evicting by the table's policy to
+        make room."""
+        if self._is_dynamic(name, table):
+            if not (isinstance(array, (tuple, list)) and len(array) == 2):
+                raise InvalidArgument(
+                    3, f"table '{table}' is dynamic: import_table takes (ids, rows)")
+            ids, rows = _numpy(array[0]), _numpy(array[1])
+            self._c.import_dynamic_table(name, table,
+                                         np.ascontiguousarray(ids, dtype=np.int64),
+                                         np.ascontiguousarray(rows, dtype=np.float32))
+            return
         array = _numpy(array)
         self._c.import_table(name, table, np.ascontiguousarray(array, dtype=np.float32))
 

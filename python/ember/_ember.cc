@@ -90,6 +90,15 @@ py::array_t<float> ToNumpy(Vector v, int64_t rows, int64_t cols) {
                             free);
 }
 
+// Ids handed to NumPy (no copy), int64 [n].
+py::array_t<int64_t> IdsToNumpy(std::vector<int64_t> v) {
+  auto* owned = new std::vector<int64_t>(std::move(v));
+  py::capsule free(owned, [](void* p) { delete static_cast<std::vector<int64_t>*>(p); });
+  const py::ssize_t n = static_cast<py::ssize_t>(owned->size());
+  return py::array_t<int64_t>({n}, {static_cast<py::ssize_t>(sizeof(int64_t))}, owned->data(),
+                              free);
+}
+
 template <typename T>
 using CArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
@@ -366,6 +375,31 @@ PYBIND11_MODULE(_ember, m) {
              absl::Span<const float> span(values.data(), values.size());
              py::gil_scoped_release release;
              Check(c.ImportTable(name, table, span, rows, dim));
+           })
+      .def("export_dynamic_table",
+           [](Client& c, const std::string& name, const std::string& table) {
+             std::vector<int64_t> ids;
+             std::vector<float> rows;
+             int64_t dim = 0;
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.ExportDynamicTable(name, table, &ids, &rows, &dim);
+             }
+             Check(s);
+             const int64_t n = static_cast<int64_t>(ids.size());
+             return py::make_tuple(IdsToNumpy(std::move(ids)), ToNumpy(std::move(rows), n, dim));
+           })
+      .def("import_dynamic_table",
+           [](Client& c, const std::string& name, const std::string& table, CArray<int64_t> ids,
+              CArray<float> rows) {
+             if (ids.ndim() != 1 || rows.ndim() != 2 || rows.shape(0) != ids.shape(0)) {
+               throw StatusError{static_cast<int>(absl::StatusCode::kInvalidArgument),
+                                 "import_table of a dynamic table takes (ids [n], rows [n, dim])"};
+             }
+             const int64_t dim = rows.shape(1);
+             py::gil_scoped_release release;
+             Check(c.ImportDynamicTable(name, table, SpanOf(ids), SpanOf(rows), dim));
            })
       .def("checkpoint",
            [](Client& c, const std::string& name, const std::string& dir) {

@@ -480,6 +480,35 @@ absl::Status EmbeddingBackend::ImportIds(ShardId, absl::Span<const int64_t>, abs
                                          absl::Span<const float>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }
+std::vector<int64_t> EmbeddingBackend::PackSlots(absl::Span<const SlotMeta> slots) {
+  std::vector<int64_t> out;
+  out.reserve(slots.size() * 3);
+  for (const SlotMeta& m : slots) {
+    out.push_back(m.held ? m.id : 0);
+    out.push_back(m.held ? m.last_step : 0);
+    out.push_back(m.held ? m.updates : 0);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<EmbeddingBackend::SlotMeta>> EmbeddingBackend::UnpackSlots(
+    absl::Span<const int64_t> packed) {
+  if (packed.size() % 3 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slot_meta holds ", packed.size(), " int64s, not 3 per slot"));
+  }
+  std::vector<SlotMeta> out(packed.size() / 3);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int64_t id = packed[3 * i], last = packed[3 * i + 1], updates = packed[3 * i + 2];
+    if (last < 0 || updates < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("slot_meta of slot ", i, ": last step ", last,
+                                                     " and updates ", updates, " must be >= 0"));
+    }
+    out[i] = SlotMeta{id, last, updates, updates > 0};
+  }
+  return out;
+}
+
 absl::StatusOr<DynamicStats> EmbeddingBackend::GetDynamicStats(ShardId) const {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }

@@ -267,11 +267,18 @@ class EmbeddingBackend {
                                    absl::Span<const SlotMeta> in);
   // Writes the rows of `ids` (distinct), creating those absent (evicting by
   // the shard's policy when full): fp32 weights [n, dim] and optimizer state
-  // [n, OptimizerStateWidth]. RESOURCE_EXHAUSTED when more new ids than fit.
+  // [n, OptimizerStateWidth], or no state (rows held keep theirs, new ones
+  // start fresh). RESOURCE_EXHAUSTED when more new ids than fit; nothing
+  // changes on any refusal.
   virtual absl::Status ImportIds(ShardId shard, absl::Span<const int64_t> ids,
                                  absl::Span<const float> weights, absl::Span<const float> state);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
+  // SlotMeta on the wire and on disk: int64 [n, 3] (id, last_step,
+  // updates), updates 0 for a free slot. Unpack: INVALID_ARGUMENT for a
+  // length not a multiple of 3 or negative fields.
+  static std::vector<int64_t> PackSlots(absl::Span<const SlotMeta> slots);
+  static absl::StatusOr<std::vector<SlotMeta>> UnpackSlots(absl::Span<const int64_t> packed);
 
   // Bytes still free for shards under the backend's memory limit
   // (INT64_MAX when it has none): a caller creating several shards checks

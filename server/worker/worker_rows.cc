@@ -52,6 +52,15 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
   }
   auto step = backend_->ExportStep((*shard)->id);
   if (!step.ok()) return ToGrpc(step.status());
+  if (spec->is_dynamic) {
+    std::vector<backend::EmbeddingBackend::SlotMeta> slots(e - b);
+    if (absl::Status s = backend_->ExportSlots((*shard)->id, b, e, absl::MakeSpan(slots));
+        !s.ok()) {
+      return ToGrpc(s);
+    }
+    wire::Encode(absl::Span<const int64_t>(backend::EmbeddingBackend::PackSlots(slots)),
+                 resp->mutable_slot_meta());
+  }
   resp->set_cols(spec->dim);
   resp->set_state_width(width);
   resp->set_step(*step);
@@ -87,11 +96,7 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
                      " times")));
   }
   absl::MutexLock apply((*c)->apply_mu.get());
-  if (absl::Status s =
-          backend_->ImportRows((*shard)->id, req->row_begin(), req->row_end(), weights, state);
-      !s.ok()) {
-    return ToGrpc(s);
-  }
+  if (absl::Status s = ImportInto(**shard, *req, weights, state); !s.ok()) return ToGrpc(s);
   if (req->applied_ids_size() > 0) {
     std::vector<std::pair<uint64_t, absl::Time>> entries;
     for (int i = 0; i < req->applied_ids_size(); ++i) {
@@ -109,6 +114,41 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
     }
   }
   return grpc::Status::OK;
+}
+
+absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1::ImportRowsRequest& req,
+                                       const std::vector<float>& weights,
+                                       const std::vector<float>& state) {
+  const bool dynamic = shard.assignment.table().has_dynamic();
+  if (!dynamic) {
+    if (!req.slot_meta().empty() || !req.ids().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          RefString(shard.assignment.ref()), " is not a dynamic table's: no slot_meta or ids"));
+    }
+    return backend_->ImportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
+  }
+  if (!req.ids().empty()) {  // rows by id
+    std::vector<int64_t> ids;
+    if (absl::Status s = wire::Decode(req.ids(), "ids", &ids); !s.ok()) return s;
+    return backend_->ImportIds(shard.id, ids, weights, state);
+  }
+  // Slots with their bookkeeping (a move): the rows checked first, then the
+  // slots (checked before they change), then the rows.
+  std::vector<int64_t> packed;
+  if (absl::Status s = wire::Decode(req.slot_meta(), "slot_meta", &packed); !s.ok()) return s;
+  auto slots = backend::EmbeddingBackend::UnpackSlots(packed);
+  if (!slots.ok()) return slots.status();
+  const int64_t b = req.row_begin(), e = req.row_end();
+  if (static_cast<int64_t>(slots->size()) != e - b) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a dynamic table's slots [", b, ", ", e, ") come with their slot_meta (", e - b,
+        " entries); got ", slots->size()));
+  }
+  auto spec = backend_->GetShardSpec(shard.id);
+  if (!spec.ok()) return spec.status();
+  if (absl::Status s = backend::ValidateImport(*spec, b, e, weights, state); !s.ok()) return s;
+  if (absl::Status s = backend_->ImportSlots(shard.id, b, e, *slots); !s.ok()) return s;
+  return backend_->ImportRows(shard.id, b, e, weights, state);
 }
 
 grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,

@@ -238,6 +238,10 @@ class WorkerService final : public ember::v1::Worker::Service {
     };
   }
   static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
+  // ImportRows' writing: a fixed shard's rows, or a dynamic one's slots with
+  // their slot_meta, or rows by id.
+  absl::Status ImportInto(const ShardEntry& shard, const ember::v1::ImportRowsRequest& req,
+                          const std::vector<float>& weights, const std::vector<float>& state);
   // A step barrier for `training` (max_pending_step_bytes its bound).
   std::shared_ptr<StepBarrier> MakeSteps(const ember::v1::TrainingSpec& training) const;
   // An update applied as it arrives (ASYNC collections).

@@ -218,29 +218,41 @@ class DynamicShardsBackend : public ForwardingBackend {
     absl::MutexLock lock(&shard->mu);
     const ShardSpec& spec = shard->spec;
     const size_t width = static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim));
-    if (weights.size() != ids.size() * spec.dim || state.size() != ids.size() * width) {
+    if (weights.size() != ids.size() * spec.dim ||
+        (!state.empty() && state.size() != ids.size() * width)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "table '", spec.table, "': ", ids.size(), " ids take ", ids.size() * spec.dim,
-          " weights and ", ids.size() * width, " state values; got ", weights.size(), " and ",
-          state.size()));
+          " weights and ", ids.size() * width, " state values (or none); got ", weights.size(),
+          " and ", state.size()));
     }
-    if (absl::Status s = CheckFinite(weights, absl::StrCat("table '", spec.table, "'"), "weights");
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CheckFinite(state, absl::StrCat("table '", spec.table, "'"), "state");
-        !s.ok()) {
-      return s;
+    // Every row checked before anything changes.
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::vector<float> fresh = FreshState(spec);
+      if (absl::Status s = ValidateImport(
+              spec, 0, 1, weights.subspan(i * spec.dim, spec.dim),
+              state.empty() ? absl::MakeConstSpan(fresh) : state.subspan(i * width, width));
+          !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("id ", ids[i], ": ", s.message()));
+      }
     }
     auto created = shard->index.BeginImport(ids);
     if (!created.ok()) return created.status();
     Undo undo;
     undo.begun = true;
+    // Rows held before keep their state unless one is given (the created
+    // ones have their fresh state by now).
     absl::Status s = WriteCreated(id, *shard, *created, &undo);
+    std::vector<float> unused(spec.dim), kept(width);
     for (size_t i = 0; s.ok() && i < ids.size(); ++i) {
       const int64_t slot = shard->index.Find(ids[i]);
-      s = inner()->ImportRows(id, slot, slot + 1, weights.subspan(i * spec.dim, spec.dim),
-                              state.subspan(i * width, width));
+      if (state.empty()) {
+        s = inner()->ExportRows(id, slot, slot + 1, absl::MakeSpan(unused), absl::MakeSpan(kept));
+      }
+      if (s.ok()) {
+        s = inner()->ImportRows(id, slot, slot + 1, weights.subspan(i * spec.dim, spec.dim),
+                                state.empty() ? absl::MakeConstSpan(kept)
+                                              : state.subspan(i * width, width));
+      }
     }
     if (!s.ok()) {
       Restore(id, *shard, undo);

@@ -275,13 +275,25 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
   BeginJournal();
   std::vector<int64_t> sorted(ids.begin(), ids.end());
   std::sort(sorted.begin(), sorted.end());
-  std::vector<Created> created;
+  // Rows held: written at the current step (so no row of the import makes
+  // room for another), their update count kept.
   for (size_t i = 0; i < sorted.size(); ++i) {
     const int64_t id = sorted[i];
     if (i > 0 && sorted[i - 1] == id) {
       Rollback();
       return absl::InvalidArgumentError(absl::StrCat("id ", id, " is given twice"));
     }
+    const int64_t slot = Find(id);
+    if (slot < 0) continue;
+    Meta m = meta_[slot];
+    m.last_step = step_;
+    m.version = next_version_++;
+    SetMeta(slot, m);
+    marked_.push_back(slot);
+  }
+  std::vector<Created> created;
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const int64_t id = sorted[i];
     if (Find(id) >= 0) continue;
     const int64_t slot = TakeSlot(/*import=*/true);
     if (slot < 0) {
@@ -314,11 +326,13 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
 }
 
 void DynamicIndex::Commit() {
-  // This step's rows join the queues in ascending id order.
+  // The rows written join the queues in ascending id order, their versions
+  // in that order too (the write order Compact keeps).
   std::sort(marked_.begin(), marked_.end(),
             [&](int64_t a, int64_t b) { return meta_[a].id < meta_[b].id; });
   for (const int64_t slot : marked_) {
-    const Meta& m = meta_[slot];
+    Meta& m = meta_[slot];
+    m.version = next_version_++;
     lru_.push_back(QEntry{slot, m.version});
     if (config_.eviction == Eviction::kLfu) lfu_[m.updates].push_back(QEntry{slot, m.version});
   }
@@ -377,9 +391,20 @@ void DynamicIndex::Rollback() {
 
 void DynamicIndex::Rebuild() {
   free_.clear();
+  std::vector<int64_t> held;
   for (int64_t s = capacity_ - 1; s >= 0; --s) {
-    if (!meta_[s].used) free_.push_back(s);
+    if (!meta_[s].used) {
+      free_.push_back(s);
+    } else {
+      held.push_back(s);
+    }
   }
+  // Restored rows: written in (last update step, id) order.
+  std::sort(held.begin(), held.end(), [&](int64_t a, int64_t b) {
+    return std::make_pair(meta_[a].last_step, meta_[a].id) <
+           std::make_pair(meta_[b].last_step, meta_[b].id);
+  });
+  for (const int64_t s : held) meta_[s].version = next_version_++;
   Compact();
   rebuild_ = false;
 }
@@ -434,15 +459,14 @@ void DynamicIndex::Compact() {
   for (int64_t s = 0; s < capacity_; ++s) {
     if (meta_[s].used) held.push_back(s);
   }
-  std::sort(held.begin(), held.end(), [&](int64_t a, int64_t b) {
-    return std::make_pair(meta_[a].last_step, meta_[a].id) <
-           std::make_pair(meta_[b].last_step, meta_[b].id);
-  });
+  // The write order (versions are assigned in it at Commit).
+  std::sort(held.begin(), held.end(),
+            [&](int64_t a, int64_t b) { return meta_[a].version < meta_[b].version; });
   lru_.clear();
   lfu_.clear();
   for (const int64_t s : held) {
     lru_.push_back(QEntry{s, meta_[s].version});
-    // (last_step, id) order within each bucket, as the updates queued them.
+    // Write order within each bucket, as the writes queued them.
     if (config_.eviction == Eviction::kLfu) lfu_[meta_[s].updates].push_back(QEntry{s, meta_[s].version});
   }
 }

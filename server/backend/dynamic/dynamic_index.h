@@ -20,14 +20,19 @@
 //               counts are exact for up to max_pending_ids ids; ids beyond
 //               are counted in a count-min sketch (4 x 65536 counters),
 //               which may over-count and so admit early, never late.
+//   Writes      an update writes the rows it updates and creates, an
+//               import (BeginImport) the rows it names; each write takes
+//               its rows in ascending id order, so rows are ordered by when
+//               they were last written, then by id.
 //   Eviction    a full shard that must create a row evicts LRU: the row
-//               updated longest ago (ties: the lower id), or LFU: the row
-//               updated in the fewest steps since it was created (ties: the
-//               one updated longest ago, then the lower id). A row the
-//               current step updates or creates is never evicted by it: an
-//               id that finds no row then is dropped for this step
-//               (no_room) and keeps its count. An evicted id that comes
-//               back starts over: count, row and optimizer state.
+//               written longest ago, or LFU: the row updated in the fewest
+//               steps since it was created (ties: the one written longest
+//               ago). A row the current update or import writes is never
+//               evicted by it: an id that finds no row then is dropped for
+//               this step (no_room) and keeps its count. An evicted id that
+//               comes back starts over: count, row and optimizer state.
+//               Rows restored by RestoreSlots count as written in (last
+//               update step, id) order.
 //   Order       the rows a step updates are marked first, then the ids it
 //               admits get rows in ascending id order.
 //
@@ -89,8 +94,10 @@ class DynamicIndex {
   // Find / FindAll.
   std::vector<Created> BeginUpdate(absl::Span<const int64_t> ids);
   // Rows for `ids` (distinct) created where absent, as by an import: no
-  // step, no counting; existing rows keep their place. RESOURCE_EXHAUSTED
-  // (nothing changed) when more new ids than the shard can take.
+  // step, no admission counting; every row of the import counts as updated
+  // at the current step (LRU, TTL), a held one keeping its update count
+  // (LFU), a new one starting at 1. RESOURCE_EXHAUSTED (nothing changed)
+  // when the ids are more than the shard holds.
   absl::StatusOr<std::vector<Created>> BeginImport(absl::Span<const int64_t> ids);
   void Commit();
   void Rollback();
@@ -113,7 +120,7 @@ class DynamicIndex {
     int64_t id = 0;
     int64_t last_step = 0;
     int64_t updates = 0;  // steps that updated it since it was created
-    uint64_t version = 0;
+    uint64_t version = 0;  // changes at every write; increasing in write order
     bool used = false;
   };
   struct QEntry {

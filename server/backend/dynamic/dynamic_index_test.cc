@@ -84,6 +84,20 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
       EXPECT_EQ(x.Stats().admitted, s0.admitted);
       EXPECT_EQ(x.Stats().pending_ids, s0.pending_ids);
     }
+    if (step % 11 == 5) {  // an import of a few distinct ids, some held
+      std::vector<int64_t> some = HeldIds(x);
+      some.resize(std::min<size_t>(some.size(), 2));
+      for (int i = 0; i < 3; ++i) some.push_back(any(rng) * 7919 + 13);
+      std::sort(some.begin(), some.end());
+      some.erase(std::unique(some.begin(), some.end()), some.end());
+      if (static_cast<int64_t>(some.size()) <= c.capacity) {
+        auto imported = x.BeginImport(some);
+        ASSERT_TRUE(imported.ok()) << imported.status();
+        x.Commit();
+        m.Import(some);
+        ASSERT_EQ(HeldIds(x), m.Held()) << "import at step " << step;
+      }
+    }
     const auto created = x.BeginUpdate(ids);
     for (const auto& cr : created) EXPECT_EQ(x.Find(cr.id), cr.slot);
     x.Commit();

@@ -42,7 +42,10 @@ class NaiveDynamicModel {
         admit.push_back(id);
       }
     }
-    std::vector<int64_t> created;
+    std::vector<int64_t> written, created;
+    for (const auto& [id, n] : count) {
+      if (rows_.count(id)) written.push_back(id);
+    }
     for (int64_t id : admit) {
       if (static_cast<int64_t>(rows_.size()) >= cap_) {
         auto victim = rows_.end();
@@ -56,13 +59,41 @@ class NaiveDynamicModel {
       rows_[id] = Row{t, 1};
       pending_.erase(id);
       created.push_back(id);
+      written.push_back(id);
     }
+    Written(written);
     for (auto it = pending_.begin(); it != pending_.end();) {
       it = rows_.count(it->first) ? pending_.erase(it) : std::next(it);
     }
     return created;
   }
   bool Holds(int64_t id) const { return rows_.count(id) > 0; }
+  // An import of `ids` (distinct, at most the capacity): every one written
+  // at the current step, the new ones created (evicting rows not of the
+  // import by the policy).
+  void Import(const std::vector<int64_t>& ids) {
+    std::vector<int64_t> sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t id : sorted) {
+      if (rows_.count(id)) rows_[id].last = step_;
+    }
+    std::map<int64_t, bool> in_import;
+    for (int64_t id : sorted) in_import[id] = true;
+    for (int64_t id : sorted) {
+      if (rows_.count(id)) continue;
+      if (static_cast<int64_t>(rows_.size()) >= cap_) {
+        auto victim = rows_.end();
+        for (auto it = rows_.begin(); it != rows_.end(); ++it) {
+          if (in_import.count(it->first)) continue;
+          if (victim == rows_.end() || Key(*it) < Key(*victim)) victim = it;
+        }
+        rows_.erase(victim);
+      }
+      rows_[id] = Row{step_, 1};
+      pending_.erase(id);
+    }
+    Written(sorted);
+  }
   std::vector<int64_t> Held() const {
     std::vector<int64_t> ids;
     for (const auto& [id, r] : rows_) ids.push_back(id);
@@ -72,10 +103,21 @@ class NaiveDynamicModel {
  private:
   struct Row {
     int64_t last, updates;
+    int64_t seq = 0;  // when it was last written (LRU), by the rules' order
   };
+  // Gives the rows written by one update or import their write order:
+  // ascending id.
+  void Written(std::vector<int64_t> ids) {
+    std::sort(ids.begin(), ids.end());
+    for (int64_t id : ids) {
+      auto it = rows_.find(id);
+      if (it != rows_.end()) it->second.seq = ++seq_;
+    }
+  }
+  int64_t seq_ = 0;
   std::tuple<int64_t, int64_t, int64_t> Key(const std::pair<const int64_t, Row>& r) const {
-    if (c_.eviction == Eviction::kLfu) return {r.second.updates, r.second.last, r.first};
-    return {0, r.second.last, r.first};
+    if (c_.eviction == Eviction::kLfu) return {r.second.updates, r.second.seq, 0};
+    return {0, r.second.seq, 0};
   }
   const int64_t cap_;
   const DynamicConfig c_;

@@ -1,0 +1,336 @@
+"""Dynamic (hash-keyed) tables (docs/dynamic-tables.md) through the service
+and the SDK, against a NumPy model of the rules (dynamic_model.py): any
+int64 id, rows created on admission (thresholds 1 and 3), TTL, LRU and LFU
+eviction per shard, every optimizer, SUM/MEAN with per-id weights and NONE,
+table_wise and row_wise over 2 and 3 workers; lookups never change
+anything; export/import by id; exactly-once retries that cross an
+admission; a drain; memory within capacity under 10x as many distinct ids;
+bad specs refused with the table and field named."""
+
+import numpy as np
+import pytest
+
+import ember
+from dynamic_model import DynamicTableModel, initial_row, route_row
+
+DIM = {"f_sum": 8, "f_mean": 4}
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ember.LocalCluster(workers=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return ember.Client(cluster.address, timeout_s=30)
+
+
+def dynamic_table(name, feature, pooling, dim, opt, capacity, admit_after=1, ttl=0,
+                  eviction="LRU", seed=0):
+    return {"name": name, "num_embeddings": 0, "embedding_dim": dim,
+            "feature_names": [feature], "pooling": pooling,
+            "optimizer": opt, "initializer": {"seed": seed},
+            "dynamic": {"capacity": capacity, "admit_after": admit_after, "ttl_steps": ttl,
+                        "eviction": eviction}}
+
+
+def model_spec(opt, capacity, admit_after, ttl, eviction, dim, seed=0):
+    return {"optimizer": opt["type"], "lr": opt.get("learning_rate", 0.01),
+            "eps": opt.get("eps", 1e-8),
+            "initial_accumulator_value": opt.get("initial_accumulator_value", 0.0),
+            "capacity": capacity, "admit_after": admit_after, "ttl_steps": ttl,
+            "eviction": eviction, "dim": dim, "seed": seed}
+
+
+def ranges_of(client, name, table):
+    ts = next(t for t in client.plan(name)["tables"] if t["table"] == table)
+    return sorted((int(s.get("row_offset", 0)), int(s["rows"])) for s in ts["shards"])
+
+
+def universe(rng, n):
+    """Hashed ids: int64 anywhere, negative and extreme included."""
+    ids = [int(x) for x in rng.integers(INT64_MIN, INT64_MAX, size=n - 3, dtype=np.int64)]
+    return ids + [INT64_MIN, INT64_MAX, -1]
+
+
+def draw(rng, ids, batch):
+    """`batch` bags of 0..4 ids, skewed to a hot few."""
+    bags = []
+    for _ in range(batch):
+        k = int(rng.integers(0, 5))
+        bags.append([ids[min(int(rng.zipf(1.5)) - 1, len(ids) - 1)] for _ in range(k)])
+    return bags
+
+
+CASES = [
+    ({"type": "SGD", "learning_rate": 0.5}, "table_wise", 1, 0, "LRU"),
+    ({"type": "ADAGRAD", "learning_rate": 0.2, "initial_accumulator_value": 0.1}, "row_wise", 3,
+     0, "LFU"),
+    ({"type": "ROWWISE_ADAGRAD", "learning_rate": 0.3}, "row_wise", 1, 4, "LRU"),
+    ({"type": "ADAM", "learning_rate": 0.05}, "table_wise", 2, 3, "LFU"),
+]
+
+
+@pytest.mark.parametrize("opt,sharding,admit,ttl,eviction", CASES)
+def test_pooled_tables_match_the_model(client, opt, sharding, admit, ttl, eviction):
+    name = f"dyn_{opt['type'].lower()}_{sharding}"
+    cap = {"f_sum": 12, "f_mean": 10}
+    spec = {"name": name, "tables": [
+        dynamic_table("t_sum", "f_sum", "SUM", 8, opt, cap["f_sum"], admit, ttl, eviction, 5),
+        dynamic_table("t_mean", "f_mean", "MEAN", 4, opt, cap["f_mean"], admit, ttl, eviction,
+                      6)]}
+    client.create_collection(spec, sharding_type=sharding)
+    # Adam's step divides by sqrt(v): a gradient summed in another order
+    # moves a row by a few ulps more where v is small.
+    tol = dict(rtol=1e-4, atol=2e-5) if opt["type"] == "ADAM" else dict(rtol=2e-5, atol=2e-6)
+    try:
+        models = {f: DynamicTableModel(model_spec(opt, cap[f], admit, ttl, eviction, DIM[f],
+                                                  seed=5 if f == "f_sum" else 6),
+                                       ranges_of(client, name, t))
+                  for f, t in (("f_sum", "t_sum"), ("f_mean", "t_mean"))}
+        rng = np.random.default_rng(len(name))
+        ids = universe(rng, 30)
+        for step in range(24):
+            bags = {f: draw(rng, ids, 4) for f in DIM}
+            weighted = step % 3 == 1
+            weights = ({f: [[float(rng.integers(1, 4)) / 2 for _ in b] for b in bags[f]]
+                        for f in DIM} if weighted else None)
+            kjt = ember.KeyedJaggedTensor.from_jagged(bags, weights)
+            got = client.lookup(name, kjt)
+            for f in DIM:
+                want = models[f].lookup(bags[f], None if weights is None else weights[f],
+                                        "SUM" if f == "f_sum" else "MEAN")
+                np.testing.assert_allclose(got[f], want, **tol,
+                                           err_msg=f"{f} lookup at step {step}")
+            grad = rng.normal(size=(4, 12)).astype(np.float32)
+            client.apply_gradients(name, kjt, grad)
+            models["f_sum"].update(bags["f_sum"], grad[:, :8], None if weights is None
+                                   else weights["f_sum"], "SUM")
+            models["f_mean"].update(bags["f_mean"], grad[:, 8:], None if weights is None
+                                    else weights["f_mean"], "MEAN")
+        for f, t in (("f_sum", "t_sum"), ("f_mean", "t_mean")):
+            got_ids, got_rows = client.export_table(name, t)
+            want_ids, want_rows = models[f].held()
+            np.testing.assert_array_equal(got_ids, want_ids, err_msg=f"{t}: the ids held")
+            np.testing.assert_allclose(got_rows, want_rows, **tol, err_msg=t)
+            assert len(got_ids) <= cap[f]
+    finally:
+        client.drop_collection(name)
+
+
+def test_sequence_table_and_lookups_that_change_nothing(client):
+    opt = {"type": "ADAGRAD", "learning_rate": 0.1}
+    name = "dyn_seq"
+    client.create_collection({"name": name, "tables": [
+        dynamic_table("t_seq", "f_seq", "NONE", 4, opt, 6, admit_after=2)]},
+        sharding_type="row_wise")
+    try:
+        model = DynamicTableModel(model_spec(opt, 6, 2, 0, "LRU", 4), ranges_of(client, name,
+                                                                                 "t_seq"))
+        rng = np.random.default_rng(3)
+        ids = universe(rng, 12)
+        for step in range(15):
+            bags = {"f_seq": draw(rng, ids, 3)}
+            kjt = ember.KeyedJaggedTensor.from_jagged(bags)
+            for _ in range(2):  # a lookup again reads the same: nothing changed
+                got = client.lookup_sequence(name, kjt)["f_seq"]
+                np.testing.assert_allclose(got, model.lookup(bags["f_seq"], pooling="NONE"),
+                                           rtol=2e-5, atol=2e-6, err_msg=f"step {step}")
+            n = sum(len(b) for b in bags["f_seq"])
+            grad = rng.normal(size=(n, 4)).astype(np.float32)
+            client.apply_sequence_gradients(name, kjt, {"f_seq": grad})
+            model.update(bags["f_seq"], grad, pooling="NONE")
+        got_ids, got_rows = client.export_table(name, "t_seq")
+        want_ids, want_rows = model.held()
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_rows, want_rows, rtol=2e-5, atol=2e-6)
+    finally:
+        client.drop_collection(name)
+
+
+def test_initial_rows_depend_on_the_id_alone(client):
+    """An admitted id's first row is its initializer's hash of (seed, id,
+    column) on every sharding: the same from table_wise and row_wise, and
+    the model's (worked in Python)."""
+    opt = {"type": "SGD", "learning_rate": 0.0}
+    ids = [7, -7, INT64_MIN, INT64_MAX, 1 << 40]
+    rows = {}
+    for sharding in ("table_wise", "row_wise"):
+        name = f"dyn_init_{sharding}"
+        client.create_collection({"name": name, "tables": [
+            dynamic_table("t", "f", "SUM", 8, opt, 16, seed=11)]}, sharding_type=sharding)
+        try:
+            kjt = ember.KeyedJaggedTensor.from_jagged({"f": [[i] for i in ids]})
+            client.apply_gradients(name, kjt, np.zeros((len(ids), 8), np.float32))
+            got_ids, got_rows = client.export_table(name, "t")
+            assert list(got_ids) == sorted(ids)
+            rows[sharding] = got_rows
+        finally:
+            client.drop_collection(name)
+    np.testing.assert_array_equal(rows["table_wise"], rows["row_wise"])
+    want = np.array([initial_row(i, 8, 16, seed=11) for i in sorted(ids)])
+    np.testing.assert_array_equal(rows["table_wise"], want)
+
+
+def test_export_import_round_trip_and_refusals(client):
+    opt = {"type": "ADAGRAD", "learning_rate": 0.1}
+    src, dst = "dyn_src", "dyn_dst"
+    for name in (src, dst):
+        client.create_collection({"name": name, "tables": [
+            dynamic_table("t", "f", "SUM", 4, opt, 20)]}, sharding_type="row_wise")
+    try:
+        rng = np.random.default_rng(9)
+        ids = universe(rng, 15)
+        for _ in range(5):
+            bags = {"f": draw(rng, ids, 4)}
+            client.apply_gradients(src, ember.KeyedJaggedTensor.from_jagged(bags),
+                                   rng.normal(size=(4, 4)).astype(np.float32))
+        held_ids, held_rows = client.export_table(src, "t")
+        assert len(held_ids) > 0 and list(held_ids) == sorted(held_ids)
+        client.import_table(dst, "t", (held_ids, held_rows))
+        got_ids, got_rows = client.export_table(dst, "t")
+        np.testing.assert_array_equal(got_ids, held_ids)
+        np.testing.assert_array_equal(got_rows, held_rows)
+        # Lookups read them.
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f": [[int(i)] for i in held_ids]})
+        np.testing.assert_array_equal(client.lookup(dst, kjt)["f"], held_rows)
+        # Refused, nothing written: a repeated id, NaN, the wrong width, a
+        # dense array, more ids than a shard holds.
+        before = client.export_table(dst, "t")
+        with pytest.raises(ember.InvalidArgument, match="given twice"):
+            client.import_table(dst, "t", ([5, 5], np.zeros((2, 4), np.float32)))
+        with pytest.raises(ember.InvalidArgument, match="NaN/Inf"):
+            client.import_table(dst, "t", ([5], np.full((1, 4), np.nan, np.float32)))
+        with pytest.raises(ember.InvalidArgument, match="takes rows of 4"):
+            client.import_table(dst, "t", ([5], np.zeros((1, 3), np.float32)))
+        with pytest.raises(ember.InvalidArgument, match="takes \\(ids, rows\\)"):
+            client.import_table(dst, "t", np.zeros((3, 4), np.float32))
+        many = np.arange(1000, dtype=np.int64)
+        with pytest.raises(ember.ResourceExhausted, match="which holds"):
+            client.import_table(dst, "t", (many, np.zeros((1000, 4), np.float32)))
+        after = client.export_table(dst, "t")
+        np.testing.assert_array_equal(after[0], before[0])
+        np.testing.assert_array_equal(after[1], before[1])
+    finally:
+        client.drop_collection(src)
+        client.drop_collection(dst)
+
+
+def test_a_retried_update_counts_toward_admission_once(client):
+    opt = {"type": "SGD", "learning_rate": 1.0}
+    name = "dyn_retry"
+    client.create_collection({"name": name, "tables": [
+        dynamic_table("t", "f", "SUM", 4, opt, 8, admit_after=2)]}, sharding_type="row_wise")
+    try:
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f": [[42]]})
+        grad = np.ones((1, 4), np.float32)
+        client.apply_gradients(name, kjt, grad, request_id="u1")
+        client.apply_gradients(name, kjt, grad, request_id="u1")  # a retry: applied once
+        assert len(client.export_table(name, "t")[0]) == 0  # 42 counted once: not admitted
+        client.apply_gradients(name, kjt, grad, request_id="u2")  # the second: admitted
+        ids, rows = client.export_table(name, "t")
+        assert list(ids) == [42]
+        spec = model_spec(opt, 8, 2, 0, "LRU", 4)
+        np.testing.assert_allclose(rows[0], initial_row(42, 4, 8) - 1.0, rtol=1e-6)
+        client.apply_gradients(name, kjt, grad, request_id="u2")  # a retry again
+        np.testing.assert_array_equal(client.export_table(name, "t")[1], rows)
+        assert spec["capacity"] == 8
+    finally:
+        client.drop_collection(name)
+
+
+def test_memory_stays_within_capacity_under_ten_times_as_many_ids(client):
+    opt = {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.1}
+    name = "dyn_flood"
+    client.create_collection({"name": name, "tables": [
+        dynamic_table("t", "f", "SUM", 4, opt, 200, ttl=0, eviction="LFU")]},
+        sharding_type="row_wise")
+    try:
+        rng = np.random.default_rng(1)
+        stream = rng.integers(INT64_MIN, INT64_MAX, size=2000, dtype=np.int64)
+        for b in range(0, 2000, 100):
+            bags = {"f": [[int(i)] for i in stream[b:b + 100]]}
+            client.apply_gradients(name, ember.KeyedJaggedTensor.from_jagged(bags),
+                                   np.ones((100, 4), np.float32))
+            ids, _ = client.export_table(name, "t")
+            assert len(ids) <= 200
+        ranges = ranges_of(client, name, "t")
+        # Each shard full (ids spread by the routing hash, evicting the rest).
+        per_shard = [sum(1 for i in ids if off <= route_row(int(i), 200) < off + n)
+                     for off, n in ranges]
+        assert per_shard == [n for _, n in ranges]
+        status = client.worker_status(client.collection(name)["worker_addresses"][0])
+        assert status is not None
+    finally:
+        client.drop_collection(name)
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"capacity": 0}, "dynamic.capacity must be in [1"),
+    ({"admit_after": -1}, "dynamic.admit_after must be >= 0"),
+    ({"ttl_steps": -5}, "dynamic.ttl_steps must be >= 0"),
+])
+def test_bad_dynamic_specs_are_refused_naming_the_field(client, change, words):
+    t = dynamic_table("t_bad", "f", "SUM", 4, {"type": "SGD"}, 8)
+    t["dynamic"].update(change)
+    with pytest.raises(ember.InvalidArgument, match=words.replace("[", "\\[")) as e:
+        client.create_collection({"name": "bad", "tables": [t]})
+    assert "t_bad" in str(e.value)
+
+
+def test_other_refusals(client):
+    t = dynamic_table("t_bad", "f", "SUM", 4, {"type": "SGD"}, 8)
+    t["num_embeddings"] = 5
+    with pytest.raises(ember.InvalidArgument, match="num_embeddings is unused"):
+        client.create_collection({"name": "bad", "tables": [t]})
+    t["num_embeddings"] = 8  # the capacity: accepted
+    for sharding in ("column_wise", "data_parallel", "table_row_wise"):
+        with pytest.raises(ember.InvalidArgument, match="dynamic table takes table_wise or row_wise"):
+            client.create_collection({"name": "bad", "tables": [t]}, sharding_type=sharding)
+    client.create_collection({"name": "ok_dyn", "tables": [t]})
+    try:
+        with pytest.raises(ember.InvalidArgument, match="is dynamic"):
+            client._c.export_table("ok_dyn", "t_bad")
+        # A huge uint64 hash is refused with the way to pass it.
+        with pytest.raises(ember.InvalidArgument, match="view"):
+            ember.KeyedJaggedTensor(["f"], [1], np.array([1 << 63], np.uint64))
+    finally:
+        client.drop_collection("ok_dyn")
+
+
+def test_a_drain_moves_dynamic_shards_with_their_ids_and_order():
+    """3 workers, row_wise: a drain copies each shard's slots, ids and
+    eviction order live; training then goes on exactly as the model's."""
+    opt = {"type": "ADAM", "learning_rate": 0.05}
+    with ember.LocalCluster(workers=3) as cluster:
+        c = ember.Client(cluster.address, timeout_s=30)
+        name = "dyn_drain"
+        c.create_collection({"name": name, "tables": [
+            dynamic_table("t", "f", "SUM", 4, opt, 9, admit_after=1, ttl=6, eviction="LRU")]},
+            sharding_type="row_wise")
+        model = DynamicTableModel(model_spec(opt, 9, 1, 6, "LRU", 4), ranges_of(c, name, "t"))
+        rng = np.random.default_rng(5)
+        ids = universe(rng, 25)
+
+        def steps(n):
+            for _ in range(n):
+                bags = {"f": draw(rng, ids, 4)}
+                grad = rng.normal(size=(4, 4)).astype(np.float32)
+                c.apply_gradients(name, ember.KeyedJaggedTensor.from_jagged(bags), grad)
+                model.update(bags["f"], grad)
+
+        steps(10)
+        info = c.collection(name)
+        victim = next(w["worker_id"] for w in c.list_workers()
+                      if w["info"]["address"] == info["worker_addresses"][1])
+        assert name in c.drain(victim)
+        # The moved shards keep their rows and their place in the plan.
+        assert ranges_of(c, name, "t") == model.ranges
+        steps(10)
+        got_ids, got_rows = c.export_table(name, "t")
+        want_ids, want_rows = model.held()
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_rows, want_rows, rtol=1e-4, atol=2e-5)  # Adam: as above
