@@ -43,7 +43,9 @@ worker="$common server/worker/worker_service.cc server/worker/request_codec.cc s
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
   server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
-  server/backend/table_spec.cc server/checkpoint/recut.cc server/common/host_memory.cc"
+  server/backend/table_spec.cc server/checkpoint/recut.cc server/common/host_memory.cc
+  server/backend/dynamic/dynamic_index.cc server/backend/dynamic/dynamic_backend.cc
+  server/checkpoint/rehash.cc"
 planner="planner/cost_model.cc planner/planner.cc planner/plan_options.cc planner/plan_bounds.cc
   planner/plan_search.cc planner/plan_stats.cc planner/plan_view.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"

@@ -194,8 +194,8 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
       entry.applied_ids() < 0 || entry.rows() > (int64_t{1} << 40) ||
       entry.cols() + entry.state_width() > (int64_t{1} << 20) ||
       entry.applied_ids() > (int64_t{1} << 40) ||
-      ShardFileBytes(entry.rows(), entry.cols(), entry.state_width(), entry.applied_ids()) !=
-          entry.bytes()) {
+      ShardFileBytes(entry.rows(), entry.cols(), entry.state_width(), entry.applied_ids(),
+                     entry.dynamic()) != entry.bytes()) {
     close(fd);
     return DataLoss(path, "the manifest's shape does not match the file's size");
   }
@@ -233,9 +233,11 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
                                                           const ShardData& data) {
   if (static_cast<int64_t>(data.weights.size()) != data.rows * data.cols ||
       static_cast<int64_t>(data.state.size()) != data.rows * data.state_width ||
-      data.applied_ids.size() != data.applied_unix_ms.size()) {
+      data.applied_ids.size() != data.applied_unix_ms.size() ||
+      (!data.slot_meta.empty() && static_cast<int64_t>(data.slot_meta.size()) != data.rows * 3)) {
     return absl::InternalError("shard data does not match its shape");
   }
+  const bool dynamic = !data.slot_meta.empty();
   const std::string name = ShardFileName(ref);
   const std::string path = Join(dir, name);
   File f(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
@@ -248,7 +250,8 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
       {data.weights.data(), data.weights.size() * sizeof(float)},
       {data.state.data(), data.state.size() * sizeof(float)},
       {data.applied_ids.data(), data.applied_ids.size() * sizeof(uint64_t)},
-      {data.applied_unix_ms.data(), data.applied_unix_ms.size() * sizeof(int64_t)}};
+      {data.applied_unix_ms.data(), data.applied_unix_ms.size() * sizeof(int64_t)},
+      {data.slot_meta.data(), data.slot_meta.size() * sizeof(int64_t)}};
   for (const auto& [data_ptr, n] : parts) {
     const char* p = static_cast<const char*>(data_ptr);
     for (size_t at = 0; at < n; at += kChunk) {
@@ -262,7 +265,8 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   *entry.mutable_ref() = ref;
   entry.set_file(name);
   entry.set_bytes(ShardFileBytes(data.rows, data.cols, data.state_width,
-                                 static_cast<int64_t>(data.applied_ids.size())));
+                                 static_cast<int64_t>(data.applied_ids.size()), dynamic));
+  entry.set_dynamic(dynamic);
   entry.set_applied_ids(static_cast<int64_t>(data.applied_ids.size()));
   entry.set_crc32(crc);
   entry.set_rows(data.rows);
@@ -292,12 +296,14 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
   d.state.resize(d.rows * d.state_width);
   d.applied_ids.resize(entry.applied_ids());
   d.applied_unix_ms.resize(entry.applied_ids());
+  if (entry.dynamic()) d.slot_meta.resize(d.rows * 3);
   uint32_t crc = Crc(0, header, sizeof(header));
   const std::pair<void*, size_t> parts[] = {
       {d.weights.data(), d.weights.size() * sizeof(float)},
       {d.state.data(), d.state.size() * sizeof(float)},
       {d.applied_ids.data(), d.applied_ids.size() * sizeof(uint64_t)},
-      {d.applied_unix_ms.data(), d.applied_unix_ms.size() * sizeof(int64_t)}};
+      {d.applied_unix_ms.data(), d.applied_unix_ms.size() * sizeof(int64_t)},
+      {d.slot_meta.data(), d.slot_meta.size() * sizeof(int64_t)}};
   for (const auto& [p, n] : parts) {
     auto r = ReadUpTo(f.fd(), p, n, path);
     if (!r.ok()) return r.status();
@@ -617,8 +623,9 @@ std::vector<std::string> ListUncommitted(const std::string& root, const std::str
   return CheckpointDirs(root, collection, false);
 }
 
-int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied) {
-  return kHeaderBytes + 4 * rows * (cols + state_width) + 16 * applied;
+int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied,
+                       bool dynamic) {
+  return kHeaderBytes + 4 * rows * (cols + state_width) + 16 * applied + (dynamic ? 24 * rows : 0);
 }
 
 int64_t BytesInDirectory(const std::string& dir) {

@@ -47,6 +47,9 @@ struct ShardData {
   // columns takes them back, so a retried update is not applied twice.
   std::vector<uint64_t> applied_ids;
   std::vector<int64_t> applied_unix_ms;
+  // A dynamic table's shard: each slot's bookkeeping, int64 [rows, 3]
+  // (EmbeddingBackend::PackSlots); empty for a fixed shard.
+  std::vector<int64_t> slot_meta;
 };
 
 // The shard file's name for `ref`: "<n>-<table>.<shard_index>.shard" with the
@@ -130,7 +133,8 @@ std::vector<std::string> ListCommitted(const std::string& root, const std::strin
 
 // The size of a shard file holding rows x (cols + state_width) floats and
 // `applied` exactly-once entries.
-int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0);
+int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0,
+                       bool dynamic = false);
 
 // Bytes in the regular files of `dir` (a checkpoint being written).
 int64_t BytesInDirectory(const std::string& dir);

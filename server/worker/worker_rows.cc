@@ -3,6 +3,7 @@
 // files, re-cut on restore). The data plane is worker_service.cc; shard
 // bookkeeping is worker_shards.cc.
 #include <algorithm>
+#include <memory>
 #include <set>
 #include <string>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "glog/logging.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/checkpoint/recut.h"
+#include "server/checkpoint/rehash.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 #include "server/worker/shard_names.h"
@@ -203,6 +205,14 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
       auto step = backend_->ExportStep(e.id);
       if (!step.ok()) return ToGrpc(step.status());
       d.step = *step;
+      if (e.assignment.table().has_dynamic()) {  // and what each slot holds
+        std::vector<backend::EmbeddingBackend::SlotMeta> slots(d.rows);
+        if (absl::Status s = backend_->ExportSlots(e.id, 0, d.rows, absl::MakeSpan(slots));
+            !s.ok()) {
+          return ToGrpc(s);
+        }
+        d.slot_meta = backend::EmbeddingBackend::PackSlots(slots);
+      }
       for (const auto& [id, when] : e.applied->Entries()) {
         d.applied_ids.push_back(id);
         d.applied_unix_ms.push_back(absl::ToUnixMillis(when));
@@ -246,6 +256,10 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
     // The exactly-once record of a source with exactly this shard's rows
     // and columns (a recovery); a re-cut shard starts with none.
     std::vector<std::pair<uint64_t, absl::Time>> applied;
+    // A dynamic table's shard: its rows gathered by id from every source
+    // of the table (rehash.h) instead of re-cut by range.
+    std::unique_ptr<checkpoint::RehashTarget> rehash;
+    std::vector<backend::EmbeddingBackend::SlotMeta> slots;
   };
   std::vector<Target> targets;
   {
@@ -265,9 +279,12 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
       auto spec = backend_->GetShardSpec(entry.id);
       if (!spec.ok()) return ToGrpc(spec.status());
       const auto& a = entry.assignment;
+      const bool dynamic = spec->is_dynamic;
       targets.push_back({key, entry.id, *spec,
                          checkpoint::RecutTarget(spec->optimizer.type, a.row_offset(),
-                                                 a.col_offset(), a.rows(), a.cols()),
+                                                 a.col_offset(), dynamic ? 0 : a.rows(), a.cols()),
+                         {},
+                         dynamic ? std::make_unique<checkpoint::RehashTarget>(*spec) : nullptr,
                          {}});
     }
   }
@@ -275,20 +292,21 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
   for (const auto& source : req->sources()) {
     std::vector<Target*> hit;
     for (Target& t : targets) {
-      if (t.key.first == source.ref().table() && checkpoint::Overlaps(source, t.recut)) {
-        hit.push_back(&t);
-      }
+      if (t.key.first != source.ref().table()) continue;
+      if (t.rehash != nullptr || checkpoint::Overlaps(source, t.recut)) hit.push_back(&t);
     }
     if (hit.empty()) continue;
     auto data = checkpoint::ReadShardFile(*dir, source);
     if (!data.ok()) return ToGrpc(data.status());
     bytes_read += source.bytes();
     for (Target* t : hit) {
-      if (absl::Status s = checkpoint::CopyOverlap(source, *data, &t->recut); !s.ok()) {
-        return ToGrpc(s);
-      }
-      if (source.row_offset() == t->recut.row_offset && source.rows() == t->recut.rows &&
-          source.col_offset() == t->recut.col_offset && source.cols() == t->recut.cols) {
+      const absl::Status taken = t->rehash != nullptr ? t->rehash->Take(source, *data)
+                                                      : checkpoint::CopyOverlap(source, *data,
+                                                                                &t->recut);
+      if (!taken.ok()) return ToGrpc(taken);
+      const auto& a = t->spec;
+      if (source.row_offset() == a.row_offset && source.rows() == a.rows &&
+          source.col_offset() == a.col_offset && source.cols() == a.dim) {
         for (size_t i = 0; i < data->applied_ids.size(); ++i) {
           t->applied.emplace_back(data->applied_ids[i],
                                   absl::FromUnixMillis(data->applied_unix_ms[i]));
@@ -300,7 +318,18 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
   // changes nothing.
   for (Target& t : targets) {
     const std::string what = absl::StrCat("table '", t.key.first, "' shard ", t.key.second);
-    if (absl::Status s = checkpoint::FinishTarget(t.key.first, &t.recut); !s.ok()) return ToGrpc(s);
+    if (t.rehash != nullptr) {
+      int64_t dropped = 0;
+      t.recut.rows = t.spec.rows;
+      t.rehash->Finish(&t.recut.weights, &t.recut.state, &t.slots, &dropped);
+      t.recut.step = t.rehash->step();
+      if (dropped > 0) {
+        LOG(WARNING) << what << ": " << dropped << " checkpointed row(s) past its "
+                     << t.spec.rows << " were left out by the table's eviction rule";
+      }
+    } else if (absl::Status s = checkpoint::FinishTarget(t.key.first, &t.recut); !s.ok()) {
+      return ToGrpc(s);
+    }
     if (absl::Status s =
             backend::ValidateImport(t.spec, 0, t.recut.rows, t.recut.weights, t.recut.state);
         !s.ok()) {
@@ -325,6 +354,13 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
   }
   for (size_t i = 0; i < targets.size(); ++i) {
     Target& t = targets[i];
+    if (t.rehash != nullptr) {
+      if (absl::Status s = backend_->ImportSlots(t.id, 0, t.recut.rows, t.slots); !s.ok()) {
+        return ToGrpc(absl::Status(
+            s.code(), absl::StrCat("table '", t.key.first, "' shard ", t.key.second, ": ",
+                                   s.message())));
+      }
+    }
     if (absl::Status s = backend_->ImportRows(t.id, 0, t.recut.rows, t.recut.weights,
                                               t.recut.state);
         !s.ok()) {

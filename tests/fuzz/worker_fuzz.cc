@@ -3,7 +3,7 @@
 // The first byte picks the method, the rest is the serialized request.
 // Invariants besides "no crash, no sanitizer report": the collection "c"
 // keeps answering a fixed lookup with unchanged values unless an
-// acknowledged mutation targeted it.
+// acknowledged mutation targeted it. A dynamic table ("d") takes any id.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -18,6 +18,7 @@
 
 #include "proto/service.pb.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/common/wire.h"
 #include "server/worker/worker_service.h"
 
@@ -34,7 +35,7 @@ WorkerService* Make() {
   ember::worker::WorkerServiceOptions so;
   so.max_response_bytes = 16 << 20;
   so.skip_nonfinite = std::getenv("EMBER_FUZZ_SKIP_NONFINITE") != nullptr;
-  auto* s = new WorkerService(std::move(*backend), so);
+  auto* s = new WorkerService(ember::backend::WithDynamicShards(std::move(*backend)), so);
   ember::v1::CreateShardsRequest req;
   req.set_collection("c");
   req.set_epoch(1);
@@ -58,6 +59,20 @@ WorkerService* Make() {
     a->set_rows(t.rows);
     a->set_cols(t.dim);
   }
+  // A dynamic table: any int64 id, admission at 2, TTL 3, LFU.
+  auto* d = req.add_shards();
+  d->mutable_ref()->set_table("d");
+  TableConfig* dc = d->mutable_table();
+  dc->set_name("d");
+  dc->set_num_embeddings(16);
+  dc->set_embedding_dim(4);
+  dc->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAGRAD);
+  dc->mutable_dynamic()->set_capacity(16);
+  dc->mutable_dynamic()->set_admit_after(2);
+  dc->mutable_dynamic()->set_ttl_steps(3);
+  dc->mutable_dynamic()->set_eviction(ember::v1::DynamicTableSpec::LFU);
+  d->set_rows(16);
+  d->set_cols(4);
   ember::v1::CreateShardsResponse resp;
   if (!s->CreateShards(nullptr, &req, &resp).ok()) std::abort();
   // The same tables trained SYNC by one trainer: its steps' path (a step
