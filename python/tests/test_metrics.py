@@ -109,11 +109,38 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
         client.drop_collection("ms")  # the counts below are of collection "m"
         assert total("ember_worker_steps_applied_total") == 4  # a counter: kept
 
+        # A dynamic table (capacity 2, admission at 2, LRU): [1] counts 1;
+        # [1, 2, 3] admits 1 and counts 2 and 3; [2, 3] admits both, 3
+        # evicting 1. Gradients of ids below admission: 1 + 2.
+        client.create_collection({"name": "md", "tables": [
+            {"name": "t", "embedding_dim": 4, "feature_names": ["f"],
+             "dynamic": {"capacity": 2, "admit_after": 2}}]}, sharding_type="table_wise")
+        for bag in ([1], [1, 2, 3], [2, 3]):
+            client.apply_gradients("md", ember.KeyedJaggedTensor.from_jagged({"f": [bag]}),
+                                   np.ones((1, 4), np.float32))
+
+        def labelled(metric, **labels):
+            want = [f'{k}="{v}"' for k, v in dict(collection="md", table="t", **labels).items()]
+            return sum(float(line.rsplit(" ", 1)[1]) for w in workers
+                       for line in get(urls[w]).splitlines()
+                       if line.startswith(metric + "{") and all(x in line for x in want))
+
+        assert labelled("ember_worker_dynamic_rows") == 2
+        assert labelled("ember_worker_dynamic_capacity") == 2
+        assert labelled("ember_worker_dynamic_admitted_total", reason="update") == 3
+        assert labelled("ember_worker_dynamic_evicted_total", reason="lru") == 1
+        assert labelled("ember_worker_dynamic_evicted_total", reason="ttl") == 0
+        assert labelled("ember_worker_dynamic_dropped_gradient_ids_total") == 3
+        assert labelled("ember_worker_dynamic_pending_ids") == 0
+        assert 0 < labelled("ember_worker_dynamic_load_factor") <= 0.5
+
         # The exposition itself is valid Prometheus text.
-        text = get(f"http://127.0.0.1:{base + 1}/metrics")
-        check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, text=True,
-                               capture_output=True)
-        assert check.returncode == 0, check.stdout + check.stderr
+        for i in (1, 2):
+            text = get(f"http://127.0.0.1:{base + i}/metrics")
+            check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, text=True,
+                                   capture_output=True)
+            assert check.returncode == 0, check.stdout + check.stderr
+        client.drop_collection("md")
 
         config = tmp_path / "prometheus.yml"
         targets = ", ".join(f"'127.0.0.1:{base + i}'" for i in range(3))

@@ -71,6 +71,62 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 per_table(&WorkerService::TableStats::gradient_ids));
   m->AddGauge("ember_worker_table_shards", "Shards held, per collection and table",
               per_table(&WorkerService::TableStats::shards));
+  // Dynamic (hash-keyed) tables, per collection and table.
+  using Dyn = backend::DynamicStats;
+  auto dynamic = [service](auto value) {
+    return [service, value]() {
+      std::vector<ServerMetrics::Sample> out;
+      for (const WorkerService::TableStats& t : service->GetTableStats()) {
+        if (!t.dynamic) continue;
+        for (auto& [labels, v] : value(t.dyn)) {
+          ServerMetrics::Sample s{{{"collection", t.collection}, {"table", t.table}}, v};
+          s.labels.insert(labels.begin(), labels.end());
+          out.push_back(std::move(s));
+        }
+      }
+      return out;
+    };
+  };
+  using Labelled = std::vector<std::pair<std::map<std::string, std::string>, double>>;
+  auto field = [](int64_t Dyn::*f) {
+    return [f](const Dyn& d) { return Labelled{{{}, static_cast<double>(d.*f)}}; };
+  };
+  m->AddGauge("ember_worker_dynamic_rows", "Rows a dynamic table holds on this worker",
+              dynamic(field(&Dyn::rows_held)));
+  m->AddGauge("ember_worker_dynamic_capacity", "Rows a dynamic table may hold on this worker",
+              dynamic(field(&Dyn::capacity)));
+  m->AddGauge("ember_worker_dynamic_load_factor",
+              "Rows held / hash index entries (the index is kept at most half full)",
+              dynamic([](const Dyn& d) {
+                return Labelled{{{}, d.index_slots > 0 ? static_cast<double>(d.rows_held) /
+                                                             static_cast<double>(d.index_slots)
+                                                       : 0.0}};
+              }));
+  m->AddCounter("ember_worker_dynamic_admitted_total",
+                "Rows created for ids that reached admit_after (imports: reason=import)",
+                dynamic([](const Dyn& d) {
+                  return Labelled{{{{"reason", "update"}}, static_cast<double>(d.admitted)},
+                                  {{{"reason", "import"}}, static_cast<double>(d.imported)}};
+                }));
+  m->AddCounter("ember_worker_dynamic_evicted_total", "Rows evicted, by reason",
+                dynamic([](const Dyn& d) {
+                  return Labelled{{{{"reason", "ttl"}}, static_cast<double>(d.evicted_ttl)},
+                                  {{{"reason", "lru"}}, static_cast<double>(d.evicted_lru)},
+                                  {{{"reason", "lfu"}}, static_cast<double>(d.evicted_lfu)},
+                                  {{{"reason", "import"}}, static_cast<double>(d.evicted_import)}};
+                }));
+  m->AddCounter("ember_worker_dynamic_dropped_gradient_ids_total",
+                "Gradient ids left out: ids still below admit_after, or with no room in their step",
+                dynamic(field(&Dyn::dropped_pending)));
+  m->AddCounter("ember_worker_dynamic_no_room_total",
+                "Admitted ids that found no row in their step (every row was that step's)",
+                dynamic(field(&Dyn::dropped_no_room)));
+  m->AddGauge("ember_worker_dynamic_pending_ids",
+              "Ids counted toward admission exactly (past the bound: the sketch)",
+              dynamic(field(&Dyn::pending_ids)));
+  m->AddCounter("ember_worker_dynamic_sketch_counts_total",
+                "Occurrences counted by the approximate (count-min) admission sketch",
+                dynamic(field(&Dyn::sketch_counts)));
   m->AddGauge("ember_worker_available_bytes", "Shard memory still free on the worker's device",
               one(&Stats::available_bytes));
   m->AddGauge("ember_worker_shards", "Shards held", one(&Stats::shards));

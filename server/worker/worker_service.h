@@ -150,6 +150,10 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t shards = 0;
     int64_t lookup_ids = 0;    // ids of lookups served (each in one shard)
     int64_t gradient_ids = 0;  // ids of gradient updates applied
+    // A dynamic table: its shards' counters here, summed (a shard moved
+    // away takes its counters with it).
+    bool dynamic = false;
+    backend::DynamicStats dyn;
   };
   std::vector<TableStats> GetTableStats() const;
 

@@ -328,6 +328,25 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
       ++t.shards;
       t.lookup_ids += entry.traffic->lookup_ids.load(std::memory_order_relaxed);
       t.gradient_ids += entry.traffic->gradient_ids.load(std::memory_order_relaxed);
+      if (!entry.assignment.table().has_dynamic()) continue;
+      auto d = backend_->GetDynamicStats(entry.id);
+      if (!d.ok()) continue;
+      t.dynamic = true;
+      backend::DynamicStats& sum = t.dyn;
+      sum.capacity += d->capacity;
+      sum.rows_held += d->rows_held;
+      sum.steps = std::max(sum.steps, d->steps);
+      sum.admitted += d->admitted;
+      sum.imported += d->imported;
+      sum.evicted_ttl += d->evicted_ttl;
+      sum.evicted_lru += d->evicted_lru;
+      sum.evicted_lfu += d->evicted_lfu;
+      sum.evicted_import += d->evicted_import;
+      sum.dropped_pending += d->dropped_pending;
+      sum.dropped_no_room += d->dropped_no_room;
+      sum.pending_ids += d->pending_ids;
+      sum.sketch_counts += d->sketch_counts;
+      sum.index_slots += d->index_slots;
     }
   }
   std::vector<TableStats> out;
