@@ -841,12 +841,14 @@ absl::Status Client::ExportDynamicTable(const std::string& collection, const std
   const Routing::Table* t = *found;
   if (!t->config->has_dynamic()) return NotDynamic(table);
   *dim = t->config->embedding_dim();
+  // slot_meta: int64 [n, 4] (id, last step, updates, order): proto/service.proto.
+  constexpr int64_t kSlotFields = 4;
   std::vector<std::pair<int64_t, size_t>> order;  // (id, its row in `all`)
   std::vector<float> all, buf;
   std::vector<int64_t> meta;
   constexpr int64_t kChunkBytes = 32 << 20;
   for (const auto& s : t->shards) {
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3 + 24));
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3 + 32));
     for (int64_t b = 0; b < s.rows; b += chunk) {
       const int64_t e = std::min(s.rows, b + chunk);
       grpc::ClientContext ctx;
@@ -864,12 +866,12 @@ absl::Status Client::ExportDynamicTable(const std::string& collection, const std
       if (absl::Status d = wire::Decode(resp.weights(), "weights", &buf); !d.ok()) return d;
       if (absl::Status d = wire::Decode(resp.slot_meta(), "slot_meta", &meta); !d.ok()) return d;
       if (static_cast<int64_t>(buf.size()) != (e - b) * s.cols ||
-          static_cast<int64_t>(meta.size()) != (e - b) * 3) {
+          static_cast<int64_t>(meta.size()) != (e - b) * kSlotFields) {
         return absl::InternalError("worker returned a malformed export");
       }
       for (int64_t i = 0; i < e - b; ++i) {
-        if (meta[3 * i + 2] == 0) continue;  // a free slot
-        order.emplace_back(meta[3 * i], all.size() / *dim);
+        if (meta[kSlotFields * i + 2] == 0) continue;  // a free slot (updates 0)
+        order.emplace_back(meta[kSlotFields * i], all.size() / *dim);
         all.insert(all.end(), buf.begin() + i * s.cols, buf.begin() + (i + 1) * s.cols);
       }
     }

@@ -69,7 +69,7 @@ class _Shard:
         return np.zeros(0, np.float32)
 
     def _written(self, ids):
-        for i in sorted(ids):
+        for i in ids:
             if i in self.rows:
                 self.seq += 1
                 self.rows[i].seq = self.seq
@@ -84,17 +84,20 @@ class _Shard:
             for i in [i for i, r in self.rows.items() if t - r.last > ttl]:
                 del self.rows[i]
                 self.evicted["ttl"] += 1
-        counts = {}
+        counts = {}  # in the order of first occurrence (dicts keep it)
         for i in occurrences:
             counts[i] = counts.get(i, 0) + 1
         threshold = max(self.spec["admit_after"], 1)
         admit, written = [], []
-        for i in sorted(counts):
+        for i in counts:
             if i in self.rows:
                 r = self.rows[i]
                 r.last, r.updates = t, r.updates + 1
                 written.append(i)
-            else:
+        self._written(written)  # the rows updated, then those created
+        written = []
+        for i in counts:
+            if i not in self.rows:
                 self.pending[i] = self.pending.get(i, 0) + counts[i]
                 if self.pending[i] >= threshold:
                     admit.append(i)

@@ -482,29 +482,33 @@ absl::Status EmbeddingBackend::ImportIds(ShardId, absl::Span<const int64_t>, abs
 }
 std::vector<int64_t> EmbeddingBackend::PackSlots(absl::Span<const SlotMeta> slots) {
   std::vector<int64_t> out;
-  out.reserve(slots.size() * 3);
+  out.reserve(slots.size() * kSlotMetaFields);
   for (const SlotMeta& m : slots) {
     out.push_back(m.held ? m.id : 0);
     out.push_back(m.held ? m.last_step : 0);
     out.push_back(m.held ? m.updates : 0);
+    out.push_back(m.held ? m.order : 0);
   }
   return out;
 }
 
 absl::StatusOr<std::vector<EmbeddingBackend::SlotMeta>> EmbeddingBackend::UnpackSlots(
     absl::Span<const int64_t> packed) {
-  if (packed.size() % 3 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("slot_meta holds ", packed.size(), " int64s, not 3 per slot"));
+  constexpr size_t k = kSlotMetaFields;
+  if (packed.size() % k != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("slot_meta holds ", packed.size(),
+                                                   " int64s, not ", k, " per slot"));
   }
-  std::vector<SlotMeta> out(packed.size() / 3);
+  std::vector<SlotMeta> out(packed.size() / k);
   for (size_t i = 0; i < out.size(); ++i) {
-    const int64_t id = packed[3 * i], last = packed[3 * i + 1], updates = packed[3 * i + 2];
-    if (last < 0 || updates < 0) {
+    const int64_t id = packed[k * i], last = packed[k * i + 1], updates = packed[k * i + 2],
+                  order = packed[k * i + 3];
+    if (last < 0 || updates < 0 || order < 0) {
       return absl::InvalidArgumentError(absl::StrCat("slot_meta of slot ", i, ": last step ", last,
-                                                     " and updates ", updates, " must be >= 0"));
+                                                     ", updates ", updates, " and order ", order,
+                                                     " must be >= 0"));
     }
-    out[i] = SlotMeta{id, last, updates, updates > 0};
+    out[i] = SlotMeta{id, last, updates, updates > 0, order};
   }
   return out;
 }

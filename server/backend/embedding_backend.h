@@ -257,6 +257,9 @@ class EmbeddingBackend {
     int64_t last_step = 0;  // the shard step that last updated it
     int64_t updates = 0;    // steps that updated it since it was created
     bool held = false;      // false: a free slot (the rest is ignored)
+    // Its place in the shard's write order (larger: written later; the
+    // LRU order), kept by a move; comparable within one shard only.
+    int64_t order = 0;
   };
   virtual absl::Status ExportSlots(ShardId shard, int64_t slot_begin, int64_t slot_end,
                                    absl::Span<SlotMeta> out) const;
@@ -274,9 +277,11 @@ class EmbeddingBackend {
                                  absl::Span<const float> weights, absl::Span<const float> state);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
-  // SlotMeta on the wire and on disk: int64 [n, 3] (id, last_step,
-  // updates), updates 0 for a free slot. Unpack: INVALID_ARGUMENT for a
-  // length not a multiple of 3 or negative fields.
+  // SlotMeta on the wire and on disk: int64 [n, kSlotMetaFields] (id,
+  // last_step, updates, order), all 0 for a free slot (updates 0). Unpack:
+  // INVALID_ARGUMENT for a length not a multiple of kSlotMetaFields or
+  // negative fields.
+  static constexpr int64_t kSlotMetaFields = 4;
   static std::vector<int64_t> PackSlots(absl::Span<const SlotMeta> slots);
   static absl::StatusOr<std::vector<SlotMeta>> UnpackSlots(absl::Span<const int64_t> packed);
 

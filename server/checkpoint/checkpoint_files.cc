@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
+#include "server/backend/embedding_backend.h"
 
 namespace ember {
 namespace checkpoint {
@@ -234,7 +235,9 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   if (static_cast<int64_t>(data.weights.size()) != data.rows * data.cols ||
       static_cast<int64_t>(data.state.size()) != data.rows * data.state_width ||
       data.applied_ids.size() != data.applied_unix_ms.size() ||
-      (!data.slot_meta.empty() && static_cast<int64_t>(data.slot_meta.size()) != data.rows * 3)) {
+      (!data.slot_meta.empty() &&
+       static_cast<int64_t>(data.slot_meta.size()) !=
+           data.rows * backend::EmbeddingBackend::kSlotMetaFields)) {
     return absl::InternalError("shard data does not match its shape");
   }
   const bool dynamic = !data.slot_meta.empty();
@@ -296,7 +299,7 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
   d.state.resize(d.rows * d.state_width);
   d.applied_ids.resize(entry.applied_ids());
   d.applied_unix_ms.resize(entry.applied_ids());
-  if (entry.dynamic()) d.slot_meta.resize(d.rows * 3);
+  if (entry.dynamic()) d.slot_meta.resize(d.rows * backend::EmbeddingBackend::kSlotMetaFields);
   uint32_t crc = Crc(0, header, sizeof(header));
   const std::pair<void*, size_t> parts[] = {
       {d.weights.data(), d.weights.size() * sizeof(float)},
@@ -625,7 +628,8 @@ std::vector<std::string> ListUncommitted(const std::string& root, const std::str
 
 int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied,
                        bool dynamic) {
-  return kHeaderBytes + 4 * rows * (cols + state_width) + 16 * applied + (dynamic ? 24 * rows : 0);
+  return kHeaderBytes + 4 * rows * (cols + state_width) + 16 * applied +
+         (dynamic ? 8 * backend::EmbeddingBackend::kSlotMetaFields * rows : 0);
 }
 
 int64_t BytesInDirectory(const std::string& dir) {

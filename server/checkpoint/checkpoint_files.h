@@ -8,7 +8,9 @@
 // applied_count, then fp32 weights [rows, cols], fp32 optimizer state
 // [rows, state_width] (row-major), and the shard's exactly-once record:
 // uint64 request id hashes [applied_count], then int64 Unix ms when each was
-// applied [applied_count]; little-endian. The manifest names every shard file with its
+// applied [applied_count]; then, for a dynamic table's shard (the manifest
+// entry's `dynamic`), int64 slot bookkeeping [rows, 4]
+// (EmbeddingBackend::PackSlots); little-endian. The manifest names every shard file with its
 // size and CRC-32 (zlib's), the spec and the plan. A checkpoint exists only
 // once MANIFEST is committed: written to MANIFEST.tmp, fsynced, renamed,
 // and the directory fsynced, so a crash at any point leaves either no
@@ -47,7 +49,7 @@ struct ShardData {
   // columns takes them back, so a retried update is not applied twice.
   std::vector<uint64_t> applied_ids;
   std::vector<int64_t> applied_unix_ms;
-  // A dynamic table's shard: each slot's bookkeeping, int64 [rows, 3]
+  // A dynamic table's shard: each slot's bookkeeping, int64 [rows, 4]
   // (EmbeddingBackend::PackSlots); empty for a fixed shard.
   std::vector<int64_t> slot_meta;
 };

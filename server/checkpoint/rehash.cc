@@ -16,7 +16,8 @@ RehashTarget::RehashTarget(const backend::ShardSpec& spec)
 
 absl::Status RehashTarget::Take(const ember::v1::CheckpointShard& source, const ShardData& data) {
   const std::string what = absl::StrCat("checkpoint file ", source.file());
-  if (!source.dynamic() || static_cast<int64_t>(data.slot_meta.size()) != data.rows * 3) {
+  if (!source.dynamic() || static_cast<int64_t>(data.slot_meta.size()) !=
+                               data.rows * backend::EmbeddingBackend::kSlotMetaFields) {
     return absl::DataLossError(absl::StrCat(what, ": not a dynamic table's shard"));
   }
   if (data.cols != spec_.dim || data.state_width != state_width_) {
@@ -37,7 +38,7 @@ absl::Status RehashTarget::Take(const ember::v1::CheckpointShard& source, const 
     if (!held.insert(m.id).second) {
       return absl::DataLossError(absl::StrCat(what, ": id ", m.id, " is held twice"));
     }
-    taken.push_back(Row{m.id, m.last_step, m.updates, static_cast<size_t>(s)});
+    taken.push_back(Row{m.id, m.last_step, m.updates, m.order, static_cast<size_t>(s)});
   }
   for (Row& r : taken) {
     const size_t s = r.at;
@@ -76,7 +77,7 @@ void RehashTarget::Finish(std::vector<float>* weights, std::vector<float>* state
     std::copy_n(weights_.begin() + r.at * spec_.dim, spec_.dim, weights->begin() + k * spec_.dim);
     std::copy_n(state_.begin() + r.at * state_width_, state_width_,
                 state->begin() + k * state_width_);
-    (*slots)[k] = backend::EmbeddingBackend::SlotMeta{r.id, r.last_step, r.updates, true};
+    (*slots)[k] = backend::EmbeddingBackend::SlotMeta{r.id, r.last_step, r.updates, true, r.order};
   }
 }
 

@@ -45,7 +45,7 @@ class RehashTarget {
 
  private:
   struct Row {
-    int64_t id, last_step, updates;
+    int64_t id, last_step, updates, order;
     size_t at;  // its row in weights_ / state_
   };
   const backend::ShardSpec spec_;

@@ -77,7 +77,8 @@ class DynamicShardsBackend : public ForwardingBackend {
     Held held = Collect(requests, /*exclusive=*/false);
     if (held.shards.empty()) return inner()->Lookup(requests);
     std::vector<LookupRequest> mapped(requests.begin(), requests.end());
-    std::vector<std::vector<int64_t>> slots(requests.size());
+    std::vector<std::vector<int64_t>>& slots = Scratch().slots;
+    if (slots.size() < requests.size()) slots.resize(requests.size());
     for (size_t i = 0; i < requests.size(); ++i) {
       const Shard* s = held.Of(requests[i].feature.shard);
       if (s == nullptr) continue;
@@ -103,9 +104,10 @@ class DynamicShardsBackend : public ForwardingBackend {
     }
     // Each shard's step: its ids in request order.
     std::vector<Undo> undo(held.shards.size());
+    std::vector<int64_t>& ids = Scratch().ids;
     for (size_t k = 0; k < held.shards.size(); ++k) {
       auto& [id, shard] = held.shards[k];
-      std::vector<int64_t> ids;
+      ids.clear();
       for (const GradientRequest& r : requests) {
         if (r.feature.shard == id) ids.insert(ids.end(), r.feature.ids.begin(), r.feature.ids.end());
       }
@@ -119,8 +121,13 @@ class DynamicShardsBackend : public ForwardingBackend {
     // Ids without a row contribute nothing: weight 0 (pooled) or zero
     // gradient rows (NONE).
     std::vector<GradientRequest> mapped(requests.begin(), requests.end());
-    std::vector<std::vector<int64_t>> slots(requests.size());
-    std::vector<std::vector<float>> weights(requests.size()), grads(requests.size());
+    CallScratch& scratch = Scratch();
+    std::vector<std::vector<int64_t>>& slots = scratch.slots;
+    std::vector<std::vector<float>>& weights = scratch.weights;
+    std::vector<std::vector<float>>& grads = scratch.grads;
+    if (slots.size() < requests.size()) slots.resize(requests.size());
+    if (weights.size() < requests.size()) weights.resize(requests.size());
+    if (grads.size() < requests.size()) grads.resize(requests.size());
     for (size_t i = 0; i < requests.size(); ++i) {
       const Shard* s = held.Of(requests[i].feature.shard);
       if (s == nullptr) continue;
@@ -306,6 +313,18 @@ class DynamicShardsBackend : public ForwardingBackend {
     std::vector<int64_t> slots;
     std::vector<float> weights, state;
   };
+
+  // A calling thread's arrays, kept from call to call (not faulted in
+  // anew each call).
+  struct CallScratch {
+    std::vector<std::vector<int64_t>> slots;
+    std::vector<std::vector<float>> weights, grads;
+    std::vector<int64_t> ids;
+  };
+  static CallScratch& Scratch() {
+    thread_local CallScratch scratch;
+    return scratch;
+  }
 
   std::shared_ptr<Shard> Find(ShardId id) const {
     absl::MutexLock lock(&mu_);

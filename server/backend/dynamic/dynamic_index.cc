@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/host_memory.h"
 
 namespace ember {
 namespace backend {
@@ -15,7 +16,7 @@ namespace {
 constexpr uint64_t kIndexSalt = 0x9e3779b97f4a7c15ull;  // the index's placement, not the routing's
 constexpr size_t kSketchRows = 4;
 constexpr size_t kSketchWidth = size_t{1} << 16;
-constexpr size_t kFindAhead = 8;  // ids whose index entry FindAll prefetches ahead
+constexpr size_t kFindAhead = 32;  // ids whose index entry FindAll prefetches ahead
 
 size_t IndexSize(int64_t capacity) {
   size_t n = 16;
@@ -31,13 +32,26 @@ size_t SketchCell(int64_t id, size_t row) {
 
 }  // namespace
 
+namespace {
+
+// n value-initialised T in table memory; aborts when there is none (as a
+// std::vector of the size would).
+template <typename T, typename B>
+void Allocate(size_t n, const T& value, B* block) {
+  T* p = static_cast<T*>(AllocateTableMemory(std::max<size_t>(n, 1) * sizeof(T)));
+  if (p == nullptr) std::abort();
+  for (size_t i = 0; i < n; ++i) new (p + i) T(value);
+  block->data.reset(p);
+  block->size = n;
+}
+
+}  // namespace
+
 DynamicIndex::DynamicIndex(int64_t capacity, const DynamicConfig& config, int64_t max_pending_ids)
-    : capacity_(capacity),
-      config_(config),
-      max_pending_(max_pending_ids),
-      table_(IndexSize(capacity), Entry{0, -1}),
-      mask_(table_.size() - 1),
-      meta_(static_cast<size_t>(capacity)) {
+    : capacity_(capacity), config_(config), max_pending_(max_pending_ids) {
+  Allocate(IndexSize(capacity), Entry{0, -1}, &table_);
+  mask_ = table_.size - 1;
+  Allocate(static_cast<size_t>(capacity), Meta{}, &meta_);
   free_.reserve(static_cast<size_t>(capacity));
   // Slot 0 is taken first.
   for (int64_t s = capacity - 1; s >= 0; --s) free_.push_back(s);
@@ -57,11 +71,32 @@ int64_t DynamicIndex::Find(int64_t id) const {
 }
 
 void DynamicIndex::FindAll(absl::Span<const int64_t> ids, int64_t missing, int64_t* slots) const {
+  // Each id's home is computed once, kFindAhead ids before it is probed,
+  // when its entry is prefetched.
   const size_t n = ids.size();
+  size_t home[kFindAhead];
+  const size_t first = std::min(n, kFindAhead);
+  for (size_t i = 0; i < first; ++i) {
+    home[i] = Home(ids[i]);
+    __builtin_prefetch(&table_[home[i]]);
+  }
   for (size_t i = 0; i < n; ++i) {
-    if (i + kFindAhead < n) __builtin_prefetch(&table_[Home(ids[i + kFindAhead])]);
-    const int64_t s = Find(ids[i]);
-    slots[i] = s < 0 ? missing : s;
+    size_t at = home[i % kFindAhead];
+    if (i + kFindAhead < n) {
+      const size_t h = Home(ids[i + kFindAhead]);
+      home[i % kFindAhead] = h;
+      __builtin_prefetch(&table_[h]);
+    }
+    int64_t s = missing;
+    for (;; at = (at + 1) & mask_) {
+      const Entry& e = table_[at];
+      if (e.slot < 0) break;
+      if (e.id == ids[i]) {
+        s = e.slot;
+        break;
+      }
+    }
+    slots[i] = s;
   }
 }
 
@@ -166,6 +201,9 @@ int64_t DynamicIndex::CountPending(int64_t id, int64_t n) {
     c.b = c.had ? it->second : 0;
     journal_.push_back(c);
     int64_t& count = pending_[id];
+    // An id the sketch counted before (when the exact counts were full)
+    // starts from its estimate.
+    if (!c.had && !sketch_.empty()) count = SketchEstimate(id);
     count += n;
     return count;
   }
@@ -186,6 +224,12 @@ int64_t DynamicIndex::CountPending(int64_t id, int64_t n) {
   return least;
 }
 
+int64_t DynamicIndex::SketchEstimate(int64_t id) const {
+  uint32_t least = std::numeric_limits<uint32_t>::max();
+  for (size_t r = 0; r < kSketchRows; ++r) least = std::min(least, sketch_[SketchCell(id, r)]);
+  return least;
+}
+
 void DynamicIndex::BeginJournal() {
   if (rebuild_) Rebuild();
   open_ = true;
@@ -197,6 +241,12 @@ void DynamicIndex::BeginJournal() {
 }
 
 std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const int64_t> ids) {
+  std::vector<int64_t> slots(ids.size());
+  return BeginUpdate(ids, -1, slots.data());
+}
+
+std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const int64_t> ids,
+                                                             int64_t missing, int64_t* slots) {
   BeginJournal();
   const int64_t t = ++step_;
   stats_.steps = step_;
@@ -212,35 +262,64 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
       if (Valid(e)) Evict(e.slot, &stats_.evicted_ttl);
     }
   }
-  std::vector<int64_t> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  const int64_t threshold = std::max<int64_t>(config_.admit_after, 1);
-  std::vector<std::pair<int64_t, int64_t>> admit;  // (id, occurrences)
-  for (size_t i = 0; i < sorted.size();) {
-    size_t j = i + 1;
-    while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
-    const int64_t id = sorted[i], n = static_cast<int64_t>(j - i);
-    i = j;
-    const int64_t slot = Find(id);
-    if (slot >= 0) {
-      Meta m = meta_[slot];
-      m.last_step = t;
-      ++m.updates;
-      m.version = next_version_++;
-      SetMeta(slot, m);
-      marked_.push_back(slot);
-    } else if ((threshold <= 1 ? n : CountPending(id, n)) >= threshold) {
-      admit.emplace_back(id, n);
-    } else {
-      stats_.dropped_pending += n;
+  // Every occurrence's slot, in one prefetched pass; then each row held is
+  // updated once, in the order of its first occurrence.
+  FindAll(ids, -1, slots);
+  std::vector<size_t>& absent = scratch_.absent;  // occurrences without a row
+  absent.clear();
+  constexpr size_t kMetaAhead = 8;
+  const size_t n = ids.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kMetaAhead < n && slots[i + kMetaAhead] >= 0) {
+      __builtin_prefetch(&meta_[slots[i + kMetaAhead]]);
     }
+    const int64_t slot = slots[i];
+    if (slot < 0) {
+      absent.push_back(i);
+      continue;
+    }
+    if (meta_[slot].last_step == t) continue;  // updated already in this step
+    Meta m = meta_[slot];
+    m.last_step = t;
+    ++m.updates;
+    m.version = next_version_++;
+    SetMeta(slot, m);
+    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
   }
   std::vector<Created> created;
-  for (const auto& [id, n] : admit) {
+  if (absent.empty()) return created;
+  // Ids without a row, in the order of their first occurrence: counted
+  // toward admission; those admitted get rows (evicting when full).
+  auto& calls = scratch_.absent_ids;  // id -> occurrences here, then its new slot or -1
+  std::vector<int64_t>& order = scratch_.order;
+  calls.clear();
+  order.clear();
+  for (const size_t i : absent) {
+    auto [it, inserted] = calls.try_emplace(ids[i], 0);
+    if (inserted) order.push_back(ids[i]);
+    ++it->second;
+  }
+  // Every id counted before any is admitted (an admission frees a count).
+  const int64_t threshold = std::max<int64_t>(config_.admit_after, 1);
+  std::vector<int64_t>& admit = scratch_.admit;
+  admit.clear();
+  for (const int64_t id : order) {
+    int64_t& entry = calls[id];
+    const int64_t occurrences = entry;
+    entry = -1 - occurrences;  // not admitted (yet): -1 - its occurrences
+    if ((threshold <= 1 ? occurrences : CountPending(id, occurrences)) < threshold) {
+      stats_.dropped_pending += occurrences;
+    } else {
+      admit.push_back(id);
+    }
+  }
+  for (const int64_t id : admit) {
+    int64_t& entry = calls[id];
+    const int64_t occurrences = -1 - entry;
     const int64_t slot = TakeSlot(/*import=*/false);
     if (slot < 0) {
       ++stats_.dropped_no_room;
-      stats_.dropped_pending += n;
+      stats_.dropped_pending += occurrences;
       continue;
     }
     // Reused: the slot's row was evicted in this update (just now or by TTL).
@@ -263,9 +342,14 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
     m.version = next_version_++;
     m.used = true;
     SetMeta(slot, m);
-    marked_.push_back(slot);
+    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
     created.push_back(Created{id, slot, reused});
     ++stats_.admitted;
+    entry = slot;
+  }
+  for (const size_t i : absent) {
+    const int64_t slot = calls[ids[i]];
+    slots[i] = slot >= 0 ? slot : missing;  // (< 0: not admitted)
   }
   return created;
 }
@@ -289,7 +373,7 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
     m.last_step = step_;
     m.version = next_version_++;
     SetMeta(slot, m);
-    marked_.push_back(slot);
+    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
   }
   std::vector<Created> created;
   for (size_t i = 0; i < sorted.size(); ++i) {
@@ -318,7 +402,7 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
     m.version = next_version_++;
     m.used = true;
     SetMeta(slot, m);
-    marked_.push_back(slot);
+    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
     created.push_back(Created{id, slot, reused});
     ++stats_.imported;
   }
@@ -326,21 +410,17 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
 }
 
 void DynamicIndex::Commit() {
-  // The rows written join the queues in ascending id order, their versions
-  // in that order too (the write order Compact keeps).
-  std::sort(marked_.begin(), marked_.end(),
-            [&](int64_t a, int64_t b) { return meta_[a].id < meta_[b].id; });
-  for (const int64_t slot : marked_) {
-    Meta& m = meta_[slot];
-    m.version = next_version_++;
-    lru_.push_back(QEntry{slot, m.version});
-    if (config_.eviction == Eviction::kLfu) lfu_[m.updates].push_back(QEntry{slot, m.version});
+  // The rows written join the queues in write order (their versions'
+  // order, which Compact keeps).
+  for (const Written& w : marked_) {
+    lru_.push_back(w.q);
+    if (config_.eviction == Eviction::kLfu) lfu_[w.updates].push_back(w.q);
   }
   marked_.clear();
   journal_.clear();
   open_ = false;
   const size_t held = static_cast<size_t>(capacity_) - free_.size();
-  if (lru_.size() > 2 * held + 1024) Compact();
+  if (lru_.size() > 3 * held + 4096) Compact();
 }
 
 void DynamicIndex::Rollback() {
@@ -399,20 +479,23 @@ void DynamicIndex::Rebuild() {
       held.push_back(s);
     }
   }
-  // Restored rows: written in (last update step, id) order.
-  std::sort(held.begin(), held.end(), [&](int64_t a, int64_t b) {
-    return std::make_pair(meta_[a].last_step, meta_[a].id) <
-           std::make_pair(meta_[b].last_step, meta_[b].id);
-  });
-  for (const int64_t s : held) meta_[s].version = next_version_++;
-  Compact();
+  // Restored rows: in their write order where it came with them (a move),
+  // else by last update step and id (rows gathered from several shards).
+  std::vector<std::tuple<int64_t, uint64_t, int64_t, int64_t>> order;  // (last, order, id, slot)
+  for (const int64_t s : held) {
+    order.emplace_back(meta_[s].last_step, meta_[s].version, meta_[s].id, s);
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [last, written, id, s] : order) meta_[s].version = next_version_++;
+  Requeue();
   rebuild_ = false;
 }
 
 void DynamicIndex::ExportSlots(int64_t begin, int64_t end, EmbeddingBackend::SlotMeta* out) const {
   for (int64_t s = begin; s < end; ++s) {
     const Meta& m = meta_[s];
-    out[s - begin] = EmbeddingBackend::SlotMeta{m.id, m.last_step, m.updates, m.used};
+    out[s - begin] = EmbeddingBackend::SlotMeta{m.id, m.last_step, m.updates, m.used,
+                                                static_cast<int64_t>(m.version)};
   }
 }
 
@@ -444,7 +527,7 @@ absl::Status DynamicIndex::RestoreSlots(int64_t begin, int64_t end,
     cur.last_step = m.last_step;
     cur.updates = m.updates;
     cur.used = m.held;
-    cur.version = next_version_++;
+    cur.version = static_cast<uint64_t>(m.order);  // Rebuild orders by it
     if (m.held) {
       IndexInsert(m.id, s);
       pending_.erase(m.id);
@@ -455,19 +538,35 @@ absl::Status DynamicIndex::RestoreSlots(int64_t begin, int64_t end,
 }
 
 void DynamicIndex::Compact() {
-  std::vector<int64_t> held;
-  for (int64_t s = 0; s < capacity_; ++s) {
-    if (meta_[s].used) held.push_back(s);
+  // The queues hold every row's current entry in write order, among stale
+  // ones: keeping the valid ones keeps the order.
+  std::deque<QEntry> lru;
+  for (const QEntry& q : lru_) {
+    if (Valid(q)) lru.push_back(q);
   }
-  // The write order (versions are assigned in it at Commit).
-  std::sort(held.begin(), held.end(),
-            [&](int64_t a, int64_t b) { return meta_[a].version < meta_[b].version; });
+  lru_.swap(lru);
+  for (auto it = lfu_.begin(); it != lfu_.end();) {
+    std::deque<QEntry> kept;
+    for (const QEntry& q : it->second) {
+      if (Valid(q)) kept.push_back(q);
+    }
+    it->second.swap(kept);
+    it = it->second.empty() ? lfu_.erase(it) : std::next(it);
+  }
+}
+
+void DynamicIndex::Requeue() {
+  // Every held row in write order (its version's).
+  std::vector<std::pair<uint64_t, int64_t>> order;  // (version, slot)
+  for (int64_t s = 0; s < capacity_; ++s) {
+    if (meta_[s].used) order.emplace_back(meta_[s].version, s);
+  }
+  std::sort(order.begin(), order.end());
   lru_.clear();
   lfu_.clear();
-  for (const int64_t s : held) {
-    lru_.push_back(QEntry{s, meta_[s].version});
-    // Write order within each bucket, as the writes queued them.
-    if (config_.eviction == Eviction::kLfu) lfu_[meta_[s].updates].push_back(QEntry{s, meta_[s].version});
+  for (const auto& [version, s] : order) {
+    lru_.push_back(QEntry{s, version});
+    if (config_.eviction == Eviction::kLfu) lfu_[meta_[s].updates].push_back(QEntry{s, version});
   }
 }
 
@@ -490,10 +589,10 @@ DynamicStats DynamicIndex::Stats() const {
   s.rows_held = capacity_ - static_cast<int64_t>(free_.size());
   if (rebuild_) {
     s.rows_held = 0;
-    for (const Meta& m : meta_) s.rows_held += m.used;
+    for (int64_t k = 0; k < capacity_; ++k) s.rows_held += meta_[k].used;
   }
   s.pending_ids = static_cast<int64_t>(pending_.size());
-  s.index_slots = static_cast<int64_t>(table_.size());
+  s.index_slots = static_cast<int64_t>(table_.size);
   return s;
 }
 

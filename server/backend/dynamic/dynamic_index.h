@@ -19,11 +19,14 @@
 //               update in which the count reaches it creates the row. The
 //               counts are exact for up to max_pending_ids ids; ids beyond
 //               are counted in a count-min sketch (4 x 65536 counters),
-//               which may over-count and so admit early, never late.
-//   Writes      an update writes the rows it updates and creates, an
-//               import (BeginImport) the rows it names; each write takes
-//               its rows in ascending id order, so rows are ordered by when
-//               they were last written, then by id.
+//               which may over-count and so admit early, never late (an id
+//               it counted that later gets an exact count starts from the
+//               sketch's estimate).
+//   Writes      an update writes the rows it updates, then the rows it
+//               creates, each in the order of the ids' first occurrence in
+//               the update; an import (BeginImport) the rows it names that
+//               are held, then those it creates, each in ascending id
+//               order. Rows are ordered by that write order.
 //   Eviction    a full shard that must create a row evicts LRU: the row
 //               written longest ago, or LFU: the row updated in the fewest
 //               steps since it was created (ties: the one written longest
@@ -34,7 +37,7 @@
 //               Rows restored by RestoreSlots count as written in (last
 //               update step, id) order.
 //   Order       the rows a step updates are marked first, then the ids it
-//               admits get rows in ascending id order.
+//               admits get rows, in first-occurrence order.
 //
 // Every change of a Begin is journaled until Commit or Rollback, which
 // restores the index exactly (the caller restores the rows' contents).
@@ -45,6 +48,7 @@
 #define EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_INDEX_H_
 
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
@@ -93,6 +97,10 @@ class DynamicIndex {
   // ids have rows. Until Commit or Rollback nothing else may be called but
   // Find / FindAll.
   std::vector<Created> BeginUpdate(absl::Span<const int64_t> ids);
+  // The same, writing each occurrence's slot after the update's admissions
+  // to slots[i] (`missing` for an id still without a row).
+  std::vector<Created> BeginUpdate(absl::Span<const int64_t> ids, int64_t missing,
+                                   int64_t* slots);
   // Rows for `ids` (distinct) created where absent, as by an import: no
   // step, no admission counting; every row of the import counts as updated
   // at the current step (LRU, TTL), a held one keeping its update count
@@ -127,6 +135,10 @@ class DynamicIndex {
     int64_t slot;
     uint64_t version;
   };
+  struct Written {
+    QEntry q;
+    int64_t updates;  // its LFU bucket
+  };
   struct Entry {
     int64_t id;
     int64_t slot;  // -1: empty
@@ -150,8 +162,12 @@ class DynamicIndex {
   // step's. `import`: count an import's eviction.
   int64_t TakeSlot(bool import);
   int64_t CountPending(int64_t id, int64_t n);  // the id's count after n more
+  int64_t SketchEstimate(int64_t id) const;     // the sketch's count (allocated)
   void BeginJournal();
+  // Drops the queues' stale entries (they keep their order).
   void Compact();
+  // The queues anew from the slots' versions (after RestoreSlots).
+  void Requeue();
   // The free slots and the queues again from the slots' bookkeeping (after
   // RestoreSlots, before the next update or import).
   void Rebuild();
@@ -159,19 +175,35 @@ class DynamicIndex {
   const int64_t capacity_;
   const DynamicConfig config_;
   const int64_t max_pending_;
-  std::vector<Entry> table_;
+  // Table memory (AllocateTableMemory: huge pages where the kernel gives
+  // them, as the rows have): the index and the slots' bookkeeping.
+  template <typename T>
+  struct Block {
+    struct Free {
+      void operator()(T* p) const { std::free(p); }
+    };
+    std::unique_ptr<T[], Free> data;
+    size_t size = 0;
+    T& operator[](size_t i) const { return data[i]; }
+  };
+  Block<Entry> table_;
   size_t mask_ = 0;
-  std::vector<Meta> meta_;
+  Block<Meta> meta_;
   std::vector<int64_t> free_;  // a stack of free slots
   absl::flat_hash_map<int64_t, int64_t> pending_;
   std::vector<uint32_t> sketch_;  // 4 x kSketchWidth, allocated on first use
   std::deque<QEntry> lru_;                   // by (last_step, id)
   std::map<int64_t, std::deque<QEntry>> lfu_;  // by updates, then (last_step, id)
-  std::vector<int64_t> marked_;              // this step's rows, queued at Commit
+  std::vector<Written> marked_;  // the rows written, in write order, queued at Commit
   int64_t step_ = 0;
   uint64_t next_version_ = 1;
   bool rebuild_ = false;  // RestoreSlots ran: free_ and the queues are stale
   DynamicStats stats_;
+  struct Scratch {
+    std::vector<size_t> absent;
+    std::vector<int64_t> order, admit;
+    absl::flat_hash_map<int64_t, int64_t> absent_ids;
+  } scratch_;
   // The journal of the update in progress.
   bool open_ = false;
   std::vector<Change> journal_;

@@ -115,18 +115,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{12, 1, 3, Eviction::kLru, 25}, Case{12, 2, 4, Eviction::kLfu, 25},
                       Case{64, 1, 0, Eviction::kLru, 1000}, Case{3, 1, 0, Eviction::kLfu, 6}));
 
-TEST(DynamicIndexTest, LruEvictsTheRowUpdatedLongestAgoTiesByLowerId) {
+TEST(DynamicIndexTest, LruEvictsTheRowWrittenLongestAgoTiesByFirstOccurrence) {
   DynamicIndex x(3, DynamicConfig{});
   auto step = [&](std::vector<int64_t> ids) {
     x.BeginUpdate(ids);
     x.Commit();
   };
-  step({30, 10});  // 10 and 30 at step 1
-  step({20});      // 20 at step 2
-  step({40});      // full: 10 (step 1, lower id than 30) goes
-  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{20, 30, 40}));
-  step({30, 50});  // 30 refreshed; 20 (step 2) goes
-  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{30, 40, 50}));
+  step({30, 10, 30});  // 30 then 10 at step 1 (first occurrences)
+  step({20});          // 20 at step 2
+  step({40});          // full: 30 (written first at step 1) goes
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{10, 20, 40}));
+  step({10, 50});  // 10 refreshed; 20 (step 2) goes
+  EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{10, 40, 50}));
   EXPECT_EQ(x.Stats().evicted_lru, 2);
   EXPECT_EQ(x.Stats().admitted, 5);
 }

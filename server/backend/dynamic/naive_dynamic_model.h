@@ -21,7 +21,7 @@ class NaiveDynamicModel {
  public:
   NaiveDynamicModel(int64_t capacity, const DynamicConfig& c) : cap_(capacity), c_(c) {}
   // One update with every occurrence of `ids`; the ids it created rows
-  // for, ascending.
+  // for, in first-occurrence order.
   std::vector<int64_t> Update(const std::vector<int64_t>& ids) {
     const int64_t t = ++step_;
     if (c_.ttl_steps > 0) {
@@ -29,23 +29,29 @@ class NaiveDynamicModel {
         it = t - it->second.last > c_.ttl_steps ? rows_.erase(it) : std::next(it);
       }
     }
+    // Distinct ids in the order of their first occurrence.
+    std::vector<int64_t> order;
     std::map<int64_t, int64_t> count;
-    for (int64_t id : ids) ++count[id];
+    for (int64_t id : ids) {
+      if (count[id]++ == 0) order.push_back(id);
+    }
     const int64_t threshold = std::max<int64_t>(c_.admit_after, 1);
     std::vector<int64_t> admit;
-    for (const auto& [id, n] : count) {
+    for (int64_t id : order) {
       auto it = rows_.find(id);
       if (it != rows_.end()) {
         it->second.last = t;
         ++it->second.updates;
-      } else if ((pending_[id] += n) >= threshold) {
+      } else if ((pending_[id] += count[id]) >= threshold) {
         admit.push_back(id);
       }
     }
     std::vector<int64_t> written, created;
-    for (const auto& [id, n] : count) {
+    for (int64_t id : order) {
       if (rows_.count(id)) written.push_back(id);
     }
+    Written(written);  // the rows updated, then those created
+    written.clear();
     for (int64_t id : admit) {
       if (static_cast<int64_t>(rows_.size()) >= cap_) {
         auto victim = rows_.end();
@@ -74,9 +80,15 @@ class NaiveDynamicModel {
   void Import(const std::vector<int64_t>& ids) {
     std::vector<int64_t> sorted = ids;
     std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> held;
     for (int64_t id : sorted) {
-      if (rows_.count(id)) rows_[id].last = step_;
+      if (rows_.count(id)) {
+        rows_[id].last = step_;
+        held.push_back(id);
+      }
     }
+    Written(held);  // the rows held, then those created
+    std::vector<int64_t> created;
     std::map<int64_t, bool> in_import;
     for (int64_t id : sorted) in_import[id] = true;
     for (int64_t id : sorted) {
@@ -91,8 +103,9 @@ class NaiveDynamicModel {
       }
       rows_[id] = Row{step_, 1};
       pending_.erase(id);
+      created.push_back(id);
     }
-    Written(sorted);
+    Written(created);
   }
   std::vector<int64_t> Held() const {
     std::vector<int64_t> ids;
@@ -105,10 +118,9 @@ class NaiveDynamicModel {
     int64_t last, updates;
     int64_t seq = 0;  // when it was last written (LRU), by the rules' order
   };
-  // Gives the rows written by one update or import their write order:
-  // ascending id.
-  void Written(std::vector<int64_t> ids) {
-    std::sort(ids.begin(), ids.end());
+  // Gives rows written, in that order (an update's updated rows, then its
+  // created ones, each by first occurrence; an import's by ascending id).
+  void Written(const std::vector<int64_t>& ids) {
     for (int64_t id : ids) {
       auto it = rows_.find(id);
       if (it != rows_.end()) it->second.seq = ++seq_;

@@ -1,0 +1,239 @@
+// dynamic_bench: a dynamic (hash-keyed) table against the fixed table it
+// stands beside, in one run: the same rows, dims, ids and threads, the CPU
+// backend under both (the dynamic one through WithDynamicShards). A
+// benchmark, not a test.
+//
+//   bazel run -c opt //bench:dynamic_bench -- --rows=1000000 --dim=64 --threads=1
+//       --distribution=uniform|zipf [--batch=2048 --pooling_factor=20 --iters=20 --id_sets=8]
+//       [--new_fraction=0.1] [--format=table|json]
+//
+// The dynamic table holds --rows ids (random int64 hashes, imported) at
+// capacity --rows; the fixed one --rows rows. Each call's ids are the same
+// draw for both: row r of the fixed table is the r-th id of the dynamic one.
+//
+//   lookup        keys/s of the fused SUM lookup, each, and dynamic / fixed
+//   update        keys/s of the fused backward + SGD step on held ids
+//   admit         keys/s of updates where --new_fraction of the ids are new
+//                 (admitted on their first update, each evicting the LRU row)
+//                 against the fixed table's update of the same shape
+//   find, insert  the bare index (DynamicIndex): ids found per second (all
+//                 held), and new ids inserted per second into a full shard
+//                 (each evicting one)
+//   bytes/row     the fixed table's row (weights + optimizer state) and the
+//                 dynamic one's (the row, its slot bookkeeping and index
+//                 entries at the load factor kept)
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gflags/gflags.h"
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
+#include "server/backend/dynamic/dynamic_index.h"
+
+DEFINE_int64(rows, 1000000, "Rows of each table (the dynamic one's capacity and ids held).");
+DEFINE_int32(dim, 64, "Embedding dimension.");
+DEFINE_int32(batch, 2048, "Bags per call.");
+DEFINE_int32(pooling_factor, 20, "Ids per bag.");
+DEFINE_int32(threads, 1, "Backend threads per call.");
+DEFINE_string(distribution, "uniform", "uniform or zipf (alpha 1.05, hot rows scattered).");
+DEFINE_int32(iters, 20, "Timed calls per measurement (the best of 3 rounds counts).");
+DEFINE_int32(id_sets, 8, "Batches of ids the calls cycle through.");
+DEFINE_double(new_fraction, 0.1, "admit: the fraction of each call's ids that are new.");
+DEFINE_string(format, "table", "table or json.");
+DEFINE_uint64(seed, 1, "Random seed.");
+DEFINE_string(only, "", "Run one part (lookup, update, admit, index) and print nothing (profiling).");
+
+namespace eb = ember::backend;
+
+namespace {
+
+void Die(const absl::Status& s, const char* what) {
+  if (s.ok()) return;
+  std::fprintf(stderr, "dynamic_bench: %s: %s\n", what, std::string(s.message()).c_str());
+  std::exit(1);
+}
+
+eb::ShardSpec Spec(bool dynamic) {
+  eb::ShardSpec s;
+  s.table = dynamic ? "dynamic" : "fixed";
+  s.rows = s.table_rows = FLAGS_rows;
+  s.dim = FLAGS_dim;
+  s.optimizer.type = eb::OptimizerType::kSgd;
+  s.is_dynamic = dynamic;
+  return s;
+}
+
+// Keys per second of `call` over `keys` keys a call: the best of 3 rounds
+// of --iters calls.
+template <typename F>
+double Rate(int64_t keys, F call) {
+  call(0);  // warm
+  double best = 0;
+  for (int round = 0; round < 3; ++round) {
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < FLAGS_iters; ++i) call(i);
+    const double s = absl::ToDoubleSeconds(absl::Now() - start);
+    best = std::max(best, static_cast<double>(keys) * FLAGS_iters / s);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  if (FLAGS_rows <= 0 || FLAGS_dim <= 0 || FLAGS_batch <= 0 || FLAGS_pooling_factor <= 0 ||
+      FLAGS_iters <= 0 || FLAGS_id_sets <= 0 || FLAGS_new_fraction < 0 ||
+      FLAGS_new_fraction > 1 || (FLAGS_distribution != "uniform" && FLAGS_distribution != "zipf") ||
+      (FLAGS_format != "table" && FLAGS_format != "json")) {
+    std::fprintf(stderr, "dynamic_bench: bad flags (see --help)\n");
+    return 2;
+  }
+  eb::CpuBackendOptions o;
+  o.num_threads = FLAGS_threads;
+  auto fixed_be = eb::CreateCpuBackend(o);
+  Die(fixed_be.status(), "cpu backend");
+  auto cpu = eb::CreateCpuBackend(o);
+  Die(cpu.status(), "cpu backend");
+  auto dyn_be = eb::WithDynamicShards(*std::move(cpu));
+  auto fixed = (*fixed_be)->CreateShard(Spec(false));
+  Die(fixed.status(), "fixed shard");
+  auto dyn = dyn_be->CreateShard(Spec(true));
+  Die(dyn.status(), "dynamic shard");
+
+  // The dynamic table's ids: random hashes, distinct; imported in chunks.
+  std::mt19937_64 rng(FLAGS_seed);
+  std::vector<int64_t> held(FLAGS_rows);
+  for (int64_t r = 0; r < FLAGS_rows; ++r) {
+    held[r] = static_cast<int64_t>(ember::MixId(static_cast<int64_t>(FLAGS_seed) * 1000003 + r));
+  }
+  std::fprintf(stderr, "dynamic_bench: importing %lld ids ...\n",
+               static_cast<long long>(FLAGS_rows));
+  const int64_t chunk = 1 << 16;
+  std::vector<float> zeros(chunk * FLAGS_dim, 0.01f);
+  for (int64_t b = 0; b < FLAGS_rows; b += chunk) {
+    const int64_t n = std::min(chunk, FLAGS_rows - b);
+    Die(dyn_be->ImportIds(*dyn, absl::MakeConstSpan(held).subspan(b, n),
+                          absl::MakeConstSpan(zeros).first(n * FLAGS_dim), {}),
+        "import");
+  }
+
+  // Id sets: row positions, the same for both tables.
+  const int64_t n = static_cast<int64_t>(FLAGS_batch) * FLAGS_pooling_factor;
+  std::vector<std::vector<int64_t>> rows_of(FLAGS_id_sets, std::vector<int64_t>(n)),
+      ids_of(FLAGS_id_sets, std::vector<int64_t>(n));
+  std::vector<double> cdf;
+  if (FLAGS_distribution == "zipf") {
+    cdf.resize(FLAGS_rows);
+    double acc = 0;
+    for (int64_t r = 0; r < FLAGS_rows; ++r) cdf[r] = (acc += 1.0 / std::pow(r + 1.0, 1.05));
+  }
+  std::uniform_int_distribution<int64_t> uniform(0, FLAGS_rows - 1);
+  for (int k = 0; k < FLAGS_id_sets; ++k) {
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t r = uniform(rng);
+      if (!cdf.empty()) {
+        std::uniform_real_distribution<double> u(0, cdf.back());
+        const int64_t rank = std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin();
+        r = static_cast<int64_t>((static_cast<uint64_t>(rank) * 2654435761ULL) % FLAGS_rows);
+      }
+      rows_of[k][i] = r;
+      ids_of[k][i] = held[r];
+    }
+  }
+  const std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor);
+  std::vector<float> out(static_cast<size_t>(FLAGS_batch) * FLAGS_dim);
+  std::vector<float> grad(static_cast<size_t>(FLAGS_batch) * FLAGS_dim, 1e-6f);
+  auto lookup = [&](eb::EmbeddingBackend* be, eb::ShardId id,
+                    const std::vector<std::vector<int64_t>>& sets) {
+    return Rate(n, [&](int i) {
+      const eb::LookupRequest r{
+          eb::FeatureRequest{id, eb::Pooling::kSum, lengths, sets[i % FLAGS_id_sets], {}},
+          absl::MakeSpan(out)};
+      Die(be->Lookup({r}), "lookup");
+    });
+  };
+  auto update = [&](eb::EmbeddingBackend* be, eb::ShardId id,
+                    const std::vector<std::vector<int64_t>>& sets) {
+    return Rate(n, [&](int i) {
+      const eb::GradientRequest r{
+          eb::FeatureRequest{id, eb::Pooling::kSum, lengths, sets[i % FLAGS_id_sets], {}}, grad};
+      Die(be->ApplyGradients({r}), "update");
+    });
+  };
+  if (FLAGS_only == "lookup") return lookup(dyn_be.get(), *dyn, ids_of) > 0 ? 0 : 1;
+  if (FLAGS_only == "update") return update(dyn_be.get(), *dyn, ids_of) > 0 ? 0 : 1;
+  const double lookup_fixed = lookup(fixed_be->get(), *fixed, rows_of);
+  const double lookup_dyn = lookup(dyn_be.get(), *dyn, ids_of);
+  const double update_fixed = update(fixed_be->get(), *fixed, rows_of);
+  const double update_dyn = update(dyn_be.get(), *dyn, ids_of);
+  // Admission: a fraction of each call's ids new (fresh every call).
+  int64_t next_new = int64_t{1} << 62;
+  std::vector<int64_t> admit_ids(n);
+  std::bernoulli_distribution is_new(FLAGS_new_fraction);
+  const double admit_dyn = Rate(n, [&](int i) {
+    const std::vector<int64_t>& base = ids_of[i % FLAGS_id_sets];
+    for (int64_t k = 0; k < n; ++k) admit_ids[k] = is_new(rng) ? next_new++ : base[k];
+    const eb::GradientRequest r{eb::FeatureRequest{*dyn, eb::Pooling::kSum, lengths, admit_ids, {}},
+                                grad};
+    Die(dyn_be->ApplyGradients({r}), "admit");
+  });
+
+  // The bare index: finds of held ids, inserts of new ones into a full shard.
+  eb::DynamicIndex index(FLAGS_rows, eb::DynamicConfig{});
+  for (int64_t b = 0; b < FLAGS_rows; b += chunk) {
+    const int64_t m = std::min(chunk, FLAGS_rows - b);
+    auto c = index.BeginImport(absl::MakeConstSpan(held).subspan(b, m));
+    Die(c.status(), "index import");
+    index.Commit();
+  }
+  std::vector<int64_t> slots(n);
+  const double find = Rate(n, [&](int i) {
+    index.FindAll(ids_of[i % FLAGS_id_sets], -1, slots.data());
+  });
+  std::vector<int64_t> fresh(n);
+  const double insert = Rate(n, [&](int) {
+    for (int64_t k = 0; k < n; ++k) fresh[k] = next_new++;
+    index.BeginUpdate(fresh);
+    index.Commit();
+  });
+
+  const eb::DynamicStats st = *dyn_be->GetDynamicStats(*dyn);
+  const double row_bytes = 4.0 * FLAGS_dim;  // fp32, SGD: no state
+  const double dyn_row_bytes =
+      row_bytes * (FLAGS_rows + 1) / FLAGS_rows + 41.0 +  // slot bookkeeping (Meta)
+      16.0 * static_cast<double>(st.index_slots) / FLAGS_rows;
+  if (FLAGS_format == "json") {
+    std::printf(
+        "{\"rows\": %lld, \"dim\": %d, \"threads\": %d, \"distribution\": \"%s\", "
+        "\"lookup_fixed\": %.0f, \"lookup_dynamic\": %.0f, \"lookup_ratio\": %.3f, "
+        "\"update_fixed\": %.0f, \"update_dynamic\": %.0f, \"update_ratio\": %.3f, "
+        "\"admit_dynamic\": %.0f, \"admit_ratio\": %.3f, \"new_fraction\": %.2f, "
+        "\"find\": %.0f, \"insert\": %.0f, \"bytes_per_row_fixed\": %.1f, "
+        "\"bytes_per_row_dynamic\": %.1f}\n",
+        static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads, FLAGS_distribution.c_str(),
+        lookup_fixed, lookup_dyn, lookup_dyn / lookup_fixed, update_fixed, update_dyn,
+        update_dyn / update_fixed, admit_dyn, admit_dyn / update_fixed, FLAGS_new_fraction, find,
+        insert, row_bytes, dyn_row_bytes);
+    return 0;
+  }
+  std::printf("rows %lld, dim %d, %d thread(s), %s ids, %d x %d ids a call\n",
+              static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads,
+              FLAGS_distribution.c_str(), FLAGS_batch, FLAGS_pooling_factor);
+  std::printf("  lookup   fixed %8.1f M keys/s   dynamic %8.1f M keys/s   ratio %.3f\n",
+              lookup_fixed / 1e6, lookup_dyn / 1e6, lookup_dyn / lookup_fixed);
+  std::printf("  update   fixed %8.1f M keys/s   dynamic %8.1f M keys/s   ratio %.3f\n",
+              update_fixed / 1e6, update_dyn / 1e6, update_dyn / update_fixed);
+  std::printf("  admit    (%.0f%% new)            dynamic %8.1f M keys/s   ratio %.3f (of fixed update)\n",
+              100 * FLAGS_new_fraction, admit_dyn / 1e6, admit_dyn / update_fixed);
+  std::printf("  index    find %8.1f M keys/s   insert (evicting) %8.1f M keys/s\n", find / 1e6,
+              insert / 1e6);
+  std::printf("  bytes/row  fixed %.1f   dynamic %.1f\n", row_bytes, dyn_row_bytes);
+  return 0;
+}
