@@ -10,7 +10,7 @@ Adagrad, fused on the workers), a top MLP over both, BCE loss; the dense
 parameters train with torch's Adam in this process.
 
     examples/train_dlrm.py [--steps 300] [--batch 256] [--workers 2] [--pipeline]
-        [--trainers N] [--coordinator HOST:PORT]
+        [--trainers N] [--hashed_ids] [--coordinator HOST:PORT]
 
 Without --coordinator it starts a local cluster (`emberctl up`) and stops it
 at the end. Prints a progress line every --log_every steps and the held-out
@@ -22,6 +22,10 @@ global batch of --batch samples: the dense part under torch's
 DistributedDataParallel over gloo, the tables on one Ember collection that
 trains SYNC over the N ranks (BOUNDED(1) with --pipeline), so it reaches
 the AUC of one trainer (docs/training.md).
+
+With --hashed_ids every id is a 64-bit hash (any int64, negative included,
+as hashed user and item ids arrive) and the tables are dynamic: rows created
+as ids first train and evicted LRU when full (docs/dynamic-tables.md).
 """
 
 import argparse
@@ -53,17 +57,33 @@ def parse_args():
     p.add_argument("--log_every", type=int, default=50)
     p.add_argument("--min_auc", type=float, default=0.65)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hashed_ids", action="store_true",
+                   help="64-bit hashed ids on dynamic tables (docs/dynamic-tables.md)")
     p.add_argument("--trainers", type=int, default=1,
                    help="trainer processes (each a slice of every global batch)")
     return p.parse_args()
+
+
+def hashed_ids(feature, ids):
+    """`ids` as 64-bit hashes (SplitMix64 of the feature's salt and the
+    id), reinterpreted as int64: what a pipeline hashing raw ids sends."""
+    x = (np.asarray(ids, dtype=np.uint64) + np.uint64(FEATURES.index(feature) + 1) *
+         np.uint64(0x9e3779b97f4a7c15))
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xbf58476d1ce4e5b9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94d049bb133111eb)
+    x ^= x >> np.uint64(31)
+    return x.view(np.int64)
 
 
 class ClickData:
     """Samples from a hidden model: logit = sum of per-id scores (zipf-ish
     ids, 1-3 per feature) + w . dense - bias."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, hashed=False):
         self.rng = np.random.default_rng(seed)
+        self.hashed = hashed
         self.scores = [self.rng.normal(0, 1.0, size=n) for n in ROWS]
         self.w = self.rng.normal(0, 0.5, size=DENSE)
 
@@ -75,7 +95,7 @@ class ClickData:
             for b in range(size):
                 k = self.rng.integers(1, 4)
                 ids = np.minimum(self.rng.zipf(1.3, size=k) - 1, n - 1)
-                bags.append(ids.tolist())
+                bags.append((hashed_ids(f, ids) if self.hashed else ids).tolist())
                 logit[b] += score[ids].mean()
             jagged[f] = bags
         dense = self.rng.normal(0, 1, size=(size, DENSE)).astype(np.float32)
@@ -146,6 +166,9 @@ def train(address, args, rank=0, world=1, name=None, port=0):
     client = ember.Client(address, timeout_s=60)
     tables = [{"name": f"t_{f}", "num_embeddings": n, "embedding_dim": DIM,
                "feature_names": [f], "pooling": "MEAN"} for f, n in zip(FEATURES, ROWS)]
+    if args.hashed_ids:  # the same tables, keyed by any int64 (capacity: the rows)
+        for t in tables:
+            t["dynamic"] = {"capacity": t.pop("num_embeddings"), "eviction": "LRU"}
     name = name or f"dlrm_example_{int(time.time())}"
     training = None
     if world > 1:
@@ -166,7 +189,7 @@ def train(address, args, rank=0, world=1, name=None, port=0):
         if world > 1:  # the dense part all-reduced, the tables stepped by Ember
             trained = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        data = ClickData(args.seed)
+        data = ClickData(args.seed, args.hashed_ids)
         held_out = [data.batch(args.batch) for _ in range(8)]
         mode = f", {world} trainers ({training['mode']})" if world > 1 else ""
         say(f"train_dlrm: {len(FEATURES)} tables on {client.collection(name)['worker_addresses'].__len__()} "

@@ -119,6 +119,8 @@ def _check_stored(collection, specs, stored):
             want, got = t[field], h.get(field)
             if field in ("num_embeddings", "embedding_dim"):
                 want, got = int(want), int(got or 0)
+                if field == "num_embeddings" and want == 0 and t.get("dynamic"):
+                    want = int(t["dynamic"].get("capacity", 0))  # the rows stored
             elif field in ("pooling", "data_type"):
                 want, got = str(want).upper(), str(got or ("SUM" if field == "pooling" else "FP32"))
             elif field == "optimizer":
@@ -221,6 +223,9 @@ def _config_of(t):
         return t
     fields = {k: t[k] for k in ("name", "num_embeddings", "embedding_dim", "feature_names")
               if k in t}
+    if t.get("dynamic") and not fields.get("num_embeddings"):
+        # A dynamic table's rows are its capacity (the collection's spec says so too).
+        fields["num_embeddings"] = int(t["dynamic"].get("capacity", 0))
     try:
         from torchrec import EmbeddingBagConfig as TorchRecConfig
         from torchrec.modules.embedding_configs import PoolingType
@@ -254,13 +259,27 @@ class _RemoteEmbeddingBag(torch.nn.Module):
         self.embedding_dim = int(config.embedding_dim)
         pooling = getattr(config, "pooling", "SUM")
         self.mode = getattr(pooling, "name", str(pooling)).lower()
+        stored = {t["name"]: t for t in owner._info["spec"]["tables"]}
+        self.dynamic = "dynamic" in stored.get(self.name, {})
 
     @property
     def weight(self):
         """A copy of the table as it is on the workers ([rows, dim] float32);
-        writing into it changes nothing there (load_state_dict does)."""
+        writing into it changes nothing there (load_state_dict does). A
+        dynamic (hash-keyed) table: the rows it holds, in the order of
+        `ids`."""
         ebc = self._owner[0]
+        if self.dynamic:
+            return torch.from_numpy(ebc._client.export_table(ebc._collection, self.name)[1])
         return torch.from_numpy(ebc._client.export_table(ebc._collection, self.name))
+
+    @property
+    def ids(self):
+        """A dynamic table's ids held, ascending (int64 [n]; `weight`'s rows)."""
+        ebc = self._owner[0]
+        if not self.dynamic:
+            raise AttributeError(f"table '{self.name}' is not dynamic: it has no ids")
+        return torch.from_numpy(ebc._client.export_table(ebc._collection, self.name)[0])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         ebc = self._owner[0]
@@ -268,21 +287,35 @@ class _RemoteEmbeddingBag(torch.nn.Module):
             destination[prefix + "weight"] = TableCheckpoint(
                 ebc._collection, self.name, self.num_embeddings, self.embedding_dim,
                 _snapshot=ebc._saving)
+        elif self.dynamic:  # its ids beside the rows they hold
+            ids, rows = ebc._client.export_table(ebc._collection, self.name)
+            destination[prefix + "ids"] = torch.from_numpy(ids)
+            destination[prefix + "weight"] = torch.from_numpy(rows)
         else:
             destination[prefix + "weight"] = self.weight
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "weight"
+        ids_key = prefix + "ids"
+        ours = {key, ids_key} if self.dynamic else {key}
         if key in state_dict:
             ebc = self._owner[0]
             # A TableCheckpoint was restored by the owner (_RemoteTables).
-            if not isinstance(state_dict[key], TableCheckpoint):
+            if isinstance(state_dict[key], TableCheckpoint):
+                pass
+            elif self.dynamic:
+                if ids_key not in state_dict:
+                    missing_keys.append(ids_key)
+                else:
+                    ebc._client.import_table(ebc._collection, self.name,
+                                             (state_dict[ids_key], state_dict[key]))
+            else:
                 ebc._client.import_table(ebc._collection, self.name, state_dict[key])
         elif strict:
             missing_keys.append(key)
         for k in state_dict:
-            if strict and k.startswith(prefix) and k != key:
+            if strict and k.startswith(prefix) and k not in ours:
                 unexpected_keys.append(k)
 
 
@@ -599,6 +632,13 @@ class _RemoteTables(torch.nn.Module):
         +-sqrt(1 / rows)) over a [rows, dim] tensor, written to the workers.
         Optimizer state is kept."""
         for c in self._configs:
+            if self.embedding_bags[c.name].dynamic:
+                # Rows are initialised as ids are admitted; the held ones anew.
+                ids, _ = self._client.export_table(self._collection, c.name)
+                weight = torch.empty(len(ids), c.embedding_dim, dtype=torch.float32)
+                _default_init(c, weight)
+                self._client.import_table(self._collection, c.name, (ids, weight))
+                continue
             weight = torch.empty(c.num_embeddings, c.embedding_dim, dtype=torch.float32)
             init = getattr(c, "init_fn", None)
             if init is not None:

@@ -377,3 +377,71 @@ def test_checkpoint_restores_onto_another_worker_count_bit_for_bit(tmp_path, wor
         np.testing.assert_array_equal(got[0], after[0])
         np.testing.assert_array_equal(got[1], after[1])
         assert cb.lookup(name, probe)["f"].shape == (len(ids), 4)
+
+
+def test_ember_torch_module_trains_a_dynamic_table_on_hashed_ids(client):
+    """ember.torch.EmbeddingBagCollection over a dynamic table (a dict table
+    with "dynamic"): a forward of 64-bit hashed ids (negative included)
+    reads what the model says, backward trains it as the model does, and
+    the state dict carries the ids beside the rows, loading into another
+    module's table."""
+    torch = pytest.importorskip("torch")
+    from ember.torch import EmbeddingBagCollection
+    opt = {"type": "ADAGRAD", "learning_rate": 0.1}
+    tables = [dynamic_table("t_hash", "f_hash", "SUM", 8, opt, 32, admit_after=2, seed=3)]
+    ebc = EmbeddingBagCollection(tables, client, "dyn_torch", sharding_type="row_wise")
+    other = EmbeddingBagCollection(tables, client, "dyn_torch2", sharding_type="table_wise")
+    try:
+        model = DynamicTableModel(model_spec(opt, 32, 2, 0, "LRU", 8, seed=3),
+                                  ranges_of(client, "dyn_torch", "t_hash"))
+        rng = np.random.default_rng(12)
+        ids = universe(rng, 20)
+        head = torch.linspace(-1, 1, 8)
+        for step in range(12):
+            bags = {"f_hash": draw(rng, ids, 5)}
+            kt = ebc(ember.KeyedJaggedTensor.from_jagged(bags))
+            np.testing.assert_allclose(kt.values().detach().numpy(),
+                                       model.lookup(bags["f_hash"]), rtol=2e-5, atol=2e-6)
+            values = kt.values()
+            ((values * head) ** 2).sum().backward()
+            grad = (2 * values.detach() * head ** 2).numpy().astype(np.float32)
+            model.update(bags["f_hash"], grad)
+        state = ebc.state_dict()
+        want_ids, want_rows = model.held()
+        np.testing.assert_array_equal(state["embedding_bags.t_hash.ids"].numpy(), want_ids)
+        np.testing.assert_allclose(state["embedding_bags.t_hash.weight"].numpy(), want_rows,
+                                   rtol=2e-5, atol=2e-6)
+        other.load_state_dict(state)
+        got = client.export_table("dyn_torch2", "t_hash")
+        np.testing.assert_array_equal(got[0], state["embedding_bags.t_hash.ids"].numpy())
+        np.testing.assert_array_equal(got[1], state["embedding_bags.t_hash.weight"].numpy())
+        with pytest.raises(RuntimeError, match="ids"):
+            other.load_state_dict({"embedding_bags.t_hash.weight": state[
+                "embedding_bags.t_hash.weight"]})
+    finally:
+        client.drop_collection("dyn_torch")
+        client.drop_collection("dyn_torch2")
+
+
+def test_the_dlrm_example_trains_on_hashed_ids(client):
+    """examples/train_dlrm.py --hashed_ids (64-bit hashed ids, dynamic
+    tables) reaches the AUC the fixed tables reach on the same data (the
+    initial rows differ: by id hash instead of by row)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    script = os.path.join(root, "examples", "train_dlrm.py")
+    if not os.path.exists(script):
+        pytest.skip("examples/train_dlrm.py is not beside the tests")
+    aucs = {}
+    for flag in ("", "--hashed_ids"):
+        out = subprocess.run([sys.executable, script, "--steps=120", "--batch=128",
+                              f"--coordinator={client.address}", "--min_auc=0.6",
+                              "--log_every=60"] + ([flag] if flag else []),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        aucs[flag] = float(re.search(r"AUC after training ([0-9.]+)", out.stdout).group(1))
+    assert aucs["--hashed_ids"] > 0.7 and abs(aucs["--hashed_ids"] - aucs[""]) < 0.03, aucs
