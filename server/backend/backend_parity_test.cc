@@ -19,6 +19,7 @@
 #include "server/backend/cpu/cpu_kernels.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/emulated_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/forwarding_backend.h"
 
@@ -1323,6 +1324,82 @@ TEST_P(BackendParityTest, RejectsBadShardSpecs) {
   s.row_offset = 5;  // beyond table_rows
   EXPECT_EQ(be_->CreateShard(s).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(be_->DropShard(1234).code(), absl::StatusCode::kNotFound);
+}
+
+// Dynamic (hash-keyed) shards over this backend (WithDynamicShards, which
+// maps ids to slots of one of its fixed shards) serve and train as they do
+// over the CPU backend: the same ids held after every step, the same
+// lookups and rows (to the weight type's tolerance), on ids anywhere in
+// int64, with admission at 2, TTL and LFU eviction at work.
+TEST_P(BackendParityTest, DynamicShardsMatchTheCpuBackends) {
+  auto made = GetParam().make();
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto dyn = WithDynamicShards(*std::move(made));
+  auto cpu = CreateCpuBackend(CpuBackendOptions());
+  ASSERT_TRUE(cpu.ok());
+  auto ref = WithDynamicShards(*std::move(cpu));
+  ShardSpec spec = MakeSpec(12, 8, WeightType::kFp32, OptimizerType::kAdagrad);
+  spec.is_dynamic = true;
+  spec.dynamic.admit_after = 2;
+  spec.dynamic.ttl_steps = 3;
+  spec.dynamic.eviction = Eviction::kLfu;
+  auto a = dyn->CreateShard(spec);
+  auto b = ref->CreateShard(spec);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::mt19937_64 rng(9);
+  std::vector<int64_t> universe;
+  for (int i = 0; i < 30; ++i) universe.push_back(static_cast<int64_t>(rng()));
+  auto held = [](EmbeddingBackend* be, ShardId id) {
+    std::vector<EmbeddingBackend::SlotMeta> m(12);
+    EXPECT_TRUE(be->ExportSlots(id, 0, 12, absl::MakeSpan(m)).ok());
+    std::map<int64_t, int64_t> out;  // id -> slot
+    for (int64_t s = 0; s < 12; ++s) {
+      if (m[s].held) out[m[s].id] = s;
+    }
+    return out;
+  };
+  for (int step = 0; step < 15; ++step) {
+    Jagged j;
+    for (int bag = 0; bag < 4; ++bag) {
+      j.lengths.push_back(static_cast<int64_t>(rng() % 4));
+      for (int64_t k = 0; k < j.lengths.back(); ++k) {
+        j.ids.push_back(universe[rng() % 30 % (step + 5)]);
+      }
+    }
+    std::vector<float> out_a(4 * 8), out_b(4 * 8), grad(4 * 8);
+    for (float& g : grad) g = static_cast<float>(static_cast<int>(rng() % 9) - 4) * 0.25f;
+    ASSERT_TRUE(dyn->Lookup({LookupRequest{Feature(*a, Pooling::kSum, j),
+                                           absl::MakeSpan(out_a)}})
+                    .ok());
+    ASSERT_TRUE(ref->Lookup({LookupRequest{Feature(*b, Pooling::kSum, j),
+                                           absl::MakeSpan(out_b)}})
+                    .ok());
+    for (size_t i = 0; i < out_a.size(); ++i) {
+      EXPECT_NEAR(out_a[i], out_b[i], 1e-5 * (1 + std::abs(out_b[i]))) << "step " << step;
+    }
+    ASSERT_TRUE(dyn->ApplyGradients({GradientRequest{Feature(*a, Pooling::kSum, j),
+                                                     grad}})
+                    .ok());
+    ASSERT_TRUE(ref->ApplyGradients({GradientRequest{Feature(*b, Pooling::kSum, j),
+                                                     grad}})
+                    .ok());
+    const auto ha = held(dyn.get(), *a), hb = held(ref.get(), *b);
+    ASSERT_EQ(ha.size(), hb.size()) << "step " << step;
+    for (const auto& [id, slot] : hb) {
+      ASSERT_TRUE(ha.count(id)) << "id " << id << " at step " << step;
+      std::vector<float> wa(8), wb(8), sa(8), sb(8);
+      ASSERT_TRUE(dyn->ExportRows(*a, ha.at(id), ha.at(id) + 1, absl::MakeSpan(wa),
+                                  absl::MakeSpan(sa))
+                      .ok());
+      ASSERT_TRUE(
+          ref->ExportRows(*b, slot, slot + 1, absl::MakeSpan(wb), absl::MakeSpan(sb)).ok());
+      for (int c = 0; c < 8; ++c) {
+        EXPECT_NEAR(wa[c], wb[c], 1e-5 * (1 + std::abs(wb[c]))) << "id " << id;
+        EXPECT_NEAR(sa[c], sb[c], 1e-5 * (1 + std::abs(sb[c]))) << "id " << id;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendParityTest, testing::ValuesIn(AvailableBackends()),
