@@ -3,11 +3,13 @@
 # reports the prefetch its backend resolved, its ceiling reads every line of
 # every row it should, it answers --serve requests and refuses unknown ones
 # and impossible flags; bench/kernel_ab.py pairs two sides and names a side
-# that cannot start. Tiny tables, a few seconds.
+# that cannot start; dynamic_bench measures a dynamic table beside a fixed
+# one and refuses bad flags. Tiny tables, a few seconds.
 set -uo pipefail
 
 KB="$1"
 AB="$2"
+DB="${3:-}"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}"
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
@@ -130,6 +132,24 @@ if python3 "$AB" --a="$KB" --b="$KB --dtype=fp8" --pairs=1 -- "${tiny[@]}" >/dev
 elif ! grep -q "kernel_ab: side B: .* failed (exit 1): kernel_bench: --dtype=fp8 is not one of fp32, fp16, bf16" \
     "$TMP/ab.err"; then
   fail "kernel_ab: exiting side not reported with its reason: $(cat "$TMP/ab.err")"
+fi
+
+# dynamic_bench: every figure present and positive on a tiny table; bad
+# flags refused with its usage.
+if [ -n "$DB" ]; then
+  if ! "$DB" --rows=2000 --dim=8 --batch=16 --pooling_factor=4 --iters=1 --id_sets=2 \
+      --format=json >"$TMP/db.json" 2>"$TMP/db.err"; then
+    fail "dynamic_bench failed: $(cat "$TMP/db.err")"
+  else
+    for key in lookup_fixed lookup_dynamic update_fixed update_dynamic admit_dynamic find insert; do
+      v=$(json_field "$TMP/db.json" "$key")
+      python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > 0 else 1)' "$v" ||
+        fail "dynamic_bench: $key is $v"
+    done
+  fi
+  if "$DB" --rows=0 >/dev/null 2>"$TMP/db.err" || ! grep -q "bad flags" "$TMP/db.err"; then
+    fail "dynamic_bench accepted --rows=0: $(cat "$TMP/db.err")"
+  fi
 fi
 
 if [ "$failures" -ne 0 ]; then
