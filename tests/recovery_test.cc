@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <map>
+#include <random>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "proto/service.grpc.pb.h"
+#include "server/common/dynamic_route.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
 #include "gtest/gtest.h"
@@ -400,6 +402,111 @@ TEST(RecoveryTest, ASyncStepHeldWhenAWorkerDiesIsAppliedOnce) {
   u0.join();
   EXPECT_TRUE(rank0.ok()) << rank0;
   EXPECT_TRUE(rank1.ok()) << rank1;
+}
+
+}  // namespace
+}  // namespace ember
+
+namespace ember {
+namespace {
+
+// A dynamic (hash-keyed) table row_wise over 3 workers, kill -9 of the one
+// at rank 1: its shards come back from the checkpoint (each held row placed
+// by its id's routing row), the survivors' rows stay as they were, and
+// training goes on. The ids held afterwards: the checkpoint's on the lost
+// rows' range, the last ones elsewhere, each with its row.
+TEST(RecoveryTest, ADynamicTablesLostShardsComeBackFromTheCheckpointById) {
+  const std::string root = TempDir();
+  LocalCluster cluster(kEmberctl, 3, {"--checkpoint_dir=" + root, "--restart_workers=true"});
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(10);
+  auto c = Client::Connect(cluster.coordinator(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  constexpr int64_t kCapacity = 300, kDim = 8;
+  CollectionSpec spec;
+  spec.set_name("dyn");
+  auto* t = spec.add_tables();
+  t->set_name("t");
+  t->set_embedding_dim(kDim);
+  t->add_feature_names("f");
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAGRAD);
+  t->mutable_optimizer()->set_learning_rate(0.1);
+  t->mutable_dynamic()->set_capacity(kCapacity);
+  auto info = (*c)->CreateCollection(spec, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  std::mt19937_64 rng(3);
+  std::vector<int64_t> universe;
+  for (int i = 0; i < 120; ++i) universe.push_back(static_cast<int64_t>(rng()));
+  auto train = [&](int steps) {
+    for (int s = 0; s < steps; ++s) {
+      KeyedJaggedTensor kjt;
+      kjt.keys = {"f"};
+      for (int b = 0; b < 8; ++b) {
+        kjt.lengths.push_back(3);
+        for (int k = 0; k < 3; ++k) kjt.values.push_back(universe[rng() % universe.size()]);
+      }
+      KeyedTensor g;
+      g.keys = {"f"};
+      g.length_per_key = {kDim};
+      g.batch_size = 8;
+      for (int i = 0; i < 8 * kDim; ++i) g.values.push_back(std::uniform_real_distribution<float>(-1, 1)(rng));
+      ASSERT_TRUE((*c)->ApplyGradients("dyn", kjt, g).ok());
+    }
+  };
+  auto rows = [&]() {
+    std::vector<int64_t> ids;
+    std::vector<float> values;
+    int64_t dim = 0;
+    EXPECT_TRUE((*c)->ExportDynamicTable("dyn", "t", &ids, &values, &dim).ok());
+    std::map<int64_t, std::vector<float>> out;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      out[ids[i]].assign(values.begin() + i * kDim, values.begin() + (i + 1) * kDim);
+    }
+    return out;
+  };
+  ASSERT_NO_FATAL_FAILURE(train(6));
+  const auto at_checkpoint = rows();
+  ASSERT_TRUE((*c)->Checkpoint("dyn").ok());
+  ASSERT_NO_FATAL_FAILURE(train(6));
+  const auto now = rows();
+  ASSERT_NE(now, at_checkpoint);
+  // The routing rows rank 1 held.
+  std::vector<std::pair<int64_t, int64_t>> lost;
+  for (const auto& sh : info->plan().tables(0).shards()) {
+    if (sh.rank() == 1) lost.emplace_back(sh.row_offset(), sh.row_offset() + sh.rows());
+  }
+  ASSERT_FALSE(lost.empty());
+  auto on_lost = [&](int64_t id) {
+    const int64_t row = RouteRow(id, kCapacity);
+    for (const auto& [b, e] : lost) {
+      if (row >= b && row < e) return true;
+    }
+    return false;
+  };
+  ASSERT_NO_FATAL_FAILURE(KillWorkerAt(c->get(), info->worker_addresses(1)));
+  const absl::Time killed = absl::Now();
+  absl::Status last;
+  KeyedJaggedTensor probe;
+  probe.keys = {"f"};
+  probe.lengths = {1};
+  probe.values = {universe[0]};
+  while (absl::Now() - killed < absl::Seconds(30)) {
+    last = (*c)->Lookup("dyn", probe).status();
+    if (last.ok()) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(last.ok()) << last;
+  std::map<int64_t, std::vector<float>> want;
+  for (const auto& [id, row] : at_checkpoint) {
+    if (on_lost(id)) want[id] = row;
+  }
+  for (const auto& [id, row] : now) {
+    if (!on_lost(id)) want[id] = row;
+  }
+  EXPECT_EQ(rows(), want);
+  ASSERT_NO_FATAL_FAILURE(train(3));  // and it trains on
+  EXPECT_NE(rows(), want);
 }
 
 }  // namespace
