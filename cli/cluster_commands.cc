@@ -21,6 +21,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -1125,6 +1126,29 @@ int RunExport() {
   }
   auto cl = Connect();
   if (!cl.ok()) return Fail("export", cl.status());
+  auto info = (*cl)->GetCollection(FLAGS_collection);
+  if (!info.ok()) return Fail("export", info.status());
+  for (const auto& t : info->spec().tables()) {
+    if (t.name() != FLAGS_table || !t.has_dynamic()) continue;
+    // A dynamic table: its rows, and the ids they hold beside them.
+    std::vector<int64_t> ids;
+    std::vector<float> rows;
+    int64_t dim = 0;
+    if (absl::Status s = (*cl)->ExportDynamicTable(FLAGS_collection, FLAGS_table, &ids, &rows, &dim);
+        !s.ok()) {
+      return Fail("export", s);
+    }
+    std::string ids_path = FLAGS_output;
+    if (absl::EndsWith(ids_path, ".npy")) ids_path.resize(ids_path.size() - 4);
+    ids_path += ".ids.npy";
+    if (absl::Status s = WriteFile(FLAGS_output, NpyFloat32(rows, ids.size(), dim)); !s.ok()) {
+      return Fail("export", s);
+    }
+    if (absl::Status s = WriteFile(ids_path, NpyInt64(ids)); !s.ok()) return Fail("export", s);
+    std::cout << "exported dynamic table " << FLAGS_table << ": " << ids.size() << " rows of "
+              << dim << " to " << FLAGS_output << ", their ids to " << ids_path << std::endl;
+    return 0;
+  }
   int64_t rows = 0, dim = 0;
   auto values = (*cl)->ExportTable(FLAGS_collection, FLAGS_table, &rows, &dim);
   if (!values.ok()) return Fail("export", values.status());

@@ -15,6 +15,7 @@
 //   emberctl apply-gradients --coordinator=ADDR --collection=NAME --input=kjt.json
 //       --grads=grads.json
 //   emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy
+//       (a dynamic table: its rows, and FILE.ids.npy the ids they hold)
 //   emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT]
 //   emberctl checkpoints --coordinator=ADDR [--collection=NAME]
 //   emberctl restore --coordinator=ADDR --from=PATH [--collection=NEW_NAME]

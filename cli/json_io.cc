@@ -173,9 +173,13 @@ absl::Status WriteFile(const std::string& path, const std::string& contents) {
   return absl::OkStatus();
 }
 
-std::string NpyFloat32(const std::vector<float>& values, int64_t rows, int64_t cols) {
-  std::string header = absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': (", rows,
-                                    ", ", cols, "), }");
+namespace {
+
+// A C-order .npy file (format version 1.0) of `descr` with `shape` (the
+// text inside the parentheses) over `data`.
+std::string Npy(const char* descr, const std::string& shape, const char* data, size_t bytes) {
+  std::string header =
+      absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (", shape, "), }");
   // Magic + version + header length, then the header padded with spaces and
   // ending in '\n' so the data starts on a 64-byte boundary.
   const size_t preamble = 10;
@@ -187,8 +191,20 @@ std::string NpyFloat32(const std::vector<float>& values, int64_t rows, int64_t c
   out.push_back(static_cast<char>(len & 0xff));
   out.push_back(static_cast<char>(len >> 8));
   out += header;
-  out.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  out.append(data, bytes);
   return out;
+}
+
+}  // namespace
+
+std::string NpyFloat32(const std::vector<float>& values, int64_t rows, int64_t cols) {
+  return Npy("<f4", absl::StrCat(rows, ", ", cols), reinterpret_cast<const char*>(values.data()),
+             values.size() * sizeof(float));
+}
+
+std::string NpyInt64(const std::vector<int64_t>& values) {
+  return Npy("<i8", absl::StrCat(values.size(), ","), reinterpret_cast<const char*>(values.data()),
+             values.size() * sizeof(int64_t));
 }
 
 }  // namespace cli

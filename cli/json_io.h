@@ -29,6 +29,8 @@ absl::Status WriteFile(const std::string& path, const std::string& contents);
 
 // A float32 [rows, cols] C-order .npy file (format version 1.0).
 std::string NpyFloat32(const std::vector<float>& values, int64_t rows, int64_t cols);
+// An int64 [n] .npy file.
+std::string NpyInt64(const std::vector<int64_t>& values);
 
 }  // namespace cli
 }  // namespace ember

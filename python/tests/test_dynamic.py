@@ -445,3 +445,26 @@ def test_the_dlrm_example_trains_on_hashed_ids(client):
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         aucs[flag] = float(re.search(r"AUC after training ([0-9.]+)", out.stdout).group(1))
     assert aucs["--hashed_ids"] > 0.7 and abs(aucs["--hashed_ids"] - aucs[""]) < 0.03, aucs
+
+
+def test_emberctl_export_writes_a_dynamic_tables_ids_beside_its_rows(client, tmp_path):
+    import subprocess
+    opt = {"type": "SGD", "learning_rate": 0.5}
+    name = "dyn_cli"
+    client.create_collection({"name": name, "tables": [
+        dynamic_table("t", "f", "SUM", 4, opt, 16)]}, sharding_type="row_wise")
+    try:
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f": [[INT64_MIN, 5], [-9, 1 << 50]]})
+        client.apply_gradients(name, kjt, np.ones((2, 4), np.float32))
+        out = tmp_path / "t.npy"
+        run = subprocess.run([ember._find_emberctl(), "export", f"--coordinator={client.address}",
+                              f"--collection={name}", "--table=t", f"--output={out}"],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "exported dynamic table t: 4 rows of 4" in run.stdout
+        ids, rows = client.export_table(name, "t")
+        np.testing.assert_array_equal(np.load(tmp_path / "t.ids.npy"), ids)
+        np.testing.assert_array_equal(np.load(out), rows)
+        assert list(ids) == sorted([INT64_MIN, 5, -9, 1 << 50])
+    finally:
+        client.drop_collection(name)
