@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -429,6 +430,13 @@ void PrintTables(const ember::v1::CollectionSpec& spec) {
     if (o.weight_decay() > 0) {
       std::cout << " weight_decay " << o.weight_decay() << " ("
                 << ember::v1::OptimizerSpec::WeightDecayMode_Name(o.weight_decay_mode()) << ")";
+    }
+    if (t.has_dynamic()) {
+      const ember::v1::DynamicTableSpec& d = t.dynamic();
+      std::cout << "; dynamic: capacity " << d.capacity() << ", admit after "
+                << std::max<int64_t>(d.admit_after(), 1) << " update(s), "
+                << ember::v1::DynamicTableSpec::Eviction_Name(d.eviction())
+                << (d.ttl_steps() > 0 ? absl::StrCat(", ttl ", d.ttl_steps(), " steps") : "");
     }
     std::cout << std::endl;
   }

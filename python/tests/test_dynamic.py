@@ -466,5 +466,9 @@ def test_emberctl_export_writes_a_dynamic_tables_ids_beside_its_rows(client, tmp
         np.testing.assert_array_equal(np.load(tmp_path / "t.ids.npy"), ids)
         np.testing.assert_array_equal(np.load(out), rows)
         assert list(ids) == sorted([INT64_MIN, 5, -9, 1 << 50])
+        status = subprocess.run([ember._find_emberctl(), "status",
+                                 f"--coordinator={client.address}"],
+                                capture_output=True, text=True, timeout=60)
+        assert "dynamic: capacity 16, admit after 1 update(s), LRU" in status.stdout, status.stdout
     finally:
         client.drop_collection(name)
