@@ -103,7 +103,10 @@ class DynamicShardsBackend : public ForwardingBackend {
       }
     }
     // Each shard's step: its ids in request order.
-    std::vector<Undo> undo(held.shards.size());
+    // (Kept from call to call, as the other scratch: not faulted in anew.)
+    std::vector<Undo>& undo = Scratch().undo;
+    if (undo.size() < held.shards.size()) undo.resize(held.shards.size());
+    for (size_t k = 0; k < held.shards.size(); ++k) undo[k].Clear();
     std::vector<int64_t>& ids = Scratch().ids;
     for (size_t k = 0; k < held.shards.size(); ++k) {
       auto& [id, shard] = held.shards[k];
@@ -312,6 +315,12 @@ class DynamicShardsBackend : public ForwardingBackend {
     bool begun = false;
     std::vector<int64_t> slots;
     std::vector<float> weights, state;
+    void Clear() {
+      begun = false;
+      slots.clear();
+      weights.clear();
+      state.clear();
+    }
   };
 
   // A calling thread's arrays, kept from call to call (not faulted in
@@ -320,6 +329,7 @@ class DynamicShardsBackend : public ForwardingBackend {
     std::vector<std::vector<int64_t>> slots;
     std::vector<std::vector<float>> weights, grads;
     std::vector<int64_t> ids;
+    std::vector<Undo> undo;
   };
   static CallScratch& Scratch() {
     thread_local CallScratch scratch;
