@@ -713,6 +713,23 @@ absl::Status NotDynamic(const std::string& table) {
 
 }  // namespace
 
+absl::Status Client::ExportRowsOf(const std::string& address, int rank,
+                                  const std::string& collection, const std::string& table,
+                                  int32_t shard_index, int64_t b, int64_t e,
+                                  ember::v1::ExportRowsResponse* resp) {
+  ember::v1::ExportRowsRequest req;
+  req.set_collection(collection);
+  req.mutable_shard()->set_table(table);
+  req.mutable_shard()->set_shard_index(shard_index);
+  req.set_row_begin(b);
+  req.set_row_end(e);
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx, impl_->options.timeout);
+  grpc::Status st = StubFor(address)->ExportRows(&ctx, req, resp);
+  if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", rank, " (", address, ")"));
+  return absl::OkStatus();
+}
+
 absl::Status Client::ImportTable(const std::string& collection, const std::string& table,
                                  absl::Span<const float> values, int64_t rows, int64_t dim) {
   auto routing = RoutingFor(collection, /*refresh=*/true);
@@ -746,18 +763,10 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
     const std::string& address = r.info.worker_addresses(s.rank);
     for (int64_t b = 0; b < s.rows; b += chunk) {
       const int64_t e = std::min(s.rows, b + chunk);
-      ember::v1::ExportRowsRequest ex;
-      ex.set_collection(collection);
-      ex.mutable_shard()->set_table(table);
-      ex.mutable_shard()->set_shard_index(s.index);
-      ex.set_row_begin(b);
-      ex.set_row_end(e);
       ember::v1::ExportRowsResponse got;
-      {
-        grpc::ClientContext ctx;
-        PrepareContext(&ctx, impl_->options.timeout);
-        grpc::Status st = StubFor(address)->ExportRows(&ctx, ex, &got);
-        if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+      if (absl::Status st = ExportRowsOf(address, s.rank, collection, table, s.index, b, e, &got);
+          !st.ok()) {
+        return st;
       }
       weights.resize((e - b) * s.cols);
       for (int64_t i = 0; i < e - b; ++i) {
@@ -768,7 +777,8 @@ absl::Status Client::ImportTable(const std::string& collection, const std::strin
       ember::v1::ImportRowsRequest im;
       im.set_collection(collection);
       im.set_epoch(r.info.plan().epoch());
-      *im.mutable_shard() = ex.shard();
+      im.mutable_shard()->set_table(table);
+      im.mutable_shard()->set_shard_index(s.index);
       im.set_row_begin(b);
       im.set_row_end(e);
       wire::Encode(absl::Span<const float>(weights), im.mutable_weights());
@@ -805,18 +815,12 @@ absl::StatusOr<std::vector<float>> Client::ExportTable(const std::string& collec
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3));
     for (int64_t b = 0; b < s.rows; b += chunk) {
       const int64_t e = std::min(s.rows, b + chunk);
-      grpc::ClientContext ctx;
-      PrepareContext(&ctx, impl_->options.timeout);
-      ember::v1::ExportRowsRequest req;
-      req.set_collection(collection);
-      req.mutable_shard()->set_table(table);
-      req.mutable_shard()->set_shard_index(s.index);
-      req.set_row_begin(b);
-      req.set_row_end(e);
       ember::v1::ExportRowsResponse resp;
-      const std::string& address = r.info.worker_addresses(s.rank);
-      grpc::Status st = StubFor(address)->ExportRows(&ctx, req, &resp);
-      if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+      if (absl::Status st = ExportRowsOf(r.info.worker_addresses(s.rank), s.rank, collection,
+                                         table, s.index, b, e, &resp);
+          !st.ok()) {
+        return st;
+      }
       if (absl::Status d = wire::Decode(resp.weights(), "weights", &buf); !d.ok()) return d;
       if (static_cast<int64_t>(buf.size()) != (e - b) * s.cols) {
         return absl::InternalError("worker returned a malformed export");
@@ -851,18 +855,12 @@ absl::Status Client::ExportDynamicTable(const std::string& collection, const std
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (s.cols * 4 * 3 + 32));
     for (int64_t b = 0; b < s.rows; b += chunk) {
       const int64_t e = std::min(s.rows, b + chunk);
-      grpc::ClientContext ctx;
-      PrepareContext(&ctx, impl_->options.timeout);
-      ember::v1::ExportRowsRequest req;
-      req.set_collection(collection);
-      req.mutable_shard()->set_table(table);
-      req.mutable_shard()->set_shard_index(s.index);
-      req.set_row_begin(b);
-      req.set_row_end(e);
       ember::v1::ExportRowsResponse resp;
-      const std::string& address = r.info.worker_addresses(s.rank);
-      grpc::Status st = StubFor(address)->ExportRows(&ctx, req, &resp);
-      if (!st.ok()) return FromGrpc(st, absl::StrCat("worker ", s.rank, " (", address, ")"));
+      if (absl::Status st = ExportRowsOf(r.info.worker_addresses(s.rank), s.rank, collection,
+                                         table, s.index, b, e, &resp);
+          !st.ok()) {
+        return st;
+      }
       if (absl::Status d = wire::Decode(resp.weights(), "weights", &buf); !d.ok()) return d;
       if (absl::Status d = wire::Decode(resp.slot_meta(), "slot_meta", &meta); !d.ok()) return d;
       if (static_cast<int64_t>(buf.size()) != (e - b) * s.cols ||

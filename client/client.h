@@ -273,6 +273,11 @@ class Client {
   struct Routing;  // a collection's plan prepared for routing (routing.h)
 
  private:
+  // Rows [b, e) of shard `shard_index` of a table, from the worker of
+  // `rank` at `address` (ExportRows), in *resp.
+  absl::Status ExportRowsOf(const std::string& address, int rank, const std::string& collection,
+                            const std::string& table, int32_t shard_index, int64_t b, int64_t e,
+                            ember::v1::ExportRowsResponse* resp);
   // The coordinator's ListCheckpoints answer: checkpoints and restores.
   absl::StatusOr<ember::v1::ListCheckpointsResponse> CatalogueOf(const std::string& collection);
   // The client's state: its coordinator stub, the routing and worker stubs

@@ -322,28 +322,7 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
       stats_.dropped_pending += occurrences;
       continue;
     }
-    // Reused: the slot's row was evicted in this update (just now or by TTL).
-    const bool reused = evicted_now_.contains(slot);
-    if (threshold > 1) {
-      auto it = pending_.find(id);
-      if (it != pending_.end()) {
-        Change c{Change::kPending};
-        c.a = id;
-        c.had = true;
-        c.b = it->second;
-        journal_.push_back(c);
-        pending_.erase(it);
-      }
-    }
-    Meta m;
-    m.id = id;
-    m.last_step = t;
-    m.updates = 1;
-    m.version = next_version_++;
-    m.used = true;
-    SetMeta(slot, m);
-    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
-    created.push_back(Created{id, slot, reused});
+    created.push_back(CreateRow(id, slot, t));
     ++stats_.admitted;
     entry = slot;
   }
@@ -352,6 +331,29 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
     slots[i] = slot >= 0 ? slot : missing;  // (< 0: not admitted)
   }
   return created;
+}
+
+DynamicIndex::Created DynamicIndex::CreateRow(int64_t id, int64_t slot, int64_t step) {
+  // Reused: the slot's row was evicted in this update (just now or by TTL).
+  const bool reused = evicted_now_.contains(slot);
+  auto it = pending_.find(id);
+  if (it != pending_.end()) {  // its count is done with
+    Change c{Change::kPending};
+    c.a = id;
+    c.had = true;
+    c.b = it->second;
+    journal_.push_back(c);
+    pending_.erase(it);
+  }
+  Meta m;
+  m.id = id;
+  m.last_step = step;
+  m.updates = 1;
+  m.version = next_version_++;
+  m.used = true;
+  SetMeta(slot, m);
+  marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
+  return Created{id, slot, reused};
 }
 
 absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
@@ -385,25 +387,7 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
       return absl::ResourceExhaustedError(absl::StrCat(
           "the shard holds at most ", capacity_, " rows; the import brings more new ids"));
     }
-    const bool reused = evicted_now_.contains(slot);
-    auto it = pending_.find(id);
-    if (it != pending_.end()) {
-      Change c{Change::kPending};
-      c.a = id;
-      c.had = true;
-      c.b = it->second;
-      journal_.push_back(c);
-      pending_.erase(it);
-    }
-    Meta m;
-    m.id = id;
-    m.last_step = step_;
-    m.updates = 1;
-    m.version = next_version_++;
-    m.used = true;
-    SetMeta(slot, m);
-    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
-    created.push_back(Created{id, slot, reused});
+    created.push_back(CreateRow(id, slot, step_));
     ++stats_.imported;
   }
   return created;

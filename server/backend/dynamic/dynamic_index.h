@@ -161,6 +161,9 @@ class DynamicIndex {
   // A free slot, evicting by the policy if none: -1 when every row is this
   // step's. `import`: count an import's eviction.
   int64_t TakeSlot(bool import);
+  // `id`'s new row in `slot` (taken), written at `step`; its pending count
+  // dropped.
+  Created CreateRow(int64_t id, int64_t slot, int64_t step);
   int64_t CountPending(int64_t id, int64_t n);  // the id's count after n more
   int64_t SketchEstimate(int64_t id) const;     // the sketch's count (allocated)
   void BeginJournal();
