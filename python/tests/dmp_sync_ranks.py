@@ -3,7 +3,8 @@ training (run as a process per rank): TorchRec's DLRM under
 DistributedModelParallel over gloo on the CPU, its tables either sharded by
 TorchRec (FBGEMM's fused row-wise Adagrad; `--mode=torchrec`) or put on
 Ember by EmberSharder (SYNC over the ranks; `--mode=ember`); row-wise
-Adagrad or SGD (`--optimizer`; FBGEMM's CPU kernels have no Adam). The same
+Adagrad or SGD (`--optimizer`; TorchRec refuses Adam on the CPU: "Optimizer
+adam is not supported in CPU mode"). The same
 initial weights, the same global batches (each rank its slice). Writes the
 rank's losses and the tables (TorchRec: this rank's shards with their
 offsets; Ember: the whole tables, from rank 0) to `--out`.npz."""

@@ -81,6 +81,15 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
   SetState(name, CollectionInfo::RECOVERING,
            (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
+  if (info.spec().training().mode() == ember::v1::TrainingSpec::BOUNDED) {
+    // Held BOUNDED steps have returned to their trainers: they apply before
+    // anything moves.
+    std::vector<std::string> reachable;
+    for (int r : holding) {
+      if (alive.count(ids[r])) reachable.push_back(info.worker_addresses(r));
+    }
+    FenceSteps(info, reachable);
+  }
 
   // The checkpoint to reload from, chosen (and every file verified) before
   // anything changes: the newest usable one of this collection.
@@ -337,6 +346,61 @@ absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const st
   info.set_note(why);
   LOG(WARNING) << "collection '" << name << "' re-adopted at epoch " << *next << ": " << why;
   return Register(info, ids);
+}
+
+void CoordinatorService::FenceSteps(const CollectionInfo& info,
+                                    const std::vector<std::string>& addresses) {
+  if (addresses.empty()) return;
+  const std::string& name = info.spec().name();
+  ember::v1::UpdateTrainingRequest u;
+  u.set_collection(name);
+  u.set_epoch(info.plan().epoch());
+  auto call = [&](const ember::v1::UpdateTrainingRequest& req, absl::Duration timeout,
+                  std::vector<ember::v1::UpdateTrainingResponse>* out) {
+    return CallEach<ember::v1::UpdateTrainingRequest, ember::v1::UpdateTrainingResponse>(
+        addresses, std::vector<ember::v1::UpdateTrainingRequest>(addresses.size(), req),
+        [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+          async->UpdateTraining(ctx, request, response, std::move(done));
+        },
+        timeout, out);
+  };
+  auto highest = [&](const std::vector<grpc::Status>& st,
+                     const std::vector<ember::v1::UpdateTrainingResponse>& out) {
+    int64_t h = -1;
+    for (size_t i = 0; i < st.size(); ++i) {
+      if (st[i].ok()) h = std::max(h, out[i].highest_step());
+    }
+    return h;
+  };
+  // The highest step held anywhere; fenced there, and again higher while a
+  // worker took a later one meanwhile (trainers run at most max_staleness
+  // steps apart, so this ends).
+  std::vector<ember::v1::UpdateTrainingResponse> out;
+  u.set_fence_query(true);
+  int64_t fence = highest(call(u, absl::ZeroDuration(), &out), out);
+  u.set_fence_query(false);
+  for (int round = 0; round < 8; ++round) {
+    u.set_fence_at(fence);
+    const int64_t seen = highest(call(u, absl::ZeroDuration(), &out), out);
+    if (seen <= fence) break;
+    fence = seen;
+  }
+  if (fence < 0) return;  // no step yet
+  u.set_fence_at(fence);
+  u.set_fence_wait(true);
+  const double wait_s = info.spec().training().step_timeout_s() > 0
+                            ? info.spec().training().step_timeout_s()
+                            : 300;
+  const std::vector<grpc::Status> waited =
+      call(u, absl::Seconds(wait_s) + absl::Seconds(10), &out);
+  for (size_t i = 0; i < waited.size(); ++i) {
+    if (waited[i].ok()) continue;
+    LOG(WARNING) << "collection '" << name << "': step " << fence << " not applied on "
+                 << addresses[i] << " before the move (" << waited[i].error_message()
+                 << "); its held steps are dropped and sent again by their trainers";
+  }
+  LOG(INFO) << "collection '" << name << "': BOUNDED steps through " << fence
+            << " applied before the move";
 }
 
 absl::Status CoordinatorService::CopyFromDrained(

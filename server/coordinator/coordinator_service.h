@@ -180,6 +180,14 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                                      std::vector<Response>* responses = nullptr);
   absl::Status DropOnWorkers(const std::string& collection, int64_t epoch,
                              const std::vector<std::string>& addresses);
+  // Before a BOUNDED collection moves (its held steps would be dropped with
+  // their trainers told nothing): fences its steps on the workers at
+  // `addresses` (those of `info` still alive) at the highest step any holds
+  // and waits, up to the step timeout, until every step through it is
+  // applied on each (training/step_barrier.h: FenceAt, WaitApplied). A step
+  // that does not complete in time is logged and the move goes on (its
+  // trainers resend it, as after a step timeout).
+  void FenceSteps(const ember::v1::CollectionInfo& info, const std::vector<std::string>& addresses);
   // Plans `spec` over the live workers (or, given `explicit_plan`, checks
   // that plan against them) and creates its shards on them (all or
   // nothing); the collection is not registered. Needs create_mu_.

@@ -153,6 +153,11 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
   absl::MutexLock lock(&mu_);
   if (all_aborted_.has_value()) return *all_aborted_;
   ExpireLocked(start);
+  if (fence_.has_value() && step > *fence_) {
+    return absl::UnavailableError(absl::StrCat(
+        "the collection is moving: its steps are fenced at ", *fence_, " until it has moved; "
+        "step ", step, " is taken after (retry)"));
+  }
   if (applied_.has_value() && step <= *applied_) {
     auto a = applied_digests_.find(step);
     if (a != applied_digests_.end() && a->second.count(rank) && a->second.at(rank) == c.digest) {
@@ -277,6 +282,39 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
           applied_.has_value() ? absl::StrCat("last applied: ", *applied_)
                                : std::string("none applied yet"),
           ")"));
+    }
+    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline));
+  }
+}
+
+int64_t StepBarrier::HighestStepLocked() const {
+  int64_t highest = applied_.value_or(-1);
+  if (!pending_.empty()) highest = std::max(highest, pending_.rbegin()->first);
+  return highest;
+}
+
+int64_t StepBarrier::HighestStep() const {
+  absl::MutexLock lock(&mu_);
+  return HighestStepLocked();
+}
+
+int64_t StepBarrier::FenceAt(int64_t last) {
+  absl::MutexLock lock(&mu_);
+  fence_ = last;
+  return HighestStepLocked();
+}
+
+absl::Status StepBarrier::WaitApplied(int64_t last, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (all_aborted_.has_value()) return *all_aborted_;
+    const absl::Time now = absl::Now();
+    ExpireLocked(now);
+    if (last < 0 || (applied_.has_value() && *applied_ >= last)) return absl::OkStatus();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step ", last, " is not applied here yet (last applied: ",
+          applied_.has_value() ? absl::StrCat(*applied_) : std::string("none"), ")"));
     }
     changed_.WaitWithDeadline(&mu_, WakeLocked(deadline));
   }

@@ -127,6 +127,17 @@ class StepBarrier {
   // step from it on holds a rank >= trainers (nothing changed).
   absl::Status SetTrainers(int32_t trainers, int64_t from_step, const ApplyFn& apply);
 
+  // A move's step fence (the coordinator's, before a BOUNDED collection's
+  // rows are copied: docs/training.md). HighestStep: the highest step held
+  // or applied here, -1 for none. FenceAt: from now on a contribution to a
+  // step past `last` is refused UNAVAILABLE (the trainer retries, on the
+  // moved collection); returns HighestStep. WaitApplied: until step `last`
+  // is applied here (every rank's contributions up to it arrived and
+  // applied), DEADLINE_EXCEEDED at `deadline`.
+  int64_t HighestStep() const;
+  int64_t FenceAt(int64_t last);
+  absl::Status WaitApplied(int64_t last, absl::Time deadline);
+
   struct Stats {
     int64_t steps_applied = 0;
     int64_t steps_aborted = 0;
@@ -168,6 +179,8 @@ class StepBarrier {
   std::map<int64_t, absl::Status> dropped_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::map<int32_t, uint64_t>> applied_digests_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Status> all_aborted_ ABSL_GUARDED_BY(mu_);
+  std::optional<int64_t> fence_ ABSL_GUARDED_BY(mu_);  // FenceAt's last step
+  int64_t HighestStepLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_applied_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;

@@ -157,6 +157,34 @@ TEST(StepBarrierTest, BoundedLookupsWaitForTheStepTheyMustSee) {
   EXPECT_THAT(std::string(far.message()), HasSubstr("ahead of every step a trainer can have sent"));
 }
 
+// A move's fence: steps past it are refused (UNAVAILABLE, retried by the
+// trainer), those up to it still taken; WaitApplied returns once the
+// fenced step is applied, or at its deadline.
+TEST(StepBarrierTest, AFenceTakesStepsUpToItAndWaitsForThemToApply) {
+  StepBarrier b(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1));
+  Log log;
+  bool dup = false;
+  EXPECT_EQ(b.HighestStep(), -1);
+  ASSERT_TRUE(b.Submit(0, Make(0, 10), Soon(), log.Fn(), &dup).ok());
+  ASSERT_TRUE(b.Submit(1, Make(0, 11), Soon(), log.Fn(), &dup).ok());
+  EXPECT_EQ(b.HighestStep(), 1);
+  EXPECT_EQ(b.FenceAt(1), 1);
+  const absl::Status past = b.Submit(2, Make(0, 12), Soon(), log.Fn(), &dup);
+  EXPECT_EQ(past.code(), absl::StatusCode::kUnavailable) << past;
+  EXPECT_THAT(std::string(past.message()), HasSubstr("fenced at 1"));
+  EXPECT_EQ(b.WaitApplied(1, absl::Now() + absl::Milliseconds(30)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  absl::Status waited;
+  std::thread mover([&] { waited = b.WaitApplied(1, Soon()); });
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(b.Submit(0, Make(1, 20), Soon(), log.Fn(), &dup).ok());  // still taken
+  ASSERT_TRUE(b.Submit(1, Make(1, 21), Soon(), log.Fn(), &dup).ok());
+  mover.join();
+  EXPECT_TRUE(waited.ok()) << waited;
+  EXPECT_EQ(log.applied.size(), 2u);
+  EXPECT_TRUE(b.WaitApplied(-1, Soon()).ok());  // nothing to wait for
+}
+
 // A lookup whose step never starts waits the step timeout, then ABORTED.
 TEST(StepBarrierTest, ALookupWaitsAtMostTheStepTimeout) {
   StepBarrier b(Opts(TrainingSpec::SYNC, 2, 0, absl::Milliseconds(80)));

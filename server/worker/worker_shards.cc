@@ -274,7 +274,7 @@ void WorkerService::RetireSteps(const StepBarrier& steps) {
 
 grpc::Status WorkerService::UpdateTraining(grpc::ServerContext* ctx,
                                            const ember::v1::UpdateTrainingRequest* req,
-                                           ember::v1::UpdateTrainingResponse*) {
+                                           ember::v1::UpdateTrainingResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   std::shared_ptr<StepBarrier> steps;
   {
@@ -286,6 +286,20 @@ grpc::Status WorkerService::UpdateTraining(grpc::ServerContext* ctx,
   if (!steps->stepped()) {
     return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
         "collection '", req->collection(), "' trains ASYNC: it counts no trainers")));
+  }
+  if (req->fence_query()) {
+    resp->set_highest_step(steps->HighestStep());
+    return grpc::Status::OK;
+  }
+  if (req->has_fence_at()) {
+    resp->set_highest_step(steps->FenceAt(req->fence_at()));
+    if (!req->fence_wait()) return grpc::Status::OK;
+    const absl::Status waited =
+        steps->WaitApplied(req->fence_at(), absl::Now() + steps->options().timeout);
+    if (!waited.ok()) return ToGrpc(waited);
+    LOG(INFO) << "collection '" << req->collection() << "': steps through " << req->fence_at()
+              << " applied, later ones fenced for a move";
+    return grpc::Status::OK;
   }
   absl::Status s = steps->SetTrainers(req->trainers(), req->from_step(),
                                       StepApplier(req->collection(), steps.get()));
