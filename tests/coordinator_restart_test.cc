@@ -219,3 +219,48 @@ TEST(CoordinatorRestartTest, CrashDuringADrainAfterTheDataMovedAdoptsTheNewOne) 
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+// The coordinator dies after storing a new trainer count and before the
+// workers have it (a fault-injection point): restarted, it shows the new
+// count, and the same SetTrainers call again puts it on the workers, where
+// one rank alone then completes a step.
+TEST(CoordinatorRestartTest, ACrashBetweenStoringAndPushingATrainerCountIsFinishedByTheSameCall) {
+  testing_util::StandaloneCluster cluster(
+      kEmberctl, 2, {"--state_dir=" + TempDir(), "--lease_ms=3000"}, "set_trainers_stored");
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(5);
+  auto c = Client::Connect(cluster.address(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  CollectionSpec spec = TestSpec("t2");
+  spec.mutable_tables()->RemoveLast();
+  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec.mutable_training()->set_trainers(2);
+  spec.mutable_training()->set_step_timeout_s(5);
+  ASSERT_TRUE((*c)->CreateCollection(spec, "row_wise").ok());
+  EXPECT_FALSE((*c)->SetTrainers("t2", 1, 0).ok());  // the coordinator dies
+  ASSERT_TRUE(cluster.RestartCoordinator());
+  auto stored = (*c)->GetCollection("t2");
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->spec().training().trainers(), 1);
+  auto again = (*c)->SetTrainers("t2", 1, 0);
+  ASSERT_TRUE(again.ok()) << again.status();
+  KeyedJaggedTensor kjt;
+  kjt.keys = {"f_sum"};
+  kjt.lengths = {2};
+  kjt.values = {1, 300};
+  KeyedTensor g;
+  g.keys = {"f_sum"};
+  g.length_per_key = {16};
+  g.batch_size = 1;
+  g.values.assign(16, 0.5f);
+  const absl::Status applied =
+      (*c)->ApplyGradients("t2", kjt, g, "solo-step0", nullptr, client::StepTag{0, 0});
+  EXPECT_TRUE(applied.ok()) << applied;  // SYNC: returns once applied, rank 0 alone
+}
+
+}  // namespace
+}  // namespace ember

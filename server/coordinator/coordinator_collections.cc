@@ -15,6 +15,7 @@
 #include "server/common/grpc_util.h"
 #include "server/coordinator/assignments.h"
 #include "server/coordinator/call_each.h"
+#include "server/coordinator/crash_point.h"
 #include "server/coordinator/state_store.h"
 
 namespace ember {
@@ -314,6 +315,7 @@ grpc::Status CoordinatorService::SetTrainers(grpc::ServerContext* ctx,
   }
   info.mutable_spec()->mutable_training()->set_trainers(req->trainers());
   if (absl::Status s = Register(info, ids); !s.ok()) return ToGrpc(s);
+  CrashPoint("set_trainers_stored");  // stored, not yet on the workers
   ember::v1::UpdateTrainingRequest u;
   u.set_collection(req->collection());
   u.set_epoch(info.plan().epoch());

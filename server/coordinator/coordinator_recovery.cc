@@ -23,6 +23,7 @@
 #include "server/common/grpc_util.h"
 #include "server/coordinator/assignments.h"
 #include "server/coordinator/call_each.h"
+#include "server/coordinator/crash_point.h"
 #include "server/coordinator/replacement_policy.h"
 
 namespace ember {
@@ -30,20 +31,6 @@ namespace coordinator {
 
 using ember::v1::CollectionInfo;
 using ember::v1::ShardAssignment;
-
-namespace {
-
-// A fault-injection point for tests: EMBER_COORDINATOR_CRASH_AT=<point> makes
-// the coordinator exit there at once, as kill -9 would.
-void CrashPoint(const char* point) {
-  static const char* at = std::getenv("EMBER_COORDINATOR_CRASH_AT");
-  if (at != nullptr && std::string(at) == point) {
-    LOG(ERROR) << "EMBER_COORDINATOR_CRASH_AT=" << point << ": exiting";
-    _exit(137);
-  }
-}
-
-}  // namespace
 
 absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                                                   const std::string& drain_id) {
