@@ -43,7 +43,8 @@ class DynamicShardsBackend : public ForwardingBackend {
     // The zero slot: zero weights and zero state, which a zero gradient
     // leaves as they are under every optimizer (an Adagrad step of 0 / eps).
     const std::vector<float> zeros(static_cast<size_t>(spec.dim), 0.0f);
-    const std::vector<float> zero_state(FreshState(spec).size(), 0.0f);
+    const std::vector<float> zero_state(
+        static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)), 0.0f);
     const absl::Status zeroed = inner()->ImportRows(*id, spec.rows, spec.rows + 1, zeros, zero_state);
     if (!zeroed.ok()) {
       (void)inner()->DropShard(*id);
@@ -102,57 +103,61 @@ class DynamicShardsBackend : public ForwardingBackend {
         }
       }
     }
-    // Each shard's step: its ids in request order.
-    // (Kept from call to call, as the other scratch: not faulted in anew.)
-    std::vector<Undo>& undo = Scratch().undo;
+    // Each shard's step over its ids in request order; BeginUpdate gives
+    // every occurrence's slot after the step's admissions (the zero slot
+    // for ids still without a row). (Scratch is kept from call to call:
+    // not faulted in anew.)
+    CallScratch& scratch = Scratch();
+    std::vector<Undo>& undo = scratch.undo;
+    std::vector<std::vector<int64_t>>& shard_slots = scratch.slots;
     if (undo.size() < held.shards.size()) undo.resize(held.shards.size());
+    if (shard_slots.size() < held.shards.size()) shard_slots.resize(held.shards.size());
     for (size_t k = 0; k < held.shards.size(); ++k) undo[k].Clear();
-    std::vector<int64_t>& ids = Scratch().ids;
+    std::vector<int64_t>& ids = scratch.ids;
     for (size_t k = 0; k < held.shards.size(); ++k) {
       auto& [id, shard] = held.shards[k];
       ids.clear();
       for (const GradientRequest& r : requests) {
         if (r.feature.shard == id) ids.insert(ids.end(), r.feature.ids.begin(), r.feature.ids.end());
       }
+      shard_slots[k].resize(ids.size());
       undo[k].begun = true;
-      const auto created = shard->index.BeginUpdate(ids);
+      const auto created = shard->index.BeginUpdate(ids, shard->spec.rows, shard_slots[k].data());
       if (absl::Status s = WriteCreated(id, *shard, created, &undo[k]); !s.ok()) {
         UndoAll(held, &undo);
         return s;
       }
     }
-    // Ids without a row contribute nothing: weight 0 (pooled) or zero
-    // gradient rows (NONE).
+    // Each request's slots, in its shard's; ids without a row contribute
+    // nothing: weight 0 (pooled) or zero gradient rows (NONE).
     std::vector<GradientRequest> mapped(requests.begin(), requests.end());
-    CallScratch& scratch = Scratch();
-    std::vector<std::vector<int64_t>>& slots = scratch.slots;
     std::vector<std::vector<float>>& weights = scratch.weights;
     std::vector<std::vector<float>>& grads = scratch.grads;
-    if (slots.size() < requests.size()) slots.resize(requests.size());
     if (weights.size() < requests.size()) weights.resize(requests.size());
     if (grads.size() < requests.size()) grads.resize(requests.size());
+    std::vector<size_t> taken(held.shards.size(), 0);  // each shard's slots handed out
     for (size_t i = 0; i < requests.size(); ++i) {
-      const Shard* s = held.Of(requests[i].feature.shard);
-      if (s == nullptr) continue;
+      const size_t k = held.IndexOf(requests[i].feature.shard);
+      if (k == held.shards.size()) continue;
+      const Shard& s = *held.shards[k].second;
       const FeatureRequest& f = requests[i].feature;
-      const int64_t zero = s->spec.rows;
-      slots[i].resize(f.ids.size());
-      s->index.FindAll(f.ids, zero, slots[i].data());
-      mapped[i].feature.ids = slots[i];
-      if (std::find(slots[i].begin(), slots[i].end(), zero) == slots[i].end()) continue;
+      const int64_t zero = s.spec.rows;
+      const absl::Span<const int64_t> slots =
+          absl::MakeConstSpan(shard_slots[k]).subspan(taken[k], f.ids.size());
+      taken[k] += f.ids.size();
+      mapped[i].feature.ids = slots;
+      if (std::find(slots.begin(), slots.end(), zero) == slots.end()) continue;
       if (f.pooling != Pooling::kNone) {
         weights[i].assign(f.ids.size(), 1.0f);
         if (!f.weights.empty()) weights[i].assign(f.weights.begin(), f.weights.end());
-        for (size_t j = 0; j < slots[i].size(); ++j) {
-          if (slots[i][j] == zero) weights[i][j] = 0.0f;
+        for (size_t j = 0; j < slots.size(); ++j) {
+          if (slots[j] == zero) weights[i][j] = 0.0f;
         }
         mapped[i].feature.weights = weights[i];
-      } else if (requests[i].grad.size() == f.ids.size() * static_cast<size_t>(s->spec.dim)) {
+      } else if (requests[i].grad.size() == f.ids.size() * static_cast<size_t>(s.spec.dim)) {
         grads[i].assign(requests[i].grad.begin(), requests[i].grad.end());
-        for (size_t j = 0; j < slots[i].size(); ++j) {
-          if (slots[i][j] == zero) {
-            std::fill_n(grads[i].begin() + j * s->spec.dim, s->spec.dim, 0.0f);
-          }
+        for (size_t j = 0; j < slots.size(); ++j) {
+          if (slots[j] == zero) std::fill_n(grads[i].begin() + j * s.spec.dim, s.spec.dim, 0.0f);
         }
         mapped[i].grad = grads[i];
       }  // (a gradient of the wrong size: the wrapped backend refuses it)
@@ -303,11 +308,16 @@ class DynamicShardsBackend : public ForwardingBackend {
         }
       }
     }
-    Shard* Of(ShardId id) const {
-      for (const auto& [sid, s] : shards) {
-        if (sid == id) return s.get();
+    // The position of shard `id` in `shards`, or shards.size().
+    size_t IndexOf(ShardId id) const {
+      for (size_t k = 0; k < shards.size(); ++k) {
+        if (shards[k].first == id) return k;
       }
-      return nullptr;
+      return shards.size();
+    }
+    Shard* Of(ShardId id) const {
+      const size_t k = IndexOf(id);
+      return k < shards.size() ? shards[k].second.get() : nullptr;
     }
   };
   // What an update overwrote: the rows of reused slots, put back on failure.

@@ -232,7 +232,6 @@ int64_t DynamicIndex::SketchEstimate(int64_t id) const {
 
 void DynamicIndex::BeginJournal() {
   if (rebuild_) Rebuild();
-  open_ = true;
   journal_.clear();
   evicted_now_.clear();
   marked_.clear();
@@ -402,7 +401,6 @@ void DynamicIndex::Commit() {
   }
   marked_.clear();
   journal_.clear();
-  open_ = false;
   const size_t held = static_cast<size_t>(capacity_) - free_.size();
   if (lru_.size() > 3 * held + 4096) Compact();
 }
@@ -450,7 +448,6 @@ void DynamicIndex::Rollback() {
   marked_.clear();
   step_ = saved_step_;
   stats_ = saved_stats_;
-  open_ = false;
 }
 
 void DynamicIndex::Rebuild() {

@@ -208,7 +208,6 @@ class DynamicIndex {
     absl::flat_hash_map<int64_t, int64_t> absent_ids;
   } scratch_;
   // The journal of the update in progress.
-  bool open_ = false;
   std::vector<Change> journal_;
   absl::flat_hash_set<int64_t> evicted_now_;  // slots whose row it evicted
   int64_t saved_step_ = 0;
