@@ -230,9 +230,9 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   }
   // An update held for a step (SYNC / BOUNDED) outlives the channel's
   // transfer, so it comes to the host whole, even from a link's device
-  // memory.
+  // memory (only a link's transfer can leave it there).
   bool stepped = false;
-  {
+  if (req->has_link_sent()) {
     absl::ReaderMutexLock lock(&mu_);
     auto c = FindCollection(req->collection(), req->epoch());
     stepped = c.ok() && (*c)->steps->stepped();
