@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "link/peer_link.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
@@ -1725,6 +1726,93 @@ TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
   ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
   // SGD lr 1 from 0: row 0 -= 2 / 2; rows 1 and 2 -= 4 / 4; row 3 untouched.
   EXPECT_EQ(w, (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0}));
+}
+
+// ImportRows' dynamic-table fields refused cleanly, nothing written:
+// slot_meta or ids for a fixed shard, a dynamic shard's slots without their
+// slot_meta or with too few or negative fields, repeated ids; then a good
+// import by id reads back.
+TEST(WorkerServiceTest, DynamicImportsRefuseMalformedFieldsAndChangeNothing) {
+  auto b = backend::CreateCpuBackend(backend::CpuBackendOptions());
+  ASSERT_TRUE(b.ok());
+  auto s = std::make_unique<WorkerService>(backend::WithDynamicShards(*std::move(b)),
+                                           WorkerServiceOptions());
+  ember::v1::CreateShardsRequest create;
+  create.set_collection("d");
+  create.set_epoch(1);
+  for (const char* name : {"fixed", "dyn"}) {
+    auto* a = create.add_shards();
+    a->mutable_ref()->set_table(name);
+    TableConfig* t = a->mutable_table();
+    t->set_name(name);
+    t->set_num_embeddings(4);
+    t->set_embedding_dim(4);
+    if (std::string(name) == "dyn") t->mutable_dynamic()->set_capacity(4);
+    a->set_rows(4);
+    a->set_cols(4);
+  }
+  ember::v1::CreateShardsResponse created;
+  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+  auto import = [&](const char* table, auto&& fill) {
+    ember::v1::ImportRowsRequest req;
+    req.set_collection("d");
+    req.set_epoch(1);
+    req.mutable_shard()->set_table(table);
+    req.set_step(-1);
+    fill(&req);
+    ember::v1::ImportRowsResponse resp;
+    return s->ImportRows(nullptr, &req, &resp);
+  };
+  auto slots = [&]() {
+    ember::v1::ExportRowsRequest req;
+    req.set_collection("d");
+    req.mutable_shard()->set_table("dyn");
+    req.set_row_end(4);
+    ember::v1::ExportRowsResponse resp;
+    EXPECT_TRUE(s->ExportRows(nullptr, &req, &resp).ok());
+    return resp.slot_meta();
+  };
+  const std::string before = slots();
+  const std::vector<float> row(4, 1.0f), rows(8, 1.0f);
+  auto refused = [&](const grpc::Status& st, const std::string& words) {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr(words));
+  };
+  refused(import("fixed", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_ids(wire::Encode<int64_t>({7}));
+            r->set_weights(wire::Encode<float>(row));
+          }),
+          "is not a dynamic table's");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_row_end(1);
+            r->set_weights(wire::Encode<float>(row));
+          }),
+          "come with their slot_meta");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_row_end(1);
+            r->set_weights(wire::Encode<float>(row));
+            r->set_slot_meta(wire::Encode<int64_t>({7, 1, 1}));  // 3 of 4 fields
+          }),
+          "not 4 per slot");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_row_end(1);
+            r->set_weights(wire::Encode<float>(row));
+            r->set_slot_meta(wire::Encode<int64_t>({7, -1, 1, 0}));
+          }),
+          "must be >= 0");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_ids(wire::Encode<int64_t>({7, 7}));
+            r->set_weights(wire::Encode<float>(rows));
+          }),
+          "given twice");
+  EXPECT_EQ(slots(), before);
+  ASSERT_TRUE(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+                r->set_ids(wire::Encode<int64_t>({-7}));
+                r->set_weights(wire::Encode<float>(row));
+              }).ok());
+  std::vector<int64_t> meta;
+  ASSERT_TRUE(wire::Decode(slots(), "slot_meta", &meta).ok());
+  EXPECT_EQ(meta[0], -7);  // slot 0 holds it now
 }
 
 }  // namespace
