@@ -16,9 +16,10 @@
 //   admit         keys/s of updates where --new_fraction of the ids are new
 //                 (admitted on their first update, each evicting the LRU row)
 //                 against the fixed table's update of the same shape
-//   find, insert  the bare index (DynamicIndex): ids found per second (all
-//                 held), and new ids inserted per second into a full shard
-//                 (each evicting one)
+//   find, touch,  the bare index (DynamicIndex): ids found per second (all
+//   insert        held); ids of held rows through an update's bookkeeping
+//                 (BeginUpdate + Commit, no rows written); new ids inserted
+//                 per second into a full shard (each evicting one)
 //   bytes/row     the fixed table's row (weights + optimizer state) and the
 //                 dynamic one's (the row, its slot bookkeeping and index
 //                 entries at the load factor kept)
@@ -47,7 +48,7 @@ DEFINE_int32(id_sets, 8, "Batches of ids the calls cycle through.");
 DEFINE_double(new_fraction, 0.1, "admit: the fraction of each call's ids that are new.");
 DEFINE_string(format, "table", "table or json.");
 DEFINE_uint64(seed, 1, "Random seed.");
-DEFINE_string(only, "", "Run one part (lookup, update, admit) and print nothing (profiling).");
+DEFINE_string(only, "", "Run one part (lookup, update, admit, find, touch) and print its rate alone (profiling).");
 
 namespace eb = ember::backend;
 
@@ -167,10 +168,15 @@ int main(int argc, char** argv) {
       Die(be->ApplyGradients({r}), "update");
     });
   };
-  if (FLAGS_only == "lookup") return lookup(dyn_be.get(), *dyn, ids_of) > 0 ? 0 : 1;
-  if (FLAGS_only == "update") return update(dyn_be.get(), *dyn, ids_of) > 0 ? 0 : 1;
-  const double lookup_fixed = FLAGS_only == "admit" ? 0 : lookup(fixed_be->get(), *fixed, rows_of);
+  // One part alone (profiling): its rate only.
+  auto alone = [](const char* what, double rate) {
+    std::printf("%s %.1f M keys/s\n", what, rate / 1e6);
+    return 0;
+  };
+  if (FLAGS_only == "lookup") return alone("lookup dynamic", lookup(dyn_be.get(), *dyn, ids_of));
+  if (FLAGS_only == "update") return alone("update dynamic", update(dyn_be.get(), *dyn, ids_of));
   const bool all = FLAGS_only.empty();
+  const double lookup_fixed = all ? lookup(fixed_be->get(), *fixed, rows_of) : 0;
   const double lookup_dyn = all ? lookup(dyn_be.get(), *dyn, ids_of) : 0;
   const double update_fixed = all ? update(fixed_be->get(), *fixed, rows_of) : 0;
   const double update_dyn = all ? update(dyn_be.get(), *dyn, ids_of) : 0;
@@ -185,8 +191,8 @@ int main(int argc, char** argv) {
                                 grad};
     Die(dyn_be->ApplyGradients({r}), "admit");
   };
-  if (FLAGS_only == "admit") return Rate(n, admit) > 0 ? 0 : 1;
-  const double admit_dyn = Rate(n, admit);
+  if (FLAGS_only == "admit") return alone("admit dynamic", Rate(n, admit));
+  const double admit_dyn = all ? Rate(n, admit) : 0;
 
   // The bare index: finds of held ids, inserts of new ones into a full shard.
   eb::DynamicIndex index(FLAGS_rows, eb::DynamicConfig{});
@@ -200,6 +206,13 @@ int main(int argc, char** argv) {
   const double find = Rate(n, [&](int i) {
     index.FindAll(ids_of[i % FLAGS_id_sets], -1, slots.data());
   });
+  if (FLAGS_only == "find") return alone("find", find);
+  // An update's bookkeeping alone: held ids marked updated (no rows written).
+  const double touch = Rate(n, [&](int i) {
+    index.BeginUpdate(ids_of[i % FLAGS_id_sets], -1, slots.data());
+    index.Commit();
+  });
+  if (FLAGS_only == "touch") return alone("touch", touch);
   std::vector<int64_t> fresh(n);
   const double insert = Rate(n, [&](int) {
     for (int64_t k = 0; k < n; ++k) fresh[k] = next_new++;
@@ -218,12 +231,12 @@ int main(int argc, char** argv) {
         "\"lookup_fixed\": %.0f, \"lookup_dynamic\": %.0f, \"lookup_ratio\": %.3f, "
         "\"update_fixed\": %.0f, \"update_dynamic\": %.0f, \"update_ratio\": %.3f, "
         "\"admit_dynamic\": %.0f, \"admit_ratio\": %.3f, \"new_fraction\": %.2f, "
-        "\"find\": %.0f, \"insert\": %.0f, \"bytes_per_row_fixed\": %.1f, "
+        "\"find\": %.0f, \"touch\": %.0f, \"insert\": %.0f, \"bytes_per_row_fixed\": %.1f, "
         "\"bytes_per_row_dynamic\": %.1f}\n",
         static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads, FLAGS_distribution.c_str(),
         lookup_fixed, lookup_dyn, lookup_dyn / lookup_fixed, update_fixed, update_dyn,
         update_dyn / update_fixed, admit_dyn, admit_dyn / update_fixed, FLAGS_new_fraction, find,
-        insert, row_bytes, dyn_row_bytes);
+        touch, insert, row_bytes, dyn_row_bytes);
     return 0;
   }
   std::printf("rows %lld, dim %d, %d thread(s), %s ids, %d x %d ids a call\n",
@@ -235,8 +248,8 @@ int main(int argc, char** argv) {
               update_fixed / 1e6, update_dyn / 1e6, update_dyn / update_fixed);
   std::printf("  admit    (%.0f%% new)            dynamic %8.1f M keys/s   ratio %.3f (of fixed update)\n",
               100 * FLAGS_new_fraction, admit_dyn / 1e6, admit_dyn / update_fixed);
-  std::printf("  index    find %8.1f M keys/s   insert (evicting) %8.1f M keys/s\n", find / 1e6,
-              insert / 1e6);
+  std::printf("  index    find %8.1f   touch %8.1f   insert (evicting) %8.1f M keys/s\n",
+              find / 1e6, touch / 1e6, insert / 1e6);
   std::printf("  bytes/row  fixed %.1f   dynamic %.1f\n", row_bytes, dyn_row_bytes);
   return 0;
 }

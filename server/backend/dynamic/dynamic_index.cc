@@ -1,6 +1,8 @@
 // DynamicIndex (dynamic_index.h).
 #include "server/backend/dynamic/dynamic_index.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <limits>
 #include <tuple>
@@ -16,7 +18,10 @@ namespace {
 constexpr uint64_t kIndexSalt = 0x9e3779b97f4a7c15ull;  // the index's placement, not the routing's
 constexpr size_t kSketchRows = 4;
 constexpr size_t kSketchWidth = size_t{1} << 16;
-constexpr size_t kFindAhead = 32;  // ids whose index entry FindAll prefetches ahead
+constexpr size_t kFindAhead = 64;  // ids ahead FindAll prefetches a home line
+// FindAll's mark for an id not in its home line, whose line holds no
+// empty entry either (slots are >= -1).
+constexpr int64_t kUnresolved = std::numeric_limits<int64_t>::min();
 
 size_t IndexSize(int64_t capacity) {
   size_t n = 16;
@@ -49,8 +54,14 @@ void Allocate(size_t n, const T& value, B* block) {
 
 DynamicIndex::DynamicIndex(int64_t capacity, const DynamicConfig& config, int64_t max_pending_ids)
     : capacity_(capacity), config_(config), max_pending_(max_pending_ids) {
-  Allocate(IndexSize(capacity), Entry{0, -1}, &table_);
-  mask_ = table_.size - 1;
+  Line empty;
+  for (size_t k = 0; k < kLineEntries; ++k) {
+    empty.id[k] = 0;
+    empty.slot[k] = -1;
+  }
+  const size_t entries = IndexSize(capacity);
+  Allocate(entries / kLineEntries, empty, &lines_);
+  mask_ = entries - 1;
   Allocate(static_cast<size_t>(capacity), Meta{}, &meta_);
   free_.reserve(static_cast<size_t>(capacity));
   // Slot 0 is taken first.
@@ -59,40 +70,79 @@ DynamicIndex::DynamicIndex(int64_t capacity, const DynamicConfig& config, int64_
 }
 
 size_t DynamicIndex::Home(int64_t id) const {
-  return math::Mix64(static_cast<uint64_t>(id) ^ kIndexSalt) & mask_;
+  // The first entry of a line: an id lies in its home line unless the
+  // line was full when it came.
+  return math::Mix64(static_cast<uint64_t>(id) ^ kIndexSalt) & mask_ & ~(kLineEntries - 1);
 }
 
 int64_t DynamicIndex::Find(int64_t id) const {
   for (size_t i = Home(id);; i = (i + 1) & mask_) {
-    const Entry& e = table_[i];
-    if (e.slot < 0) return -1;
-    if (e.id == id) return e.slot;
+    const int64_t slot = SlotAt(i);
+    if (slot < 0) return -1;
+    if (IdAt(i) == id) return slot;
   }
 }
 
-void DynamicIndex::FindAll(absl::Span<const int64_t> ids, int64_t missing, int64_t* slots) const {
-  // Each id's home is computed once, kFindAhead ids before it is probed,
-  // when its entry is prefetched.
-  const size_t n = ids.size();
-  size_t home[kFindAhead];
-  const size_t first = std::min(n, kFindAhead);
-  for (size_t i = 0; i < first; ++i) {
-    home[i] = Home(ids[i]);
-    __builtin_prefetch(&table_[home[i]]);
+namespace {
+
+// The slot of `id` in a line of the index, or `missing` when the line has
+// an empty entry and not the id, or kUnresolved when the line is full
+// without it. Masks, not conditions: no branch on what the line holds (a
+// mispredicted branch on a load still in flight costs the load's latency).
+inline int64_t ProbeLinePortable(const int64_t* line_ids, const int64_t* line_slots, int64_t id,
+                                 int64_t missing) {
+  int64_t s = kUnresolved;
+  uint64_t empty = 0;
+  for (size_t k = 0; k < DynamicIndex::kLineEntries; ++k) {
+    const uint64_t used = (static_cast<uint64_t>(line_slots[k]) >> 63) ^ 1;  // slot >= 0
+    const uint64_t hit = -(static_cast<uint64_t>(line_ids[k] == id) & used);
+    s ^= (s ^ line_slots[k]) & static_cast<int64_t>(hit);
+    empty |= used ^ 1;
   }
-  for (size_t i = 0; i < n; ++i) {
-    size_t at = home[i % kFindAhead];
-    if (i + kFindAhead < n) {
-      const size_t h = Home(ids[i + kFindAhead]);
-      home[i % kFindAhead] = h;
-      __builtin_prefetch(&table_[h]);
-    }
+  const uint64_t open = -(static_cast<uint64_t>(s == kUnresolved) & empty);
+  return s ^ ((s ^ missing) & static_cast<int64_t>(open));
+}
+
+__attribute__((target("avx2"))) inline int64_t ProbeLineAvx2(const int64_t* line_ids,
+                                                             const int64_t* line_slots,
+                                                             int64_t id, int64_t missing) {
+  const __m256i ids = _mm256_load_si256(reinterpret_cast<const __m256i*>(line_ids));
+  const __m256i slots = _mm256_load_si256(reinterpret_cast<const __m256i*>(line_slots));
+  const __m256i used = _mm256_cmpgt_epi64(slots, _mm256_set1_epi64x(-1));
+  const __m256i hit = _mm256_and_si256(_mm256_cmpeq_epi64(ids, _mm256_set1_epi64x(id)), used);
+  // At most one lane hits: its slot + 1, or 0, by OR across the lanes.
+  __m256i x = _mm256_and_si256(_mm256_add_epi64(slots, _mm256_set1_epi64x(1)), hit);
+  __m128i y = _mm_or_si128(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  y = _mm_or_si128(y, _mm_unpackhi_epi64(y, y));
+  const int64_t found = _mm_cvtsi128_si64(y) - 1;  // -1: not in the line
+  const int64_t full = -static_cast<int64_t>(_mm256_movemask_pd(_mm256_castsi256_pd(used)) == 0xF);
+  const int64_t absent = (full & kUnresolved) | (~full & missing);
+  const int64_t in = -static_cast<int64_t>(found >= 0);
+  return (found & in) | (absent & ~in);
+}
+
+}  // namespace
+
+void DynamicIndex::FindAll(absl::Span<const int64_t> ids, int64_t missing, int64_t* slots,
+                           Probe probe) const {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  // The positions pass 1 left unresolved (per thread: FindAll runs
+  // concurrently).
+  thread_local std::vector<size_t> rest;
+  rest.resize(ids.size());
+  const size_t unresolved = avx2 && probe == Probe::kByCpu
+                                ? FindLinesAvx2(ids, missing, slots, rest.data())
+                                : FindLinesBaseline(ids, missing, slots, rest.data());
+  // Pass 2: the few ids whose home line was full without them (its next
+  // line prefetched by pass 1).
+  for (size_t k = 0; k < unresolved; ++k) {
+    const size_t i = rest[k];
     int64_t s = missing;
-    for (;; at = (at + 1) & mask_) {
-      const Entry& e = table_[at];
-      if (e.slot < 0) break;
-      if (e.id == ids[i]) {
-        s = e.slot;
+    for (size_t at = (Home(ids[i]) + kLineEntries) & mask_;; at = (at + 1) & mask_) {
+      const int64_t slot = SlotAt(at);
+      if (slot < 0) break;
+      if (IdAt(at) == ids[i]) {
+        s = slot;
         break;
       }
     }
@@ -100,27 +150,73 @@ void DynamicIndex::FindAll(absl::Span<const int64_t> ids, int64_t missing, int64
   }
 }
 
+template <bool kAvx2>
+__attribute__((always_inline)) inline size_t DynamicIndex::FindLines(absl::Span<const int64_t> ids,
+                                                                   int64_t missing, int64_t* slots,
+                                                                   size_t* rest) const {
+  // Each id's home line is compared whole (where nearly every id lies),
+  // its home computed and the line prefetched kFindAhead ids before; the
+  // next line of a full one is prefetched for pass 2. (Prefetching the
+  // rows found here, for the gather that follows, made lookups slower:
+  // docs/lab-notes/2026-11-28-dynamic-index-lines.md.)
+  const size_t n = ids.size();
+  size_t home[kFindAhead];
+  for (size_t i = 0; i < std::min(n, kFindAhead); ++i) {
+    home[i] = Home(ids[i]);
+    __builtin_prefetch(&LineOf(home[i]), 0, 1);
+  }
+  size_t unresolved = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t at = home[i % kFindAhead];
+    const Line& line = LineOf(at);
+    if (i + kFindAhead < n) {
+      const size_t h = Home(ids[i + kFindAhead]);
+      home[i % kFindAhead] = h;
+      __builtin_prefetch(&LineOf(h), 0, 1);
+    }
+    const int64_t s = kAvx2 ? ProbeLineAvx2(line.id, line.slot, ids[i], missing)
+                            : ProbeLinePortable(line.id, line.slot, ids[i], missing);
+    slots[i] = s;
+    const bool full = s == kUnresolved;
+    rest[unresolved] = i;  // kept when full (no branch)
+    unresolved += full;
+    __builtin_prefetch(&LineOf(full ? (at + kLineEntries) & mask_ : at), 0, 1);
+  }
+  return unresolved;
+}
+
+__attribute__((target("avx2"))) size_t DynamicIndex::FindLinesAvx2(absl::Span<const int64_t> ids,
+                                                                   int64_t missing, int64_t* slots,
+                                                                   size_t* rest) const {
+  return FindLines<true>(ids, missing, slots, rest);
+}
+
+size_t DynamicIndex::FindLinesBaseline(absl::Span<const int64_t> ids, int64_t missing,
+                                       int64_t* slots, size_t* rest) const {
+  return FindLines<false>(ids, missing, slots, rest);
+}
+
 void DynamicIndex::IndexInsert(int64_t id, int64_t slot) {
   size_t i = Home(id);
-  while (table_[i].slot >= 0) i = (i + 1) & mask_;
-  table_[i] = Entry{id, slot};
+  while (SlotAt(i) >= 0) i = (i + 1) & mask_;
+  SetEntry(i, id, slot);
 }
 
 void DynamicIndex::IndexErase(int64_t id) {
   size_t i = Home(id);
-  while (table_[i].slot >= 0 && table_[i].id != id) i = (i + 1) & mask_;
-  if (table_[i].slot < 0) return;
+  while (SlotAt(i) >= 0 && IdAt(i) != id) i = (i + 1) & mask_;
+  if (SlotAt(i) < 0) return;
   // Backward shift: every later entry of the run whose home is not in
   // (i, j] moves into the hole.
-  for (size_t j = (i + 1) & mask_; table_[j].slot >= 0; j = (j + 1) & mask_) {
-    const size_t k = Home(table_[j].id);
+  for (size_t j = (i + 1) & mask_; SlotAt(j) >= 0; j = (j + 1) & mask_) {
+    const size_t k = Home(IdAt(j));
     const bool stays = i <= j ? (k > i && k <= j) : (k > i || k <= j);
     if (!stays) {
-      table_[i] = table_[j];
+      SetEntry(i, IdAt(j), SlotAt(j));
       i = j;
     }
   }
-  table_[i].slot = -1;
+  SetEntry(i, 0, -1);
 }
 
 void DynamicIndex::SetMeta(int64_t slot, const Meta& m) {
@@ -233,6 +329,7 @@ int64_t DynamicIndex::SketchEstimate(int64_t id) const {
 void DynamicIndex::BeginJournal() {
   if (rebuild_) Rebuild();
   journal_.clear();
+  touched_.clear();
   evicted_now_.clear();
   marked_.clear();
   saved_step_ = step_;
@@ -266,23 +363,32 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
   FindAll(ids, -1, slots);
   std::vector<size_t>& absent = scratch_.absent;  // occurrences without a row
   absent.clear();
-  constexpr size_t kMetaAhead = 8;
+  // Each row's bookkeeping is prefetched kMetaAhead occurrences before
+  // (both lines it may span; slot 0's for an id without a row, so that no
+  // branch waits on the slot).
+  constexpr size_t kMetaAhead = 24;
   const size_t n = ids.size();
+  auto prefetch_meta = [this](int64_t slot) {
+    const char* p = reinterpret_cast<const char*>(&meta_[slot < 0 ? 0 : slot]);
+    __builtin_prefetch(p, 1);
+    __builtin_prefetch(p + sizeof(Meta) - 1, 1);
+  };
+  for (size_t i = 0; i < std::min(n, kMetaAhead); ++i) prefetch_meta(slots[i]);
   for (size_t i = 0; i < n; ++i) {
-    if (i + kMetaAhead < n && slots[i + kMetaAhead] >= 0) {
-      __builtin_prefetch(&meta_[slots[i + kMetaAhead]]);
-    }
+    if (i + kMetaAhead < n) prefetch_meta(slots[i + kMetaAhead]);
     const int64_t slot = slots[i];
     if (slot < 0) {
       absent.push_back(i);
       continue;
     }
-    if (meta_[slot].last_step == t) continue;  // updated already in this step
-    Meta m = meta_[slot];
+    Meta& m = meta_[slot];
+    if (m.last_step == t) continue;  // updated already in this step
+    // Only these three change (the row stays where it is): journaled apart,
+    // in a record a quarter of a Change's size.
+    touched_.push_back(Touch{slot, m.last_step, m.updates, m.version});
     m.last_step = t;
     ++m.updates;
     m.version = next_version_++;
-    SetMeta(slot, m);
     marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
   }
   std::vector<Created> created;
@@ -401,6 +507,7 @@ void DynamicIndex::Commit() {
   }
   marked_.clear();
   journal_.clear();
+  touched_.clear();
   const size_t held = static_cast<size_t>(capacity_) - free_.size();
   if (lru_.size() > 3 * held + 4096) Compact();
 }
@@ -444,7 +551,16 @@ void DynamicIndex::Rollback() {
         break;
     }
   }
+  // Rows touched (never a row the journal changed: an update evicts no
+  // row it writes, and TTL's evictions come first).
+  for (auto it = touched_.rbegin(); it != touched_.rend(); ++it) {
+    Meta& m = meta_[it->slot];
+    m.last_step = it->last_step;
+    m.updates = it->updates;
+    m.version = it->version;
+  }
   journal_.clear();
+  touched_.clear();
   marked_.clear();
   step_ = saved_step_;
   stats_ = saved_stats_;
@@ -521,17 +637,32 @@ absl::Status DynamicIndex::RestoreSlots(int64_t begin, int64_t end,
 void DynamicIndex::Compact() {
   // The queues hold every row's current entry in write order, among stale
   // ones: keeping the valid ones keeps the order.
-  std::deque<QEntry> lru;
-  for (const QEntry& q : lru_) {
-    if (Valid(q)) lru.push_back(q);
+  // LRU: an entry is valid when it is the last of its slot (every write
+  // queues one) and the slot holds a row: found from the back with a bit
+  // per slot (set first for the free slots), not by reading each entry's
+  // slot bookkeeping (a random access an entry).
+  std::vector<uint64_t> done((static_cast<size_t>(capacity_) + 63) / 64, 0);
+  auto mark = [&done](int64_t slot) {
+    uint64_t& word = done[static_cast<size_t>(slot) >> 6];
+    const uint64_t bit = uint64_t{1} << (slot & 63);
+    const bool was = word & bit;
+    word |= bit;
+    return was;
+  };
+  for (const int64_t slot : free_) mark(slot);
+  std::vector<QEntry> kept;
+  kept.reserve(static_cast<size_t>(capacity_) - free_.size());
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    if (!mark(it->slot)) kept.push_back(*it);
   }
-  lru_.swap(lru);
+  lru_.assign(kept.rbegin(), kept.rend());
+  // LFU: a slot's entries lie in several buckets; each checked.
   for (auto it = lfu_.begin(); it != lfu_.end();) {
-    std::deque<QEntry> kept;
+    std::deque<QEntry> valid;
     for (const QEntry& q : it->second) {
-      if (Valid(q)) kept.push_back(q);
+      if (Valid(q)) valid.push_back(q);
     }
-    it->second.swap(kept);
+    it->second.swap(valid);
     it = it->second.empty() ? lfu_.erase(it) : std::next(it);
   }
 }
@@ -573,7 +704,7 @@ DynamicStats DynamicIndex::Stats() const {
     for (int64_t k = 0; k < capacity_; ++k) s.rows_held += meta_[k].used;
   }
   s.pending_ids = static_cast<int64_t>(pending_.size());
-  s.index_slots = static_cast<int64_t>(table_.size);
+  s.index_slots = static_cast<int64_t>(mask_ + 1);
   return s;
 }
 

@@ -38,15 +38,29 @@ void ExpectConsistent(const DynamicIndex& x) {
     ASSERT_GE(slots[i], 0);
     ASSERT_LT(slots[i], x.capacity());
   }
-  std::vector<int64_t> found(ids.size());
-  x.FindAll(ids, -7, found.data());
-  EXPECT_EQ(found, slots);
+  // FindAll, both ways of comparing a line, against Find one id at a time:
+  // held ids, and ids next to them (mostly absent: a probe that ends at an
+  // empty entry or runs past full lines).
+  std::vector<int64_t> queries = ids, expect = slots;
+  for (const int64_t id : ids) {
+    for (const int64_t other : {id + 1, -id, id ^ (int64_t{1} << 62)}) {
+      queries.push_back(other);
+      const int64_t s = x.Find(other);
+      expect.push_back(s >= 0 ? s : -7);
+    }
+  }
+  for (const auto probe : {DynamicIndex::Probe::kByCpu, DynamicIndex::Probe::kPortable}) {
+    std::vector<int64_t> found(queries.size());
+    x.FindAll(queries, -7, found.data(), probe);
+    EXPECT_EQ(found, expect) << "probe " << static_cast<int>(probe);
+  }
 }
 
 struct Case {
   int64_t capacity, admit_after, ttl;
   Eviction eviction;
   int64_t universe;  // ids drawn from [-universe, universe)
+  int steps = 400;    // enough more compact the queues (Commit) many times
 };
 
 class DynamicIndexModelTest : public ::testing::TestWithParam<Case> {};
@@ -63,7 +77,7 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
   // Skewed ids: a hot few and a long tail, negative and huge ones too.
   std::uniform_int_distribution<int64_t> any(-c.universe, c.universe - 1);
   std::uniform_int_distribution<int> len(0, 24);
-  for (int step = 0; step < 400; ++step) {
+  for (int step = 0; step < c.steps; ++step) {
     std::vector<int64_t> ids;
     for (int i = len(rng); i > 0; --i) {
       const int64_t id = any(rng);
@@ -113,7 +127,30 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{8, 1, 0, Eviction::kLru, 20}, Case{8, 1, 0, Eviction::kLfu, 20},
                       Case{16, 3, 0, Eviction::kLru, 30}, Case{16, 2, 0, Eviction::kLfu, 30},
                       Case{12, 1, 3, Eviction::kLru, 25}, Case{12, 2, 4, Eviction::kLfu, 25},
-                      Case{64, 1, 0, Eviction::kLru, 1000}, Case{3, 1, 0, Eviction::kLfu, 6}));
+                      Case{64, 1, 0, Eviction::kLru, 1000}, Case{3, 1, 0, Eviction::kLfu, 6},
+                      Case{8, 1, 0, Eviction::kLru, 20, 3000}, Case{12, 1, 3, Eviction::kLru, 25, 3000},
+                      Case{16, 2, 0, Eviction::kLfu, 30, 3000}));
+
+TEST(DynamicIndexTest, EvictionOrderSurvivesCompactingTheQueues) {
+  // Rows 2, 3, 4 stay unwritten while row 1 is written 6,000 times: the
+  // queues pass their compaction bound (3 x held + 4096 entries) and are
+  // compacted; the rows written longest ago must still go first.
+  for (const Eviction policy : {Eviction::kLru, Eviction::kLfu}) {
+    DynamicConfig config;
+    config.eviction = policy;
+    DynamicIndex x(4, config);
+    auto step = [&](std::vector<int64_t> ids) {
+      x.BeginUpdate(ids);
+      x.Commit();
+    };
+    step({1, 2, 3, 4});
+    for (int i = 0; i < 6000; ++i) step({1});
+    step({5});
+    EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{1, 3, 4, 5})) << static_cast<int>(policy);
+    step({6});
+    EXPECT_EQ(HeldIds(x), (std::vector<int64_t>{1, 4, 5, 6})) << static_cast<int>(policy);
+  }
+}
 
 TEST(DynamicIndexTest, LruEvictsTheRowWrittenLongestAgoTiesByFirstOccurrence) {
   DynamicIndex x(3, DynamicConfig{});
