@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
   const eb::DynamicStats st = *dyn_be->GetDynamicStats(*dyn);
   const double row_bytes = 4.0 * FLAGS_dim;  // fp32, SGD: no state
   const double dyn_row_bytes =
-      row_bytes * (FLAGS_rows + 1) / FLAGS_rows + 41.0 +  // slot bookkeeping (Meta)
+      row_bytes * (FLAGS_rows + 1) / FLAGS_rows + 32.0 +  // slot bookkeeping (Meta)
       16.0 * static_cast<double>(st.index_slots) / FLAGS_rows;
   if (FLAGS_format == "json") {
     std::printf(

@@ -225,20 +225,20 @@ void DynamicIndex::SetMeta(int64_t slot, const Meta& m) {
   c.a = slot;
   c.meta = cur;
   journal_.push_back(c);
-  const bool moved = cur.used != m.used || (m.used && cur.id != m.id);
-  if (moved && cur.used) IndexErase(cur.id);
-  if (moved && m.used) IndexInsert(m.id, slot);
+  const bool moved = cur.used() != m.used() || (m.used() && cur.id != m.id);
+  if (moved && cur.used()) IndexErase(cur.id);
+  if (moved && m.used()) IndexInsert(m.id, slot);
   cur = m;
 }
 
 bool DynamicIndex::Valid(const QEntry& e) const {
   const Meta& m = meta_[e.slot];
-  return m.used && m.version == e.version;
+  return m.used() && m.version == e.version;
 }
 
 void DynamicIndex::Evict(int64_t slot, int64_t* counter) {
   Meta m = meta_[slot];
-  m.used = false;
+  m.updates = 0;  // free
   m.version = next_version_++;
   SetMeta(slot, m);
   free_.push_back(slot);
@@ -364,15 +364,10 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
   std::vector<size_t>& absent = scratch_.absent;  // occurrences without a row
   absent.clear();
   // Each row's bookkeeping is prefetched kMetaAhead occurrences before
-  // (both lines it may span; slot 0's for an id without a row, so that no
-  // branch waits on the slot).
+  // (slot 0's for an id without a row, so that no branch waits on the slot).
   constexpr size_t kMetaAhead = 24;
   const size_t n = ids.size();
-  auto prefetch_meta = [this](int64_t slot) {
-    const char* p = reinterpret_cast<const char*>(&meta_[slot < 0 ? 0 : slot]);
-    __builtin_prefetch(p, 1);
-    __builtin_prefetch(p + sizeof(Meta) - 1, 1);
-  };
+  auto prefetch_meta = [this](int64_t slot) { __builtin_prefetch(&meta_[slot < 0 ? 0 : slot], 1); };
   for (size_t i = 0; i < std::min(n, kMetaAhead); ++i) prefetch_meta(slots[i]);
   for (size_t i = 0; i < n; ++i) {
     if (i + kMetaAhead < n) prefetch_meta(slots[i + kMetaAhead]);
@@ -385,11 +380,11 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
     if (m.last_step == t) continue;  // updated already in this step
     // Only these three change (the row stays where it is): journaled apart,
     // in a record a quarter of a Change's size.
-    touched_.push_back(Touch{slot, m.last_step, m.updates, m.version});
+    touched_.emplace_back(slot, m.last_step, m.updates, m.version);
     m.last_step = t;
     ++m.updates;
     m.version = next_version_++;
-    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
+    marked_.emplace_back(slot, m.version, m.updates);
   }
   std::vector<Created> created;
   if (absent.empty()) return created;
@@ -453,11 +448,10 @@ DynamicIndex::Created DynamicIndex::CreateRow(int64_t id, int64_t slot, int64_t 
   Meta m;
   m.id = id;
   m.last_step = step;
-  m.updates = 1;
+  m.updates = 1;  // held
   m.version = next_version_++;
-  m.used = true;
   SetMeta(slot, m);
-  marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
+  marked_.emplace_back(slot, m.version, m.updates);
   return Created{id, slot, reused};
 }
 
@@ -480,7 +474,7 @@ absl::StatusOr<std::vector<DynamicIndex::Created>> DynamicIndex::BeginImport(
     m.last_step = step_;
     m.version = next_version_++;
     SetMeta(slot, m);
-    marked_.push_back(Written{QEntry{slot, m.version}, m.updates});
+    marked_.emplace_back(slot, m.version, m.updates);
   }
   std::vector<Created> created;
   for (size_t i = 0; i < sorted.size(); ++i) {
@@ -518,9 +512,9 @@ void DynamicIndex::Rollback() {
     switch (c.kind) {
       case Change::kMeta: {
         Meta& cur = meta_[c.a];
-        const bool moved = cur.used != c.meta.used || (cur.used && cur.id != c.meta.id);
-        if (moved && cur.used) IndexErase(cur.id);
-        if (moved && c.meta.used) IndexInsert(c.meta.id, c.a);
+        const bool moved = cur.used() != c.meta.used() || (cur.used() && cur.id != c.meta.id);
+        if (moved && cur.used()) IndexErase(cur.id);
+        if (moved && c.meta.used()) IndexInsert(c.meta.id, c.a);
         cur = c.meta;
         break;
       }
@@ -570,7 +564,7 @@ void DynamicIndex::Rebuild() {
   free_.clear();
   std::vector<int64_t> held;
   for (int64_t s = capacity_ - 1; s >= 0; --s) {
-    if (!meta_[s].used) {
+    if (!meta_[s].used()) {
       free_.push_back(s);
     } else {
       held.push_back(s);
@@ -591,7 +585,7 @@ void DynamicIndex::Rebuild() {
 void DynamicIndex::ExportSlots(int64_t begin, int64_t end, EmbeddingBackend::SlotMeta* out) const {
   for (int64_t s = begin; s < end; ++s) {
     const Meta& m = meta_[s];
-    out[s - begin] = EmbeddingBackend::SlotMeta{m.id, m.last_step, m.updates, m.used,
+    out[s - begin] = EmbeddingBackend::SlotMeta{m.id, m.last_step, m.updates, m.used(),
                                                 static_cast<int64_t>(m.version)};
   }
 }
@@ -614,16 +608,15 @@ absl::Status DynamicIndex::RestoreSlots(int64_t begin, int64_t end,
     }
   }
   for (int64_t s = begin; s < end; ++s) {
-    if (meta_[s].used) IndexErase(meta_[s].id);
-    meta_[s].used = false;
+    if (meta_[s].used()) IndexErase(meta_[s].id);
+    meta_[s].updates = 0;  // free
   }
   for (int64_t s = begin; s < end; ++s) {
     const EmbeddingBackend::SlotMeta& m = in[s - begin];
     Meta& cur = meta_[s];
     cur.id = m.id;
     cur.last_step = m.last_step;
-    cur.updates = m.updates;
-    cur.used = m.held;
+    cur.updates = m.held ? m.updates : 0;  // (checked >= 1 when held)
     cur.version = static_cast<uint64_t>(m.order);  // Rebuild orders by it
     if (m.held) {
       IndexInsert(m.id, s);
@@ -641,7 +634,12 @@ void DynamicIndex::Compact() {
   // queues one) and the slot holds a row: found from the back with a bit
   // per slot (set first for the free slots), not by reading each entry's
   // slot bookkeeping (a random access an entry).
-  std::vector<uint64_t> done((static_cast<size_t>(capacity_) + 63) / 64, 0);
+  // In place: which to keep, from the back; then the kept ones moved
+  // forward in order (the scratch kept from call to call, so a compaction
+  // allocates nothing).
+  std::vector<uint64_t>& done = scratch_.done;
+  std::vector<uint64_t>& keep = scratch_.keep;
+  done.assign((static_cast<size_t>(capacity_) + 63) / 64, 0);
   auto mark = [&done](int64_t slot) {
     uint64_t& word = done[static_cast<size_t>(slot) >> 6];
     const uint64_t bit = uint64_t{1} << (slot & 63);
@@ -650,12 +648,19 @@ void DynamicIndex::Compact() {
     return was;
   };
   for (const int64_t slot : free_) mark(slot);
-  std::vector<QEntry> kept;
-  kept.reserve(static_cast<size_t>(capacity_) - free_.size());
+  const size_t n = lru_.size();
+  keep.assign((n + 63) / 64, 0);
+  size_t i = n;
   for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
-    if (!mark(it->slot)) kept.push_back(*it);
+    --i;
+    if (!mark(it->slot)) keep[i >> 6] |= uint64_t{1} << (i & 63);
   }
-  lru_.assign(kept.rbegin(), kept.rend());
+  auto out = lru_.begin();
+  i = 0;
+  for (auto it = lru_.begin(); it != lru_.end(); ++it, ++i) {
+    if (keep[i >> 6] >> (i & 63) & 1) *out++ = *it;
+  }
+  lru_.erase(out, lru_.end());
   // LFU: a slot's entries lie in several buckets; each checked.
   for (auto it = lfu_.begin(); it != lfu_.end();) {
     std::deque<QEntry> valid;
@@ -671,7 +676,7 @@ void DynamicIndex::Requeue() {
   // Every held row in write order (its version's).
   std::vector<std::pair<uint64_t, int64_t>> order;  // (version, slot)
   for (int64_t s = 0; s < capacity_; ++s) {
-    if (meta_[s].used) order.emplace_back(meta_[s].version, s);
+    if (meta_[s].used()) order.emplace_back(meta_[s].version, s);
   }
   std::sort(order.begin(), order.end());
   lru_.clear();
@@ -685,7 +690,7 @@ void DynamicIndex::Requeue() {
 void DynamicIndex::Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const {
   std::vector<std::pair<int64_t, int64_t>> held;
   for (int64_t s = 0; s < capacity_; ++s) {
-    if (meta_[s].used) held.emplace_back(meta_[s].id, s);
+    if (meta_[s].used()) held.emplace_back(meta_[s].id, s);
   }
   std::sort(held.begin(), held.end());
   ids->clear();
@@ -701,7 +706,7 @@ DynamicStats DynamicIndex::Stats() const {
   s.rows_held = capacity_ - static_cast<int64_t>(free_.size());
   if (rebuild_) {
     s.rows_held = 0;
-    for (int64_t k = 0; k < capacity_; ++k) s.rows_held += meta_[k].used;
+    for (int64_t k = 0; k < capacity_; ++k) s.rows_held += meta_[k].used();
   }
   s.pending_ids = static_cast<int64_t>(pending_.size());
   s.index_slots = static_cast<int64_t>(mask_ + 1);

@@ -134,18 +134,26 @@ class DynamicIndex {
   void SetStep(int64_t step) { step_ = step; }
 
  private:
-  struct Meta {
+  // 32 bytes, so that a slot's bookkeeping is one line of meta_ (an
+  // update reads and writes it for every row it touches).
+  struct alignas(32) Meta {
     int64_t id = 0;
     int64_t last_step = 0;
-    int64_t updates = 0;  // steps that updated it since it was created
+    // Steps that updated it since it was created (>= 1 while it holds a
+    // row), 0 for a free slot.
+    int64_t updates = 0;
     uint64_t version = 0;  // changes at every write; increasing in write order
-    bool used = false;
+    bool used() const { return updates > 0; }
   };
   struct QEntry {
     int64_t slot;
     uint64_t version;
   };
+  // Written and Touch are built in place (emplace_back): GCC assembled
+  // the aggregates on the stack and read them back wider than it wrote
+  // them, a store-forwarding stall an id in the update loop.
   struct Written {
+    Written(int64_t slot, uint64_t version, int64_t u) : q{slot, version}, updates(u) {}
     QEntry q;
     int64_t updates;  // its LFU bucket
   };
@@ -237,12 +245,15 @@ class DynamicIndex {
   struct Scratch {
     std::vector<size_t> absent;
     std::vector<int64_t> order, admit;
+    std::vector<uint64_t> done, keep;  // Compact's bits
     absl::flat_hash_map<int64_t, int64_t> absent_ids;
   } scratch_;
   // The journal of the update in progress: changes, and apart the rows an
   // update only touched (their old step, count and version).
   std::vector<Change> journal_;
   struct Touch {
+    Touch(int64_t s, int64_t l, int64_t u, uint64_t v)
+        : slot(s), last_step(l), updates(u), version(v) {}
     int64_t slot;
     int64_t last_step;
     int64_t updates;
