@@ -1281,6 +1281,60 @@ TEST_P(BackendParityTest, ExportImportRoundTrip) {
   EXPECT_EQ(st2, st);
 }
 
+TEST_P(BackendParityTest, RowsAtAnyPositionsMatchRowRangesAndBadOnesChangeNothing) {
+  // ExportRowsAt / ImportRowsAt (the CPU backend's one pass, the others'
+  // default a row at a time) against ExportRows / ImportRows of each row.
+  for (const WeightType type : {WeightType::kFp32, WeightType::kFp16}) {
+    const ShardSpec spec = MakeSpec(20, 8, type, OptimizerType::kAdagrad);
+    auto a = be_->CreateShard(spec);
+    ASSERT_TRUE(a.ok());
+    const int64_t width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    const std::vector<int64_t> rows = {17, 3, 0, 19, 8};
+    std::vector<float> w(rows.size() * spec.dim), st(rows.size() * width);
+    for (size_t k = 0; k < w.size(); ++k) w[k] = 0.125f * static_cast<float>(k % 29) - 1.0f;
+    for (size_t k = 0; k < st.size(); ++k) st[k] = 0.5f + static_cast<float>(k % 7);
+    ASSERT_TRUE(be_->ImportRowsAt(*a, rows, w, st).ok());
+    for (size_t k = 0; k < rows.size(); ++k) {  // each row, read back by range
+      std::vector<float> rw(spec.dim), rs(width);
+      ASSERT_TRUE(be_->ExportRows(*a, rows[k], rows[k] + 1, absl::MakeSpan(rw),
+                                  absl::MakeSpan(rs))
+                      .ok());
+      for (int64_t c = 0; c < spec.dim; ++c) {
+        EXPECT_EQ(rw[c], w[k * spec.dim + c]) << "row " << rows[k] << " col " << c;
+      }
+      EXPECT_EQ(rs, std::vector<float>(st.begin() + k * width, st.begin() + (k + 1) * width));
+    }
+    std::vector<float> back_w(w.size()), back_st(st.size());
+    ASSERT_TRUE(be_->ExportRowsAt(*a, rows, absl::MakeSpan(back_w), absl::MakeSpan(back_st)).ok());
+    EXPECT_EQ(back_w, w);
+    EXPECT_EQ(back_st, st);
+    // Refused whole: a row outside the shard, buffers of the wrong size, a
+    // NaN in the last row's values.
+    std::vector<float> st_before;
+    const std::vector<float> before = Export(be_.get(), *a, spec, &st_before);
+    std::vector<float> nan_w = w;
+    nan_w.back() = std::nanf("");
+    EXPECT_EQ(be_->ImportRowsAt(*a, {1, 20}, absl::MakeConstSpan(w).first(2 * spec.dim),
+                                absl::MakeConstSpan(st).first(2 * width))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(be_->ImportRowsAt(*a, {1, -1}, absl::MakeConstSpan(w).first(2 * spec.dim),
+                                absl::MakeConstSpan(st).first(2 * width))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(be_->ImportRowsAt(*a, rows, absl::MakeConstSpan(w).first(spec.dim), st).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(be_->ImportRowsAt(*a, rows, nan_w, st).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(be_->ExportRowsAt(*a, {20}, absl::MakeSpan(back_w).first(spec.dim),
+                                absl::MakeSpan(back_st).first(width))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    std::vector<float> st_after;
+    EXPECT_EQ(Export(be_.get(), *a, spec, &st_after), before);
+    EXPECT_EQ(st_after, st_before);
+  }
+}
+
 TEST_P(BackendParityTest, InitializerIsReproducibleAcrossShardings) {
   ShardSpec whole = MakeSpec(100, 16);
   ShardSpec part = whole;

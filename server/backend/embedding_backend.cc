@@ -470,6 +470,59 @@ void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t gl
   });
 }
 
+absl::Status ValidateRowsAt(const ShardSpec& spec, absl::Span<const int64_t> rows, size_t weights,
+                            size_t state) {
+  for (const int64_t r : rows) {
+    if (r < 0 || r >= spec.rows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, " is outside [0, ", spec.rows, ")"));
+    }
+  }
+  return ValidateRowRange(spec, 0, static_cast<int64_t>(rows.size()), weights, state);
+}
+
+absl::Status EmbeddingBackend::ExportRowsAt(ShardId shard, absl::Span<const int64_t> rows,
+                                            absl::Span<float> weights,
+                                            absl::Span<float> state) const {
+  auto spec = GetShardSpec(shard);
+  if (!spec.ok()) return spec.status();
+  if (absl::Status s = ValidateRowsAt(*spec, rows, weights.size(), state.size()); !s.ok()) return s;
+  const size_t dim = static_cast<size_t>(spec->dim);
+  const size_t width = rows.empty() ? 0 : state.size() / rows.size();
+  for (size_t k = 0; k < rows.size(); ++k) {
+    if (absl::Status s = ExportRows(shard, rows[k], rows[k] + 1, weights.subspan(k * dim, dim),
+                                    state.subspan(k * width, width));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EmbeddingBackend::ImportRowsAt(ShardId shard, absl::Span<const int64_t> rows,
+                                            absl::Span<const float> weights,
+                                            absl::Span<const float> state) {
+  auto spec = GetShardSpec(shard);
+  if (!spec.ok()) return spec.status();
+  // Everything checked (values too) before the first row is written.
+  if (absl::Status s = ValidateRowsAt(*spec, rows, weights.size(), state.size()); !s.ok()) return s;
+  if (absl::Status s =
+          ValidateImport(*spec, 0, static_cast<int64_t>(rows.size()), weights, state);
+      !s.ok()) {
+    return s;
+  }
+  const size_t dim = static_cast<size_t>(spec->dim);
+  const size_t width = rows.empty() ? 0 : state.size() / rows.size();
+  for (size_t k = 0; k < rows.size(); ++k) {
+    if (absl::Status s = ImportRows(shard, rows[k], rows[k] + 1, weights.subspan(k * dim, dim),
+                                    state.subspan(k * width, width));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status EmbeddingBackend::ExportSlots(ShardId, int64_t, int64_t, absl::Span<SlotMeta>) const {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }

@@ -245,6 +245,16 @@ class EmbeddingBackend {
   virtual absl::Status ImportRows(ShardId shard, int64_t row_begin, int64_t row_end,
                                   absl::Span<const float> weights,
                                   absl::Span<const float> state) = 0;
+  // The same for rows anywhere in the shard: row k of `rows` (distinct,
+  // each in [0, spec.rows)) to or from row k of the buffers. Import checks
+  // everything first and writes nothing on a refusal. The default calls
+  // ExportRows / ImportRows a row at a time; the CPU backend does it in one
+  // pass (the dynamic shards' admissions write their new rows so).
+  virtual absl::Status ExportRowsAt(ShardId shard, absl::Span<const int64_t> rows,
+                                    absl::Span<float> weights, absl::Span<float> state) const;
+  virtual absl::Status ImportRowsAt(ShardId shard, absl::Span<const int64_t> rows,
+                                    absl::Span<const float> weights,
+                                    absl::Span<const float> state);
   virtual absl::StatusOr<int64_t> ExportStep(ShardId shard) const = 0;
   virtual absl::Status ImportStep(ShardId shard, int64_t step) = 0;
 
@@ -421,6 +431,11 @@ std::string RequestWhat(const char* kind, size_t index, const ShardSpec& spec);
 // shard, buffers of n * dim weights and n * OptimizerStateWidth state.
 absl::Status ValidateRowRange(const ShardSpec& spec, int64_t row_begin, int64_t row_end,
                               size_t weights, size_t state);
+
+// For ExportRowsAt / ImportRowsAt: every row in [0, spec.rows) and the
+// buffers sized for rows.size() rows.
+absl::Status ValidateRowsAt(const ShardSpec& spec, absl::Span<const int64_t> rows, size_t weights,
+                            size_t state);
 
 // ValidateRowRange for an ImportRows call, and the values themselves: every
 // weight and state element finite, accumulators (Adagrad's, Adam's v) >= 0.

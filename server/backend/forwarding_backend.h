@@ -41,6 +41,15 @@ class ForwardingBackend : public EmbeddingBackend {
                           absl::Span<const float> state) override {
     return inner_->ImportRows(id, begin, end, weights, state);
   }
+  absl::Status ExportRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<float> weights,
+                            absl::Span<float> state) const override {
+    return inner_->ExportRowsAt(id, rows, weights, state);
+  }
+  absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
+                            absl::Span<const float> weights,
+                            absl::Span<const float> state) override {
+    return inner_->ImportRowsAt(id, rows, weights, state);
+  }
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override { return inner_->ExportStep(id); }
   absl::Status ImportStep(ShardId id, int64_t step) override {
     return inner_->ImportStep(id, step);

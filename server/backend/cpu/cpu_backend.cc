@@ -394,6 +394,60 @@ class CpuBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
+  absl::Status ExportRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<float> weights,
+                            absl::Span<float> state) const override {
+    absl::MutexLock lock(&mu_);
+    const Shard* s = FindShard(id);
+    if (s == nullptr) return ShardNotFound(id);
+    if (absl::Status st = ValidateRowsAt(s->spec, rows, weights.size(), state.size()); !st.ok()) {
+      return st;
+    }
+    const int64_t dim = s->spec.dim;
+    const WidenFn widen = kernels_->widen[static_cast<int>(s->spec.weight_type)];
+    for (size_t k = 0; k < rows.size(); ++k) {
+      float* out = weights.data() + k * dim;
+      if (s->spec.weight_type == WeightType::kFp32) {
+        std::memcpy(out, s->Row(rows[k]), dim * sizeof(float));
+      } else {
+        widen(out, s->Row(rows[k]), dim);
+      }
+      if (s->state_width > 0) {
+        std::memcpy(state.data() + k * s->state_width, s->state.get() + rows[k] * s->state_width,
+                    s->state_width * sizeof(float));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
+                            absl::Span<const float> weights,
+                            absl::Span<const float> state) override {
+    absl::MutexLock lock(&mu_);
+    Shard* s = FindShard(id);
+    if (s == nullptr) return ShardNotFound(id);
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (absl::Status st = ValidateRowsAt(s->spec, rows, weights.size(), state.size()); !st.ok()) {
+      return st;
+    }
+    if (absl::Status st = ValidateImport(s->spec, 0, n, weights, state); !st.ok()) return st;
+    const int64_t dim = s->spec.dim;
+    const NarrowNearestFn narrow = kernels_->narrow_nearest[static_cast<int>(s->spec.weight_type)];
+    for (int64_t k = 0; k < n; ++k) {
+      const float* in = weights.data() + k * dim;
+      if (s->spec.weight_type == WeightType::kFp32) {
+        std::memcpy(s->Row(rows[k]), in, dim * sizeof(float));
+      } else {
+        narrow(s->Row(rows[k]), in, dim);
+      }
+      if (s->state_width > 0) {
+        std::memcpy(s->state.get() + rows[k] * s->state_width, state.data() + k * s->state_width,
+                    s->state_width * sizeof(float));
+      }
+    }
+    s->bounds = Widen(s->bounds, ImportedBounds(s->spec, weights, state));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
     absl::MutexLock lock(&mu_);
     return shards_.Step(id);

@@ -257,17 +257,17 @@ class DynamicShardsBackend : public ForwardingBackend {
     // Rows held before keep their state unless one is given (the created
     // ones have their fresh state by now).
     absl::Status s = WriteCreated(id, *shard, *created, &undo);
-    std::vector<float> unused(spec.dim), kept(width);
-    for (size_t i = 0; s.ok() && i < ids.size(); ++i) {
-      const int64_t slot = shard->index.Find(ids[i]);
-      if (state.empty()) {
-        s = inner()->ExportRows(id, slot, slot + 1, absl::MakeSpan(unused), absl::MakeSpan(kept));
-      }
-      if (s.ok()) {
-        s = inner()->ImportRows(id, slot, slot + 1, weights.subspan(i * spec.dim, spec.dim),
-                                state.empty() ? absl::MakeConstSpan(kept)
-                                              : state.subspan(i * width, width));
-      }
+    std::vector<int64_t> slots(ids.size());
+    shard->index.FindAll(ids, -1, slots.data());
+    std::vector<float> unused, kept;
+    if (s.ok() && state.empty()) {
+      unused.resize(ids.size() * spec.dim);
+      kept.resize(ids.size() * width);
+      s = inner()->ExportRowsAt(id, slots, absl::MakeSpan(unused), absl::MakeSpan(kept));
+    }
+    if (s.ok()) {
+      s = inner()->ImportRowsAt(id, slots, weights,
+                                state.empty() ? absl::MakeConstSpan(kept) : state);
     }
     if (!s.ok()) {
       Restore(id, *shard, undo);
@@ -399,45 +399,45 @@ class DynamicShardsBackend : public ForwardingBackend {
 
   // Writes the created rows' initial values and fresh state, keeping what
   // reused slots held in *undo first.
+  // The rows `created` gets: their initial values and fresh state, in one
+  // write; the rows of reused slots (evicted now) kept in `undo` first.
   absl::Status WriteCreated(ShardId id, const Shard& shard,
                             const std::vector<DynamicIndex::Created>& created, Undo* undo) {
+    if (created.empty()) return absl::OkStatus();
     const ShardSpec& spec = shard.spec;
-    const std::vector<float> state = FreshState(spec);
-    std::vector<float> row(static_cast<size_t>(spec.dim));
+    const std::vector<float> fresh = FreshState(spec);
+    const size_t dim = static_cast<size_t>(spec.dim), width = fresh.size();
     for (const DynamicIndex::Created& c : created) {
-      if (c.reused) {
-        const size_t w = undo->weights.size(), st = undo->state.size();
-        undo->weights.resize(w + row.size());
-        undo->state.resize(st + state.size());
-        if (absl::Status s = inner()->ExportRows(
-                id, c.slot, c.slot + 1, absl::MakeSpan(undo->weights).subspan(w, row.size()),
-                absl::MakeSpan(undo->state).subspan(st, state.size()));
-            !s.ok()) {
-          undo->weights.resize(w);
-          undo->state.resize(st);
-          return s;
-        }
-        undo->slots.push_back(c.slot);
-      }
-      InitialValues(spec.initializer, spec.table_rows, c.id, 1, spec.col_offset, spec.dim,
-                    row.data());
-      if (absl::Status s = inner()->ImportRows(id, c.slot, c.slot + 1, row, state); !s.ok()) {
+      if (c.reused) undo->slots.push_back(c.slot);
+    }
+    if (!undo->slots.empty()) {
+      undo->weights.resize(undo->slots.size() * dim);
+      undo->state.resize(undo->slots.size() * width);
+      if (absl::Status s = inner()->ExportRowsAt(id, undo->slots, absl::MakeSpan(undo->weights),
+                                                 absl::MakeSpan(undo->state));
+          !s.ok()) {
+        undo->Clear();
+        undo->begun = true;
         return s;
       }
     }
-    return absl::OkStatus();
+    std::vector<int64_t> slots(created.size());
+    std::vector<float> rows(created.size() * dim), state(created.size() * width);
+    for (size_t k = 0; k < created.size(); ++k) {
+      const DynamicIndex::Created& c = created[k];
+      slots[k] = c.slot;
+      InitialValues(spec.initializer, spec.table_rows, c.id, 1, spec.col_offset, spec.dim,
+                    rows.data() + k * dim);
+      std::copy(fresh.begin(), fresh.end(), state.begin() + k * width);
+    }
+    return inner()->ImportRowsAt(id, slots, rows, state);
   }
 
   void Restore(ShardId id, const Shard& shard, const Undo& undo) {
-    const size_t dim = static_cast<size_t>(shard.spec.dim);
-    const size_t width = undo.slots.empty() ? 0 : undo.state.size() / undo.slots.size();
-    for (size_t k = undo.slots.size(); k-- > 0;) {
-      const absl::Status s = inner()->ImportRows(
-          id, undo.slots[k], undo.slots[k] + 1,
-          absl::MakeConstSpan(undo.weights).subspan(k * dim, dim),
-          absl::MakeConstSpan(undo.state).subspan(k * width, width));
-      (void)s;  // the same rows, written back: nothing to refuse
-    }
+    if (undo.slots.empty()) return;
+    // The same rows written back (the slots are distinct: an update evicts
+    // no row it writes): nothing to refuse.
+    (void)inner()->ImportRowsAt(id, undo.slots, undo.weights, undo.state);
   }
 
   void UndoAll(Held& held, std::vector<Undo>* undo) {
