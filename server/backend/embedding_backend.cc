@@ -458,16 +458,37 @@ float InitialValue(const InitializerConfig& init, int64_t table_rows, int64_t ro
   return v;
 }
 
-void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t global_row,
-                   int64_t rows, int64_t global_col, int64_t cols, float* out) {
+namespace {
+
+// Rows row_of(0 .. rows-1) of columns [global_col, global_col + cols).
+template <typename RowOf>
+void InitialValuesBy(const InitializerConfig& init, int64_t table_rows, int64_t rows,
+                     RowOf row_of, int64_t global_col, int64_t cols, float* out) {
   std::vector<ColumnHashes> hashes(static_cast<size_t>(cols));
   for (int64_t c = 0; c < cols; ++c) hashes[c] = HashesOf(init, global_col + c);
   WithValueFunction(init, DefaultBound(table_rows), [&](auto value) {
     for (int64_t r = 0; r < rows; ++r) {
       float* o = out + r * cols;
-      for (int64_t c = 0; c < cols; ++c) o[c] = value(global_row + r, hashes[c]);
+      const int64_t row = row_of(r);
+      for (int64_t c = 0; c < cols; ++c) o[c] = value(row, hashes[c]);
     }
   });
+}
+
+}  // namespace
+
+void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t global_row,
+                   int64_t rows, int64_t global_col, int64_t cols, float* out) {
+  InitialValuesBy(
+      init, table_rows, rows, [global_row](int64_t r) { return global_row + r; }, global_col, cols,
+      out);
+}
+
+void InitialValuesOf(const InitializerConfig& init, int64_t table_rows,
+                     absl::Span<const int64_t> ids, int64_t global_col, int64_t cols, float* out) {
+  InitialValuesBy(
+      init, table_rows, static_cast<int64_t>(ids.size()), [ids](int64_t r) { return ids[r]; },
+      global_col, cols, out);
 }
 
 absl::Status ValidateRowsAt(const ShardSpec& spec, absl::Span<const int64_t> rows, size_t weights,

@@ -457,6 +457,11 @@ float InitialValue(const InitializerConfig& init, int64_t table_rows,
 // block, where InitialValue computes it for every element.
 void InitialValues(const InitializerConfig& init, int64_t table_rows, int64_t global_row,
                    int64_t rows, int64_t global_col, int64_t cols, float* out);
+// The same for rows by id (a dynamic table's, id standing for the global
+// row): out[k * cols + c] = InitialValue(init, table_rows, ids[k],
+// global_col + c), the column hashes worked out once for all of them.
+void InitialValuesOf(const InitializerConfig& init, int64_t table_rows,
+                     absl::Span<const int64_t> ids, int64_t global_col, int64_t cols, float* out);
 
 namespace internal {
 inline size_t DenseFloats(const LookupRequest& r) { return r.output.size(); }

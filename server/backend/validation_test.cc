@@ -171,6 +171,16 @@ TEST(InitialValuesTest, MatchInitialValueBitForBit) {
         }
       }
     }
+    // By id (a dynamic table's rows): any int64, negative and huge too.
+    const std::vector<int64_t> ids = {-1, 0, 7, int64_t{1} << 62, -(int64_t{1} << 40), 123456789};
+    std::vector<float> out(ids.size() * 9, std::nanf(""));
+    InitialValuesOf(init, 1000000, ids, 5, 9, out.data());
+    for (size_t r = 0; r < ids.size(); ++r) {
+      for (int64_t c = 0; c < 9; ++c) {
+        ASSERT_EQ(FloatBits(out[r * 9 + c]), FloatBits(InitialValue(init, 1000000, ids[r], 5 + c)))
+            << "initializer " << static_cast<int>(init.type) << " id " << ids[r] << " col " << c;
+      }
+    }
   }
 }
 

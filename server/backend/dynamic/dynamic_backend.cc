@@ -421,15 +421,14 @@ class DynamicShardsBackend : public ForwardingBackend {
         return s;
       }
     }
-    std::vector<int64_t> slots(created.size());
+    std::vector<int64_t> slots(created.size()), ids(created.size());
     std::vector<float> rows(created.size() * dim), state(created.size() * width);
     for (size_t k = 0; k < created.size(); ++k) {
-      const DynamicIndex::Created& c = created[k];
-      slots[k] = c.slot;
-      InitialValues(spec.initializer, spec.table_rows, c.id, 1, spec.col_offset, spec.dim,
-                    rows.data() + k * dim);
+      slots[k] = created[k].slot;
+      ids[k] = created[k].id;
       std::copy(fresh.begin(), fresh.end(), state.begin() + k * width);
     }
+    InitialValuesOf(spec.initializer, spec.table_rows, ids, spec.col_offset, spec.dim, rows.data());
     return inner()->ImportRowsAt(id, slots, rows, state);
   }
 
