@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -82,9 +84,14 @@ ValueBounds MeasureValues(const ShardSpec& spec, absl::Span<const float> weights
                           absl::Span<const float> state) {
   ValueBounds b;
   b.measured = true;
-  for (const float w : weights) {
-    const double a = std::fabs(static_cast<double>(w));
-    b.weight = a > b.weight || std::isnan(a) ? a : b.weight;
+  // The largest |w| (NaN when there is one), in one vectorised pass.
+  const uint32_t top = MaxAbsBits(weights);
+  if (top > 0x7f800000u) {
+    b.weight = std::numeric_limits<double>::quiet_NaN();
+  } else {
+    float a;
+    std::memcpy(&a, &top, sizeof(a));
+    b.weight = std::max(b.weight, static_cast<double>(a));
   }
   const int64_t dim = spec.dim;
   const int64_t width = OptimizerStateWidth(spec.optimizer.type, dim);

@@ -149,6 +149,16 @@ TEST(OverflowGuardTest, MeasureImportAndMergedGradientBounds) {
   EXPECT_TRUE(b.measured);
   st[8] = 0;
   EXPECT_TRUE(MeasureValues(spec, w, st).adam_ok);
+  // Past the vectorised blocks (16 floats), Inf and NaN anywhere.
+  std::vector<float> many(37, 0.5f);
+  many[33] = -700;
+  EXPECT_EQ(MeasureValues(Spec(WeightType::kFp32, OptimizerType::kSgd, 37), many, {}).weight, 700);
+  many[5] = -std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isinf(MeasureValues(Spec(WeightType::kFp32, OptimizerType::kSgd, 37), many, {})
+                             .weight));
+  many[20] = std::nanf("");
+  EXPECT_TRUE(std::isnan(MeasureValues(Spec(WeightType::kFp32, OptimizerType::kSgd, 37), many, {})
+                             .weight));
   const ValueBounds imported = ImportedBounds(spec, w, st);
   EXPECT_FALSE(imported.measured);
   EXPECT_GT(imported.weight, 300);  // fp16 rounding's room
