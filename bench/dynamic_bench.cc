@@ -48,7 +48,7 @@ DEFINE_int32(id_sets, 8, "Batches of ids the calls cycle through.");
 DEFINE_double(new_fraction, 0.1, "admit: the fraction of each call's ids that are new.");
 DEFINE_string(format, "table", "table or json.");
 DEFINE_uint64(seed, 1, "Random seed.");
-DEFINE_string(only, "", "Run one part (lookup, update, admit, find, touch) and print its rate alone (profiling).");
+DEFINE_string(only, "", "Run one part (lookup, update, admit, find, touch, insert) and print its rate alone (profiling).");
 
 namespace eb = ember::backend;
 
@@ -219,6 +219,7 @@ int main(int argc, char** argv) {
     index.BeginUpdate(fresh);
     index.Commit();
   });
+  if (FLAGS_only == "insert") return alone("insert", insert);
 
   const eb::DynamicStats st = *dyn_be->GetDynamicStats(*dyn);
   const double row_bytes = 4.0 * FLAGS_dim;  // fp32, SGD: no state

@@ -413,7 +413,21 @@ std::vector<DynamicIndex::Created> DynamicIndex::BeginUpdate(absl::Span<const in
       admit.push_back(id);
     }
   }
-  for (const int64_t id : admit) {
+  // Each admission writes its id's home line and, on a full shard, erases
+  // the LRU victim's: both prefetched ahead (the victims' bookkeeping
+  // first, then their ids' lines), as they would otherwise be two and
+  // three dependent misses an admission.
+  constexpr size_t kAdmitAhead = 8;
+  const bool evicting = config_.eviction == Eviction::kLru && free_.size() < admit.size();
+  for (size_t k = 0; k < admit.size(); ++k) {
+    const int64_t id = admit[k];
+    if (k + kAdmitAhead < admit.size()) __builtin_prefetch(&LineOf(Home(admit[k + kAdmitAhead])));
+    if (evicting) {
+      if (k + 2 * kAdmitAhead < lru_.size()) __builtin_prefetch(&meta_[lru_[k + 2 * kAdmitAhead].slot]);
+      if (k + kAdmitAhead < lru_.size()) {
+        __builtin_prefetch(&LineOf(Home(meta_[lru_[k + kAdmitAhead].slot].id)));
+      }
+    }
     int64_t& entry = calls[id];
     const int64_t occurrences = -1 - entry;
     const int64_t slot = TakeSlot(/*import=*/false);
