@@ -19,7 +19,7 @@ void ClearColumns(float* out, int64_t stride, int64_t rows, int64_t col, int64_t
   for (int64_t r = 0; r < rows; ++r) std::fill_n(out + r * stride + col, cols, 0.0f);
 }
 
-void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
+void Bucketize(FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
                Transport* t, ShardFeature* f, std::vector<int64_t>* positions,
                int64_t* num_local, const SharedBufferInfo* id_buffer) {
   f->mutable_shard()->set_table(job.table->config->name());
@@ -81,7 +81,7 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
       for (int64_t b = 0; b < job.batch; ++b) {
         const int64_t bag_start = n;
         for (const int64_t end = k + job.lengths[b]; k < end; ++k) {
-          const auto [local, sent] = route(src_ids[k]);
+          const auto [local, sent] = route(k);
           const bool in = local < rows;
           ids[n] = sent;
           if (weighted) weights[n] = src_weights[k];
@@ -94,13 +94,18 @@ void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool 
     if (job.table->config->has_dynamic()) {
       // A dynamic table's ids go whole to the shard whose rows hold their
       // routing row (RouteRow: a fixed mix of the id, mod the capacity).
-      const int64_t capacity = job.table->config->dynamic().capacity();
-      cut([&](int64_t id) {
-        return std::make_pair(static_cast<uint64_t>(RouteRow(id, capacity)) - lo, id);
-      });
+      std::vector<uint64_t>& routed = job.routing_rows;
+      if (routed.size() != static_cast<size_t>(job.num_ids)) {
+        const Router router(job.table->config->dynamic().capacity());
+        routed.resize(job.num_ids);
+        for (int64_t k = 0; k < job.num_ids; ++k) {
+          routed[k] = static_cast<uint64_t>(router.Row(src_ids[k]));
+        }
+      }
+      cut([&](int64_t k) { return std::make_pair(routed[k] - lo, src_ids[k]); });
     } else {
-      cut([&](int64_t id) {
-        const uint64_t local = static_cast<uint64_t>(id) - lo;
+      cut([&](int64_t k) {
+        const uint64_t local = static_cast<uint64_t>(src_ids[k]) - lo;
         return std::make_pair(local, static_cast<int64_t>(local));
       });
     }

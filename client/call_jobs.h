@@ -46,6 +46,11 @@ struct FeatureJob {
   bool on_device = false;
   float* device_out = nullptr;
   const float* device_grad = nullptr;
+  // A dynamic table's ids' routing rows (RouteRow), worked out by the
+  // first Bucketize of the call and read by the rest (one per shard):
+  // the hash and the modulo once an id, not once an id and shard. Calls
+  // build their requests on one thread.
+  std::vector<uint64_t> routing_rows;
 };
 
 // Where a shard request's output lands (sinks are kept per rank).
@@ -66,7 +71,7 @@ void ClearColumns(float* out, int64_t stride, int64_t rows, int64_t col, int64_t
 // positions. `id_buffer` (lookups through a channel): the shared buffer
 // holding job.ids, where a shard of all rows has the worker read them in
 // place (buffer_ids) instead of taking a copy.
-void Bucketize(const FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
+void Bucketize(FeatureJob& job, const Client::Routing::Shard& shard, bool send_mean,
                Transport* t, ember::v1::ShardFeature* f, std::vector<int64_t>* positions,
                int64_t* num_local, const SharedBufferInfo* id_buffer = nullptr);
 

@@ -917,10 +917,10 @@ absl::Status Client::ImportDynamicTable(const std::string& collection, const std
   }
   // Each id to the shard holding its routing row; no shard gets more ids
   // than it holds.
-  const int64_t capacity = t->config->dynamic().capacity();
+  const Router router(t->config->dynamic().capacity());
   std::vector<std::vector<size_t>> of(t->shards.size());
   for (size_t i = 0; i < ids.size(); ++i) {
-    const int64_t row = RouteRow(ids[i], capacity);
+    const int64_t row = router.Row(ids[i]);
     for (size_t k = 0; k < t->shards.size(); ++k) {
       const auto& s = t->shards[k];
       if (row >= s.row_offset && row < s.row_offset + s.rows) of[k].push_back(i);

@@ -30,10 +30,11 @@ absl::Status RehashTarget::Take(const ember::v1::CheckpointShard& source, const 
   absl::flat_hash_set<int64_t> held;
   for (const Row& r : rows_) held.insert(r.id);
   std::vector<Row> taken;
+  const Router router(spec_.table_rows);
   for (int64_t s = 0; s < data.rows; ++s) {
     const backend::EmbeddingBackend::SlotMeta& m = (*slots)[s];
     if (!m.held) continue;
-    const int64_t row = RouteRow(m.id, spec_.table_rows);
+    const int64_t row = router.Row(m.id);
     if (row < spec_.row_offset || row >= spec_.row_offset + spec_.rows) continue;
     if (!held.insert(m.id).second) {
       return absl::DataLossError(absl::StrCat(what, ": id ", m.id, " is held twice"));
