@@ -51,6 +51,7 @@
 #define EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -223,6 +224,16 @@ class EmbeddingBackend {
   // and ApplyGradients read inputs there too (FeatureRequest::on_device).
   enum class Memory { kHost, kCudaDevice };
   virtual Memory OutputMemory() const { return Memory::kHost; }
+  // Runs fn(begin, end) over chunks of about `grain` of [0, n) on the
+  // backend's own threads where it has a pool for its calls (the CPU
+  // backend), else on the caller's: for a wrapper's host work beside a call
+  // (the dynamic shards' id-to-slot pass), which then shares the threads
+  // the backend's kernels use instead of competing with them. fn must be
+  // safe on disjoint ranges at once and must not call the backend.
+  virtual void ParallelFor(int64_t n, int64_t grain,
+                           const std::function<void(int64_t, int64_t)>& fn) {
+    if (n > 0) fn(0, n);
+  }
 
   // Fused backward + optimizer: duplicate rows (within and across requests
   // of one shard) are merged and each touched row is updated once. An

@@ -29,6 +29,10 @@ class ForwardingBackend : public EmbeddingBackend {
   // A wrapper whose own Lookup reads the ids must say false here.
   bool ChecksIdsWhileGathering() const override { return inner_->ChecksIdsWhileGathering(); }
   Memory OutputMemory() const override { return inner_->OutputMemory(); }
+  void ParallelFor(int64_t n, int64_t grain,
+                   const std::function<void(int64_t, int64_t)>& fn) override {
+    inner_->ParallelFor(n, grain, fn);
+  }
   absl::Status ApplyGradients(absl::Span<const GradientRequest> r) override {
     return inner_->ApplyGradients(r);
   }

@@ -458,6 +458,11 @@ class CpuBackend : public EmbeddingBackend {
     return shards_.SetStep(id, step);
   }
 
+  void ParallelFor(int64_t n, int64_t grain,
+                   const std::function<void(int64_t, int64_t)>& fn) override {
+    pool_.ParallelFor(n, grain, fn);
+  }
+
   int64_t AvailableBytes() const override { return budget_.Available(); }
 
   std::string Name() const override { return absl::StrCat("cpu/", kernels_->isa); }

@@ -309,6 +309,42 @@ TEST(DynamicBackendRefusals, LookupsOfUnknownIdsAreZeroAndChangeNothing) {
   EXPECT_EQ(st->steps, 0);
 }
 
+TEST(DynamicBackendLookups, ALargeLookupOnTheBackendsThreadsMatchesOneThread) {
+  // More ids than one thread's share of the id-to-slot pass (kFindGrain,
+  // 8192): on 3 threads the pass is split over the CPU backend's pool.
+  // Rows admitted by an update, then held and unknown ids looked up
+  // together, against the same on a 1-thread backend.
+  CpuBackendOptions three;
+  three.num_threads = 3;
+  auto many = CreateCpuBackend(three);
+  ASSERT_TRUE(many.ok());
+  std::unique_ptr<EmbeddingBackend> be[2] = {WithDynamicShards(Cpu()),
+                                             WithDynamicShards(*std::move(many))};
+  const ShardSpec spec = SpecOf(OptimizerType::kSgd, 30000, DynamicConfig{});
+  std::vector<int64_t> held(20000), asked;
+  for (int64_t i = 0; i < 20000; ++i) held[i] = (i * 2654435761) ^ (i << 40);
+  for (int64_t i = 0; i < 30000; ++i) asked.push_back(i % 3 == 0 ? -i - 5 : held[(i * 7) % 20000]);
+  std::vector<float> out[2];
+  for (int k = 0; k < 2; ++k) {
+    auto id = be[k]->CreateShard(spec);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const std::vector<int64_t> one(held.size(), 1);
+    const std::vector<float> grad(held.size() * kDim, 0.5f);
+    ASSERT_TRUE(be[k]->ApplyGradients({GradientRequest{
+                    FeatureRequest{*id, Pooling::kNone, one, held, {}}, grad}})
+                    .ok());
+    const std::vector<int64_t> lengths(asked.size(), 1);
+    out[k].assign(asked.size() * kDim, -1.0f);
+    ASSERT_TRUE(be[k]->Lookup({LookupRequest{FeatureRequest{*id, Pooling::kNone, lengths, asked, {}},
+                                             absl::MakeSpan(out[k])}})
+                    .ok());
+  }
+  EXPECT_EQ(out[1], out[0]);
+  // Unknown ids read zeros; held ones their (updated) rows.
+  for (int64_t d = 0; d < kDim; ++d) EXPECT_EQ(out[0][d], 0.0f);
+  EXPECT_NE(out[0][kDim], 0.0f);
+}
+
 TEST(DynamicBackendMoves, SlotsAndRowsCopiedToAnotherBackendServeTheSame) {
   Fixture a(5, OptimizerType::kAdagrad), b(5, OptimizerType::kAdagrad);
   for (int i = 0; i < 8; ++i) ASSERT_TRUE(a.Update({i * 3 - 7, i, 100}, 0.25f * i).ok());
