@@ -550,6 +550,12 @@ absl::Status EmbeddingBackend::ExportSlots(ShardId, int64_t, int64_t, absl::Span
 absl::Status EmbeddingBackend::ImportSlots(ShardId, int64_t, int64_t, absl::Span<const SlotMeta>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }
+absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ExportPendingCounts(ShardId) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+absl::Status EmbeddingBackend::ImportPendingCounts(ShardId, absl::Span<const int64_t>) {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
 absl::Status EmbeddingBackend::ImportIds(ShardId, absl::Span<const int64_t>, absl::Span<const float>,
                                          absl::Span<const float>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));

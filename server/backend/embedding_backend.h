@@ -296,6 +296,13 @@ class EmbeddingBackend {
   // changes on any refusal.
   virtual absl::Status ImportIds(ShardId shard, absl::Span<const int64_t> ids,
                                  absl::Span<const float> weights, absl::Span<const float> state);
+  // The admission counts of ids still without a row: int64 pairs (id,
+  // count >= 1) by ascending id, the exact ones (DynamicIndex::
+  // PendingCounts). Import, between updates, replaces the shard's counts:
+  // ids not held take these; INVALID_ARGUMENT, nothing changed, for an odd
+  // length or a count < 1.
+  virtual absl::StatusOr<std::vector<int64_t>> ExportPendingCounts(ShardId shard) const;
+  virtual absl::Status ImportPendingCounts(ShardId shard, absl::Span<const int64_t> packed);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
   // SlotMeta on the wire and on disk: int64 [n, kSlotMetaFields] (id,

@@ -70,6 +70,12 @@ class ForwardingBackend : public EmbeddingBackend {
                          absl::Span<const float> state) override {
     return inner_->ImportIds(id, ids, weights, state);
   }
+  absl::StatusOr<std::vector<int64_t>> ExportPendingCounts(ShardId id) const override {
+    return inner_->ExportPendingCounts(id);
+  }
+  absl::Status ImportPendingCounts(ShardId id, absl::Span<const int64_t> packed) override {
+    return inner_->ImportPendingCounts(id, packed);
+  }
   absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
     return inner_->GetDynamicStats(id);
   }

@@ -52,6 +52,9 @@ struct ShardData {
   // A dynamic table's shard: each slot's bookkeeping, int64 [rows, 4]
   // (EmbeddingBackend::PackSlots); empty for a fixed shard.
   std::vector<int64_t> slot_meta;
+  // A dynamic table's shard: the admission counts of ids without a row,
+  // int64 [n, 2] (id, count) (EmbeddingBackend::ExportPendingCounts).
+  std::vector<int64_t> pending_counts;
 };
 
 // The shard file's name for `ref`: "<n>-<table>.<shard_index>.shard" with the
@@ -133,10 +136,11 @@ absl::StatusOr<std::string> ResolveCheckpoint(const std::string& path);
 // Committed checkpoint directories of `collection` under `root`, oldest first.
 std::vector<std::string> ListCommitted(const std::string& root, const std::string& collection);
 
-// The size of a shard file holding rows x (cols + state_width) floats and
-// `applied` exactly-once entries.
+// The size of a shard file holding rows x (cols + state_width) floats,
+// `applied` exactly-once entries and, for a dynamic shard, the slots'
+// bookkeeping and `pending` (id, count) pairs.
 int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0,
-                       bool dynamic = false);
+                       bool dynamic = false, int64_t pending = 0);
 
 // Bytes in the regular files of `dir` (a checkpoint being written).
 int64_t BytesInDirectory(const std::string& dir);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -114,6 +115,36 @@ TEST(CheckpointFilesTest, ShardWithoutOptimizerStateRoundTrips) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->weights, d.weights);
   EXPECT_TRUE(back->state.empty());
+}
+
+TEST(CheckpointFilesTest, DynamicShardRoundTripsWithItsSlotsAndAdmissionCounts) {
+  const std::string dir = TempDir();
+  ShardData d = Random(3, 4, 0, 5, 4);
+  d.slot_meta = {-7, 4, 2, 1, 0, 0, 0, 0, 9, 5, 1, 2};  // slot 1 free
+  d.pending_counts = {-3, 1, 11, 2};
+  auto e = WriteShardFile(dir, Ref("dyn", 1), d);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_TRUE(e->dynamic());
+  EXPECT_EQ(e->pending_counts(), 2);
+  EXPECT_EQ(e->bytes(), 48 + 4 * 3 * 4 + 8 * 12 + 16 * 2);
+  auto back = ReadShardFile(dir, *e);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->slot_meta, d.slot_meta);
+  EXPECT_EQ(back->pending_counts, d.pending_counts);
+  EXPECT_TRUE(VerifyShardFile(dir, *e).ok());
+  // A manifest whose counts disagree with the file, or that gives counts
+  // to a fixed shard, is refused.
+  for (const auto& tamper : std::vector<std::function<void(ember::v1::CheckpointShard*)>>{
+           [](ember::v1::CheckpointShard* m) { m->set_pending_counts(3); },
+           [](ember::v1::CheckpointShard* m) { m->set_pending_counts(-1); },
+           [](ember::v1::CheckpointShard* m) { m->set_dynamic(false); }}) {
+    ember::v1::CheckpointShard bad = *e;
+    tamper(&bad);
+    EXPECT_EQ(ReadShardFile(dir, bad).status().code(), absl::StatusCode::kDataLoss);
+  }
+  // Odd pairs are not written.
+  d.pending_counts.push_back(5);
+  EXPECT_FALSE(WriteShardFile(dir, Ref("dyn", 2), d).ok());
 }
 
 // Verification reports (0, total) first, then the bytes after each file,

@@ -41,6 +41,22 @@ absl::Status RehashTarget::Take(const ember::v1::CheckpointShard& source, const 
     }
     taken.push_back(Row{m.id, m.last_step, m.updates, m.order, static_cast<size_t>(s)});
   }
+  std::vector<int64_t> pending;  // the admission counts this target owns
+  if (data.pending_counts.size() % 2 != 0) {
+    return absl::DataLossError(absl::StrCat(what, ": pending counts are not (id, count) pairs"));
+  }
+  for (size_t k = 0; k < data.pending_counts.size(); k += 2) {
+    const int64_t id = data.pending_counts[k], count = data.pending_counts[k + 1];
+    if (count < 1) {
+      return absl::DataLossError(
+          absl::StrCat(what, ": id ", id, " has a pending count of ", count));
+    }
+    const int64_t row = router.Row(id);
+    if (row < spec_.row_offset || row >= spec_.row_offset + spec_.rows) continue;
+    pending.push_back(id);
+    pending.push_back(count);
+  }
+  pending_.insert(pending_.end(), pending.begin(), pending.end());
   for (Row& r : taken) {
     const size_t s = r.at;
     r.at = rows_.size();

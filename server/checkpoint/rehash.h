@@ -7,7 +7,7 @@
 // LFU: the most updated, then the most recent; then the higher id) and
 // counts the rest as dropped. Rows keep their weights, optimizer state,
 // last update step and update count; the step is the largest source's.
-// Admission counts of ids not yet admitted are not checkpointed.
+// The admission counts of ids not yet admitted go the same way, by id.
 //
 // Thread-safe: no shared state.
 #ifndef EMBER_SERVER_CHECKPOINT_REHASH_H_
@@ -42,6 +42,8 @@ class RehashTarget {
               std::vector<backend::EmbeddingBackend::SlotMeta>* slots, int64_t* dropped) const;
 
   int64_t step() const { return step_; }
+  // The admission counts the target owns, (id, count) int64 pairs.
+  const std::vector<int64_t>& pending_counts() const { return pending_; }
 
  private:
   struct Row {
@@ -52,6 +54,7 @@ class RehashTarget {
   const int64_t state_width_;
   std::vector<Row> rows_;
   std::vector<float> weights_, state_;
+  std::vector<int64_t> pending_;
   int64_t step_ = 0;
 };
 

@@ -72,6 +72,11 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
       resp->add_applied_ids(id);
       resp->add_applied_unix_ms(absl::ToUnixMillis(when));
     }
+    if (spec->is_dynamic) {  // and the ids' admission counts
+      auto pending = backend_->ExportPendingCounts((*shard)->id);
+      if (!pending.ok()) return ToGrpc(pending.status());
+      wire::Encode(absl::Span<const int64_t>(*pending), resp->mutable_pending_counts());
+    }
   }
   return grpc::Status::OK;
 }
@@ -123,9 +128,10 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
                                        const std::vector<float>& state) {
   const bool dynamic = shard.assignment.table().has_dynamic();
   if (!dynamic) {
-    if (!req.slot_meta().empty() || !req.ids().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          RefString(shard.assignment.ref()), " is not a dynamic table's: no slot_meta or ids"));
+    if (!req.slot_meta().empty() || !req.ids().empty() || !req.pending_counts().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(RefString(shard.assignment.ref()),
+                       " is not a dynamic table's: no slot_meta, ids or pending_counts"));
     }
     return backend_->ImportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
   }
@@ -149,8 +155,23 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
   auto spec = backend_->GetShardSpec(shard.id);
   if (!spec.ok()) return spec.status();
   if (absl::Status s = backend::ValidateImport(*spec, b, e, weights, state); !s.ok()) return s;
+  std::vector<int64_t> pending;
+  if (absl::Status s = wire::Decode(req.pending_counts(), "pending_counts", &pending); !s.ok()) {
+    return s;
+  }
+  if (pending.size() % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("pending_counts holds ", pending.size(),
+                                                   " int64s, not (id, count) pairs"));
+  }
+  for (size_t k = 1; k < pending.size(); k += 2) {
+    if (pending[k] < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pending_counts: id ", pending[k - 1], " has a count of ", pending[k], " (>= 1)"));
+    }
+  }
   if (absl::Status s = backend_->ImportSlots(shard.id, b, e, *slots); !s.ok()) return s;
-  return backend_->ImportRows(shard.id, b, e, weights, state);
+  if (absl::Status s = backend_->ImportRows(shard.id, b, e, weights, state); !s.ok()) return s;
+  return pending.empty() ? absl::OkStatus() : backend_->ImportPendingCounts(shard.id, pending);
 }
 
 grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
@@ -212,6 +233,9 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
           return ToGrpc(s);
         }
         d.slot_meta = backend::EmbeddingBackend::PackSlots(slots);
+        auto pending = backend_->ExportPendingCounts(e.id);
+        if (!pending.ok()) return ToGrpc(pending.status());
+        d.pending_counts = *std::move(pending);
       }
       for (const auto& [id, when] : e.applied->Entries()) {
         d.applied_ids.push_back(id);
@@ -369,6 +393,12 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
                                  s.message())));
     }
     if (absl::Status s = backend_->ImportStep(t.id, t.recut.step); !s.ok()) return ToGrpc(s);
+    if (t.rehash != nullptr) {  // the admission counts, as checkpointed (checked by Take)
+      if (absl::Status s = backend_->ImportPendingCounts(t.id, t.rehash->pending_counts());
+          !s.ok()) {
+        return ToGrpc(s);
+      }
+    }
     // A whole-collection load rolls the record back with the rows.
     if (req->only().empty()) *entries[i]->applied = AppliedIds();
     dedup_forgotten_early_.fetch_add(

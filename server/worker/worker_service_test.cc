@@ -1805,7 +1805,40 @@ TEST(WorkerServiceTest, DynamicImportsRefuseMalformedFieldsAndChangeNothing) {
             r->set_weights(wire::Encode<float>(rows));
           }),
           "given twice");
+  // Admission counts: not on a fixed shard; pairs with counts >= 1; a
+  // refused one writes no slot either.
+  auto pending = [&]() {
+    ember::v1::ExportRowsRequest req;
+    req.set_collection("d");
+    req.mutable_shard()->set_table("dyn");
+    req.set_with_applied_ids(true);
+    ember::v1::ExportRowsResponse resp;
+    EXPECT_TRUE(s->ExportRows(nullptr, &req, &resp).ok());
+    std::vector<int64_t> got;
+    EXPECT_TRUE(wire::Decode(resp.pending_counts(), "pending_counts", &got).ok());
+    return got;
+  };
+  refused(import("fixed", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_pending_counts(wire::Encode<int64_t>({7, 1}));
+          }),
+          "is not a dynamic table's");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_pending_counts(wire::Encode<int64_t>({7, 1, 8}));
+          }),
+          "not (id, count) pairs");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_row_end(1);
+            r->set_weights(wire::Encode<float>(row));
+            r->set_slot_meta(wire::Encode<int64_t>({7, 1, 1, 1}));
+            r->set_pending_counts(wire::Encode<int64_t>({8, 0}));
+          }),
+          "(>= 1)");
   EXPECT_EQ(slots(), before);
+  EXPECT_TRUE(pending().empty());
+  ASSERT_TRUE(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+                r->set_pending_counts(wire::Encode<int64_t>({-8, 2, 9, 1}));
+              }).ok());
+  EXPECT_EQ(pending(), (std::vector<int64_t>{-8, 2, 9, 1}));
   ASSERT_TRUE(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
                 r->set_ids(wire::Encode<int64_t>({-7}));
                 r->set_weights(wire::Encode<float>(row));

@@ -288,6 +288,20 @@ class DynamicShardsBackend : public ForwardingBackend {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<std::vector<int64_t>> ExportPendingCounts(ShardId id) const override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::ReaderMutexLock lock(&shard->mu);
+    return shard->index.PendingCounts();
+  }
+
+  absl::Status ImportPendingCounts(ShardId id, absl::Span<const int64_t> packed) override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::MutexLock lock(&shard->mu);
+    return shard->index.RestorePendingCounts(packed);
+  }
+
   absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
     auto shard = Find(id);
     if (shard == nullptr) return NotDynamic(id);

@@ -303,8 +303,18 @@ int64_t DynamicIndex::CountPending(int64_t id, int64_t n) {
     count += n;
     return count;
   }
-  if (sketch_.empty()) sketch_.assign(kSketchRows * kSketchWidth, 0);
   const uint32_t add = static_cast<uint32_t>(std::min<int64_t>(n, 1 << 30));
+  const uint32_t least = SketchAdd(id, add);
+  Change c{Change::kSketch};
+  c.a = id;
+  c.b = add;
+  journal_.push_back(c);
+  stats_.sketch_counts += n;
+  return least;
+}
+
+uint32_t DynamicIndex::SketchAdd(int64_t id, uint32_t add) {
+  if (sketch_.empty()) sketch_.assign(kSketchRows * kSketchWidth, 0);
   uint32_t least = std::numeric_limits<uint32_t>::max();
   for (size_t r = 0; r < kSketchRows; ++r) {
     uint32_t& cell = sketch_[SketchCell(id, r)];
@@ -312,11 +322,6 @@ int64_t DynamicIndex::CountPending(int64_t id, int64_t n) {
                                                              : cell + add;
     least = std::min(least, cell);
   }
-  Change c{Change::kSketch};
-  c.a = id;
-  c.b = add;
-  journal_.push_back(c);
-  stats_.sketch_counts += n;
   return least;
 }
 
@@ -699,6 +704,44 @@ void DynamicIndex::Requeue() {
     lru_.push_back(QEntry{s, version});
     if (config_.eviction == Eviction::kLfu) lfu_[meta_[s].updates].push_back(QEntry{s, version});
   }
+}
+
+std::vector<int64_t> DynamicIndex::PendingCounts() const {
+  std::vector<std::pair<int64_t, int64_t>> sorted(pending_.begin(), pending_.end());
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<int64_t> packed;
+  packed.reserve(2 * sorted.size());
+  for (const auto& [id, count] : sorted) {
+    packed.push_back(id);
+    packed.push_back(count);
+  }
+  return packed;
+}
+
+absl::Status DynamicIndex::RestorePendingCounts(absl::Span<const int64_t> packed) {
+  if (packed.size() % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pending counts hold ", packed.size(), " int64s, not (id, count) pairs"));
+  }
+  for (size_t k = 0; k < packed.size(); k += 2) {
+    if (packed[k + 1] < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("id ", packed[k], " has a pending count of ", packed[k + 1], " (>= 1)"));
+    }
+  }
+  pending_.clear();
+  sketch_.clear();
+  for (size_t k = 0; k < packed.size(); k += 2) {
+    const int64_t id = packed[k], count = packed[k + 1];
+    if (Find(id) >= 0) continue;  // it has a row here: its count is done with
+    if (pending_.contains(id) || static_cast<int64_t>(pending_.size()) < max_pending_) {
+      pending_[id] = count;
+      continue;
+    }
+    SketchAdd(id, static_cast<uint32_t>(std::min<int64_t>(count, 1 << 30)));
+    stats_.sketch_counts += count;
+  }
+  return absl::OkStatus();
 }
 
 void DynamicIndex::Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const {

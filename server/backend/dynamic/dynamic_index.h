@@ -133,6 +133,16 @@ class DynamicIndex {
   // The shard's step (the optimizer's, restored with it).
   void SetStep(int64_t step) { step_ = step; }
 
+  // The exact admission counts of ids without a row, int64 pairs (id,
+  // count >= 1) by ascending id; the sketch's counts (past max_pending_ids)
+  // are not among them. For a move or a checkpoint.
+  std::vector<int64_t> PendingCounts() const;
+  // Replaces the counts by such pairs (a moved or restored shard), between
+  // updates: each id not held gets its count (in the sketch once the exact
+  // counts are full), and the counts before, the sketch's too, are gone.
+  // INVALID_ARGUMENT, nothing changed, for an odd length or a count < 1.
+  absl::Status RestorePendingCounts(absl::Span<const int64_t> packed);
+
  private:
   // 32 bytes, so that a slot's bookkeeping is one line of meta_ (an
   // update reads and writes it for every row it touches).
@@ -206,6 +216,7 @@ class DynamicIndex {
   Created CreateRow(int64_t id, int64_t slot, int64_t step);
   int64_t CountPending(int64_t id, int64_t n);  // the id's count after n more
   int64_t SketchEstimate(int64_t id) const;     // the sketch's count (allocated)
+  uint32_t SketchAdd(int64_t id, uint32_t add);  // its count after `add` more
   void BeginJournal();
   // Drops the queues' stale entries (they keep their order).
   void Compact();

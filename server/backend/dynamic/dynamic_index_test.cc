@@ -131,6 +131,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 1, 0, Eviction::kLru, 20, 3000}, Case{12, 1, 3, Eviction::kLru, 25, 3000},
                       Case{16, 2, 0, Eviction::kLfu, 30, 3000}));
 
+TEST(DynamicIndexTest, PendingCountsMoveToAnotherIndexAndAdmitThere) {
+  DynamicConfig config;
+  config.admit_after = 3;
+  DynamicIndex a(8, config);
+  auto step = [](DynamicIndex* x, std::vector<int64_t> ids) {
+    x->BeginUpdate(ids);
+    x->Commit();
+  };
+  step(&a, {5, 5, -9, 7});  // 5: 2, -9: 1, 7: 1
+  step(&a, {7, 7});          // 7: 3, admitted
+  EXPECT_EQ(a.PendingCounts(), (std::vector<int64_t>{-9, 1, 5, 2}));
+  // Restored elsewhere (7 held there too: its count is done with).
+  DynamicIndex b(8, config);
+  step(&b, {7, 7, 7});
+  step(&b, {11});  // a count the restore replaces
+  ASSERT_TRUE(b.RestorePendingCounts({-9, 1, 5, 2, 7, 2}).ok());
+  EXPECT_EQ(b.PendingCounts(), (std::vector<int64_t>{-9, 1, 5, 2}));
+  EXPECT_EQ(b.Stats().pending_ids, 2);
+  step(&b, {5, -9});  // 5 reaches 3; -9 is at 2
+  EXPECT_EQ(HeldIds(b), (std::vector<int64_t>{5, 7}));
+  step(&b, {-9});
+  EXPECT_EQ(HeldIds(b), (std::vector<int64_t>{-9, 5, 7}));
+  // Refused whole: an odd length, a count below 1.
+  const std::vector<int64_t> before = a.PendingCounts();
+  EXPECT_EQ(a.RestorePendingCounts({1, 2, 3}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.RestorePendingCounts({1, 2, 3, 0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.PendingCounts(), before);
+}
+
 TEST(DynamicIndexTest, EvictionOrderSurvivesCompactingTheQueues) {
   // Rows 2, 3, 4 stay unwritten while row 1 is written 6,000 times: the
   // queues pass their compaction bound (3 x held + 4096 entries) and are
