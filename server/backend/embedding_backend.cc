@@ -556,6 +556,19 @@ absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ExportPendingCounts(Shard
 absl::Status EmbeddingBackend::ImportPendingCounts(ShardId, absl::Span<const int64_t>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }
+absl::Status EmbeddingBackend::CheckPendingCounts(absl::Span<const int64_t> packed) {
+  if (packed.size() % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pending counts hold ", packed.size(), " int64s, not (id, count) pairs"));
+  }
+  for (size_t k = 0; k < packed.size(); k += 2) {
+    if (packed[k + 1] < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("id ", packed[k], " has a pending count of ", packed[k + 1], " (>= 1)"));
+    }
+  }
+  return absl::OkStatus();
+}
 absl::Status EmbeddingBackend::ImportIds(ShardId, absl::Span<const int64_t>, absl::Span<const float>,
                                          absl::Span<const float>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));

@@ -303,6 +303,9 @@ class EmbeddingBackend {
   // length or a count < 1.
   virtual absl::StatusOr<std::vector<int64_t>> ExportPendingCounts(ShardId shard) const;
   virtual absl::Status ImportPendingCounts(ShardId shard, absl::Span<const int64_t> packed);
+  // Such counts well formed: (id, count) pairs, every count >= 1; else
+  // INVALID_ARGUMENT saying which.
+  static absl::Status CheckPendingCounts(absl::Span<const int64_t> packed);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
   // SlotMeta on the wire and on disk: int64 [n, kSlotMetaFields] (id,

@@ -42,15 +42,12 @@ absl::Status RehashTarget::Take(const ember::v1::CheckpointShard& source, const 
     taken.push_back(Row{m.id, m.last_step, m.updates, m.order, static_cast<size_t>(s)});
   }
   std::vector<int64_t> pending;  // the admission counts this target owns
-  if (data.pending_counts.size() % 2 != 0) {
-    return absl::DataLossError(absl::StrCat(what, ": pending counts are not (id, count) pairs"));
+  if (absl::Status s = backend::EmbeddingBackend::CheckPendingCounts(data.pending_counts);
+      !s.ok()) {
+    return absl::DataLossError(absl::StrCat(what, ": ", s.message()));
   }
   for (size_t k = 0; k < data.pending_counts.size(); k += 2) {
     const int64_t id = data.pending_counts[k], count = data.pending_counts[k + 1];
-    if (count < 1) {
-      return absl::DataLossError(
-          absl::StrCat(what, ": id ", id, " has a pending count of ", count));
-    }
     const int64_t row = router.Row(id);
     if (row < spec_.row_offset || row >= spec_.row_offset + spec_.rows) continue;
     pending.push_back(id);

@@ -159,15 +159,8 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
   if (absl::Status s = wire::Decode(req.pending_counts(), "pending_counts", &pending); !s.ok()) {
     return s;
   }
-  if (pending.size() % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("pending_counts holds ", pending.size(),
-                                                   " int64s, not (id, count) pairs"));
-  }
-  for (size_t k = 1; k < pending.size(); k += 2) {
-    if (pending[k] < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "pending_counts: id ", pending[k - 1], " has a count of ", pending[k], " (>= 1)"));
-    }
+  if (absl::Status s = backend::EmbeddingBackend::CheckPendingCounts(pending); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("pending_counts: ", s.message()));
   }
   if (absl::Status s = backend_->ImportSlots(shard.id, b, e, *slots); !s.ok()) return s;
   if (absl::Status s = backend_->ImportRows(shard.id, b, e, weights, state); !s.ok()) return s;

@@ -421,8 +421,6 @@ class DynamicShardsBackend : public ForwardingBackend {
     return absl::InvalidArgumentError(absl::StrCat("shard ", id, " is not a dynamic shard"));
   }
 
-  // Writes the created rows' initial values and fresh state, keeping what
-  // reused slots held in *undo first.
   // The rows `created` gets: their initial values and fresh state, in one
   // write; the rows of reused slots (evicted now) kept in `undo` first.
   absl::Status WriteCreated(ShardId id, const Shard& shard,

@@ -75,11 +75,13 @@ size_t DynamicIndex::Home(int64_t id) const {
   return math::Mix64(static_cast<uint64_t>(id) ^ kIndexSalt) & mask_ & ~(kLineEntries - 1);
 }
 
-int64_t DynamicIndex::Find(int64_t id) const {
-  for (size_t i = Home(id);; i = (i + 1) & mask_) {
-    const int64_t slot = SlotAt(i);
+int64_t DynamicIndex::Find(int64_t id) const { return ProbeFrom(Home(id), id); }
+
+int64_t DynamicIndex::ProbeFrom(size_t at, int64_t id) const {
+  for (;; at = (at + 1) & mask_) {
+    const int64_t slot = SlotAt(at);
     if (slot < 0) return -1;
-    if (IdAt(i) == id) return slot;
+    if (IdAt(at) == id) return slot;
   }
 }
 
@@ -137,16 +139,8 @@ void DynamicIndex::FindAll(absl::Span<const int64_t> ids, int64_t missing, int64
   // line prefetched by pass 1).
   for (size_t k = 0; k < unresolved; ++k) {
     const size_t i = rest[k];
-    int64_t s = missing;
-    for (size_t at = (Home(ids[i]) + kLineEntries) & mask_;; at = (at + 1) & mask_) {
-      const int64_t slot = SlotAt(at);
-      if (slot < 0) break;
-      if (IdAt(at) == ids[i]) {
-        s = slot;
-        break;
-      }
-    }
-    slots[i] = s;
+    const int64_t s = ProbeFrom((Home(ids[i]) + kLineEntries) & mask_, ids[i]);
+    slots[i] = s >= 0 ? s : missing;
   }
 }
 
@@ -719,16 +713,7 @@ std::vector<int64_t> DynamicIndex::PendingCounts() const {
 }
 
 absl::Status DynamicIndex::RestorePendingCounts(absl::Span<const int64_t> packed) {
-  if (packed.size() % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pending counts hold ", packed.size(), " int64s, not (id, count) pairs"));
-  }
-  for (size_t k = 0; k < packed.size(); k += 2) {
-    if (packed[k + 1] < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("id ", packed[k], " has a pending count of ", packed[k + 1], " (>= 1)"));
-    }
-  }
+  if (absl::Status s = EmbeddingBackend::CheckPendingCounts(packed); !s.ok()) return s;
   pending_.clear();
   sketch_.clear();
   for (size_t k = 0; k < packed.size(); k += 2) {

@@ -184,6 +184,8 @@ class DynamicIndex {
   };
 
   size_t Home(int64_t id) const;
+  // The slot of `id`, probing from entry `at` on (linear probing), or -1.
+  int64_t ProbeFrom(size_t at, int64_t id) const;
   const Line& LineOf(size_t entry) const { return lines_[entry / kLineEntries]; }
   int64_t IdAt(size_t entry) const { return LineOf(entry).id[entry % kLineEntries]; }
   int64_t SlotAt(size_t entry) const { return LineOf(entry).slot[entry % kLineEntries]; }
