@@ -136,6 +136,10 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
     return backend_->ImportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
   }
   if (!req.ids().empty()) {  // rows by id
+    if (!req.slot_meta().empty() || !req.pending_counts().empty()) {
+      return absl::InvalidArgumentError(
+          "an import by ids takes no slot_meta or pending_counts (those come with slots: a move)");
+    }
     std::vector<int64_t> ids;
     if (absl::Status s = wire::Decode(req.ids(), "ids", &ids); !s.ok()) return s;
     return backend_->ImportIds(shard.id, ids, weights, state);

@@ -1827,6 +1827,12 @@ TEST(WorkerServiceTest, DynamicImportsRefuseMalformedFieldsAndChangeNothing) {
           }),
           "not (id, count) pairs");
   refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_ids(wire::Encode<int64_t>({7}));
+            r->set_weights(wire::Encode<float>(row));
+            r->set_pending_counts(wire::Encode<int64_t>({8, 1}));
+          }),
+          "takes no slot_meta or pending_counts");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
             r->set_row_end(1);
             r->set_weights(wire::Encode<float>(row));
             r->set_slot_meta(wire::Encode<int64_t>({7, 1, 1, 1}));
