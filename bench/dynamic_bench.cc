@@ -1,9 +1,11 @@
 // dynamic_bench: a dynamic (hash-keyed) table against the fixed table it
-// stands beside, in one run: the same rows, dims, ids and threads, the CPU
-// backend under both (the dynamic one through WithDynamicShards). A
-// benchmark, not a test.
+// stands beside, in one run: the same rows, dims, ids and threads, one
+// backend under both (the dynamic one through WithDynamicShards): the CPU
+// backend, or with --backend=cuda the CUDA backend on GPU 0, which finds
+// the dynamic table's ids on the device (FindsKeys; host ids and outputs,
+// so each call's copies are timed too). A benchmark, not a test.
 //
-//   bazel run -c opt //bench:dynamic_bench -- --rows=1000000 --dim=64 --threads=1
+//   bazel run -c opt //bench:dynamic_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --threads=1
 //       --distribution=uniform|zipf [--batch=2048 --pooling_factor=20 --iters=20 --id_sets=8]
 //       [--new_fraction=0.1] [--format=table|json]
 //
@@ -34,9 +36,11 @@
 #include "absl/time/time.h"
 #include "gflags/gflags.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/dynamic/dynamic_index.h"
 
+DEFINE_string(backend, "cpu", "cpu, or cuda (GPU 0).");
 DEFINE_int64(rows, 1000000, "Rows of each table (the dynamic one's capacity and ids held).");
 DEFINE_int32(dim, 64, "Embedding dimension.");
 DEFINE_int32(batch, 2048, "Bags per call.");
@@ -92,17 +96,22 @@ int main(int argc, char** argv) {
   if (FLAGS_rows <= 0 || FLAGS_dim <= 0 || FLAGS_batch <= 0 || FLAGS_pooling_factor <= 0 ||
       FLAGS_iters <= 0 || FLAGS_id_sets <= 0 || FLAGS_new_fraction < 0 ||
       FLAGS_new_fraction > 1 || (FLAGS_distribution != "uniform" && FLAGS_distribution != "zipf") ||
-      (FLAGS_format != "table" && FLAGS_format != "json")) {
+      (FLAGS_format != "table" && FLAGS_format != "json") ||
+      (FLAGS_backend != "cpu" && FLAGS_backend != "cuda")) {
     std::fprintf(stderr, "dynamic_bench: bad flags (see --help)\n");
     return 2;
   }
-  eb::CpuBackendOptions o;
-  o.num_threads = FLAGS_threads;
-  auto fixed_be = eb::CreateCpuBackend(o);
-  Die(fixed_be.status(), "cpu backend");
-  auto cpu = eb::CreateCpuBackend(o);
-  Die(cpu.status(), "cpu backend");
-  auto dyn_be = eb::WithDynamicShards(*std::move(cpu));
+  auto make = []() -> absl::StatusOr<std::unique_ptr<eb::EmbeddingBackend>> {
+    if (FLAGS_backend == "cuda") return eb::CreateCudaBackend({});
+    eb::CpuBackendOptions o;
+    o.num_threads = FLAGS_threads;
+    return eb::CreateCpuBackend(o);
+  };
+  auto fixed_be = make();
+  Die(fixed_be.status(), "backend");
+  auto inner = make();
+  Die(inner.status(), "backend");
+  auto dyn_be = eb::WithDynamicShards(*std::move(inner));
   auto fixed = (*fixed_be)->CreateShard(Spec(false));
   Die(fixed.status(), "fixed shard");
   auto dyn = dyn_be->CreateShard(Spec(true));
@@ -228,20 +237,21 @@ int main(int argc, char** argv) {
       16.0 * static_cast<double>(st.index_slots) / FLAGS_rows;
   if (FLAGS_format == "json") {
     std::printf(
-        "{\"rows\": %lld, \"dim\": %d, \"threads\": %d, \"distribution\": \"%s\", "
+        "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"threads\": %d, "
+        "\"distribution\": \"%s\", "
         "\"lookup_fixed\": %.0f, \"lookup_dynamic\": %.0f, \"lookup_ratio\": %.3f, "
         "\"update_fixed\": %.0f, \"update_dynamic\": %.0f, \"update_ratio\": %.3f, "
         "\"admit_dynamic\": %.0f, \"admit_ratio\": %.3f, \"new_fraction\": %.2f, "
         "\"find\": %.0f, \"touch\": %.0f, \"insert\": %.0f, \"bytes_per_row_fixed\": %.1f, "
         "\"bytes_per_row_dynamic\": %.1f}\n",
-        static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads, FLAGS_distribution.c_str(),
-        lookup_fixed, lookup_dyn, lookup_dyn / lookup_fixed, update_fixed, update_dyn,
+        FLAGS_backend.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads,
+        FLAGS_distribution.c_str(), lookup_fixed, lookup_dyn, lookup_dyn / lookup_fixed, update_fixed, update_dyn,
         update_dyn / update_fixed, admit_dyn, admit_dyn / update_fixed, FLAGS_new_fraction, find,
         touch, insert, row_bytes, dyn_row_bytes);
     return 0;
   }
-  std::printf("rows %lld, dim %d, %d thread(s), %s ids, %d x %d ids a call\n",
-              static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads,
+  std::printf("%s backend, rows %lld, dim %d, %d thread(s), %s ids, %d x %d ids a call\n",
+              FLAGS_backend.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads,
               FLAGS_distribution.c_str(), FLAGS_batch, FLAGS_pooling_factor);
   std::printf("  lookup   fixed %8.1f M keys/s   dynamic %8.1f M keys/s   ratio %.3f\n",
               lookup_fixed / 1e6, lookup_dyn / 1e6, lookup_dyn / lookup_fixed);

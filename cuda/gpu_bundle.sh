@@ -12,7 +12,7 @@ targets=(server/backend/cuda/cuda_backend_test cuda/device_query_test
          server/backend/cuda/cuda_fault_test server/backend/cuda/emulation_match_test
          link/peer_link_test
          server/backend/backend_parity_test server/backend/embedding_math_test
-         bench/kernel_bench bench/service_bench cli/emberctl)
+         bench/kernel_bench bench/dynamic_bench bench/service_bench cli/emberctl)
 labels=()
 for t in "${targets[@]}"; do labels+=("//${t%/*}:${t##*/}"); done
 bazel build -c opt "${labels[@]}" 2>&1 | tail -n 2 >&2
@@ -37,7 +37,8 @@ cat >"$dir/run.sh" <<'RUN'
 # Runs on the GPU machine, step by step ($STEPS, in this order by default):
 #   tests       the bundled tests, plain (gtest XML and logs in OUT)
 #   bench       kernel_bench on the CUDA backend (dims, dtypes, optimizers,
-#               zipf, MEAN, --callers) and the CPU backend, and fp16 against
+#               zipf, MEAN, --callers) and the CPU backend, dynamic_bench
+#               (dynamic tables against fixed ones) on both, and fp16 against
 #               fp32 weights on the CPU backend past the caches (kernel_ab.py)
 #   service     service_bench with CUDA and CPU workers (emberctl up on
 #               127.0.0.1)
@@ -93,6 +94,19 @@ step_bench() {
     bench --backend=cuda --batch=16384 $args
   done
   echo "kernel_bench: $(wc -l <"$out/kernel_bench.jsonl") runs in OUT/kernel_bench.jsonl"
+  # Dynamic (hash-keyed) tables against fixed ones on each backend: the CUDA
+  # backend finds the ids on the device (find + gather, keys/s).
+  for config in "cuda 1" "cpu 16"; do
+    set -- $config
+    for rows in 1000000 10000000; do
+      for dist in uniform zipf; do
+        timeout 240 "$here/dynamic_bench" --backend="$1" --threads="$2" --rows="$rows" --dim=64 \
+          --batch=16384 --distribution="$dist" --format=json >>"$out/dynamic_bench.jsonl" \
+          2>>"$out/dynamic_bench.err" || rc=1
+      done
+    done
+  done
+  echo "dynamic_bench: $(wc -l <"$out/dynamic_bench.jsonl") runs in OUT/dynamic_bench.jsonl"
   # fp16 weights read half the bytes: forward against fp32 on a table far
   # past the caches, timed in turn (bench/kernel_ab.py), 1 and 16 threads.
   for threads in 1 16; do

@@ -24,12 +24,23 @@
 #include "cuda/warp.h"
 #include "math/embedding_math.h"
 #include "math/half.h"
+#include "math/key_index.h"
 
 namespace ember {
 namespace cuda {
 namespace kernels {
 
 namespace math = backend::math;
+
+// A keyed lookup's id `e` replaced by its slot in a dynamic shard's key
+// index (math/key_index.h's probe, as DynamicIndex::Find), or `missing`.
+// One thread a key: an id's home line is 64 bytes, two 32-byte sectors
+// read once; at the index's load (at most half full) about 4% of keys
+// probe on into the next line.
+EMBER_KERNEL void KeyFindOne(int64_t e, int64_t* ids, const math::KeyLine* lines, uint64_t mask,
+                             int64_t missing) {
+  ids[e] = math::KeyProbe(lines, mask, ids[e], missing);
+}
 
 // Integer codes of the enums (backend::WeightType, backend::Pooling).
 constexpr int32_t kFp16 = 1;

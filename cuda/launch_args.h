@@ -104,6 +104,17 @@ struct MeasureLaunch {
   unsigned int* out = nullptr;   // [3]
 };
 
+// A keyed lookup's ids found in the copy of a dynamic shard's key index
+// (math/key_index.h), in place: each of ids[0, n) becomes its slot, or
+// `missing` for a key without one (kernel_bodies.h's KeyFindOne).
+struct KeyFindLaunch {
+  int64_t* ids = nullptr;
+  int64_t n = 0;
+  const kernels::math::KeyLine* lines = nullptr;
+  uint64_t mask = 0;  // the index's entries - 1
+  int64_t missing = 0;
+};
+
 // The update steps' arguments (kernel_bodies.h) once the pairs are sorted
 // and the runs found.
 inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t* sorted_keys,

@@ -115,6 +115,12 @@ __global__ void __launch_bounds__(kBlockThreads) MeasureKernel(MeasureLaunch a, 
   }
 }
 
+__global__ void __launch_bounds__(kBlockThreads) KeyFindKernel(KeyFindLaunch a) {
+  for (int64_t e = ThreadIndex(); e < a.n; e += ThreadCount()) {
+    kernels::KeyFindOne(e, a.ids, a.lines, a.mask, a.missing);
+  }
+}
+
 __global__ void FaultKernel(float* p) { *p = 1.0f; }
 
 __global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
@@ -240,6 +246,12 @@ cudaError_t LaunchMeasure(const MeasureLaunch& a, int max_blocks, cudaStream_t s
   const int64_t total = a.rows * (a.dim + a.state_width);
   if (total <= 0) return cudaSuccess;
   MeasureKernel<<<ThreadBlocks(total, max_blocks), kBlockThreads, 0, stream>>>(a, total);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchKeyFind(const KeyFindLaunch& a, int max_blocks, cudaStream_t stream) {
+  if (a.n <= 0) return cudaSuccess;
+  KeyFindKernel<<<ThreadBlocks(a.n, max_blocks), kBlockThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

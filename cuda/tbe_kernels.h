@@ -40,6 +40,9 @@ cudaError_t LaunchBackward(const BackwardLaunch& a, int max_blocks, cudaStream_t
 // every element): the first bad one's number, if any, in *a.first_bad.
 cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStream_t stream);
 
+// A keyed lookup's ids to slots in place (launch_args.h's KeyFindLaunch).
+cudaError_t LaunchKeyFind(const KeyFindLaunch& a, int max_blocks, cudaStream_t stream);
+
 // p[0, n) = value.
 // Measures a shard's values (launch_args.h's MeasureLaunch).
 cudaError_t LaunchMeasure(const MeasureLaunch& a, int max_blocks, cudaStream_t stream);

@@ -63,6 +63,13 @@ cudaError_t LaunchMeasure(const MeasureLaunch& a, int, cudaStream_t stream) {
   });
 }
 
+cudaError_t LaunchKeyFind(const KeyFindLaunch& a, int, cudaStream_t stream) {
+  if (a.n <= 0) return cudaSuccess;
+  return Launch(stream, [a] {
+    for (int64_t e = 0; e < a.n; ++e) kernels::KeyFindOne(e, a.ids, a.lines, a.mask, a.missing);
+  });
+}
+
 cudaError_t LaunchFill(float* p, int64_t n, float value, int, cudaStream_t stream) {
   return Launch(stream, [p, n, value] {
     for (int64_t i = 0; i < n; ++i) p[i] = value;

@@ -1459,6 +1459,82 @@ TEST_P(BackendParityTest, DynamicShardsMatchTheCpuBackends) {
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendParityTest, testing::ValuesIn(AvailableBackends()),
                          [](const testing::TestParamInfo<BackendParam>& info) { return info.param.name; });
 
+#if __has_include(<cuda_runtime_api.h>)
+// A backend that finds keys itself (the CUDA backend, on the device) takes
+// a dynamic shard's lookup ids in device memory, as a link channel hands
+// them, and answers as the CPU backend does for the same ids on the host;
+// an update's ids on the device are still refused, with nothing applied.
+// (The CUDA backend, whole and in pieces: over the host runtime in
+// backend_parity_on_host_test, on a GPU where one is visible.)
+void ExpectDynamicLookupIdsOnTheDevice(const BackendParam& param) {
+  SCOPED_TRACE(param.name);
+  auto made = param.make();
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_TRUE((*made)->FindsKeys());
+  auto owned = WithDynamicShards(*std::move(made));
+  EmbeddingBackend* host = owned.get();
+  DeviceInputsBackend device(std::move(owned));
+  auto cpu = CreateCpuBackend(CpuBackendOptions());
+  ASSERT_TRUE(cpu.ok());
+  auto ref = WithDynamicShards(*std::move(cpu));
+  ShardSpec spec = MakeSpec(16, 8, WeightType::kFp32, OptimizerType::kSgd);
+  spec.is_dynamic = true;
+  spec.dynamic.eviction = Eviction::kLru;
+  auto a = device.CreateShard(spec);
+  auto b = ref->CreateShard(spec);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::mt19937_64 rng(17);
+  std::vector<int64_t> universe;
+  for (int i = 0; i < 40; ++i) universe.push_back(static_cast<int64_t>(rng()));
+  auto draw = [&](int bags) {
+    Jagged j;
+    for (int bag = 0; bag < bags; ++bag) {
+      j.lengths.push_back(static_cast<int64_t>(rng() % 5));
+      for (int64_t k = 0; k < j.lengths.back(); ++k) j.ids.push_back(universe[rng() % 40]);
+    }
+    return j;
+  };
+  auto expect_same_lookups = [&](const std::string& when) {
+    const Jagged j = draw(6);
+    std::vector<float> out_a(6 * 8), out_b(6 * 8);
+    ASSERT_TRUE(device.Lookup({LookupRequest{Feature(*a, Pooling::kSum, j), absl::MakeSpan(out_a)}})
+                    .ok());
+    ASSERT_TRUE(ref->Lookup({LookupRequest{Feature(*b, Pooling::kSum, j), absl::MakeSpan(out_b)}})
+                    .ok());
+    for (size_t i = 0; i < out_a.size(); ++i) {
+      ASSERT_NEAR(out_a[i], out_b[i], 1e-5 * (1 + std::abs(out_b[i]))) << when << " at " << i;
+    }
+  };
+  for (int step = 0; step < 12; ++step) {  // 40 ids through 16 rows: evictions too
+    const Jagged j = draw(4);
+    std::vector<float> grad(4 * 8);
+    for (float& g : grad) g = static_cast<float>(static_cast<int>(rng() % 9) - 4) * 0.25f;
+    ASSERT_TRUE(host->ApplyGradients({GradientRequest{Feature(*a, Pooling::kSum, j), grad}}).ok());
+    ASSERT_TRUE(ref->ApplyGradients({GradientRequest{Feature(*b, Pooling::kSum, j), grad}}).ok());
+    expect_same_lookups(absl::StrCat("step ", step));
+  }
+  const Jagged j = draw(4);
+  std::vector<float> grad(4 * 8, 1.0f);
+  const absl::Status refused =
+      device.ApplyGradients({GradientRequest{Feature(*a, Pooling::kSum, j), grad}});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("host memory"), std::string::npos) << refused;
+  expect_same_lookups("after the refused update");
+}
+
+TEST(DynamicOnDeviceTest, LookupIdsOnTheDeviceMatchTheCpuBackend) {
+  int tried = 0;
+  for (const BackendParam& param : AvailableBackends()) {
+    auto made = param.make();
+    if (!made.ok() || (*made)->OutputMemory() != EmbeddingBackend::Memory::kCudaDevice) continue;
+    ExpectDynamicLookupIdsOnTheDevice(param);
+    ++tried;
+  }
+  if (tried == 0) GTEST_SKIP() << "no backend here holds shards on a CUDA device";
+}
+#endif
+
 // With skip_overflow the rows whose update would overflow are left as they
 // were and counted, and the rest of the call applies as the formulas say:
 // the CPU backend and the CUDA kernels' emulation (whole and in pieces).

@@ -556,6 +556,31 @@ absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ExportPendingCounts(Shard
 absl::Status EmbeddingBackend::ImportPendingCounts(ShardId, absl::Span<const int64_t>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }
+absl::Status EmbeddingBackend::SyncKeyIndex(ShardId, const math::KeyLine*, int64_t,
+                                           absl::Span<const int64_t>) {
+  return absl::UnimplementedError(absl::StrCat(Name(), " does not find keys itself"));
+}
+absl::Status CheckKeySync(const math::KeyLine* lines, int64_t count,
+                          absl::Span<const int64_t> changed) {
+  if (lines == nullptr || count <= 0 || (count & (count - 1)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a key index is a power of two of lines (got ", count, ")"));
+  }
+  for (size_t k = 0; k < changed.size(); ++k) {
+    if (changed[k] < 0 || changed[k] >= count || (k > 0 && changed[k] <= changed[k - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "changed key line ", changed[k], " (entry ", k, ") is out of order or outside [0, ",
+          count, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NoKeyIndex(const std::string& what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, ": keyed ids, but the shard's key index was never synced"));
+}
+
 absl::Status EmbeddingBackend::CheckPendingCounts(absl::Span<const int64_t> packed) {
   if (packed.size() % 2 != 0) {
     return absl::InvalidArgumentError(

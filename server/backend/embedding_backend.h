@@ -60,6 +60,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "math/embedding_math.h"
+#include "math/key_index.h"
 
 namespace ember {
 namespace backend {
@@ -169,6 +170,11 @@ struct FeatureRequest {
   // checks the values on the device before anything runs; every request of
   // a call alike; the others refuse it.
   bool on_device = false;
+  // Lookups only, of a backend that FindsKeys: the ids are any int64 keys
+  // of a dynamic shard, which the backend finds in its copy of the shard's
+  // key index (SyncKeyIndex); a key without a row reads the shard's last
+  // row (the dynamic shard's zero slot). Ids are then not range-checked.
+  bool keyed = false;
 };
 
 struct LookupRequest {
@@ -268,6 +274,21 @@ class EmbeddingBackend {
                                     absl::Span<const float> state);
   virtual absl::StatusOr<int64_t> ExportStep(ShardId shard) const = 0;
   virtual absl::Status ImportStep(ShardId shard, int64_t step) = 0;
+
+  // Whether Lookup takes keyed requests (FeatureRequest::keyed): the backend
+  // finds a dynamic shard's ids itself, in a copy of its key index that
+  // SyncKeyIndex keeps (the CUDA backend: in device memory, so that ids on
+  // the device never come to the host). False here.
+  virtual bool FindsKeys() const { return false; }
+  // Brings shard `shard`'s copy of its key index up to date from `lines`
+  // (`count` lines of math/key_index.h's layout): whole when the copy has
+  // another line count or there is none yet, else the lines `changed`
+  // names (ascending, each < count). Lookups that follow find with it.
+  // The copy counts against the backend's memory (RESOURCE_EXHAUSTED when
+  // it does not fit; the shard then keeps the copy it had) and goes with
+  // the shard. UNIMPLEMENTED unless FindsKeys().
+  virtual absl::Status SyncKeyIndex(ShardId shard, const math::KeyLine* lines, int64_t count,
+                                    absl::Span<const int64_t> changed);
 
   // Dynamic shards (ShardSpec::is_dynamic): their rows are slots
   // [0, rows), read and written by ExportRows / ImportRows as any shard's;
@@ -444,6 +465,14 @@ absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSp
                               Checks checks = Checks::kAll, bool device_memory = false,
                               absl::Span<float> grad_max_abs = {});
 
+// SyncKeyIndex's arguments: `count` lines (a power of two) at `lines`,
+// `changed` ascending and each in [0, count); else INVALID_ARGUMENT.
+absl::Status CheckKeySync(const math::KeyLine* lines, int64_t count,
+                          absl::Span<const int64_t> changed);
+// FAILED_PRECONDITION for a keyed lookup (`what`: its RequestWhat) on a
+// shard whose key index was never synced.
+absl::Status NoKeyIndex(const std::string& what);
+
 // The prefix ValidateRequests gives request `index`'s messages: "lookup
 // request 3 (table 't')" / "gradient request 3 (table 't')".
 std::string RequestWhat(const char* kind, size_t index, const ShardSpec& spec);
@@ -491,6 +520,8 @@ inline int64_t Stride(const LookupRequest& r) { return r.output_stride; }
 inline int64_t Stride(const GradientRequest&) { return 0; }
 inline bool OnDevice(const LookupRequest& r) { return r.output_on_device; }
 inline bool OnDevice(const GradientRequest&) { return false; }
+inline bool IsLookup(const LookupRequest&) { return true; }
+inline bool IsLookup(const GradientRequest&) { return false; }
 // A gradient's values must be finite (NaN/Inf would poison rows and
 // optimizer state for good); a lookup's output is written, not read.
 inline absl::Status CheckInputFloats(const LookupRequest&, const std::string&, float*) {
@@ -536,8 +567,14 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": inputs on the device and in host memory in one call"));
     }
-    // Values on the device are the backend's to check.
-    const Checks values = f.on_device ? Checks::kShapesOnly : checks;
+    if (f.keyed && !IsLookup(requests[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": keyed ids are for lookups, not updates"));
+    }
+    // Values on the device are the backend's to check; keys are any int64.
+    const Checks values = f.on_device                        ? Checks::kShapesOnly
+                          : f.keyed && checks == Checks::kAll ? Checks::kAllButIds
+                                                              : checks;
     if (absl::Status s =
             ValidateRequest(f, *spec, DenseFloats(requests[i]), what, buffer, values, stride);
         !s.ok()) {

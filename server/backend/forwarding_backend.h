@@ -79,6 +79,11 @@ class ForwardingBackend : public EmbeddingBackend {
   absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
     return inner_->GetDynamicStats(id);
   }
+  bool FindsKeys() const override { return inner_->FindsKeys(); }
+  absl::Status SyncKeyIndex(ShardId id, const math::KeyLine* lines, int64_t count,
+                            absl::Span<const int64_t> changed) override {
+    return inner_->SyncKeyIndex(id, lines, count, changed);
+  }
   int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
   std::string Name() const override { return inner_->Name(); }
   absl::Status Health() const override { return inner_->Health(); }

@@ -448,9 +448,16 @@ struct Shard {
   backend::ValueBounds bounds;  // what its values stay within (overflow_guard.h)
   bool guard = false;           // this call checks its rows first
   backend::ValueBounds after;   // its bounds after this call, when not guarded
+  // A dynamic shard's key index, copied (SyncKeyIndex): key_line_count
+  // lines of math/key_index.h's layout; none until the first sync.
+  DeviceBuffer key_lines;
+  int64_t key_line_count = 0;
 
   int64_t RowBytes() const { return spec.dim * elem_bytes; }
   int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
+  int64_t KeyBytes() const {
+    return key_line_count * static_cast<int64_t>(sizeof(backend::math::KeyLine));
+  }
 };
 
 class CudaBackend : public EmbeddingBackend {
@@ -626,13 +633,53 @@ class CudaBackend : public EmbeddingBackend {
       return cuda::CudaErrorToStatus(err, "cudaStreamSynchronize");
     }
     auto shard = shards_.Remove(id);
-    budget_.Release((*shard)->Bytes());
+    budget_.Release((*shard)->Bytes() + (*shard)->KeyBytes());
     return absl::OkStatus();
   }
 
   absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
     absl::MutexLock lock(&mu_);
     return shards_.Spec(id);
+  }
+
+  // The copy is written on the data stream, so the lookups queued before
+  // a sync find with the index as it was, those after with the new one.
+  // Pageable host memory: each copy has read its lines when it returns.
+  absl::Status DoSyncKeyIndex(ShardId id, const backend::math::KeyLine* lines, int64_t count,
+                              absl::Span<const int64_t> changed) {
+    absl::MutexLock lock(&mu_);
+    Shard* shard = FindShard(id);
+    if (shard == nullptr) return ShardNotFound(id);
+    if (absl::Status s = backend::CheckKeySync(lines, count, changed); !s.ok()) return s;
+    if (absl::Status s = Activate(); !s.ok()) return s;
+    const size_t line = sizeof(backend::math::KeyLine);
+    char* to = shard->key_lines.get();
+    if (shard->key_line_count != count) {
+      // Kernels queued before may still read the old copy.
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      budget_.Release(shard->KeyBytes());
+      shard->key_lines.Reset();
+      shard->key_line_count = 0;
+      const int64_t bytes = count * static_cast<int64_t>(line);
+      if (absl::Status s = budget_.Reserve(bytes, shard->spec.table); !s.ok()) return s;
+      if (absl::Status s = shard->key_lines.Allocate(static_cast<size_t>(bytes)); !s.ok()) {
+        budget_.Release(bytes);
+        return s;
+      }
+      shard->key_line_count = count;
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(shard->key_lines.get(), lines, bytes,
+                                                 cudaMemcpyHostToDevice, stream_));
+      return absl::OkStatus();
+    }
+    // Runs of consecutive lines, a copy each.
+    for (size_t k = 0; k < changed.size();) {
+      size_t e = k + 1;
+      while (e < changed.size() && changed[e] == changed[e - 1] + 1) ++e;
+      EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(to + changed[k] * line, lines + changed[k],
+                                                 (e - k) * line, cudaMemcpyHostToDevice, stream_));
+      k = e;
+    }
+    return absl::OkStatus();
   }
 
   // A data call holds a staging slot throughout, queues its work under
@@ -677,6 +724,12 @@ class CudaBackend : public EmbeddingBackend {
                                            /*strided_outputs=*/true, /*device_memory=*/true);
         !st.ok()) {
       return st;
+    }
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const FeatureRequest& f = requests[i].feature;
+      if (f.keyed && FindShard(f.shard)->key_line_count == 0) {
+        return backend::NoKeyIndex(RequestWhat("lookup", i, FindShard(f.shard)->spec));
+      }
     }
     const LookupPlan plan = PlanLookup(requests, Resolver());
     // No bags and no ids anywhere: every output is empty.
@@ -951,6 +1004,22 @@ class CudaBackend : public EmbeddingBackend {
       return st;
     }
     if (absl::Status st = up.Flush(l.in_bytes); !st.ok()) return st;
+    // Keys to slots, in place in the staged ids, before the gather.
+    int64_t id_at = 0;
+    for (const LookupRequest& r : requests) {
+      const FeatureRequest& f = r.feature;
+      if (f.keyed && !f.ids.empty()) {
+        const Shard* shard = FindShard(f.shard);
+        cuda::KeyFindLaunch k;
+        k.ids = At<int64_t>(d, l.ids) + id_at;
+        k.n = static_cast<int64_t>(f.ids.size());
+        k.lines = reinterpret_cast<const backend::math::KeyLine*>(shard->key_lines.get());
+        k.mask = static_cast<uint64_t>(shard->key_line_count) * backend::math::kKeyLineEntries - 1;
+        k.missing = shard->spec.rows - 1;
+        EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchKeyFind(k, max_blocks_, stream_));
+      }
+      id_at += static_cast<int64_t>(f.ids.size());
+    }
     cuda::LookupLaunch a;
     a.item_begin = At<const int64_t>(d, l.item_begin);
     a.descs = At<const cuda::LookupDesc>(d, l.descs);
@@ -1170,6 +1239,14 @@ class CudaBackend : public EmbeddingBackend {
 
   int64_t AvailableBytes() const override { return budget_.Available(); }
 
+  // Keyed lookups find their ids on the device (KeyFindOne), in the copy
+  // of the shard's key index kept here.
+  bool FindsKeys() const override { return true; }
+  absl::Status SyncKeyIndex(ShardId id, const backend::math::KeyLine* lines, int64_t count,
+                            absl::Span<const int64_t> changed) override {
+    return Guarded([&] { return DoSyncKeyIndex(id, lines, count, changed); });
+  }
+
   std::string Name() const override { return absl::StrCat("cuda/", device_name_); }
   Memory OutputMemory() const override { return Memory::kCudaDevice; }
   int64_t OverflowSkippedRows() const override {
@@ -1311,7 +1388,8 @@ class CudaBackend : public EmbeddingBackend {
       }
       const ShardSpec& spec = FindShard(f.shard)->spec;
       auto check = [&](absl::Span<const int64_t> ids, int64_t first) {
-        return CheckIds(ids, spec.rows, RequestWhat(kind, i, spec), first);
+        // Keys are any int64 (found on the device).
+        return f.keyed ? absl::OkStatus() : CheckIds(ids, spec.rows, RequestWhat(kind, i, spec), first);
       };
       if (absl::Status st = up->AppendSpan(at, f.ids, check); !st.ok()) return st;
       at += f.ids.size() * sizeof(int64_t);
@@ -1394,7 +1472,7 @@ class CudaBackend : public EmbeddingBackend {
         c.ids = f.ids.data();
         c.weights = f.weights.empty() ? nullptr : f.weights.data();
         c.grad = grad.empty() ? nullptr : grad.data();
-        c.num_ids = static_cast<int64_t>(f.ids.size());
+        c.num_ids = f.keyed ? 0 : static_cast<int64_t>(f.ids.size());  // keys: any int64
         c.num_weights = static_cast<int64_t>(f.weights.size());
         c.num_grad = static_cast<int64_t>(grad.size());
         c.rows = FindShard(f.shard)->spec.rows;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "cuda/host_kernels.h"
+#include "cuda/kernel_bodies.h"
 #include "math/half.h"
 #include "server/backend/cuda/call_split.h"
 #include "server/backend/cuda/request_plan.h"
@@ -32,6 +33,7 @@ struct Shard {
   backend::ValueBounds bounds;  // overflow_guard.h
   bool guard = false;           // this call's rows are checked first
   backend::ValueBounds after;   // the bounds after this call, when not
+  std::vector<backend::math::KeyLine> key_lines;  // a dynamic shard's key index (SyncKeyIndex)
 
   void* weights() { return spec.weight_type == WeightType::kFp32 ? static_cast<void*>(full.data())
                                                                  : static_cast<void*>(half.data()); }
@@ -92,6 +94,12 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const Shard* shard = Find(requests[i].feature.shard);
+      if (requests[i].feature.keyed && shard->key_lines.empty()) {
+        return backend::NoKeyIndex(backend::RequestWhat("lookup", i, shard->spec));
+      }
+    }
     const LookupPlan plan = PlanLookup(requests, Resolver());
     if (plan.total_items == 0) return absl::OkStatus();
     return ForEachLookupPiece(requests, plan, Resolver(), scratch_,
@@ -197,6 +205,22 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     return absl::OkStatus();
   }
 
+  // Keyed lookups find their ids as the CUDA backend does (KeyFindOne).
+  bool FindsKeys() const override { return true; }
+  absl::Status SyncKeyIndex(ShardId id, const backend::math::KeyLine* lines, int64_t count,
+                            absl::Span<const int64_t> changed) override {
+    absl::MutexLock lock(&mu_);
+    Shard* shard = Find(id);
+    if (shard == nullptr) return backend::ShardNotFound(id);
+    if (absl::Status s = backend::CheckKeySync(lines, count, changed); !s.ok()) return s;
+    if (static_cast<int64_t>(shard->key_lines.size()) != count) {
+      shard->key_lines.assign(lines, lines + count);
+    } else {
+      for (int64_t k : changed) shard->key_lines[k] = lines[k];
+    }
+    return absl::OkStatus();
+  }
+
   int64_t AvailableBytes() const override { return int64_t{1} << 40; }
   std::string Name() const override { return "cuda-emulated/host"; }
 
@@ -214,6 +238,15 @@ class EmulatedBackend : public backend::EmbeddingBackend {
       lengths.insert(lengths.end(), f.lengths.begin(), f.lengths.end());
       if (!f.weights.empty()) std::copy(f.weights.begin(), f.weights.end(), weights.begin() + ids.size());
       ids.insert(ids.end(), f.ids.begin(), f.ids.end());
+      if (f.keyed) {  // keys to slots, as the CUDA backend does on the device
+        const Shard* shard = Find(f.shard);
+        const uint64_t mask = shard->key_lines.size() * backend::math::kKeyLineEntries - 1;
+        int64_t* keys = ids.data() + (ids.size() - f.ids.size());
+        for (size_t e = 0; e < f.ids.size(); ++e) {
+          cuda::kernels::KeyFindOne(static_cast<int64_t>(e), keys, shard->key_lines.data(), mask,
+                                    shard->spec.rows - 1);
+        }
+      }
     }
     std::vector<int64_t> offsets(lengths.size() + 1);
     std::vector<float> out(plan.total_out);

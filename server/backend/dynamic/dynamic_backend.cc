@@ -2,6 +2,7 @@
 #include "server/backend/dynamic/dynamic_backend.h"
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <utility>
@@ -43,6 +44,17 @@ class DynamicShardsBackend : public ForwardingBackend {
     auto id = inner()->CreateShard(fixed);
     if (!id.ok()) return id.status();
     auto shard = std::make_shared<Shard>(spec, options_.max_pending_ids);
+    // A backend that finds ids itself gets the index, then every change of it.
+    if (inner()->FindsKeys()) {
+      shard->index.TrackChangedLines();
+      const absl::Status synced =
+          inner()->SyncKeyIndex(*id, shard->index.lines(), shard->index.line_count(), {});
+      if (!synced.ok()) {
+        (void)inner()->DropShard(*id);
+        return synced;
+      }
+      shard->backend_finds = true;
+    }
     // The zero slot: zero weights and zero state, which a zero gradient
     // leaves as they are under every optimizer (an Adagrad step of 0 / eps).
     const std::vector<float> zeros(static_cast<size_t>(spec.dim), 0.0f);
@@ -77,6 +89,14 @@ class DynamicShardsBackend : public ForwardingBackend {
     return inner()->GetShardSpec(id);
   }
 
+  // This wrapper takes the ids of its dynamic shards as they come; its
+  // callers never key them.
+  bool FindsKeys() const override { return false; }
+  absl::Status SyncKeyIndex(ShardId id, const math::KeyLine* lines, int64_t count,
+                            absl::Span<const int64_t> changed) override {
+    return EmbeddingBackend::SyncKeyIndex(id, lines, count, changed);
+  }
+
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     Held held = Collect(requests, /*exclusive=*/false);
     if (held.shards.empty()) return inner()->Lookup(requests);
@@ -86,6 +106,10 @@ class DynamicShardsBackend : public ForwardingBackend {
     for (size_t i = 0; i < requests.size(); ++i) {
       const Shard* s = held.Of(requests[i].feature.shard);
       if (s == nullptr) continue;
+      if (s->keyed()) {  // the backend finds them (ids on the device too)
+        mapped[i].feature.keyed = true;
+        continue;
+      }
       if (absl::Status st = CheckHostInputs(requests[i].feature, "lookup", i, *s); !st.ok()) {
         return st;
       }
@@ -135,6 +159,7 @@ class DynamicShardsBackend : public ForwardingBackend {
       const auto created = shard->index.BeginUpdate(ids, shard->spec.rows, shard_slots[k].data());
       if (absl::Status s = WriteCreated(id, *shard, created, &undo[k]); !s.ok()) {
         UndoAll(held, &undo);
+        SyncKeys(held);
         return s;
       }
     }
@@ -174,9 +199,11 @@ class DynamicShardsBackend : public ForwardingBackend {
     }
     if (absl::Status s = inner()->ApplyGradients(mapped); !s.ok()) {
       UndoAll(held, &undo);
+      SyncKeys(held);
       return s;
     }
     for (auto& [id, shard] : held.shards) shard->index.Commit();
+    SyncKeys(held);
     return absl::OkStatus();
   }
 
@@ -233,7 +260,9 @@ class DynamicShardsBackend : public ForwardingBackend {
       return absl::InvalidArgumentError(
           absl::StrCat("ImportSlots: ", in.size(), " entries for ", end - begin, " slots"));
     }
-    return shard->index.RestoreSlots(begin, end, in.data());
+    const absl::Status restored = shard->index.RestoreSlots(begin, end, in.data());
+    SyncKeys(id, shard.get());
+    return restored;
   }
 
   absl::Status ImportIds(ShardId id, absl::Span<const int64_t> ids, absl::Span<const float> weights,
@@ -282,9 +311,11 @@ class DynamicShardsBackend : public ForwardingBackend {
     if (!s.ok()) {
       Restore(id, *shard, undo);
       shard->index.Rollback();
+      SyncKeys(id, shard.get());
       return s;
     }
     shard->index.Commit();
+    SyncKeys(id, shard.get());
     return absl::OkStatus();
   }
 
@@ -316,6 +347,12 @@ class DynamicShardsBackend : public ForwardingBackend {
     const ShardSpec spec;
     mutable absl::Mutex mu;
     DynamicIndex index;  // guarded by mu (shared for Find/FindAll)
+    // The wrapped backend finds this shard's ids itself (FindsKeys), in a
+    // copy of the index; `unsynced`: lines its copy lacks (a failed sync),
+    // while which lookups map ids here instead. Guarded by mu.
+    bool backend_finds = false;
+    std::vector<int64_t> unsynced;
+    bool keyed() const { return backend_finds && unsynced.empty(); }
   };
   // The dynamic shards of one call, locked in shard id order for the call.
   struct Held {
@@ -419,6 +456,32 @@ class DynamicShardsBackend : public ForwardingBackend {
 
   static absl::Status NotDynamic(ShardId id) {
     return absl::InvalidArgumentError(absl::StrCat("shard ", id, " is not a dynamic shard"));
+  }
+
+  // Hands the lines an update, import or restore changed to a backend that
+  // finds ids itself (shard locked exclusive). A failed sync keeps them for
+  // the next one, and the shard's lookups map ids here until one succeeds:
+  // never a lookup against a stale copy.
+  void SyncKeys(ShardId id, Shard* shard) {
+    if (!shard->backend_finds) return;
+    std::vector<int64_t> changed = shard->index.TakeChangedLines();
+    if (changed.empty() && shard->unsynced.empty()) return;
+    if (!shard->unsynced.empty()) {
+      std::vector<int64_t> both;
+      std::set_union(changed.begin(), changed.end(), shard->unsynced.begin(),
+                     shard->unsynced.end(), std::back_inserter(both));
+      changed.swap(both);
+    }
+    const absl::Status synced = inner()->SyncKeyIndex(id, shard->index.lines(),
+                                                      shard->index.line_count(), changed);
+    if (synced.ok()) {
+      shard->unsynced.clear();
+    } else {
+      shard->unsynced.swap(changed);
+    }
+  }
+  void SyncKeys(Held& held) {
+    for (auto& [id, shard] : held.shards) SyncKeys(id, shard.get());
   }
 
   // The rows `created` gets: their initial values and fresh state, in one

@@ -7,10 +7,10 @@
 // contiguous, so the backend's own gather, update and optimizer kernels run
 // on them; slot `rows` is kept all zeros (weights and optimizer state) and
 // stands in for every id without a row:
-//   Lookup   ids are mapped to slots (FindAll, prefetched); an id without a
-//            row reads the zero slot: a zero vector (pooled: it adds
-//            nothing, though MEAN still counts it in the bag's length).
-//            Lookups change nothing.
+//   Lookup   ids are mapped to slots (FindAll, prefetched; or by the backend,
+//            below); an id without a row reads the zero slot: a zero
+//            vector (pooled: it adds nothing, though MEAN still counts it
+//            in the bag's length). Lookups change nothing.
 //   Update   DynamicIndex::BeginUpdate (TTL, admission, eviction), the
 //            created rows written with their initial values: a function of
 //            the table's initializer, seed, the id and the column
@@ -23,8 +23,14 @@
 //            (bad input, overflow), the index and the overwritten rows are
 //            put back: nothing of the call is applied.
 //
-// Ids and weights must be in host memory for a dynamic shard
-// (FeatureRequest::on_device is refused: INVALID_ARGUMENT).
+// Over a backend that finds ids itself (FindsKeys: the CUDA backend, on
+// the device), a dynamic shard's index is copied to it at creation and by
+// the lines every update, import and restore changed (SyncKeyIndex), and
+// lookups pass the ids as keys (FeatureRequest::keyed), in host or device
+// memory; a sync that fails leaves the shard's lookups mapping ids here
+// until one succeeds. An update's ids and weights must be in host memory
+// (FeatureRequest::on_device is refused: INVALID_ARGUMENT), and so must a
+// lookup's over any other backend.
 //
 // Thread-safe: a lookup holds its dynamic shards' locks shared, an update
 // exclusive (taken in shard id order); fixed shards pass straight through.

@@ -15,7 +15,6 @@ namespace ember {
 namespace backend {
 namespace {
 
-constexpr uint64_t kIndexSalt = 0x9e3779b97f4a7c15ull;  // the index's placement, not the routing's
 constexpr size_t kSketchRows = 4;
 constexpr size_t kSketchWidth = size_t{1} << 16;
 constexpr size_t kFindAhead = 64;  // ids ahead FindAll prefetches a home line
@@ -72,17 +71,21 @@ DynamicIndex::DynamicIndex(int64_t capacity, const DynamicConfig& config, int64_
 size_t DynamicIndex::Home(int64_t id) const {
   // The first entry of a line: an id lies in its home line unless the
   // line was full when it came.
-  return math::Mix64(static_cast<uint64_t>(id) ^ kIndexSalt) & mask_ & ~(kLineEntries - 1);
+  return static_cast<size_t>(math::KeyHome(id, mask_));
 }
 
 int64_t DynamicIndex::Find(int64_t id) const { return ProbeFrom(Home(id), id); }
 
 int64_t DynamicIndex::ProbeFrom(size_t at, int64_t id) const {
-  for (;; at = (at + 1) & mask_) {
-    const int64_t slot = SlotAt(at);
-    if (slot < 0) return -1;
-    if (IdAt(at) == id) return slot;
-  }
+  return math::KeyProbeFrom(lines_.data.get(), mask_, at, id, -1);
+}
+
+std::vector<int64_t> DynamicIndex::TakeChangedLines() {
+  std::vector<int64_t> lines;
+  lines.swap(changed_lines_);
+  std::sort(lines.begin(), lines.end());
+  lines.erase(std::unique(lines.begin(), lines.end()), lines.end());
+  return lines;
 }
 
 namespace {

@@ -7,10 +7,11 @@
 //   Index       open addressing with linear probing over a power-of-two
 //               array at most half full (16 bytes an entry: the id and its
 //               slot), in 64-byte lines of 4 entries (ids, then slots); an
-//               id's home is the first entry of a line, placed by
-//               MixId(id) with a second constant, so that it does not
-//               share bits with the routing (RouteRow,
-//               server/common/dynamic_route.h). A find compares the home
+//               id's home is the first entry of a line, placed by a salted
+//               mix of the id (math/key_index.h, the layout a backend's
+//               copy shares), so that it does not share bits with the
+//               routing (RouteRow, server/common/dynamic_route.h). A find
+//               compares the home
 //               line whole, without branching on it (AVX2 where the CPU
 //               has it), and probes on only when the line is full without
 //               the id (about 4% of ids at the load kept). Deletion shifts
@@ -65,6 +66,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "math/embedding_math.h"
+#include "math/key_index.h"
 #include "server/backend/embedding_backend.h"
 #include "server/common/dynamic_route.h"
 
@@ -75,7 +77,7 @@ class DynamicIndex {
  public:
   static constexpr int64_t kDefaultMaxPendingIds = int64_t{1} << 20;
   // Index entries to a 64-byte line (below).
-  static constexpr size_t kLineEntries = 4;
+  static constexpr size_t kLineEntries = math::kKeyLineEntries;
 
   DynamicIndex(int64_t capacity, const DynamicConfig& config,
                int64_t max_pending_ids = kDefaultMaxPendingIds);
@@ -124,6 +126,19 @@ class DynamicIndex {
   void Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const;
   DynamicStats Stats() const;
 
+  // The index itself, for a backend that finds ids on its own (a copy of
+  // it: EmbeddingBackend::SyncKeyIndex): line_count() lines of
+  // math/key_index.h's layout, entries - 1 = mask(). Valid until the next
+  // Begin.
+  const math::KeyLine* lines() const { return lines_.data.get(); }
+  int64_t line_count() const { return static_cast<int64_t>(lines_.size); }
+  uint64_t mask() const { return mask_; }
+  // From now on, notes which lines change (a Rollback's changes too).
+  void TrackChangedLines() { track_lines_ = true; }
+  // The lines changed since the last call (ascending, distinct); clears
+  // the note. Between updates.
+  std::vector<int64_t> TakeChangedLines();
+
   // Slots [begin, end)'s bookkeeping, for a move or a checkpoint
   // (in range: the caller checked).
   void ExportSlots(int64_t begin, int64_t end, EmbeddingBackend::SlotMeta* out) const;
@@ -169,11 +184,8 @@ class DynamicIndex {
   };
   // The index: linear probing over entries (id, slot; slot -1: empty),
   // kLineEntries to a 64-byte line, ids and slots apart so a line compares
-  // at once. An id's home is a line's first entry.
-  struct alignas(64) Line {
-    int64_t id[kLineEntries];
-    int64_t slot[kLineEntries];
-  };
+  // at once. An id's home is a line's first entry (math/key_index.h).
+  using Line = math::KeyLine;
   struct Change {
     enum Kind { kMeta, kFreePop, kFreePush, kPending, kSketch, kLruPop, kLfuPop } kind;
     int64_t a = 0;   // slot / id / frequency bucket
@@ -190,6 +202,7 @@ class DynamicIndex {
   int64_t IdAt(size_t entry) const { return LineOf(entry).id[entry % kLineEntries]; }
   int64_t SlotAt(size_t entry) const { return LineOf(entry).slot[entry % kLineEntries]; }
   void SetEntry(size_t entry, int64_t id, int64_t slot) {
+    if (track_lines_) changed_lines_.push_back(static_cast<int64_t>(entry / kLineEntries));
     Line& line = lines_[entry / kLineEntries];
     line.id[entry % kLineEntries] = id;
     line.slot[entry % kLineEntries] = slot;
@@ -274,6 +287,8 @@ class DynamicIndex {
   };
   std::vector<Touch> touched_;
   absl::flat_hash_set<int64_t> evicted_now_;  // slots whose row it evicted
+  bool track_lines_ = false;
+  std::vector<int64_t> changed_lines_;  // since TakeChangedLines, with repeats
   int64_t saved_step_ = 0;
   DynamicStats saved_stats_;
 };

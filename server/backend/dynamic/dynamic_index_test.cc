@@ -5,6 +5,7 @@
 #include "server/backend/dynamic/dynamic_index.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <random>
 #include <tuple>
@@ -56,6 +57,37 @@ void ExpectConsistent(const DynamicIndex& x) {
   }
 }
 
+// A copy of the index kept as a backend that finds ids itself keeps it
+// (SyncKeyIndex): whole once, then only the lines TakeChangedLines names.
+class KeyIndexCopy {
+ public:
+  explicit KeyIndexCopy(DynamicIndex* x) : x_(x) {
+    x->TrackChangedLines();
+    lines_.assign(x->lines(), x->lines() + x->line_count());
+  }
+  // Takes the changed lines; then the copy must equal the index byte for
+  // byte, and KeyProbe on it find what Find finds.
+  void SyncAndCheck(absl::Span<const int64_t> queries) {
+    for (const int64_t k : x_->TakeChangedLines()) {
+      ASSERT_GE(k, 0);
+      ASSERT_LT(k, x_->line_count());
+      lines_[k] = x_->lines()[k];
+    }
+    EXPECT_TRUE(x_->TakeChangedLines().empty());
+    ASSERT_EQ(std::memcmp(lines_.data(), x_->lines(), lines_.size() * sizeof(math::KeyLine)), 0)
+        << "a changed line was not named";
+    for (const int64_t id : queries) {
+      const int64_t want = x_->Find(id);
+      ASSERT_EQ(math::KeyProbe(lines_.data(), x_->mask(), id, -7), want < 0 ? -7 : want)
+          << "id " << id;
+    }
+  }
+
+ private:
+  DynamicIndex* x_;
+  std::vector<math::KeyLine> lines_;
+};
+
 struct Case {
   int64_t capacity, admit_after, ttl;
   Eviction eviction;
@@ -72,6 +104,7 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
   config.ttl_steps = c.ttl;
   config.eviction = c.eviction;
   DynamicIndex x(c.capacity, config);
+  KeyIndexCopy copy(&x);
   NaiveDynamicModel m(c.capacity, config);
   std::mt19937_64 rng(c.capacity * 131 + c.admit_after * 7 + c.ttl);
   // Skewed ids: a hot few and a long tail, negative and huge ones too.
@@ -97,6 +130,7 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
       EXPECT_EQ(x.Stats().steps, s0.steps);
       EXPECT_EQ(x.Stats().admitted, s0.admitted);
       EXPECT_EQ(x.Stats().pending_ids, s0.pending_ids);
+      copy.SyncAndCheck(ids);
     }
     if (step % 11 == 5) {  // an import of a few distinct ids, some held
       std::vector<int64_t> some = HeldIds(x);
@@ -110,6 +144,7 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
         x.Commit();
         m.Import(some);
         ASSERT_EQ(HeldIds(x), m.Held()) << "import at step " << step;
+        copy.SyncAndCheck(some);
       }
     }
     const auto created = x.BeginUpdate(ids);
@@ -118,6 +153,9 @@ TEST_P(DynamicIndexModelTest, AgreesWithTheNaiveModelAndRollsBackExactly) {
     m.Update(ids);
     ASSERT_EQ(HeldIds(x), m.Held()) << "step " << step;
     ExpectConsistent(x);
+    std::vector<int64_t> queries = HeldIds(x);
+    queries.insert(queries.end(), ids.begin(), ids.end());
+    copy.SyncAndCheck(queries);
     ASSERT_LE(x.Stats().rows_held, c.capacity);
   }
 }
@@ -322,6 +360,29 @@ TEST(DynamicIndexTest, RouteRowIsTheDocumentedMix) {
   EXPECT_EQ(MixId(1), 0x5692161d100b05e5ull);
   EXPECT_EQ(RouteRow(1, 1000), static_cast<int64_t>(0x5692161d100b05e5ull % 1000));
   EXPECT_GE(RouteRow(-1, 7), 0);
+}
+
+// A restore (RestoreSlots) names every line it changes too: a copy synced
+// by changed lines alone equals the restored index, and an index restored
+// into another's place finds every id its source held.
+TEST(DynamicIndexTest, RestoredSlotsNameTheLinesTheyChange) {
+  DynamicConfig config;
+  DynamicIndex source(64, config);
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 40; ++i) ids.push_back(i * 7919 - 100000);
+  source.BeginUpdate(ids);
+  source.Commit();
+  std::vector<EmbeddingBackend::SlotMeta> meta(64);
+  source.ExportSlots(0, 64, meta.data());
+  DynamicIndex target(64, config);
+  KeyIndexCopy copy(&target);
+  target.BeginUpdate({5, 6, 7});  // rows the restore replaces
+  target.Commit();
+  copy.SyncAndCheck(ids);
+  ASSERT_TRUE(target.RestoreSlots(0, 64, meta.data()).ok());
+  copy.SyncAndCheck(ids);
+  for (const int64_t id : ids) EXPECT_EQ(target.Find(id), source.Find(id)) << "id " << id;
+  EXPECT_EQ(target.Find(5), -1);
 }
 
 }  // namespace
