@@ -1459,6 +1459,45 @@ TEST_P(BackendParityTest, DynamicShardsMatchTheCpuBackends) {
 INSTANTIATE_TEST_SUITE_P(AllBackends, BackendParityTest, testing::ValuesIn(AvailableBackends()),
                          [](const testing::TestParamInfo<BackendParam>& info) { return info.param.name; });
 
+// A backend that finds keys itself refuses a keyed lookup on a shard whose
+// index it never got (FAILED_PRECONDITION) and a sync for a shard it does
+// not hold (NOT_FOUND) or with bad lines (INVALID_ARGUMENT); the rest are
+// served as before.
+TEST(KeyedLookupTest, BackendsThatFindKeysRefuseWhatTheyCannotFind) {
+  int tried = 0;
+  for (const BackendParam& param : AvailableBackends()) {
+    auto made = param.make();
+    ASSERT_TRUE(made.ok()) << made.status();
+    EmbeddingBackend* be = made->get();
+    if (!be->FindsKeys()) continue;
+    SCOPED_TRACE(param.name);
+    ++tried;
+    auto id = be->CreateShard(MakeSpec(8, 8));
+    ASSERT_TRUE(id.ok()) << id.status();
+    Jagged j;
+    j.lengths = {2};
+    j.ids = {-3, 12345678901};
+    std::vector<float> out(8);
+    FeatureRequest f = Feature(*id, Pooling::kSum, j);
+    f.keyed = true;
+    EXPECT_EQ(be->Lookup({LookupRequest{f, absl::MakeSpan(out)}}).code(),
+              absl::StatusCode::kFailedPrecondition);
+    std::vector<math::KeyLine> lines(4);
+    for (math::KeyLine& l : lines) std::fill(std::begin(l.slot), std::end(l.slot), -1);
+    EXPECT_EQ(be->SyncKeyIndex(*id + 1000, lines.data(), 4, {}).code(),
+              absl::StatusCode::kNotFound);
+    EXPECT_EQ(be->SyncKeyIndex(*id, lines.data(), 3, {}).code(),
+              absl::StatusCode::kInvalidArgument);
+    // An index with no keys: every key reads the last row.
+    ASSERT_TRUE(be->SyncKeyIndex(*id, lines.data(), 4, {}).ok());
+    ASSERT_TRUE(be->Lookup({LookupRequest{f, absl::MakeSpan(out)}}).ok());
+    std::vector<float> last(8), state(0);
+    ASSERT_TRUE(be->ExportRows(*id, 7, 8, absl::MakeSpan(last), absl::MakeSpan(state)).ok());
+    for (int c = 0; c < 8; ++c) EXPECT_FLOAT_EQ(out[c], 2 * last[c]) << "column " << c;
+  }
+  if (tried == 0) GTEST_SKIP() << "no backend here finds keys itself";
+}
+
 #if __has_include(<cuda_runtime_api.h>)
 // A backend that finds keys itself (the CUDA backend, on the device) takes
 // a dynamic shard's lookup ids in device memory, as a link channel hands

@@ -224,6 +224,43 @@ TEST(InitialValuesTest, FollowTheirDistributions) {
   EXPECT_NEAR(sd, 0.5, 0.02);
 }
 
+// Keyed ids (a dynamic shard's keys, found by the backend) are any int64
+// in a lookup and are refused in an update; SyncKeyIndex's arguments are
+// checked before anything is copied.
+TEST(KeyedRequestTest, KeysAreAnyInt64InLookupsAndRefusedInUpdates) {
+  ShardSpec spec;
+  spec.table = "t";
+  spec.rows = 4;
+  spec.dim = 4;
+  auto find_spec = [&](ShardId) { return &spec; };
+  const std::vector<int64_t> lengths = {2}, ids = {-5, int64_t{1} << 60};
+  std::vector<float> out(4), grad(4, 1.0f);
+  FeatureRequest f;
+  f.lengths = lengths;
+  f.ids = ids;
+  LookupRequest lookup{f, absl::MakeSpan(out)};
+  EXPECT_EQ(ValidateRequests(absl::MakeConstSpan(&lookup, 1), find_spec).code(),
+            absl::StatusCode::kInvalidArgument);  // not keyed: out of range
+  lookup.feature.keyed = true;
+  EXPECT_TRUE(ValidateRequests(absl::MakeConstSpan(&lookup, 1), find_spec).ok());
+  GradientRequest update{f, grad};
+  update.feature.keyed = true;
+  const absl::Status refused = ValidateRequests(absl::MakeConstSpan(&update, 1), find_spec);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("keyed ids are for lookups"), std::string::npos) << refused;
+
+  std::vector<math::KeyLine> lines(8);
+  const std::vector<int64_t> good = {0, 3, 7};
+  EXPECT_TRUE(CheckKeySync(lines.data(), 8, good).ok());
+  EXPECT_TRUE(CheckKeySync(lines.data(), 8, {}).ok());
+  for (const auto& [count, changed] : std::vector<std::pair<int64_t, std::vector<int64_t>>>{
+           {8, {3, 3}}, {8, {4, 2}}, {8, {8}}, {8, {-1}}, {6, {}}, {0, {}}}) {
+    EXPECT_EQ(CheckKeySync(lines.data(), count, changed).code(), absl::StatusCode::kInvalidArgument)
+        << count << " lines, changed " << changed.size();
+  }
+  EXPECT_EQ(CheckKeySync(nullptr, 8, {}).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace backend
 }  // namespace ember
