@@ -4,12 +4,15 @@
 # every row it should, it answers --serve requests and refuses unknown ones
 # and impossible flags; bench/kernel_ab.py pairs two sides and names a side
 # that cannot start; dynamic_bench measures a dynamic table beside a fixed
-# one and refuses bad flags. Tiny tables, a few seconds.
+# one (on the CPU backend, and on the CUDA backend's adapter over the host
+# runtime where the build has CUDA) and refuses bad flags. Tiny tables, a
+# few seconds.
 set -uo pipefail
 
 KB="$1"
 AB="$2"
 DB="${3:-}"
+DBH="${4:-}"  # dynamic_bench over the host CUDA runtime (builds with CUDA)
 TMP="${TEST_TMPDIR:-$(mktemp -d)}"
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
@@ -149,6 +152,27 @@ if [ -n "$DB" ]; then
   fi
   if "$DB" --rows=0 >/dev/null 2>"$TMP/db.err" || ! grep -q "bad flags" "$TMP/db.err"; then
     fail "dynamic_bench accepted --rows=0: $(cat "$TMP/db.err")"
+  fi
+  if "$DB" --device_resident >/dev/null 2>"$TMP/db.err" || ! grep -q "bad flags" "$TMP/db.err"; then
+    fail "dynamic_bench accepted --device_resident on the CPU backend: $(cat "$TMP/db.err")"
+  fi
+fi
+
+# dynamic_bench --backend=cuda over the host CUDA runtime: both tables on
+# the CUDA backend's adapter, lookups with ids and outputs in device memory
+# too (their first call checked against the host path's output by the
+# tool itself: it exits 1 on a difference).
+if [ -n "$DBH" ]; then
+  if ! "$DBH" --backend=cuda --device_resident --rows=2000 --dim=8 --batch=16 --pooling_factor=4 \
+      --iters=1 --id_sets=2 --format=json >"$TMP/dbh.json" 2>"$TMP/dbh.err"; then
+    fail "dynamic_bench --backend=cuda failed: $(cat "$TMP/dbh.err")"
+  else
+    for key in lookup_fixed lookup_dynamic lookup_fixed_device lookup_dynamic_device update_dynamic; do
+      v=$(json_field "$TMP/dbh.json" "$key")
+      python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > 0 else 1)' "$v" ||
+        fail "dynamic_bench --backend=cuda: $key is $v"
+    done
+    [ "$(json_field "$TMP/dbh.json" backend)" = cuda ] || fail "dynamic_bench: backend not cuda"
   fi
 fi
 

@@ -3,7 +3,10 @@
 // backend under both (the dynamic one through WithDynamicShards): the CPU
 // backend, or with --backend=cuda the CUDA backend on GPU 0, which finds
 // the dynamic table's ids on the device (FindsKeys; host ids and outputs,
-// so each call's copies are timed too). A benchmark, not a test.
+// so each call's copies are timed too; --device_resident adds lookups whose
+// ids and outputs stay in device memory: the device's find and gather
+// alone, the first call of each checked against the host path's output).
+// A benchmark, not a test.
 //
 //   bazel run -c opt //bench:dynamic_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --threads=1
 //       --distribution=uniform|zipf [--batch=2048 --pooling_factor=20 --iters=20 --id_sets=8]
@@ -32,6 +35,11 @@
 #include <string>
 #include <vector>
 
+#if __has_include(<cuda_runtime_api.h>)
+#include <cuda_runtime_api.h>
+#define EMBER_BENCH_DEVICE 1
+#endif
+
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gflags/gflags.h"
@@ -52,6 +60,8 @@ DEFINE_int32(id_sets, 8, "Batches of ids the calls cycle through.");
 DEFINE_double(new_fraction, 0.1, "admit: the fraction of each call's ids that are new.");
 DEFINE_string(format, "table", "table or json.");
 DEFINE_uint64(seed, 1, "Random seed.");
+DEFINE_bool(device_resident, false,
+            "cuda: also time lookups with ids and outputs in device memory (no host copies).");
 DEFINE_string(only, "", "Run one part (lookup, update, admit, find, touch, insert) and print its rate alone (profiling).");
 
 namespace eb = ember::backend;
@@ -63,6 +73,40 @@ void Die(const absl::Status& s, const char* what) {
   std::fprintf(stderr, "dynamic_bench: %s: %s\n", what, std::string(s.message()).c_str());
   std::exit(1);
 }
+
+#ifdef EMBER_BENCH_DEVICE
+void DieCuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "dynamic_bench: %s: %s\n", what, cudaGetErrorString(e));
+  std::exit(1);
+}
+
+// Device memory for --device_resident, freed at exit.
+class DeviceBlocks {
+ public:
+  ~DeviceBlocks() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  template <typename T>
+  T* Alloc(size_t n) {
+    void* p = nullptr;
+    DieCuda(cudaMalloc(&p, n * sizeof(T)), "cudaMalloc");
+    blocks_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <typename T>
+  const T* Upload(const std::vector<T>& v) {
+    T* p = Alloc<T>(v.size());
+    DieCuda(cudaMemcpyAsync(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, nullptr),
+            "upload");
+    DieCuda(cudaStreamSynchronize(nullptr), "upload");
+    return p;
+  }
+
+ private:
+  std::vector<void*> blocks_;
+};
+#endif
 
 eb::ShardSpec Spec(bool dynamic) {
   eb::ShardSpec s;
@@ -97,7 +141,8 @@ int main(int argc, char** argv) {
       FLAGS_iters <= 0 || FLAGS_id_sets <= 0 || FLAGS_new_fraction < 0 ||
       FLAGS_new_fraction > 1 || (FLAGS_distribution != "uniform" && FLAGS_distribution != "zipf") ||
       (FLAGS_format != "table" && FLAGS_format != "json") ||
-      (FLAGS_backend != "cpu" && FLAGS_backend != "cuda")) {
+      (FLAGS_backend != "cpu" && FLAGS_backend != "cuda") ||
+      (FLAGS_device_resident && FLAGS_backend != "cuda")) {
     std::fprintf(stderr, "dynamic_bench: bad flags (see --help)\n");
     return 2;
   }
@@ -182,6 +227,53 @@ int main(int argc, char** argv) {
     std::printf("%s %.1f M keys/s\n", what, rate / 1e6);
     return 0;
   };
+  // Ids and outputs in device memory (--device_resident): the first call of
+  // each table checked against the host path's output for the same ids.
+  double lookup_fixed_dev = 0, lookup_dyn_dev = 0;
+#ifdef EMBER_BENCH_DEVICE
+  DeviceBlocks device;
+  if (FLAGS_device_resident) {
+    std::vector<const int64_t*> rows_dev, ids_dev;
+    for (int k = 0; k < FLAGS_id_sets; ++k) {
+      rows_dev.push_back(device.Upload(rows_of[k]));
+      ids_dev.push_back(device.Upload(ids_of[k]));
+    }
+    const size_t out_floats = static_cast<size_t>(FLAGS_batch) * FLAGS_dim;
+    float* out_dev = device.Alloc<float>(out_floats);
+    auto call = [&](eb::EmbeddingBackend* be, eb::ShardId id, const int64_t* ids) {
+      eb::FeatureRequest f{id, eb::Pooling::kSum, lengths, absl::MakeConstSpan(ids, n), {}};
+      f.on_device = true;
+      eb::LookupRequest r{f, absl::MakeSpan(out_dev, out_floats)};
+      r.output_on_device = true;
+      Die(be->Lookup({r}), "device-resident lookup");
+    };
+    auto check = [&](eb::EmbeddingBackend* be, eb::ShardId id, const int64_t* ids_on_device,
+                     const std::vector<int64_t>& ids_on_host) {
+      call(be, id, ids_on_device);
+      std::vector<float> got(out_floats);
+      DieCuda(cudaMemcpyAsync(got.data(), out_dev, out_floats * sizeof(float),
+                              cudaMemcpyDeviceToHost, nullptr),
+              "download");
+      DieCuda(cudaStreamSynchronize(nullptr), "download");
+      const eb::LookupRequest r{
+          eb::FeatureRequest{id, eb::Pooling::kSum, lengths, ids_on_host, {}}, absl::MakeSpan(out)};
+      Die(be->Lookup({r}), "lookup");
+      if (got != out) {
+        std::fprintf(stderr, "dynamic_bench: device-resident lookup differs from the host path's\n");
+        std::exit(1);
+      }
+    };
+    check(fixed_be->get(), *fixed, rows_dev[0], rows_of[0]);
+    check(dyn_be.get(), *dyn, ids_dev[0], ids_of[0]);
+    lookup_fixed_dev = Rate(n, [&](int i) { call(fixed_be->get(), *fixed, rows_dev[i % FLAGS_id_sets]); });
+    lookup_dyn_dev = Rate(n, [&](int i) { call(dyn_be.get(), *dyn, ids_dev[i % FLAGS_id_sets]); });
+  }
+#else
+  if (FLAGS_device_resident) {
+    std::fprintf(stderr, "dynamic_bench: --device_resident needs a build with CUDA\n");
+    return 2;
+  }
+#endif
   if (FLAGS_only == "lookup") return alone("lookup dynamic", lookup(dyn_be.get(), *dyn, ids_of));
   if (FLAGS_only == "update") return alone("update dynamic", update(dyn_be.get(), *dyn, ids_of));
   const bool all = FLAGS_only.empty();
@@ -243,11 +335,12 @@ int main(int argc, char** argv) {
         "\"update_fixed\": %.0f, \"update_dynamic\": %.0f, \"update_ratio\": %.3f, "
         "\"admit_dynamic\": %.0f, \"admit_ratio\": %.3f, \"new_fraction\": %.2f, "
         "\"find\": %.0f, \"touch\": %.0f, \"insert\": %.0f, \"bytes_per_row_fixed\": %.1f, "
-        "\"bytes_per_row_dynamic\": %.1f}\n",
+        "\"bytes_per_row_dynamic\": %.1f, \"lookup_fixed_device\": %.0f, "
+        "\"lookup_dynamic_device\": %.0f}\n",
         FLAGS_backend.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_threads,
         FLAGS_distribution.c_str(), lookup_fixed, lookup_dyn, lookup_dyn / lookup_fixed, update_fixed, update_dyn,
         update_dyn / update_fixed, admit_dyn, admit_dyn / update_fixed, FLAGS_new_fraction, find,
-        touch, insert, row_bytes, dyn_row_bytes);
+        touch, insert, row_bytes, dyn_row_bytes, lookup_fixed_dev, lookup_dyn_dev);
     return 0;
   }
   std::printf("%s backend, rows %lld, dim %d, %d thread(s), %s ids, %d x %d ids a call\n",
@@ -255,6 +348,10 @@ int main(int argc, char** argv) {
               FLAGS_distribution.c_str(), FLAGS_batch, FLAGS_pooling_factor);
   std::printf("  lookup   fixed %8.1f M keys/s   dynamic %8.1f M keys/s   ratio %.3f\n",
               lookup_fixed / 1e6, lookup_dyn / 1e6, lookup_dyn / lookup_fixed);
+  if (FLAGS_device_resident) {
+    std::printf("  lookup, ids and outputs on the device: fixed %8.1f M keys/s   dynamic %8.1f M keys/s   ratio %.3f\n",
+                lookup_fixed_dev / 1e6, lookup_dyn_dev / 1e6, lookup_dyn_dev / lookup_fixed_dev);
+  }
   std::printf("  update   fixed %8.1f M keys/s   dynamic %8.1f M keys/s   ratio %.3f\n",
               update_fixed / 1e6, update_dyn / 1e6, update_dyn / update_fixed);
   std::printf("  admit    (%.0f%% new)            dynamic %8.1f M keys/s   ratio %.3f (of fixed update)\n",

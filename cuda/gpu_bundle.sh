@@ -95,13 +95,14 @@ step_bench() {
   done
   echo "kernel_bench: $(wc -l <"$out/kernel_bench.jsonl") runs in OUT/kernel_bench.jsonl"
   # Dynamic (hash-keyed) tables against fixed ones on each backend: the CUDA
-  # backend finds the ids on the device (find + gather, keys/s).
-  for config in "cuda 1" "cpu 16"; do
+  # backend finds the ids on the device (find + gather, keys/s; with
+  # --device_resident also with ids and outputs kept in device memory).
+  for config in "cuda 1 --device_resident" "cpu 16"; do
     set -- $config
     for rows in 1000000 10000000; do
       for dist in uniform zipf; do
-        timeout 240 "$here/dynamic_bench" --backend="$1" --threads="$2" --rows="$rows" --dim=64 \
-          --batch=16384 --distribution="$dist" --format=json >>"$out/dynamic_bench.jsonl" \
+        timeout 240 "$here/dynamic_bench" --backend="$1" --threads="$2" ${3:-} --rows="$rows" \
+          --dim=64 --batch=16384 --distribution="$dist" --format=json >>"$out/dynamic_bench.jsonl" \
           2>>"$out/dynamic_bench.err" || rc=1
       done
     done
