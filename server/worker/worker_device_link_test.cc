@@ -22,6 +22,7 @@
 #include "link/nccl_api.h"
 #include "link/peer_link.h"
 #include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/common/wire.h"
 #include "server/worker/worker_service.h"
@@ -39,14 +40,17 @@ class RecordingBackend : public backend::ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
   absl::Status Lookup(absl::Span<const backend::LookupRequest> r) override {
-    if (!r.empty()) lookup_on_device = r[0].feature.on_device;
+    if (!r.empty()) {
+      lookup_on_device = r[0].feature.on_device;
+      lookup_keyed = r[0].feature.keyed;
+    }
     return ForwardingBackend::Lookup(r);
   }
   absl::Status ApplyGradients(absl::Span<const backend::GradientRequest> r) override {
     if (!r.empty()) update_on_device = r[0].feature.on_device;
     return ForwardingBackend::ApplyGradients(r);
   }
-  std::atomic<int> lookup_on_device{-1}, update_on_device{-1};
+  std::atomic<int> lookup_on_device{-1}, update_on_device{-1}, lookup_keyed{-1};
 };
 
 cuda::PeerLinks* Nccl() {
@@ -57,9 +61,12 @@ cuda::PeerLinks* Nccl() {
 // A worker on host CUDA device 0 offering NCCL links, holding collection
 // "c": table "t" (SUM, kRows x kDim, TorchRec's default initialisation,
 // SGD at rate 1), trained as `training` says (default: ASYNC). *recorder is
-// its backend.
+// its backend. `dynamic`: t is a dynamic table of capacity kRows (admitted
+// on the first update, LRU), its shards over the CUDA backend through
+// WithDynamicShards as a worker's factory makes them.
 std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip_nonfinite = false,
-                                          const ember::v1::TrainingSpec& training = {}) {
+                                          const ember::v1::TrainingSpec& training = {},
+                                          bool dynamic = false) {
   backend::CudaBackendOptions o;
   o.device = 0;
   o.scratch_bytes = 1 << 20;
@@ -73,7 +80,9 @@ std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip
   so.links.device = 0;
   so.links.transfer_timeout = absl::Seconds(5);
   so.skip_nonfinite = skip_nonfinite;
-  auto s = std::make_unique<WorkerService>(std::move(rec), so);
+  std::unique_ptr<backend::EmbeddingBackend> served = std::move(rec);
+  if (dynamic) served = backend::WithDynamicShards(std::move(served));
+  auto s = std::make_unique<WorkerService>(std::move(served), so);
   ember::v1::CreateShardsRequest req;
   req.set_collection("c");
   req.set_epoch(1);
@@ -82,7 +91,8 @@ std::unique_ptr<WorkerService> MakeWorker(RecordingBackend** recorder, bool skip
   a->mutable_ref()->set_table("t");
   TableConfig* t = a->mutable_table();
   t->set_name("t");
-  t->set_num_embeddings(kRows);
+  t->set_num_embeddings(dynamic ? 0 : kRows);
+  if (dynamic) t->mutable_dynamic()->set_capacity(kRows);
   t->set_embedding_dim(kDim);
   t->set_pooling(TableConfig::SUM);
   t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
@@ -456,6 +466,57 @@ TEST(WorkerDeviceLinkTest, SyncStepsHoldTheRanksUpdatesOnTheHost) {
     EXPECT_EQ(c0.Reply(req), InlineLookup(ref.get(), kFeatures)) << "step " << step;
   }
   EXPECT_NE(Table(s.get()), initial);
+}
+
+// A dynamic table over a link: lookup ids stay in the link's device memory
+// (found there, keyed, in the backend's copy of the index), an update comes
+// to the host for its bookkeeping (admission, eviction); lookups answer as
+// the same calls inline on a second worker, through admissions and LRU
+// evictions of 64-bit ids.
+TEST(WorkerDeviceLinkTest, DynamicTablesFindLookupIdsOnTheDeviceAndUpdateOnTheHost) {
+  RecordingBackend* rec = nullptr;
+  auto s = MakeWorker(&rec, /*skip_nonfinite=*/false, {}, /*dynamic=*/true);
+  RecordingBackend* ref_rec = nullptr;
+  auto ref = MakeWorker(&ref_rec, /*skip_nonfinite=*/false, {}, /*dynamic=*/true);
+  ASSERT_NE(s, nullptr);
+  ASSERT_NE(ref, nullptr);
+  LinkClient c(s.get());
+  ASSERT_TRUE(c.ok());
+  const int64_t big = int64_t{1} << 61;
+  const std::vector<int64_t> universe = {-7, big, -big, 123456789012345, 5, 0, 77, big + 1,
+                                         -3, 9, 31, 4242};
+  for (int step = 0; step < 6; ++step) {
+    // 12 ids over 8 rows: later steps evict.
+    Bags b;
+    for (int bag = 0; bag < 3; ++bag) {
+      b.lengths.push_back(2);
+      b.ids.push_back(universe[(step * 2 + bag) % universe.size()]);
+      b.ids.push_back(universe[(step * 5 + bag * 3 + 1) % universe.size()]);
+    }
+    std::vector<float> g(3 * kDim);
+    for (size_t k = 0; k < g.size(); ++k) g[k] = 0.25f * static_cast<float>((k + step) % 7) - 0.5f;
+    ember::v1::WorkerApplyGradientsRequest up = c.Update(absl::StrCat("d", step), {b}, {g});
+    ember::v1::WorkerApplyGradientsResponse r;
+    const grpc::Status st = s->ApplyGradients(nullptr, &up, &r);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(rec->update_on_device, 0);
+    const grpc::Status rst = InlineUpdate(ref.get(), absl::StrCat("d", step), {b}, {g});
+    ASSERT_TRUE(rst.ok()) << rst.error_message();
+    Bags probe;  // every id of the universe, one bag each: held or not
+    for (const int64_t id : universe) {
+      probe.lengths.push_back(1);
+      probe.ids.push_back(id);
+    }
+    ember::v1::WorkerLookupRequest req = c.Lookup({probe});
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status lst = s->Lookup(nullptr, &req, &resp);
+    ASSERT_TRUE(lst.ok()) << lst.error_message();
+    EXPECT_EQ(rec->lookup_on_device, 1);
+    EXPECT_EQ(rec->lookup_keyed, 1);
+    const std::vector<float> got = c.Reply(req), want = InlineLookup(ref.get(), {probe});
+    EXPECT_EQ(got, want) << "step " << step;
+    EXPECT_NE(std::count(want.begin(), want.end(), 0.0f), static_cast<long>(want.size()));
+  }
 }
 
 }  // namespace

@@ -229,16 +229,18 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     return ToGrpc(absl::InvalidArgumentError("request_id is empty (needed for exactly-once)"));
   }
   // An update held for a step (SYNC / BOUNDED) outlives the channel's
-  // transfer, so it comes to the host whole, even from a link's device
-  // memory (only a link's transfer can leave it there).
-  bool stepped = false;
+  // transfer, and a dynamic table's update keeps its bookkeeping
+  // (admission, eviction) on the host, so either comes to the host whole,
+  // even from a link's device memory (only a link's transfer can leave it
+  // there).
+  bool to_host = false;
   if (req->has_link_sent()) {
     absl::ReaderMutexLock lock(&mu_);
     auto c = FindCollection(req->collection(), req->epoch());
-    stepped = c.ok() && (*c)->steps->stepped();
+    to_host = c.ok() && ((*c)->steps->stepped() || TouchesDynamicTable(**c, *req));
   }
   GradientCall in;
-  if (absl::Status s = codec_.ReceiveGradients(*req, OwnerOf(ctx), &in, stepped); !s.ok()) {
+  if (absl::Status s = codec_.ReceiveGradients(*req, OwnerOf(ctx), &in, to_host); !s.ok()) {
     return ToGrpc(s);
   }
   std::shared_ptr<StepBarrier> steps;

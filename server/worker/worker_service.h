@@ -242,6 +242,10 @@ class WorkerService final : public ember::v1::Worker::Service {
     };
   }
   static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
+  // Whether an update names a shard of a dynamic table (shards it does not
+  // hold count as not: the codec refuses them).
+  bool TouchesDynamicTable(const Collection& c,
+                           const ember::v1::WorkerApplyGradientsRequest& req) const;
   // ImportRows' writing: a fixed shard's rows, or a dynamic one's slots with
   // their slot_meta, or rows by id.
   absl::Status ImportInto(const ShardEntry& shard, const ember::v1::ImportRowsRequest& req,

@@ -55,6 +55,15 @@ absl::StatusOr<WorkerService::Collection*> WorkerService::FindCollection(const s
   return c;
 }
 
+bool WorkerService::TouchesDynamicTable(const Collection& c,
+                                        const ember::v1::WorkerApplyGradientsRequest& req) const {
+  for (const ember::v1::ShardGradient& g : req.gradients()) {
+    auto shard = FindShard(c, g.feature().shard());
+    if (shard.ok() && (*shard)->assignment.table().has_dynamic()) return true;
+  }
+  return false;
+}
+
 absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::FindShard(
     const Collection& c, const ShardRef& ref) const {
   auto it = c.shards.find({ref.table(), ref.shard_index()});
