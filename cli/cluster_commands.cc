@@ -124,6 +124,10 @@ DEFINE_int64(max_pending_step_bytes, int64_t{1} << 30,
              "Workers: most bytes of gradient updates one SYNC or BOUNDED collection holds "
              "until their training step completes; past it a contribution is refused "
              "(RESOURCE_EXHAUSTED).");
+DEFINE_int64(dynamic_exact_pending_ids, int64_t{1} << 20,
+             "Workers: ids without a row whose admission counts a dynamic table's shard "
+             "keeps exactly; past it a count-min sketch counts them (it may admit early, "
+             "never late).");
 DEFINE_bool(shared_memory, true,
             "Workers: offer shared-memory channels to trainers on the same host (bulk arrays "
             "bypass gRPC); clients use them where offered.");
@@ -262,6 +266,7 @@ std::string BadServerFlags() {
   if (FLAGS_dedup_window < 1) return "--dedup_window must be >= 1";
   if (FLAGS_max_queued_calls < 0) return "--max_queued_calls must be >= 0";
   if (FLAGS_max_pending_step_bytes <= 0) return "--max_pending_step_bytes must be > 0";
+  if (FLAGS_dynamic_exact_pending_ids <= 0) return "--dynamic_exact_pending_ids must be > 0";
   if (!FLAGS_shm_dir.empty() && !std::filesystem::is_directory(FLAGS_shm_dir)) {
     return "--shm_dir " + FLAGS_shm_dir + " is not a directory";
   }
@@ -500,6 +505,7 @@ int RunWorker() {
   o.service.dedup_window = FLAGS_dedup_window;
   o.service.max_queued_calls = FLAGS_max_queued_calls;
   o.service.max_pending_step_bytes = FLAGS_max_pending_step_bytes;
+  o.dynamic_exact_pending_ids = FLAGS_dynamic_exact_pending_ids;
   o.service.shared_memory = FLAGS_shared_memory;
   o.service.shm_dir = FLAGS_shm_dir;
   if (auto links = OfferedLinks(); links.ok()) {  // (checked with the other flags below)
@@ -568,6 +574,7 @@ int RunUp(const std::string& self_path) {
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
       absl::StrCat("--max_pending_step_bytes=", FLAGS_max_pending_step_bytes),
+      absl::StrCat("--dynamic_exact_pending_ids=", FLAGS_dynamic_exact_pending_ids),
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),
       absl::StrCat("--batch_scheduling=", FLAGS_batch_scheduling ? "true" : "false"),

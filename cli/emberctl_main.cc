@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
       "      [--plan=FILE: check and score a plan made elsewhere instead]\n"
       "  emberctl up --workers=N [--port=P] [--device=cpu|cuda] [--threads=N]\n"
       "      [--checkpoint_dir=ROOT [--checkpoint_every=DURATION]] [--state_dir=DIR]\n"
-      "      [--skip_nonfinite] [--restart_workers=true|false]\n"
+      "      [--skip_nonfinite] [--restart_workers=true|false] [--dynamic_exact_pending_ids=N]\n"
       "  emberctl coordinator [--listen=HOST:PORT] [--state_dir=DIR] [--checkpoint_dir=ROOT]\n"
       "      [--checkpoint_every=DURATION] [--keep_checkpoints=K]\n"
       "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"

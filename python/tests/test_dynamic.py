@@ -408,6 +408,46 @@ def test_checkpoint_restores_onto_another_worker_count_bit_for_bit(tmp_path, wor
         assert cb.lookup(name, probe)["f"].shape == (len(ids), 4)
 
 
+@pytest.mark.parametrize("move", ["drain", "restore"])
+def test_sketched_admission_counts_move_with_their_shards(tmp_path, move):
+    """Workers that count only 2 pending ids a shard exactly
+    (--dynamic_exact_pending_ids=2) count the rest in the count-min sketch.
+    40 ids updated twice before a drain (or a checkpoint restored from 2
+    workers onto 3) are all admitted by their third update after it
+    (admit_after 3): the sketch moved with the exact counts. Without it the
+    sketched ids would start over and stay pending."""
+    flags = ["--dynamic_exact_pending_ids=2", f"--checkpoint_dir={tmp_path}"]
+    ids = [(n * 1000003 + 17) * (1 if n % 2 else -1) for n in range(1, 41)]
+    kjt = ember.KeyedJaggedTensor.from_jagged({"f": [ids[k::4] for k in range(4)]})
+    grad = np.full((4, 4), 0.5, dtype=np.float32)
+    name = f"dyn_sketch_{move}"
+    opt = {"type": "SGD", "learning_rate": 0.1}
+    with ember.LocalCluster(workers=3 if move == "drain" else 2, extra_flags=flags) as a:
+        ca = ember.Client(a.address, timeout_s=30)
+        ca.create_collection({"name": name, "tables": [
+            dynamic_table("t", "f", "SUM", 4, opt, 200, admit_after=3, ttl=0)]},
+            sharding_type="row_wise")
+        for _ in range(2):
+            ca.apply_gradients(name, kjt, grad)
+        assert len(ca.export_table(name, "t")[0]) == 0  # every id still pending
+        if move == "drain":
+            info = ca.collection(name)
+            victim = next(w["worker_id"] for w in ca.list_workers()
+                          if w["info"]["address"] == info["worker_addresses"][1])
+            assert name in ca.drain(victim)
+            ca.apply_gradients(name, kjt, grad)
+            got = ca.export_table(name, "t")[0]
+        else:
+            ck = ca.checkpoint(name, str(tmp_path))
+    if move == "restore":
+        with ember.LocalCluster(workers=3, extra_flags=flags) as b:
+            cb = ember.Client(b.address, timeout_s=30)
+            cb.restore(ck["path"], name, sharding_type="row_wise")
+            cb.apply_gradients(name, kjt, grad)
+            got = cb.export_table(name, "t")[0]
+    np.testing.assert_array_equal(got, np.sort(np.array(ids, dtype=np.int64)))
+
+
 def test_ember_torch_module_trains_a_dynamic_table_on_hashed_ids(client):
     """ember.torch.EmbeddingBagCollection over a dynamic table (a dict table
     with "dynamic"): a forward of 64-bit hashed ids (negative included)

@@ -12,6 +12,14 @@
 namespace ember {
 namespace backend {
 
+namespace {
+DynamicShardOptions Dynamic(const BackendConfig& config) {
+  DynamicShardOptions o;
+  o.max_pending_ids = config.dynamic_exact_pending_ids;
+  return o;
+}
+}  // namespace
+
 absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
   if (config.memory_limit_bytes < 0) {
     return absl::InvalidArgumentError("the memory limit must be >= 0");
@@ -36,7 +44,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     }
     auto b = CreateCpuBackend(o);
     if (!b.ok()) return b.status();
-    made.backend = WithDynamicShards(std::move(*b));  // hash-keyed tables over its shards
+    made.backend = WithDynamicShards(std::move(*b), Dynamic(config));  // hash-keyed tables
     made.ddr_bytes = o.memory_limit_bytes;
     return made;
   }
@@ -48,7 +56,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     o.scratch_bytes = config.cuda_scratch_bytes;
     auto b = backend::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
-    made.backend = WithDynamicShards(std::move(*b));  // hash-keyed tables over its shards
+    made.backend = WithDynamicShards(std::move(*b), Dynamic(config));  // hash-keyed tables
     made.cuda = true;
     auto devices = cuda::QueryDevices();
     if (devices.ok()) {

@@ -29,6 +29,8 @@ struct BackendConfig {
   // An update row that would overflow is left alone and counted instead of
   // refusing the call (overflow_guard.h; the worker's --skip_nonfinite).
   bool skip_overflow = false;
+  // Dynamic tables (WithDynamicShards): pending ids a shard counts exactly.
+  int64_t dynamic_exact_pending_ids = int64_t{1} << 20;
 };
 
 struct MadeBackend {

@@ -556,6 +556,12 @@ absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ExportPendingCounts(Shard
 absl::Status EmbeddingBackend::ImportPendingCounts(ShardId, absl::Span<const int64_t>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }
+absl::StatusOr<std::vector<uint32_t>> EmbeddingBackend::ExportPendingSketch(ShardId) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+absl::Status EmbeddingBackend::MergePendingSketch(ShardId, absl::Span<const uint32_t>) {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
 absl::Status EmbeddingBackend::SyncKeyIndex(ShardId, const math::KeyLine*, int64_t,
                                            absl::Span<const int64_t>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " does not find keys itself"));

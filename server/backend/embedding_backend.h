@@ -203,6 +203,10 @@ struct GradientRequest {
   absl::Span<const float> grad;
 };
 
+// Counters of a dynamic shard's count-min sketch of pending ids (4 rows of
+// 65536; EmbeddingBackend::ExportPendingSketch).
+constexpr size_t kPendingSketchCounters = size_t{4} << 16;
+
 class EmbeddingBackend {
  public:
   virtual ~EmbeddingBackend() = default;
@@ -327,6 +331,16 @@ class EmbeddingBackend {
   // Such counts well formed: (id, count) pairs, every count >= 1; else
   // INVALID_ARGUMENT saying which.
   static absl::Status CheckPendingCounts(absl::Span<const int64_t> packed);
+  // The counts past the exact ones: the shard's count-min sketch
+  // (DynamicIndex::PendingSketch: kPendingSketchCounters uint32 counters,
+  // or none while unused).
+  // Merge adds such counters to the shard's sketch, after
+  // ImportPendingCounts (which clears it): a moved shard's own, or every
+  // source shard's on a restore onto other shards (an over-count: ids are
+  // admitted early, never late). INVALID_ARGUMENT, nothing changed, for a
+  // wrong length.
+  virtual absl::StatusOr<std::vector<uint32_t>> ExportPendingSketch(ShardId shard) const;
+  virtual absl::Status MergePendingSketch(ShardId shard, absl::Span<const uint32_t> counters);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
   // SlotMeta on the wire and on disk: int64 [n, kSlotMetaFields] (id,

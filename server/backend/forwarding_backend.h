@@ -79,6 +79,12 @@ class ForwardingBackend : public EmbeddingBackend {
   absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
     return inner_->GetDynamicStats(id);
   }
+  absl::StatusOr<std::vector<uint32_t>> ExportPendingSketch(ShardId id) const override {
+    return inner_->ExportPendingSketch(id);
+  }
+  absl::Status MergePendingSketch(ShardId id, absl::Span<const uint32_t> counters) override {
+    return inner_->MergePendingSketch(id, counters);
+  }
   bool FindsKeys() const override { return inner_->FindsKeys(); }
   absl::Status SyncKeyIndex(ShardId id, const math::KeyLine* lines, int64_t count,
                             absl::Span<const int64_t> changed) override {

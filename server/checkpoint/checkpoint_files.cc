@@ -196,9 +196,10 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
       entry.cols() + entry.state_width() > (int64_t{1} << 20) ||
       entry.applied_ids() > (int64_t{1} << 40) ||
       entry.pending_counts() < 0 || entry.pending_counts() > (int64_t{1} << 40) ||
-      (!entry.dynamic() && entry.pending_counts() != 0) ||
+      (!entry.dynamic() && (entry.pending_counts() != 0 || entry.pending_sketch())) ||
       ShardFileBytes(entry.rows(), entry.cols(), entry.state_width(), entry.applied_ids(),
-                     entry.dynamic(), entry.pending_counts()) != entry.bytes()) {
+                     entry.dynamic(), entry.pending_counts(),
+                     entry.pending_sketch()) != entry.bytes()) {
     close(fd);
     return DataLoss(path, "the manifest's shape does not match the file's size");
   }
@@ -241,7 +242,10 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
        static_cast<int64_t>(data.slot_meta.size()) !=
            data.rows * backend::EmbeddingBackend::kSlotMetaFields) ||
       data.pending_counts.size() % 2 != 0 ||
-      (data.slot_meta.empty() && !data.pending_counts.empty())) {
+      (data.slot_meta.empty() && !data.pending_counts.empty()) ||
+      (data.slot_meta.empty() && !data.pending_sketch.empty()) ||
+      (!data.pending_sketch.empty() &&
+       data.pending_sketch.size() != backend::kPendingSketchCounters)) {
     return absl::InternalError("shard data does not match its shape");
   }
   const bool dynamic = !data.slot_meta.empty();
@@ -259,7 +263,8 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
       {data.applied_ids.data(), data.applied_ids.size() * sizeof(uint64_t)},
       {data.applied_unix_ms.data(), data.applied_unix_ms.size() * sizeof(int64_t)},
       {data.slot_meta.data(), data.slot_meta.size() * sizeof(int64_t)},
-      {data.pending_counts.data(), data.pending_counts.size() * sizeof(int64_t)}};
+      {data.pending_counts.data(), data.pending_counts.size() * sizeof(int64_t)},
+      {data.pending_sketch.data(), data.pending_sketch.size() * sizeof(uint32_t)}};
   for (const auto& [data_ptr, n] : parts) {
     const char* p = static_cast<const char*>(data_ptr);
     for (size_t at = 0; at < n; at += kChunk) {
@@ -274,9 +279,11 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   entry.set_file(name);
   const int64_t pending = static_cast<int64_t>(data.pending_counts.size() / 2);
   entry.set_bytes(ShardFileBytes(data.rows, data.cols, data.state_width,
-                                 static_cast<int64_t>(data.applied_ids.size()), dynamic, pending));
+                                 static_cast<int64_t>(data.applied_ids.size()), dynamic, pending,
+                                 !data.pending_sketch.empty()));
   entry.set_dynamic(dynamic);
   entry.set_pending_counts(pending);
+  entry.set_pending_sketch(!data.pending_sketch.empty());
   entry.set_applied_ids(static_cast<int64_t>(data.applied_ids.size()));
   entry.set_crc32(crc);
   entry.set_rows(data.rows);
@@ -309,6 +316,7 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
   if (entry.dynamic()) {
     d.slot_meta.resize(d.rows * backend::EmbeddingBackend::kSlotMetaFields);
     d.pending_counts.resize(2 * entry.pending_counts());
+    if (entry.pending_sketch()) d.pending_sketch.resize(backend::kPendingSketchCounters);
   }
   uint32_t crc = Crc(0, header, sizeof(header));
   const std::pair<void*, size_t> parts[] = {
@@ -317,7 +325,8 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
       {d.applied_ids.data(), d.applied_ids.size() * sizeof(uint64_t)},
       {d.applied_unix_ms.data(), d.applied_unix_ms.size() * sizeof(int64_t)},
       {d.slot_meta.data(), d.slot_meta.size() * sizeof(int64_t)},
-      {d.pending_counts.data(), d.pending_counts.size() * sizeof(int64_t)}};
+      {d.pending_counts.data(), d.pending_counts.size() * sizeof(int64_t)},
+      {d.pending_sketch.data(), d.pending_sketch.size() * sizeof(uint32_t)}};
   for (const auto& [p, n] : parts) {
     auto r = ReadUpTo(f.fd(), p, n, path);
     if (!r.ok()) return r.status();
@@ -638,9 +647,11 @@ std::vector<std::string> ListUncommitted(const std::string& root, const std::str
 }
 
 int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied,
-                       bool dynamic, int64_t pending) {
+                       bool dynamic, int64_t pending, bool sketch) {
   return kHeaderBytes + 4 * rows * (cols + state_width) + 16 * applied +
-         (dynamic ? 8 * backend::EmbeddingBackend::kSlotMetaFields * rows + 16 * pending : 0);
+         (dynamic ? 8 * backend::EmbeddingBackend::kSlotMetaFields * rows + 16 * pending +
+                        (sketch ? 4 * static_cast<int64_t>(backend::kPendingSketchCounters) : 0)
+                  : 0);
 }
 
 int64_t BytesInDirectory(const std::string& dir) {

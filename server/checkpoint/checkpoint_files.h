@@ -10,7 +10,9 @@
 // uint64 request id hashes [applied_count], then int64 Unix ms when each was
 // applied [applied_count]; then, for a dynamic table's shard (the manifest
 // entry's `dynamic`), int64 slot bookkeeping [rows, 4]
-// (EmbeddingBackend::PackSlots); little-endian. The manifest names every shard file with its
+// (EmbeddingBackend::PackSlots), int64 (id, count) pending admission
+// counts [pending_counts, 2] and, where the entry says pending_sketch,
+// uint32 sketch counters [kPendingSketchCounters]; little-endian. The manifest names every shard file with its
 // size and CRC-32 (zlib's), the spec and the plan. A checkpoint exists only
 // once MANIFEST is committed: written to MANIFEST.tmp, fsynced, renamed,
 // and the directory fsynced, so a crash at any point leaves either no
@@ -55,6 +57,9 @@ struct ShardData {
   // A dynamic table's shard: the admission counts of ids without a row,
   // int64 [n, 2] (id, count) (EmbeddingBackend::ExportPendingCounts).
   std::vector<int64_t> pending_counts;
+  // A dynamic table's shard: its count-min sketch of the counts past the
+  // exact ones (kPendingSketchCounters uint32), or empty while unused.
+  std::vector<uint32_t> pending_sketch;
 };
 
 // The shard file's name for `ref`: "<n>-<table>.<shard_index>.shard" with the
@@ -138,9 +143,10 @@ std::vector<std::string> ListCommitted(const std::string& root, const std::strin
 
 // The size of a shard file holding rows x (cols + state_width) floats,
 // `applied` exactly-once entries and, for a dynamic shard, the slots'
-// bookkeeping and `pending` (id, count) pairs.
+// bookkeeping, `pending` (id, count) pairs and, with `sketch`, the pending
+// ids' sketch.
 int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0,
-                       bool dynamic = false, int64_t pending = 0);
+                       bool dynamic = false, int64_t pending = 0, bool sketch = false);
 
 // Bytes in the regular files of `dir` (a checkpoint being written).
 int64_t BytesInDirectory(const std::string& dir);

@@ -147,6 +147,34 @@ TEST(CheckpointFilesTest, DynamicShardRoundTripsWithItsSlotsAndAdmissionCounts) 
   EXPECT_FALSE(WriteShardFile(dir, Ref("dyn", 2), d).ok());
 }
 
+// The pending ids' sketch goes at the end of a dynamic shard's file, whole;
+// a manifest that says otherwise, a sketch of another size or a sketch on a
+// fixed shard is refused.
+TEST(CheckpointFilesTest, DynamicShardKeepsItsPendingSketch) {
+  const std::string dir = TempDir();
+  ShardData d = Random(2, 4, 0, 5, 4);
+  d.slot_meta = {-7, 4, 2, 1, 0, 0, 0, 0};
+  d.pending_counts = {11, 2};
+  d.pending_sketch.assign(backend::kPendingSketchCounters, 0);
+  for (size_t k = 0; k < d.pending_sketch.size(); k += 997) d.pending_sketch[k] = k % 13 + 1;
+  auto e = WriteShardFile(dir, Ref("dyn", 1), d);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_TRUE(e->pending_sketch());
+  EXPECT_EQ(e->bytes(), 48 + 4 * 2 * 4 + 8 * 8 + 16 * 1 + 4 * (4 << 16));
+  auto back = ReadShardFile(dir, *e);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->pending_sketch, d.pending_sketch);
+  EXPECT_EQ(back->pending_counts, d.pending_counts);
+  ember::v1::CheckpointShard bad = *e;
+  bad.set_pending_sketch(false);
+  EXPECT_EQ(ReadShardFile(dir, bad).status().code(), absl::StatusCode::kDataLoss);
+  d.pending_sketch.pop_back();
+  EXPECT_FALSE(WriteShardFile(dir, Ref("dyn", 2), d).ok());
+  ShardData fixed = Random(2, 4, 0, 5, 4);
+  fixed.pending_sketch.assign(backend::kPendingSketchCounters, 1);
+  EXPECT_FALSE(WriteShardFile(dir, Ref("fixed", 0), fixed).ok());
+}
+
 // Verification reports (0, total) first, then the bytes after each file,
 // ending at the manifest's total; a damaged file stops it there.
 TEST(CheckpointFilesTest, VerificationReportsItsProgress) {

@@ -44,6 +44,11 @@ class RehashTarget {
   int64_t step() const { return step_; }
   // The admission counts the target owns, (id, count) int64 pairs.
   const std::vector<int64_t>& pending_counts() const { return pending_; }
+  // Every source's sketch of the counts past the exact ones, summed
+  // (saturating): a sketch cannot be split by id, so each target takes them
+  // all, an over-count that admits early, never late. Empty when no source
+  // had one.
+  const std::vector<uint32_t>& pending_sketch() const { return sketch_; }
 
  private:
   struct Row {
@@ -55,6 +60,7 @@ class RehashTarget {
   std::vector<Row> rows_;
   std::vector<float> weights_, state_;
   std::vector<int64_t> pending_;
+  std::vector<uint32_t> sketch_;
   int64_t step_ = 0;
 };
 

@@ -468,7 +468,8 @@ absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_
     im.set_weights(std::move(*got->mutable_weights()));
     im.set_state(std::move(*got->mutable_state()));
     im.set_slot_meta(std::move(*got->mutable_slot_meta()));  // a dynamic table's slots
-    im.set_pending_counts(std::move(*got->mutable_pending_counts()));  // and admission counts
+    im.set_pending_counts(std::move(*got->mutable_pending_counts()));  // and admission counts,
+    im.set_pending_sketch(std::move(*got->mutable_pending_sketch()));  // exact and sketched
     im.set_step(got->step());
     *im.mutable_applied_ids() = got->applied_ids();
     *im.mutable_applied_unix_ms() = got->applied_unix_ms();

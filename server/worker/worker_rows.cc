@@ -72,10 +72,13 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
       resp->add_applied_ids(id);
       resp->add_applied_unix_ms(absl::ToUnixMillis(when));
     }
-    if (spec->is_dynamic) {  // and the ids' admission counts
+    if (spec->is_dynamic) {  // and the ids' admission counts, exact and sketched
       auto pending = backend_->ExportPendingCounts((*shard)->id);
       if (!pending.ok()) return ToGrpc(pending.status());
       wire::Encode(absl::Span<const int64_t>(*pending), resp->mutable_pending_counts());
+      auto sketch = backend_->ExportPendingSketch((*shard)->id);
+      if (!sketch.ok()) return ToGrpc(sketch.status());
+      wire::Encode(absl::Span<const uint32_t>(*sketch), resp->mutable_pending_sketch());
     }
   }
   return grpc::Status::OK;
@@ -128,17 +131,20 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
                                        const std::vector<float>& state) {
   const bool dynamic = shard.assignment.table().has_dynamic();
   if (!dynamic) {
-    if (!req.slot_meta().empty() || !req.ids().empty() || !req.pending_counts().empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(RefString(shard.assignment.ref()),
-                       " is not a dynamic table's: no slot_meta, ids or pending_counts"));
+    if (!req.slot_meta().empty() || !req.ids().empty() || !req.pending_counts().empty() ||
+        !req.pending_sketch().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          RefString(shard.assignment.ref()),
+          " is not a dynamic table's: no slot_meta, ids, pending_counts or pending_sketch"));
     }
     return backend_->ImportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
   }
   if (!req.ids().empty()) {  // rows by id
-    if (!req.slot_meta().empty() || !req.pending_counts().empty()) {
+    if (!req.slot_meta().empty() || !req.pending_counts().empty() ||
+        !req.pending_sketch().empty()) {
       return absl::InvalidArgumentError(
-          "an import by ids takes no slot_meta or pending_counts (those come with slots: a move)");
+          "an import by ids takes no slot_meta, pending_counts or pending_sketch (those come with "
+          "slots: a move)");
     }
     std::vector<int64_t> ids;
     if (absl::Status s = wire::Decode(req.ids(), "ids", &ids); !s.ok()) return s;
@@ -166,9 +172,21 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
   if (absl::Status s = backend::EmbeddingBackend::CheckPendingCounts(pending); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("pending_counts: ", s.message()));
   }
+  std::vector<uint32_t> sketch;
+  if (absl::Status s = wire::Decode(req.pending_sketch(), "pending_sketch", &sketch); !s.ok()) {
+    return s;
+  }
+  if (!sketch.empty() && sketch.size() != backend::kPendingSketchCounters) {
+    return absl::InvalidArgumentError(absl::StrCat("pending_sketch: ", sketch.size(),
+                                                   " counters, not ",
+                                                   backend::kPendingSketchCounters));
+  }
   if (absl::Status s = backend_->ImportSlots(shard.id, b, e, *slots); !s.ok()) return s;
   if (absl::Status s = backend_->ImportRows(shard.id, b, e, weights, state); !s.ok()) return s;
-  return pending.empty() ? absl::OkStatus() : backend_->ImportPendingCounts(shard.id, pending);
+  if (!pending.empty()) {
+    if (absl::Status s = backend_->ImportPendingCounts(shard.id, pending); !s.ok()) return s;
+  }
+  return sketch.empty() ? absl::OkStatus() : backend_->MergePendingSketch(shard.id, sketch);
 }
 
 grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
@@ -233,6 +251,9 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
         auto pending = backend_->ExportPendingCounts(e.id);
         if (!pending.ok()) return ToGrpc(pending.status());
         d.pending_counts = *std::move(pending);
+        auto sketch = backend_->ExportPendingSketch(e.id);
+        if (!sketch.ok()) return ToGrpc(sketch.status());
+        d.pending_sketch = *std::move(sketch);
       }
       for (const auto& [id, when] : e.applied->Entries()) {
         d.applied_ids.push_back(id);
@@ -392,6 +413,10 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
     if (absl::Status s = backend_->ImportStep(t.id, t.recut.step); !s.ok()) return ToGrpc(s);
     if (t.rehash != nullptr) {  // the admission counts, as checkpointed (checked by Take)
       if (absl::Status s = backend_->ImportPendingCounts(t.id, t.rehash->pending_counts());
+          !s.ok()) {
+        return ToGrpc(s);
+      }
+      if (absl::Status s = backend_->MergePendingSketch(t.id, t.rehash->pending_sketch());
           !s.ok()) {
         return ToGrpc(s);
       }

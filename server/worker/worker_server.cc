@@ -205,6 +205,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     config.cuda_scratch_bytes = options.cuda_scratch_bytes;
     config.memory_limit_bytes = options.memory_limit_bytes;
     config.skip_overflow = options.service.skip_nonfinite;
+    config.dynamic_exact_pending_ids = options.dynamic_exact_pending_ids;
     auto made = backend::CreateBackend(config);
     if (!made.ok()) return made.status();
     backend = std::move(made->backend);

@@ -37,6 +37,8 @@ struct WorkerServerOptions {
   // cuda: the fixed scratch (backend::CudaBackendOptions::scratch_bytes).
   int64_t cuda_scratch_bytes = int64_t{256} << 20;
   int threads = 1;                     // CPU backend threads per call
+  // Dynamic tables: pending ids a shard counts exactly (then a sketch).
+  int64_t dynamic_exact_pending_ids = int64_t{1} << 20;
   // Memory for shards. 0: for CPU workers 90% of what the host really has
   // (HostMemoryBytes: the cgroup limit or MemAvailable); for CUDA the card's.
   int64_t memory_limit_bytes = 0;

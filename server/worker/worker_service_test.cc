@@ -1807,15 +1807,18 @@ TEST(WorkerServiceTest, DynamicImportsRefuseMalformedFieldsAndChangeNothing) {
           "given twice");
   // Admission counts: not on a fixed shard; pairs with counts >= 1; a
   // refused one writes no slot either.
-  auto pending = [&]() {
+  auto counts = [&]() {  // the exact counts and the sketch, as a move reads them
     ember::v1::ExportRowsRequest req;
     req.set_collection("d");
     req.mutable_shard()->set_table("dyn");
     req.set_with_applied_ids(true);
     ember::v1::ExportRowsResponse resp;
     EXPECT_TRUE(s->ExportRows(nullptr, &req, &resp).ok());
+    return resp;
+  };
+  auto pending = [&]() {
     std::vector<int64_t> got;
-    EXPECT_TRUE(wire::Decode(resp.pending_counts(), "pending_counts", &got).ok());
+    EXPECT_TRUE(wire::Decode(counts().pending_counts(), "pending_counts", &got).ok());
     return got;
   };
   refused(import("fixed", [&](ember::v1::ImportRowsRequest* r) {
@@ -1831,7 +1834,7 @@ TEST(WorkerServiceTest, DynamicImportsRefuseMalformedFieldsAndChangeNothing) {
             r->set_weights(wire::Encode<float>(row));
             r->set_pending_counts(wire::Encode<int64_t>({8, 1}));
           }),
-          "takes no slot_meta or pending_counts");
+          "takes no slot_meta, pending_counts");
   refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
             r->set_row_end(1);
             r->set_weights(wire::Encode<float>(row));
@@ -1844,6 +1847,41 @@ TEST(WorkerServiceTest, DynamicImportsRefuseMalformedFieldsAndChangeNothing) {
   ASSERT_TRUE(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
                 r->set_pending_counts(wire::Encode<int64_t>({-8, 2, 9, 1}));
               }).ok());
+  EXPECT_EQ(pending(), (std::vector<int64_t>{-8, 2, 9, 1}));
+  // The sketch of the counts past the exact ones: not on a fixed shard, not
+  // with ids, only whole; a good one adds to the shard's (twice: doubled)
+  // and is exported with the exact counts.
+  std::vector<uint32_t> sketch(backend::kPendingSketchCounters, 0);
+  sketch[5] = 3;
+  sketch[65536 + 9] = 2;
+  refused(import("fixed", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_pending_sketch(wire::Encode<uint32_t>(sketch));
+          }),
+          "is not a dynamic table's");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_ids(wire::Encode<int64_t>({7}));
+            r->set_weights(wire::Encode<float>(row));
+            r->set_pending_sketch(wire::Encode<uint32_t>(sketch));
+          }),
+          "pending_sketch (those come with slots");
+  refused(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+            r->set_pending_sketch(wire::Encode<uint32_t>({1, 2, 3}));
+          }),
+          "pending_sketch: 3 counters");
+  auto exported_sketch = [&]() {
+    std::vector<uint32_t> got;
+    EXPECT_TRUE(wire::Decode(counts().pending_sketch(), "pending_sketch", &got).ok());
+    return got;
+  };
+  EXPECT_TRUE(exported_sketch().empty());  // never used
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
+                  r->set_pending_sketch(wire::Encode<uint32_t>(sketch));
+                }).ok());
+  }
+  std::vector<uint32_t> doubled = sketch;
+  for (uint32_t& c : doubled) c *= 2;
+  EXPECT_EQ(exported_sketch(), doubled);
   EXPECT_EQ(pending(), (std::vector<int64_t>{-8, 2, 9, 1}));
   ASSERT_TRUE(import("dyn", [&](ember::v1::ImportRowsRequest* r) {
                 r->set_ids(wire::Encode<int64_t>({-7}));

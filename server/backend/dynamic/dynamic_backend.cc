@@ -333,6 +333,20 @@ class DynamicShardsBackend : public ForwardingBackend {
     return shard->index.RestorePendingCounts(packed);
   }
 
+  absl::StatusOr<std::vector<uint32_t>> ExportPendingSketch(ShardId id) const override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::ReaderMutexLock lock(&shard->mu);
+    return shard->index.PendingSketch();
+  }
+
+  absl::Status MergePendingSketch(ShardId id, absl::Span<const uint32_t> counters) override {
+    auto shard = Find(id);
+    if (shard == nullptr) return NotDynamic(id);
+    absl::MutexLock lock(&shard->mu);
+    return shard->index.MergePendingSketch(counters);
+  }
+
   absl::StatusOr<DynamicStats> GetDynamicStats(ShardId id) const override {
     auto shard = Find(id);
     if (shard == nullptr) return NotDynamic(id);

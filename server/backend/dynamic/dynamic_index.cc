@@ -17,6 +17,7 @@ namespace {
 
 constexpr size_t kSketchRows = 4;
 constexpr size_t kSketchWidth = size_t{1} << 16;
+static_assert(kSketchRows * kSketchWidth == DynamicIndex::kSketchCounters, "the sketch's size");
 constexpr size_t kFindAhead = 64;  // ids ahead FindAll prefetches a home line
 // FindAll's mark for an id not in its home line, whose line holds no
 // empty entry either (slots are >= -1).
@@ -728,6 +729,20 @@ absl::Status DynamicIndex::RestorePendingCounts(absl::Span<const int64_t> packed
     }
     SketchAdd(id, static_cast<uint32_t>(std::min<int64_t>(count, 1 << 30)));
     stats_.sketch_counts += count;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DynamicIndex::MergePendingSketch(absl::Span<const uint32_t> counters) {
+  if (counters.empty()) return absl::OkStatus();
+  if (counters.size() != kSketchCounters) {
+    return absl::InvalidArgumentError(absl::StrCat("a pending-id sketch holds ", kSketchCounters,
+                                                   " counters, got ", counters.size()));
+  }
+  if (sketch_.empty()) sketch_.assign(kSketchCounters, 0);
+  for (size_t k = 0; k < kSketchCounters; ++k) {
+    const uint64_t sum = uint64_t{sketch_[k]} + counters[k];
+    sketch_[k] = static_cast<uint32_t>(std::min<uint64_t>(sum, std::numeric_limits<uint32_t>::max()));
   }
   return absl::OkStatus();
 }

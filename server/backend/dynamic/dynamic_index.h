@@ -157,6 +157,17 @@ class DynamicIndex {
   // counts are full), and the counts before, the sketch's too, are gone.
   // INVALID_ARGUMENT, nothing changed, for an odd length or a count < 1.
   absl::Status RestorePendingCounts(absl::Span<const int64_t> packed);
+  // The count-min sketch's counters (kSketchCounters, row-major), or none
+  // while it was never used. For a move or a checkpoint.
+  static constexpr size_t kSketchCounters = kPendingSketchCounters;
+  const std::vector<uint32_t>& PendingSketch() const { return sketch_; }
+  // Adds `counters` (kSketchCounters, or none) to the sketch, saturating:
+  // a moved shard's own, or on a restore onto other shards every source
+  // shard's of the table (the counts of ids that route elsewhere then add
+  // to this shard's estimates: an over-count, which admits early, never
+  // late). Between updates, after RestorePendingCounts (which clears the
+  // sketch). INVALID_ARGUMENT, nothing changed, for another length.
+  absl::Status MergePendingSketch(absl::Span<const uint32_t> counters);
 
  private:
   // 32 bytes, so that a slot's bookkeeping is one line of meta_ (an

@@ -340,6 +340,38 @@ TEST(DynamicIndexTest, PendingCountsPastTheBoundGoToTheSketch) {
   EXPECT_EQ(HeldIds(x), first);
 }
 
+// The sketch's counts move too: restored elsewhere (exact counts, then the
+// sketch merged), every id reaches admission there on the same update as
+// here; without the sketch the sketched ones would start over. A sketch of
+// another size is refused, nothing changed.
+TEST(DynamicIndexTest, SketchedCountsMoveToAnotherIndexAndAdmitThere) {
+  DynamicConfig c;
+  c.admit_after = 3;
+  DynamicIndex a(100, c, /*max_pending_ids=*/4);
+  std::vector<int64_t> ids;
+  for (int64_t id = 0; id < 10; ++id) ids.push_back(id * 1000003 - 5);
+  for (int k = 0; k < 2; ++k) {  // every id at 2: 4 exact, 6 sketched
+    a.BeginUpdate(ids);
+    a.Commit();
+  }
+  ASSERT_EQ(a.PendingSketch().size(), DynamicIndex::kSketchCounters);
+  DynamicIndex b(100, c, /*max_pending_ids=*/4), without(100, c, /*max_pending_ids=*/4);
+  ASSERT_TRUE(b.RestorePendingCounts(a.PendingCounts()).ok());
+  ASSERT_TRUE(b.MergePendingSketch(a.PendingSketch()).ok());
+  ASSERT_TRUE(without.RestorePendingCounts(a.PendingCounts()).ok());
+  for (DynamicIndex* x : {&a, &b, &without}) {
+    x->BeginUpdate(ids);
+    x->Commit();
+  }
+  EXPECT_EQ(HeldIds(a), HeldIds(b));
+  EXPECT_EQ(HeldIds(b).size(), ids.size());
+  EXPECT_LT(HeldIds(without).size(), ids.size());
+  const std::vector<uint32_t> kept = b.PendingSketch();
+  EXPECT_EQ(b.MergePendingSketch({1, 2, 3}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b.PendingSketch(), kept);
+  EXPECT_TRUE(b.MergePendingSketch({}).ok());
+}
+
 TEST(DynamicIndexTest, MemoryStaysWithinCapacityUnderTenTimesAsManyIds) {
   DynamicConfig c;
   c.admit_after = 1;
