@@ -32,6 +32,18 @@ struct alignas(64) KeyLine {
   int64_t slot[kKeyLineEntries];
 };
 
+// Entries of the index of a shard of `capacity` rows: the smallest power
+// of two at least twice the capacity (and 16), so it is at most half full.
+EMBER_HD uint64_t KeyIndexEntries(int64_t capacity) {
+  uint64_t n = 16;
+  while (n < static_cast<uint64_t>(capacity) * 2) n <<= 1;
+  return n;
+}
+// What a dynamic shard keeps beside its rows, bytes: its index (16 an
+// entry) and each slot's bookkeeping (32 a row; DynamicIndex's Meta).
+constexpr int64_t kKeyEntryBytes = 16;
+constexpr int64_t kKeySlotMetaBytes = 32;
+
 // The home entry of `id` (the first entry of a line) among mask + 1.
 EMBER_HD uint64_t KeyHome(int64_t id, uint64_t mask) {
   return Mix64(static_cast<uint64_t>(id) ^ kKeyIndexSalt) & mask & ~(kKeyLineEntries - 1);

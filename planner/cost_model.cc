@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "math/embedding_math.h"
+#include "math/key_index.h"
 
 namespace ember {
 namespace planner {
@@ -209,22 +210,34 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
       std::ceil(std::max(fwd_ids, bwd_ids) * id_bytes +
                 std::max(fwd_out_bytes, bwd_grad_bytes))) *
       m.io_buffer_copies;
+  // A dynamic table's bookkeeping (dynamic-tables.md): the zero row beside
+  // the rows, the index and each slot's record on the host, and on a CUDA
+  // worker a copy of the index in HBM (it finds lookup ids there).
+  int64_t zero_row = 0, index = 0, host_books = 0;
+  if (w.dynamic && block.rows > 0) {
+    zero_row = cols * w.dtype_bytes + state_row_bytes;
+    index = backend::math::kKeyEntryBytes *
+            static_cast<int64_t>(backend::math::KeyIndexEntries(block.rows));
+    host_books = index + backend::math::kKeySlotMetaBytes * block.rows;
+  }
   if (device == ember::v1::CPU) {
-    c.ddr_bytes = weights + state + io;
+    c.ddr_bytes = weights + state + io + zero_row + host_books;
     return c;
   }
+  // (Dynamic tables take the fused kernel only.)
+  c.ddr_bytes = host_books;
   switch (kernel) {
     case ComputeKernel::kDense:
     case ComputeKernel::kFused:
-      c.hbm_bytes = weights + state + io;
+      c.hbm_bytes = weights + state + io + zero_row + index;
       break;
     case ComputeKernel::kFusedUvm:
-      c.ddr_bytes = weights + state;
+      c.ddr_bytes += weights + state;
       c.hbm_bytes = io;
       break;
     case ComputeKernel::kFusedUvmCaching: {
       const double clf = w.cache_load_factor;
-      c.ddr_bytes = weights + state;
+      c.ddr_bytes += weights + state;
       // Cached rows plus the cache's index state (TorchRec: 4 + 16*clf bytes
       // per row).
       c.hbm_bytes = static_cast<int64_t>(std::ceil(

@@ -125,6 +125,10 @@ struct TableWorkload {
   int dtype_bytes = 4;         // weight element size
   ember::v1::OptimizerSpec::Type optimizer = ember::v1::OptimizerSpec::SGD;
   double cache_load_factor = 0.2;  // for fused_uvm_caching
+  // A dynamic (hash-keyed) table: its shards also hold a zero row, an id
+  // index and each slot's bookkeeping (math/key_index.h), in host memory;
+  // a CUDA worker keeps a copy of the index in HBM too.
+  bool dynamic = false;
 };
 
 // Estimated time and memory of one shard, per step.

@@ -225,6 +225,28 @@ TEST(CostModelTest, StorageTiersByKernel) {
   EXPECT_EQ(cpu.ddr_bytes - 128 * 4, weights + state);
 }
 
+// A dynamic table's shard also holds a zero row, its id index (16 bytes
+// an entry, a power of two at least twice the rows) and 32 bytes of slot
+// bookkeeping a row on the host; a CUDA worker holds a copy of the index
+// in HBM beside the rows.
+TEST(CostModelTest, DynamicTablesPayForTheirBookkeeping) {
+  CostModel m = RoundModel();
+  TableWorkload w = Work(0, 1);
+  w.optimizer = OptimizerSpec::ROWWISE_ADAGRAD;
+  const ShardBlock block{0, 0, 1000, 64};
+  auto est = [&](bool dynamic, ember::v1::ComputeDevice d) {
+    w.dynamic = dynamic;
+    return EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kFused, d, block, 1000, 1);
+  };
+  const int64_t zero_row = 64 * 4 + 4, index = 16 * 2048, books = 32 * 1000;
+  EXPECT_EQ(est(true, ember::v1::CPU).ddr_bytes - est(false, ember::v1::CPU).ddr_bytes,
+            zero_row + index + books);
+  const ShardCost gpu = est(true, ember::v1::CUDA), fixed = est(false, ember::v1::CUDA);
+  EXPECT_EQ(gpu.hbm_bytes - fixed.hbm_bytes, zero_row + index);
+  EXPECT_EQ(gpu.ddr_bytes, index + books);
+  EXPECT_EQ(fixed.ddr_bytes, 0);
+}
+
 TEST(CostModelTest, SlowerTiersCostMore) {
   const CostModel m = DefaultCostModel(ember::v1::CUDA);
   TableWorkload w = Work(1e6, 5e4);

@@ -23,11 +23,7 @@ constexpr size_t kFindAhead = 64;  // ids ahead FindAll prefetches a home line
 // empty entry either (slots are >= -1).
 constexpr int64_t kUnresolved = std::numeric_limits<int64_t>::min();
 
-size_t IndexSize(int64_t capacity) {
-  size_t n = 16;
-  while (n < static_cast<size_t>(capacity) * 2) n <<= 1;
-  return n;
-}
+size_t IndexSize(int64_t capacity) { return static_cast<size_t>(math::KeyIndexEntries(capacity)); }
 
 size_t SketchCell(int64_t id, size_t row) {
   return row * kSketchWidth +

@@ -172,7 +172,7 @@ class DynamicIndex {
  private:
   // 32 bytes, so that a slot's bookkeeping is one line of meta_ (an
   // update reads and writes it for every row it touches).
-  struct alignas(32) Meta {
+  struct alignas(32) Meta {  // math::kKeySlotMetaBytes
     int64_t id = 0;
     int64_t last_step = 0;
     // Steps that updated it since it was created (>= 1 while it holds a
