@@ -33,8 +33,9 @@ INCLUDES = {
     "math": ("math/", ["math/"]),
     "cuda": ("cuda/", ["cuda/", "math/"]),
     "link": ("link/", ["link/", "cuda/cuda_status.h"]),
-    # The planner sizes tables by the optimizers' state layout (math/).
-    "planner": ("planner/", ["planner/", "proto/", "math/embedding_math.h"]),
+    # The planner sizes tables by what the backends hold (math/): the
+    # optimizers' state layout and a dynamic table's index.
+    "planner": ("planner/", ["planner/", "proto/", "math/embedding_math.h", "math/key_index.h"]),
     "common": ("server/common/", ["server/common/", "proto/"]),
     "backend": ("server/backend/", ["server/backend/embedding_backend.h",
                                     "server/backend/overflow_guard.h",
