@@ -42,6 +42,19 @@ EMBER_KERNEL void KeyFindOne(int64_t e, int64_t* ids, const math::KeyLine* lines
   ids[e] = math::KeyProbe(lines, mask, ids[e], missing);
 }
 
+// Word e of a copy of rows between a packed buffer and a shard's rows at
+// `rows` (distinct), `words` 4-byte words a row: gather (shard -> packed)
+// or scatter (packed -> shard). For ExportRowsAt / ImportRowsAt.
+EMBER_KERNEL void CopyRowWordOne(int64_t e, const int64_t* rows, int64_t words,
+                                 const uint32_t* from, uint32_t* to, bool gather) {
+  const int64_t k = e / words, j = e % words;
+  if (gather) {
+    to[e] = from[rows[k] * words + j];
+  } else {
+    to[rows[k] * words + j] = from[e];
+  }
+}
+
 // Integer codes of the enums (backend::WeightType, backend::Pooling).
 constexpr int32_t kFp16 = 1;
 constexpr int32_t kBf16 = 2;

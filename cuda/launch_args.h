@@ -115,6 +115,17 @@ struct KeyFindLaunch {
   int64_t missing = 0;
 };
 
+// Rows at any positions of a shard copied to or from a packed buffer
+// (kernel_bodies.h's CopyRowWordOne), n rows of `words` words.
+struct CopyRowsLaunch {
+  const int64_t* rows = nullptr;  // [n], distinct
+  int64_t n = 0;
+  int64_t words = 0;
+  const uint32_t* from = nullptr;
+  uint32_t* to = nullptr;
+  bool gather = false;  // shard -> packed; else packed -> shard
+};
+
 // The update steps' arguments (kernel_bodies.h) once the pairs are sorted
 // and the runs found.
 inline kernels::UpdateArgs UpdateArgsOf(const BackwardLaunch& a, const uint64_t* sorted_keys,

@@ -121,6 +121,12 @@ __global__ void __launch_bounds__(kBlockThreads) KeyFindKernel(KeyFindLaunch a) 
   }
 }
 
+__global__ void __launch_bounds__(kBlockThreads) CopyRowsKernel(CopyRowsLaunch a, int64_t total) {
+  for (int64_t e = ThreadIndex(); e < total; e += ThreadCount()) {
+    kernels::CopyRowWordOne(e, a.rows, a.words, a.from, a.to, a.gather);
+  }
+}
+
 __global__ void FaultKernel(float* p) { *p = 1.0f; }
 
 __global__ void __launch_bounds__(kBlockThreads) FillKernel(float* p, int64_t n, float value) {
@@ -252,6 +258,13 @@ cudaError_t LaunchMeasure(const MeasureLaunch& a, int max_blocks, cudaStream_t s
 cudaError_t LaunchKeyFind(const KeyFindLaunch& a, int max_blocks, cudaStream_t stream) {
   if (a.n <= 0) return cudaSuccess;
   KeyFindKernel<<<ThreadBlocks(a.n, max_blocks), kBlockThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCopyRows(const CopyRowsLaunch& a, int max_blocks, cudaStream_t stream) {
+  const int64_t total = a.n * a.words;
+  if (total <= 0) return cudaSuccess;
+  CopyRowsKernel<<<ThreadBlocks(total, max_blocks), kBlockThreads, 0, stream>>>(a, total);
   return cudaGetLastError();
 }
 

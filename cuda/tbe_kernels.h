@@ -43,6 +43,9 @@ cudaError_t LaunchCheckInputs(const InputCheckLaunch& a, int max_blocks, cudaStr
 // A keyed lookup's ids to slots in place (launch_args.h's KeyFindLaunch).
 cudaError_t LaunchKeyFind(const KeyFindLaunch& a, int max_blocks, cudaStream_t stream);
 
+// Rows at any positions to or from a packed buffer (CopyRowsLaunch).
+cudaError_t LaunchCopyRows(const CopyRowsLaunch& a, int max_blocks, cudaStream_t stream);
+
 // p[0, n) = value.
 // Measures a shard's values (launch_args.h's MeasureLaunch).
 cudaError_t LaunchMeasure(const MeasureLaunch& a, int max_blocks, cudaStream_t stream);

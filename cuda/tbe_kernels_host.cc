@@ -70,6 +70,16 @@ cudaError_t LaunchKeyFind(const KeyFindLaunch& a, int, cudaStream_t stream) {
   });
 }
 
+cudaError_t LaunchCopyRows(const CopyRowsLaunch& a, int, cudaStream_t stream) {
+  const int64_t total = a.n * a.words;
+  if (total <= 0) return cudaSuccess;
+  return Launch(stream, [a, total] {
+    for (int64_t e = 0; e < total; ++e) {
+      kernels::CopyRowWordOne(e, a.rows, a.words, a.from, a.to, a.gather);
+    }
+  });
+}
+
 cudaError_t LaunchFill(float* p, int64_t n, float value, int, cudaStream_t stream) {
   return Launch(stream, [p, n, value] {
     for (int64_t i = 0; i < n; ++i) p[i] = value;

@@ -556,6 +556,23 @@ class CudaBackend : public EmbeddingBackend {
     return Guarded([&] { return DoImportRows(id, row_begin, row_end, weights, state); });
   }
 
+  // Rows at any positions (a dynamic shard's admissions): a chunk at a
+  // time through the staging and the scratch, gathered or scattered on the
+  // device by CopyRowsKernel, instead of a copy and a wait a row.
+  absl::Status ExportRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<float> weights,
+                            absl::Span<float> state) const override {
+    return Guarded([&] { return DoRowsAt(id, rows, weights.data(), weights.size(), state.data(),
+                                         state.size(), /*import=*/false); });
+  }
+  absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
+                            absl::Span<const float> weights,
+                            absl::Span<const float> state) override {
+    return Guarded([&] {
+      return DoRowsAt(id, rows, const_cast<float*>(weights.data()), weights.size(),
+                      const_cast<float*>(state.data()), state.size(), /*import=*/true);
+    });
+  }
+
   absl::Status Health() const override {
     absl::MutexLock lock(&lost_mu_);
     return lost_;
@@ -1160,22 +1177,7 @@ class CudaBackend : public EmbeddingBackend {
           staging.get(), s->weights.get() + (row_begin + r0) * row_bytes, rows * row_bytes,
           cudaMemcpyDeviceToHost, stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
-      float* dst = weights.data() + r0 * dim;
-      const int64_t count = rows * dim;
-      switch (s->spec.weight_type) {
-        case WeightType::kFp16: {
-          const uint16_t* src = At<const uint16_t>(staging.get(), 0);
-          for (int64_t i = 0; i < count; ++i) dst[i] = backend::Fp16ToFloat(src[i]);
-          break;
-        }
-        case WeightType::kBf16: {
-          const uint16_t* src = At<const uint16_t>(staging.get(), 0);
-          for (int64_t i = 0; i < count; ++i) dst[i] = backend::Bf16ToFloat(src[i]);
-          break;
-        }
-        default:
-          std::memcpy(dst, staging.get(), count * sizeof(float));
-      }
+      LoadRows(s->spec.weight_type, staging.get(), rows * dim, weights.data() + r0 * dim);
     }
     if (s->state_width > 0) {
       // Pageable destination: the copy is staged by the driver.
@@ -1227,6 +1229,93 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
+  // ExportRowsAt / ImportRowsAt (`import`: weights and state are read,
+  // never written). Each chunk's rows, weights (in the weight type) and
+  // state are laid out alike in the staging and the scratch.
+  absl::Status DoRowsAt(ShardId id, absl::Span<const int64_t> rows, float* weights,
+                        size_t weight_count, float* state, size_t state_count,
+                        bool import) const {
+    SlotLease lease(&slot_pool_, slots_, options_.device, stream_);
+    const DeviceBuffer& staging = lease.slot().host;
+    absl::MutexLock lock(&mu_);
+    const EndMark end(&lease);
+    Shard* s = FindShard(id);
+    if (s == nullptr) return ShardNotFound(id);
+    if (absl::Status st = ValidateRowsAt(s->spec, rows, weight_count, state_count); !st.ok()) {
+      return st;
+    }
+    const absl::Span<const float> in_w(weights, weight_count), in_s(state, state_count);
+    if (import) {
+      if (absl::Status st = ValidateImport(s->spec, 0, static_cast<int64_t>(rows.size()), in_w,
+                                           in_s);
+          !st.ok()) {
+        return st;
+      }
+    }
+    if (rows.empty()) return absl::OkStatus();
+    if (absl::Status st = Activate(); !st.ok()) return st;
+    lease.NoteQueued();
+    const int64_t dim = s->spec.dim, row_bytes = s->RowBytes(), width = s->state_width;
+    struct ChunkLayout {
+      size_t rows, weights, state, bytes;
+    };
+    auto lay_out = [&](int64_t m) {
+      Layout l;
+      ChunkLayout c;
+      c.rows = l.Add<int64_t>(m);
+      c.weights = l.Add<char>(m * row_bytes);
+      c.state = l.Add<float>(m * width);
+      c.bytes = l.bytes();
+      return c;
+    };
+    const size_t room = std::min(scratch_.capacity(), staging.capacity());
+    int64_t chunk = static_cast<int64_t>(rows.size());
+    while (chunk > 1 && lay_out(chunk).bytes > room) chunk = (chunk + 1) / 2;
+    if (lay_out(chunk).bytes > room) return absl::InternalError("a row does not fit the scratch");
+    char* h = staging.get();
+    char* d = scratch_.get();
+    const int64_t n = static_cast<int64_t>(rows.size());
+    for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+      const int64_t m = std::min(chunk, n - r0);
+      const ChunkLayout l = lay_out(m);
+      std::memcpy(h + l.rows, rows.data() + r0, m * sizeof(int64_t));
+      auto copy = [&](size_t at, char* shard_base, int64_t words) -> absl::Status {
+        if (words == 0) return absl::OkStatus();
+        cuda::CopyRowsLaunch c;
+        c.rows = At<const int64_t>(d, l.rows);
+        c.n = m;
+        c.words = words;
+        c.gather = !import;
+        c.from = reinterpret_cast<const uint32_t*>(import ? d + at : shard_base);
+        c.to = reinterpret_cast<uint32_t*>(import ? shard_base : d + at);
+        EMBER_RETURN_IF_CUDA_ERROR(cuda::LaunchCopyRows(c, max_blocks_, stream_));
+        return absl::OkStatus();
+      };
+      if (import) {
+        StoreRows(s->spec.weight_type, weights + r0 * dim, m * dim, h + l.weights);
+        std::memcpy(h + l.state, state + r0 * width, m * width * sizeof(float));
+        EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream_));
+      } else {
+        EMBER_RETURN_IF_CUDA_ERROR(
+            cudaMemcpyAsync(d, h, l.weights, cudaMemcpyHostToDevice, stream_));  // the rows
+      }
+      if (absl::Status st = copy(l.weights, s->weights.get(), row_bytes / 4); !st.ok()) return st;
+      if (absl::Status st = copy(l.state, s->state.get(), width); !st.ok()) return st;
+      if (!import) {
+        EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(h + l.weights, d + l.weights,
+                                                   l.bytes - l.weights, cudaMemcpyDeviceToHost,
+                                                   stream_));
+      }
+      EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
+      if (!import) {
+        LoadRows(s->spec.weight_type, h + l.weights, m * dim, weights + r0 * dim);
+        std::memcpy(state + r0 * width, h + l.state, m * width * sizeof(float));
+      }
+    }
+    if (import) s->bounds = backend::Widen(s->bounds, backend::ImportedBounds(s->spec, in_w, in_s));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<int64_t> ExportStep(ShardId id) const override {
     absl::MutexLock lock(&mu_);
     return shards_.Step(id);
@@ -1269,6 +1358,24 @@ class CudaBackend : public EmbeddingBackend {
   static int64_t TransferRows(int64_t row_bytes, const DeviceBuffer& staging) {
     const int64_t bytes = std::min<int64_t>(kTransferChunkBytes, staging.capacity());
     return std::max<int64_t>(1, bytes / row_bytes);
+  }
+
+  // `count` values of the weight type at `src` into fp32 `dst`.
+  static void LoadRows(WeightType type, const char* src, int64_t count, float* dst) {
+    switch (type) {
+      case WeightType::kFp16: {
+        const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
+        for (int64_t i = 0; i < count; ++i) dst[i] = backend::Fp16ToFloat(in[i]);
+        break;
+      }
+      case WeightType::kBf16: {
+        const uint16_t* in = reinterpret_cast<const uint16_t*>(src);
+        for (int64_t i = 0; i < count; ++i) dst[i] = backend::Bf16ToFloat(in[i]);
+        break;
+      }
+      default:
+        std::memcpy(dst, src, count * sizeof(float));
+    }
   }
 
   // fp32 values into `dst` in the weight type, rounded to nearest even by
