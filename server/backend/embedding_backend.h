@@ -289,8 +289,8 @@ class EmbeddingBackend {
   // another line count or there is none yet, else the lines `changed`
   // names (ascending, each < count). Lookups that follow find with it.
   // The copy counts against the backend's memory (RESOURCE_EXHAUSTED when
-  // it does not fit; the shard then keeps the copy it had) and goes with
-  // the shard. UNIMPLEMENTED unless FindsKeys().
+  // it does not fit; the shard then has no copy until a sync succeeds)
+  // and goes with the shard. UNIMPLEMENTED unless FindsKeys().
   virtual absl::Status SyncKeyIndex(ShardId shard, const math::KeyLine* lines, int64_t count,
                                     absl::Span<const int64_t> changed);
 
@@ -467,10 +467,12 @@ absl::Status ValidateRequest(const FeatureRequest& f, const ShardSpec& spec, siz
 // unless `device_memory` says it takes device memory. The values of inputs
 // on the device are never read here (only their shapes are checked): the
 // backend checks them.
+// Keyed requests (FeatureRequest::keyed) are refused unless `finds_keys`
+// says the backend finds keys itself.
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
                               Checks checks = Checks::kAll, bool strided_outputs = false,
-                              bool device_memory = false);
+                              bool device_memory = false, bool finds_keys = false);
 // For gradients, `grad_max_abs` (empty, or one float a request) receives
 // each request's largest |gradient| where its values are checked (0 where
 // they are not: on the device, or kShapesOnly).
@@ -549,7 +551,8 @@ inline absl::Status CheckInputFloats(const GradientRequest& r, const std::string
 template <typename Request, typename FindSpec>
 absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spec,
                          const char* kind, const char* buffer, Checks checks,
-                         bool strided_outputs, bool device_memory, absl::Span<float> max_abs) {
+                         bool strided_outputs, bool device_memory, absl::Span<float> max_abs,
+                         bool finds_keys = false) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const FeatureRequest& f = requests[i].feature;
     const ShardSpec* spec = find_spec(f.shard);
@@ -585,6 +588,10 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": keyed ids are for lookups, not updates"));
     }
+    if (f.keyed && !finds_keys) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": keyed ids, but this backend does not find keys"));
+    }
     // Values on the device are the backend's to check; keys are any int64.
     const Checks values = f.on_device                        ? Checks::kShapesOnly
                           : f.keyed && checks == Checks::kAll ? Checks::kAllButIds
@@ -605,9 +612,10 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
 
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const LookupRequest> requests, FindSpec&& find_spec,
-                              Checks checks, bool strided_outputs, bool device_memory) {
+                              Checks checks, bool strided_outputs, bool device_memory,
+                              bool finds_keys) {
   return internal::ValidateAll(requests, find_spec, "lookup", "output", checks, strided_outputs,
-                               device_memory, {});
+                               device_memory, {}, finds_keys);
 }
 template <typename FindSpec>
 absl::Status ValidateRequests(absl::Span<const GradientRequest> requests, FindSpec&& find_spec,

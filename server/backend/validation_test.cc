@@ -242,7 +242,12 @@ TEST(KeyedRequestTest, KeysAreAnyInt64InLookupsAndRefusedInUpdates) {
   EXPECT_EQ(ValidateRequests(absl::MakeConstSpan(&lookup, 1), find_spec).code(),
             absl::StatusCode::kInvalidArgument);  // not keyed: out of range
   lookup.feature.keyed = true;
-  EXPECT_TRUE(ValidateRequests(absl::MakeConstSpan(&lookup, 1), find_spec).ok());
+  EXPECT_TRUE(ValidateRequests(absl::MakeConstSpan(&lookup, 1), find_spec, Checks::kAll, false,
+                               false, /*finds_keys=*/true)
+                  .ok());
+  const absl::Status no_finder = ValidateRequests(absl::MakeConstSpan(&lookup, 1), find_spec);
+  EXPECT_EQ(no_finder.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_finder.message().find("does not find keys"), std::string::npos) << no_finder;
   GradientRequest update{f, grad};
   update.feature.keyed = true;
   const absl::Status refused = ValidateRequests(absl::MakeConstSpan(&update, 1), find_spec);

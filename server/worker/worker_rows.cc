@@ -183,10 +183,12 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
   }
   if (absl::Status s = backend_->ImportSlots(shard.id, b, e, *slots); !s.ok()) return s;
   if (absl::Status s = backend_->ImportRows(shard.id, b, e, weights, state); !s.ok()) return s;
-  if (!pending.empty()) {
-    if (absl::Status s = backend_->ImportPendingCounts(shard.id, pending); !s.ok()) return s;
-  }
-  return sketch.empty() ? absl::OkStatus() : backend_->MergePendingSketch(shard.id, sketch);
+  // The counts a move carries replace the shard's, exact and sketched
+  // alike (ImportPendingCounts clears the sketch first), so a retried first
+  // copy call does not count them twice.
+  if (pending.empty() && sketch.empty()) return absl::OkStatus();
+  if (absl::Status s = backend_->ImportPendingCounts(shard.id, pending); !s.ok()) return s;
+  return backend_->MergePendingSketch(shard.id, sketch);
 }
 
 grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,

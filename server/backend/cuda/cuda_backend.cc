@@ -738,7 +738,8 @@ class CudaBackend : public EmbeddingBackend {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     // Shapes now; ids and weights while they are staged (before any kernel).
     if (absl::Status st = ValidateRequests(requests, find_spec, Checks::kShapesOnly,
-                                           /*strided_outputs=*/true, /*device_memory=*/true);
+                                           /*strided_outputs=*/true, /*device_memory=*/true,
+                                           /*finds_keys=*/true);
         !st.ok()) {
       return st;
     }
@@ -795,7 +796,7 @@ class CudaBackend : public EmbeddingBackend {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto find_spec = [this](ShardId id) { return FindSpec(id); };
     return ValidateRequests(requests, find_spec, Checks::kAll, /*strided_outputs=*/true,
-                            /*device_memory=*/true);
+                            /*device_memory=*/true, /*finds_keys=*/true);
   }
   absl::Status CheckAll(absl::Span<const GradientRequest> requests) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

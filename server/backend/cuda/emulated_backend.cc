@@ -93,7 +93,12 @@ class EmulatedBackend : public backend::EmbeddingBackend {
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = backend::ValidateRequests(requests, FindSpec()); !s.ok()) return s;
+    if (absl::Status s = backend::ValidateRequests(requests, FindSpec(), backend::Checks::kAll,
+                                                   /*strided_outputs=*/false,
+                                                   /*device_memory=*/false, /*finds_keys=*/true);
+        !s.ok()) {
+      return s;
+    }
     for (size_t i = 0; i < requests.size(); ++i) {
       const Shard* shard = Find(requests[i].feature.shard);
       if (requests[i].feature.keyed && shard->key_lines.empty()) {

@@ -98,6 +98,12 @@ class DynamicShardsBackend : public ForwardingBackend {
   }
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    for (size_t i = 0; i < requests.size(); ++i) {  // keys are this wrapper's to hand on
+      if (requests[i].feature.keyed) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "lookup request ", i, ": keyed ids, but dynamic shards take their ids as they come"));
+      }
+    }
     Held held = Collect(requests, /*exclusive=*/false);
     if (held.shards.empty()) return inner()->Lookup(requests);
     std::vector<LookupRequest> mapped(requests.begin(), requests.end());
@@ -109,6 +115,12 @@ class DynamicShardsBackend : public ForwardingBackend {
       if (s->keyed()) {  // the backend finds them (ids on the device too)
         mapped[i].feature.keyed = true;
         continue;
+      }
+      if (s->backend_finds && requests[i].feature.on_device) {  // its copy is behind
+        return absl::UnavailableError(absl::StrCat(
+            "lookup request ", i, " (table '", s->spec.table,
+            "'): the device's copy of the index is behind (a sync failed); it is synced again "
+            "with the next update: retry, or send the ids in host memory"));
       }
       if (absl::Status st = CheckHostInputs(requests[i].feature, "lookup", i, *s); !st.ok()) {
         return st;

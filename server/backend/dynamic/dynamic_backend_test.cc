@@ -19,6 +19,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cuda/emulated_backend.h"
+#include "server/backend/forwarding_backend.h"
 #include "server/backend/dynamic/naive_dynamic_model.h"
 
 namespace ember {
@@ -408,6 +410,78 @@ TEST(DynamicBackendInit, AnIdsInitialRowDependsOnItAloneNotOnItsSlotOrShard) {
   EXPECT_EQ(a.Lookup({-99}), want);
   InitialValues(b.spec.initializer, 16, -99, 1, 0, kDim, want.data());
   EXPECT_EQ(b.Lookup({-99}), want);
+}
+
+// Over a backend that finds keys (the CUDA kernels' emulation) whose
+// syncs can be made to fail: a failed sync leaves the update applied and
+// the shard's lookups mapped here (not keyed: no stale copy is read), ids
+// in device memory answered UNAVAILABLE; the next update's sync catches up
+// and lookups go keyed again, all equal to the CPU backend's. A caller's
+// keyed request is refused: keys are the wrapper's to hand on.
+class FlakySync : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::Status SyncKeyIndex(ShardId id, const math::KeyLine* lines, int64_t count,
+                            absl::Span<const int64_t> changed) override {
+    if (fail) return absl::UnavailableError("sync failed (test)");
+    return ForwardingBackend::SyncKeyIndex(id, lines, count, changed);
+  }
+  absl::Status Lookup(absl::Span<const LookupRequest> r) override {
+    last_keyed = !r.empty() && r[0].feature.keyed;
+    return ForwardingBackend::Lookup(r);
+  }
+  bool fail = false;
+  bool last_keyed = false;
+};
+
+TEST(DynamicBackendTest, AFailedKeySyncFallsBackToTheHostFindUntilTheNextUpdate) {
+  auto flaky = std::make_unique<FlakySync>(CreateEmulatedCudaBackend());
+  FlakySync* inner = flaky.get();
+  auto dyn = WithDynamicShards(std::move(flaky));
+  auto ref = WithDynamicShards(Cpu());
+  const ShardSpec spec = SpecOf(OptimizerType::kSgd, 8, DynamicConfig{});
+  auto a = dyn->CreateShard(spec);
+  auto b = ref->CreateShard(spec);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::vector<int64_t> lengths = {2, 2}, grad_len = {2, 2};
+  std::vector<float> grad(2 * kDim, 0.5f);
+  auto update = [&](std::vector<int64_t> ids) {
+    for (EmbeddingBackend* be : {dyn.get(), ref.get()}) {
+      const ShardId id = be == dyn.get() ? *a : *b;
+      const GradientRequest r{FeatureRequest{id, Pooling::kSum, lengths, ids, {}}, grad};
+      ASSERT_TRUE(be->ApplyGradients({r}).ok());
+    }
+  };
+  auto same_lookups = [&](bool keyed) {
+    const std::vector<int64_t> ids = {-5, 1LL << 50, 77, 12};
+    std::vector<float> out_a(2 * kDim), out_b(2 * kDim);
+    ASSERT_TRUE(dyn->Lookup({LookupRequest{FeatureRequest{*a, Pooling::kSum, lengths, ids, {}},
+                                           absl::MakeSpan(out_a)}})
+                    .ok());
+    ASSERT_TRUE(ref->Lookup({LookupRequest{FeatureRequest{*b, Pooling::kSum, lengths, ids, {}},
+                                           absl::MakeSpan(out_b)}})
+                    .ok());
+    EXPECT_EQ(out_a, out_b);
+    EXPECT_EQ(inner->last_keyed, keyed);
+  };
+  update({-5, 1LL << 50, 3, 4});
+  same_lookups(/*keyed=*/true);
+  inner->fail = true;
+  update({77, 12, -5, 9});  // applied; its sync fails
+  same_lookups(/*keyed=*/false);
+  std::vector<float> out(2 * kDim);
+  FeatureRequest on_device{*a, Pooling::kSum, lengths, grad_len, {}};
+  on_device.on_device = true;
+  EXPECT_EQ(dyn->Lookup({LookupRequest{on_device, absl::MakeSpan(out)}}).code(),
+            absl::StatusCode::kUnavailable);
+  inner->fail = false;
+  update({3, 3, 4, 4});  // its sync brings the copy up to date
+  same_lookups(/*keyed=*/true);
+  FeatureRequest keyed{*a, Pooling::kSum, lengths, grad_len, {}};
+  keyed.keyed = true;
+  EXPECT_EQ(dyn->Lookup({LookupRequest{keyed, absl::MakeSpan(out)}}).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
