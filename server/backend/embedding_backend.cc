@@ -587,6 +587,24 @@ absl::Status NoKeyIndex(const std::string& what) {
       absl::StrCat(what, ": keyed ids, but the shard's key index was never synced"));
 }
 
+absl::Status EmbeddingBackend::CheckPendingSketch(absl::Span<const uint32_t> counters) {
+  if (counters.empty() || counters.size() == kPendingSketchCounters) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(counters.size(), " counters, not ", kPendingSketchCounters));
+}
+
+absl::Status EmbeddingBackend::AddPendingSketch(absl::Span<const uint32_t> counters,
+                                                std::vector<uint32_t>* sketch) {
+  if (absl::Status s = CheckPendingSketch(counters); !s.ok()) return s;
+  if (counters.empty()) return absl::OkStatus();
+  if (sketch->empty()) sketch->assign(kPendingSketchCounters, 0);
+  for (size_t k = 0; k < kPendingSketchCounters; ++k) {
+    const uint64_t sum = uint64_t{(*sketch)[k]} + counters[k];
+    (*sketch)[k] = static_cast<uint32_t>(std::min<uint64_t>(sum, std::numeric_limits<uint32_t>::max()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status EmbeddingBackend::CheckPendingCounts(absl::Span<const int64_t> packed) {
   if (packed.size() % 2 != 0) {
     return absl::InvalidArgumentError(

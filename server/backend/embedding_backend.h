@@ -341,6 +341,14 @@ class EmbeddingBackend {
   // wrong length.
   virtual absl::StatusOr<std::vector<uint32_t>> ExportPendingSketch(ShardId shard) const;
   virtual absl::Status MergePendingSketch(ShardId shard, absl::Span<const uint32_t> counters);
+  // Such counters well formed: none, or kPendingSketchCounters of them;
+  // else INVALID_ARGUMENT ("<n> counters, not <kPendingSketchCounters>").
+  static absl::Status CheckPendingSketch(absl::Span<const uint32_t> counters);
+  // Adds well-formed `counters` to *sketch, saturating at the uint32 limit
+  // (*sketch allocated, zeroed, on first use); nothing changes on a
+  // refusal. The one merge of sketches: a shard's, and a restore's sum.
+  static absl::Status AddPendingSketch(absl::Span<const uint32_t> counters,
+                                       std::vector<uint32_t>* sketch);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
   // SlotMeta on the wire and on disk: int64 [n, kSlotMetaFields] (id,

@@ -2,7 +2,6 @@
 #include "server/checkpoint/rehash.h"
 
 #include <algorithm>
-#include <limits>
 #include <tuple>
 
 #include "absl/container/flat_hash_set.h"
@@ -54,19 +53,11 @@ absl::Status RehashTarget::Take(const ember::v1::CheckpointShard& source, const 
     pending.push_back(id);
     pending.push_back(count);
   }
-  if (!data.pending_sketch.empty() &&
-      data.pending_sketch.size() != backend::kPendingSketchCounters) {
-    return absl::DataLossError(absl::StrCat(what, ": a pending-id sketch of ",
-                                            data.pending_sketch.size(), " counters"));
+  if (absl::Status s = backend::EmbeddingBackend::AddPendingSketch(data.pending_sketch, &sketch_);
+      !s.ok()) {  // (checked before it adds anything)
+    return absl::DataLossError(absl::StrCat(what, ": pending sketch: ", s.message()));
   }
   pending_.insert(pending_.end(), pending.begin(), pending.end());
-  if (!data.pending_sketch.empty()) {
-    if (sketch_.empty()) sketch_.assign(backend::kPendingSketchCounters, 0);
-    for (size_t k = 0; k < sketch_.size(); ++k) {
-      const uint64_t sum = uint64_t{sketch_[k]} + data.pending_sketch[k];
-      sketch_[k] = static_cast<uint32_t>(std::min<uint64_t>(sum, std::numeric_limits<uint32_t>::max()));
-    }
-  }
   for (Row& r : taken) {
     const size_t s = r.at;
     r.at = rows_.size();

@@ -176,10 +176,8 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
   if (absl::Status s = wire::Decode(req.pending_sketch(), "pending_sketch", &sketch); !s.ok()) {
     return s;
   }
-  if (!sketch.empty() && sketch.size() != backend::kPendingSketchCounters) {
-    return absl::InvalidArgumentError(absl::StrCat("pending_sketch: ", sketch.size(),
-                                                   " counters, not ",
-                                                   backend::kPendingSketchCounters));
+  if (absl::Status s = backend::EmbeddingBackend::CheckPendingSketch(sketch); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("pending_sketch: ", s.message()));
   }
   if (absl::Status s = backend_->ImportSlots(shard.id, b, e, *slots); !s.ok()) return s;
   if (absl::Status s = backend_->ImportRows(shard.id, b, e, weights, state); !s.ok()) return s;

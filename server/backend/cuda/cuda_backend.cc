@@ -561,16 +561,12 @@ class CudaBackend : public EmbeddingBackend {
   // device by CopyRowsKernel, instead of a copy and a wait a row.
   absl::Status ExportRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<float> weights,
                             absl::Span<float> state) const override {
-    return Guarded([&] { return DoRowsAt(id, rows, weights.data(), weights.size(), state.data(),
-                                         state.size(), /*import=*/false); });
+    return Guarded([&] { return DoRowsAt(id, rows, {}, {}, weights, state, /*import=*/false); });
   }
   absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
                             absl::Span<const float> weights,
                             absl::Span<const float> state) override {
-    return Guarded([&] {
-      return DoRowsAt(id, rows, const_cast<float*>(weights.data()), weights.size(),
-                      const_cast<float*>(state.data()), state.size(), /*import=*/true);
-    });
+    return Guarded([&] { return DoRowsAt(id, rows, weights, state, {}, {}, /*import=*/true); });
   }
 
   absl::Status Health() const override {
@@ -1230,22 +1226,23 @@ class CudaBackend : public EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  // ExportRowsAt / ImportRowsAt (`import`: weights and state are read,
-  // never written). Each chunk's rows, weights (in the weight type) and
-  // state are laid out alike in the staging and the scratch.
-  absl::Status DoRowsAt(ShardId id, absl::Span<const int64_t> rows, float* weights,
-                        size_t weight_count, float* state, size_t state_count,
-                        bool import) const {
+  // ExportRowsAt (into out_w, out_s) / ImportRowsAt (`import`: from in_w,
+  // in_s). Each chunk's rows, weights (in the weight type) and state are
+  // laid out alike in the staging and the scratch.
+  absl::Status DoRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<const float> in_w,
+                        absl::Span<const float> in_s, absl::Span<float> out_w,
+                        absl::Span<float> out_s, bool import) const {
     SlotLease lease(&slot_pool_, slots_, options_.device, stream_);
     const DeviceBuffer& staging = lease.slot().host;
     absl::MutexLock lock(&mu_);
     const EndMark end(&lease);
     Shard* s = FindShard(id);
     if (s == nullptr) return ShardNotFound(id);
-    if (absl::Status st = ValidateRowsAt(s->spec, rows, weight_count, state_count); !st.ok()) {
+    if (absl::Status st = ValidateRowsAt(s->spec, rows, import ? in_w.size() : out_w.size(),
+                                         import ? in_s.size() : out_s.size());
+        !st.ok()) {
       return st;
     }
-    const absl::Span<const float> in_w(weights, weight_count), in_s(state, state_count);
     if (import) {
       if (absl::Status st = ValidateImport(s->spec, 0, static_cast<int64_t>(rows.size()), in_w,
                                            in_s);
@@ -1293,8 +1290,8 @@ class CudaBackend : public EmbeddingBackend {
         return absl::OkStatus();
       };
       if (import) {
-        StoreRows(s->spec.weight_type, weights + r0 * dim, m * dim, h + l.weights);
-        std::memcpy(h + l.state, state + r0 * width, m * width * sizeof(float));
+        StoreRows(s->spec.weight_type, in_w.data() + r0 * dim, m * dim, h + l.weights);
+        std::memcpy(h + l.state, in_s.data() + r0 * width, m * width * sizeof(float));
         EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(d, h, l.bytes, cudaMemcpyHostToDevice, stream_));
       } else {
         EMBER_RETURN_IF_CUDA_ERROR(
@@ -1309,8 +1306,8 @@ class CudaBackend : public EmbeddingBackend {
       }
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
       if (!import) {
-        LoadRows(s->spec.weight_type, h + l.weights, m * dim, weights + r0 * dim);
-        std::memcpy(state + r0 * width, h + l.state, m * width * sizeof(float));
+        LoadRows(s->spec.weight_type, h + l.weights, m * dim, out_w.data() + r0 * dim);
+        std::memcpy(out_s.data() + r0 * width, h + l.state, m * width * sizeof(float));
       }
     }
     if (import) s->bounds = backend::Widen(s->bounds, backend::ImportedBounds(s->spec, in_w, in_s));

@@ -730,17 +730,7 @@ absl::Status DynamicIndex::RestorePendingCounts(absl::Span<const int64_t> packed
 }
 
 absl::Status DynamicIndex::MergePendingSketch(absl::Span<const uint32_t> counters) {
-  if (counters.empty()) return absl::OkStatus();
-  if (counters.size() != kSketchCounters) {
-    return absl::InvalidArgumentError(absl::StrCat("a pending-id sketch holds ", kSketchCounters,
-                                                   " counters, got ", counters.size()));
-  }
-  if (sketch_.empty()) sketch_.assign(kSketchCounters, 0);
-  for (size_t k = 0; k < kSketchCounters; ++k) {
-    const uint64_t sum = uint64_t{sketch_[k]} + counters[k];
-    sketch_[k] = static_cast<uint32_t>(std::min<uint64_t>(sum, std::numeric_limits<uint32_t>::max()));
-  }
-  return absl::OkStatus();
+  return EmbeddingBackend::AddPendingSketch(counters, &sketch_);
 }
 
 void DynamicIndex::Held(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const {
