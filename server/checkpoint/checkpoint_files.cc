@@ -654,11 +654,12 @@ int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t 
                   : 0);
 }
 
-int64_t BytesInDirectory(const std::string& dir) {
+int64_t ShardBytesInDirectory(const std::string& dir) {
   int64_t total = 0;
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return 0;
   while (dirent* e = readdir(d)) {
+    if (!absl::EndsWith(e->d_name, ".shard")) continue;
     struct stat st;
     if (stat(Join(dir, e->d_name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
   }

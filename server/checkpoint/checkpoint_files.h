@@ -148,8 +148,10 @@ std::vector<std::string> ListCommitted(const std::string& root, const std::strin
 int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0,
                        bool dynamic = false, int64_t pending = 0, bool sketch = false);
 
-// Bytes in the regular files of `dir` (a checkpoint being written).
-int64_t BytesInDirectory(const std::string& dir);
+// Bytes in the shard files (ShardFileName's "*.shard") of `dir`: a
+// checkpoint being written, its progress (the MANIFEST written at its end
+// is not a shard's).
+int64_t ShardBytesInDirectory(const std::string& dir);
 
 // Removes a checkpoint directory: MANIFEST first (so a crash half-way leaves
 // an uncommitted directory, never a torn committed one), then the rest.

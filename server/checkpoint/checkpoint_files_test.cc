@@ -175,6 +175,21 @@ TEST(CheckpointFilesTest, DynamicShardKeepsItsPendingSketch) {
   EXPECT_FALSE(WriteShardFile(dir, Ref("fixed", 0), fixed).ok());
 }
 
+// A checkpoint being written reports the bytes of its shard files alone:
+// the MANIFEST (and its .tmp) written at the end, and any other file, are
+// not progress.
+TEST(CheckpointFilesTest, ProgressCountsShardFilesOnly) {
+  const std::string dir = TempDir();
+  auto e = WriteShardFile(dir, Ref("t", 0), Random(3, 4, 0, 5, 4));
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(ShardBytesInDirectory(dir), e->bytes());
+  for (const char* other : {"MANIFEST.tmp", "MANIFEST", "notes.txt"}) {
+    std::ofstream(dir + "/" + other) << std::string(1000, 'x');
+  }
+  EXPECT_EQ(ShardBytesInDirectory(dir), e->bytes());
+  EXPECT_EQ(ShardBytesInDirectory(dir + "/absent"), 0);
+}
+
 // Verification reports (0, total) first, then the bytes after each file,
 // ending at the manifest's total; a damaged file stops it there.
 TEST(CheckpointFilesTest, VerificationReportsItsProgress) {

@@ -327,7 +327,7 @@ grpc::Status CoordinatorService::ListCheckpoints(grpc::ServerContext* ctx,
     }
   }
   for (auto& c : writing) {  // the files' sizes, read outside the lock
-    c.set_bytes(checkpoint::BytesInDirectory(c.path()));
+    c.set_bytes(checkpoint::ShardBytesInDirectory(c.path()));
     *resp->add_checkpoints() = std::move(c);
   }
   return grpc::Status::OK;
