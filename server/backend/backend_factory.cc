@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_query.h"
+#include "server/backend/change_tracking.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/dynamic/dynamic_backend.h"
@@ -44,7 +45,9 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     }
     auto b = CreateCpuBackend(o);
     if (!b.ok()) return b.status();
-    made.backend = WithDynamicShards(std::move(*b), Dynamic(config));  // hash-keyed tables
+    // Hash-keyed tables over rows whose changes are tracked (incremental
+    // checkpoints; below the dynamic shards, so that slots are what is tracked).
+    made.backend = WithDynamicShards(WithChangeTracking(std::move(*b)), Dynamic(config));
     made.ddr_bytes = o.memory_limit_bytes;
     return made;
   }
@@ -56,7 +59,9 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     o.scratch_bytes = config.cuda_scratch_bytes;
     auto b = backend::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
-    made.backend = WithDynamicShards(std::move(*b), Dynamic(config));  // hash-keyed tables
+    // Hash-keyed tables over rows whose changes are tracked (incremental
+    // checkpoints; below the dynamic shards, so that slots are what is tracked).
+    made.backend = WithDynamicShards(WithChangeTracking(std::move(*b)), Dynamic(config));
     made.cuda = true;
     auto devices = cuda::QueryDevices();
     if (devices.ok()) {

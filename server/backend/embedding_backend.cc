@@ -556,6 +556,14 @@ absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ExportPendingCounts(Shard
 absl::Status EmbeddingBackend::ImportPendingCounts(ShardId, absl::Span<const int64_t>) {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }
+absl::StatusOr<EmbeddingBackend::ChangeMark> EmbeddingBackend::MarkChanges(ShardId) {
+  return absl::UnimplementedError(absl::StrCat(Name(), " does not track changed rows"));
+}
+absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ChangedRows(ShardId,
+                                                                   const ChangeMark&) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), " does not track changed rows"));
+}
+
 absl::StatusOr<std::vector<uint32_t>> EmbeddingBackend::ExportPendingSketch(ShardId) const {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
 }

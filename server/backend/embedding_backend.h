@@ -294,6 +294,27 @@ class EmbeddingBackend {
   virtual absl::Status SyncKeyIndex(ShardId shard, const math::KeyLine* lines, int64_t count,
                                     absl::Span<const int64_t> changed);
 
+  // Which rows changed, for incremental checkpoints (change_tracking.h's
+  // WithChangeTracking keeps it; UNIMPLEMENTED elsewhere). A mark names a
+  // shard's state at one moment: `lineage` is that shard's tracking (a new
+  // one whenever a shard is created), `generation` counts its marks.
+  struct ChangeMark {
+    uint64_t lineage = 0;
+    int64_t generation = 0;
+  };
+  // The mark of the shard as it is now; later changes belong to the next
+  // generation. The caller keeps updates and imports of the shard out
+  // while it marks (the worker's checkpoint fence).
+  virtual absl::StatusOr<ChangeMark> MarkChanges(ShardId shard);
+  // The rows (ascending, shard-local, in [0, spec.rows)) that updates or
+  // imports changed since the shard was at `since`: a superset of them
+  // (rows an update named are counted even if their values came out the
+  // same; an update whose ids were in device memory counts every row).
+  // FAILED_PRECONDITION when `since` is not a mark of this shard's lineage
+  // or is later than its current generation: the caller writes it whole.
+  virtual absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId shard,
+                                                           const ChangeMark& since) const;
+
   // Dynamic shards (ShardSpec::is_dynamic): their rows are slots
   // [0, rows), read and written by ExportRows / ImportRows as any shard's;
   // these carry what each slot holds. A backend without dynamic shards

@@ -90,6 +90,11 @@ class ForwardingBackend : public EmbeddingBackend {
                             absl::Span<const int64_t> changed) override {
     return inner_->SyncKeyIndex(id, lines, count, changed);
   }
+  absl::StatusOr<ChangeMark> MarkChanges(ShardId id) override { return inner_->MarkChanges(id); }
+  absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId id,
+                                                   const ChangeMark& since) const override {
+    return inner_->ChangedRows(id, since);
+  }
   int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
   std::string Name() const override { return inner_->Name(); }
   absl::Status Health() const override { return inner_->Health(); }

@@ -238,6 +238,18 @@ class DynamicShardsBackend : public ForwardingBackend {
     return inner()->ImportRows(id, begin, end, weights, state);
   }
 
+  // The wrapped shard's, less its zero slot (rows + 1 there).
+  absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId id,
+                                                   const ChangeMark& since) const override {
+    auto rows = inner()->ChangedRows(id, since);
+    if (!rows.ok()) return rows;
+    if (auto shard = Find(id)) {
+      const int64_t held = shard->spec.rows;
+      rows->erase(std::lower_bound(rows->begin(), rows->end(), held), rows->end());
+    }
+    return rows;
+  }
+
   absl::Status ImportStep(ShardId id, int64_t step) override {
     if (auto shard = Find(id)) {
       absl::MutexLock lock(&shard->mu);
