@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -31,7 +33,10 @@ namespace checkpoint {
 namespace {
 
 constexpr char kShardMagic[8] = {'E', 'M', 'B', 'S', 'H', 'R', 'D', '1'};
+constexpr char kDeltaMagic[8] = {'E', 'M', 'B', 'D', 'E', 'L', 'T', '1'};
 constexpr int64_t kHeaderBytes = 8 + 5 * 8;
+constexpr int64_t kDeltaHeaderBytes = 8 + 6 * 8;
+constexpr size_t kMaxChain = 10000;
 constexpr size_t kChunk = size_t{4} << 20;
 
 std::string Join(const std::string& dir, const std::string& name) {
@@ -158,11 +163,41 @@ std::vector<std::string> CheckpointDirs(const std::string& root, const std::stri
   return out;
 }
 
+int64_t HeaderBytes(bool delta) { return delta ? kDeltaHeaderBytes : kHeaderBytes; }
+
+// Writes the header of `d` (HeaderBytes(d.delta) bytes) to `out`.
 void WriteHeader(const ShardData& d, char* out) {
-  std::memcpy(out, kShardMagic, 8);
-  const int64_t fields[5] = {d.rows, d.cols, d.state_width, d.step,
-                             static_cast<int64_t>(d.applied_ids.size())};
-  std::memcpy(out + 8, fields, sizeof(fields));
+  std::memcpy(out, d.delta ? kDeltaMagic : kShardMagic, 8);
+  const int64_t fields[6] = {d.rows, d.cols, d.state_width, d.step,
+                             static_cast<int64_t>(d.applied_ids.size()),
+                             static_cast<int64_t>(d.changed_rows.size())};
+  std::memcpy(out + 8, fields, d.delta ? 6 * 8 : 5 * 8);
+}
+
+// The sections of a file after its header, in order (Data: ShardData or
+// const ShardData); a full file's changed_rows is empty.
+template <typename Data>
+auto Sections(Data& d) {
+  using Ptr = std::conditional_t<std::is_const_v<Data>, const void*, void*>;
+  return std::array<std::pair<Ptr, size_t>, 8>{{
+      {d.changed_rows.data(), d.changed_rows.size() * sizeof(int64_t)},
+      {d.weights.data(), d.weights.size() * sizeof(float)},
+      {d.state.data(), d.state.size() * sizeof(float)},
+      {d.applied_ids.data(), d.applied_ids.size() * sizeof(uint64_t)},
+      {d.applied_unix_ms.data(), d.applied_unix_ms.size() * sizeof(int64_t)},
+      {d.slot_meta.data(), d.slot_meta.size() * sizeof(int64_t)},
+      {d.pending_counts.data(), d.pending_counts.size() * sizeof(int64_t)},
+      {d.pending_sketch.data(), d.pending_sketch.size() * sizeof(uint32_t)}}};
+}
+
+// Rows strictly ascending, each in [0, rows).
+bool RowsInOrder(const std::vector<int64_t>& changed, int64_t rows) {
+  for (size_t i = 0; i < changed.size(); ++i) {
+    if (changed[i] < 0 || changed[i] >= rows || (i > 0 && changed[i] <= changed[i - 1])) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // A shard file's name must be a plain name inside its directory.
@@ -197,9 +232,9 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
       entry.applied_ids() > (int64_t{1} << 40) ||
       entry.pending_counts() < 0 || entry.pending_counts() > (int64_t{1} << 40) ||
       (!entry.dynamic() && (entry.pending_counts() != 0 || entry.pending_sketch())) ||
-      ShardFileBytes(entry.rows(), entry.cols(), entry.state_width(), entry.applied_ids(),
-                     entry.dynamic(), entry.pending_counts(),
-                     entry.pending_sketch()) != entry.bytes()) {
+      (entry.delta() && (entry.changed_rows() < 0 || entry.changed_rows() > entry.rows())) ||
+      (!entry.delta() && entry.changed_rows() != 0) ||
+      EntryFileBytes(entry) != entry.bytes()) {
     close(fd);
     return DataLoss(path, "the manifest's shape does not match the file's size");
   }
@@ -208,11 +243,13 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
 
 absl::Status CheckHeader(const char* header, const std::string& path,
                          const ember::v1::CheckpointShard& entry) {
-  if (std::memcmp(header, kShardMagic, 8) != 0) return DataLoss(path, "bad magic");
-  int64_t f[5];
-  std::memcpy(f, header + 8, sizeof(f));
+  if (std::memcmp(header, entry.delta() ? kDeltaMagic : kShardMagic, 8) != 0) {
+    return DataLoss(path, "bad magic");
+  }
+  int64_t f[6] = {0, 0, 0, 0, 0, 0};
+  std::memcpy(f, header + 8, entry.delta() ? 6 * 8 : 5 * 8);
   if (f[0] != entry.rows() || f[1] != entry.cols() || f[2] != entry.state_width() ||
-      f[3] != entry.step() || f[4] != entry.applied_ids()) {
+      f[3] != entry.step() || f[4] != entry.applied_ids() || f[5] != entry.changed_rows()) {
     return DataLoss(path, "its header does not match the manifest");
   }
   return absl::OkStatus();
@@ -220,7 +257,7 @@ absl::Status CheckHeader(const char* header, const std::string& path,
 
 }  // namespace
 
-std::string ShardFileName(const ember::v1::ShardRef& ref) {
+std::string ShardFileName(const ember::v1::ShardRef& ref, bool delta) {
   std::string safe;
   for (char c : ref.table()) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -229,14 +266,18 @@ std::string ShardFileName(const ember::v1::ShardRef& ref) {
   }
   if (safe.size() > 64) safe.resize(64);
   const uint32_t h = Crc(0, ref.table().data(), ref.table().size());
-  return absl::StrCat(absl::Hex(h, absl::kZeroPad8), "-", safe, ".", ref.shard_index(), ".shard");
+  return absl::StrCat(absl::Hex(h, absl::kZeroPad8), "-", safe, ".", ref.shard_index(),
+                      delta ? ".delta.shard" : ".shard");
 }
 
 absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir,
                                                           const ember::v1::ShardRef& ref,
                                                           const ShardData& data) {
-  if (static_cast<int64_t>(data.weights.size()) != data.rows * data.cols ||
-      static_cast<int64_t>(data.state.size()) != data.rows * data.state_width ||
+  const int64_t held = data.delta ? static_cast<int64_t>(data.changed_rows.size()) : data.rows;
+  if (static_cast<int64_t>(data.weights.size()) != held * data.cols ||
+      static_cast<int64_t>(data.state.size()) != held * data.state_width ||
+      (!data.delta && !data.changed_rows.empty()) ||
+      (data.delta && !RowsInOrder(data.changed_rows, data.rows)) ||
       data.applied_ids.size() != data.applied_unix_ms.size() ||
       (!data.slot_meta.empty() &&
        static_cast<int64_t>(data.slot_meta.size()) !=
@@ -249,23 +290,16 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
     return absl::InternalError("shard data does not match its shape");
   }
   const bool dynamic = !data.slot_meta.empty();
-  const std::string name = ShardFileName(ref);
+  const std::string name = ShardFileName(ref, data.delta);
   const std::string path = Join(dir, name);
   File f(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (f.fd() < 0) return Errno("creating", path);
-  char header[kHeaderBytes];
+  char header[kDeltaHeaderBytes];
   WriteHeader(data, header);
-  uint32_t crc = Crc(0, header, sizeof(header));
-  if (absl::Status s = WriteAll(f.fd(), header, sizeof(header), path); !s.ok()) return s;
-  const std::pair<const void*, size_t> parts[] = {
-      {data.weights.data(), data.weights.size() * sizeof(float)},
-      {data.state.data(), data.state.size() * sizeof(float)},
-      {data.applied_ids.data(), data.applied_ids.size() * sizeof(uint64_t)},
-      {data.applied_unix_ms.data(), data.applied_unix_ms.size() * sizeof(int64_t)},
-      {data.slot_meta.data(), data.slot_meta.size() * sizeof(int64_t)},
-      {data.pending_counts.data(), data.pending_counts.size() * sizeof(int64_t)},
-      {data.pending_sketch.data(), data.pending_sketch.size() * sizeof(uint32_t)}};
-  for (const auto& [data_ptr, n] : parts) {
+  const size_t header_bytes = static_cast<size_t>(HeaderBytes(data.delta));
+  uint32_t crc = Crc(0, header, header_bytes);
+  if (absl::Status s = WriteAll(f.fd(), header, header_bytes, path); !s.ok()) return s;
+  for (const auto& [data_ptr, n] : Sections(data)) {
     const char* p = static_cast<const char*>(data_ptr);
     for (size_t at = 0; at < n; at += kChunk) {
       const size_t len = std::min(kChunk, n - at);
@@ -278,10 +312,9 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   *entry.mutable_ref() = ref;
   entry.set_file(name);
   const int64_t pending = static_cast<int64_t>(data.pending_counts.size() / 2);
-  entry.set_bytes(ShardFileBytes(data.rows, data.cols, data.state_width,
-                                 static_cast<int64_t>(data.applied_ids.size()), dynamic, pending,
-                                 !data.pending_sketch.empty()));
   entry.set_dynamic(dynamic);
+  entry.set_delta(data.delta);
+  entry.set_changed_rows(static_cast<int64_t>(data.changed_rows.size()));
   entry.set_pending_counts(pending);
   entry.set_pending_sketch(!data.pending_sketch.empty());
   entry.set_applied_ids(static_cast<int64_t>(data.applied_ids.size()));
@@ -290,6 +323,7 @@ absl::StatusOr<ember::v1::CheckpointShard> WriteShardFile(const std::string& dir
   entry.set_cols(data.cols);
   entry.set_state_width(data.state_width);
   entry.set_step(data.step);
+  entry.set_bytes(EntryFileBytes(entry));
   return entry;
 }
 
@@ -299,18 +333,22 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
   auto fd = OpenChecked(path, entry);
   if (!fd.ok()) return fd.status();
   File f(*fd);
-  char header[kHeaderBytes];
-  auto got = ReadUpTo(f.fd(), header, sizeof(header), path);
+  char header[kDeltaHeaderBytes];
+  const size_t header_bytes = static_cast<size_t>(HeaderBytes(entry.delta()));
+  auto got = ReadUpTo(f.fd(), header, header_bytes, path);
   if (!got.ok()) return got.status();
-  if (*got != sizeof(header)) return DataLoss(path, "truncated header");
+  if (*got != header_bytes) return DataLoss(path, "truncated header");
   if (absl::Status s = CheckHeader(header, path, entry); !s.ok()) return s;
   ShardData d;
   d.rows = entry.rows();
   d.cols = entry.cols();
   d.state_width = entry.state_width();
   d.step = entry.step();
-  d.weights.resize(d.rows * d.cols);
-  d.state.resize(d.rows * d.state_width);
+  d.delta = entry.delta();
+  d.changed_rows.resize(entry.delta() ? entry.changed_rows() : 0);
+  const int64_t held = entry.delta() ? entry.changed_rows() : d.rows;
+  d.weights.resize(held * d.cols);
+  d.state.resize(held * d.state_width);
   d.applied_ids.resize(entry.applied_ids());
   d.applied_unix_ms.resize(entry.applied_ids());
   if (entry.dynamic()) {
@@ -318,23 +356,46 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
     d.pending_counts.resize(2 * entry.pending_counts());
     if (entry.pending_sketch()) d.pending_sketch.resize(backend::kPendingSketchCounters);
   }
-  uint32_t crc = Crc(0, header, sizeof(header));
-  const std::pair<void*, size_t> parts[] = {
-      {d.weights.data(), d.weights.size() * sizeof(float)},
-      {d.state.data(), d.state.size() * sizeof(float)},
-      {d.applied_ids.data(), d.applied_ids.size() * sizeof(uint64_t)},
-      {d.applied_unix_ms.data(), d.applied_unix_ms.size() * sizeof(int64_t)},
-      {d.slot_meta.data(), d.slot_meta.size() * sizeof(int64_t)},
-      {d.pending_counts.data(), d.pending_counts.size() * sizeof(int64_t)},
-      {d.pending_sketch.data(), d.pending_sketch.size() * sizeof(uint32_t)}};
-  for (const auto& [p, n] : parts) {
+  uint32_t crc = Crc(0, header, header_bytes);
+  for (const auto& [p, n] : Sections(d)) {
     auto r = ReadUpTo(f.fd(), p, n, path);
     if (!r.ok()) return r.status();
     if (*r != n) return DataLoss(path, "truncated");
     crc = Crc(crc, p, n);
   }
   if (crc != entry.crc32()) return DataLoss(path, "CRC-32 mismatch");
+  if (!RowsInOrder(d.changed_rows, d.rows)) {
+    return DataLoss(path, "its changed rows are not ascending rows of the shard");
+  }
   return d;
+}
+
+absl::Status ApplyDelta(const ShardData& delta, const std::string& what, ShardData* base) {
+  const int64_t n = static_cast<int64_t>(delta.changed_rows.size());
+  if (!delta.delta || base->delta || delta.rows != base->rows || delta.cols != base->cols ||
+      delta.state_width != base->state_width ||
+      static_cast<int64_t>(delta.weights.size()) != n * delta.cols ||
+      static_cast<int64_t>(delta.state.size()) != n * delta.state_width ||
+      !RowsInOrder(delta.changed_rows, base->rows) ||
+      static_cast<int64_t>(base->weights.size()) != base->rows * base->cols ||
+      static_cast<int64_t>(base->state.size()) != base->rows * base->state_width ||
+      delta.slot_meta.empty() != base->slot_meta.empty()) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint file ", what, " does not fit the shard it builds on"));
+  }
+  const int64_t cols = delta.cols, sw = delta.state_width;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t r = delta.changed_rows[k];
+    std::copy_n(delta.weights.begin() + k * cols, cols, base->weights.begin() + r * cols);
+    std::copy_n(delta.state.begin() + k * sw, sw, base->state.begin() + r * sw);
+  }
+  base->step = delta.step;
+  base->applied_ids = delta.applied_ids;
+  base->applied_unix_ms = delta.applied_unix_ms;
+  base->slot_meta = delta.slot_meta;
+  base->pending_counts = delta.pending_counts;
+  base->pending_sketch = delta.pending_sketch;
+  return absl::OkStatus();
 }
 
 absl::Status VerifyShardFile(const std::string& dir, const ember::v1::CheckpointShard& entry) {
@@ -350,7 +411,9 @@ absl::Status VerifyShardFile(const std::string& dir, const ember::v1::Checkpoint
     auto r = ReadUpTo(f.fd(), buf.get(), kChunk, path);
     if (!r.ok()) return r.status();
     if (first) {
-      if (*r < static_cast<size_t>(kHeaderBytes)) return DataLoss(path, "truncated header");
+      if (*r < static_cast<size_t>(HeaderBytes(entry.delta()))) {
+        return DataLoss(path, "truncated header");
+      }
       if (absl::Status s = CheckHeader(buf.get(), path, entry); !s.ok()) return s;
       first = false;
     }
@@ -486,16 +549,199 @@ absl::Status CheckCoverage(const ember::v1::CheckpointManifest& m) {
   return absl::OkStatus();
 }
 
+namespace {
+
+std::string Parent(const std::string& dir) {
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const size_t slash = d.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : d.substr(0, slash);
+}
+
+// The base directory of the checkpoint whose manifest is `m` (in `dir`),
+// confined under `root` when given.
+absl::StatusOr<std::string> BaseDir(const std::string& dir,
+                                    const ember::v1::CheckpointManifest& m,
+                                    const std::string& root) {
+  const std::string& base = m.info().base();
+  const std::string manifest = Join(dir, kManifestName);
+  if (base.empty()) return DataLoss(manifest, "it has delta shards but names no base checkpoint");
+  if (!SafeName(base) || CreatedMs(base) < 0) {
+    return DataLoss(manifest, absl::StrCat("its base '", absl::CHexEscape(base.substr(0, 128)),
+                                           "' is not a checkpoint directory's name"));
+  }
+  const std::string path = Join(Parent(dir), base);
+  if (root.empty()) return path;
+  auto confined = ConfinedPath(root, path);
+  if (!confined.ok()) return DataLoss(manifest, std::string(confined.status().message()));
+  return *confined;
+}
+
+absl::StatusOr<const ember::v1::CheckpointManifest*> CachedManifest(
+    const std::string& dir, std::map<std::string, ember::v1::CheckpointManifest>* cache) {
+  auto it = cache->find(dir);
+  if (it != cache->end()) return &it->second;
+  auto m = ReadManifest(dir);
+  if (!m.ok()) return m.status();
+  return &cache->emplace(dir, *std::move(m)).first->second;
+}
+
+// ShardChain, with the manifests read so far.
+absl::StatusOr<std::vector<ChainLink>> ShardChainIn(
+    const std::string& dir, const ember::v1::CheckpointShard& entry, const std::string& root,
+    std::map<std::string, ember::v1::CheckpointManifest>* manifests) {
+  std::vector<ChainLink> links = {{dir, entry}};
+  while (links.back().entry.delta()) {
+    const ChainLink& top = links.back();
+    const std::string what = Join(top.dir, top.entry.file());
+    if (links.size() > kMaxChain) {
+      return DataLoss(what, absl::StrCat("its chain of bases is longer than ", kMaxChain));
+    }
+    auto m = CachedManifest(top.dir, manifests);
+    if (!m.ok()) return m.status();
+    auto base_dir = BaseDir(top.dir, **m, root);
+    if (!base_dir.ok()) return base_dir.status();
+    auto bm = CachedManifest(*base_dir, manifests);
+    if (absl::IsNotFound(bm.status())) {
+      return DataLoss(what, absl::StrCat("its base checkpoint ", *base_dir, " is missing"));
+    }
+    if (!bm.ok()) return bm.status();
+    const ember::v1::CheckpointShard* found = nullptr;
+    for (const auto& s : (*bm)->shards()) {
+      if (s.ref().table() == top.entry.ref().table() &&
+          s.ref().shard_index() == top.entry.ref().shard_index()) {
+        found = &s;
+      }
+    }
+    const auto& e = top.entry;
+    if (found == nullptr || found->rows() != e.rows() || found->cols() != e.cols() ||
+        found->state_width() != e.state_width() || found->row_offset() != e.row_offset() ||
+        found->col_offset() != e.col_offset() || found->dynamic() != e.dynamic() ||
+        found->lineage() != e.lineage() || found->generation() != e.base_generation()) {
+      return DataLoss(what, absl::StrCat("its base checkpoint ", *base_dir,
+                                         " holds no matching shard (same rows, columns and "
+                                         "lineage, generation ", e.base_generation(), ")"));
+    }
+    links.push_back({*base_dir, *found});
+  }
+  std::reverse(links.begin(), links.end());
+  return links;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ChainLink>> ShardChain(const std::string& dir,
+                                                  const ember::v1::CheckpointShard& entry,
+                                                  const std::string& root) {
+  std::map<std::string, ember::v1::CheckpointManifest> manifests;
+  return ShardChainIn(dir, entry, root, &manifests);
+}
+
+absl::StatusOr<ShardData> ReadShardChain(const std::string& dir,
+                                         const ember::v1::CheckpointShard& entry,
+                                         const std::string& root, int64_t* bytes_read) {
+  auto chain = ShardChain(dir, entry, root);
+  if (!chain.ok()) return chain.status();
+  absl::StatusOr<ShardData> data;
+  for (const ChainLink& link : *chain) {
+    auto d = ReadShardFile(link.dir, link.entry);
+    if (!d.ok()) return d.status();
+    if (bytes_read != nullptr) *bytes_read += link.entry.bytes();
+    if (!data.ok()) {
+      data = *std::move(d);
+      continue;
+    }
+    if (absl::Status s = ApplyDelta(*d, Join(link.dir, link.entry.file()), &*data); !s.ok()) {
+      return s;
+    }
+  }
+  return data;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir) {
+  std::vector<std::string> chain = {dir};
+  for (;;) {
+    auto m = ReadManifest(chain.back());
+    if (!m.ok()) {
+      if (chain.size() > 1 && absl::IsNotFound(m.status())) {
+        return absl::DataLossError(absl::StrCat("the base checkpoint ", chain.back(), " of ",
+                                                chain[chain.size() - 2], " is missing"));
+      }
+      return m.status();
+    }
+    if (m->info().base().empty()) return chain;
+    if (chain.size() > kMaxChain) {
+      return absl::DataLossError(
+          absl::StrCat(dir, ": its chain of bases is longer than ", kMaxChain));
+    }
+    auto base = BaseDir(chain.back(), *m, "");
+    if (!base.ok()) return base.status();
+    chain.push_back(*base);
+  }
+}
+
+absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir) {
+  auto m = ReadManifest(dir);
+  if (!m.ok()) return m.status();
+  std::vector<std::string> deltas;
+  int64_t written = 0, bytes = 0;
+  for (auto& entry : *m->mutable_shards()) {
+    if (!entry.delta()) {
+      bytes += entry.bytes();
+      continue;
+    }
+    auto data = ReadShardChain(dir, entry);
+    if (!data.ok()) return data.status();
+    auto full = WriteShardFile(dir, entry.ref(), *data);
+    if (!full.ok()) return full.status();
+    full->set_row_offset(entry.row_offset());
+    full->set_col_offset(entry.col_offset());
+    full->set_lineage(entry.lineage());
+    full->set_generation(entry.generation());
+    deltas.push_back(entry.file());
+    entry = *std::move(full);
+    written += entry.bytes();
+    bytes += entry.bytes();
+  }
+  if (deltas.empty()) return 0;
+  ember::v1::CheckpointInfo* info = m->mutable_info();
+  info->clear_path();
+  info->clear_base();
+  info->set_delta_shards(0);
+  info->set_changed_rows(0);
+  info->set_chain_length(1);
+  info->set_bytes(bytes);
+  if (absl::Status s = FsyncDir(dir); !s.ok()) return s;
+  if (absl::Status s = CommitManifest(dir, *m); !s.ok()) return s;
+  for (const std::string& name : deltas) {
+    const std::string p = Join(dir, name);
+    if (unlink(p.c_str()) != 0 && errno != ENOENT) return Errno("removing", p);
+  }
+  return written;
+}
+
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
     const std::string& dir, const std::function<void(int64_t done, int64_t total)>& progress) {
   auto m = ReadManifest(dir);
   if (!m.ok()) return m.status();
-  int64_t total = 0, done = 0;
-  for (const auto& s : m->shards()) total += std::max<int64_t>(s.bytes(), 0);
-  if (progress) progress(0, total);
+  // Every file of every shard's chain, once (a base's files serve many).
+  std::map<std::string, ember::v1::CheckpointManifest> manifests;
+  std::vector<ChainLink> files;
+  std::set<std::string> seen;
   for (const auto& s : m->shards()) {
-    if (absl::Status st = VerifyShardFile(dir, s); !st.ok()) return st;
-    done += std::max<int64_t>(s.bytes(), 0);
+    auto chain = ShardChainIn(dir, s, "", &manifests);
+    if (!chain.ok()) return chain.status();
+    for (ChainLink& link : *chain) {
+      if (seen.insert(Join(link.dir, link.entry.file())).second) files.push_back(std::move(link));
+    }
+  }
+  int64_t total = 0, done = 0;
+  for (const auto& f : files) total += std::max<int64_t>(f.entry.bytes(), 0);
+  if (progress) progress(0, total);
+  for (const auto& f : files) {
+    if (absl::Status st = VerifyShardFile(f.dir, f.entry); !st.ok()) return st;
+    done += std::max<int64_t>(f.entry.bytes(), 0);
     if (progress) progress(done, total);
   }
   return m;
@@ -652,6 +898,19 @@ int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t 
          (dynamic ? 8 * backend::EmbeddingBackend::kSlotMetaFields * rows + 16 * pending +
                         (sketch ? 4 * static_cast<int64_t>(backend::kPendingSketchCounters) : 0)
                   : 0);
+}
+
+int64_t EntryFileBytes(const ember::v1::CheckpointShard& e) {
+  if (!e.delta()) {
+    return ShardFileBytes(e.rows(), e.cols(), e.state_width(), e.applied_ids(), e.dynamic(),
+                          e.pending_counts(), e.pending_sketch());
+  }
+  // The full file of the same shard less its rows, plus the changed rows
+  // and their indices.
+  return ShardFileBytes(e.rows(), e.cols(), e.state_width(), e.applied_ids(), e.dynamic(),
+                        e.pending_counts(), e.pending_sketch()) -
+         kHeaderBytes + kDeltaHeaderBytes - 4 * e.rows() * (e.cols() + e.state_width()) +
+         e.changed_rows() * (8 + 4 * (e.cols() + e.state_width()));
 }
 
 int64_t ShardBytesInDirectory(const std::string& dir) {

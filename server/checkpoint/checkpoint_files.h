@@ -12,7 +12,19 @@
 // entry's `dynamic`), int64 slot bookkeeping [rows, 4]
 // (EmbeddingBackend::PackSlots), int64 (id, count) pending admission
 // counts [pending_counts, 2] and, where the entry says pending_sketch,
-// uint32 sketch counters [kPendingSketchCounters]; little-endian. The manifest names every shard file with its
+// uint32 sketch counters [kPendingSketchCounters]; little-endian.
+//
+// Incremental checkpoints. A delta file ("<n>-<table>.<shard_index>.delta.
+// shard", the entry's `delta`) is "EMBDELT1", then int64 rows, cols,
+// state_width, step, applied_count, changed, then int64 changed row
+// indices [changed] (shard-local, strictly ascending), fp32 weights
+// [changed, cols] and state [changed, state_width] of those rows, then the
+// rest exactly as a shard file's (exactly-once record; a dynamic shard's
+// bookkeeping of every slot, pending counts and sketch). Its rows are the
+// ones changed since the same shard's entry in the checkpoint named by the
+// manifest's info.base, a directory beside this one; a restore reads the
+// chain's full file and lays each delta's rows over it, oldest first
+// (ReadShardChain). The manifest names every shard file with its
 // size and CRC-32 (zlib's), the spec and the plan. A checkpoint exists only
 // once MANIFEST is committed: written to MANIFEST.tmp, fsynced, renamed,
 // and the directory fsynced, so a crash at any point leaves either no
@@ -60,12 +72,22 @@ struct ShardData {
   // A dynamic table's shard: its count-min sketch of the counts past the
   // exact ones (kPendingSketchCounters uint32), or empty while unused.
   std::vector<uint32_t> pending_sketch;
+  // A delta: weights and state hold only these rows (shard-local,
+  // ascending), [changed_rows.size(), cols] and [.., state_width]; the
+  // rest of the shard is its base's.
+  bool delta = false;
+  std::vector<int64_t> changed_rows;
 };
+
+// Lays `delta`'s rows over `base` and takes its step, exactly-once record
+// and dynamic bookkeeping. DATA_LOSS (naming `what`) when their shapes
+// differ or a row lies outside the base.
+absl::Status ApplyDelta(const ShardData& delta, const std::string& what, ShardData* base);
 
 // The shard file's name for `ref`: "<n>-<table>.<shard_index>.shard" with the
 // table's name made file-safe and `n` a hash of the raw name (two names that
-// sanitise alike stay apart).
-std::string ShardFileName(const ember::v1::ShardRef& ref);
+// sanitise alike stay apart); a delta's ends ".delta.shard".
+std::string ShardFileName(const ember::v1::ShardRef& ref, bool delta = false);
 
 // Writes and fsyncs `dir`/ShardFileName(ref); returns its manifest entry
 // (geometry fields other than rows/cols/state_width/step are the caller's).
@@ -79,6 +101,41 @@ absl::StatusOr<ShardData> ReadShardFile(const std::string& dir,
                                         const ember::v1::CheckpointShard& entry);
 // The same checks, streaming (nothing kept in memory).
 absl::Status VerifyShardFile(const std::string& dir, const ember::v1::CheckpointShard& entry);
+
+// One file of a shard's chain: the checkpoint directory and its entry.
+struct ChainLink {
+  std::string dir;
+  ember::v1::CheckpointShard entry;
+};
+// The files that make up `entry` of the checkpoint in `dir`, the full one
+// first, then each delta: the base checkpoints are found beside `dir` by
+// their manifests' info.base, and each link's entry by the shard's ref,
+// with the same rows, columns, state width and lineage, and the
+// generation the delta was taken against. DATA_LOSS naming the delta for
+// a base missing or not matching; a chain longer than 10000 is refused.
+// `root` (non-empty) confines every base directory (ConfinedPath).
+absl::StatusOr<std::vector<ChainLink>> ShardChain(const std::string& dir,
+                                                  const ember::v1::CheckpointShard& entry,
+                                                  const std::string& root = "");
+// The shard as `entry` holds it, its chain read and the deltas applied
+// (every file checked as ReadShardFile does); *bytes_read, when given,
+// gets the files' sizes added.
+absl::StatusOr<ShardData> ReadShardChain(const std::string& dir,
+                                         const ember::v1::CheckpointShard& entry,
+                                         const std::string& root = "",
+                                         int64_t* bytes_read = nullptr);
+// The checkpoint directories a restore of `dir` reads: `dir` and its bases
+// (info.base, followed), newest first. DATA_LOSS for a base that is missing.
+absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir);
+
+// Rewrites the incremental checkpoint in `dir` as a full one: each delta
+// shard's chain is read and written whole beside it, the manifest is
+// committed again without deltas or base (info.base cleared, lineage and
+// generation kept, so later deltas build on it), then the delta files are
+// removed. A crash before the commit leaves the incremental checkpoint as
+// it was (the new files are left over until the directory is removed);
+// after it, a full one. Returns the bytes written (0: nothing to compact).
+absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir);
 
 // Commits `manifest` as `dir`/MANIFEST atomically (see above).
 absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& manifest);
@@ -110,9 +167,10 @@ struct CellBlock {
 // (by distinct rows and columns). DATA_LOSS naming the table and the shards.
 absl::Status CheckCoverage(const ember::v1::CheckpointManifest& manifest);
 
-// Reads the manifest of `dir` and verifies every shard file it names (not
-// its coverage: CheckCoverage). `progress`, when given, is called with
-// (bytes verified, total bytes) before the first file and after each.
+// Reads the manifest of `dir` and verifies every shard file it names and
+// every file of their chains (not its coverage: CheckCoverage). `progress`,
+// when given, is called with (bytes verified, total bytes) before the
+// first file and after each.
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
     const std::string& dir,
     const std::function<void(int64_t done, int64_t total)>& progress = nullptr);
@@ -147,6 +205,8 @@ std::vector<std::string> ListCommitted(const std::string& root, const std::strin
 // ids' sketch.
 int64_t ShardFileBytes(int64_t rows, int64_t cols, int64_t state_width, int64_t applied = 0,
                        bool dynamic = false, int64_t pending = 0, bool sketch = false);
+// The size of the file `entry` describes (a shard file or a delta).
+int64_t EntryFileBytes(const ember::v1::CheckpointShard& entry);
 
 // Bytes in the shard files (ShardFileName's "*.shard") of `dir`: a
 // checkpoint being written, its progress (the MANIFEST written at its end

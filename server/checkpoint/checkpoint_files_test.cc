@@ -341,6 +341,176 @@ ShardData Slice(const ShardData& whole, OptimizerType type, const Layout& l) {
   return d;
 }
 
+// An incremental chain: a full checkpoint, then two deltas each holding
+// some rows of the shard as it was then. Each delta's rows are taken from
+// a whole copy of the shard kept by the test (the reference), so reading
+// the chain must give that copy back, bit for bit.
+struct Chain {
+  std::string root;
+  std::vector<std::string> dirs;       // oldest first
+  std::vector<ShardData> states;       // the shard at each checkpoint
+  std::vector<ember::v1::CheckpointShard> entries;
+};
+
+ShardData DeltaOf(const ShardData& now, const std::vector<int64_t>& rows) {
+  ShardData d = now;
+  d.delta = true;
+  d.changed_rows = rows;
+  d.weights.clear();
+  d.state.clear();
+  for (int64_t r : rows) {
+    d.weights.insert(d.weights.end(), now.weights.begin() + r * now.cols,
+                     now.weights.begin() + (r + 1) * now.cols);
+    d.state.insert(d.state.end(), now.state.begin() + r * now.state_width,
+                   now.state.begin() + (r + 1) * now.state_width);
+  }
+  return d;
+}
+
+Chain WriteChain() {
+  Chain c;
+  c.root = TempDir();
+  std::mt19937 rng(9);
+  ShardData now = Random(40, 6, 6, 1, 11);
+  now.applied_ids = {1, 2};
+  now.applied_unix_ms = {10, 20};
+  for (int k = 0; k < 3; ++k) {
+    std::vector<int64_t> changed;
+    if (k > 0) {  // change a few rows (and the step, and the record)
+      for (int64_t r = 0; r < now.rows; ++r) {
+        if (rng() % 5 == 0) changed.push_back(r);
+      }
+      for (int64_t r : changed) {
+        for (int64_t j = 0; j < now.cols; ++j) now.weights[r * now.cols + j] += 1.0f + k;
+        now.state[r * now.state_width] += 0.5f;
+      }
+      now.step += 3;
+      now.applied_ids.push_back(100 + k);
+      now.applied_unix_ms.push_back(1000 + k);
+    }
+    auto dir = MakeCheckpointDir(c.root, "c", 1, 5000 + k);
+    EXPECT_TRUE(dir.ok());
+    ember::v1::CheckpointManifest m;
+    m.set_format_version(kFormatVersion);
+    m.mutable_info()->set_collection("c");
+    m.mutable_info()->set_created_unix_ms(5000 + k);
+    if (k > 0) m.mutable_info()->set_base(c.dirs.back().substr(c.dirs.back().rfind('/') + 1));
+    m.mutable_spec()->set_name("c");
+    m.mutable_spec()->add_tables()->set_name("t");
+    m.mutable_plan()->add_tables()->set_table("t");
+    auto e = WriteShardFile(*dir, Ref("t", 0), k == 0 ? now : DeltaOf(now, changed));
+    EXPECT_TRUE(e.ok()) << e.status();
+    e->set_lineage(77);
+    e->set_generation(k + 1);
+    if (k > 0) e->set_base_generation(k);
+    *m.add_shards() = *e;
+    EXPECT_TRUE(CommitManifest(*dir, m).ok());
+    c.dirs.push_back(*dir);
+    c.states.push_back(now);
+    c.entries.push_back(*e);
+  }
+  return c;
+}
+
+void ExpectSame(const ShardData& a, const ShardData& b) {
+  EXPECT_EQ(a.weights, b.weights);
+  EXPECT_EQ(a.state, b.state);
+  EXPECT_EQ(a.step, b.step);
+  EXPECT_EQ(a.applied_ids, b.applied_ids);
+  EXPECT_EQ(a.applied_unix_ms, b.applied_unix_ms);
+}
+
+TEST(IncrementalCheckpointTest, ChainReadsBackEachCheckpointExactly) {
+  Chain c = WriteChain();
+  EXPECT_TRUE(c.entries[1].delta());
+  EXPECT_LT(c.entries[2].bytes(), c.entries[0].bytes());
+  EXPECT_EQ(c.entries[2].file(), ShardFileName(Ref("t", 0), true));
+  for (size_t k = 0; k < c.dirs.size(); ++k) {
+    SCOPED_TRACE(k);
+    int64_t read = 0;
+    auto d = ReadShardChain(c.dirs[k], c.entries[k], c.root, &read);
+    ASSERT_TRUE(d.ok()) << d.status();
+    ExpectSame(*d, c.states[k]);
+    int64_t want = 0;
+    for (size_t j = 0; j <= k; ++j) want += c.entries[j].bytes();
+    EXPECT_EQ(read, want);
+    auto chain = CheckpointChain(c.dirs[k]);
+    ASSERT_TRUE(chain.ok()) << chain.status();
+    EXPECT_EQ(chain->size(), k + 1);
+    EXPECT_EQ(chain->back(), c.dirs[0]);
+    // Verification covers every file of the chain.
+    int64_t total = -1;
+    ASSERT_TRUE(VerifyCheckpoint(c.dirs[k], [&](int64_t, int64_t t) { total = t; }).ok());
+    EXPECT_EQ(total, want);
+  }
+}
+
+TEST(IncrementalCheckpointTest, DamagedOrMissingLinksAreRefusedWithTheFileNamed) {
+  {
+    Chain c = WriteChain();
+    const std::string delta = c.dirs[1] + "/" + c.entries[1].file();
+    FlipByte(delta, 60);
+    auto d = ReadShardChain(c.dirs[2], c.entries[2]);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(d.status().message().find(delta), std::string::npos) << d.status();
+    auto v = VerifyCheckpoint(c.dirs[2]);
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(v.status().message().find(delta), std::string::npos) << v.status();
+  }
+  {
+    Chain c = WriteChain();
+    ASSERT_TRUE(RemoveCheckpoint(c.dirs[0]).ok());  // the full base is gone
+    auto d = ReadShardChain(c.dirs[2], c.entries[2]);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(d.status().message().find("is missing"), std::string::npos) << d.status();
+    EXPECT_EQ(CheckpointChain(c.dirs[2]).status().code(), absl::StatusCode::kDataLoss);
+  }
+  {
+    Chain c = WriteChain();
+    ember::v1::CheckpointShard wrong = c.entries[2];
+    wrong.set_base_generation(1);  // not the generation its base was taken at
+    auto d = ReadShardChain(c.dirs[2], wrong);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(d.status().message().find("no matching shard"), std::string::npos) << d.status();
+    wrong = c.entries[2];
+    wrong.set_lineage(78);  // another shard's tracking
+    EXPECT_EQ(ReadShardChain(c.dirs[2], wrong).status().code(), absl::StatusCode::kDataLoss);
+  }
+  {
+    // A delta whose rows are not ascending is refused, not applied.
+    Chain c = WriteChain();
+    ShardData bad = DeltaOf(c.states[1], {3, 1});
+    EXPECT_EQ(WriteShardFile(c.dirs[1], Ref("t", 0), bad).status().code(),
+              absl::StatusCode::kInternal);
+    ShardData base = c.states[0];
+    EXPECT_EQ(ApplyDelta(bad, "x", &base).code(), absl::StatusCode::kDataLoss);
+    ExpectSame(base, c.states[0]);
+  }
+}
+
+TEST(IncrementalCheckpointTest, CompactionMakesTheNewestFullAndKeepsItsContents) {
+  Chain c = WriteChain();
+  auto written = CompactCheckpoint(c.dirs[2]);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(*written, ShardFileBytes(40, 6, 6, /*applied=*/4));  // one whole shard file
+  auto m = ReadManifest(c.dirs[2]);
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->info().base().empty());
+  ASSERT_EQ(m->shards_size(), 1);
+  EXPECT_FALSE(m->shards(0).delta());
+  EXPECT_EQ(m->shards(0).lineage(), 77u);
+  EXPECT_EQ(m->shards(0).generation(), 3);
+  struct stat st;
+  EXPECT_NE(stat((c.dirs[2] + "/" + c.entries[2].file()).c_str(), &st), 0);  // delta removed
+  // Its bases can go now.
+  ASSERT_TRUE(RemoveCheckpoint(c.dirs[0]).ok());
+  ASSERT_TRUE(RemoveCheckpoint(c.dirs[1]).ok());
+  auto d = ReadShardChain(c.dirs[2], m->shards(0));
+  ASSERT_TRUE(d.ok()) << d.status();
+  ExpectSame(*d, c.states[2]);
+  EXPECT_EQ(*CompactCheckpoint(c.dirs[2]), 0);  // nothing left to do
+}
+
 TEST(RecutTest, AnyLayoutToAnyLayoutMatchesTheNaiveSlice) {
   const int64_t rows = 37, cols = 24;
   const std::vector<std::vector<Layout>> layouts = {
