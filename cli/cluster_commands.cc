@@ -187,7 +187,20 @@ DEFINE_string(state_dir, "",
               "epochs, checkpoint catalogue) in a LevelDB store here; a restarted coordinator "
               "reloads it.");
 DEFINE_int32(keep_checkpoints, 3,
-             "Coordinator/up: committed checkpoints kept per collection and ROOT.");
+             "Coordinator/up: committed checkpoints kept per collection and ROOT (and the "
+             "bases an incremental one among them builds on).");
+DEFINE_bool(checkpoint_incremental, false,
+            "Coordinator/up: --checkpoint_every writes incremental checkpoints (only the rows "
+            "changed since the previous one).");
+DEFINE_int32(checkpoint_full_every, 8,
+             "Coordinator/up: an incremental checkpoint whose chain would hold more than this "
+             "many checkpoints is written whole instead (1: always whole).");
+DEFINE_int32(checkpoint_compact_after, 4,
+             "Coordinator/up: an incremental checkpoint whose chain holds this many "
+             "checkpoints is rewritten whole in the background once committed (0: never).");
+DEFINE_bool(incremental, false,
+            "checkpoint: write only the rows changed since the collection's latest checkpoint "
+            "under the same ROOT.");
 DEFINE_string(dir, "",
               "checkpoint: the directory of the new checkpoint, under the servers' "
               "--checkpoint_dir (relative to it; default: the root itself). tokens: where the "
@@ -259,6 +272,8 @@ std::string BadServerFlags() {
     return "--forget_workers_after must be a duration of at least the lease (e.g. 10m)";
   }
   if (FLAGS_keep_checkpoints < 1) return "--keep_checkpoints must be >= 1";
+  if (FLAGS_checkpoint_full_every < 1) return "--checkpoint_full_every must be >= 1";
+  if (FLAGS_checkpoint_compact_after < 0) return "--checkpoint_compact_after must be >= 0";
   absl::Duration ttl;
   if (!absl::ParseDuration(FLAGS_dedup_ttl, &ttl) || ttl < absl::Seconds(1)) {
     return "--dedup_ttl must be a duration of at least 1s (e.g. 10m)";
@@ -354,6 +369,9 @@ absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {
   (void)absl::ParseDuration(FLAGS_forget_workers_after, &o.forget_workers_after);  // checked
   o.checkpoint_dir = FLAGS_checkpoint_dir;
   o.keep_checkpoints = FLAGS_keep_checkpoints;
+  o.checkpoint_incremental = FLAGS_checkpoint_incremental;
+  o.checkpoint_full_every = FLAGS_checkpoint_full_every;
+  o.checkpoint_compact_after = FLAGS_checkpoint_compact_after;
   if (!FLAGS_checkpoint_every.empty()) {
     (void)absl::ParseDuration(FLAGS_checkpoint_every, &o.checkpoint_every);  // checked before
   }
@@ -938,6 +956,11 @@ void PrintCheckpoint(const ember::v1::CheckpointInfo& c) {
             << "; updates paused " << c.max_pause_ms() << " ms, written in " << c.write_ms()
             << " ms (" << FormatBytes(rate) << "/s), committed after " << c.total_ms() << " ms"
             << std::endl;
+  if (!c.base().empty()) {
+    std::cout << "  incremental: " << c.delta_shards() << " delta shard(s) holding "
+              << c.changed_rows() << " changed row(s), over " << c.base() << " (a restore reads "
+              << c.chain_length() << " checkpoints)" << std::endl;
+  }
 }
 
 int RunCheckpoint() {
@@ -949,7 +972,7 @@ int RunCheckpoint() {
   absl::Notification finished;
   std::thread call([&] {
     info = (*cl)->Checkpoint(FLAGS_collection, FLAGS_dir,
-                             absl::Seconds(FLAGS_checkpoint_timeout_s));
+                             absl::Seconds(FLAGS_checkpoint_timeout_s), FLAGS_incremental);
     finished.Notify();
   });
   // Progress once a second while the workers write: bytes, rate, time left.

@@ -16,7 +16,7 @@
 //       --grads=grads.json
 //   emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy
 //       (a dynamic table: its rows, and FILE.ids.npy the ids they hold)
-//   emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT]
+//   emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT] [--incremental]
 //   emberctl checkpoints --coordinator=ADDR [--collection=NAME]
 //   emberctl restore --coordinator=ADDR --from=PATH [--collection=NEW_NAME]
 //       [--sharding_type=TYPE]
@@ -180,7 +180,8 @@ int main(int argc, char** argv) {
       "      [--checkpoint_dir=ROOT [--checkpoint_every=DURATION]] [--state_dir=DIR]\n"
       "      [--skip_nonfinite] [--restart_workers=true|false] [--dynamic_exact_pending_ids=N]\n"
       "  emberctl coordinator [--listen=HOST:PORT] [--state_dir=DIR] [--checkpoint_dir=ROOT]\n"
-      "      [--checkpoint_every=DURATION] [--keep_checkpoints=K]\n"
+      "      [--checkpoint_every=DURATION [--checkpoint_incremental]] [--keep_checkpoints=K]\n"
+      "      [--checkpoint_full_every=K] [--checkpoint_compact_after=N]\n"
       "  emberctl worker --coordinator=ADDR [--listen=HOST:PORT] [--device=cpu|cuda]\n"
       "      [--cuda_device=N] [--cuda_scratch_mib=M]\n"
       "  emberctl create --coordinator=ADDR --spec=FILE [--sharding_type=TYPE | --plan=FILE]\n"
@@ -190,7 +191,7 @@ int main(int argc, char** argv) {
       "  emberctl apply-gradients --coordinator=ADDR --collection=NAME --input=kjt.json\n"
       "      --grads=grads.json [--request_id=ID]\n"
       "  emberctl export --coordinator=ADDR --collection=NAME --table=T --output=FILE.npy\n"
-      "  emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT]\n"
+      "  emberctl checkpoint --coordinator=ADDR --collection=NAME [--dir=ROOT] [--incremental]\n"
       "  emberctl checkpoints --coordinator=ADDR [--collection=NAME]\n"
       "  emberctl restore --coordinator=ADDR --from=CHECKPOINT_OR_ROOT [--collection=NEW_NAME]\n"
       "      [--sharding_type=TYPE]\n"

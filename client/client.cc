@@ -158,10 +158,12 @@ absl::StatusOr<std::vector<CollectionInfo>> Client::ListCollections() {
 
 absl::StatusOr<ember::v1::CheckpointInfo> Client::Checkpoint(const std::string& collection,
                                                              const std::string& dir,
-                                                             absl::Duration timeout) {
+                                                             absl::Duration timeout,
+                                                             bool incremental) {
   ember::v1::CheckpointRequest req;
   req.set_collection(collection);
   req.set_dir(dir);
+  req.set_incremental(incremental);
   auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::Checkpoint, req, timeout);
   if (!resp.ok()) return resp.status();
   return resp->checkpoint();

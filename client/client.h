@@ -135,10 +135,11 @@ class Client {
   // checkpoint directory or the latest one under a ROOT, on the live
   // workers, planned afresh; DATA_LOSS naming the file when a checkpoint is
   // damaged (nothing is created). These calls move whole tables: their
-  // deadline is their own.
+  // deadline is their own. `incremental`: only the rows changed since the
+  // latest checkpoint under the same ROOT (CheckpointRequest.incremental).
   absl::StatusOr<ember::v1::CheckpointInfo> Checkpoint(
       const std::string& collection, const std::string& dir = "",
-      absl::Duration timeout = absl::Minutes(30));
+      absl::Duration timeout = absl::Minutes(30), bool incremental = false);
   absl::StatusOr<ember::v1::RestoreResponse> Restore(const std::string& from,
                                                      const std::string& collection = "",
                                                      const std::string& sharding_type = "",

@@ -206,6 +206,129 @@ TEST_F(CheckpointTest, RestoreChoosesANewShardingAndKeepsTheLastK) {
   ASSERT_TRUE(c2->DropCollection("k").ok());
 }
 
+std::string BaseName(const std::string& dir) { return dir.substr(dir.rfind('/') + 1); }
+
+// Incremental chains, for every sharding type: a first incremental
+// checkpoint is whole (no base), the next two hold only changed rows; the
+// newest restores onto 3 workers exactly as a full checkpoint taken at the
+// same moment does (exports equal, and both train on alike: state and steps
+// came back), and a checkpoint of the restored copy is whole (its shards
+// are new).
+TEST_F(CheckpointTest, IncrementalChainsRestoreAsFullCheckpointsDo) {
+  auto c2 = Connect(two_->coordinator());
+  auto c3 = Connect(three_->coordinator());
+  ASSERT_TRUE(c2 && c3);
+  const std::string root = TempDir(), full_root = TempDir();
+  uint32_t seed = 500;
+  for (const std::string type :
+       {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}) {
+    SCOPED_TRACE(type);
+    const std::string name = "inc_" + type;
+    const CollectionSpec spec = TestSpec(name);
+    ASSERT_TRUE(c2->CreateCollection(spec, type).ok());
+    Train(c2.get(), name, nullptr, seed++, 3);
+    auto ck0 = c2->Checkpoint(name, root, absl::Minutes(5), /*incremental=*/true);
+    ASSERT_TRUE(ck0.ok()) << ck0.status();
+    EXPECT_TRUE(ck0->base().empty());
+    EXPECT_EQ(ck0->delta_shards(), 0);
+    EXPECT_EQ(ck0->chain_length(), 1);
+    std::vector<ember::v1::CheckpointInfo> chain = {*ck0};
+    for (int k = 1; k <= 2; ++k) {
+      Train(c2.get(), name, nullptr, seed++, 1);
+      auto ck = c2->Checkpoint(name, root, absl::Minutes(5), /*incremental=*/true);
+      ASSERT_TRUE(ck.ok()) << ck.status();
+      EXPECT_EQ(ck->base(), BaseName(chain.back().path()));
+      EXPECT_EQ(ck->delta_shards(), ck->shards());
+      EXPECT_GT(ck->changed_rows(), 0);
+      EXPECT_LT(ck->bytes(), ck0->bytes());
+      EXPECT_EQ(ck->chain_length(), k + 1);
+      chain.push_back(*ck);
+    }
+    const Tables at = ExportAll(c2.get(), name, spec);
+    auto full = c2->Checkpoint(name, full_root);
+    ASSERT_TRUE(full.ok()) << full.status();
+    EXPECT_TRUE(full->base().empty());
+    Train(c2.get(), name, nullptr, seed++, 1);  // moves on: the checkpoints must not
+
+    auto a = c3->Restore(chain.back().path(), "inc_a_" + type, type);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = c3->Restore(full->path(), "inc_b_" + type, type);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(ExportAll(c3.get(), "inc_a_" + type, spec), at);
+    EXPECT_EQ(ExportAll(c3.get(), "inc_b_" + type, spec), at);
+    const uint32_t after = seed++;
+    Train(c3.get(), "inc_a_" + type, nullptr, after, 2);
+    Train(c3.get(), "inc_b_" + type, nullptr, after, 2);
+    EXPECT_EQ(ExportAll(c3.get(), "inc_a_" + type, spec),
+              ExportAll(c3.get(), "inc_b_" + type, spec));
+    // The restored copy's shards are new: its first incremental is whole.
+    auto again = c3->Checkpoint("inc_a_" + type, root, absl::Minutes(5), /*incremental=*/true);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(again->base().empty());
+    for (const std::string& n : {"inc_a_" + type, "inc_b_" + type}) {
+      ASSERT_TRUE(c3->DropCollection(n).ok());
+    }
+    ASSERT_TRUE(c2->DropCollection(name).ok());
+  }
+}
+
+// Pruning keeps the bases a kept incremental checkpoint needs; a chain as
+// long as --checkpoint_compact_after (4) is compacted in the background
+// into a full checkpoint with the same contents, after which its bases go.
+TEST_F(CheckpointTest, ChainsAreKeptWhileNeededAndCompacted) {
+  auto c2 = Connect(two_->coordinator());
+  ASSERT_TRUE(c2);
+  const std::string root = TempDir();
+  const CollectionSpec spec = TestSpec("chain");
+  ASSERT_TRUE(c2->CreateCollection(spec, "row_wise").ok());
+  std::vector<std::string> paths;
+  for (int i = 0; i < 4; ++i) {
+    Train(c2.get(), "chain", nullptr, 700 + i, 1);
+    auto ck = c2->Checkpoint("chain", root, absl::Minutes(5), /*incremental=*/true);
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    EXPECT_EQ(ck->chain_length(), i + 1);
+    paths.push_back(ck->path());
+  }
+  const Tables at = ExportAll(c2.get(), "chain", spec);
+  // Four committed although 3 are kept: the newest builds on the first.
+  // The fourth is compacted in the background: wait for its catalogue entry.
+  bool compacted = false;
+  for (int i = 0; i < 100 && !compacted; ++i) {
+    auto list = c2->ListCheckpoints("chain");
+    ASSERT_TRUE(list.ok());
+    for (const auto& c : *list) {
+      if (c.path() == paths[3] && c.base().empty()) compacted = true;
+    }
+    if (!compacted) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(compacted) << "the chain of 4 was not compacted";
+  auto m = checkpoint::ReadManifest(paths[3]);
+  ASSERT_TRUE(m.ok()) << m.status();
+  for (const auto& s : m->shards()) EXPECT_FALSE(s.delta());
+  EXPECT_EQ(m->info().chain_length(), 1);
+  // The next checkpoints build on the compacted one; once no kept one
+  // needs the first three (the third, kept, builds on the first two), they go.
+  Train(c2.get(), "chain", nullptr, 710, 1);
+  auto next = c2->Checkpoint("chain", root, absl::Minutes(5), /*incremental=*/true);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->base(), BaseName(paths[3]));
+  EXPECT_EQ(next->chain_length(), 2);
+  EXPECT_EQ(checkpoint::ListCommitted(root, "chain"),
+            (std::vector<std::string>{paths[0], paths[1], paths[2], paths[3], next->path()}));
+  Train(c2.get(), "chain", nullptr, 711, 1);
+  auto last = c2->Checkpoint("chain", root, absl::Minutes(5), /*incremental=*/true);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->chain_length(), 3);
+  EXPECT_EQ(checkpoint::ListCommitted(root, "chain"),
+            (std::vector<std::string>{paths[3], next->path(), last->path()}));
+  // The compacted checkpoint restores alone, as it was.
+  auto r = c2->Restore(paths[3], "chain_r", "table_wise");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(ExportAll(c2.get(), "chain_r", spec), at);
+  ASSERT_TRUE(c2->DropCollection("chain_r").ok());
+  ASSERT_TRUE(c2->DropCollection("chain").ok());
+}
+
 // A manifest (with a valid CRC) whose two shards of a table hold the same
 // columns, as many cells as the table has: the restore once counted filled
 // cells and returned OK with the other columns zero.

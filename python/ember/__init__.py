@@ -416,10 +416,15 @@ class Client:
         array = _numpy(array)
         self._c.import_table(name, table, np.ascontiguousarray(array, dtype=np.float32))
 
-    def checkpoint(self, name, dir="", progress=None, poll_s=0.5):
+    def checkpoint(self, name, dir="", progress=None, poll_s=0.5, incremental=False):
         """Writes a checkpoint of collection `name` under `dir` (a root the
         servers' --checkpoint_dir allows; empty: the coordinator's own);
         returns its CheckpointInfo (path, bytes, ...) as a dict.
+
+        incremental: only the rows changed since the latest checkpoint under
+        the same root (its "base", named in the result with "delta_shards",
+        "changed_rows" and "chain_length"); shards that cannot be (moved or
+        recovered since) and a first checkpoint are written whole.
 
         progress: None; True, a line on stderr every `poll_s` seconds while
         it runs ("checkpoint NAME: X of Y MiB written"); or a callable
@@ -434,7 +439,7 @@ class Client:
                 if c.get("in_progress"):
                     progress(int(c.get("bytes", 0)), int(c.get("total_bytes", 0)))
 
-        info = json.loads(_polled(lambda: self._c.checkpoint(name, dir),
+        info = json.loads(_polled(lambda: self._c.checkpoint(name, dir, incremental),
                                   poll if progress else None, poll_s, "ember-checkpoint"))
         if progress:
             progress(int(info.get("bytes", 0)), int(info.get("bytes", 0)))

@@ -402,10 +402,11 @@ PYBIND11_MODULE(_ember, m) {
              Check(c.ImportDynamicTable(name, table, SpanOf(ids), SpanOf(rows), dim));
            })
       .def("checkpoint",
-           [](Client& c, const std::string& name, const std::string& dir) {
+           [](Client& c, const std::string& name, const std::string& dir, bool incremental) {
              py::gil_scoped_release release;
-             return ToJson(Value(c.Checkpoint(name, dir)));
-           })
+             return ToJson(Value(c.Checkpoint(name, dir, absl::Minutes(30), incremental)));
+           },
+           py::arg("name"), py::arg("dir"), py::arg("incremental") = false)
       .def("restore",
            [](Client& c, const std::string& from, const std::string& name,
               const std::string& sharding_type) {

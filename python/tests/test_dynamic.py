@@ -8,6 +8,7 @@ admission; a drain; memory within capacity under 10x as many distinct ids;
 bad specs refused with the table and field named."""
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -359,13 +360,16 @@ def test_a_drain_moves_dynamic_shards_with_their_ids_and_order():
         np.testing.assert_allclose(got_rows, want_rows, rtol=1e-4, atol=2e-5)  # Adam: as above
 
 
-@pytest.mark.parametrize("workers_after", [3, 1])
-def test_checkpoint_restores_onto_another_worker_count_bit_for_bit(tmp_path, workers_after):
+@pytest.mark.parametrize("workers_after,incremental", [(3, False), (1, False), (3, True)])
+def test_checkpoint_restores_onto_another_worker_count_bit_for_bit(tmp_path, workers_after,
+                                                                  incremental):
     """A row_wise dynamic table checkpointed on 2 workers restores onto 3 (or
     1): every row re-hashed to the shard that owns its id now, with its
     optimizer state, update step and count, and every id's admission count
     (admission on the third update) to the shard that owns the id; lookups,
-    exports and further training equal the original's bit for bit."""
+    exports and further training equal the original's bit for bit.
+    Incremental: the checkpoint restored is a delta over one taken halfway
+    (rows admitted and updated between them); the same holds."""
     opt = {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.2}
     flags = [f"--checkpoint_dir={tmp_path}"]
     name = "dyn_ck"
@@ -388,8 +392,17 @@ def test_checkpoint_restores_onto_another_worker_count_bit_for_bit(tmp_path, wor
         ca.create_collection({"name": name, "tables": [
             dynamic_table("t", "f", "SUM", 4, opt, 60, admit_after=3, ttl=0)]},
             sharding_type="row_wise")
-        train(ca, name, batches[:8])
-        ck = ca.checkpoint(name, str(tmp_path))
+        if incremental:
+            train(ca, name, batches[:4])
+            first = ca.checkpoint(name, str(tmp_path), incremental=True)
+            assert first["chain_length"] == 1
+            train(ca, name, batches[4:8])
+        else:
+            train(ca, name, batches[:8])
+        ck = ca.checkpoint(name, str(tmp_path), incremental=incremental)
+        if incremental:
+            assert ck["base"] == os.path.basename(first["path"])
+            assert ck["delta_shards"] == 2 and ck["chain_length"] == 2
         before = ca.export_table(name, "t")
         train(ca, name, batches[8:])
         after = ca.export_table(name, "t")

@@ -714,11 +714,25 @@ absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir) {
   info->set_bytes(bytes);
   if (absl::Status s = FsyncDir(dir); !s.ok()) return s;
   if (absl::Status s = CommitManifest(dir, *m); !s.ok()) return s;
-  for (const std::string& name : deltas) {
-    const std::string p = Join(dir, name);
-    if (unlink(p.c_str()) != 0 && errno != ENOENT) return Errno("removing", p);
-  }
   return written;
+}
+
+int RemoveUnlistedShardFiles(const std::string& dir) {
+  auto m = ReadManifest(dir);
+  if (!m.ok()) return 0;
+  std::set<std::string> listed;
+  for (const auto& s : m->shards()) listed.insert(s.file());
+  std::vector<std::string> stale;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (absl::EndsWith(name, ".shard") && !listed.count(name)) stale.push_back(name);
+  }
+  closedir(d);
+  int removed = 0;
+  for (const std::string& name : stale) removed += unlink(Join(dir, name).c_str()) == 0;
+  return removed;
 }
 
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(

@@ -132,10 +132,16 @@ absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir)
 // shard's chain is read and written whole beside it, the manifest is
 // committed again without deltas or base (info.base cleared, lineage and
 // generation kept, so later deltas build on it), then the delta files are
-// removed. A crash before the commit leaves the incremental checkpoint as
+// kept. A crash before the commit leaves the incremental checkpoint as
 // it was (the new files are left over until the directory is removed);
-// after it, a full one. Returns the bytes written (0: nothing to compact).
+// after it, a full one. The delta files stay (a reader of the old manifest
+// may still want them) until RemoveUnlistedShardFiles. Returns the bytes
+// written (0: nothing to compact).
 absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir);
+
+// Removes the shard files ("*.shard") of a committed checkpoint that its
+// manifest does not name (a compaction's old deltas); returns how many.
+int RemoveUnlistedShardFiles(const std::string& dir);
 
 // Commits `manifest` as `dir`/MANIFEST atomically (see above).
 absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& manifest);

@@ -500,8 +500,13 @@ TEST(IncrementalCheckpointTest, CompactionMakesTheNewestFullAndKeepsItsContents)
   EXPECT_FALSE(m->shards(0).delta());
   EXPECT_EQ(m->shards(0).lineage(), 77u);
   EXPECT_EQ(m->shards(0).generation(), 3);
+  // The delta stays until swept (a reader of the old manifest may want it).
+  const std::string delta = c.dirs[2] + "/" + c.entries[2].file();
   struct stat st;
-  EXPECT_NE(stat((c.dirs[2] + "/" + c.entries[2].file()).c_str(), &st), 0);  // delta removed
+  EXPECT_EQ(stat(delta.c_str(), &st), 0);
+  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2]), 1);
+  EXPECT_NE(stat(delta.c_str(), &st), 0);
+  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2]), 0);
   // Its bases can go now.
   ASSERT_TRUE(RemoveCheckpoint(c.dirs[0]).ok());
   ASSERT_TRUE(RemoveCheckpoint(c.dirs[1]).ok());

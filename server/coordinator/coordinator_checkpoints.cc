@@ -30,9 +30,9 @@ using ember::v1::CollectionInfo;
 using ember::v1::ShardAssignment;
 
 absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollection(
-    const std::string& collection, const std::string& root) {
+    const std::string& collection, const std::string& root, bool incremental) {
   const absl::Time start = absl::Now();
-  auto info = WriteCollectionCheckpoint(collection, root);
+  auto info = WriteCollectionCheckpoint(collection, root, incremental);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (absl::IsNotFound(info.status())) return info;  // no such collection: nothing was written
   absl::MutexLock lock(&mu_);
@@ -44,8 +44,34 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
   return info;
 }
 
+namespace {
+
+std::string BaseName(const std::string& dir) {
+  const size_t slash = dir.rfind('/');
+  return slash == std::string::npos ? dir : dir.substr(slash + 1);
+}
+
+}  // namespace
+
+std::optional<ember::v1::CheckpointManifest> CoordinatorService::IncrementalBase(
+    const std::string& root, const std::string& collection) {
+  const std::vector<std::string> committed = checkpoint::ListCommitted(root, collection);
+  if (committed.empty()) return std::nullopt;
+  auto m = checkpoint::ReadManifest(committed.back());
+  if (!m.ok()) {
+    LOG(WARNING) << "incremental checkpoint of '" << collection << "': its base "
+                 << committed.back() << " is unreadable (" << m.status()
+                 << "); writing a full one";
+    return std::nullopt;
+  }
+  if (std::max(1, m->info().chain_length()) >= std::max(1, options_.checkpoint_full_every)) {
+    return std::nullopt;  // the chain is as long as allowed: a full one starts the next
+  }
+  return *std::move(m);
+}
+
 absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionCheckpoint(
-    const std::string& collection, const std::string& requested_root) {
+    const std::string& collection, const std::string& requested_root, bool incremental) {
   {
     absl::MutexLock lock(&mu_);
     if (!collections_.count(collection)) {
@@ -72,6 +98,9 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   }
   const absl::Time start = absl::Now();
   const int64_t epoch = info.plan().epoch();
+  // Read before the new directory exists (it would be the latest).
+  const std::optional<ember::v1::CheckpointManifest> base =
+      incremental ? IncrementalBase(root, collection) : std::nullopt;
   auto dir = checkpoint::MakeCheckpointDir(root, collection, epoch, absl::ToUnixMillis(start));
   if (!dir.ok()) return dir.status();
 
@@ -90,6 +119,14 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
       auto* ref = per_rank[b.rank].add_shards();
       ref->set_table(ts.table());
       ref->set_shard_index(b.index);
+      if (base) {  // the base's entry of the shard: the worker decides if it fits
+        for (const auto& entry : base->shards()) {
+          if (entry.ref().table() == ref->table() &&
+              entry.ref().shard_index() == ref->shard_index()) {
+            *per_rank[b.rank].add_base() = entry;
+          }
+        }
+      }
       if (b.replica) break;  // a replicated table is written once, from its first replica
     }
   }
@@ -158,12 +195,21 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   for (const auto& resp : responses) {
     for (const auto& shard : resp.shards()) {
       ci->set_bytes(ci->bytes() + shard.bytes());
+      if (shard.delta()) {
+        ci->set_delta_shards(ci->delta_shards() + 1);
+        ci->set_changed_rows(ci->changed_rows() + shard.changed_rows());
+      }
       *manifest.add_shards() = shard;
     }
     ci->set_max_pause_ms(std::max(ci->max_pause_ms(), resp.pause_ms()));
     ci->set_write_ms(std::max(ci->write_ms(), resp.write_ms()));
   }
   ci->set_shards(manifest.shards_size());
+  ci->set_chain_length(1);
+  if (ci->delta_shards() > 0) {
+    ci->set_base(BaseName(base->info().path()));
+    ci->set_chain_length(std::max(1, base->info().chain_length()) + 1);
+  }
   *manifest.mutable_spec() = info.spec();
   *manifest.mutable_plan() = info.plan();
   ci->set_total_ms(absl::ToDoubleMilliseconds(absl::Now() - start));
@@ -175,21 +221,18 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   ci->set_path(*dir);
   LOG(INFO) << "checkpoint of '" << collection << "' epoch " << epoch << " committed: " << *dir
             << ", " << ci->shards() << " shard(s), " << ci->bytes() << " bytes, pause "
-            << ci->max_pause_ms() << " ms, total " << ci->total_ms() << " ms";
-
-  // Keep the newest keep_checkpoints; remove what crashed writes left.
-  std::set<std::string> removed;
-  const std::vector<std::string> committed = checkpoint::ListCommitted(root, collection);
-  for (size_t i = 0; i + std::max(options_.keep_checkpoints, 1) < committed.size(); ++i) {
-    if (absl::Status s = checkpoint::RemoveCheckpoint(committed[i]); s.ok()) {
-      removed.insert(committed[i]);
-    } else {
-      LOG(WARNING) << "removing old checkpoint " << committed[i] << ": " << s;
-    }
+            << ci->max_pause_ms() << " ms, total " << ci->total_ms() << " ms"
+            << (ci->base().empty()
+                    ? std::string()
+                    : absl::StrCat("; incremental: ", ci->delta_shards(), " delta shard(s), ",
+                                   ci->changed_rows(), " changed row(s) over ", ci->base(),
+                                   ", chain of ", ci->chain_length()));
+  if (!ci->base().empty() && options_.checkpoint_compact_after > 0 &&
+      ci->chain_length() >= options_.checkpoint_compact_after) {
+    absl::MutexLock lock(&compact_mu_);
+    compact_queue_.push_back(*dir);
   }
-  for (const std::string& d : checkpoint::ListUncommitted(root, collection)) {
-    if (d < *dir) (void)checkpoint::RemoveCheckpoint(d);
-  }
+  const std::set<std::string> removed = PruneCheckpoints(root, collection, *dir);
   absl::MutexLock lock(&mu_);
   StateStore::Batch batch;
   batch.PutCheckpoint(*ci);
@@ -208,6 +251,85 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   return *ci;
 }
 
+std::set<std::string> CoordinatorService::PruneCheckpoints(const std::string& root,
+                                                          const std::string& collection,
+                                                          const std::string& newest) {
+  std::set<std::string> removed;
+  const std::vector<std::string> committed = checkpoint::ListCommitted(root, collection);
+  const size_t keep = std::min(committed.size(), static_cast<size_t>(
+                                                     std::max(options_.keep_checkpoints, 1)));
+  // The kept ones and every base they build on; an unreadable chain keeps
+  // everything older (never remove what a restore may need).
+  std::set<std::string> needed(committed.end() - keep, committed.end());
+  bool known = true;
+  for (size_t i = committed.size() - keep; i < committed.size(); ++i) {
+    auto chain = checkpoint::CheckpointChain(committed[i]);
+    if (!chain.ok()) {
+      LOG(WARNING) << "checkpoint " << committed[i] << ": " << chain.status()
+                   << "; keeping every older checkpoint";
+      known = false;
+      break;
+    }
+    needed.insert(chain->begin(), chain->end());
+  }
+  for (size_t i = 0; known && i + keep < committed.size(); ++i) {
+    if (needed.count(committed[i])) continue;
+    if (absl::Status s = checkpoint::RemoveCheckpoint(committed[i]); s.ok()) {
+      removed.insert(committed[i]);
+    } else {
+      LOG(WARNING) << "removing old checkpoint " << committed[i] << ": " << s;
+    }
+  }
+  // Delta files a compaction replaced (left for one checkpoint interval, so
+  // that a restore or recovery reading the old manifest then still found
+  // them).
+  for (const std::string& d : needed) {
+    if (d != newest) checkpoint::RemoveUnlistedShardFiles(d);
+  }
+  for (const std::string& d : checkpoint::ListUncommitted(root, collection)) {
+    if (d < newest) (void)checkpoint::RemoveCheckpoint(d);
+  }
+  return removed;
+}
+
+void CoordinatorService::CompactCheckpoints() {
+  auto queued = [](std::deque<std::string>* q) { return !q->empty(); };
+  while (!stop_.HasBeenNotified()) {
+    std::string dir;
+    {
+      absl::MutexLock lock(&compact_mu_);
+      compact_mu_.AwaitWithTimeout(absl::Condition(+queued, &compact_queue_),
+                                   absl::Milliseconds(200));
+      if (compact_queue_.empty()) continue;
+      dir = compact_queue_.front();
+      compact_queue_.pop_front();
+    }
+    absl::MutexLock one_at_a_time(&checkpoint_mu_);  // never beside a write or prune
+    const absl::Time start = absl::Now();
+    auto written = checkpoint::CompactCheckpoint(dir);
+    if (!written.ok()) {
+      LOG(WARNING) << "compacting checkpoint " << dir << ": " << written.status()
+                   << " (it stays incremental)";
+      continue;
+    }
+    if (*written == 0) continue;
+    auto m = checkpoint::ReadManifest(dir);
+    if (!m.ok()) continue;
+    LOG(INFO) << "checkpoint " << dir << " compacted into a full one: " << *written
+              << " bytes written in " << absl::ToDoubleSeconds(absl::Now() - start) << " s";
+    absl::MutexLock lock(&mu_);
+    for (auto& c : catalogue_) {
+      if (c.path() != dir) continue;
+      c = m->info();
+      StateStore::Batch batch;
+      batch.PutCheckpoint(c);
+      if (absl::Status s = Persist(batch); !s.ok()) {
+        LOG(ERROR) << "compacted checkpoint " << dir << " is not updated in the state store: " << s;
+      }
+    }
+  }
+}
+
 grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext* ctx,
                                             const ember::v1::CheckpointRequest* req,
                                             ember::v1::CheckpointResponse* resp) {
@@ -215,7 +337,7 @@ grpc::Status CoordinatorService::Checkpoint(grpc::ServerContext* ctx,
   if (req->collection().empty()) {
     return ToGrpc(absl::InvalidArgumentError("collection name is empty"));
   }
-  auto info = CheckpointCollection(req->collection(), req->dir());
+  auto info = CheckpointCollection(req->collection(), req->dir(), req->incremental());
   if (!info.ok()) return ToGrpc(info.status());
   *resp->mutable_checkpoint() = *std::move(info);
   return grpc::Status::OK;
@@ -342,7 +464,7 @@ void CoordinatorService::PeriodicCheckpoints() {
     }
     for (const std::string& name : names) {
       if (stop_.HasBeenNotified()) return;
-      auto info = CheckpointCollection(name, "");
+      auto info = CheckpointCollection(name, "", options_.checkpoint_incremental);
       if (!info.ok() && !absl::IsNotFound(info.status())) {
         LOG(WARNING) << "periodic checkpoint of '" << name << "': " << info.status();
       }

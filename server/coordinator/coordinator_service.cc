@@ -184,12 +184,16 @@ CoordinatorService::CoordinatorService(const CoordinatorOptions& options,
     periodic_ = std::thread([this] { PeriodicCheckpoints(); });
   }
   monitor_ = std::thread([this] { MonitorLoop(); });
+  if (!options_.checkpoint_dir.empty() && options_.checkpoint_compact_after > 0) {
+    compactor_ = std::thread([this] { CompactCheckpoints(); });
+  }
 }
 
 CoordinatorService::~CoordinatorService() {
   stop_.Notify();
   if (periodic_.joinable()) periodic_.join();
   if (monitor_.joinable()) monitor_.join();
+  if (compactor_.joinable()) compactor_.join();
 }
 
 ember::v1::Worker::Stub* CoordinatorService::StubFor(const std::string& address) {

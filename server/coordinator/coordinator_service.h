@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <atomic>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -73,8 +74,18 @@ struct CoordinatorOptions {
   std::string checkpoint_dir;
   // > 0: every collection is checkpointed under checkpoint_dir this often.
   absl::Duration checkpoint_every = absl::ZeroDuration();
-  // Committed checkpoints kept per collection and ROOT (older ones removed).
+  // Committed checkpoints kept per collection and ROOT (older ones removed,
+  // except the bases a kept incremental checkpoint builds on).
   int keep_checkpoints = 3;
+  // Periodic checkpoints are incremental (CheckpointRequest.incremental).
+  bool checkpoint_incremental = false;
+  // An incremental checkpoint whose chain would hold more than this many
+  // checkpoints (itself included) is written whole instead; >= 1.
+  int checkpoint_full_every = 8;
+  // > 0: an incremental checkpoint whose chain holds at least this many
+  // checkpoints is compacted into a full one in the background once it is
+  // committed (checkpoint::CompactCheckpoint); 0: never.
+  int checkpoint_compact_after = 4;
   // Non-empty: the state (workers, collections, plans, epochs, checkpoint
   // catalogue) is kept in a LevelDB store here, written before each answer
   // that changes it, and reloaded by a restarted coordinator.
@@ -134,14 +145,28 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   grpc::Status DrainWorker(grpc::ServerContext* ctx, const ember::v1::DrainWorkerRequest* req,
                            ember::v1::DrainWorkerResponse* resp) override;
 
-  // Checkpoints one collection under `root` (empty: options.checkpoint_dir).
-  // Counted and timed for the metrics (Stats).
+  // Checkpoints one collection under `root` (empty: options.checkpoint_dir),
+  // incrementally if asked (CheckpointRequest.incremental). Counted and
+  // timed for the metrics (Stats).
   absl::StatusOr<ember::v1::CheckpointInfo> CheckpointCollection(const std::string& collection,
-                                                                 const std::string& root);
+                                                                 const std::string& root,
+                                                                 bool incremental = false);
 
  private:
   absl::StatusOr<ember::v1::CheckpointInfo> WriteCollectionCheckpoint(
-      const std::string& collection, const std::string& root);
+      const std::string& collection, const std::string& root, bool incremental);
+  // The base of an incremental checkpoint of `collection` under `root`: its
+  // latest committed checkpoint, unless the chain is full
+  // (checkpoint_full_every) or unreadable; nullopt: write it whole.
+  std::optional<ember::v1::CheckpointManifest> IncrementalBase(const std::string& root,
+                                                               const std::string& collection);
+  // Keeps the newest keep_checkpoints of `collection` under `root` and the
+  // bases they build on; removes the rest, what crashed writes left, and
+  // compacted checkpoints' old delta files. Returns the removed directories.
+  std::set<std::string> PruneCheckpoints(const std::string& root, const std::string& collection,
+                                         const std::string& newest);
+  // The compactor thread: rewrites queued incremental checkpoints whole.
+  void CompactCheckpoints();
   struct Worker {
     std::string id;
     ember::v1::WorkerInfo info;
@@ -287,9 +312,13 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // Restores under way, by a key of their own (ListCheckpoints shows them).
   std::map<int64_t, ember::v1::RestoreProgress> restoring_ ABSL_GUARDED_BY(mu_);
   int64_t next_restore_ ABSL_GUARDED_BY(mu_) = 0;
+  // Incremental checkpoints waiting to be compacted (directories).
+  absl::Mutex compact_mu_;
+  std::deque<std::string> compact_queue_ ABSL_GUARDED_BY(compact_mu_);
   absl::Notification stop_;
   std::thread periodic_;
   std::thread monitor_;
+  std::thread compactor_;
 };
 
 }  // namespace coordinator

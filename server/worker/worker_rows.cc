@@ -3,6 +3,7 @@
 // files, re-cut on restore). The data plane is worker_service.cc; shard
 // bookkeeping is worker_shards.cc.
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -199,7 +200,11 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
   struct Copy {
     ember::v1::ShardAssignment assignment;
     checkpoint::ShardData data;
+    const ember::v1::CheckpointShard* base = nullptr;  // an incremental one's, if it may fit
+    backend::EmbeddingBackend::ChangeMark mark;        // lineage 0: untracked
   };
+  std::map<std::pair<std::string, int32_t>, const ember::v1::CheckpointShard*> bases;
+  for (const auto& b : req->base()) bases[{b.ref().table(), b.ref().shard_index()}] = &b;
   std::vector<Copy> copies(req->shards_size());
   absl::Duration pause;
   {
@@ -212,8 +217,10 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
       if (!shard.ok()) return ToGrpc(shard.status());
       entries.push_back(*shard);
     }
-    // The buffers are allocated (and their pages touched) before the fence,
-    // so that the fence lasts only for the copies themselves.
+    // The buffers of whole copies are allocated (and their pages touched)
+    // before the fence, so that the fence lasts only for the copies
+    // themselves. A shard whose base entry has its rows and columns is
+    // likely a delta: its buffers are sized in the fence, by its changes.
     for (size_t i = 0; i < entries.size(); ++i) {
       const ShardEntry& e = *entries[i];
       auto spec = backend_->GetShardSpec(e.id);
@@ -223,6 +230,14 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
       d.rows = spec->rows;
       d.cols = spec->dim;
       d.state_width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
+      auto b = bases.find({e.assignment.ref().table(), e.assignment.ref().shard_index()});
+      if (b != bases.end() && b->second->lineage() != 0 && b->second->rows() == d.rows &&
+          b->second->cols() == d.cols && b->second->state_width() == d.state_width &&
+          b->second->row_offset() == e.assignment.row_offset() &&
+          b->second->col_offset() == e.assignment.col_offset()) {
+        copies[i].base = b->second;
+        continue;
+      }
       d.weights.resize(d.rows * d.cols);
       d.state.resize(d.rows * d.state_width);
     }
@@ -233,11 +248,28 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
     for (size_t i = 0; i < entries.size(); ++i) {
       const ShardEntry& e = *entries[i];
       checkpoint::ShardData& d = copies[i].data;
-      if (absl::Status s = backend_->ExportRows(e.id, 0, d.rows, absl::MakeSpan(d.weights),
-                                                absl::MakeSpan(d.state));
-          !s.ok()) {
-        return ToGrpc(s);
+      // The mark this copy is at (a backend without tracking: none), then
+      // the rows changed since the base's (its lineage still: else whole).
+      if (auto mark = backend_->MarkChanges(e.id); mark.ok()) copies[i].mark = *mark;
+      if (copies[i].base != nullptr) {
+        auto changed = backend_->ChangedRows(
+            e.id, {copies[i].base->lineage(), copies[i].base->generation()});
+        if (changed.ok()) {
+          d.delta = true;
+          d.changed_rows = *std::move(changed);
+        } else {  // moved, recovered or re-created since its base
+          copies[i].base = nullptr;
+        }
       }
+      const int64_t held = d.delta ? static_cast<int64_t>(d.changed_rows.size()) : d.rows;
+      d.weights.resize(held * d.cols);
+      d.state.resize(held * d.state_width);
+      const absl::Status exported =
+          d.delta ? backend_->ExportRowsAt(e.id, d.changed_rows, absl::MakeSpan(d.weights),
+                                           absl::MakeSpan(d.state))
+                  : backend_->ExportRows(e.id, 0, d.rows, absl::MakeSpan(d.weights),
+                                         absl::MakeSpan(d.state));
+      if (!exported.ok()) return ToGrpc(exported);
       auto step = backend_->ExportStep(e.id);
       if (!step.ok()) return ToGrpc(step.status());
       d.step = *step;
@@ -269,6 +301,9 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
     if (!entry.ok()) return ToGrpc(entry.status());
     entry->set_row_offset(copy.assignment.row_offset());
     entry->set_col_offset(copy.assignment.col_offset());
+    entry->set_lineage(copy.mark.lineage);
+    entry->set_generation(copy.mark.generation);
+    if (copy.base != nullptr) entry->set_base_generation(copy.base->generation());
     *resp->add_shards() = *std::move(entry);
     copy.data = checkpoint::ShardData();  // free the copy as soon as it is on disk
   }
@@ -338,9 +373,10 @@ grpc::Status WorkerService::LoadCheckpoint(grpc::ServerContext* ctx,
       if (t.rehash != nullptr || checkpoint::Overlaps(source, t.recut)) hit.push_back(&t);
     }
     if (hit.empty()) continue;
-    auto data = checkpoint::ReadShardFile(*dir, source);
+    // The shard's file, or its chain's (an incremental checkpoint's delta
+    // laid over its bases' files).
+    auto data = checkpoint::ReadShardChain(*dir, source, options_.checkpoint_root, &bytes_read);
     if (!data.ok()) return ToGrpc(data.status());
-    bytes_read += source.bytes();
     for (Target* t : hit) {
       const absl::Status taken = t->rehash != nullptr ? t->rehash->Take(source, *data)
                                                       : checkpoint::CopyOverlap(source, *data,
