@@ -543,6 +543,32 @@ TEST_F(CheckpointTest, DamagedCheckpointIsRefusedAndNothingIsCreated) {
               return std::string("MANIFEST");
             }),
             absl::StatusCode::kNotFound);
+  // A damaged delta under an incremental checkpoint, and a missing base.
+  {
+    const std::string root = TempDir();
+    ASSERT_TRUE(c2->Checkpoint("d", root, absl::Minutes(5), true).ok());
+    Train(c2.get(), "d", nullptr, 41, 1);
+    auto mid = c2->Checkpoint("d", root, absl::Minutes(5), true);
+    ASSERT_TRUE(mid.ok()) << mid.status();
+    Train(c2.get(), "d", nullptr, 42, 1);
+    auto top = c2->Checkpoint("d", root, absl::Minutes(5), true);
+    ASSERT_TRUE(top.ok()) << top.status();
+    ASSERT_EQ(top->chain_length(), 3);
+    auto m = checkpoint::ReadManifest(mid->path());
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE(m->shards(0).delta());
+    const std::string delta = mid->path() + "/" + m->shards(0).file();
+    flip(delta, m->shards(0).bytes() - 3);
+    auto r = c2->Restore(top->path(), "d2");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_NE(r.status().message().find(delta), std::string::npos) << r.status();
+    EXPECT_EQ(collections(), before);
+    ASSERT_TRUE(checkpoint::RemoveCheckpoint(mid->path()).ok());
+    r = c2->Restore(top->path(), "d2");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+    EXPECT_NE(r.status().message().find("is missing"), std::string::npos) << r.status();
+    EXPECT_EQ(collections(), before);
+  }
   ASSERT_TRUE(c2->DropCollection("d").ok());
 }
 
