@@ -489,6 +489,58 @@ TEST(PeriodicCheckpointTest, EveryCollectionIsCheckpointedOnSchedule) {
   EXPECT_EQ(ExportAll(c.get(), "x2", TestSpec("x")), trained);
 }
 
+// Periodic incremental checkpoints (--checkpoint_incremental) build chains
+// of at most --checkpoint_full_every, then start a full one; the latest
+// restores to the trained tables.
+TEST(PeriodicCheckpointTest, IncrementalChainsAreCappedAndRestore) {
+  const std::string root = TempDir();
+  LocalCluster cluster(kEmberctl, 2,
+                       {"--checkpoint_dir=" + root, "--checkpoint_every=1s",
+                        "--checkpoint_incremental", "--checkpoint_full_every=3",
+                        "--checkpoint_compact_after=0", "--keep_checkpoints=2"});
+  ASSERT_TRUE(cluster.ok());
+  auto c = Connect(cluster.coordinator());
+  ASSERT_TRUE(c);
+  const CollectionSpec spec = TestSpec("x");
+  ASSERT_TRUE(c->CreateCollection(spec, "row_wise").ok());
+  std::map<int64_t, int> chain_at;  // created ms -> chain length, as committed
+  auto poll = [&] {
+    auto list = c->ListCheckpoints("x");
+    ASSERT_TRUE(list.ok());
+    for (const auto& ck : *list) {
+      if (!ck.in_progress()) chain_at[ck.created_unix_ms()] = std::max(1, ck.chain_length());
+    }
+  };
+  // Until a chain of 3 was followed by a full one.
+  auto capped = [&] {
+    bool three = false;
+    for (const auto& [ms, len] : chain_at) {
+      if (len == 3) three = true;
+      if (three && len == 1) return true;
+    }
+    return false;
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(40);
+  uint32_t seed = 900;
+  while (!capped() && absl::Now() < deadline) {
+    Train(c.get(), "x", nullptr, seed++, 1);
+    absl::SleepFor(absl::Milliseconds(200));
+    poll();
+  }
+  ASSERT_TRUE(capped()) << "no full checkpoint after a chain of 3";
+  for (const auto& [ms, len] : chain_at) EXPECT_LE(len, 3);
+  const Tables trained = ExportAll(c.get(), "x", spec);
+  const int64_t after = absl::ToUnixMillis(absl::Now());
+  while (chain_at.rbegin()->first <= after && absl::Now() < deadline + absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(100));
+    poll();
+  }
+  ASSERT_GT(chain_at.rbegin()->first, after);
+  auto r = c->Restore(root + "/x", "x2");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(ExportAll(c.get(), "x2", spec), trained);
+}
+
 // Damage of every kind is refused before anything is created.
 TEST_F(CheckpointTest, DamagedCheckpointIsRefusedAndNothingIsCreated) {
   auto c2 = Connect(two_->coordinator());

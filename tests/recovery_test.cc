@@ -96,6 +96,9 @@ struct Case {
   // The checkpoint belongs to an earlier collection of the same name
   // (dropped and created again): recovery must not load it.
   bool recreate = false;
+  // The checkpoint is incremental, a delta over one taken a step earlier:
+  // the lost shards are loaded from the chain.
+  bool incremental = false;
 };
 
 void RunCase(const Case& k) {
@@ -122,6 +125,13 @@ void RunCase(const Case& k) {
     ASSERT_TRUE(info.ok()) << info.status();
   }
   Train(c->get(), "r", 1, 2);
+  std::string base;
+  if (k.incremental) {
+    auto first = (*c)->Checkpoint("r", "", absl::Minutes(5), /*incremental=*/true);
+    ASSERT_TRUE(first.ok()) << first.status();
+    base = first->path().substr(first->path().rfind('/') + 1);
+    Train(c->get(), "r", 4, 1);
+  }
   // An update acknowledged before the checkpoint, on every row block: its
   // retry after the recovery must change nothing (the restored shards take
   // their exactly-once records back from the checkpoint).
@@ -138,8 +148,10 @@ void RunCase(const Case& k) {
   const Tables at_checkpoint = k.checkpoint ? ExportAll(c->get(), "r", spec) : initial;
   std::string path;
   if (k.checkpoint) {
-    auto ck = (*c)->Checkpoint("r");
+    auto ck = (*c)->Checkpoint("r", "", absl::Minutes(5), k.incremental);
     ASSERT_TRUE(ck.ok()) << ck.status();
+    EXPECT_EQ(ck->base(), base);  // a delta over the first, when incremental
+    if (k.incremental) EXPECT_GT(ck->delta_shards(), 0);
     path = ck->path();
   }
   Train(c->get(), "r", 2, 2);  // acknowledged after the checkpoint
@@ -288,6 +300,11 @@ TEST(RecoveryTest, SurvivorsTakeTheLostShardsWhenNoWorkerReplacesIt) {
 
 TEST(RecoveryTest, WholeCollectionRollsBackToTheCheckpoint) {
   RunCase({/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/true});
+}
+
+TEST(RecoveryTest, LostShardsComeBackFromAnIncrementalChain) {
+  RunCase({/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/false, /*recreate=*/false,
+           /*incremental=*/true});
 }
 
 TEST(RecoveryTest, WithoutACheckpointTheLostShardsComeBackFresh) {
