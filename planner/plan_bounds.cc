@@ -101,7 +101,7 @@ absl::Status Infeasible(const CollectionSpec& spec,
                         const std::vector<int64_t>& hbm_cap,
                         const std::vector<int64_t>& ddr_cap, Search* search,
                         int failed_table, const CostModel& model,
-                        ComputeDevice device) {
+                        ComputeDevice device, bool uvm_served) {
   const int w = static_cast<int>(hbm_cap.size());
   const int64_t max_hbm = *std::max_element(hbm_cap.begin(), hbm_cap.end());
   const int64_t max_ddr = *std::max_element(ddr_cap.begin(), ddr_cap.end());
@@ -148,7 +148,7 @@ absl::Status Infeasible(const CollectionSpec& spec,
       has_uvm |= o.kernel == ComputeKernel::kFusedUvm;
     }
     if (!has_rw) remedies.push_back("allow row_wise in its constraints");
-    if (!has_uvm && device == ember::v1::CUDA) {
+    if (!has_uvm && device == ember::v1::CUDA && uvm_served) {
       remedies.push_back("allow fused_uvm or fused_uvm_caching (host memory)");
     }
     if (smallest->type == ShardingType::kRowWise && std::isfinite(need)) {
@@ -189,8 +189,9 @@ absl::Status Infeasible(const CollectionSpec& spec,
           " workers have ", GiB(sum_hbm), " usable ", reserve,
           "; to fit: use at least ",
           static_cast<int64_t>(std::ceil(static_cast<double>(need_hbm) / sum_hbm * w)),
-          " workers, raise the HBM capacity, or allow fused_uvm / "
-          "fused_uvm_caching for the largest tables"));
+          " workers, raise the HBM capacity",
+          uvm_served ? ", or allow fused_uvm / fused_uvm_caching for the largest tables"
+                     : " (these workers serve no fused_uvm kernel)"));
     }
     if (need_ddr > sum_ddr) {
       lines.push_back(absl::StrCat(
@@ -213,7 +214,7 @@ absl::Status Infeasible(const CollectionSpec& spec,
         " needs ", memory(o.max_shard_hbm, o.max_shard_ddr), " per shard; workers have ",
         memory(max_hbm, max_ddr), " usable ", reserve,
         "); to fit: add workers, raise capacities, or allow row_wise",
-        cpu ? "" : " and fused_uvm", " layouts for the largest tables"));
+        cpu || !uvm_served ? "" : " and fused_uvm", " layouts for the largest tables"));
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "the collection does not fit on ", w, " worker(s):\n  ",

@@ -143,11 +143,13 @@ std::vector<ShardBlock> BlocksFor(ShardingType type, const TableConfig& t,
 
 Placement PlacementFor(ShardingType type);
 
-// Kernels a sharding type may use on a device, within the constraints.
+// Kernels a sharding type may use on a device, within the constraints and
+// the kernels the workers serve (`served`, TorchRec's names; empty: all).
 // On CPU workers every kernel is host memory: a constraint naming a UVM
 // kernel is honoured as `fused`.
-std::vector<ComputeKernel> KernelsFor(ShardingType type, ComputeDevice device,
-                                      const ParameterConstraints& c);
+std::vector<ComputeKernel> KernelsFor(
+    ShardingType type, ComputeDevice device, const ParameterConstraints& c,
+    const google::protobuf::RepeatedPtrField<std::string>& served);
 
 TableWorkload WorkloadFor(const TableConfig& t, const ParameterConstraints& c,
                           const Topology& topo, const CostModel& model);
@@ -184,13 +186,14 @@ double OptionAwareLowerBound(const std::vector<TableInfo>& tables, int w,
 
 Bounds LowerBounds(const std::vector<TableInfo>& tables, int w, const CostModel& model);
 
-// Explains why no plan fits, naming tables, bytes and remedies.
+// Explains why no plan fits, naming tables, bytes and remedies (the UVM
+// kernels among them only where the workers serve them: uvm_served).
 absl::Status Infeasible(const CollectionSpec& spec,
                         const std::vector<TableInfo>& tables,
                         const std::vector<int64_t>& hbm_cap,
                         const std::vector<int64_t>& ddr_cap, Search* search,
                         int failed_table, const CostModel& model,
-                        ComputeDevice device);
+                        ComputeDevice device, bool uvm_served);
 
 // --- The search (plan_search.cc) ---
 

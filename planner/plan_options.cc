@@ -68,8 +68,9 @@ Placement PlacementFor(ShardingType type) {
   return Placement::kFree;
 }
 
-std::vector<ComputeKernel> KernelsFor(ShardingType type, ComputeDevice device,
-                                      const ParameterConstraints& c) {
+std::vector<ComputeKernel> KernelsFor(
+    ShardingType type, ComputeDevice device, const ParameterConstraints& c,
+    const google::protobuf::RepeatedPtrField<std::string>& served) {
   std::vector<ComputeKernel> wanted;
   if (type == ShardingType::kDataParallel) {
     wanted = {ComputeKernel::kDense};
@@ -78,6 +79,14 @@ std::vector<ComputeKernel> KernelsFor(ShardingType type, ComputeDevice device,
   } else {
     wanted = {ComputeKernel::kFused, ComputeKernel::kFusedUvmCaching,
               ComputeKernel::kFusedUvm};
+  }
+  if (!served.empty()) {
+    wanted.erase(std::remove_if(wanted.begin(), wanted.end(),
+                                [&](ComputeKernel k) {
+                                  return std::find(served.begin(), served.end(),
+                                                   ComputeKernelName(k)) == served.end();
+                                }),
+                 wanted.end());
   }
   if (c.compute_kernels_size() == 0) return wanted;
   std::vector<ComputeKernel> allowed;
@@ -215,7 +224,7 @@ absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& sp
     if (free_choice) types = AllShardingTypes();
     const TableWorkload work = WorkloadFor(tc, c, topo, model);
     for (ShardingType type : types) {
-      std::vector<ComputeKernel> kernels = KernelsFor(type, device, c);
+      std::vector<ComputeKernel> kernels = KernelsFor(type, device, c, topo.compute_kernels());
       if (tc.has_dynamic()) {
         if (!DynamicTableTakes(type)) continue;
         kernels.erase(std::remove_if(kernels.begin(), kernels.end(),

@@ -85,8 +85,12 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec_in,
   Search search(tables, w, lw, hbm_cap, ddr_cap);
   Solution best = Solve(&search, tables, hbm_cap, bounds, model, options);
   if (!best.ok) {
-    return Infeasible(spec, tables, hbm_cap, ddr_cap, &search, best.failed_table,
-                      model, device);
+    const auto& served = topo.compute_kernels();
+    const bool uvm_served =
+        served.empty() || std::find(served.begin(), served.end(), "fused_uvm") != served.end() ||
+        std::find(served.begin(), served.end(), "fused_uvm_caching") != served.end();
+    return Infeasible(spec, tables, hbm_cap, ddr_cap, &search, best.failed_table, model, device,
+                      uvm_served);
   }
   // Seeds: the same search with every table held to one sharding type
   // (where the table allows it) can end lower than the free search, whose
@@ -217,7 +221,8 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topo
       problem(label, ": a dynamic table takes table_wise or row_wise shards on the fused "
               "kernel, not ", ts->sharding_type(), " on ", ts->compute_kernel());
     }
-    const std::vector<ComputeKernel> kernels = KernelsFor(*type, device, c);
+    const std::vector<ComputeKernel> kernels =
+        KernelsFor(*type, device, c, topo.compute_kernels());
     if (std::find(kernels.begin(), kernels.end(), *kernel) == kernels.end()) {
       std::vector<std::string> names;
       for (ComputeKernel k : kernels) names.emplace_back(ComputeKernelName(k));

@@ -392,6 +392,36 @@ TEST(PlannerTest, SpillsToHostMemoryWhenHbmIsShort) {
   EXPECT_LE(plan->stats().per_rank(0).hbm_bytes(), plan->stats().per_rank(0).hbm_cap_bytes());
 }
 
+// Workers that serve only dense and fused (Topology.compute_kernels, as
+// the coordinator fills it): the table that spilled to host memory above
+// does not fit, and the explanation offers no UVM kernel; a plan naming
+// one is refused; an unknown kernel name is INVALID_ARGUMENT.
+TEST(PlannerTest, OnlyKernelsTheWorkersServeArePlanned) {
+  CollectionSpec spec;
+  AddTable(&spec, "t", 50'000'000, 128);  // 23.8 GiB
+  (*spec.mutable_constraints())["t"].add_sharding_types("table_wise");
+  Topology topo = Cuda(1);
+  topo.set_hbm_cap_bytes(16 * kGiB);
+  auto spilled = Plan(spec, topo);
+  ASSERT_TRUE(spilled.ok()) << spilled.status();
+  topo.add_compute_kernels("dense");
+  topo.add_compute_kernels("fused");
+  auto plan = Plan(spec, topo);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  EXPECT_THAT(std::string(plan.status().message()), Not(HasSubstr("allow fused_uvm")));
+  auto checked = CheckPlan(spec, topo, *spilled);
+  ASSERT_EQ(checked.status().code(), absl::StatusCode::kInvalidArgument) << checked.status();
+  EXPECT_THAT(std::string(checked.status().message()),
+              HasSubstr("takes compute kernel [fused], not " + spilled->tables(0).compute_kernel()));
+  // With room in HBM it plans on fused, as before.
+  topo.set_hbm_cap_bytes(40 * kGiB);
+  plan = Plan(spec, topo);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->tables(0).compute_kernel(), "fused");
+  topo.add_compute_kernels("warp_drive");
+  EXPECT_EQ(Plan(spec, topo).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Exhaustive search over table-wise placements is the reference: on equal
 // workers without memory pressure the planner must be within LPT's 4/3 bound
 // of the optimum, and is usually at it.

@@ -286,6 +286,10 @@ absl::Status ValidateTopology(const ember::v1::Topology& t) {
   if (t.num_trainers() < 0 || t.num_trainers() > kMaxTrainers) {
     p.Add("num_trainers must be in [0, ", kMaxTrainers, "], got ", t.num_trainers());
   }
+  for (const std::string& k : t.compute_kernels()) {
+    auto parsed = ParseComputeKernel(k);
+    if (!parsed.ok()) p.Add("compute_kernels: ", parsed.status().message());
+  }
   if (t.devices_size() > t.world_size()) {
     p.Add(t.devices_size(), " device overrides for ", t.world_size(), " ranks");
     return p.ToStatus("topology");

@@ -31,6 +31,7 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
              info.plan().tables(t), table.num_embeddings(), table.embedding_dim())) {
       if (b.rank == rank && b.Held()) {
         out.push_back(MakeAssignment(table, b.index, b.row_offset, b.col_offset, b.rows, b.cols));
+        out.back().set_compute_kernel(info.plan().tables(t).compute_kernel());
       }
     }
   }

@@ -266,6 +266,24 @@ ember::v1::Topology CoordinatorService::TopologyOf(const std::vector<Worker>& wo
     if (n != local) local = t.world_size();
   }
   t.set_local_world_size(local);
+  // The kernels every worker serves (a worker from before the field: the
+  // two every worker has served).
+  std::vector<std::string> served;
+  for (size_t r = 0; r < workers.size(); ++r) {
+    std::vector<std::string> its(workers[r].info.compute_kernels().begin(),
+                                 workers[r].info.compute_kernels().end());
+    if (its.empty()) its = {"dense", "fused"};
+    if (r == 0) {
+      served = its;
+      continue;
+    }
+    served.erase(std::remove_if(served.begin(), served.end(),
+                                [&](const std::string& k) {
+                                  return std::find(its.begin(), its.end(), k) == its.end();
+                                }),
+                 served.end());
+  }
+  for (const std::string& k : served) t.add_compute_kernels(k);
   for (size_t r = 0; r < workers.size(); ++r) {
     const auto& info = workers[r].info;
     if (info.hbm_bytes() == 0 && info.ddr_bytes() == 0) continue;

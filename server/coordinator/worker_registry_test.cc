@@ -4,6 +4,7 @@
 // removed.
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -154,6 +155,59 @@ TEST_F(WorkerRegistryTest, DefaultMemoryMayNotOvercommitTheHost) {
   // The same worker registering again (same address) does not count itself.
   EXPECT_TRUE(RegisterOn("127.0.0.1:4", "other", 90 * kGiB, 100 * kGiB, 4).ok());
   EXPECT_EQ(Listed(), 4);
+}
+
+// Plans over live workers take only the kernels every one of them serves
+// (WorkerInfo.compute_kernels; a worker advertising none: dense and
+// fused): a table too large for HBM is not put behind a UVM kernel no
+// worker implements, and the refusal offers none.
+TEST_F(WorkerRegistryTest, PlansUseOnlyTheKernelsEveryWorkerServes) {
+  Start(absl::Seconds(30), absl::Minutes(10));
+  auto add = [&](const std::string& address, std::vector<std::string> kernels) {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.mutable_worker()->set_host("h");
+    req.mutable_worker()->set_pid(1);
+    req.mutable_worker()->set_device(ember::v1::CUDA);
+    req.mutable_worker()->set_hbm_bytes(int64_t{1} << 30);
+    req.mutable_worker()->set_ddr_bytes(int64_t{64} << 30);
+    for (const auto& k : kernels) req.mutable_worker()->add_compute_kernels(k);
+    ember::v1::RegisterWorkerResponse resp;
+    return stub_->RegisterWorker(&ctx, req, &resp);
+  };
+  ASSERT_TRUE(add("127.0.0.1:7101", {"dense", "fused", "fused_uvm", "fused_uvm_caching"}).ok());
+  ASSERT_TRUE(add("127.0.0.1:7102", {}).ok());
+  ember::v1::PreviewPlanRequest req;
+  auto* spec = req.mutable_spec();
+  spec->set_name("p");
+  auto* t = spec->add_tables();
+  t->set_name("t");
+  t->set_num_embeddings(1000);
+  t->set_embedding_dim(64);
+  t->add_feature_names("f");
+  {
+    grpc::ClientContext ctx;
+    ember::v1::PreviewPlanResponse resp;
+    ASSERT_TRUE(stub_->PreviewPlan(&ctx, req, &resp).ok());
+    EXPECT_EQ(std::vector<std::string>(resp.plan().topology().compute_kernels().begin(),
+                                       resp.plan().topology().compute_kernels().end()),
+              (std::vector<std::string>{"dense", "fused"}));
+    EXPECT_EQ(resp.plan().tables(0).compute_kernel(), "fused");
+  }
+  t->set_num_embeddings(int64_t{8} << 20);  // 2 GiB: more than both GPUs' HBM
+  grpc::ClientContext ctx;
+  ember::v1::PreviewPlanResponse resp;
+  const grpc::Status st = stub_->PreviewPlan(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  EXPECT_EQ(st.error_message().find("allow fused_uvm"), std::string::npos) << st.error_message();
+  // A topology given with the request plans offline, with every kernel.
+  req.mutable_topology()->set_world_size(2);
+  req.mutable_topology()->set_compute_device(ember::v1::CUDA);
+  req.mutable_topology()->set_hbm_cap_bytes(int64_t{1} << 30);
+  grpc::ClientContext ctx2;
+  ASSERT_TRUE(stub_->PreviewPlan(&ctx2, req, &resp).ok());
+  EXPECT_NE(resp.plan().tables(0).compute_kernel(), "fused");
 }
 
 }  // namespace

@@ -263,6 +263,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   info.set_address(w->address_);
   info.set_host(options.host.empty() ? HostName() : options.host);
   info.set_pid(getpid());
+  for (const std::string& k : WorkerService::ServedComputeKernels()) info.add_compute_kernels(k);
   info.add_transports("grpc");
   if (options.service.shared_memory) info.add_transports("shm");
   for (cuda::PeerLinks* kind : options.service.links.kinds) info.add_transports(kind->name());

@@ -96,6 +96,11 @@ class WorkerService final : public ember::v1::Worker::Service {
                 const WorkerServiceOptions& options);
   ~WorkerService() override;
 
+  // The compute kernels a worker serves (TorchRec's names), advertised in
+  // WorkerInfo.compute_kernels: "dense" and "fused", a shard held whole in
+  // its backend's memory (HBM on a GPU). The UVM and key-value tiers are
+  // not built yet: shards planned on them are refused.
+  static std::vector<std::string> ServedComputeKernels() { return {"dense", "fused"}; }
   // The backend's health (EmbeddingBackend::Health).
   absl::Status BackendHealth() const { return backend_->Health(); }
 

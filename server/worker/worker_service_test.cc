@@ -259,6 +259,51 @@ TEST(WorkerServiceTest, MakingShardsDoesNotStallTheCollectionsHeld) {
 // Data calls past --max_queued_calls are refused at once ("worker busy",
 // RESOURCE_EXHAUSTED) instead of queueing, counted, and served again once
 // the calls in progress finish.
+// A shard planned on a kernel the worker does not serve (a UVM tier) is
+// refused before anything is allocated; the kernels it serves are taken.
+TEST(WorkerServiceTest, KernelsItDoesNotServeAreRefusedBeforeAllocating) {
+  auto s = MakeService(WorkerServiceOptions());
+  ember::v1::ShardStatusRequest sreq;
+  ember::v1::ShardStatusResponse before;
+  ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &before).ok());
+  auto request = [](const std::string& collection, const std::vector<std::string>& kernels) {
+    ember::v1::CreateShardsRequest req;
+    req.set_collection(collection);
+    req.set_epoch(1);
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      auto* a = req.add_shards();
+      a->mutable_ref()->set_table("u");
+      a->mutable_ref()->set_shard_index(static_cast<int>(i));
+      TableConfig* t = a->mutable_table();
+      t->set_name("u");
+      t->set_num_embeddings(8 * kernels.size());
+      t->set_embedding_dim(4);
+      t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+      a->set_row_offset(8 * i);
+      a->set_rows(8);
+      a->set_cols(4);
+      a->set_compute_kernel(kernels[i]);
+    }
+    return req;
+  };
+  ember::v1::CreateShardsResponse resp;
+  for (const std::string bad : {"fused_uvm", "fused_uvm_caching", "key_value", "nonsense"}) {
+    auto req = request("uvm", {"fused", bad});
+    const grpc::Status st = s->CreateShards(nullptr, &req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
+    EXPECT_NE(st.error_message().find("compute kernel '" + bad + "' is not served"),
+              std::string::npos)
+        << st.error_message();
+  }
+  ember::v1::ShardStatusResponse after;
+  ASSERT_TRUE(s->ShardStatus(nullptr, &sreq, &after).ok());
+  EXPECT_EQ(after.shards_size(), before.shards_size());
+  EXPECT_EQ(after.available_bytes(), before.available_bytes());
+  auto good = request("fine", {"fused", "dense", ""});
+  EXPECT_TRUE(s->CreateShards(nullptr, &good, &resp).ok());
+  EXPECT_EQ(WorkerService::ServedComputeKernels(), (std::vector<std::string>{"dense", "fused"}));
+}
+
 TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {
   WorkerServiceOptions so;
   so.max_queued_calls = 2;

@@ -2,12 +2,14 @@
 // CreateShards / UpdateShards / DropShards (epochs, memory, retries), and
 // the ShardStatus report. The data plane is worker_service.cc; rows in and
 // out (export, import, checkpoints) are worker_rows.cc.
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/backend/table_spec.h"
@@ -123,6 +125,13 @@ absl::Status WorkerService::CheckAssignments(
     if (a.ref().table() != a.table().name()) {
       return absl::InvalidArgumentError(absl::StrCat(
           RefString(a.ref()), " carries the config of table '", a.table().name(), "'"));
+    }
+    const std::vector<std::string> served = ServedComputeKernels();
+    if (!a.compute_kernel().empty() &&
+        std::find(served.begin(), served.end(), a.compute_kernel()) == served.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          RefString(a.ref()), ": compute kernel '", a.compute_kernel().substr(0, 64),
+          "' is not served by this worker (it serves ", absl::StrJoin(served, ", "), ")"));
     }
     if (a.col_offset() < 0 || a.cols() <= 0 ||
         a.col_offset() + a.cols() > a.table().embedding_dim()) {
