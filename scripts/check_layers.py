@@ -58,6 +58,11 @@ INCLUDES = {
                                                     "server/backend/embedding_backend.h",
                                                     "server/backend/forwarding_backend.h",
                                                     "server/common/", "math/"]),
+    # Which rows changed, over any backend's shards.
+    "backend/changes": ("server/backend/changes/", ["server/backend/changes/",
+                                                    "server/backend/embedding_backend.h",
+                                                    "server/backend/forwarding_backend.h",
+                                                    "server/common/", "math/"]),
     "checkpoint": ("server/checkpoint/", ["server/checkpoint/", "server/common/", "proto/",
                                           "server/backend/embedding_backend.h"]),
     "worker": ("server/worker/", ["server/worker/", "server/checkpoint/", "server/common/",
@@ -80,6 +85,7 @@ INCLUDES = {
 EXTRA = {
     "server/backend/backend_factory.cc": ["server/backend/cpu/", "server/backend/cuda/",
                                           "server/backend/dynamic/dynamic_backend.h",
+                                          "server/backend/changes/change_tracking.h",
                                           "cuda/device_query.h"],
     "client/inprocess.h": ["server/backend/embedding_backend.h",
                            "server/backend/cpu/cpu_backend.h"],

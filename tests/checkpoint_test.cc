@@ -238,7 +238,7 @@ TEST_F(CheckpointTest, IncrementalChainsRestoreAsFullCheckpointsDo) {
       auto ck = c2->Checkpoint(name, root, absl::Minutes(5), /*incremental=*/true);
       ASSERT_TRUE(ck.ok()) << ck.status();
       EXPECT_EQ(ck->base(), BaseName(chain.back().path()));
-      EXPECT_EQ(ck->delta_shards(), ck->shards());
+      EXPECT_GT(ck->delta_shards(), 0);  // (a shard more than half changed is written whole)
       EXPECT_GT(ck->changed_rows(), 0);
       EXPECT_LT(ck->bytes(), ck0->bytes());
       EXPECT_EQ(ck->chain_length(), k + 1);

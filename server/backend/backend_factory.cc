@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_query.h"
-#include "server/backend/change_tracking.h"
+#include "server/backend/changes/change_tracking.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/dynamic/dynamic_backend.h"

@@ -25,6 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "google/protobuf/util/json_util.h"
 #include "server/backend/embedding_backend.h"
 
@@ -228,7 +229,7 @@ absl::StatusOr<int> OpenChecked(const std::string& path, const ember::v1::Checkp
   }
   if (entry.rows() < 0 || entry.cols() <= 0 || entry.state_width() < 0 ||
       entry.applied_ids() < 0 || entry.rows() > (int64_t{1} << 40) ||
-      entry.cols() + entry.state_width() > (int64_t{1} << 20) ||
+      entry.cols() > (int64_t{1} << 20) || entry.state_width() > (int64_t{1} << 21) ||
       entry.applied_ids() > (int64_t{1} << 40) ||
       entry.pending_counts() < 0 || entry.pending_counts() > (int64_t{1} << 40) ||
       (!entry.dynamic() && (entry.pending_counts() != 0 || entry.pending_sketch())) ||
@@ -426,7 +427,12 @@ absl::Status VerifyShardFile(const std::string& dir, const ember::v1::Checkpoint
   return absl::OkStatus();
 }
 
-absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& manifest) {
+absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& given) {
+  ember::v1::CheckpointManifest manifest = given;
+  const bool incremental = std::any_of(manifest.shards().begin(), manifest.shards().end(),
+                                       [](const auto& s) { return s.delta(); });
+  const int version = incremental ? kIncrementalFormatVersion : kFormatVersion;
+  manifest.set_format_version(version);
   std::string body;
   google::protobuf::util::JsonPrintOptions o;
   o.add_whitespace = true;
@@ -435,7 +441,7 @@ absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointM
     return absl::InternalError(absl::StrCat("manifest to JSON: ", s.ToString()));
   }
   const std::string text =
-      absl::StrCat("ember-checkpoint ", kFormatVersion, " crc32=",
+      absl::StrCat("ember-checkpoint ", version, " crc32=",
                    absl::Hex(Crc(0, body.data(), body.size()), absl::kZeroPad8),
                    " bytes=", body.size(), "\n", body);
   const std::string tmp = Join(dir, absl::StrCat(kManifestName, ".tmp"));
@@ -489,9 +495,10 @@ absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& t
       !absl::ConsumePrefix(&head[3], "bytes=") || !absl::SimpleAtoi(head[3], &bytes)) {
     return DataLoss(path, "malformed header line");
   }
-  if (version != kFormatVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, " has format version ", version, "; this build reads ", kFormatVersion));
+  if (version != kFormatVersion && version != kIncrementalFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " has format version ", version,
+                                                      "; this build reads ", kFormatVersion,
+                                                      " and ", kIncrementalFormatVersion));
   }
   const std::string body = text.substr(nl + 1);
   if (body.size() != bytes) {
@@ -502,7 +509,10 @@ absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& t
   if (auto s = google::protobuf::util::JsonStringToMessage(body, &m); !s.ok()) {
     return DataLoss(path, absl::StrCat("not a manifest: ", s.ToString()));
   }
-  if (m.format_version() != kFormatVersion || m.spec().name().empty() ||
+  const bool deltas = std::any_of(m.shards().begin(), m.shards().end(),
+                                  [](const auto& s) { return s.delta(); });
+  if (m.format_version() != version ||
+      (version == kFormatVersion) != !deltas || m.spec().name().empty() ||
       m.plan().tables_size() != m.spec().tables_size()) {
     return DataLoss(path, "inconsistent manifest");
   }
@@ -618,7 +628,8 @@ absl::StatusOr<std::vector<ChainLink>> ShardChainIn(
     if (found == nullptr || found->rows() != e.rows() || found->cols() != e.cols() ||
         found->state_width() != e.state_width() || found->row_offset() != e.row_offset() ||
         found->col_offset() != e.col_offset() || found->dynamic() != e.dynamic() ||
-        found->lineage() != e.lineage() || found->generation() != e.base_generation()) {
+        found->lineage() == 0 || found->lineage() != e.lineage() ||
+        found->generation() != e.base_generation()) {
       return DataLoss(what, absl::StrCat("its base checkpoint ", *base_dir,
                                          " holds no matching shard (same rows, columns and "
                                          "lineage, generation ", e.base_generation(), ")"));
@@ -659,7 +670,8 @@ absl::StatusOr<ShardData> ReadShardChain(const std::string& dir,
   return data;
 }
 
-absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir) {
+absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir,
+                                                         const std::string& root) {
   std::vector<std::string> chain = {dir};
   for (;;) {
     auto m = ReadManifest(chain.back());
@@ -675,13 +687,13 @@ absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir)
       return absl::DataLossError(
           absl::StrCat(dir, ": its chain of bases is longer than ", kMaxChain));
     }
-    auto base = BaseDir(chain.back(), *m, "");
+    auto base = BaseDir(chain.back(), *m, root);
     if (!base.ok()) return base.status();
     chain.push_back(*base);
   }
 }
 
-absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir) {
+absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir, const std::string& root) {
   auto m = ReadManifest(dir);
   if (!m.ok()) return m.status();
   std::vector<std::string> deltas;
@@ -691,7 +703,7 @@ absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir) {
       bytes += entry.bytes();
       continue;
     }
-    auto data = ReadShardChain(dir, entry);
+    auto data = ReadShardChain(dir, entry, root);
     if (!data.ok()) return data.status();
     auto full = WriteShardFile(dir, entry.ref(), *data);
     if (!full.ok()) return full.status();
@@ -717,7 +729,12 @@ absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir) {
   return written;
 }
 
-int RemoveUnlistedShardFiles(const std::string& dir) {
+int RemoveUnlistedShardFiles(const std::string& dir, absl::Duration grace) {
+  struct stat st;
+  if (stat(Join(dir, kManifestName).c_str(), &st) != 0 ||
+      absl::FromTimeT(st.st_mtime) + grace > absl::Now()) {
+    return 0;
+  }
   auto m = ReadManifest(dir);
   if (!m.ok()) return 0;
   std::set<std::string> listed;
@@ -736,7 +753,8 @@ int RemoveUnlistedShardFiles(const std::string& dir) {
 }
 
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
-    const std::string& dir, const std::function<void(int64_t done, int64_t total)>& progress) {
+    const std::string& dir, const std::function<void(int64_t done, int64_t total)>& progress,
+    const std::string& root) {
   auto m = ReadManifest(dir);
   if (!m.ok()) return m.status();
   // Every file of every shard's chain, once (a base's files serve many).
@@ -744,7 +762,7 @@ absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
   std::vector<ChainLink> files;
   std::set<std::string> seen;
   for (const auto& s : m->shards()) {
-    auto chain = ShardChainIn(dir, s, "", &manifests);
+    auto chain = ShardChainIn(dir, s, root, &manifests);
     if (!chain.ok()) return chain.status();
     for (ChainLink& link : *chain) {
       if (seen.insert(Join(link.dir, link.entry.file())).second) files.push_back(std::move(link));

@@ -44,6 +44,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "proto/service.pb.h"
 
@@ -52,6 +53,10 @@ namespace checkpoint {
 
 constexpr char kManifestName[] = "MANIFEST";
 constexpr int kFormatVersion = 1;
+// A manifest with delta shards (an incremental checkpoint) is committed as
+// version 2, so a build that knows no chains refuses it (and cannot
+// mistake it for a whole checkpoint); this build reads both.
+constexpr int kIncrementalFormatVersion = 2;
 
 // A shard's contents, fp32.
 struct ShardData {
@@ -116,17 +121,19 @@ struct ChainLink {
 // `root` (non-empty) confines every base directory (ConfinedPath).
 absl::StatusOr<std::vector<ChainLink>> ShardChain(const std::string& dir,
                                                   const ember::v1::CheckpointShard& entry,
-                                                  const std::string& root = "");
+                                                  const std::string& root);
 // The shard as `entry` holds it, its chain read and the deltas applied
 // (every file checked as ReadShardFile does); *bytes_read, when given,
 // gets the files' sizes added.
 absl::StatusOr<ShardData> ReadShardChain(const std::string& dir,
                                          const ember::v1::CheckpointShard& entry,
-                                         const std::string& root = "",
+                                         const std::string& root,
                                          int64_t* bytes_read = nullptr);
 // The checkpoint directories a restore of `dir` reads: `dir` and its bases
-// (info.base, followed), newest first. DATA_LOSS for a base that is missing.
-absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir);
+// (info.base, followed; confined under `root` when non-empty), newest
+// first. DATA_LOSS for a base that is missing.
+absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir,
+                                                         const std::string& root);
 
 // Rewrites the incremental checkpoint in `dir` as a full one: each delta
 // shard's chain is read and written whole beside it, the manifest is
@@ -137,13 +144,17 @@ absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir)
 // after it, a full one. The delta files stay (a reader of the old manifest
 // may still want them) until RemoveUnlistedShardFiles. Returns the bytes
 // written (0: nothing to compact).
-absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir);
+absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir, const std::string& root);
 
 // Removes the shard files ("*.shard") of a committed checkpoint that its
-// manifest does not name (a compaction's old deltas); returns how many.
-int RemoveUnlistedShardFiles(const std::string& dir);
+// manifest does not name (a compaction's old deltas), once its MANIFEST
+// is older than `grace` (a reader of the manifest before may still be
+// reading them); returns how many.
+int RemoveUnlistedShardFiles(const std::string& dir, absl::Duration grace);
 
-// Commits `manifest` as `dir`/MANIFEST atomically (see above).
+// Commits `manifest` as `dir`/MANIFEST atomically (see above), at
+// kIncrementalFormatVersion when it has a delta shard, else kFormatVersion
+// (its format_version field set to match).
 absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& manifest);
 // NOT_FOUND if `dir` has no MANIFEST; DATA_LOSS naming it if it is damaged.
 absl::StatusOr<ember::v1::CheckpointManifest> ReadManifest(const std::string& dir);
@@ -179,7 +190,8 @@ absl::Status CheckCoverage(const ember::v1::CheckpointManifest& manifest);
 // first file and after each.
 absl::StatusOr<ember::v1::CheckpointManifest> VerifyCheckpoint(
     const std::string& dir,
-    const std::function<void(int64_t done, int64_t total)>& progress = nullptr);
+    const std::function<void(int64_t done, int64_t total)>& progress = nullptr,
+    const std::string& root = "");
 
 // `requested` confined under `root`, for a path a request names: "" is root
 // itself, a relative path is taken under root, an absolute one must lie

@@ -369,7 +369,7 @@ ShardData DeltaOf(const ShardData& now, const std::vector<int64_t>& rows) {
 
 Chain WriteChain() {
   Chain c;
-  c.root = TempDir();
+  c.root = *ConfinedPath(TempDir(), "");  // normalised, as confined paths are
   std::mt19937 rng(9);
   ShardData now = Random(40, 6, 6, 1, 11);
   now.applied_ids = {1, 2};
@@ -423,6 +423,9 @@ void ExpectSame(const ShardData& a, const ShardData& b) {
 TEST(IncrementalCheckpointTest, ChainReadsBackEachCheckpointExactly) {
   Chain c = WriteChain();
   EXPECT_TRUE(c.entries[1].delta());
+  // Manifests with deltas are committed as version 2, whole ones as 1.
+  EXPECT_EQ(ReadManifest(c.dirs[0])->format_version(), kFormatVersion);
+  EXPECT_EQ(ReadManifest(c.dirs[2])->format_version(), kIncrementalFormatVersion);
   EXPECT_LT(c.entries[2].bytes(), c.entries[0].bytes());
   EXPECT_EQ(c.entries[2].file(), ShardFileName(Ref("t", 0), true));
   for (size_t k = 0; k < c.dirs.size(); ++k) {
@@ -434,7 +437,7 @@ TEST(IncrementalCheckpointTest, ChainReadsBackEachCheckpointExactly) {
     int64_t want = 0;
     for (size_t j = 0; j <= k; ++j) want += c.entries[j].bytes();
     EXPECT_EQ(read, want);
-    auto chain = CheckpointChain(c.dirs[k]);
+    auto chain = CheckpointChain(c.dirs[k], c.root);
     ASSERT_TRUE(chain.ok()) << chain.status();
     EXPECT_EQ(chain->size(), k + 1);
     EXPECT_EQ(chain->back(), c.dirs[0]);
@@ -450,7 +453,7 @@ TEST(IncrementalCheckpointTest, DamagedOrMissingLinksAreRefusedWithTheFileNamed)
     Chain c = WriteChain();
     const std::string delta = c.dirs[1] + "/" + c.entries[1].file();
     FlipByte(delta, 60);
-    auto d = ReadShardChain(c.dirs[2], c.entries[2]);
+    auto d = ReadShardChain(c.dirs[2], c.entries[2], c.root);
     EXPECT_EQ(d.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_NE(d.status().message().find(delta), std::string::npos) << d.status();
     auto v = VerifyCheckpoint(c.dirs[2]);
@@ -460,21 +463,21 @@ TEST(IncrementalCheckpointTest, DamagedOrMissingLinksAreRefusedWithTheFileNamed)
   {
     Chain c = WriteChain();
     ASSERT_TRUE(RemoveCheckpoint(c.dirs[0]).ok());  // the full base is gone
-    auto d = ReadShardChain(c.dirs[2], c.entries[2]);
+    auto d = ReadShardChain(c.dirs[2], c.entries[2], c.root);
     EXPECT_EQ(d.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_NE(d.status().message().find("is missing"), std::string::npos) << d.status();
-    EXPECT_EQ(CheckpointChain(c.dirs[2]).status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(CheckpointChain(c.dirs[2], c.root).status().code(), absl::StatusCode::kDataLoss);
   }
   {
     Chain c = WriteChain();
     ember::v1::CheckpointShard wrong = c.entries[2];
     wrong.set_base_generation(1);  // not the generation its base was taken at
-    auto d = ReadShardChain(c.dirs[2], wrong);
+    auto d = ReadShardChain(c.dirs[2], wrong, c.root);
     EXPECT_EQ(d.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_NE(d.status().message().find("no matching shard"), std::string::npos) << d.status();
     wrong = c.entries[2];
     wrong.set_lineage(78);  // another shard's tracking
-    EXPECT_EQ(ReadShardChain(c.dirs[2], wrong).status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(ReadShardChain(c.dirs[2], wrong, c.root).status().code(), absl::StatusCode::kDataLoss);
   }
   {
     // A delta whose rows are not ascending is refused, not applied.
@@ -490,7 +493,7 @@ TEST(IncrementalCheckpointTest, DamagedOrMissingLinksAreRefusedWithTheFileNamed)
 
 TEST(IncrementalCheckpointTest, CompactionMakesTheNewestFullAndKeepsItsContents) {
   Chain c = WriteChain();
-  auto written = CompactCheckpoint(c.dirs[2]);
+  auto written = CompactCheckpoint(c.dirs[2], c.root);
   ASSERT_TRUE(written.ok()) << written.status();
   EXPECT_EQ(*written, ShardFileBytes(40, 6, 6, /*applied=*/4));  // one whole shard file
   auto m = ReadManifest(c.dirs[2]);
@@ -504,16 +507,18 @@ TEST(IncrementalCheckpointTest, CompactionMakesTheNewestFullAndKeepsItsContents)
   const std::string delta = c.dirs[2] + "/" + c.entries[2].file();
   struct stat st;
   EXPECT_EQ(stat(delta.c_str(), &st), 0);
-  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2]), 1);
+  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2], absl::Hours(1)), 0);  // within its grace
+  EXPECT_EQ(stat(delta.c_str(), &st), 0);
+  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2], absl::ZeroDuration()), 1);
   EXPECT_NE(stat(delta.c_str(), &st), 0);
-  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2]), 0);
+  EXPECT_EQ(RemoveUnlistedShardFiles(c.dirs[2], absl::ZeroDuration()), 0);
   // Its bases can go now.
   ASSERT_TRUE(RemoveCheckpoint(c.dirs[0]).ok());
   ASSERT_TRUE(RemoveCheckpoint(c.dirs[1]).ok());
-  auto d = ReadShardChain(c.dirs[2], m->shards(0));
+  auto d = ReadShardChain(c.dirs[2], m->shards(0), c.root);
   ASSERT_TRUE(d.ok()) << d.status();
   ExpectSame(*d, c.states[2]);
-  EXPECT_EQ(*CompactCheckpoint(c.dirs[2]), 0);  // nothing left to do
+  EXPECT_EQ(*CompactCheckpoint(c.dirs[2], c.root), 0);  // nothing left to do
 }
 
 TEST(RecutTest, AnyLayoutToAnyLayoutMatchesTheNaiveSlice) {

@@ -31,7 +31,12 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
              info.plan().tables(t), table.num_embeddings(), table.embedding_dim())) {
       if (b.rank == rank && b.Held()) {
         out.push_back(MakeAssignment(table, b.index, b.row_offset, b.col_offset, b.rows, b.cols));
-        out.back().set_compute_kernel(info.plan().tables(t).compute_kernel());
+        // A plan made before workers said what they serve (no
+        // topology.compute_kernels) names kernels they never checked: none
+        // is sent, and the worker serves its shard as it always has.
+        if (info.plan().topology().compute_kernels_size() > 0) {
+          out.back().set_compute_kernel(info.plan().tables(t).compute_kernel());
+        }
       }
     }
   }

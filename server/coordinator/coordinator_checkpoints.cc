@@ -67,6 +67,15 @@ std::optional<ember::v1::CheckpointManifest> CoordinatorService::IncrementalBase
   if (std::max(1, m->info().chain_length()) >= std::max(1, options_.checkpoint_full_every)) {
     return std::nullopt;  // the chain is as long as allowed: a full one starts the next
   }
+  // A base whose own chain is broken would make every delta over it
+  // unrestorable: a full one starts a new chain instead.
+  if (auto chain = checkpoint::CheckpointChain(committed.back(), options_.checkpoint_dir);
+      !chain.ok()) {
+    LOG(WARNING) << "incremental checkpoint of '" << collection << "': the chain of "
+                 << committed.back() << " is broken (" << chain.status()
+                 << "); writing a full one";
+    return std::nullopt;
+  }
   return *std::move(m);
 }
 
@@ -192,6 +201,26 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   ci->set_collection(collection);
   ci->set_epoch(epoch);
   ci->set_created_unix_ms(absl::ToUnixMillis(start));
+  // A delta must build on the base's entry of its shard (lineage and
+  // generation), or the chain it would start is unrestorable.
+  for (const auto& resp : responses) {
+    for (const auto& shard : resp.shards()) {
+      if (!shard.delta()) continue;
+      bool fits = false;
+      for (int i = 0; base && i < base->shards_size(); ++i) {
+        const auto& b = base->shards(i);
+        fits |= b.ref().table() == shard.ref().table() &&
+                b.ref().shard_index() == shard.ref().shard_index() &&
+                b.lineage() == shard.lineage() && b.generation() == shard.base_generation();
+      }
+      if (!fits) {
+        (void)checkpoint::RemoveCheckpoint(*dir);
+        return absl::InternalError(absl::StrCat(
+            "checkpoint of '", collection, "': a worker wrote table '", shard.ref().table(),
+            "' shard ", shard.ref().shard_index(), " as a delta over no matching base entry"));
+      }
+    }
+  }
   for (const auto& resp : responses) {
     for (const auto& shard : resp.shards()) {
       ci->set_bytes(ci->bytes() + shard.bytes());
@@ -263,7 +292,7 @@ std::set<std::string> CoordinatorService::PruneCheckpoints(const std::string& ro
   std::set<std::string> needed(committed.end() - keep, committed.end());
   bool known = true;
   for (size_t i = committed.size() - keep; i < committed.size(); ++i) {
-    auto chain = checkpoint::CheckpointChain(committed[i]);
+    auto chain = checkpoint::CheckpointChain(committed[i], options_.checkpoint_dir);
     if (!chain.ok()) {
       LOG(WARNING) << "checkpoint " << committed[i] << ": " << chain.status()
                    << "; keeping every older checkpoint";
@@ -280,11 +309,11 @@ std::set<std::string> CoordinatorService::PruneCheckpoints(const std::string& ro
       LOG(WARNING) << "removing old checkpoint " << committed[i] << ": " << s;
     }
   }
-  // Delta files a compaction replaced (left for one checkpoint interval, so
-  // that a restore or recovery reading the old manifest then still found
-  // them).
+  // Delta files a compaction replaced, once the compaction is older than
+  // the longest load (a restore or recovery that read the old manifest
+  // before it still finds them).
   for (const std::string& d : needed) {
-    if (d != newest) checkpoint::RemoveUnlistedShardFiles(d);
+    if (d != newest) checkpoint::RemoveUnlistedShardFiles(d, options_.checkpoint_rpc_timeout);
   }
   for (const std::string& d : checkpoint::ListUncommitted(root, collection)) {
     if (d < newest) (void)checkpoint::RemoveCheckpoint(d);
@@ -300,13 +329,14 @@ void CoordinatorService::CompactCheckpoints() {
       absl::MutexLock lock(&compact_mu_);
       compact_mu_.AwaitWithTimeout(absl::Condition(+queued, &compact_queue_),
                                    absl::Milliseconds(200));
+      if (stop_.HasBeenNotified()) return;
       if (compact_queue_.empty()) continue;
       dir = compact_queue_.front();
       compact_queue_.pop_front();
     }
     absl::MutexLock one_at_a_time(&checkpoint_mu_);  // never beside a write or prune
     const absl::Time start = absl::Now();
-    auto written = checkpoint::CompactCheckpoint(dir);
+    auto written = checkpoint::CompactCheckpoint(dir, options_.checkpoint_dir);
     if (!written.ok()) {
       LOG(WARNING) << "compacting checkpoint " << dir << ": " << written.status()
                    << " (it stays incremental)";
@@ -369,12 +399,15 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::
     restoring_.erase(key);
   });
   // Every file is checked before anything is created.
-  auto manifest = checkpoint::VerifyCheckpoint(*path, [this, key](int64_t done, int64_t total) {
-    absl::MutexLock lock(&mu_);
-    ember::v1::RestoreProgress& p = restoring_[key];
-    p.set_bytes_verified(done);
-    p.set_total_bytes(total);
-  });
+  auto manifest = checkpoint::VerifyCheckpoint(
+      *path,
+      [this, key](int64_t done, int64_t total) {
+        absl::MutexLock lock(&mu_);
+        ember::v1::RestoreProgress& p = restoring_[key];
+        p.set_bytes_verified(done);
+        p.set_total_bytes(total);
+      },
+      options_.checkpoint_dir);
   if (!manifest.ok()) return ToGrpc(manifest.status());
   if (absl::Status s = checkpoint::CheckCoverage(*manifest); !s.ok()) {
     return ToGrpc(absl::DataLossError(absl::StrCat(*path, ": ", s.message())));

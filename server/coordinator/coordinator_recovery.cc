@@ -86,7 +86,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     const std::vector<std::string> candidates = CheckpointCandidates(info);
     std::string unusable;
     for (const std::string& candidate : candidates) {
-      auto m = checkpoint::VerifyCheckpoint(candidate);
+      auto m = checkpoint::VerifyCheckpoint(candidate, nullptr, options_.checkpoint_dir);
       if (m.ok()) {
         path = candidate;
         manifest = *std::move(m);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "planner/sharding_types.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "planner/plan_view.h"
@@ -270,9 +271,13 @@ ember::v1::Topology CoordinatorService::TopologyOf(const std::vector<Worker>& wo
   // two every worker has served).
   std::vector<std::string> served;
   for (size_t r = 0; r < workers.size(); ++r) {
-    std::vector<std::string> its(workers[r].info.compute_kernels().begin(),
-                                 workers[r].info.compute_kernels().end());
-    if (its.empty()) its = {"dense", "fused"};
+    // Names this build's planner does not know (a newer worker's) are
+    // left out: it plans what it knows.
+    std::vector<std::string> its;
+    for (const std::string& k : workers[r].info.compute_kernels()) {
+      if (planner::ParseComputeKernel(k).ok()) its.push_back(k);
+    }
+    if (workers[r].info.compute_kernels().empty()) its = {"dense", "fused"};
     if (r == 0) {
       served = its;
       continue;

@@ -254,10 +254,12 @@ grpc::Status WorkerService::WriteCheckpoint(grpc::ServerContext* ctx,
       if (copies[i].base != nullptr) {
         auto changed = backend_->ChangedRows(
             e.id, {copies[i].base->lineage(), copies[i].base->generation()});
-        if (changed.ok()) {
+        // A delta of more than half the rows (an update by device ids
+        // marks them all) would be larger than the whole shard.
+        if (changed.ok() && static_cast<int64_t>(changed->size()) * 2 <= d.rows) {
           d.delta = true;
           d.changed_rows = *std::move(changed);
-        } else {  // moved, recovered or re-created since its base
+        } else {  // moved, recovered or re-created since its base; or mostly changed
           copies[i].base = nullptr;
         }
       }

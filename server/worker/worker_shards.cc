@@ -22,14 +22,28 @@ namespace worker {
 
 using ember::v1::ShardRef;
 
+namespace {
+
+// The same shard: every field alike, the compute kernel compared as the
+// worker serves it ("" is "fused": a shard created by a coordinator from
+// before ShardAssignment.compute_kernel).
+bool SameAssignment(const ember::v1::ShardAssignment& held, const ember::v1::ShardAssignment& a) {
+  auto kernel = [](const std::string& k) { return k.empty() ? std::string("fused") : k; };
+  if (kernel(held.compute_kernel()) != kernel(a.compute_kernel())) return false;
+  google::protobuf::util::MessageDifferencer d;
+  d.IgnoreField(ember::v1::ShardAssignment::descriptor()->FindFieldByName("compute_kernel"));
+  return d.Compare(held, a);
+}
+
+}  // namespace
+
 // True when a CreateShards retried at the held epoch asks for exactly the
 // shards held.
 bool WorkerService::SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req) {
   if (c.shards.size() != static_cast<size_t>(req.shards_size())) return false;
   for (const auto& a : req.shards()) {
     auto it = c.shards.find({a.ref().table(), a.ref().shard_index()});
-    if (it == c.shards.end() ||
-        !google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
+    if (it == c.shards.end() || !SameAssignment(it->second.assignment, a)) {
       return false;
     }
   }
@@ -235,7 +249,7 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
       auto it = (*c)->shards.find({a.ref().table(), a.ref().shard_index()});
       if (it == (*c)->shards.end()) {
         *create.Add() = a;
-      } else if (!google::protobuf::util::MessageDifferencer::Equals(it->second.assignment, a)) {
+      } else if (!SameAssignment(it->second.assignment, a)) {
         return ToGrpc(absl::AlreadyExistsError(
             absl::StrCat(RefString(a.ref()), " is held with another assignment")));
       }

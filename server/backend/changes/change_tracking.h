@@ -22,8 +22,8 @@
 // Thread-safe as the wrapped backend is; MarkChanges must not run while the
 // shard is updated or imported (the worker holds its collection's update
 // fence), or the mark may straddle an update.
-#ifndef EMBER_SERVER_BACKEND_CHANGE_TRACKING_H_
-#define EMBER_SERVER_BACKEND_CHANGE_TRACKING_H_
+#ifndef EMBER_SERVER_BACKEND_CHANGES_CHANGE_TRACKING_H_
+#define EMBER_SERVER_BACKEND_CHANGES_CHANGE_TRACKING_H_
 
 #include <memory>
 
@@ -37,4 +37,4 @@ std::unique_ptr<EmbeddingBackend> WithChangeTracking(std::unique_ptr<EmbeddingBa
 }  // namespace backend
 }  // namespace ember
 
-#endif  // EMBER_SERVER_BACKEND_CHANGE_TRACKING_H_
+#endif  // EMBER_SERVER_BACKEND_CHANGES_CHANGE_TRACKING_H_

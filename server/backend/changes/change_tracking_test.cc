@@ -4,7 +4,7 @@
 // the test itself named since the mark (a naive set). Marks of another
 // shard or lineage are refused; a dynamic shard's changed slots cover every
 // slot whose row changed and never its zero slot.
-#include "server/backend/change_tracking.h"
+#include "server/backend/changes/change_tracking.h"
 
 #include <algorithm>
 #include <random>
@@ -116,7 +116,7 @@ TEST(ChangeTrackingTest, ChangedRowsAreExactlyTheRowsNamedSinceTheMark) {
         ASSERT_TRUE(b->ImportRows(*id, 100, 103, w, st).ok());
         for (auto& s : named) s.insert({100, 101, 102});
       }
-      // A refused update (id out of range) names nothing.
+      // A refused update names no row of the shard (its one id is out of range).
       ASSERT_FALSE(Update(*b, *id, {kRows + 5}, &rng).ok());
     }
     const std::vector<float> now = All(*b, *id, spec);

@@ -1,5 +1,6 @@
-#include "server/backend/change_tracking.h"
+#include "server/backend/changes/change_tracking.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -43,6 +44,13 @@ struct Tracked {
   void Stamp(int64_t row, uint32_t g) {
     if (row >= 0 && row < rows) version[row].store(g, std::memory_order_relaxed);
   }
+  // Rows [begin, end) clamped to the shard (a refused call's range may be
+  // anything).
+  void StampRange(int64_t begin, int64_t end, uint32_t g) {
+    for (int64_t r = std::max<int64_t>(begin, 0); r < std::min(end, rows); ++r) {
+      version[r].store(g, std::memory_order_relaxed);
+    }
+  }
 
   const int64_t rows;
   uint64_t lineage = 0;              // changed only by MarkChanges (fenced)
@@ -74,8 +82,11 @@ class ChangeTrackingBackend : public ForwardingBackend {
     return s;
   }
 
+  // Stamped whatever the wrapped backend answers: a call refused after it
+  // applied a part (a device error between pieces) must not leave changed
+  // rows out, and a superset is always right.
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
-    if (absl::Status s = inner()->ApplyGradients(requests); !s.ok()) return s;
+    absl::Status s = inner()->ApplyGradients(requests);
     for (const GradientRequest& r : requests) {
       const std::shared_ptr<Tracked> t = Find(r.feature.shard);
       if (t == nullptr) continue;
@@ -86,7 +97,7 @@ class ChangeTrackingBackend : public ForwardingBackend {
       }
       for (const int64_t row : r.feature.ids) t->Stamp(row, g);
     }
-    return absl::OkStatus();
+    return s;
   }
 
   absl::Status ImportRows(ShardId id, int64_t begin, int64_t end, absl::Span<const float> weights,
@@ -94,8 +105,7 @@ class ChangeTrackingBackend : public ForwardingBackend {
     absl::Status s = inner()->ImportRows(id, begin, end, weights, state);
     if (const std::shared_ptr<Tracked> t = Find(id)) {
       // Stamped even on a refusal: a superset is always right.
-      const uint32_t g = t->Now();
-      for (int64_t r = begin; r < end; ++r) t->Stamp(r, g);
+      t->StampRange(begin, end, t->Now());
     }
     return s;
   }
@@ -115,8 +125,10 @@ class ChangeTrackingBackend : public ForwardingBackend {
     if (t == nullptr) return NoShard(id);
     const uint32_t g = t->Now();
     if (g == std::numeric_limits<uint32_t>::max()) {
-      // Generations ran out: a new lineage (its next checkpoint is whole).
+      // Generations ran out: a new lineage (its next checkpoint is whole),
+      // marked at 1 with later changes in 2, as any first mark.
       t->Reset();
+      t->generation.store(2, std::memory_order_relaxed);
       return ChangeMark{t->lineage, 1};
     }
     t->generation.store(g + 1, std::memory_order_relaxed);
