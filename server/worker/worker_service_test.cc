@@ -301,6 +301,12 @@ TEST(WorkerServiceTest, KernelsItDoesNotServeAreRefusedBeforeAllocating) {
   EXPECT_EQ(after.available_bytes(), before.available_bytes());
   auto good = request("fine", {"fused", "dense", ""});
   EXPECT_TRUE(s->CreateShards(nullptr, &good, &resp).ok());
+  // A retry is the same request when "" and "fused" trade places (a shard
+  // created by a coordinator from before the field); another kernel is not.
+  auto retry = request("fine", {"", "dense", "fused"});
+  EXPECT_TRUE(s->CreateShards(nullptr, &retry, &resp).ok());
+  auto other = request("fine", {"dense", "dense", "fused"});
+  EXPECT_FALSE(s->CreateShards(nullptr, &other, &resp).ok());
   EXPECT_EQ(WorkerService::ServedComputeKernels(), (std::vector<std::string>{"dense", "fused"}));
 }
 
