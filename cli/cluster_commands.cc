@@ -361,6 +361,22 @@ void AddCoordinatorMetrics(const coordinator::CoordinatorService* service, Serve
   m->AddGauge("ember_coordinator_last_checkpoint_success_timestamp_seconds",
               "Unix time the last successful checkpoint finished (0: none since start)",
               one(&Stats::last_checkpoint_unix_seconds));
+  m->AddCounter("ember_coordinator_checkpoint_bytes_total",
+                "Shard-file bytes the successful checkpoints wrote, by kind (full, incremental)",
+                [service] {
+                  const auto s = service->GetStats();
+                  return std::vector<ServerMetrics::Sample>{
+                      {{{"kind", "full"}}, static_cast<double>(s.checkpoint_bytes_full)},
+                      {{{"kind", "incremental"}},
+                       static_cast<double>(s.checkpoint_bytes_incremental)}};
+                });
+  m->AddCounter("ember_coordinator_checkpoint_compactions_total",
+                "Incremental chains rewritten whole in the background, by result", [service] {
+                  const auto s = service->GetStats();
+                  return std::vector<ServerMetrics::Sample>{
+                      {{{"result", "ok"}}, static_cast<double>(s.compactions_ok)},
+                      {{{"result", "failed"}}, static_cast<double>(s.compactions_failed)}};
+                });
 }
 
 absl::StatusOr<Coordinator> StartCoordinator(const std::string& listen) {

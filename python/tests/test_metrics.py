@@ -69,7 +69,9 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             client.lookup("nope", kjt)
         started = time.time()
         client.checkpoint("m")
-        client.checkpoint("m")
+        client.apply_gradients("m", kjt, np.ones((3, 8), dtype=np.float32))
+        inc = client.checkpoint("m", incremental=True)  # a delta of 6 of the 100 rows
+        assert inc["base"]
 
         # emberctl up says where each process serves its metrics.
         urls = cluster.metrics_urls
@@ -190,6 +192,13 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             when = float(query(prom, "ember_coordinator_last_checkpoint_success_timestamp_seconds")
                          [0]["value"][1])
             assert started <= when <= time.time()
+            full = float(query(prom, 'ember_coordinator_checkpoint_bytes_total{kind="full"}')
+                         [0]["value"][1])
+            delta = float(query(prom, 'ember_coordinator_checkpoint_bytes_total'
+                                      '{kind="incremental"}')[0]["value"][1])
+            assert delta == int(inc["bytes"]) and 0 < delta < full
+            compacted = query(prom, 'ember_coordinator_checkpoint_compactions_total{result="ok"}')
+            assert float(compacted[0]["value"][1]) == 0
             hist = query(prom, 'ember_rpc_duration_seconds_count{method="Worker/Lookup"}')
             assert sum(float(r["value"][1]) for r in hist) >= 5
         finally:

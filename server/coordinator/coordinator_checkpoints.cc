@@ -40,7 +40,11 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::CheckpointCollecti
   (info.ok() ? s.checkpoints_ok : s.checkpoints_failed) += 1;
   s.checkpoint_seconds += seconds;
   s.last_checkpoint_seconds = seconds;
-  if (info.ok()) s.last_checkpoint_unix_seconds = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  if (info.ok()) {
+    s.last_checkpoint_unix_seconds = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+    (info->base().empty() ? s.checkpoint_bytes_full : s.checkpoint_bytes_incremental) +=
+        info->bytes();
+  }
   return info;
 }
 
@@ -340,6 +344,8 @@ void CoordinatorService::CompactCheckpoints() {
     if (!written.ok()) {
       LOG(WARNING) << "compacting checkpoint " << dir << ": " << written.status()
                    << " (it stays incremental)";
+      absl::MutexLock lock(&mu_);
+      ++checkpoint_stats_.compactions_failed;
       continue;
     }
     if (*written == 0) continue;
@@ -348,6 +354,7 @@ void CoordinatorService::CompactCheckpoints() {
     LOG(INFO) << "checkpoint " << dir << " compacted into a full one: " << *written
               << " bytes written in " << absl::ToDoubleSeconds(absl::Now() - start) << " s";
     absl::MutexLock lock(&mu_);
+    ++checkpoint_stats_.compactions_ok;
     for (auto& c : catalogue_) {
       if (c.path() != dir) continue;
       c = m->info();

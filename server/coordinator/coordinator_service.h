@@ -256,6 +256,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
     int64_t checkpoints_ok = 0, checkpoints_failed = 0;
     double checkpoint_seconds = 0, last_checkpoint_seconds = 0;
     double last_checkpoint_unix_seconds = 0;
+    // Bytes of shard files the successful checkpoints wrote, whole ones and
+    // incremental ones (CheckpointInfo.base set); background compactions of
+    // incremental chains, by result.
+    int64_t checkpoint_bytes_full = 0, checkpoint_bytes_incremental = 0;
+    int64_t compactions_ok = 0, compactions_failed = 0;
   };
   Stats GetStats() const;
 

@@ -226,6 +226,10 @@ CoordinatorService::Stats CoordinatorService::GetStats() const {
   s.checkpoint_seconds = checkpoint_stats_.checkpoint_seconds;
   s.last_checkpoint_seconds = checkpoint_stats_.last_checkpoint_seconds;
   s.last_checkpoint_unix_seconds = checkpoint_stats_.last_checkpoint_unix_seconds;
+  s.checkpoint_bytes_full = checkpoint_stats_.checkpoint_bytes_full;
+  s.checkpoint_bytes_incremental = checkpoint_stats_.checkpoint_bytes_incremental;
+  s.compactions_ok = checkpoint_stats_.compactions_ok;
+  s.compactions_failed = checkpoint_stats_.compactions_failed;
   s.checkpoints = static_cast<int64_t>(catalogue_.size());
   return s;
 }
