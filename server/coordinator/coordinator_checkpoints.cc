@@ -284,10 +284,34 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   return *ci;
 }
 
+std::vector<std::string> CoordinatorService::PinCheckpoint(const std::string& dir) {
+  absl::MutexLock pruning(&prune_mu_);
+  std::vector<std::string> dirs = {dir};
+  if (auto chain = checkpoint::CheckpointChain(dir, options_.checkpoint_dir); chain.ok()) {
+    dirs = *std::move(chain);
+  }
+  absl::MutexLock lock(&mu_);
+  for (const std::string& d : dirs) ++reading_[d];
+  return dirs;
+}
+
+void CoordinatorService::Unpin(const std::vector<std::string>& dirs) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& d : dirs) {
+    if (--reading_[d] <= 0) reading_.erase(d);
+  }
+}
+
 std::set<std::string> CoordinatorService::PruneCheckpoints(const std::string& root,
                                                           const std::string& collection,
                                                           const std::string& newest) {
+  absl::MutexLock pruning(&prune_mu_);
   std::set<std::string> removed;
+  std::set<std::string> reading;  // left alone: a load is reading them
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [d, n] : reading_) reading.insert(d);
+  }
   const std::vector<std::string> committed = checkpoint::ListCommitted(root, collection);
   const size_t keep = std::min(committed.size(), static_cast<size_t>(
                                                      std::max(options_.keep_checkpoints, 1)));
@@ -306,7 +330,7 @@ std::set<std::string> CoordinatorService::PruneCheckpoints(const std::string& ro
     needed.insert(chain->begin(), chain->end());
   }
   for (size_t i = 0; known && i + keep < committed.size(); ++i) {
-    if (needed.count(committed[i])) continue;
+    if (needed.count(committed[i]) || reading.count(committed[i])) continue;
     if (absl::Status s = checkpoint::RemoveCheckpoint(committed[i]); s.ok()) {
       removed.insert(committed[i]);
     } else {
@@ -317,7 +341,9 @@ std::set<std::string> CoordinatorService::PruneCheckpoints(const std::string& ro
   // the longest load (a restore or recovery that read the old manifest
   // before it still finds them).
   for (const std::string& d : needed) {
-    if (d != newest) checkpoint::RemoveUnlistedShardFiles(d, options_.checkpoint_rpc_timeout);
+    if (d != newest && !reading.count(d)) {
+      checkpoint::RemoveUnlistedShardFiles(d, options_.checkpoint_rpc_timeout);
+    }
   }
   for (const std::string& d : checkpoint::ListUncommitted(root, collection)) {
     if (d < newest) (void)checkpoint::RemoveCheckpoint(d);
@@ -390,6 +416,9 @@ grpc::Status CoordinatorService::Restore(grpc::ServerContext* ctx, const ember::
   if (!from.ok()) return ToGrpc(from.status());
   auto path = checkpoint::ResolveCheckpoint(*from);
   if (!path.ok()) return ToGrpc(path.status());
+  // Not pruned while it is read (an incremental one's bases too).
+  const std::vector<std::string> pinned = PinCheckpoint(*path);
+  auto unpin = absl::MakeCleanup([this, &pinned] { Unpin(pinned); });
   // Shown by ListCheckpoints while it runs: bytes verified, then loading.
   int64_t key;
   {

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
@@ -82,10 +83,16 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   // anything changes: the newest usable one of this collection.
   std::string path;
   ember::v1::CheckpointManifest manifest;
+  std::vector<std::string> pinned;
+  auto unpin = absl::MakeCleanup([this, &pinned] { Unpin(pinned); });
   if (!drain) {
     const std::vector<std::string> candidates = CheckpointCandidates(info);
     std::string unusable;
     for (const std::string& candidate : candidates) {
+      // Not pruned while it is verified and loaded (an incremental one's
+      // bases too); released when this recovery returns.
+      Unpin(pinned);
+      pinned = PinCheckpoint(candidate);
       auto m = checkpoint::VerifyCheckpoint(candidate, nullptr, options_.checkpoint_dir);
       if (m.ok()) {
         path = candidate;

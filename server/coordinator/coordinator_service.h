@@ -167,6 +167,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                                          const std::string& newest);
   // The compactor thread: rewrites queued incremental checkpoints whole.
   void CompactCheckpoints();
+  // Marks `dir` and the bases it builds on as being read (a restore or a
+  // recovery's load): pruning leaves them alone until Unpin. Returns what
+  // it pinned.
+  std::vector<std::string> PinCheckpoint(const std::string& dir) ABSL_LOCKS_EXCLUDED(prune_mu_);
+  void Unpin(const std::vector<std::string>& dirs) ABSL_LOCKS_EXCLUDED(mu_);
   struct Worker {
     std::string id;
     ember::v1::WorkerInfo info;
@@ -317,6 +322,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // Restores under way, by a key of their own (ListCheckpoints shows them).
   std::map<int64_t, ember::v1::RestoreProgress> restoring_ ABSL_GUARDED_BY(mu_);
   int64_t next_restore_ ABSL_GUARDED_BY(mu_) = 0;
+  // Held while checkpoints are pruned and while a load pins what it reads,
+  // so a prune never removes a directory a load has started on.
+  absl::Mutex prune_mu_;
+  // Checkpoint directories being read by restores and recoveries (counts).
+  std::map<std::string, int> reading_ ABSL_GUARDED_BY(mu_);
   // Incremental checkpoints waiting to be compacted (directories).
   absl::Mutex compact_mu_;
   std::deque<std::string> compact_queue_ ABSL_GUARDED_BY(compact_mu_);
