@@ -191,6 +191,24 @@ auto Sections(Data& d) {
       {d.pending_sketch.data(), d.pending_sketch.size() * sizeof(uint32_t)}}};
 }
 
+// Whether a manifest holds a delta shard (an incremental checkpoint).
+bool HasDeltas(const ember::v1::CheckpointManifest& m) {
+  return std::any_of(m.shards().begin(), m.shards().end(),
+                     [](const ember::v1::CheckpointShard& s) { return s.delta(); });
+}
+
+// The names of the shard files ("*.shard") in `dir`.
+std::vector<std::string> ShardFilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (dirent* e = readdir(d)) {
+    if (absl::EndsWith(e->d_name, ".shard")) names.emplace_back(e->d_name);
+  }
+  closedir(d);
+  return names;
+}
+
 // Rows strictly ascending, each in [0, rows).
 bool RowsInOrder(const std::vector<int64_t>& changed, int64_t rows) {
   for (size_t i = 0; i < changed.size(); ++i) {
@@ -429,9 +447,7 @@ absl::Status VerifyShardFile(const std::string& dir, const ember::v1::Checkpoint
 
 absl::Status CommitManifest(const std::string& dir, const ember::v1::CheckpointManifest& given) {
   ember::v1::CheckpointManifest manifest = given;
-  const bool incremental = std::any_of(manifest.shards().begin(), manifest.shards().end(),
-                                       [](const auto& s) { return s.delta(); });
-  const int version = incremental ? kIncrementalFormatVersion : kFormatVersion;
+  const int version = HasDeltas(manifest) ? kIncrementalFormatVersion : kFormatVersion;
   manifest.set_format_version(version);
   std::string body;
   google::protobuf::util::JsonPrintOptions o;
@@ -509,10 +525,8 @@ absl::StatusOr<ember::v1::CheckpointManifest> ParseManifest(const std::string& t
   if (auto s = google::protobuf::util::JsonStringToMessage(body, &m); !s.ok()) {
     return DataLoss(path, absl::StrCat("not a manifest: ", s.ToString()));
   }
-  const bool deltas = std::any_of(m.shards().begin(), m.shards().end(),
-                                  [](const auto& s) { return s.delta(); });
   if (m.format_version() != version ||
-      (version == kFormatVersion) != !deltas || m.spec().name().empty() ||
+      (version == kIncrementalFormatVersion) != HasDeltas(m) || m.spec().name().empty() ||
       m.plan().tables_size() != m.spec().tables_size()) {
     return DataLoss(path, "inconsistent manifest");
   }
@@ -696,7 +710,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointChain(const std::string& dir,
 absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir, const std::string& root) {
   auto m = ReadManifest(dir);
   if (!m.ok()) return m.status();
-  std::vector<std::string> deltas;
+  if (!HasDeltas(*m)) return 0;
   int64_t written = 0, bytes = 0;
   for (auto& entry : *m->mutable_shards()) {
     if (!entry.delta()) {
@@ -711,12 +725,10 @@ absl::StatusOr<int64_t> CompactCheckpoint(const std::string& dir, const std::str
     full->set_col_offset(entry.col_offset());
     full->set_lineage(entry.lineage());
     full->set_generation(entry.generation());
-    deltas.push_back(entry.file());
     entry = *std::move(full);
     written += entry.bytes();
     bytes += entry.bytes();
   }
-  if (deltas.empty()) return 0;
   ember::v1::CheckpointInfo* info = m->mutable_info();
   info->clear_path();
   info->clear_base();
@@ -739,16 +751,10 @@ int RemoveUnlistedShardFiles(const std::string& dir, absl::Duration grace) {
   if (!m.ok()) return 0;
   std::set<std::string> listed;
   for (const auto& s : m->shards()) listed.insert(s.file());
-  std::vector<std::string> stale;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return 0;
-  while (dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (absl::EndsWith(name, ".shard") && !listed.count(name)) stale.push_back(name);
-  }
-  closedir(d);
   int removed = 0;
-  for (const std::string& name : stale) removed += unlink(Join(dir, name).c_str()) == 0;
+  for (const std::string& name : ShardFilesIn(dir)) {
+    if (!listed.count(name)) removed += unlink(Join(dir, name).c_str()) == 0;
+  }
   return removed;
 }
 
@@ -947,14 +953,10 @@ int64_t EntryFileBytes(const ember::v1::CheckpointShard& e) {
 
 int64_t ShardBytesInDirectory(const std::string& dir) {
   int64_t total = 0;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return 0;
-  while (dirent* e = readdir(d)) {
-    if (!absl::EndsWith(e->d_name, ".shard")) continue;
+  for (const std::string& name : ShardFilesIn(dir)) {
     struct stat st;
-    if (stat(Join(dir, e->d_name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
+    if (stat(Join(dir, name).c_str(), &st) == 0 && S_ISREG(st.st_mode)) total += st.st_size;
   }
-  closedir(d);
   return total;
 }
 

@@ -4,6 +4,7 @@
 #include "server/coordinator/coordinator_service.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -114,6 +115,12 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   // Read before the new directory exists (it would be the latest).
   const std::optional<ember::v1::CheckpointManifest> base =
       incremental ? IncrementalBase(root, collection) : std::nullopt;
+  // Its entries by shard: what each worker is sent, and what each delta
+  // it writes must build on.
+  std::map<std::pair<std::string, int32_t>, const ember::v1::CheckpointShard*> base_entry;
+  if (base) {
+    for (const auto& e : base->shards()) base_entry[{e.ref().table(), e.ref().shard_index()}] = &e;
+  }
   auto dir = checkpoint::MakeCheckpointDir(root, collection, epoch, absl::ToUnixMillis(start));
   if (!dir.ok()) return dir.status();
 
@@ -132,13 +139,9 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
       auto* ref = per_rank[b.rank].add_shards();
       ref->set_table(ts.table());
       ref->set_shard_index(b.index);
-      if (base) {  // the base's entry of the shard: the worker decides if it fits
-        for (const auto& entry : base->shards()) {
-          if (entry.ref().table() == ref->table() &&
-              entry.ref().shard_index() == ref->shard_index()) {
-            *per_rank[b.rank].add_base() = entry;
-          }
-        }
+      // The base's entry of the shard: the worker decides if it fits.
+      if (auto e = base_entry.find({ref->table(), ref->shard_index()}); e != base_entry.end()) {
+        *per_rank[b.rank].add_base() = *e->second;
       }
       if (b.replica) break;  // a replicated table is written once, from its first replica
     }
@@ -210,14 +213,9 @@ absl::StatusOr<ember::v1::CheckpointInfo> CoordinatorService::WriteCollectionChe
   for (const auto& resp : responses) {
     for (const auto& shard : resp.shards()) {
       if (!shard.delta()) continue;
-      bool fits = false;
-      for (int i = 0; base && i < base->shards_size(); ++i) {
-        const auto& b = base->shards(i);
-        fits |= b.ref().table() == shard.ref().table() &&
-                b.ref().shard_index() == shard.ref().shard_index() &&
-                b.lineage() == shard.lineage() && b.generation() == shard.base_generation();
-      }
-      if (!fits) {
+      const auto e = base_entry.find({shard.ref().table(), shard.ref().shard_index()});
+      if (e == base_entry.end() || e->second->lineage() != shard.lineage() ||
+          e->second->generation() != shard.base_generation()) {
         (void)checkpoint::RemoveCheckpoint(*dir);
         return absl::InternalError(absl::StrCat(
             "checkpoint of '", collection, "': a worker wrote table '", shard.ref().table(),
