@@ -135,12 +135,12 @@ absl::Status WorkerService::CheckAssignments(
     const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards) {
   if (collection.empty()) return absl::InvalidArgumentError("collection name is empty");
   if (epoch <= 0) return absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", epoch));
+  const std::vector<std::string> served = ServedComputeKernels();
   for (const auto& a : shards) {
     if (a.ref().table() != a.table().name()) {
       return absl::InvalidArgumentError(absl::StrCat(
           RefString(a.ref()), " carries the config of table '", a.table().name(), "'"));
     }
-    const std::vector<std::string> served = ServedComputeKernels();
     if (!a.compute_kernel().empty() &&
         std::find(served.begin(), served.end(), a.compute_kernel()) == served.end()) {
       return absl::InvalidArgumentError(absl::StrCat(
