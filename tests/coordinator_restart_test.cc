@@ -151,8 +151,9 @@ TEST(CoordinatorRestartTest, TrainingGoesOnAndTheStateComesBack) {
   EXPECT_TRUE((*c2)->Lookup("s", kjt).ok());
 }
 
-// The coordinator dies in the middle of a drain (a fault-injection point),
-// before or after the moved shards' data is in place, and is started again:
+// The coordinator dies in the middle of a drain (a fault-injection point):
+// during its live copy, at its fence (every holder at the new epoch, the
+// last catch-up not done) or once the data is in place; it is started again:
 // it keeps the old placement or adopts the new one accordingly, and a
 // trainer riding through it (each update retried under its id until
 // acknowledged) ends with tables equal to the in-process reference.
@@ -209,8 +210,12 @@ void CrashDuringDrain(const std::string& point, bool expect_moved) {
   }
 }
 
-TEST(CoordinatorRestartTest, CrashDuringADrainBeforeTheDataMovedKeepsTheOldPlacement) {
-  CrashDuringDrain("move_before_data", /*expect_moved=*/false);
+TEST(CoordinatorRestartTest, CrashDuringADrainsLiveCopyKeepsTheOldPlacement) {
+  CrashDuringDrain("live_move_copied", /*expect_moved=*/false);
+}
+
+TEST(CoordinatorRestartTest, CrashAtADrainsFenceKeepsTheOldPlacement) {
+  CrashDuringDrain("live_move_fenced", /*expect_moved=*/false);
 }
 
 TEST(CoordinatorRestartTest, CrashDuringADrainAfterTheDataMovedAdoptsTheNewOne) {

@@ -559,8 +559,8 @@ absl::Status EmbeddingBackend::ImportPendingCounts(ShardId, absl::Span<const int
 absl::StatusOr<EmbeddingBackend::ChangeMark> EmbeddingBackend::MarkChanges(ShardId) {
   return absl::UnimplementedError(absl::StrCat(Name(), " does not track changed rows"));
 }
-absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ChangedRows(ShardId,
-                                                                   const ChangeMark&) const {
+absl::StatusOr<std::vector<int64_t>> EmbeddingBackend::ChangedRowsIn(ShardId, const ChangeMark&,
+                                                                     int64_t, int64_t) const {
   return absl::UnimplementedError(absl::StrCat(Name(), " does not track changed rows"));
 }
 

@@ -52,6 +52,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -312,8 +313,15 @@ class EmbeddingBackend {
   // same; an update whose ids were in device memory counts every row).
   // FAILED_PRECONDITION when `since` is not a mark of this shard's lineage
   // or is later than its current generation: the caller writes it whole.
-  virtual absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId shard,
-                                                           const ChangeMark& since) const;
+  absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId shard, const ChangeMark& since) const {
+    return ChangedRowsIn(shard, since, 0, std::numeric_limits<int64_t>::max());
+  }
+  // ChangedRows among rows [begin, end) only (end clamped to the shard's
+  // rows; INVALID_ARGUMENT when begin < 0 or begin > end): a live move
+  // pages through a large shard without scanning all of it per page.
+  virtual absl::StatusOr<std::vector<int64_t>> ChangedRowsIn(ShardId shard,
+                                                             const ChangeMark& since,
+                                                             int64_t begin, int64_t end) const;
 
   // Dynamic shards (ShardSpec::is_dynamic): their rows are slots
   // [0, rows), read and written by ExportRows / ImportRows as any shard's;

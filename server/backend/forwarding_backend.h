@@ -91,9 +91,9 @@ class ForwardingBackend : public EmbeddingBackend {
     return inner_->SyncKeyIndex(id, lines, count, changed);
   }
   absl::StatusOr<ChangeMark> MarkChanges(ShardId id) override { return inner_->MarkChanges(id); }
-  absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId id,
-                                                   const ChangeMark& since) const override {
-    return inner_->ChangedRows(id, since);
+  absl::StatusOr<std::vector<int64_t>> ChangedRowsIn(ShardId id, const ChangeMark& since,
+                                                     int64_t begin, int64_t end) const override {
+    return inner_->ChangedRowsIn(id, since, begin, end);
   }
   int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
   std::string Name() const override { return inner_->Name(); }

@@ -46,10 +46,12 @@ absl::Status CheckCollectionName(const std::string& name) {
 }  // namespace
 
 absl::Status CoordinatorService::DropOnWorkers(const std::string& collection, int64_t epoch,
-                                               const std::vector<std::string>& addresses) {
+                                               const std::vector<std::string>& addresses,
+                                               bool staged) {
   ember::v1::DropShardsRequest req;
   req.set_collection(collection);
   req.set_epoch(epoch);
+  req.set_staged(staged);
   const std::vector<grpc::Status> statuses = CallEach<ember::v1::DropShardsRequest,
                                                       ember::v1::DropShardsResponse>(
       addresses, std::vector<ember::v1::DropShardsRequest>(addresses.size(), req),

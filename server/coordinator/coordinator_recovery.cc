@@ -67,9 +67,11 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
   const std::string lost_names = DescribeRanks(info, lost);
   LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
-  SetState(name, CollectionInfo::RECOVERING,
+  // A drain copies live (MoveLive): the collection serves on until its
+  // fence. A recovery stops it now.
+  SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::RECOVERING,
            (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
-  if (info.spec().training().mode() == ember::v1::TrainingSpec::BOUNDED) {
+  if (!drain && info.spec().training().mode() == ember::v1::TrainingSpec::BOUNDED) {
     // Held BOUNDED steps have returned to their trainers: they apply before
     // anything moves.
     std::vector<std::string> reachable;
@@ -146,121 +148,153 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     return s;
   }
 
-  // Replacements create their shards; the other live ranks move to the new
-  // epoch and create what they were given.
-  std::vector<std::string> create_at, update_at;
-  std::vector<ember::v1::CreateShardsRequest> creates;
-  std::vector<ember::v1::UpdateShardsRequest> updates;
-  for (int r : replaced) {
-    ember::v1::CreateShardsRequest c;
-    c.set_collection(name);
-    c.set_epoch(epoch);
-    *c.mutable_training() = info.spec().training();
-    for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
-    create_at.push_back(info.worker_addresses(r));
-    creates.push_back(std::move(c));
-  }
-  for (int r : kept) {
-    ember::v1::UpdateShardsRequest u;
-    u.set_collection(name);
-    u.set_epoch(epoch);
-    *u.mutable_training() = info.spec().training();
-    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
-    update_at.push_back(info.worker_addresses(r));
-    updates.push_back(std::move(u));
-  }
-  // A failed attempt lets go of what it created on replacements; a drain
-  // goes back to the old placement (the drained worker still holds it).
-  auto give_up = [&](const absl::Status& why) {
-    (void)DropOnWorkers(name, epoch, create_at);
-    if (drain) {
-      (void)ReadoptLocked(name, absl::StrCat("moving ", lost_names, " failed (", why.message(),
-                                             "); back on the old placement"));
-    }
-    return why;
-  };
-  absl::Status failure;
-  auto failed = [&](const std::vector<grpc::Status>& statuses,
-                    const std::vector<std::string>& at) -> bool {
-    for (size_t i = 0; i < statuses.size(); ++i) {
-      if (statuses[i].ok()) continue;
-      const std::string why =
-          absl::StrCat(drain ? "moving " : "recovery of ", lost_names, " failed on ", at[i], ": ",
-                       statuses[i].error_message(), drain ? "" : "; retrying");
-      LOG(WARNING) << "collection '" << name << "': " << why;
-      SetState(name, CollectionInfo::DEGRADED, why);
-      failure = FromGrpc(statuses[i], at[i]);
-      return true;
-    }
-    return false;
-  };
-  if (failed(CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
-                 create_at, creates,
-                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-                   async->CreateShards(ctx, request, response, std::move(done));
-                 }),
-             create_at) ||
-      failed(CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-                 update_at, updates,
-                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-                   async->UpdateShards(ctx, request, response, std::move(done));
-                 }),
-             update_at)) {
-    return give_up(failure);
-  }
-  CrashPoint("move_before_data");
-
-  // Reload from the checkpoint: the lost shards, or everything. A drain
-  // copies them live from the draining worker instead.
-  const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
   std::string note;
   if (drain) {
-    if (absl::Status s = CopyFromDrained(name, epoch, before, info, lost, reload, dp_source);
-        !s.ok()) {
-      return give_up(s);
-    }
-    note = absl::StrCat("drained ", lost_names, ": shards copied live, no update lost");
-  } else if (path.empty()) {
-    note = absl::StrCat("no checkpoint: the shards of ", lost_names,
-                        " came back freshly initialised");
-  } else {
-    std::vector<std::string> at;
-    std::vector<ember::v1::LoadCheckpointRequest> loads;
-    for (const auto& [r, bytes] : load) {
-      if (!whole && !reload.count(r)) continue;
-      ember::v1::LoadCheckpointRequest l;
-      l.set_collection(name);
-      l.set_epoch(epoch);
-      l.set_dir(path);
-      *l.mutable_sources() = manifest.shards();
-      if (!whole) {
-        for (const auto& [table, index] : reload[r]) {
-          auto* ref = l.add_only();
-          ref->set_table(table);
-          ref->set_shard_index(index);
-        }
+    LiveMove move;
+    move.name = name;
+    move.epoch = epoch;
+    move.before = before;
+    move.after = info;
+    move.from = lost;
+    move.replaced = replaced;
+    move.kept = kept;
+    move.moved = reload;
+    move.dp_source = dp_source;
+    bool fenced = false;
+    if (absl::Status s = MoveLive(move, &fenced); !s.ok()) {
+      const std::string why = absl::StrCat("moving ", lost_names, " failed (", s.message(), ")");
+      LOG(WARNING) << "collection '" << name << "': " << why;
+      if (fenced) {  // the holders moved on: back to the old placement at a newer epoch
+        std::vector<std::string> created;
+        for (int r : replaced) created.push_back(info.worker_addresses(r));
+        (void)DropOnWorkers(name, epoch, created);
+        (void)ReadoptLocked(name, why + "; back on the old placement");
+        return s;
       }
-      at.push_back(info.worker_addresses(r));
-      loads.push_back(std::move(l));
+      // The old placement served all along: it stays, and so does the
+      // record of it (the persisted move is cleared).
+      CollectionInfo old = before;
+      old.set_state(CollectionInfo::SERVING);
+      old.set_note(why + "; the old placement serves on");
+      std::vector<std::string> old_ids;
+      {
+        absl::MutexLock lock(&mu_);
+        old_ids = rank_ids_[name];
+      }
+      (void)Register(old, old_ids);
+      return s;
     }
-    if (failed(CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
-                   at, loads,
+    note = absl::StrCat("drained ", lost_names,
+                        ": shards copied live while serving, no update lost");
+  } else {
+    // Replacements create their shards; the other live ranks move to the new
+    // epoch and create what they were given.
+    std::vector<std::string> create_at, update_at;
+    std::vector<ember::v1::CreateShardsRequest> creates;
+    std::vector<ember::v1::UpdateShardsRequest> updates;
+    for (int r : replaced) {
+      ember::v1::CreateShardsRequest c;
+      c.set_collection(name);
+      c.set_epoch(epoch);
+      *c.mutable_training() = info.spec().training();
+      for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
+      create_at.push_back(info.worker_addresses(r));
+      creates.push_back(std::move(c));
+    }
+    for (int r : kept) {
+      ember::v1::UpdateShardsRequest u;
+      u.set_collection(name);
+      u.set_epoch(epoch);
+      *u.mutable_training() = info.spec().training();
+      for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+      update_at.push_back(info.worker_addresses(r));
+      updates.push_back(std::move(u));
+    }
+    // A failed attempt lets go of what it created on replacements.
+    auto give_up = [&](const absl::Status& why) {
+      (void)DropOnWorkers(name, epoch, create_at);
+      return why;
+    };
+    absl::Status failure;
+    auto failed = [&](const std::vector<grpc::Status>& statuses,
+                      const std::vector<std::string>& at) -> bool {
+      for (size_t i = 0; i < statuses.size(); ++i) {
+        if (statuses[i].ok()) continue;
+        const std::string why =
+            absl::StrCat(drain ? "moving " : "recovery of ", lost_names, " failed on ", at[i], ": ",
+                         statuses[i].error_message(), drain ? "" : "; retrying");
+        LOG(WARNING) << "collection '" << name << "': " << why;
+        SetState(name, CollectionInfo::DEGRADED, why);
+        failure = FromGrpc(statuses[i], at[i]);
+        return true;
+      }
+      return false;
+    };
+    if (failed(CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
+                   create_at, creates,
                    [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-                     async->LoadCheckpoint(ctx, request, response, std::move(done));
-                   },
-                   options_.checkpoint_rpc_timeout),
-               at)) {
+                     async->CreateShards(ctx, request, response, std::move(done));
+                   }),
+               create_at) ||
+        failed(CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+                   update_at, updates,
+                   [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                     async->UpdateShards(ctx, request, response, std::move(done));
+                   }),
+               update_at)) {
       return give_up(failure);
     }
-    note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
-                                lost_names, ")")
-                 : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
-                                "; their updates since then are lost");
+    CrashPoint("move_before_data");
+
+    // Reload from the checkpoint: the lost shards, or everything.
+    const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
+    if (path.empty()) {
+      note = absl::StrCat("no checkpoint: the shards of ", lost_names,
+                          " came back freshly initialised");
+    } else {
+      std::vector<std::string> at;
+      std::vector<ember::v1::LoadCheckpointRequest> loads;
+      for (const auto& [r, bytes] : load) {
+        if (!whole && !reload.count(r)) continue;
+        ember::v1::LoadCheckpointRequest l;
+        l.set_collection(name);
+        l.set_epoch(epoch);
+        l.set_dir(path);
+        *l.mutable_sources() = manifest.shards();
+        if (!whole) {
+          for (const auto& [table, index] : reload[r]) {
+            auto* ref = l.add_only();
+            ref->set_table(table);
+            ref->set_shard_index(index);
+          }
+        }
+        at.push_back(info.worker_addresses(r));
+        loads.push_back(std::move(l));
+      }
+      if (failed(CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
+                     at, loads,
+                     [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                       async->LoadCheckpoint(ctx, request, response, std::move(done));
+                     },
+                     options_.checkpoint_rpc_timeout),
+                 at)) {
+        return give_up(failure);
+      }
+      note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
+                                  lost_names, ")")
+                   : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
+                                  "; their updates since then are lost");
+    }
   }
   // The data is in place: from here a restarted coordinator keeps the new
   // placement; only then does a drained worker let go of its copy.
   if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/true); !s.ok()) {
-    return give_up(s);
+    std::vector<std::string> created;
+    for (int r : replaced) created.push_back(info.worker_addresses(r));
+    (void)DropOnWorkers(name, epoch, created);
+    if (drain) (void)ReadoptLocked(name, absl::StrCat("moving ", lost_names, " failed (",
+                                                       s.message(), "); back on the old placement"));
+    return s;
   }
   CrashPoint("move_after_data");
   if (drain) {
@@ -395,53 +429,6 @@ void CoordinatorService::FenceSteps(const CollectionInfo& info,
   }
   LOG(INFO) << "collection '" << name << "': BOUNDED steps through " << fence
             << " applied before the move";
-}
-
-absl::Status CoordinatorService::CopyFromDrained(
-    const std::string& name, int64_t epoch, const CollectionInfo& before,
-    const CollectionInfo& after, const std::set<int>& drained,
-    const std::map<int, std::set<std::pair<std::string, int32_t>>>& moved,
-    const std::map<std::pair<std::string, int32_t>, int>& dp_source) {
-  // 1. The draining worker moves to the new epoch too: every client still on
-  //    the old plan is refused everywhere (and refreshes, and waits for
-  //    RECOVERING to end), so no update lands on a shard being copied.
-  std::vector<std::string> sources;
-  for (int r : drained) sources.push_back(before.worker_addresses(r));
-  ember::v1::UpdateShardsRequest fence;
-  fence.set_collection(name);
-  fence.set_epoch(epoch);
-  *fence.mutable_training() = before.spec().training();
-  const std::vector<grpc::Status> fenced =
-      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-          sources, std::vector<ember::v1::UpdateShardsRequest>(sources.size(), fence),
-          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-            async->UpdateShards(ctx, request, response, std::move(done));
-          });
-  for (size_t i = 0; i < sources.size(); ++i) {
-    if (!fenced[i].ok()) return FromGrpc(fenced[i], sources[i]);
-  }
-  // 2. Each moved shard: rows exported from the old place, imported into the
-  //    new, in chunks of about 4 MiB, with the optimizer step.
-  for (const auto& [to, refs] : moved) {
-    for (const auto& [table, index] : refs) {
-      // A new data-parallel replica copies an old one; a shard copies itself.
-      auto dp = dp_source.find({table, index});
-      ember::v1::ShardRef from_ref, to_ref;
-      from_ref.set_table(table);
-      from_ref.set_shard_index(dp != dp_source.end() ? dp->second : index);
-      to_ref.set_table(table);
-      to_ref.set_shard_index(index);
-      const std::optional<ShardAssignment> from = AssignmentOf(before, from_ref);
-      if (!from) return absl::InternalError(absl::StrCat("no shard to copy for table '", table,
-                                                         "' shard ", index));
-      if (absl::Status s = CopyShard(name, epoch, before.worker_addresses(RankOf(before, from_ref)),
-                                     from_ref, after.worker_addresses(to), to_ref, from->rows());
-          !s.ok()) {
-        return s;
-      }
-    }
-  }
-  return absl::OkStatus();  // the caller drops the drained copy once this is durable
 }
 
 absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_t epoch,

@@ -97,6 +97,12 @@ void CoordinatorService::Reconcile() {
         ids = rank_ids_[name];
       }
       (void)Register(old, ids);  // clears the move from the store
+      // What a live move staged for that epoch goes (NOT_FOUND is fine).
+      std::vector<std::string> staged_at;
+      for (int r : planner::HoldingRanks(move.info().plan())) {
+        staged_at.push_back(move.info().worker_addresses(r));
+      }
+      (void)DropOnWorkers(name, move.info().plan().epoch(), staged_at, /*staged=*/true);
     }
   }
   std::vector<Worker> live = LiveWorkers();

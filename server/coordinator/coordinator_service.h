@@ -208,8 +208,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                                      const std::vector<Request>& requests, Rpc rpc,
                                      absl::Duration timeout = absl::ZeroDuration(),
                                      std::vector<Response>* responses = nullptr);
+  // DropShards at `epoch` on each address (NOT_FOUND is fine); `staged`:
+  // only the shards staged there for `epoch` (a live move that gave up).
   absl::Status DropOnWorkers(const std::string& collection, int64_t epoch,
-                             const std::vector<std::string>& addresses);
+                             const std::vector<std::string>& addresses, bool staged = false);
   // Before a BOUNDED collection moves (its held steps would be dropped with
   // their trainers told nothing): fences its steps on the workers at
   // `addresses` (those of `info` still alive) at the highest step any holds
@@ -272,7 +274,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
  private:
   // Re-places and reloads the shards of the collection's dead workers.
   // With drain_id: moves that worker's shards away instead, copying them
-  // live (CopyFromDrained), and returns how it went.
+  // live (MoveLive), and returns how it went.
   absl::Status RecoverCollection(const std::string& name, const std::string& drain_id = "")
       ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
   // Moves every live holder of the collection to a new epoch with its
@@ -280,11 +282,42 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // way back after a failed drain or an interrupted recovery.
   absl::Status ReadoptLocked(const std::string& name, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
-  absl::Status CopyFromDrained(
-      const std::string& name, int64_t epoch, const ember::v1::CollectionInfo& before,
-      const ember::v1::CollectionInfo& after, const std::set<int>& drained,
-      const std::map<int, std::set<std::pair<std::string, int32_t>>>& moved,
-      const std::map<std::pair<std::string, int32_t>, int>& dp_source);
+  // A live move (live_move.cc): the shards of ranks `from` go to their
+  // places in `after` while `before` serves on.
+  struct LiveMove {
+    std::string name;
+    int64_t epoch = 0;  // after's
+    ember::v1::CollectionInfo before, after;
+    std::set<int> from;      // ranks emptied (drained)
+    std::set<int> replaced;  // ranks new to the collection: created at epoch
+    std::set<int> kept;      // ranks holding it before and after
+    // Destination rank -> the (table, shard index) it receives; a new
+    // data-parallel replica copies the old replica named in dp_source.
+    std::map<int, std::set<std::pair<std::string, int32_t>>> moved;
+    std::map<std::pair<std::string, int32_t>, int> dp_source;
+  };
+  // One shard's copy in a live move, and the source's change mark its
+  // copied rows are current to.
+  struct ShardCopy {
+    std::string from, to;  // addresses
+    ember::v1::ShardRef from_ref, to_ref;
+    int64_t rows = 0, cols = 0, state_width = 0;
+    bool dynamic = false;  // copied whole under the fence
+    ember::v1::ChangeMark mark;
+  };
+  // Copies the shards live: destinations created or staged at m.epoch, a
+  // bulk copy and catch-up rounds (rows changed since the last mark) while
+  // the old placement serves, then the fence (every holder moves to
+  // m.epoch, staged shards adopted) and a last catch-up with each shard's
+  // step and exactly-once record. *fenced: the fence was sent (a failure
+  // from then on needs the old placement re-adopted; before it, the old
+  // placement still serves and whatever was created or staged is dropped).
+  absl::Status MoveLive(const LiveMove& m, bool* fenced);
+  // One pass of a live copy over `c`'s rows, in chunks of about 4 MiB:
+  // `mark`: takes a new mark first; then every row (`whole`) or those
+  // changed since c->mark. The rows copied, or the first failure.
+  absl::StatusOr<int64_t> CopyPass(const std::string& collection, int64_t epoch, ShardCopy* c,
+                                   bool mark, bool whole);
   // Copies one shard's rows, optimizer state and step between workers.
   absl::Status CopyShard(const std::string& collection, int64_t epoch, const std::string& from,
                          const ember::v1::ShardRef& from_ref, const std::string& to,

@@ -4,6 +4,7 @@
 // bookkeeping is worker_shards.cc.
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -38,6 +39,9 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
   if (b < 0 || e > a.rows() || b > e) {
     return ToGrpc(absl::InvalidArgumentError(
         absl::StrCat("row range [", b, ", ", e, ") is outside [0, ", a.rows(), ")")));
+  }
+  if (req->mark() || req->has_changed_since()) {
+    return ToGrpc(ExportChanged(**c, **shard, *req, resp));
   }
   auto spec = backend_->GetShardSpec((*shard)->id);
   if (!spec.ok()) return ToGrpc(spec.status());
@@ -85,6 +89,83 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
   return grpc::Status::OK;
 }
 
+absl::Status WorkerService::ExportChanged(Collection& c, const ShardEntry& shard,
+                                          const ember::v1::ExportRowsRequest& req,
+                                          ember::v1::ExportRowsResponse* resp) {
+  if (shard.assignment.table().has_dynamic()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        RefString(shard.assignment.ref()),
+        " is a dynamic table's: its slots move whole (no mark or changed_since)"));
+  }
+  if (req.with_applied_ids()) {
+    return absl::InvalidArgumentError(
+        "with_applied_ids is not taken with mark or changed_since (ask for it on its own)");
+  }
+  if (req.mark()) {
+    // Under the update fence: every update before the mark is in the rows
+    // read after it; every later one carries a later generation.
+    absl::MutexLock apply(c.apply_mu.get());
+    auto mark = backend_->MarkChanges(shard.id);
+    if (!mark.ok()) return mark.status();
+    resp->mutable_mark()->set_lineage(mark->lineage);
+    resp->mutable_mark()->set_generation(mark->generation);
+  }
+  auto spec = backend_->GetShardSpec(shard.id);
+  if (!spec.ok()) return spec.status();
+  const int64_t width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
+  resp->set_cols(spec->dim);
+  resp->set_state_width(width);
+  auto step = backend_->ExportStep(shard.id);
+  if (!step.ok()) return step.status();
+  resp->set_step(*step);
+  // The mark alone: rows [row_begin, row_end) whole (the bulk copy);
+  // changed_since: the changed ones among them (a catch-up).
+  std::vector<int64_t> rows;
+  if (req.has_changed_since()) {
+    auto changed = backend_->ChangedRowsIn(
+        shard.id, {req.changed_since().lineage(), req.changed_since().generation()},
+        req.row_begin(), req.row_end());
+    if (!changed.ok()) return changed.status();
+    rows = *std::move(changed);
+  }
+  const int64_t n =
+      req.has_changed_since() ? static_cast<int64_t>(rows.size()) : req.row_end() - req.row_begin();
+  const int64_t bytes = n * (spec->dim + width) * 4;
+  if (bytes > options_.max_response_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "exporting ", n, " rows takes ", bytes, " bytes, over the limit of ",
+        options_.max_response_bytes, "; export fewer rows per call"));
+  }
+  auto weights = wire::Resize<float>(resp->mutable_weights(), n * spec->dim);
+  auto state = wire::Resize<float>(resp->mutable_state(), n * width);
+  if (!req.has_changed_since()) {
+    return backend_->ExportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
+  }
+  if (absl::Status s = backend_->ExportRowsAt(shard.id, rows, weights, state); !s.ok()) return s;
+  wire::Encode(absl::Span<const int64_t>(rows), resp->mutable_rows());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::ImportTarget(
+    const std::string& collection, int64_t epoch, const ember::v1::ShardRef& ref, Collection** c,
+    bool* staged) const {
+  auto held = HeldCollection(collection);
+  if (!held.ok()) return held.status();
+  *c = *held;
+  *staged = (*held)->staged_epoch != 0 && (*held)->staged_epoch == epoch;
+  if (!*staged) {
+    auto current = FindCollection(collection, epoch);
+    if (!current.ok()) return current.status();
+    return FindShard(**c, ref);
+  }
+  auto it = (*held)->staged.find({ref.table(), ref.shard_index()});
+  if (it == (*held)->staged.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no ", RefString(ref), " staged for epoch ", epoch, " on this worker"));
+  }
+  return &it->second;
+}
+
 grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1::ImportRowsRequest* req,
                                        ember::v1::ImportRowsResponse*) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
@@ -92,9 +173,9 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
   }
   absl::ReaderMutexLock lock(&mu_);
-  auto c = FindCollection(req->collection(), req->epoch());
-  if (!c.ok()) return ToGrpc(c.status());
-  auto shard = FindShard(**c, req->shard());
+  Collection* c = nullptr;
+  bool staged = false;
+  auto shard = ImportTarget(req->collection(), req->epoch(), req->shard(), &c, &staged);
   if (!shard.ok()) return ToGrpc(shard.status());
   std::vector<float> weights, state;
   if (absl::Status s = wire::Decode(req->weights(), "weights", &weights); !s.ok()) {
@@ -106,7 +187,10 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
         absl::StrCat(req->applied_ids_size(), " applied ids with ", req->applied_unix_ms_size(),
                      " times")));
   }
-  absl::MutexLock apply((*c)->apply_mu.get());
+  // A staged shard is out of the data plane's reach (its changes come
+  // under mu_, held here shared): no need to stall the collection's updates.
+  std::optional<absl::MutexLock> apply;
+  if (!staged) apply.emplace(c->apply_mu.get());
   if (absl::Status s = ImportInto(**shard, *req, weights, state); !s.ok()) return ToGrpc(s);
   if (req->applied_ids_size() > 0) {
     std::vector<std::pair<uint64_t, absl::Time>> entries;
@@ -138,7 +222,24 @@ absl::Status WorkerService::ImportInto(const ShardEntry& shard, const ember::v1:
           RefString(shard.assignment.ref()),
           " is not a dynamic table's: no slot_meta, ids, pending_counts or pending_sketch"));
     }
-    return backend_->ImportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
+    if (req.rows().empty()) {
+      return backend_->ImportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
+    }
+    std::vector<int64_t> rows;  // a live move's catch-up: just these
+    if (absl::Status s = wire::Decode(req.rows(), "rows", &rows); !s.ok()) return s;
+    for (size_t k = 0; k < rows.size(); ++k) {
+      if (rows[k] < req.row_begin() || rows[k] >= req.row_end() ||
+          (k > 0 && rows[k] <= rows[k - 1])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rows: entry ", k, " (", rows[k], ") is outside [", req.row_begin(), ", ",
+            req.row_end(), ") or not after the one before (they ascend, distinct)"));
+      }
+    }
+    return backend_->ImportRowsAt(shard.id, rows, weights, state);
+  }
+  if (!req.rows().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        RefString(shard.assignment.ref()), " is a dynamic table's: its slots move whole (no rows)"));
   }
   if (!req.ids().empty()) {  // rows by id
     if (!req.slot_meta().empty() || !req.pending_counts().empty() ||

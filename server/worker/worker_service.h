@@ -210,6 +210,11 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t epoch = 0;
     int64_t generation = 0;  // tells a collection from a later one of the same name
     std::map<std::pair<std::string, int32_t>, ShardEntry> shards;
+    // Shards staged for a live move to epoch `staged_epoch` (> epoch; 0:
+    // none): filled by ImportRows at that epoch, unseen by the data plane,
+    // adopted by the UpdateShards to it (CreateShardsRequest.staged).
+    int64_t staged_epoch = 0;
+    std::map<std::pair<std::string, int32_t>, ShardEntry> staged;
     // Serialises updates, imports and checkpoint copies of the collection.
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
     // Its trainers' steps (TrainingSpec); replaced, its held steps dropped,
@@ -246,7 +251,21 @@ class WorkerService final : public ember::v1::Worker::Service {
                         (*shard)->assignment.table().has_dynamic()};
     };
   }
-  static bool SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req);
+  static bool SameAssignments(const std::map<std::pair<std::string, int32_t>, ShardEntry>& held,
+                              const ember::v1::CreateShardsRequest& req);
+  // CreateShards with `staged`: a live move's shards, allocated beside the
+  // held collection for a later epoch.
+  grpc::Status StageShards(const ember::v1::CreateShardsRequest& req);
+  // The shard ImportRows at `epoch` writes: a held one at the held epoch,
+  // or a staged one at the staged epoch (*staged set).
+  absl::StatusOr<const ShardEntry*> ImportTarget(const std::string& collection, int64_t epoch,
+                                                 const ember::v1::ShardRef& ref,
+                                                 Collection** c, bool* staged) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // ExportRows of a live move: the change mark and the changed rows.
+  absl::Status ExportChanged(Collection& c, const ShardEntry& shard,
+                             const ember::v1::ExportRowsRequest& req,
+                             ember::v1::ExportRowsResponse* resp) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether an update names a shard of a dynamic table (shards it does not
   // hold count as not: the codec refuses them).
   bool TouchesDynamicTable(const Collection& c,
@@ -309,6 +328,8 @@ class WorkerService final : public ember::v1::Worker::Service {
   // Drops every shard of c from the backend (an unpublished set, or one
   // being dropped).
   void DropAll(const std::string& collection, const Collection& c);
+  void DropAll(const std::string& collection,
+               const std::map<std::pair<std::string, int32_t>, ShardEntry>& shards);
   // DropAll (once an update in flight finished), then the collection out of
   // collections_; the iterator after it.
   using CollectionMap = std::map<std::string, std::unique_ptr<Collection>>;

@@ -37,13 +37,15 @@ bool SameAssignment(const ember::v1::ShardAssignment& held, const ember::v1::Sha
 
 }  // namespace
 
-// True when a CreateShards retried at the held epoch asks for exactly the
-// shards held.
-bool WorkerService::SameAssignments(const Collection& c, const ember::v1::CreateShardsRequest& req) {
-  if (c.shards.size() != static_cast<size_t>(req.shards_size())) return false;
+// True when a CreateShards retried at the held (or staged) epoch asks for
+// exactly the shards held (or staged).
+bool WorkerService::SameAssignments(
+    const std::map<std::pair<std::string, int32_t>, ShardEntry>& held,
+    const ember::v1::CreateShardsRequest& req) {
+  if (held.size() != static_cast<size_t>(req.shards_size())) return false;
   for (const auto& a : req.shards()) {
-    auto it = c.shards.find({a.ref().table(), a.ref().shard_index()});
-    if (it == c.shards.end() || !SameAssignment(it->second.assignment, a)) {
+    auto it = held.find({a.ref().table(), a.ref().shard_index()});
+    if (it == held.end() || !SameAssignment(it->second.assignment, a)) {
       return false;
     }
   }
@@ -97,12 +99,13 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
   if (absl::Status s = CheckAssignments(req->collection(), req->epoch(), req->shards()); !s.ok()) {
     return ToGrpc(s);
   }
+  if (req->staged()) return StageShards(*req);
   const std::string& name = req->collection();
   {
     absl::MutexLock lock(&mu_);
     auto it = collections_.find(name);
     if (it != collections_.end()) {
-      if (it->second->epoch == req->epoch() && SameAssignments(*it->second, *req)) {
+      if (it->second->epoch == req->epoch() && SameAssignments(it->second->shards, *req)) {
         return grpc::Status::OK;  // a retried create
       }
       return ToGrpc(absl::AlreadyExistsError(absl::StrCat(
@@ -127,6 +130,54 @@ grpc::Status WorkerService::CreateShards(grpc::ServerContext* ctx,
   LOG(INFO) << "collection '" << name << "' epoch " << req->epoch() << ": " << c->shards.size()
             << " shard(s) created";
   collections_[name] = std::move(c);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::StageShards(const ember::v1::CreateShardsRequest& req) {
+  const std::string& name = req.collection();
+  int64_t generation = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto c = HeldCollection(name);
+    if (!c.ok()) {
+      return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+          "staging needs collection '", name, "' held here; create it at epoch ", req.epoch(),
+          " instead")));
+    }
+    if (req.epoch() <= (*c)->epoch) {
+      return ToGrpc(absl::FailedPreconditionError(
+          absl::StrCat("collection '", name, "' is held at epoch ", (*c)->epoch,
+                       "; shards are staged for a later epoch, not ", req.epoch())));
+    }
+    if ((*c)->staged_epoch == req.epoch() && SameAssignments((*c)->staged, req)) {
+      return grpc::Status::OK;  // a retried stage
+    }
+    if (!updating_.insert(name).second) {
+      return ToGrpc(absl::AbortedError(
+          absl::StrCat("collection '", name, "' is being updated by another call")));
+    }
+    generation = (*c)->generation;
+  }
+  // Allocated outside mu_, as UpdateShards' new shards are.
+  Collection added;
+  absl::Status s = AllocateShards(name, req.shards(), &added);
+  absl::MutexLock lock(&mu_);
+  updating_.erase(name);
+  if (!s.ok()) return ToGrpc(s);
+  auto c = HeldCollection(name);
+  if (c.ok() && ((*c)->generation != generation || req.epoch() <= (*c)->epoch)) {
+    c = absl::FailedPreconditionError(absl::StrCat(
+        "collection '", name, "' was dropped, created again or moved on meanwhile"));
+  }
+  if (!c.ok()) {
+    DropAll(name, added);
+    return ToGrpc(c.status());
+  }
+  DropAll(name, (*c)->staged);  // an older (or other) stage gives way
+  (*c)->staged = std::move(added.shards);
+  (*c)->staged_epoch = req.epoch();
+  LOG(INFO) << "collection '" << name << "' epoch " << (*c)->epoch << ": "
+            << (*c)->staged.size() << " shard(s) staged for epoch " << req.epoch();
   return grpc::Status::OK;
 }
 
@@ -203,7 +254,13 @@ absl::Status WorkerService::AllocateShards(
 }
 
 void WorkerService::DropAll(const std::string& collection, const Collection& c) {
-  for (const auto& [key, entry] : c.shards) {
+  DropAll(collection, c.shards);
+  DropAll(collection, c.staged);
+}
+
+void WorkerService::DropAll(const std::string& collection,
+                            const std::map<std::pair<std::string, int32_t>, ShardEntry>& shards) {
+  for (const auto& [key, entry] : shards) {
     if (absl::Status s = backend_->DropShard(entry.id); !s.ok()) {
       LOG(ERROR) << "dropping " << RefString(entry.assignment.ref()) << " of '" << collection
                  << "': " << s;
@@ -233,8 +290,11 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   }
   const std::string& name = req->collection();
   // Which shards are new: held ones with the same assignment stay (a
-  // retry), another assignment for a held shard is refused.
+  // retry), staged ones for this epoch with the same assignment are adopted
+  // (replacing a held one of the same ref: a re-cut shard), another
+  // assignment for a held shard is refused.
   google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment> create;
+  std::vector<std::pair<std::string, int32_t>> adopt;
   int64_t generation = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -246,8 +306,21 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
           "collection '", name, "' is held at epoch ", (*c)->epoch, ", newer than ", req->epoch())));
     }
     for (const auto& a : req->create()) {
-      auto it = (*c)->shards.find({a.ref().table(), a.ref().shard_index()});
+      const std::pair<std::string, int32_t> key{a.ref().table(), a.ref().shard_index()};
+      if ((*c)->staged_epoch == req->epoch()) {
+        auto st = (*c)->staged.find(key);
+        if (st != (*c)->staged.end() && SameAssignment(st->second.assignment, a)) {
+          adopt.push_back(key);
+          continue;
+        }
+      }
+      auto it = (*c)->shards.find(key);
       if (it == (*c)->shards.end()) {
+        if (req->require_staged()) {
+          return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+              RefString(a.ref()), " is neither held nor staged for epoch ", req->epoch(),
+              " (with the same assignment); the move must start again")));
+        }
         *create.Add() = a;
       } else if (!SameAssignment(it->second.assignment, a)) {
         return ToGrpc(absl::AlreadyExistsError(
@@ -274,6 +347,16 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     c = absl::FailedPreconditionError(absl::StrCat(
         "collection '", name, "' is held at epoch ", (*c)->epoch, ", newer than ", req->epoch()));
   }
+  if (c.ok() && !adopt.empty()) {
+    for (const auto& key : adopt) {
+      if ((*c)->staged_epoch != req->epoch() || !(*c)->staged.count(key)) {
+        c = absl::FailedPreconditionError(absl::StrCat(
+            "the shards of collection '", name, "' staged for epoch ", req->epoch(),
+            " were dropped meanwhile"));
+        break;
+      }
+    }
+  }
   if (!c.ok()) {  // dropped or moved on meanwhile
     DropAll(name, added);
     return ToGrpc(c.status());
@@ -281,6 +364,25 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   Collection& coll = **c;
   absl::MutexLock apply(coll.apply_mu.get());
   for (auto& [key, entry] : added.shards) coll.shards.emplace(key, std::move(entry));
+  // Staged shards: those named come into service (a held shard of the same
+  // ref gives way), the rest are dropped; no stage outlives an epoch change.
+  for (const auto& key : adopt) {
+    auto held = coll.shards.find(key);
+    if (held != coll.shards.end()) {
+      if (absl::Status d = backend_->DropShard(held->second.id); !d.ok()) {
+        LOG(ERROR) << "dropping the replaced " << RefString(held->second.assignment.ref())
+                   << " of '" << name << "': " << d;
+      }
+      coll.shards.erase(held);
+    }
+    coll.shards.emplace(key, std::move(coll.staged.at(key)));
+    coll.staged.erase(key);
+  }
+  if (req->epoch() != coll.epoch) {
+    DropAll(name, coll.staged);
+    coll.staged.clear();
+    coll.staged_epoch = 0;
+  }
   if (req->epoch() != coll.epoch) {
     // Steps held at the old epoch are dropped: their trainers refresh the
     // plan and send them again to the new one.
@@ -291,7 +393,7 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     coll.steps = MakeSteps(req->training());
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
-            << create.size() << " shard(s) added";
+            << create.size() << " shard(s) added, " << adopt.size() << " staged one(s) adopted";
   coll.epoch = req->epoch();
   return grpc::Status::OK;
 }
@@ -351,6 +453,16 @@ grpc::Status WorkerService::DropShards(grpc::ServerContext* ctx, const ember::v1
   absl::MutexLock lock(&mu_);
   auto c = HeldCollection(req->collection());
   if (!c.ok()) return ToGrpc(c.status());
+  if (req->staged()) {  // a live move gave up: its stage goes, the collection stays
+    if ((*c)->staged_epoch == req->epoch()) {
+      DropAll(req->collection(), (*c)->staged);
+      LOG(INFO) << "collection '" << req->collection() << "': " << (*c)->staged.size()
+                << " shard(s) staged for epoch " << req->epoch() << " dropped";
+      (*c)->staged.clear();
+      (*c)->staged_epoch = 0;
+    }
+    return grpc::Status::OK;
+  }
   // A drop names the newest epoch its sender knows: a copy held at that
   // epoch or an older one goes; a newer one (a later create) stays.
   if ((*c)->epoch > req->epoch()) {

@@ -135,10 +135,16 @@ class ChangeTrackingBackend : public ForwardingBackend {
     return ChangeMark{t->lineage, g};
   }
 
-  absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId id,
-                                                   const ChangeMark& since) const override {
+  absl::StatusOr<std::vector<int64_t>> ChangedRowsIn(ShardId id, const ChangeMark& since,
+                                                     int64_t begin, int64_t end) const override {
     const std::shared_ptr<Tracked> t = Find(id);
     if (t == nullptr) return NoShard(id);
+    if (begin < 0 || begin > end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard ", id, ": row range [", begin, ", ", end, ") is reversed"));
+    }
+    end = std::min(end, t->rows);
+    begin = std::min(begin, end);
     const uint32_t now = t->Now();
     if (since.lineage != t->lineage || since.generation < 1 || since.generation >= now) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -148,11 +154,11 @@ class ChangeTrackingBackend : public ForwardingBackend {
     std::vector<int64_t> rows;
     const uint32_t after = static_cast<uint32_t>(since.generation);
     if (t->whole.load(std::memory_order_relaxed) > after) {
-      rows.resize(t->rows);
-      for (int64_t r = 0; r < t->rows; ++r) rows[r] = r;
+      rows.resize(end - begin);
+      for (int64_t r = begin; r < end; ++r) rows[r - begin] = r;
       return rows;
     }
-    for (int64_t r = 0; r < t->rows; ++r) {
+    for (int64_t r = begin; r < end; ++r) {
       if (t->version[r].load(std::memory_order_relaxed) > after) rows.push_back(r);
     }
     return rows;

@@ -128,6 +128,17 @@ TEST(ChangeTrackingTest, ChangedRowsAreExactlyTheRowsNamedSinceTheMark) {
       for (int64_t r : Differing(at_mark[m], now, per_row)) {
         EXPECT_TRUE(std::binary_search(rows->begin(), rows->end(), r)) << "row " << r;
       }
+      // A range gives the same rows, those inside it (end clamped).
+      for (const auto& [begin, end] : std::vector<std::pair<int64_t, int64_t>>{
+               {0, 0}, {0, 101}, {101, 350}, {350, kRows + 100}, {kRows, kRows}}) {
+        auto in = b->ChangedRowsIn(*id, marks[m], begin, end);
+        ASSERT_TRUE(in.ok()) << in.status();
+        std::vector<int64_t> want;
+        for (int64_t r : *rows) {
+          if (r >= begin && r < end) want.push_back(r);
+        }
+        EXPECT_EQ(*in, want) << "mark " << m << " rows [" << begin << ", " << end << ")";
+      }
     }
   }
 }
@@ -147,6 +158,8 @@ TEST(ChangeTrackingTest, ForeignOrFutureMarksAreRefused) {
   EXPECT_EQ(b->ChangedRows(*a, {ma->lineage, 0}).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(b->ChangedRows(99, *ma).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(b->ChangedRowsIn(*a, *ma, -1, 5).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b->ChangedRowsIn(*a, *ma, 6, 5).status().code(), absl::StatusCode::kInvalidArgument);
   // A shard made again (dropped, re-created) starts a new lineage.
   ASSERT_TRUE(b->DropShard(*a).ok());
   auto again = b->CreateShard(Spec(OptimizerType::kSgd));

@@ -239,9 +239,9 @@ class DynamicShardsBackend : public ForwardingBackend {
   }
 
   // The wrapped shard's, less its zero slot (rows + 1 there).
-  absl::StatusOr<std::vector<int64_t>> ChangedRows(ShardId id,
-                                                   const ChangeMark& since) const override {
-    auto rows = inner()->ChangedRows(id, since);
+  absl::StatusOr<std::vector<int64_t>> ChangedRowsIn(ShardId id, const ChangeMark& since,
+                                                     int64_t begin, int64_t end) const override {
+    auto rows = inner()->ChangedRowsIn(id, since, begin, end);
     if (!rows.ok()) return rows;
     if (auto shard = Find(id)) {
       const int64_t held = shard->spec.rows;
