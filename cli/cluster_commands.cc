@@ -53,7 +53,7 @@ DECLARE_string(sharding_type);
 DECLARE_string(format);
 DEFINE_string(coordinator, "", "Coordinator address host:port.");
 DEFINE_string(listen, "127.0.0.1:0", "Address a server listens on (port 0: a free port).");
-DEFINE_int32(workers, 2, "up: number of local worker processes.");
+DEFINE_int32(workers, 2, "up: number of local worker processes; scale: the worker count to serve the collection from (no default).");
 DEFINE_bool(restart_workers, true, "up: start a worker process again when it dies.");
 DEFINE_bool(drain_on_sigterm, true,
             "Worker: on SIGTERM, have the coordinator move this worker's shards to others "
@@ -1084,6 +1084,53 @@ int RunDrain() {
   if (!moved.ok()) return Fail("drain", moved.status());
   std::cout << "drained " << FLAGS_worker << ": " << moved->size()
             << " collection(s) moved off it; it holds nothing and gets no new shards"
+            << std::endl;
+  return 0;
+}
+
+int RunScale() {
+  if (FLAGS_collection.empty()) return Usage("scale needs --collection=NAME");
+  if (gflags::GetCommandLineFlagInfoOrDie("workers").is_default || FLAGS_workers < 1) {
+    return Usage("scale needs --workers=N (>= 1): the worker count to serve the collection from");
+  }
+  auto cl = Connect();
+  if (!cl.ok()) return Fail("scale", cl.status());
+  auto before = (*cl)->GetCollection(FLAGS_collection);
+  if (!before.ok()) return Fail("scale", before.status());
+  std::cout << "scaling '" << FLAGS_collection << "' to " << FLAGS_workers
+            << " worker(s); training goes on while its shards are copied..." << std::endl;
+  // Progress: the collection's note (blocks copied, catch-up rounds, the
+  // fence) as it changes, from a second connection.
+  absl::Notification finished;
+  std::thread progress([&] {
+    auto watcher = Connect();
+    if (!watcher.ok()) return;
+    std::string last;
+    while (!finished.WaitForNotificationWithTimeout(absl::Milliseconds(500))) {
+      auto now = (*watcher)->GetCollection(FLAGS_collection);
+      if (!now.ok() || now->note() == last || now->note().empty()) continue;
+      last = now->note();
+      std::cout << "  " << last << std::endl;
+    }
+  });
+  auto scaled =
+      (*cl)->ScaleCollection(FLAGS_collection, FLAGS_workers,
+                             absl::Seconds(FLAGS_checkpoint_timeout_s));
+  finished.Notify();
+  progress.join();
+  if (!scaled.ok()) return Fail("scale", scaled.status());
+  if (scaled->shards_moved() == 0) {
+    std::cout << "'" << FLAGS_collection << "' is served from " << FLAGS_workers
+              << " worker(s) already; nothing moved" << std::endl;
+    return 0;
+  }
+  std::cout << absl::StrFormat(
+                   "scaled '%s' to %d worker(s) at epoch %d: %d shard(s) filled, %.1f MiB "
+                   "copied (%.1f MiB between workers) in %.2f s; updates fenced %.0f ms",
+                   FLAGS_collection, FLAGS_workers, scaled->collection().plan().epoch(),
+                   scaled->shards_moved(), scaled->bytes_copied() / 1048576.0,
+                   scaled->bytes_between_workers() / 1048576.0, scaled->seconds(),
+                   scaled->fence_ms())
             << std::endl;
   return 0;
 }

@@ -26,6 +26,7 @@ int RunCheckpoint();
 int RunCheckpoints();
 int RunRestore();
 int RunDrain();
+int RunScale();
 int RunSetTrainers();
 int RunCalibrate();
 // emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]: fresh

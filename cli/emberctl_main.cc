@@ -21,6 +21,7 @@
 //   emberctl restore --coordinator=ADDR --from=PATH [--collection=NEW_NAME]
 //       [--sharding_type=TYPE]
 //   emberctl drain --coordinator=ADDR --worker=ID
+//   emberctl scale --coordinator=ADDR --collection=NAME --workers=N
 //   emberctl set-trainers --coordinator=ADDR --collection=NAME --trainers=N --from_step=S
 //   emberctl calibrate --coordinator=ADDR --output=FILE [--calibrate_rows=N]
 //   emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]
@@ -196,6 +197,7 @@ int main(int argc, char** argv) {
       "  emberctl restore --coordinator=ADDR --from=CHECKPOINT_OR_ROOT [--collection=NEW_NAME]\n"
       "      [--sharding_type=TYPE]\n"
       "  emberctl drain --coordinator=ADDR --worker=ID\n"
+      "  emberctl scale --coordinator=ADDR --collection=NAME --workers=N\n"
       "  emberctl set-trainers --coordinator=ADDR --collection=NAME --trainers=N --from_step=S\n"
       "  emberctl calibrate --coordinator=ADDR --output=FILE [--calibrate_rows=N]\n"
       "  emberctl tokens --dir=DIR [--workers=N | --worker_names=A,B,...]\n"
@@ -226,6 +228,7 @@ int main(int argc, char** argv) {
   if (command == "checkpoints") return ec::RunCheckpoints();
   if (command == "restore") return ec::RunRestore();
   if (command == "drain") return ec::RunDrain();
+  if (command == "scale") return ec::RunScale();
   if (command == "set-trainers") return ec::RunSetTrainers();
   if (command == "calibrate") return ec::RunCalibrate();
   if (command == "tokens") return ec::RunTokens();

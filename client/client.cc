@@ -226,6 +226,19 @@ absl::StatusOr<std::vector<std::string>> Client::DrainWorker(const std::string& 
   return std::vector<std::string>(resp->collections().begin(), resp->collections().end());
 }
 
+absl::StatusOr<ember::v1::ScaleCollectionResponse> Client::ScaleCollection(
+    const std::string& collection, int32_t workers, absl::Duration timeout) {
+  ember::v1::ScaleCollectionRequest req;
+  req.set_collection(collection);
+  req.set_workers(workers);
+  auto resp = CallCoordinator(&ember::v1::Coordinator::Stub::ScaleCollection, req, timeout);
+  if (resp.ok()) {  // the next call routes by the new plan
+    absl::MutexLock lock(&impl_->mu);
+    impl_->routing.erase(collection);
+  }
+  return resp;
+}
+
 absl::Status Client::DropCollection(const std::string& collection) {
   ember::v1::DropCollectionRequest req;
   req.set_collection(collection);

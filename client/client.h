@@ -158,6 +158,10 @@ class Client {
   // it out of new plans; returns the collections moved.
   absl::StatusOr<std::vector<std::string>> DrainWorker(const std::string& worker_id,
                                                        absl::Duration timeout = absl::Minutes(30));
+  // Serves `collection` from `workers` workers, its shards moved live while
+  // it trains (ember.v1.Coordinator.ScaleCollection).
+  absl::StatusOr<ember::v1::ScaleCollectionResponse> ScaleCollection(
+      const std::string& collection, int32_t workers, absl::Duration timeout = absl::Minutes(30));
   absl::StatusOr<ember::v1::ListWorkersResponse> ListWorkers();
   // One worker's shards, memory and traffic counters (Worker.ShardStatus).
   absl::StatusOr<ember::v1::ShardStatusResponse> WorkerStatus(const std::string& address);

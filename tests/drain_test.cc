@@ -181,7 +181,7 @@ TEST(DrainTest, TrainingGoesOnWhileTheShardsAreCopied) {
   std::string note;
   while (absl::Now() < deadline) {
     auto now = (*c)->GetCollection("live");
-    if (now.ok() && now->note().find("shard(s) copied") != std::string::npos) {
+    if (now.ok() && now->note().find("block(s) copied (") != std::string::npos) {
       EXPECT_EQ(now->state(), ember::v1::CollectionInfo::SERVING);
       EXPECT_EQ(now->plan().epoch(), info->plan().epoch());  // the old plan serves
       note = now->note();

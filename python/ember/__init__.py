@@ -500,6 +500,19 @@ class Client:
         the names of the collections moved."""
         return list(self._c.drain_worker(worker_id, float(timeout_s)))
 
+    def scale(self, name, workers, timeout_s=1800.0):
+        """Serves collection `name` from `workers` workers while it trains,
+        as `emberctl scale`: its holders in rank order, less the last ones or
+        plus live workers holding none of it; row-wise tables are re-cut, the
+        shards that move are copied live, and updates are refused only for
+        a short fence. Returns a dict: `collection` (as it serves now),
+        `shards_moved`, `bytes_copied`, `bytes_between_workers`, `seconds`,
+        `fence_ms`. FailedPrecondition when too few live workers can take
+        shards; a failed move leaves the old placement serving."""
+        if int(workers) < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        return json.loads(self._c.scale_collection(name, int(workers), float(timeout_s)))
+
 
 def _step_arg(value, what):
     """A step or rank for the extension: -1 for None, else an int >= 0

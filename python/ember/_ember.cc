@@ -439,5 +439,14 @@ PYBIND11_MODULE(_ember, m) {
       .def("drain_worker", [](Client& c, const std::string& worker_id, double timeout_s) {
         py::gil_scoped_release release;
         return Value(c.DrainWorker(worker_id, absl::Seconds(timeout_s)));
-      });
+      })
+      .def("scale_collection",
+           [](Client& c, const std::string& name, int32_t workers, double timeout_s) {
+             absl::StatusOr<ember::v1::ScaleCollectionResponse> resp;
+             {
+               py::gil_scoped_release release;
+               resp = c.ScaleCollection(name, workers, absl::Seconds(timeout_s));
+             }
+             return ToJson(Value(std::move(resp)));
+           });
 }

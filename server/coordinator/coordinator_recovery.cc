@@ -134,6 +134,13 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   // (replacements are created there); a drained rank holds nothing now.
   std::set<int> kept = planner::HoldingRanks(info.plan());
   for (int r : replaced) kept.erase(r);
+  // A live move's fence epoch comes between the plans' (MoveLive).
+  int64_t fence_epoch = 0;
+  if (drain) {
+    auto fence = NextEpoch();
+    if (!fence.ok()) return fence.status();
+    fence_epoch = *fence;
+  }
   auto next = NextEpoch();
   if (!next.ok()) {
     SetState(name, CollectionInfo::DEGRADED, std::string(next.status().message()));
@@ -152,24 +159,23 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   if (drain) {
     LiveMove move;
     move.name = name;
-    move.epoch = epoch;
+    move.what = absl::StrCat("draining ", lost_names);
+    move.fence_epoch = fence_epoch;
     move.before = before;
     move.after = info;
-    move.from = lost;
-    move.replaced = replaced;
-    move.kept = kept;
-    move.moved = reload;
-    move.dp_source = dp_source;
+    move.after_ids = ids;
     bool fenced = false;
-    if (absl::Status s = MoveLive(move, &fenced); !s.ok()) {
-      const std::string why = absl::StrCat("moving ", lost_names, " failed (", s.message(), ")");
+    absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
+    if (!moved.ok()) {
+      const std::string why =
+          absl::StrCat("moving ", lost_names, " failed (", moved.status().message(), ")");
       LOG(WARNING) << "collection '" << name << "': " << why;
       if (fenced) {  // the holders moved on: back to the old placement at a newer epoch
         std::vector<std::string> created;
         for (int r : replaced) created.push_back(info.worker_addresses(r));
         (void)DropOnWorkers(name, epoch, created);
         (void)ReadoptLocked(name, why + "; back on the old placement");
-        return s;
+        return moved.status();
       }
       // The old placement served all along: it stays, and so does the
       // record of it (the persisted move is cleared).
@@ -182,10 +188,23 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
         old_ids = rank_ids_[name];
       }
       (void)Register(old, old_ids);
+      return moved.status();
+    }
+    info.set_state(CollectionInfo::SERVING);
+    info.set_note(absl::StrCat("drained ", lost_names, ": ", moved->shards,
+                               " shard(s) copied live while serving, no update lost (fenced ",
+                               static_cast<int64_t>(moved->fence_ms), " ms)"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (!collections_.count(name)) return absl::OkStatus();  // dropped meanwhile
+    }
+    if (absl::Status s = Register(info, ids); !s.ok()) {
+      SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
       return s;
     }
-    note = absl::StrCat("drained ", lost_names,
-                        ": shards copied live while serving, no update lost");
+    LOG(INFO) << "collection '" << name << "' moved at epoch " << epoch << " in "
+              << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms: " << info.note();
+    return absl::OkStatus();
   } else {
     // Replacements create their shards; the other live ranks move to the new
     // epoch and create what they were given.
@@ -292,23 +311,12 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     std::vector<std::string> created;
     for (int r : replaced) created.push_back(info.worker_addresses(r));
     (void)DropOnWorkers(name, epoch, created);
-    if (drain) (void)ReadoptLocked(name, absl::StrCat("moving ", lost_names, " failed (",
-                                                       s.message(), "); back on the old placement"));
     return s;
   }
   CrashPoint("move_after_data");
-  if (drain) {
-    std::vector<std::string> sources;
-    for (int r : lost) sources.push_back(before.worker_addresses(r));
-    if (absl::Status s = DropOnWorkers(name, epoch, sources); !s.ok()) {
-      LOG(WARNING) << "collection '" << name << "': moved, but the drained copy stays: " << s;
-    }
-  }
   info.set_state(CollectionInfo::SERVING);
-  if (!drain) {
-    info.set_recovered_from(path);
-    info.set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
-  }
+  info.set_recovered_from(path);
+  info.set_recovered_unix_ms(absl::ToUnixMillis(absl::Now()));
   info.set_note(note);
   {
     absl::MutexLock lock(&mu_);

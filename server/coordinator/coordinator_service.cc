@@ -85,6 +85,15 @@ void CoordinatorService::Reconcile() {
       move.mutable_info()->set_state(CollectionInfo::SERVING);
       const std::vector<std::string> ids(move.rank_worker_ids().begin(),
                                          move.rank_worker_ids().end());
+      // A live move may have stopped before its switch: finish it.
+      CollectionInfo old;
+      {
+        absl::MutexLock lock(&mu_);
+        old = collections_[name];
+      }
+      if (auto plan = PlanMove(old, move.info()); plan.ok()) {
+        FinishMove(name, *plan, move.info());
+      }
       (void)Register(move.info(), ids);
     } else {
       LOG(WARNING) << "reconcile: '" << name << "' was moving to epoch "

@@ -49,6 +49,7 @@
 #include "planner/planner.h"
 #include "proto/service.grpc.pb.h"
 #include "server/common/auth.h"
+#include "server/coordinator/move_plan.h"
 #include "server/coordinator/state_store.h"
 
 namespace ember {
@@ -144,6 +145,11 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // out of new plans; the worker can then exit.
   grpc::Status DrainWorker(grpc::ServerContext* ctx, const ember::v1::DrainWorkerRequest* req,
                            ember::v1::DrainWorkerResponse* resp) override;
+  // Serves a collection from another number of workers, moving its shards
+  // live (coordinator_scale.cc).
+  grpc::Status ScaleCollection(grpc::ServerContext* ctx,
+                               const ember::v1::ScaleCollectionRequest* req,
+                               ember::v1::ScaleCollectionResponse* resp) override;
 
   // Checkpoints one collection under `root` (empty: options.checkpoint_dir),
   // incrementally if asked (CheckpointRequest.incremental). Counted and
@@ -155,6 +161,8 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
  private:
   absl::StatusOr<ember::v1::CheckpointInfo> WriteCollectionCheckpoint(
       const std::string& collection, const std::string& root, bool incremental);
+  absl::StatusOr<ember::v1::ScaleCollectionResponse> Scale(const std::string& name, int workers)
+      ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
   // The base of an incremental checkpoint of `collection` under `root`: its
   // latest committed checkpoint, unless the chain is full
   // (checkpoint_full_every) or unreadable; nullopt: write it whole.
@@ -282,41 +290,45 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // way back after a failed drain or an interrupted recovery.
   absl::Status ReadoptLocked(const std::string& name, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
-  // A live move (live_move.cc): the shards of ranks `from` go to their
-  // places in `after` while `before` serves on.
+  // A live move (live_move.cc): the collection goes from placement
+  // `before` to `after` (rank -> worker id `after_ids`) while `before`
+  // serves. Every worker of `after` that held the collection stages the
+  // shards it does not hold as they are; one new to it creates them at
+  // after's epoch. fence_epoch lies between the two plans' epochs.
   struct LiveMove {
     std::string name;
-    int64_t epoch = 0;  // after's
+    std::string what;  // for notes and logs ("draining rank 1 (...)")
+    int64_t fence_epoch = 0;
     ember::v1::CollectionInfo before, after;
-    std::set<int> from;      // ranks emptied (drained)
-    std::set<int> replaced;  // ranks new to the collection: created at epoch
-    std::set<int> kept;      // ranks holding it before and after
-    // Destination rank -> the (table, shard index) it receives; a new
-    // data-parallel replica copies the old replica named in dp_source.
-    std::map<int, std::set<std::pair<std::string, int32_t>>> moved;
-    std::map<std::pair<std::string, int32_t>, int> dp_source;
+    std::vector<std::string> after_ids;
   };
-  // One shard's copy in a live move, and the source's change mark its
-  // copied rows are current to.
-  struct ShardCopy {
-    std::string from, to;  // addresses
-    ember::v1::ShardRef from_ref, to_ref;
-    int64_t rows = 0, cols = 0, state_width = 0;
-    bool dynamic = false;  // copied whole under the fence
-    ember::v1::ChangeMark mark;
+  // What a live move copied: every row, and those that went from one
+  // worker to another (the rest stayed on their worker, re-cut).
+  struct MoveStats {
+    int shards = 0;  // shards made (staged or created) and filled
+    int64_t bytes_copied = 0, bytes_between_workers = 0;
+    double fence_ms = 0, total_ms = 0;
   };
-  // Copies the shards live: destinations created or staged at m.epoch, a
-  // bulk copy and catch-up rounds (rows changed since the last mark) while
-  // the old placement serves, then the fence (every holder moves to
-  // m.epoch, staged shards adopted) and a last catch-up with each shard's
-  // step and exactly-once record. *fenced: the fence was sent (a failure
-  // from then on needs the old placement re-adopted; before it, the old
-  // placement still serves and whatever was created or staged is dropped).
-  absl::Status MoveLive(const LiveMove& m, bool* fenced);
+  // Copies the shards live: destinations staged or created, a bulk copy
+  // and catch-up rounds (rows changed since the last mark) while `before`
+  // serves; then the fence (every holder to fence_epoch), the last
+  // catch-up with each shard's step and exactly-once record, the new
+  // placement persisted with its data in place, and the switch (staged
+  // shards adopted, shards no longer placed dropped). *fenced: the fence
+  // was sent (a failure from then on needs the old placement re-adopted;
+  // before it, `before` still serves and what was made is dropped).
+  absl::StatusOr<MoveStats> MoveLive(const LiveMove& m, bool* fenced);
+  // A live move's switch, once its data is in place and durable: the
+  // holders adopt their stages at after's epoch and keep only what it
+  // places on them; emptied workers drop the collection. Also finishes a
+  // move a restarted coordinator finds with its data in place. A failure
+  // is logged: the monitor recovers what a worker then lacks.
+  void FinishMove(const std::string& name, const MovePlan& plan,
+                  const ember::v1::CollectionInfo& after);
   // One pass of a live copy over `c`'s rows, in chunks of about 4 MiB:
   // `mark`: takes a new mark first; then every row (`whole`) or those
   // changed since c->mark. The rows copied, or the first failure.
-  absl::StatusOr<int64_t> CopyPass(const std::string& collection, int64_t epoch, ShardCopy* c,
+  absl::StatusOr<int64_t> CopyPass(const std::string& collection, int64_t epoch, RowCopy* c,
                                    bool mark, bool whole);
   // Copies one shard's rows, optimizer state and step between workers.
   absl::Status CopyShard(const std::string& collection, int64_t epoch, const std::string& from,

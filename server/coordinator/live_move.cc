@@ -1,11 +1,12 @@
-// CoordinatorService's live moves (a drain): shards copied while the old
-// placement serves, then a short fence for what changed meanwhile.
+// CoordinatorService's live moves (drains, rescaling): shards copied
+// while the old placement serves, then a short fence for what changed
+// meanwhile. What moves where is PlanMove's (move_plan.h).
 //
 //   1. Destinations: a worker new to the collection creates its shards at
 //      the new epoch (no client of the old plan calls it); one that holds
 //      the collection stages them for that epoch (CreateShardsRequest.
 //      staged: allocated beside what it serves, out of the data plane).
-//   2. Bulk copy: each fixed shard's change mark is taken (under the
+//   2. Bulk copy: each block's source change mark is taken (under the
 //      source's update fence), then every row is copied in chunks while
 //      updates go on.
 //   3. Catch-up rounds: a new mark, then the rows changed since the last
@@ -14,17 +15,18 @@
 //      copies it again. Rounds go on while they shrink and are over
 //      kQuietRows, at most kMaxRounds.
 //   4. Fence: BOUNDED steps are fenced (FenceSteps); every holder moves to
-//      the new epoch (staged shards adopted: UpdateShardsRequest.
-//      require_staged), so each client of the old plan is refused and
-//      waits for the new one.
+//      the fence epoch (between the plans'; stages are kept), so each
+//      client of the old plan is refused and waits for the new one.
 //   5. Last catch-up under the fence: the rows changed since the last
-//      mark, each shard's step and exactly-once record; a dynamic table's
-//      shard (whose slots move with their bookkeeping) is copied whole
-//      here, as a stopped drain did.
+//      mark, each new shard's step (the largest of its sources') and
+//      exactly-once record (theirs merged); a dynamic table's shard (whose
+//      slots move with their bookkeeping) is copied whole here.
+//   6. The new placement is persisted with its data in place; then the
+//      switch: holders adopt their stages and drop what is no longer
+//      theirs (UpdateShardsRequest.require_staged, exact), emptied workers
+//      drop the collection.
 //
-// The caller persists the new placement with its data in place, drops the
-// drained copies and publishes the new plan. Training stops only for the
-// fence and the last catch-up.
+// Training stops only for steps 4 to 6.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -40,6 +42,7 @@
 #include "glog/logging.h"
 #include "planner/plan_view.h"
 #include "server/common/grpc_util.h"
+#include "server/common/wire.h"
 #include "server/coordinator/assignments.h"
 #include "server/coordinator/call_each.h"
 #include "server/coordinator/coordinator_service.h"
@@ -66,7 +69,7 @@ int64_t ChunkRows(int64_t cols, int64_t state_width) {
 }  // namespace
 
 absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collection, int64_t epoch,
-                                                     ShardCopy* c, bool mark, bool whole) {
+                                                     RowCopy* c, bool mark, bool whole) {
   ember::v1::Worker::Stub* src = StubFor(c->from);
   ember::v1::Worker::Stub* dst = StubFor(c->to);
   auto exported = [&](const ember::v1::ExportRowsRequest& ex,
@@ -95,70 +98,77 @@ absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collecti
   int64_t copied = 0;
   for (int64_t b = 0; b < c->rows; b += chunk) {
     const int64_t e = std::min(c->rows, b + chunk);
-    ex.set_row_begin(b);
-    ex.set_row_end(e);
+    ex.set_row_begin(c->from_row + b);
+    ex.set_row_end(c->from_row + e);
     ember::v1::ExportRowsResponse got;
     if (absl::Status s = exported(ex, &got); !s.ok()) return s;
-    if (!whole && got.rows().empty()) continue;  // nothing changed here
     ember::v1::ImportRowsRequest im;
+    if (!whole) {  // the changed rows, from the source's numbering to the target's
+      std::vector<int64_t> rows;
+      if (absl::Status s = wire::Decode(got.rows(), "rows", &rows); !s.ok()) return s;
+      if (rows.empty()) continue;  // nothing changed here
+      for (int64_t& r : rows) r += c->to_row - c->from_row;
+      wire::Encode(absl::Span<const int64_t>(rows), im.mutable_rows());
+      copied += static_cast<int64_t>(rows.size());
+    } else {
+      copied += e - b;
+    }
     im.set_collection(collection);
     im.set_epoch(epoch);
     *im.mutable_shard() = c->to_ref;
-    im.set_row_begin(b);
-    im.set_row_end(e);
+    im.set_row_begin(c->to_row + b);
+    im.set_row_end(c->to_row + e);
     im.set_weights(std::move(*got.mutable_weights()));
     im.set_state(std::move(*got.mutable_state()));
-    im.set_rows(std::move(*got.mutable_rows()));
     im.set_step(-1);  // the step comes with the last catch-up
     ember::v1::ImportRowsResponse done;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.worker_rpc_timeout);
     AddToken(&ctx, CredentialFor(c->to));
     if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, c->to);
-    copied += whole ? e - b : static_cast<int64_t>(im.rows().size() / sizeof(int64_t));
   }
   return copied;
 }
 
-absl::Status CoordinatorService::MoveLive(const LiveMove& m, bool* fenced) {
+absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const LiveMove& m,
+                                                                          bool* fenced) {
   *fenced = false;
   const std::string& name = m.name;
+  const int64_t epoch = m.after.plan().epoch();
   const absl::Time start = absl::Now();
-  const std::string moving = absl::StrCat("moving the shards of ", DescribeRanks(m.before, m.from));
+  absl::StatusOr<MovePlan> planned = PlanMove(m.before, m.after);
+  if (!planned.ok()) return planned.status();
+  MovePlan& plan = *planned;
+  MoveStats stats;
+  stats.bytes_copied = plan.bytes;
+  stats.bytes_between_workers = plan.bytes_between_workers;
 
   // 1. Destinations: created (new to the collection) or staged.
   std::vector<std::string> create_at, stage_at, at;
   std::vector<ember::v1::CreateShardsRequest> creates;
-  for (int r : m.replaced) {
+  auto request = [&](const std::string& address,
+                     const std::vector<ember::v1::ShardAssignment>& shards, bool staged) {
     ember::v1::CreateShardsRequest c;
     c.set_collection(name);
-    c.set_epoch(m.epoch);
+    c.set_epoch(epoch);
+    c.set_staged(staged);
     *c.mutable_training() = m.after.spec().training();
-    for (const auto& a : AssignmentsOf(m.after, r)) *c.add_shards() = a;
-    create_at.push_back(m.after.worker_addresses(r));
+    for (const auto& a : shards) *c.add_shards() = a;
+    (staged ? stage_at : create_at).push_back(address);
     creates.push_back(std::move(c));
-  }
-  for (int r : m.kept) {
-    auto it = m.moved.find(r);
-    if (it == m.moved.end() || it->second.empty()) continue;
-    ember::v1::CreateShardsRequest c;
-    c.set_collection(name);
-    c.set_epoch(m.epoch);
-    c.set_staged(true);
-    *c.mutable_training() = m.after.spec().training();
-    for (const auto& a : AssignmentsOf(m.after, r)) {
-      if (it->second.count({a.ref().table(), a.ref().shard_index()})) *c.add_shards() = a;
-    }
-    stage_at.push_back(m.after.worker_addresses(r));
-    creates.push_back(std::move(c));
+    stats.shards += static_cast<int>(shards.size());
+  };
+  for (const auto& [address, shards] : plan.create) request(address, shards, false);
+  for (const auto& [address, shards] : plan.stage) {
+    if (!shards.empty()) request(address, shards, true);
   }
   at = create_at;
   at.insert(at.end(), stage_at.begin(), stage_at.end());
   // Before the fence a failure lets go of what was created or staged: the
   // old placement has served all along.
   auto undo = [&](const absl::Status& why) {
-    (void)DropOnWorkers(name, m.epoch, create_at);
-    (void)DropOnWorkers(name, m.epoch, stage_at, /*staged=*/true);
+    (void)DropOnWorkers(name, epoch, create_at);
+    (void)DropOnWorkers(name, epoch, stage_at, /*staged=*/true);
     return why;
   };
   const std::vector<grpc::Status> made =
@@ -170,39 +180,20 @@ absl::Status CoordinatorService::MoveLive(const LiveMove& m, bool* fenced) {
     if (!made[i].ok()) return undo(FromGrpc(made[i], at[i]));
   }
 
-  // 2. The copies, and the bulk copy of each fixed shard.
-  std::vector<ShardCopy> copies;
-  for (const auto& [to, refs] : m.moved) {
-    for (const auto& [table, index] : refs) {
-      auto dp = m.dp_source.find({table, index});
-      ShardCopy c;
-      c.from_ref.set_table(table);
-      c.from_ref.set_shard_index(dp != m.dp_source.end() ? dp->second : index);
-      c.to_ref.set_table(table);
-      c.to_ref.set_shard_index(index);
-      const std::optional<ember::v1::ShardAssignment> a = AssignmentOf(m.before, c.from_ref);
-      if (!a) {
-        return undo(absl::InternalError(
-            absl::StrCat("no shard to copy for table '", table, "' shard ", index)));
-      }
-      c.from = m.before.worker_addresses(RankOf(m.before, c.from_ref));
-      c.to = m.after.worker_addresses(to);
-      c.rows = a->rows();
-      c.dynamic = a->table().has_dynamic();
-      copies.push_back(std::move(c));
-    }
-  }
+  // 2. The bulk copy of each fixed block.
+  std::vector<RowCopy>& copies = plan.copies;
   int64_t bulk = 0;
   for (size_t i = 0; i < copies.size(); ++i) {
     if (copies[i].dynamic) continue;
-    auto n = CopyPass(name, m.epoch, &copies[i], /*mark=*/true, /*whole=*/true);
+    auto n = CopyPass(name, epoch, &copies[i], /*mark=*/true, /*whole=*/true);
     if (!n.ok()) return undo(n.status());
     bulk += *n;
     SetState(name, CollectionInfo::SERVING,
-             absl::StrCat(moving, " live: ", i + 1, " of ", copies.size(), " shard(s) copied"));
+             absl::StrCat(m.what, " live: ", i + 1, " of ", copies.size(), " block(s) copied (",
+                          plan.bytes >> 20, " MiB in all)"));
   }
-  LOG(INFO) << "collection '" << name << "': " << moving << ": " << bulk << " rows of "
-            << copies.size() << " shard(s) copied live in "
+  LOG(INFO) << "collection '" << name << "': " << m.what << ": " << bulk << " rows in "
+            << copies.size() << " block(s) copied live in "
             << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms";
   CrashPoint("live_move_copied");
 
@@ -210,95 +201,99 @@ absl::Status CoordinatorService::MoveLive(const LiveMove& m, bool* fenced) {
   int64_t last = std::numeric_limits<int64_t>::max();
   for (int round = 1; round <= kMaxRounds; ++round) {
     int64_t rows = 0;
-    for (ShardCopy& c : copies) {
+    for (RowCopy& c : copies) {
       if (c.dynamic) continue;
-      auto n = CopyPass(name, m.epoch, &c, /*mark=*/true, /*whole=*/false);
+      auto n = CopyPass(name, epoch, &c, /*mark=*/true, /*whole=*/false);
       if (!n.ok()) return undo(n.status());
       rows += *n;
     }
     LOG(INFO) << "collection '" << name << "': catch-up round " << round << ": " << rows
               << " changed row(s) copied";
     SetState(name, CollectionInfo::SERVING,
-             absl::StrCat(moving, " live: catch-up round ", round, ", ", rows, " row(s)"));
+             absl::StrCat(m.what, " live: catch-up round ", round, ", ", rows, " row(s)"));
     if (rows <= kQuietRows || rows >= last) break;
     last = rows;
   }
 
-  // 4. The fence: BOUNDED steps first, then every holder to the new epoch.
-  SetState(name, CollectionInfo::RECOVERING, absl::StrCat(moving, ": last catch-up"));
+  // 4. The fence: BOUNDED steps first, then every holder to the fence epoch.
+  SetState(name, CollectionInfo::RECOVERING, absl::StrCat(m.what, ": last catch-up"));
   const absl::Time fence_start = absl::Now();
-  std::vector<std::string> holders, move_at;
-  std::vector<ember::v1::UpdateShardsRequest> updates;
+  std::vector<std::string> holders;
   for (int r : planner::HoldingRanks(m.before.plan())) {
     holders.push_back(m.before.worker_addresses(r));
   }
   if (m.before.spec().training().mode() == ember::v1::TrainingSpec::BOUNDED) {
     FenceSteps(m.before, holders);
   }
-  for (int r : m.from) {
-    ember::v1::UpdateShardsRequest u;  // keeps its shards (the copies' source) at the new epoch
-    u.set_collection(name);
-    u.set_epoch(m.epoch);
-    *u.mutable_training() = m.before.spec().training();
-    move_at.push_back(m.before.worker_addresses(r));
-    updates.push_back(std::move(u));
-  }
-  for (int r : m.kept) {
-    ember::v1::UpdateShardsRequest u;
-    u.set_collection(name);
-    u.set_epoch(m.epoch);
-    u.set_require_staged(true);
-    *u.mutable_training() = m.after.spec().training();
-    for (const auto& a : AssignmentsOf(m.after, r)) *u.add_create() = a;
-    move_at.push_back(m.after.worker_addresses(r));
-    updates.push_back(std::move(u));
-  }
+  ember::v1::UpdateShardsRequest fence;
+  fence.set_collection(name);
+  fence.set_epoch(m.fence_epoch);
+  *fence.mutable_training() = m.before.spec().training();
   *fenced = true;
   const std::vector<grpc::Status> moved =
       CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-          move_at, updates, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+          holders, std::vector<ember::v1::UpdateShardsRequest>(holders.size(), fence),
+          [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
             async->UpdateShards(ctx, request, response, std::move(done));
           });
-  for (size_t i = 0; i < move_at.size(); ++i) {
-    if (!moved[i].ok()) return FromGrpc(moved[i], move_at[i]);
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!moved[i].ok()) return FromGrpc(moved[i], holders[i]);
   }
   CrashPoint("live_move_fenced");
 
-  // 5. The last catch-up, each shard's step and exactly-once record.
+  // 5. The last catch-up, and each new shard's step (the largest of its
+  // sources') and exactly-once record. A shard filled from several sources
+  // keeps each one's record for the rows it gave (applied_for_rows): an
+  // update one source applied and another did not (in flight at the
+  // fence), sent again, then applies to the rows that lack it alone.
   int64_t rows = 0;
-  for (ShardCopy& c : copies) {
-    if (c.dynamic) {
-      if (absl::Status s = CopyShard(name, m.epoch, c.from, c.from_ref, c.to, c.to_ref, c.rows);
+  std::map<std::pair<std::string, std::pair<std::string, int32_t>>, int> sources;
+  for (const RowCopy& c : copies) ++sources[{c.to, {c.to_ref.table(), c.to_ref.shard_index()}}];
+  std::vector<ember::v1::ExportRowsResponse> records(copies.size());
+  std::map<std::pair<std::string, std::pair<std::string, int32_t>>, int64_t> steps;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    RowCopy& c = copies[i];
+    if (c.dynamic) {  // whole, with its step and record
+      if (absl::Status s = CopyShard(name, epoch, c.from, c.from_ref, c.to, c.to_ref, c.rows);
           !s.ok()) {
         return s;
       }
       rows += c.rows;
       continue;
     }
-    auto n = CopyPass(name, m.epoch, &c, /*mark=*/false, /*whole=*/false);
+    auto n = CopyPass(name, epoch, &c, /*mark=*/false, /*whole=*/false);
     if (!n.ok()) return n.status();
     rows += *n;
-    // The step and the record: a call with no rows.
-    ember::v1::ExportRowsRequest ex;
+    ember::v1::ExportRowsRequest ex;  // the source's step and record: no rows
     ex.set_collection(name);
     *ex.mutable_shard() = c.from_ref;
     ex.set_with_applied_ids(true);
-    ember::v1::ExportRowsResponse got;
-    {
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx, options_.worker_rpc_timeout);
-      AddToken(&ctx, CredentialFor(c.from));
-      if (grpc::Status s = StubFor(c.from)->ExportRows(&ctx, ex, &got); !s.ok()) {
-        return FromGrpc(s, c.from);
-      }
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, options_.worker_rpc_timeout);
+    AddToken(&ctx, CredentialFor(c.from));
+    if (grpc::Status s = StubFor(c.from)->ExportRows(&ctx, ex, &records[i]); !s.ok()) {
+      return FromGrpc(s, c.from);
     }
+    int64_t& step = steps[{c.to, {c.to_ref.table(), c.to_ref.shard_index()}}];
+    step = std::max(step, records[i].step());
+  }
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const RowCopy& c = copies[i];
+    if (c.dynamic) continue;
+    const std::pair<std::string, std::pair<std::string, int32_t>> target{
+        c.to, {c.to_ref.table(), c.to_ref.shard_index()}};
     ember::v1::ImportRowsRequest im;
     im.set_collection(name);
-    im.set_epoch(m.epoch);
+    im.set_epoch(epoch);
     *im.mutable_shard() = c.to_ref;
-    im.set_step(got.step());
-    *im.mutable_applied_ids() = got.applied_ids();
-    *im.mutable_applied_unix_ms() = got.applied_unix_ms();
+    im.set_step(steps[target]);
+    *im.mutable_applied_ids() = records[i].applied_ids();
+    *im.mutable_applied_unix_ms() = records[i].applied_unix_ms();
+    if (sources[target] > 1) {
+      im.set_applied_for_rows(true);
+      im.set_row_begin(c.to_row);
+      im.set_row_end(c.to_row + c.rows);
+    }
     ember::v1::ImportRowsResponse done;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.worker_rpc_timeout);
@@ -307,11 +302,56 @@ absl::Status CoordinatorService::MoveLive(const LiveMove& m, bool* fenced) {
       return FromGrpc(s, c.to);
     }
   }
-  LOG(INFO) << "collection '" << name << "': " << moving << ": fenced for "
-            << absl::ToDoubleMilliseconds(absl::Now() - fence_start) << " ms (" << rows
-            << " row(s) in the last catch-up); the whole move took "
-            << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms";
-  return absl::OkStatus();
+
+  // 6. Durable with its data in place, then the switch.
+  if (absl::Status s = PersistMove(name, m.after, m.after_ids, /*data_in_place=*/true); !s.ok()) {
+    return s;
+  }
+  CrashPoint("move_after_data");
+  FinishMove(name, plan, m.after);
+  stats.fence_ms = absl::ToDoubleMilliseconds(absl::Now() - fence_start);
+  stats.total_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  LOG(INFO) << "collection '" << name << "': " << m.what << ": fenced for " << stats.fence_ms
+            << " ms (" << rows << " row(s) in the last catch-up); " << stats.shards
+            << " shard(s), " << stats.bytes_copied << " bytes copied ("
+            << stats.bytes_between_workers << " between workers) in " << stats.total_ms << " ms";
+  return stats;
+}
+
+void CoordinatorService::FinishMove(const std::string& name, const MovePlan& plan,
+                                    const CollectionInfo& after) {
+  const int64_t epoch = after.plan().epoch();
+  std::vector<std::string> switch_at;
+  std::vector<ember::v1::UpdateShardsRequest> switches;
+  for (const auto& [address, shards] : plan.after) {
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(name);
+    u.set_epoch(epoch);
+    u.set_require_staged(true);
+    u.set_exact(true);
+    *u.mutable_training() = after.spec().training();
+    for (const auto& a : shards) *u.add_create() = a;
+    switch_at.push_back(address);
+    switches.push_back(std::move(u));
+  }
+  const std::vector<grpc::Status> switched =
+      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+          switch_at, switches, [](auto* async, auto* ctx, auto* request, auto* response,
+                                  auto done) {
+            async->UpdateShards(ctx, request, response, std::move(done));
+          });
+  for (size_t i = 0; i < switch_at.size(); ++i) {
+    // The data is in place and durable: the new placement stands; a worker
+    // that missed its switch is found lacking by the monitor and recovered.
+    if (!switched[i].ok()) {
+      LOG(ERROR) << "collection '" << name << "': the switch failed on " << switch_at[i] << ": "
+                 << switched[i].error_message();
+    }
+  }
+  const std::vector<std::string> emptied(plan.emptied.begin(), plan.emptied.end());
+  if (absl::Status s = DropOnWorkers(name, epoch, emptied); !s.ok()) {
+    LOG(WARNING) << "collection '" << name << "': moved, but an emptied worker's copy stays: " << s;
+  }
 }
 
 }  // namespace coordinator

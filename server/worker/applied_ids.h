@@ -55,6 +55,15 @@ class AppliedIds {
   std::deque<std::pair<uint64_t, absl::Time>> order_;  // oldest first
 };
 
+// A record that holds for rows [begin, end) of a shard only: a shard a live
+// move filled from several (each source's record came with the rows it
+// gave). A request one source applied and another did not (in flight as the
+// move's fence came) is then sent again for the rows that lack it alone.
+struct RowsRecord {
+  int64_t begin = 0, end = 0;
+  AppliedIds applied;
+};
+
 }  // namespace worker
 }  // namespace ember
 

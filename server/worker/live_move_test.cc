@@ -12,10 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "server/backend/backend_factory.h"
 #include "server/backend/table_spec.h"
 #include "server/common/wire.h"
+#include "server/worker/applied_ids.h"
 #include "server/worker/worker_service.h"
 
 namespace ember {
@@ -231,6 +233,60 @@ TEST(LiveMoveTest, TheSwitchAdoptsTheStageAndDropsTheRest) {
                 backend::ShardBytes(ShardSpecFromTable(Assignment("t", 8).table(), 0, 0, 8, kDim)));
 }
 
+// A shard filled from two sources keeps each one's record for its rows: an
+// update the first source applied and the second did not, sent again,
+// applies to the second's rows alone; sent once more, to none.
+TEST(LiveMoveTest, ARetryAfterAMergeAppliesOnlyToTheRowsThatLackedIt) {
+  auto merged = Worker({Assignment("t", 6)});
+  auto plain = Worker({Assignment("t", 6)});  // the same rows (same seed)
+  auto record = [&](int64_t begin, int64_t end, const std::string& request_id) {
+    ember::v1::ImportRowsRequest im;
+    im.set_collection("c");
+    im.set_epoch(1);
+    im.mutable_shard()->set_table("t");
+    im.set_row_begin(begin);
+    im.set_row_end(end);
+    im.set_applied_for_rows(true);
+    im.set_step(-1);
+    im.add_applied_ids(RequestIdHash(request_id));
+    im.add_applied_unix_ms(absl::ToUnixMillis(absl::Now()));
+    ember::v1::ImportRowsResponse done;
+    return merged->ImportRows(nullptr, &im, &done);
+  };
+  ASSERT_TRUE(record(0, 3, "half").ok());  // the first source's rows had it
+  ASSERT_TRUE(record(3, 6, "other").ok());
+  // Bags {1, 4} and {5}: rows 1 (first source) and 4, 5 (second).
+  auto update = [](const std::vector<int64_t>& lengths, const std::vector<int64_t>& ids,
+                   const std::vector<float>& grad, const std::string& id) {
+    ember::v1::WorkerApplyGradientsRequest r;
+    r.set_collection("c");
+    r.set_epoch(1);
+    r.set_request_id(id);
+    auto* g = r.add_gradients();
+    g->mutable_feature()->mutable_shard()->set_table("t");
+    g->mutable_feature()->set_pooling(TableConfig::SUM);
+    g->mutable_feature()->set_lengths(wire::Encode<int64_t>(lengths));
+    g->mutable_feature()->set_ids(wire::Encode<int64_t>(ids));
+    g->set_grad(wire::Encode<float>(grad));
+    return r;
+  };
+  const std::vector<float> grad = {1, 2, 3, 4, -1, -2, -3, -4};
+  auto retried = update({2, 1}, {1, 4, 5}, grad, "half");
+  ember::v1::WorkerApplyGradientsResponse resp;
+  ASSERT_TRUE(merged->ApplyGradients(nullptr, &retried, &resp).ok());
+  EXPECT_FALSE(resp.duplicate());
+  auto owed = update({1, 1}, {4, 5}, grad, "half");  // what the second source's rows lacked
+  ASSERT_TRUE(plain->ApplyGradients(nullptr, &owed, &resp).ok());
+  EXPECT_EQ(Rows(merged.get(), "t", 6), Rows(plain.get(), "t", 6));
+  // Once more: applied everywhere now.
+  ASSERT_TRUE(merged->ApplyGradients(nullptr, &retried, &resp).ok());
+  EXPECT_TRUE(resp.duplicate());
+  EXPECT_EQ(Rows(merged.get(), "t", 6), Rows(plain.get(), "t", 6));
+  // A record for rows outside the shard, or with values, is refused.
+  EXPECT_EQ(record(4, 9, "x").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(record(2, 2, "x").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
 // Misuse is refused precisely and changes nothing.
 TEST(LiveMoveTest, MisuseIsRefusedAndChangesNothing) {
   auto w = Worker({Assignment("t", 8), Assignment("d", 16, /*dynamic=*/true)});
@@ -322,7 +378,8 @@ TEST(LiveMoveTest, MisuseIsRefusedAndChangesNothing) {
   EXPECT_TRUE(Update(w.get(), 1, "t", {3}, &rng).ok());
   EXPECT_EQ(Switch(w.get(), 2, {Assignment("t", 8), Assignment("u", 4)}).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
-  // A stage gives way to any other epoch change.
+  // A stage outlives a move to an earlier epoch (a live move's fence) and
+  // gives way to a later one.
   ASSERT_TRUE(Stage(w.get(), 5, {Assignment("u", 4)}).ok());
   ember::v1::UpdateShardsRequest up;
   up.set_collection("c");
@@ -330,7 +387,20 @@ TEST(LiveMoveTest, MisuseIsRefusedAndChangesNothing) {
   ember::v1::UpdateShardsResponse upr;
   ASSERT_TRUE(w->UpdateShards(nullptr, &up, &upr).ok());
   ASSERT_TRUE(w->ShardStatus(nullptr, &sq, &(st = {})).ok());
+  EXPECT_LT(st.available_bytes(), free_bytes);
+  up.set_epoch(6);
+  ASSERT_TRUE(w->UpdateShards(nullptr, &up, &upr).ok());
+  ASSERT_TRUE(w->ShardStatus(nullptr, &sq, &(st = {})).ok());
   EXPECT_EQ(st.available_bytes(), free_bytes);
+  // `exact` keeps only the shards named.
+  up.set_epoch(7);
+  up.set_exact(true);
+  *up.add_create() = Assignment("t", 8);
+  ASSERT_TRUE(w->UpdateShards(nullptr, &up, &upr).ok());
+  ASSERT_TRUE(w->ShardStatus(nullptr, &sq, &(st = {})).ok());
+  ASSERT_EQ(st.shards_size(), 1);
+  EXPECT_EQ(st.shards(0).shard().table(), "t");
+  EXPECT_TRUE(Update(w.get(), 7, "t", {2}, &rng).ok());
 }
 
 }  // namespace

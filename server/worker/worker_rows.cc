@@ -191,7 +191,17 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
   // under mu_, held here shared): no need to stall the collection's updates.
   std::optional<absl::MutexLock> apply;
   if (!staged) apply.emplace(c->apply_mu.get());
-  if (absl::Status s = ImportInto(**shard, *req, weights, state); !s.ok()) return ToGrpc(s);
+  const ember::v1::ShardAssignment& a = (*shard)->assignment;
+  if (req->applied_for_rows()) {  // a record for some rows: they carry no values here
+    if (a.table().has_dynamic() || !weights.empty() || !state.empty() || !req->rows().empty() ||
+        req->row_begin() < 0 || req->row_begin() >= req->row_end() || req->row_end() > a.rows()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "applied_for_rows takes a fixed shard's non-empty row range inside [0, ", a.rows(),
+          ") and no rows, weights or state; got [", req->row_begin(), ", ", req->row_end(), ")")));
+    }
+  } else if (absl::Status s = ImportInto(**shard, *req, weights, state); !s.ok()) {
+    return ToGrpc(s);
+  }
   if (req->applied_ids_size() > 0) {
     std::vector<std::pair<uint64_t, absl::Time>> entries;
     for (int i = 0; i < req->applied_ids_size(); ++i) {
@@ -199,8 +209,20 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
     }
     std::sort(entries.begin(), entries.end(),
               [](const auto& a, const auto& b) { return a.second < b.second; });
+    AppliedIds* into = (*shard)->applied.get();
+    if (req->applied_for_rows()) {
+      std::vector<RowsRecord>& records = *(*shard)->rows_applied;
+      auto it = std::find_if(records.begin(), records.end(), [&](const RowsRecord& r) {
+        return r.begin == req->row_begin() && r.end == req->row_end();
+      });
+      if (it == records.end()) {
+        records.push_back({req->row_begin(), req->row_end(), AppliedIds()});
+        it = records.end() - 1;
+      }
+      into = &it->applied;
+    }
     dedup_forgotten_early_.fetch_add(
-        (*shard)->applied->Merge(entries, absl::Now(), options_.dedup_ttl, options_.dedup_window),
+        into->Merge(entries, absl::Now(), options_.dedup_ttl, options_.dedup_window),
         std::memory_order_relaxed);
   }
   if (req->step() >= 0) {

@@ -6,7 +6,9 @@
 // worker_rows.cc.
 #include "server/worker/worker_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <set>
 #include <tuple>
@@ -77,6 +79,61 @@ int64_t SteadyNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// The row ranges whose record (a shard a live move filled from several)
+// holds request `id`.
+std::vector<std::pair<int64_t, int64_t>> AppliedRanges(const std::vector<RowsRecord>& records,
+                                                       uint64_t id) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const RowsRecord& r : records) {
+    if (r.applied.Contains(id)) out.push_back({r.begin, r.end});
+  }
+  return out;
+}
+
+// `part` less its ids in `ranges` (with NONE pooling, their gradient rows
+// too): what a retried update still owes the rows whose record lacks it.
+// A pooled bag keeps its gradient: each remaining id gets what it would
+// have had on the shard it came from (SUM, and MEAN by the bag's whole
+// length or, without one, the ids left: those its source shard held).
+HeldPart WithoutRanges(const HeldPart& part,
+                       const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  auto applied = [&](int64_t row) {
+    for (const auto& [b, e] : ranges) {
+      if (row >= b && row < e) return true;
+    }
+    return false;
+  };
+  HeldPart out;
+  out.table = part.table;
+  out.shard_index = part.shard_index;
+  out.feature = part.feature;
+  out.pooling = part.pooling;
+  out.mean_lengths = part.mean_lengths;
+  const bool per_id = part.pooling == backend::Pooling::kNone;
+  const size_t n = per_id ? part.ids.size() : part.lengths.size();
+  const size_t cols = n == 0 ? 0 : part.grad.size() / n;
+  size_t at = 0;
+  for (size_t b = 0; b < part.lengths.size(); ++b) {
+    int64_t kept = 0;
+    for (int64_t k = 0; k < part.lengths[b]; ++k, ++at) {
+      if (applied(part.ids[at])) continue;
+      out.ids.push_back(part.ids[at]);
+      if (!part.weights.empty()) out.weights.push_back(part.weights[at]);
+      if (per_id) {
+        out.grad.insert(out.grad.end(), part.grad.begin() + at * cols,
+                        part.grad.begin() + (at + 1) * cols);
+      }
+      ++kept;
+    }
+    out.lengths.push_back(kept);
+    if (!per_id) {
+      out.grad.insert(out.grad.end(), part.grad.begin() + b * cols,
+                      part.grad.begin() + (b + 1) * cols);
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -319,6 +376,7 @@ grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
   std::vector<const ShardEntry*> found;    // gradient i's shard
   std::vector<const ShardEntry*> entries;  // requests[i]'s shard
   std::set<const ShardEntry*> touched;
+  std::deque<HeldPart> trimmed;  // parts some of whose rows applied this id before
   bool seen = false;
   // The whole request is checked; then only the parts whose shards have not
   // applied this id run (a retry after a partial failure or a move).
@@ -340,6 +398,31 @@ grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
     if (entry->applied->Contains(id)) {
       seen = true;
       continue;
+    }
+    if (!entry->rows_applied->empty()) {
+      const auto ranges = AppliedRanges(*entry->rows_applied, id);
+      if (!ranges.empty()) {  // a retry after a live move merged this shard: the rest only
+        if (part->feature.on_device) {
+          return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+              "request id '", req.request_id().substr(0, 128),
+              "' was applied to part of shard ", entry->assignment.ref().shard_index(),
+              " of table '", entry->assignment.ref().table(),
+              "' before it was re-cut; send it again with its ids in host memory")));
+        }
+        HeldPart whole;
+        whole.pooling = part->feature.pooling;
+        whole.lengths.assign(part->feature.lengths.begin(), part->feature.lengths.end());
+        whole.ids.assign(part->feature.ids.begin(), part->feature.ids.end());
+        whole.weights.assign(part->feature.weights.begin(), part->feature.weights.end());
+        whole.grad.assign(part->grad.begin(), part->grad.end());
+        trimmed.push_back(WithoutRanges(whole, ranges));
+        const HeldPart& t = trimmed.back();
+        part->feature.lengths = t.lengths;
+        part->feature.ids = t.ids;
+        part->feature.weights = t.weights;
+        part->grad = t.grad;
+        seen = true;
+      }
     }
     requests.push_back(*part);
     entries.push_back(entry);
@@ -366,6 +449,15 @@ void WorkerService::RecordApplied(const std::set<const ShardEntry*>& touched, ui
   int64_t early = 0;
   for (const ShardEntry* e : touched) {
     early += e->applied->Add(id, now, options_.dedup_ttl, options_.dedup_window, digest);
+    // A re-cut's per-rows records go once their newest id is past the ttl.
+    std::vector<RowsRecord>& rows = *e->rows_applied;
+    rows.erase(std::remove_if(rows.begin(), rows.end(),
+                              [&](const RowsRecord& r) {
+                                const auto entries = r.applied.Entries();
+                                return entries.empty() ||
+                                       now - entries.back().second > options_.dedup_ttl;
+                              }),
+               rows.end());
   }
   if (early > 0) {
     dedup_forgotten_early_.fetch_add(early, std::memory_order_relaxed);
@@ -470,16 +562,27 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
   std::vector<Group> groups;
   std::map<std::tuple<std::string, int32_t, std::string>, size_t> group_of;
   std::vector<std::set<const ShardEntry*>> touched(ranks.size());
+  std::deque<HeldPart> trimmed;  // parts some of whose rows applied their id before
   for (size_t k = 0; k < ranks.size(); ++k) {
     const uint64_t id = RequestIdHash(ranks[k]->request_id);
-    for (const HeldPart& h : ranks[k]->parts) {
-      auto it = coll.shards.find({h.table, h.shard_index});
+    for (const HeldPart& held : ranks[k]->parts) {
+      const HeldPart* part = &held;
+      auto it = coll.shards.find({part->table, part->shard_index});
       if (it == coll.shards.end()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "shard ", h.shard_index, " of table '", h.table, "' left this worker during the step"));
+        return absl::FailedPreconditionError(absl::StrCat("shard ", part->shard_index,
+                                                          " of table '", part->table,
+                                                          "' left this worker during the step"));
       }
       const ShardEntry* entry = &it->second;
       if (entry->applied->Contains(id)) continue;  // applied before it moved here
+      if (!entry->rows_applied->empty()) {  // or to some of its rows, before a re-cut
+        const auto ranges = AppliedRanges(*entry->rows_applied, id);
+        if (!ranges.empty()) {
+          trimmed.push_back(WithoutRanges(*part, ranges));
+          part = &trimmed.back();
+        }
+      }
+      const HeldPart& h = *part;
       touched[k].insert(entry);
       auto [g, inserted] = group_of.emplace(std::make_tuple(h.table, h.shard_index, h.feature),
                                             groups.size());

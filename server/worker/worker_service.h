@@ -205,6 +205,10 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::shared_ptr<ShardTraffic> traffic = std::make_shared<ShardTraffic>();
     // Exactly-once, per shard (it moves with the shard); under apply_mu.
     std::shared_ptr<AppliedIds> applied = std::make_shared<AppliedIds>();
+    // Records for some rows only (a shard filled from several by a live
+    // move: ImportRowsRequest.applied_for_rows); under apply_mu.
+    std::shared_ptr<std::vector<RowsRecord>> rows_applied =
+        std::make_shared<std::vector<RowsRecord>>();
   };
   struct Collection {
     int64_t epoch = 0;

@@ -4,6 +4,7 @@
 // out (export, import, checkpoints) are worker_rows.cc.
 #include <algorithm>
 #include <limits>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -364,8 +365,10 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   Collection& coll = **c;
   absl::MutexLock apply(coll.apply_mu.get());
   for (auto& [key, entry] : added.shards) coll.shards.emplace(key, std::move(entry));
-  // Staged shards: those named come into service (a held shard of the same
-  // ref gives way), the rest are dropped; no stage outlives an epoch change.
+  // Staged shards: at their epoch those named come into service (a held
+  // shard of the same ref gives way) and the rest are dropped; a move to a
+  // later epoch drops them all, an earlier one (a live move's fence) keeps
+  // them.
   for (const auto& key : adopt) {
     auto held = coll.shards.find(key);
     if (held != coll.shards.end()) {
@@ -378,10 +381,28 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     coll.shards.emplace(key, std::move(coll.staged.at(key)));
     coll.staged.erase(key);
   }
-  if (req->epoch() != coll.epoch) {
+  if (coll.staged_epoch != 0 && req->epoch() >= coll.staged_epoch) {
     DropAll(name, coll.staged);
     coll.staged.clear();
     coll.staged_epoch = 0;
+  }
+  // `exact`: the held shards are those named, no other.
+  int dropped = 0;
+  if (req->exact()) {
+    std::set<std::pair<std::string, int32_t>> named;
+    for (const auto& a : req->create()) named.insert({a.ref().table(), a.ref().shard_index()});
+    for (auto it = coll.shards.begin(); it != coll.shards.end();) {
+      if (named.count(it->first)) {
+        ++it;
+        continue;
+      }
+      if (absl::Status d = backend_->DropShard(it->second.id); !d.ok()) {
+        LOG(ERROR) << "dropping " << RefString(it->second.assignment.ref()) << " of '" << name
+                   << "': " << d;
+      }
+      it = coll.shards.erase(it);
+      ++dropped;
+    }
   }
   if (req->epoch() != coll.epoch) {
     // Steps held at the old epoch are dropped: their trainers refresh the
@@ -393,7 +414,8 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     coll.steps = MakeSteps(req->training());
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
-            << create.size() << " shard(s) added, " << adopt.size() << " staged one(s) adopted";
+            << create.size() << " shard(s) added, " << adopt.size() << " staged one(s) adopted, "
+            << dropped << " dropped";
   coll.epoch = req->epoch();
   return grpc::Status::OK;
 }

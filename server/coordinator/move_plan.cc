@@ -1,0 +1,264 @@
+#include "server/coordinator/move_plan.h"
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "planner/plan_view.h"
+#include "planner/shard_geometry.h"
+#include "server/backend/embedding_backend.h"
+#include "server/backend/table_spec.h"
+#include "server/coordinator/assignments.h"
+
+namespace ember {
+namespace coordinator {
+
+using ember::v1::CollectionInfo;
+using ember::v1::ShardAssignment;
+
+namespace {
+
+bool Same(const ShardAssignment& a, const ShardAssignment& b) {
+  return google::protobuf::util::MessageDifferencer::Equals(a, b);
+}
+
+// Bytes of weights and optimizer state per row of `a`.
+int64_t RowBytes(const ShardAssignment& a) {
+  const backend::ShardSpec spec =
+      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
+  return 4 * (spec.dim + backend::OptimizerStateWidth(spec.optimizer.type, spec.dim));
+}
+
+struct OldShard {
+  std::string address;
+  ShardAssignment a;
+};
+
+}  // namespace
+
+absl::StatusOr<MovePlan> PlanMove(const CollectionInfo& before, const CollectionInfo& after) {
+  MovePlan plan;
+  // What each worker holds now, by address, and each table's old shards.
+  std::map<std::string, std::map<std::pair<std::string, int32_t>, ShardAssignment>> held;
+  std::map<std::string, std::vector<OldShard>> old_shards;
+  for (int r : planner::HoldingRanks(before.plan())) {
+    const std::string& address = before.worker_addresses(r);
+    for (const ShardAssignment& a : AssignmentsOf(before, r)) {
+      held[address][{a.ref().table(), a.ref().shard_index()}] = a;
+      old_shards[a.ref().table()].push_back({address, a});
+    }
+  }
+  std::set<std::string> replicated;  // data-parallel tables
+  for (const auto& ts : after.plan().tables()) {
+    if (planner::IsReplicated(ts)) replicated.insert(ts.table());
+  }
+  std::set<std::string> holding_after;
+  for (int r : planner::HoldingRanks(after.plan())) {
+    const std::string& address = after.worker_addresses(r);
+    holding_after.insert(address);
+    const bool holds = held.count(address) > 0;
+    std::vector<ShardAssignment>& made = holds ? plan.stage[address] : plan.create[address];
+    if (holds) plan.after[address] = AssignmentsOf(after, r);
+    for (const ShardAssignment& a : AssignmentsOf(after, r)) {
+      const std::pair<std::string, int32_t> key{a.ref().table(), a.ref().shard_index()};
+      if (holds) {
+        auto it = held[address].find(key);
+        if (it != held[address].end() && Same(it->second, a)) continue;  // stays as it is
+      }
+      made.push_back(a);
+      const std::vector<OldShard>& sources = old_shards[a.ref().table()];
+      const bool dynamic = a.table().has_dynamic();
+      const int64_t row_bytes = RowBytes(a);
+      auto add = [&](const OldShard& from, int64_t first, int64_t end) {
+        RowCopy c;
+        c.from = from.address;
+        c.to = address;
+        c.from_ref = from.a.ref();
+        c.to_ref = a.ref();
+        c.from_row = first - from.a.row_offset();
+        c.to_row = first - a.row_offset();
+        c.rows = end - first;
+        c.dynamic = dynamic;
+        plan.bytes += c.rows * row_bytes;
+        if (c.from != c.to) plan.bytes_between_workers += c.rows * row_bytes;
+        plan.copies.push_back(std::move(c));
+      };
+      if (replicated.count(a.ref().table())) {
+        // A replica: one old replica, this worker's own if it has one.
+        const OldShard* pick = nullptr;
+        for (const OldShard& s : sources) {
+          if (pick == nullptr || s.address == address) pick = &s;
+        }
+        if (pick == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("table '", a.ref().table(), "': no replica to copy a new one from"));
+        }
+        add(*pick, 0, a.rows());
+        continue;
+      }
+      int64_t covered = 0;
+      for (const OldShard& s : sources) {
+        const int64_t first = std::max(a.row_offset(), s.a.row_offset());
+        const int64_t end = std::min(a.row_offset() + a.rows(), s.a.row_offset() + s.a.rows());
+        const bool cols_overlap = a.col_offset() < s.a.col_offset() + s.a.cols() &&
+                                  s.a.col_offset() < a.col_offset() + a.cols();
+        if (first >= end || !cols_overlap) continue;
+        if (s.a.col_offset() != a.col_offset() || s.a.cols() != a.cols()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "table '", a.ref().table(), "' shard ", a.ref().shard_index(),
+              ": its columns changed (a live move re-cuts rows, never columns)"));
+        }
+        if (dynamic && (first != a.row_offset() || end - first != a.rows() ||
+                        s.a.rows() != a.rows())) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("dynamic table '", a.ref().table(),
+                           "': its shards would be re-cut, which re-hashes them (not done live; "
+                           "checkpoint and restore it instead)"));
+        }
+        add(s, first, end);
+        covered += end - first;
+      }
+      if (covered != a.rows()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "table '", a.ref().table(), "' shard ", a.ref().shard_index(), ": old shards cover ",
+            covered, " of its ", a.rows(), " rows"));
+      }
+    }
+  }
+  for (const auto& [address, shards] : held) {
+    if (!holding_after.count(address)) plan.emptied.insert(address);
+  }
+  return plan;
+}
+
+absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before,
+                                                    const std::vector<int>& from) {
+  const int world = static_cast<int>(from.size());
+  const int old_world = before.worker_addresses_size();
+  if (world < 1) return absl::InvalidArgumentError("a plan needs at least one rank");
+  std::vector<int> new_rank(std::max(old_world, 0), -1);  // old rank -> new, -1: leaves
+  for (int i = 0; i < world; ++i) {
+    if (from[i] < 0) continue;
+    if (from[i] >= old_world || new_rank[from[i]] >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("old rank ", from[i], " is out of range or named twice"));
+    }
+    new_rank[from[i]] = i;
+  }
+  ember::v1::ShardingPlan plan;
+  plan.set_collection(before.plan().collection());
+  std::vector<int64_t> load(world, 0);
+  // Shards still to place (their rank left), and those that may move to
+  // even the load: (table index, shard index).
+  std::vector<std::pair<int, int>> homeless, movable;
+  std::vector<int64_t> row_bytes;
+  for (int t = 0; t < before.plan().tables_size(); ++t) {
+    const ember::v1::TableSharding& old = before.plan().tables(t);
+    const ember::v1::TableConfig& tc = before.spec().tables(t);
+    const int64_t per_row =
+        4 * (tc.embedding_dim() +
+             backend::OptimizerStateWidth(
+                 ShardSpecFromTable(tc, 0, 0, 1, tc.embedding_dim()).optimizer.type,
+                 tc.embedding_dim()));
+    row_bytes.push_back(per_row);
+    ember::v1::TableSharding* ts = plan.add_tables();
+    ts->set_table(old.table());
+    ts->set_sharding_type(old.sharding_type());
+    ts->set_compute_kernel(old.compute_kernel());
+    if (planner::IsReplicated(old)) {
+      for (int r = 0; r < world; ++r) {
+        ts->add_ranks(r);
+        load[r] += tc.num_embeddings() * per_row;
+      }
+      continue;
+    }
+    if (old.sharding_type() == "row_wise") {
+      if (tc.has_dynamic()) {
+        if (world != old.shards_size()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "dynamic table '", tc.name(), "' is row_wise: serving it from ", world,
+              " workers re-hashes its rows, which is not done live yet; checkpoint the "
+              "collection and restore it onto ", world, " workers instead"));
+        }
+        // As many blocks as before: each stays whole, on its worker's rank.
+        for (const ember::v1::Shard& sh : old.shards()) {
+          ember::v1::Shard* n = ts->add_shards();
+          *n = sh;
+          n->set_rank(new_rank[sh.rank()] >= 0 ? new_rank[sh.rank()] : -1);
+          if (n->rank() < 0) homeless.push_back({t, ts->shards_size() - 1});
+          else load[n->rank()] += sh.rows() * per_row;
+        }
+        continue;
+      }
+      const std::vector<planner::ShardBlock> blocks =
+          planner::RowWiseBlocks(tc.num_embeddings(), tc.embedding_dim(), world);
+      for (int i = 0; i < world; ++i) {
+        ember::v1::Shard* n = ts->add_shards();
+        n->set_row_offset(blocks[i].row_offset);
+        n->set_col_offset(blocks[i].col_offset);
+        n->set_rows(blocks[i].rows);
+        n->set_cols(blocks[i].cols);
+        n->set_rank(i);
+        ts->add_ranks(i);
+        load[i] += blocks[i].rows * per_row;
+      }
+      continue;
+    }
+    for (const ember::v1::Shard& sh : old.shards()) {
+      ember::v1::Shard* n = ts->add_shards();
+      *n = sh;
+      n->set_rank(new_rank[sh.rank()]);
+      const std::pair<int, int> at{t, ts->shards_size() - 1};
+      if (n->rank() < 0) {
+        homeless.push_back(at);
+      } else {
+        load[n->rank()] += sh.rows() * sh.cols() * per_row / std::max<int64_t>(1, tc.embedding_dim());
+      }
+      if (old.sharding_type() == "table_wise" || old.sharding_type() == "column_wise") {
+        movable.push_back(at);
+      }
+    }
+  }
+  auto bytes = [&](const std::pair<int, int>& at) {
+    const ember::v1::Shard& sh = plan.tables(at.first).shards(at.second);
+    const int64_t dim = std::max<int64_t>(1, before.spec().tables(at.first).embedding_dim());
+    return sh.rows() * sh.cols() * row_bytes[at.first] / dim;
+  };
+  auto emptiest = [&] {
+    return static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+  };
+  std::sort(homeless.begin(), homeless.end(),
+            [&](const auto& a, const auto& b) { return bytes(a) > bytes(b); });
+  for (const auto& at : homeless) {  // largest first, each to the emptiest rank
+    const int r = emptiest();
+    plan.mutable_tables(at.first)->mutable_shards(at.second)->set_rank(r);
+    load[r] += bytes(at);
+  }
+  // Evening out: the largest movable shard of the fullest rank that leaves
+  // both ranks below the fullest's load moves to the emptiest.
+  for (size_t round = 0; round < movable.size(); ++round) {
+    const int full = static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
+    const int empty = emptiest();
+    const std::pair<int, int>* best = nullptr;
+    for (const auto& at : movable) {
+      if (plan.tables(at.first).shards(at.second).rank() != full) continue;
+      if (load[empty] + bytes(at) >= load[full]) continue;
+      if (best == nullptr || bytes(at) > bytes(*best)) best = &at;
+    }
+    if (best == nullptr) break;
+    plan.mutable_tables(best->first)->mutable_shards(best->second)->set_rank(empty);
+    load[full] -= bytes(*best);
+    load[empty] += bytes(*best);
+  }
+  for (ember::v1::TableSharding& ts : *plan.mutable_tables()) {
+    if (!ts.shards().empty() && ts.ranks_size() == 0) {
+      for (const ember::v1::Shard& sh : ts.shards()) ts.add_ranks(sh.rank());
+    }
+  }
+  return plan;
+}
+
+}  // namespace coordinator
+}  // namespace ember

@@ -1,0 +1,134 @@
+// PlanMove against moves worked by hand: a row-wise table re-cut from two
+// workers to three, a table-wise table and a replica moving off an emptied
+// worker, and the moves it must refuse.
+#include "server/coordinator/move_plan.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace ember {
+namespace coordinator {
+namespace {
+
+using ember::v1::CollectionInfo;
+
+// Table t: 12 rows of 8 columns, SGD (no optimizer state: 32 bytes a row).
+ember::v1::TableConfig Table(const std::string& name, bool dynamic = false) {
+  ember::v1::TableConfig t;
+  t.set_name(name);
+  t.set_num_embeddings(dynamic ? 0 : 12);
+  t.set_embedding_dim(8);
+  t.mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  if (dynamic) t.mutable_dynamic()->set_capacity(12);
+  return t;
+}
+
+struct Block {
+  int rank;
+  int64_t row_offset, rows, col_offset = 0, cols = 8;
+};
+
+// A collection on `addresses` whose table `name` has these shards (none:
+// replicated on every rank).
+CollectionInfo Info(const std::vector<std::string>& addresses,
+                    const std::vector<std::pair<ember::v1::TableConfig, std::vector<Block>>>& tables) {
+  CollectionInfo info;
+  info.mutable_spec()->set_name("c");
+  for (const std::string& a : addresses) info.add_worker_addresses(a);
+  for (const auto& [table, blocks] : tables) {
+    *info.mutable_spec()->add_tables() = table;
+    auto* ts = info.mutable_plan()->add_tables();
+    ts->set_table(table.name());
+    ts->set_compute_kernel("fused");
+    if (blocks.empty()) {
+      ts->set_sharding_type("data_parallel");
+      for (size_t r = 0; r < addresses.size(); ++r) ts->add_ranks(static_cast<int>(r));
+      continue;
+    }
+    ts->set_sharding_type("row_wise");
+    for (const Block& b : blocks) {
+      auto* s = ts->add_shards();
+      s->set_rank(b.rank);
+      s->set_row_offset(b.row_offset);
+      s->set_rows(b.rows);
+      s->set_col_offset(b.col_offset);
+      s->set_cols(b.cols);
+      ts->add_ranks(b.rank);
+    }
+  }
+  return info;
+}
+
+std::string Describe(const RowCopy& c) {
+  return c.from + "/" + std::to_string(c.from_ref.shard_index()) + "[" +
+         std::to_string(c.from_row) + "] -> " + c.to + "/" +
+         std::to_string(c.to_ref.shard_index()) + "[" + std::to_string(c.to_row) + "] x" +
+         std::to_string(c.rows);
+}
+
+TEST(MovePlanTest, ARowWiseTableIsReCutFromTwoWorkersToThree) {
+  const CollectionInfo before = Info({"A", "B"}, {{Table("t"), {{0, 0, 6}, {1, 6, 6}}}});
+  const CollectionInfo after =
+      Info({"A", "B", "C"}, {{Table("t"), {{0, 0, 4}, {1, 4, 4}, {2, 8, 4}}}});
+  auto plan = PlanMove(before, after);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->create.size(), 1u);
+  ASSERT_EQ(plan->create.at("C").size(), 1u);
+  EXPECT_EQ(plan->create.at("C")[0].row_offset(), 8);
+  ASSERT_EQ(plan->stage.at("A").size(), 1u);
+  EXPECT_EQ(plan->stage.at("A")[0].rows(), 4);
+  ASSERT_EQ(plan->stage.at("B").size(), 1u);
+  EXPECT_EQ(plan->stage.at("B")[0].row_offset(), 4);
+  EXPECT_TRUE(plan->emptied.empty());
+  std::vector<std::string> got;
+  for (const RowCopy& c : plan->copies) got.push_back(Describe(c));
+  // New shard 1 (rows 4..8) takes rows 4, 5 from A's old shard 0 (its rows
+  // 4, 5) and rows 6, 7 from B's old shard 1 (its rows 0, 1).
+  EXPECT_EQ(got, (std::vector<std::string>{"A/0[0] -> A/0[0] x4", "A/0[4] -> B/1[0] x2",
+                                           "B/1[0] -> B/1[2] x2", "B/1[2] -> C/2[0] x4"}));
+  EXPECT_EQ(plan->bytes, 12 * 32);
+  EXPECT_EQ(plan->bytes_between_workers, 6 * 32);  // rows 4, 5 and 8..11 change worker
+}
+
+TEST(MovePlanTest, ShardsAndReplicasLeaveAnEmptiedWorker) {
+  // u: table-wise on B; r: replicated on A and B. B is emptied onto C.
+  const CollectionInfo before =
+      Info({"A", "B"}, {{Table("u"), {{1, 0, 12}}}, {Table("r"), {}}});
+  const CollectionInfo after =
+      Info({"A", "C"}, {{Table("u"), {{1, 0, 12}}}, {Table("r"), {}}});
+  auto plan = PlanMove(before, after);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->emptied, (std::set<std::string>{"B"}));
+  EXPECT_TRUE(plan->stage.at("A").empty());  // A keeps its replica as it is
+  ASSERT_EQ(plan->create.at("C").size(), 2u);
+  std::vector<std::string> got;
+  for (const RowCopy& c : plan->copies) got.push_back(Describe(c));
+  // The replica on C (index 1, its rank) copies the first old replica
+  // (A's, index 0): none is on C.
+  EXPECT_EQ(got, (std::vector<std::string>{"B/0[0] -> C/0[0] x12", "A/0[0] -> C/1[0] x12"}));
+  EXPECT_EQ(plan->bytes_between_workers, plan->bytes);
+}
+
+TEST(MovePlanTest, ColumnChangesDynamicReCutsAndGapsAreRefused) {
+  const CollectionInfo before = Info({"A", "B"}, {{Table("t"), {{0, 0, 12, 0, 4}, {1, 0, 12, 4, 4}}}});
+  const CollectionInfo whole = Info({"A", "B"}, {{Table("t"), {{0, 0, 12}}}});
+  EXPECT_EQ(PlanMove(before, whole).status().code(), absl::StatusCode::kInvalidArgument);
+  const CollectionInfo dyn = Info({"A", "B"}, {{Table("d", true), {{0, 0, 6}, {1, 6, 6}}}});
+  const CollectionInfo dyn3 =
+      Info({"A", "B", "C"}, {{Table("d", true), {{0, 0, 4}, {1, 4, 4}, {2, 8, 4}}}});
+  auto refused = PlanMove(dyn, dyn3);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("re-hash"), std::string::npos) << refused.status();
+  // A dynamic shard moved whole is fine.
+  const CollectionInfo dyn_moved = Info({"A", "C"}, {{Table("d", true), {{0, 0, 6}, {1, 6, 6}}}});
+  EXPECT_TRUE(PlanMove(dyn, dyn_moved).ok());
+  // Rows no old shard holds.
+  const CollectionInfo short_before = Info({"A"}, {{Table("t"), {{0, 0, 6}}}});
+  EXPECT_EQ(PlanMove(short_before, whole).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace coordinator
+}  // namespace ember

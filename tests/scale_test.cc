@@ -1,0 +1,222 @@
+// Live rescaling, with real processes (`emberctl coordinator` and three
+// `emberctl worker`s): collections served from three workers go to two and
+// back to three (ScaleCollection, as `emberctl scale`) while a trainer
+// applies updates, each retried under its request id until acknowledged.
+// Row-wise tables are re-cut, table-wise ones leave the worker that goes,
+// data-parallel ones gain and lose replicas; afterwards every table equals
+// an in-process reference that applied every update exactly once. A pause
+// point inside each move's live copy holds it open long enough to see
+// training go on through it.
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/inprocess.h"
+#include "gtest/gtest.h"
+#include "tests/local_cluster.h"
+#include "tests/test_collection.h"
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::InProcessCollection;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using ember::v1::CollectionSpec;
+using testing_util::ApplyUntilAcknowledged;
+using testing_util::ExpectNear;
+using testing_util::RandomGradients;
+using testing_util::RandomKjt;
+using testing_util::TestSpec;
+
+constexpr char kEmberctl[] = "cli/emberctl";
+
+class ScaleTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    setenv("EMBER_COORDINATOR_PAUSE_AT", "live_move_copied", 1);
+    setenv("EMBER_COORDINATOR_PAUSE_MS", "1500", 1);
+    cluster_ = new testing_util::StandaloneCluster(kEmberctl, 3, {"--lease_ms=3000"});
+    unsetenv("EMBER_COORDINATOR_PAUSE_AT");
+    unsetenv("EMBER_COORDINATOR_PAUSE_MS");
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_TRUE(cluster_->ok());
+    client::ClientOptions o;
+    o.timeout = absl::Seconds(10);
+    auto c = Client::Connect(cluster_->address(), o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+  }
+
+  // Creates `name` with `sharding` over every live worker, its reference
+  // beside it.
+  void Create(const std::string& name, const std::string& sharding) {
+    spec_ = TestSpec(name);
+    spec_.mutable_tables()->RemoveLast();  // no sequence table
+    auto info = client_->CreateCollection(spec_, sharding);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->worker_addresses_size(), 3);
+    auto ref = InProcessCollection::Create(spec_, &info->plan());
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ref_ = *std::move(ref);
+  }
+
+  // One update through the cluster and the reference alike.
+  absl::Status Step(const std::string& name, std::mt19937& rng, int step) {
+    KeyedJaggedTensor kjt =
+        RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4, step % 2 == 1);
+    const KeyedTensor g = RandomGradients(rng, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
+    absl::Status s = ApplyUntilAcknowledged(client_.get(), name, kjt, g, absl::StrCat("s-", step));
+    if (!s.ok()) return s;
+    return ref_->ApplyGradients(kjt, g);
+  }
+
+  // Scales `name` to `workers` while a trainer runs; returns the response
+  // and how many updates were acknowledged while the call was under way.
+  ember::v1::ScaleCollectionResponse ScaleWhileTraining(const std::string& name, int workers,
+                                                        int* during, int* first_step) {
+    std::atomic<int> done{0};
+    std::atomic<bool> stop{false}, failed{false};
+    const int base = *first_step;
+    std::thread trainer([&] {
+      std::mt19937 rng(base + 1);
+      for (int step = base; !stop && !failed; ++step) {
+        if (absl::Status s = Step(name, rng, step); !s.ok()) {
+          ADD_FAILURE() << "step " << step << ": " << s;
+          failed = true;
+        }
+        ++done;
+      }
+    });
+    while (done < 10 && !failed) absl::SleepFor(absl::Milliseconds(5));
+    const int before = done;
+    auto scaled = client_->ScaleCollection(name, workers);
+    *during = done - before;
+    const int after = done;
+    while (done < after + 10 && !failed) absl::SleepFor(absl::Milliseconds(5));
+    stop = true;
+    trainer.join();
+    *first_step = base + done;
+    EXPECT_FALSE(failed);
+    EXPECT_TRUE(scaled.ok()) << scaled.status();
+    return scaled.ok() ? *scaled : ember::v1::ScaleCollectionResponse();
+  }
+
+  void ExpectTablesEqualTheReference(const std::string& name, const std::string& what) {
+    for (const auto& t : spec_.tables()) {
+      int64_t rows, dim, rr, rd;
+      auto got = client_->ExportTable(name, t.name(), &rows, &dim);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectNear(*got, *ref_->ExportTable(t.name(), &rr, &rd), what + " table " + t.name());
+    }
+  }
+
+  static testing_util::StandaloneCluster* cluster_;
+  std::unique_ptr<Client> client_;
+  CollectionSpec spec_;
+  std::unique_ptr<InProcessCollection> ref_;
+};
+
+testing_util::StandaloneCluster* ScaleTest::cluster_ = nullptr;
+
+// The workers a plan places shards or replicas on.
+std::set<std::string> Holders(const ember::v1::CollectionInfo& info) {
+  std::set<std::string> out;
+  for (const auto& ts : info.plan().tables()) {
+    for (int r : ts.ranks()) out.insert(info.worker_addresses(r));
+  }
+  return out;
+}
+
+TEST_F(ScaleTest, RowWiseTablesAreReCutWhileTraining) {
+  Create("rw", "row_wise");
+  int step = 0, during = 0;
+  const ember::v1::ScaleCollectionResponse down = ScaleWhileTraining("rw", 2, &during, &step);
+  EXPECT_GT(during, 0) << "no update was acknowledged while the shards moved";
+  EXPECT_EQ(down.collection().state(), ember::v1::CollectionInfo::SERVING);
+  EXPECT_EQ(Holders(down.collection()).size(), 2u);
+  for (const auto& ts : down.collection().plan().tables()) {
+    EXPECT_EQ(ts.shards_size(), 2) << ts.table();
+  }
+  // Rows that stay on their worker are re-cut there, not sent across.
+  EXPECT_GT(down.shards_moved(), 0);
+  EXPECT_GT(down.bytes_between_workers(), 0);
+  EXPECT_LT(down.bytes_between_workers(), down.bytes_copied());
+  ExpectTablesEqualTheReference("rw", "3 -> 2");
+
+  const ember::v1::ScaleCollectionResponse up = ScaleWhileTraining("rw", 3, &during, &step);
+  EXPECT_GT(during, 0);
+  EXPECT_EQ(Holders(up.collection()).size(), 3u);
+  EXPECT_GT(up.collection().plan().epoch(), down.collection().plan().epoch());
+  ExpectTablesEqualTheReference("rw", "2 -> 3");
+  // Three more: each fence may catch an update in flight, applied by some
+  // of a merged shard's sources and not others (its retry must then reach
+  // just the rows that lacked it).
+  for (int workers : {2, 3, 1}) {
+    ScaleWhileTraining("rw", workers, &during, &step);
+    ExpectTablesEqualTheReference("rw", absl::StrCat("to ", workers));
+  }
+  std::cout << "3 -> 2: " << down.bytes_copied() << " bytes copied, "
+            << down.bytes_between_workers() << " between workers, fenced " << down.fence_ms()
+            << " ms; 2 -> 3: fenced " << up.fence_ms() << " ms\n";
+}
+
+TEST_F(ScaleTest, TableWiseAndReplicatedTablesFollowTheirWorkers) {
+  for (const std::string& sharding : {"table_wise", "data_parallel"}) {
+    const std::string name = sharding == "table_wise" ? "tw" : "dp";
+    Create(name, sharding);
+    int step = 0, during = 0;
+    const auto down = ScaleWhileTraining(name, 2, &during, &step);
+    EXPECT_EQ(Holders(down.collection()).size(), 2u) << sharding;
+    ExpectTablesEqualTheReference(name, sharding + " 3 -> 2");
+    const auto up = ScaleWhileTraining(name, 3, &during, &step);
+    // A replica on each; table-wise tables even out onto the new worker
+    // where that lightens the fullest.
+    if (sharding == "data_parallel") {
+      EXPECT_EQ(Holders(up.collection()).size(), 3u);
+    } else {
+      EXPECT_GE(Holders(up.collection()).size(), 2u);
+    }
+    ExpectTablesEqualTheReference(name, sharding + " 2 -> 3");
+    ASSERT_TRUE(client_->DropCollection(name).ok());
+  }
+}
+
+TEST_F(ScaleTest, BadRequestsAreRefusedAndChangeNothing) {
+  Create("bad", "row_wise");
+  auto before = client_->GetCollection("bad");
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ(client_->ScaleCollection("bad", 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto too_many = client_->ScaleCollection("bad", 4);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(too_many.status().message().find("3 live worker(s)"), std::string::npos)
+      << too_many.status();
+  EXPECT_EQ(client_->ScaleCollection("nope", 2).status().code(), absl::StatusCode::kNotFound);
+  auto same = client_->ScaleCollection("bad", 3);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->shards_moved(), 0);
+  auto after = client_->GetCollection("bad");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->plan().epoch(), before->plan().epoch());
+  EXPECT_EQ(after->state(), ember::v1::CollectionInfo::SERVING);
+  ASSERT_TRUE(client_->DropCollection("bad").ok());
+}
+
+}  // namespace
+}  // namespace ember
