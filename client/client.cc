@@ -293,10 +293,11 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> Client::RoutingFor(
   auto info = GetCollection(collection);
   if (!info.ok()) return info.status();
   if (info->state() != CollectionInfo::SERVING) {
-    return absl::UnavailableError(absl::StrCat(
-        "collection '", collection, "' is ",
-        info->state() == CollectionInfo::RECOVERING ? "recovering" : "degraded", ": ",
+    const bool recovering = info->state() == CollectionInfo::RECOVERING;
+    absl::Status s = absl::UnavailableError(absl::StrCat(
+        "collection '", collection, "' is ", recovering ? "recovering" : "degraded", ": ",
         info->note()));
+    return recovering ? WithSignal(std::move(s), kSignalCollectionRecovering) : s;
   }
   auto routing = BuildRouting(*std::move(info), impl_->options.auth_token);
   if (!routing.ok()) return routing.status();
@@ -334,7 +335,11 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
                       HasSignal(s, kSignalWorkerBusy);
     const bool transient = busy || s.code() == absl::StatusCode::kUnavailable ||
                            s.code() == absl::StatusCode::kDeadlineExceeded;
-    if (!transient || !retry_unavailable || attempt >= impl_->options.max_attempts ||
+    // A collection being moved or recovered is waited out to the deadline
+    // (its fence or reload ends), whatever the attempts.
+    const bool recovering = HasSignal(s, kSignalCollectionRecovering);
+    if (!transient || !retry_unavailable ||
+        (attempt >= impl_->options.max_attempts && !recovering) ||
         absl::Now() + backoff >= deadline) {
       if (transient) {
         return absl::Status(busy ? s.code() : absl::StatusCode::kUnavailable,

@@ -389,6 +389,32 @@ def test_drain_moves_a_workers_shards(tmp_path):
             c.drain("w999")
 
 
+def test_scale_recuts_and_keeps_every_row(tmp_path):
+    with ember.LocalCluster(workers=3) as cluster:
+        c = ember.Client(cluster.address, timeout_s=30)
+        c.create_collection(spec("sc"), sharding_type="row_wise")
+        before = {t: c.export_table("sc", t) for t in ("t_sum", "t_mean", "t_seq")}
+        out = c.scale("sc", 2)
+        assert out["shards_moved"] > 0
+        assert 0 < int(out["bytes_between_workers"]) < int(out["bytes_copied"])
+        info = c.collection("sc")
+        assert info["state"] == "SERVING"
+        assert len({info["worker_addresses"][int(s.get("rank", 0))]
+                    for t in info["plan"]["tables"] for s in t["shards"]}) == 2
+        for t, rows in before.items():
+            np.testing.assert_array_equal(c.export_table("sc", t), rows)
+        assert c.scale("sc", 3)["collection"]["plan"]["epoch"] > info["plan"]["epoch"]
+        for t, rows in before.items():
+            np.testing.assert_array_equal(c.export_table("sc", t), rows)
+        assert c.scale("sc", 3)["shards_moved"] == 0  # served from 3 already
+        with pytest.raises(ember.FailedPrecondition, match="live worker"):
+            c.scale("sc", 4)
+        with pytest.raises(ValueError):
+            c.scale("sc", 0)
+        with pytest.raises(ember.NotFound):
+            c.scale("nope", 2)
+
+
 @pytest.mark.parametrize("sharding_type", ["row_wise", "column_wise", "data_parallel"])
 def test_import_table_replaces_the_weights_everywhere(client, sharding_type):
     name = "imp_" + sharding_type

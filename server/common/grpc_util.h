@@ -52,7 +52,12 @@ constexpr char kIdBufferRefused[] = "id buffer:";
 //     took the call's bytes first (kLinkBytesTaken): keep the channel.
 //   kSignalIdBufferRefused: the worker cannot map the lookup's id buffer
 //     (kIdBufferRefused): send ids through the channel instead.
+//   kSignalCollectionRecovering: the coordinator is moving or recovering
+//     the collection (CollectionInfo.state RECOVERING; set by the client
+//     on its own refusal): wait, up to the call's deadline, not counting
+//     attempts (a live move's fence, a recovery's reload).
 constexpr char kSignalWorkerBusy[] = "worker_busy";
+constexpr char kSignalCollectionRecovering[] = "collection_recovering";
 constexpr char kSignalLinkBytesTaken[] = "link_bytes_taken";
 constexpr char kSignalIdBufferRefused[] = "id_buffer_refused";
 constexpr char kSignalPayload[] = "type.ember.dev/signals";
