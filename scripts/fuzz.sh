@@ -53,7 +53,9 @@ coordinator="$common $planner server/coordinator/coordinator_service.cc
   server/coordinator/coordinator_workers.cc server/coordinator/coordinator_collections.cc
   server/coordinator/coordinator_checkpoints.cc server/coordinator/coordinator_recovery.cc
   server/coordinator/state_store.cc server/coordinator/assignments.cc
-  server/coordinator/replacement_policy.cc server/backend/table_spec.cc"
+  server/coordinator/replacement_policy.cc server/coordinator/live_move.cc
+  server/coordinator/move_plan.cc server/coordinator/coordinator_scale.cc
+  server/backend/table_spec.cc"
 formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc client/shared_buffer.cc"
 
 # Whether object $1 must be rebuilt from source $2: missing, or older than

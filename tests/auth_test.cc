@@ -88,6 +88,10 @@ TEST(AuthTest, TokensAndRolesGuardEveryPort) {
             absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(admin->SetTrainers("guarded", 2, 0).status().code(),  // admitted; an ASYNC collection
             absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(trainer->ScaleCollection("guarded", 1).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(admin->ScaleCollection("guarded", 1000).status().code(),  // admitted; too few workers
+            absl::StatusCode::kFailedPrecondition);
 
   // The workers' own ports: no token, or a trainer's for an admin call.
   const std::string worker_address = workers->workers(0).info().address();

@@ -256,6 +256,21 @@ TEST_F(BadInputTest, CoordinatorRpcs) {
   drain_req.set_worker_id("w999");
   EXPECT_EQ(Call(co, &Stub::DrainWorker, drain_req), StatusCode::NOT_FOUND);
 
+  // ScaleCollection: nothing moves on a refusal.
+  ember::v1::ScaleCollectionRequest scale;
+  scale.set_workers(1);
+  EXPECT_EQ(Call(co, &Stub::ScaleCollection, scale), StatusCode::INVALID_ARGUMENT);
+  scale.set_collection("bad");
+  for (int workers : {0, -3}) {
+    scale.set_workers(workers);
+    EXPECT_EQ(Call(co, &Stub::ScaleCollection, scale), StatusCode::INVALID_ARGUMENT);
+  }
+  scale.set_workers(1000);
+  EXPECT_EQ(Call(co, &Stub::ScaleCollection, scale), StatusCode::FAILED_PRECONDITION);
+  scale.set_collection("nope");
+  scale.set_workers(1);
+  EXPECT_EQ(Call(co, &Stub::ScaleCollection, scale), StatusCode::NOT_FOUND);
+
   // GetCollection / DropCollection.
   ember::v1::GetCollectionRequest get;
   EXPECT_EQ(Call(co, &Stub::GetCollection, get), StatusCode::INVALID_ARGUMENT);
@@ -726,7 +741,7 @@ TEST_F(BadInputTest, OversizedAndMalformedMessagesOnEveryMethod) {
   const std::string garbage = "\xff\xff\xff\xff";  // a truncated varint tag
   const std::vector<std::string> coordinator_methods = MethodsOf("ember.v1.Coordinator");
   const std::vector<std::string> worker_methods = MethodsOf("ember.v1.Worker");
-  ASSERT_EQ(coordinator_methods.size(), 13u);
+  ASSERT_EQ(coordinator_methods.size(), 14u);
   ASSERT_EQ(worker_methods.size(), 13u);
   for (const std::string& m : coordinator_methods) {
     EXPECT_EQ(RawCall(cluster_->coordinator(), m, oversized), StatusCode::RESOURCE_EXHAUSTED) << m;

@@ -218,5 +218,73 @@ TEST_F(ScaleTest, BadRequestsAreRefusedAndChangeNothing) {
   ASSERT_TRUE(client_->DropCollection("bad").ok());
 }
 
+// A move that fails before its fence leaves the old placement serving (it
+// never stopped: same epoch); one that fails after it puts the collection
+// back on its old placement at a newer epoch; either way no update is lost,
+// and the next attempt succeeds (fault injection: each point fails once).
+TEST(ScaleFailureTest, AFailedMoveLeavesTheOldPlacementServing) {
+  setenv("EMBER_COORDINATOR_FAIL_AT", "live_move_copied,live_move_fenced", 1);
+  testing_util::StandaloneCluster cluster(kEmberctl, 3, {"--lease_ms=3000"});
+  unsetenv("EMBER_COORDINATOR_FAIL_AT");
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(10);
+  auto c = Client::Connect(cluster.address(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  CollectionSpec spec = TestSpec("f");
+  spec.mutable_tables()->RemoveLast();
+  auto info = (*c)->CreateCollection(spec, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto ref = InProcessCollection::Create(spec, &info->plan());
+  ASSERT_TRUE(ref.ok());
+  std::mt19937 rng(5);
+  int step = 0;
+  auto train = [&](int n) {
+    for (int k = 0; k < n; ++k, ++step) {
+      KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4,
+                                        false);
+      const KeyedTensor g = RandomGradients(rng, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
+      ASSERT_TRUE(
+          ApplyUntilAcknowledged(c->get(), "f", kjt, g, absl::StrCat("f-", step)).ok());
+      ASSERT_TRUE((*ref)->ApplyGradients(kjt, g).ok());
+    }
+  };
+  auto expect_equal = [&](const std::string& what) {
+    for (const auto& t : spec.tables()) {
+      int64_t rows, dim, rr, rd;
+      auto got = (*c)->ExportTable("f", t.name(), &rows, &dim);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), what + " table " + t.name());
+    }
+  };
+  train(10);
+  auto before_fence = (*c)->ScaleCollection("f", 2);
+  EXPECT_EQ(before_fence.status().code(), absl::StatusCode::kUnavailable);
+  auto now = (*c)->GetCollection("f");
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->state(), ember::v1::CollectionInfo::SERVING);
+  EXPECT_EQ(now->plan().epoch(), info->plan().epoch());  // never stopped
+  EXPECT_NE(now->note().find("the old placement serves on"), std::string::npos) << now->note();
+  EXPECT_EQ(Holders(*now).size(), 3u);
+  train(10);
+  expect_equal("after a failure before the fence");
+
+  auto after_fence = (*c)->ScaleCollection("f", 2);
+  EXPECT_EQ(after_fence.status().code(), absl::StatusCode::kUnavailable);
+  now = (*c)->GetCollection("f");
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->state(), ember::v1::CollectionInfo::SERVING);
+  EXPECT_GT(now->plan().epoch(), info->plan().epoch());  // re-adopted
+  EXPECT_EQ(Holders(*now).size(), 3u);
+  train(10);
+  expect_equal("after a failure after the fence");
+
+  auto scaled = (*c)->ScaleCollection("f", 2);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ(Holders(scaled->collection()).size(), 2u);
+  train(10);
+  expect_equal("after the move");
+}
+
 }  // namespace
 }  // namespace ember

@@ -167,27 +167,8 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     bool fenced = false;
     absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
     if (!moved.ok()) {
-      const std::string why =
-          absl::StrCat("moving ", lost_names, " failed (", moved.status().message(), ")");
-      LOG(WARNING) << "collection '" << name << "': " << why;
-      if (fenced) {  // the holders moved on: back to the old placement at a newer epoch
-        std::vector<std::string> created;
-        for (int r : replaced) created.push_back(info.worker_addresses(r));
-        (void)DropOnWorkers(name, epoch, created);
-        (void)ReadoptLocked(name, why + "; back on the old placement");
-        return moved.status();
-      }
-      // The old placement served all along: it stays, and so does the
-      // record of it (the persisted move is cleared).
-      CollectionInfo old = before;
-      old.set_state(CollectionInfo::SERVING);
-      old.set_note(why + "; the old placement serves on");
-      std::vector<std::string> old_ids;
-      {
-        absl::MutexLock lock(&mu_);
-        old_ids = rank_ids_[name];
-      }
-      (void)Register(old, old_ids);
+      AbandonMove(move, fenced,
+                  absl::StrCat("moving ", lost_names, " failed (", moved.status().message(), ")"));
       return moved.status();
     }
     info.set_state(CollectionInfo::SERVING);

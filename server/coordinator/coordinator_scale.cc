@@ -141,14 +141,7 @@ absl::StatusOr<ember::v1::ScaleCollectionResponse> CoordinatorService::Scale(
   absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
   if (!moved.ok()) {
     const std::string why = absl::StrCat(what, " failed (", moved.status().message(), ")");
-    LOG(WARNING) << "collection '" << name << "': " << why;
-    if (fenced) {
-      (void)ReadoptLocked(name, why + "; back on the old placement");
-    } else {
-      CollectionInfo old = before;
-      old.set_note(why + "; the old placement serves on");
-      (void)Register(old, ids);  // clears the persisted move
-    }
+    AbandonMove(move, fenced, why);
     return absl::Status(moved.status().code(), why);
   }
   after.set_state(CollectionInfo::SERVING);

@@ -318,6 +318,12 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // was sent (a failure from then on needs the old placement re-adopted;
   // before it, `before` still serves and what was made is dropped).
   absl::StatusOr<MoveStats> MoveLive(const LiveMove& m, bool* fenced);
+  // A live move that failed (`why`): after its fence, what it created on
+  // workers new to the collection is dropped and the old placement
+  // re-adopted at a newer epoch; before it, the old placement (which
+  // served all along) is registered again, clearing the persisted move.
+  void AbandonMove(const LiveMove& m, bool fenced, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   // A live move's switch, once its data is in place and durable: the
   // holders adopt their stages at after's epoch and keep only what it
   // places on them; emptied workers drop the collection. Also finishes a

@@ -196,6 +196,7 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
             << copies.size() << " block(s) copied live in "
             << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms";
   CrashPoint("live_move_copied");
+  if (absl::Status s = FailPoint("live_move_copied"); !s.ok()) return undo(s);
 
   // 3. Catch-up rounds while the old placement serves.
   int64_t last = std::numeric_limits<int64_t>::max();
@@ -240,6 +241,7 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
     if (!moved[i].ok()) return FromGrpc(moved[i], holders[i]);
   }
   CrashPoint("live_move_fenced");
+  if (absl::Status s = FailPoint("live_move_fenced"); !s.ok()) return s;
 
   // 5. The last catch-up, and each new shard's step (the largest of its
   // sources') and exactly-once record. A shard filled from several sources
@@ -318,6 +320,28 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   return stats;
 }
 
+void CoordinatorService::AbandonMove(const LiveMove& m, bool fenced, const std::string& why) {
+  LOG(WARNING) << "collection '" << m.name << "': " << why;
+  if (fenced) {  // the holders moved on: back to the old placement at a newer epoch
+    if (auto plan = PlanMove(m.before, m.after); plan.ok()) {
+      std::vector<std::string> created;
+      for (const auto& [address, shards] : plan->create) created.push_back(address);
+      (void)DropOnWorkers(m.name, m.after.plan().epoch(), created);
+    }
+    (void)ReadoptLocked(m.name, why + "; back on the old placement");
+    return;
+  }
+  CollectionInfo old = m.before;
+  old.set_state(CollectionInfo::SERVING);
+  old.set_note(why + "; the old placement serves on");
+  std::vector<std::string> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    ids = rank_ids_[m.name];
+  }
+  (void)Register(old, ids);
+}
+
 void CoordinatorService::FinishMove(const std::string& name, const MovePlan& plan,
                                     const CollectionInfo& after) {
   const int64_t epoch = after.plan().epoch();
@@ -334,18 +358,36 @@ void CoordinatorService::FinishMove(const std::string& name, const MovePlan& pla
     switch_at.push_back(address);
     switches.push_back(std::move(u));
   }
-  const std::vector<grpc::Status> switched =
-      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-          switch_at, switches, [](auto* async, auto* ctx, auto* request, auto* response,
-                                  auto done) {
-            async->UpdateShards(ctx, request, response, std::move(done));
-          });
-  for (size_t i = 0; i < switch_at.size(); ++i) {
-    // The data is in place and durable: the new placement stands; a worker
-    // that missed its switch is found lacking by the monitor and recovered.
-    if (!switched[i].ok()) {
+  // The data is in place and durable: the new placement stands. A switch
+  // is idempotent and tried up to three times; a worker that still missed
+  // it has the ranks it holds recovered by the monitor (force_lost_).
+  for (int attempt = 0; attempt < 3 && !switch_at.empty(); ++attempt) {
+    if (attempt > 0) absl::SleepFor(absl::Milliseconds(200) * attempt);
+    const std::vector<grpc::Status> switched =
+        CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+            switch_at, switches, [](auto* async, auto* ctx, auto* request, auto* response,
+                                    auto done) {
+              async->UpdateShards(ctx, request, response, std::move(done));
+            });
+    std::vector<std::string> again_at;
+    std::vector<ember::v1::UpdateShardsRequest> again;
+    for (size_t i = 0; i < switch_at.size(); ++i) {
+      if (switched[i].ok()) continue;
       LOG(ERROR) << "collection '" << name << "': the switch failed on " << switch_at[i] << ": "
                  << switched[i].error_message();
+      again_at.push_back(switch_at[i]);
+      again.push_back(switches[i]);
+    }
+    switch_at.swap(again_at);
+    switches.swap(again);
+  }
+  if (!switch_at.empty()) {
+    absl::MutexLock lock(&mu_);
+    for (int r : planner::HoldingRanks(after.plan())) {
+      if (std::find(switch_at.begin(), switch_at.end(), after.worker_addresses(r)) !=
+          switch_at.end()) {
+        force_lost_[name].insert(r);
+      }
     }
   }
   const std::vector<std::string> emptied(plan.emptied.begin(), plan.emptied.end());

@@ -209,6 +209,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!r.ParseFromString(payload)) break;
       const grpc::Status s = Call(w, cred, &S::DropCollection, r, &out);
       if (!admin) Require(!s.ok(), "a drop by a non-admin");
+      ember::v1::ScaleCollectionRequest sr;
+      ember::v1::ScaleCollectionResponse scaled;
+      if (!sr.ParseFromString(payload)) break;
+      const grpc::Status ss = Call(w, cred, &S::ScaleCollection, sr, &scaled);
+      if (!admin) {
+        Require(ss.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+                    ss.error_code() == grpc::StatusCode::PERMISSION_DENIED,
+                "a rescale by a non-admin went past the credential check");
+      }
       break;
     }
     case 7: {

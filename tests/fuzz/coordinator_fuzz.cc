@@ -75,6 +75,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ember::v1::DrainWorkerResponse out;
       // A drain of a registered fake worker holding nothing touches no worker.
       if (r.ParseFromString(payload)) (void)service->DrainWorker(nullptr, &r, &out);
+      // A rescale finds no collection (none is ever created here).
+      ember::v1::ScaleCollectionRequest s;
+      ember::v1::ScaleCollectionResponse scaled;
+      if (s.ParseFromString(payload)) (void)service->ScaleCollection(nullptr, &s, &scaled);
     }
   }
   return 0;
