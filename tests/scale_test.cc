@@ -7,6 +7,8 @@
 // an in-process reference that applied every update exactly once. A pause
 // point inside each move's live copy holds it open long enough to see
 // training go on through it.
+#include <signal.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <iostream>
@@ -284,6 +286,89 @@ TEST(ScaleFailureTest, AFailedMoveLeavesTheOldPlacementServing) {
   EXPECT_EQ(Holders(scaled->collection()).size(), 2u);
   train(10);
   expect_equal("after the move");
+}
+
+// kill -9 of the worker a rescale is filling, during its live copy (held
+// open by a pause point): the move fails, the old placement (which never
+// held anything on that worker) serves on, and no update is lost.
+TEST(ScaleFailureTest, ADestinationKilledDuringTheCopyLosesNothing) {
+  setenv("EMBER_COORDINATOR_PAUSE_AT", "live_move_copied", 1);
+  setenv("EMBER_COORDINATOR_PAUSE_MS", "3000", 1);
+  testing_util::StandaloneCluster cluster(kEmberctl, 3, {"--lease_ms=1500"});
+  unsetenv("EMBER_COORDINATOR_PAUSE_AT");
+  unsetenv("EMBER_COORDINATOR_PAUSE_MS");
+  ASSERT_TRUE(cluster.ok());
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(20);
+  auto c = Client::Connect(cluster.address(), o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  CollectionSpec spec = TestSpec("k");
+  spec.mutable_tables()->RemoveLast();
+  auto info = (*c)->CreateCollection(spec, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto ref = InProcessCollection::Create(spec, &info->plan());
+  ASSERT_TRUE(ref.ok());
+  auto two = (*c)->ScaleCollection("k", 2);  // the third worker now holds nothing
+  ASSERT_TRUE(two.ok()) << two.status();
+  std::set<std::string> holding = Holders(two->collection());
+  pid_t spare = -1;
+  auto listed = (*c)->ListWorkers();
+  ASSERT_TRUE(listed.ok());
+  for (const auto& w : listed->workers()) {
+    if (!holding.count(w.info().address())) spare = static_cast<pid_t>(w.info().pid());
+  }
+  ASSERT_GT(spare, 0);
+
+  std::atomic<bool> stop{false}, failed{false};
+  std::atomic<int> done{0};
+  std::thread trainer([&] {
+    std::mt19937 rng(17);
+    for (int step = 0; !stop && !failed; ++step) {
+      KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4,
+                                        false);
+      const KeyedTensor g = RandomGradients(rng, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
+      absl::Status s = ApplyUntilAcknowledged(c->get(), "k", kjt, g, absl::StrCat("k-", step));
+      if (!s.ok() || !(*ref)->ApplyGradients(kjt, g).ok()) {
+        ADD_FAILURE() << "step " << step << ": " << s;
+        failed = true;
+      }
+      ++done;
+    }
+  });
+  absl::Status scaled;
+  std::thread mover([&] { scaled = (*c)->ScaleCollection("k", 3).status(); });
+  // Inside the live copy (its shards made and filled, the move paused at
+  // the pause point): kill -9.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  bool copying = false;
+  while (!copying && absl::Now() < deadline) {
+    auto now = (*c)->GetCollection("k");
+    copying = now.ok() && now->note().find("block(s) copied (") != std::string::npos;
+    if (!copying) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(copying);
+  absl::SleepFor(absl::Milliseconds(300));  // the small bulk copy is over: the move is paused
+  ASSERT_EQ(kill(spare, SIGKILL), 0);
+  for (auto& w : cluster.workers()) {
+    if (w->pid() == spare) w->Wait(absl::Seconds(10));
+  }
+  mover.join();
+  EXPECT_FALSE(scaled.ok());
+  const int at_failure = done;
+  while (done < at_failure + 20 && !failed) absl::SleepFor(absl::Milliseconds(5));
+  stop = true;
+  trainer.join();
+  ASSERT_FALSE(failed);
+  auto now = (*c)->GetCollection("k");
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->state(), ember::v1::CollectionInfo::SERVING) << now->note();
+  EXPECT_EQ(Holders(*now), holding);
+  for (const auto& t : spec.tables()) {
+    int64_t rows, dim, rr, rd;
+    auto got = (*c)->ExportTable("k", t.name(), &rows, &dim);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), "table " + t.name());
+  }
 }
 
 }  // namespace
