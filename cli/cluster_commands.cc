@@ -370,6 +370,29 @@ void AddCoordinatorMetrics(const coordinator::CoordinatorService* service, Serve
                       {{{"kind", "incremental"}},
                        static_cast<double>(s.checkpoint_bytes_incremental)}};
                 });
+  m->AddCounter("ember_coordinator_moves_total",
+                "Live moves (drains, rescales) by kind and result", [service] {
+                  const auto s = service->GetStats();
+                  return std::vector<ServerMetrics::Sample>{
+                      {{{"kind", "drain"}, {"result", "ok"}}, static_cast<double>(s.drains_ok)},
+                      {{{"kind", "drain"}, {"result", "failed"}},
+                       static_cast<double>(s.drains_failed)},
+                      {{{"kind", "scale"}, {"result", "ok"}}, static_cast<double>(s.scales_ok)},
+                      {{{"kind", "scale"}, {"result", "failed"}},
+                       static_cast<double>(s.scales_failed)}};
+                });
+  m->AddCounter("ember_coordinator_move_bytes_total",
+                "Row bytes the successful live moves copied: between workers, or within one "
+                "(a re-cut shard's rows that stay)",
+                [service] {
+                  const auto s = service->GetStats();
+                  return std::vector<ServerMetrics::Sample>{
+                      {{{"between", "workers"}}, static_cast<double>(s.move_bytes_between_workers)},
+                      {{{"between", "local"}}, static_cast<double>(s.move_bytes_local)}};
+                });
+  m->AddGauge("ember_coordinator_last_move_fence_seconds",
+              "How long the last successful live move refused updates",
+              one(&Stats::last_move_fence_seconds));
   m->AddCounter("ember_coordinator_checkpoint_compactions_total",
                 "Incremental chains rewritten whole in the background, by result", [service] {
                   const auto s = service->GetStats();

@@ -144,6 +144,33 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
             assert check.returncode == 0, check.stdout + check.stderr
         client.drop_collection("md")
 
+        # A live rescale, 2 -> 1 -> 2 workers: counted with its bytes.
+        client.create_collection({"name": "mv", "tables": [
+            {"name": "t", "num_embeddings": 100, "embedding_dim": 8, "feature_names": ["f"]}]},
+            sharding_type="row_wise")
+        moved = [client.scale("mv", n) for n in (1, 2)]
+        text = get(urls["coordinator"])
+
+        def sample(metric, *labels):  # the value of the line with these labels
+            for line in text.splitlines():
+                if line.startswith(metric + "{") and all(l in line for l in labels):
+                    return float(line.rsplit(" ", 1)[1])
+            raise AssertionError(f"no {metric} {labels} in {text}")
+
+        assert sample("ember_coordinator_moves_total", 'kind="scale"', 'result="ok"') == 2
+        assert sample("ember_coordinator_moves_total", 'kind="scale"', 'result="failed"') == 0
+        assert sample("ember_coordinator_moves_total", 'kind="drain"', 'result="ok"') == 0
+        between = sum(int(m["bytes_between_workers"]) for m in moved)
+        local = sum(int(m["bytes_copied"]) - int(m["bytes_between_workers"]) for m in moved)
+        assert between > 0 and local > 0
+        assert sample("ember_coordinator_move_bytes_total", 'between="workers"') == between
+        assert sample("ember_coordinator_move_bytes_total", 'between="local"') == local
+        assert 0 < sample("ember_coordinator_last_move_fence_seconds") < 60
+        check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, text=True,
+                               capture_output=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        client.drop_collection("mv")
+
         config = tmp_path / "prometheus.yml"
         targets = ", ".join(f"'127.0.0.1:{base + i}'" for i in range(3))
         config.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n"

@@ -166,6 +166,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     move.after_ids = ids;
     bool fenced = false;
     absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
+    CountMove(/*scale=*/false, moved.ok() ? &*moved : nullptr);
     if (!moved.ok()) {
       AbandonMove(move, fenced,
                   absl::StrCat("moving ", lost_names, " failed (", moved.status().message(), ")"));

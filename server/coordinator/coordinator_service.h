@@ -276,6 +276,12 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
     // incremental chains, by result.
     int64_t checkpoint_bytes_full = 0, checkpoint_bytes_incremental = 0;
     int64_t compactions_ok = 0, compactions_failed = 0;
+    // Live moves (drains and rescales), by kind and result; the bytes the
+    // successful ones copied between workers and within one (a re-cut
+    // shard's rows that stay); the last successful one's fence.
+    int64_t drains_ok = 0, drains_failed = 0, scales_ok = 0, scales_failed = 0;
+    int64_t move_bytes_between_workers = 0, move_bytes_local = 0;
+    double last_move_fence_seconds = 0;
   };
   Stats GetStats() const;
 
@@ -324,6 +330,8 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // served all along) is registered again, clearing the persisted move.
   void AbandonMove(const LiveMove& m, bool fenced, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
+  // Counts a live move for the metrics (Stats): `stats` null: it failed.
+  void CountMove(bool scale, const MoveStats* stats) ABSL_LOCKS_EXCLUDED(mu_);
   // A live move's switch, once its data is in place and durable: the
   // holders adopt their stages at after's epoch and keep only what it
   // places on them; emptied workers drop the collection. Also finishes a
@@ -367,7 +375,7 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::atomic<bool> reconcile_pending_{false};
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(mu_);
   absl::Mutex checkpoint_mu_;  // one checkpoint at a time
-  Stats checkpoint_stats_ ABSL_GUARDED_BY(mu_);  // the checkpoint_* fields only
+  Stats checkpoint_stats_ ABSL_GUARDED_BY(mu_);  // the checkpoint_* and move fields only
   std::vector<ember::v1::CheckpointInfo> catalogue_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::map<std::string, ember::v1::CheckpointInfo> in_progress_ ABSL_GUARDED_BY(mu_);  // by dir
   // Restores under way, by a key of their own (ListCheckpoints shows them).

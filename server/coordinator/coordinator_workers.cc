@@ -230,6 +230,13 @@ CoordinatorService::Stats CoordinatorService::GetStats() const {
   s.checkpoint_bytes_incremental = checkpoint_stats_.checkpoint_bytes_incremental;
   s.compactions_ok = checkpoint_stats_.compactions_ok;
   s.compactions_failed = checkpoint_stats_.compactions_failed;
+  s.drains_ok = checkpoint_stats_.drains_ok;
+  s.drains_failed = checkpoint_stats_.drains_failed;
+  s.scales_ok = checkpoint_stats_.scales_ok;
+  s.scales_failed = checkpoint_stats_.scales_failed;
+  s.move_bytes_between_workers = checkpoint_stats_.move_bytes_between_workers;
+  s.move_bytes_local = checkpoint_stats_.move_bytes_local;
+  s.last_move_fence_seconds = checkpoint_stats_.last_move_fence_seconds;
   s.checkpoints = static_cast<int64_t>(catalogue_.size());
   return s;
 }

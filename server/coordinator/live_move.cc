@@ -320,6 +320,19 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   return stats;
 }
 
+void CoordinatorService::CountMove(bool scale, const MoveStats* stats) {
+  absl::MutexLock lock(&mu_);
+  Stats& s = checkpoint_stats_;
+  if (stats == nullptr) {
+    ++(scale ? s.scales_failed : s.drains_failed);
+    return;
+  }
+  ++(scale ? s.scales_ok : s.drains_ok);
+  s.move_bytes_between_workers += stats->bytes_between_workers;
+  s.move_bytes_local += stats->bytes_copied - stats->bytes_between_workers;
+  s.last_move_fence_seconds = stats->fence_ms / 1000;
+}
+
 void CoordinatorService::AbandonMove(const LiveMove& m, bool fenced, const std::string& why) {
   LOG(WARNING) << "collection '" << m.name << "': " << why;
   if (fenced) {  // the holders moved on: back to the old placement at a newer epoch
