@@ -187,108 +187,107 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     LOG(INFO) << "collection '" << name << "' moved at epoch " << epoch << " in "
               << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms: " << info.note();
     return absl::OkStatus();
+  }
+  // Replacements create their shards; the other live ranks move to the new
+  // epoch and create what they were given.
+  std::vector<std::string> create_at, update_at;
+  std::vector<ember::v1::CreateShardsRequest> creates;
+  std::vector<ember::v1::UpdateShardsRequest> updates;
+  for (int r : replaced) {
+    ember::v1::CreateShardsRequest c;
+    c.set_collection(name);
+    c.set_epoch(epoch);
+    *c.mutable_training() = info.spec().training();
+    for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
+    create_at.push_back(info.worker_addresses(r));
+    creates.push_back(std::move(c));
+  }
+  for (int r : kept) {
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(name);
+    u.set_epoch(epoch);
+    *u.mutable_training() = info.spec().training();
+    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+    update_at.push_back(info.worker_addresses(r));
+    updates.push_back(std::move(u));
+  }
+  // A failed attempt lets go of what it created on replacements.
+  auto give_up = [&](const absl::Status& why) {
+    (void)DropOnWorkers(name, epoch, create_at);
+    return why;
+  };
+  absl::Status failure;
+  auto failed = [&](const std::vector<grpc::Status>& statuses,
+                    const std::vector<std::string>& at) -> bool {
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      if (statuses[i].ok()) continue;
+      const std::string why =
+          absl::StrCat("recovery of ", lost_names, " failed on ", at[i], ": ",
+                       statuses[i].error_message(), "; retrying");
+      LOG(WARNING) << "collection '" << name << "': " << why;
+      SetState(name, CollectionInfo::DEGRADED, why);
+      failure = FromGrpc(statuses[i], at[i]);
+      return true;
+    }
+    return false;
+  };
+  if (failed(CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
+                 create_at, creates,
+                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                   async->CreateShards(ctx, request, response, std::move(done));
+                 }),
+             create_at) ||
+      failed(CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+                 update_at, updates,
+                 [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+                   async->UpdateShards(ctx, request, response, std::move(done));
+                 }),
+             update_at)) {
+    return give_up(failure);
+  }
+  CrashPoint("move_before_data");
+
+  // Reload from the checkpoint: the lost shards, or everything.
+  const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
+  if (path.empty()) {
+    note = absl::StrCat("no checkpoint: the shards of ", lost_names,
+                        " came back freshly initialised");
   } else {
-    // Replacements create their shards; the other live ranks move to the new
-    // epoch and create what they were given.
-    std::vector<std::string> create_at, update_at;
-    std::vector<ember::v1::CreateShardsRequest> creates;
-    std::vector<ember::v1::UpdateShardsRequest> updates;
-    for (int r : replaced) {
-      ember::v1::CreateShardsRequest c;
-      c.set_collection(name);
-      c.set_epoch(epoch);
-      *c.mutable_training() = info.spec().training();
-      for (const auto& a : AssignmentsOf(info, r)) *c.add_shards() = a;
-      create_at.push_back(info.worker_addresses(r));
-      creates.push_back(std::move(c));
-    }
-    for (int r : kept) {
-      ember::v1::UpdateShardsRequest u;
-      u.set_collection(name);
-      u.set_epoch(epoch);
-      *u.mutable_training() = info.spec().training();
-      for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
-      update_at.push_back(info.worker_addresses(r));
-      updates.push_back(std::move(u));
-    }
-    // A failed attempt lets go of what it created on replacements.
-    auto give_up = [&](const absl::Status& why) {
-      (void)DropOnWorkers(name, epoch, create_at);
-      return why;
-    };
-    absl::Status failure;
-    auto failed = [&](const std::vector<grpc::Status>& statuses,
-                      const std::vector<std::string>& at) -> bool {
-      for (size_t i = 0; i < statuses.size(); ++i) {
-        if (statuses[i].ok()) continue;
-        const std::string why =
-            absl::StrCat(drain ? "moving " : "recovery of ", lost_names, " failed on ", at[i], ": ",
-                         statuses[i].error_message(), drain ? "" : "; retrying");
-        LOG(WARNING) << "collection '" << name << "': " << why;
-        SetState(name, CollectionInfo::DEGRADED, why);
-        failure = FromGrpc(statuses[i], at[i]);
-        return true;
+    std::vector<std::string> at;
+    std::vector<ember::v1::LoadCheckpointRequest> loads;
+    for (const auto& [r, bytes] : load) {
+      if (!whole && !reload.count(r)) continue;
+      ember::v1::LoadCheckpointRequest l;
+      l.set_collection(name);
+      l.set_epoch(epoch);
+      l.set_dir(path);
+      *l.mutable_sources() = manifest.shards();
+      if (!whole) {
+        for (const auto& [table, index] : reload[r]) {
+          auto* ref = l.add_only();
+          ref->set_table(table);
+          ref->set_shard_index(index);
+        }
       }
-      return false;
-    };
-    if (failed(CallEach<ember::v1::CreateShardsRequest, ember::v1::CreateShardsResponse>(
-                   create_at, creates,
+      at.push_back(info.worker_addresses(r));
+      loads.push_back(std::move(l));
+    }
+    if (failed(CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
+                   at, loads,
                    [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-                     async->CreateShards(ctx, request, response, std::move(done));
-                   }),
-               create_at) ||
-        failed(CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-                   update_at, updates,
-                   [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-                     async->UpdateShards(ctx, request, response, std::move(done));
-                   }),
-               update_at)) {
+                     async->LoadCheckpoint(ctx, request, response, std::move(done));
+                   },
+                   options_.checkpoint_rpc_timeout),
+               at)) {
       return give_up(failure);
     }
-    CrashPoint("move_before_data");
-
-    // Reload from the checkpoint: the lost shards, or everything.
-    const bool whole = info.spec().recovery() == ember::v1::CollectionSpec::WHOLE_COLLECTION;
-    if (path.empty()) {
-      note = absl::StrCat("no checkpoint: the shards of ", lost_names,
-                          " came back freshly initialised");
-    } else {
-      std::vector<std::string> at;
-      std::vector<ember::v1::LoadCheckpointRequest> loads;
-      for (const auto& [r, bytes] : load) {
-        if (!whole && !reload.count(r)) continue;
-        ember::v1::LoadCheckpointRequest l;
-        l.set_collection(name);
-        l.set_epoch(epoch);
-        l.set_dir(path);
-        *l.mutable_sources() = manifest.shards();
-        if (!whole) {
-          for (const auto& [table, index] : reload[r]) {
-            auto* ref = l.add_only();
-            ref->set_table(table);
-            ref->set_shard_index(index);
-          }
-        }
-        at.push_back(info.worker_addresses(r));
-        loads.push_back(std::move(l));
-      }
-      if (failed(CallEach<ember::v1::LoadCheckpointRequest, ember::v1::LoadCheckpointResponse>(
-                     at, loads,
-                     [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-                       async->LoadCheckpoint(ctx, request, response, std::move(done));
-                     },
-                     options_.checkpoint_rpc_timeout),
-                 at)) {
-        return give_up(failure);
-      }
-      note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
-                                  lost_names, ")")
-                   : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
-                                  "; their updates since then are lost");
-    }
+    note = whole ? absl::StrCat("the whole collection rolled back to ", path, " (lost ",
+                                lost_names, ")")
+                 : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
+                                "; their updates since then are lost");
   }
   // The data is in place: from here a restarted coordinator keeps the new
-  // placement; only then does a drained worker let go of its copy.
+  // placement.
   if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/true); !s.ok()) {
     std::vector<std::string> created;
     for (int r : replaced) created.push_back(info.worker_addresses(r));
@@ -308,11 +307,11 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     SetState(name, CollectionInfo::DEGRADED, std::string(s.message()));
     return s;
   }
-  if (!drain) {
+  {
     absl::MutexLock lock(&mu_);
     force_lost_.erase(name);
   }
-  LOG(INFO) << "collection '" << name << "' " << (drain ? "moved" : "recovered") << " at epoch "
+  LOG(INFO) << "collection '" << name << "' recovered at epoch "
             << epoch << " in " << absl::ToDoubleMilliseconds(absl::Now() - start)
             << " ms: " << note;
   return absl::OkStatus();
