@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Live rescaling while training: a collection goes from 2 workers to 3.
+"""Live moves while training: a collection scaled from 2 workers to 3, or drained.
 
 A benchmark, not a test. On a local cluster of 3 CPU workers (`emberctl
 up`), a collection of --gib GiB of fp32 tables (4 tables of dim --dim,
@@ -10,11 +10,13 @@ table) without pause while the collection is scaled from 2 workers to 3
 (updates refused), the bytes it copied, those that went from one worker to
 another, and the least the new plan needs (the rows that change worker:
 for an even re-cut of N rows from 2 blocks to 3, N/2); and the trainer's
-steps/s before the move, during it and after it. With --format=json, one
-JSON line.
+steps/s before the move, during it and after it. With --move=drain the
+collection starts on 2 of the 3 workers the same way and one of its two is
+drained instead (`Client.drain`): its half of the rows moves whole to the
+third worker. With --format=json, one JSON line.
 
 Usage: .venv/bin/python bench/rescale_bench.py [--gib 2] [--dim 128]
-       [--batch 4096] [--format text|json]
+       [--batch 4096] [--move scale|drain] [--format text|json]
 """
 import argparse
 import json
@@ -70,6 +72,7 @@ def main():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--window_s", type=float, default=5.0, help="steps/s measured before and after")
+    p.add_argument("--move", choices=["scale", "drain"], default="scale")
     p.add_argument("--format", choices=["text", "json"], default="text")
     args = p.parse_args()
     rows = int(args.gib * (1 << 30) / 4 / (args.dim * 4 + 4))  # weights + one Adagrad float
@@ -79,14 +82,29 @@ def main():
         c.create_collection(spec_of(rows, args.dim), sharding_type="row_wise")
         c.scale("rs", 2)  # the starting point: two workers
         if args.format == "text":
+            what = "2 -> 3 CPU workers" if args.move == "scale" else "one of 2 CPU workers drained"
             print(f"== {args.gib:g} GiB: 4 tables of [{rows}, {args.dim}] fp32 + row-wise "
-                  f"Adagrad, row_wise, 2 -> 3 CPU workers, a trainer applying batches of "
+                  f"Adagrad, row_wise, {what}, a trainer applying batches of "
                   f"{args.batch} ids per table")
+        info = c.collection("rs")
+        holders = {info["worker_addresses"][int(s.get("rank", 0))]
+                   for t in info["plan"]["tables"] for s in t["shards"]}
+        victim = next(w["worker_id"] for w in c.list_workers()
+                      if w["info"]["address"] in holders)
         trainer = Trainer(cl.address, rows, args.dim, args.batch)
         trainer.start()
         time.sleep(args.window_s)
         start = time.perf_counter()
-        out = c.scale("rs", 3)
+        if args.move == "scale":
+            out = c.scale("rs", 3)
+        else:
+            c.drain(victim)
+            fence_ms = 0.0  # the drain's fence, from the collection's note
+            note = c.collection("rs").get("note", "")
+            if "fenced " in note:
+                fence_ms = float(note.rsplit("fenced ", 1)[1].split(" ms")[0])
+            # A drain's bytes are not in its answer: its shards move whole.
+            out = {"fence_ms": fence_ms, "bytes_copied": 0, "bytes_between_workers": 0}
         end = time.perf_counter()
         time.sleep(args.window_s)
         trainer.stop.set()
@@ -99,7 +117,7 @@ def main():
             "seconds": end - start, "fence_ms": out["fence_ms"],
             "bytes_copied": int(out["bytes_copied"]),
             "bytes_between_workers": int(out["bytes_between_workers"]),
-            "bytes_minimum": table_bytes // 2,
+            "move": args.move, "bytes_minimum": table_bytes // 2,  # a drain: what it moves
             "steps_per_s_before": trainer.rate(start - args.window_s, start),
             "steps_per_s_during": trainer.rate(start, end),
             "steps_per_s_after": trainer.rate(end, end + args.window_s),
@@ -108,11 +126,16 @@ def main():
             print(json.dumps(row))
             return 0
         mib = 1 << 20
-        print(f"scale 2 -> 3: {row['seconds']:.2f} s, updates fenced {row['fence_ms']:.0f} ms")
-        print(f"  copied {row['bytes_copied'] / mib:.0f} MiB, of which "
-              f"{row['bytes_between_workers'] / mib:.0f} MiB between workers; the new plan "
-              f"needs {row['bytes_minimum'] / mib:.0f} MiB to change worker "
-              f"(ratio {row['bytes_between_workers'] / row['bytes_minimum']:.2f})")
+        print(f"{'scale 2 -> 3' if args.move == 'scale' else 'drain'}: {row['seconds']:.2f} s, "
+              f"updates fenced {row['fence_ms']:.0f} ms")
+        if args.move == "scale":
+            print(f"  copied {row['bytes_copied'] / mib:.0f} MiB, of which "
+                  f"{row['bytes_between_workers'] / mib:.0f} MiB between workers; the new "
+                  f"plan needs {row['bytes_minimum'] / mib:.0f} MiB to change worker "
+                  f"(ratio {row['bytes_between_workers'] / row['bytes_minimum']:.2f})")
+        else:
+            print(f"  the drained worker's {row['bytes_minimum'] / mib:.0f} MiB of shards moved "
+                  f"whole to the third worker")
         print(f"  trainer steps/s: before {row['steps_per_s_before']:.1f}, during "
               f"{row['steps_per_s_during']:.1f} "
               f"({row['steps_per_s_during'] / row['steps_per_s_before']:.2f}x), after "
