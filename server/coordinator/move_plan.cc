@@ -226,10 +226,18 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
     const int64_t dim = std::max<int64_t>(1, before.spec().tables(at.first).embedding_dim());
     return sh.rows() * sh.cols() * row_bytes[at.first] / dim;
   };
+  // The rank holding least; of equals, a worker new to the collection
+  // first (it is there to take load), then the lowest rank.
   auto emptiest = [&] {
-    return static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    int best = 0;
+    for (int r = 1; r < world; ++r) {
+      if (load[r] < load[best] || (load[r] == load[best] && from[r] < 0 && from[best] >= 0)) {
+        best = r;
+      }
+    }
+    return best;
   };
-  std::sort(homeless.begin(), homeless.end(),
+  std::stable_sort(homeless.begin(), homeless.end(),
             [&](const auto& a, const auto& b) { return bytes(a) > bytes(b); });
   for (const auto& at : homeless) {  // largest first, each to the emptiest rank
     const int r = emptiest();

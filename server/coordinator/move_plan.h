@@ -68,7 +68,8 @@ absl::StatusOr<MovePlan> PlanMove(const ember::v1::CollectionInfo& before,
 //   data_parallel   a replica on every rank;
 //   any other       each shard keeps its block, on its old rank's new one;
 //                   a shard whose rank leaves goes to the rank holding the
-//                   fewest bytes; then, while moving a table_wise or
+//                   fewest bytes (of equals, a new worker's, then the
+//                   lowest); then, while moving a table_wise or
 //                   column_wise shard from the fullest rank to the emptiest
 //                   leaves both below the fullest's load, the largest such
 //                   moves.

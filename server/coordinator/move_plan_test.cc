@@ -129,6 +129,76 @@ TEST(MovePlanTest, ColumnChangesDynamicReCutsAndGapsAreRefused) {
   EXPECT_EQ(PlanMove(short_before, whole).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// RescalePlan against plans worked by hand: row_wise re-cut, replicas on
+// every rank, a table-wise shard leaving with its worker, evening out onto
+// a new worker, and the refusals.
+TEST(RescalePlanTest, RowWiseIsReCutAndOtherShardsFollowTheirWorkers) {
+  // t: row_wise on A, B; u and v: table_wise on B; r: replicated on A, B.
+  // Bytes (fp32, dim 8, SGD: 32 B a row): t 384 in all, u, v and each
+  // replica of r 384.
+  CollectionInfo before = Info({"A", "B"}, {{Table("t"), {{0, 0, 6}, {1, 6, 6}}},
+                                            {Table("u"), {{1, 0, 12}}},
+                                            {Table("v"), {{1, 0, 12}}},
+                                            {Table("r"), {}}});
+  before.mutable_plan()->mutable_tables(1)->set_sharding_type("table_wise");
+  before.mutable_plan()->mutable_tables(2)->set_sharding_type("table_wise");
+  // Grow: new ranks 0, 1 are old 0, 1; rank 2 is new.
+  auto grown = RescalePlan(before, {0, 1, -1});
+  ASSERT_TRUE(grown.ok()) << grown.status();
+  const ember::v1::TableSharding& t = grown->tables(0);
+  ASSERT_EQ(t.shards_size(), 3);  // 12 rows over 3: 4, 4, 4
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(t.shards(i).row_offset(), 4 * i);
+    EXPECT_EQ(t.shards(i).rows(), 4);
+    EXPECT_EQ(t.shards(i).rank(), i);
+  }
+  EXPECT_EQ(grown->tables(3).ranks_size(), 3);  // a replica on each
+  // Loads: rank 0 128 + 384, rank 1 128 + 384 + 768 (u, v), rank 2 512.
+  // Moving u (the first of the largest) to the emptiest (ranks 0 and 2
+  // tie: the new worker's) leaves 896 and 896, both below 1280: it moves;
+  // then nothing lightens the fullest further.
+  EXPECT_EQ(grown->tables(1).shards(0).rank(), 2);
+  EXPECT_EQ(grown->tables(2).shards(0).rank(), 1);
+  // Shrink to B alone (new rank 0 is old rank 1): all there, t one block.
+  auto shrunk = RescalePlan(before, {1});
+  ASSERT_TRUE(shrunk.ok()) << shrunk.status();
+  ASSERT_EQ(shrunk->tables(0).shards_size(), 1);
+  EXPECT_EQ(shrunk->tables(0).shards(0).rows(), 12);
+  EXPECT_EQ(shrunk->tables(1).shards(0).rank(), 0);
+  EXPECT_EQ(shrunk->tables(3).ranks_size(), 1);
+  // B leaves for a new worker: u and v go to the emptiest rank each in turn
+  // (both hold 192 + 384: the new worker's first; then rank 0).
+  auto without_b = RescalePlan(before, {0, -1});
+  ASSERT_TRUE(without_b.ok());
+  EXPECT_EQ(without_b->tables(1).shards(0).rank(), 1);
+  EXPECT_EQ(without_b->tables(2).shards(0).rank(), 0);
+  // PlanMove covers every new shard of the grown plan from the old one.
+  CollectionInfo after = before;
+  *after.mutable_plan() = *grown;
+  after.clear_worker_addresses();
+  for (const char* a : {"A", "B", "C"}) after.add_worker_addresses(a);
+  auto moves = PlanMove(before, after);
+  ASSERT_TRUE(moves.ok()) << moves.status();
+  EXPECT_TRUE(moves->emptied.empty());
+  EXPECT_EQ(moves->create.at("C").size(), 3u);  // t's third block, u, r's replica
+}
+
+TEST(RescalePlanTest, BadRankMapsAndDynamicReCutsAreRefused) {
+  const CollectionInfo before = Info({"A", "B"}, {{Table("t"), {{0, 0, 6}, {1, 6, 6}}}});
+  EXPECT_EQ(RescalePlan(before, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RescalePlan(before, {0, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RescalePlan(before, {5}).status().code(), absl::StatusCode::kInvalidArgument);
+  const CollectionInfo dyn = Info({"A", "B"}, {{Table("d", true), {{0, 0, 6}, {1, 6, 6}}}});
+  auto grown = RescalePlan(dyn, {0, 1, -1});
+  EXPECT_EQ(grown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(grown.status().message().find("restore"), std::string::npos) << grown.status();
+  // The same count keeps a dynamic table's blocks (a worker swapped: moved whole).
+  auto swapped = RescalePlan(dyn, {0, -1});
+  ASSERT_TRUE(swapped.ok()) << swapped.status();
+  EXPECT_EQ(swapped->tables(0).shards(1).rows(), 6);
+  EXPECT_EQ(swapped->tables(0).shards(1).rank(), 1);
+}
+
 }  // namespace
 }  // namespace coordinator
 }  // namespace ember
