@@ -96,6 +96,28 @@ absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collecti
   if (!whole) *ex.mutable_changed_since() = since;
   const int64_t chunk = ChunkRows(c->cols, c->state_width);
   int64_t copied = 0;
+  if (c->from == c->to) {  // a block that stays on its worker: copied there
+    for (int64_t b = 0; b < c->rows; b += chunk) {
+      const int64_t e = std::min(c->rows, b + chunk);
+      ember::v1::ImportRowsRequest im;
+      im.set_collection(collection);
+      im.set_epoch(epoch);
+      *im.mutable_shard() = c->to_ref;
+      im.set_row_begin(c->to_row + b);
+      im.set_row_end(c->to_row + e);
+      *im.mutable_copy_from() = c->from_ref;
+      im.set_copy_from_row(c->from_row + b);
+      if (!whole) *im.mutable_copy_changed_since() = since;
+      im.set_step(-1);
+      ember::v1::ImportRowsResponse done;
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, options_.worker_rpc_timeout);
+      AddToken(&ctx, CredentialFor(c->to));
+      if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, c->to);
+      copied += done.rows_copied();
+    }
+    return copied;
+  }
   for (int64_t b = 0; b < c->rows; b += chunk) {
     const int64_t e = std::min(c->rows, b + chunk);
     ex.set_row_begin(c->from_row + b);

@@ -287,6 +287,91 @@ TEST(LiveMoveTest, ARetryAfterAMergeAppliesOnlyToTheRowsThatLackedIt) {
   EXPECT_EQ(record(2, 2, "x").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// A block that stays on its worker is copied there (copy_from): all of it,
+// then what changed since a mark; the staged shard equals the source's rows.
+TEST(LiveMoveTest, ABlockThatStaysIsCopiedWithinTheWorker) {
+  auto w = Worker({Assignment("t", 8), Assignment("u", 8)});
+  ember::v1::ShardAssignment second = Assignment("t", 8);  // rows [0, 4) of t as shard 1
+  second.mutable_ref()->set_shard_index(1);
+  second.set_rows(4);
+  ASSERT_TRUE(Stage(w.get(), 2, {second}).ok());
+  ember::v1::ExportRowsRequest mark;
+  mark.set_collection("c");
+  mark.mutable_shard()->set_table("t");
+  mark.set_mark(true);
+  ember::v1::ExportRowsResponse marked;
+  ASSERT_TRUE(w->ExportRows(nullptr, &mark, &marked).ok());
+  auto copy = [&](const ember::v1::ChangeMark* since, int64_t* copied) {
+    ember::v1::ImportRowsRequest im;
+    im.set_collection("c");
+    im.set_epoch(2);
+    im.mutable_shard()->set_table("t");
+    im.mutable_shard()->set_shard_index(1);
+    im.set_row_begin(0);
+    im.set_row_end(4);
+    im.mutable_copy_from()->set_table("t");
+    im.set_copy_from_row(2);  // t's rows 2..5 become shard 1's 0..3
+    if (since != nullptr) *im.mutable_copy_changed_since() = *since;
+    im.set_step(-1);
+    ember::v1::ImportRowsResponse done;
+    const grpc::Status s = w->ImportRows(nullptr, &im, &done);
+    *copied = done.rows_copied();
+    return s;
+  };
+  int64_t copied = 0;
+  ASSERT_TRUE(copy(nullptr, &copied).ok());
+  EXPECT_EQ(copied, 4);
+  std::mt19937 rng(2);
+  ASSERT_TRUE(Update(w.get(), 1, "t", {3, 7}, &rng).ok());  // row 3 is in the block, 7 not
+  ASSERT_TRUE(copy(&marked.mark(), &copied).ok());
+  EXPECT_EQ(copied, 1);
+  const std::vector<float> t = Rows(w.get(), "t", 8);
+  ASSERT_TRUE(Switch(w.get(), 2, {second, Assignment("u", 8)}).ok());
+  ember::v1::ExportRowsRequest ex;
+  ex.set_collection("c");
+  ex.mutable_shard()->set_table("t");
+  ex.mutable_shard()->set_shard_index(1);
+  ex.set_row_end(4);
+  ember::v1::ExportRowsResponse got;
+  ASSERT_TRUE(w->ExportRows(nullptr, &ex, &got).ok());
+  std::vector<float> weights, state;
+  ASSERT_TRUE(wire::Decode(got.weights(), "weights", &weights).ok());
+  ASSERT_TRUE(wire::Decode(got.state(), "state", &state).ok());
+  // Rows() lists 8 rows of weights, then 8 of state.
+  const std::vector<float> want_w(t.begin() + 2 * kDim, t.begin() + 6 * kDim);
+  const size_t width = state.size() / 4;
+  const std::vector<float> want_s(t.begin() + 8 * kDim + 2 * width,
+                                  t.begin() + 8 * kDim + 6 * width);
+  EXPECT_EQ(weights, want_w);
+  EXPECT_EQ(state, want_s);
+}
+
+TEST(LiveMoveTest, CopyWithinRefusesMismatches) {
+  auto w = Worker({Assignment("t", 8), Assignment("u", 8)});
+  ember::v1::ShardAssignment staged = Assignment("t", 8);
+  staged.mutable_ref()->set_shard_index(1);
+  ASSERT_TRUE(Stage(w.get(), 2, {staged}).ok());
+  auto copy = [&](const std::string& from, int64_t from_row, int64_t end, bool with_weights) {
+    ember::v1::ImportRowsRequest im;
+    im.set_collection("c");
+    im.set_epoch(2);
+    im.mutable_shard()->set_table("t");
+    im.mutable_shard()->set_shard_index(1);
+    im.set_row_end(end);
+    im.mutable_copy_from()->set_table(from);
+    im.set_copy_from_row(from_row);
+    if (with_weights) im.set_weights(wire::Encode<float>(std::vector<float>(kDim, 1.0f)));
+    ember::v1::ImportRowsResponse done;
+    return w->ImportRows(nullptr, &im, &done).error_code();
+  };
+  EXPECT_EQ(copy("u", 0, 4, false), grpc::StatusCode::INVALID_ARGUMENT);  // another table
+  EXPECT_EQ(copy("t", 6, 4, false), grpc::StatusCode::INVALID_ARGUMENT);  // past its rows
+  EXPECT_EQ(copy("t", 0, 9, false), grpc::StatusCode::INVALID_ARGUMENT);  // past the target's
+  EXPECT_EQ(copy("t", 0, 1, true), grpc::StatusCode::INVALID_ARGUMENT);   // values too
+  EXPECT_EQ(copy("nope", 0, 1, false), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(copy("t", 0, 8, false), grpc::StatusCode::OK);
+}
+
 // Misuse is refused precisely and changes nothing.
 TEST(LiveMoveTest, MisuseIsRefusedAndChangesNothing) {
   auto w = Worker({Assignment("t", 8), Assignment("d", 16, /*dynamic=*/true)});

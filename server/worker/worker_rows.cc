@@ -166,8 +166,63 @@ absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::ImportTarget(
   return &it->second;
 }
 
+absl::StatusOr<int64_t> WorkerService::CopyWithin(const Collection& c, const ShardEntry& to,
+                                                   const ember::v1::ImportRowsRequest& req) {
+  auto from = FindShard(c, req.copy_from());
+  if (!from.ok()) return from.status();
+  const ember::v1::ShardAssignment& fa = (*from)->assignment;
+  const ember::v1::ShardAssignment& ta = to.assignment;
+  const int64_t b = req.row_begin(), e = req.row_end(), src = req.copy_from_row();
+  if (fa.table().has_dynamic() || ta.table().has_dynamic() ||
+      fa.ref().table() != ta.ref().table() || fa.col_offset() != ta.col_offset() ||
+      fa.cols() != ta.cols()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "copy_from ", RefString(fa.ref()), " into ", RefString(ta.ref()),
+        ": the same fixed table's columns only"));
+  }
+  if (b < 0 || b > e || e > ta.rows() || src < 0 || src + (e - b) > fa.rows()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "copy_from: rows [", src, ", ", src + (e - b), ") of ", fa.rows(), " into [", b, ", ", e,
+        ") of ", ta.rows()));
+  }
+  std::vector<int64_t> rows;
+  if (req.has_copy_changed_since()) {
+    auto changed = backend_->ChangedRowsIn(
+        (*from)->id, {req.copy_changed_since().lineage(), req.copy_changed_since().generation()},
+        src, src + (e - b));
+    if (!changed.ok()) return changed.status();
+    rows = *std::move(changed);
+  } else {
+    rows.resize(e - b);
+    for (int64_t k = 0; k < e - b; ++k) rows[k] = src + k;
+  }
+  if (rows.empty()) return 0;
+  auto spec = backend_->GetShardSpec(to.id);
+  if (!spec.ok()) return spec.status();
+  const int64_t width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
+  const int64_t n = static_cast<int64_t>(rows.size());
+  std::vector<float> weights(n * spec->dim), state(n * width);
+  if (!req.has_copy_changed_since()) {  // the whole block: one range each way
+    if (absl::Status s = backend_->ExportRows((*from)->id, src, src + n, absl::MakeSpan(weights),
+                                              absl::MakeSpan(state));
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = backend_->ImportRows(to.id, b, e, weights, state); !s.ok()) return s;
+    return n;
+  }
+  if (absl::Status s = backend_->ExportRowsAt((*from)->id, rows, absl::MakeSpan(weights),
+                                              absl::MakeSpan(state));
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t& r : rows) r += b - src;
+  if (absl::Status s = backend_->ImportRowsAt(to.id, rows, weights, state); !s.ok()) return s;
+  return n;
+}
+
 grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1::ImportRowsRequest* req,
-                                       ember::v1::ImportRowsResponse*) {
+                                       ember::v1::ImportRowsResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kCoordinator); !a.ok()) return a;
   if (req->epoch() <= 0) {
     return ToGrpc(absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", req->epoch())));
@@ -192,7 +247,15 @@ grpc::Status WorkerService::ImportRows(grpc::ServerContext* ctx, const ember::v1
   std::optional<absl::MutexLock> apply;
   if (!staged) apply.emplace(c->apply_mu.get());
   const ember::v1::ShardAssignment& a = (*shard)->assignment;
-  if (req->applied_for_rows()) {  // a record for some rows: they carry no values here
+  if (req->has_copy_from()) {  // rows from a shard held here: nothing crosses the wire
+    if (!weights.empty() || !state.empty() || !req->rows().empty() || req->applied_for_rows()) {
+      return ToGrpc(absl::InvalidArgumentError(
+          "copy_from takes no weights, state, rows or applied_for_rows"));
+    }
+    auto copied = CopyWithin(*c, **shard, *req);
+    if (!copied.ok()) return ToGrpc(copied.status());
+    resp->set_rows_copied(*copied);
+  } else if (req->applied_for_rows()) {  // a record for some rows: they carry no values here
     if (a.table().has_dynamic() || !weights.empty() || !state.empty() || !req->rows().empty() ||
         req->row_begin() < 0 || req->row_begin() >= req->row_end() || req->row_end() > a.rows()) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(

@@ -266,6 +266,11 @@ class WorkerService final : public ember::v1::Worker::Service {
                                                  const ember::v1::ShardRef& ref,
                                                  Collection** c, bool* staged) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // ImportRows' copy_from: rows of another shard held here (the rows it
+  // changed since a mark, or all) into `to`; the rows copied.
+  absl::StatusOr<int64_t> CopyWithin(const Collection& c, const ShardEntry& to,
+                                     const ember::v1::ImportRowsRequest& req)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // ExportRows of a live move: the change mark and the changed rows.
   absl::Status ExportChanged(Collection& c, const ShardEntry& shard,
                              const ember::v1::ExportRowsRequest& req,
