@@ -282,6 +282,17 @@ TEST(LiveMoveTest, ARetryAfterAMergeAppliesOnlyToTheRowsThatLackedIt) {
   ASSERT_TRUE(merged->ApplyGradients(nullptr, &retried, &resp).ok());
   EXPECT_TRUE(resp.duplicate());
   EXPECT_EQ(Rows(merged.get(), "t", 6), Rows(plain.get(), "t", 6));
+  // MEAN: the retried bag {1, 4} owes row 4 half its gradient (the bag's
+  // whole length is 2), not all of it (the one id left).
+  auto mean = update({2, 1}, {1, 4, 5}, grad, "half-mean");
+  mean.mutable_gradients(0)->mutable_feature()->set_pooling(TableConfig::MEAN);
+  ASSERT_TRUE(record(0, 3, "half-mean").ok());
+  ASSERT_TRUE(merged->ApplyGradients(nullptr, &mean, &resp).ok());
+  auto owed_mean = update({1, 1}, {4, 5}, grad, "half-mean");
+  owed_mean.mutable_gradients(0)->mutable_feature()->set_weights(
+      wire::Encode<float>(std::vector<float>{0.5f, 1.0f}));
+  ASSERT_TRUE(plain->ApplyGradients(nullptr, &owed_mean, &resp).ok());
+  EXPECT_EQ(Rows(merged.get(), "t", 6), Rows(plain.get(), "t", 6));
   // A record for rows outside the shard, or with values, is refused.
   EXPECT_EQ(record(4, 9, "x").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(record(2, 2, "x").error_code(), grpc::StatusCode::INVALID_ARGUMENT);

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "glog/logging.h"
+#include "math/embedding_math.h"
 #include "server/backend/overflow_guard.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
@@ -94,9 +95,10 @@ std::vector<std::pair<int64_t, int64_t>> AppliedRanges(const std::vector<RowsRec
 
 // `part` less its ids in `ranges` (with NONE pooling, their gradient rows
 // too): what a retried update still owes the rows whose record lacks it.
-// A pooled bag keeps its gradient: each remaining id gets what it would
-// have had on the shard it came from (SUM, and MEAN by the bag's whole
-// length or, without one, the ids left: those its source shard held).
+// A pooled bag keeps its gradient, so each remaining id gets what it would
+// have had: a MEAN bag becomes SUM with the mean's factor of its whole
+// length folded into each id's weight (the same product the backend forms;
+// a row-split MEAN part, sent as SUM with mean_lengths, keeps those).
 HeldPart WithoutRanges(const HeldPart& part,
                        const std::vector<std::pair<int64_t, int64_t>>& ranges) {
   auto applied = [&](int64_t row) {
@@ -109,18 +111,26 @@ HeldPart WithoutRanges(const HeldPart& part,
   out.table = part.table;
   out.shard_index = part.shard_index;
   out.feature = part.feature;
-  out.pooling = part.pooling;
   out.mean_lengths = part.mean_lengths;
+  const bool mean = part.pooling == backend::Pooling::kMean;
+  out.pooling = mean ? backend::Pooling::kSum : part.pooling;
   const bool per_id = part.pooling == backend::Pooling::kNone;
+  const bool weighted = !part.weights.empty();
   const size_t n = per_id ? part.ids.size() : part.lengths.size();
   const size_t cols = n == 0 ? 0 : part.grad.size() / n;
   size_t at = 0;
   for (size_t b = 0; b < part.lengths.size(); ++b) {
     int64_t kept = 0;
+    const float mean_scale = mean ? backend::math::MeanScale(part.lengths[b]) : 1.0f;
     for (int64_t k = 0; k < part.lengths[b]; ++k, ++at) {
       if (applied(part.ids[at])) continue;
       out.ids.push_back(part.ids[at]);
-      if (!part.weights.empty()) out.weights.push_back(part.weights[at]);
+      if (mean) {
+        out.weights.push_back(backend::math::IdScale(weighted, weighted ? part.weights[at] : 1.0f,
+                                            mean_scale));
+      } else if (weighted) {
+        out.weights.push_back(part.weights[at]);
+      }
       if (per_id) {
         out.grad.insert(out.grad.end(), part.grad.begin() + at * cols,
                         part.grad.begin() + (at + 1) * cols);
