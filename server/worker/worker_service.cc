@@ -19,7 +19,6 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "glog/logging.h"
-#include "math/embedding_math.h"
 #include "server/backend/overflow_guard.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
@@ -121,13 +120,14 @@ HeldPart WithoutRanges(const HeldPart& part,
   size_t at = 0;
   for (size_t b = 0; b < part.lengths.size(); ++b) {
     int64_t kept = 0;
-    const float mean_scale = mean ? backend::math::MeanScale(part.lengths[b]) : 1.0f;
+    // The backend's factors (math::MeanScale, IdScale), formed alike here.
+    const float mean_scale =
+        mean && part.lengths[b] > 0 ? 1.0f / static_cast<float>(part.lengths[b]) : 1.0f;
     for (int64_t k = 0; k < part.lengths[b]; ++k, ++at) {
       if (applied(part.ids[at])) continue;
       out.ids.push_back(part.ids[at]);
       if (mean) {
-        out.weights.push_back(backend::math::IdScale(weighted, weighted ? part.weights[at] : 1.0f,
-                                            mean_scale));
+        out.weights.push_back(weighted ? part.weights[at] * mean_scale : mean_scale);
       } else if (weighted) {
         out.weights.push_back(part.weights[at]);
       }
