@@ -40,23 +40,53 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
     return ToGrpc(absl::InvalidArgumentError(
         absl::StrCat("row range [", b, ", ", e, ") is outside [0, ", a.rows(), ")")));
   }
-  if (req->mark() || req->has_changed_since()) {
-    return ToGrpc(ExportChanged(**c, **shard, *req, resp));
+  // A live move's copy: the shard's change mark first, then the rows (or
+  // only those changed since an earlier mark: a catch-up).
+  const bool changed = req->has_changed_since();
+  if (req->mark() || changed) {
+    if (a.table().has_dynamic()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          RefString(a.ref()),
+          " is a dynamic table's: its slots move whole (no mark or changed_since)")));
+    }
+    if (req->with_applied_ids()) {
+      return ToGrpc(absl::InvalidArgumentError(
+          "with_applied_ids is not taken with mark or changed_since (ask for it on its own)"));
+    }
+  }
+  if (req->mark()) {
+    // Under the update fence: every update before the mark is in the rows
+    // read after it; every later one carries a later generation.
+    absl::MutexLock apply((*c)->apply_mu.get());
+    auto mark = backend_->MarkChanges((*shard)->id);
+    if (!mark.ok()) return ToGrpc(mark.status());
+    resp->mutable_mark()->set_lineage(mark->lineage);
+    resp->mutable_mark()->set_generation(mark->generation);
+  }
+  std::vector<int64_t> rows;
+  if (changed) {
+    auto since = backend_->ChangedRowsIn(
+        (*shard)->id, {req->changed_since().lineage(), req->changed_since().generation()}, b, e);
+    if (!since.ok()) return ToGrpc(since.status());
+    rows = *std::move(since);
   }
   auto spec = backend_->GetShardSpec((*shard)->id);
   if (!spec.ok()) return ToGrpc(spec.status());
   const int64_t width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
-  const int64_t bytes = (e - b) * (spec->dim + width) * 4;
+  const int64_t n = changed ? static_cast<int64_t>(rows.size()) : e - b;
+  const int64_t bytes = n * (spec->dim + width) * 4;
   if (bytes > options_.max_response_bytes) {
     return ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
-        "exporting ", e - b, " rows takes ", bytes, " bytes, over the limit of ",
+        "exporting ", n, " rows takes ", bytes, " bytes, over the limit of ",
         options_.max_response_bytes, "; export fewer rows per call")));
   }
-  auto weights = wire::Resize<float>(resp->mutable_weights(), (e - b) * spec->dim);
-  auto state = wire::Resize<float>(resp->mutable_state(), (e - b) * width);
-  if (absl::Status s = backend_->ExportRows((*shard)->id, b, e, weights, state); !s.ok()) {
-    return ToGrpc(s);
-  }
+  auto weights = wire::Resize<float>(resp->mutable_weights(), n * spec->dim);
+  auto state = wire::Resize<float>(resp->mutable_state(), n * width);
+  const absl::Status exported =
+      changed ? backend_->ExportRowsAt((*shard)->id, rows, weights, state)
+              : backend_->ExportRows((*shard)->id, b, e, weights, state);
+  if (!exported.ok()) return ToGrpc(exported);
+  if (changed) wire::Encode(absl::Span<const int64_t>(rows), resp->mutable_rows());
   auto step = backend_->ExportStep((*shard)->id);
   if (!step.ok()) return ToGrpc(step.status());
   if (spec->is_dynamic) {
@@ -87,63 +117,6 @@ grpc::Status WorkerService::ExportRows(grpc::ServerContext* ctx, const ember::v1
     }
   }
   return grpc::Status::OK;
-}
-
-absl::Status WorkerService::ExportChanged(Collection& c, const ShardEntry& shard,
-                                          const ember::v1::ExportRowsRequest& req,
-                                          ember::v1::ExportRowsResponse* resp) {
-  if (shard.assignment.table().has_dynamic()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        RefString(shard.assignment.ref()),
-        " is a dynamic table's: its slots move whole (no mark or changed_since)"));
-  }
-  if (req.with_applied_ids()) {
-    return absl::InvalidArgumentError(
-        "with_applied_ids is not taken with mark or changed_since (ask for it on its own)");
-  }
-  if (req.mark()) {
-    // Under the update fence: every update before the mark is in the rows
-    // read after it; every later one carries a later generation.
-    absl::MutexLock apply(c.apply_mu.get());
-    auto mark = backend_->MarkChanges(shard.id);
-    if (!mark.ok()) return mark.status();
-    resp->mutable_mark()->set_lineage(mark->lineage);
-    resp->mutable_mark()->set_generation(mark->generation);
-  }
-  auto spec = backend_->GetShardSpec(shard.id);
-  if (!spec.ok()) return spec.status();
-  const int64_t width = backend::OptimizerStateWidth(spec->optimizer.type, spec->dim);
-  resp->set_cols(spec->dim);
-  resp->set_state_width(width);
-  auto step = backend_->ExportStep(shard.id);
-  if (!step.ok()) return step.status();
-  resp->set_step(*step);
-  // The mark alone: rows [row_begin, row_end) whole (the bulk copy);
-  // changed_since: the changed ones among them (a catch-up).
-  std::vector<int64_t> rows;
-  if (req.has_changed_since()) {
-    auto changed = backend_->ChangedRowsIn(
-        shard.id, {req.changed_since().lineage(), req.changed_since().generation()},
-        req.row_begin(), req.row_end());
-    if (!changed.ok()) return changed.status();
-    rows = *std::move(changed);
-  }
-  const int64_t n =
-      req.has_changed_since() ? static_cast<int64_t>(rows.size()) : req.row_end() - req.row_begin();
-  const int64_t bytes = n * (spec->dim + width) * 4;
-  if (bytes > options_.max_response_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "exporting ", n, " rows takes ", bytes, " bytes, over the limit of ",
-        options_.max_response_bytes, "; export fewer rows per call"));
-  }
-  auto weights = wire::Resize<float>(resp->mutable_weights(), n * spec->dim);
-  auto state = wire::Resize<float>(resp->mutable_state(), n * width);
-  if (!req.has_changed_since()) {
-    return backend_->ExportRows(shard.id, req.row_begin(), req.row_end(), weights, state);
-  }
-  if (absl::Status s = backend_->ExportRowsAt(shard.id, rows, weights, state); !s.ok()) return s;
-  wire::Encode(absl::Span<const int64_t>(rows), resp->mutable_rows());
-  return absl::OkStatus();
 }
 
 absl::StatusOr<const WorkerService::ShardEntry*> WorkerService::ImportTarget(

@@ -271,10 +271,6 @@ class WorkerService final : public ember::v1::Worker::Service {
   absl::StatusOr<int64_t> CopyWithin(const Collection& c, const ShardEntry& to,
                                      const ember::v1::ImportRowsRequest& req)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // ExportRows of a live move: the change mark and the changed rows.
-  absl::Status ExportChanged(Collection& c, const ShardEntry& shard,
-                             const ember::v1::ExportRowsRequest& req,
-                             ember::v1::ExportRowsResponse* resp) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether an update names a shard of a dynamic table (shards it does not
   // hold count as not: the codec refuses them).
   bool TouchesDynamicTable(const Collection& c,
