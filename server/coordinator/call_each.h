@@ -1,6 +1,6 @@
-// CoordinatorService::CallEach's definition, for the coordinator's files
-// that fan a request out to workers (a member template: each caller's file
-// instantiates it). Private to //server/coordinator:coordinator_service.
+// CoordinatorService::CallEach's and CallWorker's definitions, for the
+// coordinator's files that call workers (member templates: each caller's
+// file instantiates them). Private to //server/coordinator:coordinator_service.
 #ifndef EMBER_SERVER_COORDINATOR_CALL_EACH_H_
 #define EMBER_SERVER_COORDINATOR_CALL_EACH_H_
 
@@ -40,6 +40,21 @@ std::vector<grpc::Status> CoordinatorService::CallEach(const std::vector<std::st
   }
   pending.Wait();
   return statuses;
+}
+
+template <typename Request, typename Response>
+absl::Status CoordinatorService::CallWorker(
+    const std::string& address,
+    grpc::Status (ember::v1::Worker::Stub::*rpc)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request, Response* response) {
+  ember::v1::Worker::Stub* stub = StubFor(address);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.worker_rpc_timeout);
+  AddToken(&ctx, CredentialFor(address));
+  if (grpc::Status s = (stub->*rpc)(&ctx, request, response); !s.ok()) {
+    return FromGrpc(s, address);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace coordinator

@@ -420,60 +420,6 @@ void CoordinatorService::FenceSteps(const CollectionInfo& info,
             << " applied before the move";
 }
 
-absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_t epoch,
-                                           const std::string& from,
-                                           const ember::v1::ShardRef& from_ref,
-                                           const std::string& to,
-                                           const ember::v1::ShardRef& to_ref, int64_t rows) {
-  ember::v1::Worker::Stub* src = StubFor(from);
-  ember::v1::Worker::Stub* dst = StubFor(to);
-  // Rows [b, e) across, with the step; the first call (no rows) carries the
-  // shard's exactly-once record and tells the row width.
-  auto copy = [&](int64_t b, int64_t e, bool first, ember::v1::ExportRowsResponse* got) {
-    ember::v1::ExportRowsRequest ex;
-    ex.set_collection(collection);
-    *ex.mutable_shard() = from_ref;
-    ex.set_row_begin(b);
-    ex.set_row_end(e);
-    ex.set_with_applied_ids(first);
-    {
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx, options_.worker_rpc_timeout);
-      AddToken(&ctx, CredentialFor(from));
-      if (grpc::Status s = src->ExportRows(&ctx, ex, got); !s.ok()) return FromGrpc(s, from);
-    }
-    ember::v1::ImportRowsRequest im;
-    im.set_collection(collection);
-    im.set_epoch(epoch);
-    *im.mutable_shard() = to_ref;
-    im.set_row_begin(b);
-    im.set_row_end(e);
-    im.set_weights(std::move(*got->mutable_weights()));
-    im.set_state(std::move(*got->mutable_state()));
-    im.set_slot_meta(std::move(*got->mutable_slot_meta()));  // a dynamic table's slots
-    im.set_pending_counts(std::move(*got->mutable_pending_counts()));  // and admission counts,
-    im.set_pending_sketch(std::move(*got->mutable_pending_sketch()));  // exact and sketched
-    im.set_step(got->step());
-    *im.mutable_applied_ids() = got->applied_ids();
-    *im.mutable_applied_unix_ms() = got->applied_unix_ms();
-    ember::v1::ImportRowsResponse done;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    AddToken(&ctx, CredentialFor(to));
-    if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, to);
-    return absl::OkStatus();
-  };
-  ember::v1::ExportRowsResponse shape;
-  if (absl::Status s = copy(0, 0, true, &shape); !s.ok()) return s;
-  const int64_t chunk =
-      std::max<int64_t>(1, (int64_t{4} << 20) / (4 * (shape.cols() + shape.state_width())));
-  for (int64_t b = 0; b < rows; b += chunk) {
-    ember::v1::ExportRowsResponse got;
-    if (absl::Status s = copy(b, std::min(rows, b + chunk), false, &got); !s.ok()) return s;
-  }
-  return absl::OkStatus();
-}
-
 grpc::Status CoordinatorService::DrainWorker(grpc::ServerContext* ctx,
                                              const ember::v1::DrainWorkerRequest* req,
                                              ember::v1::DrainWorkerResponse* resp) {

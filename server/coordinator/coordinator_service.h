@@ -218,6 +218,13 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
                                      std::vector<Response>* responses = nullptr);
   // DropShards at `epoch` on each address (NOT_FOUND is fine); `staged`:
   // only the shards staged there for `epoch` (a live move that gave up).
+  // One call to the worker at `address`, with options.worker_rpc_timeout
+  // and the credential for it (call_each.h).
+  template <typename Request, typename Response>
+  absl::Status CallWorker(const std::string& address,
+                          grpc::Status (ember::v1::Worker::Stub::*rpc)(grpc::ClientContext*,
+                                                                         const Request&, Response*),
+                          const Request& request, Response* response);
   absl::Status DropOnWorkers(const std::string& collection, int64_t epoch,
                              const std::vector<std::string>& addresses, bool staged = false);
   // Before a BOUNDED collection moves (its held steps would be dropped with
@@ -344,7 +351,8 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // changed since c->mark. The rows copied, or the first failure.
   absl::StatusOr<int64_t> CopyPass(const std::string& collection, int64_t epoch, RowCopy* c,
                                    bool mark, bool whole);
-  // Copies one shard's rows, optimizer state and step between workers.
+  // Copies one shard's rows, optimizer state, step and exactly-once record
+  // between workers, whole (a dynamic shard in a live move, under the fence).
   absl::Status CopyShard(const std::string& collection, int64_t epoch, const std::string& from,
                          const ember::v1::ShardRef& from_ref, const std::string& to,
                          const ember::v1::ShardRef& to_ref, int64_t rows);

@@ -68,18 +68,53 @@ int64_t ChunkRows(int64_t cols, int64_t state_width) {
 
 }  // namespace
 
+absl::Status CoordinatorService::CopyShard(const std::string& collection, int64_t epoch,
+                                           const std::string& from,
+                                           const ember::v1::ShardRef& from_ref,
+                                           const std::string& to,
+                                           const ember::v1::ShardRef& to_ref, int64_t rows) {
+  // Rows [b, e) across, with the step; the first call (no rows) carries the
+  // shard's exactly-once record and tells the row width.
+  auto copy = [&](int64_t b, int64_t e, bool first, ember::v1::ExportRowsResponse* got) {
+    ember::v1::ExportRowsRequest ex;
+    ex.set_collection(collection);
+    *ex.mutable_shard() = from_ref;
+    ex.set_row_begin(b);
+    ex.set_row_end(e);
+    ex.set_with_applied_ids(first);
+    if (absl::Status s = CallWorker(from, &ember::v1::Worker::Stub::ExportRows, ex, got);
+        !s.ok()) {
+      return s;
+    }
+    ember::v1::ImportRowsRequest im;
+    im.set_collection(collection);
+    im.set_epoch(epoch);
+    *im.mutable_shard() = to_ref;
+    im.set_row_begin(b);
+    im.set_row_end(e);
+    im.set_weights(std::move(*got->mutable_weights()));
+    im.set_state(std::move(*got->mutable_state()));
+    im.set_slot_meta(std::move(*got->mutable_slot_meta()));  // a dynamic table's slots
+    im.set_pending_counts(std::move(*got->mutable_pending_counts()));  // and admission counts,
+    im.set_pending_sketch(std::move(*got->mutable_pending_sketch()));  // exact and sketched
+    im.set_step(got->step());
+    *im.mutable_applied_ids() = got->applied_ids();
+    *im.mutable_applied_unix_ms() = got->applied_unix_ms();
+    ember::v1::ImportRowsResponse done;
+    return CallWorker(to, &ember::v1::Worker::Stub::ImportRows, im, &done);
+  };
+  ember::v1::ExportRowsResponse shape;
+  if (absl::Status s = copy(0, 0, true, &shape); !s.ok()) return s;
+  const int64_t chunk = ChunkRows(shape.cols(), shape.state_width());
+  for (int64_t b = 0; b < rows; b += chunk) {
+    ember::v1::ExportRowsResponse got;
+    if (absl::Status s = copy(b, std::min(rows, b + chunk), false, &got); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collection, int64_t epoch,
                                                      RowCopy* c, bool mark, bool whole) {
-  ember::v1::Worker::Stub* src = StubFor(c->from);
-  ember::v1::Worker::Stub* dst = StubFor(c->to);
-  auto exported = [&](const ember::v1::ExportRowsRequest& ex,
-                      ember::v1::ExportRowsResponse* got) -> absl::Status {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    AddToken(&ctx, CredentialFor(c->from));
-    if (grpc::Status s = src->ExportRows(&ctx, ex, got); !s.ok()) return FromGrpc(s, c->from);
-    return absl::OkStatus();
-  };
   ember::v1::ExportRowsRequest ex;
   ex.set_collection(collection);
   *ex.mutable_shard() = c->from_ref;
@@ -87,7 +122,10 @@ absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collecti
   if (mark) {  // the mark first: every row read after it is at least this current
     ex.set_mark(true);
     ember::v1::ExportRowsResponse got;
-    if (absl::Status s = exported(ex, &got); !s.ok()) return s;
+    if (absl::Status s = CallWorker(c->from, &ember::v1::Worker::Stub::ExportRows, ex, &got);
+        !s.ok()) {
+      return s;
+    }
     c->mark = got.mark();
     c->cols = got.cols();
     c->state_width = got.state_width();
@@ -96,35 +134,34 @@ absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collecti
   if (!whole) *ex.mutable_changed_since() = since;
   const int64_t chunk = ChunkRows(c->cols, c->state_width);
   int64_t copied = 0;
-  if (c->from == c->to) {  // a block that stays on its worker: copied there
-    for (int64_t b = 0; b < c->rows; b += chunk) {
-      const int64_t e = std::min(c->rows, b + chunk);
-      ember::v1::ImportRowsRequest im;
-      im.set_collection(collection);
-      im.set_epoch(epoch);
-      *im.mutable_shard() = c->to_ref;
-      im.set_row_begin(c->to_row + b);
-      im.set_row_end(c->to_row + e);
+  for (int64_t b = 0; b < c->rows; b += chunk) {
+    const int64_t e = std::min(c->rows, b + chunk);
+    ember::v1::ImportRowsRequest im;
+    im.set_collection(collection);
+    im.set_epoch(epoch);
+    *im.mutable_shard() = c->to_ref;
+    im.set_row_begin(c->to_row + b);
+    im.set_row_end(c->to_row + e);
+    im.set_step(-1);  // the step comes with the last catch-up
+    if (c->from == c->to) {  // a block that stays on its worker: copied there
       *im.mutable_copy_from() = c->from_ref;
       im.set_copy_from_row(c->from_row + b);
       if (!whole) *im.mutable_copy_changed_since() = since;
-      im.set_step(-1);
       ember::v1::ImportRowsResponse done;
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx, options_.worker_rpc_timeout);
-      AddToken(&ctx, CredentialFor(c->to));
-      if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, c->to);
+      if (absl::Status s = CallWorker(c->to, &ember::v1::Worker::Stub::ImportRows, im, &done);
+          !s.ok()) {
+        return s;
+      }
       copied += done.rows_copied();
+      continue;
     }
-    return copied;
-  }
-  for (int64_t b = 0; b < c->rows; b += chunk) {
-    const int64_t e = std::min(c->rows, b + chunk);
     ex.set_row_begin(c->from_row + b);
     ex.set_row_end(c->from_row + e);
     ember::v1::ExportRowsResponse got;
-    if (absl::Status s = exported(ex, &got); !s.ok()) return s;
-    ember::v1::ImportRowsRequest im;
+    if (absl::Status s = CallWorker(c->from, &ember::v1::Worker::Stub::ExportRows, ex, &got);
+        !s.ok()) {
+      return s;
+    }
     if (!whole) {  // the changed rows, from the source's numbering to the target's
       std::vector<int64_t> rows;
       if (absl::Status s = wire::Decode(got.rows(), "rows", &rows); !s.ok()) return s;
@@ -135,19 +172,13 @@ absl::StatusOr<int64_t> CoordinatorService::CopyPass(const std::string& collecti
     } else {
       copied += e - b;
     }
-    im.set_collection(collection);
-    im.set_epoch(epoch);
-    *im.mutable_shard() = c->to_ref;
-    im.set_row_begin(c->to_row + b);
-    im.set_row_end(c->to_row + e);
     im.set_weights(std::move(*got.mutable_weights()));
     im.set_state(std::move(*got.mutable_state()));
-    im.set_step(-1);  // the step comes with the last catch-up
     ember::v1::ImportRowsResponse done;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    AddToken(&ctx, CredentialFor(c->to));
-    if (grpc::Status s = dst->ImportRows(&ctx, im, &done); !s.ok()) return FromGrpc(s, c->to);
+    if (absl::Status s = CallWorker(c->to, &ember::v1::Worker::Stub::ImportRows, im, &done);
+        !s.ok()) {
+      return s;
+    }
   }
   return copied;
 }
@@ -271,10 +302,16 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   // update one source applied and another did not (in flight at the
   // fence), sent again, then applies to the rows that lack it alone.
   int64_t rows = 0;
-  std::map<std::pair<std::string, std::pair<std::string, int32_t>>, int> sources;
-  for (const RowCopy& c : copies) ++sources[{c.to, {c.to_ref.table(), c.to_ref.shard_index()}}];
+  struct Target {  // a new shard: how many blocks fill it, the largest step among them
+    int sources = 0;
+    int64_t step = 0;
+  };
+  std::map<std::pair<std::string, std::pair<std::string, int32_t>>, Target> targets;
+  auto target_of = [&](const RowCopy& c) -> Target& {
+    return targets[{c.to, {c.to_ref.table(), c.to_ref.shard_index()}}];
+  };
+  for (const RowCopy& c : copies) ++target_of(c).sources;
   std::vector<ember::v1::ExportRowsResponse> records(copies.size());
-  std::map<std::pair<std::string, std::pair<std::string, int32_t>>, int64_t> steps;
   for (size_t i = 0; i < copies.size(); ++i) {
     RowCopy& c = copies[i];
     if (c.dynamic) {  // whole, with its step and record
@@ -292,38 +329,33 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
     ex.set_collection(name);
     *ex.mutable_shard() = c.from_ref;
     ex.set_with_applied_ids(true);
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    AddToken(&ctx, CredentialFor(c.from));
-    if (grpc::Status s = StubFor(c.from)->ExportRows(&ctx, ex, &records[i]); !s.ok()) {
-      return FromGrpc(s, c.from);
+    if (absl::Status s = CallWorker(c.from, &ember::v1::Worker::Stub::ExportRows, ex, &records[i]);
+        !s.ok()) {
+      return s;
     }
-    int64_t& step = steps[{c.to, {c.to_ref.table(), c.to_ref.shard_index()}}];
-    step = std::max(step, records[i].step());
+    Target& t = target_of(c);
+    t.step = std::max(t.step, records[i].step());
   }
   for (size_t i = 0; i < copies.size(); ++i) {
     const RowCopy& c = copies[i];
     if (c.dynamic) continue;
-    const std::pair<std::string, std::pair<std::string, int32_t>> target{
-        c.to, {c.to_ref.table(), c.to_ref.shard_index()}};
+    const Target& t = target_of(c);
     ember::v1::ImportRowsRequest im;
     im.set_collection(name);
     im.set_epoch(epoch);
     *im.mutable_shard() = c.to_ref;
-    im.set_step(steps[target]);
+    im.set_step(t.step);
     *im.mutable_applied_ids() = records[i].applied_ids();
     *im.mutable_applied_unix_ms() = records[i].applied_unix_ms();
-    if (sources[target] > 1) {
+    if (t.sources > 1) {
       im.set_applied_for_rows(true);
       im.set_row_begin(c.to_row);
       im.set_row_end(c.to_row + c.rows);
     }
     ember::v1::ImportRowsResponse done;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, options_.worker_rpc_timeout);
-    AddToken(&ctx, CredentialFor(c.to));
-    if (grpc::Status s = StubFor(c.to)->ImportRows(&ctx, im, &done); !s.ok()) {
-      return FromGrpc(s, c.to);
+    if (absl::Status s = CallWorker(c.to, &ember::v1::Worker::Stub::ImportRows, im, &done);
+        !s.ok()) {
+      return s;
     }
   }
 

@@ -24,11 +24,11 @@ bool Same(const ShardAssignment& a, const ShardAssignment& b) {
   return google::protobuf::util::MessageDifferencer::Equals(a, b);
 }
 
-// Bytes of weights and optimizer state per row of `a`.
-int64_t RowBytes(const ShardAssignment& a) {
-  const backend::ShardSpec spec =
-      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
-  return 4 * (spec.dim + backend::OptimizerStateWidth(spec.optimizer.type, spec.dim));
+// Bytes of fp32 weights and optimizer state a row of `cols` columns of
+// `table` takes in a copy.
+int64_t RowBytes(const ember::v1::TableConfig& table, int64_t cols) {
+  const backend::ShardSpec spec = ShardSpecFromTable(table, 0, 0, 1, cols);
+  return 4 * (cols + backend::OptimizerStateWidth(spec.optimizer.type, cols));
 }
 
 struct OldShard {
@@ -70,7 +70,7 @@ absl::StatusOr<MovePlan> PlanMove(const CollectionInfo& before, const Collection
       made.push_back(a);
       const std::vector<OldShard>& sources = old_shards[a.ref().table()];
       const bool dynamic = a.table().has_dynamic();
-      const int64_t row_bytes = RowBytes(a);
+      const int64_t row_bytes = RowBytes(a.table(), a.cols());
       auto add = [&](const OldShard& from, int64_t first, int64_t end) {
         RowCopy c;
         c.from = from.address;
@@ -153,16 +153,13 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
   // Shards still to place (their rank left), and those that may move to
   // even the load: (table index, shard index).
   std::vector<std::pair<int, int>> homeless, movable;
-  std::vector<int64_t> row_bytes;
+  auto bytes = [&](const std::pair<int, int>& at) {  // a placed shard's
+    const ember::v1::Shard& sh = plan.tables(at.first).shards(at.second);
+    return sh.rows() * RowBytes(before.spec().tables(at.first), sh.cols());
+  };
   for (int t = 0; t < before.plan().tables_size(); ++t) {
     const ember::v1::TableSharding& old = before.plan().tables(t);
     const ember::v1::TableConfig& tc = before.spec().tables(t);
-    const int64_t per_row =
-        4 * (tc.embedding_dim() +
-             backend::OptimizerStateWidth(
-                 ShardSpecFromTable(tc, 0, 0, 1, tc.embedding_dim()).optimizer.type,
-                 tc.embedding_dim()));
-    row_bytes.push_back(per_row);
     ember::v1::TableSharding* ts = plan.add_tables();
     ts->set_table(old.table());
     ts->set_sharding_type(old.sharding_type());
@@ -170,7 +167,7 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
     if (planner::IsReplicated(old)) {
       for (int r = 0; r < world; ++r) {
         ts->add_ranks(r);
-        load[r] += tc.num_embeddings() * per_row;
+        load[r] += tc.num_embeddings() * RowBytes(tc, tc.embedding_dim());
       }
       continue;
     }
@@ -187,8 +184,9 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
           ember::v1::Shard* n = ts->add_shards();
           *n = sh;
           n->set_rank(new_rank[sh.rank()] >= 0 ? new_rank[sh.rank()] : -1);
-          if (n->rank() < 0) homeless.push_back({t, ts->shards_size() - 1});
-          else load[n->rank()] += sh.rows() * per_row;
+          const std::pair<int, int> at{t, ts->shards_size() - 1};
+          if (n->rank() < 0) homeless.push_back(at);
+          else load[n->rank()] += bytes(at);
         }
         continue;
       }
@@ -202,7 +200,7 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
         n->set_cols(blocks[i].cols);
         n->set_rank(i);
         ts->add_ranks(i);
-        load[i] += blocks[i].rows * per_row;
+        load[i] += bytes({t, i});
       }
       continue;
     }
@@ -214,18 +212,13 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
       if (n->rank() < 0) {
         homeless.push_back(at);
       } else {
-        load[n->rank()] += sh.rows() * sh.cols() * per_row / std::max<int64_t>(1, tc.embedding_dim());
+        load[n->rank()] += bytes(at);
       }
       if (old.sharding_type() == "table_wise" || old.sharding_type() == "column_wise") {
         movable.push_back(at);
       }
     }
   }
-  auto bytes = [&](const std::pair<int, int>& at) {
-    const ember::v1::Shard& sh = plan.tables(at.first).shards(at.second);
-    const int64_t dim = std::max<int64_t>(1, before.spec().tables(at.first).embedding_dim());
-    return sh.rows() * sh.cols() * row_bytes[at.first] / dim;
-  };
   // The rank holding least; of equals, a worker new to the collection
   // first (it is there to take load), then the lowest rank.
   auto emptiest = [&] {
