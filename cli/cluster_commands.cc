@@ -371,7 +371,7 @@ void AddCoordinatorMetrics(const coordinator::CoordinatorService* service, Serve
                        static_cast<double>(s.checkpoint_bytes_incremental)}};
                 });
   m->AddCounter("ember_coordinator_moves_total",
-                "Live moves (drains, rescales) by kind and result", [service] {
+                "Live moves (drains, rescales, replicated shards' copies made anew) by kind and result", [service] {
                   const auto s = service->GetStats();
                   return std::vector<ServerMetrics::Sample>{
                       {{{"kind", "drain"}, {"result", "ok"}}, static_cast<double>(s.drains_ok)},
@@ -379,8 +379,15 @@ void AddCoordinatorMetrics(const coordinator::CoordinatorService* service, Serve
                        static_cast<double>(s.drains_failed)},
                       {{{"kind", "scale"}, {"result", "ok"}}, static_cast<double>(s.scales_ok)},
                       {{{"kind", "scale"}, {"result", "failed"}},
-                       static_cast<double>(s.scales_failed)}};
+                       static_cast<double>(s.scales_failed)},
+                      {{{"kind", "copies"}, {"result", "ok"}}, static_cast<double>(s.copies_ok)},
+                      {{{"kind", "copies"}, {"result", "failed"}},
+                       static_cast<double>(s.copies_failed)}};
                 });
+  m->AddCounter("ember_coordinator_replica_takeovers_total",
+                "Lost ranks of replicated collections whose shards their backups took over "
+                "(nothing rolled back)",
+                one(&Stats::replica_takeovers));
   m->AddCounter("ember_coordinator_move_bytes_total",
                 "Row bytes the successful live moves copied: between workers, or within one "
                 "(a re-cut shard's rows that stay)",

@@ -71,6 +71,14 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
     if (!j.table->replicas.empty()) {
       targets.back() = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
     }
+    // A replicated shard is read from any of its copies, spread as the
+    // replicas are.
+    for (size_t s = 0; s < targets.back().size(); ++s) {
+      Client::Routing::Shard& shard = targets.back()[s];
+      if (shard.backups.empty()) continue;
+      const size_t pick = (replica_pick + j.order + s) % (shard.backups.size() + 1);
+      if (pick > 0) shard.rank = shard.backups[pick - 1];
+    }
   }
   // An output the caller did not clear: partial sums start from zero, and
   // a shard given no ids leaves its columns zero (below).

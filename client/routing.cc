@@ -28,8 +28,11 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionIn
              ts, table.config->num_embeddings(), table.config->embedding_dim())) {
       if (!b.Held()) continue;  // an empty trailing row-wise shard
       if (b.rank < 0 || b.rank >= world) return absl::InternalError("plan rank out of range");
-      const Client::Routing::Shard shard{b.rank, b.index, b.row_offset, b.rows, b.col_offset,
-                                         b.cols};
+      Client::Routing::Shard shard{b.rank, b.index, b.row_offset, b.rows, b.col_offset, b.cols};
+      for (int backup : b.backups) {
+        if (backup < 0 || backup >= world) return absl::InternalError("plan rank out of range");
+        shard.backups.push_back(backup);
+      }
       if (b.replica) {
         table.replicas.push_back(shard);
       } else {

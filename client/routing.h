@@ -27,6 +27,9 @@ struct Client::Routing {
     int rank = 0;
     int32_t index = 0;  // ShardRef.shard_index
     int64_t row_offset = 0, rows = 0, col_offset = 0, cols = 0;
+    // A replicated collection's shard: the ranks of its backups. Lookups
+    // go to any copy; updates to `rank`, the primary, only.
+    std::vector<int> backups;
   };
   struct Table {
     const ember::v1::TableConfig* config = nullptr;

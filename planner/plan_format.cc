@@ -94,6 +94,17 @@ std::string PlacementString(const ShardingPlan& plan, int rank) {
   return absl::StrCat("rank:", rank, "/cuda:", rank % local);
 }
 
+namespace {
+// A shard's placement, its backups' after it (a replicated collection).
+std::string Placement(const ShardingPlan& plan, const ember::v1::Shard& s) {
+  std::string out = PlacementString(plan, s.rank());
+  for (int i = 0; i < s.backups_size(); ++i) {
+    absl::StrAppend(&out, i == 0 ? " backups " : ", ", PlacementString(plan, s.backups(i)));
+  }
+  return out;
+}
+}  // namespace
+
 std::string FormatPlanTable(const ShardingPlan& plan) {
   std::vector<std::vector<std::string>> params = {
       {"param", "sharding type", "compute kernel", "ranks"}};
@@ -105,7 +116,7 @@ std::string FormatPlanTable(const ShardingPlan& plan) {
       shards.push_back({t.table(),
                         absl::StrCat("[", s.row_offset(), ", ", s.col_offset(), "]"),
                         absl::StrCat("[", s.rows(), ", ", s.cols(), "]"),
-                        PlacementString(plan, s.rank())});
+                        Placement(plan, s)});
     }
   }
   std::string out = absl::StrCat("collection: ", plan.collection(), "\n\n");
@@ -169,6 +180,9 @@ std::string FormatPlanJson(const ShardingPlan& plan) {
       shards.push_back(absl::StrCat(
           "{\"offsets\": [", s.row_offset(), ", ", s.col_offset(),
           "], \"sizes\": [", s.rows(), ", ", s.cols(), "], \"rank\": ", s.rank(),
+          s.backups_size() > 0
+              ? absl::StrCat(", \"backups\": [", absl::StrJoin(s.backups(), ", "), "]")
+              : std::string(),
           "}"));
     }
     tables.push_back(absl::StrCat(
@@ -306,6 +320,15 @@ absl::Status ParseTable(const Struct& t, bool torchrec, const std::string& where
     s->set_rows((*sizes)[0]);
     s->set_cols((*sizes)[1]);
     s->set_rank(static_cast<int32_t>(rank));
+    if (const Value* b = Field(sh, "backups");
+        !torchrec && b != nullptr && b->kind_case() != Value::kNullValue) {
+      auto backups = Ints(b, at + " backups", 0);
+      if (!backups.ok()) return backups.status();
+      for (int64_t x : *backups) {
+        if (std::abs(x) > 1e9) return Bad(at, "'backups' must be ranks");
+        s->add_backups(static_cast<int32_t>(x));
+      }
+    }
   }
   return absl::OkStatus();
 }

@@ -15,7 +15,8 @@ namespace planner {
 
 // TorchRec's printed form: a table of `param | sharding type | compute kernel
 // | ranks`, then `param | shard offsets | shard sizes | placement` for every
-// sharded table (data_parallel tables are replicated and have no shards),
+// sharded table (data_parallel tables are replicated and have no shards;
+// a replicated collection's placement names the backups after the primary),
 // then per-worker statistics: memory by tier against usable capacity,
 // estimated cost split into forward/backward compute/comms, shard counts by
 // type, and the balance (max/mean cost) against the lower bound.
@@ -24,7 +25,8 @@ std::string FormatPlanTable(const ember::v1::ShardingPlan& plan);
 // One JSON object:
 //  {"plan": [{"table", "sharding_type", "compute_kernel", "ranks": [...],
 //             "shards": [{"offsets": [row, col], "sizes": [rows, cols],
-//                         "rank": r}]}],
+//                         "rank": r, "backups": [r...] (a replicated
+//                         collection's: omitted when none)}]}],
 //   "stats": {"per_rank": [{"rank", "hbm_bytes", "ddr_bytes", "cost_ms"}],
 //             "balance": max/mean, "max_cost_ms", "mean_cost_ms",
 //             "lower_bound_ms"}}

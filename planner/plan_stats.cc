@@ -41,9 +41,12 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
     const TableWorkload work = WorkloadFor(tc, ConstraintsFor(spec, tc.name()), topo, model);
     const ShardingType type = *ParseShardingType(ts.sharding_type());
     const ComputeKernel kernel = *ParseComputeKernel(ts.compute_kernel());
-    auto add = [&](int rank, const ShardBlock& b) {
-      const ShardCost sc = EstimateShard(model, work, type, kernel, topo.compute_device(), b,
-                                         tc.num_embeddings(), w);
+    // A backup copy (Shard.backups) takes the shard's memory and applies
+    // its updates; lookups are the primary's.
+    auto add = [&](int rank, const ShardBlock& b, bool backup) {
+      ShardCost sc = EstimateShard(model, work, type, kernel, topo.compute_device(), b,
+                                   tc.num_embeddings(), w);
+      if (backup) sc.fwd_compute_ms = sc.fwd_comms_ms = sc.fwd_cache_saving_ms = 0;
       auto& rs = per_rank[rank];
       rs.set_hbm_bytes(rs.hbm_bytes() + sc.hbm_bytes);
       rs.set_ddr_bytes(rs.ddr_bytes() + sc.ddr_bytes);
@@ -56,7 +59,11 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
       held[rank].push_back(sc);
     };
     for (const PlacedBlock& b : TableBlocks(ts, tc.num_embeddings(), tc.embedding_dim())) {
-      add(b.rank, ShardBlock{b.row_offset, b.col_offset, b.rows, b.cols});
+      const ShardBlock block{b.row_offset, b.col_offset, b.rows, b.cols};
+      add(b.rank, block, /*backup=*/false);
+      for (int r : b.backups) {
+        if (r >= 0 && r < w) add(r, block, /*backup=*/true);
+      }
     }
   }
   auto* stats = plan->mutable_stats();

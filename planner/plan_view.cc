@@ -14,7 +14,8 @@ std::vector<PlacedBlock> TableBlocks(const ember::v1::TableSharding& ts, int64_t
   }
   for (int i = 0; i < ts.shards_size(); ++i) {
     const ember::v1::Shard& s = ts.shards(i);
-    out.push_back({s.rank(), i, s.row_offset(), s.col_offset(), s.rows(), s.cols(), false});
+    out.push_back({s.rank(), i, s.row_offset(), s.col_offset(), s.rows(), s.cols(), false,
+                   std::vector<int>(s.backups().begin(), s.backups().end())});
   }
   return out;
 }
@@ -23,7 +24,9 @@ std::set<int> HoldingRanks(const ember::v1::ShardingPlan& plan) {
   std::set<int> ranks;
   for (const auto& ts : plan.tables()) {
     for (const PlacedBlock& b : TableBlocks(ts, 0, 0)) {
-      if (b.Held()) ranks.insert(b.rank);
+      if (!b.Held()) continue;
+      ranks.insert(b.rank);
+      ranks.insert(b.backups.begin(), b.backups.end());
     }
   }
   return ranks;

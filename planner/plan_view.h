@@ -7,7 +7,9 @@
 // a full replica, rows [0, table_rows) and columns [0, table_cols), on each
 // of its plan's ranks, and a replica is named by its rank (ShardRef.
 // shard_index). Any other table is its shards, in index order; a shard of 0
-// rows (a trailing row-wise one) holds nothing, and readers skip it.
+// rows (a trailing row-wise one) holds nothing, and readers skip it. A
+// shard of a replicated collection (CollectionSpec.replicas) is one block:
+// its rank holds the primary copy, `backups` the others.
 //
 // Thread-safe: pure functions.
 #ifndef EMBER_PLANNER_PLAN_VIEW_H_
@@ -30,6 +32,9 @@ struct PlacedBlock {
   int64_t rows = 0;
   int64_t cols = 0;
   bool replica = false;  // a data-parallel table's full copy
+  // The ranks of the shard's other copies (Shard.backups; not a
+  // data-parallel replica's).
+  std::vector<int> backups;
   // Something a worker holds: a replica, or a shard with rows.
   bool Held() const { return replica || rows > 0; }
 };
@@ -42,7 +47,8 @@ bool IsReplicated(const ember::v1::TableSharding& ts);
 std::vector<PlacedBlock> TableBlocks(const ember::v1::TableSharding& ts, int64_t table_rows,
                                      int64_t table_cols);
 
-// The ranks that hold something of the plan (PlacedBlock::Held).
+// The ranks that hold something of the plan (PlacedBlock::Held), a shard's
+// backups included.
 std::set<int> HoldingRanks(const ember::v1::ShardingPlan& plan);
 
 // The rank holding block `index` of the table: a replica's is its index,

@@ -159,6 +159,8 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec_in,
     }
   }
   FillStats(spec, model, hbm_cap, ddr_cap, bounds, &plan);
+  // Backups are placed after the search, and priced with the rest.
+  if (spec.replicas() > 1) return CheckPlan(spec_in, topology_in, plan, options);
   return plan;
 }
 
@@ -173,6 +175,7 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topo
   const int w = topo.world_size();
   const int lw = topo.local_world_size();
 
+  const int replicas = std::max(1, spec.replicas());
   constexpr int kMaxProblems = 20;
   std::vector<std::string> problems;
   auto problem = [&problems](auto&&... parts) {
@@ -264,6 +267,21 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topo
         problem(what, ": rank ", sh.rank(), " is outside 0..", w - 1);
         geometry_ok = false;
         continue;
+      }
+      std::set<int> copies = {sh.rank()};
+      for (int b : sh.backups()) {
+        if (b < 0 || b >= w) {
+          problem(what, ": backup rank ", b, " is outside 0..", w - 1);
+          geometry_ok = false;
+        } else if (!copies.insert(b).second) {
+          problem(what, ": two copies on rank ", b);
+          geometry_ok = false;
+        }
+      }
+      if (sh.backups_size() > replicas - 1) {
+        problem(what, ": ", sh.backups_size(), " backup(s); the collection's replicas (",
+                replicas, ") takes ", replicas - 1);
+        geometry_ok = false;
       }
       if (sh.row_offset() < 0 || sh.col_offset() < 0 || sh.rows() <= 0 || sh.cols() <= 0 ||
           sh.row_offset() > rows - sh.rows() || sh.col_offset() > dim - sh.cols()) {
@@ -357,6 +375,10 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topo
         problems.size() == kMaxProblems ? "; (more problems not listed)" : ""));
   }
 
+  // A replicated collection's shards get the backups the plan does not name.
+  if (replicas > 1) {
+    if (absl::Status s = PlaceBackups(replicas, &plan); !s.ok()) return s;
+  }
   std::vector<int64_t> hbm_cap, ddr_cap;
   Capacities(topo, model, &hbm_cap, &ddr_cap);
   auto tables = EnumerateOptions(spec, topo, model);

@@ -31,6 +31,7 @@
 #define EMBER_PLANNER_PLANNER_H_
 
 #include <optional>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -71,13 +72,30 @@ absl::StatusOr<ember::v1::ShardingPlan> Plan(
 // widths multiples of 4) in the type's shape (table_wise one shard;
 // row-wise shards take every column, one per rank; column-wise ones every
 // row; table_* ones on one host), ranks in the topology, data_parallel with
-// no shards and a replica on every rank. Returns the plan with the resolved
+// no shards and a replica on every rank; a shard's backups (Shard.backups)
+// at most CollectionSpec.replicas - 1, on ranks of the topology other than
+// its other copies' (those not named are placed: PlaceBackups). Returns the plan with the resolved
 // topology, `ranks` listing each shard's rank, and the model's statistics.
 // Errors: INVALID_ARGUMENT listing every problem (up to 20);
 // RESOURCE_EXHAUSTED naming each rank over its memory.
 absl::StatusOr<ember::v1::ShardingPlan> CheckPlan(
     const ember::v1::CollectionSpec& spec, const ember::v1::Topology& topology,
     const ember::v1::ShardingPlan& plan, const PlannerOptions& options = PlannerOptions());
+
+// Gives every shard with rows of `plan` (a resolved plan: its topology
+// filled in; data-parallel tables have no shards and are left alone)
+// replicas - 1 backups. Backups it has on ranks outside `unavailable`, each
+// on another rank than the shard's other copies, are kept (up to that
+// many); each missing one goes to a rank outside `unavailable` other than
+// the shard's copies, on another host than theirs where one is left, then
+// to the rank holding the fewest cells (rows x columns, primaries and the
+// backups so far; of equals the lowest rank), largest shards first. The
+// search itself places primaries only: CheckPlan then prices every copy
+// and refuses a plan whose copies do not fit (RESOURCE_EXHAUSTED).
+// replicas <= 1 clears the backups. FAILED_PRECONDITION when fewer ranks
+// than replicas are available.
+absl::Status PlaceBackups(int replicas, ember::v1::ShardingPlan* plan,
+                          const std::set<int>& unavailable = {});
 
 // Restricts every table of `spec` to one sharding type (as the seed
 // tutorial's constraints do), keeping the tables' other constraints.

@@ -258,6 +258,14 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
                      it == tables.end() ? nullptr : it->second, &p);
   }
   CheckTraining(spec.training(), &p);
+  if (spec.replicas() < 0 || spec.replicas() > kMaxReplicas) {
+    p.Add("replicas must be in [0, ", kMaxReplicas, "] (0 and 1: one copy), got ",
+          spec.replicas());
+  } else if (spec.replicas() > 1 && spec.training().mode() != ember::v1::TrainingSpec::ASYNC) {
+    p.Add("replicas ", spec.replicas(), " takes ASYNC training; ",
+          ember::v1::TrainingSpec::Mode_Name(spec.training().mode()),
+          " collections keep one copy of each shard (replicas 1)");
+  }
   return p.ToStatus("collection spec");
 }
 

@@ -39,14 +39,14 @@ libs="$(pkg-config --libs grpc++ protobuf) -lglog -lgflags -lleveldb -lz -lcrypt
 common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.cc
   $gen/proto/service.grpc.pb.cc server/backend/embedding_backend.cc server/common/auth.cc
   server/checkpoint/checkpoint_files.cc"
-worker="$common server/worker/worker_service.cc server/worker/request_codec.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/applied_ids.cc server/worker/step_barrier.cc server/worker/shm_channels.cc
+worker="$common server/worker/worker_service.cc server/worker/request_codec.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/replication.cc server/worker/applied_ids.cc server/worker/step_barrier.cc server/worker/shm_channels.cc
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
   server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
   server/backend/table_spec.cc server/checkpoint/recut.cc server/common/host_memory.cc
   server/backend/dynamic/dynamic_index.cc server/backend/dynamic/dynamic_backend.cc
   server/checkpoint/rehash.cc"
-planner="planner/cost_model.cc planner/planner.cc planner/plan_options.cc planner/plan_bounds.cc
+planner="planner/backups.cc planner/cost_model.cc planner/planner.cc planner/plan_options.cc planner/plan_bounds.cc
   planner/plan_search.cc planner/plan_stats.cc planner/plan_view.cc planner/shard_geometry.cc
   planner/sharding_types.cc planner/spec_validation.cc planner/plan_format.cc"
 coordinator="$common $planner server/coordinator/coordinator_service.cc
@@ -55,7 +55,7 @@ coordinator="$common $planner server/coordinator/coordinator_service.cc
   server/coordinator/state_store.cc server/coordinator/assignments.cc
   server/coordinator/replacement_policy.cc server/coordinator/live_move.cc
   server/coordinator/move_plan.cc server/coordinator/coordinator_scale.cc
-  server/backend/table_spec.cc"
+  server/coordinator/coordinator_replicas.cc server/backend/table_spec.cc"
 formats="$common $planner cli/json_io.cc cli/spec_io.cc client/kjt.cc client/shared_buffer.cc"
 
 # Whether object $1 must be rebuilt from source $2: missing, or older than

@@ -1,5 +1,8 @@
 #include "server/coordinator/assignments.h"
 
+#include <algorithm>
+#include <string>
+
 #include "planner/plan_view.h"
 #include "server/backend/embedding_backend.h"
 #include "server/backend/table_spec.h"
@@ -29,8 +32,20 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
     const auto& table = info.spec().tables(t);
     for (const planner::PlacedBlock& b : planner::TableBlocks(
              info.plan().tables(t), table.num_embeddings(), table.embedding_dim())) {
-      if (b.rank == rank && b.Held()) {
+      const bool backup = std::find(b.backups.begin(), b.backups.end(), rank) != b.backups.end();
+      if ((b.rank == rank || backup) && b.Held()) {
         out.push_back(MakeAssignment(table, b.index, b.row_offset, b.col_offset, b.rows, b.cols));
+        // A replicated shard: the primary forwards its updates to the
+        // backups' addresses; a backup takes them from the primary only.
+        auto address = [&info](int r) {
+          return r >= 0 && r < info.worker_addresses_size() ? info.worker_addresses(r)
+                                                            : std::string();
+        };
+        if (backup) {
+          out.back().mutable_replication()->set_primary(address(b.rank));
+        } else {
+          for (int r : b.backups) out.back().mutable_replication()->add_backups(address(r));
+        }
         // A plan made before workers said what they serve (no
         // topology.compute_kernels) names kernels they never checked: none
         // is sent, and the worker serves its shard as it always has.

@@ -22,11 +22,13 @@ ember::v1::ShardAssignment MakeAssignment(const ember::v1::TableConfig& table, i
                                           int64_t cols);
 
 // Every assignment of `rank` under info's plan, in plan order, as
-// PlanAndCreate makes them.
+// PlanAndCreate makes them: the primary copies it holds (with their
+// backups' addresses) and the backup copies (with their primary's).
 std::vector<ember::v1::ShardAssignment> AssignmentsOf(const ember::v1::CollectionInfo& info,
                                                       int rank);
 
-// The rank holding shard `ref` (a data-parallel replica: its rank); -1 if
+// The rank holding shard `ref` (a data-parallel replica: its rank; a
+// replicated shard: its primary's); -1 if
 // the plan has no such table or shard.
 int RankOf(const ember::v1::CollectionInfo& info, const ember::v1::ShardRef& ref);
 

@@ -152,7 +152,10 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
   *info.mutable_spec() = spec;
   *info.mutable_plan() = *std::move(plan);
   info.set_created_epoch(epoch);
-  // Shard assignments per rank.
+  std::vector<std::string> addresses;
+  for (const Worker& w : workers) addresses.push_back(w.info.address());
+  for (const std::string& a : addresses) info.add_worker_addresses(a);
+  // Shard assignments per rank (a primary's name its backups' addresses).
   const int world = static_cast<int>(workers.size());
   std::vector<ember::v1::CreateShardsRequest> per_rank(world);
   for (int r = 0; r < world; ++r) {
@@ -161,8 +164,6 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     *per_rank[r].mutable_training() = info.spec().training();
     for (ShardAssignment& a : AssignmentsOf(info, r)) *per_rank[r].add_shards() = std::move(a);
   }
-  std::vector<std::string> addresses;
-  for (const Worker& w : workers) addresses.push_back(w.info.address());
   // Every worker allocates and initialises its shards at once. If any
   // fails, the shards are dropped again wherever they were (or may have
   // been) created: a worker that refused (ALREADY_EXISTS, INVALID_ARGUMENT,
@@ -187,7 +188,6 @@ absl::StatusOr<CollectionInfo> CoordinatorService::PlanAndCreate(
     return FromGrpc(statuses[r], absl::StrCat("creating '", spec.name(), "' on worker ", r, " (",
                                               addresses[r], ")"));
   }
-  for (const std::string& a : addresses) info.add_worker_addresses(a);
   worker_ids->clear();
   for (const Worker& w : workers) worker_ids->push_back(w.id);
   return info;

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "glog/logging.h"
 #include "planner/plan_view.h"
+#include "planner/planner.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/common/grpc_util.h"
 #include "server/coordinator/assignments.h"
@@ -64,6 +65,27 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     if (drain ? ids[r] == drain_id : !alive.count(ids[r])) lost.insert(r);
   }
   if (lost.empty()) return absl::OkStatus();
+  // A replicated collection: surviving copies take over first, nothing
+  // rolled back; only what has no copy left comes from the checkpoint.
+  std::string promotion;
+  if (!drain && info.spec().replicas() > 1) {
+    CollectionInfo promoted = info;
+    const int n = PromoteCopies(lost, promoted.mutable_plan());
+    const std::set<int> still_holding = planner::HoldingRanks(promoted.plan());
+    std::set<int> uncovered;
+    for (int r : lost) {
+      if (still_holding.count(r)) uncovered.insert(r);
+    }
+    if (uncovered.empty()) {
+      std::set<std::string> alive_ids;
+      for (const auto& [id, w] : alive) alive_ids.insert(id);
+      return TakeOver(name, info, promoted, ids, lost, alive_ids, n, start);
+    }
+    promotion = absl::StrCat(n, " shard(s) of ", DescribeRanks(info, lost),
+                             " taken over by their backups; ");
+    info = std::move(promoted);
+    lost = std::move(uncovered);
+  }
   const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
   const std::string lost_names = DescribeRanks(info, lost);
   LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
@@ -117,7 +139,34 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   // Where the lost ranks' shards go (replacement_policy.h).
   std::vector<ReplacementCandidate> candidates;
   for (const auto& [id, w] : live) candidates.push_back({id, w.seq, w.info.address()});
-  absl::StatusOr<Replacement> placed = PlaceLostShards(info, ids, lost, candidates);
+  // A replicated collection's drain: backups on other workers take over
+  // the draining worker's primaries, and the copies it held are made anew
+  // on the others (as after a loss, but live: MoveLive copies them from the
+  // copies serving meanwhile). Too few workers left: fewer copies until
+  // more join (the monitor then makes them).
+  std::optional<Replacement> by_copies;
+  if (drain && info.spec().replicas() > 1) {
+    Replacement r;
+    r.info = info;
+    r.ids = ids;
+    PromoteCopies(lost, r.info.mutable_plan());
+    const std::set<int> holding_after = planner::HoldingRanks(r.info.plan());
+    bool emptied = true;
+    for (int l : lost) emptied &= !holding_after.count(l);
+    if (emptied) {
+      // Copies go to ranks holding some of it on a live worker, the
+      // draining one's excepted (as RestoreCopies places them).
+      std::set<int> unavailable = lost;
+      for (int k = 0; k < world; ++k) {
+        if (!holding_after.count(k) || !live.count(ids[k])) unavailable.insert(k);
+      }
+      (void)planner::PlaceBackups(info.spec().replicas(), r.info.mutable_plan(), unavailable);
+      by_copies = std::move(r);
+    }
+  }
+  absl::StatusOr<Replacement> placed = by_copies.has_value()
+                                           ? absl::StatusOr<Replacement>(std::move(*by_copies))
+                                           : PlaceLostShards(info, ids, lost, candidates);
   if (!placed.ok()) {
     SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::DEGRADED,
              drain ? "" : std::string(placed.status().message()));
@@ -166,7 +215,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     move.after_ids = ids;
     bool fenced = false;
     absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
-    CountMove(/*scale=*/false, moved.ok() ? &*moved : nullptr);
+    CountMove(MoveKind::kDrain, moved.ok() ? &*moved : nullptr);
     if (!moved.ok()) {
       AbandonMove(move, fenced,
                   absl::StrCat("moving ", lost_names, " failed (", moved.status().message(), ")"));
@@ -286,6 +335,7 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
                  : absl::StrCat("the shards of ", lost_names, " rolled back to ", path,
                                 "; their updates since then are lost");
   }
+  note = promotion + note;
   // The data is in place: from here a restarted coordinator keeps the new
   // placement.
   if (absl::Status s = PersistMove(name, info, ids, /*data_in_place=*/true); !s.ok()) {

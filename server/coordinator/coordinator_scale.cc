@@ -139,7 +139,7 @@ absl::StatusOr<ember::v1::ScaleCollectionResponse> CoordinatorService::Scale(
   move.after_ids = after_ids;
   bool fenced = false;
   absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
-  CountMove(/*scale=*/true, moved.ok() ? &*moved : nullptr);
+  CountMove(MoveKind::kScale, moved.ok() ? &*moved : nullptr);
   if (!moved.ok()) {
     const std::string why = absl::StrCat(what, " failed (", moved.status().message(), ")");
     AbandonMove(move, fenced, why);

@@ -20,6 +20,7 @@
 #include "server/common/grpc_util.h"
 #include "server/coordinator/assignments.h"
 #include "server/coordinator/call_each.h"
+#include "server/coordinator/replacement_policy.h"
 #include "server/coordinator/state_store.h"
 
 namespace ember {
@@ -305,7 +306,7 @@ void CoordinatorService::MonitorLoop() {
   const absl::Duration tick = std::max(options_.lease / 4, absl::Milliseconds(50));
   while (!stop_.WaitForNotificationWithTimeout(tick)) {
     if (reconcile_pending_.exchange(false)) Reconcile();
-    std::vector<std::string> lost;
+    std::vector<std::string> lost, short_of_copies;
     {
       absl::MutexLock lock(&mu_);
       const absl::Time now = absl::Now();
@@ -316,18 +317,27 @@ void CoordinatorService::MonitorLoop() {
           continue;
         }
         const std::vector<std::string>& ids = rank_ids_[name];
+        bool all_live = true;
         for (int r : planner::HoldingRanks(info.plan())) {
           auto w = r < static_cast<int>(ids.size()) ? workers_.find(ids[r]) : workers_.end();
           if (w == workers_.end() || !Live(w->second, now)) {
             lost.push_back(name);
+            all_live = false;
             break;
           }
+        }
+        if (all_live && info.state() == CollectionInfo::SERVING && MissingCopies(info) > 0) {
+          short_of_copies.push_back(name);
         }
       }
     }
     for (const std::string& name : lost) {
       if (stop_.HasBeenNotified()) return;
       (void)RecoverCollection(name);  // it records failures in the collection's state
+    }
+    for (const std::string& name : short_of_copies) {
+      if (stop_.HasBeenNotified()) return;
+      (void)RestoreCopies(name);  // it notes why it could not, and backs off
     }
     ForgetDeadWorkers();
   }

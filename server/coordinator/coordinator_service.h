@@ -283,12 +283,15 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
     // incremental chains, by result.
     int64_t checkpoint_bytes_full = 0, checkpoint_bytes_incremental = 0;
     int64_t compactions_ok = 0, compactions_failed = 0;
-    // Live moves (drains and rescales), by kind and result; the bytes the
+    // Live moves (drains, rescales, copies made anew), by kind and result; the bytes the
     // successful ones copied between workers and within one (a re-cut
     // shard's rows that stay); the last successful one's fence.
     int64_t drains_ok = 0, drains_failed = 0, scales_ok = 0, scales_failed = 0;
+    int64_t copies_ok = 0, copies_failed = 0;  // replicated shards' copies made anew
     int64_t move_bytes_between_workers = 0, move_bytes_local = 0;
     double last_move_fence_seconds = 0;
+    // Replicated collections' lost ranks taken over by backups.
+    int64_t replica_takeovers = 0;
   };
   Stats GetStats() const;
 
@@ -298,6 +301,21 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // live (MoveLive), and returns how it went.
   absl::Status RecoverCollection(const std::string& name, const std::string& drain_id = "")
       ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  // A replicated collection's lost ranks (coordinator_replicas.cc): every
+  // shard on them taken over by a backup (`promoted`, PromoteCopies'
+  // plan) at a new epoch, nothing rolled back; alive lost ranks (reported
+  // behind) drop their copies. Under create_mu_ (RecoverCollection's).
+  absl::Status TakeOver(const std::string& name, const ember::v1::CollectionInfo& before,
+                        ember::v1::CollectionInfo promoted, const std::vector<std::string>& ids,
+                        const std::set<int>& lost, const std::set<std::string>& alive,
+                        int promoted_shards, absl::Time start)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
+  // Makes the copies a replicated collection lacks (MissingCopies) anew,
+  // live (MoveLive): on a spare worker in the rank of a worker gone, else on
+  // the least-loaded live ranks (planner::PlaceBackups). Retried by the
+  // monitor (after 30 s when no worker can take them, 10 s after a failed
+  // move).
+  absl::Status RestoreCopies(const std::string& name) ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
   // Moves every live holder of the collection to a new epoch with its
   // current (persisted) placement and publishes it SERVING with `why`: the
   // way back after a failed drain or an interrupted recovery.
@@ -338,7 +356,8 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   void AbandonMove(const LiveMove& m, bool fenced, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   // Counts a live move for the metrics (Stats): `stats` null: it failed.
-  void CountMove(bool scale, const MoveStats* stats) ABSL_LOCKS_EXCLUDED(mu_);
+  enum class MoveKind { kDrain, kScale, kCopies };
+  void CountMove(MoveKind kind, const MoveStats* stats) ABSL_LOCKS_EXCLUDED(mu_);
   // A live move's switch, once its data is in place and durable: the
   // holders adopt their stages at after's epoch and keep only what it
   // places on them; emptied workers drop the collection. Also finishes a
@@ -377,6 +396,8 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   std::map<std::string, std::set<int>> force_lost_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);  // worker ids: not in new plans
   std::map<std::string, absl::Time> retry_after_ ABSL_GUARDED_BY(mu_);  // recovery back-off
+  // Replicated collections' lost ranks taken over by backups.
+  int64_t replica_takeovers_ ABSL_GUARDED_BY(mu_) = 0;
   // Moves a previous run left under way (from the state store).
   std::map<std::string, ember::v1::StoredMove> interrupted_ ABSL_GUARDED_BY(mu_);
   const std::unique_ptr<StateStore> store_;  // null without state_dir

@@ -179,6 +179,32 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* ctx,
   }
   it->second.last_heartbeat = absl::Now();
   resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  // A primary here found a copy that may be behind (replication.cc): that
+  // copy's rank is recovered as lost (its shards promoted elsewhere, then
+  // copied anew), if the report is about the current epoch and comes from
+  // a holder of the collection.
+  for (const ember::v1::BrokenReplication& b : req->broken()) {
+    auto c = collections_.find(b.collection());
+    if (c == collections_.end() || c->second.plan().epoch() != b.epoch()) continue;
+    const std::vector<std::string>& ids = rank_ids_[b.collection()];
+    const std::set<int> holding = planner::HoldingRanks(c->second.plan());
+    bool reporter_holds = false;
+    for (int r : holding) {
+      reporter_holds |= r < static_cast<int>(ids.size()) && ids[r] == req->worker_id();
+    }
+    if (!reporter_holds) continue;
+    for (int r : holding) {
+      if (r >= c->second.worker_addresses_size() || c->second.worker_addresses(r) != b.behind()) {
+        continue;
+      }
+      if (force_lost_[b.collection()].insert(r).second) {
+        LOG(WARNING) << "collection '" << b.collection() << "': worker " << req->worker_id()
+                     << " reports the copies on rank " << r << " (" << b.behind()
+                     << ") may be behind (" << b.why().substr(0, 512)
+                     << "); re-forming the copies without it";
+      }
+    }
+  }
   if (req->after_pause()) {
     for (const std::string& name : CollectionsOnLocked(req->worker_id())) {
       auto* h = resp->add_holds();
@@ -234,6 +260,9 @@ CoordinatorService::Stats CoordinatorService::GetStats() const {
   s.drains_failed = checkpoint_stats_.drains_failed;
   s.scales_ok = checkpoint_stats_.scales_ok;
   s.scales_failed = checkpoint_stats_.scales_failed;
+  s.copies_ok = checkpoint_stats_.copies_ok;
+  s.copies_failed = checkpoint_stats_.copies_failed;
+  s.replica_takeovers = replica_takeovers_;
   s.move_bytes_between_workers = checkpoint_stats_.move_bytes_between_workers;
   s.move_bytes_local = checkpoint_stats_.move_bytes_local;
   s.last_move_fence_seconds = checkpoint_stats_.last_move_fence_seconds;

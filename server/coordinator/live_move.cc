@@ -374,14 +374,20 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   return stats;
 }
 
-void CoordinatorService::CountMove(bool scale, const MoveStats* stats) {
+void CoordinatorService::CountMove(MoveKind kind, const MoveStats* stats) {
   absl::MutexLock lock(&mu_);
   Stats& s = checkpoint_stats_;
+  int64_t* ok = kind == MoveKind::kScale    ? &s.scales_ok
+                : kind == MoveKind::kCopies ? &s.copies_ok
+                                            : &s.drains_ok;
+  int64_t* failed = kind == MoveKind::kScale    ? &s.scales_failed
+                    : kind == MoveKind::kCopies ? &s.copies_failed
+                                                : &s.drains_failed;
   if (stats == nullptr) {
-    ++(scale ? s.scales_failed : s.drains_failed);
+    ++*failed;
     return;
   }
-  ++(scale ? s.scales_ok : s.drains_ok);
+  ++*ok;
   s.move_bytes_between_workers += stats->bytes_between_workers;
   s.move_bytes_local += stats->bytes_copied - stats->bytes_between_workers;
   s.last_move_fence_seconds = stats->fence_ms / 1000;

@@ -20,8 +20,12 @@ using ember::v1::ShardAssignment;
 
 namespace {
 
+// The same shard, whatever part in its replication each plan gives it (a
+// promoted backup, a primary with a new backup, stays where it is).
 bool Same(const ShardAssignment& a, const ShardAssignment& b) {
-  return google::protobuf::util::MessageDifferencer::Equals(a, b);
+  google::protobuf::util::MessageDifferencer d;
+  d.IgnoreField(ShardAssignment::descriptor()->FindFieldByName("replication"));
+  return d.Compare(a, b);
 }
 
 // Bytes of fp32 weights and optimizer state a row of `cols` columns of
@@ -29,6 +33,24 @@ bool Same(const ShardAssignment& a, const ShardAssignment& b) {
 int64_t RowBytes(const ember::v1::TableConfig& table, int64_t cols) {
   const backend::ShardSpec spec = ShardSpecFromTable(table, 0, 0, 1, cols);
   return 4 * (cols + backend::OptimizerStateWidth(spec.optimizer.type, cols));
+}
+
+// A replicated shard's copies on the new ranks (`n` has the primary's, -1
+// if its rank leaves): the backups whose workers stay keep their copies,
+// and a backup takes over from a primary that leaves (CheckPlan places the
+// backups missing).
+void KeepBackups(const ember::v1::Shard& old, const std::vector<int>& new_rank,
+                 ember::v1::Shard* n) {
+  n->clear_backups();
+  for (int b : old.backups()) {
+    const int to = b >= 0 && b < static_cast<int>(new_rank.size()) ? new_rank[b] : -1;
+    if (to < 0 || to == n->rank()) continue;
+    if (n->rank() < 0) {
+      n->set_rank(to);
+    } else {
+      n->add_backups(to);
+    }
+  }
 }
 
 struct OldShard {
@@ -47,7 +69,9 @@ absl::StatusOr<MovePlan> PlanMove(const CollectionInfo& before, const Collection
     const std::string& address = before.worker_addresses(r);
     for (const ShardAssignment& a : AssignmentsOf(before, r)) {
       held[address][{a.ref().table(), a.ref().shard_index()}] = a;
-      old_shards[a.ref().table()].push_back({address, a});
+      // A replicated shard's rows come from its primary (every copy holds
+      // them alike: one source per row).
+      if (a.replication().primary().empty()) old_shards[a.ref().table()].push_back({address, a});
     }
   }
   std::set<std::string> replicated;  // data-parallel tables
@@ -184,6 +208,7 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
           ember::v1::Shard* n = ts->add_shards();
           *n = sh;
           n->set_rank(new_rank[sh.rank()] >= 0 ? new_rank[sh.rank()] : -1);
+          KeepBackups(sh, new_rank, n);
           const std::pair<int, int> at{t, ts->shards_size() - 1};
           if (n->rank() < 0) homeless.push_back(at);
           else load[n->rank()] += bytes(at);
@@ -208,6 +233,7 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
       ember::v1::Shard* n = ts->add_shards();
       *n = sh;
       n->set_rank(new_rank[sh.rank()]);
+      KeepBackups(sh, new_rank, n);
       const std::pair<int, int> at{t, ts->shards_size() - 1};
       if (n->rank() < 0) {
         homeless.push_back(at);
@@ -234,7 +260,10 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
             [&](const auto& a, const auto& b) { return bytes(a) > bytes(b); });
   for (const auto& at : homeless) {  // largest first, each to the emptiest rank
     const int r = emptiest();
-    plan.mutable_tables(at.first)->mutable_shards(at.second)->set_rank(r);
+    ember::v1::Shard* placed = plan.mutable_tables(at.first)->mutable_shards(at.second);
+    placed->set_rank(r);
+    auto* backups = placed->mutable_backups();
+    backups->erase(std::remove(backups->begin(), backups->end(), r), backups->end());
     load[r] += bytes(at);
   }
   // Evening out: the largest movable shard of the fullest rank that leaves
@@ -249,7 +278,11 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
       if (best == nullptr || bytes(at) > bytes(*best)) best = &at;
     }
     if (best == nullptr) break;
-    plan.mutable_tables(best->first)->mutable_shards(best->second)->set_rank(empty);
+    ember::v1::Shard* moved = plan.mutable_tables(best->first)->mutable_shards(best->second);
+    moved->set_rank(empty);
+    // Not its own backup (CheckPlan places another).
+    auto* backups = moved->mutable_backups();
+    backups->erase(std::remove(backups->begin(), backups->end(), empty), backups->end());
     load[full] -= bytes(*best);
     load[empty] += bytes(*best);
   }

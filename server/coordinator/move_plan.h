@@ -4,8 +4,10 @@
 // apart by address: rank numbers may differ between the plans.
 //
 // A shard a worker holds with the same assignment in both plans stays
-// where it is. Any other shard of the new plan is filled from the old
-// shards of its table whose rows overlap it, each overlap a block of whole
+// where it is (its part in a replicated shard may change: a backup
+// promoted, a primary given a new backup). Any other shard of the new plan,
+// a new backup copy too, is filled from the old (primary) shards of its
+// table whose rows overlap it, each overlap a block of whole
 // rows (the columns must be the same: a live move re-cuts rows, never
 // columns); a data-parallel replica copies one old replica (one on the same
 // worker if there is one). A dynamic table's shard moves only whole (its

@@ -126,5 +126,48 @@ absl::StatusOr<Replacement> PlaceLostShards(const ember::v1::CollectionInfo& old
   return out;
 }
 
+int PromoteCopies(const std::set<int>& lost, ember::v1::ShardingPlan* plan) {
+  int promoted = 0;
+  for (auto& ts : *plan->mutable_tables()) {
+    if (planner::IsReplicated(ts)) {
+      std::vector<int> left;
+      for (int r : ts.ranks()) {
+        if (!lost.count(r)) left.push_back(r);
+      }
+      if (left.empty()) continue;  // the last replica: reloaded
+      ts.clear_ranks();
+      for (int r : left) ts.add_ranks(r);
+      continue;
+    }
+    for (auto& sh : *ts.mutable_shards()) {
+      std::vector<int> backups;
+      for (int b : sh.backups()) {
+        if (!lost.count(b)) backups.push_back(b);
+      }
+      if (lost.count(sh.rank()) && !backups.empty()) {
+        sh.set_rank(backups.front());
+        backups.erase(backups.begin());
+        ++promoted;
+      }
+      sh.clear_backups();
+      for (int b : backups) sh.add_backups(b);
+    }
+    ts.clear_ranks();
+    for (const auto& sh : ts.shards()) ts.add_ranks(sh.rank());
+  }
+  return promoted;
+}
+
+int MissingCopies(const ember::v1::CollectionInfo& info) {
+  const int copies = std::max(1, info.spec().replicas());
+  int missing = 0;
+  for (const auto& ts : info.plan().tables()) {
+    for (const auto& sh : ts.shards()) {
+      if (sh.rows() > 0 && sh.backups_size() + 1 < copies) ++missing;
+    }
+  }
+  return missing;
+}
+
 }  // namespace coordinator
 }  // namespace ember

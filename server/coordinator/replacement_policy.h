@@ -67,6 +67,20 @@ absl::StatusOr<Replacement> PlaceLostShards(const ember::v1::CollectionInfo& inf
                                             const std::set<int>& lost,
                                             const std::vector<ReplacementCandidate>& candidates);
 
+// A replicated collection (CollectionSpec.replicas > 1) loses ranks `lost`
+// without rolling anything back: every shard drops its backups on lost
+// ranks, and a shard whose primary's rank is lost takes its first backup
+// left as primary (every backup holds every update its primary
+// acknowledged: worker/replication.cc). Data-parallel tables drop their
+// replicas on lost ranks while one is left. Returns the shards promoted;
+// what still lies on a lost rank afterwards (a shard with no copy left, a
+// data-parallel table's last replica) is the checkpoint's to bring back.
+int PromoteCopies(const std::set<int>& lost, ember::v1::ShardingPlan* plan);
+
+// Held shards of a replicated collection with fewer than replicas - 1
+// backups (0 for a collection of one copy).
+int MissingCopies(const ember::v1::CollectionInfo& info);
+
 // "rank R (ADDRESS), ..." for messages, addresses from `info`.
 std::string DescribeRanks(const ember::v1::CollectionInfo& info, const std::set<int>& ranks);
 

@@ -233,6 +233,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   // Room for the response's framing around the arrays.
   service.max_response_bytes =
       std::min(service.max_response_bytes, options.max_message_bytes - (int64_t{64} << 10));
+  // A primary calls its backups as it calls the coordinator (TLS alike).
+  if (service.peer_credentials == nullptr) service.peer_credentials = options.coordinator_credentials;
   w->service_ = std::make_unique<WorkerService>(std::move(backend), service);
   auto metrics = ServerMetrics::Start(options.metrics_bind, "worker");
   if (!metrics.ok()) return metrics.status();
@@ -260,6 +262,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   const std::string listen_host = std::string(options.listen.substr(0, options.listen.rfind(':')));
   w->address_ = absl::StrCat(listen_host, ":", port);
   if (!options.advertise_address.empty()) w->address_ = options.advertise_address;
+  w->service_->SetOwnAddress(w->address_);
   info.set_address(w->address_);
   info.set_host(options.host.empty() ? HostName() : options.host);
   info.set_pid(getpid());
@@ -353,6 +356,13 @@ void WorkerServer::HeartbeatLoop() {
     ember::v1::HeartbeatRequest req;
     req.set_worker_id(worker_id());
     req.set_after_pause(after_pause);
+    for (const WorkerService::BrokenReplication& b : service_->BrokenReplications()) {
+      ember::v1::BrokenReplication* out = req.add_broken();
+      out->set_collection(b.collection);
+      out->set_epoch(b.epoch);
+      out->set_behind(b.backup);
+      out->set_why(b.why);
+    }
     ember::v1::HeartbeatResponse resp;
     const grpc::Status s = coordinator_->Heartbeat(&ctx, req, &resp);
     if (s.ok() && after_pause) {

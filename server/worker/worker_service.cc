@@ -10,11 +10,13 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -304,7 +306,8 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   if (req->has_link_sent()) {
     absl::ReaderMutexLock lock(&mu_);
     auto c = FindCollection(req->collection(), req->epoch());
-    to_host = c.ok() && ((*c)->steps->stepped() || TouchesDynamicTable(**c, *req));
+    to_host = c.ok() && ((*c)->steps->stepped() || TouchesDynamicTable(**c, *req) ||
+                         ForwardsUpdates(**c));
   }
   GradientCall in;
   if (absl::Status s = codec_.ReceiveGradients(*req, OwnerOf(ctx), &in, to_host); !s.ok()) {
@@ -316,7 +319,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     absl::ReaderMutexLock lock(&mu_);
     auto c = FindCollection(req->collection(), req->epoch());
     if (!c.ok()) return ToGrpc(c.status());
-    if (!(*c)->steps->stepped()) return ApplyNow(**c, in, *req, resp);
+    if (!(*c)->steps->stepped()) return ApplyNow(ctx, **c, in, *req, resp);
     if (absl::Status s = HoldContribution(**c, in, *req, &held); !s.ok()) return ToGrpc(s);
     steps = (*c)->steps;
   }
@@ -377,11 +380,25 @@ absl::Status WorkerService::CountRefusal(const absl::Status& s) {
   return s;
 }
 
-grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
+grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection& coll,
+                                     GradientCall& in,
                                      const ember::v1::WorkerApplyGradientsRequest& req,
                                      ember::v1::WorkerApplyGradientsResponse* resp) {
-  absl::MutexLock apply(coll.apply_mu.get());
+  // A primary's updates reach its backups in the order it applies them:
+  // forward_mu orders them, held across the forward. apply_mu is not held
+  // while a forward waits: a backup's apply takes it, and two workers
+  // forwarding to each other would wait on each other for ever.
+  std::optional<absl::MutexLock> order;
+  if (req.from_primary().empty()) order.emplace(coll.forward_mu.get());
+  coll.apply_mu->Lock();
+  auto unlock = absl::MakeCleanup([&coll] { coll.apply_mu->Unlock(); });
+  if (!coll.broken_backup.empty() && req.from_primary().empty()) {
+    return ToGrpc(absl::UnavailableError(absl::StrCat(
+        "collection '", req.collection(), "': backup ", coll.broken_backup, " missed an update (",
+        coll.broken_why, "); updates wait for the coordinator to re-form the copies (retry)")));
+  }
   const uint64_t id = RequestIdHash(req.request_id());
+  std::vector<int> gradient;  // requests[i]'s index in the request
   std::vector<backend::GradientRequest> requests;
   std::vector<const ShardEntry*> found;    // gradient i's shard
   std::vector<const ShardEntry*> entries;  // requests[i]'s shard
@@ -399,6 +416,7 @@ grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
     auto part = in.Decode(i, ShapesOf(coll, &found));
     if (!part.ok()) return ToGrpc(CountRefusal(part.status()));
     const ShardEntry* entry = found.back();
+    if (absl::Status r = CheckReplicationRole(*entry, req); !r.ok()) return ToGrpc(r);
     if (entry->applied->Conflicts(id, req.request_digest())) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
           "request id '", req.request_id().substr(0, 128),
@@ -435,6 +453,7 @@ grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
       }
     }
     requests.push_back(*part);
+    gradient.push_back(i);
     entries.push_back(entry);
     touched.insert(entry);
   }
@@ -443,7 +462,24 @@ grpc::Status WorkerService::ApplyNow(Collection& coll, GradientCall& in,
     duplicates_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status::OK;
   }
-  if (absl::Status s = RunUpdate(requests, entries); !s.ok()) return ToGrpc(s);
+  // A replicated shard's backups apply it first (replication.cc).
+  bool forwards = false;
+  for (const ShardEntry* e : entries) forwards |= e->assignment.replication().backups_size() > 0;
+  if (forwards) {
+    coll.apply_mu->Unlock();
+    const absl::Status f = Forward(ctx, req, in, gradient, requests, entries, &coll);
+    coll.apply_mu->Lock();
+    if (!f.ok()) return ToGrpc(f);
+  }
+  if (absl::Status s = RunUpdate(requests, entries); !s.ok()) {
+    if (req.from_primary().empty() && ForwardsUpdates(coll)) {
+      // The backups applied what this copy refused: they differ now.
+      coll.broken_backup = OwnAddress();  // this copy is the one behind
+      coll.broken_why = absl::StrCat("the primary refused an update its backups applied: ",
+                                     s.message());
+    }
+    return ToGrpc(s);
+  }
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
     LOG_EVERY_N(WARNING, 100) << "collection '" << req.collection() << "': " << skipped

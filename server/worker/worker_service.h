@@ -88,6 +88,11 @@ struct WorkerServiceOptions {
   // of updates one collection holds for its steps to complete; past it a
   // contribution is refused (RESOURCE_EXHAUSTED).
   int64_t max_pending_step_bytes = int64_t{1} << 30;
+  // Replicated shards (ShardReplication): the credentials for calling the
+  // backups a primary forwards updates to (null: plaintext), and how long
+  // one forward may take at most (less if the caller's deadline is nearer).
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  absl::Duration forward_timeout = absl::Seconds(10);
 };
 
 class WorkerService final : public ember::v1::Worker::Service {
@@ -145,6 +150,9 @@ class WorkerService final : public ember::v1::Worker::Service {
     // ranks missing from aborted steps, bytes held for steps.
     int64_t steps_applied = 0, steps_aborted = 0, step_wait_ns = 0, step_ranks_missing = 0;
     int64_t step_pending_bytes = 0;
+    // Replicated shards: updates a primary forwarded to its backups, the
+    // time they took (ns), and forwards that failed.
+    int64_t forwards = 0, forward_ns = 0, forward_failures = 0;
   };
   Stats GetStats() const;
 
@@ -174,6 +182,23 @@ class WorkerService final : public ember::v1::Worker::Service {
                             ember::v1::CloseChannelResponse* resp) override;
   // Open shared-memory channels (for metrics and tests).
   int open_channels() const { return channels_.open_channels(); }
+  // Replicated collections whose primary copies here stopped taking
+  // updates: a forward to a backup failed and the backup may or may not
+  // have applied it, so the copies may differ by that update until the
+  // coordinator re-forms them at a new epoch (the heartbeat reports them).
+  struct BrokenReplication {
+    std::string collection;
+    int64_t epoch = 0;
+    // The copy that may be behind: the backup a forward failed to, or this
+    // worker (its own address) when it refused what its backups applied.
+    std::string backup;
+    std::string why;
+  };
+  std::vector<BrokenReplication> BrokenReplications() const;
+  // The address this worker is registered under (what a plan names it by):
+  // a primary names itself so in what it forwards.
+  void SetOwnAddress(const std::string& address);
+  std::string OwnAddress() const;
   grpc::Status ApplyGradients(grpc::ServerContext* ctx,
                               const ember::v1::WorkerApplyGradientsRequest* req,
                               ember::v1::WorkerApplyGradientsResponse* resp) override;
@@ -221,6 +246,13 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::map<std::pair<std::string, int32_t>, ShardEntry> staged;
     // Serialises updates, imports and checkpoint copies of the collection.
     std::unique_ptr<absl::Mutex> apply_mu = std::make_unique<absl::Mutex>();
+    // Orders the updates a trainer sends (taken before apply_mu, held while
+    // they are forwarded to backups, which apply_mu is not): replication.cc.
+    std::unique_ptr<absl::Mutex> forward_mu = std::make_unique<absl::Mutex>();
+    // Set when a forward to `broken_backup` failed (BrokenReplication):
+    // updates are refused until the collection moves to another epoch.
+    // Under apply_mu.
+    std::string broken_backup, broken_why;
     // Its trainers' steps (TrainingSpec); replaced, its held steps dropped,
     // when the collection moves to another epoch. Shared: a caller waits on
     // it without mu_.
@@ -282,10 +314,32 @@ class WorkerService final : public ember::v1::Worker::Service {
   // A step barrier for `training` (max_pending_step_bytes its bound).
   std::shared_ptr<StepBarrier> MakeSteps(const ember::v1::TrainingSpec& training) const;
   // An update applied as it arrives (ASYNC collections).
-  grpc::Status ApplyNow(Collection& coll, GradientCall& in,
+  grpc::Status ApplyNow(const grpc::ServerContext* ctx, Collection& coll, GradientCall& in,
                         const ember::v1::WorkerApplyGradientsRequest& req,
                         ember::v1::WorkerApplyGradientsResponse* resp)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Replication (replication.cc). OK when the update may go on here: the
+  // caller is a trainer and no shard touched is a backup copy, or the
+  // caller is the primary of every shard touched (from_primary).
+  static absl::Status CheckReplicationRole(const ShardEntry& entry,
+                                           const ember::v1::WorkerApplyGradientsRequest& req);
+  // Whether any shard of c has backups (its updates are forwarded: they
+  // come to the host whole).
+  static bool ForwardsUpdates(const Collection& c);
+  // A primary's forward of update `req` (requests[i] on entries[i], the
+  // parts it is about to apply, gradient[i] their index in the request) to
+  // the backups of those shards, at once, before applying it itself (under
+  // forward_mu, apply_mu released: backups apply in the primary's order).
+  // OK when every backup
+  // applied it (or had). A refusal every backup gave alike, with nothing
+  // applied anywhere, is returned as it came; any other failure marks c
+  // broken (Collection::broken_backup) and is UNAVAILABLE.
+  absl::Status Forward(const grpc::ServerContext* ctx,
+                       const ember::v1::WorkerApplyGradientsRequest& req, const GradientCall& in,
+                       const std::vector<int>& gradient,
+                       const std::vector<backend::GradientRequest>& requests,
+                       const std::vector<const ShardEntry*>& entries, Collection* c);
+  ember::v1::Worker::Stub* PeerStub(const std::string& address);
   // A SYNC/BOUNDED update checked and copied into *held (nothing applied).
   absl::Status HoldContribution(const Collection& coll, GradientCall& in,
                                 const ember::v1::WorkerApplyGradientsRequest& req,
@@ -393,6 +447,12 @@ class WorkerService final : public ember::v1::Worker::Service {
   // one at a time per collection.
   std::set<std::string> updating_ ABSL_GUARDED_BY(mu_);
   int64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  // Forwards to backups: calls, their time (ns), and those that failed.
+  std::atomic<int64_t> forwards_{0}, forward_ns_{0}, forward_failures_{0};
+  mutable absl::Mutex peers_mu_;
+  std::string own_address_ ABSL_GUARDED_BY(peers_mu_);
+  std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> peers_
+      ABSL_GUARDED_BY(peers_mu_);
 };
 
 }  // namespace worker

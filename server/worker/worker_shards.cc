@@ -33,6 +33,9 @@ bool SameAssignment(const ember::v1::ShardAssignment& held, const ember::v1::Sha
   if (kernel(held.compute_kernel()) != kernel(a.compute_kernel())) return false;
   google::protobuf::util::MessageDifferencer d;
   d.IgnoreField(ember::v1::ShardAssignment::descriptor()->FindFieldByName("compute_kernel"));
+  // A shard's part in its replication is not its identity: a move to a new
+  // epoch may promote it or give it other backups (UpdateShards adopts it).
+  d.IgnoreField(ember::v1::ShardAssignment::descriptor()->FindFieldByName("replication"));
   return d.Compare(held, a);
 }
 
@@ -386,6 +389,12 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     coll.staged.clear();
     coll.staged_epoch = 0;
   }
+  // Every shard named takes its part in the replication from the request
+  // (a held one too: a backup promoted, a primary with new backups).
+  for (const auto& a : req->create()) {
+    auto it = coll.shards.find({a.ref().table(), a.ref().shard_index()});
+    if (it != coll.shards.end()) *it->second.assignment.mutable_replication() = a.replication();
+  }
   // `exact`: the held shards are those named, no other.
   int dropped = 0;
   if (req->exact()) {
@@ -405,6 +414,10 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     }
   }
   if (req->epoch() != coll.epoch) {
+    // A new epoch re-forms the copies: a forward that failed at the old one
+    // no longer stops updates.
+    coll.broken_backup.clear();
+    coll.broken_why.clear();
     // Steps held at the old epoch are dropped: their trainers refresh the
     // plan and send them again to the new one.
     coll.steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
@@ -559,6 +572,9 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.id_buffer_lookups = id_buffer_lookups_.load(std::memory_order_relaxed);
   s.backend_lookup_ns = backend_lookup_ns_.load(std::memory_order_relaxed);
   s.backend_update_ns = backend_update_ns_.load(std::memory_order_relaxed);
+  s.forwards = forwards_.load(std::memory_order_relaxed);
+  s.forward_ns = forward_ns_.load(std::memory_order_relaxed);
+  s.forward_failures = forward_failures_.load(std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);  // retiring happens under it: no count seen twice or lost
   s.steps_applied = retired_steps_applied_.load(std::memory_order_relaxed);
   s.steps_aborted = retired_steps_aborted_.load(std::memory_order_relaxed);

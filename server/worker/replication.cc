@@ -1,0 +1,197 @@
+// WorkerService's part in replicated shards (CollectionSpec.replicas):
+// primary-backup through the primary. A trainer sends a shard's updates to
+// its primary copy; the primary, holding the collection's forward_mu (so
+// every update of the collection reaches the backups in the order it
+// applies them; its apply_mu, which a backup's apply takes, is released
+// meanwhile, so two workers forwarding to each other never wait on each
+// other), forwards the parts it is about to apply to every backup
+// of the shards they touch and applies them itself only once every backup
+// has. Acknowledged therefore means applied by every copy, and a backup is
+// never behind its primary: it can take over with nothing acknowledged
+// lost. A forward whose outcome is unknown (a timeout, a dead backup) may
+// have been applied by the backup: the copies may differ by it, so the
+// primary refuses further updates until the coordinator re-forms the
+// copies at a new epoch (it hears of it by heartbeat, or by the backup's
+// death). A backup takes updates only from the primary it was given, at
+// the collection's current epoch, so a primary cut off and replaced can
+// acknowledge nothing (its forwards are refused at the newer epoch).
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/time/clock.h"
+#include "glog/logging.h"
+#include "server/common/auth.h"
+#include "server/common/grpc_util.h"
+#include "server/common/wire.h"
+#include "server/worker/shard_names.h"
+#include "server/worker/worker_service.h"
+
+namespace ember {
+namespace worker {
+
+namespace {
+
+ember::v1::TableConfig::Pooling PoolingToProto(backend::Pooling p) {
+  switch (p) {
+    case backend::Pooling::kMean:
+      return ember::v1::TableConfig::MEAN;
+    case backend::Pooling::kNone:
+      return ember::v1::TableConfig::NONE;
+    default:
+      return ember::v1::TableConfig::SUM;
+  }
+}
+
+// A refusal that says nothing was applied, which a backup holding the same
+// rows as its primary gives exactly when the primary would.
+bool AppliedNothing(grpc::StatusCode code) {
+  return code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::OUT_OF_RANGE ||
+         code == grpc::StatusCode::FAILED_PRECONDITION ||
+         code == grpc::StatusCode::PERMISSION_DENIED ||
+         code == grpc::StatusCode::UNAUTHENTICATED || code == grpc::StatusCode::NOT_FOUND;
+}
+
+}  // namespace
+
+absl::Status WorkerService::CheckReplicationRole(
+    const ShardEntry& entry, const ember::v1::WorkerApplyGradientsRequest& req) {
+  const std::string& primary = entry.assignment.replication().primary();
+  if (req.from_primary().empty() && !primary.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        RefString(entry.assignment.ref()), " is a backup copy on this worker; its updates go to "
+        "its primary, ", primary, " (refresh the plan)"));
+  }
+  if (!req.from_primary().empty() && primary != req.from_primary()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "an update forwarded by ", req.from_primary().substr(0, 256), " for ",
+        RefString(entry.assignment.ref()), ", which this worker does not hold as its backup ",
+        "(the copies were re-formed: refresh the plan)"));
+  }
+  return absl::OkStatus();
+}
+
+bool WorkerService::ForwardsUpdates(const Collection& c) {
+  for (const auto& [key, entry] : c.shards) {
+    if (entry.assignment.replication().backups_size() > 0) return true;
+  }
+  return false;
+}
+
+void WorkerService::SetOwnAddress(const std::string& address) {
+  absl::MutexLock lock(&peers_mu_);
+  own_address_ = address;
+}
+
+std::string WorkerService::OwnAddress() const {
+  absl::MutexLock lock(&peers_mu_);
+  return own_address_;
+}
+
+ember::v1::Worker::Stub* WorkerService::PeerStub(const std::string& address) {
+  absl::MutexLock lock(&peers_mu_);
+  std::unique_ptr<ember::v1::Worker::Stub>& stub = peers_[address];
+  if (stub == nullptr) {
+    stub = ember::v1::Worker::NewStub(MakeChannel(address, options_.peer_credentials));
+  }
+  return stub.get();
+}
+
+absl::Status WorkerService::Forward(const grpc::ServerContext* ctx,
+                                    const ember::v1::WorkerApplyGradientsRequest& req,
+                                    const GradientCall& in, const std::vector<int>& gradient,
+                                    const std::vector<backend::GradientRequest>& requests,
+                                    const std::vector<const ShardEntry*>& entries, Collection* c) {
+  // One request per backup address, with the parts of the shards it holds,
+  // arrays inline.
+  std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    for (const std::string& backup : entries[i]->assignment.replication().backups()) {
+      auto [it, fresh] = out.try_emplace(backup);
+      ember::v1::WorkerApplyGradientsRequest& f = it->second;
+      if (fresh) {
+        f.set_collection(req.collection());
+        f.set_epoch(req.epoch());
+        f.set_request_id(req.request_id());
+        f.set_request_digest(req.request_digest());
+        f.set_from_primary(OwnAddress());
+      }
+      const backend::GradientRequest& g = requests[i];
+      ember::v1::ShardGradient* sg = f.add_gradients();
+      ember::v1::ShardFeature* feature = sg->mutable_feature();
+      *feature->mutable_shard() = entries[i]->assignment.ref();
+      feature->set_feature(in.request().gradients(gradient[i]).feature().feature());
+      feature->set_pooling(PoolingToProto(g.feature.pooling));
+      wire::Encode(g.feature.lengths, feature->mutable_lengths());
+      wire::Encode(g.feature.ids, feature->mutable_ids());
+      wire::Encode(g.feature.weights, feature->mutable_weights());
+      wire::Encode(g.grad, sg->mutable_grad());
+    }
+  }
+  if (out.empty()) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  absl::Time deadline = start + options_.forward_timeout;
+  if (ctx != nullptr) deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  const std::optional<absl::string_view> token = AuthorizationOf(ctx);
+  std::vector<std::string> addresses;
+  std::vector<grpc::ClientContext> contexts(out.size());
+  std::vector<ember::v1::WorkerApplyGradientsResponse> responses(out.size());
+  std::vector<grpc::Status> statuses(out.size());
+  absl::BlockingCounter pending(static_cast<int>(out.size()));
+  size_t n = 0;
+  for (auto& [address, f] : out) {
+    addresses.push_back(address);
+    contexts[n].set_deadline(absl::ToChronoTime(deadline));
+    if (token.has_value()) contexts[n].AddMetadata("authorization", std::string(*token));
+    PeerStub(address)->async()->ApplyGradients(&contexts[n], &f, &responses[n],
+                                               [&statuses, &pending, n](grpc::Status s) {
+                                                 statuses[n] = std::move(s);
+                                                 pending.DecrementCount();
+                                               });
+    ++n;
+  }
+  pending.Wait();
+  forwards_.fetch_add(1, std::memory_order_relaxed);
+  forward_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - start), std::memory_order_relaxed);
+  bool any_ok = false, all_refused_alike = true;
+  for (size_t i = 0; i < n; ++i) {
+    any_ok |= statuses[i].ok();
+    all_refused_alike &= !statuses[i].ok() && AppliedNothing(statuses[i].error_code()) &&
+                         statuses[i].error_code() == statuses[0].error_code();
+  }
+  if (!any_ok && all_refused_alike) {  // nothing applied anywhere: the copies agree
+    return FromGrpc(statuses[0], absl::StrCat("backup ", addresses[0]));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (statuses[i].ok()) continue;
+    forward_failures_.fetch_add(1, std::memory_order_relaxed);
+    absl::MutexLock apply(c->apply_mu.get());
+    c->broken_backup = addresses[i];
+    c->broken_why = absl::StrCat(absl::StatusCodeToString(FromGrpc(statuses[i]).code()), ": ",
+                                 statuses[i].error_message().substr(0, 512));
+    LOG(WARNING) << "collection '" << req.collection() << "' epoch " << c->epoch
+                 << ": forwarding an update to backup " << addresses[i] << " failed ("
+                 << c->broken_why << "); its updates wait for the coordinator to re-form the "
+                 << "copies";
+    return absl::UnavailableError(absl::StrCat(
+        "collection '", req.collection(), "': backup ", addresses[i], " of its shards did not "
+        "confirm an update (", c->broken_why, "); updates wait for the coordinator to re-form "
+        "the copies (retry)"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<WorkerService::BrokenReplication> WorkerService::BrokenReplications() const {
+  std::vector<BrokenReplication> out;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, c] : collections_) {
+    absl::MutexLock apply(c->apply_mu.get());
+    if (!c->broken_backup.empty()) out.push_back({name, c->epoch, c->broken_backup, c->broken_why});
+  }
+  return out;
+}
+
+}  // namespace worker
+}  // namespace ember

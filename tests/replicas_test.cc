@@ -1,0 +1,424 @@
+// Replicated shards (CollectionSpec.replicas = 2) with real processes
+// (`emberctl coordinator` and `emberctl worker`s): every shard on two
+// workers, updates acknowledged once both copies applied them. A worker
+// killed with SIGKILL while a trainer runs: its shards are taken over by
+// their backups with nothing rolled back, the missing copies are made anew
+// live, and every table equals an in-process reference holding every
+// acknowledged update (each retried under its request id until
+// acknowledged, so applied exactly once across the take-over). The copies
+// of each shard are compared byte for byte (weights, optimizer state,
+// step). A trainer's update sent straight to a backup is refused. The
+// coordinator killed in the middle of a take-over finishes it when started
+// again.
+#include <signal.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/inprocess.h"
+#include "gtest/gtest.h"
+#include "proto/service.grpc.pb.h"
+#include "server/common/grpc_util.h"
+#include "server/common/wire.h"
+#include "tests/local_cluster.h"
+#include "tests/test_collection.h"
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::InProcessCollection;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using ember::v1::CollectionInfo;
+using ember::v1::CollectionSpec;
+using testing_util::ApplyUntilAcknowledged;
+using testing_util::ExpectNear;
+using testing_util::RandomGradients;
+using testing_util::RandomKjt;
+using testing_util::TestSpec;
+
+constexpr char kEmberctl[] = "cli/emberctl";
+
+// A trainer and its reference: each update retried until acknowledged,
+// then applied to the reference.
+class Trainer {
+ public:
+  Trainer(Client* c, InProcessCollection* ref, std::string name, int seed)
+      : c_(c), ref_(ref), name_(std::move(name)), rng_(seed) {}
+  ~Trainer() { Stop(); }
+
+  absl::Status Step() {
+    KeyedJaggedTensor kjt =
+        RandomKjt(rng_, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4, step_ % 2 == 1);
+    const KeyedTensor g = RandomGradients(rng_, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
+    absl::Status s =
+        ApplyUntilAcknowledged(c_, name_, kjt, g, absl::StrCat(name_, "-", step_++));
+    if (!s.ok()) return s;
+    last_ack_ = absl::Now();
+    ++acked_;
+    return ref_->ApplyGradients(kjt, g);
+  }
+  void Start() {
+    thread_ = std::thread([this] {
+      while (!stop_ && !failed_) {
+        if (absl::Status s = Step(); !s.ok()) {
+          ADD_FAILURE() << "step " << step_ << ": " << s;
+          failed_ = true;
+        }
+      }
+    });
+  }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  void WaitFor(int more) {
+    const int until = acked_ + more;
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (acked_ < until && !failed_ && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+  int acked() const { return acked_; }
+  bool failed() const { return failed_; }
+  absl::Time last_ack() const { return last_ack_; }
+
+ private:
+  Client* c_;
+  InProcessCollection* ref_;
+  std::string name_;
+  std::mt19937 rng_;
+  int step_ = 0;
+  std::atomic<int> acked_{0};
+  std::atomic<bool> stop_{false}, failed_{false};
+  std::atomic<absl::Time> last_ack_{absl::InfinitePast()};
+  std::thread thread_;
+};
+
+// The shards of `info` with fewer than two copies.
+int ShortOfCopies(const CollectionInfo& info) {
+  int n = 0;
+  for (const auto& ts : info.plan().tables()) {
+    for (const auto& sh : ts.shards()) n += sh.rows() > 0 && sh.backups_size() != 1;
+  }
+  return n;
+}
+
+// Every copy of every shard of `info`, read from its worker: equal bytes.
+void ExpectCopiesIdentical(const CollectionInfo& info) {
+  for (const auto& ts : info.plan().tables()) {
+    for (int i = 0; i < ts.shards_size(); ++i) {
+      const auto& sh = ts.shards(i);
+      if (sh.rows() == 0) continue;
+      std::vector<int> ranks = {sh.rank()};
+      ranks.insert(ranks.end(), sh.backups().begin(), sh.backups().end());
+      ASSERT_EQ(ranks.size(), 2u) << ts.table() << " shard " << i;
+      std::vector<ember::v1::ExportRowsResponse> copies;
+      for (int r : ranks) {
+        auto stub = ember::v1::Worker::NewStub(MakeChannel(info.worker_addresses(r)));
+        grpc::ClientContext ctx;
+        SetDeadline(&ctx, absl::Seconds(10));
+        ember::v1::ExportRowsRequest req;
+        req.set_collection(info.spec().name());
+        req.mutable_shard()->set_table(ts.table());
+        req.mutable_shard()->set_shard_index(i);
+        req.set_row_begin(0);
+        req.set_row_end(sh.rows());
+        ember::v1::ExportRowsResponse resp;
+        const grpc::Status s = stub->ExportRows(&ctx, req, &resp);
+        ASSERT_TRUE(s.ok()) << info.worker_addresses(r) << ": " << s.error_message();
+        copies.push_back(std::move(resp));
+      }
+      const std::string what = absl::StrCat(ts.table(), " shard ", i, " on ranks ", ranks[0],
+                                            " and ", ranks[1]);
+      EXPECT_EQ(copies[0].weights(), copies[1].weights()) << what << ": weights differ";
+      EXPECT_EQ(copies[0].state(), copies[1].state()) << what << ": optimizer state differs";
+      EXPECT_EQ(copies[0].step(), copies[1].step()) << what;
+      EXPECT_FALSE(copies[0].weights().empty()) << what;
+    }
+  }
+}
+
+class ReplicasTest : public ::testing::Test {
+ protected:
+  void Start(int workers, const std::string& sharding, const std::string& crash_at = "") {
+    cluster_ = std::make_unique<testing_util::StandaloneCluster>(
+        kEmberctl, workers,
+        std::vector<std::string>{"--lease_ms=1500", "--state_dir=" + testing_util::TempDir()},
+        crash_at);
+    ASSERT_TRUE(cluster_->ok());
+    client::ClientOptions o;
+    o.timeout = absl::Seconds(30);
+    auto c = Client::Connect(cluster_->address(), o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+    spec_ = TestSpec("r");
+    spec_.mutable_tables()->RemoveLast();  // no sequence table
+    spec_.set_replicas(2);
+    auto info = client_->CreateCollection(spec_, sharding);
+    ASSERT_TRUE(info.ok()) << info.status();
+    info_ = *info;
+    auto ref = InProcessCollection::Create(spec_, &info->plan());
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    ref_ = *std::move(ref);
+  }
+
+  // The collection as the coordinator has it (empty while the coordinator
+  // cannot be reached: it may be starting again).
+  CollectionInfo Get() {
+    auto info = client_->GetCollection("r");
+    return info.ok() ? *info : CollectionInfo();
+  }
+
+  // Waits until the collection serves with two copies of every shard at an
+  // epoch past `epoch`.
+  CollectionInfo WaitForTwoCopies(int64_t epoch, absl::Duration limit) {
+    const absl::Time deadline = absl::Now() + limit;
+    CollectionInfo info;
+    while (absl::Now() < deadline) {
+      info = Get();
+      if (info.plan().epoch() > epoch && info.state() == CollectionInfo::SERVING &&
+          ShortOfCopies(info) == 0) {
+        return info;
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    ADD_FAILURE() << "no two copies of every shard within " << limit << ": state "
+                  << CollectionInfo::State_Name(info.state()) << ", note: " << info.note();
+    return info;
+  }
+
+  void ExpectTablesEqualTheReference(const std::string& what) {
+    for (const auto& t : spec_.tables()) {
+      int64_t rows, dim, rr, rd;
+      auto got = client_->ExportTable("r", t.name(), &rows, &dim);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectNear(*got, *ref_->ExportTable(t.name(), &rr, &rd), what + " table " + t.name());
+    }
+  }
+
+  // The pid of the worker at `address`.
+  pid_t PidOf(const std::string& address) {
+    auto listed = client_->ListWorkers();
+    EXPECT_TRUE(listed.ok());
+    for (const auto& w : listed->workers()) {
+      if (w.info().address() == address) return static_cast<pid_t>(w.info().pid());
+    }
+    return -1;
+  }
+
+  std::unique_ptr<testing_util::StandaloneCluster> cluster_;
+  std::unique_ptr<Client> client_;
+  CollectionSpec spec_;
+  CollectionInfo info_;
+  std::unique_ptr<InProcessCollection> ref_;
+};
+
+TEST_F(ReplicasTest, EveryShardHasTwoCopiesOnTwoWorkersAndTheyStayIdentical) {
+  Start(3, "row_wise");
+  EXPECT_EQ(ShortOfCopies(info_), 0);
+  for (const auto& ts : info_.plan().tables()) {
+    for (const auto& sh : ts.shards()) {
+      if (sh.rows() == 0) continue;
+      ASSERT_EQ(sh.backups_size(), 1) << ts.table();
+      EXPECT_NE(sh.backups(0), sh.rank()) << ts.table();
+    }
+  }
+  Trainer trainer(client_.get(), ref_.get(), "r", 3);
+  for (int i = 0; i < 30; ++i) ASSERT_TRUE(trainer.Step().ok());
+  ExpectTablesEqualTheReference("two copies");
+  ExpectCopiesIdentical(info_);
+
+  // A trainer's update sent to a backup copy is refused: only the primary
+  // takes updates (and forwards them).
+  const auto& ts = info_.plan().tables(0);
+  const auto& sh = ts.shards(0);
+  auto stub = ember::v1::Worker::NewStub(MakeChannel(info_.worker_addresses(sh.backups(0))));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, absl::Seconds(10));
+  ember::v1::WorkerApplyGradientsRequest req;
+  req.set_collection("r");
+  req.set_epoch(info_.plan().epoch());
+  req.set_request_id("straight-to-a-backup");
+  auto* g = req.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table(ts.table());
+  g->mutable_feature()->mutable_shard()->set_shard_index(0);
+  g->mutable_feature()->set_feature("f_sum");
+  const std::vector<int64_t> lengths = {1}, ids = {0};
+  const std::vector<float> grad(16, 1.0f);
+  g->mutable_feature()->set_lengths(wire::Encode(absl::MakeConstSpan(lengths)));
+  g->mutable_feature()->set_ids(wire::Encode(absl::MakeConstSpan(ids)));
+  g->set_grad(wire::Encode(absl::MakeConstSpan(grad)));
+  ember::v1::WorkerApplyGradientsResponse resp;
+  const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("backup copy"), std::string::npos) << s.error_message();
+  // ... and so is one claiming to come from a primary it does not have.
+  grpc::ClientContext ctx2;
+  SetDeadline(&ctx2, absl::Seconds(10));
+  req.set_from_primary("127.0.0.1:1");
+  const grpc::Status forged = stub->ApplyGradients(&ctx2, req, &resp);
+  EXPECT_EQ(forged.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << forged.error_message();
+  ExpectCopiesIdentical(info_);
+  ExpectTablesEqualTheReference("after the refused updates");
+}
+
+// SIGKILL of a worker while a trainer runs: no acknowledged update is lost
+// (nothing comes from a checkpoint: there is none), and two copies of every
+// shard exist again afterwards.
+TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
+  for (const std::string sharding : {"row_wise", "table_wise"}) {
+    SCOPED_TRACE(sharding);
+    Start(3, sharding);
+    Trainer trainer(client_.get(), ref_.get(), "r", 11);
+    trainer.Start();
+    trainer.WaitFor(20);
+    const std::string victim = info_.worker_addresses(0);
+    const pid_t pid = PidOf(victim);
+    ASSERT_GT(pid, 0);
+    const absl::Time killed = absl::Now();
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    // Serving again: its shards taken over at a new epoch.
+    CollectionInfo now;
+    do {
+      absl::SleepFor(absl::Milliseconds(10));
+      now = Get();
+    } while ((now.plan().epoch() == info_.plan().epoch() ||
+              now.state() != CollectionInfo::SERVING) &&
+             absl::Now() - killed < absl::Seconds(30));
+    const absl::Duration failover = absl::Now() - killed;
+    EXPECT_NE(now.note().find("no acknowledged update lost"), std::string::npos) << now.note();
+    const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+    trainer.WaitFor(20);
+    trainer.Stop();
+    ASSERT_FALSE(trainer.failed());
+    EXPECT_EQ(after.recovered_from(), "") << after.note();
+    for (const auto& ts : after.plan().tables()) {
+      for (const auto& sh : ts.shards()) {
+        EXPECT_NE(after.worker_addresses(sh.rank()), victim);
+        for (int b : sh.backups()) EXPECT_NE(after.worker_addresses(b), victim);
+      }
+    }
+    ExpectTablesEqualTheReference("after the kill");
+    ExpectCopiesIdentical(Get());
+    std::cout << sharding << ": failover (kill -9 to serving at the take-over's epoch) "
+              << absl::ToDoubleMilliseconds(failover) << " ms with a 1500 ms lease; "
+              << trainer.acked() << " updates acknowledged\n";
+    cluster_.reset();
+  }
+}
+
+// SIGKILL of the worker a lost rank's copies are being made on, during the
+// live copy (held open by a pause point): the copy fails, the collection
+// serves on with one copy of those shards, and the copies are made on the
+// workers left instead; nothing acknowledged is lost.
+TEST_F(ReplicasTest, AWorkerKilledWhileCopiesAreMadeLosesNothing) {
+  setenv("EMBER_COORDINATOR_PAUSE_AT", "live_move_copied", 1);
+  setenv("EMBER_COORDINATOR_PAUSE_MS", "3000", 1);
+  Start(4, "table_wise");
+  unsetenv("EMBER_COORDINATOR_PAUSE_AT");
+  unsetenv("EMBER_COORDINATOR_PAUSE_MS");
+  // Served from three: the fourth is a spare, which a lost rank takes.
+  auto three = client_->ScaleCollection("r", 3);
+  ASSERT_TRUE(three.ok()) << three.status();
+  info_ = three->collection();
+  std::set<std::string> holders;
+  for (int r = 0; r < info_.worker_addresses_size(); ++r) holders.insert(info_.worker_addresses(r));
+  std::string spare;
+  auto listed = client_->ListWorkers();
+  ASSERT_TRUE(listed.ok());
+  for (const auto& w : listed->workers()) {
+    if (!holders.count(w.info().address())) spare = w.info().address();
+  }
+  ASSERT_FALSE(spare.empty());
+  Trainer trainer(client_.get(), ref_.get(), "r", 21);
+  trainer.Start();
+  trainer.WaitFor(10);
+  std::string victim;
+  for (int r : {0, 1, 2}) {
+    if (info_.worker_addresses(r) != spare) victim = info_.worker_addresses(r);
+    if (!victim.empty()) break;
+  }
+  ASSERT_EQ(kill(PidOf(victim), SIGKILL), 0);
+  // The copies go to the spare; kill it while they are copied.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  bool copying = false;
+  while (absl::Now() < deadline && !copying) {
+    const CollectionInfo now = Get();
+    copying = now.note().find("anew") != std::string::npos;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(copying) << "no copy under way: " << Get().note();
+  ASSERT_EQ(kill(PidOf(spare), SIGKILL), 0);
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(90));
+  trainer.WaitFor(20);
+  trainer.Stop();
+  ASSERT_FALSE(trainer.failed());
+  for (const auto& ts : after.plan().tables()) {
+    for (const auto& sh : ts.shards()) {
+      EXPECT_NE(after.worker_addresses(sh.rank()), spare);
+      for (int b : sh.backups()) EXPECT_NE(after.worker_addresses(b), spare);
+    }
+  }
+  ExpectTablesEqualTheReference("after both kills");
+  ExpectCopiesIdentical(Get());
+}
+
+// The coordinator killed (a fault-injection point) once a take-over is
+// stored and before any worker heard of it: started again, it finishes the
+// take-over, the copies are made anew, and nothing acknowledged is lost.
+TEST_F(ReplicasTest, ACoordinatorKilledDuringATakeOverFinishesIt) {
+  Start(3, "row_wise", "take_over_persisted");
+  Trainer trainer(client_.get(), ref_.get(), "r", 31);
+  trainer.Start();
+  trainer.WaitFor(20);
+  ASSERT_EQ(kill(PidOf(info_.worker_addresses(1)), SIGKILL), 0);
+  // The coordinator dies at the take-over (within the lease and a monitor
+  // round), then starts again.
+  absl::SleepFor(absl::Seconds(3));
+  ASSERT_TRUE(cluster_->RestartCoordinator());
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+  trainer.WaitFor(20);
+  trainer.Stop();
+  ASSERT_FALSE(trainer.failed());
+  for (const auto& ts : after.plan().tables()) {
+    for (const auto& sh : ts.shards()) {
+      EXPECT_NE(after.worker_addresses(sh.rank()), info_.worker_addresses(1));
+    }
+  }
+  ExpectTablesEqualTheReference("after the coordinator's restart");
+  ExpectCopiesIdentical(Get());
+}
+
+TEST_F(ReplicasTest, BadReplicaSettingsAreRefused) {
+  Start(2, "table_wise");
+  CollectionSpec spec = TestSpec("bad");
+  spec.set_replicas(3);  // more copies than workers
+  auto too_many = client_->CreateCollection(spec, "table_wise");
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kFailedPrecondition) << too_many.status();
+  spec.set_replicas(9);
+  EXPECT_EQ(client_->CreateCollection(spec, "table_wise").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  spec.set_replicas(2);
+  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec.mutable_training()->set_trainers(1);
+  auto sync = client_->CreateCollection(spec, "table_wise");
+  EXPECT_EQ(sync.status().code(), absl::StatusCode::kInvalidArgument) << sync.status();
+  EXPECT_NE(sync.status().message().find("ASYNC"), std::string::npos) << sync.status();
+  EXPECT_FALSE(client_->GetCollection("bad").ok());
+}
+
+}  // namespace
+}  // namespace ember
