@@ -890,3 +890,152 @@ TEST(PlannerPropertyTest, NeverWorseThanOneShardingTypeForAll) {
 }  // namespace
 }  // namespace planner
 }  // namespace ember
+
+namespace ember {
+namespace planner {
+namespace {
+
+// The backups of every shard of `plan`: none on the shard's own rank, each
+// other, or a rank outside the plan; replicas - 1 each.
+void ExpectBackupsValid(const ShardingPlan& plan, int replicas) {
+  const int w = plan.topology().world_size();
+  for (const auto& ts : plan.tables()) {
+    for (const auto& sh : ts.shards()) {
+      std::set<int> copies = {sh.rank()};
+      EXPECT_EQ(sh.backups_size(), replicas - 1) << ts.table();
+      for (int b : sh.backups()) {
+        EXPECT_GE(b, 0);
+        EXPECT_LT(b, w);
+        EXPECT_TRUE(copies.insert(b).second) << ts.table() << ": two copies on rank " << b;
+      }
+    }
+  }
+}
+
+TEST(ReplicasPlanTest, EveryShardGetsBackupsOnOtherRanksAndEveryCopyIsPriced) {
+  CollectionSpec spec = SeedSpec();
+  ForceType(&spec, "table_wise");
+  auto one = Plan(spec, Cuda(4, 2));
+  ASSERT_TRUE(one.ok()) << one.status();
+  spec.set_replicas(2);
+  auto two = Plan(spec, Cuda(4, 2));
+  ASSERT_TRUE(two.ok()) << two.status();
+  ExpectBackupsValid(*two, 2);
+  // Primaries are the one-copy plan's; each copy counts in memory: twice
+  // the bytes in all.
+  int64_t bytes_one = 0, bytes_two = 0;
+  for (const auto& rs : one->stats().per_rank()) bytes_one += rs.hbm_bytes();
+  for (const auto& rs : two->stats().per_rank()) bytes_two += rs.hbm_bytes();
+  EXPECT_EQ(bytes_two, 2 * bytes_one);
+  for (int t = 0; t < two->tables_size(); ++t) {
+    EXPECT_EQ(two->tables(t).shards(0).rank(), one->tables(t).shards(0).rank());
+  }
+  // Another host first: hosts of two ranks each.
+  for (const auto& ts : two->tables()) {
+    const auto& sh = ts.shards(0);
+    EXPECT_NE(sh.backups(0) / 2, sh.rank() / 2) << ts.table();
+  }
+  // CheckPlan keeps them as they are.
+  auto checked = CheckPlan(spec, Cuda(4, 2), *two);
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  EXPECT_EQ(checked->SerializeAsString(), two->SerializeAsString());
+  // Three copies on four ranks; row-wise too.
+  spec.set_replicas(3);
+  ForceType(&spec, "row_wise");
+  for (auto& [name, c] : *spec.mutable_constraints()) {
+    c.clear_sharding_types();
+    c.add_sharding_types("row_wise");
+  }
+  auto three = Plan(spec, Cpu(4));
+  ASSERT_TRUE(three.ok()) << three.status();
+  ExpectBackupsValid(*three, 3);
+}
+
+TEST(ReplicasPlanTest, BackupsGoToTheLeastLoadedRankAndKeptOnesStay) {
+  ShardingPlan plan;
+  plan.mutable_topology()->set_world_size(3);
+  plan.mutable_topology()->set_local_world_size(3);  // one host
+  auto* ts = plan.add_tables();
+  // Shard cells: 100 on rank 0, 10 on rank 1, 10 on rank 2.
+  for (const auto& [rank, rows] : std::vector<std::pair<int, int>>{{0, 100}, {1, 10}, {2, 10}}) {
+    auto* sh = ts->add_shards();
+    sh->set_rank(rank);
+    sh->set_rows(rows);
+    sh->set_cols(1);
+  }
+  ASSERT_TRUE(PlaceBackups(2, &plan).ok());
+  // The large shard first, to the emptier of ranks 1 and 2 (equal: the
+  // lowest); then each small one to the least loaded other rank.
+  EXPECT_EQ(plan.tables(0).shards(0).backups(0), 1);  // loads 100, 110, 10
+  EXPECT_EQ(plan.tables(0).shards(1).backups(0), 2);  // rank 2 (10) before rank 0 (100)
+  EXPECT_EQ(plan.tables(0).shards(2).backups(0), 0);  // rank 0 (100) before rank 1 (110)
+}
+
+TEST(ReplicasPlanTest, UnavailableRanksTakeNoBackupsAndTooFewRanksAreRefused) {
+  ShardingPlan plan;
+  plan.mutable_topology()->set_world_size(3);
+  auto* ts = plan.add_tables();
+  for (int rank : {0, 1}) {
+    auto* sh = ts->add_shards();
+    sh->set_rank(rank);
+    sh->set_rows(10);
+    sh->set_cols(4);
+  }
+  ts->mutable_shards(0)->add_backups(1);  // kept
+  ts->mutable_shards(1)->add_backups(2);  // on an unavailable rank: replaced
+  ASSERT_TRUE(PlaceBackups(2, &plan, {2}).ok());
+  EXPECT_EQ(plan.tables(0).shards(0).backups(0), 1);
+  EXPECT_EQ(plan.tables(0).shards(1).backups(0), 0);
+  const absl::Status s = PlaceBackups(3, &plan, {2});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("replicas 3 needs at least 3 workers"), std::string::npos) << s;
+  // One copy: backups cleared.
+  ASSERT_TRUE(PlaceBackups(1, &plan).ok());
+  EXPECT_EQ(plan.tables(0).shards(0).backups_size(), 0);
+}
+
+TEST(ReplicasPlanTest, CheckPlanRefusesBadBackupsAndPlacesMissingOnes) {
+  CollectionSpec spec = SeedSpec();
+  ForceType(&spec, "table_wise");
+  spec.set_replicas(2);
+  const Topology topo = Cuda(4, 2);
+  const ShardingPlan good = *Plan(spec, topo);
+  auto refused = [&](ShardingPlan p, const std::string& why) {
+    auto s = CheckPlan(spec, topo, p);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << why;
+    EXPECT_NE(s.status().message().find(why), std::string::npos) << s.status();
+  };
+  ShardingPlan p = good;
+  p.mutable_tables(0)->mutable_shards(0)->set_backups(0, 9);
+  refused(p, "backup rank 9 is outside 0..3");
+  p = good;
+  p.mutable_tables(0)->mutable_shards(0)->set_backups(0, p.tables(0).shards(0).rank());
+  refused(p, "two copies on rank");
+  p = good;
+  p.mutable_tables(0)->mutable_shards(0)->add_backups(
+      (p.tables(0).shards(0).backups(0) + 1) % 4 == p.tables(0).shards(0).rank()
+          ? (p.tables(0).shards(0).backups(0) + 2) % 4
+          : (p.tables(0).shards(0).backups(0) + 1) % 4);
+  refused(p, "2 backup(s); the collection's replicas (2) takes 1");
+  // A plan with no backups (TorchRec's) gets them.
+  p = good;
+  for (auto& t : *p.mutable_tables()) {
+    for (auto& sh : *t.mutable_shards()) sh.clear_backups();
+  }
+  auto placed = CheckPlan(spec, topo, p);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  ExpectBackupsValid(*placed, 2);
+  // More copies than workers.
+  spec.set_replicas(5);
+  EXPECT_EQ(Plan(spec, topo).status().code(), absl::StatusCode::kFailedPrecondition);
+  // JSON keeps them.
+  auto parsed = ParsePlanJson(FormatPlanJson(good));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->tables(0).shards(0).backups(0), good.tables(0).shards(0).backups(0));
+  EXPECT_NE(FormatPlanTable(good).find(" backups rank:"), std::string::npos)
+      << FormatPlanTable(good);
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace ember

@@ -245,3 +245,29 @@ TEST(ValidatePlanInputsTest, TablesTimesWorkers) {
 }  // namespace
 }  // namespace planner
 }  // namespace ember
+
+namespace ember {
+namespace planner {
+namespace {
+
+TEST(ValidateCollectionSpecTest, ReplicasInRangeAndAsyncOnly) {
+  ember::v1::CollectionSpec spec = Spec(kGood);
+  for (int r : {0, 1, 2, kMaxReplicas}) {
+    spec.set_replicas(r);
+    EXPECT_TRUE(ValidateCollectionSpec(spec).ok()) << r;
+  }
+  spec.set_replicas(-1);
+  ExpectInvalid(spec, "replicas must be in [0, 8]");
+  spec.set_replicas(kMaxReplicas + 1);
+  ExpectInvalid(spec, "replicas must be in [0, 8]");
+  spec.set_replicas(2);
+  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec.mutable_training()->set_trainers(2);
+  ExpectInvalid(spec, "replicas 2 takes ASYNC training; SYNC collections keep one copy");
+  spec.set_replicas(1);
+  EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace ember

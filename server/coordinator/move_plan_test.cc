@@ -202,3 +202,70 @@ TEST(RescalePlanTest, BadRankMapsAndDynamicReCutsAreRefused) {
 }  // namespace
 }  // namespace coordinator
 }  // namespace ember
+
+namespace ember {
+namespace coordinator {
+namespace {
+
+// `info` with shard s of table 0 given backups b[s].
+CollectionInfo WithBackups(CollectionInfo info, const std::vector<std::vector<int>>& b) {
+  info.mutable_spec()->set_replicas(2);
+  for (size_t s = 0; s < b.size(); ++s) {
+    for (int r : b[s]) info.mutable_plan()->mutable_tables(0)->mutable_shards(s)->add_backups(r);
+  }
+  return info;
+}
+
+TEST(MovePlanTest, ANewBackupIsCopiedFromItsPrimaryAndAPromotionCopiesNothing) {
+  // Shard 0 on A (backup gone), shard 1 on B with its backup on A.
+  const CollectionInfo before =
+      WithBackups(Info({"A", "B"}, {{Table("t"), {{0, 0, 6}, {1, 6, 6}}}}), {{}, {0}});
+  // A promotion (B's shard 1 now primary on A) moves no row.
+  const CollectionInfo promoted =
+      WithBackups(Info({"A", "B"}, {{Table("t"), {{0, 0, 6}, {0, 6, 6}}}}), {{}, {}});
+  auto none = PlanMove(before, promoted);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->copies.empty());
+  EXPECT_EQ(none->emptied, (std::set<std::string>{"B"}));
+  // A new backup of shard 0 on B: staged there, filled from A's primary
+  // (never from a backup: one source per row).
+  const CollectionInfo after =
+      WithBackups(Info({"A", "B"}, {{Table("t"), {{0, 0, 6}, {1, 6, 6}}}}), {{1}, {0}});
+  auto plan = PlanMove(before, after);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::string> got;
+  for (const RowCopy& c : plan->copies) got.push_back(Describe(c));
+  EXPECT_EQ(got, (std::vector<std::string>{"A/0[0] -> B/0[0] x6"}));
+  ASSERT_EQ(plan->stage.at("B").size(), 1u);
+  EXPECT_EQ(plan->stage.at("B")[0].replication().primary(), "A");
+  EXPECT_TRUE(plan->stage.at("A").empty());  // its primary stays, now with a backup
+  // After the switch A forwards shard 0's updates to B.
+  bool forwards = false;
+  for (const auto& a : plan->after.at("A")) {
+    if (a.ref().shard_index() == 0) forwards = a.replication().backups_size() == 1 &&
+                                               a.replication().backups(0) == "B";
+  }
+  EXPECT_TRUE(forwards);
+}
+
+TEST(RescalePlanTest, BackupsStayWithTheirWorkersAndTakeOverFromOnesThatLeave) {
+  ember::v1::TableConfig t = Table("t");
+  CollectionInfo before = Info({"A", "B", "C"}, {{t, {{0, 0, 12}}}});
+  before.mutable_plan()->mutable_tables(0)->set_sharding_type("table_wise");
+  before = WithBackups(before, {{2}});
+  // A (rank 0, the primary) leaves: C's backup takes over.
+  auto plan = RescalePlan(before, {1, 2});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->tables(0).shards(0).rank(), 1);  // C, rank 1 now
+  EXPECT_EQ(plan->tables(0).shards(0).backups_size(), 0);  // CheckPlan places one
+  // B leaves: the primary and its backup stay where they are.
+  plan = RescalePlan(before, {0, 2});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->tables(0).shards(0).rank(), 0);
+  ASSERT_EQ(plan->tables(0).shards(0).backups_size(), 1);
+  EXPECT_EQ(plan->tables(0).shards(0).backups(0), 1);
+}
+
+}  // namespace
+}  // namespace coordinator
+}  // namespace ember

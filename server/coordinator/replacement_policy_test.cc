@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "planner/plan_view.h"
 #include "server/coordinator/assignments.h"
 
 namespace ember {
@@ -209,6 +210,62 @@ TEST(ReplacementPolicyTest, DescribeRanksNamesRankAndAddress) {
   CollectionInfo info = Info(3);
   EXPECT_EQ(DescribeRanks(info, {0, 2}), "rank 0 (h0:1), rank 2 (h2:1)");
   EXPECT_EQ(DescribeRanks(info, {}), "");
+}
+
+}  // namespace
+}  // namespace coordinator
+}  // namespace ember
+
+namespace ember {
+namespace coordinator {
+namespace {
+
+// A replicated collection: shard i of a row-wise table with its primary on
+// ranks[i] and one backup on backups[i].
+CollectionInfo Replicated(const std::vector<int>& ranks, const std::vector<int>& backups) {
+  CollectionInfo info = Info(3);
+  info.mutable_spec()->set_replicas(2);
+  AddRowWise(&info, "t", std::vector<int64_t>(ranks.size(), 10), ranks);
+  for (size_t i = 0; i < backups.size(); ++i) {
+    info.mutable_plan()->mutable_tables(0)->mutable_shards(i)->add_backups(backups[i]);
+  }
+  return info;
+}
+
+TEST(PromoteCopiesTest, BackupsTakeOverLostPrimariesAndLostBackupsGo) {
+  CollectionInfo info = Replicated({0, 1, 2}, {1, 2, 0});
+  AddReplicated(&info, "dp", 5, {0, 1, 2});
+  EXPECT_EQ(MissingCopies(info), 0);
+  ember::v1::ShardingPlan plan = info.plan();
+  EXPECT_EQ(PromoteCopies({0}, &plan), 1);
+  const auto& shards = plan.tables(0).shards();
+  EXPECT_EQ(shards[0].rank(), 1);  // its backup took over
+  EXPECT_EQ(shards[0].backups_size(), 0);
+  EXPECT_EQ(shards[1].rank(), 1);  // untouched
+  EXPECT_EQ(shards[1].backups(0), 2);
+  EXPECT_EQ(shards[2].rank(), 2);  // lost its backup on rank 0
+  EXPECT_EQ(shards[2].backups_size(), 0);
+  EXPECT_EQ(std::vector<int>(plan.tables(0).ranks().begin(), plan.tables(0).ranks().end()),
+            (std::vector<int>{1, 1, 2}));
+  EXPECT_EQ(std::vector<int>(plan.tables(1).ranks().begin(), plan.tables(1).ranks().end()),
+            (std::vector<int>{1, 2}));
+  CollectionInfo after = info;
+  *after.mutable_plan() = plan;
+  EXPECT_EQ(MissingCopies(after), 2);
+  EXPECT_EQ(planner::HoldingRanks(plan).count(0), 0u);
+}
+
+TEST(PromoteCopiesTest, AShardWithNoCopyLeftStaysForTheCheckpoint) {
+  const CollectionInfo info = Replicated({0, 1}, {1, 0});
+  ember::v1::ShardingPlan plan = info.plan();
+  EXPECT_EQ(PromoteCopies({0, 1}, &plan), 0);
+  EXPECT_EQ(plan.tables(0).shards(0).rank(), 0);
+  EXPECT_EQ(plan.tables(0).shards(1).rank(), 1);
+  EXPECT_EQ(planner::HoldingRanks(plan), (std::set<int>{0, 1}));
+  // A collection of one copy is never short of copies.
+  CollectionInfo one = Info(2);
+  AddRowWise(&one, "t", {10, 10}, {0, 1});
+  EXPECT_EQ(MissingCopies(one), 0);
 }
 
 }  // namespace
