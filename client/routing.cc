@@ -46,6 +46,21 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionIn
   return std::shared_ptr<const Client::Routing>(std::move(r));
 }
 
+std::vector<Client::Routing::Shard> WithEveryCopy(
+    const std::vector<Client::Routing::Shard>& shards) {
+  std::vector<Client::Routing::Shard> out;
+  for (const Client::Routing::Shard& s : shards) {
+    out.push_back(s);
+    out.back().backups.clear();
+    for (int b : s.backups) {
+      out.push_back(s);
+      out.back().rank = b;
+      out.back().backups.clear();
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<const Client::Routing::Table*> FindTable(const Client::Routing& r,
                                                        const std::string& collection,
                                                        const std::string& table) {

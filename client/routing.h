@@ -44,6 +44,11 @@ struct Client::Routing {
   std::string auth_token;  // ClientOptions::auth_token, for the workers
 };
 
+// `shards` with each replicated shard's backups after it, as shards of
+// their own (the same block on the backup's rank): what a write that
+// bypasses the primary's forwarding (an import) must reach.
+std::vector<Client::Routing::Shard> WithEveryCopy(const std::vector<Client::Routing::Shard>& shards);
+
 // The routing of `info` (a collection's spec, plan and worker addresses);
 // INTERNAL if the plan and the spec disagree or a rank is out of range.
 absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(ember::v1::CollectionInfo info,

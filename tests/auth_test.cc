@@ -22,6 +22,7 @@
 #include "proto/service.grpc.pb.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
+#include "server/common/wire.h"
 #include "tests/local_cluster.h"
 #include "tests/test_collection.h"
 
@@ -332,6 +333,66 @@ TEST(AuthTest, AWorkerTokenActsOnlyAsItsWorkerAndCapturesNothing) {
 // brings a cluster up, the clients' tokens are accepted in their roles, each
 // worker's own file holds its line alone; all readable by their owner only,
 // and never replaced.
+// A replicated collection under tokens: primaries forward trainers' updates
+// to their backups (with the trainer's token and the replication key), and
+// the copies stay equal; a trainer's update that claims to come from the
+// primary, without the key or with a wrong one, is refused by the backup.
+TEST(AuthTest, OnlyServersWriteABackupCopy) {
+  const std::string file = ::testing::TempDir() + "/ember_tokens_replicas";
+  std::ofstream(file) << "worker a " << kWorker << "\nworker b " << kWorkerB << "\ntrainer "
+                      << kTrainer << "\nadmin " << kAdmin << "\n";
+  testing_util::LocalCluster cluster(kEmberctl, 2, {"--auth_token_file=" + file});
+  ASSERT_TRUE(cluster.ok());
+  auto admin = Connect(cluster.coordinator(), kAdmin);
+  auto trainer = Connect(cluster.coordinator(), kTrainer);
+  ASSERT_TRUE(admin.ok() && trainer.ok());
+  auto spec = testing_util::TestSpec("copies");
+  spec.set_replicas(2);
+  auto info = (*admin)->CreateCollection(spec, "table_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  std::mt19937 rng(5);
+  const auto kjt = testing_util::RandomKjt(rng, {"f_sum", "f_mean"}, {301, 200}, 8, false);
+  auto kt = (*trainer)->Lookup("copies", kjt);
+  ASSERT_TRUE(kt.ok()) << kt.status();
+  client::KeyedTensor grads = *kt;
+  for (float& g : grads.values) g = 0.25f;
+  ASSERT_TRUE((*trainer)->ApplyGradients("copies", kjt, grads).ok());
+
+  const auto& ts = info->plan().tables(0);
+  ASSERT_EQ(ts.shards(0).backups_size(), 1);
+  const std::string primary = info->worker_addresses(ts.shards(0).rank());
+  auto stub = ember::v1::Worker::NewStub(
+      MakeChannel(info->worker_addresses(ts.shards(0).backups(0))));
+  ember::v1::WorkerApplyGradientsRequest req;
+  req.set_collection("copies");
+  req.set_epoch(info->plan().epoch());
+  req.set_request_id("forged");
+  req.set_from_primary(primary);
+  auto* g = req.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table(ts.table());
+  g->mutable_feature()->set_feature("f_sum");
+  const std::vector<int64_t> lengths = {1}, ids = {0};
+  const std::vector<float> grad(16, 1.0f);
+  g->mutable_feature()->set_lengths(wire::Encode(absl::MakeConstSpan(lengths)));
+  g->mutable_feature()->set_ids(wire::Encode(absl::MakeConstSpan(ids)));
+  g->set_grad(wire::Encode(absl::MakeConstSpan(grad)));
+  for (const std::string key : {"", "0123456789abcdef0123456789abcdef"}) {
+    grpc::ClientContext ctx;
+    AddToken(&ctx, kTrainer);
+    req.set_replication_key(key);
+    ember::v1::WorkerApplyGradientsResponse resp;
+    const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("replication key"), std::string::npos) << s.error_message();
+  }
+  // Nothing was applied to the backup alone: a copy read from either
+  // worker (lookups spread over both) is the same after the refusals.
+  auto again = (*trainer)->Lookup("copies", kjt);
+  auto again2 = (*trainer)->Lookup("copies", kjt);
+  ASSERT_TRUE(again.ok() && again2.ok());
+  EXPECT_EQ(again->values, again2->values);
+}
+
 TEST(AuthTest, TokensCommandWritesFilesThatWork) {
   const std::string dir = ::testing::TempDir() + "/ember_made_tokens";
   ASSERT_EQ(std::system(absl::StrCat(kEmberctl, " tokens --dir=", dir, " --workers=2").c_str()), 0);

@@ -415,6 +415,32 @@ def test_scale_recuts_and_keeps_every_row(tmp_path):
             c.scale("nope", 2)
 
 
+def test_a_replicated_collection_keeps_two_equal_copies():
+    with ember.LocalCluster(workers=2) as cluster:
+        c = ember.Client(cluster.address, timeout_s=30)
+        with pytest.raises(ember.FailedPrecondition, match="replicas 3 needs at least 3"):
+            c.create_collection(dict(spec("rp"), replicas=3), sharding_type="table_wise")
+        info = c.create_collection(dict(spec("rp"), replicas=2), sharding_type="table_wise")
+        assert info["spec"]["replicas"] == 2
+        for t in info["plan"]["tables"]:
+            for s in t["shards"]:
+                assert [int(b) for b in s["backups"]] == [1 - int(s.get("rank", 0))]
+        # An import reaches both copies; lookups, spread over them, agree.
+        rng = np.random.default_rng(9)
+        new = rng.uniform(-1, 1, size=(101, 8)).astype(np.float32)
+        c.import_table("rp", "t_sum", new)
+        kjt = ember.KeyedJaggedTensor(["f_sum"], [2, 1], [4, 100, 50])
+        for _ in range(4):
+            np.testing.assert_allclose(c.lookup("rp", kjt)["f_sum"],
+                                       [new[4] + new[100], new[50]], rtol=1e-6)
+        # Updates go through the primary to both: still equal everywhere.
+        c.apply_gradients("rp", kjt, np.ones((2, 8), np.float32))
+        outs = [c.lookup("rp", kjt)["f_sum"] for _ in range(4)]
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+        assert not np.allclose(outs[0], [new[4] + new[100], new[50]])
+
+
 @pytest.mark.parametrize("sharding_type", ["row_wise", "column_wise", "data_parallel"])
 def test_import_table_replaces_the_weights_everywhere(client, sharding_type):
     name = "imp_" + sharding_type

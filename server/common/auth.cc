@@ -155,9 +155,18 @@ std::string TokenTable::SelfToken() const {
 }
 
 std::string TokenTable::CoordinatorTokenFor(absl::string_view name) const {
+  return Mac(absl::StrCat("ember coordinator credential for worker ", name));
+}
+
+std::string TokenTable::ReplicationKey(absl::string_view collection, int64_t epoch) const {
+  return Mac(absl::StrCat("ember replication of collection ", collection, " at epoch ", epoch));
+}
+
+bool TokenTable::SameSecret(absl::string_view a, absl::string_view b) { return SameToken(a, b); }
+
+std::string TokenTable::Mac(absl::string_view message) const {
   if (!enabled_) return "";
   const std::string& key = tokens_[static_cast<int>(Role::kAdmin)];
-  const std::string message = absl::StrCat("ember coordinator credential for worker ", name);
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int mac_len = 0;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),

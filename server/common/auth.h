@@ -84,6 +84,12 @@ class TokenTable {
   // The credential the coordinator presents to worker `name` ("" when
   // disabled): hex HMAC-SHA256 keyed by the admin token.
   std::string CoordinatorTokenFor(absl::string_view name) const;
+  // The key a primary sends with the updates it forwards to the backups of
+  // `collection` at `epoch` ("" when disabled): hex HMAC-SHA256 keyed by
+  // the admin token, which every server holds and no trainer does.
+  std::string ReplicationKey(absl::string_view collection, int64_t epoch) const;
+  // A comparison whose time does not tell where two secrets differ.
+  static bool SameSecret(absl::string_view a, absl::string_view b);
 
   // OK when the call may run as `needed` (admin may do anything); `caller`
   // (optional) gets who it is.
@@ -96,6 +102,7 @@ class TokenTable {
   std::vector<std::string> worker_order_;
   std::string self_;                     // a worker's own NAME
   std::string self_coordinator_token_;  // CoordinatorTokenFor(self_)
+  std::string Mac(absl::string_view message) const;  // keyed by the admin token
 };
 
 // The identity a call's credentials prove: "cert:CN" for a client

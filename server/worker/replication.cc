@@ -57,12 +57,19 @@ bool AppliedNothing(grpc::StatusCode code) {
 }  // namespace
 
 absl::Status WorkerService::CheckReplicationRole(
-    const ShardEntry& entry, const ember::v1::WorkerApplyGradientsRequest& req) {
+    const ShardEntry& entry, const ember::v1::WorkerApplyGradientsRequest& req) const {
   const std::string& primary = entry.assignment.replication().primary();
   if (req.from_primary().empty() && !primary.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         RefString(entry.assignment.ref()), " is a backup copy on this worker; its updates go to "
         "its primary, ", primary, " (refresh the plan)"));
+  }
+  if (!req.from_primary().empty() &&
+      !TokenTable::SameSecret(req.replication_key(),
+                              options_.auth.ReplicationKey(req.collection(), req.epoch()))) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "an update claiming to come from the primary ", req.from_primary().substr(0, 256),
+        " without the collection's replication key (only servers forward updates)"));
   }
   if (!req.from_primary().empty() && primary != req.from_primary()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -117,6 +124,7 @@ absl::Status WorkerService::Forward(const grpc::ServerContext* ctx,
         f.set_request_id(req.request_id());
         f.set_request_digest(req.request_digest());
         f.set_from_primary(OwnAddress());
+        f.set_replication_key(options_.auth.ReplicationKey(req.collection(), req.epoch()));
       }
       const backend::GradientRequest& g = requests[i];
       ember::v1::ShardGradient* sg = f.add_gradients();

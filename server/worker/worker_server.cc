@@ -180,6 +180,19 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   m->AddCounter("ember_worker_busy_refused_total",
                 "Data calls refused because --max_queued_calls were in progress",
                 one(&Stats::busy_refused));
+  m->AddCounter("ember_worker_replica_forwards_total",
+                "Updates a primary forwarded to the backups of its shards",
+                one(&Stats::forwards));
+  m->AddCounter("ember_worker_replica_forward_seconds_total",
+                "Time primaries waited for their backups to apply forwarded updates",
+                [service]() {
+                  return std::vector<ServerMetrics::Sample>{
+                      {{}, service->GetStats().forward_ns * 1e-9}};
+                });
+  m->AddCounter("ember_worker_replica_forward_failures_total",
+                "Forwards to a backup that failed (the collection's updates then wait for "
+                "the coordinator to re-form its copies)",
+                one(&Stats::forward_failures));
 }
 
 }  // namespace

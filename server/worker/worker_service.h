@@ -320,9 +320,10 @@ class WorkerService final : public ember::v1::Worker::Service {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Replication (replication.cc). OK when the update may go on here: the
   // caller is a trainer and no shard touched is a backup copy, or the
-  // caller is the primary of every shard touched (from_primary).
-  static absl::Status CheckReplicationRole(const ShardEntry& entry,
-                                           const ember::v1::WorkerApplyGradientsRequest& req);
+  // caller is the primary of every shard touched (from_primary, with the
+  // collection's replication key where tokens are on).
+  absl::Status CheckReplicationRole(const ShardEntry& entry,
+                                    const ember::v1::WorkerApplyGradientsRequest& req) const;
   // Whether any shard of c has backups (its updates are forwarded: they
   // come to the host whole).
   static bool ForwardsUpdates(const Collection& c);
