@@ -336,8 +336,12 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
     const bool transient = busy || s.code() == absl::StatusCode::kUnavailable ||
                            s.code() == absl::StatusCode::kDeadlineExceeded;
     // A collection being moved or recovered is waited out to the deadline
-    // (its fence or reload ends), whatever the attempts.
-    const bool recovering = HasSignal(s, kSignalCollectionRecovering);
+    // (its fence or reload ends), whatever the attempts; so is an
+    // unreachable worker of a replicated collection, whose shards the
+    // coordinator hands to their backups within a lease.
+    const bool replicated = routing.ok() && (*routing)->info.spec().replicas() > 1;
+    const bool recovering = HasSignal(s, kSignalCollectionRecovering) ||
+                            (replicated && s.code() == absl::StatusCode::kUnavailable);
     if (!transient || !retry_unavailable ||
         (attempt >= impl_->options.max_attempts && !recovering) ||
         absl::Now() + backoff >= deadline) {

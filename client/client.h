@@ -72,8 +72,10 @@ struct ClientOptions {
   // Attempts per call for UNAVAILABLE and a busy worker (RESOURCE_EXHAUSTED
   // "worker busy"), waiting initial_backoff, then twice as long each time
   // up to max_backoff, never past the call's deadline. A collection the
-  // coordinator reports RECOVERING (a live move's fence, a recovery) is
-  // waited for until the deadline, however many attempts that takes.
+  // coordinator reports RECOVERING (a live move's fence, a recovery), and
+  // an unreachable worker of a replicated collection (its backups take
+  // over within a lease), are waited for until the deadline, however many
+  // attempts that takes.
   int max_attempts = 4;
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);

@@ -312,7 +312,7 @@ TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
       }
     }
     ExpectTablesEqualTheReference("after the kill");
-    ExpectCopiesIdentical(Get());
+    ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
     std::cout << sharding << ": failover (kill -9 to serving at the take-over's epoch) "
               << absl::ToDoubleMilliseconds(failover) << " ms with a 1500 ms lease; "
               << trainer.acked() << " updates acknowledged\n";
@@ -373,7 +373,7 @@ TEST_F(ReplicasTest, AWorkerKilledWhileCopiesAreMadeLosesNothing) {
     }
   }
   ExpectTablesEqualTheReference("after both kills");
-  ExpectCopiesIdentical(Get());
+  ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
 }
 
 // The coordinator killed (a fault-injection point) once a take-over is
@@ -399,7 +399,7 @@ TEST_F(ReplicasTest, ACoordinatorKilledDuringATakeOverFinishesIt) {
     }
   }
   ExpectTablesEqualTheReference("after the coordinator's restart");
-  ExpectCopiesIdentical(Get());
+  ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
 }
 
 TEST_F(ReplicasTest, BadReplicaSettingsAreRefused) {

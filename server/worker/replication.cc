@@ -1,20 +1,25 @@
 // WorkerService's part in replicated shards (CollectionSpec.replicas):
 // primary-backup through the primary. A trainer sends a shard's updates to
-// its primary copy; the primary, holding the collection's forward_mu (so
-// every update of the collection reaches the backups in the order it
-// applies them; its apply_mu, which a backup's apply takes, is released
-// meanwhile, so two workers forwarding to each other never wait on each
-// other), forwards the parts it is about to apply to every backup
-// of the shards they touch and applies them itself only once every backup
-// has. Acknowledged therefore means applied by every copy, and a backup is
-// never behind its primary: it can take over with nothing acknowledged
-// lost. A forward whose outcome is unknown (a timeout, a dead backup) may
-// have been applied by the backup: the copies may differ by it, so the
-// primary refuses further updates until the coordinator re-forms the
-// copies at a new epoch (it hears of it by heartbeat, or by the backup's
-// death). A backup takes updates only from the primary it was given, at
-// the collection's current epoch, so a primary cut off and replaced can
-// acknowledge nothing (its forwards are refused at the newer epoch).
+// its primary copy. The primary, holding the collection's forward_mu (so
+// that every update of the collection reaches the backups in the order it
+// applies them), sends the parts it is about to apply to every backup of
+// the shards they touch, waits for all of them to apply them, applies them
+// itself and acknowledges. Its apply_mu, which a backup's apply takes, is
+// not held while it waits, so two workers forwarding to each other never
+// wait on each other. Acknowledged therefore means applied by every copy:
+// any copy can take over with nothing acknowledged lost, and a backup is
+// never behind its primary. (Applying at the primary meanwhile would save
+// the wait, but a backup's refusal, a move's fence reaching it first,
+// would then leave the primary ahead of it.) Copies may differ
+// only by an update not acknowledged: when a forward's outcome is unknown
+// (a timeout, a dead backup) or the copies' answers differ, the primary
+// refuses further updates until the coordinator re-forms the copies at a
+// new epoch without the one behind (it hears of it by heartbeat, or by a
+// backup's death); a copy that applied an update records it, so the
+// trainer's retry is applied once. A backup takes updates only from the
+// primary it was given, at the collection's current epoch, so a primary
+// cut off and replaced can acknowledge nothing (its forwards are refused
+// at the newer epoch).
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,11 +111,24 @@ ember::v1::Worker::Stub* WorkerService::PeerStub(const std::string& address) {
   return stub.get();
 }
 
-absl::Status WorkerService::Forward(const grpc::ServerContext* ctx,
-                                    const ember::v1::WorkerApplyGradientsRequest& req,
-                                    const GradientCall& in, const std::vector<int>& gradient,
-                                    const std::vector<backend::GradientRequest>& requests,
-                                    const std::vector<const ShardEntry*>& entries, Collection* c) {
+struct WorkerService::Forwarding {
+  explicit Forwarding(size_t n)
+      : requests(n), contexts(n), responses(n), statuses(n), pending(static_cast<int>(n)) {}
+  std::vector<std::string> addresses;
+  std::vector<ember::v1::WorkerApplyGradientsRequest> requests;
+  std::vector<grpc::ClientContext> contexts;
+  std::vector<ember::v1::WorkerApplyGradientsResponse> responses;
+  std::vector<grpc::Status> statuses;
+  absl::BlockingCounter pending;  // Wait()ed once: `waited` says if it was
+  bool waited = false;
+  absl::Time start;
+};
+
+WorkerService::ForwardingPtr WorkerService::StartForward(
+    const grpc::ServerContext* ctx, const ember::v1::WorkerApplyGradientsRequest& req,
+    const GradientCall& in, const std::vector<int>& gradient,
+    const std::vector<backend::GradientRequest>& requests,
+    const std::vector<const ShardEntry*>& entries) {
   // One request per backup address, with the parts of the shards it holds,
   // arrays inline.
   std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out;
@@ -138,53 +156,65 @@ absl::Status WorkerService::Forward(const grpc::ServerContext* ctx,
       wire::Encode(g.grad, sg->mutable_grad());
     }
   }
-  if (out.empty()) return absl::OkStatus();
-  const absl::Time start = absl::Now();
-  absl::Time deadline = start + options_.forward_timeout;
+  if (out.empty()) return nullptr;
+  ForwardingPtr f(new Forwarding(out.size()));
+  f->start = absl::Now();
+  absl::Time deadline = f->start + options_.forward_timeout;
   if (ctx != nullptr) deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
   const std::optional<absl::string_view> token = AuthorizationOf(ctx);
-  std::vector<std::string> addresses;
-  std::vector<grpc::ClientContext> contexts(out.size());
-  std::vector<ember::v1::WorkerApplyGradientsResponse> responses(out.size());
-  std::vector<grpc::Status> statuses(out.size());
-  absl::BlockingCounter pending(static_cast<int>(out.size()));
   size_t n = 0;
-  for (auto& [address, f] : out) {
-    addresses.push_back(address);
-    contexts[n].set_deadline(absl::ToChronoTime(deadline));
-    if (token.has_value()) contexts[n].AddMetadata("authorization", std::string(*token));
-    PeerStub(address)->async()->ApplyGradients(&contexts[n], &f, &responses[n],
-                                               [&statuses, &pending, n](grpc::Status s) {
-                                                 statuses[n] = std::move(s);
-                                                 pending.DecrementCount();
+  for (auto& [address, r] : out) {
+    f->addresses.push_back(address);
+    f->requests[n] = std::move(r);
+    f->contexts[n].set_deadline(absl::ToChronoTime(deadline));
+    if (token.has_value()) f->contexts[n].AddMetadata("authorization", std::string(*token));
+    Forwarding* raw = f.get();
+    PeerStub(address)->async()->ApplyGradients(&f->contexts[n], &f->requests[n],
+                                               &f->responses[n], [raw, n](grpc::Status s) {
+                                                 raw->statuses[n] = std::move(s);
+                                                 raw->pending.DecrementCount();
                                                });
     ++n;
   }
-  pending.Wait();
+  return f;
+}
+
+void WorkerService::ForwardingDeleter::operator()(Forwarding* f) const {
+  if (!f->waited) f->pending.Wait();  // the calls write into it until they end
+  delete f;
+}
+
+absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,
+                                          const std::string& collection, Collection* c) {
+  f->pending.Wait();
+  f->waited = true;
   forwards_.fetch_add(1, std::memory_order_relaxed);
-  forward_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - start), std::memory_order_relaxed);
+  forward_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - f->start),
+                        std::memory_order_relaxed);
+  const size_t n = f->addresses.size();
   bool any_ok = false, all_refused_alike = true;
   for (size_t i = 0; i < n; ++i) {
-    any_ok |= statuses[i].ok();
-    all_refused_alike &= !statuses[i].ok() && AppliedNothing(statuses[i].error_code()) &&
-                         statuses[i].error_code() == statuses[0].error_code();
+    any_ok |= f->statuses[i].ok();
+    all_refused_alike &= !f->statuses[i].ok() && AppliedNothing(f->statuses[i].error_code()) &&
+                         f->statuses[i].error_code() == f->statuses[0].error_code();
   }
-  if (!any_ok && all_refused_alike) {  // nothing applied anywhere: the copies agree
-    return FromGrpc(statuses[0], absl::StrCat("backup ", addresses[0]));
+  if (!any_ok && all_refused_alike && !applied_here) {
+    // Refused everywhere, nothing applied anywhere: the copies agree.
+    return FromGrpc(f->statuses[0], absl::StrCat("backup ", f->addresses[0]));
   }
   for (size_t i = 0; i < n; ++i) {
-    if (statuses[i].ok()) continue;
+    if (f->statuses[i].ok()) continue;
     forward_failures_.fetch_add(1, std::memory_order_relaxed);
     absl::MutexLock apply(c->apply_mu.get());
-    c->broken_backup = addresses[i];
-    c->broken_why = absl::StrCat(absl::StatusCodeToString(FromGrpc(statuses[i]).code()), ": ",
-                                 statuses[i].error_message().substr(0, 512));
-    LOG(WARNING) << "collection '" << req.collection() << "' epoch " << c->epoch
-                 << ": forwarding an update to backup " << addresses[i] << " failed ("
+    c->broken_backup = f->addresses[i];
+    c->broken_why = absl::StrCat(absl::StatusCodeToString(FromGrpc(f->statuses[i]).code()), ": ",
+                                 f->statuses[i].error_message().substr(0, 512));
+    LOG(WARNING) << "collection '" << collection << "' epoch " << c->epoch
+                 << ": forwarding an update to backup " << f->addresses[i] << " failed ("
                  << c->broken_why << "); its updates wait for the coordinator to re-form the "
                  << "copies";
     return absl::UnavailableError(absl::StrCat(
-        "collection '", req.collection(), "': backup ", addresses[i], " of its shards did not "
+        "collection '", collection, "': backup ", f->addresses[i], " of its shards did not "
         "confirm an update (", c->broken_why, "); updates wait for the coordinator to re-form "
         "the copies (retry)"));
   }

@@ -462,30 +462,32 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
     duplicates_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status::OK;
   }
-  // A replicated shard's backups apply it first (replication.cc).
-  bool forwards = false;
-  for (const ShardEntry* e : entries) forwards |= e->assignment.replication().backups_size() > 0;
-  if (forwards) {
+  // A replicated shard's backups apply it first (replication.cc), then
+  // this copy: applying here at the same time would save the wait, but a
+  // backup's refusal (a move's fence reaching it first) would then leave
+  // this copy ahead of it.
+  if (ForwardingPtr forward = StartForward(ctx, req, in, gradient, requests, entries)) {
     coll.apply_mu->Unlock();
-    const absl::Status f = Forward(ctx, req, in, gradient, requests, entries, &coll);
+    const absl::Status f = FinishForward(std::move(forward), /*applied_here=*/false,
+                                         req.collection(), &coll);
     coll.apply_mu->Lock();
     if (!f.ok()) return ToGrpc(f);
-  }
-  if (absl::Status s = RunUpdate(requests, entries); !s.ok()) {
-    if (req.from_primary().empty() && ForwardsUpdates(coll)) {
-      // The backups applied what this copy refused: they differ now.
-      coll.broken_backup = OwnAddress();  // this copy is the one behind
+    if (absl::Status local = RunUpdate(requests, entries); !local.ok()) {
+      // The backups applied what this copy refused: this copy is behind.
+      coll.broken_backup = OwnAddress();
       coll.broken_why = absl::StrCat("the primary refused an update its backups applied: ",
-                                     s.message());
+                                     local.message());
+      return ToGrpc(local);
     }
-    return ToGrpc(s);
+  } else if (absl::Status local = RunUpdate(requests, entries); !local.ok()) {
+    return ToGrpc(local);
   }
+  RecordApplied(touched, id, req.request_digest(), req.collection());
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
     LOG_EVERY_N(WARNING, 100) << "collection '" << req.collection() << "': " << skipped
                               << " id(s) with NaN/Inf gradients or weights left out of an update";
   }
-  RecordApplied(touched, id, req.request_digest(), req.collection());
   return grpc::Status::OK;
 }
 

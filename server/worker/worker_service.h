@@ -329,17 +329,26 @@ class WorkerService final : public ember::v1::Worker::Service {
   static bool ForwardsUpdates(const Collection& c);
   // A primary's forward of update `req` (requests[i] on entries[i], the
   // parts it is about to apply, gradient[i] their index in the request) to
-  // the backups of those shards, at once, before applying it itself (under
-  // forward_mu, apply_mu released: backups apply in the primary's order).
-  // OK when every backup
-  // applied it (or had). A refusal every backup gave alike, with nothing
-  // applied anywhere, is returned as it came; any other failure marks c
-  // broken (Collection::broken_backup) and is UNAVAILABLE.
-  absl::Status Forward(const grpc::ServerContext* ctx,
-                       const ember::v1::WorkerApplyGradientsRequest& req, const GradientCall& in,
-                       const std::vector<int>& gradient,
-                       const std::vector<backend::GradientRequest>& requests,
-                       const std::vector<const ShardEntry*>& entries, Collection* c);
+  // the backups of those shards, all at once (StartForward; null when no
+  // shard has backups), and the wait for them (FinishForward, apply_mu not
+  // held: a backup's apply takes it), before it applies them itself. OK
+  // when every backup applied it. A refusal every backup gave alike, with
+  // nothing applied anywhere (`applied_here` false), is returned as it
+  // came; any other failure marks c broken (Collection::broken_backup) and
+  // is UNAVAILABLE. Both under forward_mu: backups apply in the primary's
+  // order.
+  struct Forwarding;
+  struct ForwardingDeleter {
+    void operator()(Forwarding* f) const;  // waits for the calls in flight
+  };
+  using ForwardingPtr = std::unique_ptr<Forwarding, ForwardingDeleter>;
+  ForwardingPtr StartForward(const grpc::ServerContext* ctx,
+                             const ember::v1::WorkerApplyGradientsRequest& req,
+                             const GradientCall& in, const std::vector<int>& gradient,
+                             const std::vector<backend::GradientRequest>& requests,
+                             const std::vector<const ShardEntry*>& entries);
+  absl::Status FinishForward(ForwardingPtr f, bool applied_here, const std::string& collection,
+                             Collection* c);
   ember::v1::Worker::Stub* PeerStub(const std::string& address);
   // A SYNC/BOUNDED update checked and copied into *held (nothing applied).
   absl::Status HoldContribution(const Collection& coll, GradientCall& in,
