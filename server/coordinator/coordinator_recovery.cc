@@ -213,14 +213,8 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
     move.before = before;
     move.after = info;
     move.after_ids = ids;
-    bool fenced = false;
-    absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
-    CountMove(MoveKind::kDrain, moved.ok() ? &*moved : nullptr);
-    if (!moved.ok()) {
-      AbandonMove(move, fenced,
-                  absl::StrCat("moving ", lost_names, " failed (", moved.status().message(), ")"));
-      return moved.status();
-    }
+    absl::StatusOr<MoveStats> moved = Move(move, MoveKind::kDrain);
+    if (!moved.ok()) return moved.status();
     info.set_state(CollectionInfo::SERVING);
     info.set_note(absl::StrCat("drained ", lost_names, ": ", moved->shards,
                                " shard(s) copied live while serving, no update lost (fenced ",
@@ -386,23 +380,12 @@ absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const st
   if (!next.ok()) return next.status();
   info.mutable_plan()->set_epoch(*next);
   ids.resize(info.worker_addresses_size());
-  std::vector<std::string> at;
-  std::vector<ember::v1::UpdateShardsRequest> updates;
+  std::set<int> live_ranks;
   for (int r : planner::HoldingRanks(info.plan())) {
-    if (!alive.count(ids[r])) continue;  // a dead rank is the monitor's to recover
-    ember::v1::UpdateShardsRequest u;
-    u.set_collection(name);
-    u.set_epoch(*next);
-    *u.mutable_training() = info.spec().training();
-    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
-    at.push_back(info.worker_addresses(r));
-    updates.push_back(std::move(u));
+    if (alive.count(ids[r])) live_ranks.insert(r);  // a dead rank is the monitor's to recover
   }
-  const std::vector<grpc::Status> statuses =
-      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-          at, updates, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-            async->UpdateShards(ctx, request, response, std::move(done));
-          });
+  std::vector<std::string> at;
+  const std::vector<grpc::Status> statuses = MoveHolders(info, live_ranks, &at);
   for (size_t i = 0; i < at.size(); ++i) {
     if (statuses[i].ok()) continue;
     const absl::Status s = FromGrpc(statuses[i], at[i]);
@@ -413,6 +396,26 @@ absl::Status CoordinatorService::ReadoptLocked(const std::string& name, const st
   info.set_note(why);
   LOG(WARNING) << "collection '" << name << "' re-adopted at epoch " << *next << ": " << why;
   return Register(info, ids);
+}
+
+std::vector<grpc::Status> CoordinatorService::MoveHolders(const CollectionInfo& info,
+                                                          const std::set<int>& ranks,
+                                                          std::vector<std::string>* at) {
+  std::vector<ember::v1::UpdateShardsRequest> updates;
+  at->clear();
+  for (int r : ranks) {
+    ember::v1::UpdateShardsRequest u;
+    u.set_collection(info.spec().name());
+    u.set_epoch(info.plan().epoch());
+    *u.mutable_training() = info.spec().training();
+    for (const auto& a : AssignmentsOf(info, r)) *u.add_create() = a;
+    at->push_back(info.worker_addresses(r));
+    updates.push_back(std::move(u));
+  }
+  return CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
+      *at, updates, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
+        async->UpdateShards(ctx, request, response, std::move(done));
+      });
 }
 
 void CoordinatorService::FenceSteps(const CollectionInfo& info,

@@ -50,21 +50,8 @@ absl::Status CoordinatorService::TakeOver(const std::string& name, const Collect
   }
   CrashPoint("take_over_persisted");
   std::vector<std::string> at;
-  std::vector<ember::v1::UpdateShardsRequest> updates;
-  for (int r : planner::HoldingRanks(promoted.plan())) {
-    ember::v1::UpdateShardsRequest u;
-    u.set_collection(name);
-    u.set_epoch(epoch);
-    *u.mutable_training() = promoted.spec().training();
-    for (const auto& a : AssignmentsOf(promoted, r)) *u.add_create() = a;
-    at.push_back(promoted.worker_addresses(r));
-    updates.push_back(std::move(u));
-  }
   const std::vector<grpc::Status> statuses =
-      CallEach<ember::v1::UpdateShardsRequest, ember::v1::UpdateShardsResponse>(
-          at, updates, [](auto* async, auto* ctx, auto* request, auto* response, auto done) {
-            async->UpdateShards(ctx, request, response, std::move(done));
-          });
+      MoveHolders(promoted, planner::HoldingRanks(promoted.plan()), &at);
   for (size_t i = 0; i < at.size(); ++i) {
     if (statuses[i].ok()) continue;
     const std::string why = absl::StrCat("backups taking over the shards of ", lost_names,
@@ -193,15 +180,11 @@ absl::Status CoordinatorService::RestoreCopies(const std::string& name) {
   move.before = before;
   move.after = after;
   move.after_ids = after_ids;
-  bool fenced = false;
-  absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
-  CountMove(MoveKind::kCopies, moved.ok() ? &*moved : nullptr);
+  absl::StatusOr<MoveStats> moved = Move(move, MoveKind::kCopies);
   if (!moved.ok()) {
-    const std::string why = absl::StrCat(what, " failed (", moved.status().message(), ")");
-    AbandonMove(move, fenced, why);
     absl::MutexLock lock(&mu_);
     retry_after_[name] = absl::Now() + absl::Seconds(10);
-    return absl::Status(moved.status().code(), why);
+    return moved.status();
   }
   after.set_state(CollectionInfo::SERVING);
   after.set_note(absl::StrCat(moved->shards, " shard copies made anew live, ",

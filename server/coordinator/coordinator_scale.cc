@@ -137,14 +137,8 @@ absl::StatusOr<ember::v1::ScaleCollectionResponse> CoordinatorService::Scale(
   move.before = before;
   move.after = after;
   move.after_ids = after_ids;
-  bool fenced = false;
-  absl::StatusOr<MoveStats> moved = MoveLive(move, &fenced);
-  CountMove(MoveKind::kScale, moved.ok() ? &*moved : nullptr);
-  if (!moved.ok()) {
-    const std::string why = absl::StrCat(what, " failed (", moved.status().message(), ")");
-    AbandonMove(move, fenced, why);
-    return absl::Status(moved.status().code(), why);
-  }
+  absl::StatusOr<MoveStats> moved = Move(move, MoveKind::kScale);
+  if (!moved.ok()) return moved.status();
   after.set_state(CollectionInfo::SERVING);
   after.set_note(absl::StrCat("scaled from ", holding, " to ", workers, " worker(s): ",
                               moved->shards, " shard(s) copied live, fenced ",

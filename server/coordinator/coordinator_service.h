@@ -301,6 +301,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // live (MoveLive), and returns how it went.
   absl::Status RecoverCollection(const std::string& name, const std::string& drain_id = "")
       ABSL_LOCKS_EXCLUDED(create_mu_, mu_);
+  // Moves `ranks` of info to info's plan epoch with their assignments
+  // under it (UpdateShards); the statuses, one per address in *at.
+  std::vector<grpc::Status> MoveHolders(const ember::v1::CollectionInfo& info,
+                                        const std::set<int>& ranks, std::vector<std::string>* at);
   // A replicated collection's lost ranks (coordinator_replicas.cc): every
   // shard on them taken over by a backup (`promoted`, PromoteCopies'
   // plan) at a new epoch, nothing rolled back; alive lost ranks (reported
@@ -357,6 +361,10 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   // Counts a live move for the metrics (Stats): `stats` null: it failed.
   enum class MoveKind { kDrain, kScale, kCopies };
+  // MoveLive, counted; a failed move abandoned (AbandonMove, its note
+  // "<what> failed (why)") and its status so worded.
+  absl::StatusOr<MoveStats> Move(const LiveMove& m, MoveKind kind)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   void CountMove(MoveKind kind, const MoveStats* stats) ABSL_LOCKS_EXCLUDED(mu_);
   // A live move's switch, once its data is in place and durable: the
   // holders adopt their stages at after's epoch and keep only what it

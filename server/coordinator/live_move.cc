@@ -374,6 +374,17 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   return stats;
 }
 
+absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::Move(const LiveMove& m,
+                                                                       MoveKind kind) {
+  bool fenced = false;
+  absl::StatusOr<MoveStats> moved = MoveLive(m, &fenced);
+  CountMove(kind, moved.ok() ? &*moved : nullptr);
+  if (moved.ok()) return moved;
+  const std::string why = absl::StrCat(m.what, " failed (", moved.status().message(), ")");
+  AbandonMove(m, fenced, why);
+  return absl::Status(moved.status().code(), why);
+}
+
 void CoordinatorService::CountMove(MoveKind kind, const MoveStats* stats) {
   absl::MutexLock lock(&mu_);
   Stats& s = checkpoint_stats_;
