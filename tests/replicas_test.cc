@@ -164,6 +164,11 @@ class ReplicasTest : public ::testing::Test {
     auto c = Client::Connect(cluster_->address(), o);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = *std::move(c);
+    if (!sharding.empty()) Create(sharding);
+  }
+
+  // Collection "r", replicated twice, on every live worker.
+  void Create(const std::string& sharding) {
     spec_ = TestSpec("r");
     spec_.mutable_tables()->RemoveLast();  // no sequence table
     spec_.set_replicas(2);
@@ -400,6 +405,112 @@ TEST_F(ReplicasTest, ACoordinatorKilledDuringATakeOverFinishesIt) {
   }
   ExpectTablesEqualTheReference("after the coordinator's restart");
   ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
+}
+
+// A replicated collection rescaled 3 -> 2 -> 3 workers while a trainer
+// runs: copies stay on the workers that stay, a backup takes over from a
+// primary whose worker leaves, the missing copies are made by the same
+// move; two copies of every shard after each, equal to the reference.
+TEST_F(ReplicasTest, RescalingKeepsTwoCopiesWhileTraining) {
+  Start(3, "row_wise");
+  Trainer trainer(client_.get(), ref_.get(), "r", 41);
+  trainer.Start();
+  trainer.WaitFor(10);
+  for (int workers : {2, 3, 2}) {
+    auto scaled = client_->ScaleCollection("r", workers);
+    ASSERT_TRUE(scaled.ok()) << scaled.status();
+    EXPECT_EQ(ShortOfCopies(scaled->collection()), 0) << workers;
+    std::set<int> ranks;
+    for (const auto& ts : scaled->collection().plan().tables()) {
+      for (const auto& sh : ts.shards()) {
+        ranks.insert(sh.rank());
+        ranks.insert(sh.backups().begin(), sh.backups().end());
+      }
+    }
+    EXPECT_EQ(static_cast<int>(ranks.size()), workers);
+    trainer.WaitFor(10);
+  }
+  trainer.Stop();
+  ASSERT_FALSE(trainer.failed());
+  ExpectTablesEqualTheReference("after 3 -> 2 -> 3 -> 2");
+  ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
+}
+
+// A worker cut off from the coordinator and from nothing else (its
+// heartbeats stop, it serves on: fault injection) while it holds primaries:
+// the coordinator takes its shards over, and from then on it acknowledges
+// nothing, though a client with the old plan still reaches it: its
+// forwards are refused at the newer epoch. No split brain: the tables
+// equal the reference of every acknowledged update, and the copies agree.
+TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
+  Start(3, "");
+  setenv("EMBER_WORKER_SILENT_AFTER_MS", "3000", 1);
+  testing_util::Process cut({kEmberctl, "worker", "--coordinator=" + cluster_->address(),
+                             "--listen=127.0.0.1:0", "--memory_gib=2"});
+  unsetenv("EMBER_WORKER_SILENT_AFTER_MS");
+  ASSERT_FALSE(cut.Line("worker ").empty());
+  Create("row_wise");
+  ASSERT_EQ(info_.worker_addresses_size(), 4);
+  int cut_rank = -1;
+  auto listed = client_->ListWorkers();
+  ASSERT_TRUE(listed.ok());
+  for (const auto& w : listed->workers()) {
+    for (int r = 0; r < 4; ++r) {
+      if (w.info().pid() == cut.pid() && info_.worker_addresses(r) == w.info().address()) {
+        cut_rank = r;
+      }
+    }
+  }
+  ASSERT_GE(cut_rank, 0);
+  Trainer trainer(client_.get(), ref_.get(), "r", 51);
+  trainer.Start();
+  // Taken over once its lease lapses (3 s of heartbeats, then 1.5 s).
+  CollectionInfo now;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  do {
+    absl::SleepFor(absl::Milliseconds(50));
+    now = Get();
+  } while (now.plan().epoch() == info_.plan().epoch() && absl::Now() < deadline);
+  ASSERT_GT(now.plan().epoch(), info_.plan().epoch()) << now.note();
+  // An update of the old plan sent to the cut-off worker, for a shard it
+  // was the primary of, is not acknowledged.
+  const auto& ts = info_.plan().tables(0);
+  int shard = -1;
+  for (int i = 0; i < ts.shards_size(); ++i) {
+    if (ts.shards(i).rank() == cut_rank && ts.shards(i).rows() > 0) shard = i;
+  }
+  ASSERT_GE(shard, 0);
+  auto stub = ember::v1::Worker::NewStub(MakeChannel(info_.worker_addresses(cut_rank)));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, absl::Seconds(10));
+  ember::v1::WorkerApplyGradientsRequest req;
+  req.set_collection("r");
+  req.set_epoch(info_.plan().epoch());
+  req.set_request_id("to-the-cut-off-primary");
+  auto* g = req.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table(ts.table());
+  g->mutable_feature()->mutable_shard()->set_shard_index(shard);
+  g->mutable_feature()->set_feature("f_sum");
+  const std::vector<int64_t> lengths = {1}, ids = {0};
+  const std::vector<float> grad(16, 100.0f);
+  g->mutable_feature()->set_lengths(wire::Encode(absl::MakeConstSpan(lengths)));
+  g->mutable_feature()->set_ids(wire::Encode(absl::MakeConstSpan(ids)));
+  g->set_grad(wire::Encode(absl::MakeConstSpan(grad)));
+  ember::v1::WorkerApplyGradientsResponse resp;
+  const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
+  EXPECT_FALSE(s.ok()) << "a cut-off primary acknowledged an update";
+  trainer.WaitFor(20);
+  trainer.Stop();
+  ASSERT_FALSE(trainer.failed());
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+  for (const auto& t : after.plan().tables()) {
+    for (const auto& sh : t.shards()) {
+      EXPECT_NE(after.worker_addresses(sh.rank()), info_.worker_addresses(cut_rank));
+    }
+  }
+  ExpectTablesEqualTheReference("after the cut");
+  ExpectCopiesIdentical(after);
+  std::cout << "the cut-off primary answered: " << s.error_message() << "\n";
 }
 
 TEST_F(ReplicasTest, BadReplicaSettingsAreRefused) {

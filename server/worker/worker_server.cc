@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <utility>
 
@@ -343,6 +344,13 @@ std::string WorkerServer::worker_id() const {
 void WorkerServer::HeartbeatLoop() {
   service_->SetLease(lease_);
   bool after_pause = false;  // until a heartbeat saying so is answered
+  // Fault injection (tests): EMBER_WORKER_SILENT_AFTER_MS=N stops the
+  // heartbeats N ms after this point while the worker serves on, as a
+  // worker cut off from the coordinator and from nothing else.
+  absl::Time silent_at = absl::InfiniteFuture();
+  if (const char* ms = std::getenv("EMBER_WORKER_SILENT_AFTER_MS"); ms != nullptr) {
+    silent_at = absl::Now() + absl::Milliseconds(std::atoi(ms));
+  }
   while (!stop_.WaitForNotificationWithTimeout(lease_ / 4)) {
     // Woken a lease or more after the last round: this process was paused
     // (or starved) long enough for the coordinator to move its shards.
@@ -362,6 +370,11 @@ void WorkerServer::HeartbeatLoop() {
       SetServing(false);
       LOG(ERROR) << "worker " << worker_id() << ": backend lost (" << h.message()
                  << "); NOT_SERVING, heartbeats stopped so the coordinator recovers its shards";
+      continue;
+    }
+    if (absl::Now() >= silent_at) {
+      LOG_FIRST_N(WARNING, 1) << "EMBER_WORKER_SILENT_AFTER_MS: heartbeats stop here, serving "
+                                 "goes on";
       continue;
     }
     grpc::ClientContext ctx;
