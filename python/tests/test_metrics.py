@@ -170,6 +170,26 @@ def test_prometheus_scrapes_the_cluster(tmp_path):
                                capture_output=True)
         assert check.returncode == 0, check.stdout + check.stderr
         client.drop_collection("mv")
+        assert sample("ember_coordinator_moves_total", 'kind="copies"', 'result="ok"') == 0
+        assert sample("ember_coordinator_replica_takeovers_total") == 0
+
+        # A replicated table: each update forwarded once, by its primary.
+        client.create_collection({"name": "rp", "replicas": 2, "tables": [
+            {"name": "t", "num_embeddings": 100, "embedding_dim": 8, "feature_names": ["f"]}]},
+            sharding_type="table_wise")
+        for _ in range(5):
+            client.apply_gradients("rp", ember.KeyedJaggedTensor.from_jagged({"f": [[1, 2]]}),
+                                   np.ones((1, 8), np.float32))
+
+        def total(metric):  # summed over the workers
+            return sum(float(line.rsplit(" ", 1)[1]) for w in workers
+                       for line in get(urls[w]).splitlines()
+                       if line.startswith(metric + "{") or line.startswith(metric + " "))
+
+        assert total("ember_worker_replica_forwards_total") == 5
+        assert total("ember_worker_replica_forward_failures_total") == 0
+        assert total("ember_worker_replica_forward_seconds_total") > 0
+        client.drop_collection("rp")
 
         config = tmp_path / "prometheus.yml"
         targets = ", ".join(f"'127.0.0.1:{base + i}'" for i in range(3))
