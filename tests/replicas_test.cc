@@ -188,14 +188,27 @@ class ReplicasTest : public ::testing::Test {
   }
 
   // Waits until the collection serves with two copies of every shard at an
-  // epoch past `epoch`.
-  CollectionInfo WaitForTwoCopies(int64_t epoch, absl::Duration limit) {
+  // epoch past `epoch`, none on the worker at `without` (if given).
+  CollectionInfo WaitForTwoCopies(int64_t epoch, absl::Duration limit,
+                                  const std::string& without = "") {
     const absl::Time deadline = absl::Now() + limit;
     CollectionInfo info;
+    auto on_without = [&without](const CollectionInfo& i) {
+      for (const auto& ts : i.plan().tables()) {
+        for (const auto& sh : ts.shards()) {
+          if (sh.rows() == 0) continue;
+          if (i.worker_addresses(sh.rank()) == without) return true;
+          for (int b : sh.backups()) {
+            if (i.worker_addresses(b) == without) return true;
+          }
+        }
+      }
+      return false;
+    };
     while (absl::Now() < deadline) {
       info = Get();
       if (info.plan().epoch() > epoch && info.state() == CollectionInfo::SERVING &&
-          ShortOfCopies(info) == 0) {
+          ShortOfCopies(info) == 0 && (without.empty() || !on_without(info))) {
         return info;
       }
       absl::SleepFor(absl::Milliseconds(100));
@@ -305,7 +318,8 @@ TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
              absl::Now() - killed < absl::Seconds(30));
     const absl::Duration failover = absl::Now() - killed;
     EXPECT_NE(now.note().find("no acknowledged update lost"), std::string::npos) << now.note();
-    const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+    const CollectionInfo after =
+        WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60), victim);
     trainer.WaitFor(20);
     trainer.Stop();
     ASSERT_FALSE(trainer.failed());
@@ -367,7 +381,7 @@ TEST_F(ReplicasTest, AWorkerKilledWhileCopiesAreMadeLosesNothing) {
   }
   ASSERT_TRUE(copying) << "no copy under way: " << Get().note();
   ASSERT_EQ(kill(PidOf(spare), SIGKILL), 0);
-  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(90));
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(90), spare);
   trainer.WaitFor(20);
   trainer.Stop();
   ASSERT_FALSE(trainer.failed());
@@ -394,7 +408,8 @@ TEST_F(ReplicasTest, ACoordinatorKilledDuringATakeOverFinishesIt) {
   // round), then starts again.
   absl::SleepFor(absl::Seconds(3));
   ASSERT_TRUE(cluster_->RestartCoordinator());
-  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+  const CollectionInfo after =
+      WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60), info_.worker_addresses(1));
   trainer.WaitFor(20);
   trainer.Stop();
   ASSERT_FALSE(trainer.failed());
@@ -502,7 +517,8 @@ TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
   trainer.WaitFor(20);
   trainer.Stop();
   ASSERT_FALSE(trainer.failed());
-  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60),
+                                                info_.worker_addresses(cut_rank));
   for (const auto& t : after.plan().tables()) {
     for (const auto& sh : t.shards()) {
       EXPECT_NE(after.worker_addresses(sh.rank()), info_.worker_addresses(cut_rank));
@@ -512,6 +528,56 @@ TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
   ExpectCopiesIdentical(after);
   std::cout << "the cut-off primary answered: " << s.error_message() << "\n";
 }
+
+// SIGKILL of a worker holding copies while a rescale 2 -> 3 moves them,
+// held open at a point of the move (during its live copy, or while fenced):
+// the move fails and the old placement comes back (at once, or re-adopted
+// after the fence), the dead worker's shards are taken over by their
+// backups and copied anew; nothing acknowledged is lost.
+class ReplicasRescaleKillTest : public ReplicasTest,
+                                public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(ReplicasRescaleKillTest, AHolderKilledDuringARescaleLosesNothing) {
+  setenv("EMBER_COORDINATOR_PAUSE_AT", GetParam(), 1);
+  setenv("EMBER_COORDINATOR_PAUSE_MS", "3000", 1);
+  Start(3, "");
+  unsetenv("EMBER_COORDINATOR_PAUSE_AT");
+  unsetenv("EMBER_COORDINATOR_PAUSE_MS");
+  Create("table_wise");
+  // From 2 workers (the setup move pauses too) to 3.
+  auto two = client_->ScaleCollection("r", 2);
+  ASSERT_TRUE(two.ok()) << two.status();
+  info_ = two->collection();
+  Trainer trainer(client_.get(), ref_.get(), "r", 61);
+  trainer.Start();
+  trainer.WaitFor(10);
+  const std::string victim = info_.worker_addresses(0);
+  const pid_t pid = PidOf(victim);
+  ASSERT_GT(pid, 0);
+  std::thread killer([&] {
+    // Into the pause (after the copy, or fenced), then the kill.
+    absl::SleepFor(absl::Milliseconds(1500));
+    kill(pid, SIGKILL);
+  });
+  auto three = client_->ScaleCollection("r", 3);
+  killer.join();
+  EXPECT_FALSE(three.ok()) << "the move went through with a source dead";
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(90), victim);
+  trainer.WaitFor(20);
+  trainer.Stop();
+  ASSERT_FALSE(trainer.failed());
+  for (const auto& ts : after.plan().tables()) {
+    for (const auto& sh : ts.shards()) {
+      EXPECT_NE(after.worker_addresses(sh.rank()), victim);
+      for (int b : sh.backups()) EXPECT_NE(after.worker_addresses(b), victim);
+    }
+  }
+  ExpectTablesEqualTheReference(std::string("killed at ") + GetParam());
+  ExpectCopiesIdentical(after);
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, ReplicasRescaleKillTest,
+                         ::testing::Values("live_move_copied", "live_move_fenced"));
 
 TEST_F(ReplicasTest, BadReplicaSettingsAreRefused) {
   Start(2, "table_wise");

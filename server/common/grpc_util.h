@@ -3,6 +3,7 @@
 #ifndef EMBER_SERVER_COMMON_GRPC_UTIL_H_
 #define EMBER_SERVER_COMMON_GRPC_UTIL_H_
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -127,10 +128,19 @@ inline absl::Status FromGrpc(const grpc::Status& s) { return FromGrpc(s, ""); }
 
 // A channel with Ember's message limits; plaintext unless `credentials`
 // (server/common/tls.h) are given.
+// `max_reconnect_backoff`: the longest wait between reconnection attempts
+// after the peer went away (gRPC's default grows to 120 s); zero: gRPC's.
 inline std::shared_ptr<grpc::Channel> MakeChannel(
     const std::string& address,
-    const std::shared_ptr<grpc::ChannelCredentials>& credentials = nullptr) {
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials = nullptr,
+    absl::Duration max_reconnect_backoff = absl::ZeroDuration()) {
   grpc::ChannelArguments args;
+  if (max_reconnect_backoff > absl::ZeroDuration()) {
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(max_reconnect_backoff));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ms);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(ms, 100));
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(ms, 100));
+  }
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   // Bulk payloads of megabytes in HTTP/2 frames of up to 1 MiB (16 KiB by

@@ -50,7 +50,11 @@ void CoordinatorService::Load(const StateStore::State& state) {
   absl::MutexLock lock(&mu_);
   epoch_ = state.epoch;
   next_worker_ = state.next_worker;
-  const absl::Time now = absl::Now();  // one lease to heartbeat again
+  // Two leases to heartbeat again: a worker's channel may be waiting out
+  // its reconnect back-off (up to 1 s) when this coordinator comes back,
+  // and a worker declared lost for that has its shards recovered for
+  // nothing (rolled back, with one copy).
+  const absl::Time now = absl::Now() + options_.lease;
   for (const auto& w : state.workers) {
     workers_[w.worker_id()] = Worker{w.worker_id(), w.info(), now, w.seq(), w.identity()};
   }

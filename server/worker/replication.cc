@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
@@ -54,6 +55,7 @@ ember::v1::TableConfig::Pooling PoolingToProto(backend::Pooling p) {
 // rows as its primary gives exactly when the primary would.
 bool AppliedNothing(grpc::StatusCode code) {
   return code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::OUT_OF_RANGE ||
+         code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
          code == grpc::StatusCode::FAILED_PRECONDITION ||
          code == grpc::StatusCode::PERMISSION_DENIED ||
          code == grpc::StatusCode::UNAUTHENTICATED || code == grpc::StatusCode::NOT_FOUND;
@@ -222,11 +224,16 @@ absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,
 }
 
 std::vector<WorkerService::BrokenReplication> WorkerService::BrokenReplications() const {
+  // Called by the heartbeat thread, which must never wait on the data
+  // plane (a stalled heartbeat loses the lease): what cannot be read at
+  // once is reported next round.
   std::vector<BrokenReplication> out;
-  absl::ReaderMutexLock lock(&mu_);
+  if (!mu_.ReaderTryLock()) return out;
+  auto unlock = absl::MakeCleanup([this] { mu_.ReaderUnlock(); });
   for (const auto& [name, c] : collections_) {
-    absl::MutexLock apply(c->apply_mu.get());
+    if (!c->apply_mu->TryLock()) continue;
     if (!c->broken_backup.empty()) out.push_back({name, c->epoch, c->broken_backup, c->broken_why});
+    c->apply_mu->Unlock();
   }
   return out;
 }

@@ -291,7 +291,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   }
   w->health_server_ = std::move(*health);
   w->coordinator_ = ember::v1::Coordinator::NewStub(
-      MakeChannel(options.coordinator, options.coordinator_credentials));
+      // Reconnected within a second of a coordinator's restart: it gives
+      // workers two leases to heartbeat again.
+      MakeChannel(options.coordinator, options.coordinator_credentials, absl::Seconds(1)));
 
   // Register, retrying until the coordinator answers or the timeout passes.
   const absl::Time deadline = absl::Now() + options.register_timeout;

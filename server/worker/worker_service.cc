@@ -316,7 +316,22 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   std::shared_ptr<StepBarrier> steps;
   Contribution held;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    // A forwarded update never waits behind a writer of the collection map
+    // (a move's UpdateShards): its primary holds its own map while it
+    // waits, so two workers forwarding to each other with moves pending on
+    // both would wait on each other. Refused as busy instead, nothing
+    // applied (the primary refuses likewise; its trainer retries).
+    if (req->from_primary().empty()) {
+      mu_.ReaderLock();
+    } else if (!mu_.ReaderTryLock()) {
+      busy_refused_.fetch_add(1, std::memory_order_relaxed);
+      return ToGrpc(WithSignal(
+          absl::ResourceExhaustedError(absl::StrCat(
+              kWorkerBusy, ": the collections are being moved on this backup; a forwarded "
+                           "update is refused rather than waited for, retry with back-off")),
+          kSignalWorkerBusy));
+    }
+    auto unlock = absl::MakeCleanup([this] { mu_.ReaderUnlock(); });
     auto c = FindCollection(req->collection(), req->epoch());
     if (!c.ok()) return ToGrpc(c.status());
     if (!(*c)->steps->stepped()) return ApplyNow(ctx, **c, in, *req, resp);
