@@ -231,7 +231,7 @@ std::vector<WorkerService::BrokenReplication> WorkerService::BrokenReplications(
   if (!mu_.ReaderTryLock()) return out;
   auto unlock = absl::MakeCleanup([this] { mu_.ReaderUnlock(); });
   for (const auto& [name, c] : collections_) {
-    if (!c->apply_mu->TryLock()) continue;
+    if (!ForwardsUpdates(*c) || !c->apply_mu->TryLock()) continue;
     if (!c->broken_backup.empty()) out.push_back({name, c->epoch, c->broken_backup, c->broken_why});
     c->apply_mu->Unlock();
   }

@@ -404,7 +404,7 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
   // while a forward waits: a backup's apply takes it, and two workers
   // forwarding to each other would wait on each other for ever.
   std::optional<absl::MutexLock> order;
-  if (req.from_primary().empty()) order.emplace(coll.forward_mu.get());
+  if (req.from_primary().empty() && ForwardsUpdates(coll)) order.emplace(coll.forward_mu.get());
   coll.apply_mu->Lock();
   auto unlock = absl::MakeCleanup([&coll] { coll.apply_mu->Unlock(); });
   if (!coll.broken_backup.empty() && req.from_primary().empty()) {
