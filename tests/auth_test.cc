@@ -22,7 +22,6 @@
 #include "proto/service.grpc.pb.h"
 #include "server/common/auth.h"
 #include "server/common/grpc_util.h"
-#include "server/common/wire.h"
 #include "tests/local_cluster.h"
 #include "tests/test_collection.h"
 
@@ -363,19 +362,9 @@ TEST(AuthTest, OnlyServersWriteABackupCopy) {
   const std::string primary = info->worker_addresses(ts.shards(0).rank());
   auto stub = ember::v1::Worker::NewStub(
       MakeChannel(info->worker_addresses(ts.shards(0).backups(0))));
-  ember::v1::WorkerApplyGradientsRequest req;
-  req.set_collection("copies");
-  req.set_epoch(info->plan().epoch());
-  req.set_request_id("forged");
+  ember::v1::WorkerApplyGradientsRequest req = testing_util::OneIdUpdate(
+      "copies", info->plan().epoch(), "forged", ts.table(), 0, "f_sum", 0, 16, 1.0f);
   req.set_from_primary(primary);
-  auto* g = req.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table(ts.table());
-  g->mutable_feature()->set_feature("f_sum");
-  const std::vector<int64_t> lengths = {1}, ids = {0};
-  const std::vector<float> grad(16, 1.0f);
-  g->mutable_feature()->set_lengths(wire::Encode(absl::MakeConstSpan(lengths)));
-  g->mutable_feature()->set_ids(wire::Encode(absl::MakeConstSpan(ids)));
-  g->set_grad(wire::Encode(absl::MakeConstSpan(grad)));
   for (const std::string key : {"", "0123456789abcdef0123456789abcdef"}) {
     grpc::ClientContext ctx;
     AddToken(&ctx, kTrainer);

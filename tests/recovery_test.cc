@@ -19,7 +19,6 @@
 #include "proto/service.grpc.pb.h"
 #include "server/common/dynamic_route.h"
 #include "server/common/grpc_util.h"
-#include "server/common/wire.h"
 #include "gtest/gtest.h"
 #include "tests/local_cluster.h"
 #include "tests/test_collection.h"
@@ -247,17 +246,8 @@ TEST(RecoveryTest, AWorkerBackFromAPauseServesNoStaleCopy) {
 
   // The old plan's update, straight to the resumed worker: never applied.
   auto stub = ember::v1::Worker::NewStub(MakeChannel(paused_address));
-  ember::v1::WorkerApplyGradientsRequest req;
-  req.set_collection("p");
-  req.set_epoch(info->plan().epoch());
-  req.set_request_id("stale");
-  auto* g = req.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table("t_sum");
-  g->mutable_feature()->set_feature("f_sum");
-  g->mutable_feature()->set_pooling(ember::v1::TableConfig::SUM);
-  g->mutable_feature()->set_lengths(wire::Encode<int64_t>({1}));
-  g->mutable_feature()->set_ids(wire::Encode<int64_t>({7}));
-  g->set_grad(wire::Encode<float>(std::vector<float>(16, 1.0f)));
+  const ember::v1::WorkerApplyGradientsRequest req = testing_util::OneIdUpdate(
+      "p", info->plan().epoch(), "stale", "t_sum", 0, "f_sum", 7, 16, 1.0f);
   bool dropped = false;
   for (const absl::Time resumed = absl::Now(); absl::Now() - resumed < absl::Seconds(10);) {
     grpc::ClientContext ctx;

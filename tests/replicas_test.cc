@@ -30,7 +30,6 @@
 #include "gtest/gtest.h"
 #include "proto/service.grpc.pb.h"
 #include "server/common/grpc_util.h"
-#include "server/common/wire.h"
 #include "tests/local_cluster.h"
 #include "tests/test_collection.h"
 
@@ -266,19 +265,8 @@ TEST_F(ReplicasTest, EveryShardHasTwoCopiesOnTwoWorkersAndTheyStayIdentical) {
   auto stub = ember::v1::Worker::NewStub(MakeChannel(info_.worker_addresses(sh.backups(0))));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Seconds(10));
-  ember::v1::WorkerApplyGradientsRequest req;
-  req.set_collection("r");
-  req.set_epoch(info_.plan().epoch());
-  req.set_request_id("straight-to-a-backup");
-  auto* g = req.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table(ts.table());
-  g->mutable_feature()->mutable_shard()->set_shard_index(0);
-  g->mutable_feature()->set_feature("f_sum");
-  const std::vector<int64_t> lengths = {1}, ids = {0};
-  const std::vector<float> grad(16, 1.0f);
-  g->mutable_feature()->set_lengths(wire::Encode(absl::MakeConstSpan(lengths)));
-  g->mutable_feature()->set_ids(wire::Encode(absl::MakeConstSpan(ids)));
-  g->set_grad(wire::Encode(absl::MakeConstSpan(grad)));
+  ember::v1::WorkerApplyGradientsRequest req = testing_util::OneIdUpdate(
+      "r", info_.plan().epoch(), "straight-to-a-backup", ts.table(), 0, "f_sum", 0, 16, 1.0f);
   ember::v1::WorkerApplyGradientsResponse resp;
   const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
@@ -498,19 +486,9 @@ TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
   auto stub = ember::v1::Worker::NewStub(MakeChannel(info_.worker_addresses(cut_rank)));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Seconds(10));
-  ember::v1::WorkerApplyGradientsRequest req;
-  req.set_collection("r");
-  req.set_epoch(info_.plan().epoch());
-  req.set_request_id("to-the-cut-off-primary");
-  auto* g = req.add_gradients();
-  g->mutable_feature()->mutable_shard()->set_table(ts.table());
-  g->mutable_feature()->mutable_shard()->set_shard_index(shard);
-  g->mutable_feature()->set_feature("f_sum");
-  const std::vector<int64_t> lengths = {1}, ids = {0};
-  const std::vector<float> grad(16, 100.0f);
-  g->mutable_feature()->set_lengths(wire::Encode(absl::MakeConstSpan(lengths)));
-  g->mutable_feature()->set_ids(wire::Encode(absl::MakeConstSpan(ids)));
-  g->set_grad(wire::Encode(absl::MakeConstSpan(grad)));
+  const ember::v1::WorkerApplyGradientsRequest req = testing_util::OneIdUpdate(
+      "r", info_.plan().epoch(), "to-the-cut-off-primary", ts.table(), shard, "f_sum", 0, 16,
+      100.0f);
   ember::v1::WorkerApplyGradientsResponse resp;
   const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
   EXPECT_FALSE(s.ok()) << "a cut-off primary acknowledged an update";

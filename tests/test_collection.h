@@ -21,6 +21,8 @@
 #include "client/kjt.h"
 #include "gtest/gtest.h"
 #include "proto/collection.pb.h"
+#include "proto/service.pb.h"
+#include "server/common/wire.h"
 
 namespace ember {
 namespace testing_util {
@@ -208,6 +210,28 @@ inline std::string TempDir() {
   char* d = mkdtemp(tmpl.data());
   EXPECT_NE(d, nullptr) << tmpl;
   return d == nullptr ? ::testing::TempDir() : std::string(d);
+}
+
+// A worker's update of one bag of one id: row `id` of shard `shard_index`
+// of `table`, through `feature` (SUM), its gradient `dim` values of
+// `value`, arrays inline; as a client (or a forged caller) sends it.
+inline ember::v1::WorkerApplyGradientsRequest OneIdUpdate(
+    const std::string& collection, int64_t epoch, const std::string& request_id,
+    const std::string& table, int32_t shard_index, const std::string& feature, int64_t id,
+    int dim, float value) {
+  ember::v1::WorkerApplyGradientsRequest req;
+  req.set_collection(collection);
+  req.set_epoch(epoch);
+  req.set_request_id(request_id);
+  auto* g = req.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table(table);
+  g->mutable_feature()->mutable_shard()->set_shard_index(shard_index);
+  g->mutable_feature()->set_feature(feature);
+  g->mutable_feature()->set_pooling(ember::v1::TableConfig::SUM);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>({1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>({id}));
+  g->set_grad(wire::Encode<float>(std::vector<float>(dim, value)));
+  return req;
 }
 
 }  // namespace testing_util

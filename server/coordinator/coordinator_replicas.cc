@@ -160,27 +160,11 @@ absl::Status CoordinatorService::RestoreCopies(const std::string& name) {
     }
     return s;
   }
-  auto fence = NextEpoch();
-  if (!fence.ok()) return fence.status();
-  auto next = NextEpoch();
-  if (!next.ok()) return next.status();
-  after.mutable_plan()->set_epoch(*next);
-  if (absl::Status s = PersistMove(name, after, after_ids, /*data_in_place=*/false); !s.ok()) {
-    return s;
-  }
-  const int missing = MissingCopies(before);
-  const std::string what = absl::StrCat("copying ", missing, " shard(s) anew to restore ",
-                                        before.spec().replicas(), " copies");
-  LOG(INFO) << "collection '" << name << "': " << what;
-  SetState(name, CollectionInfo::SERVING, what);
-  LiveMove move;
-  move.name = name;
-  move.what = what;
-  move.fence_epoch = *fence;
-  move.before = before;
-  move.after = after;
-  move.after_ids = after_ids;
-  absl::StatusOr<MoveStats> moved = Move(move, MoveKind::kCopies);
+  const std::string what = absl::StrCat("copying ", MissingCopies(before),
+                                        " shard(s) anew to restore ", before.spec().replicas(),
+                                        " copies");
+  absl::StatusOr<MoveStats> moved =
+      MoveTo(name, what, before, &after, after_ids, MoveKind::kCopies);
   if (!moved.ok()) {
     absl::MutexLock lock(&mu_);
     retry_after_[name] = absl::Now() + absl::Seconds(10);

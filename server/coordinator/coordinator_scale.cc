@@ -109,35 +109,18 @@ absl::StatusOr<ember::v1::ScaleCollectionResponse> CoordinatorService::Scale(
                         absl::StrCat("serving '", name, "' from ", workers,
                                      " workers: ", plan.status().message()));
   }
-  auto fence = NextEpoch();
-  if (!fence.ok()) return fence.status();
-  auto next = NextEpoch();
-  if (!next.ok()) return next.status();
   CollectionInfo after = before;
   *after.mutable_plan() = *std::move(plan);
-  after.mutable_plan()->set_epoch(*next);
   after.clear_worker_addresses();
   std::vector<std::string> after_ids;
   for (const Worker& w : chosen) {
     after.add_worker_addresses(w.info.address());
     after_ids.push_back(w.id);
   }
-  // Durable before any worker hears of it (as a recovery's or drain's).
-  if (absl::Status s = PersistMove(name, after, after_ids, /*data_in_place=*/false); !s.ok()) {
-    return s;
-  }
   const std::string what =
       absl::StrCat("scaling from ", holding, " to ", workers, " worker(s)");
-  LOG(INFO) << "collection '" << name << "': " << what;
-  SetState(name, CollectionInfo::SERVING, what);
-  LiveMove move;
-  move.name = name;
-  move.what = what;
-  move.fence_epoch = *fence;
-  move.before = before;
-  move.after = after;
-  move.after_ids = after_ids;
-  absl::StatusOr<MoveStats> moved = Move(move, MoveKind::kScale);
+  absl::StatusOr<MoveStats> moved =
+      MoveTo(name, what, before, &after, after_ids, MoveKind::kScale);
   if (!moved.ok()) return moved.status();
   after.set_state(CollectionInfo::SERVING);
   after.set_note(absl::StrCat("scaled from ", holding, " to ", workers, " worker(s): ",

@@ -365,6 +365,14 @@ class CoordinatorService final : public ember::v1::Coordinator::Service {
   // "<what> failed (why)") and its status so worded.
   absl::StatusOr<MoveStats> Move(const LiveMove& m, MoveKind kind)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
+  // Move from `before` to *after (rank -> worker after_ids), the collection
+  // serving meanwhile with the note `what`: a fence epoch and a new one
+  // (*after's plan takes it), the new placement made durable, then Move.
+  absl::StatusOr<MoveStats> MoveTo(const std::string& name, const std::string& what,
+                                   const ember::v1::CollectionInfo& before,
+                                   ember::v1::CollectionInfo* after,
+                                   const std::vector<std::string>& after_ids, MoveKind kind)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(create_mu_);
   void CountMove(MoveKind kind, const MoveStats* stats) ABSL_LOCKS_EXCLUDED(mu_);
   // A live move's switch, once its data is in place and durable: the
   // holders adopt their stages at after's epoch and keep only what it

@@ -374,6 +374,30 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   return stats;
 }
 
+absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveTo(
+    const std::string& name, const std::string& what, const CollectionInfo& before,
+    CollectionInfo* after, const std::vector<std::string>& after_ids, MoveKind kind) {
+  auto fence = NextEpoch();
+  if (!fence.ok()) return fence.status();
+  auto next = NextEpoch();
+  if (!next.ok()) return next.status();
+  after->mutable_plan()->set_epoch(*next);
+  // Durable before any worker hears of it (as a recovery's).
+  if (absl::Status s = PersistMove(name, *after, after_ids, /*data_in_place=*/false); !s.ok()) {
+    return s;
+  }
+  LOG(INFO) << "collection '" << name << "': " << what;
+  SetState(name, CollectionInfo::SERVING, what);
+  LiveMove move;
+  move.name = name;
+  move.what = what;
+  move.fence_epoch = *fence;
+  move.before = before;
+  move.after = *after;
+  move.after_ids = after_ids;
+  return Move(move, kind);
+}
+
 absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::Move(const LiveMove& m,
                                                                        MoveKind kind) {
   bool fenced = false;
