@@ -66,16 +66,18 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // Each job's shards: every shard of a sharded table, one replica of a
   // data-parallel one.
   std::vector<std::vector<Client::Routing::Shard>> targets;
+  const bool stepped = r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC;
   for (const FeatureJob& j : *jobs) {
     targets.push_back(j.table->shards);
     if (!j.table->replicas.empty()) {
       targets.back() = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
     }
     // A replicated shard is read from any of its copies, spread as the
-    // replicas are.
+    // replicas are; a SYNC collection's from its primary, whose step
+    // barrier a lookup waits on (a backup keeps no steps of its own).
     for (size_t s = 0; s < targets.back().size(); ++s) {
       Client::Routing::Shard& shard = targets.back()[s];
-      if (shard.backups.empty()) continue;
+      if (shard.backups.empty() || stepped) continue;
       const size_t pick = (replica_pick + j.order + s) % (shard.backups.size() + 1);
       if (pick > 0) shard.rank = shard.backups[pick - 1];
     }

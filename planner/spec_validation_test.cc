@@ -263,7 +263,10 @@ TEST(ValidateCollectionSpecTest, ReplicasInRangeAndAsyncOnly) {
   spec.set_replicas(2);
   spec.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
   spec.mutable_training()->set_trainers(2);
-  ExpectInvalid(spec, "replicas 2 takes ASYNC training; SYNC collections keep one copy");
+  EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
+  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::BOUNDED);
+  spec.mutable_training()->set_max_staleness(1);
+  ExpectInvalid(spec, "replicas 2 takes ASYNC or SYNC training; a BOUNDED update is acknowledged");
   spec.set_replicas(1);
   EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
 }

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -380,6 +381,38 @@ TEST(AuthTest, OnlyServersWriteABackupCopy) {
   auto again2 = (*trainer)->Lookup("copies", kjt);
   ASSERT_TRUE(again.ok() && again2.ok());
   EXPECT_EQ(again->values, again2->values);
+
+  // A SYNC collection's step reaches the backups with its trainer's token
+  // and the key: the step is applied on both copies alike.
+  auto sync = testing_util::TestSpec("sync_copies");
+  sync.set_replicas(2);
+  sync.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  sync.mutable_training()->set_trainers(1);
+  auto sync_info = (*admin)->CreateCollection(sync, "table_wise");
+  ASSERT_TRUE(sync_info.ok()) << sync_info.status();
+  ASSERT_TRUE(
+      (*trainer)->ApplyGradients("sync_copies", kjt, grads, "s0", nullptr, {0, 0}).ok());
+  int64_t rows = 0, dim = 0;
+  auto primary_rows = (*admin)->ExportTable("sync_copies", ts.table(), &rows, &dim);
+  ASSERT_TRUE(primary_rows.ok()) << primary_rows.status();
+  const auto& sync_shard = sync_info->plan().tables(0).shards(0);
+  ASSERT_EQ(sync_shard.backups_size(), 1);
+  auto backup_stub = ember::v1::Worker::NewStub(
+      MakeChannel(sync_info->worker_addresses(sync_shard.backups(0))));
+  grpc::ClientContext ctx;
+  AddToken(&ctx, kAdmin);
+  ember::v1::ExportRowsRequest export_req;
+  export_req.set_collection("sync_copies");
+  export_req.mutable_shard()->set_table(ts.table());
+  export_req.set_row_begin(0);
+  export_req.set_row_end(rows);
+  ember::v1::ExportRowsResponse backup_rows;
+  const grpc::Status exported = backup_stub->ExportRows(&ctx, export_req, &backup_rows);
+  ASSERT_TRUE(exported.ok()) << exported.error_message();
+  std::vector<float> backup_values(backup_rows.weights().size() / sizeof(float));
+  std::memcpy(backup_values.data(), backup_rows.weights().data(), backup_rows.weights().size());
+  EXPECT_EQ(backup_values, *primary_rows);
+  EXPECT_EQ(backup_rows.step(), 1);
 }
 
 TEST(AuthTest, TokensCommandWritesFilesThatWork) {

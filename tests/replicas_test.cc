@@ -327,6 +327,112 @@ TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
   }
 }
 
+// A SYNC collection of two trainer ranks, two copies of every shard: a
+// step's ranks are merged on each shard's primary and forwarded to its
+// backup as one update. SIGKILL of a worker mid-run: every rank's every
+// step ends applied exactly once (the tables equal one trainer sending the
+// global batch, rank 0's bags then rank 1's, gradients halved), with no
+// checkpoint, and the copies are identical again.
+TEST_F(ReplicasTest, ASyncCollectionLosesNoStepWhenAWorkerIsKilled) {
+  Start(3, "");
+  spec_ = TestSpec("r");
+  spec_.mutable_tables()->RemoveLast();  // no sequence table
+  spec_.set_replicas(2);
+  spec_.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec_.mutable_training()->set_trainers(2);
+  spec_.mutable_training()->set_step_timeout_s(60);
+  auto info = client_->CreateCollection(spec_, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  info_ = *info;
+  CollectionSpec ref_spec = spec_;
+  ref_spec.clear_training();
+  auto ref = InProcessCollection::Create(ref_spec, &info->plan());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ref_ = *std::move(ref);
+
+  // Rank r's bags and gradients at step s, the same wherever made.
+  const std::vector<std::string> keys = {"f_sum", "f_mean", "f_rw"};
+  const std::vector<int> rows = {301, 200, 150};
+  constexpr int kBatch = 4;
+  auto bags = [&](int s, int r) {
+    std::mt19937 rng(1000 + 2 * s + r);
+    std::vector<std::vector<std::vector<int64_t>>> ids(keys.size());
+    for (size_t k = 0; k < keys.size(); ++k) {
+      for (int b = 0; b < kBatch; ++b) {
+        std::vector<int64_t> bag;
+        for (int i = 0, n = rng() % 4; i < n; ++i) bag.push_back(rng() % rows[k]);
+        ids[k].push_back(bag);
+      }
+    }
+    return ids;
+  };
+  auto grads = [&](int s, int r) {
+    std::mt19937 rng(5000 + 2 * s + r);
+    return RandomGradients(rng, keys, {16, 16, 16}, kBatch);
+  };
+
+  constexpr int kSteps = 36, kKillAt = 12;
+  std::atomic<int> done[2] = {{0}, {0}};
+  std::atomic<bool> failed{false};
+  auto rank = [&](int r) {
+    auto mine = Client::Connect(cluster_->address(), client::ClientOptions{});
+    if (!mine.ok()) {
+      ADD_FAILURE() << mine.status();
+      failed = true;
+      return;
+    }
+    for (int s = 0; s < kSteps && !failed; ++s) {
+      const KeyedJaggedTensor kjt = *KeyedJaggedTensor::FromJagged(keys, bags(s, r));
+      const absl::Time deadline = absl::Now() + absl::Seconds(90);
+      absl::Status last;
+      do {  // the step's lookup (read from the primaries), then its update
+        auto looked = (*mine)->Lookup("r", kjt, client::StepTag{s, r});
+        last = looked.status();
+        if (last.ok()) {
+          last = (*mine)->ApplyGradients("r", kjt, grads(s, r), absl::StrCat("rank", r, "-", s),
+                                        nullptr, client::StepTag{s, r});
+        }
+        if (!last.ok()) absl::SleepFor(absl::Milliseconds(50));
+      } while (!last.ok() && absl::Now() < deadline);
+      if (!last.ok()) {
+        ADD_FAILURE() << "rank " << r << " step " << s << ": " << last;
+        failed = true;
+      }
+      ++done[r];
+    }
+  };
+  std::thread r0(rank, 0), r1(rank, 1);
+  const absl::Time start = absl::Now();
+  while (done[0] < kKillAt && !failed && absl::Now() - start < absl::Seconds(60)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const std::string victim = info_.worker_addresses(0);
+  const pid_t pid = PidOf(victim);
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  r0.join();
+  r1.join();
+  ASSERT_FALSE(failed);
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60), victim);
+  EXPECT_EQ(after.recovered_from(), "") << after.note();
+
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<std::vector<std::vector<int64_t>>> global = bags(s, 0);
+    const auto second = bags(s, 1);
+    for (size_t k = 0; k < keys.size(); ++k) {
+      global[k].insert(global[k].end(), second[k].begin(), second[k].end());
+    }
+    client::KeyedTensor both = grads(s, 0);
+    const client::KeyedTensor other = grads(s, 1);
+    both.batch_size = 2 * kBatch;
+    both.values.insert(both.values.end(), other.values.begin(), other.values.end());
+    for (float& g : both.values) g /= 2.0f;
+    ASSERT_TRUE(ref_->ApplyGradients(*KeyedJaggedTensor::FromJagged(keys, global), both).ok());
+  }
+  ExpectTablesEqualTheReference("SYNC steps across a take-over");
+  ExpectCopiesIdentical(after);
+}
+
 // SIGKILL of the worker a lost rank's copies are being made on, during the
 // live copy (held open by a pause point): the copy fails, the collection
 // serves on with one copy of those shards, and the copies are made on the
@@ -567,11 +673,14 @@ TEST_F(ReplicasTest, BadReplicaSettingsAreRefused) {
   EXPECT_EQ(client_->CreateCollection(spec, "table_wise").status().code(),
             absl::StatusCode::kInvalidArgument);
   spec.set_replicas(2);
-  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::BOUNDED);
   spec.mutable_training()->set_trainers(1);
-  auto sync = client_->CreateCollection(spec, "table_wise");
-  EXPECT_EQ(sync.status().code(), absl::StatusCode::kInvalidArgument) << sync.status();
-  EXPECT_NE(sync.status().message().find("ASYNC"), std::string::npos) << sync.status();
+  spec.mutable_training()->set_max_staleness(1);
+  auto bounded = client_->CreateCollection(spec, "table_wise");
+  EXPECT_EQ(bounded.status().code(), absl::StatusCode::kInvalidArgument) << bounded.status();
+  EXPECT_NE(bounded.status().message().find("BOUNDED update is acknowledged when its worker holds"),
+            std::string::npos)
+      << bounded.status();
   EXPECT_FALSE(client_->GetCollection("bad").ok());
 }
 

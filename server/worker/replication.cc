@@ -20,6 +20,9 @@
 // primary it was given, at the collection's current epoch, so a primary
 // cut off and replaced can acknowledge nothing (its forwards are refused
 // at the newer epoch).
+#include <algorithm>
+#include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,9 +130,9 @@ struct WorkerService::Forwarding {
 };
 
 WorkerService::ForwardingPtr WorkerService::StartForward(
-    const grpc::ServerContext* ctx, const ember::v1::WorkerApplyGradientsRequest& req,
-    const GradientCall& in, const std::vector<int>& gradient,
-    const std::vector<backend::GradientRequest>& requests,
+    const ember::v1::WorkerApplyGradientsRequest& header,
+    const std::optional<std::string>& authorization, absl::Time deadline,
+    const std::vector<std::string>& features, const std::vector<backend::GradientRequest>& requests,
     const std::vector<const ShardEntry*>& entries) {
   // One request per backup address, with the parts of the shards it holds,
   // arrays inline.
@@ -139,18 +142,16 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
       auto [it, fresh] = out.try_emplace(backup);
       ember::v1::WorkerApplyGradientsRequest& f = it->second;
       if (fresh) {
-        f.set_collection(req.collection());
-        f.set_epoch(req.epoch());
-        f.set_request_id(req.request_id());
-        f.set_request_digest(req.request_digest());
+        f = header;
         f.set_from_primary(OwnAddress());
-        f.set_replication_key(options_.auth.ReplicationKey(req.collection(), req.epoch()));
+        f.set_replication_key(
+            options_.auth.ReplicationKey(header.collection(), header.epoch()));
       }
       const backend::GradientRequest& g = requests[i];
       ember::v1::ShardGradient* sg = f.add_gradients();
       ember::v1::ShardFeature* feature = sg->mutable_feature();
       *feature->mutable_shard() = entries[i]->assignment.ref();
-      feature->set_feature(in.request().gradients(gradient[i]).feature().feature());
+      feature->set_feature(features[i]);
       feature->set_pooling(PoolingToProto(g.feature.pooling));
       wire::Encode(g.feature.lengths, feature->mutable_lengths());
       wire::Encode(g.feature.ids, feature->mutable_ids());
@@ -161,15 +162,13 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
   if (out.empty()) return nullptr;
   ForwardingPtr f(new Forwarding(out.size()));
   f->start = absl::Now();
-  absl::Time deadline = f->start + options_.forward_timeout;
-  if (ctx != nullptr) deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
-  const std::optional<absl::string_view> token = AuthorizationOf(ctx);
+  deadline = std::min(deadline, f->start + options_.forward_timeout);
   size_t n = 0;
   for (auto& [address, r] : out) {
     f->addresses.push_back(address);
     f->requests[n] = std::move(r);
     f->contexts[n].set_deadline(absl::ToChronoTime(deadline));
-    if (token.has_value()) f->contexts[n].AddMetadata("authorization", std::string(*token));
+    if (authorization.has_value()) f->contexts[n].AddMetadata("authorization", *authorization);
     Forwarding* raw = f.get();
     PeerStub(address)->async()->ApplyGradients(&f->contexts[n], &f->requests[n],
                                                &f->responses[n], [raw, n](grpc::Status s) {

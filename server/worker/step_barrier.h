@@ -59,6 +59,9 @@ struct Contribution {
   int32_t rank = 0;
   std::string request_id;
   uint64_t digest = 0;  // of the whole update, as the client sent it
+  // The trainer's token, where tokens are on: a replicated collection's
+  // step is forwarded to its backups with it.
+  std::optional<std::string> authorization;
   std::vector<HeldPart> parts;
   int64_t Bytes() const;
 };

@@ -334,8 +334,19 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     auto unlock = absl::MakeCleanup([this] { mu_.ReaderUnlock(); });
     auto c = FindCollection(req->collection(), req->epoch());
     if (!c.ok()) return ToGrpc(c.status());
-    if (!(*c)->steps->stepped()) return ApplyNow(ctx, **c, in, *req, resp);
+    if ((*c)->steps->stepped() != req->has_step() && !req->from_primary().empty()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "a forwarded update of collection '", req->collection(), "', which trains ",
+          ember::v1::TrainingSpec::Mode_Name((*c)->steps->options().mode),
+          (req->has_step() ? ", carries a step" : ", carries no step"))));
+    }
+    // A backup applies a forwarded step as it comes: its primary's barrier
+    // completed it.
+    if (!(*c)->steps->stepped() || !req->from_primary().empty()) {
+      return ApplyNow(ctx, **c, in, *req, resp);
+    }
     if (absl::Status s = HoldContribution(**c, in, *req, &held); !s.ok()) return ToGrpc(s);
+    if (auto t = AuthorizationOf(ctx); t.has_value()) held.authorization = std::string(*t);
     steps = (*c)->steps;
   }
   // SYNC / BOUNDED: held until every rank sent the step, waited for
@@ -481,7 +492,20 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
   // this copy: applying here at the same time would save the wait, but a
   // backup's refusal (a move's fence reaching it first) would then leave
   // this copy ahead of it.
-  if (ForwardingPtr forward = StartForward(ctx, req, in, gradient, requests, entries)) {
+  ForwardingPtr forward;
+  if (ForwardsUpdates(coll)) {
+    ember::v1::WorkerApplyGradientsRequest header;
+    header.set_collection(req.collection());
+    header.set_epoch(req.epoch());
+    header.set_request_id(req.request_id());
+    header.set_request_digest(req.request_digest());
+    std::vector<std::string> features;
+    for (int i : gradient) features.push_back(in.request().gradients(i).feature().feature());
+    std::optional<std::string> token;
+    if (auto t = AuthorizationOf(ctx); t.has_value()) token = std::string(*t);
+    forward = StartForward(header, token, DeadlineOf(ctx), features, requests, entries);
+  }
+  if (forward != nullptr) {
     coll.apply_mu->Unlock();
     const absl::Status f = FinishForward(std::move(forward), /*applied_here=*/false,
                                          req.collection(), &coll);
@@ -498,6 +522,12 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
     return ToGrpc(local);
   }
   RecordApplied(touched, id, req.request_digest(), req.collection());
+  // A forwarded step: its ranks' updates are applied here too (a promoted
+  // copy answers their retries as the primary would).
+  for (const ember::v1::StepRankUpdate& rank : req.step_ranks()) {
+    RecordApplied(touched, RequestIdHash(rank.request_id()), rank.request_digest(),
+                  req.collection());
+  }
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
     LOG_EVERY_N(WARNING, 100) << "collection '" << req.collection() << "': " << skipped
@@ -568,6 +598,7 @@ absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCal
           "send it again"));
     }
     const ShardEntry* entry = found.back();
+    if (absl::Status r = CheckReplicationRole(*entry, req); !r.ok()) return r;
     HeldPart h;
     h.table = entry->assignment.ref().table();
     h.shard_index = entry->assignment.ref().shard_index();
@@ -611,7 +642,17 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
         "refresh the plan and send the step again"));
   }
   Collection& coll = **c;
-  absl::MutexLock apply(coll.apply_mu.get());
+  // A replicated collection's step reaches its backups before it applies
+  // here, as an ASYNC update does (ApplyNow).
+  std::optional<absl::MutexLock> order;
+  if (ForwardsUpdates(coll)) order.emplace(coll.forward_mu.get());
+  coll.apply_mu->Lock();
+  auto unlock = absl::MakeCleanup([&coll] { coll.apply_mu->Unlock(); });
+  if (!coll.broken_backup.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "collection '", name, "': backup ", coll.broken_backup, " missed an update (",
+        coll.broken_why, "); steps wait for the coordinator to re-form the copies (retry)"));
+  }
   // The ranks' parts of one (shard, feature) become one request, their bags
   // (or ids) concatenated in rank order: what one trainer sending the
   // global batch sends, so the backend sums every row's occurrences in the
@@ -669,6 +710,7 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
   std::vector<HeldPart> joined(groups.size());
   std::vector<backend::GradientRequest> requests;
   std::vector<const ShardEntry*> entries;  // requests[i]'s shard
+  std::vector<std::string> features;       // requests[i]'s KJT key
   for (size_t g = 0; g < groups.size(); ++g) {
     HeldPart& j = joined[g];
     for (const HeldPart* p : groups[g].parts) {
@@ -701,8 +743,47 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
     r.grad = j.grad;
     requests.push_back(r);
     entries.push_back(groups[g].entry);
+    features.push_back(groups[g].parts.empty() ? std::string() : groups[g].parts[0]->feature);
   }
-  if (absl::Status s = RunUpdate(requests, entries); !s.ok()) return s;
+  ForwardingPtr forward;
+  if (order.has_value()) {
+    ember::v1::WorkerApplyGradientsRequest header;
+    header.set_collection(name);
+    header.set_epoch(coll.epoch);
+    header.set_step(step);
+    // The forward's own id names the ranks' updates, at any epoch: a
+    // backup that applied the step when its primary did not (a forward
+    // that failed on another backup drops the step) skips it when the
+    // trainers send it again.
+    std::string id = absl::StrCat("step ", step, " of '", name, "':");
+    uint64_t digest = 0;
+    std::optional<std::string> token;
+    for (const Contribution* rank : ranks) {
+      ember::v1::StepRankUpdate* u = header.add_step_ranks();
+      u->set_request_id(rank->request_id);
+      u->set_request_digest(rank->digest);
+      absl::StrAppend(&id, " ", rank->request_id.size(), ":", rank->request_id);
+      digest = digest * 0x100000001b3ULL ^ rank->digest;
+      if (!token.has_value()) token = rank->authorization;
+    }
+    header.set_request_id(id);
+    header.set_request_digest(digest);
+    forward = StartForward(header, token, absl::InfiniteFuture(), features, requests, entries);
+  }
+  if (forward != nullptr) {
+    coll.apply_mu->Unlock();
+    const absl::Status f = FinishForward(std::move(forward), /*applied_here=*/false, name, &coll);
+    coll.apply_mu->Lock();
+    if (!f.ok()) return f;
+    if (absl::Status local = RunUpdate(requests, entries); !local.ok()) {
+      coll.broken_backup = OwnAddress();
+      coll.broken_why = absl::StrCat("the primary refused a step its backups applied: ",
+                                     local.message());
+      return local;
+    }
+  } else if (absl::Status s = RunUpdate(requests, entries); !s.ok()) {
+    return s;
+  }
   for (size_t k = 0; k < ranks.size(); ++k) {
     RecordApplied(touched[k], RequestIdHash(ranks[k]->request_id), ranks[k]->digest, name);
   }

@@ -342,9 +342,13 @@ class WorkerService final : public ember::v1::Worker::Service {
     void operator()(Forwarding* f) const;  // waits for the calls in flight
   };
   using ForwardingPtr = std::unique_ptr<Forwarding, ForwardingDeleter>;
-  ForwardingPtr StartForward(const grpc::ServerContext* ctx,
-                             const ember::v1::WorkerApplyGradientsRequest& req,
-                             const GradientCall& in, const std::vector<int>& gradient,
+  // `header`: the forward's collection, epoch, request id and digest (and
+  // a step's step and step_ranks); `features[i]`: requests[i]'s KJT key;
+  // `authorization`: the trainer's token, sent on; `deadline`: the
+  // trainer's (the forward timeout caps it).
+  ForwardingPtr StartForward(const ember::v1::WorkerApplyGradientsRequest& header,
+                             const std::optional<std::string>& authorization,
+                             absl::Time deadline, const std::vector<std::string>& features,
                              const std::vector<backend::GradientRequest>& requests,
                              const std::vector<const ShardEntry*>& entries);
   absl::Status FinishForward(ForwardingPtr f, bool applied_here, const std::string& collection,
