@@ -34,11 +34,15 @@
 #include "gtest/gtest.h"
 #include "tests/certificates.h"
 #include "tests/local_cluster.h"
+#include "tests/netns.h"
 #include "tests/test_collection.h"
 
 namespace ember {
 namespace {
 
+using testing_util::Absolute;
+using testing_util::Hosts;
+using testing_util::IpBinary;
 using testing_util::Process;
 
 constexpr char kEmberctl[] = "cli/emberctl";
@@ -52,64 +56,6 @@ constexpr char kSubnet[] = "10.99.0.";
 std::string CoordinatorIp() { return absl::StrCat(kSubnet, 2); }
 std::string WorkerIp(int i) { return absl::StrCat(kSubnet, 10 + i); }
 std::string TrainerIp() { return absl::StrCat(kSubnet, 50); }
-
-// Runs a shell command, its output discarded; true when it succeeded.
-bool Sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0; }
-
-std::string Absolute(const std::string& path) {
-  char buf[4096];
-  if (path.rfind('/', 0) == 0 || getcwd(buf, sizeof(buf)) == nullptr) return path;
-  return std::string(buf) + "/" + path;
-}
-
-std::string IpBinary() {
-  for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
-    if (access(p, X_OK) == 0) return p;
-  }
-  return "";
-}
-
-// Hosts: one network namespace each, joined through veth pairs to a bridge
-// in a namespace of its own. Every namespace is deleted when destroyed.
-class Hosts {
- public:
-  explicit Hosts(std::string prefix) : prefix_(std::move(prefix)) {}
-  ~Hosts() {
-    for (auto it = made_.rbegin(); it != made_.rend(); ++it) Sh("ip netns del " + *it);
-  }
-  // The switch; false when namespaces cannot be made here.
-  bool Start() {
-    if (!MakeNs(prefix_ + "-net")) return false;
-    return Sh(absl::StrCat("ip -n ", prefix_, "-net link add br0 type bridge && ip -n ", prefix_,
-                           "-net link set br0 up"));
-  }
-  // Host `name` at `ip` (/24) on the bridge.
-  bool Add(const std::string& name, const std::string& ip) {
-    const std::string ns = Ns(name);
-    const std::string veth = absl::StrCat("emh", getpid() % 100000, "v", made_.size());
-    if (!MakeNs(ns)) return false;
-    return Sh(absl::StrCat(
-        "set -e; ip -n ", ns, " link set lo up; ",
-        "ip link add ", veth, " type veth peer name eth0 netns ", ns, "; ",
-        "ip link set ", veth, " netns ", prefix_, "-net; ",
-        "ip -n ", prefix_, "-net link set ", veth, " master br0 up; ",
-        "ip -n ", ns, " addr add ", ip, "/24 dev eth0; ",
-        "ip -n ", ns, " link set eth0 up"));
-  }
-  // Takes host `name` off the network (its link down: packets to and from it
-  // are dropped, as when a node loses its network).
-  bool Cut(const std::string& name) { return Sh("ip -n " + Ns(name) + " link set eth0 down"); }
-  std::string Ns(const std::string& name) const { return prefix_ + "-" + name; }
-
- private:
-  bool MakeNs(const std::string& ns) {
-    if (!Sh("ip netns add " + ns)) return false;
-    made_.push_back(ns);
-    return true;
-  }
-  const std::string prefix_;
-  std::vector<std::string> made_;
-};
 
 // The container's `args:` list of a manifest (the first one in the file).
 std::vector<std::string> ManifestArgs(const std::string& file) {
@@ -155,15 +101,12 @@ int Follow(Process* p, const std::string& prefix, absl::Duration timeout) {
 
 TEST(MultiHostTest, TrainsOverTlsAndTokensAndSurvivesACutLink) {
   if (getuid() != 0) GTEST_SKIP() << "needs root to make network namespaces";
-  // Bazel's test PATH leaves out the sbin directories `ip` may live in.
-  setenv("PATH", absl::StrCat(getenv("PATH") ? getenv("PATH") : "/usr/bin:/bin", ":/usr/sbin:/sbin").c_str(), 1);
-  const std::string ip = IpBinary();
-  if (ip.empty()) GTEST_SKIP() << "no `ip` command (iproute2) on this machine";
   Hosts hosts(absl::StrCat("ember-mh", getpid()));
   if (!hosts.Start()) {
-    GTEST_SKIP() << "cannot make network namespaces with a bridge here (ip netns add / "
-                    "ip link add type bridge failed)";
+    GTEST_SKIP() << "cannot make network namespaces with a bridge here (no `ip` command, or "
+                    "ip netns add / ip link add type bridge failed)";
   }
+  const std::string ip = IpBinary();
   ASSERT_TRUE(hosts.Add("coord", CoordinatorIp()));
   for (int i = 0; i < kWorkers; ++i) ASSERT_TRUE(hosts.Add(absl::StrCat("w", i), WorkerIp(i)));
   ASSERT_TRUE(hosts.Add("trainer", TrainerIp()));

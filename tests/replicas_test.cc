@@ -11,6 +11,7 @@
 // coordinator killed in the middle of a take-over finishes it when started
 // again.
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -31,6 +32,7 @@
 #include "proto/service.grpc.pb.h"
 #include "server/common/grpc_util.h"
 #include "tests/local_cluster.h"
+#include "tests/netns.h"
 #include "tests/test_collection.h"
 
 namespace ember {
@@ -611,6 +613,122 @@ TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
   ExpectTablesEqualTheReference("after the cut");
   ExpectCopiesIdentical(after);
   std::cout << "the cut-off primary answered: " << s.error_message() << "\n";
+}
+
+// A real network partition (network namespaces, as tests/multihost_test
+// makes hosts): a primary's host loses its routes to the coordinator and to
+// the other workers and keeps the one to the trainer (this process). Its
+// lease lapses and its shards are taken over at a new epoch; an update of
+// the old plan sent to it is not acknowledged (its forwards cannot reach
+// its backups), and every update the trainer saw acknowledged is in the
+// tables. Healed, it takes part again and the copies agree.
+TEST_F(ReplicasTest, APrimaryPartitionedFromTheClusterAcknowledgesNothing) {
+  testing_util::Hosts hosts(absl::StrCat("ember-rp", getpid()));
+  if (!hosts.Start()) {
+    GTEST_SKIP() << "needs root and `ip` to make network namespaces with a bridge";
+  }
+  // Its own subnet per run (runs of this test may overlap).
+  const std::string subnet = absl::StrCat("10.97.", getpid() % 250, ".");
+  const std::string coordinator_ip = subnet + "2";
+  std::vector<std::string> worker_ips;
+  ASSERT_TRUE(hosts.Add("coord", coordinator_ip));
+  for (int i = 0; i < 3; ++i) {
+    worker_ips.push_back(absl::StrCat(subnet, 10 + i));
+    ASSERT_TRUE(hosts.Add(absl::StrCat("w", i), worker_ips.back()));
+  }
+  ASSERT_TRUE(hosts.AddThisHost(subnet + "50"));
+  const std::string emberctl = testing_util::Absolute(kEmberctl);
+  std::vector<std::string> argv = hosts.Exec("coord");
+  for (const std::string& a :
+       {emberctl, std::string("coordinator"), "--listen=" + coordinator_ip + ":7000",
+        std::string("--lease_ms=1500"), "--state_dir=" + testing_util::TempDir()}) {
+    argv.push_back(a);
+  }
+  testing_util::Process coordinator(argv);
+  ASSERT_FALSE(coordinator.Line("coordinator listening on ").empty());
+  std::vector<std::unique_ptr<testing_util::Process>> workers;
+  for (int i = 0; i < 3; ++i) {
+    argv = hosts.Exec(absl::StrCat("w", i));
+    for (const std::string& a : {emberctl, std::string("worker"),
+                                 "--coordinator=" + coordinator_ip + ":7000",
+                                 "--listen=" + worker_ips[i] + ":7000",
+                                 std::string("--memory_gib=2")}) {
+      argv.push_back(a);
+    }
+    workers.push_back(std::make_unique<testing_util::Process>(argv));
+    ASSERT_FALSE(workers.back()->Line("worker ").empty()) << "worker " << i;
+  }
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(30);
+  auto c = Client::Connect(coordinator_ip + ":7000", o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client_ = *std::move(c);
+  Create("row_wise");
+  const std::string cut = worker_ips[0] + ":7000";
+  int cut_rank = -1;
+  for (int r = 0; r < info_.worker_addresses_size(); ++r) {
+    if (info_.worker_addresses(r) == cut) cut_rank = r;
+  }
+  ASSERT_GE(cut_rank, 0);
+  Trainer trainer(client_.get(), ref_.get(), "r", 61);
+  trainer.Start();
+  trainer.WaitFor(10);
+
+  // The partition: worker 0 and the rest of the cluster cannot reach each
+  // other; the trainer reaches both sides.
+  for (const std::string& other : {coordinator_ip, worker_ips[1], worker_ips[2]}) {
+    ASSERT_TRUE(hosts.Blackhole("w0", other, true));
+  }
+  for (const std::string& name : {"coord", "w1", "w2"}) {
+    ASSERT_TRUE(hosts.Blackhole(name, worker_ips[0], true));
+  }
+  const absl::Time partitioned = absl::Now();
+  CollectionInfo now;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    now = Get();
+  } while ((now.plan().epoch() == info_.plan().epoch() ||
+            now.state() != CollectionInfo::SERVING) &&
+           absl::Now() < deadline);
+  ASSERT_GT(now.plan().epoch(), info_.plan().epoch()) << now.note();
+  std::cout << "partition to serving at the take-over's epoch: "
+            << absl::ToDoubleMilliseconds(absl::Now() - partitioned)
+            << " ms with a 1500 ms lease\n";
+  const auto& ts = info_.plan().tables(0);
+  int shard = -1;
+  for (int i = 0; i < ts.shards_size(); ++i) {
+    if (ts.shards(i).rank() == cut_rank && ts.shards(i).rows() > 0) shard = i;
+  }
+  ASSERT_GE(shard, 0);
+  auto stub = ember::v1::Worker::NewStub(MakeChannel(cut));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, absl::Seconds(10));
+  const ember::v1::WorkerApplyGradientsRequest req = testing_util::OneIdUpdate(
+      "r", info_.plan().epoch(), "to-the-partitioned-primary", ts.table(), shard, "f_sum", 0, 16,
+      100.0f);
+  ember::v1::WorkerApplyGradientsResponse resp;
+  const grpc::Status s = stub->ApplyGradients(&ctx, req, &resp);
+  EXPECT_FALSE(s.ok()) << "a partitioned primary acknowledged an update";
+  std::cout << "the partitioned primary answered: " << s.error_message() << "\n";
+  trainer.WaitFor(20);
+
+  // Healed: the routes back.
+  for (const std::string& other : {coordinator_ip, worker_ips[1], worker_ips[2]}) {
+    EXPECT_TRUE(hosts.Blackhole("w0", other, false));
+  }
+  for (const std::string& name : {"coord", "w1", "w2"}) {
+    EXPECT_TRUE(hosts.Blackhole(name, worker_ips[0], false));
+  }
+  trainer.WaitFor(20);
+  trainer.Stop();
+  ASSERT_FALSE(trainer.failed());
+  const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60));
+  ExpectTablesEqualTheReference("after the partition");
+  ExpectCopiesIdentical(after);
+  client_.reset();
+  for (auto& w : workers) w->Stop(SIGKILL);
+  coordinator.Stop(SIGKILL);
 }
 
 // SIGKILL of a worker holding copies while a rescale 2 -> 3 moves them,

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -119,6 +120,9 @@ ember::v1::Worker::Stub* WorkerService::PeerStub(const std::string& address) {
 struct WorkerService::Forwarding {
   explicit Forwarding(size_t n)
       : requests(n), contexts(n), responses(n), statuses(n), pending(static_cast<int>(n)) {}
+  WorkerService* owner = nullptr;
+  std::string collection;
+  int64_t epoch = 0;
   std::vector<std::string> addresses;
   std::vector<ember::v1::WorkerApplyGradientsRequest> requests;
   std::vector<grpc::ClientContext> contexts;
@@ -161,6 +165,9 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
   }
   if (out.empty()) return nullptr;
   ForwardingPtr f(new Forwarding(out.size()));
+  f->owner = this;
+  f->collection = header.collection();
+  f->epoch = header.epoch();
   f->start = absl::Now();
   deadline = std::min(deadline, f->start + options_.forward_timeout);
   size_t n = 0;
@@ -177,18 +184,46 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
                                                });
     ++n;
   }
+  absl::MutexLock lock(&in_flight_mu_);
+  in_flight_.insert(f.get());
   return f;
 }
 
 void WorkerService::ForwardingDeleter::operator()(Forwarding* f) const {
   if (!f->waited) f->pending.Wait();  // the calls write into it until they end
+  f->owner->ForgetForward(f);
   delete f;
+}
+
+void WorkerService::ForgetForward(Forwarding* f) {
+  absl::MutexLock lock(&in_flight_mu_);
+  in_flight_.erase(f);
+}
+
+void WorkerService::CancelForwards(const ember::v1::UpdateShardsRequest& placement) {
+  if (placement.create().empty()) return;  // a fence: the forwards finish
+  std::set<std::string> named;
+  for (const auto& a : placement.create()) {
+    named.insert(a.replication().backups().begin(), a.replication().backups().end());
+  }
+  absl::MutexLock lock(&in_flight_mu_);
+  for (Forwarding* f : in_flight_) {
+    if (f->collection != placement.collection() || f->epoch >= placement.epoch()) continue;
+    for (size_t i = 0; i < f->addresses.size(); ++i) {
+      if (named.count(f->addresses[i])) continue;
+      LOG(WARNING) << "collection '" << f->collection << "': cancelling a forward to "
+                   << f->addresses[i] << ", which epoch " << placement.epoch()
+                   << " no longer names as a backup";
+      f->contexts[i].TryCancel();
+    }
+  }
 }
 
 absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,
                                           const std::string& collection, Collection* c) {
   f->pending.Wait();
   f->waited = true;
+  ForgetForward(f.get());
   forwards_.fetch_add(1, std::memory_order_relaxed);
   forward_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - f->start),
                         std::memory_order_relaxed);

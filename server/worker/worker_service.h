@@ -463,6 +463,16 @@ class WorkerService final : public ember::v1::Worker::Service {
   int64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
   // Forwards to backups: calls, their time (ns), and those that failed.
   std::atomic<int64_t> forwards_{0}, forward_ns_{0}, forward_failures_{0};
+  // Forwards in flight (replication.cc). A new placement's UpdateShards
+  // cancels those of older epochs to backups it no longer names before it
+  // waits for mu_, which their primaries hold while a forward waits: a
+  // backup cut off without a reset (a partition) would otherwise hold a
+  // take-over for the forward timeout.
+  absl::Mutex in_flight_mu_;
+  std::set<Forwarding*> in_flight_ ABSL_GUARDED_BY(in_flight_mu_);
+  void CancelForwards(const ember::v1::UpdateShardsRequest& placement)
+      ABSL_LOCKS_EXCLUDED(in_flight_mu_);
+  void ForgetForward(Forwarding* f) ABSL_LOCKS_EXCLUDED(in_flight_mu_);
   mutable absl::Mutex peers_mu_;
   std::string own_address_ ABSL_GUARDED_BY(peers_mu_);
   std::map<std::string, std::unique_ptr<ember::v1::Worker::Stub>> peers_

@@ -293,6 +293,7 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     return ToGrpc(s);
   }
   const std::string& name = req->collection();
+  CancelForwards(*req);  // before mu_, which a forward's primary holds
   // Which shards are new: held ones with the same assignment stay (a
   // retry), staged ones for this epoch with the same assignment are adopted
   // (replacing a held one of the same ref: a re-cut shard), another
