@@ -232,6 +232,7 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
   for (size_t i = 0; i < at.size(); ++i) {
     if (!made[i].ok()) return undo(FromGrpc(made[i], at[i]));
   }
+  CrashPoint("live_move_created");
 
   // 2. The bulk copy of each fixed block.
   std::vector<RowCopy>& copies = plan.copies;
