@@ -471,6 +471,7 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
         whole.grad.assign(part->grad.begin(), part->grad.end());
         trimmed.push_back(WithoutRanges(whole, ranges));
         const HeldPart& t = trimmed.back();
+        part->feature.pooling = t.pooling;  // a MEAN bag's factor is in its weights now
         part->feature.lengths = t.lengths;
         part->feature.ids = t.ids;
         part->feature.weights = t.weights;

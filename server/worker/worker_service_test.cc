@@ -32,6 +32,7 @@
 #include "server/backend/forwarding_backend.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
+#include "server/worker/applied_ids.h"
 #include "server/worker/shm_channels.h"
 
 namespace ember {
@@ -1777,6 +1778,72 @@ TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
   ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
   // SGD lr 1 from 0: row 0 -= 2 / 2; rows 1 and 2 -= 4 / 4; row 3 untouched.
   EXPECT_EQ(w, (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0}));
+}
+
+// A retry after a re-cut merged shards (a live move's record for the rows
+// of the sources that applied it, ImportRowsRequest.applied_for_rows) is
+// applied to the other rows only; a MEAN bag keeps its whole length's
+// factor, though some of its ids are left out. SGD at rate 1 from zero.
+TEST(WorkerServiceTest, ARetryAfterAReCutReachesOnlyTheRowsThatLackedItWithItsMeanFactor) {
+  auto s = MakeService(WorkerServiceOptions());
+  ember::v1::CreateShardsRequest create;
+  create.set_collection("mc");
+  create.set_epoch(1);
+  auto* a = create.add_shards();
+  a->mutable_ref()->set_table("t");
+  TableConfig* t = a->mutable_table();
+  t->set_name("t");
+  t->set_num_embeddings(4);
+  t->set_embedding_dim(4);
+  t->set_pooling(TableConfig::MEAN);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  t->mutable_optimizer()->set_learning_rate(1.0);
+  t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
+  a->set_rows(4);
+  a->set_cols(4);
+  ember::v1::CreateShardsResponse created;
+  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+  // Rows 0 and 1 came from a source that applied "u".
+  ember::v1::ImportRowsRequest record;
+  record.set_collection("mc");
+  record.set_epoch(1);
+  record.mutable_shard()->set_table("t");
+  record.set_applied_for_rows(true);
+  record.set_row_begin(0);
+  record.set_row_end(2);
+  record.add_applied_ids(RequestIdHash("u"));
+  record.add_applied_unix_ms(absl::ToUnixMillis(absl::Now()));
+  ember::v1::ImportRowsResponse imported;
+  ASSERT_TRUE(s->ImportRows(nullptr, &record, &imported).ok());
+  // Bag 0: ids {0, 2, 3} (weights 1, 2, 0.5), gradient 3; bag 1: ids
+  // {1, 3}, gradient 2.
+  ember::v1::WorkerApplyGradientsRequest u;
+  u.set_collection("mc");
+  u.set_epoch(1);
+  u.set_request_id("u");
+  auto* g = u.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_pooling(TableConfig::MEAN);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{3, 2}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{0, 2, 3, 1, 3}));
+  g->mutable_feature()->set_weights(wire::Encode<float>(std::vector<float>{1, 2, 0.5, 1, 1}));
+  g->set_grad(wire::Encode<float>(std::vector<float>{3, 3, 3, 3, 2, 2, 2, 2}));
+  ember::v1::WorkerApplyGradientsResponse resp;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &u, &resp).ok());
+  EXPECT_FALSE(resp.duplicate());
+  ember::v1::ExportRowsRequest er;
+  er.set_collection("mc");
+  er.mutable_shard()->set_table("t");
+  er.set_row_end(4);
+  ember::v1::ExportRowsResponse rows;
+  ASSERT_TRUE(s->ExportRows(nullptr, &er, &rows).ok());
+  std::vector<float> w;
+  ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
+  // Rows 0 and 1 untouched; row 2 -= 3 * 2 / 3; row 3 -= 3 * 0.5 / 3 + 2 / 2.
+  EXPECT_EQ(w, (std::vector<float>{0, 0, 0, 0, 0, 0, 0, 0, -2, -2, -2, -2, -1.5, -1.5, -1.5, -1.5}));
+  // Sent again: applied everywhere now.
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &u, &resp).ok());
+  EXPECT_TRUE(resp.duplicate());
 }
 
 // ImportRows' dynamic-table fields refused cleanly, nothing written:
