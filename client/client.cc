@@ -325,8 +325,12 @@ absl::Status Client::WithRetries(const std::string& collection, bool retry_unava
     absl::Status s = routing.ok() ? fn(**routing, deadline) : routing.status();
     if (s.ok()) return s;
     refresh = false;
-    if (s.code() == absl::StatusCode::kFailedPrecondition && !refreshed) {
-      refresh = refreshed = true;  // a stale plan: fetch the current one, once
+    // A stale plan (a worker at another epoch, or one that dropped the
+    // collection after a move emptied it): fetch the current one, once.
+    if ((s.code() == absl::StatusCode::kFailedPrecondition ||
+         s.code() == absl::StatusCode::kNotFound) &&
+        !refreshed) {
+      refresh = refreshed = true;
       continue;
     }
     // A busy worker (kSignalWorkerBusy) is waited out like an unavailable
@@ -367,7 +371,7 @@ absl::StatusOr<KeyedTensor> Client::Lookup(const std::string& collection, KjtVie
 absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTensor* out,
                             const StepTag& tag) {
   KeyedTensor& kt = *out;
-  const uint64_t pick = impl_->replica_counter.fetch_add(1);
+  uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st =
@@ -391,8 +395,9 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
       jobs[k].out_zeroed = false;
     }
     bool poisoned = false;
-    absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for,
-                                &poisoned, tag);
+    absl::Status st = ReadPrimariesIfAsked(
+        RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, &poisoned, tag),
+        &pick);
     // A worker may yet write into this buffer: let it go (a retry or the
     // next call takes a fresh one).
     if (poisoned) kt.values = FloatBuffer();
@@ -540,7 +545,7 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
   DeviceStage stage(impl_->link, impl_->options.link_device, kjt);
   auto view = ViewOf(&stage);
   if (!view.ok()) return view.status();
-  const uint64_t pick = impl_->replica_counter.fetch_add(1);
+  uint64_t pick = impl_->replica_counter.fetch_add(1);
   return WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     int64_t width = 0;
@@ -574,8 +579,9 @@ absl::Status Client::LookupOnDevice(const std::string& collection, const DeviceK
       }
       col += j.dim;
     }
-    if (absl::Status st = RunLookup(r, &jobs, pick, deadline, impl_->stub_for,
-                                    impl_->channel_for, nullptr, tag);
+    if (absl::Status st = ReadPrimariesIfAsked(
+            RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, nullptr, tag),
+            &pick);
         !st.ok()) {
       return st;
     }
@@ -641,7 +647,7 @@ absl::Status Client::ApplyGradientsOnDevice(const std::string& collection, const
 absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
     const std::string& collection, KjtView kjt, const StepTag& tag) {
   std::vector<SequenceEmbedding> out;
-  const uint64_t pick = impl_->replica_counter.fetch_add(1);
+  uint64_t pick = impl_->replica_counter.fetch_add(1);
   absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
     std::vector<FeatureJob> jobs;
     if (absl::Status st =
@@ -655,7 +661,9 @@ absl::StatusOr<std::vector<SequenceEmbedding>> Client::LookupSequence(
       jobs[k].out = out[k].values.data();
       jobs[k].out_stride = jobs[k].dim;
     }
-    return RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, nullptr, tag);
+    return ReadPrimariesIfAsked(
+        RunLookup(r, &jobs, pick, deadline, impl_->stub_for, impl_->channel_for, nullptr, tag),
+        &pick);
   });
   if (!s.ok()) return s;
   return out;

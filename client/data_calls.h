@@ -32,6 +32,12 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        const ChannelFor& channel_for, bool* poisoned = nullptr,
                        const StepTag& tag = {});
 
+// The replica_pick that reads every replicated shard from its primary: a
+// lookup's retry after a backup copy asked for it (kSignalReadPrimary).
+constexpr uint64_t kReadPrimaries = ~uint64_t{0};
+// `s`, having set *pick to kReadPrimaries if `s` asks for it.
+absl::Status ReadPrimariesIfAsked(absl::Status s, uint64_t* pick);
+
 // Gradients for pooled or sequence jobs (each job's grad/grad_stride set).
 // `tag`'s step and rank, where given, travel with every worker's request;
 // for a SYNC or BOUNDED collection every worker holding a shard of it gets

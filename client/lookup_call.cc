@@ -55,6 +55,11 @@ void Place(const std::vector<FeatureJob>& jobs,
 
 }  // namespace
 
+absl::Status ReadPrimariesIfAsked(absl::Status s, uint64_t* pick) {
+  if (HasSignal(s, kSignalReadPrimary)) *pick = kReadPrimaries;
+  return s;
+}
+
 absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
                        uint64_t replica_pick, absl::Time deadline, const StubFor& stub_for,
                        const ChannelFor& channel_for, bool* poisoned, const StepTag& tag) {
@@ -66,18 +71,16 @@ absl::Status RunLookup(const Client::Routing& r, std::vector<FeatureJob>* jobs,
   // Each job's shards: every shard of a sharded table, one replica of a
   // data-parallel one.
   std::vector<std::vector<Client::Routing::Shard>> targets;
-  const bool stepped = r.info.spec().training().mode() != ember::v1::TrainingSpec::ASYNC;
   for (const FeatureJob& j : *jobs) {
     targets.push_back(j.table->shards);
     if (!j.table->replicas.empty()) {
       targets.back() = {j.table->replicas[(replica_pick + j.order) % j.table->replicas.size()]};
     }
     // A replicated shard is read from any of its copies, spread as the
-    // replicas are; a SYNC collection's from its primary, whose step
-    // barrier a lookup waits on (a backup keeps no steps of its own).
+    // replicas are (from its primary after a backup asked for it).
     for (size_t s = 0; s < targets.back().size(); ++s) {
       Client::Routing::Shard& shard = targets.back()[s];
-      if (shard.backups.empty() || stepped) continue;
+      if (shard.backups.empty() || replica_pick == kReadPrimaries) continue;
       const size_t pick = (replica_pick + j.order + s) % (shard.backups.size() + 1);
       if (pick > 0) shard.rank = shard.backups[pick - 1];
     }

@@ -387,7 +387,7 @@ TEST_F(ReplicasTest, ASyncCollectionLosesNoStepWhenAWorkerIsKilled) {
       const KeyedJaggedTensor kjt = *KeyedJaggedTensor::FromJagged(keys, bags(s, r));
       const absl::Time deadline = absl::Now() + absl::Seconds(90);
       absl::Status last;
-      do {  // the step's lookup (read from the primaries), then its update
+      do {  // the step's lookup (from either copy), then its update
         auto looked = (*mine)->Lookup("r", kjt, client::StepTag{s, r});
         last = looked.status();
         if (last.ok()) {
@@ -433,6 +433,17 @@ TEST_F(ReplicasTest, ASyncCollectionLosesNoStepWhenAWorkerIsKilled) {
   }
   ExpectTablesEqualTheReference("SYNC steps across a take-over");
   ExpectCopiesIdentical(after);
+  // A lookup for the step after the last reads either copy alike (each
+  // call takes the next copy; a backup that has had no step since its
+  // epoch began sends the client to the primary).
+  const KeyedJaggedTensor probe = *KeyedJaggedTensor::FromJagged(keys, bags(kSteps, 0));
+  auto want = ref_->Lookup(probe);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (int i = 0; i < 4; ++i) {
+    auto got = client_->Lookup("r", probe, client::StepTag{kSteps, 0});
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectNear(got->values, want->values, absl::StrCat("lookup ", i, " after the steps"));
+  }
 }
 
 // SIGKILL of the worker a lost rank's copies are being made on, during the

@@ -53,6 +53,9 @@ constexpr char kIdBufferRefused[] = "id buffer:";
 //     took the call's bytes first (kLinkBytesTaken): keep the channel.
 //   kSignalIdBufferRefused: the worker cannot map the lookup's id buffer
 //     (kIdBufferRefused): send ids through the channel instead.
+//   kSignalReadPrimary: a backup copy of a SYNC collection cannot tell
+//     which step it is at yet (no step forwarded since its epoch began):
+//     read the shard's primary copy.
 //   kSignalCollectionRecovering: the coordinator is moving or recovering
 //     the collection (CollectionInfo.state RECOVERING; set by the client
 //     on its own refusal): wait, up to the call's deadline, not counting
@@ -61,6 +64,7 @@ constexpr char kSignalWorkerBusy[] = "worker_busy";
 constexpr char kSignalCollectionRecovering[] = "collection_recovering";
 constexpr char kSignalLinkBytesTaken[] = "link_bytes_taken";
 constexpr char kSignalIdBufferRefused[] = "id_buffer_refused";
+constexpr char kSignalReadPrimary[] = "read_primary";
 constexpr char kSignalPayload[] = "type.ember.dev/signals";
 constexpr char kSignalDetailsPrefix[] = "ember-signals:";
 

@@ -91,6 +91,48 @@ absl::Status WorkerService::CheckReplicationRole(
   return absl::OkStatus();
 }
 
+absl::Status WorkerService::CheckForwardSender(
+    const Collection& c, const ember::v1::WorkerApplyGradientsRequest& req) const {
+  if (!TokenTable::SameSecret(req.replication_key(),
+                              options_.auth.ReplicationKey(req.collection(), req.epoch()))) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "an update claiming to come from the primary ", req.from_primary().substr(0, 256),
+        " without the collection's replication key (only servers forward updates)"));
+  }
+  for (const auto& [key, entry] : c.shards) {
+    if (entry.assignment.replication().primary() == req.from_primary()) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "an update forwarded by ", req.from_primary().substr(0, 256), ", which is the primary of "
+      "no shard this worker backs in collection '", req.collection(), "' (the copies were "
+      "re-formed: refresh the plan)"));
+}
+
+absl::Status WorkerService::WaitForwarded(ForwardedSteps* f,
+                                          const std::set<std::string>& primaries, int64_t target,
+                                          int64_t step, absl::Time deadline) {
+  if (target < 0) return absl::OkStatus();  // no step to wait for
+  absl::MutexLock lock(&f->mu);
+  for (const std::string& p : primaries) {
+    if (!f->through.count(p)) {
+      return WithSignal(
+          absl::UnavailableError(absl::StrCat(
+              "a backup copy read for step ", step, " has had no step from its primary ", p,
+              " since its epoch began; read the primary")),
+          kSignalReadPrimary);
+    }
+    auto reached = [f, &p, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(f->mu) {
+      return f->through.at(p) >= target;
+    };
+    if (!f->mu.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "a lookup for step ", step, " of a backup copy waited for its primary ", p,
+          " to forward step ", target, " (forwarded: ", f->through.at(p), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 bool WorkerService::ForwardsUpdates(const Collection& c) {
   for (const auto& [key, entry] : c.shards) {
     if (entry.assignment.replication().backups_size() > 0) return true;
@@ -137,20 +179,24 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
     const ember::v1::WorkerApplyGradientsRequest& header,
     const std::optional<std::string>& authorization, absl::Time deadline,
     const std::vector<std::string>& features, const std::vector<backend::GradientRequest>& requests,
-    const std::vector<const ShardEntry*>& entries) {
+    const std::vector<const ShardEntry*>& entries, const std::set<std::string>& everyone) {
   // One request per backup address, with the parts of the shards it holds,
   // arrays inline.
   std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out;
+  auto to = [&](const std::string& backup) -> ember::v1::WorkerApplyGradientsRequest& {
+    auto [it, fresh] = out.try_emplace(backup);
+    if (fresh) {
+      it->second = header;
+      it->second.set_from_primary(OwnAddress());
+      it->second.set_replication_key(
+          options_.auth.ReplicationKey(header.collection(), header.epoch()));
+    }
+    return it->second;
+  };
+  for (const std::string& backup : everyone) to(backup);
   for (size_t i = 0; i < requests.size(); ++i) {
     for (const std::string& backup : entries[i]->assignment.replication().backups()) {
-      auto [it, fresh] = out.try_emplace(backup);
-      ember::v1::WorkerApplyGradientsRequest& f = it->second;
-      if (fresh) {
-        f = header;
-        f.set_from_primary(OwnAddress());
-        f.set_replication_key(
-            options_.auth.ReplicationKey(header.collection(), header.epoch()));
-      }
+      ember::v1::WorkerApplyGradientsRequest& f = to(backup);
       const backend::GradientRequest& g = requests[i];
       ember::v1::ShardGradient* sg = f.add_gradients();
       ember::v1::ShardFeature* feature = sg->mutable_feature();

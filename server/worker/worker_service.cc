@@ -340,6 +340,11 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
           ember::v1::TrainingSpec::Mode_Name((*c)->steps->options().mode),
           (req->has_step() ? ", carries a step" : ", carries no step"))));
     }
+    if (!req->from_primary().empty()) {
+      if (absl::Status sender = CheckForwardSender(**c, *req); !sender.ok()) {
+        return ToGrpc(sender);
+      }
+    }
     // A backup applies a forwarded step as it comes: its primary's barrier
     // completed it.
     if (!(*c)->steps->stepped() || !req->from_primary().empty()) {
@@ -365,12 +370,26 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
 absl::Status WorkerService::WaitForStep(const ember::v1::WorkerLookupRequest& req,
                                         absl::Time deadline) {
   std::shared_ptr<StepBarrier> steps;
+  std::shared_ptr<ForwardedSteps> forwarded;
+  std::set<std::string> primaries;  // of the backup copies it reads
+  bool own = req.features_size() == 0;  // it reads copies stepped here
   {
     absl::ReaderMutexLock lock(&mu_);
     auto c = FindCollection(req.collection(), req.epoch());
     if (!c.ok()) return c.status();
     if (!(*c)->steps->stepped()) return absl::OkStatus();
     steps = (*c)->steps;
+    forwarded = (*c)->forwarded;
+    for (const ember::v1::ShardFeature& f : req.features()) {
+      auto entry = FindShard(**c, f.shard());
+      const std::string primary =
+          entry.ok() ? (*entry)->assignment.replication().primary() : std::string();
+      if (primary.empty()) {
+        own = true;  // (a shard not held: the lookup refuses it after)
+      } else {
+        primaries.insert(primary);
+      }
+    }
   }
   if (!req.has_step() || req.step() < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -379,7 +398,14 @@ absl::Status WorkerService::WaitForStep(const ember::v1::WorkerLookupRequest& re
         ": a lookup carries the step it reads for (>= 0)",
         req.has_step() ? absl::StrCat(", got ", req.step()) : std::string()));
   }
-  return steps->WaitForLookup(req.step(), deadline);
+  if (own) {
+    if (absl::Status s = steps->WaitForLookup(req.step(), deadline); !s.ok()) return s;
+  }
+  if (primaries.empty()) return absl::OkStatus();
+  // A backup applies each step its primary forwards before the primary
+  // does: what the primary's barrier waits for, the forwarded step says.
+  return WaitForwarded(forwarded.get(), primaries, req.step() - 1 - steps->staleness(),
+                       req.step(), std::min(deadline, absl::Now() + steps->options().timeout));
 }
 
 absl::Status WorkerService::RunUpdate(const std::vector<backend::GradientRequest>& requests,
@@ -524,10 +550,16 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
   }
   RecordApplied(touched, id, req.request_digest(), req.collection());
   // A forwarded step: its ranks' updates are applied here too (a promoted
-  // copy answers their retries as the primary would).
+  // copy answers their retries as the primary would), and lookups of the
+  // copies its primary forwards to may read for the next step.
   for (const ember::v1::StepRankUpdate& rank : req.step_ranks()) {
     RecordApplied(touched, RequestIdHash(rank.request_id()), rank.request_digest(),
                   req.collection());
+  }
+  if (!req.from_primary().empty() && req.has_step()) {
+    absl::MutexLock lock(&coll.forwarded->mu);
+    auto [it, fresh] = coll.forwarded->through.try_emplace(req.from_primary(), req.step());
+    if (!fresh) it->second = std::max(it->second, req.step());
   }
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
@@ -769,7 +801,15 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
     }
     header.set_request_id(id);
     header.set_request_digest(digest);
-    forward = StartForward(header, token, absl::InfiniteFuture(), features, requests, entries);
+    // Every worker backing a shard of this primary hears of every step,
+    // parts or none: their lookups wait for it.
+    std::set<std::string> everyone;
+    for (const auto& [key, entry] : coll.shards) {
+      everyone.insert(entry.assignment.replication().backups().begin(),
+                      entry.assignment.replication().backups().end());
+    }
+    forward = StartForward(header, token, absl::InfiniteFuture(), features, requests, entries,
+                           everyone);
   }
   if (forward != nullptr) {
     coll.apply_mu->Unlock();

@@ -235,6 +235,14 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::shared_ptr<std::vector<RowsRecord>> rows_applied =
         std::make_shared<std::vector<RowsRecord>>();
   };
+  // A SYNC collection's backup copies here: the last step each primary
+  // forwarded at the current epoch (a primary forwards every step to every
+  // worker holding backups of its shards, with their parts or none), which
+  // a lookup of those copies waits for. Shared: waited on without mu_.
+  struct ForwardedSteps {
+    absl::Mutex mu;
+    std::map<std::string, int64_t> through ABSL_GUARDED_BY(mu);  // by primary address
+  };
   struct Collection {
     int64_t epoch = 0;
     int64_t generation = 0;  // tells a collection from a later one of the same name
@@ -257,6 +265,8 @@ class WorkerService final : public ember::v1::Worker::Service {
     // when the collection moves to another epoch. Shared: a caller waits on
     // it without mu_.
     std::shared_ptr<StepBarrier> steps = std::make_shared<StepBarrier>(StepBarrier::Options{});
+    // Replaced with the barrier at a new epoch (steps may start over).
+    std::shared_ptr<ForwardedSteps> forwarded = std::make_shared<ForwardedSteps>();
   };
 
   // A data call refused as busy (`busy`, EnterDataCall's): a link
@@ -346,11 +356,23 @@ class WorkerService final : public ember::v1::Worker::Service {
   // a step's step and step_ranks); `features[i]`: requests[i]'s KJT key;
   // `authorization`: the trainer's token, sent on; `deadline`: the
   // trainer's (the forward timeout caps it).
+  // `everyone`: backups sent the forward even with no parts for them (a
+  // SYNC step's, which their lookups wait for).
   ForwardingPtr StartForward(const ember::v1::WorkerApplyGradientsRequest& header,
                              const std::optional<std::string>& authorization,
                              absl::Time deadline, const std::vector<std::string>& features,
                              const std::vector<backend::GradientRequest>& requests,
-                             const std::vector<const ShardEntry*>& entries);
+                             const std::vector<const ShardEntry*>& entries,
+                             const std::set<std::string>& everyone = {});
+  // A forward's sender, whatever it carries: the replication key (where
+  // tokens are on) and the primary of a shard this worker backs.
+  absl::Status CheckForwardSender(const Collection& c,
+                                  const ember::v1::WorkerApplyGradientsRequest& req) const;
+  // A lookup of backup copies of a SYNC collection: waits until each of
+  // their primaries' forwarded step reaches `target`; UNAVAILABLE with
+  // kSignalReadPrimary when one has forwarded none at this epoch.
+  static absl::Status WaitForwarded(ForwardedSteps* f, const std::set<std::string>& primaries,
+                                    int64_t target, int64_t step, absl::Time deadline);
   absl::Status FinishForward(ForwardingPtr f, bool applied_here, const std::string& collection,
                              Collection* c);
   ember::v1::Worker::Stub* PeerStub(const std::string& address);

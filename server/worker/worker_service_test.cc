@@ -1721,6 +1721,32 @@ TEST(WorkerServiceTest, LinkChannelsAreLostOnMisuseAndApplyNothing) {
 // ShardGradient.mean_lengths (a stepped update's row-split MEAN feature):
 // refused by an ASYNC collection and when malformed; applied, the bag's
 // gradient is scaled by 1/length (here after dividing by 1 trainer).
+// Collection `name` at epoch 1 on `s`: one table "t" of 4 rows of 4
+// columns, all zero, SGD at rate 1, pooled by `pooling`, trained as
+// `training` says; a backup copy of `primary`'s when that is given.
+void CreateTableT(WorkerService* s, const std::string& name, TableConfig::Pooling pooling,
+                  const ember::v1::TrainingSpec& training, const std::string& primary = "") {
+  ember::v1::CreateShardsRequest create;
+  create.set_collection(name);
+  create.set_epoch(1);
+  *create.mutable_training() = training;
+  auto* a = create.add_shards();
+  a->mutable_ref()->set_table("t");
+  TableConfig* t = a->mutable_table();
+  t->set_name("t");
+  t->set_num_embeddings(4);
+  t->set_embedding_dim(4);
+  t->set_pooling(pooling);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  t->mutable_optimizer()->set_learning_rate(1.0);
+  t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
+  a->set_rows(4);
+  a->set_cols(4);
+  if (!primary.empty()) a->mutable_replication()->set_primary(primary);
+  ember::v1::CreateShardsResponse created;
+  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+}
+
 TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
   auto s = MakeService(WorkerServiceOptions());
   auto update = [](const std::string& collection, std::vector<int64_t> mean_lengths) {
@@ -1741,24 +1767,10 @@ TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
   EXPECT_EQ(async.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(async.error_message(), ::testing::HasSubstr("only SYNC and BOUNDED updates take"));
   // The same table in a SYNC collection of one trainer.
-  ember::v1::CreateShardsRequest create;
-  create.set_collection("sy");
-  create.set_epoch(1);
-  create.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
-  create.mutable_training()->set_trainers(1);
-  auto* a = create.add_shards();
-  a->mutable_ref()->set_table("t");
-  TableConfig* t = a->mutable_table();
-  t->set_name("t");
-  t->set_num_embeddings(4);
-  t->set_embedding_dim(4);
-  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
-  t->mutable_optimizer()->set_learning_rate(1.0);
-  t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
-  a->set_rows(4);
-  a->set_cols(4);
-  ember::v1::CreateShardsResponse created;
-  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+  ember::v1::TrainingSpec sync;
+  sync.set_mode(ember::v1::TrainingSpec::SYNC);
+  sync.set_trainers(1);
+  ASSERT_NO_FATAL_FAILURE(CreateTableT(s.get(), "sy", TableConfig::SUM, sync));
   for (const auto& [bad, why] : std::vector<std::pair<std::vector<int64_t>, std::string>>{
            {{2}, "one per bag (2), got 1"}, {{2, 1}, "mean_lengths[1] (1) is less than"}}) {
     auto r = update("sy", bad);
@@ -1786,23 +1798,8 @@ TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
 // factor, though some of its ids are left out. SGD at rate 1 from zero.
 TEST(WorkerServiceTest, ARetryAfterAReCutReachesOnlyTheRowsThatLackedItWithItsMeanFactor) {
   auto s = MakeService(WorkerServiceOptions());
-  ember::v1::CreateShardsRequest create;
-  create.set_collection("mc");
-  create.set_epoch(1);
-  auto* a = create.add_shards();
-  a->mutable_ref()->set_table("t");
-  TableConfig* t = a->mutable_table();
-  t->set_name("t");
-  t->set_num_embeddings(4);
-  t->set_embedding_dim(4);
-  t->set_pooling(TableConfig::MEAN);
-  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
-  t->mutable_optimizer()->set_learning_rate(1.0);
-  t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
-  a->set_rows(4);
-  a->set_cols(4);
-  ember::v1::CreateShardsResponse created;
-  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+  ASSERT_NO_FATAL_FAILURE(
+      CreateTableT(s.get(), "mc", TableConfig::MEAN, ember::v1::TrainingSpec()));
   // Rows 0 and 1 came from a source that applied "u".
   ember::v1::ImportRowsRequest record;
   record.set_collection("mc");
@@ -1844,6 +1841,89 @@ TEST(WorkerServiceTest, ARetryAfterAReCutReachesOnlyTheRowsThatLackedItWithItsMe
   // Sent again: applied everywhere now.
   ASSERT_TRUE(s->ApplyGradients(nullptr, &u, &resp).ok());
   EXPECT_TRUE(resp.duplicate());
+}
+
+// A backup copy of a SYNC collection's shard: a lookup for step s waits
+// until its primary forwarded step s - 1 (every step reaches every backup
+// worker, parts or none); before any step at this epoch it asks the client
+// to read the primary (kSignalReadPrimary). Forwards come only from the
+// shard's primary; trainers' updates are refused.
+TEST(WorkerServiceTest, ASyncBackupServesLookupsForTheStepsItsPrimaryForwarded) {
+  auto s = MakeService(WorkerServiceOptions());
+  ember::v1::TrainingSpec sync;
+  sync.set_mode(ember::v1::TrainingSpec::SYNC);
+  sync.set_trainers(2);
+  sync.set_step_timeout_s(1);
+  ASSERT_NO_FATAL_FAILURE(CreateTableT(s.get(), "sb", TableConfig::SUM, sync, "10.0.0.1:7000"));
+  auto lookup = [&](int64_t step, std::vector<float>* out) {
+    ember::v1::WorkerLookupRequest req = PooledLookup();
+    req.set_collection("sb");
+    req.set_step(step);
+    auto* f = req.mutable_features(0);
+    f->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+    f->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{2}));
+    ember::v1::WorkerLookupResponse resp;
+    const grpc::Status st = s->Lookup(nullptr, &req, &resp);
+    if (st.ok() && out != nullptr) EXPECT_TRUE(wire::Decode(resp.outputs(0), "out", out).ok());
+    return st;
+  };
+  auto forward = [&](const std::string& from, int64_t step, bool with_part) {
+    ember::v1::WorkerApplyGradientsRequest r;
+    r.set_collection("sb");
+    r.set_epoch(1);
+    r.set_request_id(absl::StrCat("step ", step, " from ", from));
+    r.set_from_primary(from);
+    r.set_step(step);
+    for (int rank = 0; rank < 2; ++rank) {
+      r.add_step_ranks()->set_request_id(absl::StrCat("rank", rank, "-", step));
+    }
+    if (with_part) {
+      auto* g = r.add_gradients();
+      g->mutable_feature()->mutable_shard()->set_table("t");
+      g->mutable_feature()->set_pooling(TableConfig::SUM);
+      g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+      g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{2}));
+      g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
+    }
+    ember::v1::WorkerApplyGradientsResponse resp;
+    return s->ApplyGradients(nullptr, &r, &resp);
+  };
+  std::vector<float> out;
+  EXPECT_TRUE(lookup(0, &out).ok());  // step 0 needs no step applied
+  const grpc::Status unknown = lookup(2, nullptr);
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::UNAVAILABLE) << unknown.error_message();
+  EXPECT_TRUE(HasSignal(FromGrpc(unknown), kSignalReadPrimary)) << unknown.error_message();
+  // Forwards from anyone but the primary are refused, nothing applied.
+  const grpc::Status stranger = forward("10.0.0.9:7000", 0, true);
+  EXPECT_EQ(stranger.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << stranger.error_message();
+  ASSERT_TRUE(forward("10.0.0.1:7000", 0, false).ok());  // step 0: nothing for this copy
+  ASSERT_TRUE(lookup(1, &out).ok());
+  EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+  const absl::Time start = absl::Now();
+  const grpc::Status ahead = lookup(2, nullptr);  // step 1 not forwarded: waits its timeout
+  EXPECT_EQ(ahead.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << ahead.error_message();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));
+  ASSERT_TRUE(forward("10.0.0.1:7000", 1, true).ok());
+  ASSERT_TRUE(lookup(2, &out).ok());
+  EXPECT_EQ(out, std::vector<float>(4, -1.0f));
+  // A trainer's update straight to the backup is refused.
+  ember::v1::WorkerApplyGradientsRequest direct;
+  direct.set_collection("sb");
+  direct.set_epoch(1);
+  direct.set_request_id("direct");
+  direct.set_step(2);
+  direct.set_rank(0);
+  auto* g = direct.add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table("t");
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{2}));
+  g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
+  ember::v1::WorkerApplyGradientsResponse resp;
+  const grpc::Status refused = s->ApplyGradients(nullptr, &direct, &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
+  ASSERT_TRUE(lookup(2, &out).ok());
+  EXPECT_EQ(out, std::vector<float>(4, -1.0f));
 }
 
 // ImportRows' dynamic-table fields refused cleanly, nothing written:

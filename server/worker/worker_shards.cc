@@ -426,6 +426,7 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
         " while a step was held; refresh the plan and send the step again")));
     RetireSteps(*coll.steps);
     coll.steps = MakeSteps(req->training());
+    coll.forwarded = std::make_shared<ForwardedSteps>();
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
             << create.size() << " shard(s) added, " << adopt.size() << " staged one(s) adopted, "
