@@ -16,8 +16,17 @@ between two acknowledged updates, and the time until every shard has two
 copies again (copied live onto the workers left), with the bytes those new
 copies hold and the rate per GiB. With --format=json, one JSON line.
 
+With --training sync both collections train SYNC with two trainer ranks
+(two threads, each its own client): every round is a step, each rank looking
+up its batch for the step, then sending its gradients; a step ends when
+both ranks have it acknowledged (the primaries merge the ranks' parts and,
+with replicas 2, forward the merged step to the backups first). The
+figures are then steps/s and step latency, and the kill phase runs the two
+ranks stepping without pause.
+
 Usage: .venv/bin/python bench/replicas_bench.py [--mib 256] [--dim 64]
-       [--batch 1024] [--rounds 200] [--lease_ms 1500] [--format text|json]
+       [--batch 1024] [--rounds 200] [--lease_ms 1500] [--training async|sync]
+       [--format text|json]
 """
 import argparse
 import json
@@ -32,12 +41,65 @@ import numpy as np
 import ember
 
 
-def spec_of(name, rows, dim, replicas):
-    return {"name": name, "replicas": replicas, "tables": [
+RANKS = 2  # trainer ranks of a SYNC run
+
+
+def spec_of(name, rows, dim, replicas, sync):
+    spec = {"name": name, "replicas": replicas, "tables": [
         {"name": f"t{t}", "num_embeddings": rows, "embedding_dim": dim,
          "feature_names": [f"f{t}"], "pooling": "SUM",
          "optimizer": {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.01}}
         for t in range(4)]}
+    if sync:
+        spec["training"] = {"mode": "SYNC", "trainers": RANKS, "step_timeout_s": 120}
+    return spec
+
+
+class Ranks:
+    """RANKS trainer threads stepping a SYNC collection in lockstep: step s is
+    each rank's lookup for s, then its update for s (retried until
+    acknowledged, under its own request id)."""
+
+    def __init__(self, address, rows, dim, batch, seed):
+        self.clients = [ember.Client(address, timeout_s=600) for _ in range(RANKS)]
+        self.rngs = [np.random.default_rng(seed + r) for r in range(RANKS)]
+        self.rows, self.dim, self.batch = rows, dim, batch
+        self.step = {}
+
+    def run(self, name, steps, on_step=None, stop=None):
+        """Runs `steps` steps (or until `stop` is set); on_step(seconds) for
+        each step rank 0 finished."""
+        first = self.step.get(name, 0)
+        batches = [[batch_of(self.rngs[r], self.rows, self.dim, self.batch)
+                    for _ in range(steps)] for r in range(RANKS)]
+        errors = []
+
+        def rank(r):
+            c = self.clients[r]
+            try:
+                for i in range(steps):
+                    if stop is not None and stop.is_set():
+                        return
+                    s = first + i
+                    kjt, g = batches[r][i]
+                    t0 = time.perf_counter()
+                    c.lookup(name, kjt, step=s)
+                    c.apply_gradients(name, kjt, g, request_id=f"{name}-r{r}-{s}", step=s, rank=r)
+                    if r == 0 and on_step is not None:
+                        on_step(time.perf_counter() - t0)
+            except Exception as e:  # reported by the caller
+                errors.append(e)
+                if stop is not None:
+                    stop.set()
+
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(RANKS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.step[name] = first + steps
+        if errors:
+            raise errors[0]
 
 
 def batch_of(rng, rows, dim, batch):
@@ -64,33 +126,45 @@ def main():
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--lease_ms", type=int, default=1500)
+    p.add_argument("--training", choices=["async", "sync"], default="async")
     p.add_argument("--format", choices=["text", "json"], default="text")
     args = p.parse_args()
+    sync = args.training == "sync"
     rows = int(args.mib * (1 << 20) / 4 / (args.dim * 4 + 4))  # weights + one Adagrad float
     row_bytes = args.dim * 4 + 4
     with ember.LocalCluster(workers=3, timeout_s=120,
                             extra_flags=[f"--lease_ms={args.lease_ms}"]) as cl:
         c = ember.Client(cl.address, timeout_s=600)
-        c.create_collection(spec_of("one", rows, args.dim, 1), sharding_type="row_wise")
-        c.create_collection(spec_of("two", rows, args.dim, 2), sharding_type="row_wise")
+        c.create_collection(spec_of("one", rows, args.dim, 1, sync), sharding_type="row_wise")
+        c.create_collection(spec_of("two", rows, args.dim, 2, sync), sharding_type="row_wise")
         if args.format == "text":
             print(f"== 3 CPU workers, 2 collections of {args.mib:g} MiB: 4 tables of "
                   f"[{rows}, {args.dim}] fp32 + row-wise Adagrad, row_wise; batches of "
-                  f"{args.batch} ids per table")
+                  f"{args.batch} ids per table" +
+                  (f"; SYNC, {RANKS} trainer ranks" if sync else ""))
         # 1. The same batches to each, alternately.
         rng = np.random.default_rng(3)
         lat = {"one": [], "two": []}
-        for _ in range(10):  # warm-up
-            kjt, g = batch_of(rng, rows, args.dim, args.batch)
+        if sync:
+            ranks = Ranks(cl.address, rows, args.dim, args.batch, seed=3)
             for name in lat:
-                c.apply_gradients(name, kjt, g)
-        for _ in range(args.rounds):
-            kjt, g = batch_of(rng, rows, args.dim, args.batch)
-            for name in lat:
-                t0 = time.perf_counter()
-                c.apply_gradients(name, kjt, g)
-                lat[name].append(time.perf_counter() - t0)
-        row = {"mib": args.mib, "batch": args.batch, "lease_ms": args.lease_ms}
+                ranks.run(name, 10)  # warm-up
+            for _ in range(4):  # in turn, a quarter of the rounds at a time
+                for name in lat:
+                    ranks.run(name, max(1, args.rounds // 4), on_step=lat[name].append)
+        else:
+            for _ in range(10):  # warm-up
+                kjt, g = batch_of(rng, rows, args.dim, args.batch)
+                for name in lat:
+                    c.apply_gradients(name, kjt, g)
+            for _ in range(args.rounds):
+                kjt, g = batch_of(rng, rows, args.dim, args.batch)
+                for name in lat:
+                    t0 = time.perf_counter()
+                    c.apply_gradients(name, kjt, g)
+                    lat[name].append(time.perf_counter() - t0)
+        row = {"mib": args.mib, "batch": args.batch, "lease_ms": args.lease_ms,
+               "training": args.training}
         for name in lat:
             row[f"{name}_p50_ms"] = pct(lat[name], 50) * 1e3
             row[f"{name}_p99_ms"] = pct(lat[name], 99) * 1e3
@@ -110,6 +184,14 @@ def main():
         acks, stop, errors = [], threading.Event(), []
 
         def train():
+            if sync:
+                try:
+                    while not stop.is_set():
+                        ranks.run("two", 20, on_step=lambda _: acks.append(time.perf_counter()),
+                                  stop=stop)
+                except Exception as e:  # reported below
+                    errors.append(e)
+                return
             tc = ember.Client(cl.address, timeout_s=600)
             r = np.random.default_rng(5)
             n = 0
@@ -157,9 +239,10 @@ def main():
         if args.format == "json":
             print(json.dumps(row))
             return 0
-        print(f"updates, replicas 1: p50 {row['one_p50_ms']:.2f} ms, p99 "
+        what = "steps (lookup + update, rank 0)" if sync else "updates"
+        print(f"{what}, replicas 1: p50 {row['one_p50_ms']:.2f} ms, p99 "
               f"{row['one_p99_ms']:.2f} ms, {row['one_updates_per_s']:.1f}/s")
-        print(f"updates, replicas 2: p50 {row['two_p50_ms']:.2f} ms, p99 "
+        print(f"{what}, replicas 2: p50 {row['two_p50_ms']:.2f} ms, p99 "
               f"{row['two_p99_ms']:.2f} ms, {row['two_updates_per_s']:.1f}/s "
               f"({row['two_updates_per_s'] / row['one_updates_per_s']:.2f}x replicas 1)")
         if failover is None or rebuilt is None:

@@ -687,10 +687,9 @@ TEST_F(ReplicasTest, APrimaryPartitionedFromTheClusterAcknowledgesNothing) {
 
   // The partition: worker 0 and the rest of the cluster cannot reach each
   // other; the trainer reaches both sides.
-  for (const std::string& other : {coordinator_ip, worker_ips[1], worker_ips[2]}) {
-    ASSERT_TRUE(hosts.Blackhole("w0", other, true));
-  }
-  for (const std::string& name : {"coord", "w1", "w2"}) {
+  const std::vector<std::string> others = {coordinator_ip, worker_ips[1], worker_ips[2]};
+  for (const std::string& other : others) ASSERT_TRUE(hosts.Blackhole("w0", other, true));
+  for (const char* name : {"coord", "w1", "w2"}) {
     ASSERT_TRUE(hosts.Blackhole(name, worker_ips[0], true));
   }
   const absl::Time partitioned = absl::Now();
@@ -725,10 +724,8 @@ TEST_F(ReplicasTest, APrimaryPartitionedFromTheClusterAcknowledgesNothing) {
   trainer.WaitFor(20);
 
   // Healed: the routes back.
-  for (const std::string& other : {coordinator_ip, worker_ips[1], worker_ips[2]}) {
-    EXPECT_TRUE(hosts.Blackhole("w0", other, false));
-  }
-  for (const std::string& name : {"coord", "w1", "w2"}) {
+  for (const std::string& other : others) EXPECT_TRUE(hosts.Blackhole("w0", other, false));
+  for (const char* name : {"coord", "w1", "w2"}) {
     EXPECT_TRUE(hosts.Blackhole(name, worker_ips[0], false));
   }
   trainer.WaitFor(20);
