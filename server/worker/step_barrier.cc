@@ -359,6 +359,20 @@ void StepBarrier::AbortAll(const absl::Status& why) {
   changed_.SignalAll();
 }
 
+std::optional<std::pair<int64_t, StepBarrier::RankDigests>> StepBarrier::LastApplied() const {
+  absl::MutexLock lock(&mu_);
+  if (!applied_.has_value()) return std::nullopt;
+  auto d = applied_digests_.find(*applied_);
+  return std::make_pair(*applied_, d == applied_digests_.end() ? RankDigests() : d->second);
+}
+
+void StepBarrier::Seed(int64_t step, RankDigests digests) {
+  absl::MutexLock lock(&mu_);
+  if (applied_.has_value() || !pending_.empty()) return;  // not fresh: nothing to take over
+  applied_ = step;
+  applied_digests_[step] = std::move(digests);
+}
+
 StepBarrier::Stats StepBarrier::GetStats() const {
   absl::MutexLock lock(&mu_);
   Stats s;

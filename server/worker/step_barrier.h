@@ -141,6 +141,16 @@ class StepBarrier {
   int64_t FenceAt(int64_t last);
   absl::Status WaitApplied(int64_t last, absl::Time deadline);
 
+  // The last step applied here and its ranks' digests (none: nothing
+  // applied).
+  using RankDigests = std::map<int32_t, uint64_t>;
+  std::optional<std::pair<int64_t, RankDigests>> LastApplied() const;
+  // A fresh barrier (nothing held or applied) taking over from another
+  // that applied through `step` with these ranks' contributions (a new
+  // epoch of a collection whose every shard here had applied it): a rank
+  // that sends `step` again is answered as a retry of what was applied.
+  void Seed(int64_t step, RankDigests digests);
+
   struct Stats {
     int64_t steps_applied = 0;
     int64_t steps_aborted = 0;

@@ -559,7 +559,14 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
   if (!req.from_primary().empty() && req.has_step()) {
     absl::MutexLock lock(&coll.forwarded->mu);
     auto [it, fresh] = coll.forwarded->through.try_emplace(req.from_primary(), req.step());
-    if (!fresh) it->second = std::max(it->second, req.step());
+    if (fresh || req.step() >= it->second) {
+      it->second = req.step();
+      StepBarrier::RankDigests& d = coll.forwarded->digests[req.from_primary()];
+      d.clear();
+      for (const ember::v1::StepRankUpdate& rank : req.step_ranks()) {
+        d[rank.rank()] = rank.request_digest();
+      }
+    }
   }
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
@@ -795,6 +802,7 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
       ember::v1::StepRankUpdate* u = header.add_step_ranks();
       u->set_request_id(rank->request_id);
       u->set_request_digest(rank->digest);
+      u->set_rank(rank->rank);
       absl::StrAppend(&id, " ", rank->request_id.size(), ":", rank->request_id);
       digest = digest * 0x100000001b3ULL ^ rank->digest;
       if (!token.has_value()) token = rank->authorization;

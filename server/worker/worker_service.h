@@ -242,6 +242,8 @@ class WorkerService final : public ember::v1::Worker::Service {
   struct ForwardedSteps {
     absl::Mutex mu;
     std::map<std::string, int64_t> through ABSL_GUARDED_BY(mu);  // by primary address
+    // The ranks' digests of the step `through` names, by primary.
+    std::map<std::string, StepBarrier::RankDigests> digests ABSL_GUARDED_BY(mu);
   };
   struct Collection {
     int64_t epoch = 0;
@@ -268,6 +270,13 @@ class WorkerService final : public ember::v1::Worker::Service {
     // Replaced with the barrier at a new epoch (steps may start over).
     std::shared_ptr<ForwardedSteps> forwarded = std::make_shared<ForwardedSteps>();
   };
+  // The step a SYNC collection's new barrier takes over at a new epoch:
+  // the last every shard it steps here had applied (its own barrier's, or
+  // a promoted backup's forwarded), none when a shard is new here.
+  // `backed`: each shard held before the epoch and the primary it backed
+  // ("" for its own).
+  static std::optional<std::pair<int64_t, StepBarrier::RankDigests>> SeedOf(
+      const Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed);
 
   // A data call refused as busy (`busy`, EnterDataCall's): a link
   // channel's bytes are taken off the link first (up to kMaxBusyReceives

@@ -1926,6 +1926,146 @@ TEST(WorkerServiceTest, ASyncBackupServesLookupsForTheStepsItsPrimaryForwarded) 
   EXPECT_EQ(out, std::vector<float>(4, -1.0f));
 }
 
+// A SYNC step every shard of a worker had applied stays applied at a new
+// epoch: here shard "t" is the worker's own and "u" a backup promoted by
+// the new epoch (its primary had forwarded step 0). Rank 1 sending step 0
+// again (its answer lost with the dead primary) is answered as a retry at
+// once, not held for rank 0, which has moved on; step 1 then runs as
+// usual. A shard new at the epoch leaves the new barrier unseeded.
+TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
+  auto s = MakeService(WorkerServiceOptions());
+  ember::v1::TrainingSpec sync;
+  sync.set_mode(ember::v1::TrainingSpec::SYNC);
+  sync.set_trainers(2);
+  sync.set_step_timeout_s(1);
+  const std::string primary = "10.0.0.1:7000";
+  auto assignment = [&](const std::string& table, const std::string& backs) {
+    ember::v1::ShardAssignment a;
+    a.mutable_ref()->set_table(table);
+    TableConfig* t = a.mutable_table();
+    t->set_name(table);
+    t->set_num_embeddings(4);
+    t->set_embedding_dim(4);
+    t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+    t->mutable_optimizer()->set_learning_rate(1.0);
+    t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
+    a.set_rows(4);
+    a.set_cols(4);
+    if (!backs.empty()) a.mutable_replication()->set_primary(backs);
+    return a;
+  };
+  {  // "t" its own, "u" a backup of `primary`'s shard
+    ember::v1::CreateShardsRequest create;
+    create.set_collection("ss");
+    create.set_epoch(1);
+    *create.mutable_training() = sync;
+    *create.add_shards() = assignment("t", "");
+    *create.add_shards() = assignment("u", primary);
+    ember::v1::CreateShardsResponse created;
+    ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+  }
+  auto part = [](ember::v1::WorkerApplyGradientsRequest* r, const std::string& table) {
+    auto* g = r->add_gradients();
+    g->mutable_feature()->mutable_shard()->set_table(table);
+    g->mutable_feature()->set_pooling(TableConfig::SUM);
+    g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+    g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+    g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
+  };
+  auto contribution = [&](int64_t epoch, int64_t step, int rank,
+                          const std::vector<std::string>& tables) {
+    ember::v1::WorkerApplyGradientsRequest r;
+    r.set_collection("ss");
+    r.set_epoch(epoch);
+    r.set_request_id(absl::StrCat("rank", rank, "-", step));
+    r.set_request_digest(1000 + 10 * step + rank);
+    r.set_step(step);
+    r.set_rank(rank);
+    for (const std::string& t : tables) part(&r, t);
+    return r;
+  };
+  // Step 0: both ranks' parts of "t" here; "u"'s came through its primary.
+  std::vector<grpc::Status> got(2);
+  {
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        auto r = contribution(1, 0, rank, {"t"});
+        ember::v1::WorkerApplyGradientsResponse resp;
+        got[rank] = s->ApplyGradients(nullptr, &r, &resp);
+      });
+    }
+    for (auto& t : ranks) t.join();
+  }
+  ASSERT_TRUE(got[0].ok() && got[1].ok()) << got[0].error_message() << got[1].error_message();
+  ember::v1::WorkerApplyGradientsRequest forward;
+  forward.set_collection("ss");
+  forward.set_epoch(1);
+  forward.set_request_id("step 0 of u");
+  forward.set_from_primary(primary);
+  forward.set_step(0);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto* u = forward.add_step_ranks();
+    u->set_request_id(absl::StrCat("rank", rank, "-0"));
+    u->set_request_digest(1000 + rank);
+    u->set_rank(rank);
+  }
+  part(&forward, "u");
+  ember::v1::WorkerApplyGradientsResponse fresp;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &forward, &fresp).ok());
+  // Epoch 2: "u" promoted.
+  ember::v1::UpdateShardsRequest promote;
+  promote.set_collection("ss");
+  promote.set_epoch(2);
+  *promote.mutable_training() = sync;
+  *promote.add_create() = assignment("t", "");
+  *promote.add_create() = assignment("u", "");
+  ember::v1::UpdateShardsResponse updated;
+  ASSERT_TRUE(s->UpdateShards(nullptr, &promote, &updated).ok());
+  const absl::Time start = absl::Now();
+  auto again = contribution(2, 0, 1, {"t", "u"});
+  ember::v1::WorkerApplyGradientsResponse resp;
+  const grpc::Status retried = s->ApplyGradients(nullptr, &again, &resp);
+  EXPECT_TRUE(retried.ok()) << retried.error_message();
+  EXPECT_TRUE(resp.duplicate());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500)) << "held for the other rank";
+  // Step 1 as usual: both ranks, both tables.
+  {
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        auto r = contribution(2, 1, rank, {"t", "u"});
+        ember::v1::WorkerApplyGradientsResponse r1;
+        got[rank] = s->ApplyGradients(nullptr, &r, &r1);
+      });
+    }
+    for (auto& t : ranks) t.join();
+  }
+  ASSERT_TRUE(got[0].ok() && got[1].ok()) << got[0].error_message() << got[1].error_message();
+  for (const char* table : {"t", "u"}) {
+    ember::v1::ExportRowsRequest er;
+    er.set_collection("ss");
+    er.mutable_shard()->set_table(table);
+    er.set_row_end(4);
+    ember::v1::ExportRowsResponse rows;
+    ASSERT_TRUE(s->ExportRows(nullptr, &er, &rows).ok());
+    std::vector<float> w;
+    ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
+    // Row 1: step 0 (t: the two ranks' 1s, halved; u: the forwarded 1),
+    // then step 1 (the two ranks' 1s, halved), at rate 1 from zero.
+    EXPECT_EQ(w[4], -2.0f) << table;
+  }
+  // A shard new at an epoch: no seed, so a resend of step 1 is held (and
+  // aborted at the step timeout, rank 0 not sending it).
+  ember::v1::UpdateShardsRequest grow = promote;
+  grow.set_epoch(3);
+  *grow.add_create() = assignment("v", "");
+  ASSERT_TRUE(s->UpdateShards(nullptr, &grow, &updated).ok());
+  auto late = contribution(3, 1, 1, {"t"});
+  const grpc::Status held = s->ApplyGradients(nullptr, &late, &resp);
+  EXPECT_FALSE(held.ok()) << "answered without the other rank";
+}
+
 // ImportRows' dynamic-table fields refused cleanly, nothing written:
 // slot_meta or ids for a fixed shard, a dynamic shard's slots without their
 // slot_meta or with too few or negative fields, repeated ids; then a good

@@ -368,6 +368,13 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   }
   Collection& coll = **c;
   absl::MutexLock apply(coll.apply_mu.get());
+  // The shards held before, and the primary each backed ("": its own);
+  // an adopted stage replaces a held shard's rows: new here.
+  std::map<std::pair<std::string, int32_t>, std::string> backed;
+  for (const auto& [key, entry] : coll.shards) {
+    backed[key] = entry.assignment.replication().primary();
+  }
+  for (const auto& key : adopt) backed.erase(key);
   for (auto& [key, entry] : added.shards) coll.shards.emplace(key, std::move(entry));
   // Staged shards: at their epoch those named come into service (a held
   // shard of the same ref gives way) and the rest are dropped; a move to a
@@ -424,8 +431,16 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     coll.steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
         "collection '", name, "' moved to epoch ", req->epoch(),
         " while a step was held; refresh the plan and send the step again")));
+    // A SYNC step every shard here had applied stays applied: a rank that
+    // sends it again (its answer lost with a dead primary whose backup
+    // this worker now is) is answered as a retry, not held for ranks that
+    // have moved on.
+    const auto seed = req->training().mode() == ember::v1::TrainingSpec::SYNC
+                          ? SeedOf(coll, backed)
+                          : std::nullopt;
     RetireSteps(*coll.steps);
     coll.steps = MakeSteps(req->training());
+    if (seed.has_value()) coll.steps->Seed(seed->first, seed->second);
     coll.forwarded = std::make_shared<ForwardedSteps>();
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
@@ -433,6 +448,29 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
             << dropped << " dropped";
   coll.epoch = req->epoch();
   return grpc::Status::OK;
+}
+
+std::optional<std::pair<int64_t, StepBarrier::RankDigests>> WorkerService::SeedOf(
+    const Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed) {
+  const auto own = c.steps->LastApplied();
+  absl::MutexLock lock(&c.forwarded->mu);
+  std::optional<std::pair<int64_t, StepBarrier::RankDigests>> seed;
+  for (const auto& [key, entry] : c.shards) {
+    if (!entry.assignment.replication().primary().empty()) continue;  // a backup: not stepped here
+    auto b = backed.find(key);
+    if (b == backed.end()) return std::nullopt;  // new here: its steps unknown
+    std::optional<std::pair<int64_t, StepBarrier::RankDigests>> at = own;
+    if (!b->second.empty()) {  // a backup promoted: the steps its primary forwarded
+      auto t = c.forwarded->through.find(b->second);
+      if (t == c.forwarded->through.end()) return std::nullopt;
+      auto d = c.forwarded->digests.find(b->second);
+      at = std::make_pair(t->second, d == c.forwarded->digests.end() ? StepBarrier::RankDigests()
+                                                                     : d->second);
+    }
+    if (!at.has_value() || at->second.empty()) return std::nullopt;
+    if (!seed.has_value() || at->first < seed->first) seed = at;
+  }
+  return seed;
 }
 
 void WorkerService::RetireSteps(const StepBarrier& steps) {
