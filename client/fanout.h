@@ -40,7 +40,8 @@ struct Call {
 
 // Worst status of a set of calls, named by worker: FAILED_PRECONDITION (a
 // stale plan, refresh) first, then any non-UNAVAILABLE error, then
-// UNAVAILABLE / DEADLINE_EXCEEDED.
+// UNAVAILABLE / DEADLINE_EXCEEDED; with kSignalReadPrimary if any call
+// carried it.
 template <typename C, typename Addresses>
 absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls, const Addresses& addresses) {
   absl::Status worst;
@@ -57,10 +58,15 @@ absl::Status Combine(const std::vector<std::unique_ptr<C>>& calls, const Address
         return 2;
     }
   };
+  bool read_primary = false;  // any backup's ask goes with the answer, whichever it is
   for (size_t r = 0; r < calls.size(); ++r) {
     if (!calls[r]->started || calls[r]->status.ok()) continue;
     absl::Status s = FromGrpc(calls[r]->status, absl::StrCat("worker ", r, " (", addresses[r], ")"));
+    read_primary |= HasSignal(s, kSignalReadPrimary);
     if (rank_of(s.code()) > rank_of(worst.code())) worst = s;
+  }
+  if (read_primary && !HasSignal(worst, kSignalReadPrimary)) {
+    worst = WithSignal(std::move(worst), kSignalReadPrimary);
   }
   return worst;
 }

@@ -108,12 +108,27 @@ absl::Status WorkerService::CheckForwardSender(
       "re-formed: refresh the plan)"));
 }
 
+void WorkerService::NoteForwardedStep(Collection& c,
+                                      const ember::v1::WorkerApplyGradientsRequest& req) {
+  if (req.from_primary().empty() || !req.has_step()) return;
+  absl::MutexLock lock(&c.forwarded->mu);
+  auto [it, fresh] = c.forwarded->through.try_emplace(req.from_primary(), req.step());
+  if (!fresh && req.step() < it->second) return;
+  it->second = req.step();
+  StepBarrier::RankDigests& d = c.forwarded->digests[req.from_primary()];
+  d.clear();
+  for (const ember::v1::StepRankUpdate& rank : req.step_ranks()) {
+    d[rank.rank()] = rank.request_digest();
+  }
+}
+
 absl::Status WorkerService::WaitForwarded(ForwardedSteps* f,
                                           const std::set<std::string>& primaries, int64_t target,
                                           int64_t step, absl::Time deadline) {
   if (target < 0) return absl::OkStatus();  // no step to wait for
   absl::MutexLock lock(&f->mu);
   for (const std::string& p : primaries) {
+    if (f->moved.has_value()) return *f->moved;
     if (!f->through.count(p)) {
       return WithSignal(
           absl::UnavailableError(absl::StrCat(
@@ -122,9 +137,11 @@ absl::Status WorkerService::WaitForwarded(ForwardedSteps* f,
           kSignalReadPrimary);
     }
     auto reached = [f, &p, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(f->mu) {
-      return f->through.at(p) >= target;
+      return f->moved.has_value() || f->through.at(p) >= target;
     };
-    if (!f->mu.AwaitWithDeadline(absl::Condition(&reached), deadline)) {
+    const bool in_time = f->mu.AwaitWithDeadline(absl::Condition(&reached), deadline);
+    if (f->moved.has_value()) return *f->moved;
+    if (!in_time) {
       return absl::DeadlineExceededError(absl::StrCat(
           "a lookup for step ", step, " of a backup copy waited for its primary ", p,
           " to forward step ", target, " (forwarded: ", f->through.at(p), ")"));
@@ -232,6 +249,10 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
   }
   absl::MutexLock lock(&in_flight_mu_);
   in_flight_.insert(f.get());
+  // A placement under way (CancelForwards) reaches a forward started after
+  // it looked too.
+  auto placing = placing_.find(f->collection);
+  if (placing != placing_.end()) CancelLocked(f.get(), placing->second);
   return f;
 }
 
@@ -246,23 +267,36 @@ void WorkerService::ForgetForward(Forwarding* f) {
   in_flight_.erase(f);
 }
 
+void WorkerService::CancelLocked(Forwarding* f, const Placing& placing) {
+  if (f->epoch >= placing.epoch) return;
+  for (size_t i = 0; i < f->addresses.size(); ++i) {
+    if (placing.named.count(f->addresses[i])) continue;
+    LOG(WARNING) << "collection '" << f->collection << "': cancelling a forward to "
+                 << f->addresses[i] << ", which epoch " << placing.epoch
+                 << " no longer names as a backup";
+    f->contexts[i].TryCancel();
+  }
+}
+
 void WorkerService::CancelForwards(const ember::v1::UpdateShardsRequest& placement) {
   if (placement.create().empty()) return;  // a fence: the forwards finish
-  std::set<std::string> named;
+  Placing placing;
+  placing.epoch = placement.epoch();
   for (const auto& a : placement.create()) {
-    named.insert(a.replication().backups().begin(), a.replication().backups().end());
+    placing.named.insert(a.replication().backups().begin(), a.replication().backups().end());
   }
   absl::MutexLock lock(&in_flight_mu_);
   for (Forwarding* f : in_flight_) {
-    if (f->collection != placement.collection() || f->epoch >= placement.epoch()) continue;
-    for (size_t i = 0; i < f->addresses.size(); ++i) {
-      if (named.count(f->addresses[i])) continue;
-      LOG(WARNING) << "collection '" << f->collection << "': cancelling a forward to "
-                   << f->addresses[i] << ", which epoch " << placement.epoch()
-                   << " no longer names as a backup";
-      f->contexts[i].TryCancel();
-    }
+    if (f->collection == placement.collection()) CancelLocked(f, placing);
   }
+  Placing& held = placing_[placement.collection()];
+  if (placing.epoch >= held.epoch) held = std::move(placing);
+}
+
+void WorkerService::PlacedForwards(const ember::v1::UpdateShardsRequest& placement) {
+  absl::MutexLock lock(&in_flight_mu_);
+  auto it = placing_.find(placement.collection());
+  if (it != placing_.end() && it->second.epoch <= placement.epoch()) placing_.erase(it);
 }
 
 absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,

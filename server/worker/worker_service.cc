@@ -344,6 +344,10 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
       if (absl::Status sender = CheckForwardSender(**c, *req); !sender.ok()) {
         return ToGrpc(sender);
       }
+    } else if (req->step_ranks_size() > 0) {
+      return ToGrpc(absl::InvalidArgumentError(
+          "step_ranks is a primary's forward of a step (from_primary); a trainer sends its own "
+          "update under its request id"));
     }
     // A backup applies a forwarded step as it comes: its primary's barrier
     // completed it.
@@ -511,6 +515,7 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
     touched.insert(entry);
   }
   if (requests.empty() && seen) {
+    NoteForwardedStep(coll, req);  // applied before, at an earlier epoch
     resp->set_duplicate(true);
     duplicates_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status::OK;
@@ -556,18 +561,7 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
     RecordApplied(touched, RequestIdHash(rank.request_id()), rank.request_digest(),
                   req.collection());
   }
-  if (!req.from_primary().empty() && req.has_step()) {
-    absl::MutexLock lock(&coll.forwarded->mu);
-    auto [it, fresh] = coll.forwarded->through.try_emplace(req.from_primary(), req.step());
-    if (fresh || req.step() >= it->second) {
-      it->second = req.step();
-      StepBarrier::RankDigests& d = coll.forwarded->digests[req.from_primary()];
-      d.clear();
-      for (const ember::v1::StepRankUpdate& rank : req.step_ranks()) {
-        d[rank.rank()] = rank.request_digest();
-      }
-    }
-  }
+  NoteForwardedStep(coll, req);
   if (const int64_t skipped = in.skipped(); skipped > 0) {
     nonfinite_skipped_ids_.fetch_add(skipped, std::memory_order_relaxed);
     LOG_EVERY_N(WARNING, 100) << "collection '" << req.collection() << "': " << skipped

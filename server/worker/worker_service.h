@@ -244,6 +244,9 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::map<std::string, int64_t> through ABSL_GUARDED_BY(mu);  // by primary address
     // The ranks' digests of the step `through` names, by primary.
     std::map<std::string, StepBarrier::RankDigests> digests ABSL_GUARDED_BY(mu);
+    // Set when the collection moves to another epoch (this is replaced):
+    // the waiting lookups' answer.
+    std::optional<absl::Status> moved ABSL_GUARDED_BY(mu);
   };
   struct Collection {
     int64_t epoch = 0;
@@ -380,6 +383,9 @@ class WorkerService final : public ember::v1::Worker::Service {
   // A lookup of backup copies of a SYNC collection: waits until each of
   // their primaries' forwarded step reaches `target`; UNAVAILABLE with
   // kSignalReadPrimary when one has forwarded none at this epoch.
+  // Records a primary's step forward (`req`, applied or a duplicate) in
+  // c.forwarded.
+  static void NoteForwardedStep(Collection& c, const ember::v1::WorkerApplyGradientsRequest& req);
   static absl::Status WaitForwarded(ForwardedSteps* f, const std::set<std::string>& primaries,
                                     int64_t target, int64_t step, absl::Time deadline);
   absl::Status FinishForward(ForwardingPtr f, bool applied_here, const std::string& collection,
@@ -501,7 +507,19 @@ class WorkerService final : public ember::v1::Worker::Service {
   // take-over for the forward timeout.
   absl::Mutex in_flight_mu_;
   std::set<Forwarding*> in_flight_ ABSL_GUARDED_BY(in_flight_mu_);
+  // A placement under way, by collection (from CancelForwards until it is
+  // in place, PlacedForwards): forwards started meanwhile at an older
+  // epoch to backups it does not name are cancelled as they start.
+  struct Placing {
+    int64_t epoch = 0;
+    std::set<std::string> named;  // the backups it names
+  };
+  std::map<std::string, Placing> placing_ ABSL_GUARDED_BY(in_flight_mu_);
+  void CancelLocked(Forwarding* f, const Placing& placing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(in_flight_mu_);
   void CancelForwards(const ember::v1::UpdateShardsRequest& placement)
+      ABSL_LOCKS_EXCLUDED(in_flight_mu_);
+  void PlacedForwards(const ember::v1::UpdateShardsRequest& placement)
       ABSL_LOCKS_EXCLUDED(in_flight_mu_);
   void ForgetForward(Forwarding* f) ABSL_LOCKS_EXCLUDED(in_flight_mu_);
   mutable absl::Mutex peers_mu_;

@@ -1841,6 +1841,18 @@ TEST(WorkerServiceTest, ARetryAfterAReCutReachesOnlyTheRowsThatLackedItWithItsMe
   // Sent again: applied everywhere now.
   ASSERT_TRUE(s->ApplyGradients(nullptr, &u, &resp).ok());
   EXPECT_TRUE(resp.duplicate());
+  // A trainer cannot mark other updates applied (step_ranks is a
+  // primary's forward of a step): refused, nothing recorded.
+  ember::v1::WorkerApplyGradientsRequest claims = u;
+  claims.set_request_id("claims");
+  claims.add_step_ranks()->set_request_id("someone-elses");
+  const grpc::Status refused = s->ApplyGradients(nullptr, &claims, &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  ember::v1::WorkerApplyGradientsRequest theirs = u;
+  theirs.set_request_id("someone-elses");
+  ember::v1::WorkerApplyGradientsResponse fresh;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &theirs, &fresh).ok());
+  EXPECT_FALSE(fresh.duplicate());
 }
 
 // A backup copy of a SYNC collection's shard: a lookup for step s waits
@@ -1924,6 +1936,22 @@ TEST(WorkerServiceTest, ASyncBackupServesLookupsForTheStepsItsPrimaryForwarded) 
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
   ASSERT_TRUE(lookup(2, &out).ok());
   EXPECT_EQ(out, std::vector<float>(4, -1.0f));
+  // A lookup waiting for a step is answered when the collection moves to
+  // another epoch (FAILED_PRECONDITION: refresh the plan), not at the
+  // step timeout.
+  grpc::Status waited;
+  std::thread waiter([&] { waited = lookup(3, nullptr); });
+  absl::SleepFor(absl::Milliseconds(100));
+  ember::v1::UpdateShardsRequest next;
+  next.set_collection("sb");
+  next.set_epoch(2);
+  *next.mutable_training() = sync;
+  ember::v1::UpdateShardsResponse updated;
+  const absl::Time moved = absl::Now();
+  ASSERT_TRUE(s->UpdateShards(nullptr, &next, &updated).ok());
+  waiter.join();
+  EXPECT_EQ(waited.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << waited.error_message();
+  EXPECT_LT(absl::Now() - moved, absl::Milliseconds(500));
 }
 
 // A SYNC step every shard of a worker had applied stays applied at a new

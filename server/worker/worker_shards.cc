@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
@@ -294,6 +295,7 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
   }
   const std::string& name = req->collection();
   CancelForwards(*req);  // before mu_, which a forward's primary holds
+  auto placed = absl::MakeCleanup([this, req] { PlacedForwards(*req); });
   // Which shards are new: held ones with the same assignment stay (a
   // retry), staged ones for this epoch with the same assignment are adopted
   // (replacing a held one of the same ref: a re-cut shard), another
@@ -441,6 +443,12 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     RetireSteps(*coll.steps);
     coll.steps = MakeSteps(req->training());
     if (seed.has_value()) coll.steps->Seed(seed->first, seed->second);
+    {
+      absl::MutexLock moved(&coll.forwarded->mu);
+      coll.forwarded->moved = absl::FailedPreconditionError(absl::StrCat(
+          "collection '", name, "' moved to epoch ", req->epoch(),
+          " while a lookup waited for its step; refresh the plan"));
+    }
     coll.forwarded = std::make_shared<ForwardedSteps>();
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
