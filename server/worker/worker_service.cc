@@ -182,7 +182,8 @@ void WorkerService::Unfence(const std::map<std::string, int64_t>& keep) {
   fenced_.store(false);
 }
 
-absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char* what) {
+absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char* what,
+                                                                       bool bounded) {
   const int64_t lease = lease_ns_.load();
   if (lease > 0 && (fenced_.load() || SteadyNanos() - last_tick_ns_.load() > lease)) {
     return absl::UnavailableError(absl::StrCat(
@@ -192,7 +193,7 @@ absl::StatusOr<WorkerService::DataCall> WorkerService::EnterDataCall(const char*
   }
   const int64_t n = calls_in_progress_.fetch_add(1) + 1;
   DataCall call(&calls_in_progress_);
-  if (options_.max_queued_calls > 0 && n > options_.max_queued_calls) {
+  if (bounded && options_.max_queued_calls > 0 && n > options_.max_queued_calls) {
     busy_refused_.fetch_add(1, std::memory_order_relaxed);
     return WithSignal(absl::ResourceExhaustedError(absl::StrCat(
                           kWorkerBusy, ": ", options_.max_queued_calls,
@@ -288,7 +289,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
                                            const ember::v1::WorkerApplyGradientsRequest* req,
                                            ember::v1::WorkerApplyGradientsResponse* resp) {
   if (grpc::Status a = options_.auth.Check(ctx, Role::kTrainer); !a.ok()) return a;
-  auto call = EnterDataCall("gradient update");
+  auto call = EnterDataCall("gradient update", /*bounded=*/req->from_primary().empty());
   if (!call.ok()) {
     return ToGrpc(RefuseBusy(OwnerOf(ctx), req->channel_id(), req->channel_seq(),
                              req->link_sent(), call.status()));

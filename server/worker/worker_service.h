@@ -482,8 +482,10 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::atomic<int64_t>* n_;
   };
   // RESOURCE_EXHAUSTED (kWorkerBusy) when max_queued_calls are in progress;
-  // UNAVAILABLE while fenced (SetLease).
-  absl::StatusOr<DataCall> EnterDataCall(const char* what);
+  // UNAVAILABLE while fenced (SetLease). `bounded` false: counted, never
+  // refused as busy (a primary's forward, which lookups here waiting for
+  // its step would otherwise keep out).
+  absl::StatusOr<DataCall> EnterDataCall(const char* what, bool bounded = true);
   // Steady-clock nanoseconds of the last Tick; the lease (0: no fencing).
   std::atomic<int64_t> last_tick_ns_{0}, lease_ns_{0};
   std::atomic<bool> fenced_{false};

@@ -340,6 +340,13 @@ TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {
   EXPECT_EQ(s.ApplyGradients(nullptr, &update, &ur).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(s.GetStats().busy_refused, 2);
+  // A primary's forward is not refused as busy (lookups here may be waiting
+  // for the step it carries): it gets past the bound, to its own checks.
+  update.set_from_primary("10.0.0.1:7000");
+  const grpc::Status forwarded = s.ApplyGradients(nullptr, &update, &ur);
+  EXPECT_NE(forwarded.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << forwarded.error_message();
+  EXPECT_EQ(s.GetStats().busy_refused, 2);
   gated->gate_lookups = false;
   gated->Release();
   for (auto& t : in_progress) t.join();
