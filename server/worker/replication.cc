@@ -299,8 +299,8 @@ void WorkerService::PlacedForwards(const ember::v1::UpdateShardsRequest& placeme
   if (it != placing_.end() && it->second.epoch <= placement.epoch()) placing_.erase(it);
 }
 
-absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,
-                                          const std::string& collection, Collection* c) {
+absl::Status WorkerService::FinishForward(ForwardingPtr f, const std::string& collection,
+                                          Collection* c) {
   f->pending.Wait();
   f->waited = true;
   ForgetForward(f.get());
@@ -314,7 +314,7 @@ absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,
     all_refused_alike &= !f->statuses[i].ok() && AppliedNothing(f->statuses[i].error_code()) &&
                          f->statuses[i].error_code() == f->statuses[0].error_code();
   }
-  if (!any_ok && all_refused_alike && !applied_here) {
+  if (!any_ok && all_refused_alike) {
     // Refused everywhere, nothing applied anywhere: the copies agree.
     return FromGrpc(f->statuses[0], absl::StrCat("backup ", f->addresses[0]));
   }
@@ -335,6 +335,31 @@ absl::Status WorkerService::FinishForward(ForwardingPtr f, bool applied_here,
         "the copies (retry)"));
   }
   return absl::OkStatus();
+}
+
+absl::Status WorkerService::ApplyAfterBackups(
+    ForwardingPtr forward, const std::string& collection, Collection* c,
+    const std::vector<backend::GradientRequest>& requests,
+    const std::vector<const ShardEntry*>& entries) {
+  if (forward == nullptr) return RunUpdate(requests, entries);
+  c->apply_mu->Unlock();
+  const absl::Status f = FinishForward(std::move(forward), collection, c);
+  c->apply_mu->Lock();
+  if (!f.ok()) return f;
+  absl::Status local = RunUpdate(requests, entries);
+  if (!local.ok()) {
+    c->broken_backup = OwnAddress();
+    c->broken_why =
+        absl::StrCat("the primary refused an update its backups applied: ", local.message());
+  }
+  return local;
+}
+
+absl::Status WorkerService::RefuseWhileBroken(const Collection& c, const std::string& collection) {
+  if (c.broken_backup.empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "collection '", collection, "': backup ", c.broken_backup, " missed an update (",
+      c.broken_why, "); updates wait for the coordinator to re-form the copies (retry)"));
 }
 
 std::vector<WorkerService::BrokenReplication> WorkerService::BrokenReplications() const {

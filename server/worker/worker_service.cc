@@ -449,10 +449,10 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
   if (req.from_primary().empty() && ForwardsUpdates(coll)) order.emplace(coll.forward_mu.get());
   coll.apply_mu->Lock();
   auto unlock = absl::MakeCleanup([&coll] { coll.apply_mu->Unlock(); });
-  if (!coll.broken_backup.empty() && req.from_primary().empty()) {
-    return ToGrpc(absl::UnavailableError(absl::StrCat(
-        "collection '", req.collection(), "': backup ", coll.broken_backup, " missed an update (",
-        coll.broken_why, "); updates wait for the coordinator to re-form the copies (retry)")));
+  if (req.from_primary().empty()) {
+    if (absl::Status broken = RefuseWhileBroken(coll, req.collection()); !broken.ok()) {
+      return ToGrpc(broken);
+    }
   }
   const uint64_t id = RequestIdHash(req.request_id());
   std::vector<int> gradient;  // requests[i]'s index in the request
@@ -538,21 +538,10 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
     if (auto t = AuthorizationOf(ctx); t.has_value()) token = std::string(*t);
     forward = StartForward(header, token, DeadlineOf(ctx), features, requests, entries);
   }
-  if (forward != nullptr) {
-    coll.apply_mu->Unlock();
-    const absl::Status f = FinishForward(std::move(forward), /*applied_here=*/false,
-                                         req.collection(), &coll);
-    coll.apply_mu->Lock();
-    if (!f.ok()) return ToGrpc(f);
-    if (absl::Status local = RunUpdate(requests, entries); !local.ok()) {
-      // The backups applied what this copy refused: this copy is behind.
-      coll.broken_backup = OwnAddress();
-      coll.broken_why = absl::StrCat("the primary refused an update its backups applied: ",
-                                     local.message());
-      return ToGrpc(local);
-    }
-  } else if (absl::Status local = RunUpdate(requests, entries); !local.ok()) {
-    return ToGrpc(local);
+  if (absl::Status s =
+          ApplyAfterBackups(std::move(forward), req.collection(), &coll, requests, entries);
+      !s.ok()) {
+    return ToGrpc(s);
   }
   RecordApplied(touched, id, req.request_digest(), req.collection());
   // A forwarded step: its ranks' updates are applied here too (a promoted
@@ -683,11 +672,7 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
   if (ForwardsUpdates(coll)) order.emplace(coll.forward_mu.get());
   coll.apply_mu->Lock();
   auto unlock = absl::MakeCleanup([&coll] { coll.apply_mu->Unlock(); });
-  if (!coll.broken_backup.empty()) {
-    return absl::UnavailableError(absl::StrCat(
-        "collection '", name, "': backup ", coll.broken_backup, " missed an update (",
-        coll.broken_why, "); steps wait for the coordinator to re-form the copies (retry)"));
-  }
+  if (absl::Status broken = RefuseWhileBroken(coll, name); !broken.ok()) return broken;
   // The ranks' parts of one (shard, feature) become one request, their bags
   // (or ids) concatenated in rank order: what one trainer sending the
   // global batch sends, so the backend sums every row's occurrences in the
@@ -814,18 +799,8 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
     forward = StartForward(header, token, absl::InfiniteFuture(), features, requests, entries,
                            everyone);
   }
-  if (forward != nullptr) {
-    coll.apply_mu->Unlock();
-    const absl::Status f = FinishForward(std::move(forward), /*applied_here=*/false, name, &coll);
-    coll.apply_mu->Lock();
-    if (!f.ok()) return f;
-    if (absl::Status local = RunUpdate(requests, entries); !local.ok()) {
-      coll.broken_backup = OwnAddress();
-      coll.broken_why = absl::StrCat("the primary refused a step its backups applied: ",
-                                     local.message());
-      return local;
-    }
-  } else if (absl::Status s = RunUpdate(requests, entries); !s.ok()) {
+  if (absl::Status s = ApplyAfterBackups(std::move(forward), name, &coll, requests, entries);
+      !s.ok()) {
     return s;
   }
   for (size_t k = 0; k < ranks.size(); ++k) {

@@ -349,13 +349,12 @@ class WorkerService final : public ember::v1::Worker::Service {
   // Whether any shard of c has backups (its updates are forwarded: they
   // come to the host whole).
   static bool ForwardsUpdates(const Collection& c);
-  // A primary's forward of update `req` (requests[i] on entries[i], the
-  // parts it is about to apply, gradient[i] their index in the request) to
-  // the backups of those shards, all at once (StartForward; null when no
-  // shard has backups), and the wait for them (FinishForward, apply_mu not
-  // held: a backup's apply takes it), before it applies them itself. OK
-  // when every backup applied it. A refusal every backup gave alike, with
-  // nothing applied anywhere (`applied_here` false), is returned as it
+  // A primary's forward of an update (requests[i] on entries[i], the parts
+  // it is about to apply) to the backups of those shards, all at once
+  // (StartForward; null when no shard has backups), and the wait for them
+  // (FinishForward, apply_mu not held: a backup's apply takes it), before
+  // it applies them itself. OK when every backup applied it. A refusal
+  // every backup gave alike (nothing applied anywhere) is returned as it
   // came; any other failure marks c broken (Collection::broken_backup) and
   // is UNAVAILABLE. Both under forward_mu: backups apply in the primary's
   // order.
@@ -380,16 +379,25 @@ class WorkerService final : public ember::v1::Worker::Service {
   // tokens are on) and the primary of a shard this worker backs.
   absl::Status CheckForwardSender(const Collection& c,
                                   const ember::v1::WorkerApplyGradientsRequest& req) const;
-  // A lookup of backup copies of a SYNC collection: waits until each of
-  // their primaries' forwarded step reaches `target`; UNAVAILABLE with
-  // kSignalReadPrimary when one has forwarded none at this epoch.
   // Records a primary's step forward (`req`, applied or a duplicate) in
   // c.forwarded.
   static void NoteForwardedStep(Collection& c, const ember::v1::WorkerApplyGradientsRequest& req);
+  // A lookup of backup copies of a SYNC collection: waits until each of
+  // their primaries' forwarded step reaches `target`; UNAVAILABLE with
+  // kSignalReadPrimary when one has forwarded none at this epoch.
   static absl::Status WaitForwarded(ForwardedSteps* f, const std::set<std::string>& primaries,
                                     int64_t target, int64_t step, absl::Time deadline);
-  absl::Status FinishForward(ForwardingPtr f, bool applied_here, const std::string& collection,
-                             Collection* c);
+  absl::Status FinishForward(ForwardingPtr f, const std::string& collection, Collection* c);
+  // Applies requests[i] on entries[i] here once `forward` (null: none) has
+  // them on every backup; c->apply_mu is held on entry and on return. A
+  // refusal here of what the backups applied leaves this copy behind: c is
+  // marked broken with itself as the one behind.
+  absl::Status ApplyAfterBackups(ForwardingPtr forward, const std::string& collection,
+                                 Collection* c,
+                                 const std::vector<backend::GradientRequest>& requests,
+                                 const std::vector<const ShardEntry*>& entries);
+  // UNAVAILABLE while a forward of c failed (Collection::broken_backup).
+  static absl::Status RefuseWhileBroken(const Collection& c, const std::string& collection);
   ember::v1::Worker::Stub* PeerStub(const std::string& address);
   // A SYNC/BOUNDED update checked and copied into *held (nothing applied).
   absl::Status HoldContribution(const Collection& coll, GradientCall& in,
