@@ -970,26 +970,26 @@ absl::Status Client::ImportDynamicTable(const std::string& collection, const std
   std::vector<int64_t> chunk_ids;
   std::vector<float> chunk_rows;
   for (size_t k = 0; k < of.size(); ++k) {
-    // Every copy of a replicated shard alike.
-    for (const Routing::Shard& s : WithEveryCopy({t->shards[k]})) {
-      const std::string& address = r.info.worker_addresses(s.rank);
-      for (size_t b = 0; b < of[k].size(); b += kChunkIds) {
-        const size_t e = std::min(of[k].size(), b + kChunkIds);
-        chunk_ids.clear();
-        chunk_rows.clear();
-        for (size_t j = b; j < e; ++j) {
-          chunk_ids.push_back(ids[of[k][j]]);
-          chunk_rows.insert(chunk_rows.end(), rows.begin() + of[k][j] * dim,
-                            rows.begin() + (of[k][j] + 1) * dim);
-        }
-        ember::v1::ImportRowsRequest im;
-        im.set_collection(collection);
-        im.set_epoch(r.info.plan().epoch());
-        im.mutable_shard()->set_table(table);
-        im.mutable_shard()->set_shard_index(s.index);
-        wire::Encode(absl::Span<const int64_t>(chunk_ids), im.mutable_ids());
-        wire::Encode(absl::Span<const float>(chunk_rows), im.mutable_weights());
-        im.set_step(-1);
+    for (size_t b = 0; b < of[k].size(); b += kChunkIds) {
+      const size_t e = std::min(of[k].size(), b + kChunkIds);
+      chunk_ids.clear();
+      chunk_rows.clear();
+      for (size_t j = b; j < e; ++j) {
+        chunk_ids.push_back(ids[of[k][j]]);
+        chunk_rows.insert(chunk_rows.end(), rows.begin() + of[k][j] * dim,
+                          rows.begin() + (of[k][j] + 1) * dim);
+      }
+      ember::v1::ImportRowsRequest im;
+      im.set_collection(collection);
+      im.set_epoch(r.info.plan().epoch());
+      im.mutable_shard()->set_table(table);
+      im.mutable_shard()->set_shard_index(t->shards[k].index);
+      wire::Encode(absl::Span<const int64_t>(chunk_ids), im.mutable_ids());
+      wire::Encode(absl::Span<const float>(chunk_rows), im.mutable_weights());
+      im.set_step(-1);
+      // Every copy of a replicated shard alike.
+      for (const Routing::Shard& s : WithEveryCopy({t->shards[k]})) {
+        const std::string& address = r.info.worker_addresses(s.rank);
         ember::v1::ImportRowsResponse done;
         grpc::ClientContext ctx;
         PrepareContext(&ctx, impl_->options.timeout);
