@@ -393,9 +393,11 @@ std::unique_ptr<WorkerService> MakeService(bool skip) {
   return MakeService(so);
 }
 
-std::vector<float> Table(WorkerService* s, const std::string& table) {
+// The 4 rows of table `table` of `collection`, exported.
+std::vector<float> Table(WorkerService* s, const std::string& table,
+                         const std::string& collection = "c") {
   ember::v1::ExportRowsRequest req;
-  req.set_collection("c");
+  req.set_collection(collection);
   req.mutable_shard()->set_table(table);
   req.set_row_end(4);
   ember::v1::ExportRowsResponse resp;
@@ -1787,16 +1789,8 @@ TEST(WorkerServiceTest, MeanLengthsAreForSteppedUpdatesAndScaleEachBag) {
   }
   auto good = update("sy", {2, 4});
   ASSERT_TRUE(s->ApplyGradients(nullptr, &good, &resp).ok());
-  ember::v1::ExportRowsRequest er;
-  er.set_collection("sy");
-  er.mutable_shard()->set_table("t");
-  er.set_row_end(4);
-  ember::v1::ExportRowsResponse rows;
-  ASSERT_TRUE(s->ExportRows(nullptr, &er, &rows).ok());
-  std::vector<float> w;
-  ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
   // SGD lr 1 from 0: row 0 -= 2 / 2; rows 1 and 2 -= 4 / 4; row 3 untouched.
-  EXPECT_EQ(w, (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0}));
+  EXPECT_EQ(Table(s.get(), "t", "sy"), (std::vector<float>{-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0}));
 }
 
 // A retry after a re-cut merged shards (a live move's record for the rows
@@ -1835,16 +1829,8 @@ TEST(WorkerServiceTest, ARetryAfterAReCutReachesOnlyTheRowsThatLackedItWithItsMe
   ember::v1::WorkerApplyGradientsResponse resp;
   ASSERT_TRUE(s->ApplyGradients(nullptr, &u, &resp).ok());
   EXPECT_FALSE(resp.duplicate());
-  ember::v1::ExportRowsRequest er;
-  er.set_collection("mc");
-  er.mutable_shard()->set_table("t");
-  er.set_row_end(4);
-  ember::v1::ExportRowsResponse rows;
-  ASSERT_TRUE(s->ExportRows(nullptr, &er, &rows).ok());
-  std::vector<float> w;
-  ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
   // Rows 0 and 1 untouched; row 2 -= 3 * 2 / 3; row 3 -= 3 * 0.5 / 3 + 2 / 2.
-  EXPECT_EQ(w, (std::vector<float>{0, 0, 0, 0, 0, 0, 0, 0, -2, -2, -2, -2, -1.5, -1.5, -1.5, -1.5}));
+  EXPECT_EQ(Table(s.get(), "t", "mc"), (std::vector<float>{0, 0, 0, 0, 0, 0, 0, 0, -2, -2, -2, -2, -1.5, -1.5, -1.5, -1.5}));
   // Sent again: applied everywhere now.
   ASSERT_TRUE(s->ApplyGradients(nullptr, &u, &resp).ok());
   EXPECT_TRUE(resp.duplicate());
@@ -2078,14 +2064,8 @@ TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
   }
   ASSERT_TRUE(got[0].ok() && got[1].ok()) << got[0].error_message() << got[1].error_message();
   for (const char* table : {"t", "u"}) {
-    ember::v1::ExportRowsRequest er;
-    er.set_collection("ss");
-    er.mutable_shard()->set_table(table);
-    er.set_row_end(4);
-    ember::v1::ExportRowsResponse rows;
-    ASSERT_TRUE(s->ExportRows(nullptr, &er, &rows).ok());
-    std::vector<float> w;
-    ASSERT_TRUE(wire::Decode(rows.weights(), "weights", &w).ok());
+    const std::vector<float> w = Table(s.get(), table, "ss");
+    ASSERT_EQ(w.size(), 16u) << table;
     // Row 1: step 0 (t: the two ranks' 1s, halved; u: the forwarded 1),
     // then step 1 (the two ranks' 1s, halved), at rate 1 from zero.
     EXPECT_EQ(w[4], -2.0f) << table;
