@@ -219,6 +219,30 @@ class ReplicasTest : public ::testing::Test {
     return info;
   }
 
+  // Polls the collection until its plan is past info_'s epoch (and it
+  // serves again, with `serving`), for at most `limit`: the last read.
+  CollectionInfo WaitPastEpoch(absl::Duration limit, bool serving) {
+    const absl::Time deadline = absl::Now() + limit;
+    CollectionInfo now;
+    do {
+      absl::SleepFor(absl::Milliseconds(10));
+      now = Get();
+    } while ((now.plan().epoch() == info_.plan().epoch() ||
+              (serving && now.state() != CollectionInfo::SERVING)) &&
+             absl::Now() < deadline);
+    return now;
+  }
+
+  // No shard of `info` has a copy (primary or backup) on `address`.
+  static void ExpectNoCopyOn(const CollectionInfo& info, const std::string& address) {
+    for (const auto& ts : info.plan().tables()) {
+      for (const auto& sh : ts.shards()) {
+        EXPECT_NE(info.worker_addresses(sh.rank()), address) << ts.table();
+        for (int b : sh.backups()) EXPECT_NE(info.worker_addresses(b), address) << ts.table();
+      }
+    }
+  }
+
   void ExpectTablesEqualTheReference(const std::string& what) {
     for (const auto& t : spec_.tables()) {
       int64_t rows, dim, rr, rd;
@@ -299,13 +323,7 @@ TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
     const absl::Time killed = absl::Now();
     ASSERT_EQ(kill(pid, SIGKILL), 0);
     // Serving again: its shards taken over at a new epoch.
-    CollectionInfo now;
-    do {
-      absl::SleepFor(absl::Milliseconds(10));
-      now = Get();
-    } while ((now.plan().epoch() == info_.plan().epoch() ||
-              now.state() != CollectionInfo::SERVING) &&
-             absl::Now() - killed < absl::Seconds(30));
+    const CollectionInfo now = WaitPastEpoch(absl::Seconds(30), /*serving=*/true);
     const absl::Duration failover = absl::Now() - killed;
     EXPECT_NE(now.note().find("no acknowledged update lost"), std::string::npos) << now.note();
     const CollectionInfo after =
@@ -314,12 +332,7 @@ TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
     trainer.Stop();
     ASSERT_FALSE(trainer.failed());
     EXPECT_EQ(after.recovered_from(), "") << after.note();
-    for (const auto& ts : after.plan().tables()) {
-      for (const auto& sh : ts.shards()) {
-        EXPECT_NE(after.worker_addresses(sh.rank()), victim);
-        for (int b : sh.backups()) EXPECT_NE(after.worker_addresses(b), victim);
-      }
-    }
+    ExpectNoCopyOn(after, victim);
     ExpectTablesEqualTheReference("after the kill");
     ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
     std::cout << sharding << ": failover (kill -9 to serving at the take-over's epoch) "
@@ -492,12 +505,7 @@ TEST_F(ReplicasTest, AWorkerKilledWhileCopiesAreMadeLosesNothing) {
   trainer.WaitFor(20);
   trainer.Stop();
   ASSERT_FALSE(trainer.failed());
-  for (const auto& ts : after.plan().tables()) {
-    for (const auto& sh : ts.shards()) {
-      EXPECT_NE(after.worker_addresses(sh.rank()), spare);
-      for (int b : sh.backups()) EXPECT_NE(after.worker_addresses(b), spare);
-    }
-  }
+  ExpectNoCopyOn(after, spare);
   ExpectTablesEqualTheReference("after both kills");
   ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
 }
@@ -520,11 +528,7 @@ TEST_F(ReplicasTest, ACoordinatorKilledDuringATakeOverFinishesIt) {
   trainer.WaitFor(20);
   trainer.Stop();
   ASSERT_FALSE(trainer.failed());
-  for (const auto& ts : after.plan().tables()) {
-    for (const auto& sh : ts.shards()) {
-      EXPECT_NE(after.worker_addresses(sh.rank()), info_.worker_addresses(1));
-    }
-  }
+  ExpectNoCopyOn(after, info_.worker_addresses(1));
   ExpectTablesEqualTheReference("after the coordinator's restart");
   ExpectCopiesIdentical(WaitForTwoCopies(0, absl::Seconds(60)));
 }
@@ -587,12 +591,7 @@ TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
   Trainer trainer(client_.get(), ref_.get(), "r", 51);
   trainer.Start();
   // Taken over once its lease lapses (3 s of heartbeats, then 1.5 s).
-  CollectionInfo now;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  do {
-    absl::SleepFor(absl::Milliseconds(50));
-    now = Get();
-  } while (now.plan().epoch() == info_.plan().epoch() && absl::Now() < deadline);
+  const CollectionInfo now = WaitPastEpoch(absl::Seconds(30), /*serving=*/false);
   ASSERT_GT(now.plan().epoch(), info_.plan().epoch()) << now.note();
   // An update of the old plan sent to the cut-off worker, for a shard it
   // was the primary of, is not acknowledged.
@@ -616,11 +615,7 @@ TEST_F(ReplicasTest, APrimaryCutOffFromTheCoordinatorAcknowledgesNothing) {
   ASSERT_FALSE(trainer.failed());
   const CollectionInfo after = WaitForTwoCopies(info_.plan().epoch(), absl::Seconds(60),
                                                 info_.worker_addresses(cut_rank));
-  for (const auto& t : after.plan().tables()) {
-    for (const auto& sh : t.shards()) {
-      EXPECT_NE(after.worker_addresses(sh.rank()), info_.worker_addresses(cut_rank));
-    }
-  }
+  ExpectNoCopyOn(after, info_.worker_addresses(cut_rank));
   ExpectTablesEqualTheReference("after the cut");
   ExpectCopiesIdentical(after);
   std::cout << "the cut-off primary answered: " << s.error_message() << "\n";
@@ -693,14 +688,7 @@ TEST_F(ReplicasTest, APrimaryPartitionedFromTheClusterAcknowledgesNothing) {
     ASSERT_TRUE(hosts.Blackhole(name, worker_ips[0], true));
   }
   const absl::Time partitioned = absl::Now();
-  CollectionInfo now;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  do {
-    absl::SleepFor(absl::Milliseconds(20));
-    now = Get();
-  } while ((now.plan().epoch() == info_.plan().epoch() ||
-            now.state() != CollectionInfo::SERVING) &&
-           absl::Now() < deadline);
+  const CollectionInfo now = WaitPastEpoch(absl::Seconds(30), /*serving=*/true);
   ASSERT_GT(now.plan().epoch(), info_.plan().epoch()) << now.note();
   std::cout << "partition to serving at the take-over's epoch: "
             << absl::ToDoubleMilliseconds(absl::Now() - partitioned)
@@ -777,12 +765,7 @@ TEST_P(ReplicasRescaleKillTest, AHolderKilledDuringARescaleLosesNothing) {
   trainer.WaitFor(20);
   trainer.Stop();
   ASSERT_FALSE(trainer.failed());
-  for (const auto& ts : after.plan().tables()) {
-    for (const auto& sh : ts.shards()) {
-      EXPECT_NE(after.worker_addresses(sh.rank()), victim);
-      for (int b : sh.backups()) EXPECT_NE(after.worker_addresses(b), victim);
-    }
-  }
+  ExpectNoCopyOn(after, victim);
   ExpectTablesEqualTheReference(std::string("killed at ") + GetParam());
   ExpectCopiesIdentical(after);
 }
