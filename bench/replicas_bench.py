@@ -22,10 +22,12 @@ up its batch for the step, then sending its gradients; a step ends when
 both ranks have it acknowledged (the primaries merge the ranks' parts and,
 with replicas 2, forward the merged step to the backups first). The
 figures are then steps/s and step latency, and the kill phase runs the two
-ranks stepping without pause.
+ranks stepping without pause. --training bounded is the same with BOUNDED(2)
+steps: an update is answered once its primaries hold it (with replicas 2,
+once every backup keeps it too), a lookup for step s waits for step s - 3.
 
 Usage: .venv/bin/python bench/replicas_bench.py [--mib 256] [--dim 64]
-       [--batch 1024] [--rounds 200] [--lease_ms 1500] [--training async|sync]
+       [--batch 1024] [--rounds 200] [--lease_ms 1500] [--training async|sync|bounded]
        [--format text|json]
 """
 import argparse
@@ -44,14 +46,17 @@ import ember
 RANKS = 2  # trainer ranks of a SYNC run
 
 
-def spec_of(name, rows, dim, replicas, sync):
+def spec_of(name, rows, dim, replicas, training):
     spec = {"name": name, "replicas": replicas, "tables": [
         {"name": f"t{t}", "num_embeddings": rows, "embedding_dim": dim,
          "feature_names": [f"f{t}"], "pooling": "SUM",
          "optimizer": {"type": "ROWWISE_ADAGRAD", "learning_rate": 0.01}}
         for t in range(4)]}
-    if sync:
+    if training == "sync":
         spec["training"] = {"mode": "SYNC", "trainers": RANKS, "step_timeout_s": 120}
+    elif training == "bounded":
+        spec["training"] = {"mode": "BOUNDED", "trainers": RANKS, "max_staleness": 2,
+                            "step_timeout_s": 120}
     return spec
 
 
@@ -126,22 +131,22 @@ def main():
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--lease_ms", type=int, default=1500)
-    p.add_argument("--training", choices=["async", "sync"], default="async")
+    p.add_argument("--training", choices=["async", "sync", "bounded"], default="async")
     p.add_argument("--format", choices=["text", "json"], default="text")
     args = p.parse_args()
-    sync = args.training == "sync"
+    sync = args.training != "async"  # stepped: two trainer ranks
     rows = int(args.mib * (1 << 20) / 4 / (args.dim * 4 + 4))  # weights + one Adagrad float
     row_bytes = args.dim * 4 + 4
     with ember.LocalCluster(workers=3, timeout_s=120,
                             extra_flags=[f"--lease_ms={args.lease_ms}"]) as cl:
         c = ember.Client(cl.address, timeout_s=600)
-        c.create_collection(spec_of("one", rows, args.dim, 1, sync), sharding_type="row_wise")
-        c.create_collection(spec_of("two", rows, args.dim, 2, sync), sharding_type="row_wise")
+        c.create_collection(spec_of("one", rows, args.dim, 1, args.training), sharding_type="row_wise")
+        c.create_collection(spec_of("two", rows, args.dim, 2, args.training), sharding_type="row_wise")
         if args.format == "text":
             print(f"== 3 CPU workers, 2 collections of {args.mib:g} MiB: 4 tables of "
                   f"[{rows}, {args.dim}] fp32 + row-wise Adagrad, row_wise; batches of "
                   f"{args.batch} ids per table" +
-                  (f"; SYNC, {RANKS} trainer ranks" if sync else ""))
+                  (f"; {args.training.upper()}, {RANKS} trainer ranks" if sync else ""))
         # 1. The same batches to each, alternately.
         rng = np.random.default_rng(3)
         lat = {"one": [], "two": []}

@@ -261,12 +261,6 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
   if (spec.replicas() < 0 || spec.replicas() > kMaxReplicas) {
     p.Add("replicas must be in [0, ", kMaxReplicas, "] (0 and 1: one copy), got ",
           spec.replicas());
-  } else if (spec.replicas() > 1 && spec.training().mode() == ember::v1::TrainingSpec::BOUNDED) {
-    // A BOUNDED update is acknowledged once held, before any copy applies
-    // it: a dead primary would take acknowledged updates with it.
-    p.Add("replicas ", spec.replicas(), " takes ASYNC or SYNC training; a BOUNDED update is "
-          "acknowledged when its worker holds it, before any copy applies it, so BOUNDED "
-          "collections keep one copy of each shard (replicas 1)");
   }
   return p.ToStatus("collection spec");
 }

@@ -49,7 +49,7 @@ inline constexpr double kMaxStepTimeoutS = 86400;         // training.step_timeo
 //    known names; min_partition >= 0; pooling_factors / num_poolings /
 //    batch_sizes empty or one per feature, finite and >= 0 (batch > 0);
 //    cache_load_factor in [0, 1];
-//  - replicas in [0, kMaxReplicas]; above 1 only for ASYNC training;
+//  - replicas in [0, kMaxReplicas];
 //  - training: a known mode; trainers in [0, kMaxTrainingRanks], >= 1 for
 //    SYNC and BOUNDED; max_staleness in [1, kMaxStaleness] for BOUNDED and
 //    0 otherwise; step_timeout_s in [0, kMaxStepTimeoutS]; a known

@@ -342,18 +342,27 @@ TEST_F(ReplicasTest, AWorkerKilledDuringTrainingLosesNoAcknowledgedUpdate) {
   }
 }
 
-// A SYNC collection of two trainer ranks, two copies of every shard: a
-// step's ranks are merged on each shard's primary and forwarded to its
-// backup as one update. SIGKILL of a worker mid-run: every rank's every
-// step ends applied exactly once (the tables equal one trainer sending the
-// global batch, rank 0's bags then rank 1's, gradients halved), with no
-// checkpoint, and the copies are identical again.
-TEST_F(ReplicasTest, ASyncCollectionLosesNoStepWhenAWorkerIsKilled) {
+// A SYNC or BOUNDED collection of two trainer ranks, two copies of every
+// shard: a step's ranks are merged on each shard's primary and forwarded to
+// its backup as one update (BOUNDED: each rank's update is kept by the
+// backups too once its primary holds it, before the rank is answered).
+// SIGKILL of a worker mid-run: every rank's every step ends applied exactly
+// once (the tables equal one trainer sending the global batch, rank 0's
+// bags then rank 1's, gradients halved), with no checkpoint, and the copies
+// are identical again.
+class ReplicasStepKillTest
+    : public ReplicasTest,
+      public ::testing::WithParamInterface<ember::v1::TrainingSpec::Mode> {};
+
+TEST_P(ReplicasStepKillTest, ASteppedCollectionLosesNoStepWhenAWorkerIsKilled) {
   Start(3, "");
   spec_ = TestSpec("r");
   spec_.mutable_tables()->RemoveLast();  // no sequence table
   spec_.set_replicas(2);
-  spec_.mutable_training()->set_mode(ember::v1::TrainingSpec::SYNC);
+  spec_.mutable_training()->set_mode(GetParam());
+  if (GetParam() == ember::v1::TrainingSpec::BOUNDED) {
+    spec_.mutable_training()->set_max_staleness(2);
+  }
   spec_.mutable_training()->set_trainers(2);
   spec_.mutable_training()->set_step_timeout_s(60);
   auto info = client_->CreateCollection(spec_, "row_wise");
@@ -444,20 +453,30 @@ TEST_F(ReplicasTest, ASyncCollectionLosesNoStepWhenAWorkerIsKilled) {
     for (float& g : both.values) g /= 2.0f;
     ASSERT_TRUE(ref_->ApplyGradients(*KeyedJaggedTensor::FromJagged(keys, global), both).ok());
   }
-  ExpectTablesEqualTheReference("SYNC steps across a take-over");
-  ExpectCopiesIdentical(after);
-  // A lookup for the step after the last reads either copy alike (each
-  // call takes the next copy; a backup that has had no step since its
-  // epoch began sends the client to the primary).
+  // A lookup for the step after the last (BOUNDED: the first that must
+  // see every step) reads either copy alike (each call takes the next
+  // copy; a backup that has had no step since its epoch began sends the
+  // client to the primary).
+  const int after_last = kSteps + spec_.training().max_staleness();
   const KeyedJaggedTensor probe = *KeyedJaggedTensor::FromJagged(keys, bags(kSteps, 0));
   auto want = ref_->Lookup(probe);
   ASSERT_TRUE(want.ok()) << want.status();
   for (int i = 0; i < 4; ++i) {
-    auto got = client_->Lookup("r", probe, client::StepTag{kSteps, 0});
+    auto got = client_->Lookup("r", probe, client::StepTag{after_last, 0});
     ASSERT_TRUE(got.ok()) << got.status();
     ExpectNear(got->values, want->values, absl::StrCat("lookup ", i, " after the steps"));
   }
+  ExpectTablesEqualTheReference(absl::StrCat(
+      ember::v1::TrainingSpec::Mode_Name(GetParam()), " steps across a take-over"));
+  ExpectCopiesIdentical(after);
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, ReplicasStepKillTest,
+                         ::testing::Values(ember::v1::TrainingSpec::SYNC,
+                                           ember::v1::TrainingSpec::BOUNDED),
+                         [](const auto& info) {
+                           return ember::v1::TrainingSpec::Mode_Name(info.param);
+                         });
 
 // SIGKILL of the worker a lost rank's copies are being made on, during the
 // live copy (held open by a pause point): the copy fails, the collection
@@ -819,15 +838,6 @@ TEST_F(ReplicasTest, BadReplicaSettingsAreRefused) {
   spec.set_replicas(9);
   EXPECT_EQ(client_->CreateCollection(spec, "table_wise").status().code(),
             absl::StatusCode::kInvalidArgument);
-  spec.set_replicas(2);
-  spec.mutable_training()->set_mode(ember::v1::TrainingSpec::BOUNDED);
-  spec.mutable_training()->set_trainers(1);
-  spec.mutable_training()->set_max_staleness(1);
-  auto bounded = client_->CreateCollection(spec, "table_wise");
-  EXPECT_EQ(bounded.status().code(), absl::StatusCode::kInvalidArgument) << bounded.status();
-  EXPECT_NE(bounded.status().message().find("BOUNDED update is acknowledged when its worker holds"),
-            std::string::npos)
-      << bounded.status();
   EXPECT_FALSE(client_->GetCollection("bad").ok());
 }
 

@@ -270,16 +270,19 @@ absl::StatusOr<CoordinatorService::MoveStats> CoordinatorService::MoveLive(const
     last = rows;
   }
 
-  // 4. The fence: BOUNDED steps first, then every holder to the fence epoch.
-  SetState(name, CollectionInfo::RECOVERING, absl::StrCat(m.what, ": last catch-up"));
+  // 4. The fence: BOUNDED steps first (the collection serves on meanwhile:
+  // the trainers' steps up to the fence complete the held ones), then
+  // every holder to the fence epoch.
   const absl::Time fence_start = absl::Now();
   std::vector<std::string> holders;
   for (int r : planner::HoldingRanks(m.before.plan())) {
     holders.push_back(m.before.worker_addresses(r));
   }
   if (m.before.spec().training().mode() == ember::v1::TrainingSpec::BOUNDED) {
+    SetState(name, CollectionInfo::SERVING, absl::StrCat(m.what, ": fencing the steps"));
     FenceSteps(m.before, holders);
   }
+  SetState(name, CollectionInfo::RECOVERING, absl::StrCat(m.what, ": last catch-up"));
   ember::v1::UpdateShardsRequest fence;
   fence.set_collection(name);
   fence.set_epoch(m.fence_epoch);

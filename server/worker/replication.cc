@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
@@ -115,6 +116,16 @@ void WorkerService::NoteForwardedStep(Collection& c,
   auto [it, fresh] = c.forwarded->through.try_emplace(req.from_primary(), req.step());
   if (!fresh && req.step() < it->second) return;
   it->second = req.step();
+  // The updates held for the steps forwarded are applied now.
+  auto held = c.forwarded->held.find(req.from_primary());
+  if (held != c.forwarded->held.end()) {
+    auto& steps = held->second;
+    for (auto s = steps.begin(); s != steps.end() && s->first <= req.step(); s = steps.erase(s)) {
+      for (const auto& [rank, contribution] : s->second) {
+        c.forwarded->held_bytes -= contribution.Bytes();
+      }
+    }
+  }
   StepBarrier::RankDigests& d = c.forwarded->digests[req.from_primary()];
   d.clear();
   for (const ember::v1::StepRankUpdate& rank : req.step_ranks()) {
@@ -190,6 +201,7 @@ struct WorkerService::Forwarding {
   absl::BlockingCounter pending;  // Wait()ed once: `waited` says if it was
   bool waited = false;
   absl::Time start;
+  std::optional<std::string> authorization;  // sent with each request
 };
 
 WorkerService::ForwardingPtr WorkerService::StartForward(
@@ -226,12 +238,21 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
       wire::Encode(g.grad, sg->mutable_grad());
     }
   }
+  return LaunchForward(std::move(out), header.collection(), header.epoch(), authorization,
+                       deadline);
+}
+
+WorkerService::ForwardingPtr WorkerService::LaunchForward(
+    std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out,
+    const std::string& collection, int64_t epoch, const std::optional<std::string>& authorization,
+    absl::Time deadline) {
   if (out.empty()) return nullptr;
   ForwardingPtr f(new Forwarding(out.size()));
   f->owner = this;
-  f->collection = header.collection();
-  f->epoch = header.epoch();
+  f->collection = collection;
+  f->epoch = epoch;
   f->start = absl::Now();
+  f->authorization = authorization;
   deadline = std::min(deadline, f->start + options_.forward_timeout);
   size_t n = 0;
   for (auto& [address, r] : out) {
@@ -318,6 +339,29 @@ absl::Status WorkerService::FinishForward(ForwardingPtr f, const std::string& co
     // Refused everywhere, nothing applied anywhere: the copies agree.
     return FromGrpc(f->statuses[0], absl::StrCat("backup ", f->addresses[0]));
   }
+  // A backup busy with a move of its collections applied nothing: it is
+  // sent the update again (with back-off, within the forward timeout)
+  // rather than left behind the others.
+  for (size_t i = 0; i < n; ++i) {
+    absl::Duration backoff = absl::Milliseconds(5);
+    auto busy = [](const grpc::Status& st) {
+      return HasSignal(st, kSignalWorkerBusy) ||
+             (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+              absl::StartsWith(st.error_message(), kWorkerBusy));
+    };
+    while (busy(f->statuses[i]) &&
+           absl::Now() + backoff < f->start + options_.forward_timeout) {
+      absl::SleepFor(backoff);
+      backoff = std::min(2 * backoff, absl::Milliseconds(200));
+      grpc::ClientContext again;
+      again.set_deadline(absl::ToChronoTime(f->start + options_.forward_timeout));
+      if (f->authorization.has_value()) again.AddMetadata("authorization", *f->authorization);
+      f->responses[i].Clear();
+      f->statuses[i] = PeerStub(f->addresses[i])->ApplyGradients(&again, f->requests[i],
+                                                                 &f->responses[i]);
+      busy_forward_retries_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
   for (size_t i = 0; i < n; ++i) {
     if (f->statuses[i].ok()) continue;
     forward_failures_.fetch_add(1, std::memory_order_relaxed);
@@ -340,12 +384,16 @@ absl::Status WorkerService::FinishForward(ForwardingPtr f, const std::string& co
 absl::Status WorkerService::ApplyAfterBackups(
     ForwardingPtr forward, const std::string& collection, Collection* c,
     const std::vector<backend::GradientRequest>& requests,
-    const std::vector<const ShardEntry*>& entries) {
+    const std::vector<const ShardEntry*>& entries, bool* forwarded) {
+  if (forwarded != nullptr) *forwarded = true;
   if (forward == nullptr) return RunUpdate(requests, entries);
   c->apply_mu->Unlock();
   const absl::Status f = FinishForward(std::move(forward), collection, c);
   c->apply_mu->Lock();
-  if (!f.ok()) return f;
+  if (!f.ok()) {
+    if (forwarded != nullptr) *forwarded = false;
+    return f;
+  }
   absl::Status local = RunUpdate(requests, entries);
   if (!local.ok()) {
     c->broken_backup = OwnAddress();
@@ -360,6 +408,112 @@ absl::Status WorkerService::RefuseWhileBroken(const Collection& c, const std::st
   return absl::UnavailableError(absl::StrCat(
       "collection '", collection, "': backup ", c.broken_backup, " missed an update (",
       c.broken_why, "); updates wait for the coordinator to re-form the copies (retry)"));
+}
+
+std::map<std::string, ember::v1::WorkerApplyGradientsRequest> WorkerService::MirrorRequests(
+    const Collection& c, const ember::v1::WorkerApplyGradientsRequest& req,
+    const Contribution& held) const {
+  std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out;
+  if (c.steps->options().mode != ember::v1::TrainingSpec::BOUNDED || !ForwardsUpdates(c)) {
+    return out;
+  }
+  auto to = [&](const std::string& backup) -> ember::v1::WorkerApplyGradientsRequest& {
+    auto [it, fresh] = out.try_emplace(backup);
+    if (fresh) {
+      ember::v1::WorkerApplyGradientsRequest& m = it->second;
+      m.set_collection(req.collection());
+      m.set_epoch(req.epoch());
+      m.set_request_id(req.request_id());
+      m.set_request_digest(req.request_digest());
+      m.set_step(req.step());
+      m.set_rank(req.rank());
+      m.set_hold(true);
+      m.set_from_primary(OwnAddress());
+      m.set_replication_key(options_.auth.ReplicationKey(req.collection(), req.epoch()));
+    }
+    return it->second;
+  };
+  // Every worker backing a shard of this primary keeps every rank's update,
+  // parts or none: a promoted one completes the steps from them.
+  for (const auto& [key, entry] : c.shards) {
+    for (const std::string& backup : entry.assignment.replication().backups()) to(backup);
+  }
+  for (const HeldPart& part : held.parts) {
+    auto entry = c.shards.find({part.table, part.shard_index});
+    if (entry == c.shards.end()) continue;
+    for (const std::string& backup : entry->second.assignment.replication().backups()) {
+      ember::v1::ShardGradient* g = to(backup).add_gradients();
+      ember::v1::ShardFeature* f = g->mutable_feature();
+      *f->mutable_shard() = entry->second.assignment.ref();
+      f->set_feature(part.feature);
+      f->set_pooling(PoolingToProto(part.pooling));
+      wire::Encode(absl::MakeConstSpan(part.lengths), f->mutable_lengths());
+      wire::Encode(absl::MakeConstSpan(part.ids), f->mutable_ids());
+      wire::Encode(absl::MakeConstSpan(part.weights), f->mutable_weights());
+      wire::Encode(absl::MakeConstSpan(part.grad), g->mutable_grad());
+      if (!part.mean_lengths.empty()) {
+        wire::Encode(absl::MakeConstSpan(part.mean_lengths), g->mutable_mean_lengths());
+      }
+    }
+  }
+  return out;
+}
+
+absl::Status WorkerService::SendMirror(
+    std::map<std::string, ember::v1::WorkerApplyGradientsRequest> mirror,
+    const std::string& collection, int64_t epoch, const std::optional<std::string>& authorization,
+    absl::Time deadline) {
+  ForwardingPtr f =
+      LaunchForward(std::move(mirror), collection, epoch, authorization, deadline);
+  if (f == nullptr) return absl::OkStatus();
+  f->pending.Wait();
+  f->waited = true;
+  for (size_t i = 0; i < f->addresses.size(); ++i) {
+    if (f->statuses[i].ok()) continue;
+    forward_failures_.fetch_add(1, std::memory_order_relaxed);
+    // Held here, and acknowledged once every backup keeps it too: the
+    // trainer's retry is a duplicate here and is sent on again.
+    return absl::UnavailableError(absl::StrCat(
+        "collection '", collection, "': backup ", f->addresses[i], " did not confirm keeping "
+        "this update, which its primary holds for its step (",
+        absl::StatusCodeToString(FromGrpc(f->statuses[i]).code()), ": ",
+        f->statuses[i].error_message().substr(0, 512), "); retry"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::KeepHeld(const Collection& c, GradientCall& in,
+                                     const ember::v1::WorkerApplyGradientsRequest& req) {
+  if (c.steps->options().mode != ember::v1::TrainingSpec::BOUNDED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a held update forwarded for collection '", req.collection(), "', which trains ",
+        ember::v1::TrainingSpec::Mode_Name(c.steps->options().mode), " (only BOUNDED holds)"));
+  }
+  Contribution held;
+  if (absl::Status s = HoldContribution(c, in, req, &held); !s.ok()) return s;
+  ForwardedSteps& f = *c.forwarded;
+  absl::MutexLock lock(&f.mu);
+  auto through = f.through.find(req.from_primary());
+  if (through != f.through.end() && req.step() <= through->second) {
+    return absl::OkStatus();  // its step was forwarded already
+  }
+  std::map<int32_t, Contribution>& ranks = f.held[req.from_primary()][req.step()];
+  auto same = ranks.find(req.rank());
+  if (same != ranks.end()) {
+    if (same->second.digest == held.digest) return absl::OkStatus();  // sent again
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", req.rank(), " has another update held for step ", req.step(), " from primary ",
+        req.from_primary()));
+  }
+  const int64_t bytes = held.Bytes();
+  if (f.held_bytes + bytes > options_.max_pending_step_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a backup keeping its primaries' held updates would pass --max_pending_step_bytes (",
+        options_.max_pending_step_bytes, "; kept: ", f.held_bytes, ", this one: ", bytes, ")"));
+  }
+  f.held_bytes += bytes;
+  ranks.emplace(req.rank(), std::move(held));
+  return absl::OkStatus();
 }
 
 std::vector<WorkerService::BrokenReplication> WorkerService::BrokenReplications() const {

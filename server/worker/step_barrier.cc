@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "glog/logging.h"
 
 namespace ember {
 namespace worker {
@@ -11,6 +12,11 @@ namespace {
 
 // Outcomes and applied digests kept for retries and late waiters.
 constexpr size_t kHistory = 4096;
+// Applied steps' digests carried to a new epoch (retries reach back at
+// most a few steps: a trainer runs at most max_staleness ahead).
+constexpr size_t kCarriedHistory = 256;
+// How soon a complete step whose apply failed UNAVAILABLE is tried again.
+constexpr absl::Duration kRetryApply = absl::Milliseconds(50);
 
 template <typename Map>
 void Trim(Map* m) {
@@ -80,7 +86,9 @@ void StepBarrier::AbortLocked(int64_t step, const absl::Status& why) {
 void StepBarrier::ExpireLocked(absl::Time now) {
   std::vector<int64_t> expired;
   for (const auto& [step, p] : pending_) {
-    if (now - p.first >= options_.timeout) expired.push_back(step);
+    // A complete step waits for its apply (a failed one is tried again),
+    // not for ranks.
+    if (now - p.first >= options_.timeout && !CompleteLocked(step, p)) expired.push_back(step);
   }
   for (int64_t step : expired) {
     const Pending& p = pending_.at(step);
@@ -107,20 +115,35 @@ std::optional<absl::Status> StepBarrier::OutcomeLocked(int64_t step) const {
   return std::nullopt;
 }
 
+bool StepBarrier::CompleteLocked(int64_t step, const Pending& p) const {
+  int64_t whole = 0;
+  for (const auto& [rank, c] : p.by_rank) whole += c.partial ? 0 : 1;
+  return whole >= TrainersAtLocked(step);
+}
+
+std::optional<int64_t> StepBarrier::BaseLocked() const {
+  if (!horizon_.has_value()) return applied_;
+  return applied_.has_value() ? std::max(*applied_, *horizon_) : horizon_;
+}
+
+void StepBarrier::ApplyReady(const ApplyFn& apply) {
+  absl::MutexLock lock(&mu_);
+  ApplyReadyLocked(apply);
+}
+
 void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
   while (!applying_ && !all_aborted_.has_value() && !pending_.empty()) {
     auto it = pending_.begin();
     const int64_t next = applied_.has_value() ? *applied_ + 1 : it->first;
-    if (it->first != next ||
-        static_cast<int64_t>(it->second.by_rank.size()) < TrainersAtLocked(next)) {
+    if (it->first != next || !CompleteLocked(next, it->second) || absl::Now() < retry_at_) {
       return;
     }
-    Pending p = std::move(it->second);
+    in_apply_.emplace(next, std::move(it->second));
     pending_.erase(it);
     applying_ = true;
     std::vector<const Contribution*> ranks;
     int64_t bytes = 0;
-    for (const auto& [rank, c] : p.by_rank) {
+    for (const auto& [rank, c] : in_apply_->second.by_rank) {
       ranks.push_back(&c);
       bytes += c.Bytes();
     }
@@ -128,6 +151,17 @@ void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
     const absl::Status s = apply(next, ranks);
     mu_.Lock();
     applying_ = false;
+    Pending p = std::move(in_apply_->second);
+    in_apply_.reset();
+    if (!s.ok() && s.code() == absl::StatusCode::kUnavailable &&
+        options_.mode == ember::v1::TrainingSpec::BOUNDED && !all_aborted_.has_value()) {
+      // Acknowledged contributions: held, and tried again later.
+      pending_[next] = std::move(p);
+      retry_at_ = absl::Now() + kRetryApply;
+      ++apply_retries_;
+      changed_.SignalAll();
+      return;
+    }
     pending_bytes_ -= bytes;
     if (s.ok()) {
       applied_ = next;
@@ -137,6 +171,12 @@ void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
       Trim(&applied_digests_);
       ++steps_applied_;
     } else {
+      if (options_.mode == ember::v1::TrainingSpec::BOUNDED && !all_aborted_.has_value()) {
+        // Its ranks were answered when it was held: they learn of it only
+        // from a lookup that needs it.
+        LOG(WARNING) << "BOUNDED step " << next << " dropped, its " << p.by_rank.size()
+                     << " held update(s) not applied: " << s;
+      }
       dropped_[next] = s;
       Trim(&dropped_);
       ++steps_aborted_;
@@ -171,20 +211,37 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
                                          : ""));
   }
   const int64_t ahead = 1 + staleness();
-  if (applied_.has_value() && step > *applied_ + ahead) {
+  if (const auto base = BaseLocked(); base.has_value() && step > *base + ahead) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", rank, " sent step ", step, " while step ", *applied_ + 1,
+        "rank ", rank, " sent step ", step, " while step ", *base + 1,
         " is not applied yet: a trainer may run at most ", staleness(), " step(s) ahead (",
         ember::v1::TrainingSpec::Mode_Name(options_.mode), ")"));
   }
-  auto found = pending_.find(step);
-  if (found != pending_.end() && found->second.by_rank.count(rank)) {
-    if (found->second.by_rank.at(rank).digest != c.digest) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", rank, " sent two different contributions for step ", step,
-          " (a retry must resend the same update)"));
-    }
+  // The step's contributions held: waiting, or being applied.
+  Pending* held = nullptr;
+  if (in_apply_.has_value() && in_apply_->first == step) {
+    held = &in_apply_->second;
+  } else if (auto found = pending_.find(step); found != pending_.end()) {
+    held = &found->second;
+  }
+  const bool applying = in_apply_.has_value() && held == &in_apply_->second;
+  Contribution* before =
+      held != nullptr && held->by_rank.count(rank) ? &held->by_rank.at(rank) : nullptr;
+  if (before != nullptr && before->digest != c.digest) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " sent two different contributions for step ", step,
+        " (a retry must resend the same update)"));
+  }
+  if (before != nullptr && before->partial && !applying) {
+    // The rank's whole update at last, for a contribution carried from some
+    // of the copies only.
+    pending_bytes_ += c.Bytes() - before->Bytes();
+    *before = std::move(c);
+  } else if (before != nullptr) {
     *duplicate = true;
+  } else if (applying) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", step, " is being applied without rank ",
+                                                   rank, " (its trainer count changed)"));
   } else {
     const int64_t bytes = c.Bytes();
     if (pending_bytes_ + bytes > options_.max_pending_bytes) {
@@ -227,7 +284,7 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
   }
 }
 
-absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
+absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline, const ApplyFn* kick) {
   const int64_t target = step - 1 - staleness();  // the last step it must see
   const absl::Time start = absl::Now();
   // A lookup waits at most a step's timeout (a step that never starts
@@ -236,7 +293,7 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   // The furthest step a trainer can have sent: steps up to 1 + staleness
   // past the last applied (or before the lowest held, before any applied).
-  std::optional<int64_t> base = applied_;
+  std::optional<int64_t> base = BaseLocked();
   if (!base.has_value() && !pending_.empty()) base = pending_.begin()->first - 1;
   if (base.has_value() && target > *base + 1 + staleness()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -247,6 +304,7 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
   }
   while (true) {
     if (all_aborted_.has_value()) return *all_aborted_;
+    if (kick != nullptr) ApplyReadyLocked(*kick);
     const absl::Time now = absl::Now();
     ExpireLocked(now);
     if (applied_.has_value() ? *applied_ >= target
@@ -283,7 +341,10 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline) {
                                : std::string("none applied yet"),
           ")"));
     }
-    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline));
+    // A step held after a failed apply is tried again meanwhile.
+    const bool retry = kick != nullptr && retry_at_ > now;
+    changed_.WaitWithDeadline(&mu_, retry ? std::min(WakeLocked(deadline), retry_at_)
+                                          : WakeLocked(deadline));
   }
 }
 
@@ -304,10 +365,11 @@ int64_t StepBarrier::FenceAt(int64_t last) {
   return HighestStepLocked();
 }
 
-absl::Status StepBarrier::WaitApplied(int64_t last, absl::Time deadline) {
+absl::Status StepBarrier::WaitApplied(int64_t last, absl::Time deadline, const ApplyFn* kick) {
   absl::MutexLock lock(&mu_);
   while (true) {
     if (all_aborted_.has_value()) return *all_aborted_;
+    if (kick != nullptr) ApplyReadyLocked(*kick);
     const absl::Time now = absl::Now();
     ExpireLocked(now);
     if (last < 0 || (applied_.has_value() && *applied_ >= last)) return absl::OkStatus();
@@ -316,7 +378,9 @@ absl::Status StepBarrier::WaitApplied(int64_t last, absl::Time deadline) {
           "step ", last, " is not applied here yet (last applied: ",
           applied_.has_value() ? absl::StrCat(*applied_) : std::string("none"), ")"));
     }
-    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline));
+    const bool retry = kick != nullptr && retry_at_ > now;
+    changed_.WaitWithDeadline(&mu_, retry ? std::min(WakeLocked(deadline), retry_at_)
+                                          : WakeLocked(deadline));
   }
 }
 
@@ -373,6 +437,44 @@ void StepBarrier::Seed(int64_t step, RankDigests digests) {
   applied_digests_[step] = std::move(digests);
 }
 
+StepBarrier::Carried StepBarrier::CarryAndAbort(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  Carried out;
+  if (all_aborted_.has_value()) return out;
+  out.applied = applied_;
+  out.horizon = BaseLocked();
+  for (auto it = applied_digests_.rbegin();
+       it != applied_digests_.rend() && out.digests.size() < kCarriedHistory; ++it) {
+    out.digests.insert(*it);
+  }
+  for (auto& [step, p] : pending_) out.held[step] = std::move(p.by_rank);
+  if (in_apply_.has_value()) out.held[in_apply_->first] = in_apply_->second.by_rank;  // a copy
+  all_aborted_ = why;
+  pending_.clear();
+  pending_bytes_ = 0;
+  changed_.SignalAll();
+  return out;
+}
+
+void StepBarrier::Resume(Carried carried) {
+  absl::MutexLock lock(&mu_);
+  if (applied_.has_value() || !pending_.empty()) return;  // not fresh
+  applied_ = carried.applied;
+  horizon_ = carried.horizon;
+  applied_digests_ = std::move(carried.digests);
+  const absl::Time now = absl::Now();
+  for (auto& [step, ranks] : carried.held) {
+    if (applied_.has_value() && step <= *applied_) continue;
+    Pending& p = pending_[step];
+    p.first = now;
+    for (auto& [rank, c] : ranks) {
+      pending_bytes_ += c.Bytes();
+      p.by_rank.emplace(rank, std::move(c));
+    }
+  }
+  changed_.SignalAll();
+}
+
 StepBarrier::Stats StepBarrier::GetStats() const {
   absl::MutexLock lock(&mu_);
   Stats s;
@@ -381,6 +483,7 @@ StepBarrier::Stats StepBarrier::GetStats() const {
   s.pending_bytes = pending_bytes_;
   s.wait_ns = wait_ns_;
   s.ranks_missing = ranks_missing_;
+  s.apply_retries = apply_retries_;
   s.applied_through = applied_;
   return s;
 }

@@ -18,6 +18,12 @@
 // retry (answered as the first); with another digest it is refused.
 // Contributions held are bounded in bytes (RESOURCE_EXHAUSTED past it).
 //
+// A BOUNDED contribution is acknowledged once held, so it is never dropped
+// but by its step's timeout: an apply that fails UNAVAILABLE (a backup copy
+// that did not confirm the step, docs/reliability.md) leaves the step held,
+// tried again on the next call; when the collection moves to another epoch
+// the held steps go to the new barrier (CarryAndAbort, Resume).
+//
 // Thread-safe. The apply function runs with no lock of the barrier held,
 // one step at a time, in step order.
 #ifndef EMBER_SERVER_WORKER_STEP_BARRIER_H_
@@ -63,6 +69,10 @@ struct Contribution {
   // step is forwarded to its backups with it.
   std::optional<std::string> authorization;
   std::vector<HeldPart> parts;
+  // Carried to a new epoch from some of the copies that held the rank's
+  // update but not all (Resume): its step is not complete until the rank
+  // sends it again, which replaces it.
+  bool partial = false;
   int64_t Bytes() const;
 };
 
@@ -117,8 +127,13 @@ class StepBarrier {
   // the steps held below it). ABORTED when that step is aborted, as its
   // waiters, or after the step timeout; DEADLINE_EXCEEDED at `deadline`.
   // INVALID_ARGUMENT for a step no trainer can be at yet (further than
-  // 2 + staleness() past the last applied).
-  absl::Status WaitForLookup(int64_t step, absl::Time deadline);
+  // 2 + staleness() past the last applied). With `kick`, a complete step
+  // held after a failed apply is tried again while it waits.
+  absl::Status WaitForLookup(int64_t step, absl::Time deadline, const ApplyFn* kick = nullptr);
+
+  // Applies the complete steps held (a step whose apply failed UNAVAILABLE
+  // is tried again at most every 50 ms).
+  void ApplyReady(const ApplyFn& apply);
 
   // Drops every contribution held; every waiter gets `why` (the collection
   // moved or was dropped: clients refresh their plan and send again).
@@ -139,7 +154,7 @@ class StepBarrier {
   // applied), DEADLINE_EXCEEDED at `deadline`.
   int64_t HighestStep() const;
   int64_t FenceAt(int64_t last);
-  absl::Status WaitApplied(int64_t last, absl::Time deadline);
+  absl::Status WaitApplied(int64_t last, absl::Time deadline, const ApplyFn* kick = nullptr);
 
   // The last step applied here and its ranks' digests (none: nothing
   // applied).
@@ -151,12 +166,29 @@ class StepBarrier {
   // that sends `step` again is answered as a retry of what was applied.
   void Seed(int64_t step, RankDigests digests);
 
+  // BOUNDED steps across a move to another epoch: what a barrier applied
+  // and held, taken by CarryAndAbort (which then aborts it as AbortAll) and
+  // given to the new epoch's fresh barrier by Resume. A step being applied
+  // meanwhile is carried too (the shards' applied request ids skip what it
+  // applied).
+  struct Carried {
+    std::optional<int64_t> applied;
+    // Steps up to this were applied to some of the shards (the lookups'
+    // and the staleness bound's base; applied may lag it).
+    std::optional<int64_t> horizon;
+    std::map<int64_t, RankDigests> digests;  // of recent applied steps
+    std::map<int64_t, std::map<int32_t, Contribution>> held;
+  };
+  Carried CarryAndAbort(const absl::Status& why);
+  void Resume(Carried carried);
+
   struct Stats {
     int64_t steps_applied = 0;
     int64_t steps_aborted = 0;
     int64_t pending_bytes = 0;
     int64_t wait_ns = 0;       // time updates and lookups waited here
     int64_t ranks_missing = 0;  // ranks absent from aborted steps, summed
+    int64_t apply_retries = 0;  // BOUNDED applies failed UNAVAILABLE, held again
     std::optional<int64_t> applied_through;  // the last step applied
   };
   Stats GetStats() const;
@@ -166,6 +198,11 @@ class StepBarrier {
     std::map<int32_t, Contribution> by_rank;
     absl::Time first;
   };
+  // Every rank's contribution is held, none partial.
+  bool CompleteLocked(int64_t step, const Pending& p) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The step the staleness bound counts from: the last applied or the
+  // horizon carried, the later.
+  std::optional<int64_t> BaseLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Applies every complete step in order while no other thread does.
   void ApplyReadyLocked(const ApplyFn& apply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops a held step with `why` (its waiters' answer).
@@ -186,7 +223,12 @@ class StepBarrier {
   std::map<int64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, int32_t> trainers_from_ ABSL_GUARDED_BY(mu_);  // SetTrainers' changes
   std::optional<int64_t> applied_ ABSL_GUARDED_BY(mu_);
+  std::optional<int64_t> horizon_ ABSL_GUARDED_BY(mu_);  // Carried::horizon
   bool applying_ ABSL_GUARDED_BY(mu_) = false;
+  // The step being applied (its contributions, read by the applying thread
+  // without mu_; nothing else changes them until it ends).
+  std::optional<std::pair<int64_t, Pending>> in_apply_ ABSL_GUARDED_BY(mu_);
+  absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // after a failed apply
   // Recent outcomes: steps dropped (and why), and the digests of applied
   // steps' contributions (retries are answered from them).
   std::map<int64_t, absl::Status> dropped_ ABSL_GUARDED_BY(mu_);
@@ -199,6 +241,7 @@ class StepBarrier {
   int64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t wait_ns_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t ranks_missing_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t apply_retries_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace worker

@@ -1,6 +1,7 @@
 #include "server/worker/step_barrier.h"
 
 #include <algorithm>
+#include <atomic>
 #include <random>
 #include <thread>
 #include <vector>
@@ -262,6 +263,114 @@ TEST(StepBarrierTest, AFailedApplyIsEveryonesAnswer) {
   t2.join();
   EXPECT_TRUE(a.ok()) << a;
   EXPECT_EQ(*b.GetStats().applied_through, 0);
+}
+
+// BOUNDED: a step whose apply fails UNAVAILABLE (a backup copy did not
+// confirm it) was acknowledged to its ranks: it stays held past the step
+// timeout and is tried again, by a lookup waiting for it, until it applies.
+// Any other failure drops it, as before.
+TEST(StepBarrierTest, ABoundedStepWhoseApplyFailsUnavailableStaysHeldAndIsTriedAgain) {
+  StepBarrier b(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1, absl::Milliseconds(200)));
+  std::atomic<int> calls{0};
+  const absl::Time healed = absl::Now() + absl::Milliseconds(500);
+  StepBarrier::ApplyFn flaky = [&](int64_t, const std::vector<const Contribution*>& ranks) {
+    ++calls;
+    EXPECT_EQ(ranks.size(), 2u);
+    return absl::Now() < healed ? absl::UnavailableError("backup did not confirm")
+                                : absl::OkStatus();
+  };
+  bool d = false;
+  ASSERT_TRUE(b.Submit(0, Make(0, 1), Soon(), flaky, &d).ok());
+  ASSERT_TRUE(b.Submit(0, Make(1, 2), Soon(), flaky, &d).ok());  // held: acknowledged
+  EXPECT_FALSE(b.GetStats().applied_through.has_value());
+  // A retry meanwhile is a duplicate, not a second contribution.
+  ASSERT_TRUE(b.Submit(0, Make(1, 2), Soon(), flaky, &d).ok());
+  EXPECT_TRUE(d);
+  // The lookup for step 2 needs step 0, which outlives the step timeout
+  // (it is complete: no rank is missing) while the lookups retry it (each
+  // waits at most the step timeout).
+  absl::Status looked;
+  for (int i = 0; i < 50; ++i) {
+    looked = b.WaitForLookup(2, absl::Now() + absl::Seconds(10), &flaky);
+    if (looked.ok()) break;
+    EXPECT_EQ(looked.code(), absl::StatusCode::kAborted) << looked;
+  }
+  ASSERT_TRUE(looked.ok()) << looked;
+  const StepBarrier::Stats st = b.GetStats();
+  EXPECT_EQ(*st.applied_through, 0);
+  EXPECT_EQ(st.steps_aborted, 0);
+  EXPECT_GE(st.apply_retries, 2);
+  EXPECT_EQ(st.apply_retries + 1, calls.load());
+  EXPECT_EQ(st.pending_bytes, 0);
+  // Refused for another reason: dropped.
+  Log log;
+  const absl::Status bad = absl::InvalidArgumentError("non-finite gradient");
+  ASSERT_TRUE(b.Submit(1, Make(0, 3), Soon(), log.Fn(bad), &d).ok());
+  EXPECT_EQ(b.Submit(1, Make(1, 4), Soon(), log.Fn(bad), &d), bad);
+  EXPECT_EQ(b.GetStats().steps_aborted, 1);
+}
+
+// A move to another epoch carries a BOUNDED barrier's steps: the new
+// barrier resumes with what was applied (retries of it are duplicates, a
+// conflicting one is refused) and held (completed by the ranks still to
+// send). A partial contribution does not complete its step until its rank
+// sends the update again; the staleness bound counts from the horizon.
+TEST(StepBarrierTest, BoundedStepsAreCarriedToTheNextEpoch) {
+  StepBarrier old(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1));
+  Log log;
+  bool d = false;
+  ASSERT_TRUE(old.Submit(0, Make(0, 1), Soon(), log.Fn(), &d).ok());
+  ASSERT_TRUE(old.Submit(0, Make(1, 2), Soon(), log.Fn(), &d).ok());
+  ASSERT_TRUE(old.Submit(1, Make(0, 3), Soon(), log.Fn(), &d).ok());
+  ASSERT_EQ(log.applied.size(), 1u);
+  const absl::Status moved = absl::FailedPreconditionError("moved to epoch 2");
+  StepBarrier::Carried carried = old.CarryAndAbort(moved);
+  EXPECT_EQ(old.Submit(1, Make(1, 4), Soon(), log.Fn(), &d), moved);
+  EXPECT_EQ(old.CarryAndAbort(moved).held.size(), 0u);  // once
+  ASSERT_EQ(*carried.applied, 0);
+  ASSERT_EQ(carried.held.size(), 1u);
+  ASSERT_EQ(carried.held.at(1).size(), 1u);
+
+  StepBarrier next(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1));
+  next.Resume(carried);
+  EXPECT_EQ(next.GetStats().pending_bytes, Make(0, 3).Bytes());
+  ASSERT_TRUE(next.Submit(0, Make(1, 2), Soon(), log.Fn(), &d).ok());
+  EXPECT_TRUE(d);  // step 0 was applied at the old epoch
+  EXPECT_EQ(next.Submit(0, Make(1, 9), Soon(), log.Fn(), &d).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(next.Submit(1, Make(0, 3), Soon(), log.Fn(), &d).ok());
+  EXPECT_TRUE(d);  // carried
+  ASSERT_TRUE(next.Submit(1, Make(1, 4), Soon(), log.Fn(), &d).ok());
+  ASSERT_EQ(log.applied.size(), 2u);
+  EXPECT_EQ(log.applied[1].first, 1);
+  EXPECT_EQ(log.applied[1].second, (std::vector<int32_t>{0, 1}));
+
+  // Partial: rank 0's step-2 update carried from some copies only.
+  StepBarrier::Carried part;
+  part.applied = 1;
+  part.horizon = 3;
+  Contribution some = Make(0, 5, 1);
+  some.partial = true;
+  part.held[2].emplace(0, some);
+  part.held[2].emplace(1, Make(1, 6));
+  StepBarrier last(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1));
+  last.Resume(part);
+  std::vector<size_t> floats;
+  StepBarrier::ApplyFn sizes = [&](int64_t, const std::vector<const Contribution*>& ranks) {
+    for (const Contribution* c : ranks) floats.push_back(c->parts[0].grad.size());
+    return absl::OkStatus();
+  };
+  last.ApplyReady(sizes);
+  EXPECT_TRUE(floats.empty());  // rank 0 is not whole yet
+  EXPECT_EQ(last.Submit(2, Make(0, 7), Soon(), sizes, &d).code(),
+            absl::StatusCode::kInvalidArgument);  // another update
+  ASSERT_TRUE(last.Submit(2, Make(0, 5), Soon(), sizes, &d).ok());
+  EXPECT_FALSE(d);
+  EXPECT_EQ(floats, (std::vector<size_t>{4, 4}));  // rank 0's whole update replaced the part
+  // Steps up to horizon 3 + 1 + staleness 1 are taken, not past.
+  EXPECT_TRUE(last.Submit(5, Make(0, 8), Soon(), sizes, &d).ok());
+  EXPECT_EQ(last.Submit(6, Make(0, 9), Soon(), sizes, &d).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(StepBarrierTest, HeldBytesAreBoundedAndAbortAllWakesEveryWaiter) {

@@ -194,6 +194,10 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 "Forwards to a backup that failed (the collection's updates then wait for "
                 "the coordinator to re-form its copies)",
                 one(&Stats::forward_failures));
+  m->AddCounter("ember_worker_replica_busy_forward_retries_total",
+                "Forwards sent again to a backup that refused them as busy with a move of its "
+                "collections (nothing applied there)",
+                one(&Stats::busy_forward_retries));
 }
 
 }  // namespace

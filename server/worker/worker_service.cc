@@ -316,6 +316,7 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   }
   std::shared_ptr<StepBarrier> steps;
   Contribution held;
+  std::map<std::string, ember::v1::WorkerApplyGradientsRequest> mirror;  // BOUNDED replicas
   {
     // A forwarded update never waits behind a writer of the collection map
     // (a move's UpdateShards): its primary holds its own map while it
@@ -345,9 +346,10 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
       if (absl::Status sender = CheckForwardSender(**c, *req); !sender.ok()) {
         return ToGrpc(sender);
       }
-    } else if (req->step_ranks_size() > 0) {
+      if (req->hold()) return ToGrpc(KeepHeld(**c, in, *req));
+    } else if (req->step_ranks_size() > 0 || req->hold()) {
       return ToGrpc(absl::InvalidArgumentError(
-          "step_ranks is a primary's forward of a step (from_primary); a trainer sends its own "
+          "step_ranks and hold are a primary's forwards (from_primary); a trainer sends its own "
           "update under its request id"));
     }
     // A backup applies a forwarded step as it comes: its primary's barrier
@@ -358,13 +360,20 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
     if (absl::Status s = HoldContribution(**c, in, *req, &held); !s.ok()) return ToGrpc(s);
     if (auto t = AuthorizationOf(ctx); t.has_value()) held.authorization = std::string(*t);
     steps = (*c)->steps;
+    mirror = MirrorRequests(**c, *req, held);
   }
   // SYNC / BOUNDED: held until every rank sent the step, waited for
   // without mu_ (the collection may move meanwhile: its barrier is then
   // aborted and the caller refreshes its plan and sends again).
   bool duplicate = false;
+  const std::optional<std::string> token = held.authorization;
   absl::Status s = steps->Submit(req->step(), std::move(held), DeadlineOf(ctx),
                                  StepApplier(req->collection(), steps.get()), &duplicate);
+  // BOUNDED: acknowledged once every backup keeps it too (a retry, held
+  // here already, is sent on again).
+  if (s.ok() && !mirror.empty()) {
+    s = SendMirror(std::move(mirror), req->collection(), req->epoch(), token, DeadlineOf(ctx));
+  }
   if (duplicate) {
     resp->set_duplicate(true);
     duplicates_.fetch_add(1, std::memory_order_relaxed);
@@ -404,7 +413,9 @@ absl::Status WorkerService::WaitForStep(const ember::v1::WorkerLookupRequest& re
         req.has_step() ? absl::StrCat(", got ", req.step()) : std::string()));
   }
   if (own) {
-    if (absl::Status s = steps->WaitForLookup(req.step(), deadline); !s.ok()) return s;
+    // (A step held after a failed apply is tried again meanwhile.)
+    const StepBarrier::ApplyFn kick = StepApplier(req.collection(), steps.get());
+    if (absl::Status s = steps->WaitForLookup(req.step(), deadline, &kick); !s.ok()) return s;
   }
   if (primaries.empty()) return absl::OkStatus();
   // A backup applies each step its primary forwards before the primary
@@ -672,7 +683,7 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
   if (ForwardsUpdates(coll)) order.emplace(coll.forward_mu.get());
   coll.apply_mu->Lock();
   auto unlock = absl::MakeCleanup([&coll] { coll.apply_mu->Unlock(); });
-  if (absl::Status broken = RefuseWhileBroken(coll, name); !broken.ok()) return broken;
+  if (absl::Status broken = RefuseWhileBroken(coll, name); !broken.ok()) return broken;  // held
   // The ranks' parts of one (shard, feature) become one request, their bags
   // (or ids) concatenated in rank order: what one trainer sending the
   // global batch sends, so the backend sums every row's occurrences in the
@@ -799,8 +810,20 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
     forward = StartForward(header, token, absl::InfiniteFuture(), features, requests, entries,
                            everyone);
   }
-  if (absl::Status s = ApplyAfterBackups(std::move(forward), name, &coll, requests, entries);
+  bool forwarded = true;
+  if (absl::Status s =
+          ApplyAfterBackups(std::move(forward), name, &coll, requests, entries, &forwarded);
       !s.ok()) {
+    // A BOUNDED step was acknowledged to its ranks: one its backups did not
+    // all take (an epoch or a move under way there, a backup gone) stays
+    // held and is tried again (StepBarrier), until the copies are re-formed
+    // at a new epoch, which takes it over.
+    // (Backups refusing its content alike, as this worker would, drop it.)
+    if (!forwarded && steps->options().mode == ember::v1::TrainingSpec::BOUNDED &&
+        s.code() != absl::StatusCode::kInvalidArgument &&
+        s.code() != absl::StatusCode::kOutOfRange) {
+      return absl::UnavailableError(s.message());
+    }
     return s;
   }
   for (size_t k = 0; k < ranks.size(); ++k) {

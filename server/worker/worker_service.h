@@ -153,6 +153,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     // Replicated shards: updates a primary forwarded to its backups, the
     // time they took (ns), and forwards that failed.
     int64_t forwards = 0, forward_ns = 0, forward_failures = 0;
+    int64_t busy_forward_retries = 0;  // forwards sent again to a backup busy with a move
   };
   Stats GetStats() const;
 
@@ -235,15 +236,23 @@ class WorkerService final : public ember::v1::Worker::Service {
     std::shared_ptr<std::vector<RowsRecord>> rows_applied =
         std::make_shared<std::vector<RowsRecord>>();
   };
-  // A SYNC collection's backup copies here: the last step each primary
-  // forwarded at the current epoch (a primary forwards every step to every
-  // worker holding backups of its shards, with their parts or none), which
-  // a lookup of those copies waits for. Shared: waited on without mu_.
+  // A SYNC or BOUNDED collection's backup copies here: the last step each
+  // primary forwarded at the current epoch (a primary forwards every step
+  // to every worker holding backups of its shards, with their parts or
+  // none), which a lookup of those copies waits for. Shared: waited on
+  // without mu_.
   struct ForwardedSteps {
     absl::Mutex mu;
     std::map<std::string, int64_t> through ABSL_GUARDED_BY(mu);  // by primary address
     // The ranks' digests of the step `through` names, by primary.
     std::map<std::string, StepBarrier::RankDigests> digests ABSL_GUARDED_BY(mu);
+    // BOUNDED: the ranks' updates each primary holds for steps it has not
+    // forwarded yet (WorkerApplyGradientsRequest.hold), by primary, step
+    // and rank, with the parts of the shards backed here; their bytes are
+    // bounded by max_pending_step_bytes.
+    std::map<std::string, std::map<int64_t, std::map<int32_t, Contribution>>> held
+        ABSL_GUARDED_BY(mu);
+    int64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
     // Set when the collection moves to another epoch (this is replaced):
     // the waiting lookups' answer.
     std::optional<absl::Status> moved ABSL_GUARDED_BY(mu);
@@ -375,6 +384,44 @@ class WorkerService final : public ember::v1::Worker::Service {
                              const std::vector<backend::GradientRequest>& requests,
                              const std::vector<const ShardEntry*>& entries,
                              const std::set<std::string>& everyone = {});
+  // Sends `out` (a request per backup address) at once; null when empty.
+  ForwardingPtr LaunchForward(std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out,
+                              const std::string& collection, int64_t epoch,
+                              const std::optional<std::string>& authorization,
+                              absl::Time deadline);
+  // BOUNDED replicas: a rank's update `held` for its step by this primary
+  // (WorkerApplyGradientsRequest.hold) goes to every worker backing a shard
+  // of it, with the parts of the shards each backs (MirrorRequests, under
+  // mu_; none when the collection is not BOUNDED or has no backups), and is
+  // acknowledged once every one keeps it (SendMirror, without mu_: else
+  // UNAVAILABLE, and the trainer's retry sends it again).
+  std::map<std::string, ember::v1::WorkerApplyGradientsRequest> MirrorRequests(
+      const Collection& c, const ember::v1::WorkerApplyGradientsRequest& req,
+      const Contribution& held) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status SendMirror(std::map<std::string, ember::v1::WorkerApplyGradientsRequest> mirror,
+                          const std::string& collection, int64_t epoch,
+                          const std::optional<std::string>& authorization, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A backup keeps a held update from its primary in c.forwarded (nothing
+  // applied; dropped when the primary forwards its step).
+  absl::Status KeepHeld(const Collection& c, GradientCall& in,
+                        const ember::v1::WorkerApplyGradientsRequest& req)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // A BOUNDED collection's steps at a new epoch (c's shards and their
+  // replication already the new epoch's; `backed` as SeedOf's): what its
+  // barrier applied and held, with what each primary whose shards were
+  // promoted here had forwarded and held (c.forwarded), for the new barrier
+  // (StepBarrier::Resume). Aborts the old barrier with `why`.
+  static StepBarrier::Carried CarryBoundedSteps(
+      Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed,
+      const absl::Status& why);
+  // BOUNDED with more than one backup: the updates a primary replaced at
+  // a new epoch held (`before`, under its mu) kept here for the new primary
+  // of the shards backed here (`after`, not shared yet): if it dies in turn
+  // before it applies them, the next copy promoted completes them.
+  static void KeepHeldForNewPrimaries(
+      const Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed,
+      const ForwardedSteps& before, ForwardedSteps* after) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // A forward's sender, whatever it carries: the replication key (where
   // tokens are on) and the primary of a shard this worker backs.
   absl::Status CheckForwardSender(const Collection& c,
@@ -391,11 +438,13 @@ class WorkerService final : public ember::v1::Worker::Service {
   // Applies requests[i] on entries[i] here once `forward` (null: none) has
   // them on every backup; c->apply_mu is held on entry and on return. A
   // refusal here of what the backups applied leaves this copy behind: c is
-  // marked broken with itself as the one behind.
+  // marked broken with itself as the one behind. *forwarded (if given):
+  // false when the backups did not all apply it (nothing applied here).
   absl::Status ApplyAfterBackups(ForwardingPtr forward, const std::string& collection,
                                  Collection* c,
                                  const std::vector<backend::GradientRequest>& requests,
-                                 const std::vector<const ShardEntry*>& entries);
+                                 const std::vector<const ShardEntry*>& entries,
+                                 bool* forwarded = nullptr);
   // UNAVAILABLE while a forward of c failed (Collection::broken_backup).
   static absl::Status RefuseWhileBroken(const Collection& c, const std::string& collection);
   ember::v1::Worker::Stub* PeerStub(const std::string& address);
@@ -510,6 +559,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   int64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
   // Forwards to backups: calls, their time (ns), and those that failed.
   std::atomic<int64_t> forwards_{0}, forward_ns_{0}, forward_failures_{0};
+  std::atomic<int64_t> busy_forward_retries_{0};
   // Forwards in flight (replication.cc). A new placement's UpdateShards
   // cancels those of older epochs to backups it no longer names before it
   // waits for mu_, which their primaries hold while a forward waits: a

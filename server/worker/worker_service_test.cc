@@ -1953,6 +1953,144 @@ TEST(WorkerServiceTest, ASyncBackupServesLookupsForTheStepsItsPrimaryForwarded) 
 // again (its answer lost with the dead primary) is answered as a retry at
 // once, not held for rank 0, which has moved on; step 1 then runs as
 // usual. A shard new at the epoch leaves the new barrier unseeded.
+// A 4 x 4 table at SGD rate 1 from zero (a backup of `backs`' shard if
+// given), and a gradient of 1s on its row 1: the step tests' shard and part.
+ember::v1::ShardAssignment RowOneTable(const std::string& table, const std::string& backs) {
+  ember::v1::ShardAssignment a;
+  a.mutable_ref()->set_table(table);
+  TableConfig* t = a.mutable_table();
+  t->set_name(table);
+  t->set_num_embeddings(4);
+  t->set_embedding_dim(4);
+  t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+  t->mutable_optimizer()->set_learning_rate(1.0);
+  t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
+  a.set_rows(4);
+  a.set_cols(4);
+  if (!backs.empty()) a.mutable_replication()->set_primary(backs);
+  return a;
+}
+
+// Collection `name` at epoch 1: "t" its own, "u" a backup of `primary`'s shard.
+void CreateOwnAndBacked(WorkerService* s, const std::string& name,
+                        const ember::v1::TrainingSpec& training, const std::string& primary) {
+  ember::v1::CreateShardsRequest create;
+  create.set_collection(name);
+  create.set_epoch(1);
+  *create.mutable_training() = training;
+  *create.add_shards() = RowOneTable("t", "");
+  *create.add_shards() = RowOneTable("u", primary);
+  ember::v1::CreateShardsResponse created;
+  ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
+}
+
+void AddRowOneGradient(ember::v1::WorkerApplyGradientsRequest* r, const std::string& table) {
+  auto* g = r->add_gradients();
+  g->mutable_feature()->mutable_shard()->set_table(table);
+  g->mutable_feature()->set_pooling(TableConfig::SUM);
+  g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+  g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{1}));
+  g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
+}
+
+// BOUNDED replicas: a backup keeps each rank's update its primary holds
+// (hold), from that primary only, and never from a trainer. When it is
+// promoted, the new barrier completes the steps its dead primary held: a
+// rank whose update the primary acknowledged need not send it again, one
+// whose update it had not sends it, and every table ends as one trainer
+// sending the global batch would leave it.
+TEST(WorkerServiceTest, APromotedBoundedBackupCompletesTheStepsItsPrimaryHeld) {
+  auto s = MakeService(WorkerServiceOptions());
+  ember::v1::TrainingSpec bounded;
+  bounded.set_mode(ember::v1::TrainingSpec::BOUNDED);
+  bounded.set_trainers(2);
+  bounded.set_max_staleness(1);
+  bounded.set_step_timeout_s(5);
+  const std::string primary = "10.0.0.1:7000";
+  ASSERT_NO_FATAL_FAILURE(CreateOwnAndBacked(s.get(), "bb", bounded, primary));
+  auto assignment = RowOneTable;
+  auto part = AddRowOneGradient;
+  auto update = [&](int64_t epoch, int64_t step, int rank, const std::vector<std::string>& tables) {
+    ember::v1::WorkerApplyGradientsRequest r;
+    r.set_collection("bb");
+    r.set_epoch(epoch);
+    r.set_request_id(absl::StrCat("rank", rank, "-", step));
+    r.set_request_digest(1000 + 10 * step + rank);
+    r.set_step(step);
+    r.set_rank(rank);
+    for (const std::string& t : tables) part(&r, t);
+    return r;
+  };
+  auto send = [&](ember::v1::WorkerApplyGradientsRequest r) {
+    ember::v1::WorkerApplyGradientsResponse resp;
+    return s->ApplyGradients(nullptr, &r, &resp);
+  };
+  auto hold = [&](const std::string& from, int64_t step, int rank) {
+    ember::v1::WorkerApplyGradientsRequest r = update(1, step, rank, {"u"});
+    r.set_from_primary(from);
+    r.set_hold(true);
+    return r;
+  };
+  // Step 0: both ranks' parts of "t" here, held then applied; their parts
+  // of "u" held by its primary, which sends them here.
+  ASSERT_TRUE(send(update(1, 0, 0, {"t"})).ok());
+  ASSERT_TRUE(send(update(1, 0, 1, {"t"})).ok());
+  ASSERT_TRUE(send(hold(primary, 0, 0)).ok());
+  ASSERT_TRUE(send(hold(primary, 0, 1)).ok());
+  EXPECT_TRUE(send(hold(primary, 0, 1)).ok());  // sent again
+  ember::v1::WorkerApplyGradientsRequest other = hold(primary, 0, 1);
+  other.set_request_digest(7);
+  EXPECT_EQ(send(other).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(send(hold("10.0.0.9:7000", 0, 0)).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  ember::v1::WorkerApplyGradientsRequest from_trainer = update(1, 0, 0, {"t"});
+  from_trainer.set_hold(true);
+  EXPECT_EQ(send(from_trainer).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // The primary applies step 0 and forwards it merged (the ranks' halves).
+  ember::v1::WorkerApplyGradientsRequest forward;
+  forward.set_collection("bb");
+  forward.set_epoch(1);
+  forward.set_request_id("step 0 of u");
+  forward.set_from_primary(primary);
+  forward.set_step(0);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto* u = forward.add_step_ranks();
+    u->set_request_id(absl::StrCat("rank", rank, "-0"));
+    u->set_request_digest(1000 + rank);
+    u->set_rank(rank);
+  }
+  part(&forward, "u");
+  ASSERT_TRUE(send(forward).ok());
+  // Step 1: both ranks' "t" here, applied; the primary holds rank 0's "u"
+  // (kept here) and dies before rank 1's reaches it.
+  ASSERT_TRUE(send(update(1, 1, 0, {"t"})).ok());
+  ASSERT_TRUE(send(update(1, 1, 1, {"t"})).ok());
+  ASSERT_TRUE(send(hold(primary, 1, 0)).ok());
+  // Epoch 2: "u" promoted.
+  ember::v1::UpdateShardsRequest promote;
+  promote.set_collection("bb");
+  promote.set_epoch(2);
+  *promote.mutable_training() = bounded;
+  *promote.add_create() = assignment("t", "");
+  *promote.add_create() = assignment("u", "");
+  ember::v1::UpdateShardsResponse updated;
+  ASSERT_TRUE(s->UpdateShards(nullptr, &promote, &updated).ok());
+  // Rank 1 sends step 1 again (its answer never came from the dead
+  // primary); rank 0's, acknowledged, is here already. Its "t" part was
+  // applied at epoch 1 and is not applied again.
+  ASSERT_TRUE(send(update(2, 1, 1, {"t", "u"})).ok());
+  ember::v1::WorkerApplyGradientsRequest again = update(2, 1, 0, {"t", "u"});
+  ember::v1::WorkerApplyGradientsResponse resp;
+  ASSERT_TRUE(s->ApplyGradients(nullptr, &again, &resp).ok());
+  EXPECT_TRUE(resp.duplicate());
+  for (const char* table : {"t", "u"}) {
+    const std::vector<float> w = Table(s.get(), table, "bb");
+    ASSERT_EQ(w.size(), 16u) << table;
+    // Row 1: two steps of the two ranks' 1s, halved, at rate 1 from zero.
+    EXPECT_EQ(w[4], -2.0f) << table;
+    EXPECT_EQ(w[0], 0.0f) << table;
+  }
+}
+
 TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
   auto s = MakeService(WorkerServiceOptions());
   ember::v1::TrainingSpec sync;
@@ -1960,39 +2098,9 @@ TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
   sync.set_trainers(2);
   sync.set_step_timeout_s(1);
   const std::string primary = "10.0.0.1:7000";
-  auto assignment = [&](const std::string& table, const std::string& backs) {
-    ember::v1::ShardAssignment a;
-    a.mutable_ref()->set_table(table);
-    TableConfig* t = a.mutable_table();
-    t->set_name(table);
-    t->set_num_embeddings(4);
-    t->set_embedding_dim(4);
-    t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
-    t->mutable_optimizer()->set_learning_rate(1.0);
-    t->mutable_initializer()->set_type(ember::v1::InitializerSpec::CONSTANT);
-    a.set_rows(4);
-    a.set_cols(4);
-    if (!backs.empty()) a.mutable_replication()->set_primary(backs);
-    return a;
-  };
-  {  // "t" its own, "u" a backup of `primary`'s shard
-    ember::v1::CreateShardsRequest create;
-    create.set_collection("ss");
-    create.set_epoch(1);
-    *create.mutable_training() = sync;
-    *create.add_shards() = assignment("t", "");
-    *create.add_shards() = assignment("u", primary);
-    ember::v1::CreateShardsResponse created;
-    ASSERT_TRUE(s->CreateShards(nullptr, &create, &created).ok());
-  }
-  auto part = [](ember::v1::WorkerApplyGradientsRequest* r, const std::string& table) {
-    auto* g = r->add_gradients();
-    g->mutable_feature()->mutable_shard()->set_table(table);
-    g->mutable_feature()->set_pooling(TableConfig::SUM);
-    g->mutable_feature()->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>{1}));
-    g->mutable_feature()->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{1}));
-    g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
-  };
+  ASSERT_NO_FATAL_FAILURE(CreateOwnAndBacked(s.get(), "ss", sync, primary));
+  auto assignment = RowOneTable;
+  auto part = AddRowOneGradient;
   auto contribution = [&](int64_t epoch, int64_t step, int rank,
                           const std::vector<std::string>& tables) {
     ember::v1::WorkerApplyGradientsRequest r;

@@ -428,11 +428,20 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     // no longer stops updates.
     coll.broken_backup.clear();
     coll.broken_why.clear();
-    // Steps held at the old epoch are dropped: their trainers refresh the
-    // plan and send them again to the new one.
-    coll.steps->AbortAll(absl::FailedPreconditionError(absl::StrCat(
-        "collection '", name, "' moved to epoch ", req->epoch(),
-        " while a step was held; refresh the plan and send the step again")));
+    // SYNC steps held at the old epoch are dropped: their trainers refresh
+    // the plan and send them again to the new one. BOUNDED ones were
+    // acknowledged: the new barrier takes them over, with those a promoted
+    // backup's dead primary held (CarryBoundedSteps).
+    const absl::Status moved = absl::FailedPreconditionError(
+        absl::StrCat("collection '", name, "' moved to epoch ", req->epoch(),
+                     " while a step was held; refresh the plan and send the step again"));
+    std::optional<StepBarrier::Carried> carried;
+    if (coll.steps->options().mode == ember::v1::TrainingSpec::BOUNDED &&
+        req->training().mode() == ember::v1::TrainingSpec::BOUNDED) {
+      carried = CarryBoundedSteps(coll, backed, moved);
+    } else {
+      coll.steps->AbortAll(moved);
+    }
     // A SYNC step every shard here had applied stays applied: a rank that
     // sends it again (its answer lost with a dead primary whose backup
     // this worker now is) is answered as a retry, not held for ranks that
@@ -443,13 +452,16 @@ grpc::Status WorkerService::UpdateShards(grpc::ServerContext* ctx,
     RetireSteps(*coll.steps);
     coll.steps = MakeSteps(req->training());
     if (seed.has_value()) coll.steps->Seed(seed->first, seed->second);
+    if (carried.has_value()) coll.steps->Resume(*std::move(carried));
+    auto next = std::make_shared<ForwardedSteps>();
     {
-      absl::MutexLock moved(&coll.forwarded->mu);
+      absl::MutexLock lock(&coll.forwarded->mu);
       coll.forwarded->moved = absl::FailedPreconditionError(absl::StrCat(
           "collection '", name, "' moved to epoch ", req->epoch(),
           " while a lookup waited for its step; refresh the plan"));
+      KeepHeldForNewPrimaries(coll, backed, *coll.forwarded, next.get());
     }
-    coll.forwarded = std::make_shared<ForwardedSteps>();
+    coll.forwarded = std::move(next);
   }
   LOG(INFO) << "collection '" << name << "' epoch " << coll.epoch << " -> " << req->epoch() << ": "
             << create.size() << " shard(s) added, " << adopt.size() << " staged one(s) adopted, "
@@ -479,6 +491,149 @@ std::optional<std::pair<int64_t, StepBarrier::RankDigests>> WorkerService::SeedO
     if (!seed.has_value() || at->first < seed->first) seed = at;
   }
   return seed;
+}
+
+StepBarrier::Carried WorkerService::CarryBoundedSteps(
+    Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed,
+    const absl::Status& why) {
+  using Key = std::pair<std::string, int32_t>;
+  using Held = std::map<int64_t, std::map<int32_t, Contribution>>;
+  StepBarrier::Carried own = c.steps->CarryAndAbort(why);
+  // The shards stepped here at the new epoch, by where their steps were
+  // held: "" this worker's barrier, else the primary whose backups were
+  // promoted here. A shard new here has no step held anywhere (a move
+  // copies rows after its fence).
+  std::map<std::string, std::set<Key>> shards_of;
+  for (const auto& [key, entry] : c.shards) {
+    if (!entry.assignment.replication().primary().empty()) continue;  // a backup
+    auto b = backed.find(key);
+    if (b != backed.end()) shards_of[b->second].insert(key);
+  }
+  struct Source {
+    std::optional<int64_t> applied;  // the last step applied to its shards
+    const Held* held;
+    const std::set<Key>* shards;
+  };
+  static const Held kNone;
+  absl::MutexLock lock(&c.forwarded->mu);
+  StepBarrier::Carried out;
+  out.digests = own.digests;
+  out.horizon = own.horizon;
+  std::vector<Source> sources;
+  for (const auto& [primary, shards] : shards_of) {
+    Source src{std::nullopt, &kNone, &shards};
+    if (primary.empty()) {
+      src.applied = own.applied;
+      src.held = &own.held;
+    } else {
+      auto t = c.forwarded->through.find(primary);
+      if (t != c.forwarded->through.end()) {
+        src.applied = t->second;
+        auto d = c.forwarded->digests.find(primary);
+        if (d != c.forwarded->digests.end()) out.digests.emplace(t->second, d->second);
+      }
+      auto h = c.forwarded->held.find(primary);
+      if (h != c.forwarded->held.end()) src.held = &h->second;
+    }
+    sources.push_back(src);
+  }
+  // The new barrier goes on from the earliest step any source applied
+  // (one that applied none known: from before its first held step); the
+  // steps after it that others applied complete again with the shards'
+  // applied request ids skipping what they applied.
+  for (const Source& src : sources) {
+    std::optional<int64_t> a = src.applied;
+    for (auto it = src.held->begin(); !a.has_value() && it != src.held->end(); ++it) {
+      if (!it->second.empty()) a = it->first - 1;
+    }
+    if (!a.has_value()) continue;
+    out.applied = out.applied.has_value() ? std::min(*out.applied, *a) : *a;
+    if (src.applied.has_value()) {
+      out.horizon = out.horizon.has_value() ? std::max(*out.horizon, *src.applied) : *src.applied;
+    }
+  }
+  // A rank's update held for a step: its parts for each source's shards,
+  // joined (one update, one digest).
+  for (const Source& src : sources) {
+    for (const auto& [step, ranks] : *src.held) {
+      if (out.applied.has_value() && step <= *out.applied) continue;
+      for (const auto& [rank, held] : ranks) {
+        Contribution part = held;
+        part.parts.clear();
+        for (const HeldPart& p : held.parts) {
+          if (src.shards->count({p.table, p.shard_index})) part.parts.push_back(p);
+        }
+        auto [it, fresh] = out.held[step].try_emplace(rank, part);
+        if (fresh) continue;
+        if (it->second.digest != part.digest) {
+          LOG(ERROR) << "rank " << rank << "'s update held for step " << step
+                     << " differs between the copies; the first is kept";
+          continue;
+        }
+        for (HeldPart& p : part.parts) it->second.parts.push_back(std::move(p));
+      }
+    }
+  }
+  // Held by some sources but not all (its trainer has not had it
+  // acknowledged, and sends it again): partial.
+  std::string held_ranks;
+  for (auto& [step, ranks] : out.held) {
+    absl::StrAppend(&held_ranks, " ", step, ":");
+    for (auto& [rank, held] : ranks) {
+      for (const Source& src : sources) {
+        const bool applied = src.applied.has_value() && step <= *src.applied;
+        auto at = src.held->find(step);
+        if (!applied && (at == src.held->end() || !at->second.count(rank))) held.partial = true;
+      }
+      absl::StrAppend(&held_ranks, held.partial ? "~" : "", rank, ",");
+    }
+  }
+  std::string from;
+  for (const auto& [primary, shards] : shards_of) {
+    absl::StrAppend(&from, from.empty() ? "" : "; ", primary.empty() ? "its own" : primary, " (",
+                    shards.size(), " shard(s))");
+  }
+  LOG(INFO) << "BOUNDED steps carried to the new epoch from " << (from.empty() ? "none" : from)
+            << ": applied through "
+            << (out.applied.has_value() ? absl::StrCat(*out.applied) : std::string("none"))
+            << ", horizon "
+            << (out.horizon.has_value() ? absl::StrCat(*out.horizon) : std::string("none"))
+            << ", held (step: ranks, ~ partial):" << (held_ranks.empty() ? " none" : held_ranks);
+  return out;
+}
+
+void WorkerService::KeepHeldForNewPrimaries(
+    const Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed,
+    const ForwardedSteps& before, ForwardedSteps* after) {
+  // (old primary, new primary) -> the shards backed here that went from one to the other.
+  std::map<std::pair<std::string, std::string>, std::set<std::pair<std::string, int32_t>>> moved;
+  for (const auto& [key, entry] : c.shards) {
+    const std::string& now = entry.assignment.replication().primary();
+    auto b = backed.find(key);
+    if (now.empty() || b == backed.end() || b->second.empty() || b->second == now) continue;
+    moved[{b->second, now}].insert(key);
+  }
+  for (const auto& [pair, shards] : moved) {
+    auto held = before.held.find(pair.first);
+    if (held == before.held.end()) continue;
+    auto through = before.through.find(pair.first);
+    for (const auto& [step, ranks] : held->second) {
+      if (through != before.through.end() && step <= through->second) continue;
+      for (const auto& [rank, contribution] : ranks) {
+        auto [it, fresh] = after->held[pair.second][step].try_emplace(rank, contribution);
+        if (fresh) it->second.parts.clear();
+        for (const HeldPart& p : contribution.parts) {
+          if (shards.count({p.table, p.shard_index})) it->second.parts.push_back(p);
+        }
+      }
+    }
+  }
+  after->held_bytes = 0;
+  for (const auto& [primary, steps] : after->held) {
+    for (const auto& [step, ranks] : steps) {
+      for (const auto& [rank, contribution] : ranks) after->held_bytes += contribution.Bytes();
+    }
+  }
 }
 
 void WorkerService::RetireSteps(const StepBarrier& steps) {
@@ -511,8 +666,9 @@ grpc::Status WorkerService::UpdateTraining(grpc::ServerContext* ctx,
   if (req->has_fence_at()) {
     resp->set_highest_step(steps->FenceAt(req->fence_at()));
     if (!req->fence_wait()) return grpc::Status::OK;
+    const StepBarrier::ApplyFn kick = StepApplier(req->collection(), steps.get());
     const absl::Status waited =
-        steps->WaitApplied(req->fence_at(), absl::Now() + steps->options().timeout);
+        steps->WaitApplied(req->fence_at(), absl::Now() + steps->options().timeout, &kick);
     if (!waited.ok()) return ToGrpc(waited);
     LOG(INFO) << "collection '" << req->collection() << "': steps through " << req->fence_at()
               << " applied, later ones fenced for a move";
@@ -623,6 +779,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.forwards = forwards_.load(std::memory_order_relaxed);
   s.forward_ns = forward_ns_.load(std::memory_order_relaxed);
   s.forward_failures = forward_failures_.load(std::memory_order_relaxed);
+  s.busy_forward_retries = busy_forward_retries_.load(std::memory_order_relaxed);
   absl::ReaderMutexLock lock(&mu_);  // retiring happens under it: no count seen twice or lost
   s.steps_applied = retired_steps_applied_.load(std::memory_order_relaxed);
   s.steps_aborted = retired_steps_aborted_.load(std::memory_order_relaxed);
