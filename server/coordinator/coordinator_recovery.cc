@@ -89,19 +89,23 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   const CollectionInfo before = info;  // the old plan and addresses (drain copies from them)
   const std::string lost_names = DescribeRanks(info, lost);
   LOG(WARNING) << "collection '" << name << "': " << (drain ? "draining " : "lost ") << lost_names;
-  // A drain copies live (MoveLive): the collection serves on until its
-  // fence. A recovery stops it now.
-  SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::RECOVERING,
-           (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
   if (!drain && info.spec().training().mode() == ember::v1::TrainingSpec::BOUNDED) {
     // Held BOUNDED steps have returned to their trainers: they apply before
-    // anything moves.
+    // anything moves, while the collection still serves (a trainer that
+    // refreshes its plan to send a step the fence waits for is refused
+    // while the collection recovers).
+    SetState(name, CollectionInfo::SERVING,
+             "fencing the steps before recovering the shards of " + lost_names);
     std::vector<std::string> reachable;
     for (int r : holding) {
       if (alive.count(ids[r])) reachable.push_back(info.worker_addresses(r));
     }
     FenceSteps(info, reachable);
   }
+  // A drain copies live (MoveLive): the collection serves on until its
+  // fence. A recovery stops it now.
+  SetState(name, drain ? CollectionInfo::SERVING : CollectionInfo::RECOVERING,
+           (drain ? "moving the shards of " : "recovering the shards of ") + lost_names);
 
   // The checkpoint to reload from, chosen (and every file verified) before
   // anything changes: the newest usable one of this collection.

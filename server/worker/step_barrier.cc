@@ -423,6 +423,11 @@ void StepBarrier::AbortAll(const absl::Status& why) {
   changed_.SignalAll();
 }
 
+bool StepBarrier::AppliedThrough(int64_t step) const {
+  absl::MutexLock lock(&mu_);
+  return applied_.has_value() && *applied_ >= step;
+}
+
 std::optional<std::pair<int64_t, StepBarrier::RankDigests>> StepBarrier::LastApplied() const {
   absl::MutexLock lock(&mu_);
   if (!applied_.has_value()) return std::nullopt;

@@ -156,6 +156,8 @@ class StepBarrier {
   int64_t FenceAt(int64_t last);
   absl::Status WaitApplied(int64_t last, absl::Time deadline, const ApplyFn* kick = nullptr);
 
+  // Whether every step up to `step` is applied here.
+  bool AppliedThrough(int64_t step) const;
   // The last step applied here and its ranks' digests (none: nothing
   // applied).
   using RankDigests = std::map<int32_t, uint64_t>;

@@ -333,6 +333,8 @@ TEST(StepBarrierTest, BoundedStepsAreCarriedToTheNextEpoch) {
 
   StepBarrier next(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1));
   next.Resume(carried);
+  EXPECT_TRUE(next.AppliedThrough(0));
+  EXPECT_FALSE(next.AppliedThrough(1));
   EXPECT_EQ(next.GetStats().pending_bytes, Make(0, 3).Bytes());
   ASSERT_TRUE(next.Submit(0, Make(1, 2), Soon(), log.Fn(), &d).ok());
   EXPECT_TRUE(d);  // step 0 was applied at the old epoch
@@ -344,6 +346,7 @@ TEST(StepBarrierTest, BoundedStepsAreCarriedToTheNextEpoch) {
   ASSERT_EQ(log.applied.size(), 2u);
   EXPECT_EQ(log.applied[1].first, 1);
   EXPECT_EQ(log.applied[1].second, (std::vector<int32_t>{0, 1}));
+  EXPECT_TRUE(next.AppliedThrough(1));
 
   // Partial: rank 0's step-2 update carried from some copies only.
   StepBarrier::Carried part;

@@ -370,8 +370,10 @@ grpc::Status WorkerService::ApplyGradients(grpc::ServerContext* ctx,
   absl::Status s = steps->Submit(req->step(), std::move(held), DeadlineOf(ctx),
                                  StepApplier(req->collection(), steps.get()), &duplicate);
   // BOUNDED: acknowledged once every backup keeps it too (a retry, held
-  // here already, is sent on again).
-  if (s.ok() && !mirror.empty()) {
+  // here already, is sent on again), unless its step is applied here
+  // already (the update that completed it, or a retry): every backup then
+  // applied it, forwarded merged.
+  if (s.ok() && !mirror.empty() && !steps->AppliedThrough(req->step())) {
     s = SendMirror(std::move(mirror), req->collection(), req->epoch(), token, DeadlineOf(ctx));
   }
   if (duplicate) {
