@@ -179,7 +179,7 @@ TEST_F(ScaleTest, RowWiseTablesAreReCutWhileTraining) {
 }
 
 TEST_F(ScaleTest, TableWiseAndReplicatedTablesFollowTheirWorkers) {
-  for (const std::string& sharding : {"table_wise", "data_parallel"}) {
+  for (const std::string sharding : {"table_wise", "data_parallel"}) {
     const std::string name = sharding == "table_wise" ? "tw" : "dp";
     Create(name, sharding);
     int step = 0, during = 0;

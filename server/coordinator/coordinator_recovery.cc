@@ -182,7 +182,6 @@ absl::Status CoordinatorService::RecoverCollection(const std::string& name,
   const std::set<int>& replaced = placed->replaced;
   const std::map<int, int64_t>& load = placed->load;
   std::map<int, std::set<std::pair<std::string, int32_t>>>& reload = placed->reload;
-  const std::map<std::pair<std::string, int32_t>, int>& dp_source = placed->replica_source;
   // Every rank holding something under the new plan moves to its epoch
   // (replacements are created there); a drained rank holds nothing now.
   std::set<int> kept = planner::HoldingRanks(info.plan());

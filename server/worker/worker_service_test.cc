@@ -1869,7 +1869,9 @@ TEST(WorkerServiceTest, ASyncBackupServesLookupsForTheStepsItsPrimaryForwarded) 
     f->set_ids(wire::Encode<int64_t>(std::vector<int64_t>{2}));
     ember::v1::WorkerLookupResponse resp;
     const grpc::Status st = s->Lookup(nullptr, &req, &resp);
-    if (st.ok() && out != nullptr) EXPECT_TRUE(wire::Decode(resp.outputs(0), "out", out).ok());
+    if (st.ok() && out != nullptr) {
+      EXPECT_TRUE(wire::Decode(resp.outputs(0), "out", out).ok());
+    }
     return st;
   };
   auto forward = [&](const std::string& from, int64_t step, bool with_part) {
@@ -1993,6 +1995,22 @@ void AddRowOneGradient(ember::v1::WorkerApplyGradientsRequest* r, const std::str
   g->set_grad(wire::Encode<float>(std::vector<float>{1, 1, 1, 1}));
 }
 
+// Rank `rank`'s update for `step`: row 1 of each of `tables`, under the
+// request id "rank<rank>-<step>".
+ember::v1::WorkerApplyGradientsRequest RankStepUpdate(const std::string& collection,
+                                                      int64_t epoch, int64_t step, int rank,
+                                                      const std::vector<std::string>& tables) {
+  ember::v1::WorkerApplyGradientsRequest r;
+  r.set_collection(collection);
+  r.set_epoch(epoch);
+  r.set_request_id(absl::StrCat("rank", rank, "-", step));
+  r.set_request_digest(1000 + 10 * step + rank);
+  r.set_step(step);
+  r.set_rank(rank);
+  for (const std::string& t : tables) AddRowOneGradient(&r, t);
+  return r;
+}
+
 // BOUNDED replicas: a backup keeps each rank's update its primary holds
 // (hold), from that primary only, and never from a trainer. When it is
 // promoted, the new barrier completes the steps its dead primary held: a
@@ -2010,16 +2028,8 @@ TEST(WorkerServiceTest, APromotedBoundedBackupCompletesTheStepsItsPrimaryHeld) {
   ASSERT_NO_FATAL_FAILURE(CreateOwnAndBacked(s.get(), "bb", bounded, primary));
   auto assignment = RowOneTable;
   auto part = AddRowOneGradient;
-  auto update = [&](int64_t epoch, int64_t step, int rank, const std::vector<std::string>& tables) {
-    ember::v1::WorkerApplyGradientsRequest r;
-    r.set_collection("bb");
-    r.set_epoch(epoch);
-    r.set_request_id(absl::StrCat("rank", rank, "-", step));
-    r.set_request_digest(1000 + 10 * step + rank);
-    r.set_step(step);
-    r.set_rank(rank);
-    for (const std::string& t : tables) part(&r, t);
-    return r;
+  auto update = [](int64_t epoch, int64_t step, int rank, const std::vector<std::string>& tables) {
+    return RankStepUpdate("bb", epoch, step, rank, tables);
   };
   auto send = [&](ember::v1::WorkerApplyGradientsRequest r) {
     ember::v1::WorkerApplyGradientsResponse resp;
@@ -2101,17 +2111,9 @@ TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
   ASSERT_NO_FATAL_FAILURE(CreateOwnAndBacked(s.get(), "ss", sync, primary));
   auto assignment = RowOneTable;
   auto part = AddRowOneGradient;
-  auto contribution = [&](int64_t epoch, int64_t step, int rank,
-                          const std::vector<std::string>& tables) {
-    ember::v1::WorkerApplyGradientsRequest r;
-    r.set_collection("ss");
-    r.set_epoch(epoch);
-    r.set_request_id(absl::StrCat("rank", rank, "-", step));
-    r.set_request_digest(1000 + 10 * step + rank);
-    r.set_step(step);
-    r.set_rank(rank);
-    for (const std::string& t : tables) part(&r, t);
-    return r;
+  auto contribution = [](int64_t epoch, int64_t step, int rank,
+                         const std::vector<std::string>& tables) {
+    return RankStepUpdate("ss", epoch, step, rank, tables);
   };
   // Step 0: both ranks' parts of "t" here; "u"'s came through its primary.
   std::vector<grpc::Status> got(2);
