@@ -29,7 +29,6 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
@@ -161,6 +160,15 @@ absl::Status WorkerService::WaitForwarded(ForwardedSteps* f,
   return absl::OkStatus();
 }
 
+std::set<std::string> WorkerService::BackupWorkers(const Collection& c) {
+  std::set<std::string> out;
+  for (const auto& [key, entry] : c.shards) {
+    out.insert(entry.assignment.replication().backups().begin(),
+               entry.assignment.replication().backups().end());
+  }
+  return out;
+}
+
 bool WorkerService::ForwardsUpdates(const Collection& c) {
   for (const auto& [key, entry] : c.shards) {
     if (entry.assignment.replication().backups_size() > 0) return true;
@@ -204,11 +212,11 @@ struct WorkerService::Forwarding {
   std::optional<std::string> authorization;  // sent with each request
 };
 
-WorkerService::ForwardingPtr WorkerService::StartForward(
-    const ember::v1::WorkerApplyGradientsRequest& header,
-    const std::optional<std::string>& authorization, absl::Time deadline,
-    const std::vector<std::string>& features, const std::vector<backend::GradientRequest>& requests,
-    const std::vector<const ShardEntry*>& entries, const std::set<std::string>& everyone) {
+std::map<std::string, ember::v1::WorkerApplyGradientsRequest> WorkerService::ForwardRequests(
+    const ember::v1::WorkerApplyGradientsRequest& header, const std::vector<std::string>& features,
+    const std::vector<backend::GradientRequest>& requests,
+    const std::vector<const ShardEntry*>& entries, const std::set<std::string>& everyone,
+    const std::vector<absl::Span<const int64_t>>* mean_lengths) const {
   // One request per backup address, with the parts of the shards it holds,
   // arrays inline.
   std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out;
@@ -236,10 +244,21 @@ WorkerService::ForwardingPtr WorkerService::StartForward(
       wire::Encode(g.feature.ids, feature->mutable_ids());
       wire::Encode(g.feature.weights, feature->mutable_weights());
       wire::Encode(g.grad, sg->mutable_grad());
+      if (mean_lengths != nullptr && !(*mean_lengths)[i].empty()) {
+        wire::Encode((*mean_lengths)[i], sg->mutable_mean_lengths());
+      }
     }
   }
-  return LaunchForward(std::move(out), header.collection(), header.epoch(), authorization,
-                       deadline);
+  return out;
+}
+
+WorkerService::ForwardingPtr WorkerService::StartForward(
+    const ember::v1::WorkerApplyGradientsRequest& header,
+    const std::optional<std::string>& authorization, absl::Time deadline,
+    const std::vector<std::string>& features, const std::vector<backend::GradientRequest>& requests,
+    const std::vector<const ShardEntry*>& entries, const std::set<std::string>& everyone) {
+  return LaunchForward(ForwardRequests(header, features, requests, entries, everyone),
+                       header.collection(), header.epoch(), authorization, deadline);
 }
 
 WorkerService::ForwardingPtr WorkerService::LaunchForward(
@@ -344,12 +363,7 @@ absl::Status WorkerService::FinishForward(ForwardingPtr f, const std::string& co
   // rather than left behind the others.
   for (size_t i = 0; i < n; ++i) {
     absl::Duration backoff = absl::Milliseconds(5);
-    auto busy = [](const grpc::Status& st) {
-      return HasSignal(st, kSignalWorkerBusy) ||
-             (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
-              absl::StartsWith(st.error_message(), kWorkerBusy));
-    };
-    while (busy(f->statuses[i]) &&
+    while (HasSignal(f->statuses[i], kSignalWorkerBusy) &&
            absl::Now() + backoff < f->start + options_.forward_timeout) {
       absl::SleepFor(backoff);
       backoff = std::min(2 * backoff, absl::Milliseconds(200));
@@ -413,50 +427,32 @@ absl::Status WorkerService::RefuseWhileBroken(const Collection& c, const std::st
 std::map<std::string, ember::v1::WorkerApplyGradientsRequest> WorkerService::MirrorRequests(
     const Collection& c, const ember::v1::WorkerApplyGradientsRequest& req,
     const Contribution& held) const {
-  std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out;
   if (c.steps->options().mode != ember::v1::TrainingSpec::BOUNDED || !ForwardsUpdates(c)) {
-    return out;
+    return {};
   }
-  auto to = [&](const std::string& backup) -> ember::v1::WorkerApplyGradientsRequest& {
-    auto [it, fresh] = out.try_emplace(backup);
-    if (fresh) {
-      ember::v1::WorkerApplyGradientsRequest& m = it->second;
-      m.set_collection(req.collection());
-      m.set_epoch(req.epoch());
-      m.set_request_id(req.request_id());
-      m.set_request_digest(req.request_digest());
-      m.set_step(req.step());
-      m.set_rank(req.rank());
-      m.set_hold(true);
-      m.set_from_primary(OwnAddress());
-      m.set_replication_key(options_.auth.ReplicationKey(req.collection(), req.epoch()));
-    }
-    return it->second;
-  };
-  // Every worker backing a shard of this primary keeps every rank's update,
-  // parts or none: a promoted one completes the steps from them.
-  for (const auto& [key, entry] : c.shards) {
-    for (const std::string& backup : entry.assignment.replication().backups()) to(backup);
-  }
+  ember::v1::WorkerApplyGradientsRequest header;
+  header.set_collection(req.collection());
+  header.set_epoch(req.epoch());
+  header.set_request_id(req.request_id());
+  header.set_request_digest(req.request_digest());
+  header.set_step(req.step());
+  header.set_rank(req.rank());
+  header.set_hold(true);
+  std::vector<std::string> features;
+  std::vector<backend::GradientRequest> parts;
+  std::vector<const ShardEntry*> entries;
+  std::vector<absl::Span<const int64_t>> mean_lengths;
   for (const HeldPart& part : held.parts) {
     auto entry = c.shards.find({part.table, part.shard_index});
     if (entry == c.shards.end()) continue;
-    for (const std::string& backup : entry->second.assignment.replication().backups()) {
-      ember::v1::ShardGradient* g = to(backup).add_gradients();
-      ember::v1::ShardFeature* f = g->mutable_feature();
-      *f->mutable_shard() = entry->second.assignment.ref();
-      f->set_feature(part.feature);
-      f->set_pooling(PoolingToProto(part.pooling));
-      wire::Encode(absl::MakeConstSpan(part.lengths), f->mutable_lengths());
-      wire::Encode(absl::MakeConstSpan(part.ids), f->mutable_ids());
-      wire::Encode(absl::MakeConstSpan(part.weights), f->mutable_weights());
-      wire::Encode(absl::MakeConstSpan(part.grad), g->mutable_grad());
-      if (!part.mean_lengths.empty()) {
-        wire::Encode(absl::MakeConstSpan(part.mean_lengths), g->mutable_mean_lengths());
-      }
-    }
+    parts.push_back(part.View());
+    entries.push_back(&entry->second);
+    features.push_back(part.feature);
+    mean_lengths.push_back(part.mean_lengths);
   }
-  return out;
+  // Every worker backing a shard of this primary keeps every rank's update,
+  // parts or none: a promoted one completes the steps from them.
+  return ForwardRequests(header, features, parts, entries, BackupWorkers(c), &mean_lengths);
 }
 
 absl::Status WorkerService::SendMirror(

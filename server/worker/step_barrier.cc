@@ -31,10 +31,43 @@ int64_t HeldPart::Bytes() const {
                               4 * (weights.size() + grad.size()));
 }
 
+backend::GradientRequest HeldPart::View() const {
+  backend::GradientRequest r;
+  r.feature.pooling = pooling;
+  r.feature.lengths = lengths;
+  r.feature.ids = ids;
+  r.feature.weights = weights;
+  r.grad = grad;
+  return r;
+}
+
+HeldPart HeldPart::CopyOf(const backend::GradientRequest& r) {
+  HeldPart h;
+  h.pooling = r.feature.pooling;
+  h.lengths.assign(r.feature.lengths.begin(), r.feature.lengths.end());
+  h.ids.assign(r.feature.ids.begin(), r.feature.ids.end());
+  h.weights.assign(r.feature.weights.begin(), r.feature.weights.end());
+  h.grad.assign(r.grad.begin(), r.grad.end());
+  return h;
+}
+
 int64_t Contribution::Bytes() const {
   int64_t b = static_cast<int64_t>(sizeof(Contribution) + request_id.size());
   for (const HeldPart& p : parts) b += p.Bytes();
   return b;
+}
+
+Contribution Contribution::PartsOf(const std::set<std::pair<std::string, int32_t>>& shards) const {
+  Contribution out;
+  out.rank = rank;
+  out.request_id = request_id;
+  out.digest = digest;
+  out.authorization = authorization;
+  out.partial = partial;
+  for (const HeldPart& p : parts) {
+    if (shards.count({p.table, p.shard_index})) out.parts.push_back(p);
+  }
+  return out;
 }
 
 StepBarrier::Options StepBarrier::OptionsOf(const ember::v1::TrainingSpec& spec,
@@ -100,8 +133,10 @@ void StepBarrier::ExpireLocked(absl::Time now) {
   }
 }
 
-absl::Time StepBarrier::WakeLocked(absl::Time deadline) const {
+absl::Time StepBarrier::WakeLocked(absl::Time deadline, bool kicks) const {
   for (const auto& [step, p] : pending_) deadline = std::min(deadline, p.first + options_.timeout);
+  // A step held after a failed apply is tried again meanwhile.
+  if (kicks && retry_at_ > absl::Now()) deadline = std::min(deadline, retry_at_);
   return deadline;
 }
 
@@ -132,7 +167,7 @@ void StepBarrier::ApplyReady(const ApplyFn& apply) {
 }
 
 void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
-  while (!applying_ && !all_aborted_.has_value() && !pending_.empty()) {
+  while (!in_apply_.has_value() && !all_aborted_.has_value() && !pending_.empty()) {
     auto it = pending_.begin();
     const int64_t next = applied_.has_value() ? *applied_ + 1 : it->first;
     if (it->first != next || !CompleteLocked(next, it->second) || absl::Now() < retry_at_) {
@@ -140,7 +175,6 @@ void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
     }
     in_apply_.emplace(next, std::move(it->second));
     pending_.erase(it);
-    applying_ = true;
     std::vector<const Contribution*> ranks;
     int64_t bytes = 0;
     for (const auto& [rank, c] : in_apply_->second.by_rank) {
@@ -150,7 +184,6 @@ void StepBarrier::ApplyReadyLocked(const ApplyFn& apply) {
     mu_.Unlock();
     const absl::Status s = apply(next, ranks);
     mu_.Lock();
-    applying_ = false;
     Pending p = std::move(in_apply_->second);
     in_apply_.reset();
     if (!s.ok() && s.code() == absl::StatusCode::kUnavailable &&
@@ -341,10 +374,7 @@ absl::Status StepBarrier::WaitForLookup(int64_t step, absl::Time deadline, const
                                : std::string("none applied yet"),
           ")"));
     }
-    // A step held after a failed apply is tried again meanwhile.
-    const bool retry = kick != nullptr && retry_at_ > now;
-    changed_.WaitWithDeadline(&mu_, retry ? std::min(WakeLocked(deadline), retry_at_)
-                                          : WakeLocked(deadline));
+    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline, kick != nullptr));
   }
 }
 
@@ -378,9 +408,7 @@ absl::Status StepBarrier::WaitApplied(int64_t last, absl::Time deadline, const A
           "step ", last, " is not applied here yet (last applied: ",
           applied_.has_value() ? absl::StrCat(*applied_) : std::string("none"), ")"));
     }
-    const bool retry = kick != nullptr && retry_at_ > now;
-    changed_.WaitWithDeadline(&mu_, retry ? std::min(WakeLocked(deadline), retry_at_)
-                                          : WakeLocked(deadline));
+    changed_.WaitWithDeadline(&mu_, WakeLocked(deadline, kick != nullptr));
   }
 }
 

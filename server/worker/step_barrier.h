@@ -33,6 +33,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,6 +60,11 @@ struct HeldPart {
   // rows are scaled by 1/length when applied (ShardGradient.mean_lengths).
   std::vector<int64_t> mean_lengths;
   int64_t Bytes() const;
+  // A backend request viewing this part's arrays (its shard not set; the
+  // part must outlive it), and a part holding a copy of a request's (its
+  // table, shard index and feature not set).
+  backend::GradientRequest View() const;
+  static HeldPart CopyOf(const backend::GradientRequest& r);
 };
 
 struct Contribution {
@@ -74,6 +80,8 @@ struct Contribution {
   // sends it again, which replaces it.
   bool partial = false;
   int64_t Bytes() const;
+  // This contribution with only its parts of `shards` (table, shard index).
+  Contribution PartsOf(const std::set<std::pair<std::string, int32_t>>& shards) const;
 };
 
 class StepBarrier {
@@ -211,8 +219,11 @@ class StepBarrier {
   void AbortLocked(int64_t step, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Aborts the held steps whose timeout passed.
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // When a waiter wakes: `deadline`, or the first held step's timeout.
-  absl::Time WakeLocked(absl::Time deadline) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // When a waiter wakes: `deadline`, or the first held step's timeout, or
+  // (`kicks`: the waiter tries held steps again) the next retry of a failed
+  // apply.
+  absl::Time WakeLocked(absl::Time deadline, bool kicks = false) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The step's outcome once it has one: OK (applied) or why it was not.
   std::optional<absl::Status> OutcomeLocked(int64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string MissingRanksLocked(int64_t step, const Pending& p) const
@@ -226,9 +237,8 @@ class StepBarrier {
   std::map<int64_t, int32_t> trainers_from_ ABSL_GUARDED_BY(mu_);  // SetTrainers' changes
   std::optional<int64_t> applied_ ABSL_GUARDED_BY(mu_);
   std::optional<int64_t> horizon_ ABSL_GUARDED_BY(mu_);  // Carried::horizon
-  bool applying_ ABSL_GUARDED_BY(mu_) = false;
-  // The step being applied (its contributions, read by the applying thread
-  // without mu_; nothing else changes them until it ends).
+  // The step being applied, while one is (its contributions, read by the
+  // applying thread without mu_; nothing else changes them until it ends).
   std::optional<std::pair<int64_t, Pending>> in_apply_ ABSL_GUARDED_BY(mu_);
   absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // after a failed apply
   // Recent outcomes: steps dropped (and why), and the digests of applied

@@ -507,13 +507,7 @@ grpc::Status WorkerService::ApplyNow(const grpc::ServerContext* ctx, Collection&
               " of table '", entry->assignment.ref().table(),
               "' before it was re-cut; send it again with its ids in host memory")));
         }
-        HeldPart whole;
-        whole.pooling = part->feature.pooling;
-        whole.lengths.assign(part->feature.lengths.begin(), part->feature.lengths.end());
-        whole.ids.assign(part->feature.ids.begin(), part->feature.ids.end());
-        whole.weights.assign(part->feature.weights.begin(), part->feature.weights.end());
-        whole.grad.assign(part->grad.begin(), part->grad.end());
-        trimmed.push_back(WithoutRanges(whole, ranges));
+        trimmed.push_back(WithoutRanges(HeldPart::CopyOf(*part), ranges));
         const HeldPart& t = trimmed.back();
         part->feature.pooling = t.pooling;  // a MEAN bag's factor is in its weights now
         part->feature.lengths = t.lengths;
@@ -636,15 +630,10 @@ absl::Status WorkerService::HoldContribution(const Collection& coll, GradientCal
     }
     const ShardEntry* entry = found.back();
     if (absl::Status r = CheckReplicationRole(*entry, req); !r.ok()) return r;
-    HeldPart h;
+    HeldPart h = HeldPart::CopyOf(*part);
     h.table = entry->assignment.ref().table();
     h.shard_index = entry->assignment.ref().shard_index();
     h.feature = in.request().gradients(i).feature().feature();
-    h.pooling = part->feature.pooling;
-    h.lengths.assign(part->feature.lengths.begin(), part->feature.lengths.end());
-    h.ids.assign(part->feature.ids.begin(), part->feature.ids.end());
-    h.weights.assign(part->feature.weights.begin(), part->feature.weights.end());
-    h.grad.assign(part->grad.begin(), part->grad.end());
     const std::string& mean_lengths = in.request().gradients(i).mean_lengths();
     if (!mean_lengths.empty()) {
       if (absl::Status s = wire::Decode(mean_lengths, "mean_lengths", &h.mean_lengths); !s.ok()) {
@@ -767,13 +756,8 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
         for (size_t c = 0; c < cols; ++c) j.grad[b * cols + c] *= inv;
       }
     }
-    backend::GradientRequest r;
+    backend::GradientRequest r = j.View();
     r.feature.shard = groups[g].entry->id;
-    r.feature.pooling = j.pooling;
-    r.feature.lengths = j.lengths;
-    r.feature.ids = j.ids;
-    r.feature.weights = j.weights;
-    r.grad = j.grad;
     requests.push_back(r);
     entries.push_back(groups[g].entry);
     features.push_back(groups[g].parts.empty() ? std::string() : groups[g].parts[0]->feature);
@@ -804,13 +788,8 @@ absl::Status WorkerService::ApplyStep(const std::string& name, const StepBarrier
     header.set_request_digest(digest);
     // Every worker backing a shard of this primary hears of every step,
     // parts or none: their lookups wait for it.
-    std::set<std::string> everyone;
-    for (const auto& [key, entry] : coll.shards) {
-      everyone.insert(entry.assignment.replication().backups().begin(),
-                      entry.assignment.replication().backups().end());
-    }
     forward = StartForward(header, token, absl::InfiniteFuture(), features, requests, entries,
-                           everyone);
+                           BackupWorkers(coll));
   }
   bool forwarded = true;
   if (absl::Status s =

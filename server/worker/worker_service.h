@@ -384,6 +384,16 @@ class WorkerService final : public ember::v1::Worker::Service {
                              const std::vector<backend::GradientRequest>& requests,
                              const std::vector<const ShardEntry*>& entries,
                              const std::set<std::string>& everyone = {});
+  // The requests of such a forward, one per backup address (what
+  // StartForward sends); mean_lengths[i] (if given): requests[i]'s
+  // ShardGradient.mean_lengths.
+  std::map<std::string, ember::v1::WorkerApplyGradientsRequest> ForwardRequests(
+      const ember::v1::WorkerApplyGradientsRequest& header, const std::vector<std::string>& features,
+      const std::vector<backend::GradientRequest>& requests,
+      const std::vector<const ShardEntry*>& entries, const std::set<std::string>& everyone,
+      const std::vector<absl::Span<const int64_t>>* mean_lengths = nullptr) const;
+  // Every worker holding a backup of a shard c holds (as its primary).
+  static std::set<std::string> BackupWorkers(const Collection& c);
   // Sends `out` (a request per backup address) at once; null when empty.
   ForwardingPtr LaunchForward(std::map<std::string, ember::v1::WorkerApplyGradientsRequest> out,
                               const std::string& collection, int64_t epoch,

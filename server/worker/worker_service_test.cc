@@ -2011,6 +2011,26 @@ ember::v1::WorkerApplyGradientsRequest RankStepUpdate(const std::string& collect
   return r;
 }
 
+// `primary`'s forward of step 0 of `collection` at epoch 1, merged from
+// ranks 0 and 1 (RankStepUpdate's ids and digests): row 1 of "u".
+ember::v1::WorkerApplyGradientsRequest StepZeroOfU(const std::string& collection,
+                                                   const std::string& primary) {
+  ember::v1::WorkerApplyGradientsRequest forward;
+  forward.set_collection(collection);
+  forward.set_epoch(1);
+  forward.set_request_id("step 0 of u");
+  forward.set_from_primary(primary);
+  forward.set_step(0);
+  for (int rank = 0; rank < 2; ++rank) {
+    auto* u = forward.add_step_ranks();
+    u->set_request_id(absl::StrCat("rank", rank, "-0"));
+    u->set_request_digest(1000 + rank);
+    u->set_rank(rank);
+  }
+  AddRowOneGradient(&forward, "u");
+  return forward;
+}
+
 // BOUNDED replicas: a backup keeps each rank's update its primary holds
 // (hold), from that primary only, and never from a trainer. When it is
 // promoted, the new barrier completes the steps its dead primary held: a
@@ -2027,7 +2047,6 @@ TEST(WorkerServiceTest, APromotedBoundedBackupCompletesTheStepsItsPrimaryHeld) {
   const std::string primary = "10.0.0.1:7000";
   ASSERT_NO_FATAL_FAILURE(CreateOwnAndBacked(s.get(), "bb", bounded, primary));
   auto assignment = RowOneTable;
-  auto part = AddRowOneGradient;
   auto update = [](int64_t epoch, int64_t step, int rank, const std::vector<std::string>& tables) {
     return RankStepUpdate("bb", epoch, step, rank, tables);
   };
@@ -2056,19 +2075,7 @@ TEST(WorkerServiceTest, APromotedBoundedBackupCompletesTheStepsItsPrimaryHeld) {
   from_trainer.set_hold(true);
   EXPECT_EQ(send(from_trainer).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   // The primary applies step 0 and forwards it merged (the ranks' halves).
-  ember::v1::WorkerApplyGradientsRequest forward;
-  forward.set_collection("bb");
-  forward.set_epoch(1);
-  forward.set_request_id("step 0 of u");
-  forward.set_from_primary(primary);
-  forward.set_step(0);
-  for (int rank = 0; rank < 2; ++rank) {
-    auto* u = forward.add_step_ranks();
-    u->set_request_id(absl::StrCat("rank", rank, "-0"));
-    u->set_request_digest(1000 + rank);
-    u->set_rank(rank);
-  }
-  part(&forward, "u");
+  ember::v1::WorkerApplyGradientsRequest forward = StepZeroOfU("bb", primary);
   ASSERT_TRUE(send(forward).ok());
   // Step 1: both ranks' "t" here, applied; the primary holds rank 0's "u"
   // (kept here) and dies before rank 1's reaches it.
@@ -2110,7 +2117,6 @@ TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
   const std::string primary = "10.0.0.1:7000";
   ASSERT_NO_FATAL_FAILURE(CreateOwnAndBacked(s.get(), "ss", sync, primary));
   auto assignment = RowOneTable;
-  auto part = AddRowOneGradient;
   auto contribution = [](int64_t epoch, int64_t step, int rank,
                          const std::vector<std::string>& tables) {
     return RankStepUpdate("ss", epoch, step, rank, tables);
@@ -2129,19 +2135,7 @@ TEST(WorkerServiceTest, ASyncStepAppliedEverywhereHereStaysAppliedAtANewEpoch) {
     for (auto& t : ranks) t.join();
   }
   ASSERT_TRUE(got[0].ok() && got[1].ok()) << got[0].error_message() << got[1].error_message();
-  ember::v1::WorkerApplyGradientsRequest forward;
-  forward.set_collection("ss");
-  forward.set_epoch(1);
-  forward.set_request_id("step 0 of u");
-  forward.set_from_primary(primary);
-  forward.set_step(0);
-  for (int rank = 0; rank < 2; ++rank) {
-    auto* u = forward.add_step_ranks();
-    u->set_request_id(absl::StrCat("rank", rank, "-0"));
-    u->set_request_digest(1000 + rank);
-    u->set_rank(rank);
-  }
-  part(&forward, "u");
+  ember::v1::WorkerApplyGradientsRequest forward = StepZeroOfU("ss", primary);
   ember::v1::WorkerApplyGradientsResponse fresp;
   ASSERT_TRUE(s->ApplyGradients(nullptr, &forward, &fresp).ok());
   // Epoch 2: "u" promoted.

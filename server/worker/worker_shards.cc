@@ -493,6 +493,25 @@ std::optional<std::pair<int64_t, StepBarrier::RankDigests>> WorkerService::SeedO
   return seed;
 }
 
+namespace {
+
+// Adds `part` (a rank's update held for `step`, or some of its parts) to
+// `ranks`: a rank there already gets the parts added (one update, one
+// digest; another is left out, logged).
+void JoinParts(std::map<int32_t, Contribution>* ranks, int64_t step, Contribution part) {
+  const int32_t rank = part.rank;
+  auto [it, fresh] = ranks->try_emplace(rank, std::move(part));  // (not moved from if held)
+  if (fresh) return;
+  if (it->second.digest != part.digest) {
+    LOG(ERROR) << "rank " << rank << "'s update held for step " << step
+               << " differs between the copies; the first is kept";
+    return;
+  }
+  for (HeldPart& p : part.parts) it->second.parts.push_back(std::move(p));
+}
+
+}  // namespace
+
 StepBarrier::Carried WorkerService::CarryBoundedSteps(
     Collection& c, const std::map<std::pair<std::string, int32_t>, std::string>& backed,
     const absl::Status& why) {
@@ -558,19 +577,7 @@ StepBarrier::Carried WorkerService::CarryBoundedSteps(
     for (const auto& [step, ranks] : *src.held) {
       if (out.applied.has_value() && step <= *out.applied) continue;
       for (const auto& [rank, held] : ranks) {
-        Contribution part = held;
-        part.parts.clear();
-        for (const HeldPart& p : held.parts) {
-          if (src.shards->count({p.table, p.shard_index})) part.parts.push_back(p);
-        }
-        auto [it, fresh] = out.held[step].try_emplace(rank, part);
-        if (fresh) continue;
-        if (it->second.digest != part.digest) {
-          LOG(ERROR) << "rank " << rank << "'s update held for step " << step
-                     << " differs between the copies; the first is kept";
-          continue;
-        }
-        for (HeldPart& p : part.parts) it->second.parts.push_back(std::move(p));
+        JoinParts(&out.held[step], step, held.PartsOf(*src.shards));
       }
     }
   }
@@ -620,11 +627,7 @@ void WorkerService::KeepHeldForNewPrimaries(
     for (const auto& [step, ranks] : held->second) {
       if (through != before.through.end() && step <= through->second) continue;
       for (const auto& [rank, contribution] : ranks) {
-        auto [it, fresh] = after->held[pair.second][step].try_emplace(rank, contribution);
-        if (fresh) it->second.parts.clear();
-        for (const HeldPart& p : contribution.parts) {
-          if (shards.count({p.table, p.shard_index})) it->second.parts.push_back(p);
-        }
+        JoinParts(&after->held[pair.second][step], step, contribution.PartsOf(shards));
       }
     }
   }
