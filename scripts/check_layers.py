@@ -58,6 +58,11 @@ INCLUDES = {
                                                     "server/backend/embedding_backend.h",
                                                     "server/backend/forwarding_backend.h",
                                                     "server/common/", "math/"]),
+    # Rows on local SSD under a cache in memory, over any backend's shards.
+    "backend/key_value": ("server/backend/key_value/", ["server/backend/key_value/",
+                                                        "server/backend/embedding_backend.h",
+                                                        "server/backend/forwarding_backend.h",
+                                                        "server/common/", "math/"]),
     # Which rows changed, over any backend's shards.
     "backend/changes": ("server/backend/changes/", ["server/backend/changes/",
                                                     "server/backend/embedding_backend.h",
@@ -86,6 +91,7 @@ EXTRA = {
     "server/backend/backend_factory.cc": ["server/backend/cpu/", "server/backend/cuda/",
                                           "server/backend/dynamic/dynamic_backend.h",
                                           "server/backend/changes/change_tracking.h",
+                                          "server/backend/key_value/key_value_backend.h",
                                           "cuda/device_query.h"],
     "client/inprocess.h": ["server/backend/embedding_backend.h",
                            "server/backend/cpu/cpu_backend.h"],

@@ -184,15 +184,37 @@ absl::Status ValidateRowRange(const ShardSpec& spec, int64_t b, int64_t e, size_
   return absl::OkStatus();
 }
 
+namespace {
+// rows * per_row + extra, or INT64_MAX past an int64 (0 for no rows).
+int64_t SaturatedBytes(int64_t rows, int64_t per_row, int64_t extra = 0) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  if (rows <= 0 || per_row <= 0) return 0;
+  if (rows > (kMax - extra) / per_row) return kMax;
+  return rows * per_row + extra;
+}
+}  // namespace
+
 int64_t ShardBytes(const ShardSpec& spec) {
+  if (spec.cache_rows > 0) return KeyValueMemoryBytes(spec);
   int64_t elem = 4;
   if (spec.weight_type == WeightType::kFp16 || spec.weight_type == WeightType::kBf16) elem = 2;
-  const int64_t per_row = math::RowBytes(elem, StepOptimizerOf(spec.optimizer.type), spec.dim);
-  if (spec.rows <= 0 || per_row <= 0) return 0;
-  if (spec.rows > std::numeric_limits<int64_t>::max() / per_row) {
-    return std::numeric_limits<int64_t>::max();
-  }
-  return spec.rows * per_row;
+  return SaturatedBytes(spec.rows,
+                        math::RowBytes(elem, StepOptimizerOf(spec.optimizer.type), spec.dim));
+}
+
+int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
+  ShardSpec cache = spec;
+  cache.rows = spec.cache_rows;
+  cache.cache_rows = 0;
+  const int64_t rows = ShardBytes(cache);
+  const int64_t extra = rows + SaturatedBytes(spec.cache_rows, 24);
+  if (rows == std::numeric_limits<int64_t>::max() || extra < rows) return rows;
+  return SaturatedBytes(spec.rows, 4, extra);
+}
+
+int64_t KeyValueFileBytes(const ShardSpec& spec) {
+  return SaturatedBytes(spec.rows,
+                        4 * (spec.dim + OptimizerStateWidth(spec.optimizer.type, spec.dim)));
 }
 
 absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
@@ -250,6 +272,10 @@ absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple) {
   if (s.table_rows < s.row_offset + s.rows) {
     return bad("row_offset + rows (", s.row_offset + s.rows, ") exceeds table_rows (",
                s.table_rows, ")");
+  }
+  if (s.cache_rows != 0) {
+    return bad("the key_value kernel (cache_rows ", s.cache_rows,
+               ") needs a worker with an SSD tier (--ssd_dir)");
   }
   const OptimizerConfig& o = s.optimizer;
   if (!(o.learning_rate >= 0) || !std::isfinite(o.learning_rate)) {
@@ -665,6 +691,10 @@ absl::StatusOr<std::vector<EmbeddingBackend::SlotMeta>> EmbeddingBackend::Unpack
 
 absl::StatusOr<DynamicStats> EmbeddingBackend::GetDynamicStats(ShardId) const {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+
+absl::StatusOr<TierStats> EmbeddingBackend::GetTierStats(ShardId) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), " holds no key_value shards"));
 }
 
 }  // namespace backend

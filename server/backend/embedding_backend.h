@@ -131,9 +131,27 @@ struct ShardSpec {
   InitializerConfig initializer;
   bool is_dynamic = false;
   DynamicConfig dynamic;
+  // The key_value kernel (key_value/key_value_backend.h): every row of the
+  // shard in a file on local SSD, `cache_rows` of them (1 .. rows) in
+  // memory. 0: the whole shard in memory (fused). Only a backend wrapped
+  // by WithKeyValueShards takes it.
+  int64_t cache_rows = 0;
 };
 
 using ShardId = int32_t;
+
+// A key_value shard's tiers (ShardSpec::cache_rows;
+// key_value/key_value_backend.h), counted since it was created.
+struct TierStats {
+  int64_t cache_rows = 0;   // rows the memory tier holds at most
+  int64_t cached_rows = 0;  // rows in it now
+  int64_t hits = 0;         // rows a call found in memory (once a call)
+  int64_t fills = 0;        // rows a call brought into memory
+  int64_t disk_reads = 0;   // fills read from the file (the rest: never written, initial values)
+  int64_t write_backs = 0;  // changed rows written to the file as they left memory
+  int64_t evictions = 0;    // rows that left memory
+  int64_t file_bytes = 0;   // the shard's file on SSD
+};
 
 // A dynamic shard's counters (DynamicIndex: dynamic/dynamic_index.h).
 struct DynamicStats {
@@ -380,6 +398,10 @@ class EmbeddingBackend {
                                        std::vector<uint32_t>* sketch);
   // Rows held, admissions, evictions, dropped gradients (dynamic_index.h).
   virtual absl::StatusOr<DynamicStats> GetDynamicStats(ShardId shard) const;
+  // A key_value shard's cache and file counters (ShardSpec::cache_rows);
+  // INVALID_ARGUMENT for a shard held whole in memory, UNIMPLEMENTED from
+  // a backend without key_value shards.
+  virtual absl::StatusOr<TierStats> GetTierStats(ShardId shard) const;
   // SlotMeta on the wire and on disk: int64 [n, kSlotMetaFields] (id,
   // last_step, updates, order), all 0 for a free slot (updates 0). Unpack:
   // INVALID_ARGUMENT for a length not a multiple of kSlotMetaFields or
@@ -458,9 +480,16 @@ absl::Status CheckFinite(absl::Span<const float> values, const std::string& what
 inline constexpr char kNonFinitePayload[] = "type.ember.dev/nonfinite";
 bool IsNonFiniteRefusal(const absl::Status& s);
 
-// Bytes a shard takes (weights + optimizer state); INT64_MAX when that
-// does not fit in an int64.
+// Bytes of memory a shard takes (weights + optimizer state; for a
+// key_value shard, its cache's rows and the cache's bookkeeping:
+// KeyValueMemoryBytes); INT64_MAX when that does not fit in an int64.
 int64_t ShardBytes(const ShardSpec& spec);
+// A key_value shard's memory: cache_rows rows of weights + state, 4 bytes
+// a row of the shard (where it is cached) and 24 a cached row.
+int64_t KeyValueMemoryBytes(const ShardSpec& spec);
+// A key_value shard's file: every row as fp32 weights then fp32 optimizer
+// state; INT64_MAX when that does not fit in an int64.
+int64_t KeyValueFileBytes(const ShardSpec& spec);
 
 // Output (and gradient) element count: batch * dim pooled, num_ids * dim NONE.
 int64_t OutputSize(const FeatureRequest& f, int64_t dim);

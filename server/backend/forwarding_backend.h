@@ -85,6 +85,9 @@ class ForwardingBackend : public EmbeddingBackend {
   absl::Status MergePendingSketch(ShardId id, absl::Span<const uint32_t> counters) override {
     return inner_->MergePendingSketch(id, counters);
   }
+  absl::StatusOr<TierStats> GetTierStats(ShardId id) const override {
+    return inner_->GetTierStats(id);
+  }
   bool FindsKeys() const override { return inner_->FindsKeys(); }
   absl::Status SyncKeyIndex(ShardId id, const math::KeyLine* lines, int64_t count,
                             absl::Span<const int64_t> changed) override {

@@ -582,6 +582,11 @@ absl::Status ValidateDynamicSpec(const ShardSpec& spec) {
   if (spec.rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": capacity must be > 0, got ", spec.rows));
   }
+  if (spec.cache_rows != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": dynamic tables are held in memory (the fused kernel); key_value is for fixed "
+              "tables"));
+  }
   if (spec.dynamic.admit_after < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": admit_after must be >= 0, got ", spec.dynamic.admit_after));

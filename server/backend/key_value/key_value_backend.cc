@@ -1,0 +1,662 @@
+// WithKeyValueShards (key_value_backend.h).
+#include "server/backend/key_value/key_value_backend.h"
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "math/half.h"
+#include "server/backend/forwarding_backend.h"
+#include "server/backend/key_value/row_file.h"
+
+namespace ember {
+namespace backend {
+namespace {
+
+constexpr int32_t kAbsent = -1;
+// Rows a thread of the file reads and writes takes at a time.
+constexpr int64_t kIoGrain = 64;
+
+struct Shard {
+  ShardSpec spec;
+  int64_t width = 0;   // optimizer state floats a row
+  int64_t record = 0;  // floats a row in the file: dim + width
+  int64_t file_bytes = 0;
+  std::unique_ptr<RowFile> file;
+  // A row's cache slot, or kAbsent; mid-call, -2 - k for the call's k-th
+  // miss (so that a row named twice misses once).
+  std::vector<int32_t> slot_of_row;
+  std::vector<int64_t> row_of_slot;  // -1: a free slot
+  std::vector<uint8_t> changed;      // the slot's row changed since it was filled
+  std::vector<uint8_t> used;         // CLOCK's bit
+  std::vector<uint64_t> pinned;      // the call that last named the slot
+  std::vector<uint64_t> written;     // a bit a row: its record is in the file
+  int64_t hand = 0;
+  bool dropped = false;
+  std::string broken;  // non-empty: a failed import; every call answers DATA_LOSS
+  TierStats stats;
+
+  int64_t cache_rows() const { return spec.cache_rows; }
+  bool Written(int64_t r) const { return (written[r >> 6] >> (r & 63)) & 1; }
+  void SetWritten(int64_t r) { written[r >> 6] |= uint64_t{1} << (r & 63); }
+  int64_t Offset(int64_t r) const { return r * record * 4; }
+};
+
+std::vector<float> FreshState(const ShardSpec &spec) {
+  const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
+                       spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
+  return std::vector<float>(static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)),
+                            adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
+}
+
+// Rows as file records (weights then state, a row after another) and back.
+void Interleave(const Shard &s, int64_t n, const float *w, const float *st, float *rec) {
+  for (int64_t k = 0; k < n; ++k) {
+    std::copy_n(w + k * s.spec.dim, s.spec.dim, rec + k * s.record);
+    std::copy_n(st + k * s.width, s.width, rec + k * s.record + s.spec.dim);
+  }
+}
+void Split(const Shard &s, const float *rec, float *w, float *st) {
+  std::copy_n(rec, s.spec.dim, w);
+  std::copy_n(rec + s.spec.dim, s.width, st);
+}
+
+// A call's requests with the ids of key_value shards copied (read once,
+// whatever memory they lie in) and then replaced by cache slots.
+template <typename Request>
+struct Mapped {
+  std::vector<Request> requests;
+  std::vector<std::vector<int64_t>> ids;
+};
+
+class KeyValueBackend : public ForwardingBackend {
+ public:
+  KeyValueBackend(std::unique_ptr<EmbeddingBackend> inner, const KeyValueOptions &options)
+      : ForwardingBackend(std::move(inner)), options_(options), budget_(options.capacity_bytes) {}
+
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec &spec) override {
+    if (spec.cache_rows == 0) return inner()->CreateShard(spec);
+    if (absl::Status s = ValidateKeyValueSpec(spec); !s.ok()) return s;
+    if (options_.dir.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("table '", spec.table,
+                       "': the key_value kernel needs a worker with an SSD "
+                       "tier (--ssd_dir)"));
+    }
+    auto shard = std::make_shared<Shard>();
+    shard->spec = spec;
+    shard->width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    shard->record = spec.dim + shard->width;
+    shard->file_bytes = KeyValueFileBytes(spec);
+    if (shard->file_bytes == std::numeric_limits<int64_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table '", spec.table, "': a key_value shard of ", spec.rows, " rows is too large"));
+    }
+    if (absl::Status s = budget_.Reserve(shard->file_bytes, spec.table); !s.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(s.message(), " (the SSD tier's capacity)"));
+    }
+    ShardSpec cache = spec;
+    cache.rows = spec.cache_rows;
+    cache.cache_rows = 0;
+    const absl::Status made = Make(shard.get());
+    absl::StatusOr<ShardId> id =
+        made.ok() ? inner()->CreateShard(cache) : absl::StatusOr<ShardId>(made);
+    if (!id.ok()) {
+      budget_.Release(shard->file_bytes);
+      return id.status();
+    }
+    shard->stats.cache_rows = spec.cache_rows;
+    shard->stats.file_bytes = shard->file_bytes;
+    absl::MutexLock lock(&map_mu_);
+    shards_[*id] = std::move(shard);
+    return *id;
+  }
+
+  absl::Status DropShard(ShardId id) override {
+    std::shared_ptr<Shard> shard;
+    {
+      absl::MutexLock lock(&map_mu_);
+      auto it = shards_.find(id);
+      if (it != shards_.end()) {
+        shard = std::move(it->second);
+        shards_.erase(it);
+      }
+    }
+    if (shard == nullptr) return inner()->DropShard(id);
+    absl::MutexLock lock(&call_mu_);  // calls in flight end first
+    shard->dropped = true;
+    budget_.Release(shard->file_bytes);
+    return inner()->DropShard(id);
+  }
+
+  absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {
+    if (auto s = Find(id)) return s->spec;
+    return inner()->GetShardSpec(id);
+  }
+
+  absl::StatusOr<TierStats> GetTierStats(ShardId id) const override {
+    auto shard = Find(id);
+    if (shard == nullptr) {
+      auto spec = inner()->GetShardSpec(id);
+      if (!spec.ok()) return spec.status();
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard ", id, " of table '", spec->table, "' holds all its rows in memory"));
+    }
+    absl::MutexLock lock(&call_mu_);
+    TierStats out = shard->stats;
+    out.cached_rows = static_cast<int64_t>(std::count_if(
+        shard->row_of_slot.begin(), shard->row_of_slot.end(), [](int64_t r) { return r >= 0; }));
+    return out;
+  }
+
+  absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
+    std::vector<std::shared_ptr<Shard>> kv;
+    if (!KeyValueShardsOf(requests, &kv)) return inner()->Lookup(requests);
+    absl::MutexLock lock(&call_mu_);
+    Mapped<LookupRequest> m;
+    if (absl::Status s = CopyIds(requests, kv, &m); !s.ok()) return s;
+    std::map<ShardId, ShardSpec> others;
+    if (absl::Status s = ValidateRequests(absl::Span<const LookupRequest>(m.requests),
+                                          SpecFinder(kv, m.requests, &others), Checks::kAll,
+                                          inner()->WritesStridedOutputs());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = MapToSlots(kv, &m); !s.ok()) return s;
+    return inner()->Lookup(m.requests);
+  }
+
+  absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
+    std::vector<std::shared_ptr<Shard>> kv;
+    if (!KeyValueShardsOf(requests, &kv)) return inner()->ApplyGradients(requests);
+    absl::MutexLock lock(&call_mu_);
+    Mapped<GradientRequest> m;
+    if (absl::Status s = CopyIds(requests, kv, &m); !s.ok()) return s;
+    std::map<ShardId, ShardSpec> others;
+    if (absl::Status s = ValidateRequests(absl::Span<const GradientRequest>(m.requests),
+                                          SpecFinder(kv, m.requests, &others));
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = MapToSlots(kv, &m); !s.ok()) return s;
+    if (absl::Status s = inner()->ApplyGradients(m.requests); !s.ok()) return s;
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      for (int64_t slot : m.ids[i]) kv[i]->changed[slot] = 1;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ExportRows(ShardId id, int64_t begin, int64_t end, absl::Span<float> weights,
+                          absl::Span<float> state) const override {
+    auto shard = Find(id);
+    if (shard == nullptr) return inner()->ExportRows(id, begin, end, weights, state);
+    absl::MutexLock lock(&call_mu_);
+    Shard &s = *shard;
+    if (absl::Status st = Usable(s); !st.ok()) return st;
+    if (absl::Status st = ValidateRowRange(s.spec, begin, end, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    const int64_t n = end - begin;
+    std::vector<int64_t> slots, at, fresh;
+    bool any_written = false;
+    for (int64_t r = begin; r < end; ++r) {
+      if (s.slot_of_row[r] >= 0) {
+        slots.push_back(s.slot_of_row[r]);
+        at.push_back(r - begin);
+      } else if (s.Written(r)) {
+        any_written = true;
+      } else {
+        fresh.push_back(r);
+      }
+    }
+    if (any_written) {  // one read of the range, the rows written taken from it
+      std::vector<float> rec(static_cast<size_t>(n * s.record));
+      if (absl::Status st = s.file->Read(s.Offset(begin), rec.data(), n * s.record * 4); !st.ok()) {
+        return st;
+      }
+      for (int64_t r = begin; r < end; ++r) {
+        if (s.slot_of_row[r] < 0 && s.Written(r)) {
+          Split(s, rec.data() + ((r - begin) * s.record),
+                weights.data() + ((r - begin) * s.spec.dim),
+                state.data() + ((r - begin) * s.width));
+        }
+      }
+    }
+    if (!slots.empty()) {
+      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
+      if (absl::Status e = inner()->ExportRowsAt(id, slots, absl::MakeSpan(w), absl::MakeSpan(st));
+          !e.ok()) {
+        return e;
+      }
+      for (size_t k = 0; k < slots.size(); ++k) {
+        std::copy_n(w.data() + (k * s.spec.dim), s.spec.dim, weights.data() + at[k] * s.spec.dim);
+        std::copy_n(st.data() + (k * s.width), s.width, state.data() + at[k] * s.width);
+      }
+    }
+    if (!fresh.empty()) {
+      std::vector<float> w(fresh.size() * s.spec.dim);
+      MakeInitial(s, fresh, w.data());
+      const std::vector<float> st = FreshState(s.spec);
+      for (size_t k = 0; k < fresh.size(); ++k) {
+        const int64_t i = fresh[k] - begin;
+        std::copy_n(w.data() + (k * s.spec.dim), s.spec.dim, weights.data() + (i * s.spec.dim));
+        std::copy(st.begin(), st.end(), state.data() + (i * s.width));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ImportRows(ShardId id, int64_t begin, int64_t end, absl::Span<const float> weights,
+                          absl::Span<const float> state) override {
+    auto shard = Find(id);
+    if (shard == nullptr) return inner()->ImportRows(id, begin, end, weights, state);
+    absl::MutexLock lock(&call_mu_);
+    Shard &s = *shard;
+    if (absl::Status st = Usable(s); !st.ok()) return st;
+    if (absl::Status st = ValidateImport(s.spec, begin, end, weights, state); !st.ok()) return st;
+    const int64_t n = end - begin;
+    std::vector<float> rec(static_cast<size_t>(n * s.record));
+    Interleave(s, n, weights.data(), state.data(), rec.data());
+    absl::Status wrote = s.file->Write(s.Offset(begin), rec.data(), n * s.record * 4);
+    if (!wrote.ok()) return Break(&s, wrote, begin, end);
+    for (int64_t r = begin; r < end; ++r) s.SetWritten(r);
+    // Cached rows take the import too; the file now holds them as they are.
+    std::vector<int64_t> slots, at;
+    for (int64_t r = begin; r < end; ++r) {
+      if (s.slot_of_row[r] >= 0) {
+        slots.push_back(s.slot_of_row[r]);
+        at.push_back(r - begin);
+      }
+    }
+    if (slots.empty()) return absl::OkStatus();
+    std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
+    for (size_t k = 0; k < slots.size(); ++k) {
+      std::copy_n(weights.data() + at[k] * s.spec.dim, s.spec.dim, w.data() + (k * s.spec.dim));
+      std::copy_n(state.data() + at[k] * s.width, s.width, st.data() + (k * s.width));
+    }
+    if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) {
+      return Break(&s, e, begin, end);
+    }
+    for (int64_t slot : slots) s.changed[slot] = 0;
+    return absl::OkStatus();
+  }
+
+  // Rows anywhere: a row at a time through the range calls above (the
+  // wrapped backend's own would read the cache's slots).
+  absl::Status ExportRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<float> weights,
+                            absl::Span<float> state) const override {
+    if (Find(id) == nullptr) return inner()->ExportRowsAt(id, rows, weights, state);
+    return EmbeddingBackend::ExportRowsAt(id, rows, weights, state);
+  }
+  absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
+                            absl::Span<const float> weights,
+                            absl::Span<const float> state) override {
+    if (Find(id) == nullptr) return inner()->ImportRowsAt(id, rows, weights, state);
+    return EmbeddingBackend::ImportRowsAt(id, rows, weights, state);
+  }
+
+ private:
+  std::shared_ptr<Shard> Find(ShardId id) const {
+    absl::MutexLock lock(&map_mu_);
+    auto it = shards_.find(id);
+    return it == shards_.end() ? nullptr : it->second;
+  }
+
+  // kv[i]: request i's key_value shard, or null; false when there is none.
+  template <typename Request>
+  bool KeyValueShardsOf(absl::Span<const Request> requests,
+                        std::vector<std::shared_ptr<Shard>> *kv) const {
+    absl::MutexLock lock(&map_mu_);
+    if (shards_.empty()) return false;
+    bool any = false;
+    kv->assign(requests.size(), nullptr);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      auto it = shards_.find(requests[i].feature.shard);
+      if (it == shards_.end()) continue;
+      (*kv)[i] = it->second;
+      any = true;
+    }
+    return any;
+  }
+
+  // The bookkeeping's memory, taken when the shard is made.
+  absl::Status Make(Shard *s) {
+    const ShardSpec &spec = s->spec;
+    if (spec.cache_rows >= std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table '", spec.table, "': cache_rows ", spec.cache_rows, " is too many for one shard"));
+    }
+    try {
+      s->slot_of_row.assign(static_cast<size_t>(spec.rows), kAbsent);
+      s->row_of_slot.assign(static_cast<size_t>(spec.cache_rows), -1);
+      s->changed.assign(static_cast<size_t>(spec.cache_rows), 0);
+      s->used.assign(static_cast<size_t>(spec.cache_rows), 0);
+      s->pinned.assign(static_cast<size_t>(spec.cache_rows), 0);
+      s->written.assign(static_cast<size_t>((spec.rows + 63) / 64), 0);
+    } catch (const std::bad_alloc &) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("table '", spec.table, "': no memory for a key_value shard's bookkeeping (",
+                       KeyValueMemoryBytes(spec), " bytes)"));
+    }
+    auto file = RowFile::Create(options_.dir, s->file_bytes,
+                                absl::StrCat("table '", spec.table, "' key_value shard file"));
+    if (!file.ok()) return file.status();
+    s->file = std::move(*file);
+    return absl::OkStatus();
+  }
+
+  static absl::Status Usable(const Shard &s) {
+    if (s.dropped) return absl::NotFoundError(absl::StrCat("table '", s.spec.table, "': dropped"));
+    if (!s.broken.empty()) return absl::DataLossError(s.broken);
+    return absl::OkStatus();
+  }
+
+  absl::Status Break(Shard *s, const absl::Status &cause, int64_t begin, int64_t end) const {
+    s->broken = absl::StrCat("table '", s->spec.table, "': an import of rows [", begin, ", ", end,
+                             ") failed half way (", cause.message(),
+                             "); the key_value shard must be dropped and restored");
+    return absl::Status(cause.code(), s->broken);
+  }
+
+  void MakeInitial(const Shard &s, absl::Span<const int64_t> rows, float *out) const {
+    std::vector<int64_t> global(rows.begin(), rows.end());
+    for (int64_t &r : global) r += s.spec.row_offset;
+    InitialValuesOf(s.spec.initializer, s.spec.table_rows, global, s.spec.col_offset, s.spec.dim,
+                    out);
+    // As the table's type holds them (an import rounds to nearest even too).
+    const int64_t n = static_cast<int64_t>(rows.size()) * s.spec.dim;
+    if (s.spec.weight_type == WeightType::kFp16) {
+      for (int64_t i = 0; i < n; ++i) out[i] = Fp16ToFloat(FloatToFp16(out[i]));
+    } else if (s.spec.weight_type == WeightType::kBf16) {
+      for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(FloatToBf16(out[i]));
+    }
+  }
+
+  template <typename Request>
+  absl::Status CopyIds(absl::Span<const Request> requests,
+                       const std::vector<std::shared_ptr<Shard>> &kv, Mapped<Request> *m) const {
+    m->requests.assign(requests.begin(), requests.end());
+    m->ids.assign(requests.size(), {});
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      if (absl::Status s = Usable(*kv[i]); !s.ok()) return s;
+      const FeatureRequest &f = requests[i].feature;
+      if (f.on_device || f.keyed) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(RequestWhat(IsLookup(requests[i]) ? "lookup" : "gradient", i, kv[i]->spec),
+                         ": a key_value shard takes its ids in host memory, as rows"));
+      }
+      m->ids[i].assign(f.ids.begin(), f.ids.end());
+      m->requests[i].feature.ids = m->ids[i];
+    }
+    return absl::OkStatus();
+  }
+  static bool IsLookup(const LookupRequest &) { return true; }
+  static bool IsLookup(const GradientRequest &) { return false; }
+
+  // The spec each request is checked against: a key_value shard's own (all
+  // its rows), the wrapped backend's for the others.
+  template <typename Request>
+  std::function<const ShardSpec *(ShardId)> SpecFinder(
+      const std::vector<std::shared_ptr<Shard>> &kv, const std::vector<Request> &requests,
+      std::map<ShardId, ShardSpec> *others) const {
+    return [this, &kv, &requests, others](ShardId id) -> const ShardSpec * {
+      for (size_t i = 0; i < requests.size(); ++i) {
+        if (kv[i] != nullptr && requests[i].feature.shard == id) return &kv[i]->spec;
+      }
+      auto it = others->find(id);
+      if (it == others->end()) {
+        auto spec = inner()->GetShardSpec(id);
+        if (!spec.ok()) return nullptr;
+        it = others->emplace(id, *spec).first;
+      }
+      return &it->second;
+    };
+  }
+
+  // Every id of a key_value shard to its cache slot, bringing rows in
+  // (key_value_backend.h's steps 1-3).
+  template <typename Request>
+  absl::Status MapToSlots(const std::vector<std::shared_ptr<Shard>> &kv, Mapped<Request> *m) {
+    ++call_;
+    struct Work {
+      Shard *shard;
+      ShardId id;
+      int64_t pinned = 0;
+      std::vector<int64_t> misses;
+    };
+    std::vector<Work> works;
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      Shard &s = *kv[i];
+      auto w =
+          std::find_if(works.begin(), works.end(), [&](const Work &x) { return x.shard == &s; });
+      if (w == works.end()) {
+        works.push_back(Work{&s, m->requests[i].feature.shard});
+        w = works.end() - 1;
+      }
+      for (int64_t row : m->ids[i]) {
+        int32_t &slot = s.slot_of_row[row];
+        if (slot >= 0) {
+          if (s.pinned[slot] != call_) {
+            s.pinned[slot] = call_;
+            s.used[slot] = 1;
+            ++w->pinned;
+            ++s.stats.hits;
+          }
+        } else if (slot == kAbsent) {
+          slot = static_cast<int32_t>(-2 - static_cast<int64_t>(w->misses.size()));
+          w->misses.push_back(row);
+        }
+      }
+    }
+    absl::Status failed;
+    size_t done = 0;
+    for (; done < works.size() && failed.ok(); ++done) {
+      failed = Fill(works[done].shard, works[done].id, works[done].pinned, works[done].misses);
+      if (!failed.ok()) break;
+    }
+    if (!failed.ok()) {  // the rows of shards not filled are absent again
+      for (size_t k = done; k < works.size(); ++k) {
+        for (int64_t row : works[k].misses) works[k].shard->slot_of_row[row] = kAbsent;
+      }
+      return failed;
+    }
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      for (int64_t &id : m->ids[i]) id = kv[i]->slot_of_row[id];
+    }
+    return absl::OkStatus();
+  }
+
+  // Brings `misses` (rows not cached, marked as the call's misses) into
+  // victims' slots; `pinned` slots are the call's already. On a refusal the
+  // shard is as it was (the caller clears the marks).
+  absl::Status Fill(Shard *sp, ShardId id, int64_t pinned, const std::vector<int64_t> &misses) {
+    Shard &s = *sp;
+    const int64_t n = static_cast<int64_t>(misses.size());
+    if (n == 0) return absl::OkStatus();
+    const int64_t cache = s.cache_rows();
+    if (pinned + n > cache) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("table '", s.spec.table, "': one call names ", pinned + n,
+                       " distinct rows of a key_value shard whose cache holds ", cache,
+                       " rows; raise its cache_load_factor or send smaller batches"));
+    }
+    // Victims by CLOCK: a slot used since the hand last passed gets another
+    // turn; the call's own slots are never taken.
+    std::vector<int64_t> victims(static_cast<size_t>(n));
+    for (int64_t k = 0; k < n; ++k) {
+      for (;;) {
+        const int64_t v = s.hand;
+        s.hand = s.hand + 1 == cache ? 0 : s.hand + 1;
+        if (s.pinned[v] == call_) continue;
+        if (s.used[v]) {
+          s.used[v] = 0;
+          continue;
+        }
+        s.pinned[v] = call_;
+        victims[k] = v;
+        break;
+      }
+    }
+    // Changed victims go back to the file first.
+    std::vector<int64_t> back_slots, back_rows;
+    for (int64_t v : victims) {
+      if (s.row_of_slot[v] >= 0 && s.changed[v]) {
+        back_slots.push_back(v);
+        back_rows.push_back(s.row_of_slot[v]);
+      }
+    }
+    if (!back_slots.empty()) {
+      const int64_t nb = static_cast<int64_t>(back_slots.size());
+      std::vector<float> w(nb * s.spec.dim), st(nb * s.width), rec(nb * s.record);
+      if (absl::Status e =
+              inner()->ExportRowsAt(id, back_slots, absl::MakeSpan(w), absl::MakeSpan(st));
+          !e.ok()) {
+        return e;
+      }
+      Interleave(s, nb, w.data(), st.data(), rec.data());
+      if (absl::Status e = ForEachRecord(nb,
+                                         [&](int64_t k) {
+                                           return s.file->Write(s.Offset(back_rows[k]),
+                                                                rec.data() + (k * s.record),
+                                                                s.record * 4);
+                                         });
+          !e.ok()) {
+        return e;
+      }
+      for (int64_t k = 0; k < nb; ++k) {
+        s.SetWritten(back_rows[k]);
+        s.changed[back_slots[k]] = 0;
+      }
+      s.stats.write_backs += nb;
+    }
+    // The misses' rows: from the file, or made (never written).
+    std::vector<float> rec(n * s.record), w(n * s.spec.dim), st(n * s.width);
+    std::vector<int64_t> fresh, fresh_at;
+    int64_t reads = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      if (!s.Written(misses[k])) {
+        fresh.push_back(misses[k]);
+        fresh_at.push_back(k);
+      } else {
+        ++reads;
+      }
+    }
+    if (reads > 0) {
+      if (absl::Status e = ForEachRecord(
+              n,
+              [&](int64_t k) {
+                if (!s.Written(misses[k])) return absl::OkStatus();
+                return s.file->Read(s.Offset(misses[k]), rec.data() + (k * s.record), s.record * 4);
+              });
+          !e.ok()) {
+        return e;
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        if (s.Written(misses[k]))
+          Split(s, rec.data() + (k * s.record), w.data() + (k * s.spec.dim),
+                st.data() + (k * s.width));
+      }
+    }
+    if (!fresh.empty()) {
+      std::vector<float> made(fresh.size() * s.spec.dim);
+      MakeInitial(s, fresh, made.data());
+      const std::vector<float> state = FreshState(s.spec);
+      for (size_t j = 0; j < fresh.size(); ++j) {
+        std::copy_n(made.data() + (j * s.spec.dim), s.spec.dim,
+                    w.data() + fresh_at[j] * s.spec.dim);
+        std::copy(state.begin(), state.end(), st.data() + fresh_at[j] * s.width);
+      }
+    }
+    if (absl::Status e = inner()->ImportRowsAt(id, victims, w, st); !e.ok()) return e;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t v = victims[k];
+      if (s.row_of_slot[v] >= 0) {
+        s.slot_of_row[s.row_of_slot[v]] = kAbsent;
+        ++s.stats.evictions;
+      }
+      s.slot_of_row[misses[k]] = static_cast<int32_t>(v);
+      s.row_of_slot[v] = misses[k];
+      s.changed[v] = 0;
+      s.used[v] = 1;
+    }
+    s.stats.fills += n;
+    s.stats.disk_reads += reads;
+    return absl::OkStatus();
+  }
+
+  // io(k) for k in [0, n) on the wrapped backend's threads; the first
+  // failure's status.
+  absl::Status ForEachRecord(int64_t n, const std::function<absl::Status(int64_t)> &io) {
+    absl::Mutex mu;
+    absl::Status first;
+    std::atomic<bool> failed{false};
+    inner()->ParallelFor(n, kIoGrain, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e && !failed.load(std::memory_order_relaxed); ++k) {
+        absl::Status s = io(k);
+        if (!s.ok()) {
+          absl::MutexLock lock(&mu);
+          if (first.ok()) first = s;
+          failed.store(true, std::memory_order_relaxed);
+        }
+      }
+    });
+    return first;
+  }
+
+  const KeyValueOptions options_;
+  MemoryBudget budget_;  // the SSD tier's bytes
+  mutable absl::Mutex map_mu_;
+  std::map<ShardId, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(map_mu_);
+  // Serialises calls on key_value shards and guards their bookkeeping.
+  mutable absl::Mutex call_mu_;
+  uint64_t call_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<EmbeddingBackend> WithKeyValueShards(std::unique_ptr<EmbeddingBackend> inner,
+                                                     const KeyValueOptions &options) {
+  return std::make_unique<KeyValueBackend>(std::move(inner), options);
+}
+
+absl::Status ValidateKeyValueSpec(const ShardSpec &spec) {
+  const std::string what = absl::StrCat("key_value table '", spec.table, "'");
+  if (spec.is_dynamic) {
+    return absl::InvalidArgumentError(absl::StrCat(what,
+                                                   ": dynamic tables are held in memory (the fused "
+                                                   "kernel); key_value is for fixed "
+                                                   "tables"));
+  }
+  if (spec.cache_rows < 1 || spec.cache_rows > spec.rows) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": cache_rows must be in [1, ", spec.rows,
+                                                   "] (the shard's rows), got ", spec.cache_rows));
+  }
+  if (spec.weight_type != WeightType::kFp32 && spec.optimizer.stochastic_rounding) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     ": fp16/bf16 weights round updates stochastically "
+                     "by the global row, which a "
+                     "cached row does not carry; turn "
+                     "stochastic_rounding off or keep the table fused"));
+  }
+  ShardSpec whole = spec;
+  whole.cache_rows = 0;
+  return ValidateShardSpec(whole);
+}
+
+}  // namespace backend
+}  // namespace ember

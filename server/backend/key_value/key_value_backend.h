@@ -1,0 +1,74 @@
+// The key_value kernel over any backend (TorchRec's
+// EmbeddingComputeKernel.KEY_VALUE): a fixed shard whose rows all live in a
+// file on local SSD (row_file.h), with ShardSpec::cache_rows of them held
+// in memory as a shard of the wrapped backend, whose own gather, update
+// and optimizer kernels then run on them.
+//
+// Layout. The file holds row r at r * record bytes: dim fp32 weights, then
+// the row's fp32 optimizer state (OptimizerStateWidth). A row never
+// written there is its initial value (InitialValues of its global row) and
+// fresh state, made when it is first read; so a new shard costs no writes.
+//
+// The cache: fully associative, CLOCK replacement (a used bit a slot, a
+// hand that clears it; an approximation of LRU). Each Lookup or
+// ApplyGradients call first maps its ids to cache slots:
+//   1. every distinct row of the call is pinned for the call (a call may
+//      not name more distinct rows of a shard than its cache holds:
+//      RESOURCE_EXHAUSTED, nothing done);
+//   2. rows not cached take victims; victims changed since they were
+//      filled are written back to the file first (a write that fails
+//      answers its status, RESOURCE_EXHAUSTED for a full disk, and leaves
+//      every row where it was: nothing is lost, cached rows still serve);
+//   3. the rows are read from the file (or made, never written) into the
+//      victims' slots with ImportRowsAt, with their optimizer state;
+//   4. the wrapped backend runs the call on the slots; an update marks its
+//      slots changed.
+// Numerics are the wrapped backend's on the same values: results equal the
+// shard held whole in memory bit for bit (fp32 weights, and fp16/bf16
+// rounded to nearest; stochastic rounding of fp16/bf16 updates draws its
+// bits by the global row, which a cache slot does not have, so such a
+// spec is refused).
+//
+// ExportRows / ImportRows read and write through: cached rows from or to
+// the cache, the rest from or to the file (an import is written to the
+// file, and cached rows take it too, unchanged since). A checkpoint or a
+// move reads a shard a range at a time and never needs it whole in memory.
+// A write that fails in an import may leave rows of its range torn on
+// disk: the shard then answers DATA_LOSS to every call until it is
+// dropped (the worker restores it from a checkpoint).
+//
+// Thread-safe: calls that name a key_value shard are serialised by one
+// lock (the CPU backend serialises its calls anyway); calls on other
+// shards pass straight through.
+#ifndef EMBER_SERVER_BACKEND_KEY_VALUE_KEY_VALUE_BACKEND_H_
+#define EMBER_SERVER_BACKEND_KEY_VALUE_KEY_VALUE_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "server/backend/embedding_backend.h"
+
+namespace ember {
+namespace backend {
+
+struct KeyValueOptions {
+  // Where shard files go (--ssd_dir). Empty: key_value shards are refused.
+  std::string dir;
+  // Bytes of files the shards may take together (KeyValueFileBytes); 0: as
+  // much as the disk has.
+  int64_t capacity_bytes = 0;
+};
+
+std::unique_ptr<EmbeddingBackend> WithKeyValueShards(std::unique_ptr<EmbeddingBackend> inner,
+                                                     const KeyValueOptions &options);
+
+// INVALID_ARGUMENT naming the field for a key_value spec's bad values
+// (cache_rows outside [1, rows], a dynamic spec, stochastic rounding of
+// fp16/bf16 weights).
+absl::Status ValidateKeyValueSpec(const ShardSpec &spec);
+
+}  // namespace backend
+}  // namespace ember
+
+#endif  // EMBER_SERVER_BACKEND_KEY_VALUE_KEY_VALUE_BACKEND_H_
