@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -111,6 +112,13 @@ DEFINE_double(memory_gib, 0,
               "card's). A cpu worker left at 0 beside live workers of its host that already "
               "claim memory is refused by the coordinator if together they would overcommit "
               "the host: give it its share.");
+DEFINE_string(ssd_dir, "",
+              "Workers: a directory on local SSD for the key_value kernel's files (a table's "
+              "rows there, a cache of them in memory: constraints compute_kernels "
+              "[\"key_value\"]). Empty: the kernel is not served.");
+DEFINE_double(ssd_gib, 0,
+              "Workers: GiB of --ssd_dir the key_value files may take (0: 90% of its free "
+              "space, shared among `up`'s workers).");
 DEFINE_string(dedup_ttl, "10m",
               "Workers: how long an update's request id is remembered for exactly-once "
               "(must exceed every client's retry deadline).");
@@ -563,6 +571,8 @@ int RunWorker() {
   o.cuda_scratch_bytes = int64_t{FLAGS_cuda_scratch_mib} << 20;
   o.threads = FLAGS_threads;
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
+  o.ssd_dir = FLAGS_ssd_dir;
+  o.ssd_capacity_bytes = static_cast<int64_t>(FLAGS_ssd_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
   o.service.skip_nonfinite = FLAGS_skip_nonfinite;
   o.service.checkpoint_root = FLAGS_checkpoint_dir;
@@ -628,11 +638,23 @@ int RunUp(const std::string& self_path) {
   if (memory_gib == 0 && FLAGS_device == "cpu") {
     memory_gib = static_cast<double>(HostMemoryBytes() / 10 * 9) / FLAGS_workers / (1 << 30);
   }
+  // The SSD tier likewise: each worker its part of the directory's space.
+  double ssd_gib = FLAGS_ssd_gib;
+  if (!FLAGS_ssd_dir.empty() && ssd_gib == 0) {
+    struct statvfs fs;
+    if (statvfs(FLAGS_ssd_dir.c_str(), &fs) != 0) {
+      return Fail("up", absl::FailedPreconditionError(absl::StrCat(
+                            "--ssd_dir '", FLAGS_ssd_dir, "': ", std::strerror(errno))));
+    }
+    ssd_gib = static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize) * 0.9 /
+              FLAGS_workers / (1 << 30);
+  }
   // Worker processes: this binary again, `emberctl worker`.
   std::vector<std::string> args = {
       self_path, "worker", "--coordinator=" + c->address, "--listen=127.0.0.1:0",
       "--device=" + FLAGS_device, absl::StrCat("--threads=", FLAGS_threads),
-      absl::StrCat("--memory_gib=", memory_gib),
+      absl::StrCat("--memory_gib=", memory_gib), "--ssd_dir=" + FLAGS_ssd_dir,
+      absl::StrCat("--ssd_gib=", ssd_gib),
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),

@@ -22,9 +22,15 @@ double TransferMs(double bytes, double gbps) {
 // Milliseconds per byte gathered from the kernel's memory tier.
 double MsPerByte(const CostModel& m, ComputeKernel kernel,
                  ember::v1::ComputeDevice device, double cache_load_factor) {
+  // key_value: hits from the cache (host memory, or HBM on a GPU), misses
+  // from the SSD; the cache load factor stands in for the hit rate.
+  const double ssd = m.ssd_bw_gbps * 1e6;
   if (device == ember::v1::CPU) {
     double bw = m.ddr_bw_gbps * m.lookup_efficiency;
     if (kernel == ComputeKernel::kDense) bw *= m.dense_kernel_factor;
+    if (kernel == ComputeKernel::kKeyValue) {
+      return cache_load_factor / (bw * 1e6) + (1.0 - cache_load_factor) / ssd;
+    }
     return 1.0 / (bw * 1e6);
   }
   const double hbm = m.hbm_bw_gbps * m.lookup_efficiency * 1e6;
@@ -40,6 +46,8 @@ double MsPerByte(const CostModel& m, ComputeKernel kernel,
       // Hits are served from HBM, misses through UVM; the cache load factor
       // stands in for the hit rate, as in TorchRec.
       return cache_load_factor / hbm + (1.0 - cache_load_factor) / uvm;
+    case ComputeKernel::kKeyValue:
+      return cache_load_factor / hbm + (1.0 - cache_load_factor) / ssd;
   }
   return 1.0 / hbm;
 }
@@ -220,6 +228,18 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
             static_cast<int64_t>(backend::math::KeyIndexEntries(block.rows));
     host_books = index + backend::math::kKeySlotMetaBytes * block.rows;
   }
+  // key_value (server/backend/key_value/): cache_load_factor of the rows
+  // with their state in memory, 4 bytes a row and 24 a cached row of
+  // bookkeeping on the host, and every row with fp32 state in the file.
+  if (kernel == ComputeKernel::kKeyValue) {
+    const double clf = w.cache_load_factor;
+    const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
+    const int64_t books = static_cast<int64_t>(std::ceil(block.rows * (4.0 + 24.0 * clf)));
+    c.ssd_bytes = block.rows * (cols * 4 + state_row_bytes);
+    c.ddr_bytes = books + (device == ember::v1::CPU ? cached + io : 0);
+    c.hbm_bytes = device == ember::v1::CPU ? 0 : cached + io;
+    return c;
+  }
   if (device == ember::v1::CPU) {
     c.ddr_bytes = weights + state + io + zero_row + host_books;
     return c;
@@ -234,6 +254,8 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
     case ComputeKernel::kFusedUvm:
       c.ddr_bytes += weights + state;
       c.hbm_bytes = io;
+      break;
+    case ComputeKernel::kKeyValue:  // (above)
       break;
     case ComputeKernel::kFusedUvmCaching: {
       const double clf = w.cache_load_factor;

@@ -41,6 +41,10 @@ struct CostModel {
   double hbm_bw_gbps = 0;      // device memory (0 on CPU workers)
   double ddr_bw_gbps = 0;      // host memory as read by the worker's kernels
   double pcie_bw_gbps = 0;     // host <-> device, one direction (UVM reads)
+  // Rows read from the key_value kernel's file on local SSD, random row
+  // reads and write-backs together (an NVMe drive's 4 KiB random reads at
+  // queue depth 32, ~500k IOPS: about 2 GB/s).
+  double ssd_bw_gbps = 2;
   double network_bw_gbps = 0;  // per worker, trainers <-> worker (NIC/NCCL)
 
   // Fraction of peak memory bandwidth a forward gather reaches.
@@ -139,6 +143,7 @@ struct ShardCost {
   double bwd_comms_ms = 0;
   int64_t hbm_bytes = 0;
   int64_t ddr_bytes = 0;
+  int64_t ssd_bytes = 0;  // the key_value kernel's file
   // What the compute times above would shrink by were every row this
   // shard reads served from the worker's caches (the row reads of the
   // forward gather and of the backward's read-modify-write, at the

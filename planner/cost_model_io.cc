@@ -40,6 +40,7 @@ const std::map<std::string, FieldDef>& Fields() {
       EMBER_FIELD(hbm_bw_gbps, false, false, false),
       EMBER_FIELD(ddr_bw_gbps, false, false, false),
       EMBER_FIELD(pcie_bw_gbps, false, false, false),
+      EMBER_FIELD(ssd_bw_gbps, false, true, false),
       EMBER_FIELD(network_bw_gbps, false, true, false),
       EMBER_FIELD(lookup_efficiency, false, true, true),
       EMBER_FIELD(dense_kernel_factor, false, true, true),

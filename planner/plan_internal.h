@@ -81,6 +81,8 @@ struct Option {
 
 struct TableInfo {
   std::vector<Option> options;  // sorted: cheapest total cost first
+  // The table's cache_load_factor (TableWorkload), for the kernels that cache.
+  double cache_load_factor = 0;
   double min_total_cost = 0;
   double min_max_shard_cost = 0;
   int64_t min_total_hbm = 0;

@@ -80,6 +80,16 @@ std::vector<ComputeKernel> KernelsFor(
     wanted = {ComputeKernel::kFused, ComputeKernel::kFusedUvmCaching,
               ComputeKernel::kFusedUvm};
   }
+  // key_value (rows on the workers' SSDs) only where a table's constraints
+  // ask for it: it trades speed for room, which the cost model does not yet
+  // price from measurement.
+  for (const std::string& name : c.compute_kernels()) {
+    if (name == ComputeKernelName(ComputeKernel::kKeyValue) &&
+        type != ShardingType::kDataParallel) {
+      wanted.push_back(ComputeKernel::kKeyValue);
+      break;
+    }
+  }
   if (!served.empty()) {
     wanted.erase(std::remove_if(wanted.begin(), wanted.end(),
                                 [&](ComputeKernel k) {
@@ -92,7 +102,7 @@ std::vector<ComputeKernel> KernelsFor(
   std::vector<ComputeKernel> allowed;
   for (const std::string& name : c.compute_kernels()) {
     ComputeKernel k = *ParseComputeKernel(name);  // validated earlier
-    if (device == ember::v1::CPU && k != ComputeKernel::kDense) {
+    if (device == ember::v1::CPU && k != ComputeKernel::kDense && k != ComputeKernel::kKeyValue) {
       k = ComputeKernel::kFused;
     }
     allowed.push_back(k);
@@ -223,6 +233,7 @@ absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& sp
     const bool free_choice = types.empty();
     if (free_choice) types = AllShardingTypes();
     const TableWorkload work = WorkloadFor(tc, c, topo, model);
+    tables[t].cache_load_factor = work.cache_load_factor;
     for (ShardingType type : types) {
       std::vector<ComputeKernel> kernels = KernelsFor(type, device, c, topo.compute_kernels());
       if (tc.has_dynamic()) {

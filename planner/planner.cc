@@ -146,6 +146,9 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec_in,
     ts->set_table(tc.name());
     ts->set_sharding_type(std::string(ShardingTypeName(o.type)));
     ts->set_compute_kernel(std::string(ComputeKernelName(o.kernel)));
+    if (o.kernel == ComputeKernel::kKeyValue || o.kernel == ComputeKernel::kFusedUvmCaching) {
+      ts->set_cache_load_factor(tables[t].cache_load_factor);
+    }
     const std::vector<ShardBlock>& blocks = o.blocks;
     for (int i = 0; i < o.num_shards; ++i) {
       ts->add_ranks(ranks[i]);

@@ -20,7 +20,8 @@ const std::vector<ComputeKernel>& AllComputeKernels() {
   static const std::vector<ComputeKernel>* const kAll =
       new std::vector<ComputeKernel>{
           ComputeKernel::kDense, ComputeKernel::kFused,
-          ComputeKernel::kFusedUvmCaching, ComputeKernel::kFusedUvm};
+          ComputeKernel::kFusedUvmCaching, ComputeKernel::kFusedUvm,
+          ComputeKernel::kKeyValue};
   return *kAll;
 }
 
@@ -70,6 +71,8 @@ absl::string_view ComputeKernelName(ComputeKernel kernel) {
       return "fused_uvm_caching";
     case ComputeKernel::kFusedUvm:
       return "fused_uvm";
+    case ComputeKernel::kKeyValue:
+      return "key_value";
   }
   return "unknown";
 }

@@ -28,6 +28,7 @@ enum class ComputeKernel {
   kFused,            // "fused": table in HBM (host memory on CPU workers)
   kFusedUvmCaching,  // "fused_uvm_caching": HBM cache over host memory
   kFusedUvm,         // "fused_uvm": table in host memory, GPU reads it
+  kKeyValue,         // "key_value": rows on local SSD, a cache of them in memory
 };
 
 // Every value, in the order the planner enumerates them.

@@ -1,6 +1,11 @@
 #include "server/backend/backend_factory.h"
 
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/device_query.h"
@@ -8,6 +13,7 @@
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/dynamic/dynamic_backend.h"
+#include "server/backend/key_value/key_value_backend.h"
 #include "server/common/host_memory.h"
 
 namespace ember {
@@ -19,6 +25,49 @@ DynamicShardOptions Dynamic(const BackendConfig& config) {
   o.max_pending_ids = config.dynamic_exact_pending_ids;
   return o;
 }
+
+// The SSD tier: the directory checked and its capacity (given, or 90% of
+// its file system's free space); none without a directory.
+absl::StatusOr<KeyValueOptions> SsdTier(const BackendConfig& config, MadeBackend* made) {
+  KeyValueOptions o;
+  if (config.ssd_capacity_bytes < 0) {
+    return absl::InvalidArgumentError("the SSD capacity must be >= 0");
+  }
+  if (config.ssd_dir.empty()) {
+    if (config.ssd_capacity_bytes > 0) {
+      return absl::InvalidArgumentError("an SSD capacity needs an SSD directory (--ssd_dir)");
+    }
+    return o;
+  }
+  struct statvfs fs;
+  if (statvfs(config.ssd_dir.c_str(), &fs) != 0 || access(config.ssd_dir.c_str(), W_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--ssd_dir '", config.ssd_dir, "': not a directory this worker can write: ",
+        std::strerror(errno)));
+  }
+  o.dir = config.ssd_dir;
+  o.capacity_bytes = config.ssd_capacity_bytes;
+  made->ssd_note = "as given";
+  if (o.capacity_bytes == 0) {
+    o.capacity_bytes = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) / 10 * 9;
+    made->ssd_note = "90% of the free space";
+  }
+  if (o.capacity_bytes <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--ssd_dir '", config.ssd_dir, "': no free space"));
+  }
+  made->ssd_bytes = o.capacity_bytes;
+  return o;
+}
+
+// Hash-keyed tables over rows whose changes are tracked (incremental
+// checkpoints; below the dynamic shards, so that slots are what is
+// tracked), over the key_value shards (so that rows, not cache slots, are).
+std::unique_ptr<EmbeddingBackend> Wrap(std::unique_ptr<EmbeddingBackend> b,
+                                       const BackendConfig& config, const KeyValueOptions& kv) {
+  return WithDynamicShards(WithChangeTracking(WithKeyValueShards(std::move(b), kv)),
+                           Dynamic(config));
+}
 }  // namespace
 
 absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
@@ -26,6 +75,8 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     return absl::InvalidArgumentError("the memory limit must be >= 0");
   }
   MadeBackend made;
+  auto kv = SsdTier(config, &made);
+  if (!kv.ok()) return kv.status();
   if (config.device == "cpu") {
     if (config.threads < 1) {
       return absl::InvalidArgumentError(absl::StrCat("threads must be >= 1, got ", config.threads));
@@ -45,9 +96,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     }
     auto b = CreateCpuBackend(o);
     if (!b.ok()) return b.status();
-    // Hash-keyed tables over rows whose changes are tracked (incremental
-    // checkpoints; below the dynamic shards, so that slots are what is tracked).
-    made.backend = WithDynamicShards(WithChangeTracking(std::move(*b)), Dynamic(config));
+    made.backend = Wrap(std::move(*b), config, *kv);
     made.ddr_bytes = o.memory_limit_bytes;
     return made;
   }
@@ -59,9 +108,7 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     o.scratch_bytes = config.cuda_scratch_bytes;
     auto b = backend::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
-    // Hash-keyed tables over rows whose changes are tracked (incremental
-    // checkpoints; below the dynamic shards, so that slots are what is tracked).
-    made.backend = WithDynamicShards(WithChangeTracking(std::move(*b)), Dynamic(config));
+    made.backend = Wrap(std::move(*b), config, *kv);
     made.cuda = true;
     auto devices = cuda::QueryDevices();
     if (devices.ok()) {

@@ -31,6 +31,11 @@ struct BackendConfig {
   bool skip_overflow = false;
   // Dynamic tables (WithDynamicShards): pending ids a shard counts exactly.
   int64_t dynamic_exact_pending_ids = int64_t{1} << 20;
+  // key_value shards (key_value/key_value_backend.h): their files go here;
+  // empty, the backend refuses them. Bytes their files may take; 0: 90% of
+  // the directory's file system's free space.
+  std::string ssd_dir;
+  int64_t ssd_capacity_bytes = 0;
 };
 
 struct MadeBackend {
@@ -39,6 +44,8 @@ struct MadeBackend {
   // The capacity the worker advertises (the planner plans against it).
   int64_t hbm_bytes = 0;  // cuda
   int64_t ddr_bytes = 0;  // cpu
+  int64_t ssd_bytes = 0;  // key_value shards' files (0: no SSD tier)
+  std::string ssd_note;   // how that was chosen
   std::string capacity_note;  // how the capacity was chosen, for the log
 };
 

@@ -1,5 +1,8 @@
 #include "server/backend/table_spec.h"
 
+#include <algorithm>
+#include <cmath>
+
 namespace ember {
 
 using ember::v1::InitializerSpec;
@@ -121,6 +124,24 @@ void FillTrainingDefaults(ember::v1::CollectionSpec* spec) {
   ember::v1::TrainingSpec* t = spec->mutable_training();
   if (t->step_timeout_s() == 0) t->set_step_timeout_s(kDefaultStepTimeoutS);
   if (t->trainers() == 0) t->set_trainers(1);
+}
+
+}  // namespace ember
+
+namespace ember {
+
+int64_t CacheRowsFor(int64_t rows, double load_factor) {
+  if (rows <= 0) return 0;
+  if (!(load_factor > 0)) load_factor = 0.2;
+  const double want = std::ceil(static_cast<double>(rows) * std::min(load_factor, 1.0));
+  return std::clamp<int64_t>(static_cast<int64_t>(want), 1, rows);
+}
+
+backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a) {
+  backend::ShardSpec s =
+      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
+  if (a.compute_kernel() == "key_value") s.cache_rows = CacheRowsFor(a.rows(), a.cache_load_factor());
+  return s;
 }
 
 }  // namespace ember

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "proto/collection.pb.h"
+#include "proto/service.pb.h"
 #include "server/backend/embedding_backend.h"
 
 namespace ember {
@@ -16,6 +17,13 @@ namespace ember {
 // cols) of `table`. The result still needs ValidateShardSpec.
 backend::ShardSpec ShardSpecFromTable(const ember::v1::TableConfig& table, int64_t row_offset,
                                       int64_t col_offset, int64_t rows, int64_t cols);
+
+// The spec of an assigned shard: ShardSpecFromTable, and for the
+// key_value kernel its cache (ShardSpec::cache_rows: CacheRowsFor).
+backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a);
+// ceil(rows * load_factor) in [1, rows] (load_factor <= 0: 0.2, the
+// planner's default).
+int64_t CacheRowsFor(int64_t rows, double load_factor);
 
 backend::Pooling PoolingFromProto(ember::v1::TableConfig::Pooling p);
 

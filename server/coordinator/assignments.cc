@@ -51,6 +51,7 @@ std::vector<ShardAssignment> AssignmentsOf(const CollectionInfo& info, int rank)
         // is sent, and the worker serves its shard as it always has.
         if (info.plan().topology().compute_kernels_size() > 0) {
           out.back().set_compute_kernel(info.plan().tables(t).compute_kernel());
+          out.back().set_cache_load_factor(info.plan().tables(t).cache_load_factor());
         }
       }
     }
@@ -75,7 +76,7 @@ std::optional<ShardAssignment> AssignmentOf(const CollectionInfo& info,
 
 int64_t AssignmentBytes(const ShardAssignment& a) {
   return backend::ShardBytes(
-      ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
+      ShardSpecOf(a));
 }
 
 }  // namespace coordinator

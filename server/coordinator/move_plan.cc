@@ -188,6 +188,7 @@ absl::StatusOr<ember::v1::ShardingPlan> RescalePlan(const CollectionInfo& before
     ts->set_table(old.table());
     ts->set_sharding_type(old.sharding_type());
     ts->set_compute_kernel(old.compute_kernel());
+    ts->set_cache_load_factor(old.cache_load_factor());
     if (planner::IsReplicated(old)) {
       for (int r = 0; r < world; ++r) {
         ts->add_ranks(r);

@@ -72,6 +72,37 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 per_table(&WorkerService::TableStats::gradient_ids));
   m->AddGauge("ember_worker_table_shards", "Shards held, per collection and table",
               per_table(&WorkerService::TableStats::shards));
+  // key_value tables (rows on local SSD under a cache), per collection and table.
+  auto tier = [service](int64_t backend::TierStats::*f) {
+    return [service, f]() {
+      std::vector<ServerMetrics::Sample> out;
+      for (const WorkerService::TableStats& t : service->GetTableStats()) {
+        if (!t.key_value) continue;
+        out.push_back({{{"collection", t.collection}, {"table", t.table}},
+                       static_cast<double>(t.tier.*f)});
+      }
+      return out;
+    };
+  };
+  m->AddGauge("ember_worker_key_value_cache_rows", "Rows a key_value table may cache in memory",
+              tier(&backend::TierStats::cache_rows));
+  m->AddGauge("ember_worker_key_value_cached_rows", "Rows of a key_value table in memory now",
+              tier(&backend::TierStats::cached_rows));
+  m->AddCounter("ember_worker_key_value_hits_total",
+                "Rows a call found in memory (each row once a call)",
+                tier(&backend::TierStats::hits));
+  m->AddCounter("ember_worker_key_value_fills_total", "Rows a call brought into memory",
+                tier(&backend::TierStats::fills));
+  m->AddCounter("ember_worker_key_value_disk_reads_total",
+                "Fills read from the SSD file (the others were never written)",
+                tier(&backend::TierStats::disk_reads));
+  m->AddCounter("ember_worker_key_value_write_backs_total",
+                "Changed rows written to the SSD file as they left memory",
+                tier(&backend::TierStats::write_backs));
+  m->AddCounter("ember_worker_key_value_evictions_total", "Rows that left memory",
+                tier(&backend::TierStats::evictions));
+  m->AddGauge("ember_worker_key_value_file_bytes", "Bytes of a key_value table's SSD files",
+              tier(&backend::TierStats::file_bytes));
   // Dynamic (hash-keyed) tables, per collection and table.
   using Dyn = backend::DynamicStats;
   auto dynamic = [service](auto value) {
@@ -209,6 +240,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   }
   std::unique_ptr<backend::EmbeddingBackend> backend;
   ember::v1::WorkerInfo info;
+  bool ssd_tier = false;
   if (options.backend_factory) {
     auto b = options.backend_factory();
     if (!b.ok()) return b.status();
@@ -224,12 +256,20 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     config.memory_limit_bytes = options.memory_limit_bytes;
     config.skip_overflow = options.service.skip_nonfinite;
     config.dynamic_exact_pending_ids = options.dynamic_exact_pending_ids;
+    config.ssd_dir = options.ssd_dir;
+    config.ssd_capacity_bytes = options.ssd_capacity_bytes;
     auto made = backend::CreateBackend(config);
     if (!made.ok()) return made.status();
     backend = std::move(made->backend);
     info.set_device(made->cuda ? ember::v1::CUDA : ember::v1::CPU);
     info.set_hbm_bytes(made->hbm_bytes);
     info.set_ddr_bytes(made->ddr_bytes);
+    info.set_ssd_bytes(made->ssd_bytes);
+    ssd_tier = made->ssd_bytes > 0;
+    if (ssd_tier) {
+      LOG(INFO) << "SSD tier for key_value shards: " << made->ssd_bytes / (1 << 20) << " MiB in "
+                << options.ssd_dir << " (" << made->ssd_note << ")";
+    }
     // Shard memory the host's by default: the coordinator checks it against
     // the other workers of this host (WorkerInfo.host_memory_bytes).
     if (!made->cuda && options.memory_limit_bytes == 0) {
@@ -248,6 +288,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   w->options_ = options;
   const std::string backend_name = backend->Name();
   WorkerServiceOptions service = options.service;
+  service.ssd_tier = service.ssd_tier || ssd_tier;
   // Room for the response's framing around the arrays.
   service.max_response_bytes =
       std::min(service.max_response_bytes, options.max_message_bytes - (int64_t{64} << 10));
@@ -284,7 +325,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
   info.set_address(w->address_);
   info.set_host(options.host.empty() ? HostName() : options.host);
   info.set_pid(getpid());
-  for (const std::string& k : WorkerService::ServedComputeKernels()) info.add_compute_kernels(k);
+  for (const std::string& k : w->service_->ServedComputeKernels()) info.add_compute_kernels(k);
   info.add_transports("grpc");
   if (options.service.shared_memory) info.add_transports("shm");
   for (cuda::PeerLinks* kind : options.service.links.kinds) info.add_transports(kind->name());

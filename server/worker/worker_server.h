@@ -42,6 +42,10 @@ struct WorkerServerOptions {
   // Memory for shards. 0: for CPU workers 90% of what the host really has
   // (HostMemoryBytes: the cgroup limit or MemAvailable); for CUDA the card's.
   int64_t memory_limit_bytes = 0;
+  // key_value shards' files (backend::BackendConfig::ssd_dir); empty: the
+  // worker does not serve that kernel. 0 bytes: 90% of the disk's free space.
+  std::string ssd_dir;
+  int64_t ssd_capacity_bytes = 0;
   std::string host;                    // empty: this machine's host name
   // The address registered with the coordinator (what clients dial), e.g. a
   // pod's stable DNS name; empty: the --listen address.

@@ -46,6 +46,9 @@ namespace ember {
 namespace worker {
 
 struct WorkerServiceOptions {
+  // The backend keeps key_value shards' rows on local SSD (--ssd_dir):
+  // the worker serves that kernel.
+  bool ssd_tier = false;
   // Tokens and roles (auth.h); disabled by default.
   TokenTable auth;
   // Largest response (lookup outputs or exported rows) in bytes.
@@ -103,9 +106,14 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   // The compute kernels a worker serves (TorchRec's names), advertised in
   // WorkerInfo.compute_kernels: "dense" and "fused", a shard held whole in
-  // its backend's memory (HBM on a GPU). The UVM and key-value tiers are
-  // not built yet: shards planned on them are refused.
-  static std::vector<std::string> ServedComputeKernels() { return {"dense", "fused"}; }
+  // its backend's memory (HBM on a GPU), and "key_value" (rows on local
+  // SSD) where it has an SSD tier (WorkerServiceOptions::ssd_tier). The UVM
+  // tiers are not built yet: shards planned on them are refused.
+  std::vector<std::string> ServedComputeKernels() const {
+    std::vector<std::string> k = {"dense", "fused"};
+    if (options_.ssd_tier) k.push_back("key_value");
+    return k;
+  }
   // The backend's health (EmbeddingBackend::Health).
   absl::Status BackendHealth() const { return backend_->Health(); }
 
@@ -168,6 +176,9 @@ class WorkerService final : public ember::v1::Worker::Service {
     // away takes its counters with it).
     bool dynamic = false;
     backend::DynamicStats dyn;
+    // A key_value table (rows on SSD under a cache): its shards' counters.
+    bool key_value = false;
+    backend::TierStats tier;
   };
   std::vector<TableStats> GetTableStats() const;
 
@@ -490,9 +501,9 @@ class WorkerService final : public ember::v1::Worker::Service {
   void RecordApplied(const std::set<const ShardEntry*>& touched, uint64_t id, uint64_t digest,
                      const std::string& collection);
   // INVALID_ARGUMENT for a bad name, epoch or assignment.
-  static absl::Status CheckAssignments(
+  absl::Status CheckAssignments(
       const std::string& collection, int64_t epoch,
-      const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards);
+      const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards) const;
   // Creates the shards in c (memory checked first; all or nothing). Called
   // without mu_: allocating and initialising a large shard must not stall
   // the lookups and updates of the collections already held. `c` is not

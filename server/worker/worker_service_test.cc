@@ -308,7 +308,7 @@ TEST(WorkerServiceTest, KernelsItDoesNotServeAreRefusedBeforeAllocating) {
   EXPECT_TRUE(s->CreateShards(nullptr, &retry, &resp).ok());
   auto other = request("fine", {"dense", "dense", "fused"});
   EXPECT_FALSE(s->CreateShards(nullptr, &other, &resp).ok());
-  EXPECT_EQ(WorkerService::ServedComputeKernels(), (std::vector<std::string>{"dense", "fused"}));
+  EXPECT_EQ(s->ServedComputeKernels(), (std::vector<std::string>{"dense", "fused"}));
 }
 
 TEST(WorkerServiceTest, DataCallsPastTheBoundAreRefusedAsBusy) {

@@ -188,7 +188,7 @@ grpc::Status WorkerService::StageShards(const ember::v1::CreateShardsRequest& re
 
 absl::Status WorkerService::CheckAssignments(
     const std::string& collection, int64_t epoch,
-    const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards) {
+    const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards) const {
   if (collection.empty()) return absl::InvalidArgumentError("collection name is empty");
   if (epoch <= 0) return absl::InvalidArgumentError(absl::StrCat("epoch must be > 0, got ", epoch));
   const std::vector<std::string> served = ServedComputeKernels();
@@ -221,7 +221,7 @@ absl::Status WorkerService::AllocateShards(
   int64_t need = 0;
   for (const auto& a : shards) {
     const int64_t bytes = backend::ShardBytes(
-        ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols()));
+        ShardSpecOf(a));
     need = bytes > std::numeric_limits<int64_t>::max() - need ? std::numeric_limits<int64_t>::max()
                                                               : need + bytes;
   }
@@ -234,7 +234,7 @@ absl::Status WorkerService::AllocateShards(
   absl::Status failed;
   for (const auto& a : shards) {
     const backend::ShardSpec spec =
-        ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
+        ShardSpecOf(a);
     auto key = std::make_pair(a.ref().table(), a.ref().shard_index());
     if (c->shards.count(key)) {
       failed = absl::InvalidArgumentError(absl::StrCat("duplicate ", RefString(a.ref())));
@@ -728,6 +728,19 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
       ++t.shards;
       t.lookup_ids += entry.traffic->lookup_ids.load(std::memory_order_relaxed);
       t.gradient_ids += entry.traffic->gradient_ids.load(std::memory_order_relaxed);
+      if (entry.assignment.compute_kernel() == "key_value") {
+        if (auto k = backend_->GetTierStats(entry.id); k.ok()) {
+          t.key_value = true;
+          t.tier.cache_rows += k->cache_rows;
+          t.tier.cached_rows += k->cached_rows;
+          t.tier.hits += k->hits;
+          t.tier.fills += k->fills;
+          t.tier.disk_reads += k->disk_reads;
+          t.tier.write_backs += k->write_backs;
+          t.tier.evictions += k->evictions;
+          t.tier.file_bytes += k->file_bytes;
+        }
+      }
       if (!entry.assignment.table().has_dynamic()) continue;
       auto d = backend_->GetDynamicStats(entry.id);
       if (!d.ok()) continue;

@@ -1,0 +1,132 @@
+// The key_value kernel end to end (`emberctl up --ssd_dir`): tables whose
+// constraints name it are planned on it with their cache_load_factor,
+// their shards keep their rows in files under the workers' --ssd_dir with
+// half of them in memory, and training through the client matches the
+// in-process reference (every row held in memory) for table-wise and
+// row-wise shards and every optimizer; a checkpoint restores exactly. A
+// cluster without an SSD tier refuses such tables when it plans.
+#include <memory>
+#include <random>
+#include <string>
+
+#include "client/client.h"
+#include "client/inprocess.h"
+#include "gtest/gtest.h"
+#include "tests/local_cluster.h"
+#include "tests/test_collection.h"
+
+namespace ember {
+namespace {
+
+using client::Client;
+using client::InProcessCollection;
+using client::KeyedJaggedTensor;
+using client::KeyedTensor;
+using client::SequenceEmbedding;
+using ember::v1::CollectionSpec;
+using testing_util::ExpectNear;
+using testing_util::ExportAll;
+using testing_util::LocalCluster;
+using testing_util::RandomKjt;
+using testing_util::Tables;
+using testing_util::TempDir;
+using testing_util::TestSpec;
+
+constexpr char kEmberctl[] = "cli/emberctl";
+
+std::unique_ptr<Client> Connect(const std::string& address) {
+  client::ClientOptions o;
+  o.timeout = absl::Seconds(20);
+  auto c = Client::Connect(address, o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// TestSpec with every table on the key_value kernel, half its rows cached.
+CollectionSpec KeyValueSpec(const std::string& name) {
+  CollectionSpec spec = TestSpec(name);
+  for (const auto& t : spec.tables()) {
+    ember::v1::ParameterConstraints& c = (*spec.mutable_constraints())[t.name()];
+    c.add_compute_kernels("key_value");
+    c.set_cache_load_factor(0.5);
+  }
+  return spec;
+}
+
+void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_t seed,
+           int steps) {
+  std::mt19937 rng(seed);
+  for (int step = 0; step < steps; ++step) {
+    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
+                                      {200, 301, 150, 301}, 5, step % 2 == 1);
+    auto kt = c->Lookup(name, kjt);
+    ASSERT_TRUE(kt.ok()) << kt.status();
+    auto want = ref->Lookup(kjt);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ExpectNear(kt->values, want->values, name + " lookup");
+    KeyedTensor grads = *kt;
+    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
+    ASSERT_TRUE(ref->ApplyGradients(kjt, grads).ok());
+    KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 4, false);
+    auto se = c->LookupSequence(name, seq);
+    ASSERT_TRUE(se.ok()) << se.status();
+    std::vector<SequenceEmbedding> sg = *se;
+    for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
+    ASSERT_TRUE(ref->ApplySequenceGradients(seq, sg).ok());
+  }
+}
+
+TEST(KeyValueTest, TrainsAsTheTablesHeldInMemoryAndCheckpoints) {
+  LocalCluster cluster(kEmberctl, 2,
+                       {"--ssd_dir=" + ::testing::TempDir(), "--ssd_gib=1",
+                        "--checkpoint_dir=" + ::testing::TempDir()});
+  ASSERT_TRUE(cluster.ok());
+  auto c = Connect(cluster.coordinator());
+  ASSERT_TRUE(c);
+  const std::string root = TempDir();
+  uint32_t seed = 5;
+  for (const std::string type : {"table_wise", "row_wise"}) {
+    SCOPED_TRACE(type);
+    const std::string name = "kv_" + type;
+    const CollectionSpec spec = KeyValueSpec(name);
+    auto info = c->CreateCollection(spec, type);
+    ASSERT_TRUE(info.ok()) << info.status();
+    for (const auto& ts : info->plan().tables()) {
+      EXPECT_EQ(ts.compute_kernel(), "key_value") << ts.table();
+      EXPECT_EQ(ts.cache_load_factor(), 0.5) << ts.table();
+    }
+    auto ref = InProcessCollection::Create(spec, &info->plan());
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    Train(c.get(), name, ref->get(), seed++, 12);
+    for (const auto& [table, values] : ExportAll(c.get(), name, spec)) {
+      int64_t rows, dim;
+      ExpectNear(values, *(*ref)->ExportTable(table, &rows, &dim), type + " trained " + table);
+    }
+    // A checkpoint (read through the caches) restores exactly, and trains on.
+    const Tables at_checkpoint = ExportAll(c.get(), name, spec);
+    auto ck = c->Checkpoint(name, root);
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    auto back = c->Restore(ck->path(), name + "_back", type);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(ExportAll(c.get(), name + "_back", spec), at_checkpoint);
+    Train(c.get(), name + "_back", ref->get(), seed++, 3);
+    ASSERT_TRUE(c->DropCollection(name).ok());
+    ASSERT_TRUE(c->DropCollection(name + "_back").ok());
+  }
+}
+
+TEST(KeyValueTest, WorkersWithoutAnSsdTierAreNotPlannedOnIt) {
+  LocalCluster cluster(kEmberctl, 1);
+  ASSERT_TRUE(cluster.ok());
+  auto c = Connect(cluster.coordinator());
+  ASSERT_TRUE(c);
+  auto info = c->CreateCollection(KeyValueSpec("no_ssd"), "table_wise");
+  ASSERT_FALSE(info.ok());
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kInvalidArgument) << info.status();
+  EXPECT_NE(info.status().message().find("key_value"), std::string::npos) << info.status();
+}
+
+}  // namespace
+}  // namespace ember
