@@ -12,7 +12,7 @@ PACKAGES=(
   bazel-bootstrap build-essential pkg-config python3
   protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libgrpc++-dev
   libabsl-dev libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev
-  zlib1g-dev libleveldb-dev clang-14 libclang-rt-14-dev
+  zlib1g-dev libleveldb-dev liburing-dev clang-14 libclang-rt-14-dev
   python3-dev python3-numpy python3-pytest pybind11-dev python3-torch python3-venv
   openssl libssl-dev prometheus-cpp-dev prometheus patchelf
   podman netavark runc debootstrap

@@ -53,8 +53,7 @@ CollectionSpec KeyValueSpec(const std::string& name) {
   return spec;
 }
 
-void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_t seed,
-           int steps) {
+void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_t seed, int steps) {
   std::mt19937 rng(seed);
   for (int step = 0; step < steps; ++step) {
     KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},

@@ -57,10 +57,11 @@ def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
         np.testing.assert_allclose(client.export_table("kv", "t"), table, rtol=1e-5, atol=1e-5)
 
         # Each row-wise shard of 1,000 rows caches 50 and keeps all 1,000
-        # in its file (16 fp32 weights, no optimizer state).
+        # in its file (16 fp32 weights, no optimizer state: 64 bytes, padded to
+    # a 512-byte sector for direct I/O).
         workers = [u for k, u in cluster.metrics_urls.items() if k != "coordinator"]
         assert metric(workers, "ember_worker_key_value_cache_rows") == 100
-        assert metric(workers, "ember_worker_key_value_file_bytes") == ROWS * DIM * 4
+        assert metric(workers, "ember_worker_key_value_file_bytes") == ROWS * 512  # 64-byte rows, padded
         assert metric(workers, "ember_worker_key_value_write_backs_total") > 0
         assert metric(workers, "ember_worker_key_value_disk_reads_total") > 0
         fills = metric(workers, "ember_worker_key_value_fills_total")

@@ -213,8 +213,9 @@ int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
 }
 
 int64_t KeyValueFileBytes(const ShardSpec& spec) {
-  return SaturatedBytes(spec.rows,
-                        4 * (spec.dim + OptimizerStateWidth(spec.optimizer.type, spec.dim)));
+  const int64_t record = 4 * (spec.dim + OptimizerStateWidth(spec.optimizer.type, spec.dim));
+  if (record <= 0 || record > std::numeric_limits<int64_t>::max() / 2) return record <= 0 ? 0 : std::numeric_limits<int64_t>::max();
+  return SaturatedBytes(spec.rows, (record + 511) / 512 * 512);  // key_value/row_file.h's stride
 }
 
 absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,

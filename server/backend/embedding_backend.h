@@ -488,7 +488,9 @@ int64_t ShardBytes(const ShardSpec& spec);
 // a row of the shard (where it is cached) and 24 a cached row.
 int64_t KeyValueMemoryBytes(const ShardSpec& spec);
 // A key_value shard's file: every row as fp32 weights then fp32 optimizer
-// state; INT64_MAX when that does not fit in an int64.
+// state, padded to a multiple of 512 bytes (the drives' sector: the file is
+// read and written with direct I/O); INT64_MAX when that does not fit in an
+// int64.
 int64_t KeyValueFileBytes(const ShardSpec& spec);
 
 // Output (and gradient) element count: batch * dim pooled, num_ids * dim NONE.

@@ -23,8 +23,6 @@ namespace backend {
 namespace {
 
 constexpr int32_t kAbsent = -1;
-// Rows a thread of the file reads and writes takes at a time.
-constexpr int64_t kIoGrain = 64;
 
 struct Shard {
   ShardSpec spec;
@@ -48,10 +46,9 @@ struct Shard {
   int64_t cache_rows() const { return spec.cache_rows; }
   bool Written(int64_t r) const { return (written[r >> 6] >> (r & 63)) & 1; }
   void SetWritten(int64_t r) { written[r >> 6] |= uint64_t{1} << (r & 63); }
-  int64_t Offset(int64_t r) const { return r * record * 4; }
 };
 
-std::vector<float> FreshState(const ShardSpec &spec) {
+std::vector<float> FreshState(const ShardSpec& spec) {
   const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
                        spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
   return std::vector<float>(static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)),
@@ -59,13 +56,13 @@ std::vector<float> FreshState(const ShardSpec &spec) {
 }
 
 // Rows as file records (weights then state, a row after another) and back.
-void Interleave(const Shard &s, int64_t n, const float *w, const float *st, float *rec) {
+void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowBuffer* rec) {
   for (int64_t k = 0; k < n; ++k) {
-    std::copy_n(w + k * s.spec.dim, s.spec.dim, rec + k * s.record);
-    std::copy_n(st + k * s.width, s.width, rec + k * s.record + s.spec.dim);
+    std::copy_n(w + k * s.spec.dim, s.spec.dim, rec->row(k));
+    std::copy_n(st + k * s.width, s.width, rec->row(k) + s.spec.dim);
   }
 }
-void Split(const Shard &s, const float *rec, float *w, float *st) {
+void Split(const Shard& s, const float* rec, float* w, float* st) {
   std::copy_n(rec, s.spec.dim, w);
   std::copy_n(rec + s.spec.dim, s.width, st);
 }
@@ -80,10 +77,10 @@ struct Mapped {
 
 class KeyValueBackend : public ForwardingBackend {
  public:
-  KeyValueBackend(std::unique_ptr<EmbeddingBackend> inner, const KeyValueOptions &options)
+  KeyValueBackend(std::unique_ptr<EmbeddingBackend> inner, const KeyValueOptions& options)
       : ForwardingBackend(std::move(inner)), options_(options), budget_(options.capacity_bytes) {}
 
-  absl::StatusOr<ShardId> CreateShard(const ShardSpec &spec) override {
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
     if (spec.cache_rows == 0) return inner()->CreateShard(spec);
     if (absl::Status s = ValidateKeyValueSpec(spec); !s.ok()) return s;
     if (options_.dir.empty()) {
@@ -152,10 +149,7 @@ class KeyValueBackend : public ForwardingBackend {
           absl::StrCat("shard ", id, " of table '", spec->table, "' holds all its rows in memory"));
     }
     absl::MutexLock lock(&call_mu_);
-    TierStats out = shard->stats;
-    out.cached_rows = static_cast<int64_t>(std::count_if(
-        shard->row_of_slot.begin(), shard->row_of_slot.end(), [](int64_t r) { return r >= 0; }));
-    return out;
+    return shard->stats;
   }
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
@@ -201,7 +195,7 @@ class KeyValueBackend : public ForwardingBackend {
     auto shard = Find(id);
     if (shard == nullptr) return inner()->ExportRows(id, begin, end, weights, state);
     absl::MutexLock lock(&call_mu_);
-    Shard &s = *shard;
+    Shard& s = *shard;
     if (absl::Status st = Usable(s); !st.ok()) return st;
     if (absl::Status st = ValidateRowRange(s.spec, begin, end, weights.size(), state.size());
         !st.ok()) {
@@ -221,14 +215,12 @@ class KeyValueBackend : public ForwardingBackend {
       }
     }
     if (any_written) {  // one read of the range, the rows written taken from it
-      std::vector<float> rec(static_cast<size_t>(n * s.record));
-      if (absl::Status st = s.file->Read(s.Offset(begin), rec.data(), n * s.record * 4); !st.ok()) {
-        return st;
-      }
+      RowBuffer rec;
+      if (absl::Status st = rec.Resize(n, s.file->stride()); !st.ok()) return st;
+      if (absl::Status st = s.file->ReadRange(begin, n, &rec); !st.ok()) return st;
       for (int64_t r = begin; r < end; ++r) {
         if (s.slot_of_row[r] < 0 && s.Written(r)) {
-          Split(s, rec.data() + ((r - begin) * s.record),
-                weights.data() + ((r - begin) * s.spec.dim),
+          Split(s, rec.row(r - begin), weights.data() + ((r - begin) * s.spec.dim),
                 state.data() + ((r - begin) * s.width));
         }
       }
@@ -262,13 +254,14 @@ class KeyValueBackend : public ForwardingBackend {
     auto shard = Find(id);
     if (shard == nullptr) return inner()->ImportRows(id, begin, end, weights, state);
     absl::MutexLock lock(&call_mu_);
-    Shard &s = *shard;
+    Shard& s = *shard;
     if (absl::Status st = Usable(s); !st.ok()) return st;
     if (absl::Status st = ValidateImport(s.spec, begin, end, weights, state); !st.ok()) return st;
     const int64_t n = end - begin;
-    std::vector<float> rec(static_cast<size_t>(n * s.record));
-    Interleave(s, n, weights.data(), state.data(), rec.data());
-    absl::Status wrote = s.file->Write(s.Offset(begin), rec.data(), n * s.record * 4);
+    RowBuffer rec;
+    if (absl::Status st = rec.Resize(n, s.file->stride()); !st.ok()) return st;
+    Interleave(s, n, weights.data(), state.data(), &rec);
+    absl::Status wrote = s.file->WriteRange(begin, n, rec);
     if (!wrote.ok()) return Break(&s, wrote, begin, end);
     for (int64_t r = begin; r < end; ++r) s.SetWritten(r);
     // Cached rows take the import too; the file now holds them as they are.
@@ -316,7 +309,7 @@ class KeyValueBackend : public ForwardingBackend {
   // kv[i]: request i's key_value shard, or null; false when there is none.
   template <typename Request>
   bool KeyValueShardsOf(absl::Span<const Request> requests,
-                        std::vector<std::shared_ptr<Shard>> *kv) const {
+                        std::vector<std::shared_ptr<Shard>>* kv) const {
     absl::MutexLock lock(&map_mu_);
     if (shards_.empty()) return false;
     bool any = false;
@@ -331,8 +324,8 @@ class KeyValueBackend : public ForwardingBackend {
   }
 
   // The bookkeeping's memory, taken when the shard is made.
-  absl::Status Make(Shard *s) {
-    const ShardSpec &spec = s->spec;
+  absl::Status Make(Shard* s) {
+    const ShardSpec& spec = s->spec;
     if (spec.cache_rows >= std::numeric_limits<int32_t>::max()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "table '", spec.table, "': cache_rows ", spec.cache_rows, " is too many for one shard"));
@@ -344,34 +337,34 @@ class KeyValueBackend : public ForwardingBackend {
       s->used.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->pinned.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->written.assign(static_cast<size_t>((spec.rows + 63) / 64), 0);
-    } catch (const std::bad_alloc &) {
+    } catch (const std::bad_alloc&) {
       return absl::ResourceExhaustedError(
           absl::StrCat("table '", spec.table, "': no memory for a key_value shard's bookkeeping (",
                        KeyValueMemoryBytes(spec), " bytes)"));
     }
-    auto file = RowFile::Create(options_.dir, s->file_bytes,
+    auto file = RowFile::Create(options_.dir, spec.rows, s->record * 4,
                                 absl::StrCat("table '", spec.table, "' key_value shard file"));
     if (!file.ok()) return file.status();
     s->file = std::move(*file);
     return absl::OkStatus();
   }
 
-  static absl::Status Usable(const Shard &s) {
+  static absl::Status Usable(const Shard& s) {
     if (s.dropped) return absl::NotFoundError(absl::StrCat("table '", s.spec.table, "': dropped"));
     if (!s.broken.empty()) return absl::DataLossError(s.broken);
     return absl::OkStatus();
   }
 
-  absl::Status Break(Shard *s, const absl::Status &cause, int64_t begin, int64_t end) const {
+  absl::Status Break(Shard* s, const absl::Status& cause, int64_t begin, int64_t end) const {
     s->broken = absl::StrCat("table '", s->spec.table, "': an import of rows [", begin, ", ", end,
                              ") failed half way (", cause.message(),
                              "); the key_value shard must be dropped and restored");
     return absl::Status(cause.code(), s->broken);
   }
 
-  void MakeInitial(const Shard &s, absl::Span<const int64_t> rows, float *out) const {
+  void MakeInitial(const Shard& s, absl::Span<const int64_t> rows, float* out) const {
     std::vector<int64_t> global(rows.begin(), rows.end());
-    for (int64_t &r : global) r += s.spec.row_offset;
+    for (int64_t& r : global) r += s.spec.row_offset;
     InitialValuesOf(s.spec.initializer, s.spec.table_rows, global, s.spec.col_offset, s.spec.dim,
                     out);
     // As the table's type holds them (an import rounds to nearest even too).
@@ -385,13 +378,13 @@ class KeyValueBackend : public ForwardingBackend {
 
   template <typename Request>
   absl::Status CopyIds(absl::Span<const Request> requests,
-                       const std::vector<std::shared_ptr<Shard>> &kv, Mapped<Request> *m) const {
+                       const std::vector<std::shared_ptr<Shard>>& kv, Mapped<Request>* m) const {
     m->requests.assign(requests.begin(), requests.end());
     m->ids.assign(requests.size(), {});
     for (size_t i = 0; i < requests.size(); ++i) {
       if (kv[i] == nullptr) continue;
       if (absl::Status s = Usable(*kv[i]); !s.ok()) return s;
-      const FeatureRequest &f = requests[i].feature;
+      const FeatureRequest& f = requests[i].feature;
       if (f.on_device || f.keyed) {
         return absl::InvalidArgumentError(
             absl::StrCat(RequestWhat(IsLookup(requests[i]) ? "lookup" : "gradient", i, kv[i]->spec),
@@ -402,16 +395,16 @@ class KeyValueBackend : public ForwardingBackend {
     }
     return absl::OkStatus();
   }
-  static bool IsLookup(const LookupRequest &) { return true; }
-  static bool IsLookup(const GradientRequest &) { return false; }
+  static bool IsLookup(const LookupRequest&) { return true; }
+  static bool IsLookup(const GradientRequest&) { return false; }
 
   // The spec each request is checked against: a key_value shard's own (all
   // its rows), the wrapped backend's for the others.
   template <typename Request>
-  std::function<const ShardSpec *(ShardId)> SpecFinder(
-      const std::vector<std::shared_ptr<Shard>> &kv, const std::vector<Request> &requests,
-      std::map<ShardId, ShardSpec> *others) const {
-    return [this, &kv, &requests, others](ShardId id) -> const ShardSpec * {
+  std::function<const ShardSpec*(ShardId)> SpecFinder(const std::vector<std::shared_ptr<Shard>>& kv,
+                                                      const std::vector<Request>& requests,
+                                                      std::map<ShardId, ShardSpec>* others) const {
+    return [this, &kv, &requests, others](ShardId id) -> const ShardSpec* {
       for (size_t i = 0; i < requests.size(); ++i) {
         if (kv[i] != nullptr && requests[i].feature.shard == id) return &kv[i]->spec;
       }
@@ -428,10 +421,10 @@ class KeyValueBackend : public ForwardingBackend {
   // Every id of a key_value shard to its cache slot, bringing rows in
   // (key_value_backend.h's steps 1-3).
   template <typename Request>
-  absl::Status MapToSlots(const std::vector<std::shared_ptr<Shard>> &kv, Mapped<Request> *m) {
+  absl::Status MapToSlots(const std::vector<std::shared_ptr<Shard>>& kv, Mapped<Request>* m) {
     ++call_;
     struct Work {
-      Shard *shard;
+      Shard* shard;
       ShardId id;
       int64_t pinned = 0;
       std::vector<int64_t> misses;
@@ -439,15 +432,15 @@ class KeyValueBackend : public ForwardingBackend {
     std::vector<Work> works;
     for (size_t i = 0; i < kv.size(); ++i) {
       if (kv[i] == nullptr) continue;
-      Shard &s = *kv[i];
+      Shard& s = *kv[i];
       auto w =
-          std::find_if(works.begin(), works.end(), [&](const Work &x) { return x.shard == &s; });
+          std::find_if(works.begin(), works.end(), [&](const Work& x) { return x.shard == &s; });
       if (w == works.end()) {
         works.push_back(Work{&s, m->requests[i].feature.shard});
         w = works.end() - 1;
       }
       for (int64_t row : m->ids[i]) {
-        int32_t &slot = s.slot_of_row[row];
+        int32_t& slot = s.slot_of_row[row];
         if (slot >= 0) {
           if (s.pinned[slot] != call_) {
             s.pinned[slot] = call_;
@@ -475,7 +468,7 @@ class KeyValueBackend : public ForwardingBackend {
     }
     for (size_t i = 0; i < kv.size(); ++i) {
       if (kv[i] == nullptr) continue;
-      for (int64_t &id : m->ids[i]) id = kv[i]->slot_of_row[id];
+      for (int64_t& id : m->ids[i]) id = kv[i]->slot_of_row[id];
     }
     return absl::OkStatus();
   }
@@ -483,8 +476,8 @@ class KeyValueBackend : public ForwardingBackend {
   // Brings `misses` (rows not cached, marked as the call's misses) into
   // victims' slots; `pinned` slots are the call's already. On a refusal the
   // shard is as it was (the caller clears the marks).
-  absl::Status Fill(Shard *sp, ShardId id, int64_t pinned, const std::vector<int64_t> &misses) {
-    Shard &s = *sp;
+  absl::Status Fill(Shard* sp, ShardId id, int64_t pinned, const std::vector<int64_t>& misses) {
+    Shard& s = *sp;
     const int64_t n = static_cast<int64_t>(misses.size());
     if (n == 0) return absl::OkStatus();
     const int64_t cache = s.cache_rows();
@@ -511,7 +504,9 @@ class KeyValueBackend : public ForwardingBackend {
         break;
       }
     }
-    // Changed victims go back to the file first.
+    // Changed victims go back to the file as the misses' rows come from it
+    // (the rows never written are made instead), in one batch: the drive
+    // serves the writes and reads together.
     std::vector<int64_t> back_slots, back_rows;
     for (int64_t v : victims) {
       if (s.row_of_slot[v] >= 0 && s.changed[v]) {
@@ -519,57 +514,41 @@ class KeyValueBackend : public ForwardingBackend {
         back_rows.push_back(s.row_of_slot[v]);
       }
     }
-    if (!back_slots.empty()) {
-      const int64_t nb = static_cast<int64_t>(back_slots.size());
-      std::vector<float> w(nb * s.spec.dim), st(nb * s.width), rec(nb * s.record);
-      if (absl::Status e =
-              inner()->ExportRowsAt(id, back_slots, absl::MakeSpan(w), absl::MakeSpan(st));
-          !e.ok()) {
-        return e;
-      }
-      Interleave(s, nb, w.data(), st.data(), rec.data());
-      if (absl::Status e = ForEachRecord(nb,
-                                         [&](int64_t k) {
-                                           return s.file->Write(s.Offset(back_rows[k]),
-                                                                rec.data() + (k * s.record),
-                                                                s.record * 4);
-                                         });
-          !e.ok()) {
-        return e;
-      }
-      for (int64_t k = 0; k < nb; ++k) {
-        s.SetWritten(back_rows[k]);
-        s.changed[back_slots[k]] = 0;
-      }
-      s.stats.write_backs += nb;
-    }
-    // The misses' rows: from the file, or made (never written).
-    std::vector<float> rec(n * s.record), w(n * s.spec.dim), st(n * s.width);
-    std::vector<int64_t> fresh, fresh_at;
-    int64_t reads = 0;
+    std::vector<int64_t> fresh, fresh_at, read, read_at;
     for (int64_t k = 0; k < n; ++k) {
       if (!s.Written(misses[k])) {
         fresh.push_back(misses[k]);
         fresh_at.push_back(k);
       } else {
-        ++reads;
+        read.push_back(misses[k]);
+        read_at.push_back(k);
       }
     }
-    if (reads > 0) {
-      if (absl::Status e = ForEachRecord(
-              n,
-              [&](int64_t k) {
-                if (!s.Written(misses[k])) return absl::OkStatus();
-                return s.file->Read(s.Offset(misses[k]), rec.data() + (k * s.record), s.record * 4);
-              });
+    const int64_t nb = static_cast<int64_t>(back_slots.size());
+    const int64_t reads = static_cast<int64_t>(read.size());
+    if (nb > 0) {
+      std::vector<float> w(nb * s.spec.dim), st(nb * s.width);
+      if (absl::Status e =
+              inner()->ExportRowsAt(id, back_slots, absl::MakeSpan(w), absl::MakeSpan(st));
           !e.ok()) {
         return e;
       }
-      for (int64_t k = 0; k < n; ++k) {
-        if (s.Written(misses[k]))
-          Split(s, rec.data() + (k * s.record), w.data() + (k * s.spec.dim),
-                st.data() + (k * s.width));
-      }
+      if (absl::Status e = out_.Resize(nb, s.file->stride()); !e.ok()) return e;
+      Interleave(s, nb, w.data(), st.data(), &out_);
+    }
+    if (nb + reads > 0) {
+      if (absl::Status e = in_.Resize(reads, s.file->stride()); !e.ok()) return e;
+      if (absl::Status e = s.file->Exchange(back_rows, out_, read, &in_); !e.ok()) return e;
+    }
+    for (int64_t k = 0; k < nb; ++k) {
+      s.SetWritten(back_rows[k]);
+      s.changed[back_slots[k]] = 0;
+    }
+    s.stats.write_backs += nb;
+    std::vector<float> w(n * s.spec.dim), st(n * s.width);
+    for (int64_t j = 0; j < reads; ++j) {
+      const int64_t k = read_at[j];
+      Split(s, in_.row(j), w.data() + k * s.spec.dim, st.data() + k * s.width);
     }
     if (!fresh.empty()) {
       std::vector<float> made(fresh.size() * s.spec.dim);
@@ -587,6 +566,8 @@ class KeyValueBackend : public ForwardingBackend {
       if (s.row_of_slot[v] >= 0) {
         s.slot_of_row[s.row_of_slot[v]] = kAbsent;
         ++s.stats.evictions;
+      } else {
+        ++s.stats.cached_rows;
       }
       s.slot_of_row[misses[k]] = static_cast<int32_t>(v);
       s.row_of_slot[v] = misses[k];
@@ -598,25 +579,6 @@ class KeyValueBackend : public ForwardingBackend {
     return absl::OkStatus();
   }
 
-  // io(k) for k in [0, n) on the wrapped backend's threads; the first
-  // failure's status.
-  absl::Status ForEachRecord(int64_t n, const std::function<absl::Status(int64_t)> &io) {
-    absl::Mutex mu;
-    absl::Status first;
-    std::atomic<bool> failed{false};
-    inner()->ParallelFor(n, kIoGrain, [&](int64_t b, int64_t e) {
-      for (int64_t k = b; k < e && !failed.load(std::memory_order_relaxed); ++k) {
-        absl::Status s = io(k);
-        if (!s.ok()) {
-          absl::MutexLock lock(&mu);
-          if (first.ok()) first = s;
-          failed.store(true, std::memory_order_relaxed);
-        }
-      }
-    });
-    return first;
-  }
-
   const KeyValueOptions options_;
   MemoryBudget budget_;  // the SSD tier's bytes
   mutable absl::Mutex map_mu_;
@@ -624,16 +586,18 @@ class KeyValueBackend : public ForwardingBackend {
   // Serialises calls on key_value shards and guards their bookkeeping.
   mutable absl::Mutex call_mu_;
   uint64_t call_ = 0;
+  // Rows on their way to and from a file (under call_mu_).
+  RowBuffer out_, in_;
 };
 
 }  // namespace
 
 std::unique_ptr<EmbeddingBackend> WithKeyValueShards(std::unique_ptr<EmbeddingBackend> inner,
-                                                     const KeyValueOptions &options) {
+                                                     const KeyValueOptions& options) {
   return std::make_unique<KeyValueBackend>(std::move(inner), options);
 }
 
-absl::Status ValidateKeyValueSpec(const ShardSpec &spec) {
+absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
   const std::string what = absl::StrCat("key_value table '", spec.table, "'");
   if (spec.is_dynamic) {
     return absl::InvalidArgumentError(absl::StrCat(what,

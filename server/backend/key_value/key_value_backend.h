@@ -61,12 +61,12 @@ struct KeyValueOptions {
 };
 
 std::unique_ptr<EmbeddingBackend> WithKeyValueShards(std::unique_ptr<EmbeddingBackend> inner,
-                                                     const KeyValueOptions &options);
+                                                     const KeyValueOptions& options);
 
 // INVALID_ARGUMENT naming the field for a key_value spec's bad values
 // (cache_rows outside [1, rows], a dynamic spec, stochastic rounding of
 // fp16/bf16 weights).
-absl::Status ValidateKeyValueSpec(const ShardSpec &spec);
+absl::Status ValidateKeyValueSpec(const ShardSpec& spec);
 
 }  // namespace backend
 }  // namespace ember

@@ -28,7 +28,7 @@ namespace backend {
 namespace {
 
 std::string TempDir() {
-  const char *d = std::getenv("TEST_TMPDIR");
+  const char* d = std::getenv("TEST_TMPDIR");
   return d != nullptr ? d : "/tmp";
 }
 
@@ -76,7 +76,7 @@ struct Batch {
   std::vector<int64_t> lengths, ids;
   std::vector<float> weights;
 };
-Batch MakeBatch(std::mt19937_64 &rng, int64_t rows, int64_t bags, bool weighted) {
+Batch MakeBatch(std::mt19937_64& rng, int64_t rows, int64_t bags, bool weighted) {
   Batch b;
   std::uniform_int_distribution<int64_t> len(0, 4);
   std::uniform_real_distribution<double> u(0, 1);
@@ -91,7 +91,7 @@ Batch MakeBatch(std::mt19937_64 &rng, int64_t rows, int64_t bags, bool weighted)
   return b;
 }
 
-FeatureRequest Feature(ShardId id, Pooling p, const Batch &b) {
+FeatureRequest Feature(ShardId id, Pooling p, const Batch& b) {
   FeatureRequest f;
   f.shard = id;
   f.pooling = p;
@@ -101,13 +101,13 @@ FeatureRequest Feature(ShardId id, Pooling p, const Batch &b) {
   return f;
 }
 
-int64_t OutRows(Pooling p, const Batch &b) {
+int64_t OutRows(Pooling p, const Batch& b) {
   return p == Pooling::kNone ? static_cast<int64_t>(b.ids.size())
                              : static_cast<int64_t>(b.lengths.size());
 }
 
-std::vector<float> LookupOf(EmbeddingBackend &be, ShardId id, Pooling p, const Batch &b,
-                            int64_t dim, absl::Status *status = nullptr) {
+std::vector<float> LookupOf(EmbeddingBackend& be, ShardId id, Pooling p, const Batch& b,
+                            int64_t dim, absl::Status* status = nullptr) {
   std::vector<float> out(OutRows(p, b) * dim, -1.0f);
   LookupRequest r;
   r.feature = Feature(id, p, b);
@@ -121,11 +121,11 @@ std::vector<float> LookupOf(EmbeddingBackend &be, ShardId id, Pooling p, const B
   return out;
 }
 
-absl::Status Update(EmbeddingBackend &be, ShardId id, Pooling p, const Batch &b, int64_t dim,
-                    std::mt19937_64 &rng) {
+absl::Status Update(EmbeddingBackend& be, ShardId id, Pooling p, const Batch& b, int64_t dim,
+                    std::mt19937_64& rng) {
   std::normal_distribution<float> g(0.0f, 1.0f);
   std::vector<float> grad(OutRows(p, b) * dim);
-  for (float &x : grad) x = g(rng);
+  for (float& x : grad) x = g(rng);
   GradientRequest r;
   r.feature = Feature(id, p, b);
   r.grad = grad;
@@ -135,7 +135,7 @@ absl::Status Update(EmbeddingBackend &be, ShardId id, Pooling p, const Batch &b,
 struct AllRows {
   std::vector<float> w, st;
 };
-AllRows Export(const EmbeddingBackend &be, ShardId id, const ShardSpec &spec) {
+AllRows Export(const EmbeddingBackend& be, ShardId id, const ShardSpec& spec) {
   AllRows a;
   a.w.resize(spec.rows * spec.dim);
   a.st.resize(spec.rows * OptimizerStateWidth(spec.optimizer.type, spec.dim));
@@ -144,8 +144,8 @@ AllRows Export(const EmbeddingBackend &be, ShardId id, const ShardSpec &spec) {
   return a;
 }
 
-void ExpectSameBits(const std::vector<float> &a, const std::vector<float> &b,
-                    const std::string &what) {
+void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b,
+                    const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
 }
@@ -241,7 +241,7 @@ TEST(KeyValueBackendTest, CountersFollowTheClock) {
   EXPECT_EQ(s.cached_rows, 2);
   EXPECT_EQ(s.cache_rows, 2);
   EXPECT_EQ(s.file_bytes, KeyValueFileBytes(spec));
-  EXPECT_EQ(s.file_bytes, 10 * 4 * 4);
+  EXPECT_EQ(s.file_bytes, 10 * 512);  // 16-byte rows, padded to a sector
 }
 
 TEST(KeyValueBackendTest, RefusesBadInputAndChangesNothing) {
@@ -454,7 +454,7 @@ TEST(KeyValueBackendTest, ConcurrentCallersLoseNoUpdate) {
   std::thread exporter([&] {
     for (int i = 0; i < 20; ++i) Export(*kv, *kid, spec);
   });
-  for (auto &t : threads) t.join();
+  for (auto& t : threads) t.join();
   exporter.join();
   const AllRows got = Export(*kv, *kid, spec);
   for (int64_t r = 0; r < spec.rows; ++r) {
