@@ -3,11 +3,17 @@
 // their shards keep their rows in files under the workers' --ssd_dir with
 // half of them in memory, and training through the client matches the
 // in-process reference (every row held in memory) for table-wise and
-// row-wise shards and every optimizer; a checkpoint restores exactly. A
-// cluster without an SSD tier refuses such tables when it plans.
+// row-wise shards and every optimizer; a checkpoint restores exactly; a
+// drain moves the shards live. A cluster without an SSD tier refuses such
+// tables when it plans. (Recovery after kill -9: recovery_test.)
+#include <atomic>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 #include "client/client.h"
 #include "client/inprocess.h"
@@ -24,9 +30,11 @@ using client::KeyedJaggedTensor;
 using client::KeyedTensor;
 using client::SequenceEmbedding;
 using ember::v1::CollectionSpec;
+using testing_util::ApplyUntilAcknowledged;
 using testing_util::ExpectNear;
 using testing_util::ExportAll;
 using testing_util::LocalCluster;
+using testing_util::RandomGradients;
 using testing_util::RandomKjt;
 using testing_util::Tables;
 using testing_util::TempDir;
@@ -113,6 +121,72 @@ TEST(KeyValueTest, TrainsAsTheTablesHeldInMemoryAndCheckpoints) {
     Train(c.get(), name + "_back", ref->get(), seed++, 3);
     ASSERT_TRUE(c->DropCollection(name).ok());
     ASSERT_TRUE(c->DropCollection(name + "_back").ok());
+  }
+}
+
+// A drain moves key_value shards live (their rows read through the caches
+// and written into the new workers' files) while a trainer goes on; no
+// update is lost or doubled.
+TEST(KeyValueTest, ADrainMovesKeyValueShardsLive) {
+  LocalCluster cluster(kEmberctl, 3, {"--ssd_dir=" + ::testing::TempDir(), "--ssd_gib=1"});
+  ASSERT_TRUE(cluster.ok());
+  auto c = Connect(cluster.coordinator());
+  ASSERT_TRUE(c);
+  CollectionSpec spec = KeyValueSpec("kv_drain");
+  spec.mutable_tables()->RemoveLast();  // no sequence table
+  spec.mutable_constraints()->erase("t_seq");
+  auto info = c->CreateCollection(spec, "row_wise");
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto ref = InProcessCollection::Create(spec, &info->plan());
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  auto listed = c->ListWorkers();
+  ASSERT_TRUE(listed.ok());
+  std::string drained;
+  for (const auto& w : listed->workers()) {
+    if (w.info().address() == info->worker_addresses(1)) drained = w.worker_id();
+  }
+  ASSERT_FALSE(drained.empty());
+
+  std::atomic<int> done{0};
+  std::atomic<bool> failed{false};
+  constexpr int kSteps = 60;
+  std::thread trainer([&] {
+    std::mt19937 rng(3);
+    for (int step = 0; step < kSteps && !failed; ++step) {
+      KeyedJaggedTensor kjt = RandomKjt(rng, {"f_sum", "f_mean", "f_rw"}, {301, 200, 150}, 4,
+                                        step % 2 == 1);
+      const KeyedTensor g = RandomGradients(rng, {"f_sum", "f_mean", "f_rw"}, {16, 16, 16}, 4);
+      absl::Status s = ApplyUntilAcknowledged(c.get(), "kv_drain", kjt, g,
+                                              absl::StrCat("step-", step));
+      if (!s.ok()) {
+        ADD_FAILURE() << "step " << step << ": " << s;
+        failed = true;
+        return;
+      }
+      if (!(*ref)->ApplyGradients(kjt, g).ok()) failed = true;
+      ++done;
+    }
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (done < 20 && !failed && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  auto moved = c->DrainWorker(drained);
+  EXPECT_TRUE(moved.ok()) << moved.status();
+  trainer.join();
+  ASSERT_FALSE(failed);
+  ASSERT_EQ(done.load(), kSteps);
+  auto after = c->GetCollection("kv_drain");
+  ASSERT_TRUE(after.ok());
+  for (const auto& ts : after->plan().tables()) {
+    EXPECT_EQ(ts.compute_kernel(), "key_value");
+    for (const auto& sh : ts.shards()) {
+      EXPECT_NE(after->worker_addresses(sh.rank()), info->worker_addresses(1));
+    }
+  }
+  for (const auto& t : spec.tables()) {
+    int64_t rows, dim, rr, rd;
+    auto got = c->ExportTable("kv_drain", t.name(), &rows, &dim);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), "table " + t.name());
   }
 }
 

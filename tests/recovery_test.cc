@@ -98,13 +98,18 @@ struct Case {
   // The checkpoint is incremental, a delta over one taken a step earlier:
   // the lost shards are loaded from the chain.
   bool incremental = false;
+  // Every table on the key_value kernel (rows in files under the workers'
+  // --ssd_dir, half of them cached): the killed worker's files go with it.
+  bool key_value = false;
 };
 
 void RunCase(const Case& k) {
   const std::string root = TempDir();
-  LocalCluster cluster(kEmberctl, 3,
-                       {"--checkpoint_dir=" + root,
-                        absl::StrCat("--restart_workers=", k.restart_workers ? "true" : "false")});
+  std::vector<std::string> flags = {
+      "--checkpoint_dir=" + root,
+      absl::StrCat("--restart_workers=", k.restart_workers ? "true" : "false")};
+  if (k.key_value) flags.push_back("--ssd_dir=" + TempDir());
+  LocalCluster cluster(kEmberctl, 3, flags);
   ASSERT_TRUE(cluster.ok());
   client::ClientOptions o;
   o.timeout = absl::Seconds(10);
@@ -113,6 +118,13 @@ void RunCase(const Case& k) {
   CollectionSpec spec = TestSpec("r");
   spec.mutable_tables()->RemoveLast();  // the sequence table
   if (k.whole) spec.set_recovery(CollectionSpec::WHOLE_COLLECTION);
+  if (k.key_value) {
+    for (const auto& t : spec.tables()) {
+      ember::v1::ParameterConstraints& pc = (*spec.mutable_constraints())[t.name()];
+      pc.add_compute_kernels("key_value");
+      pc.set_cache_load_factor(0.5);
+    }
+  }
   auto info = (*c)->CreateCollection(spec, "row_wise");
   ASSERT_TRUE(info.ok()) << info.status();
   const Tables initial = ExportAll(c->get(), "r", spec);
@@ -180,6 +192,9 @@ void RunCase(const Case& k) {
 
   auto after = (*c)->GetCollection("r");
   ASSERT_TRUE(after.ok());
+  for (const auto& ts : after->plan().tables()) {
+    EXPECT_EQ(ts.compute_kernel(), k.key_value ? "key_value" : "fused") << ts.table();
+  }
   EXPECT_EQ(after->state(), CollectionInfo::SERVING);
   EXPECT_GT(after->plan().epoch(), info->plan().epoch());
   EXPECT_EQ(after->recovered_from(), path);
@@ -295,6 +310,11 @@ TEST(RecoveryTest, WholeCollectionRollsBackToTheCheckpoint) {
 TEST(RecoveryTest, LostShardsComeBackFromAnIncrementalChain) {
   RunCase({/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/false, /*recreate=*/false,
            /*incremental=*/true});
+}
+
+TEST(RecoveryTest, KeyValueShardsComeBackFromAnIncrementalChain) {
+  RunCase({/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/false, /*recreate=*/false,
+           /*incremental=*/true, /*key_value=*/true});
 }
 
 TEST(RecoveryTest, WithoutACheckpointTheLostShardsComeBackFresh) {
