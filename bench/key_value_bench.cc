@@ -9,8 +9,9 @@
 //
 // A training step is a SUM lookup of 2,048 bags x 20 ids (zipf over the
 // rows, hot rows scattered) and the row-wise Adagrad update of the same ids.
-// Each cache fraction runs the same id stream: --warmup steps first (rows
-// enter the cache and the file), then --steps timed ones.
+// Each run draws the same id stream: --warmup steps first, and for a
+// key_value run as many more as its cache takes to fill (rows enter the
+// cache and the file; at most 3,000), then --steps timed ones.
 //
 //   steps/s      training steps a second, and key_value / fused
 //   hit rate     of the lookups' distinct rows, the cache's (CLOCK) and an
@@ -45,6 +46,7 @@
 #include "gflags/gflags.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/key_value/key_value_backend.h"
+#include "server/backend/key_value/row_file.h"
 
 DEFINE_int64(rows, 4000000, "Rows of the table.");
 DEFINE_int32(dim, 64, "Embedding dimension.");
@@ -82,37 +84,49 @@ eb::ShardSpec Spec(int64_t cache_rows) {
   return s;
 }
 
-// The id stream: steps of batch * pooling_factor zipf ids.
-std::vector<std::vector<int64_t>> Stream(int steps) {
-  std::mt19937_64 rng(42);
-  std::vector<double> cdf(FLAGS_rows);
-  double acc = 0;
-  for (int64_t r = 0; r < FLAGS_rows; ++r) cdf[r] = (acc += 1.0 / std::pow(r + 1.0, FLAGS_alpha));
-  std::uniform_real_distribution<double> u(0, acc);
-  const int64_t n = int64_t{FLAGS_batch} * FLAGS_pooling_factor;
-  std::vector<std::vector<int64_t>> out(steps, std::vector<int64_t>(n));
-  for (auto& ids : out) {
-    for (int64_t& id : ids) {
-      const int64_t rank = std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin();
+// The id stream: steps of batch * pooling_factor zipf ids, the same
+// sequence from every new Stream.
+class Stream {
+ public:
+  Stream() : rng_(42), ids_(int64_t{FLAGS_batch} * FLAGS_pooling_factor) {
+    static const std::vector<double>* const cdf = [] {
+      auto* c = new std::vector<double>(FLAGS_rows);
+      double acc = 0;
+      for (int64_t r = 0; r < FLAGS_rows; ++r)
+        (*c)[r] = (acc += 1.0 / std::pow(r + 1.0, FLAGS_alpha));
+      return c;
+    }();
+    cdf_ = cdf;
+  }
+  const std::vector<int64_t>& Next() {
+    std::uniform_real_distribution<double> u(0, cdf_->back());
+    for (int64_t& id : ids_) {
+      const int64_t rank = std::lower_bound(cdf_->begin(), cdf_->end(), u(rng_)) - cdf_->begin();
       id = static_cast<int64_t>((static_cast<uint64_t>(rank) * 2654435761ULL) %
                                 static_cast<uint64_t>(FLAGS_rows));
     }
+    return ids_;
   }
-  return out;
-}
+
+ private:
+  const std::vector<double>* cdf_;
+  std::mt19937_64 rng_;
+  std::vector<int64_t> ids_;
+};
 
 // An offline LRU of `capacity` rows over the stream's distinct rows of each
-// step; its hit rate over the timed steps.
-double LruHitRate(const std::vector<std::vector<int64_t>>& stream, int64_t capacity) {
+// step; its hit rate over the `steps` after the first `warm`.
+double LruHitRate(int64_t capacity, int warm, int steps) {
+  Stream stream;
   std::list<int64_t> order;  // most recent first
   std::unordered_map<int64_t, std::list<int64_t>::iterator> at;
   at.reserve(static_cast<size_t>(capacity) * 2);
   int64_t hits = 0, seen = 0;
-  for (size_t s = 0; s < stream.size(); ++s) {
-    std::vector<int64_t> rows = stream[s];
+  for (int s = 0; s < warm + steps; ++s) {
+    std::vector<int64_t> rows = stream.Next();
     std::sort(rows.begin(), rows.end());
     rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-    const bool timed = s >= static_cast<size_t>(FLAGS_warmup);
+    const bool timed = s >= warm;
     for (int64_t r : rows) {
       auto it = at.find(r);
       if (it != at.end()) {
@@ -134,43 +148,70 @@ double LruHitRate(const std::vector<std::vector<int64_t>>& stream, int64_t capac
 
 struct Result {
   std::string kernel;
+  double export_s = 0;  // the whole table read out in 65,536-row ranges
   double fraction = 1;
   double steps_per_s = 0;
   double hit_rate = 1, lru_hit_rate = 1;
   double reads_per_s = 0, writes_per_s = 0;
+  int warm = 0;  // steps before the timed ones
 };
 
-// Warm-up, then the timed steps; the lookups' cache counters over them.
-Result Run(eb::EmbeddingBackend* be, eb::ShardId id,
-           const std::vector<std::vector<int64_t>>& stream, bool key_value) {
+// Most warm-up steps a run takes waiting for its cache to fill.
+constexpr int kMaxWarmup = 3000;
+
+// Warm-up (at least --warmup steps, and a key_value run until its cache
+// is full), then the timed steps; the lookups' cache counters over them.
+Result Run(eb::EmbeddingBackend* be, eb::ShardId id, bool key_value) {
   const std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor);
   std::vector<float> out(static_cast<size_t>(FLAGS_batch) * FLAGS_dim);
   std::vector<float> grad(out.size(), 1e-3f);
   Result r;
+  Stream stream;
   int64_t hits = 0, fills = 0;
   eb::TierStats at_start;
   absl::Time start;
-  for (int s = 0; s < FLAGS_warmup + FLAGS_steps; ++s) {
-    if (s == FLAGS_warmup) {
-      start = absl::Now();
-      if (key_value) at_start = *be->GetTierStats(id);
-    }
+  auto step = [&](const std::vector<int64_t>& ids, bool timed) {
     eb::TierStats before;
-    if (key_value) before = *be->GetTierStats(id);
-    const eb::LookupRequest l{eb::FeatureRequest{id, eb::Pooling::kSum, lengths, stream[s], {}},
+    if (key_value && timed) before = *be->GetTierStats(id);
+    const eb::LookupRequest l{eb::FeatureRequest{id, eb::Pooling::kSum, lengths, ids, {}},
                               absl::MakeSpan(out)};
     Die(be->Lookup({l}), "lookup");
-    if (key_value && s >= FLAGS_warmup) {
+    if (key_value && timed) {
       const eb::TierStats after = *be->GetTierStats(id);
       hits += after.hits - before.hits;
       fills += after.fills - before.fills;
     }
-    const eb::GradientRequest g{eb::FeatureRequest{id, eb::Pooling::kSum, lengths, stream[s], {}},
-                                grad};
+    const eb::GradientRequest g{eb::FeatureRequest{id, eb::Pooling::kSum, lengths, ids, {}}, grad};
     Die(be->ApplyGradients({g}), "update");
+  };
+  auto full = [&] {
+    if (!key_value) return true;
+    const eb::TierStats t = *be->GetTierStats(id);
+    return t.cached_rows == t.cache_rows;
+  };
+  while (r.warm < FLAGS_warmup || (!full() && r.warm < kMaxWarmup)) {
+    step(stream.Next(), false);
+    ++r.warm;
   }
+  std::vector<std::vector<int64_t>> timed(FLAGS_steps);  // drawn before the clock starts
+  for (auto& ids : timed) ids = stream.Next();
+  start = absl::Now();
+  if (key_value) at_start = *be->GetTierStats(id);
+  for (const auto& ids : timed) step(ids, true);
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);
   r.steps_per_s = FLAGS_steps / secs;
+  // Read the table out as a checkpoint does, a range at a time.
+  const absl::Time export_start = absl::Now();
+  constexpr int64_t kRange = 65536;
+  const int64_t width = eb::OptimizerStateWidth(eb::OptimizerType::kRowwiseAdagrad, FLAGS_dim);
+  std::vector<float> w(kRange * FLAGS_dim), st(kRange * width);
+  for (int64_t b = 0; b < FLAGS_rows; b += kRange) {
+    const int64_t e = std::min(FLAGS_rows, b + kRange);
+    Die(be->ExportRows(id, b, e, absl::MakeSpan(w.data(), (e - b) * FLAGS_dim),
+                       absl::MakeSpan(st.data(), (e - b) * width)),
+        "export");
+  }
+  r.export_s = absl::ToDoubleSeconds(absl::Now() - export_start);
   if (key_value) {
     const eb::TierStats end = *be->GetTierStats(id);
     r.hit_rate =
@@ -179,6 +220,35 @@ Result Run(eb::EmbeddingBackend* be, eb::ShardId id,
     r.writes_per_s = static_cast<double>(end.write_backs - at_start.write_backs) / secs;
   }
   return r;
+}
+
+// The drive's ceiling in the same run: rows of the table's record size
+// written, then read, at random in batches of 4,096 through a RowFile of
+// --rows rows, for a second each; rows a second.
+std::pair<double, double> IoCeiling() {
+  const int64_t record =
+      4 * (FLAGS_dim + eb::OptimizerStateWidth(eb::OptimizerType::kRowwiseAdagrad, FLAGS_dim));
+  auto file = eb::RowFile::Create(FLAGS_ssd_dir, FLAGS_rows, record, "ceiling file");
+  Die(file.status(), "ceiling file");
+  eb::RowBuffer buf;
+  Die(buf.Resize(4096, (*file)->stride()), "buffer");
+  std::memset(buf.bytes(), 0, static_cast<size_t>(4096 * (*file)->stride()));
+  std::mt19937_64 rng(7);
+  double rate[2];
+  for (int write = 1; write >= 0; --write) {
+    int64_t done = 0;
+    const absl::Time start = absl::Now();
+    while (absl::Now() - start < absl::Seconds(1)) {
+      std::vector<int64_t> rows(4096);
+      for (int64_t& r : rows) r = static_cast<int64_t>(rng() % static_cast<uint64_t>(FLAGS_rows));
+      std::sort(rows.begin(), rows.end());
+      rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+      Die(write ? (*file)->WriteRows(rows, buf) : (*file)->ReadRows(rows, &buf), "ceiling I/O");
+      done += static_cast<int64_t>(rows.size());
+    }
+    rate[write] = static_cast<double>(done) / absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  return {rate[0], rate[1]};
 }
 
 std::unique_ptr<eb::EmbeddingBackend> Cpu() {
@@ -197,6 +267,12 @@ std::string JoinMemoryCgroup(int64_t mib) {
   std::ofstream(dir + "/memory.limit_in_bytes") << (mib << 20);
   std::ofstream(dir + "/cgroup.procs") << getpid();
   return dir;
+}
+// The most memory the cgroup held (rows, bookkeeping, page cache), MiB.
+double PeakMib(const std::string& dir) {
+  int64_t bytes = 0;
+  std::ifstream(dir + "/memory.max_usage_in_bytes") >> bytes;
+  return static_cast<double>(bytes) / (1 << 20);
 }
 void LeaveMemoryCgroup(const std::string& dir) {
   std::ofstream("/sys/fs/cgroup/memory/cgroup.procs") << getpid();
@@ -221,18 +297,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "key_value_bench: --rows, --steps, --dim must be >= 1\n");
     return 2;
   }
-  std::fprintf(stderr, "key_value_bench: drawing %d steps of zipf(%.2f) ids over %lld rows\n",
-               FLAGS_warmup + FLAGS_steps, FLAGS_alpha, static_cast<long long>(FLAGS_rows));
-  const auto stream = Stream(FLAGS_warmup + FLAGS_steps);
   std::vector<Result> results;
   {
     auto be = Cpu();
     auto id = be->CreateShard(Spec(0));
     Die(id.status(), "fused shard");
     std::fprintf(stderr, "key_value_bench: fused\n");
-    results.push_back(Run(be.get(), *id, stream, false));
+    results.push_back(Run(be.get(), *id, false));
     results.back().kernel = "fused";
   }
+  std::fprintf(stderr, "key_value_bench: the drive's ceiling\n");
+  const auto [read_ceiling, write_ceiling] = IoCeiling();
   const std::string cgroup =
       FLAGS_memory_limit_mib > 0 ? JoinMemoryCgroup(FLAGS_memory_limit_mib) : "";
   for (double f : fractions) {
@@ -243,13 +318,17 @@ int main(int argc, char** argv) {
     auto id = be->CreateShard(Spec(cache));
     Die(id.status(), "key_value shard");
     std::fprintf(stderr, "key_value_bench: key_value, cache %.3f\n", f);
-    Result r = Run(be.get(), *id, stream, true);
+    Result r = Run(be.get(), *id, true);
     r.kernel = "key_value";
     r.fraction = f;
-    r.lru_hit_rate = LruHitRate(stream, cache);
+    r.lru_hit_rate = LruHitRate(cache, r.warm, FLAGS_steps);
     results.push_back(r);
   }
-  if (!cgroup.empty()) LeaveMemoryCgroup(cgroup);
+  double peak_mib = 0;
+  if (!cgroup.empty()) {
+    peak_mib = PeakMib(cgroup);
+    LeaveMemoryCgroup(cgroup);
+  }
   const double fused = results[0].steps_per_s;
   if (FLAGS_format == "json") {
     std::printf("[");
@@ -257,23 +336,32 @@ int main(int argc, char** argv) {
       const Result& r = results[i];
       std::printf(
           "%s{\"kernel\": \"%s\", \"rows\": %lld, \"dim\": %d, \"alpha\": %.2f, \"threads\": %d, "
-          "\"memory_limit_mib\": %lld, \"cache_fraction\": %.3f, \"steps_per_s\": %.2f, "
+          "\"memory_limit_mib\": %lld, \"cache_fraction\": %.3f, \"warm_steps\": %d, "
+          "\"steps_per_s\": %.2f, "
           "\"ratio\": %.3f, \"hit_rate\": %.4f, \"lru_hit_rate\": %.4f, \"reads_per_s\": %.0f, "
-          "\"writes_per_s\": %.0f}",
+          "\"writes_per_s\": %.0f, \"export_s\": %.2f, \"cgroup_peak_mib\": %.0f, "
+          "\"drive_reads_per_s\": %.0f, \"drive_writes_per_s\": %.0f}",
           i ? ", " : "", r.kernel.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
           FLAGS_alpha, FLAGS_threads, static_cast<long long>(FLAGS_memory_limit_mib), r.fraction,
-          r.steps_per_s, r.steps_per_s / fused, r.hit_rate, r.lru_hit_rate, r.reads_per_s,
-          r.writes_per_s);
+          r.warm, r.steps_per_s, r.steps_per_s / fused, r.hit_rate, r.lru_hit_rate, r.reads_per_s,
+          r.writes_per_s, r.export_s, r.kernel == "fused" ? 0.0 : peak_mib, read_ceiling,
+          write_ceiling);
     }
     std::printf("]\n");
     return 0;
   }
-  std::printf("%-10s %6s %9s %6s %8s %8s %10s %10s\n", "kernel", "cache", "steps/s", "ratio",
-              "hits", "LRU", "reads/s", "writes/s");
+  std::printf("%-10s %6s %6s %9s %6s %8s %8s %10s %10s %9s\n", "kernel", "cache", "warm", "steps/s",
+              "ratio", "hits", "LRU", "reads/s", "writes/s", "export s");
   for (const Result& r : results) {
-    std::printf("%-10s %6.3f %9.2f %6.2f %8.4f %8.4f %10.0f %10.0f\n", r.kernel.c_str(), r.fraction,
-                r.steps_per_s, r.steps_per_s / fused, r.hit_rate, r.lru_hit_rate, r.reads_per_s,
-                r.writes_per_s);
+    std::printf("%-10s %6.3f %6d %9.2f %6.2f %8.4f %8.4f %10.0f %10.0f %9.2f\n", r.kernel.c_str(),
+                r.fraction, r.warm, r.steps_per_s, r.steps_per_s / fused, r.hit_rate,
+                r.lru_hit_rate, r.reads_per_s, r.writes_per_s, r.export_s);
+  }
+  std::printf("drive: %.0f random row reads/s, %.0f writes/s (batches of 4,096, %s)\n",
+              read_ceiling, write_ceiling, FLAGS_ssd_dir.c_str());
+  if (!cgroup.empty()) {
+    std::printf("memory cgroup of %lld MiB: at most %.0f MiB held by the key_value runs\n",
+                static_cast<long long>(FLAGS_memory_limit_mib), peak_mib);
   }
   return 0;
 }
