@@ -119,6 +119,10 @@ DEFINE_string(ssd_dir, "",
 DEFINE_double(ssd_gib, 0,
               "Workers: GiB of --ssd_dir the key_value files may take (0: 90% of its free "
               "space, shared among `up`'s workers).");
+DEFINE_int64(key_value_min_cache_rows, 65536,
+             "Workers: the fewest rows a key_value shard caches (or all of a smaller shard), "
+             "whatever its cache_load_factor: one call's distinct rows of a shard must fit in its "
+             "cache, and a batch of 2,048 bags x 20 ids names up to 40,960.");
 DEFINE_string(dedup_ttl, "10m",
               "Workers: how long an update's request id is remembered for exactly-once "
               "(must exceed every client's retry deadline).");
@@ -289,6 +293,7 @@ std::string BadServerFlags() {
   if (FLAGS_dedup_window < 1) return "--dedup_window must be >= 1";
   if (FLAGS_max_queued_calls < 0) return "--max_queued_calls must be >= 0";
   if (FLAGS_max_pending_step_bytes <= 0) return "--max_pending_step_bytes must be > 0";
+  if (FLAGS_key_value_min_cache_rows < 1) return "--key_value_min_cache_rows must be >= 1";
   if (FLAGS_dynamic_exact_pending_ids <= 0) return "--dynamic_exact_pending_ids must be > 0";
   if (!FLAGS_shm_dir.empty() && !std::filesystem::is_directory(FLAGS_shm_dir)) {
     return "--shm_dir " + FLAGS_shm_dir + " is not a directory";
@@ -579,6 +584,7 @@ int RunWorker() {
   o.service.dedup_window = FLAGS_dedup_window;
   o.service.max_queued_calls = FLAGS_max_queued_calls;
   o.service.max_pending_step_bytes = FLAGS_max_pending_step_bytes;
+  o.service.key_value_min_cache_rows = FLAGS_key_value_min_cache_rows;
   o.dynamic_exact_pending_ids = FLAGS_dynamic_exact_pending_ids;
   o.service.shared_memory = FLAGS_shared_memory;
   o.service.shm_dir = FLAGS_shm_dir;
@@ -660,6 +666,7 @@ int RunUp(const std::string& self_path) {
       "--dedup_ttl=" + FLAGS_dedup_ttl, absl::StrCat("--dedup_window=", FLAGS_dedup_window),
       absl::StrCat("--max_queued_calls=", FLAGS_max_queued_calls),
       absl::StrCat("--max_pending_step_bytes=", FLAGS_max_pending_step_bytes),
+      absl::StrCat("--key_value_min_cache_rows=", FLAGS_key_value_min_cache_rows),
       absl::StrCat("--dynamic_exact_pending_ids=", FLAGS_dynamic_exact_pending_ids),
       absl::StrCat("--cuda_scratch_mib=", FLAGS_cuda_scratch_mib),
       absl::StrCat("--shared_memory=", FLAGS_shared_memory ? "true" : "false"),

@@ -114,6 +114,13 @@ constexpr int64_t RowBytes(int64_t weight_bytes, StepOptimizer optimizer, int64_
   return dim * weight_bytes + 4 * StateFloatsPerRow(optimizer, dim);
 }
 
+// A key_value shard (server/backend/key_value/) caches
+// ceil(rows * cache_load_factor) of its rows, and at least this many (or
+// all of a smaller shard): one call's distinct rows of a shard must fit in
+// its cache, and a training batch of 2,048 bags x 20 ids names up to 40,960.
+// The worker sizes the cache by it and the planner prices it so.
+constexpr int64_t kKeyValueMinCacheRows = 65536;
+
 // One shard's hyper-parameters for one ApplyGradients call, resolved on the
 // host (MakeStepParams in embedding_backend.h): plain data, copied to the
 // device as it is.

@@ -232,7 +232,13 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // with their state in memory, 4 bytes a row and 24 a cached row of
   // bookkeeping on the host, and every row with fp32 state in the file.
   if (kernel == ComputeKernel::kKeyValue) {
-    const double clf = w.cache_load_factor;
+    // The worker caches at least kKeyValueMinCacheRows of a shard (server/backend/table_spec.h).
+    const double clf =
+        block.rows > 0 ? std::min(1.0, std::max(w.cache_load_factor,
+                                                static_cast<double>(
+                                                    backend::math::kKeyValueMinCacheRows) /
+                                                    static_cast<double>(block.rows)))
+                       : w.cache_load_factor;
     const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
     const int64_t books = static_cast<int64_t>(std::ceil(block.rows * (4.0 + 24.0 * clf)));
     c.ssd_bytes = block.rows * (cols * 4 + state_row_bytes);

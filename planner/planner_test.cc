@@ -422,6 +422,44 @@ TEST(PlannerTest, OnlyKernelsTheWorkersServeArePlanned) {
   EXPECT_EQ(Plan(spec, topo).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// key_value (rows on the workers' SSDs): planned only for a table whose
+// constraints name it and where the workers serve it; the plan carries the
+// table's cache_load_factor; a table 4x a CPU worker's memory fits on it
+// and not on fused, and its memory is the cache's (worked by hand below).
+TEST(PlannerTest, KeyValueIsPlannedWhereAskedAndServed) {
+  CollectionSpec spec;
+  AddTable(&spec, "big", 400'000'000, 64);  // 95.4 GiB of fp32 weights, SGD
+  AddTable(&spec, "small", 1000, 64);
+  auto& c = (*spec.mutable_constraints())["big"];
+  c.add_sharding_types("table_wise");
+  Topology topo = Cpu(1);
+  topo.set_ddr_cap_bytes(32 * kGiB);
+  topo.add_compute_kernels("dense");
+  topo.add_compute_kernels("fused");
+  EXPECT_EQ(Plan(spec, topo).status().code(), absl::StatusCode::kResourceExhausted);
+  c.add_compute_kernels("key_value");
+  c.set_cache_load_factor(0.05);
+  // Asked for, but the workers do not serve it.
+  EXPECT_FALSE(Plan(spec, topo).ok());
+  topo.add_compute_kernels("key_value");
+  auto plan = Plan(spec, topo);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const auto& ts : plan->tables()) {
+    if (ts.table() == "big") {
+      EXPECT_EQ(ts.compute_kernel(), "key_value");
+      EXPECT_DOUBLE_EQ(ts.cache_load_factor(), 0.05);
+    } else {
+      EXPECT_EQ(ts.compute_kernel(), "fused");  // not asked for: held in memory
+      EXPECT_EQ(ts.cache_load_factor(), 0);
+    }
+  }
+  // The cache: 5% of 400M rows of 256 bytes, and 4 + 24 * 0.05 bytes of
+  // bookkeeping a row: 5.12 GB + 2.08 GB, under the 32 GiB worker.
+  const int64_t cache = 400'000'000LL * 256 / 20, books = 400'000'000LL * 52 / 10;
+  EXPECT_GE(plan->stats().per_rank(0).ddr_bytes(), cache + books);
+  EXPECT_LT(plan->stats().per_rank(0).ddr_bytes(), cache + books + (int64_t{1} << 30));
+}
+
 // Exhaustive search over table-wise placements is the reference: on equal
 // workers without memory pressure the planner must be within LPT's 4/3 bound
 // of the optimum, and is usually at it.

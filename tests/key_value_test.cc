@@ -87,7 +87,7 @@ void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_
 
 TEST(KeyValueTest, TrainsAsTheTablesHeldInMemoryAndCheckpoints) {
   LocalCluster cluster(kEmberctl, 2,
-                       {"--ssd_dir=" + ::testing::TempDir(), "--ssd_gib=1",
+                       {"--ssd_dir=" + ::testing::TempDir(), "--ssd_gib=1", "--key_value_min_cache_rows=1",
                         "--checkpoint_dir=" + ::testing::TempDir()});
   ASSERT_TRUE(cluster.ok());
   auto c = Connect(cluster.coordinator());
@@ -128,7 +128,8 @@ TEST(KeyValueTest, TrainsAsTheTablesHeldInMemoryAndCheckpoints) {
 // and written into the new workers' files) while a trainer goes on; no
 // update is lost or doubled.
 TEST(KeyValueTest, ADrainMovesKeyValueShardsLive) {
-  LocalCluster cluster(kEmberctl, 3, {"--ssd_dir=" + ::testing::TempDir(), "--ssd_gib=1"});
+  LocalCluster cluster(kEmberctl, 3, {"--ssd_dir=" + ::testing::TempDir(), "--ssd_gib=1",
+                                         "--key_value_min_cache_rows=1"});
   ASSERT_TRUE(cluster.ok());
   auto c = Connect(cluster.coordinator());
   ASSERT_TRUE(c);

@@ -23,7 +23,9 @@ def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
     base = free_ports(3)
     ssd = tmp_path / "ssd"
     ssd.mkdir()
-    flags = [f"--ssd_dir={ssd}", "--ssd_gib=0.5", f"--metrics_port={base}"]
+    # A cache of 5% (no floor: the default caches at least 65,536 rows).
+    flags = [f"--ssd_dir={ssd}", "--ssd_gib=0.5", f"--metrics_port={base}",
+             "--key_value_min_cache_rows=1"]
     with ember.LocalCluster(workers=2, extra_flags=flags) as cluster:
         client = ember.Client(cluster.address, timeout_s=20)
         info = client.create_collection({

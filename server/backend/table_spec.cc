@@ -130,17 +130,19 @@ void FillTrainingDefaults(ember::v1::CollectionSpec* spec) {
 
 namespace ember {
 
-int64_t CacheRowsFor(int64_t rows, double load_factor) {
+int64_t CacheRowsFor(int64_t rows, double load_factor, int64_t min_cache_rows) {
   if (rows <= 0) return 0;
   if (!(load_factor > 0)) load_factor = 0.2;
   const double want = std::ceil(static_cast<double>(rows) * std::min(load_factor, 1.0));
-  return std::clamp<int64_t>(static_cast<int64_t>(want), 1, rows);
+  return std::min(rows, std::max({static_cast<int64_t>(want), min_cache_rows, int64_t{1}}));
 }
 
-backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a) {
+backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a, int64_t min_cache_rows) {
   backend::ShardSpec s =
       ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
-  if (a.compute_kernel() == "key_value") s.cache_rows = CacheRowsFor(a.rows(), a.cache_load_factor());
+  if (a.compute_kernel() == "key_value") {
+    s.cache_rows = CacheRowsFor(a.rows(), a.cache_load_factor(), min_cache_rows);
+  }
   return s;
 }
 

@@ -20,10 +20,13 @@ backend::ShardSpec ShardSpecFromTable(const ember::v1::TableConfig& table, int64
 
 // The spec of an assigned shard: ShardSpecFromTable, and for the
 // key_value kernel its cache (ShardSpec::cache_rows: CacheRowsFor).
-backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a);
-// ceil(rows * load_factor) in [1, rows] (load_factor <= 0: 0.2, the
-// planner's default).
-int64_t CacheRowsFor(int64_t rows, double load_factor);
+backend::ShardSpec ShardSpecOf(
+    const ember::v1::ShardAssignment& a,
+    int64_t min_cache_rows = backend::math::kKeyValueMinCacheRows);
+// ceil(rows * load_factor), at least min_cache_rows and at most rows
+// (load_factor <= 0: 0.2, the planner's default).
+int64_t CacheRowsFor(int64_t rows, double load_factor,
+                     int64_t min_cache_rows = backend::math::kKeyValueMinCacheRows);
 
 backend::Pooling PoolingFromProto(ember::v1::TableConfig::Pooling p);
 

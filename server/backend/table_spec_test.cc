@@ -56,5 +56,30 @@ TEST(TableSpecTest, FillOptimizerDefaultsKeepsWhatIsSet) {
   EXPECT_EQ(b.beta1(), 0.9);
 }
 
+// Worked by hand: ceil(rows * factor), at least the floor, at most rows.
+TEST(TableSpecTest, CacheRowsForAKeyValueShard) {
+  EXPECT_EQ(CacheRowsFor(1000000, 0.2), 200000);
+  EXPECT_EQ(CacheRowsFor(1000000, 0.0), 200000);  // 0: the default 0.2
+  EXPECT_EQ(CacheRowsFor(1000000, 0.01), 65536);  // the floor
+  EXPECT_EQ(CacheRowsFor(1000, 0.2), 1000);       // a shard under the floor: all of it
+  EXPECT_EQ(CacheRowsFor(1000, 0.2, 1), 200);
+  EXPECT_EQ(CacheRowsFor(1001, 0.2, 1), 201);  // rounded up
+  EXPECT_EQ(CacheRowsFor(10, 0.0001, 1), 1);
+  EXPECT_EQ(CacheRowsFor(10, 5.0, 1), 10);
+  ember::v1::ShardAssignment a;
+  a.mutable_table()->set_name("t");
+  a.mutable_table()->set_num_embeddings(4000);
+  a.mutable_table()->set_embedding_dim(8);
+  a.set_rows(2000);
+  a.set_row_offset(2000);
+  a.set_cols(8);
+  a.set_cache_load_factor(0.25);
+  EXPECT_EQ(ShardSpecOf(a, 1).cache_rows, 0);  // fused (the default kernel)
+  a.set_compute_kernel("key_value");
+  EXPECT_EQ(ShardSpecOf(a, 1).cache_rows, 500);
+  EXPECT_EQ(ShardSpecOf(a).cache_rows, 2000);
+  EXPECT_EQ(ShardSpecOf(a, 1).row_offset, 2000);
+}
+
 }  // namespace
 }  // namespace ember

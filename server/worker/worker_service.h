@@ -49,6 +49,9 @@ struct WorkerServiceOptions {
   // The backend keeps key_value shards' rows on local SSD (--ssd_dir):
   // the worker serves that kernel.
   bool ssd_tier = false;
+  // The fewest rows a key_value shard caches (or all of a smaller one):
+  // one call's distinct rows of a shard must fit (--key_value_min_cache_rows).
+  int64_t key_value_min_cache_rows = backend::math::kKeyValueMinCacheRows;
   // Tokens and roles (auth.h); disabled by default.
   TokenTable auth;
   // Largest response (lookup outputs or exported rows) in bytes.

@@ -221,7 +221,7 @@ absl::Status WorkerService::AllocateShards(
   int64_t need = 0;
   for (const auto& a : shards) {
     const int64_t bytes = backend::ShardBytes(
-        ShardSpecOf(a));
+        ShardSpecOf(a, options_.key_value_min_cache_rows));
     need = bytes > std::numeric_limits<int64_t>::max() - need ? std::numeric_limits<int64_t>::max()
                                                               : need + bytes;
   }
@@ -234,7 +234,7 @@ absl::Status WorkerService::AllocateShards(
   absl::Status failed;
   for (const auto& a : shards) {
     const backend::ShardSpec spec =
-        ShardSpecOf(a);
+        ShardSpecOf(a, options_.key_value_min_cache_rows);
     auto key = std::make_pair(a.ref().table(), a.ref().shard_index());
     if (c->shards.count(key)) {
       failed = absl::InvalidArgumentError(absl::StrCat("duplicate ", RefString(a.ref())));

@@ -1,4 +1,5 @@
-// key_value shards over the CPU backend against the independent reference
+// key_value shards over the CPU backend (and the CUDA backend's kernels,
+// emulated) against the independent reference
 // the issue names: the same shard held whole in memory (the fused kernel,
 // a plain CPU backend), driven by the same calls. Lookups and final rows
 // must equal it bit for bit under every optimizer and pooling, with a
@@ -22,6 +23,7 @@
 
 #include "gtest/gtest.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cuda/emulated_backend.h"
 
 namespace ember {
 namespace backend {
@@ -154,7 +156,12 @@ struct ParityCase {
   OptimizerType opt;
   Pooling pooling;
   WeightType type;
+  bool emulated_cuda = false;  // the CUDA backend's kernels (emulated) under both
 };
+
+std::unique_ptr<EmbeddingBackend> Under(const ParityCase& c) {
+  return c.emulated_cuda ? CreateEmulatedCudaBackend() : Cpu();
+}
 
 class KeyValueParityTest : public ::testing::TestWithParam<ParityCase> {};
 
@@ -163,8 +170,10 @@ TEST_P(KeyValueParityTest, EqualsTheShardHeldWholeInMemoryBitForBit) {
   ShardSpec spec = Spec(c.opt, 300, 12, 48);
   spec.weight_type = c.type;
   spec.optimizer.stochastic_rounding = false;
-  auto fused = Cpu();
-  auto kv = KeyValue();
+  auto fused = Under(c);
+  KeyValueOptions o;
+  o.dir = TempDir();
+  auto kv = WithKeyValueShards(Under(c), o);
   auto fid = fused->CreateShard(Fused(spec));
   auto kid = kv->CreateShard(spec);
   ASSERT_TRUE(fid.ok() && kid.ok()) << fid.status() << kid.status();
@@ -198,7 +207,12 @@ INSTANTIATE_TEST_SUITE_P(
                       ParityCase{OptimizerType::kAdam, Pooling::kNone, WeightType::kFp32},
                       ParityCase{OptimizerType::kAdam, Pooling::kMean, WeightType::kFp32},
                       ParityCase{OptimizerType::kRowwiseAdagrad, Pooling::kSum, WeightType::kFp16},
-                      ParityCase{OptimizerType::kSgd, Pooling::kNone, WeightType::kBf16}));
+                      ParityCase{OptimizerType::kSgd, Pooling::kNone, WeightType::kBf16},
+                      ParityCase{OptimizerType::kRowwiseAdagrad, Pooling::kSum, WeightType::kFp32,
+                                 true},
+                      ParityCase{OptimizerType::kAdam, Pooling::kMean, WeightType::kFp32, true},
+                      ParityCase{OptimizerType::kAdagrad, Pooling::kNone, WeightType::kFp16,
+                                 true}));
 
 Batch Ids(std::vector<int64_t> ids) {
   Batch b;
