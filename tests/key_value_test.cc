@@ -28,14 +28,14 @@ using client::Client;
 using client::InProcessCollection;
 using client::KeyedJaggedTensor;
 using client::KeyedTensor;
-using client::SequenceEmbedding;
 using ember::v1::CollectionSpec;
 using testing_util::ApplyUntilAcknowledged;
-using testing_util::ExpectNear;
+using testing_util::ExpectTablesMatch;
 using testing_util::ExportAll;
 using testing_util::LocalCluster;
 using testing_util::RandomGradients;
 using testing_util::RandomKjt;
+using testing_util::StepAgainstReference;
 using testing_util::Tables;
 using testing_util::TempDir;
 using testing_util::TestSpec;
@@ -61,27 +61,12 @@ CollectionSpec KeyValueSpec(const std::string& name) {
   return spec;
 }
 
-void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_t seed, int steps) {
+void Train(Client* c, const std::string& name, InProcessCollection* ref, uint32_t seed,
+           int steps) {
   std::mt19937 rng(seed);
   for (int step = 0; step < steps; ++step) {
-    KeyedJaggedTensor kjt = RandomKjt(rng, {"f_mean", "f_sum", "f_rw", "f_sum2"},
-                                      {200, 301, 150, 301}, 5, step % 2 == 1);
-    auto kt = c->Lookup(name, kjt);
-    ASSERT_TRUE(kt.ok()) << kt.status();
-    auto want = ref->Lookup(kjt);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ExpectNear(kt->values, want->values, name + " lookup");
-    KeyedTensor grads = *kt;
-    for (float& g : grads.values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplyGradients(name, kjt, grads).ok());
-    ASSERT_TRUE(ref->ApplyGradients(kjt, grads).ok());
-    KeyedJaggedTensor seq = RandomKjt(rng, {"f_seq"}, {120}, 4, false);
-    auto se = c->LookupSequence(name, seq);
-    ASSERT_TRUE(se.ok()) << se.status();
-    std::vector<SequenceEmbedding> sg = *se;
-    for (float& g : sg[0].values) g = std::uniform_real_distribution<float>(-1, 1)(rng);
-    ASSERT_TRUE(c->ApplySequenceGradients(name, seq, sg).ok());
-    ASSERT_TRUE(ref->ApplySequenceGradients(seq, sg).ok());
+    ASSERT_NO_FATAL_FAILURE(StepAgainstReference(c, ref, name, rng, 5, step % 2 == 1,
+                                                 /*sequence=*/true, name));
   }
 }
 
@@ -107,10 +92,7 @@ TEST(KeyValueTest, TrainsAsTheTablesHeldInMemoryAndCheckpoints) {
     auto ref = InProcessCollection::Create(spec, &info->plan());
     ASSERT_TRUE(ref.ok()) << ref.status();
     Train(c.get(), name, ref->get(), seed++, 12);
-    for (const auto& [table, values] : ExportAll(c.get(), name, spec)) {
-      int64_t rows, dim;
-      ExpectNear(values, *(*ref)->ExportTable(table, &rows, &dim), type + " trained " + table);
-    }
+    ExpectTablesMatch(c.get(), ref->get(), name, spec, type + " trained");
     // A checkpoint (read through the caches) restores exactly, and trains on.
     const Tables at_checkpoint = ExportAll(c.get(), name, spec);
     auto ck = c->Checkpoint(name, root);
@@ -183,12 +165,7 @@ TEST(KeyValueTest, ADrainMovesKeyValueShardsLive) {
       EXPECT_NE(after->worker_addresses(sh.rank()), info->worker_addresses(1));
     }
   }
-  for (const auto& t : spec.tables()) {
-    int64_t rows, dim, rr, rd;
-    auto got = c->ExportTable("kv_drain", t.name(), &rows, &dim);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), "table " + t.name());
-  }
+  ExpectTablesMatch(c.get(), ref->get(), "kv_drain", spec, "after the drain");
 }
 
 TEST(KeyValueTest, WorkersWithoutAnSsdTierAreNotPlannedOnIt) {

@@ -202,6 +202,13 @@ int64_t ShardBytes(const ShardSpec& spec) {
                         math::RowBytes(elem, StepOptimizerOf(spec.optimizer.type), spec.dim));
 }
 
+std::vector<float> FreshState(const ShardSpec& spec) {
+  const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
+                       spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
+  return std::vector<float>(static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)),
+                            adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
+}
+
 int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
   ShardSpec cache = spec;
   cache.rows = spec.cache_rows;

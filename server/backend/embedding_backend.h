@@ -175,6 +175,12 @@ struct DynamicStats {
 // formula): SGD 0, Adagrad dim, row-wise Adagrad 1, Adam 2 * dim (m then v).
 int64_t OptimizerStateWidth(OptimizerType type, int64_t dim);
 
+// A new row's optimizer state (OptimizerStateWidth floats): the Adagrad
+// variants' initial_accumulator_value, else zeros. A row a dynamic shard
+// admits or a key_value shard makes starts with it, as every row of a
+// shard created in memory does.
+std::vector<float> FreshState(const ShardSpec& spec);
+
 // One feature's ids for one shard. Pointers are borrowed for the call.
 struct FeatureRequest {
   ShardId shard = 0;

@@ -17,15 +17,6 @@ namespace ember {
 namespace backend {
 namespace {
 
-// A fresh row's optimizer state: the Adagrad variants' initial
-// accumulator, else zeros.
-std::vector<float> FreshState(const ShardSpec& spec) {
-  const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
-                       spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
-  return std::vector<float>(static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)),
-                            adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
-}
-
 // Ids a thread of a lookup's id-to-slot pass takes at a time.
 constexpr int64_t kFindGrain = 8192;
 

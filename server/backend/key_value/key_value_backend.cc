@@ -48,12 +48,6 @@ struct Shard {
   void SetWritten(int64_t r) { written[r >> 6] |= uint64_t{1} << (r & 63); }
 };
 
-std::vector<float> FreshState(const ShardSpec& spec) {
-  const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
-                       spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
-  return std::vector<float>(static_cast<size_t>(OptimizerStateWidth(spec.optimizer.type, spec.dim)),
-                            adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
-}
 
 // Rows as file records (weights then state, a row after another) and back.
 void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowBuffer* rec) {
