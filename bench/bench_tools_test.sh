@@ -5,14 +5,16 @@
 # and impossible flags; bench/kernel_ab.py pairs two sides and names a side
 # that cannot start; dynamic_bench measures a dynamic table beside a fixed
 # one (on the CPU backend, and on the CUDA backend's adapter over the host
-# runtime where the build has CUDA) and refuses bad flags. Tiny tables, a
-# few seconds.
+# runtime where the build has CUDA) and refuses bad flags; key_value_bench
+# runs a table on the key_value kernel beside one in memory and refuses bad
+# flags. Tiny tables, a few seconds.
 set -uo pipefail
 
 KB="$1"
 AB="$2"
 DB="${3:-}"
-DBH="${4:-}"  # dynamic_bench over the host CUDA runtime (builds with CUDA)
+KVB="${4:-}"
+DBH="${5:-}"  # dynamic_bench over the host CUDA runtime (builds with CUDA)
 TMP="${TEST_TMPDIR:-$(mktemp -d)}"
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
@@ -155,6 +157,30 @@ if [ -n "$DB" ]; then
   fi
   if "$DB" --device_resident >/dev/null 2>"$TMP/db.err" || ! grep -q "bad flags" "$TMP/db.err"; then
     fail "dynamic_bench accepted --device_resident on the CPU backend: $(cat "$TMP/db.err")"
+  fi
+fi
+
+# key_value_bench: both kernels measured on a tiny table (the key_value one
+# once its cache is full), hit rates in [0, 1], the drive's rates; bad flags
+# refused.
+if [ -n "$KVB" ]; then
+  if ! "$KVB" --rows=20000 --dim=8 --batch=16 --pooling_factor=4 --steps=3 --warmup=1 \
+      --cache_fractions=0.01 --ssd_dir="$TMP" --format=json >"$TMP/kv.json" 2>"$TMP/kv.err"; then
+    fail "key_value_bench failed: $(cat "$TMP/kv.err")"
+  elif ! python3 - "$TMP/kv.json" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))
+assert [r["kernel"] for r in runs] == ["fused", "key_value"], runs
+for r in runs:
+    assert r["steps_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and 0 <= r["lru_hit_rate"] <= 1, r
+    assert r["drive_reads_per_s"] > 0 and r["drive_writes_per_s"] > 0, r
+assert runs[1]["cache_fraction"] == 0.01 and runs[1]["warm_steps"] >= 1, runs[1]
+PY
+  then
+    fail "key_value_bench: bad figures in $(cat "$TMP/kv.json")"
+  fi
+  if "$KVB" --cache_fractions=2 >/dev/null 2>"$TMP/kv.err" || ! grep -q "not in (0, 1]" "$TMP/kv.err"; then
+    fail "key_value_bench accepted --cache_fractions=2: $(cat "$TMP/kv.err")"
   fi
 fi
 
