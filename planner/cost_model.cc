@@ -241,7 +241,8 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                        : w.cache_load_factor;
     const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
     const int64_t books = static_cast<int64_t>(std::ceil(block.rows * (4.0 + 24.0 * clf)));
-    c.ssd_bytes = block.rows * (cols * 4 + state_row_bytes);
+    // fp32 weights and state, padded to 512-byte sectors (key_value/row_file.h).
+    c.ssd_bytes = block.rows * ((cols * 4 + state_row_bytes + 511) / 512 * 512);
     c.ddr_bytes = books + (device == ember::v1::CPU ? cached + io : 0);
     c.hbm_bytes = device == ember::v1::CPU ? 0 : cached + io;
     return c;

@@ -166,6 +166,15 @@ absl::Status Infeasible(const CollectionSpec& spec,
           "raise the host-memory capacity so one worker has ",
           GiB(smallest->max_shard_ddr), " usable"));
     }
+    const std::vector<int64_t> ssd_cap = search->ssd_caps();
+    const int64_t max_ssd =
+        ssd_cap.empty() ? std::numeric_limits<int64_t>::max()
+                        : *std::max_element(ssd_cap.begin(), ssd_cap.end());
+    if (smallest->max_shard_ssd > max_ssd) {
+      remedies.push_back(absl::StrCat("give a worker ", GiB(smallest->max_shard_ssd),
+                                      " of SSD for its key_value files (--ssd_gib; it has ",
+                                      GiB(max_ssd), ")"));
+    }
     lines.push_back(absl::StrCat(
         "table '", tc.name(), "' (", tc.num_embeddings(), " x ",
         tc.embedding_dim(), ", ", ember::v1::DataType_Name(tc.data_type()),

@@ -69,6 +69,7 @@ struct Option {
   int64_t total_ddr = 0;
   int64_t max_shard_hbm = 0;
   int64_t max_shard_ddr = 0;
+  int64_t max_shard_ssd = 0;  // the key_value kernel's file
 
   const Run& RunOf(int shard) const {
     for (const Run& r : runs) {
@@ -94,12 +95,14 @@ struct Loads {
   std::vector<double> cost;
   std::vector<int64_t> hbm;
   std::vector<int64_t> ddr;
+  std::vector<int64_t> ssd;
 
-  explicit Loads(int w) : cost(w, 0.0), hbm(w, 0), ddr(w, 0) {}
+  explicit Loads(int w) : cost(w, 0.0), hbm(w, 0), ddr(w, 0), ssd(w, 0) {}
   void Add(int r, const ShardCost& c, int sign) {
     cost[r] += sign * c.total_ms();
     hbm[r] += sign * c.hbm_bytes;
     ddr[r] += sign * c.ddr_bytes;
+    ssd[r] += sign * c.ssd_bytes;
   }
   double Max() const { return *std::max_element(cost.begin(), cost.end()); }
 };
@@ -170,6 +173,9 @@ void Summarize(TableInfo* info);
 // included) less the model's reserved fractions.
 void Capacities(const Topology& topo, const CostModel& model, std::vector<int64_t>* hbm_cap,
                 std::vector<int64_t>* ddr_cap);
+// Each rank's SSD for key_value files (DeviceCapacity.ssd_bytes, else the
+// topology's ssd_cap_bytes); INT64_MAX where neither says.
+std::vector<int64_t> SsdCapacities(const Topology& topo);
 
 // Every table's options (allowed sharding type x compute kernel), cheapest
 // first. INVALID_ARGUMENT when a table's constraints allow none.

@@ -172,6 +172,7 @@ Option MakeOption(ShardingType type, ComputeKernel kernel,
     o.total_ddr += r.count * r.cost.ddr_bytes;
     o.max_shard_hbm = std::max(o.max_shard_hbm, r.cost.hbm_bytes);
     o.max_shard_ddr = std::max(o.max_shard_ddr, r.cost.ddr_bytes);
+    o.max_shard_ssd = std::max(o.max_shard_ssd, r.cost.ssd_bytes);
   }
   return o;
 }
@@ -191,6 +192,18 @@ void Summarize(TableInfo* info) {
     info->min_total_hbm = std::min(info->min_total_hbm, o.total_hbm);
     info->min_total_ddr = std::min(info->min_total_ddr, o.total_ddr);
   }
+}
+
+std::vector<int64_t> SsdCapacities(const Topology& topo) {
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  std::vector<int64_t> cap(topo.world_size(),
+                           topo.ssd_cap_bytes() > 0 ? topo.ssd_cap_bytes() : kNone);
+  for (const auto& d : topo.devices()) {
+    if (d.rank() >= 0 && d.rank() < topo.world_size() && d.ssd_bytes() > 0) {
+      cap[d.rank()] = d.ssd_bytes();
+    }
+  }
+  return cap;
 }
 
 void Capacities(const Topology& topo, const CostModel& model, std::vector<int64_t>* hbm_cap,

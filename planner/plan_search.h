@@ -36,6 +36,9 @@ class Search {
   // Per table, the most HBM (summed over its shards) an option may use;
   // empty means no limit. Set by the HBM-budget strategy.
   void SetHbmLimits(std::vector<int64_t> limits) { hbm_limit_ = std::move(limits); }
+  // Each rank's SSD for key_value files (SsdCapacities); empty: no limit.
+  void SetSsdCaps(std::vector<int64_t> caps) { ssd_cap_ = std::move(caps); }
+  const std::vector<int64_t>& ssd_caps() const { return ssd_cap_; }
 
   // Places every table in `order` with no worker above `target`.
   Solution Greedy(const std::vector<int>& order, double target) {
@@ -169,7 +172,9 @@ class Search {
     };
     auto fits = [&](int r, const ShardCost& in, const ShardCost* out) {
       return L.hbm[r] + in.hbm_bytes - (out ? out->hbm_bytes : 0) <= hbm_cap_[r] &&
-             L.ddr[r] + in.ddr_bytes - (out ? out->ddr_bytes : 0) <= ddr_cap_[r];
+             L.ddr[r] + in.ddr_bytes - (out ? out->ddr_bytes : 0) <= ddr_cap_[r] &&
+             (ssd_cap_.empty() ||
+              L.ssd[r] + in.ssd_bytes - (out ? out->ssd_bytes : 0) <= ssd_cap_[r]);
     };
     std::vector<double> cost(w_);
     for (int r = 0; r < w_; ++r) cost[r] = rank_cost(r, -1, nullptr);
@@ -281,6 +286,7 @@ class Search {
   bool Fits(int r, const ShardCost& c, const Loads& L, double target) const {
     return L.hbm[r] + c.hbm_bytes <= hbm_cap_[r] &&
            L.ddr[r] + c.ddr_bytes <= ddr_cap_[r] &&
+           (ssd_cap_.empty() || L.ssd[r] + c.ssd_bytes <= ssd_cap_[r]) &&
            L.cost[r] + c.total_ms() <= target;
   }
 
@@ -384,6 +390,7 @@ class Search {
   const int lw_;
   const std::vector<int64_t> hbm_cap_;
   const std::vector<int64_t> ddr_cap_;
+  std::vector<int64_t> ssd_cap_;
   std::vector<char> used_;  // scratch for PlaceFree
   std::vector<int64_t> hbm_limit_;
 };

@@ -36,6 +36,10 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
     per_rank[r].set_hbm_cap_bytes(hbm_cap[r]);
     per_rank[r].set_ddr_cap_bytes(ddr_cap[r]);
   }
+  const std::vector<int64_t> ssd_cap = SsdCapacities(topo);
+  for (int r = 0; r < w; ++r) {
+    if (ssd_cap[r] != std::numeric_limits<int64_t>::max()) per_rank[r].set_ssd_cap_bytes(ssd_cap[r]);
+  }
   for (const auto& ts : plan->tables()) {
     const TableConfig& tc = spec.tables(index.at(ts.table()));
     const TableWorkload work = WorkloadFor(tc, ConstraintsFor(spec, tc.name()), topo, model);
@@ -50,6 +54,7 @@ void FillStats(const CollectionSpec& spec, const CostModel& model,
       auto& rs = per_rank[rank];
       rs.set_hbm_bytes(rs.hbm_bytes() + sc.hbm_bytes);
       rs.set_ddr_bytes(rs.ddr_bytes() + sc.ddr_bytes);
+      rs.set_ssd_bytes(rs.ssd_bytes() + sc.ssd_bytes);
       rs.set_fwd_compute_ms(rs.fwd_compute_ms() + sc.fwd_compute_ms);
       rs.set_fwd_comms_ms(rs.fwd_comms_ms() + sc.fwd_comms_ms);
       rs.set_bwd_compute_ms(rs.bwd_compute_ms() + sc.bwd_compute_ms);

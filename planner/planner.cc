@@ -83,6 +83,7 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec_in,
 
   const Bounds bounds = LowerBounds(tables, w, model);
   Search search(tables, w, lw, hbm_cap, ddr_cap);
+  search.SetSsdCaps(SsdCapacities(topo));
   Solution best = Solve(&search, tables, hbm_cap, bounds, model, options);
   if (!best.ok) {
     const auto& served = topo.compute_kernels();
@@ -125,6 +126,7 @@ absl::StatusOr<ShardingPlan> Plan(const CollectionSpec& spec_in,
     const Bounds held_bounds = LowerBounds(held, w, model);
     if (held_bounds.cached_tight >= best.makespan * (1 - 1e-12)) continue;
     Search held_search(held, w, lw, hbm_cap, ddr_cap);
+    held_search.SetSsdCaps(SsdCapacities(topo));
     Solution s = Solve(&held_search, held, hbm_cap, held_bounds, model, options);
     if (!s.ok || s.makespan >= best.makespan) continue;
     for (size_t t = 0; t < tables.size(); ++t) {
@@ -393,6 +395,13 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topo
       over.push_back(absl::StrCat("rank ", rs.rank(), " needs ", GiB(rs.hbm_bytes()), " of HBM (",
                                   GiB(rs.hbm_cap_bytes()), " usable) and ", GiB(rs.ddr_bytes()),
                                   " of host memory (", GiB(rs.ddr_cap_bytes()), " usable)"));
+    }
+  }
+  for (const auto& rs : plan.stats().per_rank()) {
+    if (rs.ssd_cap_bytes() > 0 && rs.ssd_bytes() > rs.ssd_cap_bytes()) {
+      over.push_back(absl::StrCat("rank ", rs.rank(), " needs ", GiB(rs.ssd_bytes()),
+                                  " of SSD for key_value files (", GiB(rs.ssd_cap_bytes()),
+                                  " usable)"));
     }
   }
   if (!over.empty()) {

@@ -458,6 +458,33 @@ TEST(PlannerTest, KeyValueIsPlannedWhereAskedAndServed) {
   const int64_t cache = 400'000'000LL * 256 / 20, books = 400'000'000LL * 52 / 10;
   EXPECT_GE(plan->stats().per_rank(0).ddr_bytes(), cache + books);
   EXPECT_LT(plan->stats().per_rank(0).ddr_bytes(), cache + books + (int64_t{1} << 30));
+  // Its file: 400M rows of 256 bytes padded to 512, on the worker's SSD.
+  EXPECT_EQ(plan->stats().per_rank(0).ssd_bytes(), 400'000'000LL * 512);
+  EXPECT_EQ(plan->stats().per_rank(0).ssd_cap_bytes(), 0);  // not limited
+
+  // SSD capacities: 150 GiB a worker holds no 190.7 GiB file, so table_wise
+  // on one worker is refused, naming the SSD; row_wise over two fits.
+  topo.set_ssd_cap_bytes(150 * kGiB);
+  auto full = Plan(spec, topo);
+  ASSERT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+  EXPECT_THAT(std::string(full.status().message()), HasSubstr("of SSD for its key_value files"));
+  Topology two = topo;
+  two.set_world_size(2);
+  two.set_ddr_cap_bytes(32 * kGiB);
+  c.clear_sharding_types();
+  c.add_sharding_types("row_wise");
+  auto spread = Plan(spec, two);
+  ASSERT_TRUE(spread.ok()) << spread.status();
+  for (const auto& rs : spread->stats().per_rank()) {
+    EXPECT_LE(rs.ssd_bytes(), 150 * kGiB);
+    EXPECT_EQ(rs.ssd_cap_bytes(), 150 * kGiB);
+  }
+  // A per-rank capacity overrides it; an explicit plan beyond it is refused.
+  auto* d = two.add_devices();
+  d->set_rank(1);
+  d->set_ddr_bytes(32 * kGiB);
+  d->set_ssd_bytes(10 * kGiB);
+  EXPECT_EQ(CheckPlan(spec, two, *spread).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 // Exhaustive search over table-wise placements is the reference: on equal

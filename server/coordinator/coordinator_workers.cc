@@ -336,6 +336,7 @@ ember::v1::Topology CoordinatorService::TopologyOf(const std::vector<Worker>& wo
     d->set_rank(static_cast<int>(r));
     d->set_hbm_bytes(info.hbm_bytes());
     d->set_ddr_bytes(info.ddr_bytes());
+    d->set_ssd_bytes(info.ssd_bytes());
   }
   return t;
 }
