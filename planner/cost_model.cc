@@ -229,8 +229,10 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
     host_books = index + backend::math::kKeySlotMetaBytes * block.rows;
   }
   // key_value (server/backend/key_value/): cache_load_factor of the rows
-  // with their state in memory, 4 bytes a row and 24 a cached row of
-  // bookkeeping on the host, and every row with fp32 state in the file.
+  // with their state in memory; bookkeeping on the host of 24 bytes a
+  // cached row, 8 a row and 4 a record of the file; the file holds the
+  // rows and half again (KeyValueSlackRows: at least the cache's rows) as
+  // records of fp32 weights and state padded to 512-byte sectors.
   if (kernel == ComputeKernel::kKeyValue) {
     // The worker caches at least kKeyValueMinCacheRows of a shard (server/backend/table_spec.h).
     const double clf =
@@ -240,9 +242,12 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                                                     static_cast<double>(block.rows)))
                        : w.cache_load_factor;
     const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
-    const int64_t books = static_cast<int64_t>(std::ceil(block.rows * (4.0 + 24.0 * clf)));
-    // fp32 weights and state, padded to 512-byte sectors (key_value/row_file.h).
-    c.ssd_bytes = block.rows * ((cols * 4 + state_row_bytes + 511) / 512 * 512);
+    const int64_t cache_rows = static_cast<int64_t>(std::ceil(clf * block.rows));
+    const int64_t records =
+        block.rows + std::min(block.rows, std::max((block.rows + 1) / 2, cache_rows));
+    const int64_t books =
+        static_cast<int64_t>(std::ceil(block.rows * (8.0 + 24.0 * clf))) + 4 * records;
+    c.ssd_bytes = records * ((cols * 4 + state_row_bytes + 511) / 512 * 512);
     c.ddr_bytes = books + (device == ember::v1::CPU ? cached + io : 0);
     c.hbm_bytes = device == ember::v1::CPU ? 0 : cached + io;
     return c;

@@ -453,17 +453,19 @@ TEST(PlannerTest, KeyValueIsPlannedWhereAskedAndServed) {
       EXPECT_EQ(ts.cache_load_factor(), 0);
     }
   }
-  // The cache: 5% of 400M rows of 256 bytes, and 4 + 24 * 0.05 bytes of
-  // bookkeeping a row: 5.12 GB + 2.08 GB, under the 32 GiB worker.
-  const int64_t cache = 400'000'000LL * 256 / 20, books = 400'000'000LL * 52 / 10;
+  // The cache: 5% of 400M rows of 256 bytes, and 8 + 24 * 0.05 bytes of
+  // bookkeeping a row and 4 a record of the file (600M): 5.12 GB + 6.08 GB,
+  // under the 32 GiB worker.
+  const int64_t cache = 400'000'000LL * 256 / 20, books = 6'080'000'000LL;
   EXPECT_GE(plan->stats().per_rank(0).ddr_bytes(), cache + books);
   EXPECT_LT(plan->stats().per_rank(0).ddr_bytes(), cache + books + (int64_t{1} << 30));
-  // Its file: 400M rows of 256 bytes padded to 512, on the worker's SSD.
-  EXPECT_EQ(plan->stats().per_rank(0).ssd_bytes(), 400'000'000LL * 512);
+  // Its file: 400M rows and 200M records of slack, 256 bytes padded to 512.
+  EXPECT_EQ(plan->stats().per_rank(0).ssd_bytes(), 600'000'000LL * 512);
   EXPECT_EQ(plan->stats().per_rank(0).ssd_cap_bytes(), 0);  // not limited
 
-  // SSD capacities: 150 GiB a worker holds no 190.7 GiB file, so table_wise
-  // on one worker is refused, naming the SSD; row_wise over two fits.
+  // SSD capacities: 150 GiB a worker holds no 286 GiB file, so table_wise
+  // on one worker is refused, naming the SSD; row_wise over two (143 GiB
+  // each) fits.
   topo.set_ssd_cap_bytes(150 * kGiB);
   auto full = Plan(spec, topo);
   ASSERT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();

@@ -209,6 +209,10 @@ std::vector<float> FreshState(const ShardSpec& spec) {
                             adagrad ? spec.optimizer.initial_accumulator_value : 0.0f);
 }
 
+int64_t KeyValueSlackRows(const ShardSpec& spec) {
+  return std::min(spec.rows, std::max((spec.rows + 1) / 2, spec.cache_rows));
+}
+
 int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
   ShardSpec cache = spec;
   cache.rows = spec.cache_rows;
@@ -216,13 +220,18 @@ int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
   const int64_t rows = ShardBytes(cache);
   const int64_t extra = rows + SaturatedBytes(spec.cache_rows, 24);
   if (rows == std::numeric_limits<int64_t>::max() || extra < rows) return rows;
-  return SaturatedBytes(spec.rows, 4, extra);
+  // A row's slot and record (4 + 4 bytes), a record's owner (4).
+  const int64_t books = SaturatedBytes(spec.rows + KeyValueSlackRows(spec), 4);
+  const int64_t total = SaturatedBytes(spec.rows, 8, extra);
+  return total > std::numeric_limits<int64_t>::max() - books ? std::numeric_limits<int64_t>::max()
+                                                             : total + books;
 }
 
 int64_t KeyValueFileBytes(const ShardSpec& spec) {
   const int64_t record = 4 * (spec.dim + OptimizerStateWidth(spec.optimizer.type, spec.dim));
   if (record <= 0 || record > std::numeric_limits<int64_t>::max() / 2) return record <= 0 ? 0 : std::numeric_limits<int64_t>::max();
-  return SaturatedBytes(spec.rows, (record + 511) / 512 * 512);  // key_value/row_file.h's stride
+  // key_value/row_file.h's stride, for the rows and the slack.
+  return SaturatedBytes(spec.rows + KeyValueSlackRows(spec), (record + 511) / 512 * 512);
 }
 
 absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,

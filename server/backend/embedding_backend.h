@@ -490,14 +490,19 @@ bool IsNonFiniteRefusal(const absl::Status& s);
 // key_value shard, its cache's rows and the cache's bookkeeping:
 // KeyValueMemoryBytes); INT64_MAX when that does not fit in an int64.
 int64_t ShardBytes(const ShardSpec& spec);
-// A key_value shard's memory: cache_rows rows of weights + state, 4 bytes
-// a row of the shard (where it is cached) and 24 a cached row.
+// A key_value shard's memory: cache_rows rows of weights + state, 24 bytes
+// a cached row, 8 a row of the shard (its cache slot and its record in the
+// file) and 4 a record of the file.
 int64_t KeyValueMemoryBytes(const ShardSpec& spec);
-// A key_value shard's file: every row as fp32 weights then fp32 optimizer
-// state, padded to a multiple of 512 bytes (the drives' sector: the file is
-// read and written with direct I/O); INT64_MAX when that does not fit in an
-// int64.
+// A key_value shard's file: rows + KeyValueSlackRows records, each a row's
+// fp32 weights then fp32 optimizer state, padded to a multiple of 512
+// bytes (the drives' sector: the file is read and written with direct
+// I/O); INT64_MAX when that does not fit in an int64.
 int64_t KeyValueFileBytes(const ShardSpec& spec);
+// The records a key_value file has beyond its rows (rows change records as
+// they are written: key_value_backend.h): half the rows, and at least the
+// cache's rows, at most the rows.
+int64_t KeyValueSlackRows(const ShardSpec& spec);
 
 // Output (and gradient) element count: batch * dim pooled, num_ids * dim NONE.
 int64_t OutputSize(const FeatureRequest& f, int64_t dim);

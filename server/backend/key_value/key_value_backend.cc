@@ -9,6 +9,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -37,17 +38,42 @@ struct Shard {
   std::vector<uint8_t> changed;      // the slot's row changed since it was filled
   std::vector<uint8_t> used;         // CLOCK's bit
   std::vector<uint64_t> pinned;      // the call that last named the slot
-  std::vector<uint64_t> written;     // a bit a row: its record is in the file
+  // The file as a log of row versions: a row's latest write lies in
+  // record loc[row] (-1: never written: its initial value), and a record
+  // is live when its owner's loc names it. New versions go to records that
+  // are not live, ahead of a cursor that goes round the file (SlackRows
+  // more records than rows), so no live record is ever overwritten: a
+  // write that fails leaves every row's last version where it was.
+  std::vector<int32_t> loc;    // [rows]
+  std::vector<int32_t> owner;  // [records]: the row a record was last written for, or -1
+  int64_t records = 0;
+  int64_t cursor = 0;
   int64_t hand = 0;
   bool dropped = false;
-  std::string broken;  // non-empty: a failed import; every call answers DATA_LOSS
   TierStats stats;
 
   int64_t cache_rows() const { return spec.cache_rows; }
-  bool Written(int64_t r) const { return (written[r >> 6] >> (r & 63)) & 1; }
-  void SetWritten(int64_t r) { written[r >> 6] |= uint64_t{1} << (r & 63); }
+  bool Written(int64_t r) const { return loc[r] >= 0; }
+  bool Live(int64_t record) const { return owner[record] >= 0 && loc[owner[record]] == record; }
+  // `n` records that are not live, ahead of the cursor, ascending but for
+  // one wrap (n must not pass the records that are not live: SlackRows).
+  std::vector<int64_t> TakeFree(int64_t n) {
+    std::vector<int64_t> out;
+    out.reserve(static_cast<size_t>(n));
+    while (static_cast<int64_t>(out.size()) < n) {
+      if (!Live(cursor)) out.push_back(cursor);
+      cursor = cursor + 1 == records ? 0 : cursor + 1;
+    }
+    return out;
+  }
+  // Row rows[k]'s latest version is now in records[k].
+  void Commit(absl::Span<const int64_t> rows, absl::Span<const int64_t> at) {
+    for (size_t k = 0; k < rows.size(); ++k) {
+      loc[rows[k]] = static_cast<int32_t>(at[k]);
+      owner[at[k]] = static_cast<int32_t>(rows[k]);
+    }
+  }
 };
-
 
 // Rows as file records (weights then state, a row after another) and back.
 void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowBuffer* rec) {
@@ -56,9 +82,21 @@ void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowB
     std::copy_n(st + k * s.width, s.width, rec->row(k) + s.spec.dim);
   }
 }
+void PackRow(const Shard& s, const float* w, const float* st, float* rec) {
+  std::copy_n(w, s.spec.dim, rec);
+  std::copy_n(st, s.width, rec + s.spec.dim);
+}
 void Split(const Shard& s, const float* rec, float* w, float* st) {
   std::copy_n(rec, s.spec.dim, w);
   std::copy_n(rec + s.spec.dim, s.width, st);
+}
+
+// Sorts keys ascending, carrying values along.
+void SortTogether(std::vector<int64_t>* keys, std::vector<int64_t>* values) {
+  std::vector<std::pair<int64_t, int64_t>> kv(keys->size());
+  for (size_t j = 0; j < kv.size(); ++j) kv[j] = {(*keys)[j], (*values)[j]};
+  std::sort(kv.begin(), kv.end());
+  for (size_t j = 0; j < kv.size(); ++j) std::tie((*keys)[j], (*values)[j]) = kv[j];
 }
 
 // A call's requests with the ids of key_value shards copied (read once,
@@ -195,28 +233,29 @@ class KeyValueBackend : public ForwardingBackend {
         !st.ok()) {
       return st;
     }
-    const int64_t n = end - begin;
-    std::vector<int64_t> slots, at, fresh;
-    bool any_written = false;
+    std::vector<int64_t> slots, at, fresh, records, read_at;
     for (int64_t r = begin; r < end; ++r) {
       if (s.slot_of_row[r] >= 0) {
         slots.push_back(s.slot_of_row[r]);
         at.push_back(r - begin);
       } else if (s.Written(r)) {
-        any_written = true;
+        records.push_back(s.loc[r]);
+        read_at.push_back(r - begin);
       } else {
         fresh.push_back(r);
       }
     }
-    if (any_written) {  // one read of the range, the rows written taken from it
+    if (!records.empty()) {  // the rows written, from their records, in file order, one batch
+      SortTogether(&records, &read_at);
       RowBuffer rec;
-      if (absl::Status st = rec.Resize(n, s.file->stride()); !st.ok()) return st;
-      if (absl::Status st = s.file->ReadRange(begin, n, &rec); !st.ok()) return st;
-      for (int64_t r = begin; r < end; ++r) {
-        if (s.slot_of_row[r] < 0 && s.Written(r)) {
-          Split(s, rec.row(r - begin), weights.data() + ((r - begin) * s.spec.dim),
-                state.data() + ((r - begin) * s.width));
-        }
+      if (absl::Status st = rec.Resize(static_cast<int64_t>(records.size()), s.file->stride());
+          !st.ok()) {
+        return st;
+      }
+      if (absl::Status st = s.file->ReadRows(records, &rec); !st.ok()) return st;
+      for (size_t j = 0; j < records.size(); ++j) {
+        Split(s, rec.row(static_cast<int64_t>(j)), weights.data() + read_at[j] * s.spec.dim,
+              state.data() + read_at[j] * s.width);
       }
     }
     if (!slots.empty()) {
@@ -251,31 +290,42 @@ class KeyValueBackend : public ForwardingBackend {
     Shard& s = *shard;
     if (absl::Status st = Usable(s); !st.ok()) return st;
     if (absl::Status st = ValidateImport(s.spec, begin, end, weights, state); !st.ok()) return st;
-    const int64_t n = end - begin;
-    RowBuffer rec;
-    if (absl::Status st = rec.Resize(n, s.file->stride()); !st.ok()) return st;
-    Interleave(s, n, weights.data(), state.data(), &rec);
-    absl::Status wrote = s.file->WriteRange(begin, n, rec);
-    if (!wrote.ok()) return Break(&s, wrote, begin, end);
-    for (int64_t r = begin; r < end; ++r) s.SetWritten(r);
-    // Cached rows take the import too; the file now holds them as they are.
-    std::vector<int64_t> slots, at;
+    // Cached rows take the import in the cache (changed: it reaches the file
+    // when they leave it); the others are written to the file, a chunk of
+    // whole rows at a time: an import that fails part way has imported some
+    // rows and not others, each whole, and the caller imports again.
+    std::vector<int64_t> slots, at, rows;
     for (int64_t r = begin; r < end; ++r) {
       if (s.slot_of_row[r] >= 0) {
         slots.push_back(s.slot_of_row[r]);
         at.push_back(r - begin);
+      } else {
+        rows.push_back(r);
       }
     }
-    if (slots.empty()) return absl::OkStatus();
-    std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
-    for (size_t k = 0; k < slots.size(); ++k) {
-      std::copy_n(weights.data() + at[k] * s.spec.dim, s.spec.dim, w.data() + (k * s.spec.dim));
-      std::copy_n(state.data() + at[k] * s.width, s.width, st.data() + (k * s.width));
+    if (!slots.empty()) {
+      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
+      for (size_t k = 0; k < slots.size(); ++k) {
+        std::copy_n(weights.data() + at[k] * s.spec.dim, s.spec.dim, w.data() + k * s.spec.dim);
+        std::copy_n(state.data() + at[k] * s.width, s.width, st.data() + k * s.width);
+      }
+      if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) return e;
+      for (int64_t slot : slots) s.changed[slot] = 1;
     }
-    if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) {
-      return Break(&s, e, begin, end);
+    const int64_t chunk = KeyValueSlackRows(s.spec);
+    RowBuffer rec;
+    for (size_t c = 0; c < rows.size(); c += static_cast<size_t>(chunk)) {
+      const int64_t m = std::min<int64_t>(chunk, static_cast<int64_t>(rows.size() - c));
+      if (absl::Status st = rec.Resize(m, s.file->stride()); !st.ok()) return st;
+      for (int64_t k = 0; k < m; ++k) {
+        const int64_t i = rows[c + k] - begin;
+        PackRow(s, weights.data() + i * s.spec.dim, state.data() + i * s.width, rec.row(k));
+      }
+      const absl::Span<const int64_t> these(rows.data() + c, static_cast<size_t>(m));
+      const std::vector<int64_t> free = s.TakeFree(m);
+      if (absl::Status st = s.file->WriteRows(free, rec); !st.ok()) return st;
+      s.Commit(these, free);
     }
-    for (int64_t slot : slots) s.changed[slot] = 0;
     return absl::OkStatus();
   }
 
@@ -320,9 +370,12 @@ class KeyValueBackend : public ForwardingBackend {
   // The bookkeeping's memory, taken when the shard is made.
   absl::Status Make(Shard* s) {
     const ShardSpec& spec = s->spec;
-    if (spec.cache_rows >= std::numeric_limits<int32_t>::max()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "table '", spec.table, "': cache_rows ", spec.cache_rows, " is too many for one shard"));
+    // Slots, rows and records are int32 in the bookkeeping.
+    if (spec.rows + KeyValueSlackRows(spec) >= std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("table '", spec.table, "': a key_value shard holds at most ",
+                       (std::numeric_limits<int32_t>::max() - 1) / 3 * 2, " rows, not ", spec.rows,
+                       "; shard it row-wise"));
     }
     try {
       s->slot_of_row.assign(static_cast<size_t>(spec.rows), kAbsent);
@@ -330,13 +383,15 @@ class KeyValueBackend : public ForwardingBackend {
       s->changed.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->used.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->pinned.assign(static_cast<size_t>(spec.cache_rows), 0);
-      s->written.assign(static_cast<size_t>((spec.rows + 63) / 64), 0);
+      s->records = spec.rows + KeyValueSlackRows(spec);
+      s->loc.assign(static_cast<size_t>(spec.rows), -1);
+      s->owner.assign(static_cast<size_t>(s->records), -1);
     } catch (const std::bad_alloc&) {
       return absl::ResourceExhaustedError(
           absl::StrCat("table '", spec.table, "': no memory for a key_value shard's bookkeeping (",
                        KeyValueMemoryBytes(spec), " bytes)"));
     }
-    auto file = RowFile::Create(options_.dir, spec.rows, s->record * 4,
+    auto file = RowFile::Create(options_.dir, s->records, s->record * 4,
                                 absl::StrCat("table '", spec.table, "' key_value shard file"));
     if (!file.ok()) return file.status();
     s->file = std::move(*file);
@@ -345,15 +400,7 @@ class KeyValueBackend : public ForwardingBackend {
 
   static absl::Status Usable(const Shard& s) {
     if (s.dropped) return absl::NotFoundError(absl::StrCat("table '", s.spec.table, "': dropped"));
-    if (!s.broken.empty()) return absl::DataLossError(s.broken);
     return absl::OkStatus();
-  }
-
-  absl::Status Break(Shard* s, const absl::Status& cause, int64_t begin, int64_t end) const {
-    s->broken = absl::StrCat("table '", s->spec.table, "': an import of rows [", begin, ", ", end,
-                             ") failed half way (", cause.message(),
-                             "); the key_value shard must be dropped and restored");
-    return absl::Status(cause.code(), s->broken);
   }
 
   void MakeInitial(const Shard& s, absl::Span<const int64_t> rows, float* out) const {
@@ -500,7 +547,9 @@ class KeyValueBackend : public ForwardingBackend {
     }
     // Changed victims go back to the file as the misses' rows come from it
     // (the rows never written are made instead), in one batch: the drive
-    // serves the writes and reads together.
+    // serves the writes and reads together. The victims' new versions go to
+    // records that are not live, ahead of the cursor: ascending, mostly
+    // side by side, so the writes are few and long.
     std::vector<int64_t> back_slots, back_rows;
     for (int64_t v : victims) {
       if (s.row_of_slot[v] >= 0 && s.changed[v]) {
@@ -514,12 +563,13 @@ class KeyValueBackend : public ForwardingBackend {
         fresh.push_back(misses[k]);
         fresh_at.push_back(k);
       } else {
-        read.push_back(misses[k]);
+        read.push_back(s.loc[misses[k]]);
         read_at.push_back(k);
       }
     }
     const int64_t nb = static_cast<int64_t>(back_slots.size());
     const int64_t reads = static_cast<int64_t>(read.size());
+    SortTogether(&read, &read_at);  // in file order: runs of records are one read
     if (nb > 0) {
       std::vector<float> w(nb * s.spec.dim), st(nb * s.width);
       if (absl::Status e =
@@ -530,14 +580,13 @@ class KeyValueBackend : public ForwardingBackend {
       if (absl::Status e = out_.Resize(nb, s.file->stride()); !e.ok()) return e;
       Interleave(s, nb, w.data(), st.data(), &out_);
     }
+    const std::vector<int64_t> free = s.TakeFree(nb);
     if (nb + reads > 0) {
       if (absl::Status e = in_.Resize(reads, s.file->stride()); !e.ok()) return e;
-      if (absl::Status e = s.file->Exchange(back_rows, out_, read, &in_); !e.ok()) return e;
+      if (absl::Status e = s.file->Exchange(free, out_, read, &in_); !e.ok()) return e;
     }
-    for (int64_t k = 0; k < nb; ++k) {
-      s.SetWritten(back_rows[k]);
-      s.changed[back_slots[k]] = 0;
-    }
+    s.Commit(back_rows, free);
+    for (int64_t slot : back_slots) s.changed[slot] = 0;
     s.stats.write_backs += nb;
     std::vector<float> w(n * s.spec.dim), st(n * s.width);
     for (int64_t j = 0; j < reads; ++j) {

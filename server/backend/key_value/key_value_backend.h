@@ -4,10 +4,15 @@
 // in memory as a shard of the wrapped backend, whose own gather, update
 // and optimizer kernels then run on them.
 //
-// Layout. The file holds row r at r * record bytes: dim fp32 weights, then
-// the row's fp32 optimizer state (OptimizerStateWidth). A row never
-// written there is its initial value (InitialValues of its global row) and
-// fresh state, made when it is first read; so a new shard costs no writes.
+// Layout. The file is a log of row versions: rows + KeyValueSlackRows
+// records (row_file.h), each a row's dim fp32 weights, then its fp32
+// optimizer state (OptimizerStateWidth). A row's latest version lies in the
+// record its `loc` names; a new version goes to a record that is not live
+// (no row's latest), ahead of a cursor that goes round the file, so the
+// writes of a call are ascending and mostly side by side, and no live
+// record is ever overwritten. A row never written is its initial value
+// (InitialValues of its global row) and fresh state, made when it is first
+// read; so a new shard costs no writes.
 //
 // The cache: fully associative, CLOCK replacement (a used bit a slot, a
 // hand that clears it; an approximation of LRU). Each Lookup or
@@ -16,11 +21,12 @@
 //      not name more distinct rows of a shard than its cache holds:
 //      RESOURCE_EXHAUSTED, nothing done);
 //   2. rows not cached take victims; victims changed since they were
-//      filled are written back to the file first (a write that fails
-//      answers its status, RESOURCE_EXHAUSTED for a full disk, and leaves
-//      every row where it was: nothing is lost, cached rows still serve);
-//   3. the rows are read from the file (or made, never written) into the
-//      victims' slots with ImportRowsAt, with their optimizer state;
+//      filled are written to the file as the missing rows are read from
+//      it, in one batch (a write that fails answers its status,
+//      RESOURCE_EXHAUSTED for a full disk, and leaves every row where it
+//      was: nothing is lost, cached rows still serve);
+//   3. the rows read (or made, never written) go into the victims' slots
+//      with ImportRowsAt, with their optimizer state;
 //   4. the wrapped backend runs the call on the slots; an update marks its
 //      slots changed.
 // Numerics are the wrapped backend's on the same values: results equal the
@@ -30,12 +36,11 @@
 // spec is refused).
 //
 // ExportRows / ImportRows read and write through: cached rows from or to
-// the cache, the rest from or to the file (an import is written to the
-// file, and cached rows take it too, unchanged since). A checkpoint or a
-// move reads a shard a range at a time and never needs it whole in memory.
-// A write that fails in an import may leave rows of its range torn on
-// disk: the shard then answers DATA_LOSS to every call until it is
-// dropped (the worker restores it from a checkpoint).
+// the cache (an import marks them changed), the rest from or to the file.
+// A checkpoint or a move reads a shard a range at a time and never needs
+// it whole in memory. An import whose write fails part way has imported
+// some of its rows and not others, each whole (a row's version is only
+// taken once it has landed); the caller imports again.
 //
 // Thread-safe: calls that name a key_value shard are serialised by one
 // lock (the CPU backend serialises its calls anyway); calls on other

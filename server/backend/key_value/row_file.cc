@@ -134,21 +134,33 @@ absl::Status RowFile::CheckRows(absl::Span<const int64_t> rows) const {
   return absl::OkStatus();
 }
 
+// Row rows[k] to or from buffer row k, rows that follow each other in the
+// file (and so in the buffer) joined into one piece of at most
+// kMaxPieceBytes: a run of records is one I/O.
+void RowFile::AddPieces(absl::Span<const int64_t> rows, char* data, bool write,
+                        std::vector<Piece>* pieces) const {
+  for (size_t k = 0; k < rows.size(); ++k) {
+    Piece* last = pieces->empty() ? nullptr : &pieces->back();
+    if (last != nullptr && k > 0 && last->write == write && rows[k] == rows[k - 1] + 1 &&
+        last->bytes + stride_ <= kMaxPieceBytes) {
+      last->bytes += stride_;
+      continue;
+    }
+    pieces->push_back({rows[k] * stride_, data + k * stride_, stride_, write});
+  }
+}
+
 absl::Status RowFile::ReadRows(absl::Span<const int64_t> rows, RowBuffer* buffer) const {
   if (absl::Status s = CheckRows(rows); !s.ok()) return s;
-  std::vector<Piece> pieces(rows.size());
-  for (size_t k = 0; k < rows.size(); ++k) {
-    pieces[k] = {rows[k] * stride_, buffer->bytes() + k * stride_, stride_, false};
-  }
+  std::vector<Piece> pieces;
+  AddPieces(rows, buffer->bytes(), /*write=*/false, &pieces);
   return Many(pieces);
 }
 
 absl::Status RowFile::WriteRows(absl::Span<const int64_t> rows, const RowBuffer& buffer) {
   if (absl::Status s = CheckRows(rows); !s.ok()) return s;
-  std::vector<Piece> pieces(rows.size());
-  for (size_t k = 0; k < rows.size(); ++k) {
-    pieces[k] = {rows[k] * stride_, const_cast<char*>(buffer.bytes()) + k * stride_, stride_, true};
-  }
+  std::vector<Piece> pieces;
+  AddPieces(rows, const_cast<char*>(buffer.bytes()), /*write=*/true, &pieces);
   return Many(pieces);
 }
 
@@ -157,14 +169,8 @@ absl::Status RowFile::Exchange(absl::Span<const int64_t> write_rows, const RowBu
   if (absl::Status s = CheckRows(write_rows); !s.ok()) return s;
   if (absl::Status s = CheckRows(read_rows); !s.ok()) return s;
   std::vector<Piece> pieces;
-  pieces.reserve(write_rows.size() + read_rows.size());
-  for (size_t k = 0; k < write_rows.size(); ++k) {
-    pieces.push_back(
-        {write_rows[k] * stride_, const_cast<char*>(out.bytes()) + k * stride_, stride_, true});
-  }
-  for (size_t k = 0; k < read_rows.size(); ++k) {
-    pieces.push_back({read_rows[k] * stride_, in->bytes() + k * stride_, stride_, false});
-  }
+  AddPieces(write_rows, const_cast<char*>(out.bytes()), /*write=*/true, &pieces);
+  AddPieces(read_rows, in->bytes(), /*write=*/false, &pieces);
   return Many(pieces);
 }
 

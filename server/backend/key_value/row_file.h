@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -82,7 +83,8 @@ class RowFile {
   RowFile(const RowFile&) = delete;
   RowFile& operator=(const RowFile&) = delete;
 
-  // Row rows[k] into (or from) buffer row k; rows distinct and in range
+  // Row rows[k] into (or from) buffer row k (rows that follow each other
+  // in the file travel as one I/O); rows distinct and in range
   // (INVALID_ARGUMENT otherwise, nothing done). A failed read is INTERNAL;
   // a failed write RESOURCE_EXHAUSTED for a full disk or file size limit,
   // else INTERNAL; both name the file, the row and the error. On a failure
@@ -115,6 +117,8 @@ class RowFile {
   };
   RowFile(int fd, int64_t rows, int64_t stride, bool direct, std::string what);
   absl::Status CheckRows(absl::Span<const int64_t> rows) const;
+  void AddPieces(absl::Span<const int64_t> rows, char* data, bool write,
+                 std::vector<Piece>* pieces) const;
   absl::Status Many(absl::Span<const Piece> pieces) const;
   absl::Status One(const Piece& p) const;
   // A direct I/O refused for its alignment (EINVAL): the file goes on

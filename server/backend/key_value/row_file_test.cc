@@ -92,12 +92,10 @@ TEST(RowFileTest, RowsReadBackAsWritten) {
 }
 
 TEST(RowFileTest, RefusesWhatCannotBeMade) {
-  EXPECT_EQ(RowFile::Create("", 10, 4, "f").status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(RowFile::Create("", 10, 4, "f").status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(RowFile::Create("/nonexistent/dir", 10, 4, "f").status().code(),
             absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(RowFile::Create("/tmp", 0, 4, "f").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RowFile::Create("/tmp", 0, 4, "f").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RowFile::StrideFor(1), 512);
   EXPECT_EQ(RowFile::StrideFor(512), 512);
   EXPECT_EQ(RowFile::StrideFor(513), 1024);
