@@ -76,15 +76,12 @@ struct Shard {
 };
 
 // Rows as file records (weights then state, a row after another) and back.
-void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowBuffer* rec) {
-  for (int64_t k = 0; k < n; ++k) {
-    std::copy_n(w + k * s.spec.dim, s.spec.dim, rec->row(k));
-    std::copy_n(st + k * s.width, s.width, rec->row(k) + s.spec.dim);
-  }
-}
 void PackRow(const Shard& s, const float* w, const float* st, float* rec) {
   std::copy_n(w, s.spec.dim, rec);
   std::copy_n(st, s.width, rec + s.spec.dim);
+}
+void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowBuffer* rec) {
+  for (int64_t k = 0; k < n; ++k) PackRow(s, w + k * s.spec.dim, st + k * s.width, rec->row(k));
 }
 void Split(const Shard& s, const float* rec, float* w, float* st) {
   std::copy_n(rec, s.spec.dim, w);
