@@ -124,9 +124,7 @@ class StepBarrier {
   // (then DEADLINE_EXCEEDED; the contribution stays held). BOUNDED: once
   // held. *duplicate: it was a retry of a contribution held or applied.
   // Refused, nothing held: a step applied before with another digest, a
-  // step too far ahead of the last applied one (once the steps before it
-  // have not arrived within `deadline` or a step's timeout: they may be on
-  // their way from the other ranks), two different
+  // step too far ahead of the last applied one, two different
   // contributions of one rank to a step (INVALID_ARGUMENT), more bytes
   // held than max_pending_bytes (RESOURCE_EXHAUSTED).
   absl::Status Submit(int64_t step, Contribution c, absl::Time deadline, const ApplyFn& apply,
