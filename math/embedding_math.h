@@ -121,6 +121,22 @@ constexpr int64_t RowBytes(int64_t weight_bytes, StepOptimizer optimizer, int64_
 // The worker sizes the cache by it and the planner prices it so.
 constexpr int64_t kKeyValueMinCacheRows = 65536;
 
+// A key_value shard's file (server/backend/key_value/row_file.h): each
+// record a row's fp32 weights and state, padded to the drives' 512-byte
+// sector so that it is read and written with direct I/O; the bytes one
+// takes.
+constexpr int64_t kKeyValueSectorBytes = 512;
+constexpr int64_t KeyValueRecordStride(int64_t record_bytes) {
+  return (record_bytes + kKeyValueSectorBytes - 1) / kKeyValueSectorBytes * kKeyValueSectorBytes;
+}
+// The records such a file has beyond the shard's rows (it is a log of row
+// versions): half the rows, at least the cache's, at most the rows.
+constexpr int64_t KeyValueSlackRows(int64_t rows, int64_t cache_rows) {
+  const int64_t half = (rows + 1) / 2;
+  const int64_t want = half > cache_rows ? half : cache_rows;
+  return want < rows ? want : rows;
+}
+
 // One shard's hyper-parameters for one ApplyGradients call, resolved on the
 // host (MakeStepParams in embedding_backend.h): plain data, copied to the
 // device as it is.

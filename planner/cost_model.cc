@@ -243,11 +243,10 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                        : w.cache_load_factor;
     const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
     const int64_t cache_rows = static_cast<int64_t>(std::ceil(clf * block.rows));
-    const int64_t records =
-        block.rows + std::min(block.rows, std::max((block.rows + 1) / 2, cache_rows));
+    const int64_t records = block.rows + backend::math::KeyValueSlackRows(block.rows, cache_rows);
     const int64_t books =
         static_cast<int64_t>(std::ceil(block.rows * (8.0 + 24.0 * clf))) + 4 * records;
-    c.ssd_bytes = records * ((cols * 4 + state_row_bytes + 511) / 512 * 512);
+    c.ssd_bytes = records * backend::math::KeyValueRecordStride(cols * 4 + state_row_bytes);
     c.ddr_bytes = books + (device == ember::v1::CPU ? cached + io : 0);
     c.hbm_bytes = device == ember::v1::CPU ? 0 : cached + io;
     return c;

@@ -210,7 +210,7 @@ std::vector<float> FreshState(const ShardSpec& spec) {
 }
 
 int64_t KeyValueSlackRows(const ShardSpec& spec) {
-  return std::min(spec.rows, std::max((spec.rows + 1) / 2, spec.cache_rows));
+  return math::KeyValueSlackRows(spec.rows, spec.cache_rows);
 }
 
 int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
@@ -230,8 +230,7 @@ int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
 int64_t KeyValueFileBytes(const ShardSpec& spec) {
   const int64_t record = 4 * (spec.dim + OptimizerStateWidth(spec.optimizer.type, spec.dim));
   if (record <= 0 || record > std::numeric_limits<int64_t>::max() / 2) return record <= 0 ? 0 : std::numeric_limits<int64_t>::max();
-  // key_value/row_file.h's stride, for the rows and the slack.
-  return SaturatedBytes(spec.rows + KeyValueSlackRows(spec), (record + 511) / 512 * 512);
+  return SaturatedBytes(spec.rows + KeyValueSlackRows(spec), math::KeyValueRecordStride(record));
 }
 
 absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,

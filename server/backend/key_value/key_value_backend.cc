@@ -230,7 +230,7 @@ class KeyValueBackend : public ForwardingBackend {
         !st.ok()) {
       return st;
     }
-    std::vector<int64_t> slots, at, fresh, records, read_at;
+    std::vector<int64_t> slots, at, fresh, fresh_at, records, read_at;
     for (int64_t r = begin; r < end; ++r) {
       if (s.slot_of_row[r] >= 0) {
         slots.push_back(s.slot_of_row[r]);
@@ -240,6 +240,7 @@ class KeyValueBackend : public ForwardingBackend {
         read_at.push_back(r - begin);
       } else {
         fresh.push_back(r);
+        fresh_at.push_back(r - begin);
       }
     }
     if (!records.empty()) {  // the rows written, from their records, in file order, one batch
@@ -266,16 +267,7 @@ class KeyValueBackend : public ForwardingBackend {
         std::copy_n(st.data() + (k * s.width), s.width, state.data() + at[k] * s.width);
       }
     }
-    if (!fresh.empty()) {
-      std::vector<float> w(fresh.size() * s.spec.dim);
-      MakeInitial(s, fresh, w.data());
-      const std::vector<float> st = FreshState(s.spec);
-      for (size_t k = 0; k < fresh.size(); ++k) {
-        const int64_t i = fresh[k] - begin;
-        std::copy_n(w.data() + (k * s.spec.dim), s.spec.dim, weights.data() + (i * s.spec.dim));
-        std::copy(st.begin(), st.end(), state.data() + (i * s.width));
-      }
-    }
+    MakeFresh(s, fresh, fresh_at, weights.data(), state.data());
     return absl::OkStatus();
   }
 
@@ -400,17 +392,26 @@ class KeyValueBackend : public ForwardingBackend {
     return absl::OkStatus();
   }
 
-  void MakeInitial(const Shard& s, absl::Span<const int64_t> rows, float* out) const {
+  // Rows never written, made as a table in memory starts them: row rows[j]
+  // into row at[j] of w (its initial values, rounded to the table's type as
+  // an import rounds them) and of st (fresh optimizer state).
+  void MakeFresh(const Shard& s, absl::Span<const int64_t> rows, absl::Span<const int64_t> at,
+                 float* w, float* st) const {
+    if (rows.empty()) return;
     std::vector<int64_t> global(rows.begin(), rows.end());
     for (int64_t& r : global) r += s.spec.row_offset;
+    std::vector<float> made(rows.size() * s.spec.dim);
     InitialValuesOf(s.spec.initializer, s.spec.table_rows, global, s.spec.col_offset, s.spec.dim,
-                    out);
-    // As the table's type holds them (an import rounds to nearest even too).
-    const int64_t n = static_cast<int64_t>(rows.size()) * s.spec.dim;
+                    made.data());
     if (s.spec.weight_type == WeightType::kFp16) {
-      for (int64_t i = 0; i < n; ++i) out[i] = Fp16ToFloat(FloatToFp16(out[i]));
+      for (float& x : made) x = Fp16ToFloat(FloatToFp16(x));
     } else if (s.spec.weight_type == WeightType::kBf16) {
-      for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(FloatToBf16(out[i]));
+      for (float& x : made) x = Bf16ToFloat(FloatToBf16(x));
+    }
+    const std::vector<float> state = FreshState(s.spec);
+    for (size_t j = 0; j < rows.size(); ++j) {
+      std::copy_n(made.data() + j * s.spec.dim, s.spec.dim, w + at[j] * s.spec.dim);
+      std::copy(state.begin(), state.end(), st + at[j] * s.width);
     }
   }
 
@@ -424,17 +425,15 @@ class KeyValueBackend : public ForwardingBackend {
       if (absl::Status s = Usable(*kv[i]); !s.ok()) return s;
       const FeatureRequest& f = requests[i].feature;
       if (f.on_device || f.keyed) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(RequestWhat(IsLookup(requests[i]) ? "lookup" : "gradient", i, kv[i]->spec),
-                         ": a key_value shard takes its ids in host memory, as rows"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            RequestWhat(internal::IsLookup(requests[i]) ? "lookup" : "gradient", i, kv[i]->spec),
+            ": a key_value shard takes its ids in host memory, as rows"));
       }
       m->ids[i].assign(f.ids.begin(), f.ids.end());
       m->requests[i].feature.ids = m->ids[i];
     }
     return absl::OkStatus();
   }
-  static bool IsLookup(const LookupRequest&) { return true; }
-  static bool IsLookup(const GradientRequest&) { return false; }
 
   // The spec each request is checked against: a key_value shard's own (all
   // its rows), the wrapped backend's for the others.
@@ -590,16 +589,7 @@ class KeyValueBackend : public ForwardingBackend {
       const int64_t k = read_at[j];
       Split(s, in_.row(j), w.data() + k * s.spec.dim, st.data() + k * s.width);
     }
-    if (!fresh.empty()) {
-      std::vector<float> made(fresh.size() * s.spec.dim);
-      MakeInitial(s, fresh, made.data());
-      const std::vector<float> state = FreshState(s.spec);
-      for (size_t j = 0; j < fresh.size(); ++j) {
-        std::copy_n(made.data() + (j * s.spec.dim), s.spec.dim,
-                    w.data() + fresh_at[j] * s.spec.dim);
-        std::copy(state.begin(), state.end(), st.data() + fresh_at[j] * s.width);
-      }
-    }
+    MakeFresh(s, fresh, fresh_at, w.data(), st.data());
     if (absl::Status e = inner()->ImportRowsAt(id, victims, w, st); !e.ok()) return e;
     for (int64_t k = 0; k < n; ++k) {
       const int64_t v = victims[k];

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "math/embedding_math.h"
 
 namespace ember {
 namespace backend {
@@ -46,10 +47,6 @@ absl::Status RowBuffer::Resize(int64_t rows, int64_t stride) {
   return absl::OkStatus();
 }
 
-int64_t RowFile::StrideFor(int64_t record_bytes) {
-  return (record_bytes + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
-}
-
 struct RowFile::Ring {
   io_uring ring;
   ~Ring() { io_uring_queue_exit(&ring); }
@@ -65,7 +62,7 @@ absl::StatusOr<std::unique_ptr<RowFile>> RowFile::Create(const std::string& dir,
   if (dir.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(what, ": no SSD directory (--ssd_dir)"));
   }
-  const int64_t stride = StrideFor(record_bytes);
+  const int64_t stride = math::KeyValueRecordStride(record_bytes);
   const int64_t bytes = rows * stride;
   std::string path = dir + "/ember-kv-XXXXXX";
   std::vector<char> name(path.begin(), path.end());
@@ -172,36 +169,6 @@ absl::Status RowFile::Exchange(absl::Span<const int64_t> write_rows, const RowBu
   AddPieces(write_rows, const_cast<char*>(out.bytes()), /*write=*/true, &pieces);
   AddPieces(read_rows, in->bytes(), /*write=*/false, &pieces);
   return Many(pieces);
-}
-
-namespace {
-// [begin, begin + n) rows as pieces of at most kMaxPieceBytes.
-template <typename Piece>
-std::vector<Piece> RangePieces(int64_t begin, int64_t n, int64_t stride, char* data, bool write) {
-  std::vector<Piece> pieces;
-  const int64_t per = std::max<int64_t>(1, kMaxPieceBytes / stride);
-  for (int64_t k = 0; k < n; k += per) {
-    const int64_t m = std::min(per, n - k);
-    pieces.push_back({(begin + k) * stride, data + k * stride, m * stride, write});
-  }
-  return pieces;
-}
-}  // namespace
-
-absl::Status RowFile::ReadRange(int64_t begin, int64_t n, RowBuffer* buffer) const {
-  if (begin < 0 || n < 0 || begin > rows_ - n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what_, ": rows [", begin, ", +", n, ") outside its ", rows_));
-  }
-  return Many(RangePieces<Piece>(begin, n, stride_, buffer->bytes(), false));
-}
-
-absl::Status RowFile::WriteRange(int64_t begin, int64_t n, const RowBuffer& buffer) {
-  if (begin < 0 || n < 0 || begin > rows_ - n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what_, ": rows [", begin, ", +", n, ") outside its ", rows_));
-  }
-  return Many(RangePieces<Piece>(begin, n, stride_, const_cast<char*>(buffer.bytes()), true));
 }
 
 bool RowFile::FallBackFromDirect(int err) const {

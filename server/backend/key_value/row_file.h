@@ -1,7 +1,7 @@
 // RowFile: one key_value shard's rows on local SSD (key_value_backend.h).
 //
 // Row r lies at r * stride() bytes: its record (weights then optimizer
-// state, fp32) padded to a multiple of kBlockBytes, so that the file is
+// state, fp32) padded to a multiple of 512 bytes (math::KeyValueRecordStride), so that the file is
 // read and written with direct I/O (O_DIRECT): rows go between the drive
 // and the shard's cache without passing through the kernel's page cache,
 // which would otherwise hold a second copy of hot rows, count against the
@@ -64,13 +64,8 @@ class RowBuffer {
 
 class RowFile {
  public:
-  // Records are padded to a multiple of this (the drives' sector).
-  static constexpr int64_t kBlockBytes = 512;
   // Rows a batch keeps in flight at once.
   static constexpr unsigned kRingDepth = 256;
-
-  // The bytes a row of `record_bytes` takes in the file.
-  static int64_t StrideFor(int64_t record_bytes);
 
   // A file of `rows` rows of `record_bytes` (read as zeros) in directory
   // `dir`. `what` names it in messages. RESOURCE_EXHAUSTED when the disk
@@ -96,9 +91,6 @@ class RowFile {
   // any of the writes may or may not have landed.
   absl::Status Exchange(absl::Span<const int64_t> write_rows, const RowBuffer& out,
                         absl::Span<const int64_t> read_rows, RowBuffer* in);
-  // Rows [begin, begin + n) into (or from) buffer rows 0 .. n-1.
-  absl::Status ReadRange(int64_t begin, int64_t n, RowBuffer* buffer) const;
-  absl::Status WriteRange(int64_t begin, int64_t n, const RowBuffer& buffer);
 
   int64_t stride() const { return stride_; }
   int64_t bytes() const { return rows_ * stride_; }

@@ -1,5 +1,5 @@
 // RowFile against the bytes written: rows written one batch at a time (and
-// a range, and writes and reads in one batch) read back equal, in a
+// rows side by side, and writes and reads in one batch) read back equal, in a
 // directory on disk (direct I/O where its file system takes it) and in
 // /dev/shm (tmpfs: the page cache); rows outside the file are refused
 // before anything is done; a new file reads as zeros.
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "math/embedding_math.h"
 
 namespace ember {
 namespace backend {
@@ -63,11 +64,12 @@ TEST(RowFileTest, RowsReadBackAsWritten) {
     for (size_t k = 0; k < rows.size(); ++k) {
       ASSERT_EQ(std::memcmp(in.row(k), out.row(k), kFloats * 4), 0) << "row " << rows[k];
     }
-    // A range, then writes and reads in one batch.
+    // Rows side by side (one piece), then writes and reads in one batch.
     RowBuffer range, back;
     ASSERT_TRUE(range.Resize(10, 512).ok());
     Fill(&range, 10, kFloats, 99);
-    ASSERT_TRUE((*f)->WriteRange(100, 10, range).ok());
+    const std::vector<int64_t> run = {100, 101, 102, 103, 104, 105, 106, 107, 108, 109};
+    ASSERT_TRUE((*f)->WriteRows(run, range).ok());  // rows side by side: one write
     const std::vector<int64_t> w = {5, 6}, r = {100, 109, rows[0]};
     RowBuffer pair;
     ASSERT_TRUE(pair.Resize(2, 512).ok());
@@ -77,7 +79,7 @@ TEST(RowFileTest, RowsReadBackAsWritten) {
     EXPECT_EQ(std::memcmp(back.row(0), range.row(0), kFloats * 4), 0);
     EXPECT_EQ(std::memcmp(back.row(1), range.row(9), kFloats * 4), 0);
     EXPECT_EQ(std::memcmp(back.row(2), out.row(0), kFloats * 4), 0);
-    ASSERT_TRUE((*f)->ReadRange(5, 2, &back).ok());
+    ASSERT_TRUE((*f)->ReadRows(std::vector<int64_t>{5, 6}, &back).ok());
     EXPECT_EQ(std::memcmp(back.row(0), pair.row(0), kFloats * 4), 0);
     EXPECT_EQ(std::memcmp(back.row(1), pair.row(1), kFloats * 4), 0);
 
@@ -86,8 +88,10 @@ TEST(RowFileTest, RowsReadBackAsWritten) {
     EXPECT_EQ((*f)->WriteRows(bad, pair).code(), absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE((*f)->ReadRows(std::vector<int64_t>{1}, &back).ok());
     EXPECT_EQ(back.row(0)[0], 0.0f);  // row 1 was never written
-    EXPECT_EQ((*f)->ReadRange(kRows - 1, 2, &back).code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ((*f)->ReadRange(-1, 1, &back).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*f)->ReadRows(std::vector<int64_t>{kRows - 1, kRows}, &back).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ((*f)->ReadRows(std::vector<int64_t>{-1}, &back).code(),
+              absl::StatusCode::kInvalidArgument);
   }
 }
 
@@ -96,9 +100,12 @@ TEST(RowFileTest, RefusesWhatCannotBeMade) {
   EXPECT_EQ(RowFile::Create("/nonexistent/dir", 10, 4, "f").status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(RowFile::Create("/tmp", 0, 4, "f").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RowFile::StrideFor(1), 512);
-  EXPECT_EQ(RowFile::StrideFor(512), 512);
-  EXPECT_EQ(RowFile::StrideFor(513), 1024);
+  EXPECT_EQ(math::KeyValueRecordStride(1), 512);
+  EXPECT_EQ(math::KeyValueRecordStride(512), 512);
+  EXPECT_EQ(math::KeyValueRecordStride(513), 1024);
+  EXPECT_EQ(math::KeyValueSlackRows(10, 2), 5);    // half the rows
+  EXPECT_EQ(math::KeyValueSlackRows(10, 7), 7);    // at least the cache's
+  EXPECT_EQ(math::KeyValueSlackRows(11, 11), 11);  // at most the rows
 }
 
 }  // namespace
