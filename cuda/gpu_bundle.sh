@@ -21,6 +21,7 @@ rm -rf "$dir"
 mkdir -p "$dir/lib"
 for t in "${targets[@]}"; do
   cp "$bin/$t" "$dir/"
+  chmod u+w "$dir/${t##*/}" && strip --strip-unneeded "$dir/${t##*/}"
   ldd "$bin/$t" | awk '$3 ~ /^\// {print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so* | libm.so* | libpthread.so* | libdl.so* | librt.so* | ld-linux* | libcuda.so*) ;;
@@ -28,6 +29,9 @@ for t in "${targets[@]}"; do
     esac
   done
 done
+# Stripped, the bundle is about 59 MiB (unstripped 65, over the 64 MiB the
+# device tool carries with the working tree; each binary holds the fatbin).
+chmod -R u+w "$dir/lib" && strip --strip-unneeded "$dir"/lib/*
 # NCCL is loaded when first needed (dlopen), so ldd does not list it. It is
 # not carried (218 MB, over the device tool's 64 MiB); run.sh finds the one in
 # the GPU machine's Python (nvidia-nccl-cu13) or its CUDA toolkit.
