@@ -7,6 +7,9 @@
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
+#ifdef __x86_64__
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -502,10 +505,70 @@ float InitialValue(const InitializerConfig& init, int64_t table_rows, int64_t ro
 
 namespace {
 
+#ifdef __x86_64__
+// One row of a + b * UnitOf(seed, row, column_hashes[c]) as float, eight
+// columns at a time: UnitOf's two SplitMix64 rounds in 64-bit lanes
+// (AVX-512DQ's vpmullq), the 24-bit value converted exactly, and the same
+// double operations in the same order as the scalar code, with no fused
+// multiply-add (the library is built with -ffp-contract=off), so every
+// element has the scalar code's bits (validation_test checks).
+__attribute__((target("avx512f,avx512dq,avx512vl"))) inline __m512i SplitMix64x8(__m512i x) {
+  x = _mm512_add_epi64(x, _mm512_set1_epi64(static_cast<int64_t>(0x9e3779b97f4a7c15ULL)));
+  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 30)),
+                         _mm512_set1_epi64(static_cast<int64_t>(0xbf58476d1ce4e5b9ULL)));
+  x = _mm512_mullo_epi64(_mm512_xor_si512(x, _mm512_srli_epi64(x, 27)),
+                         _mm512_set1_epi64(static_cast<int64_t>(0x94d049bb133111ebULL)));
+  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 31));
+}
+
+__attribute__((target("avx512f,avx512dq,avx512vl"))) void AffineUnitsAvx512(
+    uint64_t seed, int64_t row, const uint64_t* column_hashes, int64_t cols, double a, double b,
+    float* out) {
+  const __m512i r =
+      _mm512_set1_epi64(static_cast<int64_t>(static_cast<uint64_t>(row) * 0x100000001b3ULL));
+  const __m512i sd = _mm512_set1_epi64(static_cast<int64_t>(seed));
+  const __m512d va = _mm512_set1_pd(a), vb = _mm512_set1_pd(b);
+  const __m512d half = _mm512_set1_pd(0.5), scale = _mm512_set1_pd(16777216.0);
+  for (int64_t c = 0; c < cols; c += 8) {
+    const __mmask8 m = cols - c >= 8 ? 0xff : static_cast<__mmask8>((1u << (cols - c)) - 1);
+    const __m512i h = _mm512_maskz_loadu_epi64(m, column_hashes + c);
+    const __m512i x = SplitMix64x8(_mm512_xor_si512(sd, SplitMix64x8(_mm512_xor_si512(r, h))));
+    const __m512d u =
+        _mm512_div_pd(_mm512_add_pd(_mm512_cvtepu64_pd(_mm512_srli_epi64(x, 40)), half), scale);
+    _mm256_mask_storeu_ps(out + c, m, _mm512_cvtpd_ps(_mm512_add_pd(va, _mm512_mul_pd(vb, u))));
+  }
+}
+
+bool HasAvx512DqVl() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
+#endif
+
 // Rows row_of(0 .. rows-1) of columns [global_col, global_col + cols).
 template <typename RowOf>
 void InitialValuesBy(const InitializerConfig& init, int64_t table_rows, int64_t rows,
                      RowOf row_of, int64_t global_col, int64_t cols, float* out) {
+#ifdef __x86_64__
+  // The uniform initializers are a + b * unit: eight columns at a time
+  // where the CPU has AVX-512 F, DQ and VL (a dynamic table creates rows
+  // inside its updates, so this is on the training path). a and b are
+  // formed as the scalar value functions form them.
+  if ((init.type == InitializerType::kDefault || init.type == InitializerType::kUniform) &&
+      HasAvx512DqVl()) {
+    std::vector<uint64_t> firsts(static_cast<size_t>(cols));
+    for (int64_t c = 0; c < cols; ++c) firsts[c] = HashesOf(init, global_col + c).first;
+    const double bound = DefaultBound(table_rows);
+    const bool uniform = init.type == InitializerType::kUniform;
+    const double a = uniform ? static_cast<double>(init.low) : -bound;
+    const double b = uniform ? static_cast<double>(init.high - init.low) : 2.0 * bound;
+    for (int64_t r = 0; r < rows; ++r) {
+      AffineUnitsAvx512(init.seed, row_of(r), firsts.data(), cols, a, b, out + r * cols);
+    }
+    return;
+  }
+#endif
   std::vector<ColumnHashes> hashes(static_cast<size_t>(cols));
   for (int64_t c = 0; c < cols; ++c) hashes[c] = HashesOf(init, global_col + c);
   WithValueFunction(init, DefaultBound(table_rows), [&](auto value) {

@@ -156,7 +156,10 @@ TEST(InitialValuesTest, MatchInitialValueBitForBit) {
   inits[3].type = InitializerType::kConstant;
   inits[3].value = -1.5f;
   const std::vector<std::vector<int64_t>> blocks = {  // row, rows, col, cols
-      {0, 1, 0, 1}, {0, 40, 0, 16}, {1000, 7, 36, 12}, {999999, 1, 123, 4}};
+      {0, 1, 0, 1}, {0, 40, 0, 16}, {1000, 7, 36, 12}, {999999, 1, 123, 4},
+      // Eight columns at a time where the CPU has AVX-512DQ: whole groups,
+      // a tail of every length, an offset column.
+      {5, 3, 0, 64}, {77, 2, 3, 67}, {123456, 9, 0, 130}, {1, 1, 1, 7}};
   for (const InitializerConfig& init : inits) {
     for (const auto& b : blocks) {
       const int64_t row = b[0], rows = b[1], col = b[2], cols = b[3];
