@@ -224,12 +224,34 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
   const int32_t rank = c.rank;
   const absl::Time start = absl::Now();
   absl::MutexLock lock(&mu_);
-  if (all_aborted_.has_value()) return *all_aborted_;
-  ExpireLocked(start);
-  if (fence_.has_value() && step > *fence_) {
-    return absl::UnavailableError(absl::StrCat(
-        "the collection is moving: its steps are fenced at ", *fence_, " until it has moved; "
-        "step ", step, " is taken after (retry)"));
+  const int64_t ahead = 1 + staleness();
+  // A step one too far ahead of the last applied waits a while first: the
+  // step before it may still be on its way here from the other ranks (a
+  // BOUNDED trainer whose lookup saw that step applied on another worker
+  // sends this one at once, and the last rank's part of it can reach this
+  // worker later). Refused once the call's deadline or a step's timeout
+  // passes; a step further ahead no trainer can have sent yet: refused at
+  // once.
+  const absl::Time wait_until = std::min(deadline, start + options_.timeout);
+  while (true) {
+    if (all_aborted_.has_value()) return *all_aborted_;
+    const absl::Time now = absl::Now();
+    ExpireLocked(now);
+    if (fence_.has_value() && step > *fence_) {
+      return absl::UnavailableError(absl::StrCat(
+          "the collection is moving: its steps are fenced at ", *fence_, " until it has moved; "
+          "step ", step, " is taken after (retry)"));
+    }
+    const auto base = BaseLocked();
+    if (!base.has_value() || step <= *base + ahead) break;
+    if (now >= wait_until || step > *base + ahead + 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, " sent step ", step, " while step ", *base + 1,
+          " is not applied yet: a trainer may run at most ", staleness(), " step(s) ahead (",
+          ember::v1::TrainingSpec::Mode_Name(options_.mode), ")"));
+    }
+    changed_.WaitWithDeadline(&mu_, WakeLocked(wait_until, /*kicks=*/true));
+    ApplyReadyLocked(apply);
   }
   if (applied_.has_value() && step <= *applied_) {
     auto a = applied_digests_.find(step);
@@ -242,13 +264,6 @@ absl::Status StepBarrier::Submit(int64_t step, Contribution c, absl::Time deadli
         " are applied here already", a != applied_digests_.end() && a->second.count(rank)
                                          ? " (with another contribution of this rank)"
                                          : ""));
-  }
-  const int64_t ahead = 1 + staleness();
-  if (const auto base = BaseLocked(); base.has_value() && step > *base + ahead) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", rank, " sent step ", step, " while step ", *base + 1,
-        " is not applied yet: a trainer may run at most ", staleness(), " step(s) ahead (",
-        ember::v1::TrainingSpec::Mode_Name(options_.mode), ")"));
   }
   // The step's contributions held: waiting, or being applied.
   Pending* held = nullptr;

@@ -124,7 +124,10 @@ class StepBarrier {
   // (then DEADLINE_EXCEEDED; the contribution stays held). BOUNDED: once
   // held. *duplicate: it was a retry of a contribution held or applied.
   // Refused, nothing held: a step applied before with another digest, a
-  // step too far ahead of the last applied one, two different
+  // step too far ahead of the last applied one (at once when it is two or
+  // more too far; one too far waits, at most until `deadline` or a step's
+  // timeout, for the step before it: its last rank's part may be on its
+  // way here), two different
   // contributions of one rank to a step (INVALID_ARGUMENT), more bytes
   // held than max_pending_bytes (RESOURCE_EXHAUSTED).
   absl::Status Submit(int64_t step, Contribution c, absl::Time deadline, const ApplyFn& apply,

@@ -114,10 +114,41 @@ TEST(StepBarrierTest, RetriesAreDuplicatesAndConflictsAreRefused) {
   s = b.Submit(7, Make(1, 4), Soon(), log.Fn(), &dup);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("steps up to 7 are applied here already"));
-  s = b.Submit(10, Make(0, 5), Soon(), log.Fn(), &dup);  // 8 not applied: at most 9
+  s = b.Submit(10, Make(0, 5), absl::Now() + absl::Milliseconds(50), log.Fn(),
+               &dup);  // 8 not applied: at most 9 (waited for, then refused)
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("may run at most 1 step(s) ahead"));
+  // Two too far: no trainer can have sent it, refused at once (a long
+  // deadline not waited out).
+  const absl::Time start = absl::Now();
+  s = b.Submit(11, Make(0, 6), absl::Now() + absl::Seconds(30), log.Fn(), &dup);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("sent step 11 while step 8 is not applied yet"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_EQ(log.applied.size(), 1u);
+}
+
+// A step one too far ahead waits for the step before it to be applied (its
+// last rank's part still on its way to this worker: the trainer ahead saw
+// it applied on another worker), then is held as any other.
+TEST(StepBarrierTest, AStepTooFarAheadWaitsForTheOneBefore) {
+  StepBarrier b(Opts(TrainingSpec::BOUNDED, 2, /*staleness=*/1));
+  Log log;
+  bool dup = false;
+  ASSERT_TRUE(b.Submit(0, Make(0, 1), Soon(), log.Fn(), &dup).ok());
+  ASSERT_TRUE(b.Submit(0, Make(1, 2), Soon(), log.Fn(), &dup).ok());  // step 0 applied
+  ASSERT_TRUE(b.Submit(1, Make(0, 3), Soon(), log.Fn(), &dup).ok());
+  std::thread late([&] {  // rank 1's step 1, 100 ms later
+    absl::SleepFor(absl::Milliseconds(100));
+    bool d = false;
+    EXPECT_TRUE(b.Submit(1, Make(1, 4), Soon(), log.Fn(), &d).ok());
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(b.Submit(3, Make(0, 5), Soon(), log.Fn(), &dup).ok());  // needs step 1 applied
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(90));
+  late.join();
+  absl::MutexLock lock(&log.mu);
+  EXPECT_EQ(log.applied.size(), 2u);  // steps 0 and 1; 3 waits for 2
 }
 
 // BOUNDED(1): updates return once held; a lookup for step s waits for step
@@ -371,9 +402,13 @@ TEST(StepBarrierTest, BoundedStepsAreCarriedToTheNextEpoch) {
   EXPECT_FALSE(d);
   EXPECT_EQ(floats, (std::vector<size_t>{4, 4}));  // rank 0's whole update replaced the part
   // Steps up to horizon 3 + 1 + staleness 1 are taken, not past.
+  // (Step 6, one past, waits for its deadline first: step 4 may be on its
+  // way.)
   EXPECT_TRUE(last.Submit(5, Make(0, 8), Soon(), sizes, &d).ok());
-  EXPECT_EQ(last.Submit(6, Make(0, 9), Soon(), sizes, &d).code(),
+  EXPECT_EQ(last.Submit(6, Make(0, 9), absl::Now() + absl::Milliseconds(20), sizes, &d).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(last.Submit(7, Make(0, 10), Soon(), sizes, &d).code(),
+            absl::StatusCode::kInvalidArgument);  // two past: at once
 }
 
 TEST(StepBarrierTest, HeldBytesAreBoundedAndAbortAllWakesEveryWaiter) {
