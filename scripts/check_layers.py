@@ -53,15 +53,19 @@ INCLUDES = {
                                               "server/backend/overflow_guard.h",
                                               "server/backend/shard_registry.h",
                                               "server/common/", "cuda/", "math/"]),
-    # Hash-keyed shards over any backend's fixed ones.
+    # Hash-keyed shards over any backend's fixed ones (the overflow guard:
+    # its refusals name a slot, renamed to the id).
     "backend/dynamic": ("server/backend/dynamic/", ["server/backend/dynamic/",
                                                     "server/backend/embedding_backend.h",
                                                     "server/backend/forwarding_backend.h",
+                                                    "server/backend/overflow_guard.h",
                                                     "server/common/", "math/"]),
-    # Rows on local SSD under a cache in memory, over any backend's shards.
+    # Rows on local SSD under a cache in memory, over any backend's shards
+    # (the overflow guard: its refusals name a cache slot, renamed to the row).
     "backend/key_value": ("server/backend/key_value/", ["server/backend/key_value/",
                                                         "server/backend/embedding_backend.h",
                                                         "server/backend/forwarding_backend.h",
+                                                        "server/backend/overflow_guard.h",
                                                         "server/common/", "math/"]),
     # Which rows changed, over any backend's shards.
     "backend/changes": ("server/backend/changes/", ["server/backend/changes/",

@@ -5,7 +5,10 @@
 #include <cstring>
 #include <limits>
 
+#include <string>
+
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace ember {
@@ -252,6 +255,14 @@ ValueBounds BoundsAfterCheck(const ShardSpec& spec, const ValueBounds& before,
   return b;
 }
 
+namespace {
+// kOverflowRowPayload's text: the shard (table, row and column offsets)
+// and its local row.
+std::string RowPayload(const ShardSpec& spec, int64_t row) {
+  return absl::StrCat(spec.table, ":", spec.row_offset, ":", spec.col_offset, ":", row);
+}
+}  // namespace
+
 absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& r) {
   const std::string where =
       absl::StrCat("gradient update of table '", spec.table, "': row ", spec.row_offset + r.row);
@@ -265,11 +276,41 @@ absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& r) {
                     " value ", WeightLimitOf(spec.weight_type),
                     "; nothing of the call was applied"));
   s.SetPayload(kOverflowPayload, absl::Cord(spec.table));
+  s.SetPayload(kOverflowRowPayload, absl::Cord(RowPayload(spec, r.row)));
   return s;
 }
 
 bool IsOverflowRefusal(const absl::Status& s) {
   return absl::IsInvalidArgument(s) && s.GetPayload(kOverflowPayload).has_value();
+}
+
+int64_t OverflowRowOf(const absl::Status& s, const ShardSpec& spec) {
+  if (!IsOverflowRefusal(s)) return -1;
+  const auto payload = s.GetPayload(kOverflowRowPayload);
+  if (!payload.has_value()) return -1;
+  // The payload ends with the local row; the rest must be this shard's.
+  const std::string text(*payload);
+  const size_t colon = text.rfind(':');
+  int64_t row = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(text.substr(colon + 1), &row) ||
+      RowPayload(spec, row) != text || row < 0 || row >= spec.rows) {
+    return -1;
+  }
+  return row;
+}
+
+absl::Status RenameOverflowRow(const absl::Status& s, const ShardSpec& spec,
+                               const std::string& name) {
+  const int64_t row = OverflowRowOf(s, spec);
+  if (row < 0) return s;
+  const std::string named = absl::StrCat("': row ", spec.row_offset + row);
+  std::string message(s.message());
+  const size_t at = message.find(named);
+  if (at == std::string::npos) return s;
+  message.replace(at, named.size(), absl::StrCat("': ", name));
+  absl::Status renamed(s.code(), message);
+  renamed.SetPayload(kOverflowPayload, *s.GetPayload(kOverflowPayload));
+  return renamed;
 }
 
 }  // namespace backend

@@ -151,6 +151,17 @@ absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& report
 inline constexpr char kOverflowPayload[] = "type.ember.dev/update_overflow";
 bool IsOverflowRefusal(const absl::Status& s);
 
+// For a backend whose rows stand for others (a key_value shard's cache
+// slots, a dynamic shard's slots): the shard-local row an overflow refusal
+// of the wrapped backend's shard `spec` names, or -1 when `s` is not one or
+// names another shard (the payload kOverflowRowPayload: the table, row
+// offset and local row).
+int64_t OverflowRowOf(const absl::Status& s, const ShardSpec& spec);
+// `s` with that row named as `name` instead ("row 123456", "id -77").
+absl::Status RenameOverflowRow(const absl::Status& s, const ShardSpec& spec,
+                               const std::string& name);
+inline constexpr char kOverflowRowPayload[] = "type.ember.dev/update_overflow_row";
+
 // The bounds after applying a checked call's fitting rows (their fp32
 // values in `report`, the stored ones a rounding gap above at most).
 ValueBounds BoundsAfterCheck(const ShardSpec& spec, const ValueBounds& before,

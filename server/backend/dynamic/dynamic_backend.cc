@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/backend/dynamic/dynamic_index.h"
 #include "server/backend/forwarding_backend.h"
+#include "server/backend/overflow_guard.h"
 
 namespace ember {
 namespace backend {
@@ -201,6 +202,7 @@ class DynamicShardsBackend : public ForwardingBackend {
       }  // (a gradient of the wrong size: the wrapped backend refuses it)
     }
     if (absl::Status s = inner()->ApplyGradients(mapped); !s.ok()) {
+      s = NameOverflowId(held, s);  // the id, not the slot the wrapped backend saw
       UndoAll(held, &undo);
       SyncKeys(held);
       return s;
@@ -410,6 +412,23 @@ class DynamicShardsBackend : public ForwardingBackend {
       return k < shards.size() ? shards[k].second.get() : nullptr;
     }
   };
+
+  // An overflow refusal of the wrapped backend names a slot of one of
+  // `held`'s shards: named by the id it holds (before the call's changes
+  // are undone).
+  absl::Status NameOverflowId(const Held& held, const absl::Status& s) const {
+    for (const auto& [id, shard] : held.shards) {
+      ShardSpec fixed = shard->spec;
+      fixed.is_dynamic = false;
+      fixed.rows = shard->spec.rows + 1;
+      const int64_t slot = OverflowRowOf(s, fixed);
+      if (slot < 0 || slot >= shard->spec.rows) continue;
+      EmbeddingBackend::SlotMeta meta;
+      shard->index.ExportSlots(slot, slot + 1, &meta);
+      if (meta.held) return RenameOverflowRow(s, fixed, absl::StrCat("id ", meta.id));
+    }
+    return s;
+  }
   // What an update overwrote: the rows of reused slots, put back on failure.
   struct Undo {
     bool begun = false;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "server/backend/overflow_guard.h"
 #include "gtest/gtest.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/emulated_backend.h"
@@ -482,6 +483,37 @@ TEST(DynamicBackendTest, AFailedKeySyncFallsBackToTheHostFindUntilTheNextUpdate)
   keyed.keyed = true;
   EXPECT_EQ(dyn->Lookup({LookupRequest{keyed, absl::MakeSpan(out)}}).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// An update that would overflow a row is refused naming the row's id, not
+// the slot the wrapped backend holds it in; nothing of it is applied.
+TEST(DynamicBackendTest, AnOverflowRefusalNamesTheId) {
+  auto be = WithDynamicShards(Cpu());
+  ShardSpec spec = SpecOf(OptimizerType::kSgd, 8, DynamicConfig{});
+  spec.optimizer.learning_rate = 10.0f;
+  auto id = be->CreateShard(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<int64_t> one = {1};
+  const std::vector<int64_t> ids = {int64_t{1} << 40, -77};  // slots 0 and 1
+  for (int64_t key : ids) {
+    const std::vector<int64_t> k = {key};
+    const std::vector<float> g(kDim, 0.5f);
+    ASSERT_TRUE(be->ApplyGradients({GradientRequest{FeatureRequest{*id, Pooling::kSum, one, k, {}},
+                                                    g}})
+                    .ok());
+  }
+  const auto held = Held(*be, *id, 8);
+  ASSERT_EQ(held.at(-77), 1);
+  const Rows before = RowOf(*be, *id, spec, 1);
+  const std::vector<int64_t> k = {-77};
+  const std::vector<float> g(kDim, -3e38f);  // w + 10 * 3e38: beyond fp32
+  const absl::Status s =
+      be->ApplyGradients({GradientRequest{FeatureRequest{*id, Pooling::kSum, one, k, {}}, g}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), testing::HasSubstr("table 't': id -77 column "));
+  EXPECT_TRUE(IsOverflowRefusal(s)) << s;
+  EXPECT_EQ(RowOf(*be, *id, spec, 1).w, before.w);
+  EXPECT_EQ(Held(*be, *id, 8), held);
 }
 
 }  // namespace

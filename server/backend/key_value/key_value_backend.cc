@@ -18,6 +18,7 @@
 #include "math/half.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/backend/key_value/row_file.h"
+#include "server/backend/overflow_guard.h"
 
 namespace ember {
 namespace backend {
@@ -211,7 +212,21 @@ class KeyValueBackend : public ForwardingBackend {
       return s;
     }
     if (absl::Status s = MapToSlots(kv, &m); !s.ok()) return s;
-    if (absl::Status s = inner()->ApplyGradients(m.requests); !s.ok()) return s;
+    if (absl::Status s = inner()->ApplyGradients(m.requests); !s.ok()) {
+      // An overflow refusal names a cache slot: named by its row instead.
+      for (const auto& shard : kv) {
+        if (shard == nullptr) continue;
+        ShardSpec cache = shard->spec;
+        cache.rows = shard->cache_rows();
+        cache.cache_rows = 0;
+        const int64_t slot = OverflowRowOf(s, cache);
+        if (slot >= 0 && shard->row_of_slot[slot] >= 0) {
+          return RenameOverflowRow(
+              s, cache, absl::StrCat("row ", shard->spec.row_offset + shard->row_of_slot[slot]));
+        }
+      }
+      return s;
+    }
     for (size_t i = 0; i < kv.size(); ++i) {
       if (kv[i] == nullptr) continue;
       for (int64_t slot : m.ids[i]) kv[i]->changed[slot] = 1;

@@ -9,6 +9,7 @@
 // size limit) in a write-back and at creation, imports and exports through
 // the cache, and concurrent callers against a count of their updates.
 #include "server/backend/key_value/key_value_backend.h"
+#include "server/backend/overflow_guard.h"
 
 #include <sys/resource.h>
 
@@ -507,6 +508,32 @@ TEST(KeyValueBackendTest, ConcurrentCallersLoseNoUpdate) {
     }
   }
   EXPECT_GT(kv->GetTierStats(*kid)->write_backs, 0);
+}
+
+// An update that would overflow a row is refused naming the table's row,
+// not the cache slot the wrapped backend holds it in; nothing is applied.
+TEST(KeyValueBackendTest, AnOverflowRefusalNamesTheRow) {
+  auto be = KeyValue();
+  ShardSpec spec = Spec(OptimizerType::kSgd, 1000, 8, 16);
+  spec.optimizer.learning_rate = 10.0f;
+  auto id = be->CreateShard(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  Batch b;
+  b.lengths = {1};
+  b.ids = {950};  // the first row cached: slot 0
+  const std::vector<float> small(8, 0.5f);
+  ASSERT_TRUE(be->ApplyGradients({GradientRequest{Feature(*id, Pooling::kSum, b), small}}).ok());
+  std::vector<float> before(8), state;
+  ASSERT_TRUE(be->ExportRows(*id, 950, 951, absl::MakeSpan(before), absl::MakeSpan(state)).ok());
+  const std::vector<float> huge(8, -3e38f);  // w + 10 * 3e38: beyond fp32
+  const absl::Status s =
+      be->ApplyGradients({GradientRequest{Feature(*id, Pooling::kSum, b), huge}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("table 't': row 953 column "), std::string::npos) << s;
+  EXPECT_TRUE(IsOverflowRefusal(s)) << s;
+  std::vector<float> after(8);
+  ASSERT_TRUE(be->ExportRows(*id, 950, 951, absl::MakeSpan(after), absl::MakeSpan(state)).ok());
+  EXPECT_EQ(after, before);
 }
 
 }  // namespace
