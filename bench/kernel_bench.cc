@@ -3,7 +3,7 @@
 //
 //   bazel run -c opt //bench:kernel_bench -- [--backend=cpu|cuda] --rows=1000000 --dim=64 --batch=2048
 //       --pooling_factor=20 --threads=1 --distribution=uniform|zipf
-//       --dtype=fp32|fp16|bf16 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
+//       --dtype=fp32|fp16|bf16|int8|int4 --pooling=sum|mean --optimizer=sgd|adagrad|rowwise_adagrad|adam
 //       [--iters=20] [--callers=1] [--id_sets=1] [--ceiling] [--format=table|json] [--serve]
 //
 // --tables=T holds T tables of --rows x --dim, one feature each, every call
@@ -56,7 +56,8 @@ DEFINE_int32(batch, 2048, "Bags per batch.");
 DEFINE_int32(pooling_factor, 20, "Ids per bag.");
 DEFINE_int32(threads, 1, "Backend threads (cpu backend).");
 DEFINE_string(distribution, "uniform", "uniform or zipf (alpha 1.05, hot rows scattered).");
-DEFINE_string(dtype, "fp32", "fp32, fp16 or bf16.");
+DEFINE_string(dtype, "fp32",
+              "fp32, fp16, bf16, or int8 / int4 (row-wise quantized: lookups only, no backward).");
 DEFINE_string(pooling, "sum", "sum or mean.");
 DEFINE_string(optimizer, "sgd", "sgd, adagrad, rowwise_adagrad or adam.");
 DEFINE_bool(stochastic_rounding, true,
@@ -131,7 +132,7 @@ int main(int argc, char** argv) {
     const std::string& value;
     std::vector<std::string> valid;
   } choices[] = {
-      {"dtype", FLAGS_dtype, {"fp32", "fp16", "bf16"}},
+      {"dtype", FLAGS_dtype, {"fp32", "fp16", "bf16", "int8", "int4"}},
       {"distribution", FLAGS_distribution, {"uniform", "zipf"}},
       {"pooling", FLAGS_pooling, {"sum", "mean"}},
       {"optimizer", FLAGS_optimizer, {"sgd", "adagrad", "rowwise_adagrad", "adam"}},
@@ -153,7 +154,16 @@ int main(int argc, char** argv) {
   spec.table_rows = FLAGS_rows;
   spec.weight_type = FLAGS_dtype == "fp16"   ? eb::WeightType::kFp16
                      : FLAGS_dtype == "bf16" ? eb::WeightType::kBf16
+                     : FLAGS_dtype == "int8" ? eb::WeightType::kInt8
+                     : FLAGS_dtype == "int4" ? eb::WeightType::kInt4
                                              : eb::WeightType::kFp32;
+  // Quantized rows take no updates (nor optimizer state): no backward.
+  const bool quantized = eb::IsQuantized(spec.weight_type);
+  if (quantized && FLAGS_optimizer != "sgd") {
+    std::fprintf(stderr, "kernel_bench: --dtype=%s tables have no optimizer (use --optimizer=sgd)\n",
+                 FLAGS_dtype.c_str());
+    return 1;
+  }
   spec.optimizer.type = FLAGS_optimizer == "adagrad"           ? eb::OptimizerType::kAdagrad
                         : FLAGS_optimizer == "rowwise_adagrad" ? eb::OptimizerType::kRowwiseAdagrad
                         : FLAGS_optimizer == "adam"            ? eb::OptimizerType::kAdam
@@ -242,7 +252,9 @@ int main(int argc, char** argv) {
   const std::vector<eb::GradientRequest>& greq = gradient_calls[0];
 
   // A failing call would time nothing: check one of each first.
-  for (const absl::Status& s : {(*backend)->Lookup(lreq), (*backend)->ApplyGradients(greq)}) {
+  for (const absl::Status& s :
+       {(*backend)->Lookup(lreq),
+        quantized ? absl::OkStatus() : (*backend)->ApplyGradients(greq)}) {
     if (!s.ok()) {
       std::fprintf(stderr, "kernel_bench: %s\n", s.ToString().c_str());
       return 1;
@@ -293,20 +305,21 @@ int main(int argc, char** argv) {
                      request.c_str());
         return 1;
       }
-      const double f = time_forward(), b = time_backward();
+      const double f = time_forward(), b = quantized ? 0.0 : time_backward();
       std::printf("{\"backend\": \"%s\", \"lookups_per_s\": %.4g, \"fwd_ms\": %.4f, "
                   "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f}\n",
-                  (*backend)->Name().c_str(), all_ids / f, f * 1e3, all_ids / b, b * 1e3);
+                  (*backend)->Name().c_str(), all_ids / f, f * 1e3, b > 0 ? all_ids / b : 0.0,
+                  b * 1e3);
       std::fflush(stdout);
     }
     return 0;
   }
-  const int elem = spec.weight_type == eb::WeightType::kFp32 ? 4 : 2;
+  // Bytes a row read moves (a quantized row: its values, scale and bias).
+  const int64_t row_bytes = eb::WeightRowBytes(spec.weight_type, FLAGS_dim);
   // The lookups' prefetch, as the CPU backend chooses it for these shards,
   // all read in each call (CreateCpuBackend has accepted the style by now).
   eb::PrefetchAhead prefetch;
   if (FLAGS_backend == "cpu") {
-    const int64_t row_bytes = int64_t{FLAGS_dim} * elem;
     prefetch = eb::ShardLookupPrefetch(FLAGS_prefetch_distance,
                                        *eb::ParsePrefetchStyle(FLAGS_prefetch_style), row_bytes,
                                        FLAGS_rows, tables * row_bytes * FLAGS_rows);
@@ -319,7 +332,7 @@ int main(int argc, char** argv) {
   uint64_t ceiling_checksum = 0;
   int ceiling_scale = 0;
   if (FLAGS_ceiling) {
-    ember::bench::RowCeiling ceiling(FLAGS_rows, int64_t{FLAGS_dim} * elem,
+    ember::bench::RowCeiling ceiling(FLAGS_rows, row_bytes,
                                      FLAGS_ceiling_huge_pages);
     std::vector<absl::Span<const int64_t>> id_sets;
     for (int k = 0; k < FLAGS_id_sets; ++k) id_sets.push_back(sets[k][0].ids);
@@ -359,7 +372,7 @@ int main(int argc, char** argv) {
   } else {
     fwd_s = time_forward();
   }
-  const double bwd_s = time_backward();
+  const double bwd_s = quantized ? 0.0 : time_backward();
   // Host-side costs inside those calls, timed alone: request validation,
   // and one plain memcpy of the bytes a call moves between the caller's
   // arrays and the device (ids and lengths in, output out; for the backward,
@@ -378,8 +391,8 @@ int main(int argc, char** argv) {
   const double memcpy_bwd_s =
       time_it([&] { std::memcpy(copy_dst.data(), copy_src.data(), bwd_bytes); });
   const double lookups = all_ids / fwd_s;
-  const double gbps = all_ids * FLAGS_dim * elem / fwd_s / 1e9;
-  const double bwd = all_ids / bwd_s;
+  const double gbps = all_ids * row_bytes / fwd_s / 1e9;
+  const double bwd = quantized ? 0.0 : all_ids / bwd_s;
   if (FLAGS_format == "json") {
     std::printf(
         "{\"backend\": \"%s\", \"rows\": %lld, \"dim\": %d, \"batch\": %d, \"pooling_factor\": %d, "
@@ -416,18 +429,22 @@ int main(int argc, char** argv) {
                   "ids and threads, prefetching %dx as far; %s pages): the forward runs at %.2f "
                   "of it [%.2f-%.2f over %d rounds in turn]\n",
                   ceiling_s * 1e3, all_ids / ceiling_s,
-                  all_ids * FLAGS_dim * elem / ceiling_s / 1e9, ceiling_scale,
+                  all_ids * row_bytes / ceiling_s / 1e9, ceiling_scale,
                   FLAGS_ceiling_huge_pages ? "huge" : "4 KiB", of_ceiling, of_ceiling_min,
                   of_ceiling_max, FLAGS_ceiling_rounds);
       std::printf("  huge pages: %.0f MiB of the two tables' %.0f MiB (the backend's and the "
                   "ceiling's)\n",
-                  huge_page_bytes / 1048576.0, 2.0 * FLAGS_rows * FLAGS_dim * elem / 1048576.0);
+                  huge_page_bytes / 1048576.0, 2.0 * FLAGS_rows * row_bytes / 1048576.0);
     }
-    std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s%s)\n", bwd_s * 1e3, bwd,
-                FLAGS_optimizer.c_str(),
-                FLAGS_dtype == "fp32"              ? ""
-                : FLAGS_stochastic_rounding ? ", stochastic rounding"
-                                            : ", rounding to nearest");
+    if (quantized) {
+      std::printf("  backward: none (%s rows take no updates)\n", FLAGS_dtype.c_str());
+    } else {
+      std::printf("  backward: %.3f ms/batch, %.3g lookups/s (with %s%s)\n", bwd_s * 1e3, bwd,
+                  FLAGS_optimizer.c_str(),
+                  FLAGS_dtype == "fp32"              ? ""
+                  : FLAGS_stochastic_rounding ? ", stochastic rounding"
+                                              : ", rounding to nearest");
+    }
     std::printf("  host parts: validation %.3f / %.3f ms, memcpy of the bytes moved %.3f / %.3f "
                 "ms (forward / backward)\n",
                 validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,

@@ -69,7 +69,10 @@ EMBER_HD float Sqrt(float a) {
 // nearest or stochastically (the stochastic round-up of the largest value
 // carries into no exponent).
 EMBER_HD float WeightLimit(int32_t weight_type) {
-  return weight_type == 1 ? 65504.0f : weight_type == 2 ? 3.38953139e38f : 3.40282347e38f;
+  // (3 and 4, INT8 and INT4: a quantized row's fp16 scale and bias.)
+  return weight_type == 1 || weight_type >= 3 ? 65504.0f
+         : weight_type == 2                   ? 3.38953139e38f
+                                              : 3.40282347e38f;
 }
 // Optimizer state is fp32.
 constexpr float kStateLimit = 3.40282347e38f;

@@ -6,6 +6,7 @@
 
 #include "math/embedding_math.h"
 #include "math/key_index.h"
+#include "math/rowwise_quant.h"
 
 namespace ember {
 namespace planner {
@@ -97,9 +98,21 @@ int DataTypeBytes(ember::v1::DataType type) {
     case ember::v1::FP16:
     case ember::v1::BF16:
       return 2;
+    case ember::v1::INT8:
+    case ember::v1::INT4:
+      return 1;
     default:
       return 4;
   }
+}
+
+int QuantBitsOf(ember::v1::DataType type) {
+  return type == ember::v1::INT8 ? 8 : type == ember::v1::INT4 ? 4 : 0;
+}
+
+int64_t WeightRowBytes(const TableWorkload& w, int64_t cols) {
+  return w.quant_bits > 0 ? backend::math::QuantizedRowBytes(w.quant_bits, cols)
+                          : cols * w.dtype_bytes;
 }
 
 int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
@@ -168,7 +181,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
 
   const int g = std::max(1, m.access_granularity_bytes);
   const int64_t row_bytes =
-      (cols * w.dtype_bytes + g - 1) / g * static_cast<int64_t>(g);
+      (WeightRowBytes(w, cols) + g - 1) / g * static_cast<int64_t>(g);
   const int64_t state_row_bytes = OptimizerStateBytesPerRow(w.optimizer, cols);
   const double ms_per_byte = MsPerByte(m, kernel, device, w.cache_load_factor);
   const double penalty = device == ember::v1::CUDA ? NarrowRowPenalty(m, cols) : 1.0;
@@ -211,7 +224,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
       TransferMs(bwd_grad_bytes + bwd_ids * id_bytes + bwd_length_bytes, m.network_bw_gbps);
 
   // Storage.
-  const int64_t weights = block.rows * cols * w.dtype_bytes;
+  const int64_t weights = block.rows * WeightRowBytes(w, cols);
   const int64_t state = block.rows * state_row_bytes;
   c.resident_bytes = weights + state;
   const int64_t io = static_cast<int64_t>(
@@ -223,7 +236,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // worker a copy of the index in HBM (it finds lookup ids there).
   int64_t zero_row = 0, index = 0, host_books = 0;
   if (w.dynamic && block.rows > 0) {
-    zero_row = cols * w.dtype_bytes + state_row_bytes;
+    zero_row = WeightRowBytes(w, cols) + state_row_bytes;
     index = backend::math::kKeyEntryBytes *
             static_cast<int64_t>(backend::math::KeyIndexEntries(block.rows));
     host_books = index + backend::math::kKeySlotMetaBytes * block.rows;

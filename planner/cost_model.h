@@ -127,6 +127,7 @@ struct TableWorkload {
   bool weighted = false;       // per-sample weights travel with the ids
   bool sequence = false;       // pooling NONE: one output row per id
   int dtype_bytes = 4;         // weight element size
+  int quant_bits = 0;          // INT8 / INT4 rows (8, 4; math/rowwise_quant.h); 0: none
   ember::v1::OptimizerSpec::Type optimizer = ember::v1::OptimizerSpec::SGD;
   double cache_load_factor = 0.2;  // for fused_uvm_caching
   // A dynamic (hash-keyed) table: its shards also hold a zero row, an id
@@ -172,8 +173,14 @@ int64_t OptimizerStateBytesPerRow(ember::v1::OptimizerSpec::Type optimizer,
 // ids touch fewer, so for them this is an upper bound.
 double ExpectedDistinctRows(double rows, double ids);
 
-// Bytes per weight element of a data type (fp32 4, fp16/bf16 2).
+// Bytes per weight element of a data type (fp32 4, fp16/bf16 2, INT8 and
+// INT4 1: their rows are QuantBitsOf's).
 int DataTypeBytes(ember::v1::DataType type);
+// The bits of a quantized data type's values (INT8 8, INT4 4), else 0.
+int QuantBitsOf(ember::v1::DataType type);
+// Bytes of a stored row of `cols` weights (a quantized row: its values,
+// scale and bias).
+int64_t WeightRowBytes(const TableWorkload& w, int64_t cols);
 
 // Estimates one shard `block` of a table with `table_rows` rows placed with
 // `type` and `kernel` on a `device` worker; `world_size` is the number of

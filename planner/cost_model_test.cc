@@ -197,6 +197,18 @@ TEST(CostModelTest, OptimizerStateBytes) {
   EXPECT_EQ(DataTypeBytes(ember::v1::FP32), 4);
   EXPECT_EQ(DataTypeBytes(ember::v1::FP16), 2);
   EXPECT_EQ(DataTypeBytes(ember::v1::BF16), 2);
+  // Quantized rows: their values, then a 4-byte fp16 scale and bias.
+  TableWorkload w;
+  w.dtype_bytes = DataTypeBytes(ember::v1::INT8);
+  w.quant_bits = QuantBitsOf(ember::v1::INT8);
+  EXPECT_EQ(WeightRowBytes(w, 64), 68);
+  w.quant_bits = QuantBitsOf(ember::v1::INT4);
+  EXPECT_EQ(WeightRowBytes(w, 64), 36);
+  EXPECT_EQ(WeightRowBytes(w, 7), 8);
+  EXPECT_EQ(QuantBitsOf(ember::v1::FP16), 0);
+  w.quant_bits = 0;
+  w.dtype_bytes = 2;
+  EXPECT_EQ(WeightRowBytes(w, 64), 128);
 }
 
 TEST(CostModelTest, StorageTiersByKernel) {

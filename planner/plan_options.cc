@@ -133,6 +133,7 @@ TableWorkload WorkloadFor(const TableConfig& t, const ParameterConstraints& c,
   w.weighted = c.is_weighted();
   w.sequence = t.pooling() == TableConfig::NONE;
   w.dtype_bytes = DataTypeBytes(t.data_type());
+  w.quant_bits = QuantBitsOf(t.data_type());
   w.optimizer = t.optimizer().type();
   w.dynamic = t.has_dynamic();
   w.cache_load_factor = c.cache_load_factor() > 0

@@ -129,6 +129,10 @@ void CheckPerFeature(const std::string& label, const char* field, int count,
   }
 }
 
+bool IsQuantized(const TableConfig& t) {
+  return t.data_type() == ember::v1::INT8 || t.data_type() == ember::v1::INT4;
+}
+
 void CheckConstraints(const std::string& name, const ParameterConstraints& c,
                       const TableConfig* table, Problems* p) {
   const std::string label = absl::StrCat("constraints for '", name, "'");
@@ -143,6 +147,10 @@ void CheckConstraints(const std::string& name, const ParameterConstraints& c,
   for (const std::string& k : c.compute_kernels()) {
     auto parsed = ParseComputeKernel(k);
     if (!parsed.ok()) p->Add(label, ": ", parsed.status().message());
+    if (k == "key_value" && IsQuantized(*table)) {
+      p->Add(label, ": key_value holds fp32 rows; ",
+             ember::v1::DataType_Name(table->data_type()), " tables are held in memory");
+    }
   }
   if (c.min_partition() < 0) {
     p->Add(label, ": min_partition must be >= 0, got ", c.min_partition());
@@ -170,6 +178,27 @@ void CheckConstraints(const std::string& name, const ParameterConstraints& c,
   if (!(c.cache_load_factor() >= 0 && c.cache_load_factor() <= 1)) {
     p->Add(label, ": cache_load_factor must be in [0, 1], got ",
            c.cache_load_factor());
+  }
+}
+
+// INT8 / INT4 tables are row-wise quantized for serving: fixed, no
+// optimizer state, held in memory.
+void CheckDataType(const TableConfig& t, const std::string& label, Problems* p) {
+  if (!ember::v1::DataType_IsValid(t.data_type())) {
+    p->Add(label, ": data_type ", static_cast<int>(t.data_type()),
+           " is not FP32, FP16, BF16, INT8 or INT4");
+    return;
+  }
+  if (!IsQuantized(t)) return;
+  const std::string type = ember::v1::DataType_Name(t.data_type());
+  if (t.has_dynamic()) {
+    p->Add(label, ": ", type, " tables are fixed (a dynamic table's rows are made by updates, "
+           "which ", type, " rows do not take)");
+  }
+  if (t.optimizer().type() != ember::v1::OptimizerSpec::SGD) {
+    p->Add(label, ": ", type, " tables are for serving and take no updates: leave "
+           "optimizer.type unset (SGD), got ",
+           ember::v1::OptimizerSpec::Type_Name(t.optimizer().type()));
   }
 }
 
@@ -247,6 +276,7 @@ absl::Status ValidateCollectionSpec(const CollectionSpec& spec) {
     }
     CheckOptimizer(t, label, &p);
     CheckInitializer(t, label, &p);
+    CheckDataType(t, label, &p);
   }
   // Sorted for a deterministic message.
   std::vector<std::string> keys;
@@ -321,6 +351,10 @@ absl::Status ValidatePlanInputs(const ember::v1::CollectionSpec& spec,
     Problems p;
     for (int i = 0; i < spec.tables_size(); ++i) {
       const TableConfig& t = spec.tables(i);
+      if (IsQuantized(t)) {
+        p.Add(TableLabel(t, i), ": ", ember::v1::DataType_Name(t.data_type()),
+              " tables are served by CPU workers (the CUDA kernels have no quantized rows yet)");
+      }
       if (t.embedding_dim() % kCudaColumnMultiple != 0) {
         p.Add(TableLabel(t, i), ": embedding_dim ", t.embedding_dim(), " is not a multiple of ",
               kCudaColumnMultiple, ", which CUDA workers need (CPU workers take any dim)");

@@ -79,6 +79,39 @@ TEST(ValidateCollectionSpecTest, AnyPositiveDimOnCpuMultiplesOfFourOnCuda) {
   EXPECT_TRUE(ValidatePlanInputs(spec, topo).ok());
 }
 
+// INT8 / INT4 tables: fixed, no optimizer state, held in memory, CPU
+// workers; an unknown data type is named.
+TEST(ValidateCollectionSpecTest, QuantizedTablesAreForServing) {
+  auto spec = Spec(kGood);
+  spec.mutable_tables(0)->set_data_type(ember::v1::INT8);
+  spec.mutable_tables(1)->set_data_type(ember::v1::INT4);
+  EXPECT_TRUE(ValidateCollectionSpec(spec).ok());
+  ember::v1::Topology topo;
+  topo.set_world_size(2);
+  topo.set_compute_device(ember::v1::CPU);
+  EXPECT_TRUE(ValidatePlanInputs(spec, topo).ok());
+  topo.set_compute_device(ember::v1::CUDA);
+  const absl::Status cuda = ValidatePlanInputs(spec, topo);
+  EXPECT_THAT(std::string(cuda.message()),
+              HasSubstr("table 'a': INT8 tables are served by CPU workers"));
+
+  auto adagrad = spec;
+  adagrad.mutable_tables(0)->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAGRAD);
+  ExpectInvalid(adagrad, "table 'a': INT8 tables are for serving and take no updates: leave "
+                         "optimizer.type unset (SGD), got ADAGRAD");
+  auto dynamic = spec;
+  dynamic.mutable_tables(1)->set_num_embeddings(0);
+  dynamic.mutable_tables(1)->mutable_dynamic()->set_capacity(100);
+  ExpectInvalid(dynamic, "table 'b': INT4 tables are fixed");
+  auto kv = spec;
+  (*kv.mutable_constraints())["b"].add_compute_kernels("key_value");
+  ExpectInvalid(kv, "constraints for 'b': key_value holds fp32 rows; INT4 tables are held in "
+                    "memory");
+  auto unknown = spec;
+  unknown.mutable_tables(0)->set_data_type(static_cast<ember::v1::DataType>(9));
+  ExpectInvalid(unknown, "table 'a': data_type 9 is not FP32, FP16, BF16, INT8 or INT4");
+}
+
 TEST(ValidateCollectionSpecTest, RejectsDuplicateTableName) {
   auto spec = Spec(kGood);
   spec.mutable_tables(1)->set_name("a");

@@ -35,7 +35,8 @@ INCLUDES = {
     "link": ("link/", ["link/", "cuda/cuda_status.h"]),
     # The planner sizes tables by what the backends hold (math/): the
     # optimizers' state layout and a dynamic table's index.
-    "planner": ("planner/", ["planner/", "proto/", "math/embedding_math.h", "math/key_index.h"]),
+    "planner": ("planner/", ["planner/", "proto/", "math/embedding_math.h", "math/key_index.h",
+                             "math/rowwise_quant.h"]),
     "common": ("server/common/", ["server/common/", "proto/"]),
     "backend": ("server/backend/", ["server/backend/embedding_backend.h",
                                     "server/backend/overflow_guard.h",

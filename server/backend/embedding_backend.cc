@@ -15,6 +15,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "math/rowwise_quant.h"
 #include "server/common/id_range.h"
 
 namespace ember {
@@ -197,8 +198,40 @@ int64_t SaturatedBytes(int64_t rows, int64_t per_row, int64_t extra = 0) {
 }
 }  // namespace
 
+int64_t WeightRowBytes(WeightType t, int64_t dim) {
+  switch (t) {
+    case WeightType::kFp16:
+    case WeightType::kBf16:
+      return 2 * dim;
+    case WeightType::kInt8:
+    case WeightType::kInt4:
+      return math::QuantizedRowBytes(QuantBits(t), dim);
+    default:
+      return 4 * dim;
+  }
+}
+
+const char* WeightTypeName(WeightType t) {
+  switch (t) {
+    case WeightType::kFp16:
+      return "fp16";
+    case WeightType::kBf16:
+      return "bf16";
+    case WeightType::kInt8:
+      return "INT8";
+    case WeightType::kInt4:
+      return "INT4";
+    default:
+      return "fp32";
+  }
+}
+
 int64_t ShardBytes(const ShardSpec& spec) {
   if (spec.cache_rows > 0) return KeyValueMemoryBytes(spec);
+  if (IsQuantized(spec.weight_type)) {
+    return SaturatedBytes(spec.rows, WeightRowBytes(spec.weight_type, spec.dim) +
+                                         4 * OptimizerStateWidth(spec.optimizer.type, spec.dim));
+  }
   int64_t elem = 4;
   if (spec.weight_type == WeightType::kFp16 || spec.weight_type == WeightType::kBf16) elem = 2;
   return SaturatedBytes(spec.rows,
@@ -246,17 +279,22 @@ absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
   if (absl::Status s = CheckFinite(state, what, "state"); !s.ok()) return s;
   // A weight the table's type cannot hold would be stored as Inf (and the
   // checkpoints holding it would not restore).
+  // (A quantized row's scale and bias are fp16: its values must be too.)
   if (spec.weight_type != WeightType::kFp32) {
-    const bool fp16 = spec.weight_type == WeightType::kFp16;
+    const bool bf16 = spec.weight_type == WeightType::kBf16;
     for (size_t i = 0; i < weights.size(); ++i) {  // finite, checked above
-      const float stored = fp16 ? Fp16ToFloat(FloatToFp16(weights[i]))
-                                : Bf16ToFloat(FloatToBf16(weights[i]));
+      const float stored = bf16 ? Bf16ToFloat(FloatToBf16(weights[i]))
+                                : Fp16ToFloat(FloatToFp16(weights[i]));
       if (std::isinf(stored)) {
         const int64_t cols = spec.dim;
         return absl::InvalidArgumentError(absl::StrCat(
             what, ": row ", spec.row_offset + b + static_cast<int64_t>(i) / cols, " column ",
             spec.col_offset + static_cast<int64_t>(i) % cols, ": weight ", weights[i],
-            " overflows ", fp16 ? "fp16 (largest 65504)" : "bf16 (largest 3.39e38)"));
+            " overflows ",
+            bf16                                     ? "bf16 (largest 3.39e38)"
+            : spec.weight_type == WeightType::kFp16 ? "fp16 (largest 65504)"
+                                                     : "the fp16 scale and bias of a quantized "
+                                                       "row (largest 65504)"));
       }
     }
   }
@@ -296,6 +334,15 @@ absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple) {
     return bad("the key_value kernel (cache_rows ", s.cache_rows,
                ") needs a worker with an SSD tier (--ssd_dir)");
   }
+  if (static_cast<int>(s.weight_type) < 0 || static_cast<int>(s.weight_type) >= kWeightTypes) {
+    return bad("unknown weight type ", static_cast<int>(s.weight_type));
+  }
+  if (IsQuantized(s.weight_type) && s.optimizer.type != OptimizerType::kSgd) {
+    return bad(WeightTypeName(s.weight_type),
+               " rows are for serving and take no updates: no optimizer state (SGD, the "
+               "default), got optimizer type ",
+               static_cast<int>(s.optimizer.type));
+  }
   const OptimizerConfig& o = s.optimizer;
   if (!(o.learning_rate >= 0) || !std::isfinite(o.learning_rate)) {
     return bad("learning_rate must be finite and >= 0");
@@ -326,10 +373,7 @@ absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple) {
   const double limit = math::WeightLimit(static_cast<int32_t>(s.weight_type));
   if (!(init_bound <= limit)) {
     return bad("the initializer can produce weights of magnitude up to ", init_bound,
-               ", beyond the largest finite ",
-               s.weight_type == WeightType::kFp16   ? "fp16 (65504)"
-               : s.weight_type == WeightType::kBf16 ? "bf16 (3.39e38)"
-                                                    : "fp32 (3.4e38)");
+               ", beyond the largest finite ", WeightTypeName(s.weight_type), " value ", limit);
   }
   return absl::OkStatus();
 }

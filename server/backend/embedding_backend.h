@@ -67,7 +67,17 @@ namespace ember {
 namespace backend {
 
 enum class Pooling { kSum, kMean, kNone };
-enum class WeightType { kFp32, kFp16, kBf16 };
+// kInt8 / kInt4: row-wise quantized rows (math/rowwise_quant.h), for
+// serving: lookups, exports and imports, no updates.
+enum class WeightType { kFp32, kFp16, kBf16, kInt8, kInt4 };
+inline constexpr int kWeightTypes = 5;
+inline bool IsQuantized(WeightType t) { return t == WeightType::kInt8 || t == WeightType::kInt4; }
+// The bits of a quantized type's values (8 or 4).
+inline int QuantBits(WeightType t) { return t == WeightType::kInt4 ? 4 : 8; }
+// Bytes of one stored row of `dim` weights.
+int64_t WeightRowBytes(WeightType t, int64_t dim);
+// "fp32", "fp16", "bf16", "INT8", "INT4".
+const char* WeightTypeName(WeightType t);
 enum class OptimizerType { kSgd, kAdagrad, kRowwiseAdagrad, kAdam };
 enum class WeightDecayMode { kDefault, kL2, kDecouple };
 enum class InitializerType { kDefault, kUniform, kNormal, kConstant };
@@ -662,6 +672,11 @@ absl::Status ValidateAll(absl::Span<const Request> requests, FindSpec&& find_spe
     if (f.on_device != requests[0].feature.on_device) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": inputs on the device and in host memory in one call"));
+    }
+    if (!IsLookup(requests[i]) && IsQuantized(spec->weight_type)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": the table is ", WeightTypeName(spec->weight_type),
+          " (row-wise quantized, for serving): it takes lookups and imports, no updates"));
     }
     if (f.keyed && !IsLookup(requests[i])) {
       return absl::InvalidArgumentError(

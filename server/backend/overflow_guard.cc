@@ -34,21 +34,15 @@ double StoredWeightBound(WeightType t, double fp32_bound) {
       return fp32_bound * (1 + 0x1p-10) + 0x1p-24;
     case WeightType::kBf16:
       return fp32_bound * (1 + 0x1p-7) + 0x1p-126;
+    case WeightType::kInt8:
+    case WeightType::kInt4:  // half a step of a range at most twice the bound
+      return fp32_bound * (1 + 0x1p-2) + 0x1p-24;
     default:
       return fp32_bound;
   }
 }
 
-const char* TypeName(WeightType t) {
-  switch (t) {
-    case WeightType::kFp16:
-      return "fp16";
-    case WeightType::kBf16:
-      return "bf16";
-    default:
-      return "fp32";
-  }
-}
+const char* TypeName(WeightType t) { return WeightTypeName(t); }
 
 }  // namespace
 

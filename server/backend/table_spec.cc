@@ -36,6 +36,12 @@ backend::ShardSpec ShardSpecFromTable(const TableConfig& table, int64_t row_offs
     case ember::v1::BF16:
       s.weight_type = backend::WeightType::kBf16;
       break;
+    case ember::v1::INT8:
+      s.weight_type = backend::WeightType::kInt8;
+      break;
+    case ember::v1::INT4:
+      s.weight_type = backend::WeightType::kInt4;
+      break;
     default:
       s.weight_type = backend::WeightType::kFp32;
   }

@@ -36,8 +36,6 @@ inline void PrefetchForWrite(const void* p) {
   asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p)));
 }
 
-int ElementBytes(WeightType t) { return t == WeightType::kFp32 ? 4 : 2; }
-
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
@@ -52,7 +50,7 @@ std::unique_ptr<T[], FreeDeleter> AllocateHost(int64_t count) {
 
 struct Shard {
   ShardSpec spec;
-  int elem_bytes = 4;
+  int64_t row_bytes = 0;  // WeightRowBytes: a quantized row has its scale and bias
   int64_t state_width = 0;
   std::unique_ptr<uint8_t[], FreeDeleter> weights;  // [rows, dim] in spec.weight_type
   std::unique_ptr<float[], FreeDeleter> state;      // [rows, state_width]
@@ -63,7 +61,7 @@ struct Shard {
   PrefetchAhead lookup_prefetch;
   PrefetchAhead lookup_prefetch_large_call;
 
-  int64_t RowBytes() const { return spec.dim * elem_bytes; }
+  int64_t RowBytes() const { return row_bytes; }
   int64_t WeightBytes() const { return spec.rows * RowBytes(); }
   const uint8_t* Row(int64_t r) const { return weights.get() + r * RowBytes(); }
   uint8_t* Row(int64_t r) { return weights.get() + r * RowBytes(); }
@@ -106,7 +104,7 @@ class CpuBackend : public EmbeddingBackend {
     if (absl::Status s = ValidateShardSpec(spec); !s.ok()) return s;
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
-    shard->elem_bytes = ElementBytes(spec.weight_type);
+    shard->row_bytes = WeightRowBytes(spec.weight_type, spec.dim);
     shard->state_width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
     shard->lookup_prefetch =
         ShardLookupPrefetch(options_.prefetch_distance, style_, shard->RowBytes(), spec.rows,

@@ -65,14 +65,48 @@ using NarrowFn = void (*)(void* row, const float* w, int64_t dim, uint64_t row_k
 // FloatToBf16, bit for bit. Any dim >= 0.
 using NarrowNearestFn = void (*)(void* row, const float* w, int64_t dim);
 
+// Indexed by WeightType: fp32, fp16, bf16, INT8, INT4. For the quantized
+// types (math/rowwise_quant.h) widen dequantizes, narrow_nearest quantizes
+// (both the scalar functions below, on every ISA: the same bits
+// everywhere), and there is no stochastic narrowing (they take no
+// updates).
+inline constexpr int kRowKernelTypes = 5;
 struct RowKernels {
-  const char* isa;             // "scalar", "avx2", "avx512"
-  AccumulateFn accumulate[3];  // indexed by WeightType (fp32, fp16, bf16)
-  PoolFn pool[3];
-  WidenFn widen[3];
-  NarrowFn narrow_stochastic[3];  // [0] (fp32) is null
-  NarrowNearestFn narrow_nearest[3];  // [0] (fp32) is null
+  const char* isa;  // "scalar", "avx2", "avx512"
+  AccumulateFn accumulate[kRowKernelTypes];
+  PoolFn pool[kRowKernelTypes];
+  WidenFn widen[kRowKernelTypes];
+  NarrowFn narrow_stochastic[kRowKernelTypes];  // fp32's, INT8's and INT4's are null
+  NarrowNearestFn narrow_nearest[kRowKernelTypes];  // fp32's is null
 };
+
+// Row-wise quantized rows (T 3 INT8, 4 INT4), in scalar code built
+// without the wider ISAs (quantized_rows.cc): NarrowNearestFn (FBGEMM's
+// quantization), WidenFn (scale * q + bias), AccumulateFn and PoolFn (the
+// scalar table's; each bag's bias terms summed apart:
+// out = out_scale * (sum_k w_k s_k q_k + sum_k w_k b_k)).
+template <int T>
+void QuantizeRowNearest(void* row, const float* w, int64_t dim);
+template <int T>
+void DequantizeRowOf(float* out, const void* row, int64_t dim);
+template <int T>
+void AccQuantized(float* acc, const void* row, int64_t dim, float scale);
+template <int T>
+bool PoolQuantizedScalar(float* out, const uint8_t* table, int64_t row_bytes, uint64_t rows,
+                         const int64_t* ids, const float* weights, int64_t n, int64_t ids_avail,
+                         int64_t dim, float out_scale, PrefetchAhead prefetch);
+extern template void QuantizeRowNearest<3>(void*, const float*, int64_t);
+extern template void QuantizeRowNearest<4>(void*, const float*, int64_t);
+extern template void DequantizeRowOf<3>(float*, const void*, int64_t);
+extern template void DequantizeRowOf<4>(float*, const void*, int64_t);
+extern template void AccQuantized<3>(float*, const void*, int64_t, float);
+extern template void AccQuantized<4>(float*, const void*, int64_t, float);
+extern template bool PoolQuantizedScalar<3>(float*, const uint8_t*, int64_t, uint64_t,
+                                            const int64_t*, const float*, int64_t, int64_t,
+                                            int64_t, float, PrefetchAhead);
+extern template bool PoolQuantizedScalar<4>(float*, const uint8_t*, int64_t, uint64_t,
+                                            const int64_t*, const float*, int64_t, int64_t,
+                                            int64_t, float, PrefetchAhead);
 
 // One element of NarrowFn (type 1 fp16, 2 bf16), compiled without the
 // wider ISAs (stochastic_round.cc).

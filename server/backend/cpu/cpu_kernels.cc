@@ -45,12 +45,14 @@ void WidenScalar(float* out, const void* row, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) out[i] = LoadScalar(T, row, i);
 }
 
-const RowKernels kScalar = {"scalar",
-                            {AccScalar<0>, AccScalar<1>, AccScalar<2>},
-                            {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>},
-                            {WidenScalar<0>, WidenScalar<1>, WidenScalar<2>},
-                            {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>},
-                            {nullptr, NarrowNearestOneByOne<1>, NarrowNearestOneByOne<2>}};
+const RowKernels kScalar = {
+    "scalar",
+    {AccScalar<0>, AccScalar<1>, AccScalar<2>, AccQuantized<3>, AccQuantized<4>},
+    {PoolScalar<0>, PoolScalar<1>, PoolScalar<2>, PoolQuantizedScalar<3>, PoolQuantizedScalar<4>},
+    {WidenScalar<0>, WidenScalar<1>, WidenScalar<2>, DequantizeRowOf<3>, DequantizeRowOf<4>},
+    {nullptr, NarrowOneByOne<1>, NarrowOneByOne<2>, nullptr, nullptr},
+    {nullptr, NarrowNearestOneByOne<1>, NarrowNearestOneByOne<2>, QuantizeRowNearest<3>,
+     QuantizeRowNearest<4>}};
 
 // F16C through CPUID (leaf 1, ECX bit 29): clang has no "f16c" feature
 // name for __builtin_cpu_supports.

@@ -256,21 +256,36 @@ struct Ops {
   static Reg LoadBf16(const uint16_t* p) { return Bf16ToFloat(Load128(p)); }
   static constexpr bool kPairLoads = false;  // LoadRowPair: two LoadRow's
   static void Store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+  static Reg Add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  // 8 bytes, and 8 nibbles of 4 bytes (low nibble first), as fp32.
+  static Reg LoadU8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Reg LoadU4(const uint8_t* p) {
+    int32_t four;
+    __builtin_memcpy(&four, p, 4);
+    const __m128i b = _mm_cvtsi32_si128(four);
+    const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+  }
   static AccumulateFn Accumulate(int type) {
     return type == 1 ? AccFp16 : type == 2 ? AccBf16 : AccF32;
   }
 };
 
 #include "server/backend/cpu/cpu_kernels_impl.h"
+#include "server/backend/cpu/cpu_kernels_quantized_impl.h"
 
 }  // namespace
 
-const RowKernels kAvx2RowKernels = {"avx2",
-                                    {AccF32, AccFp16, AccBf16},
-                                    {Pool<0>, Pool<1>, Pool<2>},
-                                    {WidenF32, Widen16<1>, Widen16<2>},
-                                    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>},
-                                    {nullptr, NarrowNearest<1>, NarrowNearest<2>}};
+const RowKernels kAvx2RowKernels = {
+    "avx2",
+    {AccF32, AccFp16, AccBf16, AccQuantized<3>, AccQuantized<4>},
+    {Pool<0>, Pool<1>, Pool<2>, PoolQuantized<3>, PoolQuantized<4>},
+    {WidenF32, Widen16<1>, Widen16<2>, DequantizeRowOf<3>, DequantizeRowOf<4>},
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>, nullptr, nullptr},
+    {nullptr, NarrowNearest<1>, NarrowNearest<2>, QuantizeRowNearest<3>, QuantizeRowNearest<4>}};
 
 }  // namespace backend
 }  // namespace ember

@@ -215,6 +215,17 @@ struct OpsCommon {
   }
   static void Store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
   static AccumulateFn Accumulate(int type) { return kAvx2RowKernels.accumulate[type]; }
+  static Reg Add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  // 16 bytes, and 16 nibbles of 8 bytes (low nibble first), as fp32.
+  static Reg LoadU8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Reg LoadU4(const uint8_t* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+  }
 };
 
 // Two registers' worth (32 columns, one cache line) of a 16-bit row from
@@ -226,6 +237,8 @@ struct Ops : OpsCommon {
   static constexpr bool kPairLoads = true;
 };
 #include "server/backend/cpu/cpu_kernels_impl.h"
+// (Quantized rows have no 16-bit loads to pair: one copy serves both tables.)
+#include "server/backend/cpu/cpu_kernels_quantized_impl.h"
 }  // namespace paired
 
 // Each 32-byte half converted straight from memory: fewer micro-ops a row,
@@ -241,19 +254,21 @@ struct Ops : OpsCommon {
 
 const RowKernels kAvx512RowKernels = {
     "avx512",
-    {AccF32, AccFp16, AccBf16},
-    {paired::Pool<0>, paired::Pool<1>, paired::Pool<2>},
-    {WidenF32, Widen16<1>, Widen16<2>},
-    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>},
-    {nullptr, NarrowNearest<1>, NarrowNearest<2>}};
+    {AccF32, AccFp16, AccBf16, AccQuantized<3>, AccQuantized<4>},
+    {paired::Pool<0>, paired::Pool<1>, paired::Pool<2>, paired::PoolQuantized<3>,
+     paired::PoolQuantized<4>},
+    {WidenF32, Widen16<1>, Widen16<2>, DequantizeRowOf<3>, DequantizeRowOf<4>},
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>, nullptr, nullptr},
+    {nullptr, NarrowNearest<1>, NarrowNearest<2>, QuantizeRowNearest<3>, QuantizeRowNearest<4>}};
 
 const RowKernels kAvx512IntelRowKernels = {
     "avx512",
-    {AccF32, AccFp16, AccBf16},
-    {from_memory::Pool<0>, from_memory::Pool<1>, from_memory::Pool<2>},
-    {WidenF32, Widen16<1>, Widen16<2>},
-    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>},
-    {nullptr, NarrowNearest<1>, NarrowNearest<2>}};
+    {AccF32, AccFp16, AccBf16, AccQuantized<3>, AccQuantized<4>},
+    {from_memory::Pool<0>, from_memory::Pool<1>, from_memory::Pool<2>, paired::PoolQuantized<3>,
+     paired::PoolQuantized<4>},
+    {WidenF32, Widen16<1>, Widen16<2>, DequantizeRowOf<3>, DequantizeRowOf<4>},
+    {nullptr, NarrowStochastic<1>, NarrowStochastic<2>, nullptr, nullptr},
+    {nullptr, NarrowNearest<1>, NarrowNearest<2>, QuantizeRowNearest<3>, QuantizeRowNearest<4>}};
 
 }  // namespace backend
 }  // namespace ember

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "math/embedding_math.h"
 #include "math/half.h"
+#include "math/rowwise_quant.h"
 
 namespace ember {
 namespace backend {
@@ -360,6 +361,88 @@ TEST(CpuKernelsTest, TheNoiseDecidesTheRounding) {
   k.narrow_stochastic[1](a.data(), w.data(), 64, 1, 0);
   k.narrow_stochastic[1](b.data(), w.data(), 64, 2, 0);
   EXPECT_NE(a, b);
+}
+
+// Quantized rows (3 INT8, 4 INT4): every table's pool against a sum in
+// double of the rows dequantized by rowwise_quant.h's formula, for widths
+// using each register block and tails (odd widths leave INT4's last high
+// nibble unused); widen and narrow_nearest are rowwise_quant.h's bit for
+// bit; ids out of range are caught and read row 0. The table is exactly
+// rows * row_bytes bytes: a read past it shows under the sanitizers.
+TEST(CpuKernelsTest, QuantizedRowsPoolWidenAndNarrow) {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> u(-2, 2);
+  const int64_t rows = 29;
+  for (const RowKernels* k : AvailableKernels()) {
+    SCOPED_TRACE(KernelName(k));
+    for (int type : {3, 4}) {
+      const int bits = type == 3 ? 8 : 4;
+      for (int64_t dim : {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64, 100, 128, 129, 200,
+                          256, 264, 520}) {
+        const int64_t row_bytes = math::QuantizedRowBytes(bits, dim);
+        std::vector<uint8_t> table(rows * row_bytes);
+        std::vector<double> value(rows * dim);
+        std::vector<float> w(dim), back(dim), widened(dim);
+        std::vector<uint8_t> mine(row_bytes);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float centre = u(rng) * 5, spread = std::abs(u(rng)) + 0.01f;
+          for (float& x : w) x = centre + spread * u(rng);
+          uint8_t* row = table.data() + r * row_bytes;
+          math::QuantizeRow(bits, w.data(), dim, row);
+          k->narrow_nearest[type](mine.data(), w.data(), dim);
+          ASSERT_EQ(0, std::memcmp(mine.data(), row, row_bytes)) << "quantize, dim " << dim;
+          math::DequantizeRow(bits, row, dim, back.data());
+          k->widen[type](widened.data(), row, dim);
+          for (int64_t c = 0; c < dim; ++c) {
+            ASSERT_EQ(Bits(widened[c]), Bits(back[c])) << "dequantize, dim " << dim;
+            value[r * dim + c] = back[c];
+          }
+        }
+        EXPECT_EQ(k->narrow_stochastic[type], nullptr);
+        for (int64_t n : {0, 1, 5, 20}) {
+          std::vector<int64_t> ids(n + 3);
+          for (int64_t& id : ids) id = std::uniform_int_distribution<int64_t>(0, rows - 1)(rng);
+          for (bool weighted : {false, true}) {
+            std::vector<float> weights(ids.size());
+            for (float& x : weights) x = u(rng);
+            const float scale = n == 0 ? 1.0f : 1.0f / n;
+            for (const PrefetchAhead pf : {PrefetchAhead{3, 2}, PrefetchAhead{0, 0},
+                                           PrefetchAhead{64, 0}, PrefetchAhead{2, 0, true}}) {
+              std::vector<float> out(dim, 1e30f);
+              ASSERT_TRUE(k->pool[type](out.data(), table.data(), row_bytes, rows, ids.data(),
+                                        weighted ? weights.data() : nullptr, n, n + 3, dim,
+                                        scale, pf));
+              for (int64_t c = 0; c < dim; ++c) {
+                double want = 0, mag = 0;
+                for (int64_t j = 0; j < n; ++j) {
+                  const double x = (weighted ? weights[j] : 1.0) * value[ids[j] * dim + c];
+                  want += x;
+                  mag += std::abs(x) + 16;  // the bias and scaled values apart
+                }
+                ASSERT_NEAR(out[c], want * scale, 2e-6 * mag * scale + 1e-6)
+                    << "type " << type << " dim " << dim << " n " << n << " col " << c;
+              }
+            }
+          }
+        }
+        // An id out of range reads row 0 and is reported.
+        std::vector<int64_t> ids = {3, int64_t{1} << 40, 5};
+        std::vector<int64_t> as_read = {3, 0, 5};
+        std::vector<float> got(dim), want(dim);
+        EXPECT_FALSE(k->pool[type](got.data(), table.data(), row_bytes, rows, ids.data(), nullptr,
+                                   3, 3, dim, 1.0f, PrefetchAhead{1, 1}));
+        ASSERT_TRUE(k->pool[type](want.data(), table.data(), row_bytes, rows, as_read.data(),
+                                  nullptr, 3, 3, dim, 1.0f, PrefetchAhead{1, 1}));
+        EXPECT_EQ(got, want);
+        // accumulate: acc += scale * the dequantized row.
+        std::vector<float> acc(dim, 1.0f);
+        k->accumulate[type](acc.data(), table.data() + 2 * row_bytes, dim, 0.5f);
+        for (int64_t c = 0; c < dim; ++c) {
+          ASSERT_NEAR(acc[c], 1.0 + 0.5 * value[2 * dim + c], 1e-5 * (2 + std::abs(value[2 * dim + c])));
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

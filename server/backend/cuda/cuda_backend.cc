@@ -593,6 +593,11 @@ class CudaBackend : public EmbeddingBackend {
   absl::StatusOr<ShardId> DoCreateShard(const ShardSpec& spec) {
     absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple);
     if (!s.ok()) return s;
+    if (backend::IsQuantized(spec.weight_type)) {
+      return absl::UnimplementedError(absl::StrCat(
+          "shard of table '", spec.table, "': ", backend::WeightTypeName(spec.weight_type),
+          " tables are served by CPU workers (the CUDA kernels have no quantized rows yet)"));
+    }
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
     shard->elem_bytes = ElementBytes(spec.weight_type);

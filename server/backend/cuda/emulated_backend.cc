@@ -55,6 +55,11 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
     absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple);
     if (!s.ok()) return s;
+    if (backend::IsQuantized(spec.weight_type)) {
+      return absl::UnimplementedError(absl::StrCat(
+          "shard of table '", spec.table, "': ", backend::WeightTypeName(spec.weight_type),
+          " tables are served by CPU workers (the CUDA kernels have no quantized rows yet)"));
+    }
     absl::MutexLock lock(&mu_);
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;

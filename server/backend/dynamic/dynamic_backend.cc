@@ -597,6 +597,11 @@ absl::Status ValidateDynamicSpec(const ShardSpec& spec) {
         what, ": dynamic tables are held in memory (the fused kernel); key_value is for fixed "
               "tables"));
   }
+  if (IsQuantized(spec.weight_type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", WeightTypeName(spec.weight_type),
+        " rows take no updates, and a dynamic table's rows are made by them"));
+  }
   if (spec.dynamic.admit_after < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": admit_after must be >= 0, got ", spec.dynamic.admit_after));

@@ -650,6 +650,11 @@ absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
                                                    "kernel); key_value is for fixed "
                                                    "tables"));
   }
+  if (IsQuantized(spec.weight_type)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", WeightTypeName(spec.weight_type),
+        " tables are held in memory (key_value's file holds fp32 rows and their state)"));
+  }
   if (spec.cache_rows < 1 || spec.cache_rows > spec.rows) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": cache_rows must be in [1, ", spec.rows,
                                                    "] (the shard's rows), got ", spec.cache_rows));
