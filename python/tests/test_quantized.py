@@ -3,8 +3,8 @@ SDK on CPU workers: imported rows are quantized as FBGEMM quantizes them
 (its own torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf, and a
 NumPy implementation of its algorithm); lookups are the sums of the rows
 the table exports; updates are refused and change nothing; a checkpoint
-restores the rows (re-quantized: a row may move by a step, rarely); bad
-specs are refused."""
+restores the rows (re-quantized: a row may move by a step, rarely);
+ember.torch serves such a collection; bad specs are refused."""
 
 import numpy as np
 import pytest
@@ -117,3 +117,29 @@ def test_a_checkpoint_restores_the_rows(client):
 def test_bad_quantized_specs_are_refused(client, table, message):
     with pytest.raises(ember.InvalidArgument, match=message):
         client.create_collection(spec("qbad", "INT8", **table))
+
+
+def test_ember_torch_serves_a_quantized_collection(client):
+    """ember.torch's EmbeddingBagCollection attached to an INT8 collection
+    (create=False, as a serving process would) returns what the SDK's
+    lookup returns; its backward is refused."""
+    torch = pytest.importorskip("torch")
+    import ember.torch as et
+    client.create_collection(spec("qtorch", "INT8"))
+    try:
+        rng = np.random.default_rng(8)
+        client.import_table("qtorch", "t", rng.standard_normal((ROWS, DIM)).astype(np.float32))
+        ebc = et.EmbeddingBagCollection(
+            [{"name": "t", "num_embeddings": ROWS, "embedding_dim": DIM, "feature_names": ["f"],
+              "data_type": "INT8"}], client, "qtorch", create=False)
+        bags = [[1, 2, 3], [299], [], [7, 7]]
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f": bags})
+        want = np.asarray(client.lookup("qtorch", kjt).values).reshape(len(bags), DIM)
+        with torch.no_grad():
+            out = ebc(kjt)
+        np.testing.assert_array_equal(out["f"].numpy(), want)
+        out = ebc(kjt)
+        with pytest.raises(ember.FailedPrecondition, match="the table is INT8"):
+            out["f"].sum().backward()
+    finally:
+        client.drop_collection("qtorch")
