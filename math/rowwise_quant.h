@@ -7,8 +7,9 @@
 // values a byte, the even column in the low nibble. A row describes itself,
 // so a row is read, copied or moved with nothing beside it.
 //
-// Quantization is FBGEMM's FloatToFusedNBitRowwiseQuantizedSBHalf, bit for
-// bit (python/tests/test_quantized.py compares them): the bias is the row's
+// Quantization (QuantizeRow) is FBGEMM's
+// FloatToFusedNBitRowwiseQuantizedSBHalf, bit for bit
+// (python/tests/test_quantized.py compares them): the bias is the row's
 // minimum rounded to fp16; the scale is (max - bias) / (2^bits - 1) rounded
 // to fp16 (1 for a row whose values are all equal, or where that scale
 // underflows or its inverse overflows); each value is
@@ -16,10 +17,10 @@
 // An element's error is at most half a step (scale / 2), plus, near the
 // top of the row where values clamp, 2^bits - 1 times the scale's fp16
 // rounding error (relative 2^-11, more for scales among fp16's subnormals,
-// below 2^-14), plus the bias's fp16 rounding. Quantizing a dequantized row
-// again (an export and an import: checkpoints, moves) gives the same row
-// but for the rows whose scale rounded up, about 0.5% of them; such a row
-// changes once and is then a fixed point (rowwise_quant_test).
+// below 2^-14), plus the bias's fp16 rounding. FBGEMM's quantization of a
+// dequantized row (an export and an import: checkpoints, moves) changes
+// about 0.5% of rows; QuantizeRowKeeping, which the backends use, gives
+// their values back exactly (rowwise_quant_test).
 //
 // Thread-safe: pure functions. Host code only (the row kernels load rows
 // with their own instructions; cpu_kernel_types.h says why).
@@ -59,29 +60,17 @@ inline uint32_t QuantValue(int bits, const uint8_t* row, int64_t c) {
   return (v[c / 2] >> ((c % 2) * 4)) & 0xfu;
 }
 
-// w[0, dim) (finite) into `row` (QuantizedRowBytes(bits, dim) bytes).
-inline void QuantizeRow(int bits, const float* w, int64_t dim, uint8_t* row) {
-  float lo = dim > 0 ? w[0] : 0.0f, hi = lo;
-  for (int64_t c = 1; c < dim; ++c) {
-    lo = w[c] < lo ? w[c] : lo;
-    hi = w[c] > hi ? w[c] : hi;
-  }
-  const uint16_t bias_h = FloatToFp16(lo);
-  const float bias = Fp16ToFloat(bias_h);
-  const float range = hi - bias;
-  const int32_t top = (1 << bits) - 1;
-  float scale = Fp16ToFloat(
-      FloatToFp16(range == 0.0f ? 1.0f : range / static_cast<float>(top)));
-  if (scale == 0.0f) scale = 1.0f;
-  float inverse = 1.0f / scale;
-  if (std::isinf(inverse)) {
-    scale = 1.0f;
-    inverse = 1.0f;
-  }
-  const uint16_t h[2] = {FloatToFp16(scale), bias_h};
+namespace internal {
+
+// `row` with the given scale and bias, each value
+// round-to-nearest-even((w - bias) * inverse), clamped to [0, 2^bits).
+inline void WriteQuantized(int bits, const float* w, int64_t dim, float scale, float bias,
+                           float inverse, uint8_t* row) {
+  const uint16_t h[2] = {FloatToFp16(scale), FloatToFp16(bias)};
   std::memcpy(row, h, sizeof(h));
   uint8_t* v = row + kQuantHeaderBytes;
   if (bits == 4) std::memset(v, 0, static_cast<size_t>((dim + 1) / 2));
+  const float top = static_cast<float>((1 << bits) - 1);
   for (int64_t c = 0; c < dim; ++c) {
     // To nearest even, as lrintf in the default rounding mode: adding and
     // taking away 1.5 * 2^23 leaves no fraction bits (|x| < 2^22 here: x is
@@ -94,6 +83,90 @@ inline void QuantizeRow(int bits, const float* w, int64_t dim, uint8_t* row) {
       v[c] = static_cast<uint8_t>(q);
     } else {
       v[c / 2] = static_cast<uint8_t>(v[c / 2] | (q << ((c % 2) * 4)));
+    }
+  }
+}
+
+// Whether `row` dequantizes to w[0, dim) exactly (DequantizeRow's formula).
+inline bool Reproduces(int bits, const uint8_t* row, const float* w, int64_t dim) {
+  float scale, bias;
+  QuantScaleBias(row, &scale, &bias);
+  for (int64_t c = 0; c < dim; ++c) {
+    if (scale * static_cast<float>(QuantValue(bits, row, c)) + bias != w[c]) return false;
+  }
+  return true;
+}
+
+}  // namespace internal
+
+// w[0, dim) (finite) into `row` (QuantizedRowBytes(bits, dim) bytes):
+// FBGEMM's quantization.
+inline void QuantizeRow(int bits, const float* w, int64_t dim, uint8_t* row) {
+  float lo = dim > 0 ? w[0] : 0.0f, hi = lo;
+  for (int64_t c = 1; c < dim; ++c) {
+    lo = w[c] < lo ? w[c] : lo;
+    hi = w[c] > hi ? w[c] : hi;
+  }
+  const float bias = Fp16ToFloat(FloatToFp16(lo));
+  const float range = hi - bias;
+  const int32_t top = (1 << bits) - 1;
+  float scale = Fp16ToFloat(FloatToFp16(range == 0.0f ? 1.0f : range / static_cast<float>(top)));
+  if (scale == 0.0f) scale = 1.0f;
+  float inverse = 1.0f / scale;
+  if (std::isinf(inverse)) {
+    scale = 1.0f;
+    inverse = 1.0f;
+  }
+  internal::WriteQuantized(bits, w, dim, scale, bias, inverse, row);
+}
+
+// QuantizeRow, except for values that are already a quantized row's (an
+// export of one: a checkpoint, a move): that row's scale and bias again,
+// so that such a round trip changes no value. FBGEMM's quantization of them
+// can differ: for about 0.5% of rows the fp16 scale it computes from the
+// dequantized values is a neighbour of the row's own, and where the scale
+// is far below the bias's fp16 step the smallest value is not the bias.
+// So when FBGEMM's row does not reproduce the values, biases at and beside
+// the fp16 value of their minimum and scales at and beside the fp16 value
+// of (max - bias) / q_max (q_max the top value or up to 3 below) are tried,
+// and the first pair that reproduces every value is kept. Fresh fp32
+// values fail each try at their first or second value, so they cost little
+// more than FBGEMM's quantization.
+inline void QuantizeRowKeeping(int bits, const float* w, int64_t dim, uint8_t* row) {
+  QuantizeRow(bits, w, dim, row);
+  if (dim == 0 || internal::Reproduces(bits, row, w, dim)) return;
+  float lo = w[0], hi = w[0];
+  for (int64_t c = 1; c < dim; ++c) {
+    lo = w[c] < lo ? w[c] : lo;
+    hi = w[c] > hi ? w[c] : hi;
+  }
+  const int32_t top = (1 << bits) - 1;
+  // Whether scale * q + bias gives back every value, q as WriteQuantized
+  // computes it.
+  auto matches = [&](float scale, float bias) {
+    const float inverse = 1.0f / scale;
+    for (int64_t c = 0; c < dim; ++c) {
+      const float x = (w[c] - bias) * inverse;
+      float q = (x + 0x1.8p23f) - 0x1.8p23f;
+      q = q < 0.0f ? 0.0f : q > static_cast<float>(top) ? static_cast<float>(top) : q;
+      if (scale * q + bias != w[c]) return false;
+    }
+    return true;
+  };
+  const uint16_t lo_h = FloatToFp16(lo);
+  for (int db = -1; db <= 1; ++db) {
+    const float bias = Fp16ToFloat(static_cast<uint16_t>(lo_h + db));
+    if (!(bias <= lo) || std::isinf(bias)) continue;
+    for (int32_t q_max = top; q_max >= top - 3 && q_max > 0; --q_max) {
+      const uint16_t near = FloatToFp16((hi - bias) / static_cast<float>(q_max));
+      for (int ds = -2; ds <= 2; ++ds) {
+        const float scale = Fp16ToFloat(static_cast<uint16_t>(near + ds));
+        if (!(scale > 0.0f) || std::isinf(scale) || std::isinf(1.0f / scale)) continue;
+        if (matches(scale, bias)) {
+          internal::WriteQuantized(bits, w, dim, scale, bias, 1.0f / scale, row);
+          return;
+        }
+      }
     }
   }
 }

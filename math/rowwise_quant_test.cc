@@ -142,6 +142,43 @@ TEST(RowwiseQuantTest, RequantizingADequantizedRowSettlesAtOnce) {
   std::printf("%d of %d rows changed by a round trip through fp32\n", differ, rows);
 }
 
+// QuantizeRowKeeping: FBGEMM's rows for fresh values (or, where a row can
+// hold them exactly, such a row), and for values that are a quantized
+// row's (an export's), values that dequantize the same: a round trip
+// through fp32 changes no value, whatever the scale (fp16 subnormals too).
+TEST(RowwiseQuantTest, KeepingGivesAnExportedRowBack) {
+  std::mt19937 rng(13);
+  int rows = 0, exact_rows = 0;
+  for (int bits : {8, 4}) {
+    for (int trial = 0; trial < 4000; ++trial) {
+      const int64_t dim = 1 + trial % 70;
+      std::vector<float> w = Row(rng, dim, std::pow(10.0f, trial % 9 - 6.0f), trial % 5 - 2.0f);
+      std::vector<uint8_t> fbgemm(QuantizedRowBytes(bits, dim)), kept(fbgemm.size());
+      QuantizeRow(bits, w.data(), dim, fbgemm.data());
+      QuantizeRowKeeping(bits, w.data(), dim, kept.data());
+      // Fresh values: FBGEMM's row, unless a row holds them exactly.
+      std::vector<float> exact(dim);
+      DequantizeRow(bits, kept.data(), dim, exact.data());
+      if (kept != fbgemm) {
+        ASSERT_EQ(exact, w) << "neither FBGEMM's row nor exact (" << bits << " bits, trial "
+                            << trial << ")";
+        ++exact_rows;
+      }
+      std::vector<float> back(dim);
+      DequantizeRow(bits, fbgemm.data(), dim, back.data());
+      QuantizeRowKeeping(bits, back.data(), dim, kept.data());
+      std::vector<float> again(dim);
+      DequantizeRow(bits, kept.data(), dim, again.data());
+      ASSERT_EQ(again, back) << "a round trip moved a value (" << bits << " bits, trial "
+                             << trial << ")";
+      ++rows;
+    }
+  }
+  EXPECT_EQ(rows, 8000);
+  EXPECT_LT(exact_rows, rows / 20) << "fresh rows held exactly, not as FBGEMM holds them";
+  std::printf("%d of %d fresh rows held exactly (FBGEMM's row would not be)\n", exact_rows, rows);
+}
+
 }  // namespace
 }  // namespace math
 }  // namespace backend

@@ -366,8 +366,8 @@ TEST(CpuKernelsTest, TheNoiseDecidesTheRounding) {
 // Quantized rows (3 INT8, 4 INT4): every table's pool against a sum in
 // double of the rows dequantized by rowwise_quant.h's formula, for widths
 // using each register block and tails (odd widths leave INT4's last high
-// nibble unused); widen and narrow_nearest are rowwise_quant.h's bit for
-// bit; ids out of range are caught and read row 0. The table is exactly
+// nibble unused); widen and narrow_nearest are rowwise_quant.h's
+// (DequantizeRow, QuantizeRowKeeping) bit for bit; ids out of range are caught and read row 0. The table is exactly
 // rows * row_bytes bytes: a read past it shows under the sanitizers.
 TEST(CpuKernelsTest, QuantizedRowsPoolWidenAndNarrow) {
   std::mt19937 rng(23);
@@ -388,7 +388,7 @@ TEST(CpuKernelsTest, QuantizedRowsPoolWidenAndNarrow) {
           const float centre = u(rng) * 5, spread = std::abs(u(rng)) + 0.01f;
           for (float& x : w) x = centre + spread * u(rng);
           uint8_t* row = table.data() + r * row_bytes;
-          math::QuantizeRow(bits, w.data(), dim, row);
+          math::QuantizeRowKeeping(bits, w.data(), dim, row);
           k->narrow_nearest[type](mine.data(), w.data(), dim);
           ASSERT_EQ(0, std::memcmp(mine.data(), row, row_bytes)) << "quantize, dim " << dim;
           math::DequantizeRow(bits, row, dim, back.data());

@@ -74,7 +74,7 @@ TEST(QuantizedBackendTest, LookupsExportsAndImportsOnEveryIsa) {
         std::vector<uint8_t> row(math::QuantizedRowBytes(bits, dim));
         std::vector<float> want_row(dim);
         for (int64_t r = 0; r < spec.rows; ++r) {
-          math::QuantizeRow(bits, init.data() + r * dim, dim, row.data());
+          math::QuantizeRowKeeping(bits, init.data() + r * dim, dim, row.data());
           math::DequantizeRow(bits, row.data(), dim, want_row.data());
           for (int64_t c = 0; c < dim; ++c) ASSERT_EQ(got[r * dim + c], want_row[c]) << r;
         }
@@ -84,7 +84,7 @@ TEST(QuantizedBackendTest, LookupsExportsAndImportsOnEveryIsa) {
         ASSERT_TRUE(be->ImportRows(*id, 0, spec.rows, w, {}).ok());
         ASSERT_TRUE(be->ExportRows(*id, 0, spec.rows, absl::MakeSpan(got), {}).ok());
         for (int64_t r = 0; r < spec.rows; ++r) {
-          math::QuantizeRow(bits, w.data() + r * dim, dim, row.data());
+          math::QuantizeRowKeeping(bits, w.data() + r * dim, dim, row.data());
           math::DequantizeRow(bits, row.data(), dim, want_row.data());
           for (int64_t c = 0; c < dim; ++c) ASSERT_EQ(got[r * dim + c], want_row[c]) << r;
         }

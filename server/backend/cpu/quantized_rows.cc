@@ -12,7 +12,7 @@ constexpr int BitsOf(int type) { return type == 4 ? 4 : 8; }
 
 template <int T>
 void QuantizeRowNearest(void* row, const float* w, int64_t dim) {
-  math::QuantizeRow(BitsOf(T), w, dim, static_cast<uint8_t*>(row));
+  math::QuantizeRowKeeping(BitsOf(T), w, dim, static_cast<uint8_t*>(row));
 }
 
 template <int T>
