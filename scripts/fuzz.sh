@@ -42,7 +42,8 @@ common="$gen/proto/collection.pb.cc $gen/proto/plan.pb.cc $gen/proto/service.pb.
 worker="$common server/worker/worker_service.cc server/worker/request_codec.cc server/worker/worker_shards.cc server/worker/worker_rows.cc server/worker/replication.cc server/worker/applied_ids.cc server/worker/step_barrier.cc server/worker/shm_channels.cc
   server/backend/cpu/cpu_backend.cc server/backend/cpu/cpu_kernels.cc
   server/backend/cpu/cpu_kernels_avx2.cc server/backend/cpu/cpu_kernels_avx512.cc
-  server/backend/cpu/stochastic_round.cc server/backend/overflow_guard.cc
+  server/backend/cpu/stochastic_round.cc server/backend/cpu/quantized_rows.cc
+  server/backend/overflow_guard.cc
   server/backend/table_spec.cc server/checkpoint/recut.cc server/common/host_memory.cc
   server/backend/dynamic/dynamic_index.cc server/backend/dynamic/dynamic_backend.cc
   server/checkpoint/rehash.cc"
