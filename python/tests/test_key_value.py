@@ -2,8 +2,9 @@
 table planned on it keeps its rows in files under the workers' SSD
 directory with 5% of them in memory, trains exactly as a NumPy model of the
 table (SGD, SUM pooling), and its workers' metrics show rows leaving memory
-and coming back from the files. A call naming more distinct rows of a shard
-than its cache holds is refused and changes nothing."""
+and coming back from the files. An update naming more distinct rows of a
+shard than its cache holds is refused and changes nothing; a lookup of as
+many runs in pieces."""
 
 import numpy as np
 import pytest
@@ -70,8 +71,15 @@ def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
         fills = metric(workers, "ember_worker_key_value_fills_total")
         assert fills > 100  # rows came in again after leaving
 
-        # 60 distinct rows of one shard in one call: more than its cache.
+        # 60 distinct rows of one shard in one update: more than its cache.
         wide = ember.KeyedJaggedTensor.from_jagged({"f": [list(range(60))]})
         with pytest.raises(ember.ResourceExhausted, match="cache holds 50 rows"):
             client.apply_gradients("kv", wide, np.ones((1, DIM), np.float32))
         np.testing.assert_allclose(client.export_table("kv", "t"), table, rtol=1e-5, atol=1e-5)
+        # A lookup of as many rows runs in pieces (bags of 3, 120 distinct
+        # rows of each shard).
+        bags = [list(range(i, i + 3)) for i in range(0, 720, 3)]
+        out = client.lookup("kv", ember.KeyedJaggedTensor.from_jagged({"f": bags}))
+        np.testing.assert_allclose(np.asarray(out.values).reshape(len(bags), DIM),
+                                   np.stack([table[b].sum(axis=0) for b in bags]),
+                                   rtol=1e-5, atol=1e-5)

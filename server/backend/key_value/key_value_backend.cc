@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "math/half.h"
@@ -25,6 +27,9 @@ namespace backend {
 namespace {
 
 constexpr int32_t kAbsent = -1;
+// Marks Fill's refusal of a call naming more distinct rows than a cache
+// holds (a lookup then runs in pieces).
+constexpr char kOverCachePayload[] = "type.ember.dev/key_value_over_cache";
 
 struct Shard {
   ShardSpec spec;
@@ -195,7 +200,10 @@ class KeyValueBackend : public ForwardingBackend {
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = MapToSlots(kv, &m); !s.ok()) return s;
+    if (absl::Status s = MapToSlots(kv, &m); !s.ok()) {
+      if (!s.GetPayload(kOverCachePayload).has_value()) return s;
+      return LookupInPieces(kv, m);  // (an update of that size stays refused)
+    }
     return inner()->Lookup(m.requests);
   }
 
@@ -525,6 +533,93 @@ class KeyValueBackend : public ForwardingBackend {
     return absl::OkStatus();
   }
 
+  // A lookup naming more distinct rows of a key_value shard than its cache
+  // holds, in pieces that each fit: its bags (a NONE feature's too: their
+  // ids' output rows stay together) in order, a piece closed before the bag
+  // that would take a shard past its cache. A bag alone past it is refused
+  // as before. `m` is validated, its ids still rows. Each piece maps its
+  // rows to slots and runs; the outputs are the whole call's, piece by piece.
+  // The requests on other shards run once, apart.
+  absl::Status LookupInPieces(const std::vector<std::shared_ptr<Shard>>& kv,
+                              const Mapped<LookupRequest>& m) {
+    struct Part {
+      size_t request;
+      int64_t bag_begin, bag_end;
+    };
+    std::vector<Part> parts;
+    std::map<const Shard*, absl::flat_hash_set<int64_t>> rows;  // of the piece
+    auto run = [&]() -> absl::Status {
+      Mapped<LookupRequest> piece;
+      std::vector<std::shared_ptr<Shard>> piece_kv;
+      piece.ids.resize(parts.size());
+      for (size_t k = 0; k < parts.size(); ++k) {
+        const Part& p = parts[k];
+        const LookupRequest& r = m.requests[p.request];
+        const FeatureRequest& f = r.feature;
+        const int64_t dim = kv[p.request]->spec.dim;
+        int64_t id_begin = 0;
+        for (int64_t b = 0; b < p.bag_begin; ++b) id_begin += f.lengths[b];
+        int64_t id_end = id_begin;
+        for (int64_t b = p.bag_begin; b < p.bag_end; ++b) id_end += f.lengths[b];
+        LookupRequest q = r;
+        q.feature.lengths = f.lengths.subspan(p.bag_begin, p.bag_end - p.bag_begin);
+        piece.ids[k].assign(f.ids.begin() + id_begin, f.ids.begin() + id_end);
+        q.feature.ids = piece.ids[k];
+        if (!f.weights.empty()) q.feature.weights = f.weights.subspan(id_begin, id_end - id_begin);
+        const bool none = f.pooling == Pooling::kNone;
+        const int64_t first = none ? id_begin : p.bag_begin;
+        const int64_t count = none ? id_end - id_begin : p.bag_end - p.bag_begin;
+        const int64_t stride = r.output_stride == 0 ? dim : r.output_stride;
+        const int64_t floats =
+            count == 0 ? 0 : (r.output_stride == 0 ? count * dim : (count - 1) * stride + dim);
+        q.output = r.output.subspan(first * stride, floats);
+        piece.requests.push_back(q);
+        piece_kv.push_back(kv[p.request]);
+      }
+      parts.clear();
+      rows.clear();
+      if (absl::Status s = MapToSlots(piece_kv, &piece); !s.ok()) return s;
+      return inner()->Lookup(piece.requests);
+    };
+    std::vector<LookupRequest> others;
+    for (size_t i = 0; i < m.requests.size(); ++i) {
+      if (kv[i] == nullptr) others.push_back(m.requests[i]);
+    }
+    if (!others.empty()) {
+      if (absl::Status st = inner()->Lookup(others); !st.ok()) return st;
+    }
+    for (size_t i = 0; i < m.requests.size(); ++i) {
+      const FeatureRequest& f = m.requests[i].feature;
+      Shard* s = kv[i].get();
+      if (s == nullptr) continue;
+      int64_t id = 0;
+      for (int64_t b = 0; b < static_cast<int64_t>(f.lengths.size()); ++b) {
+        const int64_t len = f.lengths[b];
+        {
+          absl::flat_hash_set<int64_t>& seen = rows[s];
+          std::vector<int64_t> added;
+          for (int64_t k = id; k < id + len; ++k) {
+            if (seen.insert(f.ids[k]).second) added.push_back(f.ids[k]);
+          }
+          if (static_cast<int64_t>(seen.size()) > s->cache_rows() && !parts.empty() &&
+              seen.size() > added.size()) {
+            for (int64_t row : added) seen.erase(row);
+            if (absl::Status st = run(); !st.ok()) return st;
+            absl::flat_hash_set<int64_t>& fresh = rows[s];
+            for (int64_t k = id; k < id + len; ++k) fresh.insert(f.ids[k]);
+          }
+        }
+        if (!parts.empty() && parts.back().request == i && parts.back().bag_end == b) {
+          ++parts.back().bag_end;
+        } else {
+          parts.push_back(Part{i, b, b + 1});
+        }
+        id += len;
+      }
+    }
+    return parts.empty() ? absl::OkStatus() : run();
+  }
+
   // Brings `misses` (rows not cached, marked as the call's misses) into
   // victims' slots; `pinned` slots are the call's already. On a refusal the
   // shard is as it was (the caller clears the marks).
@@ -534,10 +629,12 @@ class KeyValueBackend : public ForwardingBackend {
     if (n == 0) return absl::OkStatus();
     const int64_t cache = s.cache_rows();
     if (pinned + n > cache) {
-      return absl::ResourceExhaustedError(
+      absl::Status over = absl::ResourceExhaustedError(
           absl::StrCat("table '", s.spec.table, "': one call names ", pinned + n,
                        " distinct rows of a key_value shard whose cache holds ", cache,
                        " rows; raise its cache_load_factor or send smaller batches"));
+      over.SetPayload(kOverCachePayload, absl::Cord(s.spec.table));
+      return over;
     }
     // Victims by CLOCK: a slot used since the hand last passed gets another
     // turn; the call's own slots are never taken.

@@ -536,6 +536,87 @@ TEST(KeyValueBackendTest, AnOverflowRefusalNamesTheRow) {
   EXPECT_EQ(after, before);
 }
 
+// A lookup naming more distinct rows of a shard than its cache holds runs
+// in pieces (its bags in order, each piece within the cache): pooled,
+// weighted, MEAN and NONE, packed and strided outputs, beside a request on
+// a shard held in memory, all equal to the table in memory bit for bit. A
+// bag alone past the cache, and an update past it, are still refused.
+TEST(KeyValueBackendTest, LookupsLargerThanTheCacheRunInPieces) {
+  auto fused = Cpu();
+  auto kv = KeyValue();
+  const ShardSpec spec = Spec(OptimizerType::kSgd, 400, 8, 16);
+  auto kid = kv->CreateShard(spec);
+  auto fid = fused->CreateShard(Fused(spec));
+  ShardSpec plain = Fused(spec);
+  plain.table = "plain";
+  auto pid = kv->CreateShard(plain);  // held in memory, beside
+  ASSERT_TRUE(kid.ok() && fid.ok() && pid.ok());
+  std::mt19937_64 rng(4);
+  // Train a little first, so that rows differ from their initial values.
+  for (int step = 0; step < 30; ++step) {
+    const Batch b = MakeBatch(rng, spec.rows, 4, false);
+    std::vector<float> g(OutRows(Pooling::kSum, b) * 8);
+    for (float& x : g) x = std::uniform_real_distribution<float>(-1, 1)(rng);
+    ASSERT_TRUE(kv->ApplyGradients({GradientRequest{Feature(*kid, Pooling::kSum, b), g}}).ok());
+    ASSERT_TRUE(
+        fused->ApplyGradients({GradientRequest{Feature(*fid, Pooling::kSum, b), g}}).ok());
+  }
+  for (Pooling p : {Pooling::kSum, Pooling::kMean, Pooling::kNone}) {
+    for (bool weighted : {false, true}) {
+      SCOPED_TRACE(static_cast<int>(p) * 2 + weighted);
+      // 60 bags of 0-4 rows over all 400: about 150 distinct rows.
+      Batch b;
+      std::uniform_int_distribution<int64_t> len(0, 4), row(0, spec.rows - 1);
+      for (int i = 0; i < 60; ++i) {
+        b.lengths.push_back(len(rng));
+        for (int64_t k = 0; k < b.lengths.back(); ++k) {
+          b.ids.push_back(row(rng));
+          if (weighted) b.weights.push_back(static_cast<float>(k) + 0.5f);
+        }
+      }
+      const std::vector<float> want = LookupOf(*fused, *fid, p, b, 8);
+      const std::vector<float> got = LookupOf(*kv, *kid, p, b, 8);
+      ExpectSameBits(got, want, "packed");
+      // Strided, in one call with a request on the shard held in memory.
+      const int64_t n = OutRows(p, b);
+      std::vector<float> wide(n * 12, -7.0f), beside(8, 0.0f);
+      LookupRequest r;
+      r.feature = Feature(*kid, p, b);
+      r.output = absl::MakeSpan(wide);
+      r.output_stride = 12;
+      const Batch one = Ids({3});
+      LookupRequest q;
+      q.feature = Feature(*pid, Pooling::kSum, one);
+      q.output = absl::MakeSpan(beside);
+      ASSERT_TRUE(kv->Lookup({q, r}).ok());
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t c = 0; c < 12; ++c) {
+          if (c < 8) {
+            ASSERT_EQ(FloatBits(wide[i * 12 + c]), FloatBits(want[i * 8 + c])) << i;
+          } else {
+            ASSERT_EQ(wide[i * 12 + c], -7.0f) << "a gap between strided rows was written";
+          }
+        }
+      }
+      EXPECT_NE(beside, std::vector<float>(8, 0.0f));
+    }
+  }
+  // A bag of 17 distinct rows is past a cache of 16; so is an update of 20.
+  std::vector<int64_t> many(17);
+  for (int64_t i = 0; i < 17; ++i) many[i] = 10 * i;
+  Batch bag;
+  bag.ids = many;
+  bag.lengths = {17};
+  absl::Status s;
+  LookupOf(*kv, *kid, Pooling::kSum, bag, 8, &s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  std::vector<int64_t> twenty(20);
+  for (int64_t i = 0; i < 20; ++i) twenty[i] = i;
+  EXPECT_EQ(Update(*kv, *kid, Pooling::kSum, Ids(twenty), 8, rng).code(),
+            absl::StatusCode::kResourceExhausted);
+  ExpectSameBits(Export(*kv, *kid, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
+}
+
 }  // namespace
 }  // namespace backend
 }  // namespace ember
