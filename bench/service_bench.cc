@@ -6,7 +6,7 @@
 //   bazel run -c opt //bench:service_bench -- [--workers=2 --batch=4096
 //       --features=8 --pooling_factor=20 --dim=64 --rows=500000
 //       --sharding_type=TYPE --iters=50 --clients=1 --device=cpu|cuda
-//       --format=text|json]
+//       --data_type=FP32|FP16|BF16|INT8|INT4 --format=text|json]
 //
 // Starts its own cluster (`emberctl up`, the binary next to it in the
 // runfiles, or --emberctl) unless --coordinator names a running one.
@@ -70,6 +70,9 @@ DEFINE_int32(features, 8, "Features per lookup, one table each.");
 DEFINE_int32(pooling_factor, 20, "Ids per bag.");
 DEFINE_int32(dim, 64, "Embedding dimension.");
 DEFINE_int64(rows, 500000, "Rows per table.");
+DEFINE_string(data_type, "FP32",
+              "Every table's data type: FP32, FP16, BF16, or INT8 / INT4 (serving tables: "
+              "row-wise quantized, lookups only; docs/serving.md).");
 DEFINE_string(sharding_type, "", "Sharding type of every table (empty: the planner's choice).");
 DEFINE_int32(warmup, 5, "Untimed lookups first.");
 DEFINE_int32(iters, 50, "Timed lookups per client.");
@@ -113,6 +116,9 @@ ember::v1::CollectionSpec BenchSpec() {
     t->add_feature_names(absl::StrCat("f", f));
     t->set_pooling(ember::v1::TableConfig::SUM);
     t->mutable_initializer()->set_seed(f + 1);
+    ember::v1::DataType type = ember::v1::FP32;
+    ember::v1::DataType_Parse(FLAGS_data_type, &type);  // checked in main
+    t->set_data_type(type);
   }
   return spec;
 }
@@ -437,14 +443,14 @@ int Run(const char* argv0) {
         "\"worker_threads\": %d, \"inprocess_threads\": %d, \"clients\": %d, \"batch\": %d, "
         "\"features\": %d, \"pooling_factor\": %d, \"dim\": %d, \"rows\": %d, "
         "\"sharding_type\": \"%s\", \"device\": \"%s\", \"transport\": \"%s\", "
-        "\"kept_output\": %s}\n",
+        "\"data_type\": \"%s\", \"kept_output\": %s}\n",
         per_s, per_s * ids, per_s * bytes / 1e6, p50, p99, inprocess_per_s, kernel_per_s,
         kt_per_s, worker_share, placed_share, ids_share, link_share, backend_ms_per_call, Mean(all),
         ratio,
         world,
         FLAGS_worker_threads, inprocess_threads, FLAGS_clients, FLAGS_batch, FLAGS_features,
         FLAGS_pooling_factor, FLAGS_dim, FLAGS_rows, plan_types, FLAGS_device, FLAGS_transport,
-        FLAGS_kept_output ? "true" : "false");
+        FLAGS_data_type, FLAGS_kept_output ? "true" : "false");
   }
   return 0;
 }
@@ -455,5 +461,11 @@ int Run(const char* argv0) {
 int main(int argc, char** argv) {
   gflags::SetUsageMessage("service_bench [--workers=2 --batch=4096 ... --format=text|json]");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
+  ember::v1::DataType type;
+  if (!ember::v1::DataType_Parse(FLAGS_data_type, &type)) {
+    std::fprintf(stderr, "service_bench: --data_type=%s is not FP32, FP16, BF16, INT8 or INT4\n",
+                 FLAGS_data_type.c_str());
+    return 1;
+  }
   return ember::Run(argv[0]);
 }
