@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Ember's INT8 / INT4 lookups (CPU backend) against FBGEMM's CPU n-bit TBE.
+"""Ember's INT8 / INT4 lookups (CPU backend) against FBGEMM's CPU kernels.
 
 A benchmark, not a test. For every (dtype, dim, threads) it starts
 bench/kernel_bench --serve --dtype=int8|int4 (which writes the ids it uses
 with --dump_ids and times its backend's fused lookups on request), sets up
 FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen (fbgemm_gpu's inference
 TBE, on the CPU: EmbeddingLocation.HOST, the same SparseType, rows, dim,
-SUM pooling and fp32 output) on exactly those ids, and times the two in
-turn, --pairs times. It prints lookups per second (ids gathered) for each,
-the median ratio Ember / FBGEMM over the pairs (> 1: Ember is faster), and
-the bytes of a row each reads. Ember's fp32 and fp16 lookups of the same
-shape are timed in the same run (the bytes a quantized row saves).
+SUM pooling and fp32 output) and PyTorch's quantized EmbeddingBag ops
+(torch.ops.quantized.embedding_bag_byte_rowwise_offsets and _4bit_:
+FBGEMM's JIT-generated kernels, what torch.ao's quantized EmbeddingBag
+runs; their rows carry an fp32 scale and bias at the end for 8 bits) on
+exactly those ids, and times the three in turn, --pairs times. It prints
+lookups per second (ids gathered) for each, the median ratio Ember / peer
+over the pairs (> 1: Ember is faster), and the bytes of a row each reads.
+Ember's fp32 and fp16 lookups of the same shape are timed in the same run
+(the bytes a quantized row saves).
 
 The rows differ (Ember's are its initializer's, quantized; FBGEMM's its
 fill_random_weights()), which changes no timing; the ids, batches and
@@ -84,7 +88,27 @@ def fbgemm_timer(args, dtype, dim, ids_path, threads):
             tbe(sets[(3 + i) % len(sets)], offsets)
         return per * args.iters / (time.perf_counter() - start)
 
-    return measure, row_bytes
+    # PyTorch's quantized EmbeddingBag ops on the same ids (random rows of
+    # the same shape, packed by their own prepack).
+    pack, op = {"int8": (torch.ops.quantized.embedding_bag_byte_prepack,
+                         torch.ops.quantized.embedding_bag_byte_rowwise_offsets),
+                "int4": (torch.ops.quantized.embedding_bag_4bit_prepack,
+                         torch.ops.quantized.embedding_bag_4bit_rowwise_offsets)}[dtype]
+    packed = pack(torch.randn(args.rows, dim))
+    long_sets = [s.long() for s in sets]
+    bag_starts = torch.arange(0, per, args.pooling_factor, dtype=torch.int64)
+
+    def measure_ao():
+        call = lambda ids: op(packed, ids, bag_starts, mode=0, pruned_weights=False,
+                              include_last_offset=False)
+        for k in range(3):
+            call(long_sets[k % len(long_sets)])
+        start = time.perf_counter()
+        for i in range(args.iters):
+            call(long_sets[(3 + i) % len(long_sets)])
+        return per * args.iters / (time.perf_counter() - start)
+
+    return measure, row_bytes, measure_ao, packed.shape[1]
 
 
 def ember_rate(args, dtype, dim, threads, dump=None):
@@ -117,14 +141,17 @@ def main():
                           file=sys.stderr, flush=True)
                     server = ember_rate(args, dtype, dim, threads, dump.name)
                     ember = [server.measure()]  # also waits for the ids' file
-                    peer, peer_row = fbgemm_timer(args, dtype, dim, dump.name, threads)
-                    fb = []
+                    peer, peer_row, ao_peer, ao_row = fbgemm_timer(args, dtype, dim, dump.name,
+                                                                   threads)
+                    fb, ao = [], []
                     for _ in range(args.pairs):
                         fb.append(peer())
+                        ao.append(ao_peer())
                         ember.append(server.measure())
                     server.close()
                 e = [m["lookups_per_s"] for m in ember[1:]]
                 ratios = [a / b for a, b in zip(e, fb)]
+                ao_ratios = [a / b for a, b in zip(e, ao)]
                 bits = 8 if dtype == "int8" else 4
                 results.append({
                     "dtype": dtype, "dim": dim, "threads": threads, "rows": args.rows,
@@ -133,6 +160,11 @@ def main():
                     "ratio": statistics.median(ratios), "ratio_min": min(ratios),
                     "ratio_max": max(ratios),
                     "ember_row_bytes": 4 + (dim * bits + 7) // 8, "fbgemm_row_bytes": peer_row,
+                    "torch_quantized_lookups_per_s": statistics.median(ao),
+                    "torch_quantized_ratio": statistics.median(ao_ratios),
+                    "torch_quantized_ratio_min": min(ao_ratios),
+                    "torch_quantized_ratio_max": max(ao_ratios),
+                    "torch_quantized_row_bytes": ao_row,
                     "ember_fp32_lookups_per_s": plain["fp32"],
                     "ember_fp16_lookups_per_s": plain["fp16"],
                     "vs_fp32": statistics.median(e) / plain["fp32"],
@@ -143,8 +175,11 @@ def main():
                     print(json.dumps(r), flush=True)
                 else:
                     print(f"{dtype} dim {dim:4d} threads {threads}: Ember {r['ember_lookups_per_s']/1e6:7.1f}"
-                          f" M/s, FBGEMM {r['fbgemm_lookups_per_s']/1e6:6.1f} M/s, ratio "
-                          f"{r['ratio']:.1f} [{r['ratio_min']:.1f}-{r['ratio_max']:.1f}]; rows "
+                          f" M/s, FBGEMM TBE {r['fbgemm_lookups_per_s']/1e6:6.1f} M/s, ratio "
+                          f"{r['ratio']:.1f} [{r['ratio_min']:.1f}-{r['ratio_max']:.1f}]; torch "
+                          f"quantized {r['torch_quantized_lookups_per_s']/1e6:6.1f} M/s, ratio "
+                          f"{r['torch_quantized_ratio']:.2f} [{r['torch_quantized_ratio_min']:.2f}-"
+                          f"{r['torch_quantized_ratio_max']:.2f}]; rows "
                           f"{r['ember_row_bytes']} / {r['fbgemm_row_bytes']} B; Ember fp32 "
                           f"{plain['fp32']/1e6:.1f}, fp16 {plain['fp16']/1e6:.1f} M/s: "
                           f"{r['vs_fp32']:.2f}x fp32, {r['vs_fp16']:.2f}x fp16", flush=True)
