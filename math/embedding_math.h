@@ -111,12 +111,6 @@ constexpr int64_t StateFloatsPerRow(StepOptimizer optimizer, int64_t dim) {
                                             : 0;
 }
 
-// Bytes one row of a table takes: its `dim` weights of `weight_bytes` each
-// and its fp32 optimizer state.
-constexpr int64_t RowBytes(int64_t weight_bytes, StepOptimizer optimizer, int64_t dim) {
-  return dim * weight_bytes + 4 * StateFloatsPerRow(optimizer, dim);
-}
-
 // A key_value shard (server/backend/key_value/) caches
 // ceil(rows * cache_load_factor) of its rows, and at least this many (or
 // all of a smaller shard): one call's distinct rows of a shard must fit in

@@ -62,23 +62,44 @@ inline uint32_t QuantValue(int bits, const uint8_t* row, int64_t c) {
 
 namespace internal {
 
-// `row` with the given scale and bias, each value
-// round-to-nearest-even((w - bias) * inverse), clamped to [0, 2^bits).
+inline void MinMax(const float* w, int64_t dim, float* lo, float* hi) {
+  *lo = *hi = dim > 0 ? w[0] : 0.0f;
+  for (int64_t c = 1; c < dim; ++c) {
+    *lo = w[c] < *lo ? w[c] : *lo;
+    *hi = w[c] > *hi ? w[c] : *hi;
+  }
+}
+
+// FBGEMM's scale and bias for values in [lo, hi] (the file's comment).
+inline void FbgemmScaleBias(int bits, float lo, float hi, float* scale, float* bias) {
+  *bias = Fp16ToFloat(FloatToFp16(lo));
+  const float range = hi - *bias;
+  const float top = static_cast<float>((1 << bits) - 1);
+  *scale = Fp16ToFloat(FloatToFp16(range == 0.0f ? 1.0f : range / top));
+  if (*scale == 0.0f || std::isinf(1.0f / *scale)) *scale = 1.0f;
+}
+
+// A value's q: round-to-nearest-even((w - bias) * inverse), clamped to
+// [0, top]. To nearest even as lrintf in the default rounding mode: adding
+// and taking away 1.5 * 2^23 leaves no fraction bits (|x| < 2^22 here: x is
+// at most about 2^bits; a call of nearbyint per value ran at a third of the
+// speed, as the baseline x86-64 has no ROUNDSS).
+inline float QuantOf(float w, float bias, float inverse, float top) {
+  const float x = (w - bias) * inverse;
+  const float r = (x + 0x1.8p23f) - 0x1.8p23f;
+  return r < 0.0f ? 0.0f : r > top ? top : r;
+}
+
+// `row` with the given scale and bias (fp16 values), each value QuantOf.
 inline void WriteQuantized(int bits, const float* w, int64_t dim, float scale, float bias,
-                           float inverse, uint8_t* row) {
+                           uint8_t* row) {
   const uint16_t h[2] = {FloatToFp16(scale), FloatToFp16(bias)};
   std::memcpy(row, h, sizeof(h));
   uint8_t* v = row + kQuantHeaderBytes;
   if (bits == 4) std::memset(v, 0, static_cast<size_t>((dim + 1) / 2));
-  const float top = static_cast<float>((1 << bits) - 1);
+  const float top = static_cast<float>((1 << bits) - 1), inverse = 1.0f / scale;
   for (int64_t c = 0; c < dim; ++c) {
-    // To nearest even, as lrintf in the default rounding mode: adding and
-    // taking away 1.5 * 2^23 leaves no fraction bits (|x| < 2^22 here: x is
-    // at most about 2^bits; a call of nearbyint per value ran at a third
-    // of the speed, as the baseline x86-64 has no ROUNDSS).
-    const float x = (w[c] - bias) * inverse;
-    const float r = (x + 0x1.8p23f) - 0x1.8p23f;
-    const uint32_t q = static_cast<uint32_t>(r < 0.0f ? 0.0f : r > top ? top : r);
+    const uint32_t q = static_cast<uint32_t>(QuantOf(w[c], bias, inverse, top));
     if (bits == 8) {
       v[c] = static_cast<uint8_t>(q);
     } else {
@@ -87,12 +108,12 @@ inline void WriteQuantized(int bits, const float* w, int64_t dim, float scale, f
   }
 }
 
-// Whether `row` dequantizes to w[0, dim) exactly (DequantizeRow's formula).
-inline bool Reproduces(int bits, const uint8_t* row, const float* w, int64_t dim) {
-  float scale, bias;
-  QuantScaleBias(row, &scale, &bias);
+// Whether the row WriteQuantized would write with this scale and bias
+// dequantizes to w[0, dim) exactly (DequantizeRow's formula).
+inline bool Reproduces(int bits, const float* w, int64_t dim, float scale, float bias) {
+  const float top = static_cast<float>((1 << bits) - 1), inverse = 1.0f / scale;
   for (int64_t c = 0; c < dim; ++c) {
-    if (scale * static_cast<float>(QuantValue(bits, row, c)) + bias != w[c]) return false;
+    if (scale * QuantOf(w[c], bias, inverse, top) + bias != w[c]) return false;
   }
   return true;
 }
@@ -102,22 +123,10 @@ inline bool Reproduces(int bits, const uint8_t* row, const float* w, int64_t dim
 // w[0, dim) (finite) into `row` (QuantizedRowBytes(bits, dim) bytes):
 // FBGEMM's quantization.
 inline void QuantizeRow(int bits, const float* w, int64_t dim, uint8_t* row) {
-  float lo = dim > 0 ? w[0] : 0.0f, hi = lo;
-  for (int64_t c = 1; c < dim; ++c) {
-    lo = w[c] < lo ? w[c] : lo;
-    hi = w[c] > hi ? w[c] : hi;
-  }
-  const float bias = Fp16ToFloat(FloatToFp16(lo));
-  const float range = hi - bias;
-  const int32_t top = (1 << bits) - 1;
-  float scale = Fp16ToFloat(FloatToFp16(range == 0.0f ? 1.0f : range / static_cast<float>(top)));
-  if (scale == 0.0f) scale = 1.0f;
-  float inverse = 1.0f / scale;
-  if (std::isinf(inverse)) {
-    scale = 1.0f;
-    inverse = 1.0f;
-  }
-  internal::WriteQuantized(bits, w, dim, scale, bias, inverse, row);
+  float lo, hi, scale, bias;
+  internal::MinMax(w, dim, &lo, &hi);
+  internal::FbgemmScaleBias(bits, lo, hi, &scale, &bias);
+  internal::WriteQuantized(bits, w, dim, scale, bias, row);
 }
 
 // QuantizeRow, except for values that are already a quantized row's (an
@@ -133,42 +142,29 @@ inline void QuantizeRow(int bits, const float* w, int64_t dim, uint8_t* row) {
 // values fail each try at their first or second value, so they cost little
 // more than FBGEMM's quantization.
 inline void QuantizeRowKeeping(int bits, const float* w, int64_t dim, uint8_t* row) {
-  QuantizeRow(bits, w, dim, row);
-  if (dim == 0 || internal::Reproduces(bits, row, w, dim)) return;
-  float lo = w[0], hi = w[0];
-  for (int64_t c = 1; c < dim; ++c) {
-    lo = w[c] < lo ? w[c] : lo;
-    hi = w[c] > hi ? w[c] : hi;
-  }
-  const int32_t top = (1 << bits) - 1;
-  // Whether scale * q + bias gives back every value, q as WriteQuantized
-  // computes it.
-  auto matches = [&](float scale, float bias) {
-    const float inverse = 1.0f / scale;
-    for (int64_t c = 0; c < dim; ++c) {
-      const float x = (w[c] - bias) * inverse;
-      float q = (x + 0x1.8p23f) - 0x1.8p23f;
-      q = q < 0.0f ? 0.0f : q > static_cast<float>(top) ? static_cast<float>(top) : q;
-      if (scale * q + bias != w[c]) return false;
-    }
-    return true;
-  };
-  const uint16_t lo_h = FloatToFp16(lo);
-  for (int db = -1; db <= 1; ++db) {
-    const float bias = Fp16ToFloat(static_cast<uint16_t>(lo_h + db));
-    if (!(bias <= lo) || std::isinf(bias)) continue;
-    for (int32_t q_max = top; q_max >= top - 3 && q_max > 0; --q_max) {
-      const uint16_t near = FloatToFp16((hi - bias) / static_cast<float>(q_max));
-      for (int ds = -2; ds <= 2; ++ds) {
-        const float scale = Fp16ToFloat(static_cast<uint16_t>(near + ds));
-        if (!(scale > 0.0f) || std::isinf(scale) || std::isinf(1.0f / scale)) continue;
-        if (matches(scale, bias)) {
-          internal::WriteQuantized(bits, w, dim, scale, bias, 1.0f / scale, row);
-          return;
+  float lo, hi, scale, bias;
+  internal::MinMax(w, dim, &lo, &hi);
+  internal::FbgemmScaleBias(bits, lo, hi, &scale, &bias);
+  if (dim > 0 && !internal::Reproduces(bits, w, dim, scale, bias)) {
+    const int32_t top = (1 << bits) - 1;
+    const uint16_t lo_h = FloatToFp16(lo);
+    for (int db = -1; db <= 1; ++db) {
+      const float b = Fp16ToFloat(static_cast<uint16_t>(lo_h + db));
+      if (!(b <= lo) || std::isinf(b)) continue;
+      for (int32_t q_max = top; q_max >= top - 3 && q_max > 0; --q_max) {
+        const uint16_t near = FloatToFp16((hi - b) / static_cast<float>(q_max));
+        for (int ds = -2; ds <= 2; ++ds) {
+          const float s = Fp16ToFloat(static_cast<uint16_t>(near + ds));
+          if (!(s > 0.0f) || std::isinf(s) || std::isinf(1.0f / s)) continue;
+          if (internal::Reproduces(bits, w, dim, s, b)) {
+            internal::WriteQuantized(bits, w, dim, s, b, row);
+            return;
+          }
         }
       }
     }
   }
+  internal::WriteQuantized(bits, w, dim, scale, bias, row);
 }
 
 // out[0, dim) = scale * q[c] + bias: a product, then a sum (callers build

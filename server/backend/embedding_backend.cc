@@ -228,14 +228,8 @@ const char* WeightTypeName(WeightType t) {
 
 int64_t ShardBytes(const ShardSpec& spec) {
   if (spec.cache_rows > 0) return KeyValueMemoryBytes(spec);
-  if (IsQuantized(spec.weight_type)) {
-    return SaturatedBytes(spec.rows, WeightRowBytes(spec.weight_type, spec.dim) +
-                                         4 * OptimizerStateWidth(spec.optimizer.type, spec.dim));
-  }
-  int64_t elem = 4;
-  if (spec.weight_type == WeightType::kFp16 || spec.weight_type == WeightType::kBf16) elem = 2;
-  return SaturatedBytes(spec.rows,
-                        math::RowBytes(elem, StepOptimizerOf(spec.optimizer.type), spec.dim));
+  return SaturatedBytes(spec.rows, WeightRowBytes(spec.weight_type, spec.dim) +
+                                       4 * OptimizerStateWidth(spec.optimizer.type, spec.dim));
 }
 
 std::vector<float> FreshState(const ShardSpec& spec) {

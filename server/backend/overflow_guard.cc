@@ -42,8 +42,6 @@ double StoredWeightBound(WeightType t, double fp32_bound) {
   }
 }
 
-const char* TypeName(WeightType t) { return WeightTypeName(t); }
-
 }  // namespace
 
 float WeightLimitOf(WeightType type) { return math::WeightLimit(static_cast<int32_t>(type)); }
@@ -266,7 +264,7 @@ absl::Status OverflowRefusal(const ShardSpec& spec, const OverflowReport& r) {
                     " (fp32 state must stay finite); nothing of the call was applied"))
               : absl::InvalidArgumentError(absl::StrCat(
                     where, " column ", spec.col_offset + r.col, ": the weight would become ",
-                    r.value, ", beyond the largest finite ", TypeName(spec.weight_type),
+                    r.value, ", beyond the largest finite ", WeightTypeName(spec.weight_type),
                     " value ", WeightLimitOf(spec.weight_type),
                     "; nothing of the call was applied"));
   s.SetPayload(kOverflowPayload, absl::Cord(spec.table));

@@ -29,11 +29,7 @@ class DynamicShardsBackend : public ForwardingBackend {
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
     if (!spec.is_dynamic) return inner()->CreateShard(spec);
     if (absl::Status s = ValidateDynamicSpec(spec); !s.ok()) return s;
-    ShardSpec fixed = spec;
-    fixed.is_dynamic = false;
-    fixed.rows = spec.rows + 1;  // the zero slot
-    fixed.table_rows = spec.table_rows + 1;
-    auto id = inner()->CreateShard(fixed);
+    auto id = inner()->CreateShard(FixedSpec(spec));
     if (!id.ok()) return id.status();
     auto shard = std::make_shared<Shard>(spec, options_.max_pending_ids);
     // A backend that finds ids itself gets the index, then every change of it.
@@ -372,6 +368,16 @@ class DynamicShardsBackend : public ForwardingBackend {
   }
 
  private:
+  // The wrapped backend's fixed shard of dynamic shard `spec`: its slots
+  // and the zero slot after them.
+  static ShardSpec FixedSpec(const ShardSpec& spec) {
+    ShardSpec fixed = spec;
+    fixed.is_dynamic = false;
+    fixed.rows = spec.rows + 1;  // the zero slot
+    fixed.table_rows = spec.table_rows + 1;
+    return fixed;
+  }
+
   struct Shard {
     Shard(const ShardSpec& s, int64_t max_pending)
         : spec(s), index(s.rows, s.dynamic, max_pending) {}
@@ -418,9 +424,7 @@ class DynamicShardsBackend : public ForwardingBackend {
   // are undone).
   absl::Status NameOverflowId(const Held& held, const absl::Status& s) const {
     for (const auto& [id, shard] : held.shards) {
-      ShardSpec fixed = shard->spec;
-      fixed.is_dynamic = false;
-      fixed.rows = shard->spec.rows + 1;
+      const ShardSpec fixed = FixedSpec(shard->spec);
       const int64_t slot = OverflowRowOf(s, fixed);
       if (slot < 0 || slot >= shard->spec.rows) continue;
       EmbeddingBackend::SlotMeta meta;

@@ -110,6 +110,14 @@ struct Mapped {
   std::vector<std::vector<int64_t>> ids;
 };
 
+// The wrapped backend's shard that caches key_value shard `spec`'s rows.
+ShardSpec CacheSpec(const ShardSpec& spec) {
+  ShardSpec cache = spec;
+  cache.rows = spec.cache_rows;
+  cache.cache_rows = 0;
+  return cache;
+}
+
 class KeyValueBackend : public ForwardingBackend {
  public:
   KeyValueBackend(std::unique_ptr<EmbeddingBackend> inner, const KeyValueOptions& options)
@@ -136,12 +144,9 @@ class KeyValueBackend : public ForwardingBackend {
     if (absl::Status s = budget_.Reserve(shard->file_bytes, spec.table); !s.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(s.message(), " (the SSD tier's capacity)"));
     }
-    ShardSpec cache = spec;
-    cache.rows = spec.cache_rows;
-    cache.cache_rows = 0;
     const absl::Status made = Make(shard.get());
     absl::StatusOr<ShardId> id =
-        made.ok() ? inner()->CreateShard(cache) : absl::StatusOr<ShardId>(made);
+        made.ok() ? inner()->CreateShard(CacheSpec(spec)) : absl::StatusOr<ShardId>(made);
     if (!id.ok()) {
       budget_.Release(shard->file_bytes);
       return id.status();
@@ -224,9 +229,7 @@ class KeyValueBackend : public ForwardingBackend {
       // An overflow refusal names a cache slot: named by its row instead.
       for (const auto& shard : kv) {
         if (shard == nullptr) continue;
-        ShardSpec cache = shard->spec;
-        cache.rows = shard->cache_rows();
-        cache.cache_rows = 0;
+        const ShardSpec cache = CacheSpec(shard->spec);
         const int64_t slot = OverflowRowOf(s, cache);
         if (slot >= 0 && shard->row_of_slot[slot] >= 0) {
           return RenameOverflowRow(
@@ -544,7 +547,7 @@ class KeyValueBackend : public ForwardingBackend {
                               const Mapped<LookupRequest>& m) {
     struct Part {
       size_t request;
-      int64_t bag_begin, bag_end;
+      int64_t bag_begin, bag_end, id_begin, id_end;
     };
     std::vector<Part> parts;
     std::map<const Shard*, absl::flat_hash_set<int64_t>> rows;  // of the piece
@@ -557,10 +560,7 @@ class KeyValueBackend : public ForwardingBackend {
         const LookupRequest& r = m.requests[p.request];
         const FeatureRequest& f = r.feature;
         const int64_t dim = kv[p.request]->spec.dim;
-        int64_t id_begin = 0;
-        for (int64_t b = 0; b < p.bag_begin; ++b) id_begin += f.lengths[b];
-        int64_t id_end = id_begin;
-        for (int64_t b = p.bag_begin; b < p.bag_end; ++b) id_end += f.lengths[b];
+        const int64_t id_begin = p.id_begin, id_end = p.id_end;
         LookupRequest q = r;
         q.feature.lengths = f.lengths.subspan(p.bag_begin, p.bag_end - p.bag_begin);
         piece.ids[k].assign(f.ids.begin() + id_begin, f.ids.begin() + id_end);
@@ -595,24 +595,21 @@ class KeyValueBackend : public ForwardingBackend {
       int64_t id = 0;
       for (int64_t b = 0; b < static_cast<int64_t>(f.lengths.size()); ++b) {
         const int64_t len = f.lengths[b];
-        {
-          absl::flat_hash_set<int64_t>& seen = rows[s];
-          std::vector<int64_t> added;
-          for (int64_t k = id; k < id + len; ++k) {
-            if (seen.insert(f.ids[k]).second) added.push_back(f.ids[k]);
-          }
-          if (static_cast<int64_t>(seen.size()) > s->cache_rows() && !parts.empty() &&
-              seen.size() > added.size()) {
-            for (int64_t row : added) seen.erase(row);
-            if (absl::Status st = run(); !st.ok()) return st;
-            absl::flat_hash_set<int64_t>& fresh = rows[s];
-            for (int64_t k = id; k < id + len; ++k) fresh.insert(f.ids[k]);
-          }
+        absl::flat_hash_set<int64_t>& seen = rows[s];
+        size_t added = 0;
+        for (int64_t k = id; k < id + len; ++k) added += seen.insert(f.ids[k]).second;
+        // Past the cache with rows of earlier bags in the piece: those run
+        // first (run() starts the next piece empty), this bag begins the next.
+        if (static_cast<int64_t>(seen.size()) > s->cache_rows() && seen.size() > added) {
+          if (absl::Status st = run(); !st.ok()) return st;
+          absl::flat_hash_set<int64_t>& fresh = rows[s];
+          for (int64_t k = id; k < id + len; ++k) fresh.insert(f.ids[k]);
         }
         if (!parts.empty() && parts.back().request == i && parts.back().bag_end == b) {
           ++parts.back().bag_end;
+          parts.back().id_end += len;
         } else {
-          parts.push_back(Part{i, b, b + 1});
+          parts.push_back(Part{i, b, b + 1, id, id + len});
         }
         id += len;
       }
