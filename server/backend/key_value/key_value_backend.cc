@@ -13,10 +13,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "math/embedding_math.h"
 #include "math/half.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/backend/key_value/row_file.h"
@@ -207,7 +209,7 @@ class KeyValueBackend : public ForwardingBackend {
     }
     if (absl::Status s = MapToSlots(kv, &m); !s.ok()) {
       if (!s.GetPayload(kOverCachePayload).has_value()) return s;
-      return LookupInPieces(kv, m);  // (an update of that size stays refused)
+      return LookupInPieces(kv, m);
     }
     return inner()->Lookup(m.requests);
   }
@@ -224,24 +226,14 @@ class KeyValueBackend : public ForwardingBackend {
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = MapToSlots(kv, &m); !s.ok()) return s;
+    if (absl::Status s = MapToSlots(kv, &m); !s.ok()) {
+      if (!s.GetPayload(kOverCachePayload).has_value()) return s;
+      return ApplyInPieces(kv, m);
+    }
     if (absl::Status s = inner()->ApplyGradients(m.requests); !s.ok()) {
-      // An overflow refusal names a cache slot: named by its row instead.
-      for (const auto& shard : kv) {
-        if (shard == nullptr) continue;
-        const ShardSpec cache = CacheSpec(shard->spec);
-        const int64_t slot = OverflowRowOf(s, cache);
-        if (slot >= 0 && shard->row_of_slot[slot] >= 0) {
-          return RenameOverflowRow(
-              s, cache, absl::StrCat("row ", shard->spec.row_offset + shard->row_of_slot[slot]));
-        }
-      }
-      return s;
+      return NameOverflowRow(kv, s);
     }
-    for (size_t i = 0; i < kv.size(); ++i) {
-      if (kv[i] == nullptr) continue;
-      for (int64_t slot : m.ids[i]) kv[i]->changed[slot] = 1;
-    }
+    MarkChanged(kv, m);
     return absl::OkStatus();
   }
 
@@ -327,21 +319,9 @@ class KeyValueBackend : public ForwardingBackend {
       if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) return e;
       for (int64_t slot : slots) s.changed[slot] = 1;
     }
-    const int64_t chunk = KeyValueSlackRows(s.spec);
-    RowBuffer rec;
-    for (size_t c = 0; c < rows.size(); c += static_cast<size_t>(chunk)) {
-      const int64_t m = std::min<int64_t>(chunk, static_cast<int64_t>(rows.size() - c));
-      if (absl::Status st = rec.Resize(m, s.file->stride()); !st.ok()) return st;
-      for (int64_t k = 0; k < m; ++k) {
-        const int64_t i = rows[c + k] - begin;
-        PackRow(s, weights.data() + i * s.spec.dim, state.data() + i * s.width, rec.row(k));
-      }
-      const absl::Span<const int64_t> these(rows.data() + c, static_cast<size_t>(m));
-      const std::vector<int64_t> free = s.TakeFree(m);
-      if (absl::Status st = s.file->WriteRows(free, rec); !st.ok()) return st;
-      s.Commit(these, free);
-    }
-    return absl::OkStatus();
+    std::vector<int64_t> from(rows.size());
+    for (size_t k = 0; k < rows.size(); ++k) from[k] = rows[k] - begin;
+    return WriteToFile(s, rows, from, weights.data(), state.data());
   }
 
   // Rows anywhere: a row at a time through the range calls above (the
@@ -415,6 +395,234 @@ class KeyValueBackend : public ForwardingBackend {
 
   static absl::Status Usable(const Shard& s) {
     if (s.dropped) return absl::NotFoundError(absl::StrCat("table '", s.spec.table, "': dropped"));
+    return absl::OkStatus();
+  }
+
+  // Rows rows[k] (not cached) to the file, from row from[k] of w (weights)
+  // and st (state), a chunk of whole rows at a time: a write that fails
+  // part way has written some rows and not others, each whole.
+  absl::Status WriteToFile(Shard& s, absl::Span<const int64_t> rows,
+                           absl::Span<const int64_t> from, const float* w, const float* st) {
+    const int64_t chunk = KeyValueSlackRows(s.spec);
+    RowBuffer rec;
+    for (size_t c = 0; c < rows.size(); c += static_cast<size_t>(chunk)) {
+      const int64_t m = std::min<int64_t>(chunk, static_cast<int64_t>(rows.size() - c));
+      if (absl::Status e = rec.Resize(m, s.file->stride()); !e.ok()) return e;
+      for (int64_t k = 0; k < m; ++k) {
+        const int64_t i = from[c + k];
+        PackRow(s, w + i * s.spec.dim, st + i * s.width, rec.row(k));
+      }
+      const absl::Span<const int64_t> these(rows.data() + c, static_cast<size_t>(m));
+      const std::vector<int64_t> free = s.TakeFree(m);
+      if (absl::Status e = s.file->WriteRows(free, rec); !e.ok()) return e;
+      s.Commit(these, free);
+    }
+    return absl::OkStatus();
+  }
+
+  // An overflow refusal of the wrapped backend names a cache slot: named
+  // by the table's row it caches instead.
+  absl::Status NameOverflowRow(const std::vector<std::shared_ptr<Shard>>& kv,
+                               const absl::Status& s) const {
+    for (const auto& shard : kv) {
+      if (shard == nullptr) continue;
+      const ShardSpec cache = CacheSpec(shard->spec);
+      const int64_t slot = OverflowRowOf(s, cache);
+      if (slot >= 0 && shard->row_of_slot[slot] >= 0) {
+        return RenameOverflowRow(
+            s, cache, absl::StrCat("row ", shard->spec.row_offset + shard->row_of_slot[slot]));
+      }
+    }
+    return s;
+  }
+
+  // An update applied: its slots' rows changed since they were filled.
+  static void MarkChanged(const std::vector<std::shared_ptr<Shard>>& kv,
+                          const Mapped<GradientRequest>& m) {
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      for (int64_t slot : m.ids[i]) kv[i]->changed[slot] = 1;
+    }
+  }
+
+  // Rows of a key_value shard as they were before a piece of an update.
+  struct Kept {
+    Shard* shard;
+    ShardId id;
+    std::vector<int64_t> rows;  // ascending
+    std::vector<float> w, st;
+  };
+
+  // An update naming more distinct rows of a key_value shard than its
+  // cache holds, in pieces that each fit. Each such shard's distinct rows,
+  // in the order they first occur, go cache_rows to a piece; piece p runs
+  // every request of a key_value shard with the ids of its rows of piece p
+  // only, so that all of a row's occurrences run together in their order
+  // (its merged gradient is the call's, bit for bit), and the requests on
+  // other shards run with the last piece. A pooled request's ids keep
+  // their own scale (per-id weight times their whole bag's MEAN scale),
+  // carried as SUM weights; a NONE request keeps its ids' gradient rows.
+  // The pieces are one step: each starts from the shard's step before the
+  // call (Adam's t). And one call: the rows a piece will change are kept
+  // before it runs, and a piece refused (an overflow, a failed fill) puts
+  // back every earlier piece's rows and the steps, so nothing of the call
+  // is applied. `m` is validated, its ids still rows.
+  absl::Status ApplyInPieces(const std::vector<std::shared_ptr<Shard>>& kv,
+                             const Mapped<GradientRequest>& m) {
+    // Each key_value shard's rows: the piece of each, its step before.
+    struct Of {
+      ShardId id = 0;
+      absl::flat_hash_map<int64_t, int64_t> piece;  // row -> piece
+      int64_t step = 0;
+    };
+    std::map<Shard*, Of> of;
+    int64_t pieces = 1;
+    for (size_t i = 0; i < kv.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      Of& o = of[kv[i].get()];
+      o.id = m.requests[i].feature.shard;
+      const int64_t cache = kv[i]->cache_rows();
+      for (int64_t row : m.ids[i]) {
+        const int64_t next = static_cast<int64_t>(o.piece.size());
+        if (o.piece.try_emplace(row, next / cache).second) {
+          pieces = std::max(pieces, next / cache + 1);
+        }
+      }
+    }
+    for (auto& [shard, o] : of) {
+      auto step = inner()->ExportStep(o.id);
+      if (!step.ok()) return step.status();
+      o.step = *step;
+    }
+    std::vector<Kept> kept;  // each applied piece's rows as they were before it
+    auto undo = [&](absl::Status refusal) {
+      absl::Status restored = PutBack(kept);
+      for (auto& [shard, o] : of) {
+        if (absl::Status e = inner()->ImportStep(o.id, o.step); !e.ok() && restored.ok()) {
+          restored = e;
+        }
+      }
+      if (restored.ok()) return refusal;
+      return absl::DataLossError(absl::StrCat(
+          refusal.message(), "; and putting back the rows of the update's earlier pieces failed (",
+          restored.message(), "): the key_value shard holds part of the update; restore it from "
+          "a checkpoint"));
+    };
+    for (int64_t p = 0; p < pieces; ++p) {
+      const bool last = p + 1 == pieces;
+      Mapped<GradientRequest> piece;
+      std::vector<std::shared_ptr<Shard>> piece_kv;
+      // A request's share of the piece, in storage kept for the call.
+      std::vector<std::vector<int64_t>> lengths(m.requests.size());
+      std::vector<std::vector<float>> weights(m.requests.size()), grads(m.requests.size());
+      for (size_t i = 0; i < m.requests.size(); ++i) {
+        const GradientRequest& r = m.requests[i];
+        if (kv[i] == nullptr) {
+          if (last) {
+            piece.requests.push_back(r);
+            piece.ids.emplace_back();
+            piece_kv.push_back(nullptr);
+          }
+          continue;
+        }
+        const FeatureRequest& f = r.feature;
+        const Of& o = of.at(kv[i].get());
+        const int64_t dim = kv[i]->spec.dim;
+        const bool none = f.pooling == Pooling::kNone;
+        const bool weighted = !f.weights.empty();
+        std::vector<int64_t> ids;
+        int64_t k = 0;
+        for (const int64_t len : f.lengths) {
+          const float mean = f.pooling == Pooling::kMean ? math::MeanScale(len) : 1.0f;
+          int64_t taken = 0;
+          for (const int64_t end = k + len; k < end; ++k) {
+            if (o.piece.at(m.ids[i][k]) != p) continue;
+            ids.push_back(m.ids[i][k]);
+            ++taken;
+            if (none) {  // (a sequence takes no per-id weights)
+              grads[i].insert(grads[i].end(), r.grad.begin() + k * dim,
+                              r.grad.begin() + (k + 1) * dim);
+            } else {
+              weights[i].push_back(math::IdScale(weighted, weighted ? f.weights[k] : 1.0f, mean));
+            }
+          }
+          lengths[i].push_back(taken);
+        }
+        GradientRequest q = r;
+        q.feature.lengths = lengths[i];
+        q.feature.weights = weights[i];
+        if (!none) q.feature.pooling = Pooling::kSum;
+        if (none) q.grad = grads[i];
+        piece.ids.push_back(std::move(ids));
+        piece.requests.push_back(q);
+        piece_kv.push_back(kv[i]);
+      }
+      for (size_t k = 0; k < piece.requests.size(); ++k) {
+        if (piece_kv[k] != nullptr) piece.requests[k].feature.ids = piece.ids[k];
+      }
+      // The piece's rows into the cache, then kept as they are.
+      std::vector<std::vector<int64_t>> rows(piece.ids.begin(), piece.ids.end());
+      if (absl::Status e = MapToSlots(piece_kv, &piece); !e.ok()) return undo(e);
+      std::map<Shard*, std::pair<ShardId, absl::flat_hash_set<int64_t>>> distinct;
+      for (size_t k = 0; k < piece_kv.size(); ++k) {
+        if (piece_kv[k] == nullptr) continue;
+        auto& d = distinct[piece_kv[k].get()];
+        d.first = piece.requests[k].feature.shard;
+        d.second.insert(rows[k].begin(), rows[k].end());
+      }
+      std::vector<Kept> now;
+      for (auto& [shard, d] : distinct) {
+        Kept c{shard, d.first, std::vector<int64_t>(d.second.begin(), d.second.end()), {}, {}};
+        std::sort(c.rows.begin(), c.rows.end());
+        std::vector<int64_t> slots;
+        for (int64_t row : c.rows) slots.push_back(shard->slot_of_row[row]);
+        c.w.resize(slots.size() * shard->spec.dim);
+        c.st.resize(slots.size() * shard->width);
+        if (absl::Status e = inner()->ExportRowsAt(c.id, slots, absl::MakeSpan(c.w),
+                                                   absl::MakeSpan(c.st));
+            !e.ok()) {
+          return undo(e);
+        }
+        now.push_back(std::move(c));
+      }
+      for (auto& [shard, o] : of) {
+        if (absl::Status e = inner()->ImportStep(o.id, o.step); !e.ok()) return undo(e);
+      }
+      if (absl::Status e = inner()->ApplyGradients(piece.requests); !e.ok()) {
+        return undo(NameOverflowRow(piece_kv, e));
+      }
+      MarkChanged(piece_kv, piece);
+      for (Kept& c : now) kept.push_back(std::move(c));
+    }
+    return absl::OkStatus();
+  }
+
+  // The rows `kept` as they were: cached ones into their slots (changed),
+  // the others written to the file.
+  absl::Status PutBack(const std::vector<Kept>& kept) {
+    for (const Kept& c : kept) {
+      Shard& s = *c.shard;
+      std::vector<int64_t> slots, file_rows, from;
+      std::vector<float> w, st;
+      for (size_t k = 0; k < c.rows.size(); ++k) {
+        const int32_t slot = s.slot_of_row[c.rows[k]];
+        if (slot >= 0) {
+          slots.push_back(slot);
+          w.insert(w.end(), c.w.begin() + k * s.spec.dim, c.w.begin() + (k + 1) * s.spec.dim);
+          st.insert(st.end(), c.st.begin() + k * s.width, c.st.begin() + (k + 1) * s.width);
+        } else {
+          file_rows.push_back(c.rows[k]);
+          from.push_back(static_cast<int64_t>(k));
+        }
+      }
+      if (!slots.empty()) {
+        if (absl::Status e = inner()->ImportRowsAt(c.id, slots, w, st); !e.ok()) return e;
+        for (int64_t slot : slots) s.changed[slot] = 1;
+      }
+      if (absl::Status e = WriteToFile(s, file_rows, from, c.w.data(), c.st.data()); !e.ok()) {
+        return e;
+      }
+    }
     return absl::OkStatus();
   }
 

@@ -17,9 +17,12 @@
 // The cache: fully associative, CLOCK replacement (a used bit a slot, a
 // hand that clears it; an approximation of LRU). Each Lookup or
 // ApplyGradients call first maps its ids to cache slots:
-//   1. every distinct row of the call is pinned for the call (a call may
-//      not name more distinct rows of a shard than its cache holds:
-//      RESOURCE_EXHAUSTED, nothing done);
+//   1. every distinct row of the call is pinned for the call (a call
+//      naming more distinct rows of a shard than its cache holds runs in
+//      pieces that each fit: a lookup by bags, an update by rows, with
+//      every occurrence of a row in one piece, as one optimizer step, and
+//      atomically: a refused piece puts back the earlier pieces' rows; a
+//      single bag past the cache is RESOURCE_EXHAUSTED, nothing done);
 //   2. rows not cached take victims; victims changed since they were
 //      filled are written to the file as the missing rows are read from
 //      it, in one batch (a write that fails answers its status,

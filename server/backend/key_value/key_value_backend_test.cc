@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/emulated_backend.h"
@@ -300,9 +301,12 @@ TEST(KeyValueBackendTest, RefusesBadInputAndChangesNothing) {
   LookupOf(*kv, *kid, Pooling::kSum, Ids({-1}), 4, &s);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ(kv->GetTierStats(*kid)->fills, 0);
-  // More distinct rows in one call than the cache holds.
-  EXPECT_EQ(Update(*kv, *kid, Pooling::kSum, Ids({1, 2, 3, 4, 5}), 4, rng).code(),
-            absl::StatusCode::kResourceExhausted);
+  // More distinct rows in one bag than the cache holds (a lookup).
+  Batch five;
+  five.ids = {1, 2, 3, 4, 5};
+  five.lengths = {5};
+  LookupOf(*kv, *kid, Pooling::kSum, five, 4, &s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_EQ(kv->GetTierStats(*kid)->fills, 0);
   // A NaN gradient after a fill: the fill stays (the row unchanged), nothing
   // applied.
@@ -540,7 +544,7 @@ TEST(KeyValueBackendTest, AnOverflowRefusalNamesTheRow) {
 // in pieces (its bags in order, each piece within the cache): pooled,
 // weighted, MEAN and NONE, packed and strided outputs, beside a request on
 // a shard held in memory, all equal to the table in memory bit for bit. A
-// bag alone past the cache, and an update past it, are still refused.
+// bag alone past the cache is still refused.
 TEST(KeyValueBackendTest, LookupsLargerThanTheCacheRunInPieces) {
   auto fused = Cpu();
   auto kv = KeyValue();
@@ -601,7 +605,7 @@ TEST(KeyValueBackendTest, LookupsLargerThanTheCacheRunInPieces) {
       EXPECT_NE(beside, std::vector<float>(8, 0.0f));
     }
   }
-  // A bag of 17 distinct rows is past a cache of 16; so is an update of 20.
+  // A bag of 17 distinct rows is past a cache of 16.
   std::vector<int64_t> many(17);
   for (int64_t i = 0; i < 17; ++i) many[i] = 10 * i;
   Batch bag;
@@ -610,11 +614,144 @@ TEST(KeyValueBackendTest, LookupsLargerThanTheCacheRunInPieces) {
   absl::Status s;
   LookupOf(*kv, *kid, Pooling::kSum, bag, 8, &s);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
-  std::vector<int64_t> twenty(20);
-  for (int64_t i = 0; i < 20; ++i) twenty[i] = i;
-  EXPECT_EQ(Update(*kv, *kid, Pooling::kSum, Ids(twenty), 8, rng).code(),
-            absl::StatusCode::kResourceExhausted);
   ExpectSameBits(Export(*kv, *kid, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
+}
+
+// An update naming more distinct rows of a shard than its cache holds runs
+// in pieces (each within the cache, all of a row's occurrences in one) as
+// one step: under every optimizer (Adam's t once a call) and pooling,
+// weighted or not, two requests on the shard and one on a shard held in
+// memory in the same call, the rows equal the table in memory bit for bit,
+// over the CPU backend and the CUDA backend's kernels (emulated).
+struct PiecesCase {
+  OptimizerType opt;
+  Pooling pooling;
+  bool weighted;
+  bool emulated_cuda = false;  // the CUDA backend's kernels (emulated) under both
+};
+class KeyValuePiecesTest : public ::testing::TestWithParam<PiecesCase> {};
+
+TEST_P(KeyValuePiecesTest, UpdatesLargerThanTheCacheRunInPiecesAsOneStep) {
+  const PiecesCase c = GetParam();
+  const ParityCase under{c.opt, c.pooling, WeightType::kFp32, c.emulated_cuda};
+  auto fused = Under(under);
+  KeyValueOptions o;
+  o.dir = TempDir();
+  auto kv = WithKeyValueShards(Under(under), o);
+  const ShardSpec spec = Spec(c.opt, 400, 8, 16);
+  ShardSpec plain = Fused(spec);
+  plain.table = "plain";
+  plain.row_offset = 0;
+  auto kid = kv->CreateShard(spec);
+  auto pid = kv->CreateShard(plain);
+  auto fid = fused->CreateShard(Fused(spec));
+  auto fpid = fused->CreateShard(plain);
+  ASSERT_TRUE(kid.ok() && pid.ok() && fid.ok() && fpid.ok());
+  std::mt19937_64 rng(static_cast<uint64_t>(c.opt) * 3 + static_cast<uint64_t>(c.pooling));
+  std::uniform_int_distribution<int64_t> len(0, 4), row(0, spec.rows - 1);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  auto batch = [&](int bags) {
+    Batch b;
+    for (int i = 0; i < bags; ++i) {
+      b.lengths.push_back(len(rng));
+      for (int64_t k = 0; k < b.lengths.back(); ++k) {
+        // Low rows often (repeats within and across bags), the rest spread.
+        b.ids.push_back(k % 2 == 0 ? row(rng) % 24 : row(rng));
+        if (c.weighted) b.weights.push_back(std::uniform_real_distribution<float>(0.5, 2)(rng));
+      }
+    }
+    return b;
+  };
+  for (int step = 0; step < 8; ++step) {
+    SCOPED_TRACE(step);
+    const Batch a = batch(40), b = batch(25), q = batch(3);  // ~100 distinct rows: 7 pieces
+    auto grad = [&](const Batch& x, Pooling p) {
+      std::vector<float> v(OutRows(p, x) * 8);
+      for (float& e : v) e = g(rng);
+      return v;
+    };
+    const std::vector<float> ga = grad(a, c.pooling), gb = grad(b, c.pooling),
+                             gq = grad(q, Pooling::kSum);
+    auto call = [&](EmbeddingBackend& be, ShardId t, ShardId other) {
+      const FeatureRequest fa = Feature(t, c.pooling, a), fb = Feature(t, c.pooling, b);
+      return be.ApplyGradients({GradientRequest{fa, ga},
+                                GradientRequest{Feature(other, Pooling::kSum, q), gq},
+                                GradientRequest{fb, gb}});
+    };
+    const absl::Status want = call(*fused, *fid, *fpid);
+    ASSERT_TRUE(want.ok()) << want;
+    const absl::Status s = call(*kv, *kid, *pid);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  const AllRows want = Export(*fused, *fid, Fused(spec));
+  const AllRows got = Export(*kv, *kid, spec);
+  ExpectSameBits(got.w, want.w, "weights");
+  ExpectSameBits(got.st, want.st, "optimizer state");
+  ExpectSameBits(Export(*kv, *pid, plain).w, Export(*fused, *fpid, plain).w, "the other shard");
+  EXPECT_EQ(*kv->ExportStep(*kid), 8);
+  EXPECT_EQ(*kv->ExportStep(*kid), *fused->ExportStep(*fid));
+  EXPECT_EQ(*kv->ExportStep(*pid), *fused->ExportStep(*fpid));
+  EXPECT_GT(kv->GetTierStats(*kid)->write_backs, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kernels, KeyValuePiecesTest,
+    ::testing::Values(PiecesCase{OptimizerType::kSgd, Pooling::kSum, true},
+                      PiecesCase{OptimizerType::kAdagrad, Pooling::kMean, true},
+                      PiecesCase{OptimizerType::kRowwiseAdagrad, Pooling::kMean, false},
+                      PiecesCase{OptimizerType::kAdam, Pooling::kSum, false},
+                      PiecesCase{OptimizerType::kAdam, Pooling::kNone, false},
+                      PiecesCase{OptimizerType::kSgd, Pooling::kNone, false},
+                      PiecesCase{OptimizerType::kAdam, Pooling::kMean, true, true},
+                      PiecesCase{OptimizerType::kRowwiseAdagrad, Pooling::kNone, false, true}));
+
+// An update in pieces is one call: a piece refused (here an overflow, in a
+// middle piece and in the last one) puts back every row the earlier pieces
+// changed and the step, and the request on the other shard (run with the
+// last piece) is not applied either; the refusal names the table's row.
+TEST(KeyValueBackendTest, AnUpdateInPiecesIsAppliedWholeOrNotAtAll) {
+  for (const int64_t bad : {20, 59}) {  // the 2nd of 4 pieces, the last
+    SCOPED_TRACE(bad);
+    auto kv = KeyValue();
+    ShardSpec spec = Spec(OptimizerType::kSgd, 400, 8, 16);
+    spec.optimizer.learning_rate = 10.0f;
+    ShardSpec plain = Fused(spec);
+    plain.table = "plain";
+    auto kid = kv->CreateShard(spec);
+    auto pid = kv->CreateShard(plain);
+    ASSERT_TRUE(kid.ok() && pid.ok());
+    std::mt19937_64 rng(9);
+    // A first update, so that rows are cached and changed.
+    std::vector<int64_t> warm(10);
+    for (int64_t i = 0; i < 10; ++i) warm[i] = 3 * i;
+    ASSERT_TRUE(Update(*kv, *kid, Pooling::kSum, Ids(warm), 8, rng).ok());
+    const AllRows before = Export(*kv, *kid, spec);
+    const AllRows other_before = Export(*kv, *pid, plain);
+    // 60 distinct rows (a NONE request: a gradient row each), one of them
+    // pushed past fp32.
+    Batch b;
+    for (int64_t i = 0; i < 60; ++i) b.ids.push_back((7 * i) % 400);
+    b.lengths.assign(60, 1);
+    std::vector<float> grad(60 * 8, 0.25f);
+    std::fill_n(grad.begin() + bad * 8, 8, -3e38f);
+    const Batch one = Ids({5});
+    const std::vector<float> g1(8, 1.0f);
+    const absl::Status s =
+        kv->ApplyGradients({GradientRequest{Feature(*kid, Pooling::kNone, b), grad},
+                            GradientRequest{Feature(*pid, Pooling::kSum, one), g1}});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(IsOverflowRefusal(s)) << s;
+    EXPECT_NE(std::string(s.message()).find(absl::StrCat("row ", 3 + (7 * bad) % 400, " column")),
+              std::string::npos)
+        << s;
+    const AllRows after = Export(*kv, *kid, spec);
+    ExpectSameBits(after.w, before.w, "weights");
+    ExpectSameBits(after.st, before.st, "state");
+    ExpectSameBits(Export(*kv, *pid, plain).w, other_before.w, "the other shard");
+    EXPECT_EQ(*kv->ExportStep(*kid), 1);
+    EXPECT_EQ(*kv->ExportStep(*pid), 0);
+    EXPECT_GT(kv->GetTierStats(*kid)->fills, 16);  // the pieces did run
+  }
 }
 
 }  // namespace
