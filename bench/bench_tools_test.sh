@@ -104,6 +104,7 @@ refused "--ceiling with --serve" "--ceiling is for the CPU backend, without --se
 refused "--ceiling_rounds=0" "--ceiling_rounds must be >= 1" -- --ceiling --ceiling_rounds=0
 refused "--id_sets=0 with --serve" "--serve repeats its calls" -- --id_sets=0 --serve
 refused "--id_sets=-1" "--id_sets >= 0" -- --id_sets=-1
+refused "--uvm on the CPU backend" "--uvm (fused_uvm tables) is for --backend=cuda" -- --uvm
 
 # --serve: one JSON line per "measure", then "quit".
 printf 'measure\nmeasure\nquit\n' | "$KB" "${tiny[@]}" --serve >"$TMP/serve.out" 2>"$TMP/serve.err"

@@ -55,6 +55,9 @@ DEFINE_int32(dim, 64, "Embedding dimension (multiple of 4).");
 DEFINE_int32(batch, 2048, "Bags per batch.");
 DEFINE_int32(pooling_factor, 20, "Ids per bag.");
 DEFINE_int32(threads, 1, "Backend threads (cpu backend).");
+DEFINE_bool(uvm, false,
+            "--backend=cuda: the tables fused_uvm (rows and state in host memory mapped into "
+            "the GPU, read over PCIe/C2C), for the bus's rate beside HBM's.");
 DEFINE_string(distribution, "uniform", "uniform or zipf (alpha 1.05, hot rows scattered).");
 DEFINE_string(dtype, "fp32",
               "fp32, fp16, bf16, or int8 / int4 (row-wise quantized: lookups only, no backward).");
@@ -110,6 +113,10 @@ int main(int argc, char** argv) {
   }
   if (FLAGS_id_sets == 0 && FLAGS_serve) {
     std::fprintf(stderr, "kernel_bench: --serve repeats its calls: give --id_sets >= 1\n");
+    return 1;
+  }
+  if (FLAGS_uvm && FLAGS_backend != "cuda") {
+    std::fprintf(stderr, "kernel_bench: --uvm (fused_uvm tables) is for --backend=cuda\n");
     return 1;
   }
   if (FLAGS_ceiling && (FLAGS_backend != "cpu" || FLAGS_serve)) {
@@ -169,6 +176,7 @@ int main(int argc, char** argv) {
                         : FLAGS_optimizer == "adam"            ? eb::OptimizerType::kAdam
                                                                : eb::OptimizerType::kSgd;
   spec.optimizer.stochastic_rounding = FLAGS_stochastic_rounding;
+  spec.host_mapped = FLAGS_uvm;
   eb::CpuBackendOptions options;
   options.num_threads = FLAGS_threads;
   options.isa = FLAGS_isa;
@@ -183,6 +191,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kernel_bench: %s\n", backend.status().ToString().c_str());
     return 1;
   }
+  const std::string name = (*backend)->Name() + (FLAGS_uvm ? " fused_uvm" : "");
   const int tables = FLAGS_tables;
   std::vector<eb::ShardId> shards;
   for (int t = 0; t < tables; ++t) {
@@ -308,7 +317,7 @@ int main(int argc, char** argv) {
       const double f = time_forward(), b = quantized ? 0.0 : time_backward();
       std::printf("{\"backend\": \"%s\", \"lookups_per_s\": %.4g, \"fwd_ms\": %.4f, "
                   "\"bwd_lookups_per_s\": %.4g, \"bwd_ms\": %.4f}\n",
-                  (*backend)->Name().c_str(), all_ids / f, f * 1e3, b > 0 ? all_ids / b : 0.0,
+                  name.c_str(), all_ids / f, f * 1e3, b > 0 ? all_ids / b : 0.0,
                   b * 1e3);
       std::fflush(stdout);
     }
@@ -404,7 +413,7 @@ int main(int argc, char** argv) {
         "\"prefetch_outer\": %d, \"prefetch_l1\": %d, \"prefetch_outer_into_l1\": %s, "
         "\"ceiling_lookups_per_s\": %.4g, \"of_ceiling\": %.4g, \"ceiling_prefetch_scale\": %d, "
         "\"ceiling_checksum\": %llu}\n",
-        (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
+        name.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim, FLAGS_batch,
         FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables, FLAGS_id_sets,
         FLAGS_distribution.c_str(), FLAGS_dtype.c_str(), FLAGS_pooling.c_str(), FLAGS_optimizer.c_str(), lookups, gbps, fwd_s * 1e3, bwd,
         bwd_s * 1e3, validate_fwd_s * 1e3, validate_bwd_s * 1e3, memcpy_fwd_s * 1e3,
@@ -413,7 +422,7 @@ int main(int argc, char** argv) {
         of_ceiling, ceiling_scale, static_cast<unsigned long long>(ceiling_checksum));
   } else {
     std::printf("%s rows=%lld dim=%d batch=%d L=%d threads=%d callers=%d tables=%d id_sets=%d %s %s %s %s\n",
-                (*backend)->Name().c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
+                name.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
                 FLAGS_batch, FLAGS_pooling_factor, FLAGS_threads, FLAGS_callers, tables,
                 FLAGS_id_sets,
                 FLAGS_distribution.c_str(),

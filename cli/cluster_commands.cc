@@ -112,6 +112,11 @@ DEFINE_double(memory_gib, 0,
               "card's). A cpu worker left at 0 beside live workers of its host that already "
               "claim memory is refused by the coordinator if together they would overcommit "
               "the host: give it its share.");
+DEFINE_double(uvm_memory_gib, 0,
+              "Workers --device=cuda: host memory in GiB for fused_uvm shards (a table's rows "
+              "pinned in host memory and mapped into the GPU, read and written there by the "
+              "kernels: for tables larger than HBM). 0: 90% of the host's available memory over "
+              "its visible GPUs (shared among `up`'s workers).");
 DEFINE_string(ssd_dir, "",
               "Workers: a directory on local SSD for the key_value kernel's files (a table's "
               "rows there, a cache of them in memory: constraints compute_kernels "
@@ -576,6 +581,7 @@ int RunWorker() {
   o.cuda_scratch_bytes = int64_t{FLAGS_cuda_scratch_mib} << 20;
   o.threads = FLAGS_threads;
   o.memory_limit_bytes = static_cast<int64_t>(FLAGS_memory_gib * (1 << 30));
+  o.uvm_memory_bytes = static_cast<int64_t>(FLAGS_uvm_memory_gib * (1 << 30));
   o.ssd_dir = FLAGS_ssd_dir;
   o.ssd_capacity_bytes = static_cast<int64_t>(FLAGS_ssd_gib * (1 << 30));
   o.max_message_bytes = MaxMessageBytes();
@@ -644,6 +650,11 @@ int RunUp(const std::string& self_path) {
   if (memory_gib == 0 && FLAGS_device == "cpu") {
     memory_gib = static_cast<double>(HostMemoryBytes() / 10 * 9) / FLAGS_workers / (1 << 30);
   }
+  // CUDA workers' fused_uvm shards likewise, in the host memory they pin.
+  double uvm_memory_gib = FLAGS_uvm_memory_gib;
+  if (uvm_memory_gib == 0 && FLAGS_device == "cuda") {
+    uvm_memory_gib = static_cast<double>(HostMemoryBytes() / 10 * 9) / FLAGS_workers / (1 << 30);
+  }
   // The SSD tier likewise: each worker its part of the directory's space.
   double ssd_gib = FLAGS_ssd_gib;
   if (!FLAGS_ssd_dir.empty() && ssd_gib == 0) {
@@ -659,7 +670,8 @@ int RunUp(const std::string& self_path) {
   std::vector<std::string> args = {
       self_path, "worker", "--coordinator=" + c->address, "--listen=127.0.0.1:0",
       "--device=" + FLAGS_device, absl::StrCat("--threads=", FLAGS_threads),
-      absl::StrCat("--memory_gib=", memory_gib), "--ssd_dir=" + FLAGS_ssd_dir,
+      absl::StrCat("--memory_gib=", memory_gib),
+      absl::StrCat("--uvm_memory_gib=", uvm_memory_gib), "--ssd_dir=" + FLAGS_ssd_dir,
       absl::StrCat("--ssd_gib=", ssd_gib),
       absl::StrCat("--max_message_mb=", FLAGS_max_message_mb),
       absl::StrCat("--skip_nonfinite=", FLAGS_skip_nonfinite ? "true" : "false"),

@@ -97,6 +97,12 @@ step_bench() {
               "--callers=2" "--callers=4"; do
     bench --backend=cuda --batch=16384 $args
   done
+  # fused_uvm: the same tables in host memory mapped into the GPU (the
+  # bus's rate against HBM's, each line named "... fused_uvm").
+  for dim in 64 128; do
+    bench --backend=cuda --uvm --dim="$dim" --batch=16384
+    bench --backend=cuda --uvm --dim="$dim" --batch=16384 --distribution=zipf
+  done
   echo "kernel_bench: $(wc -l <"$out/kernel_bench.jsonl") runs in OUT/kernel_bench.jsonl"
   # Dynamic (hash-keyed) tables against fixed ones on each backend: the CUDA
   # backend finds the ids on the device (find + gather, keys/s; with

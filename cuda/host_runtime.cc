@@ -52,6 +52,12 @@ std::map<uintptr_t, size_t>& Pinned() {
   static auto* p = new std::map<uintptr_t, size_t>();
   return *p;
 }
+// The pinned allocations mapped into the device (cudaHostAllocMapped), by
+// start: the ones cudaHostGetDevicePointer answers for.
+std::map<uintptr_t, size_t>& Mapped() {
+  static auto* p = new std::map<uintptr_t, size_t>();
+  return *p;
+}
 std::mutex event_mu;  // an event's (stream, target)
 
 // Each operation waits a pseudo-random 0 to this many microseconds before it
@@ -169,6 +175,13 @@ cudaError_t HostLaunch(cudaStream_t stream, std::function<void()> op) {
   return cudaSuccess;
 }
 
+size_t HostMappedBytes() {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  size_t bytes = 0;
+  for (const auto& [start, n] : Mapped()) bytes += n;
+  return bytes;
+}
+
 cudaError_t HostLaunchFault(cudaStream_t stream) {
   return HostLaunch(stream, [] {
     cudaError_t expected = cudaSuccess;
@@ -260,6 +273,31 @@ cudaError_t CUDARTAPI cudaMallocHost(void** p, size_t bytes) {
   return cudaSuccess;
 }
 
+cudaError_t CUDARTAPI cudaHostAlloc(void** p, size_t bytes, unsigned int flags) {
+  if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
+  *p = Allocate(bytes);
+  if (*p == nullptr) return Fail(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Pinned()[reinterpret_cast<uintptr_t>(*p)] = bytes;
+  if (flags & cudaHostAllocMapped) Mapped()[reinterpret_cast<uintptr_t>(*p)] = bytes;
+  return cudaSuccess;
+}
+
+// The device's address of a mapped allocation is its host address (one
+// address space, as with UVA); an allocation that is not mapped has none.
+cudaError_t CUDARTAPI cudaHostGetDevicePointer(void** device, void* host, unsigned int flags) {
+  if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
+  if (flags != 0) return Fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lock(registry_mu);
+  const auto at = reinterpret_cast<uintptr_t>(host);
+  auto it = Mapped().upper_bound(at);
+  if (it == Mapped().begin() || at >= std::prev(it)->first + std::prev(it)->second) {
+    return Fail(cudaErrorInvalidValue);
+  }
+  *device = host;
+  return cudaSuccess;
+}
+
 cudaError_t CUDARTAPI cudaFreeHost(void* p) {
   if (p == nullptr) return cudaSuccess;
   if (!IsPinned(p)) return Fail(cudaErrorInvalidValue);
@@ -267,6 +305,7 @@ cudaError_t CUDARTAPI cudaFreeHost(void* p) {
   {
     std::lock_guard<std::mutex> lock(registry_mu);
     Pinned().erase(reinterpret_cast<uintptr_t>(p));
+    Mapped().erase(reinterpret_cast<uintptr_t>(p));
   }
   std::free(p);
   return cudaSuccess;
@@ -349,8 +388,11 @@ cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
   const int64_t done = Enqueue(s, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
   // Pageable host memory: the copy is done (H2D: the source may be reused;
   // D2H: the destination is written) when the call returns.
+  // cudaMemcpyDefault (the direction told by the addresses): asynchronous
+  // between pinned (or mapped) blocks only.
   const bool pageable = (kind == cudaMemcpyHostToDevice && !IsPinned(src)) ||
-                        (kind == cudaMemcpyDeviceToHost && !IsPinned(dst));
+                        (kind == cudaMemcpyDeviceToHost && !IsPinned(dst)) ||
+                        (kind == cudaMemcpyDefault && !(IsPinned(src) && IsPinned(dst)));
   if (pageable) {
     WaitFor(s, done);
     if (Sticky() != cudaSuccess) return Fail(Sticky());  // it never ran

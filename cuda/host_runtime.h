@@ -8,12 +8,13 @@
 // in pieces, double-buffered staging, the lost-device path.
 //
 // What it keeps of CUDA's semantics: stream order; copies that touch
-// pinned memory (cudaMallocHost) and device memory run when the stream
+// pinned memory (cudaMallocHost, cudaHostAlloc) and device memory run when the stream
 // reaches them, while copies from or to pageable host memory finish before
 // cudaMemcpyAsync returns; events complete when the stream passes the point
 // they were recorded at (one never recorded is complete); cudaFree and
 // cudaFreeHost wait for every stream; an illegal address (LaunchFault) is
-// sticky: every later call answers it. Each queued operation waits a
+// sticky: every later call answers it; only a mapped host allocation
+// (cudaHostAllocMapped) has a device pointer (cudaHostGetDevicePointer). Each queued operation waits a
 // random 0-20 us first ($EMBER_HOST_CUDA_DELAY_US sets the bound; 0: none),
 // so work runs later than a caller may assume. It shows one device (a "compute
 // capability 8.0" named "host runtime"; $EMBER_HOST_CUDA_DEVICES sets how
@@ -33,6 +34,10 @@ namespace cuda {
 // Queues `op` on `stream` (nullptr: the default stream); the sticky error,
 // if one is set, instead.
 cudaError_t HostLaunch(cudaStream_t stream, std::function<void()> op);
+
+// Bytes of host memory now allocated mapped into the device
+// (cudaHostAlloc with cudaHostAllocMapped): where fused_uvm shards live.
+size_t HostMappedBytes();
 
 // Makes the device lost, as an illegal address would (every later runtime
 // call answers cudaErrorIllegalAddress), when the stream reaches it.

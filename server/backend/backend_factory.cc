@@ -71,8 +71,8 @@ std::unique_ptr<EmbeddingBackend> Wrap(std::unique_ptr<EmbeddingBackend> b,
 }  // namespace
 
 absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
-  if (config.memory_limit_bytes < 0) {
-    return absl::InvalidArgumentError("the memory limit must be >= 0");
+  if (config.memory_limit_bytes < 0 || config.uvm_memory_bytes < 0) {
+    return absl::InvalidArgumentError("memory limits must be >= 0");
   }
   MadeBackend made;
   auto kv = SsdTier(config, &made);
@@ -106,11 +106,23 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
     o.memory_limit_bytes = config.memory_limit_bytes;
     o.skip_overflow = config.skip_overflow;
     o.scratch_bytes = config.cuda_scratch_bytes;
+    auto devices = cuda::QueryDevices();
+    o.mapped_memory_limit_bytes = config.uvm_memory_bytes;
+    made.uvm_note = "as given";
+    if (o.mapped_memory_limit_bytes == 0) {
+      const int64_t gpus = devices.ok() ? std::max<int64_t>(1, devices->size()) : 1;
+      o.mapped_memory_limit_bytes = HostMemoryBytes() / 10 * 9 / gpus;
+      made.uvm_note = absl::StrCat("90% of the host's available memory over ", gpus, " GPU(s)");
+    }
+    if (o.mapped_memory_limit_bytes <= 0) {
+      return absl::FailedPreconditionError(
+          "cannot tell how much host memory there is; give --uvm_memory_gib");
+    }
     auto b = backend::CreateCudaBackend(o);
     if (!b.ok()) return b.status();
     made.backend = Wrap(std::move(*b), config, *kv);
     made.cuda = true;
-    auto devices = cuda::QueryDevices();
+    made.ddr_bytes = o.mapped_memory_limit_bytes;
     if (devices.ok()) {
       for (const auto& d : *devices) {
         if (d.index == config.cuda_device) made.hbm_bytes = d.total_memory_bytes;

@@ -26,6 +26,11 @@ struct BackendConfig {
   // scratch). 0: cpu, 90% of the host's available memory (its memory
   // cgroup's limit where there is one); cuda, the whole device.
   int64_t memory_limit_bytes = 0;
+  // cuda: bytes of host memory for fused_uvm shards (rows pinned in host
+  // memory and mapped into the GPU; advertised as ddr_bytes). 0: 90% of
+  // the host's available memory (its cgroup's limit where there is one)
+  // over the visible GPUs, one share a worker.
+  int64_t uvm_memory_bytes = 0;
   // An update row that would overflow is left alone and counted instead of
   // refusing the call (overflow_guard.h; the worker's --skip_nonfinite).
   bool skip_overflow = false;
@@ -43,13 +48,14 @@ struct MadeBackend {
   bool cuda = false;
   // The capacity the worker advertises (the planner plans against it).
   int64_t hbm_bytes = 0;  // cuda
-  int64_t ddr_bytes = 0;  // cpu
+  int64_t ddr_bytes = 0;  // cpu; cuda: host memory for fused_uvm shards
   int64_t ssd_bytes = 0;  // key_value shards' files (0: no SSD tier)
   std::string ssd_note;   // how that was chosen
   std::string capacity_note;  // how the capacity was chosen, for the log
+  std::string uvm_note;       // cuda: how ddr_bytes was chosen
 };
 
-// INVALID_ARGUMENT for an unknown device or threads < 1; UNAVAILABLE for
+// INVALID_ARGUMENT for an unknown device, threads < 1 or a negative limit; UNAVAILABLE for
 // cuda without a usable GPU (or a build without CUDA); FAILED_PRECONDITION
 // when the host's memory cannot be told and no limit is given.
 absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config);

@@ -105,9 +105,22 @@ class DeviceInputsBackend : public ForwardingBackend {
 };
 #endif
 
+// A backend whose every shard is created fused_uvm (ShardSpec::
+// host_mapped: rows and state in host memory mapped into the device).
+class MappedShardsBackend : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    ShardSpec mapped = spec;
+    mapped.host_mapped = true;
+    return inner()->CreateShard(mapped);
+  }
+};
+
 // The CUDA backend as `name`, whole and (`name`_split) with a scratch of
 // `split_bytes`, so small that most calls run in pieces; both again
-// (`name`_device_inputs...) reading their inputs from device memory.
+// (`name`_device_inputs...) reading their inputs from device memory; and
+// whole with every shard fused_uvm (`name`_uvm).
 void AddCudaBackend(const std::string& name, size_t split_bytes, std::vector<BackendParam>* out) {
   auto make = [](size_t scratch_bytes, bool device_inputs)
       -> absl::StatusOr<std::unique_ptr<EmbeddingBackend>> {
@@ -133,6 +146,12 @@ void AddCudaBackend(const std::string& name, size_t split_bytes, std::vector<Bac
                     [make, split_bytes, device_inputs] { return make(split_bytes, device_inputs); },
                     split_bytes});
   }
+  out->push_back({name + "_uvm", [make]() -> absl::StatusOr<std::unique_ptr<EmbeddingBackend>> {
+                    auto be = make(0, false);
+                    if (!be.ok()) return be.status();
+                    return std::unique_ptr<EmbeddingBackend>(
+                        new MappedShardsBackend(*std::move(be)));
+                  }});
 }
 
 std::vector<BackendParam> AvailableBackends() {

@@ -309,7 +309,7 @@ absl::Status ValidateImport(const ShardSpec& spec, int64_t b, int64_t e,
   return absl::OkStatus();
 }
 
-absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple) {
+absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple, bool maps_host_memory) {
   auto bad = [&](auto... parts) {
     return absl::InvalidArgumentError(absl::StrCat("shard of table '", s.table, "': ", parts...));
   };
@@ -324,9 +324,16 @@ absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple) {
     return bad("row_offset + rows (", s.row_offset + s.rows, ") exceeds table_rows (",
                s.table_rows, ")");
   }
+  if (s.host_mapped && s.cache_rows != 0) {
+    return bad("the fused_uvm and key_value kernels are two different placements; a shard takes "
+               "one");
+  }
   if (s.cache_rows != 0) {
     return bad("the key_value kernel (cache_rows ", s.cache_rows,
                ") needs a worker with an SSD tier (--ssd_dir)");
+  }
+  if (s.host_mapped && !maps_host_memory) {
+    return bad("the fused_uvm kernel (rows in host memory the GPU maps) needs a CUDA worker");
   }
   if (static_cast<int>(s.weight_type) < 0 || static_cast<int>(s.weight_type) >= kWeightTypes) {
     return bad("unknown weight type ", static_cast<int>(s.weight_type));

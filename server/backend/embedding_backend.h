@@ -146,6 +146,13 @@ struct ShardSpec {
   // memory. 0: the whole shard in memory (fused). Only a backend wrapped
   // by WithKeyValueShards takes it.
   int64_t cache_rows = 0;
+  // The fused_uvm kernel: the shard's rows and optimizer state in pinned
+  // host memory mapped into the GPU's address space, read and written in
+  // place by the same kernels (over PCIe or C2C), and counted against the
+  // backend's mapped memory (AvailableMappedBytes), not its device memory.
+  // Only a backend that MapsHostMemory() takes it; the others refuse it
+  // (INVALID_ARGUMENT).
+  bool host_mapped = false;
 };
 
 using ShardId = int32_t;
@@ -430,6 +437,13 @@ class EmbeddingBackend {
   // (INT64_MAX when it has none): a caller creating several shards checks
   // ShardBytes of all of them against this before creating any.
   virtual int64_t AvailableBytes() const = 0;
+  // Whether CreateShard takes ShardSpec::host_mapped (the fused_uvm
+  // kernel: the CUDA backend), and the bytes still free for such shards
+  // under the backend's mapped-memory limit (INT64_MAX without one; 0 when
+  // it maps none). ShardBytes of a mapped shard counts here, not in
+  // AvailableBytes.
+  virtual bool MapsHostMemory() const { return false; }
+  virtual int64_t AvailableMappedBytes() const { return 0; }
 
   // Human-readable name ("cpu/avx2", "cuda/H100").
   virtual std::string Name() const = 0;
@@ -446,7 +460,10 @@ class EmbeddingBackend {
 // backend takes any dim, as TorchRec's CPU modules do), offsets >= 0,
 // row_offset + rows <= table_rows, optimizer hyper-parameters in range
 // (SGD with weight_decay is rejected: FBGEMM's exact SGD has none).
-absl::Status ValidateShardSpec(const ShardSpec& spec, int column_multiple = 1);
+// A host_mapped spec is refused unless `maps_host_memory` (the caller's
+// MapsHostMemory()).
+absl::Status ValidateShardSpec(const ShardSpec& spec, int column_multiple = 1,
+                               bool maps_host_memory = false);
 
 // The column multiple of the CUDA backend and its emulation.
 inline constexpr int kCudaColumnMultiple = 4;

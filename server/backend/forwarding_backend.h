@@ -99,6 +99,8 @@ class ForwardingBackend : public EmbeddingBackend {
     return inner_->ChangedRowsIn(id, since, begin, end);
   }
   int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
+  bool MapsHostMemory() const override { return inner_->MapsHostMemory(); }
+  int64_t AvailableMappedBytes() const override { return inner_->AvailableMappedBytes(); }
   std::string Name() const override { return inner_->Name(); }
   absl::Status Health() const override { return inner_->Health(); }
 

@@ -149,6 +149,7 @@ backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a, int64_t min_
   if (a.compute_kernel() == "key_value") {
     s.cache_rows = CacheRowsFor(a.rows(), a.cache_load_factor(), min_cache_rows);
   }
+  s.host_mapped = a.compute_kernel() == "fused_uvm";
   return s;
 }
 

@@ -79,6 +79,24 @@ TEST(TableSpecTest, CacheRowsForAKeyValueShard) {
   EXPECT_EQ(ShardSpecOf(a, 1).cache_rows, 500);
   EXPECT_EQ(ShardSpecOf(a).cache_rows, 2000);
   EXPECT_EQ(ShardSpecOf(a, 1).row_offset, 2000);
+  EXPECT_FALSE(ShardSpecOf(a, 1).host_mapped);
+}
+
+// fused_uvm: the whole shard in mapped host memory, no cache.
+TEST(TableSpecTest, AFusedUvmShardIsHostMapped) {
+  ember::v1::ShardAssignment a;
+  a.mutable_table()->set_name("t");
+  a.mutable_table()->set_num_embeddings(100);
+  a.mutable_table()->set_embedding_dim(8);
+  a.set_rows(100);
+  a.set_cols(8);
+  EXPECT_FALSE(ShardSpecOf(a).host_mapped);
+  a.set_compute_kernel("fused_uvm");
+  EXPECT_TRUE(ShardSpecOf(a).host_mapped);
+  EXPECT_EQ(ShardSpecOf(a).cache_rows, 0);
+  EXPECT_EQ(ShardSpecOf(a).rows, 100);
+  a.set_compute_kernel("fused_uvm_caching");  // not built: not mapped whole
+  EXPECT_FALSE(ShardSpecOf(a).host_mapped);
 }
 
 }  // namespace

@@ -88,9 +88,10 @@ grpc::Status CoordinatorService::RegisterWorker(grpc::ServerContext* ctx,
       return ToGrpc(absl::ResourceExhaustedError(absl::StrFormat(
           "host %s has %.2f GiB of memory and its live workers %s already advertise %.2f GiB "
           "of it for shards; this worker would advertise %.2f GiB more: start it with "
-          "--memory_gib at most %.2f",
+          "%s at most %.2f",
           info.host(), gib(info.host_memory_bytes()), absl::StrJoin(holders, ", "), gib(claimed),
-          gib(info.ddr_bytes()), left)));
+          gib(info.ddr_bytes()),
+          info.device() == ember::v1::CUDA ? "--uvm_memory_gib" : "--memory_gib", left)));
     }
   }
   Worker w;

@@ -53,9 +53,11 @@ class WorkerRegistryTest : public testing::Test {
   // A CPU worker of `host` advertising `ddr` bytes, and (when its memory
   // defaulted to the host's) the host's `host_memory`.
   grpc::Status RegisterOn(const std::string& address, const std::string& host, int64_t ddr,
-                          int64_t host_memory, int pid) {
+                          int64_t host_memory, int pid,
+                          ember::v1::ComputeDevice device = ember::v1::CPU) {
     grpc::ClientContext ctx;
     ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_device(device);
     req.mutable_worker()->set_address(address);
     req.mutable_worker()->set_host(host);
     req.mutable_worker()->set_pid(pid);
@@ -146,6 +148,13 @@ TEST_F(WorkerRegistryTest, DefaultMemoryMayNotOvercommitTheHost) {
   EXPECT_NE(s.error_message().find("--memory_gib at most 20.00"), std::string::npos);
   EXPECT_NE(s.error_message().find("127.0.0.1:1"), std::string::npos);
   EXPECT_EQ(Listed(), 2);
+  // A CUDA worker's ddr_bytes is its fused_uvm shards' host memory, which
+  // --uvm_memory_gib sets.
+  const grpc::Status gpu =
+      RegisterOn("127.0.0.1:6", "h", 30 * kGiB, 100 * kGiB, 6, ember::v1::CUDA);
+  EXPECT_EQ(gpu.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(gpu.error_message().find("--uvm_memory_gib at most 20.00"), std::string::npos)
+      << gpu.error_message();
   // A negative host memory is malformed, as a negative capacity is.
   EXPECT_EQ(RegisterOn("127.0.0.1:5", "h", 1, -1, 5).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
@@ -208,6 +217,53 @@ TEST_F(WorkerRegistryTest, PlansUseOnlyTheKernelsEveryWorkerServes) {
   grpc::ClientContext ctx2;
   ASSERT_TRUE(stub_->PreviewPlan(&ctx2, req, &resp).ok());
   EXPECT_NE(resp.plan().tables(0).compute_kernel(), "fused");
+}
+
+// CUDA workers that serve fused_uvm (and advertise host memory for it):
+// a table too large for their HBM is planned there instead of refused,
+// one small enough stays fused; without the host memory it is refused.
+TEST_F(WorkerRegistryTest, ATableBeyondHbmIsPlannedOnFusedUvm) {
+  Start(absl::Seconds(30), absl::Minutes(10));
+  auto add = [&](const std::string& address, int64_t ddr) {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.mutable_worker()->set_host("h");
+    req.mutable_worker()->set_pid(1);
+    req.mutable_worker()->set_device(ember::v1::CUDA);
+    req.mutable_worker()->set_hbm_bytes(int64_t{1} << 30);
+    req.mutable_worker()->set_ddr_bytes(ddr);
+    for (const char* k : {"dense", "fused", "fused_uvm"}) req.mutable_worker()->add_compute_kernels(k);
+    ember::v1::RegisterWorkerResponse resp;
+    return stub_->RegisterWorker(&ctx, req, &resp);
+  };
+  ASSERT_TRUE(add("127.0.0.1:7201", int64_t{64} << 30).ok());
+  ASSERT_TRUE(add("127.0.0.1:7202", int64_t{64} << 30).ok());
+  ember::v1::PreviewPlanRequest req;
+  auto* spec = req.mutable_spec();
+  spec->set_name("p");
+  auto* t = spec->add_tables();
+  t->set_name("t");
+  t->set_num_embeddings(1000);
+  t->set_embedding_dim(64);
+  t->add_feature_names("f");
+  auto plan = [&](ember::v1::PreviewPlanResponse* resp) {
+    grpc::ClientContext ctx;
+    return stub_->PreviewPlan(&ctx, req, resp);
+  };
+  ember::v1::PreviewPlanResponse resp;
+  ASSERT_TRUE(plan(&resp).ok());
+  EXPECT_EQ(resp.plan().tables(0).compute_kernel(), "fused");
+  EXPECT_EQ(std::vector<std::string>(resp.plan().topology().compute_kernels().begin(),
+                                     resp.plan().topology().compute_kernels().end()),
+            (std::vector<std::string>{"dense", "fused", "fused_uvm"}));
+  t->set_num_embeddings(int64_t{8} << 20);  // 2 GiB of weights: more than both GPUs' HBM
+  const grpc::Status st = plan(&resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.plan().tables(0).compute_kernel(), "fused_uvm");
+  t->set_num_embeddings(int64_t{1} << 30);  // 256 GiB: past their host memory too
+  const grpc::Status too_big = plan(&resp);
+  EXPECT_EQ(too_big.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << too_big.error_message();
 }
 
 }  // namespace

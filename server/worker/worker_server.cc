@@ -161,6 +161,10 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 dynamic(field(&Dyn::sketch_counts)));
   m->AddGauge("ember_worker_available_bytes", "Shard memory still free on the worker's device",
               one(&Stats::available_bytes));
+  m->AddGauge("ember_worker_available_mapped_bytes",
+              "Host memory still free for fused_uvm shards (mapped into the GPU; 0 where the "
+              "kernel is not served)",
+              one(&Stats::available_mapped_bytes));
   m->AddGauge("ember_worker_shards", "Shards held", one(&Stats::shards));
   m->AddGauge("ember_worker_collections", "Collections with shards here", one(&Stats::collections));
   m->AddGauge("ember_worker_request_ids", "Update ids remembered for exactly-once",
@@ -254,6 +258,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
     config.cuda_device = options.cuda_device;
     config.cuda_scratch_bytes = options.cuda_scratch_bytes;
     config.memory_limit_bytes = options.memory_limit_bytes;
+    config.uvm_memory_bytes = options.uvm_memory_bytes;
     config.skip_overflow = options.service.skip_nonfinite;
     config.dynamic_exact_pending_ids = options.dynamic_exact_pending_ids;
     config.ssd_dir = options.ssd_dir;
@@ -271,12 +276,17 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(
                 << options.ssd_dir << " (" << made->ssd_note << ")";
     }
     // Shard memory the host's by default: the coordinator checks it against
-    // the other workers of this host (WorkerInfo.host_memory_bytes).
-    if (!made->cuda && options.memory_limit_bytes == 0) {
+    // the other workers of this host (WorkerInfo.host_memory_bytes). A CUDA
+    // worker's ddr_bytes is its fused_uvm shards' host memory.
+    if (made->cuda ? options.uvm_memory_bytes == 0 : options.memory_limit_bytes == 0) {
       info.set_host_memory_bytes(HostMemoryBytes());
     }
     LOG(INFO) << "shard memory: " << (made->cuda ? made->hbm_bytes : made->ddr_bytes) / (1 << 20)
               << " MiB (" << made->capacity_note << ")";
+    if (made->cuda) {
+      LOG(INFO) << "fused_uvm shards' host memory (mapped into the GPU): "
+                << made->ddr_bytes / (1 << 20) << " MiB (" << made->uvm_note << ")";
+    }
   }
 
   if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > kMaxMessageBytes) {

@@ -42,6 +42,9 @@ struct WorkerServerOptions {
   // Memory for shards. 0: for CPU workers 90% of what the host really has
   // (HostMemoryBytes: the cgroup limit or MemAvailable); for CUDA the card's.
   int64_t memory_limit_bytes = 0;
+  // CUDA workers: host memory for fused_uvm shards (BackendConfig::
+  // uvm_memory_bytes; 0: the host's share of each visible GPU).
+  int64_t uvm_memory_bytes = 0;
   // key_value shards' files (backend::BackendConfig::ssd_dir); empty: the
   // worker does not serve that kernel. 0 bytes: 90% of the disk's free space.
   std::string ssd_dir;

@@ -109,11 +109,14 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   // The compute kernels a worker serves (TorchRec's names), advertised in
   // WorkerInfo.compute_kernels: "dense" and "fused", a shard held whole in
-  // its backend's memory (HBM on a GPU), and "key_value" (rows on local
-  // SSD) where it has an SSD tier (WorkerServiceOptions::ssd_tier). The UVM
-  // tiers are not built yet: shards planned on them are refused.
+  // its backend's memory (HBM on a GPU), "fused_uvm" (rows in host memory
+  // the GPU maps) where the backend maps host memory (the CUDA backend),
+  // and "key_value" (rows on local SSD) where it has an SSD tier
+  // (WorkerServiceOptions::ssd_tier). fused_uvm_caching is not built yet:
+  // shards planned on it are refused.
   std::vector<std::string> ServedComputeKernels() const {
     std::vector<std::string> k = {"dense", "fused"};
+    if (backend_->MapsHostMemory()) k.push_back("fused_uvm");
     if (options_.ssd_tier) k.push_back("key_value");
     return k;
   }
@@ -146,6 +149,7 @@ class WorkerService final : public ember::v1::Worker::Service {
     int64_t overflow_refused = 0;       // updates refused: a result would overflow
     int64_t overflow_skipped_rows = 0;  // rows the backend left alone (skip_nonfinite)
     int64_t available_bytes = 0, shards = 0, collections = 0, request_ids = 0;
+    int64_t available_mapped_bytes = 0;  // fused_uvm shards' mapped host memory
     int64_t calls_in_progress = 0, busy_refused = 0;  // the max_queued_calls bound
     int64_t shm_channels = 0;                         // shared-memory channels open
     int64_t link_channels = 0, link_lookups = 0;      // link channels open, lookups through them

@@ -257,6 +257,103 @@ TEST(WorkerServiceTest, MakingShardsDoesNotStallTheCollectionsHeld) {
   EXPECT_EQ(gated->AvailableBytes(), empty);  // nothing left behind
 }
 
+// A backend that maps host memory (as the CUDA backend does, for
+// fused_uvm shards), with `device_bytes` of memory and `mapped_bytes` of
+// mapped host memory, each counted apart: the shards are held by the CPU
+// backend below, and the mapped ones noted.
+class HostMappingBackend : public backend::ForwardingBackend {
+ public:
+  HostMappingBackend(std::unique_ptr<backend::EmbeddingBackend> inner, int64_t device_bytes,
+                     int64_t mapped_bytes)
+      : ForwardingBackend(std::move(inner)),
+        device_bytes_(device_bytes),
+        mapped_bytes_(mapped_bytes) {}
+  absl::StatusOr<backend::ShardId> CreateShard(const backend::ShardSpec& spec) override {
+    backend::ShardSpec held = spec;
+    held.host_mapped = false;
+    auto id = inner()->CreateShard(held);
+    if (!id.ok()) return id;
+    (spec.host_mapped ? mapped_bytes_ : device_bytes_) -= backend::ShardBytes(spec);
+    if (spec.host_mapped) mapped_tables.push_back(spec.table);
+    return id;
+  }
+  int64_t AvailableBytes() const override { return device_bytes_; }
+  bool MapsHostMemory() const override { return true; }
+  int64_t AvailableMappedBytes() const override { return mapped_bytes_; }
+  std::vector<std::string> mapped_tables;
+
+ private:
+  int64_t device_bytes_, mapped_bytes_;
+};
+
+// A worker whose backend maps host memory serves fused_uvm: such shards
+// are created mapped and counted against the mapped memory, apart from
+// the device's; shards that pass either are refused with nothing made.
+TEST(WorkerServiceTest, FusedUvmShardsGoToMappedHostMemory) {
+  auto cpu = backend::CreateCpuBackend(backend::CpuBackendOptions());
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto owned = std::make_unique<HostMappingBackend>(std::move(*cpu), 1000, 3000);
+  HostMappingBackend* mapping = owned.get();
+  WorkerService s(std::move(owned), WorkerServiceOptions());
+  EXPECT_EQ(s.ServedComputeKernels(), (std::vector<std::string>{"dense", "fused", "fused_uvm"}));
+  // Table "u", one shard per kernel, `rows` rows of 4 fp32 columns (SGD:
+  // 16 bytes a row).
+  auto request = [](const std::string& collection,
+                    const std::vector<std::pair<std::string, int64_t>>& shards) {
+    ember::v1::CreateShardsRequest req;
+    req.set_collection(collection);
+    req.set_epoch(1);
+    int64_t offset = 0;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      auto* a = req.add_shards();
+      a->mutable_ref()->set_table("u");
+      a->mutable_ref()->set_shard_index(static_cast<int>(i));
+      TableConfig* t = a->mutable_table();
+      t->set_name("u");
+      t->set_num_embeddings(1000);
+      t->set_embedding_dim(4);
+      t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::SGD);
+      a->set_row_offset(offset);
+      a->set_rows(shards[i].second);
+      a->set_cols(4);
+      a->set_compute_kernel(shards[i].first);
+      offset += shards[i].second;
+    }
+    return req;
+  };
+  ember::v1::CreateShardsResponse resp;
+  // 150 mapped rows (2400 bytes) beside 50 in memory (800): past the
+  // 1000 bytes of memory only if both counted there.
+  auto fits = request("fits", {{"fused_uvm", 150}, {"fused", 50}});
+  grpc::Status st = s.CreateShards(nullptr, &fits, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(mapping->mapped_tables, std::vector<std::string>{"u"});
+  EXPECT_EQ(mapping->AvailableMappedBytes(), 600);
+  EXPECT_EQ(mapping->AvailableBytes(), 200);
+  ember::v1::ShardStatusRequest sreq;
+  ember::v1::ShardStatusResponse status;
+  ASSERT_TRUE(s.ShardStatus(nullptr, &sreq, &status).ok());
+  EXPECT_EQ(status.available_mapped_bytes(), 600);
+  EXPECT_EQ(s.GetStats().available_mapped_bytes, 600);
+  // 50 mapped rows (800 bytes) with 600 left: refused, nothing made.
+  auto over = request("over", {{"fused", 5}, {"fused_uvm", 50}});
+  st = s.CreateShards(nullptr, &over, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(st.error_message().find("1 fused_uvm shard(s) need 800 bytes of host memory mapped"),
+            std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(mapping->AvailableBytes(), 200);
+  EXPECT_EQ(mapping->mapped_tables.size(), 1u);
+  // Memory still counts apart: 20 rows in memory (320 bytes) with 200 left.
+  auto over_memory = request("over_memory", {{"fused", 20}, {"fused_uvm", 10}});
+  st = s.CreateShards(nullptr, &over_memory, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(st.error_message().find("1 shard(s) need 320 bytes"), std::string::npos)
+      << st.error_message();
+  EXPECT_EQ(mapping->AvailableMappedBytes(), 600);
+  EXPECT_EQ(mapping->mapped_tables.size(), 1u);
+}
+
 // Data calls past --max_queued_calls are refused at once ("worker busy",
 // RESOURCE_EXHAUSTED) instead of queueing, counted, and served again once
 // the calls in progress finish.

@@ -217,18 +217,29 @@ absl::Status WorkerService::CheckAssignments(
 absl::Status WorkerService::AllocateShards(
     const std::string& collection,
     const google::protobuf::RepeatedPtrField<ember::v1::ShardAssignment>& shards, Collection* c) {
-  // Refused before anything is allocated when the shards cannot all fit.
-  int64_t need = 0;
+  // Refused before anything is allocated when the shards cannot all fit:
+  // in the backend's memory, and fused_uvm shards in its mapped host memory.
+  int64_t need = 0, need_mapped = 0;
+  int mapped = 0;
   for (const auto& a : shards) {
-    const int64_t bytes = backend::ShardBytes(
-        ShardSpecOf(a, options_.key_value_min_cache_rows));
-    need = bytes > std::numeric_limits<int64_t>::max() - need ? std::numeric_limits<int64_t>::max()
-                                                              : need + bytes;
+    const backend::ShardSpec spec = ShardSpecOf(a, options_.key_value_min_cache_rows);
+    const int64_t bytes = backend::ShardBytes(spec);
+    int64_t& sum = spec.host_mapped ? need_mapped : need;
+    mapped += spec.host_mapped ? 1 : 0;
+    sum = bytes > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max()
+                                                            : sum + bytes;
   }
   if (const int64_t available = backend_->AvailableBytes(); need > available) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("collection '", collection, "': ", shards.size(), " shard(s) need ", need,
-                     " bytes; this worker has ", available, " free for shards"));
+        absl::StrCat("collection '", collection, "': ", shards.size() - mapped,
+                     " shard(s) need ", need, " bytes; this worker has ", available,
+                     " free for shards"));
+  }
+  if (const int64_t available = backend_->AvailableMappedBytes(); need_mapped > available) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "collection '", collection, "': ", mapped, " fused_uvm shard(s) need ", need_mapped,
+        " bytes of host memory mapped into the GPU; this worker has ", available,
+        " free for them"));
   }
   std::vector<std::pair<std::string, int32_t>> made;
   absl::Status failed;
@@ -781,6 +792,7 @@ WorkerService::Stats WorkerService::GetStats() const {
   s.overflow_skipped_rows = backend_->OverflowSkippedRows();
   s.overflow_refused = overflow_refused_.load(std::memory_order_relaxed);
   s.available_bytes = backend_->AvailableBytes();
+  s.available_mapped_bytes = backend_->MapsHostMemory() ? backend_->AvailableMappedBytes() : 0;
   s.calls_in_progress = calls_in_progress_.load(std::memory_order_relaxed);
   s.busy_refused = busy_refused_.load(std::memory_order_relaxed);
   s.link_channels = channels_.link_channels();
@@ -828,6 +840,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
   resp->set_overflow_refused(overflow_refused_.load(std::memory_order_relaxed));
   resp->set_overflow_skipped_rows(backend_->OverflowSkippedRows());
   resp->set_available_bytes(backend_->AvailableBytes());
+  if (backend_->MapsHostMemory()) resp->set_available_mapped_bytes(backend_->AvailableMappedBytes());
   resp->set_dedup_forgotten_early(dedup_forgotten_early_.load(std::memory_order_relaxed));
   resp->set_lookups(lookups_.load(std::memory_order_relaxed));
   resp->set_lookup_ids(lookup_ids_.load(std::memory_order_relaxed));

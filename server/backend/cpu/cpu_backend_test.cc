@@ -70,6 +70,28 @@ TEST(CpuBackendTest, OutputsOnTheDeviceAreRefused) {
   EXPECT_EQ(out, std::vector<float>(4, -1.0f));
 }
 
+// fused_uvm shards (rows in host memory a GPU maps) are a CUDA backend's:
+// the CPU backend refuses them, allocating nothing.
+TEST(CpuBackendTest, MappedShardsAreRefused) {
+  CpuBackendOptions o;
+  o.memory_limit_bytes = 1 << 20;
+  auto be = CreateCpuBackend(o);
+  ASSERT_TRUE(be.ok()) << be.status();
+  EXPECT_FALSE((*be)->MapsHostMemory());
+  EXPECT_EQ((*be)->AvailableMappedBytes(), 0);
+  ShardSpec spec;
+  spec.table = "t";
+  spec.rows = 4;
+  spec.dim = 4;
+  spec.table_rows = 4;
+  spec.host_mapped = true;
+  auto id = (*be)->CreateShard(spec);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << id.status();
+  EXPECT_THAT(id.status().message(), testing::HasSubstr("fused_uvm kernel"));
+  EXPECT_THAT(id.status().message(), testing::HasSubstr("needs a CUDA worker"));
+  EXPECT_EQ((*be)->AvailableBytes(), 1 << 20);
+}
+
 // The lookups' prefetch by style, row bytes and shard size, as cpu_backend.h
 // states it (worked out by hand); bad distances and styles are refused.
 TEST(CpuBackendTest, PrefetchByRow) {

@@ -69,23 +69,55 @@ constexpr unsigned kMaxInitThreads = 8;
 // What a call is taken to need when CUB cannot say (it then does not fit).
 constexpr size_t kUnknownTemp = std::numeric_limits<size_t>::max() / 4;
 
-// cudaMalloc / cudaMallocHost that turn failure into a Status and clear the
-// (non-sticky) error, so a later cudaGetLastError after a launch does not
-// report it again.
-absl::Status DeviceAlloc(void** p, size_t bytes, bool pinned_host) {
-  const cudaError_t err = pinned_host ? cudaMallocHost(p, bytes) : cudaMalloc(p, bytes);
-  if (err == cudaSuccess) return absl::OkStatus();
-  *p = nullptr;
-  cudaGetLastError();
-  return cuda::CudaErrorToStatus(err, pinned_host ? "cudaMallocHost" : "cudaMalloc");
+// Where a DeviceBuffer's block lives: device memory (cudaMalloc), pinned
+// host memory (cudaMallocHost: staging), or pinned host memory mapped into
+// the device's address space (cudaHostAlloc(cudaHostAllocMapped): a
+// fused_uvm shard's rows, which kernels read and write in place).
+enum class Where { kDevice, kPinnedHost, kMappedHost };
+
+const char* AllocName(Where where) {
+  switch (where) {
+    case Where::kPinnedHost: return "cudaMallocHost";
+    case Where::kMappedHost: return "cudaHostAlloc(mapped)";
+    default: return "cudaMalloc";
+  }
 }
 
-// Owns one cudaMalloc'd (or, when pinned_host, cudaMallocHost'd) block.
-// Not copyable; frees in its destructor. The owner makes the right device
-// current before the destructor runs.
+// Allocates `bytes` at `where`: *host is the block as the host sees it
+// (nullptr for device memory), *device as kernels and copies see it. A
+// failure becomes a Status, and its (non-sticky) error is cleared so that a
+// later cudaGetLastError after a launch does not report it again.
+absl::Status DeviceAlloc(void** device, void** host, size_t bytes, Where where) {
+  *device = *host = nullptr;
+  cudaError_t err = cudaSuccess;
+  switch (where) {
+    case Where::kDevice:
+      err = cudaMalloc(device, bytes);
+      break;
+    case Where::kPinnedHost:
+      err = cudaMallocHost(host, bytes);
+      *device = *host;
+      break;
+    case Where::kMappedHost:
+      err = cudaHostAlloc(host, bytes, cudaHostAllocMapped);
+      if (err == cudaSuccess) {
+        err = cudaHostGetDevicePointer(device, *host, 0);
+        if (err != cudaSuccess) cudaFreeHost(*host);
+      }
+      break;
+  }
+  if (err == cudaSuccess) return absl::OkStatus();
+  *device = *host = nullptr;
+  cudaGetLastError();
+  return cuda::CudaErrorToStatus(err, AllocName(where));
+}
+
+// Owns one block allocated at a Where. Not copyable; frees in its
+// destructor. The owner makes the right device current before the
+// destructor runs.
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(bool pinned_host = false) : pinned_host_(pinned_host) {}
+  explicit DeviceBuffer(Where where = Where::kDevice) : where_(where) {}
   ~DeviceBuffer() { Reset(); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -94,29 +126,36 @@ class DeviceBuffer {
   absl::Status Allocate(size_t bytes) {
     Reset();
     if (bytes == 0) return absl::OkStatus();
-    if (absl::Status s = DeviceAlloc(&ptr_, bytes, pinned_host_); !s.ok()) return s;
+    if (absl::Status s = DeviceAlloc(&ptr_, &host_, bytes, where_); !s.ok()) return s;
     capacity_ = bytes;
     return absl::OkStatus();
   }
+  // The same, at `where` from now on.
+  absl::Status Allocate(size_t bytes, Where where) {
+    Reset();
+    where_ = where;
+    return Allocate(bytes);
+  }
 
   void Reset() {
-    if (ptr_ != nullptr) {
-      if (pinned_host_) {
-        cudaFreeHost(ptr_);
-      } else {
-        cudaFree(ptr_);
-      }
+    if (host_ != nullptr) {
+      cudaFreeHost(host_);
+    } else if (ptr_ != nullptr) {
+      cudaFree(ptr_);
     }
-    ptr_ = nullptr;
+    ptr_ = host_ = nullptr;
     capacity_ = 0;
   }
 
+  // The block as kernels and copies address it.
   char* get() const { return static_cast<char*>(ptr_); }
   size_t capacity() const { return capacity_; }
+  Where where() const { return where_; }
 
  private:
-  const bool pinned_host_;
+  Where where_;
   void* ptr_ = nullptr;
+  void* host_ = nullptr;
   size_t capacity_ = 0;
 };
 
@@ -366,7 +405,7 @@ constexpr int kStagingSlots = 2;
 // Its events block the waiting thread rather than spin: a call waits on
 // them for its kernels while another call stages on the host.
 struct StagingSlot {
-  DeviceBuffer host{/*pinned_host=*/true};
+  DeviceBuffer host{Where::kPinnedHost};
   cudaEvent_t chunk_events[kMaxDownloadChunks] = {};  // QueueDownload's
   cudaEvent_t done = nullptr;                         // SlotLease::MarkEnd's
 };
@@ -455,6 +494,14 @@ struct Shard {
 
   int64_t RowBytes() const { return spec.dim * elem_bytes; }
   int64_t Bytes() const { return spec.rows * (spec.dim * elem_bytes + state_width * 4); }
+  // A fused_uvm shard's rows and state are mapped host memory; copies to
+  // and from them name no direction (the runtime tells it by the address).
+  cudaMemcpyKind ToHost() const {
+    return spec.host_mapped ? cudaMemcpyDefault : cudaMemcpyDeviceToHost;
+  }
+  cudaMemcpyKind FromHost() const {
+    return spec.host_mapped ? cudaMemcpyDefault : cudaMemcpyHostToDevice;
+  }
   int64_t KeyBytes() const {
     return key_line_count * static_cast<int64_t>(sizeof(backend::math::KeyLine));
   }
@@ -471,9 +518,10 @@ class CudaBackend : public EmbeddingBackend {
         budget_(options.memory_limit_bytes > 0
                     ? options.memory_limit_bytes - options.scratch_bytes
                     : 0),
+        mapped_budget_(options.mapped_memory_limit_bytes),
         slot_pool_(kStagingSlots),
         init_stream_(init_stream),
-        init_staging_(/*pinned_host=*/true) {
+        init_staging_(Where::kPinnedHost) {
     split_.device_bytes = split_.host_bytes = static_cast<size_t>(options.scratch_bytes);
     split_.lookup_temp = [](const CallSize& s) {
       size_t bytes = 0;
@@ -591,7 +639,8 @@ class CudaBackend : public EmbeddingBackend {
   // at a time), so a large shard's creation does not stall the data calls
   // on the shards held. The shard is published when it is ready.
   absl::StatusOr<ShardId> DoCreateShard(const ShardSpec& spec) {
-    absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple);
+    absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple,
+                                                /*maps_host_memory=*/true);
     if (!s.ok()) return s;
     if (backend::IsQuantized(spec.weight_type)) {
       return absl::UnimplementedError(absl::StrCat(
@@ -616,9 +665,10 @@ class CudaBackend : public EmbeddingBackend {
                                                      "the backend's staging (", staged, " bytes)"));
     }
     const int64_t bytes = shard->Bytes();
-    if (absl::Status s = budget_.Reserve(bytes, spec.table); !s.ok()) return s;
+    backend::MemoryBudget& budget = spec.host_mapped ? mapped_budget_ : budget_;
+    if (absl::Status s = budget.Reserve(bytes, spec.table); !s.ok()) return s;
     if (absl::Status s = MakeShard(shard.get(), bytes); !s.ok()) {
-      budget_.Release(bytes);
+      budget.Release(bytes);
       return s;
     }
     absl::MutexLock lock(&mu_);
@@ -631,10 +681,16 @@ class CudaBackend : public EmbeddingBackend {
     if (absl::Status s = Activate(); !s.ok()) return s;
     const CallScope scope(init_stream_);
     const ShardSpec& spec = shard->spec;
-    absl::Status s = shard->weights.Allocate(static_cast<size_t>(spec.rows * shard->RowBytes()));
-    if (s.ok()) s.Update(shard->state.Allocate(static_cast<size_t>(spec.rows * shard->state_width * 4)));
+    const Where where = spec.host_mapped ? Where::kMappedHost : Where::kDevice;
+    absl::Status s =
+        shard->weights.Allocate(static_cast<size_t>(spec.rows * shard->RowBytes()), where);
+    if (s.ok()) {
+      s.Update(shard->state.Allocate(static_cast<size_t>(spec.rows * shard->state_width * 4),
+                                     where));
+    }
     if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("device memory for shard of table '", spec.table,
+      return absl::Status(s.code(), absl::StrCat(spec.host_mapped ? "mapped host" : "device",
+                                                 " memory for shard of table '", spec.table,
                                                  "' (", bytes, " bytes): ", s.message()));
     }
     return InitShard(shard);
@@ -651,7 +707,12 @@ class CudaBackend : public EmbeddingBackend {
       return cuda::CudaErrorToStatus(err, "cudaStreamSynchronize");
     }
     auto shard = shards_.Remove(id);
-    budget_.Release((*shard)->Bytes() + (*shard)->KeyBytes());
+    if ((*shard)->spec.host_mapped) {
+      mapped_budget_.Release((*shard)->Bytes());
+    } else {
+      budget_.Release((*shard)->Bytes());
+    }
+    budget_.Release((*shard)->KeyBytes());
     return absl::OkStatus();
   }
 
@@ -1177,7 +1238,7 @@ class CudaBackend : public EmbeddingBackend {
       const int64_t rows = std::min(chunk_rows, n - r0);
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
           staging.get(), s->weights.get() + (row_begin + r0) * row_bytes, rows * row_bytes,
-          cudaMemcpyDeviceToHost, stream_));
+          s->ToHost(), stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
       LoadRows(s->spec.weight_type, staging.get(), rows * dim, weights.data() + r0 * dim);
     }
@@ -1186,7 +1247,7 @@ class CudaBackend : public EmbeddingBackend {
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
           state.data(),
           reinterpret_cast<const float*>(s->state.get()) + row_begin * s->state_width,
-          n * s->state_width * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+          n * s->state_width * sizeof(float), s->ToHost(), stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     }
     return absl::OkStatus();
@@ -1218,13 +1279,13 @@ class CudaBackend : public EmbeddingBackend {
       StoreRows(s->spec.weight_type, weights.data() + r0 * dim, rows * dim, staging.get());
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(s->weights.get() + (row_begin + r0) * row_bytes,
                                                  staging.get(), rows * row_bytes,
-                                                 cudaMemcpyHostToDevice, stream_));
+                                                 s->FromHost(), stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     }
     if (s->state_width > 0) {
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(
           reinterpret_cast<float*>(s->state.get()) + row_begin * s->state_width, state.data(),
-          n * s->state_width * sizeof(float), cudaMemcpyHostToDevice, stream_));
+          n * s->state_width * sizeof(float), s->FromHost(), stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_));
     }
     s->bounds = backend::Widen(s->bounds, backend::ImportedBounds(s->spec, weights, state));
@@ -1330,6 +1391,8 @@ class CudaBackend : public EmbeddingBackend {
   }
 
   int64_t AvailableBytes() const override { return budget_.Available(); }
+  bool MapsHostMemory() const override { return true; }
+  int64_t AvailableMappedBytes() const override { return mapped_budget_.Available(); }
 
   // Keyed lookups find their ids on the device (KeyFindOne), in the copy
   // of the shard's key index kept here.
@@ -1431,7 +1494,7 @@ class CudaBackend : public EmbeddingBackend {
       StoreRows(sp.weight_type, values.data(), rows * dim, init_staging_.get());
       EMBER_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(shard->weights.get() + r0 * row_bytes,
                                                  init_staging_.get(), rows * row_bytes,
-                                                 cudaMemcpyHostToDevice, init_stream_));
+                                                 shard->FromHost(), init_stream_));
       EMBER_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(init_stream_));
     }
     const int64_t state_elems = sp.rows * shard->state_width;
@@ -1440,7 +1503,7 @@ class CudaBackend : public EmbeddingBackend {
       const bool adagrad = sp.optimizer.type == OptimizerType::kAdagrad ||
                            sp.optimizer.type == OptimizerType::kRowwiseAdagrad;
       const float init = adagrad ? sp.optimizer.initial_accumulator_value : 0.0f;
-      if (init == 0.0f) {
+      if (init == 0.0f && !sp.host_mapped) {  // (mapped memory: the fill kernel writes it)
         EMBER_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(state, 0, state_elems * sizeof(float), init_stream_));
       } else {
@@ -1712,6 +1775,7 @@ class CudaBackend : public EmbeddingBackend {
   mutable absl::Mutex mu_;
   backend::ShardRegistry<Shard> shards_ ABSL_GUARDED_BY(mu_);
   backend::MemoryBudget budget_;
+  backend::MemoryBudget mapped_budget_;  // fused_uvm shards (mapped host memory)
   // The fixed scratch every data call uses (const calls too), allocated
   // once by Init, and what call_split needs to know of it and the staging.
   mutable DeviceBuffer scratch_ ABSL_GUARDED_BY(mu_);
@@ -1749,6 +1813,9 @@ absl::StatusOr<std::unique_ptr<EmbeddingBackend>> CreateCudaBackend(
   }
   if (options.memory_limit_bytes < 0) {
     return absl::InvalidArgumentError("memory_limit_bytes must be >= 0");
+  }
+  if (options.mapped_memory_limit_bytes < 0) {
+    return absl::InvalidArgumentError("mapped_memory_limit_bytes must be >= 0");
   }
   if (options.scratch_bytes < kMinCudaScratchBytes) {
     return absl::InvalidArgumentError(absl::StrCat("scratch_bytes must be >= ",

@@ -17,7 +17,11 @@
 // together with two pinned host staging buffers of as much (host memory,
 // outside the limit); a call too large for them runs in pieces
 // (call_split.h) and one that cannot be cut small enough (a single
-// bag or row beyond the scratch) is RESOURCE_EXHAUSTED.
+// bag or row beyond the scratch) is RESOURCE_EXHAUSTED. A fused_uvm shard
+// (ShardSpec::host_mapped) keeps its weights and state in pinned host
+// memory mapped into the device instead, within mapped_memory_limit_bytes:
+// the same kernels read and write it over the bus, and only a dynamic
+// shard's key index copy stays in device memory.
 //
 // Thread-safe: data calls queue their GPU work in turn, under one internal
 // mutex, on the backend's own CUDA stream, so the device runs them in the
@@ -56,6 +60,11 @@ struct CudaBackendOptions {
   int64_t scratch_bytes = kDefaultCudaScratchBytes;
   // As the CPU backend's (CpuBackendOptions::skip_overflow).
   bool skip_overflow = false;
+  // Upper bound on the bytes of fused_uvm shards (ShardSpec::host_mapped:
+  // weights + optimizer state in pinned host memory mapped into the
+  // device, outside memory_limit_bytes). 0: no limit (a failing
+  // cudaHostAlloc is RESOURCE_EXHAUSTED).
+  int64_t mapped_memory_limit_bytes = 0;
 };
 
 // UNAVAILABLE when built without CUDA, when no driver or device is usable,

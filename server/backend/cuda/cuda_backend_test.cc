@@ -20,6 +20,10 @@
 #include "gtest/gtest.h"
 #include "server/backend/concurrency_checks.h"
 
+#ifdef EMBER_CUDA_ON_HOST
+#include "cuda/host_runtime.h"
+#endif
+
 namespace ember {
 namespace backend {
 namespace {
@@ -108,6 +112,9 @@ TEST(CudaBackendTest, RejectsBadOptions) {
   o.memory_limit_bytes = kMinCudaScratchBytes;  // nothing left for shards
   EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
   o.memory_limit_bytes = 0;
+  o.mapped_memory_limit_bytes = -1;
+  EXPECT_EQ(CreateCudaBackend(o).status().code(), want);
+  o.mapped_memory_limit_bytes = 0;
   o.device = 1 << 20;  // no machine has that many
   EXPECT_EQ(CreateCudaBackend(o).status().code(), absl::StatusCode::kUnavailable);
 }
@@ -125,6 +132,97 @@ TEST(CudaBackendTest, MemoryLimit) {
   ASSERT_TRUE(be->DropShard(*a).ok());
   EXPECT_TRUE(be->CreateShard(MakeSpec(25, 8)).ok());  // 800 bytes once the first is gone
   EXPECT_EQ(be->AvailableBytes(), 200);
+}
+
+// fused_uvm (ShardSpec::host_mapped): the rows and state are in host
+// memory mapped into the device, counted against the mapped budget and not
+// the device's, and the shard answers exactly as one in device memory
+// (lookups, an update, exports and imports). On the host runtime the
+// blocks are checked to be mapped allocations (cuda::HostMappedBytes).
+TEST(CudaBackendTest, MappedShardsLiveInHostMemory) {
+  CudaBackendOptions o;
+  o.scratch_bytes = int64_t{1} << 20;
+  o.memory_limit_bytes = o.scratch_bytes + 1000;  // 1000 bytes for shards
+  o.mapped_memory_limit_bytes = 2000;
+  auto be = MakeOrExpectUnavailable(o);
+  if (be == nullptr) GTEST_SKIP() << "no usable GPU";
+  EXPECT_TRUE(be->MapsHostMemory());
+  ShardSpec spec = MakeSpec(25, 8);  // 25 x (32 + 4) = 900 bytes
+  spec.optimizer.type = OptimizerType::kRowwiseAdagrad;
+  spec.optimizer.initial_accumulator_value = 0.25f;
+  ShardSpec mapped_spec = spec;
+  mapped_spec.host_mapped = true;
+#ifdef EMBER_CUDA_ON_HOST
+  const size_t mapped_before = cuda::HostMappedBytes();
+#endif
+  auto dev = be->CreateShard(spec);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  auto mapped = be->CreateShard(mapped_spec);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();  // past the device's 100 bytes left
+  EXPECT_EQ(be->AvailableBytes(), 100);
+  EXPECT_EQ(be->AvailableMappedBytes(), 1100);
+#ifdef EMBER_CUDA_ON_HOST
+  EXPECT_EQ(cuda::HostMappedBytes() - mapped_before, 900u);
+#endif
+  EXPECT_TRUE(be->GetShardSpec(*mapped)->host_mapped);
+  ShardSpec big = mapped_spec;  // 1800 bytes with 1100 left
+  big.rows = big.table_rows = 50;
+  auto too_big = be->CreateShard(big);
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted) << too_big.status();
+  EXPECT_EQ(be->AvailableMappedBytes(), 1100);
+  ShardSpec both = mapped_spec;
+  both.cache_rows = 5;
+  EXPECT_EQ(be->CreateShard(both).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // The same calls on both shards give the same bits.
+  std::vector<int64_t> lengths = {3, 0, 2}, ids = {4, 4, 17, 24, 0};
+  std::vector<float> weights = {0.5f, -1.0f, 2.0f, 1.5f, 0.25f};
+  auto feature = [&](ShardId id) {
+    FeatureRequest f;
+    f.shard = id;
+    f.pooling = Pooling::kSum;
+    f.lengths = lengths;
+    f.ids = ids;
+    f.weights = weights;
+    return f;
+  };
+  std::vector<float> grad(3 * 8);
+  for (size_t i = 0; i < grad.size(); ++i) grad[i] = 0.125f * static_cast<float>(i % 7) - 0.3f;
+  auto run = [&](ShardId id, std::vector<float>* out, std::vector<float>* w,
+                 std::vector<float>* st) {
+    out->assign(3 * 8, 0.0f);
+    absl::Status s = be->Lookup({LookupRequest{feature(id), absl::MakeSpan(*out)}});
+    ASSERT_TRUE(s.ok()) << s;
+    for (int step = 0; step < 2; ++step) {
+      s = be->ApplyGradients({GradientRequest{feature(id), grad}});
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    w->assign(25 * 8, 0.0f);
+    st->assign(25, 0.0f);
+    s = be->ExportRows(id, 0, 25, absl::MakeSpan(*w), absl::MakeSpan(*st));
+    ASSERT_TRUE(s.ok()) << s;
+  };
+  std::vector<float> out_d, w_d, st_d, out_m, w_m, st_m;
+  run(*dev, &out_d, &w_d, &st_d);
+  run(*mapped, &out_m, &w_m, &st_m);
+  EXPECT_EQ(out_m, out_d);
+  EXPECT_EQ(w_m, w_d);
+  EXPECT_EQ(st_m, st_d);
+  EXPECT_NE(st_m[4], 0.25f);  // the update reached the mapped state
+  // Rows written and read anywhere in the mapped shard.
+  std::vector<int64_t> at = {24, 3};
+  std::vector<float> in_w(2 * 8, 1.5f), in_s = {2.0f, 3.0f}, got_w(2 * 8), got_s(2);
+  ASSERT_TRUE(be->ImportRowsAt(*mapped, at, in_w, in_s).ok());
+  ASSERT_TRUE(be->ExportRowsAt(*mapped, at, absl::MakeSpan(got_w), absl::MakeSpan(got_s)).ok());
+  EXPECT_EQ(got_w, in_w);
+  EXPECT_EQ(got_s, in_s);
+
+  ASSERT_TRUE(be->DropShard(*mapped).ok());
+  EXPECT_EQ(be->AvailableMappedBytes(), 2000);
+  EXPECT_EQ(be->AvailableBytes(), 100);
+#ifdef EMBER_CUDA_ON_HOST
+  EXPECT_EQ(cuda::HostMappedBytes(), mapped_before);
+#endif
 }
 
 // Two requests on one shard in one call, row 1 in both: SGD must apply the

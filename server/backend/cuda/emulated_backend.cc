@@ -53,7 +53,8 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   }
 
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
-    absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple);
+    absl::Status s = backend::ValidateShardSpec(spec, backend::kCudaColumnMultiple,
+                                                /*maps_host_memory=*/true);
     if (!s.ok()) return s;
     if (backend::IsQuantized(spec.weight_type)) {
       return absl::UnimplementedError(absl::StrCat(
@@ -232,6 +233,10 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   }
 
   int64_t AvailableBytes() const override { return int64_t{1} << 40; }
+  // Every shard is in host memory here: a mapped one (fused_uvm) is held
+  // and run as any other.
+  bool MapsHostMemory() const override { return true; }
+  int64_t AvailableMappedBytes() const override { return int64_t{1} << 40; }
   std::string Name() const override { return "cuda-emulated/host"; }
 
  private:

@@ -957,6 +957,11 @@ absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
         what, ": ", WeightTypeName(spec.weight_type),
         " tables are held in memory (key_value's file holds fp32 rows and their state)"));
   }
+  if (spec.host_mapped) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the fused_uvm and key_value kernels are two different placements; a shard "
+              "takes one"));
+  }
   if (spec.cache_rows < 1 || spec.cache_rows > spec.rows) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": cache_rows must be in [1, ", spec.rows,
                                                    "] (the shard's rows), got ", spec.cache_rows));
