@@ -246,7 +246,11 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // cached row, 8 a row and 4 a record of the file; the file holds the
   // rows and half again (KeyValueSlackRows: at least the cache's rows) as
   // records of fp32 weights and state padded to 512-byte sectors.
-  if (kernel == ComputeKernel::kKeyValue) {
+  // fused_uvm_caching is the same cache in HBM over the rows held whole in
+  // host memory (a fused_uvm shard: a record a row, in place), as the
+  // worker builds it; unlike TorchRec's, the cache holds the rows' state.
+  if (kernel == ComputeKernel::kKeyValue ||
+      (kernel == ComputeKernel::kFusedUvmCaching && device != ember::v1::CPU)) {
     // The worker caches at least kKeyValueMinCacheRows of a shard (server/backend/table_spec.h).
     const double clf =
         block.rows > 0 ? std::min(1.0, std::max(w.cache_load_factor,
@@ -256,9 +260,17 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                        : w.cache_load_factor;
     const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
     const int64_t cache_rows = static_cast<int64_t>(std::ceil(clf * block.rows));
-    const int64_t records = block.rows + backend::math::KeyValueSlackRows(block.rows, cache_rows);
+    const bool on_ssd = kernel == ComputeKernel::kKeyValue;
+    const int64_t records =
+        block.rows +
+        (on_ssd ? backend::math::KeyValueSlackRows(block.rows, cache_rows) : 0);
     const int64_t books =
         static_cast<int64_t>(std::ceil(block.rows * (8.0 + 24.0 * clf))) + 4 * records;
+    if (!on_ssd) {
+      c.ddr_bytes = books + weights + state;
+      c.hbm_bytes = cached + io;
+      return c;
+    }
     c.ssd_bytes = records * backend::math::KeyValueRecordStride(cols * 4 + state_row_bytes);
     c.ddr_bytes = books + (device == ember::v1::CPU ? cached + io : 0);
     c.hbm_bytes = device == ember::v1::CPU ? 0 : cached + io;
@@ -281,16 +293,8 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
       break;
     case ComputeKernel::kKeyValue:  // (above)
       break;
-    case ComputeKernel::kFusedUvmCaching: {
-      const double clf = w.cache_load_factor;
-      c.ddr_bytes += weights + state;
-      // Cached rows plus the cache's index state (TorchRec: 4 + 16*clf bytes
-      // per row).
-      c.hbm_bytes = static_cast<int64_t>(std::ceil(
-                        clf * weights + block.rows * (4.0 + 16.0 * clf))) +
-                    io;
+    case ComputeKernel::kFusedUvmCaching:  // (above)
       break;
-    }
   }
   return c;
 }

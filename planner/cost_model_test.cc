@@ -228,10 +228,19 @@ TEST(CostModelTest, StorageTiersByKernel) {
   ShardCost uvm = est(ComputeKernel::kFusedUvm, ember::v1::CUDA);
   EXPECT_EQ(uvm.ddr_bytes, weights + state);
   EXPECT_EQ(uvm.hbm_bytes, 128 * 4);
+  // fused_uvm_caching as the worker builds it: all the rows in host memory
+  // with the cache's bookkeeping (8 B a row, 24 a cached row, 4 a record:
+  // one a row), and at least 65,536 rows with their state cached in HBM
+  // (here all 1000).
   ShardCost cached = est(ComputeKernel::kFusedUvmCaching, ember::v1::CUDA);
-  EXPECT_EQ(cached.ddr_bytes, weights + state);
-  // 25% of the weights cached + 1000 x (4 + 16 x 0.25) B of cache state.
-  EXPECT_EQ(cached.hbm_bytes - 128 * 4, weights / 4 + 1000 * 8);
+  EXPECT_EQ(cached.ddr_bytes, weights + state + 1000 * (8 + 24 + 4));
+  EXPECT_EQ(cached.hbm_bytes - 128 * 4, weights + state);
+  const ShardBlock big{0, 0, 1000000, 128};  // past the floor: 25% cached
+  ShardCost big_cached = EstimateShard(m, w, ShardingType::kTableWise,
+                                       ComputeKernel::kFusedUvmCaching, ember::v1::CUDA, big,
+                                       1000000, 1);
+  EXPECT_EQ(big_cached.hbm_bytes - 128 * 4, (weights + state) * 1000 / 4);
+  EXPECT_EQ(big_cached.ddr_bytes, (weights + state) * 1000 + 1000000 * (8 + 6 + 4));
   ShardCost cpu = est(ComputeKernel::kFused, ember::v1::CPU);
   EXPECT_EQ(cpu.hbm_bytes, 0);
   EXPECT_EQ(cpu.ddr_bytes - 128 * 4, weights + state);

@@ -232,6 +232,17 @@ int64_t ShardBytes(const ShardSpec& spec) {
                                        4 * OptimizerStateWidth(spec.optimizer.type, spec.dim));
 }
 
+int64_t DeviceShardBytes(const ShardSpec& spec) {
+  return spec.host_mapped && spec.cache_rows == 0 ? 0 : ShardBytes(spec);
+}
+
+int64_t MappedShardBytes(const ShardSpec& spec) {
+  if (!spec.host_mapped) return 0;
+  ShardSpec whole = spec;
+  whole.cache_rows = 0;
+  return ShardBytes(whole);
+}
+
 std::vector<float> FreshState(const ShardSpec& spec) {
   const bool adagrad = spec.optimizer.type == OptimizerType::kAdagrad ||
                        spec.optimizer.type == OptimizerType::kRowwiseAdagrad;
@@ -324,9 +335,9 @@ absl::Status ValidateShardSpec(const ShardSpec& s, int column_multiple, bool map
     return bad("row_offset + rows (", s.row_offset + s.rows, ") exceeds table_rows (",
                s.table_rows, ")");
   }
-  if (s.host_mapped && s.cache_rows != 0) {
-    return bad("the fused_uvm and key_value kernels are two different placements; a shard takes "
-               "one");
+  if (s.cache_rows != 0 && s.host_mapped) {
+    return bad("the fused_uvm_caching kernel (a cache of ", s.cache_rows,
+               " rows in GPU memory over rows in host memory the GPU maps) needs a CUDA worker");
   }
   if (s.cache_rows != 0) {
     return bad("the key_value kernel (cache_rows ", s.cache_rows,

@@ -151,7 +151,9 @@ struct ShardSpec {
   // place by the same kernels (over PCIe or C2C), and counted against the
   // backend's mapped memory (AvailableMappedBytes), not its device memory.
   // Only a backend that MapsHostMemory() takes it; the others refuse it
-  // (INVALID_ARGUMENT).
+  // (INVALID_ARGUMENT). With cache_rows: fused_uvm_caching, every row in
+  // such memory and cache_rows of them cached in device memory (the
+  // key_value wrapper over a fused_uvm shard: CachesOverHostMemory()).
   bool host_mapped = false;
 };
 
@@ -444,6 +446,10 @@ class EmbeddingBackend {
   // AvailableBytes.
   virtual bool MapsHostMemory() const { return false; }
   virtual int64_t AvailableMappedBytes() const { return 0; }
+  // Whether CreateShard takes a host_mapped spec with cache_rows (the
+  // fused_uvm_caching kernel): the key_value wrapper over a backend that
+  // maps host memory.
+  virtual bool CachesOverHostMemory() const { return false; }
 
   // Human-readable name ("cpu/avx2", "cuda/H100").
   virtual std::string Name() const = 0;
@@ -514,9 +520,14 @@ inline constexpr char kNonFinitePayload[] = "type.ember.dev/nonfinite";
 bool IsNonFiniteRefusal(const absl::Status& s);
 
 // Bytes of memory a shard takes (weights + optimizer state; for a
-// key_value shard, its cache's rows and the cache's bookkeeping:
-// KeyValueMemoryBytes); INT64_MAX when that does not fit in an int64.
+// key_value or fused_uvm_caching shard, its cache's rows and the cache's
+// bookkeeping: KeyValueMemoryBytes); INT64_MAX when that does not fit in an
+// int64. Of a host_mapped shard, the part outside the mapped memory
+// (DeviceShardBytes: 0 for fused_uvm, the cache for fused_uvm_caching) and
+// the part in it (MappedShardBytes: all its rows).
 int64_t ShardBytes(const ShardSpec& spec);
+int64_t DeviceShardBytes(const ShardSpec& spec);
+int64_t MappedShardBytes(const ShardSpec& spec);
 // A key_value shard's memory: cache_rows rows of weights + state, 24 bytes
 // a cached row, 8 a row of the shard (its cache slot and its record in the
 // file) and 4 a record of the file.

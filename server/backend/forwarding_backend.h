@@ -101,6 +101,7 @@ class ForwardingBackend : public EmbeddingBackend {
   int64_t AvailableBytes() const override { return inner_->AvailableBytes(); }
   bool MapsHostMemory() const override { return inner_->MapsHostMemory(); }
   int64_t AvailableMappedBytes() const override { return inner_->AvailableMappedBytes(); }
+  bool CachesOverHostMemory() const override { return inner_->CachesOverHostMemory(); }
   std::string Name() const override { return inner_->Name(); }
   absl::Status Health() const override { return inner_->Health(); }
 

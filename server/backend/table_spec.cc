@@ -146,10 +146,11 @@ int64_t CacheRowsFor(int64_t rows, double load_factor, int64_t min_cache_rows) {
 backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a, int64_t min_cache_rows) {
   backend::ShardSpec s =
       ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
-  if (a.compute_kernel() == "key_value") {
+  const std::string& k = a.compute_kernel();
+  if (k == "key_value" || k == "fused_uvm_caching") {
     s.cache_rows = CacheRowsFor(a.rows(), a.cache_load_factor(), min_cache_rows);
   }
-  s.host_mapped = a.compute_kernel() == "fused_uvm";
+  s.host_mapped = k == "fused_uvm" || k == "fused_uvm_caching";
   return s;
 }
 

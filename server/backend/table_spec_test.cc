@@ -82,7 +82,8 @@ TEST(TableSpecTest, CacheRowsForAKeyValueShard) {
   EXPECT_FALSE(ShardSpecOf(a, 1).host_mapped);
 }
 
-// fused_uvm: the whole shard in mapped host memory, no cache.
+// fused_uvm: the whole shard in mapped host memory, no cache;
+// fused_uvm_caching: the same under a cache.
 TEST(TableSpecTest, AFusedUvmShardIsHostMapped) {
   ember::v1::ShardAssignment a;
   a.mutable_table()->set_name("t");
@@ -95,8 +96,38 @@ TEST(TableSpecTest, AFusedUvmShardIsHostMapped) {
   EXPECT_TRUE(ShardSpecOf(a).host_mapped);
   EXPECT_EQ(ShardSpecOf(a).cache_rows, 0);
   EXPECT_EQ(ShardSpecOf(a).rows, 100);
-  a.set_compute_kernel("fused_uvm_caching");  // not built: not mapped whole
-  EXPECT_FALSE(ShardSpecOf(a).host_mapped);
+  // fused_uvm_caching: mapped too, with a cache as key_value's is sized.
+  a.set_compute_kernel("fused_uvm_caching");
+  a.set_cache_load_factor(0.25);
+  EXPECT_TRUE(ShardSpecOf(a, 1).host_mapped);
+  EXPECT_EQ(ShardSpecOf(a, 1).cache_rows, 25);
+  EXPECT_EQ(ShardSpecOf(a).cache_rows, 100);  // the floor: all of a small shard
+}
+
+// Where a shard's bytes go, worked by hand: 100 rows x 8 fp32 columns with
+// SGD are 3200 bytes. fused: all in memory; fused_uvm: all mapped;
+// fused_uvm_caching (25 rows cached): all mapped, and in memory the cache
+// (25 x 32) with its bookkeeping (24 a cached row, 8 a row, 4 a record:
+// the key_value formula, records with half again as slack).
+TEST(TableSpecTest, ShardBytesByPlacement) {
+  ember::v1::ShardAssignment a;
+  a.mutable_table()->set_name("t");
+  a.mutable_table()->set_num_embeddings(100);
+  a.mutable_table()->set_embedding_dim(8);
+  a.set_rows(100);
+  a.set_cols(8);
+  backend::ShardSpec s = ShardSpecOf(a);
+  EXPECT_EQ(backend::DeviceShardBytes(s), 3200);
+  EXPECT_EQ(backend::MappedShardBytes(s), 0);
+  a.set_compute_kernel("fused_uvm");
+  s = ShardSpecOf(a);
+  EXPECT_EQ(backend::DeviceShardBytes(s), 0);
+  EXPECT_EQ(backend::MappedShardBytes(s), 3200);
+  a.set_compute_kernel("fused_uvm_caching");
+  a.set_cache_load_factor(0.25);
+  s = ShardSpecOf(a, 1);
+  EXPECT_EQ(backend::MappedShardBytes(s), 3200);
+  EXPECT_EQ(backend::DeviceShardBytes(s), 25 * 32 + 25 * 24 + 100 * 8 + (100 + 50) * 4);
 }
 
 }  // namespace

@@ -72,7 +72,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 per_table(&WorkerService::TableStats::gradient_ids));
   m->AddGauge("ember_worker_table_shards", "Shards held, per collection and table",
               per_table(&WorkerService::TableStats::shards));
-  // key_value tables (rows on local SSD under a cache), per collection and table.
+  // key_value tables (rows on local SSD under a cache) and fused_uvm_caching
+  // ones (rows in host memory under a cache in GPU memory), per collection
+  // and table.
   auto tier = [service](int64_t backend::TierStats::*f) {
     return [service, f]() {
       std::vector<ServerMetrics::Sample> out;
@@ -84,7 +86,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
       return out;
     };
   };
-  m->AddGauge("ember_worker_key_value_cache_rows", "Rows a key_value table may cache in memory",
+  m->AddGauge("ember_worker_key_value_cache_rows",
+              "Rows a key_value (or fused_uvm_caching) table may cache in memory (GPU memory "
+              "for fused_uvm_caching)",
               tier(&backend::TierStats::cache_rows));
   m->AddGauge("ember_worker_key_value_cached_rows", "Rows of a key_value table in memory now",
               tier(&backend::TierStats::cached_rows));
@@ -94,10 +98,12 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   m->AddCounter("ember_worker_key_value_fills_total", "Rows a call brought into memory",
                 tier(&backend::TierStats::fills));
   m->AddCounter("ember_worker_key_value_disk_reads_total",
-                "Fills read from the SSD file (the others were never written)",
+                "Fills read from the SSD file, or from host memory for fused_uvm_caching (the "
+                "others were never written)",
                 tier(&backend::TierStats::disk_reads));
   m->AddCounter("ember_worker_key_value_write_backs_total",
-                "Changed rows written to the SSD file as they left memory",
+                "Changed rows written to the SSD file (host memory for fused_uvm_caching) as "
+                "they left the cache",
                 tier(&backend::TierStats::write_backs));
   m->AddCounter("ember_worker_key_value_evictions_total", "Rows that left memory",
                 tier(&backend::TierStats::evictions));

@@ -111,12 +111,14 @@ class WorkerService final : public ember::v1::Worker::Service {
   // WorkerInfo.compute_kernels: "dense" and "fused", a shard held whole in
   // its backend's memory (HBM on a GPU), "fused_uvm" (rows in host memory
   // the GPU maps) where the backend maps host memory (the CUDA backend),
+  // "fused_uvm_caching" (such rows under a cache in GPU memory) where it
+  // also caches over it (the key_value wrapper the factory puts on it),
   // and "key_value" (rows on local SSD) where it has an SSD tier
-  // (WorkerServiceOptions::ssd_tier). fused_uvm_caching is not built yet:
-  // shards planned on it are refused.
+  // (WorkerServiceOptions::ssd_tier).
   std::vector<std::string> ServedComputeKernels() const {
     std::vector<std::string> k = {"dense", "fused"};
     if (backend_->MapsHostMemory()) k.push_back("fused_uvm");
+    if (backend_->CachesOverHostMemory()) k.push_back("fused_uvm_caching");
     if (options_.ssd_tier) k.push_back("key_value");
     return k;
   }

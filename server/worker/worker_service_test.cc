@@ -339,7 +339,7 @@ TEST(WorkerServiceTest, FusedUvmShardsGoToMappedHostMemory) {
   auto over = request("over", {{"fused", 5}, {"fused_uvm", 50}});
   st = s.CreateShards(nullptr, &over, &resp);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_NE(st.error_message().find("1 fused_uvm shard(s) need 800 bytes of host memory mapped"),
+  EXPECT_NE(st.error_message().find("1 fused_uvm(_caching) shard(s) need 800 bytes of host memory mapped"),
             std::string::npos)
       << st.error_message();
   EXPECT_EQ(mapping->AvailableBytes(), 200);

@@ -220,24 +220,28 @@ absl::Status WorkerService::AllocateShards(
   // Refused before anything is allocated when the shards cannot all fit:
   // in the backend's memory, and fused_uvm shards in its mapped host memory.
   int64_t need = 0, need_mapped = 0;
-  int mapped = 0;
+  int in_memory = 0, mapped = 0;
+  auto add = [](int64_t* sum, int64_t bytes) {
+    *sum = bytes > std::numeric_limits<int64_t>::max() - *sum ? std::numeric_limits<int64_t>::max()
+                                                              : *sum + bytes;
+  };
   for (const auto& a : shards) {
     const backend::ShardSpec spec = ShardSpecOf(a, options_.key_value_min_cache_rows);
-    const int64_t bytes = backend::ShardBytes(spec);
-    int64_t& sum = spec.host_mapped ? need_mapped : need;
+    const int64_t device = backend::DeviceShardBytes(spec);
+    add(&need, device);
+    add(&need_mapped, backend::MappedShardBytes(spec));
+    in_memory += device > 0 ? 1 : 0;
     mapped += spec.host_mapped ? 1 : 0;
-    sum = bytes > std::numeric_limits<int64_t>::max() - sum ? std::numeric_limits<int64_t>::max()
-                                                            : sum + bytes;
   }
   if (const int64_t available = backend_->AvailableBytes(); need > available) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("collection '", collection, "': ", shards.size() - mapped,
-                     " shard(s) need ", need, " bytes; this worker has ", available,
-                     " free for shards"));
+        absl::StrCat("collection '", collection, "': ", in_memory, " shard(s) need ", need,
+                     " bytes; this worker has ", available, " free for shards"));
   }
   if (const int64_t available = backend_->AvailableMappedBytes(); need_mapped > available) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "collection '", collection, "': ", mapped, " fused_uvm shard(s) need ", need_mapped,
+        "collection '", collection, "': ", mapped,
+        " fused_uvm(_caching) shard(s) need ", need_mapped,
         " bytes of host memory mapped into the GPU; this worker has ", available,
         " free for them"));
   }
@@ -739,7 +743,8 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
       ++t.shards;
       t.lookup_ids += entry.traffic->lookup_ids.load(std::memory_order_relaxed);
       t.gradient_ids += entry.traffic->gradient_ids.load(std::memory_order_relaxed);
-      if (entry.assignment.compute_kernel() == "key_value") {
+      if (entry.assignment.compute_kernel() == "key_value" ||
+          entry.assignment.compute_kernel() == "fused_uvm_caching") {
         if (auto k = backend_->GetTierStats(entry.id); k.ok()) {
           t.key_value = true;
           t.tier.cache_rows += k->cache_rows;

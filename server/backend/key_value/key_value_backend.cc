@@ -33,12 +33,96 @@ constexpr int32_t kAbsent = -1;
 // holds (a lookup then runs in pieces).
 constexpr char kOverCachePayload[] = "type.ember.dev/key_value_over_cache";
 
+// Where a shard's rows live below its cache, as records of fp32 weights
+// then fp32 state: a file on local SSD (key_value), or a shard of the
+// wrapped backend in host memory mapped into the GPU (fused_uvm_caching).
+class RecordStore {
+ public:
+  virtual ~RecordStore() = default;
+  // RowFile's calls (row_file.h): records[k] into or from buffer row k.
+  virtual absl::Status ReadRows(absl::Span<const int64_t> records, RowBuffer* buffer) const = 0;
+  virtual absl::Status WriteRows(absl::Span<const int64_t> records, const RowBuffer& buffer) = 0;
+  virtual absl::Status Exchange(absl::Span<const int64_t> write_records, const RowBuffer& out,
+                                absl::Span<const int64_t> read_records, RowBuffer* in) = 0;
+  virtual int64_t stride() const = 0;
+};
+
+class FileStore : public RecordStore {
+ public:
+  explicit FileStore(std::unique_ptr<RowFile> file) : file_(std::move(file)) {}
+  absl::Status ReadRows(absl::Span<const int64_t> records, RowBuffer* buffer) const override {
+    return file_->ReadRows(records, buffer);
+  }
+  absl::Status WriteRows(absl::Span<const int64_t> records, const RowBuffer& buffer) override {
+    return file_->WriteRows(records, buffer);
+  }
+  absl::Status Exchange(absl::Span<const int64_t> write_records, const RowBuffer& out,
+                        absl::Span<const int64_t> read_records, RowBuffer* in) override {
+    return file_->Exchange(write_records, out, read_records, in);
+  }
+  int64_t stride() const override { return file_->stride(); }
+
+ private:
+  std::unique_ptr<RowFile> file_;
+};
+
+// Record r is row r of shard `backing` of `inner` (a fused_uvm shard: its
+// weights in the table's type, its state fp32), read and written with the
+// backend's ExportRowsAt / ImportRowsAt, whose conversions are exact both
+// ways. The wrapper drops the backing shard with its own.
+class MappedShardStore : public RecordStore {
+ public:
+  MappedShardStore(EmbeddingBackend* inner, ShardId backing, int64_t dim, int64_t width)
+      : inner_(inner), backing_(backing), dim_(dim), width_(width) {}
+  ShardId backing() const { return backing_; }
+  absl::Status ReadRows(absl::Span<const int64_t> records, RowBuffer* buffer) const override {
+    std::vector<float> w(records.size() * dim_), st(records.size() * width_);
+    if (absl::Status s = inner_->ExportRowsAt(backing_, records, absl::MakeSpan(w),
+                                              absl::MakeSpan(st));
+        !s.ok()) {
+      return s;
+    }
+    for (size_t k = 0; k < records.size(); ++k) {
+      float* rec = buffer->row(static_cast<int64_t>(k));
+      std::copy_n(w.data() + k * dim_, dim_, rec);
+      std::copy_n(st.data() + k * width_, width_, rec + dim_);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status WriteRows(absl::Span<const int64_t> records, const RowBuffer& buffer) override {
+    std::vector<float> w(records.size() * dim_), st(records.size() * width_);
+    for (size_t k = 0; k < records.size(); ++k) {
+      const float* rec = buffer.row(static_cast<int64_t>(k));
+      std::copy_n(rec, dim_, w.data() + k * dim_);
+      std::copy_n(rec + dim_, width_, st.data() + k * width_);
+    }
+    return inner_->ImportRowsAt(backing_, records, w, st);
+  }
+  absl::Status Exchange(absl::Span<const int64_t> write_records, const RowBuffer& out,
+                        absl::Span<const int64_t> read_records, RowBuffer* in) override {
+    if (absl::Status s = WriteRows(write_records, out); !s.ok()) return s;
+    return ReadRows(read_records, in);
+  }
+  int64_t stride() const override { return (dim_ + width_) * 4; }
+
+ private:
+  EmbeddingBackend* const inner_;
+  const ShardId backing_;
+  const int64_t dim_, width_;
+};
+
 struct Shard {
   ShardSpec spec;
   int64_t width = 0;   // optimizer state floats a row
   int64_t record = 0;  // floats a row in the file: dim + width
   int64_t file_bytes = 0;
-  std::unique_ptr<RowFile> file;
+  std::unique_ptr<RecordStore> file;
+  // fused_uvm_caching: the rows below the cache are a fused_uvm shard of
+  // the wrapped backend (MappedShardStore), each row always in its own
+  // record (written in place: memory has no torn writes to guard against),
+  // every row there from the start with its initial value.
+  bool in_place = false;
+  ShardId backing = -1;
   // A row's cache slot, or kAbsent; mid-call, -2 - k for the call's k-th
   // miss (so that a row named twice misses once).
   std::vector<int32_t> slot_of_row;
@@ -63,9 +147,12 @@ struct Shard {
   int64_t cache_rows() const { return spec.cache_rows; }
   bool Written(int64_t r) const { return loc[r] >= 0; }
   bool Live(int64_t record) const { return owner[record] >= 0 && loc[owner[record]] == record; }
-  // `n` records that are not live, ahead of the cursor, ascending but for
-  // one wrap (n must not pass the records that are not live: SlackRows).
-  std::vector<int64_t> TakeFree(int64_t n) {
+  // The records new versions of `rows` go to: records that are not live,
+  // ahead of the cursor, ascending but for one wrap (no more of them than
+  // the records that are not live: SlackRows); in place, their own.
+  std::vector<int64_t> TakeFree(absl::Span<const int64_t> rows) {
+    if (in_place) return std::vector<int64_t>(rows.begin(), rows.end());
+    const int64_t n = static_cast<int64_t>(rows.size());
     std::vector<int64_t> out;
     out.reserve(static_cast<size_t>(n));
     while (static_cast<int64_t>(out.size()) < n) {
@@ -117,7 +204,17 @@ ShardSpec CacheSpec(const ShardSpec& spec) {
   ShardSpec cache = spec;
   cache.rows = spec.cache_rows;
   cache.cache_rows = 0;
+  cache.host_mapped = false;  // fused_uvm_caching: the cache is in device memory
   return cache;
+}
+
+// The wrapped backend's fused_uvm shard that holds fused_uvm_caching shard
+// `spec`'s rows below its cache.
+ShardSpec BackingSpec(const ShardSpec& spec) {
+  ShardSpec backing = spec;
+  backing.cache_rows = 0;
+  backing.host_mapped = true;
+  return backing;
 }
 
 class KeyValueBackend : public ForwardingBackend {
@@ -128,6 +225,7 @@ class KeyValueBackend : public ForwardingBackend {
   absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
     if (spec.cache_rows == 0) return inner()->CreateShard(spec);
     if (absl::Status s = ValidateKeyValueSpec(spec); !s.ok()) return s;
+    if (spec.host_mapped) return CreateCachedOverHost(spec);
     if (options_.dir.empty()) {
       return absl::FailedPreconditionError(
           absl::StrCat("table '", spec.table,
@@ -160,6 +258,34 @@ class KeyValueBackend : public ForwardingBackend {
     return *id;
   }
 
+  // fused_uvm_caching: a cache of cache_rows in the wrapped backend's
+  // memory over a fused_uvm shard of it holding every row.
+  absl::StatusOr<ShardId> CreateCachedOverHost(const ShardSpec& spec) {
+    if (!inner()->MapsHostMemory()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "table '", spec.table,
+          "': the fused_uvm_caching kernel (a cache in GPU memory over rows in host memory "
+          "the GPU maps) needs a CUDA worker"));
+    }
+    auto shard = std::make_shared<Shard>();
+    shard->spec = spec;
+    shard->width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    shard->record = spec.dim + shard->width;
+    shard->in_place = true;
+    if (absl::Status s = Make(shard.get()); !s.ok()) return s;
+    auto id = inner()->CreateShard(CacheSpec(spec));
+    if (!id.ok()) {
+      (void)inner()->DropShard(shard->backing);
+      return id.status();
+    }
+    shard->stats.cache_rows = spec.cache_rows;
+    absl::MutexLock lock(&map_mu_);
+    shards_[*id] = std::move(shard);
+    return *id;
+  }
+
+  bool CachesOverHostMemory() const override { return inner()->MapsHostMemory(); }
+
   absl::Status DropShard(ShardId id) override {
     std::shared_ptr<Shard> shard;
     {
@@ -174,6 +300,7 @@ class KeyValueBackend : public ForwardingBackend {
     absl::MutexLock lock(&call_mu_);  // calls in flight end first
     shard->dropped = true;
     budget_.Release(shard->file_bytes);
+    if (shard->backing >= 0) (void)inner()->DropShard(shard->backing);
     return inner()->DropShard(id);
   }
 
@@ -378,18 +505,28 @@ class KeyValueBackend : public ForwardingBackend {
       s->changed.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->used.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->pinned.assign(static_cast<size_t>(spec.cache_rows), 0);
-      s->records = spec.rows + KeyValueSlackRows(spec);
+      s->records = s->in_place ? spec.rows : spec.rows + KeyValueSlackRows(spec);
       s->loc.assign(static_cast<size_t>(spec.rows), -1);
       s->owner.assign(static_cast<size_t>(s->records), -1);
+      if (s->in_place) {  // every row in its own record from the start
+        for (int64_t r = 0; r < spec.rows; ++r) s->loc[r] = s->owner[r] = static_cast<int32_t>(r);
+      }
     } catch (const std::bad_alloc&) {
       return absl::ResourceExhaustedError(
           absl::StrCat("table '", spec.table, "': no memory for a key_value shard's bookkeeping (",
                        KeyValueMemoryBytes(spec), " bytes)"));
     }
+    if (s->in_place) {
+      auto backing = inner()->CreateShard(BackingSpec(spec));
+      if (!backing.ok()) return backing.status();
+      s->backing = *backing;
+      s->file = std::make_unique<MappedShardStore>(inner(), *backing, spec.dim, s->width);
+      return absl::OkStatus();
+    }
     auto file = RowFile::Create(options_.dir, s->records, s->record * 4,
                                 absl::StrCat("table '", spec.table, "' key_value shard file"));
     if (!file.ok()) return file.status();
-    s->file = std::move(*file);
+    s->file = std::make_unique<FileStore>(std::move(*file));
     return absl::OkStatus();
   }
 
@@ -413,7 +550,7 @@ class KeyValueBackend : public ForwardingBackend {
         PackRow(s, w + i * s.spec.dim, st + i * s.width, rec.row(k));
       }
       const absl::Span<const int64_t> these(rows.data() + c, static_cast<size_t>(m));
-      const std::vector<int64_t> free = s.TakeFree(m);
+      const std::vector<int64_t> free = s.TakeFree(these);
       if (absl::Status e = s.file->WriteRows(free, rec); !e.ok()) return e;
       s.Commit(these, free);
     }
@@ -893,7 +1030,7 @@ class KeyValueBackend : public ForwardingBackend {
       if (absl::Status e = out_.Resize(nb, s.file->stride()); !e.ok()) return e;
       Interleave(s, nb, w.data(), st.data(), &out_);
     }
-    const std::vector<int64_t> free = s.TakeFree(nb);
+    const std::vector<int64_t> free = s.TakeFree(back_rows);
     if (nb + reads > 0) {
       if (absl::Status e = in_.Resize(reads, s.file->stride()); !e.ok()) return e;
       if (absl::Status e = s.file->Exchange(free, out_, read, &in_); !e.ok()) return e;
@@ -945,7 +1082,8 @@ std::unique_ptr<EmbeddingBackend> WithKeyValueShards(std::unique_ptr<EmbeddingBa
 }
 
 absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
-  const std::string what = absl::StrCat("key_value table '", spec.table, "'");
+  const std::string what = absl::StrCat(spec.host_mapped ? "fused_uvm_caching" : "key_value",
+                                        " table '", spec.table, "'");
   if (spec.is_dynamic) {
     return absl::InvalidArgumentError(absl::StrCat(what,
                                                    ": dynamic tables are held in memory (the fused "
@@ -956,11 +1094,6 @@ absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": ", WeightTypeName(spec.weight_type),
         " tables are held in memory (key_value's file holds fp32 rows and their state)"));
-  }
-  if (spec.host_mapped) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": the fused_uvm and key_value kernels are two different placements; a shard "
-              "takes one"));
   }
   if (spec.cache_rows < 1 || spec.cache_rows > spec.rows) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": cache_rows must be in [1, ", spec.rows,
@@ -976,6 +1109,7 @@ absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
   }
   ShardSpec whole = spec;
   whole.cache_rows = 0;
+  whole.host_mapped = false;  // (whether the backend maps host memory is the caller's to check)
   return ValidateShardSpec(whole);
 }
 

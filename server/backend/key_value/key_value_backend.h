@@ -45,6 +45,14 @@
 // some of its rows and not others, each whole (a row's version is only
 // taken once it has landed); the caller imports again.
 //
+// fused_uvm_caching (a spec with cache_rows that is host_mapped; only over
+// a backend that MapsHostMemory, the CUDA backend): the same cache, in the
+// wrapped backend's device memory, over a fused_uvm shard of it instead of
+// a file: every row in pinned host memory mapped into the GPU, each in its
+// own record (written back in place, no log: memory has no torn writes),
+// holding its initial value from the start. No SSD directory is needed;
+// the rows count against the backend's mapped memory.
+//
 // Thread-safe: calls that name a key_value shard are serialised by one
 // lock (the CPU backend serialises its calls anyway); calls on other
 // shards pass straight through.

@@ -16,6 +16,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -26,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/emulated_backend.h"
+#include "server/backend/forwarding_backend.h"
 
 namespace ember {
 namespace backend {
@@ -71,6 +73,7 @@ ShardSpec Spec(OptimizerType opt, int64_t rows, int64_t dim, int64_t cache_rows)
 
 ShardSpec Fused(ShardSpec s) {
   s.cache_rows = 0;
+  s.host_mapped = false;
   return s;
 }
 
@@ -159,10 +162,13 @@ struct ParityCase {
   Pooling pooling;
   WeightType type;
   bool emulated_cuda = false;  // the CUDA backend's kernels (emulated) under both
+  // fused_uvm_caching: the rows below the cache in a fused_uvm shard (host
+  // memory the GPU maps) instead of a file; emulated CUDA under both.
+  bool over_host = false;
 };
 
 std::unique_ptr<EmbeddingBackend> Under(const ParityCase& c) {
-  return c.emulated_cuda ? CreateEmulatedCudaBackend() : Cpu();
+  return c.emulated_cuda || c.over_host ? CreateEmulatedCudaBackend() : Cpu();
 }
 
 class KeyValueParityTest : public ::testing::TestWithParam<ParityCase> {};
@@ -172,6 +178,7 @@ TEST_P(KeyValueParityTest, EqualsTheShardHeldWholeInMemoryBitForBit) {
   ShardSpec spec = Spec(c.opt, 300, 12, 48);
   spec.weight_type = c.type;
   spec.optimizer.stochastic_rounding = false;
+  spec.host_mapped = c.over_host;
   auto fused = Under(c);
   KeyValueOptions o;
   o.dir = TempDir();
@@ -197,8 +204,9 @@ TEST_P(KeyValueParityTest, EqualsTheShardHeldWholeInMemoryBitForBit) {
   auto stats = kv->GetTierStats(*kid);
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_GT(stats->write_backs, 0);  // rows did leave the cache changed
-  EXPECT_GT(stats->disk_reads, 0);   // and came back from the file
+  EXPECT_GT(stats->disk_reads, 0);   // and came back from the file (or host memory)
   EXPECT_EQ(stats->cached_rows, 48);
+  EXPECT_EQ(stats->file_bytes > 0, !c.over_host);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -213,7 +221,75 @@ INSTANTIATE_TEST_SUITE_P(
         ParityCase{OptimizerType::kSgd, Pooling::kNone, WeightType::kBf16},
         ParityCase{OptimizerType::kRowwiseAdagrad, Pooling::kSum, WeightType::kFp32, true},
         ParityCase{OptimizerType::kAdam, Pooling::kMean, WeightType::kFp32, true},
-        ParityCase{OptimizerType::kAdagrad, Pooling::kNone, WeightType::kFp16, true}));
+        ParityCase{OptimizerType::kAdagrad, Pooling::kNone, WeightType::kFp16, true},
+        ParityCase{OptimizerType::kSgd, Pooling::kSum, WeightType::kFp32, false, true},
+        ParityCase{OptimizerType::kAdam, Pooling::kMean, WeightType::kFp32, false, true},
+        ParityCase{OptimizerType::kRowwiseAdagrad, Pooling::kNone, WeightType::kFp16, false, true},
+        ParityCase{OptimizerType::kAdagrad, Pooling::kSum, WeightType::kBf16, false, true}));
+
+// Records what a backend is asked to create and drop (the emulated CUDA
+// backend below: it maps host memory).
+class Recording : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::StatusOr<ShardId> CreateShard(const ShardSpec& spec) override {
+    auto id = inner()->CreateShard(spec);
+    if (id.ok()) made[*id] = spec;
+    return id;
+  }
+  absl::Status DropShard(ShardId id) override {
+    made.erase(id);
+    return inner()->DropShard(id);
+  }
+  std::map<ShardId, ShardSpec> made;
+};
+
+// fused_uvm_caching: a cache shard in device memory and a fused_uvm shard
+// of every row below it, both in the wrapped backend and both dropped with
+// it; refused over a backend that maps no host memory, and needs no SSD.
+TEST(KeyValueBackendTest, FusedUvmCachingCachesOverAFusedUvmShard) {
+  auto owned = std::make_unique<Recording>(CreateEmulatedCudaBackend());
+  Recording* rec = owned.get();
+  auto kv = WithKeyValueShards(std::move(owned), KeyValueOptions());  // no SSD directory
+  EXPECT_TRUE(kv->CachesOverHostMemory());
+  ShardSpec spec = Spec(OptimizerType::kAdagrad, 100, 8, 10);
+  spec.host_mapped = true;
+  auto id = kv->CreateShard(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_EQ(rec->made.size(), 2u);
+  const ShardSpec& cache = rec->made.at(*id);
+  EXPECT_EQ(cache.rows, 10);
+  EXPECT_FALSE(cache.host_mapped);
+  EXPECT_EQ(cache.cache_rows, 0);
+  for (const auto& [made_id, made_spec] : rec->made) {
+    if (made_id == *id) continue;
+    EXPECT_EQ(made_spec.rows, 100);  // every row, a record each: no log's slack
+    EXPECT_TRUE(made_spec.host_mapped);
+    EXPECT_EQ(made_spec.cache_rows, 0);
+  }
+  EXPECT_TRUE(kv->GetShardSpec(*id)->host_mapped);
+  // Rows read before any update are the initial values (from the fused_uvm
+  // shard, not made by the wrapper), as in a shard held whole.
+  auto fused = CreateEmulatedCudaBackend();
+  auto fid = fused->CreateShard(Fused(spec));
+  ASSERT_TRUE(fid.ok());
+  const AllRows want = Export(*fused, *fid, Fused(spec));
+  const AllRows got = Export(*kv, *id, spec);
+  ExpectSameBits(got.w, want.w, "initial weights");
+  ExpectSameBits(got.st, want.st, "initial state");
+  ASSERT_TRUE(kv->DropShard(*id).ok());
+  EXPECT_TRUE(rec->made.empty());
+  // Over a backend that maps no host memory.
+  auto cpu = WithKeyValueShards(Cpu(), KeyValueOptions());
+  EXPECT_FALSE(cpu->CachesOverHostMemory());
+  const auto refused = cpu->CreateShard(spec);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("needs a CUDA worker"), std::string::npos)
+      << refused.status();
+  // Without the wrapper.
+  EXPECT_EQ(CreateEmulatedCudaBackend()->CreateShard(spec).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
 
 Batch Ids(std::vector<int64_t> ids) {
   Batch b;
@@ -628,17 +704,19 @@ struct PiecesCase {
   Pooling pooling;
   bool weighted;
   bool emulated_cuda = false;  // the CUDA backend's kernels (emulated) under both
+  bool over_host = false;      // fused_uvm_caching (ParityCase::over_host)
 };
 class KeyValuePiecesTest : public ::testing::TestWithParam<PiecesCase> {};
 
 TEST_P(KeyValuePiecesTest, UpdatesLargerThanTheCacheRunInPiecesAsOneStep) {
   const PiecesCase c = GetParam();
-  const ParityCase under{c.opt, c.pooling, WeightType::kFp32, c.emulated_cuda};
+  const ParityCase under{c.opt, c.pooling, WeightType::kFp32, c.emulated_cuda, c.over_host};
   auto fused = Under(under);
   KeyValueOptions o;
   o.dir = TempDir();
   auto kv = WithKeyValueShards(Under(under), o);
-  const ShardSpec spec = Spec(c.opt, 400, 8, 16);
+  ShardSpec spec = Spec(c.opt, 400, 8, 16);
+  spec.host_mapped = c.over_host;
   ShardSpec plain = Fused(spec);
   plain.table = "plain";
   plain.row_offset = 0;
@@ -703,7 +781,8 @@ INSTANTIATE_TEST_SUITE_P(
                       PiecesCase{OptimizerType::kAdam, Pooling::kNone, false},
                       PiecesCase{OptimizerType::kSgd, Pooling::kNone, false},
                       PiecesCase{OptimizerType::kAdam, Pooling::kMean, true, true},
-                      PiecesCase{OptimizerType::kRowwiseAdagrad, Pooling::kNone, false, true}));
+                      PiecesCase{OptimizerType::kRowwiseAdagrad, Pooling::kNone, false, true},
+                      PiecesCase{OptimizerType::kAdam, Pooling::kMean, true, false, true}));
 
 // An update in pieces is one call: a piece refused (here an overflow, in a
 // middle piece and in the last one) puts back every row the earlier pieces
