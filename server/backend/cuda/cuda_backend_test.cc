@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/backend/concurrency_checks.h"
+#include "server/backend/key_value/key_value_backend.h"
 
 #ifdef EMBER_CUDA_ON_HOST
 #include "cuda/host_runtime.h"
@@ -223,6 +225,58 @@ TEST(CudaBackendTest, MappedShardsLiveInHostMemory) {
 #ifdef EMBER_CUDA_ON_HOST
   EXPECT_EQ(cuda::HostMappedBytes(), mapped_before);
 #endif
+}
+
+// fused_uvm_caching on the adapter itself: the key_value wrapper's cache
+// (a shard in device memory) over a fused_uvm shard, through the CUDA
+// backend's row copies in and out of mapped memory. Lookups, Adam updates
+// that evict changed rows, and the rows read back equal a shard held whole
+// in device memory bit for bit.
+TEST(CudaBackendTest, FusedUvmCachingEqualsTheShardInDeviceMemory) {
+  CudaBackendOptions o;
+  o.scratch_bytes = int64_t{1} << 20;
+  auto whole = MakeOrExpectUnavailable(o);
+  if (whole == nullptr) GTEST_SKIP() << "no usable GPU";
+  auto made = CreateCudaBackend(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto cached = WithKeyValueShards(*std::move(made), KeyValueOptions());
+  ASSERT_TRUE(cached->CachesOverHostMemory());
+  ShardSpec spec = MakeSpec(64, 8);
+  spec.optimizer.type = OptimizerType::kAdam;
+  ShardSpec uvm = spec;
+  uvm.host_mapped = true;
+  uvm.cache_rows = 6;
+  auto wid = whole->CreateShard(spec);
+  auto cid = cached->CreateShard(uvm);
+  ASSERT_TRUE(wid.ok() && cid.ok()) << wid.status() << cid.status();
+  std::mt19937_64 rng(5);
+  for (int step = 0; step < 12; ++step) {
+    std::vector<int64_t> lengths = {2, 1, 3}, ids(6);
+    for (int64_t& id : ids) id = static_cast<int64_t>(rng() % 64);
+    std::vector<float> grad(3 * 8);
+    for (float& g : grad) g = static_cast<float>(static_cast<int64_t>(rng() % 200) - 100) / 64.0f;
+    std::vector<float> out_w(3 * 8), out_c(3 * 8);
+    FeatureRequest f;
+    f.pooling = Pooling::kMean;
+    f.lengths = lengths;
+    f.ids = ids;
+    f.shard = *wid;
+    ASSERT_TRUE(whole->Lookup({LookupRequest{f, absl::MakeSpan(out_w)}}).ok());
+    ASSERT_TRUE(whole->ApplyGradients({GradientRequest{f, grad}}).ok());
+    f.shard = *cid;
+    ASSERT_TRUE(cached->Lookup({LookupRequest{f, absl::MakeSpan(out_c)}}).ok());
+    ASSERT_TRUE(cached->ApplyGradients({GradientRequest{f, grad}}).ok());
+    EXPECT_EQ(out_c, out_w) << "step " << step;
+  }
+  std::vector<float> w_w(64 * 8), st_w(64 * 16), w_c(64 * 8), st_c(64 * 16);
+  ASSERT_TRUE(whole->ExportRows(*wid, 0, 64, absl::MakeSpan(w_w), absl::MakeSpan(st_w)).ok());
+  ASSERT_TRUE(cached->ExportRows(*cid, 0, 64, absl::MakeSpan(w_c), absl::MakeSpan(st_c)).ok());
+  EXPECT_EQ(w_c, w_w);
+  EXPECT_EQ(st_c, st_w);
+  auto tier = cached->GetTierStats(*cid);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_GT(tier->write_backs, 0);  // changed rows went back to host memory
+  EXPECT_GT(tier->disk_reads, 0);   // and came from it
 }
 
 // Two requests on one shard in one call, row 1 in both: SGD must apply the
