@@ -94,7 +94,10 @@ DEFINE_string(advertise_address, "",
 DEFINE_string(rate_window, "1s",
               "status: how long to watch the workers' counters for their request rates "
               "(0: no rates).");
-DEFINE_string(device, "cpu", "Worker device: cpu or cuda.");
+DEFINE_string(device, "cpu",
+              "Worker device: cpu or cuda; cuda_emulated: the CUDA kernels on the CPU, serving as "
+              "a CUDA worker (its compute kernels: fused_uvm, fused_uvm_caching), for tests where "
+              "there is no GPU (slow; --memory_gib 0: 16 GiB).");
 DEFINE_int32(cuda_device, 0,
              "worker --device=cuda: the GPU ordinal (up gives worker i GPU i mod the GPU count).");
 DEFINE_int32(cuda_scratch_mib, 256,
@@ -634,7 +637,9 @@ int RunWorker() {
 
 int RunUp(const std::string& self_path) {
   if (FLAGS_workers < 1) return Usage("--workers must be >= 1");
-  if (FLAGS_device != "cpu" && FLAGS_device != "cuda") return Usage("--device must be cpu or cuda");
+  if (FLAGS_device != "cpu" && FLAGS_device != "cuda" && FLAGS_device != "cuda_emulated") {
+    return Usage("--device must be cpu, cuda or cuda_emulated");
+  }
   if (const std::string bad = BadServerFlags(); !bad.empty()) return Usage(bad);
   auto c = StartCoordinator(absl::StrCat("127.0.0.1:", FLAGS_port));
   if (!c.ok()) return Fail("up", c.status());
@@ -652,7 +657,7 @@ int RunUp(const std::string& self_path) {
   }
   // CUDA workers' fused_uvm shards likewise, in the host memory they pin.
   double uvm_memory_gib = FLAGS_uvm_memory_gib;
-  if (uvm_memory_gib == 0 && FLAGS_device == "cuda") {
+  if (uvm_memory_gib == 0 && FLAGS_device != "cpu") {
     uvm_memory_gib = static_cast<double>(HostMemoryBytes() / 10 * 9) / FLAGS_workers / (1 << 30);
   }
   // The SSD tier likewise: each worker its part of the directory's space.

@@ -101,6 +101,11 @@ struct Case {
   // Every table on the key_value kernel (rows in files under the workers'
   // --ssd_dir, half of them cached): the killed worker's files go with it.
   bool key_value = false;
+  // Every table on this CUDA worker kernel ("fused_uvm": rows in host memory
+  // the GPU maps; "fused_uvm_caching": half of them cached in GPU memory
+  // over those), on CUDA workers emulated on the CPU
+  // (--device=cuda_emulated).
+  const char* uvm = nullptr;
 };
 
 void RunCase(const Case& k) {
@@ -112,6 +117,10 @@ void RunCase(const Case& k) {
     flags.push_back("--ssd_dir=" + TempDir());
     flags.push_back("--key_value_min_cache_rows=1");
   }
+  if (k.uvm != nullptr) {
+    flags.push_back("--device=cuda_emulated");
+    flags.push_back("--key_value_min_cache_rows=1");
+  }
   LocalCluster cluster(kEmberctl, 3, flags);
   ASSERT_TRUE(cluster.ok());
   client::ClientOptions o;
@@ -121,10 +130,11 @@ void RunCase(const Case& k) {
   CollectionSpec spec = TestSpec("r");
   spec.mutable_tables()->RemoveLast();  // the sequence table
   if (k.whole) spec.set_recovery(CollectionSpec::WHOLE_COLLECTION);
-  if (k.key_value) {
+  const std::string kernel = k.key_value ? "key_value" : k.uvm != nullptr ? k.uvm : "fused";
+  if (kernel != "fused") {
     for (const auto& t : spec.tables()) {
       ember::v1::ParameterConstraints& pc = (*spec.mutable_constraints())[t.name()];
-      pc.add_compute_kernels("key_value");
+      pc.add_compute_kernels(kernel);
       pc.set_cache_load_factor(0.5);
     }
   }
@@ -196,7 +206,7 @@ void RunCase(const Case& k) {
   auto after = (*c)->GetCollection("r");
   ASSERT_TRUE(after.ok());
   for (const auto& ts : after->plan().tables()) {
-    EXPECT_EQ(ts.compute_kernel(), k.key_value ? "key_value" : "fused") << ts.table();
+    EXPECT_EQ(ts.compute_kernel(), kernel) << ts.table();
   }
   EXPECT_EQ(after->state(), CollectionInfo::SERVING);
   EXPECT_GT(after->plan().epoch(), info->plan().epoch());
@@ -318,6 +328,20 @@ TEST(RecoveryTest, LostShardsComeBackFromAnIncrementalChain) {
 TEST(RecoveryTest, KeyValueShardsComeBackFromAnIncrementalChain) {
   RunCase({/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/false, /*recreate=*/false,
            /*incremental=*/true, /*key_value=*/true});
+}
+
+TEST(RecoveryTest, FusedUvmShardsComeBackFromAnIncrementalChain) {
+  Case k{/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/false, /*recreate=*/false,
+         /*incremental=*/true};
+  k.uvm = "fused_uvm";
+  RunCase(k);
+}
+
+TEST(RecoveryTest, FusedUvmCachingShardsComeBackFromAnIncrementalChain) {
+  Case k{/*restart_workers=*/true, /*checkpoint=*/true, /*whole=*/false, /*recreate=*/false,
+         /*incremental=*/true};
+  k.uvm = "fused_uvm_caching";
+  RunCase(k);
 }
 
 TEST(RecoveryTest, WithoutACheckpointTheLostShardsComeBackFresh) {

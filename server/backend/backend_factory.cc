@@ -12,6 +12,7 @@
 #include "server/backend/changes/change_tracking.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/cuda/emulated_backend.h"
 #include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/key_value/key_value_backend.h"
 #include "server/common/host_memory.h"
@@ -139,8 +140,27 @@ absl::StatusOr<MadeBackend> CreateBackend(const BackendConfig& config) {
                                        " MiB of scratch");
     return made;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device must be cpu or cuda, got '", config.device.substr(0, 64), "'"));
+  if (config.device == "cuda_emulated") {
+    // The CUDA backend's kernels on the CPU (emulated_backend.h), serving
+    // as a CUDA worker does: for tests of CUDA workers' kernels through
+    // the whole service where there is no GPU. Slow.
+    EmulatedCudaOptions o;
+    o.skip_overflow = config.skip_overflow;
+    o.memory_limit_bytes = config.memory_limit_bytes > 0 ? config.memory_limit_bytes
+                                                         : int64_t{16} << 30;
+    o.mapped_memory_limit_bytes = config.uvm_memory_bytes > 0
+                                      ? config.uvm_memory_bytes
+                                      : HostMemoryBytes() / 10 * 9;
+    made.backend = Wrap(CreateEmulatedCudaBackend(o), config, *kv);
+    made.cuda = true;
+    made.hbm_bytes = o.memory_limit_bytes;
+    made.ddr_bytes = o.mapped_memory_limit_bytes;
+    made.capacity_note = config.memory_limit_bytes > 0 ? "as given" : "16 GiB (emulated)";
+    made.uvm_note = config.uvm_memory_bytes > 0 ? "as given" : "90% of the host's available memory";
+    return made;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--device must be cpu, cuda or cuda_emulated, got '", config.device.substr(0, 64), "'"));
 }
 
 }  // namespace backend

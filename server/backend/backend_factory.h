@@ -15,7 +15,10 @@ namespace ember {
 namespace backend {
 
 struct BackendConfig {
-  std::string device = "cpu";  // "cpu" or "cuda"
+  // "cpu", "cuda", or "cuda_emulated": the CUDA backend's kernels on the
+  // CPU (emulated_backend.h) serving as a CUDA worker, for tests where
+  // there is no GPU (slow; memory_limit_bytes 0: 16 GiB).
+  std::string device = "cpu";
   int threads = 1;             // cpu: threads per call, the caller included
   int cuda_device = 0;         // cuda: the GPU ordinal
   // cuda: the fixed scratch reserved at start (and two pinned host staging

@@ -42,7 +42,11 @@ struct Shard {
 class EmulatedBackend : public backend::EmbeddingBackend {
  public:
   explicit EmulatedBackend(const EmulatedCudaOptions& options)
-      : skip_overflow_(options.skip_overflow) {
+      : skip_overflow_(options.skip_overflow),
+        limited_(options.memory_limit_bytes > 0),
+        mapped_limited_(options.mapped_memory_limit_bytes > 0),
+        budget_(options.memory_limit_bytes),
+        mapped_budget_(options.mapped_memory_limit_bytes) {
     const size_t bytes = options.scratch_bytes == 0 ? std::numeric_limits<size_t>::max()
                                                     : options.scratch_bytes;
     scratch_.device_bytes = scratch_.host_bytes = bytes;
@@ -61,6 +65,8 @@ class EmulatedBackend : public backend::EmbeddingBackend {
           "shard of table '", spec.table, "': ", backend::WeightTypeName(spec.weight_type),
           " tables are served by CPU workers (the CUDA kernels have no quantized rows yet)"));
     }
+    backend::MemoryBudget& budget = spec.host_mapped ? mapped_budget_ : budget_;
+    if (absl::Status s = budget.Reserve(backend::ShardBytes(spec), spec.table); !s.ok()) return s;
     absl::MutexLock lock(&mu_);
     auto shard = std::make_unique<Shard>();
     shard->spec = spec;
@@ -86,7 +92,11 @@ class EmulatedBackend : public backend::EmbeddingBackend {
 
   absl::Status DropShard(ShardId id) override {
     absl::MutexLock lock(&mu_);
-    if (shards_.erase(id) == 0) return backend::ShardNotFound(id);
+    auto it = shards_.find(id);
+    if (it == shards_.end()) return backend::ShardNotFound(id);
+    const ShardSpec& spec = it->second->spec;
+    (spec.host_mapped ? mapped_budget_ : budget_).Release(backend::ShardBytes(spec));
+    shards_.erase(it);
     return absl::OkStatus();
   }
 
@@ -232,11 +242,15 @@ class EmulatedBackend : public backend::EmbeddingBackend {
     return absl::OkStatus();
   }
 
-  int64_t AvailableBytes() const override { return int64_t{1} << 40; }
+  int64_t AvailableBytes() const override {
+    return limited_ ? budget_.Available() : int64_t{1} << 40;
+  }
   // Every shard is in host memory here: a mapped one (fused_uvm) is held
   // and run as any other.
   bool MapsHostMemory() const override { return true; }
-  int64_t AvailableMappedBytes() const override { return int64_t{1} << 40; }
+  int64_t AvailableMappedBytes() const override {
+    return mapped_limited_ ? mapped_budget_.Available() : int64_t{1} << 40;
+  }
   std::string Name() const override { return "cuda-emulated/host"; }
 
  private:
@@ -417,6 +431,8 @@ class EmulatedBackend : public backend::EmbeddingBackend {
   }
 
   const bool skip_overflow_;
+  const bool limited_, mapped_limited_;
+  backend::MemoryBudget budget_, mapped_budget_;
   mutable absl::Mutex mu_;
   int64_t skipped_rows_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<ShardId, std::unique_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);

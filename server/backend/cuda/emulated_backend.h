@@ -23,6 +23,11 @@ struct EmulatedCudaOptions {
   size_t scratch_bytes = 0;
   // As the CUDA backend's (CudaBackendOptions::skip_overflow).
   bool skip_overflow = false;
+  // As the CUDA backend's memory_limit_bytes (without the scratch) and
+  // mapped_memory_limit_bytes (fused_uvm shards): the bytes of shards each
+  // may hold (ShardBytes). 0: no limit.
+  int64_t memory_limit_bytes = 0;
+  int64_t mapped_memory_limit_bytes = 0;
 };
 
 std::unique_ptr<backend::EmbeddingBackend> CreateEmulatedCudaBackend(
