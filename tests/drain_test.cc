@@ -40,8 +40,11 @@ using testing_util::TestSpec;
 
 constexpr char kEmberctl[] = "cli/emberctl";
 
-TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
-  testing_util::StandaloneCluster cluster(kEmberctl, 3, {"--lease_ms=3000"});
+// Drains (one asked for, one on SIGTERM) while a trainer's updates flow:
+// every table ends equal to an in-process reference. `kernel`: every table
+// on it ("fused": the default), on workers started with `worker_flags`.
+void DrainWhileTraining(const std::string& kernel, const std::vector<std::string>& worker_flags) {
+  testing_util::StandaloneCluster cluster(kEmberctl, 3, {"--lease_ms=3000"}, "", worker_flags);
   ASSERT_TRUE(cluster.ok());
   const std::string address = cluster.address();
   client::ClientOptions o;
@@ -50,8 +53,16 @@ TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
   ASSERT_TRUE(c.ok()) << c.status();
   CollectionSpec spec = TestSpec("d");
   spec.mutable_tables()->RemoveLast();  // no sequence table
+  if (kernel != "fused") {
+    for (const auto& t : spec.tables()) {
+      ember::v1::ParameterConstraints& pc = (*spec.mutable_constraints())[t.name()];
+      pc.add_compute_kernels(kernel);
+      pc.set_cache_load_factor(0.5);
+    }
+  }
   auto info = (*c)->CreateCollection(spec, "row_wise");
   ASSERT_TRUE(info.ok()) << info.status();
+  for (const auto& ts : info->plan().tables()) EXPECT_EQ(ts.compute_kernel(), kernel);
   auto ref = InProcessCollection::Create(spec, &info->plan());
   ASSERT_TRUE(ref.ok()) << ref.status();
 
@@ -113,6 +124,7 @@ TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->state(), ember::v1::CollectionInfo::SERVING);
   for (const auto& ts : after->plan().tables()) {
+    EXPECT_EQ(ts.compute_kernel(), kernel);
     for (const auto& sh : ts.shards()) {
       EXPECT_NE(after->worker_addresses(sh.rank()), info->worker_addresses(0));
       EXPECT_NE(after->worker_addresses(sh.rank()), info->worker_addresses(1));
@@ -124,6 +136,18 @@ TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) {
     ASSERT_TRUE(got.ok()) << got.status();
     ExpectNear(*got, *(*ref)->ExportTable(t.name(), &rr, &rd), "table " + t.name());
   }
+}
+
+TEST(DrainTest, ShardsMoveLiveAndNoUpdateIsLostOrDoubled) { DrainWhileTraining("fused", {}); }
+
+// The same with every table on the CUDA workers' host-memory kernels, on
+// CUDA workers emulated on the CPU: the moved shards keep their kernel.
+TEST(DrainTest, FusedUvmShardsMoveLive) {
+  DrainWhileTraining("fused_uvm", {"--device=cuda_emulated", "--uvm_memory_gib=1"});
+}
+TEST(DrainTest, FusedUvmCachingShardsMoveLive) {
+  DrainWhileTraining("fused_uvm_caching", {"--device=cuda_emulated", "--uvm_memory_gib=1",
+                                           "--key_value_min_cache_rows=1"});
 }
 
 // A drain copies live: while its copy is under way (held open by a pause

@@ -108,8 +108,10 @@ class Process {
 class StandaloneCluster {
  public:
   // `crash_at`: EMBER_COORDINATOR_CRASH_AT for the first coordinator only.
+  // `worker_flags`: more flags for every worker ("--device=cuda_emulated").
   StandaloneCluster(const std::string& emberctl, int workers,
-                    std::vector<std::string> coordinator_flags, const std::string& crash_at = "")
+                    std::vector<std::string> coordinator_flags, const std::string& crash_at = "",
+                    const std::vector<std::string>& worker_flags = {})
       : emberctl_(emberctl), flags_(std::move(coordinator_flags)) {
     if (!StartCoordinator("127.0.0.1:0", crash_at)) return;
     // Workers share the coordinator's checkpoint root (their files lie
@@ -121,6 +123,7 @@ class StandaloneCluster {
     for (const std::string& f : flags_) {
       if (f.rfind("--checkpoint_dir=", 0) == 0) worker_args.push_back(f);
     }
+    worker_args.insert(worker_args.end(), worker_flags.begin(), worker_flags.end());
     for (int i = 0; i < workers; ++i) {
       workers_.push_back(std::make_unique<Process>(worker_args));
       if (workers_.back()->Line("worker ").empty()) return;
