@@ -152,6 +152,15 @@ bool IsPinned(const void* p) {
   return at < it->first + it->second;
 }
 
+bool IsMapped(const void* p) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Mapped().upper_bound(at);
+  if (it == Mapped().begin()) return false;
+  --it;
+  return at < it->first + it->second;
+}
+
 // 256-byte aligned (as cudaMalloc's), exactly `bytes` long (so that a
 // sanitizer sees an overrun).
 void* Allocate(size_t bytes) {
@@ -288,12 +297,7 @@ cudaError_t CUDARTAPI cudaHostAlloc(void** p, size_t bytes, unsigned int flags) 
 cudaError_t CUDARTAPI cudaHostGetDevicePointer(void** device, void* host, unsigned int flags) {
   if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
   if (flags != 0) return Fail(cudaErrorInvalidValue);
-  std::lock_guard<std::mutex> lock(registry_mu);
-  const auto at = reinterpret_cast<uintptr_t>(host);
-  auto it = Mapped().upper_bound(at);
-  if (it == Mapped().begin() || at >= std::prev(it)->first + std::prev(it)->second) {
-    return Fail(cudaErrorInvalidValue);
-  }
+  if (!IsMapped(host)) return Fail(cudaErrorInvalidValue);
   *device = host;
   return cudaSuccess;
 }
@@ -384,6 +388,13 @@ cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
 cudaError_t CUDARTAPI cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
                                       enum cudaMemcpyKind kind, cudaStream_t stream) {
   if (cudaError_t e = Sticky(); e != cudaSuccess) return Fail(e);
+  // A mapped host block named as device memory by an explicit direction:
+  // undefined on a device (the addresses must match the kind), refused
+  // here so that a caller that does it is caught.
+  if ((kind == cudaMemcpyHostToDevice && IsMapped(dst)) ||
+      (kind == cudaMemcpyDeviceToHost && IsMapped(src))) {
+    return Fail(cudaErrorInvalidValue);
+  }
   CUstream_st* s = Resolve(stream);
   const int64_t done = Enqueue(s, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
   // Pageable host memory: the copy is done (H2D: the source may be reused;

@@ -14,7 +14,10 @@
 // they were recorded at (one never recorded is complete); cudaFree and
 // cudaFreeHost wait for every stream; an illegal address (LaunchFault) is
 // sticky: every later call answers it; only a mapped host allocation
-// (cudaHostAllocMapped) has a device pointer (cudaHostGetDevicePointer). Each queued operation waits a
+// (cudaHostAllocMapped) has a device pointer (cudaHostGetDevicePointer),
+// and a copy that names one as device memory by an explicit direction
+// (HostToDevice into it, DeviceToHost out of it) is refused
+// (cudaErrorInvalidValue): on a device that is undefined. Each queued operation waits a
 // random 0-20 us first ($EMBER_HOST_CUDA_DELAY_US sets the bound; 0: none),
 // so work runs later than a caller may assume. It shows one device (a "compute
 // capability 8.0" named "host runtime"; $EMBER_HOST_CUDA_DEVICES sets how

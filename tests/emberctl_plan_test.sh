@@ -154,7 +154,7 @@ expect_error "bad format" 2 "--format must be table or json" -- plan --spec="$SE
 expect_error "bad device" 2 "--compute_device must be cuda or cpu" -- plan --spec="$SEED" --compute_device=tpu
 # Cluster commands: bad flags are refused before anything starts.
 expect_error "up workers" 2 "--workers must be >= 1" -- up --workers=0
-expect_error "up device" 2 "--device must be cpu or cuda" -- up --device=tpu
+expect_error "up device" 2 "--device must be cpu, cuda or cuda_emulated" -- up --device=tpu
 expect_error "up message limit" 2 "--max_message_mb must be in [1, 1024]" -- up --max_message_mb=0
 expect_error "coordinator message limit" 2 "--max_message_mb must be in [1, 1024]" -- coordinator --max_message_mb=4096
 expect_error "coordinator lease" 2 "--lease_ms must be >= 100" -- coordinator --lease_ms=5

@@ -233,7 +233,12 @@ int64_t ShardBytes(const ShardSpec& spec) {
 }
 
 int64_t DeviceShardBytes(const ShardSpec& spec) {
-  return spec.host_mapped && spec.cache_rows == 0 ? 0 : ShardBytes(spec);
+  if (!spec.host_mapped) return ShardBytes(spec);
+  if (spec.cache_rows == 0) return 0;
+  ShardSpec cache = spec;  // the cache's rows with their state (its bookkeeping is host memory)
+  cache.rows = spec.cache_rows;
+  cache.cache_rows = 0;
+  return ShardBytes(cache);
 }
 
 int64_t MappedShardBytes(const ShardSpec& spec) {

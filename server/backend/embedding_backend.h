@@ -522,9 +522,11 @@ bool IsNonFiniteRefusal(const absl::Status& s);
 // Bytes of memory a shard takes (weights + optimizer state; for a
 // key_value or fused_uvm_caching shard, its cache's rows and the cache's
 // bookkeeping: KeyValueMemoryBytes); INT64_MAX when that does not fit in an
-// int64. Of a host_mapped shard, the part outside the mapped memory
-// (DeviceShardBytes: 0 for fused_uvm, the cache for fused_uvm_caching) and
-// the part in it (MappedShardBytes: all its rows).
+// int64. Of a host_mapped shard, the part in device memory
+// (DeviceShardBytes: 0 for fused_uvm; for fused_uvm_caching its cache's
+// rows with their state, as the planner prices it: the cache's bookkeeping
+// is host memory) and the part in mapped memory (MappedShardBytes: all its
+// rows); DeviceShardBytes is ShardBytes for the others.
 int64_t ShardBytes(const ShardSpec& spec);
 int64_t DeviceShardBytes(const ShardSpec& spec);
 int64_t MappedShardBytes(const ShardSpec& spec);

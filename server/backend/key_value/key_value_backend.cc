@@ -300,8 +300,16 @@ class KeyValueBackend : public ForwardingBackend {
     absl::MutexLock lock(&call_mu_);  // calls in flight end first
     shard->dropped = true;
     budget_.Release(shard->file_bytes);
-    if (shard->backing >= 0) (void)inner()->DropShard(shard->backing);
-    return inner()->DropShard(id);
+    // A backing shard that cannot be dropped is said, not hidden.
+    const absl::Status backing =
+        shard->backing >= 0 ? inner()->DropShard(shard->backing) : absl::OkStatus();
+    const absl::Status cache = inner()->DropShard(id);
+    if (!backing.ok()) {
+      return absl::Status(backing.code(),
+                          absl::StrCat("table '", shard->spec.table,
+                                       "': dropping its rows in host memory: ", backing.message()));
+    }
+    return cache;
   }
 
   absl::StatusOr<ShardSpec> GetShardSpec(ShardId id) const override {

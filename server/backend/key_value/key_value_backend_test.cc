@@ -268,8 +268,8 @@ TEST(KeyValueBackendTest, FusedUvmCachingCachesOverAFusedUvmShard) {
     EXPECT_EQ(made_spec.cache_rows, 0);
   }
   EXPECT_TRUE(kv->GetShardSpec(*id)->host_mapped);
-  // Rows read before any update are the initial values (from the fused_uvm
-  // shard, not made by the wrapper), as in a shard held whole.
+  // Rows read before any update are the initial values, as in a shard held
+  // whole...
   auto fused = CreateEmulatedCudaBackend();
   auto fid = fused->CreateShard(Fused(spec));
   ASSERT_TRUE(fid.ok());
@@ -277,6 +277,18 @@ TEST(KeyValueBackendTest, FusedUvmCachingCachesOverAFusedUvmShard) {
   const AllRows got = Export(*kv, *id, spec);
   ExpectSameBits(got.w, want.w, "initial weights");
   ExpectSameBits(got.st, want.st, "initial state");
+  // ...read from the fused_uvm shard, not made by the wrapper: values
+  // written there straight are what the table's rows read.
+  ShardId backing = -1;
+  for (const auto& [made_id, made_spec] : rec->made) {
+    if (made_id != *id) backing = made_id;
+  }
+  std::vector<float> w(100 * 8), st(100 * 8, 0.5f);
+  for (size_t k = 0; k < w.size(); ++k) w[k] = 7.0f + static_cast<float>(k % 13);
+  ASSERT_TRUE(rec->ImportRows(backing, 0, 100, w, st).ok());
+  const AllRows written = Export(*kv, *id, spec);
+  ExpectSameBits(written.w, w, "weights written to the fused_uvm shard");
+  ExpectSameBits(written.st, st, "state written to the fused_uvm shard");
   ASSERT_TRUE(kv->DropShard(*id).ok());
   EXPECT_TRUE(rec->made.empty());
   // Over a backend that maps no host memory.
