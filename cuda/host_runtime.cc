@@ -143,23 +143,18 @@ void WaitAllStreams() {
   for (CUstream_st* s : streams) WaitIdle(s);
 }
 
-bool IsPinned(const void* p) {
+// Whether `p` lies inside one of `blocks` (start -> bytes).
+bool InBlock(const std::map<uintptr_t, size_t>& blocks, const void* p) {
   const auto at = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Pinned().upper_bound(at);
-  if (it == Pinned().begin()) return false;
+  auto it = blocks.upper_bound(at);
+  if (it == blocks.begin()) return false;
   --it;
   return at < it->first + it->second;
 }
 
-bool IsMapped(const void* p) {
-  const auto at = reinterpret_cast<uintptr_t>(p);
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Mapped().upper_bound(at);
-  if (it == Mapped().begin()) return false;
-  --it;
-  return at < it->first + it->second;
-}
+bool IsPinned(const void* p) { return InBlock(Pinned(), p); }
+bool IsMapped(const void* p) { return InBlock(Mapped(), p); }
 
 // 256-byte aligned (as cudaMalloc's), exactly `bytes` long (so that a
 // sanitizer sees an overrun).

@@ -232,20 +232,30 @@ int64_t ShardBytes(const ShardSpec& spec) {
                                        4 * OptimizerStateWidth(spec.optimizer.type, spec.dim));
 }
 
-int64_t DeviceShardBytes(const ShardSpec& spec) {
-  if (!spec.host_mapped) return ShardBytes(spec);
-  if (spec.cache_rows == 0) return 0;
-  ShardSpec cache = spec;  // the cache's rows with their state (its bookkeeping is host memory)
+ShardSpec CacheShardSpec(const ShardSpec& spec) {
+  ShardSpec cache = spec;
   cache.rows = spec.cache_rows;
   cache.cache_rows = 0;
-  return ShardBytes(cache);
+  cache.host_mapped = false;  // fused_uvm_caching: the cache is in device memory
+  return cache;
+}
+
+ShardSpec BackingShardSpec(const ShardSpec& spec) {
+  ShardSpec backing = spec;
+  backing.cache_rows = 0;
+  backing.host_mapped = true;
+  return backing;
+}
+
+int64_t DeviceShardBytes(const ShardSpec& spec) {
+  if (!spec.host_mapped) return ShardBytes(spec);
+  // fused_uvm: none; fused_uvm_caching: the cache's rows with their state
+  // (its bookkeeping is host memory).
+  return spec.cache_rows == 0 ? 0 : ShardBytes(CacheShardSpec(spec));
 }
 
 int64_t MappedShardBytes(const ShardSpec& spec) {
-  if (!spec.host_mapped) return 0;
-  ShardSpec whole = spec;
-  whole.cache_rows = 0;
-  return ShardBytes(whole);
+  return spec.host_mapped ? ShardBytes(BackingShardSpec(spec)) : 0;
 }
 
 std::vector<float> FreshState(const ShardSpec& spec) {
@@ -260,10 +270,7 @@ int64_t KeyValueSlackRows(const ShardSpec& spec) {
 }
 
 int64_t KeyValueMemoryBytes(const ShardSpec& spec) {
-  ShardSpec cache = spec;
-  cache.rows = spec.cache_rows;
-  cache.cache_rows = 0;
-  const int64_t rows = ShardBytes(cache);
+  const int64_t rows = ShardBytes(CacheShardSpec(spec));
   const int64_t extra = rows + SaturatedBytes(spec.cache_rows, 24);
   if (rows == std::numeric_limits<int64_t>::max() || extra < rows) return rows;
   // A row's slot and record (4 + 4 bytes), a record's owner (4).

@@ -530,6 +530,12 @@ bool IsNonFiniteRefusal(const absl::Status& s);
 int64_t ShardBytes(const ShardSpec& spec);
 int64_t DeviceShardBytes(const ShardSpec& spec);
 int64_t MappedShardBytes(const ShardSpec& spec);
+// The wrapped backend's shards behind a key_value or fused_uvm_caching
+// shard (key_value/key_value_backend.h): the one that caches its rows
+// (cache_rows of them, in the backend's own memory), and, for
+// fused_uvm_caching, the fused_uvm one that holds them all below the cache.
+ShardSpec CacheShardSpec(const ShardSpec& spec);
+ShardSpec BackingShardSpec(const ShardSpec& spec);
 // A key_value shard's memory: cache_rows rows of weights + state, 24 bytes
 // a cached row, 8 a row of the shard (its cache slot and its record in the
 // file) and 4 a record of the file.

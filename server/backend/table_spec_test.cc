@@ -82,15 +82,21 @@ TEST(TableSpecTest, CacheRowsForAKeyValueShard) {
   EXPECT_FALSE(ShardSpecOf(a, 1).host_mapped);
 }
 
+// The one shard of table "t" of `rows` x `dim`.
+ember::v1::ShardAssignment WholeTable(int64_t rows, int64_t dim) {
+  ember::v1::ShardAssignment a;
+  a.mutable_table()->set_name("t");
+  a.mutable_table()->set_num_embeddings(rows);
+  a.mutable_table()->set_embedding_dim(dim);
+  a.set_rows(rows);
+  a.set_cols(dim);
+  return a;
+}
+
 // fused_uvm: the whole shard in mapped host memory, no cache;
 // fused_uvm_caching: the same under a cache.
 TEST(TableSpecTest, AFusedUvmShardIsHostMapped) {
-  ember::v1::ShardAssignment a;
-  a.mutable_table()->set_name("t");
-  a.mutable_table()->set_num_embeddings(100);
-  a.mutable_table()->set_embedding_dim(8);
-  a.set_rows(100);
-  a.set_cols(8);
+  ember::v1::ShardAssignment a = WholeTable(100, 8);
   EXPECT_FALSE(ShardSpecOf(a).host_mapped);
   a.set_compute_kernel("fused_uvm");
   EXPECT_TRUE(ShardSpecOf(a).host_mapped);
@@ -110,12 +116,7 @@ TEST(TableSpecTest, AFusedUvmShardIsHostMapped) {
 // the cache's 25 rows (its bookkeeping is host memory, as the planner
 // prices it).
 TEST(TableSpecTest, ShardBytesByPlacement) {
-  ember::v1::ShardAssignment a;
-  a.mutable_table()->set_name("t");
-  a.mutable_table()->set_num_embeddings(100);
-  a.mutable_table()->set_embedding_dim(8);
-  a.set_rows(100);
-  a.set_cols(8);
+  ember::v1::ShardAssignment a = WholeTable(100, 8);
   backend::ShardSpec s = ShardSpecOf(a);
   EXPECT_EQ(backend::DeviceShardBytes(s), 3200);
   EXPECT_EQ(backend::MappedShardBytes(s), 0);

@@ -66,6 +66,22 @@ class WorkerRegistryTest : public testing::Test {
     ember::v1::RegisterWorkerResponse resp;
     return stub_->RegisterWorker(&ctx, req, &resp);
   }
+  // A CUDA worker of host "h" with 1 GiB of HBM and `ddr` bytes of host
+  // memory, serving `kernels`.
+  grpc::Status RegisterCuda(const std::string& address, const std::vector<std::string>& kernels,
+                            int64_t ddr = int64_t{64} << 30) {
+    grpc::ClientContext ctx;
+    ember::v1::RegisterWorkerRequest req;
+    req.mutable_worker()->set_address(address);
+    req.mutable_worker()->set_host("h");
+    req.mutable_worker()->set_pid(1);
+    req.mutable_worker()->set_device(ember::v1::CUDA);
+    req.mutable_worker()->set_hbm_bytes(int64_t{1} << 30);
+    req.mutable_worker()->set_ddr_bytes(ddr);
+    for (const auto& k : kernels) req.mutable_worker()->add_compute_kernels(k);
+    ember::v1::RegisterWorkerResponse resp;
+    return stub_->RegisterWorker(&ctx, req, &resp);
+  }
   int Listed() {
     grpc::ClientContext ctx;
     ember::v1::ListWorkersResponse resp;
@@ -172,21 +188,9 @@ TEST_F(WorkerRegistryTest, DefaultMemoryMayNotOvercommitTheHost) {
 // worker implements, and the refusal offers none.
 TEST_F(WorkerRegistryTest, PlansUseOnlyTheKernelsEveryWorkerServes) {
   Start(absl::Seconds(30), absl::Minutes(10));
-  auto add = [&](const std::string& address, std::vector<std::string> kernels) {
-    grpc::ClientContext ctx;
-    ember::v1::RegisterWorkerRequest req;
-    req.mutable_worker()->set_address(address);
-    req.mutable_worker()->set_host("h");
-    req.mutable_worker()->set_pid(1);
-    req.mutable_worker()->set_device(ember::v1::CUDA);
-    req.mutable_worker()->set_hbm_bytes(int64_t{1} << 30);
-    req.mutable_worker()->set_ddr_bytes(int64_t{64} << 30);
-    for (const auto& k : kernels) req.mutable_worker()->add_compute_kernels(k);
-    ember::v1::RegisterWorkerResponse resp;
-    return stub_->RegisterWorker(&ctx, req, &resp);
-  };
-  ASSERT_TRUE(add("127.0.0.1:7101", {"dense", "fused", "fused_uvm", "fused_uvm_caching"}).ok());
-  ASSERT_TRUE(add("127.0.0.1:7102", {}).ok());
+  ASSERT_TRUE(
+      RegisterCuda("127.0.0.1:7101", {"dense", "fused", "fused_uvm", "fused_uvm_caching"}).ok());
+  ASSERT_TRUE(RegisterCuda("127.0.0.1:7102", {}).ok());
   ember::v1::PreviewPlanRequest req;
   auto* spec = req.mutable_spec();
   spec->set_name("p");
@@ -224,21 +228,8 @@ TEST_F(WorkerRegistryTest, PlansUseOnlyTheKernelsEveryWorkerServes) {
 // one small enough stays fused; without the host memory it is refused.
 TEST_F(WorkerRegistryTest, ATableBeyondHbmIsPlannedOnFusedUvm) {
   Start(absl::Seconds(30), absl::Minutes(10));
-  auto add = [&](const std::string& address, int64_t ddr) {
-    grpc::ClientContext ctx;
-    ember::v1::RegisterWorkerRequest req;
-    req.mutable_worker()->set_address(address);
-    req.mutable_worker()->set_host("h");
-    req.mutable_worker()->set_pid(1);
-    req.mutable_worker()->set_device(ember::v1::CUDA);
-    req.mutable_worker()->set_hbm_bytes(int64_t{1} << 30);
-    req.mutable_worker()->set_ddr_bytes(ddr);
-    for (const char* k : {"dense", "fused", "fused_uvm"}) req.mutable_worker()->add_compute_kernels(k);
-    ember::v1::RegisterWorkerResponse resp;
-    return stub_->RegisterWorker(&ctx, req, &resp);
-  };
-  ASSERT_TRUE(add("127.0.0.1:7201", int64_t{64} << 30).ok());
-  ASSERT_TRUE(add("127.0.0.1:7202", int64_t{64} << 30).ok());
+  ASSERT_TRUE(RegisterCuda("127.0.0.1:7201", {"dense", "fused", "fused_uvm"}).ok());
+  ASSERT_TRUE(RegisterCuda("127.0.0.1:7202", {"dense", "fused", "fused_uvm"}).ok());
   ember::v1::PreviewPlanRequest req;
   auto* spec = req.mutable_spec();
   spec->set_name("p");

@@ -33,6 +33,16 @@ constexpr int32_t kAbsent = -1;
 // holds (a lookup then runs in pieces).
 constexpr char kOverCachePayload[] = "type.ember.dev/key_value_over_cache";
 
+// A record: a row's `dim` fp32 weights, then its `width` fp32 state.
+void PackRecord(int64_t dim, int64_t width, const float* w, const float* st, float* rec) {
+  std::copy_n(w, dim, rec);
+  std::copy_n(st, width, rec + dim);
+}
+void SplitRecord(int64_t dim, int64_t width, const float* rec, float* w, float* st) {
+  std::copy_n(rec, dim, w);
+  std::copy_n(rec + dim, width, st);
+}
+
 // Where a shard's rows live below its cache, as records of fp32 weights
 // then fp32 state: a file on local SSD (key_value), or a shard of the
 // wrapped backend in host memory mapped into the GPU (fused_uvm_caching).
@@ -83,18 +93,16 @@ class MappedShardStore : public RecordStore {
       return s;
     }
     for (size_t k = 0; k < records.size(); ++k) {
-      float* rec = buffer->row(static_cast<int64_t>(k));
-      std::copy_n(w.data() + k * dim_, dim_, rec);
-      std::copy_n(st.data() + k * width_, width_, rec + dim_);
+      PackRecord(dim_, width_, w.data() + k * dim_, st.data() + k * width_,
+                 buffer->row(static_cast<int64_t>(k)));
     }
     return absl::OkStatus();
   }
   absl::Status WriteRows(absl::Span<const int64_t> records, const RowBuffer& buffer) override {
     std::vector<float> w(records.size() * dim_), st(records.size() * width_);
     for (size_t k = 0; k < records.size(); ++k) {
-      const float* rec = buffer.row(static_cast<int64_t>(k));
-      std::copy_n(rec, dim_, w.data() + k * dim_);
-      std::copy_n(rec + dim_, width_, st.data() + k * width_);
+      SplitRecord(dim_, width_, buffer.row(static_cast<int64_t>(k)), w.data() + k * dim_,
+                  st.data() + k * width_);
     }
     return inner_->ImportRowsAt(backing_, records, w, st);
   }
@@ -117,12 +125,13 @@ struct Shard {
   int64_t record = 0;  // floats a row in the file: dim + width
   int64_t file_bytes = 0;
   std::unique_ptr<RecordStore> file;
-  // fused_uvm_caching: the rows below the cache are a fused_uvm shard of
-  // the wrapped backend (MappedShardStore), each row always in its own
-  // record (written in place: memory has no torn writes to guard against),
-  // every row there from the start with its initial value.
-  bool in_place = false;
+  // fused_uvm_caching (spec.host_mapped): the rows below the cache are
+  // shard `backing` of the wrapped backend, a fused_uvm one
+  // (MappedShardStore), each row always in its own record (written in
+  // place: memory has no torn writes to guard against), every row there
+  // from the start with its initial value.
   ShardId backing = -1;
+  bool in_place() const { return spec.host_mapped; }
   // A row's cache slot, or kAbsent; mid-call, -2 - k for the call's k-th
   // miss (so that a row named twice misses once).
   std::vector<int32_t> slot_of_row;
@@ -151,7 +160,7 @@ struct Shard {
   // ahead of the cursor, ascending but for one wrap (no more of them than
   // the records that are not live: SlackRows); in place, their own.
   std::vector<int64_t> TakeFree(absl::Span<const int64_t> rows) {
-    if (in_place) return std::vector<int64_t>(rows.begin(), rows.end());
+    if (in_place()) return std::vector<int64_t>(rows.begin(), rows.end());
     const int64_t n = static_cast<int64_t>(rows.size());
     std::vector<int64_t> out;
     out.reserve(static_cast<size_t>(n));
@@ -172,15 +181,13 @@ struct Shard {
 
 // Rows as file records (weights then state, a row after another) and back.
 void PackRow(const Shard& s, const float* w, const float* st, float* rec) {
-  std::copy_n(w, s.spec.dim, rec);
-  std::copy_n(st, s.width, rec + s.spec.dim);
+  PackRecord(s.spec.dim, s.width, w, st, rec);
 }
 void Interleave(const Shard& s, int64_t n, const float* w, const float* st, RowBuffer* rec) {
   for (int64_t k = 0; k < n; ++k) PackRow(s, w + k * s.spec.dim, st + k * s.width, rec->row(k));
 }
 void Split(const Shard& s, const float* rec, float* w, float* st) {
-  std::copy_n(rec, s.spec.dim, w);
-  std::copy_n(rec + s.spec.dim, s.width, st);
+  SplitRecord(s.spec.dim, s.width, rec, w, st);
 }
 
 // Sorts keys ascending, carrying values along.
@@ -199,24 +206,6 @@ struct Mapped {
   std::vector<std::vector<int64_t>> ids;
 };
 
-// The wrapped backend's shard that caches key_value shard `spec`'s rows.
-ShardSpec CacheSpec(const ShardSpec& spec) {
-  ShardSpec cache = spec;
-  cache.rows = spec.cache_rows;
-  cache.cache_rows = 0;
-  cache.host_mapped = false;  // fused_uvm_caching: the cache is in device memory
-  return cache;
-}
-
-// The wrapped backend's fused_uvm shard that holds fused_uvm_caching shard
-// `spec`'s rows below its cache.
-ShardSpec BackingSpec(const ShardSpec& spec) {
-  ShardSpec backing = spec;
-  backing.cache_rows = 0;
-  backing.host_mapped = true;
-  return backing;
-}
-
 class KeyValueBackend : public ForwardingBackend {
  public:
   KeyValueBackend(std::unique_ptr<EmbeddingBackend> inner, const KeyValueOptions& options)
@@ -232,10 +221,7 @@ class KeyValueBackend : public ForwardingBackend {
                        "': the key_value kernel needs a worker with an SSD "
                        "tier (--ssd_dir)"));
     }
-    auto shard = std::make_shared<Shard>();
-    shard->spec = spec;
-    shard->width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
-    shard->record = spec.dim + shard->width;
+    auto shard = NewShard(spec);
     shard->file_bytes = KeyValueFileBytes(spec);
     if (shard->file_bytes == std::numeric_limits<int64_t>::max()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -246,16 +232,13 @@ class KeyValueBackend : public ForwardingBackend {
     }
     const absl::Status made = Make(shard.get());
     absl::StatusOr<ShardId> id =
-        made.ok() ? inner()->CreateShard(CacheSpec(spec)) : absl::StatusOr<ShardId>(made);
+        made.ok() ? inner()->CreateShard(CacheShardSpec(spec)) : absl::StatusOr<ShardId>(made);
     if (!id.ok()) {
       budget_.Release(shard->file_bytes);
       return id.status();
     }
-    shard->stats.cache_rows = spec.cache_rows;
     shard->stats.file_bytes = shard->file_bytes;
-    absl::MutexLock lock(&map_mu_);
-    shards_[*id] = std::move(shard);
-    return *id;
+    return Publish(*id, std::move(shard));
   }
 
   // fused_uvm_caching: a cache of cache_rows in the wrapped backend's
@@ -267,21 +250,31 @@ class KeyValueBackend : public ForwardingBackend {
           "': the fused_uvm_caching kernel (a cache in GPU memory over rows in host memory "
           "the GPU maps) needs a CUDA worker"));
     }
-    auto shard = std::make_shared<Shard>();
-    shard->spec = spec;
-    shard->width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
-    shard->record = spec.dim + shard->width;
-    shard->in_place = true;
+    auto shard = NewShard(spec);
     if (absl::Status s = Make(shard.get()); !s.ok()) return s;
-    auto id = inner()->CreateShard(CacheSpec(spec));
+    auto id = inner()->CreateShard(CacheShardSpec(spec));
     if (!id.ok()) {
       (void)inner()->DropShard(shard->backing);
       return id.status();
     }
+    return Publish(*id, std::move(shard));
+  }
+
+  // A shard of `spec` with its sizes, before its bookkeeping (Make).
+  static std::shared_ptr<Shard> NewShard(const ShardSpec& spec) {
+    auto shard = std::make_shared<Shard>();
+    shard->spec = spec;
+    shard->width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
+    shard->record = spec.dim + shard->width;
     shard->stats.cache_rows = spec.cache_rows;
+    return shard;
+  }
+
+  // Made: calls find it under the id of its cache shard.
+  absl::StatusOr<ShardId> Publish(ShardId id, std::shared_ptr<Shard> shard) {
     absl::MutexLock lock(&map_mu_);
-    shards_[*id] = std::move(shard);
-    return *id;
+    shards_[id] = std::move(shard);
+    return id;
   }
 
   bool CachesOverHostMemory() const override { return inner()->MapsHostMemory(); }
@@ -513,10 +506,10 @@ class KeyValueBackend : public ForwardingBackend {
       s->changed.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->used.assign(static_cast<size_t>(spec.cache_rows), 0);
       s->pinned.assign(static_cast<size_t>(spec.cache_rows), 0);
-      s->records = s->in_place ? spec.rows : spec.rows + KeyValueSlackRows(spec);
+      s->records = s->in_place() ? spec.rows : spec.rows + KeyValueSlackRows(spec);
       s->loc.assign(static_cast<size_t>(spec.rows), -1);
       s->owner.assign(static_cast<size_t>(s->records), -1);
-      if (s->in_place) {  // every row in its own record from the start
+      if (s->in_place()) {  // every row in its own record from the start
         for (int64_t r = 0; r < spec.rows; ++r) s->loc[r] = s->owner[r] = static_cast<int32_t>(r);
       }
     } catch (const std::bad_alloc&) {
@@ -524,8 +517,8 @@ class KeyValueBackend : public ForwardingBackend {
           absl::StrCat("table '", spec.table, "': no memory for a key_value shard's bookkeeping (",
                        KeyValueMemoryBytes(spec), " bytes)"));
     }
-    if (s->in_place) {
-      auto backing = inner()->CreateShard(BackingSpec(spec));
+    if (s->in_place()) {
+      auto backing = inner()->CreateShard(BackingShardSpec(spec));
       if (!backing.ok()) return backing.status();
       s->backing = *backing;
       s->file = std::make_unique<MappedShardStore>(inner(), *backing, spec.dim, s->width);
@@ -571,7 +564,7 @@ class KeyValueBackend : public ForwardingBackend {
                                const absl::Status& s) const {
     for (const auto& shard : kv) {
       if (shard == nullptr) continue;
-      const ShardSpec cache = CacheSpec(shard->spec);
+      const ShardSpec cache = CacheShardSpec(shard->spec);
       const int64_t slot = OverflowRowOf(s, cache);
       if (slot >= 0 && shard->row_of_slot[slot] >= 0) {
         return RenameOverflowRow(
