@@ -46,6 +46,27 @@ TEST(BackendFactoryTest, CudaOrUnavailable) {
   EXPECT_EQ(made->hbm_bytes, (int64_t{1} << 30) - (int64_t{256} << 20));
   EXPECT_EQ(made->backend->AvailableBytes(), made->hbm_bytes);
   EXPECT_EQ(made->backend->Name().rfind("cuda/", 0), 0u);
+  EXPECT_TRUE(made->backend->MapsHostMemory());
+}
+
+// The CUDA kernels on the CPU, serving as a CUDA worker: the capacities it
+// advertises are the limits given (HBM and the fused_uvm shards' host
+// memory), and its backend maps host memory and caches over it.
+TEST(BackendFactoryTest, CudaEmulatedServesAsACudaWorker) {
+  BackendConfig c;
+  c.device = "cuda_emulated";
+  c.memory_limit_bytes = int64_t{5} << 20;
+  c.uvm_memory_bytes = int64_t{7} << 20;
+  auto made = CreateBackend(c);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_TRUE(made->cuda);
+  EXPECT_EQ(made->hbm_bytes, int64_t{5} << 20);
+  EXPECT_EQ(made->ddr_bytes, int64_t{7} << 20);
+  EXPECT_EQ(made->backend->AvailableBytes(), int64_t{5} << 20);
+  EXPECT_EQ(made->backend->AvailableMappedBytes(), int64_t{7} << 20);
+  EXPECT_TRUE(made->backend->MapsHostMemory());
+  EXPECT_TRUE(made->backend->CachesOverHostMemory());
+  EXPECT_EQ(made->capacity_note, "as given");
 }
 
 TEST(BackendFactoryTest, BadConfigsAreRefused) {
@@ -58,6 +79,12 @@ TEST(BackendFactoryTest, BadConfigsAreRefused) {
   c.threads = 1;
   c.memory_limit_bytes = -1;
   EXPECT_EQ(CreateBackend(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.memory_limit_bytes = 0;
+  c.uvm_memory_bytes = -1;  // --uvm_memory_gib below 0
+  for (const char* device : {"cpu", "cuda", "cuda_emulated"}) {
+    c.device = device;
+    EXPECT_EQ(CreateBackend(c).status().code(), absl::StatusCode::kInvalidArgument) << device;
+  }
 }
 
 }  // namespace
