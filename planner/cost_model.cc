@@ -232,8 +232,10 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
                 std::max(fwd_out_bytes, bwd_grad_bytes))) *
       m.io_buffer_copies;
   // A dynamic table's bookkeeping (dynamic-tables.md): the zero row beside
-  // the rows, the index and each slot's record on the host, and on a CUDA
-  // worker a copy of the index in HBM (it finds lookup ids there).
+  // the rows (in whichever tier holds them), the index and each slot's
+  // record on the host, and on a CUDA worker a copy of the index in HBM
+  // (it finds lookup ids there) unless the rows are under a cache, whose
+  // slots the index does not name (ids are then found on the host).
   int64_t zero_row = 0, index = 0, host_books = 0;
   if (w.dynamic && block.rows > 0) {
     zero_row = WeightRowBytes(w, cols) + state_row_bytes;
@@ -266,13 +268,14 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
         (on_ssd ? backend::math::KeyValueSlackRows(block.rows, cache_rows) : 0);
     const int64_t books =
         static_cast<int64_t>(std::ceil(block.rows * (8.0 + 24.0 * clf))) + 4 * records;
+    const int64_t stride = backend::math::KeyValueRecordStride(cols * 4 + state_row_bytes);
     if (!on_ssd) {
-      c.ddr_bytes = books + weights + state;
+      c.ddr_bytes = books + weights + state + zero_row + host_books;
       c.hbm_bytes = cached + io;
       return c;
     }
-    c.ssd_bytes = records * backend::math::KeyValueRecordStride(cols * 4 + state_row_bytes);
-    c.ddr_bytes = books + (device == ember::v1::CPU ? cached + io : 0);
+    c.ssd_bytes = (records + (zero_row > 0 ? 1 : 0)) * stride;
+    c.ddr_bytes = books + host_books + (device == ember::v1::CPU ? cached + io : 0);
     c.hbm_bytes = device == ember::v1::CPU ? 0 : cached + io;
     return c;
   }
@@ -280,7 +283,6 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
     c.ddr_bytes = weights + state + io + zero_row + host_books;
     return c;
   }
-  // (Dynamic tables take the fused kernel only.)
   c.ddr_bytes = host_books;
   switch (kernel) {
     case ComputeKernel::kDense:
@@ -288,8 +290,8 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
       c.hbm_bytes = weights + state + io + zero_row + index;
       break;
     case ComputeKernel::kFusedUvm:
-      c.ddr_bytes += weights + state;
-      c.hbm_bytes = io;
+      c.ddr_bytes += weights + state + zero_row;
+      c.hbm_bytes = io + index;
       break;
     case ComputeKernel::kKeyValue:  // (above)
       break;

@@ -268,6 +268,38 @@ TEST(CostModelTest, DynamicTablesPayForTheirBookkeeping) {
   EXPECT_EQ(fixed.ddr_bytes, 0);
 }
 
+// Below memory the bookkeeping stays on the host; the zero row goes with
+// the rows (a record more in the file, or mapped host memory), and only a
+// fused_uvm shard's CUDA worker keeps the index's copy in HBM (under a
+// cache the index names no cache slot: ids are found on the host).
+TEST(CostModelTest, DynamicTablesBelowMemoryPayForTheirBookkeepingOnTheHost) {
+  CostModel m = RoundModel();
+  TableWorkload w = Work(0, 1);
+  w.optimizer = OptimizerSpec::ROWWISE_ADAGRAD;
+  w.cache_load_factor = 0.2;
+  const ShardBlock block{0, 0, 1000000, 64};
+  auto est = [&](bool dynamic, ComputeKernel k, ember::v1::ComputeDevice d) {
+    w.dynamic = dynamic;
+    return EstimateShard(m, w, ShardingType::kTableWise, k, d, block, 1000000, 1);
+  };
+  const int64_t zero_row = 64 * 4 + 4, index = 16 * (int64_t{1} << 21), books = 32 * 1000000;
+  for (auto d : {ember::v1::CPU, ember::v1::CUDA}) {
+    const ShardCost kv = est(true, ComputeKernel::kKeyValue, d);
+    const ShardCost fixed = est(false, ComputeKernel::kKeyValue, d);
+    EXPECT_EQ(kv.ddr_bytes - fixed.ddr_bytes, index + books);
+    EXPECT_EQ(kv.hbm_bytes, fixed.hbm_bytes);
+    EXPECT_EQ(kv.ssd_bytes - fixed.ssd_bytes, 512);  // the zero row's record
+  }
+  const ShardCost cached = est(true, ComputeKernel::kFusedUvmCaching, ember::v1::CUDA);
+  const ShardCost cached_fixed = est(false, ComputeKernel::kFusedUvmCaching, ember::v1::CUDA);
+  EXPECT_EQ(cached.ddr_bytes - cached_fixed.ddr_bytes, zero_row + index + books);
+  EXPECT_EQ(cached.hbm_bytes, cached_fixed.hbm_bytes);
+  const ShardCost uvm = est(true, ComputeKernel::kFusedUvm, ember::v1::CUDA);
+  const ShardCost uvm_fixed = est(false, ComputeKernel::kFusedUvm, ember::v1::CUDA);
+  EXPECT_EQ(uvm.ddr_bytes - uvm_fixed.ddr_bytes, zero_row + index + books);
+  EXPECT_EQ(uvm.hbm_bytes - uvm_fixed.hbm_bytes, index);
+}
+
 TEST(CostModelTest, SlowerTiersCostMore) {
   const CostModel m = DefaultCostModel(ember::v1::CUDA);
   TableWorkload w = Work(1e6, 5e4);

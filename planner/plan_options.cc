@@ -286,7 +286,7 @@ absl::StatusOr<std::vector<TableInfo>> EnumerateOptions(const CollectionSpec& sp
           "], compute_kernels [", absl::StrJoin(c.compute_kernels(), ", "),
           "]; data_parallel uses dense, the other types fused",
           device == ember::v1::CUDA ? ", fused_uvm_caching or fused_uvm" : "",
-          tc.has_dynamic() ? "; a dynamic table takes table_wise or row_wise, fused" : ""));
+          tc.has_dynamic() ? "; a dynamic table takes table_wise or row_wise (not dense)" : ""));
     }
     auto& opts = tables[t].options;
     std::stable_sort(opts.begin(), opts.end(), [](const Option& a, const Option& b) {

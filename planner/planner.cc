@@ -226,8 +226,8 @@ absl::StatusOr<ShardingPlan> CheckPlan(const CollectionSpec& spec_in, const Topo
               absl::StrJoin(c.sharding_types(), ", "), "], not ", ts->sharding_type());
     }
     if (tc.has_dynamic() && (!DynamicTableTakes(*type) || !DynamicTableTakes(*kernel))) {
-      problem(label, ": a dynamic table takes table_wise or row_wise shards on the fused "
-              "kernel, not ", ts->sharding_type(), " on ", ts->compute_kernel());
+      problem(label, ": a dynamic table takes table_wise or row_wise shards (on any kernel "
+              "but dense), not ", ts->sharding_type(), " on ", ts->compute_kernel());
     }
     const std::vector<ComputeKernel> kernels =
         KernelsFor(*type, device, c, topo.compute_kernels());

@@ -422,6 +422,42 @@ TEST(PlannerTest, OnlyKernelsTheWorkersServeArePlanned) {
   EXPECT_EQ(Plan(spec, topo).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A dynamic table too large for a worker's memory on the fused kernel fits
+// on key_value where asked: its index (16 bytes an entry, 2^28 entries for
+// 100M rows) and slot bookkeeping (32 bytes a row) stay in memory beside
+// the cache; data_parallel (dense) is still refused it.
+TEST(PlannerTest, DynamicTablesArePlannedOnKeyValueWhereAsked) {
+  CollectionSpec spec;
+  auto* t = AddTable(&spec, "ids", 0, 64);
+  t->mutable_dynamic()->set_capacity(100'000'000);
+  auto& c = (*spec.mutable_constraints())["ids"];
+  c.add_sharding_types("table_wise");
+  Topology topo = Cpu(1);
+  topo.set_ddr_cap_bytes(16 * kGiB);
+  topo.add_compute_kernels("dense");
+  topo.add_compute_kernels("fused");
+  topo.add_compute_kernels("key_value");
+  EXPECT_EQ(Plan(spec, topo).status().code(), absl::StatusCode::kResourceExhausted);
+  c.add_compute_kernels("key_value");
+  c.set_cache_load_factor(0.05);
+  auto plan = Plan(spec, topo);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->tables(0).compute_kernel(), "key_value");
+  // Cache 5% of 100M rows of 256 bytes (1.28 GB), its bookkeeping (8 +
+  // 24 * 0.05 bytes a row and 4 a record of 150M: 1.52 GB), the index
+  // (4.29 GB) and the slots' records (3.2 GB).
+  const int64_t want = 1'280'000'000LL + 1'520'000'000LL + (int64_t{16} << 28) + 3'200'000'000LL;
+  EXPECT_GE(plan->stats().per_rank(0).ddr_bytes(), want);
+  EXPECT_LT(plan->stats().per_rank(0).ddr_bytes(), want + (int64_t{1} << 30));
+  // Its file: 100M slots, the zero slot, and 50M records of slack.
+  EXPECT_EQ(plan->stats().per_rank(0).ssd_bytes(), 150'000'001LL * 512);
+  c.clear_sharding_types();
+  c.add_sharding_types("data_parallel");
+  const auto dp = Plan(spec, topo);
+  EXPECT_EQ(dp.status().code(), absl::StatusCode::kInvalidArgument) << dp.status();
+  EXPECT_THAT(std::string(dp.status().message()), HasSubstr("table_wise or row_wise"));
+}
+
 // key_value (rows on the workers' SSDs): planned only for a table whose
 // constraints name it and where the workers serve it; the plan carries the
 // table's cache_load_factor; a table 4x a CPU worker's memory fits on it

@@ -115,7 +115,7 @@ bool DynamicTableTakes(ShardingType type) {
   return type == ShardingType::kTableWise || type == ShardingType::kRowWise;
 }
 
-bool DynamicTableTakes(ComputeKernel kernel) { return kernel == ComputeKernel::kFused; }
+bool DynamicTableTakes(ComputeKernel kernel) { return kernel != ComputeKernel::kDense; }
 
 }  // namespace planner
 }  // namespace ember

@@ -35,8 +35,10 @@ enum class ComputeKernel {
 const std::vector<ShardingType>& AllShardingTypes();
 
 // What a dynamic (hash-keyed) table takes: table_wise and row_wise shards
-// (every column: an id's row lives whole on one shard), on the fused
-// kernel (its rows in the worker's memory, no UVM tiers yet).
+// (every column: an id's row lives whole on one shard), on every kernel
+// but dense (data_parallel's): fused, and the tiers below memory (fused_uvm,
+// fused_uvm_caching, key_value). The id index is in host memory (a CUDA
+// worker keeps a copy in HBM for fused and fused_uvm shards).
 bool DynamicTableTakes(ShardingType type);
 bool DynamicTableTakes(ComputeKernel kernel);
 const std::vector<ComputeKernel>& AllComputeKernels();

@@ -468,10 +468,17 @@ namespace {
 // at rank 1: its shards come back from the checkpoint (each held row placed
 // by its id's routing row), the survivors' rows stay as they were, and
 // training goes on. The ids held afterwards: the checkpoint's on the lost
-// rows' range, the last ones elsewhere, each with its row.
-TEST(RecoveryTest, ADynamicTablesLostShardsComeBackFromTheCheckpointById) {
+// rows' range, the last ones elsewhere, each with its row. On `kernel`:
+// fused, or below memory under a cache of a tenth of each shard (key_value:
+// the killed worker's files go with it; fused_uvm_caching on emulated CUDA
+// workers).
+void RunDynamicCase(const std::string& kernel) {
   const std::string root = TempDir();
-  LocalCluster cluster(kEmberctl, 3, {"--checkpoint_dir=" + root, "--restart_workers=true"});
+  std::vector<std::string> flags = {"--checkpoint_dir=" + root, "--restart_workers=true",
+                                    "--key_value_min_cache_rows=1"};
+  if (kernel == "key_value") flags.push_back("--ssd_dir=" + TempDir());
+  if (kernel == "fused_uvm_caching") flags.push_back("--device=cuda_emulated");
+  LocalCluster cluster(kEmberctl, 3, flags);
   ASSERT_TRUE(cluster.ok());
   client::ClientOptions o;
   o.timeout = absl::Seconds(10);
@@ -487,8 +494,14 @@ TEST(RecoveryTest, ADynamicTablesLostShardsComeBackFromTheCheckpointById) {
   t->mutable_optimizer()->set_type(ember::v1::OptimizerSpec::ADAGRAD);
   t->mutable_optimizer()->set_learning_rate(0.1);
   t->mutable_dynamic()->set_capacity(kCapacity);
+  if (kernel != "fused") {
+    ember::v1::ParameterConstraints& pc = (*spec.mutable_constraints())["t"];
+    pc.add_compute_kernels(kernel);
+    pc.set_cache_load_factor(0.1);
+  }
   auto info = (*c)->CreateCollection(spec, "row_wise");
   ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->plan().tables(0).compute_kernel(), kernel);
   std::mt19937_64 rng(3);
   std::vector<int64_t> universe;
   for (int i = 0; i < 120; ++i) universe.push_back(static_cast<int64_t>(rng()));
@@ -561,6 +574,18 @@ TEST(RecoveryTest, ADynamicTablesLostShardsComeBackFromTheCheckpointById) {
   EXPECT_EQ(rows(), want);
   ASSERT_NO_FATAL_FAILURE(train(3));  // and it trains on
   EXPECT_NE(rows(), want);
+}
+
+TEST(RecoveryTest, ADynamicTablesLostShardsComeBackFromTheCheckpointById) {
+  RunDynamicCase("fused");
+}
+
+TEST(RecoveryTest, ADynamicTableOnKeyValueComesBackFromTheCheckpointById) {
+  RunDynamicCase("key_value");
+}
+
+TEST(RecoveryTest, ADynamicTableOnFusedUvmCachingComesBackFromTheCheckpointById) {
+  RunDynamicCase("fused_uvm_caching");
 }
 
 }  // namespace

@@ -84,3 +84,92 @@ def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
         np.testing.assert_allclose(np.asarray(out.values).reshape(len(bags), DIM),
                                    np.stack([table[b].sum(axis=0) for b in bags]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_table_on_key_value_trains_as_the_model_and_restores_rehashed(tmp_path):
+    """A dynamic (hash-keyed) table on the key_value kernel: its ids, admission
+    and eviction in memory, its rows in the workers' files under a cache of
+    a quarter of each shard. It trains as the NumPy model of the dynamic
+    rules (dynamic_model.py: admission on the second update, LRU eviction
+    past capacity, Adagrad), and rows leave the cache and come back from
+    the files. Its checkpoint restores onto 1 worker (the two shards' ids
+    re-hashed into one shard of the whole capacity) holding the same ids
+    and rows, and trains on there bit for bit as the same table held in
+    memory (fused) restored the same way."""
+    from dynamic_model import DynamicTableModel
+    from test_dynamic import model_spec, ranges_of, universe
+
+    base = free_ports(3)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    opt = {"type": "ADAGRAD", "learning_rate": 0.2, "initial_accumulator_value": 0.1}
+    cap, dim = 40, 8
+    flags = [f"--ssd_dir={ssd}", "--ssd_gib=0.5", f"--metrics_port={base}",
+             "--key_value_min_cache_rows=1", f"--checkpoint_dir={tmp_path}"]
+    table = {"name": "t", "num_embeddings": 0, "embedding_dim": dim, "feature_names": ["f"],
+             "optimizer": opt, "initializer": {"seed": 9},
+             "dynamic": {"capacity": cap, "admit_after": 2, "eviction": "LRU"}}
+    kv_spec = {"name": "kv", "tables": [table],
+               "constraints": {"t": {"compute_kernels": ["key_value"], "cache_load_factor": 0.25}}}
+    ref_spec = {"name": "ref", "tables": [table]}  # held in memory
+    rng = np.random.default_rng(5)
+    ids = universe(rng, 120)  # three times the capacity: rows are evicted
+
+    def bag():  # half the ids from a hot 8, half from all 120
+        return [int(ids[rng.integers(8)] if rng.random() < 0.5 else ids[rng.integers(len(ids))])
+                for _ in range(int(rng.integers(0, 5)))]
+
+    batches = [([bag() for _ in range(6)], rng.normal(size=(6, dim)).astype(np.float32))
+               for _ in range(40)]
+
+    def train(client, part, model=None):
+        for bags, grad in part:
+            kjt = ember.KeyedJaggedTensor.from_jagged({"f": bags})
+            got = client.lookup("kv", kjt)["f"]
+            np.testing.assert_array_equal(got, client.lookup("ref", kjt)["f"])
+            if model is not None:
+                np.testing.assert_allclose(got, model.lookup(bags), rtol=2e-5, atol=2e-6)
+                model.update(bags, grad)
+            client.apply_gradients("kv", kjt, grad)
+            client.apply_gradients("ref", kjt, grad)
+
+    def same(client):
+        kv, ref = client.export_table("kv", "t"), client.export_table("ref", "t")
+        np.testing.assert_array_equal(kv[0], ref[0])
+        np.testing.assert_array_equal(kv[1], ref[1])
+        return kv
+
+    with ember.LocalCluster(workers=2, extra_flags=flags) as a:
+        ca = ember.Client(a.address, timeout_s=30)
+        info = ca.create_collection(kv_spec, sharding_type="row_wise")
+        assert info["plan"]["tables"][0]["compute_kernel"] == "key_value"
+        info = ca.create_collection(ref_spec, sharding_type="row_wise")
+        assert info["plan"]["tables"][0]["compute_kernel"] == "fused"
+        model = DynamicTableModel(model_spec(opt, cap, 2, 0, "LRU", dim, seed=9),
+                                  ranges_of(ca, "kv", "t"))
+        train(ca, batches[:30], model)
+        got_ids, got_rows = same(ca)
+        want_ids, want_rows = model.held()
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got_rows, want_rows, rtol=2e-5, atol=2e-6)
+        assert sum(s.evicted["lru"] for s in model.shards) > 0  # shards filled, rows left
+
+        # Each shard of 20 slots (and its zero slot) caches 5 rows; the rest
+        # live in its file, and rows left the cache and came back.
+        workers = [u for k, u in a.metrics_urls.items() if k != "coordinator"]
+        assert metric(workers, "ember_worker_key_value_cache_rows") == 10
+        assert metric(workers, "ember_worker_key_value_disk_reads_total") > 0
+        assert metric(workers, "ember_worker_key_value_write_backs_total") > 0
+        assert metric(workers, "ember_worker_dynamic_rows") == len(want_ids)
+        assert metric(workers, "ember_worker_dynamic_evicted_total") > 0
+        checkpoints = {n: ca.checkpoint(n, str(tmp_path / n))["path"] for n in ("kv", "ref")}
+    with ember.LocalCluster(workers=1, extra_flags=flags) as b:
+        cb = ember.Client(b.address, timeout_s=30)
+        for n, path in checkpoints.items():
+            cb.restore(path, n, sharding_type="row_wise")
+        assert cb.plan("kv")["tables"][0]["compute_kernel"] == "key_value"
+        restored = same(cb)
+        np.testing.assert_array_equal(restored[0], got_ids)
+        np.testing.assert_array_equal(restored[1], got_rows)
+        train(cb, batches[30:])
+        same(cb)

@@ -32,8 +32,10 @@ class DynamicShardsBackend : public ForwardingBackend {
     auto id = inner()->CreateShard(FixedSpec(spec));
     if (!id.ok()) return id.status();
     auto shard = std::make_shared<Shard>(spec, options_.max_pending_ids);
-    // A backend that finds ids itself gets the index, then every change of it.
-    if (inner()->FindsKeys()) {
+    // A backend that finds ids itself gets the index, then every change of
+    // it; not under a cache (key_value, fused_uvm_caching), whose shard is
+    // indexed by the cache's slots, not by this shard's.
+    if (inner()->FindsKeys() && spec.cache_rows == 0) {
       shard->index.TrackChangedLines();
       const absl::Status synced =
           inner()->SyncKeyIndex(*id, shard->index.lines(), shard->index.line_count(), {});
@@ -595,11 +597,6 @@ absl::Status ValidateDynamicSpec(const ShardSpec& spec) {
   const std::string what = absl::StrCat("dynamic table '", spec.table, "'");
   if (spec.rows <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": capacity must be > 0, got ", spec.rows));
-  }
-  if (spec.cache_rows != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": dynamic tables are held in memory (the fused kernel); key_value is for fixed "
-              "tables"));
   }
   if (IsQuantized(spec.weight_type)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1086,10 +1086,10 @@ absl::Status ValidateKeyValueSpec(const ShardSpec& spec) {
   const std::string what = absl::StrCat(spec.host_mapped ? "fused_uvm_caching" : "key_value",
                                         " table '", spec.table, "'");
   if (spec.is_dynamic) {
-    return absl::InvalidArgumentError(absl::StrCat(what,
-                                                   ": dynamic tables are held in memory (the fused "
-                                                   "kernel); key_value is for fixed "
-                                                   "tables"));
+    // (The dynamic wrapper above this one keeps a dynamic shard's ids and
+    // hands this one a fixed shard of its slots.)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": a dynamic shard needs the dynamic wrapper over this one"));
   }
   if (IsQuantized(spec.weight_type)) {
     return absl::InvalidArgumentError(absl::StrCat(
