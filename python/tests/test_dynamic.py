@@ -304,18 +304,25 @@ def test_other_refusals(client):
         client.drop_collection("ok_dyn")
 
 
-def test_a_drain_moves_dynamic_shards_with_their_ids_and_order():
+@pytest.mark.parametrize("kernel", ["fused", "key_value"])
+def test_a_drain_moves_dynamic_shards_with_their_ids_and_order(tmp_path, kernel):
     """3 workers, row_wise: a drain copies each shard's slots, ids, eviction
     order and admission counts live (admission on the second update: ids
     seen once before the drain are admitted by their next update after it);
-    training then goes on exactly as the model's."""
+    training then goes on exactly as the model's. key_value: each shard's
+    rows in a file under the worker's SSD directory, 2 of them cached."""
     opt = {"type": "ADAM", "learning_rate": 0.05}
-    with ember.LocalCluster(workers=3) as cluster:
+    flags, constraints = [], {}
+    if kernel == "key_value":
+        flags = [f"--ssd_dir={tmp_path}", "--key_value_min_cache_rows=1"]
+        constraints = {"t": {"compute_kernels": ["key_value"], "cache_load_factor": 0.5}}
+    with ember.LocalCluster(workers=3, extra_flags=flags) as cluster:
         c = ember.Client(cluster.address, timeout_s=30)
         name = "dyn_drain"
-        c.create_collection({"name": name, "tables": [
+        info = c.create_collection({"name": name, "constraints": constraints, "tables": [
             dynamic_table("t", "f", "SUM", 4, opt, 9, admit_after=2, ttl=6, eviction="LRU")]},
             sharding_type="row_wise")
+        assert info["plan"]["tables"][0]["compute_kernel"] == kernel
         model = DynamicTableModel(model_spec(opt, 9, 2, 6, "LRU", 4), ranges_of(c, name, "t"))
         rng = np.random.default_rng(5)
         ids = universe(rng, 25)
@@ -349,8 +356,10 @@ def test_a_drain_moves_dynamic_shards_with_their_ids_and_order():
         victim = next(w["worker_id"] for w in c.list_workers()
                       if w["info"]["address"] == info["worker_addresses"][1])
         assert name in c.drain(victim)
-        # The moved shards keep their rows and their place in the plan.
+        # The moved shards keep their rows, their place in the plan and
+        # their kernel.
         assert ranges_of(c, name, "t") == model.ranges
+        assert c.plan(name)["tables"][0]["compute_kernel"] == kernel
         once(fresh_bags)
         assert all(model.row(i) is not None for i in fresh.values())
         steps(10)

@@ -32,6 +32,14 @@
 // (FeatureRequest::on_device is refused: INVALID_ARGUMENT), and so must a
 // lookup's over any other backend.
 //
+// A dynamic shard with cache_rows (the key_value and fused_uvm_caching
+// kernels, key_value/key_value_backend.h below this wrapper) is a fixed
+// shard of that tier: its rows move between the cache and the file (or
+// mapped host memory) by use, while this wrapper's index, admission and
+// eviction stay in host memory. The wrapped shard is indexed by cache
+// slots, not by this shard's, so its ids are always found here (no copy
+// of the index is synced, even over a backend that FindsKeys).
+//
 // Thread-safe: a lookup holds its dynamic shards' locks shared, an update
 // exclusive (taken in shard id order); fixed shards pass straight through.
 #ifndef EMBER_SERVER_BACKEND_DYNAMIC_DYNAMIC_BACKEND_H_

@@ -53,6 +53,10 @@
 // holding its initial value from the start. No SSD directory is needed;
 // the rows count against the backend's mapped memory.
 //
+// Dynamic shards: the dynamic wrapper above this one (dynamic/) keeps
+// their ids and hands this one a fixed shard of slots, which it tiers as
+// any other; a spec still marked dynamic here is refused.
+//
 // Thread-safe: calls that name a key_value shard are serialised by one
 // lock (the CPU backend serialises its calls anyway); calls on other
 // shards pass straight through.
