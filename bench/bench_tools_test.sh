@@ -165,21 +165,26 @@ fi
 # once its cache is full), hit rates in [0, 1], the drive's rates; bad flags
 # refused.
 if [ -n "$KVB" ]; then
-  if ! "$KVB" --rows=20000 --dim=8 --batch=16 --pooling_factor=4 --steps=3 --warmup=1 \
-      --cache_fractions=0.01 --ssd_dir="$TMP" --format=json >"$TMP/kv.json" 2>"$TMP/kv.err"; then
-    fail "key_value_bench failed: $(cat "$TMP/kv.err")"
-  elif ! python3 - "$TMP/kv.json" <<'PY'
+  # Fixed tables, then dynamic ones (--dynamic: hashed ids).
+  for dyn in false true; do
+    if ! "$KVB" --rows=20000 --dim=8 --batch=16 --pooling_factor=4 --steps=3 --warmup=1 \
+        --cache_fractions=0.01 --ssd_dir="$TMP" --dynamic=$dyn --format=json \
+        >"$TMP/kv.json" 2>"$TMP/kv.err"; then
+      fail "key_value_bench --dynamic=$dyn failed: $(cat "$TMP/kv.err")"
+    elif ! python3 - "$TMP/kv.json" "$dyn" <<'PY'
 import json, sys
 runs = json.load(open(sys.argv[1]))
 assert [r["kernel"] for r in runs] == ["fused", "key_value"], runs
 for r in runs:
     assert r["steps_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and 0 <= r["lru_hit_rate"] <= 1, r
     assert r["drive_reads_per_s"] > 0 and r["drive_writes_per_s"] > 0, r
+    assert r["dynamic"] == (sys.argv[2] == "true"), r
 assert runs[1]["cache_fraction"] == 0.01 and runs[1]["warm_steps"] >= 1, runs[1]
 PY
-  then
-    fail "key_value_bench: bad figures in $(cat "$TMP/kv.json")"
-  fi
+    then
+      fail "key_value_bench --dynamic=$dyn: bad figures in $(cat "$TMP/kv.json")"
+    fi
+  done
   if "$KVB" --cache_fractions=2 >/dev/null 2>"$TMP/kv.err" || ! grep -q "not in (0, 1]" "$TMP/kv.err"; then
     fail "key_value_bench accepted --cache_fractions=2: $(cat "$TMP/kv.err")"
   fi

@@ -5,7 +5,7 @@
 //
 //   bazel run -c opt //bench:key_value_bench -- --rows=4000000 --dim=64 --alpha=1.05
 //       --cache_fractions=0.2,0.05 [--steps=200 --warmup=100 --threads=1]
-//       [--memory_limit_mib=N] [--ssd_dir=/var/tmp] [--format=table|json]
+//       [--memory_limit_mib=N] [--ssd_dir=/var/tmp] [--dynamic] [--format=table|json]
 //
 // A training step is a SUM lookup of 2,048 bags x 20 ids (zipf over the
 // rows, hot rows scattered) and the row-wise Adagrad update of the same ids.
@@ -19,6 +19,11 @@
 //                (the ideal the issue names)
 //   reads/s      rows read from the file a second; writes/s: rows written
 //                back
+//
+// --dynamic: both tables are dynamic (hash-keyed, dynamic/dynamic_backend.h)
+// of capacity --rows, admission on the first update, LRU; the stream's ids
+// are 64-bit hashes of its rows (the rows the table holds then are the ids
+// admitted so far, at most --rows). The index stays in memory on both.
 //
 // --memory_limit_mib moves the process into a memory cgroup (v1, as root)
 // of that size before the key_value runs (the fused one runs first,
@@ -44,7 +49,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gflags/gflags.h"
+#include "math/embedding_math.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/dynamic/dynamic_backend.h"
 #include "server/backend/key_value/key_value_backend.h"
 #include "server/backend/key_value/row_file.h"
 
@@ -60,6 +67,8 @@ DEFINE_int32(threads, 1, "Backend threads per call.");
 DEFINE_string(ssd_dir, "/var/tmp", "Where the key_value file goes.");
 DEFINE_int64(memory_limit_mib, 0, "A memory cgroup of this size for the key_value runs; 0: none.");
 DEFINE_string(format, "table", "table or json.");
+DEFINE_bool(dynamic, false,
+            "Dynamic (hash-keyed) tables of capacity --rows, ids 64-bit hashes of the rows.");
 
 namespace eb = ember::backend;
 
@@ -81,6 +90,11 @@ eb::ShardSpec Spec(int64_t cache_rows) {
   s.optimizer.learning_rate = 0.01f;
   s.initializer.seed = 1;
   s.cache_rows = cache_rows;
+  if (FLAGS_dynamic) {
+    s.is_dynamic = true;
+    s.dynamic.admit_after = 1;
+    s.dynamic.eviction = eb::Eviction::kLru;
+  }
   return s;
 }
 
@@ -104,6 +118,7 @@ class Stream {
       const int64_t rank = std::lower_bound(cdf_->begin(), cdf_->end(), u(rng_)) - cdf_->begin();
       id = static_cast<int64_t>((static_cast<uint64_t>(rank) * 2654435761ULL) %
                                 static_cast<uint64_t>(FLAGS_rows));
+      if (FLAGS_dynamic) id = static_cast<int64_t>(eb::math::Mix64(static_cast<uint64_t>(id)));
     }
     return ids_;
   }
@@ -259,6 +274,11 @@ std::unique_ptr<eb::EmbeddingBackend> Cpu() {
   return std::move(*b);
 }
 
+// Dynamic shards over `b` with --dynamic.
+std::unique_ptr<eb::EmbeddingBackend> MaybeDynamic(std::unique_ptr<eb::EmbeddingBackend> b) {
+  return FLAGS_dynamic ? eb::WithDynamicShards(std::move(b)) : std::move(b);
+}
+
 // This process into a new memory cgroup (v1) of `mib`; its path.
 std::string JoinMemoryCgroup(int64_t mib) {
   const std::string dir = absl::StrCat("/sys/fs/cgroup/memory/ember-kv-bench-", getpid());
@@ -299,7 +319,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Result> results;
   {
-    auto be = Cpu();
+    auto be = MaybeDynamic(Cpu());
     auto id = be->CreateShard(Spec(0));
     Die(id.status(), "fused shard");
     std::fprintf(stderr, "key_value_bench: fused\n");
@@ -313,7 +333,7 @@ int main(int argc, char** argv) {
   for (double f : fractions) {
     eb::KeyValueOptions o;
     o.dir = FLAGS_ssd_dir;
-    auto be = eb::WithKeyValueShards(Cpu(), o);
+    auto be = MaybeDynamic(eb::WithKeyValueShards(Cpu(), o));
     const int64_t cache = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(f * FLAGS_rows)));
     auto id = be->CreateShard(Spec(cache));
     Die(id.status(), "key_value shard");
@@ -335,13 +355,14 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::printf(
-          "%s{\"kernel\": \"%s\", \"rows\": %lld, \"dim\": %d, \"alpha\": %.2f, \"threads\": %d, "
+          "%s{\"kernel\": \"%s\", \"dynamic\": %s, \"rows\": %lld, \"dim\": %d, \"alpha\": %.2f, \"threads\": %d, "
           "\"memory_limit_mib\": %lld, \"cache_fraction\": %.3f, \"warm_steps\": %d, "
           "\"steps_per_s\": %.2f, "
           "\"ratio\": %.3f, \"hit_rate\": %.4f, \"lru_hit_rate\": %.4f, \"reads_per_s\": %.0f, "
           "\"writes_per_s\": %.0f, \"export_s\": %.2f, \"cgroup_peak_mib\": %.0f, "
           "\"drive_reads_per_s\": %.0f, \"drive_writes_per_s\": %.0f}",
-          i ? ", " : "", r.kernel.c_str(), static_cast<long long>(FLAGS_rows), FLAGS_dim,
+          i ? ", " : "", r.kernel.c_str(), FLAGS_dynamic ? "true" : "false",
+          static_cast<long long>(FLAGS_rows), FLAGS_dim,
           FLAGS_alpha, FLAGS_threads, static_cast<long long>(FLAGS_memory_limit_mib), r.fraction,
           r.warm, r.steps_per_s, r.steps_per_s / fused, r.hit_rate, r.lru_hit_rate, r.reads_per_s,
           r.writes_per_s, r.export_s, r.kernel == "fused" ? 0.0 : peak_mib, read_ceiling,
@@ -349,6 +370,10 @@ int main(int argc, char** argv) {
     }
     std::printf("]\n");
     return 0;
+  }
+  if (FLAGS_dynamic) {
+    std::printf("dynamic tables of capacity %lld (ids: 64-bit hashes of the rows)\n",
+                static_cast<long long>(FLAGS_rows));
   }
   std::printf("%-10s %6s %6s %9s %6s %8s %8s %10s %10s %9s\n", "kernel", "cache", "warm", "steps/s",
               "ratio", "hits", "LRU", "reads/s", "writes/s", "export s");

@@ -370,51 +370,12 @@ class KeyValueBackend : public ForwardingBackend {
     auto shard = Find(id);
     if (shard == nullptr) return inner()->ExportRows(id, begin, end, weights, state);
     absl::MutexLock lock(&call_mu_);
-    Shard& s = *shard;
-    if (absl::Status st = Usable(s); !st.ok()) return st;
-    if (absl::Status st = ValidateRowRange(s.spec, begin, end, weights.size(), state.size());
+    if (absl::Status st = Usable(*shard); !st.ok()) return st;
+    if (absl::Status st = ValidateRowRange(shard->spec, begin, end, weights.size(), state.size());
         !st.ok()) {
       return st;
     }
-    std::vector<int64_t> slots, at, fresh, fresh_at, records, read_at;
-    for (int64_t r = begin; r < end; ++r) {
-      if (s.slot_of_row[r] >= 0) {
-        slots.push_back(s.slot_of_row[r]);
-        at.push_back(r - begin);
-      } else if (s.Written(r)) {
-        records.push_back(s.loc[r]);
-        read_at.push_back(r - begin);
-      } else {
-        fresh.push_back(r);
-        fresh_at.push_back(r - begin);
-      }
-    }
-    if (!records.empty()) {  // the rows written, from their records, in file order, one batch
-      SortTogether(&records, &read_at);
-      RowBuffer rec;
-      if (absl::Status st = rec.Resize(static_cast<int64_t>(records.size()), s.file->stride());
-          !st.ok()) {
-        return st;
-      }
-      if (absl::Status st = s.file->ReadRows(records, &rec); !st.ok()) return st;
-      for (size_t j = 0; j < records.size(); ++j) {
-        Split(s, rec.row(static_cast<int64_t>(j)), weights.data() + read_at[j] * s.spec.dim,
-              state.data() + read_at[j] * s.width);
-      }
-    }
-    if (!slots.empty()) {
-      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
-      if (absl::Status e = inner()->ExportRowsAt(id, slots, absl::MakeSpan(w), absl::MakeSpan(st));
-          !e.ok()) {
-        return e;
-      }
-      for (size_t k = 0; k < slots.size(); ++k) {
-        std::copy_n(w.data() + (k * s.spec.dim), s.spec.dim, weights.data() + at[k] * s.spec.dim);
-        std::copy_n(st.data() + (k * s.width), s.width, state.data() + at[k] * s.width);
-      }
-    }
-    MakeFresh(s, fresh, fresh_at, weights.data(), state.data());
-    return absl::OkStatus();
+    return ExportList(id, *shard, Range(begin, end), weights.data(), state.data());
   }
 
   absl::Status ImportRows(ShardId id, int64_t begin, int64_t end, absl::Span<const float> weights,
@@ -422,48 +383,51 @@ class KeyValueBackend : public ForwardingBackend {
     auto shard = Find(id);
     if (shard == nullptr) return inner()->ImportRows(id, begin, end, weights, state);
     absl::MutexLock lock(&call_mu_);
-    Shard& s = *shard;
-    if (absl::Status st = Usable(s); !st.ok()) return st;
-    if (absl::Status st = ValidateImport(s.spec, begin, end, weights, state); !st.ok()) return st;
-    // Cached rows take the import in the cache (changed: it reaches the file
-    // when they leave it); the others are written to the file, a chunk of
-    // whole rows at a time: an import that fails part way has imported some
-    // rows and not others, each whole, and the caller imports again.
-    std::vector<int64_t> slots, at, rows;
-    for (int64_t r = begin; r < end; ++r) {
-      if (s.slot_of_row[r] >= 0) {
-        slots.push_back(s.slot_of_row[r]);
-        at.push_back(r - begin);
-      } else {
-        rows.push_back(r);
-      }
+    if (absl::Status st = Usable(*shard); !st.ok()) return st;
+    if (absl::Status st = ValidateImport(shard->spec, begin, end, weights, state); !st.ok()) {
+      return st;
     }
-    if (!slots.empty()) {
-      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
-      for (size_t k = 0; k < slots.size(); ++k) {
-        std::copy_n(weights.data() + at[k] * s.spec.dim, s.spec.dim, w.data() + k * s.spec.dim);
-        std::copy_n(state.data() + at[k] * s.width, s.width, st.data() + k * s.width);
-      }
-      if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) return e;
-      for (int64_t slot : slots) s.changed[slot] = 1;
-    }
-    std::vector<int64_t> from(rows.size());
-    for (size_t k = 0; k < rows.size(); ++k) from[k] = rows[k] - begin;
-    return WriteToFile(s, rows, from, weights.data(), state.data());
+    return ImportList(id, *shard, Range(begin, end), weights.data(), state.data());
   }
 
-  // Rows anywhere: a row at a time through the range calls above (the
-  // wrapped backend's own would read the cache's slots).
+  // Rows anywhere (distinct): as the range calls above, in one batch each
+  // (a dynamic shard's admissions write their new rows so, and its
+  // rollbacks read the rows they replace).
   absl::Status ExportRowsAt(ShardId id, absl::Span<const int64_t> rows, absl::Span<float> weights,
                             absl::Span<float> state) const override {
-    if (Find(id) == nullptr) return inner()->ExportRowsAt(id, rows, weights, state);
-    return EmbeddingBackend::ExportRowsAt(id, rows, weights, state);
+    auto shard = Find(id);
+    if (shard == nullptr) return inner()->ExportRowsAt(id, rows, weights, state);
+    absl::MutexLock lock(&call_mu_);
+    if (absl::Status st = Usable(*shard); !st.ok()) return st;
+    if (absl::Status st = ValidateRowsAt(shard->spec, rows, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    return ExportList(id, *shard, rows, weights.data(), state.data());
   }
   absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
                             absl::Span<const float> weights,
                             absl::Span<const float> state) override {
-    if (Find(id) == nullptr) return inner()->ImportRowsAt(id, rows, weights, state);
-    return EmbeddingBackend::ImportRowsAt(id, rows, weights, state);
+    auto shard = Find(id);
+    if (shard == nullptr) return inner()->ImportRowsAt(id, rows, weights, state);
+    absl::MutexLock lock(&call_mu_);
+    if (absl::Status st = Usable(*shard); !st.ok()) return st;
+    if (absl::Status st = ValidateRowsAt(shard->spec, rows, weights.size(), state.size());
+        !st.ok()) {
+      return st;
+    }
+    if (absl::Status st =
+            ValidateImport(shard->spec, 0, static_cast<int64_t>(rows.size()), weights, state);
+        !st.ok()) {
+      return st;
+    }
+    std::vector<int64_t> sorted(rows.begin(), rows.end());  // one record a row
+    std::sort(sorted.begin(), sorted.end());
+    if (auto twice = std::adjacent_find(sorted.begin(), sorted.end()); twice != sorted.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("table '", shard->spec.table, "': row ",
+                                                     *twice, " is named twice in one import"));
+    }
+    return ImportList(id, *shard, rows, weights.data(), state.data());
   }
 
  private:
@@ -539,6 +503,89 @@ class KeyValueBackend : public ForwardingBackend {
   // Rows rows[k] (not cached) to the file, from row from[k] of w (weights)
   // and st (state), a chunk of whole rows at a time: a write that fails
   // part way has written some rows and not others, each whole.
+  static std::vector<int64_t> Range(int64_t begin, int64_t end) {
+    std::vector<int64_t> rows(static_cast<size_t>(std::max<int64_t>(0, end - begin)));
+    for (size_t k = 0; k < rows.size(); ++k) rows[k] = begin + static_cast<int64_t>(k);
+    return rows;
+  }
+
+  // Rows `rows` (distinct, checked) of a shard into row k of w / st: cached
+  // ones from the cache, written ones from their records in file order in
+  // one batch, the rest made (never written: their initial values).
+  absl::Status ExportList(ShardId id, const Shard& s, absl::Span<const int64_t> rows, float* weights,
+                          float* state) const {
+    std::vector<int64_t> slots, at, fresh, fresh_at, records, read_at;
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const int64_t r = rows[k];
+      if (s.slot_of_row[r] >= 0) {
+        slots.push_back(s.slot_of_row[r]);
+        at.push_back(static_cast<int64_t>(k));
+      } else if (s.Written(r)) {
+        records.push_back(s.loc[r]);
+        read_at.push_back(static_cast<int64_t>(k));
+      } else {
+        fresh.push_back(r);
+        fresh_at.push_back(static_cast<int64_t>(k));
+      }
+    }
+    if (!records.empty()) {
+      SortTogether(&records, &read_at);
+      RowBuffer rec;
+      if (absl::Status st = rec.Resize(static_cast<int64_t>(records.size()), s.file->stride());
+          !st.ok()) {
+        return st;
+      }
+      if (absl::Status st = s.file->ReadRows(records, &rec); !st.ok()) return st;
+      for (size_t j = 0; j < records.size(); ++j) {
+        Split(s, rec.row(static_cast<int64_t>(j)), weights + read_at[j] * s.spec.dim,
+              state + read_at[j] * s.width);
+      }
+    }
+    if (!slots.empty()) {
+      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
+      if (absl::Status e =
+              inner()->ExportRowsAt(id, slots, absl::MakeSpan(w), absl::MakeSpan(st));
+          !e.ok()) {
+        return e;
+      }
+      for (size_t k = 0; k < slots.size(); ++k) {
+        std::copy_n(w.data() + (k * s.spec.dim), s.spec.dim, weights + at[k] * s.spec.dim);
+        std::copy_n(st.data() + (k * s.width), s.width, state + at[k] * s.width);
+      }
+    }
+    MakeFresh(s, fresh, fresh_at, weights, state);
+    return absl::OkStatus();
+  }
+
+  // Row k of w / st into rows[k] (distinct, checked, values too): cached
+  // rows take it in the cache (changed: it reaches the file when they leave
+  // it); the others are written to the file, a chunk of whole rows at a
+  // time: an import that fails part way has imported some rows and not
+  // others, each whole, and the caller imports again.
+  absl::Status ImportList(ShardId id, Shard& s, absl::Span<const int64_t> rows, const float* weights,
+                          const float* state) {
+    std::vector<int64_t> slots, at, others, from;
+    for (size_t k = 0; k < rows.size(); ++k) {
+      if (s.slot_of_row[rows[k]] >= 0) {
+        slots.push_back(s.slot_of_row[rows[k]]);
+        at.push_back(static_cast<int64_t>(k));
+      } else {
+        others.push_back(rows[k]);
+        from.push_back(static_cast<int64_t>(k));
+      }
+    }
+    if (!slots.empty()) {
+      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
+      for (size_t k = 0; k < slots.size(); ++k) {
+        std::copy_n(weights + at[k] * s.spec.dim, s.spec.dim, w.data() + k * s.spec.dim);
+        std::copy_n(state + at[k] * s.width, s.width, st.data() + k * s.width);
+      }
+      if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) return e;
+      for (int64_t slot : slots) s.changed[slot] = 1;
+    }
+    return WriteToFile(s, others, from, weights, state);
+  }
+
   absl::Status WriteToFile(Shard& s, absl::Span<const int64_t> rows,
                            absl::Span<const int64_t> from, const float* w, const float* st) {
     const int64_t chunk = KeyValueSlackRows(s.spec);

@@ -13,6 +13,8 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -549,6 +551,58 @@ TEST(KeyValueBackendTest, ImportsAndExportsGoThroughTheCache) {
   EXPECT_EQ(got.w[63 * 4], 2.0f);
   EXPECT_EQ(got.w[5 * 4], 2.0f);
   EXPECT_EQ(got.w[4 * 4], w[4 * 4]);
+}
+
+// Rows anywhere in one batch: a mix of cached rows, rows in the file and
+// rows never written, in any order, read and written as a shard held whole
+// in memory reads and writes them (bit for bit); a row named twice or out
+// of range, or a non-finite value, is refused with nothing written.
+TEST(KeyValueBackendTest, RowsAnywhereGoThroughTheCacheAndTheFileInOneBatch) {
+  auto kv = KeyValue();
+  auto fused = Cpu();
+  const ShardSpec spec = Spec(OptimizerType::kAdagrad, 200, 4, 8);
+  auto kid = kv->CreateShard(spec);
+  auto fid = fused->CreateShard(Fused(spec));
+  ASSERT_TRUE(kid.ok() && fid.ok());
+  std::mt19937_64 rng(9);
+  for (int step = 0; step < 30; ++step) {  // rows in the file, 8 in the cache
+    const Batch b = MakeBatch(rng, 120, 4, true);
+    std::mt19937_64 g1(step), g2(step);
+    ASSERT_TRUE(Update(*kv, *kid, Pooling::kSum, b, 4, g1).ok());
+    ASSERT_TRUE(Update(*fused, *fid, Pooling::kSum, b, 4, g2).ok());
+  }
+  std::vector<int64_t> rows(60);
+  for (size_t k = 0; k < rows.size(); ++k) rows[k] = static_cast<int64_t>((k * 37) % 200);
+  std::shuffle(rows.begin(), rows.end(), rng);  // cached, written and fresh rows
+  std::vector<float> a(60 * 4), ast(60 * 4), b(60 * 4), bst(60 * 4);
+  ASSERT_TRUE(kv->ExportRowsAt(*kid, rows, absl::MakeSpan(a), absl::MakeSpan(ast)).ok());
+  ASSERT_TRUE(fused->ExportRowsAt(*fid, rows, absl::MakeSpan(b), absl::MakeSpan(bst)).ok());
+  ExpectSameBits(a, b, "weights read anywhere");
+  ExpectSameBits(ast, bst, "state read anywhere");
+  for (size_t i = 0; i < a.size(); ++i) {
+    a[i] = static_cast<float>(i) * 0.25f;
+    ast[i] = static_cast<float>(i % 5);
+  }
+  ASSERT_TRUE(kv->ImportRowsAt(*kid, rows, a, ast).ok());
+  ASSERT_TRUE(fused->ImportRowsAt(*fid, rows, a, ast).ok());
+  AllRows got = Export(*kv, *kid, spec), want = Export(*fused, *fid, Fused(spec));
+  ExpectSameBits(got.w, want.w, "weights after writing anywhere");
+  ExpectSameBits(got.st, want.st, "state after writing anywhere");
+  // Refusals change nothing.
+  std::vector<int64_t> twice = {3, 150, 3};
+  std::vector<float> w3(3 * 4, 1.0f), st3(3 * 4, 1.0f);
+  absl::Status s = kv->ImportRowsAt(*kid, twice, w3, st3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  std::vector<int64_t> outside = {3, 200, 4};
+  s = kv->ImportRowsAt(*kid, outside, w3, st3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  std::vector<int64_t> fine = {3, 150, 4};
+  w3[5] = std::nanf("");
+  s = kv->ImportRowsAt(*kid, fine, w3, st3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  got = Export(*kv, *kid, spec);
+  ExpectSameBits(got.w, want.w, "weights after the refusals");
+  ExpectSameBits(got.st, want.st, "state after the refusals");
 }
 
 // Threads update disjoint rows of one shard (each row once a call, gradient
