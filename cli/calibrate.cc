@@ -80,7 +80,8 @@ std::string CacheFeatureName(int rank, int64_t bytes) {
 // A scratch table (fp32, SGD at a negligible rate) in `spec`, placed
 // table-wise on `rank` by `plan`.
 void AddTable(const std::string& name, const std::string& feature, int64_t rows, int64_t dim,
-              int rank, ember::v1::CollectionSpec* spec, ember::v1::ShardingPlan* plan) {
+              int rank, ember::v1::CollectionSpec* spec, ember::v1::ShardingPlan* plan,
+              const std::string& kernel = "fused") {
   auto* t = spec->add_tables();
   t->set_name(name);
   t->set_num_embeddings(rows);
@@ -91,12 +92,81 @@ void AddTable(const std::string& name, const std::string& feature, int64_t rows,
   auto* ts = plan->add_tables();
   ts->set_table(name);
   ts->set_sharding_type("table_wise");
-  ts->set_compute_kernel("fused");
+  ts->set_compute_kernel(kernel);
+  if (kernel == "key_value") {  // a table opts in by its constraints
+    ember::v1::ParameterConstraints& c = (*spec->mutable_constraints())[name];
+    c.add_compute_kernels(kernel);
+    c.set_cache_load_factor(0.01);
+    ts->set_cache_load_factor(0.01);
+  }
   ts->add_ranks(rank);
   auto* sh = ts->add_shards();
   sh->set_rows(rows);
   sh->set_cols(dim);
   sh->set_rank(rank);
+}
+
+// The SSD tier (workers that serve key_value): a table of kSsdDim columns
+// on it per worker, every row written to its file first; lookups of rows
+// never read since (each row once, so every one misses the cache and is
+// read from the file) against the same ids from the worker's table of the
+// same width in memory. The difference is the reads' time.
+constexpr int64_t kSsdDim = 128;
+constexpr int64_t kSsdBags = 256, kSsdPooling = 16;
+std::string SsdTableName(int rank) { return absl::StrCat("cal_", rank, "_kv"); }
+std::string SsdFeatureName(int rank) { return absl::StrCat("f_", rank, "_kv"); }
+
+// The SSD probe (above) on every worker: GB/s of rows read from the file
+// (the median over workers; 0 when the reads took no measurable time).
+absl::StatusOr<double> ProbeSsd(client::Client* client, const std::string& collection,
+                                int workers, const CalibrateOptions& options, int64_t rows,
+                                std::mt19937_64& rng, std::ostream* log) {
+  const int64_t per_lookup = kSsdBags * kSsdPooling;
+  std::vector<double> rates, gbps;
+  for (int r = 0; r < workers; ++r) {
+    // Every row to the file (not cached: an import writes uncached rows
+    // through), then lookups in a shuffled order, each row once.
+    const std::vector<float> values(static_cast<size_t>(rows * kSsdDim), 1e-3f);
+    if (absl::Status s = client->ImportTable(collection, SsdTableName(r), values, rows, kSsdDim);
+        !s.ok()) {
+      return s;
+    }
+    std::vector<int64_t> order(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<double> on_ssd, in_memory;
+    for (int i = -1; i < options.reps; ++i) {
+      client::KeyedJaggedTensor kjt;
+      kjt.lengths.assign(kSsdBags, kSsdPooling);
+      kjt.values.assign(order.begin() + (i + 1) * per_lookup, order.begin() + (i + 2) * per_lookup);
+      kjt.keys = {SsdFeatureName(r)};
+      auto kv = TimedLookup(client, collection, kjt);
+      if (!kv.ok()) return kv.status();
+      kjt.keys = {FeatureName(r, kSsdDim)};
+      auto mem = TimedLookup(client, collection, kjt);
+      if (!mem.ok()) return mem.status();
+      if (i >= 0) {
+        on_ssd.push_back(*kv);
+        in_memory.push_back(*mem);
+      }
+    }
+    const double extra_ms = Median(on_ssd) - Median(in_memory);
+    if (extra_ms > 0) {
+      rates.push_back(per_lookup / (extra_ms * 1e-3));
+      gbps.push_back(per_lookup * kSsdDim * 4.0 / (extra_ms * 1e6));
+    }
+  }
+  if (gbps.empty()) {
+    *log << "calibrate: SSD tier: the reads took no measurable time; ssd_bw_gbps left as it was"
+         << std::endl;
+    return 0.0;
+  }
+  *log << absl::StrFormat(
+              "calibrate: SSD tier: %.0f random row reads/s of %d-byte rows from the key_value "
+              "files (median over %d worker(s)): ssd_bw_gbps %.3f",
+              Median(rates), kSsdDim * 4, static_cast<int>(rates.size()), Median(gbps))
+       << std::endl;
+  return Median(gbps);
 }
 
 }  // namespace
@@ -117,6 +187,12 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
     ++cal.workers;
   }
   if (cal.workers == 0) return absl::FailedPreconditionError("no live workers to calibrate on");
+  bool all_ssd = true;  // every live worker serves key_value (has an SSD tier)
+  for (const auto& w : listed->workers()) {
+    if (!w.live()) continue;
+    const auto& k = w.info().compute_kernels();
+    all_ssd = all_ssd && std::find(k.begin(), k.end(), "key_value") != k.end();
+  }
   if (mixed) {
     return absl::FailedPreconditionError("the live workers mix CPU and CUDA; one model fits one kind");
   }
@@ -134,6 +210,7 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   }
   const int64_t row_bytes = kCacheDim * 4;
   static_assert(kCacheDim == kDims[std::size(kDims) - 1], "the probe's large table is kDims'");
+  static_assert(kSsdDim == kDims[std::size(kDims) - 1], "the SSD probe's twin is kDims' last");
   // CPU workers only: on a GPU the model's memory tier is HBM, whose L2 a
   // probe of this shape does not isolate.
   const bool probe_caches = cal.device == ember::v1::CPU &&
@@ -144,6 +221,15 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
         AddTable(CacheTableName(r, bytes), CacheFeatureName(r, bytes), bytes / row_bytes, kCacheDim,
                  r, &spec, &plan);
       }
+    }
+  }
+  // Each timed lookup (and its warm-up) reads rows no other did.
+  const int64_t ssd_rows = (options.reps + 1) * kSsdBags * kSsdPooling;
+  const bool probe_ssd = all_ssd && ssd_rows <= options.rows;
+  if (probe_ssd) {
+    for (int r = 0; r < cal.workers; ++r) {
+      AddTable(SsdTableName(r), SsdFeatureName(r), ssd_rows, kSsdDim, r, &spec, &plan,
+               "key_value");
     }
   }
   *log << "calibrate: " << cal.workers << " " << ember::v1::ComputeDevice_Name(cal.device)
@@ -349,6 +435,18 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   if (options.write_caches) {
     cal.model.cache_bytes = cal.cache_bytes;
     cal.model.cache_bw_gbps = cal.cache_bw_gbps;
+  }
+  if (probe_ssd) {
+    auto ssd = ProbeSsd(client, spec.name(), cal.workers, options, ssd_rows, rng, log);
+    if (!ssd.ok()) return ssd.status();
+    cal.ssd_bw_gbps = *ssd;
+    if (cal.ssd_bw_gbps > 0) cal.model.ssd_bw_gbps = cal.ssd_bw_gbps;
+  } else if (!all_ssd) {
+    *log << "calibrate: SSD tier not measured: not every worker serves key_value (--ssd_dir)"
+         << std::endl;
+  } else {
+    *log << "calibrate: SSD tier not measured: its probe reads " << ssd_rows
+         << " rows, more than --calibrate_rows" << std::endl;
   }
 
   for (size_t d = 0; d < std::size(kDims); ++d) {

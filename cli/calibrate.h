@@ -12,7 +12,9 @@
 // CPU workers, training steps (lookup and update) on every worker at once
 // from the large tables and from two more per worker of 1 and 16 MiB (the
 // caches: how much they hold and how fast rows read from them;
-// calibrate.cc); and drops the collection. The fit:
+// calibrate.cc); where every worker serves key_value, lookups of rows read
+// from its files against the same ids in memory (the SSD tier's read rate,
+// CostModel::ssd_bw_gbps); and drops the collection. The fit:
 // ms per call = overhead + ids x cost per id + gathered bytes x (1 /
 // memory bandwidth) + wire bytes x (1 / network bandwidth), the two widths
 // telling ids from gathered bytes; the backward multiplier from the
@@ -60,6 +62,10 @@ struct Calibration {
   // write_caches).
   int64_t cache_bytes = 0;
   double cache_bw_gbps = 0;
+  // Rows read from the workers' key_value files, GB/s of row bytes (0: not
+  // measured: a worker without an SSD tier). Written into `model`
+  // (CostModel::ssd_bw_gbps) when measured.
+  double ssd_bw_gbps = 0;
   planner::CostModel model;
   // Per lookup shape: the median time over the workers and what the fit
   // predicts.

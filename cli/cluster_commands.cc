@@ -862,6 +862,12 @@ int RunCalibrate() {
     std::cout << "caches: none modelled (not measured, or saving under 5% of a small "
                  "table's step)\n";
   }
+  if (cal->ssd_bw_gbps > 0) {
+    std::cout << absl::StrFormat("ssd: rows read from the key_value files at %.3f GB/s\n",
+                                 cal->ssd_bw_gbps);
+  } else {
+    std::cout << "ssd: not measured (ssd_bw_gbps left at the default's)\n";
+  }
   if (absl::Status s = WriteFile(FLAGS_output, planner::CostModelToJson(cal->model, cal->device));
       !s.ok()) {
     return Fail("calibrate", s);

@@ -54,6 +54,28 @@ assert m["cache_bytes"] >= 0 and m["cache_bw_gbps"] >= 0, m
 assert (m["cache_bytes"] > 0) == (m["cache_bw_gbps"] > 0), m
 EOF
 grep -q '^caches: ' "$work/calibrate.out" || fail "no caches line printed"
+grep -q "SSD tier not measured: not every worker serves key_value" "$work/calibrate.out" ||
+  fail "no word on the SSD tier without one"
+python3 - "$work/model.json" <<'EOF' || fail "ssd_bw_gbps moved without an SSD tier"
+import json, sys
+assert json.load(open(sys.argv[1]))["ssd_bw_gbps"] == 2
+EOF
+
+# Workers with an SSD tier: the key_value files' read rate is measured and
+# written as ssd_bw_gbps (a real drive: between a floppy's and RAM's).
+mkdir -p "$work/ssd"
+with_ssd=$(up --ssd_dir="$work/ssd" --ssd_gib=1) || fail "up --ssd_dir did not come up"
+"$emberctl" calibrate --coordinator="$with_ssd" --output="$work/ssd_model.json" \
+  --calibrate_rows=140000 --calibrate_reps=3 | tee "$work/ssd.out"
+grep -qE 'SSD tier: [0-9]+ random row reads/s of 512-byte rows' "$work/ssd.out" ||
+  fail "the SSD tier was not probed"
+grep -qE '^ssd: rows read from the key_value files at [0-9.]+ GB/s' "$work/ssd.out" ||
+  fail "no ssd line printed"
+python3 - "$work/ssd_model.json" <<'EOF' || fail "ssd_bw_gbps not written"
+import json, sys
+m = json.load(open(sys.argv[1]))
+assert 1e-4 < m["ssd_bw_gbps"] < 100 and m["ssd_bw_gbps"] != 2, m["ssd_bw_gbps"]
+EOF
 grep -q 'training steps on every worker at once, rows from 1 MiB, 16 MiB' "$work/calibrate.out" || fail "the caches were not probed"
 # The scratch collection is gone.
 "$emberctl" status --coordinator="$coordinator" >"$work/status.out"
