@@ -564,24 +564,43 @@ class KeyValueBackend : public ForwardingBackend {
   // others, each whole, and the caller imports again.
   absl::Status ImportList(ShardId id, Shard& s, absl::Span<const int64_t> rows, const float* weights,
                           const float* state) {
+    ++call_;  // the cached rows are pinned: the others' victims are not among them
     std::vector<int64_t> slots, at, others, from;
     for (size_t k = 0; k < rows.size(); ++k) {
-      if (s.slot_of_row[rows[k]] >= 0) {
-        slots.push_back(s.slot_of_row[rows[k]]);
+      const int32_t slot = s.slot_of_row[rows[k]];
+      if (slot >= 0) {
+        s.pinned[slot] = call_;
+        slots.push_back(slot);
         at.push_back(static_cast<int64_t>(k));
       } else {
         others.push_back(rows[k]);
         from.push_back(static_cast<int64_t>(k));
       }
     }
-    if (!slots.empty()) {
-      std::vector<float> w(slots.size() * s.spec.dim), st(slots.size() * s.width);
-      for (size_t k = 0; k < slots.size(); ++k) {
-        std::copy_n(weights + at[k] * s.spec.dim, s.spec.dim, w.data() + k * s.spec.dim);
-        std::copy_n(state + at[k] * s.width, s.width, st.data() + k * s.width);
+    auto gather = [&](const std::vector<int64_t>& picked, std::vector<float>* w,
+                      std::vector<float>* st) {
+      w->resize(picked.size() * s.spec.dim);
+      st->resize(picked.size() * s.width);
+      for (size_t k = 0; k < picked.size(); ++k) {
+        std::copy_n(weights + picked[k] * s.spec.dim, s.spec.dim, w->data() + k * s.spec.dim);
+        std::copy_n(state + picked[k] * s.width, s.width, st->data() + k * s.width);
       }
+    };
+    if (!slots.empty()) {
+      std::vector<float> w, st;
+      gather(at, &w, &st);
       if (absl::Status e = inner()->ImportRowsAt(id, slots, w, st); !e.ok()) return e;
       for (int64_t slot : slots) s.changed[slot] = 1;
+    }
+    if (others.empty()) return absl::OkStatus();
+    // Rows not cached go into the cache where it holds them all beside the
+    // rows above (a dynamic shard's admissions, which its update reads
+    // next): victims written back as a fill's are, nothing read. A larger
+    // import (a restore) goes to the file.
+    if (static_cast<int64_t>(slots.size() + others.size()) <= s.cache_rows()) {
+      std::vector<float> w, st;
+      gather(from, &w, &st);
+      return Fill(&s, id, static_cast<int64_t>(slots.size()), others, &w, &st);
     }
     return WriteToFile(s, others, from, weights, state);
   }
@@ -1013,7 +1032,12 @@ class KeyValueBackend : public ForwardingBackend {
   // Brings `misses` (rows not cached, marked as the call's misses) into
   // victims' slots; `pinned` slots are the call's already. On a refusal the
   // shard is as it was (the caller clears the marks).
-  absl::Status Fill(Shard* sp, ShardId id, int64_t pinned, const std::vector<int64_t>& misses) {
+  // The rows `misses` into the cache (victims by CLOCK, changed ones written
+  // back), read from the file or made; or, with `given_w` / `given_st`
+  // (an import), those values instead, nothing read, the slots changed.
+  absl::Status Fill(Shard* sp, ShardId id, int64_t pinned, const std::vector<int64_t>& misses,
+                    const std::vector<float>* given_w = nullptr,
+                    const std::vector<float>* given_st = nullptr) {
     Shard& s = *sp;
     const int64_t n = static_cast<int64_t>(misses.size());
     if (n == 0) return absl::OkStatus();
@@ -1055,8 +1079,9 @@ class KeyValueBackend : public ForwardingBackend {
         back_rows.push_back(s.row_of_slot[v]);
       }
     }
+    const bool given = given_w != nullptr;
     std::vector<int64_t> fresh, fresh_at, read, read_at;
-    for (int64_t k = 0; k < n; ++k) {
+    for (int64_t k = 0; k < n && !given; ++k) {
       if (!s.Written(misses[k])) {
         fresh.push_back(misses[k]);
         fresh_at.push_back(k);
@@ -1086,12 +1111,19 @@ class KeyValueBackend : public ForwardingBackend {
     s.Commit(back_rows, free);
     for (int64_t slot : back_slots) s.changed[slot] = 0;
     s.stats.write_backs += nb;
-    std::vector<float> w(n * s.spec.dim), st(n * s.width);
-    for (int64_t j = 0; j < reads; ++j) {
-      const int64_t k = read_at[j];
-      Split(s, in_.row(j), w.data() + k * s.spec.dim, st.data() + k * s.width);
+    std::vector<float> w, st;
+    if (given) {
+      w = *given_w;
+      st = *given_st;
+    } else {
+      w.resize(n * s.spec.dim);
+      st.resize(n * s.width);
+      for (int64_t j = 0; j < reads; ++j) {
+        const int64_t k = read_at[j];
+        Split(s, in_.row(j), w.data() + k * s.spec.dim, st.data() + k * s.width);
+      }
+      MakeFresh(s, fresh, fresh_at, w.data(), st.data());
     }
-    MakeFresh(s, fresh, fresh_at, w.data(), st.data());
     if (absl::Status e = inner()->ImportRowsAt(id, victims, w, st); !e.ok()) return e;
     for (int64_t k = 0; k < n; ++k) {
       const int64_t v = victims[k];
@@ -1103,10 +1135,10 @@ class KeyValueBackend : public ForwardingBackend {
       }
       s.slot_of_row[misses[k]] = static_cast<int32_t>(v);
       s.row_of_slot[v] = misses[k];
-      s.changed[v] = 0;
+      s.changed[v] = given ? 1 : 0;  // an import's values are not the file's
       s.used[v] = 1;
     }
-    s.stats.fills += n;
+    if (!given) s.stats.fills += n;
     s.stats.disk_reads += reads;
     return absl::OkStatus();
   }

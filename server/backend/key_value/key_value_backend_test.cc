@@ -603,6 +603,40 @@ TEST(KeyValueBackendTest, RowsAnywhereGoThroughTheCacheAndTheFileInOneBatch) {
   got = Export(*kv, *kid, spec);
   ExpectSameBits(got.w, want.w, "weights after the refusals");
   ExpectSameBits(got.st, want.st, "state after the refusals");
+  // An import that fits the cache puts its uncached rows there, reading
+  // nothing: the next lookup of them finds them cached; they reach the
+  // file when they leave it, as updated rows do.
+  const std::vector<int64_t> three = {190, 191, 192};  // in the file, not cached
+  for (int64_t r : three) {
+    std::vector<float> one(4), one_st(4);
+    ASSERT_TRUE(kv->ExportRowsAt(*kid, {r}, absl::MakeSpan(one), absl::MakeSpan(one_st)).ok());
+  }
+  const TierStats before = *kv->GetTierStats(*kid);
+  std::vector<float> w9(3 * 4), st9(3 * 4);
+  for (size_t i = 0; i < w9.size(); ++i) {
+    w9[i] = 9.0f + static_cast<float>(i);
+    st9[i] = 0.5f;
+  }
+  ASSERT_TRUE(kv->ImportRowsAt(*kid, three, w9, st9).ok());
+  ASSERT_TRUE(fused->ImportRowsAt(*fid, three, w9, st9).ok());
+  const TierStats imported = *kv->GetTierStats(*kid);
+  EXPECT_EQ(imported.disk_reads, before.disk_reads);
+  EXPECT_EQ(imported.fills, before.fills);
+  ExpectSameBits(LookupOf(*kv, *kid, Pooling::kNone, Ids(three), 4),
+                 LookupOf(*fused, *fid, Pooling::kNone, Ids(three), 4), "imported rows");
+  const TierStats looked = *kv->GetTierStats(*kid);
+  EXPECT_EQ(looked.hits, imported.hits + 3);
+  EXPECT_EQ(looked.fills, imported.fills);
+  for (int step = 0; step < 10; ++step) {  // they leave the cache, changed
+    const Batch b = MakeBatch(rng, 120, 4, false);
+    std::mt19937_64 g1(step), g2(step);
+    ASSERT_TRUE(Update(*kv, *kid, Pooling::kSum, b, 4, g1).ok());
+    ASSERT_TRUE(Update(*fused, *fid, Pooling::kSum, b, 4, g2).ok());
+  }
+  got = Export(*kv, *kid, spec);
+  want = Export(*fused, *fid, Fused(spec));
+  ExpectSameBits(got.w, want.w, "weights after imported rows left the cache");
+  ExpectSameBits(got.st, want.st, "state after imported rows left the cache");
 }
 
 // Threads update disjoint rows of one shard (each row once a call, gradient
