@@ -124,8 +124,9 @@ absl::StatusOr<double> ProbeSsd(client::Client* client, const std::string& colle
   const int64_t per_lookup = kSsdBags * kSsdPooling;
   std::vector<double> rates, gbps;
   for (int r = 0; r < workers; ++r) {
-    // Every row to the file (not cached: an import writes uncached rows
-    // through), then lookups in a shuffled order, each row once.
+    // Every row to the file (a range import writes the rows it does not
+    // find cached to the file: key_value_backend.h), then lookups in a
+    // shuffled order, each row once: each a miss read from the file.
     const std::vector<float> values(static_cast<size_t>(rows * kSsdDim), 1e-3f);
     if (absl::Status s = client->ImportTable(collection, SsdTableName(r), values, rows, kSsdDim);
         !s.ok()) {

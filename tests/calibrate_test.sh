@@ -62,7 +62,7 @@ assert json.load(open(sys.argv[1]))["ssd_bw_gbps"] == 2
 EOF
 
 # Workers with an SSD tier: the key_value files' read rate is measured and
-# written as ssd_bw_gbps (a real drive: between a floppy's and RAM's).
+# written as ssd_bw_gbps (a drive, not the cache: under 5 GB/s, 10M reads/s of 512-byte rows).
 mkdir -p "$work/ssd"
 with_ssd=$(up --ssd_dir="$work/ssd" --ssd_gib=1) || fail "up --ssd_dir did not come up"
 "$emberctl" calibrate --coordinator="$with_ssd" --output="$work/ssd_model.json" \
@@ -74,7 +74,7 @@ grep -qE '^ssd: rows read from the key_value files at [0-9.]+ GB/s' "$work/ssd.o
 python3 - "$work/ssd_model.json" <<'EOF' || fail "ssd_bw_gbps not written"
 import json, sys
 m = json.load(open(sys.argv[1]))
-assert 1e-4 < m["ssd_bw_gbps"] < 100 and m["ssd_bw_gbps"] != 2, m["ssd_bw_gbps"]
+assert 1e-4 < m["ssd_bw_gbps"] < 5 and m["ssd_bw_gbps"] != 2, m["ssd_bw_gbps"]  # 5: 10M reads/s
 EOF
 grep -q 'training steps on every worker at once, rows from 1 MiB, 16 MiB' "$work/calibrate.out" || fail "the caches were not probed"
 # The scratch collection is gone.

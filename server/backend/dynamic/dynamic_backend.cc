@@ -160,7 +160,7 @@ class DynamicShardsBackend : public ForwardingBackend {
       undo[k].begun = true;
       const auto created = shard->index.BeginUpdate(ids, shard->spec.rows, shard_slots[k].data());
       if (absl::Status s = WriteCreated(id, *shard, created, &undo[k]); !s.ok()) {
-        UndoAll(held, &undo);
+        s = UndoAll(held, &undo, s);
         SyncKeys(held);
         return s;
       }
@@ -201,7 +201,7 @@ class DynamicShardsBackend : public ForwardingBackend {
     }
     if (absl::Status s = inner()->ApplyGradients(mapped); !s.ok()) {
       s = NameOverflowId(held, s);  // the id, not the slot the wrapped backend saw
-      UndoAll(held, &undo);
+      s = UndoAll(held, &undo, s);
       SyncKeys(held);
       return s;
     }
@@ -324,7 +324,12 @@ class DynamicShardsBackend : public ForwardingBackend {
                                 state.empty() ? absl::MakeConstSpan(kept) : state);
     }
     if (!s.ok()) {
-      Restore(id, *shard, undo);
+      if (const absl::Status put_back = Restore(id, undo); !put_back.ok()) {
+        s = absl::DataLossError(absl::StrCat(
+            "table '", spec.table, "': ", s.message(),
+            "; and the rows the import replaced could not be put back (", put_back.message(),
+            "): restore the collection from a checkpoint"));
+      }
       shard->index.Rollback();
       SyncKeys(id, shard.get());
       return s;
@@ -571,19 +576,31 @@ class DynamicShardsBackend : public ForwardingBackend {
     return inner()->ImportRowsAt(id, slots, rows, state);
   }
 
-  void Restore(ShardId id, const Shard& shard, const Undo& undo) {
-    if (undo.slots.empty()) return;
+  absl::Status Restore(ShardId id, const Undo& undo) {
+    if (undo.slots.empty()) return absl::OkStatus();
     // The same rows written back (the slots are distinct: an update evicts
-    // no row it writes): nothing to refuse.
-    (void)inner()->ImportRowsAt(id, undo.slots, undo.weights, undo.state);
+    // no row it writes): nothing to refuse. It can still fail below memory
+    // (a key_value cache's write-back on a full disk).
+    return inner()->ImportRowsAt(id, undo.slots, undo.weights, undo.state);
   }
 
-  void UndoAll(Held& held, std::vector<Undo>* undo) {
+  // Rolls the call back; `refused`, the reason, as the call's answer, or
+  // DATA_LOSS where rows its admissions replaced could not be put back
+  // (their ids are held again, their rows are not).
+  absl::Status UndoAll(Held& held, std::vector<Undo>* undo, absl::Status refused) {
+    absl::Status lost;
     for (size_t k = held.shards.size(); k-- > 0;) {
       if (!(*undo)[k].begun) continue;
-      Restore(held.shards[k].first, *held.shards[k].second, (*undo)[k]);
+      const absl::Status put_back = Restore(held.shards[k].first, (*undo)[k]);
+      if (lost.ok() && !put_back.ok()) {
+        lost = absl::DataLossError(absl::StrCat(
+            "table '", held.shards[k].second->spec.table, "': ", refused.message(),
+            "; and the rows its admissions replaced could not be put back (",
+            put_back.message(), "): restore the collection from a checkpoint"));
+      }
       held.shards[k].second->index.Rollback();
     }
+    return lost.ok() ? refused : lost;
   }
 
   const DynamicShardOptions options_;

@@ -487,6 +487,52 @@ TEST(DynamicBackendTest, AFailedKeySyncFallsBackToTheHostFindUntilTheNextUpdate)
 
 // An update that would overflow a row is refused naming the row's id, not
 // the slot the wrapped backend holds it in; nothing of it is applied.
+// A backend whose row writes fail once `writes_left` reaches 0 (a tier
+// below memory on a full disk).
+class FailingWrites : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::Status ImportRowsAt(ShardId id, absl::Span<const int64_t> rows,
+                            absl::Span<const float> weights,
+                            absl::Span<const float> state) override {
+    if (writes_left-- <= 0) return absl::ResourceExhaustedError("disk full (test)");
+    return ForwardingBackend::ImportRowsAt(id, rows, weights, state);
+  }
+  int writes_left = 1 << 30;
+};
+
+// A refused update whose rollback cannot write back the rows its
+// admissions replaced says so: DATA_LOSS with both reasons, not the
+// refusal alone (the evicted ids are held again without their rows).
+TEST(DynamicBackendRefusals, ARollbackThatCannotPutRowsBackIsDataLoss) {
+  auto owned = std::make_unique<FailingWrites>(Cpu());
+  FailingWrites* inner = owned.get();
+  auto be = WithDynamicShards(std::move(owned));
+  ShardSpec spec = SpecOf(OptimizerType::kSgd, 2, DynamicConfig{});
+  spec.optimizer.learning_rate = 10.0f;
+  auto id = be->CreateShard(spec);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto update = [&](std::vector<int64_t> ids, float g) {
+    std::vector<int64_t> lengths(ids.size(), 1);
+    std::vector<float> grad(ids.size() * kDim, g);
+    return be->ApplyGradients(
+        {GradientRequest{FeatureRequest{*id, Pooling::kSum, lengths, ids, {}}, grad}});
+  };
+  ASSERT_TRUE(update({11, 12}, 0.5f).ok());  // full
+  // Id 13 evicts 11's row, then the wrapped backend refuses the update
+  // (w - 10 * -3e38 is beyond fp32) and the rollback's write fails.
+  inner->writes_left = 1;  // the admission's write, not the rollback's
+  const absl::Status s = update({13}, -3e38f);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("could not be put back"));
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("disk full (test)"));
+  // With the write working, the same refusal is the refusal alone.
+  inner->writes_left = 1 << 30;
+  const absl::Status again = update({13}, -3e38f);
+  EXPECT_EQ(again.code(), absl::StatusCode::kInvalidArgument) << again;
+  EXPECT_TRUE(IsOverflowRefusal(again)) << again;
+}
+
 TEST(DynamicBackendTest, AnOverflowRefusalNamesTheId) {
   auto be = WithDynamicShards(Cpu());
   ShardSpec spec = SpecOf(OptimizerType::kSgd, 8, DynamicConfig{});

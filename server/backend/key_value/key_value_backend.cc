@@ -387,7 +387,10 @@ class KeyValueBackend : public ForwardingBackend {
     if (absl::Status st = ValidateImport(shard->spec, begin, end, weights, state); !st.ok()) {
       return st;
     }
-    return ImportList(id, *shard, Range(begin, end), weights.data(), state.data());
+    // (A range import is a restore's, a move's or a whole table's: its
+    // uncached rows go to the file, leaving the cache to the hot rows.)
+    return ImportList(id, *shard, Range(begin, end), weights.data(), state.data(),
+                      /*into_cache=*/false);
   }
 
   // Rows anywhere (distinct): as the range calls above, in one batch each
@@ -427,7 +430,7 @@ class KeyValueBackend : public ForwardingBackend {
       return absl::InvalidArgumentError(absl::StrCat("table '", shard->spec.table, "': row ",
                                                      *twice, " is named twice in one import"));
     }
-    return ImportList(id, *shard, rows, weights.data(), state.data());
+    return ImportList(id, *shard, rows, weights.data(), state.data(), /*into_cache=*/true);
   }
 
  private:
@@ -500,9 +503,6 @@ class KeyValueBackend : public ForwardingBackend {
     return absl::OkStatus();
   }
 
-  // Rows rows[k] (not cached) to the file, from row from[k] of w (weights)
-  // and st (state), a chunk of whole rows at a time: a write that fails
-  // part way has written some rows and not others, each whole.
   static std::vector<int64_t> Range(int64_t begin, int64_t end) {
     std::vector<int64_t> rows(static_cast<size_t>(std::max<int64_t>(0, end - begin)));
     for (size_t k = 0; k < rows.size(); ++k) rows[k] = begin + static_cast<int64_t>(k);
@@ -563,7 +563,7 @@ class KeyValueBackend : public ForwardingBackend {
   // time: an import that fails part way has imported some rows and not
   // others, each whole, and the caller imports again.
   absl::Status ImportList(ShardId id, Shard& s, absl::Span<const int64_t> rows, const float* weights,
-                          const float* state) {
+                          const float* state, bool into_cache) {
     ++call_;  // the cached rows are pinned: the others' victims are not among them
     std::vector<int64_t> slots, at, others, from;
     for (size_t k = 0; k < rows.size(); ++k) {
@@ -593,11 +593,11 @@ class KeyValueBackend : public ForwardingBackend {
       for (int64_t slot : slots) s.changed[slot] = 1;
     }
     if (others.empty()) return absl::OkStatus();
-    // Rows not cached go into the cache where it holds them all beside the
-    // rows above (a dynamic shard's admissions, which its update reads
-    // next): victims written back as a fill's are, nothing read. A larger
-    // import (a restore) goes to the file.
-    if (static_cast<int64_t>(slots.size() + others.size()) <= s.cache_rows()) {
+    // into_cache (rows anywhere: a dynamic shard's admissions, which its
+    // update reads next): rows not cached go into the cache where it holds
+    // them all beside the rows above, victims written back as a fill's
+    // are, nothing read. Otherwise, and for a larger import, to the file.
+    if (into_cache && static_cast<int64_t>(slots.size() + others.size()) <= s.cache_rows()) {
       std::vector<float> w, st;
       gather(from, &w, &st);
       return Fill(&s, id, static_cast<int64_t>(slots.size()), others, &w, &st);
@@ -605,6 +605,9 @@ class KeyValueBackend : public ForwardingBackend {
     return WriteToFile(s, others, from, weights, state);
   }
 
+  // Rows rows[k] (not cached) to the file, from row from[k] of w (weights)
+  // and st (state), a chunk of whole rows at a time: a write that fails
+  // part way has written some rows and not others, each whole.
   absl::Status WriteToFile(Shard& s, absl::Span<const int64_t> rows,
                            absl::Span<const int64_t> from, const float* w, const float* st) {
     const int64_t chunk = KeyValueSlackRows(s.spec);

@@ -40,10 +40,12 @@
 //
 // ExportRows / ImportRows (and the *At forms, rows anywhere, in one batch)
 // read and write through: cached rows from or to the cache (an import
-// marks them changed), the rest from or to the file; except that an import
-// whose rows all fit the cache puts the uncached ones in it (victims
-// written back as for a miss, nothing read), where the next call finds
-// them (a dynamic shard's admissions, then their update). A checkpoint or
+// marks them changed), the rest from or to the file; except that an
+// ImportRowsAt whose rows all fit the cache puts the uncached ones in it
+// (victims written back as for a miss, nothing read), where the next call
+// finds them (a dynamic shard's admissions, then their update). A range
+// ImportRows (a restore, a move, a whole table) leaves the cache to the
+// rows in use: its uncached rows always go to the file. A checkpoint or
 // a move reads a shard a range at a time and never needs it whole in
 // memory. An import whose write fails part way has imported some of its
 // rows and not others, each whole (a row's version is only taken once it

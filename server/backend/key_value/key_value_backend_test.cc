@@ -631,6 +631,20 @@ TEST(KeyValueBackendTest, RowsAnywhereGoThroughTheCacheAndTheFileInOneBatch) {
   const TierStats looked = *kv->GetTierStats(*kid);
   EXPECT_EQ(looked.hits, imported.hits + 3);
   EXPECT_EQ(looked.fills, imported.fills);
+  // A range import (a restore's, a move's) leaves the cache to the rows in
+  // use: rows not cached go to the file, and the next lookup reads them
+  // from it (calibrate's SSD probe relies on it).
+  const TierStats before_range = *kv->GetTierStats(*kid);
+  std::vector<float> w3r(3 * 4, 0.75f), st3r(3 * 4, 0.25f);
+  ASSERT_TRUE(kv->ImportRows(*kid, 195, 198, w3r, st3r).ok());
+  ASSERT_TRUE(fused->ImportRows(*fid, 195, 198, w3r, st3r).ok());
+  EXPECT_EQ(kv->GetTierStats(*kid)->fills, before_range.fills);
+  ExpectSameBits(LookupOf(*kv, *kid, Pooling::kNone, Ids({195, 196, 197}), 4),
+                 LookupOf(*fused, *fid, Pooling::kNone, Ids({195, 196, 197}), 4),
+                 "rows imported by range");
+  const TierStats after_range = *kv->GetTierStats(*kid);
+  EXPECT_EQ(after_range.fills, before_range.fills + 3);
+  EXPECT_EQ(after_range.disk_reads, before_range.disk_reads + 3);
   train(10);  // they leave the cache, changed
   got = Export(*kv, *kid, spec);
   want = Export(*fused, *fid, Fused(spec));
