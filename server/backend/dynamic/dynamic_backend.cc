@@ -324,12 +324,7 @@ class DynamicShardsBackend : public ForwardingBackend {
                                 state.empty() ? absl::MakeConstSpan(kept) : state);
     }
     if (!s.ok()) {
-      if (const absl::Status put_back = Restore(id, undo); !put_back.ok()) {
-        s = absl::DataLossError(absl::StrCat(
-            "table '", spec.table, "': ", s.message(),
-            "; and the rows the import replaced could not be put back (", put_back.message(),
-            "): restore the collection from a checkpoint"));
-      }
+      s = Restore(id, spec, undo, s);
       shard->index.Rollback();
       SyncKeys(id, shard.get());
       return s;
@@ -576,31 +571,34 @@ class DynamicShardsBackend : public ForwardingBackend {
     return inner()->ImportRowsAt(id, slots, rows, state);
   }
 
-  absl::Status Restore(ShardId id, const Undo& undo) {
-    if (undo.slots.empty()) return absl::OkStatus();
-    // The same rows written back (the slots are distinct: an update evicts
-    // no row it writes): nothing to refuse. It can still fail below memory
-    // (a key_value cache's write-back on a full disk).
-    return inner()->ImportRowsAt(id, undo.slots, undo.weights, undo.state);
+  // Writes back the rows a refused call's admissions replaced (the slots
+  // are distinct: an update evicts no row it writes). The call's answer:
+  // `refused`, or DATA_LOSS where they could not be put back (below
+  // memory: a key_value cache's write-back on a full disk), their ids then
+  // held again without their rows.
+  absl::Status Restore(ShardId id, const ShardSpec& spec, const Undo& undo,
+                       const absl::Status& refused) {
+    if (undo.slots.empty()) return refused;
+    const absl::Status put_back = inner()->ImportRowsAt(id, undo.slots, undo.weights, undo.state);
+    if (put_back.ok()) return refused;
+    return absl::DataLossError(absl::StrCat(
+        "table '", spec.table, "': ", refused.message(),
+        "; and the rows it replaced could not be put back (", put_back.message(),
+        "): restore the collection from a checkpoint"));
   }
 
-  // Rolls the call back; `refused`, the reason, as the call's answer, or
-  // DATA_LOSS where rows its admissions replaced could not be put back
-  // (their ids are held again, their rows are not).
-  absl::Status UndoAll(Held& held, std::vector<Undo>* undo, absl::Status refused) {
-    absl::Status lost;
+  // Rolls the call back; its answer as Restore gives it (the first
+  // DATA_LOSS, if any).
+  absl::Status UndoAll(Held& held, std::vector<Undo>* undo, const absl::Status& refused) {
+    absl::Status answer = refused;
     for (size_t k = held.shards.size(); k-- > 0;) {
       if (!(*undo)[k].begun) continue;
-      const absl::Status put_back = Restore(held.shards[k].first, (*undo)[k]);
-      if (lost.ok() && !put_back.ok()) {
-        lost = absl::DataLossError(absl::StrCat(
-            "table '", held.shards[k].second->spec.table, "': ", refused.message(),
-            "; and the rows its admissions replaced could not be put back (",
-            put_back.message(), "): restore the collection from a checkpoint"));
-      }
+      const absl::Status s =
+          Restore(held.shards[k].first, held.shards[k].second->spec, (*undo)[k], refused);
+      if (answer.code() != absl::StatusCode::kDataLoss) answer = s;
       held.shards[k].second->index.Rollback();
     }
-    return lost.ok() ? refused : lost;
+    return answer;
   }
 
   const DynamicShardOptions options_;

@@ -598,9 +598,10 @@ class KeyValueBackend : public ForwardingBackend {
     // them all beside the rows above, victims written back as a fill's
     // are, nothing read. Otherwise, and for a larger import, to the file.
     if (into_cache && static_cast<int64_t>(slots.size() + others.size()) <= s.cache_rows()) {
+      if (slots.empty()) return Fill(&s, id, 0, others, weights, state);  // all, in order
       std::vector<float> w, st;
       gather(from, &w, &st);
-      return Fill(&s, id, static_cast<int64_t>(slots.size()), others, &w, &st);
+      return Fill(&s, id, static_cast<int64_t>(slots.size()), others, w.data(), st.data());
     }
     return WriteToFile(s, others, from, weights, state);
   }
@@ -1037,10 +1038,10 @@ class KeyValueBackend : public ForwardingBackend {
   // shard is as it was (the caller clears the marks).
   // The rows `misses` into the cache (victims by CLOCK, changed ones written
   // back), read from the file or made; or, with `given_w` / `given_st`
-  // (an import), those values instead, nothing read, the slots changed.
+  // (an import: row k of them for misses[k]), those values instead,
+  // nothing read, the slots changed.
   absl::Status Fill(Shard* sp, ShardId id, int64_t pinned, const std::vector<int64_t>& misses,
-                    const std::vector<float>* given_w = nullptr,
-                    const std::vector<float>* given_st = nullptr) {
+                    const float* given_w = nullptr, const float* given_st = nullptr) {
     Shard& s = *sp;
     const int64_t n = static_cast<int64_t>(misses.size());
     if (n == 0) return absl::OkStatus();
@@ -1114,11 +1115,8 @@ class KeyValueBackend : public ForwardingBackend {
     s.Commit(back_rows, free);
     for (int64_t slot : back_slots) s.changed[slot] = 0;
     s.stats.write_backs += nb;
-    std::vector<float> w, st;
-    if (given) {
-      w = *given_w;
-      st = *given_st;
-    } else {
+    std::vector<float> w, st;  // the rows read or made (none when given)
+    if (!given) {
       w.resize(n * s.spec.dim);
       st.resize(n * s.width);
       for (int64_t j = 0; j < reads; ++j) {
@@ -1127,7 +1125,11 @@ class KeyValueBackend : public ForwardingBackend {
       }
       MakeFresh(s, fresh, fresh_at, w.data(), st.data());
     }
-    if (absl::Status e = inner()->ImportRowsAt(id, victims, w, st); !e.ok()) return e;
+    const absl::Span<const float> rows_w(given ? given_w : w.data(),
+                                         static_cast<size_t>(n * s.spec.dim));
+    const absl::Span<const float> rows_st(given ? given_st : st.data(),
+                                          static_cast<size_t>(n * s.width));
+    if (absl::Status e = inner()->ImportRowsAt(id, victims, rows_w, rows_st); !e.ok()) return e;
     for (int64_t k = 0; k < n; ++k) {
       const int64_t v = victims[k];
       if (s.row_of_slot[v] >= 0) {
