@@ -176,7 +176,11 @@ constexpr int kMaxWarmup = 3000;
 
 // Warm-up (at least --warmup steps, and a key_value run until its cache
 // is full), then the timed steps; the lookups' cache counters over them.
-Result Run(eb::EmbeddingBackend* be, eb::ShardId id, bool key_value) {
+// `timed` holds --steps id vectors of a step's size, drawn into in place
+// (allocated before the memory cgroup, so the bench's ids are not counted
+// as the table's memory).
+Result Run(eb::EmbeddingBackend* be, eb::ShardId id, bool key_value,
+           std::vector<std::vector<int64_t>>* timed) {
   const std::vector<int64_t> lengths(FLAGS_batch, FLAGS_pooling_factor);
   std::vector<float> out(static_cast<size_t>(FLAGS_batch) * FLAGS_dim);
   std::vector<float> grad(out.size(), 1e-3f);
@@ -208,14 +212,15 @@ Result Run(eb::EmbeddingBackend* be, eb::ShardId id, bool key_value) {
     step(stream.Next(), false);
     ++r.warm;
   }
-  std::vector<std::vector<int64_t>> timed(FLAGS_steps);  // drawn before the clock starts
-  for (auto& ids : timed) ids = stream.Next();
+  for (auto& ids : *timed) ids = stream.Next();  // drawn before the clock starts
+  if (key_value) std::fprintf(stderr, "key_value_bench: %d warm-up steps, %d timed\n", r.warm, FLAGS_steps);
   start = absl::Now();
   if (key_value) at_start = *be->GetTierStats(id);
-  for (const auto& ids : timed) step(ids, true);
+  for (const auto& ids : *timed) step(ids, true);
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);
   r.steps_per_s = FLAGS_steps / secs;
   // Read the table out as a checkpoint does, a range at a time.
+  if (key_value) std::fprintf(stderr, "key_value_bench: reading the table out\n");
   const absl::Time export_start = absl::Now();
   constexpr int64_t kRange = 65536;
   const int64_t width = eb::OptimizerStateWidth(eb::OptimizerType::kRowwiseAdagrad, FLAGS_dim);
@@ -318,12 +323,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<Result> results;
+  std::vector<std::vector<int64_t>> timed(
+      FLAGS_steps, std::vector<int64_t>(int64_t{FLAGS_batch} * FLAGS_pooling_factor));
   {
     auto be = MaybeDynamic(Cpu());
     auto id = be->CreateShard(Spec(0));
     Die(id.status(), "fused shard");
     std::fprintf(stderr, "key_value_bench: fused\n");
-    results.push_back(Run(be.get(), *id, false));
+    results.push_back(Run(be.get(), *id, false, &timed));
     results.back().kernel = "fused";
   }
   std::fprintf(stderr, "key_value_bench: the drive's ceiling\n");
@@ -338,7 +345,7 @@ int main(int argc, char** argv) {
     auto id = be->CreateShard(Spec(cache));
     Die(id.status(), "key_value shard");
     std::fprintf(stderr, "key_value_bench: key_value, cache %.3f\n", f);
-    Result r = Run(be.get(), *id, true);
+    Result r = Run(be.get(), *id, true, &timed);
     r.kernel = "key_value";
     r.fraction = f;
     r.lru_hit_rate = LruHitRate(cache, r.warm, FLAGS_steps);

@@ -553,6 +553,44 @@ TEST(KeyValueBackendTest, ImportsAndExportsGoThroughTheCache) {
   EXPECT_EQ(got.w[4 * 4], w[4 * 4]);
 }
 
+// Exports larger than one read of the file (4,096 records): the whole
+// shard as a range and most of it as rows anywhere, in an order far from
+// the file's, equal bit for bit to the shard held whole in memory. Every
+// row is in the file (imported), a few also changed in the cache, and a
+// few never written at all (their initial values).
+TEST(KeyValueBackendTest, ExportsLargerThanOneReadComeBackInOrder) {
+  constexpr int64_t kRows = 10000, kDim = 4;
+  const ShardSpec spec = Spec(OptimizerType::kAdagrad, kRows, kDim, 16);
+  auto fused = Cpu();
+  auto kv = KeyValue();
+  auto fid = fused->CreateShard(Fused(spec));
+  auto kid = kv->CreateShard(spec);
+  ASSERT_TRUE(fid.ok() && kid.ok()) << kid.status();
+  const int64_t width = OptimizerStateWidth(spec.optimizer.type, kDim);
+  const int64_t imported = kRows - 100;  // the last 100 rows never written
+  std::vector<float> w(imported * kDim), st(imported * width);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i % 997) * 0.25f;
+  for (size_t i = 0; i < st.size(); ++i) st[i] = static_cast<float>(i % 13);
+  ASSERT_TRUE(fused->ImportRows(*fid, 0, imported, w, st).ok());
+  ASSERT_TRUE(kv->ImportRows(*kid, 0, imported, w, st).ok());
+  std::mt19937_64 g1(5), g2(5);
+  const Batch b = Ids({3, 4999, 8000, 9950});
+  ASSERT_TRUE(Update(*fused, *fid, Pooling::kSum, b, kDim, g1).ok());
+  ASSERT_TRUE(Update(*kv, *kid, Pooling::kSum, b, kDim, g2).ok());
+  ExpectSameBits(Export(*kv, *kid, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
+  ExpectSameBits(Export(*kv, *kid, spec).st, Export(*fused, *fid, Fused(spec)).st, "state");
+  std::vector<int64_t> rows(kRows);
+  for (int64_t r = 0; r < kRows; ++r) rows[r] = r;
+  std::shuffle(rows.begin(), rows.end(), std::mt19937_64(6));
+  rows.resize(9000);
+  std::vector<float> a(rows.size() * kDim), as(rows.size() * width);
+  std::vector<float> c(a.size()), cs(as.size());
+  ASSERT_TRUE(kv->ExportRowsAt(*kid, rows, absl::MakeSpan(a), absl::MakeSpan(as)).ok());
+  ASSERT_TRUE(fused->ExportRowsAt(*fid, rows, absl::MakeSpan(c), absl::MakeSpan(cs)).ok());
+  ExpectSameBits(a, c, "weights, rows anywhere");
+  ExpectSameBits(as, cs, "state, rows anywhere");
+}
+
 // Rows anywhere in one batch: a mix of cached rows, rows in the file and
 // rows never written, in any order, read and written as a shard held whole
 // in memory reads and writes them (bit for bit); a row named twice or out
