@@ -17,6 +17,10 @@
 //   hit rate     of the lookups' distinct rows, the cache's (CLOCK) and an
 //                offline LRU's of the same capacity over the same stream
 //                (the ideal the issue names)
+//   learned      the hit rate at the cache's size on the curve the shard
+//                learned from its own traffic (key_value/lru_curve.h: every
+//                call's rows, lookups and updates, sampled), beside an
+//                offline LRU over those same accesses ("LRU l+u")
 //   reads/s      rows read from the file a second; writes/s: rows written
 //                back
 //
@@ -41,6 +45,7 @@
 #include <random>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -130,17 +135,29 @@ class Stream {
 };
 
 // An offline LRU of `capacity` rows over the stream's distinct rows of each
-// step; its hit rate over the `steps` after the first `warm`.
-double LruHitRate(int64_t capacity, int warm, int steps) {
+// step; its hit rate over the `steps` after the first `warm`. With
+// `with_updates`, each step's rows twice in the order they first occur
+// (its lookup, then its update: the accesses the learned curve sees).
+double LruHitRate(int64_t capacity, int warm, int steps, bool with_updates = false) {
   Stream stream;
   std::list<int64_t> order;  // most recent first
   std::unordered_map<int64_t, std::list<int64_t>::iterator> at;
   at.reserve(static_cast<size_t>(capacity) * 2);
   int64_t hits = 0, seen = 0;
+  std::unordered_set<int64_t> in_step;
   for (int s = 0; s < warm + steps; ++s) {
     std::vector<int64_t> rows = stream.Next();
-    std::sort(rows.begin(), rows.end());
-    rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+    if (with_updates) {
+      in_step.clear();
+      rows.erase(std::remove_if(rows.begin(), rows.end(),
+                                [&](int64_t r) { return !in_step.insert(r).second; }),
+                 rows.end());
+      const size_t n = rows.size();
+      rows.insert(rows.end(), rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(n));
+    } else {
+      std::sort(rows.begin(), rows.end());
+      rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+    }
     const bool timed = s >= warm;
     for (int64_t r : rows) {
       auto it = at.find(r);
@@ -161,12 +178,31 @@ double LruHitRate(int64_t capacity, int warm, int steps) {
   return seen > 0 ? static_cast<double>(hits) / static_cast<double>(seen) : 0;
 }
 
+// The learned curve's hit rate at `fraction` over the accesses between
+// `a` and `b` (linear between the curve's points; 0 with none sampled).
+double LearnedHitRate(const eb::TierStats& a, const eb::TierStats& b, double fraction) {
+  const double n = static_cast<double>(b.sampled - a.sampled);
+  if (n <= 0) return 0;
+  auto at = [&](size_t i) { return static_cast<double>(b.curve_hits[i] - a.curve_hits[i]) / n; };
+  const auto& f = eb::kLruCurveFractions;
+  if (fraction <= f.front()) return at(0) * fraction / f.front();
+  for (size_t i = 1; i < f.size(); ++i) {
+    if (fraction <= f[i]) {
+      return at(i - 1) + (at(i) - at(i - 1)) * (fraction - f[i - 1]) / (f[i] - f[i - 1]);
+    }
+  }
+  return at(f.size() - 1);
+}
+
 struct Result {
   std::string kernel;
   double export_s = 0;  // the whole table read out in 65,536-row ranges
   double fraction = 1;
   double steps_per_s = 0;
   double hit_rate = 1, lru_hit_rate = 1;
+  // The learned curve's estimate at the cache's fraction, and the offline
+  // LRU over the same accesses (lookups and updates).
+  double learned_hit_rate = 1, lru_both_hit_rate = 1;
   double reads_per_s = 0, writes_per_s = 0;
   int warm = 0;  // steps before the timed ones
 };
@@ -238,6 +274,8 @@ Result Run(eb::EmbeddingBackend* be, eb::ShardId id, bool key_value,
         hits + fills > 0 ? static_cast<double>(hits) / static_cast<double>(hits + fills) : 0;
     r.reads_per_s = static_cast<double>(end.disk_reads - at_start.disk_reads) / secs;
     r.writes_per_s = static_cast<double>(end.write_backs - at_start.write_backs) / secs;
+    r.learned_hit_rate = LearnedHitRate(at_start, end, static_cast<double>(end.cache_rows) /
+                                                           static_cast<double>(FLAGS_rows));
   }
   return r;
 }
@@ -349,6 +387,7 @@ int main(int argc, char** argv) {
     r.kernel = "key_value";
     r.fraction = f;
     r.lru_hit_rate = LruHitRate(cache, r.warm, FLAGS_steps);
+    r.lru_both_hit_rate = LruHitRate(cache, r.warm, FLAGS_steps, /*with_updates=*/true);
     results.push_back(r);
   }
   double peak_mib = 0;
@@ -365,14 +404,15 @@ int main(int argc, char** argv) {
           "%s{\"kernel\": \"%s\", \"dynamic\": %s, \"rows\": %lld, \"dim\": %d, \"alpha\": %.2f, \"threads\": %d, "
           "\"memory_limit_mib\": %lld, \"cache_fraction\": %.3f, \"warm_steps\": %d, "
           "\"steps_per_s\": %.2f, "
-          "\"ratio\": %.3f, \"hit_rate\": %.4f, \"lru_hit_rate\": %.4f, \"reads_per_s\": %.0f, "
+          "\"ratio\": %.3f, \"hit_rate\": %.4f, \"lru_hit_rate\": %.4f, "
+          "\"learned_hit_rate\": %.4f, \"lru_both_hit_rate\": %.4f, \"reads_per_s\": %.0f, "
           "\"writes_per_s\": %.0f, \"export_s\": %.2f, \"cgroup_peak_mib\": %.0f, "
           "\"drive_reads_per_s\": %.0f, \"drive_writes_per_s\": %.0f}",
           i ? ", " : "", r.kernel.c_str(), FLAGS_dynamic ? "true" : "false",
           static_cast<long long>(FLAGS_rows), FLAGS_dim,
           FLAGS_alpha, FLAGS_threads, static_cast<long long>(FLAGS_memory_limit_mib), r.fraction,
-          r.warm, r.steps_per_s, r.steps_per_s / fused, r.hit_rate, r.lru_hit_rate, r.reads_per_s,
-          r.writes_per_s, r.export_s, r.kernel == "fused" ? 0.0 : peak_mib, read_ceiling,
+          r.warm, r.steps_per_s, r.steps_per_s / fused, r.hit_rate, r.lru_hit_rate,
+          r.learned_hit_rate, r.lru_both_hit_rate, r.reads_per_s, r.writes_per_s, r.export_s, r.kernel == "fused" ? 0.0 : peak_mib, read_ceiling,
           write_ceiling);
     }
     std::printf("]\n");
@@ -382,13 +422,18 @@ int main(int argc, char** argv) {
     std::printf("dynamic tables of capacity %lld (ids: 64-bit hashes of the rows)\n",
                 static_cast<long long>(FLAGS_rows));
   }
-  std::printf("%-10s %6s %6s %9s %6s %8s %8s %10s %10s %9s\n", "kernel", "cache", "warm", "steps/s",
-              "ratio", "hits", "LRU", "reads/s", "writes/s", "export s");
+  std::printf("%-10s %6s %6s %9s %6s %8s %8s %8s %8s %10s %10s %9s\n", "kernel", "cache", "warm",
+              "steps/s", "ratio", "hits", "LRU", "learned", "LRU l+u", "reads/s", "writes/s",
+              "export s");
   for (const Result& r : results) {
-    std::printf("%-10s %6.3f %6d %9.2f %6.2f %8.4f %8.4f %10.0f %10.0f %9.2f\n", r.kernel.c_str(),
-                r.fraction, r.warm, r.steps_per_s, r.steps_per_s / fused, r.hit_rate,
-                r.lru_hit_rate, r.reads_per_s, r.writes_per_s, r.export_s);
+    std::printf("%-10s %6.3f %6d %9.2f %6.2f %8.4f %8.4f %8.4f %8.4f %10.0f %10.0f %9.2f\n",
+                r.kernel.c_str(), r.fraction, r.warm, r.steps_per_s, r.steps_per_s / fused,
+                r.hit_rate, r.lru_hit_rate, r.learned_hit_rate, r.lru_both_hit_rate,
+                r.reads_per_s, r.writes_per_s, r.export_s);
   }
+  std::printf("learned: the hit rate the worker's learned curve gives at the cache's size; "
+              "LRU l+u: an offline LRU over the same accesses (each step's rows, lookup and "
+              "update)\n");
   std::printf("drive: %.0f random row reads/s, %.0f writes/s (batches of 4,096, %s)\n",
               read_ceiling, write_ceiling, FLAGS_ssd_dir.c_str());
   if (!cgroup.empty()) {

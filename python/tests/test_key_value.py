@@ -5,6 +5,8 @@ table (SGD, SUM pooling), and its workers' metrics show rows leaving memory
 and coming back from the files. An update naming more distinct rows of a
 shard than its cache holds, and a lookup of as many, run in pieces."""
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 
@@ -14,9 +16,30 @@ from test_metrics import free_ports, get
 ROWS, DIM, LR = 2000, 16, 0.1
 
 
-def metric(urls, name):
+def metric(urls, name, labels=""):
     return sum(float(line.rsplit(" ", 1)[1]) for url in urls for line in get(url).splitlines()
-               if line.startswith(name + "{") and 'collection="kv"' in line)
+               if line.startswith(name + "{") and 'collection="kv"' in line and labels in line)
+
+
+CURVE = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]
+
+
+def lru_curve(seq, rows):
+    """Hit rates of plain LRU caches of ceil(f * rows) rows, one per
+    fraction f of CURVE, over one shard's access sequence."""
+    rates = []
+    for f in CURVE:
+        cap, cache, hits = int(np.ceil(f * rows)), OrderedDict(), 0
+        for r in seq:
+            if r in cache:
+                cache.move_to_end(r)
+                hits += 1
+            else:
+                cache[r] = True
+                if len(cache) > cap:
+                    cache.popitem(last=False)
+        rates.append(hits / len(seq))
+    return rates
 
 
 def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
@@ -42,10 +65,15 @@ def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
 
         table = client.export_table("kv", "t").copy()  # the model starts from the same rows
         rng = np.random.default_rng(7)
+        seen = [[], []]  # each row-wise shard's accesses: a call's distinct rows, in order
         for step in range(40):
             # Skewed ids: low rows far more often (8 bags of 3; at most 24
             # distinct rows a call, under each shard's 50 cached rows).
             bags = [list((ROWS * rng.random(3) ** 3).astype(np.int64)) for _ in range(8)]
+            for _ in ("lookup", "update"):
+                for shard in (0, 1):
+                    mine = [int(r) for b in bags for r in b if r // (ROWS // 2) == shard]
+                    seen[shard] += list(dict.fromkeys(mine))
             kjt = ember.KeyedJaggedTensor.from_jagged({"f": bags})
             out = client.lookup("kv", kjt)
             want = np.stack([table[b].sum(axis=0) for b in bags])
@@ -69,6 +97,14 @@ def test_key_value_trains_as_numpy_and_reports_its_tier(tmp_path):
         assert metric(workers, "ember_worker_key_value_disk_reads_total") > 0
         fills = metric(workers, "ember_worker_key_value_fills_total")
         assert fills > 100  # rows came in again after leaving
+        # The hit-rate curve the workers learned (every row of a 1,000-row
+        # shard sampled: exact) against LRU caches simulated here. Each
+        # worker holds one shard and reports its rate; metric() sums them.
+        want = np.add(lru_curve(seen[0], ROWS // 2), lru_curve(seen[1], ROWS // 2))
+        got = [metric(workers, "ember_worker_key_value_lru_hit_rate",
+                      f'cache_fraction="{f:g}"') for f in CURVE]
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+        assert got[0] < got[-1]
 
         # 60 distinct rows of one shard in one update, in one bag: more than
         # its cache, so it runs in pieces of rows, as one step.

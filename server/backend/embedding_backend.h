@@ -50,6 +50,7 @@
 #ifndef EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 #define EMBER_SERVER_BACKEND_EMBEDDING_BACKEND_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -170,7 +171,18 @@ struct TierStats {
   int64_t write_backs = 0;  // changed rows written to the file as they left memory
   int64_t evictions = 0;    // rows that left memory
   int64_t file_bytes = 0;   // the shard's file on SSD
+  // The hit-rate curve learned from the shard's traffic
+  // (key_value/lru_curve.h): of `sampled` row accesses (a call's distinct
+  // rows, sampled by hash), curve_hits[i] would have hit an LRU cache of
+  // kLruCurveFractions[i] of the shard's rows. Ratios are the estimate.
+  int64_t sampled = 0;
+  std::array<int64_t, 9> curve_hits{};
 };
+
+// The cache sizes, as fractions of a shard's rows, at which TierStats
+// gives the learned hit rate.
+inline constexpr std::array<double, 9> kLruCurveFractions = {0.01, 0.02, 0.05, 0.1, 0.2,
+                                                             0.3,  0.5,  0.75, 1.0};
 
 // A dynamic shard's counters (DynamicIndex: dynamic/dynamic_index.h).
 struct DynamicStats {

@@ -109,6 +109,25 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 tier(&backend::TierStats::evictions));
   m->AddGauge("ember_worker_key_value_file_bytes", "Bytes of a key_value table's SSD files",
               tier(&backend::TierStats::file_bytes));
+  m->AddGauge(
+      "ember_worker_key_value_lru_hit_rate",
+      "The hit rate an LRU cache of cache_fraction of a key_value table's rows would have had "
+      "on its traffic since it was created (learned from sampled rows; for choosing "
+      "cache_load_factor)",
+      [service]() {
+        std::vector<ServerMetrics::Sample> out;
+        for (const WorkerService::TableStats& t : service->GetTableStats()) {
+          if (!t.key_value || t.tier.sampled == 0) continue;
+          for (size_t i = 0; i < backend::kLruCurveFractions.size(); ++i) {
+            out.push_back({{{"collection", t.collection},
+                            {"table", t.table},
+                            {"cache_fraction", absl::StrCat(backend::kLruCurveFractions[i])}},
+                           static_cast<double>(t.tier.curve_hits[i]) /
+                               static_cast<double>(t.tier.sampled)});
+          }
+        }
+        return out;
+      });
   // Dynamic (hash-keyed) tables, per collection and table.
   using Dyn = backend::DynamicStats;
   auto dynamic = [service](auto value) {

@@ -755,6 +755,11 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
           t.tier.write_backs += k->write_backs;
           t.tier.evictions += k->evictions;
           t.tier.file_bytes += k->file_bytes;
+          // Each shard's curve is over its own rows, at the same fractions.
+          t.tier.sampled += k->sampled;
+          for (size_t i = 0; i < k->curve_hits.size(); ++i) {
+            t.tier.curve_hits[i] += k->curve_hits[i];
+          }
         }
       }
       if (!entry.assignment.table().has_dynamic()) continue;

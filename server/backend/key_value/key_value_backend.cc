@@ -21,6 +21,7 @@
 #include "math/embedding_math.h"
 #include "math/half.h"
 #include "server/backend/forwarding_backend.h"
+#include "server/backend/key_value/lru_curve.h"
 #include "server/backend/key_value/row_file.h"
 #include "server/backend/overflow_guard.h"
 
@@ -155,6 +156,9 @@ struct Shard {
   int64_t hand = 0;
   bool dropped = false;
   TierStats stats;
+  // The hit rate an LRU cache of each size would have had on the calls'
+  // rows (TierStats::curve_hits).
+  std::unique_ptr<LruCurve> curve;
 
   int64_t cache_rows() const { return spec.cache_rows; }
   bool Written(int64_t r) const { return loc[r] >= 0; }
@@ -267,6 +271,7 @@ class KeyValueBackend : public ForwardingBackend {
   static std::shared_ptr<Shard> NewShard(const ShardSpec& spec) {
     auto shard = std::make_shared<Shard>();
     shard->spec = spec;
+    shard->curve = std::make_unique<LruCurve>(spec.rows);
     shard->width = OptimizerStateWidth(spec.optimizer.type, spec.dim);
     shard->record = spec.dim + shard->width;
     shard->stats.cache_rows = spec.cache_rows;
@@ -322,7 +327,10 @@ class KeyValueBackend : public ForwardingBackend {
           absl::StrCat("shard ", id, " of table '", spec->table, "' holds all its rows in memory"));
     }
     absl::MutexLock lock(&call_mu_);
-    return shard->stats;
+    TierStats t = shard->stats;
+    t.sampled = shard->curve->sampled();
+    t.curve_hits = shard->curve->hits();
+    return t;
   }
 
   absl::Status Lookup(absl::Span<const LookupRequest> requests) override {
@@ -935,10 +943,12 @@ class KeyValueBackend : public ForwardingBackend {
             s.used[slot] = 1;
             ++w->pinned;
             ++s.stats.hits;
+            s.curve->Access(row);
           }
         } else if (slot == kAbsent) {
           slot = static_cast<int32_t>(-2 - static_cast<int64_t>(w->misses.size()));
           w->misses.push_back(row);
+          s.curve->Access(row);
         }
       }
     }

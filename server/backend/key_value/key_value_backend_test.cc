@@ -14,6 +14,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -374,6 +375,29 @@ TEST(KeyValueBackendTest, CountersFollowTheClock) {
   EXPECT_EQ(s.cache_rows, 2);
   EXPECT_EQ(s.file_bytes, KeyValueFileBytes(spec));
   EXPECT_EQ(s.file_bytes, (10 + 5) * 512);  // 16-byte rows padded to a sector; half again as slack
+}
+
+// The learned curve counts each call's distinct rows once, lookups and
+// updates alike: rows 1, 2, 3, then 1 and 1 again in one call, then 3.
+// Row 1's second access has rows 2 and 3 since (distance 2): it hits an
+// LRU of 3 rows (0.3 of 10) and more, not of 1 or 2 rows. Row 3's has
+// row 1 since (distance 1): hits from 2 rows (0.2) up.
+TEST(KeyValueBackendTest, TheLearnedCurveCountsEachCallsRowsOnce) {
+  auto kv = KeyValue();
+  const ShardSpec spec = Spec(OptimizerType::kSgd, 10, 4, 2);
+  auto id = kv->CreateShard(spec);
+  ASSERT_TRUE(id.ok());
+  std::mt19937_64 rng(1);
+  LookupOf(*kv, *id, Pooling::kSum, Ids({1}), 4);
+  ASSERT_TRUE(Update(*kv, *id, Pooling::kSum, Ids({2}), 4, rng).ok());
+  LookupOf(*kv, *id, Pooling::kSum, Ids({3}), 4);
+  LookupOf(*kv, *id, Pooling::kSum, Ids({1, 1}), 4);
+  ASSERT_TRUE(Update(*kv, *id, Pooling::kSum, Ids({3}), 4, rng).ok());
+  const TierStats s = *kv->GetTierStats(*id);
+  EXPECT_EQ(s.sampled, 5);
+  //                           1%  2%  5% 10% 20% 30% 50% 75% 100% (of 10 rows)
+  const std::array<int64_t, 9> want = {0, 0, 0, 0, 1, 2, 2, 2, 2};
+  EXPECT_EQ(s.curve_hits, want);
 }
 
 TEST(KeyValueBackendTest, RefusesBadInputAndChangesNothing) {
