@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -179,19 +180,15 @@ double LruHitRate(int64_t capacity, int warm, int steps, bool with_updates = fal
 }
 
 // The learned curve's hit rate at `fraction` over the accesses between
-// `a` and `b` (linear between the curve's points; 0 with none sampled).
+// `a` and `b` (0 with none sampled).
 double LearnedHitRate(const eb::TierStats& a, const eb::TierStats& b, double fraction) {
   const double n = static_cast<double>(b.sampled - a.sampled);
   if (n <= 0) return 0;
-  auto at = [&](size_t i) { return static_cast<double>(b.curve_hits[i] - a.curve_hits[i]) / n; };
-  const auto& f = eb::kLruCurveFractions;
-  if (fraction <= f.front()) return at(0) * fraction / f.front();
-  for (size_t i = 1; i < f.size(); ++i) {
-    if (fraction <= f[i]) {
-      return at(i - 1) + (at(i) - at(i - 1)) * (fraction - f[i - 1]) / (f[i] - f[i - 1]);
-    }
+  std::array<double, eb::math::kLruCurveFractions.size()> curve;
+  for (size_t i = 0; i < curve.size(); ++i) {
+    curve[i] = static_cast<double>(b.curve_hits[i] - a.curve_hits[i]) / n;
   }
-  return at(f.size() - 1);
+  return eb::math::HitRateAt(curve.data(), fraction);
 }
 
 struct Result {

@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "math/hit_rate_curve.h"
 
 namespace ember {
 namespace cli {
@@ -16,6 +18,9 @@ namespace {
 // Each worker holds a table of each width: rows of two widths tell the cost
 // per id from the cost per gathered byte (with one width they are
 // proportional). fp32, a multiple of every access granularity.
+// Calibrate's own collections' names begin so.
+constexpr char kProbePrefix[] = "_calibrate_";
+
 constexpr int64_t kDims[] = {16, 128};
 
 // (batch, pooling factor): the fixed cost, gather-heavy, output-heavy and
@@ -104,6 +109,55 @@ void AddTable(const std::string& name, const std::string& feature, int64_t rows,
   sh->set_rows(rows);
   sh->set_cols(dim);
   sh->set_rank(rank);
+}
+
+// The hit-rate curves the live workers' cached shards learned from their
+// traffic (ShardInfo.lru_*), summed by table name over every collection
+// but calibrate's own, into cal->curves / curve_samples.
+absl::Status LearnCurves(client::Client* client, const ember::v1::ListWorkersResponse& workers,
+                         Calibration* cal, std::ostream* log) {
+  const size_t points = backend::math::kLruCurveFractions.size();
+  std::map<std::string, std::vector<int64_t>> hits;
+  for (const auto& w : workers.workers()) {
+    if (!w.live()) continue;
+    auto status = client->WorkerStatus(w.info().address());
+    if (!status.ok()) {
+      return absl::Status(status.status().code(),
+                          absl::StrCat("worker ", w.info().address(), ": ",
+                                       status.status().message()));
+    }
+    for (const auto& s : status->shards()) {
+      if (absl::StartsWith(s.collection(), kProbePrefix) || s.lru_sampled() <= 0 ||
+          static_cast<size_t>(s.lru_curve_hits_size()) != points) {
+        continue;
+      }
+      std::vector<int64_t>& h = hits[s.shard().table()];
+      h.resize(points, 0);
+      for (size_t i = 0; i < points; ++i) h[i] += s.lru_curve_hits(static_cast<int>(i));
+      cal->curve_samples[s.shard().table()] += s.lru_sampled();
+    }
+  }
+  for (const auto& [table, h] : hits) {
+    const int64_t n = cal->curve_samples[table];
+    std::vector<double>& curve = cal->curves[table];
+    for (int64_t x : h) curve.push_back(static_cast<double>(x) / static_cast<double>(n));
+    if (n < kMinCurveSamples) {
+      *log << "calibrate: hit-rate curve of table '" << table << "' not used: " << n
+           << " sampled accesses, fewer than " << kMinCurveSamples << std::endl;
+      continue;
+    }
+    *log << absl::StrFormat(
+                "calibrate: hit-rate curve of table '%s' (%d sampled accesses): %.3f at a 5%% "
+                "cache, %.3f at 20%%, %.3f at 50%%",
+                table, n, curve[2], curve[4], curve[6])
+         << std::endl;
+  }
+  if (hits.empty()) {
+    *log << "calibrate: no hit-rate curves: no key_value or fused_uvm_caching table has had "
+            "traffic"
+         << std::endl;
+  }
+  return absl::OkStatus();
 }
 
 // The SSD tier (workers that serve key_value): a table of kSsdDim columns
@@ -198,9 +252,12 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
     return absl::FailedPreconditionError("the live workers mix CPU and CUDA; one model fits one kind");
   }
 
+  // The curves first, before calibrate's own tables take traffic.
+  if (absl::Status s = LearnCurves(client, *listed, &cal, log); !s.ok()) return s;
+
   // A table of each width per worker, table-wise on its rank.
   ember::v1::CollectionSpec spec;
-  spec.set_name(absl::StrCat("_calibrate_", getpid(), "_", absl::ToUnixMicros(absl::Now()) % 100000));
+  spec.set_name(absl::StrCat(kProbePrefix, getpid(), "_", absl::ToUnixMicros(absl::Now()) % 100000));
   ember::v1::ShardingPlan plan;
   int64_t cols_per_worker = 0;
   for (int64_t dim : kDims) cols_per_worker += dim;
@@ -448,6 +505,10 @@ absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOpt
   } else {
     *log << "calibrate: SSD tier not measured: its probe reads " << ssd_rows
          << " rows, more than --calibrate_rows" << std::endl;
+  }
+
+  for (const auto& [table, curve] : cal.curves) {
+    if (cal.curve_samples[table] >= kMinCurveSamples) cal.model.hit_rate_curves[table] = curve;
   }
 
   for (size_t d = 0; d < std::size(kDims); ++d) {

@@ -27,6 +27,10 @@
 #include <string>
 #include <vector>
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "planner/cost_model.h"
@@ -47,6 +51,9 @@ struct CalibrateOptions {
   bool write_caches = false;
 };
 
+// Sampled accesses a table's learned curve needs before calibrate uses it.
+inline constexpr int64_t kMinCurveSamples = 1000;
+
 struct Calibration {
   ember::v1::ComputeDevice device = ember::v1::CPU;
   int workers = 0;
@@ -66,6 +73,14 @@ struct Calibration {
   // measured: a worker without an SSD tier). Written into `model`
   // (CostModel::ssd_bw_gbps) when measured.
   double ssd_bw_gbps = 0;
+  // Hit-rate curves learned by the workers' key_value and
+  // fused_uvm_caching shards from the traffic they served, by table name
+  // (every collection's tables of that name, calibrate's own excepted),
+  // and the sampled accesses behind each. Written into `model`
+  // (CostModel::hit_rate_curves) where a table has at least
+  // kMinCurveSamples.
+  std::map<std::string, std::vector<double>> curves;
+  std::map<std::string, int64_t> curve_samples;
   planner::CostModel model;
   // Per lookup shape: the median time over the workers and what the fit
   // predicts.

@@ -868,6 +868,14 @@ int RunCalibrate() {
   } else {
     std::cout << "ssd: not measured (ssd_bw_gbps left at the default's)\n";
   }
+  for (const auto& [table, curve] : cal->curves) {
+    const int64_t n = cal->curve_samples.at(table);
+    std::cout << absl::StrFormat(
+        "hit-rate curve of table '%s': %.3f at a 5%% cache, %.3f at 20%%, %.3f at 50%% (%d "
+        "sampled accesses)%s\n",
+        table, curve[2], curve[4], curve[6], n,
+        n >= cli::kMinCurveSamples ? "" : "; not written: too few");
+  }
   if (absl::Status s = WriteFile(FLAGS_output, planner::CostModelToJson(cal->model, cal->device));
       !s.ok()) {
     return Fail("calibrate", s);

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "math/embedding_math.h"
+#include "math/hit_rate_curve.h"
 #include "math/key_index.h"
 #include "math/rowwise_quant.h"
 
@@ -20,11 +21,13 @@ double TransferMs(double bytes, double gbps) {
   return bytes / (gbps * 1e6);
 }
 
-// Milliseconds per byte gathered from the kernel's memory tier.
+// Milliseconds per byte gathered from the kernel's memory tier, at
+// `hit_rate` for the kernels that cache.
 double MsPerByte(const CostModel& m, ComputeKernel kernel,
-                 ember::v1::ComputeDevice device, double cache_load_factor) {
+                 ember::v1::ComputeDevice device, double hit_rate) {
+  const double cache_load_factor = hit_rate;
   // key_value: hits from the cache (host memory, or HBM on a GPU), misses
-  // from the SSD; the cache load factor stands in for the hit rate.
+  // from the SSD.
   const double ssd = m.ssd_bw_gbps * 1e6;
   if (device == ember::v1::CPU) {
     double bw = m.ddr_bw_gbps * m.lookup_efficiency;
@@ -44,13 +47,32 @@ double MsPerByte(const CostModel& m, ComputeKernel kernel,
     case ComputeKernel::kFusedUvm:
       return 1.0 / uvm;
     case ComputeKernel::kFusedUvmCaching:
-      // Hits are served from HBM, misses through UVM; the cache load factor
-      // stands in for the hit rate, as in TorchRec.
+      // Hits are served from HBM, misses through UVM.
       return cache_load_factor / hbm + (1.0 - cache_load_factor) / uvm;
     case ComputeKernel::kKeyValue:
       return cache_load_factor / hbm + (1.0 - cache_load_factor) / ssd;
   }
   return 1.0 / hbm;
+}
+
+// The fraction of a shard's rows its cache holds: cache_load_factor, but at
+// least kKeyValueMinCacheRows rows (the worker's floor,
+// server/backend/table_spec.h), at most all.
+double CacheFraction(const TableWorkload& w, int64_t rows) {
+  if (rows <= 0) return w.cache_load_factor;
+  return std::min(1.0, std::max(w.cache_load_factor,
+                                static_cast<double>(backend::math::kKeyValueMinCacheRows) /
+                                    static_cast<double>(rows)));
+}
+
+// The hit rate a cached shard's reads are priced at: its table's learned
+// curve at the shard's cache fraction where there is one, else
+// cache_load_factor (TorchRec's stand-in).
+double HitRate(const TableWorkload& w, int64_t rows) {
+  if (w.hit_rate_curve.size() != backend::math::kLruCurveFractions.size()) {
+    return w.cache_load_factor;
+  }
+  return backend::math::HitRateAt(w.hit_rate_curve.data(), CacheFraction(w, rows));
 }
 
 double NarrowRowPenalty(const CostModel& m, int64_t cols) {
@@ -183,7 +205,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   const int64_t row_bytes =
       (WeightRowBytes(w, cols) + g - 1) / g * static_cast<int64_t>(g);
   const int64_t state_row_bytes = OptimizerStateBytesPerRow(w.optimizer, cols);
-  const double ms_per_byte = MsPerByte(m, kernel, device, w.cache_load_factor);
+  const double ms_per_byte = MsPerByte(m, kernel, device, HitRate(w, block.rows));
   const double penalty = device == ember::v1::CUDA ? NarrowRowPenalty(m, cols) : 1.0;
   const double id_bytes = m.id_bytes + (w.weighted ? m.weight_bytes : 0);
 
@@ -253,13 +275,7 @@ ShardCost EstimateShard(const CostModel& m, const TableWorkload& w,
   // worker builds it; unlike TorchRec's, the cache holds the rows' state.
   if (kernel == ComputeKernel::kKeyValue ||
       (kernel == ComputeKernel::kFusedUvmCaching && device != ember::v1::CPU)) {
-    // The worker caches at least kKeyValueMinCacheRows of a shard (server/backend/table_spec.h).
-    const double clf =
-        block.rows > 0 ? std::min(1.0, std::max(w.cache_load_factor,
-                                                static_cast<double>(
-                                                    backend::math::kKeyValueMinCacheRows) /
-                                                    static_cast<double>(block.rows)))
-                       : w.cache_load_factor;
+    const double clf = CacheFraction(w, block.rows);
     const int64_t cached = static_cast<int64_t>(std::ceil(clf * (weights + state)));
     const int64_t cache_rows = static_cast<int64_t>(std::ceil(clf * block.rows));
     const bool on_ssd = kernel == ComputeKernel::kKeyValue;

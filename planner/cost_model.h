@@ -16,6 +16,8 @@
 #define EMBER_PLANNER_COST_MODEL_H_
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -101,6 +103,13 @@ struct CostModel {
   int id_bytes = 8;
   int weight_bytes = 4;
   int output_bytes = 4;
+  // Hit-rate curves learned on live workers (`emberctl calibrate`, from
+  // each key_value / fused_uvm_caching shard's traffic), by table name:
+  // the hit rate at each of math::kLruCurveFractions of a shard's rows. A
+  // cached table (key_value, fused_uvm_caching) with a curve has its reads
+  // priced at the curve's rate for its cache's fraction; one without, at
+  // the fraction itself (TorchRec's assumption).
+  std::map<std::string, std::vector<double>> hit_rate_curves;
 };
 
 // Defaults for a device kind:
@@ -130,6 +139,9 @@ struct TableWorkload {
   int quant_bits = 0;          // INT8 / INT4 rows (8, 4; math/rowwise_quant.h); 0: none
   ember::v1::OptimizerSpec::Type optimizer = ember::v1::OptimizerSpec::SGD;
   double cache_load_factor = 0.2;  // for fused_uvm_caching
+  // The table's learned hit-rate curve (CostModel::hit_rate_curves), or
+  // empty.
+  std::vector<double> hit_rate_curve;
   // A dynamic (hash-keyed) table: its shards also hold a zero row, an id
   // index and each slot's bookkeeping (math/key_index.h), in host memory;
   // a CUDA worker keeps a copy of the index in HBM too.

@@ -5,13 +5,18 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "math/hit_rate_curve.h"
 
 namespace ember {
 namespace planner {
@@ -67,6 +72,40 @@ absl::Status Bad(const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("cost model: ", what));
 }
 
+constexpr char kCurvesField[] = "hit_rate_curves";
+
+// "hit_rate_curves": {"table": [rates at math::kLruCurveFractions], ...}:
+// each a list of that many numbers in [0, 1], never falling.
+absl::Status ReadCurves(const google::protobuf::Value& v, CostModel* m) {
+  const size_t n = backend::math::kLruCurveFractions.size();
+  if (v.kind_case() != google::protobuf::Value::kStructValue) {
+    return Bad(absl::StrCat("'", kCurvesField, "' must be an object of table name -> curve"));
+  }
+  for (const auto& [table, curve] : v.struct_value().fields()) {
+    const std::string what = absl::StrCat("'", kCurvesField, "' of table '", table.substr(0, 64),
+                                          "'");
+    if (curve.kind_case() != google::protobuf::Value::kListValue ||
+        static_cast<size_t>(curve.list_value().values_size()) != n) {
+      return Bad(absl::StrCat(what, " must be a list of ", n,
+                              " hit rates (at cache fractions 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, "
+                              "0.5, 0.75, 1)"));
+    }
+    std::vector<double> rates;
+    for (const auto& x : curve.list_value().values()) {
+      const double r = x.kind_case() == google::protobuf::Value::kNumberValue ? x.number_value()
+                                                                             : -1;
+      if (!(r >= 0 && r <= 1)) return Bad(absl::StrCat(what, ": a rate outside [0, 1]"));
+      if (!rates.empty() && r < rates.back()) {
+        return Bad(absl::StrCat(what, ": the rate falls as the cache grows (", rates.back(),
+                                " then ", r, ")"));
+      }
+      rates.push_back(r);
+    }
+    m->hit_rate_curves[table] = std::move(rates);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string CostModelToJson(const CostModel& model, ember::v1::ComputeDevice device) {
@@ -77,6 +116,17 @@ std::string CostModelToJson(const CostModel& model, ember::v1::ComputeDevice dev
     parts.push_back(absl::StrCat("\"", name, "\": ",
                                  f.integer ? absl::StrCat(static_cast<int64_t>(v))
                                            : absl::StrFormat("%.9g", v)));
+  }
+  if (!model.hit_rate_curves.empty()) {
+    std::vector<std::string> curves;
+    for (const auto& [table, curve] : model.hit_rate_curves) {
+      std::vector<std::string> points;
+      for (double x : curve) points.push_back(absl::StrFormat("%.6g", x));
+      curves.push_back(
+          absl::StrCat("    \"", absl::CEscape(table), "\": [", absl::StrJoin(points, ", "), "]"));
+    }
+    parts.push_back(absl::StrCat("\"", kCurvesField, "\": {\n", absl::StrJoin(curves, ",\n"),
+                                 "\n  }"));
   }
   return absl::StrCat("{\n  ", absl::StrJoin(parts, ",\n  "), "\n}\n");
 }
@@ -97,6 +147,10 @@ absl::StatusOr<CostModel> CostModelFromJson(const std::string& json,
   CostModel m = DefaultCostModel(device);
   for (const auto& [name, v] : root.fields()) {
     if (name == "device") continue;
+    if (name == kCurvesField) {
+      if (absl::Status s = ReadCurves(v, &m); !s.ok()) return s;
+      continue;
+    }
     auto it = Fields().find(name);
     if (it == Fields().end()) return Bad(absl::StrCat("unknown field '", name.substr(0, 64), "'"));
     const FieldDef& f = it->second;

@@ -43,6 +43,19 @@ TEST(CostModelIoTest, RoundTripsEveryField) {
   EXPECT_EQ(partial->hbm_bw_gbps, DefaultCostModel(ember::v1::CUDA).hbm_bw_gbps);
 }
 
+TEST(CostModelIoTest, RoundTripsHitRateCurves) {
+  CostModel m = DefaultCostModel(ember::v1::CPU);
+  m.hit_rate_curves["t_user"] = {0.25, 0.3, 0.4, 0.5, 0.625, 0.7, 0.8, 0.9, 1};
+  m.hit_rate_curves["t_item"] = {0, 0, 0, 0, 0, 0, 0, 0, 0.5};
+  auto back = CostModelFromJson(CostModelToJson(m, ember::v1::CPU));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->hit_rate_curves, m.hit_rate_curves);
+  // A model without curves writes none.
+  EXPECT_EQ(CostModelToJson(DefaultCostModel(ember::v1::CPU), ember::v1::CPU)
+                .find("hit_rate_curves"),
+            std::string::npos);
+}
+
 TEST(CostModelIoTest, RefusesWhatWouldMisleadThePlanner) {
   auto bad = [](const std::string& json, const std::string& why) {
     auto m = CostModelFromJson(json);
@@ -61,6 +74,15 @@ TEST(CostModelIoTest, RefusesWhatWouldMisleadThePlanner) {
   bad(R"({"device": "cpu", "ddr_bw_gbps": 0})", "CPU workers need ddr_bw_gbps > 0");
   bad(R"({"device": "cpu", "cache_bytes": 8388608})", "cache_bytes > 0 needs cache_bw_gbps > 0");
   bad(R"({"device": "cpu", "cache_bytes": -1, "cache_bw_gbps": 100})", "'cache_bytes' = -1");
+  bad(R"({"device": "cpu", "hit_rate_curves": [0.5]})", "must be an object");
+  bad(R"({"device": "cpu", "hit_rate_curves": {"t": [0.1, 0.2]}})",
+      "'hit_rate_curves' of table 't' must be a list of 9 hit rates");
+  bad(R"({"device": "cpu", "hit_rate_curves": {"t": [0, 0, 0, 0, 0, 0, 0, 0, 1.5]}})",
+      "a rate outside [0, 1]");
+  bad(R"({"device": "cpu", "hit_rate_curves": {"t": [0, 0, 0, "x", 0, 0, 0, 0, 1]}})",
+      "a rate outside [0, 1]");
+  bad(R"({"device": "cpu", "hit_rate_curves": {"t": [0.5, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1]}})",
+      "the rate falls as the cache grows (0.5 then 0.4)");
   EXPECT_EQ(LoadCostModel("/nonexistent/model.json").status().code(), absl::StatusCode::kNotFound);
 }
 

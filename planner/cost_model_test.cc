@@ -268,6 +268,51 @@ TEST(CostModelTest, DynamicTablesPayForTheirBookkeeping) {
   EXPECT_EQ(fixed.ddr_bytes, 0);
 }
 
+// A cached table whose curve was learned (CostModel::hit_rate_curves via
+// TableWorkload::hit_rate_curve) has its reads priced at the curve's rate
+// for its cache's fraction, linear between the curve's points and at the
+// worker's floor of cached rows; without one, at cache_load_factor. The
+// forward's time is its bytes times the cost of a byte, so the ratio of
+// two forwards is the ratio of those costs, worked here by hand.
+TEST(CostModelTest, ALearnedCurvePricesACachedTablesReads) {
+  CostModel m = RoundModel();
+  m.per_id_ms = 0;
+  m.ssd_bw_gbps = 0.5;
+  const std::vector<double> curve = {0.3, 0.4, 0.55, 0.65, 0.8, 0.85, 0.9, 0.95, 1.0};
+  // ms a byte at hit rate h: hits from memory (100 GB/s), misses from SSD.
+  auto per_byte = [](double h) { return h / 100e6 + (1 - h) / 0.5e6; };
+  auto forward = [&](double clf, bool learned, int64_t rows) {
+    TableWorkload w = Work(1e5, 1e4);
+    w.cache_load_factor = clf;
+    if (learned) w.hit_rate_curve = curve;
+    const ShardBlock block{0, 0, rows, 64};
+    return EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kKeyValue,
+                         ember::v1::CPU, block, rows, 1)
+        .fwd_compute_ms;
+  };
+  constexpr int64_t kRows = 10000000;  // the floor of 65,536 rows is under 1%
+  EXPECT_NEAR(forward(0.2, true, kRows) / forward(0.2, false, kRows),
+              per_byte(0.8) / per_byte(0.2), 1e-9);
+  // 0.15: halfway between the points at 0.1 (0.65) and 0.2 (0.8).
+  EXPECT_NEAR(forward(0.15, true, kRows) / forward(0.15, false, kRows),
+              per_byte(0.725) / per_byte(0.15), 1e-9);
+  // A shard of 131,072 rows caches at least 65,536 of them (half): the
+  // curve's point at 0.5, whatever cache_load_factor asks.
+  EXPECT_NEAR(forward(0.05, true, 131072) / forward(0.05, false, 131072),
+              per_byte(0.9) / per_byte(0.05), 1e-9);
+  // A table held whole in memory is not priced by a curve.
+  TableWorkload w = Work(1e5, 1e4);
+  const ShardBlock block{0, 0, kRows, 64};
+  const double fused = EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kFused,
+                                     ember::v1::CPU, block, kRows, 1)
+                           .fwd_compute_ms;
+  w.hit_rate_curve = curve;
+  EXPECT_EQ(EstimateShard(m, w, ShardingType::kTableWise, ComputeKernel::kFused, ember::v1::CPU,
+                          block, kRows, 1)
+                .fwd_compute_ms,
+            fused);
+}
+
 // Below memory the bookkeeping stays on the host; the zero row goes with
 // the rows (a record more in the file, or mapped host memory), and only a
 // fused_uvm shard's CUDA worker keeps the index's copy in HBM (under a

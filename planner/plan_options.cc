@@ -139,6 +139,9 @@ TableWorkload WorkloadFor(const TableConfig& t, const ParameterConstraints& c,
   w.cache_load_factor = c.cache_load_factor() > 0
                             ? c.cache_load_factor()
                             : model.default_cache_load_factor;
+  if (auto curve = model.hit_rate_curves.find(t.name()); curve != model.hit_rate_curves.end()) {
+    w.hit_rate_curve = curve->second;
+  }
   return w;
 }
 

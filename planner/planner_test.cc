@@ -458,6 +458,37 @@ TEST(PlannerTest, DynamicTablesArePlannedOnKeyValueWhereAsked) {
   EXPECT_THAT(std::string(dp.status().message()), HasSubstr("table_wise or row_wise"));
 }
 
+// A learned hit-rate curve (CostModel::hit_rate_curves, by table name)
+// prices a key_value table's step: at a curve of 0.9 where its cache sits,
+// 90% of its reads come from memory instead of the 5% that
+// cache_load_factor alone assumes, so its estimated step is shorter; a
+// curve under another table's name changes nothing.
+TEST(PlannerTest, ALearnedCurvePricesAKeyValueTablesStep) {
+  CollectionSpec spec;
+  AddTable(&spec, "big", 400'000'000, 64);
+  auto& c = (*spec.mutable_constraints())["big"];
+  c.add_sharding_types("table_wise");
+  c.add_compute_kernels("key_value");
+  c.set_cache_load_factor(0.05);
+  Topology topo = Cpu(1);
+  topo.set_ddr_cap_bytes(32 * kGiB);
+  topo.add_compute_kernels("key_value");
+  auto cost = [&](const std::string& table) {
+    PlannerOptions o;
+    o.cost_model = DefaultCostModel(ember::v1::CPU);
+    if (!table.empty()) {
+      o.cost_model->hit_rate_curves[table] = {0.5, 0.7, 0.9, 0.92, 0.94, 0.95, 0.97, 0.99, 1};
+    }
+    auto plan = Plan(spec, topo, o);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->tables(0).compute_kernel(), "key_value");
+    return plan->stats().per_rank(0).cost_ms();
+  };
+  const double assumed = cost(""), learned = cost("big"), other = cost("small");
+  EXPECT_LT(learned, 0.5 * assumed);
+  EXPECT_EQ(other, assumed);
+}
+
 // key_value (rows on the workers' SSDs): planned only for a table whose
 // constraints name it and where the workers serve it; the plan carries the
 // table's cache_load_factor; a table 4x a CPU worker's memory fits on it

@@ -65,8 +65,32 @@ EOF
 # written as ssd_bw_gbps (a drive, not the cache: under 5 GB/s, 10M reads/s of 512-byte rows).
 mkdir -p "$work/ssd"
 with_ssd=$(up --ssd_dir="$work/ssd" --ssd_gib=1) || fail "up --ssd_dir did not come up"
+# Traffic on a key_value table first: its shard learns a hit-rate curve,
+# which calibrate collects and writes. Five lookups of the same 400 rows:
+# the first misses at every cache size, the next four hit wherever 400 rows
+# fit (0.05 of 10,000 rows and up), not at 0.01 or 0.02 (100, 200 rows).
+cat >"$work/kv.json" <<'EOF'
+{"name": "kv", "tables": [{"name": "t_kv", "num_embeddings": 10000, "embedding_dim": 8,
+  "feature_names": ["f_kv"]}],
+ "constraints": {"t_kv": {"compute_kernels": ["key_value"], "sharding_types": ["table_wise"]}}}
+EOF
+"$emberctl" create --coordinator="$with_ssd" --spec="$work/kv.json" >/dev/null ||
+  fail "the key_value collection was not created"
+python3 -c 'import json; print(json.dumps({"keys": ["f_kv"], "lengths": [1] * 400, "values": list(range(0, 8000, 20))}))' >"$work/kjt.json"
+for _ in 1 2 3 4 5; do
+  "$emberctl" lookup --coordinator="$with_ssd" --collection=kv --input="$work/kjt.json" \
+    --output="$work/out.json" || fail "lookup on the key_value table failed"
+done
 "$emberctl" calibrate --coordinator="$with_ssd" --output="$work/ssd_model.json" \
   --calibrate_rows=140000 --calibrate_reps=3 | tee "$work/ssd.out"
+grep -qF "hit-rate curve of table 't_kv': 0.800 at a 5% cache, 0.800 at 20%, 0.800 at 50% (2000 sampled accesses)" \
+  "$work/ssd.out" || fail "no hit-rate curve printed for t_kv"
+python3 - "$work/ssd_model.json" <<'EOF' || fail "the hit-rate curve was not written"
+import json, sys
+curves = json.load(open(sys.argv[1]))["hit_rate_curves"]
+assert list(curves) == ["t_kv"], curves  # calibrate's own tables left out
+assert curves["t_kv"] == [0, 0, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8], curves
+EOF
 grep -qE 'SSD tier: [0-9]+ random row reads/s of 512-byte rows' "$work/ssd.out" ||
   fail "the SSD tier was not probed"
 grep -qE '^ssd: rows read from the key_value files at [0-9.]+ GB/s' "$work/ssd.out" ||

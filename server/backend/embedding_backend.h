@@ -62,6 +62,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "math/embedding_math.h"
+#include "math/hit_rate_curve.h"
 #include "math/key_index.h"
 
 namespace ember {
@@ -176,13 +177,12 @@ struct TierStats {
   // rows, sampled by hash), curve_hits[i] would have hit an LRU cache of
   // kLruCurveFractions[i] of the shard's rows. Ratios are the estimate.
   int64_t sampled = 0;
-  std::array<int64_t, 9> curve_hits{};
+  std::array<int64_t, math::kLruCurveFractions.size()> curve_hits{};
 };
 
 // The cache sizes, as fractions of a shard's rows, at which TierStats
 // gives the learned hit rate.
-inline constexpr std::array<double, 9> kLruCurveFractions = {0.01, 0.02, 0.05, 0.1, 0.2,
-                                                             0.3,  0.5,  0.75, 1.0};
+using math::kLruCurveFractions;
 
 // A dynamic shard's counters (DynamicIndex: dynamic/dynamic_index.h).
 struct DynamicStats {

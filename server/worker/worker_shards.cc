@@ -878,6 +878,13 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
       info->set_cols(entry.assignment.cols());
       auto step = backend_->ExportStep(entry.id);
       info->set_step(step.ok() ? *step : -1);
+      const std::string& kernel = entry.assignment.compute_kernel();
+      if (kernel == "key_value" || kernel == "fused_uvm_caching") {
+        if (auto t = backend_->GetTierStats(entry.id); t.ok()) {
+          info->set_lru_sampled(t->sampled);
+          for (int64_t hits : t->curve_hits) info->add_lru_curve_hits(hits);
+        }
+      }
     }
   }
   return grpc::Status::OK;
