@@ -100,6 +100,30 @@ Solution Solve(Search* search, const std::vector<TableInfo>& tables,
     if (!best.ok || (s.ok && s.makespan < best.makespan)) best = std::move(s);
   };
   keep_better(search->BestGreedy(by_memory, bounds.tight, options.search_steps));
+  // By regret: what a table loses in its cheapest option that takes less
+  // memory than its cheapest one (on a cache over SSD or host memory
+  // instead of held whole), largest first, so that the tables that lose the
+  // most by leaving memory get it first: with learned hit-rate curves, the
+  // ones that cache worst. Tables with no such option go last. Run where
+  // some table has one.
+  std::vector<double> regret(n, -1);
+  for (int t = 0; t < n; ++t) {
+    const auto& opts = tables[t].options;  // sorted by cost: 0 is cheapest
+    if (opts.empty()) continue;
+    const int64_t least = opts[0].total_hbm + opts[0].total_ddr;
+    for (const Option& o : opts) {
+      if (o.total_hbm + o.total_ddr < least) {
+        regret[t] = o.total_cost - opts[0].total_cost;
+        break;
+      }
+    }
+  }
+  if (std::any_of(regret.begin(), regret.end(), [](double r) { return r >= 0; })) {
+    std::vector<int> by_regret = by_cost;
+    std::stable_sort(by_regret.begin(), by_regret.end(),
+                     [&](int a, int b) { return regret[a] > regret[b]; });
+    keep_better(search->BestGreedy(by_regret, bounds.tight, options.search_steps));
+  }
   // When HBM is the binding constraint, plan again with layouts chosen to
   // fit an HBM budget, tightening the budget until a plan is found.
   const int64_t cluster_hbm = std::accumulate(hbm_cap.begin(), hbm_cap.end(), int64_t{0});

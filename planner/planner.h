@@ -14,7 +14,11 @@
 //     (table_wise, column_wise) go to the least-loaded worker that fits.
 //     Binary search on T, from the lower bound up to an unconstrained greedy
 //     plan, finds the tightest T the greedy pass meets. Two table orders are
-//     tried (by work, by memory) and the better plan kept.
+//     tried (by work, by memory), and a third where some table may leave
+//     memory (key_value, fused_uvm_caching, fused_uvm: by what its cheapest
+//     option that takes less memory costs it over its cheapest, largest
+//     first, so the tables that cache worst keep memory); the best plan is
+//     kept.
 //  2. Local search then moves, or swaps, free shards off the slowest worker
 //     while that strictly lowers the pair's maximum. Where the model has
 //     caches (CostModel::cache_bytes) a worker's cost here is its shards'

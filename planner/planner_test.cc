@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 #include <set>
 #include <sstream>
@@ -487,6 +488,45 @@ TEST(PlannerTest, ALearnedCurvePricesAKeyValueTablesStep) {
   const double assumed = cost(""), learned = cost("big"), other = cost("small");
   EXPECT_LT(learned, 0.5 * assumed);
   EXPECT_EQ(other, assumed);
+}
+
+// Two tables that may each go fused or key_value, memory for one of them
+// in memory: the one whose learned curve caches worse (its key_value step
+// would cost more) is held in memory, the other goes to the SSD tier; swap
+// the curves and they swap places.
+TEST(PlannerTest, LearnedCurvesKeepTheTableThatCachesWorseInMemory) {
+  CollectionSpec spec;
+  for (const char* name : {"a", "b"}) {
+    AddTable(&spec, name, 100'000'000, 64);  // 23.8 GiB of fp32 weights each, SGD
+    auto& c = (*spec.mutable_constraints())[name];
+    c.add_sharding_types("table_wise");
+    c.add_compute_kernels("fused");
+    c.add_compute_kernels("key_value");
+    c.set_cache_load_factor(0.05);
+  }
+  Topology topo = Cpu(1);
+  topo.set_ddr_cap_bytes(32 * kGiB);
+  topo.add_compute_kernels("fused");
+  topo.add_compute_kernels("key_value");
+  const std::vector<double> poor = {0.02, 0.04, 0.1, 0.15, 0.25, 0.3, 0.45, 0.7, 1};
+  const std::vector<double> good = {0.8, 0.9, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995, 1};
+  auto kernels = [&](const std::vector<double>& a, const std::vector<double>& b) {
+    PlannerOptions o;
+    o.cost_model = DefaultCostModel(ember::v1::CPU);
+    o.cost_model->hit_rate_curves["a"] = a;
+    o.cost_model->hit_rate_curves["b"] = b;
+    auto plan = Plan(spec, topo, o);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    std::map<std::string, std::string> k;
+    for (const auto& ts : plan->tables()) k[ts.table()] = ts.compute_kernel();
+    return k;
+  };
+  auto k = kernels(poor, good);
+  EXPECT_EQ(k["a"], "fused");
+  EXPECT_EQ(k["b"], "key_value");
+  k = kernels(good, poor);
+  EXPECT_EQ(k["a"], "key_value");
+  EXPECT_EQ(k["b"], "fused");
 }
 
 // key_value (rows on the workers' SSDs): planned only for a table whose
