@@ -15,12 +15,12 @@ namespace ember {
 namespace cli {
 namespace {
 
-// Each worker holds a table of each width: rows of two widths tell the cost
-// per id from the cost per gathered byte (with one width they are
-// proportional). fp32, a multiple of every access granularity.
 // Calibrate's own collections' names begin so.
 constexpr char kProbePrefix[] = "_calibrate_";
 
+// Each worker holds a table of each width: rows of two widths tell the cost
+// per id from the cost per gathered byte (with one width they are
+// proportional). fp32, a multiple of every access granularity.
 constexpr int64_t kDims[] = {16, 128};
 
 // (batch, pooling factor): the fixed cost, gather-heavy, output-heavy and
