@@ -34,9 +34,10 @@ INCLUDES = {
     "cuda": ("cuda/", ["cuda/", "math/"]),
     "link": ("link/", ["link/", "cuda/cuda_status.h"]),
     # The planner sizes tables by what the backends hold (math/): the
-    # optimizers' state layout and a dynamic table's index.
+    # optimizers' state layout and a dynamic table's index; and prices a
+    # cache by the hit-rate curve its shards learn (math/hit_rate_curve.h).
     "planner": ("planner/", ["planner/", "proto/", "math/embedding_math.h", "math/key_index.h",
-                             "math/rowwise_quant.h"]),
+                             "math/rowwise_quant.h", "math/hit_rate_curve.h"]),
     "common": ("server/common/", ["server/common/", "proto/"]),
     "backend": ("server/backend/", ["server/backend/embedding_backend.h",
                                     "server/backend/overflow_guard.h",
