@@ -38,6 +38,7 @@
 #include "cuda/device_query.h"
 #include "gflags/gflags.h"
 #include "link/peer_link.h"
+#include "math/hit_rate_curve.h"
 #include "planner/cost_model_io.h"
 #include "planner/plan_format.h"
 #include "server/common/auth.h"
@@ -981,6 +982,25 @@ int RunStatus() {
     }
     std::cout << std::endl;
   }
+  // The hit-rate curves the cached tables' shards learned (ShardInfo.lru_*),
+  // by collection and table.
+  struct Curve {
+    int64_t sampled = 0;
+    std::vector<int64_t> hits;
+  };
+  std::map<std::pair<std::string, std::string>, Curve> curves;
+  const size_t points = backend::math::kLruCurveFractions.size();
+  for (const auto& [id, st] : first) {
+    for (const auto& sh : st.shards()) {
+      if (sh.lru_sampled() <= 0 || static_cast<size_t>(sh.lru_curve_hits_size()) != points) {
+        continue;
+      }
+      Curve& c = curves[{sh.collection(), sh.shard().table()}];
+      c.sampled += sh.lru_sampled();
+      c.hits.resize(points, 0);
+      for (size_t i = 0; i < points; ++i) c.hits[i] += sh.lru_curve_hits(static_cast<int>(i));
+    }
+  }
   auto collections = (*cl)->ListCollections();
   if (!collections.ok()) return Fail("status", collections.status());
   std::cout << collections->size() << " collection(s)" << std::endl;
@@ -997,6 +1017,17 @@ int RunStatus() {
     }
     if (!c.note().empty()) std::cout << "    " << c.note() << std::endl;
     PrintTables(c.spec());
+    for (const auto& t : c.spec().tables()) {
+      auto it = curves.find({c.spec().name(), t.name()});
+      if (it == curves.end()) continue;
+      const double n = static_cast<double>(it->second.sampled);
+      const std::vector<int64_t>& h = it->second.hits;
+      std::cout << absl::StrFormat(
+                       "    %s: an LRU cache would hit %.3f of its rows' accesses at 5%% of its "
+                       "rows, %.3f at 20%%, %.3f at 50%% (learned from %d sampled accesses)",
+                       t.name(), h[2] / n, h[4] / n, h[6] / n, it->second.sampled)
+                << std::endl;
+    }
   }
   return 0;
 }

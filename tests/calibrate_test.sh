@@ -81,6 +81,9 @@ for _ in 1 2 3 4 5; do
   "$emberctl" lookup --coordinator="$with_ssd" --collection=kv --input="$work/kjt.json" \
     --output="$work/out.json" || fail "lookup on the key_value table failed"
 done
+"$emberctl" status --coordinator="$with_ssd" --rate_window=0s >"$work/kv_status.out"
+grep -qF "t_kv: an LRU cache would hit 0.800 of its rows' accesses at 5% of its rows, 0.800 at 20%, 0.800 at 50% (learned from 2000 sampled accesses)" \
+  "$work/kv_status.out" || { cat "$work/kv_status.out" >&2; fail "status shows no learned curve for t_kv"; }
 "$emberctl" calibrate --coordinator="$with_ssd" --output="$work/ssd_model.json" \
   --calibrate_rows=140000 --calibrate_reps=3 | tee "$work/ssd.out"
 grep -qF "hit-rate curve of table 't_kv': 0.800 at a 5% cache, 0.800 at 20%, 0.800 at 50% (2000 sampled accesses)" \
