@@ -116,7 +116,6 @@ void AddTable(const std::string& name, const std::string& feature, int64_t rows,
 // but calibrate's own, into cal->curves / curve_samples.
 absl::Status LearnCurves(client::Client* client, const ember::v1::ListWorkersResponse& workers,
                          Calibration* cal, std::ostream* log) {
-  const size_t points = backend::math::kLruCurveFractions.size();
   std::map<std::string, std::vector<int64_t>> hits;
   for (const auto& w : workers.workers()) {
     if (!w.live()) continue;
@@ -127,17 +126,14 @@ absl::Status LearnCurves(client::Client* client, const ember::v1::ListWorkersRes
                                        status.status().message()));
     }
     for (const auto& s : status->shards()) {
-      if (absl::StartsWith(s.collection(), kProbePrefix) || s.lru_sampled() <= 0 ||
-          static_cast<size_t>(s.lru_curve_hits_size()) != points) {
-        continue;
-      }
+      if (absl::StartsWith(s.collection(), kProbePrefix)) continue;
+      int64_t sampled = 0;
       std::vector<int64_t>& h = hits[s.shard().table()];
-      h.resize(points, 0);
-      for (size_t i = 0; i < points; ++i) h[i] += s.lru_curve_hits(static_cast<int>(i));
-      cal->curve_samples[s.shard().table()] += s.lru_sampled();
+      if (AddLearnedCurve(s, &sampled, &h)) cal->curve_samples[s.shard().table()] += sampled;
     }
   }
   for (const auto& [table, h] : hits) {
+    if (h.empty()) continue;  // the table's shards learned nothing
     const int64_t n = cal->curve_samples[table];
     std::vector<double>& curve = cal->curves[table];
     for (int64_t x : h) curve.push_back(static_cast<double>(x) / static_cast<double>(n));
@@ -152,7 +148,7 @@ absl::Status LearnCurves(client::Client* client, const ember::v1::ListWorkersRes
                 table, n, curve[2], curve[4], curve[6])
          << std::endl;
   }
-  if (hits.empty()) {
+  if (cal->curves.empty()) {
     *log << "calibrate: no hit-rate curves: no key_value or fused_uvm_caching table has had "
             "traffic"
          << std::endl;
@@ -225,6 +221,18 @@ absl::StatusOr<double> ProbeSsd(client::Client* client, const std::string& colle
 }
 
 }  // namespace
+
+bool AddLearnedCurve(const ember::v1::ShardInfo& shard, int64_t* sampled,
+                     std::vector<int64_t>* hits) {
+  const size_t points = backend::math::kLruCurveFractions.size();
+  if (shard.lru_sampled() <= 0 || static_cast<size_t>(shard.lru_curve_hits_size()) != points) {
+    return false;
+  }
+  *sampled += shard.lru_sampled();
+  hits->resize(points, 0);
+  for (size_t i = 0; i < points; ++i) (*hits)[i] += shard.lru_curve_hits(static_cast<int>(i));
+  return true;
+}
 
 absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOptions& options,
                                       std::ostream* log) {

@@ -94,6 +94,12 @@ struct Calibration {
 // Progress lines go to `log`. The scratch collection is dropped whatever
 // happens. FAILED_PRECONDITION when there are no live workers or they mix
 // devices.
+// A shard's learned hit-rate curve (ShardInfo.lru_*) added to *sampled and
+// *hits (sized to the curve's points on first use); false, nothing added,
+// where the shard has none (not cached, or no traffic yet).
+bool AddLearnedCurve(const ember::v1::ShardInfo& shard, int64_t* sampled,
+                     std::vector<int64_t>* hits);
+
 absl::StatusOr<Calibration> Calibrate(client::Client* client, const CalibrateOptions& options,
                                       std::ostream* log);
 

@@ -38,7 +38,6 @@
 #include "cuda/device_query.h"
 #include "gflags/gflags.h"
 #include "link/peer_link.h"
-#include "math/hit_rate_curve.h"
 #include "planner/cost_model_io.h"
 #include "planner/plan_format.h"
 #include "server/common/auth.h"
@@ -989,16 +988,10 @@ int RunStatus() {
     std::vector<int64_t> hits;
   };
   std::map<std::pair<std::string, std::string>, Curve> curves;
-  const size_t points = backend::math::kLruCurveFractions.size();
   for (const auto& [id, st] : first) {
     for (const auto& sh : st.shards()) {
-      if (sh.lru_sampled() <= 0 || static_cast<size_t>(sh.lru_curve_hits_size()) != points) {
-        continue;
-      }
       Curve& c = curves[{sh.collection(), sh.shard().table()}];
-      c.sampled += sh.lru_sampled();
-      c.hits.resize(points, 0);
-      for (size_t i = 0; i < points; ++i) c.hits[i] += sh.lru_curve_hits(static_cast<int>(i));
+      AddLearnedCurve(sh, &c.sampled, &c.hits);
     }
   }
   auto collections = (*cl)->ListCollections();
@@ -1019,7 +1012,7 @@ int RunStatus() {
     PrintTables(c.spec());
     for (const auto& t : c.spec().tables()) {
       auto it = curves.find({c.spec().name(), t.name()});
-      if (it == curves.end()) continue;
+      if (it == curves.end() || it->second.sampled == 0) continue;
       const double n = static_cast<double>(it->second.sampled);
       const std::vector<int64_t>& h = it->second.hits;
       std::cout << absl::StrFormat(

@@ -25,7 +25,6 @@ double TransferMs(double bytes, double gbps) {
 // `hit_rate` for the kernels that cache.
 double MsPerByte(const CostModel& m, ComputeKernel kernel,
                  ember::v1::ComputeDevice device, double hit_rate) {
-  const double cache_load_factor = hit_rate;
   // key_value: hits from the cache (host memory, or HBM on a GPU), misses
   // from the SSD.
   const double ssd = m.ssd_bw_gbps * 1e6;
@@ -33,7 +32,7 @@ double MsPerByte(const CostModel& m, ComputeKernel kernel,
     double bw = m.ddr_bw_gbps * m.lookup_efficiency;
     if (kernel == ComputeKernel::kDense) bw *= m.dense_kernel_factor;
     if (kernel == ComputeKernel::kKeyValue) {
-      return cache_load_factor / (bw * 1e6) + (1.0 - cache_load_factor) / ssd;
+      return hit_rate / (bw * 1e6) + (1.0 - hit_rate) / ssd;
     }
     return 1.0 / (bw * 1e6);
   }
@@ -48,9 +47,9 @@ double MsPerByte(const CostModel& m, ComputeKernel kernel,
       return 1.0 / uvm;
     case ComputeKernel::kFusedUvmCaching:
       // Hits are served from HBM, misses through UVM.
-      return cache_load_factor / hbm + (1.0 - cache_load_factor) / uvm;
+      return hit_rate / hbm + (1.0 - hit_rate) / uvm;
     case ComputeKernel::kKeyValue:
-      return cache_load_factor / hbm + (1.0 - cache_load_factor) / ssd;
+      return hit_rate / hbm + (1.0 - hit_rate) / ssd;
   }
   return 1.0 / hbm;
 }

@@ -26,6 +26,12 @@ using ember::v1::ShardRef;
 
 namespace {
 
+// Whether the shard's kernel keeps a cache of its rows over a lower tier
+// (the key_value wrapper: TierStats).
+bool CachesRows(const ember::v1::ShardAssignment& a) {
+  return a.compute_kernel() == "key_value" || a.compute_kernel() == "fused_uvm_caching";
+}
+
 // The same shard: every field alike, the compute kernel compared as the
 // worker serves it ("" is "fused": a shard created by a coordinator from
 // before ShardAssignment.compute_kernel).
@@ -743,8 +749,7 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
       ++t.shards;
       t.lookup_ids += entry.traffic->lookup_ids.load(std::memory_order_relaxed);
       t.gradient_ids += entry.traffic->gradient_ids.load(std::memory_order_relaxed);
-      if (entry.assignment.compute_kernel() == "key_value" ||
-          entry.assignment.compute_kernel() == "fused_uvm_caching") {
+      if (CachesRows(entry.assignment)) {
         if (auto k = backend_->GetTierStats(entry.id); k.ok()) {
           t.key_value = true;
           t.tier.cache_rows += k->cache_rows;
@@ -878,8 +883,7 @@ grpc::Status WorkerService::ShardStatus(grpc::ServerContext* ctx, const ember::v
       info->set_cols(entry.assignment.cols());
       auto step = backend_->ExportStep(entry.id);
       info->set_step(step.ok() ? *step : -1);
-      const std::string& kernel = entry.assignment.compute_kernel();
-      if (kernel == "key_value" || kernel == "fused_uvm_caching") {
+      if (CachesRows(entry.assignment)) {
         if (auto t = backend_->GetTierStats(entry.id); t.ok()) {
           info->set_lru_sampled(t->sampled);
           for (int64_t hits : t->curve_hits) info->add_lru_curve_hits(hits);
