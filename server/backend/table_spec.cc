@@ -143,11 +143,15 @@ int64_t CacheRowsFor(int64_t rows, double load_factor, int64_t min_cache_rows) {
   return std::min(rows, std::max({static_cast<int64_t>(want), min_cache_rows, int64_t{1}}));
 }
 
+bool CachesRows(const ember::v1::ShardAssignment& a) {
+  return a.compute_kernel() == "key_value" || a.compute_kernel() == "fused_uvm_caching";
+}
+
 backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a, int64_t min_cache_rows) {
   backend::ShardSpec s =
       ShardSpecFromTable(a.table(), a.row_offset(), a.col_offset(), a.rows(), a.cols());
   const std::string& k = a.compute_kernel();
-  if (k == "key_value" || k == "fused_uvm_caching") {
+  if (CachesRows(a)) {
     s.cache_rows = CacheRowsFor(a.rows(), a.cache_load_factor(), min_cache_rows);
   }
   s.host_mapped = k == "fused_uvm" || k == "fused_uvm_caching";

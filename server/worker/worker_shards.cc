@@ -26,12 +26,6 @@ using ember::v1::ShardRef;
 
 namespace {
 
-// Whether the shard's kernel keeps a cache of its rows over a lower tier
-// (the key_value wrapper: TierStats).
-bool CachesRows(const ember::v1::ShardAssignment& a) {
-  return a.compute_kernel() == "key_value" || a.compute_kernel() == "fused_uvm_caching";
-}
-
 // The same shard: every field alike, the compute kernel compared as the
 // worker serves it ("" is "fused": a shard created by a coordinator from
 // before ShardAssignment.compute_kernel).
