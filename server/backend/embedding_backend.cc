@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <map>
 #include <vector>
 
 #include "absl/strings/cord.h"
@@ -838,6 +839,37 @@ absl::StatusOr<std::vector<EmbeddingBackend::SlotMeta>> EmbeddingBackend::Unpack
 
 absl::StatusOr<DynamicStats> EmbeddingBackend::GetDynamicStats(ShardId) const {
   return absl::UnimplementedError(absl::StrCat(Name(), " holds no dynamic shards"));
+}
+
+absl::Status ValidatePrefetch(absl::Span<const FeatureRequest> features,
+                              const std::function<const ShardSpec*(ShardId)>& find_spec) {
+  for (size_t i = 0; i < features.size(); ++i) {
+    const FeatureRequest& f = features[i];
+    const ShardSpec* spec = find_spec(f.shard);
+    if (spec == nullptr) return ShardNotFound(f.shard);
+    const std::string what = RequestWhat("prefetch", i, *spec);
+    if (f.on_device || f.keyed) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": a prefetch takes its ids in host memory, as rows"));
+    }
+    if (absl::Status s = CheckIds(f.ids, spec->rows, what, 0); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> EmbeddingBackend::Prefetch(absl::Span<const FeatureRequest> features) {
+  std::map<ShardId, ShardSpec> specs;
+  auto find = [&](ShardId id) -> const ShardSpec* {
+    auto it = specs.find(id);
+    if (it == specs.end()) {
+      auto spec = GetShardSpec(id);
+      if (!spec.ok()) return nullptr;
+      it = specs.emplace(id, *std::move(spec)).first;
+    }
+    return &it->second;
+  };
+  if (absl::Status s = ValidatePrefetch(features, find); !s.ok()) return s;
+  return 0;  // no cache: nothing to bring in
 }
 
 absl::StatusOr<TierStats> EmbeddingBackend::GetTierStats(ShardId) const {

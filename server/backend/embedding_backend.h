@@ -172,6 +172,7 @@ struct TierStats {
   int64_t write_backs = 0;  // changed rows written to the file as they left memory
   int64_t evictions = 0;    // rows that left memory
   int64_t file_bytes = 0;   // the shard's file on SSD
+  int64_t prefetched = 0;   // fills that a prefetch made (counted in fills too)
   // The hit-rate curve learned from the shard's traffic
   // (key_value/lru_curve.h): of `sampled` row accesses (a call's distinct
   // rows, sampled by hash), curve_hits[i] would have hit an LRU cache of
@@ -259,6 +260,11 @@ struct GradientRequest {
   absl::Span<const float> grad;
 };
 
+// The shard a feature or a request names.
+inline ShardId ShardOf(const FeatureRequest& f) { return f.shard; }
+inline ShardId ShardOf(const LookupRequest& r) { return r.feature.shard; }
+inline ShardId ShardOf(const GradientRequest& r) { return r.feature.shard; }
+
 // Counters of a dynamic shard's count-min sketch of pending ids (4 rows of
 // 65536; EmbeddingBackend::ExportPendingSketch).
 constexpr size_t kPendingSketchCounters = size_t{4} << 16;
@@ -275,6 +281,17 @@ class EmbeddingBackend {
 
   // Fused lookup over every request (any mix of shards and poolings).
   virtual absl::Status Lookup(absl::Span<const LookupRequest> requests) = 0;
+  // Brings the features' rows into the caches of the shards that keep one
+  // (key_value, fused_uvm_caching: the key_value wrapper) so that the next
+  // call naming them finds them there, as far as each cache holds them
+  // beside the rows the prefetch finds cached (the rest are left out; one
+  // call's rows never evict each other); the rows prefetched. Values,
+  // optimizer state and steps never change; a dynamic shard's ids without
+  // a row are skipped, never counted toward admission. Ids in host memory,
+  // checked as a lookup's (INVALID_ARGUMENT, nothing brought in); lengths,
+  // weights and pooling are not read. Shards without a cache: nothing
+  // done (the default).
+  virtual absl::StatusOr<int64_t> Prefetch(absl::Span<const FeatureRequest> features);
   // Whether Lookup takes a non-zero output_stride (rows written into a
   // wider matrix); false: outputs must be packed.
   virtual bool WritesStridedOutputs() const { return false; }
@@ -629,6 +646,13 @@ absl::Status NoKeyIndex(const std::string& what);
 // The prefix ValidateRequests gives request `index`'s messages: "lookup
 // request 3 (table 't')" / "gradient request 3 (table 't')".
 std::string RequestWhat(const char* kind, size_t index, const ShardSpec& spec);
+
+// Checks a Prefetch call's features before anything is brought in: every
+// shard known (find_spec as ValidateRequests'), ids in host memory as
+// rows (not keyed), each inside [0, spec.rows) (INVALID_ARGUMENT naming
+// the "prefetch request", the id and its position).
+absl::Status ValidatePrefetch(absl::Span<const FeatureRequest> features,
+                              const std::function<const ShardSpec*(ShardId)>& find_spec);
 
 // Checks an ExportRows/ImportRows call: [row_begin, row_end) inside the
 // shard, buffers of n * dim weights and n * OptimizerStateWidth state.

@@ -25,6 +25,9 @@ class ForwardingBackend : public EmbeddingBackend {
     return inner_->GetShardSpec(id);
   }
   absl::Status Lookup(absl::Span<const LookupRequest> r) override { return inner_->Lookup(r); }
+  absl::StatusOr<int64_t> Prefetch(absl::Span<const FeatureRequest> f) override {
+    return inner_->Prefetch(f);
+  }
   bool WritesStridedOutputs() const override { return inner_->WritesStridedOutputs(); }
   // A wrapper whose own Lookup reads the ids must say false here.
   bool ChecksIdsWhileGathering() const override { return inner_->ChecksIdsWhileGathering(); }

@@ -396,20 +396,41 @@ absl::Status RequestCodec::ReceiveLookup(const ember::v1::WorkerLookupRequest& r
   return absl::OkStatus();
 }
 
-absl::Status LookupCall::Decode(ShardResolver shard, ember::v1::WorkerLookupResponse* resp) {
+absl::Status LookupCall::DecodeFeatures(ShardResolver shard, std::vector<int64_t>* cols) {
   const ember::v1::WorkerLookupRequest& req = *req_;
   const int n = req.features_size();
   decoded_.resize(n);
-  std::vector<int64_t> cols(n), sizes(n);  // each output's columns and floats
-  output_bytes_ = 0;
+  cols->assign(n, 0);
   for (int i = 0; i < n; ++i) {
     if (absl::Status s = DecodeFeature(*backend_, /*skip_nonfinite=*/false, shard,
-                                       req.features(i), nullptr, &cols[i], &decoded_[i], nullptr,
-                                       ids_in_place_ ? region_.get() : nullptr, id_buffer_.get(),
-                                       inputs_on_device_ ? &transfer_ : nullptr, nullptr);
+                                       req.features(i), nullptr, &(*cols)[i], &decoded_[i],
+                                       nullptr, ids_in_place_ ? region_.get() : nullptr,
+                                       id_buffer_.get(), inputs_on_device_ ? &transfer_ : nullptr,
+                                       nullptr);
         !s.ok()) {
       return s;
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<backend::FeatureRequest>> LookupCall::DecodePrefetch(
+    ShardResolver shard) {
+  std::vector<int64_t> cols;
+  if (absl::Status s = DecodeFeatures(shard, &cols); !s.ok()) return s;
+  std::vector<backend::FeatureRequest> features;
+  features.reserve(decoded_.size());
+  for (const DecodedFeature& d : decoded_) features.push_back(d.request);
+  return features;
+}
+
+absl::Status LookupCall::Decode(ShardResolver shard, ember::v1::WorkerLookupResponse* resp) {
+  const ember::v1::WorkerLookupRequest& req = *req_;
+  const int n = req.features_size();
+  std::vector<int64_t> cols, sizes(n);  // each output's columns and floats
+  if (absl::Status s = DecodeFeatures(shard, &cols); !s.ok()) return s;
+  output_bytes_ = 0;
+  for (int i = 0; i < n; ++i) {
     sizes[i] = backend::OutputSize(decoded_[i].request, cols[i]);
     output_bytes_ += sizes[i] * 4;
   }

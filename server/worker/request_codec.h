@@ -88,6 +88,10 @@ class LookupCall {
   // *resp, or in the channel's region, the link's memory or the client's
   // output buffer. RESOURCE_EXHAUSTED past max_response_bytes.
   absl::Status Decode(ShardResolver shard, ember::v1::WorkerLookupResponse* resp);
+  // A prefetch (request().prefetch()): every feature checked against its
+  // shard as by Decode, no output sized; the backend's features, valid for
+  // the call's life.
+  absl::StatusOr<std::vector<backend::FeatureRequest>> DecodePrefetch(ShardResolver shard);
   // The backend's requests, valid after Decode.
   std::vector<backend::LookupRequest>& requests() { return requests_; }
   // After the backend succeeded: outputs a backend of packed outputs wrote
@@ -120,6 +124,10 @@ class LookupCall {
   std::vector<backend::LookupRequest> requests_;
   std::vector<Move> moves_;
   int64_t output_bytes_ = 0;
+
+  // Decodes feature i of the request into decoded_[i]; its output's columns
+  // in *cols.
+  absl::Status DecodeFeatures(ShardResolver shard, std::vector<int64_t>* cols);
 };
 
 // A gradient update received by RequestCodec::ReceiveGradients.

@@ -34,6 +34,11 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
   };
   m->AddCounter("ember_worker_lookups_total", "Lookup calls served", one(&Stats::lookups));
   m->AddCounter("ember_worker_lookup_ids_total", "Ids looked up", one(&Stats::lookup_ids));
+  m->AddCounter("ember_worker_prefetches_total",
+                "Prefetch calls served (rows brought into caches for the next call)",
+                one(&Stats::prefetches));
+  m->AddCounter("ember_worker_prefetch_ids_total", "Ids named by prefetch calls",
+                one(&Stats::prefetch_ids));
   m->AddCounter("ember_worker_lookup_bytes_total", "Bytes of lookup ids and outputs",
                 one(&Stats::lookup_bytes));
   m->AddCounter("ember_worker_optimizer_steps_total", "ApplyGradients calls applied",
@@ -97,6 +102,9 @@ void AddWorkerMetrics(const WorkerService* service, ServerMetrics* m) {
                 tier(&backend::TierStats::hits));
   m->AddCounter("ember_worker_key_value_fills_total", "Rows a call brought into memory",
                 tier(&backend::TierStats::fills));
+  m->AddCounter("ember_worker_key_value_prefetched_rows_total",
+                "Fills that a prefetch made ahead of the call that uses them (also in fills)",
+                tier(&backend::TierStats::prefetched));
   m->AddCounter("ember_worker_key_value_disk_reads_total",
                 "Fills read from the SSD file, or from host memory for fused_uvm_caching (the "
                 "others were never written)",

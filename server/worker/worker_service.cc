@@ -251,6 +251,7 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
     return ToGrpc(RefuseBusy(OwnerOf(ctx), req->channel_id(), req->channel_seq(),
                              req->link_sent(), call.status()));
   }
+  if (req->prefetch()) return Prefetch(ctx, *req, resp);
   LookupCall in;
   if (absl::Status s = codec_.ReceiveLookup(*req, OwnerOf(ctx), &in); !s.ok()) return ToGrpc(s);
   if (absl::Status s = WaitForStep(*req, DeadlineOf(ctx)); !s.ok()) return ToGrpc(s);
@@ -282,6 +283,31 @@ grpc::Status WorkerService::Lookup(grpc::ServerContext* ctx, const ember::v1::Wo
   lookup_bytes_.fetch_add(in.output_bytes() + ids * 8, std::memory_order_relaxed);
   lookup_handler_ns_.fetch_add(absl::ToInt64Nanoseconds(absl::Now() - handler_start),
                                std::memory_order_relaxed);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::Prefetch(grpc::ServerContext* ctx,
+                                     const ember::v1::WorkerLookupRequest& req,
+                                     ember::v1::WorkerLookupResponse* resp) {
+  if (req.channel_id() != 0 || req.has_id_buffer() || req.has_step()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        "a prefetch is sent without a channel, an id buffer or a step"));
+  }
+  LookupCall in;
+  if (absl::Status s = codec_.ReceiveLookup(req, OwnerOf(ctx), &in); !s.ok()) return ToGrpc(s);
+  absl::ReaderMutexLock lock(&mu_);
+  auto c = FindCollection(req.collection(), req.epoch());
+  if (!c.ok()) return ToGrpc(c.status());
+  std::vector<const ShardEntry*> entries;
+  auto features = in.DecodePrefetch(ShapesOf(**c, &entries));
+  if (!features.ok()) return ToGrpc(features.status());
+  auto brought = backend_->Prefetch(*features);
+  if (!brought.ok()) return ToGrpc(brought.status());
+  resp->set_prefetched_rows(*brought);
+  int64_t ids = 0;
+  for (const backend::FeatureRequest& f : *features) ids += static_cast<int64_t>(f.ids.size());
+  prefetches_.fetch_add(1, std::memory_order_relaxed);
+  prefetch_ids_.fetch_add(ids, std::memory_order_relaxed);
   return grpc::Status::OK;
 }
 

@@ -145,6 +145,7 @@ class WorkerService final : public ember::v1::Worker::Service {
   // What the worker's metrics report (server/common/metrics.h).
   struct Stats {
     int64_t lookups = 0, lookup_ids = 0, lookup_bytes = 0;
+    int64_t prefetches = 0, prefetch_ids = 0;  // prefetch calls served (not lookups), their ids
     int64_t updates = 0, update_ids = 0;  // ApplyGradients calls applied, their ids
     int64_t duplicates = 0;               // updates answered from the exactly-once record
     int64_t nonfinite_refused = 0, nonfinite_skipped_ids = 0, dedup_forgotten_early = 0;
@@ -494,6 +495,11 @@ class WorkerService final : public ember::v1::Worker::Service {
       return ApplyStep(name, steps, step, ranks);
     };
   }
+  // Lookup's prefetch form (WorkerLookupRequest.prefetch): the features
+  // checked as a lookup's, their rows brought into the shards' caches
+  // (EmbeddingBackend::Prefetch), no outputs; never waits for a step.
+  grpc::Status Prefetch(grpc::ServerContext* ctx, const ember::v1::WorkerLookupRequest& req,
+                        ember::v1::WorkerLookupResponse* resp);
   // A lookup of a SYNC/BOUNDED collection waits (without mu_) until the
   // steps it must see are applied; INVALID_ARGUMENT without a step.
   absl::Status WaitForStep(const ember::v1::WorkerLookupRequest& req, absl::Time deadline)
@@ -535,6 +541,7 @@ class WorkerService final : public ember::v1::Worker::Service {
 
   const std::unique_ptr<backend::EmbeddingBackend> backend_;
   const WorkerServiceOptions options_;
+  std::atomic<int64_t> prefetches_{0}, prefetch_ids_{0};
   std::atomic<int64_t> lookups_{0}, lookup_ids_{0}, lookup_bytes_{0}, placed_lookups_{0},
       id_buffer_lookups_{0}, link_lookups_{0}, link_busy_kept_{0};
   // Busy refusals taking a link call's bytes now (RefuseBusy), and the most

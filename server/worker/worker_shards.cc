@@ -750,6 +750,7 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
           t.tier.cached_rows += k->cached_rows;
           t.tier.hits += k->hits;
           t.tier.fills += k->fills;
+          t.tier.prefetched += k->prefetched;
           t.tier.disk_reads += k->disk_reads;
           t.tier.write_backs += k->write_backs;
           t.tier.evictions += k->evictions;
@@ -790,6 +791,8 @@ std::vector<WorkerService::TableStats> WorkerService::GetTableStats() const {
 WorkerService::Stats WorkerService::GetStats() const {
   Stats s;
   s.lookups = lookups_.load(std::memory_order_relaxed);
+  s.prefetches = prefetches_.load(std::memory_order_relaxed);
+  s.prefetch_ids = prefetch_ids_.load(std::memory_order_relaxed);
   s.lookup_ids = lookup_ids_.load(std::memory_order_relaxed);
   s.lookup_bytes = lookup_bytes_.load(std::memory_order_relaxed);
   s.updates = updates_.load(std::memory_order_relaxed);

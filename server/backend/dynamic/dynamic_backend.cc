@@ -129,6 +129,40 @@ class DynamicShardsBackend : public ForwardingBackend {
     return inner()->Lookup(mapped);
   }
 
+  // A dynamic shard's ids with a row go on as its slots (under the shard's
+  // shared lock, so that no update moves them meanwhile); ids without one
+  // are skipped (nothing is counted toward admission). Shards kept whole in
+  // memory have no cache: nothing to do for them. Keys are any int64.
+  absl::StatusOr<int64_t> Prefetch(absl::Span<const FeatureRequest> features) override {
+    Held held = Collect(features, /*exclusive=*/false);
+    if (held.shards.empty()) return inner()->Prefetch(features);
+    std::vector<FeatureRequest> mapped;
+    std::vector<std::vector<int64_t>> slots(features.size());
+    for (size_t i = 0; i < features.size(); ++i) {
+      const Shard* s = held.Of(features[i].shard);
+      if (s == nullptr) {
+        mapped.push_back(features[i]);
+        continue;
+      }
+      if (absl::Status st = CheckHostInputs(features[i], "prefetch", i, *s); !st.ok()) return st;
+      if (features[i].keyed) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "prefetch request ", i, ": keyed ids, but dynamic shards take their ids as they come"));
+      }
+      if (s->spec.cache_rows == 0) continue;
+      const absl::Span<const int64_t> ids = features[i].ids;
+      slots[i].resize(ids.size());
+      s->index.FindAll(ids, s->spec.rows, slots[i].data());
+      slots[i].erase(std::remove(slots[i].begin(), slots[i].end(), s->spec.rows), slots[i].end());
+      FeatureRequest f = features[i];
+      f.ids = slots[i];
+      f.lengths = {};
+      f.weights = {};
+      mapped.push_back(f);
+    }
+    return inner()->Prefetch(mapped);
+  }
+
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     Held held = Collect(requests, /*exclusive=*/true);
     if (held.shards.empty()) return inner()->ApplyGradients(requests);
@@ -475,7 +509,7 @@ class DynamicShardsBackend : public ForwardingBackend {
       absl::MutexLock lock(&mu_);
       if (shards_.empty()) return held;
       for (const Request& r : requests) {
-        auto it = shards_.find(r.feature.shard);
+        auto it = shards_.find(ShardOf(r));
         if (it != shards_.end() && held.Of(it->first) == nullptr) held.shards.push_back(*it);
       }
     }

@@ -189,6 +189,13 @@ TEST_P(DynamicTiersTest, EqualsTheDynamicShardHeldWholeInMemoryBitForBit) {
     if (sequence) weights.clear();
     const int64_t out_rows = sequence ? static_cast<int64_t>(ids.size()) : 4;
     std::vector<float> want(out_rows * kDim, -1.0f), got(want.size(), -2.0f);
+    if (step % 2 == 0) {  // the tiered shard alone: no value or count may change
+      std::vector<int64_t> ahead = ids;
+      ahead.push_back(static_cast<int64_t>(rng()));  // no row: nothing, not counted
+      auto brought = p.tiered->Prefetch({FeatureRequest{p.tid, c.pooling, {}, ahead, {}}});
+      ASSERT_TRUE(brought.ok()) << brought.status();
+      if (c.tier == Tier::kFusedUvm) EXPECT_EQ(*brought, 0);  // no cache
+    }
     ASSERT_TRUE(p.ref->Lookup({LookupRequest{FeatureRequest{p.rid, c.pooling, lengths, ids, weights},
                                              absl::MakeSpan(want)}})
                     .ok());
@@ -255,6 +262,46 @@ INSTANTIATE_TEST_SUITE_P(
              Eviction::kLfu},
         Case{Tier::kFusedUvm, OptimizerType::kAdam, Pooling::kSum, 3, 0, Eviction::kLru}),
     CaseName);
+
+// A prefetch of ids with rows brings them into the cache (the lookup after
+// it fills nothing); an id without a row is skipped and not counted toward
+// its admission.
+TEST(DynamicTiersPrefetch, TheNextCallFindsItsRowsCached) {
+  const Case c{Tier::kKeyValue, OptimizerType::kSgd, Pooling::kSum, 2, 0, Eviction::kLru};
+  Pair p = Make(c);
+  ASSERT_GE(p.tid, 0);
+  const std::vector<int64_t> ones(8, 1);
+  std::vector<int64_t> held = {101, 102, 103, 104, 105, 106, 107, 108};
+  std::vector<float> grad(8 * kDim, 0.5f);
+  for (int twice = 0; twice < 2; ++twice) {  // admit_after 2: admitted the second time
+    ASSERT_TRUE(p.tiered
+                    ->ApplyGradients({GradientRequest{
+                        FeatureRequest{p.tid, Pooling::kSum, ones, held, {}}, grad}})
+                    .ok());
+  }
+  ASSERT_EQ(p.tiered->GetDynamicStats(p.tid)->rows_held, 8);
+  const int64_t pending = p.tiered->GetDynamicStats(p.tid)->pending_ids;
+  // 101-103 left the cache of 5 to the later rows.
+  const std::vector<int64_t> ahead = {101, 102, 103, 999, 101};
+  auto brought = p.tiered->Prefetch({FeatureRequest{p.tid, Pooling::kSum, {}, ahead, {}}});
+  ASSERT_TRUE(brought.ok()) << brought.status();
+  EXPECT_EQ(*brought, 3);
+  EXPECT_EQ(p.tiered->GetDynamicStats(p.tid)->pending_ids, pending);
+  const TierStats before = *p.tiered->GetTierStats(p.tid);
+  const std::vector<int64_t> lengths = {3}, ids = {101, 102, 103};
+  std::vector<float> out(kDim);
+  ASSERT_TRUE(p.tiered
+                  ->Lookup({LookupRequest{FeatureRequest{p.tid, Pooling::kSum, lengths, ids, {}},
+                                          absl::MakeSpan(out)}})
+                  .ok());
+  const TierStats after = *p.tiered->GetTierStats(p.tid);
+  EXPECT_EQ(after.fills, before.fills);
+  EXPECT_EQ(after.hits, before.hits + 3);
+  // Ids in device memory are refused, as a lookup's.
+  FeatureRequest f{p.tid, Pooling::kSum, {}, ahead, {}};
+  f.on_device = true;
+  EXPECT_EQ(p.tiered->Prefetch({f}).status().code(), absl::StatusCode::kInvalidArgument);
+}
 
 // Under a cache the backend's copy of the index is not kept (its shard is
 // the cache's slots): lookups map ids on the host, and ids in device

@@ -353,6 +353,92 @@ class KeyValueBackend : public ForwardingBackend {
     return inner()->Lookup(m.requests);
   }
 
+  // The key_value shards' rows not cached go into their caches (Fill, as
+  // a miss does), each shard's as far as its cache holds them beside the
+  // rows of the prefetch it finds cached (those are pinned for the call:
+  // its own rows never evict each other); the rest are left out. The
+  // rows' hits are neither counted nor learned (the call that uses them
+  // counts them). Other shards' features go to the wrapped backend, first:
+  // a refusal there brings nothing in. A fill that fails (a write-back)
+  // answers its status and keeps the earlier shards' rows: their values
+  // are the same wherever they are.
+  absl::StatusOr<int64_t> Prefetch(absl::Span<const FeatureRequest> features) override {
+    std::vector<std::shared_ptr<Shard>> kv;
+    if (!KeyValueShardsOf(features, &kv)) return inner()->Prefetch(features);
+    std::vector<FeatureRequest> others;
+    std::map<ShardId, ShardSpec> other_specs;
+    for (size_t i = 0; i < features.size(); ++i) {
+      if (kv[i] == nullptr) {
+        others.push_back(features[i]);
+      } else if (absl::Status st = Usable(*kv[i]); !st.ok()) {
+        return st;
+      }
+    }
+    if (absl::Status st = ValidatePrefetch(
+            features,
+            [&](ShardId id) -> const ShardSpec* {
+              for (size_t i = 0; i < features.size(); ++i) {
+                if (kv[i] != nullptr && features[i].shard == id) return &kv[i]->spec;
+              }
+              auto it = other_specs.find(id);
+              if (it == other_specs.end()) {
+                auto spec = inner()->GetShardSpec(id);
+                if (!spec.ok()) return nullptr;
+                it = other_specs.emplace(id, *std::move(spec)).first;
+              }
+              return &it->second;
+            });
+        !st.ok()) {
+      return st;
+    }
+    int64_t brought = 0;
+    if (!others.empty()) {
+      auto inner_brought = inner()->Prefetch(others);
+      if (!inner_brought.ok()) return inner_brought.status();
+      brought = *inner_brought;
+    }
+    absl::MutexLock lock(&call_mu_);
+    ++call_;
+    struct Work {
+      Shard* shard;
+      ShardId id;
+      int64_t pinned = 0;
+      std::vector<int64_t> misses;
+      absl::flat_hash_set<int64_t> missed;
+    };
+    std::vector<Work> works;
+    for (size_t i = 0; i < features.size(); ++i) {
+      if (kv[i] == nullptr) continue;
+      Shard& s = *kv[i];
+      auto w =
+          std::find_if(works.begin(), works.end(), [&](const Work& x) { return x.shard == &s; });
+      if (w == works.end()) {
+        works.push_back(Work{&s, features[i].shard});
+        w = works.end() - 1;
+      }
+      for (int64_t row : features[i].ids) {
+        const int32_t slot = s.slot_of_row[row];
+        if (slot >= 0) {
+          if (s.pinned[slot] != call_) {
+            s.pinned[slot] = call_;
+            s.used[slot] = 1;
+            ++w->pinned;
+          }
+        } else if (w->missed.insert(row).second) {
+          w->misses.push_back(row);
+        }
+      }
+    }
+    for (Work& w : works) {
+      const int64_t room = std::max<int64_t>(0, w.shard->cache_rows() - w.pinned);
+      if (static_cast<int64_t>(w.misses.size()) > room) w.misses.resize(static_cast<size_t>(room));
+      if (absl::Status st = Fill(w.shard, w.id, w.pinned, w.misses); !st.ok()) return st;
+      w.shard->stats.prefetched += static_cast<int64_t>(w.misses.size());
+      brought += static_cast<int64_t>(w.misses.size());
+    }
+    return brought;
+  }
+
   absl::Status ApplyGradients(absl::Span<const GradientRequest> requests) override {
     std::vector<std::shared_ptr<Shard>> kv;
     if (!KeyValueShardsOf(requests, &kv)) return inner()->ApplyGradients(requests);
@@ -460,7 +546,7 @@ class KeyValueBackend : public ForwardingBackend {
     bool any = false;
     kv->assign(requests.size(), nullptr);
     for (size_t i = 0; i < requests.size(); ++i) {
-      auto it = shards_.find(requests[i].feature.shard);
+      auto it = shards_.find(ShardOf(requests[i]));
       if (it == shards_.end()) continue;
       (*kv)[i] = it->second;
       any = true;

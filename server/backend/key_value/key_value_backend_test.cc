@@ -400,6 +400,128 @@ TEST(KeyValueBackendTest, TheLearnedCurveCountsEachCallsRowsOnce) {
   EXPECT_EQ(s.curve_hits, want);
 }
 
+absl::StatusOr<int64_t> Prefetch(EmbeddingBackend& be, ShardId id,
+                                 const std::vector<int64_t>& ids) {
+  FeatureRequest f;
+  f.shard = id;
+  f.ids = ids;
+  return be.Prefetch({f});
+}
+
+// A prefetch brings a call's rows in ahead of it, worked by hand on a
+// cache of 4: the next call finds them (hits, no fills); rows it finds
+// cached are kept for it, and the rows past the cache's room are left out.
+// Nothing it does changes a value: a second backend without prefetches
+// (the shard whole in memory) gives the same lookups and rows bit for bit
+// through updates, write-backs and reads.
+TEST(KeyValueBackendTest, PrefetchBringsTheNextCallsRowsIn) {
+  auto kv = KeyValue();
+  auto fused = Cpu();
+  const ShardSpec spec = Spec(OptimizerType::kAdagrad, 20, 4, 4);
+  auto id = kv->CreateShard(spec);
+  auto fid = fused->CreateShard(Fused(spec));
+  ASSERT_TRUE(id.ok() && fid.ok());
+  std::mt19937_64 rk(7), rf(7);
+  auto both_update = [&](const Batch& b) {
+    ASSERT_TRUE(Update(*kv, *id, Pooling::kSum, b, 4, rk).ok());
+    ASSERT_TRUE(Update(*fused, *fid, Pooling::kSum, b, 4, rf).ok());
+  };
+  auto same_lookup = [&](const Batch& b, const std::string& what) {
+    ExpectSameBits(LookupOf(*kv, *id, Pooling::kSum, b, 4), LookupOf(*fused, *fid, Pooling::kSum, b, 4),
+                   what);
+  };
+  // Rows 5, 6, 7 (5 twice): three fills, counted as prefetched; no hit and
+  // nothing learned (the call that uses them counts them).
+  auto brought = Prefetch(*kv, *id, {5, 6, 5, 7});
+  ASSERT_TRUE(brought.ok()) << brought.status();
+  EXPECT_EQ(*brought, 3);
+  TierStats t = *kv->GetTierStats(*id);
+  EXPECT_EQ(t.fills, 3);
+  EXPECT_EQ(t.prefetched, 3);
+  EXPECT_EQ(t.hits, 0);
+  EXPECT_EQ(t.sampled, 0);
+  EXPECT_EQ(t.cached_rows, 3);
+  both_update(Ids({5, 6, 7}));  // all three hit; they are now changed
+  t = *kv->GetTierStats(*id);
+  EXPECT_EQ(t.hits, 3);
+  EXPECT_EQ(t.fills, 3);
+  // Row 5 is cached and kept for the prefetch; the cache has room for 3
+  // more beside it: 8, 9, 10 come in (6 and 7 go, written back), 11 is
+  // left out.
+  brought = Prefetch(*kv, *id, {5, 8, 9, 10, 11});
+  ASSERT_TRUE(brought.ok()) << brought.status();
+  EXPECT_EQ(*brought, 3);
+  t = *kv->GetTierStats(*id);
+  EXPECT_EQ(t.prefetched, 6);
+  EXPECT_EQ(t.write_backs, 2);
+  EXPECT_EQ(t.cached_rows, 4);
+  same_lookup(Ids({5, 8, 9, 10}), "the prefetched rows");
+  t = *kv->GetTierStats(*id);
+  EXPECT_EQ(t.hits, 3 + 4);
+  EXPECT_EQ(t.fills, 6);
+  // 6 and 7 come back from the file as they were updated.
+  same_lookup(Ids({6, 7}), "rows written back by a prefetch's fills");
+  EXPECT_EQ(kv->GetTierStats(*id)->disk_reads, 2);
+  // A prefetch of rows all cached brings nothing.
+  brought = Prefetch(*kv, *id, {6, 7});
+  ASSERT_TRUE(brought.ok());
+  EXPECT_EQ(*brought, 0);
+  // Bad input: an id outside the shard, after ids that would fill, brings
+  // nothing in; an unknown shard is refused.
+  const int64_t fills = kv->GetTierStats(*id)->fills;
+  auto bad = Prefetch(*kv, *id, {1, 2, 20});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("prefetch request 0"), std::string::npos) << bad.status();
+  bad = Prefetch(*kv, *id, {-1});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_EQ(kv->GetTierStats(*id)->fills, fills);
+  EXPECT_FALSE(Prefetch(*kv, *id + 1000, {1}).ok());
+  // Rows made and updated after all this equal the shard held whole.
+  for (int step = 0; step < 20; ++step) {
+    Batch b = Ids({step % 20, (step * 7) % 20, (step * 3 + 1) % 20});
+    ASSERT_TRUE(Prefetch(*kv, *id, b.ids).ok());
+    both_update(b);
+    same_lookup(Ids({(step * 5) % 20, (step * 11 + 2) % 20}), absl::StrCat("step ", step));
+  }
+  ExpectSameBits(Export(*kv, *id, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
+  ExpectSameBits(Export(*kv, *id, spec).st, Export(*fused, *fid, Fused(spec)).st, "state");
+}
+
+// A shard held whole in memory beside a key_value one: the wrapped backend
+// checks its ids and brings nothing in; one call takes both.
+TEST(KeyValueBackendTest, PrefetchOfAShardInMemoryChecksItsIdsOnly) {
+  auto kv = KeyValue();
+  const ShardSpec spec = Spec(OptimizerType::kSgd, 20, 4, 4);
+  auto cached = kv->CreateShard(spec);
+  auto whole = kv->CreateShard(Fused(spec));
+  ASSERT_TRUE(cached.ok() && whole.ok());
+  FeatureRequest a, b;
+  const std::vector<int64_t> ids = {1, 2}, outside = {20};
+  a.shard = *cached;
+  a.ids = ids;
+  b.shard = *whole;
+  b.ids = ids;
+  auto brought = kv->Prefetch({a, b});
+  ASSERT_TRUE(brought.ok()) << brought.status();
+  EXPECT_EQ(*brought, 2);
+  b.ids = outside;
+  a.ids = {};
+  auto bad = kv->Prefetch({a, b});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("prefetch request 1"), std::string::npos) << bad.status();
+  auto plain = Cpu();
+  auto pid = plain->CreateShard(Fused(spec));
+  ASSERT_TRUE(pid.ok());
+  FeatureRequest c;
+  c.shard = *pid;
+  c.ids = ids;
+  brought = plain->Prefetch({c});
+  ASSERT_TRUE(brought.ok());
+  EXPECT_EQ(*brought, 0);
+  c.ids = outside;
+  EXPECT_EQ(plain->Prefetch({c}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(KeyValueBackendTest, RefusesBadInputAndChangesNothing) {
   auto fused = Cpu();
   auto kv = KeyValue();
