@@ -153,7 +153,8 @@ absl::Status NameRefusedIds(const std::vector<FeatureJob>& jobs) {
 
 // Prepares one job per KJT key. `sequence`: the call is for NONE tables.
 absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection,
-                         const KjtView& kjt, bool sequence, std::vector<FeatureJob>* jobs,
+                         const KjtView& kjt, std::optional<bool> sequence,
+                         std::vector<FeatureJob>* jobs,
                          IdCheck check) {
   if (absl::Status s = kjt.Validate(); !s.ok()) return s;
   const int64_t batch = kjt.batch_size();
@@ -171,7 +172,7 @@ absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection
     j.table = &r.tables[it->second.first];
     j.order = it->second.second;
     j.sequence = j.table->config->pooling() == TableConfig::NONE;
-    if (j.sequence != sequence) {
+    if (sequence.has_value() && j.sequence != *sequence) {
       return absl::InvalidArgumentError(absl::StrCat(
           "feature '", j.key, "' is a ", j.sequence ? "sequence (NONE)" : "pooled",
           " feature: use ", j.sequence ? "LookupSequence/ApplySequenceGradients"

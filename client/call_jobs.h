@@ -6,6 +6,7 @@
 #define EMBER_CLIENT_CALL_JOBS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -94,12 +95,14 @@ absl::Status CheckJobIds(const FeatureJob& j);
 absl::Status NameRefusedIds(const std::vector<FeatureJob>& jobs);
 
 // Prepares one job per KJT key, in the collection's feature order.
-// `sequence`: the call is for NONE tables. NOT_FOUND for a key the
+// `sequence`: the call is for NONE tables (false: pooled ones; none: either,
+// a prefetch). NOT_FOUND for a key the
 // collection does not have; INVALID_ARGUMENT for a malformed KJT, a pooled
 // key in a sequence call or the reverse, weights on a sequence feature, or
 // (per `check`) an id outside its table.
 absl::Status PrepareJobs(const Client::Routing& r, const std::string& collection,
-                         const KjtView& kjt, bool sequence, std::vector<FeatureJob>* jobs,
+                         const KjtView& kjt, std::optional<bool> sequence,
+                         std::vector<FeatureJob>* jobs,
                          IdCheck check = IdCheck::kAll);
 
 }  // namespace client

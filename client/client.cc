@@ -406,6 +406,23 @@ absl::Status Client::Lookup(const std::string& collection, KjtView kjt, KeyedTen
   return s;
 }
 
+absl::StatusOr<int64_t> Client::Prefetch(const std::string& collection, KjtView kjt) {
+  int64_t brought = 0;
+  absl::Status s = WithRetries(collection, true, [&](const Routing& r, absl::Time deadline) {
+    std::vector<FeatureJob> jobs;
+    if (absl::Status st = PrepareJobs(r, collection, kjt, /*sequence=*/std::nullopt, &jobs);
+        !st.ok()) {
+      return st;
+    }
+    auto n = RunPrefetch(r, &jobs, deadline, impl_->stub_for);
+    if (!n.ok()) return n.status();
+    brought = *n;
+    return absl::OkStatus();
+  });
+  if (!s.ok()) return s;
+  return brought;
+}
+
 absl::Status Client::ApplyGradients(const std::string& collection, KjtView kjt,
                                     KeyedTensorView grads, const std::string& request_id,
                                     std::string* used_request_id, const StepTag& tag) {

@@ -235,6 +235,18 @@ class Client {
                                       std::string* used_request_id = nullptr,
                                       const StepTag& tag = {});
 
+  // Brings the rows `kjt` names into the caches of the shards that keep one
+  // (key_value and fused_uvm_caching tables; every copy of a replicated
+  // shard), so that this batch's lookup and update find them there:
+  // TorchRec's prefetch pipeline, which ember.torch.TrainPipeline runs a
+  // batch ahead (mode="prefetch"). Pooled and sequence features alike;
+  // tables kept whole in memory get no call. Reads nothing back and
+  // changes no value: the rows prefetched (rows already cached, ids of a
+  // dynamic table without a row, and rows past what a cache holds beside
+  // the batch's cached ones are not). Ids are checked as an update's
+  // (INVALID_ARGUMENT; NOT_FOUND for a key the collection does not have).
+  absl::StatusOr<int64_t> Prefetch(const std::string& collection, KjtView kjt);
+
   // Sequence features (NONE tables): one [num_ids, dim] block per KJT key.
   absl::StatusOr<std::vector<SequenceEmbedding>> LookupSequence(const std::string& collection,
                                                                 KjtView kjt,

@@ -1,6 +1,7 @@
 // The client's two data calls over a collection's routing, one attempt
 // each (Client::WithRetries retries them): a lookup (RunLookup,
-// lookup_call.cc) and a gradient update (RunGradients, gradient_call.cc),
+// lookup_call.cc), a gradient update (RunGradients, gradient_call.cc) and a
+// prefetch (RunPrefetch, prefetch_call.cc),
 // both fanned out to the workers (fanout.h) with each job bucketized per
 // shard (call_jobs.h). Private to //client:client.
 #ifndef EMBER_CLIENT_DATA_CALLS_H_
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/call_jobs.h"
 #include "client/fanout.h"
@@ -47,6 +49,13 @@ absl::Status RunGradients(const Client::Routing& r, std::vector<FeatureJob>* job
                           const std::string& request_id, uint64_t digest, absl::Time deadline,
                           const StubFor& stub_for, const ChannelFor& channel_for,
                           const StepTag& tag = {});
+
+// Prefetch for the jobs (pooled or sequence): each rank's shards of tables
+// whose kernel caches rows (Routing::Table::caches_rows), every copy of a
+// replicated one, get their ids in one prefetch request (inline: nothing
+// comes back but a count); the rows the workers brought in.
+absl::StatusOr<int64_t> RunPrefetch(const Client::Routing& r, std::vector<FeatureJob>* jobs,
+                                    absl::Time deadline, const StubFor& stub_for);
 
 }  // namespace client
 }  // namespace ember

@@ -24,6 +24,7 @@ absl::StatusOr<std::shared_ptr<const Client::Routing>> BuildRouting(CollectionIn
     Client::Routing::Table table;
     table.config = &spec.tables(t);
     const auto& ts = plan.tables(t);
+    table.caches_rows = planner::CachesRows(ts);
     for (const planner::PlacedBlock& b : planner::TableBlocks(
              ts, table.config->num_embeddings(), table.config->embedding_dim())) {
       if (!b.Held()) continue;  // an empty trailing row-wise shard

@@ -36,6 +36,7 @@ struct Client::Routing {
     std::vector<Shard> shards;    // sharded tables
     std::vector<Shard> replicas;  // data_parallel: one full copy per rank
     bool row_split = false;       // some shard holds only part of the rows
+    bool caches_rows = false;     // its kernel caches rows (planner::CachesRows): prefetched
   };
   ember::v1::CollectionInfo info;
   std::vector<Table> tables;

@@ -3,6 +3,10 @@
 namespace ember {
 namespace planner {
 
+bool CachesRows(const ember::v1::TableSharding& ts) {
+  return ts.compute_kernel() == "key_value" || ts.compute_kernel() == "fused_uvm_caching";
+}
+
 bool IsReplicated(const ember::v1::TableSharding& ts) { return ts.shards_size() == 0; }
 
 std::vector<PlacedBlock> TableBlocks(const ember::v1::TableSharding& ts, int64_t table_rows,

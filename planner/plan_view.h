@@ -42,6 +42,10 @@ struct PlacedBlock {
 // Whether the table is replicated (data_parallel: no shards in the plan).
 bool IsReplicated(const ember::v1::TableSharding& ts);
 
+// Whether the table's kernel keeps a cache of its rows over a lower tier
+// ("key_value", "fused_uvm_caching"): what a prefetch fills.
+bool CachesRows(const ember::v1::TableSharding& ts);
+
 // The table's blocks: a replica on each of ts.ranks() (in that order,
 // table_rows x table_cols), or its shards in index order (empty ones too).
 std::vector<PlacedBlock> TableBlocks(const ember::v1::TableSharding& ts, int64_t table_rows,

@@ -336,6 +336,17 @@ class Client:
                                             _step_arg(step, "step"))
         return KeyedTensor(keys, dims, values)
 
+    def prefetch(self, name, kjt):
+        """Brings the rows kjt names (pooled and sequence features alike)
+        into the caches of the tables that keep one (key_value,
+        fused_uvm_caching), so that this batch's lookup and update find them
+        there: TorchRec's prefetch pipeline (ember.torch.TrainPipeline with
+        mode="prefetch" calls it a batch ahead). Reads nothing back and
+        changes no value; tables held whole in memory are skipped. Returns
+        the rows brought in (rows already cached are not counted)."""
+        k = _as_kjt(kjt)
+        return self._c.prefetch(name, k.keys, k.lengths, k.values)
+
     def apply_gradients(self, name, kjt, grads, request_id=None, step=None, rank=None):
         """Gradients of lookup()'s output (a KeyedTensor, or a [B, sum dims]
         array in that layout); the tables' optimizers run on the workers.

@@ -243,6 +243,17 @@ PYBIND11_MODULE(_ember, m) {
              return py::make_tuple(t.keys, t.length_per_key,
                                    ToNumpy(std::move(t.values), t.batch_size, width));
            })
+      .def("prefetch",
+           [](Client& c, const std::string& name, std::vector<std::string> keys,
+              py::object lengths, py::object values) {
+             const KjtArgs kjt(std::move(keys), lengths, values, py::none());
+             absl::StatusOr<int64_t> brought;
+             {
+               py::gil_scoped_release release;
+               brought = c.Prefetch(name, kjt.View());
+             }
+             return Value(std::move(brought));
+           })
       .def("apply_gradients",
            [](Client& c, const std::string& name, std::vector<std::string> keys,
               py::object lengths, py::object values, py::object weights,

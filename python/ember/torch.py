@@ -24,6 +24,7 @@ import itertools
 import sys
 import threading
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -779,6 +780,18 @@ class EmbeddingBagCollection(_RemoteTables):
                 self._prefetched.pop(next(iter(self._prefetched)))
         return future
 
+    def fill_caches(self, kjt):
+        """Starts bringing kjt's rows into the caches of its tables that keep
+        one (key_value, fused_uvm_caching) in a background thread, so that a
+        later forward(kjt) and its update find them there: TorchRec's
+        prefetch pipeline (TrainPipeline(mode="prefetch") calls it a batch
+        ahead). Nothing is read back and nothing goes stale: the rows stay
+        the workers' own. Returns a Future of the rows brought in."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ember-prefetch")
+        return self._executor.submit(self._client.prefetch, self._collection, self._select(kjt))
+
     def forward(self, kjt):
         """The pooled embeddings as a KeyedTensor: torchrec's
         (torchrec.sparse.jagged_tensor.KeyedTensor) when the program has
@@ -987,10 +1000,21 @@ class EmbeddingCollection(_RemoteTables):
 
 
 class TrainPipeline:
-    """Overlaps the next batch's embedding lookup with the current training
-    step, as TorchRec's TrainPipelineSemiSync does: while the dense model runs
-    forward and backward on batch k, batch k+1's lookup is already on its way
-    to the workers, so their time hides behind the dense compute.
+    """Overlaps the embedding work of the next batch with the current
+    training step, in one of TorchRec's two ways (`mode`):
+
+    - "semi_sync" (the default; TorchRec's TrainPipelineSemiSync): while the
+      dense model runs forward and backward on batch k, batch k+1's whole
+      lookup is already on its way to the workers, so their time hides
+      behind the dense compute. Rows that both batches touch are read one
+      update behind (one step of staleness).
+    - "prefetch" (TorchRec's PrefetchTrainPipelineSparseDist): after batch
+      k's forward, batch k+1's rows are brought into the caches of the
+      tables that keep one (key_value, fused_uvm_caching;
+      Client.prefetch) while batch k's backward and update run; batch
+      k+1's lookup then runs in its own forward, after batch k's update,
+      and finds its rows cached. No staleness: every step equals a plain
+      loop's, bit for bit. Tables held whole in memory gain nothing.
 
         pipeline = TrainPipeline(model, optimizer, ebc, sparse=lambda b: b["kjt"])
         for _ in range(steps):
@@ -1001,28 +1025,54 @@ class TrainPipeline:
     own KJT object each time (the prefetched lookup is matched by identity;
     another object is looked up afresh, correct but not overlapped); progress() runs backward (which sends
     the tables' gradients to the workers) and optimizer.step().
-
-    Semantics: batch k+1's lookup is issued before batch k's gradients are
-    applied, so rows that both batches touch are read one update behind (one
-    step of staleness, as with TorchRec's semi-synchronous pipeline). Use a
-    plain loop where that matters.
     """
 
-    def __init__(self, model, optimizer, ebc, sparse=None):
+    MODES = ("semi_sync", "prefetch")
+
+    def __init__(self, model, optimizer, ebc, sparse=None, mode="semi_sync"):
+        if mode not in self.MODES:
+            raise ValueError(f"TrainPipeline mode must be one of {self.MODES}, got {mode!r}")
         self._model = model
         self._optimizer = optimizer
         self._ebc = ebc
         self._sparse = sparse or (lambda b: b.sparse_features)
-        self._next = None  # (batch, its kjt) with its lookup in flight
+        self._mode = mode
+        self._next = None  # the next batch (semi_sync: with its lookup in flight)
+        self._filling = None  # prefetch: the Future of the next batch's cache fill
+        self._fill_failures = 0
+
+    @property
+    def mode(self):
+        return self._mode
 
     def _fetch(self, batches):
         try:
             batch = next(batches)
         except StopIteration:
             return None
-        kjt = self._sparse(batch)
-        self._ebc.prefetch(kjt)
+        if self._mode == "semi_sync":
+            self._ebc.prefetch(self._sparse(batch))
         return batch
+
+    def _wait_fill(self):
+        """The next batch's cache fill, done before its lookup. A failed fill
+        costs only time (the lookup brings in what is missing): it is
+        counted and warned about once, not raised."""
+        filling, self._filling = self._filling, None
+        if filling is None:
+            return
+        try:
+            filling.result()
+        except Exception as e:  # noqa: BLE001 - any failure: the lookup still reads right
+            self._fill_failures += 1
+            if self._fill_failures == 1:
+                warnings.warn(f"ember TrainPipeline: a cache prefetch failed ({e}); "
+                              "the lookups bring their rows in themselves", RuntimeWarning)
+
+    @property
+    def fill_failures(self):
+        """Prefetches (mode "prefetch") that failed so far."""
+        return self._fill_failures
 
     def progress(self, batches):
         """One training step; raises StopIteration when `batches` (an
@@ -1031,10 +1081,16 @@ class TrainPipeline:
             self._next = self._fetch(batches)
             if self._next is None:
                 raise StopIteration
+            if self._mode == "prefetch":  # the first batch's rows, before its lookup
+                self._filling = self._ebc.fill_caches(self._sparse(self._next))
         batch = self._next
-        self._next = self._fetch(batches)  # k+1's lookup runs while k computes
+        self._next = self._fetch(batches)  # semi_sync: k+1's lookup runs while k computes
+        self._wait_fill()
         self._optimizer.zero_grad()
         out = self._model(batch)
+        if self._mode == "prefetch" and self._next is not None:
+            # k+1's rows come into the caches while k's backward and update run.
+            self._filling = self._ebc.fill_caches(self._sparse(self._next))
         loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
         self._optimizer.step()

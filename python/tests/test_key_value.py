@@ -209,3 +209,112 @@ def test_a_dynamic_table_on_key_value_trains_as_the_model_and_restores_rehashed(
         np.testing.assert_array_equal(restored[1], got_rows)
         train(cb, batches[30:])
         same(cb)
+
+
+def collection_metric(urls, name, collection):
+    return sum(float(line.rsplit(" ", 1)[1]) for url in urls for line in get(url).splitlines()
+               if line.startswith(name + "{") and f'collection="{collection}"' in line)
+
+
+def test_prefetch_brings_a_batch_in_and_the_prefetch_pipeline_is_not_stale(tmp_path):
+    """Client.prefetch brings a batch's rows into the key_value caches (the
+    lookup after it hits every row and fills none; a second prefetch brings
+    nothing; a table in memory is skipped; bad ids are refused). Then
+    TrainPipeline(mode="prefetch") on batches whose rows overlap from step
+    to step ends with the same tables as the plain loop, exactly, while
+    the semi-synchronous pipeline (one step stale) does not."""
+    torch = pytest.importorskip("torch")
+    from ember.torch import EmbeddingBagCollection, TrainPipeline, _table_specs
+
+    base = free_ports(3)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    flags = [f"--ssd_dir={ssd}", "--ssd_gib=0.5", f"--metrics_port={base}",
+             "--key_value_min_cache_rows=1"]
+    tables = [{"name": "t", "num_embeddings": ROWS, "embedding_dim": DIM, "feature_names": ["f"],
+               "pooling": "SUM"},
+              {"name": "m", "num_embeddings": 50, "embedding_dim": 4, "feature_names": ["g"],
+               "pooling": "SUM"}]
+    optimizer = {"type": "SGD", "learning_rate": LR}
+    with ember.LocalCluster(workers=2, extra_flags=flags) as cluster:
+        client = ember.Client(cluster.address, timeout_s=20)
+        workers = [u for k, u in cluster.metrics_urls.items() if k != "coordinator"]
+
+        def create(name):
+            specs = _table_specs(tables, optimizer)
+            for s in specs:
+                s["initializer"] = {"type": "UNIFORM", "low": -1, "high": 1, "seed": 3}
+            info = client.create_collection({
+                "name": name, "tables": specs,
+                "constraints": {"t": {"compute_kernels": ["key_value"], "cache_load_factor": 0.05},
+                                "m": {"compute_kernels": ["fused"]}},
+            }, sharding_type="row_wise")
+            assert [t["compute_kernel"] for t in info["plan"]["tables"]] == ["key_value", "fused"]
+            return EmbeddingBagCollection(tables, client, name, optimizer=optimizer, create=False)
+
+        # By hand: 6 distinct rows of t, 3 on each row-wise shard of 1,000.
+        create("kv")
+        kjt = ember.KeyedJaggedTensor.from_jagged(
+            {"f": [[1, 2, 3], [1001, 1002], [3, 1500, 1]], "g": [[0], [1], [2]]})
+        assert client.prefetch("kv", kjt) == 6
+        assert client.prefetch("kv", kjt) == 0  # all cached now
+        fills = metric(workers, "ember_worker_key_value_fills_total")
+        hits = metric(workers, "ember_worker_key_value_hits_total")
+        client.lookup("kv", kjt)
+        assert metric(workers, "ember_worker_key_value_fills_total") == fills
+        assert metric(workers, "ember_worker_key_value_hits_total") == hits + 6
+        assert metric(workers, "ember_worker_key_value_prefetched_rows_total") == 6
+        with pytest.raises(ember.InvalidArgument):
+            client.prefetch("kv", ember.KeyedJaggedTensor.from_jagged({"f": [[ROWS]]}))
+        with pytest.raises(ember.InvalidArgument):
+            client.prefetch("kv", ember.KeyedJaggedTensor.from_jagged({"g": [[50]]}))
+        with pytest.raises(ember.NotFound):
+            client.prefetch("kv", ember.KeyedJaggedTensor.from_jagged({"nope": [[1]]}))
+        assert metric(workers, "ember_worker_key_value_prefetched_rows_total") == 6
+
+        # 12 batches of 8 bags of 3 ids over 150 hot rows (overlapping from
+        # step to step), targets that pull the rows apart; the dense part
+        # is fixed, so the tables alone tell the runs apart.
+        rng = np.random.default_rng(11)
+        batches = []
+        for i in range(12):
+            bags = [list(rng.integers(0, 150, 3) * 13 % ROWS) for _ in range(8)]
+            batches.append({"kjt": ember.KeyedJaggedTensor.from_jagged(
+                                {"f": bags, "g": [[int(b[0]) % 50] for b in bags]}),
+                            "target": torch.from_numpy(
+                                rng.standard_normal((8, DIM + 4)).astype(np.float32))})
+        results = {}
+        for mode in ("plain", "prefetch", "semi_sync"):
+            name = f"kv_{mode}"
+            ebc = create(name)
+            head = torch.nn.Linear(DIM + 4, DIM + 4)
+            torch.nn.init.eye_(head.weight)
+            torch.nn.init.zeros_(head.bias)
+            opt = torch.optim.SGD(head.parameters(), lr=0.0)
+
+            def model(batch, ebc=ebc, head=head):
+                out = head(ebc(batch["kjt"]).values())
+                return ((out - batch["target"]) ** 2).sum()
+
+            if mode == "plain":
+                for b in batches:
+                    opt.zero_grad()
+                    model(b).backward()
+                    opt.step()
+            else:
+                pipeline = TrainPipeline(model, opt, ebc, sparse=lambda b: b["kjt"], mode=mode)
+                it = iter(batches)
+                for _ in batches:
+                    pipeline.progress(it)
+                with pytest.raises(StopIteration):
+                    pipeline.progress(it)
+                assert pipeline.fill_failures == 0
+            results[mode] = {t: client.export_table(name, t) for t in ("t", "m")}
+            if mode == "prefetch":
+                assert collection_metric(
+                    workers, "ember_worker_key_value_prefetched_rows_total", name) > 0
+        for t in ("t", "m"):
+            np.testing.assert_array_equal(results["prefetch"][t], results["plain"][t])
+        assert not np.array_equal(results["semi_sync"]["t"], results["plain"]["t"])
+        with pytest.raises(ValueError):
+            TrainPipeline(None, None, None, mode="async")
