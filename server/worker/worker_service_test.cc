@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -29,6 +30,7 @@
 #include "link/peer_link.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/dynamic/dynamic_backend.h"
+#include "server/backend/key_value/key_value_backend.h"
 #include "server/backend/forwarding_backend.h"
 #include "server/common/grpc_util.h"
 #include "server/common/wire.h"
@@ -749,6 +751,91 @@ TEST(WorkerServiceTest, TableStatsCountEachTablesIds) {
   EXPECT_EQ(by_table["t"].gradient_ids, 1);
   EXPECT_EQ(by_table["s"].lookup_ids, 0);
   EXPECT_EQ(by_table["s"].gradient_ids, 1);
+}
+
+// A prefetch (WorkerLookupRequest.prefetch) over a key_value table of 100
+// rows caching 10 and a table in memory: the answer counts the rows brought
+// in (the key_value table's distinct ones, none of the other's) and has no
+// outputs; the lookup after it fills nothing; it is not counted as a
+// lookup. A channel, a step or a bad id is refused, nothing brought in.
+TEST(WorkerServiceTest, PrefetchFillsCachesAndAnswersACount) {
+  const std::string dir = std::getenv("TEST_TMPDIR") != nullptr ? std::getenv("TEST_TMPDIR") : "/tmp";
+  backend::KeyValueOptions kv;
+  kv.dir = dir;
+  auto cpu = backend::CreateCpuBackend(backend::CpuBackendOptions());
+  ASSERT_TRUE(cpu.ok());
+  WorkerServiceOptions so;
+  so.ssd_tier = true;
+  so.key_value_min_cache_rows = 1;
+  WorkerService s(backend::WithKeyValueShards(std::move(*cpu), kv), so);
+  ember::v1::CreateShardsRequest create;
+  create.set_collection("c");
+  create.set_epoch(1);
+  ember::v1::ShardAssignment cached = Assignment("t", 100);
+  cached.set_compute_kernel("key_value");
+  cached.set_cache_load_factor(0.1);
+  *create.add_shards() = cached;
+  *create.add_shards() = Assignment("m", 8);
+  ember::v1::CreateShardsResponse cr;
+  ASSERT_TRUE(s.CreateShards(nullptr, &create, &cr).ok());
+
+  auto feature = [](ember::v1::WorkerLookupRequest* r, const std::string& table,
+                    const std::vector<int64_t>& ids) {
+    auto* f = r->add_features();
+    f->mutable_shard()->set_table(table);
+    f->set_pooling(TableConfig::SUM);
+    f->set_lengths(wire::Encode<int64_t>(std::vector<int64_t>(ids.size(), 1)));
+    f->set_ids(wire::Encode<int64_t>(ids));
+  };
+  ember::v1::WorkerLookupRequest pre;
+  pre.set_collection("c");
+  pre.set_epoch(1);
+  pre.set_prefetch(true);
+  feature(&pre, "t", {5, 6, 5, 70});
+  feature(&pre, "m", {1, 2});
+  ember::v1::WorkerLookupResponse resp;
+  grpc::Status st = s.Lookup(nullptr, &pre, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.prefetched_rows(), 3);
+  EXPECT_EQ(resp.outputs_size(), 0);
+  const WorkerService::Stats after_prefetch = s.GetStats();
+  EXPECT_EQ(after_prefetch.prefetches, 1);
+  EXPECT_EQ(after_prefetch.prefetch_ids, 6);
+  EXPECT_EQ(after_prefetch.lookups, 0);
+  auto tier = [&s] {
+    for (const auto& t : s.GetTableStats()) {
+      if (t.table == "t") return t.tier;
+    }
+    return backend::TierStats();
+  };
+  EXPECT_EQ(tier().fills, 3);
+  EXPECT_EQ(tier().prefetched, 3);
+  ember::v1::WorkerLookupRequest look;
+  look.set_collection("c");
+  look.set_epoch(1);
+  feature(&look, "t", {5, 6, 70});
+  ASSERT_TRUE(s.Lookup(nullptr, &look, &resp).ok());
+  EXPECT_EQ(tier().fills, 3);
+  EXPECT_EQ(tier().hits, 3);
+
+  // Refused, nothing brought in.
+  ember::v1::WorkerLookupRequest bad = pre;
+  bad.set_channel_id(7);
+  EXPECT_EQ(s.Lookup(nullptr, &bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = pre;
+  bad.set_step(3);
+  EXPECT_EQ(s.Lookup(nullptr, &bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = pre;
+  bad.clear_features();
+  feature(&bad, "t", {80, 81});
+  feature(&bad, "m", {8});
+  st = s.Lookup(nullptr, &bad, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  bad.clear_features();
+  feature(&bad, "t", {100});
+  EXPECT_EQ(s.Lookup(nullptr, &bad, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(tier().fills, 3);
+  EXPECT_EQ(s.GetStats().prefetches, 1);
 }
 
 // Lookups and updates through a shared-memory channel give what the same
