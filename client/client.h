@@ -241,9 +241,10 @@ class Client {
   // TorchRec's prefetch pipeline, which ember.torch.TrainPipeline runs a
   // batch ahead (mode="prefetch"). Pooled and sequence features alike;
   // tables kept whole in memory get no call. Reads nothing back and
-  // changes no value: the rows prefetched (rows already cached, ids of a
-  // dynamic table without a row, and rows past what a cache holds beside
-  // the batch's cached ones are not). Ids are checked as an update's
+  // changes no value: the rows prefetched (rows already cached, and rows
+  // past what a cache holds beside the batch's cached ones, are not; a
+  // dynamic table's ids without a row bring in the zero row their lookup
+  // reads, and are not counted toward admission). Ids are checked as an update's
   // (INVALID_ARGUMENT; NOT_FOUND for a key the collection does not have).
   absl::StatusOr<int64_t> Prefetch(const std::string& collection, KjtView kjt);
 

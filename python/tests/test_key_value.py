@@ -198,6 +198,22 @@ def test_a_dynamic_table_on_key_value_trains_as_the_model_and_restores_rehashed(
         assert metric(workers, "ember_worker_key_value_write_backs_total") > 0
         assert metric(workers, "ember_worker_dynamic_rows") == len(want_ids)
         assert metric(workers, "ember_worker_dynamic_evicted_total") > 0
+
+        # A prefetch of held ids and never-seen ones, routed as a lookup is:
+        # the held ids' rows come in (at most each shard's 5, all of them
+        # when repeated), the unknown ids are skipped and not counted toward
+        # admission, and no row changes; the lookup after it fills nothing.
+        held = [int(i) for i in want_ids[:4]]
+        unknown = [int(i) for i in ids if int(i) not in set(int(x) for x in want_ids)][:3]
+        pending = metric(workers, "ember_worker_dynamic_pending_ids")
+        kjt = ember.KeyedJaggedTensor.from_jagged({"f": [held + unknown, held]})
+        assert 0 <= ca.prefetch("kv", kjt) <= len(held)
+        assert ca.prefetch("kv", kjt) == 0  # all in now
+        assert metric(workers, "ember_worker_dynamic_pending_ids") == pending
+        fills = metric(workers, "ember_worker_key_value_fills_total")
+        np.testing.assert_array_equal(ca.lookup("kv", kjt)["f"], ca.lookup("ref", kjt)["f"])
+        assert metric(workers, "ember_worker_key_value_fills_total") == fills
+        same(ca)
         checkpoints = {n: ca.checkpoint(n, str(tmp_path / n))["path"] for n in ("kv", "ref")}
     with ember.LocalCluster(workers=1, extra_flags=flags) as b:
         cb = ember.Client(b.address, timeout_s=30)

@@ -287,10 +287,10 @@ class EmbeddingBackend {
   // beside the rows the prefetch finds cached (the rest are left out; one
   // call's rows never evict each other); the rows prefetched. Values,
   // optimizer state and steps never change; a dynamic shard's ids without
-  // a row are skipped, never counted toward admission. Ids in host memory,
-  // checked as a lookup's (INVALID_ARGUMENT, nothing brought in); lengths,
-  // weights and pooling are not read. Shards without a cache: nothing
-  // done (the default).
+  // a row bring in the zero slot their lookup reads, and are never counted
+  // toward admission. Ids in host memory, checked as a lookup's
+  // (INVALID_ARGUMENT, nothing brought in); lengths, weights and pooling
+  // are not read. Shards without a cache: nothing done (the default).
   virtual absl::StatusOr<int64_t> Prefetch(absl::Span<const FeatureRequest> features);
   // Whether Lookup takes a non-zero output_stride (rows written into a
   // wider matrix); false: outputs must be packed.

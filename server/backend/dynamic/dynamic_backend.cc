@@ -129,10 +129,11 @@ class DynamicShardsBackend : public ForwardingBackend {
     return inner()->Lookup(mapped);
   }
 
-  // A dynamic shard's ids with a row go on as its slots (under the shard's
-  // shared lock, so that no update moves them meanwhile); ids without one
-  // are skipped (nothing is counted toward admission). Shards kept whole in
-  // memory have no cache: nothing to do for them. Keys are any int64.
+  // A dynamic shard's ids go on as its slots (under the shard's shared
+  // lock, so that no update moves them meanwhile); ids without a row as the
+  // zero slot, which their lookup reads (nothing is counted toward their
+  // admission). Shards kept whole in memory have no cache: nothing to do
+  // for them. Keys are any int64.
   absl::StatusOr<int64_t> Prefetch(absl::Span<const FeatureRequest> features) override {
     Held held = Collect(features, /*exclusive=*/false);
     if (held.shards.empty()) return inner()->Prefetch(features);
@@ -153,7 +154,6 @@ class DynamicShardsBackend : public ForwardingBackend {
       const absl::Span<const int64_t> ids = features[i].ids;
       slots[i].resize(ids.size());
       s->index.FindAll(ids, s->spec.rows, slots[i].data());
-      slots[i].erase(std::remove(slots[i].begin(), slots[i].end(), s->spec.rows), slots[i].end());
       FeatureRequest f = features[i];
       f.ids = slots[i];
       f.lengths = {};

@@ -263,9 +263,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{Tier::kFusedUvm, OptimizerType::kAdam, Pooling::kSum, 3, 0, Eviction::kLru}),
     CaseName);
 
-// A prefetch of ids with rows brings them into the cache (the lookup after
-// it fills nothing); an id without a row is skipped and not counted toward
-// its admission.
+// A prefetch of ids with rows brings them into the cache, and an id without
+// one the zero slot its lookup reads (the lookup after it fills nothing);
+// the id is not counted toward its admission.
 TEST(DynamicTiersPrefetch, TheNextCallFindsItsRowsCached) {
   const Case c{Tier::kKeyValue, OptimizerType::kSgd, Pooling::kSum, 2, 0, Eviction::kLru};
   Pair p = Make(c);
@@ -285,10 +285,10 @@ TEST(DynamicTiersPrefetch, TheNextCallFindsItsRowsCached) {
   const std::vector<int64_t> ahead = {101, 102, 103, 999, 101};
   auto brought = p.tiered->Prefetch({FeatureRequest{p.tid, Pooling::kSum, {}, ahead, {}}});
   ASSERT_TRUE(brought.ok()) << brought.status();
-  EXPECT_EQ(*brought, 3);
+  EXPECT_EQ(*brought, 4);  // 101-103 and the zero slot
   EXPECT_EQ(p.tiered->GetDynamicStats(p.tid)->pending_ids, pending);
   const TierStats before = *p.tiered->GetTierStats(p.tid);
-  const std::vector<int64_t> lengths = {3}, ids = {101, 102, 103};
+  const std::vector<int64_t> lengths = {4}, ids = {101, 102, 999, 103};
   std::vector<float> out(kDim);
   ASSERT_TRUE(p.tiered
                   ->Lookup({LookupRequest{FeatureRequest{p.tid, Pooling::kSum, lengths, ids, {}},
@@ -296,7 +296,7 @@ TEST(DynamicTiersPrefetch, TheNextCallFindsItsRowsCached) {
                   .ok());
   const TierStats after = *p.tiered->GetTierStats(p.tid);
   EXPECT_EQ(after.fills, before.fills);
-  EXPECT_EQ(after.hits, before.hits + 3);
+  EXPECT_EQ(after.hits, before.hits + 4);
   // Ids in device memory are refused, as a lookup's.
   FeatureRequest f{p.tid, Pooling::kSum, {}, ahead, {}};
   f.on_device = true;
