@@ -205,6 +205,23 @@ void SortTogether(std::vector<int64_t>* keys, std::vector<int64_t>* values) {
   for (size_t j = 0; j < kv.size(); ++j) std::tie((*keys)[j], (*values)[j]) = kv[j];
 }
 
+// One shard's part of a call's mapping to slots: the slots the call pinned
+// already, the rows it misses.
+struct ShardWork {
+  Shard* shard;
+  ShardId id;
+  int64_t pinned = 0;
+  std::vector<int64_t> misses;
+};
+// Shard s's work in `works`, added if new (valid until the next addition).
+ShardWork& WorkOf(std::vector<ShardWork>* works, Shard* s, ShardId id) {
+  auto w = std::find_if(works->begin(), works->end(),
+                        [s](const ShardWork& x) { return x.shard == s; });
+  if (w != works->end()) return *w;
+  works->push_back(ShardWork{s, id});
+  return works->back();
+}
+
 // A call's requests with the ids of key_value shards copied (read once,
 // whatever memory they lie in) and then replaced by cache slots.
 template <typename Request>
@@ -399,37 +416,27 @@ class KeyValueBackend : public ForwardingBackend {
     }
     absl::MutexLock lock(&call_mu_);
     ++call_;
-    struct Work {
-      Shard* shard;
-      ShardId id;
-      int64_t pinned = 0;
-      std::vector<int64_t> misses;
-      absl::flat_hash_set<int64_t> missed;
-    };
-    std::vector<Work> works;
+    std::vector<ShardWork> works;
+    std::map<const Shard*, absl::flat_hash_set<int64_t>> missed;
     for (size_t i = 0; i < features.size(); ++i) {
       if (kv[i] == nullptr) continue;
       Shard& s = *kv[i];
-      auto w =
-          std::find_if(works.begin(), works.end(), [&](const Work& x) { return x.shard == &s; });
-      if (w == works.end()) {
-        works.push_back(Work{&s, features[i].shard});
-        w = works.end() - 1;
-      }
+      ShardWork& w = WorkOf(&works, &s, features[i].shard);
+      absl::flat_hash_set<int64_t>& seen = missed[&s];
       for (int64_t row : features[i].ids) {
         const int32_t slot = s.slot_of_row[row];
         if (slot >= 0) {
           if (s.pinned[slot] != call_) {
             s.pinned[slot] = call_;
             s.used[slot] = 1;
-            ++w->pinned;
+            ++w.pinned;
           }
-        } else if (w->missed.insert(row).second) {
-          w->misses.push_back(row);
+        } else if (seen.insert(row).second) {
+          w.misses.push_back(row);
         }
       }
     }
-    for (Work& w : works) {
+    for (ShardWork& w : works) {
       const int64_t room = std::max<int64_t>(0, w.shard->cache_rows() - w.pinned);
       if (static_cast<int64_t>(w.misses.size()) > room) w.misses.resize(static_cast<size_t>(room));
       if (absl::Status st = Fill(w.shard, w.id, w.pinned, w.misses); !st.ok()) return st;
@@ -1005,22 +1012,11 @@ class KeyValueBackend : public ForwardingBackend {
   template <typename Request>
   absl::Status MapToSlots(const std::vector<std::shared_ptr<Shard>>& kv, Mapped<Request>* m) {
     ++call_;
-    struct Work {
-      Shard* shard;
-      ShardId id;
-      int64_t pinned = 0;
-      std::vector<int64_t> misses;
-    };
-    std::vector<Work> works;
+    std::vector<ShardWork> works;
     for (size_t i = 0; i < kv.size(); ++i) {
       if (kv[i] == nullptr) continue;
       Shard& s = *kv[i];
-      auto w =
-          std::find_if(works.begin(), works.end(), [&](const Work& x) { return x.shard == &s; });
-      if (w == works.end()) {
-        works.push_back(Work{&s, m->requests[i].feature.shard});
-        w = works.end() - 1;
-      }
+      ShardWork* w = &WorkOf(&works, &s, m->requests[i].feature.shard);
       for (int64_t row : m->ids[i]) {
         int32_t& slot = s.slot_of_row[row];
         if (slot >= 0) {
