@@ -648,6 +648,20 @@ class _RemoteTables(torch.nn.Module):
                 _default_init(c, weight)
             self._client.import_table(self._collection, c.name, weight)
 
+    def fill_caches(self, kjt):
+        """Starts bringing kjt's rows (this module's features) into the caches
+        of its tables that keep one (key_value, fused_uvm_caching) in a
+        background thread, so that a later forward(kjt) and its update find
+        them there: TorchRec's prefetch pipeline (TrainPipeline(mode=
+        "prefetch") calls it a batch ahead). Nothing is read back and nothing
+        goes stale: the rows stay the workers' own. Returns a Future of the
+        rows brought in."""
+        if getattr(self, "_fill_executor", None) is None:
+            self._fill_executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ember-fill")
+        sel = _select_features(kjt, self._embedding_names, False)
+        return self._fill_executor.submit(self._client.prefetch, self._collection, sel)
+
     # Pickling: the client's address and options, not the connection.
     def __getstate__(self):
         return {"client": _ClientRef(self._client), "collection": self._collection,
@@ -779,18 +793,6 @@ class EmbeddingBagCollection(_RemoteTables):
             while len(self._prefetched) > 8:  # never consumed: forget the oldest
                 self._prefetched.pop(next(iter(self._prefetched)))
         return future
-
-    def fill_caches(self, kjt):
-        """Starts bringing kjt's rows into the caches of its tables that keep
-        one (key_value, fused_uvm_caching) in a background thread, so that a
-        later forward(kjt) and its update find them there: TorchRec's
-        prefetch pipeline (TrainPipeline(mode="prefetch") calls it a batch
-        ahead). Nothing is read back and nothing goes stale: the rows stay
-        the workers' own. Returns a Future of the rows brought in."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="ember-prefetch")
-        return self._executor.submit(self._client.prefetch, self._collection, self._select(kjt))
 
     def forward(self, kjt):
         """The pooled embeddings as a KeyedTensor: torchrec's
@@ -1020,7 +1022,8 @@ class TrainPipeline:
         for _ in range(steps):
             loss = pipeline.progress(batches)   # StopIteration when they run out
 
-    model(batch) must call ebc(sparse(batch)) and return the loss (or a tuple
+    `ebc`: an EmbeddingBagCollection (either mode) or an EmbeddingCollection
+    (mode "prefetch"). model(batch) must call ebc(sparse(batch)) and return the loss (or a tuple
     whose first element is the loss); sparse(batch) must return the batch's
     own KJT object each time (the prefetched lookup is matched by identity;
     another object is looked up afresh, correct but not overlapped); progress() runs backward (which sends
@@ -1032,6 +1035,10 @@ class TrainPipeline:
     def __init__(self, model, optimizer, ebc, sparse=None, mode="semi_sync"):
         if mode not in self.MODES:
             raise ValueError(f"TrainPipeline mode must be one of {self.MODES}, got {mode!r}")
+        if mode == "semi_sync" and not hasattr(ebc, "prefetch"):
+            raise TypeError(f"TrainPipeline mode 'semi_sync' looks up ahead through an "
+                            f"EmbeddingBagCollection; {type(ebc).__name__} has no prefetch(): "
+                            f"use mode='prefetch'")
         self._model = model
         self._optimizer = optimizer
         self._ebc = ebc

@@ -334,3 +334,25 @@ def test_prefetch_brings_a_batch_in_and_the_prefetch_pipeline_is_not_stale(tmp_p
         assert not np.array_equal(results["semi_sync"]["t"], results["plain"]["t"])
         with pytest.raises(ValueError):
             TrainPipeline(None, None, None, mode="async")
+
+        # An EmbeddingCollection (sequence features) fills its caches too, and
+        # takes the prefetch pipeline only (no lookup ahead).
+        pytest.importorskip("torchrec")
+        from ember.torch import EmbeddingCollection
+        seq = [{"name": "s", "num_embeddings": ROWS, "embedding_dim": DIM,
+                "feature_names": ["q"]}]
+        specs = _table_specs(seq, optimizer, pooling="NONE")
+        client.create_collection({"name": "kvseq", "tables": specs,
+                                  "constraints": {"s": {"compute_kernels": ["key_value"],
+                                                        "cache_load_factor": 0.05}}},
+                                 sharding_type="row_wise")
+        ec = EmbeddingCollection(seq, client, "kvseq", optimizer=optimizer, create=False)
+        q = ember.KeyedJaggedTensor.from_jagged({"q": [[4, 5, 4], [1004]], "f": [[1], [2]]})
+        assert ec.fill_caches(q).result() == 3  # its own feature only
+        hits = collection_metric(workers, "ember_worker_key_value_hits_total", "kvseq")
+        with torch.no_grad():
+            ec(q)
+        assert collection_metric(workers, "ember_worker_key_value_hits_total", "kvseq") == hits + 3
+        with pytest.raises(TypeError):
+            TrainPipeline(None, None, ec)
+        TrainPipeline(None, None, ec, mode="prefetch")
