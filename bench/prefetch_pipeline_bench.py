@@ -118,16 +118,11 @@ def run_mode(args, client, mode, batches, urls):
     tables = [{"name": f"t{t}", "num_embeddings": args.rows, "embedding_dim": args.dim,
                "feature_names": [f"f{t}"], "pooling": "SUM"} for t in range(args.tables)]
     optimizer = {"type": "SGD", "learning_rate": 0.05}
-    specs = ember.torch._table_specs(tables, optimizer)
-    for s in specs:
-        s["initializer"] = {"type": "UNIFORM", "low": -0.05, "high": 0.05, "seed": 1}
-    client.create_collection({
-        "name": name, "tables": specs,
-        "constraints": {t["name"]: {"compute_kernels": ["key_value"], "cache_load_factor": args.cache}
-                        for t in tables}}, sharding_type="row_wise")
+    constraints = {t["name"]: {"compute_kernels": ["key_value"], "cache_load_factor": args.cache}
+                   for t in tables}
+    ebc = ember.torch.EmbeddingBagCollection(tables, client, name, optimizer=optimizer,
+                                             sharding_type="row_wise", constraints=constraints)
     try:
-        ebc = ember.torch.EmbeddingBagCollection(tables, client, name, optimizer=optimizer,
-                                                 create=False)
         torch.manual_seed(0)
         width = args.tables * args.dim
         dense = torch.nn.Sequential(torch.nn.Linear(width, args.hidden), torch.nn.ReLU(),

@@ -9,8 +9,9 @@ features, Ember's EmbeddingBagCollection for the sparse ones (row-wise
 Adagrad, fused on the workers), a top MLP over both, BCE loss; the dense
 parameters train with torch's Adam in this process.
 
-    examples/train_dlrm.py [--steps 300] [--batch 256] [--workers 2] [--pipeline]
-        [--trainers N] [--hashed_ids] [--coordinator HOST:PORT]
+    examples/train_dlrm.py [--steps 300] [--batch 256] [--workers 2]
+        [--pipeline [semi_sync|prefetch]] [--trainers N] [--hashed_ids]
+        [--key_value_cache F] [--coordinator HOST:PORT]
 
 Without --coordinator it starts a local cluster (`emberctl up`) and stops it
 at the end. Prints a progress line every --log_every steps and the held-out
@@ -20,8 +21,14 @@ AUC before and after training; exits non-zero if the final AUC is below
 With --trainers N it runs N trainer processes, each with its slice of every
 global batch of --batch samples: the dense part under torch's
 DistributedDataParallel over gloo, the tables on one Ember collection that
-trains SYNC over the N ranks (BOUNDED(1) with --pipeline), so it reaches
+trains SYNC over the N ranks (BOUNDED(1) with --pipeline semi_sync), so it reaches
 the AUC of one trainer (docs/training.md).
+
+With --key_value_cache F the tables live on the key_value kernel: their rows
+in files on the workers' SSD, F of each shard's rows cached in memory
+(docs/key-value.md); --pipeline prefetch then brings each batch's rows in
+during the previous step's backward, and the run trains exactly as the
+tables held in memory would.
 
 With --hashed_ids every id is a 64-bit hash (any int64, negative included,
 as hashed user and item ids arrive) and the tables are dynamic: rows created
@@ -30,6 +37,7 @@ as ids first train and evicted LRU when full (docs/dynamic-tables.md).
 
 import argparse
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -52,8 +60,18 @@ def parse_args():
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--coordinator", default="")
     p.add_argument("--sharding_type", default="row_wise")
-    p.add_argument("--pipeline", action="store_true",
-                   help="overlap each batch's lookup with the previous step (one step stale)")
+    p.add_argument("--pipeline", nargs="?", const="semi_sync", default="",
+                   choices=["", "semi_sync", "prefetch"],
+                   help="ember.torch.TrainPipeline: semi_sync (the default when given: each "
+                        "batch's lookup overlaps the previous step, one step stale) or "
+                        "prefetch (its rows come into the tables' caches during the previous "
+                        "backward, never stale; for --key_value_cache)")
+    p.add_argument("--key_value_cache", type=float, default=0.0,
+                   help="> 0: the tables on the key_value kernel, rows on the workers' SSD "
+                        "under a cache of this fraction of each shard (docs/key-value.md)")
+    p.add_argument("--ssd_dir", default="",
+                   help="the local cluster's SSD directory for --key_value_cache (default: a "
+                        "temporary one)")
     p.add_argument("--log_every", type=int, default=50)
     p.add_argument("--min_auc", type=float, default=0.65)
     p.add_argument("--seed", type=int, default=0)
@@ -172,10 +190,16 @@ def train(address, args, rank=0, world=1, name=None, port=0):
     name = name or f"dlrm_example_{int(time.time())}"
     training = None
     if world > 1:
-        training = ({"mode": "BOUNDED", "trainers": world, "max_staleness": 1} if args.pipeline
+        training = ({"mode": "BOUNDED", "trainers": world, "max_staleness": 1}
+                    if args.pipeline == "semi_sync"
                     else {"mode": "SYNC", "trainers": world})
+    constraints = None
+    if args.key_value_cache > 0:  # rows on the workers' SSD, a cache of them in memory
+        constraints = {t["name"]: {"compute_kernels": ["key_value"],
+                                   "cache_load_factor": args.key_value_cache} for t in tables}
     kwargs = dict(sharding_type=args.sharding_type, training=training,
-                  optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": 0.1})
+                  optimizer={"type": "ROWWISE_ADAGRAD", "learning_rate": 0.1},
+                  constraints=constraints)
     if rank == 0:
         ebc = EmbeddingBagCollection(tables, client, name, **kwargs)
     if world > 1:
@@ -194,12 +218,15 @@ def train(address, args, rank=0, world=1, name=None, port=0):
         mode = f", {world} trainers ({training['mode']})" if world > 1 else ""
         say(f"train_dlrm: {len(FEATURES)} tables on {client.collection(name)['worker_addresses'].__len__()} "
             f"worker(s) ({args.sharding_type}), batch {args.batch}, {args.steps} steps"
-            f"{', pipelined' if args.pipeline else ''}{mode}", flush=True)
+            f"{f', pipelined ({args.pipeline})' if args.pipeline else ''}"
+            f"{f', key_value (cache {args.key_value_cache:g})' if constraints else ''}{mode}",
+            flush=True)
         if rank == 0:
             say(f"train_dlrm: held-out AUC before training {evaluate(model, held_out):.3f}",
                 flush=True)
         batches = (data.batch(args.batch, rank, world) for _ in range(args.steps))
-        pipeline = TrainPipeline(trained, optimizer, ebc, sparse=lambda b: b["kjt"])
+        pipeline = TrainPipeline(trained, optimizer, ebc, sparse=lambda b: b["kjt"],
+                                 mode=args.pipeline or "semi_sync")
         start, recent = time.monotonic(), []
         for step in range(1, args.steps + 1):
             if args.pipeline:
@@ -266,7 +293,11 @@ def main():
     if args.coordinator:
         final = run(args.coordinator, args)
     else:
-        with ember.LocalCluster(workers=args.workers) as cluster:
+        flags = []
+        if args.key_value_cache > 0:  # an SSD tier, and the cache its fraction alone
+            ssd = args.ssd_dir or tempfile.mkdtemp(prefix="ember-dlrm-ssd-")
+            flags = [f"--ssd_dir={ssd}", "--ssd_gib=1", "--key_value_min_cache_rows=1"]
+        with ember.LocalCluster(workers=args.workers, extra_flags=flags) as cluster:
             final = run(cluster.address, args)
     if final < args.min_auc:
         print(f"train_dlrm: AUC {final:.3f} is below --min_auc {args.min_auc}", file=sys.stderr)

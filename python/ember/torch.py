@@ -165,15 +165,19 @@ def _table_specs(tables, optimizer, pooling=None):
     return specs
 
 
-def _open_collection(client, collection, specs, create, sharding_type, training=None):
+def _open_collection(client, collection, specs, create, sharding_type, training=None,
+                     constraints=None):
     """The collection's info: created from `specs` (and `training`, its
-    TrainingSpec, when given), or (create=False) the existing one, refused
-    unless its tables are `specs` (_check_stored) and its training has the
-    values `training` gives."""
+    TrainingSpec, and `constraints`, the planner's per-table constraints,
+    when given), or (create=False) the existing one, refused unless its
+    tables are `specs` (_check_stored) and its training has the values
+    `training` gives."""
     if create:
         spec = {"name": collection, "tables": specs}
         if training is not None:
             spec["training"] = dict(training)
+        if constraints:
+            spec["constraints"] = {t: dict(c) for t, c in constraints.items()}
         return client.create_collection(spec, sharding_type=sharding_type)
     info = client.collection(collection)
     _check_stored(collection, specs, info["spec"]["tables"])
@@ -698,6 +702,10 @@ class EmbeddingBagCollection(_RemoteTables):
     training: the collection's TrainingSpec as a dict, e.g. {"mode": "SYNC",
       "trainers": 4} (docs/training.md); None: ASYNC (create=False: the
       stored one, checked against the values given).
+    constraints: the planner's constraints by table name, as the JSON spec's
+      (TorchRec's ParameterConstraints), e.g. {"t_user": {"compute_kernels":
+      ["key_value"], "cache_load_factor": 0.2}} for a table below memory
+      (docs/key-value.md); used when the collection is created.
     rank: this trainer's rank in a SYNC or BOUNDED collection (None:
       torch.distributed's when initialised, 0 with one trainer). The module
       counts the steps (train_step).
@@ -719,7 +727,7 @@ class EmbeddingBagCollection(_RemoteTables):
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
                  create=True, is_weighted=False, device=None, table_state="tensors",
-                 checkpoint_dir="", rank=None, training=None):
+                 checkpoint_dir="", rank=None, training=None, constraints=None):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         names = [c.name for c in configs]
@@ -729,7 +737,7 @@ class EmbeddingBagCollection(_RemoteTables):
             if not c.feature_names:
                 c.feature_names = [c.name]
         info = _open_collection(client, collection, _table_specs(tables, optimizer), create,
-                                sharding_type, training)
+                                sharding_type, training, constraints)
         self._setup(client, collection, configs, bool(is_weighted), device, info)
         self._set_table_state(table_state, checkpoint_dir, sharding_type)
         self._set_rank(rank)
@@ -910,8 +918,8 @@ class EmbeddingCollection(_RemoteTables):
     workers, whose optimizer runs there, exactly once.
 
     tables: torchrec.EmbeddingConfig objects or dicts of the same fields.
-    optimizer, create, device, table_state, checkpoint_dir, training, rank:
-    as EmbeddingBagCollection's. need_indices:
+    optimizer, create, device, table_state, checkpoint_dir, training, rank,
+    constraints: as EmbeddingBagCollection's. need_indices:
     as TorchRec's (each JaggedTensor's weights are its ids).
     As TorchRec's module, every table must have the same embedding_dim, a
     missing feature raises KeyError, and other features are ignored. Needs
@@ -919,7 +927,7 @@ class EmbeddingCollection(_RemoteTables):
 
     def __init__(self, tables, client, collection, optimizer=None, sharding_type=None,
                  create=True, need_indices=False, device=None, table_state="tensors",
-                 checkpoint_dir="", rank=None, training=None):
+                 checkpoint_dir="", rank=None, training=None, constraints=None):
         super().__init__()
         configs = [_config_of(t) for t in tables]
         dims = {int(c.embedding_dim) for c in configs}
@@ -931,7 +939,7 @@ class EmbeddingCollection(_RemoteTables):
                 c.feature_names = [c.name]
         info = _open_collection(client, collection,
                                 _table_specs(tables, optimizer, pooling="NONE"), create,
-                                sharding_type, training)
+                                sharding_type, training, constraints)
         self._setup(client, collection, configs, bool(need_indices), device, info)
         self._set_table_state(table_state, checkpoint_dir, sharding_type)
         self._set_rank(rank)
