@@ -15,6 +15,7 @@
 #define EMBER_MATH_EMBEDDING_MATH_H_
 
 #include <cstdint>
+#include <string_view>
 
 #include "math/half.h"
 #include "math/noise_hash.h"
@@ -117,6 +118,13 @@ constexpr int64_t StateFloatsPerRow(StepOptimizer optimizer, int64_t dim) {
 // its cache, and a training batch of 2,048 bags x 20 ids names up to 40,960.
 // The worker sizes the cache by it and the planner prices it so.
 constexpr int64_t kKeyValueMinCacheRows = 65536;
+
+// Whether a compute kernel (TorchRec's name) keeps a cache of its rows over
+// a lower tier: "key_value" (rows on SSD) and "fused_uvm_caching" (rows in
+// host memory). Their shards get cache_rows, tier counters and prefetches.
+inline bool KernelCachesRows(std::string_view kernel) {
+  return kernel == "key_value" || kernel == "fused_uvm_caching";
+}
 
 // A key_value shard's file (server/backend/key_value/row_file.h): each
 // record a row's fp32 weights and state, padded to the drives' 512-byte

@@ -1,10 +1,12 @@
 #include "planner/plan_view.h"
 
+#include "math/embedding_math.h"
+
 namespace ember {
 namespace planner {
 
 bool CachesRows(const ember::v1::TableSharding& ts) {
-  return ts.compute_kernel() == "key_value" || ts.compute_kernel() == "fused_uvm_caching";
+  return backend::math::KernelCachesRows(ts.compute_kernel());
 }
 
 bool IsReplicated(const ember::v1::TableSharding& ts) { return ts.shards_size() == 0; }

@@ -43,7 +43,7 @@ struct PlacedBlock {
 bool IsReplicated(const ember::v1::TableSharding& ts);
 
 // Whether the table's kernel keeps a cache of its rows over a lower tier
-// ("key_value", "fused_uvm_caching"): what a prefetch fills.
+// (math::KernelCachesRows): what a prefetch fills.
 bool CachesRows(const ember::v1::TableSharding& ts);
 
 // The table's blocks: a replica on each of ts.ranks() (in that order,

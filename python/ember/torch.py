@@ -477,6 +477,7 @@ class _RemoteTables(torch.nn.Module):
         self._step = 0
         self._run = uuid.uuid4().hex[:12]
         self._saving = None
+        self._executor = None  # the background thread of prefetch() and fill_caches()
         self._dist_group = None  # set by ember.torchrec.EmberSharder: restores on rank 0
         self._set_table_state("tensors", "", None)
         # _set_rank (the constructors, unpickling) sets these for real.
@@ -660,11 +661,16 @@ class _RemoteTables(torch.nn.Module):
         "prefetch") calls it a batch ahead). Nothing is read back and nothing
         goes stale: the rows stay the workers' own. Returns a Future of the
         rows brought in."""
-        if getattr(self, "_fill_executor", None) is None:
-            self._fill_executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="ember-fill")
         sel = _select_features(kjt, self._embedding_names, False)
-        return self._fill_executor.submit(self._client.prefetch, self._collection, sel)
+        return self._background(self._client.prefetch, self._collection, sel)
+
+    def _background(self, fn, *args):
+        """fn(*args) on the module's background thread (made on first use);
+        its Future. One thread: calls run in the order they were given."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="ember-prefetch")
+        return self._executor.submit(fn, *args)
 
     # Pickling: the client's address and options, not the connection.
     def __getstate__(self):
@@ -755,7 +761,6 @@ class EmbeddingBagCollection(_RemoteTables):
                       for f in t["feature_names"]}
         self._prefetched = {}  # id(kjt) -> (kjt, Future of the lookup)
         self._prefetch_lock = threading.Lock()
-        self._executor = None
 
     # TorchRec's interface.
     @property
@@ -782,9 +787,6 @@ class EmbeddingBagCollection(_RemoteTables):
         lookup reads the tables as they are now, so it misses the updates of
         steps that finish before that forward (TrainPipeline's one step of
         staleness)."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="ember-prefetch")
         sel = self._select(kjt)
         on_device = self._on_device(sel)
         # The step of the training forward that will take it: the next one
@@ -793,9 +795,9 @@ class EmbeddingBagCollection(_RemoteTables):
             step = self._next_step + len(self._prefetched) if self._stepped else None
         if on_device:  # over the link straight from its tensors' memory
             _ready(_device_of(sel))  # the caller's stream made its tensors
-            future = self._executor.submit(self._lookup_on_device, sel, step)
+            future = self._background(self._lookup_on_device, sel, step)
         else:
-            future = self._executor.submit(self._client.lookup, self._collection, sel, step)
+            future = self._background(self._client.lookup, self._collection, sel, step)
         with self._prefetch_lock:
             self._prefetched[id(kjt)] = (kjt, future, on_device, sel, step)
             while len(self._prefetched) > 8:  # never consumed: forget the oldest

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "math/embedding_math.h"
+
 namespace ember {
 
 using ember::v1::InitializerSpec;
@@ -144,7 +146,7 @@ int64_t CacheRowsFor(int64_t rows, double load_factor, int64_t min_cache_rows) {
 }
 
 bool CachesRows(const ember::v1::ShardAssignment& a) {
-  return a.compute_kernel() == "key_value" || a.compute_kernel() == "fused_uvm_caching";
+  return backend::math::KernelCachesRows(a.compute_kernel());
 }
 
 backend::ShardSpec ShardSpecOf(const ember::v1::ShardAssignment& a, int64_t min_cache_rows) {

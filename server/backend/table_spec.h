@@ -24,7 +24,7 @@ backend::ShardSpec ShardSpecOf(
     const ember::v1::ShardAssignment& a,
     int64_t min_cache_rows = backend::math::kKeyValueMinCacheRows);
 // Whether an assigned shard's kernel caches its rows over a lower tier
-// (key_value, fused_uvm_caching: the key_value wrapper, with TierStats).
+// (math::KernelCachesRows: the key_value wrapper, with TierStats).
 bool CachesRows(const ember::v1::ShardAssignment& a);
 // ceil(rows * load_factor), at least min_cache_rows and at most rows
 // (load_factor <= 0: 0.2, the planner's default).

@@ -191,10 +191,12 @@ TEST_P(DynamicTiersTest, EqualsTheDynamicShardHeldWholeInMemoryBitForBit) {
     std::vector<float> want(out_rows * kDim, -1.0f), got(want.size(), -2.0f);
     if (step % 2 == 0) {  // the tiered shard alone: no value or count may change
       std::vector<int64_t> ahead = ids;
-      ahead.push_back(static_cast<int64_t>(rng()));  // no row: nothing, not counted
+      ahead.push_back(static_cast<int64_t>(rng()));  // no row: the zero slot, not counted
       auto brought = p.tiered->Prefetch({FeatureRequest{p.tid, c.pooling, {}, ahead, {}}});
       ASSERT_TRUE(brought.ok()) << brought.status();
-      if (c.tier == Tier::kFusedUvm) EXPECT_EQ(*brought, 0);  // no cache
+      if (c.tier == Tier::kFusedUvm) {
+        EXPECT_EQ(*brought, 0);  // no cache
+      }
     }
     ASSERT_TRUE(p.ref->Lookup({LookupRequest{FeatureRequest{p.rid, c.pooling, lengths, ids, weights},
                                              absl::MakeSpan(want)}})

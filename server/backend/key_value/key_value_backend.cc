@@ -357,9 +357,9 @@ class KeyValueBackend : public ForwardingBackend {
     Mapped<LookupRequest> m;
     if (absl::Status s = CopyIds(requests, kv, &m); !s.ok()) return s;
     std::map<ShardId, ShardSpec> others;
-    if (absl::Status s = ValidateRequests(absl::Span<const LookupRequest>(m.requests),
-                                          SpecFinder(kv, m.requests, &others), Checks::kAll,
-                                          inner()->WritesStridedOutputs());
+    const absl::Span<const LookupRequest> copied(m.requests);
+    if (absl::Status s = ValidateRequests(copied, SpecFinder(kv, copied, &others),
+                                          Checks::kAll, inner()->WritesStridedOutputs());
         !s.ok()) {
       return s;
     }
@@ -391,20 +391,7 @@ class KeyValueBackend : public ForwardingBackend {
         return st;
       }
     }
-    if (absl::Status st = ValidatePrefetch(
-            features,
-            [&](ShardId id) -> const ShardSpec* {
-              for (size_t i = 0; i < features.size(); ++i) {
-                if (kv[i] != nullptr && features[i].shard == id) return &kv[i]->spec;
-              }
-              auto it = other_specs.find(id);
-              if (it == other_specs.end()) {
-                auto spec = inner()->GetShardSpec(id);
-                if (!spec.ok()) return nullptr;
-                it = other_specs.emplace(id, *std::move(spec)).first;
-              }
-              return &it->second;
-            });
+    if (absl::Status st = ValidatePrefetch(features, SpecFinder(kv, features, &other_specs));
         !st.ok()) {
       return st;
     }
@@ -453,8 +440,8 @@ class KeyValueBackend : public ForwardingBackend {
     Mapped<GradientRequest> m;
     if (absl::Status s = CopyIds(requests, kv, &m); !s.ok()) return s;
     std::map<ShardId, ShardSpec> others;
-    if (absl::Status s = ValidateRequests(absl::Span<const GradientRequest>(m.requests),
-                                          SpecFinder(kv, m.requests, &others));
+    const absl::Span<const GradientRequest> copied(m.requests);
+    if (absl::Status s = ValidateRequests(copied, SpecFinder(kv, copied, &others));
         !s.ok()) {
       return s;
     }
@@ -991,11 +978,11 @@ class KeyValueBackend : public ForwardingBackend {
   // its rows), the wrapped backend's for the others.
   template <typename Request>
   std::function<const ShardSpec*(ShardId)> SpecFinder(const std::vector<std::shared_ptr<Shard>>& kv,
-                                                      const std::vector<Request>& requests,
+                                                      absl::Span<const Request> requests,
                                                       std::map<ShardId, ShardSpec>* others) const {
-    return [this, &kv, &requests, others](ShardId id) -> const ShardSpec* {
+    return [this, &kv, requests, others](ShardId id) -> const ShardSpec* {
       for (size_t i = 0; i < requests.size(); ++i) {
-        if (kv[i] != nullptr && requests[i].feature.shard == id) return &kv[i]->spec;
+        if (kv[i] != nullptr && ShardOf(requests[i]) == id) return &kv[i]->spec;
       }
       auto it = others->find(id);
       if (it == others->end()) {

@@ -160,6 +160,17 @@ void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b,
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
 }
 
+// Every row and its optimizer state of key_value shard `kid` against the
+// same shard held whole in memory (`fid` of `fused`), bit for bit, each
+// read once.
+void ExpectSameShard(const EmbeddingBackend& kv, ShardId kid, const EmbeddingBackend& fused,
+                     ShardId fid, const ShardSpec& spec) {
+  const AllRows got = Export(kv, kid, spec);
+  const AllRows want = Export(fused, fid, Fused(spec));
+  ExpectSameBits(got.w, want.w, "weights");
+  ExpectSameBits(got.st, want.st, "state");
+}
+
 struct ParityCase {
   OptimizerType opt;
   Pooling pooling;
@@ -336,8 +347,7 @@ TEST(KeyValueBackendTest, RowsSurviveManyTurnsOfTheLog) {
   const TierStats t = *kv->GetTierStats(*kid);
   EXPECT_GT(t.write_backs, 96 * 10);  // the cursor went round at least ten times
   EXPECT_GT(t.disk_reads, 96 * 10);
-  ExpectSameBits(Export(*kv, *kid, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
-  ExpectSameBits(Export(*kv, *kid, spec).st, Export(*fused, *fid, Fused(spec)).st, "state");
+  ExpectSameShard(*kv, *kid, *fused, *fid, spec);
 }
 
 // A cache of 2 rows; the CLOCK worked by hand.
@@ -483,8 +493,7 @@ TEST(KeyValueBackendTest, PrefetchBringsTheNextCallsRowsIn) {
     both_update(b);
     same_lookup(Ids({(step * 5) % 20, (step * 11 + 2) % 20}), absl::StrCat("step ", step));
   }
-  ExpectSameBits(Export(*kv, *id, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
-  ExpectSameBits(Export(*kv, *id, spec).st, Export(*fused, *fid, Fused(spec)).st, "state");
+  ExpectSameShard(*kv, *id, *fused, *fid, spec);
 }
 
 // A shard held whole in memory beside a key_value one: the wrapped backend
@@ -662,8 +671,7 @@ TEST(KeyValueBackendTest, AFullDiskRefusesTheCallAndLosesNothing) {
   // Room again: the same call goes through and nothing was lost.
   ExpectSameBits(LookupOf(*kv, *kid, Pooling::kSum, Ids({1, 2}), 8),
                  LookupOf(*fused, *fid, Pooling::kSum, Ids({1, 2}), 8), "after the disk freed");
-  ExpectSameBits(Export(*kv, *kid, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
-  ExpectSameBits(Export(*kv, *kid, spec).st, Export(*fused, *fid, Fused(spec)).st, "state");
+  ExpectSameShard(*kv, *kid, *fused, *fid, spec);
   EXPECT_EQ(kv->GetTierStats(*kid)->write_backs, 2);
 }
 
@@ -723,8 +731,7 @@ TEST(KeyValueBackendTest, ExportsLargerThanOneReadComeBackInOrder) {
   const Batch b = Ids({3, 4999, 8000, 9950});
   ASSERT_TRUE(Update(*fused, *fid, Pooling::kSum, b, kDim, g1).ok());
   ASSERT_TRUE(Update(*kv, *kid, Pooling::kSum, b, kDim, g2).ok());
-  ExpectSameBits(Export(*kv, *kid, spec).w, Export(*fused, *fid, Fused(spec)).w, "weights");
-  ExpectSameBits(Export(*kv, *kid, spec).st, Export(*fused, *fid, Fused(spec)).st, "state");
+  ExpectSameShard(*kv, *kid, *fused, *fid, spec);
   std::vector<int64_t> rows(kRows);
   for (int64_t r = 0; r < kRows; ++r) rows[r] = r;
   std::shuffle(rows.begin(), rows.end(), std::mt19937_64(6));
